@@ -1,0 +1,205 @@
+/*
+ * k3.h -- the one public header of k3, an inference engine for Kimi K3 / K3.1.
+ *
+ * The boundary: programs (cli/, later the server) see a loaded model
+ * (k3_model, read-only, shared), a tokenizer (k3_tokenizer, read-only), and a
+ * context (k3_ctx) that owns every mutable thing of a set of sequences: KDA
+ * recurrent and conv state, the paged MLA latent cache and the DSA indexer key
+ * cache, and the scratch memory of a forward pass. Nothing here exposes a
+ * tensor layout.
+ *
+ * Errors: every fallible call returns k3_status and, when given a k3_error,
+ * writes one sentence naming the problem. The library never prints, never
+ * exits and never reads the environment.
+ *
+ * Ownership: pointers returned by *_open/*_init are freed by the matching
+ * *_close/*_free. Buffers marked "caller frees" are released with free().
+ */
+#ifndef K3_H
+#define K3_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdbool.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- status and errors ------------------------------------------------ */
+
+typedef enum k3_status {
+    K3_OK = 0,
+    K3_ERR_NOMEM,       /* an allocation failed */
+    K3_ERR_IO,          /* a file is missing or unreadable */
+    K3_ERR_FORMAT,      /* a file is malformed (JSON, safetensors, tokenizer) */
+    K3_ERR_SHAPE,       /* a tensor has the wrong dtype or shape */
+    K3_ERR_UNSUPPORTED, /* valid input that k3 does not implement */
+    K3_ERR_ARG,         /* a bad argument: id out of range, bad UTF-8, ... */
+    K3_ERR_RANGE,       /* out of capacity: context full, too many sequences */
+} k3_status;
+
+typedef struct k3_error {
+    k3_status status;
+    char msg[512];
+} k3_error;
+
+/* A static string naming the status ("format error", ...). */
+const char *k3_status_str(k3_status s);
+
+/* ---- threads ---------------------------------------------------------- */
+
+typedef struct k3_pool k3_pool;
+
+/* A persistent pool of n_threads workers (the caller counts as one). */
+k3_status k3_pool_init(k3_pool **out, int n_threads, k3_error *err);
+void k3_pool_free(k3_pool *pool);
+int k3_pool_size(const k3_pool *pool);
+
+/* ---- model ------------------------------------------------------------ */
+
+typedef struct k3_model k3_model;
+
+typedef struct k3_model_info {
+    const char *model_type;   /* "kimi_k3" or "kimi_linear"; borrowed */
+    int64_t vocab_size;
+    int64_t hidden_size;
+    int32_t n_layers;
+    int32_t n_kda, n_mla, n_dsa; /* layer counts by attention kind */
+    int64_t max_positions;
+    int64_t n_params;         /* all parameters of the text model */
+    int64_t n_params_active;  /* parameters used per token (top-k experts) */
+    int64_t weight_bytes;     /* bytes of all text weights as stored */
+    int64_t bytes_per_token;  /* weight bytes read to decode one token */
+    int64_t cache_bytes_per_token; /* MLA latent + indexer keys, all layers */
+    int64_t state_bytes_per_seq;   /* KDA recurrent + conv state */
+} k3_model_info;
+
+/* Opens a checkpoint directory (config.json + safetensors). Weights are
+ * memory-mapped; every tensor is checked against the config here. */
+k3_status k3_model_open(k3_model **out, const char *dir, k3_error *err);
+void k3_model_close(k3_model *m);
+void k3_model_get_info(const k3_model *m, k3_model_info *info);
+
+/* Writes a human-readable description (config, layer map, parameter and
+ * cache sizes) into buf. Returns the length it wanted (snprintf rules). */
+size_t k3_model_describe(const k3_model *m, char *buf, size_t size);
+
+/* ---- tokenizer -------------------------------------------------------- */
+
+typedef struct k3_tokenizer k3_tokenizer;
+
+typedef enum k3_pattern {
+    K3_PATTERN_KIMI = 0,  /* Kimi's split regex (o200k + a leading Han rule) */
+    K3_PATTERN_O200K,
+    K3_PATTERN_CL100K,
+} k3_pattern;
+
+/* Opens DIR/tiktoken.model with the Kimi pattern and the specials of
+ * DIR/tokenizer_config.json (added_tokens_decoder). */
+k3_status k3_tokenizer_open(k3_tokenizer **out, const char *dir, k3_error *err);
+/* Opens a bare .tiktoken rank file with a named pattern and no specials. */
+k3_status k3_tokenizer_open_file(k3_tokenizer **out, const char *path,
+                                 k3_pattern pattern, k3_error *err);
+void k3_tokenizer_free(k3_tokenizer *t);
+
+/* Number of ids (ranks + specials). */
+int32_t k3_tokenizer_n_vocab(const k3_tokenizer *t);
+/* Id of a special token by name ("<|end_of_msg|>"), or -1. */
+int32_t k3_tokenizer_special(const k3_tokenizer *t, const char *name);
+/* True for special (added) ids. */
+bool k3_tokenizer_is_special(const k3_tokenizer *t, int32_t id);
+
+/* Encodes UTF-8 text as ordinary text (specials are not parsed). Rejects
+ * invalid UTF-8 with K3_ERR_ARG. *ids is caller-freed. */
+k3_status k3_tokenizer_encode(const k3_tokenizer *t, const char *text, size_t len,
+                              int32_t **ids, size_t *n_ids, k3_error *err);
+/* Decodes ids to bytes (specials as their names). *out is caller-freed and
+ * NUL-terminated; *len excludes the NUL. Rejects ids out of range. */
+k3_status k3_tokenizer_decode(const k3_tokenizer *t, const int32_t *ids, size_t n_ids,
+                              char **out, size_t *len, k3_error *err);
+/* Bytes of one id (borrowed), or NULL when out of range. */
+const char *k3_tokenizer_token(const k3_tokenizer *t, int32_t id, size_t *len);
+
+typedef struct k3_chat_msg {
+    const char *role;      /* "system", "user", "assistant" */
+    const char *content;
+    const char *reasoning; /* assistant thinking, may be NULL */
+} k3_chat_msg;
+
+/* Encodes a conversation in the K3 chat format (k3-model.md section 5).
+ * With add_generation_prompt the assistant turn is opened: with thinking on,
+ * up to <|open|>think<|sep|>; off, up to <|open|>response<|sep|>.
+ * *ids is caller-freed. */
+k3_status k3_chat_encode(const k3_tokenizer *t, const k3_chat_msg *msgs, size_t n_msgs,
+                         bool add_generation_prompt, bool thinking,
+                         int32_t **ids, size_t *n_ids, k3_error *err);
+
+/* ---- context: sequences, caches and the forward pass ------------------ */
+
+typedef struct k3_ctx k3_ctx;
+
+typedef struct k3_ctx_options {
+    int32_t max_seqs;      /* sequences that may hold state at once */
+    int64_t max_tokens;    /* cache capacity in tokens over all sequences */
+    int32_t block_size;    /* tokens per cache block (0 = default 64) */
+    int32_t max_batch;     /* tokens per forward pass (0 = default 512) */
+    k3_pool *pool;         /* borrowed; NULL = single-threaded */
+} k3_ctx_options;
+
+k3_status k3_ctx_init(k3_ctx **out, const k3_model *m, const k3_ctx_options *opt,
+                      k3_error *err);
+void k3_ctx_free(k3_ctx *ctx);
+
+/* Forgets sequence seq: its state is zeroed and its cache blocks freed. */
+void k3_ctx_seq_reset(k3_ctx *ctx, int32_t seq);
+/* Number of tokens sequence seq has consumed. */
+int64_t k3_ctx_seq_pos(const k3_ctx *ctx, int32_t seq);
+
+/* One batch entry: n_tokens new tokens appended to sequence seq. */
+typedef struct k3_batch_seq {
+    int32_t seq;
+    int32_t n_tokens;
+    const int32_t *tokens;
+} k3_batch_seq;
+
+typedef enum k3_logits_mode {
+    K3_LOGITS_LAST = 0,  /* logits[i] = last token of entry i: [n_seqs, vocab] */
+    K3_LOGITS_ALL,       /* every token, in batch order: [sum n_tokens, vocab] */
+    K3_LOGITS_NONE,
+} k3_logits_mode;
+
+/* Runs the model over a batch of sequences, each at its own position.
+ * Entries may be of any length (prefill) or 1 (decode); a long entry is
+ * processed in chunks of max_batch tokens. A sequence appears at most once.
+ * logits (float32, row-major) may be NULL with K3_LOGITS_NONE. On error no
+ * sequence state is changed. */
+k3_status k3_ctx_forward(k3_ctx *ctx, const k3_batch_seq *batch, int32_t n_seqs,
+                         k3_logits_mode mode, float *logits, k3_error *err);
+
+/* ---- sampling --------------------------------------------------------- */
+
+typedef struct k3_sampler_options {
+    float temperature;    /* 0 = greedy */
+    int32_t top_k;        /* 0 = off */
+    float top_p;          /* 1 = off */
+    float min_p;          /* 0 = off */
+    float repeat_penalty; /* 1 = off; applied to ids in the history window */
+    int32_t repeat_last_n;/* history window for the penalty (0 = all) */
+    uint64_t seed;
+} k3_sampler_options;
+
+typedef struct k3_sampler k3_sampler;
+
+k3_status k3_sampler_init(k3_sampler **out, const k3_sampler_options *opt,
+                          int32_t n_vocab, k3_error *err);
+void k3_sampler_free(k3_sampler *s);
+/* Records an id in the history used by the repetition penalty. */
+void k3_sampler_accept(k3_sampler *s, int32_t id);
+/* Picks an id from logits [n_vocab] (logits may be modified). */
+int32_t k3_sampler_sample(k3_sampler *s, float *logits);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* K3_H */

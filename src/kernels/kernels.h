@@ -1,0 +1,73 @@
+/*
+ * kernels.h -- the numeric kernels the forward pass is built from.
+ *
+ * Weights are k3_mat views into the mapped checkpoint in their stored format;
+ * activations are fp32. Every kernel has a scalar reference (suffix _ref,
+ * src/kernels/ref.c) that tests hold the fast paths to; k3_kernels_init picks
+ * the fastest path the CPU supports once, at start-up.
+ *
+ * Shapes are row-major: x [n, cols], W [rows, cols], y [n, rows], y = x Wᵀ.
+ */
+#ifndef K3_KERNELS_KERNELS_H
+#define K3_KERNELS_KERNELS_H
+
+#include "k3.h"
+
+typedef enum k3_wtype {
+    K3_W_F32 = 0,
+    K3_W_F16,
+    K3_W_BF16,
+    K3_W_MXFP4,    /* compressed-tensors: packed [rows, cols/2] (low nibble = even
+                      column) + E8M0 scales [rows, cols/32] */
+    K3_W_COUNT
+} k3_wtype;
+
+/* A weight matrix in its stored format; borrowed (points into the mapping or
+ * into memory the model owns). A row range of a matrix is a view with data
+ * (and scale) advanced by whole rows. */
+typedef struct k3_mat {
+    k3_wtype type;
+    int64_t rows, cols;    /* logical shape, y = W x */
+    const void *data;
+    const uint8_t *scale;  /* MXFP4 only */
+} k3_mat;
+
+/* Bytes one row occupies (data + scales). */
+size_t k3_mat_row_bytes(const k3_mat *w);
+/* View of rows [r0, r0+n). */
+k3_mat k3_mat_rows(const k3_mat *w, int64_t r0, int64_t n);
+/* Dequantizes row r into out[cols]. */
+void k3_mat_get_row(const k3_mat *w, int64_t r, float *out);
+
+/* ---- scalar conversions ---- */
+float k3_bf16_to_f32(uint16_t h);
+uint16_t k3_f32_to_bf16(float f);   /* round to nearest even */
+float k3_f16_to_f32(uint16_t h);
+/* E2M1 code (4 bits) -> value; E8M0 byte -> 2^(e-127) (255 -> NaN). */
+float k3_e2m1_to_f32(uint8_t code);
+float k3_e8m0_to_f32(uint8_t e);
+
+/* ---- matrix products ---- */
+
+/* y[n, rows] = x[n, cols] · Wᵀ, threaded over rows (and n). */
+void k3_matmul(k3_pool *pool, const k3_mat *w, const float *x, int64_t n, float *y);
+/* The scalar reference: same contract, one thread, no SIMD. */
+void k3_matmul_ref(const k3_mat *w, const float *x, int64_t n, float *y);
+
+/* ---- vector helpers (fp32) ---- */
+float k3_dot(const float *a, const float *b, int64_t n);
+float k3_dot_ref(const float *a, const float *b, int64_t n);
+/* y += a * x */
+void k3_axpy(float *y, float a, const float *x, int64_t n);
+void k3_axpy_ref(float *y, float a, const float *x, int64_t n);
+
+/* Which path k3_matmul and friends use: "ref", "avx2", ... */
+typedef enum k3_isa { K3_ISA_REF = 0, K3_ISA_AVX2, K3_ISA_AVX512 } k3_isa;
+/* Detects the CPU once; safe to call many times. */
+void k3_kernels_init(void);
+k3_isa k3_kernels_isa(void);
+const char *k3_isa_name(k3_isa isa);
+/* Forces a path (tests); a path the CPU lacks falls back to the best one it has. */
+void k3_kernels_force(k3_isa isa);
+
+#endif /* K3_KERNELS_KERNELS_H */

@@ -1,0 +1,43 @@
+/*
+ * test.h -- the test harness: K3_TEST(name) { ... } registers a test at
+ * start-up (a constructor), so a test file needs no entry in a shared table.
+ * CHECK records file:line and keeps going; REQUIRE returns from the test.
+ * The runner (runner.c) prints `ok name` / `FAIL name (file:line: expr)` and
+ * ends with the plain line `N passed, N failed`.
+ */
+#ifndef K3_TESTS_TEST_H
+#define K3_TESTS_TEST_H
+
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+
+typedef void (*k3_test_fn)(void);
+void k3_test_register(const char *name, k3_test_fn fn, const char *file);
+void k3_test_fail(const char *file, int line, const char *fmt, ...);
+int k3_test_failed(void);
+
+#define K3_TEST(name)                                                         \
+    static void test_##name(void);                                            \
+    __attribute__((constructor)) static void register_##name(void) {          \
+        k3_test_register(#name, test_##name, __FILE__);                       \
+    }                                                                         \
+    static void test_##name(void)
+
+#define CHECK(x)                                                              \
+    do { if (!(x)) k3_test_fail(__FILE__, __LINE__, "%s", #x); } while (0)
+#define CHECKF(x, ...)                                                        \
+    do { if (!(x)) k3_test_fail(__FILE__, __LINE__, __VA_ARGS__); } while (0)
+#define REQUIRE(x)                                                            \
+    do { if (!(x)) { k3_test_fail(__FILE__, __LINE__, "%s", #x); return; } } while (0)
+#define REQUIREF(x, ...)                                                      \
+    do { if (!(x)) { k3_test_fail(__FILE__, __LINE__, __VA_ARGS__); return; } } while (0)
+
+/* Relative L2 distance ||a-b|| / max(||b||, tiny). */
+double k3_test_rel_l2(const float *a, const float *b, int64_t n);
+double k3_test_max_abs(const float *a, const float *b, int64_t n);
+/* Path of a test data file: K3_TEST_DATA-free, relative to the repo root
+ * (the runner chdirs there). */
+const char *k3_test_path(const char *rel);
+
+#endif /* K3_TESTS_TEST_H */
