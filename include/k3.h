@@ -12,8 +12,8 @@
  * writes one sentence naming the problem. The library never prints, never
  * exits and never reads the environment.
  *
- * Ownership: pointers returned by *_open/*_init are freed by the matching
- * *_close/*_free. Buffers marked "caller frees" are released with free().
+ * Ownership: pointers returned by an _open or _init call are freed by the
+ * matching _close or _free. Buffers marked "caller frees" are released with free().
  */
 #ifndef K3_H
 #define K3_H

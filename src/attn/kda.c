@@ -1,0 +1,193 @@
+/*
+ * kda.c -- Kimi Delta Attention kernels (see kda.h).
+ *
+ * The chunked form follows k3-model.md §3.3: inside a chunk, G_t is the
+ * running sum of the log-decays, and every decay factor between two tokens is
+ * evaluated as exp(G_t - G_j) with j <= t, never as exp(G_t) * exp(-G_j):
+ * with g >= -5 per step, G reaches -320 in a 64-token chunk and exp(+320)
+ * overflows fp32.
+ */
+#include "kda.h"
+
+#include <math.h>
+#include <string.h>
+
+/* ---- recurrent form --------------------------------------------------- */
+
+void k3_kda_recurrent(const k3_kda_head *h, float *S) {
+    const int dk = h->dk, dv = h->dv;
+    float u[512];
+    for (int t = 0; t < h->n; t++) {
+        const float *q = h->q + t * h->ld_qk;
+        const float *k = h->k + t * h->ld_qk;
+        const float *g = h->g + t * h->ld_qk;
+        const float *v = h->v + t * h->ld_v;
+        const float beta = h->beta[t * h->ld_beta];
+        float *o = h->o + t * h->ld_o;
+        /* S <- diag(exp g) S; then u = beta (v - Sᵀk) */
+        for (int j = 0; j < dv; j++) u[j] = 0.0f;
+        for (int a = 0; a < dk; a++) {
+            const float e = expf(g[a]);
+            float *row = S + (int64_t)a * dv;
+            const float ka = k[a];
+            for (int j = 0; j < dv; j++) {
+                row[j] *= e;
+                u[j] += row[j] * ka;
+            }
+        }
+        for (int j = 0; j < dv; j++) u[j] = beta * (v[j] - u[j]);
+        /* S <- S + k uᵀ; o = Sᵀ q */
+        for (int j = 0; j < dv; j++) o[j] = 0.0f;
+        for (int a = 0; a < dk; a++) {
+            float *row = S + (int64_t)a * dv;
+            const float ka = k[a], qa = q[a];
+            for (int j = 0; j < dv; j++) {
+                row[j] += ka * u[j];
+                o[j] += row[j] * qa;
+            }
+        }
+    }
+}
+
+/* ---- chunked form ----------------------------------------------------- */
+
+int64_t k3_kda_chunk_work(int chunk, int dk, int dv) {
+    const int64_t C = chunk;
+    /* G, W: C*dk each; U/Vn: C*dv; L, Aqk: C*C; eGC: dk */
+    return 2 * C * dk + C * dv + 2 * C * C + dk;
+}
+
+void k3_kda_chunked(const k3_kda_head *h, float *S, int chunk, float *work) {
+    const int dk = h->dk, dv = h->dv;
+    float *G = work;                        /* [C, dk] running log-decay */
+    float *W = G + (int64_t)chunk * dk;     /* [C, dk] */
+    float *U = W + (int64_t)chunk * dk;     /* [C, dv] -> Vn */
+    float *L = U + (int64_t)chunk * dv;     /* [C, C] */
+    float *A = L + (int64_t)chunk * chunk;  /* [C, C] */
+    float *eGC = A + (int64_t)chunk * chunk;/* [dk] */
+
+    for (int t0 = 0; t0 < h->n; t0 += chunk) {
+        const int C = h->n - t0 < chunk ? h->n - t0 : chunk;
+#define Q(t) (h->q + (int64_t)(t0 + (t)) * h->ld_qk)
+#define K(t) (h->k + (int64_t)(t0 + (t)) * h->ld_qk)
+#define GG(t) (h->g + (int64_t)(t0 + (t)) * h->ld_qk)
+#define V(t) (h->v + (int64_t)(t0 + (t)) * h->ld_v)
+#define B(t) (h->beta[(int64_t)(t0 + (t)) * h->ld_beta])
+#define O(t) (h->o + (int64_t)(t0 + (t)) * h->ld_o)
+        for (int t = 0; t < C; t++)
+            for (int d = 0; d < dk; d++)
+                G[t * dk + d] = (t ? G[(t - 1) * dk + d] : 0.0f) + GG(t)[d];
+
+        /* L[t,j] = beta_t sum_d k_t k_j e^{G_t - G_j}, and Aqk[t,j] likewise
+         * with q_t, for j < t (Aqk also on the diagonal). */
+        for (int t = 0; t < C; t++) {
+            const float *kt = K(t), *qt = Q(t), *Gt = G + t * dk;
+            for (int j = 0; j <= t; j++) {
+                const float *kj = K(j), *Gj = G + j * dk;
+                float sl = 0.0f, sa = 0.0f;
+                for (int d = 0; d < dk; d++) {
+                    const float e = expf(Gt[d] - Gj[d]) * kj[d];
+                    sl += kt[d] * e;
+                    sa += qt[d] * e;
+                }
+                L[t * chunk + j] = B(t) * sl;
+                A[t * chunk + j] = sa;
+            }
+        }
+        /* (I + L) [W | U] = diag(beta) [e^G ⊙ K | V], forward substitution */
+        for (int t = 0; t < C; t++) {
+            float *wt = W + t * dk, *ut = U + t * dv;
+            const float bt = B(t);
+            const float *kt = K(t), *vt = V(t), *Gt = G + t * dk;
+            for (int d = 0; d < dk; d++) wt[d] = bt * expf(Gt[d]) * kt[d];
+            for (int d = 0; d < dv; d++) ut[d] = bt * vt[d];
+            for (int j = 0; j < t; j++) {
+                const float l = L[t * chunk + j];
+                const float *wj = W + j * dk, *uj = U + j * dv;
+                for (int d = 0; d < dk; d++) wt[d] -= l * wj[d];
+                for (int d = 0; d < dv; d++) ut[d] -= l * uj[d];
+            }
+        }
+        /* Vn = U - W S */
+        for (int t = 0; t < C; t++) {
+            float *ut = U + t * dv;
+            const float *wt = W + t * dk;
+            for (int a = 0; a < dk; a++) {
+                const float w = wt[a];
+                const float *row = S + (int64_t)a * dv;
+                for (int d = 0; d < dv; d++) ut[d] -= w * row[d];
+            }
+        }
+        /* O = (q ⊙ e^G) S + Aqk Vn */
+        for (int t = 0; t < C; t++) {
+            float *ot = O(t);
+            const float *qt = Q(t), *Gt = G + t * dk;
+            for (int d = 0; d < dv; d++) ot[d] = 0.0f;
+            for (int a = 0; a < dk; a++) {
+                const float w = qt[a] * expf(Gt[a]);
+                const float *row = S + (int64_t)a * dv;
+                for (int d = 0; d < dv; d++) ot[d] += w * row[d];
+            }
+            for (int j = 0; j <= t; j++) {
+                const float w = A[t * chunk + j];
+                const float *uj = U + j * dv;
+                for (int d = 0; d < dv; d++) ot[d] += w * uj[d];
+            }
+        }
+        /* S <- diag(e^{G_C}) S + sum_t (e^{G_C - G_t} ⊙ k_t) Vn_tᵀ */
+        const float *GC = G + (C - 1) * dk;
+        for (int a = 0; a < dk; a++) eGC[a] = expf(GC[a]);
+        for (int a = 0; a < dk; a++) {
+            float *row = S + (int64_t)a * dv;
+            for (int d = 0; d < dv; d++) row[d] *= eGC[a];
+        }
+        for (int t = 0; t < C; t++) {
+            const float *kt = K(t), *Gt = G + t * dk, *ut = U + t * dv;
+            for (int a = 0; a < dk; a++) {
+                const float w = expf(GC[a] - Gt[a]) * kt[a];
+                float *row = S + (int64_t)a * dv;
+                for (int d = 0; d < dv; d++) row[d] += w * ut[d];
+            }
+        }
+#undef Q
+#undef K
+#undef GG
+#undef V
+#undef B
+#undef O
+    }
+}
+
+/* ---- gate and short conv ---------------------------------------------- */
+
+static float softplusf(float x) {
+    /* log(1 + e^x), stable; torch uses a threshold of 20 */
+    return x > 20.0f ? x : log1pf(expf(x));
+}
+
+void k3_kda_gate(float *z, int n, float A_log, const float *dt_bias, bool has_lb, float lb) {
+    const float a = expf(A_log);
+    for (int i = 0; i < n; i++) {
+        const float x = z[i] + dt_bias[i];
+        z[i] = has_lb ? lb / (1.0f + expf(-a * x)) : -a * softplusf(x);
+    }
+}
+
+void k3_kda_conv(float *x, int64_t ldx, int n, int C, int K, const float *w, float *state) {
+    /* Walk channels; for each, keep a small window of the last K-1 inputs. */
+    for (int c = 0; c < C; c++) {
+        float win[16]; /* K <= 16, checked at load */
+        for (int j = 0; j < K - 1; j++) win[j] = state[(int64_t)j * C + c];
+        const float *wc = w + (int64_t)c * K;
+        for (int t = 0; t < n; t++) {
+            float *xt = x + (int64_t)t * ldx + c;
+            const float in = *xt;
+            float s = wc[K - 1] * in;
+            for (int j = 0; j < K - 1; j++) s += wc[j] * win[j];
+            for (int j = 0; j + 1 < K - 1; j++) win[j] = win[j + 1];
+            if (K > 1) win[K - 2] = in;
+            *xt = s / (1.0f + expf(-s)); /* SiLU */
+        }
+        for (int j = 0; j < K - 1; j++) state[(int64_t)j * C + c] = win[j];
+    }
+}

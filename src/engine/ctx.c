@@ -1,0 +1,314 @@
+/*
+ * ctx.c -- contexts: state and cache allocation, the block pool, and the
+ * forward driver that validates a batch, reserves its cache blocks and cuts
+ * it into rounds of at most max_batch tokens (see ctx.h).
+ */
+#include "ctx.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "attn/kda.h"
+
+/* ---- allocation ---------------------------------------------------------- */
+
+typedef struct {
+    bool failed;
+    size_t bytes;
+} alloc_state;
+
+static void *zalloc(alloc_state *a, size_t n, size_t size) {
+    if (a->failed) return NULL;
+    if (n == 0) n = 1;
+    void *p = calloc(n, size);
+    if (!p) a->failed = true;
+    else a->bytes += n * size;
+    return p;
+}
+
+static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+void k3_ctx_free(k3_ctx *ctx) {
+    if (!ctx) return;
+    const k3_config *c = ctx->c;
+    k3_scratch *s = &ctx->s;
+    if (ctx->seqs)
+        for (int i = 0; i < ctx->max_seqs; i++) free(ctx->seqs[i].blocks);
+    free(ctx->seqs);
+    for (int i = 0; c && i < c->n_layers; i++) {
+        if (ctx->kda_S) free(ctx->kda_S[i]);
+        if (ctx->kda_conv) free(ctx->kda_conv[i]);
+        if (ctx->lat_cache) free(ctx->lat_cache[i]);
+        if (ctx->idx_cache) free(ctx->idx_cache[i]);
+    }
+    free(ctx->kda_S);
+    free(ctx->kda_conv);
+    free(ctx->lat_cache);
+    free(ctx->idx_cache);
+    free(ctx->free_blocks);
+    free(ctx->spans);
+    free(ctx->round_tokens);
+    free(ctx->round_out);
+    float **fl[] = {&s->P, &s->X, &s->xn, &s->tmp, &s->bank, &s->kq, &s->kk, &s->kv, &s->kg,
+                    &s->kz, &s->kfa, &s->kbeta, &s->ko, &s->cq, &s->mq, &s->ckv, &s->qn, &s->qa,
+                    &s->chat, &s->mo, &s->mgate, &s->mtmp, &s->iq, &s->ik, &s->iw, &s->f1, &s->f2,
+                    &s->rlog, &s->rw, &s->lat, &s->lgather, &s->lout, &s->ly, &s->rwork};
+    for (size_t i = 0; i < sizeof fl / sizeof fl[0]; i++) free(*fl[i]);
+    free(s->isel);
+    free(s->icount);
+    free(s->rids);
+    free(s->erows);
+    free(s->ecount);
+    for (int t = 0; t < ctx->nth; t++) {
+        if (s->tscore) free(s->tscore[t]);
+        if (s->tslots) free(s->tslots[t]);
+        if (s->tsel) free(s->tsel[t]);
+        if (s->twork) free(s->twork[t]);
+        if (s->tkda) free(s->tkda[t]);
+    }
+    free(s->tscore);
+    free(s->tslots);
+    free(s->tsel);
+    free(s->twork);
+    free(s->tkda);
+    free(ctx);
+}
+
+k3_status k3_ctx_init(k3_ctx **out, const k3_model *m, const k3_ctx_options *opt, k3_error *err) {
+    *out = NULL;
+    const k3_config *c = &m->cfg;
+    if (!opt || opt->max_seqs < 1 || opt->max_tokens < 1)
+        return k3_err(err, K3_ERR_ARG, "context: max_seqs and max_tokens must be positive");
+    if (opt->block_size < 0 || opt->max_batch < 0)
+        return k3_err(err, K3_ERR_ARG, "context: block_size and max_batch must not be negative");
+    if (c->kda_head_dim > 512 || c->conv_size > 16)
+        return k3_err(err, K3_ERR_UNSUPPORTED, "context: KDA head_dim %d or conv size %d too large",
+                      c->kda_head_dim, c->conv_size);
+
+    k3_ctx *ctx = calloc(1, sizeof *ctx);
+    if (!ctx) return k3_err(err, K3_ERR_NOMEM, "context: out of memory");
+    ctx->m = m;
+    ctx->c = c;
+    ctx->pool = opt->pool;
+    ctx->nth = opt->pool ? k3_pool_size(opt->pool) : 1;
+    ctx->max_seqs = opt->max_seqs;
+    ctx->block_size = opt->block_size ? opt->block_size : 64;
+    ctx->max_batch = opt->max_batch ? opt->max_batch : 512;
+    ctx->max_tokens = opt->max_tokens;
+    ctx->max_ctx = opt->max_tokens < c->max_positions ? opt->max_tokens : c->max_positions;
+    const int32_t bs = ctx->block_size;
+    ctx->n_blocks = (int32_t)((opt->max_tokens + bs - 1) / bs);
+    ctx->max_blocks_per_seq = (int32_t)((ctx->max_ctx + bs - 1) / bs);
+
+    alloc_state a = {0};
+    const int64_t nL = c->n_layers, D = c->hidden_size, T = ctx->max_batch;
+    const int64_t HK = (int64_t)c->kda_heads * c->kda_head_dim, dk = c->kda_head_dim;
+    const int64_t Km1 = c->conv_size > 0 ? c->conv_size - 1 : 0;
+    const int64_t ld = c->kv_lora_rank + c->qk_rope_dim, bslots = (int64_t)ctx->n_blocks * bs;
+
+    ctx->seqs = zalloc(&a, (size_t)ctx->max_seqs, sizeof(k3_seq));
+    for (int i = 0; ctx->seqs && i < ctx->max_seqs; i++)
+        ctx->seqs[i].blocks = zalloc(&a, (size_t)ctx->max_blocks_per_seq, sizeof(int32_t));
+    ctx->free_blocks = zalloc(&a, (size_t)ctx->n_blocks, sizeof(int32_t));
+    if (ctx->free_blocks) {
+        /* hand out low ids first: pop from the end */
+        for (int32_t b = 0; b < ctx->n_blocks; b++) ctx->free_blocks[b] = ctx->n_blocks - 1 - b;
+        ctx->n_free = ctx->n_blocks;
+    }
+    ctx->kda_S = zalloc(&a, (size_t)nL, sizeof(float *));
+    ctx->kda_conv = zalloc(&a, (size_t)nL, sizeof(float *));
+    ctx->lat_cache = zalloc(&a, (size_t)nL, sizeof(float *));
+    ctx->idx_cache = zalloc(&a, (size_t)nL, sizeof(float *));
+    for (int64_t i = 0; !a.failed && i < nL; i++) {
+        const int kind = c->layer_kind[i];
+        if (kind == K3_LAYER_KDA) {
+            ctx->kda_S[i] = zalloc(&a, (size_t)(ctx->max_seqs * c->kda_heads * dk * dk), sizeof(float));
+            ctx->kda_conv[i] = zalloc(&a, (size_t)(ctx->max_seqs * 3 * Km1 * HK), sizeof(float));
+        } else {
+            ctx->lat_cache[i] = zalloc(&a, (size_t)(bslots * ld), sizeof(float));
+            if (kind == K3_LAYER_DSA)
+                ctx->idx_cache[i] = zalloc(&a, (size_t)(bslots * c->index_head_dim), sizeof(float));
+        }
+    }
+
+    /* scratch for one round of T tokens */
+    k3_scratch *s = &ctx->s;
+    ctx->n_bank_max = c->attn_res_block_size > 0
+                          ? (c->n_layers + c->attn_res_block_size - 1) / c->attn_res_block_size
+                          : 0;
+    const int64_t H = c->n_heads, qh = c->qk_nope_dim + c->qk_rope_dim, kvl = c->kv_lora_rank;
+    const int64_t Dl = c->expert_dim, E = c->n_experts, K = c->n_experts_per_tok;
+    ctx->ff_width = max64(c->intermediate_size,
+                          max64((int64_t)c->n_shared_experts * c->moe_intermediate, c->moe_intermediate));
+    s->P = zalloc(&a, (size_t)(T * D), sizeof(float));
+    s->X = zalloc(&a, (size_t)(T * D), sizeof(float));
+    s->xn = zalloc(&a, (size_t)(T * D), sizeof(float));
+    s->tmp = zalloc(&a, (size_t)(T * D), sizeof(float));
+    s->bank = zalloc(&a, (size_t)(ctx->n_bank_max * T * D), sizeof(float));
+    s->kq = zalloc(&a, (size_t)(T * HK), sizeof(float));
+    s->kk = zalloc(&a, (size_t)(T * HK), sizeof(float));
+    s->kv = zalloc(&a, (size_t)(T * HK), sizeof(float));
+    s->kg = zalloc(&a, (size_t)(T * HK), sizeof(float));
+    s->kz = zalloc(&a, (size_t)(T * HK), sizeof(float));
+    s->ko = zalloc(&a, (size_t)(T * HK), sizeof(float));
+    s->kfa = zalloc(&a, (size_t)(T * max64(dk, c->kda_gate_rank)), sizeof(float));
+    s->kbeta = zalloc(&a, (size_t)(T * c->kda_heads), sizeof(float));
+    s->cq = zalloc(&a, (size_t)(T * c->q_lora_rank), sizeof(float));
+    s->mq = zalloc(&a, (size_t)(T * H * qh), sizeof(float));
+    s->ckv = zalloc(&a, (size_t)(T * ld), sizeof(float));
+    s->qn = zalloc(&a, (size_t)(H * T * c->qk_nope_dim), sizeof(float));
+    s->qa = zalloc(&a, (size_t)(H * T * kvl), sizeof(float));
+    s->chat = zalloc(&a, (size_t)(H * T * kvl), sizeof(float));
+    s->mo = zalloc(&a, (size_t)(T * H * c->v_head_dim), sizeof(float));
+    s->mgate = zalloc(&a, (size_t)(T * H * c->v_head_dim), sizeof(float));
+    s->mtmp = zalloc(&a, (size_t)(H * T * c->v_head_dim), sizeof(float));
+    s->iq = zalloc(&a, (size_t)(T * c->index_n_heads * c->index_head_dim), sizeof(float));
+    s->ik = zalloc(&a, (size_t)(T * c->index_head_dim), sizeof(float));
+    s->iw = zalloc(&a, (size_t)(T * c->index_n_heads), sizeof(float));
+    s->isel = zalloc(&a, (size_t)(T * c->index_topk), sizeof(int64_t));
+    s->icount = zalloc(&a, (size_t)T, sizeof(int32_t));
+    s->f1 = zalloc(&a, (size_t)(T * ctx->ff_width), sizeof(float));
+    s->f2 = zalloc(&a, (size_t)(T * ctx->ff_width), sizeof(float));
+    s->rlog = zalloc(&a, (size_t)(T * E), sizeof(float));
+    s->rids = zalloc(&a, (size_t)(T * K), sizeof(int32_t));
+    s->rw = zalloc(&a, (size_t)(T * K), sizeof(float));
+    s->lat = zalloc(&a, (size_t)(T * Dl), sizeof(float));
+    s->lgather = zalloc(&a, (size_t)(T * Dl), sizeof(float));
+    s->lout = zalloc(&a, (size_t)(T * Dl), sizeof(float));
+    s->ly = zalloc(&a, (size_t)(T * K * Dl), sizeof(float));
+    s->erows = zalloc(&a, (size_t)(T * K), sizeof(int32_t));
+    s->ecount = zalloc(&a, (size_t)(E + 1), sizeof(int32_t));
+    s->rwork = zalloc(&a, (size_t)E, sizeof(float));
+    s->tscore = zalloc(&a, (size_t)ctx->nth, sizeof(float *));
+    s->tslots = zalloc(&a, (size_t)ctx->nth, sizeof(int64_t *));
+    s->tsel = zalloc(&a, (size_t)ctx->nth, sizeof(int32_t *));
+    s->twork = zalloc(&a, (size_t)ctx->nth, sizeof(int32_t *));
+    s->tkda = zalloc(&a, (size_t)ctx->nth, sizeof(float *));
+    for (int t = 0; !a.failed && t < ctx->nth; t++) {
+        s->tscore[t] = zalloc(&a, (size_t)ctx->max_ctx, sizeof(float));
+        s->tslots[t] = zalloc(&a, (size_t)ctx->max_ctx, sizeof(int64_t));
+        s->tsel[t] = zalloc(&a, (size_t)ctx->max_ctx, sizeof(int32_t));
+        s->twork[t] = zalloc(&a, (size_t)ctx->max_ctx, sizeof(int32_t));
+        s->tkda[t] = zalloc(&a, (size_t)k3_kda_chunk_work(K3_KDA_CHUNK, (int)dk, (int)dk), sizeof(float));
+    }
+    ctx->spans = zalloc(&a, (size_t)T, sizeof(k3_span));
+    ctx->round_tokens = zalloc(&a, (size_t)T, sizeof(int32_t));
+    ctx->round_out = zalloc(&a, (size_t)T, sizeof(int32_t));
+    if (a.failed) {
+        k3_ctx_free(ctx);
+        return k3_err(err, K3_ERR_NOMEM, "context: out of memory (%lld tokens, %d sequences)",
+                      (long long)opt->max_tokens, opt->max_seqs);
+    }
+    *out = ctx;
+    return K3_OK;
+}
+
+/* ---- sequences ------------------------------------------------------------- */
+
+void k3_ctx_seq_reset(k3_ctx *ctx, int32_t seq) {
+    if (seq < 0 || seq >= ctx->max_seqs) return;
+    const k3_config *c = ctx->c;
+    k3_seq *s = &ctx->seqs[seq];
+    for (int32_t b = s->n_blocks - 1; b >= 0; b--) ctx->free_blocks[ctx->n_free++] = s->blocks[b];
+    s->n_blocks = 0;
+    s->pos = 0;
+    const int64_t HK = (int64_t)c->kda_heads * c->kda_head_dim, dk = c->kda_head_dim;
+    const int64_t Km1 = c->conv_size > 0 ? c->conv_size - 1 : 0;
+    for (int i = 0; i < c->n_layers; i++) {
+        if (!ctx->kda_S[i]) continue;
+        memset(ctx->kda_S[i] + (int64_t)seq * c->kda_heads * dk * dk, 0,
+               sizeof(float) * (size_t)(c->kda_heads * dk * dk));
+        memset(ctx->kda_conv[i] + (int64_t)seq * 3 * Km1 * HK, 0, sizeof(float) * (size_t)(3 * Km1 * HK));
+    }
+}
+
+int64_t k3_ctx_seq_pos(const k3_ctx *ctx, int32_t seq) {
+    if (seq < 0 || seq >= ctx->max_seqs) return -1;
+    return ctx->seqs[seq].pos;
+}
+
+/* ---- the driver -------------------------------------------------------------- */
+
+k3_status k3_ctx_forward(k3_ctx *ctx, const k3_batch_seq *batch, int32_t n_seqs,
+                         k3_logits_mode mode, float *logits, k3_error *err) {
+    const k3_config *c = ctx->c;
+    if (n_seqs < 0 || (n_seqs > 0 && !batch))
+        return k3_err(err, K3_ERR_ARG, "forward: bad batch");
+    if (mode != K3_LOGITS_NONE && !logits)
+        return k3_err(err, K3_ERR_ARG, "forward: logits buffer is NULL");
+    /* Validate everything before touching any state. */
+    int64_t blocks_needed = 0;
+    for (int32_t i = 0; i < n_seqs; i++) {
+        const k3_batch_seq *b = &batch[i];
+        if (b->seq < 0 || b->seq >= ctx->max_seqs)
+            return k3_err(err, K3_ERR_ARG, "forward: sequence id %d out of range [0, %d)", b->seq,
+                          ctx->max_seqs);
+        for (int32_t j = 0; j < i; j++)
+            if (batch[j].seq == b->seq)
+                return k3_err(err, K3_ERR_ARG, "forward: sequence %d appears twice in one batch", b->seq);
+        if (b->n_tokens < 0 || (b->n_tokens > 0 && !b->tokens))
+            return k3_err(err, K3_ERR_ARG, "forward: entry %d has no tokens", i);
+        if (b->n_tokens == 0 && mode == K3_LOGITS_LAST)
+            return k3_err(err, K3_ERR_ARG, "forward: entry %d is empty but its last logits were asked for", i);
+        for (int32_t t = 0; t < b->n_tokens; t++)
+            if (b->tokens[t] < 0 || b->tokens[t] >= c->vocab_size)
+                return k3_err(err, K3_ERR_ARG, "forward: token id %d at index %d is out of range [0, %lld)",
+                              b->tokens[t], t, (long long)c->vocab_size);
+        const k3_seq *s = &ctx->seqs[b->seq];
+        const int64_t end = s->pos + b->n_tokens;
+        if (end > ctx->max_ctx)
+            return k3_err(err, K3_ERR_RANGE,
+                          "forward: sequence %d would reach %lld tokens (%lld cached + %d new), over the context of %lld",
+                          b->seq, (long long)end, (long long)s->pos, b->n_tokens, (long long)ctx->max_ctx);
+        blocks_needed += (end + ctx->block_size - 1) / ctx->block_size - s->n_blocks;
+    }
+    if (blocks_needed > ctx->n_free)
+        return k3_err(err, K3_ERR_RANGE, "forward: cache full: %lld blocks needed, %d free",
+                      (long long)blocks_needed, ctx->n_free);
+
+    /* Reserve blocks. */
+    for (int32_t i = 0; i < n_seqs; i++) {
+        k3_seq *s = &ctx->seqs[batch[i].seq];
+        const int64_t end = s->pos + batch[i].n_tokens;
+        while ((int64_t)s->n_blocks * ctx->block_size < end) s->blocks[s->n_blocks++] = ctx->free_blocks[--ctx->n_free];
+    }
+
+    /* Rounds of at most max_batch tokens, in batch order. */
+    int32_t *toks = ctx->round_tokens, *orows = ctx->round_out;
+    const int64_t V = c->vocab_size;
+    int64_t n_written = 0;
+    int32_t cur = 0, off = 0; /* entry and offset into it */
+    while (cur < n_seqs) {
+        int32_t T = 0, n_out = 0;
+        ctx->n_spans = 0;
+        while (cur < n_seqs && T < ctx->max_batch) {
+            const k3_batch_seq *b = &batch[cur];
+            int32_t take = b->n_tokens - off;
+            if (take > ctx->max_batch - T) take = ctx->max_batch - T;
+            if (take > 0) {
+                k3_span *sp = &ctx->spans[ctx->n_spans++];
+                sp->seq = b->seq;
+                sp->t0 = T;
+                sp->n = take;
+                sp->pos0 = ctx->seqs[b->seq].pos; /* earlier rounds already advanced it */
+                memcpy(toks + T, b->tokens + off, sizeof(int32_t) * (size_t)take);
+                if (mode == K3_LOGITS_ALL)
+                    for (int32_t r = 0; r < take; r++) orows[n_out++] = T + r;
+                T += take;
+                off += take;
+            }
+            if (off >= b->n_tokens) {
+                if (mode == K3_LOGITS_LAST) orows[n_out++] = T - 1;
+                cur++;
+                off = 0;
+            }
+        }
+        if (T == 0) continue;
+        ctx->T = T;
+        k3_forward_round(ctx, toks, orows, mode == K3_LOGITS_NONE ? 0 : n_out,
+                         mode == K3_LOGITS_NONE ? NULL : logits + n_written * V);
+        if (mode != K3_LOGITS_NONE) n_written += n_out;
+        for (int32_t i = 0; i < ctx->n_spans; i++) ctx->seqs[ctx->spans[i].seq].pos += ctx->spans[i].n;
+    }
+    return K3_OK;
+}

@@ -1,0 +1,116 @@
+/*
+ * ctx.h -- the mutable side of inference (struct k3_ctx of k3.h).
+ *
+ * A context owns, for up to max_seqs sequences:
+ *   - KDA state per KDA layer and sequence: S [H, dk, dv] and the conv windows
+ *     [3 (q,k,v), K-1, H*dk] (the K-1 previous pre-conv inputs, oldest first);
+ *   - a pool of fixed-size cache blocks shared by all sequences. One block id
+ *     names the same token slots in every MLA/DSA layer: the latent cache
+ *     [n_blocks*bs, kv_lora + rope] and, for DSA layers, the indexer key cache
+ *     [n_blocks*bs, dI]. Each sequence has a block table (logical block ->
+ *     block id), so prefix sharing and paging need no change of layout;
+ *   - the scratch of one forward pass of up to max_batch tokens, allocated
+ *     once here: the token loop allocates nothing.
+ * Only forward.c and ctx.c see this struct.
+ */
+#ifndef K3_ENGINE_CTX_H
+#define K3_ENGINE_CTX_H
+
+#include "k3.h"
+#include "common/error.h"
+#include "model/model.h"
+
+/* KDA spans of at least this many tokens use the chunked form. */
+#define K3_KDA_CHUNK_MIN 2
+#define K3_KDA_CHUNK 64
+
+typedef struct k3_seq {
+    int64_t pos;          /* tokens consumed */
+    int32_t *blocks;      /* block table [max_blocks_per_seq] */
+    int32_t n_blocks;     /* blocks in use */
+} k3_seq;
+
+/* A contiguous run of one sequence's tokens inside a forward round. */
+typedef struct k3_span {
+    int32_t seq;
+    int32_t t0, n;        /* rows [t0, t0+n) of the round */
+    int64_t pos0;         /* position of the first of them */
+} k3_span;
+
+typedef struct k3_scratch {
+    float *P, *X, *xn, *tmp;      /* [T, D] */
+    float *bank;                  /* [n_bank, T, D] */
+    /* KDA */
+    float *kq, *kk, *kv, *kg, *kz;/* [T, H*dk] (kv: [T, H*dv]) */
+    float *kfa;                   /* [T, dk] (and low-rank gate) */
+    float *kbeta;                 /* [T, H] */
+    float *ko;                    /* [T, H*dv] */
+    /* MLA */
+    float *cq;                    /* [T, q_lora] */
+    float *mq;                    /* [T, H*(nope+rope)] */
+    float *ckv;                   /* [T, kv_lora+rope] */
+    float *qn, *qa, *chat;        /* [H, T, nope], [H, T, kv_lora] x2 */
+    float *mo, *mgate, *mtmp;     /* [T, H*v], [T, H*v], [H, T, v] */
+    /* DSA */
+    float *iq, *ik, *iw;          /* [T, HI*dI], [T, dI], [T, HI] */
+    int64_t *isel;                /* [T, topk] selected cache slots */
+    int32_t *icount;              /* [T] */
+    /* FFN / MoE */
+    float *f1, *f2;               /* [T, max(I, n_shared*Im, Im)] */
+    float *rlog;                  /* [T, E] */
+    int32_t *rids;                /* [T, k] */
+    float *rw;                    /* [T, k] */
+    float *lat, *lgather, *lout;  /* [T, Dl] each */
+    float *ly;                    /* [T, k, Dl] */
+    int32_t *erows;               /* [T*k] token*k+slot rows per expert */
+    int32_t *ecount;              /* [E+1] */
+    /* per thread: attention scores, slot lists, top-k work */
+    float **tscore;               /* [nth][max_ctx] */
+    int64_t **tslots;             /* [nth][max_ctx] */
+    int32_t **tsel, **twork;      /* [nth][max_ctx] */
+    float **tkda;                 /* [nth][kda chunk work] */
+    float *rwork;                 /* [E] router work (single-threaded) */
+} k3_scratch;
+
+struct k3_ctx {
+    const k3_model *m;
+    const k3_config *c;
+    k3_pool *pool;
+    int nth;
+
+    int32_t max_seqs, block_size, max_batch;
+    int64_t max_tokens, max_ctx;  /* max_ctx: longest sequence */
+    int32_t n_blocks, max_blocks_per_seq;
+    int32_t *free_blocks, n_free;
+
+    k3_seq *seqs;
+    float **kda_S;                /* [n_layers] -> [max_seqs, H, dk, dv] (NULL if not KDA) */
+    float **kda_conv;             /* [n_layers] -> [max_seqs, 3, K-1, H*dk] */
+    float **lat_cache;            /* [n_layers] -> [n_blocks*bs, kv_lora+rope] */
+    float **idx_cache;            /* [n_layers] -> [n_blocks*bs, dI] (DSA) */
+
+    int32_t n_bank_max;
+    int64_t ff_width;
+    k3_scratch s;
+
+    /* the current round (set by the driver, read by the layers) */
+    k3_span *spans;               /* [max_batch] */
+    int32_t *round_tokens;        /* [max_batch] token ids of the round */
+    int32_t *round_out;           /* [max_batch] rows whose logits are wanted */
+    int32_t n_spans;
+    int32_t T;
+};
+
+/* The forward pass over one round of at most max_batch tokens: rows T,
+ * spans already laid out, blocks already allocated. out_rows lists the rows
+ * whose logits are wanted (n_out of them), written to logits. */
+void k3_forward_round(k3_ctx *ctx, const int32_t *tokens, const int32_t *out_rows,
+                      int32_t n_out, float *logits);
+
+/* Slot of position pos of sequence seq in the cache. */
+static inline int64_t k3_ctx_slot(const k3_ctx *ctx, int32_t seq, int64_t pos) {
+    const k3_seq *s = &ctx->seqs[seq];
+    return (int64_t)s->blocks[pos / ctx->block_size] * ctx->block_size + pos % ctx->block_size;
+}
+
+#endif /* K3_ENGINE_CTX_H */

@@ -1,0 +1,483 @@
+/*
+ * forward.c -- the layer loop of one forward round (k3-model.md §3).
+ *
+ * A round is T <= max_batch token rows drawn from one or more sequences
+ * (spans). Everything that is per token (projections, norms, AttnRes, FFN,
+ * MoE) runs over all T rows at once; what carries state across tokens (KDA
+ * recurrence and conv windows, MLA/DSA caches) runs per span. All arithmetic
+ * is fp32; weights are read in their stored format by the kernels.
+ */
+#include <math.h>
+#include <string.h>
+
+#include "attn/attnres.h"
+#include "attn/kda.h"
+#include "attn/mla.h"
+#include "common/pool.h"
+#include "ctx.h"
+#include "moe/moe.h"
+
+/* ---- small row helpers ------------------------------------------------- */
+
+/* out = w ⊙ x / sqrt(mean(x²) + eps), n values (out may alias x) */
+static void rmsnorm(float *out, const float *x, const float *w, int64_t n, float eps) {
+    double ss = 0.0;
+    for (int64_t i = 0; i < n; i++) ss += (double)x[i] * x[i];
+    const float r = (float)(1.0 / sqrt(ss / (double)n + eps));
+    for (int64_t i = 0; i < n; i++) out[i] = w[i] * (x[i] * r);
+}
+
+typedef struct {
+    float *out;
+    const float *x;
+    const float *w;
+    int64_t n, ldo, ldx;
+    float eps;
+} rms_job;
+
+static void rms_rows(void *p, int64_t lo, int64_t hi, int ith) {
+    const rms_job *j = p;
+    for (int64_t t = lo; t < hi; t++) rmsnorm(j->out + t * j->ldo, j->x + t * j->ldx, j->w, j->n, j->eps);
+}
+
+static void rms_all(k3_ctx *ctx, float *out, int64_t ldo, const float *x, int64_t ldx,
+                    const float *w, int64_t n, float eps) {
+    rms_job j = {out, x, w, n, ldo, ldx, eps};
+    k3_pool_for(ctx->pool, ctx->T, 8, rms_rows, &j);
+}
+
+static inline float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+/* f1 = act(f1, f2) over n values */
+static void glu(const k3_config *c, float *f1, const float *f2, int64_t n) {
+    if (c->act == K3_ACT_SITU)
+        for (int64_t i = 0; i < n; i++) f1[i] = k3_situ(f1[i], f2[i], c->situ_beta, c->situ_linear_beta);
+    else
+        for (int64_t i = 0; i < n; i++) f1[i] = k3_swiglu(f1[i], f2[i]);
+}
+
+/* ---- AttnRes ------------------------------------------------------------ */
+
+/* out[t] = Σ_e α_e V_e[t] with V = [bank_0 .. bank_{nb-1}, P], α = softmax of
+ * the RMS-normalised projections on w (k3-model.md §3.2). */
+typedef struct {
+    const k3_ctx *ctx;
+    float *out;
+    const float *P;
+    const float *w;
+    int nb;
+} mix_job;
+
+static void mix_rows(void *p, int64_t lo, int64_t hi, int ith) {
+    const mix_job *j = p;
+    const int64_t D = j->ctx->c->hidden_size, T = j->ctx->T;
+    for (int64_t t = lo; t < hi; t++) {
+        const float *V[K3_ATTNRES_MAX];
+        for (int e = 0; e < j->nb; e++) V[e] = j->ctx->s.bank + ((int64_t)e * T + t) * D;
+        V[j->nb] = j->P + t * D;
+        k3_attnres_mix(V, j->nb + 1, j->w, D, j->ctx->c->rms_eps, j->out + t * D);
+    }
+}
+
+static void attn_res_mix(k3_ctx *ctx, float *out, const float *P, const float *w, int nb) {
+    mix_job j = {ctx, out, P, w, nb};
+    k3_pool_for(ctx->pool, ctx->T, 4, mix_rows, &j);
+}
+
+/* ---- KDA layer ---------------------------------------------------------- */
+
+typedef struct {
+    k3_ctx *ctx;
+    const k3_layer *L;
+    int layer;
+} layer_job;
+
+/* conv + SiLU for q, k, v of each span: items = spans * 3 */
+static void kda_conv_items(void *p, int64_t lo, int64_t hi, int ith) {
+    const layer_job *j = p;
+    k3_ctx *ctx = j->ctx;
+    const k3_config *c = ctx->c;
+    const int64_t HK = (int64_t)c->kda_heads * c->kda_head_dim;
+    const int K = c->conv_size;
+    for (int64_t it = lo; it < hi; it++) {
+        const k3_span *sp = &ctx->spans[it / 3];
+        const int which = (int)(it % 3);
+        float *x = which == 0 ? ctx->s.kq : which == 1 ? ctx->s.kk : ctx->s.kv;
+        const float *w = which == 0 ? j->L->q_conv : which == 1 ? j->L->k_conv : j->L->v_conv;
+        float *state = ctx->kda_conv[j->layer] + ((int64_t)sp->seq * 3 + which) * (K - 1) * HK;
+        k3_kda_conv(x + (int64_t)sp->t0 * HK, HK, sp->n, (int)HK, K, w, state);
+    }
+}
+
+/* per token: L2 norms of q and k heads, the decay gate, beta */
+static void kda_prep_rows(void *p, int64_t lo, int64_t hi, int ith) {
+    const layer_job *j = p;
+    k3_ctx *ctx = j->ctx;
+    const k3_config *c = ctx->c;
+    const int H = c->kda_heads, dk = c->kda_head_dim;
+    const int64_t HK = (int64_t)H * dk;
+    const float qscale = 1.0f / sqrtf((float)dk);
+    for (int64_t t = lo; t < hi; t++) {
+        for (int h = 0; h < H; h++) {
+            float *q = ctx->s.kq + t * HK + (int64_t)h * dk;
+            float *k = ctx->s.kk + t * HK + (int64_t)h * dk;
+            double sq = 0.0, sk = 0.0;
+            for (int d = 0; d < dk; d++) {
+                sq += (double)q[d] * q[d];
+                sk += (double)k[d] * k[d];
+            }
+            /* eps inside the sqrt, as fla's l2norm */
+            const float rq = (float)(1.0 / sqrt(sq + 1e-6)) * qscale, rk = (float)(1.0 / sqrt(sk + 1e-6));
+            for (int d = 0; d < dk; d++) {
+                q[d] *= rq;
+                k[d] *= rk;
+            }
+            k3_kda_gate(ctx->s.kz + t * HK + (int64_t)h * dk, dk, j->L->A_log[h],
+                        j->L->dt_bias + (int64_t)h * dk, c->kda_has_lower_bound, c->kda_lower_bound);
+            float *b = ctx->s.kbeta + t * H + h;
+            *b = sigmoidf(*b);
+        }
+    }
+}
+
+/* recurrence: items = spans * heads */
+static void kda_scan_items(void *p, int64_t lo, int64_t hi, int ith) {
+    const layer_job *j = p;
+    k3_ctx *ctx = j->ctx;
+    const k3_config *c = ctx->c;
+    const int H = c->kda_heads, dk = c->kda_head_dim, dv = dk;
+    const int64_t HK = (int64_t)H * dk;
+    for (int64_t it = lo; it < hi; it++) {
+        const k3_span *sp = &ctx->spans[it / H];
+        const int h = (int)(it % H);
+        const int64_t t0 = sp->t0;
+        k3_kda_head kh = {
+            .n = sp->n, .dk = dk, .dv = dv,
+            .q = ctx->s.kq + t0 * HK + (int64_t)h * dk,
+            .k = ctx->s.kk + t0 * HK + (int64_t)h * dk,
+            .g = ctx->s.kz + t0 * HK + (int64_t)h * dk,
+            .ld_qk = HK,
+            .v = ctx->s.kv + t0 * HK + (int64_t)h * dv, .ld_v = HK,
+            .beta = ctx->s.kbeta + t0 * H + h, .ld_beta = H,
+            .o = ctx->s.ko + t0 * HK + (int64_t)h * dv, .ld_o = HK,
+        };
+        float *S = ctx->kda_S[j->layer] + ((int64_t)sp->seq * H + h) * dk * dv;
+        if (sp->n >= K3_KDA_CHUNK_MIN)
+            k3_kda_chunked(&kh, S, K3_KDA_CHUNK, ctx->s.tkda[ith]);
+        else
+            k3_kda_recurrent(&kh, S);
+    }
+}
+
+/* o_h = rms(o_h; o_norm) ⊙ sigmoid(gate_h) */
+static void kda_out_rows(void *p, int64_t lo, int64_t hi, int ith) {
+    const layer_job *j = p;
+    k3_ctx *ctx = j->ctx;
+    const k3_config *c = ctx->c;
+    const int H = c->kda_heads, dk = c->kda_head_dim;
+    const int64_t HK = (int64_t)H * dk;
+    for (int64_t t = lo; t < hi; t++)
+        for (int h = 0; h < H; h++) {
+            float *o = ctx->s.ko + t * HK + (int64_t)h * dk;
+            const float *g = ctx->s.kg + t * HK + (int64_t)h * dk;
+            rmsnorm(o, o, j->L->o_norm, dk, 1e-5f);
+            for (int d = 0; d < dk; d++) o[d] *= sigmoidf(g[d]);
+        }
+}
+
+static void kda_layer(k3_ctx *ctx, const k3_layer *L, int layer, const float *xn, float *out) {
+    const k3_config *c = ctx->c;
+    const int64_t T = ctx->T;
+    k3_scratch *s = &ctx->s;
+    layer_job j = {ctx, L, layer};
+
+    k3_matmul(ctx->pool, &L->q_proj, xn, T, s->kq);
+    k3_matmul(ctx->pool, &L->k_proj, xn, T, s->kk);
+    k3_matmul(ctx->pool, &L->v_proj, xn, T, s->kv);
+    k3_pool_for(ctx->pool, (int64_t)ctx->n_spans * 3, 1, kda_conv_items, &j);
+
+    k3_matmul(ctx->pool, &L->f_a, xn, T, s->kfa);
+    k3_matmul(ctx->pool, &L->f_b, s->kfa, T, s->kz);
+    k3_matmul(ctx->pool, &L->b_proj, xn, T, s->kbeta);
+    k3_pool_for(ctx->pool, T, 4, kda_prep_rows, &j);
+
+    k3_pool_for(ctx->pool, (int64_t)ctx->n_spans * c->kda_heads, 1, kda_scan_items, &j);
+
+    if (c->kda_full_rank_gate) {
+        k3_matmul(ctx->pool, &L->g_proj, xn, T, s->kg);
+    } else {
+        k3_matmul(ctx->pool, &L->g_a, xn, T, s->kfa);
+        k3_matmul(ctx->pool, &L->g_b, s->kfa, T, s->kg);
+    }
+    k3_pool_for(ctx->pool, T, 4, kda_out_rows, &j);
+    k3_matmul(ctx->pool, &L->o_proj, s->ko, T, out);
+}
+
+/* ---- MLA / DSA layer ---------------------------------------------------- */
+
+/* the span (sequence, position) of round row t */
+static const k3_span *span_of(const k3_ctx *ctx, int64_t t) {
+    for (int32_t i = 0; i < ctx->n_spans; i++)
+        if (t < ctx->spans[i].t0 + ctx->spans[i].n) return &ctx->spans[i];
+    K3_ASSERT(0);
+    return NULL;
+}
+
+/* DSA, per row: indexer scores over the past and the top-k selection, stored
+ * as cache slots in s.isel [T, topk] with the count in s.icount[t]. */
+static void dsa_select_rows(void *p, int64_t lo, int64_t hi, int ith) {
+    const layer_job *j = p;
+    k3_ctx *ctx = j->ctx;
+    const k3_config *c = ctx->c;
+    const int HI = c->index_n_heads, dI = c->index_head_dim;
+    for (int64_t t = lo; t < hi; t++) {
+        const k3_span *sp = span_of(ctx, t);
+        const int64_t pos = sp->pos0 + (t - sp->t0);
+        const int n = (int)(pos + 1);
+        int64_t *slots = ctx->s.tslots[ith];
+        for (int i = 0; i < n; i++) slots[i] = k3_ctx_slot(ctx, sp->seq, i);
+        float *sc = ctx->s.tscore[ith];
+        k3_indexer_scores(ctx->s.iq + t * HI * dI, ctx->s.iw + t * HI, HI, dI,
+                          ctx->idx_cache[j->layer], slots, n, sc);
+        int32_t *sel = ctx->s.tsel[ith];
+        const int k = k3_topk(sc, n, c->index_topk, sel, ctx->s.twork[ith]);
+        int64_t *dst = ctx->s.isel + t * c->index_topk;
+        for (int i = 0; i < k; i++) dst[i] = slots[sel[i]];
+        ctx->s.icount[t] = k;
+    }
+}
+
+/* attention, items = rows * heads */
+static void mla_attend_items(void *p, int64_t lo, int64_t hi, int ith) {
+    const layer_job *j = p;
+    k3_ctx *ctx = j->ctx;
+    const k3_config *c = ctx->c;
+    const int H = c->n_heads, nope = c->qk_nope_dim, rope = c->qk_rope_dim, kvl = c->kv_lora_rank;
+    const int64_t T = ctx->T, ld = kvl + rope, qh = nope + rope;
+    const float scale = 1.0f / sqrtf((float)(nope + rope));
+    const bool dsa = j->L->kind == K3_LAYER_DSA;
+    for (int64_t it = lo; it < hi; it++) {
+        const int64_t t = it / H;
+        const int h = (int)(it % H);
+        const int64_t *slots;
+        int n;
+        if (dsa) {
+            slots = ctx->s.isel + t * c->index_topk;
+            n = ctx->s.icount[t];
+        } else {
+            const k3_span *sp = span_of(ctx, t);
+            const int64_t pos = sp->pos0 + (t - sp->t0);
+            int64_t *sl = ctx->s.tslots[ith];
+            n = (int)(pos + 1);
+            for (int i = 0; i < n; i++) sl[i] = k3_ctx_slot(ctx, sp->seq, i);
+            slots = sl;
+        }
+        k3_mla_attend(ctx->s.qa + ((int64_t)h * T + t) * kvl, ctx->s.mq + t * H * qh + h * qh + nope,
+                      kvl, rope, ctx->lat_cache[j->layer], ld, slots, n, scale, ctx->s.tscore[ith],
+                      ctx->s.chat + ((int64_t)h * T + t) * kvl);
+    }
+}
+
+static void mla_layer(k3_ctx *ctx, const k3_layer *L, int layer, const float *xn, float *out) {
+    const k3_config *c = ctx->c;
+    const int64_t T = ctx->T;
+    const int H = c->n_heads, nope = c->qk_nope_dim, rope = c->qk_rope_dim, kvl = c->kv_lora_rank;
+    const int vd = c->v_head_dim;
+    const int64_t qh = nope + rope, ld = kvl + rope;
+    k3_scratch *s = &ctx->s;
+    layer_job j = {ctx, L, layer};
+
+    /* queries: cq = rms(q_a x; 1e-6), q = q_b cq (or q_proj x without q_lora) */
+    if (c->q_lora_rank > 0) {
+        k3_matmul(ctx->pool, &L->q_a, xn, T, s->cq);
+        rms_all(ctx, s->cq, c->q_lora_rank, s->cq, c->q_lora_rank, L->q_a_norm, c->q_lora_rank, 1e-6f);
+        k3_matmul(ctx->pool, &L->q_b, s->cq, T, s->mq);
+    } else {
+        k3_matmul(ctx->pool, &L->q_b, xn, T, s->mq);
+    }
+    /* latent: c = rms(ckv[:kvl]; 1e-6), kpe = ckv[kvl:] raw; into the cache */
+    k3_matmul(ctx->pool, &L->kv_a, xn, T, s->ckv);
+    rms_all(ctx, s->ckv, ld, s->ckv, ld, L->kv_a_norm, kvl, 1e-6f);
+    for (int32_t i = 0; i < ctx->n_spans; i++) {
+        const k3_span *sp = &ctx->spans[i];
+        for (int32_t r = 0; r < sp->n; r++)
+            memcpy(ctx->lat_cache[layer] + k3_ctx_slot(ctx, sp->seq, sp->pos0 + r) * ld,
+                   s->ckv + (int64_t)(sp->t0 + r) * ld, sizeof(float) * (size_t)ld);
+    }
+
+    if (L->kind == K3_LAYER_DSA) {
+        const int HI = c->index_n_heads, dI = c->index_head_dim;
+        k3_matmul(ctx->pool, &L->idx_wq_b, s->cq, T, s->iq);
+        k3_matmul(ctx->pool, &L->idx_wk, xn, T, s->ik);
+        k3_matmul(ctx->pool, &L->idx_weights, xn, T, s->iw);
+        const float wscale = 1.0f / sqrtf((float)HI) / sqrtf((float)dI);
+        for (int64_t t = 0; t < T; t++) {
+            /* LayerNorm(wk x; weight, bias, eps 1e-6) */
+            float *k = s->ik + t * dI;
+            double mean = 0.0, var = 0.0;
+            for (int d = 0; d < dI; d++) mean += k[d];
+            mean /= dI;
+            for (int d = 0; d < dI; d++) var += (k[d] - mean) * (k[d] - mean);
+            var /= dI;
+            const float r = (float)(1.0 / sqrt(var + 1e-6));
+            for (int d = 0; d < dI; d++) k[d] = (float)(k[d] - mean) * r * L->idx_k_norm_w[d] + L->idx_k_norm_b[d];
+            for (int h = 0; h < HI; h++) s->iw[t * HI + h] *= wscale;
+        }
+        for (int32_t i = 0; i < ctx->n_spans; i++) {
+            const k3_span *sp = &ctx->spans[i];
+            for (int32_t r = 0; r < sp->n; r++)
+                memcpy(ctx->idx_cache[layer] + k3_ctx_slot(ctx, sp->seq, sp->pos0 + r) * dI,
+                       s->ik + (int64_t)(sp->t0 + r) * dI, sizeof(float) * (size_t)dI);
+        }
+        k3_pool_for(ctx->pool, T, 1, dsa_select_rows, &j);
+    }
+
+    /* absorbed query per head: qa_h = W_UK_hᵀ q_nope_h */
+    for (int h = 0; h < H; h++) {
+        float *qn = s->qn + (int64_t)h * T * nope;
+        for (int64_t t = 0; t < T; t++)
+            memcpy(qn + t * nope, s->mq + t * H * qh + h * qh, sizeof(float) * (size_t)nope);
+        const k3_mat wuk = {K3_W_F32, kvl, nope, L->wuk_t + (int64_t)h * kvl * nope, NULL};
+        k3_matmul(ctx->pool, &wuk, qn, T, s->qa + (int64_t)h * T * kvl);
+    }
+    k3_pool_for(ctx->pool, T * H, 1, mla_attend_items, &j);
+
+    /* o_h = W_UV_h ĉ_h, gated, then o_proj */
+    for (int h = 0; h < H; h++) {
+        const k3_mat wuv = k3_mat_rows(&L->kv_b, (int64_t)h * (nope + vd) + nope, vd);
+        k3_matmul(ctx->pool, &wuv, s->chat + (int64_t)h * T * kvl, T, s->mtmp + (int64_t)h * T * vd);
+        for (int64_t t = 0; t < T; t++)
+            memcpy(s->mo + t * H * vd + (int64_t)h * vd, s->mtmp + ((int64_t)h * T + t) * vd,
+                   sizeof(float) * (size_t)vd);
+    }
+    if (c->mla_use_output_gate) {
+        k3_matmul(ctx->pool, &L->g_proj, xn, T, s->mgate);
+        for (int64_t i = 0; i < T * H * vd; i++) s->mo[i] *= sigmoidf(s->mgate[i]);
+    }
+    k3_matmul(ctx->pool, &L->o_proj, s->mo, T, out);
+}
+
+/* ---- FFN and MoE ---------------------------------------------------------- */
+
+static void dense_ffn(k3_ctx *ctx, const k3_mat *gate, const k3_mat *up, const k3_mat *down,
+                      const float *x, int64_t n, float *out) {
+    k3_scratch *s = &ctx->s;
+    k3_matmul(ctx->pool, gate, x, n, s->f1);
+    k3_matmul(ctx->pool, up, x, n, s->f2);
+    glu(ctx->c, s->f1, s->f2, n * gate->rows);
+    k3_matmul(ctx->pool, down, s->f1, n, out);
+}
+
+static void moe_layer(k3_ctx *ctx, const k3_layer *L, const float *yn, float *out) {
+    const k3_config *c = ctx->c;
+    const int64_t T = ctx->T, D = c->hidden_size, Dl = c->expert_dim;
+    const int E = c->n_experts, K = c->n_experts_per_tok;
+    k3_scratch *s = &ctx->s;
+
+    k3_matmul(ctx->pool, &L->router, yn, T, s->rlog);
+    const k3_router_cfg rc = {E, K, c->router_sigmoid, c->moe_renormalize, c->routed_scaling,
+                              c->n_expert_groups, c->topk_groups};
+    for (int64_t t = 0; t < T; t++)
+        k3_router_select(&rc, s->rlog + t * E, L->router_bias, s->rids + t * K, s->rw + t * K, s->rwork);
+
+    const float *z = yn;
+    if (c->latent_moe) {
+        k3_matmul(ctx->pool, &L->lat_down, yn, T, s->lat);
+        z = s->lat;
+    }
+    /* group the (token, slot) rows by expert: counting sort, token order kept */
+    memset(s->ecount, 0, sizeof(int32_t) * (size_t)(E + 1));
+    for (int64_t i = 0; i < T * K; i++) s->ecount[s->rids[i] + 1]++;
+    for (int e = 0; e < E; e++) s->ecount[e + 1] += s->ecount[e];
+    for (int64_t i = 0; i < T * K; i++) s->erows[s->ecount[s->rids[i]]++] = (int32_t)i;
+    for (int e = E; e > 0; e--) s->ecount[e] = s->ecount[e - 1];
+    s->ecount[0] = 0;
+
+    for (int e = 0; e < E; e++) {
+        const int32_t r0 = s->ecount[e], ne = s->ecount[e + 1] - r0;
+        if (!ne) continue;
+        for (int32_t r = 0; r < ne; r++)
+            memcpy(s->lgather + (int64_t)r * Dl, z + (int64_t)(s->erows[r0 + r] / K) * Dl, sizeof(float) * (size_t)Dl);
+        k3_matmul(ctx->pool, &L->exp_gate[e], s->lgather, ne, s->f1);
+        k3_matmul(ctx->pool, &L->exp_up[e], s->lgather, ne, s->f2);
+        glu(c, s->f1, s->f2, (int64_t)ne * L->exp_gate[e].rows);
+        k3_matmul(ctx->pool, &L->exp_down[e], s->f1, ne, s->lout);
+        for (int32_t r = 0; r < ne; r++)
+            memcpy(s->ly + (int64_t)s->erows[r0 + r] * Dl, s->lout + (int64_t)r * Dl, sizeof(float) * (size_t)Dl);
+    }
+    /* combine in slot order (fp32), then latent norm and up-projection */
+    float *comb = s->lout;
+    for (int64_t t = 0; t < T; t++) {
+        float *y = comb + t * Dl;
+        memset(y, 0, sizeof(float) * (size_t)Dl);
+        for (int r = 0; r < K; r++) k3_axpy(y, s->rw[t * K + r], s->ly + (t * K + r) * Dl, Dl);
+        if (c->latent_moe && c->latent_moe_norm) rmsnorm(y, y, L->lat_norm, Dl, c->rms_eps);
+    }
+    if (c->latent_moe) k3_matmul(ctx->pool, &L->lat_up, comb, T, out);
+    else memcpy(out, comb, sizeof(float) * (size_t)(T * D));
+
+    if (c->n_shared_experts > 0) {
+        dense_ffn(ctx, &L->sh_gate, &L->sh_up, &L->sh_down, yn, T, s->tmp);
+        for (int64_t i = 0; i < T * D; i++) out[i] += s->tmp[i];
+    }
+}
+
+/* ---- the layer loop -------------------------------------------------------- */
+
+void k3_forward_round(k3_ctx *ctx, const int32_t *tokens, const int32_t *out_rows,
+                      int32_t n_out, float *logits) {
+    const k3_model *m = ctx->m;
+    const k3_config *c = ctx->c;
+    const int64_t T = ctx->T, D = c->hidden_size;
+    k3_scratch *s = &ctx->s;
+    const bool attn_res = c->attn_res_block_size > 0;
+
+    for (int64_t t = 0; t < T; t++) k3_mat_get_row(&m->embed, tokens[t], s->P + t * D);
+
+    int nb = 0; /* bank entries */
+    for (int i = 0; i < c->n_layers; i++) {
+        const k3_layer *L = &m->layers[i];
+        /* AttnRes: X = mix(P, bank) (P itself while the bank is empty); a bank
+         * layer stores the raw incoming P and restarts the block sum. */
+        const float *X = s->P;
+        if (attn_res) {
+            if (nb > 0) {
+                attn_res_mix(ctx, s->X, s->P, L->attn_res_w, nb);
+                X = s->X;
+            }
+            if (k3_config_is_bank_layer(c, i)) {
+                float *dst = s->bank + (int64_t)nb * T * D;
+                memcpy(dst, s->P, sizeof(float) * (size_t)(T * D));
+                if (X == s->P) { /* keep X (= the incoming P) alive */
+                    X = dst;
+                }
+                memset(s->P, 0, sizeof(float) * (size_t)(T * D));
+                nb++;
+            }
+        }
+        rms_all(ctx, s->xn, D, X, D, L->input_norm, D, c->rms_eps);
+        if (L->kind == K3_LAYER_KDA) kda_layer(ctx, L, i, s->xn, s->tmp);
+        else mla_layer(ctx, L, i, s->xn, s->tmp);
+        for (int64_t k = 0; k < T * D; k++) s->P[k] += s->tmp[k];
+
+        const float *Y = s->P;
+        if (attn_res) {
+            attn_res_mix(ctx, s->X, s->P, L->mlp_res_w, nb);
+            Y = s->X;
+        }
+        rms_all(ctx, s->xn, D, Y, D, L->post_attn_norm, D, c->rms_eps);
+        if (L->moe) moe_layer(ctx, L, s->xn, s->X);
+        else dense_ffn(ctx, &L->ffn_gate, &L->ffn_up, &L->ffn_down, s->xn, T, s->X);
+        for (int64_t k = 0; k < T * D; k++) s->P[k] += s->X[k];
+    }
+    if (!n_out) return;
+
+    const float *Z = s->P;
+    if (attn_res) {
+        attn_res_mix(ctx, s->X, s->P, m->out_res_w, nb);
+        Z = s->X;
+    }
+    for (int32_t r = 0; r < n_out; r++)
+        rmsnorm(s->xn + (int64_t)r * D, Z + (int64_t)out_rows[r] * D, m->final_norm, D, c->rms_eps);
+    k3_matmul(ctx->pool, &m->lm_head, s->xn, n_out, logits);
+}

@@ -1,0 +1,79 @@
+/* test_sample.c -- the sampler: greedy, seeds, top-k/top-p/min-p filters,
+ * the distribution it draws from, and the repetition penalty. */
+#include <string.h>
+
+#include "k3.h"
+#include "test.h"
+
+static k3_sampler *mk(float temp, int top_k, float top_p, float min_p, float rep, uint64_t seed, int V) {
+    k3_sampler *s = NULL;
+    k3_sampler_options o = {temp, top_k, top_p, min_p, rep, 0, seed};
+    k3_error err = {0};
+    if (k3_sampler_init(&s, &o, V, &err)) k3_test_fail(__FILE__, __LINE__, "%s", err.msg);
+    return s;
+}
+
+K3_TEST(sample_greedy_and_ties) {
+    k3_sampler *s = mk(0, 0, 1, 0, 1, 1, 5);
+    REQUIRE(s);
+    float l[5] = {0.1f, 2.0f, -1.0f, 2.0f, 1.0f};
+    CHECK(k3_sampler_sample(s, l) == 1);
+    k3_sampler_free(s);
+}
+
+K3_TEST(sample_distribution_and_seed) {
+    const float lg[4] = {logf(0.1f), logf(0.2f), logf(0.3f), logf(0.4f)};
+    k3_sampler *s = mk(1.0f, 0, 1.0f, 0.0f, 1.0f, 123, 4), *s2 = mk(1.0f, 0, 1.0f, 0.0f, 1.0f, 123, 4);
+    REQUIRE(s && s2);
+    int count[4] = {0}, same = 1;
+    for (int i = 0; i < 20000; i++) {
+        float l[4], l2[4];
+        memcpy(l, lg, sizeof l);
+        memcpy(l2, lg, sizeof l2);
+        const int a = k3_sampler_sample(s, l), b = k3_sampler_sample(s2, l2);
+        same &= a == b;
+        count[a]++;
+    }
+    CHECK(same);
+    for (int i = 0; i < 4; i++)
+        CHECKF(fabs(count[i] / 20000.0 - 0.1 * (i + 1)) < 0.015, "p[%d] = %.3f", i, count[i] / 20000.0);
+    k3_sampler_free(s);
+    k3_sampler_free(s2);
+}
+
+K3_TEST(sample_filters) {
+    const float lg[4] = {logf(0.1f), logf(0.2f), logf(0.3f), logf(0.4f)};
+    /* top-k 2: only ids 2 and 3; top-p 0.6: ids 3, 2 (0.4 + 0.3 >= 0.6);
+     * min-p 0.6: p >= 0.24 -> ids 2, 3 */
+    struct { int k; float p, minp; } cases[3] = {{2, 1.0f, 0}, {0, 0.6f, 0}, {0, 1.0f, 0.6f}};
+    for (int c = 0; c < 3; c++) {
+        k3_sampler *s = mk(1.0f, cases[c].k, cases[c].p, cases[c].minp, 1.0f, 7, 4);
+        REQUIRE(s);
+        for (int i = 0; i < 500; i++) {
+            float l[4];
+            memcpy(l, lg, sizeof l);
+            const int id = k3_sampler_sample(s, l);
+            CHECKF(id == 2 || id == 3, "case %d drew %d", c, id);
+        }
+        k3_sampler_free(s);
+    }
+}
+
+K3_TEST(sample_repetition_penalty) {
+    k3_sampler *s = mk(0, 0, 1, 0, 2.0f, 1, 3);
+    REQUIRE(s);
+    float l[3] = {1.0f, 1.5f, -1.0f};
+    k3_sampler_accept(s, 1);
+    k3_sampler_accept(s, 1);
+    CHECK(k3_sampler_sample(s, l) == 0); /* 1.5 / 2 < 1.0, penalised once */
+    CHECK(l[1] == 0.75f);
+    k3_sampler_free(s);
+}
+
+K3_TEST(sample_bad_options) {
+    k3_sampler *s = NULL;
+    k3_error err = {0};
+    k3_sampler_options o = {-1, 0, 1, 0, 1, 0, 0};
+    CHECK(k3_sampler_init(&s, &o, 10, &err) == K3_ERR_ARG);
+    CHECK(s == NULL);
+}
