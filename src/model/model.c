@@ -1,0 +1,707 @@
+/*
+ * model.c -- k3_model_open: config + safetensors -> bound, checked weights.
+ *
+ * One walker visits every tensor the config implies, in three passes:
+ *   CHECK  looks each tensor up, checks dtype and exact shape, and fills the
+ *          k3_mat views (no tensor data is read);
+ *   LOAD   runs only when CHECK passed: converts the small vectors to owned
+ *          fp32 copies, derives attn_res_w and wuk_t, and scans every MXFP4
+ *          scale byte for the E8M0 NaN code 255;
+ *   COUNT  (k3_model_get_info) sums parameters and bytes; it writes nothing
+ *          and visits one expert per layer (all experts share one shape).
+ * Names are tried as `language_model.<name>` first, then `<name>`; messages
+ * use the spelling the checkpoint uses. Tensors the config does not imply
+ * (vision tower, projector, MTP layers) are ignored.
+ */
+#include "model.h"
+#include "../common/error.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define PFX "language_model."
+
+typedef enum pass { PASS_CHECK, PASS_LOAD, PASS_COUNT } pass;
+
+typedef struct stats {
+    int64_t params, bytes;          /* every bound text tensor (embed once) */
+    int64_t exp_params, exp_bytes;  /* routed experts, all layers */
+    int64_t emb_params, emb_bytes;  /* the embedding table */
+} stats;
+
+typedef struct walker {
+    const k3_model *m;  /* config and tensors */
+    k3_model *out;      /* where views and copies go; NULL in PASS_COUNT */
+    pass pass;
+    k3_error *err;
+    const char *pfx;    /* PFX when the checkpoint uses it, else "" */
+    bool expert;        /* the tensors being bound are routed experts */
+    stats st;
+    char name[256];     /* the current name, without prefix */
+} walker;
+
+/* ---- small helpers ------------------------------------------------------ */
+
+/* Formats the current tensor name into w->name. */
+static const char *nm(walker *w, const char *fmt, ...) K3_PRINTF(2, 3);
+static const char *nm(walker *w, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(w->name, sizeof w->name, fmt, ap);
+    va_end(ap);
+    return w->name;
+}
+
+static const k3_st_tensor *lookup(const walker *w, const char *name) {
+    char full[352];
+    snprintf(full, sizeof full, PFX "%s", name);
+    const k3_st_tensor *t = k3_st_get(w->m->st, full);
+    return t ? t : k3_st_get(w->m->st, name);
+}
+
+/* The name as the checkpoint spells it (for messages). */
+static const char *full_name(const walker *w, const k3_st_tensor *t, const char *name,
+                             char *buf, size_t size) {
+    if (t) return t->name;
+    snprintf(buf, size, "%s%s", w->pfx, name);
+    return buf;
+}
+
+static k3_status need(walker *w, const char *name, const k3_st_tensor **out) {
+    *out = lookup(w, name);
+    if (*out) return K3_OK;
+    char buf[512];
+    return k3_err(w->err, K3_ERR_FORMAT, "missing tensor '%s'",
+                  full_name(w, NULL, name, buf, sizeof buf));
+}
+
+static void fmt_shape(char *buf, size_t size, const int64_t *shape, int ndim) {
+    size_t n = (size_t)snprintf(buf, size, "[");
+    for (int i = 0; i < ndim && n < size; i++)
+        n += (size_t)snprintf(buf + n, size - n, "%s%lld", i ? ", " : "", (long long)shape[i]);
+    if (n < size) snprintf(buf + n, size - n, "]");
+}
+
+static k3_status bad_shape(walker *w, const k3_st_tensor *t, const int64_t *want, int ndim) {
+    char a[128], b[128];
+    fmt_shape(a, sizeof a, want, ndim);
+    fmt_shape(b, sizeof b, t->shape, t->ndim);
+    return k3_err(w->err, K3_ERR_SHAPE, "tensor '%s': expected shape %s, got %s", t->name, a, b);
+}
+
+static bool same_shape(const k3_st_tensor *t, const int64_t *want, int ndim) {
+    if (t->ndim != ndim) return false;
+    for (int i = 0; i < ndim; i++)
+        if (t->shape[i] != want[i]) return false;
+    return true;
+}
+
+static bool is_float(k3_dtype d) {
+    return d == K3_DTYPE_BF16 || d == K3_DTYPE_F16 || d == K3_DTYPE_F32;
+}
+
+static k3_status bad_dtype(walker *w, const k3_st_tensor *t, const char *allowed) {
+    return k3_err(w->err, K3_ERR_SHAPE, "tensor '%s': dtype %s is not allowed (expected %s)",
+                  t->name, k3_dtype_name(t->dtype), allowed);
+}
+
+static int64_t numel(const k3_st_tensor *t) {
+    int64_t n = 1;
+    for (int i = 0; i < t->ndim; i++) n *= t->shape[i];
+    return n;
+}
+
+static void count(walker *w, int64_t params, int64_t bytes) {
+    w->st.params += params;
+    w->st.bytes += bytes;
+    if (w->expert) {
+        w->st.exp_params += params;
+        w->st.exp_bytes += bytes;
+    }
+}
+
+/* Element i of a BF16/F16/F32 array (possibly unaligned) as fp32. */
+static float elem_f32(const uint8_t *data, k3_dtype d, int64_t i) {
+    if (d == K3_DTYPE_F32) {
+        float f;
+        memcpy(&f, data + 4 * i, 4);
+        return f;
+    }
+    uint16_t h;
+    memcpy(&h, data + 2 * i, 2);
+    return d == K3_DTYPE_BF16 ? k3_bf16_to_f32(h) : k3_f16_to_f32(h);
+}
+
+static k3_wtype wtype_of(k3_dtype d) {
+    return d == K3_DTYPE_F32 ? K3_W_F32 : d == K3_DTYPE_F16 ? K3_W_F16 : K3_W_BF16;
+}
+
+/* An fp32 buffer the model owns (freed by k3_model_close). */
+static float *own(walker *w, int64_t n) {
+    k3_model *m = w->out;
+    if (m->n_owned == m->cap_owned) {
+        int64_t cap = m->cap_owned ? 2 * m->cap_owned : 256;
+        float **o = realloc(m->owned, (size_t)cap * sizeof *o);
+        if (!o) return NULL;
+        m->owned = o;
+        m->cap_owned = cap;
+    }
+    float *p = malloc((size_t)(n > 0 ? n : 1) * sizeof *p);
+    if (p) m->owned[m->n_owned++] = p;
+    return p;
+}
+
+static k3_status nomem(walker *w) {
+    return k3_err(w->err, K3_ERR_NOMEM, "out of memory loading %s", w->m->dir);
+}
+
+/* ---- binders ------------------------------------------------------------ */
+
+/* A matrix [rows, cols] in BF16/F16/F32, viewed in place. */
+static k3_status bind_mat(walker *w, k3_mat *dst, const char *name, int64_t rows,
+                          int64_t cols) {
+    if (w->pass == PASS_LOAD) return K3_OK;
+    const k3_st_tensor *t;
+    k3_status s = need(w, name, &t);
+    if (s != K3_OK) return s;
+    if (!is_float(t->dtype)) return bad_dtype(w, t, "BF16, F16 or F32");
+    int64_t want[2] = {rows, cols};
+    if (!same_shape(t, want, 2)) return bad_shape(w, t, want, 2);
+    if (dst && w->out) *dst = (k3_mat){wtype_of(t->dtype), rows, cols, t->data, NULL};
+    count(w, rows * cols, (int64_t)t->nbytes);
+    return K3_OK;
+}
+
+/* A routed expert matrix W[rows, cols] in MXFP4: NAME.weight_packed U8
+ * [rows, cols/2] + NAME.weight_scale U8 [rows, cols/32]. LOAD scans the
+ * scales for 255 (NaN in E8M0), which the kernels must never see. */
+static k3_status bind_mxfp4(walker *w, k3_mat *dst, const char *base, int64_t rows,
+                            int64_t cols) {
+    char pn[320], sn[320];
+    snprintf(pn, sizeof pn, "%s.weight_packed", base);
+    snprintf(sn, sizeof sn, "%s.weight_scale", base);
+    const k3_st_tensor *p, *sc;
+    k3_status s = need(w, pn, &p);
+    if (s == K3_OK) s = need(w, sn, &sc);
+    if (s != K3_OK) return s;
+    if (w->pass == PASS_LOAD) {
+        int64_t nb = cols / 32;
+        const uint8_t *hit = memchr(sc->data, 0xFF, sc->nbytes);
+        if (hit) {
+            int64_t off = hit - sc->data;
+            return k3_err(w->err, K3_ERR_FORMAT,
+                          "tensor '%s': E8M0 scale 255 (NaN) at row %lld, block %lld "
+                          "(columns %lld..%lld)", sc->name, (long long)(off / nb),
+                          (long long)(off % nb), (long long)(off % nb * 32),
+                          (long long)(off % nb * 32 + 31));
+        }
+        return K3_OK;
+    }
+    if (p->dtype != K3_DTYPE_U8) return bad_dtype(w, p, "U8 (packed MXFP4)");
+    if (sc->dtype != K3_DTYPE_U8) return bad_dtype(w, sc, "U8 (E8M0 scales)");
+    int64_t wp[2] = {rows, cols / 2}, ws[2] = {rows, cols / 32};
+    if (!same_shape(p, wp, 2)) return bad_shape(w, p, wp, 2);
+    if (!same_shape(sc, ws, 2)) return bad_shape(w, sc, ws, 2);
+    if (dst && w->out) *dst = (k3_mat){K3_W_MXFP4, rows, cols, p->data, sc->data};
+    count(w, rows * cols, (int64_t)(p->nbytes + sc->nbytes));
+    return K3_OK;
+}
+
+/* Checks a vector-like tensor: dtype float, shape one of the allowed forms. */
+static k3_status check_vec(walker *w, const k3_st_tensor *t, const int64_t *want, int ndim,
+                           const int64_t *alt, int alt_ndim) {
+    if (!is_float(t->dtype)) return bad_dtype(w, t, "BF16, F16 or F32");
+    if (same_shape(t, want, ndim) || (alt && same_shape(t, alt, alt_ndim))) return K3_OK;
+    return bad_shape(w, t, want, ndim);
+}
+
+/* Copies the first n elements of t into an owned fp32 vector. */
+static k3_status load_vec(walker *w, float **dst, const k3_st_tensor *t, int64_t n) {
+    float *v = own(w, n);
+    if (!v) return nomem(w);
+    for (int64_t i = 0; i < n; i++) v[i] = elem_f32(t->data, t->dtype, i);
+    *dst = v;
+    return K3_OK;
+}
+
+/* A vector [n] -> owned fp32. optional: absent leaves *dst NULL. */
+static k3_status bind_vec_opt(walker *w, float **dst, const char *name, int64_t n,
+                              bool optional) {
+    const k3_st_tensor *t = lookup(w, name);
+    if (!t && optional) return K3_OK;
+    k3_status s = need(w, name, &t);
+    if (s != K3_OK) return s;
+    if (w->pass != PASS_LOAD) {
+        int64_t want[1] = {n};
+        s = check_vec(w, t, want, 1, NULL, 0);
+        if (s == K3_OK) count(w, n, (int64_t)t->nbytes);
+        return s;
+    }
+    return dst ? load_vec(w, dst, t, n) : K3_OK;
+}
+
+static k3_status bind_vec(walker *w, float **dst, const char *name, int64_t n) {
+    return bind_vec_opt(w, dst, name, n, false);
+}
+
+/* Conv taps [C, 1, K] (or [C, K]) -> owned fp32 [C, K]. */
+static k3_status bind_conv(walker *w, float **dst, const char *name, int64_t c, int64_t k) {
+    const k3_st_tensor *t;
+    k3_status s = need(w, name, &t);
+    if (s != K3_OK) return s;
+    if (w->pass != PASS_LOAD) {
+        int64_t want[3] = {c, 1, k}, alt[2] = {c, k};
+        s = check_vec(w, t, want, 3, alt, 2);
+        if (s == K3_OK) count(w, c * k, (int64_t)t->nbytes);
+        return s;
+    }
+    return load_vec(w, dst, t, c * k);
+}
+
+/* A_log: [H], padded [n >= H] (K3 stores [head_dim]), or any shape of H
+ * elements ([1, 1, H, 1] in some Kimi-Linear exports). The first H are used. */
+static k3_status bind_alog(walker *w, float **dst, const char *name, int64_t h) {
+    const k3_st_tensor *t;
+    k3_status s = need(w, name, &t);
+    if (s != K3_OK) return s;
+    if (w->pass != PASS_LOAD) {
+        if (!is_float(t->dtype)) return bad_dtype(w, t, "BF16, F16 or F32");
+        if (!(t->ndim == 1 && t->shape[0] >= h) && numel(t) != h)
+            return k3_err(w->err, K3_ERR_SHAPE,
+                          "tensor '%s': expected shape [%lld] (or padded to more), got "
+                          "%d dimensions and %lld elements", t->name, (long long)h, t->ndim,
+                          (long long)numel(t));
+        count(w, numel(t), (int64_t)t->nbytes);
+        return K3_OK;
+    }
+    return load_vec(w, dst, t, h);
+}
+
+/* AttnRes pseudo-query: norm [D] ⊙ proj[0, :] ([1, D], or [D]). */
+static k3_status bind_res(walker *w, float **dst, const char *norm_name,
+                          const char *proj_name, int64_t d) {
+    const k3_st_tensor *tn, *tp;
+    k3_status s = need(w, norm_name, &tn);
+    if (s == K3_OK) s = need(w, proj_name, &tp);
+    if (s != K3_OK) return s;
+    if (w->pass != PASS_LOAD) {
+        int64_t v[1] = {d}, p2[2] = {1, d};
+        s = check_vec(w, tn, v, 1, NULL, 0);
+        if (s == K3_OK) s = check_vec(w, tp, p2, 2, v, 1);
+        if (s == K3_OK) count(w, 2 * d, (int64_t)(tn->nbytes + tp->nbytes));
+        return s;
+    }
+    float *r = own(w, d);
+    if (!r) return nomem(w);
+    for (int64_t i = 0; i < d; i++)
+        r[i] = elem_f32(tn->data, tn->dtype, i) * elem_f32(tp->data, tp->dtype, i);
+    *dst = r;
+    return K3_OK;
+}
+
+/* ---- the layer walk ------------------------------------------------------ */
+
+#define TRY(x)                                                                \
+    do {                                                                      \
+        k3_status s_ = (x);                                                   \
+        if (s_ != K3_OK) return s_;                                           \
+    } while (0)
+
+/* &L->field, or NULL when counting (no layer to write to). */
+#define F(field) (L ? &L->field : NULL)
+
+/* wuk_t[h][c][d] = kv_b[h*(nope+v) + d][c]: W_UK_h transposed, fp32. */
+static k3_status derive_wuk(walker *w, k3_layer *L) {
+    const k3_config *c = &w->m->cfg;
+    int64_t H = c->n_heads, kv = c->kv_lora_rank, nope = c->qk_nope_dim, v = c->v_head_dim;
+    float *t = own(w, H * kv * nope);
+    if (!t) return nomem(w);
+    const k3_mat *kb = &L->kv_b;
+    k3_dtype d = kb->type == K3_W_F32 ? K3_DTYPE_F32
+               : kb->type == K3_W_F16 ? K3_DTYPE_F16 : K3_DTYPE_BF16;
+    for (int64_t h = 0; h < H; h++)
+        for (int64_t j = 0; j < nope; j++) {
+            int64_t row = h * (nope + v) + j;
+            for (int64_t col = 0; col < kv; col++)
+                t[(h * kv + col) * nope + j] =
+                    elem_f32(kb->data, d, row * kb->cols + col);
+        }
+    L->wuk_t = t;
+    return K3_OK;
+}
+
+static k3_status walk_kda(walker *w, int i, k3_layer *L) {
+    const k3_config *c = &w->m->cfg;
+    int64_t D = c->hidden_size, H = c->kda_heads, dk = c->kda_head_dim, HD = H * dk;
+    static const char *const qkv[3] = {"q", "k", "v"};
+    for (int j = 0; j < 3; j++) {
+        k3_mat *proj = L ? (j == 0 ? &L->q_proj : j == 1 ? &L->k_proj : &L->v_proj) : NULL;
+        float **conv = L ? (j == 0 ? &L->q_conv : j == 1 ? &L->k_conv : &L->v_conv) : NULL;
+        TRY(bind_mat(w, proj, nm(w, "model.layers.%d.self_attn.%s_proj.weight", i, qkv[j]),
+                     HD, D));
+        TRY(bind_conv(w, conv, nm(w, "model.layers.%d.self_attn.%s_conv1d.weight", i, qkv[j]),
+                      HD, c->conv_size));
+    }
+    TRY(bind_mat(w, F(o_proj), nm(w, "model.layers.%d.self_attn.o_proj.weight", i), D, HD));
+    TRY(bind_mat(w, F(f_a), nm(w, "model.layers.%d.self_attn.f_a_proj.weight", i), dk, D));
+    TRY(bind_mat(w, F(f_b), nm(w, "model.layers.%d.self_attn.f_b_proj.weight", i), HD, dk));
+    TRY(bind_mat(w, F(b_proj), nm(w, "model.layers.%d.self_attn.b_proj.weight", i), H, D));
+    TRY(bind_alog(w, F(A_log), nm(w, "model.layers.%d.self_attn.A_log", i), H));
+    TRY(bind_vec(w, F(dt_bias), nm(w, "model.layers.%d.self_attn.dt_bias", i), HD));
+    TRY(bind_vec(w, F(o_norm), nm(w, "model.layers.%d.self_attn.o_norm.weight", i), dk));
+    if (c->kda_full_rank_gate) {
+        TRY(bind_mat(w, F(g_proj), nm(w, "model.layers.%d.self_attn.g_proj.weight", i), HD, D));
+    } else {
+        int64_t r = c->kda_gate_rank;
+        TRY(bind_mat(w, F(g_a), nm(w, "model.layers.%d.self_attn.g_a_proj.weight", i), r, D));
+        TRY(bind_mat(w, F(g_b), nm(w, "model.layers.%d.self_attn.g_b_proj.weight", i), HD, r));
+    }
+    return K3_OK;
+}
+
+static k3_status walk_mla(walker *w, int i, k3_layer *L) {
+    const k3_config *c = &w->m->cfg;
+    int64_t D = c->hidden_size, H = c->n_heads, ql = c->q_lora_rank, kv = c->kv_lora_rank;
+    int64_t qk = c->qk_nope_dim + c->qk_rope_dim, v = c->v_head_dim;
+    if (ql > 0) {
+        TRY(bind_mat(w, F(q_a), nm(w, "model.layers.%d.self_attn.q_a_proj.weight", i), ql, D));
+        TRY(bind_vec(w, F(q_a_norm), nm(w, "model.layers.%d.self_attn.q_a_layernorm.weight", i),
+                     ql));
+        TRY(bind_mat(w, F(q_b), nm(w, "model.layers.%d.self_attn.q_b_proj.weight", i), H * qk,
+                     ql));
+    } else {
+        TRY(bind_mat(w, F(q_b), nm(w, "model.layers.%d.self_attn.q_proj.weight", i), H * qk, D));
+    }
+    TRY(bind_mat(w, F(kv_a), nm(w, "model.layers.%d.self_attn.kv_a_proj_with_mqa.weight", i),
+                 kv + c->qk_rope_dim, D));
+    TRY(bind_vec(w, F(kv_a_norm), nm(w, "model.layers.%d.self_attn.kv_a_layernorm.weight", i),
+                 kv));
+    TRY(bind_mat(w, F(kv_b), nm(w, "model.layers.%d.self_attn.kv_b_proj.weight", i),
+                 H * (c->qk_nope_dim + v), kv));
+    TRY(bind_mat(w, F(o_proj), nm(w, "model.layers.%d.self_attn.o_proj.weight", i), D, H * v));
+    if (c->mla_use_output_gate)
+        TRY(bind_mat(w, F(g_proj), nm(w, "model.layers.%d.self_attn.g_proj.weight", i), H * v,
+                     D));
+    if (c->layer_kind[i] == K3_LAYER_DSA) {
+        int64_t HI = c->index_n_heads, dI = c->index_head_dim;
+        TRY(bind_mat(w, F(idx_wq_b),
+                     nm(w, "model.layers.%d.self_attn.indexer.wq_b.weight", i), HI * dI, ql));
+        TRY(bind_mat(w, F(idx_wk), nm(w, "model.layers.%d.self_attn.indexer.wk.weight", i), dI,
+                     D));
+        TRY(bind_vec(w, F(idx_k_norm_w),
+                     nm(w, "model.layers.%d.self_attn.indexer.k_norm.weight", i), dI));
+        TRY(bind_vec(w, F(idx_k_norm_b),
+                     nm(w, "model.layers.%d.self_attn.indexer.k_norm.bias", i), dI));
+        TRY(bind_mat(w, F(idx_weights),
+                     nm(w, "model.layers.%d.self_attn.indexer.weights_proj.weight", i), HI, D));
+    }
+    if (w->pass == PASS_LOAD) TRY(derive_wuk(w, L));
+    return K3_OK;
+}
+
+static k3_status walk_moe(walker *w, int i, k3_layer *L) {
+    const k3_config *c = &w->m->cfg;
+    int64_t D = c->hidden_size, E = c->n_experts, Dl = c->expert_dim, Im = c->moe_intermediate;
+    const char *P = "model.layers.%d.block_sparse_moe.";
+    char fmt[160];
+#define MOE(suffix) (snprintf(fmt, sizeof fmt, "%s%s", P, suffix), nm(w, fmt, i))
+    TRY(bind_mat(w, F(router), MOE("gate.weight"), E, D));
+    TRY(bind_vec_opt(w, F(router_bias), MOE("gate.e_score_correction_bias"), E, true));
+    if (c->latent_moe) {
+        TRY(bind_mat(w, F(lat_down), MOE("routed_expert_down_proj.weight"), Dl, D));
+        TRY(bind_mat(w, F(lat_up), MOE("routed_expert_up_proj.weight"), D, Dl));
+        if (c->latent_moe_norm)
+            TRY(bind_vec(w, F(lat_norm), MOE("routed_expert_norm.weight"), Dl));
+    }
+    if (c->n_shared_experts > 0) {
+        int64_t S = c->n_shared_experts * Im;
+        TRY(bind_mat(w, F(sh_gate), MOE("shared_experts.gate_proj.weight"), S, D));
+        TRY(bind_mat(w, F(sh_up), MOE("shared_experts.up_proj.weight"), S, D));
+        TRY(bind_mat(w, F(sh_down), MOE("shared_experts.down_proj.weight"), D, S));
+    }
+#undef MOE
+    if (L && w->pass == PASS_CHECK) {
+        L->exp_gate = calloc((size_t)E, sizeof *L->exp_gate);
+        L->exp_up = calloc((size_t)E, sizeof *L->exp_up);
+        L->exp_down = calloc((size_t)E, sizeof *L->exp_down);
+        if (!L->exp_gate || !L->exp_up || !L->exp_down) return nomem(w);
+    }
+    /* COUNT visits expert 0 and scales: CHECK proved they all match. */
+    int64_t n_visit = w->pass == PASS_COUNT ? 1 : E;
+    stats before = w->st;
+    w->expert = true;
+    for (int64_t e = 0; e < n_visit; e++) {
+        static const char *const wn[3] = {"w1", "w3", "w2"};
+        for (int j = 0; j < 3; j++) {
+            k3_mat *dst = L ? (j == 0 ? &L->exp_gate[e] : j == 1 ? &L->exp_up[e]
+                                                                 : &L->exp_down[e])
+                            : NULL;
+            int64_t rows = j < 2 ? Im : Dl, cols = j < 2 ? Dl : Im;
+            k3_status s;
+            if (c->experts_mxfp4) {
+                nm(w, "model.layers.%d.block_sparse_moe.experts.%lld.%s", i, (long long)e,
+                   wn[j]);
+                char base[256];
+                memcpy(base, w->name, sizeof base);
+                s = bind_mxfp4(w, dst, base, rows, cols);
+            } else {
+                s = bind_mat(w, dst,
+                             nm(w, "model.layers.%d.block_sparse_moe.experts.%lld.%s.weight", i,
+                                (long long)e, wn[j]),
+                             rows, cols);
+            }
+            if (s != K3_OK) {
+                w->expert = false;
+                return s;
+            }
+        }
+    }
+    w->expert = false;
+    if (n_visit < E) { /* scale the one visited expert up to all E */
+        int64_t p1 = w->st.exp_params - before.exp_params, b1 = w->st.exp_bytes - before.exp_bytes;
+        w->st.exp_params += p1 * (E - 1);
+        w->st.exp_bytes += b1 * (E - 1);
+        w->st.params += p1 * (E - 1);
+        w->st.bytes += b1 * (E - 1);
+    }
+    return K3_OK;
+}
+
+static k3_status walk_layer(walker *w, int i, k3_layer *L) {
+    const k3_config *c = &w->m->cfg;
+    int64_t D = c->hidden_size;
+    if (L && w->pass == PASS_CHECK) {
+        L->kind = (k3_layer_kind)c->layer_kind[i];
+        L->moe = c->layer_moe[i];
+    }
+    TRY(bind_vec(w, F(input_norm), nm(w, "model.layers.%d.input_layernorm.weight", i), D));
+    TRY(bind_vec(w, F(post_attn_norm), nm(w, "model.layers.%d.post_attention_layernorm.weight", i),
+                 D));
+    if (c->attn_res_block_size > 0) {
+        char pn[256];
+        snprintf(pn, sizeof pn, "model.layers.%d.self_attention_res_proj.weight", i);
+        TRY(bind_res(w, F(attn_res_w), nm(w, "model.layers.%d.self_attention_res_norm.weight", i),
+                     pn, D));
+        snprintf(pn, sizeof pn, "model.layers.%d.mlp_res_proj.weight", i);
+        TRY(bind_res(w, F(mlp_res_w), nm(w, "model.layers.%d.mlp_res_norm.weight", i), pn, D));
+    }
+    if (c->layer_kind[i] == K3_LAYER_KDA) TRY(walk_kda(w, i, L));
+    else TRY(walk_mla(w, i, L));
+    if (c->layer_moe[i]) {
+        TRY(walk_moe(w, i, L));
+    } else {
+        int64_t I = c->intermediate_size;
+        TRY(bind_mat(w, F(ffn_gate), nm(w, "model.layers.%d.mlp.gate_proj.weight", i), I, D));
+        TRY(bind_mat(w, F(ffn_up), nm(w, "model.layers.%d.mlp.up_proj.weight", i), I, D));
+        TRY(bind_mat(w, F(ffn_down), nm(w, "model.layers.%d.mlp.down_proj.weight", i), D, I));
+    }
+    return K3_OK;
+}
+
+#undef F
+
+static k3_status walk_model(walker *w) {
+    const k3_config *c = &w->m->cfg;
+    k3_model *o = w->out;
+    int64_t V = c->vocab_size, D = c->hidden_size;
+    stats before = w->st;
+    TRY(bind_mat(w, o ? &o->embed : NULL, "model.embed_tokens.weight", V, D));
+    w->st.emb_params += w->st.params - before.params;
+    w->st.emb_bytes += w->st.bytes - before.bytes;
+    if (c->tie_word_embeddings) {
+        if (o) o->lm_head = o->embed;
+    } else {
+        TRY(bind_mat(w, o ? &o->lm_head : NULL, "lm_head.weight", V, D));
+    }
+    TRY(bind_vec(w, o ? &o->final_norm : NULL, "model.norm.weight", D));
+    if (c->attn_res_block_size > 0)
+        TRY(bind_res(w, o ? &o->out_res_w : NULL, "model.output_attn_res_norm.weight",
+                     "model.output_attn_res_proj.weight", D));
+    for (int i = 0; i < c->n_layers; i++)
+        TRY(walk_layer(w, i, o ? &o->layers[i] : NULL));
+    return K3_OK;
+}
+
+/* ---- public API --------------------------------------------------------- */
+
+void k3_model_close(k3_model *m) {
+    if (!m) return;
+    if (m->layers) {
+        for (int i = 0; i < m->cfg.n_layers; i++) {
+            free(m->layers[i].exp_gate);
+            free(m->layers[i].exp_up);
+            free(m->layers[i].exp_down);
+        }
+    }
+    for (int64_t i = 0; i < m->n_owned; i++) free(m->owned[i]);
+    free(m->owned);
+    free(m->layers);
+    k3_st_close(m->st);
+    free(m->dir);
+    free(m);
+}
+
+k3_status k3_model_open(k3_model **out, const char *dir, k3_error *err) {
+    *out = NULL;
+    k3_model *m = calloc(1, sizeof *m);
+    if (!m) return k3_err(err, K3_ERR_NOMEM, "out of memory");
+    k3_status s = K3_OK;
+    m->dir = strdup(dir);
+    if (!m->dir) s = k3_err(err, K3_ERR_NOMEM, "out of memory");
+    if (s == K3_OK) s = k3_config_load(&m->cfg, dir, err);
+    if (s == K3_OK) s = k3_st_open(&m->st, dir, err);
+    if (s == K3_OK) {
+        m->layers = calloc((size_t)m->cfg.n_layers, sizeof *m->layers);
+        if (!m->layers) s = k3_err(err, K3_ERR_NOMEM, "out of memory");
+    }
+    if (s == K3_OK) {
+        walker w = {.m = m, .out = m, .err = err, .pass = PASS_CHECK};
+        w.pfx = "";
+        for (int64_t i = 0; i < k3_st_count(m->st); i++)
+            if (!strncmp(k3_st_at(m->st, i)->name, PFX, strlen(PFX))) {
+                w.pfx = PFX;
+                break;
+            }
+        s = walk_model(&w);
+        if (s == K3_OK) {
+            w.pass = PASS_LOAD;
+            s = walk_model(&w);
+        }
+    }
+    if (s != K3_OK) {
+        k3_model_close(m);
+        return s;
+    }
+    *out = m;
+    return K3_OK;
+}
+
+void k3_model_get_info(const k3_model *m, k3_model_info *info) {
+    const k3_config *c = &m->cfg;
+    memset(info, 0, sizeof *info);
+    info->model_type = c->model_type;
+    info->vocab_size = c->vocab_size;
+    info->hidden_size = c->hidden_size;
+    info->n_layers = c->n_layers;
+    info->max_positions = c->max_positions;
+    int64_t cache = 0, state = 0;
+    for (int i = 0; i < c->n_layers; i++) {
+        switch ((k3_layer_kind)c->layer_kind[i]) {
+        case K3_LAYER_KDA: {
+            int64_t H = c->kda_heads, dk = c->kda_head_dim;
+            info->n_kda++;
+            state += (H * dk * dk + 3 * H * dk * (c->conv_size - 1)) * 4;
+            break;
+        }
+        case K3_LAYER_DSA:
+            info->n_dsa++;
+            cache += ((int64_t)c->kv_lora_rank + c->qk_rope_dim + c->index_head_dim) * 4;
+            break;
+        case K3_LAYER_MLA:
+            info->n_mla++;
+            cache += ((int64_t)c->kv_lora_rank + c->qk_rope_dim) * 4;
+            break;
+        }
+    }
+    info->cache_bytes_per_token = cache;
+    info->state_bytes_per_seq = state;
+
+    /* Sizes: a read-only walk (the model was fully checked at open). */
+    walker w = {.m = m, .out = NULL, .pass = PASS_COUNT, .err = NULL, .pfx = ""};
+    if (walk_model(&w) != K3_OK) return; /* cannot happen after a good open */
+    const stats *s = &w.st;
+    int64_t E = c->n_experts > 0 ? c->n_experts : 1, k = c->n_experts_per_tok;
+    int64_t act_exp_params = s->exp_params / E * k, act_exp_bytes = s->exp_bytes / E * k;
+    int64_t V = c->vocab_size > 0 ? c->vocab_size : 1;
+    info->n_params = s->params;
+    info->weight_bytes = s->bytes;
+    /* Per token: one embedding row, the top-k experts, everything else
+     * (lm_head included; when tied, lm_head *is* the full table). */
+    int64_t emb_p = c->tie_word_embeddings ? 0 : s->emb_params - c->hidden_size;
+    int64_t emb_b = c->tie_word_embeddings ? 0 : s->emb_bytes - s->emb_bytes / V;
+    info->n_params_active = s->params - s->exp_params + act_exp_params - emb_p;
+    info->bytes_per_token = s->bytes - s->exp_bytes + act_exp_bytes - emb_b;
+}
+
+/* snprintf into buf at *len, tracking the wanted length (snprintf rules). */
+static void put(char *buf, size_t size, size_t *len, const char *fmt, ...) K3_PRINTF(4, 5);
+static void put(char *buf, size_t size, size_t *len, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(*len < size ? buf + *len : NULL, *len < size ? size - *len : 0, fmt, ap);
+    va_end(ap);
+    if (n > 0) *len += (size_t)n;
+}
+
+static const char *human(double x, char *buf, size_t size) {
+    const char *u[] = {"", "K", "M", "G", "T", "P"};
+    int i = 0;
+    while (x >= 1000 && i < 5) {
+        x /= 1000;
+        i++;
+    }
+    snprintf(buf, size, i ? "%.2f%s" : "%.0f%s", x, u[i]);
+    return buf;
+}
+
+size_t k3_model_describe(const k3_model *m, char *buf, size_t size) {
+    const k3_config *c = &m->cfg;
+    k3_model_info in;
+    k3_model_get_info(m, &in);
+    size_t n = 0;
+    char h1[32], h2[32], h3[32], h4[32];
+    if (size) buf[0] = 0;
+    put(buf, size, &n, "model: %s (%s)\n", c->model_type,
+        c->is_k3 ? "Kimi K3 family" : "Kimi-Linear family");
+    put(buf, size, &n, "vocab %lld, hidden %lld, %d layers (%d KDA, %d MLA, %d DSA), "
+        "max positions %lld, rms eps %g%s\n", (long long)c->vocab_size,
+        (long long)c->hidden_size, c->n_layers, in.n_kda, in.n_mla, in.n_dsa,
+        (long long)c->max_positions, c->rms_eps, c->tie_word_embeddings ? ", tied lm_head" : "");
+    if (in.n_kda)
+        put(buf, size, &n, "KDA: %d heads x %d, conv %d, decay %s, output gate %s\n",
+            c->kda_heads, c->kda_head_dim, c->conv_size,
+            c->kda_has_lower_bound ? "bounded sigmoid" : "softplus",
+            c->kda_full_rank_gate ? "full rank" : "low rank");
+    if (in.n_mla + in.n_dsa)
+        put(buf, size, &n, "MLA: %d heads, q_lora %d, kv_lora %d, qk %d+%d (NoPE), v %d%s\n",
+            c->n_heads, c->q_lora_rank, c->kv_lora_rank, c->qk_nope_dim, c->qk_rope_dim,
+            c->v_head_dim, c->mla_use_output_gate ? ", output gate" : "");
+    if (in.n_dsa)
+        put(buf, size, &n, "DSA indexer: %d heads x %d, top %d\n", c->index_n_heads,
+            c->index_head_dim, c->index_topk);
+    if (c->n_experts)
+        put(buf, size, &n, "MoE: %d experts (%s), top %d, %d shared, width %lld on %s%lld, "
+            "router %s, scale %g\n", c->n_experts, c->experts_mxfp4 ? "MXFP4" : "float",
+            c->n_experts_per_tok, c->n_shared_experts, (long long)c->moe_intermediate,
+            c->latent_moe ? "latent " : "", (long long)c->expert_dim,
+            c->router_sigmoid ? "sigmoid" : "softmax", c->routed_scaling);
+    put(buf, size, &n, "FFN: %s; residual: %s\n",
+        c->act == K3_ACT_SITU ? "SiTU-GLU" : "SwiGLU",
+        c->attn_res_block_size ? "AttnRes" : "plain");
+    if (c->attn_res_block_size)
+        put(buf, size, &n, "AttnRes: block %d (* = bank layer)\n", c->attn_res_block_size);
+    static const char *const kind[] = {"KDA", "MLA", "DSA"};
+    put(buf, size, &n, "layers:");
+    for (int i = 0; i < c->n_layers; i++)
+        put(buf, size, &n, " %d:%s%s", i, kind[c->layer_kind[i] % 3],
+            k3_config_is_bank_layer(c, i) ? "*" : "");
+    put(buf, size, &n, "\nffn:");
+    for (int i = 0; i < c->n_layers;) { /* runs of dense / MoE */
+        int j = i;
+        while (j + 1 < c->n_layers && c->layer_moe[j + 1] == c->layer_moe[i]) j++;
+        if (j > i) put(buf, size, &n, " %d-%d:%s", i, j, c->layer_moe[i] ? "MoE" : "dense");
+        else put(buf, size, &n, " %d:%s", i, c->layer_moe[i] ? "MoE" : "dense");
+        i = j + 1;
+    }
+    put(buf, size, &n, "\nparameters: %lld total (%s), %lld active per token (%s)\n",
+        (long long)in.n_params, human((double)in.n_params, h1, sizeof h1),
+        (long long)in.n_params_active, human((double)in.n_params_active, h2, sizeof h2));
+    put(buf, size, &n, "weights: %lld bytes (%sB); %lld bytes (%sB) read per decoded token\n",
+        (long long)in.weight_bytes, human((double)in.weight_bytes, h3, sizeof h3),
+        (long long)in.bytes_per_token, human((double)in.bytes_per_token, h4, sizeof h4));
+    put(buf, size, &n, "cache: %lld bytes per token (fp32); KDA state %lld bytes per sequence\n",
+        (long long)in.cache_bytes_per_token, (long long)in.state_bytes_per_seq);
+    return n;
+}
