@@ -74,8 +74,7 @@ run: $(BUILD)/k3
 	$(BUILD)/k3 run -m $(MODEL) $(RUN_ARGS) "$(PROMPT)"
 
 test: $(BUILD)/k3 $(BUILD)/k3-test
-	@$(BUILD)/k3-test
-	@sh tests/cli.sh $(BUILD)/k3
+	@sh tests/run.sh $(BUILD)/k3-test $(BUILD)/k3
 
 asan:
 	$(MAKE) BUILD=build-asan CFLAGS="-O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer" test

@@ -9,6 +9,8 @@
 int k3_cmd_run(int argc, char **argv);
 int k3_cmd_info(int argc, char **argv);
 int k3_cmd_tokenize(int argc, char **argv);
+int k3_cmd_eval(int argc, char **argv);
+int k3_cmd_bench(int argc, char **argv);
 
 /* The model directory used when -m is not given. */
 #define K3_DEFAULT_MODEL "models/k3-mini"

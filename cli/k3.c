@@ -4,6 +4,8 @@
  *   k3 run [-m DIR] [options] [PROMPT]     generate text (streams to stdout)
  *   k3 info [-m DIR]                       config, layer map, sizes
  *   k3 tokenize ...                        see cmd_tokenize.c
+ *   k3 eval -m DIR --text FILE             see cmd_eval.c
+ *   k3 bench -m DIR                        see cmd_bench.c
  */
 #include <errno.h>
 #include <stdio.h>
@@ -274,6 +276,8 @@ static int usage(void) {
             "  run       generate text from a model\n"
             "  info      describe a model: config, layer map, sizes\n"
             "  tokenize  text to token ids, or ids to text with --decode\n"
+            "  eval      perplexity of a model over a text file\n"
+            "  bench     prefill/decode speed against the measured memory bandwidth\n"
             "run `k3 <command> --help` for its options\n");
     return 2;
 }
@@ -284,6 +288,8 @@ int main(int argc, char **argv) {
     if (!strcmp(cmd, "run")) return k3_cmd_run(argc - 1, argv + 1);
     if (!strcmp(cmd, "info")) return k3_cmd_info(argc - 1, argv + 1);
     if (!strcmp(cmd, "tokenize")) return k3_cmd_tokenize(argc - 1, argv + 1);
+    if (!strcmp(cmd, "eval")) return k3_cmd_eval(argc - 1, argv + 1);
+    if (!strcmp(cmd, "bench")) return k3_cmd_bench(argc - 1, argv + 1);
     if (!strcmp(cmd, "-h") || !strcmp(cmd, "--help") || !strcmp(cmd, "help")) {
         usage();
         return 0;

@@ -139,11 +139,19 @@ k3_status k3_chat_encode(const k3_tokenizer *t, const k3_chat_msg *msgs, size_t 
 
 typedef struct k3_ctx k3_ctx;
 
+typedef enum k3_kv_type {
+    K3_KV_F32 = 0,  /* fp32 latent and indexer caches (the reference) */
+    K3_KV_C8,       /* C8: int8 latent with one scale per 128-tile, fp32 rope
+                       part; indexer keys Hadamard-rotated int8 per token */
+} k3_kv_type;
+
 typedef struct k3_ctx_options {
     int32_t max_seqs;      /* sequences that may hold state at once */
     int64_t max_tokens;    /* cache capacity in tokens over all sequences */
     int32_t block_size;    /* tokens per cache block (0 = default 64) */
     int32_t max_batch;     /* tokens per forward pass (0 = default 512) */
+    k3_kv_type kv_cache;   /* cache format (default K3_KV_F32) */
+    bool dense_attention;  /* run DSA layers as dense MLA (indexer unused), to compare */
     k3_pool *pool;         /* borrowed; NULL = single-threaded */
 } k3_ctx_options;
 
@@ -176,6 +184,44 @@ typedef enum k3_logits_mode {
  * sequence state is changed. */
 k3_status k3_ctx_forward(k3_ctx *ctx, const k3_batch_seq *batch, int32_t n_seqs,
                          k3_logits_mode mode, float *logits, k3_error *err);
+
+/* ---- measurement ------------------------------------------------------ */
+
+/* Time per operator of the forward pass, summed since the last reset. */
+typedef enum k3_prof_op {
+    K3_PROF_EMBED = 0,  /* embedding rows */
+    K3_PROF_ATTNRES,    /* AttnRes mixes */
+    K3_PROF_NORM,       /* RMSNorms before attention and FFN */
+    K3_PROF_KDA,        /* KDA layers: projections, conv, gates, recurrence, output */
+    K3_PROF_MLAPO,      /* MLA preprocessing: projections, absorption, cache writes */
+    K3_PROF_QLI,        /* DSA indexer scores and top-k */
+    K3_PROF_QSFA,       /* MLA attention over the (selected) cache */
+    K3_PROF_MLA_OUT,    /* W_UV, output gate, o_proj */
+    K3_PROF_FFN,        /* dense FFN and shared experts */
+    K3_PROF_MOE,        /* router and routed experts */
+    K3_PROF_HEAD,       /* final norm and lm_head */
+    K3_PROF_COUNT
+} k3_prof_op;
+
+typedef struct k3_profile {
+    double seconds[K3_PROF_COUNT];
+} k3_profile;
+
+const char *k3_prof_op_name(k3_prof_op op);
+/* Turns timing on or off (off by default; timing adds a clock read per op). */
+void k3_ctx_profile_enable(k3_ctx *ctx, bool on);
+/* Copies the sums into *out and resets them. */
+void k3_ctx_profile_take(k3_ctx *ctx, k3_profile *out);
+
+/* For benchmarks: appends n positions of random cache content to sequence
+ * seq (and random KDA state) without running the model, so decode cost can
+ * be measured at long contexts without a long prefill. */
+k3_status k3_ctx_seq_fill_synthetic(k3_ctx *ctx, int32_t seq, int64_t n, uint64_t seed, k3_error *err);
+
+/* Reads (sums) a buffer of `bytes` with every thread of pool, reps times,
+ * and returns the median rate in GB/s (1e9 bytes/s): the memory bandwidth a
+ * decode step is held against. Use >= 1 GB. Returns 0 if it cannot allocate. */
+double k3_membw_read_gbps(k3_pool *pool, size_t bytes, int reps);
 
 /* ---- sampling --------------------------------------------------------- */
 

@@ -36,8 +36,7 @@ int k3_test_failed(void);
 /* Relative L2 distance ||a-b|| / max(||b||, tiny). */
 double k3_test_rel_l2(const float *a, const float *b, int64_t n);
 double k3_test_max_abs(const float *a, const float *b, int64_t n);
-/* Path of a test data file: K3_TEST_DATA-free, relative to the repo root
- * (the runner chdirs there). */
-const char *k3_test_path(const char *rel);
+/* Tests open data files by paths relative to the repository root, where
+ * `make test` runs them. */
 
 #endif /* K3_TESTS_TEST_H */

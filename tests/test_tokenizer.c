@@ -26,7 +26,7 @@
 /* ---- helpers ------------------------------------------------------------ */
 
 static char *read_all(const char *rel, size_t *len) {
-    FILE *f = fopen(k3_test_path(rel), "rb");
+    FILE *f = fopen(rel, "rb");
     if (!f) return NULL;
     size_t cap = 1 << 16, n = 0;
     char *buf = malloc(cap + 1);
@@ -90,7 +90,7 @@ static void free_cases(char **names) {
 static k3_tokenizer *open_file(const char *rel, k3_pattern pat) {
     k3_tokenizer *t = NULL;
     k3_error err = {0};
-    if (k3_tokenizer_open_file(&t, k3_test_path(rel), pat, &err) != K3_OK)
+    if (k3_tokenizer_open_file(&t, rel, pat, &err) != K3_OK)
         k3_test_fail(__FILE__, __LINE__, "%s", err.msg);
     return t;
 }
@@ -98,7 +98,7 @@ static k3_tokenizer *open_file(const char *rel, k3_pattern pat) {
 static k3_tokenizer *open_kimi(void) {
     k3_tokenizer *t = NULL;
     k3_error err = {0};
-    if (k3_tokenizer_open_paths(&t, k3_test_path(O200K), k3_test_path(KIMI_CONFIG),
+    if (k3_tokenizer_open_paths(&t, O200K, KIMI_CONFIG,
                                 K3_PATTERN_KIMI, &err) != K3_OK)
         k3_test_fail(__FILE__, __LINE__, "%s", err.msg);
     return t;
@@ -410,7 +410,7 @@ K3_TEST(tokenizer_chat_golden) {
     k3_tokenizer *t = open_kimi();
     REQUIRE(t);
     json_error_t je;
-    json_t *root = json_load_file(k3_test_path(GOLDEN "chat_cases.json"), 0, &je);
+    json_t *root = json_load_file(GOLDEN "chat_cases.json", 0, &je);
     REQUIREF(json_is_array(root), "chat_cases.json: %s", je.text);
     size_t i;
     json_t *c;

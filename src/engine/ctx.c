@@ -7,8 +7,10 @@
 
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "attn/kda.h"
+#include "kernels/attn_ops.h"
 
 /* ---- allocation ---------------------------------------------------------- */
 
@@ -40,7 +42,17 @@ void k3_ctx_free(k3_ctx *ctx) {
         if (ctx->kda_conv) free(ctx->kda_conv[i]);
         if (ctx->lat_cache) free(ctx->lat_cache[i]);
         if (ctx->idx_cache) free(ctx->idx_cache[i]);
+        if (ctx->lat8) free(ctx->lat8[i]);
+        if (ctx->lat_s) free(ctx->lat_s[i]);
+        if (ctx->lat_r) free(ctx->lat_r[i]);
+        if (ctx->idx8) free(ctx->idx8[i]);
+        if (ctx->idx_s) free(ctx->idx_s[i]);
     }
+    free(ctx->lat8);
+    free(ctx->lat_s);
+    free(ctx->lat_r);
+    free(ctx->idx8);
+    free(ctx->idx_s);
     free(ctx->kda_S);
     free(ctx->kda_conv);
     free(ctx->lat_cache);
@@ -52,8 +64,10 @@ void k3_ctx_free(k3_ctx *ctx) {
     float **fl[] = {&s->P, &s->X, &s->xn, &s->tmp, &s->bank, &s->kq, &s->kk, &s->kv, &s->kg,
                     &s->kz, &s->kfa, &s->kbeta, &s->ko, &s->cq, &s->mq, &s->ckv, &s->qn, &s->qa,
                     &s->chat, &s->mo, &s->mgate, &s->mtmp, &s->iq, &s->ik, &s->iw, &s->f1, &s->f2,
-                    &s->rlog, &s->rw, &s->lat, &s->lgather, &s->lout, &s->ly, &s->rwork};
+                    &s->rlog, &s->rw, &s->lat, &s->lgather, &s->lout, &s->ly, &s->rwork,
+                    &s->iqs, &s->part_o, &s->part_l};
     for (size_t i = 0; i < sizeof fl / sizeof fl[0]; i++) free(*fl[i]);
+    free(s->iq8);
     free(s->isel);
     free(s->icount);
     free(s->rids);
@@ -65,7 +79,11 @@ void k3_ctx_free(k3_ctx *ctx) {
         if (s->tsel) free(s->tsel[t]);
         if (s->twork) free(s->twork[t]);
         if (s->tkda) free(s->tkda[t]);
+        if (s->tq) free(s->tq[t]);
+        if (s->tqsfa) free(s->tqsfa[t]);
     }
+    free(s->tq);
+    free(s->tqsfa);
     free(s->tscore);
     free(s->tslots);
     free(s->tsel);
@@ -81,6 +99,14 @@ k3_status k3_ctx_init(k3_ctx **out, const k3_model *m, const k3_ctx_options *opt
         return k3_err(err, K3_ERR_ARG, "context: max_seqs and max_tokens must be positive");
     if (opt->block_size < 0 || opt->max_batch < 0)
         return k3_err(err, K3_ERR_ARG, "context: block_size and max_batch must not be negative");
+    if (opt->kv_cache != K3_KV_F32 && opt->kv_cache != K3_KV_C8)
+        return k3_err(err, K3_ERR_ARG, "context: unknown cache type %d", (int)opt->kv_cache);
+    if (opt->kv_cache == K3_KV_C8 && c->index_n_heads > 0 &&
+        (c->index_head_dim & (c->index_head_dim - 1) || c->index_n_heads > 64 || c->index_head_dim > 256))
+        return k3_err(err, K3_ERR_UNSUPPORTED,
+                      "context: C8 indexer needs a power-of-two index_head_dim <= 256 and <= 64 heads");
+    if (c->n_heads > 1024)
+        return k3_err(err, K3_ERR_UNSUPPORTED, "context: %d MLA heads, at most 1024 supported", c->n_heads);
     if (c->kda_head_dim > 512 || c->conv_size > 16)
         return k3_err(err, K3_ERR_UNSUPPORTED, "context: KDA head_dim %d or conv size %d too large",
                       c->kda_head_dim, c->conv_size);
@@ -96,8 +122,13 @@ k3_status k3_ctx_init(k3_ctx **out, const k3_model *m, const k3_ctx_options *opt
     ctx->max_batch = opt->max_batch ? opt->max_batch : 512;
     ctx->max_tokens = opt->max_tokens;
     ctx->max_ctx = opt->max_tokens < c->max_positions ? opt->max_tokens : c->max_positions;
+    ctx->kv = opt->kv_cache;
+    ctx->dense = opt->dense_attention;
+    ctx->n_tiles = (c->kv_lora_rank + K3_C8_TILE - 1) / K3_C8_TILE;
     const int32_t bs = ctx->block_size;
-    ctx->n_blocks = (int32_t)((opt->max_tokens + bs - 1) / bs);
+    /* one partial block per sequence on top, so max_tokens fit however they
+     * are spread over the sequences */
+    ctx->n_blocks = (int32_t)((opt->max_tokens + bs - 1) / bs) + (opt->max_seqs > 1 ? opt->max_seqs : 0);
     ctx->max_blocks_per_seq = (int32_t)((ctx->max_ctx + bs - 1) / bs);
 
     alloc_state a = {0};
@@ -119,15 +150,28 @@ k3_status k3_ctx_init(k3_ctx **out, const k3_model *m, const k3_ctx_options *opt
     ctx->kda_conv = zalloc(&a, (size_t)nL, sizeof(float *));
     ctx->lat_cache = zalloc(&a, (size_t)nL, sizeof(float *));
     ctx->idx_cache = zalloc(&a, (size_t)nL, sizeof(float *));
+    ctx->lat8 = zalloc(&a, (size_t)nL, sizeof(int8_t *));
+    ctx->lat_s = zalloc(&a, (size_t)nL, sizeof(float *));
+    ctx->lat_r = zalloc(&a, (size_t)nL, sizeof(float *));
+    ctx->idx8 = zalloc(&a, (size_t)nL, sizeof(int8_t *));
+    ctx->idx_s = zalloc(&a, (size_t)nL, sizeof(float *));
     for (int64_t i = 0; !a.failed && i < nL; i++) {
         const int kind = c->layer_kind[i];
         if (kind == K3_LAYER_KDA) {
             ctx->kda_S[i] = zalloc(&a, (size_t)(ctx->max_seqs * c->kda_heads * dk * dk), sizeof(float));
             ctx->kda_conv[i] = zalloc(&a, (size_t)(ctx->max_seqs * 3 * Km1 * HK), sizeof(float));
-        } else {
+        } else if (ctx->kv == K3_KV_F32) {
             ctx->lat_cache[i] = zalloc(&a, (size_t)(bslots * ld), sizeof(float));
             if (kind == K3_LAYER_DSA)
                 ctx->idx_cache[i] = zalloc(&a, (size_t)(bslots * c->index_head_dim), sizeof(float));
+        } else {
+            ctx->lat8[i] = zalloc(&a, (size_t)(bslots * c->kv_lora_rank), sizeof(int8_t));
+            ctx->lat_s[i] = zalloc(&a, (size_t)(bslots * ctx->n_tiles), sizeof(float));
+            ctx->lat_r[i] = zalloc(&a, (size_t)(bslots * c->qk_rope_dim), sizeof(float));
+            if (kind == K3_LAYER_DSA) {
+                ctx->idx8[i] = zalloc(&a, (size_t)(bslots * c->index_head_dim), sizeof(int8_t));
+                ctx->idx_s[i] = zalloc(&a, (size_t)bslots, sizeof(float));
+            }
         }
     }
 
@@ -165,7 +209,11 @@ k3_status k3_ctx_init(k3_ctx **out, const k3_model *m, const k3_ctx_options *opt
     s->iq = zalloc(&a, (size_t)(T * c->index_n_heads * c->index_head_dim), sizeof(float));
     s->ik = zalloc(&a, (size_t)(T * c->index_head_dim), sizeof(float));
     s->iw = zalloc(&a, (size_t)(T * c->index_n_heads), sizeof(float));
+    s->iq8 = zalloc(&a, (size_t)(T * c->index_n_heads * c->index_head_dim), sizeof(int8_t));
+    s->iqs = zalloc(&a, (size_t)(T * c->index_n_heads), sizeof(float));
     s->isel = zalloc(&a, (size_t)(T * c->index_topk), sizeof(int64_t));
+    s->part_o = zalloc(&a, (size_t)(2 * ctx->nth * H * kvl), sizeof(float));
+    s->part_l = zalloc(&a, (size_t)(2 * ctx->nth * H), sizeof(float));
     s->icount = zalloc(&a, (size_t)T, sizeof(int32_t));
     s->f1 = zalloc(&a, (size_t)(T * ctx->ff_width), sizeof(float));
     s->f2 = zalloc(&a, (size_t)(T * ctx->ff_width), sizeof(float));
@@ -184,12 +232,17 @@ k3_status k3_ctx_init(k3_ctx **out, const k3_model *m, const k3_ctx_options *opt
     s->tsel = zalloc(&a, (size_t)ctx->nth, sizeof(int32_t *));
     s->twork = zalloc(&a, (size_t)ctx->nth, sizeof(int32_t *));
     s->tkda = zalloc(&a, (size_t)ctx->nth, sizeof(float *));
+    s->tq = zalloc(&a, (size_t)ctx->nth, sizeof(float *));
+    s->tqsfa = zalloc(&a, (size_t)ctx->nth, sizeof(float *));
     for (int t = 0; !a.failed && t < ctx->nth; t++) {
         s->tscore[t] = zalloc(&a, (size_t)ctx->max_ctx, sizeof(float));
         s->tslots[t] = zalloc(&a, (size_t)ctx->max_ctx, sizeof(int64_t));
         s->tsel[t] = zalloc(&a, (size_t)ctx->max_ctx, sizeof(int32_t));
         s->twork[t] = zalloc(&a, (size_t)ctx->max_ctx, sizeof(int32_t));
         s->tkda[t] = zalloc(&a, (size_t)k3_kda_chunk_work(K3_KDA_CHUNK, (int)dk, (int)dk), sizeof(float));
+        s->tq[t] = zalloc(&a, (size_t)(H * ld), sizeof(float));
+        if (ctx->kv == K3_KV_C8)
+            s->tqsfa[t] = zalloc(&a, (size_t)k3_qsfa_work((int)H, (int)kvl, (int)ctx->max_ctx), sizeof(float));
     }
     ctx->spans = zalloc(&a, (size_t)T, sizeof(k3_span));
     ctx->round_tokens = zalloc(&a, (size_t)T, sizeof(int32_t));
@@ -310,5 +363,66 @@ k3_status k3_ctx_forward(k3_ctx *ctx, const k3_batch_seq *batch, int32_t n_seqs,
         if (mode != K3_LOGITS_NONE) n_written += n_out;
         for (int32_t i = 0; i < ctx->n_spans; i++) ctx->seqs[ctx->spans[i].seq].pos += ctx->spans[i].n;
     }
+    return K3_OK;
+}
+
+/* ---- measurement --------------------------------------------------------------- */
+
+double k3_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+const char *k3_prof_op_name(k3_prof_op op) {
+    static const char *names[K3_PROF_COUNT] = {"embed", "attnres", "norm", "kda", "mlapo", "qli",
+                                               "qsfa", "mla_out", "ffn", "moe", "head"};
+    return op >= 0 && op < K3_PROF_COUNT ? names[op] : "?";
+}
+
+void k3_ctx_profile_enable(k3_ctx *ctx, bool on) { ctx->prof_on = on; }
+
+void k3_ctx_profile_take(k3_ctx *ctx, k3_profile *out) {
+    for (int i = 0; i < K3_PROF_COUNT; i++) {
+        out->seconds[i] = ctx->prof[i];
+        ctx->prof[i] = 0.0;
+    }
+}
+
+k3_status k3_ctx_seq_fill_synthetic(k3_ctx *ctx, int32_t seq, int64_t n, uint64_t seed, k3_error *err) {
+    const k3_config *c = ctx->c;
+    if (seq < 0 || seq >= ctx->max_seqs) return k3_err(err, K3_ERR_ARG, "fill: sequence %d out of range", seq);
+    k3_seq *s = &ctx->seqs[seq];
+    if (n < 0 || s->pos + n > ctx->max_ctx)
+        return k3_err(err, K3_ERR_RANGE, "fill: %lld + %lld tokens exceed the context of %lld", (long long)s->pos,
+                      (long long)n, (long long)ctx->max_ctx);
+    const int64_t end = s->pos + n;
+    const int64_t need = (end + ctx->block_size - 1) / ctx->block_size - s->n_blocks;
+    if (need > ctx->n_free)
+        return k3_err(err, K3_ERR_RANGE, "fill: cache full: %lld blocks needed, %d free", (long long)need, ctx->n_free);
+    while ((int64_t)s->n_blocks * ctx->block_size < end) s->blocks[s->n_blocks++] = ctx->free_blocks[--ctx->n_free];
+    uint64_t r = seed * 0x9E3779B97F4A7C15ull + 1;
+#define RND() ((float)((int64_t)((r = r * 6364136223846793005ull + 1442695040888963407ull) >> 40) - 8388608) / 8388608.0f)
+    const int kvl = c->kv_lora_rank, rope = c->qk_rope_dim, dI = c->index_head_dim;
+    float row[4096];
+    for (int i = 0; i < c->n_layers; i++) {
+        if (c->layer_kind[i] == K3_LAYER_KDA) continue;
+        for (int64_t p = s->pos; p < end; p++) {
+            const int64_t slot = k3_ctx_slot(ctx, seq, p);
+            for (int j = 0; j < kvl + rope && j < 4096; j++) row[j] = RND();
+            if (ctx->kv == K3_KV_C8) {
+                k3_quant_i8_tiles(row, kvl, ctx->lat8[i] + slot * kvl, ctx->lat_s[i] + slot * ctx->n_tiles);
+                memcpy(ctx->lat_r[i] + slot * rope, row + kvl, sizeof(float) * (size_t)rope);
+            } else {
+                memcpy(ctx->lat_cache[i] + slot * (kvl + rope), row, sizeof(float) * (size_t)(kvl + rope));
+            }
+            if (c->layer_kind[i] != K3_LAYER_DSA) continue;
+            for (int j = 0; j < dI && j < 4096; j++) row[j] = RND();
+            if (ctx->kv == K3_KV_C8) ctx->idx_s[i][slot] = k3_quant_i8(row, dI, ctx->idx8[i] + slot * dI);
+            else memcpy(ctx->idx_cache[i] + slot * dI, row, sizeof(float) * (size_t)dI);
+        }
+    }
+#undef RND
+    s->pos = end;
     return K3_OK;
 }

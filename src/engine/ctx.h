@@ -53,8 +53,11 @@ typedef struct k3_scratch {
     float *mo, *mgate, *mtmp;     /* [T, H*v], [T, H*v], [H, T, v] */
     /* DSA */
     float *iq, *ik, *iw;          /* [T, HI*dI], [T, dI], [T, HI] */
+    int8_t *iq8;                  /* [T, HI*dI] C8 indexer queries */
+    float *iqs;                   /* [T, HI] their scales */
     int64_t *isel;                /* [T, topk] selected cache slots */
     int32_t *icount;              /* [T] */
+    float *part_o, *part_l;       /* split-KV partials [2*nth, H, kv_lora], [2*nth, H] */
     /* FFN / MoE */
     float *f1, *f2;               /* [T, max(I, n_shared*Im, Im)] */
     float *rlog;                  /* [T, E] */
@@ -69,6 +72,8 @@ typedef struct k3_scratch {
     int64_t **tslots;             /* [nth][max_ctx] */
     int32_t **tsel, **twork;      /* [nth][max_ctx] */
     float **tkda;                 /* [nth][kda chunk work] */
+    float **tq;                   /* [nth][H*(kv_lora+rope)] one token's absorbed query */
+    float **tqsfa;                /* [nth][k3_qsfa_work] */
     float *rwork;                 /* [E] router work (single-threaded) */
 } k3_scratch;
 
@@ -86,8 +91,19 @@ struct k3_ctx {
     k3_seq *seqs;
     float **kda_S;                /* [n_layers] -> [max_seqs, H, dk, dv] (NULL if not KDA) */
     float **kda_conv;             /* [n_layers] -> [max_seqs, 3, K-1, H*dk] */
-    float **lat_cache;            /* [n_layers] -> [n_blocks*bs, kv_lora+rope] */
-    float **idx_cache;            /* [n_layers] -> [n_blocks*bs, dI] (DSA) */
+    k3_kv_type kv;                /* cache format */
+    bool dense;                   /* DSA layers run as dense MLA */
+    float **lat_cache;            /* F32: [n_layers] -> [n_blocks*bs, kv_lora+rope] */
+    float **idx_cache;            /* F32: [n_layers] -> [n_blocks*bs, dI] (DSA) */
+    int32_t n_tiles;              /* C8 scale tiles per latent row */
+    int8_t **lat8;                /* C8: [n_layers] -> [slots, kv_lora] */
+    float **lat_s;                /* C8: [n_layers] -> [slots, n_tiles] */
+    float **lat_r;                /* C8: [n_layers] -> [slots, rope] */
+    int8_t **idx8;                /* C8: [n_layers] -> [slots, dI] */
+    float **idx_s;                /* C8: [n_layers] -> [slots] */
+
+    bool prof_on;                 /* k3_ctx_profile_enable */
+    double prof[K3_PROF_COUNT];   /* seconds per operator */
 
     int32_t n_bank_max;
     int64_t ff_width;
@@ -106,6 +122,15 @@ struct k3_ctx {
  * whose logits are wanted (n_out of them), written to logits. */
 void k3_forward_round(k3_ctx *ctx, const int32_t *tokens, const int32_t *out_rows,
                       int32_t n_out, float *logits);
+
+/* Profiling: PROF(ctx, op, statement) adds the statement's time to op. */
+double k3_now(void);
+#define PROF(ctx, op, stmt)                                                    \
+    do {                                                                       \
+        const double prof_t0_ = (ctx)->prof_on ? k3_now() : 0.0;               \
+        stmt;                                                                  \
+        if ((ctx)->prof_on) (ctx)->prof[op] += k3_now() - prof_t0_;            \
+    } while (0)
 
 /* Slot of position pos of sequence seq in the cache. */
 static inline int64_t k3_ctx_slot(const k3_ctx *ctx, int32_t seq, int64_t pos) {

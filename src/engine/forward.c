@@ -14,6 +14,7 @@
 #include "attn/kda.h"
 #include "attn/mla.h"
 #include "common/pool.h"
+#include "kernels/attn_ops.h"
 #include "ctx.h"
 #include "moe/moe.h"
 
@@ -223,8 +224,8 @@ static const k3_span *span_of(const k3_ctx *ctx, int64_t t) {
     return NULL;
 }
 
-/* DSA, per row: indexer scores over the past and the top-k selection, stored
- * as cache slots in s.isel [T, topk] with the count in s.icount[t]. */
+/* DSA, per row: indexer scores over the past and the top-k selection (QLI on
+ * the C8 cache), stored as cache slots in s.isel [T, topk], count in s.icount. */
 static void dsa_select_rows(void *p, int64_t lo, int64_t hi, int ith) {
     const layer_job *j = p;
     k3_ctx *ctx = j->ctx;
@@ -237,8 +238,12 @@ static void dsa_select_rows(void *p, int64_t lo, int64_t hi, int ith) {
         int64_t *slots = ctx->s.tslots[ith];
         for (int i = 0; i < n; i++) slots[i] = k3_ctx_slot(ctx, sp->seq, i);
         float *sc = ctx->s.tscore[ith];
-        k3_indexer_scores(ctx->s.iq + t * HI * dI, ctx->s.iw + t * HI, HI, dI,
-                          ctx->idx_cache[j->layer], slots, n, sc);
+        if (ctx->kv == K3_KV_C8)
+            k3_qli_scores(ctx->s.iq8 + t * HI * dI, ctx->s.iqs + t * HI, ctx->s.iw + t * HI, HI, dI,
+                          ctx->idx8[j->layer], ctx->idx_s[j->layer], slots, n, sc);
+        else
+            k3_indexer_scores(ctx->s.iq + t * HI * dI, ctx->s.iw + t * HI, HI, dI, ctx->idx_cache[j->layer],
+                              slots, n, sc);
         int32_t *sel = ctx->s.tsel[ith];
         const int k = k3_topk(sc, n, c->index_topk, sel, ctx->s.twork[ith]);
         int64_t *dst = ctx->s.isel + t * c->index_topk;
@@ -247,47 +252,118 @@ static void dsa_select_rows(void *p, int64_t lo, int64_t hi, int ith) {
     }
 }
 
-/* attention, items = rows * heads */
+/* Attention for (row, part) items: each part is a contiguous share of the
+ * row's slots; with one part the result goes straight to ĉ, with several to
+ * the partials that mla_merge_rows combines by log-sum-exp. */
+typedef struct {
+    k3_ctx *ctx;
+    const k3_layer *L;
+    int layer;
+    int parts;
+} attend_job;
+
 static void mla_attend_items(void *p, int64_t lo, int64_t hi, int ith) {
-    const layer_job *j = p;
+    const attend_job *j = p;
     k3_ctx *ctx = j->ctx;
     const k3_config *c = ctx->c;
     const int H = c->n_heads, nope = c->qk_nope_dim, rope = c->qk_rope_dim, kvl = c->kv_lora_rank;
     const int64_t T = ctx->T, ld = kvl + rope, qh = nope + rope;
     const float scale = 1.0f / sqrtf((float)(nope + rope));
-    const bool dsa = j->L->kind == K3_LAYER_DSA;
     for (int64_t it = lo; it < hi; it++) {
-        const int64_t t = it / H;
-        const int h = (int)(it % H);
-        const int64_t *slots;
+        const int64_t t = it / j->parts;
+        const int part = (int)(it % j->parts);
+        const int64_t *all;
         int n;
-        if (dsa) {
-            slots = ctx->s.isel + t * c->index_topk;
+        if (j->L->kind == K3_LAYER_DSA && !ctx->dense) {
+            all = ctx->s.isel + t * c->index_topk;
             n = ctx->s.icount[t];
         } else {
             const k3_span *sp = span_of(ctx, t);
-            const int64_t pos = sp->pos0 + (t - sp->t0);
+            n = (int)(sp->pos0 + (t - sp->t0) + 1);
+            all = NULL;
+        }
+        const int a = (int)((int64_t)n * part / j->parts), b = (int)((int64_t)n * (part + 1) / j->parts);
+        const int64_t *slots = all ? all + a : NULL;
+        if (!slots) {
+            const k3_span *sp = span_of(ctx, t);
             int64_t *sl = ctx->s.tslots[ith];
-            n = (int)(pos + 1);
-            for (int i = 0; i < n; i++) sl[i] = k3_ctx_slot(ctx, sp->seq, i);
+            for (int i = a; i < b; i++) sl[i - a] = k3_ctx_slot(ctx, sp->seq, i);
             slots = sl;
         }
-        k3_mla_attend(ctx->s.qa + ((int64_t)h * T + t) * kvl, ctx->s.mq + t * H * qh + h * qh + nope,
-                      kvl, rope, ctx->lat_cache[j->layer], ld, slots, n, scale, ctx->s.tscore[ith],
-                      ctx->s.chat + ((int64_t)h * T + t) * kvl);
+        /* this row's absorbed query, all heads: [H, kvl] then [H, rope] */
+        float *qa = ctx->s.tq[ith], *qpe = qa + (int64_t)H * kvl;
+        for (int h = 0; h < H; h++) {
+            memcpy(qa + (int64_t)h * kvl, ctx->s.qa + ((int64_t)h * T + t) * kvl, sizeof(float) * (size_t)kvl);
+            memcpy(qpe + (int64_t)h * rope, ctx->s.mq + t * H * qh + h * qh + nope, sizeof(float) * (size_t)rope);
+        }
+        float *out, *lse, lse_buf[1024];
+        if (j->parts > 1) {
+            out = ctx->s.part_o + it * H * kvl;
+            lse = ctx->s.part_l + it * H;
+        } else {
+            out = ctx->s.part_o + (int64_t)ith * H * kvl;
+            lse = lse_buf;
+        }
+        if (ctx->kv == K3_KV_C8) {
+            const k3_c8_cache cc = {ctx->lat8[j->layer], ctx->lat_s[j->layer], ctx->lat_r[j->layer], kvl, rope,
+                                    ctx->n_tiles};
+            k3_qsfa(qa, qpe, H, &cc, slots, b - a, scale, out, lse, ctx->s.tqsfa[ith]);
+        } else {
+            for (int h = 0; h < H; h++)
+                lse[h] = b > a ? k3_mla_attend(qa + (int64_t)h * kvl, qpe + (int64_t)h * rope, kvl, rope,
+                                               ctx->lat_cache[j->layer], ld, slots, b - a, scale,
+                                               ctx->s.tscore[ith], out + (int64_t)h * kvl)
+                               : -INFINITY;
+        }
+        if (j->parts == 1)
+            for (int h = 0; h < H; h++)
+                memcpy(ctx->s.chat + ((int64_t)h * T + t) * kvl, out + (int64_t)h * kvl, sizeof(float) * (size_t)kvl);
     }
 }
 
-static void mla_layer(k3_ctx *ctx, const k3_layer *L, int layer, const float *xn, float *out) {
+static void mla_merge_rows(void *p, int64_t lo, int64_t hi, int ith) {
+    const attend_job *j = p;
+    k3_ctx *ctx = j->ctx;
+    const int H = ctx->c->n_heads, kvl = ctx->c->kv_lora_rank;
+    const int64_t T = ctx->T;
+    for (int64_t t = lo; t < hi; t++) {
+        const float *o[64], *l[64];
+        for (int q = 0; q < j->parts; q++) {
+            o[q] = ctx->s.part_o + (t * j->parts + q) * H * kvl;
+            l[q] = ctx->s.part_l + (t * j->parts + q) * H;
+        }
+        float *out = ctx->s.tq[ith], lse[1024];
+        k3_lse_merge(o, l, j->parts, H, kvl, out, lse);
+        for (int h = 0; h < H; h++)
+            memcpy(ctx->s.chat + ((int64_t)h * T + t) * kvl, out + (int64_t)h * kvl, sizeof(float) * (size_t)kvl);
+    }
+}
+
+/* LayerNorm(x; w, b, eps 1e-6), fp32 */
+static void layernorm(float *x, const float *w, const float *b, int n) {
+    double mean = 0.0, var = 0.0;
+    for (int d = 0; d < n; d++) mean += x[d];
+    mean /= n;
+    for (int d = 0; d < n; d++) var += (x[d] - mean) * (x[d] - mean);
+    var /= n;
+    const float r = (float)(1.0 / sqrt(var + 1e-6));
+    for (int d = 0; d < n; d++) x[d] = (float)(x[d] - mean) * r * w[d] + b[d];
+}
+
+/* MLAPO: everything from the normed hidden state to the attention inputs, in
+ * one pass per round: the q latent cq (which the indexer reuses), the
+ * absorbed query qa = W_UKᵀ q_nope per head, q_pe, and the writes of the
+ * latent (c, kpe) and the indexer key into their cache slots -- quantized
+ * (per-128-tile int8; Hadamard + per-token int8 for the indexer) when the
+ * cache is C8. */
+static void mlapo(k3_ctx *ctx, const k3_layer *L, int layer, const float *xn) {
     const k3_config *c = ctx->c;
     const int64_t T = ctx->T;
     const int H = c->n_heads, nope = c->qk_nope_dim, rope = c->qk_rope_dim, kvl = c->kv_lora_rank;
-    const int vd = c->v_head_dim;
     const int64_t qh = nope + rope, ld = kvl + rope;
     k3_scratch *s = &ctx->s;
-    layer_job j = {ctx, L, layer};
+    const bool c8 = ctx->kv == K3_KV_C8;
 
-    /* queries: cq = rms(q_a x; 1e-6), q = q_b cq (or q_proj x without q_lora) */
     if (c->q_lora_rank > 0) {
         k3_matmul(ctx->pool, &L->q_a, xn, T, s->cq);
         rms_all(ctx, s->cq, c->q_lora_rank, s->cq, c->q_lora_rank, L->q_a_norm, c->q_lora_rank, 1e-6f);
@@ -295,14 +371,20 @@ static void mla_layer(k3_ctx *ctx, const k3_layer *L, int layer, const float *xn
     } else {
         k3_matmul(ctx->pool, &L->q_b, xn, T, s->mq);
     }
-    /* latent: c = rms(ckv[:kvl]; 1e-6), kpe = ckv[kvl:] raw; into the cache */
     k3_matmul(ctx->pool, &L->kv_a, xn, T, s->ckv);
     rms_all(ctx, s->ckv, ld, s->ckv, ld, L->kv_a_norm, kvl, 1e-6f);
     for (int32_t i = 0; i < ctx->n_spans; i++) {
         const k3_span *sp = &ctx->spans[i];
-        for (int32_t r = 0; r < sp->n; r++)
-            memcpy(ctx->lat_cache[layer] + k3_ctx_slot(ctx, sp->seq, sp->pos0 + r) * ld,
-                   s->ckv + (int64_t)(sp->t0 + r) * ld, sizeof(float) * (size_t)ld);
+        for (int32_t r = 0; r < sp->n; r++) {
+            const int64_t slot = k3_ctx_slot(ctx, sp->seq, sp->pos0 + r);
+            const float *row = s->ckv + (int64_t)(sp->t0 + r) * ld;
+            if (c8) {
+                k3_quant_i8_tiles(row, kvl, ctx->lat8[layer] + slot * kvl, ctx->lat_s[layer] + slot * ctx->n_tiles);
+                memcpy(ctx->lat_r[layer] + slot * rope, row + kvl, sizeof(float) * (size_t)rope);
+            } else {
+                memcpy(ctx->lat_cache[layer] + slot * ld, row, sizeof(float) * (size_t)ld);
+            }
+        }
     }
 
     if (L->kind == K3_LAYER_DSA) {
@@ -312,24 +394,28 @@ static void mla_layer(k3_ctx *ctx, const k3_layer *L, int layer, const float *xn
         k3_matmul(ctx->pool, &L->idx_weights, xn, T, s->iw);
         const float wscale = 1.0f / sqrtf((float)HI) / sqrtf((float)dI);
         for (int64_t t = 0; t < T; t++) {
-            /* LayerNorm(wk x; weight, bias, eps 1e-6) */
-            float *k = s->ik + t * dI;
-            double mean = 0.0, var = 0.0;
-            for (int d = 0; d < dI; d++) mean += k[d];
-            mean /= dI;
-            for (int d = 0; d < dI; d++) var += (k[d] - mean) * (k[d] - mean);
-            var /= dI;
-            const float r = (float)(1.0 / sqrt(var + 1e-6));
-            for (int d = 0; d < dI; d++) k[d] = (float)(k[d] - mean) * r * L->idx_k_norm_w[d] + L->idx_k_norm_b[d];
+            layernorm(s->ik + t * dI, L->idx_k_norm_w, L->idx_k_norm_b, dI);
             for (int h = 0; h < HI; h++) s->iw[t * HI + h] *= wscale;
+            if (c8) {
+                /* rotate (orthonormal: fp32 scores unchanged) to spread
+                 * outliers before the per-token / per-head int8 */
+                k3_hadamard(s->ik + t * dI, dI);
+                for (int h = 0; h < HI; h++) {
+                    float *q = s->iq + (t * HI + h) * dI;
+                    k3_hadamard(q, dI);
+                    s->iqs[t * HI + h] = k3_quant_i8(q, dI, s->iq8 + (t * HI + h) * dI);
+                }
+            }
         }
         for (int32_t i = 0; i < ctx->n_spans; i++) {
             const k3_span *sp = &ctx->spans[i];
-            for (int32_t r = 0; r < sp->n; r++)
-                memcpy(ctx->idx_cache[layer] + k3_ctx_slot(ctx, sp->seq, sp->pos0 + r) * dI,
-                       s->ik + (int64_t)(sp->t0 + r) * dI, sizeof(float) * (size_t)dI);
+            for (int32_t r = 0; r < sp->n; r++) {
+                const int64_t slot = k3_ctx_slot(ctx, sp->seq, sp->pos0 + r);
+                const float *k = s->ik + (int64_t)(sp->t0 + r) * dI;
+                if (c8) ctx->idx_s[layer][slot] = k3_quant_i8(k, dI, ctx->idx8[layer] + slot * dI);
+                else memcpy(ctx->idx_cache[layer] + slot * dI, k, sizeof(float) * (size_t)dI);
+            }
         }
-        k3_pool_for(ctx->pool, T, 1, dsa_select_rows, &j);
     }
 
     /* absorbed query per head: qa_h = W_UK_hᵀ q_nope_h */
@@ -340,7 +426,39 @@ static void mla_layer(k3_ctx *ctx, const k3_layer *L, int layer, const float *xn
         const k3_mat wuk = {K3_W_F32, kvl, nope, L->wuk_t + (int64_t)h * kvl * nope, NULL};
         k3_matmul(ctx->pool, &wuk, qn, T, s->qa + (int64_t)h * T * kvl);
     }
-    k3_pool_for(ctx->pool, T * H, 1, mla_attend_items, &j);
+}
+
+static void mla_layer(k3_ctx *ctx, const k3_layer *L, int layer, const float *xn, float *out) {
+    const k3_config *c = ctx->c;
+    const int64_t T = ctx->T;
+    const int H = c->n_heads, nope = c->qk_nope_dim, kvl = c->kv_lora_rank;
+    const int vd = c->v_head_dim;
+    k3_scratch *s = &ctx->s;
+    layer_job j = {ctx, L, layer};
+
+    PROF(ctx, K3_PROF_MLAPO, mlapo(ctx, L, layer, xn));
+    if (L->kind == K3_LAYER_DSA && !ctx->dense) PROF(ctx, K3_PROF_QLI, k3_pool_for(ctx->pool, T, 1, dsa_select_rows, &j));
+
+    /* Few rows (decode): split each row's slots across the threads and merge
+     * the parts by log-sum-exp, as decode context parallelism does. */
+    attend_job aj = {ctx, L, layer, 1};
+    if (T < ctx->nth) {
+        int64_t longest = 0;
+        for (int32_t i = 0; i < ctx->n_spans; i++) {
+            const int64_t e = ctx->spans[i].pos0 + ctx->spans[i].n;
+            longest = e > longest ? e : longest;
+        }
+        if (L->kind == K3_LAYER_DSA && !ctx->dense && longest > c->index_topk) longest = c->index_topk;
+        int parts = (int)((2 * ctx->nth) / T);
+        if (parts > longest / 256) parts = (int)(longest / 256);
+        if (parts > 64) parts = 64;
+        aj.parts = parts < 1 ? 1 : parts;
+    }
+    PROF(ctx, K3_PROF_QSFA, {
+        k3_pool_for(ctx->pool, T * aj.parts, 1, mla_attend_items, &aj);
+        if (aj.parts > 1) k3_pool_for(ctx->pool, T, 1, mla_merge_rows, &aj);
+    });
+    const double t_out = ctx->prof_on ? k3_now() : 0.0;
 
     /* o_h = W_UV_h ĉ_h, gated, then o_proj */
     for (int h = 0; h < H; h++) {
@@ -355,6 +473,7 @@ static void mla_layer(k3_ctx *ctx, const k3_layer *L, int layer, const float *xn
         for (int64_t i = 0; i < T * H * vd; i++) s->mo[i] *= sigmoidf(s->mgate[i]);
     }
     k3_matmul(ctx->pool, &L->o_proj, s->mo, T, out);
+    if (ctx->prof_on) ctx->prof[K3_PROF_MLA_OUT] += k3_now() - t_out;
 }
 
 /* ---- FFN and MoE ---------------------------------------------------------- */
@@ -374,6 +493,7 @@ static void moe_layer(k3_ctx *ctx, const k3_layer *L, const float *yn, float *ou
     const int E = c->n_experts, K = c->n_experts_per_tok;
     k3_scratch *s = &ctx->s;
 
+    const double t_moe = ctx->prof_on ? k3_now() : 0.0;
     k3_matmul(ctx->pool, &L->router, yn, T, s->rlog);
     const k3_router_cfg rc = {E, K, c->router_sigmoid, c->moe_renormalize, c->routed_scaling,
                               c->n_expert_groups, c->topk_groups};
@@ -415,9 +535,10 @@ static void moe_layer(k3_ctx *ctx, const k3_layer *L, const float *yn, float *ou
     }
     if (c->latent_moe) k3_matmul(ctx->pool, &L->lat_up, comb, T, out);
     else memcpy(out, comb, sizeof(float) * (size_t)(T * D));
+    if (ctx->prof_on) ctx->prof[K3_PROF_MOE] += k3_now() - t_moe;
 
     if (c->n_shared_experts > 0) {
-        dense_ffn(ctx, &L->sh_gate, &L->sh_up, &L->sh_down, yn, T, s->tmp);
+        PROF(ctx, K3_PROF_FFN, dense_ffn(ctx, &L->sh_gate, &L->sh_up, &L->sh_down, yn, T, s->tmp));
         for (int64_t i = 0; i < T * D; i++) out[i] += s->tmp[i];
     }
 }
@@ -432,7 +553,7 @@ void k3_forward_round(k3_ctx *ctx, const int32_t *tokens, const int32_t *out_row
     k3_scratch *s = &ctx->s;
     const bool attn_res = c->attn_res_block_size > 0;
 
-    for (int64_t t = 0; t < T; t++) k3_mat_get_row(&m->embed, tokens[t], s->P + t * D);
+    PROF(ctx, K3_PROF_EMBED, for (int64_t t = 0; t < T; t++) k3_mat_get_row(&m->embed, tokens[t], s->P + t * D));
 
     int nb = 0; /* bank entries */
     for (int i = 0; i < c->n_layers; i++) {
@@ -442,7 +563,7 @@ void k3_forward_round(k3_ctx *ctx, const int32_t *tokens, const int32_t *out_row
         const float *X = s->P;
         if (attn_res) {
             if (nb > 0) {
-                attn_res_mix(ctx, s->X, s->P, L->attn_res_w, nb);
+                PROF(ctx, K3_PROF_ATTNRES, attn_res_mix(ctx, s->X, s->P, L->attn_res_w, nb));
                 X = s->X;
             }
             if (k3_config_is_bank_layer(c, i)) {
@@ -455,29 +576,31 @@ void k3_forward_round(k3_ctx *ctx, const int32_t *tokens, const int32_t *out_row
                 nb++;
             }
         }
-        rms_all(ctx, s->xn, D, X, D, L->input_norm, D, c->rms_eps);
-        if (L->kind == K3_LAYER_KDA) kda_layer(ctx, L, i, s->xn, s->tmp);
+        PROF(ctx, K3_PROF_NORM, rms_all(ctx, s->xn, D, X, D, L->input_norm, D, c->rms_eps));
+        if (L->kind == K3_LAYER_KDA) PROF(ctx, K3_PROF_KDA, kda_layer(ctx, L, i, s->xn, s->tmp));
         else mla_layer(ctx, L, i, s->xn, s->tmp);
         for (int64_t k = 0; k < T * D; k++) s->P[k] += s->tmp[k];
 
         const float *Y = s->P;
         if (attn_res) {
-            attn_res_mix(ctx, s->X, s->P, L->mlp_res_w, nb);
+            PROF(ctx, K3_PROF_ATTNRES, attn_res_mix(ctx, s->X, s->P, L->mlp_res_w, nb));
             Y = s->X;
         }
-        rms_all(ctx, s->xn, D, Y, D, L->post_attn_norm, D, c->rms_eps);
+        PROF(ctx, K3_PROF_NORM, rms_all(ctx, s->xn, D, Y, D, L->post_attn_norm, D, c->rms_eps));
         if (L->moe) moe_layer(ctx, L, s->xn, s->X);
-        else dense_ffn(ctx, &L->ffn_gate, &L->ffn_up, &L->ffn_down, s->xn, T, s->X);
+        else PROF(ctx, K3_PROF_FFN, dense_ffn(ctx, &L->ffn_gate, &L->ffn_up, &L->ffn_down, s->xn, T, s->X));
         for (int64_t k = 0; k < T * D; k++) s->P[k] += s->X[k];
     }
     if (!n_out) return;
 
     const float *Z = s->P;
     if (attn_res) {
-        attn_res_mix(ctx, s->X, s->P, m->out_res_w, nb);
+        PROF(ctx, K3_PROF_ATTNRES, attn_res_mix(ctx, s->X, s->P, m->out_res_w, nb));
         Z = s->X;
     }
-    for (int32_t r = 0; r < n_out; r++)
-        rmsnorm(s->xn + (int64_t)r * D, Z + (int64_t)out_rows[r] * D, m->final_norm, D, c->rms_eps);
-    k3_matmul(ctx->pool, &m->lm_head, s->xn, n_out, logits);
+    PROF(ctx, K3_PROF_HEAD, {
+        for (int32_t r = 0; r < n_out; r++)
+            rmsnorm(s->xn + (int64_t)r * D, Z + (int64_t)out_rows[r] * D, m->final_norm, D, c->rms_eps);
+        k3_matmul(ctx->pool, &m->lm_head, s->xn, n_out, logits);
+    });
 }

@@ -1,0 +1,348 @@
+/*
+ * cmd_bench.c -- `k3 bench -m DIR`: speed, measured against the machine.
+ *
+ *   1. memory read bandwidth, STREAM-like over >= 1 GB (the decode ceiling);
+ *   2. prefill tok/s for prompts of 128, 512 and 2048 tokens, and GFLOP/s
+ *      counted as 2 x active parameters x tokens;
+ *   3. decode tok/s at batch 1 and batch 8, weight bytes read per decoded
+ *      token, effective GB/s and its fraction of the measured bandwidth;
+ *   4. --long-context: decode ms/token at long contexts, DSA against the same
+ *      layers run dense (caches filled with synthetic content, since a 128k
+ *      prefill of the bench model takes too long here; the cost of a decode
+ *      step depends on the length, not the content).
+ * Every figure is the median of --runs runs (default 5) with min and max.
+ * --profile adds time per operator; --json prints one object.
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "cli.h"
+#include "k3.h"
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static int cmp_d(const void *a, const void *b) {
+    const double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+typedef struct {
+    double med, min, max;
+} stat3;
+
+static stat3 stats(double *v, int n) {
+    qsort(v, (size_t)n, sizeof *v, cmp_d);
+    stat3 s = {n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]), v[0], v[n - 1]};
+    return s;
+}
+
+static int parse_list(const char *s, long *out, int cap) {
+    int n = 0;
+    while (*s && n < cap) {
+        char *end;
+        errno = 0;
+        const long v = strtol(s, &end, 10);
+        if (end == s || errno || v <= 0) return -1;
+        out[n++] = v;
+        s = *end == ',' ? end + 1 : end;
+        if (*end && *end != ',') return -1;
+    }
+    return n;
+}
+
+static void fill_ids(int32_t *ids, int64_t n, int64_t vocab, uint64_t seed) {
+    for (int64_t i = 0; i < n; i++) {
+        seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+        ids[i] = (int32_t)((seed >> 33) % (uint64_t)vocab);
+    }
+}
+
+static int usage_bench(void) {
+    fprintf(stderr,
+            "usage: k3 bench [-m DIR] [options]\n"
+            "  --threads N          worker threads (default: all cores)\n"
+            "  --runs N             runs per figure (default 5; medians with min and max)\n"
+            "  --kv f32|c8          cache format (default f32)\n"
+            "  --prompts 128,512,2048  prefill lengths\n"
+            "  --decode-tokens N    decode steps per run (default 16)\n"
+            "  --membw-mb N         bandwidth buffer size (default 1024)\n"
+            "  --long-context       decode ms/token at --contexts, DSA vs dense\n"
+            "  --contexts 1024,8192,32768,131072\n"
+            "  --profile            time per operator (prefill 512 and decode)\n"
+            "  --json               one JSON object on stdout\n");
+    return 2;
+}
+
+typedef struct {
+    k3_model *m;
+    k3_model_info info;
+    k3_pool *pool;
+    int runs;
+    int decode_tokens;
+    k3_kv_type kv;
+} bench;
+
+/* Decode tokens/s of a batch of `batch` sequences at context `pos` (filled
+ * synthetically when synth, else by a short real prefill). Returns stats of
+ * tok/s; *ms_per_step gets the median step time. */
+static int run_decode(bench *b, int batch, int64_t pos, bool synth, bool dense, stat3 *out, k3_profile *prof,
+                      k3_error *err) {
+    k3_ctx *ctx = NULL;
+    k3_ctx_options o = {.max_seqs = batch,
+                        .max_tokens = (int64_t)batch * (pos + b->decode_tokens + 1),
+                        .kv_cache = b->kv,
+                        .dense_attention = dense,
+                        .pool = b->pool};
+    if (k3_ctx_init(&ctx, b->m, &o, err)) return 1;
+    const int64_t V = b->info.vocab_size;
+    float *logits = malloc(sizeof(float) * (size_t)(V * batch));
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)(pos > 1 ? pos : 1));
+    k3_batch_seq *bs = malloc(sizeof(k3_batch_seq) * (size_t)batch);
+    int32_t *next = malloc(sizeof(int32_t) * (size_t)batch);
+    double *rates = malloc(sizeof(double) * (size_t)b->runs);
+    int rc = 0;
+    if (!logits || !ids || !bs || !next || !rates) {
+        snprintf(err->msg, sizeof err->msg, "bench: out of memory");
+        rc = 1;
+        goto done;
+    }
+    for (int r = 0; r < b->runs && !rc; r++) {
+        for (int s = 0; s < batch; s++) {
+            k3_ctx_seq_reset(ctx, s);
+            if (synth) {
+                if (k3_ctx_seq_fill_synthetic(ctx, s, pos, (uint64_t)(s + 1), err)) rc = 1;
+            } else {
+                fill_ids(ids, pos, V, (uint64_t)(7 * s + r));
+                k3_batch_seq p = {s, (int32_t)pos, ids};
+                if (k3_ctx_forward(ctx, &p, 1, K3_LOGITS_NONE, NULL, err)) rc = 1;
+            }
+            next[s] = (int32_t)((s * 131 + r) % V);
+        }
+        if (rc) break;
+        if (prof && r == b->runs - 1) {
+            k3_profile junk;
+            k3_ctx_profile_take(ctx, &junk);
+            k3_ctx_profile_enable(ctx, true);
+        }
+        const double t0 = now_s();
+        for (int step = 0; step < b->decode_tokens && !rc; step++) {
+            for (int s = 0; s < batch; s++) bs[s] = (k3_batch_seq){s, 1, &next[s]};
+            if (k3_ctx_forward(ctx, bs, batch, K3_LOGITS_LAST, logits, err)) rc = 1;
+            for (int s = 0; s < batch; s++) next[s] = (int32_t)((next[s] + 17 * step + 1) % V);
+        }
+        rates[r] = (double)batch * b->decode_tokens / (now_s() - t0);
+        if (prof && r == b->runs - 1) k3_ctx_profile_take(ctx, prof);
+    }
+    if (!rc) *out = stats(rates, b->runs);
+done:
+    free(logits);
+    free(ids);
+    free(bs);
+    free(next);
+    free(rates);
+    k3_ctx_free(ctx);
+    return rc;
+}
+
+static int run_prefill(bench *b, int64_t len, stat3 *out, k3_profile *prof, k3_error *err) {
+    k3_ctx *ctx = NULL;
+    k3_ctx_options o = {.max_seqs = 1, .max_tokens = len, .kv_cache = b->kv, .pool = b->pool};
+    if (k3_ctx_init(&ctx, b->m, &o, err)) return 1;
+    const int64_t V = b->info.vocab_size;
+    float *logits = malloc(sizeof(float) * (size_t)V);
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)len);
+    double *rates = malloc(sizeof(double) * (size_t)b->runs);
+    int rc = 0;
+    if (!logits || !ids || !rates) {
+        snprintf(err->msg, sizeof err->msg, "bench: out of memory");
+        rc = 1;
+    }
+    for (int r = 0; r < b->runs && !rc; r++) {
+        k3_ctx_seq_reset(ctx, 0);
+        fill_ids(ids, len, V, (uint64_t)(r + 1));
+        if (prof && r == b->runs - 1) {
+            k3_profile junk;
+            k3_ctx_profile_take(ctx, &junk);
+            k3_ctx_profile_enable(ctx, true);
+        }
+        k3_batch_seq p = {0, (int32_t)len, ids};
+        const double t0 = now_s();
+        if (k3_ctx_forward(ctx, &p, 1, K3_LOGITS_LAST, logits, err)) rc = 1;
+        rates[r] = (double)len / (now_s() - t0);
+        if (prof && r == b->runs - 1) k3_ctx_profile_take(ctx, prof);
+    }
+    if (!rc) *out = stats(rates, b->runs);
+    free(logits);
+    free(ids);
+    free(rates);
+    k3_ctx_free(ctx);
+    return rc;
+}
+
+static void print_profile(const char *what, const k3_profile *p, bool json) {
+    double total = 0;
+    for (int i = 0; i < K3_PROF_COUNT; i++) total += p->seconds[i];
+    if (json) {
+        printf("\"%s\": {", what);
+        for (int i = 0; i < K3_PROF_COUNT; i++)
+            printf("%s\"%s_ms\": %.3f", i ? ", " : "", k3_prof_op_name((k3_prof_op)i), p->seconds[i] * 1e3);
+        printf("}");
+        return;
+    }
+    printf("profile (%s), total %.1f ms:\n", what, total * 1e3);
+    for (int i = 0; i < K3_PROF_COUNT; i++)
+        if (p->seconds[i] > 0)
+            printf("  %-8s %9.2f ms  %5.1f%%\n", k3_prof_op_name((k3_prof_op)i), p->seconds[i] * 1e3,
+                   100.0 * p->seconds[i] / (total > 0 ? total : 1));
+}
+
+int k3_cmd_bench(int argc, char **argv) {
+    const char *dir = K3_DEFAULT_MODEL;
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    int threads = n < 1 ? 1 : n > 64 ? 64 : (int)n, runs = 5, json = 0, profile = 0, longctx = 0, dtok = 16;
+    long membw_mb = 1024;
+    long prompts[8] = {128, 512, 2048}, contexts[8] = {1024, 8192, 32768, 131072};
+    int n_prompts = 3, n_contexts = 4;
+    k3_kv_type kv = K3_KV_F32;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        const int has = i + 1 < argc;
+        if (!strcmp(a, "-m") && has) dir = argv[++i];
+        else if (!strcmp(a, "--threads") && has) threads = atoi(argv[++i]);
+        else if (!strcmp(a, "--runs") && has) runs = atoi(argv[++i]);
+        else if (!strcmp(a, "--decode-tokens") && has) dtok = atoi(argv[++i]);
+        else if (!strcmp(a, "--membw-mb") && has) membw_mb = atol(argv[++i]);
+        else if (!strcmp(a, "--prompts") && has) {
+            if ((n_prompts = parse_list(argv[++i], prompts, 8)) <= 0) return usage_bench();
+        } else if (!strcmp(a, "--contexts") && has) {
+            if ((n_contexts = parse_list(argv[++i], contexts, 8)) <= 0) return usage_bench();
+        } else if (!strcmp(a, "--kv") && has) {
+            const char *v = argv[++i];
+            if (!strcmp(v, "f32")) kv = K3_KV_F32;
+            else if (!strcmp(v, "c8")) kv = K3_KV_C8;
+            else {
+                fprintf(stderr, "k3 bench: --kv must be f32 or c8, not '%s'\n", v);
+                return 2;
+            }
+        } else if (!strcmp(a, "--json")) json = 1;
+        else if (!strcmp(a, "--profile")) profile = 1;
+        else if (!strcmp(a, "--long-context")) longctx = 1;
+        else return usage_bench();
+    }
+    if (threads < 1 || runs < 1 || dtok < 1 || membw_mb < 1) return usage_bench();
+
+    k3_error err = {0};
+    bench b = {.runs = runs, .decode_tokens = dtok, .kv = kv};
+    int rc = 1;
+    if (k3_model_open(&b.m, dir, &err) || k3_pool_init(&b.pool, threads, &err)) goto fail;
+    k3_model_get_info(b.m, &b.info);
+
+    fprintf(stderr, "k3 bench: %s, %d threads, %d runs, kv %s\n", dir, threads, runs, kv == K3_KV_C8 ? "c8" : "f32");
+    const double membw = k3_membw_read_gbps(b.pool, (size_t)membw_mb << 20, runs);
+    if (membw <= 0) {
+        fprintf(stderr, "k3 bench: cannot allocate %ld MB to measure bandwidth\n", membw_mb);
+        goto out;
+    }
+
+    stat3 pre[8], dec1, dec8;
+    k3_profile prof_pre = {{0}}, prof_dec = {{0}};
+    for (int i = 0; i < n_prompts; i++) {
+        fprintf(stderr, "  prefill %ld tokens...\n", prompts[i]);
+        if (run_prefill(&b, prompts[i], &pre[i], profile && prompts[i] == 512 ? &prof_pre : NULL, &err)) goto fail;
+    }
+    fprintf(stderr, "  decode, batch 1 and 8...\n");
+    if (run_decode(&b, 1, 16, false, false, &dec1, profile ? &prof_dec : NULL, &err)) goto fail;
+    if (run_decode(&b, 8, 16, false, false, &dec8, NULL, &err)) goto fail;
+
+    const double bpt = (double)b.info.bytes_per_token;
+    const double eff = bpt * dec1.med / 1e9;
+    int i512 = -1;
+    for (int i = 0; i < n_prompts; i++)
+        if (prompts[i] == 512) i512 = i;
+    const int ip = i512 >= 0 ? i512 : n_prompts - 1;
+    const double gflops = 2.0 * (double)b.info.n_params_active * pre[ip].med / 1e9;
+
+    stat3 lc_dsa[8], lc_dense[8];
+    if (longctx) {
+        for (int i = 0; i < n_contexts; i++) {
+            fprintf(stderr, "  long context %ld...\n", contexts[i]);
+            const int saved = b.decode_tokens;
+            b.decode_tokens = 4;
+            if (run_decode(&b, 1, contexts[i], true, false, &lc_dsa[i], NULL, &err) ||
+                run_decode(&b, 1, contexts[i], true, true, &lc_dense[i], NULL, &err))
+                goto fail;
+            b.decode_tokens = saved;
+        }
+    }
+
+    if (json) {
+        printf("{\"model\": \"%s\", \"threads\": %d, \"runs\": %d, \"kv_cache\": \"%s\", \"mem_bw_gbps\": %.2f, ", dir,
+               threads, runs, kv == K3_KV_C8 ? "c8" : "f32", membw);
+        printf("\"prefill_tok_s\": %.2f, \"prefill_tokens\": %ld, \"prefill_gflops\": %.2f, ", pre[ip].med,
+               prompts[ip], gflops);
+        printf("\"prefill\": [");
+        for (int i = 0; i < n_prompts; i++)
+            printf("%s{\"tokens\": %ld, \"tok_s\": %.2f, \"min\": %.2f, \"max\": %.2f, \"gflops\": %.2f}", i ? ", " : "",
+                   prompts[i], pre[i].med, pre[i].min, pre[i].max,
+                   2.0 * (double)b.info.n_params_active * pre[i].med / 1e9);
+        printf("], \"decode_tok_s\": %.2f, \"decode_tok_s_min\": %.2f, \"decode_tok_s_max\": %.2f, ", dec1.med, dec1.min,
+               dec1.max);
+        printf("\"decode_batch8_tok_s\": %.2f, \"decode_batch8_tok_s_min\": %.2f, \"decode_batch8_tok_s_max\": %.2f, ",
+               dec8.med, dec8.min, dec8.max);
+        printf("\"bytes_per_token\": %lld, \"effective_gbps\": %.2f, \"bandwidth_fraction\": %.3f, ",
+               (long long)b.info.bytes_per_token, eff, eff / membw);
+        printf("\"params\": %lld, \"params_active\": %lld", (long long)b.info.n_params,
+               (long long)b.info.n_params_active);
+        if (longctx) {
+            printf(", \"long_context\": [");
+            for (int i = 0; i < n_contexts; i++)
+                printf("%s{\"context\": %ld, \"dsa_ms\": %.3f, \"dense_ms\": %.3f}", i ? ", " : "", contexts[i],
+                       1e3 / lc_dsa[i].med, 1e3 / lc_dense[i].med);
+            printf("]");
+        }
+        if (profile) {
+            printf(", ");
+            print_profile("profile_prefill", &prof_pre, true);
+            printf(", ");
+            print_profile("profile_decode", &prof_dec, true);
+        }
+        printf("}\n");
+    } else {
+        printf("model %s: %lld params, %lld active, %.1f MB read per decoded token\n", dir, (long long)b.info.n_params,
+               (long long)b.info.n_params_active, bpt / 1e6);
+        printf("memory bandwidth (read, %ld MB, %d threads): %.2f GB/s\n", membw_mb, threads, membw);
+        printf("%-18s %10s %10s %10s %10s\n", "", "median", "min", "max", "GFLOP/s");
+        for (int i = 0; i < n_prompts; i++)
+            printf("prefill %5ld tok/s %10.1f %10.1f %10.1f %10.1f\n", prompts[i], pre[i].med, pre[i].min, pre[i].max,
+                   2.0 * (double)b.info.n_params_active * pre[i].med / 1e9);
+        printf("decode b=1   tok/s %10.2f %10.2f %10.2f\n", dec1.med, dec1.min, dec1.max);
+        printf("decode b=8   tok/s %10.2f %10.2f %10.2f\n", dec8.med, dec8.min, dec8.max);
+        printf("decode b=1 effective %.2f GB/s = %.1f%% of the measured %.2f GB/s\n", eff, 100.0 * eff / membw, membw);
+        if (longctx) {
+            printf("\n%-10s %14s %14s %8s\n", "context", "DSA ms/token", "dense ms/token", "dense/DSA");
+            for (int i = 0; i < n_contexts; i++)
+                printf("%-10ld %14.2f %14.2f %8.2f\n", contexts[i], 1e3 / lc_dsa[i].med, 1e3 / lc_dense[i].med,
+                       lc_dsa[i].med / lc_dense[i].med);
+        }
+        if (profile) {
+            print_profile("prefill 512", &prof_pre, false);
+            print_profile("decode b=1", &prof_dec, false);
+        }
+    }
+    rc = 0;
+    goto out;
+fail:
+    fprintf(stderr, "k3 bench: %s\n", err.msg[0] ? err.msg : k3_status_str(err.status));
+out:
+    k3_pool_free(b.pool);
+    k3_model_close(b.m);
+    return rc;
+}

@@ -1,0 +1,183 @@
+/*
+ * cmd_eval.c -- `k3 eval -m DIR --text FILE`: perplexity over a text file.
+ *
+ * The text is tokenized whole, then scored with a sliding context: windows
+ * of --ctx tokens that advance by --stride; each window is a fresh sequence,
+ * and only the tokens a previous window has not scored count, so every token
+ * after the first is scored once with at least ctx - stride tokens of
+ * context (the first window's tokens with less). Progress goes to stderr;
+ * the last line on stdout is `ppl <float> bits_per_byte <float> tokens <int>`.
+ */
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "cli.h"
+#include "k3.h"
+
+static int usage_eval(void) {
+    fprintf(stderr,
+            "usage: k3 eval [-m DIR] --text FILE [--ctx N] [--stride N] [--threads N] [--max-tokens N]\n"
+            "  --ctx N         window length in tokens (default 512)\n"
+            "  --stride N      tokens a window advances (default ctx/2)\n"
+            "  --max-tokens N  score only the first N tokens of the file\n");
+    return 2;
+}
+
+static char *read_file(const char *path, size_t *len, char *why, size_t why_len) {
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        snprintf(why, why_len, "cannot open %s: %s", path, strerror(errno));
+        return NULL;
+    }
+    size_t cap = 1 << 16, n = 0;
+    char *buf = malloc(cap);
+    while (buf) {
+        const size_t got = fread(buf + n, 1, cap - n, f);
+        n += got;
+        if (n < cap) break;
+        char *t = realloc(buf, cap *= 2);
+        if (!t) {
+            free(buf);
+            buf = NULL;
+        } else buf = t;
+    }
+    const int bad = ferror(f);
+    fclose(f);
+    if (!buf || bad) {
+        free(buf);
+        snprintf(why, why_len, "cannot read %s", path);
+        return NULL;
+    }
+    *len = n;
+    return buf;
+}
+
+/* log-softmax of row at index id, in nats */
+static double nll_of(const float *logits, int64_t V, int32_t id) {
+    float mx = logits[0];
+    for (int64_t v = 1; v < V; v++) mx = logits[v] > mx ? logits[v] : mx;
+    double sum = 0.0;
+    for (int64_t v = 0; v < V; v++) sum += exp((double)logits[v] - mx);
+    return log(sum) + mx - logits[id];
+}
+
+int k3_cmd_eval(int argc, char **argv) {
+    const char *dir = K3_DEFAULT_MODEL, *text_path = NULL;
+    long ctx_len = 512, stride = 0, max_tok = 0;
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    int threads = n < 1 ? 1 : n > 64 ? 64 : (int)n;
+    for (int i = 1; i < argc; i++) {
+        const int has = i + 1 < argc;
+        if (!strcmp(argv[i], "-m") && has) dir = argv[++i];
+        else if (!strcmp(argv[i], "--text") && has) text_path = argv[++i];
+        else if (!strcmp(argv[i], "--ctx") && has) ctx_len = atol(argv[++i]);
+        else if (!strcmp(argv[i], "--stride") && has) stride = atol(argv[++i]);
+        else if (!strcmp(argv[i], "--threads") && has) threads = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--max-tokens") && has) max_tok = atol(argv[++i]);
+        else return usage_eval();
+    }
+    if (!text_path) return usage_eval();
+    if (!stride) stride = ctx_len / 2;
+    if (ctx_len < 2 || stride < 1 || stride > ctx_len || threads < 1 || max_tok < 0) {
+        fprintf(stderr, "k3 eval: need --ctx >= 2, 1 <= --stride <= --ctx, --threads >= 1\n");
+        return 2;
+    }
+
+    k3_error err = {0};
+    k3_model *m = NULL;
+    k3_tokenizer *tok = NULL;
+    k3_pool *pool = NULL;
+    k3_ctx *ctx = NULL;
+    int32_t *ids = NULL;
+    float *logits = NULL;
+    char *text = NULL;
+    int rc = 1;
+    size_t n_bytes = 0, n_ids = 0;
+    char why[600];
+
+    if (!(text = read_file(text_path, &n_bytes, why, sizeof why))) {
+        fprintf(stderr, "k3 eval: %s\n", why);
+        return 1;
+    }
+    if (k3_model_open(&m, dir, &err) || k3_tokenizer_open(&tok, dir, &err) ||
+        k3_tokenizer_encode(tok, text, n_bytes, &ids, &n_ids, &err))
+        goto fail;
+    if (max_tok && (size_t)max_tok < n_ids) {
+        /* count only the bytes of the scored tokens */
+        n_ids = (size_t)max_tok;
+        n_bytes = 0;
+        for (size_t i = 0; i < n_ids; i++) {
+            size_t l = 0;
+            k3_tokenizer_token(tok, ids[i], &l);
+            n_bytes += l;
+        }
+    }
+    if (n_ids < 2) {
+        fprintf(stderr, "k3 eval: %s has fewer than 2 tokens\n", text_path);
+        goto out;
+    }
+    k3_model_info info;
+    k3_model_get_info(m, &info);
+    if (ctx_len > info.max_positions) ctx_len = info.max_positions;
+    if (stride > ctx_len) stride = ctx_len;
+    if (k3_pool_init(&pool, threads, &err)) goto fail;
+    k3_ctx_options co = {.max_seqs = 1, .max_tokens = ctx_len, .pool = pool};
+    if (k3_ctx_init(&ctx, m, &co, &err)) goto fail;
+    const int64_t V = info.vocab_size;
+    logits = malloc(sizeof(float) * (size_t)(V * ctx_len));
+    if (!logits) {
+        fprintf(stderr, "k3 eval: out of memory\n");
+        goto out;
+    }
+
+    double nll = 0.0;
+    size_t scored = 0, next = 1; /* next token index not yet scored */
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (size_t start = 0; next < n_ids; start += (size_t)stride) {
+        size_t len = n_ids - start < (size_t)ctx_len ? n_ids - start : (size_t)ctx_len;
+        k3_ctx_seq_reset(ctx, 0);
+        k3_batch_seq b = {0, (int32_t)len, ids + start};
+        if (k3_ctx_forward(ctx, &b, 1, K3_LOGITS_ALL, logits, &err)) goto fail;
+        /* logits row r predicts token start + r + 1 */
+        for (size_t r = 0; r + 1 < len; r++) {
+            const size_t target = start + r + 1;
+            if (target < next) continue;
+            nll += nll_of(logits + r * V, V, ids[target]);
+            scored++;
+        }
+        next = start + len;
+        clock_gettime(CLOCK_MONOTONIC, &t1);
+        const double el = (t1.tv_sec - t0.tv_sec) + (t1.tv_nsec - t0.tv_nsec) * 1e-9;
+        const int width = 30, done = (int)(width * (double)next / n_ids);
+        fprintf(stderr, "\r[%.*s%*s] %zu/%zu tokens, ppl %.3f, %.0f tok/s", done,
+                "##############################", width - done, "", next, n_ids, exp(nll / scored),
+                scored / (el > 0 ? el : 1e-9));
+        if (next >= n_ids) break;
+    }
+    fprintf(stderr, "\n");
+    /* bits per byte over the bytes of the scored tokens (the first token's
+     * bytes are not predicted, so they are left out) */
+    size_t first_len = 0;
+    k3_tokenizer_token(tok, ids[0], &first_len);
+    const double bpb = nll / log(2.0) / (double)(n_bytes - first_len);
+    printf("ppl %.4f bits_per_byte %.4f tokens %zu\n", exp(nll / scored), bpb, scored);
+    rc = 0;
+    goto out;
+fail:
+    fprintf(stderr, "k3 eval: %s\n", err.msg[0] ? err.msg : k3_status_str(err.status));
+out:
+    free(text);
+    free(ids);
+    free(logits);
+    k3_ctx_free(ctx);
+    k3_pool_free(pool);
+    k3_tokenizer_free(tok);
+    k3_model_close(m);
+    return rc;
+}

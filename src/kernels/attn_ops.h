@@ -1,0 +1,60 @@
+/*
+ * attn_ops.h -- the attention operators on 8-bit caches (serving.md §2.1,
+ * §2.2), each with a scalar reference (_ref) that tests hold the fast path to.
+ *
+ * QLI, the quantized lightning indexer. Indexer keys are Hadamard-rotated
+ * (orthonormal, so fp32 dot products are unchanged) and quantized per token
+ * to int8 with one scale; queries per token and head likewise. Scores:
+ *   I[s] = Σ_h w_h · ReLU( qs_h · ks_s · <q8_h, k8_s> )
+ * computed with integer dot products and the scales folded in.
+ *
+ * QSFA, quantized sparse flash attention (absorbed MLA): the latent cache
+ * holds per slot kv_lora int8 values with one fp32 scale per 128-tile, and
+ * the rope part in fp32. For each head, over the given slots:
+ *   z_s = (<qa, dq(c_s)> + <qpe, kpe_s>) · scale,  o = Σ softmax(z)_s dq(c_s)
+ * and the natural-log LSE of z, so partial results over disjoint slot sets
+ * merge exactly (k3_lse_merge).
+ */
+#ifndef K3_KERNELS_ATTN_OPS_H
+#define K3_KERNELS_ATTN_OPS_H
+
+#include <stdint.h>
+
+#define K3_C8_TILE 128
+
+/* Symmetric int8: s = max|x| / 127, q = round(x / s). Returns s (0 for x = 0). */
+float k3_quant_i8(const float *x, int n, int8_t *q);
+/* Per-tile int8 of n values (tiles of K3_C8_TILE, the last may be short). */
+void k3_quant_i8_tiles(const float *x, int n, int8_t *q, float *scales);
+/* In-place fast Walsh-Hadamard transform times n^-1/2 (orthonormal); n a power of 2. */
+void k3_hadamard(float *x, int n);
+
+/* One query token: q8 [HI, dI] with scales qs [HI]; w [HI] (scaled weights).
+ * Keys: k8 rows of dI int8 and ks per slot. Writes n scores. */
+void k3_qli_scores(const int8_t *q8, const float *qs, const float *w, int HI, int dI,
+                   const int8_t *k8, const float *ks, const int64_t *slots, int n, float *scores);
+void k3_qli_scores_ref(const int8_t *q8, const float *qs, const float *w, int HI, int dI,
+                       const int8_t *k8, const float *ks, const int64_t *slots, int n, float *scores);
+
+/* The latent cache as QSFA reads it. */
+typedef struct k3_c8_cache {
+    const int8_t *c8;      /* [slots, kv_lora] */
+    const float *cs;       /* [slots, n_tiles] */
+    const float *kpe;      /* [slots, rope] */
+    int kv_lora, rope, n_tiles;
+} k3_c8_cache;
+
+/* One query token, H heads: qa [H, kv_lora], qpe [H, rope]. out [H, kv_lora],
+ * lse [H]. work: k3_qsfa_work(H, kv_lora, n) floats. */
+int64_t k3_qsfa_work(int H, int kv_lora, int n);
+void k3_qsfa(const float *qa, const float *qpe, int H, const k3_c8_cache *c,
+             const int64_t *slots, int n, float scale, float *out, float *lse, float *work);
+void k3_qsfa_ref(const float *qa, const float *qpe, int H, const k3_c8_cache *c,
+                 const int64_t *slots, int n, float scale, float *out, float *lse, float *work);
+
+/* Merges partial attention results of P disjoint slot sets: o_p [P][H, d],
+ * lse_p [P][H] -> out [H, d], lse [H]. A part with lse = -inf weighs 0. */
+void k3_lse_merge(const float *const *o, const float *const *lse, int P, int H, int d,
+                  float *out, float *lse_out);
+
+#endif /* K3_KERNELS_ATTN_OPS_H */

@@ -1,0 +1,123 @@
+/* test_attn_ops.c -- QLI and QSFA fast paths == their scalar references,
+ * quantized results == dequantize-then-fp32 to rounding, the exact LSE
+ * merge, and the Hadamard transform. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "attn/mla.h"
+#include "kernels/attn_ops.h"
+#include "kernels/kernels.h"
+#include "test.h"
+
+static uint64_t rng = 99;
+static float frand(void) {
+    rng = rng * 6364136223846793005ull + 1442695040888963407ull;
+    return (float)((rng >> 40) / 8388608.0) - 1.0f;
+}
+
+K3_TEST(hadamard_orthonormal) {
+    float x[64], y[64];
+    for (int i = 0; i < 64; i++) x[i] = y[i] = frand();
+    k3_hadamard(y, 64);
+    double nx = 0, ny = 0;
+    for (int i = 0; i < 64; i++) {
+        nx += x[i] * x[i];
+        ny += y[i] * y[i];
+    }
+    CHECK(fabs(nx - ny) < 1e-4 * nx);
+    k3_hadamard(y, 64); /* H is its own inverse when orthonormal */
+    CHECK(k3_test_max_abs(x, y, 64) < 1e-5);
+}
+
+K3_TEST(qli_matches_ref_and_fp32) {
+    enum { HI = 4, DI = 64, N = 50 };
+    float q[HI * DI], k[N * DI], w[HI], ks[N], qs[HI], s1[N], s2[N], s3[N];
+    int8_t q8[HI * DI], k8[N * DI];
+    int64_t slots[N];
+    for (int i = 0; i < HI * DI; i++) q[i] = frand();
+    for (int i = 0; i < N * DI; i++) k[i] = frand();
+    for (int h = 0; h < HI; h++) w[h] = frand();
+    for (int i = 0; i < N; i++) slots[i] = (i * 7) % N; /* a permutation */
+    for (int h = 0; h < HI; h++) {
+        k3_hadamard(q + h * DI, DI);
+        qs[h] = k3_quant_i8(q + h * DI, DI, q8 + h * DI);
+    }
+    for (int i = 0; i < N; i++) {
+        k3_hadamard(k + i * DI, DI);
+        ks[i] = k3_quant_i8(k + i * DI, DI, k8 + i * DI);
+    }
+    for (int isa = K3_ISA_REF; isa <= K3_ISA_AVX2; isa++) {
+        k3_kernels_force((k3_isa)isa);
+        k3_qli_scores(q8, qs, w, HI, DI, k8, ks, slots, N, s1);
+        k3_qli_scores_ref(q8, qs, w, HI, DI, k8, ks, slots, N, s2);
+        CHECKF(k3_test_rel_l2(s1, s2, N) < 1e-6, "isa %d: %g", isa, k3_test_rel_l2(s1, s2, N));
+    }
+    k3_kernels_force(K3_ISA_AVX512);
+    /* against fp32 scores on the rotated vectors: int8 rounding only */
+    k3_indexer_scores(q, w, HI, DI, k, slots, N, s3);
+    CHECKF(k3_test_rel_l2(s1, s3, N) < 0.03, "int8 vs fp32 rel-L2 %g", k3_test_rel_l2(s1, s3, N));
+}
+
+static void fill_c8(int n, int kvl, int rope, int8_t *c8, float *cs, float *kpe, float *cf) {
+    const int nt = (kvl + K3_C8_TILE - 1) / K3_C8_TILE;
+    for (int s = 0; s < n; s++) {
+        float row[1024];
+        for (int j = 0; j < kvl; j++) row[j] = frand() * (1 + (j / 128));
+        k3_quant_i8_tiles(row, kvl, c8 + s * kvl, cs + s * nt);
+        for (int j = 0; j < kvl; j++) cf[s * (kvl + rope) + j] = c8[s * kvl + j] * cs[s * nt + j / K3_C8_TILE];
+        for (int j = 0; j < rope; j++) cf[s * (kvl + rope) + kvl + j] = kpe[s * rope + j] = frand();
+    }
+}
+
+K3_TEST(qsfa_matches_ref_and_dequant_fp32) {
+    enum { H = 3, KVL = 256, ROPE = 16, N = 40 };
+    const int nt = KVL / K3_C8_TILE;
+    int8_t *c8 = malloc(N * KVL);
+    float *cs = malloc(sizeof(float) * N * nt), *kpe = malloc(sizeof(float) * N * ROPE);
+    float *cf = malloc(sizeof(float) * N * (KVL + ROPE));
+    fill_c8(N, KVL, ROPE, c8, cs, kpe, cf);
+    float qa[H * KVL], qpe[H * ROPE];
+    for (int i = 0; i < H * KVL; i++) qa[i] = frand() * 0.3f;
+    for (int i = 0; i < H * ROPE; i++) qpe[i] = frand();
+    int64_t slots[N];
+    for (int i = 0; i < N; i++) slots[i] = (i * 3) % N;
+    k3_c8_cache c = {c8, cs, kpe, KVL, ROPE, nt};
+    float o1[H * KVL], o2[H * KVL], l1[H], l2[H];
+    float *work = malloc(sizeof(float) * (size_t)k3_qsfa_work(H, KVL, N));
+    const float scale = 0.125f;
+    k3_qsfa_ref(qa, qpe, H, &c, slots, N, scale, o2, l2, work);
+    for (int isa = K3_ISA_REF; isa <= K3_ISA_AVX2; isa++) {
+        k3_kernels_force((k3_isa)isa);
+        k3_qsfa(qa, qpe, H, &c, slots, N, scale, o1, l1, work);
+        CHECKF(k3_test_rel_l2(o1, o2, H * KVL) < 1e-5, "isa %d out %g", isa, k3_test_rel_l2(o1, o2, H * KVL));
+        CHECK(k3_test_max_abs(l1, l2, H) < 1e-4);
+    }
+    k3_kernels_force(K3_ISA_AVX512);
+    /* equals fp32 absorbed attention on the dequantized cache */
+    for (int h = 0; h < H; h++) {
+        float out[KVL], sc[N];
+        const float lse = k3_mla_attend(qa + h * KVL, qpe + h * ROPE, KVL, ROPE, cf, KVL + ROPE, slots, N,
+                                        scale, sc, out);
+        CHECK(k3_test_rel_l2(o1 + h * KVL, out, KVL) < 1e-5);
+        CHECK(fabsf(lse - l1[h]) < 1e-4f);
+    }
+    /* split the slots in two and merge by LSE: equals the whole */
+    float oa[H * KVL], ob[H * KVL], la[H], lb[H], om[H * KVL], lm[H];
+    k3_qsfa(qa, qpe, H, &c, slots, 17, scale, oa, la, work);
+    k3_qsfa(qa, qpe, H, &c, slots + 17, N - 17, scale, ob, lb, work);
+    const float *os[2] = {oa, ob}, *ls[2] = {la, lb};
+    k3_lse_merge(os, ls, 2, H, KVL, om, lm);
+    CHECK(k3_test_rel_l2(om, o1, H * KVL) < 1e-5);
+    CHECK(k3_test_max_abs(lm, l1, H) < 1e-4);
+    /* an empty part weighs nothing */
+    float oe[H * KVL], le[H];
+    k3_qsfa(qa, qpe, H, &c, slots, 0, scale, oe, le, work);
+    const float *os2[2] = {o1, oe}, *ls2[2] = {l1, le};
+    k3_lse_merge(os2, ls2, 2, H, KVL, om, lm);
+    CHECK(k3_test_rel_l2(om, o1, H * KVL) < 1e-6);
+    free(c8);
+    free(cs);
+    free(kpe);
+    free(cf);
+    free(work);
+}
