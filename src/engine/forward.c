@@ -181,7 +181,7 @@ static void kda_out_rows(void *p, int64_t lo, int64_t hi, int ith) {
         for (int h = 0; h < H; h++) {
             float *o = ctx->s.ko + t * HK + (int64_t)h * dk;
             const float *g = ctx->s.kg + t * HK + (int64_t)h * dk;
-            rmsnorm(o, o, j->L->o_norm, dk, 1e-5f);
+            rmsnorm(o, o, j->L->o_norm, dk, c->rms_eps); /* FusedRMSNormGated, eps = rms_norm_eps */
             for (int d = 0; d < dk; d++) o[d] *= sigmoidf(g[d]);
         }
 }

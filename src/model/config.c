@@ -59,6 +59,10 @@ static const char *const text_keys[] = {
     "num_expert_group", "topk_group", "topk_method", "hidden_act",
     "activation_situ_beta", "activation_situ_linear_beta",
     "num_nextn_predict_layers", "quantization_config",
+    /* transformers' KimiLinearConfig: duplicates of the fields above, checked
+     * against them (layer_types, mlp_layer_types, linear_*, qk_head_dim) or inert */
+    "layer_types", "mlp_layer_types", "linear_num_heads", "linear_head_dim",
+    "linear_conv_kernel_dim", "qk_head_dim", "pretraining_tp", "output_router_logits",
     /* DSA lightning indexer */
     "index_n_heads", "index_head_dim", "index_topk", "index_layers",
     /* PretrainedConfig.to_dict() boilerplate: generation and training knobs */
@@ -364,6 +368,39 @@ static k3_status parse_linear(const parser *p, json_t *la, k3_config *cfg) {
     return K3_OK;
 }
 
+/* transformers writes the layer map twice: layer_types ("linear_attention" /
+ * "full_attention", 0-based) next to linear_attn_config, and flat linear_*
+ * copies of its sizes. Refuse a config whose copies disagree. */
+static k3_status check_layer_types(const parser *p, json_t *tc, const k3_config *cfg, json_t *la) {
+    json_t *lt = get(tc, "layer_types");
+    if (lt) {
+        if (!json_is_array(lt) || (int)json_array_size(lt) != cfg->n_layers)
+            return k3_err(p->err, K3_ERR_FORMAT, "%s: layer_types must list %d entries", p->src, cfg->n_layers);
+        for (int i = 0; i < cfg->n_layers; i++) {
+            const char *t = json_string_value(json_array_get(lt, (size_t)i));
+            const bool lin = t && !strcmp(t, "linear_attention"), full = t && !strcmp(t, "full_attention");
+            if (!lin && !full)
+                return k3_err(p->err, K3_ERR_FORMAT,
+                              "%s: layer_types[%d] must be \"linear_attention\" or \"full_attention\"", p->src, i);
+            if (lin != (cfg->layer_kind[i] == K3_LAYER_KDA))
+                return k3_err(p->err, K3_ERR_FORMAT,
+                              "%s: layer_types[%d] = \"%s\" disagrees with linear_attn_config", p->src, i, t);
+        }
+    }
+    const struct { const char *key; int32_t want; } dup[] = {
+        {"linear_num_heads", cfg->kda_heads},
+        {"linear_head_dim", cfg->kda_head_dim},
+        {"linear_conv_kernel_dim", cfg->conv_size},
+    };
+    for (size_t i = 0; la && i < sizeof dup / sizeof dup[0]; i++) {
+        json_t *v = get(tc, dup[i].key);
+        if (v && (!json_is_integer(v) || json_integer_value(v) != dup[i].want))
+            return k3_err(p->err, K3_ERR_FORMAT, "%s: %s disagrees with linear_attn_config (%d)", p->src,
+                          dup[i].key, dup[i].want);
+    }
+    return K3_OK;
+}
+
 /* ---- the parser --------------------------------------------------------- */
 
 static k3_status parse_root(k3_config *cfg, json_t *root, const char *src, k3_error *err) {
@@ -411,7 +448,7 @@ static k3_status parse_root(k3_config *cfg, json_t *root, const char *src, k3_er
     TRY(get_int(&p, tc, "model_max_length", false, 1048576, 1, big, &mml));
     TRY(get_int(&p, tc, "max_position_embeddings", false, mml, 1, big, &cfg->max_positions));
     double eps;
-    TRY(get_num(&p, tc, "rms_norm_eps", k3 ? 1e-5 : 1e-6, &eps));
+    TRY(get_num(&p, tc, "rms_norm_eps", 1e-5, &eps));
     if (!(eps > 0 && eps < 1))
         return k3_err(err, K3_ERR_FORMAT, "%s: rms_norm_eps = %g must be in (0, 1)", src, eps);
     cfg->rms_eps = (float)eps;
@@ -434,13 +471,15 @@ static k3_status parse_root(k3_config *cfg, json_t *root, const char *src, k3_er
     json_t *la = get(tc, "linear_attn_config");
     for (int i = 0; i < cfg->n_layers; i++) cfg->layer_kind[i] = K3_LAYER_MLA;
     if (la) TRY(parse_linear(&p, la, cfg));
+    TRY(check_layer_types(&p, tc, cfg, la));
     int n_full = 0;
     for (int i = 0; i < cfg->n_layers; i++) n_full += cfg->layer_kind[i] != K3_LAYER_KDA;
 
     /* MLA. */
     if (n_full > 0) {
         bool nope;
-        TRY(get_bool(&p, tc, "mla_use_nope", k3, &nope));
+        /* both families are NoPE; transformers' KimiLinear has no other mode */
+        TRY(get_bool(&p, tc, "mla_use_nope", true, &nope));
         if (!nope)
             return k3_err(err, K3_ERR_UNSUPPORTED,
                           "%s: mla_use_nope is false: RoPE MLA not supported", src);
@@ -460,6 +499,10 @@ static k3_status parse_root(k3_config *cfg, json_t *root, const char *src, k3_er
         TRY(get_i32(&p, tc, "qk_rope_head_dim", true, 0, 0, 1 << 16, &cfg->qk_rope_dim));
         TRY(get_i32(&p, tc, "v_head_dim", true, 0, 1, 1 << 16, &cfg->v_head_dim));
         TRY(get_bool(&p, tc, "mla_use_output_gate", k3, &cfg->mla_use_output_gate));
+        json_t *qkh = get(tc, "qk_head_dim");
+        if (qkh && (!json_is_integer(qkh) || json_integer_value(qkh) != cfg->qk_nope_dim + cfg->qk_rope_dim))
+            return k3_err(err, K3_ERR_FORMAT, "%s: qk_head_dim must equal qk_nope_head_dim + qk_rope_head_dim (%d)",
+                          src, cfg->qk_nope_dim + cfg->qk_rope_dim);
     }
 
     /* DSA: the index_* fields turn full-attention layers into DSA layers. */
@@ -523,11 +566,23 @@ static k3_status parse_root(k3_config *cfg, json_t *root, const char *src, k3_er
 
     /* FFN and MoE. */
     TRY(get_i32(&p, tc, "num_experts", false, 0, 0, 1 << 20, &cfg->n_experts));
-    TRY(get_i32(&p, tc, "first_k_dense_replace", false, k3 ? 1 : 0, 0, cfg->n_layers,
-                &cfg->first_k_dense));
+    TRY(get_i32(&p, tc, "first_k_dense_replace", false, 1, 0, cfg->n_layers, &cfg->first_k_dense));
     TRY(get_i32(&p, tc, "moe_layer_freq", false, 1, 1, K3_MAX_LAYERS, &cfg->moe_layer_freq));
     int n_dense = 0, n_moe = 0;
+    json_t *mlt = get(tc, "mlp_layer_types"); /* transformers: wins when present */
+    if (mlt && (!json_is_array(mlt) || (int)json_array_size(mlt) != cfg->n_layers))
+        return k3_err(err, K3_ERR_FORMAT, "%s: mlp_layer_types must list %d entries", src, cfg->n_layers);
     for (int i = 0; i < cfg->n_layers; i++) {
+        if (mlt) {
+            const char *t = json_string_value(json_array_get(mlt, (size_t)i));
+            if (!t || (strcmp(t, "dense") && strcmp(t, "sparse")))
+                return k3_err(err, K3_ERR_FORMAT, "%s: mlp_layer_types[%d] must be \"dense\" or \"sparse\"",
+                              src, i);
+            cfg->layer_moe[i] = !strcmp(t, "sparse");
+            if (cfg->layer_moe[i] && cfg->n_experts == 0)
+                return k3_err(err, K3_ERR_FORMAT, "%s: mlp_layer_types[%d] is sparse but num_experts is 0",
+                              src, i);
+        } else
         cfg->layer_moe[i] = cfg->n_experts > 0 && i >= cfg->first_k_dense &&
                             i % cfg->moe_layer_freq == 0;
         n_moe += cfg->layer_moe[i];
@@ -538,7 +593,7 @@ static k3_status parse_root(k3_config *cfg, json_t *root, const char *src, k3_er
     if (n_moe > 0) {
         int E = cfg->n_experts;
         TRY(get_i32(&p, tc, "num_experts_per_token", true, 0, 1, E, &cfg->n_experts_per_tok));
-        TRY(get_i32(&p, tc, "num_shared_experts", false, k3 ? 2 : 0, 0, 1024,
+        TRY(get_i32(&p, tc, "num_shared_experts", false, k3 ? 2 : 1, 0, 1024,
                     &cfg->n_shared_experts));
         TRY(get_int(&p, tc, "moe_intermediate_size", true, 0, 1, big, &cfg->moe_intermediate));
         cfg->latent_moe = get(tc, "routed_expert_hidden_size") != NULL;
@@ -560,7 +615,8 @@ static k3_status parse_root(k3_config *cfg, json_t *root, const char *src, k3_er
                           src, topk_method);
         TRY(get_bool(&p, tc, "moe_renormalize", true, &cfg->moe_renormalize));
         double scale;
-        TRY(get_num(&p, tc, "routed_scaling_factor", 1.0, &scale));
+        /* defaults as in each family's config class (KimiLinear: 2.446) */
+        TRY(get_num(&p, tc, "routed_scaling_factor", k3 ? 1.0 : 2.446, &scale));
         if (!(scale > 0))
             return k3_err(err, K3_ERR_FORMAT, "%s: routed_scaling_factor = %g must be > 0",
                           src, scale);

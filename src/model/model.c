@@ -493,9 +493,15 @@ static k3_status walk_layer(walker *w, int i, k3_layer *L) {
         TRY(walk_moe(w, i, L));
     } else {
         int64_t I = c->intermediate_size;
-        TRY(bind_mat(w, F(ffn_gate), nm(w, "model.layers.%d.mlp.gate_proj.weight", i), I, D));
-        TRY(bind_mat(w, F(ffn_up), nm(w, "model.layers.%d.mlp.up_proj.weight", i), I, D));
-        TRY(bind_mat(w, F(ffn_down), nm(w, "model.layers.%d.mlp.down_proj.weight", i), D, I));
+        /* transformers' KimiLinear save renames every ".mlp." to
+         * ".block_sparse_moe.", the dense layer's MLP included */
+        const char *mlp = "mlp";
+        if (!lookup(w, nm(w, "model.layers.%d.mlp.gate_proj.weight", i)) &&
+            lookup(w, nm(w, "model.layers.%d.block_sparse_moe.gate_proj.weight", i)))
+            mlp = "block_sparse_moe";
+        TRY(bind_mat(w, F(ffn_gate), nm(w, "model.layers.%d.%s.gate_proj.weight", i, mlp), I, D));
+        TRY(bind_mat(w, F(ffn_up), nm(w, "model.layers.%d.%s.up_proj.weight", i, mlp), I, D));
+        TRY(bind_mat(w, F(ffn_down), nm(w, "model.layers.%d.%s.down_proj.weight", i, mlp), D, I));
     }
     return K3_OK;
 }
