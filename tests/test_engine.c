@@ -427,3 +427,29 @@ K3_TEST(engine_split_decode_lse_merge) {
     split_decode(K3_KV_F32);
     split_decode(K3_KV_C8);
 }
+
+K3_TEST(engine_mlapo_fused_equals_unfused) {
+    /* MLAPO's stacked down-projection gives the same logits as the separate
+     * q_a / kv_a / indexer matmuls it replaces */
+    k3_model *m = open_model("tests/models/tiny-dsa");
+    REQUIRE(m);
+    const int64_t V = m->cfg.vocab_size;
+    enum { N = 24 };
+    int32_t ids[N];
+    test_ids(ids, N, (int)V, 41);
+    int fused = 0;
+    for (int i = 0; i < m->cfg.n_layers; i++) fused += m->layers[i].mla_down.data != NULL;
+    CHECK(fused == 2);
+    float *a = run_all(m, ids, N, 0, NULL);
+    k3_mat saved[K3_MAX_LAYERS];
+    for (int i = 0; i < m->cfg.n_layers; i++) {
+        saved[i] = m->layers[i].mla_down;
+        m->layers[i].mla_down.data = NULL;
+    }
+    float *b = run_all(m, ids, N, 0, NULL);
+    for (int i = 0; i < m->cfg.n_layers; i++) m->layers[i].mla_down = saved[i];
+    if (a && b) CHECKF(k3_test_rel_l2(a, b, V * N) <= 1e-6, "rel-L2 %.3g", k3_test_rel_l2(a, b, V * N));
+    free(a);
+    free(b);
+    k3_model_close(m);
+}

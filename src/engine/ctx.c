@@ -65,7 +65,7 @@ void k3_ctx_free(k3_ctx *ctx) {
                     &s->kz, &s->kfa, &s->kbeta, &s->ko, &s->cq, &s->mq, &s->ckv, &s->qn, &s->qa,
                     &s->chat, &s->mo, &s->mgate, &s->mtmp, &s->iq, &s->ik, &s->iw, &s->f1, &s->f2,
                     &s->rlog, &s->rw, &s->lat, &s->lgather, &s->lout, &s->ly, &s->rwork,
-                    &s->iqs, &s->part_o, &s->part_l};
+                    &s->iqs, &s->part_o, &s->part_l, &s->fused};
     for (size_t i = 0; i < sizeof fl / sizeof fl[0]; i++) free(*fl[i]);
     free(s->iq8);
     free(s->isel);
@@ -198,6 +198,10 @@ k3_status k3_ctx_init(k3_ctx **out, const k3_model *m, const k3_ctx_options *opt
     s->kfa = zalloc(&a, (size_t)(T * max64(dk, c->kda_gate_rank)), sizeof(float));
     s->kbeta = zalloc(&a, (size_t)(T * c->kda_heads), sizeof(float));
     s->cq = zalloc(&a, (size_t)(T * c->q_lora_rank), sizeof(float));
+    int64_t fused_rows = 0;
+    for (int i = 0; i < c->n_layers; i++)
+        fused_rows = max64(fused_rows, m->layers[i].mla_down.data ? m->layers[i].mla_down.rows : 0);
+    s->fused = zalloc(&a, (size_t)(T * fused_rows), sizeof(float));
     s->mq = zalloc(&a, (size_t)(T * H * qh), sizeof(float));
     s->ckv = zalloc(&a, (size_t)(T * ld), sizeof(float));
     s->qn = zalloc(&a, (size_t)(H * T * c->qk_nope_dim), sizeof(float));

@@ -47,6 +47,7 @@ typedef struct k3_scratch {
     float *ko;                    /* [T, H*dv] */
     /* MLA */
     float *cq;                    /* [T, q_lora] */
+    float *fused;                 /* [T, mla_down rows] MLAPO's fused projection */
     float *mq;                    /* [T, H*(nope+rope)] */
     float *ckv;                   /* [T, kv_lora+rope] */
     float *qn, *qa, *chat;        /* [H, T, nope], [H, T, kv_lora] x2 */

@@ -364,14 +364,36 @@ static void mlapo(k3_ctx *ctx, const k3_layer *L, int layer, const float *xn) {
     k3_scratch *s = &ctx->s;
     const bool c8 = ctx->kv == K3_KV_C8;
 
+    /* the down-projections that read x: one fused matmul when the loader
+     * could stack them (L->mla_down), else one each */
+    const int HI = c->index_n_heads, dI = c->index_head_dim;
+    const bool dsa = L->kind == K3_LAYER_DSA;
+    if (L->mla_down.data) {
+        const int64_t R = L->mla_down.rows, ql = c->q_lora_rank;
+        k3_matmul(ctx->pool, &L->mla_down, xn, T, s->fused);
+        for (int64_t t = 0; t < T; t++) {
+            const float *row = s->fused + t * R;
+            memcpy(s->cq + t * ql, row, sizeof(float) * (size_t)ql);
+            memcpy(s->ckv + t * ld, row + ql, sizeof(float) * (size_t)ld);
+            if (dsa) {
+                memcpy(s->ik + t * dI, row + ql + ld, sizeof(float) * (size_t)dI);
+                memcpy(s->iw + t * HI, row + ql + ld + dI, sizeof(float) * (size_t)HI);
+            }
+        }
+    } else {
+        if (c->q_lora_rank > 0) k3_matmul(ctx->pool, &L->q_a, xn, T, s->cq);
+        k3_matmul(ctx->pool, &L->kv_a, xn, T, s->ckv);
+        if (dsa) {
+            k3_matmul(ctx->pool, &L->idx_wk, xn, T, s->ik);
+            k3_matmul(ctx->pool, &L->idx_weights, xn, T, s->iw);
+        }
+    }
     if (c->q_lora_rank > 0) {
-        k3_matmul(ctx->pool, &L->q_a, xn, T, s->cq);
         rms_all(ctx, s->cq, c->q_lora_rank, s->cq, c->q_lora_rank, L->q_a_norm, c->q_lora_rank, 1e-6f);
         k3_matmul(ctx->pool, &L->q_b, s->cq, T, s->mq);
     } else {
         k3_matmul(ctx->pool, &L->q_b, xn, T, s->mq);
     }
-    k3_matmul(ctx->pool, &L->kv_a, xn, T, s->ckv);
     rms_all(ctx, s->ckv, ld, s->ckv, ld, L->kv_a_norm, kvl, 1e-6f);
     for (int32_t i = 0; i < ctx->n_spans; i++) {
         const k3_span *sp = &ctx->spans[i];
@@ -387,11 +409,8 @@ static void mlapo(k3_ctx *ctx, const k3_layer *L, int layer, const float *xn) {
         }
     }
 
-    if (L->kind == K3_LAYER_DSA) {
-        const int HI = c->index_n_heads, dI = c->index_head_dim;
+    if (dsa) {
         k3_matmul(ctx->pool, &L->idx_wq_b, s->cq, T, s->iq);
-        k3_matmul(ctx->pool, &L->idx_wk, xn, T, s->ik);
-        k3_matmul(ctx->pool, &L->idx_weights, xn, T, s->iw);
         const float wscale = 1.0f / sqrtf((float)HI) / sqrtf((float)dI);
         for (int64_t t = 0; t < T; t++) {
             layernorm(s->ik + t * dI, L->idx_k_norm_w, L->idx_k_norm_b, dI);

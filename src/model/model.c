@@ -332,6 +332,30 @@ static k3_status derive_wuk(walker *w, k3_layer *L) {
     return K3_OK;
 }
 
+/* MLAPO's fused down-projection: the matrices that read the layer input x
+ * (q_a, kv_a and, for DSA, the indexer's wk and weights_proj) stacked by rows
+ * into one owned matrix of their common dtype. */
+static k3_status derive_mla_down(walker *w, k3_layer *L) {
+    const k3_mat *parts[4] = {&L->q_a, &L->kv_a, &L->idx_wk, &L->idx_weights};
+    const int np = L->kind == K3_LAYER_DSA ? 4 : 2;
+    if (!L->q_a.data) return K3_OK;
+    int64_t rows = 0;
+    for (int j = 0; j < np; j++) {
+        if (parts[j]->type != L->q_a.type || parts[j]->type == K3_W_MXFP4) return K3_OK;
+        rows += parts[j]->rows;
+    }
+    const size_t rb = k3_mat_row_bytes(&L->q_a);
+    float *buf = own(w, (int64_t)((rows * (int64_t)rb + 3) / 4));
+    if (!buf) return nomem(w);
+    char *dst = (char *)buf;
+    for (int j = 0; j < np; j++) {
+        memcpy(dst, parts[j]->data, (size_t)parts[j]->rows * rb);
+        dst += (size_t)parts[j]->rows * rb;
+    }
+    L->mla_down = (k3_mat){L->q_a.type, rows, L->q_a.cols, buf, NULL};
+    return K3_OK;
+}
+
 static k3_status walk_kda(walker *w, int i, k3_layer *L) {
     const k3_config *c = &w->m->cfg;
     int64_t D = c->hidden_size, H = c->kda_heads, dk = c->kda_head_dim, HD = H * dk;
@@ -397,7 +421,10 @@ static k3_status walk_mla(walker *w, int i, k3_layer *L) {
         TRY(bind_mat(w, F(idx_weights),
                      nm(w, "model.layers.%d.self_attn.indexer.weights_proj.weight", i), HI, D));
     }
-    if (w->pass == PASS_LOAD) TRY(derive_wuk(w, L));
+    if (w->pass == PASS_LOAD) {
+        TRY(derive_wuk(w, L));
+        TRY(derive_mla_down(w, L));
+    }
     return K3_OK;
 }
 

@@ -49,6 +49,11 @@ typedef struct k3_layer {
     float *wuk_t;             /* [H, kv_lora, nope] fp32: W_UK_h transposed, for the
                                  absorbed query qa_h = W_UK_hᵀ q_nope_h (derived at load) */
 
+    k3_mat mla_down;          /* MLAPO: [q_a; kv_a; idx_wk; idx_weights] rows in one
+                                 owned matrix, so the layer input is read once
+                                 (derived at load; data NULL when the parts differ
+                                 in dtype or q_lora_rank = 0) */
+
     /* DSA indexer */
     k3_mat idx_wq_b;          /* [HI*dI, q_lora] */
     k3_mat idx_wk;            /* [dI, D] */
