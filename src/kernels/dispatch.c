@@ -1,0 +1,119 @@
+/*
+ * dispatch.c -- picks the kernel table for this CPU once, and splits k3_matmul
+ * over the thread pool.
+ *
+ * ISA choice: AVX-512 (F+BW+VL) > AVX2+FMA+F16C > scalar, by
+ * __builtin_cpu_supports (which also checks that the OS saves the wider
+ * registers). k3_kernels_force is for tests and benchmarks.
+ *
+ * Threading: work is cut into at most pool-size tasks, one per thread,
+ * preferring whole row ranges (each thread streams its own slice of the
+ * weights exactly once, which is what decode is bound by); small row counts
+ * with many activation rows are split over n as well. Tiny products run on
+ * the calling thread: a pool round trip costs about as much as 32 KB of
+ * weights.
+ */
+#include "kernels/kernels_isa.h"
+#include "common/error.h"
+#include "common/pool.h"
+
+#include <pthread.h>
+#include <stdatomic.h>
+
+static pthread_once_t g_once = PTHREAD_ONCE_INIT;
+static const k3_kernel_ops *g_best;
+static bool g_have[3];
+static const k3_kernel_ops *_Atomic g_ops;
+
+static const k3_kernel_ops *const g_table[3] = {&k3_ops_ref, &k3_ops_avx2, &k3_ops_avx512};
+
+static void detect(void) {
+    g_have[K3_ISA_REF] = true;
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    g_have[K3_ISA_AVX2] = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                          __builtin_cpu_supports("f16c");
+    g_have[K3_ISA_AVX512] = g_have[K3_ISA_AVX2] && __builtin_cpu_supports("avx512f") &&
+                            __builtin_cpu_supports("avx512bw") &&
+                            __builtin_cpu_supports("avx512vl");
+#endif
+    g_best = &k3_ops_ref;
+    if (g_have[K3_ISA_AVX2]) g_best = &k3_ops_avx2;
+    if (g_have[K3_ISA_AVX512]) g_best = &k3_ops_avx512;
+    atomic_store(&g_ops, g_best);
+}
+
+void k3_kernels_init(void) { pthread_once(&g_once, detect); }
+
+static inline const k3_kernel_ops *ops(void) {
+    const k3_kernel_ops *o = atomic_load_explicit(&g_ops, memory_order_acquire);
+    if (!o) {
+        k3_kernels_init();
+        o = atomic_load(&g_ops);
+    }
+    return o;
+}
+
+k3_isa k3_kernels_isa(void) { return ops()->isa; }
+
+const char *k3_isa_name(k3_isa isa) {
+    switch (isa) {
+    case K3_ISA_REF: return "ref";
+    case K3_ISA_AVX2: return "avx2";
+    case K3_ISA_AVX512: return "avx512";
+    }
+    return "unknown";
+}
+
+void k3_kernels_force(k3_isa isa) {
+    k3_kernels_init();
+    const k3_kernel_ops *o = g_best;
+    if ((int)isa >= 0 && (int)isa < 3 && g_have[isa]) o = g_table[isa];
+    atomic_store(&g_ops, o);
+}
+
+float k3_dot(const float *a, const float *b, int64_t n) { return ops()->dot(a, b, n); }
+
+void k3_axpy(float *y, float a, const float *x, int64_t n) { ops()->axpy(y, a, x, n); }
+
+/* ---- threaded matmul -------------------------------------------------- */
+
+typedef struct mm_job {
+    const k3_kernel_ops *ops;
+    const k3_mat *w;
+    const float *x;
+    float *y;
+    int64_t n;
+    int64_t n_rc, n_nc; /* row chunks x n chunks */
+} mm_job;
+
+static void mm_task(void *ctx, int64_t lo, int64_t hi, int ith) {
+    const mm_job *j = ctx;
+    const int64_t rows = j->w->rows, cols = j->w->cols;
+    for (int64_t t = lo; t < hi; t++) {
+        int64_t rc = t % j->n_rc, nc = t / j->n_rc;
+        /* Row boundaries on multiples of 16 keep the kernels' row groups whole. */
+        int64_t r0 = rows * rc / j->n_rc / 16 * 16;
+        int64_t r1 = rc + 1 == j->n_rc ? rows : rows * (rc + 1) / j->n_rc / 16 * 16;
+        int64_t i0 = j->n * nc / j->n_nc, i1 = j->n * (nc + 1) / j->n_nc;
+        if (r0 < r1 && i0 < i1)
+            j->ops->matmul(j->w, j->x + i0 * cols, i1 - i0, j->y + i0 * rows, rows, r0, r1);
+    }
+}
+
+void k3_matmul(k3_pool *pool, const k3_mat *w, const float *x, int64_t n, float *y) {
+    K3_ASSERT(w->type >= K3_W_F32 && w->type < K3_W_COUNT);
+    K3_ASSERT(w->type != K3_W_MXFP4 || w->cols % 32 == 0);
+    if (n <= 0 || w->rows <= 0) return;
+    mm_job j = {ops(), w, x, y, n, 1, 1};
+    const int64_t rows = w->rows;
+    const int T = k3_pool_size(pool);
+    const double bytes = (double)rows * (double)k3_mat_row_bytes(w);
+    const double macs = (double)rows * (double)w->cols * (double)n;
+    if (T > 1 && (bytes >= 32768 || macs >= 131072)) {
+        j.n_rc = rows / 16 < T ? (rows / 16 > 0 ? rows / 16 : 1) : T;
+        int64_t nn = T / j.n_rc, nmax = n / 4 > 0 ? n / 4 : 1;
+        j.n_nc = nn < nmax ? nn : nmax;
+    }
+    k3_pool_for(pool, j.n_rc * j.n_nc, 1, mm_task, &j);
+}

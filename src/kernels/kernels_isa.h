@@ -1,0 +1,37 @@
+/*
+ * kernels_isa.h -- private to src/kernels: the per-ISA function table that
+ * dispatch.c chooses from. Each ISA file (ref.c, matmul_avx2.c,
+ * matmul_avx512.c) exports one table; dispatch.c owns the threading.
+ */
+#ifndef K3_KERNELS_KERNELS_ISA_H
+#define K3_KERNELS_KERNELS_ISA_H
+
+#include "kernels/kernels.h"
+
+typedef struct k3_kernel_ops {
+    k3_isa isa;
+    /* Rows [r0, r1) of y = x Wᵀ: y[i*ldy + r] for i < n, r0 <= r < r1.
+     * x: [n, w->cols] (row stride w->cols). One thread; the ISA picks its
+     * own blocking (streaming for small n, tiled for large n). */
+    void (*matmul)(const k3_mat *w, const float *x, int64_t n, float *y, int64_t ldy,
+                   int64_t r0, int64_t r1);
+    float (*dot)(const float *a, const float *b, int64_t n);
+    void (*axpy)(float *y, float a, const float *x, int64_t n);
+} k3_kernel_ops;
+
+extern const k3_kernel_ops k3_ops_ref;
+extern const k3_kernel_ops k3_ops_avx2;
+extern const k3_kernel_ops k3_ops_avx512;
+
+/* 2^(e-127) for an E8M0 byte, 255 -> NaN (= k3_e8m0_to_f32, inlined for the
+ * MXFP4 inner loops). e = 0 gives the subnormal 2^-127; every e2m1 value times
+ * it is still exact, so decoded weights equal the reference's bit for bit. */
+static inline float k3_mx_scale(uint8_t e) {
+    union { uint32_t u; float f; } v;
+    if (e == 255) v.u = 0x7fc00000u;
+    else if (e >= 1) v.u = (uint32_t)e << 23;
+    else v.u = 0x00400000u;
+    return v.f;
+}
+
+#endif /* K3_KERNELS_KERNELS_ISA_H */

@@ -1,0 +1,455 @@
+/*
+ * matmul_avx2.c -- AVX2 + FMA + F16C kernels (the k3_ops_avx2 table).
+ * Mirrors ref.c: matmul_ref_rows, k3_dot_ref, k3_axpy_ref.
+ *
+ * Canonical order. Every path computes y[i][r] with the same operations in
+ * the same order, whatever n, the position of row i or r in a tile, or the
+ * thread split: columns are cut into KC-column blocks; within a block one
+ * 8-lane accumulator runs over the columns in order (scalar tail last, after
+ * the horizontal sum), the horizontal sum uses one fixed tree, and the block
+ * sums are added to y in block order. So a batch gives bit for bit the logits
+ * of its sequences run alone, and thread counts do not change results.
+ *
+ * Three regimes, by the number of activation rows n:
+ *
+ *   stream (n <= 4, decode): memory bound. Weight rows are converted to fp32
+ *   in registers and applied to all n activation rows; several rows are in
+ *   flight at once (up to 8) to keep enough DRAM streams and FMA chains busy.
+ *
+ *   multi-pass stream (dense types, 4 < n <= 64): the same over groups of
+ *   STREAM_ROWS weight rows, 4 activation rows per pass; later passes find
+ *   the group in L2.
+ *
+ *   tiled (n > 64, or MXFP4 with n > 4): compute bound. Each RB x KC weight
+ *   block is converted once into an fp32 buffer (48 KB on the stack), then a
+ *   4x3 register tile (4 activation rows x 3 weight rows, 12 accumulators)
+ *   runs over it: 7 loads per 12 FMAs. F32 weights are used in place.
+ *
+ * MXFP4: 32 packed bytes hold 64 columns (low nibble = even column). Nibbles
+ * are split, interleaved back into column order, and looked up with pshufb in
+ * a table of the high bytes of the fp16 encodings of ±{0,.5,1,1.5,2,3,4,6}
+ * (their low bytes are all zero); vcvtph2ps then gives exact fp32, times the
+ * block scale 2^(e-127), which is exact too. So every product x*w is the one
+ * the reference forms; only the summation order differs.
+ */
+#include "kernels/kernels_isa.h"
+#include "common/error.h"
+
+#include <immintrin.h>
+#include <math.h>
+
+#define UNROLL _Pragma("GCC unroll 16")
+#define INLINE static inline __attribute__((always_inline))
+
+enum {
+    KC = 512,                   /* columns per block of the canonical order */
+    RB = 24,                    /* tiled: weight rows per block (48 KB of fp32) */
+    ROWS_OUTER_BYTES = 1 << 20, /* tiled: x up to this size -> row blocks outermost */
+    STREAM_MAX_N = 64,          /* dense types stream up to this many x rows */
+    STREAM_ROWS = 24,           /* weight rows per group in multi-pass streaming */
+};
+
+/* ---- loaders ---------------------------------------------------------- */
+
+/* 8 weights of a row starting at column k, as fp32; wt is a constant. */
+INLINE __m256 ld8(int wt, const void *row, int64_t k) {
+    switch (wt) {
+    case K3_W_F16:
+        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + k)));
+    case K3_W_BF16: {
+        __m256i v = _mm256_cvtepu16_epi32(
+            _mm_loadu_si128((const __m128i *)((const uint16_t *)row + k)));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    }
+    default: return _mm256_loadu_ps((const float *)row + k);
+    }
+}
+
+INLINE float ld1(int wt, const void *row, int64_t k) {
+    switch (wt) {
+    case K3_W_F16: return _cvtsh_ss(((const uint16_t *)row)[k]);
+    case K3_W_BF16: return k3_bf16_to_f32(((const uint16_t *)row)[k]);
+    default: return ((const float *)row)[k];
+    }
+}
+
+INLINE size_t elem_size(int wt) { return wt == K3_W_F32 ? 4 : 2; }
+
+/* High bytes of the fp16 encodings of the 16 E2M1 codes. */
+#define MX_F16_HI 0x00, 0x38, 0x3c, 0x3e, 0x40, 0x42, 0x44, 0x46, \
+                  0x80, 0xb8, 0xbc, 0xbe, 0xc0, 0xc2, 0xc4, 0xc6
+
+/* 64 MXFP4 weights (32 bytes at p) -> out[8] in column order; s0 scales
+ * columns 0..31, s1 columns 32..63. */
+INLINE void mx_dec64(const uint8_t *p, __m256 s0, __m256 s1, __m256 out[8]) {
+    const __m256i tbl = _mm256_setr_epi8(MX_F16_HI, MX_F16_HI);
+    const __m256i m = _mm256_set1_epi8(0x0f), z = _mm256_setzero_si256();
+    __m256i b = _mm256_loadu_si256((const __m256i *)p);
+    __m256i lo = _mm256_and_si256(b, m);
+    __m256i hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
+    /* per 128-bit lane: codes of columns 0..15 (lane 1: 32..47), 16..31 (48..63) */
+    __m256i h0 = _mm256_shuffle_epi8(tbl, _mm256_unpacklo_epi8(lo, hi));
+    __m256i h1 = _mm256_shuffle_epi8(tbl, _mm256_unpackhi_epi8(lo, hi));
+    __m256i f0 = _mm256_unpacklo_epi8(z, h0), f1 = _mm256_unpackhi_epi8(z, h0);
+    __m256i f2 = _mm256_unpacklo_epi8(z, h1), f3 = _mm256_unpackhi_epi8(z, h1);
+    out[0] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(f0)), s0);
+    out[1] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(f1)), s0);
+    out[2] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(f2)), s0);
+    out[3] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(f3)), s0);
+    out[4] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(f0, 1)), s1);
+    out[5] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(f1, 1)), s1);
+    out[6] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(f2, 1)), s1);
+    out[7] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(f3, 1)), s1);
+}
+
+/* 32 MXFP4 weights (16 bytes at p) -> out[4] in column order. */
+INLINE void mx_dec32(const uint8_t *p, __m256 s, __m256 out[4]) {
+    const __m128i tbl = _mm_setr_epi8(MX_F16_HI);
+    const __m128i m = _mm_set1_epi8(0x0f), z = _mm_setzero_si128();
+    __m128i b = _mm_loadu_si128((const __m128i *)p);
+    __m128i lo = _mm_and_si128(b, m);
+    __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
+    __m128i h0 = _mm_shuffle_epi8(tbl, _mm_unpacklo_epi8(lo, hi));
+    __m128i h1 = _mm_shuffle_epi8(tbl, _mm_unpackhi_epi8(lo, hi));
+    out[0] = _mm256_mul_ps(_mm256_cvtph_ps(_mm_unpacklo_epi8(z, h0)), s);
+    out[1] = _mm256_mul_ps(_mm256_cvtph_ps(_mm_unpackhi_epi8(z, h0)), s);
+    out[2] = _mm256_mul_ps(_mm256_cvtph_ps(_mm_unpacklo_epi8(z, h1)), s);
+    out[3] = _mm256_mul_ps(_mm256_cvtph_ps(_mm_unpackhi_epi8(z, h1)), s);
+}
+
+/* ---- reductions: one fixed tree, so every path rounds alike ----------- */
+
+/* The four horizontal sums of a, b, c, d (tree: pairs, quads, then 8s). */
+INLINE __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+    __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+/* hsum4's tree for one vector. */
+INLINE float hsum(__m256 v) {
+    __m256 p = _mm256_hadd_ps(v, v);
+    __m256 t = _mm256_hadd_ps(p, p);
+    return _mm_cvtss_f32(_mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+}
+
+/* s[q] = hsum(v[q]) for q < cnt (cnt a constant). */
+INLINE void hsum_all(const __m256 *v, int cnt, float *s) {
+    int q = 0;
+    UNROLL for (; q + 4 <= cnt; q += 4) _mm_storeu_ps(s + q, hsum4(v[q], v[q + 1], v[q + 2], v[q + 3]));
+    UNROLL for (; q < cnt; q++) s[q] = hsum(v[q]);
+}
+
+/* Keeps v in a register: otherwise GCC folds the load into every FMA that
+ * uses it (one load per FMA) and the register tile becomes load-bound. */
+INLINE __m256 in_reg(__m256 v) {
+    __asm__("" : "+v"(v));
+    return v;
+}
+
+/* ---- the register tile ------------------------------------------------ */
+
+/* MR activation rows x NR weight rows over one column block of K <= KC, in
+ * the canonical order. w: first weight row, rows ldw elements apart, type wt
+ * (F32/F16/BF16). y[i*ldy + j] = (accum ? y : 0) + block sum. */
+INLINE void tile(int wt, const void *w, int64_t ldw, const float *x, int64_t ldx, int64_t K,
+                 float *y, int64_t ldy, bool accum, const int MR, const int NR) {
+    const char *wr[8];
+    UNROLL for (int j = 0; j < NR; j++) wr[j] = (const char *)w + (size_t)j * ldw * elem_size(wt);
+    __m256 acc[4][8];
+    UNROLL for (int i = 0; i < MR; i++)
+        UNROLL for (int j = 0; j < NR; j++) acc[i][j] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+        __m256 wv[8];
+        UNROLL for (int j = 0; j < NR; j++) wv[j] = ld8(wt, wr[j], k);
+        UNROLL for (int i = 0; i < MR; i++) {
+            __m256 xv = in_reg(_mm256_loadu_ps(x + i * ldx + k));
+            UNROLL for (int j = 0; j < NR; j++) acc[i][j] = _mm256_fmadd_ps(wv[j], xv, acc[i][j]);
+        }
+    }
+    __m256 v[32];
+    float s[32];
+    UNROLL for (int i = 0; i < MR; i++)
+        UNROLL for (int j = 0; j < NR; j++) v[i * NR + j] = acc[i][j];
+    hsum_all(v, MR * NR, s);
+    for (; k < K; k++)
+        UNROLL for (int i = 0; i < MR; i++)
+            UNROLL for (int j = 0; j < NR; j++) s[i * NR + j] += x[i * ldx + k] * ld1(wt, wr[j], k);
+    UNROLL for (int i = 0; i < MR; i++)
+        UNROLL for (int j = 0; j < NR; j++) {
+            float *d = y + i * ldy + j;
+            *d = accum ? *d + s[i * NR + j] : s[i * NR + j];
+        }
+}
+
+/* ---- stream: n <= 4 --------------------------------------------------- */
+
+/* Rows [r0, r1) of a F32/F16/BF16 matrix against n <= 4 activation rows,
+ * NR rows at a time (more rows in flight keep more DRAM streams busy; NR was
+ * picked by measurement on Zen 4, where a few spills cost less than fewer
+ * streams). */
+INLINE void stream_dense(int wt, const k3_mat *w, const float *x, int64_t n, float *y,
+                         int64_t ldy, int64_t r0, int64_t r1) {
+    const int64_t K = w->cols;
+    const size_t rb = (size_t)K * elem_size(wt);
+    const char *base = (const char *)w->data;
+#define T(MR, NR)                                                                             \
+    for (int64_t k0 = 0; k0 < K; k0 += KC)                                                    \
+        tile(wt, base + (size_t)r * rb + (size_t)k0 * elem_size(wt), K, x + k0, K,            \
+             K - k0 < KC ? K - k0 : KC, y + r, ldy, k0 > 0, MR, NR)
+    int64_t r = r0;
+    switch (n) {
+    case 1:
+        for (; r + 8 <= r1; r += 8) T(1, 8);
+        for (; r < r1; r++) T(1, 1);
+        break;
+    case 2:
+        for (; r + 8 <= r1; r += 8) T(2, 8);
+        for (; r < r1; r++) T(2, 1);
+        break;
+    case 3:
+        for (; r + 6 <= r1; r += 6) T(3, 6);
+        for (; r < r1; r++) T(3, 1);
+        break;
+    default:
+        for (; r + 3 <= r1; r += 3) T(4, 3);
+        for (; r < r1; r++) T(4, 1);
+        break;
+    }
+#undef T
+}
+
+/* s[i*NR + j] = block sum over columns [0, K <= KC) of MXFP4 row j (p + j*ldp,
+ * scales sc + j*lds) times x row i (x + i*ldx), in the canonical order. */
+INLINE void stream_mx_block(const uint8_t *p, int64_t ldp, const uint8_t *sc, int64_t lds,
+                            const float *x, int64_t ldx, int64_t K, float *s, const int MR,
+                            const int NR) {
+    __m256 acc[4][4];
+    UNROLL for (int i = 0; i < MR; i++)
+        UNROLL for (int j = 0; j < NR; j++) acc[i][j] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 64 <= K; k += 64) {
+        UNROLL for (int j = 0; j < NR; j++) {
+            __m256 wv[8];
+            mx_dec64(p + j * ldp + k / 2, _mm256_set1_ps(k3_mx_scale(sc[j * lds + k / 32])),
+                     _mm256_set1_ps(k3_mx_scale(sc[j * lds + k / 32 + 1])), wv);
+            UNROLL for (int i = 0; i < MR; i++)
+                UNROLL for (int q = 0; q < 8; q++)
+                    acc[i][j] = _mm256_fmadd_ps(wv[q], _mm256_loadu_ps(x + i * ldx + k + 8 * q),
+                                                acc[i][j]);
+        }
+    }
+    if (k < K) { /* K % 64 == 32 */
+        UNROLL for (int j = 0; j < NR; j++) {
+            __m256 wv[4];
+            mx_dec32(p + j * ldp + k / 2, _mm256_set1_ps(k3_mx_scale(sc[j * lds + k / 32])), wv);
+            UNROLL for (int i = 0; i < MR; i++)
+                UNROLL for (int q = 0; q < 4; q++)
+                    acc[i][j] = _mm256_fmadd_ps(wv[q], _mm256_loadu_ps(x + i * ldx + k + 8 * q),
+                                                acc[i][j]);
+        }
+    }
+    __m256 v[16];
+    UNROLL for (int i = 0; i < MR; i++)
+        UNROLL for (int j = 0; j < NR; j++) v[i * NR + j] = acc[i][j];
+    hsum_all(v, MR * NR, s);
+}
+
+static void stream_mx(const k3_mat *w, const float *x, int64_t n, float *y, int64_t ldy,
+                      int64_t r0, int64_t r1) {
+    const int64_t K = w->cols;
+    /* Rows per pass: each accumulator's chain is 8 FMAs per 64 columns, so
+     * several rows must be in flight to hide the FMA latency. */
+    const int nrmax = n == 1 ? 4 : n == 2 ? 3 : 2;
+    for (int64_t r = r0; r < r1;) {
+        const int nr = r1 - r >= nrmax ? nrmax : 1;
+        for (int64_t k0 = 0; k0 < K; k0 += KC) {
+            const int64_t kl = K - k0 < KC ? K - k0 : KC;
+            const uint8_t *pr = (const uint8_t *)w->data + r * (K / 2) + k0 / 2;
+            const uint8_t *sr = w->scale + r * (K / 32) + k0 / 32;
+            float s[16];
+#define C(MR, NR)                                                                             \
+    case (MR) * 8 + (NR):                                                                     \
+        stream_mx_block(pr, K / 2, sr, K / 32, x + k0, K, kl, s, MR, NR);                     \
+        break;
+            switch (n * 8 + nr) {
+            C(1, 1) C(1, 4) C(2, 1) C(2, 3) C(3, 1) C(3, 2) C(4, 1) C(4, 2)
+            default: K3_ASSERT(!"stream_mx: bad shape");
+            }
+#undef C
+            for (int64_t i = 0; i < n; i++)
+                for (int j = 0; j < nr; j++) {
+                    float *d = y + i * ldy + r + j;
+                    *d = k0 ? *d + s[i * nr + j] : s[i * nr + j];
+                }
+        }
+        r += nr;
+    }
+}
+
+/* ---- tiled ------------------------------------------------------------ */
+
+/* Converts rows [r0, r0+nr) x columns [k0, k0+kl) to fp32 in buf (stride KC). */
+static void convert_block(const k3_mat *w, int64_t r0, int nr, int64_t k0, int kl, float *buf) {
+    const int64_t K = w->cols;
+    for (int j = 0; j < nr; j++) {
+        float *d = buf + (size_t)j * KC;
+        int k = 0;
+        switch (w->type) {
+        case K3_W_F16: {
+            const uint16_t *s = (const uint16_t *)w->data + (r0 + j) * K + k0;
+            for (; k + 8 <= kl; k += 8) _mm256_storeu_ps(d + k, ld8(K3_W_F16, s, k));
+            for (; k < kl; k++) d[k] = ld1(K3_W_F16, s, k);
+            break;
+        }
+        case K3_W_BF16: {
+            const uint16_t *s = (const uint16_t *)w->data + (r0 + j) * K + k0;
+            for (; k + 8 <= kl; k += 8) _mm256_storeu_ps(d + k, ld8(K3_W_BF16, s, k));
+            for (; k < kl; k++) d[k] = ld1(K3_W_BF16, s, k);
+            break;
+        }
+        case K3_W_MXFP4: {
+            const uint8_t *s = (const uint8_t *)w->data + (r0 + j) * (K / 2) + k0 / 2;
+            const uint8_t *sc = w->scale + (r0 + j) * (K / 32) + k0 / 32;
+            __m256 v[8];
+            for (; k + 64 <= kl; k += 64) {
+                mx_dec64(s + k / 2, _mm256_set1_ps(k3_mx_scale(sc[k / 32])),
+                         _mm256_set1_ps(k3_mx_scale(sc[k / 32 + 1])), v);
+                UNROLL for (int q = 0; q < 8; q++) _mm256_storeu_ps(d + k + 8 * q, v[q]);
+            }
+            if (k < kl) {
+                mx_dec32(s + k / 2, _mm256_set1_ps(k3_mx_scale(sc[k / 32])), v);
+                UNROLL for (int q = 0; q < 4; q++) _mm256_storeu_ps(d + k + 8 * q, v[q]);
+            }
+            break;
+        }
+        default: K3_ASSERT(!"convert_block: bad type");
+        }
+    }
+}
+
+/* fp32 weights (buffer or F32 matrix) x MR <= 4 activation rows x NR <= 3. */
+static void tile_f32(int mr, int nr, const float *w, int64_t ldw, const float *x, int64_t ldx,
+                     int64_t K, float *y, int64_t ldy, bool accum) {
+#define C(MR, NR)                                                                             \
+    case (MR) * 4 + (NR): tile(K3_W_F32, w, ldw, x, ldx, K, y, ldy, accum, MR, NR); break;
+    switch (mr * 4 + nr) {
+    C(1, 1) C(1, 2) C(1, 3) C(2, 1) C(2, 2) C(2, 3)
+    C(3, 1) C(3, 2) C(3, 3) C(4, 1) C(4, 2) C(4, 3)
+    default: K3_ASSERT(!"tile_f32: bad shape");
+    }
+#undef C
+}
+
+/* One RB x KC block: convert (F32 is used in place) and run the register
+ * tiles over all n activation rows. */
+static void tiled_block(const k3_mat *w, const float *x, int64_t n, float *y, int64_t ldy,
+                        int64_t rb, int nr, int64_t k0, int kl, float *buf) {
+    const int64_t K = w->cols;
+    const float *wb = buf;
+    int64_t ldw = KC;
+    if (w->type == K3_W_F32) {
+        wb = (const float *)w->data + rb * K + k0;
+        ldw = K;
+    } else {
+        convert_block(w, rb, nr, k0, kl, buf);
+    }
+    for (int64_t i = 0; i < n; i += 4) {
+        const int mi = (int)(n - i < 4 ? n - i : 4);
+        for (int j = 0; j < nr; j += 3)
+            tile_f32(mi, nr - j < 3 ? nr - j : 3, wb + (size_t)j * ldw, ldw, x + i * K + k0, K,
+                     kl, y + i * ldy + rb + j, ldy, k0 > 0);
+    }
+}
+
+static void tiled(const k3_mat *w, const float *x, int64_t n, float *y, int64_t ldy,
+                  int64_t r0, int64_t r1) {
+    _Alignas(64) float buf[RB * KC];
+    const int64_t K = w->cols;
+    if (n * K * 4 <= ROWS_OUTER_BYTES) {
+        /* x is L2-sized: finish each block of weight rows before the next,
+         * so the weights stream row after row. */
+        for (int64_t rb = r0; rb < r1; rb += RB) {
+            const int nr = (int)(r1 - rb < RB ? r1 - rb : RB);
+            for (int64_t k0 = 0; k0 < K; k0 += KC)
+                tiled_block(w, x, n, y, ldy, rb, nr, k0, (int)(K - k0 < KC ? K - k0 : KC), buf);
+        }
+        return;
+    }
+    /* Large x: keep one KC-column panel of x hot while all rows pass over it. */
+    for (int64_t k0 = 0; k0 < K; k0 += KC) {
+        const int kl = (int)(K - k0 < KC ? K - k0 : KC);
+        for (int64_t rb = r0; rb < r1; rb += RB)
+            tiled_block(w, x, n, y, ldy, rb, (int)(r1 - rb < RB ? r1 - rb : RB), k0, kl, buf);
+    }
+}
+
+/* ---- the table -------------------------------------------------------- */
+
+/* Any type, n <= 4 activation rows. */
+static void stream_rows(const k3_mat *w, const float *x, int64_t n, float *y, int64_t ldy,
+                        int64_t r0, int64_t r1) {
+    switch (w->type) {
+    case K3_W_F32: stream_dense(K3_W_F32, w, x, n, y, ldy, r0, r1); break;
+    case K3_W_F16: stream_dense(K3_W_F16, w, x, n, y, ldy, r0, r1); break;
+    case K3_W_BF16: stream_dense(K3_W_BF16, w, x, n, y, ldy, r0, r1); break;
+    case K3_W_MXFP4: stream_mx(w, x, n, y, ldy, r0, r1); break;
+    default: K3_ASSERT(!"matmul: bad type");
+    }
+}
+
+static void matmul_rows(const k3_mat *w, const float *x, int64_t n, float *y, int64_t ldy,
+                        int64_t r0, int64_t r1) {
+    if (n <= 4) {
+        stream_rows(w, x, n, y, ldy, r0, r1);
+    } else if (w->type != K3_W_MXFP4 && n <= STREAM_MAX_N) {
+        /* Passes of 4 activation rows over groups of STREAM_ROWS weight rows:
+         * the first pass brings the group from DRAM, the others find it in
+         * L2, and converting on the fly beats a buffer round trip. (MXFP4
+         * decoding is too costly to repeat: it goes to tiled.) */
+        const int64_t K = w->cols;
+        for (int64_t r = r0; r < r1; r += STREAM_ROWS) {
+            const int64_t re = r1 - r < STREAM_ROWS ? r1 : r + STREAM_ROWS;
+            for (int64_t i = 0; i < n; i += 4)
+                stream_rows(w, x + i * K, n - i < 4 ? n - i : 4, y + i * ldy, ldy, r, re);
+        }
+    } else {
+        tiled(w, x, n, y, ldy, r0, r1);
+    }
+}
+
+static float dot_avx2(const float *a, const float *b, int64_t n) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+        s2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 16), _mm256_loadu_ps(b + i + 16), s2);
+        s3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 24), _mm256_loadu_ps(b + i + 24), s3);
+    }
+    for (; i + 8 <= n; i += 8)
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+    float s = hsum(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+static void axpy_avx2(float *y, float a, const float *x, int64_t n) {
+    const __m256 av = _mm256_set1_ps(a);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+        _mm256_storeu_ps(y + i + 8,
+                         _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i + 8), _mm256_loadu_ps(y + i + 8)));
+    }
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+    for (; i < n; i++) y[i] = fmaf(a, x[i], y[i]);
+}
+
+const k3_kernel_ops k3_ops_avx2 = {
+    .isa = K3_ISA_AVX2,
+    .matmul = matmul_rows,
+    .dot = dot_avx2,
+    .axpy = axpy_avx2,
+};
