@@ -12,6 +12,18 @@ int k3_cmd_tokenize(int argc, char **argv);
 int k3_cmd_eval(int argc, char **argv);
 int k3_cmd_bench(int argc, char **argv);
 
+#include "k3.h"
+
+/* The quantization mode and cache format used when none is given. */
+#define K3_DEFAULT_QUANT "none"
+#define K3_DEFAULT_KV "f32"
+
+/* Opens a model and applies a --quant mode ("none", "w8a8", "w4a8",
+ * "w8a8+w4a8", ...). */
+k3_status k3_cli_open_model(k3_model **m, const char *dir, const char *quant, k3_error *err);
+/* Parses a --kv-cache value ("f32" or "c8"); 0 on success. */
+int k3_cli_parse_kv(const char *s, k3_kv_type *out);
+
 /* The model directory used when -m is not given. */
 #define K3_DEFAULT_MODEL "models/k3-mini"
 

@@ -70,7 +70,8 @@ static int usage_bench(void) {
             "usage: k3 bench [-m DIR] [options]\n"
             "  --threads N          worker threads (default: all cores)\n"
             "  --runs N             runs per figure (default 5; medians with min and max)\n"
-            "  --kv f32|c8          cache format (default f32)\n"
+            "  --kv-cache f32|c8    cache format\n"
+            "  --quant MODE         none | w8a8 | w8a8-mxfp8 | w4a8 | w8a8+w4a8\n"
             "  --prompts 128,512,2048  prefill lengths\n"
             "  --decode-tokens N    decode steps per run (default 16)\n"
             "  --membw-mb N         bandwidth buffer size (default 1024)\n"
@@ -205,13 +206,14 @@ static void print_profile(const char *what, const k3_profile *p, bool json) {
 }
 
 int k3_cmd_bench(int argc, char **argv) {
-    const char *dir = K3_DEFAULT_MODEL;
+    const char *dir = K3_DEFAULT_MODEL, *quant = K3_DEFAULT_QUANT;
     long n = sysconf(_SC_NPROCESSORS_ONLN);
     int threads = n < 1 ? 1 : n > 64 ? 64 : (int)n, runs = 5, json = 0, profile = 0, longctx = 0, dtok = 16;
     long membw_mb = 1024;
     long prompts[8] = {128, 512, 2048}, contexts[8] = {1024, 8192, 32768, 131072};
     int n_prompts = 3, n_contexts = 4;
     k3_kv_type kv = K3_KV_F32;
+    k3_cli_parse_kv(K3_DEFAULT_KV, &kv);
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const int has = i + 1 < argc;
@@ -224,15 +226,12 @@ int k3_cmd_bench(int argc, char **argv) {
             if ((n_prompts = parse_list(argv[++i], prompts, 8)) <= 0) return usage_bench();
         } else if (!strcmp(a, "--contexts") && has) {
             if ((n_contexts = parse_list(argv[++i], contexts, 8)) <= 0) return usage_bench();
-        } else if (!strcmp(a, "--kv") && has) {
-            const char *v = argv[++i];
-            if (!strcmp(v, "f32")) kv = K3_KV_F32;
-            else if (!strcmp(v, "c8")) kv = K3_KV_C8;
-            else {
-                fprintf(stderr, "k3 bench: --kv must be f32 or c8, not '%s'\n", v);
+        } else if ((!strcmp(a, "--kv-cache") || !strcmp(a, "--kv")) && has) {
+            if (k3_cli_parse_kv(argv[++i], &kv)) {
+                fprintf(stderr, "k3 bench: --kv-cache must be f32 or c8, not '%s'\n", argv[i]);
                 return 2;
             }
-        } else if (!strcmp(a, "--json")) json = 1;
+        } else if (!strcmp(a, "--quant") && has) quant = argv[++i]; else if (!strcmp(a, "--json")) json = 1;
         else if (!strcmp(a, "--profile")) profile = 1;
         else if (!strcmp(a, "--long-context")) longctx = 1;
         else return usage_bench();
@@ -242,10 +241,11 @@ int k3_cmd_bench(int argc, char **argv) {
     k3_error err = {0};
     bench b = {.runs = runs, .decode_tokens = dtok, .kv = kv};
     int rc = 1;
-    if (k3_model_open(&b.m, dir, &err) || k3_pool_init(&b.pool, threads, &err)) goto fail;
+    if (k3_cli_open_model(&b.m, dir, quant, &err) || k3_pool_init(&b.pool, threads, &err)) goto fail;
     k3_model_get_info(b.m, &b.info);
 
-    fprintf(stderr, "k3 bench: %s, %d threads, %d runs, kv %s\n", dir, threads, runs, kv == K3_KV_C8 ? "c8" : "f32");
+    fprintf(stderr, "k3 bench: %s, %d threads, %d runs, quant %s, kv %s\n", dir, threads, runs, quant,
+            kv == K3_KV_C8 ? "c8" : "f32");
     const double membw = k3_membw_read_gbps(b.pool, (size_t)membw_mb << 20, runs);
     if (membw <= 0) {
         fprintf(stderr, "k3 bench: cannot allocate %ld MB to measure bandwidth\n", membw_mb);
@@ -284,8 +284,9 @@ int k3_cmd_bench(int argc, char **argv) {
     }
 
     if (json) {
-        printf("{\"model\": \"%s\", \"threads\": %d, \"runs\": %d, \"kv_cache\": \"%s\", \"mem_bw_gbps\": %.2f, ", dir,
-               threads, runs, kv == K3_KV_C8 ? "c8" : "f32", membw);
+        printf("{\"model\": \"%s\", \"threads\": %d, \"runs\": %d, \"quant\": \"%s\", \"kv_cache\": \"%s\", "
+               "\"mem_bw_gbps\": %.2f, ",
+               dir, threads, runs, quant, kv == K3_KV_C8 ? "c8" : "f32", membw);
         printf("\"prefill_tok_s\": %.2f, \"prefill_tokens\": %ld, \"prefill_gflops\": %.2f, ", pre[ip].med,
                prompts[ip], gflops);
         printf("\"prefill\": [");

@@ -24,7 +24,10 @@ static int usage_eval(void) {
             "usage: k3 eval [-m DIR] --text FILE [--ctx N] [--stride N] [--threads N] [--max-tokens N]\n"
             "  --ctx N         window length in tokens (default 512)\n"
             "  --stride N      tokens a window advances (default ctx/2)\n"
-            "  --max-tokens N  score only the first N tokens of the file\n");
+            "  --max-tokens N  score only the first N tokens of the file\n"
+            "  --quant MODE    none | w8a8 | w8a8-mxfp8 | w4a8 | w8a8+w4a8\n"
+            "  --kv-cache f32|c8\n"
+            "  --compare-fp32  also report top-1 agreement with the unquantized f32 run\n");
     return 2;
 }
 
@@ -66,9 +69,19 @@ static double nll_of(const float *logits, int64_t V, int32_t id) {
     return log(sum) + mx - logits[id];
 }
 
+static int64_t argmax(const float *x, int64_t n) {
+    int64_t b = 0;
+    for (int64_t i = 1; i < n; i++)
+        if (x[i] > x[b]) b = i;
+    return b;
+}
+
 int k3_cmd_eval(int argc, char **argv) {
-    const char *dir = K3_DEFAULT_MODEL, *text_path = NULL;
+    const char *dir = K3_DEFAULT_MODEL, *text_path = NULL, *quant = K3_DEFAULT_QUANT;
+    k3_kv_type kv = K3_KV_F32;
+    k3_cli_parse_kv(K3_DEFAULT_KV, &kv);
     long ctx_len = 512, stride = 0, max_tok = 0;
+    int compare = 0;
     long n = sysconf(_SC_NPROCESSORS_ONLN);
     int threads = n < 1 ? 1 : n > 64 ? 64 : (int)n;
     for (int i = 1; i < argc; i++) {
@@ -79,6 +92,11 @@ int k3_cmd_eval(int argc, char **argv) {
         else if (!strcmp(argv[i], "--stride") && has) stride = atol(argv[++i]);
         else if (!strcmp(argv[i], "--threads") && has) threads = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--max-tokens") && has) max_tok = atol(argv[++i]);
+        else if (!strcmp(argv[i], "--quant") && has) quant = argv[++i];
+        else if (!strcmp(argv[i], "--compare-fp32")) compare = 1;
+        else if (!strcmp(argv[i], "--kv-cache") && has) {
+            if (k3_cli_parse_kv(argv[++i], &kv)) return usage_eval();
+        }
         else return usage_eval();
     }
     if (!text_path) return usage_eval();
@@ -92,9 +110,10 @@ int k3_cmd_eval(int argc, char **argv) {
     k3_model *m = NULL;
     k3_tokenizer *tok = NULL;
     k3_pool *pool = NULL;
-    k3_ctx *ctx = NULL;
+    k3_ctx *ctx = NULL, *rctx = NULL;
+    k3_model *rm = NULL; /* the unquantized fp32 run, with --compare-fp32 */
     int32_t *ids = NULL;
-    float *logits = NULL;
+    float *logits = NULL, *rlogits = NULL;
     char *text = NULL;
     int rc = 1;
     size_t n_bytes = 0, n_ids = 0;
@@ -104,7 +123,7 @@ int k3_cmd_eval(int argc, char **argv) {
         fprintf(stderr, "k3 eval: %s\n", why);
         return 1;
     }
-    if (k3_model_open(&m, dir, &err) || k3_tokenizer_open(&tok, dir, &err) ||
+    if (k3_cli_open_model(&m, dir, quant, &err) || k3_tokenizer_open(&tok, dir, &err) ||
         k3_tokenizer_encode(tok, text, n_bytes, &ids, &n_ids, &err))
         goto fail;
     if (max_tok && (size_t)max_tok < n_ids) {
@@ -126,17 +145,22 @@ int k3_cmd_eval(int argc, char **argv) {
     if (ctx_len > info.max_positions) ctx_len = info.max_positions;
     if (stride > ctx_len) stride = ctx_len;
     if (k3_pool_init(&pool, threads, &err)) goto fail;
-    k3_ctx_options co = {.max_seqs = 1, .max_tokens = ctx_len, .pool = pool};
+    k3_ctx_options co = {.max_seqs = 1, .max_tokens = ctx_len, .pool = pool, .kv_cache = kv};
     if (k3_ctx_init(&ctx, m, &co, &err)) goto fail;
     const int64_t V = info.vocab_size;
     logits = malloc(sizeof(float) * (size_t)(V * ctx_len));
-    if (!logits) {
+    if (compare) {
+        k3_ctx_options ro = {.max_seqs = 1, .max_tokens = ctx_len, .pool = pool, .kv_cache = K3_KV_F32};
+        if (k3_model_open(&rm, dir, &err) || k3_ctx_init(&rctx, rm, &ro, &err)) goto fail;
+        rlogits = malloc(sizeof(float) * (size_t)(V * ctx_len));
+    }
+    if (!logits || (compare && !rlogits)) {
         fprintf(stderr, "k3 eval: out of memory\n");
         goto out;
     }
 
     double nll = 0.0;
-    size_t scored = 0, next = 1; /* next token index not yet scored */
+    size_t scored = 0, next = 1, agree = 0; /* next: first token index not yet scored */
     struct timespec t0, t1;
     clock_gettime(CLOCK_MONOTONIC, &t0);
     for (size_t start = 0; next < n_ids; start += (size_t)stride) {
@@ -144,12 +168,17 @@ int k3_cmd_eval(int argc, char **argv) {
         k3_ctx_seq_reset(ctx, 0);
         k3_batch_seq b = {0, (int32_t)len, ids + start};
         if (k3_ctx_forward(ctx, &b, 1, K3_LOGITS_ALL, logits, &err)) goto fail;
+        if (compare) {
+            k3_ctx_seq_reset(rctx, 0);
+            if (k3_ctx_forward(rctx, &b, 1, K3_LOGITS_ALL, rlogits, &err)) goto fail;
+        }
         /* logits row r predicts token start + r + 1 */
         for (size_t r = 0; r + 1 < len; r++) {
             const size_t target = start + r + 1;
             if (target < next) continue;
             nll += nll_of(logits + r * V, V, ids[target]);
             scored++;
+            if (compare) agree += argmax(logits + r * V, V) == argmax(rlogits + r * V, V);
         }
         next = start + len;
         clock_gettime(CLOCK_MONOTONIC, &t1);
@@ -166,6 +195,9 @@ int k3_cmd_eval(int argc, char **argv) {
     size_t first_len = 0;
     k3_tokenizer_token(tok, ids[0], &first_len);
     const double bpb = nll / log(2.0) / (double)(n_bytes - first_len);
+    if (compare)
+        printf("top1_agreement_with_fp32 %.4f (%zu/%zu) quant %s kv %s\n", (double)agree / scored, agree, scored,
+               quant, kv == K3_KV_C8 ? "c8" : "f32");
     printf("ppl %.4f bits_per_byte %.4f tokens %zu\n", exp(nll / scored), bpb, scored);
     rc = 0;
     goto out;
@@ -175,7 +207,10 @@ out:
     free(text);
     free(ids);
     free(logits);
+    free(rlogits);
     k3_ctx_free(ctx);
+    k3_ctx_free(rctx);
+    k3_model_close(rm);
     k3_pool_free(pool);
     k3_tokenizer_free(tok);
     k3_model_close(m);

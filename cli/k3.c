@@ -44,8 +44,10 @@ static int usage_run(void) {
             "  --think             with --chat, open the assistant turn in thinking mode\n"
             "  --ids 1,2,3         feed these token ids instead of a text prompt\n"
             "  --dump-logits FILE  write the logits of every prompt position (float32)\n"
-            "  --ctx N             context size in tokens (default: prompt + n)\n",
-            K3_DEFAULT_MODEL);
+            "  --ctx N             context size in tokens (default: prompt + n)\n"
+            "  --quant MODE        none | w8a8 | w8a8-mxfp8 | w4a8 | w8a8+w4a8 (default %s)\n"
+            "  --kv-cache f32|c8   cache format (default %s)\n",
+            K3_DEFAULT_MODEL, K3_DEFAULT_QUANT, K3_DEFAULT_KV);
     return 2;
 }
 
@@ -88,6 +90,9 @@ static int default_threads(void) {
 
 int k3_cmd_run(int argc, char **argv) {
     const char *dir = K3_DEFAULT_MODEL, *prompt = NULL, *ids_arg = NULL, *dump = NULL;
+    const char *quant = K3_DEFAULT_QUANT;
+    k3_kv_type kv = K3_KV_F32;
+    k3_cli_parse_kv(K3_DEFAULT_KV, &kv);
     int n_gen = 128, threads = default_threads(), chat = 0, think = 0;
     long ctx_arg = 0;
     k3_sampler_options so = {.temperature = 0.8f, .top_k = 40, .top_p = 0.95f, .min_p = 0.05f,
@@ -108,6 +113,13 @@ int k3_cmd_run(int argc, char **argv) {
         else if (ARG("--ids")) ids_arg = argv[++i];
         else if (ARG("--dump-logits")) dump = argv[++i];
         else if (ARG("--ctx")) ctx_arg = atol(argv[++i]);
+        else if (ARG("--quant")) quant = argv[++i];
+        else if (ARG("--kv-cache")) {
+            if (k3_cli_parse_kv(argv[++i], &kv)) {
+                fprintf(stderr, "k3 run: --kv-cache must be f32 or c8, not '%s'\n", argv[i]);
+                return 2;
+            }
+        }
         else if (!strcmp(a, "--chat")) chat = 1;
         else if (!strcmp(a, "--think")) think = 1;
         else if (!strcmp(a, "-h") || !strcmp(a, "--help")) return usage_run();
@@ -141,7 +153,7 @@ int k3_cmd_run(int argc, char **argv) {
     size_t n_ids = 0;
     int rc = 1;
 
-    if (k3_model_open(&m, dir, &err)) goto out;
+    if (k3_cli_open_model(&m, dir, quant, &err)) goto out;
     k3_model_info info;
     k3_model_get_info(m, &info);
     /* The tokenizer is needed for text in or out; --ids -n 0 runs without. */
@@ -172,7 +184,7 @@ int k3_cmd_run(int argc, char **argv) {
         goto out_quiet;
     }
     if (k3_pool_init(&pool, threads, &err)) goto out;
-    k3_ctx_options co = {.max_seqs = 1, .max_tokens = want, .pool = pool};
+    k3_ctx_options co = {.max_seqs = 1, .max_tokens = want, .pool = pool, .kv_cache = kv};
     if (k3_ctx_init(&ctx, m, &co, &err)) goto out;
     if (k3_sampler_init(&smp, &so, (int32_t)info.vocab_size, &err)) goto out;
 

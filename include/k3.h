@@ -81,6 +81,25 @@ k3_status k3_model_open(k3_model **out, const char *dir, k3_error *err);
 void k3_model_close(k3_model *m);
 void k3_model_get_info(const k3_model *m, k3_model_info *info);
 
+/* Load-time quantization (serving.md §5). Matrices are converted once into
+ * memory the model owns; activations are quantized per token at run time. */
+typedef enum k3_wquant {
+    K3_WQ_NONE = 0,  /* as stored (BF16 trunk): the reference */
+    K3_WQ_INT8,      /* W8A8 INT8: int8 per output channel, int8 activations per token */
+    K3_WQ_MXFP8,     /* W8A8 MXFP8: E4M3 + E8M0 per 32, MXFP8 activations */
+} k3_wquant;
+
+typedef struct k3_quant_options {
+    k3_wquant linear;  /* attention linears, dense FFN, shared experts, latent MoE projections */
+    bool experts_a8;   /* W4A8: MXFP4 routed experts with int8 activations */
+} k3_quant_options;
+
+/* Parses "none", "w8a8", "w8a8-mxfp8", "w4a8" or a '+'-joined combination
+ * ("w8a8+w4a8"). */
+k3_status k3_quant_parse(const char *s, k3_quant_options *out, k3_error *err);
+/* Converts the model's weights; call once, right after k3_model_open. */
+k3_status k3_model_quantize(k3_model *m, const k3_quant_options *opt, k3_error *err);
+
 /* Writes a human-readable description (config, layer map, parameter and
  * cache sizes) into buf. Returns the length it wanted (snprintf rules). */
 size_t k3_model_describe(const k3_model *m, char *buf, size_t size);

@@ -442,7 +442,7 @@ static void mlapo(k3_ctx *ctx, const k3_layer *L, int layer, const float *xn) {
         float *qn = s->qn + (int64_t)h * T * nope;
         for (int64_t t = 0; t < T; t++)
             memcpy(qn + t * nope, s->mq + t * H * qh + h * qh, sizeof(float) * (size_t)nope);
-        const k3_mat wuk = {K3_W_F32, kvl, nope, L->wuk_t + (int64_t)h * kvl * nope, NULL};
+        const k3_mat wuk = {.type = K3_W_F32, .rows = kvl, .cols = nope, .data = L->wuk_t + (int64_t)h * kvl * nope};
         k3_matmul(ctx->pool, &wuk, qn, T, s->qa + (int64_t)h * T * kvl);
     }
 }

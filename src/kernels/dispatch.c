@@ -14,6 +14,7 @@
  * weights.
  */
 #include "kernels/kernels_isa.h"
+#include "kernels/quant.h"
 #include "common/error.h"
 #include "common/pool.h"
 
@@ -105,6 +106,10 @@ void k3_matmul(k3_pool *pool, const k3_mat *w, const float *x, int64_t n, float 
     K3_ASSERT(w->type >= K3_W_F32 && w->type < K3_W_COUNT);
     K3_ASSERT(w->type != K3_W_MXFP4 || w->cols % 32 == 0);
     if (n <= 0 || w->rows <= 0) return;
+    if (w->act8 || w->type == K3_W_Q8 || w->type == K3_W_MXFP8) {
+        k3_matmul_q(pool, w, x, n, y); /* 8-bit activations: quant.c */
+        return;
+    }
     mm_job j = {ops(), w, x, y, n, 1, 1};
     const int64_t rows = w->rows;
     const int T = k3_pool_size(pool);

@@ -19,6 +19,8 @@ typedef enum k3_wtype {
     K3_W_BF16,
     K3_W_MXFP4,    /* compressed-tensors: packed [rows, cols/2] (low nibble = even
                       column) + E8M0 scales [rows, cols/32] */
+    K3_W_Q8,       /* int8 [rows, cols] + fp32 scale per row (row_scale); made at load */
+    K3_W_MXFP8,    /* OCP MXFP8: E4M3 [rows, cols] + E8M0 scales [rows, cols/32]; made at load */
     K3_W_COUNT
 } k3_wtype;
 
@@ -29,7 +31,10 @@ typedef struct k3_mat {
     k3_wtype type;
     int64_t rows, cols;    /* logical shape, y = W x */
     const void *data;
-    const uint8_t *scale;  /* MXFP4 only */
+    const uint8_t *scale;  /* MXFP4, MXFP8: E8M0 per 32 columns */
+    const float *row_scale;/* Q8: one scale per row */
+    bool act8;             /* quantize the activations to 8 bits per token (W4A8/W8A8):
+                              k3_matmul then runs the integer kernels of quant.h */
 } k3_mat;
 
 /* Bytes one row occupies (data + scales). */
@@ -46,6 +51,10 @@ float k3_f16_to_f32(uint16_t h);
 /* E2M1 code (4 bits) -> value; E8M0 byte -> 2^(e-127) (255 -> NaN). */
 float k3_e2m1_to_f32(uint8_t code);
 float k3_e8m0_to_f32(uint8_t e);
+/* E4M3 (OCP FP8: bias 7, max 448, 0x7F/0xFF = NaN, no infinities). */
+float k3_e4m3_to_f32(uint8_t code);
+/* Round to the nearest E4M3 (ties to even), saturating at +-448. */
+uint8_t k3_f32_to_e4m3(float x);
 
 /* ---- matrix products ---- */
 

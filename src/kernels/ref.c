@@ -65,6 +65,8 @@ size_t k3_mat_row_bytes(const k3_mat *w) {
     case K3_W_F16:
     case K3_W_BF16: return 2 * c;
     case K3_W_MXFP4: return c / 2 + c / 32;
+    case K3_W_Q8: return c + 4;
+    case K3_W_MXFP8: return c + c / 32;
     default: break;
     }
     K3_ASSERT(!"bad k3_wtype");
@@ -77,6 +79,12 @@ k3_mat k3_mat_rows(const k3_mat *w, int64_t r0, int64_t n) {
     v.rows = n;
     if (w->type == K3_W_MXFP4) {
         v.data = (const uint8_t *)w->data + r0 * (w->cols / 2);
+        v.scale = w->scale + r0 * (w->cols / 32);
+    } else if (w->type == K3_W_Q8) {
+        v.data = (const int8_t *)w->data + r0 * w->cols;
+        v.row_scale = w->row_scale + r0;
+    } else if (w->type == K3_W_MXFP8) {
+        v.data = (const uint8_t *)w->data + r0 * w->cols;
         v.scale = w->scale + r0 * (w->cols / 32);
     } else {
         v.data = (const uint8_t *)w->data + (size_t)r0 * k3_mat_row_bytes(w);
@@ -101,6 +109,17 @@ static void get_row_range(const k3_mat *w, int64_t r, int64_t c0, int64_t len, f
     case K3_W_BF16: {
         const uint16_t *p = (const uint16_t *)w->data + r * cols + c0;
         for (int64_t c = 0; c < len; c++) out[c] = k3_bf16_to_f32(p[c]);
+        break;
+    }
+    case K3_W_Q8: {
+        const int8_t *p = (const int8_t *)w->data + r * cols + c0;
+        for (int64_t c = 0; c < len; c++) out[c] = p[c] * w->row_scale[r];
+        break;
+    }
+    case K3_W_MXFP8: {
+        const uint8_t *p = (const uint8_t *)w->data + r * cols;
+        const uint8_t *s = w->scale + r * (cols / 32);
+        for (int64_t c = c0; c < c0 + len; c++) out[c - c0] = k3_e4m3_to_f32(p[c]) * k3_e8m0_to_f32(s[c / 32]);
         break;
     }
     case K3_W_MXFP4: {

@@ -21,6 +21,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels/quant.h"
+
 #define PFX "language_model."
 
 typedef enum pass { PASS_CHECK, PASS_LOAD, PASS_COUNT } pass;
@@ -169,7 +171,7 @@ static k3_status bind_mat(walker *w, k3_mat *dst, const char *name, int64_t rows
     if (!is_float(t->dtype)) return bad_dtype(w, t, "BF16, F16 or F32");
     int64_t want[2] = {rows, cols};
     if (!same_shape(t, want, 2)) return bad_shape(w, t, want, 2);
-    if (dst && w->out) *dst = (k3_mat){wtype_of(t->dtype), rows, cols, t->data, NULL};
+    if (dst && w->out) *dst = (k3_mat){.type = wtype_of(t->dtype), .rows = rows, .cols = cols, .data = t->data};
     count(w, rows * cols, (int64_t)t->nbytes);
     return K3_OK;
 }
@@ -204,7 +206,7 @@ static k3_status bind_mxfp4(walker *w, k3_mat *dst, const char *base, int64_t ro
     int64_t wp[2] = {rows, cols / 2}, ws[2] = {rows, cols / 32};
     if (!same_shape(p, wp, 2)) return bad_shape(w, p, wp, 2);
     if (!same_shape(sc, ws, 2)) return bad_shape(w, sc, ws, 2);
-    if (dst && w->out) *dst = (k3_mat){K3_W_MXFP4, rows, cols, p->data, sc->data};
+    if (dst && w->out) *dst = (k3_mat){.type = K3_W_MXFP4, .rows = rows, .cols = cols, .data = p->data, .scale = sc->data};
     count(w, rows * cols, (int64_t)(p->nbytes + sc->nbytes));
     return K3_OK;
 }
@@ -352,7 +354,7 @@ static k3_status derive_mla_down(walker *w, k3_layer *L) {
         memcpy(dst, parts[j]->data, (size_t)parts[j]->rows * rb);
         dst += (size_t)parts[j]->rows * rb;
     }
-    L->mla_down = (k3_mat){L->q_a.type, rows, L->q_a.cols, buf, NULL};
+    L->mla_down = (k3_mat){.type = L->q_a.type, .rows = rows, .cols = L->q_a.cols, .data = buf};
     return K3_OK;
 }
 
@@ -655,7 +657,7 @@ void k3_model_get_info(const k3_model *m, k3_model_info *info) {
     int64_t emb_p = c->tie_word_embeddings ? 0 : s->emb_params - c->hidden_size;
     int64_t emb_b = c->tie_word_embeddings ? 0 : s->emb_bytes - s->emb_bytes / V;
     info->n_params_active = s->params - s->exp_params + act_exp_params - emb_p;
-    info->bytes_per_token = s->bytes - s->exp_bytes + act_exp_bytes - emb_b;
+    info->bytes_per_token = s->bytes - s->exp_bytes + act_exp_bytes - emb_b + m->quant_bytes_delta;
 }
 
 /* snprintf into buf at *len, tracking the wanted length (snprintf rules). */
@@ -737,4 +739,87 @@ size_t k3_model_describe(const k3_model *m, char *buf, size_t size) {
     put(buf, size, &n, "cache: %lld bytes per token (fp32); KDA state %lld bytes per sequence\n",
         (long long)in.cache_bytes_per_token, (long long)in.state_bytes_per_seq);
     return n;
+}
+
+/* ---- load-time quantization ------------------------------------------------ */
+
+k3_status k3_quant_parse(const char *s, k3_quant_options *out, k3_error *err) {
+    *out = (k3_quant_options){K3_WQ_NONE, false};
+    char buf[128];
+    if (!s || strlen(s) >= sizeof buf) return k3_err(err, K3_ERR_ARG, "quant: bad mode");
+    snprintf(buf, sizeof buf, "%s", s);
+    for (char *save = NULL, *tok = strtok_r(buf, "+,", &save); tok; tok = strtok_r(NULL, "+,", &save)) {
+        if (!strcmp(tok, "none") || !strcmp(tok, "bf16")) continue;
+        else if (!strcmp(tok, "w8a8") || !strcmp(tok, "w8a8-int8")) out->linear = K3_WQ_INT8;
+        else if (!strcmp(tok, "w8a8-mxfp8") || !strcmp(tok, "mxfp8")) out->linear = K3_WQ_MXFP8;
+        else if (!strcmp(tok, "w4a8")) out->experts_a8 = true;
+        else
+            return k3_err(err, K3_ERR_ARG,
+                          "quant: unknown mode '%s' (use none, w8a8, w8a8-mxfp8, w4a8, or e.g. w8a8+w4a8)", tok);
+    }
+    return K3_OK;
+}
+
+/* Owned memory for quantized matrices, on the model's owned list. */
+static void *own_bytes(k3_model *m, size_t n) {
+    if (m->n_owned == m->cap_owned) {
+        int64_t cap = m->cap_owned ? 2 * m->cap_owned : 256;
+        float **o = realloc(m->owned, (size_t)cap * sizeof *o);
+        if (!o) return NULL;
+        m->owned = o;
+        m->cap_owned = cap;
+    }
+    void *p = malloc(n ? n : 1);
+    if (p) m->owned[m->n_owned++] = p;
+    return p;
+}
+
+static k3_status quantize_mat(k3_model *m, k3_mat *w, k3_wquant q, k3_error *err) {
+    if (!w->data || w->type == K3_W_MXFP4 || w->type == K3_W_Q8 || w->type == K3_W_MXFP8) return K3_OK;
+    if (q == K3_WQ_MXFP8 && w->cols % 32) return K3_OK; /* stays as stored */
+    const size_t n = (size_t)(w->rows * w->cols);
+    const int64_t before = w->rows * (int64_t)k3_mat_row_bytes(w);
+    if (q == K3_WQ_INT8) {
+        int8_t *d = own_bytes(m, n);
+        float *sc = own_bytes(m, sizeof(float) * (size_t)w->rows);
+        if (!d || !sc) return k3_err(err, K3_ERR_NOMEM, "quant: out of memory");
+        k3_quant_q8_mat(w, d, sc);
+        *w = (k3_mat){.type = K3_W_Q8, .rows = w->rows, .cols = w->cols, .data = d, .row_scale = sc};
+    } else {
+        uint8_t *d = own_bytes(m, n), *e = own_bytes(m, n / 32);
+        if (!d || !e) return k3_err(err, K3_ERR_NOMEM, "quant: out of memory");
+        k3_quant_mxfp8_mat(w, d, e);
+        *w = (k3_mat){.type = K3_W_MXFP8, .rows = w->rows, .cols = w->cols, .data = d, .scale = e};
+    }
+    m->quant_bytes_delta += w->rows * (int64_t)k3_mat_row_bytes(w) - before;
+    return K3_OK;
+}
+
+k3_status k3_model_quantize(k3_model *m, const k3_quant_options *opt, k3_error *err) {
+    const k3_config *c = &m->cfg;
+    for (int i = 0; i < c->n_layers; i++) {
+        k3_layer *L = &m->layers[i];
+        if (opt->linear != K3_WQ_NONE) {
+            /* with MLAPO's stacked matrix, q_a / kv_a / idx_wk are not read at
+             * run time: quantize the stack only */
+            const bool fused = L->mla_down.data != NULL;
+            k3_mat *mats[] = {&L->o_proj, &L->g_proj, &L->q_proj, &L->k_proj, &L->v_proj, &L->g_a, &L->g_b,
+                              &L->f_a, &L->f_b, &L->b_proj, fused ? &L->mla_down : &L->q_a, &L->q_b,
+                              fused ? NULL : &L->kv_a, &L->kv_b, fused ? NULL : &L->idx_wk, &L->idx_wq_b,
+                              &L->ffn_gate, &L->ffn_up, &L->ffn_down, &L->lat_down, &L->lat_up, &L->sh_gate,
+                              &L->sh_up, &L->sh_down};
+            for (size_t k = 0; k < sizeof mats / sizeof mats[0]; k++) {
+                if (!mats[k]) continue;
+                k3_status s = quantize_mat(m, mats[k], opt->linear, err);
+                if (s) return s;
+            }
+        }
+        if (opt->experts_a8 && L->moe)
+            for (int e = 0; e < c->n_experts; e++) {
+                L->exp_gate[e].act8 = L->exp_gate[e].type == K3_W_MXFP4;
+                L->exp_up[e].act8 = L->exp_up[e].type == K3_W_MXFP4;
+                L->exp_down[e].act8 = L->exp_down[e].type == K3_W_MXFP4;
+            }
+    }
+    return K3_OK;
 }

@@ -1,0 +1,34 @@
+/*
+ * quant.h -- 8-bit weights and activations (serving.md §5).
+ *
+ * Weights are converted once, at load: K3_W_Q8 (int8 per output channel,
+ * symmetric, s = max|w_row| / 127) or K3_W_MXFP8 (E4M3 with an E8M0 scale
+ * per 32 columns, X = 2^(floor(log2 amax) - 8)). Routed experts stay MXFP4.
+ * With k3_mat.act8 set, k3_matmul quantizes each activation row (token) at
+ * run time -- int8 with one scale per token for Q8 and MXFP4 (W4A8, whose
+ * doubled E2M1 values are the integers {0,1,2,3,4,6,8,12}: exact integer dot
+ * products per 32-block), MXFP8 per 32-block for MXFP8 -- and runs integer
+ * (or FP8-emulated) dot products. Each path equals its dequantize-then-fp32
+ * reference (k3_matmul_q_ref) to rounding.
+ */
+#ifndef K3_KERNELS_QUANT_H
+#define K3_KERNELS_QUANT_H
+
+#include "kernels/kernels.h"
+
+/* Converts src (F32/F16/BF16) to Q8: q [rows, cols], scales [rows]. */
+void k3_quant_q8_mat(const k3_mat *src, int8_t *q, float *scales);
+/* Converts src (cols % 32 == 0) to MXFP8: q [rows, cols] E4M3, e [rows, cols/32] E8M0. */
+void k3_quant_mxfp8_mat(const k3_mat *src, uint8_t *q, uint8_t *e);
+/* One activation row: int8 with one scale (returned). */
+float k3_quant_act_i8(const float *x, int64_t n, int8_t *q);
+/* One activation row fake-quantized to MXFP8 (E4M3 per 32, E8M0 scale), in place. */
+void k3_quant_act_mxfp8(float *x, int64_t n);
+
+/* y[n, rows] = x[n, cols] · Wᵀ with 8-bit activations, for Q8, MXFP8 and
+ * MXFP4 weights. Threaded over rows. */
+void k3_matmul_q(k3_pool *pool, const k3_mat *w, const float *x, int64_t n, float *y);
+/* The reference: quantize x the same way, dequantize both, fp64 dots. */
+void k3_matmul_q_ref(const k3_mat *w, const float *x, int64_t n, float *y);
+
+#endif /* K3_KERNELS_QUANT_H */

@@ -1,0 +1,103 @@
+/* test_quant.c -- FP8 E4M3 codes, Q8 / MXFP8 conversion, and the 8-bit
+ * activation matmuls (W8A8 Q8 and MXFP8, W4A8 MXFP4) == their
+ * dequantize-then-fp32 reference, on every ISA path. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/kernels.h"
+#include "kernels/quant.h"
+#include "test.h"
+
+static uint64_t rng = 5;
+static float frand(void) {
+    rng = rng * 6364136223846793005ull + 1442695040888963407ull;
+    return (float)((rng >> 40) / 8388608.0) - 1.0f;
+}
+
+K3_TEST(quant_e4m3_codes) {
+    CHECK(k3_e4m3_to_f32(0x7E) == 448.0f);
+    CHECK(k3_e4m3_to_f32(0x01) == ldexpf(1, -9));
+    CHECK(k3_e4m3_to_f32(0x08) == ldexpf(1, -6));
+    CHECK(k3_e4m3_to_f32(0x38) == 1.0f);
+    CHECK(k3_e4m3_to_f32(0xB8) == -1.0f);
+    CHECK(isnan(k3_e4m3_to_f32(0x7F)));
+    /* every finite code round-trips */
+    for (int c = 0; c < 256; c++) {
+        if ((c & 0x7F) == 0x7F || c == 0x80) continue;
+        CHECKF(k3_f32_to_e4m3(k3_e4m3_to_f32((uint8_t)c)) == c, "code 0x%02x", c);
+    }
+    CHECK(k3_f32_to_e4m3(1000.0f) == 0x7E); /* saturates */
+    CHECK(k3_f32_to_e4m3(1.0625f) == 0x38); /* tie 1 + 1/16 -> even mantissa 0 */
+    CHECK(k3_f32_to_e4m3(1.1875f) == 0x3A); /* tie 1 + 3/16 -> even mantissa 2 */
+    CHECK(k3_f32_to_e4m3(ldexpf(1.5f, -9)) == 0x02); /* subnormal tie to even */
+}
+
+static void check_matmul_q(k3_wtype type, int rows, int cols, int n) {
+    float *wf = malloc(sizeof(float) * rows * cols), *x = malloc(sizeof(float) * n * cols);
+    float *y = malloc(sizeof(float) * n * rows), *yr = malloc(sizeof(float) * n * rows);
+    float *yf = malloc(sizeof(float) * n * rows);
+    for (int i = 0; i < rows * cols; i++) wf[i] = frand() * (1 + (i % 7));
+    for (int i = 0; i < n * cols; i++) x[i] = frand() * (i % 13 == 0 ? 8 : 1);
+    k3_mat src = {.type = K3_W_F32, .rows = rows, .cols = cols, .data = wf};
+    k3_mat w = {.type = type, .rows = rows, .cols = cols, .act8 = true};
+    int8_t *q8 = NULL;
+    uint8_t *q = NULL, *e = NULL;
+    float *rs = NULL;
+    if (type == K3_W_Q8) {
+        q8 = malloc((size_t)rows * cols);
+        rs = malloc(sizeof(float) * rows);
+        k3_quant_q8_mat(&src, q8, rs);
+        w.data = q8;
+        w.row_scale = rs;
+    } else if (type == K3_W_MXFP8) {
+        q = malloc((size_t)rows * cols);
+        e = malloc((size_t)rows * cols / 32);
+        k3_quant_mxfp8_mat(&src, q, e);
+        w.data = q;
+        w.scale = e;
+    } else { /* MXFP4: random codes and scales */
+        q = malloc((size_t)rows * cols / 2);
+        e = malloc((size_t)rows * cols / 32);
+        for (int i = 0; i < rows * cols / 2; i++) q[i] = (uint8_t)(rng = rng * 6364136223846793005ull + 1, rng >> 56);
+        for (int i = 0; i < rows * cols / 32; i++) e[i] = (uint8_t)(120 + i % 10);
+        w.data = q;
+        w.scale = e;
+    }
+    k3_matmul_q_ref(&w, x, n, yr);
+    k3_pool *pool = NULL;
+    k3_error err = {0};
+    REQUIRE(k3_pool_init(&pool, 2, &err) == K3_OK);
+    for (int isa = K3_ISA_REF; isa <= K3_ISA_AVX2; isa++) {
+        k3_kernels_force((k3_isa)isa);
+        k3_matmul(pool, &w, x, n, y);
+        const double r = k3_test_rel_l2(y, yr, (int64_t)n * rows);
+        CHECKF(r < 1e-6, "type %d isa %d %dx%d n=%d: rel-L2 %.3g", type, isa, rows, cols, n, r);
+    }
+    k3_kernels_force(K3_ISA_AVX512);
+    if (type != K3_W_MXFP4) {
+        /* and close to the unquantized fp32 product */
+        k3_matmul_ref(&src, x, n, yf);
+        const double r = k3_test_rel_l2(y, yf, (int64_t)n * rows);
+        CHECKF(r < (type == K3_W_Q8 ? 0.02 : 0.08), "type %d vs fp32: rel-L2 %.3g", type, r);
+    }
+    k3_pool_free(pool);
+    free(wf);
+    free(x);
+    free(y);
+    free(yr);
+    free(yf);
+    free(q8);
+    free(rs);
+    free(q);
+    free(e);
+}
+
+K3_TEST(quant_matmul_w8a8_w4a8) {
+    const int shapes[][3] = {{1, 32, 1}, {37, 64, 3}, {64, 96, 8}, {130, 256, 17}};
+    for (int s = 0; s < 4; s++) {
+        check_matmul_q(K3_W_Q8, shapes[s][0], shapes[s][1], shapes[s][2]);
+        check_matmul_q(K3_W_MXFP8, shapes[s][0], shapes[s][1], shapes[s][2]);
+        check_matmul_q(K3_W_MXFP4, shapes[s][0], shapes[s][1], shapes[s][2]);
+    }
+    check_matmul_q(K3_W_Q8, 9, 50, 4); /* int8 tail */
+}
