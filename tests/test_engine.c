@@ -4,6 +4,7 @@
  * invariants of k3-model.md §6.2: prefill == token-by-token decode, state
  * continuation, batch == alone, causality, DSA with top-k >= length == dense,
  * thread-count invariance, and bad input that leaves the state untouched. */
+#include <limits.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -124,14 +125,31 @@ static int test_ids(int32_t *ids, int n, int vocab, unsigned seed) {
     return n;
 }
 
-static void prefill_vs_decode(const char *dir) {
+/* Prefill logits at every position == token-by-token decode. With the
+ * recurrent KDA form in both, the only differences are in batching, caches
+ * and positions, so they must agree to fp32 rounding (1e-6). With the chunked
+ * form for the prefill, its ~1e-7 per-layer differences (see
+ * kda_chunked_equals_recurrent) are amplified by the random model's AttnRes
+ * and routing, so the bar is the golden one, 1e-4. */
+static void prefill_vs_decode(const char *dir, bool chunked) {
     k3_model *m = open_model(dir);
     REQUIRE(m);
     const int64_t V = m->cfg.vocab_size;
     enum { N = 40 };
     int32_t ids[N];
     test_ids(ids, N, (int)V, 3);
-    float *all = run_all(m, ids, N, 0, NULL);
+    float *all = NULL;
+    {
+        k3_ctx *pc = NULL;
+        k3_error e0 = {0};
+        k3_ctx_options po = {.max_seqs = 1, .max_tokens = 64, .block_size = 16};
+        REQUIRE(k3_ctx_init(&pc, m, &po, &e0) == K3_OK);
+        pc->kda_chunk_min = chunked ? 2 : INT32_MAX;
+        all = malloc(sizeof(float) * (size_t)(V * N));
+        k3_batch_seq pb = {0, N, ids};
+        REQUIRE(k3_ctx_forward(pc, &pb, 1, K3_LOGITS_ALL, all, &e0) == K3_OK);
+        k3_ctx_free(pc);
+    }
     k3_ctx *ctx = NULL;
     k3_error err = {0};
     k3_ctx_options o = {.max_seqs = 1, .max_tokens = 64, .block_size = 16};
@@ -144,7 +162,8 @@ static void prefill_vs_decode(const char *dir) {
         const double e = k3_test_rel_l2(one, all + t * V, V);
         if (e > worst) worst = e;
     }
-    CHECKF(worst <= 1e-5, "%s: worst rel-L2 %.3g", dir, worst);
+    CHECKF(worst <= (chunked ? 1e-4 : 1e-6), "%s (%s): worst rel-L2 %.3g", dir, chunked ? "chunked" : "recurrent",
+           worst);
     free(one);
     free(all);
     k3_ctx_free(ctx);
@@ -152,8 +171,10 @@ static void prefill_vs_decode(const char *dir) {
 }
 
 K3_TEST(engine_prefill_equals_decode) {
-    prefill_vs_decode("tests/models/tiny");
-    prefill_vs_decode("tests/models/tiny-dsa");
+    prefill_vs_decode("tests/models/tiny", false);
+    prefill_vs_decode("tests/models/tiny-dsa", false);
+    prefill_vs_decode("tests/models/tiny", true);
+    prefill_vs_decode("tests/models/tiny-dsa", true);
 }
 
 K3_TEST(engine_state_continuation) {

@@ -4,6 +4,7 @@
 #include <string.h>
 
 #include "attn/kda.h"
+#include "kernels/kernels.h"
 #include "test.h"
 
 static uint64_t rng = 1;
@@ -17,7 +18,8 @@ typedef struct {
     float *q, *k, *v, *g, *beta;
 } kda_in;
 
-static kda_in make_in(int n, int dk, int dv) {
+/* g_floor: the strongest decay, -5 for K3 (channels d % 3 == 0 reach it) */
+static kda_in make_in_g(int n, int dk, int dv, float g_floor) {
     kda_in in = {n, dk, dv, malloc(sizeof(float) * n * dk), malloc(sizeof(float) * n * dk),
                  malloc(sizeof(float) * n * dv), malloc(sizeof(float) * n * dk), malloc(sizeof(float) * n)};
     for (int t = 0; t < n; t++) {
@@ -28,7 +30,7 @@ static kda_in make_in(int n, int dk, int dv) {
             sq += in.q[t * dk + d] * in.q[t * dk + d];
             sk += in.k[t * dk + d] * in.k[t * dk + d];
             /* K3 decays: g in (-5, 0), with some channels strongly decaying */
-            in.g[t * dk + d] = -5.0f * (0.5f + 0.5f * frand()) * (d % 3 == 0 ? 1.0f : 0.05f);
+            in.g[t * dk + d] = g_floor * (0.5f + 0.5f * frand()) * (d % 3 == 0 ? 1.0f : 0.05f);
         }
         for (int d = 0; d < dk; d++) {
             in.q[t * dk + d] /= (float)sqrt(sq) * sqrtf((float)dk);
@@ -39,6 +41,8 @@ static kda_in make_in(int n, int dk, int dv) {
     }
     return in;
 }
+
+static kda_in make_in(int n, int dk, int dv) { return make_in_g(n, dk, dv, -5.0f); }
 
 static void free_in(kda_in *in) {
     free(in->q);
@@ -170,4 +174,168 @@ K3_TEST(kda_conv_state_equals_whole_run) {
     /* token 1, channel 2 by hand */
     const float pre = w[2 * K + 2] * x[0 * C + 2] + w[2 * K + 3] * x[1 * C + 2];
     CHECK(fabsf(a[1 * C + 2] - pre / (1.0f + expf(-pre))) < 1e-6f);
+}
+
+/* ---- SIMD paths vs the scalar references --------------------------------- */
+
+/* Runs every form on the same inputs and initial state: the references, the
+ * AVX2 paths, and the dispatching entry points; compares outputs and final
+ * states by rel-L2. */
+static double simd_worst[5]; /* per pair below: the largest rel-L2 seen */
+
+static void check_simd(int n, int dk, int dv, int chunk, int nonzero_state, float g_floor) {
+    kda_in in = make_in_g(n, dk, dv, g_floor);
+    const size_t no = (size_t)n * dv, ns = (size_t)dk * dv;
+    enum { REC_REF, REC_AVX2, REC_AVX512, REC_DISPATCH, CHK_REF, CHK_AVX2, CHK_DISPATCH, NF };
+    const bool avx512 = k3_kernels_isa() >= K3_ISA_AVX512;
+    float *o[NF], *S[NF];
+    float *S0 = malloc(sizeof(float) * ns);
+    for (size_t i = 0; i < ns; i++) S0[i] = nonzero_state ? frand() : 0.0f;
+    float *work = malloc(sizeof(float) * (size_t)k3_kda_chunk_work(chunk, dk, dv));
+    for (int f = 0; f < NF; f++) {
+        o[f] = malloc(sizeof(float) * no);
+        S[f] = malloc(sizeof(float) * ns);
+        memcpy(S[f], S0, sizeof(float) * ns);
+        for (size_t i = 0; i < no; i++) o[f][i] = 1e30f; /* every output must be written */
+        /* garbage work memory: the paths must not depend on its contents */
+        for (int64_t i = 0; i < k3_kda_chunk_work(chunk, dk, dv); i++) work[i] = 1e30f;
+        k3_kda_head hh = head(&in, o[f]);
+        switch (f) {
+        case REC_REF: k3_kda_recurrent_ref(&hh, S[f]); break;
+        case REC_AVX2: k3_kda_recurrent_avx2(&hh, S[f]); break;
+        case REC_AVX512:
+            if (avx512) k3_kda_recurrent_avx512(&hh, S[f]);
+            else k3_kda_recurrent_avx2(&hh, S[f]);
+            break;
+        case REC_DISPATCH: k3_kda_recurrent(&hh, S[f]); break;
+        case CHK_REF: k3_kda_chunked_ref(&hh, S[f], chunk, work); break;
+        case CHK_AVX2: k3_kda_chunked_avx2(&hh, S[f], chunk, work); break;
+        default: k3_kda_chunked(&hh, S[f], chunk, work); break;
+        }
+    }
+    /* w: which worst-case slot of simd_worst the pair reports to */
+    static const struct { int a, b, w; const char *what; } pairs[] = {
+        {REC_AVX2, REC_REF, 0, "recurrent avx2 vs ref"},
+        {REC_AVX512, REC_REF, 0, "recurrent avx512 vs ref"},
+        {REC_DISPATCH, REC_REF, 0, "recurrent dispatch vs ref"},
+        {CHK_AVX2, CHK_REF, 1, "chunked avx2 vs chunked ref"},
+        {CHK_AVX2, REC_AVX2, 2, "chunked avx2 vs recurrent avx2"},
+        {CHK_AVX2, REC_REF, 3, "chunked avx2 vs recurrent ref"},
+        {CHK_REF, REC_REF, 4, "chunked ref vs recurrent ref"},
+        {CHK_DISPATCH, CHK_AVX2, 4, "chunked dispatch vs avx2"},
+    };
+    for (size_t p = 0; p < sizeof pairs / sizeof pairs[0]; p++) {
+        const int a = pairs[p].a, b = pairs[p].b, w = pairs[p].w;
+        const double eo = k3_test_rel_l2(o[a], o[b], (int64_t)no), es = k3_test_rel_l2(S[a], S[b], (int64_t)ns);
+        if (eo > simd_worst[w]) simd_worst[w] = eo;
+        if (es > simd_worst[w]) simd_worst[w] = es;
+        CHECKF(eo <= 1e-5 && es <= 1e-5,
+               "%s: T=%d dk=%d dv=%d C=%d state=%d g>=%g: output rel-L2 %.3g, state rel-L2 %.3g",
+               pairs[p].what, n, dk, dv, chunk, nonzero_state, g_floor, eo, es);
+    }
+    for (int f = 0; f < NF; f++) {
+        free(o[f]);
+        free(S[f]);
+    }
+    free(S0);
+    free(work);
+    free_in(&in);
+}
+
+K3_TEST(kda_simd_matches_ref) {
+    k3_kernels_init();
+    if (k3_kernels_isa() < K3_ISA_AVX2) {
+        printf("    (no AVX2 on this CPU: SIMD paths not run)\n");
+        return;
+    }
+    /* T = 1 from a zero state is the worst conditioned case: o = β (q·k) v,
+     * and q·k of random unit vectors cancels (rel-L2 up to ~5e-6 seen) */
+    rng = 12345; /* the same inputs whichever tests ran before */
+    static const int Ts[] = {1, 7, 16, 17, 64, 65, 200};
+    static const int Cs[] = {16, 64};
+    static const int dims[][2] = {{32, 32}, {128, 128}, {32, 24}, {24, 40}};
+    for (int di = 0; di < 4; di++)
+        for (int ti = 0; ti < 7; ti++)
+            for (int ci = 0; ci < 2; ci++)
+                for (int s = 0; s < 2; s++) {
+                    /* the long runs at 128 only once each: they dominate the time */
+                    if (dims[di][0] == 128 && Ts[ti] == 200 && s == 0) continue;
+                    check_simd(Ts[ti], dims[di][0], dims[di][1], Cs[ci], s, -5.0f);
+                }
+    /* odd chunk lengths (sub-blocks cut short), and a much stronger decay (the
+     * Kimi-Linear gate is unbounded): e^{G} underflows inside a chunk */
+    check_simd(100, 32, 32, 24, 1, -5.0f);
+    check_simd(37, 32, 32, 5, 1, -5.0f);
+    check_simd(130, 32, 32, 64, 1, -40.0f);
+    check_simd(130, 128, 128, 64, 1, -40.0f);
+    printf("    worst rel-L2: recurrent simd vs ref %.2g, chunked avx2 vs chunked ref %.2g, vs recurrent avx2 "
+           "%.2g, vs recurrent ref %.2g (chunked ref vs recurrent ref %.2g)\n",
+           simd_worst[0], simd_worst[1], simd_worst[2], simd_worst[3], simd_worst[4]);
+}
+
+/* The SIMD recurrence in pieces (token groups cut anywhere) equals one run,
+ * bit for bit: decode continues a recurrent prefill exactly. */
+static void check_split(void (*rec)(const k3_kda_head *, float *), const char *what) {
+    const int dk = 32, dv = 48, n = 80;
+    kda_in in = make_in(n, dk, dv);
+    float o1[80 * 48], o2[80 * 48], S1[32 * 48], S2[32 * 48];
+    for (int i = 0; i < dk * dv; i++) S1[i] = S2[i] = frand();
+    k3_kda_head h = head(&in, o1);
+    rec(&h, S1);
+    int t = 0;
+    static const int cuts[] = {1, 33, 3, 40, 3};
+    for (int c = 0; c < 5; c++) {
+        k3_kda_head a = head(&in, o2);
+        a.n = cuts[c];
+        a.q += t * dk; a.k += t * dk; a.g += t * dk; a.v += t * dv; a.beta += t; a.o += t * dv;
+        rec(&a, S2);
+        t += cuts[c];
+    }
+    CHECK(t == n);
+    CHECKF(memcmp(o1, o2, sizeof o1) == 0 && memcmp(S1, S2, sizeof S1) == 0, "%s: split run differs", what);
+    free_in(&in);
+}
+
+K3_TEST(kda_simd_recurrent_split_equals_whole) {
+    k3_kernels_init();
+    if (k3_kernels_isa() >= K3_ISA_AVX2) check_split(k3_kda_recurrent_avx2, "avx2");
+    if (k3_kernels_isa() >= K3_ISA_AVX512) check_split(k3_kda_recurrent_avx512, "avx512");
+}
+
+K3_TEST(kda_dispatch_falls_back) {
+    /* dims the SIMD paths do not take (dk, dv not multiples of 8) go to the
+     * references, bit for bit */
+    const int dk = 20, dv = 12, n = 30, chunk = 16;
+    kda_in in = make_in(n, dk, dv);
+    float o1[30 * 12], o2[30 * 12], S1[20 * 12] = {0}, S2[20 * 12] = {0};
+    float *work = malloc(sizeof(float) * (size_t)k3_kda_chunk_work(chunk, dk, dv));
+    k3_kda_head h1 = head(&in, o1), h2 = head(&in, o2);
+    k3_kda_chunked_ref(&h1, S1, chunk, work);
+    k3_kda_chunked(&h2, S2, chunk, work);
+    CHECK(memcmp(o1, o2, sizeof o1) == 0 && memcmp(S1, S2, sizeof S1) == 0);
+    k3_kda_recurrent_ref(&h1, S1);
+    k3_kda_recurrent(&h2, S2);
+    CHECK(memcmp(o1, o2, sizeof o1) == 0 && memcmp(S1, S2, sizeof S1) == 0);
+    free(work);
+    free_in(&in);
+}
+
+K3_TEST(kda_dispatch_forced_ref) {
+    /* with the scalar path forced, the entry points are the references */
+    const int dk = 32, dv = 32, n = 40, chunk = 16;
+    kda_in in = make_in(n, dk, dv);
+    float o1[40 * 32], o2[40 * 32], S1[32 * 32], S2[32 * 32];
+    for (int i = 0; i < dk * dv; i++) S1[i] = S2[i] = frand();
+    float *work = malloc(sizeof(float) * (size_t)k3_kda_chunk_work(chunk, dk, dv));
+    k3_kda_head h1 = head(&in, o1), h2 = head(&in, o2);
+    k3_kernels_force(K3_ISA_REF);
+    k3_kda_recurrent_ref(&h1, S1);
+    k3_kda_recurrent(&h2, S2);
+    CHECK(memcmp(o1, o2, sizeof o1) == 0 && memcmp(S1, S2, sizeof S1) == 0);
+    k3_kda_chunked_ref(&h1, S1, chunk, work);
+    k3_kda_chunked(&h2, S2, chunk, work);
+    CHECK(memcmp(o1, o2, sizeof o1) == 0 && memcmp(S1, S2, sizeof S1) == 0);
+    k3_kernels_force(K3_ISA_AVX512); /* back to the best the CPU has */
+    free(work);
+    free_in(&in);
 }

@@ -67,8 +67,8 @@ static void check_matmul_q(k3_wtype type, int rows, int cols, int n) {
     k3_pool *pool = NULL;
     k3_error err = {0};
     REQUIRE(k3_pool_init(&pool, 2, &err) == K3_OK);
-    for (int isa = K3_ISA_REF; isa <= K3_ISA_AVX2; isa++) {
-        k3_kernels_force((k3_isa)isa);
+    for (int isa = K3_ISA_REF; isa <= K3_ISA_AVX512; isa++) {
+        k3_kernels_force((k3_isa)isa); /* a path the CPU lacks falls back */
         k3_matmul(pool, &w, x, n, y);
         const double r = k3_test_rel_l2(y, yr, (int64_t)n * rows);
         CHECKF(r < 1e-6, "type %d isa %d %dx%d n=%d: rel-L2 %.3g", type, isa, rows, cols, n, r);

@@ -8,13 +8,34 @@
  * overflows fp32.
  */
 #include "kda.h"
+#include "kernels/kernels.h"
 
 #include <math.h>
 #include <string.h>
 
-/* ---- recurrent form --------------------------------------------------- */
+/* ---- dispatch --------------------------------------------------------- */
+
+/* The SIMD paths step over dk and dv in 8 lanes, and the recurrent one keeps
+ * exp(g) of at least one token (dk floats) in an 8192-float stack buffer. */
+static bool kda_simd_ok(const k3_kda_head *h) {
+    return k3_kernels_isa() >= K3_ISA_AVX2 && h->dk > 0 && h->dv > 0 && h->dk % 8 == 0 &&
+           h->dv % 8 == 0 && h->dk <= 8192;
+}
 
 void k3_kda_recurrent(const k3_kda_head *h, float *S) {
+    if (!kda_simd_ok(h)) k3_kda_recurrent_ref(h, S);
+    else if (k3_kernels_isa() >= K3_ISA_AVX512) k3_kda_recurrent_avx512(h, S);
+    else k3_kda_recurrent_avx2(h, S);
+}
+
+void k3_kda_chunked(const k3_kda_head *h, float *S, int chunk, float *work) {
+    if (kda_simd_ok(h)) k3_kda_chunked_avx2(h, S, chunk, work);
+    else k3_kda_chunked_ref(h, S, chunk, work);
+}
+
+/* ---- recurrent form --------------------------------------------------- */
+
+void k3_kda_recurrent_ref(const k3_kda_head *h, float *S) {
     const int dk = h->dk, dv = h->dv;
     float u[512];
     for (int t = 0; t < h->n; t++) {
@@ -51,13 +72,22 @@ void k3_kda_recurrent(const k3_kda_head *h, float *S) {
 
 /* ---- chunked form ----------------------------------------------------- */
 
-int64_t k3_kda_chunk_work(int chunk, int dk, int dv) {
+int64_t k3_kda_chunk_work_simd(int chunk, int dk, int dv) {
     const int64_t C = chunk;
-    /* G, W: C*dk each; U/Vn: C*dv; L, Aqk: C*C; eGC: dk */
-    return 2 * C * dk + C * dv + 2 * C * C + dk;
+    /* the layout in kda_avx2.c: G, Ks/Ke, Qs/Qe, Kb/Kd: C*dk each; Y/Vn:
+     * C*dv; L, Aqk: C*C; two dk-vectors of decay factors */
+    return 4 * C * dk + C * dv + 2 * C * C + 2 * dk;
 }
 
-void k3_kda_chunked(const k3_kda_head *h, float *S, int chunk, float *work) {
+int64_t k3_kda_chunk_work(int chunk, int dk, int dv) {
+    const int64_t C = chunk;
+    /* the reference: G, W: C*dk each; U/Vn: C*dv; L, Aqk: C*C; eGC: dk */
+    const int64_t ref = 2 * C * dk + C * dv + 2 * C * C + dk;
+    const int64_t simd = k3_kda_chunk_work_simd(chunk, dk, dv);
+    return ref > simd ? ref : simd;
+}
+
+void k3_kda_chunked_ref(const k3_kda_head *h, float *S, int chunk, float *work) {
     const int dk = h->dk, dv = h->dv;
     float *G = work;                        /* [C, dk] running log-decay */
     float *W = G + (int64_t)chunk * dk;     /* [C, dk] */

@@ -27,11 +27,36 @@ typedef struct k3_kda_head {
     int64_t ld_o;
 } k3_kda_head;
 
+/* The forms below dispatch on k3_kernels_isa(): AVX2/AVX-512 paths when the
+ * CPU has them and dk, dv are multiples of 8 (dk <= 8192), else the scalar
+ * references (_ref), which tests hold the fast paths to.
+ *
+ * Which form for a span: on the CPU the recurrent form is the one to use at
+ * every length. Per state element and token it does 4 vector ops against the
+ * chunked form's ~3 + O(C) terms and exps, and its panel walk keeps S in L1;
+ * measured (dk = dv = 128, Zen 4) the AVX-512 recurrence beats the AVX2
+ * chunked form at every span length and chunk size, and the AVX2 recurrence
+ * is within ~12% of chunk 16 and ahead of chunk 64. It also makes a prefill
+ * bit-identical to decoding the same tokens one by one. The chunked form
+ * stays for cross-checks (and matmul hardware). */
 void k3_kda_recurrent(const k3_kda_head *h, float *S);
+void k3_kda_recurrent_ref(const k3_kda_head *h, float *S);
 
-/* Floats of work memory k3_kda_chunked needs. */
+/* Floats of work memory k3_kda_chunked (any path) needs. */
 int64_t k3_kda_chunk_work(int chunk, int dk, int dv);
+/* Chunks of `chunk` tokens (the last may be short); work: k3_kda_chunk_work
+ * floats, no alignment needed. */
 void k3_kda_chunked(const k3_kda_head *h, float *S, int chunk, float *work);
+void k3_kda_chunked_ref(const k3_kda_head *h, float *S, int chunk, float *work);
+
+/* The ISA paths (src/kernels/kda_avx2.c, kda_avx512.c), for the dispatch and
+ * tests only: call them only when the CPU has the ISA, dk % 8 == 0,
+ * dv % 8 == 0 and dk <= 8192. */
+void k3_kda_recurrent_avx2(const k3_kda_head *h, float *S);
+void k3_kda_recurrent_avx512(const k3_kda_head *h, float *S);
+void k3_kda_chunked_avx2(const k3_kda_head *h, float *S, int chunk, float *work);
+/* Floats of work memory the SIMD chunked paths need (<= k3_kda_chunk_work). */
+int64_t k3_kda_chunk_work_simd(int chunk, int dk, int dv);
 
 /* Decay gate, per channel: K3 form (has_lb) g = lb * sigmoid(exp(A) * (z + dt_bias)),
  * Kimi-Linear form g = -exp(A) * softplus(z + dt_bias). z: [n] for one head. */

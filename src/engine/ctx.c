@@ -5,6 +5,7 @@
  */
 #include "ctx.h"
 
+#include <limits.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -124,6 +125,7 @@ k3_status k3_ctx_init(k3_ctx **out, const k3_model *m, const k3_ctx_options *opt
     ctx->max_ctx = opt->max_tokens < c->max_positions ? opt->max_tokens : c->max_positions;
     ctx->kv = opt->kv_cache;
     ctx->dense = opt->dense_attention;
+    ctx->kda_chunk_min = k3_kernels_isa() >= K3_ISA_AVX512 ? INT32_MAX : K3_KDA_CHUNK_MIN;
     ctx->n_tiles = (c->kv_lora_rank + K3_C8_TILE - 1) / K3_C8_TILE;
     const int32_t bs = ctx->block_size;
     /* one partial block per sequence on top, so max_tokens fit however they

@@ -20,9 +20,14 @@
 #include "common/error.h"
 #include "model/model.h"
 
-/* KDA spans of at least this many tokens use the chunked form. */
-#define K3_KDA_CHUNK_MIN 2
-#define K3_KDA_CHUNK 64
+/* Prefill spans of at least K3_KDA_CHUNK_MIN tokens use the chunked KDA
+ * form with chunks of K3_KDA_CHUNK, on CPUs without AVX-512. Measured (one
+ * head, dk = dv = 128, 512 tokens, one thread): AVX2 chunked-16 0.8 ms,
+ * AVX2 recurrent 0.9 ms, AVX-512 recurrent 0.75 ms -- so with AVX-512 the
+ * recurrent form runs prefill too, which also makes prefill bit-identical to
+ * token-by-token decode. */
+#define K3_KDA_CHUNK_MIN 64
+#define K3_KDA_CHUNK 16
 
 typedef struct k3_seq {
     int64_t pos;          /* tokens consumed */
@@ -94,6 +99,7 @@ struct k3_ctx {
     float **kda_conv;             /* [n_layers] -> [max_seqs, 3, K-1, H*dk] */
     k3_kv_type kv;                /* cache format */
     bool dense;                   /* DSA layers run as dense MLA */
+    int32_t kda_chunk_min;        /* spans this long use the chunked KDA form */
     float **lat_cache;            /* F32: [n_layers] -> [n_blocks*bs, kv_lora+rope] */
     float **idx_cache;            /* F32: [n_layers] -> [n_blocks*bs, dI] (DSA) */
     int32_t n_tiles;              /* C8 scale tiles per latent row */

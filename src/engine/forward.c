@@ -163,7 +163,7 @@ static void kda_scan_items(void *p, int64_t lo, int64_t hi, int ith) {
             .o = ctx->s.ko + t0 * HK + (int64_t)h * dv, .ld_o = HK,
         };
         float *S = ctx->kda_S[j->layer] + ((int64_t)sp->seq * H + h) * dk * dv;
-        if (sp->n >= K3_KDA_CHUNK_MIN)
+        if (sp->n >= ctx->kda_chunk_min)
             k3_kda_chunked(&kh, S, K3_KDA_CHUNK, ctx->s.tkda[ith]);
         else
             k3_kda_recurrent(&kh, S);

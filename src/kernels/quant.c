@@ -139,6 +139,8 @@ typedef int32_t (*dot_i8_fn)(const int8_t *, const int8_t *, int64_t);
 typedef float (*dot_mx_fn)(const uint8_t *, const uint8_t *, const int8_t *, int64_t);
 int32_t k3_dot_i8_avx2(const int8_t *a, const int8_t *b, int64_t n);
 float k3_dot_mxfp4_i8_avx2(const uint8_t *packed, const uint8_t *scale, const int8_t *x, int64_t cols);
+int32_t k3_dot_i8_avx512(const int8_t *a, const int8_t *b, int64_t n);
+float k3_dot_mxfp4_i8_avx512(const uint8_t *packed, const uint8_t *scale, const int8_t *x, int64_t cols);
 
 /* ---- the driver ------------------------------------------------------------- */
 
@@ -216,9 +218,13 @@ void k3_matmul_q(k3_pool *pool, const k3_mat *w, const float *x, int64_t n, floa
     } else {
         for (int64_t i = 0; i < n; i++) xs[i] = k3_quant_act_i8(x + i * cols, cols, tl_xq + i * cols);
     }
-    const bool avx2 = k3_kernels_isa() >= K3_ISA_AVX2;
-    qjob j = {w, tl_xq, xs, tl_xf, n, y, avx2 ? k3_dot_i8_avx2 : dot_i8_ref,
-              avx2 ? k3_dot_mxfp4_i8_avx2 : dot_mxfp4_i8_ref};
+    k3_isa isa = k3_kernels_isa();
+    /* the AVX-512 path needs VNNI (vpdpbusd) on top of what k3_kernels_isa checks */
+    if (isa >= K3_ISA_AVX512 && !__builtin_cpu_supports("avx512vnni")) isa = K3_ISA_AVX2;
+    qjob j = {w, tl_xq, xs, tl_xf, n, y,
+              isa >= K3_ISA_AVX512 ? k3_dot_i8_avx512 : isa >= K3_ISA_AVX2 ? k3_dot_i8_avx2 : dot_i8_ref,
+              isa >= K3_ISA_AVX512 ? k3_dot_mxfp4_i8_avx512
+              : isa >= K3_ISA_AVX2 ? k3_dot_mxfp4_i8_avx2 : dot_mxfp4_i8_ref};
     k3_pool_for(pool, w->rows, 16, q_rows, &j);
 }
 
