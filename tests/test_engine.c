@@ -474,3 +474,35 @@ K3_TEST(engine_mlapo_fused_equals_unfused) {
     free(b);
     k3_model_close(m);
 }
+
+K3_TEST(engine_dsa_split_select_equals_whole) {
+    /* a decode row at position 3000 with 4 threads: the indexer scores are
+     * split over threads; the selection and logits equal one thread's */
+    k3_model *m = open_model("tests/models/tiny-dsa");
+    REQUIRE(m);
+    const int64_t V = m->cfg.vocab_size;
+    k3_pool *pool = NULL;
+    k3_error err = {0};
+    REQUIRE(k3_pool_init(&pool, 4, &err) == K3_OK);
+    float *res[2][2];
+    for (int kv = 0; kv < 2; kv++)
+        for (int r = 0; r < 2; r++) {
+            k3_ctx *ctx = NULL;
+            k3_ctx_options o = {.max_seqs = 1, .max_tokens = 3001, .pool = r ? pool : NULL, .kv_cache = kv};
+            REQUIRE(k3_ctx_init(&ctx, m, &o, &err) == K3_OK);
+            REQUIRE(k3_ctx_seq_fill_synthetic(ctx, 0, 3000, 9, &err) == K3_OK);
+            res[kv][r] = malloc(sizeof(float) * (size_t)V);
+            int32_t id = 5;
+            k3_batch_seq d = {0, 1, &id};
+            REQUIRE(k3_ctx_forward(ctx, &d, 1, K3_LOGITS_LAST, res[kv][r], &err) == K3_OK);
+            k3_ctx_free(ctx);
+        }
+    for (int kv = 0; kv < 2; kv++) {
+        CHECKF(k3_test_rel_l2(res[kv][1], res[kv][0], V) < 1e-5, "kv %d: rel-L2 %.3g", kv,
+               k3_test_rel_l2(res[kv][1], res[kv][0], V));
+        free(res[kv][0]);
+        free(res[kv][1]);
+    }
+    k3_pool_free(pool);
+    k3_model_close(m);
+}

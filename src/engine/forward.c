@@ -224,32 +224,84 @@ static const k3_span *span_of(const k3_ctx *ctx, int64_t t) {
     return NULL;
 }
 
-/* DSA, per row: indexer scores over the past and the top-k selection (QLI on
- * the C8 cache), stored as cache slots in s.isel [T, topk], count in s.icount. */
+/* DSA: indexer scores of row t over slots [a, b) of its past (QLI on the C8
+ * cache), into sc[a..b) with the slots in slots[a..b). */
+static void dsa_score_range(k3_ctx *ctx, int layer, int64_t t, int a, int b, int64_t *slots, float *sc) {
+    const k3_config *c = ctx->c;
+    const int HI = c->index_n_heads, dI = c->index_head_dim;
+    const k3_span *sp = span_of(ctx, t);
+    for (int i = a; i < b; i++) slots[i] = k3_ctx_slot(ctx, sp->seq, i);
+    if (ctx->kv == K3_KV_C8)
+        k3_qli_scores(ctx->s.iq8 + t * HI * dI, ctx->s.iqs + t * HI, ctx->s.iw + t * HI, HI, dI, ctx->idx8[layer],
+                      ctx->idx_s[layer], slots + a, b - a, sc + a);
+    else
+        k3_indexer_scores(ctx->s.iq + t * HI * dI, ctx->s.iw + t * HI, HI, dI, ctx->idx_cache[layer], slots + a,
+                          b - a, sc + a);
+}
+
+static int row_len(const k3_ctx *ctx, int64_t t) {
+    const k3_span *sp = span_of(ctx, t);
+    return (int)(sp->pos0 + (t - sp->t0) + 1);
+}
+
+/* the exact top-k of row t's scores, stored as cache slots in s.isel [T, topk] */
+static void dsa_pick(k3_ctx *ctx, int64_t t, int n, const int64_t *slots, const float *sc, int ith) {
+    const int topk = ctx->c->index_topk;
+    int32_t *sel = ctx->s.tsel[ith];
+    const int k = k3_topk(sc, n, topk, sel, ctx->s.twork[ith]);
+    int64_t *dst = ctx->s.isel + t * topk;
+    for (int i = 0; i < k; i++) dst[i] = slots[sel[i]];
+    ctx->s.icount[t] = k;
+}
+
+/* Many rows (prefill): one row per item, in the thread's own buffers. */
 static void dsa_select_rows(void *p, int64_t lo, int64_t hi, int ith) {
     const layer_job *j = p;
     k3_ctx *ctx = j->ctx;
-    const k3_config *c = ctx->c;
-    const int HI = c->index_n_heads, dI = c->index_head_dim;
     for (int64_t t = lo; t < hi; t++) {
-        const k3_span *sp = span_of(ctx, t);
-        const int64_t pos = sp->pos0 + (t - sp->t0);
-        const int n = (int)(pos + 1);
-        int64_t *slots = ctx->s.tslots[ith];
-        for (int i = 0; i < n; i++) slots[i] = k3_ctx_slot(ctx, sp->seq, i);
-        float *sc = ctx->s.tscore[ith];
-        if (ctx->kv == K3_KV_C8)
-            k3_qli_scores(ctx->s.iq8 + t * HI * dI, ctx->s.iqs + t * HI, ctx->s.iw + t * HI, HI, dI,
-                          ctx->idx8[j->layer], ctx->idx_s[j->layer], slots, n, sc);
-        else
-            k3_indexer_scores(ctx->s.iq + t * HI * dI, ctx->s.iw + t * HI, HI, dI, ctx->idx_cache[j->layer],
-                              slots, n, sc);
-        int32_t *sel = ctx->s.tsel[ith];
-        const int k = k3_topk(sc, n, c->index_topk, sel, ctx->s.twork[ith]);
-        int64_t *dst = ctx->s.isel + t * c->index_topk;
-        for (int i = 0; i < k; i++) dst[i] = slots[sel[i]];
-        ctx->s.icount[t] = k;
+        const int n = row_len(ctx, t);
+        dsa_score_range(ctx, j->layer, t, 0, n, ctx->s.tslots[ith], ctx->s.tscore[ith]);
+        dsa_pick(ctx, t, n, ctx->s.tslots[ith], ctx->s.tscore[ith], ith);
     }
+}
+
+/* Few rows (decode, T < threads): the scores of row t are split over
+ * `parts` items, written to the buffers of index t; then one top-k per row. */
+typedef struct {
+    k3_ctx *ctx;
+    int layer, parts;
+} dsa_split_job;
+
+static void dsa_score_parts(void *p, int64_t lo, int64_t hi, int ith) {
+    const dsa_split_job *j = p;
+    for (int64_t it = lo; it < hi; it++) {
+        const int64_t t = it / j->parts;
+        const int part = (int)(it % j->parts), n = row_len(j->ctx, t);
+        const int a = (int)((int64_t)n * part / j->parts), b = (int)((int64_t)n * (part + 1) / j->parts);
+        dsa_score_range(j->ctx, j->layer, t, a, b, j->ctx->s.tslots[t], j->ctx->s.tscore[t]);
+    }
+}
+
+static void dsa_pick_rows(void *p, int64_t lo, int64_t hi, int ith) {
+    const dsa_split_job *j = p;
+    for (int64_t t = lo; t < hi; t++)
+        dsa_pick(j->ctx, t, row_len(j->ctx, t), j->ctx->s.tslots[t], j->ctx->s.tscore[t], ith);
+}
+
+static void dsa_select(k3_ctx *ctx, const k3_layer *L, int layer) {
+    const int64_t T = ctx->T;
+    if (T >= ctx->nth) {
+        layer_job j = {ctx, L, layer};
+        k3_pool_for(ctx->pool, T, 1, dsa_select_rows, &j);
+        return;
+    }
+    int longest = 0;
+    for (int64_t t = 0; t < T; t++) longest = row_len(ctx, t) > longest ? row_len(ctx, t) : longest;
+    int parts = (int)(2 * ctx->nth / T);
+    if (parts > longest / 1024) parts = longest / 1024;
+    dsa_split_job j = {ctx, layer, parts < 1 ? 1 : parts};
+    k3_pool_for(ctx->pool, T * j.parts, 1, dsa_score_parts, &j);
+    k3_pool_for(ctx->pool, T, 1, dsa_pick_rows, &j);
 }
 
 /* Attention for (row, part) items: each part is a contiguous share of the
@@ -453,10 +505,9 @@ static void mla_layer(k3_ctx *ctx, const k3_layer *L, int layer, const float *xn
     const int H = c->n_heads, nope = c->qk_nope_dim, kvl = c->kv_lora_rank;
     const int vd = c->v_head_dim;
     k3_scratch *s = &ctx->s;
-    layer_job j = {ctx, L, layer};
 
     PROF(ctx, K3_PROF_MLAPO, mlapo(ctx, L, layer, xn));
-    if (L->kind == K3_LAYER_DSA && !ctx->dense) PROF(ctx, K3_PROF_QLI, k3_pool_for(ctx->pool, T, 1, dsa_select_rows, &j));
+    if (L->kind == K3_LAYER_DSA && !ctx->dense) PROF(ctx, K3_PROF_QLI, dsa_select(ctx, L, layer));
 
     /* Few rows (decode): split each row's slots across the threads and merge
      * the parts by log-sum-exp, as decode context parallelism does. */
