@@ -48,11 +48,27 @@ grep -q "KDA" "$TMP/out" && ok "info shows the layer map" || bad "info shows the
 expect_ok "dump logits" "$K3" run -m "$TINY" --ids 1,2,3 -n 0 --dump-logits "$TMP/l.f32"
 [ "$(wc -c <"$TMP/l.f32")" -eq $((3 * 1024 * 4)) ] && ok "dump logits size" || bad "dump logits size"
 
+expect_ok "run --chat" "$K3" run -m "$TINY" --chat -n 4 --temp 0 "Hi"
+expect_ok "run quantized, C8 cache" "$K3" run -m "$TINY" --quant w8a8+w4a8 --kv-cache c8 -n 4 --temp 0 "Hello"
+printf 'It is a truth universally acknowledged, that a single man in possession of a good fortune.\n' >"$TMP/t.txt"
+expect_ok "eval" "$K3" eval -m "$TINY" --text "$TMP/t.txt" --ctx 8
+tail -n 1 "$TMP/out" | grep -qE '^ppl [0-9.]+ bits_per_byte [0-9.]+ tokens [0-9]+$' && ok "eval last line" || bad "eval last line" "$TMP/out"
+expect_ok "bench --json" "$K3" bench -m "$TINY" --runs 1 --prompts 16 --decode-tokens 2 --membw-mb 64 --json
+python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); [d[k] for k in ("prefill_tok_s","prefill_gflops","decode_tok_s","bytes_per_token","effective_gbps","mem_bw_gbps")]' "$TMP/out" 2>/dev/null && ok "bench --json fields" || bad "bench --json fields" "$TMP/out"
+printf 'Hello, world! 12345 don'"'"'t\r\n' >"$TMP/h.txt"
+"$K3" tokenize --vocab ../shared/data/tokenizers/cl100k_base.tiktoken --pattern cl100k <"$TMP/h.txt" >"$TMP/ids" 2>"$TMP/err" &&
+    "$K3" tokenize --vocab ../shared/data/tokenizers/cl100k_base.tiktoken --pattern cl100k --decode <"$TMP/ids" >"$TMP/back" 2>>"$TMP/err" &&
+    cmp -s "$TMP/h.txt" "$TMP/back" && ok "tokenize round trip (cl100k)" || bad "tokenize round trip (cl100k)" "$TMP/err"
+
 expect_fail "missing model dir" "No such file" "$K3" info -m "$TMP/nope"
 expect_fail "unknown command" "unknown command" "$K3" frobnicate
 expect_fail "unknown option" "unknown option" "$K3" run -m "$TINY" --bogus 1 hi
 expect_fail "id out of range" "out of range" "$K3" run -m "$TINY" --ids 1,5000 -n 0
 expect_fail "negative id" "out of range" "$K3" run -m "$TINY" --ids 1,-3 -n 0
+expect_fail "bad quant mode" "unknown mode" "$K3" run -m "$TINY" --quant w2a2 -n 1 hi
+expect_fail "bad cache type" "kv-cache" "$K3" run -m "$TINY" --kv-cache q4 -n 1 hi
+expect_fail "eval without text" "usage" "$K3" eval -m "$TINY"
+expect_fail "eval missing file" "No such file" "$K3" eval -m "$TINY" --text "$TMP/none.txt"
 expect_fail "ids not numbers" "cannot parse" "$K3" run -m "$TINY" --ids 1,x -n 0
 expect_fail "prompt longer than the context" "context" "$K3" run -m "$TINY" --ctx 4 -n 1 "one two three four five six seven eight nine ten"
 expect_fail "invalid UTF-8 prompt" "UTF-8" "$K3" run -m "$TINY" -n 1 "$(printf 'ab\377cd')"
