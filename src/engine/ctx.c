@@ -65,7 +65,7 @@ void k3_ctx_free(k3_ctx *ctx) {
     float **fl[] = {&s->P, &s->X, &s->xn, &s->tmp, &s->bank, &s->kq, &s->kk, &s->kv, &s->kg,
                     &s->kz, &s->kfa, &s->kbeta, &s->ko, &s->cq, &s->mq, &s->ckv, &s->qn, &s->qa,
                     &s->chat, &s->mo, &s->mgate, &s->mtmp, &s->iq, &s->ik, &s->iw, &s->f1, &s->f2,
-                    &s->rlog, &s->rw, &s->lat, &s->lgather, &s->lout, &s->ly, &s->rwork,
+                    &s->rlog, &s->rw, &s->lat, &s->lout, &s->ly, &s->rwork,
                     &s->iqs, &s->part_o, &s->part_l, &s->fused};
     for (size_t i = 0; i < sizeof fl / sizeof fl[0]; i++) free(*fl[i]);
     free(s->iq8);
@@ -74,6 +74,17 @@ void k3_ctx_free(k3_ctx *ctx) {
     free(s->rids);
     free(s->erows);
     free(s->ecount);
+    free(s->eact);
+    for (int t = 0; t < ctx->nth; t++) {
+        if (s->tgather) free(s->tgather[t]);
+        if (s->tf1) free(s->tf1[t]);
+        if (s->tf2) free(s->tf2[t]);
+        if (s->tlout) free(s->tlout[t]);
+    }
+    free(s->tgather);
+    free(s->tf1);
+    free(s->tf2);
+    free(s->tlout);
     for (int t = 0; t < ctx->nth; t++) {
         if (s->tscore) free(s->tscore[t]);
         if (s->tslots) free(s->tslots[t]);
@@ -227,11 +238,21 @@ k3_status k3_ctx_init(k3_ctx **out, const k3_model *m, const k3_ctx_options *opt
     s->rids = zalloc(&a, (size_t)(T * K), sizeof(int32_t));
     s->rw = zalloc(&a, (size_t)(T * K), sizeof(float));
     s->lat = zalloc(&a, (size_t)(T * Dl), sizeof(float));
-    s->lgather = zalloc(&a, (size_t)(T * Dl), sizeof(float));
     s->lout = zalloc(&a, (size_t)(T * Dl), sizeof(float));
     s->ly = zalloc(&a, (size_t)(T * K * Dl), sizeof(float));
     s->erows = zalloc(&a, (size_t)(T * K), sizeof(int32_t));
     s->ecount = zalloc(&a, (size_t)(E + 1), sizeof(int32_t));
+    s->eact = zalloc(&a, (size_t)E, sizeof(int32_t));
+    s->tgather = zalloc(&a, (size_t)ctx->nth, sizeof(float *));
+    s->tf1 = zalloc(&a, (size_t)ctx->nth, sizeof(float *));
+    s->tf2 = zalloc(&a, (size_t)ctx->nth, sizeof(float *));
+    s->tlout = zalloc(&a, (size_t)ctx->nth, sizeof(float *));
+    for (int t = 0; !a.failed && t < ctx->nth; t++) {
+        s->tgather[t] = zalloc(&a, (size_t)(T * Dl), sizeof(float));
+        s->tf1[t] = zalloc(&a, (size_t)(T * c->moe_intermediate), sizeof(float));
+        s->tf2[t] = zalloc(&a, (size_t)(T * c->moe_intermediate), sizeof(float));
+        s->tlout[t] = zalloc(&a, (size_t)(T * Dl), sizeof(float));
+    }
     s->rwork = zalloc(&a, (size_t)E, sizeof(float));
     s->tscore = zalloc(&a, (size_t)ctx->nth, sizeof(float *));
     s->tslots = zalloc(&a, (size_t)ctx->nth, sizeof(int64_t *));

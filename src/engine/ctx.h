@@ -69,10 +69,12 @@ typedef struct k3_scratch {
     float *rlog;                  /* [T, E] */
     int32_t *rids;                /* [T, k] */
     float *rw;                    /* [T, k] */
-    float *lat, *lgather, *lout;  /* [T, Dl] each */
+    float *lat, *lout;            /* [T, Dl] each: latent inputs, combined outputs */
     float *ly;                    /* [T, k, Dl] */
     int32_t *erows;               /* [T*k] token*k+slot rows per expert */
     int32_t *ecount;              /* [E+1] */
+    int32_t *eact;                /* [E] experts with rows this round */
+    float **tgather, **tf1, **tf2, **tlout; /* [nth][T*Dl], [nth][T*Im] x2, [nth][T*Dl] */
     /* per thread: attention scores, slot lists, top-k work */
     float **tscore;               /* [nth][max_ctx] */
     int64_t **tslots;             /* [nth][max_ctx] */

@@ -557,6 +557,37 @@ static void dense_ffn(k3_ctx *ctx, const k3_mat *gate, const k3_mat *up, const k
     k3_matmul(ctx->pool, down, s->f1, n, out);
 }
 
+typedef struct {
+    k3_ctx *ctx;
+    const k3_layer *L;
+    const float *z;   /* [T, Dl] expert inputs */
+} expert_job;
+
+/* Expert e over the rows routed to it: gather, w1/w3, act, w2, scatter to s.ly. */
+static void run_expert(const expert_job *j, int e, k3_pool *pool, int ith) {
+    k3_ctx *ctx = j->ctx;
+    const k3_config *c = ctx->c;
+    const k3_layer *L = j->L;
+    k3_scratch *s = &ctx->s;
+    const int64_t Dl = c->expert_dim;
+    const int K = c->n_experts_per_tok;
+    const int32_t r0 = s->ecount[e], ne = s->ecount[e + 1] - r0;
+    float *g = s->tgather[ith], *f1 = s->tf1[ith], *f2 = s->tf2[ith], *lo = s->tlout[ith];
+    for (int32_t r = 0; r < ne; r++)
+        memcpy(g + (int64_t)r * Dl, j->z + (int64_t)(s->erows[r0 + r] / K) * Dl, sizeof(float) * (size_t)Dl);
+    k3_matmul(pool, &L->exp_gate[e], g, ne, f1);
+    k3_matmul(pool, &L->exp_up[e], g, ne, f2);
+    glu(c, f1, f2, (int64_t)ne * L->exp_gate[e].rows);
+    k3_matmul(pool, &L->exp_down[e], f1, ne, lo);
+    for (int32_t r = 0; r < ne; r++)
+        memcpy(s->ly + (int64_t)s->erows[r0 + r] * Dl, lo + (int64_t)r * Dl, sizeof(float) * (size_t)Dl);
+}
+
+static void expert_items(void *p, int64_t lo, int64_t hi, int ith) {
+    const expert_job *j = p;
+    for (int64_t a = lo; a < hi; a++) run_expert(j, j->ctx->s.eact[a], NULL, ith);
+}
+
 static void moe_layer(k3_ctx *ctx, const k3_layer *L, const float *yn, float *out) {
     const k3_config *c = ctx->c;
     const int64_t T = ctx->T, D = c->hidden_size, Dl = c->expert_dim;
@@ -583,17 +614,17 @@ static void moe_layer(k3_ctx *ctx, const k3_layer *L, const float *yn, float *ou
     for (int e = E; e > 0; e--) s->ecount[e] = s->ecount[e - 1];
     s->ecount[0] = 0;
 
-    for (int e = 0; e < E; e++) {
-        const int32_t r0 = s->ecount[e], ne = s->ecount[e + 1] - r0;
-        if (!ne) continue;
-        for (int32_t r = 0; r < ne; r++)
-            memcpy(s->lgather + (int64_t)r * Dl, z + (int64_t)(s->erows[r0 + r] / K) * Dl, sizeof(float) * (size_t)Dl);
-        k3_matmul(ctx->pool, &L->exp_gate[e], s->lgather, ne, s->f1);
-        k3_matmul(ctx->pool, &L->exp_up[e], s->lgather, ne, s->f2);
-        glu(c, s->f1, s->f2, (int64_t)ne * L->exp_gate[e].rows);
-        k3_matmul(ctx->pool, &L->exp_down[e], s->f1, ne, s->lout);
-        for (int32_t r = 0; r < ne; r++)
-            memcpy(s->ly + (int64_t)s->erows[r0 + r] * Dl, s->lout + (int64_t)r * Dl, sizeof(float) * (size_t)Dl);
+    /* Many active experts (always, at K3's top-16 of 896): one expert per
+     * item, each single-threaded, so a decode step costs one dispatch for all
+     * experts. Few: one expert after the other, each matmul threaded. */
+    int32_t na = 0;
+    for (int e = 0; e < E; e++)
+        if (s->ecount[e + 1] > s->ecount[e]) s->eact[na++] = e;
+    expert_job ej = {ctx, L, z};
+    if (ctx->nth > 1 && na >= 2 * ctx->nth) {
+        k3_pool_for(ctx->pool, na, 1, expert_items, &ej);
+    } else {
+        for (int32_t a = 0; a < na; a++) run_expert(&ej, s->eact[a], ctx->pool, 0);
     }
     /* combine in slot order (fp32), then latent norm and up-projection */
     float *comb = s->lout;
