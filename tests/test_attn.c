@@ -5,6 +5,7 @@
 
 #include "attn/attnres.h"
 #include "attn/mla.h"
+#include "kernels/kernels.h"
 #include "moe/moe.h"
 #include "test.h"
 
@@ -157,6 +158,26 @@ K3_TEST(attnres_uniform_with_zero_query) {
     /* one candidate: out = it */
     k3_attnres_mix(V, 1, w, D, 1e-5f, out);
     CHECK(memcmp(out, v[0], sizeof out) == 0);
+}
+
+K3_TEST(attnres_simd_matches_ref) {
+    enum { D = 203, NB = 6 };
+    static float v[NB][D];
+    float w[D], o1[D], o2[D];
+    const float *V[NB];
+    for (int e = 0; e < NB; e++) {
+        for (int d = 0; d < D; d++) v[e][d] = frand() * (e + 1);
+        V[e] = v[e];
+    }
+    for (int d = 0; d < D; d++) w[d] = frand();
+    for (int n = 1; n <= NB; n++) {
+        k3_attnres_mix_ref(V, n, w, D, 1e-5f, o2);
+        for (int isa = K3_ISA_REF; isa <= K3_ISA_AVX512; isa++) {
+            k3_kernels_force((k3_isa)isa);
+            k3_attnres_mix(V, n, w, D, 1e-5f, o1);
+            CHECKF(k3_test_rel_l2(o1, o2, D) < 1e-6, "n=%d isa %d: %g", n, isa, k3_test_rel_l2(o1, o2, D));
+        }
+    }
 }
 
 K3_TEST(router_weights_and_bias) {

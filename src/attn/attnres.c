@@ -3,8 +3,17 @@
 
 #include <math.h>
 
-void k3_attnres_mix(const float *const *V, int n, const float *w, int64_t D, float eps,
-                    float *out) {
+#include "kernels/kernels.h"
+
+void k3_attnres_mix_avx2(const float *const *V, int n, const float *w, int64_t D, float eps, float *out);
+
+void k3_attnres_mix(const float *const *V, int n, const float *w, int64_t D, float eps, float *out) {
+    if (k3_kernels_isa() >= K3_ISA_AVX2) k3_attnres_mix_avx2(V, n, w, D, eps, out);
+    else k3_attnres_mix_ref(V, n, w, D, eps, out);
+}
+
+void k3_attnres_mix_ref(const float *const *V, int n, const float *w, int64_t D, float eps,
+                        float *out) {
     float score[K3_ATTNRES_MAX];
     float mx = -INFINITY;
     for (int e = 0; e < n; e++) {

@@ -6,7 +6,8 @@
  *   score_e = Σ_d w[d] V_e[d] / sqrt(mean(V_e²) + eps);  α = softmax(score)
  *   out = Σ_e α_e V_e
  * w is the fused pseudo-query res_norm ⊙ res_proj[0]. fp32 scores, with
- * double accumulation of the reductions.
+ * double accumulation of the reductions. The engine splits the tokens of a
+ * round evenly over the threads (scores and mix fused per token).
  */
 #ifndef K3_ATTN_ATTNRES_H
 #define K3_ATTN_ATTNRES_H
@@ -17,5 +18,8 @@
 
 void k3_attnres_mix(const float *const *V, int n, const float *w, int64_t D, float eps,
                     float *out);
+/* The scalar reference (k3_attnres_mix dispatches to SIMD when it can). */
+void k3_attnres_mix_ref(const float *const *V, int n, const float *w, int64_t D, float eps,
+                        float *out);
 
 #endif /* K3_ATTN_ATTNRES_H */
