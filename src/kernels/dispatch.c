@@ -9,9 +9,10 @@
  * Threading: work is cut into at most pool-size tasks, one per thread,
  * preferring whole row ranges (each thread streams its own slice of the
  * weights exactly once, which is what decode is bound by); small row counts
- * with many activation rows are split over n as well. Tiny products run on
- * the calling thread: a pool round trip costs about as much as 32 KB of
- * weights.
+ * with many activation rows are split over n as well. The kernels are batch
+ * invariant (kernels_isa.h), so the split never changes a result. Tiny
+ * products run on the calling thread: a pool round trip costs about as much
+ * as 32 KB of weights.
  */
 #include "kernels/kernels_isa.h"
 #include "kernels/quant.h"
@@ -20,6 +21,7 @@
 
 #include <pthread.h>
 #include <stdatomic.h>
+#include <string.h>
 
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
 static const k3_kernel_ops *g_best;
@@ -106,6 +108,10 @@ void k3_matmul(k3_pool *pool, const k3_mat *w, const float *x, int64_t n, float 
     K3_ASSERT(w->type >= K3_W_F32 && w->type < K3_W_COUNT);
     K3_ASSERT(w->type != K3_W_MXFP4 || w->cols % 32 == 0);
     if (n <= 0 || w->rows <= 0) return;
+    if (w->cols == 0) { /* empty sums; the kernels assume at least one column */
+        memset(y, 0, sizeof(float) * (size_t)(n * w->rows));
+        return;
+    }
     if (w->act8 || w->type == K3_W_Q8 || w->type == K3_W_MXFP8) {
         k3_matmul_q(pool, w, x, n, y); /* 8-bit activations: quant.c */
         return;

@@ -12,7 +12,11 @@ typedef struct k3_kernel_ops {
     k3_isa isa;
     /* Rows [r0, r1) of y = x Wᵀ: y[i*ldy + r] for i < n, r0 <= r < r1.
      * x: [n, w->cols] (row stride w->cols). One thread; the ISA picks its
-     * own blocking (streaming for small n, tiled for large n). */
+     * own blocking (streaming for small n, tiled for large n), but each
+     * y[i][r] must come out bit for bit the same whatever n, r0, r1 and the
+     * position of row i (batch invariance: dispatch.c splits freely, and the
+     * engine's batch == alone and causality tests compare with memcmp).
+     * Stack: up to ~112 KB (the AVX-512 tiled path's buffers). */
     void (*matmul)(const k3_mat *w, const float *x, int64_t n, float *y, int64_t ldy,
                    int64_t r0, int64_t r1);
     float (*dot)(const float *a, const float *b, int64_t n);

@@ -6,9 +6,12 @@
  * the same order, whatever n, the position of row i or r in a tile, or the
  * thread split: columns are cut into KC-column blocks; within a block one
  * 8-lane accumulator runs over the columns in order (scalar tail last, after
- * the horizontal sum), the horizontal sum uses one fixed tree, and the block
- * sums are added to y in block order. So a batch gives bit for bit the logits
- * of its sequences run alone, and thread counts do not change results.
+ * the horizontal sum) -- for MXFP4, two accumulators taking alternate
+ * 8-column groups, added before the sum (one chain is too slow to decode
+ * into); the horizontal sum uses one fixed tree; block sums are added to y in
+ * block order. So a batch gives bit for bit the logits of its sequences run
+ * alone, and thread counts do not change results (kernels_matmul_batch_
+ * invariant and the engine's causality tests hold this).
  *
  * Three regimes, by the number of activation rows n:
  *
@@ -22,8 +25,9 @@
  *
  *   tiled (n > 64, or MXFP4 with n > 4): compute bound. Each RB x KC weight
  *   block is converted once into an fp32 buffer (48 KB on the stack), then a
- *   4x3 register tile (4 activation rows x 3 weight rows, 12 accumulators)
- *   runs over it: 7 loads per 12 FMAs. F32 weights are used in place.
+ *   4x3 register tile (4 activation rows x 3 weight rows, 12 accumulators;
+ *   3x2 with two accumulators each for MXFP4) runs over it: 7 loads per 12
+ *   FMAs. F32 weights are used in place.
  *
  * MXFP4: 32 packed bytes hold 64 columns (low nibble = even column). Nibbles
  * are split, interleaved back into column order, and looked up with pshufb in
@@ -150,27 +154,42 @@ INLINE __m256 in_reg(__m256 v) {
 
 /* MR activation rows x NR weight rows over one column block of K <= KC, in
  * the canonical order. w: first weight row, rows ldw elements apart, type wt
- * (F32/F16/BF16). y[i*ldy + j] = (accum ? y : 0) + block sum. */
+ * (F32/F16/BF16). y[i*ldy + j] = (accum ? y : 0) + block sum. U = 1 for the
+ * dense types; U = 2 is MXFP4's order (8-column groups alternate between two
+ * accumulators, added before the horizontal sum). */
 INLINE void tile(int wt, const void *w, int64_t ldw, const float *x, int64_t ldx, int64_t K,
-                 float *y, int64_t ldy, bool accum, const int MR, const int NR) {
+                 float *y, int64_t ldy, bool accum, const int MR, const int NR, const int U) {
     const char *wr[8];
     UNROLL for (int j = 0; j < NR; j++) wr[j] = (const char *)w + (size_t)j * ldw * elem_size(wt);
-    __m256 acc[4][8];
+    __m256 acc[4][8][2];
     UNROLL for (int i = 0; i < MR; i++)
-        UNROLL for (int j = 0; j < NR; j++) acc[i][j] = _mm256_setzero_ps();
+        UNROLL for (int j = 0; j < NR; j++) acc[i][j][0] = acc[i][j][1] = _mm256_setzero_ps();
     int64_t k = 0;
-    for (; k + 8 <= K; k += 8) {
+    for (; k + 8 * U <= K; k += 8 * U) {
+        UNROLL for (int u = 0; u < U; u++) {
+            __m256 wv[8];
+            UNROLL for (int j = 0; j < NR; j++) wv[j] = ld8(wt, wr[j], k + 8 * u);
+            UNROLL for (int i = 0; i < MR; i++) {
+                __m256 xv = in_reg(_mm256_loadu_ps(x + i * ldx + k + 8 * u));
+                UNROLL for (int j = 0; j < NR; j++)
+                    acc[i][j][u] = _mm256_fmadd_ps(wv[j], xv, acc[i][j][u]);
+            }
+        }
+    }
+    if (U > 1 && k + 8 <= K) { /* an odd 8-column group: accumulator 0 */
         __m256 wv[8];
         UNROLL for (int j = 0; j < NR; j++) wv[j] = ld8(wt, wr[j], k);
         UNROLL for (int i = 0; i < MR; i++) {
             __m256 xv = in_reg(_mm256_loadu_ps(x + i * ldx + k));
-            UNROLL for (int j = 0; j < NR; j++) acc[i][j] = _mm256_fmadd_ps(wv[j], xv, acc[i][j]);
+            UNROLL for (int j = 0; j < NR; j++) acc[i][j][0] = _mm256_fmadd_ps(wv[j], xv, acc[i][j][0]);
         }
+        k += 8;
     }
     __m256 v[32];
     float s[32];
     UNROLL for (int i = 0; i < MR; i++)
-        UNROLL for (int j = 0; j < NR; j++) v[i * NR + j] = acc[i][j];
+        UNROLL for (int j = 0; j < NR; j++)
+            v[i * NR + j] = U > 1 ? _mm256_add_ps(acc[i][j][0], acc[i][j][1]) : acc[i][j][0];
     hsum_all(v, MR * NR, s);
     for (; k < K; k++)
         UNROLL for (int i = 0; i < MR; i++)
@@ -196,7 +215,7 @@ INLINE void stream_dense(int wt, const k3_mat *w, const float *x, int64_t n, flo
 #define T(MR, NR)                                                                             \
     for (int64_t k0 = 0; k0 < K; k0 += KC)                                                    \
         tile(wt, base + (size_t)r * rb + (size_t)k0 * elem_size(wt), K, x + k0, K,            \
-             K - k0 < KC ? K - k0 : KC, y + r, ldy, k0 > 0, MR, NR)
+             K - k0 < KC ? K - k0 : KC, y + r, ldy, k0 > 0, MR, NR, 1)
     int64_t r = r0;
     switch (n) {
     case 1:
@@ -220,13 +239,14 @@ INLINE void stream_dense(int wt, const k3_mat *w, const float *x, int64_t n, flo
 }
 
 /* s[i*NR + j] = block sum over columns [0, K <= KC) of MXFP4 row j (p + j*ldp,
- * scales sc + j*lds) times x row i (x + i*ldx), in the canonical order. */
+ * scales sc + j*lds) times x row i (x + i*ldx), in MXFP4's canonical order
+ * (tile() with U = 2). */
 INLINE void stream_mx_block(const uint8_t *p, int64_t ldp, const uint8_t *sc, int64_t lds,
                             const float *x, int64_t ldx, int64_t K, float *s, const int MR,
                             const int NR) {
-    __m256 acc[4][4];
+    __m256 acc[4][4][2];
     UNROLL for (int i = 0; i < MR; i++)
-        UNROLL for (int j = 0; j < NR; j++) acc[i][j] = _mm256_setzero_ps();
+        UNROLL for (int j = 0; j < NR; j++) acc[i][j][0] = acc[i][j][1] = _mm256_setzero_ps();
     int64_t k = 0;
     for (; k + 64 <= K; k += 64) {
         UNROLL for (int j = 0; j < NR; j++) {
@@ -235,8 +255,8 @@ INLINE void stream_mx_block(const uint8_t *p, int64_t ldp, const uint8_t *sc, in
                      _mm256_set1_ps(k3_mx_scale(sc[j * lds + k / 32 + 1])), wv);
             UNROLL for (int i = 0; i < MR; i++)
                 UNROLL for (int q = 0; q < 8; q++)
-                    acc[i][j] = _mm256_fmadd_ps(wv[q], _mm256_loadu_ps(x + i * ldx + k + 8 * q),
-                                                acc[i][j]);
+                    acc[i][j][q % 2] = _mm256_fmadd_ps(
+                        wv[q], _mm256_loadu_ps(x + i * ldx + k + 8 * q), acc[i][j][q % 2]);
         }
     }
     if (k < K) { /* K % 64 == 32 */
@@ -245,45 +265,35 @@ INLINE void stream_mx_block(const uint8_t *p, int64_t ldp, const uint8_t *sc, in
             mx_dec32(p + j * ldp + k / 2, _mm256_set1_ps(k3_mx_scale(sc[j * lds + k / 32])), wv);
             UNROLL for (int i = 0; i < MR; i++)
                 UNROLL for (int q = 0; q < 4; q++)
-                    acc[i][j] = _mm256_fmadd_ps(wv[q], _mm256_loadu_ps(x + i * ldx + k + 8 * q),
-                                                acc[i][j]);
+                    acc[i][j][q % 2] = _mm256_fmadd_ps(
+                        wv[q], _mm256_loadu_ps(x + i * ldx + k + 8 * q), acc[i][j][q % 2]);
         }
     }
     __m256 v[16];
     UNROLL for (int i = 0; i < MR; i++)
-        UNROLL for (int j = 0; j < NR; j++) v[i * NR + j] = acc[i][j];
+        UNROLL for (int j = 0; j < NR; j++) v[i * NR + j] = _mm256_add_ps(acc[i][j][0], acc[i][j][1]);
     hsum_all(v, MR * NR, s);
 }
 
 static void stream_mx(const k3_mat *w, const float *x, int64_t n, float *y, int64_t ldy,
                       int64_t r0, int64_t r1) {
     const int64_t K = w->cols;
-    /* Rows per pass: each accumulator's chain is 8 FMAs per 64 columns, so
-     * several rows must be in flight to hide the FMA latency. */
-    const int nrmax = n == 1 ? 4 : n == 2 ? 3 : 2;
-    for (int64_t r = r0; r < r1;) {
-        const int nr = r1 - r >= nrmax ? nrmax : 1;
+    /* One weight row at a time: two accumulators per x row suffice, and the
+     * decoded row (8 registers) leaves no room for more (measured). */
+    for (int64_t r = r0; r < r1; r++) {
         for (int64_t k0 = 0; k0 < K; k0 += KC) {
             const int64_t kl = K - k0 < KC ? K - k0 : KC;
             const uint8_t *pr = (const uint8_t *)w->data + r * (K / 2) + k0 / 2;
             const uint8_t *sr = w->scale + r * (K / 32) + k0 / 32;
-            float s[16];
-#define C(MR, NR)                                                                             \
-    case (MR) * 8 + (NR):                                                                     \
-        stream_mx_block(pr, K / 2, sr, K / 32, x + k0, K, kl, s, MR, NR);                     \
-        break;
-            switch (n * 8 + nr) {
-            C(1, 1) C(1, 4) C(2, 1) C(2, 3) C(3, 1) C(3, 2) C(4, 1) C(4, 2)
-            default: K3_ASSERT(!"stream_mx: bad shape");
+            float s[4];
+            switch (n) {
+            case 1: stream_mx_block(pr, K / 2, sr, K / 32, x + k0, K, kl, s, 1, 1); break;
+            case 2: stream_mx_block(pr, K / 2, sr, K / 32, x + k0, K, kl, s, 2, 1); break;
+            case 3: stream_mx_block(pr, K / 2, sr, K / 32, x + k0, K, kl, s, 3, 1); break;
+            default: stream_mx_block(pr, K / 2, sr, K / 32, x + k0, K, kl, s, 4, 1); break;
             }
-#undef C
-            for (int64_t i = 0; i < n; i++)
-                for (int j = 0; j < nr; j++) {
-                    float *d = y + i * ldy + r + j;
-                    *d = k0 ? *d + s[i * nr + j] : s[i * nr + j];
-                }
+            for (int64_t i = 0; i < n; i++) y[i * ldy + r] = k0 ? y[i * ldy + r] + s[i] : s[i];
         }
-        r += nr;
     }
 }
 
@@ -332,11 +342,23 @@ static void convert_block(const k3_mat *w, int64_t r0, int nr, int64_t k0, int k
 static void tile_f32(int mr, int nr, const float *w, int64_t ldw, const float *x, int64_t ldx,
                      int64_t K, float *y, int64_t ldy, bool accum) {
 #define C(MR, NR)                                                                             \
-    case (MR) * 4 + (NR): tile(K3_W_F32, w, ldw, x, ldx, K, y, ldy, accum, MR, NR); break;
+    case (MR) * 4 + (NR): tile(K3_W_F32, w, ldw, x, ldx, K, y, ldy, accum, MR, NR, 1); break;
     switch (mr * 4 + nr) {
     C(1, 1) C(1, 2) C(1, 3) C(2, 1) C(2, 2) C(2, 3)
     C(3, 1) C(3, 2) C(3, 3) C(4, 1) C(4, 2) C(4, 3)
     default: K3_ASSERT(!"tile_f32: bad shape");
+    }
+#undef C
+}
+
+/* The same in MXFP4's order (two accumulators each): MR <= 3, NR <= 2. */
+static void tile_mx(int mr, int nr, const float *w, int64_t ldw, const float *x, int64_t ldx,
+                    int64_t K, float *y, int64_t ldy, bool accum) {
+#define C(MR, NR)                                                                             \
+    case (MR) * 4 + (NR): tile(K3_W_F32, w, ldw, x, ldx, K, y, ldy, accum, MR, NR, 2); break;
+    switch (mr * 4 + nr) {
+    C(1, 1) C(1, 2) C(2, 1) C(2, 2) C(3, 1) C(3, 2)
+    default: K3_ASSERT(!"tile_mx: bad shape");
     }
 #undef C
 }
@@ -353,6 +375,16 @@ static void tiled_block(const k3_mat *w, const float *x, int64_t n, float *y, in
         ldw = K;
     } else {
         convert_block(w, rb, nr, k0, kl, buf);
+    }
+    if (w->type == K3_W_MXFP4) {
+        /* 3 x 2 tiles: 12 accumulators (two per pair) + 2 weights + 1 x. */
+        for (int64_t i = 0; i < n; i += 3) {
+            const int mi = (int)(n - i < 3 ? n - i : 3);
+            for (int j = 0; j < nr; j += 2)
+                tile_mx(mi, nr - j < 2 ? nr - j : 2, wb + (size_t)j * ldw, ldw, x + i * K + k0, K,
+                        kl, y + i * ldy + rb + j, ldy, k0 > 0);
+        }
+        return;
     }
     for (int64_t i = 0; i < n; i += 4) {
         const int mi = (int)(n - i < 4 ? n - i : 4);

@@ -3,8 +3,9 @@
  * Mirrors ref.c (matmul_ref_rows, k3_dot_ref, k3_axpy_ref). Same structure as
  * matmul_avx2.c; read that file's header first. Differences:
  *
- *   - 16-lane vectors, KC = 1024, a 4x6 register tile; column tails use
- *     masked loads.
+ *   - 16-lane vectors, KC = 1024, a 4x6 register tile, RB = 24 (a 96 KB
+ *     stack buffer: 12 rows measured 10-15% slower); column tails use masked
+ *     loads.
  *   - MXFP4 decodes through vpermps with a 16-entry fp32 table (the E2M1
  *     codes, sign included) times the block scale. Each entry is an exact
  *     product, so decoded weights equal the reference's bit for bit.
@@ -13,7 +14,8 @@
  *     4 the odd ones. Rather than reorder the weights, x is "deinterleaved"
  *     (each 32-block as its 16 even then 16 odd columns), which is ~1.4x
  *     faster. So MXFP4's canonical order: per KC block, one accumulator for
- *     the even and one for the odd columns, added, then reduced.
+ *     the even and one for the odd columns, added, then reduced; the tiled
+ *     path deinterleaves each 4-row x panel to match.
  *
  * On Zen 4, 512-bit ops run as two 256-bit halves, so the FMA peak equals
  * AVX2's; the gains are the 32 registers, the MXFP4 decode and the tails.
@@ -29,8 +31,9 @@
 
 enum {
     KC = 1024,                  /* columns per block of the canonical order */
-    RB = 12,                    /* tiled: weight rows per block (48 KB of fp32) */
+    RB = 24,                    /* tiled: weight rows per block (96 KB of fp32) */
     TN = 6,                     /* tiled: weight rows per register tile (4 x 6) */
+    TN_MX = 2,                  /* the same for MXFP4 (two accumulators each) */
     ROWS_OUTER_BYTES = 1 << 20, /* tiled: x up to this size -> row blocks outermost */
     STREAM_MAX_N = 64,          /* dense types stream up to this many x rows */
     STREAM_ROWS = 24,           /* weight rows per group in multi-pass streaming */
@@ -141,8 +144,8 @@ INLINE __m512 in_reg(__m512 v) {
  * w: first weight row, rows ldw elements apart, type wt.
  * y[i*ldy + j] = (accum ? y : 0) + block sum, the canonical order:
  *   XP = 0 (dense): one accumulator, 16 columns a step, masked tail;
- *   XP = 1 (MXFP4, w an fp32 buffer in deinterleaved order, K % 32 == 0):
- *          x split on load, even and odd accumulators. */
+ *   XP = 1 (MXFP4, K % 32 == 0): w and x both deinterleaved (each 32-block
+ *          as 16 even then 16 odd columns), even and odd accumulators. */
 INLINE void tile(int wt, const void *w, int64_t ldw, const float *x, int64_t ldx, int64_t K,
                  float *y, int64_t ldy, bool accum, const int MR, const int NR, const int XP) {
     const char *wr[8];
@@ -158,8 +161,8 @@ INLINE void tile(int wt, const void *w, int64_t ldw, const float *x, int64_t ldx
                 wo[j] = ld16(K3_W_F32, wr[j], k + 16);
             }
             UNROLL for (int i = 0; i < MR; i++) {
-                __m512 xe, xo;
-                x_split32(x + i * ldx + k, &xe, &xo);
+                __m512 xe = in_reg(_mm512_loadu_ps(x + i * ldx + k));
+                __m512 xo = in_reg(_mm512_loadu_ps(x + i * ldx + k + 16));
                 UNROLL for (int j = 0; j < NR; j++) {
                     acc[i][j][0] = _mm512_fmadd_ps(we[j], xe, acc[i][j][0]);
                     acc[i][j][1] = _mm512_fmadd_ps(wo[j], xo, acc[i][j][1]);
@@ -249,42 +252,56 @@ static void mx_deinterleave(const float *x, int64_t K, int64_t n, int64_t c0, in
         }
 }
 
-/* s[i*NR + j] = block sum over columns [0, K <= KC) of MXFP4 row j (p + j*ldp,
- * scales sc + j*lds) times deinterleaved x row i (xd + i*ldxd). */
-INLINE void stream_mx_block(const uint8_t *p, int64_t ldp, const uint8_t *sc, int64_t lds,
-                            const float *xd, int64_t ldxd, int64_t K, float *s, const int MR,
-                            const int NR) {
-    __m512 acc[4][2][2]; /* [x row][weight row][even, odd columns] */
-    UNROLL for (int i = 0; i < MR; i++)
-        UNROLL for (int j = 0; j < NR; j++) acc[i][j][0] = acc[i][j][1] = _mm512_setzero_ps();
+/* MXFP4 rows [r, r+NR) x MR deinterleaved x rows (xd, stride len) over
+ * columns [0, len) of the pointers given (p, sc already offset to the first
+ * column), KC blocks in the canonical order; y as in tile(). */
+INLINE void stream_mx_rows(const uint8_t *p, int64_t ldp, const uint8_t *sc, int64_t lds,
+                           const float *xd, int64_t len, float *y, int64_t ldy, bool accum,
+                           const int MR, const int NR) {
+    float t[8] = {0};
     _Alignas(64) float sv[2][16];
-    for (int64_t k = 0; k < K; k += 32) {
-        if (k % 512 == 0) {
-            UNROLL for (int j = 0; j < NR; j++) {
-                if (K - k >= 512) {
-                    _mm512_store_ps(sv[j], mx_scales16(sc + j * lds + k / 32));
-                } else {
-                    for (int b = 0; b < (K - k) / 32; b++)
-                        sv[j][b] = k3_mx_scale(sc[j * lds + k / 32 + b]);
+    for (int64_t kb = 0; kb < len; kb += KC) {
+        const int64_t K = len - kb < KC ? len - kb : KC;
+        __m512 acc[4][2][2]; /* [x row][weight row][even, odd columns] */
+        UNROLL for (int i = 0; i < MR; i++)
+            UNROLL for (int j = 0; j < NR; j++) acc[i][j][0] = acc[i][j][1] = _mm512_setzero_ps();
+        for (int64_t k = kb; k < kb + K; k += 32) {
+            if (k % 512 == 0) {
+                UNROLL for (int j = 0; j < NR; j++) {
+                    if (len - k >= 512) {
+                        _mm512_store_ps(sv[j], mx_scales16(sc + j * lds + k / 32));
+                    } else {
+                        for (int b = 0; b < (len - k) / 32; b++)
+                            sv[j][b] = k3_mx_scale(sc[j * lds + k / 32 + b]);
+                    }
+                }
+            }
+            __m512 we[2], wo[2];
+            UNROLL for (int j = 0; j < NR; j++)
+                mx_dec32(p + j * ldp + k / 2, sv[j][(k % 512) / 32], &we[j], &wo[j]);
+            UNROLL for (int i = 0; i < MR; i++) {
+                __m512 xe = in_reg(_mm512_loadu_ps(xd + i * len + k));
+                __m512 xo = in_reg(_mm512_loadu_ps(xd + i * len + k + 16));
+                UNROLL for (int j = 0; j < NR; j++) {
+                    acc[i][j][0] = _mm512_fmadd_ps(we[j], xe, acc[i][j][0]);
+                    acc[i][j][1] = _mm512_fmadd_ps(wo[j], xo, acc[i][j][1]);
                 }
             }
         }
-        __m512 we[2], wo[2];
-        UNROLL for (int j = 0; j < NR; j++)
-            mx_dec32(p + j * ldp + k / 2, sv[j][(k % 512) / 32], &we[j], &wo[j]);
-        UNROLL for (int i = 0; i < MR; i++) {
-            __m512 xe = in_reg(_mm512_loadu_ps(xd + i * ldxd + k));
-            __m512 xo = in_reg(_mm512_loadu_ps(xd + i * ldxd + k + 16));
+        __m512 v[8];
+        float s[8];
+        UNROLL for (int i = 0; i < MR; i++)
+            UNROLL for (int j = 0; j < NR; j++)
+                v[i * NR + j] = _mm512_add_ps(acc[i][j][0], acc[i][j][1]);
+        hsum_all(v, MR * NR, s);
+        UNROLL for (int i = 0; i < MR; i++)
             UNROLL for (int j = 0; j < NR; j++) {
-                acc[i][j][0] = _mm512_fmadd_ps(we[j], xe, acc[i][j][0]);
-                acc[i][j][1] = _mm512_fmadd_ps(wo[j], xo, acc[i][j][1]);
+                const int q = i * NR + j;
+                t[q] = kb ? t[q] + s[q] : accum ? y[i * ldy + j] + s[q] : s[q];
             }
-        }
     }
-    __m512 v[8];
     UNROLL for (int i = 0; i < MR; i++)
-        UNROLL for (int j = 0; j < NR; j++) v[i * NR + j] = _mm512_add_ps(acc[i][j][0], acc[i][j][1]);
-    hsum_all(v, MR * NR, s);
+        UNROLL for (int j = 0; j < NR; j++) y[i * ldy + j] = t[i * NR + j];
 }
 
 static void stream_mx(const k3_mat *w, const float *x, int64_t n, float *y, int64_t ldy,
@@ -301,26 +318,17 @@ static void stream_mx(const k3_mat *w, const float *x, int64_t n, float *y, int6
             /* Two weight rows per pass once x outgrows L1 (n >= 3), where
              * sharing each x load matters; else one (faster on Zen 4). */
             const int nr = n >= 3 && r1 - r >= 2 ? 2 : 1;
-            for (int64_t kb = 0; kb < len; kb += KC) {
-                const int64_t k0 = c0 + kb, kl = len - kb < KC ? len - kb : KC;
-                const uint8_t *pr = (const uint8_t *)w->data + r * (K / 2) + k0 / 2;
-                const uint8_t *sr = w->scale + r * (K / 32) + k0 / 32;
-                float s[8];
+            const uint8_t *pr = (const uint8_t *)w->data + r * (K / 2) + c0 / 2;
+            const uint8_t *sr = w->scale + r * (K / 32) + c0 / 32;
 #define C(MR, NR)                                                                             \
     case (MR) * 2 + (NR) - 1:                                                                 \
-        stream_mx_block(pr, K / 2, sr, K / 32, xd + kb, len, kl, s, MR, NR);                  \
+        stream_mx_rows(pr, K / 2, sr, K / 32, xd, len, y + r, ldy, c0 > 0, MR, NR);           \
         break;
-                switch (n * 2 + nr - 1) {
-                C(1, 1) C(1, 2) C(2, 1) C(2, 2) C(3, 1) C(3, 2) C(4, 1) C(4, 2)
-                default: K3_ASSERT(!"stream_mx: bad shape");
-                }
-#undef C
-                for (int64_t i = 0; i < n; i++)
-                    for (int j = 0; j < nr; j++) {
-                        float *d = y + i * ldy + r + j;
-                        *d = k0 ? *d + s[i * nr + j] : s[i * nr + j];
-                    }
+            switch (n * 2 + nr - 1) {
+            C(1, 1) C(1, 2) C(2, 1) C(2, 2) C(3, 1) C(3, 2) C(4, 1) C(4, 2)
+            default: K3_ASSERT(!"stream_mx: bad shape");
             }
+#undef C
             r += nr;
         }
     }
@@ -362,19 +370,28 @@ static void convert_block(const k3_mat *w, int64_t r0, int nr, int64_t k0, int k
 }
 
 /* fp32 weights (buffer or F32 matrix) x MR <= 4 activation rows x NR <= TN. */
-static void tile_f32(int mr, int nr, int xp, const float *w, int64_t ldw, const float *x,
-                     int64_t ldx, int64_t K, float *y, int64_t ldy, bool accum) {
+static void tile_f32(int mr, int nr, const float *w, int64_t ldw, const float *x, int64_t ldx,
+                     int64_t K, float *y, int64_t ldy, bool accum) {
 #define C(MR, NR)                                                                             \
-    case (MR) * 8 + (NR):                                                                     \
-        if (xp) tile(K3_W_F32, w, ldw, x, ldx, K, y, ldy, accum, MR, NR, 1);                  \
-        else tile(K3_W_F32, w, ldw, x, ldx, K, y, ldy, accum, MR, NR, 0);                     \
-        break;
+    case (MR) * 8 + (NR): tile(K3_W_F32, w, ldw, x, ldx, K, y, ldy, accum, MR, NR, 0); break;
 #define R(MR) C(MR, 1) C(MR, 2) C(MR, 3) C(MR, 4) C(MR, 5) C(MR, 6)
     switch (mr * 8 + nr) {
     R(1) R(2) R(3) R(4)
     default: K3_ASSERT(!"tile_f32: bad shape");
     }
 #undef R
+#undef C
+}
+
+/* The same for deinterleaved MXFP4 weights and x, NR <= TN_MX. */
+static void tile_mx(int mr, int nr, const float *w, int64_t ldw, const float *xd, int64_t ldx,
+                    int64_t K, float *y, int64_t ldy, bool accum) {
+#define C(MR, NR)                                                                             \
+    case (MR) * 8 + (NR): tile(K3_W_F32, w, ldw, xd, ldx, K, y, ldy, accum, MR, NR, 1); break;
+    switch (mr * 8 + nr) {
+    C(1, 1) C(1, 2) C(1, 3) C(2, 1) C(2, 2) C(2, 3) C(3, 1) C(3, 2) C(3, 3) C(4, 1) C(4, 2) C(4, 3)
+    default: K3_ASSERT(!"tile_mx: bad shape");
+    }
 #undef C
 }
 
@@ -391,12 +408,24 @@ static void tiled_block(const k3_mat *w, const float *x, int64_t n, float *y, in
     } else {
         convert_block(w, rb, nr, k0, kl, buf);
     }
-    const int xp = w->type == K3_W_MXFP4;
+    if (w->type == K3_W_MXFP4) {
+        /* x panel of 4 rows, deinterleaved like the weights; tiles of
+         * 4 x TN_MX (even and odd accumulators: 2 x 4 x 2 = 16 registers). */
+        _Alignas(64) float xd[4 * KC];
+        for (int64_t i = 0; i < n; i += 4) {
+            const int mi = (int)(n - i < 4 ? n - i : 4);
+            mx_deinterleave(x + i * K, K, mi, k0, kl, xd);
+            for (int j = 0; j < nr; j += TN_MX)
+                tile_mx(mi, nr - j < TN_MX ? nr - j : TN_MX, wb + (size_t)j * ldw, ldw, xd, kl, kl,
+                        y + i * ldy + rb + j, ldy, k0 > 0);
+        }
+        return;
+    }
     for (int64_t i = 0; i < n; i += 4) {
         const int mi = (int)(n - i < 4 ? n - i : 4);
         for (int j = 0; j < nr; j += TN)
-            tile_f32(mi, nr - j < TN ? nr - j : TN, xp, wb + (size_t)j * ldw, ldw, x + i * K + k0,
-                     K, kl, y + i * ldy + rb + j, ldy, k0 > 0);
+            tile_f32(mi, nr - j < TN ? nr - j : TN, wb + (size_t)j * ldw, ldw, x + i * K + k0, K,
+                     kl, y + i * ldy + rb + j, ldy, k0 > 0);
     }
 }
 
