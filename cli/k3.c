@@ -83,6 +83,39 @@ static int parse_ids(const char *s, int32_t **out, size_t *n) {
     return 0;
 }
 
+/* Renders an assistant turn in the K3 chat format as plain text: the control
+ * tokens and tag names (<|open|>NAME ...<|sep|>, <|close|>NAME<|sep|>) are
+ * not printed; a think block is shown between [think] and [/think]. */
+typedef struct {
+    int32_t open, close, sep;
+    int in_tag, closing;
+    char tag[64];
+} chat_state;
+
+static void chat_render(chat_state *c, int32_t id, const char *piece, size_t len) {
+    if (id == c->open || id == c->close) {
+        c->in_tag = 1;
+        c->closing = id == c->close;
+        c->tag[0] = 0;
+        return;
+    }
+    if (id == c->sep) {
+        if (c->in_tag && !strncmp(c->tag, "think", 5)) fputs(c->closing ? " [/think]\n" : "[think] ", stdout);
+        c->in_tag = 0;
+        return;
+    }
+    if (!piece) return;
+    if (c->in_tag) {
+        const size_t have = strlen(c->tag);
+        if (have + len < sizeof c->tag) {
+            memcpy(c->tag + have, piece, len);
+            c->tag[have + len] = 0;
+        }
+        return;
+    }
+    fwrite(piece, 1, len, stdout);
+}
+
 static int default_threads(void) {
     long n = sysconf(_SC_NPROCESSORS_ONLN);
     return n < 1 ? 1 : n > 64 ? 64 : (int)n;
@@ -214,6 +247,8 @@ int k3_cmd_run(int argc, char **argv) {
     }
 
     const int32_t eom = tok ? k3_tokenizer_special(tok, "<|end_of_msg|>") : -1;
+    chat_state cr = {tok ? k3_tokenizer_special(tok, "<|open|>") : -1, tok ? k3_tokenizer_special(tok, "<|close|>") : -1,
+                     tok ? k3_tokenizer_special(tok, "<|sep|>") : -1, 0, 0, ""};
     const int32_t eos = tok ? k3_tokenizer_special(tok, "[EOS]") : -1;
     int n_done = 0;
     double t1 = now_s();
@@ -231,7 +266,8 @@ int k3_cmd_run(int argc, char **argv) {
         k3_sampler_accept(smp, id);
         size_t len;
         const char *piece = k3_tokenizer_token(tok, id, &len);
-        if (piece && !k3_tokenizer_is_special(tok, id)) fwrite(piece, 1, len, stdout);
+        if (chat) chat_render(&cr, id, piece, len);
+        else if (piece && !k3_tokenizer_is_special(tok, id)) fwrite(piece, 1, len, stdout);
         fflush(stdout);
         b = (k3_batch_seq){0, 1, &id};
         if (n_done + 1 < n_gen && k3_ctx_forward(ctx, &b, 1, K3_LOGITS_LAST, logits, &err)) goto out;
