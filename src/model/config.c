@@ -19,6 +19,7 @@
  */
 #include "config.h"
 #include "../common/error.h"
+#include "../common/json_guard.h"
 
 #include <errno.h>
 #include <jansson.h>
@@ -102,25 +103,6 @@ static bool in_list(const char *key, const char *const *list, size_t n) {
 
 /* ---- hostile-input guard ------------------------------------------------ */
 
-/* True when the JSON text nests deeper than max (strings are skipped). */
-static bool json_too_deep(const char *s, size_t len, int max) {
-    int depth = 0;
-    bool in_str = false;
-    for (size_t i = 0; i < len; i++) {
-        char c = s[i];
-        if (in_str) {
-            if (c == '\\') i++;
-            else if (c == '"') in_str = false;
-        } else if (c == '"') {
-            in_str = true;
-        } else if (c == '{' || c == '[') {
-            if (++depth > max) return true;
-        } else if (c == '}' || c == ']') {
-            depth--;
-        }
-    }
-    return false;
-}
 
 /* ---- typed getters ------------------------------------------------------ */
 
@@ -649,7 +631,7 @@ k3_status k3_config_parse(k3_config *cfg, const char *json, size_t len, const ch
     if (!src) src = "config.json";
     if (len > CONFIG_MAX_BYTES)
         return k3_err(err, K3_ERR_FORMAT, "%s: %zu bytes is over the 1 MB limit", src, len);
-    if (json_too_deep(json, len, CONFIG_MAX_DEPTH))
+    if (k3_json_too_deep(json, len, CONFIG_MAX_DEPTH))
         return k3_err(err, K3_ERR_FORMAT, "%s: JSON nests deeper than %d levels", src,
                       CONFIG_MAX_DEPTH);
     json_error_t je;

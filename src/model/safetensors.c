@@ -12,6 +12,7 @@
  */
 #include "safetensors.h"
 #include "../common/error.h"
+#include "../common/json_guard.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -116,25 +117,6 @@ static const char *file_name(const k3_st *st, int32_t file) {
 
 /* ---- parsing one file --------------------------------------------------- */
 
-/* True when the JSON text nests deeper than max (strings are skipped). */
-static bool json_too_deep(const char *s, size_t len, int max) {
-    int depth = 0;
-    bool in_str = false;
-    for (size_t i = 0; i < len; i++) {
-        char c = s[i];
-        if (in_str) {
-            if (c == '\\') i++;
-            else if (c == '"') in_str = false;
-        } else if (c == '"') {
-            in_str = true;
-        } else if (c == '{' || c == '[') {
-            if (++depth > max) return true;
-        } else if (c == '}' || c == ']') {
-            depth--;
-        }
-    }
-    return false;
-}
 
 /* A non-negative JSON integer. */
 static bool get_u64(json_t *v, uint64_t *out) {
@@ -240,7 +222,7 @@ k3_status k3_st_parse(k3_st *st, const uint8_t *buf, size_t size, int32_t file,
         return k3_err(err, K3_ERR_FORMAT, "%s: header length %llu is over the 100 MB limit",
                       path, (unsigned long long)hlen);
     const char *text = (const char *)buf + 8;
-    if (json_too_deep(text, (size_t)hlen, ST_MAX_DEPTH))
+    if (k3_json_too_deep(text, (size_t)hlen, ST_MAX_DEPTH))
         return k3_err(err, K3_ERR_FORMAT, "%s: header JSON nests too deep", path);
     json_error_t je;
     json_t *root = json_loadb(text, (size_t)hlen, JSON_REJECT_DUPLICATES, &je);
@@ -448,7 +430,7 @@ static k3_status open_index(k3_st *st, const char *dir, const char *ipath, k3_er
     if (s != K3_OK) return s;
     json_error_t je;
     json_t *root = NULL;
-    if (json_too_deep(text, len, ST_MAX_DEPTH))
+    if (k3_json_too_deep(text, len, ST_MAX_DEPTH))
         s = k3_err(err, K3_ERR_FORMAT, "%s: JSON nests too deep", ipath);
     else if (!(root = json_loadb(text, len, JSON_REJECT_DUPLICATES, &je)))
         s = k3_err(err, K3_ERR_FORMAT, "%s: invalid JSON at line %d: %s", ipath, je.line,
