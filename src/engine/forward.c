@@ -87,10 +87,12 @@ static void attn_res_mix(k3_ctx *ctx, float *out, const float *P, const float *w
 
 /* ---- KDA layer ---------------------------------------------------------- */
 
+/* The context of a pool job over one layer's rows or (row, part) items. */
 typedef struct {
     k3_ctx *ctx;
     const k3_layer *L;
     int layer;
+    int parts;          /* split jobs: parts per row */
 } layer_job;
 
 /* conv + SiLU for q, k, v of each span: items = spans * 3 */
@@ -190,7 +192,7 @@ static void kda_layer(k3_ctx *ctx, const k3_layer *L, int layer, const float *xn
     const k3_config *c = ctx->c;
     const int64_t T = ctx->T;
     k3_scratch *s = &ctx->s;
-    layer_job j = {ctx, L, layer};
+    layer_job j = {ctx, L, layer, 1};
 
     k3_matmul(ctx->pool, &L->q_proj, xn, T, s->kq);
     k3_matmul(ctx->pool, &L->k_proj, xn, T, s->kk);
@@ -267,13 +269,8 @@ static void dsa_select_rows(void *p, int64_t lo, int64_t hi, int ith) {
 
 /* Few rows (decode, T < threads): the scores of row t are split over
  * `parts` items, written to the buffers of index t; then one top-k per row. */
-typedef struct {
-    k3_ctx *ctx;
-    int layer, parts;
-} dsa_split_job;
-
 static void dsa_score_parts(void *p, int64_t lo, int64_t hi, int ith) {
-    const dsa_split_job *j = p;
+    const layer_job *j = p;
     for (int64_t it = lo; it < hi; it++) {
         const int64_t t = it / j->parts;
         const int part = (int)(it % j->parts), n = row_len(j->ctx, t);
@@ -283,7 +280,7 @@ static void dsa_score_parts(void *p, int64_t lo, int64_t hi, int ith) {
 }
 
 static void dsa_pick_rows(void *p, int64_t lo, int64_t hi, int ith) {
-    const dsa_split_job *j = p;
+    const layer_job *j = p;
     for (int64_t t = lo; t < hi; t++)
         dsa_pick(j->ctx, t, row_len(j->ctx, t), j->ctx->s.tslots[t], j->ctx->s.tscore[t], ith);
 }
@@ -291,7 +288,7 @@ static void dsa_pick_rows(void *p, int64_t lo, int64_t hi, int ith) {
 static void dsa_select(k3_ctx *ctx, const k3_layer *L, int layer) {
     const int64_t T = ctx->T;
     if (T >= ctx->nth) {
-        layer_job j = {ctx, L, layer};
+        layer_job j = {ctx, L, layer, 1};
         k3_pool_for(ctx->pool, T, 1, dsa_select_rows, &j);
         return;
     }
@@ -299,7 +296,7 @@ static void dsa_select(k3_ctx *ctx, const k3_layer *L, int layer) {
     for (int64_t t = 0; t < T; t++) longest = row_len(ctx, t) > longest ? row_len(ctx, t) : longest;
     int parts = (int)(2 * ctx->nth / T);
     if (parts > longest / 1024) parts = longest / 1024;
-    dsa_split_job j = {ctx, layer, parts < 1 ? 1 : parts};
+    layer_job j = {ctx, L, layer, parts < 1 ? 1 : parts};
     k3_pool_for(ctx->pool, T * j.parts, 1, dsa_score_parts, &j);
     k3_pool_for(ctx->pool, T, 1, dsa_pick_rows, &j);
 }
@@ -307,15 +304,8 @@ static void dsa_select(k3_ctx *ctx, const k3_layer *L, int layer) {
 /* Attention for (row, part) items: each part is a contiguous share of the
  * row's slots; with one part the result goes straight to ĉ, with several to
  * the partials that mla_merge_rows combines by log-sum-exp. */
-typedef struct {
-    k3_ctx *ctx;
-    const k3_layer *L;
-    int layer;
-    int parts;
-} attend_job;
-
 static void mla_attend_items(void *p, int64_t lo, int64_t hi, int ith) {
-    const attend_job *j = p;
+    const layer_job *j = p;
     k3_ctx *ctx = j->ctx;
     const k3_config *c = ctx->c;
     const int H = c->n_heads, nope = c->qk_nope_dim, rope = c->qk_rope_dim, kvl = c->kv_lora_rank;
@@ -374,7 +364,7 @@ static void mla_attend_items(void *p, int64_t lo, int64_t hi, int ith) {
 }
 
 static void mla_merge_rows(void *p, int64_t lo, int64_t hi, int ith) {
-    const attend_job *j = p;
+    const layer_job *j = p;
     k3_ctx *ctx = j->ctx;
     const int H = ctx->c->n_heads, kvl = ctx->c->kv_lora_rank;
     const int64_t T = ctx->T;
@@ -511,7 +501,7 @@ static void mla_layer(k3_ctx *ctx, const k3_layer *L, int layer, const float *xn
 
     /* Few rows (decode): split each row's slots across the threads and merge
      * the parts by log-sum-exp, as decode context parallelism does. */
-    attend_job aj = {ctx, L, layer, 1};
+    layer_job aj = {ctx, L, layer, 1};
     if (T < ctx->nth) {
         int64_t longest = 0;
         for (int32_t i = 0; i < ctx->n_spans; i++) {

@@ -6,6 +6,7 @@
 #include <immintrin.h>
 
 #include "quant.h"
+#include "quant_simd.h"
 
 static inline int32_t hsum_epi32(__m256i v) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -14,12 +15,6 @@ static inline int32_t hsum_epi32(__m256i v) {
     return _mm_cvtsi128_si32(s);
 }
 
-static inline float hsum_ps(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-    return _mm_cvtss_f32(s);
-}
 
 static inline __m256i dot32(__m256i a, __m256i b) {
     const __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a));
@@ -38,21 +33,12 @@ int32_t k3_dot_i8_avx2(const int8_t *a, const int8_t *b, int64_t n) {
 }
 
 float k3_dot_mxfp4_i8_avx2(const uint8_t *packed, const uint8_t *scale, const int8_t *x, int64_t cols) {
-    const __m128i lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
-    const __m128i m4 = _mm_set1_epi8(0x0f);
     __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0; b < cols / 32; b++) {
-        const __m128i bytes = _mm_loadu_si128((const __m128i *)(packed + 16 * b));
-        const __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(bytes, m4));
-        const __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(bytes, 4), m4));
-        /* column order: byte j holds columns 2j (low) and 2j+1 (high) */
-        const __m256i w = _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
+        const __m256i w = k3_mxfp4_block_i8(packed + 16 * b);
         const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + 32 * b));
         const __m256 d = _mm256_cvtepi32_ps(dot32(xv, w));
-        /* doubled E2M1 values: scale 2^(e-127) / 2 */
-        union { uint32_t u; float f; } sc;
-        sc.u = scale[b] >= 2 ? (uint32_t)(scale[b] - 1) << 23 : scale[b] ? 0x00400000u : 0x00200000u;
-        acc = _mm256_fmadd_ps(d, _mm256_set1_ps(sc.f), acc);
+        acc = _mm256_fmadd_ps(d, _mm256_set1_ps(k3_mxfp4_half_scale(scale[b])), acc);
     }
-    return hsum_ps(acc);
+    return k3_hsum256_ps(acc);
 }

@@ -7,6 +7,7 @@
 #include <immintrin.h>
 
 #include "quant.h"
+#include "quant_simd.h"
 
 static inline __m512i dot64(__m512i acc, __m512i a, __m512i b) {
     const __mmask64 neg = _mm512_movepi8_mask(a);
@@ -28,24 +29,14 @@ int32_t k3_dot_i8_avx512(const int8_t *a, const int8_t *b, int64_t n) {
 }
 
 float k3_dot_mxfp4_i8_avx512(const uint8_t *packed, const uint8_t *scale, const int8_t *x, int64_t cols) {
-    const __m128i lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
-    const __m128i m4 = _mm_set1_epi8(0x0f);
     __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0; b < cols / 32; b++) {
-        const __m128i bytes = _mm_loadu_si128((const __m128i *)(packed + 16 * b));
-        const __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(bytes, m4));
-        const __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(bytes, 4), m4));
-        const __m256i w = _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
+        const __m256i w = k3_mxfp4_block_i8(packed + 16 * b);
         const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + 32 * b));
         const __mmask32 neg = _mm256_movepi8_mask(xv);
         const __m256i sw = _mm256_mask_sub_epi8(w, neg, _mm256_setzero_si256(), w);
         const __m256i d = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_abs_epi8(xv), sw);
-        union { uint32_t u; float f; } sc;
-        sc.u = scale[b] >= 2 ? (uint32_t)(scale[b] - 1) << 23 : scale[b] ? 0x00400000u : 0x00200000u;
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(sc.f), acc);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(k3_mxfp4_half_scale(scale[b])), acc);
     }
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-    return _mm_cvtss_f32(s);
+    return k3_hsum256_ps(acc);
 }
