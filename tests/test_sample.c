@@ -77,3 +77,31 @@ K3_TEST(sample_bad_options) {
     CHECK(k3_sampler_init(&s, &o, 10, &err) == K3_ERR_ARG);
     CHECK(s == NULL);
 }
+
+K3_TEST(sample_top_k_keeps_exactly_the_best) {
+    /* top-k keeps the k highest logits, ties to the lower id, over a large
+     * vocabulary (the heap path): draws at a high temperature hit all of
+     * them and nothing else */
+    enum { V = 5000, K = 5 };
+    static float lg[V], l[V];
+    for (int i = 0; i < V; i++) lg[i] = (float)((i * 7919) % 997) / 100.0f;
+    /* the best value 9.96 occurs at ids i with (i*7919)%997 == 996: collect the 5 lowest */
+    int want[K], nw = 0;
+    for (int v = 996; v >= 0 && nw < K; v--)
+        for (int i = 0; i < V && nw < K; i++)
+            if ((i * 7919) % 997 == v) want[nw++] = i;
+    k3_sampler *s = mk(100.0f, K, 1.0f, 0.0f, 1.0f, 3, V);
+    REQUIRE(s);
+    int hit[K] = {0};
+    for (int r = 0; r < 2000; r++) {
+        memcpy(l, lg, sizeof l);
+        const int id = k3_sampler_sample(s, l);
+        int found = -1;
+        for (int q = 0; q < K; q++)
+            if (want[q] == id) found = q;
+        CHECKF(found >= 0, "drew id %d outside the top %d", id, K);
+        if (found >= 0) hit[found]++;
+    }
+    for (int q = 0; q < K; q++) CHECK(hit[q] > 0);
+    k3_sampler_free(s);
+}

@@ -103,9 +103,38 @@ int32_t k3_sampler_sample(k3_sampler *s, float *logits) {
         return best;
     }
     int32_t n = V;
-    for (int32_t i = 0; i < V; i++) s->c[i] = (cand){logits[i], i};
-    qsort(s->c, (size_t)V, sizeof(cand), cand_desc);
-    if (s->o.top_k > 0 && s->o.top_k < n) n = s->o.top_k;
+    if (s->o.top_k > 0 && s->o.top_k < V) {
+        /* keep the top_k best in a min-heap (root = the worst kept), then
+         * sort only those: O(V log k) instead of sorting the vocabulary */
+        n = s->o.top_k;
+        for (int32_t i = 0; i < V; i++) {
+            const cand x = {logits[i], i};
+            int32_t at;
+            if (i < n) {
+                at = i; /* sift up */
+                while (at > 0 && cand_desc(&x, &s->c[(at - 1) / 2]) > 0) {
+                    s->c[at] = s->c[(at - 1) / 2];
+                    at = (at - 1) / 2;
+                }
+            } else {
+                if (cand_desc(&x, &s->c[0]) >= 0) continue; /* not better than the worst kept */
+                at = 0; /* sift down from the root */
+                for (;;) {
+                    int32_t ch = 2 * at + 1;
+                    if (ch >= n) break;
+                    if (ch + 1 < n && cand_desc(&s->c[ch + 1], &s->c[ch]) > 0) ch++;
+                    if (cand_desc(&s->c[ch], &x) <= 0) break;
+                    s->c[at] = s->c[ch];
+                    at = ch;
+                }
+            }
+            s->c[at] = x;
+        }
+        qsort(s->c, (size_t)n, sizeof(cand), cand_desc);
+    } else {
+        for (int32_t i = 0; i < V; i++) s->c[i] = (cand){logits[i], i};
+        qsort(s->c, (size_t)V, sizeof(cand), cand_desc);
+    }
     const float inv_t = 1.0f / s->o.temperature;
     const float mx = s->c[0].logit * inv_t;
     double sum = 0.0;
