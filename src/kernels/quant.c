@@ -6,6 +6,7 @@
 #include "quant.h"
 
 #include <math.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -144,10 +145,44 @@ float k3_dot_mxfp4_i8_avx512(const uint8_t *packed, const uint8_t *scale, const 
 
 /* ---- the driver ------------------------------------------------------------- */
 
-/* Per-thread scratch, grown on first use (no allocation in steady state). */
-static _Thread_local int8_t *tl_xq;
-static _Thread_local float *tl_xf;
-static _Thread_local size_t tl_cap;
+/* Per-thread scratch for the quantized activations, grown on first use (no
+ * allocation in steady state) and freed when its thread exits. */
+typedef struct {
+    int8_t *xq;
+    float *xf;
+    size_t cap;
+} qscratch;
+
+static pthread_key_t scratch_key;
+static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
+
+static void scratch_free(void *p) {
+    qscratch *q = p;
+    free(q->xq);
+    free(q->xf);
+    free(q);
+}
+
+static void scratch_make_key(void) { K3_ASSERT(pthread_key_create(&scratch_key, scratch_free) == 0); }
+
+static qscratch *scratch_get(size_t need, int64_t n) {
+    pthread_once(&scratch_once, scratch_make_key);
+    qscratch *q = pthread_getspecific(scratch_key);
+    if (!q) {
+        q = calloc(1, sizeof *q);
+        K3_ASSERT(q && pthread_setspecific(scratch_key, q) == 0);
+    }
+    if (need > q->cap) {
+        int8_t *xq = realloc(q->xq, need);
+        K3_ASSERT(xq);
+        q->xq = xq;
+        float *xf = realloc(q->xf, need * sizeof(float) + (size_t)n * sizeof(float));
+        K3_ASSERT(xf);
+        q->xf = xf;
+        q->cap = need;
+    }
+    return q;
+}
 
 typedef struct {
     const k3_mat *w;
@@ -202,18 +237,14 @@ static void q_rows(void *p, int64_t lo, int64_t hi, int ith) {
 
 void k3_matmul_q(k3_pool *pool, const k3_mat *w, const float *x, int64_t n, float *y) {
     const int64_t cols = w->cols;
-    const size_t need = (size_t)(n * cols);
-    if (need > tl_cap) {
-        int8_t *q = realloc(tl_xq, need);
-        float *f = realloc(tl_xf, need * sizeof(float) + n * sizeof(float));
-        K3_ASSERT(q && f);
-        tl_xq = q;
-        tl_xf = f;
-        tl_cap = need;
-    }
-    float *xs = tl_xf + need; /* after the MXFP8 rows */
+    /* room for n rows, and n scales after them, whatever n was before */
+    const size_t need = (size_t)(n * cols) + (size_t)n;
+    qscratch *q = scratch_get(need, n);
+    int8_t *tl_xq = q->xq;
+    float *tl_xf = q->xf;
+    float *xs = tl_xf + (size_t)(n * cols); /* after the MXFP8 rows */
     if (w->type == K3_W_MXFP8) {
-        memcpy(tl_xf, x, need * sizeof(float));
+        memcpy(tl_xf, x, (size_t)(n * cols) * sizeof(float));
         for (int64_t i = 0; i < n; i++) k3_quant_act_mxfp8(tl_xf + i * cols, cols);
     } else {
         for (int64_t i = 0; i < n; i++) xs[i] = k3_quant_act_i8(x + i * cols, cols, tl_xq + i * cols);
