@@ -92,3 +92,8 @@ clean:
 	rm -rf $(BUILD) build-asan build-ubsan
 
 -include $(OBJ:.o=.d) $(CLI_OBJ:.o=.d) $(TEST_OBJ:.o=.d)
+
+# Developer tool: the matvec kernels alone against the read bandwidth.
+$(BUILD)/kbench: bench/kbench.c $(BUILD)/libk3.a
+	$(CC) $(K3_CFLAGS) $(PC_CFLAGS) $(CFLAGS) -o $@ $< $(BUILD)/libk3.a $(PC_LIBS) $(LDLIBS)
+kbench: $(BUILD)/kbench

@@ -22,9 +22,10 @@ int k3_cmd_bench(int argc, char **argv);
 #define K3_DEFAULT_QUANT "w8a8+w4a8"
 #define K3_DEFAULT_KV "c8"
 
-/* Opens a model and applies a --quant mode ("none", "w8a8", "w4a8",
- * "w8a8+w4a8", ...). */
-k3_status k3_cli_open_model(k3_model **m, const char *dir, const char *quant, k3_error *err);
+/* Opens a model, applies a --quant mode ("none", "w8a8", "w4a8",
+ * "w8a8+w4a8", ...) and, unless keep_mapped (--mmap), copies the streamed
+ * weights into RAM when they take at most half of it (k3_model_load_resident). */
+k3_status k3_cli_open_model(k3_model **m, const char *dir, const char *quant, bool keep_mapped, k3_error *err);
 /* Parses a --kv-cache value ("f32" or "c8"); 0 on success. */
 int k3_cli_parse_kv(const char *s, k3_kv_type *out);
 

@@ -69,9 +69,10 @@ static int usage_bench(void) {
     fprintf(stderr,
             "usage: k3 bench [-m DIR] [options]\n"
             "  --threads N          worker threads (default: all cores)\n"
-            "  --runs N             runs per figure (default 5; medians with min and max)\n"
+            "  --runs N             runs per figure, 1-64 (default 5; medians with min and max)\n"
             "  --kv-cache f32|c8    cache format\n"
             "  --quant MODE         none | w8a8 | w8a8-mxfp8 | w4a8 | w8a8+w4a8\n"
+            "  --mmap               keep the weights in the file mapping (default: in RAM)\n"
             "  --prompts 128,512,2048  prefill lengths\n"
             "  --decode-tokens N    decode steps per run (default 16)\n"
             "  --membw-mb N         bandwidth buffer size (default 1024)\n"
@@ -89,6 +90,9 @@ typedef struct {
     int runs;
     int decode_tokens;
     k3_kv_type kv;
+    size_t bw_bytes;
+    double *bw_runs;   /* when set, run_decode measures the bandwidth before each run */
+    double *dec_runs;  /* and keeps each run's tok/s (in run order) */
 } bench;
 
 /* Decode tokens/s of a batch of `batch` sequences at context `pos` (filled
@@ -133,6 +137,9 @@ static int run_decode(bench *b, int batch, int64_t pos, bool synth, bool dense, 
             k3_ctx_profile_take(ctx, &junk);
             k3_ctx_profile_enable(ctx, true);
         }
+        /* the machine's bandwidth drifts (other tenants): measure it next to
+         * each run, so each run's fraction compares like with like */
+        if (b->bw_runs) b->bw_runs[r] = k3_membw_read_gbps(b->pool, b->bw_bytes, 3);
         const double t0 = now_s();
         for (int step = 0; step < b->decode_tokens && !rc; step++) {
             for (int s = 0; s < batch; s++) bs[s] = (k3_batch_seq){s, 1, &next[s]};
@@ -140,6 +147,7 @@ static int run_decode(bench *b, int batch, int64_t pos, bool synth, bool dense, 
             for (int s = 0; s < batch; s++) next[s] = (int32_t)((next[s] + 17 * step + 1) % V);
         }
         rates[r] = (double)batch * b->decode_tokens / (now_s() - t0);
+        if (b->dec_runs) b->dec_runs[r] = rates[r];
         if (prof && r == b->runs - 1) k3_ctx_profile_take(ctx, prof);
     }
     if (!rc) *out = stats(rates, b->runs);
@@ -207,6 +215,7 @@ static void print_profile(const char *what, const k3_profile *p, bool json) {
 
 int k3_cmd_bench(int argc, char **argv) {
     const char *dir = K3_DEFAULT_MODEL, *quant = K3_DEFAULT_QUANT;
+    bool keep_mapped = false;
     long n = sysconf(_SC_NPROCESSORS_ONLN);
     int threads = n < 1 ? 1 : n > 64 ? 64 : (int)n, runs = 5, json = 0, profile = 0, longctx = 0, dtok = 16;
     long membw_mb = 1024;
@@ -231,17 +240,19 @@ int k3_cmd_bench(int argc, char **argv) {
                 fprintf(stderr, "k3 bench: --kv-cache must be f32 or c8, not '%s'\n", argv[i]);
                 return 2;
             }
-        } else if (!strcmp(a, "--quant") && has) quant = argv[++i]; else if (!strcmp(a, "--json")) json = 1;
+        } else if (!strcmp(a, "--quant") && has) quant = argv[++i];
+        else if (!strcmp(a, "--json")) json = 1;
+        else if (!strcmp(a, "--mmap")) keep_mapped = true;
         else if (!strcmp(a, "--profile")) profile = 1;
         else if (!strcmp(a, "--long-context")) longctx = 1;
         else return usage_bench();
     }
-    if (threads < 1 || runs < 1 || dtok < 1 || membw_mb < 1) return usage_bench();
+    if (threads < 1 || runs < 1 || runs > 64 || dtok < 1 || membw_mb < 1) return usage_bench();
 
     k3_error err = {0};
     bench b = {.runs = runs, .decode_tokens = dtok, .kv = kv};
     int rc = 1;
-    if (k3_cli_open_model(&b.m, dir, quant, &err) || k3_pool_init(&b.pool, threads, &err)) goto fail;
+    if (k3_cli_open_model(&b.m, dir, quant, keep_mapped, &err) || k3_pool_init(&b.pool, threads, &err)) goto fail;
     k3_model_get_info(b.m, &b.info);
 
     fprintf(stderr, "k3 bench: %s, %d threads, %d runs, quant %s, kv %s\n", dir, threads, runs, quant,
@@ -259,11 +270,20 @@ int k3_cmd_bench(int argc, char **argv) {
         if (run_prefill(&b, prompts[i], &pre[i], profile && prompts[i] == 512 ? &prof_pre : NULL, &err)) goto fail;
     }
     fprintf(stderr, "  decode, batch 1 and 8...\n");
+    double bw_runs[64], frac_runs[64], dec_runs[64];
+    b.bw_bytes = (size_t)membw_mb << 20;
+    b.bw_runs = bw_runs;
+    b.dec_runs = dec_runs;
     if (run_decode(&b, 1, 16, false, false, &dec1, profile ? &prof_dec : NULL, &err)) goto fail;
+    b.bw_runs = NULL;
+    b.dec_runs = NULL;
     if (run_decode(&b, 8, 16, false, false, &dec8, NULL, &err)) goto fail;
 
     const double bpt = (double)b.info.bytes_per_token;
     const double eff = bpt * dec1.med / 1e9;
+    /* the fraction: median over runs of (run's GB/s) / (bandwidth just before it) */
+    for (int r = 0; r < runs; r++) frac_runs[r] = bpt * dec_runs[r] / 1e9 / bw_runs[r];
+    const stat3 frac = stats(frac_runs, runs), bwr = stats(bw_runs, runs);
     int i512 = -1;
     for (int i = 0; i < n_prompts; i++)
         if (prompts[i] == 512) i512 = i;
@@ -298,8 +318,10 @@ int k3_cmd_bench(int argc, char **argv) {
                dec1.max);
         printf("\"decode_batch8_tok_s\": %.2f, \"decode_batch8_tok_s_min\": %.2f, \"decode_batch8_tok_s_max\": %.2f, ",
                dec8.med, dec8.min, dec8.max);
-        printf("\"bytes_per_token\": %lld, \"effective_gbps\": %.2f, \"bandwidth_fraction\": %.3f, ",
-               (long long)b.info.bytes_per_token, eff, eff / membw);
+        printf("\"bytes_per_token\": %lld, \"effective_gbps\": %.2f, \"bandwidth_fraction\": %.3f, "
+               "\"bandwidth_fraction_min\": %.3f, \"bandwidth_fraction_max\": %.3f, "
+               "\"decode_mem_bw_gbps\": %.2f, \"decode_mem_bw_gbps_min\": %.2f, \"decode_mem_bw_gbps_max\": %.2f, ",
+               (long long)b.info.bytes_per_token, eff, frac.med, frac.min, frac.max, bwr.med, bwr.min, bwr.max);
         printf("\"params\": %lld, \"params_active\": %lld", (long long)b.info.n_params,
                (long long)b.info.n_params_active);
         if (longctx) {
@@ -326,7 +348,9 @@ int k3_cmd_bench(int argc, char **argv) {
                    2.0 * (double)b.info.n_params_active * pre[i].med / 1e9);
         printf("decode b=1   tok/s %10.2f %10.2f %10.2f\n", dec1.med, dec1.min, dec1.max);
         printf("decode b=8   tok/s %10.2f %10.2f %10.2f\n", dec8.med, dec8.min, dec8.max);
-        printf("decode b=1 effective %.2f GB/s = %.1f%% of the measured %.2f GB/s\n", eff, 100.0 * eff / membw, membw);
+        printf("decode b=1 effective %.2f GB/s; of the bandwidth measured before each run (median %.2f, "
+               "%.2f-%.2f GB/s): %.1f%% (%.1f-%.1f%%)\n",
+               eff, bwr.med, bwr.min, bwr.max, 100.0 * frac.med, 100.0 * frac.min, 100.0 * frac.max);
         if (longctx) {
             printf("\n%-10s %14s %14s %8s\n", "context", "DSA ms/token", "dense ms/token", "dense/DSA");
             for (int i = 0; i < n_contexts; i++)

@@ -26,6 +26,7 @@ static int usage_eval(void) {
             "  --stride N      tokens a window advances (default ctx/2)\n"
             "  --max-tokens N  score only the first N tokens of the file\n"
             "  --quant MODE    none | w8a8 | w8a8-mxfp8 | w4a8 | w8a8+w4a8\n"
+            "  --mmap          keep the weights in the file mapping\n"
             "  --kv-cache f32|c8\n"
             "  --compare-fp32  also report top-1 agreement with the unquantized f32 run\n");
     return 2;
@@ -78,6 +79,7 @@ static int64_t argmax(const float *x, int64_t n) {
 
 int k3_cmd_eval(int argc, char **argv) {
     const char *dir = K3_DEFAULT_MODEL, *text_path = NULL, *quant = K3_DEFAULT_QUANT;
+    bool keep_mapped = false;
     k3_kv_type kv = K3_KV_F32;
     k3_cli_parse_kv(K3_DEFAULT_KV, &kv);
     long ctx_len = 512, stride = 0, max_tok = 0;
@@ -93,6 +95,7 @@ int k3_cmd_eval(int argc, char **argv) {
         else if (!strcmp(argv[i], "--threads") && has) threads = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--max-tokens") && has) max_tok = atol(argv[++i]);
         else if (!strcmp(argv[i], "--quant") && has) quant = argv[++i];
+        else if (!strcmp(argv[i], "--mmap")) keep_mapped = true;
         else if (!strcmp(argv[i], "--compare-fp32")) compare = 1;
         else if (!strcmp(argv[i], "--kv-cache") && has) {
             if (k3_cli_parse_kv(argv[++i], &kv)) return usage_eval();
@@ -123,7 +126,7 @@ int k3_cmd_eval(int argc, char **argv) {
         fprintf(stderr, "k3 eval: %s\n", why);
         return 1;
     }
-    if (k3_cli_open_model(&m, dir, quant, &err) || k3_tokenizer_open(&tok, dir, &err) ||
+    if (k3_cli_open_model(&m, dir, quant, keep_mapped, &err) || k3_tokenizer_open(&tok, dir, &err) ||
         k3_tokenizer_encode(tok, text, n_bytes, &ids, &n_ids, &err))
         goto fail;
     if (max_tok && (size_t)max_tok < n_ids) {

@@ -46,6 +46,8 @@ static int usage_run(void) {
             "  --dump-logits FILE  write the logits of every prompt position (float32)\n"
             "  --ctx N             context size in tokens (default: prompt + n)\n"
             "  --quant MODE        none | w8a8 | w8a8-mxfp8 | w4a8 | w8a8+w4a8 (default %s)\n"
+            "  --mmap              read weights from the file mapping (default: copy them\n"
+            "                      into RAM when they take at most half of it)\n"
             "  --kv-cache f32|c8   cache format (default %s)\n",
             K3_DEFAULT_MODEL, K3_DEFAULT_QUANT, K3_DEFAULT_KV);
     return 2;
@@ -124,6 +126,7 @@ static int default_threads(void) {
 int k3_cmd_run(int argc, char **argv) {
     const char *dir = K3_DEFAULT_MODEL, *prompt = NULL, *ids_arg = NULL, *dump = NULL;
     const char *quant = K3_DEFAULT_QUANT;
+    bool keep_mapped = false;
     k3_kv_type kv = K3_KV_F32;
     k3_cli_parse_kv(K3_DEFAULT_KV, &kv);
     int n_gen = 128, threads = default_threads(), chat = 0, think = 0;
@@ -147,6 +150,7 @@ int k3_cmd_run(int argc, char **argv) {
         else if (ARG("--dump-logits")) dump = argv[++i];
         else if (ARG("--ctx")) ctx_arg = atol(argv[++i]);
         else if (ARG("--quant")) quant = argv[++i];
+        else if (!strcmp(argv[i], "--mmap")) keep_mapped = true;
         else if (ARG("--kv-cache")) {
             if (k3_cli_parse_kv(argv[++i], &kv)) {
                 fprintf(stderr, "k3 run: --kv-cache must be f32 or c8, not '%s'\n", argv[i]);
@@ -186,7 +190,7 @@ int k3_cmd_run(int argc, char **argv) {
     size_t n_ids = 0;
     int rc = 1;
 
-    if (k3_cli_open_model(&m, dir, quant, &err)) goto out;
+    if (k3_cli_open_model(&m, dir, quant, keep_mapped, &err)) goto out;
     k3_model_info info;
     k3_model_get_info(m, &info);
     /* The tokenizer is needed for text in or out; --ids -n 0 runs without. */

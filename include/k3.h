@@ -100,6 +100,15 @@ k3_status k3_quant_parse(const char *s, k3_quant_options *out, k3_error *err);
 /* Converts the model's weights; call once, right after k3_model_open. */
 k3_status k3_model_quantize(k3_model *m, const k3_quant_options *opt, k3_error *err);
 
+/* Copies the weights the forward pass streams (all but the embedding table,
+ * which is read a row per token) out of the file mapping into memory the
+ * model owns, in transparent huge pages where the kernel gives them: the
+ * same bytes, read without a page-table walk every 4 KB. Call after
+ * k3_model_quantize (what it converted is owned already). Costs their size
+ * in RAM: when that would exceed max_bytes (> 0), nothing is copied.
+ * *copied gets the bytes copied. */
+k3_status k3_model_load_resident(k3_model *m, int64_t max_bytes, int64_t *copied, k3_error *err);
+
 /* Writes a human-readable description (config, layer map, parameter and
  * cache sizes) into buf. Returns the length it wanted (snprintf rules). */
 size_t k3_model_describe(const k3_model *m, char *buf, size_t size);

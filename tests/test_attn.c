@@ -217,11 +217,50 @@ K3_TEST(router_weights_and_bias) {
     for (int r = 0; r < K; r++) CHECK(ids[r] >= 8 && ids[r] < 12);
 }
 
+static float glu1(k3_glu_kind kind, float g, float u) {
+    k3_glu_ref(&g, &u, 1, kind, 4.0f, 25.0f);
+    return g;
+}
+
 K3_TEST(situ_bounds_and_small_values) {
     for (int i = 0; i < 1000; i++) {
         const float g = 50 * frand(), u = 200 * frand();
-        CHECK(fabsf(k3_situ(g, u, 4.0f, 25.0f)) < 100.0f);
+        CHECK(fabsf(glu1(K3_GLU_SITU, g, u)) < 100.0f);
     }
     const float g = 0.01f, u = 0.02f;
-    CHECK(fabsf(k3_situ(g, u, 4.0f, 25.0f) - k3_swiglu(g, u)) < 1e-7f);
+    CHECK(fabsf(glu1(K3_GLU_SITU, g, u) - glu1(K3_GLU_SWIGLU, g, u)) < 1e-7f);
+}
+
+/* the SIMD activations == the scalar formulas within a few ulp, for every
+ * range the exp and tanh pieces switch over (tiny, 0.2, large, saturated) */
+K3_TEST(glu_simd_equals_ref) {
+    enum { N = 4103 };
+    float *g = malloc(sizeof(float) * N), *u = malloc(sizeof(float) * N), *a = malloc(sizeof(float) * N),
+          *b = malloc(sizeof(float) * N);
+    for (int i = 0; i < N; i++) {
+        const float scale = i % 5 == 0 ? 1e-3f : i % 5 == 1 ? 0.3f : i % 5 == 2 ? 5.0f : i % 5 == 3 ? 60.0f : 150.0f;
+        g[i] = scale * frand();
+        u[i] = scale * frand();
+    }
+    for (int kind = K3_GLU_SWIGLU; kind <= K3_GLU_SITU; kind++)
+        for (int b2 = 0; b2 < 2; b2++)
+            for (int isa = K3_ISA_AVX2; isa <= K3_ISA_AVX512; isa++) {
+                const float beta2 = b2 ? 25.0f : 0.0f;
+                memcpy(a, g, sizeof(float) * N);
+                memcpy(b, g, sizeof(float) * N);
+                k3_glu_ref(a, u, N, (k3_glu_kind)kind, 4.0f, beta2);
+                k3_kernels_force((k3_isa)isa);
+                k3_glu(b, u, N, (k3_glu_kind)kind, 4.0f, beta2);
+                double worst = 0;
+                for (int i = 0; i < N; i++) {
+                    const double e = fabs((double)a[i] - b[i]) / (fabs((double)a[i]) + 1e-25);
+                    worst = e > worst ? e : worst;
+                }
+                CHECKF(worst < 2e-6, "kind %d b2 %d isa %d: worst relative error %.3g", kind, b2, isa, worst);
+            }
+    k3_kernels_force(K3_ISA_AVX512);
+    free(g);
+    free(u);
+    free(a);
+    free(b);
 }

@@ -166,9 +166,9 @@ K3_TEST(kda_conv_state_equals_whole_run) {
     for (int i = 0; i < N * C; i++) x[i] = frand();
     memcpy(a, x, sizeof x);
     memcpy(b, x, sizeof x);
-    k3_kda_conv(a, C, N, C, K, w, s1);
-    k3_kda_conv(b, C, 4, C, K, w, s2);
-    k3_kda_conv(b + 4 * C, C, 6, C, K, w, s2);
+    k3_kda_conv(a, C, N, C, K, w, s1, C);
+    k3_kda_conv(b, C, 4, C, K, w, s2, C);
+    k3_kda_conv(b + 4 * C, C, 6, C, K, w, s2, C);
     CHECK(memcmp(a, b, sizeof a) == 0);
     CHECK(memcmp(s1, s2, sizeof s1) == 0);
     /* token 1, channel 2 by hand */

@@ -49,32 +49,54 @@ K3_TEST(pool_covers_every_index_once) {
     }
 }
 
-/* Ranges are contiguous, ordered by thread, and n <= grain stays inline. */
+/* Chunks tile [0, n) in order, each of at least grain items (the last may be
+ * short), handed to valid thread indices; n <= grain stays inline. */
 typedef struct {
-    int64_t lo[8], hi[8];
+    int64_t lo[64], hi[64];
+    int ith[64];
     _Atomic int calls;
 } range_job;
 
 static void range_fn(void *ctx, int64_t lo, int64_t hi, int ith) {
     range_job *j = ctx;
-    j->lo[ith] = lo;
-    j->hi[ith] = hi;
-    atomic_fetch_add(&j->calls, 1);
+    const int c = atomic_fetch_add(&j->calls, 1);
+    if (c < 64) {
+        j->lo[c] = lo;
+        j->hi[c] = hi;
+        j->ith[c] = ith;
+    }
+}
+
+static bool tiles(range_job *j, int64_t n, int64_t grain, int threads) {
+    const int calls = atomic_load(&j->calls);
+    if (calls < 1 || calls > 64) return false;
+    int64_t at = 0;
+    for (int k = 0; k < calls; k++) { /* find the chunk starting at `at` */
+        int f = -1;
+        for (int q = 0; q < calls; q++)
+            if (j->lo[q] == at) f = q;
+        if (f < 0 || j->ith[f] < 0 || j->ith[f] >= threads) return false;
+        if (j->hi[f] - j->lo[f] < grain && j->hi[f] != n) return false;
+        at = j->hi[f];
+    }
+    return at == n;
 }
 
 K3_TEST(pool_ranges_and_grain) {
     k3_pool *pool = NULL;
     REQUIRE(k3_pool_init(&pool, 3, NULL) == K3_OK);
     range_job j = {0};
-    k3_pool_for(pool, 10, 1, range_fn, &j);
-    CHECK(atomic_load(&j.calls) == 3);
-    CHECK(j.lo[0] == 0 && j.hi[2] == 10 && j.hi[0] == j.lo[1] && j.hi[1] == j.lo[2]);
+    k3_pool_for(pool, 10, 1, range_fn, &j); /* chunks of ceil(10 / 12) = 1 */
+    CHECK(atomic_load(&j.calls) == 10 && tiles(&j, 10, 1, 3));
     range_job k = {0};
     k3_pool_for(pool, 10, 10, range_fn, &k); /* n <= grain: one inline call */
-    CHECK(atomic_load(&k.calls) == 1 && k.lo[0] == 0 && k.hi[0] == 10);
+    CHECK(atomic_load(&k.calls) == 1 && k.lo[0] == 0 && k.hi[0] == 10 && k.ith[0] == 0);
     range_job m = {0};
-    k3_pool_for(pool, 10, 4, range_fn, &m); /* two ranges of >= grain */
-    CHECK(atomic_load(&m.calls) == 2 && m.hi[0] == m.lo[1] && m.hi[1] == 10);
+    k3_pool_for(pool, 10, 4, range_fn, &m); /* chunks of 4, 4, 2 */
+    CHECK(atomic_load(&m.calls) == 3 && tiles(&m, 10, 4, 3));
+    range_job l = {0};
+    k3_pool_for(pool, 1000, 1, range_fn, &l); /* ceil(1000 / 12) = 84 per chunk */
+    CHECK(atomic_load(&l.calls) == 12 && tiles(&l, 1000, 84, 3));
     k3_pool_free(pool);
 }
 

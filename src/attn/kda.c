@@ -203,11 +203,11 @@ void k3_kda_gate(float *z, int n, float A_log, const float *dt_bias, bool has_lb
     }
 }
 
-void k3_kda_conv(float *x, int64_t ldx, int n, int C, int K, const float *w, float *state) {
+void k3_kda_conv(float *x, int64_t ldx, int n, int C, int K, const float *w, float *state, int64_t lds) {
     /* Walk channels; for each, keep a small window of the last K-1 inputs. */
     for (int c = 0; c < C; c++) {
         float win[16]; /* K <= 16, checked at load */
-        for (int j = 0; j < K - 1; j++) win[j] = state[(int64_t)j * C + c];
+        for (int j = 0; j < K - 1; j++) win[j] = state[(int64_t)j * lds + c];
         const float *wc = w + (int64_t)c * K;
         for (int t = 0; t < n; t++) {
             float *xt = x + (int64_t)t * ldx + c;
@@ -218,6 +218,6 @@ void k3_kda_conv(float *x, int64_t ldx, int n, int C, int K, const float *w, flo
             if (K > 1) win[K - 2] = in;
             *xt = s / (1.0f + expf(-s)); /* SiLU */
         }
-        for (int j = 0; j < K - 1; j++) state[(int64_t)j * C + c] = win[j];
+        for (int j = 0; j < K - 1; j++) state[(int64_t)j * lds + c] = win[j];
     }
 }

@@ -63,9 +63,9 @@ int64_t k3_kda_chunk_work_simd(int chunk, int dk, int dv);
 void k3_kda_gate(float *z, int n, float A_log, const float *dt_bias, bool has_lb, float lb);
 
 /* Causal depthwise short conv + SiLU over n tokens for C channels, with a
- * state of the (K-1) previous inputs per channel (state[j*C + c], oldest
+ * state of the (K-1) previous inputs per channel (state[j*lds + c], oldest
  * first), updated to the last K-1 inputs. w: [C, K], tap K-1 = current token.
  * x: [n, ldx] (in place: x becomes the output). */
-void k3_kda_conv(float *x, int64_t ldx, int n, int C, int K, const float *w, float *state);
+void k3_kda_conv(float *x, int64_t ldx, int n, int C, int K, const float *w, float *state, int64_t lds);
 
 #endif /* K3_ATTN_KDA_H */

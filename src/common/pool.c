@@ -1,10 +1,15 @@
 /*
  * pool.c -- the persistent worker pool behind k3_pool_for (pool.h).
  *
- * One job at a time. The caller writes the job (fn, ctx, n, nth), bumps a
- * generation counter and runs range 0 itself; every worker, whether or not it
- * has a range this time, decrements `pending` once per generation, so the
- * caller knows the job is over when pending reaches 0.
+ * One job at a time. The caller writes the job (fn, ctx, n, nth, chunk),
+ * bumps a generation counter and takes part itself; every worker, whether or
+ * not it gets work this time, decrements `pending` once per generation, so
+ * the caller knows the job is over when pending reaches 0.
+ *
+ * Balance: [0, n) is cut into chunks of about n / (4 nth) items, at least
+ * `grain`, that the threads claim in order from an atomic counter, so a
+ * thread that starts late (a worker waking up) or runs slow (a shared core)
+ * leaves its share to the others instead of holding up the job.
  *
  * Waiting is spin-then-sleep on both sides: k3_pool_for is called 10-30 times
  * per layer per token, and a condvar round trip (~5-20 us) per call would cost
@@ -53,7 +58,9 @@ struct k3_pool {
     k3_pool_fn fn;
     void *ctx;
     int64_t n;
-    int nth;                    /* threads with a range this job (<= n_threads) */
+    int nth;                    /* threads taking part in this job (<= n_threads) */
+    int64_t chunk;              /* items per claim */
+    _Atomic int64_t next;       /* first unclaimed item */
 
     _Atomic uint64_t gen;       /* bumped once per job (and once to stop) */
     _Atomic int pending;        /* workers yet to finish this generation */
@@ -103,8 +110,11 @@ static bool job_done(k3_pool *p, uint64_t unused) {
 }
 
 static void run_range(k3_pool *p, int ith) {
-    int64_t lo = p->n * ith / p->nth, hi = p->n * (ith + 1) / p->nth;
-    if (lo < hi) p->fn(p->ctx, lo, hi, ith);
+    for (;;) {
+        const int64_t lo = atomic_fetch_add_explicit(&p->next, p->chunk, memory_order_relaxed);
+        if (lo >= p->n) return;
+        p->fn(p->ctx, lo, lo + p->chunk < p->n ? lo + p->chunk : p->n, ith);
+    }
 }
 
 static void *worker_main(void *arg) {
@@ -214,6 +224,9 @@ void k3_pool_for(k3_pool *p, int64_t n, int64_t grain, k3_pool_fn fn, void *ctx)
     p->ctx = ctx;
     p->n = n;
     p->nth = chunks < p->n_threads ? (int)chunks : p->n_threads;
+    p->chunk = (n + 4 * p->nth - 1) / (4 * p->nth);
+    if (p->chunk < grain) p->chunk = grain;
+    atomic_store_explicit(&p->next, 0, memory_order_relaxed);
     atomic_store(&p->pending, p->n_threads - 1);
     publish(p);
 

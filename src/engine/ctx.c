@@ -212,8 +212,14 @@ k3_status k3_ctx_init(k3_ctx **out, const k3_model *m, const k3_ctx_options *opt
     s->kbeta = zalloc(&a, (size_t)(T * c->kda_heads), sizeof(float));
     s->cq = zalloc(&a, (size_t)(T * c->q_lora_rank), sizeof(float));
     int64_t fused_rows = 0;
-    for (int i = 0; i < c->n_layers; i++)
-        fused_rows = max64(fused_rows, m->layers[i].mla_down.data ? m->layers[i].mla_down.rows : 0);
+    for (int i = 0; i < c->n_layers; i++) { /* the stacked matrices' outputs */
+        const k3_layer *L = &m->layers[i];
+        fused_rows = max64(fused_rows, L->mla_down.data ? L->mla_down.rows : 0);
+        fused_rows = max64(fused_rows, L->kda_in.data ? L->kda_in.rows : 0);
+        fused_rows = max64(fused_rows, L->ffn_gu.data ? L->ffn_gu.rows : 0);
+        fused_rows = max64(fused_rows, L->sh_gu.data ? L->sh_gu.rows : 0);
+        fused_rows = max64(fused_rows, L->moe_in.data ? L->moe_in.rows : 0);
+    }
     s->fused = zalloc(&a, (size_t)(T * fused_rows), sizeof(float));
     s->mq = zalloc(&a, (size_t)(T * H * qh), sizeof(float));
     s->ckv = zalloc(&a, (size_t)(T * ld), sizeof(float));

@@ -51,10 +51,7 @@ static inline float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 /* f1 = act(f1, f2) over n values */
 static void glu(const k3_config *c, float *f1, const float *f2, int64_t n) {
-    if (c->act == K3_ACT_SITU)
-        for (int64_t i = 0; i < n; i++) f1[i] = k3_situ(f1[i], f2[i], c->situ_beta, c->situ_linear_beta);
-    else
-        for (int64_t i = 0; i < n; i++) f1[i] = k3_swiglu(f1[i], f2[i]);
+    k3_glu(f1, f2, n, c->act == K3_ACT_SITU ? K3_GLU_SITU : K3_GLU_SWIGLU, c->situ_beta, c->situ_linear_beta);
 }
 
 /* ---- AttnRes ------------------------------------------------------------ */
@@ -95,35 +92,31 @@ typedef struct {
     int parts;          /* split jobs: parts per row */
 } layer_job;
 
-/* conv + SiLU for q, k, v of each span: items = spans * 3 */
-static void kda_conv_items(void *p, int64_t lo, int64_t hi, int ith) {
+/* Everything of one KDA head of one span after the projections, as one pool
+ * item (items = spans x heads; a decode step spreads it evenly over the
+ * threads): the short convs + SiLU of the head's q, k, v channels; L2 norms
+ * of q and k, the decay gate and beta; the recurrence; the output norm and
+ * gate. */
+static void kda_head_items(void *p, int64_t lo, int64_t hi, int ith) {
     const layer_job *j = p;
     k3_ctx *ctx = j->ctx;
     const k3_config *c = ctx->c;
-    const int64_t HK = (int64_t)c->kda_heads * c->kda_head_dim;
-    const int K = c->conv_size;
-    for (int64_t it = lo; it < hi; it++) {
-        const k3_span *sp = &ctx->spans[it / 3];
-        const int which = (int)(it % 3);
-        float *x = which == 0 ? ctx->s.kq : which == 1 ? ctx->s.kk : ctx->s.kv;
-        const float *w = which == 0 ? j->L->q_conv : which == 1 ? j->L->k_conv : j->L->v_conv;
-        float *state = ctx->kda_conv[j->layer] + ((int64_t)sp->seq * 3 + which) * (K - 1) * HK;
-        k3_kda_conv(x + (int64_t)sp->t0 * HK, HK, sp->n, (int)HK, K, w, state);
-    }
-}
-
-/* per token: L2 norms of q and k heads, the decay gate, beta */
-static void kda_prep_rows(void *p, int64_t lo, int64_t hi, int ith) {
-    const layer_job *j = p;
-    k3_ctx *ctx = j->ctx;
-    const k3_config *c = ctx->c;
-    const int H = c->kda_heads, dk = c->kda_head_dim;
+    const k3_layer *L = j->L;
+    const int H = c->kda_heads, dk = c->kda_head_dim, dv = dk, K = c->conv_size;
     const int64_t HK = (int64_t)H * dk;
     const float qscale = 1.0f / sqrtf((float)dk);
-    for (int64_t t = lo; t < hi; t++) {
-        for (int h = 0; h < H; h++) {
-            float *q = ctx->s.kq + t * HK + (int64_t)h * dk;
-            float *k = ctx->s.kk + t * HK + (int64_t)h * dk;
+    for (int64_t it = lo; it < hi; it++) {
+        const k3_span *sp = &ctx->spans[it / H];
+        const int h = (int)(it % H);
+        const int64_t t0 = sp->t0, ch = (int64_t)h * dk;
+        for (int which = 0; which < 3; which++) {
+            float *x = which == 0 ? ctx->s.kq : which == 1 ? ctx->s.kk : ctx->s.kv;
+            const float *w = which == 0 ? L->q_conv : which == 1 ? L->k_conv : L->v_conv;
+            float *state = ctx->kda_conv[j->layer] + ((int64_t)sp->seq * 3 + which) * (K - 1) * HK;
+            k3_kda_conv(x + t0 * HK + ch, HK, sp->n, dk, K, w + ch * K, state + ch, HK);
+        }
+        for (int64_t t = t0; t < t0 + sp->n; t++) {
+            float *q = ctx->s.kq + t * HK + ch, *k = ctx->s.kk + t * HK + ch;
             double sq = 0.0, sk = 0.0;
             for (int d = 0; d < dk; d++) {
                 sq += (double)q[d] * q[d];
@@ -135,57 +128,32 @@ static void kda_prep_rows(void *p, int64_t lo, int64_t hi, int ith) {
                 q[d] *= rq;
                 k[d] *= rk;
             }
-            k3_kda_gate(ctx->s.kz + t * HK + (int64_t)h * dk, dk, j->L->A_log[h],
-                        j->L->dt_bias + (int64_t)h * dk, c->kda_has_lower_bound, c->kda_lower_bound);
+            k3_kda_gate(ctx->s.kz + t * HK + ch, dk, L->A_log[h], L->dt_bias + ch, c->kda_has_lower_bound,
+                        c->kda_lower_bound);
             float *b = ctx->s.kbeta + t * H + h;
             *b = sigmoidf(*b);
         }
-    }
-}
-
-/* recurrence: items = spans * heads */
-static void kda_scan_items(void *p, int64_t lo, int64_t hi, int ith) {
-    const layer_job *j = p;
-    k3_ctx *ctx = j->ctx;
-    const k3_config *c = ctx->c;
-    const int H = c->kda_heads, dk = c->kda_head_dim, dv = dk;
-    const int64_t HK = (int64_t)H * dk;
-    for (int64_t it = lo; it < hi; it++) {
-        const k3_span *sp = &ctx->spans[it / H];
-        const int h = (int)(it % H);
-        const int64_t t0 = sp->t0;
         k3_kda_head kh = {
             .n = sp->n, .dk = dk, .dv = dv,
-            .q = ctx->s.kq + t0 * HK + (int64_t)h * dk,
-            .k = ctx->s.kk + t0 * HK + (int64_t)h * dk,
-            .g = ctx->s.kz + t0 * HK + (int64_t)h * dk,
+            .q = ctx->s.kq + t0 * HK + ch, .k = ctx->s.kk + t0 * HK + ch, .g = ctx->s.kz + t0 * HK + ch,
             .ld_qk = HK,
-            .v = ctx->s.kv + t0 * HK + (int64_t)h * dv, .ld_v = HK,
+            .v = ctx->s.kv + t0 * HK + ch, .ld_v = HK,
             .beta = ctx->s.kbeta + t0 * H + h, .ld_beta = H,
-            .o = ctx->s.ko + t0 * HK + (int64_t)h * dv, .ld_o = HK,
+            .o = ctx->s.ko + t0 * HK + ch, .ld_o = HK,
         };
         float *S = ctx->kda_S[j->layer] + ((int64_t)sp->seq * H + h) * dk * dv;
         if (sp->n >= ctx->kda_chunk_min)
             k3_kda_chunked(&kh, S, K3_KDA_CHUNK, ctx->s.tkda[ith]);
         else
             k3_kda_recurrent(&kh, S);
-    }
-}
-
-/* o_h = rms(o_h; o_norm) ⊙ sigmoid(gate_h) */
-static void kda_out_rows(void *p, int64_t lo, int64_t hi, int ith) {
-    const layer_job *j = p;
-    k3_ctx *ctx = j->ctx;
-    const k3_config *c = ctx->c;
-    const int H = c->kda_heads, dk = c->kda_head_dim;
-    const int64_t HK = (int64_t)H * dk;
-    for (int64_t t = lo; t < hi; t++)
-        for (int h = 0; h < H; h++) {
-            float *o = ctx->s.ko + t * HK + (int64_t)h * dk;
-            const float *g = ctx->s.kg + t * HK + (int64_t)h * dk;
-            rmsnorm(o, o, j->L->o_norm, dk, c->rms_eps); /* FusedRMSNormGated, eps = rms_norm_eps */
+        /* o_h = rms(o_h; o_norm) ⊙ sigmoid(gate_h) (FusedRMSNormGated, eps = rms_norm_eps) */
+        for (int64_t t = t0; t < t0 + sp->n; t++) {
+            float *o = ctx->s.ko + t * HK + ch;
+            const float *g = ctx->s.kg + t * HK + ch;
+            rmsnorm(o, o, L->o_norm, dk, c->rms_eps);
             for (int d = 0; d < dk; d++) o[d] *= sigmoidf(g[d]);
         }
+    }
 }
 
 static void kda_layer(k3_ctx *ctx, const k3_layer *L, int layer, const float *xn, float *out) {
@@ -194,25 +162,34 @@ static void kda_layer(k3_ctx *ctx, const k3_layer *L, int layer, const float *xn
     k3_scratch *s = &ctx->s;
     layer_job j = {ctx, L, layer, 1};
 
-    k3_matmul(ctx->pool, &L->q_proj, xn, T, s->kq);
-    k3_matmul(ctx->pool, &L->k_proj, xn, T, s->kk);
-    k3_matmul(ctx->pool, &L->v_proj, xn, T, s->kv);
-    k3_pool_for(ctx->pool, (int64_t)ctx->n_spans * 3, 1, kda_conv_items, &j);
-
-    k3_matmul(ctx->pool, &L->f_a, xn, T, s->kfa);
-    k3_matmul(ctx->pool, &L->f_b, s->kfa, T, s->kz);
-    k3_matmul(ctx->pool, &L->b_proj, xn, T, s->kbeta);
-    k3_pool_for(ctx->pool, T, 4, kda_prep_rows, &j);
-
-    k3_pool_for(ctx->pool, (int64_t)ctx->n_spans * c->kda_heads, 1, kda_scan_items, &j);
-
-    if (c->kda_full_rank_gate) {
-        k3_matmul(ctx->pool, &L->g_proj, xn, T, s->kg);
+    const int64_t H = c->kda_heads, HK = H * c->kda_head_dim, dk = c->kda_head_dim;
+    if (L->kda_in.data) {
+        /* one pass over x for q, k, v, f_a, b (and the full-rank gate) */
+        const int64_t R = L->kda_in.rows;
+        k3_matmul(ctx->pool, &L->kda_in, xn, T, s->fused);
+        for (int64_t t = 0; t < T; t++) {
+            const float *row = s->fused + t * R;
+            memcpy(s->kq + t * HK, row, sizeof(float) * (size_t)HK);
+            memcpy(s->kk + t * HK, row + HK, sizeof(float) * (size_t)HK);
+            memcpy(s->kv + t * HK, row + 2 * HK, sizeof(float) * (size_t)HK);
+            memcpy(s->kfa + t * dk, row + 3 * HK, sizeof(float) * (size_t)dk);
+            memcpy(s->kbeta + t * H, row + 3 * HK + dk, sizeof(float) * (size_t)H);
+            if (c->kda_full_rank_gate) memcpy(s->kg + t * HK, row + 3 * HK + dk + H, sizeof(float) * (size_t)HK);
+        }
     } else {
+        k3_matmul(ctx->pool, &L->q_proj, xn, T, s->kq);
+        k3_matmul(ctx->pool, &L->k_proj, xn, T, s->kk);
+        k3_matmul(ctx->pool, &L->v_proj, xn, T, s->kv);
+        k3_matmul(ctx->pool, &L->f_a, xn, T, s->kfa);
+        k3_matmul(ctx->pool, &L->b_proj, xn, T, s->kbeta);
+        if (c->kda_full_rank_gate) k3_matmul(ctx->pool, &L->g_proj, xn, T, s->kg);
+    }
+    k3_matmul(ctx->pool, &L->f_b, s->kfa, T, s->kz);
+    if (!c->kda_full_rank_gate) {
         k3_matmul(ctx->pool, &L->g_a, xn, T, s->kfa);
         k3_matmul(ctx->pool, &L->g_b, s->kfa, T, s->kg);
     }
-    k3_pool_for(ctx->pool, T, 4, kda_out_rows, &j);
+    k3_pool_for(ctx->pool, (int64_t)ctx->n_spans * c->kda_heads, 1, kda_head_items, &j);
     k3_matmul(ctx->pool, &L->o_proj, s->ko, T, out);
 }
 
@@ -538,12 +515,24 @@ static void mla_layer(k3_ctx *ctx, const k3_layer *L, int layer, const float *xn
 
 /* ---- FFN and MoE ---------------------------------------------------------- */
 
-static void dense_ffn(k3_ctx *ctx, const k3_mat *gate, const k3_mat *up, const k3_mat *down,
+/* gu: gate and up stacked (one matmul into [n, 2I], then the GLU per row),
+ * or empty: one matmul each */
+static void dense_ffn(k3_ctx *ctx, const k3_mat *gu, const k3_mat *gate, const k3_mat *up, const k3_mat *down,
                       const float *x, int64_t n, float *out) {
     k3_scratch *s = &ctx->s;
-    k3_matmul(ctx->pool, gate, x, n, s->f1);
-    k3_matmul(ctx->pool, up, x, n, s->f2);
-    glu(ctx->c, s->f1, s->f2, n * gate->rows);
+    const int64_t I = gate->rows;
+    if (gu->data) {
+        k3_matmul(ctx->pool, gu, x, n, s->fused);
+        for (int64_t t = 0; t < n; t++) {
+            float *row = s->fused + t * 2 * I;
+            glu(ctx->c, row, row + I, I);
+            memcpy(s->f1 + t * I, row, sizeof(float) * (size_t)I);
+        }
+    } else {
+        k3_matmul(ctx->pool, gate, x, n, s->f1);
+        k3_matmul(ctx->pool, up, x, n, s->f2);
+        glu(ctx->c, s->f1, s->f2, n * I);
+    }
     k3_matmul(ctx->pool, down, s->f1, n, out);
 }
 
@@ -592,7 +581,20 @@ static void moe_layer(k3_ctx *ctx, const k3_layer *L, const float *yn, float *ou
         k3_router_select(&rc, s->rlog + t * E, L->router_bias, s->rids + t * K, s->rw + t * K, s->rwork);
 
     const float *z = yn;
-    if (c->latent_moe) {
+    const int64_t S = c->n_shared_experts * c->moe_intermediate;
+    if (L->moe_in.data) {
+        /* one pass over the input for the latent projection and the shared
+         * experts' gate and up; their GLU now, their down after the experts */
+        const int64_t R = L->moe_in.rows;
+        k3_matmul(ctx->pool, &L->moe_in, yn, T, s->fused);
+        for (int64_t t = 0; t < T; t++) {
+            float *row = s->fused + t * R;
+            memcpy(s->lat + t * Dl, row, sizeof(float) * (size_t)Dl);
+            glu(c, row + Dl, row + Dl + S, S);
+            memcpy(s->f1 + t * S, row + Dl, sizeof(float) * (size_t)S);
+        }
+        z = s->lat;
+    } else if (c->latent_moe) {
         k3_matmul(ctx->pool, &L->lat_down, yn, T, s->lat);
         z = s->lat;
     }
@@ -628,8 +630,11 @@ static void moe_layer(k3_ctx *ctx, const k3_layer *L, const float *yn, float *ou
     else memcpy(out, comb, sizeof(float) * (size_t)(T * D));
     if (ctx->prof_on) ctx->prof[K3_PROF_MOE] += k3_now() - t_moe;
 
-    if (c->n_shared_experts > 0) {
-        PROF(ctx, K3_PROF_FFN, dense_ffn(ctx, &L->sh_gate, &L->sh_up, &L->sh_down, yn, T, s->tmp));
+    if (L->moe_in.data) {
+        PROF(ctx, K3_PROF_FFN, k3_matmul(ctx->pool, &L->sh_down, s->f1, T, s->tmp));
+        for (int64_t i = 0; i < T * D; i++) out[i] += s->tmp[i];
+    } else if (c->n_shared_experts > 0) {
+        PROF(ctx, K3_PROF_FFN, dense_ffn(ctx, &L->sh_gu, &L->sh_gate, &L->sh_up, &L->sh_down, yn, T, s->tmp));
         for (int64_t i = 0; i < T * D; i++) out[i] += s->tmp[i];
     }
 }
@@ -679,7 +684,7 @@ void k3_forward_round(k3_ctx *ctx, const int32_t *tokens, const int32_t *out_row
         }
         PROF(ctx, K3_PROF_NORM, rms_all(ctx, s->xn, D, Y, D, L->post_attn_norm, D, c->rms_eps));
         if (L->moe) moe_layer(ctx, L, s->xn, s->X);
-        else PROF(ctx, K3_PROF_FFN, dense_ffn(ctx, &L->ffn_gate, &L->ffn_up, &L->ffn_down, s->xn, T, s->X));
+        else PROF(ctx, K3_PROF_FFN, dense_ffn(ctx, &L->ffn_gu, &L->ffn_gate, &L->ffn_up, &L->ffn_down, s->xn, T, s->X));
         for (int64_t k = 0; k < T * D; k++) s->P[k] += s->X[k];
     }
     if (!n_out) return;

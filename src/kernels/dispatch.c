@@ -6,9 +6,9 @@
  * __builtin_cpu_supports (which also checks that the OS saves the wider
  * registers). k3_kernels_force is for tests and benchmarks.
  *
- * Threading: work is cut into at most pool-size tasks, one per thread,
- * preferring whole row ranges (each thread streams its own slice of the
- * weights exactly once, which is what decode is bound by); small row counts
+ * Threading: work is cut into row ranges, up to 4 per thread, that the
+ * pool hands to whichever thread is free (each slice of the weights is
+ * streamed exactly once, which is what decode is bound by); small row counts
  * with many activation rows are split over n as well. The kernels are batch
  * invariant (kernels_isa.h), so the split never changes a result. Tiny
  * products run on the calling thread: a pool round trip costs about as much
@@ -79,6 +79,10 @@ float k3_dot(const float *a, const float *b, int64_t n) { return ops()->dot(a, b
 
 void k3_axpy(float *y, float a, const float *x, int64_t n) { ops()->axpy(y, a, x, n); }
 
+void k3_glu(float *f1, const float *f2, int64_t n, k3_glu_kind kind, float b1, float b2) {
+    ops()->glu(f1, f2, n, kind, b1, b2);
+}
+
 /* ---- threaded matmul -------------------------------------------------- */
 
 typedef struct mm_job {
@@ -122,9 +126,12 @@ void k3_matmul(k3_pool *pool, const k3_mat *w, const float *x, int64_t n, float 
     const double bytes = (double)rows * (double)k3_mat_row_bytes(w);
     const double macs = (double)rows * (double)w->cols * (double)n;
     if (T > 1 && (bytes >= 32768 || macs >= 131072)) {
-        j.n_rc = rows / 16 < T ? (rows / 16 > 0 ? rows / 16 : 1) : T;
+        /* up to 4 row chunks per thread, which the pool hands out as the
+         * threads come free */
+        j.n_rc = rows / 16 < 4 * T ? (rows / 16 > 0 ? rows / 16 : 1) : 4 * T;
         int64_t nn = T / j.n_rc, nmax = n / 4 > 0 ? n / 4 : 1;
         j.n_nc = nn < nmax ? nn : nmax;
+        if (j.n_nc < 1) j.n_nc = 1;
     }
     k3_pool_for(pool, j.n_rc * j.n_nc, 1, mm_task, &j);
 }

@@ -70,6 +70,15 @@ float k3_dot_ref(const float *a, const float *b, int64_t n);
 void k3_axpy(float *y, float a, const float *x, int64_t n);
 void k3_axpy_ref(float *y, float a, const float *x, int64_t n);
 
+/* ---- gated activations (k3-model.md §3.5) ---- */
+
+/* f1[i] = act(f1[i], f2[i]) over n values. SwiGLU: silu(g)·u. SiTU:
+ * b1 tanh(g/b1) sigmoid(g) · b2 tanh(u/b2) (b2 <= 0: plain u). The SIMD paths
+ * use their own exp and tanh, within a few ulp of libm's. */
+typedef enum k3_glu_kind { K3_GLU_SWIGLU = 0, K3_GLU_SITU } k3_glu_kind;
+void k3_glu(float *f1, const float *f2, int64_t n, k3_glu_kind kind, float b1, float b2);
+void k3_glu_ref(float *f1, const float *f2, int64_t n, k3_glu_kind kind, float b1, float b2);
+
 /* Which path k3_matmul and friends use: "ref", "avx2", ... */
 typedef enum k3_isa { K3_ISA_REF = 0, K3_ISA_AVX2, K3_ISA_AVX512 } k3_isa;
 /* Detects the CPU once; safe to call many times. */

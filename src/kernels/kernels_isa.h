@@ -21,7 +21,11 @@ typedef struct k3_kernel_ops {
                    int64_t r0, int64_t r1);
     float (*dot)(const float *a, const float *b, int64_t n);
     void (*axpy)(float *y, float a, const float *x, int64_t n);
+    void (*glu)(float *f1, const float *f2, int64_t n, k3_glu_kind kind, float b1, float b2);
 } k3_kernel_ops;
+
+void k3_glu_avx2(float *f1, const float *f2, int64_t n, k3_glu_kind kind, float b1, float b2);
+void k3_glu_avx512(float *f1, const float *f2, int64_t n, k3_glu_kind kind, float b1, float b2);
 
 extern const k3_kernel_ops k3_ops_ref;
 extern const k3_kernel_ops k3_ops_avx2;

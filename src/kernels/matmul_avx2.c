@@ -484,4 +484,5 @@ const k3_kernel_ops k3_ops_avx2 = {
     .matmul = matmul_rows,
     .dot = dot_avx2,
     .axpy = axpy_avx2,
+    .glu = k3_glu_avx2,
 };

@@ -518,4 +518,5 @@ const k3_kernel_ops k3_ops_avx512 = {
     .matmul = matmul_rows,
     .dot = dot_avx512,
     .axpy = axpy_avx512,
+    .glu = k3_glu_avx512,
 };

@@ -7,6 +7,7 @@
  * runs on the same threads so pages are first touched where they are read.
  */
 #include "kernels/membw.h"
+#include "common/mem.h"
 #include "common/pool.h"
 
 #include <stdlib.h>
@@ -73,7 +74,9 @@ double k3_membw_read_gbps(k3_pool *pool, size_t bytes, int reps) {
     if (n_lines < 64) n_lines = 64;
     bw_job *j = calloc(1, sizeof *j);
     double *rate = malloc(sizeof *rate * (size_t)reps);
-    uint8_t *buf = aligned_alloc(4096, (n_lines * LINE + 4095) / 4096 * 4096);
+    /* in huge pages where the kernel allows, like the weights made at load:
+     * the TLB should not be what is measured */
+    uint8_t *buf = k3_alloc_big(n_lines * LINE);
     double med = 0;
     if (j && rate && buf) {
         j->buf = buf;

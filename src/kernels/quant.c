@@ -87,7 +87,7 @@ void k3_quant_mxfp8_mat(const k3_mat *src, uint8_t *q, uint8_t *e) {
 
 /* ---- activations ------------------------------------------------------------ */
 
-float k3_quant_act_i8(const float *x, int64_t n, int8_t *q) {
+float k3_quant_act_i8_ref(const float *x, int64_t n, int8_t *q) {
     float amax = 0.0f;
     for (int64_t i = 0; i < n; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
     if (amax == 0.0f) {
@@ -100,6 +100,34 @@ float k3_quant_act_i8(const float *x, int64_t n, int8_t *q) {
         q[i] = (int8_t)(v > 127.0f ? 127 : v < -127.0f ? -127 : v);
     }
     return amax / 127.0f;
+}
+
+float k3_quant_act_i8_avx512(const float *x, int64_t n, int8_t *q);
+
+static bool have_vnni(void) {
+    return k3_kernels_isa() >= K3_ISA_AVX512 && __builtin_cpu_supports("avx512vnni");
+}
+
+float k3_quant_act_i8(const float *x, int64_t n, int8_t *q) {
+    return k3_kernels_isa() >= K3_ISA_AVX512 ? k3_quant_act_i8_avx512(x, n, q) : k3_quant_act_i8_ref(x, n, q);
+}
+
+void k3_mx4_prep(const int8_t *xq, int64_t cols, int8_t *xp, int32_t *corr) {
+    for (int64_t base = 0, g = 0; base < cols; base += 128, g++) {
+        const int nb = cols - base >= 128 ? 4 : (int)((cols - base) / 32);
+        const int64_t half = 16 * nb;
+        for (int i = 0; i < nb; i++)
+            for (int j = 0; j < 16; j++) {
+                xp[base + 16 * i + j] = xq[base + 32 * i + 2 * j];
+                xp[base + half + 16 * i + j] = xq[base + 32 * i + 2 * j + 1];
+            }
+        for (int l = 0; l < 16; l++) {
+            int32_t sum = 0;
+            if (l < 4 * nb)
+                for (int k = 0; k < 4; k++) sum += xp[base + 4 * l + k] + xp[base + half + 4 * l + k];
+            corr[g * 16 + l] = -12 * sum;
+        }
+    }
 }
 
 void k3_quant_act_mxfp8(float *x, int64_t n) {
@@ -140,32 +168,37 @@ typedef int32_t (*dot_i8_fn)(const int8_t *, const int8_t *, int64_t);
 typedef float (*dot_mx_fn)(const uint8_t *, const uint8_t *, const int8_t *, int64_t);
 int32_t k3_dot_i8_avx2(const int8_t *a, const int8_t *b, int64_t n);
 float k3_dot_mxfp4_i8_avx2(const uint8_t *packed, const uint8_t *scale, const int8_t *x, int64_t cols);
-int32_t k3_dot_i8_avx512(const int8_t *a, const int8_t *b, int64_t n);
-float k3_dot_mxfp4_i8_avx512(const uint8_t *packed, const uint8_t *scale, const int8_t *x, int64_t cols);
+void k3_q8_rows_avx512(const int8_t *w, const float *row_scale, int64_t cols, const uint8_t *xu,
+                       const float *xs, int64_t n, int64_t r0, int64_t r1, float *y, int64_t ldy);
+void k3_mx4_rows_avx512(const uint8_t *packed, const uint8_t *scale, int64_t cols, const int8_t *xp,
+                        const int32_t *corr, int64_t ldc, const float *xs, int64_t n, int64_t r0, int64_t r1,
+                        float *y, int64_t ldy);
 
 /* ---- the driver ------------------------------------------------------------- */
 
 /* Per-thread scratch for the quantized activations, grown on first use (no
  * allocation in steady state) and freed when its thread exits. */
 typedef struct {
-    int8_t *xq;
-    float *xf;
+    void *buf;
     size_t cap;
 } qscratch;
 
 static pthread_key_t scratch_key;
 static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
+static float e4m3_lut[256];
 
 static void scratch_free(void *p) {
     qscratch *q = p;
-    free(q->xq);
-    free(q->xf);
+    free(q->buf);
     free(q);
 }
 
-static void scratch_make_key(void) { K3_ASSERT(pthread_key_create(&scratch_key, scratch_free) == 0); }
+static void scratch_make_key(void) {
+    K3_ASSERT(pthread_key_create(&scratch_key, scratch_free) == 0);
+    for (int c = 0; c < 256; c++) e4m3_lut[c] = k3_e4m3_to_f32((uint8_t)c);
+}
 
-static qscratch *scratch_get(size_t need, int64_t n) {
+static void *scratch_get(size_t need) {
     pthread_once(&scratch_once, scratch_make_key);
     qscratch *q = pthread_getspecific(scratch_key);
     if (!q) {
@@ -173,24 +206,24 @@ static qscratch *scratch_get(size_t need, int64_t n) {
         K3_ASSERT(q && pthread_setspecific(scratch_key, q) == 0);
     }
     if (need > q->cap) {
-        int8_t *xq = realloc(q->xq, need);
-        K3_ASSERT(xq);
-        q->xq = xq;
-        float *xf = realloc(q->xf, need * sizeof(float) + (size_t)n * sizeof(float));
-        K3_ASSERT(xf);
-        q->xf = xf;
+        free(q->buf);
+        q->buf = aligned_alloc(64, (need + 63) / 64 * 64);
+        K3_ASSERT(q->buf);
         q->cap = need;
     }
-    return q;
+    return q->buf;
 }
 
 typedef struct {
     const k3_mat *w;
-    const int8_t *xq;   /* [n, cols] */
+    const int8_t *xq;   /* [n, cols]: int8 (ref, AVX2); +128 (Q8) or k3_mx4_prep order (MXFP4) on AVX-512 */
+    const int32_t *corr;/* [n, ldc] MXFP4 on AVX-512 */
+    int64_t ldc;
     const float *xs;    /* [n] */
     const float *xf;    /* [n, cols] MXFP8 path */
     int64_t n;
     float *y;
+    bool vnni;
     dot_i8_fn dot;
     dot_mx_fn dotmx;
 } qjob;
@@ -199,6 +232,14 @@ static void q_rows(void *p, int64_t lo, int64_t hi, int ith) {
     const qjob *j = p;
     const k3_mat *w = j->w;
     const int64_t cols = w->cols, rows = w->rows;
+    if (j->vnni && w->type == K3_W_Q8) {
+        k3_q8_rows_avx512(w->data, w->row_scale, cols, (const uint8_t *)j->xq, j->xs, j->n, lo, hi, j->y, rows);
+        return;
+    }
+    if (j->vnni && w->type == K3_W_MXFP4) {
+        k3_mx4_rows_avx512(w->data, w->scale, cols, j->xq, j->corr, j->ldc, j->xs, j->n, lo, hi, j->y, rows);
+        return;
+    }
     float wrow[8192];
     for (int64_t r = lo; r < hi; r++) {
         switch (w->type) {
@@ -221,7 +262,7 @@ static void q_rows(void *p, int64_t lo, int64_t hi, int ith) {
                 /* dequantized row chunk, applied to every token */
                 const uint8_t *q = (const uint8_t *)one.data + c0;
                 for (int64_t c = 0; c < len; c++)
-                    wrow[c] = k3_e4m3_to_f32(q[c]) * k3_e8m0_to_f32(one.scale[(c0 + c) / 32]);
+                    wrow[c] = e4m3_lut[q[c]] * k3_e8m0_to_f32(one.scale[(c0 + c) / 32]);
                 for (int64_t i = 0; i < j->n; i++) {
                     const float d = k3_dot(j->xf + i * cols + c0, wrow, len);
                     j->y[i * rows + r] = c0 ? j->y[i * rows + r] + d : d;
@@ -237,25 +278,34 @@ static void q_rows(void *p, int64_t lo, int64_t hi, int ith) {
 
 void k3_matmul_q(k3_pool *pool, const k3_mat *w, const float *x, int64_t n, float *y) {
     const int64_t cols = w->cols;
-    /* room for n rows, and n scales after them, whatever n was before */
-    const size_t need = (size_t)(n * cols) + (size_t)n;
-    qscratch *q = scratch_get(need, n);
-    int8_t *tl_xq = q->xq;
-    float *tl_xf = q->xf;
-    float *xs = tl_xf + (size_t)(n * cols); /* after the MXFP8 rows */
-    if (w->type == K3_W_MXFP8) {
-        memcpy(tl_xf, x, (size_t)(n * cols) * sizeof(float));
-        for (int64_t i = 0; i < n; i++) k3_quant_act_mxfp8(tl_xf + i * cols, cols);
-    } else {
-        for (int64_t i = 0; i < n; i++) xs[i] = k3_quant_act_i8(x + i * cols, cols, tl_xq + i * cols);
-    }
-    k3_isa isa = k3_kernels_isa();
     /* the AVX-512 path needs VNNI (vpdpbusd) on top of what k3_kernels_isa checks */
-    if (isa >= K3_ISA_AVX512 && !__builtin_cpu_supports("avx512vnni")) isa = K3_ISA_AVX2;
-    qjob j = {w, tl_xq, xs, tl_xf, n, y,
-              isa >= K3_ISA_AVX512 ? k3_dot_i8_avx512 : isa >= K3_ISA_AVX2 ? k3_dot_i8_avx2 : dot_i8_ref,
-              isa >= K3_ISA_AVX512 ? k3_dot_mxfp4_i8_avx512
-              : isa >= K3_ISA_AVX2 ? k3_dot_mxfp4_i8_avx2 : dot_mxfp4_i8_ref};
+    const bool vnni = have_vnni();
+    const k3_isa isa = vnni ? K3_ISA_AVX512 : k3_kernels_isa() >= K3_ISA_AVX2 ? K3_ISA_AVX2 : K3_ISA_REF;
+    const int64_t ldc = (cols + 127) / 128 * 16;
+    /* scratch: xs [n] | xf or corr [n, cols or ldc] | xq [n, cols] | prepared [n, cols] */
+    const size_t fsz = w->type == K3_W_MXFP8 ? (size_t)(n * cols) * sizeof(float) : (size_t)(n * ldc) * sizeof(int32_t);
+    char *buf = scratch_get((size_t)n * sizeof(float) + fsz + 2 * (size_t)(n * cols) + 64);
+    float *xs = (float *)buf;
+    float *xf = (float *)(buf + (size_t)n * sizeof(float));
+    int32_t *corr = (int32_t *)xf;
+    int8_t *xq = (int8_t *)(buf + (size_t)n * sizeof(float) + fsz), *xp = xq + n * cols;
+    const int8_t *xk = xq;
+    if (w->type == K3_W_MXFP8) {
+        memcpy(xf, x, (size_t)(n * cols) * sizeof(float));
+        for (int64_t i = 0; i < n; i++) k3_quant_act_mxfp8(xf + i * cols, cols);
+    } else {
+        for (int64_t i = 0; i < n; i++) xs[i] = k3_quant_act_i8(x + i * cols, cols, xq + i * cols);
+        if (vnni && w->type == K3_W_Q8) {
+            for (int64_t i = 0; i < n * cols; i++) xp[i] = (int8_t)((uint8_t)xq[i] ^ 0x80); /* x + 128 */
+            xk = xp;
+        } else if (vnni && w->type == K3_W_MXFP4) {
+            for (int64_t i = 0; i < n; i++) k3_mx4_prep(xq + i * cols, cols, xp + i * cols, corr + i * ldc);
+            xk = xp;
+        }
+    }
+    qjob j = {w, xk, corr, ldc, xs, xf, n, y, vnni,
+              isa >= K3_ISA_AVX2 ? k3_dot_i8_avx2 : dot_i8_ref,
+              isa >= K3_ISA_AVX2 ? k3_dot_mxfp4_i8_avx2 : dot_mxfp4_i8_ref};
     k3_pool_for(pool, w->rows, 16, q_rows, &j);
 }
 

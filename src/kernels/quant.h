@@ -20,8 +20,17 @@
 void k3_quant_q8_mat(const k3_mat *src, int8_t *q, float *scales);
 /* Converts src (cols % 32 == 0) to MXFP8: q [rows, cols] E4M3, e [rows, cols/32] E8M0. */
 void k3_quant_mxfp8_mat(const k3_mat *src, uint8_t *q, uint8_t *e);
-/* One activation row: int8 with one scale (returned). */
+/* One activation row: int8 with one scale (returned), q = round(x·127/amax).
+ * The SIMD form equals the scalar reference (_ref) bit for bit. */
 float k3_quant_act_i8(const float *x, int64_t n, int8_t *q);
+float k3_quant_act_i8_ref(const float *x, int64_t n, int8_t *q);
+/* The order the AVX-512 W4A8 kernel reads one quantized token in: per group
+ * of up to four 32-blocks (128 columns), the even columns of each block, then
+ * the odd ones, so the low and the high nibbles of the packed weights line up
+ * with them; corr [ceil(cols/128) * 16] gets -12 x (the sum of the 8
+ * activations each int32 lane of the kernel covers), which removes the +12
+ * the kernel adds to every weight to make it unsigned. */
+void k3_mx4_prep(const int8_t *xq, int64_t cols, int8_t *xp, int32_t *corr);
 /* One activation row fake-quantized to MXFP8 (E4M3 per 32, E8M0 scale), in place. */
 void k3_quant_act_mxfp8(float *x, int64_t n);
 

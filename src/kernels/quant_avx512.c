@@ -1,42 +1,235 @@
 /*
  * quant_avx512.c -- AVX-512 VNNI inner loops of the 8-bit matmuls (see
- * quant.h): vpdpbusd multiplies unsigned by signed bytes, so the activation
- * side is made non-negative with the sign trick (|a| and b·sign(a)), exact
- * since both are clamped to [-127, 127].
+ * quant.h). vpdpbusd multiplies unsigned by signed bytes: for W8A8 the
+ * activations go in as x + 128 and 128 Σw comes off; for W4A8 the weights go
+ * in as 2·E2M1 + 12 and 12 Σx comes off. Integer sums, so exact.
  */
 #include <immintrin.h>
+#include <math.h>
+#include <string.h>
 
 #include "quant.h"
 #include "quant_simd.h"
 
-static inline __m512i dot64(__m512i acc, __m512i a, __m512i b) {
-    const __mmask64 neg = _mm512_movepi8_mask(a);
-    const __m512i absa = _mm512_abs_epi8(a);
-    const __m512i sb = _mm512_mask_sub_epi8(b, neg, _mm512_setzero_si512(), b);
-    return _mm512_dpbusd_epi32(acc, absa, sb);
-}
+/* ---- per-token activation quantization ----------------------------------- */
 
-int32_t k3_dot_i8_avx512(const int8_t *a, const int8_t *b, int64_t n) {
-    __m512i acc = _mm512_setzero_si512();
+/* = k3_quant_act_i8_ref bit for bit: the same amax (max is order free), the
+ * same fp32 products, vcvtps2dq rounds to nearest even like nearbyintf, and
+ * |x·127/amax| never rounds past 127. */
+float k3_quant_act_i8_avx512(const float *x, int64_t n, int8_t *q) {
+    __m512 m = _mm512_setzero_ps();
     int64_t i = 0;
-    for (; i + 64 <= n; i += 64)
-        acc = dot64(acc, _mm512_loadu_si512(a + i), _mm512_loadu_si512(b + i));
-    if (i < n) {
-        const __mmask64 m = n - i >= 64 ? ~0ull : ((1ull << (n - i)) - 1);
-        acc = dot64(acc, _mm512_maskz_loadu_epi8(m, a + i), _mm512_maskz_loadu_epi8(m, b + i));
+    for (; i + 16 <= n; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
+    float amax = _mm512_reduce_max_ps(m);
+    for (; i < n; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    if (amax == 0.0f) {
+        memset(q, 0, (size_t)n);
+        return 0.0f;
     }
-    return _mm512_reduce_add_epi32(acc);
+    const float inv = 127.0f / amax;
+    const __m512 vinv = _mm512_set1_ps(inv);
+    for (i = 0; i + 16 <= n; i += 16)
+        _mm_storeu_si128((__m128i *)(q + i),
+                         _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + i), vinv))));
+    for (; i < n; i++) {
+        const float v = nearbyintf(x[i] * inv);
+        q[i] = (int8_t)(v > 127.0f ? 127 : v < -127.0f ? -127 : v);
+    }
+    return amax / 127.0f;
 }
 
-float k3_dot_mxfp4_i8_avx512(const uint8_t *packed, const uint8_t *scale, const int8_t *x, int64_t cols) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t b = 0; b < cols / 32; b++) {
-        const __m256i w = k3_mxfp4_block_i8(packed + 16 * b);
-        const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + 32 * b));
-        const __mmask32 neg = _mm256_movepi8_mask(xv);
-        const __m256i sw = _mm256_mask_sub_epi8(w, neg, _mm256_setzero_si256(), w);
-        const __m256i d = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_abs_epi8(xv), sw);
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(k3_mxfp4_half_scale(scale[b])), acc);
+/* ---- W8A8 int8 tiles ------------------------------------------------------- */
+
+/* Σ_c w[r][c] x[t][c] for NR rows x NT tokens, x given as xu = x + 128
+ * (unsigned bytes, for vpdpbusd) and corrected by 128 Σ_c w[r][c], which the
+ * same loop sums with a vector of ones. Integer, so exact in any order. */
+static inline __attribute__((always_inline)) void q8_tile(const int8_t *w, int64_t ldw, const uint8_t *xu,
+                                                          int64_t ldx, int64_t cols, int NR, int NT,
+                                                          int32_t out[4][4]) {
+    __m512i acc[4][4], rs[4];
+    const __m512i ones = _mm512_set1_epi8(1);
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; r++) {
+        rs[r] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int t = 0; t < NT; t++) acc[r][t] = _mm512_setzero_si512();
     }
-    return k3_hsum256_ps(acc);
+    int64_t c = 0;
+    __m512i wv[4], xv[4];
+#define Q8_STEP(LOAD)                                                                                  \
+    do {                                                                                               \
+        _Pragma("GCC unroll 4") for (int r = 0; r < NR; r++) {                                         \
+            wv[r] = LOAD(w + r * ldw + c);                                                             \
+            rs[r] = _mm512_dpbusd_epi32(rs[r], ones, wv[r]);                                           \
+        }                                                                                              \
+        _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++) xv[t] = LOAD(xu + t * ldx + c);           \
+        _Pragma("GCC unroll 4") for (int r = 0; r < NR; r++)                                           \
+            _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++)                                       \
+                acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], xv[t], wv[r]);                               \
+    } while (0)
+#define LOAD_FULL(p) _mm512_loadu_si512(p)
+#define LOAD_TAIL(p) _mm512_maskz_loadu_epi8(m, p)
+    for (; c + 64 <= cols; c += 64) Q8_STEP(LOAD_FULL);
+    if (c < cols) {
+        const __mmask64 m = (1ull << (cols - c)) - 1;
+        Q8_STEP(LOAD_TAIL);
+    }
+#undef Q8_STEP
+#undef LOAD_FULL
+#undef LOAD_TAIL
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; r++) {
+        const int32_t corr = 128 * _mm512_reduce_add_epi32(rs[r]);
+        for (int t = 0; t < NT; t++) out[r][t] = _mm512_reduce_add_epi32(acc[r][t]) - corr;
+    }
+}
+
+/* Rows [r0, r1) x tokens [0, n) of a Q8 matrix: y[t*ldy + r] = dot · xs[t] · rs[r].
+ * Few tokens (decode): one row at a time against all of them, so the weights
+ * stream in address order, which is what the prefetchers follow best. Many:
+ * 4x4 tiles, blocked so a 64-row slice of W stays in L2 while the tokens pass. */
+void k3_q8_rows_avx512(const int8_t *w, const float *row_scale, int64_t cols, const uint8_t *xu,
+                       const float *xs, int64_t n, int64_t r0, int64_t r1, float *y, int64_t ldy) {
+    int32_t o[4][4];
+    if (n <= 4) {
+        for (int64_t r = r0; r < r1; r++) {
+            const int8_t *wr = w + r * cols;
+            switch (n) {
+            case 1: q8_tile(wr, cols, xu, cols, cols, 1, 1, o); break;
+            case 2: q8_tile(wr, cols, xu, cols, cols, 1, 2, o); break;
+            case 3: q8_tile(wr, cols, xu, cols, cols, 1, 3, o); break;
+            default: q8_tile(wr, cols, xu, cols, cols, 1, 4, o); break;
+            }
+            for (int t = 0; t < n; t++) y[t * ldy + r] = (float)o[0][t] * xs[t] * row_scale[r];
+        }
+        return;
+    }
+    for (int64_t rb = r0; rb < r1; rb += 64) {
+        const int64_t re = rb + 64 < r1 ? rb + 64 : r1;
+        for (int64_t t0 = 0; t0 < n; t0 += 4) {
+            const int nt = n - t0 >= 4 ? 4 : (int)(n - t0);
+            const uint8_t *xt = xu + t0 * cols;
+            int64_t r = rb;
+            for (; r + 4 <= re; r += 4) {
+                const int8_t *wr = w + r * cols;
+                switch (nt) {
+                case 1: q8_tile(wr, cols, xt, cols, cols, 4, 1, o); break;
+                case 2: q8_tile(wr, cols, xt, cols, cols, 4, 2, o); break;
+                case 3: q8_tile(wr, cols, xt, cols, cols, 4, 3, o); break;
+                default: q8_tile(wr, cols, xt, cols, cols, 4, 4, o); break;
+                }
+                for (int i = 0; i < 4; i++)
+                    for (int t = 0; t < nt; t++)
+                        y[(t0 + t) * ldy + r + i] = (float)o[i][t] * xs[t0 + t] * row_scale[r + i];
+            }
+            for (; r < re; r++) {
+                const int8_t *wr = w + r * cols;
+                switch (nt) {
+                case 1: q8_tile(wr, cols, xt, cols, cols, 1, 1, o); break;
+                case 2: q8_tile(wr, cols, xt, cols, cols, 1, 2, o); break;
+                case 3: q8_tile(wr, cols, xt, cols, cols, 1, 3, o); break;
+                default: q8_tile(wr, cols, xt, cols, cols, 1, 4, o); break;
+                }
+                for (int t = 0; t < nt; t++) y[(t0 + t) * ldy + r] = (float)o[0][t] * xs[t0 + t] * row_scale[r];
+            }
+        }
+    }
+}
+
+/* ---- W4A8 MXFP4 ------------------------------------------------------------ */
+
+/* One MXFP4 row against NT <= 8 prepared tokens: out[t] = Σ_blocks scale · dot. */
+static inline __attribute__((always_inline)) void mx4_row(const uint8_t *packed, const uint8_t *scale,
+                                                          int64_t cols, const int8_t *xp, const int32_t *corr,
+                                                          int64_t ldx, int64_t ldc, const int NT, float *out) {
+    const __m512i lut = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    const __m128i rep4 = _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    const __m512i c128 = _mm512_set1_epi32(128);
+    const __m512 one = _mm512_set1_ps(1.0f);
+    __m512 acc[8];
+#pragma GCC unroll 8
+    for (int t = 0; t < NT; t++) acc[t] = _mm512_setzero_ps();
+#define MX4_GROUP(NB, LOAD, SCALE)                                                                     \
+    do {                                                                                               \
+        const __m512i pk = LOAD(packed + base / 2);                                                    \
+        const __m512i wlo = _mm512_shuffle_epi8(lut, _mm512_and_si512(pk, m4));                        \
+        const __m512i whi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(pk, 4), m4));  \
+        const __m512 s = SCALE;                                                                        \
+        _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                                         \
+            const int8_t *x = xp + t * ldx + base;                                                     \
+            __m512i d = _mm512_loadu_si512(corr + t * ldc + g * 16);                                   \
+            d = _mm512_dpbusd_epi32(d, wlo, LOAD(x));                                                  \
+            d = _mm512_dpbusd_epi32(d, whi, LOAD(x + 16 * (NB)));                                      \
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), s, acc[t]);                                \
+        }                                                                                              \
+    } while (0)
+    /* s: lanes 4i..4i+3 = 2^(e_i - 128), the E8M0 scale halved for the doubled codes */
+#define MX4_SCALES(MS)                                                                                 \
+    _mm512_scalef_ps(one, _mm512_cvtepi32_ps(_mm512_sub_epi32(                                         \
+        _mm512_cvtepu8_epi32(_mm_shuffle_epi8(_mm_maskz_loadu_epi8(MS, scale + base / 32), rep4)), c128)))
+#define LOAD_FULL(p) _mm512_loadu_si512(p)
+    int64_t g = 0, base = 0;
+    /* 16 blocks at a time: their 16 scales converted at once, then spread */
+    const __m512i sel0 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    const __m512i four = _mm512_set1_epi32(4);
+    for (; base + 512 <= cols;) {
+        const __m512 s16 = _mm512_scalef_ps(
+            one, _mm512_cvtepi32_ps(_mm512_sub_epi32(
+                     _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(scale + base / 32))), c128)));
+        __m512i sel = sel0;
+        for (int q = 0; q < 4; q++, base += 128, g++) {
+            MX4_GROUP(4, LOAD_FULL, _mm512_permutexvar_ps(sel, s16));
+            sel = _mm512_add_epi32(sel, four);
+        }
+    }
+    for (; base + 128 <= cols; base += 128, g++) MX4_GROUP(4, LOAD_FULL, MX4_SCALES((__mmask16)0xf));
+    if (base < cols) {
+        const int nb = (int)((cols - base) / 32);
+        const __mmask64 m = (1ull << (16 * nb)) - 1;
+#define LOAD_TAIL(p) _mm512_maskz_loadu_epi8(m, p)
+        MX4_GROUP(nb, LOAD_TAIL, MX4_SCALES((__mmask16)((1u << nb) - 1)));
+#undef LOAD_TAIL
+    }
+#undef LOAD_FULL
+#undef MX4_SCALES
+#undef MX4_GROUP
+#pragma GCC unroll 8
+    for (int t = 0; t < NT; t++) out[t] = _mm512_reduce_add_ps(acc[t]);
+}
+
+/* Rows [r0, r1) x tokens [0, n) of an MXFP4 matrix against activations
+ * prepared by k3_mx4_prep (quant.h): y[t*ldy + r] = dot · xs[t]. Per group of
+ * four 32-blocks, the 64 packed bytes become two registers of unsigned codes
+ * (E2M1 doubled + 12; low nibbles, high nibbles) that line up with the
+ * prepared activations, vpdpbusd accumulates onto the -12 Σx correction, and
+ * each block's four int32 lanes take their block's scale. Weights are
+ * unpacked once per row for up to 8 tokens; 16-row slices stay in L1 while
+ * the token groups pass. */
+void k3_mx4_rows_avx512(const uint8_t *packed, const uint8_t *scale, int64_t cols, const int8_t *xp,
+                        const int32_t *corr, int64_t ldc, const float *xs, int64_t n, int64_t r0, int64_t r1,
+                        float *y, int64_t ldy) {
+    for (int64_t rb = r0; rb < r1; rb += 16) {
+        const int64_t re = rb + 16 < r1 ? rb + 16 : r1;
+        for (int64_t t0 = 0; t0 < n; t0 += 8) {
+            const int nt = n - t0 >= 8 ? 8 : (int)(n - t0);
+            for (int64_t r = rb; r < re; r++) {
+                const uint8_t *pr = packed + r * (cols / 2), *sr = scale + r * (cols / 32);
+                const int8_t *xt = xp + t0 * cols;
+                const int32_t *ct = corr + t0 * ldc;
+                float o[8];
+                switch (nt) {
+                case 1: mx4_row(pr, sr, cols, xt, ct, cols, ldc, 1, o); break;
+                case 2: mx4_row(pr, sr, cols, xt, ct, cols, ldc, 2, o); break;
+                case 3: mx4_row(pr, sr, cols, xt, ct, cols, ldc, 3, o); break;
+                case 4: mx4_row(pr, sr, cols, xt, ct, cols, ldc, 4, o); break;
+                case 5: mx4_row(pr, sr, cols, xt, ct, cols, ldc, 5, o); break;
+                case 6: mx4_row(pr, sr, cols, xt, ct, cols, ldc, 6, o); break;
+                case 7: mx4_row(pr, sr, cols, xt, ct, cols, ldc, 7, o); break;
+                default: mx4_row(pr, sr, cols, xt, ct, cols, ldc, 8, o); break;
+                }
+                for (int t = 0; t < nt; t++) y[(t0 + t) * ldy + r] = o[t] * xs[t0 + t];
+            }
+        }
+    }
 }

@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/mem.h"
 #include "kernels/quant.h"
 
 #define PFX "language_model."
@@ -140,9 +141,9 @@ static k3_wtype wtype_of(k3_dtype d) {
     return d == K3_DTYPE_F32 ? K3_W_F32 : d == K3_DTYPE_F16 ? K3_W_F16 : K3_W_BF16;
 }
 
-/* An fp32 buffer the model owns (freed by k3_model_close). */
-static float *own(walker *w, int64_t n) {
-    k3_model *m = w->out;
+/* Memory the model owns (freed by k3_model_close): vectors, derived and
+ * quantized matrices (large ones in huge pages, common/mem.h). */
+static void *own_bytes(k3_model *m, size_t n) {
     if (m->n_owned == m->cap_owned) {
         int64_t cap = m->cap_owned ? 2 * m->cap_owned : 256;
         float **o = realloc(m->owned, (size_t)cap * sizeof *o);
@@ -150,10 +151,13 @@ static float *own(walker *w, int64_t n) {
         m->owned = o;
         m->cap_owned = cap;
     }
-    float *p = malloc((size_t)(n > 0 ? n : 1) * sizeof *p);
+    void *p = k3_alloc_big(n ? n : 1);
     if (p) m->owned[m->n_owned++] = p;
     return p;
 }
+
+/* An fp32 buffer the model owns. */
+static float *own(walker *w, int64_t n) { return own_bytes(w->out, (size_t)(n > 0 ? n : 1) * sizeof(float)); }
 
 static k3_status nomem(walker *w) {
     return k3_err(w->err, K3_ERR_NOMEM, "out of memory loading %s", w->m->dir);
@@ -334,19 +338,18 @@ static k3_status derive_wuk(walker *w, k3_layer *L) {
     return K3_OK;
 }
 
-/* MLAPO's fused down-projection: the matrices that read the layer input x
- * (q_a, kv_a and, for DSA, the indexer's wk and weights_proj) stacked by rows
- * into one owned matrix of their common dtype. */
-static k3_status derive_mla_down(walker *w, k3_layer *L) {
-    const k3_mat *parts[4] = {&L->q_a, &L->kv_a, &L->idx_wk, &L->idx_weights};
-    const int np = L->kind == K3_LAYER_DSA ? 4 : 2;
-    if (!L->q_a.data) return K3_OK;
+/* parts[0..np) stacked by rows into one owned matrix of their common dtype,
+ * so one matmul (one pass over the input, one dispatch) serves them all;
+ * *out stays empty when the parts differ in dtype or are MXFP4. */
+static k3_status derive_stack(walker *w, const k3_mat *const *parts, int np, k3_mat *out) {
+    if (!parts[0]->data) return K3_OK;
     int64_t rows = 0;
     for (int j = 0; j < np; j++) {
-        if (parts[j]->type != L->q_a.type || parts[j]->type == K3_W_MXFP4) return K3_OK;
+        if (parts[j]->type != parts[0]->type || parts[j]->type == K3_W_MXFP4 || parts[j]->cols != parts[0]->cols)
+            return K3_OK;
         rows += parts[j]->rows;
     }
-    const size_t rb = k3_mat_row_bytes(&L->q_a);
+    const size_t rb = k3_mat_row_bytes(parts[0]);
     float *buf = own(w, (int64_t)((rows * (int64_t)rb + 3) / 4));
     if (!buf) return nomem(w);
     char *dst = (char *)buf;
@@ -354,8 +357,28 @@ static k3_status derive_mla_down(walker *w, k3_layer *L) {
         memcpy(dst, parts[j]->data, (size_t)parts[j]->rows * rb);
         dst += (size_t)parts[j]->rows * rb;
     }
-    L->mla_down = (k3_mat){.type = L->q_a.type, .rows = rows, .cols = L->q_a.cols, .data = buf};
+    *out = (k3_mat){.type = parts[0]->type, .rows = rows, .cols = parts[0]->cols, .data = buf};
     return K3_OK;
+}
+
+/* MLAPO's fused down-projection: the matrices that read the layer input x
+ * (q_a, kv_a and, for DSA, the indexer's wk and weights_proj). */
+static k3_status derive_mla_down(walker *w, k3_layer *L) {
+    const k3_mat *parts[4] = {&L->q_a, &L->kv_a, &L->idx_wk, &L->idx_weights};
+    return derive_stack(w, parts, L->kind == K3_LAYER_DSA ? 4 : 2, &L->mla_down);
+}
+
+/* KDA's input projections: q, k, v, the decay gate's f_a, beta's b_proj and,
+ * when full rank, the output gate. */
+static k3_status derive_kda_in(walker *w, k3_layer *L, bool full_rank_gate) {
+    const k3_mat *parts[6] = {&L->q_proj, &L->k_proj, &L->v_proj, &L->f_a, &L->b_proj, &L->g_proj};
+    return derive_stack(w, parts, full_rank_gate ? 6 : 5, &L->kda_in);
+}
+
+/* gate and up of a GLU FFN, which read the same input */
+static k3_status derive_gate_up(walker *w, const k3_mat *gate, const k3_mat *up, k3_mat *out) {
+    const k3_mat *parts[2] = {gate, up};
+    return derive_stack(w, parts, 2, out);
 }
 
 static k3_status walk_kda(walker *w, int i, k3_layer *L) {
@@ -384,6 +407,7 @@ static k3_status walk_kda(walker *w, int i, k3_layer *L) {
         TRY(bind_mat(w, F(g_a), nm(w, "model.layers.%d.self_attn.g_a_proj.weight", i), r, D));
         TRY(bind_mat(w, F(g_b), nm(w, "model.layers.%d.self_attn.g_b_proj.weight", i), HD, r));
     }
+    if (w->pass == PASS_LOAD) TRY(derive_kda_in(w, L, c->kda_full_rank_gate));
     return K3_OK;
 }
 
@@ -449,6 +473,13 @@ static k3_status walk_moe(walker *w, int i, k3_layer *L) {
         TRY(bind_mat(w, F(sh_gate), MOE("shared_experts.gate_proj.weight"), S, D));
         TRY(bind_mat(w, F(sh_up), MOE("shared_experts.up_proj.weight"), S, D));
         TRY(bind_mat(w, F(sh_down), MOE("shared_experts.down_proj.weight"), D, S));
+        if (w->pass == PASS_LOAD) {
+            /* the latent down-projection and the shared experts' gate and up
+             * all read the layer input: one stack when latent, else gate+up */
+            const k3_mat *parts[3] = {&L->lat_down, &L->sh_gate, &L->sh_up};
+            if (c->latent_moe) TRY(derive_stack(w, parts, 3, &L->moe_in));
+            if (!L->moe_in.data) TRY(derive_gate_up(w, &L->sh_gate, &L->sh_up, &L->sh_gu));
+        }
     }
 #undef MOE
     if (L && w->pass == PASS_CHECK) {
@@ -531,6 +562,7 @@ static k3_status walk_layer(walker *w, int i, k3_layer *L) {
         TRY(bind_mat(w, F(ffn_gate), nm(w, "model.layers.%d.%s.gate_proj.weight", i, mlp), I, D));
         TRY(bind_mat(w, F(ffn_up), nm(w, "model.layers.%d.%s.up_proj.weight", i, mlp), I, D));
         TRY(bind_mat(w, F(ffn_down), nm(w, "model.layers.%d.%s.down_proj.weight", i, mlp), D, I));
+        if (w->pass == PASS_LOAD) TRY(derive_gate_up(w, &L->ffn_gate, &L->ffn_up, &L->ffn_gu));
     }
     return K3_OK;
 }
@@ -760,20 +792,6 @@ k3_status k3_quant_parse(const char *s, k3_quant_options *out, k3_error *err) {
     return K3_OK;
 }
 
-/* Owned memory for quantized matrices, on the model's owned list. */
-static void *own_bytes(k3_model *m, size_t n) {
-    if (m->n_owned == m->cap_owned) {
-        int64_t cap = m->cap_owned ? 2 * m->cap_owned : 256;
-        float **o = realloc(m->owned, (size_t)cap * sizeof *o);
-        if (!o) return NULL;
-        m->owned = o;
-        m->cap_owned = cap;
-    }
-    void *p = malloc(n ? n : 1);
-    if (p) m->owned[m->n_owned++] = p;
-    return p;
-}
-
 static k3_status quantize_mat(k3_model *m, k3_mat *w, k3_wquant q, k3_error *err) {
     if (!w->data || w->type == K3_W_MXFP4 || w->type == K3_W_Q8 || w->type == K3_W_MXFP8) return K3_OK;
     if (q == K3_WQ_MXFP8 && w->cols % 32) return K3_OK; /* stays as stored */
@@ -795,21 +813,35 @@ static k3_status quantize_mat(k3_model *m, k3_mat *w, k3_wquant q, k3_error *err
     return K3_OK;
 }
 
+/* The matrices of layer L that the forward pass reads, less the router and
+ * the routed experts: where the loader stacked matrices (MLAPO's
+ * down-projection, KDA's input projections, FFN gate+up), the stack and not
+ * its parts. Returns the count written to out (NULLs skipped). */
+static int runtime_mats(const k3_config *c, k3_layer *L, k3_mat **out) {
+    const bool mla = L->mla_down.data != NULL, kda = L->kda_in.data != NULL;
+    const bool ffn = L->ffn_gu.data != NULL, sh = L->sh_gu.data != NULL, moe = L->moe_in.data != NULL;
+    k3_mat *mats[] = {moe ? &L->moe_in : NULL,&L->o_proj, kda && c->kda_full_rank_gate ? NULL : &L->g_proj,
+                      kda ? &L->kda_in : &L->q_proj, kda ? NULL : &L->k_proj, kda ? NULL : &L->v_proj,
+                      &L->g_a, &L->g_b, kda ? NULL : &L->f_a, &L->f_b, kda ? NULL : &L->b_proj,
+                      mla ? &L->mla_down : &L->q_a, &L->q_b, mla ? NULL : &L->kv_a, &L->kv_b,
+                      mla ? NULL : &L->idx_wk, mla ? NULL : &L->idx_weights, &L->idx_wq_b,
+                      ffn ? &L->ffn_gu : &L->ffn_gate, ffn ? NULL : &L->ffn_up, &L->ffn_down,
+                      moe ? NULL : &L->lat_down, &L->lat_up, moe ? NULL : sh ? &L->sh_gu : &L->sh_gate,
+                      moe || sh ? NULL : &L->sh_up, &L->sh_down};
+    int n = 0;
+    for (size_t k = 0; k < sizeof mats / sizeof mats[0]; k++)
+        if (mats[k] && mats[k]->data) out[n++] = mats[k];
+    return n;
+}
+
 k3_status k3_model_quantize(k3_model *m, const k3_quant_options *opt, k3_error *err) {
     const k3_config *c = &m->cfg;
     for (int i = 0; i < c->n_layers; i++) {
         k3_layer *L = &m->layers[i];
         if (opt->linear != K3_WQ_NONE) {
-            /* with MLAPO's stacked matrix, q_a / kv_a / idx_wk are not read at
-             * run time: quantize the stack only */
-            const bool fused = L->mla_down.data != NULL;
-            k3_mat *mats[] = {&L->o_proj, &L->g_proj, &L->q_proj, &L->k_proj, &L->v_proj, &L->g_a, &L->g_b,
-                              &L->f_a, &L->f_b, &L->b_proj, fused ? &L->mla_down : &L->q_a, &L->q_b,
-                              fused ? NULL : &L->kv_a, &L->kv_b, fused ? NULL : &L->idx_wk, &L->idx_wq_b,
-                              &L->ffn_gate, &L->ffn_up, &L->ffn_down, &L->lat_down, &L->lat_up, &L->sh_gate,
-                              &L->sh_up, &L->sh_down};
-            for (size_t k = 0; k < sizeof mats / sizeof mats[0]; k++) {
-                if (!mats[k]) continue;
+            k3_mat *mats[32];
+            const int n = runtime_mats(c, L, mats);
+            for (int k = 0; k < n; k++) {
                 k3_status s = quantize_mat(m, mats[k], opt->linear, err);
                 if (s) return s;
             }
@@ -820,6 +852,51 @@ k3_status k3_model_quantize(k3_model *m, const k3_quant_options *opt, k3_error *
                 L->exp_up[e].act8 = L->exp_up[e].type == K3_W_MXFP4;
                 L->exp_down[e].act8 = L->exp_down[e].type == K3_W_MXFP4;
             }
+    }
+    return K3_OK;
+}
+
+/* Copies one matrix out of the mapping (data, and the MXFP4 scales). */
+static k3_status copy_mat(k3_model *m, k3_mat *w, int64_t *bytes, bool dry, k3_error *err) {
+    if (!w->data || !k3_st_maps(m->st, w->data)) return K3_OK;
+    const size_t nb = (size_t)w->rows * (w->type == K3_W_MXFP4 ? (size_t)w->cols / 2 : k3_mat_row_bytes(w));
+    const size_t ns = w->type == K3_W_MXFP4 ? (size_t)(w->rows * (w->cols / 32)) : 0;
+    *bytes += (int64_t)(nb + ns);
+    if (dry) return K3_OK;
+    void *d = own_bytes(m, nb);
+    uint8_t *s = ns ? own_bytes(m, ns) : NULL;
+    if (!d || (ns && !s)) return k3_err(err, K3_ERR_NOMEM, "load: out of memory copying weights into RAM");
+    memcpy(d, w->data, nb);
+    w->data = d;
+    if (ns) {
+        memcpy(s, w->scale, ns);
+        w->scale = s;
+    }
+    return K3_OK;
+}
+
+k3_status k3_model_load_resident(k3_model *m, int64_t max_bytes, int64_t *copied, k3_error *err) {
+    const k3_config *c = &m->cfg;
+    *copied = 0;
+    for (int step = 0; step < 2; step++) { /* 0 counts, 1 copies */
+        const bool dry = step == 0;
+        int64_t bytes = 0;
+        k3_status s = copy_mat(m, &m->lm_head, &bytes, dry, err);
+        for (int i = 0; i < c->n_layers && !s; i++) {
+            k3_layer *L = &m->layers[i];
+            k3_mat *mats[32];
+            const int n = runtime_mats(c, L, mats);
+            for (int k = 0; k < n && !s; k++) s = copy_mat(m, mats[k], &bytes, dry, err);
+            if (!s) s = copy_mat(m, &L->router, &bytes, dry, err);
+            for (int e = 0; L->moe && e < c->n_experts && !s; e++) {
+                s = copy_mat(m, &L->exp_gate[e], &bytes, dry, err);
+                if (!s) s = copy_mat(m, &L->exp_up[e], &bytes, dry, err);
+                if (!s) s = copy_mat(m, &L->exp_down[e], &bytes, dry, err);
+            }
+        }
+        if (s) return s;
+        if (dry && max_bytes > 0 && bytes > max_bytes) return K3_OK;
+        if (!dry) *copied = bytes;
     }
     return K3_OK;
 }

@@ -54,6 +54,9 @@ typedef struct k3_layer {
                                  (derived at load; data NULL when the parts differ
                                  in dtype or q_lora_rank = 0) */
 
+    k3_mat kda_in;            /* KDA: [q; k; v; f_a; b_proj; g_proj (full rank)] stacked
+                                 the same way */
+
     /* DSA indexer */
     k3_mat idx_wq_b;          /* [HI*dI, q_lora] */
     k3_mat idx_wk;            /* [dI, D] */
@@ -63,6 +66,7 @@ typedef struct k3_layer {
     /* dense FFN */
     k3_mat ffn_gate, ffn_up;  /* [I, D] */
     k3_mat ffn_down;          /* [D, I] */
+    k3_mat ffn_gu;            /* [gate; up] stacked (derived at load, or empty) */
 
     /* MoE */
     k3_mat router;            /* [E, D] */
@@ -74,6 +78,9 @@ typedef struct k3_layer {
     k3_mat *exp_down;         /* [E] of [Dl, Im]  (w2) */
     k3_mat sh_gate, sh_up;    /* [n_shared*Im, D] */
     k3_mat sh_down;           /* [D, n_shared*Im] */
+    k3_mat sh_gu;             /* [sh_gate; sh_up] stacked (derived at load, or empty) */
+    k3_mat moe_in;            /* latent MoE with shared experts: [lat_down; sh_gate; sh_up],
+                                 everything that reads the MoE input but the router */
 } k3_layer;
 
 struct k3_model {

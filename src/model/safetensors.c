@@ -43,6 +43,13 @@ struct k3_st {
     int32_t n_files;
 };
 
+bool k3_st_maps(const k3_st *st, const void *p) {
+    const uint8_t *b = p;
+    for (int32_t i = 0; i < st->n_files; i++)
+        if (st->files[i].map && b >= st->files[i].map && b < st->files[i].map + st->files[i].size) return true;
+    return false;
+}
+
 /* ---- dtypes ------------------------------------------------------------- */
 
 static const struct {

@@ -58,6 +58,8 @@ void k3_st_close(k3_st *st);
 /* Looks a tensor up by its full name; NULL when absent. */
 const k3_st_tensor *k3_st_get(const k3_st *st, const char *name);
 int64_t k3_st_count(const k3_st *st);
+/* True when p points into one of the set's mapped files. */
+bool k3_st_maps(const k3_st *st, const void *p);
 const k3_st_tensor *k3_st_at(const k3_st *st, int64_t i);
 /* Total bytes of all tensors whose name starts with prefix ("" = all). */
 int64_t k3_st_bytes(const k3_st *st, const char *prefix);

@@ -1,0 +1,97 @@
+/*
+ * kbench.c -- matrix-vector kernels alone, against the machine's read
+ * bandwidth: for each weight format, y = W x at batch n over a set of
+ * matrices larger than the last-level cache (cycled like a model's layers),
+ * reporting weight GB/s. A developer tool (`make kbench`), not part of k3.
+ *
+ *   build/kbench [threads] [n] [rows] [cols]
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <sys/mman.h>
+
+#include "k3.h"
+#include "kernels/kernels.h"
+#include "kernels/quant.h"
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static uint64_t rng = 88172645463325252ull;
+static uint32_t rnd(void) {
+    rng ^= rng << 13; rng ^= rng >> 7; rng ^= rng << 17;
+    return (uint32_t)(rng >> 16);
+}
+
+static int cmpd(const void *a, const void *b) {
+    const double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+int main(int argc, char **argv) {
+    const int nth = argc > 1 ? atoi(argv[1]) : 2;
+    const int64_t n = argc > 2 ? atoll(argv[2]) : 1;
+    const int64_t rows = argc > 3 ? atoll(argv[3]) : 2048, cols = argc > 4 ? atoll(argv[4]) : 2048;
+    k3_pool *pool = NULL;
+    k3_error err;
+    if (nth > 1 && k3_pool_init(&pool, nth, &err) != K3_OK) return 1;
+    k3_kernels_init();
+    printf("isa %s, threads %d, n %lld, matrices %lld x %lld\n", k3_isa_name(k3_kernels_isa()), nth,
+           (long long)n, (long long)rows, (long long)cols);
+    const double bw = k3_membw_read_gbps(pool, (size_t)1 << 30, 5);
+    printf("read bandwidth %.1f GB/s\n", bw);
+    float *x = malloc(sizeof(float) * (size_t)(n * cols)), *y = malloc(sizeof(float) * (size_t)(n * rows));
+    for (int64_t i = 0; i < n * cols; i++) x[i] = (float)((int)(rnd() % 2001) - 1000) / 1000.0f;
+    struct { const char *name; k3_wtype t; bool act8; } fmts[] = {
+        {"bf16", K3_W_BF16, false}, {"q8 (w8a8)", K3_W_Q8, true}, {"mxfp4 (w4a8)", K3_W_MXFP4, true},
+        {"mxfp4 (fp32 act)", K3_W_MXFP4, false}, {"mxfp8 (w8a8)", K3_W_MXFP8, true},
+    };
+    for (size_t f = 0; f < sizeof fmts / sizeof fmts[0]; f++) {
+        k3_mat w = {.type = fmts[f].t, .rows = rows, .cols = cols, .act8 = fmts[f].act8};
+        const size_t rb = k3_mat_row_bytes(&w);
+        const size_t mb = rb * (size_t)rows;
+        const int nm = (int)((512ull << 20) / mb) + 1;
+        k3_mat *ms = calloc((size_t)nm, sizeof *ms);
+        for (int m = 0; m < nm; m++) {
+            ms[m] = w;
+            size_t db = fmts[f].t == K3_W_BF16 ? 2 * (size_t)(rows * cols)
+                        : fmts[f].t == K3_W_MXFP4 ? (size_t)(rows * cols / 2) : (size_t)(rows * cols);
+            const size_t al = (db + (2u << 20) - 1) / (2u << 20) * (2u << 20);
+            uint8_t *d = aligned_alloc(2u << 20, al);
+            if (getenv("KB_HUGE")) madvise(d, al, MADV_HUGEPAGE);
+            for (size_t i = 0; i < db; i++) d[i] = (uint8_t)rnd();
+            if (fmts[f].t == K3_W_BF16)
+                for (size_t i = 0; i < db / 2; i++) ((uint16_t *)d)[i] = k3_f32_to_bf16((float)((int)(rnd() % 2001) - 1000) / 1e5f);
+            if (fmts[f].t == K3_W_MXFP8)
+                for (size_t i = 0; i < db; i++) if ((d[i] & 0x7f) == 0x7f) d[i] = 0x10;
+            ms[m].data = d;
+            if (fmts[f].t == K3_W_MXFP4 || fmts[f].t == K3_W_MXFP8) {
+                uint8_t *s = malloc((size_t)(rows * cols / 32));
+                for (int64_t i = 0; i < rows * cols / 32; i++) s[i] = (uint8_t)(118 + rnd() % 8);
+                ms[m].scale = s;
+            }
+            if (fmts[f].t == K3_W_Q8) {
+                float *s = malloc(sizeof(float) * (size_t)rows);
+                for (int64_t i = 0; i < rows; i++) s[i] = 1e-3f;
+                ms[m].row_scale = s;
+            }
+        }
+        double t[7];
+        for (int r = 0; r < 7; r++) {
+            const double t0 = now_s();
+            for (int m = 0; m < nm; m++) k3_matmul(pool, &ms[m], x, n, y);
+            t[r] = now_s() - t0;
+        }
+        qsort(t, 7, sizeof t[0], cmpd);
+        const double gb = (double)mb * nm / 1e9;
+        printf("%-18s %6.2f MB/matrix x %3d: %7.2f GB/s weights (%5.1f%% of read bw), %8.1f GFLOP/s\n",
+               fmts[f].name, mb / 1e6, nm, gb / t[3], 100.0 * gb / t[3] / bw,
+               2.0 * rows * cols * n * nm / t[3] / 1e9);
+    }
+    return 0;
+}
