@@ -204,20 +204,18 @@ void k3_kda_gate(float *z, int n, float A_log, const float *dt_bias, bool has_lb
 }
 
 void k3_kda_conv(float *x, int64_t ldx, int n, int C, int K, const float *w, float *state, int64_t lds) {
-    /* Walk channels; for each, keep a small window of the last K-1 inputs. */
-    for (int c = 0; c < C; c++) {
-        float win[16]; /* K <= 16, checked at load */
-        for (int j = 0; j < K - 1; j++) win[j] = state[(int64_t)j * lds + c];
-        const float *wc = w + (int64_t)c * K;
-        for (int t = 0; t < n; t++) {
-            float *xt = x + (int64_t)t * ldx + c;
-            const float in = *xt;
-            float s = wc[K - 1] * in;
-            for (int j = 0; j < K - 1; j++) s += wc[j] * win[j];
-            for (int j = 0; j + 1 < K - 1; j++) win[j] = win[j + 1];
-            if (K > 1) win[K - 2] = in;
-            *xt = s / (1.0f + expf(-s)); /* SiLU */
+    /* token by token, channels innermost (vectorizable); the window lives in
+     * the state rows, shifted each token */
+    for (int t = 0; t < n; t++) {
+        float *xt = x + (int64_t)t * ldx;
+        for (int c = 0; c < C; c++) {
+            const float in = xt[c];
+            float s = w[(int64_t)c * K + K - 1] * in;
+            for (int j = 0; j < K - 1; j++) s += w[(int64_t)c * K + j] * state[(int64_t)j * lds + c];
+            for (int j = 0; j + 1 < K - 1; j++) state[(int64_t)j * lds + c] = state[(int64_t)(j + 1) * lds + c];
+            if (K > 1) state[(int64_t)(K - 2) * lds + c] = in;
+            xt[c] = s;
         }
-        for (int j = 0; j < K - 1; j++) state[(int64_t)j * lds + c] = win[j];
+        k3_glu(xt, NULL, C, K3_GLU_SILU, 0.0f, 0.0f);
     }
 }

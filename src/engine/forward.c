@@ -369,6 +369,32 @@ static void layernorm(float *x, const float *w, const float *b, int n) {
     for (int d = 0; d < n; d++) x[d] = (float)(x[d] - mean) * r * w[d] + b[d];
 }
 
+/* qa_h = W_UK_hᵀ q_nope_h for heads [lo, hi), each product on this thread */
+static void absorb_items(void *p, int64_t lo, int64_t hi, int ith) {
+    const layer_job *j = p;
+    k3_ctx *ctx = j->ctx;
+    const int64_t T = ctx->T, kvl = ctx->c->kv_lora_rank, nope = ctx->c->qk_nope_dim;
+    for (int64_t h = lo; h < hi; h++) {
+        const k3_mat wuk = k3_mat_rows(&j->L->wuk, h * kvl, kvl);
+        k3_matmul(NULL, &wuk, ctx->s.qn + h * T * nope, T, ctx->s.qa + h * T * kvl);
+    }
+}
+
+/* o_h = W_UV_h ĉ_h for heads [lo, hi), into their columns of s.mo */
+static void value_items(void *p, int64_t lo, int64_t hi, int ith) {
+    const layer_job *j = p;
+    k3_ctx *ctx = j->ctx;
+    const k3_config *c = ctx->c;
+    const int64_t T = ctx->T, H = c->n_heads, kvl = c->kv_lora_rank, nope = c->qk_nope_dim, vd = c->v_head_dim;
+    k3_scratch *s = &ctx->s;
+    for (int64_t h = lo; h < hi; h++) {
+        const k3_mat wuv = k3_mat_rows(&j->L->kv_b, h * (nope + vd) + nope, vd);
+        k3_matmul(NULL, &wuv, s->chat + h * T * kvl, T, s->mtmp + h * T * vd);
+        for (int64_t t = 0; t < T; t++)
+            memcpy(s->mo + t * H * vd + h * vd, s->mtmp + (h * T + t) * vd, sizeof(float) * (size_t)vd);
+    }
+}
+
 /* MLAPO: everything from the normed hidden state to the attention inputs, in
  * one pass per round: the q latent cq (which the indexer reuses), the
  * absorbed query qa = W_UKᵀ q_nope per head, q_pe, and the writes of the
@@ -456,20 +482,20 @@ static void mlapo(k3_ctx *ctx, const k3_layer *L, int layer, const float *xn) {
         }
     }
 
-    /* absorbed query per head: qa_h = W_UK_hᵀ q_nope_h */
+    /* absorbed query per head: qa_h = W_UK_hᵀ q_nope_h, a head per pool item */
     for (int h = 0; h < H; h++) {
         float *qn = s->qn + (int64_t)h * T * nope;
         for (int64_t t = 0; t < T; t++)
             memcpy(qn + t * nope, s->mq + t * H * qh + h * qh, sizeof(float) * (size_t)nope);
-        const k3_mat wuk = {.type = K3_W_F32, .rows = kvl, .cols = nope, .data = L->wuk_t + (int64_t)h * kvl * nope};
-        k3_matmul(ctx->pool, &wuk, qn, T, s->qa + (int64_t)h * T * kvl);
     }
+    layer_job j = {ctx, L, layer, 1};
+    k3_pool_for(ctx->pool, H, 1, absorb_items, &j);
 }
 
 static void mla_layer(k3_ctx *ctx, const k3_layer *L, int layer, const float *xn, float *out) {
     const k3_config *c = ctx->c;
     const int64_t T = ctx->T;
-    const int H = c->n_heads, nope = c->qk_nope_dim, kvl = c->kv_lora_rank;
+    const int H = c->n_heads;
     const int vd = c->v_head_dim;
     k3_scratch *s = &ctx->s;
 
@@ -497,14 +523,8 @@ static void mla_layer(k3_ctx *ctx, const k3_layer *L, int layer, const float *xn
     });
     const double t_out = ctx->prof_on ? k3_now() : 0.0;
 
-    /* o_h = W_UV_h ĉ_h, gated, then o_proj */
-    for (int h = 0; h < H; h++) {
-        const k3_mat wuv = k3_mat_rows(&L->kv_b, (int64_t)h * (nope + vd) + nope, vd);
-        k3_matmul(ctx->pool, &wuv, s->chat + (int64_t)h * T * kvl, T, s->mtmp + (int64_t)h * T * vd);
-        for (int64_t t = 0; t < T; t++)
-            memcpy(s->mo + t * H * vd + (int64_t)h * vd, s->mtmp + ((int64_t)h * T + t) * vd,
-                   sizeof(float) * (size_t)vd);
-    }
+    /* o_h = W_UV_h ĉ_h (a head per pool item), gated, then o_proj */
+    k3_pool_for(ctx->pool, H, 1, value_items, &aj);
     if (c->mla_use_output_gate) {
         k3_matmul(ctx->pool, &L->g_proj, xn, T, s->mgate);
         for (int64_t i = 0; i < T * H * vd; i++) s->mo[i] *= sigmoidf(s->mgate[i]);

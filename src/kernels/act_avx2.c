@@ -59,9 +59,12 @@ void k3_glu_avx2(float *f1, const float *f2, int64_t n, k3_glu_kind kind, float 
     for (int64_t i = 0; i < n; i += 8) {
         const int left = n - i >= 8 ? 8 : (int)(n - i);
         const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(left), lane);
-        const __m256 g = _mm256_maskload_ps(f1 + i, m), u = _mm256_maskload_ps(f2 + i, m);
+        const __m256 g = _mm256_maskload_ps(f1 + i, m);
+        const __m256 u = kind == K3_GLU_SILU ? _mm256_set1_ps(1.0f) : _mm256_maskload_ps(f2 + i, m);
         __m256 y;
-        if (kind == K3_GLU_SITU) {
+        if (kind == K3_GLU_SILU) {
+            y = _mm256_mul_ps(g, sigmoid8(g));
+        } else if (kind == K3_GLU_SITU) {
             const __m256 a = _mm256_mul_ps(_mm256_mul_ps(vb1, tanh8(_mm256_div_ps(g, vb1))), sigmoid8(g));
             y = _mm256_mul_ps(a, b2 > 0.0f ? _mm256_mul_ps(vb2, tanh8(_mm256_div_ps(u, vb2))) : u);
         } else {

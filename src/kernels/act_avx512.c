@@ -53,9 +53,12 @@ void k3_glu_avx512(float *f1, const float *f2, int64_t n, k3_glu_kind kind, floa
     const __m512 vb1 = _mm512_set1_ps(b1), vb2 = _mm512_set1_ps(b2);
     for (int64_t i = 0; i < n; i += 16) {
         const __mmask16 m = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
-        const __m512 g = _mm512_maskz_loadu_ps(m, f1 + i), u = _mm512_maskz_loadu_ps(m, f2 + i);
+        const __m512 g = _mm512_maskz_loadu_ps(m, f1 + i);
+        const __m512 u = kind == K3_GLU_SILU ? _mm512_set1_ps(1.0f) : _mm512_maskz_loadu_ps(m, f2 + i);
         __m512 y;
-        if (kind == K3_GLU_SITU) {
+        if (kind == K3_GLU_SILU) {
+            y = _mm512_mul_ps(g, sigmoid16(g));
+        } else if (kind == K3_GLU_SITU) {
             const __m512 a = _mm512_mul_ps(_mm512_mul_ps(vb1, tanh16(_mm512_div_ps(g, vb1))), sigmoid16(g));
             y = _mm512_mul_ps(a, b2 > 0.0f ? _mm512_mul_ps(vb2, tanh16(_mm512_div_ps(u, vb2))) : u);
         } else {

@@ -44,21 +44,25 @@ AI void rec_panel(const int NV, const k3_kda_head *h, float *S, int c0, int t0, 
                   const float *E, __mmask16 m) {
     const int dk = h->dk, dv = h->dv;
     float *P = S + c0;
-    __mmask16 mv[2];
-    for (int v = 0; v < NV; v++) mv[v] = v == NV - 1 ? m : (__mmask16)0xffff;
-    __m512 up[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    __mmask16 mv[8];
+    __m512 up[8];
+    for (int v = 0; v < NV; v++) {
+        mv[v] = v == NV - 1 ? m : (__mmask16)0xffff;
+        up[v] = _mm512_setzero_ps();
+    }
     for (int i = 0; i <= nt; i++) {
         /* tc: the token decayed in this pass; tp = tc - 1: the one updated */
         const int64_t tc = t0 + i, tp = tc - 1;
         const float *e = E + (int64_t)i * dk;
         const float *kc = i < nt ? h->k + tc * h->ld_qk : NULL;
         const float *kp = i > 0 ? h->k + tp * h->ld_qk : NULL, *qp = i > 0 ? h->q + tp * h->ld_qk : NULL;
-        __m512 u[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-        __m512 o[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+        __m512 u[8], o[8];
+        _Pragma("GCC unroll 8")
+        for (int v = 0; v < NV; v++) u[v] = o[v] = _mm512_setzero_ps();
         if (i == 0) {
             for (int a = 0; a < dk; a++) {
                 float *row = P + (int64_t)a * dv;
-                _Pragma("GCC unroll 2")
+                _Pragma("GCC unroll 8")
                 for (int v = 0; v < NV; v++) {
                     const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(mv[v], row + 16 * v), _mm512_set1_ps(e[a]));
                     u[v] = _mm512_fmadd_ps(_mm512_set1_ps(kc[a]), x, u[v]);
@@ -68,7 +72,7 @@ AI void rec_panel(const int NV, const k3_kda_head *h, float *S, int c0, int t0, 
         } else if (i == nt) {
             for (int a = 0; a < dk; a++) {
                 float *row = P + (int64_t)a * dv;
-                _Pragma("GCC unroll 2")
+                _Pragma("GCC unroll 8")
                 for (int v = 0; v < NV; v++) {
                     const __m512 x = _mm512_fmadd_ps(_mm512_set1_ps(kp[a]), up[v], _mm512_maskz_loadu_ps(mv[v], row + 16 * v));
                     o[v] = _mm512_fmadd_ps(_mm512_set1_ps(qp[a]), x, o[v]);
@@ -78,7 +82,7 @@ AI void rec_panel(const int NV, const k3_kda_head *h, float *S, int c0, int t0, 
         } else {
             for (int a = 0; a < dk; a++) {
                 float *row = P + (int64_t)a * dv;
-                _Pragma("GCC unroll 2")
+                _Pragma("GCC unroll 8")
                 for (int v = 0; v < NV; v++) {
                     __m512 x = _mm512_fmadd_ps(_mm512_set1_ps(kp[a]), up[v], _mm512_maskz_loadu_ps(mv[v], row + 16 * v));
                     o[v] = _mm512_fmadd_ps(_mm512_set1_ps(qp[a]), x, o[v]);
@@ -90,13 +94,13 @@ AI void rec_panel(const int NV, const k3_kda_head *h, float *S, int c0, int t0, 
         }
         if (i > 0) {
             float *ot = h->o + tp * h->ld_o + c0;
-            _Pragma("GCC unroll 2")
+            _Pragma("GCC unroll 8")
             for (int v = 0; v < NV; v++) _mm512_mask_storeu_ps(ot + 16 * v, mv[v], o[v]);
         }
         if (i < nt) { /* u = beta (v - Sᵀk) */
             const __m512 b = _mm512_set1_ps(h->beta[tc * h->ld_beta]);
             const float *vt = h->v + tc * h->ld_v + c0;
-            _Pragma("GCC unroll 2")
+            _Pragma("GCC unroll 8")
             for (int v = 0; v < NV; v++)
                 up[v] = _mm512_mul_ps(b, _mm512_sub_ps(_mm512_maskz_loadu_ps(mv[v], vt + 16 * v), u[v]));
         }
@@ -118,6 +122,13 @@ void k3_kda_recurrent_avx512(const k3_kda_head *h, float *S) {
                 _mm512_mask_storeu_ps(E + i * dk + a, 0xff, exp16(_mm512_maskz_loadu_ps(0xff, g + a)));
         }
         int c0 = 0;
+        if (nt == 1 && dv == 128) {
+            /* a decode step: the whole state in one panel, two passes in
+             * address order (the first streams it in, the second finds it
+             * in L2); the per-element arithmetic is the same as below */
+            rec_panel(8, h, S, 0, t0, nt, E, 0xffff);
+            continue;
+        }
         for (; c0 + 32 <= dv; c0 += 32) rec_panel(2, h, S, c0, t0, nt, E, 0xffff);
         if (dv - c0 == 24) rec_panel(2, h, S, c0, t0, nt, E, 0xff);
         else if (dv - c0 == 16) rec_panel(1, h, S, c0, t0, nt, E, 0xffff);

@@ -180,8 +180,10 @@ void k3_axpy_ref(float *y, float a, const float *x, int64_t n) {
 
 void k3_glu_ref(float *f1, const float *f2, int64_t n, k3_glu_kind kind, float b1, float b2) {
     for (int64_t i = 0; i < n; i++) {
-        const float g = f1[i], u = f2[i];
-        if (kind == K3_GLU_SITU)
+        const float g = f1[i], u = kind == K3_GLU_SILU ? 1.0f : f2[i];
+        if (kind == K3_GLU_SILU)
+            f1[i] = g / (1.0f + expf(-g));
+        else if (kind == K3_GLU_SITU)
             f1[i] = b1 * tanhf(g / b1) / (1.0f + expf(-g)) * (b2 > 0.0f ? b2 * tanhf(u / b2) : u);
         else
             f1[i] = g / (1.0f + expf(-g)) * u;

@@ -334,6 +334,7 @@ static k3_status derive_wuk(walker *w, k3_layer *L) {
                 t[(h * kv + col) * nope + j] =
                     elem_f32(kb->data, d, row * kb->cols + col);
         }
+    L->wuk = (k3_mat){.type = K3_W_F32, .rows = H * kv, .cols = nope, .data = t};
     L->wuk_t = t;
     return K3_OK;
 }
@@ -820,7 +821,7 @@ static k3_status quantize_mat(k3_model *m, k3_mat *w, k3_wquant q, k3_error *err
 static int runtime_mats(const k3_config *c, k3_layer *L, k3_mat **out) {
     const bool mla = L->mla_down.data != NULL, kda = L->kda_in.data != NULL;
     const bool ffn = L->ffn_gu.data != NULL, sh = L->sh_gu.data != NULL, moe = L->moe_in.data != NULL;
-    k3_mat *mats[] = {moe ? &L->moe_in : NULL,&L->o_proj, kda && c->kda_full_rank_gate ? NULL : &L->g_proj,
+    k3_mat *mats[] = {moe ? &L->moe_in : NULL, &L->wuk,&L->o_proj, kda && c->kda_full_rank_gate ? NULL : &L->g_proj,
                       kda ? &L->kda_in : &L->q_proj, kda ? NULL : &L->k_proj, kda ? NULL : &L->v_proj,
                       &L->g_a, &L->g_b, kda ? NULL : &L->f_a, &L->f_b, kda ? NULL : &L->b_proj,
                       mla ? &L->mla_down : &L->q_a, &L->q_b, mla ? NULL : &L->kv_a, &L->kv_b,
@@ -842,8 +843,11 @@ k3_status k3_model_quantize(k3_model *m, const k3_quant_options *opt, k3_error *
             k3_mat *mats[32];
             const int n = runtime_mats(c, L, mats);
             for (int k = 0; k < n; k++) {
+                /* wuk is the k half of kv_b again, whose bytes are counted */
+                const int64_t delta = m->quant_bytes_delta;
                 k3_status s = quantize_mat(m, mats[k], opt->linear, err);
                 if (s) return s;
+                if (mats[k] == &L->wuk) m->quant_bytes_delta = delta;
             }
         }
         if (opt->experts_a8 && L->moe)

@@ -48,6 +48,8 @@ typedef struct k3_layer {
     k3_mat kv_b;              /* [H*(nope+v), kv_lora] */
     float *wuk_t;             /* [H, kv_lora, nope] fp32: W_UK_h transposed, for the
                                  absorbed query qa_h = W_UK_hᵀ q_nope_h (derived at load) */
+    k3_mat wuk;               /* the same as a matrix [H*kv_lora, nope] (head h: rows
+                                 h*kv_lora..), which W8A8 quantizes like kv_b */
 
     k3_mat mla_down;          /* MLAPO: [q_a; kv_a; idx_wk; idx_weights] rows in one
                                  owned matrix, so the layer input is read once
