@@ -43,12 +43,21 @@ static void check_matmul_q(k3_wtype type, int rows, int cols, int n) {
     int8_t *q8 = NULL;
     uint8_t *q = NULL, *e = NULL;
     float *rs = NULL;
+    int32_t *sums = NULL;
     if (type == K3_W_Q8) {
         q8 = malloc((size_t)rows * cols);
         rs = malloc(sizeof(float) * rows);
         k3_quant_q8_mat(&src, q8, rs);
         w.data = q8;
         w.row_scale = rs;
+        if (n % 2) { /* half the shapes with the row sums the loader makes */
+            sums = malloc(sizeof(int32_t) * rows);
+            for (int r = 0; r < rows; r++) {
+                sums[r] = 0;
+                for (int c = 0; c < cols; c++) sums[r] += q8[r * cols + c];
+            }
+            w.row_sum = sums;
+        }
     } else if (type == K3_W_MXFP8) {
         q = malloc((size_t)rows * cols);
         e = malloc((size_t)rows * cols / 32);
@@ -88,6 +97,7 @@ static void check_matmul_q(k3_wtype type, int rows, int cols, int n) {
     free(yf);
     free(q8);
     free(rs);
+    free(sums);
     free(q);
     free(e);
 }
@@ -100,4 +110,32 @@ K3_TEST(quant_matmul_w8a8_w4a8) {
         check_matmul_q(K3_W_MXFP4, shapes[s][0], shapes[s][1], shapes[s][2]);
     }
     check_matmul_q(K3_W_Q8, 9, 50, 4); /* int8 tail */
+    check_matmul_q(K3_W_Q8, 33, 300, 1); /* decode with row sums: 256-column steps + tail */
+    check_matmul_q(K3_W_Q8, 17, 1100, 3);
+    check_matmul_q(K3_W_MXFP4, 21, 1120, 1); /* W4A8: 512-column scale groups + a 96-column tail */
+    check_matmul_q(K3_W_MXFP4, 21, 1120, 9);
+}
+
+/* The per-token int8 quantizer's SIMD form == the scalar one, bit for bit
+ * (tails, zeros, values that round at .5, one outlier). */
+K3_TEST(quant_act_i8_simd_equals_ref) {
+    static const int ns[] = {1, 15, 16, 17, 100, 2048, 2053};
+    for (size_t k = 0; k < sizeof ns / sizeof ns[0]; k++) {
+        const int n = ns[k];
+        float *x = malloc(sizeof(float) * n);
+        int8_t *a = malloc(n), *b = malloc(n);
+        for (int i = 0; i < n; i++) x[i] = i % 11 == 0 ? 0.0f : frand() * (i % 7 == 0 ? 3.0f : 1.0f);
+        x[n / 2] = 10.0f;                           /* amax: 127 / 10 per unit */
+        if (n > 4) x[1] = 0.5f * 10.0f / 127.0f * 3; /* exactly 1.5 steps: ties to even */
+        const float sa = k3_quant_act_i8_ref(x, n, a);
+        k3_kernels_force(K3_ISA_AVX512);
+        const float sb = k3_quant_act_i8(x, n, b);
+        CHECKF(sa == sb && memcmp(a, b, (size_t)n) == 0, "n=%d", n);
+        free(x);
+        free(a);
+        free(b);
+    }
+    int8_t z[20];
+    float zero[20] = {0};
+    CHECK(k3_quant_act_i8(zero, 20, z) == 0.0f && z[0] == 0 && z[19] == 0);
 }

@@ -168,8 +168,9 @@ typedef int32_t (*dot_i8_fn)(const int8_t *, const int8_t *, int64_t);
 typedef float (*dot_mx_fn)(const uint8_t *, const uint8_t *, const int8_t *, int64_t);
 int32_t k3_dot_i8_avx2(const int8_t *a, const int8_t *b, int64_t n);
 float k3_dot_mxfp4_i8_avx2(const uint8_t *packed, const uint8_t *scale, const int8_t *x, int64_t cols);
-void k3_q8_rows_avx512(const int8_t *w, const float *row_scale, int64_t cols, const uint8_t *xu,
-                       const float *xs, int64_t n, int64_t r0, int64_t r1, float *y, int64_t ldy);
+void k3_q8_rows_avx512(const int8_t *w, const float *row_scale, const int32_t *row_sum, int64_t cols,
+                       const uint8_t *xu, const float *xs, int64_t n, int64_t r0, int64_t r1, float *y,
+                       int64_t ldy);
 void k3_mx4_rows_avx512(const uint8_t *packed, const uint8_t *scale, int64_t cols, const int8_t *xp,
                         const int32_t *corr, int64_t ldc, const float *xs, int64_t n, int64_t r0, int64_t r1,
                         float *y, int64_t ldy);
@@ -233,7 +234,8 @@ static void q_rows(void *p, int64_t lo, int64_t hi, int ith) {
     const k3_mat *w = j->w;
     const int64_t cols = w->cols, rows = w->rows;
     if (j->vnni && w->type == K3_W_Q8) {
-        k3_q8_rows_avx512(w->data, w->row_scale, cols, (const uint8_t *)j->xq, j->xs, j->n, lo, hi, j->y, rows);
+        k3_q8_rows_avx512(w->data, w->row_scale, w->row_sum, cols, (const uint8_t *)j->xq, j->xs, j->n, lo, hi,
+                          j->y, rows);
         return;
     }
     if (j->vnni && w->type == K3_W_MXFP4) {

@@ -84,13 +84,38 @@ static inline __attribute__((always_inline)) void q8_tile(const int8_t *w, int64
     }
 }
 
+/* One row against one token with the row's sum known: four accumulators
+ * so the vpdpbusd chain is not what limits a decode step. */
+static inline int32_t q8_dot1(const int8_t *w, const uint8_t *xu, int64_t cols) {
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t c = 0;
+    for (; c + 256 <= cols; c += 256) {
+        a0 = _mm512_dpbusd_epi32(a0, _mm512_loadu_si512(xu + c), _mm512_loadu_si512(w + c));
+        a1 = _mm512_dpbusd_epi32(a1, _mm512_loadu_si512(xu + c + 64), _mm512_loadu_si512(w + c + 64));
+        a2 = _mm512_dpbusd_epi32(a2, _mm512_loadu_si512(xu + c + 128), _mm512_loadu_si512(w + c + 128));
+        a3 = _mm512_dpbusd_epi32(a3, _mm512_loadu_si512(xu + c + 192), _mm512_loadu_si512(w + c + 192));
+    }
+    for (; c < cols; c += 64) {
+        const __mmask64 m = cols - c >= 64 ? ~0ull : ((1ull << (cols - c)) - 1);
+        a0 = _mm512_dpbusd_epi32(a0, _mm512_maskz_loadu_epi8(m, xu + c), _mm512_maskz_loadu_epi8(m, w + c));
+    }
+    return _mm512_reduce_add_epi32(_mm512_add_epi32(_mm512_add_epi32(a0, a1), _mm512_add_epi32(a2, a3)));
+}
+
 /* Rows [r0, r1) x tokens [0, n) of a Q8 matrix: y[t*ldy + r] = dot · xs[t] · rs[r].
  * Few tokens (decode): one row at a time against all of them, so the weights
  * stream in address order, which is what the prefetchers follow best. Many:
- * 4x4 tiles, blocked so a 64-row slice of W stays in L2 while the tokens pass. */
-void k3_q8_rows_avx512(const int8_t *w, const float *row_scale, int64_t cols, const uint8_t *xu,
-                       const float *xs, int64_t n, int64_t r0, int64_t r1, float *y, int64_t ldy) {
+ * 4x4 tiles, blocked so a 64-row slice of W stays in L2 while the tokens pass.
+ * row_sum (Σ w per row) may be NULL: the tiles then sum the rows themselves. */
+void k3_q8_rows_avx512(const int8_t *w, const float *row_scale, const int32_t *row_sum, int64_t cols,
+                       const uint8_t *xu, const float *xs, int64_t n, int64_t r0, int64_t r1, float *y,
+                       int64_t ldy) {
     int32_t o[4][4];
+    if (n == 1 && row_sum) {
+        for (int64_t r = r0; r < r1; r++)
+            y[r] = (float)(q8_dot1(w + r * cols, xu, cols) - 128 * row_sum[r]) * xs[0] * row_scale[r];
+        return;
+    }
     if (n <= 4) {
         for (int64_t r = r0; r < r1; r++) {
             const int8_t *wr = w + r * cols;

@@ -83,6 +83,7 @@ k3_mat k3_mat_rows(const k3_mat *w, int64_t r0, int64_t n) {
     } else if (w->type == K3_W_Q8) {
         v.data = (const int8_t *)w->data + r0 * w->cols;
         v.row_scale = w->row_scale + r0;
+        if (w->row_sum) v.row_sum = w->row_sum + r0;
     } else if (w->type == K3_W_MXFP8) {
         v.data = (const uint8_t *)w->data + r0 * w->cols;
         v.scale = w->scale + r0 * (w->cols / 32);
