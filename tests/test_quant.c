@@ -1,6 +1,7 @@
 /* test_quant.c -- FP8 E4M3 codes, Q8 / MXFP8 conversion, and the 8-bit
  * activation matmuls (W8A8 Q8 and MXFP8, W4A8 MXFP4) == their
  * dequantize-then-fp32 reference, on every ISA path. */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -138,4 +139,20 @@ K3_TEST(quant_act_i8_simd_equals_ref) {
     int8_t z[20];
     float zero[20] = {0};
     CHECK(k3_quant_act_i8(zero, 20, z) == 0.0f && z[0] == 0 && z[19] == 0);
+}
+
+/* MXFP8 block scale: the OCP rule, raised by one where it would clip
+ * (amax in [448, 512) x 2^k), so no element saturates. */
+K3_TEST(quant_mxfp8_scale_never_clips) {
+    float row[32];
+    uint8_t q[32], e[1];
+    for (int i = 0; i < 32; i++) row[i] = 0.01f * (float)i;
+    row[5] = 470.0f; /* OCP: 2^(8 - 8) = 1 -> 470 clips to 448 */
+    k3_mat src = {.type = K3_W_F32, .rows = 1, .cols = 32, .data = row};
+    k3_quant_mxfp8_mat(&src, q, e);
+    CHECK(e[0] == 128); /* 2^1 */
+    CHECK(fabsf(k3_e4m3_to_f32(q[5]) * 2.0f - 470.0f) <= 16.0f);
+    row[5] = 440.0f; /* below 448: the OCP rule stands */
+    k3_quant_mxfp8_mat(&src, q, e);
+    CHECK(e[0] == 127 && k3_e4m3_to_f32(q[5]) == 448.0f);
 }

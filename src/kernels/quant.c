@@ -55,20 +55,24 @@ void k3_quant_q8_mat(const k3_mat *src, int8_t *q, float *scales) {
     free(row);
 }
 
-/* E8M0 exponent for a block with max |x| = amax and element max emax_exp
- * (E4M3: 8): X = 2^(floor(log2 amax) - emax_exp), byte = that + 127. */
-static uint8_t mx_scale_byte(float amax, int emax_exp) {
+/* E8M0 exponent for a block with max |x| = amax: the OCP rule X =
+ * 2^(floor(log2 amax) - emax_exp) (E4M3: emax_exp 8), raised by one when
+ * amax / X would pass the largest element max_elem (E4M3: 448), since the
+ * OCP rule clips blocks whose amax lies in [448, 512) x 2^k by up to 12%
+ * (rounding the scale up, as the MXFP8 training recipes do). */
+static uint8_t mx_scale_byte(float amax, int emax_exp, float max_elem) {
     if (!(amax > 0.0f)) return 127 - 20; /* all zero: any scale works */
     int e2;
-    frexpf(amax, &e2);
+    const float m = frexpf(amax, &e2); /* amax = m 2^e2, m in [0.5, 1) */
     int b = (e2 - 1) - emax_exp + 127;
+    if (ldexpf(m, emax_exp + 1) > max_elem) b++;
     return (uint8_t)(b < 0 ? 0 : b > 254 ? 254 : b);
 }
 
 static void mxfp8_block(const float *x, uint8_t *q, uint8_t *e) {
     float amax = 0.0f;
     for (int i = 0; i < 32; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
-    *e = mx_scale_byte(amax, 8);
+    *e = mx_scale_byte(amax, 8, 448.0f);
     const float inv = 1.0f / k3_e8m0_to_f32(*e);
     for (int i = 0; i < 32; i++) q[i] = k3_f32_to_e4m3(x[i] * inv);
 }
@@ -263,8 +267,10 @@ static void q_rows(void *p, int64_t lo, int64_t hi, int ith) {
                 const k3_mat one = k3_mat_rows(w, r, 1);
                 /* dequantized row chunk, applied to every token */
                 const uint8_t *q = (const uint8_t *)one.data + c0;
-                for (int64_t c = 0; c < len; c++)
-                    wrow[c] = e4m3_lut[q[c]] * k3_e8m0_to_f32(one.scale[(c0 + c) / 32]);
+                for (int64_t b = 0; b < len; b += 32) { /* len % 32 == 0 */
+                    const float sc = k3_e8m0_to_f32(one.scale[(c0 + b) / 32]);
+                    for (int c = 0; c < 32; c++) wrow[b + c] = e4m3_lut[q[b + c]] * sc;
+                }
                 for (int64_t i = 0; i < j->n; i++) {
                     const float d = k3_dot(j->xf + i * cols + c0, wrow, len);
                     j->y[i * rows + r] = c0 ? j->y[i * rows + r] + d : d;
