@@ -75,10 +75,16 @@ int main(int argc, char **argv) {
                 for (int64_t i = 0; i < rows * cols / 32; i++) s[i] = (uint8_t)(118 + rnd() % 8);
                 ms[m].scale = s;
             }
-            if (fmts[f].t == K3_W_Q8) {
+            if (fmts[f].t == K3_W_Q8) { /* as the loader makes them: scales and row sums */
                 float *s = malloc(sizeof(float) * (size_t)rows);
-                for (int64_t i = 0; i < rows; i++) s[i] = 1e-3f;
+                int32_t *sum = malloc(sizeof(int32_t) * (size_t)rows);
+                for (int64_t i = 0; i < rows; i++) {
+                    s[i] = 1e-3f;
+                    sum[i] = 0;
+                    for (int64_t c = 0; c < cols; c++) sum[i] += ((const int8_t *)d)[i * cols + c];
+                }
                 ms[m].row_scale = s;
+                ms[m].row_sum = sum;
             }
         }
         double t[7];
