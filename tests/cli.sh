@@ -50,6 +50,10 @@ expect_ok "dump logits" "$K3" run -m "$TINY" --ids 1,2,3 -n 0 --dump-logits "$TM
 
 expect_ok "run --chat" "$K3" run -m "$TINY" --chat -n 4 --temp 0 "Hi"
 expect_ok "run quantized, C8 cache" "$K3" run -m "$TINY" --quant w8a8+w4a8 --kv-cache c8 -n 4 --temp 0 "Hello"
+# weights read from the mapping (--mmap) or copied into RAM (default): same text
+"$K3" run -m "$TINY" -n 12 --temp 0 "Hello" >"$TMP/copied" 2>/dev/null
+"$K3" run -m "$TINY" -n 12 --temp 0 --mmap "Hello" >"$TMP/mapped" 2>/dev/null
+if [ -s "$TMP/copied" ] && cmp -s "$TMP/copied" "$TMP/mapped"; then ok "run --mmap = copied weights"; else bad "run --mmap = copied weights"; fi
 printf 'It is a truth universally acknowledged, that a single man in possession of a good fortune.\n' >"$TMP/t.txt"
 expect_ok "eval" "$K3" eval -m "$TINY" --text "$TMP/t.txt" --ctx 8
 tail -n 1 "$TMP/out" | grep -qE '^ppl [0-9.]+ bits_per_byte [0-9.]+ tokens [0-9]+$' && ok "eval last line" || bad "eval last line" "$TMP/out"
