@@ -823,12 +823,13 @@ static k3_status quantize_mat(k3_model *m, k3_mat *w, k3_wquant q, k3_error *err
 
 /* The matrices of layer L that the forward pass reads, less the router and
  * the routed experts: where the loader stacked matrices (MLAPO's
- * down-projection, KDA's input projections, FFN gate+up), the stack and not
- * its parts. Returns the count written to out (NULLs skipped). */
+ * down-projection, KDA's input projections, FFN gate+up, the MoE input
+ * stack), the stack and not its parts; W_UK as a matrix. Returns the count
+ * written to out (empty ones skipped). */
 static int runtime_mats(const k3_config *c, k3_layer *L, k3_mat **out) {
     const bool mla = L->mla_down.data != NULL, kda = L->kda_in.data != NULL;
     const bool ffn = L->ffn_gu.data != NULL, sh = L->sh_gu.data != NULL, moe = L->moe_in.data != NULL;
-    k3_mat *mats[] = {moe ? &L->moe_in : NULL, &L->wuk,&L->o_proj, kda && c->kda_full_rank_gate ? NULL : &L->g_proj,
+    k3_mat *mats[] = {moe ? &L->moe_in : NULL, &L->wuk, &L->o_proj, kda && c->kda_full_rank_gate ? NULL : &L->g_proj,
                       kda ? &L->kda_in : &L->q_proj, kda ? NULL : &L->k_proj, kda ? NULL : &L->v_proj,
                       &L->g_a, &L->g_b, kda ? NULL : &L->f_a, &L->f_b, kda ? NULL : &L->b_proj,
                       mla ? &L->mla_down : &L->q_a, &L->q_b, mla ? NULL : &L->kv_a, &L->kv_b,
