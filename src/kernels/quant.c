@@ -228,7 +228,8 @@ typedef struct {
     const float *xf;    /* [n, cols] MXFP8 path */
     int64_t n;
     float *y;
-    bool vnni;
+    bool vnni;          /* AVX-512 with VNNI: the W8A8/W4A8 kernels of quant_avx512.c */
+    bool avx512;        /* AVX-512 (F16C conversion for MXFP8) */
     dot_i8_fn dot;
     dot_mx_fn dotmx;
 } qjob;
@@ -267,9 +268,13 @@ static void q_rows(void *p, int64_t lo, int64_t hi, int ith) {
                 const k3_mat one = k3_mat_rows(w, r, 1);
                 /* dequantized row chunk, applied to every token */
                 const uint8_t *q = (const uint8_t *)one.data + c0;
-                for (int64_t b = 0; b < len; b += 32) { /* len % 32 == 0 */
-                    const float sc = k3_e8m0_to_f32(one.scale[(c0 + b) / 32]);
-                    for (int c = 0; c < 32; c++) wrow[b + c] = e4m3_lut[q[b + c]] * sc;
+                if (j->avx512) {
+                    k3_mxfp8_dequant_avx512(q, one.scale + c0 / 32, len, wrow);
+                } else {
+                    for (int64_t b = 0; b < len; b += 32) { /* len % 32 == 0 */
+                        const float sc = k3_e8m0_to_f32(one.scale[(c0 + b) / 32]);
+                        for (int c = 0; c < 32; c++) wrow[b + c] = e4m3_lut[q[b + c]] * sc;
+                    }
                 }
                 for (int64_t i = 0; i < j->n; i++) {
                     const float d = k3_dot(j->xf + i * cols + c0, wrow, len);
@@ -311,7 +316,7 @@ void k3_matmul_q(k3_pool *pool, const k3_mat *w, const float *x, int64_t n, floa
             xk = xp;
         }
     }
-    qjob j = {w, xk, corr, ldc, xs, xf, n, y, vnni,
+    qjob j = {w, xk, corr, ldc, xs, xf, n, y, vnni, k3_kernels_isa() >= K3_ISA_AVX512,
               isa >= K3_ISA_AVX2 ? k3_dot_i8_avx2 : dot_i8_ref,
               isa >= K3_ISA_AVX2 ? k3_dot_mxfp4_i8_avx2 : dot_mxfp4_i8_ref};
     k3_pool_for(pool, w->rows, 16, q_rows, &j);

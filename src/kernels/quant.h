@@ -34,6 +34,11 @@ void k3_mx4_prep(const int8_t *xq, int64_t cols, int8_t *xp, int32_t *corr);
 /* One activation row fake-quantized to MXFP8 (E4M3 per 32, E8M0 scale), in place. */
 void k3_quant_act_mxfp8(float *x, int64_t n);
 
+/* AVX-512 only (check k3_kernels_isa): len (% 32 == 0) E4M3 codes with
+ * their E8M0 block scales -> fp32, equal to k3_e4m3_to_f32 x scale for every
+ * code but the NaNs (0x7F, 0xFF), which the quantizer never writes. */
+void k3_mxfp8_dequant_avx512(const uint8_t *q, const uint8_t *e, int64_t len, float *out);
+
 /* y[n, rows] = x[n, cols] · Wᵀ with 8-bit activations, for Q8, MXFP8 and
  * MXFP4 weights. Threaded over rows. */
 void k3_matmul_q(k3_pool *pool, const k3_mat *w, const float *x, int64_t n, float *y);

@@ -258,3 +258,24 @@ void k3_mx4_rows_avx512(const uint8_t *packed, const uint8_t *scale, int64_t col
         }
     }
 }
+
+/* ---- W8A8 MXFP8 -------------------------------------------------------------- */
+
+/* len (% 32 == 0) E4M3 codes with their E8M0 block scales -> fp32, the same
+ * values as the table in quant.c: sign and the 7 low bits placed as an IEEE
+ * half (s eeee mmm -> s 0eeee mmm0000000) is the E4M3 value times 2^-8, for
+ * normals and subnormals alike; the half converts exactly. The NaN codes
+ * 0x7F/0xFF, which the quantizer never writes, are not kept NaN. */
+void k3_mxfp8_dequant_avx512(const uint8_t *q, const uint8_t *e, int64_t len, float *out) {
+    const __m256i low7 = _mm256_set1_epi16(0x7f), sign = _mm256_set1_epi16(0x80);
+    for (int64_t b = 0; b < len; b += 32) {
+        const __m512 sc = _mm512_set1_ps(k3_e8m0_to_f32(e[b / 32])), x256 = _mm512_set1_ps(256.0f);
+        for (int h = 0; h < 32; h += 16) {
+            const __m256i c = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(q + b + h)));
+            const __m256i f16 = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(c, sign), 8),
+                                                _mm256_slli_epi16(_mm256_and_si256(c, low7), 7));
+            /* the E4M3 value exactly, then one rounding like the scalar path */
+            _mm512_storeu_ps(out + b + h, _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtph_ps(f16), x256), sc));
+        }
+    }
+}
