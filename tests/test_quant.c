@@ -177,3 +177,46 @@ K3_TEST(quant_mxfp8_simd_decode_equals_ref) {
         CHECKF(bad == 0, "scale byte %d: %d codes differ", scales[s], bad);
     }
 }
+
+/* The two AVX-512 W4A8 kernels (nibbles decoded by vpshufb, or by vpermb with
+ * VBMI) give the same result bit for bit, tails included. */
+void k3_mx4_rows_avx512(const uint8_t *packed, const uint8_t *scale, int64_t cols, const int8_t *xp,
+                        const int32_t *corr, int64_t ldc, const float *xs, int64_t n, int64_t r0, int64_t r1,
+                        float *y, int64_t ldy);
+void k3_mx4_rows_avx512_vbmi(const uint8_t *packed, const uint8_t *scale, int64_t cols, const int8_t *xp,
+                             const int32_t *corr, int64_t ldc, const float *xs, int64_t n, int64_t r0, int64_t r1,
+                             float *y, int64_t ldy);
+
+K3_TEST(quant_w4a8_vbmi_equals_shufb) {
+    k3_kernels_init();
+    if (k3_kernels_isa() < K3_ISA_AVX512 || !__builtin_cpu_supports("avx512vnni") ||
+        !__builtin_cpu_supports("avx512vbmi")) {
+        printf("    (no AVX-512 VNNI+VBMI on this CPU: not run)\n");
+        return;
+    }
+    enum { R = 19, C = 1120, N = 11 }; /* 2 groups of 512 + a 96-column tail; 8 + 3 tokens */
+    const int64_t ldc = (C + 127) / 128 * 16;
+    uint8_t *pk = malloc(R * C / 2), *sc = malloc(R * C / 32);
+    int8_t *xq = malloc(N * C), *xp = malloc(N * C);
+    int32_t *corr = malloc(sizeof(int32_t) * N * ldc);
+    float *x = malloc(sizeof(float) * N * C), xs[N], *y1 = malloc(sizeof(float) * N * R),
+          *y2 = malloc(sizeof(float) * N * R);
+    for (int i = 0; i < R * C / 2; i++) pk[i] = (uint8_t)(rng = rng * 6364136223846793005ull + 1, rng >> 56);
+    for (int i = 0; i < R * C / 32; i++) sc[i] = (uint8_t)(118 + i % 13);
+    for (int i = 0; i < N * C; i++) x[i] = frand();
+    for (int t = 0; t < N; t++) {
+        xs[t] = k3_quant_act_i8(x + t * C, C, xq + t * C);
+        k3_mx4_prep(xq + t * C, C, xp + t * C, corr + t * ldc);
+    }
+    k3_mx4_rows_avx512(pk, sc, C, xp, corr, ldc, xs, N, 0, R, y1, R);
+    k3_mx4_rows_avx512_vbmi(pk, sc, C, xp, corr, ldc, xs, N, 0, R, y2, R);
+    CHECK(memcmp(y1, y2, sizeof(float) * N * R) == 0);
+    free(pk);
+    free(sc);
+    free(xq);
+    free(xp);
+    free(corr);
+    free(x);
+    free(y1);
+    free(y2);
+}

@@ -175,9 +175,15 @@ float k3_dot_mxfp4_i8_avx2(const uint8_t *packed, const uint8_t *scale, const in
 void k3_q8_rows_avx512(const int8_t *w, const float *row_scale, const int32_t *row_sum, int64_t cols,
                        const uint8_t *xu, const float *xs, int64_t n, int64_t r0, int64_t r1, float *y,
                        int64_t ldy);
+typedef void (*mx4_rows_fn)(const uint8_t *packed, const uint8_t *scale, int64_t cols, const int8_t *xp,
+                            const int32_t *corr, int64_t ldc, const float *xs, int64_t n, int64_t r0, int64_t r1,
+                            float *y, int64_t ldy);
 void k3_mx4_rows_avx512(const uint8_t *packed, const uint8_t *scale, int64_t cols, const int8_t *xp,
                         const int32_t *corr, int64_t ldc, const float *xs, int64_t n, int64_t r0, int64_t r1,
                         float *y, int64_t ldy);
+void k3_mx4_rows_avx512_vbmi(const uint8_t *packed, const uint8_t *scale, int64_t cols, const int8_t *xp,
+                             const int32_t *corr, int64_t ldc, const float *xs, int64_t n, int64_t r0, int64_t r1,
+                             float *y, int64_t ldy);
 
 /* ---- the driver ------------------------------------------------------------- */
 
@@ -230,6 +236,7 @@ typedef struct {
     float *y;
     bool vnni;          /* AVX-512 with VNNI: the W8A8/W4A8 kernels of quant_avx512.c */
     bool avx512;        /* AVX-512 (F16C conversion for MXFP8) */
+    mx4_rows_fn mx4;    /* the W4A8 kernel (VNNI, with VBMI where present) */
     dot_i8_fn dot;
     dot_mx_fn dotmx;
 } qjob;
@@ -244,7 +251,7 @@ static void q_rows(void *p, int64_t lo, int64_t hi, int ith) {
         return;
     }
     if (j->vnni && w->type == K3_W_MXFP4) {
-        k3_mx4_rows_avx512(w->data, w->scale, cols, j->xq, j->corr, j->ldc, j->xs, j->n, lo, hi, j->y, rows);
+        j->mx4(w->data, w->scale, cols, j->xq, j->corr, j->ldc, j->xs, j->n, lo, hi, j->y, rows);
         return;
     }
     float wrow[8192];
@@ -317,6 +324,7 @@ void k3_matmul_q(k3_pool *pool, const k3_mat *w, const float *x, int64_t n, floa
         }
     }
     qjob j = {w, xk, corr, ldc, xs, xf, n, y, vnni, k3_kernels_isa() >= K3_ISA_AVX512,
+              __builtin_cpu_supports("avx512vbmi") ? k3_mx4_rows_avx512_vbmi : k3_mx4_rows_avx512,
               isa >= K3_ISA_AVX2 ? k3_dot_i8_avx2 : dot_i8_ref,
               isa >= K3_ISA_AVX2 ? k3_dot_mxfp4_i8_avx2 : dot_mxfp4_i8_ref};
     k3_pool_for(pool, w->rows, 16, q_rows, &j);

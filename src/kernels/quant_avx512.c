@@ -163,101 +163,32 @@ void k3_q8_rows_avx512(const int8_t *w, const float *row_scale, const int32_t *r
 
 /* ---- W4A8 MXFP4 ------------------------------------------------------------ */
 
-/* One MXFP4 row against NT <= 8 prepared tokens: out[t] = Σ_blocks scale · dot. */
-static inline __attribute__((always_inline)) void mx4_row(const uint8_t *packed, const uint8_t *scale,
-                                                          int64_t cols, const int8_t *xp, const int32_t *corr,
-                                                          int64_t ldx, int64_t ldc, const int NT, float *out) {
-    const __m512i lut = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
-    const __m512i m4 = _mm512_set1_epi8(0x0f);
-    const __m128i rep4 = _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-    const __m512i c128 = _mm512_set1_epi32(128);
-    const __m512 one = _mm512_set1_ps(1.0f);
-    __m512 acc[8];
-#pragma GCC unroll 8
-    for (int t = 0; t < NT; t++) acc[t] = _mm512_setzero_ps();
-#define MX4_GROUP(NB, LOAD, SCALE)                                                                     \
-    do {                                                                                               \
-        const __m512i pk = LOAD(packed + base / 2);                                                    \
-        const __m512i wlo = _mm512_shuffle_epi8(lut, _mm512_and_si512(pk, m4));                        \
-        const __m512i whi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(pk, 4), m4));  \
-        const __m512 s = SCALE;                                                                        \
-        _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                                         \
-            const int8_t *x = xp + t * ldx + base;                                                     \
-            __m512i d = _mm512_loadu_si512(corr + t * ldc + g * 16);                                   \
-            d = _mm512_dpbusd_epi32(d, wlo, LOAD(x));                                                  \
-            d = _mm512_dpbusd_epi32(d, whi, LOAD(x + 16 * (NB)));                                      \
-            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), s, acc[t]);                                \
-        }                                                                                              \
-    } while (0)
-    /* s: lanes 4i..4i+3 = 2^(e_i - 128), the E8M0 scale halved for the doubled codes */
-#define MX4_SCALES(MS)                                                                                 \
-    _mm512_scalef_ps(one, _mm512_cvtepi32_ps(_mm512_sub_epi32(                                         \
-        _mm512_cvtepu8_epi32(_mm_shuffle_epi8(_mm_maskz_loadu_epi8(MS, scale + base / 32), rep4)), c128)))
-#define LOAD_FULL(p) _mm512_loadu_si512(p)
-    int64_t g = 0, base = 0;
-    /* 16 blocks at a time: their 16 scales converted at once, then spread */
-    const __m512i sel0 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-    const __m512i four = _mm512_set1_epi32(4);
-    for (; base + 512 <= cols;) {
-        const __m512 s16 = _mm512_scalef_ps(
-            one, _mm512_cvtepi32_ps(_mm512_sub_epi32(
-                     _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(scale + base / 32))), c128)));
-        __m512i sel = sel0;
-        for (int q = 0; q < 4; q++, base += 128, g++) {
-            MX4_GROUP(4, LOAD_FULL, _mm512_permutexvar_ps(sel, s16));
-            sel = _mm512_add_epi32(sel, four);
-        }
-    }
-    for (; base + 128 <= cols; base += 128, g++) MX4_GROUP(4, LOAD_FULL, MX4_SCALES((__mmask16)0xf));
-    if (base < cols) {
-        const int nb = (int)((cols - base) / 32);
-        const __mmask64 m = (1ull << (16 * nb)) - 1;
-#define LOAD_TAIL(p) _mm512_maskz_loadu_epi8(m, p)
-        MX4_GROUP(nb, LOAD_TAIL, MX4_SCALES((__mmask16)((1u << nb) - 1)));
-#undef LOAD_TAIL
-    }
-#undef LOAD_FULL
-#undef MX4_SCALES
-#undef MX4_GROUP
-#pragma GCC unroll 8
-    for (int t = 0; t < NT; t++) out[t] = _mm512_reduce_add_ps(acc[t]);
-}
+/* Nibbles to codes with vpshufb: each index byte needs its top bits cleared. */
+#define MX4_ROW mx4_row_shufb
+#define MX4_ROWS k3_mx4_rows_avx512
+#define MX4_ATTR
+#define MX4_LO(pk) _mm512_shuffle_epi8(lut, _mm512_and_si512(pk, m4))
+#define MX4_HI(pk) _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(pk, 4), m4))
+#include "mx4_avx512.inc"
+#undef MX4_ROW
+#undef MX4_ROWS
+#undef MX4_ATTR
+#undef MX4_LO
+#undef MX4_HI
 
-/* Rows [r0, r1) x tokens [0, n) of an MXFP4 matrix against activations
- * prepared by k3_mx4_prep (quant.h): y[t*ldy + r] = dot · xs[t]. Per group of
- * four 32-blocks, the 64 packed bytes become two registers of unsigned codes
- * (E2M1 doubled + 12; low nibbles, high nibbles) that line up with the
- * prepared activations, vpdpbusd accumulates onto the -12 Σx correction, and
- * each block's four int32 lanes take their block's scale. Weights are
- * unpacked once per row for up to 8 tokens; 16-row slices stay in L1 while
- * the token groups pass. */
-void k3_mx4_rows_avx512(const uint8_t *packed, const uint8_t *scale, int64_t cols, const int8_t *xp,
-                        const int32_t *corr, int64_t ldc, const float *xs, int64_t n, int64_t r0, int64_t r1,
-                        float *y, int64_t ldy) {
-    for (int64_t rb = r0; rb < r1; rb += 16) {
-        const int64_t re = rb + 16 < r1 ? rb + 16 : r1;
-        for (int64_t t0 = 0; t0 < n; t0 += 8) {
-            const int nt = n - t0 >= 8 ? 8 : (int)(n - t0);
-            for (int64_t r = rb; r < re; r++) {
-                const uint8_t *pr = packed + r * (cols / 2), *sr = scale + r * (cols / 32);
-                const int8_t *xt = xp + t0 * cols;
-                const int32_t *ct = corr + t0 * ldc;
-                float o[8];
-                switch (nt) {
-                case 1: mx4_row(pr, sr, cols, xt, ct, cols, ldc, 1, o); break;
-                case 2: mx4_row(pr, sr, cols, xt, ct, cols, ldc, 2, o); break;
-                case 3: mx4_row(pr, sr, cols, xt, ct, cols, ldc, 3, o); break;
-                case 4: mx4_row(pr, sr, cols, xt, ct, cols, ldc, 4, o); break;
-                case 5: mx4_row(pr, sr, cols, xt, ct, cols, ldc, 5, o); break;
-                case 6: mx4_row(pr, sr, cols, xt, ct, cols, ldc, 6, o); break;
-                case 7: mx4_row(pr, sr, cols, xt, ct, cols, ldc, 7, o); break;
-                default: mx4_row(pr, sr, cols, xt, ct, cols, ldc, 8, o); break;
-                }
-                for (int t = 0; t < nt; t++) y[(t0 + t) * ldy + r] = o[t] * xs[t0 + t];
-            }
-        }
-    }
-}
+/* With AVX512-VBMI, vpermb reads only the low 6 bits of each index and the
+ * 16-entry table is repeated 4 times in lut: no masking. */
+#define MX4_ROW mx4_row_vbmi
+#define MX4_ROWS k3_mx4_rows_avx512_vbmi
+#define MX4_ATTR __attribute__((target("avx512vbmi")))
+#define MX4_LO(pk) _mm512_permutexvar_epi8(pk, lut)
+#define MX4_HI(pk) _mm512_permutexvar_epi8(_mm512_srli_epi16(pk, 4), lut)
+#include "mx4_avx512.inc"
+#undef MX4_ROW
+#undef MX4_ROWS
+#undef MX4_ATTR
+#undef MX4_LO
+#undef MX4_HI
 
 /* ---- W8A8 MXFP8 -------------------------------------------------------------- */
 
