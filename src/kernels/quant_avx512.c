@@ -9,7 +9,6 @@
 #include <string.h>
 
 #include "quant.h"
-#include "quant_simd.h"
 
 /* ---- per-token activation quantization ----------------------------------- */
 
