@@ -1,6 +1,6 @@
 /*
- * quant_simd.h -- private to the quant_*.c ISA files: pieces of the W4A8
- * inner loop they share. Each file compiles these with its own -m flags.
+ * quant_simd.h -- private to quant_avx2.c: pieces of its W4A8 inner loop
+ * (the AVX-512 kernel decodes nibbles its own way, mx4_avx512.inc).
  */
 #ifndef K3_KERNELS_QUANT_SIMD_H
 #define K3_KERNELS_QUANT_SIMD_H
