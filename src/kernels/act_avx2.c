@@ -1,39 +1,17 @@
 /*
- * act_avx2.c -- the gated activations (k3_glu) with AVX2+FMA: exp by range
- * reduction to |r| <= ln2/2 and a degree-7 polynomial (truncation < 1e-8
- * relative), scaled through the exponent bits; tanh from it, with a short odd series near
- * zero where 1 - 2/(e^2x + 1) would cancel.
+ * act_avx2.c -- the gated activations (k3_glu) with AVX2+FMA: exp from vexp_avx2.h
+ * (the KDA kernels' exp), tanh from it with a short odd series near zero
+ * where 1 - 2/(e^2x + 1) would cancel.
  */
 #include <immintrin.h>
 
 #include "kernels/kernels_isa.h"
-
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(89.0f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
-    __m256 p = _mm256_set1_ps(1.0f / 5040);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    /* 2^n, n in [-126, 128], as two factors so n = 128 stays finite */
-    const __m256i ni = _mm256_cvtps_epi32(n);
-    const __m256i hi = _mm256_srai_epi32(ni, 1), lo = _mm256_sub_epi32(ni, hi);
-    const __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(hi, _mm256_set1_epi32(127)), 23));
-    const __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(lo, _mm256_set1_epi32(127)), 23));
-    return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
-}
+#include "kernels/vexp_avx2.h"
 
 static inline __m256 tanh8(__m256 x) {
     const __m256 ax = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x);
     /* |x| >= 0.2: 1 - 2 / (e^2|x| + 1), sign restored */
-    const __m256 e = exp8(_mm256_add_ps(ax, ax));
+    const __m256 e = k3_exp8(_mm256_add_ps(ax, ax));
     __m256 big = _mm256_sub_ps(_mm256_set1_ps(1.0f),
                                _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, _mm256_set1_ps(1.0f))));
     big = _mm256_or_ps(big, _mm256_and_ps(x, _mm256_set1_ps(-0.0f)));
@@ -48,7 +26,7 @@ static inline __m256 tanh8(__m256 x) {
 }
 
 static inline __m256 sigmoid8(__m256 g) {
-    return _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+    return _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_add_ps(_mm256_set1_ps(1.0f), k3_exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
 }
 
 /* Every value goes through the same vector formula (the tail too, masked),

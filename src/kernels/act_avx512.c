@@ -1,34 +1,17 @@
 /*
- * act_avx512.c -- the gated activations (k3_glu) with AVX-512: exp by range
- * reduction to |r| <= ln2/2 and a degree-7 polynomial (truncation < 1e-8
- * relative), scaled by vscalefps; tanh from it, with a short odd series near
- * zero where 1 - 2/(e^2x + 1) would cancel.
+ * act_avx512.c -- the gated activations (k3_glu) with AVX-512: exp from vexp_avx512.h
+ * (the KDA kernels' exp), tanh from it with a short odd series near zero
+ * where 1 - 2/(e^2x + 1) would cancel.
  */
 #include <immintrin.h>
 
 #include "kernels/kernels_isa.h"
-
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(89.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 5040);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
+#include "kernels/vexp_avx512.h"
 
 static inline __m512 tanh16(__m512 x) {
     const __m512 ax = _mm512_abs_ps(x);
     /* |x| >= 0.2: 1 - 2 / (e^2|x| + 1), sign restored */
-    const __m512 e = exp16(_mm512_add_ps(ax, ax));
+    const __m512 e = k3_exp16(_mm512_add_ps(ax, ax));
     __m512 big = _mm512_sub_ps(_mm512_set1_ps(1.0f),
                                _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, _mm512_set1_ps(1.0f))));
     big = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(big),
@@ -44,7 +27,7 @@ static inline __m512 tanh16(__m512 x) {
 }
 
 static inline __m512 sigmoid16(__m512 g) {
-    return _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+    return _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_add_ps(_mm512_set1_ps(1.0f), k3_exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
 }
 
 /* Every value goes through the same vector formula (the tail too, masked),

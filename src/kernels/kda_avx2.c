@@ -46,32 +46,12 @@
 #include <string.h>
 
 #include "attn/kda.h"
+#include "kernels/vexp_avx2.h"
 
 #define AI static inline __attribute__((always_inline))
 
 /* ---- helpers ------------------------------------------------------------ */
 
-/* exp(x) on 8 lanes: Cephes expf (range reduction by ln 2, degree-6
- * polynomial), about 1 ulp. Below -87.3 (where expf is subnormal, < 1.2e-38)
- * it returns 0; NaN propagates. */
-AI __m256 exp8(__m256 x) {
-    const __m256 lo = _mm256_set1_ps(-87.33654f), hi = _mm256_set1_ps(88.0f);
-    const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-    x = _mm256_min_ps(hi, _mm256_max_ps(lo, x));
-    const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
-    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
-}
 
 /* The eight horizontal sums of a0..a7, in order, in one vector. */
 AI __m256 hsum8x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6,
@@ -161,7 +141,7 @@ void k3_kda_recurrent_avx2(const k3_kda_head *h, float *S) {
         const int nt = h->n - t0 < tg ? h->n - t0 : tg;
         for (int i = 0; i < nt; i++) {
             const float *g = h->g + (int64_t)(t0 + i) * h->ld_qk;
-            for (int a = 0; a < dk; a += 8) _mm256_storeu_ps(E + i * dk + a, exp8(_mm256_loadu_ps(g + a)));
+            for (int a = 0; a < dk; a += 8) _mm256_storeu_ps(E + i * dk + a, k3_exp8(_mm256_loadu_ps(g + a)));
         }
         int c0 = 0;
         for (; c0 + 16 <= dv; c0 += 16) rec_panel(2, h, S, c0, t0, nt, E);
@@ -322,21 +302,21 @@ void k3_kda_chunked_avx2(const k3_kda_head *h, float *S, int chunk, float *work)
             if (r > 0) {
                 const int rp = r - SB;
                 for (int d = 0; d < dk; d += 8)
-                    _mm256_storeu_ps(f + d, exp8(_mm256_sub_ps(_mm256_loadu_ps(GR(r) + d), _mm256_loadu_ps(GR(rp) + d))));
+                    _mm256_storeu_ps(f + d, k3_exp8(_mm256_sub_ps(_mm256_loadu_ps(GR(r) + d), _mm256_loadu_ps(GR(rp) + d))));
                 for (int j = 0; j < rp; j++)
                     for (int d = 0; d < dk; d += 8)
                         _mm256_storeu_ps(Kb + (int64_t)j * dk + d,
                                          _mm256_mul_ps(_mm256_loadu_ps(Kb + (int64_t)j * dk + d), _mm256_loadu_ps(f + d)));
                 for (int j = rp; j < r; j++)
                     for (int d = 0; d < dk; d += 8) {
-                        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(GR(r) + d), _mm256_loadu_ps(GR(j) + d)));
+                        const __m256 e = k3_exp8(_mm256_sub_ps(_mm256_loadu_ps(GR(r) + d), _mm256_loadu_ps(GR(j) + d)));
                         _mm256_storeu_ps(Kb + (int64_t)j * dk + d, _mm256_mul_ps(_mm256_loadu_ps(K(j) + d), e));
                     }
             }
             /* Ks_t, Qs_t relative to r */
             for (int t = r; t < re; t++)
                 for (int d = 0; d < dk; d += 8) {
-                    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(GR(t) + d), _mm256_loadu_ps(GR(r) + d)));
+                    const __m256 e = k3_exp8(_mm256_sub_ps(_mm256_loadu_ps(GR(t) + d), _mm256_loadu_ps(GR(r) + d)));
                     _mm256_storeu_ps(Ks + (int64_t)t * dk + d, _mm256_mul_ps(_mm256_loadu_ps(K(t) + d), e));
                     _mm256_storeu_ps(Qs + (int64_t)t * dk + d, _mm256_mul_ps(_mm256_loadu_ps(Q(t) + d), e));
                 }
@@ -391,7 +371,7 @@ void k3_kda_chunked_avx2(const k3_kda_head *h, float *S, int chunk, float *work)
                 for (int d = 0; d < dk; d += 8) {
                     _Pragma("GCC unroll 8")
                     for (int i = 0; i < 4; i++) {
-                        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(Gt[i] + d), _mm256_loadu_ps(Gj[i] + d)));
+                        const __m256 e = k3_exp8(_mm256_sub_ps(_mm256_loadu_ps(Gt[i] + d), _mm256_loadu_ps(Gj[i] + d)));
                         const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(kj[i] + d), e);
                         l[i] = _mm256_fmadd_ps(_mm256_loadu_ps(kt[i] + d), x, l[i]);
                         a[i] = _mm256_fmadd_ps(_mm256_loadu_ps(qt[i] + d), x, a[i]);
@@ -421,7 +401,7 @@ void k3_kda_chunked_avx2(const k3_kda_head *h, float *S, int chunk, float *work)
                 for (int i = 0; i < 8 && t + i < re; i++) A[(int64_t)(t + i) * chunk + t + i] = s[i];
             }
             /* Ke_t = Ks_t e^{G_r}, Qe_t = Qs_t e^{G_r} */
-            for (int d = 0; d < dk; d += 8) _mm256_storeu_ps(f2 + d, exp8(_mm256_loadu_ps(GR(r) + d)));
+            for (int d = 0; d < dk; d += 8) _mm256_storeu_ps(f2 + d, k3_exp8(_mm256_loadu_ps(GR(r) + d)));
             for (int t = r; t < re; t++)
                 for (int d = 0; d < dk; d += 8) {
                     const __m256 e = _mm256_loadu_ps(f2 + d);
@@ -444,17 +424,17 @@ void k3_kda_chunked_avx2(const k3_kda_head *h, float *S, int chunk, float *work)
         const float *GC = GR(C - 1);
         const int rl = (C - 1) / SB * SB;
         for (int d = 0; d < dk; d += 8)
-            _mm256_storeu_ps(f + d, exp8(_mm256_sub_ps(_mm256_loadu_ps(GC + d), _mm256_loadu_ps(GR(rl) + d))));
+            _mm256_storeu_ps(f + d, k3_exp8(_mm256_sub_ps(_mm256_loadu_ps(GC + d), _mm256_loadu_ps(GR(rl) + d))));
         for (int t = 0; t < rl; t++)
             for (int d = 0; d < dk; d += 8)
                 _mm256_storeu_ps(Kb + (int64_t)t * dk + d,
                                  _mm256_mul_ps(_mm256_loadu_ps(Kb + (int64_t)t * dk + d), _mm256_loadu_ps(f + d)));
         for (int t = rl; t < C; t++)
             for (int d = 0; d < dk; d += 8) {
-                const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(GC + d), _mm256_loadu_ps(GR(t) + d)));
+                const __m256 e = k3_exp8(_mm256_sub_ps(_mm256_loadu_ps(GC + d), _mm256_loadu_ps(GR(t) + d)));
                 _mm256_storeu_ps(Kb + (int64_t)t * dk + d, _mm256_mul_ps(_mm256_loadu_ps(K(t) + d), e));
             }
-        for (int d = 0; d < dk; d += 8) _mm256_storeu_ps(f + d, exp8(_mm256_loadu_ps(GC + d)));
+        for (int d = 0; d < dk; d += 8) _mm256_storeu_ps(f + d, k3_exp8(_mm256_loadu_ps(GC + d)));
         mm(dk, dv, C, Kb, 1, dk, U, dv, S, dv, S, dv, f, 1.0f, 0);
 #undef Q
 #undef K
