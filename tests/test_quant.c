@@ -48,17 +48,11 @@ static void check_matmul_q(k3_wtype type, int rows, int cols, int n) {
     if (type == K3_W_Q8) {
         q8 = malloc((size_t)rows * cols);
         rs = malloc(sizeof(float) * rows);
-        k3_quant_q8_mat(&src, q8, rs);
+        sums = malloc(sizeof(int32_t) * rows);
+        k3_quant_q8_mat(&src, q8, rs, sums);
         w.data = q8;
         w.row_scale = rs;
-        if (n % 2) { /* half the shapes with the row sums the loader makes */
-            sums = malloc(sizeof(int32_t) * rows);
-            for (int r = 0; r < rows; r++) {
-                sums[r] = 0;
-                for (int c = 0; c < cols; c++) sums[r] += q8[r * cols + c];
-            }
-            w.row_sum = sums;
-        }
+        w.row_sum = sums;
     } else if (type == K3_W_MXFP8) {
         q = malloc((size_t)rows * cols);
         e = malloc((size_t)rows * cols / 32);

@@ -33,8 +33,7 @@ typedef struct k3_mat {
     const void *data;
     const uint8_t *scale;  /* MXFP4, MXFP8: E8M0 per 32 columns */
     const float *row_scale;/* Q8: one scale per row */
-    const int32_t *row_sum;/* Q8: Σ of each row's int8 values, or NULL (the VNNI
-                              kernel then sums them itself) */
+    const int32_t *row_sum;/* Q8: Σ of each row's int8 values (k3_quant_q8_mat) */
     bool act8;             /* quantize the activations to 8 bits per token (W4A8/W8A8):
                               k3_matmul then runs the integer kernels of quant.h */
 } k3_mat;

@@ -45,12 +45,16 @@ uint8_t k3_f32_to_e4m3(float x) {
 
 /* ---- weight conversion ---------------------------------------------------- */
 
-void k3_quant_q8_mat(const k3_mat *src, int8_t *q, float *scales) {
+void k3_quant_q8_mat(const k3_mat *src, int8_t *q, float *scales, int32_t *sums) {
     float *row = malloc(sizeof(float) * (size_t)src->cols);
     K3_ASSERT(row);
     for (int64_t r = 0; r < src->rows; r++) {
         k3_mat_get_row(src, r, row);
-        scales[r] = k3_quant_act_i8(row, src->cols, q + r * src->cols);
+        int8_t *qr = q + r * src->cols;
+        scales[r] = k3_quant_act_i8(row, src->cols, qr);
+        int32_t t = 0;
+        for (int64_t c = 0; c < src->cols; c++) t += qr[c];
+        sums[r] = t;
     }
     free(row);
 }
@@ -246,6 +250,7 @@ static void q_rows(void *p, int64_t lo, int64_t hi, int ith) {
     const k3_mat *w = j->w;
     const int64_t cols = w->cols, rows = w->rows;
     if (j->vnni && w->type == K3_W_Q8) {
+        K3_ASSERT(w->row_sum); /* made by k3_quant_q8_mat */
         k3_q8_rows_avx512(w->data, w->row_scale, w->row_sum, cols, (const uint8_t *)j->xq, j->xs, j->n, lo, hi,
                           j->y, rows);
         return;

@@ -16,8 +16,10 @@
 
 #include "kernels/kernels.h"
 
-/* Converts src (F32/F16/BF16) to Q8: q [rows, cols], scales [rows]. */
-void k3_quant_q8_mat(const k3_mat *src, int8_t *q, float *scales);
+/* Converts src (F32/F16/BF16) to Q8: q [rows, cols], scales [rows], and the
+ * sum of each row's int8 values [rows] (k3_mat.row_sum, which the VNNI kernel
+ * needs). */
+void k3_quant_q8_mat(const k3_mat *src, int8_t *q, float *scales, int32_t *sums);
 /* Converts src (cols % 32 == 0) to MXFP8: q [rows, cols] E4M3, e [rows, cols/32] E8M0. */
 void k3_quant_mxfp8_mat(const k3_mat *src, uint8_t *q, uint8_t *e);
 /* One activation row: int8 with one scale (returned), q = round(x·127/amax).

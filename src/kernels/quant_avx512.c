@@ -39,28 +39,22 @@ float k3_quant_act_i8_avx512(const float *x, int64_t n, int8_t *q) {
 
 /* ---- W8A8 int8 tiles ------------------------------------------------------- */
 
-/* Σ_c w[r][c] x[t][c] for NR rows x NT tokens, x given as xu = x + 128
- * (unsigned bytes, for vpdpbusd) and corrected by 128 Σ_c w[r][c], which the
- * same loop sums with a vector of ones. Integer, so exact in any order. */
+/* Σ_c w[r][c] xu[t][c] for NR rows x NT tokens, with xu = x + 128 (unsigned
+ * bytes, for vpdpbusd); the caller takes 128 Σ_c w[r][c] (the row sums made
+ * at load) off. Integer, so exact in any order. */
 static inline __attribute__((always_inline)) void q8_tile(const int8_t *w, int64_t ldw, const uint8_t *xu,
                                                           int64_t ldx, int64_t cols, int NR, int NT,
                                                           int32_t out[4][4]) {
-    __m512i acc[4][4], rs[4];
-    const __m512i ones = _mm512_set1_epi8(1);
+    __m512i acc[4][4];
 #pragma GCC unroll 4
-    for (int r = 0; r < NR; r++) {
-        rs[r] = _mm512_setzero_si512();
+    for (int r = 0; r < NR; r++)
 #pragma GCC unroll 4
         for (int t = 0; t < NT; t++) acc[r][t] = _mm512_setzero_si512();
-    }
     int64_t c = 0;
     __m512i wv[4], xv[4];
 #define Q8_STEP(LOAD)                                                                                  \
     do {                                                                                               \
-        _Pragma("GCC unroll 4") for (int r = 0; r < NR; r++) {                                         \
-            wv[r] = LOAD(w + r * ldw + c);                                                             \
-            rs[r] = _mm512_dpbusd_epi32(rs[r], ones, wv[r]);                                           \
-        }                                                                                              \
+        _Pragma("GCC unroll 4") for (int r = 0; r < NR; r++) wv[r] = LOAD(w + r * ldw + c);            \
         _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++) xv[t] = LOAD(xu + t * ldx + c);           \
         _Pragma("GCC unroll 4") for (int r = 0; r < NR; r++)                                           \
             _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++)                                       \
@@ -77,14 +71,25 @@ static inline __attribute__((always_inline)) void q8_tile(const int8_t *w, int64
 #undef LOAD_FULL
 #undef LOAD_TAIL
 #pragma GCC unroll 4
-    for (int r = 0; r < NR; r++) {
-        const int32_t corr = 128 * _mm512_reduce_add_epi32(rs[r]);
-        for (int t = 0; t < NT; t++) out[r][t] = _mm512_reduce_add_epi32(acc[r][t]) - corr;
-    }
+    for (int r = 0; r < NR; r++)
+        for (int t = 0; t < NT; t++) out[r][t] = _mm512_reduce_add_epi32(acc[r][t]);
 }
 
-/* One row against one token with the row's sum known: four accumulators
- * so the vpdpbusd chain is not what limits a decode step. */
+/* q8_tile with nr (1 or 4) and nt (1..4) known only at run time */
+static void q8_tiles(const int8_t *w, int64_t cols, const uint8_t *xu, int nr, int nt, int32_t out[4][4]) {
+#define T(NR)                                                                                          \
+    switch (nt) {                                                                                      \
+    case 1: q8_tile(w, cols, xu, cols, cols, NR, 1, out); break;                                       \
+    case 2: q8_tile(w, cols, xu, cols, cols, NR, 2, out); break;                                       \
+    case 3: q8_tile(w, cols, xu, cols, cols, NR, 3, out); break;                                       \
+    default: q8_tile(w, cols, xu, cols, cols, NR, 4, out); break;                                      \
+    }
+    if (nr == 4) T(4) else T(1)
+#undef T
+}
+
+/* One row against one token: four accumulators so the vpdpbusd chain is not
+ * what limits a decode step. Σ w xu, like q8_tile. */
 static inline int32_t q8_dot1(const int8_t *w, const uint8_t *xu, int64_t cols) {
     __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
     int64_t c = 0;
@@ -101,60 +106,33 @@ static inline int32_t q8_dot1(const int8_t *w, const uint8_t *xu, int64_t cols) 
     return _mm512_reduce_add_epi32(_mm512_add_epi32(_mm512_add_epi32(a0, a1), _mm512_add_epi32(a2, a3)));
 }
 
-/* Rows [r0, r1) x tokens [0, n) of a Q8 matrix: y[t*ldy + r] = dot · xs[t] · rs[r].
+/* Rows [r0, r1) x tokens [0, n) of a Q8 matrix:
+ * y[t*ldy + r] = (Σ w xu - 128 row_sum[r]) · xs[t] · row_scale[r].
  * Few tokens (decode): one row at a time against all of them, so the weights
  * stream in address order, which is what the prefetchers follow best. Many:
- * 4x4 tiles, blocked so a 64-row slice of W stays in L2 while the tokens pass.
- * row_sum (Σ w per row) may be NULL: the tiles then sum the rows themselves. */
+ * 4x4 tiles, blocked so a 64-row slice of W stays in L2 while the tokens pass. */
 void k3_q8_rows_avx512(const int8_t *w, const float *row_scale, const int32_t *row_sum, int64_t cols,
                        const uint8_t *xu, const float *xs, int64_t n, int64_t r0, int64_t r1, float *y,
                        int64_t ldy) {
-    int32_t o[4][4];
-    if (n == 1 && row_sum) {
+    if (n == 1) {
         for (int64_t r = r0; r < r1; r++)
             y[r] = (float)(q8_dot1(w + r * cols, xu, cols) - 128 * row_sum[r]) * xs[0] * row_scale[r];
         return;
     }
-    if (n <= 4) {
-        for (int64_t r = r0; r < r1; r++) {
-            const int8_t *wr = w + r * cols;
-            switch (n) {
-            case 1: q8_tile(wr, cols, xu, cols, cols, 1, 1, o); break;
-            case 2: q8_tile(wr, cols, xu, cols, cols, 1, 2, o); break;
-            case 3: q8_tile(wr, cols, xu, cols, cols, 1, 3, o); break;
-            default: q8_tile(wr, cols, xu, cols, cols, 1, 4, o); break;
-            }
-            for (int t = 0; t < n; t++) y[t * ldy + r] = (float)o[0][t] * xs[t] * row_scale[r];
-        }
-        return;
-    }
+    int32_t o[4][4];
     for (int64_t rb = r0; rb < r1; rb += 64) {
         const int64_t re = rb + 64 < r1 ? rb + 64 : r1;
         for (int64_t t0 = 0; t0 < n; t0 += 4) {
             const int nt = n - t0 >= 4 ? 4 : (int)(n - t0);
             const uint8_t *xt = xu + t0 * cols;
-            int64_t r = rb;
-            for (; r + 4 <= re; r += 4) {
-                const int8_t *wr = w + r * cols;
-                switch (nt) {
-                case 1: q8_tile(wr, cols, xt, cols, cols, 4, 1, o); break;
-                case 2: q8_tile(wr, cols, xt, cols, cols, 4, 2, o); break;
-                case 3: q8_tile(wr, cols, xt, cols, cols, 4, 3, o); break;
-                default: q8_tile(wr, cols, xt, cols, cols, 4, 4, o); break;
-                }
-                for (int i = 0; i < 4; i++)
+            for (int64_t r = rb; r < re;) {
+                const int nr = n > 4 && re - r >= 4 ? 4 : 1;
+                q8_tiles(w + r * cols, cols, xt, nr, nt, o);
+                for (int i = 0; i < nr; i++)
                     for (int t = 0; t < nt; t++)
-                        y[(t0 + t) * ldy + r + i] = (float)o[i][t] * xs[t0 + t] * row_scale[r + i];
-            }
-            for (; r < re; r++) {
-                const int8_t *wr = w + r * cols;
-                switch (nt) {
-                case 1: q8_tile(wr, cols, xt, cols, cols, 1, 1, o); break;
-                case 2: q8_tile(wr, cols, xt, cols, cols, 1, 2, o); break;
-                case 3: q8_tile(wr, cols, xt, cols, cols, 1, 3, o); break;
-                default: q8_tile(wr, cols, xt, cols, cols, 1, 4, o); break;
-                }
-                for (int t = 0; t < nt; t++) y[(t0 + t) * ldy + r] = (float)o[0][t] * xs[t0 + t] * row_scale[r];
+                        y[(t0 + t) * ldy + r + i] =
+                            (float)(o[i][t] - 128 * row_sum[r + i]) * xs[t0 + t] * row_scale[r + i];
+                r += nr;
             }
         }
     }

@@ -817,12 +817,7 @@ static k3_status quantize_mat(k3_model *m, k3_mat *w, k3_wquant q, bool keep_src
         if (!d || !sc) return k3_err(err, K3_ERR_NOMEM, "quant: out of memory");
         int32_t *sum = own_bytes(m, sizeof(int32_t) * (size_t)w->rows);
         if (!sum) return k3_err(err, K3_ERR_NOMEM, "quant: out of memory");
-        k3_quant_q8_mat(w, d, sc);
-        for (int64_t r = 0; r < w->rows; r++) {
-            int32_t t = 0;
-            for (int64_t c = 0; c < w->cols; c++) t += d[r * w->cols + c];
-            sum[r] = t;
-        }
+        k3_quant_q8_mat(w, d, sc, sum);
         *w = (k3_mat){.type = K3_W_Q8, .rows = w->rows, .cols = w->cols, .data = d, .row_scale = sc, .row_sum = sum};
     } else {
         uint8_t *d = own_bytes(m, n), *e = own_bytes(m, n / 32);
