@@ -208,13 +208,14 @@ static void scratch_free(void *p) {
     free(q);
 }
 
-static void scratch_make_key(void) {
+/* once per process: the scratch key and the E4M3 table */
+static void quant_once(void) {
     K3_ASSERT(pthread_key_create(&scratch_key, scratch_free) == 0);
     for (int c = 0; c < 256; c++) e4m3_lut[c] = k3_e4m3_to_f32((uint8_t)c);
 }
 
 static void *scratch_get(size_t need) {
-    pthread_once(&scratch_once, scratch_make_key);
+    pthread_once(&scratch_once, quant_once);
     qscratch *q = pthread_getspecific(scratch_key);
     if (!q) {
         q = calloc(1, sizeof *q);

@@ -803,11 +803,12 @@ static void disown(k3_model *m, const void *p) {
         }
 }
 
-/* keep_src: leave an owned source buffer alive (W_UK's, which wuk_t names) */
-static k3_status quantize_mat(k3_model *m, k3_mat *w, k3_wquant q, bool keep_src, k3_error *err) {
+/* alias: W_UK, the k half of kv_b again -- its bytes are counted with kv_b's
+ * and its source stays (wuk_t names it) */
+static k3_status quantize_mat(k3_model *m, k3_mat *w, k3_wquant q, bool alias, k3_error *err) {
     if (!w->data || w->type == K3_W_MXFP4 || w->type == K3_W_Q8 || w->type == K3_W_MXFP8) return K3_OK;
     /* a stack the loader made: not needed once converted */
-    const void *src = keep_src || k3_st_maps(m->st, w->data) ? NULL : w->data;
+    const void *src = alias || k3_st_maps(m->st, w->data) ? NULL : w->data;
     if (q == K3_WQ_MXFP8 && w->cols % 32) return K3_OK; /* stays as stored */
     const size_t n = (size_t)(w->rows * w->cols);
     const int64_t before = w->rows * (int64_t)k3_mat_row_bytes(w);
@@ -825,7 +826,7 @@ static k3_status quantize_mat(k3_model *m, k3_mat *w, k3_wquant q, bool keep_src
         k3_quant_mxfp8_mat(w, d, e);
         *w = (k3_mat){.type = K3_W_MXFP8, .rows = w->rows, .cols = w->cols, .data = d, .scale = e};
     }
-    m->quant_bytes_delta += w->rows * (int64_t)k3_mat_row_bytes(w) - before;
+    if (!alias) m->quant_bytes_delta += w->rows * (int64_t)k3_mat_row_bytes(w) - before;
     if (src) disown(m, src);
     return K3_OK;
 }
@@ -860,11 +861,8 @@ k3_status k3_model_quantize(k3_model *m, const k3_quant_options *opt, k3_error *
             k3_mat *mats[32];
             const int n = runtime_mats(c, L, mats);
             for (int k = 0; k < n; k++) {
-                /* wuk is the k half of kv_b again, whose bytes are counted */
-                const int64_t delta = m->quant_bytes_delta;
                 k3_status s = quantize_mat(m, mats[k], opt->linear, mats[k] == &L->wuk, err);
                 if (s) return s;
-                if (mats[k] == &L->wuk) m->quant_bytes_delta = delta;
             }
         }
         if (opt->experts_a8 && L->moe)
