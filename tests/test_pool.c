@@ -50,7 +50,8 @@ K3_TEST(pool_covers_every_index_once) {
 }
 
 /* Chunks tile [0, n) in order, each of at least grain items (the last may be
- * short), handed to valid thread indices; n <= grain stays inline. */
+ * short), handed to valid thread indices, shrinking as the work runs out;
+ * n <= grain stays inline. */
 typedef struct {
     int64_t lo[64], hi[64];
     int ith[64];
@@ -95,8 +96,22 @@ K3_TEST(pool_ranges_and_grain) {
     k3_pool_for(pool, 10, 4, range_fn, &m); /* chunks of 4, 4, 2 */
     CHECK(atomic_load(&m.calls) == 3 && tiles(&m, 10, 4, 3));
     range_job l = {0};
-    k3_pool_for(pool, 1000, 1, range_fn, &l); /* ceil(1000 / 12) = 84 per chunk */
-    CHECK(atomic_load(&l.calls) == 12 && tiles(&l, 1000, 84, 3));
+    k3_pool_for(pool, 1000, 1, range_fn, &l); /* guided: 1000 / 6 = 166 first, then smaller */
+    CHECK(tiles(&l, 1000, 1, 3));
+    int64_t prev = 0, last = 0;
+    bool shrinking = true;
+    for (int64_t at = 0; at < 1000;) { /* chunk sizes in counter order */
+        int f = -1;
+        for (int q = 0; q < atomic_load(&l.calls); q++)
+            if (l.lo[q] == at) f = q;
+        REQUIRE(f >= 0);
+        last = l.hi[f] - l.lo[f];
+        if (at == 0) CHECKF(last == 166, "first chunk %lld", (long long)last);
+        shrinking &= at == 0 || last <= prev;
+        prev = last;
+        at = l.hi[f];
+    }
+    CHECK(shrinking && last == 1);
     k3_pool_free(pool);
 }
 

@@ -1,10 +1,10 @@
 /*
  * pool.h -- one persistent pool of worker threads (k3_pool in k3.h).
  *
- * k3_pool_for splits [0, n) into contiguous chunks (about n / (4 threads),
- * at least grain) that the threads, the caller among them, claim in order
- * until none is left; fn may so be called several times per thread, each
- * time with that thread's index. A call made from inside
+ * k3_pool_for splits [0, n) into contiguous chunks (at least grain items,
+ * shrinking as the work runs out) that the threads, the caller among them,
+ * claim in order until none is left; fn may so be called several times per
+ * thread, each time with that thread's index. A call made from inside
  * a worker (nesting) runs serially on that worker. With pool == NULL or
  * n <= grain everything runs inline. The pool does no allocation per call.
  */
