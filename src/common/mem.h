@@ -1,6 +1,6 @@
 /*
  * mem.h -- allocation for large, streamed buffers (weights made at load, the
- * bandwidth probe's buffer).
+ * bandwidth probe's buffer) and the kernels' per-thread scratch.
  */
 #ifndef K3_COMMON_MEM_H
 #define K3_COMMON_MEM_H
@@ -12,5 +12,12 @@
  * pass over gigabytes of weights does not also walk page tables. Release
  * with free(). NULL when out of memory. */
 void *k3_alloc_big(size_t n);
+
+/* The calling thread's scratch buffer number slot (< K3_SCRATCH_SLOTS), at
+ * least need bytes, 64-byte aligned: grown on first use (no allocation in
+ * steady state), its old contents not kept, freed when the thread exits.
+ * Aborts (K3_ASSERT) when out of memory, like the kernels' stack buffers. */
+enum { K3_SCRATCH_QUANT, K3_SCRATCH_MATMUL, K3_SCRATCH_SLOTS };
+void *k3_scratch(int slot, size_t need);
 
 #endif /* K3_COMMON_MEM_H */

@@ -17,6 +17,7 @@
 #include "kernels/kernels_isa.h"
 #include "kernels/quant.h"
 #include "common/error.h"
+#include "common/mem.h"
 #include "common/pool.h"
 
 #include <pthread.h>
@@ -94,17 +95,21 @@ typedef struct mm_job {
     int64_t n_rc, n_nc; /* row chunks x n chunks */
 } mm_job;
 
+/* Items t = nc * n_rc + rc: row chunk rc (16 rows, the last one takes the
+ * rest) of activation chunk nc. A claimed range [lo, hi) is one kernel call
+ * per activation chunk it touches, over all its rows at once. */
 static void mm_task(void *ctx, int64_t lo, int64_t hi, int ith) {
     const mm_job *j = ctx;
     const int64_t rows = j->w->rows, cols = j->w->cols;
-    for (int64_t t = lo; t < hi; t++) {
-        int64_t rc = t % j->n_rc, nc = t / j->n_rc;
-        /* Row boundaries on multiples of 16 keep the kernels' row groups whole. */
-        int64_t r0 = rows * rc / j->n_rc / 16 * 16;
-        int64_t r1 = rc + 1 == j->n_rc ? rows : rows * (rc + 1) / j->n_rc / 16 * 16;
-        int64_t i0 = j->n * nc / j->n_nc, i1 = j->n * (nc + 1) / j->n_nc;
+    for (int64_t t = lo; t < hi;) {
+        const int64_t nc = t / j->n_rc, rc0 = t % j->n_rc;
+        const int64_t te = hi < (nc + 1) * j->n_rc ? hi : (nc + 1) * j->n_rc;
+        const int64_t rc1 = te - nc * j->n_rc; /* exclusive */
+        const int64_t r0 = rc0 * 16, r1 = rc1 == j->n_rc ? rows : rc1 * 16;
+        const int64_t i0 = j->n * nc / j->n_nc, i1 = j->n * (nc + 1) / j->n_nc;
         if (r0 < r1 && i0 < i1)
             j->ops->matmul(j->w, j->x + i0 * cols, i1 - i0, j->y + i0 * rows, rows, r0, r1);
+        t = te;
     }
 }
 
@@ -121,14 +126,20 @@ void k3_matmul(k3_pool *pool, const k3_mat *w, const float *x, int64_t n, float 
         return;
     }
     mm_job j = {ops(), w, x, y, n, 1, 1};
+    const int64_t nprep = j.ops->prep_x ? j.ops->prep_x(w, x, n, NULL) : 0;
+    if (nprep > 0) {
+        float *xp = k3_scratch(K3_SCRATCH_MATMUL, sizeof(float) * (size_t)nprep);
+        j.ops->prep_x(w, x, n, xp);
+        j.x = xp;
+    }
     const int64_t rows = w->rows;
     const int T = k3_pool_size(pool);
     const double bytes = (double)rows * (double)k3_mat_row_bytes(w);
     const double macs = (double)rows * (double)w->cols * (double)n;
     if (T > 1 && (bytes >= 32768 || macs >= 131072)) {
-        /* up to 4 row chunks per thread, which the pool hands out as the
-         * threads come free */
-        j.n_rc = rows / 16 < 4 * T ? (rows / 16 > 0 ? rows / 16 : 1) : 4 * T;
+        /* 16-row items, claimed in shrinking chunks as the threads come
+         * free (pool.c); few rows and many tokens also split the tokens */
+        j.n_rc = rows / 16 > 0 ? rows / 16 : 1;
         int64_t nn = T / j.n_rc, nmax = n / 4 > 0 ? n / 4 : 1;
         j.n_nc = nn < nmax ? nn : nmax;
         if (j.n_nc < 1) j.n_nc = 1;

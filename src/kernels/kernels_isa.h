@@ -16,9 +16,15 @@ typedef struct k3_kernel_ops {
      * y[i][r] must come out bit for bit the same whatever n, r0, r1 and the
      * position of row i (batch invariance: dispatch.c splits freely, and the
      * engine's batch == alone and causality tests compare with memcmp).
-     * Stack: up to ~112 KB (the AVX-512 tiled path's buffers). */
+     * Stack: up to ~112 KB (the AVX-512 tiled path's buffers).
+     * x is as prep_x left it where that returns > 0 for w. */
     void (*matmul)(const k3_mat *w, const float *x, int64_t n, float *y, int64_t ldy,
                    int64_t r0, int64_t r1);
+    /* Optional (NULL: x is always taken as it is): x [n, w->cols] in the
+     * order matmul wants for w, written to xp once per k3_matmul call rather
+     * than by every row chunk. Returns the floats it writes (0: w takes x as
+     * it is); with xp == NULL only returns that count. */
+    int64_t (*prep_x)(const k3_mat *w, const float *x, int64_t n, float *xp);
     float (*dot)(const float *a, const float *b, int64_t n);
     void (*axpy)(float *y, float a, const float *x, int64_t n);
     void (*glu)(float *f1, const float *f2, int64_t n, k3_glu_kind kind, float b1, float b2);

@@ -14,8 +14,14 @@
  *     4 the odd ones. Rather than reorder the weights, x is "deinterleaved"
  *     (each 32-block as its 16 even then 16 odd columns), which is ~1.4x
  *     faster. So MXFP4's canonical order: per KC block, one accumulator for
- *     the even and one for the odd columns, added, then reduced; the tiled
- *     path deinterleaves each 4-row x panel to match.
+ *     the even and one for the odd columns, added, then reduced. x is
+ *     deinterleaved once per k3_matmul call (prep_x), for every path.
+ *   - BF16 with K % 32 == 0 takes the same "paired" order: each 32-bit word
+ *     of a row holds an even column (low half) and an odd one (high half),
+ *     so a shift and a mask turn 64 bytes into 32 fp32 weights with no
+ *     shuffle, and the two accumulators per row halve the FMA chain. (The
+ *     dense order, one vpmovzxwd + shift per 16 columns and one chain per
+ *     row, read the 134 MB bench head at ~77% of the bandwidth.)
  *
  * On Zen 4, 512-bit ops run as two 256-bit halves, so the FMA peak equals
  * AVX2's; the gains are the 32 registers, the MXFP4 decode and the tails.
@@ -29,6 +35,7 @@
 #define UNROLL _Pragma("GCC unroll 16")
 #define INLINE static inline __attribute__((always_inline))
 
+
 enum {
     KC = 1024,                  /* columns per block of the canonical order */
     RB = 24,                    /* tiled: weight rows per block (96 KB of fp32) */
@@ -36,8 +43,8 @@ enum {
     TN_MX = 2,                  /* the same for MXFP4 (two accumulators each) */
     ROWS_OUTER_BYTES = 1 << 20, /* tiled: x up to this size -> row blocks outermost */
     STREAM_MAX_N = 64,          /* dense types stream up to this many x rows */
+    STREAM_PAIRED_N = 16,       /* paired BF16 the same */
     STREAM_ROWS = 24,           /* weight rows per group in multi-pass streaming */
-    XD_MAX = 16384,             /* floats of deinterleaved x on the stack (64 KB) */
 };
 
 /* ---- loaders ---------------------------------------------------------- */
@@ -93,6 +100,24 @@ INLINE void mx_dec32(const uint8_t *p, float s, __m512 *we, __m512 *wo) {
     __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
     *we = _mm512_permutexvar_ps(v, ts);
     *wo = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), ts);
+}
+
+/* 32 BF16 weights (64 bytes at p): even and odd columns. */
+INLINE void bf_dec32(const uint8_t *p, __m512 *we, __m512 *wo) {
+    __m512i v = _mm512_loadu_si512((const void *)p);
+    *we = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    *wo = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+/* Whether w sums in the paired order (XP = 1 below): MXFP4, and BF16 whose
+ * rows are whole 32-column blocks. */
+INLINE bool paired(const k3_mat *w) {
+    return w->type == K3_W_MXFP4 || (w->type == K3_W_BF16 && w->cols % 32 == 0);
+}
+
+/* Bytes of one row's columns [0, k) of a paired matrix. */
+INLINE size_t paired_bytes(int wt, int64_t k) {
+    return wt == K3_W_MXFP4 ? (size_t)k / 2 : (size_t)k * 2;
 }
 
 /* Columns [k, k+32) of x as its even and odd columns. */
@@ -252,21 +277,21 @@ static void mx_deinterleave(const float *x, int64_t K, int64_t n, int64_t c0, in
         }
 }
 
-/* MXFP4 rows [r, r+NR) x MR deinterleaved x rows (xd, stride len) over
- * columns [0, len) of the pointers given (p, sc already offset to the first
- * column), KC blocks in the canonical order; y as in tile(). */
-INLINE void stream_mx_rows(const uint8_t *p, int64_t ldp, const uint8_t *sc, int64_t lds,
-                           const float *xd, int64_t len, float *y, int64_t ldy, bool accum,
-                           const int MR, const int NR) {
-    float t[8] = {0};
-    _Alignas(64) float sv[2][16];
+/* Paired rows [r, r+NR) (MXFP4 or BF16, type wt; p, sc their first row) x
+ * MR deinterleaved x rows (xd, stride K), KC blocks in the canonical order:
+ * y[i*ldy + j] = the dot of x row i and weight row j. sc unused for BF16. */
+INLINE void stream_paired_rows(const int wt, const uint8_t *p, int64_t ldp, const uint8_t *sc,
+                               int64_t lds, const float *xd, int64_t len, float *y, int64_t ldy,
+                               const int MR, const int NR) {
+    float t[16] = {0};
+    _Alignas(64) float sv[4][16];
     for (int64_t kb = 0; kb < len; kb += KC) {
         const int64_t K = len - kb < KC ? len - kb : KC;
-        __m512 acc[4][2][2]; /* [x row][weight row][even, odd columns] */
+        __m512 acc[4][4][2]; /* [x row][weight row][even, odd columns] */
         UNROLL for (int i = 0; i < MR; i++)
             UNROLL for (int j = 0; j < NR; j++) acc[i][j][0] = acc[i][j][1] = _mm512_setzero_ps();
         for (int64_t k = kb; k < kb + K; k += 32) {
-            if (k % 512 == 0) {
+            if (wt == K3_W_MXFP4 && k % 512 == 0) {
                 UNROLL for (int j = 0; j < NR; j++) {
                     if (len - k >= 512) {
                         _mm512_store_ps(sv[j], mx_scales16(sc + j * lds + k / 32));
@@ -276,9 +301,13 @@ INLINE void stream_mx_rows(const uint8_t *p, int64_t ldp, const uint8_t *sc, int
                     }
                 }
             }
-            __m512 we[2], wo[2];
-            UNROLL for (int j = 0; j < NR; j++)
-                mx_dec32(p + j * ldp + k / 2, sv[j][(k % 512) / 32], &we[j], &wo[j]);
+            __m512 we[4], wo[4];
+            UNROLL for (int j = 0; j < NR; j++) {
+                if (wt == K3_W_MXFP4)
+                    mx_dec32(p + j * ldp + k / 2, sv[j][(k % 512) / 32], &we[j], &wo[j]);
+                else
+                    bf_dec32(p + j * ldp + k * 2, &we[j], &wo[j]);
+            }
             UNROLL for (int i = 0; i < MR; i++) {
                 __m512 xe = in_reg(_mm512_loadu_ps(xd + i * len + k));
                 __m512 xo = in_reg(_mm512_loadu_ps(xd + i * len + k + 16));
@@ -288,8 +317,8 @@ INLINE void stream_mx_rows(const uint8_t *p, int64_t ldp, const uint8_t *sc, int
                 }
             }
         }
-        __m512 v[8];
-        float s[8];
+        __m512 v[16];
+        float s[16];
         UNROLL for (int i = 0; i < MR; i++)
             UNROLL for (int j = 0; j < NR; j++)
                 v[i * NR + j] = _mm512_add_ps(acc[i][j][0], acc[i][j][1]);
@@ -297,54 +326,77 @@ INLINE void stream_mx_rows(const uint8_t *p, int64_t ldp, const uint8_t *sc, int
         UNROLL for (int i = 0; i < MR; i++)
             UNROLL for (int j = 0; j < NR; j++) {
                 const int q = i * NR + j;
-                t[q] = kb ? t[q] + s[q] : accum ? y[i * ldy + j] + s[q] : s[q];
+                t[q] = kb ? t[q] + s[q] : s[q];
             }
     }
     UNROLL for (int i = 0; i < MR; i++)
         UNROLL for (int j = 0; j < NR; j++) y[i * ldy + j] = t[i * NR + j];
 }
 
-static void stream_mx(const k3_mat *w, const float *x, int64_t n, float *y, int64_t ldy,
-                      int64_t r0, int64_t r1) {
-    _Alignas(64) float xd[XD_MAX];
+/* Rows [r0, r1) of a paired matrix x n <= STREAM_PAIRED_N rows of x
+ * prepared by prep_x (deinterleaved). With n > 4, passes of 4 x rows go over
+ * groups of STREAM_ROWS weight rows, the later passes finding the group in L2. */
+static void stream_paired(const k3_mat *w, const float *xd, int64_t n, float *y, int64_t ldy,
+                          int64_t r0, int64_t r1) {
     const int64_t K = w->cols;
-    /* Columns per deinterleaved chunk: whole KC blocks, all of K if it fits. */
-    int64_t ch = XD_MAX / n / KC * KC;
-    if (ch > K) ch = K;
-    for (int64_t c0 = 0; c0 < K; c0 += ch) {
-        const int64_t len = K - c0 < ch ? K - c0 : ch;
-        mx_deinterleave(x, K, n, c0, len, xd);
-        for (int64_t r = r0; r < r1;) {
-            /* Two weight rows per pass once x outgrows L1 (n >= 3), where
-             * sharing each x load matters; else one (faster on Zen 4). */
-            const int nr = n >= 3 && r1 - r >= 2 ? 2 : 1;
-            const uint8_t *pr = (const uint8_t *)w->data + r * (K / 2) + c0 / 2;
-            const uint8_t *sr = w->scale + r * (K / 32) + c0 / 32;
-#define C(MR, NR)                                                                             \
-    case (MR) * 2 + (NR) - 1:                                                                 \
-        stream_mx_rows(pr, K / 2, sr, K / 32, xd, len, y + r, ldy, c0 > 0, MR, NR);           \
+    const int wt = w->type;
+    const size_t rowb = paired_bytes(wt, K);
+    for (int64_t g = r0; g < r1; g += STREAM_ROWS) {
+        const int64_t ge = r1 - g < STREAM_ROWS ? r1 : g + STREAM_ROWS;
+        for (int64_t i = 0; i < n; i += 4) {
+            const int mi = (int)(n - i < 4 ? n - i : 4);
+            for (int64_t r = g; r < ge;) {
+                /* Weight rows per pass: one streams the matrix in address
+                 * order, which the prefetchers follow best (BF16 decode:
+                 * 25 -> 32 GB/s against two rows); more share each x load,
+                 * which matters once x outgrows L1 (MXFP4, n >= 3: two) or
+                 * the loads would outnumber the FMAs (BF16, n >= 2: three;
+                 * 2048^2 at n = 8: 125 GFLOP/s, two rows 110). */
+                int nr = wt == K3_W_MXFP4 ? (mi >= 3 ? 2 : 1) : (mi >= 2 ? 3 : 1);
+                if (ge - r < nr) nr = 1;
+                const uint8_t *pr = (const uint8_t *)w->data + r * rowb;
+                const uint8_t *sr = wt == K3_W_MXFP4 ? w->scale + r * (K / 32) : NULL;
+                const float *xi = xd + i * K;
+                float *yi = y + i * ldy + r;
+#define C(WT, MR, NR) stream_paired_rows(WT, pr, (int64_t)rowb, sr, K / 32, xi, K, yi, ldy, MR, NR)
+#define S(MR, NR)                                                                             \
+    case (MR) * 4 + (NR) - 1:                                                                 \
+        if (wt == K3_W_MXFP4) C(K3_W_MXFP4, MR, NR); else C(K3_W_BF16, MR, NR);               \
         break;
-            switch (n * 2 + nr - 1) {
-            C(1, 1) C(1, 2) C(2, 1) C(2, 2) C(3, 1) C(3, 2) C(4, 1) C(4, 2)
-            default: K3_ASSERT(!"stream_mx: bad shape");
-            }
+                switch (mi * 4 + nr - 1) {
+                S(1, 1) S(1, 2) S(2, 1) S(2, 2) S(3, 1) S(3, 2) S(4, 1) S(4, 2) S(2, 3) S(3, 3) S(4, 3)
+                default: K3_ASSERT(!"stream_paired: bad shape");
+                }
+#undef S
 #undef C
-            r += nr;
+                r += nr;
+            }
         }
     }
 }
 
 /* ---- tiled: n > 4 ----------------------------------------------------- */
 
-/* Rows [r0, r0+nr) x columns [k0, k0+kl) to fp32 in buf (stride KC); MXFP4
- * in deinterleaved order (each 32-block: 16 even, then 16 odd columns). */
+/* Rows [r0, r0+nr) x columns [k0, k0+kl) to fp32 in buf (stride KC); paired
+ * types in deinterleaved order (each 32-block: 16 even, then 16 odd columns). */
 static void convert_block(const k3_mat *w, int64_t r0, int nr, int64_t k0, int kl, float *buf) {
     const int64_t K = w->cols;
     for (int j = 0; j < nr; j++) {
         float *d = buf + (size_t)j * KC;
         switch (w->type) {
-        case K3_W_F16:
-        case K3_W_BF16: {
+        case K3_W_BF16:
+            if (paired(w)) {
+                const uint8_t *s = (const uint8_t *)w->data + ((r0 + j) * K + k0) * 2;
+                for (int k = 0; k < kl; k += 32) {
+                    __m512 we, wo;
+                    bf_dec32(s + k * 2, &we, &wo);
+                    _mm512_storeu_ps(d + k, we);
+                    _mm512_storeu_ps(d + k + 16, wo);
+                }
+                break;
+            }
+            /* fall through */
+        case K3_W_F16: {
             const uint16_t *s = (const uint16_t *)w->data + (r0 + j) * K + k0;
             for (int k = 0; k < kl; k += 16) {
                 const __mmask16 m = tail_mask(kl - k);
@@ -383,7 +435,7 @@ static void tile_f32(int mr, int nr, const float *w, int64_t ldw, const float *x
 #undef C
 }
 
-/* The same for deinterleaved MXFP4 weights and x, NR <= TN_MX. */
+/* The same for deinterleaved (paired) weights and x, NR <= TN_MX. */
 static void tile_mx(int mr, int nr, const float *w, int64_t ldw, const float *xd, int64_t ldx,
                     int64_t K, float *y, int64_t ldy, bool accum) {
 #define C(MR, NR)                                                                             \
@@ -408,16 +460,14 @@ static void tiled_block(const k3_mat *w, const float *x, int64_t n, float *y, in
     } else {
         convert_block(w, rb, nr, k0, kl, buf);
     }
-    if (w->type == K3_W_MXFP4) {
-        /* x panel of 4 rows, deinterleaved like the weights; tiles of
-         * 4 x TN_MX (even and odd accumulators: 2 x 4 x 2 = 16 registers). */
-        _Alignas(64) float xd[4 * KC];
+    if (paired(w)) {
+        /* x deinterleaved like the weights (prep_x); tiles of 4 x TN_MX
+         * (even and odd accumulators: 2 x 4 x 2 = 16 registers). */
         for (int64_t i = 0; i < n; i += 4) {
             const int mi = (int)(n - i < 4 ? n - i : 4);
-            mx_deinterleave(x + i * K, K, mi, k0, kl, xd);
             for (int j = 0; j < nr; j += TN_MX)
-                tile_mx(mi, nr - j < TN_MX ? nr - j : TN_MX, wb + (size_t)j * ldw, ldw, xd, kl, kl,
-                        y + i * ldy + rb + j, ldy, k0 > 0);
+                tile_mx(mi, nr - j < TN_MX ? nr - j : TN_MX, wb + (size_t)j * ldw, ldw, x + i * K + k0,
+                        K, kl, y + i * ldy + rb + j, ldy, k0 > 0);
         }
         return;
     }
@@ -459,17 +509,32 @@ static void stream_rows(const k3_mat *w, const float *x, int64_t n, float *y, in
     switch (w->type) {
     case K3_W_F32: stream_dense(K3_W_F32, w, x, n, y, ldy, r0, r1); break;
     case K3_W_F16: stream_dense(K3_W_F16, w, x, n, y, ldy, r0, r1); break;
-    case K3_W_BF16: stream_dense(K3_W_BF16, w, x, n, y, ldy, r0, r1); break;
-    case K3_W_MXFP4: stream_mx(w, x, n, y, ldy, r0, r1); break;
+    case K3_W_BF16:
+        if (paired(w))
+            stream_paired(w, x, n, y, ldy, r0, r1);
+        else
+            stream_dense(K3_W_BF16, w, x, n, y, ldy, r0, r1);
+        break;
+    case K3_W_MXFP4: stream_paired(w, x, n, y, ldy, r0, r1); break;
     default: K3_ASSERT(!"matmul: bad type");
     }
+}
+
+/* x for a paired matrix: each 32-column block as its 16 even, then its 16
+ * odd columns (the order both the weights' decoders give). */
+static int64_t prep_x_avx512(const k3_mat *w, const float *x, int64_t n, float *xp) {
+    if (!paired(w)) return 0;
+    if (xp) mx_deinterleave(x, w->cols, n, 0, w->cols, xp);
+    return n * w->cols;
 }
 
 static void matmul_rows(const k3_mat *w, const float *x, int64_t n, float *y, int64_t ldy,
                         int64_t r0, int64_t r1) {
     if (n <= 4) {
         stream_rows(w, x, n, y, ldy, r0, r1);
-    } else if (w->type != K3_W_MXFP4 && n <= STREAM_MAX_N) {
+    } else if (w->type == K3_W_BF16 && paired(w) && n <= STREAM_PAIRED_N) {
+        stream_paired(w, x, n, y, ldy, r0, r1);
+    } else if (!paired(w) && n <= STREAM_MAX_N) {
         /* Passes of 4 activation rows over groups of STREAM_ROWS weight rows:
          * the first pass brings the group from DRAM, the others find it in
          * L2, and converting on the fly beats a buffer round trip. (MXFP4
@@ -516,6 +581,7 @@ static void axpy_avx512(float *y, float a, const float *x, int64_t n) {
 const k3_kernel_ops k3_ops_avx512 = {
     .isa = K3_ISA_AVX512,
     .matmul = matmul_rows,
+    .prep_x = prep_x_avx512,
     .dot = dot_avx512,
     .axpy = axpy_avx512,
     .glu = k3_glu_avx512,

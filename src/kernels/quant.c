@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "common/error.h"
+#include "common/mem.h"
 #include "common/pool.h"
 
 /* ---- FP8 E4M3 ------------------------------------------------------------ */
@@ -191,43 +192,11 @@ void k3_mx4_rows_avx512_vbmi(const uint8_t *packed, const uint8_t *scale, int64_
 
 /* ---- the driver ------------------------------------------------------------- */
 
-/* Per-thread scratch for the quantized activations, grown on first use (no
- * allocation in steady state) and freed when its thread exits. */
-typedef struct {
-    void *buf;
-    size_t cap;
-} qscratch;
-
-static pthread_key_t scratch_key;
-static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
+static pthread_once_t lut_once = PTHREAD_ONCE_INIT;
 static float e4m3_lut[256];
 
-static void scratch_free(void *p) {
-    qscratch *q = p;
-    free(q->buf);
-    free(q);
-}
-
-/* once per process: the scratch key and the E4M3 table */
-static void quant_once(void) {
-    K3_ASSERT(pthread_key_create(&scratch_key, scratch_free) == 0);
+static void lut_init(void) {
     for (int c = 0; c < 256; c++) e4m3_lut[c] = k3_e4m3_to_f32((uint8_t)c);
-}
-
-static void *scratch_get(size_t need) {
-    pthread_once(&scratch_once, quant_once);
-    qscratch *q = pthread_getspecific(scratch_key);
-    if (!q) {
-        q = calloc(1, sizeof *q);
-        K3_ASSERT(q && pthread_setspecific(scratch_key, q) == 0);
-    }
-    if (need > q->cap) {
-        free(q->buf);
-        q->buf = aligned_alloc(64, (need + 63) / 64 * 64);
-        K3_ASSERT(q->buf);
-        q->cap = need;
-    }
-    return q->buf;
 }
 
 typedef struct {
@@ -310,7 +279,8 @@ void k3_matmul_q(k3_pool *pool, const k3_mat *w, const float *x, int64_t n, floa
     const int64_t ldc = (cols + 127) / 128 * 16;
     /* scratch: xs [n] | xf or corr [n, cols or ldc] | xq [n, cols] | prepared [n, cols] */
     const size_t fsz = w->type == K3_W_MXFP8 ? (size_t)(n * cols) * sizeof(float) : (size_t)(n * ldc) * sizeof(int32_t);
-    char *buf = scratch_get((size_t)n * sizeof(float) + fsz + 2 * (size_t)(n * cols) + 64);
+    pthread_once(&lut_once, lut_init);
+    char *buf = k3_scratch(K3_SCRATCH_QUANT, (size_t)n * sizeof(float) + fsz + 2 * (size_t)(n * cols) + 64);
     float *xs = (float *)buf;
     float *xf = (float *)(buf + (size_t)n * sizeof(float));
     int32_t *corr = (int32_t *)xf;
