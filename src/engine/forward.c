@@ -90,6 +90,7 @@ typedef struct {
     const k3_layer *L;
     int layer;
     int parts;          /* split jobs: parts per row */
+    int hg;             /* attention: head groups per (row, part) item */
 } layer_job;
 
 /* Everything of one KDA head of one span after the projections, as one pool
@@ -160,7 +161,7 @@ static void kda_layer(k3_ctx *ctx, const k3_layer *L, int layer, const float *xn
     const k3_config *c = ctx->c;
     const int64_t T = ctx->T;
     k3_scratch *s = &ctx->s;
-    layer_job j = {ctx, L, layer, 1};
+    layer_job j = {ctx, L, layer, 1, 1};
 
     const int64_t H = c->kda_heads, HK = H * c->kda_head_dim, dk = c->kda_head_dim;
     if (L->kda_in.data) {
@@ -265,7 +266,7 @@ static void dsa_pick_rows(void *p, int64_t lo, int64_t hi, int ith) {
 static void dsa_select(k3_ctx *ctx, const k3_layer *L, int layer) {
     const int64_t T = ctx->T;
     if (T >= ctx->nth) {
-        layer_job j = {ctx, L, layer, 1};
+        layer_job j = {ctx, L, layer, 1, 1};
         k3_pool_for(ctx->pool, T, 1, dsa_select_rows, &j);
         return;
     }
@@ -273,14 +274,16 @@ static void dsa_select(k3_ctx *ctx, const k3_layer *L, int layer) {
     for (int64_t t = 0; t < T; t++) longest = row_len(ctx, t) > longest ? row_len(ctx, t) : longest;
     int parts = (int)(2 * ctx->nth / T);
     if (parts > longest / 1024) parts = longest / 1024;
-    layer_job j = {ctx, L, layer, parts < 1 ? 1 : parts};
+    layer_job j = {ctx, L, layer, parts < 1 ? 1 : parts, 1};
     k3_pool_for(ctx->pool, T * j.parts, 1, dsa_score_parts, &j);
     k3_pool_for(ctx->pool, T, 1, dsa_pick_rows, &j);
 }
 
-/* Attention for (row, part) items: each part is a contiguous share of the
- * row's slots; with one part the result goes straight to ĉ, with several to
- * the partials that mla_merge_rows combines by log-sum-exp. */
+/* Attention for (row, part, head group) items: each part is a contiguous
+ * share of the row's slots, each group a contiguous share of the heads (the
+ * heads are independent, so the split changes no result); with one part the
+ * result goes straight to ĉ, with several to the partials that
+ * mla_merge_rows combines by log-sum-exp. */
 static void mla_attend_items(void *p, int64_t lo, int64_t hi, int ith) {
     const layer_job *j = p;
     k3_ctx *ctx = j->ctx;
@@ -289,8 +292,10 @@ static void mla_attend_items(void *p, int64_t lo, int64_t hi, int ith) {
     const int64_t T = ctx->T, ld = kvl + rope, qh = nope + rope;
     const float scale = 1.0f / sqrtf((float)(nope + rope));
     for (int64_t it = lo; it < hi; it++) {
-        const int64_t t = it / j->parts;
-        const int part = (int)(it % j->parts);
+        const int64_t tp = it / j->hg; /* (row, part) */
+        const int g = (int)(it % j->hg), h0 = H * g / j->hg, nh = H * (g + 1) / j->hg - h0;
+        const int64_t t = tp / j->parts;
+        const int part = (int)(tp % j->parts);
         const int64_t *all;
         int n;
         if (j->L->kind == K3_LAYER_DSA && !ctx->dense) {
@@ -309,16 +314,18 @@ static void mla_attend_items(void *p, int64_t lo, int64_t hi, int ith) {
             for (int i = a; i < b; i++) sl[i - a] = k3_ctx_slot(ctx, sp->seq, i);
             slots = sl;
         }
-        /* this row's absorbed query, all heads: [H, kvl] then [H, rope] */
-        float *qa = ctx->s.tq[ith], *qpe = qa + (int64_t)H * kvl;
-        for (int h = 0; h < H; h++) {
-            memcpy(qa + (int64_t)h * kvl, ctx->s.qa + ((int64_t)h * T + t) * kvl, sizeof(float) * (size_t)kvl);
-            memcpy(qpe + (int64_t)h * rope, ctx->s.mq + t * H * qh + h * qh + nope, sizeof(float) * (size_t)rope);
+        /* this row's absorbed query, heads [h0, h0+nh): [nh, kvl] then [nh, rope] */
+        float *qa = ctx->s.tq[ith], *qpe = qa + (int64_t)nh * kvl;
+        for (int h = 0; h < nh; h++) {
+            memcpy(qa + (int64_t)h * kvl, ctx->s.qa + ((int64_t)(h0 + h) * T + t) * kvl,
+                   sizeof(float) * (size_t)kvl);
+            memcpy(qpe + (int64_t)h * rope, ctx->s.mq + t * H * qh + (h0 + h) * qh + nope,
+                   sizeof(float) * (size_t)rope);
         }
         float *out, *lse, lse_buf[1024];
         if (j->parts > 1) {
-            out = ctx->s.part_o + it * H * kvl;
-            lse = ctx->s.part_l + it * H;
+            out = ctx->s.part_o + tp * H * kvl + (int64_t)h0 * kvl;
+            lse = ctx->s.part_l + tp * H + h0;
         } else {
             out = ctx->s.part_o + (int64_t)ith * H * kvl;
             lse = lse_buf;
@@ -326,17 +333,18 @@ static void mla_attend_items(void *p, int64_t lo, int64_t hi, int ith) {
         if (ctx->kv == K3_KV_C8) {
             const k3_c8_cache cc = {ctx->lat8[j->layer], ctx->lat_s[j->layer], ctx->lat_r[j->layer], kvl, rope,
                                     ctx->n_tiles};
-            k3_qsfa(qa, qpe, H, &cc, slots, b - a, scale, out, lse, ctx->s.tqsfa[ith]);
+            k3_qsfa(qa, qpe, nh, &cc, slots, b - a, scale, out, lse, ctx->s.tqsfa[ith]);
         } else {
-            for (int h = 0; h < H; h++)
+            for (int h = 0; h < nh; h++)
                 lse[h] = b > a ? k3_mla_attend(qa + (int64_t)h * kvl, qpe + (int64_t)h * rope, kvl, rope,
                                                ctx->lat_cache[j->layer], ld, slots, b - a, scale,
                                                ctx->s.tscore[ith], out + (int64_t)h * kvl)
                                : -INFINITY;
         }
         if (j->parts == 1)
-            for (int h = 0; h < H; h++)
-                memcpy(ctx->s.chat + ((int64_t)h * T + t) * kvl, out + (int64_t)h * kvl, sizeof(float) * (size_t)kvl);
+            for (int h = 0; h < nh; h++)
+                memcpy(ctx->s.chat + ((int64_t)(h0 + h) * T + t) * kvl, out + (int64_t)h * kvl,
+                       sizeof(float) * (size_t)kvl);
     }
 }
 
@@ -488,7 +496,7 @@ static void mlapo(k3_ctx *ctx, const k3_layer *L, int layer, const float *xn) {
         for (int64_t t = 0; t < T; t++)
             memcpy(qn + t * nope, s->mq + t * H * qh + h * qh, sizeof(float) * (size_t)nope);
     }
-    layer_job j = {ctx, L, layer, 1};
+    layer_job j = {ctx, L, layer, 1, 1};
     k3_pool_for(ctx->pool, H, 1, absorb_items, &j);
 }
 
@@ -503,8 +511,9 @@ static void mla_layer(k3_ctx *ctx, const k3_layer *L, int layer, const float *xn
     if (L->kind == K3_LAYER_DSA && !ctx->dense) PROF(ctx, K3_PROF_QLI, dsa_select(ctx, L, layer));
 
     /* Few rows (decode): split each row's slots across the threads and merge
-     * the parts by log-sum-exp, as decode context parallelism does. */
-    layer_job aj = {ctx, L, layer, 1};
+     * the parts by log-sum-exp, as decode context parallelism does; below
+     * 256 slots a part, split the heads instead (nothing to merge). */
+    layer_job aj = {ctx, L, layer, 1, 1};
     if (T < ctx->nth) {
         int64_t longest = 0;
         for (int32_t i = 0; i < ctx->n_spans; i++) {
@@ -516,9 +525,10 @@ static void mla_layer(k3_ctx *ctx, const k3_layer *L, int layer, const float *xn
         if (parts > longest / 256) parts = (int)(longest / 256);
         if (parts > 64) parts = 64;
         aj.parts = parts < 1 ? 1 : parts;
+        if (aj.parts == 1) aj.hg = 2 * ctx->nth < H ? 2 * ctx->nth : H;
     }
     PROF(ctx, K3_PROF_QSFA, {
-        k3_pool_for(ctx->pool, T * aj.parts, 1, mla_attend_items, &aj);
+        k3_pool_for(ctx->pool, T * aj.parts * aj.hg, 1, mla_attend_items, &aj);
         if (aj.parts > 1) k3_pool_for(ctx->pool, T, 1, mla_merge_rows, &aj);
     });
     const double t_out = ctx->prof_on ? k3_now() : 0.0;
