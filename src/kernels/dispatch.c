@@ -95,6 +95,8 @@ typedef struct mm_job {
     int64_t n_rc, n_nc; /* row chunks x n chunks */
 } mm_job;
 
+enum { PREP_ROWS = 256 }; /* x rows prepared at a time (ops->prep_x) */
+
 /* Items t = nc * n_rc + rc: row chunk rc (16 rows, the last one takes the
  * rest) of activation chunk nc. A claimed range [lo, hi) is one kernel call
  * per activation chunk it touches, over all its rows at once. */
@@ -127,6 +129,13 @@ void k3_matmul(k3_pool *pool, const k3_mat *w, const float *x, int64_t n, float 
     }
     mm_job j = {ops(), w, x, y, n, 1, 1};
     const int64_t nprep = j.ops->prep_x ? j.ops->prep_x(w, x, n, NULL) : 0;
+    if (nprep > 0 && n > PREP_ROWS) {
+        /* blocks of x rows, so the scratch stays small (batch invariance
+         * makes the split invisible) */
+        for (int64_t i = 0; i < n; i += PREP_ROWS)
+            k3_matmul(pool, w, x + i * w->cols, n - i < PREP_ROWS ? n - i : PREP_ROWS, y + i * w->rows);
+        return;
+    }
     if (nprep > 0) {
         float *xp = k3_scratch(K3_SCRATCH_MATMUL, sizeof(float) * (size_t)nprep);
         j.ops->prep_x(w, x, n, xp);
