@@ -20,12 +20,23 @@
 
 /* ---- small row helpers ------------------------------------------------- */
 
-/* out = w ⊙ x / sqrt(mean(x²) + eps), n values (out may alias x) */
+/* out = w ⊙ x / sqrt(mean(x²) + eps), n values (out may alias x). The sum
+ * of squares in double over four interleaved partial sums: one chain of
+ * dependent adds cost ~2.5 us per 2048 values, a serial step of every layer
+ * in decode. */
 static void rmsnorm(float *out, const float *x, const float *w, int64_t n, float eps) {
-    double ss = 0.0;
-    for (int64_t i = 0; i < n; i++) ss += (double)x[i] * x[i];
+    double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0;
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        s0 += (double)x[i] * x[i];
+        s1 += (double)x[i + 1] * x[i + 1];
+        s2 += (double)x[i + 2] * x[i + 2];
+        s3 += (double)x[i + 3] * x[i + 3];
+    }
+    for (; i < n; i++) s0 += (double)x[i] * x[i];
+    const double ss = (s0 + s1) + (s2 + s3);
     const float r = (float)(1.0 / sqrt(ss / (double)n + eps));
-    for (int64_t i = 0; i < n; i++) out[i] = w[i] * (x[i] * r);
+    for (i = 0; i < n; i++) out[i] = w[i] * (x[i] * r);
 }
 
 typedef struct {

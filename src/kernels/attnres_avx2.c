@@ -17,15 +17,24 @@ void k3_attnres_mix_avx2(const float *const *V, int n, const float *w, int64_t D
     float score[K3_ATTNRES_MAX];
     float mx = -INFINITY;
     for (int e = 0; e < n; e++) {
-        /* accumulate in double, 4 lanes, as the reference does in one */
-        __m256d ss = _mm256_setzero_pd(), dot = _mm256_setzero_pd();
+        /* accumulate in double, 2 x 4 lanes (two chains of dependent FMAs,
+         * not one: this runs serially in decode), as the reference does in one */
+        __m256d ss = _mm256_setzero_pd(), dot = _mm256_setzero_pd(), ss1 = ss, dot1 = dot;
         int64_t d = 0;
+        for (; d + 8 <= D; d += 8) {
+            const __m256d v = _mm256_cvtps_pd(_mm_loadu_ps(V[e] + d));
+            const __m256d v1 = _mm256_cvtps_pd(_mm_loadu_ps(V[e] + d + 4));
+            ss = _mm256_fmadd_pd(v, v, ss);
+            ss1 = _mm256_fmadd_pd(v1, v1, ss1);
+            dot = _mm256_fmadd_pd(v, _mm256_cvtps_pd(_mm_loadu_ps(w + d)), dot);
+            dot1 = _mm256_fmadd_pd(v1, _mm256_cvtps_pd(_mm_loadu_ps(w + d + 4)), dot1);
+        }
         for (; d + 4 <= D; d += 4) {
             const __m256d v = _mm256_cvtps_pd(_mm_loadu_ps(V[e] + d));
             ss = _mm256_fmadd_pd(v, v, ss);
             dot = _mm256_fmadd_pd(v, _mm256_cvtps_pd(_mm_loadu_ps(w + d)), dot);
         }
-        double s2 = hsum_pd(ss), dt = hsum_pd(dot);
+        double s2 = hsum_pd(_mm256_add_pd(ss, ss1)), dt = hsum_pd(_mm256_add_pd(dot, dot1));
         for (; d < D; d++) {
             s2 += (double)V[e][d] * V[e][d];
             dt += (double)V[e][d] * w[d];
