@@ -14,14 +14,15 @@
  *     4 the odd ones. Rather than reorder the weights, x is "deinterleaved"
  *     (each 32-block as its 16 even then 16 odd columns), which is ~1.4x
  *     faster. So MXFP4's canonical order: per KC block, one accumulator for
- *     the even and one for the odd columns, added, then reduced. x is
- *     deinterleaved once per k3_matmul call (prep_x), for every path.
+ *     the even and one for the odd columns, added, then reduced.
  *   - BF16 with K % 32 == 0 takes the same "paired" order: each 32-bit word
  *     of a row holds an even column (low half) and an odd one (high half),
  *     so a shift and a mask turn 64 bytes into 32 fp32 weights with no
- *     shuffle, and the two accumulators per row halve the FMA chain. (The
- *     dense order, one vpmovzxwd + shift per 16 columns and one chain per
- *     row, read the 134 MB bench head at ~77% of the bandwidth.)
+ *     shuffle. At n = 1 it streams one row at a time, in address order: the
+ *     dense path's 8 rows in flight (8 streams a page apart) read 2048^2
+ *     matrices at 14 GB/s on one thread, one row at a time 22-25.
+ *   - Paired matrices take x already deinterleaved (prep_x, once per
+ *     k3_matmul call), whichever path runs.
  *
  * On Zen 4, 512-bit ops run as two 256-bit halves, so the FMA peak equals
  * AVX2's; the gains are the 32 registers, the MXFP4 decode and the tails.
