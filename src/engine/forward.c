@@ -581,6 +581,8 @@ typedef struct {
     k3_ctx *ctx;
     const k3_layer *L;
     const float *z;   /* [T, Dl] expert inputs */
+    int32_t na;       /* items [0, na): the active experts (s.eact) */
+    int32_t sh_parts; /* items [na, na + sh_parts): row slices of the shared down-projection (T == 1) */
 } expert_job;
 
 /* Expert e over the rows routed to it: gather, w1/w3, act, w2, scatter to s.ly. */
@@ -605,7 +607,17 @@ static void run_expert(const expert_job *j, int e, k3_pool *pool, int ith) {
 
 static void expert_items(void *p, int64_t lo, int64_t hi, int ith) {
     const expert_job *j = p;
-    for (int64_t a = lo; a < hi; a++) run_expert(j, j->ctx->s.eact[a], NULL, ith);
+    for (int64_t a = lo; a < hi; a++) {
+        if (a < j->na) {
+            run_expert(j, j->ctx->s.eact[a], NULL, ith);
+            continue;
+        }
+        /* rows [r0, r1) of the shared experts' down-projection, one token */
+        const k3_mat *w = &j->L->sh_down;
+        const int64_t q = a - j->na, r0 = w->rows * q / j->sh_parts, r1 = w->rows * (q + 1) / j->sh_parts;
+        const k3_mat rows = k3_mat_rows(w, r0, r1 - r0);
+        k3_matmul(NULL, &rows, j->ctx->s.f1, 1, j->ctx->s.tmp + r0);
+    }
 }
 
 static void moe_layer(k3_ctx *ctx, const k3_layer *L, const float *yn, float *out) {
@@ -649,13 +661,17 @@ static void moe_layer(k3_ctx *ctx, const k3_layer *L, const float *yn, float *ou
 
     /* Many active experts (always, at K3's top-16 of 896): one expert per
      * item, each single-threaded, so a decode step costs one dispatch for all
-     * experts. Few: one expert after the other, each matmul threaded. */
+     * experts. Few: one expert after the other, each matmul threaded. With
+     * one token the shared experts' down-projection joins the job as small
+     * row slices after the experts: they fill the end, where threads used to
+     * wait on the last expert (~12 us per layer), and save its dispatch. */
     int32_t na = 0;
     for (int e = 0; e < E; e++)
         if (s->ecount[e + 1] > s->ecount[e]) s->eact[na++] = e;
-    expert_job ej = {ctx, L, z};
+    expert_job ej = {ctx, L, z, na, 0};
     if (ctx->nth > 1 && na >= 2 * ctx->nth) {
-        k3_pool_for(ctx->pool, na, 1, expert_items, &ej);
+        if (L->moe_in.data && T == 1) ej.sh_parts = 4 * ctx->nth;
+        k3_pool_for(ctx->pool, na + ej.sh_parts, 1, expert_items, &ej);
     } else {
         for (int32_t a = 0; a < na; a++) run_expert(&ej, s->eact[a], ctx->pool, 0);
     }
@@ -672,7 +688,7 @@ static void moe_layer(k3_ctx *ctx, const k3_layer *L, const float *yn, float *ou
     if (ctx->prof_on) ctx->prof[K3_PROF_MOE] += k3_now() - t_moe;
 
     if (L->moe_in.data) {
-        PROF(ctx, K3_PROF_FFN, k3_matmul(ctx->pool, &L->sh_down, s->f1, T, s->tmp));
+        if (!ej.sh_parts) PROF(ctx, K3_PROF_FFN, k3_matmul(ctx->pool, &L->sh_down, s->f1, T, s->tmp));
         for (int64_t i = 0; i < T * D; i++) out[i] += s->tmp[i];
     } else if (c->n_shared_experts > 0) {
         PROF(ctx, K3_PROF_FFN, dense_ffn(ctx, &L->sh_gu, &L->sh_gate, &L->sh_up, &L->sh_down, yn, T, s->tmp));
