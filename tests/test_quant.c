@@ -108,6 +108,8 @@ K3_TEST(quant_matmul_w8a8_w4a8) {
     check_matmul_q(K3_W_Q8, 33, 300, 1); /* decode with row sums: 256-column steps + tail */
     check_matmul_q(K3_W_Q8, 17, 1100, 3);
     check_matmul_q(K3_W_MXFP4, 21, 1120, 1); /* W4A8: 512-column scale groups + a 96-column tail */
+    check_matmul_q(K3_W_MXFP4, 13, 384, 5);  /* a latent expert's down rows: 12 scales in one load */
+    check_matmul_q(K3_W_MXFP4, 40, 640, 9);  /* 16 + 4 blocks */
     check_matmul_q(K3_W_MXFP4, 21, 1120, 9);
 }
 
@@ -205,6 +207,14 @@ K3_TEST(quant_w4a8_vbmi_equals_shufb) {
     k3_mx4_rows_avx512(pk, sc, C, xp, corr, ldc, xs, N, 0, R, y1, R);
     k3_mx4_rows_avx512_vbmi(pk, sc, C, xp, corr, ldc, xs, N, 0, R, y2, R);
     CHECK(memcmp(y1, y2, sizeof(float) * N * R) == 0);
+    /* batch invariant: each token alone and each row range alone (rows are
+     * summed four at a time) give the same bits */
+    for (int t = 0; t < N; t++) {
+        float yt[R];
+        k3_mx4_rows_avx512_vbmi(pk, sc, C, xp + t * C, corr + t * ldc, ldc, xs + t, 1, 0, 7, yt, R);
+        k3_mx4_rows_avx512_vbmi(pk, sc, C, xp + t * C, corr + t * ldc, ldc, xs + t, 1, 7, R, yt, R);
+        CHECKF(memcmp(yt, y2 + t * R, sizeof yt) == 0, "W4A8 token %d alone differs from the batch", t);
+    }
     free(pk);
     free(sc);
     free(xq);

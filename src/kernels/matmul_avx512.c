@@ -28,6 +28,7 @@
  * AVX2's; the gains are the 32 registers, the MXFP4 decode and the tails.
  */
 #include "kernels/kernels_isa.h"
+#include "kernels/hsum_avx512.h"
 #include "common/error.h"
 
 #include <immintrin.h>
@@ -132,29 +133,10 @@ INLINE void x_split32(const float *x, __m512 *xe, __m512 *xo) {
 
 /* ---- reductions: one fixed tree, so every path rounds alike ----------- */
 
-INLINE __m256 half_sum(__m512 v) {
-    __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
-    return _mm256_add_ps(_mm512_castps512_ps256(v), hi);
-}
-
-/* The four horizontal sums of a, b, c, d (tree: halves, pairs, quads, 8s). */
-INLINE __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
-    __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(half_sum(a), half_sum(b)),
-                              _mm256_hadd_ps(half_sum(c), half_sum(d)));
-    return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-}
-
-/* hsum4's tree for one vector. */
-INLINE float hsum(__m512 v) {
-    __m256 h = half_sum(v);
-    __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(h, h), _mm256_hadd_ps(h, h));
-    return _mm_cvtss_f32(_mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
-}
-
 INLINE void hsum_all(const __m512 *v, int cnt, float *s) {
     int q = 0;
-    UNROLL for (; q + 4 <= cnt; q += 4) _mm_storeu_ps(s + q, hsum4(v[q], v[q + 1], v[q + 2], v[q + 3]));
-    UNROLL for (; q < cnt; q++) s[q] = hsum(v[q]);
+    UNROLL for (; q + 4 <= cnt; q += 4) _mm_storeu_ps(s + q, k3_hsum4(v[q], v[q + 1], v[q + 2], v[q + 3]));
+    UNROLL for (; q < cnt; q++) s[q] = k3_hsum(v[q]);
 }
 
 /* Keeps v in a register: otherwise GCC folds the load into every FMA that
@@ -564,7 +546,7 @@ static float dot_avx512(const float *a, const float *b, int64_t n) {
         const __mmask16 m = tail_mask(n - i);
         s0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), s0);
     }
-    return hsum(_mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3)));
+    return k3_hsum(_mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3)));
 }
 
 static void axpy_avx512(float *y, float a, const float *x, int64_t n) {

@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "quant.h"
+#include "hsum_avx512.h"
 
 /* ---- per-token activation quantization ----------------------------------- */
 
