@@ -242,7 +242,7 @@ K3_TEST(glu_simd_equals_ref) {
         g[i] = scale * frand();
         u[i] = scale * frand();
     }
-    for (int kind = K3_GLU_SWIGLU; kind <= K3_GLU_SILU; kind++)
+    for (int kind = K3_GLU_SWIGLU; kind <= K3_GLU_GATE; kind++)
         for (int b2 = 0; b2 < 2; b2++)
             for (int isa = K3_ISA_AVX2; isa <= K3_ISA_AVX512; isa++) {
                 const float beta2 = b2 ? 25.0f : 0.0f;

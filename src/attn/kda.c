@@ -197,10 +197,20 @@ static float softplusf(float x) {
 
 void k3_kda_gate(float *z, int n, float A_log, const float *dt_bias, bool has_lb, float lb) {
     const float a = expf(A_log);
-    for (int i = 0; i < n; i++) {
-        const float x = z[i] + dt_bias[i];
-        z[i] = has_lb ? lb / (1.0f + expf(-a * x)) : -a * softplusf(x);
+    if (has_lb) {
+        /* lb · sigmoid(a x), through k3_glu's vector sigmoid, 256 at a time */
+        float x[256];
+        for (int i0 = 0; i0 < n; i0 += 256) {
+            const int m = n - i0 < 256 ? n - i0 : 256;
+            for (int i = 0; i < m; i++) {
+                x[i] = z[i0 + i] + dt_bias[i0 + i];
+                z[i0 + i] = lb;
+            }
+            k3_glu(z + i0, x, m, K3_GLU_GATE, a, 0.0f);
+        }
+        return;
     }
+    for (int i = 0; i < n; i++) z[i] = -a * softplusf(z[i] + dt_bias[i]);
 }
 
 void k3_kda_conv(float *x, int64_t ldx, int n, int C, int K, const float *w, float *state, int64_t lds) {

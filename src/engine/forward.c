@@ -163,7 +163,7 @@ static void kda_head_items(void *p, int64_t lo, int64_t hi, int ith) {
             float *o = ctx->s.ko + t * HK + ch;
             const float *g = ctx->s.kg + t * HK + ch;
             rmsnorm(o, o, L->o_norm, dk, c->rms_eps);
-            for (int d = 0; d < dk; d++) o[d] *= sigmoidf(g[d]);
+            k3_glu(o, g, dk, K3_GLU_GATE, 1.0f, 0.0f);
         }
     }
 }
@@ -548,7 +548,7 @@ static void mla_layer(k3_ctx *ctx, const k3_layer *L, int layer, const float *xn
     k3_pool_for(ctx->pool, H, 1, value_items, &aj);
     if (c->mla_use_output_gate) {
         k3_matmul(ctx->pool, &L->g_proj, xn, T, s->mgate);
-        for (int64_t i = 0; i < T * H * vd; i++) s->mo[i] *= sigmoidf(s->mgate[i]);
+        k3_glu(s->mo, s->mgate, T * H * vd, K3_GLU_GATE, 1.0f, 0.0f);
     }
     k3_matmul(ctx->pool, &L->o_proj, s->mo, T, out);
     if (ctx->prof_on) ctx->prof[K3_PROF_MLA_OUT] += k3_now() - t_out;

@@ -42,6 +42,8 @@ void k3_glu_avx2(float *f1, const float *f2, int64_t n, k3_glu_kind kind, float 
         __m256 y;
         if (kind == K3_GLU_SILU) {
             y = _mm256_mul_ps(g, sigmoid8(g));
+        } else if (kind == K3_GLU_GATE) {
+            y = _mm256_mul_ps(g, sigmoid8(_mm256_mul_ps(vb1, u)));
         } else if (kind == K3_GLU_SITU) {
             const __m256 a = _mm256_mul_ps(_mm256_mul_ps(vb1, tanh8(_mm256_div_ps(g, vb1))), sigmoid8(g));
             y = _mm256_mul_ps(a, b2 > 0.0f ? _mm256_mul_ps(vb2, tanh8(_mm256_div_ps(u, vb2))) : u);

@@ -41,6 +41,8 @@ void k3_glu_avx512(float *f1, const float *f2, int64_t n, k3_glu_kind kind, floa
         __m512 y;
         if (kind == K3_GLU_SILU) {
             y = _mm512_mul_ps(g, sigmoid16(g));
+        } else if (kind == K3_GLU_GATE) {
+            y = _mm512_mul_ps(g, sigmoid16(_mm512_mul_ps(vb1, u)));
         } else if (kind == K3_GLU_SITU) {
             const __m512 a = _mm512_mul_ps(_mm512_mul_ps(vb1, tanh16(_mm512_div_ps(g, vb1))), sigmoid16(g));
             y = _mm512_mul_ps(a, b2 > 0.0f ? _mm512_mul_ps(vb2, tanh16(_mm512_div_ps(u, vb2))) : u);

@@ -75,9 +75,10 @@ void k3_axpy_ref(float *y, float a, const float *x, int64_t n);
 
 /* f1[i] = act(f1[i], f2[i]) over n values. SwiGLU: silu(g)·u. SiTU:
  * b1 tanh(g/b1) sigmoid(g) · b2 tanh(u/b2) (b2 <= 0: plain u). SiLU: silu(g)
- * (f2 unused, may be NULL). The SIMD paths use their own exp and tanh,
- * within a few ulp of libm's. */
-typedef enum k3_glu_kind { K3_GLU_SWIGLU = 0, K3_GLU_SITU, K3_GLU_SILU } k3_glu_kind;
+ * (f2 unused, may be NULL). Gate: g · sigmoid(b1 u) (output gates, KDA's
+ * bounded decay). The SIMD paths use their own exp and tanh, within a few
+ * ulp of libm's. */
+typedef enum k3_glu_kind { K3_GLU_SWIGLU = 0, K3_GLU_SITU, K3_GLU_SILU, K3_GLU_GATE } k3_glu_kind;
 void k3_glu(float *f1, const float *f2, int64_t n, k3_glu_kind kind, float b1, float b2);
 void k3_glu_ref(float *f1, const float *f2, int64_t n, k3_glu_kind kind, float b1, float b2);
 

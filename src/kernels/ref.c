@@ -186,6 +186,8 @@ void k3_glu_ref(float *f1, const float *f2, int64_t n, k3_glu_kind kind, float b
             f1[i] = g / (1.0f + expf(-g));
         else if (kind == K3_GLU_SITU)
             f1[i] = b1 * tanhf(g / b1) / (1.0f + expf(-g)) * (b2 > 0.0f ? b2 * tanhf(u / b2) : u);
+        else if (kind == K3_GLU_GATE)
+            f1[i] = g / (1.0f + expf(-b1 * u));
         else
             f1[i] = g / (1.0f + expf(-g)) * u;
     }
