@@ -16,7 +16,7 @@ typedef struct k3_kernel_ops {
      * y[i][r] must come out bit for bit the same whatever n, r0, r1 and the
      * position of row i (batch invariance: dispatch.c splits freely, and the
      * engine's batch == alone and causality tests compare with memcmp).
-     * Stack: up to ~112 KB (the AVX-512 tiled path's buffers).
+     * Stack: up to ~100 KB (the AVX-512 tiled path's weight block).
      * x is as prep_x left it where that returns > 0 for w. */
     void (*matmul)(const k3_mat *w, const float *x, int64_t n, float *y, int64_t ldy,
                    int64_t r0, int64_t r1);

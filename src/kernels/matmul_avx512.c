@@ -37,7 +37,6 @@
 #define UNROLL _Pragma("GCC unroll 16")
 #define INLINE static inline __attribute__((always_inline))
 
-
 enum {
     KC = 1024,                  /* columns per block of the canonical order */
     RB = 24,                    /* tiled: weight rows per block (96 KB of fp32) */
