@@ -337,9 +337,11 @@ K3_TEST(kernels_matmul_batch_invariant) {
     float *y1 = malloc(sizeof(float) * N * R), *yb = malloc(sizeof(float) * N * R);
     for (int i = 0; i < N * C; i++) x[i] = rndf();
     /* The stored formats; BF16 also with whole 32-column blocks (the paired
-     * order on AVX-512); 1088 = 17 x 64: a 32-column MXFP4 tail on AVX2. */
+     * order on AVX-512; 128 columns: four rows a pass at n = 1); 1088 =
+     * 17 x 64: a 32-column MXFP4 tail on AVX2. */
     static const struct { k3_wtype t; int64_t cols; } cases[] = {
-        {K3_W_F32, C}, {K3_W_F16, C}, {K3_W_BF16, C}, {K3_W_BF16, 1088}, {K3_W_MXFP4, 1088},
+        {K3_W_F32, C},     {K3_W_F16, C},       {K3_W_BF16, C},
+        {K3_W_BF16, 1088}, {K3_W_BF16, 128},    {K3_W_MXFP4, 1088},
     };
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
         const k3_wtype t = cases[c].t;

@@ -333,8 +333,11 @@ static void stream_paired(const k3_mat *w, const float *xd, int64_t n, float *y,
                  * 25 -> 32 GB/s against two rows); more share each x load,
                  * which matters once x outgrows L1 (MXFP4, n >= 3: two) or
                  * the loads would outnumber the FMAs (BF16, n >= 2: three;
-                 * 2048^2 at n = 8: 125 GFLOP/s, two rows 110). */
-                int nr = wt == K3_W_MXFP4 ? (mi >= 3 ? 2 : 1) : (mi >= 2 ? 3 : 1);
+                 * 2048^2 at n = 8: 125 GFLOP/s, two rows 110). Rows of at
+                 * most 256 columns go four at a time at n = 1 (still one
+                 * stream: they are adjacent), so the per-row sums and
+                 * stores are shared. */
+                int nr = wt == K3_W_MXFP4 ? (mi >= 3 ? 2 : 1) : (mi >= 2 ? 3 : K <= 256 ? 4 : 1);
                 if (ge - r < nr) nr = 1;
                 const uint8_t *pr = (const uint8_t *)w->data + r * rowb;
                 const uint8_t *sr = wt == K3_W_MXFP4 ? w->scale + r * (K / 32) : NULL;
@@ -347,6 +350,7 @@ static void stream_paired(const k3_mat *w, const float *xd, int64_t n, float *y,
         break;
                 switch (mi * 4 + nr - 1) {
                 S(1, 1) S(1, 2) S(2, 1) S(2, 2) S(3, 1) S(3, 2) S(4, 1) S(4, 2) S(2, 3) S(3, 3) S(4, 3)
+                S(1, 4)
                 default: K3_ASSERT(!"stream_paired: bad shape");
                 }
 #undef S
