@@ -176,12 +176,6 @@ K3_TEST(quant_mxfp8_simd_decode_equals_ref) {
 
 /* The two AVX-512 W4A8 kernels (nibbles decoded by vpshufb, or by vpermb with
  * VBMI) give the same result bit for bit, tails included. */
-void k3_mx4_rows_avx512(const uint8_t *packed, const uint8_t *scale, int64_t cols, const int8_t *xp,
-                        const int32_t *corr, int64_t ldc, const float *xs, int64_t n, int64_t r0, int64_t r1,
-                        float *y, int64_t ldy);
-void k3_mx4_rows_avx512_vbmi(const uint8_t *packed, const uint8_t *scale, int64_t cols, const int8_t *xp,
-                             const int32_t *corr, int64_t ldc, const float *xs, int64_t n, int64_t r0, int64_t r1,
-                             float *y, int64_t ldy);
 
 K3_TEST(quant_w4a8_vbmi_equals_shufb) {
     k3_kernels_init();

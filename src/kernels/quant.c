@@ -183,12 +183,6 @@ void k3_q8_rows_avx512(const int8_t *w, const float *row_scale, const int32_t *r
 typedef void (*mx4_rows_fn)(const uint8_t *packed, const uint8_t *scale, int64_t cols, const int8_t *xp,
                             const int32_t *corr, int64_t ldc, const float *xs, int64_t n, int64_t r0, int64_t r1,
                             float *y, int64_t ldy);
-void k3_mx4_rows_avx512(const uint8_t *packed, const uint8_t *scale, int64_t cols, const int8_t *xp,
-                        const int32_t *corr, int64_t ldc, const float *xs, int64_t n, int64_t r0, int64_t r1,
-                        float *y, int64_t ldy);
-void k3_mx4_rows_avx512_vbmi(const uint8_t *packed, const uint8_t *scale, int64_t cols, const int8_t *xp,
-                             const int32_t *corr, int64_t ldc, const float *xs, int64_t n, int64_t r0, int64_t r1,
-                             float *y, int64_t ldy);
 
 /* ---- the driver ------------------------------------------------------------- */
 

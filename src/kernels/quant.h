@@ -40,6 +40,16 @@ void k3_quant_act_mxfp8(float *x, int64_t n);
  * their E8M0 block scales -> fp32, equal to k3_e4m3_to_f32 x scale for every
  * code but the NaNs (0x7F, 0xFF), which the quantizer never writes. */
 void k3_mxfp8_dequant_avx512(const uint8_t *q, const uint8_t *e, int64_t len, float *out);
+/* AVX-512 VNNI only (VBMI too for the second): rows [r0, r1) x n tokens of
+ * an MXFP4 matrix against activations prepared by k3_mx4_prep (corr rows
+ * ldc apart), y[t*ldy + r] = dot · xs[t]. The two decode nibbles differently
+ * and give the same bits. */
+void k3_mx4_rows_avx512(const uint8_t *packed, const uint8_t *scale, int64_t cols, const int8_t *xp,
+                        const int32_t *corr, int64_t ldc, const float *xs, int64_t n, int64_t r0, int64_t r1,
+                        float *y, int64_t ldy);
+void k3_mx4_rows_avx512_vbmi(const uint8_t *packed, const uint8_t *scale, int64_t cols, const int8_t *xp,
+                             const int32_t *corr, int64_t ldc, const float *xs, int64_t n, int64_t r0, int64_t r1,
+                             float *y, int64_t ldy);
 
 /* y[n, rows] = x[n, cols] · Wᵀ with 8-bit activations, for Q8, MXFP8 and
  * MXFP4 weights. Threaded over rows. */
