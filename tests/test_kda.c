@@ -160,19 +160,19 @@ K3_TEST(kda_gate_ranges) {
 K3_TEST(kda_conv_state_equals_whole_run) {
     /* conv over 10 tokens == conv over 4 then 6 with the carried state; taps
      * before the start read zeros; the last tap is the current token */
-    enum { C = 5, K = 4, N = 10 };
+    enum { C = 21, K = 4, N = 10 }; /* a block of 16 channels and a tail */
     float w[C * K], x[N * C], a[N * C], b[N * C], s1[(K - 1) * C] = {0}, s2[(K - 1) * C] = {0};
     for (int i = 0; i < C * K; i++) w[i] = frand();
     for (int i = 0; i < N * C; i++) x[i] = frand();
     memcpy(a, x, sizeof x);
     memcpy(b, x, sizeof x);
-    k3_kda_conv(a, C, N, C, K, w, s1, C);
-    k3_kda_conv(b, C, 4, C, K, w, s2, C);
-    k3_kda_conv(b + 4 * C, C, 6, C, K, w, s2, C);
+    k3_kda_conv(a, C, N, C, K, w, C, s1, C);
+    k3_kda_conv(b, C, 4, C, K, w, C, s2, C);
+    k3_kda_conv(b + 4 * C, C, 6, C, K, w, C, s2, C);
     CHECK(memcmp(a, b, sizeof a) == 0);
     CHECK(memcmp(s1, s2, sizeof s1) == 0);
-    /* token 1, channel 2 by hand */
-    const float pre = w[2 * K + 2] * x[0 * C + 2] + w[2 * K + 3] * x[1 * C + 2];
+    /* token 1, channel 2 by hand (w tap-major: w[j*C + c]) */
+    const float pre = w[2 * C + 2] * x[0 * C + 2] + w[3 * C + 2] * x[1 * C + 2];
     CHECK(fabsf(a[1 * C + 2] - pre / (1.0f + expf(-pre))) < 1e-6f);
 }
 

@@ -213,19 +213,31 @@ void k3_kda_gate(float *z, int n, float A_log, const float *dt_bias, bool has_lb
     for (int i = 0; i < n; i++) z[i] = -a * softplusf(z[i] + dt_bias[i]);
 }
 
-void k3_kda_conv(float *x, int64_t ldx, int n, int C, int K, const float *w, float *state, int64_t lds) {
-    /* token by token, channels innermost (vectorizable); the window lives in
-     * the state rows, shifted each token */
+/* One block of nc <= 16 channels of one token of k3_kda_conv: nc is a
+ * constant in the main path, so the loops and copies become vector code. The
+ * sum in the order of one channel alone: current tap, then the window oldest
+ * first. */
+enum { CONV_CB = 16 };
+static inline __attribute__((always_inline)) void conv_block(float *xt, const float *w, int64_t ldw, float *state,
+                                                             int64_t lds, int K, const int nc) {
+    float in[CONV_CB], s[CONV_CB];
+    memcpy(in, xt, sizeof(float) * (size_t)nc);
+    for (int c = 0; c < nc; c++) s[c] = w[(int64_t)(K - 1) * ldw + c] * in[c];
+    for (int j = 0; j < K - 1; j++)
+        for (int c = 0; c < nc; c++) s[c] += w[(int64_t)j * ldw + c] * state[(int64_t)j * lds + c];
+    for (int j = 0; j + 1 < K - 1; j++)
+        memcpy(state + (int64_t)j * lds, state + (int64_t)(j + 1) * lds, sizeof(float) * (size_t)nc);
+    if (K > 1) memcpy(state + (int64_t)(K - 2) * lds, in, sizeof(float) * (size_t)nc);
+    memcpy(xt, s, sizeof(float) * (size_t)nc);
+}
+
+void k3_kda_conv(float *x, int64_t ldx, int n, int C, int K, const float *w, int64_t ldw, float *state,
+                 int64_t lds) {
     for (int t = 0; t < n; t++) {
         float *xt = x + (int64_t)t * ldx;
-        for (int c = 0; c < C; c++) {
-            const float in = xt[c];
-            float s = w[(int64_t)c * K + K - 1] * in;
-            for (int j = 0; j < K - 1; j++) s += w[(int64_t)c * K + j] * state[(int64_t)j * lds + c];
-            for (int j = 0; j + 1 < K - 1; j++) state[(int64_t)j * lds + c] = state[(int64_t)(j + 1) * lds + c];
-            if (K > 1) state[(int64_t)(K - 2) * lds + c] = in;
-            xt[c] = s;
-        }
+        int c0 = 0;
+        for (; c0 + CONV_CB <= C; c0 += CONV_CB) conv_block(xt + c0, w + c0, ldw, state + c0, lds, K, CONV_CB);
+        if (c0 < C) conv_block(xt + c0, w + c0, ldw, state + c0, lds, K, C - c0);
         k3_glu(xt, NULL, C, K3_GLU_SILU, 0.0f, 0.0f);
     }
 }

@@ -64,8 +64,9 @@ void k3_kda_gate(float *z, int n, float A_log, const float *dt_bias, bool has_lb
 
 /* Causal depthwise short conv + SiLU over n tokens for C channels, with a
  * state of the (K-1) previous inputs per channel (state[j*lds + c], oldest
- * first), updated to the last K-1 inputs. w: [C, K], tap K-1 = current token.
- * x: [n, ldx] (in place: x becomes the output). */
-void k3_kda_conv(float *x, int64_t ldx, int n, int C, int K, const float *w, float *state, int64_t lds);
+ * first), updated to the last K-1 inputs. w[j*ldw + c]: tap j of channel c,
+ * tap K-1 = current token. x: [n, ldx] (in place: x becomes the output). */
+void k3_kda_conv(float *x, int64_t ldx, int n, int C, int K, const float *w, int64_t ldw, float *state,
+                 int64_t lds);
 
 #endif /* K3_ATTN_KDA_H */

@@ -125,7 +125,7 @@ static void kda_head_items(void *p, int64_t lo, int64_t hi, int ith) {
             float *x = which == 0 ? ctx->s.kq : which == 1 ? ctx->s.kk : ctx->s.kv;
             const float *w = which == 0 ? L->q_conv : which == 1 ? L->k_conv : L->v_conv;
             float *state = ctx->kda_conv[j->layer] + ((int64_t)sp->seq * 3 + which) * (K - 1) * HK;
-            k3_kda_conv(x + t0 * HK + ch, HK, sp->n, dk, K, w + ch * K, state + ch, HK);
+            k3_kda_conv(x + t0 * HK + ch, HK, sp->n, dk, K, w + ch, HK, state + ch, HK);
         }
         for (int64_t t = t0; t < t0 + sp->n; t++) {
             float *q = ctx->s.kq + t * HK + ch, *k = ctx->s.kk + t * HK + ch;

@@ -252,7 +252,8 @@ static k3_status bind_vec(walker *w, float **dst, const char *name, int64_t n) {
     return bind_vec_opt(w, dst, name, n, false);
 }
 
-/* Conv taps [C, 1, K] (or [C, K]) -> owned fp32 [C, K]. */
+/* Conv taps [C, 1, K] (or [C, K]) -> owned fp32 [K, C], tap-major, so the
+ * short conv runs along channels (k3_kda_conv). */
 static k3_status bind_conv(walker *w, float **dst, const char *name, int64_t c, int64_t k) {
     const k3_st_tensor *t;
     k3_status s = need(w, name, &t);
@@ -263,7 +264,12 @@ static k3_status bind_conv(walker *w, float **dst, const char *name, int64_t c, 
         if (s == K3_OK) count(w, c * k, (int64_t)t->nbytes);
         return s;
     }
-    return load_vec(w, dst, t, c * k);
+    float *v = own(w, c * k);
+    if (!v) return nomem(w);
+    for (int64_t ch = 0; ch < c; ch++)
+        for (int64_t j = 0; j < k; j++) v[j * c + ch] = elem_f32(t->data, t->dtype, ch * k + j);
+    *dst = v;
+    return K3_OK;
 }
 
 /* A_log: [H], padded [n >= H] (K3 stores [head_dim]), or any shape of H

@@ -34,7 +34,7 @@ typedef struct k3_layer {
     k3_mat g_a, g_b;                 /* low-rank output gate [r, D], [H*dk, r] */
     k3_mat f_a, f_b;                 /* decay gate [dk, D], [H*dk, dk] */
     k3_mat b_proj;                   /* [H, D] */
-    float *q_conv, *k_conv, *v_conv; /* [H*dk, conv_size] */
+    float *q_conv, *k_conv, *v_conv; /* [conv_size, H*dk], tap-major */
     float *A_log;                    /* [H] (stored padded to dk in K3) */
     float *dt_bias;                  /* [H*dk] */
     float *o_norm;                   /* [dk] */
