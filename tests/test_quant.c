@@ -174,6 +174,32 @@ K3_TEST(quant_mxfp8_simd_decode_equals_ref) {
     }
 }
 
+/* The AVX-512 VBMI activation preparation of W4A8 equals the scalar one, for
+ * whole groups of 128 columns, and a short last group, and extreme values. */
+K3_TEST(quant_w4a8_prep_vbmi_equals_ref) {
+    k3_kernels_init();
+    if (k3_kernels_isa() < K3_ISA_AVX512 || !__builtin_cpu_supports("avx512vnni") ||
+        !__builtin_cpu_supports("avx512vbmi")) {
+        printf("    (no AVX-512 VNNI+VBMI on this CPU: not run)\n");
+        return;
+    }
+    const int64_t cols[] = {32, 96, 128, 384, 1024, 1120, 2048};
+    int8_t xq[2048], p1[2048], p2[2048];
+    int32_t c1[256], c2[256];
+    for (size_t k = 0; k < sizeof cols / sizeof cols[0]; k++) {
+        const int64_t C = cols[k];
+        for (int64_t i = 0; i < C; i++)
+            xq[i] = (int8_t)(i % 7 == 0 ? -127 : i % 5 == 0 ? 127 : (int)(frand() * 127.0f));
+        memset(p1, 0x55, sizeof p1);
+        memset(p2, 0x55, sizeof p2);
+        memset(c1, 0x55, sizeof c1);
+        memset(c2, 0x55, sizeof c2);
+        k3_mx4_prep_ref(xq, C, p1, c1);
+        k3_mx4_prep_avx512_vbmi(xq, C, p2, c2);
+        CHECKF(memcmp(p1, p2, sizeof p1) == 0 && memcmp(c1, c2, sizeof c1) == 0, "cols %lld", (long long)C);
+    }
+}
+
 /* The two AVX-512 W4A8 kernels (nibbles decoded by vpshufb, or by vpermb with
  * VBMI) give the same result bit for bit, tails included. */
 

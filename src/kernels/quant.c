@@ -121,7 +121,7 @@ float k3_quant_act_i8(const float *x, int64_t n, int8_t *q) {
     return k3_kernels_isa() >= K3_ISA_AVX512 ? k3_quant_act_i8_avx512(x, n, q) : k3_quant_act_i8_ref(x, n, q);
 }
 
-void k3_mx4_prep(const int8_t *xq, int64_t cols, int8_t *xp, int32_t *corr) {
+void k3_mx4_prep_ref(const int8_t *xq, int64_t cols, int8_t *xp, int32_t *corr) {
     for (int64_t base = 0, g = 0; base < cols; base += 128, g++) {
         const int nb = cols - base >= 128 ? 4 : (int)((cols - base) / 32);
         const int64_t half = 16 * nb;
@@ -137,6 +137,11 @@ void k3_mx4_prep(const int8_t *xq, int64_t cols, int8_t *xp, int32_t *corr) {
             corr[g * 16 + l] = -12 * sum;
         }
     }
+}
+
+void k3_mx4_prep(const int8_t *xq, int64_t cols, int8_t *xp, int32_t *corr) {
+    if (have_vnni() && __builtin_cpu_supports("avx512vbmi")) k3_mx4_prep_avx512_vbmi(xq, cols, xp, corr);
+    else k3_mx4_prep_ref(xq, cols, xp, corr);
 }
 
 void k3_quant_act_mxfp8(float *x, int64_t n) {

@@ -33,6 +33,9 @@ float k3_quant_act_i8_ref(const float *x, int64_t n, int8_t *q);
  * activations each int32 lane of the kernel covers), which removes the +12
  * the kernel adds to every weight to make it unsigned. */
 void k3_mx4_prep(const int8_t *xq, int64_t cols, int8_t *xp, int32_t *corr);
+/* The scalar form, and the AVX-512 VBMI one (check the CPU), bit for bit the same. */
+void k3_mx4_prep_ref(const int8_t *xq, int64_t cols, int8_t *xp, int32_t *corr);
+void k3_mx4_prep_avx512_vbmi(const int8_t *xq, int64_t cols, int8_t *xp, int32_t *corr);
 /* One activation row fake-quantized to MXFP8 (E4M3 per 32, E8M0 scale), in place. */
 void k3_quant_act_mxfp8(float *x, int64_t n);
 

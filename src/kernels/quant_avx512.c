@@ -141,6 +141,31 @@ void k3_q8_rows_avx512(const int8_t *w, const float *row_scale, const int32_t *r
 
 /* ---- W4A8 MXFP4 ------------------------------------------------------------ */
 
+/* k3_mx4_prep for whole groups of four blocks: two byte permutations over
+ * the group's 128 activations (the even columns of each block, then the odd
+ * ones), and the lane sums of both halves with vpdpbusd against ones. A
+ * last group of fewer blocks goes to the scalar form. */
+__attribute__((target("avx512vbmi"))) void k3_mx4_prep_avx512_vbmi(const int8_t *xq, int64_t cols, int8_t *xp,
+                                                                  int32_t *corr) {
+    uint8_t ie[64], io[64];
+    for (int p = 0; p < 64; p++) {
+        ie[p] = (uint8_t)(32 * (p / 16) + 2 * (p % 16));
+        io[p] = (uint8_t)(ie[p] + 1);
+    }
+    const __m512i even = _mm512_loadu_si512(ie), odd = _mm512_loadu_si512(io);
+    const __m512i ones = _mm512_set1_epi8(1), m12 = _mm512_set1_epi32(-12);
+    int64_t base = 0, g = 0;
+    for (; base + 128 <= cols; base += 128, g++) {
+        const __m512i a = _mm512_loadu_si512(xq + base), b = _mm512_loadu_si512(xq + base + 64);
+        const __m512i lo = _mm512_permutex2var_epi8(a, even, b), hi = _mm512_permutex2var_epi8(a, odd, b);
+        _mm512_storeu_si512(xp + base, lo);
+        _mm512_storeu_si512(xp + base + 64, hi);
+        const __m512i sum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, lo), ones, hi);
+        _mm512_storeu_si512(corr + g * 16, _mm512_mullo_epi32(sum, m12));
+    }
+    if (base < cols) k3_mx4_prep_ref(xq + base, cols - base, xp + base, corr + g * 16);
+}
+
 /* Nibbles to codes with vpshufb: each index byte needs its top bits cleared. */
 #define MX4_ROW mx4_row_shufb
 #define MX4_ROWS k3_mx4_rows_avx512
