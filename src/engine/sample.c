@@ -97,9 +97,15 @@ int32_t k3_sampler_sample(k3_sampler *s, float *logits) {
             if (s->hist[i] >= 0 && s->hist[i] < V) s->mark[s->hist[i]] = 0;
     }
     if (s->o.temperature == 0.0f) {
+        /* the first of the largest; the best value kept in a register, not
+         * reloaded through its index (this runs between two decode steps) */
         int32_t best = 0;
+        float bv = logits[0];
         for (int32_t i = 1; i < V; i++)
-            if (logits[i] > logits[best]) best = i;
+            if (logits[i] > bv) {
+                bv = logits[i];
+                best = i;
+            }
         return best;
     }
     int32_t n = V;
