@@ -1,6 +1,7 @@
 /*
  * attn_ops.c -- QLI and QSFA (see attn_ops.h): scalar references, the
- * dispatch to the AVX2 paths, quantizers and the Hadamard transform.
+ * dispatch to the AVX2 (and, for QLI, AVX-512 VNNI) paths, quantizers and
+ * the Hadamard transform.
  */
 #include "attn_ops.h"
 
@@ -14,6 +15,12 @@ void k3_qli_scores_avx2(const int8_t *q8, const float *qs, const float *w, int H
                         const int8_t *k8, const float *ks, const int64_t *slots, int n, float *scores);
 void k3_qsfa_avx2(const float *qa, const float *qpe, int H, const k3_c8_cache *c,
                   const int64_t *slots, int n, float scale, float *out, float *lse, float *work);
+
+/* AVX-512 VNNI path, attn_ops_avx512.c: whether it takes these shapes, and
+ * the scores */
+int k3_qli_avx512_ok(int HI, int dI);
+void k3_qli_scores_avx512(const int8_t *q8, const float *qs, const float *w, int HI, int dI, const int8_t *k8,
+                          const float *ks, const int64_t *slots, int n, float *scores);
 
 static int use_avx2(void) { return k3_kernels_isa() >= K3_ISA_AVX2; }
 
@@ -69,7 +76,10 @@ void k3_qli_scores_ref(const int8_t *q8, const float *qs, const float *w, int HI
 
 void k3_qli_scores(const int8_t *q8, const float *qs, const float *w, int HI, int dI,
                    const int8_t *k8, const float *ks, const int64_t *slots, int n, float *scores) {
-    if (use_avx2() && dI % 16 == 0 && HI <= 64)
+    if (k3_kernels_isa() >= K3_ISA_AVX512 && __builtin_cpu_supports("avx512vnni") &&
+        k3_qli_avx512_ok(HI, dI))
+        k3_qli_scores_avx512(q8, qs, w, HI, dI, k8, ks, slots, n, scores);
+    else if (use_avx2() && dI % 16 == 0 && HI <= 64)
         k3_qli_scores_avx2(q8, qs, w, HI, dI, k8, ks, slots, n, scores);
     else
         k3_qli_scores_ref(q8, qs, w, HI, dI, k8, ks, slots, n, scores);
