@@ -1,6 +1,7 @@
 /* test_attn.c -- MLA absorbed == naive (k3-model.md §6.2.4), the DSA top-k
  * and indexer (§6.2.6), AttnRes (§6.2.9) and the router (§6.2.8). */
 #include <stdlib.h>
+#include <math.h>
 #include <string.h>
 
 #include "attn/attnres.h"
@@ -91,6 +92,47 @@ K3_TEST(topk_exact_and_deterministic) {
     for (int i = 0; i < N; i++) s[i] = 0.0f;
     REQUIRE(k3_topk(s, N, 5, sel, work) == 5);
     for (int i = 0; i < 5; i++) CHECK(sel[i] == i);
+}
+
+/* the order k3_topk promises, for the oracle below: higher first, -0 == +0,
+ * NaN last, ties to the lower index */
+static int topk_before(const float *s, int a, int b) {
+    const float x = s[a], y = s[b];
+    if (isnan(x) || isnan(y)) return isnan(x) == isnan(y) ? a < b : !isnan(x);
+    return x > y || (x == y && a < b);
+}
+
+K3_TEST(topk_equals_sorting_on_hard_scores) {
+    /* negatives, both zeros, infinities, NaNs and runs of ties, against a
+     * plain selection sort of the order (n small enough for it) */
+    enum { N = 1500 };
+    static float s[N];
+    static int32_t sel[N], work[N], ord[N];
+    for (int round = 0; round < 3; round++) {
+        for (int i = 0; i < N; i++) {
+            const int r = (int)(frand() * 1000.0f);
+            s[i] = r % 11 == 0 ? 0.0f : r % 13 == 0 ? -0.0f : r % 97 == 0 ? NAN : r % 89 == 0 ? -INFINITY
+                 : r % 83 == 0 ? INFINITY : (float)(r % (round == 0 ? 7 : 400)) - 3.5f;
+        }
+        for (int i = 0; i < N; i++) ord[i] = i;
+        for (int i = 0; i < N; i++) /* selection sort by the promised order */
+            for (int j = i + 1; j < N; j++)
+                if (topk_before(s, ord[j], ord[i])) {
+                    const int32_t t = ord[i];
+                    ord[i] = ord[j];
+                    ord[j] = t;
+                }
+        const int ks[] = {1, 2, 100, 777, N - 1};
+        for (int q = 0; q < 5; q++) {
+            const int k = ks[q];
+            REQUIRE(k3_topk(s, N, k, sel, work) == k);
+            char want[N] = {0};
+            for (int i = 0; i < k; i++) want[ord[i]] = 1;
+            int bad = 0;
+            for (int i = 0; i < k; i++) bad += !want[sel[i]] || (i && sel[i - 1] >= sel[i]);
+            CHECKF(bad == 0, "round %d k %d: %d wrong", round, k, bad);
+        }
+    }
 }
 
 K3_TEST(indexer_scores_hadamard_invariant) {
