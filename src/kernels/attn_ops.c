@@ -1,7 +1,7 @@
 /*
  * attn_ops.c -- QLI and QSFA (see attn_ops.h): scalar references, the
- * dispatch to the AVX2 (and, for QLI, AVX-512 VNNI) paths, quantizers and
- * the Hadamard transform.
+ * dispatch to the AVX2 and AVX-512 paths, quantizers and the Hadamard
+ * transform.
  */
 #include "attn_ops.h"
 
@@ -21,6 +21,11 @@ void k3_qsfa_avx2(const float *qa, const float *qpe, int H, const k3_c8_cache *c
 int k3_qli_avx512_ok(int HI, int dI);
 void k3_qli_scores_avx512(const int8_t *q8, const float *qs, const float *w, int HI, int dI, const int8_t *k8,
                           const float *ks, const int64_t *slots, int n, float *scores);
+
+/* AVX-512 QSFA, attn_ops_avx512.c, and the work floats it needs */
+int64_t k3_qsfa_work_avx512(int H, int kv_lora, int rope);
+void k3_qsfa_avx512(const float *qa, const float *qpe, int H, const k3_c8_cache *c, const int64_t *slots, int n,
+                    float scale, float *out, float *lse, float *work);
 
 static int use_avx2(void) { return k3_kernels_isa() >= K3_ISA_AVX2; }
 
@@ -88,8 +93,10 @@ void k3_qli_scores(const int8_t *q8, const float *qs, const float *w, int HI, in
 /* ---- QSFA ---------------------------------------------------------------- */
 
 int64_t k3_qsfa_work(int H, int kv_lora, int n) {
-    /* ref: scores [H, n] + one row; avx2: one row + running max/sum [2H] */
-    return (int64_t)H * n + kv_lora + 2 * H;
+    /* ref: scores [H, n] + one row; avx2: one row + running max/sum [2H];
+     * avx512: a block of rows and its scores (rope <= kv_lora) */
+    const int64_t ref = (int64_t)H * n + kv_lora + 2 * H, simd = k3_qsfa_work_avx512(H, kv_lora, kv_lora);
+    return ref > simd ? ref : simd;
 }
 
 static float dq(const k3_c8_cache *c, int64_t slot, int i) {
@@ -122,7 +129,9 @@ void k3_qsfa_ref(const float *qa, const float *qpe, int H, const k3_c8_cache *c,
 
 void k3_qsfa(const float *qa, const float *qpe, int H, const k3_c8_cache *c,
              const int64_t *slots, int n, float scale, float *out, float *lse, float *work) {
-    if (use_avx2() && c->kv_lora % 8 == 0)
+    if (k3_kernels_isa() >= K3_ISA_AVX512 && c->kv_lora % 16 == 0 && c->rope % 16 == 0 && c->rope <= c->kv_lora)
+        k3_qsfa_avx512(qa, qpe, H, c, slots, n, scale, out, lse, work);
+    else if (use_avx2() && c->kv_lora % 8 == 0)
         k3_qsfa_avx2(qa, qpe, H, c, slots, n, scale, out, lse, work);
     else
         k3_qsfa_ref(qa, qpe, H, c, slots, n, scale, out, lse, work);
