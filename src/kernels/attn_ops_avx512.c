@@ -123,6 +123,7 @@ static inline __attribute__((always_inline)) __m512 sum16x16(const __m512 a[16])
 }
 
 enum { QSFA_B = 8 }; /* slots per block */
+_Static_assert(QSFA_B == 8, "a block's weights are stored with an 8-lane mask");
 
 int64_t k3_qsfa_work_avx512(int H, int kv_lora, int rope) {
     const int HP = (H + 3) / 4 * 4;
@@ -214,12 +215,13 @@ void k3_qsfa_avx512(const float *qa, const float *qpe, int H, const k3_c8_cache 
             const float mn = mx > m[h] ? mx : m[h];
             if (mn == -INFINITY) { /* nothing but -inf so far: no weight yet */
                 al[h] = 1.0f;
-                _mm512_mask_storeu_ps(z + h * QSFA_B, valid, _mm512_setzero_ps());
+                _mm512_mask_storeu_ps(z + h * QSFA_B, 0xff, _mm512_setzero_ps());
                 continue;
             }
             al[h] = expf(m[h] - mn); /* 0 on the first block */
+            /* the block's padding slots get weight 0 */
             const __m512 p = _mm512_maskz_mov_ps(valid, k3_exp16(_mm512_sub_ps(zv, _mm512_set1_ps(mn))));
-            _mm512_mask_storeu_ps(z + h * QSFA_B, valid, p);
+            _mm512_mask_storeu_ps(z + h * QSFA_B, 0xff, p);
             l[h] = l[h] * al[h] + _mm512_reduce_add_ps(p);
             m[h] = mn;
         }

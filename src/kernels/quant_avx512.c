@@ -168,13 +168,14 @@ __attribute__((target("avx512vbmi"))) void k3_mx4_prep_avx512_vbmi(const int8_t 
 
 /* How far ahead (in packed bytes) the kernel prefetches its weights and
  * scales, into L2 (_MM_HINT_T1). A core decodes W4A8 at ~30 GB/s from cache
- * and reads ~30 GB/s from DRAM, but not both at once: the vector work that
- * waits on each missing line fills the scheduler, so few lines are in
- * flight, and from DRAM it got 17-20 GB/s, 60% of a plain read. 8 KB ahead
+ * and reads ~30 GB/s from DRAM, but not both at once: from DRAM it got 17-20
+ * GB/s, 60% of a plain read (presumably the ~12 vector ops that wait on each
+ * missing line fill the scheduler, so few lines are in flight). 8 KB ahead
  * into L2 brings it to 21-24 on one core (decode: -1% per token at ~35 GB/s,
  * -2 to -2.5% at ~60, measured token against token in one process). Into L1
  * (T0) the same prefetches cost 20-30% (they hold L1's few miss buffers),
- * and 1-2 KB ahead is too close to help. */
+ * and 1-2 KB ahead is too close to help. Prefetches do not fault, so running
+ * past a matrix's end is harmless. */
 enum { MX4_AHEAD = 8192 };
 
 /* Nibbles to codes with vpshufb: each index byte needs its top bits cleared. */
