@@ -174,15 +174,20 @@ K3_TEST(quant_mxfp8_simd_decode_equals_ref) {
     }
 }
 
+/* Whether the AVX-512 VNNI+VBMI kernels can run here (says so when not). */
+static bool have_vnni_vbmi(void) {
+    k3_kernels_init();
+    if (k3_kernels_isa() >= K3_ISA_AVX512 && __builtin_cpu_supports("avx512vnni") &&
+        __builtin_cpu_supports("avx512vbmi"))
+        return true;
+    printf("    (no AVX-512 VNNI+VBMI on this CPU: not run)\n");
+    return false;
+}
+
 /* The AVX-512 VBMI activation preparation of W4A8 equals the scalar one, for
  * whole groups of 128 columns, and a short last group, and extreme values. */
 K3_TEST(quant_w4a8_prep_vbmi_equals_ref) {
-    k3_kernels_init();
-    if (k3_kernels_isa() < K3_ISA_AVX512 || !__builtin_cpu_supports("avx512vnni") ||
-        !__builtin_cpu_supports("avx512vbmi")) {
-        printf("    (no AVX-512 VNNI+VBMI on this CPU: not run)\n");
-        return;
-    }
+    if (!have_vnni_vbmi()) return;
     const int64_t cols[] = {32, 96, 128, 384, 1024, 1120, 2048};
     int8_t xq[2048], p1[2048], p2[2048];
     int32_t c1[256], c2[256];
@@ -204,12 +209,7 @@ K3_TEST(quant_w4a8_prep_vbmi_equals_ref) {
  * VBMI) give the same result bit for bit, tails included. */
 
 K3_TEST(quant_w4a8_vbmi_equals_shufb) {
-    k3_kernels_init();
-    if (k3_kernels_isa() < K3_ISA_AVX512 || !__builtin_cpu_supports("avx512vnni") ||
-        !__builtin_cpu_supports("avx512vbmi")) {
-        printf("    (no AVX-512 VNNI+VBMI on this CPU: not run)\n");
-        return;
-    }
+    if (!have_vnni_vbmi()) return;
     enum { R = 19, C = 1120, N = 11 }; /* 2 groups of 512 + a 96-column tail; 8 + 3 tokens */
     const int64_t ldc = (C + 127) / 128 * 16;
     uint8_t *pk = malloc(R * C / 2), *sc = malloc(R * C / 32);
