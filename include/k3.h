@@ -102,10 +102,11 @@ k3_status k3_model_quantize(k3_model *m, const k3_quant_options *opt, k3_error *
 
 /* Copies the weights the forward pass streams (all but the embedding table,
  * which is read a row per token) out of the file mapping into memory the
- * model owns, in transparent huge pages where the kernel gives them: the
- * same bytes, read without a page-table walk every 4 KB. Call after
- * k3_model_quantize (what it converted is owned already). Costs their size
- * in RAM: when that would exceed max_bytes (> 0), nothing is copied.
+ * model owns: one allocation, in transparent huge pages where the kernel
+ * gives them, each expert's matrices one after the other. The same weights,
+ * read without a page-table walk every 4 KB. Call
+ * after k3_model_quantize (what it converted is owned already). Costs their
+ * size in RAM: when that would exceed max_bytes (> 0), nothing is copied.
  * *copied gets the bytes copied. */
 k3_status k3_model_load_resident(k3_model *m, int64_t max_bytes, int64_t *copied, k3_error *err);
 

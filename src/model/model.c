@@ -881,47 +881,61 @@ k3_status k3_model_quantize(k3_model *m, const k3_quant_options *opt, k3_error *
     return K3_OK;
 }
 
-/* Copies one matrix out of the mapping (data, and the MXFP4 scales). */
-static k3_status copy_mat(k3_model *m, k3_mat *w, int64_t *bytes, bool dry, k3_error *err) {
-    if (!w->data || !k3_st_maps(m->st, w->data)) return K3_OK;
+/* Where load_resident puts its copies: one allocation, sized by the
+ * counting pass and bump-allocated in order, so the copies sit in huge pages
+ * (k3_alloc_big) and an expert's matrices follow one another. Matrices of a
+ * few hundred KB, each malloc'd on its own, got 4 KB pages, which the
+ * hardware prefetchers do not cross: one core streamed a latent expert's
+ * W4A8 weights at 22 GB/s from 4 KB pages and 29 from 2 MB ones. */
+typedef struct {
+    uint8_t *base;
+    size_t used;
+} arena;
+
+/* Bytes of n rounded up to whole cache lines, so every copy starts on one. */
+static size_t line_up(size_t n) { return (n + 63) / 64 * 64; }
+
+/* Copies one matrix out of the mapping (data, and the MXFP4 scales) into
+ * a, or only counts its bytes when a->base is NULL. */
+static void copy_mat(k3_model *m, k3_mat *w, arena *a) {
+    if (!w->data || !k3_st_maps(m->st, w->data)) return;
     const size_t nb = (size_t)w->rows * (w->type == K3_W_MXFP4 ? (size_t)w->cols / 2 : k3_mat_row_bytes(w));
     const size_t ns = w->type == K3_W_MXFP4 ? (size_t)(w->rows * (w->cols / 32)) : 0;
-    *bytes += (int64_t)(nb + ns);
-    if (dry) return K3_OK;
-    void *d = own_bytes(m, nb);
-    uint8_t *s = ns ? own_bytes(m, ns) : NULL;
-    if (!d || (ns && !s)) return k3_err(err, K3_ERR_NOMEM, "load: out of memory copying weights into RAM");
-    memcpy(d, w->data, nb);
-    w->data = d;
-    if (ns) {
-        memcpy(s, w->scale, ns);
-        w->scale = s;
+    if (a->base) {
+        uint8_t *d = a->base + a->used, *sc = d + line_up(nb);
+        memcpy(d, w->data, nb);
+        if (ns) memcpy(sc, w->scale, ns);
+        w->data = d;
+        if (ns) w->scale = sc;
     }
-    return K3_OK;
+    a->used += line_up(nb) + line_up(ns);
 }
 
 k3_status k3_model_load_resident(k3_model *m, int64_t max_bytes, int64_t *copied, k3_error *err) {
     const k3_config *c = &m->cfg;
     *copied = 0;
+    arena a = {NULL, 0};
     for (int step = 0; step < 2; step++) { /* 0 counts, 1 copies */
-        const bool dry = step == 0;
-        int64_t bytes = 0;
-        k3_status s = copy_mat(m, &m->lm_head, &bytes, dry, err);
-        for (int i = 0; i < c->n_layers && !s; i++) {
+        a.used = 0;
+        copy_mat(m, &m->lm_head, &a);
+        for (int i = 0; i < c->n_layers; i++) {
             k3_layer *L = &m->layers[i];
             k3_mat *mats[32];
             const int n = runtime_mats(c, L, mats);
-            for (int k = 0; k < n && !s; k++) s = copy_mat(m, mats[k], &bytes, dry, err);
-            if (!s) s = copy_mat(m, &L->router, &bytes, dry, err);
-            for (int e = 0; L->moe && e < c->n_experts && !s; e++) {
-                s = copy_mat(m, &L->exp_gate[e], &bytes, dry, err);
-                if (!s) s = copy_mat(m, &L->exp_up[e], &bytes, dry, err);
-                if (!s) s = copy_mat(m, &L->exp_down[e], &bytes, dry, err);
+            for (int k = 0; k < n; k++) copy_mat(m, mats[k], &a);
+            copy_mat(m, &L->router, &a);
+            for (int e = 0; L->moe && e < c->n_experts; e++) {
+                copy_mat(m, &L->exp_gate[e], &a);
+                copy_mat(m, &L->exp_up[e], &a);
+                copy_mat(m, &L->exp_down[e], &a);
             }
         }
-        if (s) return s;
-        if (dry && max_bytes > 0 && bytes > max_bytes) return K3_OK;
-        if (!dry) *copied = bytes;
+        if (step == 0) {
+            if (a.used == 0 || (max_bytes > 0 && (int64_t)a.used > max_bytes)) return K3_OK;
+            if (!(a.base = own_bytes(m, a.used)))
+                return k3_err(err, K3_ERR_NOMEM, "load: out of memory copying %zu bytes of weights into RAM", a.used);
+        }
     }
+    *copied = (int64_t)a.used;
     return K3_OK;
 }
