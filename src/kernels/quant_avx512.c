@@ -180,12 +180,14 @@ enum { MX4_AHEAD = 8192 };
 
 /* Nibbles to codes with vpshufb: each index byte needs its top bits cleared. */
 #define MX4_ROW mx4_row_shufb
+#define MX4_ROW4 mx4_row_shufb4
 #define MX4_ROWS k3_mx4_rows_avx512
 #define MX4_ATTR
 #define MX4_LO(pk) _mm512_shuffle_epi8(lut, _mm512_and_si512(pk, m4))
 #define MX4_HI(pk) _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(pk, 4), m4))
 #include "mx4_avx512.inc"
 #undef MX4_ROW
+#undef MX4_ROW4
 #undef MX4_ROWS
 #undef MX4_ATTR
 #undef MX4_LO
@@ -194,12 +196,14 @@ enum { MX4_AHEAD = 8192 };
 /* With AVX512-VBMI, vpermb reads only the low 6 bits of each index and the
  * 16-entry table is repeated 4 times in lut: no masking. */
 #define MX4_ROW mx4_row_vbmi
+#define MX4_ROW4 mx4_row_vbmi4
 #define MX4_ROWS k3_mx4_rows_avx512_vbmi
 #define MX4_ATTR __attribute__((target("avx512vbmi")))
 #define MX4_LO(pk) _mm512_permutexvar_epi8(pk, lut)
 #define MX4_HI(pk) _mm512_permutexvar_epi8(_mm512_srli_epi16(pk, 4), lut)
 #include "mx4_avx512.inc"
 #undef MX4_ROW
+#undef MX4_ROW4
 #undef MX4_ROWS
 #undef MX4_ATTR
 #undef MX4_LO
