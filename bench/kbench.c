@@ -49,28 +49,33 @@ int main(int argc, char **argv) {
     for (int64_t i = 0; i < n * cols; i++) x[i] = (float)((int)(rnd() % 2001) - 1000) / 1000.0f;
     struct { const char *name; k3_wtype t; bool act8; } fmts[] = {
         {"bf16", K3_W_BF16, false}, {"q8 (w8a8)", K3_W_Q8, true}, {"mxfp4 (w4a8)", K3_W_MXFP4, true},
+        {"mxfp4 r4 (w4a8)", K3_W_MXFP4_R4, true},
         {"mxfp4 (fp32 act)", K3_W_MXFP4, false}, {"mxfp8 (w8a8)", K3_W_MXFP8, true},
     };
     for (size_t f = 0; f < sizeof fmts / sizeof fmts[0]; f++) {
         k3_mat w = {.type = fmts[f].t, .rows = rows, .cols = cols, .act8 = fmts[f].act8};
         const size_t rb = k3_mat_row_bytes(&w);
         const size_t mb = rb * (size_t)rows;
-        const int nm = (int)((512ull << 20) / mb) + 1;
+        const int nm = (int)(((getenv("KB_KB") ? (size_t)atoll(getenv("KB_KB")) : 524288) << 10) / mb) + 1;
         k3_mat *ms = calloc((size_t)nm, sizeof *ms);
+        const size_t db = fmts[f].t == K3_W_BF16 ? 2 * (size_t)(rows * cols)
+                          : fmts[f].t == K3_W_MXFP4 || fmts[f].t == K3_W_MXFP4_R4 ? (size_t)(rows * cols / 2)
+                                                                                   : (size_t)(rows * cols);
+        /* one after the other in one allocation, like the model's copies
+         * (k3_model_load_resident); KB_HUGE: in 2 MB pages, as they are */
+        const size_t al = (db * nm + (2u << 20) - 1) / (2u << 20) * (2u << 20);
+        uint8_t *arena = aligned_alloc(2u << 20, al);
+        madvise(arena, al, getenv("KB_HUGE") ? MADV_HUGEPAGE : MADV_NOHUGEPAGE);
         for (int m = 0; m < nm; m++) {
             ms[m] = w;
-            size_t db = fmts[f].t == K3_W_BF16 ? 2 * (size_t)(rows * cols)
-                        : fmts[f].t == K3_W_MXFP4 ? (size_t)(rows * cols / 2) : (size_t)(rows * cols);
-            const size_t al = (db + (2u << 20) - 1) / (2u << 20) * (2u << 20);
-            uint8_t *d = aligned_alloc(2u << 20, al);
-            if (getenv("KB_HUGE")) madvise(d, al, MADV_HUGEPAGE);
+            uint8_t *d = arena + db * m;
             for (size_t i = 0; i < db; i++) d[i] = (uint8_t)rnd();
             if (fmts[f].t == K3_W_BF16)
                 for (size_t i = 0; i < db / 2; i++) ((uint16_t *)d)[i] = k3_f32_to_bf16((float)((int)(rnd() % 2001) - 1000) / 1e5f);
             if (fmts[f].t == K3_W_MXFP8)
                 for (size_t i = 0; i < db; i++) if ((d[i] & 0x7f) == 0x7f) d[i] = 0x10;
             ms[m].data = d;
-            if (fmts[f].t == K3_W_MXFP4 || fmts[f].t == K3_W_MXFP8) {
+            if (fmts[f].t == K3_W_MXFP4 || fmts[f].t == K3_W_MXFP8 || fmts[f].t == K3_W_MXFP4_R4) {
                 uint8_t *s = malloc((size_t)(rows * cols / 32));
                 for (int64_t i = 0; i < rows * cols / 32; i++) s[i] = (uint8_t)(118 + rnd() % 8);
                 ms[m].scale = s;
@@ -88,16 +93,18 @@ int main(int argc, char **argv) {
             }
         }
         double t[7];
+        const int reps = nm < 64 ? 2000 / nm : 1;
         for (int r = 0; r < 7; r++) {
             const double t0 = now_s();
-            for (int m = 0; m < nm; m++) k3_matmul(pool, &ms[m], x, n, y);
+            for (int k = 0; k < reps; k++)
+                for (int m = 0; m < nm; m++) k3_matmul(pool, &ms[m], x, n, y);
             t[r] = now_s() - t0;
         }
         qsort(t, 7, sizeof t[0], cmpd);
-        const double gb = (double)mb * nm / 1e9;
+        const double gb = (double)mb * nm * reps / 1e9;
         printf("%-18s %6.2f MB/matrix x %3d: %7.2f GB/s weights (%5.1f%% of read bw), %8.1f GFLOP/s\n",
                fmts[f].name, mb / 1e6, nm, gb / t[3], 100.0 * gb / t[3] / bw,
-               2.0 * rows * cols * n * nm / t[3] / 1e9);
+               2.0 * rows * cols * n * nm * reps / t[3] / 1e9);
     }
     return 0;
 }

@@ -59,26 +59,37 @@ static void check_matmul_q(k3_wtype type, int rows, int cols, int n) {
         k3_quant_mxfp8_mat(&src, q, e);
         w.data = q;
         w.scale = e;
-    } else { /* MXFP4: random codes and scales */
+    } else { /* MXFP4: random codes and scales; R4: the same, tiled */
         q = malloc((size_t)rows * cols / 2);
         e = malloc((size_t)rows * cols / 32);
         for (int i = 0; i < rows * cols / 2; i++) q[i] = (uint8_t)(rng = rng * 6364136223846793005ull + 1, rng >> 56);
         for (int i = 0; i < rows * cols / 32; i++) e[i] = (uint8_t)(120 + i % 10);
+        w.type = K3_W_MXFP4;
         w.data = q;
         w.scale = e;
+        if (type == K3_W_MXFP4_R4) {
+            uint8_t *tq = malloc((size_t)rows * cols / 2), *te = malloc((size_t)rows * cols / 32);
+            k3_mx4_r4_pack(&w, tq, te);
+            memcpy(q, tq, (size_t)rows * cols / 2);
+            memcpy(e, te, (size_t)rows * cols / 32);
+            free(tq);
+            free(te);
+            w.type = K3_W_MXFP4_R4;
+        }
     }
     k3_matmul_q_ref(&w, x, n, yr);
     k3_pool *pool = NULL;
     k3_error err = {0};
     REQUIRE(k3_pool_init(&pool, 2, &err) == K3_OK);
-    for (int isa = K3_ISA_REF; isa <= K3_ISA_AVX512; isa++) {
+    /* tiles have only the AVX-512 kernel */
+    for (int isa = type == K3_W_MXFP4_R4 ? K3_ISA_AVX512 : K3_ISA_REF; isa <= K3_ISA_AVX512; isa++) {
         k3_kernels_force((k3_isa)isa); /* a path the CPU lacks falls back */
         k3_matmul(pool, &w, x, n, y);
         const double r = k3_test_rel_l2(y, yr, (int64_t)n * rows);
         CHECKF(r < 1e-6, "type %d isa %d %dx%d n=%d: rel-L2 %.3g", type, isa, rows, cols, n, r);
     }
     k3_kernels_force(K3_ISA_AVX512);
-    if (type != K3_W_MXFP4) {
+    if (type != K3_W_MXFP4 && type != K3_W_MXFP4_R4) {
         /* and close to the unquantized fp32 product */
         k3_matmul_ref(&src, x, n, yf);
         const double r = k3_test_rel_l2(y, yf, (int64_t)n * rows);
@@ -111,6 +122,44 @@ K3_TEST(quant_matmul_w8a8_w4a8) {
     check_matmul_q(K3_W_MXFP4, 13, 384, 5);  /* a latent expert's down rows: 12 scales in one load */
     check_matmul_q(K3_W_MXFP4, 40, 640, 9);  /* 16 + 4 blocks */
     check_matmul_q(K3_W_MXFP4, 21, 1120, 9);
+}
+
+/* The tiles MXFP4_R4 hold the same weights (k3_mat_get_row, bit for bit),
+ * and rows of 4-row views are the matrix's rows. */
+K3_TEST(quant_w4a8_r4_pack_keeps_weights) {
+    enum { R = 12, C = 384 };
+    uint8_t pk[R * C / 2], sc[R * C / 32], tp[R * C / 2], ts[R * C / 32];
+    for (int i = 0; i < R * C / 2; i++) pk[i] = (uint8_t)(rng = rng * 6364136223846793005ull + 1, rng >> 56);
+    for (int i = 0; i < R * C / 32; i++) sc[i] = (uint8_t)(110 + i % 23);
+    const k3_mat w = {.type = K3_W_MXFP4, .rows = R, .cols = C, .data = pk, .scale = sc, .act8 = true};
+    k3_mx4_r4_pack(&w, tp, ts);
+    const k3_mat t = {.type = K3_W_MXFP4_R4, .rows = R, .cols = C, .data = tp, .scale = ts, .act8 = true};
+    const k3_mat v = k3_mat_rows(&t, 4, 8);
+    float a[C], b[C];
+    for (int r = 0; r < R; r++) {
+        k3_mat_get_row(&w, r, a);
+        k3_mat_get_row(&t, r, b);
+        CHECKF(memcmp(a, b, sizeof a) == 0, "row %d", r);
+        if (r >= 4) {
+            k3_mat_get_row(&v, r - 4, b);
+            CHECKF(memcmp(a, b, sizeof a) == 0, "view row %d", r);
+        }
+    }
+    CHECK(k3_mat_row_bytes(&t) == k3_mat_row_bytes(&w));
+}
+
+/* W4A8 on tiles == the dequantize-then-fp32 reference: one tile, a latent
+ * expert's shapes (down: 384 columns; gate/up: 1024), decode and batches of
+ * 8 + a rest, and row ranges that start inside a 16-row slice. */
+K3_TEST(quant_matmul_w4a8_r4) {
+    k3_kernels_force(K3_ISA_AVX512);
+    const k3_mat probe = {.type = K3_W_MXFP4, .rows = 4, .cols = 128, .act8 = true};
+    if (!k3_mx4_r4_wanted(&probe)) {
+        printf("    (no AVX-512 VNNI on this CPU: not run)\n");
+        return;
+    }
+    const int shapes[][3] = {{4, 128, 1}, {12, 384, 1}, {40, 1024, 1}, {36, 384, 11}, {20, 1024, 8}, {8, 256, 17}};
+    for (int s = 0; s < 6; s++) check_matmul_q(K3_W_MXFP4_R4, shapes[s][0], shapes[s][1], shapes[s][2]);
 }
 
 /* The per-token int8 quantizer's SIMD form == the scalar one, bit for bit
@@ -205,6 +254,26 @@ K3_TEST(quant_w4a8_prep_vbmi_equals_ref) {
     }
 }
 
+/* The same for the activations of the tile kernel (k3_mx4_r4_prep). */
+K3_TEST(quant_w4a8_r4_prep_vbmi_equals_ref) {
+    if (!have_vnni_vbmi()) return;
+    const int64_t cols[] = {128, 384, 1024, 2048};
+    int8_t xq[2048], p1[2048], p2[2048];
+    int32_t c1[64], c2[64];
+    for (size_t k = 0; k < sizeof cols / sizeof cols[0]; k++) {
+        const int64_t C = cols[k];
+        for (int64_t i = 0; i < C; i++)
+            xq[i] = (int8_t)(i % 7 == 0 ? -127 : i % 5 == 0 ? 127 : (int)(frand() * 127.0f));
+        memset(p1, 0x55, sizeof p1);
+        memset(p2, 0x55, sizeof p2);
+        memset(c1, 0x55, sizeof c1);
+        memset(c2, 0x55, sizeof c2);
+        k3_mx4_r4_prep_ref(xq, C, p1, c1);
+        k3_mx4_r4_prep_avx512_vbmi(xq, C, p2, c2);
+        CHECKF(memcmp(p1, p2, sizeof p1) == 0 && memcmp(c1, c2, sizeof c1) == 0, "cols %lld", (long long)C);
+    }
+}
+
 /* The two AVX-512 W4A8 kernels (nibbles decoded by vpshufb, or by vpermb with
  * VBMI) give the same result bit for bit, tails included. */
 
@@ -237,6 +306,47 @@ K3_TEST(quant_w4a8_vbmi_equals_shufb) {
     }
     free(pk);
     free(sc);
+    free(xq);
+    free(xp);
+    free(corr);
+    free(x);
+    free(y1);
+    free(y2);
+}
+
+/* The two tile kernels give the same bits, and each token alone, or a range
+ * of tiles alone, gives the bits of the batch. */
+K3_TEST(quant_w4a8_r4_vbmi_equals_shufb) {
+    if (!have_vnni_vbmi()) return;
+    enum { R = 24, C = 384, N = 11 }; /* 8 + 3 tokens; tiles across a 16-row slice */
+    const int64_t ldc = (C + 127) / 128 * 16;
+    uint8_t *pk = malloc(R * C / 2), *sc = malloc(R * C / 32), *tp = malloc(R * C / 2), *ts = malloc(R * C / 32);
+    int8_t *xq = malloc(N * C), *xp = malloc(N * C);
+    int32_t *corr = malloc(sizeof(int32_t) * N * ldc);
+    float *x = malloc(sizeof(float) * N * C), xs[N], *y1 = malloc(sizeof(float) * N * R),
+          *y2 = malloc(sizeof(float) * N * R);
+    for (int i = 0; i < R * C / 2; i++) pk[i] = (uint8_t)(rng = rng * 6364136223846793005ull + 1, rng >> 56);
+    for (int i = 0; i < R * C / 32; i++) sc[i] = (uint8_t)(118 + i % 13);
+    const k3_mat w = {.type = K3_W_MXFP4, .rows = R, .cols = C, .data = pk, .scale = sc, .act8 = true};
+    k3_mx4_r4_pack(&w, tp, ts);
+    for (int i = 0; i < N * C; i++) x[i] = frand();
+    for (int t = 0; t < N; t++) {
+        xs[t] = k3_quant_act_i8(x + t * C, C, xq + t * C);
+        k3_mx4_r4_prep(xq + t * C, C, xp + t * C, corr + t * ldc);
+    }
+    k3_mx4_r4_rows_avx512(tp, ts, C, xp, corr, ldc, xs, N, 0, R, y1, R);
+    k3_mx4_r4_rows_avx512_vbmi(tp, ts, C, xp, corr, ldc, xs, N, 0, R, y2, R);
+    CHECK(memcmp(y1, y2, sizeof(float) * N * R) == 0);
+    for (int t = 0; t < N; t++) {
+        float yt[R];
+        k3_mx4_r4_rows_avx512_vbmi(tp, ts, C, xp + t * C, corr + t * ldc, ldc, xs + t, 1, 0, 8, yt, R);
+        k3_mx4_r4_rows_avx512_vbmi(tp, ts, C, xp + t * C, corr + t * ldc, ldc, xs + t, 1, 8, R, yt, R);
+        CHECKF(memcmp(yt, y2 + t * R, sizeof yt) == 0, "W4A8 tiles: token %d alone differs from the batch", t);
+    }
+    free(pk);
+    free(sc);
+    free(tp);
+    free(ts);
     free(xq);
     free(xp);
     free(corr);

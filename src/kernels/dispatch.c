@@ -118,6 +118,7 @@ static void mm_task(void *ctx, int64_t lo, int64_t hi, int ith) {
 void k3_matmul(k3_pool *pool, const k3_mat *w, const float *x, int64_t n, float *y) {
     K3_ASSERT(w->type >= K3_W_F32 && w->type < K3_W_COUNT);
     K3_ASSERT(w->type != K3_W_MXFP4 || w->cols % 32 == 0);
+    K3_ASSERT(w->type != K3_W_MXFP4_R4 || w->act8); /* only the W4A8 kernel reads tiles */
     if (n <= 0 || w->rows <= 0) return;
     if (w->cols == 0) { /* empty sums; the kernels assume at least one column */
         memset(y, 0, sizeof(float) * (size_t)(n * w->rows));

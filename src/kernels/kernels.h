@@ -21,6 +21,8 @@ typedef enum k3_wtype {
                       column) + E8M0 scales [rows, cols/32] */
     K3_W_Q8,       /* int8 [rows, cols] + fp32 scale per row (row_scale); made at load */
     K3_W_MXFP8,    /* OCP MXFP8: E4M3 [rows, cols] + E8M0 scales [rows, cols/32]; made at load */
+    K3_W_MXFP4_R4, /* MXFP4 bytes and scales rearranged in tiles of 4 rows (k3_r4_byte,
+                      k3_r4_scale) for the AVX-512 W4A8 kernel; made at load (quant.h) */
     K3_W_COUNT
 } k3_wtype;
 
@@ -37,6 +39,21 @@ typedef struct k3_mat {
     bool act8;             /* quantize the activations to 8 bits per token (W4A8/W8A8):
                               k3_matmul then runs the integer kernels of quant.h */
 } k3_mat;
+
+/* K3_W_MXFP4_R4 (rows % 4 == 0, cols % 128 == 0): where the packed byte of
+ * columns c, c+1 (c even) of row r lies, and the scale of column c. Per tile
+ * of 4 rows, per group of 128 columns (four 32-blocks): 256 bytes, four
+ * stretches of 64 in which row i's block b has bytes 4j..4j+3 (of its 16) in
+ * stretch j at 16i + 4b; then 16 scales, row i's block b at 4i + b. So one
+ * 64-byte load puts a different block in each 4-byte lane, and the kernel's
+ * lane sums finish a whole block before they take its scale. */
+static inline int64_t k3_r4_byte(int64_t cols, int64_t r, int64_t c) {
+    const int64_t q = c % 32 / 2; /* the byte within its block */
+    return r / 4 * 2 * cols + c / 128 * 256 + q / 4 * 64 + r % 4 * 16 + c % 128 / 32 * 4 + q % 4;
+}
+static inline int64_t k3_r4_scale(int64_t cols, int64_t r, int64_t c) {
+    return r / 4 * (cols / 8) + c / 128 * 16 + r % 4 * 4 + c % 128 / 32;
+}
 
 /* Bytes one row occupies (data + scales). */
 size_t k3_mat_row_bytes(const k3_mat *w);

@@ -144,6 +144,41 @@ void k3_mx4_prep(const int8_t *xq, int64_t cols, int8_t *xp, int32_t *corr) {
     else k3_mx4_prep_ref(xq, cols, xp, corr);
 }
 
+bool k3_mx4_r4_wanted(const k3_mat *src) {
+    return src->type == K3_W_MXFP4 && src->act8 && src->rows % 4 == 0 && src->cols % 128 == 0 && have_vnni();
+}
+
+void k3_mx4_r4_pack(const k3_mat *src, uint8_t *data, uint8_t *scale) {
+    const int64_t cols = src->cols;
+    const uint8_t *p = src->data;
+    for (int64_t r = 0; r < src->rows; r++) {
+        for (int64_t c = 0; c < cols; c += 2) data[k3_r4_byte(cols, r, c)] = p[r * (cols / 2) + c / 2];
+        for (int64_t c = 0; c < cols; c += 32) scale[k3_r4_scale(cols, r, c)] = src->scale[r * (cols / 32) + c / 32];
+    }
+}
+
+void k3_mx4_r4_prep_ref(const int8_t *xq, int64_t cols, int8_t *xp, int32_t *corr) {
+    K3_ASSERT(cols % 128 == 0);
+    for (int64_t g = 0; g < cols; g += 128) {
+        for (int j = 0; j < 4; j++)
+            for (int b = 0; b < 4; b++)
+                for (int k = 0; k < 4; k++) {
+                    xp[g + 32 * j + 4 * b + k] = xq[g + 32 * b + 8 * j + 2 * k];
+                    xp[g + 32 * j + 16 + 4 * b + k] = xq[g + 32 * b + 8 * j + 2 * k + 1];
+                }
+        for (int b = 0; b < 4; b++) {
+            int32_t sum = 0;
+            for (int c = 0; c < 32; c++) sum += xq[g + 32 * b + c];
+            corr[g / 32 + b] = -12 * sum;
+        }
+    }
+}
+
+void k3_mx4_r4_prep(const int8_t *xq, int64_t cols, int8_t *xp, int32_t *corr) {
+    if (have_vnni() && __builtin_cpu_supports("avx512vbmi")) k3_mx4_r4_prep_avx512_vbmi(xq, cols, xp, corr);
+    else k3_mx4_r4_prep_ref(xq, cols, xp, corr);
+}
+
 void k3_quant_act_mxfp8(float *x, int64_t n) {
     for (int64_t b = 0; b + 32 <= n; b += 32) {
         uint8_t q[32], e;
@@ -210,6 +245,8 @@ typedef struct {
     bool vnni;          /* AVX-512 with VNNI: the W8A8/W4A8 kernels of quant_avx512.c */
     bool avx512;        /* AVX-512 (F16C conversion for MXFP8) */
     mx4_rows_fn mx4;    /* the W4A8 kernel (VNNI, with VBMI where present) */
+    mx4_rows_fn mx4r4;  /* the same for MXFP4_R4 tiles */
+    int64_t unit;       /* rows per pool item: 4 for MXFP4_R4 (whole tiles), else 1 */
     dot_i8_fn dot;
     dot_mx_fn dotmx;
 } qjob;
@@ -217,6 +254,8 @@ typedef struct {
 static void q_rows(void *p, int64_t lo, int64_t hi, int ith) {
     const qjob *j = p;
     const k3_mat *w = j->w;
+    lo *= j->unit;
+    hi *= j->unit;
     const int64_t cols = w->cols, rows = w->rows;
     if (j->vnni && w->type == K3_W_Q8) {
         K3_ASSERT(w->row_sum); /* made by k3_quant_q8_mat */
@@ -226,6 +265,11 @@ static void q_rows(void *p, int64_t lo, int64_t hi, int ith) {
     }
     if (j->vnni && w->type == K3_W_MXFP4) {
         j->mx4(w->data, w->scale, cols, j->xq, j->corr, j->ldc, j->xs, j->n, lo, hi, j->y, rows);
+        return;
+    }
+    if (w->type == K3_W_MXFP4_R4) {
+        K3_ASSERT(j->vnni); /* tiles are made only where the kernel runs (k3_mx4_r4_wanted) */
+        j->mx4r4(w->data, w->scale, cols, j->xq, j->corr, j->ldc, j->xs, j->n, lo, hi, j->y, rows);
         return;
     }
     float wrow[8192];
@@ -296,13 +340,18 @@ void k3_matmul_q(k3_pool *pool, const k3_mat *w, const float *x, int64_t n, floa
         } else if (vnni && w->type == K3_W_MXFP4) {
             for (int64_t i = 0; i < n; i++) k3_mx4_prep(xq + i * cols, cols, xp + i * cols, corr + i * ldc);
             xk = xp;
+        } else if (w->type == K3_W_MXFP4_R4) {
+            for (int64_t i = 0; i < n; i++) k3_mx4_r4_prep(xq + i * cols, cols, xp + i * cols, corr + i * ldc);
+            xk = xp;
         }
     }
     qjob j = {w, xk, corr, ldc, xs, xf, n, y, vnni, k3_kernels_isa() >= K3_ISA_AVX512,
               __builtin_cpu_supports("avx512vbmi") ? k3_mx4_rows_avx512_vbmi : k3_mx4_rows_avx512,
+              __builtin_cpu_supports("avx512vbmi") ? k3_mx4_r4_rows_avx512_vbmi : k3_mx4_r4_rows_avx512,
+              w->type == K3_W_MXFP4_R4 ? 4 : 1,
               isa >= K3_ISA_AVX2 ? k3_dot_i8_avx2 : dot_i8_ref,
               isa >= K3_ISA_AVX2 ? k3_dot_mxfp4_i8_avx2 : dot_mxfp4_i8_ref};
-    k3_pool_for(pool, w->rows, 16, q_rows, &j);
+    k3_pool_for(pool, w->rows / j.unit, 16 / j.unit, q_rows, &j);
 }
 
 void k3_matmul_q_ref(const k3_mat *w, const float *x, int64_t n, float *y) {

@@ -36,6 +36,19 @@ void k3_mx4_prep(const int8_t *xq, int64_t cols, int8_t *xp, int32_t *corr);
 /* The scalar form, and the AVX-512 VBMI one (check the CPU), bit for bit the same. */
 void k3_mx4_prep_ref(const int8_t *xq, int64_t cols, int8_t *xp, int32_t *corr);
 void k3_mx4_prep_avx512_vbmi(const int8_t *xq, int64_t cols, int8_t *xp, int32_t *corr);
+/* K3_W_MXFP4_R4 (kernels.h): whether src (an MXFP4 matrix with act8) can
+ * be tiled and this CPU has the kernel that reads tiles (AVX-512 VNNI);
+ * then the tiles of src into data [rows * cols / 2] and scale [rows * cols / 32]. */
+bool k3_mx4_r4_wanted(const k3_mat *src);
+void k3_mx4_r4_pack(const k3_mat *src, uint8_t *data, uint8_t *scale);
+/* The order the tile kernel reads one quantized token in (cols % 128 == 0):
+ * per group of 128 columns, for j = 0..3, the columns 8j, 8j+2, 8j+4, 8j+6
+ * of each of the four blocks (16 bytes: the low nibbles of stretch j), then
+ * 8j+1, 8j+3, ... (the high ones); corr [cols / 32] gets -12 x each block's
+ * sum. The scalar form, and the AVX-512 VBMI one, bit for bit the same. */
+void k3_mx4_r4_prep(const int8_t *xq, int64_t cols, int8_t *xp, int32_t *corr);
+void k3_mx4_r4_prep_ref(const int8_t *xq, int64_t cols, int8_t *xp, int32_t *corr);
+void k3_mx4_r4_prep_avx512_vbmi(const int8_t *xq, int64_t cols, int8_t *xp, int32_t *corr);
 /* One activation row fake-quantized to MXFP8 (E4M3 per 32, E8M0 scale), in place. */
 void k3_quant_act_mxfp8(float *x, int64_t n);
 
@@ -54,8 +67,18 @@ void k3_mx4_rows_avx512_vbmi(const uint8_t *packed, const uint8_t *scale, int64_
                              const int32_t *corr, int64_t ldc, const float *xs, int64_t n, int64_t r0, int64_t r1,
                              float *y, int64_t ldy);
 
-/* y[n, rows] = x[n, cols] · Wᵀ with 8-bit activations, for Q8, MXFP8 and
- * MXFP4 weights. Threaded over rows. */
+/* The same for K3_W_MXFP4_R4 tiles (r0, r1 multiples of 4 or r1 = rows),
+ * against activations prepared by k3_mx4_r4_prep. Every token's sums are
+ * made in the same order whatever n: batch invariant. */
+void k3_mx4_r4_rows_avx512(const uint8_t *packed, const uint8_t *scale, int64_t cols, const int8_t *xp,
+                           const int32_t *corr, int64_t ldc, const float *xs, int64_t n, int64_t r0, int64_t r1,
+                           float *y, int64_t ldy);
+void k3_mx4_r4_rows_avx512_vbmi(const uint8_t *packed, const uint8_t *scale, int64_t cols, const int8_t *xp,
+                                const int32_t *corr, int64_t ldc, const float *xs, int64_t n, int64_t r0,
+                                int64_t r1, float *y, int64_t ldy);
+
+/* y[n, rows] = x[n, cols] · Wᵀ with 8-bit activations, for Q8, MXFP8,
+ * MXFP4 and MXFP4_R4 weights. Threaded over rows. */
 void k3_matmul_q(k3_pool *pool, const k3_mat *w, const float *x, int64_t n, float *y);
 /* The reference: quantize x the same way, dequantize both, fp64 dots. */
 void k3_matmul_q_ref(const k3_mat *w, const float *x, int64_t n, float *y);

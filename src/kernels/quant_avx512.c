@@ -166,6 +166,34 @@ __attribute__((target("avx512vbmi"))) void k3_mx4_prep_avx512_vbmi(const int8_t 
     if (base < cols) k3_mx4_prep_ref(xq + base, cols - base, xp + base, corr + g * 16);
 }
 
+/* k3_mx4_r4_prep: each half of a group's output is one two-source byte
+ * permutation of its 128 activations; the block sums are vpdpbusd lane sums
+ * (8 lanes a block), folded pairwise, then within each 128-bit quarter. */
+__attribute__((target("avx512vbmi"))) void k3_mx4_r4_prep_avx512_vbmi(const int8_t *xq, int64_t cols, int8_t *xp,
+                                                                     int32_t *corr) {
+    uint8_t ix[128];
+    for (int o = 0; o < 128; o++) /* o = 32j + 16h + 4b + k <- column 32b + 8j + 2k + h */
+        ix[o] = (uint8_t)(32 * (o % 16 / 4) + 8 * (o / 32) + 2 * (o % 4) + o % 32 / 16);
+    const __m512i i0 = _mm512_loadu_si512(ix), i1 = _mm512_loadu_si512(ix + 64);
+    const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i od = _mm512_add_epi32(ev, _mm512_set1_epi32(1));
+    const __m512i q0 = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i ones = _mm512_set1_epi8(1), m12 = _mm512_set1_epi32(-12);
+    for (int64_t g = 0; g + 128 <= cols; g += 128) {
+        const __m512i a = _mm512_loadu_si512(xq + g), b = _mm512_loadu_si512(xq + g + 64);
+        _mm512_storeu_si512(xp + g, _mm512_permutex2var_epi8(a, i0, b));
+        _mm512_storeu_si512(xp + g + 64, _mm512_permutex2var_epi8(a, i1, b));
+        const __m512i sa = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, a);
+        const __m512i sb = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, b);
+        /* lanes 4q..4q+3: block q's pair sums */
+        __m512i v = _mm512_add_epi32(_mm512_permutex2var_epi32(sa, ev, sb), _mm512_permutex2var_epi32(sa, od, sb));
+        v = _mm512_add_epi32(v, _mm512_shuffle_epi32(v, _MM_PERM_CDAB));
+        v = _mm512_add_epi32(v, _mm512_shuffle_epi32(v, _MM_PERM_BADC));
+        _mm_storeu_si128((__m128i *)(corr + g / 32),
+                         _mm512_castsi512_si128(_mm512_mullo_epi32(_mm512_permutexvar_epi32(q0, v), m12)));
+    }
+}
+
 /* How far ahead (in packed bytes) the kernel prefetches its weights and
  * scales, into L2 (_MM_HINT_T1). A core decodes W4A8 at ~30 GB/s from cache
  * and reads ~30 GB/s from DRAM, but not both at once: from DRAM it got 17-20
@@ -180,6 +208,8 @@ enum { MX4_AHEAD = 8192 };
 
 /* Nibbles to codes with vpshufb: each index byte needs its top bits cleared. */
 #define MX4_ROW mx4_row_shufb
+#define MX4_TILE mx4_tile_shufb
+#define MX4_TILES k3_mx4_r4_rows_avx512
 #define MX4_ROW4 mx4_row_shufb4
 #define MX4_ROWS k3_mx4_rows_avx512
 #define MX4_ATTR
@@ -187,6 +217,8 @@ enum { MX4_AHEAD = 8192 };
 #define MX4_HI(pk) _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(pk, 4), m4))
 #include "mx4_avx512.inc"
 #undef MX4_ROW
+#undef MX4_TILE
+#undef MX4_TILES
 #undef MX4_ROW4
 #undef MX4_ROWS
 #undef MX4_ATTR
@@ -196,6 +228,8 @@ enum { MX4_AHEAD = 8192 };
 /* With AVX512-VBMI, vpermb reads only the low 6 bits of each index and the
  * 16-entry table is repeated 4 times in lut: no masking. */
 #define MX4_ROW mx4_row_vbmi
+#define MX4_TILE mx4_tile_vbmi
+#define MX4_TILES k3_mx4_r4_rows_avx512_vbmi
 #define MX4_ROW4 mx4_row_vbmi4
 #define MX4_ROWS k3_mx4_rows_avx512_vbmi
 #define MX4_ATTR __attribute__((target("avx512vbmi")))
@@ -203,6 +237,8 @@ enum { MX4_AHEAD = 8192 };
 #define MX4_HI(pk) _mm512_permutexvar_epi8(_mm512_srli_epi16(pk, 4), lut)
 #include "mx4_avx512.inc"
 #undef MX4_ROW
+#undef MX4_TILE
+#undef MX4_TILES
 #undef MX4_ROW4
 #undef MX4_ROWS
 #undef MX4_ATTR

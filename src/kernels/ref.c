@@ -64,7 +64,8 @@ size_t k3_mat_row_bytes(const k3_mat *w) {
     case K3_W_F32: return 4 * c;
     case K3_W_F16:
     case K3_W_BF16: return 2 * c;
-    case K3_W_MXFP4: return c / 2 + c / 32;
+    case K3_W_MXFP4:
+    case K3_W_MXFP4_R4: return c / 2 + c / 32;
     case K3_W_Q8: return c + 4;
     case K3_W_MXFP8: return c + c / 32;
     default: break;
@@ -77,7 +78,9 @@ k3_mat k3_mat_rows(const k3_mat *w, int64_t r0, int64_t n) {
     K3_ASSERT(r0 >= 0 && n >= 0 && r0 + n <= w->rows);
     k3_mat v = *w;
     v.rows = n;
-    if (w->type == K3_W_MXFP4) {
+    if (w->type == K3_W_MXFP4 || w->type == K3_W_MXFP4_R4) {
+        /* whole tiles for R4: a tile's bytes and scales are its rows' */
+        K3_ASSERT(w->type == K3_W_MXFP4 || (r0 % 4 == 0 && n % 4 == 0));
         v.data = (const uint8_t *)w->data + r0 * (w->cols / 2);
         v.scale = w->scale + r0 * (w->cols / 32);
     } else if (w->type == K3_W_Q8) {
@@ -130,6 +133,15 @@ static void get_row_range(const k3_mat *w, int64_t r, int64_t c0, int64_t len, f
             uint8_t b = p[c / 2];
             uint8_t code = (c & 1) ? (uint8_t)(b >> 4) : (uint8_t)(b & 15);
             out[c - c0] = k3_e2m1_to_f32(code) * k3_e8m0_to_f32(s[c / 32]);
+        }
+        break;
+    }
+    case K3_W_MXFP4_R4: {
+        const uint8_t *p = w->data;
+        for (int64_t c = c0; c < c0 + len; c++) {
+            uint8_t b = p[k3_r4_byte(cols, r, c & ~(int64_t)1)];
+            uint8_t code = (c & 1) ? (uint8_t)(b >> 4) : (uint8_t)(b & 15);
+            out[c - c0] = k3_e2m1_to_f32(code) * k3_e8m0_to_f32(w->scale[k3_r4_scale(cols, r, c)]);
         }
         break;
     }

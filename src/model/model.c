@@ -896,15 +896,21 @@ typedef struct {
 static size_t line_up(size_t n) { return (n + 63) / 64 * 64; }
 
 /* Copies one matrix out of the mapping (data, and the MXFP4 scales) into
- * a, or only counts its bytes when a->base is NULL. */
+ * a, or only counts its bytes when a->base is NULL. An MXFP4 matrix the W4A8
+ * kernel will read is copied as K3_W_MXFP4_R4 tiles (k3_mx4_r4_wanted). */
 static void copy_mat(k3_model *m, k3_mat *w, arena *a) {
     if (!w->data || !k3_st_maps(m->st, w->data)) return;
     const size_t nb = (size_t)w->rows * (w->type == K3_W_MXFP4 ? (size_t)w->cols / 2 : k3_mat_row_bytes(w));
     const size_t ns = w->type == K3_W_MXFP4 ? (size_t)(w->rows * (w->cols / 32)) : 0;
     if (a->base) {
         uint8_t *d = a->base + a->used, *sc = d + line_up(nb);
-        memcpy(d, w->data, nb);
-        if (ns) memcpy(sc, w->scale, ns);
+        if (k3_mx4_r4_wanted(w)) {
+            k3_mx4_r4_pack(w, d, sc);
+            w->type = K3_W_MXFP4_R4;
+        } else {
+            memcpy(d, w->data, nb);
+            if (ns) memcpy(sc, w->scale, ns);
+        }
         w->data = d;
         if (ns) w->scale = sc;
     }
