@@ -5,6 +5,8 @@
  * reporting weight GB/s. A developer tool (`make kbench`), not part of k3.
  *
  *   build/kbench [threads] [n] [rows] [cols]
+ *   KB_HUGE=1: the matrices in 2 MB pages; KB_SHUFFLE=1: read in a random
+ *   order (routed experts); KB_KB=N: N KB of matrices (small: from cache)
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -92,12 +94,21 @@ int main(int argc, char **argv) {
                 ms[m].row_sum = sum;
             }
         }
+        /* KB_SHUFFLE: the matrices in a random order, as routed experts are read */
+        int *order = malloc(sizeof(int) * (size_t)nm);
+        for (int m = 0; m < nm; m++) order[m] = m;
+        if (getenv("KB_SHUFFLE"))
+            for (int m = nm - 1; m > 0; m--) {
+                const int k = (int)(rnd() % (uint32_t)(m + 1)), tmp = order[m];
+                order[m] = order[k];
+                order[k] = tmp;
+            }
         double t[7];
         const int reps = nm < 64 ? 2000 / nm : 1;
         for (int r = 0; r < 7; r++) {
             const double t0 = now_s();
             for (int k = 0; k < reps; k++)
-                for (int m = 0; m < nm; m++) k3_matmul(pool, &ms[m], x, n, y);
+                for (int m = 0; m < nm; m++) k3_matmul(pool, &ms[order[m]], x, n, y);
             t[r] = now_s() - t0;
         }
         qsort(t, 7, sizeof t[0], cmpd);
