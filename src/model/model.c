@@ -156,6 +156,26 @@ static void *own_bytes(k3_model *m, size_t n) {
     return p;
 }
 
+/* Memory for a matrix made at load (quantized): below 2 MB, taken in order
+ * from 32 MB chunks of own_bytes, so it lies in huge pages too (k3_alloc_big
+ * gives them from 2 MB up). A 1.5 MB int8 matrix of its own got 4 KB pages:
+ * the shared experts' down-projection, read in 196 KB slices at decode,
+ * streamed at half the rate of the same slices in 2 MB pages. Never freed
+ * alone (disown does not apply). */
+enum { PACK_CHUNK = 32 << 20, PACK_BIG = 2 << 20 };
+static void *own_packed(k3_model *m, size_t n) {
+    n = (n + 63) / 64 * 64;
+    if (n >= PACK_BIG) return own_bytes(m, n);
+    if (!m->pack || m->pack_used + n > m->pack_cap) {
+        if (!(m->pack = own_bytes(m, PACK_CHUNK))) return NULL;
+        m->pack_used = 0;
+        m->pack_cap = PACK_CHUNK;
+    }
+    void *p = m->pack + m->pack_used;
+    m->pack_used += n;
+    return p;
+}
+
 /* An fp32 buffer the model owns. */
 static float *own(walker *w, int64_t n) { return own_bytes(w->out, (size_t)(n > 0 ? n : 1) * sizeof(float)); }
 
@@ -819,15 +839,15 @@ static k3_status quantize_mat(k3_model *m, k3_mat *w, k3_wquant q, bool alias, k
     const size_t n = (size_t)(w->rows * w->cols);
     const int64_t before = w->rows * (int64_t)k3_mat_row_bytes(w);
     if (q == K3_WQ_INT8) {
-        int8_t *d = own_bytes(m, n);
-        float *sc = own_bytes(m, sizeof(float) * (size_t)w->rows);
+        int8_t *d = own_packed(m, n);
+        float *sc = own_packed(m, sizeof(float) * (size_t)w->rows);
         if (!d || !sc) return k3_err(err, K3_ERR_NOMEM, "quant: out of memory");
-        int32_t *sum = own_bytes(m, sizeof(int32_t) * (size_t)w->rows);
+        int32_t *sum = own_packed(m, sizeof(int32_t) * (size_t)w->rows);
         if (!sum) return k3_err(err, K3_ERR_NOMEM, "quant: out of memory");
         k3_quant_q8_mat(w, d, sc, sum);
         *w = (k3_mat){.type = K3_W_Q8, .rows = w->rows, .cols = w->cols, .data = d, .row_scale = sc, .row_sum = sum};
     } else {
-        uint8_t *d = own_bytes(m, n), *e = own_bytes(m, n / 32);
+        uint8_t *d = own_packed(m, n), *e = own_packed(m, n / 32);
         if (!d || !e) return k3_err(err, K3_ERR_NOMEM, "quant: out of memory");
         k3_quant_mxfp8_mat(w, d, e);
         *w = (k3_mat){.type = K3_W_MXFP8, .rows = w->rows, .cols = w->cols, .data = d, .scale = e};

@@ -99,6 +99,8 @@ struct k3_model {
     int64_t quant_bytes_delta;/* change of weight bytes read per token by k3_model_quantize */
     float **owned;            /* fp32 copies and quantized matrices to free */
     int64_t n_owned, cap_owned;
+    uint8_t *pack;            /* the current chunk of own_packed (one of owned) */
+    size_t pack_used, pack_cap;
 };
 
 #endif /* K3_MODEL_MODEL_H */
