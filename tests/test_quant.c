@@ -233,124 +233,100 @@ static bool have_vnni_vbmi(void) {
     return false;
 }
 
-/* The AVX-512 VBMI activation preparation of W4A8 equals the scalar one, for
- * whole groups of 128 columns, and a short last group, and extreme values. */
+typedef void (*prep_fn)(const int8_t *xq, int64_t cols, int8_t *xp, int32_t *corr);
+typedef void (*rows_fn)(const uint8_t *packed, const uint8_t *scale, int64_t cols, const int8_t *xp,
+                        const int32_t *corr, int64_t ldc, const float *xs, int64_t n, int64_t r0, int64_t r1,
+                        float *y, int64_t ldy);
+
+/* A W4A8 activation preparation's AVX-512 VBMI form equals its scalar one,
+ * bit for bit, for each of ncols row lengths, with extreme values. */
+static void check_prep(prep_fn ref, prep_fn simd, const int64_t *cols, int ncols) {
+    int8_t xq[2048], p1[2048], p2[2048];
+    int32_t c1[256], c2[256];
+    for (int k = 0; k < ncols; k++) {
+        const int64_t C = cols[k];
+        for (int64_t i = 0; i < C; i++)
+            xq[i] = (int8_t)(i % 7 == 0 ? -127 : i % 5 == 0 ? 127 : (int)(frand() * 127.0f));
+        memset(p1, 0x55, sizeof p1);
+        memset(p2, 0x55, sizeof p2);
+        memset(c1, 0x55, sizeof c1);
+        memset(c2, 0x55, sizeof c2);
+        ref(xq, C, p1, c1);
+        simd(xq, C, p2, c2);
+        CHECKF(memcmp(p1, p2, sizeof p1) == 0 && memcmp(c1, c2, sizeof c1) == 0, "cols %lld", (long long)C);
+    }
+}
+
+/* The row layout: whole groups of 128 columns, a short last group. */
 K3_TEST(quant_w4a8_prep_vbmi_equals_ref) {
     if (!have_vnni_vbmi()) return;
     const int64_t cols[] = {32, 96, 128, 384, 1024, 1120, 2048};
-    int8_t xq[2048], p1[2048], p2[2048];
-    int32_t c1[256], c2[256];
-    for (size_t k = 0; k < sizeof cols / sizeof cols[0]; k++) {
-        const int64_t C = cols[k];
-        for (int64_t i = 0; i < C; i++)
-            xq[i] = (int8_t)(i % 7 == 0 ? -127 : i % 5 == 0 ? 127 : (int)(frand() * 127.0f));
-        memset(p1, 0x55, sizeof p1);
-        memset(p2, 0x55, sizeof p2);
-        memset(c1, 0x55, sizeof c1);
-        memset(c2, 0x55, sizeof c2);
-        k3_mx4_prep_ref(xq, C, p1, c1);
-        k3_mx4_prep_avx512_vbmi(xq, C, p2, c2);
-        CHECKF(memcmp(p1, p2, sizeof p1) == 0 && memcmp(c1, c2, sizeof c1) == 0, "cols %lld", (long long)C);
-    }
+    check_prep(k3_mx4_prep_ref, k3_mx4_prep_avx512_vbmi, cols, 7);
 }
 
-/* The same for the activations of the tile kernel (k3_mx4_r4_prep). */
+/* The tiles' order (k3_mx4_r4_prep). */
 K3_TEST(quant_w4a8_r4_prep_vbmi_equals_ref) {
     if (!have_vnni_vbmi()) return;
     const int64_t cols[] = {128, 384, 1024, 2048};
-    int8_t xq[2048], p1[2048], p2[2048];
-    int32_t c1[64], c2[64];
-    for (size_t k = 0; k < sizeof cols / sizeof cols[0]; k++) {
-        const int64_t C = cols[k];
-        for (int64_t i = 0; i < C; i++)
-            xq[i] = (int8_t)(i % 7 == 0 ? -127 : i % 5 == 0 ? 127 : (int)(frand() * 127.0f));
-        memset(p1, 0x55, sizeof p1);
-        memset(p2, 0x55, sizeof p2);
-        memset(c1, 0x55, sizeof c1);
-        memset(c2, 0x55, sizeof c2);
-        k3_mx4_r4_prep_ref(xq, C, p1, c1);
-        k3_mx4_r4_prep_avx512_vbmi(xq, C, p2, c2);
-        CHECKF(memcmp(p1, p2, sizeof p1) == 0 && memcmp(c1, c2, sizeof c1) == 0, "cols %lld", (long long)C);
-    }
+    check_prep(k3_mx4_r4_prep_ref, k3_mx4_r4_prep_avx512_vbmi, cols, 4);
 }
 
-/* The two AVX-512 W4A8 kernels (nibbles decoded by vpshufb, or by vpermb with
- * VBMI) give the same result bit for bit, tails included. */
+/* The two AVX-512 kernels of a W4A8 layout (nibbles decoded by vpshufb, or
+ * by vpermb with VBMI) give the same bits, and each token alone, its rows in
+ * two calls split at `split`, gives the bits of the batch. tiles: the
+ * matrix as MXFP4_R4. */
+static void check_w4a8_kernels(bool tiles, int R, int C, int N, int split) {
+    const int64_t ldc = (C + 127) / 128 * 16;
+    uint8_t *pk = malloc((size_t)R * C / 2), *sc = malloc((size_t)R * C / 32);
+    int8_t *xq = malloc((size_t)N * C), *xp = malloc((size_t)N * C);
+    int32_t *corr = malloc(sizeof(int32_t) * N * ldc);
+    float *x = malloc(sizeof(float) * N * C), *xs = malloc(sizeof(float) * N), *yt = malloc(sizeof(float) * R);
+    float *y1 = malloc(sizeof(float) * N * R), *y2 = malloc(sizeof(float) * N * R);
+    for (int i = 0; i < R * C / 2; i++) pk[i] = (uint8_t)(rng = rng * 6364136223846793005ull + 1, rng >> 56);
+    for (int i = 0; i < R * C / 32; i++) sc[i] = (uint8_t)(118 + i % 13);
+    if (tiles) {
+        uint8_t *tp = malloc((size_t)R * C / 2), *ts = malloc((size_t)R * C / 32);
+        const k3_mat w = {.type = K3_W_MXFP4, .rows = R, .cols = C, .data = pk, .scale = sc, .act8 = true};
+        k3_mx4_r4_pack(&w, tp, ts);
+        memcpy(pk, tp, (size_t)R * C / 2);
+        memcpy(sc, ts, (size_t)R * C / 32);
+        free(tp);
+        free(ts);
+    }
+    const prep_fn prep = tiles ? k3_mx4_r4_prep : k3_mx4_prep;
+    const rows_fn shufb = tiles ? k3_mx4_r4_rows_avx512 : k3_mx4_rows_avx512;
+    const rows_fn vbmi = tiles ? k3_mx4_r4_rows_avx512_vbmi : k3_mx4_rows_avx512_vbmi;
+    for (int i = 0; i < N * C; i++) x[i] = frand();
+    for (int t = 0; t < N; t++) {
+        xs[t] = k3_quant_act_i8(x + t * C, C, xq + t * C);
+        prep(xq + t * C, C, xp + t * C, corr + t * ldc);
+    }
+    shufb(pk, sc, C, xp, corr, ldc, xs, N, 0, R, y1, R);
+    vbmi(pk, sc, C, xp, corr, ldc, xs, N, 0, R, y2, R);
+    CHECKF(memcmp(y1, y2, sizeof(float) * N * R) == 0, "tiles %d: vpshufb and vpermb differ", tiles);
+    for (int t = 0; t < N; t++) {
+        vbmi(pk, sc, C, xp + t * C, corr + t * ldc, ldc, xs + t, 1, 0, split, yt, R);
+        vbmi(pk, sc, C, xp + t * C, corr + t * ldc, ldc, xs + t, 1, split, R, yt, R);
+        CHECKF(memcmp(yt, y2 + t * R, sizeof(float) * R) == 0, "tiles %d: token %d alone differs from the batch",
+               tiles, t);
+    }
+    free(pk);
+    free(sc);
+    free(xq);
+    free(xp);
+    free(corr);
+    free(x);
+    free(xs);
+    free(yt);
+    free(y1);
+    free(y2);
+}
 
+/* Rows: 2 groups of 512 + a 96-column tail, 8 + 3 tokens, a split inside a
+ * group of four rows (they are summed four at a time). Tiles: the latent
+ * experts' 384 columns, a split between 16-row slices. */
 K3_TEST(quant_w4a8_vbmi_equals_shufb) {
     if (!have_vnni_vbmi()) return;
-    enum { R = 19, C = 1120, N = 11 }; /* 2 groups of 512 + a 96-column tail; 8 + 3 tokens */
-    const int64_t ldc = (C + 127) / 128 * 16;
-    uint8_t *pk = malloc(R * C / 2), *sc = malloc(R * C / 32);
-    int8_t *xq = malloc(N * C), *xp = malloc(N * C);
-    int32_t *corr = malloc(sizeof(int32_t) * N * ldc);
-    float *x = malloc(sizeof(float) * N * C), xs[N], *y1 = malloc(sizeof(float) * N * R),
-          *y2 = malloc(sizeof(float) * N * R);
-    for (int i = 0; i < R * C / 2; i++) pk[i] = (uint8_t)(rng = rng * 6364136223846793005ull + 1, rng >> 56);
-    for (int i = 0; i < R * C / 32; i++) sc[i] = (uint8_t)(118 + i % 13);
-    for (int i = 0; i < N * C; i++) x[i] = frand();
-    for (int t = 0; t < N; t++) {
-        xs[t] = k3_quant_act_i8(x + t * C, C, xq + t * C);
-        k3_mx4_prep(xq + t * C, C, xp + t * C, corr + t * ldc);
-    }
-    k3_mx4_rows_avx512(pk, sc, C, xp, corr, ldc, xs, N, 0, R, y1, R);
-    k3_mx4_rows_avx512_vbmi(pk, sc, C, xp, corr, ldc, xs, N, 0, R, y2, R);
-    CHECK(memcmp(y1, y2, sizeof(float) * N * R) == 0);
-    /* batch invariant: each token alone and each row range alone (rows are
-     * summed four at a time) give the same bits */
-    for (int t = 0; t < N; t++) {
-        float yt[R];
-        k3_mx4_rows_avx512_vbmi(pk, sc, C, xp + t * C, corr + t * ldc, ldc, xs + t, 1, 0, 7, yt, R);
-        k3_mx4_rows_avx512_vbmi(pk, sc, C, xp + t * C, corr + t * ldc, ldc, xs + t, 1, 7, R, yt, R);
-        CHECKF(memcmp(yt, y2 + t * R, sizeof yt) == 0, "W4A8 token %d alone differs from the batch", t);
-    }
-    free(pk);
-    free(sc);
-    free(xq);
-    free(xp);
-    free(corr);
-    free(x);
-    free(y1);
-    free(y2);
-}
-
-/* The two tile kernels give the same bits, and each token alone, or a range
- * of tiles alone, gives the bits of the batch. */
-K3_TEST(quant_w4a8_r4_vbmi_equals_shufb) {
-    if (!have_vnni_vbmi()) return;
-    enum { R = 24, C = 384, N = 11 }; /* 8 + 3 tokens; tiles across a 16-row slice */
-    const int64_t ldc = (C + 127) / 128 * 16;
-    uint8_t *pk = malloc(R * C / 2), *sc = malloc(R * C / 32), *tp = malloc(R * C / 2), *ts = malloc(R * C / 32);
-    int8_t *xq = malloc(N * C), *xp = malloc(N * C);
-    int32_t *corr = malloc(sizeof(int32_t) * N * ldc);
-    float *x = malloc(sizeof(float) * N * C), xs[N], *y1 = malloc(sizeof(float) * N * R),
-          *y2 = malloc(sizeof(float) * N * R);
-    for (int i = 0; i < R * C / 2; i++) pk[i] = (uint8_t)(rng = rng * 6364136223846793005ull + 1, rng >> 56);
-    for (int i = 0; i < R * C / 32; i++) sc[i] = (uint8_t)(118 + i % 13);
-    const k3_mat w = {.type = K3_W_MXFP4, .rows = R, .cols = C, .data = pk, .scale = sc, .act8 = true};
-    k3_mx4_r4_pack(&w, tp, ts);
-    for (int i = 0; i < N * C; i++) x[i] = frand();
-    for (int t = 0; t < N; t++) {
-        xs[t] = k3_quant_act_i8(x + t * C, C, xq + t * C);
-        k3_mx4_r4_prep(xq + t * C, C, xp + t * C, corr + t * ldc);
-    }
-    k3_mx4_r4_rows_avx512(tp, ts, C, xp, corr, ldc, xs, N, 0, R, y1, R);
-    k3_mx4_r4_rows_avx512_vbmi(tp, ts, C, xp, corr, ldc, xs, N, 0, R, y2, R);
-    CHECK(memcmp(y1, y2, sizeof(float) * N * R) == 0);
-    for (int t = 0; t < N; t++) {
-        float yt[R];
-        k3_mx4_r4_rows_avx512_vbmi(tp, ts, C, xp + t * C, corr + t * ldc, ldc, xs + t, 1, 0, 8, yt, R);
-        k3_mx4_r4_rows_avx512_vbmi(tp, ts, C, xp + t * C, corr + t * ldc, ldc, xs + t, 1, 8, R, yt, R);
-        CHECKF(memcmp(yt, y2 + t * R, sizeof yt) == 0, "W4A8 tiles: token %d alone differs from the batch", t);
-    }
-    free(pk);
-    free(sc);
-    free(tp);
-    free(ts);
-    free(xq);
-    free(xp);
-    free(corr);
-    free(x);
-    free(y1);
-    free(y2);
+    check_w4a8_kernels(false, 19, 1120, 11, 7);
+    check_w4a8_kernels(true, 24, 384, 11, 8);
 }
