@@ -67,7 +67,7 @@ void k3_mx4_rows_avx512_vbmi(const uint8_t *packed, const uint8_t *scale, int64_
                              const int32_t *corr, int64_t ldc, const float *xs, int64_t n, int64_t r0, int64_t r1,
                              float *y, int64_t ldy);
 
-/* The same for K3_W_MXFP4_R4 tiles (r0, r1 multiples of 4 or r1 = rows),
+/* The same for K3_W_MXFP4_R4 tiles (r0, r1 multiples of 4),
  * against activations prepared by k3_mx4_r4_prep. Every token's sums are
  * made in the same order whatever n: batch invariant. */
 void k3_mx4_r4_rows_avx512(const uint8_t *packed, const uint8_t *scale, int64_t cols, const int8_t *xp,
