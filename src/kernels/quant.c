@@ -213,6 +213,24 @@ static float dot_mxfp4_i8_ref(const uint8_t *packed, const uint8_t *scale, const
     return acc;
 }
 
+/* The same for row r of a K3_W_MXFP4_R4 matrix (its bytes found through
+ * k3_r4_byte): the path for tiles when the kernel that reads them is not
+ * the one running (a lower ISA forced after load). */
+static float dot_mxfp4_r4_i8_ref(const k3_mat *w, int64_t r, const int8_t *x) {
+    static const int8_t lut[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+    const uint8_t *p = w->data;
+    float acc = 0.0f;
+    for (int64_t c0 = 0; c0 < w->cols; c0 += 32) {
+        int32_t s = 0;
+        for (int64_t c = c0; c < c0 + 32; c += 2) {
+            const uint8_t byte = p[k3_r4_byte(w->cols, r, c)];
+            s += lut[byte & 15] * x[c] + lut[byte >> 4] * x[c + 1];
+        }
+        acc += (float)s * k3_e8m0_to_f32(w->scale[k3_r4_scale(w->cols, r, c0)]) * 0.5f;
+    }
+    return acc;
+}
+
 typedef int32_t (*dot_i8_fn)(const int8_t *, const int8_t *, int64_t);
 typedef float (*dot_mx_fn)(const uint8_t *, const uint8_t *, const int8_t *, int64_t);
 int32_t k3_dot_i8_avx2(const int8_t *a, const int8_t *b, int64_t n);
@@ -267,8 +285,7 @@ static void q_rows(void *p, int64_t lo, int64_t hi, int ith) {
         j->mx4(w->data, w->scale, cols, j->xq, j->corr, j->ldc, j->xs, j->n, lo, hi, j->y, rows);
         return;
     }
-    if (w->type == K3_W_MXFP4_R4) {
-        K3_ASSERT(j->vnni); /* tiles are made only where the kernel runs (k3_mx4_r4_wanted) */
+    if (j->vnni && w->type == K3_W_MXFP4_R4) {
         j->mx4r4(w->data, w->scale, cols, j->xq, j->corr, j->ldc, j->xs, j->n, lo, hi, j->y, rows);
         return;
     }
@@ -287,6 +304,10 @@ static void q_rows(void *p, int64_t lo, int64_t hi, int ith) {
                 j->y[i * rows + r] = j->dotmx(pr, sr, j->xq + i * cols, cols) * j->xs[i];
             break;
         }
+        case K3_W_MXFP4_R4:
+            for (int64_t i = 0; i < j->n; i++)
+                j->y[i * rows + r] = dot_mxfp4_r4_i8_ref(w, r, j->xq + i * cols) * j->xs[i];
+            break;
         case K3_W_MXFP8: {
             for (int64_t c0 = 0; c0 < cols; c0 += 8192) {
                 const int64_t len = cols - c0 < 8192 ? cols - c0 : 8192;
@@ -340,7 +361,7 @@ void k3_matmul_q(k3_pool *pool, const k3_mat *w, const float *x, int64_t n, floa
         } else if (vnni && w->type == K3_W_MXFP4) {
             for (int64_t i = 0; i < n; i++) k3_mx4_prep(xq + i * cols, cols, xp + i * cols, corr + i * ldc);
             xk = xp;
-        } else if (w->type == K3_W_MXFP4_R4) {
+        } else if (vnni && w->type == K3_W_MXFP4_R4) {
             for (int64_t i = 0; i < n; i++) k3_mx4_r4_prep(xq + i * cols, cols, xp + i * cols, corr + i * ldc);
             xk = xp;
         }
