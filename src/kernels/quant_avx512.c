@@ -210,7 +210,6 @@ enum { MX4_AHEAD = 8192 };
 #define MX4_ROW mx4_row_shufb
 #define MX4_TILE mx4_tile_shufb
 #define MX4_TILES k3_mx4_r4_rows_avx512
-#define MX4_ROW4 mx4_row_shufb4
 #define MX4_ROWS k3_mx4_rows_avx512
 #define MX4_ATTR
 #define MX4_LO(pk) _mm512_shuffle_epi8(lut, _mm512_and_si512(pk, m4))
@@ -219,7 +218,6 @@ enum { MX4_AHEAD = 8192 };
 #undef MX4_ROW
 #undef MX4_TILE
 #undef MX4_TILES
-#undef MX4_ROW4
 #undef MX4_ROWS
 #undef MX4_ATTR
 #undef MX4_LO
@@ -230,7 +228,6 @@ enum { MX4_AHEAD = 8192 };
 #define MX4_ROW mx4_row_vbmi
 #define MX4_TILE mx4_tile_vbmi
 #define MX4_TILES k3_mx4_r4_rows_avx512_vbmi
-#define MX4_ROW4 mx4_row_vbmi4
 #define MX4_ROWS k3_mx4_rows_avx512_vbmi
 #define MX4_ATTR __attribute__((target("avx512vbmi")))
 #define MX4_LO(pk) _mm512_permutexvar_epi8(pk, lut)
@@ -239,7 +236,6 @@ enum { MX4_AHEAD = 8192 };
 #undef MX4_ROW
 #undef MX4_TILE
 #undef MX4_TILES
-#undef MX4_ROW4
 #undef MX4_ROWS
 #undef MX4_ATTR
 #undef MX4_LO
