@@ -156,12 +156,15 @@ static void *own_bytes(k3_model *m, size_t n) {
     return p;
 }
 
-/* Memory for a matrix made at load (quantized): below 2 MB, taken in order
- * from 32 MB chunks of own_bytes, so it lies in huge pages too (k3_alloc_big
- * gives them from 2 MB up). A 1.5 MB int8 matrix of its own got 4 KB pages:
- * the shared experts' down-projection, read in 196 KB slices at decode,
- * streamed at half the rate of the same slices in 2 MB pages. Never freed
- * alone (disown does not apply). */
+/* Memory for a matrix made or copied at load (quantized, or out of the
+ * mapping by k3_model_load_resident): below 2 MB, taken in order from 32 MB
+ * chunks of own_bytes, so it lies in huge pages too (k3_alloc_big gives them
+ * from 2 MB up) and matrices made one after another lie one after another.
+ * Matrices of a few hundred KB in allocations of their own got 4 KB pages,
+ * which the hardware prefetchers do not cross: one core streamed a latent
+ * expert's W4A8 weights at 22 GB/s from 4 KB pages and 29 from 2 MB ones,
+ * and the shared experts' 1.5 MB int8 down-projection, read at decode in 196
+ * KB slices, at half the rate. Never freed alone (disown does not apply). */
 enum { PACK_CHUNK = 32 << 20, PACK_BIG = 2 << 20 };
 static void *own_packed(k3_model *m, size_t n) {
     n = (n + 63) / 64 * 64;
@@ -901,67 +904,53 @@ k3_status k3_model_quantize(k3_model *m, const k3_quant_options *opt, k3_error *
     return K3_OK;
 }
 
-/* Where load_resident puts its copies: one allocation, sized by the
- * counting pass and bump-allocated in order, so the copies sit in huge pages
- * (k3_alloc_big) and an expert's matrices follow one another. Matrices of a
- * few hundred KB, each malloc'd on its own, got 4 KB pages, which the
- * hardware prefetchers do not cross: one core streamed a latent expert's
- * W4A8 weights at 22 GB/s from 4 KB pages and 29 from 2 MB ones. */
-typedef struct {
-    uint8_t *base;
-    size_t used;
-} arena;
-
-/* Bytes of n rounded up to whole cache lines, so every copy starts on one. */
-static size_t line_up(size_t n) { return (n + 63) / 64 * 64; }
-
 /* Copies one matrix out of the mapping (data, and the MXFP4 scales) into
- * a, or only counts its bytes when a->base is NULL. An MXFP4 matrix the W4A8
- * kernel will read is copied as K3_W_MXFP4_R4 tiles (k3_mx4_r4_wanted). */
-static void copy_mat(k3_model *m, k3_mat *w, arena *a) {
-    if (!w->data || !k3_st_maps(m->st, w->data)) return;
+ * own_packed memory -- in order, in huge pages, so an expert's matrices
+ * follow one another -- or, when dry, only counts its bytes. An MXFP4 matrix
+ * the W4A8 kernel will read is copied as K3_W_MXFP4_R4 tiles
+ * (k3_mx4_r4_wanted). */
+static k3_status copy_mat(k3_model *m, k3_mat *w, bool dry, int64_t *bytes, k3_error *err) {
+    if (!w->data || !k3_st_maps(m->st, w->data)) return K3_OK;
     const size_t nb = (size_t)w->rows * (w->type == K3_W_MXFP4 ? (size_t)w->cols / 2 : k3_mat_row_bytes(w));
     const size_t ns = w->type == K3_W_MXFP4 ? (size_t)(w->rows * (w->cols / 32)) : 0;
-    if (a->base) {
-        uint8_t *d = a->base + a->used, *sc = d + line_up(nb);
-        if (k3_mx4_r4_wanted(w)) {
-            k3_mx4_r4_pack(w, d, sc);
-            w->type = K3_W_MXFP4_R4;
-        } else {
-            memcpy(d, w->data, nb);
-            if (ns) memcpy(sc, w->scale, ns);
-        }
-        w->data = d;
-        if (ns) w->scale = sc;
+    *bytes += (int64_t)(nb + ns);
+    if (dry) return K3_OK;
+    uint8_t *d = own_packed(m, nb), *sc = ns ? own_packed(m, ns) : NULL;
+    if (!d || (ns && !sc)) return k3_err(err, K3_ERR_NOMEM, "load: out of memory copying weights into RAM");
+    if (k3_mx4_r4_wanted(w)) {
+        k3_mx4_r4_pack(w, d, sc);
+        w->type = K3_W_MXFP4_R4;
+    } else {
+        memcpy(d, w->data, nb);
+        if (ns) memcpy(sc, w->scale, ns);
     }
-    a->used += line_up(nb) + line_up(ns);
+    w->data = d;
+    if (ns) w->scale = sc;
+    return K3_OK;
 }
 
 k3_status k3_model_load_resident(k3_model *m, int64_t max_bytes, int64_t *copied, k3_error *err) {
     const k3_config *c = &m->cfg;
     *copied = 0;
-    arena a = {NULL, 0};
     for (int step = 0; step < 2; step++) { /* 0 counts, 1 copies */
-        a.used = 0;
-        copy_mat(m, &m->lm_head, &a);
-        for (int i = 0; i < c->n_layers; i++) {
+        const bool dry = step == 0;
+        int64_t bytes = 0;
+        k3_status s = copy_mat(m, &m->lm_head, dry, &bytes, err);
+        for (int i = 0; i < c->n_layers && !s; i++) {
             k3_layer *L = &m->layers[i];
             k3_mat *mats[32];
             const int n = runtime_mats(c, L, mats);
-            for (int k = 0; k < n; k++) copy_mat(m, mats[k], &a);
-            copy_mat(m, &L->router, &a);
-            for (int e = 0; L->moe && e < c->n_experts; e++) {
-                copy_mat(m, &L->exp_gate[e], &a);
-                copy_mat(m, &L->exp_up[e], &a);
-                copy_mat(m, &L->exp_down[e], &a);
+            for (int k = 0; k < n && !s; k++) s = copy_mat(m, mats[k], dry, &bytes, err);
+            if (!s) s = copy_mat(m, &L->router, dry, &bytes, err);
+            for (int e = 0; L->moe && e < c->n_experts && !s; e++) {
+                s = copy_mat(m, &L->exp_gate[e], dry, &bytes, err);
+                if (!s) s = copy_mat(m, &L->exp_up[e], dry, &bytes, err);
+                if (!s) s = copy_mat(m, &L->exp_down[e], dry, &bytes, err);
             }
         }
-        if (step == 0) {
-            if (a.used == 0 || (max_bytes > 0 && (int64_t)a.used > max_bytes)) return K3_OK;
-            if (!(a.base = own_bytes(m, a.used)))
-                return k3_err(err, K3_ERR_NOMEM, "load: out of memory copying %zu bytes of weights into RAM", a.used);
-        }
+        if (s) return s;
+        if (dry && max_bytes > 0 && bytes > max_bytes) return K3_OK;
+        if (!dry) *copied = bytes;
     }
-    *copied = (int64_t)a.used;
     return K3_OK;
 }
