@@ -366,9 +366,10 @@ void k3_matmul_q(k3_pool *pool, const k3_mat *w, const float *x, int64_t n, floa
             xk = xp;
         }
     }
+    const bool vbmi = __builtin_cpu_supports("avx512vbmi");
     qjob j = {w, xk, corr, ldc, xs, xf, n, y, vnni, k3_kernels_isa() >= K3_ISA_AVX512,
-              __builtin_cpu_supports("avx512vbmi") ? k3_mx4_rows_avx512_vbmi : k3_mx4_rows_avx512,
-              __builtin_cpu_supports("avx512vbmi") ? k3_mx4_r4_rows_avx512_vbmi : k3_mx4_r4_rows_avx512,
+              vbmi ? k3_mx4_rows_avx512_vbmi : k3_mx4_rows_avx512,
+              vbmi ? k3_mx4_r4_rows_avx512_vbmi : k3_mx4_r4_rows_avx512,
               w->type == K3_W_MXFP4_R4 ? 4 : 1,
               isa >= K3_ISA_AVX2 ? k3_dot_i8_avx2 : dot_i8_ref,
               isa >= K3_ISA_AVX2 ? k3_dot_mxfp4_i8_avx2 : dot_mxfp4_i8_ref};
