@@ -5,6 +5,7 @@
 
 #include <stdatomic.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 typedef struct {
@@ -49,28 +50,34 @@ K3_TEST(pool_covers_every_index_once) {
     }
 }
 
-/* Chunks tile [0, n) in order, each of at least grain items (the last may be
- * short), handed to valid thread indices, shrinking as the work runs out;
- * n <= grain stays inline. */
+/* Chunks tile [0, n), each of at least grain items (the last may be short),
+ * handed to valid thread indices; n <= grain stays inline. */
+enum { MAX_CALLS = 512 };
+
 typedef struct {
-    int64_t lo[64], hi[64];
-    int ith[64];
+    int64_t lo[MAX_CALLS], hi[MAX_CALLS];
+    int ith[MAX_CALLS];
     _Atomic int calls;
+    int64_t sleep_at; /* a call starting here sleeps 20 ms first (-1: none) */
 } range_job;
 
 static void range_fn(void *ctx, int64_t lo, int64_t hi, int ith) {
     range_job *j = ctx;
     const int c = atomic_fetch_add(&j->calls, 1);
-    if (c < 64) {
+    if (c < MAX_CALLS) {
         j->lo[c] = lo;
         j->hi[c] = hi;
         j->ith[c] = ith;
+    }
+    if (lo == j->sleep_at) {
+        struct timespec ts = {0, 20000000};
+        nanosleep(&ts, NULL);
     }
 }
 
 static bool tiles(range_job *j, int64_t n, int64_t grain, int threads) {
     const int calls = atomic_load(&j->calls);
-    if (calls < 1 || calls > 64) return false;
+    if (calls < 1 || calls > MAX_CALLS) return false;
     int64_t at = 0;
     for (int k = 0; k < calls; k++) { /* find the chunk starting at `at` */
         int f = -1;
@@ -78,6 +85,7 @@ static bool tiles(range_job *j, int64_t n, int64_t grain, int threads) {
             if (j->lo[q] == at) f = q;
         if (f < 0 || j->ith[f] < 0 || j->ith[f] >= threads) return false;
         if (j->hi[f] - j->lo[f] < grain && j->hi[f] != n) return false;
+        if (j->lo[f] % grain) return false;
         at = j->hi[f];
     }
     return at == n;
@@ -86,32 +94,90 @@ static bool tiles(range_job *j, int64_t n, int64_t grain, int threads) {
 K3_TEST(pool_ranges_and_grain) {
     k3_pool *pool = NULL;
     REQUIRE(k3_pool_init(&pool, 3, NULL) == K3_OK);
-    range_job j = {0};
-    k3_pool_for(pool, 10, 1, range_fn, &j); /* chunks of ceil(10 / 12) = 1 */
-    CHECK(atomic_load(&j.calls) == 10 && tiles(&j, 10, 1, 3));
-    range_job k = {0};
+    range_job j = {.sleep_at = -1};
+    k3_pool_for(pool, 10, 1, range_fn, &j); /* shares of 3, 3, 4, one item a claim, or stolen */
+    CHECK(atomic_load(&j.calls) <= 10 && tiles(&j, 10, 1, 3));
+    range_job k = {.sleep_at = -1};
     k3_pool_for(pool, 10, 10, range_fn, &k); /* n <= grain: one inline call */
     CHECK(atomic_load(&k.calls) == 1 && k.lo[0] == 0 && k.hi[0] == 10 && k.ith[0] == 0);
-    range_job m = {0};
-    k3_pool_for(pool, 10, 4, range_fn, &m); /* chunks of 4, 4, 2 */
-    CHECK(atomic_load(&m.calls) == 3 && tiles(&m, 10, 4, 3));
-    range_job l = {0};
-    k3_pool_for(pool, 1000, 1, range_fn, &l); /* guided: 1000 / 6 = 166 first, then smaller */
-    CHECK(tiles(&l, 1000, 1, 3));
-    int64_t prev = 0, last = 0;
-    bool shrinking = true;
-    for (int64_t at = 0; at < 1000;) { /* chunk sizes in counter order */
-        int f = -1;
-        for (int q = 0; q < atomic_load(&l.calls); q++)
-            if (l.lo[q] == at) f = q;
-        REQUIRE(f >= 0);
-        last = l.hi[f] - l.lo[f];
-        if (at == 0) CHECKF(last == 166, "first chunk %lld", (long long)last);
-        shrinking &= at == 0 || last <= prev;
-        prev = last;
-        at = l.hi[f];
+    range_job m = {.sleep_at = -1};
+    k3_pool_for(pool, 10, 4, range_fn, &m); /* two threads: 4 | 4, 2 (or 6 stolen whole) */
+    CHECK(atomic_load(&m.calls) <= 3 && tiles(&m, 10, 4, 3));
+    range_job l = {.sleep_at = -1};
+    k3_pool_for(pool, 1000, 8, range_fn, &l);
+    CHECK(tiles(&l, 1000, 8, 3));
+    k3_pool_free(pool);
+}
+
+/* Each thread takes its own share from the front in adjacent chunks of an
+ * eighth of what is left, and a thread that is done steals the back half of
+ * what another has left: here the caller sleeps in its first chunk, so the
+ * worker does all of its share in order, then most of the caller's. */
+K3_TEST(pool_shares_in_order_and_stealing) {
+    k3_pool *pool = NULL;
+    REQUIRE(k3_pool_init(&pool, 2, NULL) == K3_OK);
+    static range_job j;
+    memset(&j, 0, sizeof j);
+    j.sleep_at = 0;
+    k3_pool_for(pool, 1000, 8, range_fn, &j); /* shares [0, 496) and [496, 1000) */
+    REQUIRE(tiles(&j, 1000, 8, 2));
+    const int calls = atomic_load(&j.calls);
+    int64_t at = 496, stolen = 0, first0 = -1;
+    bool in_order = true, shrinking = true;
+    int64_t prev = 1 << 30;
+    for (int c = 0; c < calls; c++) {
+        if (j.ith[c] == 0) {
+            if (first0 < 0) first0 = c;
+            continue;
+        }
+        if (at < 1000) { /* still its own share */
+            in_order &= j.lo[c] == at;
+            shrinking &= j.hi[c] - j.lo[c] <= prev;
+            prev = j.hi[c] - j.lo[c];
+            at = j.hi[c];
+        } else {
+            stolen += j.hi[c] - j.lo[c];
+            in_order &= j.hi[c] <= 496;
+        }
     }
-    CHECK(shrinking && last == 1);
+    CHECK(first0 >= 0 && j.lo[first0] == 0 && j.hi[first0] == 64); /* 496 / 8 = 62, up to a grain */
+    CHECK(in_order && shrinking && at == 1000);
+    CHECKF(stolen >= 248 && stolen <= 432, "stolen %lld", (long long)stolen);
+    k3_pool_free(pool);
+}
+
+/* Ranges past what a share's 32-bit fields hold run as pieces. */
+typedef struct {
+    _Atomic uint64_t items, index_sum;
+    _Atomic int64_t top;
+    _Atomic int bad;
+} long_job;
+
+static void long_fn(void *ctx, int64_t lo, int64_t hi, int ith) {
+    long_job *j = ctx;
+    if (lo < 0 || lo >= hi || lo % 3) atomic_store(&j->bad, 1);
+    atomic_fetch_add(&j->items, (uint64_t)(hi - lo));
+    /* Σ i over [lo, hi), mod 2^64 */
+    const uint64_t a = (uint64_t)lo, b = (uint64_t)hi;
+    atomic_fetch_add(&j->index_sum, (b - a) % 2 ? (a + b - 1) / 2 * (b - a) : (b - a) / 2 * (a + b - 1));
+    int64_t t = atomic_load(&j->top);
+    while (hi > t && !atomic_compare_exchange_weak(&j->top, &t, hi)) {
+    }
+}
+
+K3_TEST(pool_long_ranges) {
+    k3_pool *pool = NULL;
+    REQUIRE(k3_pool_init(&pool, 2, NULL) == K3_OK);
+    const int64_t n = 3 * (INT64_C(1) << 32) + 5; /* grain 3: pieces of 2^31 - 2 */
+    long_job j = {0};
+    k3_pool_for(pool, n, 3 * (INT64_C(1) << 28), long_fn, &j);
+    const uint64_t un = (uint64_t)n;
+    CHECK(!atomic_load(&j.bad));
+    CHECK(atomic_load(&j.items) == un && atomic_load(&j.top) == n);
+    CHECK(atomic_load(&j.index_sum) == (un % 2 ? (un - 1) / 2 * un : un / 2 * (un - 1)));
+    long_job k = {0}; /* a grain past 2^31: pieces of one grain, each inline */
+    k3_pool_for(pool, INT64_C(3) << 33, INT64_C(3) << 31, long_fn, &k);
+    CHECK(!atomic_load(&k.bad) && atomic_load(&k.items) == UINT64_C(3) << 33 && atomic_load(&k.top) == INT64_C(3) << 33);
     k3_pool_free(pool);
 }
 

@@ -1,10 +1,11 @@
 /*
  * pool.h -- one persistent pool of worker threads (k3_pool in k3.h).
  *
- * k3_pool_for splits [0, n) into contiguous chunks (at least grain items,
- * shrinking as the work runs out) that the threads, the caller among them,
- * claim in order until none is left; fn may so be called several times per
- * thread, each time with that thread's index. A call made from inside
+ * k3_pool_for cuts [0, n) into one contiguous share per thread, the caller
+ * among them; each thread works through its own share in adjacent chunks
+ * (at least grain items, shrinking as the share runs out), then takes the
+ * back half of the largest share left, until none is; fn may so be called
+ * several times per thread, each time with that thread's index. A call made from inside
  * a worker (nesting) runs serially on that worker. With pool == NULL or
  * n <= grain everything runs inline. The pool does no allocation per call.
  */
