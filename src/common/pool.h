@@ -5,8 +5,8 @@
  * among them; each thread works through its own share in adjacent chunks
  * (at least grain items, shrinking as the share runs out), then takes the
  * back half of the largest share left, until none is; fn may so be called
- * several times per thread, each time with that thread's index. A call made from inside
- * a worker (nesting) runs serially on that worker. With pool == NULL or
+ * several times per thread, each time with that thread's index. A call made
+ * from inside a worker (nesting) runs serially on that worker. With pool == NULL or
  * n <= grain everything runs inline. The pool does no allocation per call.
  */
 #ifndef K3_COMMON_POOL_H

@@ -147,8 +147,9 @@ void k3_matmul(k3_pool *pool, const k3_mat *w, const float *x, int64_t n, float 
     const double bytes = (double)rows * (double)k3_mat_row_bytes(w);
     const double macs = (double)rows * (double)w->cols * (double)n;
     if (T > 1 && (bytes >= 32768 || macs >= 131072)) {
-        /* 16-row items, a contiguous share per thread, the rest stolen
-         * as the threads come free (pool.c); few rows and many tokens also split the tokens */
+        /* 16-row items, a contiguous share per thread, stolen from as
+         * the threads come free (pool.c); few rows and many tokens also
+         * split the tokens */
         j.n_rc = rows / 16 > 0 ? rows / 16 : 1;
         int64_t nn = T / j.n_rc, nmax = n / 4 > 0 ? n / 4 : 1;
         j.n_nc = nn < nmax ? nn : nmax;
