@@ -106,8 +106,9 @@ k3_status k3_model_quantize(k3_model *m, const k3_quant_options *opt, k3_error *
  * matrices in order in shared chunks, so each expert's matrices follow one
  * another): the same weights, read without a page-table walk every 4 KB;
  * routed experts that run W4A8 on AVX-512 VNNI are rearranged into 4-row
- * tiles (K3_W_MXFP4_R4). Call after k3_model_quantize (what it converted is owned already). Costs their
- * size in RAM: when that would exceed max_bytes (> 0), nothing is copied.
+ * tiles (K3_W_MXFP4_R4). Call after k3_model_quantize (what it converted is
+ * owned already). Costs their size in RAM: when that would exceed max_bytes
+ * (> 0), nothing is copied.
  * *copied gets the bytes copied. */
 k3_status k3_model_load_resident(k3_model *m, int64_t max_bytes, int64_t *copied, k3_error *err);
 

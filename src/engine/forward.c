@@ -201,11 +201,9 @@ static void kda_layer(k3_ctx *ctx, const k3_layer *L, int layer, const float *xn
         k3_matmul(ctx->pool, &L->g_a, xn, T, s->kfa);
         k3_matmul(ctx->pool, &L->g_b, s->kfa, T, s->kg);
     }
-    /* one sequence (a decode step): the heads in nth contiguous shares, so a
-     * head's state is usually updated by the same thread token after token
-     * (-0.5% per decoded token against one head per claim) */
-    const int64_t grain = ctx->n_spans == 1 && c->kda_heads >= ctx->nth ? c->kda_heads / ctx->nth : 1;
-    k3_pool_for(ctx->pool, (int64_t)ctx->n_spans * c->kda_heads, grain, kda_head_items, &j);
+    /* the pool's contiguous shares keep a head with the same thread token
+     * after token, so its state usually stays in that core's caches */
+    k3_pool_for(ctx->pool, (int64_t)ctx->n_spans * c->kda_heads, 1, kda_head_items, &j);
     k3_matmul(ctx->pool, &L->o_proj, s->ko, T, out);
 }
 

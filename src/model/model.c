@@ -169,10 +169,9 @@ enum { PACK_CHUNK = 32 << 20, PACK_BIG = 2 << 20 };
 static void *own_packed(k3_model *m, size_t n) {
     n = (n + 63) / 64 * 64;
     if (n >= PACK_BIG) return own_bytes(m, n);
-    if (!m->pack || m->pack_used + n > m->pack_cap) {
+    if (!m->pack || m->pack_used + n > PACK_CHUNK) {
         if (!(m->pack = own_bytes(m, PACK_CHUNK))) return NULL;
         m->pack_used = 0;
-        m->pack_cap = PACK_CHUNK;
     }
     void *p = m->pack + m->pack_used;
     m->pack_used += n;

@@ -100,7 +100,7 @@ struct k3_model {
     float **owned;            /* fp32 copies and quantized matrices to free */
     int64_t n_owned, cap_owned;
     uint8_t *pack;            /* the current chunk of own_packed (one of owned) */
-    size_t pack_used, pack_cap;
+    size_t pack_used;
 };
 
 #endif /* K3_MODEL_MODEL_H */
