@@ -31,7 +31,7 @@ MODEL   ?= models/k3-mini
 PROMPT  ?= It is a truth universally acknowledged, that
 RUN_ARGS?= -n 64
 
-.PHONY: all help deps run test test-unit test-cli clean asan ubsan format check-reference
+.PHONY: all help deps run test test-unit test-cli clean asan ubsan format check-reference kbench xcore
 all: $(BUILD)/k3 $(BUILD)/k3-test
 
 help:
@@ -100,3 +100,9 @@ clean:
 $(BUILD)/kbench: bench/kbench.c $(BUILD)/libk3.a
 	$(CC) $(K3_CFLAGS) $(PC_CFLAGS) $(CFLAGS) -o $@ $< $(BUILD)/libk3.a $(PC_LIBS) $(LDLIBS)
 kbench: $(BUILD)/kbench
+
+# Developer tool: the cost of a hand-off between the two cores, and the read
+# bandwidth of one thread and of two (which of the machine's states is on).
+$(BUILD)/xcore: bench/xcore.c $(BUILD)/libk3.a
+	$(CC) $(K3_CFLAGS) $(PC_CFLAGS) $(CFLAGS) -o $@ $< $(BUILD)/libk3.a $(PC_LIBS) $(LDLIBS)
+xcore: $(BUILD)/xcore
