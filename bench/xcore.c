@@ -17,6 +17,7 @@
  * whose two 2-thread reads agree saw one state throughout.
  */
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -104,10 +105,18 @@ int main(int argc, char **argv) {
         fprintf(stderr, "usage: xcore [rounds >= 1] [iterations >= 1]\n");
         return 2;
     }
-    k3_pool *one, *two;
+    /* the two sides spin on each other: on one CPU they would take turns
+     * by time slices, which is a hang for this purpose */
+    cpu_set_t cpus;
+    if (sched_getaffinity(0, sizeof cpus, &cpus) == 0 && CPU_COUNT(&cpus) < 2) {
+        fprintf(stderr, "xcore: needs two CPUs to run on, has %d\n", CPU_COUNT(&cpus));
+        return 1;
+    }
+    k3_pool *one = NULL, *two = NULL;
     k3_error err;
     if (k3_pool_init(&one, 1, &err) || k3_pool_init(&two, 2, &err)) {
         fprintf(stderr, "xcore: %s\n", err.msg);
+        k3_pool_free(one);
         return 1;
     }
     const size_t sizes[] = {0, 4096, MAX_BYTES};
@@ -121,6 +130,8 @@ int main(int argc, char **argv) {
             double rt, rd;
             if (measure(sizes[s], iters, &rt, &rd) < 0) {
                 fprintf(stderr, "xcore: out of memory or no thread\n");
+                k3_pool_free(one);
+                k3_pool_free(two);
                 return 1;
             }
             printf(" %5.2f / %5.2f", rt, rd);
