@@ -91,7 +91,8 @@ typedef struct {
     int decode_tokens;
     k3_kv_type kv;
     size_t bw_bytes;
-    double *bw_runs;   /* when set, run_decode measures the bandwidth before each run */
+    double *bw_runs;   /* when set, run_decode measures the bandwidth before each run, */
+    double *bw_after;  /* after it, */
     double *dec_runs;  /* and keeps each run's tok/s (in run order) */
 } bench;
 
@@ -139,8 +140,8 @@ static int run_decode(bench *b, int batch, int64_t pos, bool synth, bool dense, 
             k3_ctx_profile_enable(ctx, true);
         }
         const int steps = r < 0 ? (b->decode_tokens < 4 ? b->decode_tokens : 4) : b->decode_tokens;
-        /* the machine's bandwidth drifts (other tenants): measure it next to
-         * each run, so each run's fraction compares like with like */
+        /* the machine's bandwidth drifts (other tenants): measure it before
+         * and after each run, so each run's fraction compares like with like */
         if (b->bw_runs && r >= 0) b->bw_runs[r] = k3_membw_read_gbps(b->pool, b->bw_bytes, 3);
         const double t0 = now_s();
         for (int step = 0; step < steps && !rc; step++) {
@@ -151,6 +152,7 @@ static int run_decode(bench *b, int batch, int64_t pos, bool synth, bool dense, 
         if (r < 0) continue;
         rates[r] = (double)batch * b->decode_tokens / (now_s() - t0);
         if (b->dec_runs) b->dec_runs[r] = rates[r];
+        if (b->bw_after) b->bw_after[r] = k3_membw_read_gbps(b->pool, b->bw_bytes, 3);
         if (prof && r == b->runs - 1) k3_ctx_profile_take(ctx, prof);
     }
     if (!rc) *out = stats(rates, b->runs);
@@ -273,20 +275,42 @@ int k3_cmd_bench(int argc, char **argv) {
         if (run_prefill(&b, prompts[i], &pre[i], profile && prompts[i] == 512 ? &prof_pre : NULL, &err)) goto fail;
     }
     fprintf(stderr, "  decode, batch 1 and 8...\n");
-    double bw_runs[64], frac_runs[64], dec_runs[64];
+    double bw_runs[64], bw_after[64], frac_runs[64], dec_runs[64];
     b.bw_bytes = (size_t)membw_mb << 20;
     b.bw_runs = bw_runs;
+    b.bw_after = bw_after;
     b.dec_runs = dec_runs;
     if (run_decode(&b, 1, 16, false, false, &dec1, profile ? &prof_dec : NULL, &err)) goto fail;
     b.bw_runs = NULL;
+    b.bw_after = NULL;
     b.dec_runs = NULL;
     if (run_decode(&b, 8, 16, false, false, &dec8, NULL, &err)) goto fail;
 
     const double bpt = (double)b.info.bytes_per_token;
     const double eff = bpt * dec1.med / 1e9;
-    /* the fraction: median over runs of (run's GB/s) / (bandwidth just before it) */
-    for (int r = 0; r < runs; r++) frac_runs[r] = bpt * dec_runs[r] / 1e9 / bw_runs[r];
-    const stat3 frac = stats(frac_runs, runs), bwr = stats(bw_runs, runs);
+    /* The fraction: median over runs of (run's GB/s) / (the bandwidth around
+     * it). This machine's bandwidth can double or halve within seconds; a run
+     * whose bandwidth before and after differ by more than 20% met both
+     * states and has no denominator, so it is left out (all runs are used,
+     * against the bandwidth before each, if none was steady). */
+    int steady = 0;
+    double bw_used[64];
+    for (int r = 0; r < runs; r++) {
+        const double lo = bw_runs[r] < bw_after[r] ? bw_runs[r] : bw_after[r];
+        const double hi = bw_runs[r] < bw_after[r] ? bw_after[r] : bw_runs[r];
+        if (lo >= 0.8 * hi) {
+            bw_used[steady] = 0.5 * (lo + hi);
+            frac_runs[steady] = bpt * dec_runs[r] / 1e9 / bw_used[steady];
+            steady++;
+        }
+    }
+    const int n_frac = steady > 0 ? steady : runs;
+    if (!steady)
+        for (int r = 0; r < runs; r++) {
+            bw_used[r] = bw_runs[r];
+            frac_runs[r] = bpt * dec_runs[r] / 1e9 / bw_runs[r];
+        }
+    const stat3 frac = stats(frac_runs, n_frac), bwr = stats(bw_used, n_frac);
     int i512 = -1;
     for (int i = 0; i < n_prompts; i++)
         if (prompts[i] == 512) i512 = i;
@@ -323,8 +347,10 @@ int k3_cmd_bench(int argc, char **argv) {
                dec8.med, dec8.min, dec8.max);
         printf("\"bytes_per_token\": %lld, \"effective_gbps\": %.2f, \"bandwidth_fraction\": %.3f, "
                "\"bandwidth_fraction_min\": %.3f, \"bandwidth_fraction_max\": %.3f, "
-               "\"decode_mem_bw_gbps\": %.2f, \"decode_mem_bw_gbps_min\": %.2f, \"decode_mem_bw_gbps_max\": %.2f, ",
-               (long long)b.info.bytes_per_token, eff, frac.med, frac.min, frac.max, bwr.med, bwr.min, bwr.max);
+               "\"decode_mem_bw_gbps\": %.2f, \"decode_mem_bw_gbps_min\": %.2f, \"decode_mem_bw_gbps_max\": %.2f, "
+               "\"decode_runs_steady\": %d, ",
+               (long long)b.info.bytes_per_token, eff, frac.med, frac.min, frac.max, bwr.med, bwr.min, bwr.max,
+               steady);
         printf("\"params\": %lld, \"params_active\": %lld", (long long)b.info.n_params,
                (long long)b.info.n_params_active);
         if (longctx) {
@@ -351,9 +377,10 @@ int k3_cmd_bench(int argc, char **argv) {
                    2.0 * (double)b.info.n_params_active * pre[i].med / 1e9);
         printf("decode b=1   tok/s %10.2f %10.2f %10.2f\n", dec1.med, dec1.min, dec1.max);
         printf("decode b=8   tok/s %10.2f %10.2f %10.2f\n", dec8.med, dec8.min, dec8.max);
-        printf("decode b=1 effective %.2f GB/s; of the bandwidth measured before each run (median %.2f, "
-               "%.2f-%.2f GB/s): %.1f%% (%.1f-%.1f%%)\n",
-               eff, bwr.med, bwr.min, bwr.max, 100.0 * frac.med, 100.0 * frac.min, 100.0 * frac.max);
+        printf("decode b=1 effective %.2f GB/s; of the bandwidth measured around each run (median %.2f, "
+               "%.2f-%.2f GB/s): %.1f%% (%.1f-%.1f%%); %d of %d runs saw the same bandwidth before and after%s\n",
+               eff, bwr.med, bwr.min, bwr.max, 100.0 * frac.med, 100.0 * frac.min, 100.0 * frac.max, steady, runs,
+               steady ? "" : " (so all runs, against the bandwidth before each)");
         if (longctx) {
             printf("\n%-10s %14s %14s %8s\n", "context", "DSA ms/token", "dense ms/token", "dense/DSA");
             for (int i = 0; i < n_contexts; i++)
