@@ -298,7 +298,7 @@ int k3_cmd_bench(int argc, char **argv) {
     for (int r = 0; r < runs; r++) {
         const double lo = bw_runs[r] < bw_after[r] ? bw_runs[r] : bw_after[r];
         const double hi = bw_runs[r] < bw_after[r] ? bw_after[r] : bw_runs[r];
-        if (lo >= 0.8 * hi) {
+        if (lo > 0 && lo >= 0.8 * hi) {
             bw_used[steady] = 0.5 * (lo + hi);
             frac_runs[steady] = bpt * dec_runs[r] / 1e9 / bw_used[steady];
             steady++;
