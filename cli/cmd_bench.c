@@ -218,6 +218,13 @@ static void print_profile(const char *what, const k3_profile *p, bool json) {
                    100.0 * p->seconds[i] / (total > 0 ? total : 1));
 }
 
+/* A decode run whose bandwidth readings before and after it (both taken)
+ * agree within 20%: it saw one of the machine's states throughout. */
+static bool run_steady(double before, double after) {
+    const double lo = before < after ? before : after, hi = before < after ? after : before;
+    return lo > 0 && lo >= 0.8 * hi;
+}
+
 int k3_cmd_bench(int argc, char **argv) {
     const char *dir = K3_DEFAULT_MODEL, *quant = K3_DEFAULT_QUANT;
     bool keep_mapped = false;
@@ -293,23 +300,15 @@ int k3_cmd_bench(int argc, char **argv) {
      * whose bandwidth before and after differ by more than 20% met both
      * states and has no denominator, so it is left out (all runs are used,
      * against the bandwidth before each, if none was steady). */
-    int steady = 0;
+    int steady = 0, n_frac = 0;
+    for (int r = 0; r < runs; r++) steady += run_steady(bw_runs[r], bw_after[r]);
     double bw_used[64];
     for (int r = 0; r < runs; r++) {
-        const double lo = bw_runs[r] < bw_after[r] ? bw_runs[r] : bw_after[r];
-        const double hi = bw_runs[r] < bw_after[r] ? bw_after[r] : bw_runs[r];
-        if (lo > 0 && lo >= 0.8 * hi) {
-            bw_used[steady] = 0.5 * (lo + hi);
-            frac_runs[steady] = bpt * dec_runs[r] / 1e9 / bw_used[steady];
-            steady++;
-        }
+        if (steady && !run_steady(bw_runs[r], bw_after[r])) continue;
+        bw_used[n_frac] = steady ? 0.5 * (bw_runs[r] + bw_after[r]) : bw_runs[r];
+        frac_runs[n_frac] = bpt * dec_runs[r] / 1e9 / bw_used[n_frac];
+        n_frac++;
     }
-    const int n_frac = steady > 0 ? steady : runs;
-    if (!steady)
-        for (int r = 0; r < runs; r++) {
-            bw_used[r] = bw_runs[r];
-            frac_runs[r] = bpt * dec_runs[r] / 1e9 / bw_runs[r];
-        }
     const stat3 frac = stats(frac_runs, n_frac), bwr = stats(bw_used, n_frac);
     int i512 = -1;
     for (int i = 0; i < n_prompts; i++)
