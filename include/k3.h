@@ -37,6 +37,7 @@ typedef enum k3_status {
     K3_ERR_UNSUPPORTED, /* valid input that k3 does not implement */
     K3_ERR_ARG,         /* a bad argument: id out of range, bad UTF-8, ... */
     K3_ERR_RANGE,       /* out of capacity: context full, too many sequences */
+    K3_ERR_BUSY,        /* try again later: the engine's waiting queue is full */
 } k3_status;
 
 typedef struct k3_error {
@@ -275,6 +276,153 @@ void k3_sampler_free(k3_sampler *s);
 void k3_sampler_accept(k3_sampler *s, int32_t id);
 /* Picks an id from logits [n_vocab] (logits may be modified). */
 int32_t k3_sampler_sample(k3_sampler *s, float *logits);
+
+/* ---- engine: many requests on one model --------------------------------
+ *
+ * A k3_engine owns a context, a block manager (reference-counted cache
+ * blocks, one block table per request), a prefix cache (full blocks keyed by
+ * a hash chained over token ids, plus KDA state snapshots on the block grid)
+ * and a scheduler with vLLM V1 semantics: each step has a token budget
+ * (max_num_batched_tokens) and a cap on running requests (max_num_seqs);
+ * running decodes are scheduled first, then chunks of waiting prompts; when
+ * blocks run out the newest running request is preempted by recompute.
+ *
+ * Threads: k3_engine_submit, k3_engine_cancel, k3_engine_get_stats and
+ * k3_engine_wait may be called from any thread while one thread calls
+ * k3_engine_step. Everything else is single-threaded.
+ */
+
+typedef struct k3_engine k3_engine;
+
+typedef struct k3_engine_options {
+    int32_t max_num_seqs;           /* running requests at once (0 = 16) */
+    int32_t max_num_batched_tokens; /* tokens per step over all requests (0 = 2048) */
+    int64_t max_model_len;          /* prompt + output per request (0 = the model's
+                                       max_positions, capped by what the pool holds) */
+    int64_t cache_tokens;           /* cache pool size in tokens (0 = from cache_bytes) */
+    int64_t cache_bytes;            /* cache pool size in bytes when cache_tokens is 0
+                                       (0 = enough for max_num_seqs x max_model_len,
+                                       within the machine's memory) */
+    int32_t block_size;             /* tokens per cache block (0 = 64) */
+    k3_kv_type kv_cache;            /* cache format */
+    bool no_prefix_cache;           /* prefix caching is on unless this is set */
+    int32_t snapshot_stride;        /* a KDA snapshot every this many blocks of a
+                                       prompt (0 = default), and at each prompt's end */
+    int64_t snapshot_bytes;         /* byte budget of KDA snapshots (0 = default) */
+    int32_t max_waiting;            /* submit refuses with K3_ERR_BUSY past this many
+                                       waiting requests (0 = no limit) */
+    const int32_t *eos_ids;         /* end-of-sequence ids (copied); a request ends
+                                       with reason stop on one unless ignore_eos */
+    int32_t n_eos_ids;
+    uint64_t cache_salt;            /* mixed into every block hash: identifies the
+                                       model, quantization and cache format */
+    k3_pool *pool;                  /* borrowed; NULL = single-threaded */
+} k3_engine_options;
+
+typedef struct k3_request_params {
+    const int32_t *prompt;          /* [n_prompt] (copied at submit), n_prompt >= 1 */
+    int64_t n_prompt;
+    k3_sampler_options sampling;    /* its own seed: a request samples the same
+                                       tokens alone or batched */
+    int32_t max_tokens;             /* tokens to generate (0 = prefill only) */
+    int32_t min_tokens;             /* EOS and stop ids are ignored before this many */
+    const int32_t *stop_ids;        /* extra ids that end the request (copied) */
+    int32_t n_stop_ids;
+    bool ignore_eos;
+    int32_t logprobs;               /* -1: none; n >= 0: each generated token's
+                                       logprob and the n most likely alternatives */
+    int32_t prompt_logprobs;        /* -1: none; n >= 0: the logprob of every prompt
+                                       token after the first, and n alternatives
+                                       (such a request does not read the prefix cache) */
+    void *user;                     /* returned in every output of the request */
+} k3_request_params;
+
+/* Events of a request since the previous step (bits of k3_req_output.events). */
+enum {
+    K3_EV_QUEUED = 1u << 0,
+    K3_EV_SCHEDULED = 1u << 1,
+    K3_EV_FIRST_TOKEN = 1u << 2,
+    K3_EV_PREEMPTED = 1u << 3,
+    K3_EV_FINISHED = 1u << 4,
+};
+
+typedef enum k3_finish_reason {
+    K3_FINISH_NONE = 0,   /* still running */
+    K3_FINISH_STOP,       /* an EOS or stop id (stop_id says which) */
+    K3_FINISH_LENGTH,     /* max_tokens, or the model length */
+    K3_FINISH_CANCELLED,  /* k3_engine_cancel */
+    K3_FINISH_ERROR,      /* see error */
+} k3_finish_reason;
+
+typedef struct k3_logprob {
+    int32_t id;
+    float logprob;
+} k3_logprob;
+
+typedef struct k3_req_output {
+    uint64_t id;
+    void *user;
+    uint32_t events;              /* K3_EV_* bits */
+    int32_t n_new;                /* tokens generated by this step */
+    const int32_t *tokens;        /* [n_new] */
+    const float *logprobs;        /* [n_new] the chosen tokens' logprobs, or NULL */
+    const k3_logprob *top;        /* [n_new * n_top], or NULL */
+    int32_t n_top;
+    int64_t n_prompt_logprobs;    /* set once, on the step that ends the prefill */
+    const float *prompt_logprobs; /* [n_prompt_logprobs] for prompt tokens 1.. */
+    const k3_logprob *prompt_top; /* [n_prompt_logprobs * n_top] or NULL */
+    k3_finish_reason finish;      /* set with K3_EV_FINISHED */
+    int32_t stop_id;              /* the id that stopped it, or -1 */
+    int64_t n_prompt;             /* prompt tokens */
+    int64_t n_cached;             /* of them served by the prefix cache */
+    int64_t n_generated;          /* tokens generated so far */
+    /* times in seconds on k3_engine_now's clock; 0 = not yet */
+    double t_arrival, t_scheduled, t_first_token, t_finished;
+    double prefill_s, decode_s;   /* time in prefill and in decode steps */
+    const char *error;            /* with K3_FINISH_ERROR */
+} k3_req_output;
+
+typedef struct k3_step_result {
+    int32_t n_outputs;            /* requests with something to report */
+    const k3_req_output *outputs; /* owned by the engine, valid until the next step */
+    int32_t n_tokens;             /* tokens computed by this step's forward pass */
+    double t;                     /* when the step's outputs were ready */
+} k3_step_result;
+
+typedef struct k3_engine_stats {
+    int32_t n_running, n_waiting;
+    int64_t blocks_total, blocks_used;    /* used: held by some request */
+    double cache_usage;                   /* blocks_used / blocks_total */
+    int64_t prefix_queries, prefix_hits;  /* in prompt tokens, as vLLM counts */
+    int64_t n_snapshots, snapshot_bytes;  /* KDA snapshots held */
+    int64_t n_preemptions;
+    int64_t prompt_tokens, generation_tokens; /* computed prompt tokens, generated tokens */
+    int64_t requests_finished[K3_FINISH_ERROR + 1]; /* by finish reason */
+    int64_t max_model_len, cache_tokens;
+    int64_t state_bytes_per_seq;          /* one KDA snapshot */
+} k3_engine_stats;
+
+k3_status k3_engine_open(k3_engine **out, const k3_model *m, const k3_engine_options *opt,
+                         k3_error *err);
+void k3_engine_close(k3_engine *e);
+/* Queues a request; *id names it from now on. Refuses a prompt plus
+ * max_tokens over max_model_len or over what the pool can ever hold
+ * (K3_ERR_RANGE, naming the numbers), bad ids or options (K3_ERR_ARG), and a
+ * full queue (K3_ERR_BUSY). */
+k3_status k3_engine_submit(k3_engine *e, const k3_request_params *p, uint64_t *id, k3_error *err);
+/* Ends a request at the next step (reason cancelled) and frees its blocks;
+ * unknown or finished ids are ignored. */
+void k3_engine_cancel(k3_engine *e, uint64_t id);
+/* Schedules and runs one forward pass; fills *res. With nothing to do it
+ * returns at once with n_outputs 0. */
+k3_status k3_engine_step(k3_engine *e, k3_step_result *res, k3_error *err);
+/* True while any request is waiting or running. */
+bool k3_engine_has_work(k3_engine *e);
+/* Blocks until a submit or cancel arrives or timeout_s passes. */
+void k3_engine_wait(k3_engine *e, double timeout_s);
+void k3_engine_get_stats(k3_engine *e, k3_engine_stats *st);
+/* The engine's clock (monotonic seconds). */
+double k3_engine_now(void);
 
 #ifdef __cplusplus
 }
