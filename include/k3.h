@@ -167,6 +167,42 @@ k3_status k3_chat_encode(const k3_tokenizer *t, const k3_chat_msg *msgs, size_t 
                          bool add_generation_prompt, bool thinking,
                          int32_t **ids, size_t *n_ids, k3_error *err);
 
+/* The OpenAI-shaped form of the K3 chat encoder (encoding_k3.py), for the
+ * server: messages_json is a JSON array of {role, content (a string or a
+ * list of {type:"text",text} parts), name?, reasoning_content?, tool_calls?,
+ * tool_call_id?}; roles system, user, assistant, tool. tools_json is NULL or
+ * a JSON array of OpenAI tool definitions, declared the K3 way. Malformed
+ * JSON, unknown roles and unresolvable tool names are K3_ERR_ARG with a
+ * message naming the message index. *ids is caller-freed. */
+typedef struct k3_chat_options {
+    bool add_generation_prompt;
+    bool thinking;                 /* open the think channel (K3's default) */
+    const char *thinking_effort;   /* NULL, "low", "high" or "max" */
+    const char *tool_choice;       /* NULL or "auto", "required", "none" */
+    const char *response_format;   /* NULL or a JSON object {type, json_schema?} */
+} k3_chat_options;
+
+k3_status k3_chat_encode_json(const k3_tokenizer *t, const char *messages_json, const char *tools_json,
+                              const k3_chat_options *opt, int32_t **ids, size_t *n_ids, k3_error *err);
+
+/* An assistant turn parsed back: text is what the model generated after the
+ * generation prompt, decoded with specials as their names (thinking: it
+ * starts inside the think channel). Each field is NULL when absent;
+ * tool_calls_json is an OpenAI tool_calls array whose arguments are JSON
+ * object strings. A tool call whose arguments do not form valid JSON is
+ * K3_ERR_FORMAT with a message; text that merely stops early (max_tokens) is
+ * parsed as far as it goes. Free with k3_chat_reply_free. */
+typedef struct k3_chat_reply {
+    char *reasoning;
+    char *content;
+    char *tool_calls_json;
+    int32_t n_tool_calls;
+} k3_chat_reply;
+
+k3_status k3_chat_parse_reply(const char *text, size_t len, bool thinking, k3_chat_reply *out,
+                              k3_error *err);
+void k3_chat_reply_free(k3_chat_reply *r);
+
 /* ---- context: sequences, caches and the forward pass ------------------ */
 
 typedef struct k3_ctx k3_ctx;
