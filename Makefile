@@ -11,10 +11,12 @@ CC      ?= cc
 # element is computed as before, so results do not change.
 OPT     ?= -O2 -fvect-cost-model=dynamic
 CFLAGS  ?= $(OPT) -g
-WARN    := -Wall -Wextra -Wshadow -Wstrict-prototypes -Wvla -Wno-unused-parameter -Werror
-DEPS_PC := libpcre2-8 jansson
+WARN    := -Wall -Wextra -Wshadow -Wstrict-prototypes -Wvla -Wno-unused-parameter -Wno-missing-field-initializers -Werror
+DEPS_PC := libpcre2-8 jansson libpng
 K3_CFLAGS := -std=c11 -D_GNU_SOURCE -Iinclude -Isrc $(WARN) -pthread -MMD -MP
 LDLIBS  := -lm -pthread
+# Image decoding (src/vision): Debian's libpng and libjpeg-turbo.
+LDLIBS  += -lpng16 -ljpeg
 
 BUILD   := build
 DEPS_OK := $(BUILD)/.deps-ok

@@ -237,6 +237,9 @@ typedef struct k3_batch_seq {
     int32_t seq;
     int32_t n_tokens;
     const int32_t *tokens;
+    const float *const *embeds; /* NULL, or [n_tokens] row pointers: a non-NULL row
+                                   (hidden_size floats, e.g. image features from
+                                   k3_vision_encode) replaces that token's embedding */
 } k3_batch_seq;
 
 typedef enum k3_logits_mode {
@@ -459,6 +462,81 @@ void k3_engine_wait(k3_engine *e, double timeout_s);
 void k3_engine_get_stats(k3_engine *e, k3_engine_stats *st);
 /* The engine's clock (monotonic seconds). */
 double k3_engine_now(void);
+
+
+/* ---- vision: images in prompts (../shared/docs/vision.md) --------------
+ *
+ * A k3_image is a decoded PNG or JPEG; a k3_vision is a checkpoint's MoonViT3d
+ * tower, sd2_tpool merger and patchmergerv2 projector with its image
+ * processor (preprocessor_config.json, or the published defaults). An image
+ * enters a prompt as <|media_begin|>image {W}x{H}<|media_content|> + N
+ * <|media_pad|> + <|media_end|> (k3_vision_image_prompt), and its N rows
+ * (k3_vision_encode) replace the pads' embeddings (k3_batch_seq.embeds).
+ */
+
+typedef struct k3_image k3_image;
+typedef struct k3_vision k3_vision;
+
+/* Pixel cap used when max_pixels is 0: 8192 x 8192. */
+#define K3_IMAGE_MAX_PIXELS ((int64_t)8192 * 8192)
+
+/* Decodes a PNG or JPEG (told apart by their signatures) from memory. The
+ * header's size is checked against max_pixels (0 = K3_IMAGE_MAX_PIXELS)
+ * before any pixel is decoded; truncated or corrupt data, other formats and
+ * PNG/JPEG variants k3 does not read (16-bit grey, CMYK) are refused with a
+ * message. */
+k3_status k3_image_decode(k3_image **out, const void *data, size_t size, int64_t max_pixels,
+                          k3_error *err);
+/* The same from a file. */
+k3_status k3_image_load(k3_image **out, const char *path, int64_t max_pixels, k3_error *err);
+void k3_image_free(k3_image *im);
+int32_t k3_image_width(const k3_image *im);
+int32_t k3_image_height(const k3_image *im);
+/* A 64-bit hash of the decoded content (size, mode, pixels): what names an
+ * image in a prefix-cache key. */
+uint64_t k3_image_hash(const k3_image *im);
+
+/* Binds the vision tower of an open model (its config.json's vision_config,
+ * the vision_tower.* and mm_projector.* tensors, checked for dtype and
+ * shape). A checkpoint without a tower is K3_ERR_UNSUPPORTED with a message
+ * saying so. The model must outlive the tower. */
+k3_status k3_vision_open(k3_vision **out, const k3_model *m, k3_error *err);
+void k3_vision_close(k3_vision *v);
+/* Applies --quant's linear mode to the tower's and projector's matrices. */
+k3_status k3_vision_quantize(k3_vision *v, const k3_quant_options *opt, k3_error *err);
+/* Describes the tower (snprintf rules, like k3_model_describe). */
+size_t k3_vision_describe(const k3_vision *v, char *buf, size_t size);
+/* Width of the rows k3_vision_encode writes (the text hidden size). */
+int64_t k3_vision_out_dim(const k3_vision *v);
+
+/* What the processor makes of an image of w x h pixels. */
+typedef struct k3_image_plan {
+    int32_t width, height;       /* the original size (the prompt's {W}x{H}) */
+    int32_t resized_w, resized_h;/* after the patch-budget resize */
+    int32_t grid_t, grid_h, grid_w; /* patches, after padding to the merge grid */
+    int32_t n_tokens;            /* rows the image takes in the prompt */
+} k3_image_plan;
+
+k3_status k3_vision_plan(const k3_vision *v, int32_t width, int32_t height, k3_image_plan *out,
+                         k3_error *err);
+/* The processor's output: pixel values [grid_h * grid_w, 3, P, P] (P = patch
+ * size), caller-freed, as KimiK3VisionProcessor.preprocess computes them. */
+k3_status k3_vision_preprocess(const k3_vision *v, const k3_image *im, float **pixels,
+                               k3_image_plan *plan, k3_error *err);
+/* The tower, merger and projector over preprocessed pixels:
+ * rows [grid_h * grid_w / 4, k3_vision_out_dim], caller-freed. */
+k3_status k3_vision_encode_pixels(const k3_vision *v, k3_pool *pool, const float *pixels,
+                                  const k3_image_plan *plan, float **rows, k3_error *err);
+/* Both: an image to its n_tokens prompt rows. */
+k3_status k3_vision_encode(const k3_vision *v, k3_pool *pool, const k3_image *im, float **rows,
+                           int32_t *n_rows, k3_error *err);
+/* The K3 framing of one image: <|media_begin|> "image {W}x{H}"
+ * <|media_content|> n_tokens x <|media_pad|> <|media_end|>; *pad_at gets
+ * the index of the first pad (the rows go at pad_at .. pad_at+n_tokens-1).
+ * A tokenizer without the media specials is K3_ERR_UNSUPPORTED. *ids is
+ * caller-freed. */
+k3_status k3_vision_image_prompt(const k3_vision *v, const k3_tokenizer *t, const k3_image_plan *plan,
+                                 int32_t **ids, size_t *n_ids, size_t *pad_at, k3_error *err);
 
 #ifdef __cplusplus
 }

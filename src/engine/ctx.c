@@ -62,6 +62,7 @@ void k3_ctx_free(k3_ctx *ctx) {
     free(ctx->spans);
     free(ctx->round_tokens);
     free(ctx->round_out);
+    free(ctx->round_embeds);
     float **fl[] = {&s->P, &s->X, &s->xn, &s->tmp, &s->bank, &s->kq, &s->kk, &s->kv, &s->kg,
                     &s->kz, &s->kfa, &s->kbeta, &s->ko, &s->cq, &s->mq, &s->ckv, &s->qn, &s->qa,
                     &s->chat, &s->mo, &s->mgate, &s->mtmp, &s->iq, &s->ik, &s->iw, &s->f1, &s->f2,
@@ -280,6 +281,7 @@ k3_status k3_ctx_init(k3_ctx **out, const k3_model *m, const k3_ctx_options *opt
     ctx->spans = zalloc(&a, (size_t)T, sizeof(k3_span));
     ctx->round_tokens = zalloc(&a, (size_t)T, sizeof(int32_t));
     ctx->round_out = zalloc(&a, (size_t)T, sizeof(int32_t));
+    ctx->round_embeds = zalloc(&a, (size_t)T, sizeof(float *));
     if (a.failed) {
         k3_ctx_free(ctx);
         return k3_err(err, K3_ERR_NOMEM, "context: out of memory (%lld tokens, %d sequences)",
@@ -378,6 +380,7 @@ k3_status k3_ctx_forward(k3_ctx *ctx, const k3_batch_seq *batch, int32_t n_seqs,
                 sp->n = take;
                 sp->pos0 = ctx->seqs[b->seq].pos; /* earlier rounds already advanced it */
                 memcpy(toks + T, b->tokens + off, sizeof(int32_t) * (size_t)take);
+                for (int32_t r = 0; r < take; r++) ctx->round_embeds[T + r] = b->embeds ? b->embeds[off + r] : NULL;
                 if (mode == K3_LOGITS_ALL)
                     for (int32_t r = 0; r < take; r++) orows[n_out++] = T + r;
                 T += take;

@@ -122,6 +122,7 @@ struct k3_ctx {
     k3_span *spans;               /* [max_batch] */
     int32_t *round_tokens;        /* [max_batch] token ids of the round */
     int32_t *round_out;           /* [max_batch] rows whose logits are wanted */
+    const float **round_embeds;   /* [max_batch] rows replacing the embedding, NULL = the table (vision) */
     int32_t n_spans;
     int32_t T;
 };

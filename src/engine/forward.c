@@ -708,7 +708,11 @@ void k3_forward_round(k3_ctx *ctx, const int32_t *tokens, const int32_t *out_row
     k3_scratch *s = &ctx->s;
     const bool attn_res = c->attn_res_block_size > 0;
 
-    PROF(ctx, K3_PROF_EMBED, for (int64_t t = 0; t < T; t++) k3_mat_get_row(&m->embed, tokens[t], s->P + t * D));
+    /* a row given with the batch (image features) replaces the token's embedding */
+    PROF(ctx, K3_PROF_EMBED, for (int64_t t = 0; t < T; t++) {
+        if (ctx->round_embeds[t]) memcpy(s->P + t * D, ctx->round_embeds[t], sizeof(float) * (size_t)D);
+        else k3_mat_get_row(&m->embed, tokens[t], s->P + t * D);
+    });
 
     int nb = 0; /* bank entries */
     for (int i = 0; i < c->n_layers; i++) {

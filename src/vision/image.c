@@ -1,0 +1,350 @@
+/*
+ * image.c -- PNG (libpng) and JPEG (libjpeg-turbo) decoding into k3_image.
+ *
+ * The decoded form keeps what PIL's Image.open would know, because the K3
+ * processor resizes the image in its original mode (transparent_bg_fill_stage
+ * "after_resize"): an 8-bit RGBA buffer plus the PIL mode it stands for.
+ *   PNG grey 1/2/4/8   -> "L" (1-bit is PIL "1": resized NEAREST)  -> RGB
+ *   PNG grey + tRNS    -> "L" with a transparency key               -> GREY_KEY
+ *   PNG grey+alpha     -> "LA"                                      -> RGBA
+ *   PNG RGB 8/16       -> "RGB" (16-bit: the high byte, as PIL's RGB;16B);
+ *                         a tRNS colour key is ignored, as fill_transparent_bg_with does for RGB
+ *   PNG RGBA 8/16      -> "RGBA"
+ *   PNG palette        -> "P" (resized NEAREST), alpha from tRNS    -> PALETTE
+ *   JPEG grey / YCbCr  -> "L" / "RGB"; CMYK and YCCK are refused.
+ * Sizes are checked against the pixel cap after the header and before any
+ * pixel data is inflated, so a decompression bomb costs a header read.
+ */
+#include <errno.h>
+#include <setjmp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <jpeglib.h>
+#include <jerror.h>
+#include <png.h>
+
+#include "common/error.h"
+#include "vision/vision.h"
+
+/* The largest side any processor config can use before the resize: the
+ * per-side cap is patch_limit_on_one_side * patch_size (7168 in the release)
+ * on the *output*; inputs may be larger, but not absurdly so. */
+#define K3_IMAGE_MAX_SIDE 65535
+
+static k3_status check_size(uint32_t w, uint32_t h, int64_t max_pixels, const char *what, k3_error *err) {
+    if (max_pixels <= 0) max_pixels = K3_IMAGE_MAX_PIXELS;
+    if (w == 0 || h == 0) return k3_err(err, K3_ERR_FORMAT, "%s: the image is %ux%u pixels", what, w, h);
+    if (w > K3_IMAGE_MAX_SIDE || h > K3_IMAGE_MAX_SIDE || (int64_t)w * h > max_pixels)
+        return k3_err(err, K3_ERR_RANGE, "%s: the image is %ux%u pixels, over the limit of %lld pixels (%d a side)",
+                      what, w, h, (long long)max_pixels, K3_IMAGE_MAX_SIDE);
+    return K3_OK;
+}
+
+static k3_image *image_new(uint32_t w, uint32_t h) {
+    k3_image *im = calloc(1, sizeof *im);
+    if (!im) return NULL;
+    im->width = (int32_t)w;
+    im->height = (int32_t)h;
+    im->px = malloc((size_t)w * h * 4);
+    if (!im->px) {
+        free(im);
+        return NULL;
+    }
+    return im;
+}
+
+void k3_image_free(k3_image *im) {
+    if (!im) return;
+    free(im->px);
+    free(im);
+}
+
+int32_t k3_image_width(const k3_image *im) { return im ? im->width : 0; }
+int32_t k3_image_height(const k3_image *im) { return im ? im->height : 0; }
+
+uint64_t k3_image_hash(const k3_image *im) {
+    /* FNV-1a over a header (size, mode, key) and the pixels */
+    uint64_t h = 1469598103934665603ull;
+    const uint8_t hdr[] = {(uint8_t)im->width, (uint8_t)(im->width >> 8), (uint8_t)(im->width >> 16),
+                           (uint8_t)im->height, (uint8_t)(im->height >> 8), (uint8_t)(im->height >> 16),
+                           (uint8_t)im->mode, (uint8_t)im->has_alpha, im->key};
+    for (size_t i = 0; i < sizeof hdr; i++) h = (h ^ hdr[i]) * 1099511628211ull;
+    const size_t n = (size_t)im->width * im->height * 4;
+    for (size_t i = 0; i < n; i++) h = (h ^ im->px[i]) * 1099511628211ull;
+    return h;
+}
+
+/* ---- PNG ------------------------------------------------------------------ */
+
+typedef struct png_src {
+    const uint8_t *p;
+    size_t n, off;
+    jmp_buf jb;
+    char msg[200];
+} png_src;
+
+static void png_read_mem(png_structp png, png_bytep out, png_size_t len) {
+    png_src *s = png_get_io_ptr(png);
+    if (len > s->n - s->off) {
+        snprintf(s->msg, sizeof s->msg, "the file is truncated");
+        png_error(png, "truncated");
+    }
+    memcpy(out, s->p + s->off, len);
+    s->off += len;
+}
+
+static void png_on_error(png_structp png, png_const_charp msg) {
+    png_src *s = png_get_error_ptr(png);
+    if (!s->msg[0]) snprintf(s->msg, sizeof s->msg, "%s", msg);
+    longjmp(s->jb, 1);
+}
+
+static void png_on_warning(png_structp png, png_const_charp msg) { (void)png, (void)msg; }
+
+static k3_status decode_png(k3_image **out, const uint8_t *data, size_t size, int64_t max_pixels,
+                            const char *what, k3_error *err) {
+    /* IHDR must come first: its size is checked before libpng reads on
+     * (png_read_info reads every chunk up to the image data) */
+    if (size >= 24 && !memcmp(data + 12, "IHDR", 4)) {
+        const uint32_t w0 = (uint32_t)data[16] << 24 | (uint32_t)data[17] << 16 | (uint32_t)data[18] << 8 | data[19];
+        const uint32_t h0 = (uint32_t)data[20] << 24 | (uint32_t)data[21] << 16 | (uint32_t)data[22] << 8 | data[23];
+        k3_status s0 = check_size(w0, h0, max_pixels, what, err);
+        if (s0) return s0;
+    }
+    png_src src = {.p = data, .n = size};
+    png_structp png = png_create_read_struct(PNG_LIBPNG_VER_STRING, &src, png_on_error, png_on_warning);
+    png_infop info = png ? png_create_info_struct(png) : NULL;
+    if (!info) {
+        png_destroy_read_struct(&png, NULL, NULL);
+        return k3_err(err, K3_ERR_NOMEM, "%s: out of memory", what);
+    }
+    /* volatile: set between setjmp and a longjmp back */
+    k3_image *volatile im = NULL;
+    png_bytep *volatile rows = NULL;
+    uint8_t *volatile buf = NULL;
+    k3_status st = K3_OK;
+    if (setjmp(src.jb)) {
+        st = k3_err(err, K3_ERR_FORMAT, "%s: bad PNG: %s", what, src.msg);
+        goto done;
+    }
+    png_set_read_fn(png, &src, png_read_mem);
+    png_set_user_limits(png, K3_IMAGE_MAX_SIDE, K3_IMAGE_MAX_SIDE);
+    png_set_chunk_malloc_max(png, 8u << 20); /* ancillary chunks (iCCP, zTXt): no bombs */
+    png_read_info(png, info);
+    uint32_t w = png_get_image_width(png, info), h = png_get_image_height(png, info);
+    int depth = png_get_bit_depth(png, info), ct = png_get_color_type(png, info);
+    if ((st = check_size(w, h, max_pixels, what, err))) goto done;
+    if ((ct == PNG_COLOR_TYPE_GRAY || ct == PNG_COLOR_TYPE_GRAY_ALPHA) && depth == 16) {
+        st = k3_err(err, K3_ERR_UNSUPPORTED, "%s: 16-bit greyscale PNG is not supported (PIL reads it as mode I;16)", what);
+        goto done;
+    }
+    im = image_new(w, h);
+    if (!im) {
+        st = k3_err(err, K3_ERR_NOMEM, "%s: out of memory for %ux%u pixels", what, w, h);
+        goto done;
+    }
+    im->mode = K3_IMODE_RGB;
+    png_bytep trans = NULL;
+    int n_trans = 0;
+    png_color_16p trans_col = NULL;
+    const bool has_trns = png_get_tRNS(png, info, &trans, &n_trans, &trans_col) != 0;
+    png_colorp pal = NULL;
+    int n_pal = 0;
+    if (ct == PNG_COLOR_TYPE_PALETTE) {
+        if (!png_get_PLTE(png, info, &pal, &n_pal)) {
+            st = k3_err(err, K3_ERR_FORMAT, "%s: bad PNG: a palette image without a palette", what);
+            goto done;
+        }
+        /* keep indices: the palette is applied below, so tRNS alpha is known per index */
+        if (depth < 8) png_set_packing(png);
+        im->mode = K3_IMODE_PALETTE;
+        im->has_alpha = has_trns;
+    } else {
+        if (depth == 16) png_set_strip_16(png); /* the high byte, as PIL's ;16B unpackers */
+        if (ct == PNG_COLOR_TYPE_GRAY || ct == PNG_COLOR_TYPE_GRAY_ALPHA) {
+            im->grey = true;
+            if (depth < 8) png_set_expand_gray_1_2_4_to_8(png); /* v * 255 / (2^d - 1), as PIL's L;2 / L;4 */
+            if (ct == PNG_COLOR_TYPE_GRAY && depth == 1) im->mode = K3_IMODE_PALETTE; /* PIL "1": NEAREST */
+            /* PIL keeps the raw tRNS value as the key, unscaled for 2/4-bit grey */
+            if (ct == PNG_COLOR_TYPE_GRAY && has_trns && trans_col && depth > 1 && trans_col->gray < 256) {
+                im->mode = K3_IMODE_GREY_KEY;
+                im->key = (uint8_t)trans_col->gray;
+            }
+            png_set_gray_to_rgb(png);
+        }
+        if (ct == PNG_COLOR_TYPE_GRAY_ALPHA || ct == PNG_COLOR_TYPE_RGB_ALPHA) im->mode = K3_IMODE_RGBA;
+        else png_set_filler(png, 0xff, PNG_FILLER_AFTER);
+    }
+    png_set_interlace_handling(png);
+    png_read_update_info(png, info);
+    const size_t rb = png_get_rowbytes(png, info);
+    if (rb != (ct == PNG_COLOR_TYPE_PALETTE ? (size_t)w : (size_t)w * 4)) {
+        snprintf(src.msg, sizeof src.msg, "unexpected row layout");
+        png_error(png, "layout");
+    }
+    buf = malloc(rb * h);
+    rows = malloc(sizeof(png_bytep) * h);
+    if (!buf || !rows) {
+        st = k3_err(err, K3_ERR_NOMEM, "%s: out of memory for %ux%u pixels", what, w, h);
+        goto done;
+    }
+    for (uint32_t y = 0; y < h; y++) rows[y] = buf + rb * y;
+    png_read_image(png, rows);
+    if (ct == PNG_COLOR_TYPE_PALETTE) {
+        for (size_t i = 0; i < (size_t)w * h; i++) {
+            const int c = buf[i];
+            uint8_t *o = im->px + 4 * i;
+            if (c < n_pal) o[0] = pal[c].red, o[1] = pal[c].green, o[2] = pal[c].blue;
+            else o[0] = o[1] = o[2] = 0; /* PIL's palette is zero past its end */
+            o[3] = has_trns && c < n_trans ? trans[c] : 255;
+        }
+    } else {
+        memcpy(im->px, buf, (size_t)w * h * 4);
+        if (im->mode == K3_IMODE_PALETTE) /* 1-bit grey: values 0 or 255 */
+            for (size_t i = 0; i < (size_t)w * h; i++) im->px[4 * i + 3] = 255;
+    }
+done:
+    png_destroy_read_struct(&png, &info, NULL);
+    free(buf);
+    free(rows);
+    if (st) {
+        k3_image_free(im);
+        return st;
+    }
+    *out = im;
+    return K3_OK;
+}
+
+/* ---- JPEG ----------------------------------------------------------------- */
+
+typedef struct jpeg_err {
+    struct jpeg_error_mgr mgr;
+    jmp_buf jb;
+    char msg[JMSG_LENGTH_MAX];
+} jpeg_err;
+
+static void jpeg_on_error(j_common_ptr c) {
+    jpeg_err *e = (jpeg_err *)c->err;
+    if (!e->msg[0]) (*c->err->format_message)(c, e->msg);
+    longjmp(e->jb, 1);
+}
+
+static void jpeg_on_message(j_common_ptr c, int level) {
+    /* A truncated file is only a warning to libjpeg (it pads with grey);
+     * PIL refuses it ("image file is truncated"), and so does k3. */
+    if (level < 0 && c->err->msg_code == JWRN_JPEG_EOF) {
+        jpeg_err *e = (jpeg_err *)c->err;
+        snprintf(e->msg, sizeof e->msg, "the file is truncated");
+        longjmp(e->jb, 1);
+    }
+}
+
+static k3_status decode_jpeg(k3_image **out, const uint8_t *data, size_t size, int64_t max_pixels,
+                             const char *what, k3_error *err) {
+    struct jpeg_decompress_struct cinfo;
+    jpeg_err je;
+    memset(&je, 0, sizeof je);
+    cinfo.err = jpeg_std_error(&je.mgr);
+    je.mgr.error_exit = jpeg_on_error;
+    je.mgr.emit_message = jpeg_on_message;
+    k3_image *volatile im = NULL;
+    uint8_t *volatile row = NULL;
+    k3_status st = K3_OK;
+    if (setjmp(je.jb)) {
+        st = k3_err(err, K3_ERR_FORMAT, "%s: bad JPEG: %s", what, je.msg);
+        goto done;
+    }
+    jpeg_create_decompress(&cinfo);
+    jpeg_mem_src(&cinfo, data, (unsigned long)size);
+    jpeg_read_header(&cinfo, TRUE);
+    if ((st = check_size(cinfo.image_width, cinfo.image_height, max_pixels, what, err))) goto done;
+    const J_COLOR_SPACE cs = cinfo.jpeg_color_space;
+    if (cs == JCS_CMYK || cs == JCS_YCCK) {
+        st = k3_err(err, K3_ERR_UNSUPPORTED, "%s: CMYK JPEG is not supported", what);
+        goto done;
+    }
+    const bool grey = cs == JCS_GRAYSCALE;
+    cinfo.out_color_space = grey ? JCS_GRAYSCALE : JCS_RGB;
+    jpeg_start_decompress(&cinfo);
+    const uint32_t w = cinfo.output_width, h = cinfo.output_height;
+    im = image_new(w, h);
+    row = malloc((size_t)w * 3);
+    if (!im || !row) {
+        st = k3_err(err, K3_ERR_NOMEM, "%s: out of memory for %ux%u pixels", what, w, h);
+        goto done;
+    }
+    im->mode = K3_IMODE_RGB;
+    im->grey = grey;
+    while (cinfo.output_scanline < h) {
+        const uint32_t y = cinfo.output_scanline;
+        JSAMPROW r = row;
+        if (jpeg_read_scanlines(&cinfo, &r, 1) != 1) {
+            snprintf(je.msg, sizeof je.msg, "no scanline %u", y);
+            longjmp(je.jb, 1);
+        }
+        uint8_t *o = im->px + (size_t)y * w * 4;
+        for (uint32_t x = 0; x < w; x++) {
+            if (grey) o[4 * x] = o[4 * x + 1] = o[4 * x + 2] = row[x];
+            else o[4 * x] = row[3 * x], o[4 * x + 1] = row[3 * x + 1], o[4 * x + 2] = row[3 * x + 2];
+            o[4 * x + 3] = 255;
+        }
+    }
+    jpeg_finish_decompress(&cinfo);
+done:
+    jpeg_destroy_decompress(&cinfo);
+    free(row);
+    if (st) {
+        k3_image_free(im);
+        return st;
+    }
+    *out = im;
+    return K3_OK;
+}
+
+/* ---- entry points --------------------------------------------------------- */
+
+static k3_status decode_named(k3_image **out, const void *data, size_t size, int64_t max_pixels,
+                              const char *what, k3_error *err) {
+    if (!out || (!data && size)) return k3_err(err, K3_ERR_ARG, "%s: no image data", what);
+    *out = NULL;
+    const uint8_t *p = data;
+    static const uint8_t png_sig[8] = {0x89, 'P', 'N', 'G', '\r', '\n', 0x1a, '\n'};
+    if (size >= 8 && !memcmp(p, png_sig, 8)) return decode_png(out, p, size, max_pixels, what, err);
+    if (size >= 3 && p[0] == 0xff && p[1] == 0xd8 && p[2] == 0xff)
+        return decode_jpeg(out, p, size, max_pixels, what, err);
+    if (size == 0) return k3_err(err, K3_ERR_FORMAT, "%s: the image is empty", what);
+    return k3_err(err, K3_ERR_UNSUPPORTED, "%s: not a PNG or JPEG image", what);
+}
+
+k3_status k3_image_decode(k3_image **out, const void *data, size_t size, int64_t max_pixels, k3_error *err) {
+    return decode_named(out, data, size, max_pixels, "image", err);
+}
+
+k3_status k3_image_load(k3_image **out, const char *path, int64_t max_pixels, k3_error *err) {
+    if (out) *out = NULL;
+    FILE *f = fopen(path, "rb");
+    if (!f) return k3_err(err, K3_ERR_IO, "cannot open %s: %s", path, strerror(errno));
+    /* the compressed size is bounded too: no image k3 accepts needs 1 GB */
+    long n = fseek(f, 0, SEEK_END) == 0 ? ftell(f) : -1;
+    if (n < 0 || n > (1l << 30) || fseek(f, 0, SEEK_SET) != 0) {
+        fclose(f);
+        return k3_err(err, n > (1l << 30) ? K3_ERR_RANGE : K3_ERR_IO, "%s: %s", path,
+                      n > (1l << 30) ? "over 1 GB" : "cannot read its size");
+    }
+    uint8_t *buf = malloc(n > 0 ? (size_t)n : 1);
+    if (!buf) {
+        fclose(f);
+        return k3_err(err, K3_ERR_NOMEM, "%s: out of memory", path);
+    }
+    const bool ok = fread(buf, 1, (size_t)n, f) == (size_t)n;
+    fclose(f);
+    if (!ok) {
+        free(buf);
+        return k3_err(err, K3_ERR_IO, "cannot read %s", path);
+    }
+    k3_status st = decode_named(out, buf, (size_t)n, max_pixels, path, err);
+    free(buf);
+    return st;
+}

@@ -1,0 +1,479 @@
+/* test_vision.c -- the vision path against Moonshot's own code, through the
+ * goldens of tests/golden/vision (tools/official_vision.py; see the README
+ * there): the K3 image processor (pixel values to 1e-6, grids, token
+ * counts), the MoonViT3d tower + sd2_tpool + patchmergerv2 (rel-L2 1e-5 in
+ * fp32), the position-table resize in both interpolation modes, and
+ * whole-model logits with two images in the prompt (rel-L2 1e-5, same greedy
+ * tokens). Then bad input: malformed, truncated and oversized images, a
+ * checkpoint without a tower. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/error.h"
+#include "k3.h"
+#include "model/safetensors.h"
+#include "test.h"
+#include "vision/vision.h"
+
+#define VDIR "tests/models/vision-tiny"
+#define GDIR "tests/golden/vision"
+
+static const char *const images[] = {"rgb_200x130.png", "rgba_180x150.png", "grey_300x40.png", "photo_67x45.jpg",
+                                     "palette_170x101.png", "rgb_112x112.png", "dot_5x3.png"};
+enum { N_IMAGES = sizeof images / sizeof images[0] };
+
+typedef struct golden {
+    k3_st *st;
+    uint8_t *buf;
+} golden;
+
+static uint8_t *read_file(const char *path, size_t *n) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    fseek(f, 0, SEEK_END);
+    long size = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    uint8_t *b = malloc(size > 0 ? (size_t)size : 1);
+    if (b && fread(b, 1, (size_t)size, f) != (size_t)size) {
+        free(b);
+        b = NULL;
+    }
+    fclose(f);
+    *n = (size_t)size;
+    return b;
+}
+
+static bool golden_open(golden *g) {
+    memset(g, 0, sizeof *g);
+    size_t n = 0;
+    k3_error err = {0};
+    g->buf = read_file(GDIR "/vision.safetensors", &n);
+    if (!g->buf) {
+        k3_test_fail(__FILE__, __LINE__, "cannot read " GDIR "/vision.safetensors (see its README)");
+        return false;
+    }
+    if (k3_st_init(&g->st, &err) || k3_st_parse(g->st, g->buf, n, 0, GDIR "/vision.safetensors", &err)) {
+        k3_test_fail(__FILE__, __LINE__, "golden: %s", err.msg);
+        return false;
+    }
+    return true;
+}
+
+static void golden_close(golden *g) {
+    k3_st_close(g->st);
+    free(g->buf);
+}
+
+static const k3_st_tensor *gt(const golden *g, const char *name, k3_dtype dt) {
+    const k3_st_tensor *t = k3_st_get(g->st, name);
+    if (!t || t->dtype != dt) k3_test_fail(__FILE__, __LINE__, "golden tensor %s missing or not %s", name, k3_dtype_name(dt));
+    return t && t->dtype == dt ? t : NULL;
+}
+
+static float *gf32(const k3_st_tensor *t) { /* aligned copy */
+    float *p = malloc(t->nbytes);
+    if (p) memcpy(p, t->data, t->nbytes);
+    return p;
+}
+
+static int64_t gi64(const k3_st_tensor *t, int64_t i) {
+    int64_t v;
+    memcpy(&v, t->data + 8 * i, 8);
+    return v;
+}
+
+typedef struct fixture {
+    k3_model *m;
+    k3_vision *v;
+    k3_tokenizer *tok;
+} fixture;
+
+static bool fixture_open(fixture *f) {
+    memset(f, 0, sizeof *f);
+    k3_error err = {0};
+    if (k3_model_open(&f->m, VDIR, &err) || k3_vision_open(&f->v, f->m, &err) || k3_tokenizer_open(&f->tok, VDIR, &err)) {
+        k3_test_fail(__FILE__, __LINE__, "open " VDIR ": %s", err.msg);
+        return false;
+    }
+    return true;
+}
+
+static void fixture_close(fixture *f) {
+    k3_tokenizer_free(f->tok);
+    k3_vision_close(f->v);
+    k3_model_close(f->m);
+}
+
+static k3_image *load_image(int i) {
+    char path[256];
+    snprintf(path, sizeof path, GDIR "/images/%s", images[i]);
+    k3_image *im = NULL;
+    k3_error err = {0};
+    if (k3_image_load(&im, path, 0, &err)) k3_test_fail(__FILE__, __LINE__, "%s", err.msg);
+    return im;
+}
+
+/* ---- processor ------------------------------------------------------------- */
+
+K3_TEST(vision_preprocess_official) {
+    golden g;
+    fixture f;
+    if (!golden_open(&g)) return;
+    if (!fixture_open(&f)) goto out;
+    double worst = 0;
+    for (int i = 0; i < N_IMAGES; i++) {
+        char name[64];
+        snprintf(name, sizeof name, "img%d.grid_thw", i);
+        const k3_st_tensor *tg = gt(&g, name, K3_DTYPE_I64);
+        snprintf(name, sizeof name, "img%d.pixel_values", i);
+        const k3_st_tensor *tp = gt(&g, name, K3_DTYPE_F32);
+        k3_image *im = load_image(i);
+        if (!tg || !tp || !im) {
+            k3_image_free(im);
+            continue;
+        }
+        float *px = NULL;
+        k3_image_plan plan;
+        k3_error err = {0};
+        if (k3_vision_preprocess(f.v, im, &px, &plan, &err)) {
+            k3_test_fail(__FILE__, __LINE__, "%s: %s", images[i], err.msg);
+            k3_image_free(im);
+            continue;
+        }
+        CHECKF(plan.grid_t == gi64(tg, 0) && plan.grid_h == gi64(tg, 1) && plan.grid_w == gi64(tg, 2),
+               "%s: grid (%d,%d,%d), official (%lld,%lld,%lld)", images[i], plan.grid_t, plan.grid_h, plan.grid_w,
+               (long long)gi64(tg, 0), (long long)gi64(tg, 1), (long long)gi64(tg, 2));
+        const int64_t n = (int64_t)plan.grid_h * plan.grid_w * 3 * 14 * 14;
+        CHECKF((size_t)n * 4 == tp->nbytes, "%s: %lld values, official %zu", images[i], (long long)n, tp->nbytes / 4);
+        CHECKF(plan.n_tokens == plan.grid_h * plan.grid_w / 4, "%s: tokens %d", images[i], plan.n_tokens);
+        if ((size_t)n * 4 == tp->nbytes) {
+            float *ref = gf32(tp);
+            const double e = k3_test_max_abs(px, ref, n);
+            if (e > worst) worst = e;
+            CHECKF(e <= 1e-6, "%s: pixel values max |diff| %.3g vs the official processor", images[i], e);
+            free(ref);
+        }
+        /* the plan alone (what a server counts before decoding everything) */
+        k3_image_plan p2;
+        CHECK(k3_vision_plan(f.v, k3_image_width(im), k3_image_height(im), &p2, &err) == K3_OK);
+        CHECK(p2.n_tokens == plan.n_tokens && p2.grid_h == plan.grid_h && p2.grid_w == plan.grid_w);
+        free(px);
+        k3_image_free(im);
+    }
+    printf("    processor: %d images (RGB, RGBA, grey, JPEG, palette+tRNS, 5x3), pixel values max |diff| %.3g\n",
+           N_IMAGES, worst);
+out:
+    fixture_close(&f);
+    golden_close(&g);
+}
+
+/* navit_resize_image's worked examples with the published budget (vision.md §2.2). */
+K3_TEST(vision_resize_plan_published) {
+    k3_image_proc p;
+    k3_image_proc_defaults(&p);
+    static const int32_t cases[][7] = {
+        /* w, h, new_w, new_h, grid_h, grid_w, tokens */
+        {225, 223, 225, 223, 16, 18, 72},       {100, 100, 100, 100, 8, 8, 16},
+        {1024, 1024, 1024, 1024, 74, 74, 1369}, {1920, 1080, 1920, 1080, 78, 138, 2691},
+        {4000, 3000, 4000, 3000, 216, 286, 15444}, {10000, 100, 7168, 71, 6, 512, 768},
+        {8000, 8000, 3586, 3586, 258, 258, 16641}, {1861, 7041, 1850, 7002, 502, 134, 16817},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        const int32_t *c = cases[i];
+        k3_resize_plan r;
+        k3_error err = {0};
+        REQUIRE(k3_image_proc_plan(&p, c[0], c[1], &r, &err) == K3_OK);
+        CHECKF(r.new_w == c[2] && r.new_h == c[3] && r.grid_h == c[4] && r.grid_w == c[5] && r.n_tokens == c[6],
+               "%dx%d: got %dx%d grid %dx%d tokens %d", c[0], c[1], r.new_w, r.new_h, r.grid_h, r.grid_w, r.n_tokens);
+    }
+}
+
+/* ---- tower ------------------------------------------------------------------ */
+
+K3_TEST(vision_pos_interp_official) {
+    /* the official code interpolates the table with the config's mode
+     * (modeling_kimi_k3.py passes pos_emb_interpolation_mode through; one
+     * port hard-codes bicubic, vision.md §8.1): both modes against torch */
+    golden g;
+    if (!golden_open(&g)) return;
+    const k3_st_tensor *tab = k3_st_get(g.st, "posemb.bilinear.5x7");
+    fixture f;
+    if (!tab || !fixture_open(&f)) goto out0;
+    const k3_vision_config *c = &f.v->cfg;
+    static const char *const modes[] = {"bilinear", "bicubic"};
+    static const int32_t sizes[][2] = {{5, 7}, {12, 10}};
+    for (int mi = 0; mi < 2; mi++)
+        for (int si = 0; si < 2; si++) {
+            char name[64];
+            snprintf(name, sizeof name, "posemb.%s.%dx%d", modes[mi], sizes[si][0], sizes[si][1]);
+            const k3_st_tensor *t = gt(&g, name, K3_DTYPE_F32);
+            if (!t) continue;
+            const int64_t n = (int64_t)sizes[si][0] * sizes[si][1] * c->hidden;
+            float *o = malloc(sizeof(float) * (size_t)n), *ref = gf32(t);
+            k3_vision_pos_interp(f.v->pos, c->pos_h, c->pos_w, c->hidden, sizes[si][0], sizes[si][1],
+                                 mi ? K3_INTERP_BICUBIC : K3_INTERP_BILINEAR, o);
+            const double e = k3_test_rel_l2(o, ref, n);
+            CHECKF(e <= 1e-6, "%s: rel-L2 %.3g vs F.interpolate", name, e);
+            free(o), free(ref);
+        }
+    fixture_close(&f);
+out0:
+    golden_close(&g);
+}
+
+K3_TEST(vision_tower_official) {
+    golden g;
+    fixture f;
+    if (!golden_open(&g)) return;
+    if (!fixture_open(&f)) goto out;
+    k3_pool *pool = NULL;
+    k3_error err = {0};
+    REQUIRE(k3_pool_init(&pool, 2, &err) == K3_OK);
+    const k3_st_tensor *sel = gt(&g, "tower.images", K3_DTYPE_I64);
+    double worst = 0;
+    for (int64_t s = 0; sel && s < sel->shape[0]; s++) {
+        const int i = (int)gi64(sel, s);
+        char name[64];
+        snprintf(name, sizeof name, "img%d.pixel_values", i);
+        const k3_st_tensor *tp = gt(&g, name, K3_DTYPE_F32);
+        snprintf(name, sizeof name, "img%d.grid_thw", i);
+        const k3_st_tensor *tg = gt(&g, name, K3_DTYPE_I64);
+        snprintf(name, sizeof name, "tower.img%d", i);
+        const k3_st_tensor *to = gt(&g, name, K3_DTYPE_F32);
+        if (!tp || !tg || !to) continue;
+        k3_image_plan plan = {.grid_t = (int32_t)gi64(tg, 0), .grid_h = (int32_t)gi64(tg, 1), .grid_w = (int32_t)gi64(tg, 2)};
+        float *px = gf32(tp), *ref = gf32(to), *rows = NULL;
+        if (k3_vision_encode_pixels(f.v, pool, px, &plan, &rows, &err)) {
+            k3_test_fail(__FILE__, __LINE__, "%s", err.msg);
+        } else {
+            const int64_t n = (int64_t)plan.grid_h * plan.grid_w / 4 * k3_vision_out_dim(f.v);
+            CHECK((size_t)n * 4 == to->nbytes);
+            const double e = k3_test_rel_l2(rows, ref, n);
+            if (e > worst) worst = e;
+            CHECKF(e <= 1e-5, "image %d (grid %dx%d): tower + projector rel-L2 %.3g vs the official modules", i,
+                   plan.grid_h, plan.grid_w, e);
+        }
+        free(px), free(ref), free(rows);
+    }
+    printf("    tower + projector: 4 images (grids 8x12, 8x10, 4x16, 8x8 = the table), worst rel-L2 %.3g\n", worst);
+    /* --quant w8a8 reaches the tower's matrices: close, not equal */
+    k3_quant_options q = {.linear = K3_WQ_INT8};
+    const k3_st_tensor *tp = gt(&g, "img0.pixel_values", K3_DTYPE_F32), *to = gt(&g, "tower.img0", K3_DTYPE_F32);
+    if (tp && to && k3_vision_quantize(f.v, &q, &err) == K3_OK) {
+        k3_image_plan plan = {.grid_t = 1, .grid_h = 8, .grid_w = 12};
+        float *px = gf32(tp), *ref = gf32(to), *rows = NULL;
+        REQUIRE(k3_vision_encode_pixels(f.v, pool, px, &plan, &rows, &err) == K3_OK);
+        const double e = k3_test_rel_l2(rows, ref, 24 * k3_vision_out_dim(f.v));
+        printf("    tower + projector with w8a8 matrices: rel-L2 %.3g\n", e);
+        CHECKF(e > 0 && e < 0.05, "w8a8 tower rel-L2 %.3g (want (0, 0.05))", e);
+        free(px), free(ref), free(rows);
+    }
+    k3_pool_free(pool);
+out:
+    fixture_close(&f);
+    golden_close(&g);
+}
+
+/* ---- images in a prompt ----------------------------------------------------- */
+
+K3_TEST(vision_logits_official) {
+    golden g;
+    fixture f;
+    if (!golden_open(&g)) return;
+    k3_ctx *ctx = NULL;
+    float *lg = NULL, *ref = NULL, *rows[2] = {NULL, NULL};
+    int32_t *ids = NULL;
+    const float **emb = NULL;
+    k3_pool *pool = NULL;
+    k3_error err = {0};
+    if (!fixture_open(&f)) goto out;
+    const k3_st_tensor *tid = gt(&g, "prompt.ids", K3_DTYPE_I64), *tim = gt(&g, "prompt.images", K3_DTYPE_I64);
+    const k3_st_tensor *tl = gt(&g, "prompt.logits", K3_DTYPE_F32);
+    if (!tid || !tim || !tl) goto out;
+    const int n = (int)tid->shape[0];
+    const int64_t V = 1024, D = k3_vision_out_dim(f.v);
+    REQUIRE(k3_pool_init(&pool, 2, &err) == K3_OK);
+
+    /* the prompt as k3 builds it: text, then each image's framing, from the files */
+    ids = malloc(sizeof(int32_t) * (size_t)n);
+    emb = calloc((size_t)n, sizeof *emb);
+    size_t k = 0;
+    const char *const text[] = {"Look:", " and", " Which is brighter?"};
+    const int32_t bos = k3_tokenizer_special(f.tok, "[BOS]");
+    ids[k++] = bos;
+    bool built = true;
+    for (int part = 0; part < 3 && built; part++) {
+        int32_t *t = NULL, *ip = NULL;
+        size_t nt = 0, ni = 0, pad_at = 0;
+        built = k3_tokenizer_encode(f.tok, text[part], strlen(text[part]), &t, &nt, &err) == K3_OK && k + nt <= (size_t)n;
+        if (built) memcpy(ids + k, t, sizeof(int32_t) * nt), k += nt;
+        free(t);
+        if (part == 2 || !built) break;
+        k3_image *im = load_image((int)gi64(tim, part));
+        int32_t nr = 0;
+        k3_image_plan plan;
+        built = im && k3_vision_plan(f.v, k3_image_width(im), k3_image_height(im), &plan, &err) == K3_OK &&
+                k3_vision_encode(f.v, pool, im, &rows[part], &nr, &err) == K3_OK && nr == plan.n_tokens &&
+                k3_vision_image_prompt(f.v, f.tok, &plan, &ip, &ni, &pad_at, &err) == K3_OK && k + ni <= (size_t)n;
+        if (built) {
+            memcpy(ids + k, ip, sizeof(int32_t) * ni);
+            for (int32_t r = 0; r < nr; r++) emb[k + pad_at + (size_t)r] = rows[part] + (int64_t)r * D;
+            k += ni;
+        }
+        free(ip);
+        k3_image_free(im);
+    }
+    REQUIREF(built && k == (size_t)n, "building the prompt: %s (%zu of %d ids)", err.msg, k, n);
+    int same = 1;
+    for (int i = 0; i < n; i++) same &= ids[i] == (int32_t)gi64(tid, i);
+    CHECKF(same, "the prompt's ids differ from the official framing");
+
+    k3_ctx_options o = {.max_seqs = 1, .max_tokens = 256, .block_size = 16, .max_batch = 32, .pool = pool};
+    REQUIRE(k3_ctx_init(&ctx, f.m, &o, &err) == K3_OK);
+    lg = malloc(sizeof(float) * (size_t)(V * n));
+    k3_batch_seq b = {0, n, ids, emb};
+    REQUIREF(k3_ctx_forward(ctx, &b, 1, K3_LOGITS_ALL, lg, &err) == K3_OK, "%s", err.msg);
+    ref = gf32(tl);
+    const double e = k3_test_rel_l2(lg, ref, V * n);
+    int agree = 0;
+    for (int t = 0; t < n; t++) {
+        int a = 0, c = 0;
+        for (int64_t j = 1; j < V; j++) {
+            if (lg[t * V + j] > lg[t * V + a]) a = (int)j;
+            if (ref[t * V + j] > ref[t * V + c]) c = (int)j;
+        }
+        agree += a == c;
+    }
+    printf("    logits with 2 images (%d positions, 30 image rows, rounds of 32): rel-L2 %.3g, greedy %d/%d\n", n, e,
+           agree, n);
+    CHECKF(e <= 1e-5, "logits with images rel-L2 %.3g vs the official model > 1e-5", e);
+    CHECKF(agree == n, "greedy tokens agree at %d of %d positions", agree, n);
+
+    /* without the rows (pads embedded as tokens) the logits must move */
+    k3_ctx_seq_reset(ctx, 0);
+    k3_batch_seq b0 = {0, n, ids};
+    REQUIRE(k3_ctx_forward(ctx, &b0, 1, K3_LOGITS_ALL, lg, &err) == K3_OK);
+    CHECK(k3_test_rel_l2(lg, ref, V * n) > 1e-2);
+out:
+    free(lg), free(ref), free(ids), free(emb), free(rows[0]), free(rows[1]);
+    k3_ctx_free(ctx);
+    k3_pool_free(pool);
+    fixture_close(&f);
+    golden_close(&g);
+}
+
+K3_TEST(vision_text_logits_official) {
+    /* the text half of the same official checkpoint, no image */
+    golden g;
+    if (!golden_open(&g)) return;
+    const k3_st_tensor *tid = gt(&g, "text.ids", K3_DTYPE_I64), *tl = gt(&g, "text.logits", K3_DTYPE_F32);
+    k3_model *m = NULL;
+    k3_ctx *ctx = NULL;
+    k3_error err = {0};
+    if (tid && tl && k3_model_open(&m, VDIR, &err) == K3_OK) {
+        const int n = (int)tid->shape[0];
+        int32_t ids[64];
+        for (int i = 0; i < n && i < 64; i++) ids[i] = (int32_t)gi64(tid, i);
+        k3_ctx_options o = {.max_seqs = 1, .max_tokens = 64, .block_size = 16};
+        float *lg = malloc(sizeof(float) * 1024 * (size_t)n), *ref = gf32(tl);
+        k3_batch_seq b = {0, n, ids};
+        REQUIRE(k3_ctx_init(&ctx, m, &o, &err) == K3_OK && k3_ctx_forward(ctx, &b, 1, K3_LOGITS_ALL, lg, &err) == K3_OK);
+        const double e = k3_test_rel_l2(lg, ref, 1024 * (int64_t)n);
+        CHECKF(e <= 1e-5, "text-only logits rel-L2 %.3g vs the official model", e);
+        free(lg), free(ref);
+    } else {
+        k3_test_fail(__FILE__, __LINE__, "%s", err.msg);
+    }
+    k3_ctx_free(ctx);
+    k3_model_close(m);
+    golden_close(&g);
+}
+
+/* ---- bad input ----------------------------------------------------------------- */
+
+static uint32_t crc32_png(const uint8_t *p, size_t n) {
+    uint32_t c = 0xffffffffu;
+    for (size_t i = 0; i < n; i++) {
+        c ^= p[i];
+        for (int k = 0; k < 8; k++) c = c & 1 ? 0xedb88320u ^ (c >> 1) : c >> 1;
+    }
+    return c ^ 0xffffffffu;
+}
+
+static void be32(uint8_t *p, uint32_t v) { p[0] = v >> 24, p[1] = v >> 16, p[2] = v >> 8, p[3] = (uint8_t)v; }
+
+/* A PNG whose IHDR says w x h (8-bit RGB) followed by no image data. */
+static size_t png_header(uint8_t *b, uint32_t w, uint32_t h) {
+    static const uint8_t sig[8] = {0x89, 'P', 'N', 'G', '\r', '\n', 0x1a, '\n'};
+    memcpy(b, sig, 8);
+    be32(b + 8, 13);
+    memcpy(b + 12, "IHDR", 4);
+    be32(b + 16, w);
+    be32(b + 20, h);
+    b[24] = 8, b[25] = 2, b[26] = 0, b[27] = 0, b[28] = 0;
+    be32(b + 29, crc32_png(b + 12, 17));
+    return 33;
+}
+
+K3_TEST(vision_bad_images) {
+    k3_image *im = NULL;
+    k3_error err = {0};
+    uint8_t b[256];
+    /* not an image, empty */
+    CHECK(k3_image_decode(&im, "GIF89a....", 10, 0, &err) == K3_ERR_UNSUPPORTED && !im);
+    k3_err_clear(&err);
+    CHECK(k3_image_decode(&im, b, 0, 0, &err) == K3_ERR_FORMAT && !im);
+    k3_err_clear(&err);
+    /* huge dimensions: refused from the header, before any allocation */
+    size_t n = png_header(b, 100000, 100000);
+    CHECK(k3_image_decode(&im, b, n, 0, &err) != K3_OK && !im);
+    k3_err_clear(&err);
+    n = png_header(b, 20000, 20000); /* 4e8 pixels > the 8192^2 cap */
+    CHECKF(k3_image_decode(&im, b, n, 0, &err) == K3_ERR_RANGE && !im && strstr(err.msg, "over the limit"), "%s", err.msg);
+    k3_err_clear(&err);
+    n = png_header(b, 64, 64);
+    CHECK(k3_image_decode(&im, b, n, 100, &err) == K3_ERR_RANGE && !im); /* a caller's own cap */
+    k3_err_clear(&err);
+    /* a header and no data: truncated */
+    CHECKF(k3_image_decode(&im, b, n, 0, &err) == K3_ERR_FORMAT && !im, "%s", err.msg);
+    k3_err_clear(&err);
+    /* real files cut short, and with a flipped byte */
+    static const char *const files[] = {GDIR "/images/rgb_200x130.png", GDIR "/images/photo_67x45.jpg"};
+    for (int f = 0; f < 2; f++) {
+        size_t len = 0;
+        uint8_t *data = read_file(files[f], &len);
+        REQUIRE(data && len > 100);
+        const size_t cuts[] = {len / 2, len * 3 / 4, 40}; /* PIL too refuses these (a lost IEND it forgives) */
+        for (int c = 0; c < 3; c++) {
+            k3_status s = k3_image_decode(&im, data, cuts[c], 0, &err);
+            CHECKF(s == K3_ERR_FORMAT && !im, "%s cut at %zu: status %d (%s)", files[f], cuts[c], s, err.msg);
+            k3_err_clear(&err);
+        }
+        memset(data + len / 3, 0xff, 16); /* corrupt the middle: an error or an image, never a crash */
+        if (k3_image_decode(&im, data, len, 0, &err) == K3_OK) k3_image_free(im);
+        im = NULL;
+        k3_err_clear(&err);
+        free(data);
+    }
+    CHECK(k3_image_load(&im, GDIR "/images/no-such.png", 0, &err) == K3_ERR_IO && !im);
+}
+
+K3_TEST(vision_text_only_checkpoint) {
+    k3_model *m = NULL;
+    k3_vision *v = NULL;
+    k3_error err = {0};
+    REQUIRE(k3_model_open(&m, "tests/models/tiny", &err) == K3_OK);
+    CHECKF(k3_vision_open(&v, m, &err) == K3_ERR_UNSUPPORTED && !v && strstr(err.msg, "no vision tower"), "%s", err.msg);
+    k3_model_close(m);
+}
+
+K3_TEST(vision_image_hash) {
+    k3_image *a = load_image(0), *b = load_image(0), *c = load_image(5);
+    if (a && b && c) {
+        CHECK(k3_image_hash(a) == k3_image_hash(b));
+        CHECK(k3_image_hash(a) != k3_image_hash(c));
+        a->px[100] ^= 1;
+        CHECK(k3_image_hash(a) != k3_image_hash(b));
+    }
+    k3_image_free(a), k3_image_free(b), k3_image_free(c);
+}
