@@ -6,7 +6,9 @@
  *      counted as 2 x active parameters x tokens;
  *   3. decode tok/s at batch 1 and batch 8, weight bytes read per decoded
  *      token, effective GB/s and its fraction of the measured bandwidth;
- *   4. --long-context: decode ms/token at long contexts, DSA against the same
+ *   4. image encode (checkpoints with a vision tower): ms per image at three
+ *      sizes, and the prompt tokens each takes (bench_vision.c);
+ *   5. --long-context: decode ms/token at long contexts, DSA against the same
  *      layers run dense (caches filled with synthetic content, since a 128k
  *      prefill of the bench model takes too long here; the cost of a decode
  *      step depends on the length, not the content).
@@ -316,6 +318,9 @@ int k3_cmd_bench(int argc, char **argv) {
     const int ip = i512 >= 0 ? i512 : n_prompts - 1;
     const double gflops = 2.0 * (double)b.info.n_params_active * pre[ip].med / 1e9;
 
+    k3_cli_vision_bench vb;
+    if (k3_cli_bench_vision(b.m, b.pool, quant, runs, json, &vb)) goto out;
+
     stat3 lc_dsa[8], lc_dense[8];
     if (longctx) {
         for (int i = 0; i < n_contexts; i++) {
@@ -359,6 +364,7 @@ int k3_cmd_bench(int argc, char **argv) {
                        1e3 / lc_dsa[i].med, 1e3 / lc_dense[i].med);
             printf("]");
         }
+        k3_cli_bench_vision_print(&vb, true);
         if (profile) {
             printf(", ");
             print_profile("profile_prefill", &prof_pre, true);
@@ -386,6 +392,7 @@ int k3_cmd_bench(int argc, char **argv) {
                 printf("%-10ld %14.2f %14.2f %8.2f\n", contexts[i], 1e3 / lc_dsa[i].med, 1e3 / lc_dense[i].med,
                        lc_dsa[i].med / lc_dense[i].med);
         }
+        k3_cli_bench_vision_print(&vb, false);
         if (profile) {
             print_profile("prefill 512", &prof_pre, false);
             print_profile("decode b=1", &prof_dec, false);

@@ -42,6 +42,7 @@ static int usage_run(void) {
             "  --threads N         worker threads (default: all cores)\n"
             "  --chat              wrap the prompt as a user turn in the K3 chat format\n"
             "  --think             with --chat, open the assistant turn in thinking mode\n"
+            "  --image FILE        a PNG or JPEG before the prompt text (repeatable)\n"
             "  --ids 1,2,3         feed these token ids instead of a text prompt\n"
             "  --dump-logits FILE  write the logits of every prompt position (float32)\n"
             "  --ctx N             context size in tokens (default: prompt + n)\n"
@@ -131,6 +132,8 @@ int k3_cmd_run(int argc, char **argv) {
     k3_cli_parse_kv(K3_DEFAULT_KV, &kv);
     int n_gen = 128, threads = default_threads(), chat = 0, think = 0;
     long ctx_arg = 0;
+    const char *image_files[16];
+    int n_images = 0;
     k3_sampler_options so = {.temperature = 0.8f, .top_k = 40, .top_p = 0.95f, .min_p = 0.05f,
                              .repeat_penalty = 1.1f, .repeat_last_n = 64, .seed = 42};
     for (int i = 1; i < argc; i++) {
@@ -156,6 +159,13 @@ int k3_cmd_run(int argc, char **argv) {
                 fprintf(stderr, "k3 run: --kv-cache must be f32 or c8, not '%s'\n", argv[i]);
                 return 2;
             }
+        }
+        else if (ARG("--image")) {
+            if (n_images == 16) {
+                fprintf(stderr, "k3 run: at most 16 --image files\n");
+                return 2;
+            }
+            image_files[n_images++] = argv[++i];
         }
         else if (!strcmp(a, "--chat")) chat = 1;
         else if (!strcmp(a, "--think")) think = 1;
@@ -188,6 +198,7 @@ int k3_cmd_run(int argc, char **argv) {
     int32_t *ids = NULL;
     float *logits = NULL;
     size_t n_ids = 0;
+    k3_cli_images img = {0};
     int rc = 1;
 
     if (k3_cli_open_model(&m, dir, quant, keep_mapped, &err)) goto out;
@@ -208,6 +219,16 @@ int k3_cmd_run(int argc, char **argv) {
     } else if (k3_tokenizer_encode(tok, prompt, strlen(prompt), &ids, &n_ids, &err)) {
         goto out;
     }
+    if (n_images) {
+        size_t at = 0;
+        if (ids_arg) {
+            fprintf(stderr, "k3 run: --image needs a text prompt, not --ids\n");
+            goto out_quiet;
+        }
+        if (k3_pool_init(&pool, threads, &err)) goto out;
+        if (chat && k3_cli_chat_content_at(tok, think, ids, n_ids, &at, &err)) goto out;
+        if (k3_cli_images_insert(&img, m, tok, pool, quant, image_files, n_images, at, &ids, &n_ids, &err)) goto out;
+    }
     if (n_ids == 0) {
         fprintf(stderr, "k3 run: the prompt encodes to no tokens\n");
         goto out_quiet;
@@ -220,7 +241,7 @@ int k3_cmd_run(int argc, char **argv) {
                 (long long)want);
         goto out_quiet;
     }
-    if (k3_pool_init(&pool, threads, &err)) goto out;
+    if (!pool && k3_pool_init(&pool, threads, &err)) goto out;
     k3_ctx_options co = {.max_seqs = 1, .max_tokens = want, .pool = pool, .kv_cache = kv};
     if (k3_ctx_init(&ctx, m, &co, &err)) goto out;
     if (k3_sampler_init(&smp, &so, (int32_t)info.vocab_size, &err)) goto out;
@@ -235,7 +256,7 @@ int k3_cmd_run(int argc, char **argv) {
     fflush(stdout);
 
     double t0 = now_s();
-    k3_batch_seq b = {0, (int32_t)n_ids, ids};
+    k3_batch_seq b = {0, (int32_t)n_ids, ids, img.embeds};
     if (k3_ctx_forward(ctx, &b, 1, dump ? K3_LOGITS_ALL : K3_LOGITS_LAST, logits, &err)) goto out;
     const double t_prefill = now_s() - t0;
     for (size_t i = 0; i < n_ids; i++) k3_sampler_accept(smp, ids[i]);
@@ -289,6 +310,7 @@ out:
 out_quiet:
     free(ids);
     free(logits);
+    k3_cli_images_free(&img);
     k3_sampler_free(smp);
     k3_ctx_free(ctx);
     k3_pool_free(pool);
@@ -319,8 +341,9 @@ int k3_cmd_info(int argc, char **argv) {
     k3_model_describe(m, buf, need + 1);
     fputs(buf, stdout);
     free(buf);
+    int rc = k3_cli_print_vision(m);
     k3_model_close(m);
-    return 0;
+    return rc;
 }
 
 static int usage(void) {

@@ -489,6 +489,10 @@ k3_status k3_image_decode(k3_image **out, const void *data, size_t size, int64_t
                           k3_error *err);
 /* The same from a file. */
 k3_status k3_image_load(k3_image **out, const char *path, int64_t max_pixels, k3_error *err);
+/* An image from 8-bit RGBA pixels [height, width, 4] (copied); with
+ * has_alpha false the alpha bytes are ignored (an RGB image). */
+k3_status k3_image_from_rgba(k3_image **out, const uint8_t *rgba, int32_t width, int32_t height, bool has_alpha,
+                             k3_error *err);
 void k3_image_free(k3_image *im);
 int32_t k3_image_width(const k3_image *im);
 int32_t k3_image_height(const k3_image *im);

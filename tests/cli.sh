@@ -113,5 +113,7 @@ printf 'ab\377cd' >"$TMP/bad.txt"
 expect_fail "tokenize invalid UTF-8" "UTF-8" sh -c "\"$K3\" tokenize -m \"$TINY\" <\"$TMP/bad.txt\""
 expect_fail "decode id out of range" "range" sh -c "echo 99999 | \"$K3\" tokenize -m \"$TINY\" --decode"
 
+. tests/cli_vision.sh
+
 echo "cli: $pass passed, $fail failed"
 [ $fail -eq 0 ]

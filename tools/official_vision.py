@@ -174,12 +174,44 @@ def rel_l2(a, b):
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
+def write_bench(out, seed):
+    text = dict(TEXT_CONFIG, hidden_size=1024, num_hidden_layers=1,
+                intermediate_size=1024, q_lora_rank=64, kv_lora_rank=64)
+    vision = dict(_attn_implementation="eager", text_hidden_size=1024)  # KimiK3VisionConfig defaults = the release
+    cfg = cfgmod.KimiK3Config(text_config=text, vision_config=vision, media_placeholder_token_id=PAD_ID,
+                              pad_token_id=1023, bos_token_id=768, eos_token_id=770)
+    cfg.architectures = ["KimiK3ForConditionalGeneration"]
+    model = mk.KimiK3ForConditionalGeneration(cfg).eval()
+    redraw(model, seed)
+    model = model.to(torch.bfloat16)
+    os.makedirs(out, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    cpath = os.path.join(out, "config.json")
+    cj = json.load(open(cpath))
+    cj["text_config"].pop("rope_parameters", None)
+    with open(cpath, "w") as f:
+        json.dump(cj, f, indent=2, sort_keys=True)
+        f.write("\n")
+    for n in ("generation_config.json",):
+        if os.path.exists(os.path.join(out, n)):
+            os.remove(os.path.join(out, n))
+    shutil.copy(os.path.join(TINY, "tiktoken.model"), out)
+    shutil.copy(os.path.join(ROOT, "tests", "models", "vision-tiny", "tokenizer_config.json"), out)
+    print(f"wrote {out}: {sum(p.numel() for p in model.vision_tower.parameters()) / 1e6:.1f}M tower parameters")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="tests/models/vision-tiny")
     ap.add_argument("--golden", default="tests/golden/vision")
     ap.add_argument("--seed", type=int, default=20)
+    ap.add_argument("--bench", metavar="DIR",
+                    help="instead: write a checkpoint with the released tower size (27 blocks, "
+                         "hidden 1024, BF16, no preprocessor_config.json = the published budget) "
+                         "and a 1-layer text model, for `k3 bench`'s image-encode figure")
     a = ap.parse_args()
+    if a.bench:
+        return write_bench(a.bench, a.seed)
     torch.manual_seed(a.seed)
     rng = np.random.default_rng(a.seed)
 

@@ -55,6 +55,23 @@ static k3_image *image_new(uint32_t w, uint32_t h) {
     return im;
 }
 
+k3_status k3_image_from_rgba(k3_image **out, const uint8_t *rgba, int32_t width, int32_t height, bool has_alpha,
+                             k3_error *err) {
+    if (!out || !rgba) return k3_err(err, K3_ERR_ARG, "image: no pixels");
+    *out = NULL;
+    if (width < 1 || height < 1) return k3_err(err, K3_ERR_ARG, "image: bad size %dx%d", width, height);
+    k3_status s = check_size((uint32_t)width, (uint32_t)height, 0, "image", err);
+    if (s) return s;
+    k3_image *im = image_new((uint32_t)width, (uint32_t)height);
+    if (!im) return k3_err(err, K3_ERR_NOMEM, "image: out of memory for %dx%d pixels", width, height);
+    memcpy(im->px, rgba, (size_t)width * height * 4);
+    im->mode = has_alpha ? K3_IMODE_RGBA : K3_IMODE_RGB;
+    if (!has_alpha)
+        for (size_t i = 0; i < (size_t)width * height; i++) im->px[4 * i + 3] = 255;
+    *out = im;
+    return K3_OK;
+}
+
 void k3_image_free(k3_image *im) {
     if (!im) return;
     free(im->px);
