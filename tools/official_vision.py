@@ -138,6 +138,8 @@ def write_images(d, rng):
     out.append("rgb_112x112.png")                               # grid = pos table
     Image.fromarray(smooth(3, 5, 3), "RGB").save(os.path.join(d, "dot_5x3.png"))
     out.append("dot_5x3.png")                                   # tiny: one token
+    Image.fromarray(smooth(400, 60, 4), "RGBA").save(os.path.join(d, "tall_60x400.png"))
+    out.append("tall_60x400.png")                               # Pillow 13: vertical pass first
     return out
 
 
@@ -263,6 +265,26 @@ def main():
         gold[f"img{i}.grid_thw"] = grid[0].to(torch.int64).contiguous()
         meta.append(dict(file=n, width=w, height=h, grid=grid[0].tolist(), tokens=int(ntok)))
         print(f"{n}: {w}x{h} mode {im.mode} grid {grid[0].tolist()} tokens {ntok}")
+
+    # ---- PIL's resampling alone, on random images (what the processor builds on) ----
+    cases = []
+    for c in range(24):
+        w, h = int(rng.integers(1, 70)), int(rng.integers(1, 70))
+        ow, oh = int(rng.integers(1, 70)), int(rng.integers(1, 70))
+        mode = ["RGB", "RGBA", "L", "P"][c % 4]
+        arr = rng.integers(0, 256, size=(h, w, 4), dtype=np.uint8)
+        if c % 8 == 1:
+            arr[..., 3] = rng.choice([0, 255], size=(h, w))  # hard edges: 0 and 255 alpha
+        src = Image.fromarray(arr, "RGBA")
+        im = {"RGB": src.convert("RGB"), "RGBA": src, "L": src.convert("L"),
+              "P": src.convert("RGB").quantize(colors=8)}[mode]
+        resample = Image.Resampling.NEAREST if mode == "P" else Image.Resampling.BICUBIC
+        out = im.resize((ow, oh), resample=resample).convert("RGBA")
+        inp = im.convert("RGBA")
+        gold[f"pil{c}.in"] = torch.from_numpy(np.asarray(inp).copy())
+        gold[f"pil{c}.out"] = torch.from_numpy(np.asarray(out).copy())
+        cases.append(dict(mode=mode, w=w, h=h, ow=ow, oh=oh))
+    gold["pil.modes"] = torch.tensor([["RGB", "RGBA", "L", "P"].index(c["mode"]) for c in cases], dtype=torch.int64)
 
     # ---- tower + projector, several images in one call ----
     sel = [0, 1, 2, 5]  # rgb, rgba, grey, 112x112 (the pos table as-is)

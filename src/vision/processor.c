@@ -10,8 +10,9 @@
  *   normalize           (u8 / 255.0 in double, to float32) - mean, * 1/std;
  *   navit_patchify      [Hp, Wp] patches, each channel-first [3, P, P].
  *
- * The resampler follows Pillow's libImaging/Resample.c (13.0) operation for
- * operation, so the uint8 output is identical, not merely close.
+ * The resampler follows Pillow 13.0's libImaging/Resample.c operation for
+ * operation (including 13.0's choice of pass order), so the uint8 output is
+ * identical, not merely close.
  */
 #include <math.h>
 #include <stdio.h>
@@ -252,70 +253,81 @@ static inline uint8_t pil_clip8(int32_t v) {
     return (uint8_t)(v < 0 ? 0 : v > 255 ? 255 : v);
 }
 
+/* One horizontal pass: rows [y0, y0 + n) of in [*, w] -> out [n, ow]. */
+static void pass_h(const uint8_t *in, int32_t w, int32_t y0, int32_t n, int nch, const int32_t *b, const int32_t *kk,
+                   int ks, uint8_t *out, int32_t ow) {
+    for (int32_t y = 0; y < n; y++) {
+        const uint8_t *row = in + (size_t)(y + y0) * w * nch;
+        uint8_t *o = out + (size_t)y * ow * nch;
+        for (int32_t xx = 0; xx < ow; xx++) {
+            const int32_t xmin = b[2 * xx], xmax = b[2 * xx + 1];
+            const int32_t *k = kk + (size_t)xx * ks;
+            for (int c = 0; c < nch; c++) {
+                int32_t ss = 1 << (PIL_PRECISION_BITS - 1);
+                for (int32_t x = 0; x < xmax; x++) ss += row[(size_t)(x + xmin) * nch + c] * k[x];
+                o[(size_t)xx * nch + c] = pil_clip8(ss);
+            }
+        }
+    }
+}
+
+/* One vertical pass: in [*, w] (bounds relative to its first row) -> out [oh, w]. */
+static void pass_v(const uint8_t *in, int32_t w, int nch, const int32_t *b, const int32_t *kk, int ks, uint8_t *out,
+                   int32_t oh) {
+    for (int32_t yy = 0; yy < oh; yy++) {
+        const int32_t ymin = b[2 * yy], ymax = b[2 * yy + 1];
+        const int32_t *k = kk + (size_t)yy * ks;
+        uint8_t *o = out + (size_t)yy * w * nch;
+        for (int32_t x = 0; x < w; x++)
+            for (int c = 0; c < nch; c++) {
+                int32_t ss = 1 << (PIL_PRECISION_BITS - 1);
+                for (int32_t y = 0; y < ymax; y++) ss += in[((size_t)(y + ymin) * w + x) * nch + c] * k[y];
+                o[(size_t)x * nch + c] = pil_clip8(ss);
+            }
+    }
+}
+
 bool k3_pil_resize_bicubic(const uint8_t *in, int32_t w, int32_t h, int nch, uint8_t *out, int32_t ow, int32_t oh) {
     if (ow == w && oh == h) { /* Image.resize returns a copy */
         memcpy(out, in, (size_t)w * h * nch);
         return true;
     }
     const bool need_h = ow != w, need_v = oh != h;
+    /* Pillow 13 (ImagingResampleInner): when the height shrinks by more than
+     * twice as many pixels as the width, the vertical pass runs first */
+    const bool h_first = !(h - oh > 0 && h - oh > (w - ow) * 2);
     int32_t *bh = NULL, *kh = NULL, *bv = NULL, *kv = NULL;
     int ksh = 0, ksv = 0;
-    if (need_h && !(ksh = pil_coeffs(w, ow, &bh, &kh))) return false;
-    if (need_v && !(ksv = pil_coeffs(h, oh, &bv, &kv))) {
-        free(bh), free(kh);
-        return false;
-    }
-    /* the horizontal pass covers only the input rows the vertical one reads */
-    int32_t y_first = 0, y_last = h;
-    if (need_v) {
-        y_first = bv[0];
-        y_last = bv[2 * (oh - 1)] + bv[2 * (oh - 1) + 1];
-    }
-    const uint8_t *src = in;
+    bool ok = false;
     uint8_t *tmp = NULL;
-    int32_t th = h;
-    if (need_h) {
-        th = y_last - y_first;
-        tmp = need_v ? malloc((size_t)ow * th * nch) : out;
-        if (!tmp) {
-            free(bh), free(kh), free(bv), free(kv);
-            return false;
-        }
-        for (int32_t y = 0; y < th; y++) {
-            const uint8_t *row = in + (size_t)(y + y_first) * w * nch;
-            uint8_t *o = tmp + (size_t)y * ow * nch;
-            for (int32_t xx = 0; xx < ow; xx++) {
-                const int32_t xmin = bh[2 * xx], xmax = bh[2 * xx + 1];
-                const int32_t *k = kh + (size_t)xx * ksh;
-                for (int c = 0; c < nch; c++) {
-                    int32_t ss = 1 << (PIL_PRECISION_BITS - 1);
-                    for (int32_t x = 0; x < xmax; x++) ss += row[(size_t)(x + xmin) * nch + c] * k[x];
-                    o[(size_t)xx * nch + c] = pil_clip8(ss);
-                }
-            }
-        }
-        src = tmp;
-        /* vertical bounds relative to the rows the horizontal pass made */
-        if (need_v)
+    if (need_h && !(ksh = pil_coeffs(w, ow, &bh, &kh))) goto done;
+    if (!(ksv = pil_coeffs(h, oh, &bv, &kv))) goto done;
+    if (h_first) {
+        /* the horizontal pass covers only the input rows the vertical one reads */
+        const int32_t y_first = bv[0], y_last = bv[2 * (oh - 1)] + bv[2 * (oh - 1) + 1];
+        if (!need_h) {
+            pass_v(in, w, nch, bv, kv, ksv, out, oh);
+        } else if (!need_v) {
+            pass_h(in, w, 0, h, nch, bh, kh, ksh, out, ow);
+        } else {
+            const int32_t th = y_last - y_first;
+            if (!(tmp = malloc((size_t)ow * th * nch))) goto done;
+            pass_h(in, w, y_first, th, nch, bh, kh, ksh, tmp, ow);
             for (int32_t i = 0; i < oh; i++) bv[2 * i] -= y_first;
-    }
-    if (need_v) {
-        const int32_t sw = ow; /* src is [th or h, ow] */
-        for (int32_t yy = 0; yy < oh; yy++) {
-            const int32_t ymin = bv[2 * yy], ymax = bv[2 * yy + 1];
-            const int32_t *k = kv + (size_t)yy * ksv;
-            uint8_t *o = out + (size_t)yy * ow * nch;
-            for (int32_t x = 0; x < sw; x++)
-                for (int c = 0; c < nch; c++) {
-                    int32_t ss = 1 << (PIL_PRECISION_BITS - 1);
-                    for (int32_t y = 0; y < ymax; y++) ss += src[((size_t)(y + ymin) * sw + x) * nch + c] * k[y];
-                    o[(size_t)x * nch + c] = pil_clip8(ss);
-                }
+            pass_v(tmp, ow, nch, bv, kv, ksv, out, oh);
         }
-        if (tmp && tmp != out) free(tmp);
+    } else if (!need_h) {
+        pass_v(in, w, nch, bv, kv, ksv, out, oh);
+    } else {
+        if (!(tmp = malloc((size_t)w * oh * nch))) goto done;
+        pass_v(in, w, nch, bv, kv, ksv, tmp, oh);
+        pass_h(tmp, w, 0, oh, nch, bh, kh, ksh, out, ow);
     }
+    ok = true;
+done:
+    free(tmp);
     free(bh), free(kh), free(bv), free(kv);
-    return true;
+    return ok;
 }
 
 void k3_pil_resize_nearest(const uint8_t *in, int32_t w, int32_t h, int nch, uint8_t *out, int32_t ow, int32_t oh) {
@@ -373,6 +385,19 @@ static void unpremultiply(uint8_t *px, size_t n) {
             p[c] = (uint8_t)(v > 255 ? 255 : v);
         }
     }
+}
+
+bool k3_pil_resize_rgba(const uint8_t *in, int32_t w, int32_t h, bool premultiplied, uint8_t *out, int32_t ow,
+                        int32_t oh) {
+    if (!premultiplied || (ow == w && oh == h)) return k3_pil_resize_bicubic(in, w, h, 4, out, ow, oh);
+    uint8_t *tmp = malloc((size_t)w * h * 4);
+    if (!tmp) return false;
+    memcpy(tmp, in, (size_t)w * h * 4);
+    premultiply(tmp, (size_t)w * h);
+    const bool ok = k3_pil_resize_bicubic(tmp, w, h, 4, out, ow, oh);
+    free(tmp);
+    if (ok) unpremultiply(out, (size_t)ow * oh);
+    return ok;
 }
 
 static uint8_t bg_value(const k3_image_proc *p, int32_t x, int32_t y) {
@@ -456,13 +481,9 @@ k3_status k3_image_proc_rgb(const k3_image_proc *p, const k3_image *im, const k3
     const bool nearest = flat.mode == K3_IMODE_PALETTE && (nw != w || nh != h);
     if (nearest) {
         k3_pil_resize_nearest(rgba, w, h, 4, res, nw, nh);
-    } else if (flat.mode == K3_IMODE_RGBA) {
-        if (nw != w || nh != h) premultiply(rgba, (size_t)w * h);
-        if (!k3_pil_resize_bicubic(rgba, w, h, 4, res, nw, nh)) st = k3_err(err, K3_ERR_NOMEM, "resize: out of memory");
-        if (nw != w || nh != h) unpremultiply(res, (size_t)nw * nh);
-    } else {
-        /* RGB and L (and the grey-key L): 3 colour channels, alpha carried along unused */
-        if (!k3_pil_resize_bicubic(rgba, w, h, 4, res, nw, nh)) st = k3_err(err, K3_ERR_NOMEM, "resize: out of memory");
+    } else if (!k3_pil_resize_rgba(rgba, w, h, flat.mode == K3_IMODE_RGBA, res, nw, nh)) {
+        /* RGB and L (and the grey-key L) resample every channel as it is; RGBA premultiplied */
+        st = k3_err(err, K3_ERR_NOMEM, "resize: out of memory");
     }
     if (st) goto done;
     if (p->after_resize) fill_bg(p, &flat, res, nw, nh, rgb);

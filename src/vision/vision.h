@@ -84,6 +84,11 @@ void k3_image_proc_patchify(const k3_image_proc *p, const uint8_t *rgb, const k3
  * passes). Returns false when out of memory. */
 bool k3_pil_resize_bicubic(const uint8_t *in, int32_t w, int32_t h, int nch, uint8_t *out, int32_t ow,
                            int32_t oh);
+/* Image.resize(size, BICUBIC) of RGBA pixels: with premultiplied, as PIL
+ * does for RGBA and LA (through RGBa: multiply, resample, divide back),
+ * else every channel as it is (RGB, L). in is not changed. */
+bool k3_pil_resize_rgba(const uint8_t *in, int32_t w, int32_t h, bool premultiplied, uint8_t *out, int32_t ow,
+                        int32_t oh);
 /* Image.resize(size, NEAREST) (ImagingScaleAffine). */
 void k3_pil_resize_nearest(const uint8_t *in, int32_t w, int32_t h, int nch, uint8_t *out, int32_t ow, int32_t oh);
 
