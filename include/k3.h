@@ -487,6 +487,11 @@ typedef struct k3_vision k3_vision;
  * message. */
 k3_status k3_image_decode(k3_image **out, const void *data, size_t size, int64_t max_pixels,
                           k3_error *err);
+/* The same from an OpenAI image_url: only data: URLs with base64 content
+ * ("data:image/png;base64,..."; image/png, image/jpeg or no type). Remote
+ * URLs (http:, https:, ...) are refused with K3_ERR_UNSUPPORTED naming the
+ * rule -- k3 fetches nothing; malformed base64 is K3_ERR_ARG. */
+k3_status k3_image_decode_url(k3_image **out, const char *url, size_t len, int64_t max_pixels, k3_error *err);
 /* The same from a file. */
 k3_status k3_image_load(k3_image **out, const char *path, int64_t max_pixels, k3_error *err);
 /* An image from 8-bit RGBA pixels [height, width, 4] (copied); with

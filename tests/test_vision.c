@@ -257,6 +257,21 @@ K3_TEST(vision_tower_official) {
         free(px), free(ref), free(rows);
     }
     printf("    tower + projector: 4 images (grids 8x12, 8x10, 4x16, 8x8 = the table), worst rel-L2 %.3g\n", worst);
+    /* attention in blocks of 7 query rows (what images over ~2900 patches get) = in one block */
+    {
+        const k3_st_tensor *tp0 = gt(&g, "img0.pixel_values", K3_DTYPE_F32), *to0 = gt(&g, "tower.img0", K3_DTYPE_F32);
+        k3_image_plan plan = {.grid_t = 1, .grid_h = 8, .grid_w = 12};
+        float *px = tp0 ? gf32(tp0) : NULL, *ref = to0 ? gf32(to0) : NULL, *rows = NULL;
+        f.v->attn_rows = 7;
+        if (px && ref && k3_vision_encode_pixels(f.v, pool, px, &plan, &rows, &err) == K3_OK) {
+            const double e = k3_test_rel_l2(rows, ref, 24 * k3_vision_out_dim(f.v));
+            CHECKF(e <= 1e-5, "attention in blocks of 7 rows: rel-L2 %.3g", e);
+        } else {
+            k3_test_fail(__FILE__, __LINE__, "blocked attention: %s", err.msg);
+        }
+        f.v->attn_rows = 0;
+        free(px), free(ref), free(rows);
+    }
     /* --quant w8a8 reaches the tower's matrices: close, not equal */
     k3_quant_options q = {.linear = K3_WQ_INT8};
     const k3_st_tensor *tp = gt(&g, "img0.pixel_values", K3_DTYPE_F32), *to = gt(&g, "tower.img0", K3_DTYPE_F32);
@@ -513,4 +528,49 @@ K3_TEST(vision_pil_resize_official) {
     }
     printf("    PIL resize: %d/%d random cases byte-identical\n", n_ok, n);
     golden_close(&g);
+}
+
+static char *b64(const uint8_t *p, size_t n) {
+    static const char A[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    char *o = malloc(n / 3 * 4 + 8), *q = o;
+    for (size_t i = 0; i < n; i += 3) {
+        const uint32_t v = (uint32_t)p[i] << 16 | (i + 1 < n ? (uint32_t)p[i + 1] << 8 : 0) | (i + 2 < n ? p[i + 2] : 0);
+        *q++ = A[v >> 18 & 63], *q++ = A[v >> 12 & 63];
+        *q++ = i + 1 < n ? A[v >> 6 & 63] : '=';
+        *q++ = i + 2 < n ? A[v & 63] : '=';
+    }
+    *q = 0;
+    return o;
+}
+
+/* The server's form of an image: an OpenAI image_url data: URL. */
+K3_TEST(vision_data_url) {
+    size_t n = 0;
+    uint8_t *png = read_file(GDIR "/images/rgb_112x112.png", &n);
+    REQUIRE(png);
+    char *enc = b64(png, n);
+    const size_t ne = strlen(enc);
+    char *url = malloc(ne + 64);
+    k3_image *im = NULL, *ref = load_image(5);
+    k3_error err = {0};
+    snprintf(url, ne + 64, "data:image/png;base64,%s", enc);
+    CHECKF(k3_image_decode_url(&im, url, strlen(url), 0, &err) == K3_OK, "%s", err.msg);
+    CHECK(im && ref && k3_image_hash(im) == k3_image_hash(ref)); /* the same pixels as the file */
+    k3_image_free(im);
+    im = NULL;
+    /* refused: remote URLs, other types, bad or cut base64, no comma */
+    const char *bad[] = {"https://example.com/cat.png", "http://10.0.0.1/x.jpg", "file:///etc/passwd",
+                         "data:image/gif;base64,R0lGODlh", "data:image/png,rawbytes", "data:image/png;base64,@@@@",
+                         "data:image/png;base64", "data:image/png;base64,iVBORw0KGgo"};
+    const k3_status want[] = {K3_ERR_UNSUPPORTED, K3_ERR_UNSUPPORTED, K3_ERR_UNSUPPORTED, K3_ERR_UNSUPPORTED,
+                              K3_ERR_UNSUPPORTED, K3_ERR_ARG, K3_ERR_ARG, K3_ERR_FORMAT};
+    for (int i = 0; i < 8; i++) {
+        k3_err_clear(&err);
+        const k3_status s = k3_image_decode_url(&im, bad[i], strlen(bad[i]), 0, &err);
+        CHECKF(s == want[i] && !im && err.msg[0], "%s: status %d (%s)", bad[i], s, err.msg);
+    }
+    k3_err_clear(&err);
+    CHECK(k3_image_decode_url(&im, "https://x/y.png", 15, 0, &err) && strstr(err.msg, "fetches nothing"));
+    free(url), free(enc), free(png);
+    k3_image_free(ref);
 }

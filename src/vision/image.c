@@ -20,6 +20,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #include <jpeglib.h>
 #include <jerror.h>
@@ -337,6 +338,73 @@ static k3_status decode_named(k3_image **out, const void *data, size_t size, int
 
 k3_status k3_image_decode(k3_image **out, const void *data, size_t size, int64_t max_pixels, k3_error *err) {
     return decode_named(out, data, size, max_pixels, "image", err);
+}
+
+static int b64_value(unsigned char c) {
+    if (c >= 'A' && c <= 'Z') return c - 'A';
+    if (c >= 'a' && c <= 'z') return c - 'a' + 26;
+    if (c >= '0' && c <= '9') return c - '0' + 52;
+    if (c == '+' || c == '-') return 62; /* standard and URL-safe alphabets */
+    if (c == '/' || c == '_') return 63;
+    return -1;
+}
+
+k3_status k3_image_decode_url(k3_image **out, const char *url, size_t len, int64_t max_pixels, k3_error *err) {
+    if (out) *out = NULL;
+    if (!out || !url) return k3_err(err, K3_ERR_ARG, "image_url: no URL");
+    if (len < 5 || strncasecmp(url, "data:", 5)) {
+        const char *colon = memchr(url, ':', len < 16 ? len : 16);
+        return k3_err(err, K3_ERR_UNSUPPORTED,
+                      "image_url: only data: URLs are accepted (the server fetches nothing)%s%.*s%s",
+                      colon ? "; got a " : "", colon ? (int)(colon - url) : 0, url, colon ? ": URL" : "");
+    }
+    const char *comma = memchr(url, ',', len);
+    if (!comma) return k3_err(err, K3_ERR_ARG, "image_url: a data: URL without a comma");
+    const char *meta = url + 5;
+    const size_t nmeta = (size_t)(comma - meta);
+    if (nmeta < 7 || strncasecmp(comma - 7, ";base64", 7))
+        return k3_err(err, K3_ERR_UNSUPPORTED, "image_url: the data: URL is not base64 (';base64,' expected)");
+    const size_t ntype = nmeta - 7;
+    const char *types[] = {"image/png", "image/jpeg", "image/jpg"};
+    bool type_ok = ntype == 0;
+    for (int i = 0; i < 3 && !type_ok; i++) type_ok = ntype == strlen(types[i]) && !strncasecmp(meta, types[i], ntype);
+    if (!type_ok)
+        return k3_err(err, K3_ERR_UNSUPPORTED, "image_url: media type '%.*s' is not supported (PNG or JPEG)",
+                      (int)(ntype < 64 ? ntype : 64), meta);
+    const char *p = comma + 1, *end = url + len;
+    /* 1 GB of base64 is far past any image the pixel cap lets through */
+    if ((size_t)(end - p) > ((size_t)1 << 30)) return k3_err(err, K3_ERR_RANGE, "image_url: over 1 GB of data");
+    uint8_t *buf = malloc((size_t)(end - p) / 4 * 3 + 3);
+    if (!buf) return k3_err(err, K3_ERR_NOMEM, "image_url: out of memory");
+    size_t n = 0;
+    uint32_t acc = 0;
+    int bits = 0, pad = 0;
+    for (; p < end; p++) {
+        const unsigned char c = (unsigned char)*p;
+        if (c == ' ' || c == '\n' || c == '\r' || c == '\t') continue;
+        if (c == '=') {
+            pad++;
+            continue;
+        }
+        const int v = b64_value(c);
+        if (v < 0 || pad) {
+            free(buf);
+            return k3_err(err, K3_ERR_ARG, "image_url: bad base64 at byte %zu of the data", (size_t)(p - comma - 1));
+        }
+        acc = acc << 6 | (uint32_t)v;
+        bits += 6;
+        if (bits >= 8) {
+            bits -= 8;
+            buf[n++] = (uint8_t)(acc >> bits);
+        }
+    }
+    if (bits >= 6 || pad > 2) {
+        free(buf);
+        return k3_err(err, K3_ERR_ARG, "image_url: the base64 data is cut short");
+    }
+    k3_status s = decode_named(out, buf, n, max_pixels, "image_url", err);
+    free(buf);
+    return s;
 }
 
 k3_status k3_image_load(k3_image **out, const char *path, int64_t max_pixels, k3_error *err) {

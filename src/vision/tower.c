@@ -504,7 +504,7 @@ k3_status k3_vision_forward(const k3_vision *v, k3_pool *pool, const float *pixe
         return k3_err(err, K3_ERR_ARG, "vision: bad grid (%d, %d, %d)", gt, gh, gw);
     const int64_t HW = (int64_t)gh * gw, L = gt * HW, D = c->hidden, Q = c->qkv, H = c->n_heads, hd = Q / H;
     const int64_t I = c->mlp, half = hd / 2, N = HW / 4, M4 = 4 * D, TD = c->text_hidden;
-    int64_t bq = ((int64_t)8 << 20) / L; /* query rows per block: scores [bq, L] <= 32 MB */
+    int64_t bq = v->attn_rows > 0 ? v->attn_rows : ((int64_t)8 << 20) / L; /* scores [bq, L] <= 32 MB */
     if (bq < 1) bq = 1;
     if (bq > L) bq = L;
     const int64_t wide = 3 * Q > I ? 3 * Q : I;

@@ -127,6 +127,7 @@ struct k3_vision {
     k3_mat proj0;                   /* [4 mm, 4 mm] */
     k3_mat proj2;                   /* [text_hidden, 4 mm] */
     float *post_norm;               /* [text_hidden] */
+    int64_t attn_rows;              /* query rows per attention block (0 = scores up to 32 MB) */
     const char *quant;              /* "none", "w8a8", ... (describe) */
     int64_t n_params, weight_bytes;
     void **owned;
