@@ -442,12 +442,19 @@ static void rmsnorm_rows(k3_pool *pool, float *out, const float *x, const float 
     k3_pool_for(pool, rows, 16, rms_rows, &j);
 }
 
+/* gelu_tanh(x) = 0.5 x (1 + tanh(z)) = x sigmoid(2 z), z = sqrt(2/pi) (x + 0.044715 x^3):
+ * the sigmoid gate of the kernels (k3_glu K3_GLU_GATE, vector exp), in chunks. */
 static void gelu_tanh_rows(void *p, int64_t lo, int64_t hi, int ith) {
     const vjob *j = p;
-    const float k0 = 0.7978845608028654f; /* sqrt(2/pi) */
-    for (int64_t i = lo * j->n; i < hi * j->n; i++) {
-        const float x = j->x[i];
-        j->x[i] = 0.5f * x * (1.0f + tanhf(k0 * (x + 0.044715f * x * x * x)));
+    const float k2 = 2.0f * 0.7978845608028654f;
+    float u[1024];
+    for (int64_t i = lo * j->n; i < hi * j->n; i += 1024) {
+        const int64_t m = hi * j->n - i < 1024 ? hi * j->n - i : 1024;
+        for (int64_t k = 0; k < m; k++) {
+            const float x = j->x[i + k];
+            u[k] = k2 * (x + 0.044715f * x * x * x);
+        }
+        k3_glu(j->x + i, u, m, K3_GLU_GATE, 1.0f, 0.0f);
     }
 }
 
