@@ -56,60 +56,41 @@ k3_status k3_cli_images_insert(k3_cli_images *im, const k3_model *m, const k3_to
     if (quant && (s = k3_quant_parse(quant, &q, err))) return s;
     if ((s = k3_vision_quantize(im->v, &q, err))) return s;
     im->rows = calloc((size_t)n_files, sizeof *im->rows);
-    if (!im->rows) return K3_ERR_NOMEM;
-    const int64_t D = k3_vision_out_dim(im->v);
+    k3_image_plan *plans = calloc((size_t)n_files, sizeof *plans);
+    size_t *ats = calloc((size_t)n_files, sizeof *ats);
+    if (!im->rows || !plans || !ats) {
+        free(plans), free(ats);
+        if (err) {
+            err->status = K3_ERR_NOMEM;
+            snprintf(err->msg, sizeof err->msg, "out of memory for the images");
+        }
+        return K3_ERR_NOMEM;
+    }
+    for (int i = 0; i < n_files && !s; i++) {
+        k3_image *img = NULL;
+        const double t0 = now_s();
+        if ((s = k3_image_load(&img, files[i], 0, err))) break;
+        s = k3_vision_plan(im->v, k3_image_width(img), k3_image_height(img), &plans[i], err);
+        if (!s) s = k3_vision_encode(im->v, pool, img, &im->rows[i], NULL, err);
+        k3_image_free(img);
+        if (s) break;
+        im->n = i + 1;
+        ats[i] = at;
+        fprintf(stderr, "image %s: %dx%d -> %dx%d, %dx%d patches, %d tokens, encoded in %.1f ms\n", files[i],
+                plans[i].width, plans[i].height, plans[i].resized_w, plans[i].resized_h, plans[i].grid_h,
+                plans[i].grid_w, plans[i].n_tokens, (now_s() - t0) * 1e3);
+    }
     int32_t *out = NULL;
     size_t n_out = 0;
-    /* per image: its framing ids and where its pads start */
-    int32_t **fr = calloc((size_t)n_files, sizeof *fr);
-    size_t *nfr = calloc((size_t)n_files, sizeof *nfr), *pad = calloc((size_t)n_files, sizeof *pad);
-    int32_t *nrows = calloc((size_t)n_files, sizeof *nrows);
-    if (!fr || !nfr || !pad || !nrows) {
-        s = K3_ERR_NOMEM;
-        goto done;
+    if (!s)
+        s = k3_vision_splice(im->v, tok, *ids, *n_ids, ats, plans, (const float *const *)im->rows, n_files, &out,
+                             &n_out, &im->embeds, err);
+    if (!s) {
+        free(*ids);
+        *ids = out;
+        *n_ids = n_out;
     }
-    size_t extra = 0;
-    for (int i = 0; i < n_files; i++) {
-        k3_image *img = NULL;
-        k3_image_plan plan;
-        const double t0 = now_s();
-        if ((s = k3_image_load(&img, files[i], 0, err))) goto done;
-        s = k3_vision_plan(im->v, k3_image_width(img), k3_image_height(img), &plan, err);
-        if (!s) s = k3_vision_encode(im->v, pool, img, &im->rows[i], &nrows[i], err);
-        k3_image_free(img);
-        if (s) goto done;
-        im->n = i + 1;
-        if ((s = k3_vision_image_prompt(im->v, tok, &plan, &fr[i], &nfr[i], &pad[i], err))) goto done;
-        extra += nfr[i];
-        fprintf(stderr, "image %s: %dx%d -> %dx%d, %dx%d patches, %d tokens, encoded in %.1f ms\n", files[i],
-                plan.width, plan.height, plan.resized_w, plan.resized_h, plan.grid_h, plan.grid_w, plan.n_tokens,
-                (now_s() - t0) * 1e3);
-    }
-    n_out = *n_ids + extra;
-    out = malloc(sizeof(int32_t) * n_out);
-    im->embeds = calloc(n_out, sizeof *im->embeds);
-    if (!out || !im->embeds) {
-        s = K3_ERR_NOMEM;
-        goto done;
-    }
-    size_t k = 0;
-    memcpy(out, *ids, sizeof(int32_t) * at);
-    k = at;
-    for (int i = 0; i < n_files; i++) {
-        memcpy(out + k, fr[i], sizeof(int32_t) * nfr[i]);
-        for (int32_t r = 0; r < nrows[i]; r++) im->embeds[k + pad[i] + (size_t)r] = im->rows[i] + (int64_t)r * D;
-        k += nfr[i];
-    }
-    memcpy(out + k, *ids + at, sizeof(int32_t) * (*n_ids - at));
-    free(*ids);
-    *ids = out;
-    *n_ids = n_out;
-    out = NULL;
-done:
-    if (s == K3_ERR_NOMEM && err && !err->msg[0]) snprintf(err->msg, sizeof err->msg, "out of memory for the images");
-    free(out);
-    for (int i = 0; fr && i < n_files; i++) free(fr[i]);
-    free(fr), free(nfr), free(pad), free(nrows);
+    free(plans), free(ats);
     return s;
 }
 

@@ -546,6 +546,15 @@ k3_status k3_vision_encode(const k3_vision *v, k3_pool *pool, const k3_image *im
  * caller-freed. */
 k3_status k3_vision_image_prompt(const k3_vision *v, const k3_tokenizer *t, const k3_image_plan *plan,
                                  int32_t **ids, size_t *n_ids, size_t *pad_at, k3_error *err);
+/* A prompt with images put in: image i's framing is inserted before ids[at[i]]
+ * (at nondecreasing, <= n_ids; images at the same point keep their order),
+ * and (*embeds)[p] points at row r of rows[i] for its r-th pad, NULL
+ * elsewhere -- ready for k3_batch_seq {.tokens = *out, .embeds = *embeds}.
+ * rows[i] holds plans[i].n_tokens rows of k3_vision_out_dim floats and must
+ * outlive *embeds. *out and *embeds are caller-freed. */
+k3_status k3_vision_splice(const k3_vision *v, const k3_tokenizer *t, const int32_t *ids, size_t n_ids,
+                           const size_t *at, const k3_image_plan *plans, const float *const *rows, int32_t n_images,
+                           int32_t **out, size_t *n_out, const float ***embeds, k3_error *err);
 
 #ifdef __cplusplus
 }

@@ -307,38 +307,36 @@ K3_TEST(vision_logits_official) {
     const k3_st_tensor *tl = gt(&g, "prompt.logits", K3_DTYPE_F32);
     if (!tid || !tim || !tl) goto out;
     const int n = (int)tid->shape[0];
-    const int64_t V = 1024, D = k3_vision_out_dim(f.v);
+    const int64_t V = 1024;
     REQUIRE(k3_pool_init(&pool, 2, &err) == K3_OK);
 
-    /* the prompt as k3 builds it: text, then each image's framing, from the files */
-    ids = malloc(sizeof(int32_t) * (size_t)n);
-    emb = calloc((size_t)n, sizeof *emb);
-    size_t k = 0;
+    /* the prompt as k3 builds it: the text's ids, and each image (from its
+     * file) spliced in where its part was (k3_vision_splice) */
+    int32_t *txt = malloc(sizeof(int32_t) * 256);
+    size_t nt = 0, at[2];
     const char *const text[] = {"Look:", " and", " Which is brighter?"};
-    const int32_t bos = k3_tokenizer_special(f.tok, "[BOS]");
-    ids[k++] = bos;
+    txt[nt++] = k3_tokenizer_special(f.tok, "[BOS]");
+    k3_image_plan plans[2];
     bool built = true;
     for (int part = 0; part < 3 && built; part++) {
-        int32_t *t = NULL, *ip = NULL;
-        size_t nt = 0, ni = 0, pad_at = 0;
-        built = k3_tokenizer_encode(f.tok, text[part], strlen(text[part]), &t, &nt, &err) == K3_OK && k + nt <= (size_t)n;
-        if (built) memcpy(ids + k, t, sizeof(int32_t) * nt), k += nt;
+        int32_t *t = NULL;
+        size_t n1 = 0;
+        built = k3_tokenizer_encode(f.tok, text[part], strlen(text[part]), &t, &n1, &err) == K3_OK && nt + n1 < 256;
+        if (built) memcpy(txt + nt, t, sizeof(int32_t) * n1), nt += n1;
         free(t);
         if (part == 2 || !built) break;
+        at[part] = nt;
         k3_image *im = load_image((int)gi64(tim, part));
         int32_t nr = 0;
-        k3_image_plan plan;
-        built = im && k3_vision_plan(f.v, k3_image_width(im), k3_image_height(im), &plan, &err) == K3_OK &&
-                k3_vision_encode(f.v, pool, im, &rows[part], &nr, &err) == K3_OK && nr == plan.n_tokens &&
-                k3_vision_image_prompt(f.v, f.tok, &plan, &ip, &ni, &pad_at, &err) == K3_OK && k + ni <= (size_t)n;
-        if (built) {
-            memcpy(ids + k, ip, sizeof(int32_t) * ni);
-            for (int32_t r = 0; r < nr; r++) emb[k + pad_at + (size_t)r] = rows[part] + (int64_t)r * D;
-            k += ni;
-        }
-        free(ip);
+        built = im && k3_vision_plan(f.v, k3_image_width(im), k3_image_height(im), &plans[part], &err) == K3_OK &&
+                k3_vision_encode(f.v, pool, im, &rows[part], &nr, &err) == K3_OK && nr == plans[part].n_tokens;
         k3_image_free(im);
     }
+    size_t k = 0;
+    if (built)
+        built = k3_vision_splice(f.v, f.tok, txt, nt, at, plans, (const float *const *)rows, 2, &ids, &k, &emb, &err) ==
+                K3_OK;
+    free(txt);
     REQUIREF(built && k == (size_t)n, "building the prompt: %s (%zu of %d ids)", err.msg, k, n);
     int same = 1;
     for (int i = 0; i < n; i++) same &= ids[i] == (int32_t)gi64(tid, i);
@@ -573,4 +571,49 @@ K3_TEST(vision_data_url) {
     CHECK(k3_image_decode_url(&im, "https://x/y.png", 15, 0, &err) && strstr(err.msg, "fetches nothing"));
     free(url), free(enc), free(png);
     k3_image_free(ref);
+}
+
+K3_TEST(vision_splice_bad) {
+    fixture f;
+    if (!fixture_open(&f)) return;
+    const int32_t ids[3] = {1, 2, 3};
+    k3_image_plan plan;
+    k3_error err = {0};
+    REQUIRE(k3_vision_plan(f.v, 5, 3, &plan, &err) == K3_OK && plan.n_tokens == 1);
+    float row[64] = {0};
+    const float *rows[2] = {row, row};
+    const k3_image_plan plans[2] = {plan, plan};
+    int32_t *out = NULL;
+    size_t n = 0;
+    const float **emb = NULL;
+    const size_t past[1] = {4}, backwards[2] = {2, 1}, ok[2] = {0, 3};
+    CHECK(k3_vision_splice(f.v, f.tok, ids, 3, past, plans, rows, 1, &out, &n, &emb, &err) == K3_ERR_ARG && !out);
+    k3_err_clear(&err);
+    CHECK(k3_vision_splice(f.v, f.tok, ids, 3, backwards, plans, rows, 2, &out, &n, &emb, &err) == K3_ERR_ARG && !out);
+    k3_err_clear(&err);
+    REQUIRE(k3_vision_splice(f.v, f.tok, ids, 3, ok, plans, rows, 2, &out, &n, &emb, &err) == K3_OK);
+    /* image, 1 2 3, image; each framing: begin "image 5x3" content pad end */
+    int32_t *fr = NULL;
+    size_t nfr = 0, pat = 0;
+    REQUIRE(k3_vision_image_prompt(f.v, f.tok, &plan, &fr, &nfr, &pat, &err) == K3_OK);
+    CHECK(n == 3 + 2 * nfr && !memcmp(out, fr, sizeof(int32_t) * nfr) && !memcmp(out + nfr + 3, fr, sizeof(int32_t) * nfr));
+    CHECK(out[nfr] == 1 && out[nfr + 2] == 3 && pat == nfr - 2);
+    free(fr);
+    CHECK(out[0] == k3_tokenizer_special(f.tok, "<|media_begin|>") && out[n - 1] == k3_tokenizer_special(f.tok, "<|media_end|>"));
+    int pads = 0;
+    for (size_t i = 0; i < n; i++) {
+        pads += out[i] == 789;
+        CHECK((out[i] == 789) == (emb[i] != NULL));
+    }
+    CHECK(pads == 2);
+    free(out), free(emb);
+    /* a tokenizer without the media specials cannot frame an image */
+    k3_tokenizer *plain = NULL;
+    REQUIRE(k3_tokenizer_open(&plain, "tests/models/tiny", &err) == K3_OK);
+    int32_t *o2 = NULL;
+    size_t n2 = 0, pad_at = 0;
+    k3_err_clear(&err);
+    CHECK(k3_vision_image_prompt(f.v, plain, &plan, &o2, &n2, &pad_at, &err) == K3_ERR_UNSUPPORTED && !o2);
+    k3_tokenizer_free(plain);
+    fixture_close(&f);
 }

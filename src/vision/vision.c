@@ -111,6 +111,58 @@ k3_status k3_vision_image_prompt(const k3_vision *v, const k3_tokenizer *t, cons
     return K3_OK;
 }
 
+k3_status k3_vision_splice(const k3_vision *v, const k3_tokenizer *t, const int32_t *ids, size_t n_ids,
+                           const size_t *at, const k3_image_plan *plans, const float *const *rows, int32_t n_images,
+                           int32_t **out, size_t *n_out, const float ***embeds, k3_error *err) {
+    if (!v || !t || !out || !n_out || !embeds || (n_ids && !ids) || n_images < 0 ||
+        (n_images && (!at || !plans || !rows)))
+        return k3_err(err, K3_ERR_ARG, "vision: bad splice arguments");
+    *out = NULL;
+    *embeds = NULL;
+    for (int32_t i = 0; i < n_images; i++)
+        if (at[i] > n_ids || (i && at[i] < at[i - 1]) || !rows[i])
+            return k3_err(err, K3_ERR_ARG, "vision: image %d's insertion point %zu is out of order or past the "
+                          "prompt's %zu ids", i, at[i], n_ids);
+    int32_t **fr = calloc((size_t)n_images + 1, sizeof *fr);
+    size_t *nfr = calloc((size_t)n_images + 1, sizeof *nfr), *pad = calloc((size_t)n_images + 1, sizeof *pad);
+    k3_status s = K3_OK;
+    size_t total = n_ids;
+    if (!fr || !nfr || !pad) s = k3_err(err, K3_ERR_NOMEM, "vision: out of memory");
+    for (int32_t i = 0; !s && i < n_images; i++) {
+        s = k3_vision_image_prompt(v, t, &plans[i], &fr[i], &nfr[i], &pad[i], err);
+        total += nfr[i];
+    }
+    int32_t *o = NULL;
+    const float **e = NULL;
+    if (!s) {
+        o = malloc(sizeof(int32_t) * (total ? total : 1));
+        e = calloc(total ? total : 1, sizeof *e);
+        if (!o || !e) s = k3_err(err, K3_ERR_NOMEM, "vision: out of memory");
+    }
+    if (!s) {
+        const int64_t D = v->cfg.text_hidden;
+        size_t k = 0, src = 0;
+        for (int32_t i = 0; i < n_images; i++) {
+            memcpy(o + k, ids + src, sizeof(int32_t) * (at[i] - src));
+            k += at[i] - src;
+            src = at[i];
+            memcpy(o + k, fr[i], sizeof(int32_t) * nfr[i]);
+            for (int32_t r = 0; r < plans[i].n_tokens; r++) e[k + pad[i] + (size_t)r] = rows[i] + (int64_t)r * D;
+            k += nfr[i];
+        }
+        memcpy(o + k, ids + src, sizeof(int32_t) * (n_ids - src));
+        *out = o;
+        *embeds = e;
+        *n_out = total;
+    } else {
+        free(o);
+        free(e);
+    }
+    for (int32_t i = 0; fr && i < n_images; i++) free(fr[i]);
+    free(fr), free(nfr), free(pad);
+    return s;
+}
+
 size_t k3_vision_describe(const k3_vision *v, char *buf, size_t size) {
     const k3_vision_config *c = &v->cfg;
     const k3_image_proc *p = &v->proc;
