@@ -84,7 +84,7 @@ int k3_cli_bench_vision(const k3_model *m, k3_pool *pool, const char *quant, int
         qsort(tp, (size_t)runs, sizeof tp[0], cmp_d);
         qsort(tt, (size_t)runs, sizeof tt[0], cmp_d);
         *r = (k3_cli_vision_run){sizes[i][0], sizes[i][1], plan.n_tokens, plan.grid_h * plan.grid_w, tp[runs / 2],
-                                 tt[runs / 2], tt[0], tt[runs - 1]};
+                                 tt[runs / 2], tt[0], tt[runs - 1], k3_vision_flops(v, &plan) / 1e9};
         out->n++;
     }
     k3_vision_close(v);
@@ -101,20 +101,21 @@ void k3_cli_bench_vision_print(const k3_cli_vision_bench *b, bool json) {
         for (int i = 0; i < b->n; i++) {
             const k3_cli_vision_run *r = &b->runs[i];
             printf("%s{\"width\": %d, \"height\": %d, \"tokens\": %d, \"patches\": %d, \"preprocess_ms\": %.2f, "
-                   "\"tower_ms\": %.2f, \"tower_ms_min\": %.2f, \"tower_ms_max\": %.2f}",
-                   i ? ", " : "", r->w, r->h, r->tokens, r->patches, r->pre_ms, r->tower_ms, r->tower_min, r->tower_max);
+                   "\"tower_ms\": %.2f, \"tower_ms_min\": %.2f, \"tower_ms_max\": %.2f, \"gflops\": %.2f}",
+                   i ? ", " : "", r->w, r->h, r->tokens, r->patches, r->pre_ms, r->tower_ms, r->tower_min, r->tower_max,
+                   r->gflop / (r->tower_ms / 1e3));
         }
         printf("]");
         return;
     }
     if (!b->n) return;
-    printf("%-18s %8s %8s %12s %12s %10s %10s\n", "image encode", "patches", "tokens", "preproc ms", "tower ms",
-           "min", "max");
+    printf("%-18s %8s %8s %12s %12s %10s %10s %9s\n", "image encode", "patches", "tokens", "preproc ms", "tower ms",
+           "min", "max", "GFLOP/s");
     for (int i = 0; i < b->n; i++) {
         const k3_cli_vision_run *r = &b->runs[i];
         char sz[32];
         snprintf(sz, sizeof sz, "%dx%d", r->w, r->h);
-        printf("%-18s %8d %8d %12.2f %12.1f %10.1f %10.1f\n", sz, r->patches, r->tokens, r->pre_ms, r->tower_ms,
-               r->tower_min, r->tower_max);
+        printf("%-18s %8d %8d %12.2f %12.1f %10.1f %10.1f %9.1f\n", sz, r->patches, r->tokens, r->pre_ms, r->tower_ms,
+               r->tower_min, r->tower_max, r->gflop / (r->tower_ms / 1e3));
     }
 }

@@ -51,7 +51,7 @@ int k3_cli_print_vision(const k3_model *m);
 /* `k3 bench`'s image-encode figure (bench_vision.c): medians of runs. */
 typedef struct k3_cli_vision_run {
     int32_t w, h, tokens, patches;
-    double pre_ms, tower_ms, tower_min, tower_max;
+    double pre_ms, tower_ms, tower_min, tower_max, gflop;
 } k3_cli_vision_run;
 typedef struct k3_cli_vision_bench {
     k3_cli_vision_run runs[4];

@@ -528,6 +528,9 @@ typedef struct k3_image_plan {
 
 k3_status k3_vision_plan(const k3_vision *v, int32_t width, int32_t height, k3_image_plan *out,
                          k3_error *err);
+/* Floating-point operations of one encode (2 per multiply-add: the matrices
+ * per patch or token, and attention's two products), for throughput figures. */
+double k3_vision_flops(const k3_vision *v, const k3_image_plan *plan);
 /* The processor's output: pixel values [grid_h * grid_w, 3, P, P] (P = patch
  * size), caller-freed, as KimiK3VisionProcessor.preprocess computes them. */
 k3_status k3_vision_preprocess(const k3_vision *v, const k3_image *im, float **pixels,

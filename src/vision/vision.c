@@ -11,6 +11,16 @@
 
 int64_t k3_vision_out_dim(const k3_vision *v) { return v ? v->cfg.text_hidden : 0; }
 
+double k3_vision_flops(const k3_vision *v, const k3_image_plan *plan) {
+    const k3_vision_config *c = &v->cfg;
+    const double L = (double)plan->grid_t * plan->grid_h * plan->grid_w, N = (double)plan->grid_h * plan->grid_w / 4;
+    const double D = (double)c->hidden, M4 = 4.0 * (double)c->mm_hidden;
+    const double per_patch = 3.0 * c->patch_size * c->patch_size * D +
+                             c->n_layers * (D * 3 * c->qkv + c->qkv * D + 2 * D * c->mlp);
+    const double per_token = M4 * M4 + M4 * (double)c->text_hidden;
+    return 2.0 * (L * per_patch + N * per_token) + c->n_layers * 4.0 * L * L * (double)c->qkv;
+}
+
 k3_status k3_vision_plan(const k3_vision *v, int32_t width, int32_t height, k3_image_plan *out, k3_error *err) {
     if (!v || !out) return k3_err(err, K3_ERR_ARG, "vision: no tower");
     k3_resize_plan r;
