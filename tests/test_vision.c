@@ -20,7 +20,8 @@
 
 static const char *const images[] = {"rgb_200x130.png", "rgba_180x150.png", "grey_300x40.png", "photo_67x45.jpg",
                                      "palette_170x101.png", "rgb_112x112.png", "dot_5x3.png",
-                                     "tall_60x400.png"};
+                                     "tall_60x400.png", "bw_130x90.png", "grey2bit_150x70.png", "greykey_120x100.png",
+                                     "la_140x95.png", "rgbkey_160x80.png", "grey_150x80.jpg"};
 enum { N_IMAGES = sizeof images / sizeof images[0] };
 
 typedef struct golden {
@@ -161,7 +162,7 @@ K3_TEST(vision_preprocess_official) {
         free(px);
         k3_image_free(im);
     }
-    printf("    processor: %d images (RGB, RGBA, grey, JPEG, palette+tRNS, 5x3, tall RGBA), pixel values max |diff| %.3g\n",
+    printf("    processor: %d images (RGB, RGBA, LA, L, 1, 2-bit, grey/RGB keys, palette, JPEGs, 5x3, tall), pixel values max |diff| %.3g\n",
            N_IMAGES, worst);
 out:
     fixture_close(&f);

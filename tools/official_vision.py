@@ -140,6 +140,20 @@ def write_images(d, rng):
     out.append("dot_5x3.png")                                   # tiny: one token
     Image.fromarray(smooth(400, 60, 4), "RGBA").save(os.path.join(d, "tall_60x400.png"))
     out.append("tall_60x400.png")                               # Pillow 13: vertical pass first
+    bits = (rng.integers(0, 2, (90, 130)) * 255).astype(np.uint8)
+    Image.fromarray(bits, "L").convert("1").save(os.path.join(d, "bw_130x90.png"), transparency=255)
+    out.append("bw_130x90.png")                                 # "1" with a tRNS key: NEAREST + alpha
+    Image.fromarray(rng.integers(0, 4, (70, 150)).astype(np.uint8) * 85, "L").save(
+        os.path.join(d, "grey2bit_150x70.png"), bits=2)
+    out.append("grey2bit_150x70.png")                           # 2-bit grey, scaled to 0..255
+    Image.fromarray(smooth(100, 120, 1)[..., 0], "L").save(os.path.join(d, "greykey_120x100.png"), transparency=17)
+    out.append("greykey_120x100.png")                           # "L" + tRNS key, applied after the resize
+    Image.fromarray(smooth(95, 140, 2), "LA").save(os.path.join(d, "la_140x95.png"))
+    out.append("la_140x95.png")                                 # "LA": premultiplied like RGBA
+    Image.fromarray(smooth(80, 160, 3), "RGB").save(os.path.join(d, "rgbkey_160x80.png"), transparency=(1, 2, 3))
+    out.append("rgbkey_160x80.png")                             # RGB + tRNS: ignored by the processor
+    Image.fromarray(smooth(80, 150, 1)[..., 0], "L").save(os.path.join(d, "grey_150x80.jpg"), quality=80)
+    out.append("grey_150x80.jpg")                               # greyscale JPEG
     return out
 
 

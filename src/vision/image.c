@@ -215,13 +215,18 @@ static k3_status decode_png(k3_image **out, const uint8_t *data, size_t size, in
             const int c = buf[i];
             uint8_t *o = im->px + 4 * i;
             if (c < n_pal) o[0] = pal[c].red, o[1] = pal[c].green, o[2] = pal[c].blue;
-            else o[0] = o[1] = o[2] = 0; /* PIL's palette is zero past its end */
+            else o[0] = o[1] = o[2] = 0; /* Pillow 13: ImagingPaletteNew zeroes the table */
             o[3] = has_trns && c < n_trans ? trans[c] : 255;
         }
     } else {
         memcpy(im->px, buf, (size_t)w * h * 4);
-        if (im->mode == K3_IMODE_PALETTE) /* 1-bit grey: values 0 or 255 */
-            for (size_t i = 0; i < (size_t)w * h; i++) im->px[4 * i + 3] = 255;
+        if (im->mode == K3_IMODE_PALETTE) { /* 1-bit grey ("1"): values 0 or 255; a tRNS key (PIL: 255 if
+                                               nonzero) makes those pixels transparent */
+            const bool key = has_trns && trans_col, key_on = key && trans_col->gray != 0;
+            im->has_alpha = key;
+            for (size_t i = 0; i < (size_t)w * h; i++)
+                im->px[4 * i + 3] = key && (im->px[4 * i] != 0) == key_on ? 0 : 255;
+        }
     }
 done:
     png_destroy_read_struct(&png, &info, NULL);
