@@ -618,3 +618,37 @@ K3_TEST(vision_splice_bad) {
     k3_tokenizer_free(plain);
     fixture_close(&f);
 }
+
+/* The tower's softmax: each SIMD path against the scalar reference. */
+K3_TEST(vision_softmax_paths) {
+    uint32_t r = 7;
+    float *x = malloc(sizeof(float) * 1100), *a = malloc(sizeof(float) * 1100), *b = malloc(sizeof(float) * 1100);
+    const int64_t ns[] = {1, 7, 16, 17, 100, 1024, 1031};
+    double worst = 0;
+    for (size_t t = 0; t < sizeof ns / sizeof ns[0]; t++) {
+        const int64_t n = ns[t];
+        for (int64_t i = 0; i < n; i++) {
+            r = r * 1103515245u + 12345u;
+            x[i] = ((float)(r >> 8) / 16777216.0f - 0.5f) * 60.0f; /* logits spread over +-30 */
+        }
+        memcpy(a, x, sizeof(float) * (size_t)n);
+        k3_vit_softmax_ref(a, n, 0.0884f);
+        for (int path = 0; path < 2; path++) {
+            if (path == 0 && k3_kernels_isa() < K3_ISA_AVX2) continue;
+            if (path == 1 && k3_kernels_isa() < K3_ISA_AVX512) continue;
+            memcpy(b, x, sizeof(float) * (size_t)n);
+            if (path == 0) k3_vit_softmax_avx2(b, n, 0.0884f);
+            else k3_vit_softmax_avx512(b, n, 0.0884f);
+            double e = 0, s = 0;
+            for (int64_t i = 0; i < n; i++) {
+                e = fmax(e, fabs((double)b[i] - a[i]) / (a[i] > 1e-30f ? a[i] : 1e-30));
+                s += b[i];
+            }
+            if (e > worst) worst = e;
+            CHECKF(e <= 2e-6 && fabs(s - 1.0) < 1e-5, "softmax path %d, n %lld: max rel diff %.3g, sum %.7f", path,
+                   (long long)n, e, s);
+        }
+    }
+    printf("    softmax SIMD vs scalar: max rel diff %.3g (%s)\n", worst, k3_isa_name(k3_kernels_isa()));
+    free(x), free(a), free(b);
+}
