@@ -554,10 +554,13 @@ k3_status k3_vision_image_prompt(const k3_vision *v, const k3_tokenizer *t, cons
  * and (*embeds)[p] points at row r of rows[i] for its r-th pad, NULL
  * elsewhere -- ready for k3_batch_seq {.tokens = *out, .embeds = *embeds}.
  * rows[i] holds plans[i].n_tokens rows of k3_vision_out_dim floats and must
- * outlive *embeds. *out and *embeds are caller-freed. */
+ * outlive *embeds. With keys non-NULL, *keys gets one prefix-cache key per
+ * position: image_keys[i] (e.g. k3_image_hash) on image i's framing, 0 on
+ * text. *out, *embeds and *keys are caller-freed. */
 k3_status k3_vision_splice(const k3_vision *v, const k3_tokenizer *t, const int32_t *ids, size_t n_ids,
-                           const size_t *at, const k3_image_plan *plans, const float *const *rows, int32_t n_images,
-                           int32_t **out, size_t *n_out, const float ***embeds, k3_error *err);
+                           const size_t *at, const k3_image_plan *plans, const float *const *rows,
+                           const uint64_t *image_keys, int32_t n_images, int32_t **out, size_t *n_out,
+                           const float ***embeds, uint64_t **keys, k3_error *err);
 
 #ifdef __cplusplus
 }

@@ -335,7 +335,8 @@ K3_TEST(vision_logits_official) {
     }
     size_t k = 0;
     if (built)
-        built = k3_vision_splice(f.v, f.tok, txt, nt, at, plans, (const float *const *)rows, 2, &ids, &k, &emb, &err) ==
+        built = k3_vision_splice(f.v, f.tok, txt, nt, at, plans, (const float *const *)rows, NULL, 2, &ids, &k, &emb, NULL,
+                                 &err) ==
                 K3_OK;
     free(txt);
     REQUIREF(built && k == (size_t)n, "building the prompt: %s (%zu of %d ids)", err.msg, k, n);
@@ -588,18 +589,24 @@ K3_TEST(vision_splice_bad) {
     size_t n = 0;
     const float **emb = NULL;
     const size_t past[1] = {4}, backwards[2] = {2, 1}, ok[2] = {0, 3};
-    CHECK(k3_vision_splice(f.v, f.tok, ids, 3, past, plans, rows, 1, &out, &n, &emb, &err) == K3_ERR_ARG && !out);
+    CHECK(k3_vision_splice(f.v, f.tok, ids, 3, past, plans, rows, NULL, 1, &out, &n, &emb, NULL, &err) == K3_ERR_ARG && !out);
     k3_err_clear(&err);
-    CHECK(k3_vision_splice(f.v, f.tok, ids, 3, backwards, plans, rows, 2, &out, &n, &emb, &err) == K3_ERR_ARG && !out);
+    CHECK(k3_vision_splice(f.v, f.tok, ids, 3, backwards, plans, rows, NULL, 2, &out, &n, &emb, NULL, &err) == K3_ERR_ARG &&
+          !out);
     k3_err_clear(&err);
-    REQUIRE(k3_vision_splice(f.v, f.tok, ids, 3, ok, plans, rows, 2, &out, &n, &emb, &err) == K3_OK);
+    const uint64_t hk[2] = {0x1111, 0x2222};
+    uint64_t *keys = NULL;
+    REQUIRE(k3_vision_splice(f.v, f.tok, ids, 3, ok, plans, rows, hk, 2, &out, &n, &emb, &keys, &err) == K3_OK);
     /* image, 1 2 3, image; each framing: begin "image 5x3" content pad end */
     int32_t *fr = NULL;
     size_t nfr = 0, pat = 0;
     REQUIRE(k3_vision_image_prompt(f.v, f.tok, &plan, &fr, &nfr, &pat, &err) == K3_OK);
     CHECK(n == 3 + 2 * nfr && !memcmp(out, fr, sizeof(int32_t) * nfr) && !memcmp(out + nfr + 3, fr, sizeof(int32_t) * nfr));
     CHECK(out[nfr] == 1 && out[nfr + 2] == 3 && pat == nfr - 2);
+    for (size_t i = 0; i < n; i++) /* prefix-cache keys: each image's on its framing, 0 on the text */
+        CHECK(keys[i] == (i < nfr ? 0x1111u : i < nfr + 3 ? 0u : 0x2222u));
     free(fr);
+    free(keys);
     CHECK(out[0] == k3_tokenizer_special(f.tok, "<|media_begin|>") && out[n - 1] == k3_tokenizer_special(f.tok, "<|media_end|>"));
     int pads = 0;
     for (size_t i = 0; i < n; i++) {

@@ -122,13 +122,15 @@ k3_status k3_vision_image_prompt(const k3_vision *v, const k3_tokenizer *t, cons
 }
 
 k3_status k3_vision_splice(const k3_vision *v, const k3_tokenizer *t, const int32_t *ids, size_t n_ids,
-                           const size_t *at, const k3_image_plan *plans, const float *const *rows, int32_t n_images,
-                           int32_t **out, size_t *n_out, const float ***embeds, k3_error *err) {
+                           const size_t *at, const k3_image_plan *plans, const float *const *rows,
+                           const uint64_t *image_keys, int32_t n_images, int32_t **out, size_t *n_out,
+                           const float ***embeds, uint64_t **keys, k3_error *err) {
     if (!v || !t || !out || !n_out || !embeds || (n_ids && !ids) || n_images < 0 ||
         (n_images && (!at || !plans || !rows)))
         return k3_err(err, K3_ERR_ARG, "vision: bad splice arguments");
     *out = NULL;
     *embeds = NULL;
+    if (keys) *keys = NULL;
     for (int32_t i = 0; i < n_images; i++)
         if (at[i] > n_ids || (i && at[i] < at[i - 1]) || !rows[i])
             return k3_err(err, K3_ERR_ARG, "vision: image %d's insertion point %zu is out of order or past the "
@@ -144,10 +146,12 @@ k3_status k3_vision_splice(const k3_vision *v, const k3_tokenizer *t, const int3
     }
     int32_t *o = NULL;
     const float **e = NULL;
+    uint64_t *ky = NULL;
     if (!s) {
         o = malloc(sizeof(int32_t) * (total ? total : 1));
         e = calloc(total ? total : 1, sizeof *e);
-        if (!o || !e) s = k3_err(err, K3_ERR_NOMEM, "vision: out of memory");
+        if (keys) ky = calloc(total ? total : 1, sizeof *ky);
+        if (!o || !e || (keys && !ky)) s = k3_err(err, K3_ERR_NOMEM, "vision: out of memory");
     }
     if (!s) {
         const int64_t D = v->cfg.text_hidden;
@@ -157,16 +161,20 @@ k3_status k3_vision_splice(const k3_vision *v, const k3_tokenizer *t, const int3
             k += at[i] - src;
             src = at[i];
             memcpy(o + k, fr[i], sizeof(int32_t) * nfr[i]);
+            if (ky)
+                for (size_t q = 0; q < nfr[i]; q++) ky[k + q] = image_keys ? image_keys[i] : 0;
             for (int32_t r = 0; r < plans[i].n_tokens; r++) e[k + pad[i] + (size_t)r] = rows[i] + (int64_t)r * D;
             k += nfr[i];
         }
         memcpy(o + k, ids + src, sizeof(int32_t) * (n_ids - src));
         *out = o;
         *embeds = e;
+        if (keys) *keys = ky;
         *n_out = total;
     } else {
         free(o);
         free(e);
+        free(ky);
     }
     for (int32_t i = 0; fr && i < n_images; i++) free(fr[i]);
     free(fr), free(nfr), free(pad);
