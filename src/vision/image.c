@@ -202,13 +202,14 @@ static k3_status decode_png(k3_image **out, const uint8_t *data, size_t size, in
         snprintf(src.msg, sizeof src.msg, "unexpected row layout");
         png_error(png, "layout");
     }
-    buf = malloc(rb * h);
+    /* RGBA rows straight into the image; palette indices into a buffer first */
+    if (ct == PNG_COLOR_TYPE_PALETTE) buf = malloc(rb * h);
     rows = malloc(sizeof(png_bytep) * h);
-    if (!buf || !rows) {
+    if ((ct == PNG_COLOR_TYPE_PALETTE && !buf) || !rows) {
         st = k3_err(err, K3_ERR_NOMEM, "%s: out of memory for %ux%u pixels", what, w, h);
         goto done;
     }
-    for (uint32_t y = 0; y < h; y++) rows[y] = buf + rb * y;
+    for (uint32_t y = 0; y < h; y++) rows[y] = (buf ? buf : im->px) + rb * y;
     png_read_image(png, rows);
     if (ct == PNG_COLOR_TYPE_PALETTE) {
         for (size_t i = 0; i < (size_t)w * h; i++) {
@@ -219,7 +220,6 @@ static k3_status decode_png(k3_image **out, const uint8_t *data, size_t size, in
             o[3] = has_trns && c < n_trans ? trans[c] : 255;
         }
     } else {
-        memcpy(im->px, buf, (size_t)w * h * 4);
         if (im->mode == K3_IMODE_PALETTE) { /* 1-bit grey ("1"): values 0 or 255; a tRNS key (PIL: 255 if
                                                nonzero) makes those pixels transparent */
             const bool key = has_trns && trans_col, key_on = key && trans_col->gray != 0;
