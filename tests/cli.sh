@@ -60,8 +60,8 @@ tail -n 1 "$TMP/out" | grep -qE '^ppl [0-9.]+ bits_per_byte [0-9.]+ tokens [0-9]
 expect_ok "bench --json" "$K3" bench -m "$TINY" --runs 1 --prompts 16 --decode-tokens 2 --membw-mb 64 --json
 python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); [d[k] for k in ("prefill_tok_s","prefill_gflops","decode_tok_s","bytes_per_token","effective_gbps","mem_bw_gbps")]; assert 0 <= d["decode_runs_steady"] <= d["runs"] and d["bandwidth_fraction"] > 0' "$TMP/out" 2>/dev/null && ok "bench --json fields" || bad "bench --json fields" "$TMP/out"
 printf 'Hello, world! 12345 don'"'"'t\r\n' >"$TMP/h.txt"
-"$K3" tokenize --vocab ../shared/data/tokenizers/cl100k_base.tiktoken --pattern cl100k <"$TMP/h.txt" >"$TMP/ids" 2>"$TMP/err" &&
-    "$K3" tokenize --vocab ../shared/data/tokenizers/cl100k_base.tiktoken --pattern cl100k --decode <"$TMP/ids" >"$TMP/back" 2>>"$TMP/err" &&
+"$K3" tokenize --vocab data/tokenizers/cl100k_base.tiktoken --pattern cl100k <"$TMP/h.txt" >"$TMP/ids" 2>"$TMP/err" &&
+    "$K3" tokenize --vocab data/tokenizers/cl100k_base.tiktoken --pattern cl100k --decode <"$TMP/ids" >"$TMP/back" 2>>"$TMP/err" &&
     cmp -s "$TMP/h.txt" "$TMP/back" && ok "tokenize round trip (cl100k)" || bad "tokenize round trip (cl100k)" "$TMP/err"
 
 expect_fail "missing model dir" "No such file" "$K3" info -m "$TMP/nope"

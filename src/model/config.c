@@ -20,6 +20,7 @@
 #include "config.h"
 #include "../common/error.h"
 #include "../common/json_guard.h"
+#include "../common/file.h"
 
 #include <errno.h>
 #include <jansson.h>
@@ -649,21 +650,12 @@ k3_status k3_config_load(k3_config *cfg, const char *dir, k3_error *err) {
     char path[4096];
     if (snprintf(path, sizeof path, "%s/config.json", dir) >= (int)sizeof path)
         return k3_err(err, K3_ERR_ARG, "checkpoint path too long: %s", dir);
-    FILE *f = fopen(path, "rb");
-    if (!f) return k3_err(err, K3_ERR_IO, "cannot open %s: %s", path, strerror(errno));
-    char *buf = malloc(CONFIG_MAX_BYTES + 1);
-    if (!buf) {
-        fclose(f);
-        return k3_err(err, K3_ERR_NOMEM, "out of memory reading %s", path);
-    }
-    size_t n = fread(buf, 1, CONFIG_MAX_BYTES + 1, f);
-    int rerr = ferror(f);
-    fclose(f);
-    k3_status s;
-    if (rerr) s = k3_err(err, K3_ERR_IO, "cannot read %s", path);
-    else if (n > CONFIG_MAX_BYTES)
-        s = k3_err(err, K3_ERR_FORMAT, "%s: file is over the 1 MB limit", path);
-    else s = k3_config_parse(cfg, buf, n, path, err);
+    /* a regular file (a FIFO must not block), of at most 1 MB */
+    char *buf;
+    size_t n;
+    k3_status s = k3_file_read(path, CONFIG_MAX_BYTES, "config.json", &buf, &n, err);
+    if (s != K3_OK) return s;
+    s = k3_config_parse(cfg, buf, n, path, err);
     free(buf);
     return s;
 }

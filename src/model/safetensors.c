@@ -13,6 +13,7 @@
 #include "safetensors.h"
 #include "../common/error.h"
 #include "../common/json_guard.h"
+#include "../common/file.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -355,17 +356,14 @@ int64_t k3_st_bytes(const k3_st *st, const char *prefix) {
 
 /* Maps path read-only and parses it as file number st->n_files. */
 static k3_status open_file(k3_st *st, const char *path, k3_error *err) {
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return k3_err(err, K3_ERR_IO, "cannot open %s: %s", path, strerror(errno));
+    int fd;
+    k3_status os = k3_file_open_regular(path, &fd, err); /* a FIFO must not block */
+    if (os != K3_OK) return os;
     struct stat sb;
     if (fstat(fd, &sb) != 0) {
         int e = errno;
         close(fd);
         return k3_err(err, K3_ERR_IO, "cannot stat %s: %s", path, strerror(e));
-    }
-    if (!S_ISREG(sb.st_mode)) {
-        close(fd);
-        return k3_err(err, K3_ERR_IO, "%s is not a regular file", path);
     }
     size_t size = (size_t)sb.st_size;
     if (size < 8) {
@@ -395,30 +393,7 @@ static k3_status open_file(k3_st *st, const char *path, k3_error *err) {
 /* Reads a whole (small) file into a NUL-terminated buffer. */
 static k3_status read_small(const char *path, size_t max, char **out, size_t *len,
                             k3_error *err) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return k3_err(err, K3_ERR_IO, "cannot open %s: %s", path, strerror(errno));
-    size_t cap = 1 << 16, n = 0;
-    char *buf = malloc(cap + 1);
-    while (buf) {
-        n += fread(buf + n, 1, cap - n, f);
-        if (n < cap || cap > max) break;
-        char *nb = realloc(buf, cap * 2 + 1);
-        if (!nb) { free(buf); buf = NULL; break; }
-        buf = nb;
-        cap *= 2;
-    }
-    int rerr = ferror(f);
-    fclose(f);
-    if (!buf) return k3_err(err, K3_ERR_NOMEM, "out of memory reading %s", path);
-    if (rerr) { free(buf); return k3_err(err, K3_ERR_IO, "cannot read %s", path); }
-    if (n > max) {
-        free(buf);
-        return k3_err(err, K3_ERR_FORMAT, "%s is over the %zu MB limit", path, max >> 20);
-    }
-    buf[n] = 0;
-    *out = buf;
-    *len = n;
-    return K3_OK;
+    return k3_file_read(path, max, "a safetensors index", out, len, err);
 }
 
 /* A shard name must stay inside the directory. */

@@ -15,8 +15,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "common/error.h"
+#include "common/file.h"
+#include "common/json_guard.h"
 
 /* ---- specials from tokenizer_config.json -------------------------------- */
 
@@ -35,11 +38,17 @@ static k3_status set_special(k3_tokenizer *t, int32_t i, const char *name, k3_er
  * ...}, ...}. Ids must lie in the special range. */
 static k3_status read_config(k3_tokenizer *t, const char *path, k3_error *err) {
     int32_t n_ranks = t->bpe.n_ranks;
-    FILE *f = fopen(path, "rb");
-    if (!f) return k3_err(err, K3_ERR_IO, "cannot open %s: %s", path, strerror(errno));
+    char *text;
+    size_t len;
+    k3_status rs = k3_file_read(path, (size_t)16 << 20, "a tokenizer config", &text, &len, err);
+    if (rs != K3_OK) return rs;
+    if (k3_json_too_deep(text, len, 64)) {
+        free(text);
+        return k3_err(err, K3_ERR_FORMAT, "%s: JSON nests deeper than 64 levels", path);
+    }
     json_error_t je;
-    json_t *root = json_loadf(f, 0, &je);
-    fclose(f);
+    json_t *root = json_loadb(text, len, 0, &je);
+    free(text);
     if (!root) return k3_err(err, K3_ERR_FORMAT, "%s:%d: %s", path, je.line, je.text);
 
     k3_status st = K3_OK;
@@ -131,9 +140,7 @@ k3_status k3_tokenizer_open(k3_tokenizer **out, const char *dir, k3_error *err) 
     } else {
         snprintf(vocab, n, "%s/tiktoken.model", dir);
         snprintf(config, n, "%s/tokenizer_config.json", dir);
-        FILE *f = fopen(config, "rb");
-        bool have_config = f || errno != ENOENT;
-        if (f) fclose(f);
+        bool have_config = access(config, F_OK) == 0 || errno != ENOENT;
         st = open_impl(out, vocab, have_config ? config : NULL, true, K3_PATTERN_KIMI, err);
     }
     free(vocab);
