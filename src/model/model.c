@@ -794,9 +794,10 @@ size_t k3_model_describe(const k3_model *m, char *buf, size_t size) {
     put(buf, size, &n, "\nparameters: %lld total (%s), %lld active per token (%s)\n",
         (long long)in.n_params, human((double)in.n_params, h1, sizeof h1),
         (long long)in.n_params_active, human((double)in.n_params_active, h2, sizeof h2));
-    put(buf, size, &n, "weights: %lld bytes (%sB); %lld bytes (%sB) read per decoded token\n",
+    put(buf, size, &n, "weights: %lld bytes (%sB); bytes read per decoded token: %lld (%sB), %s\n",
         (long long)in.weight_bytes, human((double)in.weight_bytes, h3, sizeof h3),
-        (long long)in.bytes_per_token, human((double)in.bytes_per_token, h4, sizeof h4));
+        (long long)in.bytes_per_token, human((double)in.bytes_per_token, h4, sizeof h4),
+        m->quant_bytes_delta ? "as quantized" : "as stored");
     put(buf, size, &n, "cache: %lld bytes per token (fp32); KDA state %lld bytes per sequence\n",
         (long long)in.cache_bytes_per_token, (long long)in.state_bytes_per_seq);
     return n;
