@@ -329,7 +329,7 @@ int k3_cmd_bench(int argc, char **argv) {
     bench b = {.runs = runs, .decode_tokens = dtok, .kv = kv};
     int rc = 1;
     k3_model_info stored;
-    if (k3_cli_open_model_stored(&b.m, dir, quant, keep_mapped, &stored, &err) ||
+    if (k3_cli_open_model_stored(&b.m, dir, quant, keep_mapped, true, &stored, &err) ||
         k3_pool_init(&b.pool, threads, &err))
         goto fail;
     k3_model_get_info(b.m, &b.info);

@@ -110,7 +110,12 @@ static k3_status bad_dtype(walker *w, const k3_st_tensor *t, const char *allowed
                   t->name, k3_dtype_name(t->dtype), allowed);
 }
 
+/* A zero dimension makes it 0 whatever the others are (they may be huge:
+ * the product is only bounded by the file size when every factor is
+ * non-zero, so check for zero first). */
 static int64_t numel(const k3_st_tensor *t) {
+    for (int i = 0; i < t->ndim; i++)
+        if (t->shape[i] == 0) return 0;
     int64_t n = 1;
     for (int i = 0; i < t->ndim; i++) n *= t->shape[i];
     return n;

@@ -208,6 +208,14 @@ static k3_status parse_entry(const char *path, const char *name, json_t *e,
                       "%s: tensor '%s' holds %llu bytes, but %s x shape needs %llu", path,
                       name, (unsigned long long)(end - begin), dtypes[d].name,
                       (unsigned long long)want);
+    /* elements are read in place as uint16_t/float/...: their address must be
+     * a multiple of their size (writers pad the header to 8 bytes) */
+    if (want && (uintptr_t)(data + begin) % dtypes[d].size)
+        return k3_err(err, K3_ERR_FORMAT,
+                      "%s: tensor '%s' (%s, data offset %llu) is not aligned to its %zu-byte "
+                      "elements (the header is not padded to a multiple of 8 bytes): rewrite the "
+                      "file with a padded header", path, name, dtypes[d].name,
+                      (unsigned long long)begin, (size_t)dtypes[d].size);
     t->data = data + begin;
     t->nbytes = (size_t)want;
     *sp = (span){begin, end, name};
@@ -375,19 +383,39 @@ static k3_status open_file(k3_st *st, const char *path, k3_error *err) {
     int e = errno;
     close(fd);
     if (map == MAP_FAILED) return k3_err(err, K3_ERR_IO, "cannot map %s: %s", path, strerror(e));
+    /* A header not padded to 8 bytes leaves the data section misaligned in
+     * the mapping, and tensors are read in place as uint16_t/float: such a
+     * file is copied into anonymous memory at an offset that realigns it. */
+    uint8_t *image = map;
+    size_t map_size = size;
+    uint64_t hlen = 0;
+    for (int i = 7; i >= 0; i--) hlen = hlen << 8 | ((const uint8_t *)map)[i];
+    if (hlen <= size - 8 && (8 + hlen) % 8) {
+        const size_t pad = (size_t)(8 - (8 + hlen) % 8);
+        void *anon = mmap(NULL, size + 8, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (anon == MAP_FAILED) {
+            munmap(map, size);
+            return k3_err(err, K3_ERR_NOMEM, "%s: out of memory realigning an unpadded header", path);
+        }
+        memcpy((uint8_t *)anon + pad, map, size);
+        munmap(map, size);
+        map = anon;
+        map_size = size + 8;
+        image = (uint8_t *)anon + pad;
+    }
 
     st_file *files = realloc(st->files, (size_t)(st->n_files + 1) * sizeof *files);
     char *p = strdup(path);
     if (!files || !p) {
         if (files) st->files = files;
         free(p);
-        munmap(map, size);
+        munmap(map, map_size);
         return k3_err(err, K3_ERR_NOMEM, "out of memory");
     }
     st->files = files;
     int32_t idx = st->n_files++;
-    st->files[idx] = (st_file){p, map, size};
-    return k3_st_parse(st, map, size, idx, p, err);
+    st->files[idx] = (st_file){p, map, map_size};
+    return k3_st_parse(st, image, size, idx, p, err);
 }
 
 /* Reads a whole (small) file into a NUL-terminated buffer. */

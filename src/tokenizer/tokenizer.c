@@ -111,6 +111,7 @@ static k3_status open_impl(k3_tokenizer **out, const char *vocab_path, const cha
     *out = NULL;
     k3_tokenizer *t = calloc(1, sizeof *t);
     if (!t) return k3_err(err, K3_ERR_NOMEM, "out of memory opening a tokenizer");
+    t->pattern = pattern;
     k3_status st = k3_pretok_init(&t->pretok, pattern, err);
     if (st == K3_OK) st = k3_bpe_load(&t->bpe, vocab_path, err);
     if (st == K3_OK && with_specials) st = load_specials(t, config_path, err);
@@ -205,13 +206,58 @@ static k3_status encode_piece(void *ctx, const char *piece, size_t len) {
     return k3_bpe_encode_piece(c->bpe, (const uint8_t *)piece, len, c->out, c->err);
 }
 
+/* Python's str.isspace: Unicode White_Space plus the separators \x1c-\x1f. */
+static bool py_isspace(uint32_t c) {
+    return (c >= 0x09 && c <= 0x0D) || (c >= 0x1C && c <= 0x20) || c == 0x85 || c == 0xA0 || c == 0x1680 ||
+           (c >= 0x2000 && c <= 0x200A) || c == 0x2028 || c == 0x2029 || c == 0x202F || c == 0x205F ||
+           c == 0x3000;
+}
+
+/* The code point at s[*i] of valid UTF-8; advances *i. */
+static uint32_t utf8_next(const unsigned char *s, size_t *i) {
+    const unsigned char b = s[*i];
+    if (b < 0x80) return s[(*i)++];
+    const int n = b >= 0xF0 ? 3 : b >= 0xE0 ? 2 : 1;
+    uint32_t c = b & (0x3F >> n);
+    for (int k = 1; k <= n; k++) c = c << 6 | (s[*i + k] & 0x3F);
+    *i += (size_t)n + 1;
+    return c;
+}
+
 k3_status k3_tokenizer_encode_append(const k3_tokenizer *t, const char *text, size_t len,
                                      k3_ids *out, k3_error *err) {
     size_t bad;
     if (!k3_utf8_check(text, len, &bad))
         return k3_err(err, K3_ERR_ARG, "invalid UTF-8 at byte %zu", bad);
     encode_ctx c = {&t->bpe, out, err};
-    return k3_pretok_split(t->pretok, text, len, encode_piece, &c, err);
+    /* fewer bytes than a run limit: no slicing can apply */
+    if (len <= K3_ENCODE_MAX_RUN) return k3_pretok_split(t->pretok, text, len, encode_piece, &c, err);
+    const unsigned char *s = (const unsigned char *)text;
+    const bool chunks = t->pattern == K3_PATTERN_KIMI;
+    size_t i = 0, start = 0, chunk_chars = 0, run = 0;
+    bool run_space = false;
+    k3_status st = K3_OK;
+    while (i < len && st == K3_OK) {
+        const size_t at = i;
+        const bool sp = py_isspace(utf8_next(s, &i));
+        if (chunks && chunk_chars == K3_ENCODE_CHUNK_CHARS) {
+            st = k3_pretok_split(t->pretok, text + start, at - start, encode_piece, &c, err);
+            start = at;
+            chunk_chars = 0;
+            run = 0;
+        }
+        if (run == 0 || sp != run_space) {
+            run = 1;
+            run_space = sp;
+        } else if (++run > K3_ENCODE_MAX_RUN) {
+            if (st == K3_OK) st = k3_pretok_split(t->pretok, text + start, at - start, encode_piece, &c, err);
+            start = at;
+            run = 1;
+        }
+        chunk_chars++;
+    }
+    if (st == K3_OK && start < len) st = k3_pretok_split(t->pretok, text + start, len - start, encode_piece, &c, err);
+    return st;
 }
 
 k3_status k3_tokenizer_encode(const k3_tokenizer *t, const char *text, size_t len,
