@@ -163,6 +163,8 @@ if grep -q "$(printf '\r')" "$TMP/err"; then bad "eval progress: no CR frames of
 mkdir -p "$TMP/bin" && cp "$K3" "$TMP/bin/k3"
 (cd "$TMP" && "$TMP/bin/k3" info >/dev/null 2>"$TMP/err")
 grep -q "looked in" "$TMP/err" && ok "missing default model: the error says where it looked" || bad "missing default model says where it looked" "$TMP/err"
+mkdir -p "$TMP/usr/bin" "$TMP/usr/share/k3/models" && cp "$K3" "$TMP/usr/bin/k3" && cp -r "$TINY" "$TMP/usr/share/k3/models/k3-mini"
+(cd / && "$TMP/usr/bin/k3" info >"$TMP/out" 2>"$TMP/err") && grep -q "vocab 1024" "$TMP/out" && ok "installed layout: default model under PREFIX/share/k3" || bad "installed layout: default model under PREFIX/share/k3" "$TMP/err"
 "$K3" info -m "$TINY" >"$TMP/out" 2>&1
 "$K3" bench -m "$TINY" --quant none --runs 1 --prompts 16 --decode-tokens 2 --membw-mb 64 >"$TMP/bench" 2>"$TMP/benchrr"
 i_bpt=$(sed -n 's/.*bytes read per decoded token: \([0-9]*\) .*/\1/p' "$TMP/out")
