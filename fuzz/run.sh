@@ -20,7 +20,7 @@ for name in safetensors config tiktoken chat; do
     if "$DIR/fuzz_$name" -max_total_time="$T" -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 \
         -artifact_prefix="$DIR/crash-$name-" "$DIR/corpus/$name" "fuzz/corpus/$name" >"$log" 2>&1; then
         runs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log")
-        cov=$(grep -o 'cov: [0-9]*' "$log" | tail -n 1)
+        cov=$(grep -a -o 'cov: [0-9]*' "$log" | tail -n 1)
         pass=$((pass + 1))
         echo "ok   fuzz_$name: $runs runs in ${T}s, $cov"
     else

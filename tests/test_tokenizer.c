@@ -91,7 +91,8 @@ static k3_tokenizer *open_file(const char *rel, k3_pattern pat) {
     k3_tokenizer *t = NULL;
     k3_error err = {0};
     if (k3_tokenizer_open_file(&t, rel, pat, &err) != K3_OK)
-        k3_test_fail(__FILE__, __LINE__, "%s", err.msg);
+        k3_test_fail(__FILE__, __LINE__, "%s (the rank files are committed in data/tokenizers: "
+                     "`git checkout -- data/tokenizers`)", err.msg);
     return t;
 }
 
@@ -100,7 +101,8 @@ static k3_tokenizer *open_kimi(void) {
     k3_error err = {0};
     if (k3_tokenizer_open_paths(&t, O200K, KIMI_CONFIG,
                                 K3_PATTERN_KIMI, &err) != K3_OK)
-        k3_test_fail(__FILE__, __LINE__, "%s", err.msg);
+        k3_test_fail(__FILE__, __LINE__, "%s (the rank files are committed in data/tokenizers: "
+                     "`git checkout -- data/tokenizers`)", err.msg);
     return t;
 }
 
