@@ -211,7 +211,7 @@ int k3_cli_chat_repl(const k3_cli_repl *r) {
             const int32_t id = k3_sampler_sample(smp, logits);
             if (id < 0) {
                 fprintf(stderr, "\nk3 run: the logits are not finite (NaN or +Inf): the weights are damaged; "
-                                "check them with `k3 info --check-tensors`\n");
+                                "`k3 info -m DIR` names the tensor\n");
                 goto out;
             }
             if (id == eom || id == eos) {

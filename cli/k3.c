@@ -300,8 +300,8 @@ int k3_cmd_run(int argc, char **argv) {
         }
         const int32_t id = k3_sampler_sample(smp, logits);
         if (id < 0) {
-            fprintf(stderr, "\nk3 run: the logits are not finite (NaN or +Inf): the weights are damaged; check them "
-                            "with `k3 info --check-tensors`\n");
+            fprintf(stderr, "\nk3 run: the logits are not finite (NaN or +Inf): the weights are damaged; "
+                            "`k3 info -m DIR` names the tensor\n");
             goto out_quiet;
         }
         if (id == eom || id == eos) {

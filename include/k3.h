@@ -121,8 +121,8 @@ size_t k3_model_describe(const k3_model *m, char *buf, size_t size);
 /* Checks that every stored float of the checkpoint is finite (no NaN or
  * Inf; MXFP4 scales not the NaN byte): K3_ERR_FORMAT naming the tensor and
  * the element otherwise. One pass over the mapped files (0.3 s for 1.9 GB
- * from the page cache), so it runs on request (`k3 info` does,
- * `k3 run --check-tensors`). *n_checked (may be NULL) gets the tensor count. */
+ * from the page cache): `k3 info` and the CLI's model loading run it
+ * (`--no-check-tensors` skips it). *n_checked (may be NULL) gets the tensor count. */
 k3_status k3_model_check_tensors(const k3_model *m, int64_t *n_checked, k3_error *err);
 
 /* ---- tokenizer -------------------------------------------------------- */

@@ -7,7 +7,7 @@
  * scales of MXFP4 experts (U8 *.weight_scale) by theirs (0xFF).
  * One pass over the mapped bytes, four 16-bit values per step: 0.3 s for
  * the 1.9 GB bench checkpoint from the page cache (more from disk), so
- * `k3 info` runs it and `k3 run --check-tensors` on request, not every load.
+ * `k3 info` and the CLI's model loading run it (`--no-check-tensors` skips it).
  */
 #include <stdio.h>
 #include <string.h>
