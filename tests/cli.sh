@@ -157,6 +157,9 @@ printf 'Hi\n' | timeout 60 "$K3" run -m "$TINY" --system "Be brief." -n 2 --temp
 sys1=$(sed -n 's/^\[turn 1: prefilled \([0-9]*\).*/\1/p' "$TMP/syserr")
 hi1=$(sed -n 's/^\[turn 1: prefilled \([0-9]*\).*/\1/p' "$TMP/chaterr")
 [ -n "$sys1" ] && [ "$sys1" -gt "$hi1" ] && ok "--system adds a system message to the first turn" || bad "--system adds a system message" "$TMP/syserr"
+printf 'Hi\nHello there, how are you today?\n' | timeout 60 "$K3" run -m "$TINY" --chat --ctx 60 -n 4 --temp 0 >/dev/null 2>"$TMP/err"
+rc=$?
+[ $rc -eq 1 ] && grep -q "conversation is full" "$TMP/err" && ok "chat: a full context is an error naming --ctx" || bad "chat: a full context is an error (exit $rc)" "$TMP/err"
 "$K3" eval -m "$TINY" --text "$TMP/t.txt" --ctx 8 >/dev/null 2>"$TMP/err"
 if grep -q "$(printf '\r')" "$TMP/err"; then bad "eval progress: no CR frames off a terminal" "$TMP/err"; else ok "eval progress: no CR frames off a terminal"; fi
 (cd "$TMP" && "$K3ABS" info >/dev/null 2>"$TMP/err") && ok "default model found from another directory" || bad "default model found from another directory" "$TMP/err"
