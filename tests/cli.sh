@@ -174,6 +174,11 @@ i_bpt=$(sed -n 's/.*bytes read per decoded token: \([0-9]*\) .*/\1/p' "$TMP/out"
 b_bpt=$(sed -n 's/.*bytes read per decoded token: \([0-9]*\) .*/\1/p' "$TMP/bench")
 [ -n "$i_bpt" ] && [ "$i_bpt" = "$b_bpt" ] && ok "info and bench agree on bytes read per decoded token ($i_bpt)" || bad "info and bench agree on bytes per token ('$i_bpt' vs '$b_bpt')" "$TMP/bench"
 grep -q "s left)" "$TMP/benchrr" && ok "bench shows the time left" || bad "bench shows the time left" "$TMP/benchrr"
+"$K3" info -m "$TINY" --quant w8a8+w4a8 >"$TMP/out" 2>&1
+"$K3" bench -m "$TINY" --quant w8a8+w4a8 --runs 1 --prompts 16 --decode-tokens 2 --membw-mb 64 >"$TMP/bench" 2>/dev/null
+i_q=$(sed -n 's/.*bytes read per decoded token: \([0-9]*\) .*as quantized/\1/p' "$TMP/out")
+b_q=$(sed -n 's/.*bytes read per decoded token: \([0-9]*\) .*with --quant w8a8+w4a8.*/\1/p' "$TMP/bench")
+[ -n "$i_q" ] && [ "$i_q" = "$b_q" ] && ok "info --quant and bench agree under W8A8+W4A8 ($i_q)" || bad "info --quant and bench agree ('$i_q' vs '$b_q')" "$TMP/bench"
 
 # ---- issue 14: hostile input --------------------------------------------------
 damaged
