@@ -85,7 +85,7 @@ run: $(BUILD)/k3
 	$(BUILD)/k3 run -m $(MODEL) $(RUN_ARGS) "$(PROMPT)"
 
 test: $(BUILD)/k3 $(BUILD)/k3-test fuzz-build
-	@FUZZ_DIR=$(FUZZ_BUILD) FUZZ_TEST_TIME=$(FUZZ_TEST_TIME) sh tests/run.sh $(BUILD)/k3-test $(BUILD)/k3
+	@FUZZ_DIR=$(if $(HAVE_CLANG),$(FUZZ_BUILD),no-clang) FUZZ_TEST_TIME=$(FUZZ_TEST_TIME) sh tests/run.sh $(BUILD)/k3-test $(BUILD)/k3
 
 asan:
 	$(MAKE) BUILD=build-asan CFLAGS="-O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer" test
