@@ -5,6 +5,11 @@
 # flags; everything else is plain x86-64 so the binary runs anywhere and picks
 # its kernels at run time.
 
+# `make` runs as many jobs as there are CPUs unless -j is given.
+ifeq ($(MAKELEVEL)$(filter -j% j% --jobserver%,$(MAKEFLAGS)),0)
+MAKEFLAGS += -j$(shell nproc 2>/dev/null || echo 2)
+endif
+
 CC      ?= cc
 # -O2, with the vectorizer's cost model of -O3: the plain loops of the
 # non-kernel files (residual adds, copies, x + 128) become SSE2 code; every
@@ -41,6 +46,9 @@ help:
 	@echo "make test        build and run the whole test suite"
 	@echo "make asan|ubsan  the suite under AddressSanitizer / UBSan"
 	@echo "make check-reference  compare with external references (needs PyPI)"
+	@echo "make bench-model make the bench checkpoints (bench/bench, bench/bench-dsa; ~2 GB each)"
+	@echo "make install     install k3 and the default model under PREFIX (default /usr/local)"
+	@echo "make fuzz        run each libFuzzer harness for FUZZ_TIME seconds (default 60)"
 	@echo "make clean"
 
 # Installs the Debian packages the build needs when pkg-config cannot find them.
@@ -78,8 +86,8 @@ $(BUILD)/k3-test: $(TEST_OBJ) $(BUILD)/libk3.a
 run: $(BUILD)/k3
 	$(BUILD)/k3 run -m $(MODEL) $(RUN_ARGS) "$(PROMPT)"
 
-test: $(BUILD)/k3 $(BUILD)/k3-test
-	@sh tests/run.sh $(BUILD)/k3-test $(BUILD)/k3
+test: $(BUILD)/k3 $(BUILD)/k3-test fuzz-build
+	@FUZZ_DIR=$(if $(HAVE_CLANG),$(FUZZ_BUILD),no-clang) FUZZ_TEST_TIME=$(FUZZ_TEST_TIME) sh tests/run.sh $(BUILD)/k3-test $(BUILD)/k3
 
 asan:
 	$(MAKE) BUILD=build-asan CFLAGS="-O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer" test
@@ -94,9 +102,9 @@ format:
 	clang-format -i include/*.h src/*/*.[ch] cli/*.c tests/*.[ch]
 
 clean:
-	rm -rf $(BUILD) build-asan build-ubsan
+	rm -rf $(BUILD) build-asan build-ubsan $(FUZZ_BUILD)
 
--include $(OBJ:.o=.d) $(CLI_OBJ:.o=.d) $(TEST_OBJ:.o=.d)
+-include $(OBJ:.o=.d) $(CLI_OBJ:.o=.d) $(TEST_OBJ:.o=.d) $(wildcard $(BUILD)/fuzz_*.d)
 
 # Developer tool: the matvec kernels alone against the read bandwidth.
 $(BUILD)/kbench: bench/kbench.c $(BUILD)/libk3.a
@@ -108,3 +116,53 @@ kbench: $(BUILD)/kbench
 $(BUILD)/xcore: bench/xcore.c $(BUILD)/libk3.a
 	$(CC) $(K3_CFLAGS) $(PC_CFLAGS) $(CFLAGS) -o $@ $< $(BUILD)/libk3.a $(PC_LIBS) $(LDLIBS)
 xcore: $(BUILD)/xcore
+
+# ---- install, bench checkpoints, fuzzers (issue 14) --------------------------
+
+# make install [PREFIX=/usr/local] [DESTDIR=]: the binary in PREFIX/bin, the
+# default model in PREFIX/share/k3/models/k3-mini, where the binary looks
+# for it (BIN/../share/k3/models/k3-mini).
+PREFIX  ?= /usr/local
+DESTDIR ?=
+.PHONY: install uninstall bench-model fuzz fuzz-build
+install: $(BUILD)/k3
+	install -d $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/share/k3/models/k3-mini
+	install -m 755 $(BUILD)/k3 $(DESTDIR)$(PREFIX)/bin/k3
+	install -m 644 $(MODEL)/* $(DESTDIR)$(PREFIX)/share/k3/models/k3-mini/
+uninstall:
+	rm -f $(DESTDIR)$(PREFIX)/bin/k3
+	rm -rf $(DESTDIR)$(PREFIX)/share/k3
+
+# The random bench checkpoints (tools/make_checkpoint.py, numpy in the
+# project's .venv, made by scripts/venv.sh when missing): ~1.9 GB and ~15-40 s each.
+BENCH_DIR ?= bench
+bench-model: $(BENCH_DIR)/bench/config.json $(BENCH_DIR)/bench-dsa/config.json
+$(BENCH_DIR)/bench/config.json $(BENCH_DIR)/bench-dsa/config.json: tools/make_checkpoint.py tools/k3ckpt.py
+	@PY=$$(sh scripts/venv.sh numpy) && \
+	  "$$PY" tools/make_checkpoint.py --preset $(notdir $(patsubst %/,%,$(dir $@))) --out $(dir $@)
+
+# libFuzzer harnesses (fuzz/*.c) against a clang + ASan/UBSan build of the
+# library; skipped, with a line saying so, when clang is missing.
+FUZZ_CC     ?= clang
+FUZZ_BUILD  ?= build-fuzz
+FUZZ_TIME   ?= 60
+FUZZ_TEST_TIME ?= 3
+FUZZ_SAN    := -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer
+FUZZ_NAMES  := safetensors config tiktoken chat
+HAVE_CLANG  := $(shell command -v $(FUZZ_CC) >/dev/null 2>&1 && echo yes)
+# Only the parsers are linked: common/, config, safetensors, tokenizer.
+FUZZ_LIB_SRC := $(wildcard src/common/*.c src/tokenizer/*.c) src/model/config.c src/model/safetensors.c
+ifeq ($(HAVE_CLANG),yes)
+fuzz-build: $(DEPS_OK)
+	@$(MAKE) --no-print-directory BUILD=$(FUZZ_BUILD) CC=$(FUZZ_CC) \
+	  CFLAGS="-O1 -g $(FUZZ_SAN) -fsanitize=fuzzer-no-link" $(FUZZ_NAMES:%=$(FUZZ_BUILD)/fuzz_%)
+$(FUZZ_BUILD)/libk3fuzz.a: $(FUZZ_LIB_SRC:%.c=$(FUZZ_BUILD)/%.o)
+	ar rcs $@ $^
+$(FUZZ_BUILD)/fuzz_%: fuzz/fuzz_%.c $(FUZZ_BUILD)/libk3fuzz.a
+	$(CC) $(K3_CFLAGS) $(PC_CFLAGS) -O1 -g $(FUZZ_SAN) -fsanitize=fuzzer -o $@ $< $(FUZZ_BUILD)/libk3fuzz.a $(PC_LIBS) $(LDLIBS)
+else
+fuzz-build:
+	@echo "fuzz: skipped: clang not found"
+endif
+fuzz: fuzz-build
+	@sh fuzz/run.sh $(FUZZ_BUILD) $(FUZZ_TIME)

@@ -26,6 +26,14 @@ int k3_cmd_bench(int argc, char **argv);
  * "w8a8+w4a8", ...) and, unless keep_mapped (--mmap), copies the streamed
  * weights into RAM when they take at most half of it (k3_model_load_resident). */
 k3_status k3_cli_open_model(k3_model **m, const char *dir, const char *quant, bool keep_mapped, k3_error *err);
+/* k3_cli_open_model checks first that every stored weight is finite
+ * (k3_model_check_tensors: 0.3 s for the 1.9 GB bench checkpoint). The
+ * _stored form makes the check optional (check = false: --no-check-tensors)
+ * and, when stored != NULL, fills it with the model's info before
+ * quantization (the figures `k3 info` shows: bytes read per decoded token
+ * as stored). */
+k3_status k3_cli_open_model_stored(k3_model **m, const char *dir, const char *quant, bool keep_mapped, bool check,
+                                   k3_model_info *stored, k3_error *err);
 /* Parses a --kv-cache value ("f32" or "c8"); 0 on success. */
 int k3_cli_parse_kv(const char *s, k3_kv_type *out);
 
@@ -37,8 +45,8 @@ typedef struct k3_cli_images {
     const float **embeds;       /* [prompt length] row per position, NULL = the token */
 } k3_cli_images;
 /* Where a --chat prompt's user content begins in ids. */
-k3_status k3_cli_chat_content_at(const k3_tokenizer *tok, bool think, const int32_t *ids, size_t n_ids, size_t *at,
-                                 k3_error *err);
+k3_status k3_cli_chat_content_at(const k3_tokenizer *tok, const char *system, bool think, const int32_t *ids,
+                                 size_t n_ids, size_t *at, k3_error *err);
 /* Encodes the image files with the model's tower (quant: the --quant mode)
  * and splices their framings into *ids at position at (ids grows). */
 k3_status k3_cli_images_insert(k3_cli_images *im, const k3_model *m, const k3_tokenizer *tok, k3_pool *pool,
@@ -61,7 +69,68 @@ int k3_cli_bench_vision(const k3_model *m, k3_pool *pool, const char *quant, int
                         k3_cli_vision_bench *out);
 void k3_cli_bench_vision_print(const k3_cli_vision_bench *b, bool json);
 
+/* `k3 --version` */
+#define K3_VERSION "0.1.0"
+
 /* The model directory used when -m is not given. */
 #define K3_DEFAULT_MODEL "models/k3-mini"
+
+/* ---- strict option values (common.c) ---------------------------------
+ * Each parses the whole string (no trailing junk, no wrap-around, NaN and
+ * infinities refused) within [lo, hi]; on failure it prints
+ * `k3 CMD: OPT expects ..., not 'S'` on stderr and returns -1. */
+#define K3_CLI_MAX_THREADS 512
+int k3_cli_long(const char *cmd, const char *opt, const char *s, long lo, long hi, long *out);
+int k3_cli_int(const char *cmd, const char *opt, const char *s, int lo, int hi, int *out);
+int k3_cli_u64(const char *cmd, const char *opt, const char *s, uint64_t *out);
+int k3_cli_float(const char *cmd, const char *opt, const char *s, double lo, double hi, float *out);
+/* --threads N: 1..512, or 0 = every CPU this process may use. */
+int k3_cli_threads(const char *cmd, const char *s, int *out);
+/* The default thread count: physical cores (not hardware threads) among the
+ * CPUs this process may use; and every such CPU. */
+int k3_cli_physical_cores(void);
+int k3_cli_all_cpus(void);
+/* The model directory: dir when given with -m, else the default model found
+ * in ./models/k3-mini, beside the binary (BIN/../models/k3-mini) or under
+ * its install prefix (BIN/../share/k3/models/k3-mini). NULL (with a message
+ * saying where it looked) when the default is nowhere. */
+const char *k3_cli_model_dir(const char *cmd, const char *dir);
+
+/* ---- chat (chat_repl.c) ----------------------------------------------
+ * The renderer of an assistant turn in the K3 chat format as plain text:
+ * control tokens and tag names are not printed; a think block is shown
+ * between [think] and [/think] (the opening marker printed by _init when
+ * the generation prompt opened the think block). */
+#include <stdio.h>
+typedef struct k3_cli_chat_view {
+    int32_t open, close, sep;
+    int in_tag, closing;
+    char tag[64];
+    char block[64]; /* the block being generated: "think", "response" or "" */
+    FILE *out;
+} k3_cli_chat_view;
+void k3_cli_chat_render_init(k3_cli_chat_view *c, const k3_tokenizer *tok, bool think, FILE *out);
+void k3_cli_chat_render(k3_cli_chat_view *c, int32_t id, const char *piece, size_t len);
+
+/* The conversation of `k3 run --chat` with no prompt: one line of stdin per
+ * user message, each turn prefilling only its own tokens. Returns the exit
+ * status. */
+typedef struct k3_cli_repl {
+    k3_model *model;
+    const k3_tokenizer *tok;
+    int threads;
+    k3_kv_type kv;
+    const k3_sampler_options *sampling;
+    const char *system; /* or NULL */
+    bool think;
+    int n_gen;          /* tokens per reply at most */
+    int64_t n_ctx;      /* 0: 4096 (or the model's limit) */
+} k3_cli_repl;
+int k3_cli_chat_repl(const k3_cli_repl *r);
+
+/* Reads a whole prompt or text file ("-" = stdin) of at most max bytes;
+ * NULL after printing `k3 CMD: ...` on stderr. NUL-terminated. */
+#define K3_CLI_MAX_INPUT ((size_t)64 << 20)
+char *k3_cli_read_input(const char *cmd, const char *path, size_t max, size_t *len);
 
 #endif /* K3_CLI_CLI_H */

@@ -67,10 +67,11 @@ static void fill_ids(int32_t *ids, int64_t n, int64_t vocab, uint64_t seed) {
     }
 }
 
-static int usage_bench(void) {
-    fprintf(stderr,
+static void usage_to(FILE *out) {
+    fprintf(out,
             "usage: k3 bench [-m DIR] [options]\n"
-            "  --threads N          worker threads (default: all cores)\n"
+            "  -m DIR               model directory (default " K3_DEFAULT_MODEL ")\n"
+            "  --threads N          worker threads (default: the physical cores; 0 = every CPU)\n"
             "  --runs N             runs per figure, 1-64 (default 5; medians with min and max)\n"
             "  --kv-cache f32|c8    cache format\n"
             "  --quant MODE         none | w8a8 | w8a8-mxfp8 | w4a8 | w8a8+w4a8\n"
@@ -81,7 +82,13 @@ static int usage_bench(void) {
             "  --long-context       decode ms/token at --contexts, DSA vs dense\n"
             "  --contexts 1024,8192,32768,131072\n"
             "  --profile            time per operator (prefill 512 and decode)\n"
-            "  --json               one JSON object on stdout\n");
+            "  --json               one JSON object on stdout\n"
+            "  --quick              one run per figure, prompts 128,512: about a fifth of the time\n"
+            "Progress, with the time left, goes to stderr.\n");
+}
+
+static int usage_bench(void) {
+    usage_to(stderr);
     return 2;
 }
 
@@ -220,6 +227,38 @@ static void print_profile(const char *what, const k3_profile *p, bool json) {
                    100.0 * p->seconds[i] / (total > 0 ? total : 1));
 }
 
+/* Progress on stderr: the phase about to run, the time so far and an
+ * estimate of the time left. The estimate is a model, refined as figures
+ * come in: a prefill token costs what the first prefill measured, a decode
+ * step reads the weights once at the measured bandwidth (batch 8 counted as
+ * two steps' worth), and a bandwidth reading costs what the first took. */
+typedef struct {
+    double t0;       /* start */
+    double t_tok;    /* seconds per prefill token (0 until measured) */
+    double t_step;   /* seconds per decode step at batch 1 */
+    double t_bw;     /* seconds per bandwidth reading of 3 passes */
+} eta;
+
+static double eta_left(const eta *e, const bench *b, const long *prompts, int from_prompt, int n_prompts,
+                       int decode_left, int longctx, const long *contexts, int n_contexts) {
+    const double tt = e->t_tok > 0 ? e->t_tok : 0.0;
+    double left = 0;
+    for (int i = from_prompt; i < n_prompts; i++) left += b->runs * prompts[i] * tt * (1.0 + prompts[i] / 4096.0);
+    const int R = b->runs + 1; /* and the warm-up run */
+    if (decode_left >= 2) left += R * (b->decode_tokens * e->t_step + 16 * tt) + 2.0 * b->runs * e->t_bw;
+    if (decode_left >= 1) left += R * (2.0 * b->decode_tokens * e->t_step + 8 * 16 * tt);
+    if (longctx)
+        for (int i = 0; i < n_contexts; i++) left += 2.0 * R * 4 * e->t_step * (1.0 + contexts[i] / 65536.0);
+    return left;
+}
+
+static void eta_say(const eta *e, const char *what, double left, bool known) {
+    if (known)
+        fprintf(stderr, "  %s (%.0f s so far, about %.0f s left)\n", what, now_s() - e->t0, left);
+    else
+        fprintf(stderr, "  %s (%.0f s so far)\n", what, now_s() - e->t0);
+}
+
 /* A decode run whose bandwidth readings before and after it (both taken)
  * agree within 20%: it saw one of the machine's states throughout. */
 static bool run_steady(double before, double after) {
@@ -230,25 +269,43 @@ static bool run_steady(double before, double after) {
 int k3_cmd_bench(int argc, char **argv) {
     const char *dir = K3_DEFAULT_MODEL, *quant = K3_DEFAULT_QUANT;
     bool keep_mapped = false;
-    long n = sysconf(_SC_NPROCESSORS_ONLN);
-    int threads = n < 1 ? 1 : n > 64 ? 64 : (int)n, runs = 5, json = 0, profile = 0, longctx = 0, dtok = 16;
+    int threads = k3_cli_physical_cores(), runs = 5, json = 0, profile = 0, longctx = 0, dtok = 16, quick = 0;
     long membw_mb = 1024;
     long prompts[8] = {128, 512, 2048}, contexts[8] = {1024, 8192, 32768, 131072};
-    int n_prompts = 3, n_contexts = 4;
+    int n_prompts = 3, n_contexts = 4, prompts_given = 0, runs_given = 0;
     k3_kv_type kv = K3_KV_F32;
     k3_cli_parse_kv(K3_DEFAULT_KV, &kv);
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const int has = i + 1 < argc;
-        if (!strcmp(a, "-m") && has) dir = argv[++i];
-        else if (!strcmp(a, "--threads") && has) threads = atoi(argv[++i]);
-        else if (!strcmp(a, "--runs") && has) runs = atoi(argv[++i]);
-        else if (!strcmp(a, "--decode-tokens") && has) dtok = atoi(argv[++i]);
-        else if (!strcmp(a, "--membw-mb") && has) membw_mb = atol(argv[++i]);
-        else if (!strcmp(a, "--prompts") && has) {
-            if ((n_prompts = parse_list(argv[++i], prompts, 8)) <= 0) return usage_bench();
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+            usage_to(stdout);
+            return 0;
+        } else if (!strcmp(a, "-m") && has) dir = argv[++i];
+        else if (!strcmp(a, "--threads") && has) {
+            if (k3_cli_threads("bench", argv[++i], &threads)) return 2;
+        } else if (!strcmp(a, "--runs") && has) {
+            if (k3_cli_int("bench", a, argv[++i], 1, 64, &runs)) return 2;
+            runs_given = 1;
+        } else if (!strcmp(a, "--decode-tokens") && has) {
+            if (k3_cli_int("bench", a, argv[++i], 1, 1 << 20, &dtok)) return 2;
+        } else if (!strcmp(a, "--membw-mb") && has) {
+            if (k3_cli_long("bench", a, argv[++i], 1, 1 << 20, &membw_mb)) return 2;
+        } else if (!strcmp(a, "--quick")) {
+            quick = 1;
+        } else if (!strcmp(a, "--prompts") && has) {
+            if ((n_prompts = parse_list(argv[++i], prompts, 8)) <= 0) {
+                fprintf(stderr, "k3 bench: --prompts expects up to 8 positive integers separated by commas, not '%s'\n",
+                        argv[i]);
+                return 2;
+            }
+            prompts_given = 1;
         } else if (!strcmp(a, "--contexts") && has) {
-            if ((n_contexts = parse_list(argv[++i], contexts, 8)) <= 0) return usage_bench();
+            if ((n_contexts = parse_list(argv[++i], contexts, 8)) <= 0) {
+                fprintf(stderr, "k3 bench: --contexts expects up to 8 positive integers separated by commas, not '%s'\n",
+                        argv[i]);
+                return 2;
+            }
         } else if ((!strcmp(a, "--kv-cache") || !strcmp(a, "--kv")) && has) {
             if (k3_cli_parse_kv(argv[++i], &kv)) {
                 fprintf(stderr, "k3 bench: --kv-cache must be f32 or c8, not '%s'\n", argv[i]);
@@ -259,19 +316,31 @@ int k3_cmd_bench(int argc, char **argv) {
         else if (!strcmp(a, "--mmap")) keep_mapped = true;
         else if (!strcmp(a, "--profile")) profile = 1;
         else if (!strcmp(a, "--long-context")) longctx = 1;
-        else return usage_bench();
+        else {
+            fprintf(stderr, "k3 bench: unknown option or missing value: %s\n", a);
+            return usage_bench();
+        }
     }
-    if (threads < 1 || runs < 1 || runs > 64 || dtok < 1 || membw_mb < 1) return usage_bench();
+    if (quick) {
+        runs = runs_given ? runs : 1;
+        if (!prompts_given) n_prompts = 2; /* 128 and 512 */
+    }
+    if (!(dir = k3_cli_model_dir("bench", dir))) return 1;
 
     k3_error err = {0};
     bench b = {.runs = runs, .decode_tokens = dtok, .kv = kv};
     int rc = 1;
-    if (k3_cli_open_model(&b.m, dir, quant, keep_mapped, &err) || k3_pool_init(&b.pool, threads, &err)) goto fail;
+    k3_model_info stored;
+    if (k3_cli_open_model_stored(&b.m, dir, quant, keep_mapped, true, &stored, &err) ||
+        k3_pool_init(&b.pool, threads, &err))
+        goto fail;
     k3_model_get_info(b.m, &b.info);
 
     fprintf(stderr, "k3 bench: %s, %d threads, %d runs, quant %s, kv %s\n", dir, threads, runs, quant,
             kv == K3_KV_C8 ? "c8" : "f32");
+    eta et = {.t0 = now_s()};
     const double membw = k3_membw_read_gbps(b.pool, (size_t)membw_mb << 20, runs);
+    et.t_bw = (now_s() - et.t0) * 3.0 / runs;
     if (membw <= 0) {
         fprintf(stderr, "k3 bench: cannot allocate %ld MB to measure bandwidth\n", membw_mb);
         goto out;
@@ -279,11 +348,17 @@ int k3_cmd_bench(int argc, char **argv) {
 
     stat3 pre[8], dec1, dec8;
     k3_profile prof_pre = {{0}}, prof_dec = {{0}};
+    if (membw > 0) et.t_step = (double)b.info.bytes_per_token / (membw * 1e9);
     for (int i = 0; i < n_prompts; i++) {
-        fprintf(stderr, "  prefill %ld tokens...\n", prompts[i]);
+        char what[64];
+        snprintf(what, sizeof what, "prefill %ld tokens...", prompts[i]);
+        eta_say(&et, what, eta_left(&et, &b, prompts, i, n_prompts, 2, longctx, contexts, n_contexts), i > 0);
+        const double tp = now_s();
         if (run_prefill(&b, prompts[i], &pre[i], profile && prompts[i] == 512 ? &prof_pre : NULL, &err)) goto fail;
+        if (i == 0) et.t_tok = (now_s() - tp) / ((double)runs * prompts[i] * (1.0 + prompts[i] / 4096.0));
     }
-    fprintf(stderr, "  decode, batch 1 and 8...\n");
+    eta_say(&et, "decode, batch 1...", eta_left(&et, &b, prompts, n_prompts, n_prompts, 2, longctx, contexts, n_contexts),
+            true);
     double bw_runs[64], bw_after[64], frac_runs[64], dec_runs[64];
     b.bw_bytes = (size_t)membw_mb << 20;
     b.bw_runs = bw_runs;
@@ -293,6 +368,9 @@ int k3_cmd_bench(int argc, char **argv) {
     b.bw_runs = NULL;
     b.bw_after = NULL;
     b.dec_runs = NULL;
+    if (dec1.med > 0) et.t_step = 1.0 / dec1.med;
+    eta_say(&et, "decode, batch 8...", eta_left(&et, &b, prompts, n_prompts, n_prompts, 1, longctx, contexts, n_contexts),
+            true);
     if (run_decode(&b, 8, 16, false, false, &dec8, NULL, &err)) goto fail;
 
     const double bpt = (double)b.info.bytes_per_token;
@@ -324,7 +402,9 @@ int k3_cmd_bench(int argc, char **argv) {
     stat3 lc_dsa[8], lc_dense[8];
     if (longctx) {
         for (int i = 0; i < n_contexts; i++) {
-            fprintf(stderr, "  long context %ld...\n", contexts[i]);
+            char what[64];
+            snprintf(what, sizeof what, "long context %ld...", contexts[i]);
+            eta_say(&et, what, eta_left(&et, &b, prompts, n_prompts, n_prompts, 0, 1, contexts + i, n_contexts - i), true);
             const int saved = b.decode_tokens;
             b.decode_tokens = 4;
             if (run_decode(&b, 1, contexts[i], true, false, &lc_dsa[i], NULL, &err) ||
@@ -349,6 +429,7 @@ int k3_cmd_bench(int argc, char **argv) {
                dec1.max);
         printf("\"decode_batch8_tok_s\": %.2f, \"decode_batch8_tok_s_min\": %.2f, \"decode_batch8_tok_s_max\": %.2f, ",
                dec8.med, dec8.min, dec8.max);
+        printf("\"bytes_per_token_stored\": %lld, ", (long long)stored.bytes_per_token);
         printf("\"bytes_per_token\": %lld, \"effective_gbps\": %.2f, \"bandwidth_fraction\": %.3f, "
                "\"bandwidth_fraction_min\": %.3f, \"bandwidth_fraction_max\": %.3f, "
                "\"decode_mem_bw_gbps\": %.2f, \"decode_mem_bw_gbps_min\": %.2f, \"decode_mem_bw_gbps_max\": %.2f, "
@@ -373,8 +454,10 @@ int k3_cmd_bench(int argc, char **argv) {
         }
         printf("}\n");
     } else {
-        printf("model %s: %lld params, %lld active, %.1f MB read per decoded token\n", dir, (long long)b.info.n_params,
-               (long long)b.info.n_params_active, bpt / 1e6);
+        printf("model %s: %lld params, %lld active; bytes read per decoded token: %lld (%.2f MB) with --quant %s, "
+               "%lld (%.2f MB) as stored (the figure of `k3 info`)\n",
+               dir, (long long)b.info.n_params, (long long)b.info.n_params_active, (long long)b.info.bytes_per_token,
+               bpt / 1e6, quant, (long long)stored.bytes_per_token, stored.bytes_per_token / 1e6);
         printf("memory bandwidth (read, %ld MB, %d threads): %.2f GB/s\n", membw_mb, threads, membw);
         printf("%-18s %10s %10s %10s %10s\n", "", "median", "min", "max", "GFLOP/s");
         for (int i = 0; i < n_prompts; i++)
@@ -398,6 +481,7 @@ int k3_cmd_bench(int argc, char **argv) {
             print_profile("decode b=1", &prof_dec, false);
         }
     }
+    fprintf(stderr, "k3 bench: done in %.0f s\n", now_s() - et.t0);
     rc = 0;
     goto out;
 fail:

@@ -9,6 +9,7 @@
  * the last line on stdout is `ppl <float> bits_per_byte <float> tokens <int>`.
  */
 #include <errno.h>
+#include <limits.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -19,46 +20,26 @@
 #include "cli.h"
 #include "k3.h"
 
-static int usage_eval(void) {
-    fprintf(stderr,
+static void usage_to(FILE *out) {
+    fprintf(out,
             "usage: k3 eval [-m DIR] --text FILE [--ctx N] [--stride N] [--threads N] [--max-tokens N]\n"
+            "  -m DIR          model directory (default " K3_DEFAULT_MODEL ")\n"
+            "  --text FILE     the text to score (- = stdin; at most 64 MB)\n"
             "  --ctx N         window length in tokens (default 512)\n"
+            "  --threads N     worker threads (default: the physical cores; 0 = every CPU)\n"
             "  --stride N      tokens a window advances (default ctx/2)\n"
             "  --max-tokens N  score only the first N tokens of the file\n"
             "  --quant MODE    none | w8a8 | w8a8-mxfp8 | w4a8 | w8a8+w4a8\n"
             "  --mmap          keep the weights in the file mapping\n"
             "  --kv-cache f32|c8\n"
-            "  --compare-fp32  also report top-1 agreement with the unquantized f32 run\n");
-    return 2;
+            "  --compare-fp32  also report top-1 agreement with the unquantized f32 run\n"
+            "Progress goes to stderr: a bar redrawn in place on a terminal, a line every\n"
+            "10%% otherwise.\n");
 }
 
-static char *read_file(const char *path, size_t *len, char *why, size_t why_len) {
-    FILE *f = fopen(path, "rb");
-    if (!f) {
-        snprintf(why, why_len, "cannot open %s: %s", path, strerror(errno));
-        return NULL;
-    }
-    size_t cap = 1 << 16, n = 0;
-    char *buf = malloc(cap);
-    while (buf) {
-        const size_t got = fread(buf + n, 1, cap - n, f);
-        n += got;
-        if (n < cap) break;
-        char *t = realloc(buf, cap *= 2);
-        if (!t) {
-            free(buf);
-            buf = NULL;
-        } else buf = t;
-    }
-    const int bad = ferror(f);
-    fclose(f);
-    if (!buf || bad) {
-        free(buf);
-        snprintf(why, why_len, "cannot read %s", path);
-        return NULL;
-    }
-    *len = n;
-    return buf;
+static int usage_eval(void) {
+    usage_to(stderr);
+    return 2;
 }
 
 /* log-softmax of row at index id, in nats */
@@ -84,25 +65,41 @@ int k3_cmd_eval(int argc, char **argv) {
     k3_cli_parse_kv(K3_DEFAULT_KV, &kv);
     long ctx_len = 512, stride = 0, max_tok = 0;
     int compare = 0;
-    long n = sysconf(_SC_NPROCESSORS_ONLN);
-    int threads = n < 1 ? 1 : n > 64 ? 64 : (int)n;
+    int threads = k3_cli_physical_cores();
     for (int i = 1; i < argc; i++) {
         const int has = i + 1 < argc;
-        if (!strcmp(argv[i], "-m") && has) dir = argv[++i];
+        const char *a = argv[i];
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+            usage_to(stdout);
+            return 0;
+        } else if (!strcmp(argv[i], "-m") && has) dir = argv[++i];
         else if (!strcmp(argv[i], "--text") && has) text_path = argv[++i];
-        else if (!strcmp(argv[i], "--ctx") && has) ctx_len = atol(argv[++i]);
-        else if (!strcmp(argv[i], "--stride") && has) stride = atol(argv[++i]);
-        else if (!strcmp(argv[i], "--threads") && has) threads = atoi(argv[++i]);
-        else if (!strcmp(argv[i], "--max-tokens") && has) max_tok = atol(argv[++i]);
+        else if (!strcmp(a, "--ctx") && has) {
+            if (k3_cli_long("eval", a, argv[++i], 2, INT32_MAX, &ctx_len)) return 2;
+        } else if (!strcmp(a, "--stride") && has) {
+            if (k3_cli_long("eval", a, argv[++i], 1, INT32_MAX, &stride)) return 2;
+        } else if (!strcmp(a, "--threads") && has) {
+            if (k3_cli_threads("eval", argv[++i], &threads)) return 2;
+        } else if (!strcmp(a, "--max-tokens") && has) {
+            if (k3_cli_long("eval", a, argv[++i], 0, LONG_MAX, &max_tok)) return 2;
+        }
         else if (!strcmp(argv[i], "--quant") && has) quant = argv[++i];
         else if (!strcmp(argv[i], "--mmap")) keep_mapped = true;
         else if (!strcmp(argv[i], "--compare-fp32")) compare = 1;
         else if (!strcmp(argv[i], "--kv-cache") && has) {
-            if (k3_cli_parse_kv(argv[++i], &kv)) return usage_eval();
+            if (k3_cli_parse_kv(argv[++i], &kv)) {
+                fprintf(stderr, "k3 eval: --kv-cache must be f32 or c8, not '%s'\n", argv[i]);
+                return 2;
+            }
+        } else {
+            fprintf(stderr, "k3 eval: unknown option or missing value: %s\n", a);
+            return usage_eval();
         }
-        else return usage_eval();
     }
-    if (!text_path) return usage_eval();
+    if (!text_path) {
+        fprintf(stderr, "k3 eval: no text: give --text FILE\n");
+        return usage_eval();
+    }
     if (!stride) stride = ctx_len / 2;
     if (ctx_len < 2 || stride < 1 || stride > ctx_len || threads < 1 || max_tok < 0) {
         fprintf(stderr, "k3 eval: need --ctx >= 2, 1 <= --stride <= --ctx, --threads >= 1\n");
@@ -120,12 +117,8 @@ int k3_cmd_eval(int argc, char **argv) {
     char *text = NULL;
     int rc = 1;
     size_t n_bytes = 0, n_ids = 0;
-    char why[600];
-
-    if (!(text = read_file(text_path, &n_bytes, why, sizeof why))) {
-        fprintf(stderr, "k3 eval: %s\n", why);
-        return 1;
-    }
+    if (!(dir = k3_cli_model_dir("eval", dir))) return 1;
+    if (!(text = k3_cli_read_input("eval", text_path, K3_CLI_MAX_INPUT, &n_bytes))) return 1;
     if (k3_cli_open_model(&m, dir, quant, keep_mapped, &err) || k3_tokenizer_open(&tok, dir, &err) ||
         k3_tokenizer_encode(tok, text, n_bytes, &ids, &n_ids, &err))
         goto fail;
@@ -166,6 +159,9 @@ int k3_cmd_eval(int argc, char **argv) {
     size_t scored = 0, next = 1, agree = 0; /* next: first token index not yet scored */
     struct timespec t0, t1;
     clock_gettime(CLOCK_MONOTONIC, &t0);
+    /* a bar redrawn with \r on a terminal; in a log, a plain line per 10% */
+    const bool tty = isatty(STDERR_FILENO);
+    int last_tenth = -1;
     for (size_t start = 0; next < n_ids; start += (size_t)stride) {
         size_t len = n_ids - start < (size_t)ctx_len ? n_ids - start : (size_t)ctx_len;
         k3_ctx_seq_reset(ctx, 0);
@@ -187,12 +183,19 @@ int k3_cmd_eval(int argc, char **argv) {
         clock_gettime(CLOCK_MONOTONIC, &t1);
         const double el = (t1.tv_sec - t0.tv_sec) + (t1.tv_nsec - t0.tv_nsec) * 1e-9;
         const int width = 30, done = (int)(width * (double)next / n_ids);
-        fprintf(stderr, "\r[%.*s%*s] %zu/%zu tokens, ppl %.3f, %.0f tok/s", done,
-                "##############################", width - done, "", next, n_ids, exp(nll / scored),
-                scored / (el > 0 ? el : 1e-9));
+        const int tenth = (int)(10.0 * (double)next / n_ids);
+        if (tty)
+            fprintf(stderr, "\r[%.*s%*s] %zu/%zu tokens, ppl %.3f, %.0f tok/s", done,
+                    "##############################", width - done, "", next, n_ids, exp(nll / scored),
+                    scored / (el > 0 ? el : 1e-9));
+        else if (tenth != last_tenth) {
+            last_tenth = tenth;
+            fprintf(stderr, "k3 eval: %zu/%zu tokens, ppl %.3f, %.0f tok/s\n", next, n_ids, exp(nll / scored),
+                    scored / (el > 0 ? el : 1e-9));
+        }
         if (next >= n_ids) break;
     }
-    fprintf(stderr, "\n");
+    if (tty) fprintf(stderr, "\n");
     /* bits per byte over the bytes of the scored tokens (the first token's
      * bytes are not predicted, so they are left out) */
     size_t first_len = 0;

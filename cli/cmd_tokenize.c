@@ -27,7 +27,8 @@ static const char usage[] =
     "  -m DIR          model directory with tiktoken.model and tokenizer_config.json\n"
     "                  (default " K3_DEFAULT_MODEL ")\n"
     "  --vocab FILE    a bare .tiktoken rank file, no special tokens\n"
-    "  --pattern NAME  split pattern for --vocab (default kimi)\n";
+    "  --pattern NAME  split pattern for --vocab (default kimi)\n"
+    "  The input is at most 64 MB.\n";
 
 static int fail(const char *fmt, ...) {
     va_list ap;
@@ -37,27 +38,6 @@ static int fail(const char *fmt, ...) {
     fputc('\n', stderr);
     va_end(ap);
     return 1;
-}
-
-/* Reads all of stdin; NULL on failure. The buffer is NUL-terminated. */
-static char *read_stdin(size_t *len) {
-    size_t cap = 1 << 16, n = 0;
-    char *buf = malloc(cap + 1);
-    while (buf) {
-        n += fread(buf + n, 1, cap - n, stdin);
-        if (n < cap) break;
-        cap *= 2;
-        char *nb = realloc(buf, cap + 1);
-        if (!nb) free(buf);
-        buf = nb;
-    }
-    if (!buf || ferror(stdin)) {
-        free(buf);
-        return NULL;
-    }
-    buf[n] = 0;
-    *len = n;
-    return buf;
 }
 
 static int encode(const k3_tokenizer *t, const char *text, size_t len) {
@@ -146,14 +126,15 @@ int k3_cmd_tokenize(int argc, char **argv) {
         else return fail("unknown pattern \"%s\" (o200k, cl100k or kimi)", pattern);
         st = k3_tokenizer_open_file(&t, vocab, pat, &err);
     } else {
-        st = k3_tokenizer_open(&t, model ? model : K3_DEFAULT_MODEL, &err);
+        if (!(model = k3_cli_model_dir("tokenize", model ? model : K3_DEFAULT_MODEL))) return 1;
+        st = k3_tokenizer_open(&t, model, &err);
     }
     if (st != K3_OK) return fail("%s", err.msg);
 
     size_t len;
-    char *text = read_stdin(&len);
+    char *text = k3_cli_read_input("tokenize", "-", K3_CLI_MAX_INPUT, &len);
     int rc;
-    if (!text) rc = fail("cannot read stdin: %s", strerror(errno));
+    if (!text) rc = 1;
     else rc = do_decode ? decode(t, text) : encode(t, text, len);
     free(text);
     k3_tokenizer_free(t);

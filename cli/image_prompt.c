@@ -30,14 +30,14 @@ void k3_cli_images_free(k3_cli_images *im) {
     memset(im, 0, sizeof *im);
 }
 
-k3_status k3_cli_chat_content_at(const k3_tokenizer *tok, bool think, const int32_t *ids, size_t n_ids, size_t *at,
-                                 k3_error *err) {
-    /* the user turn with empty content: its ids and the real ones part where
-     * the content begins (right after <|sep|>, a special no text merges with) */
-    k3_chat_msg msg = {"user", "", NULL};
+k3_status k3_cli_chat_content_at(const k3_tokenizer *tok, const char *system, bool think, const int32_t *ids,
+                                 size_t n_ids, size_t *at, k3_error *err) {
+    /* the same turns with empty user content: its ids and the real ones part
+     * where the content begins (right after <|sep|>, a special no text merges with) */
+    k3_chat_msg msgs[2] = {{"system", system, NULL}, {"user", "", NULL}};
     int32_t *e = NULL;
     size_t ne = 0;
-    k3_status s = k3_chat_encode(tok, &msg, 1, true, think, &e, &ne, err);
+    k3_status s = k3_chat_encode(tok, system ? msgs : msgs + 1, system ? 2 : 1, true, think, &e, &ne, err);
     if (s) return s;
     size_t p = 0;
     while (p < ne && p < n_ids && e[p] == ids[p]) p++;

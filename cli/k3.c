@@ -28,20 +28,24 @@ static int fail(const char *cmd, const k3_error *e) {
     return 1;
 }
 
-static int usage_run(void) {
-    fprintf(stderr,
-            "usage: k3 run [-m DIR] [options] [PROMPT]\n"
+static void usage_to(FILE *out) {
+    fprintf(out,
+            "usage: k3 run [-m DIR] [options] [PROMPT | - | -f FILE]\n"
             "  -m DIR              model directory (default %s)\n"
+            "  PROMPT, -, -f FILE  the prompt: the argument, stdin (-) or a file\n"
+            "  -i, --interactive   a conversation on the terminal (also --chat with no prompt);\n"
+            "                      one line per message, /exit or EOF ends it\n"
+            "  --system TEXT       a system message before the first user turn (implies --chat)\n"
             "  -n N                tokens to generate (default 128; 0 = prefill only)\n"
             "  --temp F            temperature (default 0.8; 0 = greedy)\n"
             "  --top-k N           keep the N most likely tokens (default 40; 0 = off)\n"
             "  --top-p F           nucleus sampling (default 0.95)\n"
             "  --min-p F           drop tokens below F x the best (default 0.05)\n"
             "  --repeat-penalty F  penalty on recent tokens (default 1.1)\n"
-            "  --seed N            sampler seed (default 42)\n"
-            "  --threads N         worker threads (default: all cores)\n"
+            "  --seed N            sampler seed (default: random, printed on stderr)\n"
+            "  --threads N         worker threads (default: the physical cores; 0 = every CPU)\n"
             "  --chat              wrap the prompt as a user turn in the K3 chat format\n"
-            "  --think             with --chat, open the assistant turn in thinking mode\n"
+            "  --think             open the assistant turn in thinking mode (implies --chat)\n"
             "  --image FILE        a PNG or JPEG before the prompt text (repeatable)\n"
             "  --ids 1,2,3         feed these token ids instead of a text prompt\n"
             "  --dump-logits FILE  write the logits of every prompt position (float32)\n"
@@ -49,11 +53,21 @@ static int usage_run(void) {
             "  --quant MODE        none | w8a8 | w8a8-mxfp8 | w4a8 | w8a8+w4a8 (default %s)\n"
             "  --mmap              read weights from the file mapping (default: copy them\n"
             "                      into RAM when they take at most half of it)\n"
-            "  --kv-cache f32|c8   cache format (default %s)\n",
+            "  --kv-cache f32|c8   cache format (default %s)\n"
+            "  --no-check-tensors  skip the load-time check that every stored weight is finite\n"
+            "                      (no NaN/Inf; 0.3 s for 1.9 GB of weights)\n",
             K3_DEFAULT_MODEL, K3_DEFAULT_QUANT, K3_DEFAULT_KV);
+}
+
+static int usage_run(void) {
+    usage_to(stderr);
     return 2;
 }
 
+static int help_run(void) {
+    usage_to(stdout);
+    return 0;
+}
 /* Parses "1,2,3" (commas or spaces). *out is malloc'd. */
 static int parse_ids(const char *s, int32_t **out, size_t *n) {
     size_t cap = 16, k = 0;
@@ -86,48 +100,22 @@ static int parse_ids(const char *s, int32_t **out, size_t *n) {
     return 0;
 }
 
-/* Renders an assistant turn in the K3 chat format as plain text: the control
- * tokens and tag names (<|open|>NAME ...<|sep|>, <|close|>NAME<|sep|>) are
- * not printed; a think block is shown between [think] and [/think]. */
-typedef struct {
-    int32_t open, close, sep;
-    int in_tag, closing;
-    char tag[64];
-} chat_state;
+static int default_threads(void) { return k3_cli_physical_cores(); }
 
-static void chat_render(chat_state *c, int32_t id, const char *piece, size_t len) {
-    if (id == c->open || id == c->close) {
-        c->in_tag = 1;
-        c->closing = id == c->close;
-        c->tag[0] = 0;
-        return;
-    }
-    if (id == c->sep) {
-        if (c->in_tag && !strncmp(c->tag, "think", 5)) fputs(c->closing ? " [/think]\n" : "[think] ", stdout);
-        c->in_tag = 0;
-        return;
-    }
-    if (!piece) return;
-    if (c->in_tag) {
-        const size_t have = strlen(c->tag);
-        if (have + len < sizeof c->tag) {
-            memcpy(c->tag + have, piece, len);
-            c->tag[have + len] = 0;
-        }
-        return;
-    }
-    fwrite(piece, 1, len, stdout);
-}
-
-static int default_threads(void) {
-    long n = sysconf(_SC_NPROCESSORS_ONLN);
-    return n < 1 ? 1 : n > 64 ? 64 : (int)n;
+/* A seed nobody chose: /dev/urandom, else the clock and the pid. */
+static uint64_t random_seed(void) {
+    uint64_t s = 0;
+    FILE *f = fopen("/dev/urandom", "rb");
+    if (!f || fread(&s, sizeof s, 1, f) != 1) s = (uint64_t)time(NULL) * 6364136223846793005ull ^ (uint64_t)getpid();
+    if (f) fclose(f);
+    return s;
 }
 
 int k3_cmd_run(int argc, char **argv) {
     const char *dir = K3_DEFAULT_MODEL, *prompt = NULL, *ids_arg = NULL, *dump = NULL;
-    const char *quant = K3_DEFAULT_QUANT;
-    bool keep_mapped = false;
+    const char *quant = K3_DEFAULT_QUANT, *prompt_file = NULL, *system = NULL;
+    char *prompt_buf = NULL;
+    bool keep_mapped = false, interactive = false, seed_given = false, check_tensors = true;
     k3_kv_type kv = K3_KV_F32;
     k3_cli_parse_kv(K3_DEFAULT_KV, &kv);
     int n_gen = 128, threads = default_threads(), chat = 0, think = 0;
@@ -140,18 +128,30 @@ int k3_cmd_run(int argc, char **argv) {
         const char *a = argv[i];
         const int has = i + 1 < argc;
 #define ARG(name) (!strcmp(a, name) && has)
+/* a number option: strictly parsed, or exit 2 with a message naming it */
+#define NUM(call) \
+    do { \
+        if (call) return 2; \
+    } while (0)
         if (ARG("-m")) dir = argv[++i];
-        else if (ARG("-n")) n_gen = atoi(argv[++i]);
-        else if (ARG("--temp")) so.temperature = strtof(argv[++i], NULL);
-        else if (ARG("--top-k")) so.top_k = atoi(argv[++i]);
-        else if (ARG("--top-p")) so.top_p = strtof(argv[++i], NULL);
-        else if (ARG("--min-p")) so.min_p = strtof(argv[++i], NULL);
-        else if (ARG("--repeat-penalty")) so.repeat_penalty = strtof(argv[++i], NULL);
-        else if (ARG("--seed")) so.seed = strtoull(argv[++i], NULL, 10);
-        else if (ARG("--threads")) threads = atoi(argv[++i]);
+        else if (ARG("-n")) NUM(k3_cli_int("run", a, argv[++i], 0, 1 << 30, &n_gen));
+        else if (ARG("--temp")) NUM(k3_cli_float("run", a, argv[++i], 0, 1000, &so.temperature));
+        else if (ARG("--top-k")) NUM(k3_cli_int("run", a, argv[++i], 0, INT32_MAX, &so.top_k));
+        else if (ARG("--top-p")) NUM(k3_cli_float("run", a, argv[++i], 1e-6, 1, &so.top_p));
+        else if (ARG("--min-p")) NUM(k3_cli_float("run", a, argv[++i], 0, 1, &so.min_p));
+        else if (ARG("--repeat-penalty")) NUM(k3_cli_float("run", a, argv[++i], 1e-6, 1000, &so.repeat_penalty));
+        else if (ARG("--seed")) {
+            NUM(k3_cli_u64("run", a, argv[++i], &so.seed));
+            seed_given = true;
+        } else if (ARG("--threads")) NUM(k3_cli_threads("run", argv[++i], &threads));
         else if (ARG("--ids")) ids_arg = argv[++i];
         else if (ARG("--dump-logits")) dump = argv[++i];
-        else if (ARG("--ctx")) ctx_arg = atol(argv[++i]);
+        else if (ARG("--ctx")) NUM(k3_cli_long("run", a, argv[++i], 0, INT32_MAX, &ctx_arg));
+        else if (ARG("-f")) prompt_file = argv[++i];
+        else if (ARG("--system")) system = argv[++i];
+        else if (!strcmp(a, "-i") || !strcmp(a, "--interactive")) interactive = true;
+        else if (!strcmp(a, "--check-tensors")) check_tensors = true;
+        else if (!strcmp(a, "--no-check-tensors")) check_tensors = false;
         else if (ARG("--quant")) quant = argv[++i];
         else if (!strcmp(argv[i], "--mmap")) keep_mapped = true;
         else if (ARG("--kv-cache")) {
@@ -169,7 +169,7 @@ int k3_cmd_run(int argc, char **argv) {
         }
         else if (!strcmp(a, "--chat")) chat = 1;
         else if (!strcmp(a, "--think")) think = 1;
-        else if (!strcmp(a, "-h") || !strcmp(a, "--help")) return usage_run();
+        else if (!strcmp(a, "-h") || !strcmp(a, "--help")) return help_run();
         else if (a[0] == '-' && a[1]) {
             fprintf(stderr, "k3 run: unknown option or missing value: %s\n", a);
             return usage_run();
@@ -178,16 +178,50 @@ int k3_cmd_run(int argc, char **argv) {
             fprintf(stderr, "k3 run: more than one prompt given (quote the prompt)\n");
             return 2;
         }
+#undef NUM
 #undef ARG
     }
-    if (n_gen < 0 || threads < 1 || ctx_arg < 0) {
-        fprintf(stderr, "k3 run: -n, --threads and --ctx must not be negative\n");
+    /* --think, --system and -i are chat features: they imply --chat */
+    if (think || system || interactive) chat = 1;
+    if ((prompt != NULL) + (prompt_file != NULL) + (ids_arg != NULL) > 1) {
+        fprintf(stderr, "k3 run: give one of PROMPT, - (stdin), -f FILE and --ids\n");
         return 2;
     }
-    if (!prompt && !ids_arg) {
-        fprintf(stderr, "k3 run: no prompt: give PROMPT or --ids\n");
+    if (interactive && (prompt || prompt_file || ids_arg)) {
+        fprintf(stderr, "k3 run: -i reads its messages from the terminal: give no prompt with it\n");
+        return 2;
+    }
+    if (ids_arg && chat) {
+        fprintf(stderr, "k3 run: --ids feeds raw token ids: it cannot be used with --chat, --think or --system\n");
+        return 2;
+    }
+    if (n_images && (interactive || (chat && !prompt && !prompt_file))) {
+        fprintf(stderr, "k3 run: --image needs a prompt (PROMPT, - or -f FILE), not a conversation\n");
+        return 2;
+    }
+    if (chat && !prompt && !prompt_file && !ids_arg) interactive = true;
+    if (!prompt && !ids_arg && !prompt_file && !interactive) {
+        fprintf(stderr, "k3 run: no prompt: give PROMPT, - (stdin), -f FILE, --ids, or --chat for a conversation\n");
         return usage_run();
     }
+    if (prompt && !strcmp(prompt, "-")) prompt_file = "-";
+    if (prompt_file) {
+        size_t plen;
+        if (!(prompt_buf = k3_cli_read_input("run", prompt_file, K3_CLI_MAX_INPUT, &plen))) return 1;
+        if (strlen(prompt_buf) != plen) {
+            fprintf(stderr, "k3 run: the prompt in %s holds a NUL byte\n", !strcmp(prompt_file, "-") ? "stdin" : prompt_file);
+            free(prompt_buf);
+            return 1;
+        }
+        prompt = prompt_buf;
+    }
+    if (!(dir = k3_cli_model_dir("run", dir))) {
+        free(prompt_buf);
+        return 1;
+    }
+    if (!seed_given) so.seed = random_seed();
+    fprintf(stderr, "k3 run: seed %llu%s\n", (unsigned long long)so.seed,
+            seed_given ? "" : " (random; --seed N to repeat)");
 
     k3_error err = {0};
     k3_model *m = NULL;
@@ -201,11 +235,16 @@ int k3_cmd_run(int argc, char **argv) {
     k3_cli_images img = {0};
     int rc = 1;
 
-    if (k3_cli_open_model(&m, dir, quant, keep_mapped, &err)) goto out;
+    if (k3_cli_open_model_stored(&m, dir, quant, keep_mapped, check_tensors, NULL, &err)) goto out;
     k3_model_info info;
     k3_model_get_info(m, &info);
     /* The tokenizer is needed for text in or out; --ids -n 0 runs without. */
     if (!(ids_arg && n_gen == 0) && k3_tokenizer_open(&tok, dir, &err)) goto out;
+    if (interactive) {
+        k3_cli_repl repl = {m, tok, threads, kv, &so, system, think, n_gen, ctx_arg};
+        rc = k3_cli_chat_repl(&repl);
+        goto out_quiet;
+    }
 
     if (ids_arg) {
         if (parse_ids(ids_arg, &ids, &n_ids)) {
@@ -214,8 +253,9 @@ int k3_cmd_run(int argc, char **argv) {
             goto out_quiet;
         }
     } else if (chat) {
-        k3_chat_msg msg = {"user", prompt, NULL};
-        if (k3_chat_encode(tok, &msg, 1, true, think, &ids, &n_ids, &err)) goto out;
+        k3_chat_msg msgs[2] = {{"system", system, NULL}, {"user", prompt, NULL}};
+        if (k3_chat_encode(tok, system ? msgs : msgs + 1, system ? 2 : 1, true, think, &ids, &n_ids, &err))
+            goto out;
     } else if (k3_tokenizer_encode(tok, prompt, strlen(prompt), &ids, &n_ids, &err)) {
         goto out;
     }
@@ -226,7 +266,7 @@ int k3_cmd_run(int argc, char **argv) {
             goto out_quiet;
         }
         if (k3_pool_init(&pool, threads, &err)) goto out;
-        if (chat && k3_cli_chat_content_at(tok, think, ids, n_ids, &at, &err)) goto out;
+        if (chat && k3_cli_chat_content_at(tok, system, think, ids, n_ids, &at, &err)) goto out;
         if (k3_cli_images_insert(&img, m, tok, pool, quant, image_files, n_images, at, &ids, &n_ids, &err)) goto out;
     }
     if (n_ids == 0) {
@@ -272,8 +312,8 @@ int k3_cmd_run(int argc, char **argv) {
     }
 
     const int32_t eom = tok ? k3_tokenizer_special(tok, "<|end_of_msg|>") : -1;
-    chat_state cr = {tok ? k3_tokenizer_special(tok, "<|open|>") : -1, tok ? k3_tokenizer_special(tok, "<|close|>") : -1,
-                     tok ? k3_tokenizer_special(tok, "<|sep|>") : -1, 0, 0, ""};
+    k3_cli_chat_view cr;
+    if (chat) k3_cli_chat_render_init(&cr, tok, think, stdout);
     const int32_t eos = tok ? k3_tokenizer_special(tok, "[EOS]") : -1;
     int n_done = 0;
     double t1 = now_s();
@@ -284,6 +324,11 @@ int k3_cmd_run(int argc, char **argv) {
             break;
         }
         const int32_t id = k3_sampler_sample(smp, logits);
+        if (id < 0) {
+            fprintf(stderr, "\nk3 run: the logits are not finite (NaN or +Inf): the weights are damaged; "
+                            "`k3 info -m DIR` names the tensor\n");
+            goto out_quiet;
+        }
         if (id == eom || id == eos) {
             stop = " (end of message)";
             break;
@@ -291,7 +336,7 @@ int k3_cmd_run(int argc, char **argv) {
         k3_sampler_accept(smp, id);
         size_t len;
         const char *piece = k3_tokenizer_token(tok, id, &len);
-        if (chat) chat_render(&cr, id, piece, len);
+        if (chat) k3_cli_chat_render(&cr, id, piece, len);
         else if (piece && !k3_tokenizer_is_special(tok, id)) fwrite(piece, 1, len, stdout);
         fflush(stdout);
         b = (k3_batch_seq){0, 1, &id};
@@ -308,6 +353,7 @@ int k3_cmd_run(int argc, char **argv) {
 out:
     rc = fail("run", &err);
 out_quiet:
+    free(prompt_buf);
     free(ids);
     free(logits);
     k3_cli_images_free(&img);
@@ -321,16 +367,41 @@ out_quiet:
 
 int k3_cmd_info(int argc, char **argv) {
     const char *dir = K3_DEFAULT_MODEL;
+    const char *quant = "none";
+    bool check = true;
+    static const char usage_info[] =
+        "usage: k3 info [-m DIR] [--quant MODE] [--no-check-tensors]\n"
+        "  -m DIR              model directory (default " K3_DEFAULT_MODEL ")\n"
+        "  --quant MODE        show the sizes under a quantization mode (default none: as stored)\n"
+        "  --no-check-tensors  skip the check that every stored float is finite (no NaN/Inf)\n";
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "-m") && i + 1 < argc) dir = argv[++i];
-        else {
-            fprintf(stderr, "usage: k3 info [-m DIR]\n");
+        else if (!strcmp(argv[i], "--quant") && i + 1 < argc) quant = argv[++i];
+        else if (!strcmp(argv[i], "--check-tensors")) check = true;
+        else if (!strcmp(argv[i], "--no-check-tensors")) check = false;
+        else if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
+            fputs(usage_info, stdout);
+            return 0;
+        } else {
+            fprintf(stderr, "k3 info: unknown option or missing value: %s\n%s", argv[i], usage_info);
             return 2;
         }
     }
+    if (!(dir = k3_cli_model_dir("info", dir))) return 1;
     k3_error err = {0};
     k3_model *m = NULL;
+    k3_quant_options q;
+    if (k3_quant_parse(quant, &q, &err)) return fail("info", &err);
     if (k3_model_open(&m, dir, &err)) return fail("info", &err);
+    int64_t n_checked = 0;
+    if (check && k3_model_check_tensors(m, &n_checked, &err)) {
+        k3_model_close(m);
+        return fail("info", &err);
+    }
+    if (strcmp(quant, "none") && k3_model_quantize(m, &q, &err)) {
+        k3_model_close(m);
+        return fail("info", &err);
+    }
     size_t need = k3_model_describe(m, NULL, 0);
     char *buf = malloc(need + 1);
     if (!buf) {
@@ -340,23 +411,29 @@ int k3_cmd_info(int argc, char **argv) {
     }
     k3_model_describe(m, buf, need + 1);
     fputs(buf, stdout);
+    if (check) printf("tensors: %lld checked, every stored value finite\n", (long long)n_checked);
     free(buf);
     int rc = k3_cli_print_vision(m);
     k3_model_close(m);
     return rc;
 }
 
-static int usage(void) {
-    fprintf(stderr,
+static const char usage_text[] =
             "usage: k3 <command> [options]\n"
             "  run       generate text from a model\n"
             "  info      describe a model: config, layer map, sizes\n"
             "  tokenize  text to token ids, or ids to text with --decode\n"
             "  eval      perplexity of a model over a text file\n"
             "  bench     prefill/decode speed against the measured memory bandwidth\n"
-            "run `k3 <command> --help` for its options\n");
+            "  --version print the version\n"
+            "run `k3 <command> --help` for its options\n";
+
+static int usage(void) {
+    fputs(usage_text, stderr);
     return 2;
 }
+
+static void usage_to_stdout(void) { fputs(usage_text, stdout); }
 
 int main(int argc, char **argv) {
     if (argc < 2) return usage();
@@ -367,7 +444,11 @@ int main(int argc, char **argv) {
     if (!strcmp(cmd, "eval")) return k3_cmd_eval(argc - 1, argv + 1);
     if (!strcmp(cmd, "bench")) return k3_cmd_bench(argc - 1, argv + 1);
     if (!strcmp(cmd, "-h") || !strcmp(cmd, "--help") || !strcmp(cmd, "help")) {
-        usage();
+        usage_to_stdout();
+        return 0;
+    }
+    if (!strcmp(cmd, "--version") || !strcmp(cmd, "-V") || !strcmp(cmd, "version")) {
+        printf("k3 %s\n", K3_VERSION);
         return 0;
     }
     fprintf(stderr, "k3: unknown command '%s'\n", cmd);

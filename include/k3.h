@@ -117,6 +117,14 @@ k3_status k3_model_load_resident(k3_model *m, int64_t max_bytes, int64_t *copied
  * cache sizes) into buf. Returns the length it wanted (snprintf rules). */
 size_t k3_model_describe(const k3_model *m, char *buf, size_t size);
 
+/* ---- model: checks (polish) ---- */
+/* Checks that every stored float of the checkpoint is finite (no NaN or
+ * Inf; MXFP4 scales not the NaN byte): K3_ERR_FORMAT naming the tensor and
+ * the element otherwise. One pass over the mapped files (0.3 s for 1.9 GB
+ * from the page cache): `k3 info` and the CLI's model loading run it
+ * (`--no-check-tensors` skips it). *n_checked (may be NULL) gets the tensor count. */
+k3_status k3_model_check_tensors(const k3_model *m, int64_t *n_checked, k3_error *err);
+
 /* ---- tokenizer -------------------------------------------------------- */
 
 typedef struct k3_tokenizer k3_tokenizer;
@@ -313,7 +321,8 @@ k3_status k3_sampler_init(k3_sampler **out, const k3_sampler_options *opt,
 void k3_sampler_free(k3_sampler *s);
 /* Records an id in the history used by the repetition penalty. */
 void k3_sampler_accept(k3_sampler *s, int32_t id);
-/* Picks an id from logits [n_vocab] (logits may be modified). */
+/* Picks an id from logits [n_vocab] (logits may be modified). Returns -1
+ * when a logit is NaN or +Inf (there is no distribution to sample from). */
 int32_t k3_sampler_sample(k3_sampler *s, float *logits);
 
 /* ---- engine: many requests on one model --------------------------------

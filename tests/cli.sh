@@ -60,8 +60,8 @@ tail -n 1 "$TMP/out" | grep -qE '^ppl [0-9.]+ bits_per_byte [0-9.]+ tokens [0-9]
 expect_ok "bench --json" "$K3" bench -m "$TINY" --runs 1 --prompts 16 --decode-tokens 2 --membw-mb 64 --json
 python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); [d[k] for k in ("prefill_tok_s","prefill_gflops","decode_tok_s","bytes_per_token","effective_gbps","mem_bw_gbps")]; assert 0 <= d["decode_runs_steady"] <= d["runs"] and d["bandwidth_fraction"] > 0' "$TMP/out" 2>/dev/null && ok "bench --json fields" || bad "bench --json fields" "$TMP/out"
 printf 'Hello, world! 12345 don'"'"'t\r\n' >"$TMP/h.txt"
-"$K3" tokenize --vocab ../shared/data/tokenizers/cl100k_base.tiktoken --pattern cl100k <"$TMP/h.txt" >"$TMP/ids" 2>"$TMP/err" &&
-    "$K3" tokenize --vocab ../shared/data/tokenizers/cl100k_base.tiktoken --pattern cl100k --decode <"$TMP/ids" >"$TMP/back" 2>>"$TMP/err" &&
+"$K3" tokenize --vocab data/tokenizers/cl100k_base.tiktoken --pattern cl100k <"$TMP/h.txt" >"$TMP/ids" 2>"$TMP/err" &&
+    "$K3" tokenize --vocab data/tokenizers/cl100k_base.tiktoken --pattern cl100k --decode <"$TMP/ids" >"$TMP/back" 2>>"$TMP/err" &&
     cmp -s "$TMP/h.txt" "$TMP/back" && ok "tokenize round trip (cl100k)" || bad "tokenize round trip (cl100k)" "$TMP/err"
 
 expect_fail "missing model dir" "No such file" "$K3" info -m "$TMP/nope"
@@ -112,6 +112,99 @@ expect_fail "corrupt tiktoken.model" "tiktoken.model" "$K3" run -m "$TMP/m" -n 1
 printf 'ab\377cd' >"$TMP/bad.txt"
 expect_fail "tokenize invalid UTF-8" "UTF-8" sh -c "\"$K3\" tokenize -m \"$TINY\" <\"$TMP/bad.txt\""
 expect_fail "decode id out of range" "range" sh -c "echo 99999 | \"$K3\" tokenize -m \"$TINY\" --decode"
+
+# ---- issue 14: options, input, conversation, honest output ----------------
+K3ABS=$(cd "$(dirname "$K3")" && pwd)/$(basename "$K3")
+expect_fail "-n not a number" "\-n expects an integer" "$K3" run -m "$TINY" -n abc hi
+expect_fail "-n too large" "\-n expects an integer from 0 to" "$K3" run -m "$TINY" -n 99999999999 hi
+expect_fail "--temp not a number" "\-\-temp expects a finite number" "$K3" run -m "$TINY" --temp abc hi
+expect_fail "--temp nan" "\-\-temp expects a finite number" "$K3" run -m "$TINY" --temp nan hi
+expect_fail "--top-p inf" "\-\-top-p expects a finite number" "$K3" run -m "$TINY" --top-p inf hi
+expect_fail "--min-p nan" "\-\-min-p expects a finite number" "$K3" run -m "$TINY" --min-p nan hi
+expect_fail "--threads not a number" "\-\-threads expects an integer" "$K3" run -m "$TINY" --threads abc hi
+expect_fail "--seed negative" "\-\-seed expects an integer" "$K3" run -m "$TINY" --seed -1 hi
+expect_fail "eval --ctx not a number" "\-\-ctx expects an integer" "$K3" eval -m "$TINY" --text x --ctx 12abc
+expect_fail "bench --runs out of range" "\-\-runs expects an integer from 1 to 64" "$K3" bench -m "$TINY" --runs 0
+expect_ok "--threads 0 = every CPU" "$K3" run -m "$TINY" --threads 0 -n 2 --temp 0 hi
+for c in run info tokenize eval bench; do
+    if "$K3" $c --help >"$TMP/out" 2>&1 && grep -q "usage: k3 $c" "$TMP/out"; then ok "$c --help exits 0"; else bad "$c --help exits 0" "$TMP/out"; fi
+done
+"$K3" --version >"$TMP/out" 2>&1 && grep -q "^k3 [0-9]" "$TMP/out" && ok "k3 --version" || bad "k3 --version" "$TMP/out"
+expect_ok "--think implies --chat" "$K3" run -m "$TINY" --think -n 3 --temp 0 "Hi"
+grep -q '^\[think\]' "$TMP/out" && ok "--think shows its opening marker" || bad "--think shows its opening marker" "$TMP/out"
+"$K3" run -m "$TINY" -n 2 hi >/dev/null 2>"$TMP/err"
+grep -q "seed [0-9]* (random" "$TMP/err" && ok "random seed printed" || bad "random seed printed" "$TMP/err"
+"$K3" run -m "$TINY" -n 2 --seed 7 hi >/dev/null 2>"$TMP/err"
+grep -q "seed 7$" "$TMP/err" && ok "given seed printed" || bad "given seed printed" "$TMP/err"
+printf 'The quick brown fox' >"$TMP/p.txt"
+"$K3" run -m "$TINY" -n 4 --temp 0 "The quick brown fox" >"$TMP/arg" 2>/dev/null
+"$K3" run -m "$TINY" -n 4 --temp 0 -f "$TMP/p.txt" >"$TMP/file" 2>/dev/null
+"$K3" run -m "$TINY" -n 4 --temp 0 - <"$TMP/p.txt" >"$TMP/stdin" 2>/dev/null
+if [ -s "$TMP/arg" ] && cmp -s "$TMP/arg" "$TMP/file" && cmp -s "$TMP/arg" "$TMP/stdin"; then ok "prompt from -f FILE and - = argument"; else bad "prompt from -f FILE and - = argument"; fi
+expect_fail "two prompts" "give one of" "$K3" run -m "$TINY" -f "$TMP/p.txt" hi
+# the conversation: two turns piped in; the second prefills only its own message
+printf 'Hi\nHello there\n/exit\nnot read\n' | timeout 60 "$K3" run -m "$TINY" --chat -n 4 --temp 0 >"$TMP/chat" 2>"$TMP/chaterr"
+rc=$?
+t2=$(sed -n 's/^\[turn 2: prefilled \([0-9]*\) new tokens, context \([0-9]*\)\/.*/\1 \2/p' "$TMP/chaterr")
+"$K3" run -m "$TINY" --chat -n 0 "Hello there" >/dev/null 2>"$TMP/one"
+alone=$(sed -n 's/^prompt \([0-9]*\) tokens.*/\1/p' "$TMP/one")
+if [ $rc -eq 0 ] && [ -n "$t2" ] && [ "${t2% *}" = "$alone" ] && [ "${t2#* }" -gt "$alone" ] && ! grep -q "turn 3" "$TMP/chaterr"; then
+    ok "chat: turn 2 prefilled only its $alone tokens (context ${t2#* })"
+else
+    bad "chat: turn 2 prefilled only its own tokens (got '$t2', alone '$alone', exit $rc)" "$TMP/chaterr"
+fi
+printf 'Hi\n' | timeout 60 "$K3" run -m "$TINY" --system "Be brief." -n 2 --temp 0 >/dev/null 2>"$TMP/syserr"
+sys1=$(sed -n 's/^\[turn 1: prefilled \([0-9]*\).*/\1/p' "$TMP/syserr")
+hi1=$(sed -n 's/^\[turn 1: prefilled \([0-9]*\).*/\1/p' "$TMP/chaterr")
+[ -n "$sys1" ] && [ "$sys1" -gt "$hi1" ] && ok "--system adds a system message to the first turn" || bad "--system adds a system message" "$TMP/syserr"
+printf 'Hi\nHello there, how are you today?\n' | timeout 60 "$K3" run -m "$TINY" --chat --ctx 60 -n 4 --temp 0 >/dev/null 2>"$TMP/err"
+rc=$?
+[ $rc -eq 1 ] && grep -q "conversation is full" "$TMP/err" && ok "chat: a full context is an error naming --ctx" || bad "chat: a full context is an error (exit $rc)" "$TMP/err"
+"$K3" eval -m "$TINY" --text "$TMP/t.txt" --ctx 8 >/dev/null 2>"$TMP/err"
+if grep -q "$(printf '\r')" "$TMP/err"; then bad "eval progress: no CR frames off a terminal" "$TMP/err"; else ok "eval progress: no CR frames off a terminal"; fi
+(cd "$TMP" && "$K3ABS" info >/dev/null 2>"$TMP/err") && ok "default model found from another directory" || bad "default model found from another directory" "$TMP/err"
+mkdir -p "$TMP/bin" && cp "$K3" "$TMP/bin/k3"
+(cd "$TMP" && "$TMP/bin/k3" info >/dev/null 2>"$TMP/err")
+grep -q "looked in" "$TMP/err" && ok "missing default model: the error says where it looked" || bad "missing default model says where it looked" "$TMP/err"
+mkdir -p "$TMP/usr/bin" "$TMP/usr/share/k3/models" && cp "$K3" "$TMP/usr/bin/k3" && cp -r "$TINY" "$TMP/usr/share/k3/models/k3-mini"
+(cd / && "$TMP/usr/bin/k3" info >"$TMP/out" 2>"$TMP/err") && grep -q "vocab 1024" "$TMP/out" && ok "installed layout: default model under PREFIX/share/k3" || bad "installed layout: default model under PREFIX/share/k3" "$TMP/err"
+"$K3" info -m "$TINY" >"$TMP/out" 2>&1
+"$K3" bench -m "$TINY" --quant none --runs 1 --prompts 16 --decode-tokens 2 --membw-mb 64 >"$TMP/bench" 2>"$TMP/benchrr"
+i_bpt=$(sed -n 's/.*bytes read per decoded token: \([0-9]*\) .*/\1/p' "$TMP/out")
+b_bpt=$(sed -n 's/.*bytes read per decoded token: \([0-9]*\) .*/\1/p' "$TMP/bench")
+[ -n "$i_bpt" ] && [ "$i_bpt" = "$b_bpt" ] && ok "info and bench agree on bytes read per decoded token ($i_bpt)" || bad "info and bench agree on bytes per token ('$i_bpt' vs '$b_bpt')" "$TMP/bench"
+grep -q "s left)" "$TMP/benchrr" && ok "bench shows the time left" || bad "bench shows the time left" "$TMP/benchrr"
+"$K3" info -m "$TINY" --quant w8a8+w4a8 >"$TMP/out" 2>&1
+"$K3" bench -m "$TINY" --quant w8a8+w4a8 --runs 1 --prompts 16 --decode-tokens 2 --membw-mb 64 >"$TMP/bench" 2>/dev/null
+i_q=$(sed -n 's/.*bytes read per decoded token: \([0-9]*\) .*as quantized/\1/p' "$TMP/out")
+b_q=$(sed -n 's/.*bytes read per decoded token: \([0-9]*\) .*with --quant w8a8+w4a8.*/\1/p' "$TMP/bench")
+[ -n "$i_q" ] && [ "$i_q" = "$b_q" ] && ok "info --quant and bench agree under W8A8+W4A8 ($i_q)" || bad "info --quant and bench agree ('$i_q' vs '$b_q')" "$TMP/bench"
+
+# ---- issue 14: hostile input --------------------------------------------------
+damaged
+rm "$TMP/m/model.safetensors" && mkfifo "$TMP/m/model.safetensors"
+expect_fail "FIFO for model.safetensors" "FIFO" "$K3" info -m "$TMP/m"
+damaged
+rm "$TMP/m/tiktoken.model" && ln -s /dev/zero "$TMP/m/tiktoken.model"
+expect_fail "/dev/zero for tiktoken.model" "character device" "$K3" run -m "$TMP/m" -n 1 hi
+expect_fail "tokenize: stdin over the limit" "64 MB limit" sh -c "head -c 70000000 /dev/zero | \"$K3\" tokenize -m \"$TINY\""
+expect_fail "eval --text /dev/zero" "64 MB limit" "$K3" eval -m "$TINY" --text /dev/zero
+damaged
+sed 's/"num_experts": 16,/"num_experts": 514,/; s/"num_expert_group": 1,/"num_expert_group": 257,/' "$TINY/config.json" >"$TMP/m/config.json"
+expect_fail "257 expert groups" "num_expert_group" "$K3" info -m "$TMP/m"
+damaged
+python3 - "$TMP/m/model.safetensors" <<'PY'
+import json, struct, sys
+p = sys.argv[1]
+b = bytearray(open(p, "rb").read())
+h = struct.unpack("<Q", b[:8])[0]
+off = json.loads(b[8:8 + h])["language_model.model.layers.0.input_layernorm.weight"]["data_offsets"][0]
+b[8 + h + off + 10:8 + h + off + 12] = b"\xc0\x7f"  # element 5: BF16 NaN
+open(p, "wb").write(b)
+PY
+expect_fail "NaN weight: info names the tensor" "input_layernorm.weight.*non-finite" "$K3" info -m "$TMP/m"
+expect_fail "NaN weight: run refuses at load" "non-finite" "$K3" run -m "$TMP/m" -n 4 --temp 0 hi
+expect_fail "NaN weight: run --quant none --no-check-tensors: the sampler refuses" "not finite" "$K3" run -m "$TMP/m" --quant none --kv-cache f32 --no-check-tensors -n 4 --temp 0 hi
 
 . tests/cli_vision.sh
 

@@ -38,3 +38,5 @@ chunk = lambda t, d: struct.pack(">I", len(d)) + t + d + struct.pack(">I", zlib.
 sys.stdout.buffer.write(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 90001)))' >"$TMP/bomb.png"
 expect_fail "oversized image" "over the limit" "$K3" run -m "$VT" -n 1 --image "$TMP/bomb.png" hi
 expect_fail "image with --ids" "text prompt" "$K3" run -m "$VT" -n 1 --ids 1,2 --image "$VI/rgb_112x112.png"
+expect_fail "image in a conversation" "not a conversation" "$K3" run -m "$VT" --chat --image "$VI/rgb_112x112.png"
+expect_ok "run --system --image" "$K3" run -m "$VT" --system "Be brief." --temp 0 -n 2 --image "$VI/dot_5x3.png" "Hi"

@@ -1,16 +1,19 @@
 #!/bin/sh
 # run.sh -- the whole suite for `make test`: the C unit and model tests
-# (build/k3-test), then the CLI checks (tests/cli.sh), then one closing line
+# (build/k3-test), then the CLI checks (tests/cli.sh), then the fuzzers
+# (fuzz/run.sh, a few seconds each; skipped without clang), then one closing line
 # with the totals: `N passed, N failed`. Exit status 1 if anything failed.
 # Usage: sh tests/run.sh build/k3-test build/k3
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 "$1" | tee "$log"
 sh tests/cli.sh "$2" | tee -a "$log"
-sum() { grep -E "^(cli: )?[0-9]+ passed, [0-9]+ failed$" "$log" | sed 's/^cli: //' | awk -v f="$1" '{s += $f} END {print s + 0}'; }
+# the fuzzers, a few seconds each on their seed corpus (fuzz/run.sh)
+sh fuzz/run.sh "${FUZZ_DIR:-build-fuzz}" "${FUZZ_TEST_TIME:-3}" | tee -a "$log"
+sum() { grep -E "^((cli|fuzz): )?[0-9]+ passed, [0-9]+ failed$" "$log" | sed 's/^[a-z]*: //' | awk -v f="$1" '{s += $f} END {print s + 0}'; }
 p=$(sum 1)
 f=$(sum 3)
 # a runner that crashed before its summary counts as a failure
-[ "$(grep -cE "^(cli: )?[0-9]+ passed" "$log")" -eq 2 ] || f=$((f + 1))
+[ "$(grep -cE "^((cli|fuzz): )?[0-9]+ passed" "$log")" -eq 3 ] || f=$((f + 1))
 echo "$p passed, $f failed"
 [ "$f" -eq 0 ]

@@ -105,3 +105,27 @@ K3_TEST(sample_top_k_keeps_exactly_the_best) {
     for (int q = 0; q < K; q++) CHECK(hit[q] > 0);
     k3_sampler_free(s);
 }
+
+/* Non-finite logits give -1 (no distribution), greedy and sampled alike;
+ * -Inf is a mask and stays allowed. NaN options are refused at init. */
+K3_TEST(sample_refuses_nan_logits) {
+    k3_sampler *g = mk(0, 0, 1, 0, 1, 1, 4), *t = mk(0.8f, 40, 0.95f, 0.05f, 1.1f, 7, 4);
+    REQUIRE(g && t);
+    float l[4] = {NAN, NAN, NAN, NAN};
+    CHECK(k3_sampler_sample(g, l) == -1);
+    float l2[4] = {0.5f, NAN, 1.0f, 0.0f};
+    CHECK(k3_sampler_sample(t, l2) == -1);
+    float l3[4] = {0.5f, INFINITY, 1.0f, 0.0f};
+    CHECK(k3_sampler_sample(t, l3) == -1);
+    float l4[4] = {-INFINITY, 2.0f, -INFINITY, 1.0f};
+    CHECK(k3_sampler_sample(g, l4) == 1);
+    k3_sampler_free(g);
+    k3_sampler_free(t);
+    const float bad[][4] = {{NAN, 1, 0, 1}, {1, NAN, 0, 1}, {1, 1, NAN, 1}, {1, 1, 0, NAN}, {INFINITY, 1, 0, 1}};
+    for (int i = 0; i < 5; i++) {
+        k3_sampler *s = NULL;
+        k3_sampler_options o = {bad[i][0], 0, bad[i][1], bad[i][2], bad[i][3], 0, 1};
+        k3_error err = {0};
+        CHECKF(k3_sampler_init(&s, &o, 4, &err) == K3_ERR_ARG && !s, "options %d accepted", i);
+    }
+}

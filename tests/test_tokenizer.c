@@ -3,8 +3,8 @@
  * against the goldens of tools/gen_tokenizer_goldens.py (tiktoken and the
  * regex package), plus malformed input.
  *
- * The o200k/cl100k rank files are read from ../shared/data/tokenizers (a copy
- * of shared/ sits beside the repository in CI); a missing file is a failure.
+ * The o200k/cl100k rank files are the repository's copies in data/tokenizers
+ * (see data/tokenizers/README.md); a missing file is a failure.
  */
 #include "test.h"
 
@@ -18,8 +18,8 @@
 #include "tokenizer/tokenizer_internal.h"
 
 #define GOLDEN "tests/golden/tokenizer/"
-#define O200K "../shared/data/tokenizers/o200k_base.tiktoken"
-#define CL100K "../shared/data/tokenizers/cl100k_base.tiktoken"
+#define O200K "data/tokenizers/o200k_base.tiktoken"
+#define CL100K "data/tokenizers/cl100k_base.tiktoken"
 #define KIMI_CONFIG GOLDEN "kimi-o200k/tokenizer_config.json"
 #define O200K_RANKS 199998
 
@@ -91,7 +91,8 @@ static k3_tokenizer *open_file(const char *rel, k3_pattern pat) {
     k3_tokenizer *t = NULL;
     k3_error err = {0};
     if (k3_tokenizer_open_file(&t, rel, pat, &err) != K3_OK)
-        k3_test_fail(__FILE__, __LINE__, "%s", err.msg);
+        k3_test_fail(__FILE__, __LINE__, "%s (the rank files are committed in data/tokenizers: "
+                     "`git checkout -- data/tokenizers`)", err.msg);
     return t;
 }
 
@@ -100,7 +101,8 @@ static k3_tokenizer *open_kimi(void) {
     k3_error err = {0};
     if (k3_tokenizer_open_paths(&t, O200K, KIMI_CONFIG,
                                 K3_PATTERN_KIMI, &err) != K3_OK)
-        k3_test_fail(__FILE__, __LINE__, "%s", err.msg);
+        k3_test_fail(__FILE__, __LINE__, "%s (the rank files are committed in data/tokenizers: "
+                     "`git checkout -- data/tokenizers`)", err.msg);
     return t;
 }
 

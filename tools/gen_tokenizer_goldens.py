@@ -2,7 +2,7 @@
 """Writes the tokenizer golden files under tests/golden/tokenizer/.
 
 References: the `tiktoken` package for ids, built offline from the rank files
-in ../shared/data/tokenizers (no downloads), and the `regex` package for the
+in data/tokenizers (copies of ../shared/data/tokenizers; no downloads), and the `regex` package for the
 pieces of Kimi's split pattern. For each case NAME:
 
   NAME.txt          the input text (UTF-8 bytes, written as is)
@@ -23,7 +23,11 @@ Checks made while writing (the script fails if one does not hold):
     spellings, its pieces cover the text, and encoding piece by piece gives
     tiktoken's ids, i.e. regex's pieces are tiktoken's pieces.
 
-Usage: python3 tools/gen_tokenizer_goldens.py [--shared ../shared]
+Usage: python3 tools/gen_tokenizer_goldens.py [--data data] [--corpus ../shared/data/corpus]
+
+The corpus slices are cut from the gzipped corpora in --corpus when it is
+given; without it the slices already committed (tests/golden/tokenizer/
+corpus_*.txt) are read back, so a plain clone can regenerate every golden.
 """
 import argparse
 import gzip
@@ -118,11 +122,24 @@ CORPUS = ["austen", "brown", "kjv", "mobydick", "sotu"]
 SLICE_BYTES = 3000
 
 
-def corpus_slices(shared):
-    """Two slices of about SLICE_BYTES from each corpus file, cut at lines."""
+def corpus_slices(corpus):
+    """Two slices of about SLICE_BYTES from each corpus file, cut at lines;
+    without a corpus directory, the committed slices."""
     out = {}
     for name in CORPUS:
-        data = gzip.open(os.path.join(shared, "data", "corpus", name + ".txt.gz")).read()
+        if corpus is None:
+            for k in range(2):
+                path = os.path.join(OUT, f"corpus_{name}_{k}.txt")
+                if not os.path.isfile(path):
+                    raise SystemExit(f"{path} is missing: restore it with `git checkout -- {os.path.relpath(path, ROOT)}` "
+                                     "or cut fresh slices with --corpus ../shared/data/corpus")
+                out[f"corpus_{name}_{k}"] = open(path, "rb").read().decode("utf-8")
+            continue
+        path = os.path.join(corpus, name + ".txt.gz")
+        if not os.path.isfile(path):
+            raise SystemExit(f"{path} is missing (the corpora are in ../shared/data/corpus; "
+                             "leave --corpus out to reuse the committed slices)")
+        data = gzip.open(path).read()
         for k, frac in enumerate((0.31, 0.77)):
             start = data.index(b"\n", int(len(data) * frac)) + 1
             end = data.index(b"\n", start + SLICE_BYTES) + 1
@@ -147,8 +164,12 @@ def byte_split(pattern, text):
     return pieces
 
 
-def encoding(shared, name, pat_str=None):
-    base = os.path.join(shared, "data", "tokenizers", name)
+def encoding(data, name, pat_str=None):
+    base = os.path.join(data, "tokenizers", name)
+    for ext in (".json", ".tiktoken"):
+        if not os.path.isfile(base + ext):
+            raise SystemExit(f"{base + ext} is missing: it is committed as data/tokenizers/{name}{ext} "
+                             "(restore it with `git checkout -- data/tokenizers`)")
     meta = json.load(open(base + ".json"))
     return tiktoken.Encoding(name if pat_str is None else name + "_kimi",
                              pat_str=meta["pat_str"] if pat_str is None else pat_str,
@@ -242,17 +263,20 @@ CHATS = [
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shared", default=os.path.join(ROOT, "..", "shared"))
+    ap.add_argument("--data", default=os.path.join(ROOT, "data"),
+                    help="folder holding tokenizers/ (default: the repository's data/)")
+    ap.add_argument("--corpus", default=None,
+                    help="folder of the gzipped corpora to cut slices from (default: the committed slices)")
     args = ap.parse_args()
     os.makedirs(OUT, exist_ok=True)
 
-    o200k = encoding(args.shared, "o200k_base")
-    cl100k = encoding(args.shared, "cl100k_base")
-    kimi = encoding(args.shared, "o200k_base", KIMI_PAT)
-    kimi_rw = encoding(args.shared, "o200k_base", KIMI_PAT_REWRITTEN)
+    o200k = encoding(args.data, "o200k_base")
+    cl100k = encoding(args.data, "cl100k_base")
+    kimi = encoding(args.data, "o200k_base", KIMI_PAT)
+    kimi_rw = encoding(args.data, "o200k_base", KIMI_PAT_REWRITTEN)
 
     cases = dict(HAND)
-    cases.update(corpus_slices(args.shared))
+    cases.update(corpus_slices(args.corpus))
     for name, text in cases.items():
         raw = text.encode("utf-8")
         k_ids = kimi.encode_ordinary(text)

@@ -86,8 +86,9 @@ def _to_bytes(dtype, a):
 # ---------------------------------------------------------------------------- safetensors
 
 
-def write_safetensors(path, tensors, metadata=None):
-    """tensors: {name: (dtype_str, shape, bytes | callable -> bytes)}."""
+def write_safetensors(path, tensors, metadata=None, progress=None):
+    """tensors: {name: (dtype_str, shape, bytes | callable -> bytes)}.
+    progress, when given, is called with the byte count of each tensor written."""
     names = sorted(tensors)
     header = {}
     off = 0
@@ -118,6 +119,8 @@ def write_safetensors(path, tensors, metadata=None):
             if len(mv) != b1 - b0:
                 raise ValueError("%s: %d bytes, header says %d" % (n, len(mv), b1 - b0))
             f.write(mv)
+            if progress:
+                progress(len(mv))
     os.replace(tmp, path)
     return off
 
@@ -329,9 +332,11 @@ def _full_name(n):
     return n if n.startswith("language_model.") else "language_model." + n
 
 
-def write_checkpoint(out_dir, config, tensors, tokenizer, shard_bytes=None, dtype_overrides=None):
+def write_checkpoint(out_dir, config, tensors, tokenizer, shard_bytes=None, dtype_overrides=None,
+                     progress=None):
     """Write config.json, model.safetensors (or shards + index), tiktoken.model,
-    tokenizer_config.json. Returns {file: bytes}."""
+    tokenizer_config.json. Returns {file: bytes}. progress, when given, is
+    called as progress(bytes_written_so_far, total_tensor_bytes)."""
     os.makedirs(out_dir, exist_ok=True)
     dtype_overrides = dtype_overrides or {}
     entries = {}   # final name -> (dtype, shape, producer)
@@ -385,6 +390,12 @@ def write_checkpoint(out_dir, config, tensors, tokenizer, shard_bytes=None, dtyp
     names = sorted(entries)
     nbytes = {n: DTYPE_SIZE[entries[n][0]] * int(np.prod(entries[n][1], dtype=np.int64)) for n in names}
     total = sum(nbytes.values())
+    done = [0]
+
+    def step(n):
+        done[0] += n
+        if progress:
+            progress(done[0], total)
     shards = [[]]
     if shard_bytes:
         cur = 0
@@ -403,13 +414,13 @@ def write_checkpoint(out_dir, config, tensors, tokenizer, shard_bytes=None, dtyp
     sizes = {}
     if len(shards) == 1 and not shard_bytes:
         fn = "model.safetensors"
-        write_safetensors(os.path.join(out_dir, fn), {n: entries[n] for n in shards[0]})
+        write_safetensors(os.path.join(out_dir, fn), {n: entries[n] for n in shards[0]}, progress=step)
         sizes[fn] = os.path.getsize(os.path.join(out_dir, fn))
     else:
         wm = {}
         for k, sh in enumerate(shards):
             fn = "model-%05d-of-%05d.safetensors" % (k + 1, len(shards))
-            write_safetensors(os.path.join(out_dir, fn), {n: entries[n] for n in sh})
+            write_safetensors(os.path.join(out_dir, fn), {n: entries[n] for n in sh}, progress=step)
             sizes[fn] = os.path.getsize(os.path.join(out_dir, fn))
             for n in sh:
                 wm[n] = fn

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import k3ckpt  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-O200K = os.path.join(ROOT, "..", "shared", "data", "tokenizers", "o200k_base.tiktoken")
+O200K = os.path.join(ROOT, "data", "tokenizers", "o200k_base.tiktoken")
 
 
 def load_ranks(path, n):
@@ -229,15 +229,39 @@ def main():
     ap.add_argument("--tokenizer", default=O200K, help="tiktoken rank file to take the rank prefix from")
     ap.add_argument("--shard-mb", type=float, default=None,
                     help="shard size in MB (default: single file for tiny, 1024 MB for bench)")
+    ap.add_argument("--quiet", action="store_true", help="no progress line on stderr")
     args = ap.parse_args()
+    if not os.path.isfile(args.tokenizer):
+        sys.exit("make_checkpoint.py: the rank file %s is missing; it is committed in the repository "
+                 "as data/tokenizers/o200k_base.tiktoken (restore it with `git checkout -- data/tokenizers`) "
+                 "or give another with --tokenizer FILE" % args.tokenizer)
     t0 = time.time()
     cfg, n_ranks = preset_config(args.preset)
     bench = args.preset.startswith("bench")
     ranks = load_ranks(args.tokenizer, n_ranks)
     tensors = build_tensors(cfg, Gen(args.seed), fast_experts=bench)
     shard = args.shard_mb * 1e6 if args.shard_mb else (1024e6 if bench else None)
+    last = [0.0]
+
+    def progress(done, total):
+        # one line on stderr, redrawn in place on a terminal, every 2 s elsewhere
+        now = time.time()
+        tty = sys.stderr.isatty()
+        if done < total and now - last[0] < (0.2 if tty else 2.0):
+            return
+        last[0] = now
+        el = now - t0
+        left = el * (total - done) / done if done else 0.0
+        msg = "%s: %.0f/%.0f MB written, %.0f s, about %.0f s left" % (
+            args.out, done / 1e6, total / 1e6, el, left)
+        sys.stderr.write(("\r" + msg + "\x1b[K") if tty else (msg + "\n"))
+        if tty and done >= total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
     sizes = k3ckpt.write_checkpoint(args.out, cfg, tensors, (ranks, k3ckpt.special_tokens_k3(n_ranks)),
-                                    shard_bytes=shard and int(shard))
+                                    shard_bytes=shard and int(shard),
+                                    progress=None if args.quiet else progress)
     total = sum(sizes.values())
     print("%s: %d tensors, %s, %.1f MB in %d file(s), %.1fs" % (
         args.out, len(tensors), args.preset, total / 1e6, len(sizes), time.time() - t0))

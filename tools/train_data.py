@@ -10,7 +10,7 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CORPUS_DIR = os.path.join(ROOT, "..", "shared", "data", "corpus")
+CORPUS_DIR = os.environ.get("K3_CORPUS_DIR", os.path.join(ROOT, "..", "shared", "data", "corpus"))
 HELDOUT_DIR = os.path.join(ROOT, "data", "heldout")
 CORPORA = ["austen", "brown", "kjv", "mobydick", "sotu"]
 HELDOUT_FRAC = 0.02
@@ -31,7 +31,12 @@ KIMI_PAT = "|".join([
 
 
 def load_corpus(name):
-    with gzip.open(os.path.join(CORPUS_DIR, name + ".txt.gz"), "rb") as f:
+    path = os.path.join(CORPUS_DIR, name + ".txt.gz")
+    if not os.path.isfile(path):
+        raise SystemExit(f"{path} is missing: training reads the full corpora of the project's shared "
+                         "material (../shared/data/corpus, 26.5 MB, not in the repository); "
+                         "set K3_CORPUS_DIR to a folder holding austen/brown/kjv/mobydick/sotu.txt.gz")
+    with gzip.open(path, "rb") as f:
         text = f.read().decode("utf-8")
     text = text.lstrip("\ufeff").replace("\r\n", "\n")
     if name == "mobydick":

@@ -9,6 +9,8 @@
  */
 #include "kda.h"
 #include "kernels/kernels.h"
+#include "common/error.h"
+#include "model/config.h"
 
 #include <math.h>
 #include <string.h>
@@ -37,7 +39,8 @@ void k3_kda_chunked(const k3_kda_head *h, float *S, int chunk, float *work) {
 
 void k3_kda_recurrent_ref(const k3_kda_head *h, float *S) {
     const int dk = h->dk, dv = h->dv;
-    float u[512];
+    float u[K3_MAX_KDA_HEAD_DIM]; /* dv <= K3_MAX_KDA_HEAD_DIM (config.c) */
+    K3_ASSERT(dv <= K3_MAX_KDA_HEAD_DIM);
     for (int t = 0; t < h->n; t++) {
         const float *q = h->q + t * h->ld_qk;
         const float *k = h->k + t * h->ld_qk;

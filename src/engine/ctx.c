@@ -441,6 +441,10 @@ k3_status k3_ctx_seq_fill_synthetic(k3_ctx *ctx, int32_t seq, int64_t n, uint64_
 #define RND() ((float)((int64_t)((r = r * 6364136223846793005ull + 1442695040888963407ull) >> 40) - 8388608) / 8388608.0f)
     const int kvl = c->kv_lora_rank, rope = c->qk_rope_dim, dI = c->index_head_dim;
     float row[4096];
+    if (kvl + rope > 4096 || dI > 4096)
+        return k3_err(err, K3_ERR_UNSUPPORTED,
+                      "fill: synthetic cache rows are at most 4096 floats (kv_lora_rank + qk_rope_head_dim = %d, "
+                      "index_head_dim = %d)", kvl + rope, dI);
     for (int i = 0; i < c->n_layers; i++) {
         if (c->layer_kind[i] == K3_LAYER_KDA) continue;
         for (int64_t p = s->pos; p < end; p++) {

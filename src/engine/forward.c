@@ -335,7 +335,7 @@ static void mla_attend_items(void *p, int64_t lo, int64_t hi, int ith) {
             memcpy(qpe + (int64_t)h * rope, ctx->s.mq + t * H * qh + (h0 + h) * qh + nope,
                    sizeof(float) * (size_t)rope);
         }
-        float *out, *lse, lse_buf[1024];
+        float *out, *lse, lse_buf[K3_MAX_HEADS]; /* nh <= n_heads <= K3_MAX_HEADS (config.c) */
         if (j->parts > 1) {
             out = ctx->s.part_o + tp * H * kvl + (int64_t)h0 * kvl;
             lse = ctx->s.part_l + tp * H + h0;
@@ -372,7 +372,7 @@ static void mla_merge_rows(void *p, int64_t lo, int64_t hi, int ith) {
             o[q] = ctx->s.part_o + (t * j->parts + q) * H * kvl;
             l[q] = ctx->s.part_l + (t * j->parts + q) * H;
         }
-        float *out = ctx->s.tq[ith], lse[1024];
+        float *out = ctx->s.tq[ith], lse[K3_MAX_HEADS];
         k3_lse_merge(o, l, j->parts, H, kvl, out, lse);
         for (int h = 0; h < H; h++)
             memcpy(ctx->s.chat + ((int64_t)h * T + t) * kvl, out + (int64_t)h * kvl, sizeof(float) * (size_t)kvl);

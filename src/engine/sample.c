@@ -31,8 +31,10 @@ k3_status k3_sampler_init(k3_sampler **out, const k3_sampler_options *opt, int32
                           k3_error *err) {
     *out = NULL;
     if (n_vocab <= 0) return k3_err(err, K3_ERR_ARG, "sampler: vocabulary size must be positive");
-    if (opt->temperature < 0 || opt->top_k < 0 || !(opt->top_p > 0 && opt->top_p <= 1) ||
-        opt->min_p < 0 || opt->min_p > 1 || !(opt->repeat_penalty > 0) || opt->repeat_last_n < 0)
+    /* written so that NaN fails every test */
+    if (!(opt->temperature >= 0 && opt->temperature <= 1e30f) || opt->top_k < 0 ||
+        !(opt->top_p > 0 && opt->top_p <= 1) || !(opt->min_p >= 0 && opt->min_p <= 1) ||
+        !(opt->repeat_penalty > 0 && opt->repeat_penalty <= 1e30f) || opt->repeat_last_n < 0)
         return k3_err(err, K3_ERR_ARG,
                       "sampler: bad options (need temp >= 0, top_k >= 0, 0 < top_p <= 1, 0 <= min_p <= 1, "
                       "repeat penalty > 0)");
@@ -85,6 +87,10 @@ static int cand_desc(const void *a, const void *b) {
 
 int32_t k3_sampler_sample(k3_sampler *s, float *logits) {
     const int32_t V = s->n_vocab;
+    /* NaN or +Inf anywhere (damaged weights, an overflow): no distribution
+     * to sample from, and greedy would quietly answer id 0. -Inf is a mask. */
+    for (int32_t i = 0; i < V; i++)
+        if (isnan(logits[i]) || logits[i] == INFINITY) return -1;
     if (s->o.repeat_penalty != 1.0f) {
         /* penalise each distinct recent id once */
         for (int32_t i = 0; i < s->hist_n; i++) {

@@ -84,7 +84,7 @@ void k3_qli_scores(const int8_t *q8, const float *qs, const float *w, int HI, in
     if (k3_kernels_isa() >= K3_ISA_AVX512 && __builtin_cpu_supports("avx512vnni") &&
         k3_qli_avx512_ok(HI, dI))
         k3_qli_scores_avx512(q8, qs, w, HI, dI, k8, ks, slots, n, scores);
-    else if (use_avx2() && dI % 16 == 0 && HI <= 64)
+    else if (use_avx2() && dI % 16 == 0 && dI <= 256 && HI <= 64) /* its q16[64 * 256] */
         k3_qli_scores_avx2(q8, qs, w, HI, dI, k8, ks, slots, n, scores);
     else
         k3_qli_scores_ref(q8, qs, w, HI, dI, k8, ks, slots, n, scores);

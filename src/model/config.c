@@ -20,6 +20,7 @@
 #include "config.h"
 #include "../common/error.h"
 #include "../common/json_guard.h"
+#include "../common/file.h"
 
 #include <errno.h>
 #include <jansson.h>
@@ -336,7 +337,8 @@ static k3_status parse_linear(const parser *p, json_t *la, k3_config *cfg) {
     if (n_kda == 0) return K3_OK; /* sizes unused */
 
     TRY(get_i32(&pl, la, "num_heads", true, 0, 1, 1 << 16, &cfg->kda_heads));
-    TRY(get_i32(&pl, la, "head_dim", true, 0, 1, 1 << 16, &cfg->kda_head_dim));
+    /* the scalar KDA recurrence keeps a value row on the stack (kda.c) */
+    TRY(get_i32(&pl, la, "head_dim", true, 0, 1, K3_MAX_KDA_HEAD_DIM, &cfg->kda_head_dim));
     TRY(get_i32(&pl, la, "short_conv_kernel_size", true, 0, 1, 64, &cfg->conv_size));
     double lb;
     cfg->kda_has_lower_bound = get(la, "gate_lower_bound") != NULL;
@@ -474,7 +476,8 @@ static k3_status parse_root(k3_config *cfg, json_t *root, const char *src, k3_er
         if (bias)
             return k3_err(err, K3_ERR_UNSUPPORTED,
                           "%s: attention_bias = true is not supported", src);
-        TRY(get_i32(&p, tc, "num_attention_heads", true, 0, 1, 1 << 16, &cfg->n_heads));
+        /* per-head log-sum-exp rows live on the stack in forward.c: K3_MAX_HEADS */
+        TRY(get_i32(&p, tc, "num_attention_heads", true, 0, 1, K3_MAX_HEADS, &cfg->n_heads));
         TRY(get_i32(&p, tc, "q_lora_rank", false, 0, 0, 1 << 20, &cfg->q_lora_rank));
         TRY(get_i32(&p, tc, "kv_lora_rank", true, 0, 1, 1 << 20, &cfg->kv_lora_rank));
         TRY(get_i32(&p, tc, "qk_nope_head_dim", true, 0, 1, 1 << 16, &cfg->qk_nope_dim));
@@ -603,7 +606,9 @@ static k3_status parse_root(k3_config *cfg, json_t *root, const char *src, k3_er
             return k3_err(err, K3_ERR_FORMAT, "%s: routed_scaling_factor = %g must be > 0",
                           src, scale);
         cfg->routed_scaling = (float)scale;
-        TRY(get_i32(&p, tc, "num_expert_group", false, 1, 1, E, &cfg->n_expert_groups));
+        /* the router ranks groups in fixed arrays (moe.c): at most K3_MOE_MAX_GROUPS */
+        TRY(get_i32(&p, tc, "num_expert_group", false, 1, 1, E < K3_MOE_MAX_GROUPS ? E : K3_MOE_MAX_GROUPS,
+                    &cfg->n_expert_groups));
         TRY(get_i32(&p, tc, "topk_group", false, 1, 1, cfg->n_expert_groups,
                     &cfg->topk_groups));
         if (E % cfg->n_expert_groups)
@@ -649,21 +654,12 @@ k3_status k3_config_load(k3_config *cfg, const char *dir, k3_error *err) {
     char path[4096];
     if (snprintf(path, sizeof path, "%s/config.json", dir) >= (int)sizeof path)
         return k3_err(err, K3_ERR_ARG, "checkpoint path too long: %s", dir);
-    FILE *f = fopen(path, "rb");
-    if (!f) return k3_err(err, K3_ERR_IO, "cannot open %s: %s", path, strerror(errno));
-    char *buf = malloc(CONFIG_MAX_BYTES + 1);
-    if (!buf) {
-        fclose(f);
-        return k3_err(err, K3_ERR_NOMEM, "out of memory reading %s", path);
-    }
-    size_t n = fread(buf, 1, CONFIG_MAX_BYTES + 1, f);
-    int rerr = ferror(f);
-    fclose(f);
-    k3_status s;
-    if (rerr) s = k3_err(err, K3_ERR_IO, "cannot read %s", path);
-    else if (n > CONFIG_MAX_BYTES)
-        s = k3_err(err, K3_ERR_FORMAT, "%s: file is over the 1 MB limit", path);
-    else s = k3_config_parse(cfg, buf, n, path, err);
+    /* a regular file (a FIFO must not block), of at most 1 MB */
+    char *buf;
+    size_t n;
+    k3_status s = k3_file_read(path, CONFIG_MAX_BYTES, "config.json", &buf, &n, err);
+    if (s != K3_OK) return s;
+    s = k3_config_parse(cfg, buf, n, path, err);
     free(buf);
     return s;
 }

@@ -15,6 +15,10 @@
 #include "k3.h"
 
 #define K3_MAX_LAYERS 512
+/* Bounds of the fixed-size arrays in the compute code, enforced here. */
+#define K3_MAX_HEADS 1024        /* MLA heads: lse rows in forward.c */
+#define K3_MAX_KDA_HEAD_DIM 512  /* k3_kda_recurrent_ref's value row */
+#define K3_MOE_MAX_GROUPS 256    /* k3_router_select's group arrays */
 
 typedef enum k3_layer_kind {
     K3_LAYER_KDA = 0,  /* Kimi Delta Attention (linear, recurrent state) */

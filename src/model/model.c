@@ -110,7 +110,12 @@ static k3_status bad_dtype(walker *w, const k3_st_tensor *t, const char *allowed
                   t->name, k3_dtype_name(t->dtype), allowed);
 }
 
+/* A zero dimension makes it 0 whatever the others are (they may be huge:
+ * the product is only bounded by the file size when every factor is
+ * non-zero, so check for zero first). */
 static int64_t numel(const k3_st_tensor *t) {
+    for (int i = 0; i < t->ndim; i++)
+        if (t->shape[i] == 0) return 0;
     int64_t n = 1;
     for (int i = 0; i < t->ndim; i++) n *= t->shape[i];
     return n;
@@ -794,9 +799,10 @@ size_t k3_model_describe(const k3_model *m, char *buf, size_t size) {
     put(buf, size, &n, "\nparameters: %lld total (%s), %lld active per token (%s)\n",
         (long long)in.n_params, human((double)in.n_params, h1, sizeof h1),
         (long long)in.n_params_active, human((double)in.n_params_active, h2, sizeof h2));
-    put(buf, size, &n, "weights: %lld bytes (%sB); %lld bytes (%sB) read per decoded token\n",
+    put(buf, size, &n, "weights: %lld bytes (%sB); bytes read per decoded token: %lld (%sB), %s\n",
         (long long)in.weight_bytes, human((double)in.weight_bytes, h3, sizeof h3),
-        (long long)in.bytes_per_token, human((double)in.bytes_per_token, h4, sizeof h4));
+        (long long)in.bytes_per_token, human((double)in.bytes_per_token, h4, sizeof h4),
+        m->quant_bytes_delta ? "as quantized" : "as stored");
     put(buf, size, &n, "cache: %lld bytes per token (fp32); KDA state %lld bytes per sequence\n",
         (long long)in.cache_bytes_per_token, (long long)in.state_bytes_per_seq);
     return n;

@@ -13,6 +13,7 @@
 #include "safetensors.h"
 #include "../common/error.h"
 #include "../common/json_guard.h"
+#include "../common/file.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -207,6 +208,14 @@ static k3_status parse_entry(const char *path, const char *name, json_t *e,
                       "%s: tensor '%s' holds %llu bytes, but %s x shape needs %llu", path,
                       name, (unsigned long long)(end - begin), dtypes[d].name,
                       (unsigned long long)want);
+    /* elements are read in place as uint16_t/float/...: their address must be
+     * a multiple of their size (writers pad the header to 8 bytes) */
+    if (want && (uintptr_t)(data + begin) % dtypes[d].size)
+        return k3_err(err, K3_ERR_FORMAT,
+                      "%s: tensor '%s' (%s, data offset %llu) is not aligned to its %zu-byte "
+                      "elements (the header is not padded to a multiple of 8 bytes): rewrite the "
+                      "file with a padded header", path, name, dtypes[d].name,
+                      (unsigned long long)begin, (size_t)dtypes[d].size);
     t->data = data + begin;
     t->nbytes = (size_t)want;
     *sp = (span){begin, end, name};
@@ -355,17 +364,14 @@ int64_t k3_st_bytes(const k3_st *st, const char *prefix) {
 
 /* Maps path read-only and parses it as file number st->n_files. */
 static k3_status open_file(k3_st *st, const char *path, k3_error *err) {
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return k3_err(err, K3_ERR_IO, "cannot open %s: %s", path, strerror(errno));
+    int fd;
+    k3_status os = k3_file_open_regular(path, &fd, err); /* a FIFO must not block */
+    if (os != K3_OK) return os;
     struct stat sb;
     if (fstat(fd, &sb) != 0) {
         int e = errno;
         close(fd);
         return k3_err(err, K3_ERR_IO, "cannot stat %s: %s", path, strerror(e));
-    }
-    if (!S_ISREG(sb.st_mode)) {
-        close(fd);
-        return k3_err(err, K3_ERR_IO, "%s is not a regular file", path);
     }
     size_t size = (size_t)sb.st_size;
     if (size < 8) {
@@ -377,48 +383,45 @@ static k3_status open_file(k3_st *st, const char *path, k3_error *err) {
     int e = errno;
     close(fd);
     if (map == MAP_FAILED) return k3_err(err, K3_ERR_IO, "cannot map %s: %s", path, strerror(e));
+    /* A header not padded to 8 bytes leaves the data section misaligned in
+     * the mapping, and tensors are read in place as uint16_t/float: such a
+     * file is copied into anonymous memory at an offset that realigns it. */
+    uint8_t *image = map;
+    size_t map_size = size;
+    uint64_t hlen = 0;
+    for (int i = 7; i >= 0; i--) hlen = hlen << 8 | ((const uint8_t *)map)[i];
+    if (hlen <= size - 8 && (8 + hlen) % 8) {
+        const size_t pad = (size_t)(8 - (8 + hlen) % 8);
+        void *anon = mmap(NULL, size + 8, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (anon == MAP_FAILED) {
+            munmap(map, size);
+            return k3_err(err, K3_ERR_NOMEM, "%s: out of memory realigning an unpadded header", path);
+        }
+        memcpy((uint8_t *)anon + pad, map, size);
+        munmap(map, size);
+        map = anon;
+        map_size = size + 8;
+        image = (uint8_t *)anon + pad;
+    }
 
     st_file *files = realloc(st->files, (size_t)(st->n_files + 1) * sizeof *files);
     char *p = strdup(path);
     if (!files || !p) {
         if (files) st->files = files;
         free(p);
-        munmap(map, size);
+        munmap(map, map_size);
         return k3_err(err, K3_ERR_NOMEM, "out of memory");
     }
     st->files = files;
     int32_t idx = st->n_files++;
-    st->files[idx] = (st_file){p, map, size};
-    return k3_st_parse(st, map, size, idx, p, err);
+    st->files[idx] = (st_file){p, map, map_size};
+    return k3_st_parse(st, image, size, idx, p, err);
 }
 
 /* Reads a whole (small) file into a NUL-terminated buffer. */
 static k3_status read_small(const char *path, size_t max, char **out, size_t *len,
                             k3_error *err) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return k3_err(err, K3_ERR_IO, "cannot open %s: %s", path, strerror(errno));
-    size_t cap = 1 << 16, n = 0;
-    char *buf = malloc(cap + 1);
-    while (buf) {
-        n += fread(buf + n, 1, cap - n, f);
-        if (n < cap || cap > max) break;
-        char *nb = realloc(buf, cap * 2 + 1);
-        if (!nb) { free(buf); buf = NULL; break; }
-        buf = nb;
-        cap *= 2;
-    }
-    int rerr = ferror(f);
-    fclose(f);
-    if (!buf) return k3_err(err, K3_ERR_NOMEM, "out of memory reading %s", path);
-    if (rerr) { free(buf); return k3_err(err, K3_ERR_IO, "cannot read %s", path); }
-    if (n > max) {
-        free(buf);
-        return k3_err(err, K3_ERR_FORMAT, "%s is over the %zu MB limit", path, max >> 20);
-    }
-    buf[n] = 0;
-    *out = buf;
-    *len = n;
-    return K3_OK;
+    return k3_file_read(path, max, "a safetensors index", out, len, err);
 }
 
 /* A shard name must stay inside the directory. */

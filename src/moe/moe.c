@@ -3,6 +3,9 @@
 
 #include <math.h>
 
+#include "common/error.h"
+#include "model/config.h"
+
 /* Is expert a ranked before b on key[]: higher, ties to the lower id. */
 static bool better(const float *key, int a, int b) {
     return key[a] > key[b] || (key[a] == key[b] && a < b);
@@ -25,8 +28,10 @@ void k3_router_select(const k3_router_cfg *rc, float *logits, const float *bias,
     if (rc->n_group > 1 && rc->topk_group < rc->n_group) {
         /* keep only the topk_group groups with the best sum of two scores */
         const int gs = E / rc->n_group;
-        float gscore[256];
-        bool keep[256];
+        /* config.c caps num_expert_group at K3_MOE_MAX_GROUPS */
+        float gscore[K3_MOE_MAX_GROUPS];
+        bool keep[K3_MOE_MAX_GROUPS];
+        K3_ASSERT(rc->n_group <= K3_MOE_MAX_GROUPS);
         for (int g = 0; g < rc->n_group; g++) {
             float b1 = -INFINITY, b2 = -INFINITY;
             for (int e = g * gs; e < (g + 1) * gs; e++) {

@@ -18,6 +18,7 @@
 #include <string.h>
 
 #include "common/error.h"
+#include "common/file.h"
 
 #define NO_RANK UINT32_MAX
 
@@ -241,29 +242,16 @@ done:
     return st;
 }
 
+/* The largest rank file read: Kimi's is 2.6 MB, o200k's 3.6 MB. */
+#define BPE_MAX_FILE_BYTES ((size_t)64 << 20)
+
 k3_status k3_bpe_load(k3_bpe *b, const char *path, k3_error *err) {
     memset(b, 0, sizeof *b);
-    FILE *f = fopen(path, "rb");
-    if (!f) return k3_err(err, K3_ERR_IO, "cannot open %s: %s", path, strerror(errno));
-    size_t len = 0, cap = 1 << 20;
-    char *buf = malloc(cap);
-    k3_status st = K3_OK;
-    for (;;) {
-        if (!buf) {
-            st = k3_err(err, K3_ERR_NOMEM, "out of memory reading %s", path);
-            break;
-        }
-        len += fread(buf + len, 1, cap - len, f);
-        if (len < cap) break;
-        cap *= 2;
-        char *nb = realloc(buf, cap);
-        if (!nb) free(buf);
-        buf = nb;
-    }
-    if (st == K3_OK && ferror(f))
-        st = k3_err(err, K3_ERR_IO, "cannot read %s: %s", path, strerror(errno));
-    fclose(f);
-    if (st == K3_OK) st = k3_bpe_parse(b, buf, len, path, err);
+    char *buf;
+    size_t len;
+    k3_status st = k3_file_read(path, BPE_MAX_FILE_BYTES, "a tiktoken rank file", &buf, &len, err);
+    if (st != K3_OK) return st;
+    st = k3_bpe_parse(b, buf, len, path, err);
     free(buf);
     return st;
 }

@@ -15,8 +15,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "common/error.h"
+#include "common/file.h"
+#include "common/json_guard.h"
 
 /* ---- specials from tokenizer_config.json -------------------------------- */
 
@@ -35,11 +38,17 @@ static k3_status set_special(k3_tokenizer *t, int32_t i, const char *name, k3_er
  * ...}, ...}. Ids must lie in the special range. */
 static k3_status read_config(k3_tokenizer *t, const char *path, k3_error *err) {
     int32_t n_ranks = t->bpe.n_ranks;
-    FILE *f = fopen(path, "rb");
-    if (!f) return k3_err(err, K3_ERR_IO, "cannot open %s: %s", path, strerror(errno));
+    char *text;
+    size_t len;
+    k3_status rs = k3_file_read(path, (size_t)16 << 20, "a tokenizer config", &text, &len, err);
+    if (rs != K3_OK) return rs;
+    if (k3_json_too_deep(text, len, 64)) {
+        free(text);
+        return k3_err(err, K3_ERR_FORMAT, "%s: JSON nests deeper than 64 levels", path);
+    }
     json_error_t je;
-    json_t *root = json_loadf(f, 0, &je);
-    fclose(f);
+    json_t *root = json_loadb(text, len, 0, &je);
+    free(text);
     if (!root) return k3_err(err, K3_ERR_FORMAT, "%s:%d: %s", path, je.line, je.text);
 
     k3_status st = K3_OK;
@@ -102,6 +111,7 @@ static k3_status open_impl(k3_tokenizer **out, const char *vocab_path, const cha
     *out = NULL;
     k3_tokenizer *t = calloc(1, sizeof *t);
     if (!t) return k3_err(err, K3_ERR_NOMEM, "out of memory opening a tokenizer");
+    t->pattern = pattern;
     k3_status st = k3_pretok_init(&t->pretok, pattern, err);
     if (st == K3_OK) st = k3_bpe_load(&t->bpe, vocab_path, err);
     if (st == K3_OK && with_specials) st = load_specials(t, config_path, err);
@@ -131,9 +141,7 @@ k3_status k3_tokenizer_open(k3_tokenizer **out, const char *dir, k3_error *err) 
     } else {
         snprintf(vocab, n, "%s/tiktoken.model", dir);
         snprintf(config, n, "%s/tokenizer_config.json", dir);
-        FILE *f = fopen(config, "rb");
-        bool have_config = f || errno != ENOENT;
-        if (f) fclose(f);
+        bool have_config = access(config, F_OK) == 0 || errno != ENOENT;
         st = open_impl(out, vocab, have_config ? config : NULL, true, K3_PATTERN_KIMI, err);
     }
     free(vocab);
@@ -198,13 +206,58 @@ static k3_status encode_piece(void *ctx, const char *piece, size_t len) {
     return k3_bpe_encode_piece(c->bpe, (const uint8_t *)piece, len, c->out, c->err);
 }
 
+/* Python's str.isspace: Unicode White_Space plus the separators \x1c-\x1f. */
+static bool py_isspace(uint32_t c) {
+    return (c >= 0x09 && c <= 0x0D) || (c >= 0x1C && c <= 0x20) || c == 0x85 || c == 0xA0 || c == 0x1680 ||
+           (c >= 0x2000 && c <= 0x200A) || c == 0x2028 || c == 0x2029 || c == 0x202F || c == 0x205F ||
+           c == 0x3000;
+}
+
+/* The code point at s[*i] of valid UTF-8; advances *i. */
+static uint32_t utf8_next(const unsigned char *s, size_t *i) {
+    const unsigned char b = s[*i];
+    if (b < 0x80) return s[(*i)++];
+    const int n = b >= 0xF0 ? 3 : b >= 0xE0 ? 2 : 1;
+    uint32_t c = b & (0x3F >> n);
+    for (int k = 1; k <= n; k++) c = c << 6 | (s[*i + k] & 0x3F);
+    *i += (size_t)n + 1;
+    return c;
+}
+
 k3_status k3_tokenizer_encode_append(const k3_tokenizer *t, const char *text, size_t len,
                                      k3_ids *out, k3_error *err) {
     size_t bad;
     if (!k3_utf8_check(text, len, &bad))
         return k3_err(err, K3_ERR_ARG, "invalid UTF-8 at byte %zu", bad);
     encode_ctx c = {&t->bpe, out, err};
-    return k3_pretok_split(t->pretok, text, len, encode_piece, &c, err);
+    /* fewer bytes than a run limit: no slicing can apply */
+    if (len <= K3_ENCODE_MAX_RUN) return k3_pretok_split(t->pretok, text, len, encode_piece, &c, err);
+    const unsigned char *s = (const unsigned char *)text;
+    const bool chunks = t->pattern == K3_PATTERN_KIMI;
+    size_t i = 0, start = 0, chunk_chars = 0, run = 0;
+    bool run_space = false;
+    k3_status st = K3_OK;
+    while (i < len && st == K3_OK) {
+        const size_t at = i;
+        const bool sp = py_isspace(utf8_next(s, &i));
+        if (chunks && chunk_chars == K3_ENCODE_CHUNK_CHARS) {
+            st = k3_pretok_split(t->pretok, text + start, at - start, encode_piece, &c, err);
+            start = at;
+            chunk_chars = 0;
+            run = 0;
+        }
+        if (run == 0 || sp != run_space) {
+            run = 1;
+            run_space = sp;
+        } else if (++run > K3_ENCODE_MAX_RUN) {
+            if (st == K3_OK) st = k3_pretok_split(t->pretok, text + start, at - start, encode_piece, &c, err);
+            start = at;
+            run = 1;
+        }
+        chunk_chars++;
+    }
+    if (st == K3_OK && start < len) st = k3_pretok_split(t->pretok, text + start, len - start, encode_piece, &c, err);
+    return st;
 }
 
 k3_status k3_tokenizer_encode(const k3_tokenizer *t, const char *text, size_t len,

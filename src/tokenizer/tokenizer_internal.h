@@ -69,6 +69,7 @@ k3_status k3_bpe_encode_piece(const k3_bpe *b, const uint8_t *s, size_t n, k3_id
 struct k3_tokenizer {
     k3_bpe bpe;
     k3_pretok *pretok;
+    k3_pattern pattern;   /* KIMI adds the 400,000-character chunks of encode */
     int32_t n_specials;   /* 0 without a config, else K3_N_SPECIALS */
     char **special_name;  /* [n_specials], id = n_ranks + i; owned */
     size_t *special_len;  /* [n_specials] */
@@ -83,6 +84,16 @@ struct k3_tokenizer {
 k3_status k3_tokenizer_open_paths(k3_tokenizer **out, const char *vocab_path,
                                   const char *config_path, k3_pattern pattern,
                                   k3_error *err);
+
+/* Long texts are encoded in slices, as Kimi's tokenization_kimi.py does
+ * (after Llama 3, for tiktoken issue 195): chunks of at most
+ * K3_ENCODE_CHUNK_CHARS code points (Kimi pattern only), each cut so that no
+ * slice holds more than K3_ENCODE_MAX_RUN consecutive whitespace (Python's
+ * str.isspace) or non-whitespace code points; the regex then runs on each
+ * slice. Text without such runs (and, for Kimi, under 400,000 code points)
+ * is encoded whole, exactly as before. */
+#define K3_ENCODE_CHUNK_CHARS 400000
+#define K3_ENCODE_MAX_RUN 25000
 
 /* Appends the ids of ordinary text (validated UTF-8 first) to out. */
 k3_status k3_tokenizer_encode_append(const k3_tokenizer *t, const char *text, size_t len,

@@ -1,0 +1,33 @@
+#!/bin/sh
+# run.sh -- runs each libFuzzer harness for SECONDS seconds on its seed corpus
+# (fuzz/corpus/NAME), new inputs going to DIR/corpus/NAME (the seeds stay as
+# committed). Prints one line per harness with libFuzzer's run count, then
+# `fuzz: N passed, N failed`. A crash leaves its input in DIR/crash-NAME-*.
+# Usage: sh fuzz/run.sh DIR SECONDS      (DIR: where make built the harnesses)
+# Without clang, `make` builds nothing and this prints "skipped: clang not found".
+DIR=${1:-build-fuzz}
+T=${2:-5}
+pass=0
+fail=0
+if [ ! -x "$DIR/fuzz_config" ]; then
+    echo "fuzz: skipped: clang not found (install clang and libclang-rt-14-dev to run the fuzzers)"
+    echo "fuzz: 0 passed, 0 failed"
+    exit 0
+fi
+for name in safetensors config tiktoken chat; do
+    mkdir -p "$DIR/corpus/$name"
+    log="$DIR/fuzz_$name.log"
+    if "$DIR/fuzz_$name" -max_total_time="$T" -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 \
+        -artifact_prefix="$DIR/crash-$name-" "$DIR/corpus/$name" "fuzz/corpus/$name" >"$log" 2>&1; then
+        runs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log")
+        cov=$(grep -a -o 'cov: [0-9]*' "$log" | tail -n 1)
+        pass=$((pass + 1))
+        echo "ok   fuzz_$name: $runs runs in ${T}s, $cov"
+    else
+        fail=$((fail + 1))
+        echo "FAIL fuzz_$name (see $log)"
+        grep -E "ERROR|SUMMARY|==[0-9]+==" "$log" | head -5 | sed 's/^/    /'
+    fi
+done
+echo "fuzz: $pass passed, $fail failed"
+[ $fail -eq 0 ]
