@@ -17,11 +17,9 @@ CC      ?= cc
 OPT     ?= -O2 -fvect-cost-model=dynamic
 CFLAGS  ?= $(OPT) -g
 WARN    := -Wall -Wextra -Wshadow -Wstrict-prototypes -Wvla -Wno-unused-parameter -Wno-missing-field-initializers -Werror
-DEPS_PC := libpcre2-8 jansson libpng
+DEPS_PC := libpcre2-8 jansson libpng libjpeg
 K3_CFLAGS := -std=c11 -D_GNU_SOURCE -Iinclude -Isrc $(WARN) -pthread -MMD -MP
 LDLIBS  := -lm -pthread
-# Image decoding (src/vision): Debian's libpng and libjpeg-turbo.
-LDLIBS  += -lpng16 -ljpeg
 
 BUILD   := build
 DEPS_OK := $(BUILD)/.deps-ok
