@@ -273,6 +273,20 @@ K3_TEST(vision_tower_official) {
         f.v->attn_rows = 0;
         free(px), free(ref), free(rows);
     }
+    /* a 3-frame clip: the sincos time term and the temporal mean */
+    {
+        const k3_st_tensor *tv = gt(&g, "video.pixel_values", K3_DTYPE_F32), *tvo = gt(&g, "video.out", K3_DTYPE_F32);
+        k3_image_plan plan = {.grid_t = 3, .grid_h = 4, .grid_w = 6};
+        float *px = tv ? gf32(tv) : NULL, *ref = tvo ? gf32(tvo) : NULL, *rows = NULL;
+        if (px && ref && k3_vision_encode_pixels(f.v, pool, px, &plan, &rows, &err) == K3_OK) {
+            const double e = k3_test_rel_l2(rows, ref, 6 * k3_vision_out_dim(f.v));
+            printf("    tower + projector, 3-frame clip (grid 3x4x6): rel-L2 %.3g\n", e);
+            CHECKF(e <= 1e-5, "3-frame clip: rel-L2 %.3g vs the official modules", e);
+        } else {
+            k3_test_fail(__FILE__, __LINE__, "clip: %s", err.msg);
+        }
+        free(px), free(ref), free(rows);
+    }
     /* --quant w8a8 reaches the tower's matrices: close, not equal */
     k3_quant_options q = {.linear = K3_WQ_INT8};
     const k3_st_tensor *tp = gt(&g, "img0.pixel_values", K3_DTYPE_F32), *to = gt(&g, "tower.img0", K3_DTYPE_F32);

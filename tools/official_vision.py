@@ -317,6 +317,13 @@ def main():
         print(f"tower img{i}: {tuple(proj[j].shape)}  fp32 vs fp64 rel-L2 "
               f"{rel_l2(proj[j].numpy(), proj64[j].numpy()):.2e}")
     gold["tower.images"] = torch.tensor(sel, dtype=torch.int64)
+    # a 3-frame clip (t > 1: the fixed sincos time term, the temporal mean of
+    # sd2_tpool) -- the tower supports it; K3's processor makes images only
+    g3 = torch.Generator().manual_seed(a.seed + 1)
+    clip = torch.randn(3 * 4 * 6, 3, 14, 14, generator=g3)
+    with torch.no_grad():
+        gold["video.pixel_values"] = clip.contiguous()
+        gold["video.out"] = model.mm_projector(model.vision_tower(clip, torch.tensor([[3, 4, 6]])))[0].float().contiguous()
     # the position table resized as get_rope_shape does it, in both modes
     # (the release config says bilinear; vision.md §8.1)
     pe = model.vision_tower.patch_embed.pos_emb.weight.detach()
