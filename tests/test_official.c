@@ -5,10 +5,12 @@
  * and greedy tokens (tests/golden/official/, tools/official_model_goldens.py).
  *
  * The fp32 path must be within rel-L2 1e-5 with every top-1 and the same
- * greedy tokens. Also: the router renormalizes only when top_k > 1 (KimiMoEGate). */
+ * greedy tokens; the default mode (cli/cli.h) within rel-L2 2e-2 with every
+ * top-1. Also: the router renormalizes only when top_k > 1 (KimiMoEGate). */
 #include <stdlib.h>
 #include <string.h>
 
+#include "../cli/cli.h"
 #include "k3.h"
 #include "model/safetensors.h"
 #include "moe/moe.h"
@@ -131,6 +133,13 @@ static void check_variant(const char *name) {
         CHECKF(r.rel_l2 <= 1e-5, "%s: fp32 rel-L2 %.3g > 1e-5", name, r.rel_l2);
         CHECKF(r.top1 == g.n, "%s: fp32 top-1 %d/%d", name, r.top1, g.n);
         CHECKF(r.greedy_ok == g.n_greedy, "%s: greedy %d/%d", name, r.greedy_ok, g.n_greedy);
+    }
+    const k3_kv_type kv = !strcmp(K3_DEFAULT_KV, "c8") ? K3_KV_C8 : K3_KV_F32;
+    if (run_mode(dir, K3_DEFAULT_QUANT, kv, &g, &r)) {
+        printf("    %s, default mode (%s, %s) vs official fp32: rel-L2 %.3g, top-1 %d/%d\n", name,
+               K3_DEFAULT_QUANT, K3_DEFAULT_KV, r.rel_l2, r.top1, g.n);
+        CHECKF(r.rel_l2 <= 2e-2, "%s: default mode rel-L2 %.3g > 2e-2", name, r.rel_l2);
+        CHECKF(r.top1 == g.n, "%s: default mode top-1 %d/%d", name, r.top1, g.n);
     }
     golden_free(&g);
 }
