@@ -9,7 +9,7 @@ grep -q "rgb_200x130.png: 200x130 -> 142x92, 8x12 patches, 24 tokens" "$TMP/err"
     grep -q "photo_67x45.jpg: 67x45 -> 67x45, 4x6 patches, 6 tokens" "$TMP/err" &&
     grep -q "prompt 63 tokens" "$TMP/err" && ok "run --image reports sizes and tokens" ||
     bad "run --image reports sizes and tokens" "$TMP/err"
-expect_ok "run --chat --image (RGBA, default quant)" "$K3" run -m "$VT" --chat --temp 0 -n 4 \
+expect_ok "run --chat --image (RGBA, W8A8 tower)" "$K3" run -m "$VT" --chat --quant w8a8 --temp 0 -n 4 \
     --image "$VI/rgba_180x150.png" "Describe this."
 # the image changes what the model says (greedy, 8 tokens)
 "$K3" run -m "$VT" --quant none --temp 0 -n 8 --image "$VI/rgb_112x112.png" "Hi" >"$TMP/a" 2>/dev/null
