@@ -571,6 +571,30 @@ k3_status k3_vision_splice(const k3_vision *v, const k3_tokenizer *t, const int3
                            const uint64_t *image_keys, int32_t n_images, int32_t **out, size_t *n_out,
                            const float ***embeds, uint64_t **keys, k3_error *err);
 
+/* An OpenAI chat request with images, for the server: k3_chat_encode_json's
+ * messages, where content parts {"type":"image_url","image_url":{"url":...}}
+ * (or "image") carry data: URLs (k3_image_decode_url: remote URLs refused,
+ * pixels capped at max_pixels, 0 = K3_IMAGE_MAX_PIXELS). Each image is put
+ * where its part was, as encoding_k3.py renders it, with one pad per row;
+ * the result is ready for the forward pass (ids + embeds) and the prefix
+ * cache (keys: k3_image_hash on each image's framing, 0 elsewhere). v may be
+ * NULL for a text-only model: an image part is then K3_ERR_UNSUPPORTED with
+ * a message. Errors name messages[i].content[j]. Free with k3_vision_prompt_free. */
+typedef struct k3_vision_prompt {
+    int32_t *ids;
+    size_t n_ids;
+    const float **embeds;  /* [n_ids]: NULL, or a row of rows[] */
+    uint64_t *keys;        /* [n_ids] prefix-cache keys; NULL without images */
+    float **rows;          /* [n_images] each image's rows */
+    k3_image_plan *plans;  /* [n_images] */
+    int32_t n_images;
+} k3_vision_prompt;
+
+k3_status k3_vision_chat_encode_json(const k3_vision *v, const k3_tokenizer *t, k3_pool *pool, const char *messages_json,
+                                     const char *tools_json, const k3_chat_options *opt, int64_t max_pixels,
+                                     k3_vision_prompt *out, k3_error *err);
+void k3_vision_prompt_free(k3_vision_prompt *p);
+
 #ifdef __cplusplus
 }
 #endif

@@ -673,3 +673,55 @@ K3_TEST(vision_softmax_paths) {
     printf("    softmax SIMD vs scalar: max rel diff %.3g (%s)\n", worst, k3_isa_name(k3_kernels_isa()));
     free(x), free(a), free(b);
 }
+
+/* An OpenAI chat with two image_url parts (data: URLs) between text parts,
+ * against the official encoder (apply_chat_template with the processor's
+ * image prompts, pads expanded); then bad requests. */
+K3_TEST(vision_chat_official) {
+    golden g;
+    fixture f;
+    if (!golden_open(&g)) return;
+    if (!fixture_open(&f)) goto out;
+    size_t nj = 0;
+    char *js = (char *)read_file(GDIR "/chat_messages.json", &nj);
+    const k3_st_tensor *tid = gt(&g, "chat.ids", K3_DTYPE_I64);
+    REQUIRE(js && tid);
+    js = realloc(js, nj + 1);
+    js[nj] = 0;
+    k3_chat_options opt = {.add_generation_prompt = true, .thinking = true};
+    k3_vision_prompt p;
+    k3_error err = {0};
+    REQUIREF(k3_vision_chat_encode_json(f.v, f.tok, NULL, js, NULL, &opt, 0, &p, &err) == K3_OK, "%s", err.msg);
+    const int64_t n = tid->shape[0];
+    bool same = (int64_t)p.n_ids == n;
+    for (int64_t i = 0; same && i < n; i++) same = p.ids[i] == (int32_t)gi64(tid, i);
+    CHECKF(same, "chat ids differ from the official encoder's (%zu vs %lld ids)", p.n_ids, (long long)n);
+    int rows = 0, keyed = 0;
+    for (size_t i = 0; i < p.n_ids; i++) rows += p.embeds[i] != NULL, keyed += p.keys[i] != 0;
+    CHECK(p.n_images == 2 && rows == 1 + 6 && keyed > rows);
+    printf("    chat with 2 image_url parts: %zu ids = the official encoder's, %d image rows\n", p.n_ids, rows);
+    k3_vision_prompt_free(&p);
+
+    /* refused: a remote URL, a text-only model, the marker in user text */
+    const char *remote = "[{\"role\":\"user\",\"content\":[{\"type\":\"image_url\",\"image_url\":{\"url\":\"https://x.org/a.png\"}}]}]";
+    k3_err_clear(&err);
+    CHECKF(k3_vision_chat_encode_json(f.v, f.tok, NULL, remote, NULL, &opt, 0, &p, &err) == K3_ERR_UNSUPPORTED &&
+               strstr(err.msg, "messages[0].content[0]") && strstr(err.msg, "fetches nothing"), "%s", err.msg);
+    k3_err_clear(&err);
+    CHECK(k3_vision_chat_encode_json(NULL, f.tok, NULL, js, NULL, &opt, 0, &p, &err) == K3_ERR_UNSUPPORTED &&
+          strstr(err.msg, "no vision tower"));
+    const char *clash = "[{\"role\":\"user\",\"content\":[{\"type\":\"text\",\"text\":\"\\ue000k3img0\\ue000\"},"
+                        "{\"type\":\"image_url\",\"image_url\":{\"url\":\"data:image/png;base64,AAAA\"}}]}]";
+    k3_err_clear(&err);
+    CHECK(k3_vision_chat_encode_json(f.v, f.tok, NULL, clash, NULL, &opt, 0, &p, &err) != K3_OK);
+    /* no images: the plain encoder */
+    const char *plain = "[{\"role\":\"user\",\"content\":\"Hi\"}]";
+    k3_err_clear(&err);
+    CHECK(k3_vision_chat_encode_json(NULL, f.tok, NULL, plain, NULL, &opt, 0, &p, &err) == K3_OK && p.n_ids > 0 &&
+          !p.embeds);
+    k3_vision_prompt_free(&p);
+    free(js);
+out:
+    fixture_close(&f);
+    golden_close(&g);
+}

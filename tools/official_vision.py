@@ -371,6 +371,53 @@ def main():
     gold["text.logits"] = text_only.contiguous()
     print(f"prompt: {len(ids_hf)} ids -> {len(ids_k3)} positions; greedy "
           f"{logits.argmax(-1).tolist()[-8:]}")
+    # ---- an OpenAI chat with image_url parts, through the official encoder ----
+    # (encoding_k3 via the official tokenizer's apply_chat_template with the
+    # processor's image_prompts: one pad per image, which k3 and vLLM expand
+    # to the image's rows)
+    import base64
+    from tokenizers import AddedToken
+    from llmcompressor.modeling.kimi_k3.tokenization_kimi import TikTokenTokenizer
+    tcfg = json.load(open(os.path.join(a.model, "tokenizer_config.json")))
+    added = {int(k): AddedToken(v["content"], special=v.get("special", True))
+             for k, v in tcfg["added_tokens_decoder"].items()}
+    tok = TikTokenTokenizer(os.path.join(a.model, "tiktoken.model"), bos_token=tcfg.get("bos_token", "[BOS]"),
+                            eos_token=tcfg.get("eos_token", "[EOS]"), unk_token=tcfg.get("unk_token"),
+                            pad_token=tcfg.get("pad_token"), added_tokens_decoder=added)
+    chat_imgs = [6, 3]  # dot_5x3.png, photo_67x45.jpg
+
+    def data_url(i):
+        n = meta[i]["file"]
+        kind = "jpeg" if n.endswith(".jpg") else "png"
+        raw = open(os.path.join(img_dir, n), "rb").read()
+        return f"data:image/{kind};base64," + base64.b64encode(raw).decode()
+
+    conv = [{"role": "system", "content": "You look at images."},
+            {"role": "user", "content": [
+                {"type": "text", "text": "First:"},
+                {"type": "image_url", "image_url": {"url": data_url(chat_imgs[0])}},
+                {"type": "text", "text": " and then"},
+                {"type": "image_url", "image_url": {"url": data_url(chat_imgs[1])}},
+                {"type": "text", "text": "Which is wider?"}]}]
+    prompts = [KimiK3VisionProcessor.make_image_prompt(meta[i]["width"], meta[i]["height"]) for i in chat_imgs]
+    one_pad = tok.apply_chat_template(conv, tokenize=True, add_generation_prompt=True, thinking=True, thinking_effort=None,
+                                      image_prompts=prompts)
+    if isinstance(one_pad, dict):
+        one_pad = one_pad["input_ids"]
+    expanded, k = [], 0
+    for t_id in one_pad:
+        if t_id == PAD_ID:
+            expanded += [PAD_ID] * meta[chat_imgs[k]]["tokens"]
+            k += 1
+        else:
+            expanded.append(int(t_id))
+    assert k == 2
+    gold["chat.ids"] = torch.tensor(expanded, dtype=torch.int64)
+    with open(os.path.join(a.golden, "chat_messages.json"), "w") as f:
+        json.dump(conv, f)
+        f.write("\n")
+    print(f"chat: {len(one_pad)} official ids, {len(expanded)} with the pads expanded")
+
     os.makedirs(a.golden, exist_ok=True)
     save_file(gold, os.path.join(a.golden, "vision.safetensors"),
               metadata={"images": json.dumps(meta)})
