@@ -106,3 +106,11 @@ kbench: $(BUILD)/kbench
 $(BUILD)/xcore: bench/xcore.c $(BUILD)/libk3.a
 	$(CC) $(K3_CFLAGS) $(PC_CFLAGS) $(CFLAGS) -o $@ $< $(BUILD)/libk3.a $(PC_LIBS) $(LDLIBS)
 xcore: $(BUILD)/xcore
+
+# MPI (src/dist, issue 19): build/k3 always links OpenMPI (Debian's
+# openmpi-bin + libopenmpi-dev, scripts/install-deps.sh); without mpirun it
+# runs as world size 1. Flags from pkg-config ompi-c, else from mpicc.
+DEPS_PC += ompi-c
+MPI_TESTS := tests/mpi.sh
+test-mpi: $(BUILD)/k3 $(BUILD)/k3-test
+	sh $(MPI_TESTS) $(BUILD)/k3 $(BUILD)/k3-test

@@ -29,6 +29,35 @@ k3_status k3_cli_open_model(k3_model **m, const char *dir, const char *quant, bo
 /* Parses a --kv-cache value ("f32" or "c8"); 0 on success. */
 int k3_cli_parse_kv(const char *s, k3_kv_type *out);
 
+/* ---- several processes (cli_dist.c, cmd_plan.c) ---- */
+int k3_cmd_plan(int argc, char **argv);
+int k3_cmd_bench_dist(int argc, char **argv);
+
+typedef struct k3_cli_dist {
+    k3_dist_options opt;
+    bool asked;                 /* --dcp or --ep given */
+    k3_dist *d;                 /* NULL: one process */
+    int32_t rank;
+    int32_t die_rank, hang_rank;/* test hooks: --dist-test-die R, --dist-test-hang R */
+} k3_cli_dist;
+
+/* Takes --dcp, --ep, --dcp-interleave, --dcp-topk-exchange, --dist-timeout
+ * (and the test hooks) out of argv; -1 (message printed) on a bad value. */
+int k3_cli_dist_args(int *argc, char **argv, k3_cli_dist *cd, const char *cmd);
+/* Joins MPI when under mpirun or asked for; -1 (message printed on rank 0). */
+int k3_cli_dist_start(k3_cli_dist *cd, const char *cmd);
+/* All ranks agree on s: 0, or -1 with the first failing rank's message
+ * printed by rank 0. Without a dist: s != 0 gives -1 (nothing printed). */
+int k3_cli_dist_agree(k3_cli_dist *cd, k3_status s, k3_error *err, const char *cmd);
+/* The test hooks: the chosen rank dies or hangs here. */
+void k3_cli_dist_test_hooks(k3_cli_dist *cd);
+void k3_cli_dist_end(k3_cli_dist *cd);
+/* k3_cli_open_model keeping only this EP rank's routed experts. */
+k3_status k3_cli_open_model_ep(k3_model **m, const char *dir, const char *quant, bool keep_mapped, int32_t ep_rank,
+                               int32_t ep_size, k3_error *err);
+k3_status k3_cli_open_model_dist(k3_model **m, const char *dir, const char *quant, bool keep_mapped,
+                                 const k3_cli_dist *cd, k3_error *err);
+
 /* The model directory used when -m is not given. */
 #define K3_DEFAULT_MODEL "models/k3-mini"
 

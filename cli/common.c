@@ -5,10 +5,15 @@
 #include "cli.h"
 
 k3_status k3_cli_open_model(k3_model **m, const char *dir, const char *quant, bool keep_mapped, k3_error *err) {
+    return k3_cli_open_model_ep(m, dir, quant, keep_mapped, 0, 1, err);
+}
+
+k3_status k3_cli_open_model_ep(k3_model **m, const char *dir, const char *quant, bool keep_mapped, int32_t ep_rank,
+                               int32_t ep_size, k3_error *err) {
     k3_quant_options q;
     k3_status s = k3_quant_parse(quant, &q, err);
     if (s) return s;
-    if ((s = k3_model_open(m, dir, err))) return s;
+    if ((s = k3_model_open_ep(m, dir, ep_rank, ep_size, err))) return s;
     if ((s = k3_model_quantize(*m, &q, err))) goto fail;
     if (!keep_mapped) {
         /* into RAM (huge pages) when that takes at most half of it */

@@ -48,7 +48,12 @@ static int usage_run(void) {
             "  --quant MODE        none | w8a8 | w8a8-mxfp8 | w4a8 | w8a8+w4a8 (default %s)\n"
             "  --mmap              read weights from the file mapping (default: copy them\n"
             "                      into RAM when they take at most half of it)\n"
-            "  --kv-cache f32|c8   cache format (default %s)\n",
+            "  --kv-cache f32|c8   cache format (default %s)\n"
+            "under mpirun -np N (rank 0 reads, samples and prints):\n"
+            "  --dcp D --ep E      decode context parallel / expert parallel sizes (dividing N)\n"
+            "  --dcp-interleave I  tokens per DCP stripe (default 1)\n"
+            "  --dcp-topk-exchange allgather|butterfly  the DSA top-k exchange (default allgather)\n"
+            "  --dist-timeout S    a collective waiting longer fails (default 300)\n",
             K3_DEFAULT_MODEL, K3_DEFAULT_QUANT, K3_DEFAULT_KV);
     return 2;
 }
@@ -133,6 +138,9 @@ int k3_cmd_run(int argc, char **argv) {
     long ctx_arg = 0;
     k3_sampler_options so = {.temperature = 0.8f, .top_k = 40, .top_p = 0.95f, .min_p = 0.05f,
                              .repeat_penalty = 1.1f, .repeat_last_n = 64, .seed = 42};
+    k3_cli_dist cd;
+    bool workers_wait = false; /* rank 0 owes the workers the context size */
+    if (k3_cli_dist_args(&argc, argv, &cd, "run")) return 2;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const int has = i + 1 < argc;
@@ -178,6 +186,8 @@ int k3_cmd_run(int argc, char **argv) {
         fprintf(stderr, "k3 run: no prompt: give PROMPT or --ids\n");
         return usage_run();
     }
+    if (k3_cli_dist_start(&cd, "run")) return 2;
+    const bool root = cd.rank == 0;
 
     k3_error err = {0};
     k3_model *m = NULL;
@@ -190,9 +200,16 @@ int k3_cmd_run(int argc, char **argv) {
     size_t n_ids = 0;
     int rc = 1;
 
-    if (k3_cli_open_model(&m, dir, quant, keep_mapped, &err)) goto out;
+    k3_status ms = k3_cli_open_model_dist(&m, dir, quant, keep_mapped, &cd, &err);
+    if (k3_cli_dist_agree(&cd, ms, &err, "run")) {
+        if (!cd.d) goto out;
+        goto out_quiet;
+    }
     k3_model_info info;
     k3_model_get_info(m, &info);
+    int64_t want = -1;
+    workers_wait = cd.d != NULL;
+    if (!root) goto distributed; /* rank 0 reads the prompt */
     /* The tokenizer is needed for text in or out; --ids -n 0 runs without. */
     if (!(ids_arg && n_gen == 0) && k3_tokenizer_open(&tok, dir, &err)) goto out;
 
@@ -213,16 +230,36 @@ int k3_cmd_run(int argc, char **argv) {
         goto out_quiet;
     }
 
-    int64_t want = ctx_arg ? ctx_arg : (int64_t)n_ids + n_gen;
+    want = ctx_arg ? ctx_arg : (int64_t)n_ids + n_gen;
     if (want > info.max_positions) want = info.max_positions;
     if ((int64_t)n_ids > want) {
         fprintf(stderr, "k3 run: the prompt has %zu tokens, more than the context of %lld tokens\n", n_ids,
                 (long long)want);
         goto out_quiet;
     }
-    if (k3_pool_init(&pool, threads, &err)) goto out;
-    k3_ctx_options co = {.max_seqs = 1, .max_tokens = want, .pool = pool, .kv_cache = kv};
-    if (k3_ctx_init(&ctx, m, &co, &err)) goto out;
+distributed:
+    workers_wait = false;
+    if (cd.d && k3_dist_bcast_i64(cd.d, &want, 1, &err)) goto out_abort;
+    if (want < 0) goto out_quiet; /* rank 0 said why */
+    {
+        k3_status cs = k3_pool_init(&pool, threads, &err);
+        k3_ctx_options co = {.max_seqs = 1, .max_tokens = want, .pool = pool, .kv_cache = kv, .dist = cd.d};
+        if (!cs) cs = k3_ctx_init(&ctx, m, &co, &err);
+        if (k3_cli_dist_agree(&cd, cs, &err, "run")) {
+            if (!cd.d) goto out;
+            if (root) k3_dist_release(cd.d, &err);
+            goto out_quiet;
+        }
+    }
+    k3_cli_dist_test_hooks(&cd);
+    if (!root) {
+        if (k3_dist_worker(cd.d, ctx, &err)) {
+            fprintf(stderr, "k3 run: %s\n", err.msg);
+            k3_dist_abort(cd.d, 1);
+        }
+        rc = 0;
+        goto out_quiet;
+    }
     if (k3_sampler_init(&smp, &so, (int32_t)info.vocab_size, &err)) goto out;
 
     const int64_t V = info.vocab_size;
@@ -283,10 +320,25 @@ int k3_cmd_run(int argc, char **argv) {
             n_ids / (t_prefill > 0 ? t_prefill : 1e-9), n_done,
             n_done / (t_decode > 0 ? t_decode : 1e-9), stop);
     rc = 0;
+    if (cd.d && k3_dist_release(cd.d, &err)) goto out_abort;
     goto out_quiet;
 out:
     rc = fail("run", &err);
+    if (cd.d && root && ctx) {
+        /* workers wait in k3_dist_worker: let them go, or end the job when
+         * the failure was the communication itself */
+        k3_error e2 = {0};
+        if (k3_dist_release(cd.d, &e2)) k3_dist_abort(cd.d, 1); /* a failed link stays failed */
+    }
+    goto out_quiet;
+out_abort:
+    rc = fail("run", &err);
+    k3_dist_abort(cd.d, 1);
 out_quiet:
+    if (workers_wait && root) { /* rank 0 failed before the workers made a context */
+        int64_t no = -1;
+        k3_dist_bcast_i64(cd.d, &no, 1, &err);
+    }
     free(ids);
     free(logits);
     k3_sampler_free(smp);
@@ -294,6 +346,7 @@ out_quiet:
     k3_pool_free(pool);
     k3_tokenizer_free(tok);
     k3_model_close(m);
+    k3_cli_dist_end(&cd);
     return rc;
 }
 
@@ -331,6 +384,7 @@ static int usage(void) {
             "  tokenize  text to token ids, or ids to text with --decode\n"
             "  eval      perplexity of a model over a text file\n"
             "  bench     prefill/decode speed against the measured memory bandwidth\n"
+            "  plan      memory and cross-rank traffic of a DCP/EP deployment, from a config\n"
             "run `k3 <command> --help` for its options\n");
     return 2;
 }
@@ -343,6 +397,7 @@ int main(int argc, char **argv) {
     if (!strcmp(cmd, "tokenize")) return k3_cmd_tokenize(argc - 1, argv + 1);
     if (!strcmp(cmd, "eval")) return k3_cmd_eval(argc - 1, argv + 1);
     if (!strcmp(cmd, "bench")) return k3_cmd_bench(argc - 1, argv + 1);
+    if (!strcmp(cmd, "plan")) return k3_cmd_plan(argc - 1, argv + 1);
     if (!strcmp(cmd, "-h") || !strcmp(cmd, "--help") || !strcmp(cmd, "help")) {
         usage();
         return 0;
