@@ -52,6 +52,9 @@ int k3_cli_dist_agree(k3_cli_dist *cd, k3_status s, k3_error *err, const char *c
 /* The test hooks: the chosen rank dies or hangs here. */
 void k3_cli_dist_test_hooks(k3_cli_dist *cd);
 void k3_cli_dist_end(k3_cli_dist *cd);
+/* Rank 0 prints every rank's cache bytes and routed-expert bytes (a
+ * collective: all ranks call it); -1 on a failure. */
+int k3_cli_show_memory(k3_cli_dist *cd, const k3_model *m, const k3_ctx *ctx, const char *cmd);
 /* k3_cli_open_model keeping only this EP rank's routed experts. */
 k3_status k3_cli_open_model_ep(k3_model **m, const char *dir, const char *quant, bool keep_mapped, int32_t ep_rank,
                                int32_t ep_size, k3_error *err);

@@ -101,3 +101,26 @@ k3_status k3_cli_open_model_dist(k3_model **m, const char *dir, const char *quan
                                  const k3_cli_dist *cd, k3_error *err) {
     return k3_cli_open_model_ep(m, dir, quant, keep_mapped, k3_dist_ep_rank(cd->d), k3_dist_ep_size(cd->d), err);
 }
+
+int k3_cli_show_memory(k3_cli_dist *cd, const k3_model *m, const k3_ctx *ctx, const char *cmd) {
+    const int n = cd->d ? k3_dist_size(cd->d) : 1;
+    double *v = calloc((size_t)(2 * n), sizeof *v);
+    if (!v) return -1;
+    v[cd->rank] = (double)k3_ctx_cache_bytes(ctx);
+    v[n + cd->rank] = (double)k3_model_expert_bytes(m);
+    k3_error err = {0};
+    if (cd->d && k3_dist_sum(cd->d, v, 2 * n, &err)) {
+        fprintf(stderr, "k3 %s: %s\n", cmd, err.msg);
+        free(v);
+        return -1;
+    }
+    if (cd->rank == 0) {
+        fprintf(stderr, "cache bytes per rank:");
+        for (int i = 0; i < n; i++) fprintf(stderr, " %.0f", v[i]);
+        fprintf(stderr, "\nexpert bytes per rank:");
+        for (int i = 0; i < n; i++) fprintf(stderr, " %.0f", v[n + i]);
+        fprintf(stderr, "\n");
+    }
+    free(v);
+    return 0;
+}

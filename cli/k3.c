@@ -53,7 +53,8 @@ static int usage_run(void) {
             "  --dcp D --ep E      decode context parallel / expert parallel sizes (dividing N)\n"
             "  --dcp-interleave I  tokens per DCP stripe (default 1)\n"
             "  --dcp-topk-exchange allgather|butterfly  the DSA top-k exchange (default allgather)\n"
-            "  --dist-timeout S    a collective waiting longer fails (default 300)\n",
+            "  --dist-timeout S    a collective waiting longer fails (default 300)\n"
+            "  --show-memory       print each rank's cache and routed-expert bytes\n",
             K3_DEFAULT_MODEL, K3_DEFAULT_QUANT, K3_DEFAULT_KV);
     return 2;
 }
@@ -131,7 +132,7 @@ static int default_threads(void) {
 int k3_cmd_run(int argc, char **argv) {
     const char *dir = K3_DEFAULT_MODEL, *prompt = NULL, *ids_arg = NULL, *dump = NULL;
     const char *quant = K3_DEFAULT_QUANT;
-    bool keep_mapped = false;
+    bool keep_mapped = false, show_mem = false;
     k3_kv_type kv = K3_KV_F32;
     k3_cli_parse_kv(K3_DEFAULT_KV, &kv);
     int n_gen = 128, threads = default_threads(), chat = 0, think = 0;
@@ -159,6 +160,7 @@ int k3_cmd_run(int argc, char **argv) {
         else if (ARG("--ctx")) ctx_arg = atol(argv[++i]);
         else if (ARG("--quant")) quant = argv[++i];
         else if (!strcmp(argv[i], "--mmap")) keep_mapped = true;
+        else if (!strcmp(argv[i], "--show-memory")) show_mem = true;
         else if (ARG("--kv-cache")) {
             if (k3_cli_parse_kv(argv[++i], &kv)) {
                 fprintf(stderr, "k3 run: --kv-cache must be f32 or c8, not '%s'\n", argv[i]);
@@ -252,6 +254,7 @@ distributed:
         }
     }
     k3_cli_dist_test_hooks(&cd);
+    if (show_mem && k3_cli_show_memory(&cd, m, ctx, "run")) goto out_abort;
     if (!root) {
         if (k3_dist_worker(cd.d, ctx, &err)) {
             fprintf(stderr, "k3 run: %s\n", err.msg);

@@ -7,10 +7,11 @@ log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 "$1" | tee "$log"
 sh tests/cli.sh "$2" | tee -a "$log"
-sum() { grep -E "^(cli: )?[0-9]+ passed, [0-9]+ failed$" "$log" | sed 's/^cli: //' | awk -v f="$1" '{s += $f} END {print s + 0}'; }
+sh tests/mpi.sh "$2" | tee -a "$log"
+sum() { grep -E "^((cli|mpi): )?[0-9]+ passed, [0-9]+ failed$" "$log" | sed -E 's/^(cli|mpi): //' | awk -v f="$1" '{s += $f} END {print s + 0}'; }
 p=$(sum 1)
 f=$(sum 3)
 # a runner that crashed before its summary counts as a failure
-[ "$(grep -cE "^(cli: )?[0-9]+ passed" "$log")" -eq 2 ] || f=$((f + 1))
+[ "$(grep -cE "^((cli|mpi): )?[0-9]+ passed" "$log")" -eq 3 ] || f=$((f + 1))
 echo "$p passed, $f failed"
 [ "$f" -eq 0 ]

@@ -31,12 +31,14 @@ int64_t k3_dist_local_tokens(const k3_ctx *ctx, int64_t n) {
 
 k3_status k3_dist_ctx_setup(k3_ctx *ctx, k3_dist *d, k3_error *err) {
     const k3_config *c = ctx->c;
-    ctx->dist = d;
+    ctx->dist = d; /* NULL: one process, dcp = ep = 1 */
     ctx->dcp = k3_dist_dcp_size(d);
     ctx->dcp_rank = k3_dist_dcp_rank(d);
     ctx->dcp_il = k3_dist_interleave(d);
     ctx->ep = k3_dist_ep_size(d);
     ctx->ep_rank = k3_dist_ep_rank(d);
+    if (ctx->dcp > 64)
+        return k3_err(err, K3_ERR_UNSUPPORTED, "context: --dcp %d, at most 64 supported", ctx->dcp);
     if (ctx->dcp > 1 && ctx->block_size % ctx->dcp_il)
         return k3_err(err, K3_ERR_ARG, "context: the block size %d is not a multiple of --dcp-interleave %d",
                       ctx->block_size, ctx->dcp_il);

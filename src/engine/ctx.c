@@ -169,13 +169,10 @@ k3_status k3_ctx_init(k3_ctx **out, const k3_model *m, const k3_ctx_options *opt
     ctx->dense = opt->dense_attention;
     ctx->kda_chunk_min = k3_kernels_isa() >= K3_ISA_AVX512 ? INT32_MAX : K3_KDA_CHUNK_MIN;
     ctx->n_tiles = (c->kv_lora_rank + K3_C8_TILE - 1) / K3_C8_TILE;
-    ctx->dcp = ctx->ep = 1;
-    if (opt->dist) {
-        k3_status ds = k3_dist_ctx_setup(ctx, opt->dist, err);
-        if (ds) {
-            k3_ctx_free(ctx);
-            return ds;
-        }
+    k3_status ds = k3_dist_ctx_setup(ctx, opt->dist, err); /* DCP / EP, or none */
+    if (ds) {
+        k3_ctx_free(ctx);
+        return ds;
     }
     const int32_t bs = ctx->block_size;
     /* one partial block per sequence on top, so max_tokens fit however they
