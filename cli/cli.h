@@ -32,6 +32,8 @@ int k3_cli_parse_kv(const char *s, k3_kv_type *out);
 /* ---- several processes (cli_dist.c, cmd_plan.c) ---- */
 int k3_cmd_plan(int argc, char **argv);
 int k3_cmd_bench_dist(int argc, char **argv);
+/* Whether `k3 bench` runs as k3_cmd_bench_dist: under mpirun, or --dcp/--ep given. */
+bool k3_cli_dist_wanted(int argc, char **argv);
 
 typedef struct k3_cli_dist {
     k3_dist_options opt;

@@ -226,6 +226,7 @@ static bool run_steady(double before, double after) {
 }
 
 int k3_cmd_bench(int argc, char **argv) {
+    if (k3_cli_dist_wanted(argc, argv)) return k3_cmd_bench_dist(argc, argv); /* cmd_bench_dist.c */
     const char *dir = K3_DEFAULT_MODEL, *quant = K3_DEFAULT_QUANT;
     bool keep_mapped = false;
     long n = sysconf(_SC_NPROCESSORS_ONLN);

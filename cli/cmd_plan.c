@@ -76,8 +76,7 @@ int k3_cmd_plan(int argc, char **argv) {
         fprintf(stderr, "k3 plan: %s\n", err.msg);
         return 1;
     }
-    char b1[32], b2[32], b3[32];
-    const double ctxs = (double)o.context;
+    char b1[32], b2[32], b3[32], b4[32];
     printf("config %s: %d KDA, %d MLA, %d DSA layers, %d MoE layers\n", cfg, p.n_kda, p.n_mla, p.n_dsa, p.n_moe);
     printf("plan: DCP %d x EP %d, context %lld tokens, cache %s, linears %s\n", o.dcp, o.ep, (long long)o.context,
            o.kv_cache == K3_KV_C8 ? "c8" : "f32", quant);
@@ -91,7 +90,7 @@ int k3_cmd_plan(int argc, char **argv) {
            gb((double)p.state_bytes_per_seq, b1, sizeof b1));
     printf("per rank:           weights %s + cache %s (1/%d of the sequence) + KDA state %s = %s\n",
            gb((double)p.weight_bytes_per_rank, b1, sizeof b1), gb((double)p.cache_bytes_per_rank, b2, sizeof b2),
-           o.dcp, gb((double)p.state_bytes_per_seq, b3, sizeof b3), gb((double)p.mem_bytes_per_rank, b3, sizeof b3));
+           o.dcp, gb((double)p.state_bytes_per_seq, b3, sizeof b3), gb((double)p.mem_bytes_per_rank, b4, sizeof b4));
     printf("per decoded token, cross-rank (one sequence):\n");
     printf("  topk_exchange     all-gather %lld B received per rank = %d DSA layers x (D-1) x k x 8; "
            "butterfly %lld B = %d x log2(D) x k x 8\n",
@@ -102,6 +101,5 @@ int k3_cmd_plan(int argc, char **argv) {
            (long long)p.ep_dispatch_bytes);
     printf("  ep_combine        %lld B over the EP group (remote results back + the combined row to E-1 ranks)\n",
            (long long)p.ep_combine_bytes);
-    (void)ctxs;
     return 0;
 }
