@@ -189,6 +189,11 @@ int k3_cmd_bench_dist(int argc, char **argv) {
                    got, (long long)f, plan.n_dsa, ex == K3_TOPK_BUTTERFLY ? "log2(D)" : "(D-1)",
                    got == (double)f ? "agree" : "DIFFER");
         }
+        if (D > 1) {
+            const double got = (double)tot.recv[K3_COMM_LSE] / tokens;
+            printf("  LSE merge received per token: measured %.0f B, k3 plan's formula %lld B -- %s\n", got,
+                   (long long)plan.lse_bytes, got == (double)plan.lse_bytes ? "agree" : "DIFFER");
+        }
     }
     free(ms);
     rc = 0;

@@ -95,7 +95,8 @@ int k3_cmd_plan(int argc, char **argv) {
     printf("  topk_exchange     all-gather %lld B received per rank = %d DSA layers x (D-1) x k x 8; "
            "butterfly %lld B = %d x log2(D) x k x 8\n",
            (long long)p.topk_allgather_bytes, p.n_dsa, (long long)p.topk_butterfly_bytes, p.n_dsa);
-    printf("  lse_merge         %lld B received per rank (D-1 partials of H x (kv_lora+1) fp32 per MLA/DSA layer)\n",
+    printf("  lse_merge         %lld B received per rank (per MLA/DSA layer: (D-1) x H/D heads x (kv_lora+1) partials"
+           " + (D-1) x H/D merged heads x kv_lora, fp32)\n",
            (long long)p.lse_bytes);
     printf("  ep_dispatch       %lld B over the EP group (the fp32 latent to each remote owner, expected)\n",
            (long long)p.ep_dispatch_bytes);

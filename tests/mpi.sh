@@ -66,8 +66,18 @@ for kv in f32 c8; do
     compare "$kv ep 2" "$TMP/ref_$kv.bin" "$TMP/ref_$kv.txt" 2 $Q --ep 2
     compare "$kv dcp 2 x ep 2 on 4 ranks" "$TMP/ref_$kv.bin" "$TMP/ref_$kv.txt" 4 $Q --dcp 2 --ep 2
 done
+compare "f32 dcp 3 (4 heads: every partial gathered)" "$TMP/ref_f32.bin" "$TMP/ref_f32.txt" 3 --quant none \
+    --kv-cache f32 --dcp 3
 compare "f32 dcp 2, interleave 4, 2 threads" "$TMP/ref_f32.bin" "$TMP/ref_f32.txt" 2 --quant none --kv-cache f32 \
     --dcp 2 --dcp-interleave 4 --threads 2
+
+# k3 bench's counters against the formulas
+for ex in allgather butterfly; do
+    $MPI -np 4 "$K3" bench -m $M --dcp 4 --dcp-topk-exchange $ex --contexts 64 --runs 1 --decode-tokens 2 \
+        --quant none --kv-cache f32 >"$TMP/b" 2>&1
+    if [ "$(grep -c -- "-- agree" "$TMP/b")" -eq 2 ]; then ok "bench dcp 4 $ex: top-k and LSE bytes agree with the formulas"
+    else bad "bench dcp 4 $ex: counters against the formulas" "$TMP/b"; fi
+done
 
 # each rank's cache is 1/D of one process's (1024 and 1000 tokens: whole blocks)
 mem() { grep "^$1 bytes per rank:" "$2" | cut -d: -f2; }

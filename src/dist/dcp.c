@@ -74,6 +74,8 @@ k3_status k3_dist_ctx_alloc(k3_ctx *ctx, k3_error *err) {
         ok = ok && (x->wcount = malloc(sizeof(int32_t) * T));
         ok = ok && (x->att = malloc(sizeof(float) * T * row));
         ok = ok && (x->att_all = malloc(sizeof(float) * T * row * D));
+        ok = ok && (x->att_send = malloc(sizeof(float) * T * row));
+        ok = ok && (x->att_mine = malloc(sizeof(float) * T * row));
     }
     if (ctx->ep > 1) {
         const size_t Dl = (size_t)c->expert_dim, K = (size_t)c->n_experts_per_tok, E = (size_t)ctx->ep;
@@ -102,6 +104,8 @@ void k3_dist_ctx_free(k3_ctx *ctx) {
     free(x->wcount);
     free(x->att);
     free(x->att_all);
+    free(x->att_send);
+    free(x->att_mine);
     free(x->zr);
     free(x->sendb);
     free(x->recvb);
@@ -263,6 +267,51 @@ static void dcp_merge(void *p, int64_t lo, int64_t hi, int ith) {
     }
 }
 
+/* The merge split over heads (vLLM's "ag_rs"): rank q receives every rank's
+ * partials of its H/D heads (all-to-all), merges them, and the merged heads
+ * are all-gathered. Each head is merged once, on one rank, in rank order,
+ * so every rank ends with the same result; a rank receives
+ * (D-1)/D * H * (kv_lora + 1) + (D-1)/D * H * kv_lora floats per row,
+ * instead of (D-1) * H * (kv_lora + 1) for gathering every partial. */
+static void merge_by_heads(k3_ctx *ctx) {
+    const k3_config *c = ctx->c;
+    k3_dist_scratch *x = ctx->ds;
+    const int H = c->n_heads, kvl = c->kv_lora_rank, D = ctx->dcp, me = ctx->dcp_rank, hg = H / D;
+    const int64_t T = ctx->T, row = (int64_t)H * kvl + H, part = (int64_t)hg * (kvl + 1);
+    /* send: to rank q, per row, heads [q*hg, (q+1)*hg): o then lse */
+    for (int q = 0; q < D; q++)
+        for (int64_t t = 0; t < T; t++) {
+            float *dst = x->att_send + ((int64_t)q * T + t) * part;
+            const float *src = x->att + t * row;
+            memcpy(dst, src + (int64_t)q * hg * kvl, sizeof(float) * (size_t)hg * kvl);
+            memcpy(dst + (int64_t)hg * kvl, src + (int64_t)H * kvl + q * hg, sizeof(float) * (size_t)hg);
+        }
+    int cnt[64], dsp[64];
+    for (int q = 0; q < D; q++) {
+        cnt[q] = (int)(sizeof(float) * (size_t)(T * part));
+        dsp[q] = q * cnt[q];
+    }
+    k3_dist_alltoallv(ctx->dist, K3_GROUP_DCP, K3_COMM_LSE, x->att_send, cnt, dsp, x->att_all, cnt, dsp);
+    for (int64_t t = 0; t < T; t++) {
+        const float *o[64], *l[64];
+        for (int q = 0; q < D; q++) {
+            o[q] = x->att_all + ((int64_t)q * T + t) * part;
+            l[q] = o[q] + (int64_t)hg * kvl;
+        }
+        float lse[1024];
+        k3_lse_merge(o, l, D, hg, kvl, x->att_mine + t * hg * kvl, lse);
+    }
+    (void)me;
+    /* everyone's merged heads: [D][T][hg*kvl] */
+    float *all = x->att_all + (int64_t)D * T * part;
+    k3_dist_allgather(ctx->dist, K3_GROUP_DCP, K3_COMM_LSE, x->att_mine, sizeof(float) * (size_t)(T * hg * kvl), all);
+    for (int q = 0; q < D; q++)
+        for (int64_t t = 0; t < T; t++)
+            for (int i = 0; i < hg; i++)
+                memcpy(ctx->s.chat + ((int64_t)(q * hg + i) * T + t) * kvl, all + (((int64_t)q * T + t) * hg + i) * kvl,
+                       sizeof(float) * (size_t)kvl);
+}
+
 void k3_dcp_attention(k3_ctx *ctx, const k3_layer *L, int layer) {
     const k3_config *c = ctx->c;
     const int64_t T = ctx->T;
@@ -286,6 +335,11 @@ void k3_dcp_attention(k3_ctx *ctx, const k3_layer *L, int layer) {
         });
     }
     k3_pool_for(ctx->pool, T * j.hg, 1, dcp_attend, &j);
+    if (H % ctx->dcp == 0) {
+        merge_by_heads(ctx);
+        return;
+    }
+    /* heads that do not split evenly: every rank gathers every partial */
     const size_t row = (size_t)H * c->kv_lora_rank + (size_t)H;
     k3_dist_allgather(ctx->dist, K3_GROUP_DCP, K3_COMM_LSE, x->att, sizeof(float) * row * (size_t)T, x->att_all);
     k3_pool_for(ctx->pool, T, 1, dcp_merge, &j);

@@ -17,6 +17,7 @@ typedef struct k3_dist_scratch {
     int64_t *wslots;                      /* [T*k] own winners' slots */
     int32_t *wcount;                      /* [T] */
     float *att, *att_all;                 /* [T*(H*kvl+H)], [D*T*(H*kvl+H)] */
+    float *att_send, *att_mine;           /* head-split merge: [T*(H*kvl+H)], [T*(H/D)*kvl] */
     /* EP */
     float *zr;                            /* [T, Dl] the latents the own experts read */
     float *sendb, *recvb;                 /* [T*K*Dl] each */

@@ -7,7 +7,8 @@
  * caches as k3_ctx allocates them (f32, or C8: int8 latent + fp32 scale per
  * 128-tile + fp32 rope; int8 indexer key + fp32 scale). Traffic per decoded
  * token as this engine moves it (src/dist): the top-k candidates (8 B each),
- * the DCP partial outputs (kv_lora + 1 floats per head), and for EP the
+ * the DCP partial outputs (kv_lora + 1 floats per head, to the head's
+ * merging rank) and the merged heads (kv_lora floats), and for EP the
  * latent (fp32) once per remote owner of a token's experts, and each remote
  * expert's result plus the combined row back.
  */
@@ -106,7 +107,8 @@ k3_status k3_plan_compute(const char *path, const k3_plan_options *opt, k3_plan 
             if (c->mla_use_output_gate) w += linear_bytes(H * c->v_head_dim, Hd, q);
             const int64_t tiles = (kvl + K3_C8_TILE - 1) / K3_C8_TILE;
             cache += c8 ? kvl + tiles * 4 + rope * 4 : (kvl + rope) * 4;
-            lse += (D - 1) * H * (kvl + 1) * 4;
+            /* the head-split merge (H divisible by D), else every partial */
+            lse += H % D == 0 ? (D - 1) * (H / D) * (2 * kvl + 1) * 4 : (D - 1) * H * (kvl + 1) * 4;
             if (c->layer_kind[i] == K3_LAYER_DSA) {
                 const int64_t HI = c->index_n_heads, dI = c->index_head_dim;
                 nd++;
