@@ -79,7 +79,9 @@ static int usage_bench(void) {
             "  --long-context       decode ms/token at --contexts, DSA vs dense\n"
             "  --contexts 1024,8192,32768,131072\n"
             "  --profile            time per operator (prefill 512 and decode)\n"
-            "  --json               one JSON object on stdout\n");
+            "  --json               one JSON object on stdout\n"
+            "under mpirun (or with --dcp/--ep): decode at --contexts and the cross-rank traffic\n"
+            "  per decoded token; see `mpirun -np 1 k3 bench --help`\n");
     return 2;
 }
 
