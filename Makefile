@@ -119,3 +119,6 @@ $(BUILD)/k3-cmp: tests/mpi/cmp_logits.c | $(DEPS_OK)
 $(BUILD)/k3-mpi-exchange: tests/mpi/exchange.c $(BUILD)/libk3.a
 	$(CC) $(K3_CFLAGS) $(PC_CFLAGS) $(CFLAGS) -o $@ $< $(BUILD)/libk3.a $(PC_LIBS) $(LDLIBS)
 test: $(BUILD)/k3-cmp $(BUILD)/k3-mpi-exchange
+$(BUILD)/k3-mpi-batch: tests/mpi/batch.c $(BUILD)/libk3.a
+	$(CC) $(K3_CFLAGS) $(PC_CFLAGS) $(CFLAGS) -o $@ $< $(BUILD)/libk3.a $(PC_LIBS) $(LDLIBS)
+test: $(BUILD)/k3-mpi-batch

@@ -6,8 +6,8 @@
 # and on C8; each rank's cache bytes 1/D of one process's; bad
 # configurations, a rank that dies and a rank that hangs end every rank
 # with a message, never a hang. Skipped (one line) when mpirun is missing.
-# Usage: sh tests/mpi.sh build/k3 build/k3-test  (build/k3-cmp and
-# build/k3-mpi-exchange beside them). Ends with `mpi: N passed, N failed`.
+# Usage: sh tests/mpi.sh build/k3 build/k3-test  (build/k3-cmp,
+# build/k3-mpi-exchange and build/k3-mpi-batch beside them). Ends with `mpi: N passed, N failed`.
 K3=${1:-build/k3}
 BUILD=$(dirname "$K3")
 M=tests/models/tiny-dsa
@@ -40,6 +40,16 @@ for np in 2 3 4; do
         ok "top-k exchange on $np ranks ($(grep -o '[0-9]* passed' "$TMP/x"))"
     else
         bad "top-k exchange on $np ranks" "$TMP/x"
+    fi
+done
+
+# the library with several sequences per batch, resets, rounds cut by max_batch
+for cfg in "2" "3" "4" "2 ep" "4 ep"; do
+    set -- $cfg
+    if $MPI -np $1 "$BUILD/k3-mpi-batch" $M $2 >"$TMP/x" 2>&1 && grep -q " 0 failed" "$TMP/x"; then
+        ok "batches of 3 sequences on $1 ranks ${2:-dcp}: logits = one process"
+    else
+        bad "batches of 3 sequences on $1 ranks ${2:-dcp}" "$TMP/x"
     fi
 done
 
