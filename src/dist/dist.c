@@ -47,8 +47,11 @@ static k3_status dist_fail(k3_dist *d, const char *what, int rc) {
 }
 
 /* Waits for r until done or the deadline (timeout < 0: no deadline). The
- * first millisecond yields, then it sleeps 50 us between tests: ranks share
- * cores here, and MPI's progress happens inside MPI_Test. */
+ * first 200 tests yield, then it sleeps between tests (20 us, after 2000
+ * tests 500 us): ranks share cores here, and MPI's progress happens inside
+ * MPI_Test. Measured on tiny-dsa, DCP 2, 2 cores under load (medians of 5
+ * runs, 3 tries each, alternated): 200 yields 2.7-5.8 ms per decoded token,
+ * 20 yields 4.6-10.4, 20000 (spinning) 9.7-12.8. */
 static k3_status wait_req(k3_dist *d, MPI_Request *r, const char *what, double timeout) {
     const double t0 = now_s();
     for (long spins = 0;; spins++) {
