@@ -122,5 +122,7 @@ K3_TEST(dist_ep_loader_keeps_own_experts) {
     m1 = NULL;
     k3_err_clear(&err);
     CHECK(k3_model_open_ep(&m1, TINY_DSA, 0, 3, &err) == K3_ERR_ARG && strstr(err.msg, "does not divide"));
+    k3_err_clear(&err);
+    CHECK(k3_model_open_ep(&m1, TINY_DSA, 0, 32, &err) == K3_ERR_ARG && strstr(err.msg, "more EP ranks than the 16"));
     k3_model_close(m);
 }

@@ -674,7 +674,10 @@ k3_status k3_model_open_ep(k3_model **out, const char *dir, int32_t ep_rank, int
     m->dir = strdup(dir);
     if (!m->dir) s = k3_err(err, K3_ERR_NOMEM, "out of memory");
     if (s == K3_OK) s = k3_config_load(&m->cfg, dir, err);
-    if (s == K3_OK && ep_size > 1 && (m->cfg.n_experts < ep_size || m->cfg.n_experts % ep_size))
+    if (s == K3_OK && ep_size > 1 && m->cfg.n_experts < ep_size)
+        s = k3_err(err, K3_ERR_ARG, "model: --ep %d is more EP ranks than the %d routed experts of %s", ep_size,
+                   m->cfg.n_experts, dir);
+    else if (s == K3_OK && ep_size > 1 && m->cfg.n_experts % ep_size)
         s = k3_err(err, K3_ERR_ARG, "model: --ep %d does not divide the %d routed experts of %s", ep_size,
                    m->cfg.n_experts, dir);
     if (s == K3_OK) s = k3_st_open(&m->st, dir, err);
