@@ -54,6 +54,11 @@ int k3_cli_dist_agree(k3_cli_dist *cd, k3_status s, k3_error *err, const char *c
 /* The test hooks: the chosen rank dies or hangs here. */
 void k3_cli_dist_test_hooks(k3_cli_dist *cd);
 void k3_cli_dist_end(k3_cli_dist *cd);
+/* The exit status of a rank: rc on rank 0 (and in one process); 0 on the
+ * others, whose failures rank 0 has reported (or which ended the job with
+ * MPI_Abort): a non-zero exit of another rank makes mpirun end the job,
+ * possibly before rank 0 has printed the message. */
+int k3_cli_dist_exit(const k3_cli_dist *cd, int rc);
 /* Rank 0 prints every rank's cache bytes and routed-expert bytes (a
  * collective: all ranks call it); -1 on a failure. */
 int k3_cli_show_memory(k3_cli_dist *cd, const k3_model *m, const k3_ctx *ctx, const char *cmd);

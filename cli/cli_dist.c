@@ -59,8 +59,11 @@ int k3_cli_dist_args(int *argc, char **argv, k3_cli_dist *cd, const char *cmd) {
     return 0;
 }
 
+int k3_cli_dist_exit(const k3_cli_dist *cd, int rc) { return cd->rank == 0 ? rc : 0; }
+
 int k3_cli_dist_start(k3_cli_dist *cd, const char *cmd) {
-    const char *ws = getenv("OMPI_COMM_WORLD_SIZE");
+    const char *ws = getenv("OMPI_COMM_WORLD_SIZE"), *wr = getenv("OMPI_COMM_WORLD_RANK");
+    cd->rank = wr ? atoi(wr) : 0; /* until MPI says */
     if (!ws && !cd->asked) return 0;
     if (!ws && (cd->opt.dcp > 1 || cd->opt.ep > 1)) {
         fprintf(stderr, "k3 %s: --dcp %d --ep %d need several processes: run under mpirun -np N\n", cmd,
@@ -70,8 +73,7 @@ int k3_cli_dist_start(k3_cli_dist *cd, const char *cmd) {
     k3_error err = {0};
     if (k3_dist_init(&cd->d, &cd->opt, &err)) {
         /* every rank finds the same problem; rank 0 says it */
-        const char *r = getenv("OMPI_COMM_WORLD_RANK");
-        if (!r || !strcmp(r, "0")) fprintf(stderr, "k3 %s: %s\n", cmd, err.msg);
+        if (cd->rank == 0) fprintf(stderr, "k3 %s: %s\n", cmd, err.msg);
         return -1;
     }
     cd->rank = k3_dist_rank(cd->d);

@@ -88,7 +88,7 @@ int k3_cmd_bench_dist(int argc, char **argv) {
         }
     }
     if (threads < 1 || runs < 1 || runs > 64 || dtok < 1) return usage();
-    if (k3_cli_dist_start(&cd, "bench")) return 2;
+    if (k3_cli_dist_start(&cd, "bench")) return k3_cli_dist_exit(&cd, 2);
     const bool root = cd.rank == 0;
     k3_error err = {0};
     k3_model *m = NULL;
@@ -213,5 +213,5 @@ done:
     k3_pool_free(pool);
     k3_model_close(m);
     k3_cli_dist_end(&cd);
-    return rc;
+    return k3_cli_dist_exit(&cd, rc);
 }

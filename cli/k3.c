@@ -188,7 +188,7 @@ int k3_cmd_run(int argc, char **argv) {
         fprintf(stderr, "k3 run: no prompt: give PROMPT or --ids\n");
         return usage_run();
     }
-    if (k3_cli_dist_start(&cd, "run")) return 2;
+    if (k3_cli_dist_start(&cd, "run")) return k3_cli_dist_exit(&cd, 2);
     const bool root = cd.rank == 0;
 
     k3_error err = {0};
@@ -350,7 +350,7 @@ out_quiet:
     k3_tokenizer_free(tok);
     k3_model_close(m);
     k3_cli_dist_end(&cd);
-    return rc;
+    return k3_cli_dist_exit(&cd, rc);
 }
 
 int k3_cmd_info(int argc, char **argv) {
