@@ -126,3 +126,26 @@ K3_TEST(dist_ep_loader_keeps_own_experts) {
     CHECK(k3_model_open_ep(&m1, TINY_DSA, 0, 32, &err) == K3_ERR_ARG && strstr(err.msg, "more EP ranks than the 16"));
     k3_model_close(m);
 }
+
+/* The full-size K3 config against the sizes k3-model.md states: routed
+ * experts 92 x 896 x 17,547,264 B; 24 MLA layers; KDA state 69 layers x
+ * (96 x 128 x 128 + 3 x 12288 x 3) x 4 B; and the traffic formulas of
+ * serving.md §2.5 on the DSA variant at W = 16, k = 2048. */
+K3_TEST(dist_plan_full_size_k3) {
+    k3_plan p;
+    k3_error err = {0};
+    k3_plan_options o = {.dcp = 16, .ep = 64, .context = 1 << 20, .kv_cache = K3_KV_C8};
+    REQUIREF(k3_plan_compute("docs/configs/kimi-k3.json", &o, &p, &err) == K3_OK, "%s", err.msg);
+    CHECK(p.n_mla == 24 && p.n_kda == 69 && p.n_dsa == 0 && p.n_moe == 92);
+    CHECK(p.expert_bytes == 92LL * 896 * 17547264);
+    CHECK(p.state_bytes_per_seq == 69LL * (96 * 128 * 128 + 3 * 12288 * 3) * 4);
+    CHECK(p.cache_bytes_per_token == 24 * (512 + 4 * 4 + 64 * 4)); /* C8 as k3 stores it */
+    CHECK(p.cache_bytes_per_rank == p.cache_bytes_per_token * (1 << 16));
+    CHECK(p.weight_bytes_per_rank == p.weight_bytes - p.expert_bytes + p.expert_bytes / 64);
+    REQUIREF(k3_plan_compute("docs/configs/kimi-k3.1-pro-dsa.json", &o, &p, &err) == K3_OK, "%s", err.msg);
+    CHECK(p.n_dsa == 24);
+    CHECK(p.topk_allgather_bytes == 24LL * 15 * 2048 * 8); /* 240 KB per layer */
+    CHECK(p.topk_butterfly_bytes == 24LL * 4 * 2048 * 8);  /* 64 KB per layer */
+    o.ep = 3; /* 896 = 2^7 x 7 */
+    CHECK(k3_plan_compute("docs/configs/kimi-k3.json", &o, &p, &err) == K3_ERR_ARG);
+}
