@@ -47,6 +47,7 @@ static int usage(void) {
             "  --runs N             runs per figure (default 3)\n"
             "  --threads N          worker threads per rank (default 1)\n"
             "  --kv-cache f32|c8, --quant MODE, --mmap (as k3 bench; --mmap shares the page cache)\n"
+            "  --json               one JSON object on stdout (rank 0)\n"
             "  --dcp-interleave I, --dcp-topk-exchange allgather|butterfly, --dist-timeout S\n");
     return 2;
 }
@@ -57,7 +58,7 @@ int k3_cmd_bench_dist(int argc, char **argv) {
     const char *dir = K3_DEFAULT_MODEL, *quant = K3_DEFAULT_QUANT;
     k3_kv_type kv = K3_KV_F32;
     k3_cli_parse_kv(K3_DEFAULT_KV, &kv);
-    bool mapped = false;
+    bool mapped = false, json = false;
     int threads = 1, runs = 3, dtok = 8, nctx = 1;
     long contexts[8] = {32768};
     for (int i = 1; i < argc; i++) {
@@ -69,6 +70,7 @@ int k3_cmd_bench_dist(int argc, char **argv) {
         else if (!strcmp(a, "--decode-tokens") && has) dtok = atoi(argv[++i]);
         else if (!strcmp(a, "--quant") && has) quant = argv[++i];
         else if (!strcmp(a, "--mmap")) mapped = true;
+        else if (!strcmp(a, "--json")) json = true;
         else if (!strcmp(a, "--long-context")) continue; /* implied */
         else if (!strcmp(a, "--kv-cache") && has) {
             if (k3_cli_parse_kv(argv[++i], &kv)) return usage();
@@ -131,7 +133,12 @@ int k3_cmd_bench_dist(int argc, char **argv) {
     k3_plan plan;
     k3_plan_options po = {.dcp = D, .ep = E, .context = longest, .kv_cache = kv};
     if (k3_plan_compute(cfg, &po, &plan, &err)) goto fail;
-    printf("model %s: %d ranks, DCP %d (interleave %d, %s top-k exchange), EP %d, cache %s, quant %s\n", dir,
+    if (json)
+        printf("{\"model\": \"%s\", \"ranks\": %d, \"dcp\": %d, \"ep\": %d, \"interleave\": %d, \"exchange\": \"%s\", "
+               "\"kv_cache\": \"%s\", \"contexts\": [",
+               dir, cd.d ? k3_dist_size(cd.d) : 1, D, E, cd.d ? k3_dist_interleave(cd.d) : 1,
+               ex == K3_TOPK_BUTTERFLY ? "butterfly" : "allgather", kv == K3_KV_C8 ? "c8" : "f32");
+    else printf("model %s: %d ranks, DCP %d (interleave %d, %s top-k exchange), EP %d, cache %s, quant %s\n", dir,
            cd.d ? k3_dist_size(cd.d) : 1, D, cd.d ? k3_dist_interleave(cd.d) : 1,
            ex == K3_TOPK_BUTTERFLY ? "butterfly" : "all-gather", E, kv == K3_KV_C8 ? "c8" : "f32", quant);
     logits = malloc(sizeof(float) * (size_t)info.vocab_size);
@@ -170,6 +177,24 @@ int k3_cmd_bench_dist(int argc, char **argv) {
             }
         }
         qsort(ms, (size_t)runs, sizeof *ms, cmp_d);
+        const double med = runs % 2 ? ms[runs / 2] : 0.5 * (ms[runs / 2 - 1] + ms[runs / 2]);
+        if (json) {
+            printf("%s{\"context\": %ld, \"decode_ms\": %.3f, \"decode_ms_min\": %.3f, \"decode_ms_max\": %.3f, "
+                   "\"topk_formula_bytes\": %lld, \"lse_formula_bytes\": %lld, \"comm\": {",
+                   ci ? ", " : "", L, med, ms[0], ms[runs - 1],
+                   (long long)(ex == K3_TOPK_BUTTERFLY ? plan.topk_butterfly_bytes : plan.topk_allgather_bytes),
+                   (long long)plan.lse_bytes);
+            for (int k = 0; k < K3_COMM_COUNT; k++) {
+                const double bs = (double)tot.sent[k] / tokens, br = (double)tot.recv[k] / tokens;
+                const double us = tot.seconds[k] / tokens * 1e6;
+                printf("%s\"%s\": {\"sent_per_token\": %.0f, \"recv_per_token\": %.0f, \"us_per_token\": %.1f, "
+                       "\"gbps\": %.4f}",
+                       k ? ", " : "", k3_comm_kind_name((k3_comm_kind)k), bs, br, us,
+                       us > 0 ? (bs + br) / (us * 1e3) : 0.0);
+            }
+            printf("}}");
+            continue;
+        }
         printf("context %ld: decode %.2f ms/token (median of %d runs of %d tokens; min %.2f, max %.2f)\n", L,
                runs % 2 ? ms[runs / 2] : 0.5 * (ms[runs / 2 - 1] + ms[runs / 2]), runs, dtok, ms[0],
                ms[runs - 1]);
@@ -196,6 +221,7 @@ int k3_cmd_bench_dist(int argc, char **argv) {
         }
     }
     free(ms);
+    if (json) printf("]}\n");
     rc = 0;
     if (cd.d && k3_dist_release(cd.d, &err)) goto fail;
     goto done;

@@ -92,6 +92,15 @@ for ex in allgather butterfly; do
     else bad "bench dcp 4 $ex: counters against the formulas" "$TMP/b"; fi
 done
 
+$MPI -np 2 "$K3" bench -m $M --dcp 2 --contexts 64,128 --runs 1 --decode-tokens 2 --quant none --kv-cache f32 \
+    --json >"$TMP/j" 2>/dev/null
+python3 -c 'import json,sys
+d = json.load(open(sys.argv[1]))
+for c in d["contexts"]:
+    assert c["comm"]["topk_exchange"]["recv_per_token"] == c["topk_formula_bytes"] > 0
+    assert c["comm"]["lse_merge"]["recv_per_token"] == c["lse_formula_bytes"] > 0 and c["decode_ms"] > 0' "$TMP/j" 2>"$TMP/jerr" &&
+    ok "bench --json under mpirun: counters = formulas" || bad "bench --json under mpirun" "$TMP/jerr"
+
 # each rank's cache is 1/D of one process's (1024 and 1000 tokens: whole blocks)
 mem() { grep "^$1 bytes per rank:" "$2" | cut -d: -f2; }
 "$K3" run -m $M --ids 1,2,3 -n 0 --ctx 1024 --show-memory >/dev/null 2>"$TMP/m1"
