@@ -39,7 +39,7 @@ static int usage_run(void) {
             "  --min-p F           drop tokens below F x the best (default 0.05)\n"
             "  --repeat-penalty F  penalty on recent tokens (default 1.1)\n"
             "  --seed N            sampler seed (default 42)\n"
-            "  --threads N         worker threads (default: all cores)\n"
+            "  --threads N         worker threads (default: all cores; under mpirun, shared by the local ranks)\n"
             "  --chat              wrap the prompt as a user turn in the K3 chat format\n"
             "  --think             with --chat, open the assistant turn in thinking mode\n"
             "  --ids 1,2,3         feed these token ids instead of a text prompt\n"
@@ -126,6 +126,9 @@ static void chat_render(chat_state *c, int32_t id, const char *piece, size_t len
 
 static int default_threads(void) {
     long n = sysconf(_SC_NPROCESSORS_ONLN);
+    /* under mpirun the ranks of one machine share its cores */
+    const char *local = getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+    if (local && atoi(local) > 1) n /= atoi(local);
     return n < 1 ? 1 : n > 64 ? 64 : (int)n;
 }
 
