@@ -189,8 +189,10 @@ static void dcp_winners(void *p, int64_t lo, int64_t hi, int ith) {
             for (int64_t i = 0; i < nl; i++) w[n++] = local_slot(ctx, sp->seq, i);
         } else {
             const k3_cand *g = x->cand_out + (size_t)x->xrow[t] * k;
+            const int64_t seen = sp->pos0 + (t - sp->t0) + 1; /* positions [0, seen) are valid */
             for (int i = 0; i < k; i++)
-                if (g[i].pos >= 0 && k3_dcp_owner(g[i].pos, D, I) == r) w[n++] = k3_dcp_local(g[i].pos, D, I);
+                if (g[i].pos >= 0 && g[i].pos < seen && k3_dcp_owner(g[i].pos, D, I) == r)
+                    w[n++] = k3_dcp_local(g[i].pos, D, I);
             qsort(w, (size_t)n, sizeof *w, cmp_i64);
             for (int i = 0; i < n; i++) w[i] = local_slot(ctx, sp->seq, w[i]);
         }
@@ -330,7 +332,9 @@ void k3_dcp_attention(k3_ctx *ctx, const k3_layer *L, int layer) {
         }
         PROF(ctx, K3_PROF_QLI, {
             k3_pool_for(ctx->pool, T, 1, dcp_local_topk, &j);
-            if (nx) k3_dist_topk_exchange(ctx->dist, x->cand, nx, k, x->cand_out, x->cand_work);
+            if (nx && k3_dist_topk_exchange(ctx->dist, x->cand, nx, k, x->cand_out, x->cand_work))
+                for (int64_t i = 0; i < (int64_t)nx * k; i++) /* failed (the round's error is sticky): no winners */
+                    x->cand_out[i] = (k3_cand){-INFINITY, -1};
             k3_pool_for(ctx->pool, T, 1, dcp_winners, &j);
         });
     }
