@@ -314,6 +314,17 @@ static void merge_by_heads(k3_ctx *ctx) {
                        sizeof(float) * (size_t)kvl);
 }
 
+/* QLI on the own keys and the local top-k, the exchange, the own winners. */
+static void dcp_select(k3_ctx *ctx, dcp_job *j, int32_t nx) {
+    k3_dist_scratch *x = ctx->ds;
+    const int k = ctx->c->index_topk;
+    k3_pool_for(ctx->pool, ctx->T, 1, dcp_local_topk, j);
+    if (nx && k3_dist_topk_exchange(ctx->dist, x->cand, nx, k, x->cand_out, x->cand_work))
+        for (int64_t i = 0; i < (int64_t)nx * k; i++) /* failed (the error is sticky): no winners */
+            x->cand_out[i] = (k3_cand){-INFINITY, -1};
+    k3_pool_for(ctx->pool, ctx->T, 1, dcp_winners, j);
+}
+
 void k3_dcp_attention(k3_ctx *ctx, const k3_layer *L, int layer) {
     const k3_config *c = ctx->c;
     const int64_t T = ctx->T;
@@ -330,13 +341,7 @@ void k3_dcp_attention(k3_ctx *ctx, const k3_layer *L, int layer) {
             const k3_span *sp = span_of(ctx, t);
             x->xrow[t] = sp->pos0 + (t - sp->t0) + 1 > k ? nx++ : -1;
         }
-        PROF(ctx, K3_PROF_QLI, {
-            k3_pool_for(ctx->pool, T, 1, dcp_local_topk, &j);
-            if (nx && k3_dist_topk_exchange(ctx->dist, x->cand, nx, k, x->cand_out, x->cand_work))
-                for (int64_t i = 0; i < (int64_t)nx * k; i++) /* failed (the round's error is sticky): no winners */
-                    x->cand_out[i] = (k3_cand){-INFINITY, -1};
-            k3_pool_for(ctx->pool, T, 1, dcp_winners, &j);
-        });
+        PROF(ctx, K3_PROF_QLI, dcp_select(ctx, &j, nx));
     }
     k3_pool_for(ctx->pool, T * j.hg, 1, dcp_attend, &j);
     if (H % ctx->dcp == 0) {
