@@ -11,6 +11,8 @@
 #include <time.h>
 
 #include "attn/kda.h"
+#include "dist/dist.h"
+#include "dist/hooks.h"
 #include "kernels/attn_ops.h"
 
 /* ---- allocation ---------------------------------------------------------- */
@@ -30,6 +32,34 @@ static void *zalloc(alloc_state *a, size_t n, size_t size) {
 }
 
 static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+/* Cache tokens this rank must hold for max_tokens over max_seqs sequences:
+ * all of them in one process; under DCP its own share of one sequence, or
+ * with several at most 1/D of the tokens plus a partial stripe per sequence. */
+static int64_t local_capacity(const k3_ctx *ctx, int64_t max_tokens, int32_t max_seqs) {
+    if (ctx->dcp <= 1) return max_tokens;
+    if (max_seqs <= 1) return k3_dist_local_tokens(ctx, max_tokens);
+    return (max_tokens + ctx->dcp - 1) / ctx->dcp + (int64_t)max_seqs * ctx->dcp_il;
+}
+
+/* Blocks sequence s needs on this rank once it holds end tokens. */
+static int64_t blocks_for(const k3_ctx *ctx, int64_t end) {
+    return (k3_dist_local_tokens(ctx, end) + ctx->block_size - 1) / ctx->block_size;
+}
+
+int64_t k3_ctx_cache_bytes(const k3_ctx *ctx) {
+    const k3_config *c = ctx->c;
+    const int64_t slots = (int64_t)ctx->n_blocks * ctx->block_size;
+    int64_t per = 0;
+    for (int i = 0; i < c->n_layers; i++) {
+        if (c->layer_kind[i] == K3_LAYER_KDA) continue;
+        if (ctx->kv == K3_KV_F32) per += (int64_t)(c->kv_lora_rank + c->qk_rope_dim) * 4;
+        else per += c->kv_lora_rank + (int64_t)ctx->n_tiles * 4 + (int64_t)c->qk_rope_dim * 4;
+        if (c->layer_kind[i] == K3_LAYER_DSA)
+            per += ctx->kv == K3_KV_F32 ? (int64_t)c->index_head_dim * 4 : c->index_head_dim + 4;
+    }
+    return per * slots;
+}
 
 void k3_ctx_free(k3_ctx *ctx) {
     if (!ctx) return;
@@ -101,6 +131,7 @@ void k3_ctx_free(k3_ctx *ctx) {
     free(s->tsel);
     free(s->twork);
     free(s->tkda);
+    k3_dist_ctx_free(ctx);
     free(ctx);
 }
 
@@ -138,11 +169,17 @@ k3_status k3_ctx_init(k3_ctx **out, const k3_model *m, const k3_ctx_options *opt
     ctx->dense = opt->dense_attention;
     ctx->kda_chunk_min = k3_kernels_isa() >= K3_ISA_AVX512 ? INT32_MAX : K3_KDA_CHUNK_MIN;
     ctx->n_tiles = (c->kv_lora_rank + K3_C8_TILE - 1) / K3_C8_TILE;
+    k3_status ds = k3_dist_ctx_setup(ctx, opt->dist, err); /* DCP / EP, or none */
+    if (ds) {
+        k3_ctx_free(ctx);
+        return ds;
+    }
     const int32_t bs = ctx->block_size;
     /* one partial block per sequence on top, so max_tokens fit however they
-     * are spread over the sequences */
-    ctx->n_blocks = (int32_t)((opt->max_tokens + bs - 1) / bs) + (opt->max_seqs > 1 ? opt->max_seqs : 0);
-    ctx->max_blocks_per_seq = (int32_t)((ctx->max_ctx + bs - 1) / bs);
+     * are spread over the sequences (under DCP: this rank's share of them) */
+    ctx->n_blocks = (int32_t)((local_capacity(ctx, opt->max_tokens, opt->max_seqs) + bs - 1) / bs) +
+                    (opt->max_seqs > 1 ? opt->max_seqs : 0);
+    ctx->max_blocks_per_seq = (int32_t)((k3_dist_local_tokens(ctx, ctx->max_ctx) + bs - 1) / bs);
 
     alloc_state a = {0};
     const int64_t nL = c->n_layers, D = c->hidden_size, T = ctx->max_batch;
@@ -280,6 +317,7 @@ k3_status k3_ctx_init(k3_ctx **out, const k3_model *m, const k3_ctx_options *opt
     ctx->spans = zalloc(&a, (size_t)T, sizeof(k3_span));
     ctx->round_tokens = zalloc(&a, (size_t)T, sizeof(int32_t));
     ctx->round_out = zalloc(&a, (size_t)T, sizeof(int32_t));
+    if (!a.failed && ctx->dist && k3_dist_ctx_alloc(ctx, err) != K3_OK) a.failed = true;
     if (a.failed) {
         k3_ctx_free(ctx);
         return k3_err(err, K3_ERR_NOMEM, "context: out of memory (%lld tokens, %d sequences)",
@@ -293,6 +331,8 @@ k3_status k3_ctx_init(k3_ctx **out, const k3_model *m, const k3_ctx_options *opt
 
 void k3_ctx_seq_reset(k3_ctx *ctx, int32_t seq) {
     if (seq < 0 || seq >= ctx->max_seqs) return;
+    if (ctx->dist && k3_dist_rank(ctx->dist) == 0 && k3_dist_size(ctx->dist) > 1)
+        k3_dist_send_reset(ctx->dist, seq, NULL); /* a failure is sticky: the next forward reports it */
     const k3_config *c = ctx->c;
     k3_seq *s = &ctx->seqs[seq];
     for (int32_t b = s->n_blocks - 1; b >= 0; b--) ctx->free_blocks[ctx->n_free++] = s->blocks[b];
@@ -346,17 +386,21 @@ k3_status k3_ctx_forward(k3_ctx *ctx, const k3_batch_seq *batch, int32_t n_seqs,
             return k3_err(err, K3_ERR_RANGE,
                           "forward: sequence %d would reach %lld tokens (%lld cached + %d new), over the context of %lld",
                           b->seq, (long long)end, (long long)s->pos, b->n_tokens, (long long)ctx->max_ctx);
-        blocks_needed += (end + ctx->block_size - 1) / ctx->block_size - s->n_blocks;
+        blocks_needed += blocks_for(ctx, end) - s->n_blocks;
     }
     if (blocks_needed > ctx->n_free)
         return k3_err(err, K3_ERR_RANGE, "forward: cache full: %lld blocks needed, %d free",
                       (long long)blocks_needed, ctx->n_free);
+    if (ctx->dist && k3_dist_rank(ctx->dist) == 0 && k3_dist_size(ctx->dist) > 1) {
+        k3_status ds = k3_dist_send_forward(ctx->dist, batch, n_seqs, mode, err);
+        if (ds) return ds;
+    }
 
     /* Reserve blocks. */
     for (int32_t i = 0; i < n_seqs; i++) {
         k3_seq *s = &ctx->seqs[batch[i].seq];
         const int64_t end = s->pos + batch[i].n_tokens;
-        while ((int64_t)s->n_blocks * ctx->block_size < end) s->blocks[s->n_blocks++] = ctx->free_blocks[--ctx->n_free];
+        while (s->n_blocks < blocks_for(ctx, end)) s->blocks[s->n_blocks++] = ctx->free_blocks[--ctx->n_free];
     }
 
     /* Rounds of at most max_batch tokens, in batch order. */
@@ -396,7 +440,7 @@ k3_status k3_ctx_forward(k3_ctx *ctx, const k3_batch_seq *batch, int32_t n_seqs,
         if (mode != K3_LOGITS_NONE) n_written += n_out;
         for (int32_t i = 0; i < ctx->n_spans; i++) ctx->seqs[ctx->spans[i].seq].pos += ctx->spans[i].n;
     }
-    return K3_OK;
+    return k3_dist_failed(ctx->dist, err);
 }
 
 /* ---- measurement --------------------------------------------------------------- */
@@ -430,10 +474,14 @@ k3_status k3_ctx_seq_fill_synthetic(k3_ctx *ctx, int32_t seq, int64_t n, uint64_
         return k3_err(err, K3_ERR_RANGE, "fill: %lld + %lld tokens exceed the context of %lld", (long long)s->pos,
                       (long long)n, (long long)ctx->max_ctx);
     const int64_t end = s->pos + n;
-    const int64_t need = (end + ctx->block_size - 1) / ctx->block_size - s->n_blocks;
+    const int64_t need = blocks_for(ctx, end) - s->n_blocks;
     if (need > ctx->n_free)
         return k3_err(err, K3_ERR_RANGE, "fill: cache full: %lld blocks needed, %d free", (long long)need, ctx->n_free);
-    while ((int64_t)s->n_blocks * ctx->block_size < end) s->blocks[s->n_blocks++] = ctx->free_blocks[--ctx->n_free];
+    if (ctx->dist && k3_dist_rank(ctx->dist) == 0 && k3_dist_size(ctx->dist) > 1) {
+        k3_status ds = k3_dist_send_fill(ctx->dist, seq, n, seed, err);
+        if (ds) return ds;
+    }
+    while (s->n_blocks < blocks_for(ctx, end)) s->blocks[s->n_blocks++] = ctx->free_blocks[--ctx->n_free];
     uint64_t r = seed * 0x9E3779B97F4A7C15ull + 1;
 #define RND() ((float)((int64_t)((r = r * 6364136223846793005ull + 1442695040888963407ull) >> 40) - 8388608) / 8388608.0f)
     const int kvl = c->kv_lora_rank, rope = c->qk_rope_dim, dI = c->index_head_dim;
@@ -445,8 +493,14 @@ k3_status k3_ctx_seq_fill_synthetic(k3_ctx *ctx, int32_t seq, int64_t n, uint64_
     for (int i = 0; i < c->n_layers; i++) {
         if (c->layer_kind[i] == K3_LAYER_KDA) continue;
         for (int64_t p = s->pos; p < end; p++) {
-            const int64_t slot = k3_ctx_slot(ctx, seq, p);
+            /* under DCP every rank draws every row, and keeps its own */
+            const int64_t slot = k3_ctx_own_slot(ctx, seq, p);
             for (int j = 0; j < kvl + rope && j < 4096; j++) row[j] = RND();
+            if (slot < 0) {
+                if (c->layer_kind[i] == K3_LAYER_DSA)
+                    for (int j = 0; j < dI && j < 4096; j++) (void)RND();
+                continue;
+            }
             if (ctx->kv == K3_KV_C8) {
                 k3_quant_i8_tiles(row, kvl, ctx->lat8[i] + slot * kvl, ctx->lat_s[i] + slot * ctx->n_tiles);
                 memcpy(ctx->lat_r[i] + slot * rope, row + kvl, sizeof(float) * (size_t)rope);

@@ -124,6 +124,12 @@ struct k3_ctx {
     int32_t *round_out;           /* [max_batch] rows whose logits are wanted */
     int32_t n_spans;
     int32_t T;
+
+    /* distributed (src/dist/hooks.h); one process: dist NULL, dcp = ep = 1 */
+    struct k3_dist *dist;
+    int32_t dcp, dcp_rank, dcp_il;   /* DCP group size, this rank, interleave */
+    int32_t ep, ep_rank;             /* EP group size, this rank */
+    struct k3_dist_scratch *ds;      /* their exchange buffers */
 };
 
 /* The forward pass over one round of at most max_batch tokens: rows T,
@@ -145,6 +151,18 @@ double k3_now(void);
 static inline int64_t k3_ctx_slot(const k3_ctx *ctx, int32_t seq, int64_t pos) {
     const k3_seq *s = &ctx->seqs[seq];
     return (int64_t)s->blocks[pos / ctx->block_size] * ctx->block_size + pos % ctx->block_size;
+}
+
+/* Slot of position pos of sequence seq on this rank, or -1 when another DCP
+ * rank caches it (token x lives on rank (x div I) mod D, at local index
+ * (x div (I*D))*I + x mod I; src/dist/dist.h). */
+static inline int64_t k3_ctx_own_slot(const k3_ctx *ctx, int32_t seq, int64_t pos) {
+    if (ctx->dcp > 1) {
+        const int64_t I = ctx->dcp_il;
+        if ((pos / I) % ctx->dcp != ctx->dcp_rank) return -1;
+        pos = pos / (I * ctx->dcp) * I + pos % I;
+    }
+    return k3_ctx_slot(ctx, seq, pos);
 }
 
 #endif /* K3_ENGINE_CTX_H */
