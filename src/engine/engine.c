@@ -198,6 +198,10 @@ k3_status k3_engine_open(k3_engine **out, const k3_model *m, const k3_engine_opt
         return k3_err(err, K3_ERR_RANGE,
                       "engine: max_num_batched_tokens %d is below one block (%d tokens): a prompt chunk could never be scheduled",
                       o.max_num_batched_tokens, o.block_size);
+    if (o.max_num_batched_tokens < o.max_num_seqs)
+        return k3_err(err, K3_ERR_RANGE,
+                      "engine: max_num_batched_tokens %d is below max_num_seqs %d: running decodes could starve",
+                      o.max_num_batched_tokens, o.max_num_seqs);
     for (int32_t i = 0; i < o.n_eos_ids; i++)
         if (o.eos_ids[i] < 0 || o.eos_ids[i] >= c->vocab_size)
             return k3_err(err, K3_ERR_ARG, "engine: eos id %d is out of range [0, %lld)", o.eos_ids[i],
