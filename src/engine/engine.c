@@ -524,6 +524,12 @@ static void sample(k3_engine *e, req *r, const float *lg, double t) {
         for (int32_t i = 0; i < r->p.n_stop_ids; i++) e->row[r->stop_ids[i]] = -INFINITY;
     }
     const int32_t id = k3_sampler_sample(r->smp, e->row);
+    if (id < 0 || id >= V) { /* a sampler that refuses non-finite logits */
+        snprintf(r->error, sizeof r->error, "the logits of request %llu are not finite",
+                 (unsigned long long)r->rq.id);
+        finish(e, r, K3_FINISH_ERROR, t);
+        return;
+    }
     k3_sampler_accept(r->smp, id);
     if (r->p.logprobs >= 0) {
         const double lse = log_norm(lg, V);
