@@ -11,6 +11,7 @@ int k3_cmd_info(int argc, char **argv);
 int k3_cmd_tokenize(int argc, char **argv);
 int k3_cmd_eval(int argc, char **argv);
 int k3_cmd_bench(int argc, char **argv);
+int k3_cmd_bench_throughput(int argc, char **argv); /* `k3 bench throughput` */
 
 #include "k3.h"
 

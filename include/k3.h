@@ -371,7 +371,8 @@ typedef struct k3_request_params {
     k3_sampler_options sampling;    /* its own seed: a request samples the same
                                        tokens alone or batched */
     int32_t max_tokens;             /* tokens to generate (0 = prefill only) */
-    int32_t min_tokens;             /* EOS and stop ids are ignored before this many */
+    int32_t min_tokens;             /* EOS and stop ids are ignored before this many
+                                       (as vLLM: they are masked, so not generated) */
     const int32_t *stop_ids;        /* extra ids that end the request (copied) */
     int32_t n_stop_ids;
     bool ignore_eos;
@@ -381,6 +382,11 @@ typedef struct k3_request_params {
                                        token after the first, and n alternatives
                                        (such a request does not read the prefix cache) */
     void *user;                     /* returned in every output of the request */
+    const uint64_t *extra_keys;     /* NULL, or [n_prompt] (copied): a key per prompt
+                                       token mixed into the prefix-cache hash of its
+                                       block, 0 for plain text; e.g. an image's
+                                       content hash on its placeholder tokens, so
+                                       equal ids of different images never share */
 } k3_request_params;
 
 /* Events of a request since the previous step (bits of k3_req_output.events). */
@@ -446,6 +452,8 @@ typedef struct k3_engine_stats {
     int64_t requests_finished[K3_FINISH_ERROR + 1]; /* by finish reason */
     int64_t max_model_len, cache_tokens;
     int64_t state_bytes_per_seq;          /* one KDA snapshot */
+    int64_t n_snapshot_saves, n_snapshot_restores; /* KDA snapshots taken / restored */
+    double snapshot_save_s, snapshot_restore_s;    /* time spent taking / restoring them */
 } k3_engine_stats;
 
 k3_status k3_engine_open(k3_engine **out, const k3_model *m, const k3_engine_options *opt,
@@ -469,6 +477,11 @@ void k3_engine_wait(k3_engine *e, double timeout_s);
 void k3_engine_get_stats(k3_engine *e, k3_engine_stats *st);
 /* The engine's clock (monotonic seconds). */
 double k3_engine_now(void);
+/* Notes on the engine (implementation: src/engine/engine.c, src/sched,
+ * src/kv). logprobs and prompt_logprobs take at most 20 alternatives, and
+ * when both are asked for they must ask for the same number (n_top is one
+ * field). A step yields at most one token per request. Outputs of a
+ * finished request are valid until the next step, which frees it. */
 
 
 /* ---- distributed: several processes on MPI (src/dist) -------------------
