@@ -165,3 +165,18 @@ fuzz-build:
 endif
 fuzz: fuzz-build
 	@sh fuzz/run.sh $(FUZZ_BUILD) $(FUZZ_TIME)
+# MPI (src/dist, issue 19): build/k3 always links OpenMPI (Debian's
+# openmpi-bin + libopenmpi-dev, scripts/install-deps.sh); without mpirun it
+# runs as world size 1. Flags from pkg-config ompi-c, else from mpicc.
+DEPS_PC += ompi-c
+MPI_TESTS := tests/mpi.sh
+test-mpi: $(BUILD)/k3 $(BUILD)/k3-test
+	sh $(MPI_TESTS) $(BUILD)/k3 $(BUILD)/k3-test
+$(BUILD)/k3-cmp: tests/mpi/cmp_logits.c | $(DEPS_OK)
+	$(CC) $(K3_CFLAGS) $(CFLAGS) -o $@ $< -lm
+$(BUILD)/k3-mpi-exchange: tests/mpi/exchange.c $(BUILD)/libk3.a
+	$(CC) $(K3_CFLAGS) $(PC_CFLAGS) $(CFLAGS) -o $@ $< $(BUILD)/libk3.a $(PC_LIBS) $(LDLIBS)
+test: $(BUILD)/k3-cmp $(BUILD)/k3-mpi-exchange
+$(BUILD)/k3-mpi-batch: tests/mpi/batch.c $(BUILD)/libk3.a
+	$(CC) $(K3_CFLAGS) $(PC_CFLAGS) $(CFLAGS) -o $@ $< $(BUILD)/libk3.a $(PC_LIBS) $(LDLIBS)
+test: $(BUILD)/k3-mpi-batch

@@ -84,7 +84,9 @@ static void usage_to(FILE *out) {
             "  --profile            time per operator (prefill 512 and decode)\n"
             "  --json               one JSON object on stdout\n"
             "  --quick              one run per figure, prompts 128,512: about a fifth of the time\n"
-            "Progress, with the time left, goes to stderr.\n");
+            "Progress, with the time left, goes to stderr.\n"
+            "under mpirun (or with --dcp/--ep): decode at --contexts and the cross-rank traffic\n"
+            "  per decoded token; see `mpirun -np 1 k3 bench --help`\n");
 }
 
 static int usage_bench(void) {
@@ -267,6 +269,8 @@ static bool run_steady(double before, double after) {
 }
 
 int k3_cmd_bench(int argc, char **argv) {
+    if (argc > 1 && !strcmp(argv[1], "throughput")) return k3_cmd_bench_throughput(argc - 1, argv + 1);
+    if (k3_cli_dist_wanted(argc, argv)) return k3_cmd_bench_dist(argc, argv); /* cmd_bench_dist.c */
     const char *dir = K3_DEFAULT_MODEL, *quant = K3_DEFAULT_QUANT;
     bool keep_mapped = false;
     int threads = k3_cli_physical_cores(), runs = 5, json = 0, profile = 0, longctx = 0, dtok = 16, quick = 0;

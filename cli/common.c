@@ -5,15 +5,20 @@
 #include "cli.h"
 
 k3_status k3_cli_open_model(k3_model **m, const char *dir, const char *quant, bool keep_mapped, k3_error *err) {
-    return k3_cli_open_model_stored(m, dir, quant, keep_mapped, true, NULL, err);
+    return k3_cli_open_model_ex(m, dir, quant, keep_mapped, true, NULL, 0, 1, err);
 }
 
 k3_status k3_cli_open_model_stored(k3_model **m, const char *dir, const char *quant, bool keep_mapped, bool check,
                                    k3_model_info *stored, k3_error *err) {
+    return k3_cli_open_model_ex(m, dir, quant, keep_mapped, check, stored, 0, 1, err);
+}
+
+k3_status k3_cli_open_model_ex(k3_model **m, const char *dir, const char *quant, bool keep_mapped, bool check,
+                               k3_model_info *stored, int32_t ep_rank, int32_t ep_size, k3_error *err) {
     k3_quant_options q;
     k3_status s = k3_quant_parse(quant, &q, err);
     if (s) return s;
-    if ((s = k3_model_open(m, dir, err))) return s;
+    if ((s = k3_model_open_ep(m, dir, ep_rank, ep_size, err))) return s;
     if (stored) k3_model_get_info(*m, stored);
     /* NaN/Inf in a weight: with 8-bit activations the logits can even stay
      * finite, so nothing downstream would notice */

@@ -43,7 +43,8 @@ static void usage_to(FILE *out) {
             "  --min-p F           drop tokens below F x the best (default 0.05)\n"
             "  --repeat-penalty F  penalty on recent tokens (default 1.1)\n"
             "  --seed N            sampler seed (default: random, printed on stderr)\n"
-            "  --threads N         worker threads (default: the physical cores; 0 = every CPU)\n"
+            "  --threads N         worker threads (default: the physical cores, shared by the local ranks\n"
+            "                      under mpirun; 0 = every CPU)\n"
             "  --chat              wrap the prompt as a user turn in the K3 chat format\n"
             "  --think             open the assistant turn in thinking mode (implies --chat)\n"
             "  --image FILE        a PNG or JPEG before the prompt text (repeatable)\n"
@@ -55,7 +56,13 @@ static void usage_to(FILE *out) {
             "                      into RAM when they take at most half of it)\n"
             "  --kv-cache f32|c8   cache format (default %s)\n"
             "  --no-check-tensors  skip the load-time check that every stored weight is finite\n"
-            "                      (no NaN/Inf; 0.3 s for 1.9 GB of weights)\n",
+            "                      (no NaN/Inf; 0.3 s for 1.9 GB of weights)\n"
+            "under mpirun -np N (rank 0 reads, samples and prints):\n"
+            "  --dcp D --ep E      decode context parallel / expert parallel sizes (dividing N)\n"
+            "  --dcp-interleave I  tokens per DCP stripe (default 1)\n"
+            "  --dcp-topk-exchange allgather|butterfly  the DSA top-k exchange (default allgather)\n"
+            "  --dist-timeout S    a collective waiting longer fails (default 300)\n"
+            "  --show-memory       print each rank's cache and routed-expert bytes\n",
             K3_DEFAULT_MODEL, K3_DEFAULT_QUANT, K3_DEFAULT_KV);
 }
 
@@ -100,7 +107,13 @@ static int parse_ids(const char *s, int32_t **out, size_t *n) {
     return 0;
 }
 
-static int default_threads(void) { return k3_cli_physical_cores(); }
+/* The physical cores; under mpirun the ranks of one machine share them. */
+static int default_threads(void) {
+    int n = k3_cli_physical_cores();
+    const char *local = getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+    if (local && atoi(local) > 1) n /= atoi(local);
+    return n < 1 ? 1 : n;
+}
 
 /* A seed nobody chose: /dev/urandom, else the clock and the pid. */
 static uint64_t random_seed(void) {
@@ -115,7 +128,7 @@ int k3_cmd_run(int argc, char **argv) {
     const char *dir = K3_DEFAULT_MODEL, *prompt = NULL, *ids_arg = NULL, *dump = NULL;
     const char *quant = K3_DEFAULT_QUANT, *prompt_file = NULL, *system = NULL;
     char *prompt_buf = NULL;
-    bool keep_mapped = false, interactive = false, seed_given = false, check_tensors = true;
+    bool keep_mapped = false, interactive = false, seed_given = false, check_tensors = true, show_mem = false;
     k3_kv_type kv = K3_KV_F32;
     k3_cli_parse_kv(K3_DEFAULT_KV, &kv);
     int n_gen = 128, threads = default_threads(), chat = 0, think = 0;
@@ -124,6 +137,9 @@ int k3_cmd_run(int argc, char **argv) {
     int n_images = 0;
     k3_sampler_options so = {.temperature = 0.8f, .top_k = 40, .top_p = 0.95f, .min_p = 0.05f,
                              .repeat_penalty = 1.1f, .repeat_last_n = 64, .seed = 42};
+    k3_cli_dist cd;
+    bool workers_wait = false; /* rank 0 owes the workers the context size */
+    if (k3_cli_dist_args(&argc, argv, &cd, "run")) return 2;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const int has = i + 1 < argc;
@@ -154,6 +170,7 @@ int k3_cmd_run(int argc, char **argv) {
         else if (!strcmp(a, "--no-check-tensors")) check_tensors = false;
         else if (ARG("--quant")) quant = argv[++i];
         else if (!strcmp(argv[i], "--mmap")) keep_mapped = true;
+        else if (!strcmp(argv[i], "--show-memory")) show_mem = true;
         else if (ARG("--kv-cache")) {
             if (k3_cli_parse_kv(argv[++i], &kv)) {
                 fprintf(stderr, "k3 run: --kv-cache must be f32 or c8, not '%s'\n", argv[i]);
@@ -222,6 +239,8 @@ int k3_cmd_run(int argc, char **argv) {
     if (!seed_given) so.seed = random_seed();
     fprintf(stderr, "k3 run: seed %llu%s\n", (unsigned long long)so.seed,
             seed_given ? "" : " (random; --seed N to repeat)");
+    if (k3_cli_dist_start(&cd, "run")) return k3_cli_dist_exit(&cd, 2);
+    const bool root = cd.rank == 0;
 
     k3_error err = {0};
     k3_model *m = NULL;
@@ -235,9 +254,16 @@ int k3_cmd_run(int argc, char **argv) {
     k3_cli_images img = {0};
     int rc = 1;
 
-    if (k3_cli_open_model_stored(&m, dir, quant, keep_mapped, check_tensors, NULL, &err)) goto out;
+    k3_status ms = k3_cli_open_model_dist(&m, dir, quant, keep_mapped, check_tensors, &cd, &err);
+    if (k3_cli_dist_agree(&cd, ms, &err, "run")) {
+        if (!cd.d) goto out;
+        goto out_quiet;
+    }
     k3_model_info info;
     k3_model_get_info(m, &info);
+    int64_t want = -1;
+    workers_wait = cd.d != NULL;
+    if (!root) goto distributed; /* rank 0 reads the prompt */
     /* The tokenizer is needed for text in or out; --ids -n 0 runs without. */
     if (!(ids_arg && n_gen == 0) && k3_tokenizer_open(&tok, dir, &err)) goto out;
     if (interactive) {
@@ -265,6 +291,10 @@ int k3_cmd_run(int argc, char **argv) {
             fprintf(stderr, "k3 run: --image needs a text prompt, not --ids\n");
             goto out_quiet;
         }
+        if (cd.d) { /* the other ranks would get the pads' ids, not the image rows */
+            fprintf(stderr, "k3 run: --image runs in one process, not with --dcp or --ep\n");
+            goto out_quiet;
+        }
         if (k3_pool_init(&pool, threads, &err)) goto out;
         if (chat && k3_cli_chat_content_at(tok, system, think, ids, n_ids, &at, &err)) goto out;
         if (k3_cli_images_insert(&img, m, tok, pool, quant, image_files, n_images, at, &ids, &n_ids, &err)) goto out;
@@ -274,16 +304,37 @@ int k3_cmd_run(int argc, char **argv) {
         goto out_quiet;
     }
 
-    int64_t want = ctx_arg ? ctx_arg : (int64_t)n_ids + n_gen;
+    want = ctx_arg ? ctx_arg : (int64_t)n_ids + n_gen;
     if (want > info.max_positions) want = info.max_positions;
     if ((int64_t)n_ids > want) {
         fprintf(stderr, "k3 run: the prompt has %zu tokens, more than the context of %lld tokens\n", n_ids,
                 (long long)want);
         goto out_quiet;
     }
-    if (!pool && k3_pool_init(&pool, threads, &err)) goto out;
-    k3_ctx_options co = {.max_seqs = 1, .max_tokens = want, .pool = pool, .kv_cache = kv};
-    if (k3_ctx_init(&ctx, m, &co, &err)) goto out;
+distributed:
+    workers_wait = false;
+    if (cd.d && k3_dist_bcast_i64(cd.d, &want, 1, &err)) goto out_abort;
+    if (want < 0) goto out_quiet; /* rank 0 said why */
+    {
+        k3_status cs = pool ? K3_OK : k3_pool_init(&pool, threads, &err); /* --image made it already */
+        k3_ctx_options co = {.max_seqs = 1, .max_tokens = want, .pool = pool, .kv_cache = kv, .dist = cd.d};
+        if (!cs) cs = k3_ctx_init(&ctx, m, &co, &err);
+        if (k3_cli_dist_agree(&cd, cs, &err, "run")) {
+            if (!cd.d) goto out;
+            if (root) k3_dist_release(cd.d, &err);
+            goto out_quiet;
+        }
+    }
+    k3_cli_dist_test_hooks(&cd);
+    if (show_mem && k3_cli_show_memory(&cd, m, ctx, "run")) goto out_abort;
+    if (!root) {
+        if (k3_dist_worker(cd.d, ctx, &err)) {
+            fprintf(stderr, "k3 run: %s\n", err.msg);
+            k3_dist_abort(cd.d, 1);
+        }
+        rc = 0;
+        goto out_quiet;
+    }
     if (k3_sampler_init(&smp, &so, (int32_t)info.vocab_size, &err)) goto out;
 
     const int64_t V = info.vocab_size;
@@ -349,10 +400,25 @@ int k3_cmd_run(int argc, char **argv) {
             "(quant %s, kv %s)\n", n_ids, n_ids / (t_prefill > 0 ? t_prefill : 1e-9), n_done,
             n_done / (t_decode > 0 ? t_decode : 1e-9), stop, quant, kv == K3_KV_C8 ? "c8" : "f32");
     rc = 0;
+    if (cd.d && k3_dist_release(cd.d, &err)) goto out_abort;
     goto out_quiet;
 out:
     rc = fail("run", &err);
+    if (cd.d && root && ctx) {
+        /* workers wait in k3_dist_worker: let them go, or end the job when
+         * the failure was the communication itself */
+        k3_error e2 = {0};
+        if (k3_dist_release(cd.d, &e2)) k3_dist_abort(cd.d, 1); /* a failed link stays failed */
+    }
+    goto out_quiet;
+out_abort:
+    rc = fail("run", &err);
+    k3_dist_abort(cd.d, 1);
 out_quiet:
+    if (workers_wait && root) { /* rank 0 failed before the workers made a context */
+        int64_t no = -1;
+        k3_dist_bcast_i64(cd.d, &no, 1, &err);
+    }
     free(prompt_buf);
     free(ids);
     free(logits);
@@ -362,7 +428,8 @@ out_quiet:
     k3_pool_free(pool);
     k3_tokenizer_free(tok);
     k3_model_close(m);
-    return rc;
+    k3_cli_dist_end(&cd);
+    return k3_cli_dist_exit(&cd, rc);
 }
 
 int k3_cmd_info(int argc, char **argv) {
@@ -425,6 +492,7 @@ static const char usage_text[] =
             "  tokenize  text to token ids, or ids to text with --decode\n"
             "  eval      perplexity of a model over a text file\n"
             "  bench     prefill/decode speed against the measured memory bandwidth\n"
+            "  plan      memory and cross-rank traffic of a DCP/EP deployment, from a config\n"
             "  --version print the version\n"
             "run `k3 <command> --help` for its options\n";
 
@@ -443,6 +511,7 @@ int main(int argc, char **argv) {
     if (!strcmp(cmd, "tokenize")) return k3_cmd_tokenize(argc - 1, argv + 1);
     if (!strcmp(cmd, "eval")) return k3_cmd_eval(argc - 1, argv + 1);
     if (!strcmp(cmd, "bench")) return k3_cmd_bench(argc - 1, argv + 1);
+    if (!strcmp(cmd, "plan")) return k3_cmd_plan(argc - 1, argv + 1);
     if (!strcmp(cmd, "-h") || !strcmp(cmd, "--help") || !strcmp(cmd, "help")) {
         usage_to_stdout();
         return 0;

@@ -229,6 +229,7 @@ typedef struct k3_ctx_options {
     k3_kv_type kv_cache;   /* cache format (default K3_KV_F32) */
     bool dense_attention;  /* run DSA layers as dense MLA (indexer unused), to compare */
     k3_pool *pool;         /* borrowed; NULL = single-threaded */
+    struct k3_dist *dist;  /* borrowed; NULL = one process (see "distributed") */
 } k3_ctx_options;
 
 k3_status k3_ctx_init(k3_ctx **out, const k3_model *m, const k3_ctx_options *opt,
@@ -373,7 +374,8 @@ typedef struct k3_request_params {
     k3_sampler_options sampling;    /* its own seed: a request samples the same
                                        tokens alone or batched */
     int32_t max_tokens;             /* tokens to generate (0 = prefill only) */
-    int32_t min_tokens;             /* EOS and stop ids are ignored before this many */
+    int32_t min_tokens;             /* EOS and stop ids are ignored before this many
+                                       (as vLLM: they are masked, so not generated) */
     const int32_t *stop_ids;        /* extra ids that end the request (copied) */
     int32_t n_stop_ids;
     bool ignore_eos;
@@ -383,6 +385,11 @@ typedef struct k3_request_params {
                                        token after the first, and n alternatives
                                        (such a request does not read the prefix cache) */
     void *user;                     /* returned in every output of the request */
+    const uint64_t *extra_keys;     /* NULL, or [n_prompt] (copied): a key per prompt
+                                       token mixed into the prefix-cache hash of its
+                                       block, 0 for plain text; e.g. an image's
+                                       content hash on its placeholder tokens, so
+                                       equal ids of different images never share */
 } k3_request_params;
 
 /* Events of a request since the previous step (bits of k3_req_output.events). */
@@ -448,6 +455,8 @@ typedef struct k3_engine_stats {
     int64_t requests_finished[K3_FINISH_ERROR + 1]; /* by finish reason */
     int64_t max_model_len, cache_tokens;
     int64_t state_bytes_per_seq;          /* one KDA snapshot */
+    int64_t n_snapshot_saves, n_snapshot_restores; /* KDA snapshots taken / restored */
+    double snapshot_save_s, snapshot_restore_s;    /* time spent taking / restoring them */
 } k3_engine_stats;
 
 k3_status k3_engine_open(k3_engine **out, const k3_model *m, const k3_engine_options *opt,
@@ -471,6 +480,137 @@ void k3_engine_wait(k3_engine *e, double timeout_s);
 void k3_engine_get_stats(k3_engine *e, k3_engine_stats *st);
 /* The engine's clock (monotonic seconds). */
 double k3_engine_now(void);
+/* Notes on the engine (implementation: src/engine/engine.c, src/sched,
+ * src/kv). logprobs and prompt_logprobs take at most 20 alternatives, and
+ * when both are asked for they must ask for the same number (n_top is one
+ * field). A step yields at most one token per request. Outputs of a
+ * finished request are valid until the next step, which frees it. */
+
+
+/* ---- distributed: several processes on MPI (src/dist) -------------------
+ *
+ * One k3_dist per process joins the MPI world (mpirun -np N) and splits it
+ * into a decode-context-parallel group of D ranks (consecutive world ranks)
+ * and an expert-parallel group of E ranks (world ranks N/E apart); D and E
+ * divide N. Rank 0 owns tokenization, sampling and I/O: its calls of
+ * k3_ctx_forward / k3_ctx_seq_reset / k3_ctx_seq_fill_synthetic on a context
+ * made with the dist are sent to every other rank, which runs them from
+ * k3_dist_worker, so every rank runs its share of every forward pass.
+ * DCP: token x of a sequence lives on DCP rank (x div I) mod D, which equals
+ * ((x mod (bs*D)) div I) mod D for bs a multiple of I (serving.md §2.5); the
+ * latent and indexer caches hold only own tokens, attention and the DSA
+ * top-k are settled across the group and merged exactly by log-sum-exp. EP:
+ * routed expert e lives on EP rank e div (n_experts / E) (k3_model_open_ep
+ * loads only those), tokens' latents go to their experts' owners and the
+ * results come back (all-to-all). Everything else is replicated.
+ * Failures of MPI are k3_status values (K3_ERR_IO) naming the collective;
+ * a collective that waits longer than timeout_s fails the same way, so a
+ * rank that hangs or dies does not hang the others forever. */
+
+typedef struct k3_dist k3_dist;
+
+typedef enum k3_topk_exchange {
+    K3_TOPK_ALLGATHER = 0, /* every rank receives every rank's k candidates */
+    K3_TOPK_BUTTERFLY,     /* log2(D) rounds of pairwise top-k merges (D a power of 2) */
+} k3_topk_exchange;
+
+typedef struct k3_dist_options {
+    int32_t dcp;            /* DCP group size D (0 = 1) */
+    int32_t ep;             /* EP group size E (0 = 1) */
+    int32_t dcp_interleave; /* I: consecutive tokens per rank stripe (0 = 1) */
+    k3_topk_exchange exchange;
+    double timeout_s;       /* longest wait of one collective (0 = 300 s) */
+} k3_dist_options;
+
+/* Initializes MPI (once per process) and the groups. Fails with one message
+ * when D or E does not divide the world size or I is not positive. */
+k3_status k3_dist_init(k3_dist **out, const k3_dist_options *opt, k3_error *err);
+/* Finalizes MPI. */
+void k3_dist_free(k3_dist *d);
+/* Ends every rank of the job (MPI_Abort): after a failure that left ranks
+ * inside a collective. */
+void k3_dist_abort(k3_dist *d, int code);
+int32_t k3_dist_rank(const k3_dist *d);
+int32_t k3_dist_size(const k3_dist *d);
+int32_t k3_dist_dcp_rank(const k3_dist *d);
+int32_t k3_dist_dcp_size(const k3_dist *d);
+int32_t k3_dist_ep_rank(const k3_dist *d);
+int32_t k3_dist_ep_size(const k3_dist *d);
+int32_t k3_dist_interleave(const k3_dist *d);
+k3_topk_exchange k3_dist_exchange(const k3_dist *d);
+/* Every rank passes its own status; all get K3_OK, or the status and message
+ * of the lowest failing rank (so rank 0 can print it). */
+k3_status k3_dist_agree(k3_dist *d, k3_status mine, k3_error *err);
+/* Broadcasts n int64 values from rank 0. */
+k3_status k3_dist_bcast_i64(k3_dist *d, int64_t *v, int32_t n, k3_error *err);
+/* Ranks other than 0: runs rank 0's context calls on ctx until rank 0 calls
+ * k3_dist_release (returns K3_OK) or something fails. */
+k3_status k3_dist_worker(k3_dist *d, k3_ctx *ctx, k3_error *err);
+/* Rank 0: lets the workers' k3_dist_worker return. */
+k3_status k3_dist_release(k3_dist *d, k3_error *err);
+/* Sums a double over all ranks (for per-rank figures). */
+k3_status k3_dist_sum(k3_dist *d, double *v, int32_t n, k3_error *err);
+/* The largest of a value over all ranks. */
+k3_status k3_dist_max(k3_dist *d, double *v, int32_t n, k3_error *err);
+
+/* Cross-rank traffic by collective kind: bytes this rank sent to and
+ * received from other ranks, calls, and seconds spent inside them. */
+typedef enum k3_comm_kind {
+    K3_COMM_TOPK = 0,     /* DSA (score, position) candidate exchange */
+    K3_COMM_LSE,          /* DCP attention partials (output + LSE) */
+    K3_COMM_EP_DISPATCH,  /* latents to their experts' owners */
+    K3_COMM_EP_COMBINE,   /* expert results back, and the combined rows */
+    K3_COMM_CONTROL,      /* rank 0's commands and batches */
+    K3_COMM_COUNT
+} k3_comm_kind;
+
+typedef struct k3_comm_stats {
+    int64_t sent[K3_COMM_COUNT], recv[K3_COMM_COUNT], calls[K3_COMM_COUNT];
+    double seconds[K3_COMM_COUNT];
+} k3_comm_stats;
+
+const char *k3_comm_kind_name(k3_comm_kind k);
+/* Copies the counters into *out and resets them. */
+void k3_dist_stats_take(k3_dist *d, k3_comm_stats *out);
+
+/* k3_model_open keeping only the routed experts of EP rank ep_rank of
+ * ep_size (the others are neither bound nor read nor copied). */
+k3_status k3_model_open_ep(k3_model **out, const char *dir, int32_t ep_rank, int32_t ep_size,
+                           k3_error *err);
+/* Bytes of routed-expert weights this process holds (as stored or converted). */
+int64_t k3_model_expert_bytes(const k3_model *m);
+/* Bytes of the latent and indexer caches this context allocated. */
+int64_t k3_ctx_cache_bytes(const k3_ctx *ctx);
+
+/* A deployment plan from a config alone (no weights): k3 plan. */
+typedef struct k3_plan_options {
+    int32_t dcp, ep;        /* 0 = 1 */
+    int64_t context;        /* tokens of one sequence (0 = 1M) */
+    k3_kv_type kv_cache;
+    k3_quant_options quant;
+    int32_t index_topk;     /* 0 = the config's */
+} k3_plan_options;
+
+typedef struct k3_plan {
+    int64_t weight_bytes;           /* all text weights in the given quantization */
+    int64_t expert_bytes;           /* of them the routed experts */
+    int64_t cache_bytes_per_token;  /* latent + indexer, all MLA/DSA layers */
+    int64_t cache_bytes_per_seq;    /* at the given context */
+    int64_t cache_bytes_per_1m;     /* per 1M-token sequence */
+    int64_t state_bytes_per_seq;    /* KDA recurrent + conv state (replicated) */
+    int64_t weight_bytes_per_rank;  /* replicated part + 1/E of the experts */
+    int64_t cache_bytes_per_rank;   /* one sequence at the context, 1/D of it */
+    int64_t mem_bytes_per_rank;     /* weights + cache + state */
+    int32_t n_dsa, n_mla, n_kda, n_moe;
+    /* cross-rank bytes per decoded token received by one rank */
+    int64_t topk_allgather_bytes, topk_butterfly_bytes; /* all DSA layers */
+    int64_t lse_bytes;              /* DCP partial outputs + LSE, all MLA/DSA layers */
+    int64_t ep_dispatch_bytes, ep_combine_bytes; /* all MoE layers, expected */
+} k3_plan;
+
+/* Reads CONFIG.json (a file) and computes the plan. */
+k3_status k3_plan_compute(const char *config_path, const k3_plan_options *opt, k3_plan *out,
+                          k3_error *err);
 
 
 /* ---- vision: images in prompts (../shared/docs/vision.md) --------------

@@ -10,10 +10,12 @@ trap 'rm -f "$log"' EXIT
 sh tests/cli.sh "$2" | tee -a "$log"
 # the fuzzers, a few seconds each on their seed corpus (fuzz/run.sh)
 sh fuzz/run.sh "${FUZZ_DIR:-build-fuzz}" "${FUZZ_TEST_TIME:-3}" | tee -a "$log"
-sum() { grep -E "^((cli|fuzz): )?[0-9]+ passed, [0-9]+ failed$" "$log" | sed 's/^[a-z]*: //' | awk -v f="$1" '{s += $f} END {print s + 0}'; }
+# several processes under mpirun (tests/mpi.sh)
+sh tests/mpi.sh "$2" | tee -a "$log"
+sum() { grep -E "^((cli|fuzz|mpi): )?[0-9]+ passed, [0-9]+ failed$" "$log" | sed -E 's/^(cli|fuzz|mpi): //' | awk -v f="$1" '{s += $f} END {print s + 0}'; }
 p=$(sum 1)
 f=$(sum 3)
 # a runner that crashed before its summary counts as a failure
-[ "$(grep -cE "^((cli|fuzz): )?[0-9]+ passed" "$log")" -eq 3 ] || f=$((f + 1))
+[ "$(grep -cE "^((cli|fuzz|mpi): )?[0-9]+ passed" "$log")" -eq 4 ] || f=$((f + 1))
 echo "$p passed, $f failed"
 [ "$f" -eq 0 ]

@@ -16,6 +16,7 @@
 #include "common/pool.h"
 #include "kernels/attn_ops.h"
 #include "ctx.h"
+#include "dist/hooks.h"
 #include "moe/moe.h"
 
 /* ---- small row helpers ------------------------------------------------- */
@@ -464,7 +465,8 @@ static void mlapo(k3_ctx *ctx, const k3_layer *L, int layer, const float *xn) {
     for (int32_t i = 0; i < ctx->n_spans; i++) {
         const k3_span *sp = &ctx->spans[i];
         for (int32_t r = 0; r < sp->n; r++) {
-            const int64_t slot = k3_ctx_slot(ctx, sp->seq, sp->pos0 + r);
+            const int64_t slot = k3_ctx_own_slot(ctx, sp->seq, sp->pos0 + r);
+            if (slot < 0) continue; /* another DCP rank caches it */
             const float *row = s->ckv + (int64_t)(sp->t0 + r) * ld;
             if (c8) {
                 k3_quant_i8_tiles(row, kvl, ctx->lat8[layer] + slot * kvl, ctx->lat_s[layer] + slot * ctx->n_tiles);
@@ -495,7 +497,8 @@ static void mlapo(k3_ctx *ctx, const k3_layer *L, int layer, const float *xn) {
         for (int32_t i = 0; i < ctx->n_spans; i++) {
             const k3_span *sp = &ctx->spans[i];
             for (int32_t r = 0; r < sp->n; r++) {
-                const int64_t slot = k3_ctx_slot(ctx, sp->seq, sp->pos0 + r);
+                const int64_t slot = k3_ctx_own_slot(ctx, sp->seq, sp->pos0 + r);
+                if (slot < 0) continue;
                 const float *k = s->ik + (int64_t)(sp->t0 + r) * dI;
                 if (c8) ctx->idx_s[layer][slot] = k3_quant_i8(k, dI, ctx->idx8[layer] + slot * dI);
                 else memcpy(ctx->idx_cache[layer] + slot * dI, k, sizeof(float) * (size_t)dI);
@@ -513,6 +516,8 @@ static void mlapo(k3_ctx *ctx, const k3_layer *L, int layer, const float *xn) {
     k3_pool_for(ctx->pool, H, 1, absorb_items, &j);
 }
 
+static void mla_attend_local(k3_ctx *ctx, const k3_layer *L, int layer);
+
 static void mla_layer(k3_ctx *ctx, const k3_layer *L, int layer, const float *xn, float *out) {
     const k3_config *c = ctx->c;
     const int64_t T = ctx->T;
@@ -521,6 +526,27 @@ static void mla_layer(k3_ctx *ctx, const k3_layer *L, int layer, const float *xn
     k3_scratch *s = &ctx->s;
 
     PROF(ctx, K3_PROF_MLAPO, mlapo(ctx, L, layer, xn));
+    layer_job aj = {ctx, L, layer, 1, 1};
+    if (ctx->dcp > 1) PROF(ctx, K3_PROF_QSFA, k3_dcp_attention(ctx, L, layer)); /* src/dist/dcp.c */
+    else mla_attend_local(ctx, L, layer);
+    const double t_out = ctx->prof_on ? k3_now() : 0.0;
+
+    /* o_h = W_UV_h ĉ_h (a head per pool item), gated, then o_proj */
+    k3_pool_for(ctx->pool, H, 1, value_items, &aj);
+    if (c->mla_use_output_gate) {
+        k3_matmul(ctx->pool, &L->g_proj, xn, T, s->mgate);
+        k3_glu(s->mo, s->mgate, T * H * vd, K3_GLU_GATE, 1.0f, 0.0f);
+    }
+    k3_matmul(ctx->pool, &L->o_proj, s->mo, T, out);
+    if (ctx->prof_on) ctx->prof[K3_PROF_MLA_OUT] += k3_now() - t_out;
+}
+
+/* Attention of one process: the DSA selection, then each row over its
+ * (selected) slots, into s.chat. */
+static void mla_attend_local(k3_ctx *ctx, const k3_layer *L, int layer) {
+    const k3_config *c = ctx->c;
+    const int64_t T = ctx->T;
+    const int H = c->n_heads;
     if (L->kind == K3_LAYER_DSA && !ctx->dense) PROF(ctx, K3_PROF_QLI, dsa_select(ctx, L, layer));
 
     /* Few rows (decode): split each row's slots across the threads and merge
@@ -544,16 +570,6 @@ static void mla_layer(k3_ctx *ctx, const k3_layer *L, int layer, const float *xn
         k3_pool_for(ctx->pool, T * aj.parts * aj.hg, 1, mla_attend_items, &aj);
         if (aj.parts > 1) k3_pool_for(ctx->pool, T, 1, mla_merge_rows, &aj);
     });
-    const double t_out = ctx->prof_on ? k3_now() : 0.0;
-
-    /* o_h = W_UV_h ĉ_h (a head per pool item), gated, then o_proj */
-    k3_pool_for(ctx->pool, H, 1, value_items, &aj);
-    if (c->mla_use_output_gate) {
-        k3_matmul(ctx->pool, &L->g_proj, xn, T, s->mgate);
-        k3_glu(s->mo, s->mgate, T * H * vd, K3_GLU_GATE, 1.0f, 0.0f);
-    }
-    k3_matmul(ctx->pool, &L->o_proj, s->mo, T, out);
-    if (ctx->prof_on) ctx->prof[K3_PROF_MLA_OUT] += k3_now() - t_out;
 }
 
 /* ---- FFN and MoE ---------------------------------------------------------- */
@@ -653,6 +669,7 @@ static void moe_layer(k3_ctx *ctx, const k3_layer *L, const float *yn, float *ou
         k3_matmul(ctx->pool, &L->lat_down, yn, T, s->lat);
         z = s->lat;
     }
+    if (ctx->ep > 1) z = k3_ep_dispatch(ctx, z); /* src/dist/ep.c */
     /* group the (token, slot) rows by expert: counting sort, token order kept */
     memset(s->ecount, 0, sizeof(int32_t) * (size_t)(E + 1));
     for (int64_t i = 0; i < T * K; i++) s->ecount[s->rids[i] + 1]++;
@@ -669,7 +686,7 @@ static void moe_layer(k3_ctx *ctx, const k3_layer *L, const float *yn, float *ou
      * wait on the last expert (~12 us per layer), and save its dispatch. */
     int32_t na = 0;
     for (int e = 0; e < E; e++)
-        if (s->ecount[e + 1] > s->ecount[e]) s->eact[na++] = e;
+        if (s->ecount[e + 1] > s->ecount[e] && k3_ep_owns(ctx, e)) s->eact[na++] = e;
     expert_job ej = {ctx, L, z, na, 0};
     if (ctx->nth > 1 && na >= 2 * ctx->nth) {
         if (L->moe_in.data && T == 1) ej.sh_parts = 4 * ctx->nth;
@@ -677,6 +694,7 @@ static void moe_layer(k3_ctx *ctx, const k3_layer *L, const float *yn, float *ou
     } else {
         for (int32_t a = 0; a < na; a++) run_expert(&ej, s->eact[a], ctx->pool, 0);
     }
+    if (ctx->ep > 1) k3_ep_combine(ctx);
     /* combine in slot order (fp32), then latent norm and up-projection */
     float *comb = s->lout;
     for (int64_t t = 0; t < T; t++) {
@@ -685,6 +703,7 @@ static void moe_layer(k3_ctx *ctx, const k3_layer *L, const float *yn, float *ou
         for (int r = 0; r < K; r++) k3_axpy(y, s->rw[t * K + r], s->ly + (t * K + r) * Dl, Dl);
         if (c->latent_moe && c->latent_moe_norm) rmsnorm(y, y, L->lat_norm, Dl, c->rms_eps);
     }
+    if (ctx->ep > 1) k3_ep_gather(ctx, comb);
     if (c->latent_moe) k3_matmul(ctx->pool, &L->lat_up, comb, T, out);
     else memcpy(out, comb, sizeof(float) * (size_t)(T * D));
     if (ctx->prof_on) ctx->prof[K3_PROF_MOE] += k3_now() - t_moe;

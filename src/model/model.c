@@ -528,6 +528,8 @@ static k3_status walk_moe(walker *w, int i, k3_layer *L) {
     w->expert = true;
     for (int64_t e = 0; e < n_visit; e++) {
         static const char *const wn[3] = {"w1", "w3", "w2"};
+        /* EP: another rank's expert is neither bound nor read */
+        if (L && w->out->ep_size > 1 && e / (E / w->out->ep_size) != w->out->ep_rank) continue;
         for (int j = 0; j < 3; j++) {
             k3_mat *dst = L ? (j == 0 ? &L->exp_gate[e] : j == 1 ? &L->exp_up[e]
                                                                  : &L->exp_down[e])
@@ -645,13 +647,44 @@ void k3_model_close(k3_model *m) {
 }
 
 k3_status k3_model_open(k3_model **out, const char *dir, k3_error *err) {
+    return k3_model_open_ep(out, dir, 0, 1, err);
+}
+
+int64_t k3_model_expert_bytes(const k3_model *m) {
+    int64_t b = 0;
+    for (int i = 0; i < m->cfg.n_layers; i++) {
+        const k3_layer *L = &m->layers[i];
+        for (int e = 0; L->moe && e < m->cfg.n_experts; e++) {
+            const k3_mat *ws[3] = {&L->exp_gate[e], &L->exp_up[e], &L->exp_down[e]};
+            for (int j = 0; j < 3; j++) {
+                const k3_mat *w = ws[j];
+                if (!w->data) continue;
+                const bool mx4 = w->type == K3_W_MXFP4 || w->type == K3_W_MXFP4_R4;
+                b += mx4 ? w->rows * (w->cols / 2 + w->cols / 32) : w->rows * (int64_t)k3_mat_row_bytes(w);
+            }
+        }
+    }
+    return b;
+}
+
+k3_status k3_model_open_ep(k3_model **out, const char *dir, int32_t ep_rank, int32_t ep_size, k3_error *err) {
     *out = NULL;
+    if (ep_size < 1 || ep_rank < 0 || ep_rank >= ep_size)
+        return k3_err(err, K3_ERR_ARG, "model: EP rank %d of %d is out of range", ep_rank, ep_size);
     k3_model *m = calloc(1, sizeof *m);
     if (!m) return k3_err(err, K3_ERR_NOMEM, "out of memory");
+    m->ep_rank = ep_rank;
+    m->ep_size = ep_size;
     k3_status s = K3_OK;
     m->dir = strdup(dir);
     if (!m->dir) s = k3_err(err, K3_ERR_NOMEM, "out of memory");
     if (s == K3_OK) s = k3_config_load(&m->cfg, dir, err);
+    if (s == K3_OK && ep_size > 1 && m->cfg.n_experts < ep_size)
+        s = k3_err(err, K3_ERR_ARG, "model: --ep %d is more EP ranks than the %d routed experts of %s", ep_size,
+                   m->cfg.n_experts, dir);
+    else if (s == K3_OK && ep_size > 1 && m->cfg.n_experts % ep_size)
+        s = k3_err(err, K3_ERR_ARG, "model: --ep %d does not divide the %d routed experts of %s", ep_size,
+                   m->cfg.n_experts, dir);
     if (s == K3_OK) s = k3_st_open(&m->st, dir, err);
     if (s == K3_OK) {
         m->layers = calloc((size_t)m->cfg.n_layers, sizeof *m->layers);

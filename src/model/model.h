@@ -96,6 +96,7 @@ struct k3_model {
     float *out_res_w;         /* [D] output_attn_res_norm ⊙ proj; NULL w/o AttnRes */
     k3_layer *layers;         /* [n_layers] */
 
+    int32_t ep_rank, ep_size;   /* routed experts held: EP rank ep_rank of ep_size (k3_model_open_ep) */
     int64_t quant_bytes_delta;/* change of weight bytes read per token by k3_model_quantize */
     float **owned;            /* fp32 copies and quantized matrices to free */
     int64_t n_owned, cap_owned;

@@ -1,0 +1,131 @@
+/*
+ * batch.c -- build/k3-mpi-batch [MODEL], run under mpirun -np D: the
+ * library's DCP path with what a scheduler does -- several sequences of
+ * different lengths in one batch (prefill spans and decode rows mixed, one
+ * round cut into several by max_batch), a sequence reset and reused -- on
+ * a context made with a dist (--dcp = world size), against a one-process
+ * context on rank 0. Rank 0 drives; the others run k3_dist_worker. Checks
+ * the logits of every step to rel-L2 1e-5 (fp32 path), and that each rank
+ * holds about 1/D of the cache. Prints "batch: N passed, N failed".
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "k3.h"
+
+static double rel_l2(const float *a, const float *b, int64_t n) {
+    double d = 0, s = 0;
+    for (int64_t i = 0; i < n; i++) {
+        d += ((double)a[i] - b[i]) * ((double)a[i] - b[i]);
+        s += (double)a[i] * a[i];
+    }
+    return sqrt(d) / (s > 0 ? sqrt(s) : 1);
+}
+
+int main(int argc, char **argv) {
+    const char *dir = argc > 1 ? argv[1] : "tests/models/tiny-dsa";
+    const int ep = argc > 2 && !strcmp(argv[2], "ep");
+    k3_error err = {0};
+    k3_dist *d = NULL;
+    k3_dist_options dopt = {.dcp = 0, .ep = 1, .dcp_interleave = 2, .timeout_s = 60};
+    /* probe the world size, then the DCP group over all of it */
+    k3_dist *probe;
+    if (k3_dist_init(&probe, &dopt, &err)) {
+        fprintf(stderr, "batch: %s\n", err.msg);
+        return 1;
+    }
+    if (ep) dopt.ep = k3_dist_size(probe);
+    else dopt.dcp = k3_dist_size(probe);
+    if (k3_dist_init(&d, &dopt, &err)) {
+        fprintf(stderr, "batch: %s\n", err.msg);
+        return 1;
+    }
+    const int rank = k3_dist_rank(d);
+    k3_model *m = NULL, *full = NULL;
+    k3_ctx *ctx = NULL, *ref = NULL;
+    k3_status s = k3_model_open_ep(&m, dir, k3_dist_ep_rank(d), k3_dist_ep_size(d), &err);
+    k3_ctx_options co = {.max_seqs = 3, .max_tokens = 4096, .max_batch = 24, .kv_cache = K3_KV_F32, .dist = d};
+    if (!s) s = k3_ctx_init(&ctx, m, &co, &err);
+    if (k3_dist_agree(d, s, &err)) {
+        if (rank == 0) fprintf(stderr, "batch: %s\n", err.msg);
+        return 1;
+    }
+    int pass = 0, fail = 0;
+    if (rank != 0) {
+        if (k3_dist_worker(d, ctx, &err)) {
+            fprintf(stderr, "batch: rank %d: %s\n", rank, err.msg);
+            k3_dist_abort(d, 1);
+        }
+    } else {
+        k3_ctx_options ro = co;
+        ro.dist = NULL;
+        if (k3_model_open(&full, dir, &err) || k3_ctx_init(&ref, full, &ro, &err)) {
+            fprintf(stderr, "batch: %s\n", err.msg);
+            k3_dist_abort(d, 1);
+        }
+        k3_model_info info;
+        k3_model_get_info(m, &info);
+        const int64_t V = info.vocab_size;
+        float *la = malloc(sizeof(float) * (size_t)(64 * V)), *lb = malloc(sizeof(float) * (size_t)(64 * V));
+        int32_t toks[3][64];
+        for (int q = 0; q < 3; q++)
+            for (int i = 0; i < 64; i++) toks[q][i] = (int32_t)((q * 97 + i * 31 + 5) % V);
+        /* steps: (n_tokens per sequence; 0 = not in the batch), reset before step 4 */
+        const int steps[7][3] = {{30, 9, 0}, {1, 1, 17}, {1, 0, 1}, {1, 1, 1}, {12, 1, 1}, {1, 1, 1}, {1, 1, 1}};
+        int off[3] = {0, 0, 0};
+        for (int st = 0; st < 7; st++) {
+            if (st == 4) {
+                k3_ctx_seq_reset(ctx, 0);
+                k3_ctx_seq_reset(ref, 0);
+                off[0] = 0;
+            }
+            k3_batch_seq b[3];
+            int nb = 0, rows = 0;
+            for (int q = 0; q < 3; q++)
+                if (steps[st][q]) {
+                    b[nb++] = (k3_batch_seq){q, steps[st][q], toks[q] + off[q]};
+                    off[q] += steps[st][q];
+                    rows += steps[st][q];
+                }
+            const k3_logits_mode mode = st % 2 ? K3_LOGITS_LAST : K3_LOGITS_ALL;
+            const int64_t n = (mode == K3_LOGITS_ALL ? rows : nb) * V;
+            s = k3_ctx_forward(ctx, b, nb, mode, la, &err);
+            if (!s) s = k3_ctx_forward(ref, b, nb, mode, lb, &err);
+            const double e = s ? 1.0 : rel_l2(lb, la, n);
+            if (s || !(e <= 1e-5)) {
+                fail++;
+                fprintf(stderr, "batch: step %d: %s rel-L2 %.3g\n", st, s ? err.msg : "", e);
+            } else {
+                pass++;
+            }
+        }
+        /* the pool: 1/D of max_tokens (plus a partial stripe per sequence),
+         * and one partial block per sequence on top, as in one process */
+        const int64_t one = k3_ctx_cache_bytes(ref), mine = k3_ctx_cache_bytes(ctx);
+        const int64_t D = k3_dist_dcp_size(d), S = co.max_seqs, bs = 64, I = dopt.dcp_interleave;
+        const int64_t one_blocks = (co.max_tokens + bs - 1) / bs + S, block = one / one_blocks;
+        const int64_t mine_tokens = (mine / block - S) * bs;
+        if (mine % block == 0 && mine_tokens >= co.max_tokens / D && mine_tokens < co.max_tokens / D + S * I + bs)
+            pass++;
+        else {
+            fail++;
+            fprintf(stderr, "batch: cache bytes %lld on rank 0, one process %lld\n", (long long)mine, (long long)one);
+        }
+        free(la);
+        free(lb);
+        if (k3_dist_release(d, &err)) k3_dist_abort(d, 1);
+    }
+    double v[2] = {pass, fail};
+    k3_dist_sum(d, v, 2, &err);
+    if (rank == 0)
+        printf("batch: %.0f passed, %.0f failed on %d ranks (%s)\n", v[0], v[1], k3_dist_size(d), ep ? "EP" : "DCP");
+    k3_ctx_free(ref);
+    k3_ctx_free(ctx);
+    k3_model_close(m);
+    k3_model_close(full);
+    k3_dist_free(d);
+    k3_dist_free(probe);
+    return v[1] > 0;
+}

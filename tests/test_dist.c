@@ -1,0 +1,151 @@
+/*
+ * test_dist.c -- the parts of src/dist that need no second process: the DCP
+ * token layout against brute force, the candidate order and merge of the
+ * top-k exchange against a plain sort, the planner against the loaded
+ * model's own figures, and the EP loader keeping only its experts. The
+ * exchange over MPI itself, and the whole model under mpirun, are in
+ * tests/mpi.sh.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/error.h"
+#include "dist/dist.h"
+#include "k3.h"
+#include "model/model.h"
+#include "test.h"
+
+#define TINY_DSA "tests/models/tiny-dsa"
+
+K3_TEST(dist_dcp_layout_brute_force) {
+    for (int D = 1; D <= 5; D++)
+        for (int I = 1; I <= 4; I++) {
+            const int bs = 4 * I; /* a multiple of I, as the context requires */
+            int64_t seen[5] = {0};
+            for (int64_t x = 0; x < 300; x++) {
+                const int r = k3_dcp_owner(x, D, I);
+                CHECK(r == ((x % (bs * D)) / I) % D); /* serving.md §2.5's form */
+                const int64_t j = k3_dcp_local(x, D, I);
+                CHECKF(j == seen[r], "D %d I %d x %lld: local %lld, expected %lld", D, I, (long long)x, (long long)j,
+                       (long long)seen[r]);
+                CHECK(k3_dcp_global(j, r, D, I) == x);
+                seen[r]++;
+                for (int q = 0; q < D; q++) CHECK(k3_dcp_count(x + 1, q, D, I) == seen[q]);
+            }
+        }
+}
+
+static int cmp_plain(const void *pa, const void *pb) {
+    const k3_cand *a = pa, *b = pb;
+    if ((a->pos < 0) != (b->pos < 0)) return a->pos < 0 ? 1 : -1;
+    const int na = a->score != a->score, nb = b->score != b->score;
+    if (na != nb) return na ? 1 : -1;
+    if (!na && a->score != b->score) return a->score > b->score ? -1 : 1;
+    return (a->pos > b->pos) - (a->pos < b->pos);
+}
+
+K3_TEST(dist_candidate_merge_equals_sort) {
+    uint64_t s = 99;
+    for (int rep = 0; rep < 200; rep++) {
+        const int k = 1 + rep % 17, na = rep % 13, nb = (rep * 7) % 11;
+        k3_cand a[32], b[32], all[64], out[32];
+        int n = 0;
+        for (int i = 0; i < na + nb; i++) {
+            s = s * 6364136223846793005ull + 1442695040888963407ull;
+            const int v = (int)((s >> 33) % 5);
+            all[n] = (k3_cand){v == 4 ? NAN : (float)v, i};
+            if (i < na) a[i] = all[n];
+            else b[i - na] = all[n];
+            n++;
+        }
+        for (int i = na; i < 32; i++) a[i] = (k3_cand){-INFINITY, -1};
+        for (int i = nb; i < 32; i++) b[i] = (k3_cand){-INFINITY, -1};
+        k3_cand_sort(a, na);
+        k3_cand_sort(b, nb);
+        k3_cand_merge(a, b, k, out);
+        qsort(all, (size_t)n, sizeof *all, cmp_plain);
+        for (int i = 0; i < k; i++) {
+            const int32_t want = i < n ? all[i].pos : -1;
+            CHECKF(out[i].pos == want, "rep %d slot %d: %d, expected %d", rep, i, out[i].pos, want);
+        }
+    }
+}
+
+K3_TEST(dist_plan_matches_the_model) {
+    k3_model *m = NULL;
+    k3_error err = {0};
+    REQUIREF(k3_model_open(&m, TINY_DSA, &err) == K3_OK, "%s", err.msg);
+    k3_model_info info;
+    k3_model_get_info(m, &info);
+    k3_plan p;
+    k3_plan_options o = {.dcp = 2, .ep = 4, .context = 1000, .kv_cache = K3_KV_F32};
+    REQUIREF(k3_plan_compute(TINY_DSA "/config.json", &o, &p, &err) == K3_OK, "%s", err.msg);
+    CHECK(p.cache_bytes_per_token == info.cache_bytes_per_token);
+    CHECK(p.state_bytes_per_seq == info.state_bytes_per_seq);
+    CHECK(p.expert_bytes == k3_model_expert_bytes(m));
+    CHECKF(llabs(p.weight_bytes - info.weight_bytes) < info.weight_bytes / 50, "plan %lld, model %lld bytes",
+           (long long)p.weight_bytes, (long long)info.weight_bytes);
+    CHECK(p.cache_bytes_per_rank == p.cache_bytes_per_token * 500);
+    CHECK(p.weight_bytes_per_rank == p.weight_bytes - p.expert_bytes + p.expert_bytes / 4);
+    /* the formulas of serving.md §2.5 with k = 8, D = 2, 2 DSA layers */
+    CHECK(p.n_dsa == 2 && p.topk_allgather_bytes == 2 * 1 * 8 * 8 && p.topk_butterfly_bytes == 2 * 1 * 8 * 8);
+    /* C8 per token, as the context allocates it */
+    o.kv_cache = K3_KV_C8;
+    REQUIRE(k3_plan_compute(TINY_DSA "/config.json", &o, &p, &err) == K3_OK);
+    k3_ctx *ctx = NULL;
+    k3_ctx_options co = {.max_seqs = 1, .max_tokens = 128, .kv_cache = K3_KV_C8};
+    REQUIREF(k3_ctx_init(&ctx, m, &co, &err) == K3_OK, "%s", err.msg);
+    CHECK(k3_ctx_cache_bytes(ctx) == p.cache_bytes_per_token * 128);
+    k3_ctx_free(ctx);
+    o.ep = 3;
+    CHECK(k3_plan_compute(TINY_DSA "/config.json", &o, &p, &err) == K3_ERR_ARG && strstr(err.msg, "--ep 3"));
+    k3_model_close(m);
+}
+
+K3_TEST(dist_ep_loader_keeps_own_experts) {
+    k3_model *m = NULL, *m1 = NULL;
+    k3_error err = {0};
+    REQUIRE(k3_model_open(&m, TINY_DSA, &err) == K3_OK);
+    REQUIREF(k3_model_open_ep(&m1, TINY_DSA, 1, 2, &err) == K3_OK, "%s", err.msg);
+    CHECK(k3_model_expert_bytes(m1) * 2 == k3_model_expert_bytes(m));
+    const k3_layer *L = &m1->layers[1];
+    REQUIRE(L->moe);
+    CHECK(!L->exp_gate[0].data && !L->exp_down[7].data); /* rank 0's */
+    CHECK(L->exp_gate[8].data && L->exp_up[15].data && L->exp_down[15].data);
+    int64_t copied = 0;
+    CHECK(k3_model_load_resident(m1, 0, &copied, &err) == K3_OK);
+    /* a context without the dist cannot use a model cut for EP */
+    k3_ctx *ctx = NULL;
+    k3_ctx_options co = {.max_seqs = 1, .max_tokens = 16};
+    CHECK(k3_ctx_init(&ctx, m1, &co, &err) == K3_ERR_ARG);
+    k3_model_close(m1);
+    m1 = NULL;
+    k3_err_clear(&err);
+    CHECK(k3_model_open_ep(&m1, TINY_DSA, 0, 3, &err) == K3_ERR_ARG && strstr(err.msg, "does not divide"));
+    k3_err_clear(&err);
+    CHECK(k3_model_open_ep(&m1, TINY_DSA, 0, 32, &err) == K3_ERR_ARG && strstr(err.msg, "more EP ranks than the 16"));
+    k3_model_close(m);
+}
+
+/* The full-size K3 config against the sizes k3-model.md states: routed
+ * experts 92 x 896 x 17,547,264 B; 24 MLA layers; KDA state 69 layers x
+ * (96 x 128 x 128 + 3 x 12288 x 3) x 4 B; and the traffic formulas of
+ * serving.md §2.5 on the DSA variant at W = 16, k = 2048. */
+K3_TEST(dist_plan_full_size_k3) {
+    k3_plan p;
+    k3_error err = {0};
+    k3_plan_options o = {.dcp = 16, .ep = 64, .context = 1 << 20, .kv_cache = K3_KV_C8};
+    REQUIREF(k3_plan_compute("docs/configs/kimi-k3.json", &o, &p, &err) == K3_OK, "%s", err.msg);
+    CHECK(p.n_mla == 24 && p.n_kda == 69 && p.n_dsa == 0 && p.n_moe == 92);
+    CHECK(p.expert_bytes == 92LL * 896 * 17547264);
+    CHECK(p.state_bytes_per_seq == 69LL * (96 * 128 * 128 + 3 * 12288 * 3) * 4);
+    CHECK(p.cache_bytes_per_token == 24 * (512 + 4 * 4 + 64 * 4)); /* C8 as k3 stores it */
+    CHECK(p.cache_bytes_per_rank == p.cache_bytes_per_token * (1 << 16));
+    CHECK(p.weight_bytes_per_rank == p.weight_bytes - p.expert_bytes + p.expert_bytes / 64);
+    REQUIREF(k3_plan_compute("docs/configs/kimi-k3.1-pro-dsa.json", &o, &p, &err) == K3_OK, "%s", err.msg);
+    CHECK(p.n_dsa == 24);
+    CHECK(p.topk_allgather_bytes == 24LL * 15 * 2048 * 8); /* 240 KB per layer */
+    CHECK(p.topk_butterfly_bytes == 24LL * 4 * 2048 * 8);  /* 64 KB per layer */
+    o.ep = 3; /* 896 = 2^7 x 7 */
+    CHECK(k3_plan_compute("docs/configs/kimi-k3.json", &o, &p, &err) == K3_ERR_ARG);
+}
