@@ -390,6 +390,10 @@ typedef struct k3_request_params {
                                        block, 0 for plain text; e.g. an image's
                                        content hash on its placeholder tokens, so
                                        equal ids of different images never share */
+    const float *const *embeds;     /* NULL, or [n_prompt]: a row of hidden_size floats
+                                       (copied at submit) replacing that prompt token's
+                                       embedding, NULL for the table's -- image rows
+                                       (k3_vision_splice); give extra_keys with them */
 } k3_request_params;
 
 /* Events of a request since the previous step (bits of k3_req_output.events). */

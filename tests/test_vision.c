@@ -725,3 +725,112 @@ out:
     fixture_close(&f);
     golden_close(&g);
 }
+
+/* Images through the engine: k3_request_params.embeds (copied at submit) and
+ * extra_keys from k3_vision_chat_encode_json. The engine's greedy tokens
+ * equal the context's, for two images.
+ * (Prefix-cache hits are not checked here: the engine resumes a cached
+ * prefix only at a KDA snapshot, and vision-tiny has no KDA layer; the keys
+ * themselves are sched_prefix_extra_keys's subject.) */
+static int engine_run(k3_engine *e, const k3_vision_prompt *vp, int32_t *toks, int n_max, int64_t *n_cached) {
+    k3_request_params p = {.prompt = vp->ids, .n_prompt = (int64_t)vp->n_ids, .max_tokens = n_max, .logprobs = -1,
+                           .prompt_logprobs = -1, .extra_keys = vp->keys, .embeds = vp->embeds, .ignore_eos = true};
+    p.sampling = (k3_sampler_options){.temperature = 0, .top_p = 1, .repeat_penalty = 1};
+    uint64_t id;
+    k3_error err = {0};
+    if (k3_engine_submit(e, &p, &id, &err)) {
+        k3_test_fail(__FILE__, __LINE__, "submit: %s", err.msg);
+        return 0;
+    }
+    int n = 0;
+    for (int steps = 0; steps < 1000; steps++) {
+        k3_step_result sr;
+        if (k3_engine_step(e, &sr, &err)) {
+            k3_test_fail(__FILE__, __LINE__, "step: %s", err.msg);
+            return n;
+        }
+        for (int32_t i = 0; i < sr.n_outputs; i++) {
+            const k3_req_output *o = &sr.outputs[i];
+            for (int32_t k = 0; k < o->n_new && n < n_max; k++) toks[n++] = o->tokens[k];
+            if (o->events & K3_EV_FINISHED) {
+                *n_cached = o->n_cached;
+                return n;
+            }
+        }
+    }
+    return n;
+}
+
+static char *chat_with(const char *file) {
+    size_t n = 0;
+    char path[256];
+    snprintf(path, sizeof path, GDIR "/images/%s", file);
+    uint8_t *png = read_file(path, &n);
+    if (!png) return NULL;
+    char *enc = b64(png, n);
+    free(png);
+    const char *head = "[{\"role\":\"user\",\"content\":[{\"type\":\"text\",\"text\":\"Look at this picture, please, "
+                       "and then tell me about it in some detail.\"},{\"type\":\"image_url\",\"image_url\":{\"url\":"
+                       "\"data:image/png;base64,";
+    char *js = malloc(strlen(head) + strlen(enc) + 64);
+    sprintf(js, "%s%s\"}}]}]", head, enc);
+    free(enc);
+    return js;
+}
+
+static void ctx_greedy(const fixture *f, const k3_vision_prompt *vp, int32_t *want, int n) {
+    k3_ctx *ctx = NULL;
+    k3_error err = {0};
+    k3_ctx_options co = {.max_seqs = 1, .max_tokens = 256, .block_size = 16};
+    float *lg = malloc(sizeof(float) * 1024);
+    if (!lg || k3_ctx_init(&ctx, f->m, &co, &err)) {
+        k3_test_fail(__FILE__, __LINE__, "ctx: %s", err.msg);
+        free(lg);
+        return;
+    }
+    k3_batch_seq bs = {0, (int32_t)vp->n_ids, vp->ids, vp->embeds};
+    for (int t = 0; t < n; t++) {
+        if (k3_ctx_forward(ctx, &bs, 1, K3_LOGITS_LAST, lg, &err)) {
+            k3_test_fail(__FILE__, __LINE__, "forward: %s", err.msg);
+            break;
+        }
+        int best = 0;
+        for (int j = 1; j < 1024; j++) best = lg[j] > lg[best] ? j : best;
+        want[t] = best;
+        bs = (k3_batch_seq){0, 1, &want[t]};
+    }
+    k3_ctx_free(ctx);
+    free(lg);
+}
+
+K3_TEST(vision_engine) {
+    fixture f;
+    if (!fixture_open(&f)) return;
+    k3_error err = {0};
+    k3_chat_options opt = {.add_generation_prompt = true, .thinking = false};
+    char *ja = chat_with("rgb_200x130.png"), *jb = chat_with("palette_170x101.png");
+    k3_vision_prompt a, b;
+    REQUIRE(ja && jb);
+    REQUIRE(k3_vision_chat_encode_json(f.v, f.tok, NULL, ja, NULL, &opt, 0, &a, &err) == K3_OK);
+    REQUIRE(k3_vision_chat_encode_json(f.v, f.tok, NULL, jb, NULL, &opt, 0, &b, &err) == K3_OK);
+    int keyed = 0, rows = 0;
+    for (size_t i = 0; i < a.n_ids; i++) keyed += a.keys[i] != 0, rows += a.embeds[i] != NULL;
+    CHECK(rows == 24 && keyed > rows); /* the image's key on its whole framing */
+    enum { NG = 6 };
+    int32_t want_a[NG], want_b[NG], got_a[NG], got_b[NG];
+    ctx_greedy(&f, &a, want_a, NG);
+    ctx_greedy(&f, &b, want_b, NG);
+    k3_engine *e = NULL;
+    k3_engine_options eo = {.max_num_seqs = 2, .cache_tokens = 512, .block_size = 16};
+    REQUIRE(k3_engine_open(&e, f.m, &eo, &err) == K3_OK);
+    int64_t c = 0;
+    const int na = engine_run(e, &a, got_a, NG, &c), nb = engine_run(e, &b, got_b, NG, &c);
+    CHECKF(na == NG && !memcmp(got_a, want_a, sizeof want_a), "engine greedy tokens (image a) differ from the context's");
+    CHECKF(nb == NG && !memcmp(got_b, want_b, sizeof want_b), "engine greedy tokens (image b) differ from the context's");
+    printf("    engine with image rows: greedy %d/%d and %d/%d tokens = the context's\n", na, NG, nb, NG);
+    k3_engine_close(e);
+    k3_vision_prompt_free(&a);
+    k3_vision_prompt_free(&b);
+    free(ja), free(jb);
+    fixture_close(&f);
+}

@@ -53,6 +53,8 @@ typedef struct req {
     bool plp_ready, plp_reported;
     float *plp;                   /* [n_prompt - 1] */
     k3_logprob *plp_top;          /* [(n_prompt - 1) * n_top] */
+    float *emb_rows;              /* the given embedding rows, copied [n_rows, D] */
+    const float **emb;            /* [cap_tok] row per token (NULL = the table's), or NULL */
 } req;
 
 struct k3_engine {
@@ -137,6 +139,8 @@ static void req_free(req *r) {
     free(r->out_top);
     free(r->plp);
     free(r->plp_top);
+    free(r->emb_rows);
+    free(r->emb);
     free(r);
 }
 
@@ -390,6 +394,23 @@ k3_status k3_engine_submit(k3_engine *e, const k3_request_params *p, uint64_t *i
         req_free(r);
         return k3_err(err, K3_ERR_NOMEM, "submit: out of memory for a %lld-token request", (long long)total);
     }
+    if (p->embeds) { /* rows replacing embeddings (images): copied, so the caller may free its own */
+        const int64_t D = e->m->cfg.hidden_size;
+        int64_t n_rows = 0;
+        for (int64_t i = 0; i < p->n_prompt; i++) n_rows += p->embeds[i] != NULL;
+        r->emb = calloc((size_t)r->rq.cap_tok, sizeof *r->emb); /* recompute after preemption reads past the prompt */
+        r->emb_rows = malloc(sizeof(float) * (size_t)(n_rows * D + 1));
+        if (!r->emb || !r->emb_rows) {
+            req_free(r);
+            return k3_err(err, K3_ERR_NOMEM, "submit: out of memory for %lld embedding rows", (long long)n_rows);
+        }
+        for (int64_t i = 0, k = 0; i < p->n_prompt; i++)
+            if (p->embeds[i]) {
+                memcpy(r->emb_rows + k * D, p->embeds[i], sizeof(float) * (size_t)D);
+                r->emb[i] = r->emb_rows + k++ * D;
+            }
+    }
+    r->p.embeds = NULL;
     memcpy(r->rq.tok, p->prompt, sizeof(int32_t) * (size_t)p->n_prompt);
     if (p->n_stop_ids) memcpy(r->stop_ids, p->stop_ids, sizeof(int32_t) * (size_t)p->n_stop_ids);
     r->p.prompt = r->rq.tok;
@@ -707,7 +728,8 @@ k3_status k3_engine_step(k3_engine *e, k3_step_result *res, k3_error *err) {
             if (r->t_scheduled == 0) r->t_scheduled = t_in;
         }
         K3_ASSERT(k3_ctx_seq_set_blocks(e->ctx, rq->slot, rq->blocks, rq->n_blocks, NULL) == K3_OK);
-        e->batch[i] = (k3_batch_seq){rq->slot, rq->n_sched, rq->tok + rq->n_computed};
+        e->batch[i] = (k3_batch_seq){rq->slot, rq->n_sched, rq->tok + rq->n_computed,
+                                     r->emb ? r->emb + rq->n_computed : NULL};
         const bool ends = rq->n_computed + rq->n_sched == rq->n_tok;
         if (rq->plp && rq->n_computed < rq->n_prompt) {
             e->want[i] = K3_WANT_ALL;
