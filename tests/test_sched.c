@@ -316,6 +316,21 @@ K3_TEST(sched_prefix_hit_equals_cold) {
     k3_model_close(m);
 }
 
+/* a model without KDA layers (vision-tiny's text model is all MLA) needs no
+ * snapshot: a hit reaches the last shared block boundary */
+K3_TEST(sched_prefix_hit_without_kda_layers) {
+    k3_model *m = open_model("tests/models/vision-tiny");
+    REQUIRE(m);
+    result r[3];
+    k3_engine_stats st;
+    const int sh[3] = {120, 85, 85};
+    prefix_run(m, 4, 0, 3, sh, r, &st);
+    CHECKF(r[1].n_cached == 80 && r[2].n_cached == 80, "cached %lld %lld", (long long)r[1].n_cached,
+           (long long)r[2].n_cached);
+    CHECK(st.state_bytes_per_seq == 0 && st.n_snapshots == 0);
+    k3_model_close(m);
+}
+
 K3_TEST(sched_prefix_evicted_snapshot_shorter_hit) {
     k3_model *m = open_model("tests/models/tiny-dsa");
     REQUIRE(m);

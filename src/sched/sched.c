@@ -163,7 +163,9 @@ static void lookup(k3_sched *s, const k3_rq *rq, int32_t *out, int32_t *n_hit_bl
         const int32_t b = k3_kv_lookup(s->bm, rq->hash[k], parent, rq->extra[k], rq->tok + (int64_t)k * bs);
         if (b < 0) break;
         out[k] = b;
-        if (k3_kv_snap_has(s->sn, rq->hash[k], (int64_t)(k + 1) * bs)) best = k + 1;
+        /* a model without KDA layers has no state to restore: every matched
+         * block boundary is a hit */
+        if (s->sn->bytes_each == 0 || k3_kv_snap_has(s->sn, rq->hash[k], (int64_t)(k + 1) * bs)) best = k + 1;
     }
     *n_attn = k;
     *n_hit_blocks = best;
@@ -274,7 +276,7 @@ void *k3_sched_computed(k3_sched *s, k3_rq *rq) {
                        rq->tok + (int64_t)k * bs);
     }
     const int64_t p = rq->n_computed;
-    if (!is_snap_point(s, rq, p) || p / bs > rq->n_hash) return NULL;
+    if (s->sn->bytes_each == 0 || !is_snap_point(s, rq, p) || p / bs > rq->n_hash) return NULL;
     const uint64_t key = rq->hash[p / bs - 1];
     if (k3_kv_snap_has(s->sn, key, p)) return NULL;
     return k3_kv_snap_put(s->sn, key, p);
