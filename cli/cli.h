@@ -11,6 +11,8 @@ int k3_cmd_info(int argc, char **argv);
 int k3_cmd_tokenize(int argc, char **argv);
 int k3_cmd_eval(int argc, char **argv);
 int k3_cmd_bench(int argc, char **argv);
+int k3_cmd_serve(int argc, char **argv);
+int k3_cmd_bench_serve(int argc, char **argv);
 
 #include "k3.h"
 
