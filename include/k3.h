@@ -361,7 +361,8 @@ typedef struct k3_request_params {
     k3_sampler_options sampling;    /* its own seed: a request samples the same
                                        tokens alone or batched */
     int32_t max_tokens;             /* tokens to generate (0 = prefill only) */
-    int32_t min_tokens;             /* EOS and stop ids are ignored before this many */
+    int32_t min_tokens;             /* EOS and stop ids are ignored before this many
+                                       (as vLLM: they are masked, so not generated) */
     const int32_t *stop_ids;        /* extra ids that end the request (copied) */
     int32_t n_stop_ids;
     bool ignore_eos;
@@ -459,6 +460,11 @@ void k3_engine_wait(k3_engine *e, double timeout_s);
 void k3_engine_get_stats(k3_engine *e, k3_engine_stats *st);
 /* The engine's clock (monotonic seconds). */
 double k3_engine_now(void);
+/* Notes on the engine (implementation: src/engine/engine.c, src/sched,
+ * src/kv). logprobs and prompt_logprobs take at most 20 alternatives, and
+ * when both are asked for they must ask for the same number (n_top is one
+ * field). A step yields at most one token per request. Outputs of a
+ * finished request are valid until the next step, which frees it. */
 
 /* ---- server: the OpenAI-compatible HTTP API (src/server) ---------------
  *

@@ -1,7 +1,11 @@
 /*
- * ctx.c -- contexts: state and cache allocation, the block pool, and the
- * forward driver that validates a batch, reserves its cache blocks and cuts
- * it into rounds of at most max_batch tokens (see ctx.h).
+ * ctx.c -- contexts: state and cache storage for n_blocks blocks, the
+ * per-slot block tables their owner sets, KDA state save/restore, and the
+ * forward driver that validates a batch and cuts it into rounds of at most
+ * max_batch tokens (see ctx.h). The public k3_ctx_forward adds a simple
+ * default block manager (a free list, here at the driver level) for callers
+ * that drive a context alone (the CLI, the tests); an engine owns the blocks
+ * itself (src/kv) and calls k3_ctx_run.
  */
 #include "ctx.h"
 
@@ -104,7 +108,8 @@ void k3_ctx_free(k3_ctx *ctx) {
     free(ctx);
 }
 
-k3_status k3_ctx_init(k3_ctx **out, const k3_model *m, const k3_ctx_options *opt, k3_error *err) {
+static k3_status ctx_create(k3_ctx **out, const k3_model *m, const k3_ctx_options *opt, int32_t n_blocks_ext,
+                            int64_t max_ctx_ext, k3_error *err) {
     *out = NULL;
     const k3_config *c = &m->cfg;
     if (!opt || opt->max_seqs < 1 || opt->max_tokens < 1)
@@ -134,6 +139,7 @@ k3_status k3_ctx_init(k3_ctx **out, const k3_model *m, const k3_ctx_options *opt
     ctx->max_batch = opt->max_batch ? opt->max_batch : 512;
     ctx->max_tokens = opt->max_tokens;
     ctx->max_ctx = opt->max_tokens < c->max_positions ? opt->max_tokens : c->max_positions;
+    if (max_ctx_ext > 0) ctx->max_ctx = max_ctx_ext < c->max_positions ? max_ctx_ext : c->max_positions;
     ctx->kv = opt->kv_cache;
     ctx->dense = opt->dense_attention;
     ctx->kda_chunk_min = k3_kernels_isa() >= K3_ISA_AVX512 ? INT32_MAX : K3_KDA_CHUNK_MIN;
@@ -142,6 +148,7 @@ k3_status k3_ctx_init(k3_ctx **out, const k3_model *m, const k3_ctx_options *opt
     /* one partial block per sequence on top, so max_tokens fit however they
      * are spread over the sequences */
     ctx->n_blocks = (int32_t)((opt->max_tokens + bs - 1) / bs) + (opt->max_seqs > 1 ? opt->max_seqs : 0);
+    if (n_blocks_ext > 0) ctx->n_blocks = n_blocks_ext;
     ctx->max_blocks_per_seq = (int32_t)((ctx->max_ctx + bs - 1) / bs);
 
     alloc_state a = {0};
@@ -153,7 +160,8 @@ k3_status k3_ctx_init(k3_ctx **out, const k3_model *m, const k3_ctx_options *opt
     ctx->seqs = zalloc(&a, (size_t)ctx->max_seqs, sizeof(k3_seq));
     for (int i = 0; ctx->seqs && i < ctx->max_seqs; i++)
         ctx->seqs[i].blocks = zalloc(&a, (size_t)ctx->max_blocks_per_seq, sizeof(int32_t));
-    ctx->free_blocks = zalloc(&a, (size_t)ctx->n_blocks, sizeof(int32_t));
+    /* the default block manager, only without an external owner */
+    if (n_blocks_ext <= 0) ctx->free_blocks = zalloc(&a, (size_t)ctx->n_blocks, sizeof(int32_t));
     if (ctx->free_blocks) {
         /* hand out low ids first: pop from the end */
         for (int32_t b = 0; b < ctx->n_blocks; b++) ctx->free_blocks[b] = ctx->n_blocks - 1 - b;
@@ -289,15 +297,23 @@ k3_status k3_ctx_init(k3_ctx **out, const k3_model *m, const k3_ctx_options *opt
     return K3_OK;
 }
 
+k3_status k3_ctx_init(k3_ctx **out, const k3_model *m, const k3_ctx_options *opt, k3_error *err) {
+    return ctx_create(out, m, opt, 0, 0, err);
+}
+
+k3_status k3_ctx_init_pool(k3_ctx **out, const k3_model *m, const k3_ctx_options *opt, int32_t n_blocks,
+                           int64_t max_ctx, k3_error *err) {
+    *out = NULL;
+    if (n_blocks < 1 || max_ctx < 1)
+        return k3_err(err, K3_ERR_ARG, "context: n_blocks and max_ctx must be positive");
+    return ctx_create(out, m, opt, n_blocks, max_ctx, err);
+}
+
 /* ---- sequences ------------------------------------------------------------- */
 
-void k3_ctx_seq_reset(k3_ctx *ctx, int32_t seq) {
+void k3_ctx_seq_clear_state(k3_ctx *ctx, int32_t seq) {
     if (seq < 0 || seq >= ctx->max_seqs) return;
     const k3_config *c = ctx->c;
-    k3_seq *s = &ctx->seqs[seq];
-    for (int32_t b = s->n_blocks - 1; b >= 0; b--) ctx->free_blocks[ctx->n_free++] = s->blocks[b];
-    s->n_blocks = 0;
-    s->pos = 0;
     const int64_t HK = (int64_t)c->kda_heads * c->kda_head_dim, dk = c->kda_head_dim;
     const int64_t Km1 = c->conv_size > 0 ? c->conv_size - 1 : 0;
     for (int i = 0; i < c->n_layers; i++) {
@@ -308,6 +324,75 @@ void k3_ctx_seq_reset(k3_ctx *ctx, int32_t seq) {
     }
 }
 
+void k3_ctx_seq_reset(k3_ctx *ctx, int32_t seq) {
+    if (seq < 0 || seq >= ctx->max_seqs) return;
+    k3_seq *s = &ctx->seqs[seq];
+    if (ctx->free_blocks)
+        for (int32_t b = s->n_blocks - 1; b >= 0; b--) ctx->free_blocks[ctx->n_free++] = s->blocks[b];
+    s->n_blocks = 0;
+    s->pos = 0;
+    k3_ctx_seq_clear_state(ctx, seq);
+}
+
+k3_status k3_ctx_seq_set_blocks(k3_ctx *ctx, int32_t seq, const int32_t *blocks, int32_t n, k3_error *err) {
+    if (seq < 0 || seq >= ctx->max_seqs)
+        return k3_err(err, K3_ERR_ARG, "context: sequence %d out of range [0, %d)", seq, ctx->max_seqs);
+    if (n < 0 || n > ctx->max_blocks_per_seq)
+        return k3_err(err, K3_ERR_RANGE, "context: %d blocks for sequence %d, at most %d", n, seq,
+                      ctx->max_blocks_per_seq);
+    for (int32_t i = 0; i < n; i++)
+        if (blocks[i] < 0 || blocks[i] >= ctx->n_blocks)
+            return k3_err(err, K3_ERR_ARG, "context: block id %d out of range [0, %d)", blocks[i], ctx->n_blocks);
+    k3_seq *s = &ctx->seqs[seq];
+    if (n) memcpy(s->blocks, blocks, sizeof(int32_t) * (size_t)n);
+    s->n_blocks = n;
+    return K3_OK;
+}
+
+void k3_ctx_seq_set_pos(k3_ctx *ctx, int32_t seq, int64_t pos) {
+    if (seq < 0 || seq >= ctx->max_seqs || pos < 0) return;
+    ctx->seqs[seq].pos = pos;
+}
+
+int64_t k3_ctx_state_bytes(const k3_ctx *ctx) {
+    const k3_config *c = ctx->c;
+    const int64_t HK = (int64_t)c->kda_heads * c->kda_head_dim, dk = c->kda_head_dim;
+    const int64_t Km1 = c->conv_size > 0 ? c->conv_size - 1 : 0;
+    int64_t n = 0;
+    for (int i = 0; i < c->n_layers; i++)
+        if (ctx->kda_S[i]) n += (int64_t)c->kda_heads * dk * dk + 3 * Km1 * HK;
+    return n * (int64_t)sizeof(float);
+}
+
+/* save (dir 0) or restore (dir 1) the KDA state of one slot, layer by layer:
+ * S then the conv windows */
+static void state_copy(k3_ctx *ctx, int32_t seq, float *buf, int dir) {
+    const k3_config *c = ctx->c;
+    const int64_t HK = (int64_t)c->kda_heads * c->kda_head_dim, dk = c->kda_head_dim;
+    const int64_t Km1 = c->conv_size > 0 ? c->conv_size - 1 : 0;
+    const int64_t nS = (int64_t)c->kda_heads * dk * dk, nC = 3 * Km1 * HK;
+    for (int i = 0; i < c->n_layers; i++) {
+        if (!ctx->kda_S[i]) continue;
+        float *S = ctx->kda_S[i] + (int64_t)seq * nS, *C = ctx->kda_conv[i] + (int64_t)seq * nC;
+        if (dir == 0) {
+            memcpy(buf, S, sizeof(float) * (size_t)nS);
+            memcpy(buf + nS, C, sizeof(float) * (size_t)nC);
+        } else {
+            memcpy(S, buf, sizeof(float) * (size_t)nS);
+            memcpy(C, buf + nS, sizeof(float) * (size_t)nC);
+        }
+        buf += nS + nC;
+    }
+}
+
+void k3_ctx_state_save(k3_ctx *ctx, int32_t seq, void *dst) {
+    if (seq >= 0 && seq < ctx->max_seqs) state_copy(ctx, seq, dst, 0);
+}
+
+void k3_ctx_state_restore(k3_ctx *ctx, int32_t seq, const void *src) {
+    if (seq >= 0 && seq < ctx->max_seqs) state_copy(ctx, seq, (float *)src, 1);
+}
+
 int64_t k3_ctx_seq_pos(const k3_ctx *ctx, int32_t seq) {
     if (seq < 0 || seq >= ctx->max_seqs) return -1;
     return ctx->seqs[seq].pos;
@@ -315,15 +400,12 @@ int64_t k3_ctx_seq_pos(const k3_ctx *ctx, int32_t seq) {
 
 /* ---- the driver -------------------------------------------------------------- */
 
-k3_status k3_ctx_forward(k3_ctx *ctx, const k3_batch_seq *batch, int32_t n_seqs,
-                         k3_logits_mode mode, float *logits, k3_error *err) {
+/* Checks a batch before any state is touched; with check_blocks, that each
+ * sequence's block table already covers its new positions. */
+static k3_status validate(const k3_ctx *ctx, const k3_batch_seq *batch, int32_t n_seqs, const uint8_t *want,
+                          bool check_blocks, k3_error *err) {
     const k3_config *c = ctx->c;
-    if (n_seqs < 0 || (n_seqs > 0 && !batch))
-        return k3_err(err, K3_ERR_ARG, "forward: bad batch");
-    if (mode != K3_LOGITS_NONE && !logits)
-        return k3_err(err, K3_ERR_ARG, "forward: logits buffer is NULL");
-    /* Validate everything before touching any state. */
-    int64_t blocks_needed = 0;
+    if (n_seqs < 0 || (n_seqs > 0 && !batch)) return k3_err(err, K3_ERR_ARG, "forward: bad batch");
     for (int32_t i = 0; i < n_seqs; i++) {
         const k3_batch_seq *b = &batch[i];
         if (b->seq < 0 || b->seq >= ctx->max_seqs)
@@ -334,7 +416,7 @@ k3_status k3_ctx_forward(k3_ctx *ctx, const k3_batch_seq *batch, int32_t n_seqs,
                 return k3_err(err, K3_ERR_ARG, "forward: sequence %d appears twice in one batch", b->seq);
         if (b->n_tokens < 0 || (b->n_tokens > 0 && !b->tokens))
             return k3_err(err, K3_ERR_ARG, "forward: entry %d has no tokens", i);
-        if (b->n_tokens == 0 && mode == K3_LOGITS_LAST)
+        if (b->n_tokens == 0 && want[i] == K3_WANT_LAST)
             return k3_err(err, K3_ERR_ARG, "forward: entry %d is empty but its last logits were asked for", i);
         for (int32_t t = 0; t < b->n_tokens; t++)
             if (b->tokens[t] < 0 || b->tokens[t] >= c->vocab_size)
@@ -346,22 +428,18 @@ k3_status k3_ctx_forward(k3_ctx *ctx, const k3_batch_seq *batch, int32_t n_seqs,
             return k3_err(err, K3_ERR_RANGE,
                           "forward: sequence %d would reach %lld tokens (%lld cached + %d new), over the context of %lld",
                           b->seq, (long long)end, (long long)s->pos, b->n_tokens, (long long)ctx->max_ctx);
-        blocks_needed += (end + ctx->block_size - 1) / ctx->block_size - s->n_blocks;
+        if (check_blocks && (int64_t)s->n_blocks * ctx->block_size < end)
+            return k3_err(err, K3_ERR_RANGE, "forward: sequence %d has %d blocks for %lld positions", b->seq,
+                          s->n_blocks, (long long)end);
     }
-    if (blocks_needed > ctx->n_free)
-        return k3_err(err, K3_ERR_RANGE, "forward: cache full: %lld blocks needed, %d free",
-                      (long long)blocks_needed, ctx->n_free);
+    return K3_OK;
+}
 
-    /* Reserve blocks. */
-    for (int32_t i = 0; i < n_seqs; i++) {
-        k3_seq *s = &ctx->seqs[batch[i].seq];
-        const int64_t end = s->pos + batch[i].n_tokens;
-        while ((int64_t)s->n_blocks * ctx->block_size < end) s->blocks[s->n_blocks++] = ctx->free_blocks[--ctx->n_free];
-    }
-
-    /* Rounds of at most max_batch tokens, in batch order. */
+/* Rounds of at most max_batch tokens, in batch order. */
+static void run_rounds(k3_ctx *ctx, const k3_batch_seq *batch, int32_t n_seqs, const uint8_t *want,
+                       float *logits) {
     int32_t *toks = ctx->round_tokens, *orows = ctx->round_out;
-    const int64_t V = c->vocab_size;
+    const int64_t V = ctx->c->vocab_size;
     int64_t n_written = 0;
     int32_t cur = 0, off = 0; /* entry and offset into it */
     while (cur < n_seqs) {
@@ -378,25 +456,74 @@ k3_status k3_ctx_forward(k3_ctx *ctx, const k3_batch_seq *batch, int32_t n_seqs,
                 sp->n = take;
                 sp->pos0 = ctx->seqs[b->seq].pos; /* earlier rounds already advanced it */
                 memcpy(toks + T, b->tokens + off, sizeof(int32_t) * (size_t)take);
-                if (mode == K3_LOGITS_ALL)
+                if (want[cur] == K3_WANT_ALL)
                     for (int32_t r = 0; r < take; r++) orows[n_out++] = T + r;
                 T += take;
                 off += take;
             }
             if (off >= b->n_tokens) {
-                if (mode == K3_LOGITS_LAST) orows[n_out++] = T - 1;
+                if (want[cur] == K3_WANT_LAST) orows[n_out++] = T - 1;
                 cur++;
                 off = 0;
             }
         }
         if (T == 0) continue;
         ctx->T = T;
-        k3_forward_round(ctx, toks, orows, mode == K3_LOGITS_NONE ? 0 : n_out,
-                         mode == K3_LOGITS_NONE ? NULL : logits + n_written * V);
-        if (mode != K3_LOGITS_NONE) n_written += n_out;
+        k3_forward_round(ctx, toks, orows, n_out, n_out ? logits + n_written * V : NULL);
+        n_written += n_out;
         for (int32_t i = 0; i < ctx->n_spans; i++) ctx->seqs[ctx->spans[i].seq].pos += ctx->spans[i].n;
     }
+}
+
+k3_status k3_ctx_run(k3_ctx *ctx, const k3_batch_seq *batch, int32_t n_seqs, const uint8_t *want, float *logits,
+                     k3_error *err) {
+    if (n_seqs > 0 && !want) return k3_err(err, K3_ERR_ARG, "forward: no logits modes");
+    bool any = false;
+    for (int32_t i = 0; i < n_seqs; i++) {
+        if (want[i] > K3_WANT_ALL) return k3_err(err, K3_ERR_ARG, "forward: bad logits mode %d", want[i]);
+        any |= want[i] != K3_WANT_NONE;
+    }
+    if (any && !logits) return k3_err(err, K3_ERR_ARG, "forward: logits buffer is NULL");
+    k3_status st = validate(ctx, batch, n_seqs, want, true, err);
+    if (st) return st;
+    run_rounds(ctx, batch, n_seqs, want, logits);
     return K3_OK;
+}
+
+k3_status k3_ctx_forward(k3_ctx *ctx, const k3_batch_seq *batch, int32_t n_seqs,
+                         k3_logits_mode mode, float *logits, k3_error *err) {
+    if (n_seqs < 0 || (n_seqs > 0 && !batch))
+        return k3_err(err, K3_ERR_ARG, "forward: bad batch");
+    if (mode != K3_LOGITS_NONE && !logits)
+        return k3_err(err, K3_ERR_ARG, "forward: logits buffer is NULL");
+    if (!ctx->free_blocks)
+        return k3_err(err, K3_ERR_ARG, "forward: this context's blocks are owned by an engine (use k3_ctx_run)");
+    uint8_t want_buf[64] = {0}, *want = n_seqs <= 64 ? want_buf : malloc((size_t)n_seqs);
+    if (!want) return k3_err(err, K3_ERR_NOMEM, "forward: out of memory");
+    for (int32_t i = 0; i < n_seqs; i++)
+        want[i] = mode == K3_LOGITS_LAST ? K3_WANT_LAST : mode == K3_LOGITS_ALL ? K3_WANT_ALL : K3_WANT_NONE;
+    /* Validate everything before touching any state. */
+    k3_status st = validate(ctx, batch, n_seqs, want, false, err);
+    int64_t blocks_needed = 0;
+    for (int32_t i = 0; !st && i < n_seqs; i++) {
+        const k3_seq *s = &ctx->seqs[batch[i].seq];
+        blocks_needed += (s->pos + batch[i].n_tokens + ctx->block_size - 1) / ctx->block_size - s->n_blocks;
+    }
+    if (!st && blocks_needed > ctx->n_free)
+        st = k3_err(err, K3_ERR_RANGE, "forward: cache full: %lld blocks needed, %d free",
+                    (long long)blocks_needed, ctx->n_free);
+    if (!st) {
+        /* the default block manager: reserve blocks from the free list */
+        for (int32_t i = 0; i < n_seqs; i++) {
+            k3_seq *s = &ctx->seqs[batch[i].seq];
+            const int64_t end = s->pos + batch[i].n_tokens;
+            while ((int64_t)s->n_blocks * ctx->block_size < end)
+                s->blocks[s->n_blocks++] = ctx->free_blocks[--ctx->n_free];
+        }
+        run_rounds(ctx, batch, n_seqs, want, logits);
+    }
+    if (want != want_buf) free(want);
+    return st;
 }
 
 /* ---- measurement --------------------------------------------------------------- */
@@ -431,6 +558,8 @@ k3_status k3_ctx_seq_fill_synthetic(k3_ctx *ctx, int32_t seq, int64_t n, uint64_
                       (long long)n, (long long)ctx->max_ctx);
     const int64_t end = s->pos + n;
     const int64_t need = (end + ctx->block_size - 1) / ctx->block_size - s->n_blocks;
+    if (!ctx->free_blocks && need > 0)
+        return k3_err(err, K3_ERR_ARG, "fill: this context's blocks are owned by an engine");
     if (need > ctx->n_free)
         return k3_err(err, K3_ERR_RANGE, "fill: cache full: %lld blocks needed, %d free", (long long)need, ctx->n_free);
     while ((int64_t)s->n_blocks * ctx->block_size < end) s->blocks[s->n_blocks++] = ctx->free_blocks[--ctx->n_free];

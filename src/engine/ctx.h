@@ -94,6 +94,8 @@ struct k3_ctx {
     int32_t max_seqs, block_size, max_batch;
     int64_t max_tokens, max_ctx;  /* max_ctx: longest sequence */
     int32_t n_blocks, max_blocks_per_seq;
+    /* the default block manager of k3_ctx_forward (NULL when an engine owns
+     * the blocks: k3_ctx_init_pool) */
     int32_t *free_blocks, n_free;
 
     k3_seq *seqs;
@@ -131,6 +133,32 @@ struct k3_ctx {
  * whose logits are wanted (n_out of them), written to logits. */
 void k3_forward_round(k3_ctx *ctx, const int32_t *tokens, const int32_t *out_rows,
                       int32_t n_out, float *logits);
+
+/* ---- the owner's side (an engine: src/engine/engine.c) ----------------
+ * A context made by k3_ctx_init_pool holds cache storage for n_blocks blocks
+ * and max_seqs sequence slots but hands out no blocks: its owner keeps the
+ * block tables (src/kv), sets a slot's table and position before a forward
+ * pass and saves/restores its KDA state for prefix-cache snapshots. The
+ * forward pass only computes. */
+k3_status k3_ctx_init_pool(k3_ctx **out, const k3_model *m, const k3_ctx_options *opt, int32_t n_blocks,
+                           int64_t max_ctx, k3_error *err);
+/* Copies n block ids into slot seq's table (ids checked). */
+k3_status k3_ctx_seq_set_blocks(k3_ctx *ctx, int32_t seq, const int32_t *blocks, int32_t n, k3_error *err);
+void k3_ctx_seq_set_pos(k3_ctx *ctx, int32_t seq, int64_t pos);
+/* Zeroes slot seq's KDA recurrent and conv state. */
+void k3_ctx_seq_clear_state(k3_ctx *ctx, int32_t seq);
+/* Bytes of one slot's KDA state (every KDA layer's S and conv windows). */
+int64_t k3_ctx_state_bytes(const k3_ctx *ctx);
+void k3_ctx_state_save(k3_ctx *ctx, int32_t seq, void *dst);
+void k3_ctx_state_restore(k3_ctx *ctx, int32_t seq, const void *src);
+
+/* Which logits an entry of k3_ctx_run wants. */
+enum { K3_WANT_NONE = 0, K3_WANT_LAST = 1, K3_WANT_ALL = 2 };
+/* The forward pass over a batch whose block tables are already set: logits
+ * rows in batch order (an entry's last row, or all its rows, per want[i]).
+ * Validates everything first; on error no state changes. */
+k3_status k3_ctx_run(k3_ctx *ctx, const k3_batch_seq *batch, int32_t n_seqs, const uint8_t *want, float *logits,
+                     k3_error *err);
 
 /* Profiling: PROF(ctx, op, statement) adds the statement's time to op. */
 double k3_now(void);

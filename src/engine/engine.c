@@ -1,0 +1,751 @@
+/*
+ * engine.c -- the k3_engine API of k3.h: many requests on one model.
+ *
+ * The engine owns a context made with k3_ctx_init_pool (cache storage for
+ * the pool's blocks, one sequence slot per running request), the block
+ * manager and KDA snapshots (src/kv), and the scheduler (src/sched). A step:
+ *   1. frees the requests that finished in the previous step (their outputs
+ *      lived until now), takes the inbox (submits and cancels from any thread,
+ *      under the mutex), ends cancelled requests;
+ *   2. plans (k3_sched_schedule), sets each planned slot's block table and
+ *      position (restoring a snapshot or zeroing the KDA state on admission);
+ *   3. runs one k3_ctx_run over the plan;
+ *   4. registers full blocks, takes snapshots, samples (each request its own
+ *      sampler: the same tokens alone or batched), applies stop rules, and
+ *      reports outputs and events.
+ * Logprobs are the log-softmax of the raw logits (before penalty and
+ * temperature), as vLLM reports them.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "common/error.h"
+#include "ctx.h"
+#include "engine.h"
+#include "kernels/attn_ops.h"
+#include "kv/kv.h"
+#include "model/model.h"
+#include "sched/sched.h"
+
+#define K3_MAX_LOGPROBS 20
+
+typedef struct req {
+    k3_rq rq;
+    k3_request_params p;          /* copied; p.prompt points into rq.tok */
+    int32_t *stop_ids;
+    k3_sampler *smp;
+    int32_t n_gen;
+    bool finished;
+    k3_finish_reason finish;
+    int32_t stop_id;
+    char error[512];
+    double t_arrival, t_scheduled, t_first_token, t_finished, t_last;
+    /* this step's output */
+    int32_t out_tok;
+    float out_lp;
+    k3_logprob *out_top;          /* [n_top] */
+    int32_t n_new;
+    bool plp_ready, plp_reported;
+    float *plp;                   /* [n_prompt - 1] */
+    k3_logprob *plp_top;          /* [(n_prompt - 1) * n_top] */
+} req;
+
+struct k3_engine {
+    const k3_model *m;
+    k3_ctx *ctx;
+    k3_kv_blocks bm;
+    k3_kv_snaps sn;
+    k3_sched sched;
+    k3_engine_options o;
+    int32_t *eos;
+    int32_t n_eos;
+    int64_t V, max_model_len, cache_tokens, state_bytes;
+    int32_t block_size, max_blocks, plp_cap;
+
+    /* inbox, under mu */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    req **in_sub;
+    int32_t n_sub, cap_sub;
+    uint64_t *in_cancel;
+    int32_t n_cancel, cap_cancel;
+    uint64_t next_id;
+    int64_t n_accepted;           /* submitted and not finished (for max_waiting) */
+    k3_engine_stats st;           /* published at the end of each step */
+
+    /* stepping thread only */
+    req **live;                   /* submitted and not yet freed */
+    int32_t n_live, cap_live;
+    req **done;                   /* finished in the last step: freed at the next */
+    int32_t n_done, cap_done;
+    k3_req_output *outs;
+    int32_t cap_outs;
+    k3_batch_seq *batch;          /* [max_seqs] */
+    uint8_t *want;
+    float *logits;                /* [(max_seqs + plp_cap) * V] */
+    float *row;                   /* [V] a copy for sampling */
+    int64_t prompt_tokens, generation_tokens, finished_by[K3_FINISH_ERROR + 1];
+};
+
+double k3_engine_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* ---- memory accounting ------------------------------------------------------ */
+
+static int64_t cache_bytes_per_token(const k3_config *c, k3_kv_type kv) {
+    int64_t n = 0;
+    const int64_t tiles = (c->kv_lora_rank + K3_C8_TILE - 1) / K3_C8_TILE;
+    for (int i = 0; i < c->n_layers; i++) {
+        const int k = c->layer_kind[i];
+        if (k == K3_LAYER_KDA) continue;
+        if (kv == K3_KV_F32) n += ((int64_t)c->kv_lora_rank + c->qk_rope_dim) * 4;
+        else n += c->kv_lora_rank + tiles * 4 + (int64_t)c->qk_rope_dim * 4;
+        if (k == K3_LAYER_DSA) n += kv == K3_KV_F32 ? (int64_t)c->index_head_dim * 4 : c->index_head_dim + 4;
+    }
+    return n;
+}
+
+static int64_t machine_avail_bytes(void) {
+    const long pages = sysconf(_SC_AVPHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
+    if (pages <= 0 || psz <= 0) return (int64_t)1 << 34;
+    return (int64_t)pages * psz;
+}
+
+/* ---- requests ------------------------------------------------------------------- */
+
+static void req_free(req *r) {
+    if (!r) return;
+    free(r->rq.tok);
+    free(r->rq.blocks);
+    free(r->rq.hash);
+    free(r->stop_ids);
+    k3_sampler_free(r->smp);
+    free(r->out_top);
+    free(r->plp);
+    free(r->plp_top);
+    free(r);
+}
+
+static bool push_ptr(void ***arr, int32_t *n, int32_t *cap, void *p) {
+    if (*n == *cap) {
+        const int32_t nc = *cap ? 2 * *cap : 64;
+        void **a = realloc(*arr, sizeof(void *) * (size_t)nc);
+        if (!a) return false;
+        *arr = a;
+        *cap = nc;
+    }
+    (*arr)[(*n)++] = p;
+    return true;
+}
+
+/* ---- open / close ------------------------------------------------------------------ */
+
+void k3_engine_close(k3_engine *e) {
+    if (!e) return;
+    for (int32_t i = 0; i < e->n_live; i++) req_free(e->live[i]);
+    for (int32_t i = 0; i < e->n_sub; i++) req_free(e->in_sub[i]);
+    free(e->live);
+    free(e->done);
+    free(e->in_sub);
+    free(e->in_cancel);
+    free(e->outs);
+    free(e->batch);
+    free(e->want);
+    free(e->logits);
+    free(e->row);
+    free(e->eos);
+    k3_sched_free(&e->sched);
+    k3_kv_snaps_free(&e->sn);
+    k3_kv_blocks_free(&e->bm);
+    k3_ctx_free(e->ctx);
+    pthread_mutex_destroy(&e->mu);
+    pthread_cond_destroy(&e->cv);
+    free(e);
+}
+
+k3_status k3_engine_open(k3_engine **out, const k3_model *m, const k3_engine_options *opt, k3_error *err) {
+    *out = NULL;
+    if (!m || !opt) return k3_err(err, K3_ERR_ARG, "engine: no model or options");
+    const k3_config *c = &m->cfg;
+    k3_engine_options o = *opt;
+    if (o.max_num_seqs < 0 || o.max_num_batched_tokens < 0 || o.max_model_len < 0 || o.cache_tokens < 0 ||
+        o.cache_bytes < 0 || o.block_size < 0 || o.snapshot_stride < 0 || o.snapshot_bytes < 0 ||
+        o.max_waiting < 0 || o.n_eos_ids < 0 || (o.n_eos_ids > 0 && !o.eos_ids))
+        return k3_err(err, K3_ERR_ARG, "engine: negative option or missing eos_ids");
+    if (o.kv_cache != K3_KV_F32 && o.kv_cache != K3_KV_C8)
+        return k3_err(err, K3_ERR_ARG, "engine: unknown cache type %d", (int)o.kv_cache);
+    if (!o.max_num_seqs) o.max_num_seqs = 16;
+    if (!o.max_num_batched_tokens) o.max_num_batched_tokens = 2048;
+    if (!o.block_size) o.block_size = 64;
+    if (!o.snapshot_stride) o.snapshot_stride = 4;
+    if (o.max_num_seqs > 4096) return k3_err(err, K3_ERR_RANGE, "engine: max_num_seqs %d is over 4096", o.max_num_seqs);
+    if (o.block_size > 4096) return k3_err(err, K3_ERR_RANGE, "engine: block_size %d is over 4096", o.block_size);
+    if (o.max_num_batched_tokens < o.block_size)
+        return k3_err(err, K3_ERR_RANGE,
+                      "engine: max_num_batched_tokens %d is below one block (%d tokens): a prompt chunk could never be scheduled",
+                      o.max_num_batched_tokens, o.block_size);
+    for (int32_t i = 0; i < o.n_eos_ids; i++)
+        if (o.eos_ids[i] < 0 || o.eos_ids[i] >= c->vocab_size)
+            return k3_err(err, K3_ERR_ARG, "engine: eos id %d is out of range [0, %lld)", o.eos_ids[i],
+                          (long long)c->vocab_size);
+    if (o.max_model_len > c->max_positions)
+        return k3_err(err, K3_ERR_RANGE, "engine: max_model_len %lld is over the model's %lld positions",
+                      (long long)o.max_model_len, (long long)c->max_positions);
+
+    /* the pool */
+    const int64_t bpt = cache_bytes_per_token(c, o.kv_cache), avail = machine_avail_bytes();
+    k3_model_info info;
+    k3_model_get_info(m, &info);
+    const int64_t bs = o.block_size;
+    int64_t tokens;
+    if (o.cache_tokens) {
+        tokens = o.cache_tokens;
+    } else if (o.cache_bytes) {
+        tokens = bpt > 0 ? o.cache_bytes / bpt : o.cache_bytes;
+        if (tokens < bs)
+            return k3_err(err, K3_ERR_RANGE, "engine: cache_bytes %lld hold %lld tokens at %lld bytes per token, under one block of %lld",
+                          (long long)o.cache_bytes, (long long)tokens, (long long)bpt, (long long)bs);
+    } else {
+        const int64_t len = o.max_model_len ? o.max_model_len : c->max_positions;
+        tokens = (int64_t)o.max_num_seqs * len;
+        const int64_t cap = bpt > 0 ? avail / 4 / bpt : tokens; /* a quarter of what is free */
+        if (tokens > cap) tokens = cap;
+        if (tokens < bs) tokens = bs;
+    }
+    int64_t n_blocks = (tokens + bs - 1) / bs;
+    if (n_blocks > INT32_MAX / 2) n_blocks = INT32_MAX / 2;
+    tokens = n_blocks * bs;
+    const int64_t pool_bytes = tokens * bpt;
+    const int64_t state_all = (int64_t)o.max_num_seqs * info.state_bytes_per_seq;
+    if (o.max_model_len && o.max_model_len > tokens)
+        return k3_err(err, K3_ERR_RANGE, "engine: max_model_len %lld is over the %lld tokens the cache pool holds",
+                      (long long)o.max_model_len, (long long)tokens);
+    const int64_t max_model_len = o.max_model_len ? o.max_model_len : (c->max_positions < tokens ? c->max_positions : tokens);
+    int64_t snap_budget = o.snapshot_bytes;
+    if (!snap_budget) {
+        snap_budget = (int64_t)1 << 30;
+        if (snap_budget > avail / 8) snap_budget = avail / 8;
+        if (snap_budget < 8 * info.state_bytes_per_seq) snap_budget = 8 * info.state_bytes_per_seq;
+    }
+    if (o.no_prefix_cache) snap_budget = 0;
+    if (pool_bytes + state_all + snap_budget > avail)
+        return k3_err(err, K3_ERR_RANGE,
+                      "engine: the cache pool (%lld tokens x %lld bytes = %lld MB), %d KDA states (%lld MB) and the snapshot budget (%lld MB) "
+                      "need %lld MB, over the %lld MB of free memory",
+                      (long long)tokens, (long long)bpt, (long long)(pool_bytes >> 20), o.max_num_seqs,
+                      (long long)(state_all >> 20), (long long)(snap_budget >> 20),
+                      (long long)((pool_bytes + state_all + snap_budget) >> 20), (long long)(avail >> 20));
+
+    k3_engine *e = calloc(1, sizeof *e);
+    if (!e) return k3_err(err, K3_ERR_NOMEM, "engine: out of memory");
+    pthread_mutex_init(&e->mu, NULL);
+    pthread_cond_init(&e->cv, NULL);
+    e->m = m;
+    e->o = o;
+    e->V = c->vocab_size;
+    e->block_size = (int32_t)bs;
+    e->max_model_len = max_model_len;
+    e->cache_tokens = tokens;
+    e->max_blocks = (int32_t)((max_model_len + bs - 1) / bs);
+    e->next_id = 1;
+    /* prompt-logprob rows per step: at most ~64 MB of logits, a block at least */
+    int64_t plp = ((int64_t)16 << 20) / e->V;
+    plp -= plp % bs;
+    if (plp < bs) plp = bs;
+    if (plp > o.max_num_batched_tokens) plp = o.max_num_batched_tokens - o.max_num_batched_tokens % bs;
+    e->plp_cap = (int32_t)plp;
+
+    k3_status st = K3_OK;
+    e->eos = malloc(sizeof(int32_t) * (size_t)(o.n_eos_ids ? o.n_eos_ids : 1));
+    if (!e->eos) st = k3_err(err, K3_ERR_NOMEM, "engine: out of memory");
+    if (!st) {
+        if (o.n_eos_ids) memcpy(e->eos, o.eos_ids, sizeof(int32_t) * (size_t)o.n_eos_ids);
+        e->n_eos = o.n_eos_ids;
+        e->o.eos_ids = e->eos;
+        k3_ctx_options co = {.max_seqs = o.max_num_seqs,
+                             .max_tokens = tokens,
+                             .block_size = (int32_t)bs,
+                             .max_batch = o.max_num_batched_tokens < 1024 ? o.max_num_batched_tokens : 1024,
+                             .kv_cache = o.kv_cache,
+                             .pool = o.pool};
+        st = k3_ctx_init_pool(&e->ctx, m, &co, (int32_t)n_blocks, max_model_len, err);
+    }
+    if (!st) {
+        e->state_bytes = k3_ctx_state_bytes(e->ctx);
+        st = k3_kv_blocks_init(&e->bm, (int32_t)n_blocks, (int32_t)bs, err);
+    }
+    if (!st) st = k3_kv_snaps_init(&e->sn, e->state_bytes, snap_budget, err);
+    if (!st) {
+        k3_sched_config sc = {.max_seqs = o.max_num_seqs,
+                              .max_tokens = o.max_num_batched_tokens,
+                              .block_size = (int32_t)bs,
+                              .max_blocks = e->max_blocks,
+                              .snapshot_stride = o.snapshot_stride,
+                              .plp_cap = e->plp_cap,
+                              .prefix_cache = !o.no_prefix_cache,
+                              .hash_seed = k3_kv_hash_seed(o.cache_salt, (int32_t)bs, (int32_t)o.kv_cache)};
+        st = k3_sched_init(&e->sched, &sc, &e->bm, &e->sn, err);
+    }
+    if (!st) {
+        e->batch = calloc((size_t)o.max_num_seqs, sizeof(k3_batch_seq));
+        e->want = calloc((size_t)o.max_num_seqs, 1);
+        e->logits = malloc(sizeof(float) * (size_t)((o.max_num_seqs + e->plp_cap) * e->V));
+        e->row = malloc(sizeof(float) * (size_t)e->V);
+        if (!e->batch || !e->want || !e->logits || !e->row) st = k3_err(err, K3_ERR_NOMEM, "engine: out of memory");
+    }
+    if (st) {
+        k3_engine_close(e);
+        return st;
+    }
+    e->st.blocks_total = n_blocks;
+    e->st.max_model_len = max_model_len;
+    e->st.cache_tokens = tokens;
+    e->st.state_bytes_per_seq = e->state_bytes;
+    *out = e;
+    return K3_OK;
+}
+
+/* ---- submit / cancel (any thread) --------------------------------------------------------- */
+
+k3_status k3_engine_submit(k3_engine *e, const k3_request_params *p, uint64_t *id, k3_error *err) {
+    if (id) *id = 0;
+    if (!p || !p->prompt || p->n_prompt < 1) return k3_err(err, K3_ERR_ARG, "submit: the prompt is empty");
+    if (p->max_tokens < 0 || p->min_tokens < 0 || p->n_stop_ids < 0 || (p->n_stop_ids > 0 && !p->stop_ids))
+        return k3_err(err, K3_ERR_ARG, "submit: max_tokens, min_tokens and n_stop_ids must not be negative");
+    if (p->logprobs < -1 || p->logprobs > K3_MAX_LOGPROBS || p->prompt_logprobs < -1 ||
+        p->prompt_logprobs > K3_MAX_LOGPROBS)
+        return k3_err(err, K3_ERR_ARG, "submit: logprobs and prompt_logprobs must be -1 or 0..%d", K3_MAX_LOGPROBS);
+    if (p->logprobs >= 0 && p->prompt_logprobs >= 0 && p->logprobs != p->prompt_logprobs)
+        return k3_err(err, K3_ERR_ARG, "submit: logprobs %d and prompt_logprobs %d must ask for the same number of alternatives",
+                      p->logprobs, p->prompt_logprobs);
+    for (int64_t i = 0; i < p->n_prompt; i++)
+        if (p->prompt[i] < 0 || p->prompt[i] >= e->V)
+            return k3_err(err, K3_ERR_ARG, "submit: prompt token %d at index %lld is out of range [0, %lld)",
+                          p->prompt[i], (long long)i, (long long)e->V);
+    for (int32_t i = 0; i < p->n_stop_ids; i++)
+        if (p->stop_ids[i] < 0 || p->stop_ids[i] >= e->V)
+            return k3_err(err, K3_ERR_ARG, "submit: stop id %d is out of range [0, %lld)", p->stop_ids[i],
+                          (long long)e->V);
+    const int64_t total = p->n_prompt + p->max_tokens;
+    if (total > e->max_model_len)
+        return k3_err(err, K3_ERR_RANGE,
+                      "submit: the prompt (%lld tokens) plus max_tokens (%d) is %lld tokens, over the model length of %lld",
+                      (long long)p->n_prompt, p->max_tokens, (long long)total, (long long)e->max_model_len);
+    if (total > e->cache_tokens)
+        return k3_err(err, K3_ERR_RANGE,
+                      "submit: the prompt plus max_tokens is %lld tokens, over the %lld the cache pool can ever hold",
+                      (long long)total, (long long)e->cache_tokens);
+
+    req *r = calloc(1, sizeof *r);
+    if (!r) return k3_err(err, K3_ERR_NOMEM, "submit: out of memory");
+    k3_status st = k3_sampler_init(&r->smp, &p->sampling, (int32_t)e->V, err);
+    if (st) {
+        req_free(r);
+        return st;
+    }
+    const int32_t n_top = p->logprobs >= 0 ? p->logprobs : p->prompt_logprobs >= 0 ? p->prompt_logprobs : 0;
+    r->p = *p;
+    r->rq.cap_tok = total + 1;
+    r->rq.tok = malloc(sizeof(int32_t) * (size_t)r->rq.cap_tok);
+    r->rq.blocks = malloc(sizeof(int32_t) * (size_t)(e->max_blocks + 1));
+    r->rq.hash = malloc(sizeof(uint64_t) * (size_t)(e->max_blocks + 1));
+    r->stop_ids = malloc(sizeof(int32_t) * (size_t)(p->n_stop_ids + 1));
+    r->out_top = malloc(sizeof(k3_logprob) * (size_t)(n_top + 1));
+    if (p->prompt_logprobs >= 0) {
+        r->plp = calloc((size_t)p->n_prompt, sizeof(float));
+        r->plp_top = calloc((size_t)(p->n_prompt * (n_top + 1)), sizeof(k3_logprob));
+    }
+    if (!r->rq.tok || !r->rq.blocks || !r->rq.hash || !r->stop_ids || !r->out_top ||
+        (p->prompt_logprobs >= 0 && (!r->plp || !r->plp_top))) {
+        req_free(r);
+        return k3_err(err, K3_ERR_NOMEM, "submit: out of memory for a %lld-token request", (long long)total);
+    }
+    memcpy(r->rq.tok, p->prompt, sizeof(int32_t) * (size_t)p->n_prompt);
+    if (p->n_stop_ids) memcpy(r->stop_ids, p->stop_ids, sizeof(int32_t) * (size_t)p->n_stop_ids);
+    r->p.prompt = r->rq.tok;
+    r->p.stop_ids = r->stop_ids;
+    r->p.logprobs = p->logprobs;
+    r->rq.n_tok = r->rq.n_prompt = p->n_prompt;
+    r->rq.slot = -1;
+    r->rq.read_cache = p->prompt_logprobs < 0;
+    r->rq.plp = p->prompt_logprobs >= 0;
+    r->rq.owner = r;
+    r->stop_id = -1;
+    for (int64_t i = 0; i < p->n_prompt; i++) k3_sampler_accept(r->smp, p->prompt[i]);
+    r->t_arrival = k3_engine_now();
+
+    pthread_mutex_lock(&e->mu);
+    if (e->o.max_waiting > 0 && e->n_sub + e->st.n_waiting >= e->o.max_waiting) {
+        pthread_mutex_unlock(&e->mu);
+        req_free(r);
+        return k3_err(err, K3_ERR_BUSY, "submit: %d requests are waiting, the limit", e->o.max_waiting);
+    }
+    if (!push_ptr((void ***)&e->in_sub, &e->n_sub, &e->cap_sub, r)) {
+        pthread_mutex_unlock(&e->mu);
+        req_free(r);
+        return k3_err(err, K3_ERR_NOMEM, "submit: out of memory");
+    }
+    r->rq.id = e->next_id++;
+    if (id) *id = r->rq.id;
+    pthread_cond_broadcast(&e->cv);
+    pthread_mutex_unlock(&e->mu);
+    return K3_OK;
+}
+
+void k3_engine_cancel(k3_engine *e, uint64_t id) {
+    pthread_mutex_lock(&e->mu);
+    if (e->n_cancel == e->cap_cancel) {
+        const int32_t nc = e->cap_cancel ? 2 * e->cap_cancel : 64;
+        uint64_t *a = realloc(e->in_cancel, sizeof(uint64_t) * (size_t)nc);
+        if (!a) { /* out of memory: the cancel is lost, the request ends normally */
+            pthread_mutex_unlock(&e->mu);
+            return;
+        }
+        e->in_cancel = a;
+        e->cap_cancel = nc;
+    }
+    e->in_cancel[e->n_cancel++] = id;
+    pthread_cond_broadcast(&e->cv);
+    pthread_mutex_unlock(&e->mu);
+}
+
+bool k3_engine_has_work(k3_engine *e) {
+    pthread_mutex_lock(&e->mu);
+    const bool w = e->n_sub > 0 || e->n_cancel > 0;
+    pthread_mutex_unlock(&e->mu);
+    return w || e->sched.n_running > 0 || e->sched.n_waiting > 0 || e->n_done > 0;
+}
+
+void k3_engine_wait(k3_engine *e, double timeout_s) {
+    pthread_mutex_lock(&e->mu);
+    if (e->n_sub == 0 && e->n_cancel == 0 && timeout_s > 0) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        const double t = (double)ts.tv_sec + ts.tv_nsec * 1e-9 + timeout_s;
+        ts.tv_sec = (time_t)t;
+        ts.tv_nsec = (long)((t - (double)ts.tv_sec) * 1e9);
+        if (ts.tv_nsec >= 1000000000L) ts.tv_nsec = 999999999L;
+        pthread_cond_timedwait(&e->cv, &e->mu, &ts);
+    }
+    pthread_mutex_unlock(&e->mu);
+}
+
+void k3_engine_get_stats(k3_engine *e, k3_engine_stats *st) {
+    pthread_mutex_lock(&e->mu);
+    *st = e->st;
+    st->n_waiting += e->n_sub;
+    pthread_mutex_unlock(&e->mu);
+}
+
+/* ---- the step ------------------------------------------------------------------------------- */
+
+static void finish(k3_engine *e, req *r, k3_finish_reason why, double t) {
+    if (r->finished) return;
+    k3_sched_release(&e->sched, &r->rq);
+    r->finished = true;
+    r->finish = why;
+    r->t_finished = t;
+    r->rq.events |= K3_EV_FINISHED;
+    e->finished_by[why]++;
+}
+
+/* log-softmax normaliser of a row */
+static double log_norm(const float *x, int64_t n) {
+    float mx = x[0];
+    for (int64_t i = 1; i < n; i++) mx = x[i] > mx ? x[i] : mx;
+    double s = 0.0;
+    for (int64_t i = 0; i < n; i++) s += exp((double)x[i] - mx);
+    return mx + log(s);
+}
+
+/* the k most likely ids of a row, best first (ties to the lower id) */
+static void top_k(const float *x, int64_t n, int k, double lse, k3_logprob *out) {
+    int m = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (m == k && !(x[i] > out[k - 1].logprob)) continue;
+        int at = m < k ? m++ : k - 1;
+        while (at > 0 && x[i] > out[at - 1].logprob) {
+            out[at] = out[at - 1];
+            at--;
+        }
+        out[at] = (k3_logprob){(int32_t)i, x[i]};
+    }
+    for (int i = 0; i < m; i++) out[i].logprob = (float)((double)out[i].logprob - lse);
+}
+
+static bool is_stop(const k3_engine *e, const req *r, int32_t id) {
+    if (!r->p.ignore_eos)
+        for (int32_t i = 0; i < e->n_eos; i++)
+            if (e->eos[i] == id) return true;
+    for (int32_t i = 0; i < r->p.n_stop_ids; i++)
+        if (r->stop_ids[i] == id) return true;
+    return false;
+}
+
+/* Samples rq's next token from its logits row. */
+static void sample(k3_engine *e, req *r, const float *lg, double t) {
+    const int64_t V = e->V;
+    memcpy(e->row, lg, sizeof(float) * (size_t)V);
+    /* min_tokens: the stop ids cannot be generated before (as vLLM) */
+    if (r->n_gen < r->p.min_tokens) {
+        if (!r->p.ignore_eos)
+            for (int32_t i = 0; i < e->n_eos; i++) e->row[e->eos[i]] = -INFINITY;
+        for (int32_t i = 0; i < r->p.n_stop_ids; i++) e->row[r->stop_ids[i]] = -INFINITY;
+    }
+    const int32_t id = k3_sampler_sample(r->smp, e->row);
+    k3_sampler_accept(r->smp, id);
+    if (r->p.logprobs >= 0) {
+        const double lse = log_norm(lg, V);
+        r->out_lp = (float)((double)lg[id] - lse);
+        if (r->p.logprobs > 0) top_k(lg, V, r->p.logprobs, lse, r->out_top);
+    }
+    r->out_tok = id;
+    r->n_new = 1;
+    r->n_gen++;
+    e->generation_tokens++;
+    k3_rq *rq = &r->rq;
+    rq->tok[rq->n_tok++] = id;
+    k3_sched_hash(&e->sched, rq);
+    if (r->n_gen == 1) {
+        r->t_first_token = t;
+        rq->events |= K3_EV_FIRST_TOKEN;
+    }
+    r->t_last = t;
+    if (is_stop(e, r, id) && r->n_gen >= r->p.min_tokens) {
+        r->stop_id = id;
+        finish(e, r, K3_FINISH_STOP, t);
+    } else if (r->n_gen >= r->p.max_tokens || rq->n_tok >= e->max_model_len) {
+        finish(e, r, K3_FINISH_LENGTH, t);
+    }
+}
+
+/* prompt logprobs from rows [0, n) of a chunk that starts at position c */
+static void prompt_logprobs(k3_engine *e, req *r, const float *lg, int64_t c, int32_t n) {
+    const int64_t V = e->V;
+    const int32_t k = r->p.prompt_logprobs;
+    for (int32_t i = 0; i < n; i++) {
+        const int64_t p = c + i; /* row p predicts token p + 1 */
+        if (p + 1 >= r->rq.n_prompt) break;
+        const float *row = lg + (int64_t)i * V;
+        const double lse = log_norm(row, V);
+        r->plp[p] = (float)((double)row[r->rq.tok[p + 1]] - lse);
+        if (k > 0) top_k(row, V, k, lse, r->plp_top + p * k);
+    }
+    if (c + n >= r->rq.n_prompt) r->plp_ready = true;
+}
+
+static void fill_output(const k3_engine *e, req *r, k3_req_output *o) {
+    memset(o, 0, sizeof *o);
+    o->id = r->rq.id;
+    o->user = r->p.user;
+    o->events = r->rq.events;
+    o->n_new = r->n_new;
+    o->tokens = r->n_new ? &r->out_tok : NULL;
+    o->logprobs = r->n_new && r->p.logprobs >= 0 ? &r->out_lp : NULL;
+    o->n_top = r->p.logprobs >= 0 ? r->p.logprobs : r->p.prompt_logprobs >= 0 ? r->p.prompt_logprobs : 0;
+    o->top = r->n_new && r->p.logprobs > 0 ? r->out_top : NULL;
+    if (r->plp_ready && !r->plp_reported) {
+        o->n_prompt_logprobs = r->rq.n_prompt - 1;
+        o->prompt_logprobs = r->plp;
+        o->prompt_top = r->p.prompt_logprobs > 0 ? r->plp_top : NULL;
+        r->plp_reported = true;
+    }
+    o->finish = r->finished ? r->finish : K3_FINISH_NONE;
+    o->stop_id = r->stop_id;
+    o->n_prompt = r->rq.n_prompt;
+    o->n_cached = r->rq.n_cached;
+    o->n_generated = r->n_gen;
+    o->t_arrival = r->t_arrival;
+    o->t_scheduled = r->t_scheduled;
+    o->t_first_token = r->t_first_token;
+    o->t_finished = r->t_finished;
+    if (r->t_first_token > 0) {
+        o->prefill_s = r->t_first_token - r->t_scheduled;
+        o->decode_s = (r->finished ? r->t_finished : r->t_last) - r->t_first_token;
+    } else if (r->t_scheduled > 0) {
+        o->prefill_s = (r->finished ? r->t_finished : k3_engine_now()) - r->t_scheduled;
+    }
+    o->error = r->finish == K3_FINISH_ERROR ? r->error : NULL;
+    (void)e;
+}
+
+static void publish_stats(k3_engine *e) {
+    const k3_sched *s = &e->sched;
+    pthread_mutex_lock(&e->mu);
+    k3_engine_stats *st = &e->st;
+    st->n_running = s->n_running;
+    st->n_waiting = s->n_waiting;
+    st->blocks_used = k3_kv_used(&e->bm);
+    st->cache_usage = st->blocks_total ? (double)st->blocks_used / (double)st->blocks_total : 0.0;
+    st->prefix_queries = s->prefix_queries;
+    st->prefix_hits = s->prefix_hits;
+    st->n_snapshots = e->sn.n;
+    st->snapshot_bytes = k3_kv_snap_bytes(&e->sn);
+    st->n_preemptions = s->n_preemptions;
+    st->prompt_tokens = e->prompt_tokens;
+    st->generation_tokens = e->generation_tokens;
+    memcpy(st->requests_finished, e->finished_by, sizeof st->requests_finished);
+    pthread_mutex_unlock(&e->mu);
+}
+
+k3_status k3_engine_step(k3_engine *e, k3_step_result *res, k3_error *err) {
+    memset(res, 0, sizeof *res);
+    k3_sched *s = &e->sched;
+
+    /* 1. what finished last step goes now */
+    for (int32_t i = 0; i < e->n_done; i++) {
+        req *r = e->done[i];
+        for (int32_t j = 0; j < e->n_live; j++)
+            if (e->live[j] == r) {
+                e->live[j] = e->live[--e->n_live];
+                break;
+            }
+        req_free(r);
+    }
+    e->n_done = 0;
+    for (int32_t i = 0; i < e->n_live; i++) {
+        e->live[i]->rq.events = 0;
+        e->live[i]->n_new = 0;
+    }
+
+    /* the inbox */
+    pthread_mutex_lock(&e->mu);
+    req **subs = e->in_sub;
+    const int32_t n_subs = e->n_sub;
+    uint64_t *cancels = e->in_cancel;
+    const int32_t n_cancels = e->n_cancel;
+    e->in_sub = NULL;
+    e->n_sub = e->cap_sub = 0;
+    e->in_cancel = NULL;
+    e->n_cancel = e->cap_cancel = 0;
+    pthread_mutex_unlock(&e->mu);
+    k3_status st = K3_OK;
+    for (int32_t i = 0; i < n_subs; i++) {
+        req *r = subs[i];
+        if (st || !push_ptr((void ***)&e->live, &e->n_live, &e->cap_live, r)) {
+            st = st ? st : k3_err(err, K3_ERR_NOMEM, "step: out of memory for the request list");
+            req_free(r);
+            continue;
+        }
+        r->rq.events |= K3_EV_QUEUED;
+        k3_sched_hash(s, &r->rq);
+        if (k3_sched_add(s, &r->rq, NULL)) {
+            snprintf(r->error, sizeof r->error, "out of memory for the queue");
+            r->finished = true;
+            r->finish = K3_FINISH_ERROR;
+            r->rq.state = K3_RQ_DONE;
+            r->rq.events |= K3_EV_FINISHED;
+            e->finished_by[K3_FINISH_ERROR]++;
+        }
+    }
+    free(subs);
+    const double t_in = k3_engine_now();
+    for (int32_t i = 0; i < n_cancels; i++)
+        for (int32_t j = 0; j < e->n_live; j++)
+            if (e->live[j]->rq.id == cancels[i] && !e->live[j]->finished) finish(e, e->live[j], K3_FINISH_CANCELLED, t_in);
+    free(cancels);
+
+    /* 2. plan and set the slots up */
+    k3_sched_schedule(s);
+    int32_t n_rows = 0;
+    for (int32_t i = 0; i < s->n_plan; i++) {
+        k3_rq *rq = s->plan[i];
+        req *r = rq->owner;
+        if (rq->is_new) {
+            if (rq->restore) k3_ctx_state_restore(e->ctx, rq->slot, rq->restore);
+            else k3_ctx_seq_clear_state(e->ctx, rq->slot);
+            k3_ctx_seq_set_pos(e->ctx, rq->slot, rq->n_computed);
+            if (r->t_scheduled == 0) r->t_scheduled = t_in;
+        }
+        K3_ASSERT(k3_ctx_seq_set_blocks(e->ctx, rq->slot, rq->blocks, rq->n_blocks, NULL) == K3_OK);
+        e->batch[i] = (k3_batch_seq){rq->slot, rq->n_sched, rq->tok + rq->n_computed};
+        const bool ends = rq->n_computed + rq->n_sched == rq->n_tok;
+        if (rq->plp && rq->n_computed < rq->n_prompt) {
+            e->want[i] = K3_WANT_ALL;
+            n_rows += rq->n_sched;
+        } else {
+            e->want[i] = ends ? K3_WANT_LAST : K3_WANT_NONE;
+            n_rows += ends;
+        }
+    }
+    K3_ASSERT(n_rows <= e->o.max_num_seqs + e->plp_cap);
+
+    /* 3. the forward pass */
+    k3_error ferr = {0};
+    const k3_status fst = s->n_plan ? k3_ctx_run(e->ctx, e->batch, s->n_plan, e->want, e->logits, &ferr) : K3_OK;
+    const double t = k3_engine_now();
+    res->n_tokens = fst ? 0 : s->plan_tokens;
+
+    /* 4. results */
+    int64_t row = 0;
+    const int32_t n_plan = s->n_plan;
+    for (int32_t i = 0; i < n_plan; i++) {
+        k3_rq *rq = s->plan[i];
+        req *r = rq->owner;
+        if (fst) {
+            snprintf(r->error, sizeof r->error, "%s", ferr.msg);
+            finish(e, r, K3_FINISH_ERROR, t);
+            continue;
+        }
+        const int64_t c = rq->n_computed;
+        const int32_t n = rq->n_sched;
+        if (c < rq->n_prompt) e->prompt_tokens += (c + n < rq->n_prompt ? c + n : rq->n_prompt) - c;
+        void *snap = k3_sched_computed(s, rq);
+        if (snap) k3_ctx_state_save(e->ctx, rq->slot, snap);
+        const float *lg = NULL;
+        if (e->want[i] == K3_WANT_ALL) {
+            prompt_logprobs(e, r, e->logits + row * e->V, c, n);
+            lg = e->logits + (row + n - 1) * e->V;
+            row += n;
+        } else if (e->want[i] == K3_WANT_LAST) {
+            lg = e->logits + row * e->V;
+            row++;
+        }
+        if (rq->n_computed == rq->n_tok) { /* the prefill (or the last token) is done */
+            if (r->p.max_tokens == 0) finish(e, r, K3_FINISH_LENGTH, t);
+            else if (lg) sample(e, r, lg, t);
+        }
+    }
+
+    /* outputs: every live request with something to say */
+    int32_t n_out = 0;
+    for (int32_t i = 0; i < e->n_live; i++) n_out += e->live[i]->rq.events || e->live[i]->n_new;
+    if (n_out > e->cap_outs) {
+        k3_req_output *o = realloc(e->outs, sizeof(k3_req_output) * (size_t)n_out);
+        if (!o) return k3_err(err, K3_ERR_NOMEM, "step: out of memory for %d outputs", n_out);
+        e->outs = o;
+        e->cap_outs = n_out;
+    }
+    n_out = 0;
+    for (int32_t i = 0; i < e->n_live; i++) {
+        req *r = e->live[i];
+        if (!r->rq.events && !r->n_new) continue;
+        fill_output(e, r, &e->outs[n_out++]);
+        if (r->finished && !push_ptr((void ***)&e->done, &e->n_done, &e->cap_done, r))
+            st = st ? st : k3_err(err, K3_ERR_NOMEM, "step: out of memory");
+    }
+    res->n_outputs = n_out;
+    res->outputs = e->outs;
+    res->t = t;
+    publish_stats(e);
+    return st;
+}
+
+/* ---- introspection for tests and the bench -------------------------------------------------- */
+
+int64_t k3_engine_blocks_free(const k3_engine *e) { return e->bm.n_free; }
+
+bool k3_engine_check(const k3_engine *e) {
+    if (!k3_kv_check(&e->bm)) return false;
+    int64_t refs = 0;
+    for (int32_t b = 0; b < e->bm.n_blocks; b++) refs += e->bm.ref[b];
+    return refs == k3_sched_blocks_held(&e->sched);
+}

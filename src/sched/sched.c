@@ -1,0 +1,282 @@
+/*
+ * sched.c -- the scheduler (sched.h).
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/error.h"
+#include "sched/sched.h"
+
+k3_status k3_sched_init(k3_sched *s, const k3_sched_config *cfg, k3_kv_blocks *bm, k3_kv_snaps *sn,
+                        k3_error *err) {
+    memset(s, 0, sizeof *s);
+    s->cfg = *cfg;
+    if (s->cfg.snapshot_stride < 1) s->cfg.snapshot_stride = 1;
+    s->bm = bm;
+    s->sn = sn;
+    s->running = calloc((size_t)cfg->max_seqs, sizeof(k3_rq *));
+    s->plan = calloc((size_t)cfg->max_seqs, sizeof(k3_rq *));
+    s->free_slots = malloc(sizeof(int32_t) * (size_t)cfg->max_seqs);
+    if (!s->running || !s->plan || !s->free_slots) {
+        k3_sched_free(s);
+        return k3_err(err, K3_ERR_NOMEM, "scheduler: out of memory");
+    }
+    for (int32_t i = 0; i < cfg->max_seqs; i++) s->free_slots[i] = cfg->max_seqs - 1 - i;
+    s->n_free_slots = cfg->max_seqs;
+    return K3_OK;
+}
+
+void k3_sched_free(k3_sched *s) {
+    free(s->running);
+    free(s->plan);
+    free(s->free_slots);
+    free(s->waiting);
+    memset(s, 0, sizeof *s);
+}
+
+void k3_sched_hash(k3_sched *s, k3_rq *rq) {
+    const int32_t bs = s->cfg.block_size;
+    while ((int64_t)(rq->n_hash + 1) * bs <= rq->n_tok && rq->n_hash < s->cfg.max_blocks) {
+        const uint64_t parent = rq->n_hash ? rq->hash[rq->n_hash - 1] : s->cfg.hash_seed;
+        rq->hash[rq->n_hash] = k3_kv_hash_block(parent, 0, rq->tok + (int64_t)rq->n_hash * bs, bs);
+        rq->n_hash++;
+    }
+}
+
+k3_status k3_sched_add(k3_sched *s, k3_rq *rq, k3_error *err) {
+    if (s->n_waiting == s->cap_waiting) {
+        const int32_t cap = s->cap_waiting ? 2 * s->cap_waiting : 64;
+        k3_rq **w = realloc(s->waiting, sizeof(k3_rq *) * (size_t)cap);
+        if (!w) return k3_err(err, K3_ERR_NOMEM, "scheduler: out of memory for the queue");
+        s->waiting = w;
+        s->cap_waiting = cap;
+    }
+    rq->state = K3_RQ_WAITING;
+    rq->slot = -1;
+    s->waiting[s->n_waiting++] = rq;
+    return K3_OK;
+}
+
+static void waiting_remove(k3_sched *s, int32_t i) {
+    memmove(s->waiting + i, s->waiting + i + 1, sizeof(k3_rq *) * (size_t)(s->n_waiting - i - 1));
+    s->n_waiting--;
+}
+
+static void running_remove(k3_sched *s, const k3_rq *rq) {
+    for (int32_t i = 0; i < s->n_running; i++)
+        if (s->running[i] == rq) {
+            memmove(s->running + i, s->running + i + 1, sizeof(k3_rq *) * (size_t)(s->n_running - i - 1));
+            s->n_running--;
+            return;
+        }
+}
+
+/* Gives back rq's blocks (last first, so a sequence's tail is reused before
+ * its head) and its slot. */
+static void drop_blocks(k3_sched *s, k3_rq *rq) {
+    for (int32_t b = rq->n_blocks - 1; b >= 0; b--) k3_kv_unref(s->bm, rq->blocks[b]);
+    rq->n_blocks = 0;
+    rq->n_registered = 0;
+    if (rq->slot >= 0) s->free_slots[s->n_free_slots++] = rq->slot;
+    rq->slot = -1;
+}
+
+void k3_sched_release(k3_sched *s, k3_rq *rq) {
+    if (rq->state == K3_RQ_RUNNING) running_remove(s, rq);
+    else if (rq->state == K3_RQ_WAITING)
+        for (int32_t i = 0; i < s->n_waiting; i++)
+            if (s->waiting[i] == rq) {
+                waiting_remove(s, i);
+                break;
+            }
+    drop_blocks(s, rq);
+    rq->state = K3_RQ_DONE;
+}
+
+/* Back to the front of the queue, to recompute everything it had. The
+ * queue has room: rq was counted in it when it arrived. */
+static void preempt(k3_sched *s, k3_rq *rq) {
+    running_remove(s, rq);
+    drop_blocks(s, rq);
+    rq->n_computed = 0;
+    rq->junction = 0;
+    rq->state = K3_RQ_WAITING;
+    rq->events |= K3_EV_PREEMPTED;
+    K3_ASSERT(s->n_waiting < s->cap_waiting);
+    memmove(s->waiting + 1, s->waiting, sizeof(k3_rq *) * (size_t)s->n_waiting);
+    s->waiting[0] = rq;
+    s->n_waiting++;
+    s->n_preemptions++;
+}
+
+static int64_t grid_floor(const k3_sched *s, int64_t p) { return p - p % s->cfg.block_size; }
+
+static bool is_snap_point(const k3_sched *s, const k3_rq *rq, int64_t p) {
+    const int32_t bs = s->cfg.block_size;
+    if (!s->cfg.prefix_cache || s->sn->cap == 0 || p <= 0 || p % bs || p > rq->prefill_end) return false;
+    return (p / bs) % s->cfg.snapshot_stride == 0 || p == grid_floor(s, rq->prefill_end) || p == rq->junction;
+}
+
+/* The first snapshot point after position c, or INT64_MAX. */
+static int64_t next_snap_point(const k3_sched *s, const k3_rq *rq, int64_t c) {
+    if (!s->cfg.prefix_cache || s->sn->cap == 0) return INT64_MAX;
+    const int64_t bs = s->cfg.block_size, stride = (int64_t)s->cfg.snapshot_stride * bs;
+    int64_t p = (c / stride + 1) * stride;
+    const int64_t g = grid_floor(s, rq->prefill_end);
+    if (g > c && g < p) p = g;
+    if (rq->junction > c && rq->junction < p) p = rq->junction;
+    return p <= rq->prefill_end ? p : INT64_MAX;
+}
+
+/* Tokens rq can take this step from `budget`, on the grid unless it ends
+ * the prefill (0 = none now). */
+static int32_t chunk(const k3_sched *s, const k3_rq *rq, int32_t budget, int32_t plp_left) {
+    const int64_t c = rq->n_computed, need = rq->n_tok - c;
+    int64_t n = need < budget ? need : budget;
+    if (rq->plp && c < rq->n_prompt && n > plp_left) n = plp_left;
+    if (n < need) n = grid_floor(s, c + n) - c;
+    const int64_t p = next_snap_point(s, rq, c);
+    if (p < c + n) n = p - c;
+    return n > 0 ? (int32_t)n : 0;
+}
+
+static int32_t blocks_for(const k3_sched *s, int64_t n_tokens) {
+    return (int32_t)((n_tokens + s->cfg.block_size - 1) / s->cfg.block_size);
+}
+
+/* Prefix lookup: *hit tokens (with a snapshot), blocks in out[], *attn the
+ * blocks that match at all. */
+static void lookup(k3_sched *s, const k3_rq *rq, int32_t *out, int32_t *n_hit_blocks, int32_t *n_attn) {
+    *n_hit_blocks = *n_attn = 0;
+    if (!s->cfg.prefix_cache || !rq->read_cache) return;
+    const int32_t bs = s->cfg.block_size;
+    const int64_t max_blocks = (rq->n_tok - 1) / bs; /* leave a token to compute */
+    int32_t k = 0, best = 0;
+    for (; k < max_blocks && k < rq->n_hash; k++) {
+        const uint64_t parent = k ? rq->hash[k - 1] : s->cfg.hash_seed;
+        const int32_t b = k3_kv_lookup(s->bm, rq->hash[k], parent, 0, rq->tok + (int64_t)k * bs);
+        if (b < 0) break;
+        out[k] = b;
+        if (k3_kv_snap_has(s->sn, rq->hash[k], (int64_t)(k + 1) * bs)) best = k + 1;
+    }
+    *n_attn = k;
+    *n_hit_blocks = best;
+}
+
+/* True when a running request is about to compute rq's next block itself. */
+static bool next_block_pending(const k3_sched *s, const k3_rq *rq, int32_t k) {
+    if (!s->cfg.prefix_cache || !rq->read_cache || k >= rq->n_hash) return false;
+    const int64_t end = (int64_t)(k + 1) * s->cfg.block_size;
+    for (int32_t i = 0; i < s->n_running; i++) {
+        const k3_rq *r = s->running[i];
+        if (r->n_hash > k && r->hash[k] == rq->hash[k] && r->n_computed < end && r->prefill_end >= end)
+            return true;
+    }
+    return false;
+}
+
+void k3_sched_schedule(k3_sched *s) {
+    const int32_t bs = s->cfg.block_size;
+    int32_t budget = s->cfg.max_tokens, plp_left = s->cfg.plp_cap;
+    s->n_plan = 0;
+    s->plan_tokens = 0;
+    bool preempted = false;
+
+    /* 1. running requests, oldest first */
+    for (int32_t i = 0; i < s->n_running && budget > 0; i++) {
+        k3_rq *rq = s->running[i];
+        rq->is_new = false;
+        const int32_t n = chunk(s, rq, budget, plp_left);
+        if (n == 0) continue;
+        const int32_t need = blocks_for(s, rq->n_computed + n) - rq->n_blocks;
+        bool self = false;
+        while (need > s->bm->n_free) {
+            k3_rq *victim = s->running[s->n_running - 1];
+            preempted = true;
+            preempt(s, victim);
+            if (victim == rq) {
+                self = true;
+                break;
+            }
+        }
+        if (self) break;
+        for (int32_t b = 0; b < need; b++) rq->blocks[rq->n_blocks++] = k3_kv_alloc(s->bm);
+        rq->n_sched = n;
+        s->plan[s->n_plan++] = rq;
+        s->plan_tokens += n;
+        budget -= n;
+        if (rq->plp && rq->n_computed < rq->n_prompt) plp_left -= n;
+    }
+
+    /* 2. waiting requests, in order, unless this step preempted */
+    for (int32_t w = 0; !preempted && w < s->n_waiting && budget > 0 && s->n_free_slots > 0;) {
+        k3_rq *rq = s->waiting[w];
+        int32_t n_hit = 0, n_attn = 0;
+        lookup(s, rq, rq->blocks, &n_hit, &n_attn); /* the table is empty while waiting */
+        if (next_block_pending(s, rq, n_hit)) {
+            w++; /* it waits for that block (and its snapshot) */
+            continue;
+        }
+        rq->n_computed = (int64_t)n_hit * bs;
+        rq->prefill_end = rq->n_tok;
+        rq->junction = n_attn > n_hit ? (int64_t)n_attn * bs : 0;
+        const int32_t n = chunk(s, rq, budget, plp_left);
+        /* blocks: the hit ones that sit on the free list count against it */
+        int32_t from_free = 0;
+        for (int32_t k = 0; k < n_hit; k++) from_free += s->bm->ref[rq->blocks[k]] == 0;
+        const int32_t need = blocks_for(s, rq->n_computed + n) - n_hit;
+        if (n == 0 || need + from_free > s->bm->n_free) {
+            rq->n_computed = 0;
+            rq->junction = 0;
+            break;
+        }
+        for (int32_t k = 0; k < n_hit; k++) k3_kv_ref(s->bm, rq->blocks[k]);
+        rq->n_blocks = n_hit;
+        for (int32_t b = 0; b < need; b++) rq->blocks[rq->n_blocks++] = k3_kv_alloc(s->bm);
+        rq->n_registered = n_hit;
+        rq->restore = n_hit ? k3_kv_snap_find(s->sn, rq->hash[n_hit - 1], (int64_t)n_hit * bs) : NULL;
+        if (s->cfg.prefix_cache && rq->read_cache) {
+            s->prefix_queries += rq->n_tok;
+            s->prefix_hits += rq->n_computed;
+        }
+        if (!rq->admitted_once) rq->n_cached = rq->n_computed;
+        rq->admitted_once = true;
+        rq->slot = s->free_slots[--s->n_free_slots];
+        rq->state = K3_RQ_RUNNING;
+        rq->is_new = true;
+        rq->events |= K3_EV_SCHEDULED;
+        rq->n_sched = n;
+        waiting_remove(s, w);
+        s->running[s->n_running++] = rq;
+        s->plan[s->n_plan++] = rq;
+        s->plan_tokens += n;
+        budget -= n;
+        if (rq->plp) plp_left -= n;
+    }
+}
+
+void *k3_sched_computed(k3_sched *s, k3_rq *rq) {
+    const int32_t bs = s->cfg.block_size;
+    rq->n_computed += rq->n_sched;
+    rq->n_sched = 0;
+    rq->is_new = false;
+    rq->restore = NULL;
+    if (!s->cfg.prefix_cache) return NULL;
+    while (rq->n_registered < rq->n_hash && (int64_t)(rq->n_registered + 1) * bs <= rq->n_computed) {
+        const int32_t k = rq->n_registered++;
+        k3_kv_register(s->bm, rq->blocks[k], rq->hash[k], k ? rq->hash[k - 1] : s->cfg.hash_seed, 0,
+                       rq->tok + (int64_t)k * bs);
+    }
+    const int64_t p = rq->n_computed;
+    if (!is_snap_point(s, rq, p) || p / bs > rq->n_hash) return NULL;
+    const uint64_t key = rq->hash[p / bs - 1];
+    if (k3_kv_snap_has(s->sn, key, p)) return NULL;
+    return k3_kv_snap_put(s->sn, key, p);
+}
+
+int64_t k3_sched_blocks_held(const k3_sched *s) {
+    int64_t n = 0;
+    for (int32_t i = 0; i < s->n_running; i++) n += s->running[i]->n_blocks;
+    for (int32_t i = 0; i < s->n_waiting; i++) n += s->waiting[i]->n_blocks;
+    return n;
+}

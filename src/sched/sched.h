@@ -1,0 +1,104 @@
+/*
+ * sched.h -- the scheduler of the engine (vLLM V1 semantics) and the request
+ * state it works on.
+ *
+ * A step has a token budget (max_num_batched_tokens) and at most max_seqs
+ * running requests (a running request holds one sequence slot of the
+ * context). Running requests are scheduled first, in the order they were
+ * admitted: a decode takes 1 token, a partial prefill its next chunk; then
+ * waiting requests are admitted in arrival order while the budget, the slots
+ * and the free blocks last. A chunk that does not finish the request's
+ * prefill ends on the block grid, and at the next KDA snapshot point, so the
+ * boundary state can be taken. When a running request needs a block and none
+ * is free, the newest running request is preempted by recompute: its blocks
+ * are released (their hashes stay in the prefix cache), it goes back to the
+ * front of the queue and later recomputes its prompt and the tokens it had
+ * generated; its sampler is kept, so it goes on with the same tokens. No
+ * request is admitted in a step that preempted.
+ *
+ * Prefix cache (at admission): the longest run of the request's full blocks
+ * found in the index, cut back to the last boundary that also has a KDA
+ * snapshot (and to leave at least one token to compute). The blocks are
+ * shared (reference counts), the snapshot restores the slot's KDA state. If
+ * the attention blocks match further than the snapshot, that boundary (the
+ * junction where this prompt leaves a cached one) becomes a snapshot point
+ * of this request, so the next request with the same prefix hits all of it.
+ * A waiting request whose next block is being computed right now by a
+ * running request (same hash) waits for it instead of computing it twice.
+ */
+#ifndef K3_SCHED_SCHED_H
+#define K3_SCHED_SCHED_H
+
+#include "k3.h"
+#include "kv/kv.h"
+
+typedef enum { K3_RQ_WAITING = 0, K3_RQ_RUNNING, K3_RQ_DONE } k3_rq_state;
+
+typedef struct k3_rq {
+    uint64_t id;
+    k3_rq_state state;
+    /* tokens: the prompt, then what was generated */
+    int32_t *tok;
+    int64_t n_tok, cap_tok, n_prompt;
+    int64_t n_computed;           /* tokens in the cache (the slot's position) */
+    int64_t prefill_end;          /* n_tok when it was (re)admitted */
+    int32_t slot;                 /* -1 unless running */
+    int32_t *blocks;              /* [max_blocks] block table */
+    int32_t n_blocks;
+    uint64_t *hash;               /* [max_blocks] chain hash of each full block of tok */
+    int32_t n_hash, n_registered; /* hashed; registered in the index */
+    int64_t junction;             /* extra snapshot point (0 = none) */
+    bool read_cache;              /* may take prefix hits */
+    bool plp;                     /* wants prompt logprobs: chunks capped */
+    int64_t n_cached;             /* prompt tokens served by the cache (first admission) */
+    bool admitted_once;
+    /* this step */
+    int32_t n_sched;              /* tokens scheduled */
+    bool is_new;                  /* admitted by this step: set the slot up */
+    const void *restore;          /* snapshot to restore into the slot, NULL = zero state */
+    uint32_t events;              /* K3_EV_* since the last step */
+    void *owner;                  /* the engine's part of the request */
+} k3_rq;
+
+typedef struct k3_sched_config {
+    int32_t max_seqs, max_tokens, block_size, max_blocks;
+    int32_t snapshot_stride;      /* blocks */
+    int32_t plp_cap;              /* prompt-logprob rows per step (a block multiple) */
+    bool prefix_cache;
+    uint64_t hash_seed;
+} k3_sched_config;
+
+typedef struct k3_sched {
+    k3_sched_config cfg;
+    k3_kv_blocks *bm;
+    k3_kv_snaps *sn;
+    k3_rq **running;              /* [max_seqs] admission order, newest last */
+    int32_t n_running;
+    k3_rq **waiting;              /* arrival order (preempted ones in front) */
+    int32_t n_waiting, cap_waiting;
+    int32_t *free_slots, n_free_slots;
+    k3_rq **plan;                 /* [max_seqs] this step's requests, in batch order */
+    int32_t n_plan, plan_tokens;
+    /* counters */
+    int64_t n_preemptions, prefix_queries, prefix_hits;
+} k3_sched;
+
+k3_status k3_sched_init(k3_sched *s, const k3_sched_config *cfg, k3_kv_blocks *bm, k3_kv_snaps *sn,
+                        k3_error *err);
+void k3_sched_free(k3_sched *s);
+/* Hashes the full blocks of rq->tok that are not hashed yet. */
+void k3_sched_hash(k3_sched *s, k3_rq *rq);
+/* Queues rq (at the back). */
+k3_status k3_sched_add(k3_sched *s, k3_rq *rq, k3_error *err);
+/* Plans one step into s->plan (preempting as needed). */
+void k3_sched_schedule(k3_sched *s);
+/* After the forward pass: rq's scheduled tokens are in the cache; registers
+ * its newly full blocks. Returns a buffer to save the slot's KDA state into
+ * when rq now stands on one of its snapshot points, else NULL. */
+void *k3_sched_computed(k3_sched *s, k3_rq *rq);
+/* Ends rq wherever it is: releases its blocks and slot. */
+void k3_sched_release(k3_sched *s, k3_rq *rq);
+/* Blocks held by requests' tables, for checks. */
+int64_t k3_sched_blocks_held(const k3_sched *s);
+
+#endif /* K3_SCHED_SCHED_H */
