@@ -1,0 +1,250 @@
+/* test_chat_json.c -- k3_chat_encode_json against Moonshot's own encoder
+ * (tests/golden/chat/cases.json: tools/official_chat_goldens.py runs the
+ * official tokenizer's apply_chat_template over models/k3-mini's vocabulary),
+ * k3_chat_parse_reply against the official rendering of assistant turns
+ * (replies.json), and Python's float repr (floats.txt). */
+#include <jansson.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "k3.h"
+#include "test.h"
+#include "tokenizer/chat_json.h"
+
+#define GOLDEN "tests/golden/chat/"
+
+static const char *str_or_null(json_t *o, const char *key) {
+    return json_string_value(json_object_get(o, key));
+}
+
+K3_TEST(chat_json_equals_official_encoder) {
+    k3_tokenizer *t = NULL;
+    k3_error err = {0};
+    REQUIREF(k3_tokenizer_open(&t, "models/k3-mini", &err) == K3_OK, "%s", err.msg);
+    json_error_t je;
+    json_t *cases = json_load_file(GOLDEN "cases.json", 0, &je);
+    REQUIREF(json_is_array(cases) && json_array_size(cases) >= 20, "cases.json: %s", je.text);
+    size_t i;
+    json_t *c;
+    int n_ok = 0, n_err = 0;
+    json_array_foreach(cases, i, c) {
+        const char *name = str_or_null(c, "name");
+        k3_chat_options opt = {
+            .add_generation_prompt = json_is_true(json_object_get(c, "add_generation_prompt")),
+            .thinking = json_is_true(json_object_get(c, "thinking")),
+            .thinking_effort = str_or_null(c, "thinking_effort"),
+            .tool_choice = str_or_null(c, "tool_choice"),
+            .response_format = str_or_null(c, "response_format"),
+        };
+        int32_t *ids = NULL;
+        size_t n = 0;
+        k3_error e = {0};
+        k3_status st = k3_chat_encode_json(t, str_or_null(c, "messages"), str_or_null(c, "tools"),
+                                           &opt, &ids, &n, &e);
+        if (json_is_true(json_object_get(c, "error"))) {
+            CHECKF(st == K3_ERR_ARG && e.msg[0], "%s: expected K3_ERR_ARG, got %d", name, st);
+            n_err++;
+            continue;
+        }
+        json_t *want = json_object_get(c, "ids");
+        CHECKF(st == K3_OK, "%s: %s", name, e.msg);
+        if (st != K3_OK) continue;
+        size_t nw = json_array_size(want), k = 0;
+        while (k < n && k < nw && ids[k] == json_integer_value(json_array_get(want, k))) k++;
+        CHECKF(n == nw && k == n, "%s: %zu ids, official %zu, first difference at %zu (%d vs %d)",
+               name, n, nw, k, k < n ? ids[k] : -1,
+               k < nw ? (int)json_integer_value(json_array_get(want, k)) : -1);
+        if (n == nw && k == n) n_ok++;
+        free(ids);
+    }
+    CHECK(n_err == 3);
+    CHECK(n_ok + n_err == (int)json_array_size(cases));
+    json_decref(cases);
+    k3_tokenizer_free(t);
+}
+
+static bool same(const char *a, const char *b) {
+    return (!a && !b) || (a && b && !strcmp(a, b));
+}
+
+K3_TEST(chat_reply_parses_official_rendering) {
+    json_error_t je;
+    json_t *cases = json_load_file(GOLDEN "replies.json", 0, &je);
+    REQUIREF(json_is_array(cases) && json_array_size(cases) == 5, "replies.json: %s", je.text);
+    size_t i;
+    json_t *c;
+    json_array_foreach(cases, i, c) {
+        const char *name = str_or_null(c, "name"), *text = str_or_null(c, "text");
+        json_t *calls = json_object_get(c, "tool_calls");
+        bool want_error = false;
+        for (size_t k = 0; k < json_array_size(calls); k++)
+            want_error |= json_is_null(json_object_get(json_array_get(calls, k), "arguments"));
+        k3_chat_reply r;
+        k3_error e = {0};
+        k3_status st = k3_chat_parse_reply(text, strlen(text),
+                                           json_is_true(json_object_get(c, "thinking")), &r, &e);
+        if (want_error) {
+            CHECKF(st == K3_ERR_FORMAT && e.msg[0], "%s: expected K3_ERR_FORMAT, got %d", name, st);
+            CHECK(!r.content && !r.tool_calls_json && !r.reasoning);
+            continue;
+        }
+        REQUIREF(st == K3_OK, "%s: %s", name, e.msg);
+        CHECKF(same(r.reasoning, str_or_null(c, "reasoning")), "%s: reasoning %s", name,
+               r.reasoning ? r.reasoning : "(null)");
+        CHECKF(same(r.content, str_or_null(c, "content")), "%s: content %s", name,
+               r.content ? r.content : "(null)");
+        CHECKF(r.n_tool_calls == (int32_t)json_array_size(calls), "%s: %d calls", name,
+               r.n_tool_calls);
+        if (json_array_size(calls)) {
+            json_t *got = json_loads(r.tool_calls_json, 0, &je);
+            REQUIREF(json_is_array(got), "%s: tool_calls_json %s", name, r.tool_calls_json);
+            for (size_t k = 0; k < json_array_size(calls) && k < json_array_size(got); k++) {
+                json_t *g = json_array_get(got, k), *w = json_array_get(calls, k);
+                json_t *fn = json_object_get(g, "function");
+                const char *id = str_or_null(g, "id");
+                CHECKF(id && !strncmp(id, "call_", 5) && strlen(id) == 29, "%s: id %s", name, id);
+                CHECK(same(str_or_null(g, "type"), "function"));
+                CHECK(same(str_or_null(fn, "name"), str_or_null(w, "name")));
+                CHECKF(same(str_or_null(fn, "arguments"), str_or_null(w, "arguments")),
+                       "%s: arguments %s, official %s", name, str_or_null(fn, "arguments"),
+                       str_or_null(w, "arguments"));
+            }
+            if (json_array_size(got) == 2) {
+                const char *a = str_or_null(json_array_get(got, 0), "id");
+                const char *b = str_or_null(json_array_get(got, 1), "id");
+                CHECK(a && b && strcmp(a, b));
+            }
+            json_decref(got);
+        } else {
+            CHECK(!r.tool_calls_json);
+        }
+        /* every prefix (a reply cut off by max_tokens) parses, and never
+         * yields more than the whole */
+        for (size_t cut = 0; cut < strlen(text); cut++) {
+            k3_chat_reply p;
+            k3_error pe = {0};
+            k3_status ps = k3_chat_parse_reply(text, cut, json_is_true(json_object_get(c, "thinking")),
+                                               &p, &pe);
+            CHECKF(ps == K3_OK && p.n_tool_calls <= r.n_tool_calls, "%s cut at %zu: %s", name, cut,
+                   pe.msg);
+            k3_chat_reply_free(&p);
+        }
+        k3_chat_reply_free(&r);
+    }
+    json_decref(cases);
+}
+
+K3_TEST(chat_reply_rejects_bad_arguments) {
+    static const struct {
+        const char *text;
+        k3_status st;
+    } cases[] = {
+        {"<|open|>tools<|sep|><|open|>call tool=\"f\" index=\"1\"<|sep|><|open|>argument key=\"n\" "
+         "type=\"number\"<|sep|>twelve<|close|>argument<|sep|><|close|>call<|sep|>", K3_ERR_FORMAT},
+        {"<|open|>tools<|sep|><|open|>call tool=\"f\" index=\"1\"<|sep|><|open|>argument key=\"n\" "
+         "type=\"object\"<|sep|>[1]<|close|>argument<|sep|><|close|>call<|sep|>", K3_ERR_FORMAT},
+        {"<|open|>tools<|sep|><|open|>call tool=\"f\" index=\"1\"<|sep|><|open|>argument key=\"n\" "
+         "type=\"boolean\"<|sep|>yes<|close|>argument<|sep|><|close|>call<|sep|>", K3_ERR_FORMAT},
+        {"<|open|>tools<|sep|><|open|>call tool=\"f\" index=\"1\"<|sep|><|open|>argument key=\"n\" "
+         "type=\"integer\"<|sep|>1<|close|>argument<|sep|><|close|>call<|sep|>", K3_ERR_FORMAT},
+        {"<|open|>tools<|sep|><|open|>call index=\"1\"<|sep|><|close|>call<|sep|>", K3_ERR_FORMAT},
+        {"<|open|>tools<|sep|>garbage", K3_ERR_FORMAT},
+        /* an incomplete value is a cut, not an error */
+        {"<|open|>tools<|sep|><|open|>call tool=\"f\" index=\"1\"<|sep|><|open|>argument key=\"n\" "
+         "type=\"number\"<|sep|>1", K3_OK},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        char text[512];
+        snprintf(text, sizeof text, "ok<|close|>response<|sep|>%s", cases[i].text);
+        k3_chat_reply r;
+        k3_error e = {0};
+        k3_status st = k3_chat_parse_reply(text, strlen(text), false, &r, &e);
+        CHECKF(st == cases[i].st, "case %zu: status %d (%s)", i, st, e.msg);
+        if (st == K3_OK) CHECK(r.n_tool_calls == 0 && same(r.content, "ok"));
+        else CHECK(strstr(e.msg, "tool call") || strstr(e.msg, "malformed"));
+        k3_chat_reply_free(&r);
+    }
+    /* a reply with reasoning that was never closed */
+    k3_chat_reply r;
+    k3_error e = {0};
+    CHECK(k3_chat_parse_reply("thinking so far", 15, true, &r, &e) == K3_OK);
+    CHECK(same(r.reasoning, "thinking so far") && !r.content && !r.tool_calls_json);
+    k3_chat_reply_free(&r);
+    CHECK(k3_chat_parse_reply("", 0, true, &r, &e) == K3_OK);
+    CHECK(!r.reasoning && !r.content);
+    k3_chat_reply_free(&r);
+}
+
+K3_TEST(chat_json_rejects_bad_requests) {
+    k3_tokenizer *t = NULL;
+    k3_error err = {0};
+    REQUIREF(k3_tokenizer_open(&t, "models/k3-mini", &err) == K3_OK, "%s", err.msg);
+    static const struct {
+        const char *messages, *tools, *tool_choice, *response_format, *effort, *needle;
+        k3_status st;
+    } cases[] = {
+        {"[{\"role\":\"user\",\"content\":\"x\"", NULL, NULL, NULL, NULL, "not valid JSON", K3_ERR_ARG},
+        {"{\"role\":\"user\"}", NULL, NULL, NULL, NULL, "array", K3_ERR_ARG},
+        {"[{\"role\":\"developer\",\"content\":\"x\"}]", NULL, NULL, NULL, NULL, "message 0", K3_ERR_ARG},
+        {"[{\"content\":\"x\"}]", NULL, NULL, NULL, NULL, "no role", K3_ERR_ARG},
+        {"[1]", NULL, NULL, NULL, NULL, "message 0", K3_ERR_ARG},
+        {"[{\"role\":\"user\",\"content\":5}]", NULL, NULL, NULL, NULL, "content", K3_ERR_ARG},
+        {"[{\"role\":\"user\",\"content\":[{\"type\":\"image_url\",\"image_url\":{}}]}]", NULL, NULL,
+         NULL, NULL, "image", K3_ERR_UNSUPPORTED},
+        {"[{\"role\":\"user\",\"content\":\"x\"}]", "{}", NULL, NULL, NULL, "tools", K3_ERR_ARG},
+        {"[{\"role\":\"user\",\"content\":\"x\"}]", NULL, "sometimes", NULL, NULL, "tool_choice", K3_ERR_ARG},
+        {"[{\"role\":\"user\",\"content\":\"x\"}]", NULL, NULL, "{\"type\":\"yaml\"}", NULL, "yaml", K3_ERR_ARG},
+        {"[{\"role\":\"user\",\"content\":\"x\"}]", NULL, NULL, NULL, "", "thinking_effort", K3_ERR_ARG},
+        {"[{\"role\":\"assistant\",\"tool_calls\":[{\"function\":{\"arguments\":{}}}]}]", NULL, NULL,
+         NULL, NULL, "function name", K3_ERR_ARG},
+        {"[{\"role\":\"assistant\",\"tool_calls\":[{\"function\":{\"name\":\"f\",\"arguments\":3}}]}]",
+         NULL, NULL, NULL, NULL, "arguments", K3_ERR_ARG},
+        {"[{\"role\":\"user\",\"name\":3,\"content\":\"x\"}]", NULL, NULL, NULL, NULL, "name", K3_ERR_ARG},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        k3_chat_options opt = {.add_generation_prompt = true, .thinking = true,
+                               .tool_choice = cases[i].tool_choice,
+                               .response_format = cases[i].response_format,
+                               .thinking_effort = cases[i].effort};
+        int32_t *ids = (int32_t *)&opt;
+        size_t n = 7;
+        k3_error e = {0};
+        k3_status st = k3_chat_encode_json(t, cases[i].messages, cases[i].tools, &opt, &ids, &n, &e);
+        CHECKF(st == cases[i].st && strstr(e.msg, cases[i].needle), "case %zu: %d %s", i, st, e.msg);
+        CHECK(!ids && !n);
+    }
+    /* nesting is capped before jansson recurses */
+    char deep[2100];
+    size_t k = 0;
+    k += (size_t)snprintf(deep, sizeof deep, "[{\"role\":\"user\",\"content\":\"x\",\"x\":");
+    for (int d = 0; d < 1000; d++) deep[k++] = '[';
+    for (int d = 0; d < 1000; d++) deep[k++] = ']';
+    memcpy(deep + k, "}]", 3);
+    k3_chat_options opt = {.thinking = true};
+    int32_t *ids;
+    size_t n;
+    k3_error e = {0};
+    CHECK(k3_chat_encode_json(t, deep, NULL, &opt, &ids, &n, &e) == K3_ERR_ARG);
+    CHECK(strstr(e.msg, "deeper") != NULL);
+    k3_tokenizer_free(t);
+}
+
+K3_TEST(chat_json_float_repr_equals_python) {
+    FILE *f = fopen(GOLDEN "floats.txt", "r");
+    REQUIRE(f);
+    char hex[64], want[64];
+    int n = 0, bad = 0;
+    while (fscanf(f, "%63s %63s", hex, want) == 2) {
+        double v = strtod(hex, NULL);
+        k3_sbuf b = {0};
+        k3_pyjson_float(&b, v);
+        const char *got = k3_sbuf_cstr(&b);
+        if (!got || strcmp(got, want)) {
+            if (bad++ < 5) k3_test_fail(__FILE__, __LINE__, "%s: %s, Python %s", hex, got, want);
+        }
+        k3_sbuf_free(&b);
+        n++;
+    }
+    fclose(f);
+    CHECKF(n > 500 && !bad, "%d floats, %d differ", n, bad);
+}
