@@ -331,6 +331,7 @@ static int usage(void) {
             "  tokenize  text to token ids, or ids to text with --decode\n"
             "  eval      perplexity of a model over a text file\n"
             "  bench     prefill/decode speed against the measured memory bandwidth\n"
+            "  serve     an OpenAI-compatible HTTP server (see cmd_serve.c)\n"
             "run `k3 <command> --help` for its options\n");
     return 2;
 }
@@ -343,6 +344,7 @@ int main(int argc, char **argv) {
     if (!strcmp(cmd, "tokenize")) return k3_cmd_tokenize(argc - 1, argv + 1);
     if (!strcmp(cmd, "eval")) return k3_cmd_eval(argc - 1, argv + 1);
     if (!strcmp(cmd, "bench")) return k3_cmd_bench(argc - 1, argv + 1);
+    if (!strcmp(cmd, "serve")) return k3_cmd_serve(argc - 1, argv + 1);
     if (!strcmp(cmd, "-h") || !strcmp(cmd, "--help") || !strcmp(cmd, "help")) {
         usage();
         return 0;
