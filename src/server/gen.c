@@ -76,6 +76,7 @@ typedef struct job {
     int32_t **prompts;
     int64_t *n_prompt;
     bool chat, stream, include_usage, echo, thinking;
+    bool tok_ids; /* return_tokens_as_token_ids: logprob tokens as "token_id:N" */
     int logprobs; /* -1 none, else top n */
     k3_stops stops;
     char id[64];
@@ -497,12 +498,22 @@ static const char *finish_str(const choice *c, bool tool_calls) {
     }
 }
 
-static json_t *tok_str(struct k3_server *s, int32_t id) {
+static json_t *tok_str_raw(struct k3_server *s, int32_t id) {
     size_t len = 0;
     const char *p = k3_tokenizer_token(s->tok, id, &len);
     if (!p) return json_string("");
     return k3_srv_jstr(p, len);
 }
+
+static json_t *tok_name(job *j, int32_t id) {
+    if (j->tok_ids) {
+        char b[32];
+        snprintf(b, sizeof b, "token_id:%d", id);
+        return json_string(b);
+    }
+    return tok_str_raw(j->s, id);
+}
+#define tok_str(s, id) tok_name(j, id)
 
 /* Legacy completions logprobs for tokens [a, b) of c (generated), appended
  * to the four arrays of lp; offset is the running text offset. */
@@ -961,7 +972,8 @@ enum MHD_Result k3_srv_generate(struct k3_server *s, struct MHD_Connection *conn
               get_int(root, "seed", INT64_MIN, INT64_MAX, &seed, &e) &&
               get_int(root, "max_tokens", 0, 1 << 30, &max_tokens, &e) &&
               get_int(root, "min_tokens", 0, 1 << 30, &min_tokens, &e) && get_bool(root, "stream", &stream, &e) &&
-              get_bool(root, "ignore_eos", &ignore_eos, &e) && parse_stops(root, &j->stops, &e);
+              get_bool(root, "ignore_eos", &ignore_eos, &e) && parse_stops(root, &j->stops, &e) &&
+              get_bool(root, "return_tokens_as_token_ids", &j->tok_ids, &e);
     if (ok && chat) ok = get_int(root, "max_completion_tokens", 0, 1 << 30, &max_tokens, &e);
     if (ok && !chat) ok = get_bool(root, "echo", &echo, &e) && get_int(root, "logprobs", 0, MAX_TOP, &logprobs, &e);
     if (ok && chat) {
