@@ -31,6 +31,17 @@ k3_status k3_cli_open_model(k3_model **m, const char *dir, const char *quant, bo
 /* Parses a --kv-cache value ("f32" or "c8"); 0 on success. */
 int k3_cli_parse_kv(const char *s, k3_kv_type *out);
 
+/* `k3 eval --base-url`: a window of ids scored through /v1/completions with
+ * echo + logprobs (cmd_eval_remote.c). lp[r] = logprob of ids[r + 1],
+ * top1[r] = the server's most likely id there (-1 if not given); 0 on
+ * success, else -1 with why. */
+typedef struct k3_eval_remote k3_eval_remote;
+int k3_eval_remote_open(k3_eval_remote **out, const char *base_url, const char *model, const char *api_key,
+                        char *why, size_t why_len);
+int k3_eval_remote_window(k3_eval_remote *r, const int32_t *ids, size_t len, double *lp, int32_t *top1, char *why,
+                          size_t why_len);
+void k3_eval_remote_close(k3_eval_remote *r);
+
 /* The model directory used when -m is not given. */
 #define K3_DEFAULT_MODEL "models/k3-mini"
 

@@ -7,6 +7,11 @@
  * after the first is scored once with at least ctx - stride tokens of
  * context (the first window's tokens with less). Progress goes to stderr;
  * the last line on stdout is `ppl <float> bits_per_byte <float> tokens <int>`.
+ *
+ * With --base-url URL the same windows are scored by a server through
+ * /v1/completions with echo + logprobs (cmd_eval_remote.c; -m gives the
+ * tokenizer, and with --compare-fp32 the local fp32 reference), so a
+ * deployment prints the figures of the offline run on the same model and mode.
  */
 #include <errno.h>
 #include <math.h>
@@ -28,7 +33,10 @@ static int usage_eval(void) {
             "  --quant MODE    none | w8a8 | w8a8-mxfp8 | w4a8 | w8a8+w4a8\n"
             "  --mmap          keep the weights in the file mapping\n"
             "  --kv-cache f32|c8\n"
-            "  --compare-fp32  also report top-1 agreement with the unquantized f32 run\n");
+            "  --compare-fp32  also report top-1 agreement with the unquantized f32 run\n"
+            "  --base-url URL  score through a server's /v1/completions (echo + logprobs)\n"
+            "  --model NAME    the served model name (default: the first of /v1/models)\n"
+            "  --api-key KEY   Bearer key for --base-url (default: $K3_API_KEY)\n");
     return 2;
 }
 
@@ -84,6 +92,7 @@ int k3_cmd_eval(int argc, char **argv) {
     k3_cli_parse_kv(K3_DEFAULT_KV, &kv);
     long ctx_len = 512, stride = 0, max_tok = 0;
     int compare = 0;
+    const char *base_url = NULL, *served = NULL, *api_key = getenv("K3_API_KEY");
     long n = sysconf(_SC_NPROCESSORS_ONLN);
     int threads = n < 1 ? 1 : n > 64 ? 64 : (int)n;
     for (int i = 1; i < argc; i++) {
@@ -97,6 +106,9 @@ int k3_cmd_eval(int argc, char **argv) {
         else if (!strcmp(argv[i], "--quant") && has) quant = argv[++i];
         else if (!strcmp(argv[i], "--mmap")) keep_mapped = true;
         else if (!strcmp(argv[i], "--compare-fp32")) compare = 1;
+        else if (!strcmp(argv[i], "--base-url") && has) base_url = argv[++i];
+        else if (!strcmp(argv[i], "--model") && has) served = argv[++i];
+        else if (!strcmp(argv[i], "--api-key") && has) api_key = argv[++i];
         else if (!strcmp(argv[i], "--kv-cache") && has) {
             if (k3_cli_parse_kv(argv[++i], &kv)) return usage_eval();
         }
@@ -118,6 +130,9 @@ int k3_cmd_eval(int argc, char **argv) {
     int32_t *ids = NULL;
     float *logits = NULL, *rlogits = NULL;
     char *text = NULL;
+    k3_eval_remote *remote = NULL;
+    double *rlp = NULL;
+    int32_t *rtop = NULL;
     int rc = 1;
     size_t n_bytes = 0, n_ids = 0;
     char why[600];
@@ -126,8 +141,17 @@ int k3_cmd_eval(int argc, char **argv) {
         fprintf(stderr, "k3 eval: %s\n", why);
         return 1;
     }
-    if (k3_cli_open_model(&m, dir, quant, keep_mapped, &err) || k3_tokenizer_open(&tok, dir, &err) ||
-        k3_tokenizer_encode(tok, text, n_bytes, &ids, &n_ids, &err))
+    if (base_url) {
+        if (k3_eval_remote_open(&remote, base_url, served, api_key, why, sizeof why)) {
+            fprintf(stderr, "k3 eval: %s\n", why);
+            goto out;
+        }
+        /* the local model only for the fp32 reference */
+        if (compare && k3_model_open(&m, dir, &err)) goto fail;
+    } else if (k3_cli_open_model(&m, dir, quant, keep_mapped, &err)) {
+        goto fail;
+    }
+    if (k3_tokenizer_open(&tok, dir, &err) || k3_tokenizer_encode(tok, text, n_bytes, &ids, &n_ids, &err))
         goto fail;
     if (max_tok && (size_t)max_tok < n_ids) {
         /* count only the bytes of the scored tokens */
@@ -143,16 +167,31 @@ int k3_cmd_eval(int argc, char **argv) {
         fprintf(stderr, "k3 eval: %s has fewer than 2 tokens\n", text_path);
         goto out;
     }
-    k3_model_info info;
-    k3_model_get_info(m, &info);
+    k3_model_info info = {.vocab_size = k3_tokenizer_n_vocab(tok), .max_positions = ctx_len};
+    if (m) k3_model_get_info(m, &info);
     if (ctx_len > info.max_positions) ctx_len = info.max_positions;
     if (stride > ctx_len) stride = ctx_len;
     if (k3_pool_init(&pool, threads, &err)) goto fail;
     k3_ctx_options co = {.max_seqs = 1, .max_tokens = ctx_len, .pool = pool, .kv_cache = kv};
-    if (k3_ctx_init(&ctx, m, &co, &err)) goto fail;
+    if (!remote && k3_ctx_init(&ctx, m, &co, &err)) goto fail;
     const int64_t V = info.vocab_size;
-    logits = malloc(sizeof(float) * (size_t)(V * ctx_len));
-    if (compare) {
+    if (remote) {
+        rlp = malloc(sizeof *rlp * (size_t)ctx_len);
+        rtop = malloc(sizeof *rtop * (size_t)ctx_len);
+        if (!rlp || !rtop) {
+            fprintf(stderr, "k3 eval: out of memory\n");
+            goto out;
+        }
+        if (compare) { /* the fp32 reference is the model opened above */
+            rm = m;
+            m = NULL;
+            k3_ctx_options ro = {.max_seqs = 1, .max_tokens = ctx_len, .pool = pool, .kv_cache = K3_KV_F32};
+            if (k3_ctx_init(&rctx, rm, &ro, &err)) goto fail;
+            rlogits = malloc(sizeof(float) * (size_t)(V * ctx_len));
+        }
+    }
+    logits = remote ? malloc(sizeof(float)) : malloc(sizeof(float) * (size_t)(V * ctx_len));
+    if (compare && !remote) {
         k3_ctx_options ro = {.max_seqs = 1, .max_tokens = ctx_len, .pool = pool, .kv_cache = K3_KV_F32};
         if (k3_model_open(&rm, dir, &err) || k3_ctx_init(&rctx, rm, &ro, &err)) goto fail;
         rlogits = malloc(sizeof(float) * (size_t)(V * ctx_len));
@@ -168,9 +207,16 @@ int k3_cmd_eval(int argc, char **argv) {
     clock_gettime(CLOCK_MONOTONIC, &t0);
     for (size_t start = 0; next < n_ids; start += (size_t)stride) {
         size_t len = n_ids - start < (size_t)ctx_len ? n_ids - start : (size_t)ctx_len;
-        k3_ctx_seq_reset(ctx, 0);
         k3_batch_seq b = {0, (int32_t)len, ids + start};
-        if (k3_ctx_forward(ctx, &b, 1, K3_LOGITS_ALL, logits, &err)) goto fail;
+        if (remote) {
+            if (k3_eval_remote_window(remote, ids + start, len, rlp, rtop, why, sizeof why)) {
+                fprintf(stderr, "\nk3 eval: %s\n", why);
+                goto out;
+            }
+        } else {
+            k3_ctx_seq_reset(ctx, 0);
+            if (k3_ctx_forward(ctx, &b, 1, K3_LOGITS_ALL, logits, &err)) goto fail;
+        }
         if (compare) {
             k3_ctx_seq_reset(rctx, 0);
             if (k3_ctx_forward(rctx, &b, 1, K3_LOGITS_ALL, rlogits, &err)) goto fail;
@@ -179,9 +225,10 @@ int k3_cmd_eval(int argc, char **argv) {
         for (size_t r = 0; r + 1 < len; r++) {
             const size_t target = start + r + 1;
             if (target < next) continue;
-            nll += nll_of(logits + r * V, V, ids[target]);
+            nll += remote ? -rlp[r] : nll_of(logits + r * V, V, ids[target]);
             scored++;
-            if (compare) agree += argmax(logits + r * V, V) == argmax(rlogits + r * V, V);
+            if (compare)
+                agree += (remote ? rtop[r] : argmax(logits + r * V, V)) == argmax(rlogits + r * V, V);
         }
         next = start + len;
         clock_gettime(CLOCK_MONOTONIC, &t1);
@@ -211,6 +258,9 @@ out:
     free(ids);
     free(logits);
     free(rlogits);
+    free(rlp);
+    free(rtop);
+    k3_eval_remote_close(remote);
     k3_ctx_free(ctx);
     k3_ctx_free(rctx);
     k3_model_close(rm);

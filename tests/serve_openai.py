@@ -447,10 +447,25 @@ def main():
                                   "--threads", "1", prompt], capture_output=True, timeout=120, text=True)
             ref = out.stdout.rstrip("\n")[len(prompt):]
             assert r.choices[0].text == ref, (r.choices[0].text, ref)
+            # accuracy through the API: the offline figures, to the last digit
+            ev = [K3, "eval", "-m", MINI, "--text", "data/heldout/austen.txt", "--max-tokens", "600",
+                  "--ctx", "256", "--threads", "1", "--compare-fp32"]
+            off = subprocess.run(ev, capture_output=True, timeout=300, text=True)
+            on = subprocess.run(ev + ["--base-url", sm.url], capture_output=True, timeout=300, text=True)
+            assert off.returncode == 0 and on.returncode == 0, (off.stderr[-300:], on.stderr[-300:])
+            assert off.stdout.splitlines()[-2:] == on.stdout.splitlines()[-2:], (off.stdout, on.stdout)
+            # k3 bench serve against it
+            bs = subprocess.run([K3, "bench", "serve", "--base-url", sm.url, "--tokenizer", MINI,
+                                 "--random-input-len", "32", "--random-output-len", "8", "--num-prompts", "8",
+                                 "--max-concurrency", "4", "--ignore-eos", "--json"],
+                                capture_output=True, timeout=300, text=True)
+            rep = json.loads(bs.stdout.splitlines()[-1])
+            assert bs.returncode == 0 and rep["completed"] == 8 and rep["failed"] == 0, bs.stdout + bs.stderr
+            assert rep["total_output_tokens"] == 64 and rep["mean_ttft_ms"] > 0 and rep["mean_tpot_ms"] > 0, rep
         finally:
             sm.stop()
 
-    check("k3-mini greedy equals k3 run", t_mini)
+    check("k3-mini: greedy equals k3 run, eval --base-url equals offline eval, bench serve", t_mini)
 
 
 def cleanup(*_):
