@@ -13,6 +13,7 @@ int k3_cmd_eval(int argc, char **argv);
 int k3_cmd_bench(int argc, char **argv);
 int k3_cmd_serve(int argc, char **argv);
 int k3_cmd_bench_serve(int argc, char **argv);
+int k3_cmd_bench_throughput(int argc, char **argv); /* `k3 bench throughput` */
 
 #include "k3.h"
 

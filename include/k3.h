@@ -437,6 +437,8 @@ typedef struct k3_engine_stats {
     int64_t requests_finished[K3_FINISH_ERROR + 1]; /* by finish reason */
     int64_t max_model_len, cache_tokens;
     int64_t state_bytes_per_seq;          /* one KDA snapshot */
+    int64_t n_snapshot_saves, n_snapshot_restores; /* KDA snapshots taken / restored */
+    double snapshot_save_s, snapshot_restore_s;    /* time spent taking / restoring them */
 } k3_engine_stats;
 
 k3_status k3_engine_open(k3_engine **out, const k3_model *m, const k3_engine_options *opt,

@@ -59,6 +59,9 @@ expect_ok "eval" "$K3" eval -m "$TINY" --text "$TMP/t.txt" --ctx 8
 tail -n 1 "$TMP/out" | grep -qE '^ppl [0-9.]+ bits_per_byte [0-9.]+ tokens [0-9]+$' && ok "eval last line" || bad "eval last line" "$TMP/out"
 expect_ok "bench --json" "$K3" bench -m "$TINY" --runs 1 --prompts 16 --decode-tokens 2 --membw-mb 64 --json
 python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); [d[k] for k in ("prefill_tok_s","prefill_gflops","decode_tok_s","bytes_per_token","effective_gbps","mem_bw_gbps")]; assert 0 <= d["decode_runs_steady"] <= d["runs"] and d["bandwidth_fraction"] > 0' "$TMP/out" 2>/dev/null && ok "bench --json fields" || bad "bench --json fields" "$TMP/out"
+expect_ok "bench throughput --json" "$K3" bench throughput -m "$TINY" --num-prompts 6 --max-concurrency 3 --input-len 40 --output-len 5 --prefix-len 32 --block-size 16 --threads 1 --json
+python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); [d[k][s] for k in ("ttft_ms","tpot_ms","itl_ms") for s in ("mean","median","p99")]; assert d["output_throughput"] > 0 and d["total_token_throughput"] > d["output_throughput"] and d["request_throughput"] > 0 and 0 < d["prefix_cache_hit_rate"] < 1 and d["preemptions"] >= 0' "$TMP/out" 2>/dev/null && ok "bench throughput --json fields" || bad "bench throughput --json fields" "$TMP/out"
+expect_fail "bench throughput bad prefix" "bad option" "$K3" bench throughput -m "$TINY" --input-len 16 --prefix-len 16
 printf 'Hello, world! 12345 don'"'"'t\r\n' >"$TMP/h.txt"
 "$K3" tokenize --vocab ../shared/data/tokenizers/cl100k_base.tiktoken --pattern cl100k <"$TMP/h.txt" >"$TMP/ids" 2>"$TMP/err" &&
     "$K3" tokenize --vocab ../shared/data/tokenizers/cl100k_base.tiktoken --pattern cl100k --decode <"$TMP/ids" >"$TMP/back" 2>>"$TMP/err" &&

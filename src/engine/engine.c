@@ -90,6 +90,8 @@ struct k3_engine {
     float *logits;                /* [(max_seqs + plp_cap) * V] */
     float *row;                   /* [V] a copy for sampling */
     int64_t prompt_tokens, generation_tokens, finished_by[K3_FINISH_ERROR + 1];
+    int64_t n_snap_saves, n_snap_restores;
+    double snap_save_s, snap_restore_s;
 };
 
 double k3_engine_now(void) {
@@ -593,6 +595,10 @@ static void publish_stats(k3_engine *e) {
     st->prompt_tokens = e->prompt_tokens;
     st->generation_tokens = e->generation_tokens;
     memcpy(st->requests_finished, e->finished_by, sizeof st->requests_finished);
+    st->n_snapshot_saves = e->n_snap_saves;
+    st->n_snapshot_restores = e->n_snap_restores;
+    st->snapshot_save_s = e->snap_save_s;
+    st->snapshot_restore_s = e->snap_restore_s;
     pthread_mutex_unlock(&e->mu);
 }
 
@@ -660,8 +666,14 @@ k3_status k3_engine_step(k3_engine *e, k3_step_result *res, k3_error *err) {
         k3_rq *rq = s->plan[i];
         req *r = rq->owner;
         if (rq->is_new) {
-            if (rq->restore) k3_ctx_state_restore(e->ctx, rq->slot, rq->restore);
-            else k3_ctx_seq_clear_state(e->ctx, rq->slot);
+            if (rq->restore) {
+                const double t0 = k3_engine_now();
+                k3_ctx_state_restore(e->ctx, rq->slot, rq->restore);
+                e->snap_restore_s += k3_engine_now() - t0;
+                e->n_snap_restores++;
+            } else {
+                k3_ctx_seq_clear_state(e->ctx, rq->slot);
+            }
             k3_ctx_seq_set_pos(e->ctx, rq->slot, rq->n_computed);
             if (r->t_scheduled == 0) r->t_scheduled = t_in;
         }
@@ -699,7 +711,12 @@ k3_status k3_engine_step(k3_engine *e, k3_step_result *res, k3_error *err) {
         const int32_t n = rq->n_sched;
         if (c < rq->n_prompt) e->prompt_tokens += (c + n < rq->n_prompt ? c + n : rq->n_prompt) - c;
         void *snap = k3_sched_computed(s, rq);
-        if (snap) k3_ctx_state_save(e->ctx, rq->slot, snap);
+        if (snap) {
+            const double t0 = k3_engine_now();
+            k3_ctx_state_save(e->ctx, rq->slot, snap);
+            e->snap_save_s += k3_engine_now() - t0;
+            e->n_snap_saves++;
+        }
         const float *lg = NULL;
         if (e->want[i] == K3_WANT_ALL) {
             prompt_logprobs(e, r, e->logits + row * e->V, c, n);
