@@ -329,6 +329,9 @@ def main():
         expect_status(lambda: c.completions.create(model=M, prompt="x", n=99), 400)
         expect_status(lambda: c.completions.create(model=M, prompt=[99999999]), 400)
         expect_status(lambda: c.completions.create(model=M, prompt=""), 400)
+        expect_status(lambda: c.completions.create(model=M, prompt="x", presence_penalty=0.5), 400)
+        expect_status(lambda: c.completions.create(model=M, prompt="x", logit_bias={"5": 10}), 400)
+        expect_status(lambda: c.completions.create(model=M, prompt="x", stream_options={"include_usage": True}), 400)
         mml = c.models.list().data[0].model_extra["max_model_len"]
         e = expect_status(lambda: c.completions.create(model=M, prompt=[5] * (mml + 1), max_tokens=1), 400)
         assert "length" in str(e) or "context" in str(e), e

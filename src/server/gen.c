@@ -201,11 +201,9 @@ static void on_output(struct k3_server *s, const k3_req_output *o, double t) {
     }
 }
 
-static atomic_bool gen_quit;
-
 static void *engine_main(void *arg) {
     struct k3_server *s = arg;
-    while (!atomic_load(&gen_quit) || k3_engine_has_work(s->engine)) {
+    while (!atomic_load(&s->gen_quit) || k3_engine_has_work(s->engine)) {
         if (!k3_engine_has_work(s->engine)) {
             k3_engine_wait(s->engine, 0.1);
             continue;
@@ -226,7 +224,7 @@ static void *engine_main(void *arg) {
 }
 
 k3_status k3_srv_gen_start(struct k3_server *s, k3_error *err) {
-    atomic_store(&gen_quit, false);
+    atomic_store(&s->gen_quit, false);
     if (pthread_create(&s->eng_thread, NULL, engine_main, s))
         return k3_err(err, K3_ERR_NOMEM, "cannot start the engine thread");
     s->eng_started = true;
@@ -235,7 +233,7 @@ k3_status k3_srv_gen_start(struct k3_server *s, k3_error *err) {
 
 void k3_srv_gen_stop(struct k3_server *s) {
     if (!s->eng_started) return;
-    atomic_store(&gen_quit, true);
+    atomic_store(&s->gen_quit, true);
     pthread_join(s->eng_thread, NULL);
     s->eng_started = false;
 }
@@ -975,6 +973,20 @@ enum MHD_Result k3_srv_generate(struct k3_server *s, struct MHD_Connection *conn
               get_bool(root, "ignore_eos", &ignore_eos, &e) && parse_stops(root, &j->stops, &e) &&
               get_bool(root, "return_tokens_as_token_ids", &j->tok_ids, &e);
     if (ok && chat) ok = get_int(root, "max_completion_tokens", 0, 1 << 30, &max_tokens, &e);
+    /* fields k3 does not implement are refused, not ignored */
+    static const char *zero_only[] = {"presence_penalty", "frequency_penalty"};
+    for (int k = 0; ok && k < 2; k++) {
+        json_t *v = json_object_get(root, zero_only[k]);
+        if (v && !json_is_null(v) && (!json_is_number(v) || json_number_value(v) != 0.0))
+            ok = bad(&e, 400, "\"%s\" is not supported (use repetition_penalty)", zero_only[k]);
+    }
+    json_t *lb = json_object_get(root, "logit_bias"), *bo = json_object_get(root, "best_of"),
+           *sfx = json_object_get(root, "suffix");
+    if (ok && lb && !json_is_null(lb) && !(json_is_object(lb) && json_object_size(lb) == 0))
+        ok = bad(&e, 400, "\"logit_bias\" is not supported");
+    if (ok && bo && !json_is_null(bo) && !(json_is_integer(bo) && json_integer_value(bo) <= n))
+        ok = bad(&e, 400, "\"best_of\" is not supported");
+    if (ok && sfx && !json_is_null(sfx)) ok = bad(&e, 400, "\"suffix\" is not supported");
     if (ok && !chat) ok = get_bool(root, "echo", &echo, &e) && get_int(root, "logprobs", 0, MAX_TOP, &logprobs, &e);
     if (ok && chat) {
         bool want = false;

@@ -29,6 +29,7 @@ struct k3_server {
     /* the engine thread (gen.c) */
     pthread_t eng_thread;
     bool eng_started;
+    atomic_bool gen_quit;
     pthread_mutex_t fail_mu;
     bool failed;
     k3_error fail_err;
