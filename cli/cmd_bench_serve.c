@@ -230,8 +230,8 @@ static size_t to_sbuf(char *p, size_t size, size_t n, void *ud) {
 static char *first_model(const char *base, const char *key, char *why, size_t why_len) {
     CURL *h = curl_easy_init();
     if (!h) return NULL;
-    char url[2048], auth[1100];
-    snprintf(url, sizeof url, "%s/v1/models", base);
+    char url[2100], auth[1100];
+    snprintf(url, sizeof url, "%.2047s/v1/models", base);
     struct curl_slist *hdr = NULL;
     if (key && *key) {
         snprintf(auth, sizeof auth, "Authorization: Bearer %s", key);

@@ -35,6 +35,7 @@ static int usage_serve(void) {
             "  --max-waiting N              waiting requests before 503 (default 256)\n"
             "  --cache-tokens N             cache pool size in tokens (default: from the machine)\n"
             "  --no-prefix-cache            turn prefix caching off\n"
+            "  --snapshot-mb N              byte budget of the prefix cache's KDA snapshots (default: the engine's)\n"
             "  --quant MODE                 none | w8a8 | w8a8-mxfp8 | w4a8 | w8a8+w4a8 (default %s)\n"
             "  --kv-cache f32|c8            cache format (default %s)\n"
             "  --mmap                       keep the weights in the file mapping\n"
@@ -64,7 +65,7 @@ int k3_cmd_serve(int argc, char **argv) {
     const char *dir = K3_DEFAULT_MODEL, *host = "127.0.0.1", *api_key = NULL, *name = NULL;
     const char *quant = K3_DEFAULT_QUANT, *kv_name = K3_DEFAULT_KV;
     long port = 8000, max_len = 0, max_seqs = 0, max_batched = 0, max_waiting = 256, cache_tokens = 0;
-    long max_body = 0, timeout = 0;
+    long max_body = 0, timeout = 0, snapshot_mb = 0;
     bool keep_mapped = false, no_prefix = false;
     const long nproc = sysconf(_SC_NPROCESSORS_ONLN);
     long threads = nproc < 1 ? 1 : nproc > 64 ? 64 : nproc;
@@ -83,6 +84,7 @@ int k3_cmd_serve(int argc, char **argv) {
         else if (ARG("--max-num-batched-tokens")) max_batched = parse_long(argv[++i], &bad);
         else if (ARG("--max-waiting")) max_waiting = parse_long(argv[++i], &bad);
         else if (ARG("--cache-tokens")) cache_tokens = parse_long(argv[++i], &bad);
+        else if (ARG("--snapshot-mb")) snapshot_mb = parse_long(argv[++i], &bad);
         else if (ARG("--quant")) quant = argv[++i];
         else if (ARG("--kv-cache")) kv_name = argv[++i];
         else if (ARG("--threads")) threads = parse_long(argv[++i], &bad);
@@ -99,7 +101,7 @@ int k3_cmd_serve(int argc, char **argv) {
     }
     k3_kv_type kv;
     if (bad || port > 65535 || threads < 1 || max_seqs > 1 << 20 || max_batched > 1 << 24 ||
-        max_waiting > 1 << 20) {
+        max_waiting > 1 << 20 || snapshot_mb > 1 << 24) {
         fprintf(stderr, "k3 serve: a numeric option is not a non-negative integer in range\n");
         return 2;
     }
@@ -131,6 +133,7 @@ int k3_cmd_serve(int argc, char **argv) {
                             .cache_tokens = cache_tokens,
                             .kv_cache = kv,
                             .no_prefix_cache = no_prefix,
+                            .snapshot_bytes = (int64_t)snapshot_mb << 20,
                             .max_waiting = (int32_t)max_waiting,
                             .eos_ids = eos,
                             .n_eos_ids = n_eos,

@@ -438,7 +438,17 @@ def main():
                      ("32 concurrent streams equal alone", t_concurrent), ("prefix cache hit", t_prefix_cache),
                      ("503 when busy, API key", t_busy_and_key)]:
         check(name, fn)
-    s.stop()
+
+    def t_shutdown():
+        # a stream in flight when SIGTERM comes: the server still exits cleanly (status 0)
+        st = c.completions.create(model=M, prompt="Hello", max_tokens=3000, temperature=0, stream=True,
+                                  extra_body={"ignore_eos": True})
+        next(iter(st))
+        s.stop()
+        assert s.proc.returncode == 0, s.proc.returncode
+        assert "shutting down" in "".join(s.log), s.log[-3:]
+
+    check("SIGTERM shuts down cleanly", t_shutdown)
 
     def t_mini():
         sm = Server(MINI)
