@@ -13,7 +13,9 @@
  *
  * Figures: request, output and total token throughput over the wall time;
  * TTFT (submit -> first token), TPOT ((last - first token) / (out - 1)) and
- * ITL (each gap between a request's tokens) as mean, median and p99; the
+ * ITL (each gap between a request's tokens) as mean, median and p99, and
+ * the ITL of the gaps after every request was submitted and all in flight
+ * were decoding (with --long-prompt: until the long prompt is done); the
  * prefix cache hit rate (hit / queried prompt tokens); preemptions; KDA
  * snapshot size and the mean time to take and to restore one.
  */
@@ -149,7 +151,7 @@ int k3_cmd_bench_throughput(int argc, char **argv) {
     k3_engine *e = NULL;
     int32_t *prompts = NULL, *long_prompt = NULL;
     track *tr = NULL;
-    double *ttft = NULL, *tpot = NULL, *itl = NULL;
+    double *ttft = NULL, *tpot = NULL, *itl = NULL, *itl2 = NULL;
     int rc = 1;
     if (k3_cli_open_model(&m, dir, quant, keep_mapped, &err) || k3_pool_init(&pool, (int)threads, &err)) goto fail;
     k3_model_info info;
@@ -207,11 +209,14 @@ int k3_cmd_bench_throughput(int argc, char **argv) {
     ttft = malloc(sizeof(double) * (size_t)n_track);
     tpot = malloc(sizeof(double) * (size_t)n_track);
     itl = malloc(sizeof(double) * (size_t)(num * out_len + 1));
-    if (!tr || !ttft || !tpot || !itl) {
+    itl2 = malloc(sizeof(double) * (size_t)(num * out_len + 1));
+    if (!tr || !ttft || !tpot || !itl || !itl2) {
         fprintf(stderr, "k3 bench throughput: out of memory\n");
         goto out;
     }
-    int64_t n_itl = 0;
+    int64_t n_itl = 0, n_itl2 = 0;
+    double t_mark = 0; /* when every request had been submitted and all in flight were decoding */
+    bool long_done = false;
     long next = 0, done = 0, in_flight = 0;
     bool long_sent = long_len == 0;
     const uint64_t first_id = 1;
@@ -232,12 +237,15 @@ int k3_cmd_bench_throughput(int argc, char **argv) {
             next++;
             in_flight++;
         }
-        if (!long_sent) {
+        if (t_mark == 0 && next == num) {
             /* all submitted in flight are decoding? */
             bool all = in_flight > 0;
             for (long i = 0; i < n_track && all; i++)
                 if (tr[i].id && !tr[i].done && !tr[i].long_one && tr[i].n_out == 0) all = false;
-            if (all) {
+            if (all) t_mark = k3_engine_now();
+        }
+        if (!long_sent && t_mark > 0) {
+            {
                 k3_request_params p = {.prompt = long_prompt, .n_prompt = long_len, .max_tokens = 1,
                                        .ignore_eos = true, .logprobs = -1, .prompt_logprobs = -1};
                 p.sampling = (k3_sampler_options){.top_p = 1, .repeat_penalty = 1};
@@ -258,7 +266,10 @@ int k3_cmd_bench_throughput(int argc, char **argv) {
             track *t = &tr[o->id - first_id];
             if (o->n_new > 0) {
                 if (t->n_out == 0) t->t_first = sr.t;
-                else if (!t->long_one) itl[n_itl++] = sr.t - t->t_last;
+                else if (!t->long_one) {
+                    itl[n_itl++] = sr.t - t->t_last;
+                    if (t_mark > 0 && t->t_last >= t_mark && !long_done) itl2[n_itl2++] = sr.t - t->t_last;
+                }
                 t->t_last = sr.t;
                 t->n_out += o->n_new;
             }
@@ -269,6 +280,7 @@ int k3_cmd_bench_throughput(int argc, char **argv) {
                     goto out;
                 }
                 t->done = true;
+                if (t->long_one) long_done = true;
                 done++;
                 if (!t->long_one) in_flight--;
                 t_end = sr.t;
@@ -290,9 +302,10 @@ int k3_cmd_bench_throughput(int argc, char **argv) {
         if (tr[i].n_out > 1) tpot[n_p++] = (tr[i].t_last - tr[i].t_first) / (tr[i].n_out - 1);
     }
     for (int64_t i = 0; i < n_itl; i++) itl[i] *= 1e3;
+    for (int64_t i = 0; i < n_itl2; i++) itl2[i] *= 1e3;
     for (long i = 0; i < n_t; i++) ttft[i] *= 1e3;
     for (long i = 0; i < n_p; i++) tpot[i] *= 1e3;
-    const dist d_ttft = summarize(ttft, n_t), d_tpot = summarize(tpot, n_p), d_itl = summarize(itl, n_itl);
+    const dist d_ttft = summarize(ttft, n_t), d_tpot = summarize(tpot, n_p), d_itl = summarize(itl, n_itl), d_itl2 = summarize(itl2, n_itl2);
     const double out_tok = (double)num * (double)out_len, in_tok = (double)num * (double)in_len + (double)long_len;
     const double hit_rate = st.prefix_queries ? (double)st.prefix_hits / (double)st.prefix_queries : 0.0;
     const double snap_take_ms = st.n_snapshot_saves ? st.snapshot_save_s / (double)st.n_snapshot_saves * 1e3 : 0;
@@ -308,6 +321,7 @@ int k3_cmd_bench_throughput(int argc, char **argv) {
                "\"ttft_ms\": {\"mean\": %.3f, \"median\": %.3f, \"p99\": %.3f}, "
                "\"tpot_ms\": {\"mean\": %.3f, \"median\": %.3f, \"p99\": %.3f}, "
                "\"itl_ms\": {\"mean\": %.3f, \"median\": %.3f, \"p99\": %.3f}, "
+               "\"itl_decoding_ms\": {\"mean\": %.3f, \"median\": %.3f, \"p99\": %.3f, \"n\": %lld}, "
                "\"long_prompt_ttft_ms\": %.3f, \"snapshot_bytes_each\": %lld, \"snapshots_taken\": %lld, "
                "\"snapshot_take_ms\": %.4f, \"snapshots_restored\": %lld, \"snapshot_restore_ms\": %.4f, "
                "\"cache_tokens\": %lld, \"max_num_seqs\": %d}\n",
@@ -315,7 +329,7 @@ int k3_cmd_bench_throughput(int argc, char **argv) {
                no_prefix ? "false" : "true", wall, num / wall, out_tok / wall, (out_tok + in_tok) / wall, hit_rate,
                (long long)st.prefix_queries, (long long)st.prefix_hits, (long long)st.n_preemptions, d_ttft.mean,
                d_ttft.median, d_ttft.p99, d_tpot.mean, d_tpot.median, d_tpot.p99, d_itl.mean, d_itl.median,
-               d_itl.p99, long_ttft * 1e3, (long long)st.state_bytes_per_seq, (long long)st.n_snapshot_saves,
+               d_itl.p99, d_itl2.mean, d_itl2.median, d_itl2.p99, (long long)n_itl2, long_ttft * 1e3, (long long)st.state_bytes_per_seq, (long long)st.n_snapshot_saves,
                snap_take_ms, (long long)st.n_snapshot_restores, snap_restore_ms, (long long)st.cache_tokens,
                eo.max_num_seqs);
     } else {
@@ -326,6 +340,8 @@ int k3_cmd_bench_throughput(int argc, char **argv) {
         printf("TTFT ms                 mean %.2f  median %.2f  p99 %.2f\n", d_ttft.mean, d_ttft.median, d_ttft.p99);
         printf("TPOT ms                 mean %.2f  median %.2f  p99 %.2f\n", d_tpot.mean, d_tpot.median, d_tpot.p99);
         printf("ITL ms                  mean %.2f  median %.2f  p99 %.2f\n", d_itl.mean, d_itl.median, d_itl.p99);
+        printf("ITL ms, all decoding     mean %.2f  median %.2f  p99 %.2f (%lld gaps%s)\n", d_itl2.mean, d_itl2.median,
+               d_itl2.p99, (long long)n_itl2, long_len ? ", while the long prompt ran" : "");
         printf("prefix_cache_hit_rate   %.4f (%lld of %lld prompt tokens)\n", hit_rate, (long long)st.prefix_hits,
                (long long)st.prefix_queries);
         printf("preemptions             %lld\n", (long long)st.n_preemptions);
@@ -345,6 +361,7 @@ out:
     free(ttft);
     free(tpot);
     free(itl);
+    free(itl2);
     k3_engine_close(e);
     k3_pool_free(pool);
     k3_model_close(m);
