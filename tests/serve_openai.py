@@ -230,6 +230,7 @@ def main():
         assert cs[-2].choices[0].finish_reason == "length"
 
     def t_stop():
+        stops0 = metric(s.metrics(), "vllm:request_success_total", finished_reason="stop") or 0
         full = greedy(c, M, "Once upon a time", 24).choices[0].text
         k = len(full) // 2
         stop = full[k:k + 3]
@@ -243,6 +244,14 @@ def main():
         text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
         assert text == want and stop not in text, (text, want)
         assert chunks[-1].choices[0].finish_reason == "stop"
+        # the engine reports the cancelled requests at its next step; they count as "stop"
+        deadline = time.time() + 10
+        while time.time() < deadline:
+            stops = metric(s.metrics(), "vllm:request_success_total", finished_reason="stop") or 0
+            if stops >= stops0 + 2:
+                break
+            time.sleep(0.05)
+        assert stops == stops0 + 2, (stops0, stops)
 
     def t_n2_seed():
         r = c.completions.create(model=M, prompt="Hello", max_tokens=10, temperature=1.0, n=2, seed=7,

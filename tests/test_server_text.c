@@ -89,13 +89,16 @@ K3_TEST(server_metrics_histogram_text) {
     st.prefix_queries = 100;
     st.prefix_hits = 64;
     st.n_snapshots = 5;
-    st.requests_finished[K3_FINISH_LENGTH] = 9;
+    for (int i = 0; i < 9; i++) k3_metrics_finished(&m, K3_FINISH_LENGTH);
+    k3_metrics_finished(&m, K3_FINISH_CANCELLED);
     k3_buf b = {0};
     k3_metrics_render(&m, &st, "tiny", 64, &b);
     REQUIRE(b.p && !b.oom);
     CHECK(strstr(b.p, "vllm:num_requests_running{model_name=\"tiny\"} 3\n"));
     CHECK(strstr(b.p, "vllm:prefix_cache_hits_total{model_name=\"tiny\"} 64\n"));
     CHECK(strstr(b.p, "vllm:request_success_total{finished_reason=\"length\",model_name=\"tiny\"} 9\n"));
+    CHECK(strstr(b.p, "vllm:request_success_total{finished_reason=\"abort\",model_name=\"tiny\"} 1\n"));
+    CHECK(strstr(b.p, "vllm:request_success_total{finished_reason=\"stop\",model_name=\"tiny\"} 0\n"));
     CHECK(strstr(b.p, "k3:kda_snapshots{model_name=\"tiny\"} 5\n"));
     /* cumulative buckets: 0.003 is under le=0.005, 0.3 under le=0.5, 1e6 only in +Inf */
     CHECK(strstr(b.p, "vllm:time_to_first_token_seconds_bucket{le=\"0.001\",model_name=\"tiny\"} 0\n"));

@@ -179,6 +179,8 @@ static void on_output(struct k3_server *s, const k3_req_output *o, double t) {
     c->n_generated = o->n_generated;
     bool fin = false;
     if (o->events & K3_EV_FINISHED) {
+        /* a stop string cancels the request: it finished with "stop" */
+        k3_metrics_finished(&s->metrics, o->finish == K3_FINISH_CANCELLED && c->stop_hit ? K3_FINISH_STOP : o->finish);
         c->finished = true;
         c->finish = o->finish;
         c->stop_id = o->stop_id;

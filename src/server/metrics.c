@@ -71,6 +71,13 @@ void k3_metrics_observe(k3_metrics *m, int which, double v) {
     pthread_mutex_unlock(&m->mu);
 }
 
+void k3_metrics_finished(k3_metrics *m, k3_finish_reason why) {
+    if ((int)why < 0 || why > K3_FINISH_ERROR) return;
+    pthread_mutex_lock(&m->mu);
+    m->finished[why]++;
+    pthread_mutex_unlock(&m->mu);
+}
+
 static void metric(k3_buf *o, const char *name, const char *type, const char *help, const char *model,
                    double v) {
     k3_buf_addf(o, "# HELP %s %s\n# TYPE %s %s\n%s{model_name=\"%s\"} %.17g\n", name, help, name, type, name,
@@ -97,9 +104,11 @@ void k3_metrics_render(k3_metrics *m, const k3_engine_stats *st, const char *mod
     k3_buf_addf(o, "# HELP vllm:request_success_total Count of successfully processed requests.\n"
                    "# TYPE vllm:request_success_total counter\n");
     static const char *reason[] = {NULL, "stop", "length", "abort", "error"};
+    pthread_mutex_lock(&m->mu);
     for (int r = K3_FINISH_STOP; r <= K3_FINISH_ERROR; r++)
-        k3_buf_addf(o, "vllm:request_success_total{finished_reason=\"%s\",model_name=\"%s\"} %lld\n", reason[r],
-                    model, (long long)st->requests_finished[r]);
+        k3_buf_addf(o, "vllm:request_success_total{finished_reason=\"%s\",model_name=\"%s\"} %llu\n", reason[r],
+                    model, (unsigned long long)m->finished[r]);
+    pthread_mutex_unlock(&m->mu);
     metric(o, "vllm:num_preemptions_total", "counter", "Cumulative number of preemption from the engine.", model,
            (double)st->n_preemptions);
     metric(o, "vllm:prefix_cache_queries_total", "counter",

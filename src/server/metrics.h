@@ -39,11 +39,15 @@ typedef struct k3_metrics {
     pthread_mutex_t mu;
     k3_hist h[K3_H_COUNT];
     uint64_t http_requests, http_errors;
+    /* engine requests finished, by the reason the client saw (a stop
+     * string ends a request by cancelling it, yet it finished with "stop") */
+    uint64_t finished[K3_FINISH_ERROR + 1];
 } k3_metrics;
 
 void k3_metrics_init(k3_metrics *m, int64_t max_model_len, int32_t max_num_batched_tokens);
 void k3_metrics_destroy(k3_metrics *m);
 void k3_metrics_observe(k3_metrics *m, int which, double v);
+void k3_metrics_finished(k3_metrics *m, k3_finish_reason why);
 /* Appends the whole /metrics text; st may be NULL (no engine: zeros). */
 void k3_metrics_render(k3_metrics *m, const k3_engine_stats *st, const char *model_name, int32_t block_size,
                        k3_buf *out);
