@@ -283,10 +283,12 @@ static char *random_text(const k3_tokenizer *tok, const int32_t *prefix, int n_p
         for (size_t i = 0; i < len;) {
             const unsigned char c = (unsigned char)text[i];
             size_t l = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 0;
-            if (l == 0 || i + l > len || !json_stringn(text + i, l)) {
+            json_t *one = l && i + l <= len ? json_stringn(text + i, l) : NULL;
+            if (!one) {
                 i++;
                 continue;
             }
+            json_decref(one);
             if (c == 0) {
                 i++;
                 continue;

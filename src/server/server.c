@@ -250,9 +250,10 @@ static enum MHD_Result dispatch(struct k3_server *s, struct MHD_Connection *c, c
             json_t *model = json_object_get(root, "model");
             if (model && !json_is_null(model) &&
                 (!json_is_string(model) || strcmp(json_string_value(model), s->model))) {
+                ret = k3_srv_error(s, c, 404, "the model `%s` does not exist (this server serves `%s`)",
+                                   json_is_string(model) ? json_string_value(model) : "?", s->model);
                 json_decref(root);
-                return k3_srv_error(s, c, 404, "the model `%s` does not exist (this server serves `%s`)",
-                                    json_is_string(model) ? json_string_value(model) : "?", s->model);
+                return ret;
             }
             if (i == 0) ret = route_tokenize(s, c, root);
             else if (i == 1) ret = route_detokenize(s, c, root);
