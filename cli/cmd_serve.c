@@ -41,7 +41,8 @@ static int usage_serve(void) {
             "  --mmap                       keep the weights in the file mapping\n"
             "  --threads N                  worker threads (default: all cores)\n"
             "  --max-body-bytes N           largest request body (default 4194304)\n"
-            "  --timeout S                  drop a client idle this long (default 30)\n",
+            "  --timeout S                  drop a client idle this long (default 30)\n"
+            "  --max-connections N          connections at once, one thread each (default 1024)\n",
             K3_DEFAULT_QUANT, K3_DEFAULT_KV);
     return 2;
 }
@@ -65,7 +66,7 @@ int k3_cmd_serve(int argc, char **argv) {
     const char *dir = K3_DEFAULT_MODEL, *host = "127.0.0.1", *api_key = NULL, *name = NULL;
     const char *quant = K3_DEFAULT_QUANT, *kv_name = K3_DEFAULT_KV;
     long port = 8000, max_len = 0, max_seqs = 0, max_batched = 0, max_waiting = 256, cache_tokens = 0;
-    long max_body = 0, timeout = 0, snapshot_mb = 0;
+    long max_body = 0, timeout = 0, snapshot_mb = 0, max_conn = 1024;
     bool keep_mapped = false, no_prefix = false;
     const long nproc = sysconf(_SC_NPROCESSORS_ONLN);
     long threads = nproc < 1 ? 1 : nproc > 64 ? 64 : nproc;
@@ -90,6 +91,7 @@ int k3_cmd_serve(int argc, char **argv) {
         else if (ARG("--threads")) threads = parse_long(argv[++i], &bad);
         else if (ARG("--max-body-bytes")) max_body = parse_long(argv[++i], &bad);
         else if (ARG("--timeout")) timeout = parse_long(argv[++i], &bad);
+        else if (ARG("--max-connections")) max_conn = parse_long(argv[++i], &bad);
         else if (!strcmp(a, "--mmap")) keep_mapped = true;
         else if (!strcmp(a, "--no-prefix-cache")) no_prefix = true;
         else if (!strcmp(a, "-h") || !strcmp(a, "--help")) return usage_serve();
@@ -101,7 +103,7 @@ int k3_cmd_serve(int argc, char **argv) {
     }
     k3_kv_type kv;
     if (bad || port > 65535 || threads < 1 || max_seqs > 1 << 20 || max_batched > 1 << 24 ||
-        max_waiting > 1 << 20 || snapshot_mb > 1 << 24) {
+        max_waiting > 1 << 20 || snapshot_mb > 1 << 24 || max_conn > 65536 || timeout > 86400) {
         fprintf(stderr, "k3 serve: a numeric option is not a non-negative integer in range\n");
         return 2;
     }
@@ -150,6 +152,7 @@ int k3_cmd_serve(int argc, char **argv) {
                             .engine = eng,
                             .max_body_bytes = (size_t)max_body,
                             .timeout_s = (int)timeout,
+                            .max_connections = (int)max_conn,
                             .version = "k3 0.1"};
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
@@ -163,7 +166,8 @@ int k3_cmd_serve(int argc, char **argv) {
             "max_num_seqs %ld, cache %lld tokens in %lld blocks, prefix cache %s\n",
             dir, name, quant, kv_name, threads, (long long)st.max_model_len, max_seqs ? max_seqs : 16,
             (long long)st.cache_tokens, (long long)st.blocks_total, no_prefix ? "off" : "on");
-    fprintf(stderr, "k3 serve: listening on http://%s:%d%s\n", strchr(host, ':') ? "[::]" : host,
+    const bool v6 = strchr(host, ':') != NULL;
+    fprintf(stderr, "k3 serve: listening on http://%s%s%s:%d%s\n", v6 ? "[" : "", host, v6 ? "]" : "",
             k3_server_port(srv), api_key && *api_key ? " (API key required)" : "");
 
     struct timespec t0;
