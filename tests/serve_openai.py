@@ -201,6 +201,11 @@ def main():
         # a prompt of token ids is the same request
         r3 = greedy(c, M, [39, 596, 78, 286, 267, 582], 8)
         assert r3.choices[0].text == r.choices[0].text
+        # several prompts in one request: one choice each, in order, each as if alone
+        r4 = greedy(c, M, ["Once upon a time", "Hello world"], 8)
+        assert [ch.index for ch in r4.choices] == [0, 1] and r4.choices[1].text == r.choices[0].text, r4
+        assert r4.choices[0].text == greedy(c, M, "Once upon a time", 8).choices[0].text
+        assert r4.usage.completion_tokens == 16
 
     def t_chat():
         r = c.chat.completions.create(model=M, messages=[{"role": "system", "content": "be brief"},
