@@ -372,6 +372,11 @@ typedef struct k3_request_params {
                                        token after the first, and n alternatives
                                        (such a request does not read the prefix cache) */
     void *user;                     /* returned in every output of the request */
+    const uint64_t *extra_keys;     /* NULL, or [n_prompt] (copied): a key per prompt
+                                       token mixed into the prefix-cache hash of its
+                                       block, 0 for plain text; e.g. an image's
+                                       content hash on its placeholder tokens, so
+                                       equal ids of different images never share */
 } k3_request_params;
 
 /* Events of a request since the previous step (bits of k3_req_output.events). */

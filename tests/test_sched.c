@@ -820,3 +820,39 @@ K3_TEST(kv_snapshots_budget_and_lru) {
     CHECK(sn.cap == 0 && !k3_kv_snap_put(&sn, 1, 1));
     k3_kv_snaps_free(&sn);
 }
+
+/* The same ids under other extra keys (another image) never share blocks;
+ * under the same keys they do. */
+K3_TEST(sched_prefix_extra_keys) {
+    k3_model *m = open_model("tests/models/tiny");
+    REQUIRE(m);
+    const int V = (int)m->cfg.vocab_size;
+    int32_t ids[80];
+    make_ids(ids, 80, V, 6);
+    uint64_t ka[80] = {0}, kb[80] = {0};
+    for (int i = 20; i < 40; i++) {
+        ka[i] = 0xAAAA;
+        kb[i] = 0xBBBB;
+    }
+    k3_engine_options o = {.max_num_seqs = 2, .cache_tokens = 512, .block_size = 16, .snapshot_stride = 1};
+    k3_engine *e = open_engine(m, &o);
+    REQUIRE(e);
+    const uint64_t *keys[4] = {ka, kb, ka, NULL};
+    int64_t cached[4];
+    for (int i = 0; i < 4; i++) {
+        k3_request_params p = {.prompt = ids, .n_prompt = 80, .max_tokens = 2, .logprobs = -1, .prompt_logprobs = -1,
+                               .extra_keys = keys[i]};
+        p.sampling = (k3_sampler_options){.top_p = 1, .repeat_penalty = 1};
+        uint64_t id;
+        k3_error err = {0};
+        REQUIRE(k3_engine_submit(e, &p, &id, &err) == K3_OK);
+        result r = {0};
+        drain(e, &r, id, 1);
+        cached[i] = r.n_cached;
+    }
+    /* block 0 (tokens 0-15) has no key: shared by all; blocks 1-2 carry the key */
+    CHECKF(cached[0] == 0 && cached[1] == 16 && cached[2] == 64 && cached[3] == 16, "cached %lld %lld %lld %lld",
+           (long long)cached[0], (long long)cached[1], (long long)cached[2], (long long)cached[3]);
+    k3_engine_close(e);
+    k3_model_close(m);
+}

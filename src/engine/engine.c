@@ -115,8 +115,10 @@ static int64_t cache_bytes_per_token(const k3_config *c, k3_kv_type kv) {
     return n;
 }
 
-static int64_t machine_avail_bytes(void) {
-    const long pages = sysconf(_SC_AVPHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
+/* free memory now (the defaults are sized from it) and physical memory (the
+ * limit a configuration is refused against) */
+static int64_t machine_bytes(bool total) {
+    const long pages = sysconf(total ? _SC_PHYS_PAGES : _SC_AVPHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
     if (pages <= 0 || psz <= 0) return (int64_t)1 << 34;
     return (int64_t)pages * psz;
 }
@@ -128,6 +130,8 @@ static void req_free(req *r) {
     free(r->rq.tok);
     free(r->rq.blocks);
     free(r->rq.hash);
+    free(r->rq.extra);
+    free((void *)r->rq.tok_extra);
     free(r->stop_ids);
     k3_sampler_free(r->smp);
     free(r->out_top);
@@ -203,9 +207,13 @@ k3_status k3_engine_open(k3_engine **out, const k3_model *m, const k3_engine_opt
                       (long long)o.max_model_len, (long long)c->max_positions);
 
     /* the pool */
-    const int64_t bpt = cache_bytes_per_token(c, o.kv_cache), avail = machine_avail_bytes();
+    const int64_t bpt = cache_bytes_per_token(c, o.kv_cache), avail = machine_bytes(false);
     k3_model_info info;
     k3_model_get_info(m, &info);
+    /* what the weights leave of the machine */
+    const int64_t phys = machine_bytes(true);
+    int64_t room = phys - info.weight_bytes;
+    if (room < phys / 4) room = phys / 4;
     const int64_t bs = o.block_size;
     int64_t tokens;
     if (o.cache_tokens) {
@@ -238,13 +246,13 @@ k3_status k3_engine_open(k3_engine **out, const k3_model *m, const k3_engine_opt
         if (snap_budget < 8 * info.state_bytes_per_seq) snap_budget = 8 * info.state_bytes_per_seq;
     }
     if (o.no_prefix_cache) snap_budget = 0;
-    if (pool_bytes + state_all + snap_budget > avail)
+    if (pool_bytes + state_all + snap_budget > room)
         return k3_err(err, K3_ERR_RANGE,
                       "engine: the cache pool (%lld tokens x %lld bytes = %lld MB), %d KDA states (%lld MB) and the snapshot budget (%lld MB) "
-                      "need %lld MB, over the %lld MB of free memory",
+                      "need %lld MB, over the %lld MB the machine has beside the weights",
                       (long long)tokens, (long long)bpt, (long long)(pool_bytes >> 20), o.max_num_seqs,
                       (long long)(state_all >> 20), (long long)(snap_budget >> 20),
-                      (long long)((pool_bytes + state_all + snap_budget) >> 20), (long long)(avail >> 20));
+                      (long long)((pool_bytes + state_all + snap_budget) >> 20), (long long)(room >> 20));
 
     k3_engine *e = calloc(1, sizeof *e);
     if (!e) return k3_err(err, K3_ERR_NOMEM, "engine: out of memory");
@@ -359,13 +367,21 @@ k3_status k3_engine_submit(k3_engine *e, const k3_request_params *p, uint64_t *i
     r->rq.tok = malloc(sizeof(int32_t) * (size_t)r->rq.cap_tok);
     r->rq.blocks = malloc(sizeof(int32_t) * (size_t)(e->max_blocks + 1));
     r->rq.hash = malloc(sizeof(uint64_t) * (size_t)(e->max_blocks + 1));
+    r->rq.extra = malloc(sizeof(uint64_t) * (size_t)(e->max_blocks + 1));
+    uint64_t *tx = NULL;
+    if (p->extra_keys) {
+        tx = malloc(sizeof(uint64_t) * (size_t)p->n_prompt);
+        if (tx) memcpy(tx, p->extra_keys, sizeof(uint64_t) * (size_t)p->n_prompt);
+        r->rq.tok_extra = tx;
+    }
     r->stop_ids = malloc(sizeof(int32_t) * (size_t)(p->n_stop_ids + 1));
     r->out_top = malloc(sizeof(k3_logprob) * (size_t)(n_top + 1));
     if (p->prompt_logprobs >= 0) {
         r->plp = calloc((size_t)p->n_prompt, sizeof(float));
         r->plp_top = calloc((size_t)(p->n_prompt * (n_top + 1)), sizeof(k3_logprob));
     }
-    if (!r->rq.tok || !r->rq.blocks || !r->rq.hash || !r->stop_ids || !r->out_top ||
+    if (!r->rq.tok || !r->rq.blocks || !r->rq.hash || !r->rq.extra || (p->extra_keys && !tx) || !r->stop_ids ||
+        !r->out_top ||
         (p->prompt_logprobs >= 0 && (!r->plp || !r->plp_top))) {
         req_free(r);
         return k3_err(err, K3_ERR_NOMEM, "submit: out of memory for a %lld-token request", (long long)total);
@@ -374,6 +390,7 @@ k3_status k3_engine_submit(k3_engine *e, const k3_request_params *p, uint64_t *i
     if (p->n_stop_ids) memcpy(r->stop_ids, p->stop_ids, sizeof(int32_t) * (size_t)p->n_stop_ids);
     r->p.prompt = r->rq.tok;
     r->p.stop_ids = r->stop_ids;
+    r->p.extra_keys = r->rq.tok_extra;
     r->p.logprobs = p->logprobs;
     r->rq.n_tok = r->rq.n_prompt = p->n_prompt;
     r->rq.slot = -1;

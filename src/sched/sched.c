@@ -38,7 +38,13 @@ void k3_sched_hash(k3_sched *s, k3_rq *rq) {
     const int32_t bs = s->cfg.block_size;
     while ((int64_t)(rq->n_hash + 1) * bs <= rq->n_tok && rq->n_hash < s->cfg.max_blocks) {
         const uint64_t parent = rq->n_hash ? rq->hash[rq->n_hash - 1] : s->cfg.hash_seed;
-        rq->hash[rq->n_hash] = k3_kv_hash_block(parent, 0, rq->tok + (int64_t)rq->n_hash * bs, bs);
+        /* the block's extra key: its tokens' keys folded (0 when all are 0) */
+        uint64_t x = 0;
+        if (rq->tok_extra)
+            for (int64_t i = (int64_t)rq->n_hash * bs; i < (int64_t)(rq->n_hash + 1) * bs && i < rq->n_prompt; i++)
+                if (rq->tok_extra[i]) x = k3_kv_hash_block(x ^ rq->tok_extra[i], (uint64_t)i, NULL, 0);
+        rq->extra[rq->n_hash] = x;
+        rq->hash[rq->n_hash] = k3_kv_hash_block(parent, x, rq->tok + (int64_t)rq->n_hash * bs, bs);
         rq->n_hash++;
     }
 }
@@ -154,7 +160,7 @@ static void lookup(k3_sched *s, const k3_rq *rq, int32_t *out, int32_t *n_hit_bl
     int32_t k = 0, best = 0;
     for (; k < max_blocks && k < rq->n_hash; k++) {
         const uint64_t parent = k ? rq->hash[k - 1] : s->cfg.hash_seed;
-        const int32_t b = k3_kv_lookup(s->bm, rq->hash[k], parent, 0, rq->tok + (int64_t)k * bs);
+        const int32_t b = k3_kv_lookup(s->bm, rq->hash[k], parent, rq->extra[k], rq->tok + (int64_t)k * bs);
         if (b < 0) break;
         out[k] = b;
         if (k3_kv_snap_has(s->sn, rq->hash[k], (int64_t)(k + 1) * bs)) best = k + 1;
@@ -264,7 +270,7 @@ void *k3_sched_computed(k3_sched *s, k3_rq *rq) {
     if (!s->cfg.prefix_cache) return NULL;
     while (rq->n_registered < rq->n_hash && (int64_t)(rq->n_registered + 1) * bs <= rq->n_computed) {
         const int32_t k = rq->n_registered++;
-        k3_kv_register(s->bm, rq->blocks[k], rq->hash[k], k ? rq->hash[k - 1] : s->cfg.hash_seed, 0,
+        k3_kv_register(s->bm, rq->blocks[k], rq->hash[k], k ? rq->hash[k - 1] : s->cfg.hash_seed, rq->extra[k],
                        rq->tok + (int64_t)k * bs);
     }
     const int64_t p = rq->n_computed;

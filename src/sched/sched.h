@@ -46,6 +46,8 @@ typedef struct k3_rq {
     int32_t *blocks;              /* [max_blocks] block table */
     int32_t n_blocks;
     uint64_t *hash;               /* [max_blocks] chain hash of each full block of tok */
+    uint64_t *extra;              /* [max_blocks] each block's extra key */
+    const uint64_t *tok_extra;    /* [n_prompt] per-token extra keys, or NULL (all 0) */
     int32_t n_hash, n_registered; /* hashed; registered in the index */
     int64_t junction;             /* extra snapshot point (0 = none) */
     bool read_cache;              /* may take prefix hits */
