@@ -279,9 +279,9 @@ int k3_cmd_run(int argc, char **argv) {
     const double t_decode = now_s() - t1;
     printf("\n");
     fflush(stdout); /* the text ends before the timing line on stderr */
-    fprintf(stderr, "prompt %zu tokens, prefill %.1f tok/s, decode %d tokens at %.1f tok/s%s\n", n_ids,
-            n_ids / (t_prefill > 0 ? t_prefill : 1e-9), n_done,
-            n_done / (t_decode > 0 ? t_decode : 1e-9), stop);
+    fprintf(stderr, "prompt %zu tokens, prefill %.1f tok/s, decode %d tokens at %.1f tok/s%s "
+            "(quant %s, kv %s)\n", n_ids, n_ids / (t_prefill > 0 ? t_prefill : 1e-9), n_done,
+            n_done / (t_decode > 0 ? t_decode : 1e-9), stop, quant, kv == K3_KV_C8 ? "c8" : "f32");
     rc = 0;
     goto out_quiet;
 out:

@@ -50,6 +50,9 @@ expect_ok "dump logits" "$K3" run -m "$TINY" --ids 1,2,3 -n 0 --dump-logits "$TM
 
 expect_ok "run --chat" "$K3" run -m "$TINY" --chat -n 4 --temp 0 "Hi"
 expect_ok "run quantized, C8 cache" "$K3" run -m "$TINY" --quant w8a8+w4a8 --kv-cache c8 -n 4 --temp 0 "Hello"
+grep -q "(quant w8a8+w4a8, kv c8)" "$TMP/err" && ok "run prints the mode it ran in" || bad "run prints the mode it ran in" "$TMP/err"
+expect_ok "run a checkpoint saved by the official K3 classes" "$K3" run -m tests/models/official-tiny -n 4 --temp 0 "Hello"
+grep -q "(quant none, kv c8)" "$TMP/err" && ok "run's default mode is as stored, C8" || bad "run's default mode is as stored, C8" "$TMP/err"
 # weights read from the mapping (--mmap) or copied into RAM (default): same text
 "$K3" run -m "$TINY" -n 12 --temp 0 "Hello" >"$TMP/copied" 2>/dev/null
 "$K3" run -m "$TINY" -n 12 --temp 0 --mmap "Hello" >"$TMP/mapped" 2>/dev/null

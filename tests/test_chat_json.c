@@ -118,6 +118,38 @@ K3_TEST(chat_reply_parses_official_rendering) {
         } else {
             CHECK(!r.tool_calls_json);
         }
+        /* the parsed turn, sent back as an assistant message, renders to the
+         * same ids as the message the official renderer started from */
+        {
+            json_t *orig = json_loads(str_or_null(c, "message"), 0, &je);
+            json_t *back = json_object();
+            json_object_set_new(back, "role", json_string("assistant"));
+            if (r.reasoning) json_object_set_new(back, "reasoning_content", json_string(r.reasoning));
+            json_object_set_new(back, "content", r.content ? json_string(r.content) : json_null());
+            if (r.tool_calls_json) json_object_set_new(back, "tool_calls", json_loads(r.tool_calls_json, 0, &je));
+            k3_tokenizer *t = NULL;
+            k3_error te = {0};
+            REQUIREF(orig && k3_tokenizer_open(&t, "models/k3-mini", &te) == K3_OK, "%s", te.msg);
+            int32_t *ids[2] = {NULL, NULL};
+            size_t n_ids[2] = {0, 0};
+            k3_chat_options opt = {.thinking = json_is_true(json_object_get(c, "thinking"))};
+            json_t *msgs[2] = {orig, back};
+            for (int k = 0; k < 2; k++) {
+                json_t *conv = json_pack("[{s:s, s:s}, O]", "role", "user", "content", "q", msgs[k]);
+                char *js = json_dumps(conv, 0);
+                CHECKF(k3_chat_encode_json(t, js, NULL, &opt, &ids[k], &n_ids[k], &te) == K3_OK,
+                       "%s: %s", name, te.msg);
+                free(js);
+                json_decref(conv);
+            }
+            CHECKF(n_ids[0] == n_ids[1] && n_ids[0] && !memcmp(ids[0], ids[1], n_ids[0] * sizeof(int32_t)),
+                   "%s: the parsed turn renders to other ids (%zu vs %zu)", name, n_ids[1], n_ids[0]);
+            free(ids[0]);
+            free(ids[1]);
+            json_decref(orig);
+            json_decref(back);
+            k3_tokenizer_free(t);
+        }
         /* every prefix (a reply cut off by max_tokens) parses, and never
          * yields more than the whole */
         for (size_t cut = 0; cut < strlen(text); cut++) {

@@ -240,9 +240,10 @@ K3_TEST(config_flat) {
     k3_config c;
     k3_error e;
     REQUIREF(parse(json, &c, &e) == K3_OK, "%s", e.msg);
-    /* Root model_type kimi_k3: K3 defaults for what is absent. */
+    /* Root model_type kimi_k3: K3 defaults for what is absent; SiTU's are
+     * the official _get_situ_activation_params ones (beta 1, no linear part). */
     CHECK(c.is_k3 && c.attn_res_block_size == 12 && c.act == K3_ACT_SITU);
-    CHECK(c.situ_beta == 4.0f && c.situ_linear_beta == 25.0f);
+    CHECK(c.situ_beta == 1.0f && c.situ_linear_beta == 0.0f);
     CHECK(c.q_lora_rank == 0);
     CHECK(c.mla_use_output_gate && c.n_shared_experts == 2 && c.first_k_dense == 1);
     CHECK(!c.latent_moe && c.expert_dim == 64 && !c.latent_moe_norm);
@@ -415,4 +416,61 @@ K3_TEST(config_load_missing) {
     k3_err_clear(&e);
     CHECK(k3_config_load(&c, "/nonexistent/k3-dir", &e) == K3_ERR_IO);
     CHECK(strstr(e.msg, "/nonexistent/k3-dir/config.json") != NULL);
+}
+
+/* ---- what the official config class and transformers 5.x save_pretrained
+ * write ---------------------------------------------------------------------- */
+
+K3_TEST(config_official_save_pretrained) {
+    /* tests/models/official-tiny/config.json was written by the official
+     * KimiK3Config through transformers 5.24 save_pretrained: it has
+     * rope_parameters, rope_theta, head_dim, id2label, dtype null, ... */
+    k3_config c;
+    k3_error e = {0};
+    REQUIREF(k3_config_load(&c, "tests/models/official-tiny", &e) == K3_OK, "%s", e.msg);
+    CHECK(c.is_k3 && c.n_layers == 6 && c.situ_beta == 4.0f && c.situ_linear_beta == 25.0f);
+}
+
+K3_TEST(config_rope_parameters) {
+    /* Inert for a NoPE model: accepted. */
+    k3_config c;
+    k3_error e;
+    const char *from = "\"mla_use_nope\": true,";
+    CHECKF(parse_sub(from, "\"mla_use_nope\": true, \"rope_parameters\": {\"rope_theta\": "
+                     "50000.0, \"rope_type\": \"default\"},", &c, &e) == K3_OK, "%s", e.msg);
+    CHECKF(parse_sub(from, "\"mla_use_nope\": true, \"rope_parameters\": null,", &c, &e) == K3_OK,
+           "%s", e.msg);
+    CHECKF(parse_sub(from, "\"mla_use_nope\": true, \"rope_parameters\": {\"rope_theta\": 1e6},",
+                     &c, &e) == K3_OK, "%s", e.msg);
+    /* Would change the math of a RoPE model: refused. */
+    EXPECT_ERR(K3_ERR_UNSUPPORTED, "rope_type", from,
+               "\"mla_use_nope\": true, \"rope_parameters\": {\"rope_theta\": 1e4, "
+               "\"rope_type\": \"yarn\", \"factor\": 4.0},");
+    EXPECT_ERR(K3_ERR_UNSUPPORTED, "rope_parameters.factor", from,
+               "\"mla_use_nope\": true, \"rope_parameters\": {\"factor\": 4.0, "
+               "\"rope_type\": \"default\"},");
+    EXPECT_ERR(K3_ERR_UNSUPPORTED, "rope_parameters.partial_rotary_factor", from,
+               "\"mla_use_nope\": true, \"rope_parameters\": {\"partial_rotary_factor\": 0.5},");
+    EXPECT_ERR(K3_ERR_FORMAT, "rope_parameters", from,
+               "\"mla_use_nope\": true, \"rope_parameters\": \"default\",");
+    EXPECT_ERR(K3_ERR_UNSUPPORTED, "rope_scaling", from,
+               "\"mla_use_nope\": true, \"rope_scaling\": {\"type\": \"yarn\"},");
+}
+
+K3_TEST(config_situ_defaults_official) {
+    /* _get_situ_activation_params: beta = beta or 1.0, linear beta None =
+     * no linear part; explicit values are kept. */
+    k3_config c;
+    k3_error e;
+    const char *from = "\"activation_situ_beta\": 4.0, \"activation_situ_linear_beta\": 25.0,";
+    REQUIREF(parse_sub(from, "", &c, &e) == K3_OK, "%s", e.msg);
+    CHECK(c.situ_beta == 1.0f && c.situ_linear_beta == 0.0f);
+    REQUIREF(parse_sub(from, "\"activation_situ_beta\": null, \"activation_situ_linear_beta\": null,",
+                       &c, &e) == K3_OK, "%s", e.msg);
+    CHECK(c.situ_beta == 1.0f && c.situ_linear_beta == 0.0f);
+    REQUIREF(parse_sub(from, "\"activation_situ_beta\": 0, \"activation_situ_linear_beta\": 3.0,",
+                       &c, &e) == K3_OK, "%s", e.msg);
+    CHECK(c.situ_beta == 1.0f && c.situ_linear_beta == 3.0f);
+    REQUIREF(parse_sub(from, "\"activation_situ_beta\": 2.5,", &c, &e) == K3_OK, "%s", e.msg);
+    CHECK(c.situ_beta == 2.5f && c.situ_linear_beta == 0.0f);
 }

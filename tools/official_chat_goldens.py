@@ -232,7 +232,8 @@ def reply_cases(enc):
                           "arguments": None if block is not None else json.dumps(args, ensure_ascii=False)})
         rc = msg.get("reasoning_content")
         content = msg.get("content") or None if calls else msg.get("content")
-        out.append({"name": name, "thinking": thinking, "text": text,
+        out.append({"name": name, "thinking": thinking, "message": json.dumps(msg, ensure_ascii=False),
+                    "text": text,
                     "reasoning": rc if thinking and rc and rc.strip() else None,
                     "content": content, "tool_calls": calls})
     return out

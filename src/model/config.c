@@ -48,6 +48,9 @@ static const char *const text_keys[] = {
     "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
     "mla_use_nope", "mla_use_output_gate", "rope_theta", "rope_scaling",
     "attention_bias",
+    /* transformers 5.x: written into every config it saves; checked below
+     * (only {"rope_theta", "rope_type": "default"}, inert for NoPE) */
+    "rope_parameters",
     /* KDA */
     "linear_attn_config",
     /* AttnRes */
@@ -292,6 +295,33 @@ static k3_status parse_quant(const parser *p, json_t *q, k3_config *cfg) {
     return K3_OK;
 }
 
+/* rope_parameters, as transformers 5.x writes it into every config it saves:
+ * {"rope_theta": T, "rope_type": "default"}. k3's MLA is NoPE, so plain RoPE
+ * with any theta changes nothing; a scaled type (yarn, linear, dynamic,
+ * llama3, ...) or any other field would, and is refused. */
+static k3_status check_rope_parameters(const parser *p, json_t *tc) {
+    json_t *rp = get(tc, "rope_parameters");
+    if (!rp) return K3_OK;
+    if (!json_is_object(rp)) return bad_type(p, "rope_parameters", "an object");
+    const char *key;
+    json_t *v;
+    json_object_foreach(rp, key, v) {
+        if (!strcmp(key, "rope_theta")) {
+            if (!json_is_number(v)) return bad_type(p, "rope_parameters.rope_theta", "a number");
+        } else if (!strcmp(key, "rope_type")) {
+            if (!json_is_string(v) || strcmp(json_string_value(v), "default"))
+                return k3_err(p->err, K3_ERR_UNSUPPORTED,
+                              "%s: rope_parameters.rope_type is not \"default\": scaled RoPE "
+                              "is not supported (k3 runs NoPE MLA only)", p->src);
+        } else {
+            return k3_err(p->err, K3_ERR_UNSUPPORTED,
+                          "%s: rope_parameters.%s is not supported (k3 runs NoPE MLA only; "
+                          "only rope_theta and rope_type \"default\" are accepted)", p->src, key);
+        }
+    }
+    return K3_OK;
+}
+
 /* linear_attn_config: KDA sizes, gate form and the 1-based layer lists. */
 static k3_status parse_linear(const parser *p, json_t *la, k3_config *cfg) {
     parser pl = *p;
@@ -465,6 +495,7 @@ static k3_status parse_root(k3_config *cfg, json_t *root, const char *src, k3_er
         if (!nope)
             return k3_err(err, K3_ERR_UNSUPPORTED,
                           "%s: mla_use_nope is false: RoPE MLA not supported", src);
+        TRY(check_rope_parameters(&p, tc));
         json_t *rs = json_object_get(tc, "rope_scaling");
         if (rs && !json_is_null(rs))
             return k3_err(err, K3_ERR_UNSUPPORTED,
@@ -526,13 +557,13 @@ static k3_status parse_root(k3_config *cfg, json_t *root, const char *src, k3_er
         return k3_err(err, K3_ERR_UNSUPPORTED, "%s: hidden_act '%s' is not supported "
                       "(situ or silu)", src, act);
     if (cfg->act == K3_ACT_SITU) {
-        /* HF: beta = config beta or 1.0; linear beta null = plain u. */
+        /* Official _get_situ_activation_params: beta = config beta or 1.0
+         * (absent, null and 0 all give 1.0); linear beta absent or null = no
+         * linear part (plain u, 0 here), for both families. */
         double b1, b2;
-        json_t *b1v = json_object_get(tc, "activation_situ_beta");
-        TRY(get_num(&p, tc, "activation_situ_beta", b1v ? 1.0 : (k3 ? 4.0 : 1.0), &b1));
-        json_t *lb = json_object_get(tc, "activation_situ_linear_beta");
-        TRY(get_num(&p, tc, "activation_situ_linear_beta",
-                    lb ? 0.0 : (k3 ? 25.0 : 0.0), &b2));
+        TRY(get_num(&p, tc, "activation_situ_beta", 1.0, &b1));
+        if (b1 == 0) b1 = 1.0;
+        TRY(get_num(&p, tc, "activation_situ_linear_beta", 0.0, &b2));
         if (!(b1 > 0) || b2 < 0)
             return k3_err(err, K3_ERR_FORMAT,
                           "%s: activation_situ_beta (%g) must be > 0 and "

@@ -60,7 +60,8 @@ void k3_router_select(const k3_router_cfg *rc, float *logits, const float *bias,
     for (int r = 0; r < K; r++) sum += logits[ids[r]];
     for (int r = 0; r < K; r++) {
         float w = logits[ids[r]];
-        if (rc->renormalize) w /= (sum + 1e-20f);
+        /* official KimiMoEGate: only top_k > 1 renormalizes */
+        if (rc->renormalize && K > 1) w /= (sum + 1e-20f);
         weights[r] = w * rc->scaling;
     }
 }

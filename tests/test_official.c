@@ -1,0 +1,166 @@
+/* test_official.c -- k3 against Moonshot's own K3 code: tiny checkpoints
+ * built by the official classes with their own initialization and saved by
+ * their own save_pretrained (tests/models/official-tiny, and -mxfp4 with the
+ * routed experts in compressed-tensors MXFP4), and the official fp32 logits
+ * and greedy tokens (tests/golden/official/, tools/official_model_goldens.py).
+ *
+ * The fp32 path must be within rel-L2 1e-5 with every top-1 and the same
+ * greedy tokens; the default mode (cli/cli.h) within rel-L2 2e-2 with every
+ * top-1. Also: the router renormalizes only when top_k > 1 (KimiMoEGate). */
+#include <stdlib.h>
+#include <string.h>
+
+#include "../cli/cli.h"
+#include "k3.h"
+#include "model/safetensors.h"
+#include "moe/moe.h"
+#include "test.h"
+
+typedef struct golden {
+    int n, n_greedy;
+    int32_t *ids, *greedy;
+    float *logits; /* [n, vocab] */
+    int64_t vocab;
+} golden;
+
+static bool read_golden(const char *path, golden *g) {
+    memset(g, 0, sizeof *g);
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        k3_test_fail(__FILE__, __LINE__, "cannot open %s (see tests/golden/official/README.md)", path);
+        return false;
+    }
+    fseek(f, 0, SEEK_END);
+    long size = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    uint8_t *buf = malloc(size > 0 ? (size_t)size : 1);
+    bool ok = buf && size > 0 && fread(buf, 1, (size_t)size, f) == (size_t)size;
+    fclose(f);
+    k3_st *st = NULL;
+    k3_error err = {0};
+    ok = ok && k3_st_init(&st, &err) == K3_OK &&
+         k3_st_parse(st, buf, (size_t)size, 0, path, &err) == K3_OK;
+    const k3_st_tensor *ti = ok ? k3_st_get(st, "ids") : NULL, *tl = ok ? k3_st_get(st, "logits") : NULL,
+                       *tg = ok ? k3_st_get(st, "greedy") : NULL;
+    ok = ti && tl && tg && ti->dtype == K3_DTYPE_I32 && tg->dtype == K3_DTYPE_I32 &&
+         tl->dtype == K3_DTYPE_F32 && tl->ndim == 2 && tl->shape[0] == ti->shape[0];
+    if (ok) {
+        g->n = (int)ti->shape[0];
+        g->n_greedy = (int)tg->shape[0];
+        g->vocab = tl->shape[1];
+        g->ids = malloc(ti->nbytes);
+        g->greedy = malloc(tg->nbytes);
+        g->logits = malloc(tl->nbytes);
+        ok = g->ids && g->greedy && g->logits;
+    }
+    if (ok) {
+        memcpy(g->ids, ti->data, ti->nbytes);
+        memcpy(g->greedy, tg->data, tg->nbytes);
+        memcpy(g->logits, tl->data, tl->nbytes);
+    } else {
+        k3_test_fail(__FILE__, __LINE__, "%s: expected ids, logits, greedy (%s)", path, err.msg);
+    }
+    if (st) k3_st_close(st);
+    free(buf);
+    return ok;
+}
+
+static void golden_free(golden *g) {
+    free(g->ids);
+    free(g->greedy);
+    free(g->logits);
+}
+
+static int argmax(const float *x, int64_t n) {
+    int a = 0;
+    for (int64_t j = 1; j < n; j++)
+        if (x[j] > x[a]) a = (int)j;
+    return a;
+}
+
+typedef struct result {
+    double rel_l2;
+    int top1, greedy_ok;
+} result;
+
+/* Logits of every position in one forward pass, and the greedy continuation
+ * decoded token by token. */
+static bool run_mode(const char *dir, const char *quant, k3_kv_type kv, const golden *g,
+                     result *r) {
+    k3_model *m = NULL;
+    k3_ctx *ctx = NULL;
+    k3_error err = {0};
+    k3_quant_options q;
+    float *lg = malloc(sizeof(float) * (size_t)(g->n * g->vocab));
+    bool ok = lg && k3_quant_parse(quant, &q, &err) == K3_OK &&
+              k3_model_open(&m, dir, &err) == K3_OK && k3_model_quantize(m, &q, &err) == K3_OK;
+    k3_ctx_options o = {.max_seqs = 1, .max_tokens = 64, .block_size = 16, .kv_cache = kv};
+    ok = ok && k3_ctx_init(&ctx, m, &o, &err) == K3_OK;
+    k3_batch_seq b = {0, g->n, g->ids};
+    ok = ok && k3_ctx_forward(ctx, &b, 1, K3_LOGITS_ALL, lg, &err) == K3_OK;
+    if (ok) {
+        r->rel_l2 = k3_test_rel_l2(lg, g->logits, g->n * g->vocab);
+        r->top1 = 0;
+        for (int t = 0; t < g->n; t++)
+            r->top1 += argmax(lg + t * g->vocab, g->vocab) == argmax(g->logits + t * g->vocab, g->vocab);
+        int32_t next = (int32_t)argmax(lg + (g->n - 1) * g->vocab, g->vocab);
+        r->greedy_ok = 0;
+        for (int i = 0; i < g->n_greedy && ok; i++) {
+            if (next != g->greedy[i]) break;
+            r->greedy_ok++;
+            k3_batch_seq b1 = {0, 1, &next};
+            ok = k3_ctx_forward(ctx, &b1, 1, K3_LOGITS_LAST, lg, &err) == K3_OK;
+            next = (int32_t)argmax(lg, g->vocab);
+        }
+    }
+    if (!ok) k3_test_fail(__FILE__, __LINE__, "%s (%s): %s", dir, quant, err.msg);
+    free(lg);
+    k3_ctx_free(ctx);
+    k3_model_close(m);
+    return ok;
+}
+
+static void check_variant(const char *name) {
+    char dir[128], path[160];
+    snprintf(dir, sizeof dir, "tests/models/%s", name);
+    snprintf(path, sizeof path, "tests/golden/official/%s.safetensors", name);
+    golden g;
+    if (!read_golden(path, &g)) return;
+    result r;
+    if (run_mode(dir, "none", K3_KV_F32, &g, &r)) {
+        printf("    %s, fp32 path vs official fp32: rel-L2 %.3g, top-1 %d/%d, greedy %d/%d\n", name,
+               r.rel_l2, r.top1, g.n, r.greedy_ok, g.n_greedy);
+        CHECKF(r.rel_l2 <= 1e-5, "%s: fp32 rel-L2 %.3g > 1e-5", name, r.rel_l2);
+        CHECKF(r.top1 == g.n, "%s: fp32 top-1 %d/%d", name, r.top1, g.n);
+        CHECKF(r.greedy_ok == g.n_greedy, "%s: greedy %d/%d", name, r.greedy_ok, g.n_greedy);
+    }
+    const k3_kv_type kv = !strcmp(K3_DEFAULT_KV, "c8") ? K3_KV_C8 : K3_KV_F32;
+    if (run_mode(dir, K3_DEFAULT_QUANT, kv, &g, &r)) {
+        printf("    %s, default mode (%s, %s) vs official fp32: rel-L2 %.3g, top-1 %d/%d\n", name,
+               K3_DEFAULT_QUANT, K3_DEFAULT_KV, r.rel_l2, r.top1, g.n);
+        CHECKF(r.rel_l2 <= 2e-2, "%s: default mode rel-L2 %.3g > 2e-2", name, r.rel_l2);
+        CHECKF(r.top1 == g.n, "%s: default mode top-1 %d/%d", name, r.top1, g.n);
+    }
+    golden_free(&g);
+}
+
+K3_TEST(official_tiny_bf16) { check_variant("official-tiny"); }
+
+K3_TEST(official_tiny_mxfp4) { check_variant("official-tiny-mxfp4"); }
+
+K3_TEST(official_router_top1_not_renormalized) {
+    /* KimiMoEGate: top_k == 1 keeps the raw score (times the scaling);
+     * top_k > 1 divides by the sum of the chosen scores. */
+    float logits[4] = {0.5f, 2.0f, -1.0f, 0.0f}, work[4], w[2];
+    int32_t ids[2];
+    k3_router_cfg rc = {.n_experts = 4, .top_k = 1, .sigmoid = true, .renormalize = true,
+                        .scaling = 2.0f, .n_group = 1, .topk_group = 1};
+    k3_router_select(&rc, logits, NULL, ids, w, work);
+    CHECK(ids[0] == 1);
+    CHECKF(fabsf(w[0] - 2.0f / (1.0f + expf(-2.0f))) < 1e-6f, "top-1 weight %g", w[0]);
+    float logits2[4] = {0.5f, 2.0f, -1.0f, 0.0f};
+    rc.top_k = 2;
+    k3_router_select(&rc, logits2, NULL, ids, w, work);
+    CHECK(ids[0] == 1 && ids[1] == 0);
+    CHECKF(fabsf(w[0] + w[1] - 2.0f) < 1e-5f, "top-2 weights %g + %g", w[0], w[1]);
+}
