@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "server/gen.h"
 #include "server/metrics.h"
 #include "server/text.h"
 
@@ -111,4 +112,51 @@ K3_TEST(server_metrics_histogram_text) {
     CHECK(strstr(b.p, "vllm:request_prompt_tokens_bucket{le=\"5\",model_name=\"tiny\"} 0\n"));
     k3_buf_free(&b);
     k3_metrics_destroy(&m);
+}
+
+/* A reply the model could give, decoded with specials by name: the server's
+ * message has the parsed tool calls (arguments as JSON strings) and says so;
+ * a call whose argument is not what its type says is an error, not text. */
+K3_TEST(server_chat_message_tool_calls) {
+    const char *text =
+        "Need a tool.<|close|>think<|sep|><|open|>response<|sep|><|close|>response<|sep|>"
+        "<|open|>tools<|sep|><|open|>call tool=\"get_weather\" index=\"1\"<|sep|>"
+        "<|open|>argument key=\"city\" type=\"string\"<|sep|>Paris<|close|>argument<|sep|>"
+        "<|open|>argument key=\"days\" type=\"number\"<|sep|>3<|close|>argument<|sep|>"
+        "<|close|>call<|sep|><|close|>tools<|sep|><|close|>message<|sep|>";
+    bool tools = false;
+    k3_error err = {0};
+    json_t *m = k3_srv_chat_message(text, strlen(text), true, &tools, &err);
+    REQUIREF(m, "%s", err.msg);
+    CHECK(tools);
+    CHECK(!strcmp(json_string_value(json_object_get(m, "role")), "assistant"));
+    CHECK(!strcmp(json_string_value(json_object_get(m, "reasoning_content")), "Need a tool."));
+    json_t *tc = json_object_get(m, "tool_calls");
+    REQUIRE(json_array_size(tc) == 1);
+    json_t *f = json_object_get(json_array_get(tc, 0), "function");
+    CHECK(!strcmp(json_string_value(json_object_get(f, "name")), "get_weather"));
+    json_t *args = json_loads(json_string_value(json_object_get(f, "arguments")), 0, NULL);
+    CHECK(args && !strcmp(json_string_value(json_object_get(args, "city")), "Paris") &&
+          json_number_value(json_object_get(args, "days")) == 3);
+    json_decref(args);
+    json_decref(m);
+
+    /* a number argument that is not a number */
+    char *broken = strdup(text);
+    REQUIRE(broken);
+    char *p = strstr(broken, "<|sep|>3<|close|>");
+    REQUIRE(p);
+    p[7] = 'x';
+    m = k3_srv_chat_message(broken, strlen(broken), true, &tools, &err);
+    CHECK(m == NULL && err.status == K3_ERR_FORMAT && strstr(err.msg, "days"));
+    json_decref(m);
+    free(broken);
+
+    /* plain text, thinking off */
+    const char *plain = "Hello there.<|close|>response<|sep|><|close|>message<|sep|>";
+    m = k3_srv_chat_message(plain, strlen(plain), false, &tools, &err);
+    REQUIRE(m);
+    CHECK(!tools && !strcmp(json_string_value(json_object_get(m, "content")), "Hello there."));
+    CHECK(json_object_get(m, "tool_calls") == NULL);
+    json_decref(m);
 }

@@ -492,7 +492,7 @@ static const char *finish_str(const choice *c, bool tool_calls) {
     if (c->stop_hit) return "stop";
     switch (c->finish) {
     case K3_FINISH_STOP: return tool_calls ? "tool_calls" : "stop";
-    case K3_FINISH_LENGTH: return tool_calls ? "tool_calls" : "length";
+    case K3_FINISH_LENGTH: return "length";
     case K3_FINISH_CANCELLED: return "abort";
     default: return "error";
     }
@@ -634,6 +634,25 @@ static k3_status parse_reply(job *j, choice *c, size_t len, k3_chat_reply *r, k3
     return k3_chat_parse_reply(c->text.p ? c->text.p : "", len, j->thinking, r, err);
 }
 
+json_t *k3_srv_chat_message(const char *text, size_t len, bool thinking, bool *tools, k3_error *err) {
+    k3_chat_reply r;
+    memset(&r, 0, sizeof r);
+    *tools = false;
+    if (k3_chat_parse_reply(text, len, thinking, &r, err)) return NULL;
+    json_t *msg = json_pack("{s:s}", "role", "assistant");
+    json_object_set_new(msg, "content", r.content ? k3_srv_jstr(r.content, strlen(r.content)) : json_null());
+    if (r.reasoning) json_object_set_new(msg, "reasoning_content", k3_srv_jstr(r.reasoning, strlen(r.reasoning)));
+    if (r.tool_calls_json && r.n_tool_calls > 0) {
+        json_t *tc = json_loads(r.tool_calls_json, 0, NULL);
+        if (tc) {
+            json_object_set_new(msg, "tool_calls", tc);
+            *tools = true;
+        }
+    }
+    k3_chat_reply_free(&r);
+    return msg;
+}
+
 /* ---- non-streamed answers --------------------------------------------- */
 
 static void cancel_all(job *j) {
@@ -713,24 +732,13 @@ static enum MHD_Result answer_whole(job *j) {
             ch = json_pack("{s:i,s:o,s:o,s:s}", "index", i, "text", text ? text : json_string(""), "logprobs", lp,
                            "finish_reason", finish_str(c, false));
         } else {
-            k3_chat_reply r;
             k3_error err = {0};
-            if (parse_reply(j, c, c->text.len, &r, &err)) {
+            bool tools = false;
+            json_t *msg = k3_srv_chat_message(c->text.p ? c->text.p : "", c->text.len, j->thinking, &tools, &err);
+            if (!msg) {
                 json_decref(choices);
                 return k3_srv_error(s, conn, 500, "the model's reply cannot be parsed: %s", err.msg);
             }
-            json_t *msg = json_pack("{s:s}", "role", "assistant");
-            json_object_set_new(msg, "content", r.content ? k3_srv_jstr(r.content, strlen(r.content)) : json_null());
-            if (r.reasoning) json_object_set_new(msg, "reasoning_content", k3_srv_jstr(r.reasoning, strlen(r.reasoning)));
-            bool tools = false;
-            if (r.tool_calls_json && r.n_tool_calls > 0) {
-                json_t *tc = json_loads(r.tool_calls_json, 0, NULL);
-                if (tc) {
-                    json_object_set_new(msg, "tool_calls", tc);
-                    tools = true;
-                }
-            }
-            k3_chat_reply_free(&r);
             json_t *lp = json_null();
             if (j->logprobs >= 0) {
                 json_decref(lp);

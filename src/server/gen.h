@@ -21,4 +21,10 @@ enum MHD_Result k3_srv_generate(struct k3_server *s, struct MHD_Connection *c, j
 k3_status k3_srv_encode_chat(struct k3_server *s, json_t *root, int32_t **ids, size_t *n, bool *thinking,
                              k3_error *err);
 
+/* The assistant message of a finished chat reply (text decoded with
+ * specials by name): role, content, reasoning_content, tool_calls (*tools
+ * set when there are any). NULL with err when the reply cannot be parsed,
+ * e.g. a tool call whose arguments are not valid JSON. */
+json_t *k3_srv_chat_message(const char *text, size_t len, bool thinking, bool *tools, k3_error *err);
+
 #endif /* K3_SERVER_GEN_H */
