@@ -165,12 +165,24 @@ static int cmp_d(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
+#define MAX_PCT 8
+static double g_pct[MAX_PCT] = {99};
+static int g_n_pct = 1;
+
 typedef struct {
-    double mean, median, std, p99;
+    double mean, median, std, pct[MAX_PCT];
 } dist;
 
+/* percentile p of sorted v[0..n), interpolated between order statistics as numpy.percentile */
+static double pct_of(const double *v, size_t n, double p) {
+    const double pos = p / 100.0 * (double)(n - 1);
+    const size_t lo = (size_t)pos;
+    return lo + 1 < n ? v[lo] + (pos - (double)lo) * (v[lo + 1] - v[lo]) : v[lo];
+}
+
 static dist dist_of(double *v, size_t n) {
-    dist d = {0, 0, 0, 0};
+    dist d;
+    memset(&d, 0, sizeof d);
     if (!n) return d;
     qsort(v, n, sizeof *v, cmp_d);
     double s = 0;
@@ -180,10 +192,7 @@ static dist dist_of(double *v, size_t n) {
     for (size_t i = 0; i < n; i++) q += (v[i] - d.mean) * (v[i] - d.mean);
     d.std = sqrt(q / (double)n);
     d.median = n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-    /* linear interpolation between order statistics, as numpy.percentile */
-    const double pos = 0.99 * (double)(n - 1);
-    const size_t lo = (size_t)pos;
-    d.p99 = lo + 1 < n ? v[lo] + (pos - (double)lo) * (v[lo + 1] - v[lo]) : v[lo];
+    for (int k = 0; k < g_n_pct; k++) d.pct[k] = pct_of(v, n, g_pct[k]);
     return d;
 }
 
@@ -214,6 +223,7 @@ static int usage_bs(void) {
             "  --ignore-eos               generate all O tokens\n"
             "  --goodput ttft:MS tpot:MS e2el:MS   SLOs for goodput\n"
             "  --disconnect-fraction F    drop this share of the streams after their first chunks\n"
+            "  --metric-percentiles 50,90,99  percentiles to report (default 99)\n"
             "  --seed N                   dataset seed (default 0)\n"
             "  --api-key KEY              Bearer key (default: $OPENAI_API_KEY or $K3_API_KEY)\n"
             "  --timeout S                per-request limit in seconds (default 600)\n"
@@ -344,7 +354,22 @@ int k3_cmd_bench_serve(int argc, char **argv) {
         else if (ARG("--seed")) seed = strtoull(argv[++i], NULL, 10);
         else if (ARG("--api-key")) key = argv[++i];
         else if (ARG("--timeout")) timeout = atol(argv[++i]);
-        else if (!strcmp(a, "--ignore-eos")) ignore_eos = true;
+        else if (ARG("--metric-percentiles")) {
+            char *p = argv[++i];
+            g_n_pct = 0;
+            while (*p && g_n_pct < MAX_PCT) {
+                char *end;
+                const double v = strtod(p, &end);
+                if (end == p || v < 0 || v > 100) {
+                    fprintf(stderr, "k3 bench serve: --metric-percentiles takes numbers in [0, 100], like 50,90,99\n");
+                    return 2;
+                }
+                g_pct[g_n_pct++] = v;
+                p = *end == ',' ? end + 1 : end;
+                if (*end && *end != ',') return usage_bs();
+            }
+            if (!g_n_pct) return usage_bs();
+        } else if (!strcmp(a, "--ignore-eos")) ignore_eos = true;
         else if (!strcmp(a, "--json")) json_out = true;
         else if (ARG("--goodput")) {
             goodput = true;
@@ -568,8 +593,10 @@ int k3_cmd_bench_serve(int argc, char **argv) {
             json_object_set_new(j, k, json_real(ds[m]->median));
             snprintf(k, sizeof k, "std_%s_ms", names[m]);
             json_object_set_new(j, k, json_real(ds[m]->std));
-            snprintf(k, sizeof k, "p99_%s_ms", names[m]);
-            json_object_set_new(j, k, json_real(ds[m]->p99));
+            for (int q = 0; q < g_n_pct; q++) {
+                snprintf(k, sizeof k, "p%g_%s_ms", g_pct[q], names[m]);
+                json_object_set_new(j, k, json_real(ds[m]->pct[q]));
+            }
         }
         if (first_err) json_object_set_new(j, "first_error", json_string(first_err));
         char *t = json_dumps(j, JSON_COMPACT);
@@ -603,8 +630,10 @@ int k3_cmd_bench_serve(int argc, char **argv) {
             printf("%-40s %-10.2f\n", k, ds[m]->mean);
             snprintf(k, sizeof k, "Median %s (ms):", abbr[m]);
             printf("%-40s %-10.2f\n", k, ds[m]->median);
-            snprintf(k, sizeof k, "P99 %s (ms):", abbr[m]);
-            printf("%-40s %-10.2f\n", k, ds[m]->p99);
+            for (int q = 0; q < g_n_pct; q++) {
+                snprintf(k, sizeof k, "P%g %s (ms):", g_pct[q], abbr[m]);
+                printf("%-40s %-10.2f\n", k, ds[m]->pct[q]);
+            }
         }
         printf("==================================================\n");
         if (first_err) fprintf(stderr, "k3 bench serve: first failure: %s\n", first_err);
