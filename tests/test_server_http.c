@@ -210,27 +210,35 @@ K3_TEST(server_http_slow_client_and_connection_limit) {
     send(fd, "GET /hea", 8, MSG_NOSIGNAL);
     struct timespec t0, t1;
     clock_gettime(CLOCK_MONOTONIC, &t0);
-    const long got = read_all(fd, resp, sizeof resp, 5000);
+    const long got = read_all(fd, resp, sizeof resp, 10000);
     clock_gettime(CLOCK_MONOTONIC, &t1);
     const double el = (double)(t1.tv_sec - t0.tv_sec) + (t1.tv_nsec - t0.tv_nsec) * 1e-9;
-    CHECKF(got >= 0 && el < 4.0, "slow client not dropped (read %ld after %.1f s)", got, el);
+    CHECKF(got >= 0 && el < 8.0, "slow client not dropped (read %ld after %.1f s)", got, el);
     close(fd);
     /* more connections than the limit: the extra ones are closed, the server lives */
     int fds[24];
+    bool gone[24] = {false};
     int closed = 0;
     for (int i = 0; i < 24; i++) fds[i] = dial(port);
-    for (int i = 0; i < 24; i++) {
-        if (fds[i] < 0) {
-            closed++;
-            continue;
-        }
-        struct pollfd p = {.fd = fds[i], .events = POLLIN};
-        if (poll(&p, 1, 200) > 0) {
+    /* up to 5 s for the server to close the extra ones (a loaded machine is slow) */
+    for (int round = 0; round < 100 && closed < 24 - 8; round++) {
+        for (int i = 0; i < 24; i++) {
+            if (gone[i]) continue;
+            if (fds[i] < 0) {
+                gone[i] = true;
+                closed++;
+                continue;
+            }
+            struct pollfd p = {.fd = fds[i], .events = POLLIN};
             char c;
-            if (recv(fds[i], &c, 1, MSG_DONTWAIT) <= 0) closed++;
+            if (poll(&p, 1, 0) > 0 && recv(fds[i], &c, 1, MSG_DONTWAIT) <= 0) {
+                gone[i] = true;
+                closed++;
+            }
         }
+        if (closed < 24 - 8) usleep(50 * 1000);
     }
-    CHECKF(closed >= 24 - 8 - 1, "only %d of 24 connections refused with a limit of 8", closed);
+    CHECKF(closed >= 24 - 8, "only %d of 24 connections refused with a limit of 8", closed);
     for (int i = 0; i < 24; i++)
         if (fds[i] >= 0) close(fds[i]);
     /* the slots come back */
