@@ -190,12 +190,13 @@ int k3_cmd_serve(int argc, char **argv) {
         const int64_t dp = cur.prompt_tokens - last.prompt_tokens, dg = cur.generation_tokens - last.generation_tokens;
         if (cur.n_running || cur.n_waiting || dp || dg) {
             const int64_t dq = cur.prefix_queries - last.prefix_queries, dh = cur.prefix_hits - last.prefix_hits;
+            /* vLLM's wording, so the same greps work */
             fprintf(stderr,
-                    "k3 serve: running %d, waiting %d, cache usage %.1f%%, prompt %.1f tok/s, generation %.1f "
-                    "tok/s, prefix cache hit rate %.1f%%, preemptions %lld\n",
-                    cur.n_running, cur.n_waiting, 100.0 * cur.cache_usage, dp / (now - t_last),
-                    dg / (now - t_last), dq > 0 ? 100.0 * (double)dh / (double)dq : 0.0,
-                    (long long)cur.n_preemptions);
+                    "k3 serve: Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+                    "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%, "
+                    "Preemptions: %lld\n",
+                    dp / (now - t_last), dg / (now - t_last), cur.n_running, cur.n_waiting, 100.0 * cur.cache_usage,
+                    dq > 0 ? 100.0 * (double)dh / (double)dq : 0.0, (long long)cur.n_preemptions);
         }
         last = cur;
         t_last = now;
