@@ -759,6 +759,9 @@ K3_TEST(sched_bad_requests_and_configs) {
     k3_engine_options tiny_budget = {.max_num_batched_tokens = 8, .block_size = 16, .cache_tokens = 256};
     k3_err_clear(&err);
     CHECK(k3_engine_open(&e, m, &tiny_budget, &err) == K3_ERR_RANGE);
+    k3_engine_options starve = {.max_num_seqs = 32, .max_num_batched_tokens = 16, .block_size = 16, .cache_tokens = 256};
+    k3_err_clear(&err);
+    CHECK(k3_engine_open(&e, m, &starve, &err) == K3_ERR_RANGE && strstr(err.msg, "max_num_seqs"));
     /* defaults open, and the model length is capped by the pool */
     k3_engine_options def = {0};
     k3_err_clear(&err);
@@ -853,6 +856,36 @@ K3_TEST(sched_prefix_extra_keys) {
     /* block 0 (tokens 0-15) has no key: shared by all; blocks 1-2 carry the key */
     CHECKF(cached[0] == 0 && cached[1] == 16 && cached[2] == 64 && cached[3] == 16, "cached %lld %lld %lld %lld",
            (long long)cached[0], (long long)cached[1], (long long)cached[2], (long long)cached[3]);
+    k3_engine_close(e);
+    k3_model_close(m);
+}
+
+/* wait returns at its timeout when idle and at once with work queued; an
+ * idle step reports nothing. */
+K3_TEST(sched_wait_and_idle_step) {
+    k3_model *m = open_model("tests/models/tiny");
+    REQUIRE(m);
+    k3_engine_options o = {.max_num_seqs = 2, .cache_tokens = 256, .block_size = 16};
+    k3_engine *e = open_engine(m, &o);
+    REQUIRE(e);
+    CHECK(!k3_engine_has_work(e));
+    k3_step_result sr;
+    k3_error err = {0};
+    REQUIRE(k3_engine_step(e, &sr, &err) == K3_OK);
+    CHECK(sr.n_outputs == 0 && sr.n_tokens == 0);
+    double t0 = k3_engine_now();
+    k3_engine_wait(e, 0.02);
+    const double idle = k3_engine_now() - t0;
+    CHECKF(idle >= 0.015 && idle < 1.0, "idle wait took %.3f s", idle);
+    int32_t ids[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+    const uint64_t id = submit(e, ids, 8, 2, 0, 0, -1);
+    CHECK(id > 0 && k3_engine_has_work(e));
+    t0 = k3_engine_now();
+    k3_engine_wait(e, 5.0);
+    CHECK(k3_engine_now() - t0 < 1.0);
+    result r = {0};
+    drain(e, &r, id, 1);
+    CHECK(r.n == 2 && r.finished == 1 && !k3_engine_has_work(e));
     k3_engine_close(e);
     k3_model_close(m);
 }

@@ -198,6 +198,10 @@ k3_status k3_engine_open(k3_engine **out, const k3_model *m, const k3_engine_opt
         return k3_err(err, K3_ERR_RANGE,
                       "engine: max_num_batched_tokens %d is below one block (%d tokens): a prompt chunk could never be scheduled",
                       o.max_num_batched_tokens, o.block_size);
+    if (o.max_num_batched_tokens < o.max_num_seqs)
+        return k3_err(err, K3_ERR_RANGE,
+                      "engine: max_num_batched_tokens %d is below max_num_seqs %d: running decodes could starve",
+                      o.max_num_batched_tokens, o.max_num_seqs);
     for (int32_t i = 0; i < o.n_eos_ids; i++)
         if (o.eos_ids[i] < 0 || o.eos_ids[i] >= c->vocab_size)
             return k3_err(err, K3_ERR_ARG, "engine: eos id %d is out of range [0, %lld)", o.eos_ids[i],
@@ -520,6 +524,12 @@ static void sample(k3_engine *e, req *r, const float *lg, double t) {
         for (int32_t i = 0; i < r->p.n_stop_ids; i++) e->row[r->stop_ids[i]] = -INFINITY;
     }
     const int32_t id = k3_sampler_sample(r->smp, e->row);
+    if (id < 0 || id >= V) { /* a sampler that refuses non-finite logits */
+        snprintf(r->error, sizeof r->error, "the logits of request %llu are not finite",
+                 (unsigned long long)r->rq.id);
+        finish(e, r, K3_FINISH_ERROR, t);
+        return;
+    }
     k3_sampler_accept(r->smp, id);
     if (r->p.logprobs >= 0) {
         const double lse = log_norm(lg, V);
