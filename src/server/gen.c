@@ -792,6 +792,11 @@ static void stream_choice(job *j, int i) {
     const size_t upto = choice_sendable(j, c);
     const size_t lp_upto = c->done ? (size_t)c->n_out : c->n_seen;
     if (!j->chat) {
+        if (c->done && (c->finish == K3_FINISH_ERROR || c->error[0])) {
+            sse_error(j, 500, c->error[0] ? c->error : "generation failed");
+            c->final_sent = true;
+            return;
+        }
         const bool echo_now = j->echo && !c->role_sent;
         if (upto > c->emitted || echo_now || (j->logprobs >= 0 && lp_upto > c->lp_sent) || c->done) {
             k3_buf t = {0};
