@@ -5,7 +5,8 @@
  *   k3 info [-m DIR]                       config, layer map, sizes
  *   k3 tokenize ...                        see cmd_tokenize.c
  *   k3 eval -m DIR --text FILE             see cmd_eval.c
- *   k3 bench -m DIR                        see cmd_bench.c
+ *   k3 bench -m DIR                        see cmd_bench.c (bench serve: cmd_bench_serve.c)
+ *   k3 serve -m DIR                        see cmd_serve.c
  */
 #include <errno.h>
 #include <stdio.h>
