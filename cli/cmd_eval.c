@@ -245,7 +245,9 @@ int k3_cmd_eval(int argc, char **argv) {
     size_t first_len = 0;
     k3_tokenizer_token(tok, ids[0], &first_len);
     const double bpb = nll / log(2.0) / (double)(n_bytes - first_len);
-    if (compare)
+    if (compare && remote)
+        printf("top1_agreement_with_fp32 %.4f (%zu/%zu) via %s\n", (double)agree / scored, agree, scored, base_url);
+    else if (compare)
         printf("top1_agreement_with_fp32 %.4f (%zu/%zu) quant %s kv %s\n", (double)agree / scored, agree, scored,
                quant, kv == K3_KV_C8 ? "c8" : "f32");
     printf("ppl %.4f bits_per_byte %.4f tokens %zu\n", exp(nll / scored), bpb, scored);

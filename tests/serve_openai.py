@@ -499,7 +499,8 @@ def main():
             off = subprocess.run(ev, capture_output=True, timeout=300, text=True)
             on = subprocess.run(ev + ["--base-url", sm.url], capture_output=True, timeout=300, text=True)
             assert off.returncode == 0 and on.returncode == 0, (off.stderr[-300:], on.stderr[-300:])
-            assert off.stdout.splitlines()[-2:] == on.stdout.splitlines()[-2:], (off.stdout, on.stdout)
+            lo, ln = off.stdout.splitlines()[-2:], on.stdout.splitlines()[-2:]
+            assert lo[1] == ln[1] and lo[0].split(" quant ")[0] == ln[0].split(" via ")[0], (lo, ln)
             # k3 bench serve against it
             bs = subprocess.run([K3, "bench", "serve", "--base-url", sm.url, "--tokenizer", MINI,
                                  "--random-input-len", "32", "--random-output-len", "8", "--num-prompts", "8",
