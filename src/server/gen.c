@@ -919,6 +919,8 @@ static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max) {
             }
             k3_buf_add(&j->out, "data: [DONE]\n\n", 14);
             j->sent_done = true;
+            /* generation is over: a client that stops reading is dropped again */
+            MHD_set_connection_option(j->conn, MHD_CONNECTION_OPTION_TIMEOUT, (unsigned)s->timeout_s);
         }
         if (j->out.len == 0 && !j->sent_done) {
             struct timespec ts;
