@@ -253,13 +253,13 @@ K3_TEST(sched_chunk_size_same_output) {
 /* Prompts run one after the other through one engine: prompt i is the
  * first shared[i] tokens of a base prompt, then its own tokens (120 in all);
  * each must give its cold tokens. */
-static void prefix_run(const k3_model *m, int stride, int64_t snap_bytes, int n, const int *shared, result *res,
-                       k3_engine_stats *st) {
+static void prefix_run_kv(const k3_model *m, k3_kv_type kv, int stride, int64_t snap_bytes, int n, const int *shared,
+                          result *res, k3_engine_stats *st) {
     const int V = (int)m->cfg.vocab_size;
     int32_t base[120], p[120];
     make_ids(base, 120, V, 1);
     k3_engine_options o = {.max_num_seqs = 4, .cache_tokens = 1024, .block_size = 16, .snapshot_stride = stride,
-                           .snapshot_bytes = snap_bytes};
+                           .snapshot_bytes = snap_bytes, .kv_cache = kv};
     k3_engine *e = open_engine(m, &o);
     if (!e) return;
     for (int i = 0; i < n; i++) {
@@ -270,13 +270,30 @@ static void prefix_run(const k3_model *m, int stride, int64_t snap_bytes, int n,
         const uint64_t id = submit(e, p, 120, 6, temp, 9 + i, NTOP);
         drain(e, &res[i], id, 1);
         result cold;
-        solo(m, K3_KV_F32, p, 120, 6, temp, 9 + i, &cold);
+        solo(m, kv, p, 120, 6, temp, 9 + i, &cold);
         CHECKF(same_tokens(&res[i], &cold), "prompt %d: a prefix hit of %lld tokens changes its tokens", i,
                (long long)res[i].n_cached);
         CHECKF(lp_diff(&res[i], &cold) <= 1e-5, "prompt %d: logprobs differ by %.3g", i, lp_diff(&res[i], &cold));
     }
     k3_engine_get_stats(e, st);
     k3_engine_close(e);
+}
+
+static void prefix_run(const k3_model *m, int stride, int64_t snap_bytes, int n, const int *shared, result *res,
+                       k3_engine_stats *st) {
+    prefix_run_kv(m, K3_KV_F32, stride, snap_bytes, n, shared, res, st);
+}
+
+/* C8 blocks are shared the same way (each token's row is quantized alone) */
+K3_TEST(sched_prefix_hit_equals_cold_c8) {
+    k3_model *m = open_model("tests/models/tiny-dsa");
+    REQUIRE(m);
+    result r[3];
+    k3_engine_stats st;
+    const int sh[3] = {120, 85, 85};
+    prefix_run_kv(m, K3_KV_C8, 1, 0, 3, sh, r, &st);
+    CHECK(r[1].n_cached == 80 && r[2].n_cached == 80);
+    k3_model_close(m);
 }
 
 K3_TEST(sched_prefix_hit_equals_cold) {

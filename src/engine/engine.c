@@ -456,7 +456,9 @@ void k3_engine_wait(k3_engine *e, double timeout_s) {
         ts.tv_sec = (time_t)t;
         ts.tv_nsec = (long)((t - (double)ts.tv_sec) * 1e9);
         if (ts.tv_nsec >= 1000000000L) ts.tv_nsec = 999999999L;
-        pthread_cond_timedwait(&e->cv, &e->mu, &ts);
+        /* until something arrives or the time is up (spurious wake-ups wait on) */
+        while (e->n_sub == 0 && e->n_cancel == 0)
+            if (pthread_cond_timedwait(&e->cv, &e->mu, &ts) != 0) break;
     }
     pthread_mutex_unlock(&e->mu);
 }
