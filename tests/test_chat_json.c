@@ -280,3 +280,49 @@ K3_TEST(chat_json_float_repr_equals_python) {
     fclose(f);
     CHECKF(n > 500 && !bad, "%d floats, %d differ", n, bad);
 }
+
+K3_TEST(chat_json_cuts_segments_every_400k_chars) {
+    /* tokenization_kimi.py encodes a segment in chunks of 400,000 code
+     * points: a 400,006-character content must encode as the two parts
+     * [:400000] and [400000:] do (parts are segments of their own). "abcde "
+     * puts the cut inside a word, where it changes the tokens (checked on
+     * the plain tokenizer below). */
+    k3_tokenizer *t = NULL;
+    k3_error err = {0};
+    REQUIREF(k3_tokenizer_open(&t, "models/k3-mini", &err) == K3_OK, "%s", err.msg);
+    const size_t n = 400006;
+    char *text = malloc(n + 1);
+    REQUIRE(text);
+    for (size_t i = 0; i < n; i++) text[i] = "abcde "[i % 6];
+    text[n] = 0;
+    json_t *whole = json_pack("[{s:s, s:s}]", "role", "user", "content", text);
+    json_t *cut = json_pack("[{s:s, s:[{s:s, s:o}, {s:s, s:o}]}]", "role", "user", "content",
+                            "type", "text", "text", json_stringn(text, 400000), "type", "text",
+                            "text", json_string(text + 400000));
+    json_t *convs[2] = {whole, cut};
+    int32_t *ids[3] = {0};
+    size_t n_ids[3] = {0};
+    k3_chat_options opt = {.thinking = true};
+    for (int k = 0; k < 2; k++) {
+        char *js = json_dumps(convs[k], 0);
+        CHECKF(js && k3_chat_encode_json(t, js, NULL, &opt, &ids[k], &n_ids[k], &err) == K3_OK, "%s",
+               err.msg);
+        free(js);
+        json_decref(convs[k]);
+    }
+    CHECK(n_ids[0] == n_ids[1] && !memcmp(ids[0], ids[1], n_ids[0] * sizeof(int32_t)));
+    /* the plain tokenizer makes no cut: its ids for the text differ from the
+     * two halves' */
+    int32_t *h0 = NULL, *h1 = NULL;
+    size_t n0 = 0, n1 = 0;
+    REQUIRE(k3_tokenizer_encode(t, text, n, &ids[2], &n_ids[2], &err) == K3_OK);
+    REQUIRE(k3_tokenizer_encode(t, text, 400000, &h0, &n0, &err) == K3_OK);
+    REQUIRE(k3_tokenizer_encode(t, text + 400000, n - 400000, &h1, &n1, &err) == K3_OK);
+    CHECK(n_ids[2] != n0 + n1 || memcmp(ids[2] + n0, h1, n1 * sizeof(int32_t)) ||
+          memcmp(ids[2], h0, n0 * sizeof(int32_t)));
+    free(h0);
+    free(h1);
+    for (int k = 0; k < 3; k++) free(ids[k]);
+    free(text);
+    k3_tokenizer_free(t);
+}

@@ -159,6 +159,13 @@ CASES = [
      {"add_generation_prompt": False}),
 ]
 
+# Segments the official tokenizer encodes in pieces: runs of whitespace or
+# non-whitespace over 25,000 code points are cut (tokenization_kimi.py).
+# (Multi-byte characters lead the first run: the count is in code points.)
+CASES.append(("long_runs", [{"role": "user", "content": "x" + "…" * 10 + "é" * 5 + "." * 24995 + " " * 25002 +
+                                                        "b" + "." * 25010}],
+              None, {"add_generation_prompt": False}))
+
 # Requests the official code refuses (k3 must refuse them too).
 ERRORS = [
     ("error_tool_name_unresolvable", [{"role": "user", "content": "x"},

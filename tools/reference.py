@@ -148,7 +148,7 @@ class Ref:
                           (idx_layers is None or (i + 1) in idx_layers) for i in range(self.L)]
         act = c.get("hidden_act", "silu")
         if act == "situ":
-            b1 = c.get("activation_situ_beta", 4.0)
+            b1 = c.get("activation_situ_beta") or 1.0  # official _get_situ_activation_params
             b2 = c.get("activation_situ_linear_beta")
 
             def glu(g, u):
@@ -323,7 +323,7 @@ class Ref:
             cand = [e for e in range(E) if e // gs in keep]
         sel = sorted(cand, key=lambda e: (-float(biased[e]), e))[:k]
         w = torch.stack([s[e] for e in sel])
-        if c.get("moe_renormalize", True):
+        if c.get("moe_renormalize", True) and k > 1:  # official KimiMoEGate
             w = w / (w.sum() + 1e-20)
         w = w * c.get("routed_scaling_factor", 1.0)
         latent = c.get("routed_expert_hidden_size") is not None and self.W.has(b + "routed_expert_down_proj.weight")

@@ -289,9 +289,45 @@ typedef struct attr {
     size_t vlen;
 } attr;
 
+/* The official tokenizer encodes a segment in pieces (tokenization_kimi.py
+ * _encode_text_piece, working around tiktoken#195): chunks of 400,000 code
+ * points, each cut wherever a run of whitespace or of non-whitespace would
+ * pass 25,000 code points. The cuts are token boundaries, so k3 makes the
+ * same ones. */
+#define PIECE_MAX_CHARS 400000
+#define PIECE_MAX_RUN 25000
+
 static k3_status text(enc *e, const char *s, size_t n) {
-    if (!n) return K3_OK;
-    return k3_tokenizer_encode_append(e->t, s, n, &e->out, e->err);
+    size_t chars = 0, slice_start = 0, run = 0;
+    bool run_space = false;
+    for (size_t i = 0; i < n;) {
+        size_t l;
+        const bool sp = py_isspace(utf8_at((const unsigned char *)s + i, n - i, &l));
+        if (chars == PIECE_MAX_CHARS) { /* a new chunk: its own first slice */
+            k3_status st = k3_tokenizer_encode_append(e->t, s + slice_start, i - slice_start,
+                                                      &e->out, e->err);
+            if (st != K3_OK) return st;
+            slice_start = i;
+            chars = 0;
+        }
+        if (chars == 0) {
+            run_space = sp;
+            run = 1;
+        } else if (run_space != sp) {
+            run_space = sp;
+            run = 1;
+        } else if (++run > PIECE_MAX_RUN) {
+            k3_status st = k3_tokenizer_encode_append(e->t, s + slice_start, i - slice_start,
+                                                      &e->out, e->err);
+            if (st != K3_OK) return st;
+            slice_start = i;
+            run = 1;
+        }
+        chars++;
+        i += l;
+    }
+    if (slice_start == n) return K3_OK;
+    return k3_tokenizer_encode_append(e->t, s + slice_start, n - slice_start, &e->out, e->err);
 }
 
 static k3_status texts(enc *e, const char *s) { return text(e, s, strlen(s)); }
