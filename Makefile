@@ -17,7 +17,7 @@ CC      ?= cc
 OPT     ?= -O2 -fvect-cost-model=dynamic
 CFLAGS  ?= $(OPT) -g
 WARN    := -Wall -Wextra -Wshadow -Wstrict-prototypes -Wvla -Wno-unused-parameter -Wno-missing-field-initializers -Werror
-DEPS_PC := libpcre2-8 jansson libpng libjpeg
+DEPS_PC := libpcre2-8 jansson libpng libjpeg libmicrohttpd libcurl
 K3_CFLAGS := -std=c11 -D_GNU_SOURCE -Iinclude -Isrc $(WARN) -pthread -MMD -MP
 LDLIBS  := -lm -pthread
 

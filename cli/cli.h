@@ -11,6 +11,8 @@ int k3_cmd_info(int argc, char **argv);
 int k3_cmd_tokenize(int argc, char **argv);
 int k3_cmd_eval(int argc, char **argv);
 int k3_cmd_bench(int argc, char **argv);
+int k3_cmd_serve(int argc, char **argv);
+int k3_cmd_bench_serve(int argc, char **argv);
 int k3_cmd_bench_throughput(int argc, char **argv); /* `k3 bench throughput` */
 
 #include "k3.h"
@@ -122,6 +124,16 @@ int k3_cli_show_memory(k3_cli_dist *cd, const k3_model *m, const k3_ctx *ctx, co
  * k3_cli_open_model_stored. */
 k3_status k3_cli_open_model_dist(k3_model **m, const char *dir, const char *quant, bool keep_mapped, bool check,
                                  const k3_cli_dist *cd, k3_error *err);
+/* `k3 eval --base-url`: a window of ids scored through /v1/completions with
+ * echo + logprobs (cmd_eval_remote.c). lp[r] = logprob of ids[r + 1],
+ * top1[r] = the server's most likely id there (-1 if not given); 0 on
+ * success, else -1 with why. */
+typedef struct k3_eval_remote k3_eval_remote;
+int k3_eval_remote_open(k3_eval_remote **out, const char *base_url, const char *model, const char *api_key,
+                        char *why, size_t why_len);
+int k3_eval_remote_window(k3_eval_remote *r, const int32_t *ids, size_t len, double *lp, int32_t *top1, char *why,
+                          size_t why_len);
+void k3_eval_remote_close(k3_eval_remote *r);
 
 /* The model directory used when -m is not given. */
 #define K3_DEFAULT_MODEL "models/k3-mini"

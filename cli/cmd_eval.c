@@ -7,6 +7,11 @@
  * after the first is scored once with at least ctx - stride tokens of
  * context (the first window's tokens with less). Progress goes to stderr;
  * the last line on stdout is `ppl <float> bits_per_byte <float> tokens <int>`.
+ *
+ * With --base-url URL the same windows are scored by a server through
+ * /v1/completions with echo + logprobs (cmd_eval_remote.c; -m gives the
+ * tokenizer, and with --compare-fp32 the local fp32 reference), so a
+ * deployment prints the figures of the offline run on the same model and mode.
  */
 #include <errno.h>
 #include <limits.h>
@@ -33,6 +38,9 @@ static void usage_to(FILE *out) {
             "  --mmap          keep the weights in the file mapping\n"
             "  --kv-cache f32|c8\n"
             "  --compare-fp32  also report top-1 agreement with the unquantized f32 run\n"
+            "  --base-url URL  score through a server's /v1/completions (echo + logprobs)\n"
+            "  --model NAME    the served model name (default: the first of /v1/models)\n"
+            "  --api-key KEY   Bearer key for --base-url (default: $K3_API_KEY)\n"
             "Progress goes to stderr: a bar redrawn in place on a terminal, a line every\n"
             "10%% otherwise.\n");
 }
@@ -65,6 +73,7 @@ int k3_cmd_eval(int argc, char **argv) {
     k3_cli_parse_kv(K3_DEFAULT_KV, &kv);
     long ctx_len = 512, stride = 0, max_tok = 0;
     int compare = 0;
+    const char *base_url = NULL, *served = NULL, *api_key = getenv("K3_API_KEY");
     int threads = k3_cli_physical_cores();
     for (int i = 1; i < argc; i++) {
         const int has = i + 1 < argc;
@@ -86,6 +95,9 @@ int k3_cmd_eval(int argc, char **argv) {
         else if (!strcmp(argv[i], "--quant") && has) quant = argv[++i];
         else if (!strcmp(argv[i], "--mmap")) keep_mapped = true;
         else if (!strcmp(argv[i], "--compare-fp32")) compare = 1;
+        else if (!strcmp(argv[i], "--base-url") && has) base_url = argv[++i];
+        else if (!strcmp(argv[i], "--model") && has) served = argv[++i];
+        else if (!strcmp(argv[i], "--api-key") && has) api_key = argv[++i];
         else if (!strcmp(argv[i], "--kv-cache") && has) {
             if (k3_cli_parse_kv(argv[++i], &kv)) {
                 fprintf(stderr, "k3 eval: --kv-cache must be f32 or c8, not '%s'\n", argv[i]);
@@ -115,12 +127,25 @@ int k3_cmd_eval(int argc, char **argv) {
     int32_t *ids = NULL;
     float *logits = NULL, *rlogits = NULL;
     char *text = NULL;
+    k3_eval_remote *remote = NULL;
+    double *rlp = NULL;
+    int32_t *rtop = NULL;
     int rc = 1;
     size_t n_bytes = 0, n_ids = 0;
+    char why[600];
     if (!(dir = k3_cli_model_dir("eval", dir))) return 1;
     if (!(text = k3_cli_read_input("eval", text_path, K3_CLI_MAX_INPUT, &n_bytes))) return 1;
-    if (k3_cli_open_model(&m, dir, quant, keep_mapped, &err) || k3_tokenizer_open(&tok, dir, &err) ||
-        k3_tokenizer_encode(tok, text, n_bytes, &ids, &n_ids, &err))
+    if (base_url) {
+        if (k3_eval_remote_open(&remote, base_url, served, api_key, why, sizeof why)) {
+            fprintf(stderr, "k3 eval: %s\n", why);
+            goto out;
+        }
+        /* the local model only for the fp32 reference */
+        if (compare && k3_model_open(&m, dir, &err)) goto fail;
+    } else if (k3_cli_open_model(&m, dir, quant, keep_mapped, &err)) {
+        goto fail;
+    }
+    if (k3_tokenizer_open(&tok, dir, &err) || k3_tokenizer_encode(tok, text, n_bytes, &ids, &n_ids, &err))
         goto fail;
     if (max_tok && (size_t)max_tok < n_ids) {
         /* count only the bytes of the scored tokens */
@@ -136,16 +161,31 @@ int k3_cmd_eval(int argc, char **argv) {
         fprintf(stderr, "k3 eval: %s has fewer than 2 tokens\n", text_path);
         goto out;
     }
-    k3_model_info info;
-    k3_model_get_info(m, &info);
+    k3_model_info info = {.vocab_size = k3_tokenizer_n_vocab(tok), .max_positions = ctx_len};
+    if (m) k3_model_get_info(m, &info);
     if (ctx_len > info.max_positions) ctx_len = info.max_positions;
     if (stride > ctx_len) stride = ctx_len;
     if (k3_pool_init(&pool, threads, &err)) goto fail;
     k3_ctx_options co = {.max_seqs = 1, .max_tokens = ctx_len, .pool = pool, .kv_cache = kv};
-    if (k3_ctx_init(&ctx, m, &co, &err)) goto fail;
+    if (!remote && k3_ctx_init(&ctx, m, &co, &err)) goto fail;
     const int64_t V = info.vocab_size;
-    logits = malloc(sizeof(float) * (size_t)(V * ctx_len));
-    if (compare) {
+    if (remote) {
+        rlp = malloc(sizeof *rlp * (size_t)ctx_len);
+        rtop = malloc(sizeof *rtop * (size_t)ctx_len);
+        if (!rlp || !rtop) {
+            fprintf(stderr, "k3 eval: out of memory\n");
+            goto out;
+        }
+        if (compare) { /* the fp32 reference is the model opened above */
+            rm = m;
+            m = NULL;
+            k3_ctx_options ro = {.max_seqs = 1, .max_tokens = ctx_len, .pool = pool, .kv_cache = K3_KV_F32};
+            if (k3_ctx_init(&rctx, rm, &ro, &err)) goto fail;
+            rlogits = malloc(sizeof(float) * (size_t)(V * ctx_len));
+        }
+    }
+    logits = remote ? malloc(sizeof(float)) : malloc(sizeof(float) * (size_t)(V * ctx_len));
+    if (compare && !remote) {
         k3_ctx_options ro = {.max_seqs = 1, .max_tokens = ctx_len, .pool = pool, .kv_cache = K3_KV_F32};
         if (k3_model_open(&rm, dir, &err) || k3_ctx_init(&rctx, rm, &ro, &err)) goto fail;
         rlogits = malloc(sizeof(float) * (size_t)(V * ctx_len));
@@ -164,9 +204,16 @@ int k3_cmd_eval(int argc, char **argv) {
     int last_tenth = -1;
     for (size_t start = 0; next < n_ids; start += (size_t)stride) {
         size_t len = n_ids - start < (size_t)ctx_len ? n_ids - start : (size_t)ctx_len;
-        k3_ctx_seq_reset(ctx, 0);
         k3_batch_seq b = {0, (int32_t)len, ids + start};
-        if (k3_ctx_forward(ctx, &b, 1, K3_LOGITS_ALL, logits, &err)) goto fail;
+        if (remote) {
+            if (k3_eval_remote_window(remote, ids + start, len, rlp, rtop, why, sizeof why)) {
+                fprintf(stderr, "\nk3 eval: %s\n", why);
+                goto out;
+            }
+        } else {
+            k3_ctx_seq_reset(ctx, 0);
+            if (k3_ctx_forward(ctx, &b, 1, K3_LOGITS_ALL, logits, &err)) goto fail;
+        }
         if (compare) {
             k3_ctx_seq_reset(rctx, 0);
             if (k3_ctx_forward(rctx, &b, 1, K3_LOGITS_ALL, rlogits, &err)) goto fail;
@@ -175,9 +222,10 @@ int k3_cmd_eval(int argc, char **argv) {
         for (size_t r = 0; r + 1 < len; r++) {
             const size_t target = start + r + 1;
             if (target < next) continue;
-            nll += nll_of(logits + r * V, V, ids[target]);
+            nll += remote ? -rlp[r] : nll_of(logits + r * V, V, ids[target]);
             scored++;
-            if (compare) agree += argmax(logits + r * V, V) == argmax(rlogits + r * V, V);
+            if (compare)
+                agree += (remote ? rtop[r] : argmax(logits + r * V, V)) == argmax(rlogits + r * V, V);
         }
         next = start + len;
         clock_gettime(CLOCK_MONOTONIC, &t1);
@@ -201,7 +249,9 @@ int k3_cmd_eval(int argc, char **argv) {
     size_t first_len = 0;
     k3_tokenizer_token(tok, ids[0], &first_len);
     const double bpb = nll / log(2.0) / (double)(n_bytes - first_len);
-    if (compare)
+    if (compare && remote)
+        printf("top1_agreement_with_fp32 %.4f (%zu/%zu) via %s\n", (double)agree / scored, agree, scored, base_url);
+    else if (compare)
         printf("top1_agreement_with_fp32 %.4f (%zu/%zu) quant %s kv %s\n", (double)agree / scored, agree, scored,
                quant, kv == K3_KV_C8 ? "c8" : "f32");
     printf("ppl %.4f bits_per_byte %.4f tokens %zu\n", exp(nll / scored), bpb, scored);
@@ -214,6 +264,9 @@ out:
     free(ids);
     free(logits);
     free(rlogits);
+    free(rlp);
+    free(rtop);
+    k3_eval_remote_close(remote);
     k3_ctx_free(ctx);
     k3_ctx_free(rctx);
     k3_model_close(rm);

@@ -5,7 +5,8 @@
  *   k3 info [-m DIR]                       config, layer map, sizes
  *   k3 tokenize ...                        see cmd_tokenize.c
  *   k3 eval -m DIR --text FILE             see cmd_eval.c
- *   k3 bench -m DIR                        see cmd_bench.c
+ *   k3 bench -m DIR                        see cmd_bench.c (bench serve: cmd_bench_serve.c)
+ *   k3 serve -m DIR                        see cmd_serve.c
  */
 #include <errno.h>
 #include <stdio.h>
@@ -492,6 +493,7 @@ static const char usage_text[] =
             "  tokenize  text to token ids, or ids to text with --decode\n"
             "  eval      perplexity of a model over a text file\n"
             "  bench     prefill/decode speed against the measured memory bandwidth\n"
+            "  serve     an OpenAI-compatible HTTP server (see cmd_serve.c)\n"
             "  plan      memory and cross-rank traffic of a DCP/EP deployment, from a config\n"
             "  --version print the version\n"
             "run `k3 <command> --help` for its options\n";
@@ -512,6 +514,7 @@ int main(int argc, char **argv) {
     if (!strcmp(cmd, "eval")) return k3_cmd_eval(argc - 1, argv + 1);
     if (!strcmp(cmd, "bench")) return k3_cmd_bench(argc - 1, argv + 1);
     if (!strcmp(cmd, "plan")) return k3_cmd_plan(argc - 1, argv + 1);
+    if (!strcmp(cmd, "serve")) return k3_cmd_serve(argc - 1, argv + 1);
     if (!strcmp(cmd, "-h") || !strcmp(cmd, "--help") || !strcmp(cmd, "help")) {
         usage_to_stdout();
         return 0;

@@ -738,6 +738,40 @@ k3_status k3_vision_chat_encode_json(const k3_vision *v, const k3_tokenizer *t, 
                                      const char *tools_json, const k3_chat_options *opt, int64_t max_pixels,
                                      k3_vision_prompt *out, k3_error *err);
 void k3_vision_prompt_free(k3_vision_prompt *p);
+/* ---- server: the OpenAI-compatible HTTP API (src/server) ---------------
+ *
+ * One libmicrohttpd daemon (a thread per connection) answers /v1/models,
+ * /v1/completions, /v1/chat/completions, /tokenize, /detokenize, /health,
+ * /metrics and /version; one engine thread owns the engine and steps it,
+ * HTTP threads submit and cancel and wait on their own requests. The server
+ * never prints: the caller reads k3_engine_get_stats for its log line and
+ * k3_server_failed for a fatal engine error.
+ */
+
+typedef struct k3_server k3_server;
+
+typedef struct k3_server_options {
+    const char *host;          /* address or name to bind (NULL = "127.0.0.1") */
+    int port;                  /* 0 = any free port (see k3_server_port) */
+    const char *api_key;       /* NULL or "": no key; else every route but /health
+                                  needs "Authorization: Bearer KEY" */
+    const char *model_name;    /* the served model name (required) */
+    const k3_tokenizer *tok;   /* borrowed, required */
+    k3_engine *engine;         /* borrowed; NULL: the generation routes answer 503 */
+    int64_t max_model_len;     /* reported by /v1/models when engine is NULL */
+    size_t max_body_bytes;     /* bodies over this are refused unread (0 = 4 MiB) */
+    int max_connections;       /* connections at once (0 = 256) */
+    int timeout_s;             /* a client idle this long is dropped (0 = 30) */
+    const char *version;       /* /version (NULL = "k3") */
+} k3_server_options;
+
+k3_status k3_server_start(k3_server **out, const k3_server_options *opt, k3_error *err);
+/* The port the server listens on. */
+int k3_server_port(const k3_server *s);
+/* True (and *err filled) once the engine thread met an error it cannot go on from. */
+bool k3_server_failed(k3_server *s, k3_error *err);
+/* Stops listening, cancels what runs, joins the threads. */
+void k3_server_stop(k3_server *s);
 
 #ifdef __cplusplus
 }

@@ -213,6 +213,28 @@ expect_fail "NaN weight: run refuses at load" "non-finite" "$K3" run -m "$TMP/m"
 expect_fail "NaN weight: run --quant none --no-check-tensors: the sampler refuses" "not finite" "$K3" run -m "$TMP/m" --quant none --kv-cache f32 --no-check-tensors -n 4 --temp 0 hi
 
 . tests/cli_vision.sh
+# k3 serve: bad options fail cleanly
+expect_fail "serve bad --kv-cache" "kv-cache" "$K3" serve -m "$TINY" --kv-cache f16
+expect_fail "serve missing model" "config.json" "$K3" serve -m "$TMP/none" --port 0
+expect_fail "serve bad --port" "numeric option" "$K3" serve -m "$TINY" --port 70000
+expect_fail "bench serve unreachable" "v1/models" "$K3" bench serve --base-url http://127.0.0.1:1 --tokenizer "$TINY"
+
+# k3 serve end to end with the official openai client (tests/serve_openai.py);
+# scripts/venv.sh makes the .venv when it is missing
+if PY=$(sh scripts/venv.sh openai 2>"$TMP/venv.err"); then
+    timeout 900 "$PY" tests/serve_openai.py "$K3" >"$TMP/serve.out" 2>&1
+    grep -E "^(ok|FAIL) |^    " "$TMP/serve.out"
+    sp=$(sed -n 's/^serve: \([0-9]*\) passed, \([0-9]*\) failed$/\1/p' "$TMP/serve.out")
+    sf=$(sed -n 's/^serve: \([0-9]*\) passed, \([0-9]*\) failed$/\2/p' "$TMP/serve.out")
+    if [ -z "$sp" ]; then
+        bad "serve: the openai test did not finish" "$TMP/serve.out"
+    else
+        pass=$((pass + sp))
+        fail=$((fail + sf))
+    fi
+else
+    bad "serve: a Python with the openai client (scripts/venv.sh)" "$TMP/venv.err"
+fi
 
 echo "cli: $pass passed, $fail failed"
 [ $fail -eq 0 ]

@@ -1,0 +1,658 @@
+/*
+ * cmd_bench_serve.c -- `k3 bench serve --base-url URL ...`: load against any
+ * OpenAI-compatible server, reported like `vllm bench serve`.
+ *
+ * Requests are streamed (stream_options.include_usage) through one libcurl
+ * multi handle: at most --max-concurrency in flight, arrivals at
+ * --request-rate as a Poisson process (exponential gaps; default: all at
+ * once). Definitions (serving.md section 6): TTFT = first chunk with text -
+ * send; ITL = gaps between later chunks with text; E2EL = end - send;
+ * TPOT = (E2EL - TTFT) / (output tokens - 1); output tokens from the usage
+ * chunk (chunks counted when the server sends none); goodput = requests
+ * meeting every --goodput SLO, per second. The random dataset decodes random
+ * ordinary token ids with --tokenizer into text (a shared prefix of
+ * --prefix-len ids first); input tokens are the server's prompt_tokens.
+ * --disconnect-fraction F drops that share of the requests after their first
+ * chunks (a soak of clients that go away): they are counted apart, neither
+ * completed nor failed.
+ */
+#include <curl/curl.h>
+#include <errno.h>
+#include <jansson.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "cli.h"
+#include "k3.h"
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+typedef struct {
+    char *p;
+    size_t len, cap;
+} sbuf;
+
+static int sbuf_add(sbuf *b, const char *d, size_t n) {
+    if (b->len + n + 1 > b->cap) {
+        size_t cap = b->cap ? b->cap * 2 : 1024;
+        while (cap < b->len + n + 1) cap *= 2;
+        char *t = realloc(b->p, cap);
+        if (!t) return -1;
+        b->p = t;
+        b->cap = cap;
+    }
+    memcpy(b->p + b->len, d, n);
+    b->len += n;
+    b->p[b->len] = 0;
+    return 0;
+}
+
+typedef struct req {
+    int idx;
+    char *body;
+    CURL *h;
+    struct curl_slist *hdr;
+    sbuf in;
+    double t_send, t_first, t_last, t_end;
+    double *itl;
+    int n_itl, cap_itl, n_chunks;
+    long prompt_tokens, completion_tokens;
+    bool got_usage, done_marker, error, drop, dropped;
+    int drop_after;
+    char err[256];
+} req;
+
+static void itl_add(req *r, double v) {
+    if (r->n_itl == r->cap_itl) {
+        int cap = r->cap_itl ? r->cap_itl * 2 : 64;
+        double *t = realloc(r->itl, (size_t)cap * sizeof *t);
+        if (!t) return;
+        r->itl = t;
+        r->cap_itl = cap;
+    }
+    r->itl[r->n_itl++] = v;
+}
+
+/* One SSE event's data. */
+static void on_event(req *r, const char *data, size_t len) {
+    if (len == 6 && !memcmp(data, "[DONE]", 6)) {
+        r->done_marker = true;
+        return;
+    }
+    json_t *j = json_loadb(data, len, 0, NULL);
+    if (!j) {
+        r->error = true;
+        snprintf(r->err, sizeof r->err, "a stream event is not JSON");
+        return;
+    }
+    json_t *e = json_object_get(j, "error");
+    if (e) {
+        r->error = true;
+        json_t *m = json_object_get(e, "message");
+        snprintf(r->err, sizeof r->err, "%s", json_is_string(m) ? json_string_value(m) : "error event");
+    }
+    json_t *u = json_object_get(j, "usage");
+    if (json_is_object(u)) {
+        r->got_usage = true;
+        r->prompt_tokens = (long)json_integer_value(json_object_get(u, "prompt_tokens"));
+        r->completion_tokens = (long)json_integer_value(json_object_get(u, "completion_tokens"));
+    }
+    json_t *ch = json_array_get(json_object_get(j, "choices"), 0);
+    if (ch) {
+        json_t *d = json_object_get(ch, "delta");
+        const char *keys[] = {"text", "content", "reasoning_content", "reasoning"};
+        bool has = false;
+        for (int k = 0; k < 4; k++) {
+            json_t *v = k == 0 ? json_object_get(ch, "text") : d ? json_object_get(d, keys[k]) : NULL;
+            if (json_is_string(v) && json_string_length(v) > 0) has = true;
+        }
+        if (d && json_array_size(json_object_get(d, "tool_calls"))) has = true;
+        if (has) {
+            const double t = now_s();
+            if (r->t_first == 0) r->t_first = t;
+            else itl_add(r, t - r->t_last);
+            r->t_last = t;
+            r->n_chunks++;
+        }
+    }
+    json_decref(j);
+}
+
+static size_t on_data(char *ptr, size_t size, size_t nmemb, void *ud) {
+    req *r = ud;
+    const size_t n = size * nmemb;
+    if (sbuf_add(&r->in, ptr, n)) return 0;
+    /* events end with a blank line; lines start with "data:" */
+    for (;;) {
+        char *end = strstr(r->in.p, "\n\n");
+        size_t skip = 2;
+        char *crlf = strstr(r->in.p, "\r\n\r\n");
+        if (crlf && (!end || crlf < end)) end = crlf, skip = 4;
+        if (!end) break;
+        *end = 0;
+        for (char *line = r->in.p; line && *line;) {
+            char *nl = strchr(line, '\n');
+            if (nl) *nl = 0;
+            if (!strncmp(line, "data:", 5)) {
+                const char *d = line + 5;
+                while (*d == ' ') d++;
+                size_t l = strlen(d);
+                while (l && (d[l - 1] == '\r')) l--;
+                on_event(r, d, l);
+            }
+            line = nl ? nl + 1 : NULL;
+        }
+        const size_t used = (size_t)(end - r->in.p) + skip;
+        memmove(r->in.p, r->in.p + used, r->in.len - used + 1);
+        r->in.len -= used;
+    }
+    if (r->drop && r->n_chunks >= r->drop_after) {
+        r->dropped = true;
+        return 0; /* abort the transfer: the client goes away */
+    }
+    return n;
+}
+
+static int cmp_d(const void *a, const void *b) {
+    const double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+#define MAX_PCT 8
+static double g_pct[MAX_PCT] = {99};
+static int g_n_pct = 1;
+
+typedef struct {
+    double mean, median, std, pct[MAX_PCT];
+} dist;
+
+/* percentile p of sorted v[0..n), interpolated between order statistics as numpy.percentile */
+static double pct_of(const double *v, size_t n, double p) {
+    const double pos = p / 100.0 * (double)(n - 1);
+    const size_t lo = (size_t)pos;
+    return lo + 1 < n ? v[lo] + (pos - (double)lo) * (v[lo + 1] - v[lo]) : v[lo];
+}
+
+static dist dist_of(double *v, size_t n) {
+    dist d;
+    memset(&d, 0, sizeof d);
+    if (!n) return d;
+    qsort(v, n, sizeof *v, cmp_d);
+    double s = 0;
+    for (size_t i = 0; i < n; i++) s += v[i];
+    d.mean = s / (double)n;
+    double q = 0;
+    for (size_t i = 0; i < n; i++) q += (v[i] - d.mean) * (v[i] - d.mean);
+    d.std = sqrt(q / (double)n);
+    d.median = n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+    for (int k = 0; k < g_n_pct; k++) d.pct[k] = pct_of(v, n, g_pct[k]);
+    return d;
+}
+
+static uint64_t rng_next(uint64_t *s) {
+    *s = *s * 6364136223846793005ull + 1442695040888963407ull;
+    uint64_t x = *s;
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdull;
+    return x ^ (x >> 33);
+}
+
+static double rng_unit(uint64_t *s) { return (double)(rng_next(s) >> 11) / 9007199254740992.0; }
+
+static int usage_bs(void) {
+    fprintf(stderr,
+            "usage: k3 bench serve --base-url URL [options]\n"
+            "  --model M                  model name (default: the first of GET /v1/models)\n"
+            "  --endpoint completions|chat (default completions)\n"
+            "  --dataset random           (the only dataset)\n"
+            "  --tokenizer DIR            tokenizer for the random text (default %s)\n"
+            "  --random-input-len I       prompt tokens (default 1024)\n"
+            "  --random-output-len O      output tokens (default 128)\n"
+            "  --random-range-ratio R     lengths uniform in [x(1-R), x(1+R)] (default 0)\n"
+            "  --prefix-len P             a shared prefix of P tokens before every prompt\n"
+            "  --num-prompts N            requests (default 100)\n"
+            "  --max-concurrency C        requests in flight at most (default: no limit)\n"
+            "  --request-rate R           requests/s, Poisson arrivals (default inf)\n"
+            "  --ignore-eos               generate all O tokens\n"
+            "  --goodput ttft:MS tpot:MS e2el:MS   SLOs for goodput\n"
+            "  --disconnect-fraction F    drop this share of the streams after their first chunks\n"
+            "  --metric-percentiles 50,90,99  percentiles to report (default 99)\n"
+            "  --seed N                   dataset seed (default 0)\n"
+            "  --api-key KEY              Bearer key (default: $OPENAI_API_KEY or $K3_API_KEY)\n"
+            "  --timeout S                per-request limit in seconds (default 600)\n"
+            "  --json                     print one JSON object instead of the table\n",
+            K3_DEFAULT_MODEL);
+    return 2;
+}
+
+static size_t to_sbuf(char *p, size_t size, size_t n, void *ud) {
+    return sbuf_add(ud, p, size * n) ? 0 : size * n;
+}
+
+/* GET base/v1/models -> the first id (caller frees), or NULL with why. */
+static char *first_model(const char *base, const char *key, char *why, size_t why_len) {
+    CURL *h = curl_easy_init();
+    if (!h) return NULL;
+    char url[2100], auth[1100];
+    snprintf(url, sizeof url, "%.2047s/v1/models", base);
+    struct curl_slist *hdr = NULL;
+    if (key && *key) {
+        snprintf(auth, sizeof auth, "Authorization: Bearer %s", key);
+        hdr = curl_slist_append(hdr, auth);
+    }
+    sbuf b = {0};
+    curl_easy_setopt(h, CURLOPT_URL, url);
+    curl_easy_setopt(h, CURLOPT_HTTPHEADER, hdr);
+    curl_easy_setopt(h, CURLOPT_TIMEOUT, 30L);
+    curl_easy_setopt(h, CURLOPT_NOSIGNAL, 1L);
+    curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, to_sbuf);
+    curl_easy_setopt(h, CURLOPT_WRITEDATA, &b);
+    const CURLcode cc = curl_easy_perform(h);
+    long code = 0;
+    curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, &code);
+    curl_slist_free_all(hdr);
+    curl_easy_cleanup(h);
+    char *id = NULL;
+    if (cc != CURLE_OK) snprintf(why, why_len, "GET %.300s: %s", url, curl_easy_strerror(cc));
+    else if (code != 200) snprintf(why, why_len, "GET %.300s: HTTP %ld: %.150s", url, code, b.p ? b.p : "");
+    else {
+        json_t *j = b.p ? json_loads(b.p, 0, NULL) : NULL;
+        json_t *v = json_object_get(json_array_get(json_object_get(j, "data"), 0), "id");
+        if (json_is_string(v)) id = strdup(json_string_value(v));
+        else snprintf(why, why_len, "GET %.300s: no model in the answer", url);
+        json_decref(j);
+    }
+    free(b.p);
+    return id;
+}
+
+/* Random ordinary token ids decoded to text (invalid UTF-8 dropped). */
+static char *random_text(const k3_tokenizer *tok, const int32_t *prefix, int n_prefix, int n, uint64_t *rng) {
+    int32_t n_ord = k3_tokenizer_n_vocab(tok);
+    while (n_ord > 0 && k3_tokenizer_is_special(tok, n_ord - 1)) n_ord--;
+    int32_t *ids = malloc(sizeof *ids * (size_t)(n_prefix + n + 1));
+    if (!ids) return NULL;
+    memcpy(ids, prefix, sizeof *ids * (size_t)n_prefix);
+    for (int i = 0; i < n; i++) ids[n_prefix + i] = (int32_t)(rng_next(rng) % (uint64_t)(n_ord > 0 ? n_ord : 1));
+    char *text = NULL;
+    size_t len = 0;
+    k3_status st = k3_tokenizer_decode(tok, ids, (size_t)(n_prefix + n), &text, &len, NULL);
+    free(ids);
+    if (st) return NULL;
+    /* keep valid UTF-8 only, so the JSON string is valid */
+    json_t *j = json_stringn(text, len);
+    size_t k = 0;
+    if (!j) {
+        for (size_t i = 0; i < len;) {
+            const unsigned char c = (unsigned char)text[i];
+            size_t l = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 0;
+            json_t *one = l && i + l <= len ? json_stringn(text + i, l) : NULL;
+            if (!one) {
+                i++;
+                continue;
+            }
+            json_decref(one);
+            if (c == 0) {
+                i++;
+                continue;
+            }
+            memmove(text + k, text + i, l);
+            k += l;
+            i += l;
+        }
+        text[k] = 0;
+    }
+    json_decref(j);
+    return text;
+}
+
+static long slo_parse(const char *s, const char *key) {
+    const size_t kl = strlen(key);
+    if (strncmp(s, key, kl) || s[kl] != ':') return -1;
+    char *end;
+    const double v = strtod(s + kl + 1, &end);
+    return *end || v <= 0 ? -2 : (long)(v * 1000.0); /* microseconds */
+}
+
+int k3_cmd_bench_serve(int argc, char **argv) {
+    const char *base = NULL, *model = NULL, *endpoint = "completions", *tok_dir = K3_DEFAULT_MODEL;
+    const char *key = getenv("OPENAI_API_KEY");
+    if (!key) key = getenv("K3_API_KEY");
+    long in_len = 1024, out_len = 128, n_prompts = 100, conc = 0, prefix_len = 0, timeout = 600;
+    double range = 0, rate = INFINITY, drop_frac = 0;
+    double slo_ttft = 0, slo_tpot = 0, slo_e2el = 0; /* ms; 0 = none */
+    bool ignore_eos = false, json_out = false, goodput = false;
+    uint64_t seed = 0;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        const int has = i + 1 < argc;
+#define ARG(s) (!strcmp(a, s) && has)
+        if (ARG("--base-url")) base = argv[++i];
+        else if (ARG("--model")) model = argv[++i];
+        else if (ARG("--endpoint")) endpoint = argv[++i];
+        else if (ARG("--dataset") || ARG("--dataset-name")) {
+            if (strcmp(argv[++i], "random")) {
+                fprintf(stderr, "k3 bench serve: only --dataset random is implemented\n");
+                return 2;
+            }
+        } else if (ARG("--tokenizer")) tok_dir = argv[++i];
+        else if (ARG("--random-input-len")) in_len = atol(argv[++i]);
+        else if (ARG("--random-output-len")) out_len = atol(argv[++i]);
+        else if (ARG("--random-range-ratio")) range = atof(argv[++i]);
+        else if (ARG("--prefix-len") || ARG("--random-prefix-len")) prefix_len = atol(argv[++i]);
+        else if (ARG("--num-prompts")) n_prompts = atol(argv[++i]);
+        else if (ARG("--max-concurrency")) conc = atol(argv[++i]);
+        else if (ARG("--request-rate")) rate = !strcmp(argv[++i], "inf") ? INFINITY : atof(argv[i]);
+        else if (ARG("--disconnect-fraction")) drop_frac = atof(argv[++i]);
+        else if (ARG("--seed")) seed = strtoull(argv[++i], NULL, 10);
+        else if (ARG("--api-key")) key = argv[++i];
+        else if (ARG("--timeout")) timeout = atol(argv[++i]);
+        else if (ARG("--metric-percentiles")) {
+            char *p = argv[++i];
+            g_n_pct = 0;
+            while (*p && g_n_pct < MAX_PCT) {
+                char *end;
+                const double v = strtod(p, &end);
+                if (end == p || v < 0 || v > 100) {
+                    fprintf(stderr, "k3 bench serve: --metric-percentiles takes numbers in [0, 100], like 50,90,99\n");
+                    return 2;
+                }
+                g_pct[g_n_pct++] = v;
+                p = *end == ',' ? end + 1 : end;
+                if (*end && *end != ',') return usage_bs();
+            }
+            if (!g_n_pct) return usage_bs();
+        } else if (!strcmp(a, "--ignore-eos")) ignore_eos = true;
+        else if (!strcmp(a, "--json")) json_out = true;
+        else if (ARG("--goodput")) {
+            goodput = true;
+            while (i + 1 < argc && strncmp(argv[i + 1], "--", 2)) {
+                const char *g = argv[++i];
+                long v;
+                if ((v = slo_parse(g, "ttft")) >= 0) slo_ttft = v / 1000.0;
+                else if ((v = slo_parse(g, "tpot")) >= 0) slo_tpot = v / 1000.0;
+                else if ((v = slo_parse(g, "e2el")) >= 0) slo_e2el = v / 1000.0;
+                else {
+                    fprintf(stderr, "k3 bench serve: --goodput takes ttft:MS tpot:MS e2el:MS, not '%s'\n", g);
+                    return 2;
+                }
+            }
+        } else if (!strcmp(a, "-h") || !strcmp(a, "--help")) return usage_bs();
+        else {
+            fprintf(stderr, "k3 bench serve: unknown option or missing value: %s\n", a);
+            return usage_bs();
+        }
+#undef ARG
+    }
+    const bool chat = !strcmp(endpoint, "chat");
+    if (!base || (!chat && strcmp(endpoint, "completions"))) return usage_bs();
+    if (in_len < 1 || out_len < 1 || n_prompts < 1 || conc < 0 || prefix_len < 0 || range < 0 || range >= 1 ||
+        !(rate > 0) || drop_frac < 0 || drop_frac > 1 || timeout < 1) {
+        fprintf(stderr, "k3 bench serve: lengths, --num-prompts and --request-rate must be positive, "
+                        "--random-range-ratio in [0, 1), --disconnect-fraction in [0, 1]\n");
+        return 2;
+    }
+    if (!conc || conc > n_prompts) conc = n_prompts;
+    char basebuf[2048];
+    snprintf(basebuf, sizeof basebuf, "%s", base);
+    size_t bl = strlen(basebuf);
+    while (bl && basebuf[bl - 1] == '/') basebuf[--bl] = 0;
+    if (bl > 3 && !strcmp(basebuf + bl - 3, "/v1")) basebuf[bl -= 3] = 0;
+    base = basebuf;
+
+    k3_error err = {0};
+    k3_tokenizer *tok = NULL;
+    if (k3_tokenizer_open(&tok, tok_dir, &err)) {
+        fprintf(stderr, "k3 bench serve: --tokenizer %s: %s\n", tok_dir, err.msg);
+        return 1;
+    }
+    curl_global_init(CURL_GLOBAL_DEFAULT);
+    char why[512] = "";
+    char *model_own = NULL;
+    if (!model) {
+        model_own = first_model(base, key, why, sizeof why);
+        if (!model_own) {
+            fprintf(stderr, "k3 bench serve: %s\n", why);
+            k3_tokenizer_free(tok);
+            curl_global_cleanup();
+            return 1;
+        }
+        model = model_own;
+    }
+    /* the dataset */
+    uint64_t rng = seed * 0x9E3779B97F4A7C15ull + 12345;
+    int32_t *prefix = malloc(sizeof *prefix * (size_t)(prefix_len + 1));
+    int32_t n_ord = k3_tokenizer_n_vocab(tok);
+    while (n_ord > 0 && k3_tokenizer_is_special(tok, n_ord - 1)) n_ord--;
+    for (long i = 0; prefix && i < prefix_len; i++) prefix[i] = (int32_t)(rng_next(&rng) % (uint64_t)n_ord);
+    req *rs = calloc((size_t)n_prompts, sizeof *rs);
+    double *arrive = calloc((size_t)n_prompts, sizeof *arrive);
+    int rc = 1;
+    if (!rs || !arrive || !prefix) {
+        fprintf(stderr, "k3 bench serve: out of memory\n");
+        goto out;
+    }
+    char url[2200], auth[1100];
+    snprintf(url, sizeof url, "%s/v1/%s", base, chat ? "chat/completions" : "completions");
+    snprintf(auth, sizeof auth, "Authorization: Bearer %s", key ? key : "");
+    double t_arr = 0;
+    for (long i = 0; i < n_prompts; i++) {
+        req *r = &rs[i];
+        r->idx = (int)i;
+        const long il = range > 0 ? (long)(in_len * (1 - range) + rng_unit(&rng) * 2 * range * in_len) : in_len;
+        const long ol = range > 0 ? (long)(out_len * (1 - range) + rng_unit(&rng) * 2 * range * out_len) : out_len;
+        char *text = random_text(tok, prefix, (int)prefix_len, (int)(il > 0 ? il : 1), &rng);
+        if (!text) {
+            fprintf(stderr, "k3 bench serve: cannot make the random prompts\n");
+            goto out;
+        }
+        json_t *b = json_pack("{s:s,s:I,s:f,s:b,s:{s:b},s:b}", "model", model, chat ? "max_completion_tokens" : "max_tokens",
+                              (json_int_t)(ol > 0 ? ol : 1), "temperature", 0.0, "stream", 1, "stream_options",
+                              "include_usage", 1, "ignore_eos", ignore_eos);
+        if (chat) json_object_set_new(b, "messages", json_pack("[{s:s,s:s}]", "role", "user", "content", text));
+        else json_object_set_new(b, "prompt", json_string(text));
+        free(text);
+        r->body = json_dumps(b, JSON_COMPACT);
+        json_decref(b);
+        r->drop = drop_frac > 0 && rng_unit(&rng) < drop_frac;
+        r->drop_after = 1 + (int)(rng_next(&rng) % 4);
+        if (!r->body) {
+            fprintf(stderr, "k3 bench serve: out of memory\n");
+            goto out;
+        }
+        if (isfinite(rate)) t_arr += -log(1.0 - rng_unit(&rng)) / rate;
+        arrive[i] = t_arr;
+    }
+
+    CURLM *multi = curl_multi_init();
+    long next = 0, in_flight = 0, finished = 0;
+    const double t0 = now_s();
+    while (finished < n_prompts) {
+        const double t = now_s() - t0;
+        while (next < n_prompts && in_flight < conc && arrive[next] <= t) {
+            req *r = &rs[next++];
+            r->h = curl_easy_init();
+            r->hdr = curl_slist_append(NULL, "Content-Type: application/json");
+            if (key && *key) r->hdr = curl_slist_append(r->hdr, auth);
+            curl_easy_setopt(r->h, CURLOPT_URL, url);
+            curl_easy_setopt(r->h, CURLOPT_HTTPHEADER, r->hdr);
+            curl_easy_setopt(r->h, CURLOPT_POSTFIELDS, r->body);
+            curl_easy_setopt(r->h, CURLOPT_WRITEFUNCTION, on_data);
+            curl_easy_setopt(r->h, CURLOPT_WRITEDATA, r);
+            curl_easy_setopt(r->h, CURLOPT_PRIVATE, r);
+            curl_easy_setopt(r->h, CURLOPT_NOSIGNAL, 1L);
+            curl_easy_setopt(r->h, CURLOPT_TIMEOUT, timeout);
+            r->t_send = now_s();
+            curl_multi_add_handle(multi, r->h);
+            in_flight++;
+        }
+        int running = 0;
+        curl_multi_perform(multi, &running);
+        CURLMsg *msg;
+        int left;
+        while ((msg = curl_multi_info_read(multi, &left))) {
+            if (msg->msg != CURLMSG_DONE) continue;
+            req *r;
+            curl_easy_getinfo(msg->easy_handle, CURLINFO_PRIVATE, (char **)&r);
+            r->t_end = now_s();
+            long code = 0;
+            curl_easy_getinfo(msg->easy_handle, CURLINFO_RESPONSE_CODE, &code);
+            if (!r->dropped) {
+                if (msg->data.result != CURLE_OK) {
+                    r->error = true;
+                    snprintf(r->err, sizeof r->err, "%s", curl_easy_strerror(msg->data.result));
+                } else if (code != 200) {
+                    r->error = true;
+                    snprintf(r->err, sizeof r->err, "HTTP %ld: %.200s", code, r->in.p ? r->in.p : "");
+                } else if (!r->done_marker && !r->error) {
+                    r->error = true;
+                    snprintf(r->err, sizeof r->err, "the stream ended without [DONE]");
+                }
+            }
+            curl_multi_remove_handle(multi, r->h);
+            curl_easy_cleanup(r->h);
+            curl_slist_free_all(r->hdr);
+            r->h = NULL;
+            free(r->in.p);
+            r->in.p = NULL;
+            in_flight--;
+            finished++;
+        }
+        double wait_ms = 50;
+        if (next < n_prompts && in_flight < conc) {
+            const double dt = (arrive[next] - (now_s() - t0)) * 1000.0;
+            wait_ms = dt < 0 ? 0 : dt < wait_ms ? dt : wait_ms;
+        }
+        curl_multi_poll(multi, NULL, 0, (int)wait_ms, NULL);
+    }
+    const double dur = now_s() - t0;
+    curl_multi_cleanup(multi);
+
+    /* the report */
+    long ok = 0, failed = 0, dropped = 0, good = 0, in_tok = 0, out_tok = 0;
+    double *ttft = calloc((size_t)n_prompts, sizeof *ttft), *tpot = calloc((size_t)n_prompts, sizeof *tpot),
+           *e2el = calloc((size_t)n_prompts, sizeof *e2el);
+    size_t n_itl = 0, n_tpot = 0;
+    for (long i = 0; i < n_prompts; i++) n_itl += (size_t)rs[i].n_itl;
+    double *itl = calloc(n_itl + 1, sizeof *itl);
+    if (!ttft || !tpot || !e2el || !itl) {
+        fprintf(stderr, "k3 bench serve: out of memory\n");
+        goto out;
+    }
+    n_itl = 0;
+    const char *first_err = NULL;
+    for (long i = 0; i < n_prompts; i++) {
+        req *r = &rs[i];
+        if (r->dropped) {
+            dropped++;
+            continue;
+        }
+        if (r->error) {
+            failed++;
+            if (!first_err) first_err = r->err;
+            continue;
+        }
+        const long out = r->got_usage ? r->completion_tokens : r->n_chunks;
+        in_tok += r->prompt_tokens;
+        out_tok += out;
+        const double tt = r->t_first > 0 ? r->t_first - r->t_send : r->t_end - r->t_send;
+        const double e2 = r->t_end - r->t_send;
+        ttft[ok] = tt * 1000;
+        e2el[ok] = e2 * 1000;
+        double tp = 0;
+        if (out > 1) tpot[n_tpot++] = tp = (e2 - tt) / (double)(out - 1) * 1000;
+        for (int k = 0; k < r->n_itl; k++) itl[n_itl++] = r->itl[k] * 1000;
+        ok++;
+        if ((!slo_ttft || ttft[ok - 1] <= slo_ttft) && (!slo_tpot || tp <= slo_tpot) &&
+            (!slo_e2el || e2el[ok - 1] <= slo_e2el))
+            good++;
+    }
+    const dist dt = dist_of(ttft, (size_t)ok), dp = dist_of(tpot, n_tpot), di = dist_of(itl, n_itl),
+               de = dist_of(e2el, (size_t)ok);
+    if (json_out) {
+        json_t *j = json_pack("{s:I,s:I,s:I,s:I,s:f,s:I,s:I,s:f,s:f,s:f}", "completed", (json_int_t)ok, "failed",
+                              (json_int_t)failed, "disconnected", (json_int_t)dropped, "max_concurrency",
+                              (json_int_t)conc, "duration", dur, "total_input_tokens", (json_int_t)in_tok,
+                              "total_output_tokens", (json_int_t)out_tok, "request_throughput", ok / dur,
+                              "output_throughput", out_tok / dur, "total_token_throughput", (in_tok + out_tok) / dur);
+        if (goodput) json_object_set_new(j, "request_goodput", json_real(good / dur));
+        const char *names[4] = {"ttft", "tpot", "itl", "e2el"};
+        const dist *ds[4] = {&dt, &dp, &di, &de};
+        char k[64];
+        for (int m = 0; m < 4; m++) {
+            snprintf(k, sizeof k, "mean_%s_ms", names[m]);
+            json_object_set_new(j, k, json_real(ds[m]->mean));
+            snprintf(k, sizeof k, "median_%s_ms", names[m]);
+            json_object_set_new(j, k, json_real(ds[m]->median));
+            snprintf(k, sizeof k, "std_%s_ms", names[m]);
+            json_object_set_new(j, k, json_real(ds[m]->std));
+            for (int q = 0; q < g_n_pct; q++) {
+                snprintf(k, sizeof k, "p%g_%s_ms", g_pct[q], names[m]);
+                json_object_set_new(j, k, json_real(ds[m]->pct[q]));
+            }
+        }
+        if (first_err) json_object_set_new(j, "first_error", json_string(first_err));
+        char *t = json_dumps(j, JSON_COMPACT);
+        json_decref(j);
+        if (t) puts(t);
+        free(t);
+    } else {
+        printf("============ Serving Benchmark Result ============\n");
+        printf("%-40s %-10ld\n", "Successful requests:", ok);
+        printf("%-40s %-10ld\n", "Failed requests:", failed);
+        if (drop_frac > 0) printf("%-40s %-10ld\n", "Disconnected requests:", dropped);
+        printf("%-40s %-10ld\n", "Maximum request concurrency:", conc);
+        if (isfinite(rate)) printf("%-40s %-10.2f\n", "Request rate (req/s):", rate);
+        printf("%-40s %-10.2f\n", "Benchmark duration (s):", dur);
+        printf("%-40s %-10ld\n", "Total input tokens:", in_tok);
+        printf("%-40s %-10ld\n", "Total generated tokens:", out_tok);
+        printf("%-40s %-10.2f\n", "Request throughput (req/s):", ok / dur);
+        if (goodput) printf("%-40s %-10.2f\n", "Request goodput (req/s):", good / dur);
+        printf("%-40s %-10.2f\n", "Output token throughput (tok/s):", out_tok / dur);
+        printf("%-40s %-10.2f\n", "Total Token throughput (tok/s):", (in_tok + out_tok) / dur);
+        const char *titles[4] = {"Time to First Token", "Time per Output Token (excl. 1st token)",
+                                 "Inter-token Latency", "End-to-end Latency"};
+        const char *abbr[4] = {"TTFT", "TPOT", "ITL", "E2EL"};
+        const dist *ds[4] = {&dt, &dp, &di, &de};
+        for (int m = 0; m < 4; m++) {
+            const int w = (int)strlen(titles[m]);
+            const int l = (50 - w) / 2, rr = 50 - w - l;
+            printf("%.*s%s%.*s\n", l, "--------------------------", titles[m], rr, "--------------------------");
+            char k[64];
+            snprintf(k, sizeof k, "Mean %s (ms):", abbr[m]);
+            printf("%-40s %-10.2f\n", k, ds[m]->mean);
+            snprintf(k, sizeof k, "Median %s (ms):", abbr[m]);
+            printf("%-40s %-10.2f\n", k, ds[m]->median);
+            for (int q = 0; q < g_n_pct; q++) {
+                snprintf(k, sizeof k, "P%g %s (ms):", g_pct[q], abbr[m]);
+                printf("%-40s %-10.2f\n", k, ds[m]->pct[q]);
+            }
+        }
+        printf("==================================================\n");
+        if (first_err) fprintf(stderr, "k3 bench serve: first failure: %s\n", first_err);
+    }
+    rc = failed ? 1 : 0;
+    free(ttft);
+    free(tpot);
+    free(e2el);
+    free(itl);
+out:
+    for (long i = 0; rs && i < n_prompts; i++) {
+        free(rs[i].body);
+        free(rs[i].itl);
+    }
+    free(rs);
+    free(arrive);
+    free(prefix);
+    free(model_own);
+    k3_tokenizer_free(tok);
+    curl_global_cleanup();
+    return rc;
+}

@@ -1,0 +1,218 @@
+/*
+ * cmd_serve.c -- `k3 serve -m DIR`: the OpenAI-compatible HTTP server
+ * (src/server) on the batching engine. Prints the mode and the address at
+ * start, one log line every 5 s while busy (like vLLM's), and shuts down
+ * cleanly on SIGINT / SIGTERM.
+ */
+#include <errno.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "cli.h"
+#include "k3.h"
+
+static volatile sig_atomic_t g_quit;
+
+static void on_signal(int sig) {
+    (void)sig;
+    g_quit = 1;
+}
+
+static int usage_serve(void) {
+    fprintf(stderr,
+            "usage: k3 serve [-m DIR] [options]\n"
+            "  --host ADDR                  address to bind (default 127.0.0.1)\n"
+            "  --port N                     port (default 8000; 0 = any free port)\n"
+            "  --api-key KEY                require Authorization: Bearer KEY (or set K3_API_KEY)\n"
+            "  --served-model-name NAME     the model name clients use (default: DIR)\n"
+            "  --max-model-len N            prompt + output tokens per request\n"
+            "  --max-num-seqs N             running requests at once (default 16)\n"
+            "  --max-num-batched-tokens N   tokens per step (default 2048)\n"
+            "  --max-waiting N              waiting requests before 503 (default 256)\n"
+            "  --cache-tokens N             cache pool size in tokens (default: from the machine)\n"
+            "  --no-prefix-cache            turn prefix caching off\n"
+            "  --snapshot-mb N              byte budget of the prefix cache's KDA snapshots (default: the engine's)\n"
+            "  --quant MODE                 none | w8a8 | w8a8-mxfp8 | w4a8 | w8a8+w4a8 (default %s)\n"
+            "  --kv-cache f32|c8            cache format (default %s)\n"
+            "  --mmap                       keep the weights in the file mapping\n"
+            "  --threads N                  worker threads (default: all cores)\n"
+            "  --max-body-bytes N           largest request body (default 4194304)\n"
+            "  --timeout S                  drop a client idle this long (default 30)\n"
+            "  --max-connections N          connections at once, one thread each (default 1024)\n",
+            K3_DEFAULT_QUANT, K3_DEFAULT_KV);
+    return 2;
+}
+
+static long parse_long(const char *s, int *bad) {
+    char *end;
+    errno = 0;
+    const long v = strtol(s, &end, 10);
+    if (end == s || *end || errno || v < 0) *bad = 1;
+    return v;
+}
+
+/* FNV-1a over the mode: the prefix cache never mixes modes. */
+static uint64_t salt_of(const char *quant, k3_kv_type kv) {
+    uint64_t h = 1469598103934665603ull;
+    for (const char *p = quant; *p; p++) h = (h ^ (unsigned char)*p) * 1099511628211ull;
+    return (h ^ (uint64_t)kv) * 1099511628211ull;
+}
+
+int k3_cmd_serve(int argc, char **argv) {
+    const char *dir = K3_DEFAULT_MODEL, *host = "127.0.0.1", *api_key = NULL, *name = NULL;
+    const char *quant = K3_DEFAULT_QUANT, *kv_name = K3_DEFAULT_KV;
+    long port = 8000, max_len = 0, max_seqs = 0, max_batched = 0, max_waiting = 256, cache_tokens = 0;
+    long max_body = 0, timeout = 0, snapshot_mb = 0, max_conn = 1024;
+    bool keep_mapped = false, no_prefix = false;
+    const long nproc = sysconf(_SC_NPROCESSORS_ONLN);
+    long threads = nproc < 1 ? 1 : nproc > 64 ? 64 : nproc;
+    int bad = 0;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        const int has = i + 1 < argc;
+#define ARG(s) (!strcmp(a, s) && has)
+        if (ARG("-m")) dir = argv[++i];
+        else if (ARG("--host")) host = argv[++i];
+        else if (ARG("--port")) port = parse_long(argv[++i], &bad);
+        else if (ARG("--api-key")) api_key = argv[++i];
+        else if (ARG("--served-model-name")) name = argv[++i];
+        else if (ARG("--max-model-len")) max_len = parse_long(argv[++i], &bad);
+        else if (ARG("--max-num-seqs")) max_seqs = parse_long(argv[++i], &bad);
+        else if (ARG("--max-num-batched-tokens")) max_batched = parse_long(argv[++i], &bad);
+        else if (ARG("--max-waiting")) max_waiting = parse_long(argv[++i], &bad);
+        else if (ARG("--cache-tokens")) cache_tokens = parse_long(argv[++i], &bad);
+        else if (ARG("--snapshot-mb")) snapshot_mb = parse_long(argv[++i], &bad);
+        else if (ARG("--quant")) quant = argv[++i];
+        else if (ARG("--kv-cache")) kv_name = argv[++i];
+        else if (ARG("--threads")) threads = parse_long(argv[++i], &bad);
+        else if (ARG("--max-body-bytes")) max_body = parse_long(argv[++i], &bad);
+        else if (ARG("--timeout")) timeout = parse_long(argv[++i], &bad);
+        else if (ARG("--max-connections")) max_conn = parse_long(argv[++i], &bad);
+        else if (!strcmp(a, "--mmap")) keep_mapped = true;
+        else if (!strcmp(a, "--no-prefix-cache")) no_prefix = true;
+        else if (!strcmp(a, "-h") || !strcmp(a, "--help")) return usage_serve();
+        else {
+            fprintf(stderr, "k3 serve: unknown option or missing value: %s\n", a);
+            return usage_serve();
+        }
+#undef ARG
+    }
+    k3_kv_type kv;
+    if (bad || port > 65535 || threads < 1 || max_seqs > 1 << 20 || max_batched > 1 << 24 ||
+        max_waiting > 1 << 20 || snapshot_mb > 1 << 24 || max_conn > 65536 || timeout > 86400) {
+        fprintf(stderr, "k3 serve: a numeric option is not a non-negative integer in range\n");
+        return 2;
+    }
+    if (k3_cli_parse_kv(kv_name, &kv)) {
+        fprintf(stderr, "k3 serve: --kv-cache must be f32 or c8, not '%s'\n", kv_name);
+        return 2;
+    }
+    if (!api_key) api_key = getenv("K3_API_KEY");
+    if (!name) name = dir;
+
+    k3_error err = {0};
+    k3_model *m = NULL;
+    k3_tokenizer *tok = NULL;
+    k3_pool *pool = NULL;
+    k3_engine *eng = NULL;
+    k3_server *srv = NULL;
+    int rc = 1;
+    if (k3_cli_open_model(&m, dir, quant, keep_mapped, &err) || k3_tokenizer_open(&tok, dir, &err) ||
+        k3_pool_init(&pool, (int)threads, &err))
+        goto fail;
+    int32_t eos[2];
+    int n_eos = 0;
+    const int32_t e1 = k3_tokenizer_special(tok, "[EOS]"), e2 = k3_tokenizer_special(tok, "<|end_of_msg|>");
+    if (e1 >= 0) eos[n_eos++] = e1;
+    if (e2 >= 0) eos[n_eos++] = e2;
+    k3_engine_options eo = {.max_num_seqs = (int32_t)max_seqs,
+                            .max_num_batched_tokens = (int32_t)max_batched,
+                            .max_model_len = max_len,
+                            .cache_tokens = cache_tokens,
+                            .kv_cache = kv,
+                            .no_prefix_cache = no_prefix,
+                            .snapshot_bytes = (int64_t)snapshot_mb << 20,
+                            .max_waiting = (int32_t)max_waiting,
+                            .eos_ids = eos,
+                            .n_eos_ids = n_eos,
+                            .cache_salt = salt_of(quant, kv),
+                            .pool = pool};
+    if (k3_engine_open(&eng, m, &eo, &err)) goto fail;
+    k3_engine_stats st;
+    k3_engine_get_stats(eng, &st);
+    k3_server_options so = {.host = host,
+                            .port = (int)port,
+                            .api_key = api_key,
+                            .model_name = name,
+                            .tok = tok,
+                            .engine = eng,
+                            .max_body_bytes = (size_t)max_body,
+                            .timeout_s = (int)timeout,
+                            .max_connections = (int)max_conn,
+                            .version = "k3 0.1"};
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_signal;
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+    signal(SIGPIPE, SIG_IGN);
+    if (k3_server_start(&srv, &so, &err)) goto fail;
+    fprintf(stderr,
+            "k3 serve: model %s as \"%s\", quant %s, kv-cache %s, %ld threads, max_model_len %lld, "
+            "max_num_seqs %ld, cache %lld tokens in %lld blocks, prefix cache %s\n",
+            dir, name, quant, kv_name, threads, (long long)st.max_model_len, max_seqs ? max_seqs : 16,
+            (long long)st.cache_tokens, (long long)st.blocks_total, no_prefix ? "off" : "on");
+    const bool v6 = strchr(host, ':') != NULL;
+    fprintf(stderr, "k3 serve: listening on http://%s%s%s:%d%s\n", v6 ? "[" : "", host, v6 ? "]" : "",
+            k3_server_port(srv), api_key && *api_key ? " (API key required)" : "");
+
+    struct timespec t0;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    k3_engine_stats last = st;
+    double t_last = t0.tv_sec + t0.tv_nsec * 1e-9;
+    while (!g_quit) {
+        struct timespec nap = {0, 200 * 1000000L};
+        nanosleep(&nap, NULL);
+        if (k3_server_failed(srv, &err)) {
+            fprintf(stderr, "k3 serve: the engine failed: %s\n", err.msg);
+            goto fail_quiet;
+        }
+        struct timespec t;
+        clock_gettime(CLOCK_MONOTONIC, &t);
+        const double now = t.tv_sec + t.tv_nsec * 1e-9;
+        if (now - t_last < 5.0) continue;
+        k3_engine_stats cur;
+        k3_engine_get_stats(eng, &cur);
+        const int64_t dp = cur.prompt_tokens - last.prompt_tokens, dg = cur.generation_tokens - last.generation_tokens;
+        if (cur.n_running || cur.n_waiting || dp || dg) {
+            const int64_t dq = cur.prefix_queries - last.prefix_queries, dh = cur.prefix_hits - last.prefix_hits;
+            /* vLLM's wording, so the same greps work */
+            fprintf(stderr,
+                    "k3 serve: Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+                    "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%, "
+                    "Preemptions: %lld\n",
+                    dp / (now - t_last), dg / (now - t_last), cur.n_running, cur.n_waiting, 100.0 * cur.cache_usage,
+                    dq > 0 ? 100.0 * (double)dh / (double)dq : 0.0, (long long)cur.n_preemptions);
+        }
+        last = cur;
+        t_last = now;
+    }
+    fprintf(stderr, "k3 serve: shutting down\n");
+    rc = 0;
+    goto out;
+fail:
+    fprintf(stderr, "k3 serve: %s\n", err.msg[0] ? err.msg : k3_status_str(err.status));
+fail_quiet:
+    rc = 1;
+out:
+    k3_server_stop(srv);
+    k3_engine_close(eng);
+    k3_pool_free(pool);
+    k3_tokenizer_free(tok);
+    k3_model_close(m);
+    return rc;
+}

@@ -1,0 +1,30 @@
+/*
+ * gen.h -- the generation side of the server (gen.c): the engine thread,
+ * /v1/completions and /v1/chat/completions (validation into
+ * k3_request_params, per-request queues, stop strings, incremental
+ * detokenization, SSE, logprobs, usage), and the chat request encoder.
+ */
+#ifndef K3_SERVER_GEN_H
+#define K3_SERVER_GEN_H
+
+#include "server/server.h"
+
+k3_status k3_srv_gen_start(struct k3_server *s, k3_error *err);
+void k3_srv_gen_stop(struct k3_server *s);
+void k3_srv_engine_stats(struct k3_server *s, k3_engine_stats *st);
+int64_t k3_srv_max_model_len(struct k3_server *s);
+/* Answers a completion (chat = false) or chat completion request. */
+enum MHD_Result k3_srv_generate(struct k3_server *s, struct MHD_Connection *c, json_t *root, bool chat);
+/* Encodes root's "messages" (+ "tools", "tool_choice", "chat_template_kwargs")
+ * as a K3 chat prompt; *thinking (may be NULL) gets whether the think
+ * channel was opened. */
+k3_status k3_srv_encode_chat(struct k3_server *s, json_t *root, int32_t **ids, size_t *n, bool *thinking,
+                             k3_error *err);
+
+/* The assistant message of a finished chat reply (text decoded with
+ * specials by name): role, content, reasoning_content, tool_calls (*tools
+ * set when there are any). NULL with err when the reply cannot be parsed,
+ * e.g. a tool call whose arguments are not valid JSON. */
+json_t *k3_srv_chat_message(const char *text, size_t len, bool thinking, bool *tools, k3_error *err);
+
+#endif /* K3_SERVER_GEN_H */

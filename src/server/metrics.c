@@ -1,0 +1,152 @@
+/* metrics.c -- histograms and the Prometheus text of /metrics (metrics.h). */
+#include "server/metrics.h"
+
+#include <string.h>
+
+static void hist_set(k3_hist *h, const char *name, const char *help, const double *le, int n) {
+    h->name = name;
+    h->help = help;
+    h->n_le = n > K3_HIST_MAX_BUCKETS ? K3_HIST_MAX_BUCKETS : n;
+    memcpy(h->le, le, sizeof(double) * (size_t)h->n_le);
+}
+
+/* Token-count buckets like vLLM's: 1, 2, 5, 10, 20, 50 ... up to max. */
+static int count_buckets(double *le, double max) {
+    static const double mant[3] = {1, 2, 5};
+    int n = 0;
+    for (double d = 1; n < K3_HIST_MAX_BUCKETS; d *= 10)
+        for (int i = 0; i < 3 && n < K3_HIST_MAX_BUCKETS; i++) {
+            if (d * mant[i] > max) return n;
+            le[n++] = d * mant[i];
+        }
+    return n;
+}
+
+void k3_metrics_init(k3_metrics *m, int64_t max_model_len, int32_t max_batched) {
+    memset(m, 0, sizeof *m);
+    pthread_mutex_init(&m->mu, NULL);
+    /* vLLM's bucket edges (seconds) */
+    static const double ttft[] = {0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                                  2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0};
+    static const double itl[] = {0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                                 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0};
+    static const double req[] = {0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                                 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0};
+    const int nt = (int)(sizeof ttft / sizeof *ttft), ni = (int)(sizeof itl / sizeof *itl),
+              nr = (int)(sizeof req / sizeof *req);
+    hist_set(&m->h[K3_H_TTFT], "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+             ttft, nt);
+    hist_set(&m->h[K3_H_ITL], "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+             itl, ni);
+    hist_set(&m->h[K3_H_E2E], "vllm:e2e_request_latency_seconds",
+             "Histogram of e2e request latency in seconds.", req, nr);
+    hist_set(&m->h[K3_H_QUEUE], "vllm:request_queue_time_seconds",
+             "Histogram of time spent in WAITING phase for request.", req, nr);
+    hist_set(&m->h[K3_H_PREFILL], "vllm:request_prefill_time_seconds",
+             "Histogram of time spent in PREFILL phase for request.", req, nr);
+    hist_set(&m->h[K3_H_DECODE], "vllm:request_decode_time_seconds",
+             "Histogram of time spent in DECODE phase for request.", req, nr);
+    double le[K3_HIST_MAX_BUCKETS];
+    int n = count_buckets(le, (double)(max_model_len > 0 ? max_model_len : 1));
+    hist_set(&m->h[K3_H_PROMPT_TOKENS], "vllm:request_prompt_tokens",
+             "Number of prefill tokens processed.", le, n);
+    hist_set(&m->h[K3_H_GEN_TOKENS], "vllm:request_generation_tokens",
+             "Number of generation tokens processed.", le, n);
+    n = count_buckets(le, (double)(max_batched > 0 ? max_batched : 1));
+    hist_set(&m->h[K3_H_ITER_TOKENS], "vllm:iteration_tokens_total",
+             "Histogram of number of tokens per engine_step.", le, n);
+}
+
+void k3_metrics_destroy(k3_metrics *m) { pthread_mutex_destroy(&m->mu); }
+
+void k3_metrics_observe(k3_metrics *m, int which, double v) {
+    if (which < 0 || which >= K3_H_COUNT) return;
+    k3_hist *h = &m->h[which];
+    pthread_mutex_lock(&m->mu);
+    int b = 0;
+    while (b < h->n_le && v > h->le[b]) b++;
+    h->count[b]++;
+    h->sum += v;
+    h->n++;
+    pthread_mutex_unlock(&m->mu);
+}
+
+void k3_metrics_finished(k3_metrics *m, k3_finish_reason why) {
+    if ((int)why < 0 || why > K3_FINISH_ERROR) return;
+    pthread_mutex_lock(&m->mu);
+    m->finished[why]++;
+    pthread_mutex_unlock(&m->mu);
+}
+
+static void metric(k3_buf *o, const char *name, const char *type, const char *help, const char *model,
+                   double v) {
+    k3_buf_addf(o, "# HELP %s %s\n# TYPE %s %s\n%s{model_name=\"%s\"} %.17g\n", name, help, name, type, name,
+                model, v);
+}
+
+void k3_metrics_render(k3_metrics *m, const k3_engine_stats *st, const char *model, int32_t block_size,
+                       k3_buf *o) {
+    k3_engine_stats z;
+    if (!st) {
+        memset(&z, 0, sizeof z);
+        st = &z;
+    }
+    metric(o, "vllm:num_requests_running", "gauge", "Number of requests in model execution batches.", model,
+           st->n_running);
+    metric(o, "vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", model,
+           st->n_waiting);
+    metric(o, "vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", model,
+           st->cache_usage);
+    metric(o, "vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.", model,
+           (double)st->prompt_tokens);
+    metric(o, "vllm:generation_tokens_total", "counter", "Number of generation tokens processed.", model,
+           (double)st->generation_tokens);
+    k3_buf_addf(o, "# HELP vllm:request_success_total Count of successfully processed requests.\n"
+                   "# TYPE vllm:request_success_total counter\n");
+    static const char *reason[] = {NULL, "stop", "length", "abort", "error"};
+    pthread_mutex_lock(&m->mu);
+    for (int r = K3_FINISH_STOP; r <= K3_FINISH_ERROR; r++)
+        k3_buf_addf(o, "vllm:request_success_total{finished_reason=\"%s\",model_name=\"%s\"} %llu\n", reason[r],
+                    model, (unsigned long long)m->finished[r]);
+    pthread_mutex_unlock(&m->mu);
+    metric(o, "vllm:num_preemptions_total", "counter", "Cumulative number of preemption from the engine.", model,
+           (double)st->n_preemptions);
+    metric(o, "vllm:prefix_cache_queries_total", "counter",
+           "Prefix cache queries, in terms of number of queried tokens.", model, (double)st->prefix_queries);
+    metric(o, "vllm:prefix_cache_hits_total", "counter",
+           "Prefix cache hits, in terms of number of cached tokens.", model, (double)st->prefix_hits);
+    k3_buf_addf(o,
+                "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig.\n"
+                "# TYPE vllm:cache_config_info gauge\n"
+                "vllm:cache_config_info{block_size=\"%d\",num_gpu_blocks=\"%lld\",cache_tokens=\"%lld\","
+                "model_name=\"%s\"} 1\n",
+                block_size, (long long)st->blocks_total, (long long)st->cache_tokens, model);
+    metric(o, "k3:kv_blocks_used", "gauge", "Cache blocks held by requests.", model, (double)st->blocks_used);
+    metric(o, "k3:kv_blocks_total", "gauge", "Cache blocks in the pool.", model, (double)st->blocks_total);
+    metric(o, "k3:kda_snapshots", "gauge", "KDA state snapshots held by the prefix cache.", model,
+           (double)st->n_snapshots);
+    metric(o, "k3:kda_snapshot_bytes", "gauge", "Bytes of KDA state snapshots held by the prefix cache.", model,
+           (double)st->snapshot_bytes);
+    pthread_mutex_lock(&m->mu);
+    for (int i = 0; i < K3_H_COUNT; i++) {
+        const k3_hist *h = &m->h[i];
+        k3_buf_addf(o, "# HELP %s %s\n# TYPE %s histogram\n", h->name, h->help, h->name);
+        uint64_t cum = 0;
+        for (int b = 0; b < h->n_le; b++) {
+            cum += h->count[b];
+            k3_buf_addf(o, "%s_bucket{le=\"%g\",model_name=\"%s\"} %llu\n", h->name, h->le[b], model,
+                        (unsigned long long)cum);
+        }
+        cum += h->count[h->n_le];
+        k3_buf_addf(o, "%s_bucket{le=\"+Inf\",model_name=\"%s\"} %llu\n", h->name, model,
+                    (unsigned long long)cum);
+        k3_buf_addf(o, "%s_sum{model_name=\"%s\"} %.17g\n%s_count{model_name=\"%s\"} %llu\n", h->name, model,
+                    h->sum, h->name, model, (unsigned long long)h->n);
+    }
+    k3_buf_addf(o, "# HELP k3:http_requests_total HTTP requests answered.\n# TYPE k3:http_requests_total counter\n"
+                   "k3:http_requests_total{model_name=\"%s\"} %llu\n"
+                   "# HELP k3:http_errors_total HTTP requests answered with an error status.\n"
+                   "# TYPE k3:http_errors_total counter\nk3:http_errors_total{model_name=\"%s\"} %llu\n",
+                model, (unsigned long long)m->http_requests, model, (unsigned long long)m->http_errors);
+    pthread_mutex_unlock(&m->mu);
+}

@@ -1,0 +1,55 @@
+/*
+ * metrics.h -- Prometheus histograms and the /metrics text with vLLM's names
+ * (serving.md section 6) plus k3's own.
+ */
+#ifndef K3_SERVER_METRICS_H
+#define K3_SERVER_METRICS_H
+
+#include <pthread.h>
+#include <stdint.h>
+
+#include "k3.h"
+#include "server/text.h"
+
+#define K3_HIST_MAX_BUCKETS 24
+
+typedef struct k3_hist {
+    const char *name, *help;
+    int n_le;
+    double le[K3_HIST_MAX_BUCKETS];
+    uint64_t count[K3_HIST_MAX_BUCKETS + 1]; /* per bucket (not cumulative); last = +Inf */
+    double sum;
+    uint64_t n;
+} k3_hist;
+
+enum {
+    K3_H_TTFT = 0,
+    K3_H_ITL,
+    K3_H_E2E,
+    K3_H_QUEUE,
+    K3_H_PREFILL,
+    K3_H_DECODE,
+    K3_H_PROMPT_TOKENS,
+    K3_H_GEN_TOKENS,
+    K3_H_ITER_TOKENS,
+    K3_H_COUNT
+};
+
+typedef struct k3_metrics {
+    pthread_mutex_t mu;
+    k3_hist h[K3_H_COUNT];
+    uint64_t http_requests, http_errors;
+    /* engine requests finished, by the reason the client saw (a stop
+     * string ends a request by cancelling it, yet it finished with "stop") */
+    uint64_t finished[K3_FINISH_ERROR + 1];
+} k3_metrics;
+
+void k3_metrics_init(k3_metrics *m, int64_t max_model_len, int32_t max_num_batched_tokens);
+void k3_metrics_destroy(k3_metrics *m);
+void k3_metrics_observe(k3_metrics *m, int which, double v);
+void k3_metrics_finished(k3_metrics *m, k3_finish_reason why);
+/* Appends the whole /metrics text; st may be NULL (no engine: zeros). */
+void k3_metrics_render(k3_metrics *m, const k3_engine_stats *st, const char *model_name, int32_t block_size,
+                       k3_buf *out);
+
+#endif /* K3_SERVER_METRICS_H */

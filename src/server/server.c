@@ -1,0 +1,428 @@
+/*
+ * server.c -- the HTTP layer of `k3 serve` on libmicrohttpd: one thread per
+ * connection (a blocked generation waits in its own thread), a connection
+ * limit, an idle timeout for slow clients, a body size limit enforced from
+ * Content-Length before anything is read (and again while reading a body
+ * sent without one), the API key, routing, and the routes that need no
+ * generation: /health, /version, /v1/models, /tokenize, /detokenize,
+ * /metrics. The generation routes are in gen.c.
+ */
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+
+#include "common/error.h"
+#include "common/json_guard.h"
+#include "server/gen.h"
+#include "server/server.h"
+
+#define JSON_MAX_DEPTH 64
+
+typedef struct conn_req {
+    k3_buf body;
+    bool too_big;
+    bool started;
+} conn_req;
+
+static char *dup_or(const char *s, const char *dflt) {
+    const char *v = s && *s ? s : dflt;
+    return v ? strdup(v) : NULL;
+}
+
+json_t *k3_srv_jstr(const char *p, size_t n) {
+    if (k3_utf8_valid(p, n)) return json_stringn(p, n);
+    size_t m;
+    char *r = k3_utf8_repair(p, n, &m);
+    if (!r) return NULL;
+    /* a NUL byte became U+FFFD too, so r is valid */
+    json_t *j = json_stringn(r, m);
+    free(r);
+    return j;
+}
+
+static enum MHD_Result queue(struct k3_server *s, struct MHD_Connection *c, unsigned status, char *text,
+                             size_t len, const char *type) {
+    struct MHD_Response *r = MHD_create_response_from_buffer(len, text, MHD_RESPMEM_MUST_FREE);
+    if (!r) {
+        free(text);
+        return MHD_NO;
+    }
+    MHD_add_response_header(r, "Content-Type", type);
+    if (status == 503) MHD_add_response_header(r, "Retry-After", "1");
+    if (status == 401) MHD_add_response_header(r, "WWW-Authenticate", "Bearer");
+    pthread_mutex_lock(&s->metrics.mu);
+    s->metrics.http_requests++;
+    if (status >= 400) s->metrics.http_errors++;
+    pthread_mutex_unlock(&s->metrics.mu);
+    const enum MHD_Result ret = MHD_queue_response(c, status, r);
+    MHD_destroy_response(r);
+    return ret;
+}
+
+enum MHD_Result k3_srv_json(struct k3_server *s, struct MHD_Connection *c, unsigned status, json_t *body) {
+    char *text = body ? json_dumps(body, JSON_COMPACT) : NULL;
+    json_decref(body);
+    if (!text) return MHD_NO;
+    return queue(s, c, status, text, strlen(text), "application/json");
+}
+
+static const char *error_type(unsigned status) {
+    switch (status) {
+    case 400: return "BadRequestError";
+    case 401: return "AuthenticationError";
+    case 404: return "NotFoundError";
+    case 405: return "MethodNotAllowedError";
+    case 413: return "RequestTooLargeError";
+    case 503: return "ServiceUnavailableError";
+    default: return status >= 500 ? "InternalServerError" : "BadRequestError";
+    }
+}
+
+enum MHD_Result k3_srv_error(struct k3_server *s, struct MHD_Connection *c, unsigned status, const char *fmt, ...) {
+    char msg[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    json_t *m = k3_srv_jstr(msg, strlen(msg));
+    json_t *e = json_pack("{s:{s:o,s:s,s:n,s:i}}", "error", "message", m ? m : json_string("error"), "type",
+                          error_type(status), "param", "code", (json_int_t)status);
+    return k3_srv_json(s, c, status, e);
+}
+
+bool k3_srv_client_gone(struct MHD_Connection *c) {
+    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
+    if (!ci) return true;
+    struct pollfd p = {.fd = ci->connect_fd, .events = POLLRDHUP};
+    if (poll(&p, 1, 0) < 0) return false;
+    return (p.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL)) != 0;
+}
+
+/* Constant-time comparison of the Authorization header with "Bearer KEY". */
+static bool auth_ok(const struct k3_server *s, struct MHD_Connection *c) {
+    if (!s->api_key) return true;
+    const char *h = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Authorization");
+    if (!h || strncmp(h, "Bearer ", 7)) return false;
+    h += 7;
+    const size_t a = strlen(h), b = strlen(s->api_key);
+    unsigned diff = (unsigned)(a ^ b);
+    for (size_t i = 0; i < a; i++) diff |= (unsigned char)h[i] ^ (unsigned char)s->api_key[i % (b ? b : 1)];
+    return diff == 0;
+}
+
+/* Parses the body as a JSON object; on failure queues a 400 and returns NULL
+ * with *ret set. */
+static json_t *parse_body(struct k3_server *s, struct MHD_Connection *c, const conn_req *r, enum MHD_Result *ret) {
+    if (r->body.len == 0) {
+        *ret = k3_srv_error(s, c, 400, "the request has no body: expected a JSON object");
+        return NULL;
+    }
+    if (k3_json_too_deep(r->body.p, r->body.len, JSON_MAX_DEPTH)) {
+        *ret = k3_srv_error(s, c, 400, "the request JSON nests deeper than %d levels", JSON_MAX_DEPTH);
+        return NULL;
+    }
+    json_error_t je;
+    json_t *root = json_loadb(r->body.p, r->body.len, 0, &je);
+    if (!root) {
+        *ret = k3_srv_error(s, c, 400, "the request is not valid JSON (line %d, column %d): %s", je.line, je.column,
+                            je.text);
+        return NULL;
+    }
+    if (!json_is_object(root)) {
+        json_decref(root);
+        *ret = k3_srv_error(s, c, 400, "the request JSON must be an object");
+        return NULL;
+    }
+    return root;
+}
+
+int64_t k3_srv_max_model_len(struct k3_server *s) {
+    if (!s->engine) return s->max_model_len;
+    k3_engine_stats st;
+    k3_srv_engine_stats(s, &st);
+    return st.max_model_len;
+}
+
+static enum MHD_Result route_models(struct k3_server *s, struct MHD_Connection *c) {
+    json_t *m = json_pack("{s:s,s:s,s:I,s:s,s:s,s:I,s:[]}", "id", s->model, "object", "model", "created",
+                          (json_int_t)s->created, "owned_by", "k3", "root", s->model, "max_model_len",
+                          (json_int_t)k3_srv_max_model_len(s), "permission");
+    return k3_srv_json(s, c, 200, json_pack("{s:s,s:[o]}", "object", "list", "data", m));
+}
+
+static enum MHD_Result route_tokenize(struct k3_server *s, struct MHD_Connection *c, json_t *root) {
+    int32_t *ids = NULL;
+    size_t n = 0;
+    k3_error err = {0};
+    json_t *prompt = json_object_get(root, "prompt"), *msgs = json_object_get(root, "messages");
+    if (json_is_string(prompt)) {
+        if (k3_tokenizer_encode(s->tok, json_string_value(prompt), json_string_length(prompt), &ids, &n, &err))
+            return k3_srv_error(s, c, 400, "prompt: %s", err.msg);
+    } else if (json_is_array(msgs)) {
+        if (k3_srv_encode_chat(s, root, &ids, &n, NULL, &err)) return k3_srv_error(s, c, 400, "%s", err.msg);
+    } else {
+        return k3_srv_error(s, c, 400, "tokenize needs \"prompt\" (a string) or \"messages\" (an array)");
+    }
+    json_t *arr = json_array();
+    for (size_t i = 0; i < n; i++) json_array_append_new(arr, json_integer(ids[i]));
+    free(ids);
+    return k3_srv_json(s, c, 200,
+                       json_pack("{s:I,s:I,s:o}", "count", (json_int_t)n, "max_model_len",
+                                 (json_int_t)k3_srv_max_model_len(s), "tokens", arr));
+}
+
+static enum MHD_Result route_detokenize(struct k3_server *s, struct MHD_Connection *c, json_t *root) {
+    json_t *toks = json_object_get(root, "tokens");
+    if (!json_is_array(toks)) return k3_srv_error(s, c, 400, "detokenize needs \"tokens\" (an array of ids)");
+    const size_t n = json_array_size(toks);
+    int32_t *ids = malloc((n ? n : 1) * sizeof *ids);
+    if (!ids) return k3_srv_error(s, c, 500, "out of memory");
+    const int32_t nv = k3_tokenizer_n_vocab(s->tok);
+    for (size_t i = 0; i < n; i++) {
+        json_t *v = json_array_get(toks, i);
+        if (!json_is_integer(v) || json_integer_value(v) < 0 || json_integer_value(v) >= nv) {
+            free(ids);
+            return k3_srv_error(s, c, 400, "tokens[%zu] is not a token id in 0..%d", i, nv - 1);
+        }
+        ids[i] = (int32_t)json_integer_value(v);
+    }
+    char *text = NULL;
+    size_t len = 0;
+    k3_error err = {0};
+    const k3_status st = k3_tokenizer_decode(s->tok, ids, n, &text, &len, &err);
+    free(ids);
+    if (st) return k3_srv_error(s, c, 400, "%s", err.msg);
+    json_t *j = k3_srv_jstr(text, len);
+    free(text);
+    return k3_srv_json(s, c, 200, json_pack("{s:o}", "prompt", j ? j : json_string("")));
+}
+
+static enum MHD_Result route_metrics(struct k3_server *s, struct MHD_Connection *c) {
+    k3_buf o = {0};
+    k3_engine_stats st;
+    int32_t bs = 0;
+    if (s->engine) {
+        k3_srv_engine_stats(s, &st);
+        bs = st.blocks_total ? (int32_t)(st.cache_tokens / st.blocks_total) : 0;
+    }
+    k3_metrics_render(&s->metrics, s->engine ? &st : NULL, s->model_label, bs, &o);
+    if (o.oom || !o.p) {
+        k3_buf_free(&o);
+        return k3_srv_error(s, c, 500, "out of memory");
+    }
+    return queue(s, c, 200, o.p, o.len, "text/plain; version=0.0.4; charset=utf-8");
+}
+
+static enum MHD_Result dispatch(struct k3_server *s, struct MHD_Connection *c, const char *url, const char *method,
+                                conn_req *r) {
+    const bool get = !strcmp(method, "GET") || !strcmp(method, "HEAD"), post = !strcmp(method, "POST");
+    if (r->too_big)
+        return k3_srv_error(s, c, 413, "the request body is over the limit of %zu bytes", s->max_body);
+    if (!strcmp(url, "/health")) {
+        if (!get) return k3_srv_error(s, c, 405, "/health takes GET");
+        if (atomic_load(&s->stopping)) return k3_srv_error(s, c, 503, "the server is shutting down");
+        if (s->engine && k3_server_failed(s, NULL)) return k3_srv_error(s, c, 503, "the engine has failed");
+        return queue(s, c, 200, strdup(""), 0, "text/plain");
+    }
+    if (!auth_ok(s, c)) return k3_srv_error(s, c, 401, "a valid API key is needed: Authorization: Bearer KEY");
+    static const char *gets[] = {"/version", "/v1/models", "/metrics"};
+    static const char *posts[] = {"/tokenize", "/detokenize", "/v1/completions", "/v1/chat/completions"};
+    for (size_t i = 0; i < sizeof gets / sizeof *gets; i++)
+        if (!strcmp(url, gets[i])) {
+            if (!get) return k3_srv_error(s, c, 405, "%s takes GET", url);
+            if (i == 0) return k3_srv_json(s, c, 200, json_pack("{s:s}", "version", s->version));
+            if (i == 1) return route_models(s, c);
+            return route_metrics(s, c);
+        }
+    for (size_t i = 0; i < sizeof posts / sizeof *posts; i++)
+        if (!strcmp(url, posts[i])) {
+            if (!post) return k3_srv_error(s, c, 405, "%s takes POST", url);
+            enum MHD_Result ret;
+            json_t *root = parse_body(s, c, r, &ret);
+            if (!root) return ret;
+            json_t *model = json_object_get(root, "model");
+            if (model && !json_is_null(model) &&
+                (!json_is_string(model) || strcmp(json_string_value(model), s->model))) {
+                ret = k3_srv_error(s, c, 404, "the model `%s` does not exist (this server serves `%s`)",
+                                   json_is_string(model) ? json_string_value(model) : "?", s->model);
+                json_decref(root);
+                return ret;
+            }
+            if (i == 0) ret = route_tokenize(s, c, root);
+            else if (i == 1) ret = route_detokenize(s, c, root);
+            else if (!s->engine) ret = k3_srv_error(s, c, 503, "this server has no engine to generate with");
+            else ret = k3_srv_generate(s, c, root, i == 3);
+            json_decref(root);
+            return ret;
+        }
+    return k3_srv_error(s, c, 404, "no route %s %s", method, url);
+}
+
+static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const char *url, const char *method,
+                                  const char *version, const char *data, size_t *data_size, void **con_cls) {
+    struct k3_server *s = cls;
+    conn_req *r = *con_cls;
+    if (!r) {
+        r = calloc(1, sizeof *r);
+        if (!r) return MHD_NO;
+        *con_cls = r;
+        /* refuse an oversized body before reading it */
+        const char *cl = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Content-Length");
+        if (cl) {
+            char *end;
+            const unsigned long long v = strtoull(cl, &end, 10);
+            if (end == cl || v > s->max_body) {
+                r->too_big = true;
+                return k3_srv_error(s, c, 413, "the request body (%s bytes) is over the limit of %zu bytes", cl,
+                                    s->max_body);
+            }
+        }
+        return MHD_YES;
+    }
+    if (*data_size) {
+        if (!r->too_big && r->body.len + *data_size > s->max_body) {
+            r->too_big = true;
+            k3_buf_free(&r->body);
+        }
+        if (!r->too_big) k3_buf_add(&r->body, data, *data_size);
+        *data_size = 0;
+        return MHD_YES;
+    }
+    if (r->started) return MHD_YES;
+    r->started = true;
+    if (r->body.oom) return k3_srv_error(s, c, 500, "out of memory for the request body");
+    return dispatch(s, c, url, method, r);
+}
+
+static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls, enum MHD_RequestTerminationCode toe) {
+    conn_req *r = *con_cls;
+    if (!r) return;
+    k3_buf_free(&r->body);
+    free(r);
+    *con_cls = NULL;
+}
+
+static char *label_escape(const char *s) {
+    k3_buf b = {0};
+    for (; *s; s++) {
+        if (*s == '"' || *s == '\\') k3_buf_add(&b, "\\", 1);
+        if (*s == '\n') k3_buf_add(&b, "\\n", 2);
+        else k3_buf_add(&b, s, 1);
+    }
+    k3_buf_add(&b, "", 0);
+    if (b.oom) {
+        k3_buf_free(&b);
+        return NULL;
+    }
+    return b.p;
+}
+
+static void server_free(struct k3_server *s) {
+    free(s->host);
+    free(s->api_key);
+    free(s->model);
+    free(s->model_label);
+    free(s->version);
+    k3_metrics_destroy(&s->metrics);
+    pthread_mutex_destroy(&s->fail_mu);
+    free(s);
+}
+
+k3_status k3_server_start(k3_server **out, const k3_server_options *opt, k3_error *err) {
+    *out = NULL;
+    if (!opt || !opt->tok || !opt->model_name || !*opt->model_name)
+        return k3_err(err, K3_ERR_ARG, "the server needs a tokenizer and a model name");
+    if (opt->port < 0 || opt->port > 65535) return k3_err(err, K3_ERR_ARG, "port %d is not in 0..65535", opt->port);
+    struct k3_server *s = calloc(1, sizeof *s);
+    if (!s) return k3_err(err, K3_ERR_NOMEM, "out of memory for the server");
+    pthread_mutex_init(&s->fail_mu, NULL);
+    s->host = dup_or(opt->host, "127.0.0.1");
+    s->api_key = dup_or(opt->api_key, NULL);
+    s->model = strdup(opt->model_name);
+    s->model_label = label_escape(opt->model_name);
+    s->version = dup_or(opt->version, "k3");
+    s->tok = opt->tok;
+    s->engine = opt->engine;
+    s->max_model_len = opt->max_model_len;
+    s->max_body = opt->max_body_bytes ? opt->max_body_bytes : (size_t)4 << 20;
+    s->timeout_s = opt->timeout_s > 0 ? opt->timeout_s : 30;
+    s->created = (long)time(NULL);
+    s->eom_id = k3_tokenizer_special(s->tok, "<|end_of_msg|>");
+    s->eos_id = k3_tokenizer_special(s->tok, "[EOS]");
+    atomic_init(&s->stopping, false);
+    atomic_init(&s->next_id, 1);
+    int64_t mml = s->max_model_len;
+    int32_t mbt = 2048;
+    if (s->engine) {
+        k3_engine_stats st;
+        k3_engine_get_stats(s->engine, &st);
+        mml = st.max_model_len;
+    }
+    k3_metrics_init(&s->metrics, mml, mbt);
+    if (!s->host || !s->model || !s->model_label || !s->version || (opt->api_key && *opt->api_key && !s->api_key)) {
+        server_free(s);
+        return k3_err(err, K3_ERR_NOMEM, "out of memory for the server");
+    }
+
+    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_PASSIVE}, *ai = NULL;
+    char port[16];
+    snprintf(port, sizeof port, "%d", opt->port);
+    const int gai = getaddrinfo(s->host, port, &hints, &ai);
+    if (gai || !ai) {
+        k3_err(err, K3_ERR_ARG, "cannot resolve --host %s: %s", s->host, gai_strerror(gai));
+        server_free(s);
+        return K3_ERR_ARG;
+    }
+    unsigned flags = MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_POLL;
+    if (ai->ai_family == AF_INET6) flags |= MHD_USE_IPv6;
+    const unsigned limit = opt->max_connections > 0 ? (unsigned)opt->max_connections : 256u;
+    if (s->engine && k3_srv_gen_start(s, err)) {
+        freeaddrinfo(ai);
+        server_free(s);
+        return err ? err->status : K3_ERR_NOMEM;
+    }
+    s->d = MHD_start_daemon(flags, 0, NULL, NULL, on_request, s, MHD_OPTION_SOCK_ADDR, ai->ai_addr,
+                            MHD_OPTION_CONNECTION_LIMIT, limit, MHD_OPTION_CONNECTION_TIMEOUT,
+                            (unsigned)s->timeout_s, MHD_OPTION_NOTIFY_COMPLETED, on_completed, s,
+                            MHD_OPTION_THREAD_STACK_SIZE, (size_t)512 << 10, MHD_OPTION_LISTEN_BACKLOG_SIZE, 512u,
+                            MHD_OPTION_END);
+    freeaddrinfo(ai);
+    if (!s->d) {
+        if (s->engine) k3_srv_gen_stop(s);
+        k3_err(err, K3_ERR_IO, "cannot listen on %s port %d (in use, or not an address of this machine)", s->host,
+               opt->port);
+        server_free(s);
+        return K3_ERR_IO;
+    }
+    const union MHD_DaemonInfo *di = MHD_get_daemon_info(s->d, MHD_DAEMON_INFO_BIND_PORT);
+    s->port = di ? di->port : opt->port;
+    *out = s;
+    return K3_OK;
+}
+
+int k3_server_port(const k3_server *s) { return s->port; }
+
+bool k3_server_failed(k3_server *s, k3_error *err) {
+    pthread_mutex_lock(&s->fail_mu);
+    const bool f = s->failed;
+    if (f && err) *err = s->fail_err;
+    pthread_mutex_unlock(&s->fail_mu);
+    return f;
+}
+
+void k3_server_stop(k3_server *s) {
+    if (!s) return;
+    atomic_store(&s->stopping, true);
+    /* waiting handlers see the flag within their poll interval, cancel
+     * their requests and return; then the daemon's threads end */
+    MHD_stop_daemon(s->d);
+    if (s->engine) k3_srv_gen_stop(s);
+    server_free(s);
+}
