@@ -29,6 +29,11 @@ k3_status k3_cli_open_model(k3_model **m, const char *dir, const char *quant, bo
 /* Parses a --kv-cache value ("f32" or "c8"); 0 on success. */
 int k3_cli_parse_kv(const char *s, k3_kv_type *out);
 
+/* Applies --isa NAME (k3_set_isa) for subcommand cmd; 0, or prints why not
+ * and returns 2. Call it while parsing, before the model is opened. */
+int k3_cli_set_isa(const char *cmd, const char *name);
+#define K3_CLI_ISA_HELP "ref | avx2 | avx2-novnni | avx512 | best (default: best the CPU has)"
+
 /* The model directory used when -m is not given. */
 #define K3_DEFAULT_MODEL "models/k3-mini"
 

@@ -26,6 +26,7 @@ static int usage_eval(void) {
             "  --stride N      tokens a window advances (default ctx/2)\n"
             "  --max-tokens N  score only the first N tokens of the file\n"
             "  --quant MODE    none | w8a8 | w8a8-mxfp8 | w4a8 | w8a8+w4a8\n"
+            "  --isa NAME      kernels: " K3_CLI_ISA_HELP "\n"
             "  --mmap          keep the weights in the file mapping\n"
             "  --kv-cache f32|c8\n"
             "  --compare-fp32  also report top-1 agreement with the unquantized f32 run\n");
@@ -95,7 +96,9 @@ int k3_cmd_eval(int argc, char **argv) {
         else if (!strcmp(argv[i], "--threads") && has) threads = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--max-tokens") && has) max_tok = atol(argv[++i]);
         else if (!strcmp(argv[i], "--quant") && has) quant = argv[++i];
-        else if (!strcmp(argv[i], "--mmap")) keep_mapped = true;
+        else if (!strcmp(argv[i], "--isa") && has) {
+            if (k3_cli_set_isa("eval", argv[++i])) return 2;
+        } else if (!strcmp(argv[i], "--mmap")) keep_mapped = true;
         else if (!strcmp(argv[i], "--compare-fp32")) compare = 1;
         else if (!strcmp(argv[i], "--kv-cache") && has) {
             if (k3_cli_parse_kv(argv[++i], &kv)) return usage_eval();

@@ -1,4 +1,5 @@
 /* common.c -- helpers shared by the subcommands (see cli.h). */
+#include <stdio.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -29,4 +30,11 @@ int k3_cli_parse_kv(const char *s, k3_kv_type *out) {
     else if (!strcmp(s, "c8")) *out = K3_KV_C8;
     else return -1;
     return 0;
+}
+
+int k3_cli_set_isa(const char *cmd, const char *name) {
+    k3_error err = {0};
+    if (k3_set_isa(name, &err) == K3_OK) return 0;
+    fprintf(stderr, "k3 %s: --isa: %s\n", cmd, err.msg);
+    return 2;
 }

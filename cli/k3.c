@@ -48,7 +48,8 @@ static int usage_run(void) {
             "  --quant MODE        none | w8a8 | w8a8-mxfp8 | w4a8 | w8a8+w4a8 (default %s)\n"
             "  --mmap              read weights from the file mapping (default: copy them\n"
             "                      into RAM when they take at most half of it)\n"
-            "  --kv-cache f32|c8   cache format (default %s)\n",
+            "  --kv-cache f32|c8   cache format (default %s)\n"
+            "  --isa NAME          kernels: " K3_CLI_ISA_HELP "\n",
             K3_DEFAULT_MODEL, K3_DEFAULT_QUANT, K3_DEFAULT_KV);
     return 2;
 }
@@ -150,7 +151,9 @@ int k3_cmd_run(int argc, char **argv) {
         else if (ARG("--dump-logits")) dump = argv[++i];
         else if (ARG("--ctx")) ctx_arg = atol(argv[++i]);
         else if (ARG("--quant")) quant = argv[++i];
-        else if (!strcmp(argv[i], "--mmap")) keep_mapped = true;
+        else if (ARG("--isa")) {
+            if (k3_cli_set_isa("run", argv[++i])) return 2;
+        } else if (!strcmp(argv[i], "--mmap")) keep_mapped = true;
         else if (ARG("--kv-cache")) {
             if (k3_cli_parse_kv(argv[++i], &kv)) {
                 fprintf(stderr, "k3 run: --kv-cache must be f32 or c8, not '%s'\n", argv[i]);
@@ -301,8 +304,10 @@ int k3_cmd_info(int argc, char **argv) {
     const char *dir = K3_DEFAULT_MODEL;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "-m") && i + 1 < argc) dir = argv[++i];
-        else {
-            fprintf(stderr, "usage: k3 info [-m DIR]\n");
+        else if (!strcmp(argv[i], "--isa") && i + 1 < argc) {
+            if (k3_cli_set_isa("info", argv[++i])) return 2;
+        } else {
+            fprintf(stderr, "usage: k3 info [-m DIR] [--isa NAME]\n");
             return 2;
         }
     }
@@ -318,6 +323,7 @@ int k3_cmd_info(int argc, char **argv) {
     }
     k3_model_describe(m, buf, need + 1);
     fputs(buf, stdout);
+    printf("kernels: %s\n", k3_isa_current());
     free(buf);
     k3_model_close(m);
     return 0;
