@@ -202,25 +202,28 @@ K3_TEST(quant_mxfp8_scale_never_clips) {
     CHECK(e[0] == 127 && k3_e4m3_to_f32(q[5]) == 448.0f);
 }
 
-/* The AVX-512 E4M3 decode (through IEEE half) == the scalar one for every
- * code, normals and subnormals, under small, unit and large block scales. */
-K3_TEST(quant_mxfp8_simd_decode_equals_ref) {
-    k3_kernels_init();
-    if (k3_kernels_isa() < K3_ISA_AVX512) {
-        printf("    (no AVX-512 on this CPU: not run)\n");
-        return;
-    }
+/* The AVX-512 and AVX2 E4M3 decodes (through IEEE half) == the scalar one
+ * for every code, normals and subnormals, under small, unit and large block
+ * scales. */
+static void check_mxfp8_decode(void (*dq)(const uint8_t *, const uint8_t *, int64_t, float *), const char *name) {
     uint8_t q[256], e[8];
     float out[256];
     for (int c = 0; c < 256; c++) q[c] = (uint8_t)((c & 0x7f) == 0x7f ? 0x7e : c);
     static const uint8_t scales[] = {1, 100, 127, 130, 200, 254};
     for (size_t s = 0; s < sizeof scales; s++) {
         for (int b = 0; b < 8; b++) e[b] = (uint8_t)(scales[s] + (b % 2 && scales[s] < 254 ? 1 : 0));
-        k3_mxfp8_dequant_avx512(q, e, 256, out);
+        dq(q, e, 256, out);
         int bad = 0;
         for (int c = 0; c < 256; c++) bad += out[c] != k3_e4m3_to_f32(q[c]) * k3_e8m0_to_f32(e[c / 32]);
-        CHECKF(bad == 0, "scale byte %d: %d codes differ", scales[s], bad);
+        CHECKF(bad == 0, "%s, scale byte %d: %d codes differ", name, scales[s], bad);
     }
+}
+
+K3_TEST(quant_mxfp8_simd_decode_equals_ref) {
+    if (k3_kernels_have(K3_ISA_AVX2)) check_mxfp8_decode(k3_mxfp8_dequant_avx2, "avx2");
+    else printf("    (no AVX2 on this CPU: not run)\n");
+    if (k3_kernels_have(K3_ISA_AVX512)) check_mxfp8_decode(k3_mxfp8_dequant_avx512, "avx512");
+    else printf("    (no AVX-512 on this CPU: not run)\n");
 }
 
 /* Whether the AVX-512 VNNI+VBMI kernels can run here (says so when not). */

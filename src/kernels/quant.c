@@ -348,6 +348,8 @@ static void q_rows(void *p, int64_t lo, int64_t hi, int ith) {
                 const uint8_t *q = (const uint8_t *)one.data + c0;
                 if (j->avx512) {
                     k3_mxfp8_dequant_avx512(q, one.scale + c0 / 32, len, wrow);
+                } else if (j->a2) {
+                    k3_mxfp8_dequant_avx2(q, one.scale + c0 / 32, len, wrow);
                 } else {
                     for (int64_t b = 0; b < len; b += 32) { /* len % 32 == 0 */
                         const float sc = k3_e8m0_to_f32(one.scale[(c0 + b) / 32]);

@@ -373,3 +373,26 @@ INLINE void pair_store(__m256 a, float xs, float *y) {
 
 MX4_R4_ROWS(k3_mx4_r4_rows_avx2, mx4_pair_avx2, )
 MX4_R4_ROWS(k3_mx4_r4_rows_avxvnni, mx4_pair_vnni, VNNI)
+
+/* ---- MXFP8 --------------------------------------------------------------------------- */
+
+/* = k3_mxfp8_dequant_avx512 on 8 lanes: E4M3 bits moved into an fp16 (sign,
+ * exponent and mantissa shifted left by 7), converted by F16C,
+ * times 256 (the bias 15 - 7, exact), times the block scale (one rounding,
+ * like the scalar e4m3 x scale). Every code but the NaNs. */
+void k3_mxfp8_dequant_avx2(const uint8_t *q, const uint8_t *e, int64_t len, float *out) {
+    const __m128i low7 = _mm_set1_epi16(0x7f), sign = _mm_set1_epi16(0x80);
+    const __m256 x256 = _mm256_set1_ps(256.0f);
+    for (int64_t b = 0; b < len; b += 32) {
+        union { uint32_t u; float f; } sc;
+        const uint8_t eb = e[b / 32];
+        sc.u = eb == 255 ? 0x7fc00000u : eb ? (uint32_t)eb << 23 : 0x00400000u;
+        const __m256 s = _mm256_set1_ps(sc.f);
+        for (int h = 0; h < 32; h += 8) {
+            const __m128i c = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(q + b + h)));
+            const __m128i f16 = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(c, sign), 8),
+                                             _mm_slli_epi16(_mm_and_si128(c, low7), 7));
+            _mm256_storeu_ps(out + b + h, _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtph_ps(f16), x256), s));
+        }
+    }
+}
