@@ -464,7 +464,8 @@ double k3_engine_now(void);
 
 /* Picks the kernels every later call runs: "ref" (scalar), "avx2" (AVX2 +
  * FMA + F16C, with AVX-VNNI for the integer dot products where the CPU has
- * it), "avx2-novnni" (the same without AVX-VNNI), "avx512", or "best" / NULL
+ * it), "avx2-vnni" (the same, refused without AVX-VNNI), "avx2-novnni" (the
+ * same without AVX-VNNI), "avx512", or "best" / NULL
  * (the best the CPU has, the default). Call it before k3_model_quantize and
  * k3_model_load_resident: the resident layout of the 8-bit weights depends on
  * the ISA (the W4A8 4-row tiles are AVX-512 VNNI only), and contexts choose

@@ -4,7 +4,9 @@
  *
  * ISA choice: AVX-512 (F+BW+VL) > AVX2+FMA+F16C > scalar, by
  * __builtin_cpu_supports (which also checks that the OS saves the wider
- * registers). k3_kernels_force is for tests and benchmarks.
+ * registers). k3_kernels_force is for tests and benchmarks; k3_set_isa (k3.h,
+ * `--isa`) is the public form, by name, which also says whether the AVX2
+ * integer kernels may use AVX-VNNI (detected here too).
  *
  * Threading: work is cut into row ranges, up to 4 per thread, that the
  * pool hands to whichever thread is free (each slice of the weights is
