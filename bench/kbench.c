@@ -6,7 +6,9 @@
  *
  *   build/kbench [threads] [n] [rows] [cols]
  *   KB_HUGE=1: the matrices in 2 MB pages; KB_SHUFFLE=1: read in a random
- *   order (routed experts); KB_KB=N: N KB of matrices (small: from cache)
+ *   order (routed experts); KB_KB=N: N KB of matrices (small: from cache);
+ *   KB_ISA=ref|avx2|avx2-novnni|avx512: the kernels (k3_set_isa; default the
+ *   best the CPU has); KB_FMT=name: only the formats whose name starts so
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -43,7 +45,11 @@ int main(int argc, char **argv) {
     k3_error err;
     if (nth > 1 && k3_pool_init(&pool, nth, &err) != K3_OK) return 1;
     k3_kernels_init();
-    printf("isa %s, threads %d, n %lld, matrices %lld x %lld\n", k3_isa_name(k3_kernels_isa()), nth,
+    if (getenv("KB_ISA") && k3_set_isa(getenv("KB_ISA"), &err) != K3_OK) {
+        fprintf(stderr, "kbench: %s\n", err.msg);
+        return 2;
+    }
+    printf("isa %s, threads %d, n %lld, matrices %lld x %lld\n", k3_isa_current(), nth,
            (long long)n, (long long)rows, (long long)cols);
     const double bw = k3_membw_read_gbps(pool, (size_t)1 << 30, 5);
     printf("read bandwidth %.1f GB/s\n", bw);
@@ -55,6 +61,7 @@ int main(int argc, char **argv) {
         {"mxfp4 (fp32 act)", K3_W_MXFP4, false}, {"mxfp8 (w8a8)", K3_W_MXFP8, true},
     };
     for (size_t f = 0; f < sizeof fmts / sizeof fmts[0]; f++) {
+        if (getenv("KB_FMT") && strncmp(fmts[f].name, getenv("KB_FMT"), strlen(getenv("KB_FMT")))) continue;
         k3_mat w = {.type = fmts[f].t, .rows = rows, .cols = cols, .act8 = fmts[f].act8};
         const size_t rb = k3_mat_row_bytes(&w);
         const size_t mb = rb * (size_t)rows;

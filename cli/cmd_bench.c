@@ -82,6 +82,7 @@ static void usage_to(FILE *out) {
             "  --long-context       decode ms/token at --contexts, DSA vs dense\n"
             "  --contexts 1024,8192,32768,131072\n"
             "  --profile            time per operator (prefill 512 and decode)\n"
+            "  --isa NAME           kernels: " K3_CLI_ISA_HELP "\n"
             "  --json               one JSON object on stdout\n"
             "  --quick              one run per figure, prompts 128,512: about a fifth of the time\n"
             "Progress, with the time left, goes to stderr.\n"
@@ -317,7 +318,9 @@ int k3_cmd_bench(int argc, char **argv) {
                 return 2;
             }
         } else if (!strcmp(a, "--quant") && has) quant = argv[++i];
-        else if (!strcmp(a, "--json")) json = 1;
+        else if (!strcmp(a, "--isa") && has) {
+            if (k3_cli_set_isa("bench", argv[++i])) return 2;
+        } else if (!strcmp(a, "--json")) json = 1;
         else if (!strcmp(a, "--mmap")) keep_mapped = true;
         else if (!strcmp(a, "--profile")) profile = 1;
         else if (!strcmp(a, "--long-context")) longctx = 1;
@@ -341,8 +344,8 @@ int k3_cmd_bench(int argc, char **argv) {
         goto fail;
     k3_model_get_info(b.m, &b.info);
 
-    fprintf(stderr, "k3 bench: %s, %d threads, %d runs, quant %s, kv %s\n", dir, threads, runs, quant,
-            kv == K3_KV_C8 ? "c8" : "f32");
+    fprintf(stderr, "k3 bench: %s, %d threads, %d runs, quant %s, kv %s, isa %s\n", dir, threads, runs, quant,
+            kv == K3_KV_C8 ? "c8" : "f32", k3_isa_current());
     eta et = {.t0 = now_s()};
     const double membw = k3_membw_read_gbps(b.pool, (size_t)membw_mb << 20, runs);
     et.t_bw = (now_s() - et.t0) * 3.0 / runs;
@@ -421,8 +424,8 @@ int k3_cmd_bench(int argc, char **argv) {
 
     if (json) {
         printf("{\"model\": \"%s\", \"threads\": %d, \"runs\": %d, \"quant\": \"%s\", \"kv_cache\": \"%s\", "
-               "\"mem_bw_gbps\": %.2f, ",
-               dir, threads, runs, quant, kv == K3_KV_C8 ? "c8" : "f32", membw);
+               "\"isa\": \"%s\", \"mem_bw_gbps\": %.2f, ",
+               dir, threads, runs, quant, kv == K3_KV_C8 ? "c8" : "f32", k3_isa_current(), membw);
         printf("\"prefill_tok_s\": %.2f, \"prefill_tokens\": %ld, \"prefill_gflops\": %.2f, ", pre[ip].med,
                prompts[ip], gflops);
         printf("\"prefill\": [");
@@ -463,6 +466,7 @@ int k3_cmd_bench(int argc, char **argv) {
                "%lld (%.2f MB) as stored (the figure of `k3 info`)\n",
                dir, (long long)b.info.n_params, (long long)b.info.n_params_active, (long long)b.info.bytes_per_token,
                bpt / 1e6, quant, (long long)stored.bytes_per_token, stored.bytes_per_token / 1e6);
+        printf("kernels: %s\n", k3_isa_current());
         printf("memory bandwidth (read, %ld MB, %d threads): %.2f GB/s\n", membw_mb, threads, membw);
         printf("%-18s %10s %10s %10s %10s\n", "", "median", "min", "max", "GFLOP/s");
         for (int i = 0; i < n_prompts; i++)

@@ -35,6 +35,7 @@ static void usage_to(FILE *out) {
             "  --stride N      tokens a window advances (default ctx/2)\n"
             "  --max-tokens N  score only the first N tokens of the file\n"
             "  --quant MODE    none | w8a8 | w8a8-mxfp8 | w4a8 | w8a8+w4a8\n"
+            "  --isa NAME      kernels: " K3_CLI_ISA_HELP "\n"
             "  --mmap          keep the weights in the file mapping\n"
             "  --kv-cache f32|c8\n"
             "  --compare-fp32  also report top-1 agreement with the unquantized f32 run\n"
@@ -93,7 +94,9 @@ int k3_cmd_eval(int argc, char **argv) {
             if (k3_cli_long("eval", a, argv[++i], 0, LONG_MAX, &max_tok)) return 2;
         }
         else if (!strcmp(argv[i], "--quant") && has) quant = argv[++i];
-        else if (!strcmp(argv[i], "--mmap")) keep_mapped = true;
+        else if (!strcmp(argv[i], "--isa") && has) {
+            if (k3_cli_set_isa("eval", argv[++i])) return 2;
+        } else if (!strcmp(argv[i], "--mmap")) keep_mapped = true;
         else if (!strcmp(argv[i], "--compare-fp32")) compare = 1;
         else if (!strcmp(argv[i], "--base-url") && has) base_url = argv[++i];
         else if (!strcmp(argv[i], "--model") && has) served = argv[++i];

@@ -1,4 +1,5 @@
 /* common.c -- helpers shared by the subcommands (see cli.h). */
+#include <stdio.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -252,4 +253,11 @@ char *k3_cli_read_input(const char *cmd, const char *path, size_t max, size_t *l
     buf[n] = 0;
     *len = n;
     return buf;
+}
+
+int k3_cli_set_isa(const char *cmd, const char *name) {
+    k3_error err = {0};
+    if (k3_set_isa(name, &err) == K3_OK) return 0;
+    fprintf(stderr, "k3 %s: --isa: %s\n", cmd, err.msg);
+    return 2;
 }

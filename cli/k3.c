@@ -63,7 +63,8 @@ static void usage_to(FILE *out) {
             "  --dcp-interleave I  tokens per DCP stripe (default 1)\n"
             "  --dcp-topk-exchange allgather|butterfly  the DSA top-k exchange (default allgather)\n"
             "  --dist-timeout S    a collective waiting longer fails (default 300)\n"
-            "  --show-memory       print each rank's cache and routed-expert bytes\n",
+            "  --show-memory       print each rank's cache and routed-expert bytes\n"
+            "  --isa NAME          kernels: " K3_CLI_ISA_HELP "\n",
             K3_DEFAULT_MODEL, K3_DEFAULT_QUANT, K3_DEFAULT_KV);
 }
 
@@ -170,7 +171,9 @@ int k3_cmd_run(int argc, char **argv) {
         else if (!strcmp(a, "--check-tensors")) check_tensors = true;
         else if (!strcmp(a, "--no-check-tensors")) check_tensors = false;
         else if (ARG("--quant")) quant = argv[++i];
-        else if (!strcmp(argv[i], "--mmap")) keep_mapped = true;
+        else if (ARG("--isa")) {
+            if (k3_cli_set_isa("run", argv[++i])) return 2;
+        } else if (!strcmp(argv[i], "--mmap")) keep_mapped = true;
         else if (!strcmp(argv[i], "--show-memory")) show_mem = true;
         else if (ARG("--kv-cache")) {
             if (k3_cli_parse_kv(argv[++i], &kv)) {
@@ -438,16 +441,19 @@ int k3_cmd_info(int argc, char **argv) {
     const char *quant = "none";
     bool check = true;
     static const char usage_info[] =
-        "usage: k3 info [-m DIR] [--quant MODE] [--no-check-tensors]\n"
+        "usage: k3 info [-m DIR] [--quant MODE] [--no-check-tensors] [--isa NAME]\n"
         "  -m DIR              model directory (default " K3_DEFAULT_MODEL ")\n"
         "  --quant MODE        show the sizes under a quantization mode (default none: as stored)\n"
-        "  --no-check-tensors  skip the check that every stored float is finite (no NaN/Inf)\n";
+        "  --no-check-tensors  skip the check that every stored float is finite (no NaN/Inf)\n"
+        "  --isa NAME          kernels: " K3_CLI_ISA_HELP "\n";
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "-m") && i + 1 < argc) dir = argv[++i];
         else if (!strcmp(argv[i], "--quant") && i + 1 < argc) quant = argv[++i];
         else if (!strcmp(argv[i], "--check-tensors")) check = true;
         else if (!strcmp(argv[i], "--no-check-tensors")) check = false;
-        else if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
+        else if (!strcmp(argv[i], "--isa") && i + 1 < argc) {
+            if (k3_cli_set_isa("info", argv[++i])) return 2;
+        } else if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
             fputs(usage_info, stdout);
             return 0;
         } else {
@@ -480,6 +486,7 @@ int k3_cmd_info(int argc, char **argv) {
     k3_model_describe(m, buf, need + 1);
     fputs(buf, stdout);
     if (check) printf("tensors: %lld checked, every stored value finite\n", (long long)n_checked);
+    printf("kernels: %s\n", k3_isa_current());
     free(buf);
     int rc = k3_cli_print_vision(m);
     k3_model_close(m);

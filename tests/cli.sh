@@ -53,6 +53,12 @@ expect_ok "run quantized, C8 cache" "$K3" run -m "$TINY" --quant w8a8+w4a8 --kv-
 grep -q "(quant w8a8+w4a8, kv c8)" "$TMP/err" && ok "run prints the mode it ran in" || bad "run prints the mode it ran in" "$TMP/err"
 expect_ok "run a checkpoint saved by the official K3 classes" "$K3" run -m tests/models/official-tiny -n 4 --temp 0 "Hello"
 grep -q "(quant none, kv c8)" "$TMP/err" && ok "run's default mode is as stored, C8" || bad "run's default mode is as stored, C8" "$TMP/err"
+# --isa: the kernels named, printed by info; an unknown or missing one refused
+expect_ok "info --isa ref" "$K3" info -m "$TINY" --isa ref
+grep -q "^kernels: ref$" "$TMP/out" && ok "info prints the kernels" || bad "info prints the kernels" "$TMP/out"
+expect_ok "run quantized --isa ref" "$K3" run -m "$TINY" --quant w8a8+w4a8 --kv-cache c8 --isa ref -n 4 --temp 0 "Hello"
+expect_fail "run --isa unknown" "unknown kernel ISA" "$K3" run -m "$TINY" --isa sse9 -n 1 "Hello"
+expect_fail "bench --isa unknown" "unknown kernel ISA" "$K3" bench -m "$TINY" --isa avx3
 # weights read from the mapping (--mmap) or copied into RAM (default): same text
 "$K3" run -m "$TINY" -n 12 --temp 0 "Hello" >"$TMP/copied" 2>/dev/null
 "$K3" run -m "$TINY" -n 12 --temp 0 --mmap "Hello" >"$TMP/mapped" 2>/dev/null

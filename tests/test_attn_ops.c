@@ -125,3 +125,37 @@ K3_TEST(qsfa_matches_ref_and_dequant_fp32) {
     free(cf);
     free(work);
 }
+
+/* QSFA on shapes only the AVX2 block form takes (rope 8, not a multiple of
+ * 16), a part block alone (5 slots), an odd head count, and no slots. */
+K3_TEST(qsfa_avx2_blocks_match_ref) {
+    enum { H = 5, KVL = 128, ROPE = 8, N = 13, nt = KVL / K3_C8_TILE };
+    int8_t c8[N * KVL];
+    float cs[N * nt], kpe[N * ROPE], cf[N * (KVL + ROPE)];
+    fill_c8(N, KVL, ROPE, c8, cs, kpe, cf);
+    float qa[H * KVL], qpe[H * ROPE];
+    for (int i = 0; i < H * KVL; i++) qa[i] = frand() * 0.5f;
+    for (int i = 0; i < H * ROPE; i++) qpe[i] = frand();
+    int64_t slots[N];
+    for (int i = 0; i < N; i++) slots[i] = (i * 5) % N;
+    k3_c8_cache c = {c8, cs, kpe, KVL, ROPE, nt};
+    float o1[H * KVL], o2[H * KVL], l1[H], l2[H];
+    float *work = malloc(sizeof(float) * (size_t)k3_qsfa_work(H, KVL, N));
+    const int ns[] = {N, 5, 1, 0};
+    for (int k = 0; k < 4; k++) {
+        k3_qsfa_ref(qa, qpe, H, &c, slots, ns[k], 0.2f, o2, l2, work);
+        for (int isa = K3_ISA_REF; isa <= K3_ISA_AVX512; isa++) {
+            k3_kernels_force((k3_isa)isa);
+            k3_qsfa(qa, qpe, H, &c, slots, ns[k], 0.2f, o1, l1, work);
+            if (ns[k] == 0) {
+                CHECKF(l1[0] == -INFINITY && l1[H - 1] == -INFINITY, "isa %d: no slots, lse %g", isa, l1[0]);
+                continue;
+            }
+            CHECKF(k3_test_rel_l2(o1, o2, H * KVL) < 1e-5, "n %d isa %d out %g", ns[k], isa,
+                   k3_test_rel_l2(o1, o2, H * KVL));
+            CHECKF(k3_test_max_abs(l1, l2, H) < 1e-4, "n %d isa %d lse %g", ns[k], isa, k3_test_max_abs(l1, l2, H));
+        }
+    }
+    k3_kernels_force(K3_ISA_AVX512);
+    free(work);
+}

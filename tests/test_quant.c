@@ -81,8 +81,10 @@ static void check_matmul_q(k3_wtype type, int rows, int cols, int n) {
     k3_pool *pool = NULL;
     k3_error err = {0};
     REQUIRE(k3_pool_init(&pool, 2, &err) == K3_OK);
-    for (int isa = K3_ISA_REF; isa <= K3_ISA_AVX512; isa++) {
-        k3_kernels_force((k3_isa)isa); /* a path the CPU lacks falls back */
+    /* 0..2: ref, AVX2 (with AVX-VNNI where the CPU has it), AVX-512; 3: AVX2 without AVX-VNNI */
+    for (int isa = K3_ISA_REF; isa <= K3_ISA_AVX512 + 1; isa++) {
+        k3_kernels_force(isa > K3_ISA_AVX512 ? K3_ISA_AVX2 : (k3_isa)isa); /* a path the CPU lacks falls back */
+        if (isa > K3_ISA_AVX512) k3_kernels_force_avxvnni(false);
         k3_matmul(pool, &w, x, n, y);
         const double r = k3_test_rel_l2(y, yr, (int64_t)n * rows);
         CHECKF(r < 1e-6, "type %d isa %d %dx%d n=%d: rel-L2 %.3g", type, isa, rows, cols, n, r);
@@ -168,9 +170,13 @@ K3_TEST(quant_act_i8_simd_equals_ref) {
         x[n / 2] = 10.0f;                           /* amax: 127 / 10 per unit */
         if (n > 4) x[1] = 0.5f * 10.0f / 127.0f * 3; /* exactly 1.5 steps: ties to even */
         const float sa = k3_quant_act_i8_ref(x, n, a);
+        for (int isa = K3_ISA_AVX2; isa <= K3_ISA_AVX512; isa++) {
+            k3_kernels_force((k3_isa)isa); /* a path the CPU lacks falls back */
+            memset(b, 0x55, (size_t)n);
+            const float sb = k3_quant_act_i8(x, n, b);
+            CHECKF(sa == sb && memcmp(a, b, (size_t)n) == 0, "n=%d isa %s", n, k3_isa_name(k3_kernels_isa()));
+        }
         k3_kernels_force(K3_ISA_AVX512);
-        const float sb = k3_quant_act_i8(x, n, b);
-        CHECKF(sa == sb && memcmp(a, b, (size_t)n) == 0, "n=%d", n);
         free(x);
         free(a);
         free(b);
@@ -196,25 +202,28 @@ K3_TEST(quant_mxfp8_scale_never_clips) {
     CHECK(e[0] == 127 && k3_e4m3_to_f32(q[5]) == 448.0f);
 }
 
-/* The AVX-512 E4M3 decode (through IEEE half) == the scalar one for every
- * code, normals and subnormals, under small, unit and large block scales. */
-K3_TEST(quant_mxfp8_simd_decode_equals_ref) {
-    k3_kernels_init();
-    if (k3_kernels_isa() < K3_ISA_AVX512) {
-        printf("    (no AVX-512 on this CPU: not run)\n");
-        return;
-    }
+/* The AVX-512 and AVX2 E4M3 decodes (through IEEE half) == the scalar one
+ * for every code, normals and subnormals, under small, unit and large block
+ * scales. */
+static void check_mxfp8_decode(void (*dq)(const uint8_t *, const uint8_t *, int64_t, float *), const char *name) {
     uint8_t q[256], e[8];
     float out[256];
     for (int c = 0; c < 256; c++) q[c] = (uint8_t)((c & 0x7f) == 0x7f ? 0x7e : c);
     static const uint8_t scales[] = {1, 100, 127, 130, 200, 254};
     for (size_t s = 0; s < sizeof scales; s++) {
         for (int b = 0; b < 8; b++) e[b] = (uint8_t)(scales[s] + (b % 2 && scales[s] < 254 ? 1 : 0));
-        k3_mxfp8_dequant_avx512(q, e, 256, out);
+        dq(q, e, 256, out);
         int bad = 0;
         for (int c = 0; c < 256; c++) bad += out[c] != k3_e4m3_to_f32(q[c]) * k3_e8m0_to_f32(e[c / 32]);
-        CHECKF(bad == 0, "scale byte %d: %d codes differ", scales[s], bad);
+        CHECKF(bad == 0, "%s, scale byte %d: %d codes differ", name, scales[s], bad);
     }
+}
+
+K3_TEST(quant_mxfp8_simd_decode_equals_ref) {
+    if (k3_kernels_have(K3_ISA_AVX2)) check_mxfp8_decode(k3_mxfp8_dequant_avx2, "avx2");
+    else printf("    (no AVX2 on this CPU: not run)\n");
+    if (k3_kernels_have(K3_ISA_AVX512)) check_mxfp8_decode(k3_mxfp8_dequant_avx512, "avx512");
+    else printf("    (no AVX-512 on this CPU: not run)\n");
 }
 
 /* Whether the AVX-512 VNNI+VBMI kernels can run here (says so when not). */
@@ -323,4 +332,163 @@ K3_TEST(quant_w4a8_vbmi_equals_shufb) {
     if (!have_vnni_vbmi()) return;
     check_w4a8_kernels(false, 19, 1120, 11, 7);
     check_w4a8_kernels(true, 24, 384, 11, 8);
+}
+
+/* ---- the AVX2 integer kernels (quant_avx2.c) ---- */
+
+void k3_q8_rows_avx2(const int8_t *w, const float *row_scale, const int32_t *row_sum, int64_t cols, const int8_t *x,
+                     const float *xs, int64_t n, int64_t r0, int64_t r1, float *y, int64_t ldy);
+void k3_q8_rows_avxvnni(const int8_t *w, const float *row_scale, const int32_t *row_sum, int64_t cols,
+                        const int8_t *x, const float *xs, int64_t n, int64_t r0, int64_t r1, float *y, int64_t ldy);
+void k3_mx4_r4_rows_avx2(const uint8_t *packed, const uint8_t *scale, int64_t cols, const int8_t *xp,
+                         const int32_t *corr, int64_t ldc, const float *xs, int64_t n, int64_t r0, int64_t r1,
+                         float *y, int64_t ldy);
+void k3_mx4_r4_rows_avxvnni(const uint8_t *packed, const uint8_t *scale, int64_t cols, const int8_t *xp,
+                            const int32_t *corr, int64_t ldc, const float *xs, int64_t n, int64_t r0, int64_t r1,
+                            float *y, int64_t ldy);
+
+static bool have_avx2(void) {
+    if (k3_kernels_have(K3_ISA_AVX2)) return true;
+    printf("    (no AVX2 on this CPU: not run)\n");
+    return false;
+}
+
+static bool have_avxvnni(void) {
+    k3_kernels_force(K3_ISA_AVX2);
+    const bool v = k3_kernels_avxvnni();
+    k3_kernels_force(K3_ISA_AVX512);
+    if (!v) printf("    (no AVX-VNNI on this CPU: that form not run)\n");
+    return v;
+}
+
+/* W8A8 on AVX2: y == (float)(exact int dot) x xs x row_scale, the scalar
+ * formula, bit for bit; plain AVX2 and AVX-VNNI (x + 128, minus 128 row_sum)
+ * give the same bits; each token alone, and rows split at `split`, give the
+ * bits of the batch (tiles of 3 or 4 rows, 48-row slices, int8 tails). */
+static void check_q8_avx2(int R, int C, int N, int split) {
+    int8_t *w = malloc((size_t)R * C), *xq = malloc((size_t)N * C), *xu = malloc((size_t)N * C);
+    float *rs = malloc(sizeof(float) * R), *xs = malloc(sizeof(float) * N);
+    int32_t *sums = malloc(sizeof(int32_t) * R);
+    float *y0 = malloc(sizeof(float) * N * R), *y1 = malloc(sizeof(float) * N * R), *y2 = malloc(sizeof(float) * N * R);
+    float *yt = malloc(sizeof(float) * R);
+    for (int i = 0; i < R * C; i++) w[i] = (int8_t)(i % 11 == 0 ? -127 : i % 13 == 0 ? 127 : (int)(frand() * 127));
+    for (int i = 0; i < N * C; i++) xq[i] = (int8_t)(i % 7 == 0 ? 127 : i % 5 == 0 ? -127 : (int)(frand() * 127));
+    for (int i = 0; i < N * C; i++) xu[i] = (int8_t)((uint8_t)xq[i] ^ 0x80);
+    for (int r = 0; r < R; r++) {
+        rs[r] = 0.01f + 0.001f * (float)r;
+        int32_t s = 0;
+        for (int c = 0; c < C; c++) s += w[r * C + c];
+        sums[r] = s;
+    }
+    for (int t = 0; t < N; t++) xs[t] = 0.02f + 0.003f * (float)t;
+    for (int t = 0; t < N; t++)
+        for (int r = 0; r < R; r++) {
+            int32_t d = 0;
+            for (int c = 0; c < C; c++) d += (int32_t)w[r * C + c] * xq[t * C + c];
+            y0[t * R + r] = (float)d * xs[t] * rs[r];
+        }
+    k3_q8_rows_avx2(w, rs, sums, C, xq, xs, N, 0, R, y1, R);
+    CHECKF(memcmp(y0, y1, sizeof(float) * N * R) == 0, "%dx%d n=%d: plain AVX2 != scalar", R, C, N);
+    for (int t = 0; t < N; t++) {
+        k3_q8_rows_avx2(w, rs, sums, C, xq + t * C, xs + t, 1, 0, split, yt, R);
+        k3_q8_rows_avx2(w, rs, sums, C, xq + t * C, xs + t, 1, split, R, yt, R);
+        CHECKF(memcmp(yt, y0 + t * R, sizeof(float) * R) == 0, "plain: token %d alone differs", t);
+    }
+    if (k3_kernels_avxvnni() || (k3_kernels_force(K3_ISA_AVX2), k3_kernels_avxvnni())) {
+        k3_q8_rows_avxvnni(w, rs, sums, C, xu, xs, N, 0, split, y2, R);
+        k3_q8_rows_avxvnni(w, rs, sums, C, xu, xs, N, split, R, y2, R);
+        CHECKF(memcmp(y0, y2, sizeof(float) * N * R) == 0, "%dx%d n=%d: AVX-VNNI != scalar", R, C, N);
+        for (int t = 0; t < N; t++) {
+            k3_q8_rows_avxvnni(w, rs, sums, C, xu + t * C, xs + t, 1, 0, R, yt, R);
+            CHECKF(memcmp(yt, y0 + t * R, sizeof(float) * R) == 0, "VNNI: token %d alone differs", t);
+        }
+    }
+    k3_kernels_force(K3_ISA_AVX512);
+    free(w);
+    free(xq);
+    free(xu);
+    free(rs);
+    free(xs);
+    free(sums);
+    free(y0);
+    free(y1);
+    free(y2);
+    free(yt);
+}
+
+K3_TEST(quant_w8a8_avx2_equals_scalar) {
+    if (!have_avx2()) return;
+    have_avxvnni();
+    check_q8_avx2(7, 64, 1, 3);     /* decode, a row tail of the tiles */
+    check_q8_avx2(50, 300, 7, 13);  /* int8 tail, two 48-row slices, token groups of 3 + 1 */
+    check_q8_avx2(13, 1040, 5, 4);  /* the 128-column decode steps + a 32-column one */
+    check_q8_avx2(96, 2048, 2, 48);
+}
+
+/* W4A8 on tiles on AVX2: plain and AVX-VNNI give the same bits as each
+ * other, as the AVX-512 tile kernel (where the CPU has it), and, per token
+ * and row split, as the batch; and they match the dequantized reference. */
+static void check_w4a8_avx2(int R, int C, int N, int split) {
+    const int64_t ldc = (C + 127) / 128 * 16;
+    uint8_t *pk = malloc((size_t)R * C / 2), *sc = malloc((size_t)R * C / 32);
+    uint8_t *tp = malloc((size_t)R * C / 2), *ts = malloc((size_t)R * C / 32);
+    int8_t *xq = malloc((size_t)N * C), *xp = malloc((size_t)N * C);
+    int32_t *corr = malloc(sizeof(int32_t) * N * ldc);
+    float *x = malloc(sizeof(float) * N * C), *xs = malloc(sizeof(float) * N), *yt = malloc(sizeof(float) * R);
+    float *y1 = malloc(sizeof(float) * N * R), *y2 = malloc(sizeof(float) * N * R), *yr = malloc(sizeof(float) * N * R);
+    for (int i = 0; i < R * C / 2; i++) pk[i] = (uint8_t)(rng = rng * 6364136223846793005ull + 1, rng >> 56);
+    for (int i = 0; i < R * C / 32; i++) sc[i] = (uint8_t)(i % 17 == 0 ? i % 3 : 118 + i % 13); /* and subnormal scales */
+    const k3_mat w = {.type = K3_W_MXFP4, .rows = R, .cols = C, .data = pk, .scale = sc, .act8 = true};
+    k3_mx4_r4_pack(&w, tp, ts);
+    for (int i = 0; i < N * C; i++) x[i] = frand() * (i % 29 == 0 ? 6.0f : 1.0f);
+    for (int t = 0; t < N; t++) {
+        xs[t] = k3_quant_act_i8_ref(x + t * C, C, xq + t * C);
+        k3_mx4_r4_prep_ref(xq + t * C, C, xp + t * C, corr + t * ldc);
+    }
+    k3_mx4_r4_rows_avx2(tp, ts, C, xp, corr, ldc, xs, N, 0, R, y1, R);
+    k3_kernels_force(K3_ISA_REF);
+    k3_matmul_q_ref(&w, x, N, yr);
+    k3_kernels_force(K3_ISA_AVX512);
+    const double rel = k3_test_rel_l2(y1, yr, (int64_t)N * R);
+    CHECKF(rel < 1e-6, "%dx%d n=%d: rel-L2 %.3g vs the reference", R, C, N, rel);
+    for (int t = 0; t < N; t++) {
+        k3_mx4_r4_rows_avx2(tp, ts, C, xp + t * C, corr + t * ldc, ldc, xs + t, 1, 0, split, yt, R);
+        k3_mx4_r4_rows_avx2(tp, ts, C, xp + t * C, corr + t * ldc, ldc, xs + t, 1, split, R, yt, R);
+        CHECKF(memcmp(yt, y1 + t * R, sizeof(float) * R) == 0, "plain: token %d alone differs", t);
+    }
+    k3_kernels_force(K3_ISA_AVX2);
+    if (k3_kernels_avxvnni()) {
+        k3_mx4_r4_rows_avxvnni(tp, ts, C, xp, corr, ldc, xs, N, 0, R, y2, R);
+        CHECKF(memcmp(y1, y2, sizeof(float) * N * R) == 0, "%dx%d n=%d: AVX-VNNI != plain", R, C, N);
+        for (int t = 0; t < N; t++) {
+            k3_mx4_r4_rows_avxvnni(tp, ts, C, xp + t * C, corr + t * ldc, ldc, xs + t, 1, 0, split, yt, R);
+            k3_mx4_r4_rows_avxvnni(tp, ts, C, xp + t * C, corr + t * ldc, ldc, xs + t, 1, split, R, yt, R);
+            CHECKF(memcmp(yt, y1 + t * R, sizeof(float) * R) == 0, "VNNI: token %d alone differs", t);
+        }
+    }
+    k3_kernels_force(K3_ISA_AVX512);
+    if (k3_kernels_isa() >= K3_ISA_AVX512 && __builtin_cpu_supports("avx512vnni")) {
+        k3_mx4_r4_rows_avx512(tp, ts, C, xp, corr, ldc, xs, N, 0, R, y2, R);
+        CHECKF(memcmp(y1, y2, sizeof(float) * N * R) == 0, "%dx%d n=%d: AVX2 != AVX-512 tiles", R, C, N);
+    }
+    free(pk);
+    free(sc);
+    free(tp);
+    free(ts);
+    free(xq);
+    free(xp);
+    free(corr);
+    free(x);
+    free(xs);
+    free(yt);
+    free(y1);
+    free(y2);
+    free(yr);
+}
+
+K3_TEST(quant_w4a8_avx2_tiles) {
+    if (!have_avx2()) return;
+    check_w4a8_avx2(4, 128, 1, 4);     /* one tile, one group */
+    check_w4a8_avx2(24, 384, 11, 8);   /* the latent experts' down rows, 8 + 3 tokens, a split between slices */
+    check_w4a8_avx2(36, 1024, 9, 20);  /* gate/up rows, a split inside a slice */
 }

@@ -16,6 +16,11 @@ void k3_qli_scores_avx2(const int8_t *q8, const float *qs, const float *w, int H
 void k3_qsfa_avx2(const float *qa, const float *qpe, int H, const k3_c8_cache *c,
                   const int64_t *slots, int n, float scale, float *out, float *lse, float *work);
 
+/* AVX2 QSFA by blocks of slots (attn_ops_avx2.c), and the work floats it needs */
+int64_t k3_qsfa_work_avx2b(int H, int kv_lora, int rope);
+void k3_qsfa_avx2b(const float *qa, const float *qpe, int H, const k3_c8_cache *c, const int64_t *slots, int n,
+                   float scale, float *out, float *lse, float *work);
+
 /* AVX-512 VNNI path, attn_ops_avx512.c: whether it takes these shapes, and
  * the scores */
 int k3_qli_avx512_ok(int HI, int dI);
@@ -96,7 +101,9 @@ int64_t k3_qsfa_work(int H, int kv_lora, int n) {
     /* ref: scores [H, n] + one row; avx2: one row + running max/sum [2H];
      * avx512: a block of rows and its scores (rope <= kv_lora) */
     const int64_t ref = (int64_t)H * n + kv_lora + 2 * H, simd = k3_qsfa_work_avx512(H, kv_lora, kv_lora);
-    return ref > simd ? ref : simd;
+    const int64_t a2 = k3_qsfa_work_avx2b(H, kv_lora, kv_lora);
+    const int64_t mx = ref > simd ? ref : simd;
+    return mx > a2 ? mx : a2;
 }
 
 static float dq(const k3_c8_cache *c, int64_t slot, int i) {
@@ -131,6 +138,8 @@ void k3_qsfa(const float *qa, const float *qpe, int H, const k3_c8_cache *c,
              const int64_t *slots, int n, float scale, float *out, float *lse, float *work) {
     if (k3_kernels_isa() >= K3_ISA_AVX512 && c->kv_lora % 16 == 0 && c->rope % 16 == 0 && c->rope <= c->kv_lora)
         k3_qsfa_avx512(qa, qpe, H, c, slots, n, scale, out, lse, work);
+    else if (use_avx2() && c->kv_lora % 8 == 0 && c->rope % 8 == 0 && c->rope <= c->kv_lora)
+        k3_qsfa_avx2b(qa, qpe, H, c, slots, n, scale, out, lse, work);
     else if (use_avx2() && c->kv_lora % 8 == 0)
         k3_qsfa_avx2(qa, qpe, H, c, slots, n, scale, out, lse, work);
     else

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "attn_ops.h"
+#include "vexp_avx2.h"
 
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -121,6 +122,151 @@ void k3_qsfa_avx2(const float *qa, const float *qpe, int H, const k3_c8_cache *c
         }
         const __m256 inv = _mm256_set1_ps(1.0f / l[h]);
         for (int j = 0; j < kvl; j += 8) _mm256_storeu_ps(oh + j, _mm256_mul_ps(_mm256_loadu_ps(oh + j), inv));
+        lse[h] = m[h] + logf(l[h]);
+    }
+}
+
+/* ---- QSFA by blocks of slots ---------------------------------------------------- */
+
+/* r lane k = the sum of the 8 lanes of a[k] */
+static inline __attribute__((always_inline)) __m256 sum8x8(const __m256 a[8]) {
+    const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    /* u0: a0..a3 partial (low half), a0..a3 (high half); u1 the same for a4..a7 */
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+enum { QB = 8 }; /* slots per block */
+
+int64_t k3_qsfa_work_avx2b(int H, int kv_lora, int rope) {
+    const int HP = (H + 3) / 4 * 4;
+    return (int64_t)QB * kv_lora + kv_lora + rope + (int64_t)HP * QB + 3 * HP;
+}
+
+/* The AVX-512 kernel's plan on 8 lanes: blocks of 8 slots dequantized once;
+ * scores for 4 heads x 2 slots at a time (8 accumulators, reduced together);
+ * per head one max, one vector exp and one rescale per block (online softmax
+ * by blocks); then o_h = α o_h + Σ p c over the block, 8 columns at a time.
+ * kv_lora % 8 == 0, rope % 8 == 0. */
+void k3_qsfa_avx2b(const float *qa, const float *qpe, int H, const k3_c8_cache *c, const int64_t *slots, int n,
+                   float scale, float *out, float *lse, float *work) {
+    const int kvl = c->kv_lora, rope = c->rope, HP = (H + 3) / 4 * 4;
+    float *cf = work, *zero = cf + QB * kvl, *z = zero + kvl + rope, *m = z + HP * QB, *l = m + HP, *al = l + HP;
+    memset(zero, 0, sizeof(float) * (size_t)(kvl + rope));
+    for (int h = 0; h < HP; h++) {
+        m[h] = -INFINITY;
+        l[h] = 0.0f;
+    }
+    memset(out, 0, sizeof(float) * (size_t)H * kvl);
+    const float *kp[QB];
+    for (int i0 = 0; i0 < n; i0 += QB) {
+        const int nb = n - i0 < QB ? n - i0 : QB;
+        for (int b = 0; b < QB; b++) {
+            float *row = cf + b * kvl;
+            if (b >= nb) {
+                memset(row, 0, sizeof(float) * (size_t)kvl);
+                kp[b] = zero;
+                continue;
+            }
+            const int64_t s = slots[i0 + b];
+            const int8_t *c8 = c->c8 + s * kvl;
+            const float *cs = c->cs + s * c->n_tiles;
+            for (int j = 0; j < kvl; j += 8) {
+                const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(c8 + j))));
+                _mm256_storeu_ps(row + j, _mm256_mul_ps(v, _mm256_set1_ps(cs[j / K3_C8_TILE])));
+            }
+            kp[b] = c->kpe + s * rope;
+        }
+        /* scores z[h][b] */
+        for (int h0 = 0; h0 < HP; h0 += 4) {
+            const float *qr[4], *qp[4];
+            for (int i = 0; i < 4; i++) {
+                qr[i] = h0 + i < H ? qa + (int64_t)(h0 + i) * kvl : zero;
+                qp[i] = h0 + i < H ? qpe + (int64_t)(h0 + i) * rope : zero;
+            }
+            __m256 red[8];
+            for (int b0 = 0; b0 < QB; b0 += 2) {
+                __m256 acc[8];
+#pragma GCC unroll 8
+                for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
+                const float *c0 = cf + b0 * kvl, *c1 = c0 + kvl;
+                for (int j = 0; j < kvl; j += 8) {
+                    const __m256 x0 = _mm256_loadu_ps(c0 + j), x1 = _mm256_loadu_ps(c1 + j);
+#pragma GCC unroll 4
+                    for (int a = 0; a < 4; a++) {
+                        const __m256 q = _mm256_loadu_ps(qr[a] + j);
+                        acc[2 * a] = _mm256_fmadd_ps(q, x0, acc[2 * a]);
+                        acc[2 * a + 1] = _mm256_fmadd_ps(q, x1, acc[2 * a + 1]);
+                    }
+                }
+                for (int j = 0; j < rope; j += 8) {
+                    const __m256 x0 = _mm256_loadu_ps(kp[b0] + j), x1 = _mm256_loadu_ps(kp[b0 + 1] + j);
+#pragma GCC unroll 4
+                    for (int a = 0; a < 4; a++) {
+                        const __m256 q = _mm256_loadu_ps(qp[a] + j);
+                        acc[2 * a] = _mm256_fmadd_ps(q, x0, acc[2 * a]);
+                        acc[2 * a + 1] = _mm256_fmadd_ps(q, x1, acc[2 * a + 1]);
+                    }
+                }
+                /* lane 2a + b: head h0 + a, slot b0 + b */
+                const __m256 r = _mm256_mul_ps(sum8x8(acc), _mm256_set1_ps(scale));
+                red[b0 / 2] = r;
+            }
+            /* red[k] lane 2a + b -> z[(h0 + a) * QB + 2k + b] */
+            for (int k = 0; k < QB / 2; k++) {
+                float t[8];
+                _mm256_storeu_ps(t, red[k]);
+                for (int a = 0; a < 4; a++) {
+                    z[(h0 + a) * QB + 2 * k] = t[2 * a];
+                    z[(h0 + a) * QB + 2 * k + 1] = t[2 * a + 1];
+                }
+            }
+        }
+        /* online softmax by blocks: z becomes p, al the rescale of o and l */
+        const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(nb), lane));
+        for (int h = 0; h < H; h++) {
+            const __m256 zv = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_loadu_ps(z + h * QB), valid);
+            __m128 mm = _mm_max_ps(_mm256_castps256_ps128(zv), _mm256_extractf128_ps(zv, 1));
+            mm = _mm_max_ps(mm, _mm_movehl_ps(mm, mm));
+            mm = _mm_max_ss(mm, _mm_shuffle_ps(mm, mm, 1));
+            const float mx = _mm_cvtss_f32(mm);
+            const float mn = mx > m[h] ? mx : m[h];
+            if (mn == -INFINITY) { /* nothing but -inf so far: no weight yet */
+                al[h] = 1.0f;
+                _mm256_storeu_ps(z + h * QB, _mm256_setzero_ps());
+                continue;
+            }
+            al[h] = expf(m[h] - mn); /* 0 on the first block */
+            /* the block's padding slots get weight 0 */
+            const __m256 p = _mm256_and_ps(valid, k3_exp8(_mm256_sub_ps(zv, _mm256_set1_ps(mn))));
+            _mm256_storeu_ps(z + h * QB, p);
+            l[h] = l[h] * al[h] + hsum8(p);
+            m[h] = mn;
+        }
+        /* o_h = al_h o_h + Σ_b p_hb c_b */
+        for (int j = 0; j < kvl; j += 8) {
+            __m256 cv[QB];
+#pragma GCC unroll 8
+            for (int b = 0; b < QB; b++) cv[b] = _mm256_loadu_ps(cf + b * kvl + j);
+            for (int h = 0; h < H; h++) {
+                float *oh = out + (int64_t)h * kvl + j;
+                __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(oh), _mm256_set1_ps(al[h]));
+#pragma GCC unroll 8
+                for (int b = 0; b < QB; b++) acc = _mm256_fmadd_ps(_mm256_set1_ps(z[h * QB + b]), cv[b], acc);
+                _mm256_storeu_ps(oh, acc);
+            }
+        }
+    }
+    for (int h = 0; h < H; h++) {
+        if (n == 0 || l[h] == 0.0f) {
+            lse[h] = -INFINITY;
+            continue;
+        }
+        const __m256 inv = _mm256_set1_ps(1.0f / l[h]);
+        for (int j = 0; j < kvl; j += 8)
+            _mm256_storeu_ps(out + (int64_t)h * kvl + j, _mm256_mul_ps(_mm256_loadu_ps(out + (int64_t)h * kvl + j), inv));
         lse[h] = m[h] + logf(l[h]);
     }
 }

@@ -4,7 +4,9 @@
  *
  * ISA choice: AVX-512 (F+BW+VL) > AVX2+FMA+F16C > scalar, by
  * __builtin_cpu_supports (which also checks that the OS saves the wider
- * registers). k3_kernels_force is for tests and benchmarks.
+ * registers). k3_kernels_force is for tests and benchmarks; k3_set_isa (k3.h,
+ * `--isa`) is the public form, by name, which also says whether the AVX2
+ * integer kernels may use AVX-VNNI (detected here too).
  *
  * Threading: work is cut into row ranges, up to 4 per thread, that the
  * pool hands to whichever thread is free (each slice of the weights is
@@ -27,6 +29,8 @@
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
 static const k3_kernel_ops *g_best;
 static bool g_have[3];
+static bool g_have_avxvnni;         /* AVX-VNNI (vpdpbusd on ymm) */
+static _Atomic bool g_use_avxvnni;  /* the AVX2 integer kernels may use it */
 static const k3_kernel_ops *_Atomic g_ops;
 
 static const k3_kernel_ops *const g_table[3] = {&k3_ops_ref, &k3_ops_avx2, &k3_ops_avx512};
@@ -40,7 +44,9 @@ static void detect(void) {
     g_have[K3_ISA_AVX512] = g_have[K3_ISA_AVX2] && __builtin_cpu_supports("avx512f") &&
                             __builtin_cpu_supports("avx512bw") &&
                             __builtin_cpu_supports("avx512vl");
+    g_have_avxvnni = g_have[K3_ISA_AVX2] && __builtin_cpu_supports("avxvnni");
 #endif
+    atomic_store(&g_use_avxvnni, g_have_avxvnni);
     g_best = &k3_ops_ref;
     if (g_have[K3_ISA_AVX2]) g_best = &k3_ops_avx2;
     if (g_have[K3_ISA_AVX512]) g_best = &k3_ops_avx512;
@@ -74,6 +80,50 @@ void k3_kernels_force(k3_isa isa) {
     const k3_kernel_ops *o = g_best;
     if ((int)isa >= 0 && (int)isa < 3 && g_have[isa]) o = g_table[isa];
     atomic_store(&g_ops, o);
+    atomic_store(&g_use_avxvnni, g_have_avxvnni);
+}
+
+bool k3_kernels_have(k3_isa isa) {
+    k3_kernels_init();
+    return (int)isa >= 0 && (int)isa < 3 && g_have[isa];
+}
+
+bool k3_kernels_avxvnni(void) {
+    return ops()->isa == K3_ISA_AVX2 && atomic_load_explicit(&g_use_avxvnni, memory_order_relaxed);
+}
+
+void k3_kernels_force_avxvnni(bool on) {
+    k3_kernels_init();
+    atomic_store(&g_use_avxvnni, on && g_have_avxvnni);
+}
+
+k3_status k3_set_isa(const char *name, k3_error *err) {
+    k3_kernels_init();
+    if (!name || !strcmp(name, "best") || !*name) {
+        k3_kernels_force(g_best->isa);
+        return K3_OK;
+    }
+    static const struct { const char *name; k3_isa isa; int vnni; } names[] = {
+        {"ref", K3_ISA_REF, 0},      {"avx2", K3_ISA_AVX2, 1}, {"avx2-vnni", K3_ISA_AVX2, 2},
+        {"avx2-novnni", K3_ISA_AVX2, 0}, {"avx512", K3_ISA_AVX512, 0},
+    };
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+        if (strcmp(name, names[i].name)) continue;
+        if (!g_have[names[i].isa])
+            return k3_err(err, K3_ERR_UNSUPPORTED, "this CPU lacks the instructions of kernel ISA '%s'", name);
+        if (names[i].vnni == 2 && !g_have_avxvnni)
+            return k3_err(err, K3_ERR_UNSUPPORTED, "this CPU lacks AVX-VNNI (kernel ISA '%s')", name);
+        k3_kernels_force(names[i].isa);
+        atomic_store(&g_use_avxvnni, names[i].vnni && g_have_avxvnni);
+        return K3_OK;
+    }
+    return k3_err(err, K3_ERR_ARG, "unknown kernel ISA '%s' (ref, avx2, avx2-novnni, avx512 or best)", name);
+}
+
+const char *k3_isa_current(void) {
+    const k3_isa isa = ops()->isa;
+    if (isa == K3_ISA_AVX2) return k3_kernels_avxvnni() ? "avx2-vnni" : "avx2";
+    return k3_isa_name(isa);
 }
 
 float k3_dot(const float *a, const float *b, int64_t n) { return ops()->dot(a, b, n); }

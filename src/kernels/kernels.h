@@ -107,5 +107,13 @@ k3_isa k3_kernels_isa(void);
 const char *k3_isa_name(k3_isa isa);
 /* Forces a path (tests); a path the CPU lacks falls back to the best one it has. */
 void k3_kernels_force(k3_isa isa);
+/* Whether the CPU has the instructions of isa. */
+bool k3_kernels_have(k3_isa isa);
+/* Whether the AVX2 integer kernels use AVX-VNNI (vpdpbusd on 256 bits): the
+ * AVX2 path is running, the CPU has it, and it is not switched off (by
+ * k3_set_isa("avx2-novnni"), or k3_kernels_force_avxvnni(false) in tests;
+ * k3_kernels_force turns it back on where the CPU has it). */
+bool k3_kernels_avxvnni(void);
+void k3_kernels_force_avxvnni(bool on);
 
 #endif /* K3_KERNELS_KERNELS_H */

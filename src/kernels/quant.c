@@ -112,13 +112,17 @@ float k3_quant_act_i8_ref(const float *x, int64_t n, int8_t *q) {
 }
 
 float k3_quant_act_i8_avx512(const float *x, int64_t n, int8_t *q);
+float k3_quant_act_i8_avx2(const float *x, int64_t n, int8_t *q);
 
 static bool have_vnni(void) {
     return k3_kernels_isa() >= K3_ISA_AVX512 && __builtin_cpu_supports("avx512vnni");
 }
 
 float k3_quant_act_i8(const float *x, int64_t n, int8_t *q) {
-    return k3_kernels_isa() >= K3_ISA_AVX512 ? k3_quant_act_i8_avx512(x, n, q) : k3_quant_act_i8_ref(x, n, q);
+    const k3_isa isa = k3_kernels_isa();
+    return isa >= K3_ISA_AVX512 ? k3_quant_act_i8_avx512(x, n, q)
+           : isa == K3_ISA_AVX2 ? k3_quant_act_i8_avx2(x, n, q)
+                                : k3_quant_act_i8_ref(x, n, q);
 }
 
 void k3_mx4_prep_ref(const int8_t *xq, int64_t cols, int8_t *xp, int32_t *corr) {
@@ -145,7 +149,9 @@ void k3_mx4_prep(const int8_t *xq, int64_t cols, int8_t *xp, int32_t *corr) {
 }
 
 bool k3_mx4_r4_wanted(const k3_mat *src) {
-    return src->type == K3_W_MXFP4 && src->act8 && src->rows % 4 == 0 && src->cols % 128 == 0 && have_vnni();
+    /* the AVX-512 VNNI and the AVX2 (plain or AVX-VNNI) kernels read tiles */
+    return src->type == K3_W_MXFP4 && src->act8 && src->rows % 4 == 0 && src->cols % 128 == 0 &&
+           (have_vnni() || k3_kernels_isa() == K3_ISA_AVX2);
 }
 
 void k3_mx4_r4_pack(const k3_mat *src, uint8_t *data, uint8_t *scale) {
@@ -241,6 +247,20 @@ void k3_q8_rows_avx512(const int8_t *w, const float *row_scale, const int32_t *r
 typedef void (*mx4_rows_fn)(const uint8_t *packed, const uint8_t *scale, int64_t cols, const int8_t *xp,
                             const int32_t *corr, int64_t ldc, const float *xs, int64_t n, int64_t r0, int64_t r1,
                             float *y, int64_t ldy);
+typedef void (*q8_rows_fn)(const int8_t *w, const float *row_scale, const int32_t *row_sum, int64_t cols,
+                           const int8_t *x, const float *xs, int64_t n, int64_t r0, int64_t r1, float *y,
+                           int64_t ldy);
+/* quant_avx2.c: plain AVX2 and AVX-VNNI forms */
+void k3_q8_rows_avx2(const int8_t *w, const float *row_scale, const int32_t *row_sum, int64_t cols, const int8_t *x,
+                     const float *xs, int64_t n, int64_t r0, int64_t r1, float *y, int64_t ldy);
+void k3_q8_rows_avxvnni(const int8_t *w, const float *row_scale, const int32_t *row_sum, int64_t cols,
+                        const int8_t *x, const float *xs, int64_t n, int64_t r0, int64_t r1, float *y, int64_t ldy);
+void k3_mx4_r4_rows_avx2(const uint8_t *packed, const uint8_t *scale, int64_t cols, const int8_t *xp,
+                         const int32_t *corr, int64_t ldc, const float *xs, int64_t n, int64_t r0, int64_t r1,
+                         float *y, int64_t ldy);
+void k3_mx4_r4_rows_avxvnni(const uint8_t *packed, const uint8_t *scale, int64_t cols, const int8_t *xp,
+                            const int32_t *corr, int64_t ldc, const float *xs, int64_t n, int64_t r0, int64_t r1,
+                            float *y, int64_t ldy);
 
 /* ---- the driver ------------------------------------------------------------- */
 
@@ -261,6 +281,9 @@ typedef struct {
     int64_t n;
     float *y;
     bool vnni;          /* AVX-512 with VNNI: the W8A8/W4A8 kernels of quant_avx512.c */
+    bool a2;            /* AVX2: the W8A8 and tile W4A8 kernels of quant_avx2.c */
+    q8_rows_fn q8a2;    /* its W8A8 kernel (AVX-VNNI or plain) */
+    mx4_rows_fn mx4a2;  /* its tile kernel */
     bool avx512;        /* AVX-512 (F16C conversion for MXFP8) */
     mx4_rows_fn mx4;    /* the W4A8 kernel (VNNI, with VBMI where present) */
     mx4_rows_fn mx4r4;  /* the same for MXFP4_R4 tiles */
@@ -287,6 +310,15 @@ static void q_rows(void *p, int64_t lo, int64_t hi, int ith) {
     }
     if (j->vnni && w->type == K3_W_MXFP4_R4) {
         j->mx4r4(w->data, w->scale, cols, j->xq, j->corr, j->ldc, j->xs, j->n, lo, hi, j->y, rows);
+        return;
+    }
+    if (j->a2 && w->type == K3_W_Q8) {
+        K3_ASSERT(w->row_sum);
+        j->q8a2(w->data, w->row_scale, w->row_sum, cols, j->xq, j->xs, j->n, lo, hi, j->y, rows);
+        return;
+    }
+    if (j->a2 && w->type == K3_W_MXFP4_R4) {
+        j->mx4a2(w->data, w->scale, cols, j->xq, j->corr, j->ldc, j->xs, j->n, lo, hi, j->y, rows);
         return;
     }
     float wrow[8192];
@@ -316,6 +348,8 @@ static void q_rows(void *p, int64_t lo, int64_t hi, int ith) {
                 const uint8_t *q = (const uint8_t *)one.data + c0;
                 if (j->avx512) {
                     k3_mxfp8_dequant_avx512(q, one.scale + c0 / 32, len, wrow);
+                } else if (j->a2) {
+                    k3_mxfp8_dequant_avx2(q, one.scale + c0 / 32, len, wrow);
                 } else {
                     for (int64_t b = 0; b < len; b += 32) { /* len % 32 == 0 */
                         const float sc = k3_e8m0_to_f32(one.scale[(c0 + b) / 32]);
@@ -340,6 +374,7 @@ void k3_matmul_q(k3_pool *pool, const k3_mat *w, const float *x, int64_t n, floa
     /* the AVX-512 path needs VNNI (vpdpbusd) on top of what k3_kernels_isa checks */
     const bool vnni = have_vnni();
     const k3_isa isa = vnni ? K3_ISA_AVX512 : k3_kernels_isa() >= K3_ISA_AVX2 ? K3_ISA_AVX2 : K3_ISA_REF;
+    const bool a2 = isa == K3_ISA_AVX2, a2vnni = a2 && k3_kernels_avxvnni();
     const int64_t ldc = (cols + 127) / 128 * 16;
     /* scratch: xs [n] | xf or corr [n, cols or ldc] | xq [n, cols] | prepared [n, cols] */
     const size_t fsz = w->type == K3_W_MXFP8 ? (size_t)(n * cols) * sizeof(float) : (size_t)(n * ldc) * sizeof(int32_t);
@@ -355,19 +390,22 @@ void k3_matmul_q(k3_pool *pool, const k3_mat *w, const float *x, int64_t n, floa
         for (int64_t i = 0; i < n; i++) k3_quant_act_mxfp8(xf + i * cols, cols);
     } else {
         for (int64_t i = 0; i < n; i++) xs[i] = k3_quant_act_i8(x + i * cols, cols, xq + i * cols);
-        if (vnni && w->type == K3_W_Q8) {
+        if ((vnni || a2vnni) && w->type == K3_W_Q8) {
             for (int64_t i = 0; i < n * cols; i++) xp[i] = (int8_t)((uint8_t)xq[i] ^ 0x80); /* x + 128 */
             xk = xp;
         } else if (vnni && w->type == K3_W_MXFP4) {
             for (int64_t i = 0; i < n; i++) k3_mx4_prep(xq + i * cols, cols, xp + i * cols, corr + i * ldc);
             xk = xp;
-        } else if (vnni && w->type == K3_W_MXFP4_R4) {
+        } else if ((vnni || a2) && w->type == K3_W_MXFP4_R4) {
             for (int64_t i = 0; i < n; i++) k3_mx4_r4_prep(xq + i * cols, cols, xp + i * cols, corr + i * ldc);
             xk = xp;
         }
     }
     const bool vbmi = __builtin_cpu_supports("avx512vbmi");
-    qjob j = {w, xk, corr, ldc, xs, xf, n, y, vnni, k3_kernels_isa() >= K3_ISA_AVX512,
+    qjob j = {w, xk, corr, ldc, xs, xf, n, y, vnni, a2,
+              a2vnni ? k3_q8_rows_avxvnni : k3_q8_rows_avx2,
+              a2vnni ? k3_mx4_r4_rows_avxvnni : k3_mx4_r4_rows_avx2,
+              k3_kernels_isa() >= K3_ISA_AVX512,
               vbmi ? k3_mx4_rows_avx512_vbmi : k3_mx4_rows_avx512,
               vbmi ? k3_mx4_r4_rows_avx512_vbmi : k3_mx4_r4_rows_avx512,
               w->type == K3_W_MXFP4_R4 ? 4 : 1,

@@ -56,6 +56,8 @@ void k3_quant_act_mxfp8(float *x, int64_t n);
  * their E8M0 block scales -> fp32, equal to k3_e4m3_to_f32 x scale for every
  * code but the NaNs (0x7F, 0xFF), which the quantizer never writes. */
 void k3_mxfp8_dequant_avx512(const uint8_t *q, const uint8_t *e, int64_t len, float *out);
+/* The same on AVX2 + F16C (check k3_kernels_isa). */
+void k3_mxfp8_dequant_avx2(const uint8_t *q, const uint8_t *e, int64_t len, float *out);
 /* AVX-512 VNNI only (VBMI too for the second): rows [r0, r1) x n tokens of
  * an MXFP4 matrix against activations prepared by k3_mx4_prep (corr rows
  * ldc apart), y[t*ldy + r] = dot · xs[t]. The two decode nibbles differently

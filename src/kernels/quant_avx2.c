@@ -1,12 +1,37 @@
 /*
- * quant_avx2.c -- AVX2 inner loops of the 8-bit matmuls (see quant.h).
- * int8 x int8 uses the sign trick: maddubs(|a|, b·sign(a)) never saturates
- * because both sides are clamped to [-127, 127] (2·127·127 < 32768).
+ * quant_avx2.c -- AVX2 inner loops of the 8-bit matmuls (see quant.h), in
+ * two forms where the integer dot products are concerned: plain AVX2, and
+ * AVX-VNNI (vpdpbusd on 256 bits, `target("avxvnni")`, taken only where the
+ * CPU has it: k3_kernels_avxvnni).
+ *
+ * Plain AVX2 int8 x int8 uses the sign trick: maddubs(|a|, b·sign(a)) never
+ * saturates because both sides are clamped to [-127, 127] (2·127·127 < 32768).
+ * AVX-VNNI W8A8 takes the activations as x + 128 (unsigned) and 128 Σw (the
+ * row sums made at load) off, like the AVX-512 kernel. Integer sums, exact in
+ * any order: every path gives y = (float)dot · xs · row_scale, the same bits.
+ *
+ * W4A8 on K3_W_MXFP4_R4 tiles (kernels.h), the layout the AVX-512 VNNI
+ * kernel reads: a 32-byte load of stretch j is two rows (one per 128-bit
+ * lane) x four blocks (one per 4-byte lane); vpshufb turns the nibbles into
+ * unsigned codes 2·E2M1 + 12, maddubs (or vpdpbusd) multiplies them by the
+ * activations in k3_mx4_r4_prep order (16 bytes broadcast to both lanes), and
+ * -12 Σx per block (prep's corr) takes the +12 off. The four stretches of a
+ * group finish each lane's block; maddubs' int16 sums of four stretches stay
+ * below 4·2·24·127 = 24384 < 32768, so they are added in int16 before one
+ * vpmaddwd. Each block's integer dot then takes its scale 2^(e-128) in one
+ * FMA per group, and a row's four lanes are added (0 + 1) + (2 + 3): the
+ * operations and order of the AVX-512 tile kernel, so the bits are its bits,
+ * whatever the token count.
  */
 #include <immintrin.h>
+#include <math.h>
+#include <string.h>
 
 #include "quant.h"
 #include "quant_simd.h"
+
+#define INLINE static inline __attribute__((always_inline))
+#define VNNI __attribute__((target("avxvnni")))
 
 static inline int32_t hsum_epi32(__m256i v) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -15,8 +40,7 @@ static inline int32_t hsum_epi32(__m256i v) {
     return _mm_cvtsi128_si32(s);
 }
 
-
-static inline __m256i dot32(__m256i a, __m256i b) {
+INLINE __m256i dot32(__m256i a, __m256i b) {
     const __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a));
     return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
 }
@@ -41,4 +65,334 @@ float k3_dot_mxfp4_i8_avx2(const uint8_t *packed, const uint8_t *scale, const in
         acc = _mm256_fmadd_ps(d, _mm256_set1_ps(k3_mxfp4_half_scale(scale[b])), acc);
     }
     return k3_hsum256_ps(acc);
+}
+
+/* ---- per-token activation quantization ------------------------------------ */
+
+/* = k3_quant_act_i8_ref bit for bit: the same amax (max is order free, and
+ * max_ps(|x|, m) keeps m where x is NaN, as the scalar compare does), the same
+ * fp32 products, vcvtps2dq rounds to nearest even like nearbyintf, and
+ * |x·127/amax| never rounds past 127, so the saturating packs never clip. */
+float k3_quant_act_i8_avx2(const float *x, int64_t n, int8_t *q) {
+    const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 m = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + i), absm), m);
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+    float amax = _mm_cvtss_f32(h);
+    for (; i < n; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    if (amax == 0.0f) {
+        memset(q, 0, (size_t)n);
+        return 0.0f;
+    }
+    const float inv = 127.0f / amax;
+    const __m256 vinv = _mm256_set1_ps(inv);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (i = 0; i + 32 <= n; i += 32) {
+        const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i), vinv));
+        const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8), vinv));
+        const __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 16), vinv));
+        const __m256i d = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 24), vinv));
+        /* per 128-bit lane: a0-3 b0-3 c0-3 d0-3 | a4-7 b4-7 c4-7 d4-7 */
+        const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(c, d));
+        _mm256_storeu_si256((__m256i *)(q + i), _mm256_permutevar8x32_epi32(p, order));
+    }
+    for (; i < n; i++) {
+        const float v = nearbyintf(x[i] * inv);
+        q[i] = (int8_t)(v > 127.0f ? 127 : v < -127.0f ? -127 : v);
+    }
+    return amax / 127.0f;
+}
+
+/* ---- W8A8 ---------------------------------------------------------------------- */
+
+/* Σ_c w[r][c] x[t][c] for NR rows x NT tokens (NR·NT <= 12): the weights of
+ * a step in registers, each token's activations loaded once per step. Plain
+ * AVX2: x int8, sign trick; VNNI: x + 128, the caller takes 128 row_sum off
+ * (the scalar tail sums the same x + 128). */
+INLINE void q8_tile(const int8_t *w, int64_t ldw, const int8_t *x, int64_t ldx, int64_t cols, const int NR,
+                    const int NT, int32_t out[4][4]) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i acc[4][4];
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; r++)
+#pragma GCC unroll 4
+        for (int t = 0; t < NT; t++) acc[r][t] = _mm256_setzero_si256();
+    int64_t c = 0;
+    for (; c + 32 <= cols; c += 32) {
+        __m256i wv[4];
+#pragma GCC unroll 4
+        for (int r = 0; r < NR; r++) wv[r] = _mm256_loadu_si256((const __m256i *)(w + r * ldw + c));
+#pragma GCC unroll 4
+        for (int t = 0; t < NT; t++) {
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + t * ldx + c));
+            const __m256i ax = _mm256_sign_epi8(xv, xv);
+#pragma GCC unroll 4
+            for (int r = 0; r < NR; r++)
+                acc[r][t] = _mm256_add_epi32(
+                    acc[r][t], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(wv[r], xv)), ones));
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; r++)
+#pragma GCC unroll 4
+        for (int t = 0; t < NT; t++) {
+            int32_t s = hsum_epi32(acc[r][t]);
+            for (int64_t k = c; k < cols; k++) s += (int32_t)w[r * ldw + k] * x[t * ldx + k];
+            out[r][t] = s;
+        }
+}
+
+INLINE VNNI void q8_tile_vnni(const int8_t *w, int64_t ldw, const int8_t *x, int64_t ldx, int64_t cols,
+                              const int NR, const int NT, int32_t out[4][4]) {
+    const uint8_t *xu = (const uint8_t *)x;
+    __m256i acc[4][4];
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; r++)
+#pragma GCC unroll 4
+        for (int t = 0; t < NT; t++) acc[r][t] = _mm256_setzero_si256();
+    int64_t c = 0;
+    for (; c + 32 <= cols; c += 32) {
+        __m256i xv[4];
+#pragma GCC unroll 4
+        for (int t = 0; t < NT; t++) xv[t] = _mm256_loadu_si256((const __m256i *)(xu + t * ldx + c));
+#pragma GCC unroll 4
+        for (int r = 0; r < NR; r++) {
+            const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + r * ldw + c));
+#pragma GCC unroll 4
+            for (int t = 0; t < NT; t++) acc[r][t] = _mm256_dpbusd_avx_epi32(acc[r][t], xv[t], wv);
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; r++)
+#pragma GCC unroll 4
+        for (int t = 0; t < NT; t++) {
+            int32_t s = hsum_epi32(acc[r][t]);
+            for (int64_t k = c; k < cols; k++) s += (int32_t)w[r * ldw + k] * xu[t * ldx + k];
+            out[r][t] = s;
+        }
+}
+
+/* One row against one token, four chains (decode). */
+static inline int32_t q8_dot1(const int8_t *w, const int8_t *x, int64_t cols) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i a[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+    int64_t c = 0;
+    for (; c + 128 <= cols; c += 128)
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++) {
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + c + 32 * k));
+            const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + c + 32 * k));
+            a[k] = _mm256_add_epi32(
+                a[k], _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(xv, xv), _mm256_sign_epi8(wv, xv)), ones));
+        }
+    for (; c + 32 <= cols; c += 32) {
+        const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + c));
+        const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + c));
+        a[0] = _mm256_add_epi32(
+            a[0], _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(xv, xv), _mm256_sign_epi8(wv, xv)), ones));
+    }
+    int32_t s = hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(a[0], a[1]), _mm256_add_epi32(a[2], a[3])));
+    for (; c < cols; c++) s += (int32_t)w[c] * x[c];
+    return s;
+}
+
+static inline VNNI int32_t q8_dot1_vnni(const int8_t *w, const int8_t *x, int64_t cols) {
+    const uint8_t *xu = (const uint8_t *)x;
+    __m256i a[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+    int64_t c = 0;
+    for (; c + 128 <= cols; c += 128)
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++)
+            a[k] = _mm256_dpbusd_avx_epi32(a[k], _mm256_loadu_si256((const __m256i *)(xu + c + 32 * k)),
+                                           _mm256_loadu_si256((const __m256i *)(w + c + 32 * k)));
+    for (; c + 32 <= cols; c += 32)
+        a[0] = _mm256_dpbusd_avx_epi32(a[0], _mm256_loadu_si256((const __m256i *)(xu + c)),
+                                       _mm256_loadu_si256((const __m256i *)(w + c)));
+    int32_t s = hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(a[0], a[1]), _mm256_add_epi32(a[2], a[3])));
+    for (; c < cols; c++) s += (int32_t)w[c] * xu[c];
+    return s;
+}
+
+/* Rows [r0, r1) x tokens [0, n) of a Q8 matrix, y[t*ldy + r] =
+ * (Σ w x - off·row_sum[r]) · xs[t] · row_scale[r] (off: 128 for VNNI's x + 128,
+ * else 0). One token: row by row, the weights in address order. More: tiles
+ * (VNNI 4 rows x 3 tokens, plain 3 x 3), over 48-row slices that stay in L2
+ * while the token groups pass. */
+#define Q8_ROWS(NAME, TILE, DOT1, OFF, ATTR, TR, TT)                                                              \
+    ATTR void NAME(const int8_t *w, const float *row_scale, const int32_t *row_sum, int64_t cols, const int8_t *x,  \
+                   const float *xs, int64_t n, int64_t r0, int64_t r1, float *y, int64_t ldy) {                     \
+        if (n == 1) {                                                                                               \
+            for (int64_t r = r0; r < r1; r++)                                                                       \
+                y[r] = (float)(DOT1(w + r * cols, x, cols) - OFF * row_sum[r]) * xs[0] * row_scale[r];              \
+            return;                                                                                                 \
+        }                                                                                                           \
+        int32_t o[4][4];                                                                                            \
+        for (int64_t rb = r0; rb < r1; rb += 48) {                                                                  \
+            const int64_t re = rb + 48 < r1 ? rb + 48 : r1;                                                         \
+            for (int64_t t0 = 0; t0 < n; t0 += TT) {                                                                \
+                const int nt = n - t0 >= TT ? TT : (int)(n - t0);                                                   \
+                const int8_t *xt = x + t0 * cols;                                                                   \
+                for (int64_t r = rb; r < re;) {                                                                     \
+                    const int nr = re - r >= TR ? TR : 1;                                                           \
+                    const int8_t *wr = w + r * cols;                                                                \
+                    if (nr == TR) {                                                                                 \
+                        if (nt == TT) TILE(wr, cols, xt, cols, cols, TR, TT, o);                                    \
+                        else if (nt == 2) TILE(wr, cols, xt, cols, cols, TR, 2, o);                                 \
+                        else TILE(wr, cols, xt, cols, cols, TR, 1, o);                                              \
+                    } else {                                                                                        \
+                        if (nt == TT) TILE(wr, cols, xt, cols, cols, 1, TT, o);                                     \
+                        else if (nt == 2) TILE(wr, cols, xt, cols, cols, 1, 2, o);                                  \
+                        else TILE(wr, cols, xt, cols, cols, 1, 1, o);                                               \
+                    }                                                                                               \
+                    for (int i = 0; i < nr; i++)                                                                    \
+                        for (int t = 0; t < nt; t++)                                                                \
+                            y[(t0 + t) * ldy + r + i] =                                                             \
+                                (float)(o[i][t] - OFF * row_sum[r + i]) * xs[t0 + t] * row_scale[r + i];            \
+                    r += nr;                                                                                        \
+                }                                                                                                   \
+            }                                                                                                       \
+        }                                                                                                           \
+    }
+
+Q8_ROWS(k3_q8_rows_avx2, q8_tile, q8_dot1, 0, , 3, 3)
+Q8_ROWS(k3_q8_rows_avxvnni, q8_tile_vnni, q8_dot1_vnni, 128, VNNI, 4, 3)
+
+/* ---- W4A8 on MXFP4_R4 tiles ------------------------------------------------------- */
+
+/* 8 E8M0 bytes -> 2^(e-128) (the scale halved, for the doubled codes);
+ * e = 1, 0 give the subnormals 2^-127, 2^-128, like vscalefps. */
+INLINE __m256 half_scales8(const uint8_t *e8) {
+    const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)e8));
+    const __m256i one = _mm256_set1_epi32(1);
+    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, one), 23);
+    const __m256i sub = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(sub, normal, _mm256_cmpgt_epi32(e, one)));
+}
+
+/* One row pair (rows 2p, 2p+1 of a tile) against NT prepared tokens:
+ * acc[t] lanes 4i + b += block b of row i's integer dot (b, b + 4, ... over
+ * the groups) times its scale. */
+#define MX4_PAIR(NAME, ATTR, DOTS)                                                                              \
+    INLINE ATTR void NAME(const uint8_t *packed, const uint8_t *scale, int64_t cols, const int8_t *xp,          \
+                          const int32_t *corr, int64_t ldc, const int NT, __m256 acc[8]) {                      \
+        const __m256i lut = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0, 12, 13, \
+                                             14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);                \
+        const __m256i m4 = _mm256_set1_epi8(0x0f);                                                              \
+        const __m256i ones = _mm256_set1_epi16(1);                                                              \
+        (void)ones;                                                                                             \
+        for (int64_t g = 0; g < cols; g += 128, packed += 256, scale += 16) {                                   \
+            __m256i lo[4], hi[4];                                                                               \
+            _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) {                                               \
+                const __m256i pk = _mm256_loadu_si256((const __m256i *)(packed + 64 * j));                      \
+                lo[j] = _mm256_shuffle_epi8(lut, _mm256_and_si256(pk, m4));                                     \
+                hi[j] = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(pk, 4), m4));               \
+            }                                                                                                   \
+            const __m256 s = half_scales8(scale);                                                               \
+            _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                                              \
+                const int8_t *x = xp + t * cols + g;                                                            \
+                const __m256i c4 =                                                                              \
+                    _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(corr + t * ldc + g / 32)));   \
+                __m256i d;                                                                                      \
+                DOTS;                                                                                           \
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), s, acc[t]);                                     \
+            }                                                                                                   \
+        }                                                                                                       \
+    }
+
+#define XB(k) _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(x + 16 * (k))))
+/* int16 sums of four stretches (< 24384 each), one vpmaddwd per nibble half */
+#define DOTS_AVX2                                                                                               \
+    do {                                                                                                        \
+        __m256i sl = _mm256_maddubs_epi16(lo[0], XB(0)), sh = _mm256_maddubs_epi16(hi[0], XB(1));               \
+        _Pragma("GCC unroll 4") for (int j = 1; j < 4; j++) {                                                   \
+            sl = _mm256_add_epi16(sl, _mm256_maddubs_epi16(lo[j], XB(2 * j)));                                  \
+            sh = _mm256_add_epi16(sh, _mm256_maddubs_epi16(hi[j], XB(2 * j + 1)));                              \
+        }                                                                                                       \
+        d = _mm256_add_epi32(c4, _mm256_add_epi32(_mm256_madd_epi16(sl, ones), _mm256_madd_epi16(sh, ones)));   \
+    } while (0)
+/* the AVX-512 kernel's two chains: corr + the low halves, then the high ones */
+#define DOTS_VNNI                                                                                               \
+    do {                                                                                                        \
+        __m256i e = _mm256_setzero_si256();                                                                     \
+        d = c4;                                                                                                 \
+        _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) {                                                   \
+            d = _mm256_dpbusd_avx_epi32(d, lo[j], XB(2 * j));                                                   \
+            e = _mm256_dpbusd_avx_epi32(e, hi[j], XB(2 * j + 1));                                               \
+        }                                                                                                       \
+        d = _mm256_add_epi32(d, e);                                                                             \
+    } while (0)
+
+MX4_PAIR(mx4_pair_avx2, , DOTS_AVX2)
+MX4_PAIR(mx4_pair_vnni, VNNI, DOTS_VNNI)
+
+/* A row's four lanes (0 + 1) + (2 + 3), both rows of the pair: y[0], y[1]. */
+INLINE void pair_store(__m256 a, float xs, float *y) {
+    __m256 v = _mm256_add_ps(a, _mm256_permute_ps(a, _MM_SHUFFLE(2, 3, 0, 1)));
+    v = _mm256_add_ps(v, _mm256_permute_ps(v, _MM_SHUFFLE(1, 0, 3, 2)));
+    y[0] = _mm256_cvtss_f32(v) * xs;
+    y[1] = _mm_cvtss_f32(_mm256_extractf128_ps(v, 1)) * xs;
+}
+
+/* Rows [r0, r1) (whole tiles) x tokens [0, n) of a K3_W_MXFP4_R4 matrix
+ * against activations prepared by k3_mx4_r4_prep: 16-row slices, groups of
+ * up to 8 tokens, each tile's row pairs in turn. */
+#define MX4_R4_ROWS(NAME, PAIR, ATTR)                                                                           \
+    ATTR void NAME(const uint8_t *packed, const uint8_t *scale, int64_t cols, const int8_t *xp,                 \
+                   const int32_t *corr, int64_t ldc, const float *xs, int64_t n, int64_t r0, int64_t r1,        \
+                   float *y, int64_t ldy) {                                                                     \
+        for (int64_t rb = r0; rb < r1; rb += 16) {                                                              \
+            const int64_t re = rb + 16 < r1 ? rb + 16 : r1;                                                     \
+            for (int64_t t0 = 0; t0 < n; t0 += 8) {                                                             \
+                const int nt = n - t0 >= 8 ? 8 : (int)(n - t0);                                                 \
+                const int8_t *xt = xp + t0 * cols;                                                              \
+                const int32_t *ct = corr + t0 * ldc;                                                            \
+                for (int64_t r = rb; r < re; r += 2) {                                                          \
+                    /* row pair r, r + 1: bytes 32 (r % 4 / 2) into each stretch, scales 8 (r % 4 / 2) */       \
+                    const uint8_t *pr = packed + r / 4 * 2 * cols + r % 4 / 2 * 32;                             \
+                    const uint8_t *sr = scale + r / 4 * (cols / 8) + r % 4 / 2 * 8;                             \
+                    __m256 acc[8];                                                                              \
+                    for (int t = 0; t < 8; t++) acc[t] = _mm256_setzero_ps();                                   \
+                    switch (nt) {                                                                               \
+                    case 1: PAIR(pr, sr, cols, xt, ct, ldc, 1, acc); break;                                     \
+                    case 2: PAIR(pr, sr, cols, xt, ct, ldc, 2, acc); break;                                     \
+                    case 3: PAIR(pr, sr, cols, xt, ct, ldc, 3, acc); break;                                     \
+                    case 4: PAIR(pr, sr, cols, xt, ct, ldc, 4, acc); break;                                     \
+                    case 5: PAIR(pr, sr, cols, xt, ct, ldc, 5, acc); break;                                     \
+                    case 6: PAIR(pr, sr, cols, xt, ct, ldc, 6, acc); break;                                     \
+                    case 7: PAIR(pr, sr, cols, xt, ct, ldc, 7, acc); break;                                     \
+                    default: PAIR(pr, sr, cols, xt, ct, ldc, 8, acc); break;                                    \
+                    }                                                                                           \
+                    for (int t = 0; t < nt; t++) pair_store(acc[t], xs[t0 + t], y + (t0 + t) * ldy + r);       \
+                }                                                                                               \
+            }                                                                                                   \
+        }                                                                                                       \
+    }
+
+MX4_R4_ROWS(k3_mx4_r4_rows_avx2, mx4_pair_avx2, )
+MX4_R4_ROWS(k3_mx4_r4_rows_avxvnni, mx4_pair_vnni, VNNI)
+
+/* ---- MXFP8 --------------------------------------------------------------------------- */
+
+/* = k3_mxfp8_dequant_avx512 on 8 lanes: E4M3 bits moved into an fp16 (sign,
+ * exponent and mantissa shifted left by 7), converted by F16C,
+ * times 256 (the bias 15 - 7, exact), times the block scale (one rounding,
+ * like the scalar e4m3 x scale). Every code but the NaNs. */
+void k3_mxfp8_dequant_avx2(const uint8_t *q, const uint8_t *e, int64_t len, float *out) {
+    const __m128i low7 = _mm_set1_epi16(0x7f), sign = _mm_set1_epi16(0x80);
+    const __m256 x256 = _mm256_set1_ps(256.0f);
+    for (int64_t b = 0; b < len; b += 32) {
+        union { uint32_t u; float f; } sc;
+        const uint8_t eb = e[b / 32];
+        sc.u = eb == 255 ? 0x7fc00000u : eb ? (uint32_t)eb << 23 : 0x00400000u;
+        const __m256 s = _mm256_set1_ps(sc.f);
+        for (int h = 0; h < 32; h += 8) {
+            const __m128i c = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(q + b + h)));
+            const __m128i f16 = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(c, sign), 8),
+                                             _mm_slli_epi16(_mm_and_si128(c, low7), 7));
+            _mm256_storeu_ps(out + b + h, _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtph_ps(f16), x256), s));
+        }
+    }
 }
