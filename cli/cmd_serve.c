@@ -40,7 +40,9 @@ static int usage_serve(void) {
             "  --kv-cache f32|c8            cache format (default %s)\n"
             "  --mmap                       keep the weights in the file mapping\n"
             "  --threads N                  worker threads (default: all cores)\n"
-            "  --max-body-bytes N           largest request body (default 4194304)\n"
+            "  --max-body-bytes N           largest request body, base64 images included (default 4194304)\n"
+            "  --max-image-pixels N         largest image, width x height (default 67108864 = 8192 x 8192)\n"
+            "  --vision-threads N           threads of the image encoder's own pool (default: --threads)\n"
             "  --timeout S                  drop a client idle this long (default 30)\n"
             "  --max-connections N          connections at once, one thread each (default 1024)\n",
             K3_DEFAULT_QUANT, K3_DEFAULT_KV);
@@ -66,7 +68,7 @@ int k3_cmd_serve(int argc, char **argv) {
     const char *dir = K3_DEFAULT_MODEL, *host = "127.0.0.1", *api_key = NULL, *name = NULL;
     const char *quant = K3_DEFAULT_QUANT, *kv_name = K3_DEFAULT_KV;
     long port = 8000, max_len = 0, max_seqs = 0, max_batched = 0, max_waiting = 256, cache_tokens = 0;
-    long max_body = 0, timeout = 0, snapshot_mb = 0, max_conn = 1024;
+    long max_body = 0, timeout = 0, snapshot_mb = 0, max_conn = 1024, max_image_px = 0, vthreads = 0;
     bool keep_mapped = false, no_prefix = false;
     const long nproc = sysconf(_SC_NPROCESSORS_ONLN);
     long threads = nproc < 1 ? 1 : nproc > 64 ? 64 : nproc;
@@ -91,6 +93,8 @@ int k3_cmd_serve(int argc, char **argv) {
         else if (ARG("--threads")) threads = parse_long(argv[++i], &bad);
         else if (ARG("--max-body-bytes")) max_body = parse_long(argv[++i], &bad);
         else if (ARG("--timeout")) timeout = parse_long(argv[++i], &bad);
+        else if (ARG("--max-image-pixels")) max_image_px = parse_long(argv[++i], &bad);
+        else if (ARG("--vision-threads")) vthreads = parse_long(argv[++i], &bad);
         else if (ARG("--max-connections")) max_conn = parse_long(argv[++i], &bad);
         else if (!strcmp(a, "--mmap")) keep_mapped = true;
         else if (!strcmp(a, "--no-prefix-cache")) no_prefix = true;
@@ -103,7 +107,8 @@ int k3_cmd_serve(int argc, char **argv) {
     }
     k3_kv_type kv;
     if (bad || port > 65535 || threads < 1 || max_seqs > 1 << 20 || max_batched > 1 << 24 ||
-        max_waiting > 1 << 20 || snapshot_mb > 1 << 24 || max_conn > 65536 || timeout > 86400) {
+        max_waiting > 1 << 20 || snapshot_mb > 1 << 24 || max_conn > 65536 || timeout > 86400 || vthreads > 64 ||
+        max_image_px > K3_IMAGE_MAX_PIXELS) {
         fprintf(stderr, "k3 serve: a numeric option is not a non-negative integer in range\n");
         return 2;
     }
@@ -117,13 +122,27 @@ int k3_cmd_serve(int argc, char **argv) {
     k3_error err = {0};
     k3_model *m = NULL;
     k3_tokenizer *tok = NULL;
-    k3_pool *pool = NULL;
+    k3_pool *pool = NULL, *vpool = NULL;
+    k3_vision *vis = NULL;
     k3_engine *eng = NULL;
     k3_server *srv = NULL;
     int rc = 1;
     if (k3_cli_open_model(&m, dir, quant, keep_mapped, &err) || k3_tokenizer_open(&tok, dir, &err) ||
         k3_pool_init(&pool, (int)threads, &err))
         goto fail;
+    /* the vision tower, if the checkpoint has one, with --quant's mode (as
+     * k3 run --image) and a pool of its own: HTTP threads encode images
+     * while the engine thread steps on its pool */
+    if (k3_vision_open(&vis, m, &err)) {
+        if (err.status != K3_ERR_UNSUPPORTED || !strstr(err.msg, "no vision tower")) goto fail;
+        vis = NULL;
+        err = (k3_error){0};
+    } else {
+        k3_quant_options q = {0};
+        if (k3_quant_parse(quant, &q, &err) || k3_vision_quantize(vis, &q, &err) ||
+            k3_pool_init(&vpool, (int)(vthreads ? vthreads : threads), &err))
+            goto fail;
+    }
     int32_t eos[2];
     int n_eos = 0;
     const int32_t e1 = k3_tokenizer_special(tok, "[EOS]"), e2 = k3_tokenizer_special(tok, "<|end_of_msg|>");
@@ -153,7 +172,10 @@ int k3_cmd_serve(int argc, char **argv) {
                             .max_body_bytes = (size_t)max_body,
                             .timeout_s = (int)timeout,
                             .max_connections = (int)max_conn,
-                            .version = "k3 0.1"};
+                            .version = "k3 0.1",
+                            .vision = vis,
+                            .vision_pool = vpool,
+                            .max_image_pixels = max_image_px};
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
     sa.sa_handler = on_signal;
@@ -163,9 +185,10 @@ int k3_cmd_serve(int argc, char **argv) {
     if (k3_server_start(&srv, &so, &err)) goto fail;
     fprintf(stderr,
             "k3 serve: model %s as \"%s\", quant %s, kv-cache %s, %ld threads, max_model_len %lld, "
-            "max_num_seqs %ld, cache %lld tokens in %lld blocks, prefix cache %s\n",
+            "max_num_seqs %ld, cache %lld tokens in %lld blocks, prefix cache %s, images %s\n",
             dir, name, quant, kv_name, threads, (long long)st.max_model_len, max_seqs ? max_seqs : 16,
-            (long long)st.cache_tokens, (long long)st.blocks_total, no_prefix ? "off" : "on");
+            (long long)st.cache_tokens, (long long)st.blocks_total, no_prefix ? "off" : "on",
+            vis ? "on" : "off (text only)");
     const bool v6 = strchr(host, ':') != NULL;
     fprintf(stderr, "k3 serve: listening on http://%s%s%s:%d%s\n", v6 ? "[" : "", host, v6 ? "]" : "",
             k3_server_port(srv), api_key && *api_key ? " (API key required)" : "");
@@ -211,6 +234,8 @@ fail_quiet:
 out:
     k3_server_stop(srv);
     k3_engine_close(eng);
+    k3_vision_close(vis);
+    k3_pool_free(vpool);
     k3_pool_free(pool);
     k3_tokenizer_free(tok);
     k3_model_close(m);

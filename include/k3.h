@@ -763,6 +763,12 @@ typedef struct k3_server_options {
     int max_connections;       /* connections at once (0 = 256) */
     int timeout_s;             /* a client idle this long is dropped (0 = 30) */
     const char *version;       /* /version (NULL = "k3") */
+    const k3_vision *vision;   /* borrowed; NULL: a text-only model (chat image
+                                  parts answer 400) */
+    k3_pool *vision_pool;      /* borrowed; the image encodes' own pool (never
+                                  the engine's), used by one request at a time;
+                                  NULL = one thread */
+    int64_t max_image_pixels;  /* per image (0 = K3_IMAGE_MAX_PIXELS) */
 } k3_server_options;
 
 k3_status k3_server_start(k3_server **out, const k3_server_options *opt, k3_error *err);

@@ -1,12 +1,13 @@
 """serve_openai.py -- `k3 serve` end to end with the official `openai` client.
 
 Usage: python tests/serve_openai.py K3_BINARY
-Starts `k3 serve` (a free port per run, --port 0) on tests/models/tiny and
-models/k3-mini, runs the checks, and always stops every server it started
+Starts `k3 serve` (a free port per run, --port 0) on tests/models/tiny,
+tests/models/vision-tiny and models/k3-mini, runs the checks, and always stops every server it started
 (each one also dies with this process: PR_SET_PDEATHSIG). Prints
 `ok   serve: NAME` / `FAIL serve: NAME` per check and ends with
 `serve: N passed, N failed`.
 """
+import base64
 import ctypes
 import http.client
 import json
@@ -21,13 +22,17 @@ import time
 import traceback
 
 import socket
+import struct
 import urllib.parse
+import zlib
 
 import openai
 
 K3 = sys.argv[1] if len(sys.argv) > 1 else "build/k3"
 TINY = "tests/models/tiny"
 MINI = "models/k3-mini"
+VISION = "tests/models/vision-tiny"
+IMAGES = "tests/golden/vision/images/"
 servers = []
 passed = 0
 failed = 0
@@ -178,6 +183,28 @@ def expect_status(fn, status):
 def greedy(c, model, prompt, n=16, **kw):
     return c.completions.create(model=model, prompt=prompt, max_tokens=n, temperature=0,
                                 extra_body={"ignore_eos": True}, **kw)
+
+
+def data_url(path):
+    kind = "jpeg" if path.endswith(".jpg") else "png"
+    with open(path, "rb") as f:
+        return f"data:image/{kind};base64," + base64.b64encode(f.read()).decode()
+
+
+def png_url(w, h, rgb):
+    """A data: URL of a w x h PNG of one colour, made here (no image package)."""
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    rows = b"".join(b"\0" + bytes(rgb) * w for _ in range(h))
+    png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)) +
+           chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
+    return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
+def image_msg(urls, text):
+    """One user turn of images then text: what `k3 run --image ... --chat` encodes."""
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": u}} for u in urls] +
+             [{"type": "text", "text": text}]}]
 
 
 def main():
@@ -471,6 +498,57 @@ def main():
         raise AssertionError(f"blocks still held after the soak: {m}")
 
     check("a short soak with dropped clients", t_mini_soak)
+
+    def t_vision():
+        # images in chat: the same greedy bytes and prompt length as k3 run --image --chat
+        sv = Server(VISION, "--max-image-pixels", "60000")
+        try:
+            cv = sv.client()
+            kw = dict(model=VISION, max_tokens=12, temperature=0, logprobs=True,
+                      extra_body={"ignore_eos": True, "repetition_penalty": 1,
+                                  "chat_template_kwargs": {"thinking": False}})
+            q = "What is in the picture?"
+            for files in (["photo_67x45.jpg"], ["photo_67x45.jpg", "rgb_112x112.png"]):
+                r = cv.chat.completions.create(messages=image_msg([data_url(IMAGES + f) for f in files], q), **kw)
+                got = b"".join(bytes(t.bytes) for t in r.choices[0].logprobs.content)
+                args = [K3, "run", "-m", VISION, "-n", "12", "--temp", "0", "--repeat-penalty", "1",
+                        "--threads", "1", "--chat"]
+                for f in files:
+                    args += ["--image", IMAGES + f]
+                out = subprocess.run(args + [q], capture_output=True, timeout=60)
+                assert out.returncode == 0, out.stderr[-300:]
+                assert got == out.stdout.rstrip(b"\n"), (files, got, out.stdout)
+                n_ref = int(re.search(rb"prompt (\d+) tokens", out.stderr).group(1))
+                assert r.usage.prompt_tokens == n_ref, (files, r.usage.prompt_tokens, n_ref)
+                assert r.usage.completion_tokens == 12
+            # the prefix cache keys images by content: two 224x224 PNGs of one colour each
+            # give the same ids, so only the image's hash tells them apart
+            red, blue = png_url(224, 224, (200, 30, 30)), png_url(224, 224, (30, 30, 200))
+            kw["max_tokens"], kw["logprobs"] = 2, False
+            cached = []
+            for u in (red, red, blue):
+                r = cv.chat.completions.create(messages=image_msg([u], q), **kw)
+                assert r.usage.prompt_tokens > 64, r.usage
+                cached.append(r.usage.prompt_tokens_details.cached_tokens)
+            assert cached[0] == 0 and cached[1] > 0 and cached[2] == 0, cached
+            # bad images are 400s with a message naming the part
+            e = expect_status(lambda: cv.chat.completions.create(
+                messages=image_msg(["http://example.com/cat.png"], q), **kw), 400)
+            assert "messages[0].content[0]" in e.message and "data:" in e.message, e.message
+            e = expect_status(lambda: cv.chat.completions.create(
+                messages=image_msg(["data:image/png;base64,iVBORw0K!!!not base64"], q), **kw), 400)
+            assert "messages[0].content[0]" in e.message, e.message
+            e = expect_status(lambda: cv.chat.completions.create(
+                messages=image_msg([red, png_url(300, 300, (9, 9, 9))], q), **kw), 400)
+            assert "messages[0].content[1]" in e.message and "60000" in e.message, e.message
+        finally:
+            sv.stop()
+        # and an image sent to a text-only model
+        e = expect_status(lambda: c.chat.completions.create(
+            model=M, messages=image_msg([data_url(IMAGES + "dot_5x3.png")], "hi"), max_tokens=2), 400)
+        assert "vision tower" in e.message, e.message
+
+    check("vision: images in chat equal k3 run --image, cached by content, bad images are 400s", t_vision)
 
     def t_shutdown():
         # a stream in flight when SIGTERM comes: the server still exits cleanly (status 0)

@@ -85,6 +85,7 @@ typedef struct job {
     k3_buf out;
     size_t out_pos;
     bool sent_done, echo_sent;
+    k3_vision_prompt vp; /* a chat prompt's image rows and keys, until submitted */
 } job;
 
 /* ---- the engine thread ------------------------------------------------ */
@@ -100,6 +101,7 @@ static void job_free(job *j) {
         k3_buf_free(&c->text);
     }
     for (int i = 0; i < j->n_prompts; i++) free(j->prompts[i]);
+    k3_vision_prompt_free(&j->vp);
     free(j->prompts);
     free(j->n_prompt);
     free(j->ch);
@@ -395,8 +397,24 @@ static bool chat_thinking(json_t *root, bool *out, verr *e) {
     return get_bool(kw, "enable_thinking", out, e);
 }
 
-k3_status k3_srv_encode_chat(struct k3_server *s, json_t *root, int32_t **ids, size_t *n, bool *thinking_out,
+/* Whether any message has an image part (the encode then takes the tower's pool). */
+static bool has_image(json_t *msgs) {
+    size_t i, k;
+    json_t *m, *part;
+    json_array_foreach(msgs, i, m) {
+        json_t *content = json_is_object(m) ? json_object_get(m, "content") : NULL;
+        if (!json_is_array(content)) continue;
+        json_array_foreach(content, k, part) {
+            const char *type = json_is_object(part) ? json_string_value(json_object_get(part, "type")) : NULL;
+            if (type && (!strcmp(type, "image_url") || !strcmp(type, "image"))) return true;
+        }
+    }
+    return false;
+}
+
+k3_status k3_srv_encode_chat(struct k3_server *s, json_t *root, k3_vision_prompt *out, bool *thinking_out,
                              k3_error *err) {
+    memset(out, 0, sizeof *out);
     verr e = {{0}, 0};
     bool thinking = true;
     if (!chat_thinking(root, &thinking, &e)) return k3_err(err, K3_ERR_ARG, "%s", e.msg);
@@ -423,8 +441,14 @@ k3_status k3_srv_encode_chat(struct k3_server *s, json_t *root, int32_t **ids, s
                           .thinking_effort = json_is_string(effort) ? json_string_value(effort) : NULL,
                           .tool_choice = tool_choice,
                           .response_format = rj};
-    k3_status st = mj ? k3_chat_encode_json(s->tok, mj, tj, &co, ids, n, err)
+    /* image parts go through the tower (v NULL: refused for a text-only
+     * model); one encode at a time, on the tower's own pool */
+    const bool img = has_image(msgs);
+    if (img) pthread_mutex_lock(&s->vision_mu);
+    k3_status st = mj ? k3_vision_chat_encode_json(img ? s->vision : NULL, s->tok, img ? s->vision_pool : NULL, mj,
+                                                   tj, &co, s->max_image_pixels, out, err)
                       : k3_err(err, K3_ERR_NOMEM, "out of memory");
+    if (img) pthread_mutex_unlock(&s->vision_mu);
     free(mj);
     free(tj);
     free(rj);
@@ -1020,17 +1044,15 @@ enum MHD_Result k3_srv_generate(struct k3_server *s, struct MHD_Connection *conn
         else ok = get_bool(so, "include_usage", &j->include_usage, &e);
     }
     if (ok && chat) {
-        int32_t *ids = NULL;
-        size_t nids = 0;
         k3_error err = {0};
-        if (k3_srv_encode_chat(s, root, &ids, &nids, &j->thinking, &err)) {
+        if (k3_srv_encode_chat(s, root, &j->vp, &j->thinking, &err)) {
             ok = bad(&e, err.status == K3_ERR_NOMEM ? 500 : 400, "%s", err.msg);
         } else if (!(j->prompts = calloc(1, sizeof *j->prompts)) || !(j->n_prompt = calloc(1, sizeof *j->n_prompt))) {
-            free(ids);
             ok = bad(&e, 500, "out of memory");
         } else {
-            j->prompts[0] = ids;
-            j->n_prompt[0] = (int64_t)nids;
+            j->prompts[0] = j->vp.ids; /* the job owns the ids now */
+            j->n_prompt[0] = (int64_t)j->vp.n_ids;
+            j->vp.ids = NULL;
             j->n_prompts = 1;
         }
     } else if (ok) {
@@ -1107,6 +1129,8 @@ enum MHD_Result k3_srv_generate(struct k3_server *s, struct MHD_Connection *conn
             .logprobs = logprobs >= 0 ? (int32_t)logprobs : -1,
             .prompt_logprobs = echo && logprobs >= 0 ? (int32_t)logprobs : -1,
             .user = c,
+            .embeds = j->vp.n_images ? (const float *const *)j->vp.embeds : NULL,
+            .extra_keys = j->vp.n_images ? j->vp.keys : NULL,
         };
         k3_error err = {0};
         pthread_mutex_lock(&j->mu);
@@ -1123,6 +1147,7 @@ enum MHD_Result k3_srv_generate(struct k3_server *s, struct MHD_Connection *conn
         c->submitted = true;
         pthread_mutex_unlock(&j->mu);
     }
+    k3_vision_prompt_free(&j->vp); /* the engine copied the rows */
     /* the generation may take long: the idle timeout is for slow clients */
     MHD_set_connection_option(conn, MHD_CONNECTION_OPTION_TIMEOUT, 0u);
     if (!stream) {

@@ -16,9 +16,10 @@ int64_t k3_srv_max_model_len(struct k3_server *s);
 /* Answers a completion (chat = false) or chat completion request. */
 enum MHD_Result k3_srv_generate(struct k3_server *s, struct MHD_Connection *c, json_t *root, bool chat);
 /* Encodes root's "messages" (+ "tools", "tool_choice", "chat_template_kwargs")
- * as a K3 chat prompt; *thinking (may be NULL) gets whether the think
- * channel was opened. */
-k3_status k3_srv_encode_chat(struct k3_server *s, json_t *root, int32_t **ids, size_t *n, bool *thinking,
+ * as a K3 chat prompt, image parts through the tower (ids, their rows and
+ * prefix-cache keys; free with k3_vision_prompt_free); *thinking (may be
+ * NULL) gets whether the think channel was opened. */
+k3_status k3_srv_encode_chat(struct k3_server *s, json_t *root, k3_vision_prompt *out, bool *thinking,
                              k3_error *err);
 
 /* The assistant message of a finished chat reply (text decoded with

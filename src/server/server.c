@@ -166,7 +166,12 @@ static enum MHD_Result route_tokenize(struct k3_server *s, struct MHD_Connection
         if (k3_tokenizer_encode(s->tok, json_string_value(prompt), json_string_length(prompt), &ids, &n, &err))
             return k3_srv_error(s, c, 400, "prompt: %s", err.msg);
     } else if (json_is_array(msgs)) {
-        if (k3_srv_encode_chat(s, root, &ids, &n, NULL, &err)) return k3_srv_error(s, c, 400, "%s", err.msg);
+        k3_vision_prompt vp;
+        if (k3_srv_encode_chat(s, root, &vp, NULL, &err))
+            return k3_srv_error(s, c, err.status == K3_ERR_NOMEM ? 500 : 400, "%s", err.msg);
+        ids = vp.ids, n = vp.n_ids;
+        vp.ids = NULL;
+        k3_vision_prompt_free(&vp);
     } else {
         return k3_srv_error(s, c, 400, "tokenize needs \"prompt\" (a string) or \"messages\" (an array)");
     }
@@ -332,6 +337,7 @@ static void server_free(struct k3_server *s) {
     free(s->version);
     k3_metrics_destroy(&s->metrics);
     pthread_mutex_destroy(&s->fail_mu);
+    pthread_mutex_destroy(&s->vision_mu);
     free(s);
 }
 
@@ -343,6 +349,10 @@ k3_status k3_server_start(k3_server **out, const k3_server_options *opt, k3_erro
     struct k3_server *s = calloc(1, sizeof *s);
     if (!s) return k3_err(err, K3_ERR_NOMEM, "out of memory for the server");
     pthread_mutex_init(&s->fail_mu, NULL);
+    pthread_mutex_init(&s->vision_mu, NULL);
+    s->vision = opt->vision;
+    s->vision_pool = opt->vision_pool;
+    s->max_image_pixels = opt->max_image_pixels;
     s->host = dup_or(opt->host, "127.0.0.1");
     s->api_key = dup_or(opt->api_key, NULL);
     s->model = strdup(opt->model_name);
