@@ -555,7 +555,7 @@ k3_status k3_ctx_forward(k3_ctx *ctx, const k3_batch_seq *batch, int32_t n_seqs,
     if (!st && blocks_needed > ctx->n_free)
         st = k3_err(err, K3_ERR_RANGE, "forward: cache full: %lld blocks needed, %d free",
                     (long long)blocks_needed, ctx->n_free);
-    /* under DCP rank 0 hands the batch to the other ranks, which replay it */
+    /* with several processes rank 0 hands the batch to the others, which replay it */
     if (!st && ctx->dist && k3_dist_rank(ctx->dist) == 0 && k3_dist_size(ctx->dist) > 1)
         st = k3_dist_send_forward(ctx->dist, batch, n_seqs, mode, err);
     if (!st) {
