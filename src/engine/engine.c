@@ -293,7 +293,8 @@ k3_status k3_engine_open(k3_engine **out, const k3_model *m, const k3_engine_opt
                              .block_size = (int32_t)bs,
                              .max_batch = o.max_num_batched_tokens < 1024 ? o.max_num_batched_tokens : 1024,
                              .kv_cache = o.kv_cache,
-                             .pool = o.pool};
+                             .pool = o.pool,
+                             .dist = o.dist};
         st = k3_ctx_init_pool(&e->ctx, m, &co, (int32_t)n_blocks, max_model_len, err);
     }
     if (!st) {
