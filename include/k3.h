@@ -583,6 +583,9 @@ void k3_dist_stats_take(k3_dist *d, k3_comm_stats *out);
  * options, on model m and pool), then replays every call the engine makes on
  * it, until k3_dist_release (K3_OK) or a failure. Frees the context. */
 k3_status k3_dist_worker_pool(k3_dist *d, const k3_model *m, k3_pool *pool, k3_error *err);
+/* Rank 0's cross-rank counters summed over an engine's steps since it opened
+ * (any thread); false (and zeros) when the engine runs in one process. */
+bool k3_engine_comm_stats(k3_engine *e, k3_comm_stats *out);
 
 /* k3_model_open keeping only the routed experts of EP rank ep_rank of
  * ep_size (the others are neither bound nor read nor copied). */

@@ -164,8 +164,8 @@ spid=$!
 trap 'kill $mpid $spid 2>/dev/null; rm -rf "$TMP"' EXIT
 p2=$(wait_port "$TMP/s2")
 p1=$(wait_port "$TMP/s1")
-if [ -n "$p2" ] && [ -n "$p1" ] && timeout 100 python3 tests/mpi_serve.py "$p2" "$p1" $SERVE_METRICS >"$TMP/c" 2>&1; then
-    ok "serve --ep 2: $(grep -c '^ok' "$TMP/c") client checks (greedy text = one process, prefix-cache hit, two in flight)"
+if [ -n "$p2" ] && [ -n "$p1" ] && timeout 100 python3 tests/mpi_serve.py "$p2" "$p1" --metrics >"$TMP/c" 2>&1; then
+    ok "serve --ep 2: $(grep -c '^ok' "$TMP/c") client checks (greedy text = one process, prefix-cache hit, two in flight, /metrics cross-rank counters)"
 else
     bad "serve --ep 2 (ports '$p2' '$p1')" "$TMP/c"
     sed 's/^/    /' "$TMP/s2" | tail -5

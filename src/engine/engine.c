@@ -69,6 +69,8 @@ struct k3_engine {
     int64_t V, max_model_len, cache_tokens, state_bytes;
     int32_t block_size, max_blocks, plp_cap;
 
+    k3_comm_stats comm;           /* cross-rank counters since open (o.dist), under mu */
+
     /* inbox, under mu */
     pthread_mutex_t mu;
     pthread_cond_t cv;
@@ -485,6 +487,13 @@ void k3_engine_wait(k3_engine *e, double timeout_s) {
     pthread_mutex_unlock(&e->mu);
 }
 
+bool k3_engine_comm_stats(k3_engine *e, k3_comm_stats *out) {
+    pthread_mutex_lock(&e->mu);
+    *out = e->comm;
+    pthread_mutex_unlock(&e->mu);
+    return e->o.dist && k3_dist_size(e->o.dist) > 1;
+}
+
 void k3_engine_get_stats(k3_engine *e, k3_engine_stats *st) {
     pthread_mutex_lock(&e->mu);
     *st = e->st;
@@ -747,6 +756,18 @@ k3_status k3_engine_step(k3_engine *e, k3_step_result *res, k3_error *err) {
     const k3_status fst = s->n_plan ? k3_ctx_run(e->ctx, e->batch, s->n_plan, e->want, e->logits, &ferr) : K3_OK;
     const double t = k3_engine_now();
     res->n_tokens = fst ? 0 : s->plan_tokens;
+    if (e->o.dist && s->n_plan) {
+        k3_comm_stats c;
+        k3_dist_stats_take(e->o.dist, &c);
+        pthread_mutex_lock(&e->mu);
+        for (int k = 0; k < K3_COMM_COUNT; k++) {
+            e->comm.sent[k] += c.sent[k];
+            e->comm.recv[k] += c.recv[k];
+            e->comm.calls[k] += c.calls[k];
+            e->comm.seconds[k] += c.seconds[k];
+        }
+        pthread_mutex_unlock(&e->mu);
+    }
 
     /* 4. results */
     int64_t row = 0;
