@@ -181,6 +181,19 @@ wait $mpid
 rc=$?
 if [ -n "$r0" ] && [ $rc -eq 0 ] && grep -q "shutting down" "$TMP/s2"; then ok "serve --ep 2: SIGTERM on rank 0 ends every rank (exit 0)"
 else bad "serve --ep 2: SIGTERM on rank 0 (rank 0 pid '$r0', exit $rc)" "$TMP/s2"; fi
+# a rank that hangs under serve: the request fails, rank 0 names the
+# collective and ends the job (non-zero, not the timeout)
+$MPI -np 2 "$K3" $SRV --ep 2 --dist-timeout 3 --dist-test-hang 1 >/dev/null 2>"$TMP/s3" </dev/null &
+mpid=$!
+p3=$(wait_port "$TMP/s3")
+[ -n "$p3" ] && timeout 30 python3 -c 'import sys, urllib.request
+try: urllib.request.urlopen(urllib.request.Request("http://127.0.0.1:%s/v1/completions" % sys.argv[1], b"{\"prompt\": [1, 2, 3], \"max_tokens\": 2}", {"Content-Type": "application/json"}), timeout=25)
+except Exception: pass' "$p3"
+wait $mpid
+rc=$?
+if [ $rc -ne 0 ] && [ $rc -lt 124 ] && grep -q "the engine failed: .*got no answer within 3 s" "$TMP/s3"; then
+    ok "serve --ep 2: a hanging rank fails the request and ends the job (exit $rc)"
+else bad "serve --ep 2: a hanging rank (exit $rc)" "$TMP/s3"; fi
 expect_fail "serve refuses --dcp 2" "not supported by serve yet" 2 serve -m $M --port 0 --dcp 2 --threads 1
 
 echo "mpi: $pass passed, $fail failed"

@@ -26,6 +26,7 @@
 
 #include "common/error.h"
 #include "ctx.h"
+#include "dist/dist.h"
 #include "engine.h"
 #include "kernels/attn_ops.h"
 #include "kv/kv.h"
@@ -826,6 +827,9 @@ k3_status k3_engine_step(k3_engine *e, k3_step_result *res, k3_error *err) {
     res->outputs = e->outs;
     res->t = t;
     publish_stats(e);
+    /* a failed link to the other ranks stays failed: the engine cannot go on
+     * (the requests of this step have their error; the server ends the job) */
+    if (!st && fst && k3_dist_failed(e->o.dist, NULL)) st = k3_err(err, fst, "%s", ferr.msg);
     return st;
 }
 
