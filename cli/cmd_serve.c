@@ -44,7 +44,10 @@ static int usage_serve(void) {
             "  --max-image-pixels N         largest image, width x height (default 67108864 = 8192 x 8192)\n"
             "  --vision-threads N           threads of the image encoder's own pool (default: --threads)\n"
             "  --timeout S                  drop a client idle this long (default 30)\n"
-            "  --max-connections N          connections at once, one thread each (default 1024)\n",
+            "  --max-connections N          connections at once, one thread each (default 1024)\n"
+            "  --ep E                       under mpirun -np E: the routed experts split over E ranks; rank 0\n"
+            "                               serves HTTP and runs the engine, the others replay its forward passes\n"
+            "  --dist-timeout S             a rank silent this long mid-pass ends the job (default 300)\n",
             K3_DEFAULT_QUANT, K3_DEFAULT_KV);
     return 2;
 }
@@ -64,6 +67,32 @@ static uint64_t salt_of(const char *quant, k3_kv_type kv) {
     return (h ^ (uint64_t)kv) * 1099511628211ull;
 }
 
+/* Ranks > 0 of `mpirun -np E k3 serve --ep E`: this rank's experts, then
+ * rank 0's engine context replayed until rank 0 lets go. SIGINT / SIGTERM
+ * (mpirun forwards them to every rank) are left to rank 0, which ends the
+ * loop with its release. */
+static int serve_worker(k3_cli_dist *cd, const char *dir, const char *quant, bool keep_mapped, int threads) {
+    signal(SIGINT, SIG_IGN);
+    signal(SIGTERM, SIG_IGN);
+    k3_error err = {0};
+    k3_model *m = NULL;
+    k3_pool *pool = NULL;
+    int rc = 1;
+    k3_status ms = k3_cli_open_model_dist(&m, dir, quant, keep_mapped, false, cd, &err);
+    if (k3_cli_dist_agree(cd, ms, &err, "serve")) goto out;
+    k3_cli_dist_test_hooks(cd);
+    if (k3_pool_init(&pool, threads, &err) || k3_dist_worker_pool(cd->d, m, pool, &err)) {
+        fprintf(stderr, "k3 serve: rank %d: %s\n", cd->rank, err.msg);
+        k3_dist_abort(cd->d, 1);
+    }
+    rc = 0;
+out:
+    k3_pool_free(pool);
+    k3_model_close(m);
+    k3_cli_dist_end(cd);
+    return k3_cli_dist_exit(cd, rc);
+}
+
 int k3_cmd_serve(int argc, char **argv) {
     const char *dir = K3_DEFAULT_MODEL, *host = "127.0.0.1", *api_key = NULL, *name = NULL;
     const char *quant = K3_DEFAULT_QUANT, *kv_name = K3_DEFAULT_KV;
@@ -73,6 +102,8 @@ int k3_cmd_serve(int argc, char **argv) {
     const long nproc = sysconf(_SC_NPROCESSORS_ONLN);
     long threads = nproc < 1 ? 1 : nproc > 64 ? 64 : nproc;
     int bad = 0;
+    k3_cli_dist cd;
+    if (k3_cli_dist_args(&argc, argv, &cd, "serve")) return 2;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const int has = i + 1 < argc;
@@ -118,6 +149,16 @@ int k3_cmd_serve(int argc, char **argv) {
     }
     if (!api_key) api_key = getenv("K3_API_KEY");
     if (!name) name = dir;
+    if (k3_cli_dist_start(&cd, "serve")) return k3_cli_dist_exit(&cd, 2);
+    if (cd.d && k3_dist_dcp_size(cd.d) > 1) {
+        /* every rank sees it; rank 0 says it */
+        if (cd.rank == 0)
+            fprintf(stderr, "k3 serve: --dcp %d is not supported by serve yet (the engine's global block tables "
+                            "would need the DCP per-rank layout); use --ep alone\n", k3_dist_dcp_size(cd.d));
+        k3_cli_dist_end(&cd);
+        return k3_cli_dist_exit(&cd, 2);
+    }
+    if (cd.d && cd.rank != 0) return serve_worker(&cd, dir, quant, keep_mapped, (int)threads);
 
     k3_error err = {0};
     k3_model *m = NULL;
@@ -127,13 +168,21 @@ int k3_cmd_serve(int argc, char **argv) {
     k3_engine *eng = NULL;
     k3_server *srv = NULL;
     int rc = 1;
-    if (k3_cli_open_model(&m, dir, quant, keep_mapped, &err) || k3_tokenizer_open(&tok, dir, &err) ||
+    k3_status ms = k3_cli_open_model_dist(&m, dir, quant, keep_mapped, false, &cd, &err);
+    if (cd.d) {
+        if (k3_cli_dist_agree(&cd, ms, &err, "serve")) goto fail_quiet;
+    } else if (ms) {
+        goto fail;
+    }
+    if (k3_tokenizer_open(&tok, dir, &err) ||
         k3_pool_init(&pool, (int)threads, &err))
         goto fail;
     /* the vision tower, if the checkpoint has one, with --quant's mode (as
      * k3 run --image) and a pool of its own: HTTP threads encode images
      * while the engine thread steps on its pool */
-    if (k3_vision_open(&vis, m, &err)) {
+    if (cd.d) {
+        vis = NULL; /* the other ranks would get the pads' ids, not the image rows: text only */
+    } else if (k3_vision_open(&vis, m, &err)) {
         if (err.status != K3_ERR_UNSUPPORTED || !strstr(err.msg, "no vision tower")) goto fail;
         vis = NULL;
         err = (k3_error){0};
@@ -159,7 +208,8 @@ int k3_cmd_serve(int argc, char **argv) {
                             .eos_ids = eos,
                             .n_eos_ids = n_eos,
                             .cache_salt = salt_of(quant, kv),
-                            .pool = pool};
+                            .pool = pool,
+                            .dist = cd.d};
     if (k3_engine_open(&eng, m, &eo, &err)) goto fail;
     k3_engine_stats st;
     k3_engine_get_stats(eng, &st);
@@ -239,5 +289,15 @@ out:
     k3_pool_free(pool);
     k3_tokenizer_free(tok);
     k3_model_close(m);
+    if (cd.d) {
+        /* the workers wait in k3_dist_worker_pool: let them go, or end the job
+         * when a rank died (a failed link stays failed) */
+        k3_error rerr = {0};
+        if (k3_dist_release(cd.d, &rerr)) {
+            fprintf(stderr, "k3 serve: %s\n", rerr.msg);
+            k3_dist_abort(cd.d, 1);
+        }
+        k3_cli_dist_end(&cd);
+    }
     return rc;
 }

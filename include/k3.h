@@ -366,6 +366,9 @@ typedef struct k3_engine_options {
     uint64_t cache_salt;            /* mixed into every block hash: identifies the
                                        model, quantization and cache format */
     k3_pool *pool;                  /* borrowed; NULL = single-threaded */
+    struct k3_dist *dist;           /* borrowed; NULL = one process. On rank 0 of
+                                       several (--ep E, --dcp 1) the context's calls
+                                       go to the workers (k3_dist_worker_pool) */
 } k3_engine_options;
 
 typedef struct k3_request_params {
@@ -576,6 +579,13 @@ typedef struct k3_comm_stats {
 const char *k3_comm_kind_name(k3_comm_kind k);
 /* Copies the counters into *out and resets them. */
 void k3_dist_stats_take(k3_dist *d, k3_comm_stats *out);
+/* k3 serve's ranks > 0: waits for rank 0's engine to make its context (same
+ * options, on model m and pool), then replays every call the engine makes on
+ * it, until k3_dist_release (K3_OK) or a failure. Frees the context. */
+k3_status k3_dist_worker_pool(k3_dist *d, const k3_model *m, k3_pool *pool, k3_error *err);
+/* Rank 0's cross-rank counters summed over an engine's steps since it opened
+ * (any thread); false (and zeros) when the engine runs in one process. */
+bool k3_engine_comm_stats(k3_engine *e, k3_comm_stats *out);
 
 /* k3_model_open keeping only the routed experts of EP rank ep_rank of
  * ep_size (the others are neither bound nor read nor copied). */

@@ -152,5 +152,49 @@ if "$K3" $RUN --dcp 2 >/dev/null 2>"$TMP/err"; then bad "--dcp 2 without mpirun"
     grep -q "mpirun" "$TMP/err" && ok "--dcp 2 without mpirun says to use mpirun" || bad "--dcp 2 without mpirun" "$TMP/err"
 fi
 
+# k3 serve --ep 2 under mpirun against one process (tests/mpi_serve.py);
+# rank 0 ends on SIGTERM and lets the other rank go: mpirun exits 0
+port_of() { sed -n 's/.*listening on http:\/\/127.0.0.1:\([0-9]*\).*/\1/p' "$1" | head -1; }
+wait_port() { for i in $(seq 150); do p=$(port_of "$1"); [ -n "$p" ] && { echo "$p"; return; }; sleep 0.1; done; }
+SRV="serve -m $M --port 0 --threads 1 --max-num-seqs 4"
+$MPI -np 2 "$K3" $SRV --ep 2 >/dev/null 2>"$TMP/s2" </dev/null &
+mpid=$!
+timeout 60 "$K3" $SRV >/dev/null 2>"$TMP/s1" </dev/null &
+spid=$!
+trap 'kill $mpid $spid 2>/dev/null; rm -rf "$TMP"' EXIT
+p2=$(wait_port "$TMP/s2")
+p1=$(wait_port "$TMP/s1")
+if [ -n "$p2" ] && [ -n "$p1" ] && timeout 100 python3 tests/mpi_serve.py "$p2" "$p1" --metrics >"$TMP/c" 2>&1; then
+    ok "serve --ep 2: $(grep -c '^ok' "$TMP/c") client checks (greedy text = one process, prefix-cache hit, two in flight, /metrics cross-rank counters)"
+else
+    bad "serve --ep 2 (ports '$p2' '$p1')" "$TMP/c"
+    sed 's/^/    /' "$TMP/s2" | tail -5
+fi
+kill $spid 2>/dev/null
+# SIGTERM to rank 0 (the k3 process whose rank is 0)
+r0=
+for c in $(pgrep -f "serve -m $M --port 0 --threads 1 --max-num-seqs 4 --ep 2"); do
+    tr '\0' '\n' </proc/$c/environ 2>/dev/null | grep -qx OMPI_COMM_WORLD_RANK=0 && r0=$c
+done
+[ -n "$r0" ] && kill -TERM "$r0"
+wait $mpid
+rc=$?
+if [ -n "$r0" ] && [ $rc -eq 0 ] && grep -q "shutting down" "$TMP/s2"; then ok "serve --ep 2: SIGTERM on rank 0 ends every rank (exit 0)"
+else bad "serve --ep 2: SIGTERM on rank 0 (rank 0 pid '$r0', exit $rc)" "$TMP/s2"; fi
+# a rank that hangs under serve: the request fails, rank 0 names the
+# collective and ends the job (non-zero, not the timeout)
+$MPI -np 2 "$K3" $SRV --ep 2 --dist-timeout 3 --dist-test-hang 1 >/dev/null 2>"$TMP/s3" </dev/null &
+mpid=$!
+p3=$(wait_port "$TMP/s3")
+[ -n "$p3" ] && timeout 30 python3 -c 'import sys, urllib.request
+try: urllib.request.urlopen(urllib.request.Request("http://127.0.0.1:%s/v1/completions" % sys.argv[1], b"{\"prompt\": [1, 2, 3], \"max_tokens\": 2}", {"Content-Type": "application/json"}), timeout=25)
+except Exception: pass' "$p3"
+wait $mpid
+rc=$?
+if [ $rc -ne 0 ] && [ $rc -lt 124 ] && grep -q "the engine failed: .*got no answer within 3 s" "$TMP/s3"; then
+    ok "serve --ep 2: a hanging rank fails the request and ends the job (exit $rc)"
+else bad "serve --ep 2: a hanging rank (exit $rc)" "$TMP/s3"; fi
+expect_fail "serve refuses --dcp 2" "not supported by serve yet" 2 serve -m $M --port 0 --dcp 2 --threads 1
+
 echo "mpi: $pass passed, $fail failed"
 [ "$fail" -eq 0 ]

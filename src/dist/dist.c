@@ -172,7 +172,7 @@ k3_status k3_dist_init(k3_dist **out, const k3_dist_options *opt, k3_error *err)
     MPI_Initialized(&inited);
     if (!inited) {
         int provided;
-        if (MPI_Init_thread(NULL, NULL, MPI_THREAD_FUNNELED, &provided) != MPI_SUCCESS) {
+        if (MPI_Init_thread(NULL, NULL, MPI_THREAD_SERIALIZED, &provided) != MPI_SUCCESS) {
             free(d);
             return k3_err(err, K3_ERR_IO, "dist: MPI_Init failed");
         }
@@ -309,7 +309,7 @@ k3_status k3_dist_max(k3_dist *d, double *v, int32_t n, k3_error *err) { return 
 
 /* ---- rank 0's command channel ------------------------------------------------------ */
 
-enum { CMD_STOP = 1, CMD_FORWARD, CMD_RESET, CMD_FILL };
+enum { CMD_STOP = 1, CMD_FORWARD, CMD_RESET, CMD_FILL, CMD_POOL, CMD_RUN, CMD_BLOCKS, CMD_POS, CMD_CLEAR, CMD_RESTORE };
 
 typedef struct cmd_hdr {
     int32_t cmd, n_seqs, mode, pad;
@@ -348,11 +348,188 @@ k3_status k3_dist_send_fill(k3_dist *d, int32_t seq, int64_t n, uint64_t seed, k
     return k3_dist_failed(d, err);
 }
 
+/* ---- the engine's calls (k3 serve): a pool context, its batches and slots ---------- */
+
+k3_status k3_dist_send_pool(k3_dist *d, const k3_ctx_options *o, int32_t n_blocks, int64_t max_ctx, k3_error *err) {
+    cmd_hdr h = {CMD_POOL, o->max_seqs, (int32_t)o->kv_cache, o->block_size, o->max_tokens, n_blocks, max_ctx};
+    int64_t extra[2] = {o->max_batch, o->dense_attention};
+    if (!bcast(d, &h, sizeof h, "broadcast of a context", d->timeout))
+        bcast(d, extra, sizeof extra, "broadcast of a context", d->timeout);
+    return k3_dist_failed(d, err);
+}
+
+k3_status k3_dist_send_run(k3_dist *d, const k3_batch_seq *batch, int32_t n_seqs, const uint8_t *want,
+                           k3_error *err) {
+    cmd_hdr h = {CMD_RUN, n_seqs, 0, 0, 0, 0, 0};
+    for (int32_t i = 0; i < n_seqs; i++) {
+        h.n_tokens += batch[i].n_tokens;
+        if (batch[i].embeds)
+            return k3_err(err, K3_ERR_UNSUPPORTED, "dist: image embeddings are not sent to the other ranks yet");
+    }
+    const size_t bytes = sizeof(int32_t) * (size_t)(3 * n_seqs + h.n_tokens);
+    int32_t *p = malloc(bytes ? bytes : 1);
+    if (!p) return k3_err(err, K3_ERR_NOMEM, "dist: out of memory for a batch");
+    int64_t o = 3 * n_seqs;
+    for (int32_t i = 0; i < n_seqs; i++) {
+        p[3 * i] = batch[i].seq;
+        p[3 * i + 1] = batch[i].n_tokens;
+        p[3 * i + 2] = want[i];
+        if (batch[i].n_tokens) memcpy(p + o, batch[i].tokens, sizeof(int32_t) * (size_t)batch[i].n_tokens);
+        o += batch[i].n_tokens;
+    }
+    if (!bcast(d, &h, sizeof h, "broadcast of a batch", d->timeout))
+        bcast(d, p, bytes, "broadcast of a batch", d->timeout);
+    free(p);
+    return k3_dist_failed(d, err);
+}
+
+k3_status k3_dist_send_blocks(k3_dist *d, int32_t seq, const int32_t *blocks, int32_t n, k3_error *err) {
+    cmd_hdr h = {CMD_BLOCKS, n, 0, 0, 0, seq, 0};
+    if (!bcast(d, &h, sizeof h, "broadcast of a block table", d->timeout) && n > 0)
+        bcast(d, (void *)blocks, sizeof(int32_t) * (size_t)n, "broadcast of a block table", d->timeout);
+    return k3_dist_failed(d, err);
+}
+
+k3_status k3_dist_send_pos(k3_dist *d, int32_t seq, int64_t pos, k3_error *err) {
+    cmd_hdr h = {CMD_POS, 0, 0, 0, 0, seq, pos};
+    bcast(d, &h, sizeof h, "broadcast of a position", d->timeout);
+    return k3_dist_failed(d, err);
+}
+
+k3_status k3_dist_send_clear(k3_dist *d, int32_t seq, k3_error *err) {
+    cmd_hdr h = {CMD_CLEAR, 0, 0, 0, 0, seq, 0};
+    bcast(d, &h, sizeof h, "broadcast of a state clear", d->timeout);
+    return k3_dist_failed(d, err);
+}
+
+k3_status k3_dist_send_restore(k3_dist *d, int32_t seq, const void *state, int64_t bytes, k3_error *err) {
+    cmd_hdr h = {CMD_RESTORE, 0, 0, 0, bytes, seq, 0};
+    if (!bcast(d, &h, sizeof h, "broadcast of a state restore", d->timeout) && bytes > 0)
+        bcast(d, (void *)state, (size_t)bytes, "broadcast of a state restore", d->timeout);
+    return k3_dist_failed(d, err);
+}
+
 k3_status k3_dist_release(k3_dist *d, k3_error *err) {
     if (d->rank != 0 || d->size == 1) return K3_OK;
     cmd_hdr h = {CMD_STOP, 0, 0, 0, 0, 0, 0};
     bcast(d, &h, sizeof h, "broadcast of the end", d->timeout);
     return k3_dist_failed(d, err);
+}
+
+/* One engine command (CMD_RUN .. CMD_RESTORE) on a worker. */
+static k3_status worker_engine_cmd(k3_dist *d, k3_ctx *ctx, const cmd_hdr *h, k3_error *err) {
+    if (h->cmd == CMD_POS) {
+        k3_ctx_seq_set_pos(ctx, (int32_t)h->a, h->b);
+        return K3_OK;
+    }
+    if (h->cmd == CMD_CLEAR) {
+        k3_ctx_seq_clear_state(ctx, (int32_t)h->a);
+        return K3_OK;
+    }
+    if (h->cmd == CMD_BLOCKS) {
+        if (h->n_seqs < 0 || h->n_seqs > ctx->max_blocks_per_seq)
+            return k3_err(err, K3_ERR_FORMAT, "dist: rank %d: a block table of %d blocks from rank 0", d->rank,
+                          h->n_seqs);
+        int32_t *ids = malloc(sizeof(int32_t) * (size_t)(h->n_seqs + 1));
+        if (!ids) return k3_err(err, K3_ERR_NOMEM, "dist: rank %d: out of memory for a block table", d->rank);
+        k3_status s = K3_OK;
+        if (h->n_seqs > 0 && bcast(d, ids, sizeof(int32_t) * (size_t)h->n_seqs, "broadcast of a block table",
+                                   d->timeout))
+            s = k3_dist_failed(d, err);
+        if (!s) s = k3_ctx_seq_set_blocks(ctx, (int32_t)h->a, ids, h->n_seqs, err);
+        free(ids);
+        return s;
+    }
+    if (h->cmd == CMD_RESTORE) {
+        if (h->n_tokens != k3_ctx_state_bytes(ctx))
+            return k3_err(err, K3_ERR_FORMAT, "dist: rank %d: a state of %lld bytes from rank 0, expected %lld",
+                          d->rank, (long long)h->n_tokens, (long long)k3_ctx_state_bytes(ctx));
+        void *buf = malloc((size_t)h->n_tokens + 1);
+        if (!buf) return k3_err(err, K3_ERR_NOMEM, "dist: rank %d: out of memory for a state", d->rank);
+        k3_status s = K3_OK;
+        if (h->n_tokens > 0 && bcast(d, buf, (size_t)h->n_tokens, "broadcast of a state restore", d->timeout))
+            s = k3_dist_failed(d, err);
+        if (!s) k3_ctx_state_restore(ctx, (int32_t)h->a, buf);
+        free(buf);
+        return s;
+    }
+    /* CMD_RUN */
+    if (h->n_seqs < 0 || h->n_tokens < 0)
+        return k3_err(err, K3_ERR_FORMAT, "dist: rank %d: a bad batch from rank 0", d->rank);
+    const int64_t V = ctx->c->vocab_size;
+    const size_t bytes = sizeof(int32_t) * (size_t)(3 * h->n_seqs + h->n_tokens);
+    int32_t *p = malloc(bytes ? bytes : 1);
+    k3_batch_seq *b = calloc((size_t)(h->n_seqs ? h->n_seqs : 1), sizeof *b);
+    uint8_t *want = malloc((size_t)(h->n_seqs ? h->n_seqs : 1));
+    float *logits = NULL;
+    k3_status s = K3_OK;
+    if (!p || !b || !want) s = k3_err(err, K3_ERR_NOMEM, "dist: rank %d: out of memory for a batch", d->rank);
+    if (!s && bcast(d, p, bytes, "broadcast of a batch", d->timeout)) s = k3_dist_failed(d, err);
+    if (!s) {
+        int64_t o = 3 * h->n_seqs, rows = 0;
+        for (int32_t i = 0; i < h->n_seqs; i++) {
+            const int32_t n = p[3 * i + 1];
+            if (n < 0 || o + n > 3 * h->n_seqs + h->n_tokens) {
+                s = k3_err(err, K3_ERR_FORMAT, "dist: rank %d: a bad batch from rank 0", d->rank);
+                break;
+            }
+            b[i].seq = p[3 * i];
+            b[i].n_tokens = n;
+            b[i].tokens = p + o;
+            want[i] = (uint8_t)p[3 * i + 2];
+            rows += want[i] == K3_WANT_ALL ? n : want[i] == K3_WANT_LAST ? 1 : 0;
+            o += n;
+        }
+        if (!s && !(logits = malloc(sizeof(float) * (size_t)(rows * V + 1))))
+            s = k3_err(err, K3_ERR_NOMEM, "dist: rank %d: out of memory for a batch", d->rank);
+    }
+    if (!s) s = k3_ctx_run(ctx, b, h->n_seqs, want, logits, err);
+    free(p);
+    free(b);
+    free(want);
+    free(logits);
+    return s;
+}
+
+k3_status k3_dist_worker_pool(k3_dist *d, const k3_model *m, k3_pool *pool, k3_error *err) {
+    if (d->rank == 0) return k3_err(err, K3_ERR_ARG, "dist: rank 0 is not a worker");
+    k3_ctx *ctx = NULL;
+    k3_status s = K3_OK;
+    for (;;) {
+        cmd_hdr h;
+        /* between commands rank 0 may wait for clients for as long as it likes */
+        if (bcast(d, &h, sizeof h, "wait for rank 0", -1.0)) {
+            s = k3_dist_failed(d, err);
+            break;
+        }
+        if (h.cmd == CMD_STOP) break;
+        if (h.cmd == CMD_POOL && !ctx) {
+            int64_t extra[2];
+            if (bcast(d, extra, sizeof extra, "broadcast of a context", d->timeout)) {
+                s = k3_dist_failed(d, err);
+                break;
+            }
+            k3_ctx_options o = {.max_seqs = h.n_seqs,
+                                .max_tokens = h.n_tokens,
+                                .block_size = h.pad,
+                                .max_batch = (int32_t)extra[0],
+                                .kv_cache = (k3_kv_type)h.mode,
+                                .dense_attention = extra[1] != 0,
+                                .pool = pool,
+                                .dist = d};
+            s = k3_ctx_init_pool(&ctx, m, &o, (int32_t)h.a, h.b, err);
+            if (s) break;
+            continue;
+        }
+        if (!ctx || h.cmd < CMD_RUN || h.cmd > CMD_RESTORE) {
+            s = k3_err(err, K3_ERR_FORMAT, "dist: rank %d: unexpected command %d from rank 0", d->rank, h.cmd);
+            break;
+        }
+        s = worker_engine_cmd(d, ctx, &h, err);
+        if (s) break;
+    }
+    k3_ctx_free(ctx);
+    return s;
 }
 
 k3_status k3_dist_worker(k3_dist *d, k3_ctx *ctx, k3_error *err) {

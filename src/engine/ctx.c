@@ -346,15 +346,28 @@ k3_status k3_ctx_init_pool(k3_ctx **out, const k3_model *m, const k3_ctx_options
     *out = NULL;
     if (n_blocks < 1 || max_ctx < 1)
         return k3_err(err, K3_ERR_ARG, "context: n_blocks and max_ctx must be positive");
+    if (opt->dist && k3_dist_rank(opt->dist) == 0 && k3_dist_size(opt->dist) > 1) {
+        if (k3_dist_dcp_size(opt->dist) > 1)
+            return k3_err(err, K3_ERR_UNSUPPORTED,
+                          "context: an engine-owned cache under --dcp %d is not supported yet (the engine's block "
+                          "tables would need the DCP per-rank layout); use --dcp 1",
+                          k3_dist_dcp_size(opt->dist));
+        k3_status ds = k3_dist_send_pool(opt->dist, opt, n_blocks, max_ctx, err);
+        if (ds) return ds;
+    }
     return ctx_create(out, m, opt, n_blocks, max_ctx, err);
 }
 
 /* ---- sequences ------------------------------------------------------------- */
 
-void k3_ctx_seq_clear_state(k3_ctx *ctx, int32_t seq) {
-    if (seq < 0 || seq >= ctx->max_seqs) return;
-    if (ctx->dist && k3_dist_rank(ctx->dist) == 0 && k3_dist_size(ctx->dist) > 1)
-        k3_dist_send_reset(ctx->dist, seq, NULL); /* a failure is sticky: the next forward reports it */
+/* Rank 0 of several: each call that changes a sequence is sent to the other
+ * ranks, which replay it (k3_dist_worker, k3_dist_worker_pool). A failure to
+ * send is sticky: the next forward pass reports it. */
+static bool sends(const k3_ctx *ctx) {
+    return ctx->dist && k3_dist_rank(ctx->dist) == 0 && k3_dist_size(ctx->dist) > 1;
+}
+
+static void clear_state(k3_ctx *ctx, int32_t seq) {
     const k3_config *c = ctx->c;
     const int64_t HK = (int64_t)c->kda_heads * c->kda_head_dim, dk = c->kda_head_dim;
     const int64_t Km1 = c->conv_size > 0 ? c->conv_size - 1 : 0;
@@ -366,14 +379,21 @@ void k3_ctx_seq_clear_state(k3_ctx *ctx, int32_t seq) {
     }
 }
 
+void k3_ctx_seq_clear_state(k3_ctx *ctx, int32_t seq) {
+    if (seq < 0 || seq >= ctx->max_seqs) return;
+    if (sends(ctx)) k3_dist_send_clear(ctx->dist, seq, NULL);
+    clear_state(ctx, seq);
+}
+
 void k3_ctx_seq_reset(k3_ctx *ctx, int32_t seq) {
     if (seq < 0 || seq >= ctx->max_seqs) return;
+    if (sends(ctx)) k3_dist_send_reset(ctx->dist, seq, NULL);
     k3_seq *s = &ctx->seqs[seq];
     if (ctx->free_blocks)
         for (int32_t b = s->n_blocks - 1; b >= 0; b--) ctx->free_blocks[ctx->n_free++] = s->blocks[b];
     s->n_blocks = 0;
     s->pos = 0;
-    k3_ctx_seq_clear_state(ctx, seq);
+    clear_state(ctx, seq);
 }
 
 k3_status k3_ctx_seq_set_blocks(k3_ctx *ctx, int32_t seq, const int32_t *blocks, int32_t n, k3_error *err) {
@@ -385,6 +405,7 @@ k3_status k3_ctx_seq_set_blocks(k3_ctx *ctx, int32_t seq, const int32_t *blocks,
     for (int32_t i = 0; i < n; i++)
         if (blocks[i] < 0 || blocks[i] >= ctx->n_blocks)
             return k3_err(err, K3_ERR_ARG, "context: block id %d out of range [0, %d)", blocks[i], ctx->n_blocks);
+    if (sends(ctx)) k3_dist_send_blocks(ctx->dist, seq, blocks, n, NULL);
     k3_seq *s = &ctx->seqs[seq];
     if (n) memcpy(s->blocks, blocks, sizeof(int32_t) * (size_t)n);
     s->n_blocks = n;
@@ -393,6 +414,7 @@ k3_status k3_ctx_seq_set_blocks(k3_ctx *ctx, int32_t seq, const int32_t *blocks,
 
 void k3_ctx_seq_set_pos(k3_ctx *ctx, int32_t seq, int64_t pos) {
     if (seq < 0 || seq >= ctx->max_seqs || pos < 0) return;
+    if (sends(ctx)) k3_dist_send_pos(ctx->dist, seq, pos, NULL);
     ctx->seqs[seq].pos = pos;
 }
 
@@ -432,7 +454,10 @@ void k3_ctx_state_save(k3_ctx *ctx, int32_t seq, void *dst) {
 }
 
 void k3_ctx_state_restore(k3_ctx *ctx, int32_t seq, const void *src) {
-    if (seq >= 0 && seq < ctx->max_seqs) state_copy(ctx, seq, (float *)src, 1);
+    if (seq < 0 || seq >= ctx->max_seqs) return;
+    /* rank 0 sends the bytes it restores: the workers keep no snapshots */
+    if (sends(ctx)) k3_dist_send_restore(ctx->dist, seq, src, k3_ctx_state_bytes(ctx), NULL);
+    state_copy(ctx, seq, (float *)src, 1);
 }
 
 int64_t k3_ctx_seq_pos(const k3_ctx *ctx, int32_t seq) {
@@ -528,6 +553,7 @@ k3_status k3_ctx_run(k3_ctx *ctx, const k3_batch_seq *batch, int32_t n_seqs, con
     }
     if (any && !logits) return k3_err(err, K3_ERR_ARG, "forward: logits buffer is NULL");
     k3_status st = validate(ctx, batch, n_seqs, want, true, err);
+    if (!st && sends(ctx)) st = k3_dist_send_run(ctx->dist, batch, n_seqs, want, err);
     if (st) return st;
     run_rounds(ctx, batch, n_seqs, want, logits);
     return k3_dist_failed(ctx->dist, err);

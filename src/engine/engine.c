@@ -26,6 +26,7 @@
 
 #include "common/error.h"
 #include "ctx.h"
+#include "dist/dist.h"
 #include "engine.h"
 #include "kernels/attn_ops.h"
 #include "kv/kv.h"
@@ -68,6 +69,8 @@ struct k3_engine {
     int32_t n_eos;
     int64_t V, max_model_len, cache_tokens, state_bytes;
     int32_t block_size, max_blocks, plp_cap;
+
+    k3_comm_stats comm;           /* cross-rank counters since open (o.dist), under mu */
 
     /* inbox, under mu */
     pthread_mutex_t mu;
@@ -293,7 +296,8 @@ k3_status k3_engine_open(k3_engine **out, const k3_model *m, const k3_engine_opt
                              .block_size = (int32_t)bs,
                              .max_batch = o.max_num_batched_tokens < 1024 ? o.max_num_batched_tokens : 1024,
                              .kv_cache = o.kv_cache,
-                             .pool = o.pool};
+                             .pool = o.pool,
+                             .dist = o.dist};
         st = k3_ctx_init_pool(&e->ctx, m, &co, (int32_t)n_blocks, max_model_len, err);
     }
     if (!st) {
@@ -482,6 +486,13 @@ void k3_engine_wait(k3_engine *e, double timeout_s) {
             if (pthread_cond_timedwait(&e->cv, &e->mu, &ts) != 0) break;
     }
     pthread_mutex_unlock(&e->mu);
+}
+
+bool k3_engine_comm_stats(k3_engine *e, k3_comm_stats *out) {
+    pthread_mutex_lock(&e->mu);
+    *out = e->comm;
+    pthread_mutex_unlock(&e->mu);
+    return e->o.dist && k3_dist_size(e->o.dist) > 1;
 }
 
 void k3_engine_get_stats(k3_engine *e, k3_engine_stats *st) {
@@ -746,6 +757,18 @@ k3_status k3_engine_step(k3_engine *e, k3_step_result *res, k3_error *err) {
     const k3_status fst = s->n_plan ? k3_ctx_run(e->ctx, e->batch, s->n_plan, e->want, e->logits, &ferr) : K3_OK;
     const double t = k3_engine_now();
     res->n_tokens = fst ? 0 : s->plan_tokens;
+    if (e->o.dist && s->n_plan) {
+        k3_comm_stats c;
+        k3_dist_stats_take(e->o.dist, &c);
+        pthread_mutex_lock(&e->mu);
+        for (int k = 0; k < K3_COMM_COUNT; k++) {
+            e->comm.sent[k] += c.sent[k];
+            e->comm.recv[k] += c.recv[k];
+            e->comm.calls[k] += c.calls[k];
+            e->comm.seconds[k] += c.seconds[k];
+        }
+        pthread_mutex_unlock(&e->mu);
+    }
 
     /* 4. results */
     int64_t row = 0;
@@ -804,6 +827,9 @@ k3_status k3_engine_step(k3_engine *e, k3_step_result *res, k3_error *err) {
     res->outputs = e->outs;
     res->t = t;
     publish_stats(e);
+    /* a failed link to the other ranks stays failed: the engine cannot go on
+     * (the requests of this step have their error; the server ends the job) */
+    if (!st && fst && k3_dist_failed(e->o.dist, NULL)) st = k3_err(err, fst, "%s", ferr.msg);
     return st;
 }
 

@@ -150,3 +150,23 @@ void k3_metrics_render(k3_metrics *m, const k3_engine_stats *st, const char *mod
                 model, (unsigned long long)m->http_requests, model, (unsigned long long)m->http_errors);
     pthread_mutex_unlock(&m->mu);
 }
+
+void k3_metrics_render_dist(const k3_comm_stats *cs, k3_buf *o) {
+    k3_buf_addf(o, "# HELP k3:dist_bytes_total Bytes rank 0 sent to and received from the other ranks, per "
+                   "collective kind.\n# TYPE k3:dist_bytes_total counter\n");
+    for (int k = 0; k < K3_COMM_COUNT; k++)
+        k3_buf_addf(o, "k3:dist_bytes_total{kind=\"%s\",dir=\"sent\"} %lld\n"
+                       "k3:dist_bytes_total{kind=\"%s\",dir=\"received\"} %lld\n",
+                    k3_comm_kind_name((k3_comm_kind)k), (long long)cs->sent[k],
+                    k3_comm_kind_name((k3_comm_kind)k), (long long)cs->recv[k]);
+    k3_buf_addf(o, "# HELP k3:dist_calls_total Collectives rank 0 took part in, per kind.\n"
+                   "# TYPE k3:dist_calls_total counter\n");
+    for (int k = 0; k < K3_COMM_COUNT; k++)
+        k3_buf_addf(o, "k3:dist_calls_total{kind=\"%s\"} %lld\n", k3_comm_kind_name((k3_comm_kind)k),
+                    (long long)cs->calls[k]);
+    k3_buf_addf(o, "# HELP k3:dist_seconds_total Seconds rank 0 spent in collectives, per kind.\n"
+                   "# TYPE k3:dist_seconds_total counter\n");
+    for (int k = 0; k < K3_COMM_COUNT; k++)
+        k3_buf_addf(o, "k3:dist_seconds_total{kind=\"%s\"} %.9g\n", k3_comm_kind_name((k3_comm_kind)k),
+                    cs->seconds[k]);
+}

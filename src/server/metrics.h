@@ -49,6 +49,10 @@ void k3_metrics_destroy(k3_metrics *m);
 void k3_metrics_observe(k3_metrics *m, int which, double v);
 void k3_metrics_finished(k3_metrics *m, k3_finish_reason why);
 /* Appends the whole /metrics text; st may be NULL (no engine: zeros). */
+/* The cross-rank counters of rank 0 (k3 serve under mpirun), per collective
+ * kind: k3:dist_bytes_total{kind,dir="sent"|"received"}, k3:dist_calls_total,
+ * k3:dist_seconds_total. */
+void k3_metrics_render_dist(const k3_comm_stats *cs, k3_buf *o);
 void k3_metrics_render(k3_metrics *m, const k3_engine_stats *st, const char *model_name, int32_t block_size,
                        k3_buf *out);
 

@@ -1,0 +1,76 @@
+# mpi_serve.py -- an outside client for tests/mpi.sh: greedy /v1/completions
+# on a server under mpirun against the same on a one-process server (the
+# same text), a repeated long prompt hitting the prefix cache (the KDA
+# restore path), two requests in flight at once, and with --metrics the
+# cross-rank counters present in /metrics and growing after a request.
+# Usage: python3 tests/mpi_serve.py MPI_PORT ONE_PORT [--metrics]
+import json
+import sys
+import threading
+import urllib.request
+
+
+def post(port, body):
+    req = urllib.request.Request("http://127.0.0.1:%d/v1/completions" % port, json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.load(r)
+
+
+def metrics(port):
+    with urllib.request.urlopen("http://127.0.0.1:%d/metrics" % port, timeout=30) as r:
+        return r.read().decode()
+
+
+def comp(port, ids, n=6):
+    return post(port, {"prompt": ids, "max_tokens": n, "temperature": 0})
+
+
+mpi, one = int(sys.argv[1]), int(sys.argv[2])
+short = [(i * 37 + 11) % 1000 for i in range(9)]
+long_ = [(i * 53 + 7) % 1000 for i in range(150)]  # > 2 blocks of 64: cacheable
+fails = 0
+
+
+def check(name, cond, detail=""):
+    global fails
+    print(("ok   " if cond else "FAIL ") + name + ("" if cond else ": " + detail))
+    fails += 0 if cond else 1
+
+
+for name, ids in (("short", short), ("long", long_)):
+    a, b = comp(mpi, ids), comp(one, ids)
+    check("%s prompt: same greedy text as one process" % name,
+          a["choices"][0]["text"] == b["choices"][0]["text"], "%r vs %r" % (a["choices"][0]["text"], b["choices"][0]["text"]))
+a, b = comp(mpi, long_), comp(one, long_)
+cached = a["usage"]["prompt_tokens_details"]["cached_tokens"]
+check("repeated prompt: %d cached tokens, same text" % cached,
+      cached > 0 and a["choices"][0]["text"] == b["choices"][0]["text"], json.dumps(a))
+# two at once
+ref = [comp(one, long_[:100], 8), comp(one, short[::-1], 8)]
+got = [None, None]
+th = [threading.Thread(target=lambda k=k, ids=ids: got.__setitem__(k, comp(mpi, ids, 8)))
+      for k, ids in enumerate((long_[:100], short[::-1]))]
+for t in th:
+    t.start()
+for t in th:
+    t.join()
+check("two requests in flight: same texts",
+      all(g and g["choices"][0]["text"] == r["choices"][0]["text"] for g, r in zip(got, ref)), repr(got))
+if "--metrics" in sys.argv:
+    def dist_lines(txt):
+        return {l.rsplit(" ", 1)[0]: float(l.rsplit(" ", 1)[1]) for l in txt.splitlines()
+                if l.startswith("k3:dist_")}
+    m0 = dist_lines(metrics(mpi))
+    key = 'k3:dist_bytes_total{kind="ep_dispatch",dir="sent"}'
+    comp(mpi, [5, 6, 7, 8], 4)
+    m1 = dist_lines(metrics(mpi))
+    names = ["k3:dist_%s{kind=\"%s\"%s}" % (n, k, d) for k in ("topk_exchange", "lse_merge", "ep_dispatch", "ep_combine")
+             for n, d in (("bytes_total", ',dir="sent"'), ("bytes_total", ',dir="received"'), ("calls_total", ""),
+                          ("seconds_total", ""))]
+    check("/metrics has the cross-rank counters", all(n in m1 for n in names),
+          "missing %s" % [n for n in names if n not in m1])
+    check("/metrics: EP bytes grow after a request (%s -> %s)" % (m0.get(key), m1.get(key)),
+          key in m0 and m1.get(key, 0) > m0[key] > 0 and
+          m1['k3:dist_calls_total{kind="ep_combine"}'] > m0['k3:dist_calls_total{kind="ep_combine"}'])
+sys.exit(1 if fails else 0)
