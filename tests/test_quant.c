@@ -334,18 +334,7 @@ K3_TEST(quant_w4a8_vbmi_equals_shufb) {
     check_w4a8_kernels(true, 24, 384, 11, 8);
 }
 
-/* ---- the AVX2 integer kernels (quant_avx2.c) ---- */
-
-void k3_q8_rows_avx2(const int8_t *w, const float *row_scale, const int32_t *row_sum, int64_t cols, const int8_t *x,
-                     const float *xs, int64_t n, int64_t r0, int64_t r1, float *y, int64_t ldy);
-void k3_q8_rows_avxvnni(const int8_t *w, const float *row_scale, const int32_t *row_sum, int64_t cols,
-                        const int8_t *x, const float *xs, int64_t n, int64_t r0, int64_t r1, float *y, int64_t ldy);
-void k3_mx4_r4_rows_avx2(const uint8_t *packed, const uint8_t *scale, int64_t cols, const int8_t *xp,
-                         const int32_t *corr, int64_t ldc, const float *xs, int64_t n, int64_t r0, int64_t r1,
-                         float *y, int64_t ldy);
-void k3_mx4_r4_rows_avxvnni(const uint8_t *packed, const uint8_t *scale, int64_t cols, const int8_t *xp,
-                            const int32_t *corr, int64_t ldc, const float *xs, int64_t n, int64_t r0, int64_t r1,
-                            float *y, int64_t ldy);
+/* ---- the AVX2 integer kernels (quant_avx2.c, declared in quant.h) ---- */
 
 static bool have_avx2(void) {
     if (k3_kernels_have(K3_ISA_AVX2)) return true;

@@ -250,17 +250,6 @@ typedef void (*mx4_rows_fn)(const uint8_t *packed, const uint8_t *scale, int64_t
 typedef void (*q8_rows_fn)(const int8_t *w, const float *row_scale, const int32_t *row_sum, int64_t cols,
                            const int8_t *x, const float *xs, int64_t n, int64_t r0, int64_t r1, float *y,
                            int64_t ldy);
-/* quant_avx2.c: plain AVX2 and AVX-VNNI forms */
-void k3_q8_rows_avx2(const int8_t *w, const float *row_scale, const int32_t *row_sum, int64_t cols, const int8_t *x,
-                     const float *xs, int64_t n, int64_t r0, int64_t r1, float *y, int64_t ldy);
-void k3_q8_rows_avxvnni(const int8_t *w, const float *row_scale, const int32_t *row_sum, int64_t cols,
-                        const int8_t *x, const float *xs, int64_t n, int64_t r0, int64_t r1, float *y, int64_t ldy);
-void k3_mx4_r4_rows_avx2(const uint8_t *packed, const uint8_t *scale, int64_t cols, const int8_t *xp,
-                         const int32_t *corr, int64_t ldc, const float *xs, int64_t n, int64_t r0, int64_t r1,
-                         float *y, int64_t ldy);
-void k3_mx4_r4_rows_avxvnni(const uint8_t *packed, const uint8_t *scale, int64_t cols, const int8_t *xp,
-                            const int32_t *corr, int64_t ldc, const float *xs, int64_t n, int64_t r0, int64_t r1,
-                            float *y, int64_t ldy);
 
 /* ---- the driver ------------------------------------------------------------- */
 

@@ -79,6 +79,21 @@ void k3_mx4_r4_rows_avx512_vbmi(const uint8_t *packed, const uint8_t *scale, int
                                 const int32_t *corr, int64_t ldc, const float *xs, int64_t n, int64_t r0,
                                 int64_t r1, float *y, int64_t ldy);
 
+/* quant_avx2.c: W8A8 rows (int8 weights with row sums, as k3_q8_rows of the
+ * AVX-512 path) and W4A8 on K3_W_MXFP4_R4 tiles, each in a plain AVX2 form
+ * (vpmaddubsw/vpmaddwd) and an AVX-VNNI form (vpdpbusd) that give the same
+ * bits; the same arguments as the AVX-512 kernels above. */
+void k3_q8_rows_avx2(const int8_t *w, const float *row_scale, const int32_t *row_sum, int64_t cols, const int8_t *x,
+                     const float *xs, int64_t n, int64_t r0, int64_t r1, float *y, int64_t ldy);
+void k3_q8_rows_avxvnni(const int8_t *w, const float *row_scale, const int32_t *row_sum, int64_t cols,
+                        const int8_t *x, const float *xs, int64_t n, int64_t r0, int64_t r1, float *y, int64_t ldy);
+void k3_mx4_r4_rows_avx2(const uint8_t *packed, const uint8_t *scale, int64_t cols, const int8_t *xp,
+                         const int32_t *corr, int64_t ldc, const float *xs, int64_t n, int64_t r0, int64_t r1,
+                         float *y, int64_t ldy);
+void k3_mx4_r4_rows_avxvnni(const uint8_t *packed, const uint8_t *scale, int64_t cols, const int8_t *xp,
+                            const int32_t *corr, int64_t ldc, const float *xs, int64_t n, int64_t r0, int64_t r1,
+                            float *y, int64_t ldy);
+
 /* y[n, rows] = x[n, cols] · Wᵀ with 8-bit activations, for Q8, MXFP8,
  * MXFP4 and MXFP4_R4 weights. Threaded over rows. */
 void k3_matmul_q(k3_pool *pool, const k3_mat *w, const float *x, int64_t n, float *y);
