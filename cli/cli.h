@@ -156,6 +156,9 @@ int k3_cli_threads(const char *cmd, const char *s, int *out);
 /* The default thread count: physical cores (not hardware threads) among the
  * CPUs this process may use; and every such CPU. */
 int k3_cli_physical_cores(void);
+/* The default --threads: the physical cores, shared by the ranks of one
+ * machine under mpirun. */
+int k3_cli_default_threads(void);
 int k3_cli_all_cpus(void);
 /* The model directory: dir when given with -m, else the default model found
  * in ./models/k3-mini, beside the binary (BIN/../models/k3-mini) or under

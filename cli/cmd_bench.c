@@ -275,7 +275,7 @@ int k3_cmd_bench(int argc, char **argv) {
     if (k3_cli_dist_wanted(argc, argv)) return k3_cmd_bench_dist(argc, argv); /* cmd_bench_dist.c */
     const char *dir = K3_DEFAULT_MODEL, *quant = K3_DEFAULT_QUANT;
     bool keep_mapped = false;
-    int threads = k3_cli_physical_cores(), runs = 5, json = 0, profile = 0, longctx = 0, dtok = 16, quick = 0;
+    int threads = k3_cli_default_threads(), runs = 5, json = 0, profile = 0, longctx = 0, dtok = 16, quick = 0;
     long membw_mb = 1024;
     long prompts[8] = {128, 512, 2048}, contexts[8] = {1024, 8192, 32768, 131072};
     int n_prompts = 3, n_contexts = 4, prompts_given = 0, runs_given = 0;

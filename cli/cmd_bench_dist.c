@@ -65,9 +65,15 @@ int k3_cmd_bench_dist(int argc, char **argv) {
         const char *a = argv[i];
         const int has = i + 1 < argc;
         if (!strcmp(a, "-m") && has) dir = argv[++i];
-        else if (!strcmp(a, "--threads") && has) threads = atoi(argv[++i]);
-        else if (!strcmp(a, "--runs") && has) runs = atoi(argv[++i]);
-        else if (!strcmp(a, "--decode-tokens") && has) dtok = atoi(argv[++i]);
+        else if (!strcmp(a, "--threads") && has) {
+            if (k3_cli_threads("bench", argv[++i], &threads)) return 2;
+        }
+        else if (!strcmp(a, "--runs") && has) {
+            if (k3_cli_int("bench", a, argv[++i], 1, 64, &runs)) return 2;
+        }
+        else if (!strcmp(a, "--decode-tokens") && has) {
+            if (k3_cli_int("bench", a, argv[++i], 1, 1 << 20, &dtok)) return 2;
+        }
         else if (!strcmp(a, "--quant") && has) quant = argv[++i];
         else if (!strcmp(a, "--mmap")) mapped = true;
         else if (!strcmp(a, "--json")) json = true;

@@ -321,6 +321,16 @@ static long slo_parse(const char *s, const char *key) {
     return *end || v <= 0 ? -2 : (long)(v * 1000.0); /* microseconds */
 }
 
+#define CMD "bench serve"
+
+/* a finite number option into a double, through the CLI's strict float parser */
+static int dbl(const char *opt, const char *v, double lo, double hi, double *out) {
+    float f;
+    if (k3_cli_float(CMD, opt, v, lo, hi, &f)) return -1;
+    *out = f;
+    return 0;
+}
+
 int k3_cmd_bench_serve(int argc, char **argv) {
     const char *base = NULL, *model = NULL, *endpoint = "completions", *tok_dir = K3_DEFAULT_MODEL;
     const char *key = getenv("OPENAI_API_KEY");
@@ -334,6 +344,11 @@ int k3_cmd_bench_serve(int argc, char **argv) {
         const char *a = argv[i];
         const int has = i + 1 < argc;
 #define ARG(s) (!strcmp(a, s) && has)
+/* a number option: strictly parsed (cli/common.c), or exit 2 with a message naming it */
+#define NUM(call) \
+    do { \
+        if (call) return 2; \
+    } while (0)
         if (ARG("--base-url")) base = argv[++i];
         else if (ARG("--model")) model = argv[++i];
         else if (ARG("--endpoint")) endpoint = argv[++i];
@@ -343,17 +358,20 @@ int k3_cmd_bench_serve(int argc, char **argv) {
                 return 2;
             }
         } else if (ARG("--tokenizer")) tok_dir = argv[++i];
-        else if (ARG("--random-input-len")) in_len = atol(argv[++i]);
-        else if (ARG("--random-output-len")) out_len = atol(argv[++i]);
-        else if (ARG("--random-range-ratio")) range = atof(argv[++i]);
-        else if (ARG("--prefix-len") || ARG("--random-prefix-len")) prefix_len = atol(argv[++i]);
-        else if (ARG("--num-prompts")) n_prompts = atol(argv[++i]);
-        else if (ARG("--max-concurrency")) conc = atol(argv[++i]);
-        else if (ARG("--request-rate")) rate = !strcmp(argv[++i], "inf") ? INFINITY : atof(argv[i]);
-        else if (ARG("--disconnect-fraction")) drop_frac = atof(argv[++i]);
-        else if (ARG("--seed")) seed = strtoull(argv[++i], NULL, 10);
+        else if (ARG("--random-input-len")) NUM(k3_cli_long(CMD, a, argv[++i], 1, 1L << 30, &in_len));
+        else if (ARG("--random-output-len")) NUM(k3_cli_long(CMD, a, argv[++i], 1, 1L << 30, &out_len));
+        else if (ARG("--random-range-ratio")) NUM(dbl(a, argv[++i], 0, 1, &range));
+        else if (ARG("--prefix-len") || ARG("--random-prefix-len")) NUM(k3_cli_long(CMD, a, argv[++i], 0, 1L << 30, &prefix_len));
+        else if (ARG("--num-prompts")) NUM(k3_cli_long(CMD, a, argv[++i], 1, 1L << 30, &n_prompts));
+        else if (ARG("--max-concurrency")) NUM(k3_cli_long(CMD, a, argv[++i], 0, 1L << 20, &conc));
+        else if (ARG("--request-rate")) {
+            if (strcmp(argv[++i], "inf")) NUM(dbl(a, argv[i], 1e-9, 1e9, &rate));
+            else rate = INFINITY;
+        }
+        else if (ARG("--disconnect-fraction")) NUM(dbl(a, argv[++i], 0, 1, &drop_frac));
+        else if (ARG("--seed")) NUM(k3_cli_u64(CMD, a, argv[++i], &seed));
         else if (ARG("--api-key")) key = argv[++i];
-        else if (ARG("--timeout")) timeout = atol(argv[++i]);
+        else if (ARG("--timeout")) NUM(k3_cli_long(CMD, a, argv[++i], 1, 1L << 30, &timeout));
         else if (ARG("--metric-percentiles")) {
             char *p = argv[++i];
             g_n_pct = 0;
@@ -390,6 +408,7 @@ int k3_cmd_bench_serve(int argc, char **argv) {
             return usage_bs();
         }
 #undef ARG
+#undef NUM
     }
     const bool chat = !strcmp(endpoint, "chat");
     if (!base || (!chat && strcmp(endpoint, "completions"))) return usage_bs();

@@ -19,6 +19,7 @@
  * prefix cache hit rate (hit / queried prompt tokens); preemptions; KDA
  * snapshot size and the mean time to take and to restore one.
  */
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -38,7 +39,7 @@ static int usage_tp(void) {
             "  --num-prefixes K         distinct shared prefixes (default 1)\n"
             "  --long-prompt L          one extra L-token prompt once the others decode\n"
             "  --seed S                 prompt seed (default 0)\n"
-            "  --threads N              worker threads (default: all cores)\n"
+            "  --threads N              worker threads (default: the physical cores)\n"
             "  --quant MODE             none | w8a8 | w4a8 | w8a8+w4a8 (default " K3_DEFAULT_QUANT ")\n"
             "  --kv-cache f32|c8        cache format (default " K3_DEFAULT_KV ")\n"
             "  --mmap                   keep the weights in the file mapping\n"
@@ -92,8 +93,9 @@ typedef struct {
 
 static long parse_pos(const char *s, bool *bad) {
     char *end;
+    errno = 0;
     const long v = strtol(s, &end, 10);
-    if (*end || v < 0) *bad = true;
+    if (end == s || *end || errno || v < 0) *bad = true;
     return v;
 }
 
@@ -101,8 +103,7 @@ int k3_cmd_bench_throughput(int argc, char **argv) {
     const char *dir = K3_DEFAULT_MODEL, *quant = K3_DEFAULT_QUANT;
     long num = 64, conc = 16, in_len = 256, out_len = 64, pfx = 0, n_pfx = 1, long_len = 0, seed = 0;
     long mns = 0, mnbt = 0, bs = 0, cache_tokens = 0, stride = 0, snap_mb = -1;
-    long n = sysconf(_SC_NPROCESSORS_ONLN);
-    long threads = n < 1 ? 1 : n > 64 ? 64 : n;
+    long threads = k3_cli_default_threads();
     bool json = false, keep_mapped = false, no_prefix = false, bad = false;
     k3_kv_type kv = K3_KV_F32;
     k3_cli_parse_kv(K3_DEFAULT_KV, &kv);

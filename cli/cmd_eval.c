@@ -75,7 +75,7 @@ int k3_cmd_eval(int argc, char **argv) {
     long ctx_len = 512, stride = 0, max_tok = 0;
     int compare = 0;
     const char *base_url = NULL, *served = NULL, *api_key = getenv("K3_API_KEY");
-    int threads = k3_cli_physical_cores();
+    int threads = k3_cli_default_threads();
     for (int i = 1; i < argc; i++) {
         const int has = i + 1 < argc;
         const char *a = argv[i];

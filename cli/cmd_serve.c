@@ -39,7 +39,7 @@ static int usage_serve(void) {
             "  --quant MODE                 none | w8a8 | w8a8-mxfp8 | w4a8 | w8a8+w4a8 (default %s)\n"
             "  --kv-cache f32|c8            cache format (default %s)\n"
             "  --mmap                       keep the weights in the file mapping\n"
-            "  --threads N                  worker threads (default: all cores)\n"
+            "  --threads N                  worker threads (default: the physical cores)\n"
             "  --max-body-bytes N           largest request body, base64 images included (default 4194304)\n"
             "  --max-image-pixels N         largest image, width x height (default 67108864 = 8192 x 8192)\n"
             "  --vision-threads N           threads of the image encoder's own pool (default: --threads)\n"
@@ -99,8 +99,7 @@ int k3_cmd_serve(int argc, char **argv) {
     long port = 8000, max_len = 0, max_seqs = 0, max_batched = 0, max_waiting = 256, cache_tokens = 0;
     long max_body = 0, timeout = 0, snapshot_mb = 0, max_conn = 1024, max_image_px = 0, vthreads = 0;
     bool keep_mapped = false, no_prefix = false;
-    const long nproc = sysconf(_SC_NPROCESSORS_ONLN);
-    long threads = nproc < 1 ? 1 : nproc > 64 ? 64 : nproc;
+    long threads = k3_cli_default_threads();
     int bad = 0;
     k3_cli_dist cd;
     if (k3_cli_dist_args(&argc, argv, &cd, "serve")) return 2;

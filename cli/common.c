@@ -156,6 +156,14 @@ int k3_cli_physical_cores(void) {
     return cores > K3_CLI_MAX_THREADS ? K3_CLI_MAX_THREADS : cores;
 }
 
+int k3_cli_default_threads(void) {
+    int n = k3_cli_physical_cores();
+    /* under mpirun the ranks of one machine share its cores */
+    const char *local = getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+    if (local && atoi(local) > 1) n /= atoi(local);
+    return n < 1 ? 1 : n;
+}
+
 int k3_cli_threads(const char *cmd, const char *s, int *out) {
     int v;
     if (k3_cli_int(cmd, "--threads", s, 0, K3_CLI_MAX_THREADS, &v)) {

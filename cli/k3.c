@@ -109,13 +109,6 @@ static int parse_ids(const char *s, int32_t **out, size_t *n) {
     return 0;
 }
 
-/* The physical cores; under mpirun the ranks of one machine share them. */
-static int default_threads(void) {
-    int n = k3_cli_physical_cores();
-    const char *local = getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
-    if (local && atoi(local) > 1) n /= atoi(local);
-    return n < 1 ? 1 : n;
-}
 
 /* A seed nobody chose: /dev/urandom, else the clock and the pid. */
 static uint64_t random_seed(void) {
@@ -133,7 +126,7 @@ int k3_cmd_run(int argc, char **argv) {
     bool keep_mapped = false, interactive = false, seed_given = false, check_tensors = true, show_mem = false;
     k3_kv_type kv = K3_KV_F32;
     k3_cli_parse_kv(K3_DEFAULT_KV, &kv);
-    int n_gen = 128, threads = default_threads(), chat = 0, think = 0;
+    int n_gen = 128, threads = k3_cli_default_threads(), chat = 0, think = 0;
     long ctx_arg = 0;
     const char *image_files[16];
     int n_images = 0;
