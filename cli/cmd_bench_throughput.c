@@ -45,6 +45,8 @@ static int usage_tp(void) {
             "  --mmap                   keep the weights in the file mapping\n"
             "  --max-num-seqs N         engine: running requests (default: max(16, C))\n"
             "  --max-num-batched-tokens N  engine: tokens per step (default 2048)\n"
+            "  --max-step-cost N        engine: while requests decode, a step costs at most N decode\n"
+            "                           tokens, a prompt token priced by its position (default 0: off)\n"
             "  --block-size N           engine: tokens per cache block (default 64)\n"
             "  --cache-tokens N         engine: cache pool in tokens (default: enough for all in flight)\n"
             "  --snapshot-stride N      engine: a KDA snapshot every N blocks (default 4)\n"
@@ -102,7 +104,7 @@ static long parse_pos(const char *s, bool *bad) {
 int k3_cmd_bench_throughput(int argc, char **argv) {
     const char *dir = K3_DEFAULT_MODEL, *quant = K3_DEFAULT_QUANT;
     long num = 64, conc = 16, in_len = 256, out_len = 64, pfx = 0, n_pfx = 1, long_len = 0, seed = 0;
-    long mns = 0, mnbt = 0, bs = 0, cache_tokens = 0, stride = 0, snap_mb = -1;
+    long mns = 0, mnbt = 0, msc = 0, bs = 0, cache_tokens = 0, stride = 0, snap_mb = -1;
     long threads = k3_cli_default_threads();
     bool json = false, keep_mapped = false, no_prefix = false, bad = false;
     k3_kv_type kv = K3_KV_F32;
@@ -123,6 +125,7 @@ int k3_cmd_bench_throughput(int argc, char **argv) {
         OPT("--threads", threads);
         OPT("--max-num-seqs", mns);
         OPT("--max-num-batched-tokens", mnbt);
+        OPT("--max-step-cost", msc);
         OPT("--block-size", bs);
         OPT("--cache-tokens", cache_tokens);
         OPT("--snapshot-stride", stride);
@@ -140,7 +143,7 @@ int k3_cmd_bench_throughput(int argc, char **argv) {
         else return usage_tp();
     }
     if (bad || num < 1 || conc < 1 || in_len < 1 || out_len < 1 || threads < 1 || n_pfx < 1 || pfx >= in_len ||
-        num > 1000000 || in_len > 10000000 || long_len > 10000000) {
+        num > 1000000 || in_len > 10000000 || long_len > 10000000 || msc > 1000000) {
         fprintf(stderr, "k3 bench throughput: bad option value (need N, C, I, O, K >= 1 and P < I)\n");
         return usage_tp();
     }
@@ -187,6 +190,7 @@ int k3_cmd_bench_throughput(int argc, char **argv) {
     if (mns) seqs = mns;
     k3_engine_options eo = {.max_num_seqs = (int32_t)seqs,
                             .max_num_batched_tokens = (int32_t)mnbt,
+                            .max_step_cost = (int32_t)msc,
                             .block_size = (int32_t)bs,
                             .kv_cache = kv,
                             .no_prefix_cache = no_prefix,
@@ -218,6 +222,7 @@ int k3_cmd_bench_throughput(int argc, char **argv) {
     int64_t n_itl = 0, n_itl2 = 0;
     double t_mark = 0; /* when every request had been submitted and all in flight were decoding */
     bool long_done = false;
+    int64_t long_beside = 0; /* long-prompt tokens computed in steps that had decodes */
     long next = 0, done = 0, in_flight = 0;
     bool long_sent = long_len == 0;
     const uint64_t first_id = 1;
@@ -261,10 +266,12 @@ int k3_cmd_bench_throughput(int argc, char **argv) {
         }
         k3_step_result sr;
         if (k3_engine_step(e, &sr, &err)) goto fail;
+        int32_t step_decodes = 0; /* tokens given to the other requests this step */
         for (int32_t i = 0; i < sr.n_outputs; i++) {
             const k3_req_output *o = &sr.outputs[i];
             if (o->id < first_id || o->id >= first_id + (uint64_t)n_track) continue;
             track *t = &tr[o->id - first_id];
+            if (o->n_new > 0 && !t->long_one && t->n_out > 0) step_decodes += o->n_new;
             if (o->n_new > 0) {
                 if (t->n_out == 0) t->t_first = sr.t;
                 else if (!t->long_one) {
@@ -287,6 +294,9 @@ int k3_cmd_bench_throughput(int argc, char **argv) {
                 t_end = sr.t;
             }
         }
+        /* how far the long prompt got while the others decoded */
+        if (long_sent && !long_done && t_mark > 0 && step_decodes > 0 && sr.n_tokens > step_decodes)
+            long_beside += sr.n_tokens - step_decodes;
     }
     const double wall = t_end - t0;
     k3_engine_stats st;
@@ -325,14 +335,15 @@ int k3_cmd_bench_throughput(int argc, char **argv) {
                "\"itl_decoding_ms\": {\"mean\": %.3f, \"median\": %.3f, \"p99\": %.3f, \"n\": %lld}, "
                "\"long_prompt_ttft_ms\": %.3f, \"snapshot_bytes_each\": %lld, \"snapshots_taken\": %lld, "
                "\"snapshot_take_ms\": %.4f, \"snapshots_restored\": %lld, \"snapshot_restore_ms\": %.4f, "
-               "\"cache_tokens\": %lld, \"max_num_seqs\": %d}\n",
+               "\"cache_tokens\": %lld, \"max_num_seqs\": %d, \"max_step_cost\": %ld, \"step_cost_max\": %.2f, "
+               "\"prefill_cost_p0\": %lld, \"long_prompt_tokens_beside_decodes\": %lld}\n",
                dir, threads, quant, kv == K3_KV_C8 ? "c8" : "f32", num, conc, in_len, out_len, pfx, n_pfx, long_len,
                no_prefix ? "false" : "true", wall, num / wall, out_tok / wall, (out_tok + in_tok) / wall, hit_rate,
                (long long)st.prefix_queries, (long long)st.prefix_hits, (long long)st.n_preemptions, d_ttft.mean,
                d_ttft.median, d_ttft.p99, d_tpot.mean, d_tpot.median, d_tpot.p99, d_itl.mean, d_itl.median,
                d_itl.p99, d_itl2.mean, d_itl2.median, d_itl2.p99, (long long)n_itl2, long_ttft * 1e3, (long long)st.state_bytes_per_seq, (long long)st.n_snapshot_saves,
                snap_take_ms, (long long)st.n_snapshot_restores, snap_restore_ms, (long long)st.cache_tokens,
-               eo.max_num_seqs);
+               eo.max_num_seqs, msc, st.step_cost_max, (long long)st.prefill_cost_p0, (long long)long_beside);
     } else {
         printf("elapsed                 %.2f s\n", wall);
         printf("request throughput      %.3f req/s\n", num / wall);
@@ -346,7 +357,13 @@ int k3_cmd_bench_throughput(int argc, char **argv) {
         printf("prefix_cache_hit_rate   %.4f (%lld of %lld prompt tokens)\n", hit_rate, (long long)st.prefix_hits,
                (long long)st.prefix_queries);
         printf("preemptions             %lld\n", (long long)st.n_preemptions);
-        if (long_len) printf("long prompt TTFT        %.2f ms (%ld tokens)\n", long_ttft * 1e3, long_len);
+        if (msc)
+            printf("step cost guard         %ld decode tokens; costliest step with decodes %.2f (a prompt token costs "
+                   "2 at position %lld)\n",
+                   msc, st.step_cost_max, (long long)st.prefill_cost_p0);
+        if (long_len)
+            printf("long prompt TTFT        %.2f ms (%ld tokens, %lld of them in steps beside decodes)\n",
+                   long_ttft * 1e3, long_len, (long long)long_beside);
         printf("KDA snapshot            %lld bytes each; %lld taken (%.3f ms each), %lld restored (%.3f ms each)\n",
                (long long)st.state_bytes_per_seq, (long long)st.n_snapshot_saves, snap_take_ms,
                (long long)st.n_snapshot_restores, snap_restore_ms);

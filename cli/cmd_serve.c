@@ -32,6 +32,8 @@ static int usage_serve(void) {
             "  --max-model-len N            prompt + output tokens per request\n"
             "  --max-num-seqs N             running requests at once (default 16)\n"
             "  --max-num-batched-tokens N   tokens per step (default 2048)\n"
+            "  --max-step-cost N            while requests decode, a step costs at most N decode tokens,\n"
+            "                               a prompt token priced by its position (default 0: off)\n"
             "  --max-waiting N              waiting requests before 503 (default 256)\n"
             "  --cache-tokens N             cache pool size in tokens (default: from the machine)\n"
             "  --no-prefix-cache            turn prefix caching off\n"
@@ -96,7 +98,7 @@ out:
 int k3_cmd_serve(int argc, char **argv) {
     const char *dir = K3_DEFAULT_MODEL, *host = "127.0.0.1", *api_key = NULL, *name = NULL;
     const char *quant = K3_DEFAULT_QUANT, *kv_name = K3_DEFAULT_KV;
-    long port = 8000, max_len = 0, max_seqs = 0, max_batched = 0, max_waiting = 256, cache_tokens = 0;
+    long port = 8000, max_len = 0, max_seqs = 0, max_batched = 0, max_step_cost = 0, max_waiting = 256, cache_tokens = 0;
     long max_body = 0, timeout = 0, snapshot_mb = 0, max_conn = 1024, max_image_px = 0, vthreads = 0;
     bool keep_mapped = false, no_prefix = false;
     long threads = k3_cli_default_threads();
@@ -115,6 +117,7 @@ int k3_cmd_serve(int argc, char **argv) {
         else if (ARG("--max-model-len")) max_len = parse_long(argv[++i], &bad);
         else if (ARG("--max-num-seqs")) max_seqs = parse_long(argv[++i], &bad);
         else if (ARG("--max-num-batched-tokens")) max_batched = parse_long(argv[++i], &bad);
+        else if (ARG("--max-step-cost")) max_step_cost = parse_long(argv[++i], &bad);
         else if (ARG("--max-waiting")) max_waiting = parse_long(argv[++i], &bad);
         else if (ARG("--cache-tokens")) cache_tokens = parse_long(argv[++i], &bad);
         else if (ARG("--snapshot-mb")) snapshot_mb = parse_long(argv[++i], &bad);
@@ -136,7 +139,7 @@ int k3_cmd_serve(int argc, char **argv) {
 #undef ARG
     }
     k3_kv_type kv;
-    if (bad || port > 65535 || threads < 1 || max_seqs > 1 << 20 || max_batched > 1 << 24 ||
+    if (bad || port > 65535 || threads < 1 || max_seqs > 1 << 20 || max_batched > 1 << 24 || max_step_cost > 1 << 24 ||
         max_waiting > 1 << 20 || snapshot_mb > 1 << 24 || max_conn > 65536 || timeout > 86400 || vthreads > 64 ||
         max_image_px > K3_IMAGE_MAX_PIXELS) {
         fprintf(stderr, "k3 serve: a numeric option is not a non-negative integer in range\n");
@@ -198,6 +201,7 @@ int k3_cmd_serve(int argc, char **argv) {
     if (e2 >= 0) eos[n_eos++] = e2;
     k3_engine_options eo = {.max_num_seqs = (int32_t)max_seqs,
                             .max_num_batched_tokens = (int32_t)max_batched,
+                            .max_step_cost = (int32_t)max_step_cost,
                             .max_model_len = max_len,
                             .cache_tokens = cache_tokens,
                             .kv_cache = kv,

@@ -360,6 +360,12 @@ typedef struct k3_engine_options {
     int64_t snapshot_bytes;         /* byte budget of KDA snapshots (0 = default) */
     int32_t max_waiting;            /* submit refuses with K3_ERR_BUSY past this many
                                        waiting requests (0 = no limit) */
+    int32_t max_step_cost;          /* while requests decode, a step's cost stays within
+                                       this many decode tokens (0 = off): a decode costs
+                                       1, a prompt token at position p costs
+                                       1 + (attention work over p keys) / (the weights'
+                                       work), from the model's config; holds the
+                                       decodes' inter-token latency under a long prompt */
     const int32_t *eos_ids;         /* end-of-sequence ids (copied); a request ends
                                        with reason stop on one unless ignore_eos */
     int32_t n_eos_ids;
@@ -458,6 +464,8 @@ typedef struct k3_engine_stats {
     int64_t prefix_queries, prefix_hits;  /* in prompt tokens, as vLLM counts */
     int64_t n_snapshots, snapshot_bytes;  /* KDA snapshots held */
     int64_t n_preemptions;
+    double step_cost_max;                 /* the costliest step that had decodes, in decode tokens */
+    int64_t prefill_cost_p0;              /* the position where a prompt token costs 2 (0 = flat) */
     int64_t prompt_tokens, generation_tokens; /* computed prompt tokens, generated tokens */
     int64_t requests_finished[K3_FINISH_ERROR + 1]; /* by finish reason */
     int64_t max_model_len, cache_tokens;

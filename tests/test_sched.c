@@ -248,6 +248,75 @@ K3_TEST(sched_chunk_size_same_output) {
     k3_model_close(m);
 }
 
+/* The step cost guard: a long prompt arriving among decodes is held to what
+ * max_step_cost leaves them, in chunks that may end inside a block, and every
+ * request still gets its solo tokens; without decodes the prompt takes the
+ * whole token budget. */
+K3_TEST(sched_step_cost_guard) {
+    k3_model *m = open_model("tests/models/tiny-dsa");
+    REQUIRE(m);
+    const int V = (int)m->cfg.vocab_size;
+    enum { ND = 3, LONG = 180, COST = 9 };
+    int32_t dec[ND][8], lng[LONG];
+    result alone[ND + 1], tog[ND + 1];
+    for (int i = 0; i < ND; i++) {
+        make_ids(dec[i], 8, V, 40 + i);
+        solo(m, K3_KV_F32, dec[i], 8, 40, 0, 1, &alone[i]);
+    }
+    make_ids(lng, LONG, V, 50);
+    solo(m, K3_KV_F32, lng, LONG, 4, 0, 1, &alone[ND]);
+    k3_engine_options o = {.max_num_seqs = 4, .max_num_batched_tokens = 64, .max_step_cost = COST,
+                           .cache_tokens = 1024, .block_size = 16, .no_prefix_cache = true};
+    k3_engine *e = open_engine(m, &o);
+    REQUIRE(e);
+    memset(tog, 0, sizeof tog);
+    uint64_t base = 0;
+    for (int i = 0; i < ND; i++) {
+        const uint64_t id = submit(e, dec[i], 8, 40, 0, 1, NTOP);
+        if (!i) base = id;
+    }
+    k3_error err = {0};
+    k3_step_result sr;
+    REQUIRE(k3_engine_step(e, &sr, &err) == K3_OK); /* the three prompts */
+    collect(&sr, tog, base, ND + 1);
+    CHECK(sr.n_tokens == ND * 8);
+    submit(e, lng, LONG, 4, 0, 1, NTOP);
+    int held = 0, inside = 0, prompt_done = 0;
+    while (k3_engine_has_work(e)) {
+        const bool decoding = tog[0].n < 40, prefilling = tog[ND].n == 0;
+        REQUIRE(k3_engine_step(e, &sr, &err) == K3_OK);
+        collect(&sr, tog, base, ND + 1);
+        const int chunk = sr.n_tokens - ND;
+        if (decoding && prefilling && chunk > 0) {
+            /* decodes ran: the prompt got at most COST - ND tokens' worth */
+            CHECKF(chunk <= COST - ND, "a chunk of %d tokens beside %d decodes (guard %d)", chunk, ND, COST);
+            held++;
+            inside += (prompt_done + chunk) % 16 != 0;
+            prompt_done += chunk;
+        }
+    }
+    CHECKF(held >= 10 && inside > 0, "the guard held %d steps, %d of them inside a block", held, inside);
+    for (int i = 0; i <= ND; i++)
+        CHECKF(same_tokens(&tog[i], &alone[i]) && lp_diff(&tog[i], &alone[i]) <= 1e-5,
+               "request %d: tokens under the guard differ from alone", i);
+    k3_engine_stats st;
+    k3_engine_get_stats(e, &st);
+    CHECKF(st.step_cost_max > COST - 1.5 && st.step_cost_max <= COST + 1e-9, "costliest guarded step %.3f",
+           st.step_cost_max);
+    CHECK(st.prefill_cost_p0 > 0 && st.blocks_used == 0);
+    /* alone, the prompt is not held */
+    const uint64_t id = submit(e, lng, LONG, 4, 0, 1, NTOP);
+    REQUIRE(k3_engine_step(e, &sr, &err) == K3_OK);
+    CHECKF(sr.n_tokens == 64, "a prompt with no decodes beside it got %d tokens", sr.n_tokens);
+    result r2;
+    memset(&r2, 0, sizeof r2);
+    collect(&sr, &r2, id, 1);
+    drain(e, &r2, id, 1);
+    CHECK(same_tokens(&r2, &alone[ND]));
+    k3_engine_close(e);
+    k3_model_close(m);
+}
+
 /* ---- prefix cache ------------------------------------------------------------------ */
 
 /* Prompts run one after the other through one engine: prompt i is the

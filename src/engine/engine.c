@@ -69,6 +69,7 @@ struct k3_engine {
     int32_t n_eos;
     int64_t V, max_model_len, cache_tokens, state_bytes;
     int32_t block_size, max_blocks, plp_cap;
+    int64_t cost_p0;              /* where the step cost guard prices a prompt token at 2 */
 
     k3_comm_stats comm;           /* cross-rank counters since open (o.dist), under mu */
 
@@ -118,6 +119,34 @@ static int64_t cache_bytes_per_token(const k3_config *c, k3_kv_type kv) {
         if (k == K3_LAYER_DSA) n += kv == K3_KV_F32 ? (int64_t)c->index_head_dim * 4 : c->index_head_dim + 4;
     }
     return n;
+}
+
+/* The step cost guard's price of a prompt token at position p (sched.h):
+ * 1 + p * slope + min(p, cap) * cap_slope, the FLOPs of attending over p
+ * cached keys against those of the token's weights (2 x the active
+ * parameters). Per key, an absorbed MLA head scores kv_lora + rope dims and
+ * sums kv_lora (4 kv_lora + 2 rope FLOPs); a DSA layer's indexer scores
+ * every key (2 x heads x dim) and its heads attend over at most index_topk.
+ * KDA layers cost the same at every position. */
+static void prefill_cost(const k3_config *c, int64_t active, double *slope, double *cap_slope, int64_t *cap) {
+    const double w = 2.0 * (double)(active > 0 ? active : 1), head = 4.0 * c->kv_lora_rank + 2.0 * c->qk_rope_dim;
+    double all = 0, capped = 0;
+    for (int i = 0; i < c->n_layers; i++)
+        if (c->layer_kind[i] == K3_LAYER_MLA) all += c->n_heads * head;
+        else if (c->layer_kind[i] == K3_LAYER_DSA) {
+            all += 2.0 * c->index_n_heads * c->index_head_dim;
+            capped += c->n_heads * head;
+        }
+    *slope = all / w;
+    *cap_slope = capped / w;
+    *cap = c->index_topk > 0 ? c->index_topk : 0;
+}
+
+/* The position where the guard prices a prompt token at 2 (0: never). */
+static int64_t prefill_cost_p0(double slope, double cap_slope, int64_t cap) {
+    if ((double)cap * (slope + cap_slope) >= 1.0) return (int64_t)ceil(1.0 / (slope + cap_slope));
+    if (slope <= 0) return 0;
+    return cap + (int64_t)ceil((1.0 - (double)cap * (slope + cap_slope)) / slope);
 }
 
 /* free memory now (the defaults are sized from it) and physical memory (the
@@ -191,7 +220,7 @@ k3_status k3_engine_open(k3_engine **out, const k3_model *m, const k3_engine_opt
     k3_engine_options o = *opt;
     if (o.max_num_seqs < 0 || o.max_num_batched_tokens < 0 || o.max_model_len < 0 || o.cache_tokens < 0 ||
         o.cache_bytes < 0 || o.block_size < 0 || o.snapshot_stride < 0 || o.snapshot_bytes < 0 ||
-        o.max_waiting < 0 || o.n_eos_ids < 0 || (o.n_eos_ids > 0 && !o.eos_ids))
+        o.max_waiting < 0 || o.max_step_cost < 0 || o.n_eos_ids < 0 || (o.n_eos_ids > 0 && !o.eos_ids))
         return k3_err(err, K3_ERR_ARG, "engine: negative option or missing eos_ids");
     if (o.kv_cache != K3_KV_F32 && o.kv_cache != K3_KV_C8)
         return k3_err(err, K3_ERR_ARG, "engine: unknown cache type %d", (int)o.kv_cache);
@@ -313,7 +342,10 @@ k3_status k3_engine_open(k3_engine **out, const k3_model *m, const k3_engine_opt
                               .snapshot_stride = o.snapshot_stride,
                               .plp_cap = e->plp_cap,
                               .prefix_cache = !o.no_prefix_cache,
-                              .hash_seed = k3_kv_hash_seed(o.cache_salt, (int32_t)bs, (int32_t)o.kv_cache)};
+                              .hash_seed = k3_kv_hash_seed(o.cache_salt, (int32_t)bs, (int32_t)o.kv_cache),
+                              .max_step_cost = o.max_step_cost};
+        prefill_cost(c, info.n_params_active, &sc.cost_slope, &sc.cost_cap_slope, &sc.cost_cap);
+        e->cost_p0 = prefill_cost_p0(sc.cost_slope, sc.cost_cap_slope, sc.cost_cap);
         st = k3_sched_init(&e->sched, &sc, &e->bm, &e->sn, err);
     }
     if (!st) {
@@ -653,6 +685,8 @@ static void publish_stats(k3_engine *e) {
     st->n_snapshots = e->sn.n;
     st->snapshot_bytes = k3_kv_snap_bytes(&e->sn);
     st->n_preemptions = s->n_preemptions;
+    st->step_cost_max = s->guarded_cost_max;
+    st->prefill_cost_p0 = e->cost_p0;
     st->prompt_tokens = e->prompt_tokens;
     st->generation_tokens = e->generation_tokens;
     memcpy(st->requests_finished, e->finished_by, sizeof st->requests_finished);

@@ -134,13 +134,38 @@ static int64_t next_snap_point(const k3_sched *s, const k3_rq *rq, int64_t c) {
     return p <= rq->prefill_end ? p : INT64_MAX;
 }
 
-/* Tokens rq can take this step from `budget`, on the grid unless it ends
- * the prefill (0 = none now). */
-static int32_t chunk(const k3_sched *s, const k3_rq *rq, int32_t budget, int32_t plp_left) {
+/* What the guard charges for a prompt token at position p. */
+static double token_cost(const k3_sched *s, int64_t p) {
+    const int64_t q = p < s->cfg.cost_cap ? p : s->cfg.cost_cap;
+    return 1.0 + (double)p * s->cfg.cost_slope + (double)q * s->cfg.cost_cap_slope;
+}
+
+/* The cost of positions [c, c + n). */
+static double span_cost(const k3_sched *s, int64_t c, int64_t n) {
+    double t = 0;
+    for (int64_t i = 0; i < n; i++) t += token_cost(s, c + i);
+    return t;
+}
+
+/* Tokens rq can take this step from `budget` (and from `cost_left` of the
+ * guard when it is >= 0), on the grid unless it ends the prefill or the
+ * guard holds it inside a block (0 = none now). A request with one token
+ * to compute is a decode: the guard reserved its cost. */
+static int32_t chunk(const k3_sched *s, const k3_rq *rq, int32_t budget, int32_t plp_left, double cost_left) {
     const int64_t c = rq->n_computed, need = rq->n_tok - c;
     int64_t n = need < budget ? need : budget;
     if (rq->plp && c < rq->n_prompt && n > plp_left) n = plp_left;
-    if (n < need) n = grid_floor(s, c + n) - c;
+    bool held = false;
+    if (cost_left >= 0 && need > 1) {
+        int64_t k = 0;
+        for (double left = cost_left; k < n && (left -= token_cost(s, c + k)) >= 0;) k++;
+        held = k < n;
+        n = k;
+    }
+    if (n < need) {
+        const int64_t g = grid_floor(s, c + n) - c;
+        if (g > 0 || !held) n = g;
+    }
     const int64_t p = next_snap_point(s, rq, c);
     if (p < c + n) n = p - c;
     return n > 0 ? (int32_t)n : 0;
@@ -183,18 +208,36 @@ static bool next_block_pending(const k3_sched *s, const k3_rq *rq, int32_t k) {
     return false;
 }
 
+/* Adds rq's n scheduled tokens to the step's cost; a prompt chunk comes off
+ * what the guard has left (a decode's cost was reserved). */
+static void charge(k3_sched *s, const k3_rq *rq, int32_t n, double *cost_left) {
+    const bool decode = rq->n_tok - rq->n_computed == 1;
+    const double c = decode ? 1.0 : span_cost(s, rq->n_computed, n);
+    s->plan_cost += c;
+    if (*cost_left >= 0 && !decode) *cost_left = *cost_left > c ? *cost_left - c : 0;
+}
+
 void k3_sched_schedule(k3_sched *s) {
     const int32_t bs = s->cfg.block_size;
     int32_t budget = s->cfg.max_tokens, plp_left = s->cfg.plp_cap;
     s->n_plan = 0;
     s->plan_tokens = 0;
+    s->plan_cost = 0;
     bool preempted = false;
+    /* the guard: with decodes running, prompt chunks get what they leave of
+     * max_step_cost (-1: no guard this step) */
+    double cost_left = -1;
+    if (s->cfg.max_step_cost > 0) {
+        int32_t n_dec = 0;
+        for (int32_t i = 0; i < s->n_running; i++) n_dec += s->running[i]->n_tok - s->running[i]->n_computed == 1;
+        if (n_dec > 0) cost_left = s->cfg.max_step_cost > n_dec ? s->cfg.max_step_cost - n_dec : 0;
+    }
 
     /* 1. running requests, oldest first */
     for (int32_t i = 0; i < s->n_running && budget > 0; i++) {
         k3_rq *rq = s->running[i];
         rq->is_new = false;
-        const int32_t n = chunk(s, rq, budget, plp_left);
+        const int32_t n = chunk(s, rq, budget, plp_left, cost_left);
         if (n == 0) continue;
         const int32_t need = blocks_for(s, rq->n_computed + n) - rq->n_blocks;
         bool self = false;
@@ -214,6 +257,7 @@ void k3_sched_schedule(k3_sched *s) {
         s->plan_tokens += n;
         budget -= n;
         if (rq->plp && rq->n_computed < rq->n_prompt) plp_left -= n;
+        charge(s, rq, n, &cost_left);
     }
 
     /* 2. waiting requests, in order, unless this step preempted */
@@ -228,7 +272,7 @@ void k3_sched_schedule(k3_sched *s) {
         rq->n_computed = (int64_t)n_hit * bs;
         rq->prefill_end = rq->n_tok;
         rq->junction = n_attn > n_hit ? (int64_t)n_attn * bs : 0;
-        const int32_t n = chunk(s, rq, budget, plp_left);
+        const int32_t n = chunk(s, rq, budget, plp_left, cost_left);
         /* blocks: the hit ones that sit on the free list count against it */
         int32_t from_free = 0;
         for (int32_t k = 0; k < n_hit; k++) from_free += s->bm->ref[rq->blocks[k]] == 0;
@@ -260,7 +304,9 @@ void k3_sched_schedule(k3_sched *s) {
         s->plan_tokens += n;
         budget -= n;
         if (rq->plp) plp_left -= n;
+        charge(s, rq, n, &cost_left);
     }
+    if (cost_left >= 0 && s->plan_cost > s->guarded_cost_max) s->guarded_cost_max = s->plan_cost;
 }
 
 void *k3_sched_computed(k3_sched *s, k3_rq *rq) {

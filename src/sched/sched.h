@@ -7,9 +7,10 @@
  * context). Running requests are scheduled first, in the order they were
  * admitted: a decode takes 1 token, a partial prefill its next chunk; then
  * waiting requests are admitted in arrival order while the budget, the slots
- * and the free blocks last. A chunk that does not finish the request's
- * prefill ends on the block grid, and at the next KDA snapshot point, so the
- * boundary state can be taken. When a running request needs a block and none
+ * and the free blocks last (and, while requests decode, the step cost guard
+ * of k3_sched_config). A chunk that does not finish the request's prefill
+ * ends on the block grid (unless the guard holds it inside a block), and at
+ * the next KDA snapshot point, so the boundary state can be taken. When a running request needs a block and none
  * is free, the newest running request is preempted by recompute: its blocks
  * are released (their hashes stay in the prefix cache), it goes back to the
  * front of the queue and later recomputes its prompt and the tokens it had
@@ -68,6 +69,17 @@ typedef struct k3_sched_config {
     int32_t plp_cap;              /* prompt-logprob rows per step (a block multiple) */
     bool prefix_cache;
     uint64_t hash_seed;
+    /* The step cost guard (max_step_cost 0 = off). While any running request
+     * decodes, the prompt chunks of a step are held so that its decodes (1
+     * each) and its prompt tokens, one at position p costing
+     * 1 + p*cost_slope + min(p, cost_cap)*cost_cap_slope, stay within
+     * max_step_cost: a prompt token's work grows with the keys it attends
+     * over, a decode's budget should not. A chunk the guard holds under the
+     * next block boundary may end inside a block (never past a snapshot
+     * point). Without decodes only the token budget applies. */
+    int32_t max_step_cost;
+    double cost_slope, cost_cap_slope;
+    int64_t cost_cap;
 } k3_sched_config;
 
 typedef struct k3_sched {
@@ -81,8 +93,10 @@ typedef struct k3_sched {
     int32_t *free_slots, n_free_slots;
     k3_rq **plan;                 /* [max_seqs] this step's requests, in batch order */
     int32_t n_plan, plan_tokens;
+    double plan_cost;             /* this step's cost (decodes 1, prompt tokens by position) */
     /* counters */
     int64_t n_preemptions, prefix_queries, prefix_hits;
+    double guarded_cost_max;      /* the costliest step the guard held */
 } k3_sched;
 
 k3_status k3_sched_init(k3_sched *s, const k3_sched_config *cfg, k3_kv_blocks *bm, k3_kv_snaps *sn,
