@@ -47,21 +47,40 @@ void k3_indexer_scores(const float *q, const float *w, int HI, int dI,
     }
 }
 
-/* Order: a before b when a's score is higher, or equal with a lower index.
- * NaN scores sort last. */
-static int before(const float *s, int32_t a, int32_t b) {
-    const float x = s[a], y = s[b];
-    if (x > y) return 1;
-    if (x < y) return 0;
-    if (x == y) return a < b;
-    if (isnan(x) && !isnan(y)) return 0;
-    if (!isnan(x) && isnan(y)) return 1;
-    return a < b;
+/* A key whose unsigned order is the order of k3_topk: higher scores higher,
+ * -0 == +0, NaN below everything. */
+static inline uint32_t order_key(float x) {
+    if (x != x) return 0;
+    if (x == 0.0f) x = 0.0f;
+    uint32_t b;
+    memcpy(&b, &x, sizeof b);
+    return b & 0x80000000u ? ~b : b | 0x80000000u;
 }
 
-static int cmp_i32(const void *a, const void *b) {
-    const int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
-    return (x > y) - (x < y);
+/* The k-th largest (k >= 1) of v[0, n), reordering v (quickselect). */
+static uint32_t kth_largest(uint32_t *v, int n, int k) {
+    int lo = 0, hi = n - 1;
+    const int want = k - 1;
+    while (lo < hi) {
+        /* v[lo..j] >= p >= v[i..hi] afterwards, v(j, i) == p */
+        const uint32_t p = v[lo + (hi - lo) / 2];
+        int i = lo, j = hi;
+        while (i <= j) {
+            while (v[i] > p) i++;
+            while (v[j] < p) j--;
+            if (i <= j) {
+                const uint32_t t = v[i];
+                v[i] = v[j];
+                v[j] = t;
+                i++;
+                j--;
+            }
+        }
+        if (want <= j) hi = j;
+        else if (want >= i) lo = i;
+        else return p;
+    }
+    return v[want];
 }
 
 int k3_topk(const float *scores, int n, int k, int32_t *sel, int32_t *work) {
@@ -70,32 +89,17 @@ int k3_topk(const float *scores, int n, int k, int32_t *sel, int32_t *work) {
         return n;
     }
     if (k <= 0) return 0;
-    /* Quickselect on indices with the total order `before`, so the first k
-     * positions end up holding exactly the k best. */
-    int32_t *a = work;
-    for (int i = 0; i < n; i++) a[i] = i;
-    int lo = 0, hi = n - 1;
-    while (lo < hi) {
-        /* middle pivot: inputs start in index order, which with the
-         * index tie-break keeps runs of equal scores well split */
-        const int32_t p = a[lo + (hi - lo) / 2];
-        int i = lo, j = hi;
-        while (i <= j) {
-            while (before(scores, a[i], p)) i++;
-            while (before(scores, p, a[j])) j--;
-            if (i <= j) {
-                const int32_t t = a[i];
-                a[i] = a[j];
-                a[j] = t;
-                i++;
-                j--;
-            }
-        }
-        if (k - 1 <= j) hi = j;
-        else if (k - 1 >= i) lo = i;
-        else break;
+    /* the k-th best key, then one pass in index order: every key above it,
+     * and as many equal to it as are left, the lowest indices first */
+    uint32_t *v = (uint32_t *)work;
+    for (int i = 0; i < n; i++) v[i] = order_key(scores[i]);
+    const uint32_t t = kth_largest(v, n, k);
+    int above = 0;
+    for (int i = 0; i < n; i++) above += order_key(scores[i]) > t;
+    int ties = k - above, m = 0;
+    for (int i = 0; i < n && m < k; i++) {
+        const uint32_t q = order_key(scores[i]);
+        if (q > t || (q == t && ties-- > 0)) sel[m++] = i;
     }
-    memcpy(sel, a, sizeof(int32_t) * (size_t)k);
-    qsort(sel, (size_t)k, sizeof(int32_t), cmp_i32);
     return k;
 }

@@ -218,13 +218,24 @@ static const k3_span *span_of(const k3_ctx *ctx, int64_t t) {
     return NULL;
 }
 
+/* Slots of positions [a, b) of sequence seq (one process: a block's slots
+ * are consecutive), one k3_ctx_slot per block. */
+static void seq_slots(const k3_ctx *ctx, int32_t seq, int64_t a, int64_t b, int64_t *out) {
+    const int64_t bs = ctx->block_size;
+    for (int64_t p = a; p < b;) {
+        const int64_t s0 = k3_ctx_slot(ctx, seq, p), e = (p / bs + 1) * bs < b ? (p / bs + 1) * bs : b;
+        for (int64_t q = p; q < e; q++) *out++ = s0 + (q - p);
+        p = e;
+    }
+}
+
 /* DSA: indexer scores of row t over slots [a, b) of its past (QLI on the C8
  * cache), into sc[a..b) with the slots in slots[a..b). */
 static void dsa_score_range(k3_ctx *ctx, int layer, int64_t t, int a, int b, int64_t *slots, float *sc) {
     const k3_config *c = ctx->c;
     const int HI = c->index_n_heads, dI = c->index_head_dim;
     const k3_span *sp = span_of(ctx, t);
-    for (int i = a; i < b; i++) slots[i] = k3_ctx_slot(ctx, sp->seq, i);
+    seq_slots(ctx, sp->seq, a, b, slots + a);
     if (ctx->kv == K3_KV_C8)
         k3_qli_scores(ctx->s.iq8 + t * HI * dI, ctx->s.iqs + t * HI, ctx->s.iw + t * HI, HI, dI, ctx->idx8[layer],
                       ctx->idx_s[layer], slots + a, b - a, sc + a);
@@ -325,7 +336,7 @@ static void mla_attend_items(void *p, int64_t lo, int64_t hi, int ith) {
         if (!slots) {
             const k3_span *sp = span_of(ctx, t);
             int64_t *sl = ctx->s.tslots[ith];
-            for (int i = a; i < b; i++) sl[i - a] = k3_ctx_slot(ctx, sp->seq, i);
+            seq_slots(ctx, sp->seq, a, b, sl);
             slots = sl;
         }
         /* this row's absorbed query, heads [h0, h0+nh): [nh, kvl] then [nh, rope] */
