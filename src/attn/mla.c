@@ -48,39 +48,27 @@ void k3_indexer_scores(const float *q, const float *w, int HI, int dI,
 }
 
 /* A key whose unsigned order is the order of k3_topk: higher scores higher,
- * -0 == +0, NaN below everything. */
+ * -0 == +0 (x + 0 turns -0 into +0), NaN below everything. */
 static inline uint32_t order_key(float x) {
-    if (x != x) return 0;
-    if (x == 0.0f) x = 0.0f;
+    x += 0.0f;
     uint32_t b;
     memcpy(&b, &x, sizeof b);
-    return b & 0x80000000u ? ~b : b | 0x80000000u;
+    const uint32_t k = b & 0x80000000u ? ~b : b | 0x80000000u;
+    return (b & 0x7fffffffu) > 0x7f800000u ? 0 : k;
 }
 
-/* The k-th largest (k >= 1) of v[0, n), reordering v (quickselect). */
-static uint32_t kth_largest(uint32_t *v, int n, int k) {
-    int lo = 0, hi = n - 1;
-    const int want = k - 1;
-    while (lo < hi) {
-        /* v[lo..j] >= p >= v[i..hi] afterwards, v(j, i) == p */
-        const uint32_t p = v[lo + (hi - lo) / 2];
-        int i = lo, j = hi;
-        while (i <= j) {
-            while (v[i] > p) i++;
-            while (v[j] < p) j--;
-            if (i <= j) {
-                const uint32_t t = v[i];
-                v[i] = v[j];
-                v[j] = t;
-                i++;
-                j--;
-            }
-        }
-        if (want <= j) hi = j;
-        else if (want >= i) lo = i;
-        else return p;
+/* Restores the min-heap h[0, n) below position i. */
+static void sift_down(uint32_t *h, int n, int i) {
+    const uint32_t v = h[i];
+    for (;;) {
+        int c = 2 * i + 1;
+        if (c >= n) break;
+        if (c + 1 < n && h[c + 1] < h[c]) c++;
+        if (h[c] >= v) break;
+        h[i] = h[c];
+        i = c;
     }
-    return v[want];
+    h[i] = v;
 }
 
 int k3_topk(const float *scores, int n, int k, int32_t *sel, int32_t *work) {
@@ -89,16 +77,27 @@ int k3_topk(const float *scores, int n, int k, int32_t *sel, int32_t *work) {
         return n;
     }
     if (k <= 0) return 0;
-    /* the k-th best key, then one pass in index order: every key above it,
-     * and as many equal to it as are left, the lowest indices first */
-    uint32_t *v = (uint32_t *)work;
-    for (int i = 0; i < n; i++) v[i] = order_key(scores[i]);
-    const uint32_t t = kth_largest(v, n, k);
-    int above = 0;
-    for (int i = 0; i < n; i++) above += order_key(scores[i]) > t;
-    int ties = k - above, m = 0;
+    /* One pass in index order keeps the k best keys seen in a min-heap (a
+     * later equal key loses to the earlier one, so only a strictly higher
+     * key enters); its root is then the k-th best key t. A second pass takes,
+     * in index order, every key above t and as many equal to it as the heap
+     * held, the lowest indices first. */
+    uint32_t *key = (uint32_t *)work, *h = (uint32_t *)sel;
+    for (int i = 0; i < k; i++) h[i] = key[i] = order_key(scores[i]);
+    for (int i = k / 2 - 1; i >= 0; i--) sift_down(h, k, i);
+    for (int i = k; i < n; i++) {
+        const uint32_t q = key[i] = order_key(scores[i]);
+        if (q > h[0]) {
+            h[0] = q;
+            sift_down(h, k, 0);
+        }
+    }
+    const uint32_t t = h[0];
+    int ties = 0;
+    for (int i = 0; i < k; i++) ties += h[i] == t;
+    int m = 0;
     for (int i = 0; i < n && m < k; i++) {
-        const uint32_t q = order_key(scores[i]);
+        const uint32_t q = key[i];
         if (q > t || (q == t && ties-- > 0)) sel[m++] = i;
     }
     return k;
