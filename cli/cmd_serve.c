@@ -34,6 +34,8 @@ static int usage_serve(void) {
             "  --max-num-batched-tokens N   tokens per step (default 2048)\n"
             "  --max-waiting N              waiting requests before 503 (default 256)\n"
             "  --cache-tokens N             cache pool size in tokens (default: from the machine)\n"
+            "  --block-size N               tokens per cache block (default 64; under --dcp D a multiple of\n"
+            "                               D x --dcp-interleave, by default 64 rounded up to one)\n"
             "  --no-prefix-cache            turn prefix caching off\n"
             "  --snapshot-mb N              byte budget of the prefix cache's KDA snapshots (default: the engine's)\n"
             "  --quant MODE                 none | w8a8 | w8a8-mxfp8 | w4a8 | w8a8+w4a8 (default %s)\n"
@@ -45,8 +47,10 @@ static int usage_serve(void) {
             "  --vision-threads N           threads of the image encoder's own pool (default: --threads)\n"
             "  --timeout S                  drop a client idle this long (default 30)\n"
             "  --max-connections N          connections at once, one thread each (default 1024)\n"
-            "  --ep E                       under mpirun -np E: the routed experts split over E ranks; rank 0\n"
-            "                               serves HTTP and runs the engine, the others replay its forward passes\n"
+            "  --ep E, --dcp D              under mpirun -np N: the routed experts split over E ranks, the\n"
+            "                               cache sharded by token over D ranks (--dcp-interleave I,\n"
+            "                               --dcp-topk-exchange allgather|butterfly); rank 0 serves HTTP and\n"
+            "                               runs the engine, the others replay its forward passes\n"
             "  --dist-timeout S             a rank silent this long mid-pass ends the job (default 300)\n",
             K3_DEFAULT_QUANT, K3_DEFAULT_KV);
     return 2;
@@ -96,7 +100,7 @@ out:
 int k3_cmd_serve(int argc, char **argv) {
     const char *dir = K3_DEFAULT_MODEL, *host = "127.0.0.1", *api_key = NULL, *name = NULL;
     const char *quant = K3_DEFAULT_QUANT, *kv_name = K3_DEFAULT_KV;
-    long port = 8000, max_len = 0, max_seqs = 0, max_batched = 0, max_waiting = 256, cache_tokens = 0;
+    long port = 8000, max_len = 0, max_seqs = 0, max_batched = 0, max_waiting = 256, cache_tokens = 0, block = 0;
     long max_body = 0, timeout = 0, snapshot_mb = 0, max_conn = 1024, max_image_px = 0, vthreads = 0;
     bool keep_mapped = false, no_prefix = false;
     long threads = k3_cli_default_threads();
@@ -117,6 +121,7 @@ int k3_cmd_serve(int argc, char **argv) {
         else if (ARG("--max-num-batched-tokens")) max_batched = parse_long(argv[++i], &bad);
         else if (ARG("--max-waiting")) max_waiting = parse_long(argv[++i], &bad);
         else if (ARG("--cache-tokens")) cache_tokens = parse_long(argv[++i], &bad);
+        else if (ARG("--block-size")) block = parse_long(argv[++i], &bad);
         else if (ARG("--snapshot-mb")) snapshot_mb = parse_long(argv[++i], &bad);
         else if (ARG("--quant")) quant = argv[++i];
         else if (ARG("--kv-cache")) kv_name = argv[++i];
@@ -137,7 +142,7 @@ int k3_cmd_serve(int argc, char **argv) {
     }
     k3_kv_type kv;
     if (bad || port > 65535 || threads < 1 || max_seqs > 1 << 20 || max_batched > 1 << 24 ||
-        max_waiting > 1 << 20 || snapshot_mb > 1 << 24 || max_conn > 65536 || timeout > 86400 || vthreads > 64 ||
+        max_waiting > 1 << 20 || block > 4096 || snapshot_mb > 1 << 24 || max_conn > 65536 || timeout > 86400 || vthreads > 64 ||
         max_image_px > K3_IMAGE_MAX_PIXELS) {
         fprintf(stderr, "k3 serve: a numeric option is not a non-negative integer in range\n");
         return 2;
@@ -149,14 +154,6 @@ int k3_cmd_serve(int argc, char **argv) {
     if (!api_key) api_key = getenv("K3_API_KEY");
     if (!name) name = dir;
     if (k3_cli_dist_start(&cd, "serve")) return k3_cli_dist_exit(&cd, 2);
-    if (cd.d && k3_dist_dcp_size(cd.d) > 1) {
-        /* every rank sees it; rank 0 says it */
-        if (cd.rank == 0)
-            fprintf(stderr, "k3 serve: --dcp %d is not supported by serve yet (the engine's global block tables "
-                            "would need the DCP per-rank layout); use --ep alone\n", k3_dist_dcp_size(cd.d));
-        k3_cli_dist_end(&cd);
-        return k3_cli_dist_exit(&cd, 2);
-    }
     if (cd.d && cd.rank != 0) return serve_worker(&cd, dir, quant, keep_mapped, (int)threads);
 
     k3_error err = {0};
@@ -200,6 +197,7 @@ int k3_cmd_serve(int argc, char **argv) {
                             .max_num_batched_tokens = (int32_t)max_batched,
                             .max_model_len = max_len,
                             .cache_tokens = cache_tokens,
+                            .block_size = (int32_t)block,
                             .kv_cache = kv,
                             .no_prefix_cache = no_prefix,
                             .snapshot_bytes = (int64_t)snapshot_mb << 20,

@@ -152,35 +152,48 @@ if "$K3" $RUN --dcp 2 >/dev/null 2>"$TMP/err"; then bad "--dcp 2 without mpirun"
     grep -q "mpirun" "$TMP/err" && ok "--dcp 2 without mpirun says to use mpirun" || bad "--dcp 2 without mpirun" "$TMP/err"
 fi
 
-# k3 serve --ep 2 under mpirun against one process (tests/mpi_serve.py);
-# rank 0 ends on SIGTERM and lets the other rank go: mpirun exits 0
+# k3 serve under mpirun against one process (tests/mpi_serve.py): --ep 2,
+# --dcp 2 (the engine's global block tables on every rank's 1/D cache; the
+# 150-token prompt is over index_topk, so DSA selection runs) and --dcp 2
+# --ep 2 on 4 ranks; rank 0 ends on SIGTERM and lets the others go: mpirun
+# exits 0
 port_of() { sed -n 's/.*listening on http:\/\/127.0.0.1:\([0-9]*\).*/\1/p' "$1" | head -1; }
-wait_port() { for i in $(seq 150); do p=$(port_of "$1"); [ -n "$p" ] && { echo "$p"; return; }; sleep 0.1; done; }
+wait_port() { for i in $(seq 300); do p=$(port_of "$1"); [ -n "$p" ] && { echo "$p"; return; }; sleep 0.1; done; }
 SRV="serve -m $M --port 0 --threads 1 --max-num-seqs 4"
-$MPI -np 2 "$K3" $SRV --ep 2 >/dev/null 2>"$TMP/s2" </dev/null &
-mpid=$!
-timeout 60 "$K3" $SRV >/dev/null 2>"$TMP/s1" </dev/null &
+timeout 300 "$K3" $SRV >/dev/null 2>"$TMP/s1" </dev/null &
 spid=$!
 trap 'kill $mpid $spid 2>/dev/null; rm -rf "$TMP"' EXIT
-p2=$(wait_port "$TMP/s2")
 p1=$(wait_port "$TMP/s1")
-if [ -n "$p2" ] && [ -n "$p1" ] && timeout 100 python3 tests/mpi_serve.py "$p2" "$p1" --metrics >"$TMP/c" 2>&1; then
-    ok "serve --ep 2: $(grep -c '^ok' "$TMP/c") client checks (greedy text = one process, prefix-cache hit, two in flight, /metrics cross-rank counters)"
-else
-    bad "serve --ep 2 (ports '$p2' '$p1')" "$TMP/c"
-    sed 's/^/    /' "$TMP/s2" | tail -5
-fi
+# serve_check NP GROW ARGS...: the server under mpirun -np NP with ARGS against
+# the one-process server; GROW: the counter kinds that must grow in /metrics
+serve_check() {
+    np=$1 grow=$2
+    shift 2
+    name="serve $*"
+    $MPI -np "$np" "$K3" $SRV "$@" >/dev/null 2>"$TMP/s2" </dev/null &
+    mpid=$!
+    p2=$(wait_port "$TMP/s2")
+    if [ -n "$p2" ] && [ -n "$p1" ] && timeout 100 python3 tests/mpi_serve.py "$p2" "$p1" --metrics --grow "$grow" >"$TMP/c" 2>&1; then
+        ok "$name: $(grep -c '^ok' "$TMP/c") client checks (greedy text = one process, prefix-cache hit, two in flight, /metrics $grow grow)"
+    else
+        bad "$name (ports '$p2' '$p1')" "$TMP/c"
+        sed 's/^/    /' "$TMP/s2" | tail -5
+    fi
+    # SIGTERM to rank 0 (the k3 process whose rank is 0)
+    r0=
+    for c in $(pgrep -f "serve -m $M --port 0 --threads 1 --max-num-seqs 4 $*\$"); do
+        tr '\0' '\n' </proc/$c/environ 2>/dev/null | grep -qx OMPI_COMM_WORLD_RANK=0 && r0=$c
+    done
+    [ -n "$r0" ] && kill -TERM "$r0"
+    wait $mpid
+    rc=$?
+    if [ -n "$r0" ] && [ $rc -eq 0 ] && grep -q "shutting down" "$TMP/s2"; then ok "$name: SIGTERM on rank 0 ends every rank (exit 0)"
+    else bad "$name: SIGTERM on rank 0 (rank 0 pid '$r0', exit $rc)" "$TMP/s2"; fi
+}
+serve_check 2 ep_dispatch,ep_combine --ep 2
+serve_check 2 topk_exchange,lse_merge --dcp 2
+serve_check 4 topk_exchange,lse_merge,ep_dispatch,ep_combine --dcp 2 --ep 2
 kill $spid 2>/dev/null
-# SIGTERM to rank 0 (the k3 process whose rank is 0)
-r0=
-for c in $(pgrep -f "serve -m $M --port 0 --threads 1 --max-num-seqs 4 --ep 2"); do
-    tr '\0' '\n' </proc/$c/environ 2>/dev/null | grep -qx OMPI_COMM_WORLD_RANK=0 && r0=$c
-done
-[ -n "$r0" ] && kill -TERM "$r0"
-wait $mpid
-rc=$?
-if [ -n "$r0" ] && [ $rc -eq 0 ] && grep -q "shutting down" "$TMP/s2"; then ok "serve --ep 2: SIGTERM on rank 0 ends every rank (exit 0)"
-else bad "serve --ep 2: SIGTERM on rank 0 (rank 0 pid '$r0', exit $rc)" "$TMP/s2"; fi
 # a rank that hangs under serve: the request fails, rank 0 names the
 # collective and ends the job (non-zero, not the timeout)
 $MPI -np 2 "$K3" $SRV --ep 2 --dist-timeout 3 --dist-test-hang 1 >/dev/null 2>"$TMP/s3" </dev/null &
@@ -194,7 +207,8 @@ rc=$?
 if [ $rc -ne 0 ] && [ $rc -lt 124 ] && grep -q "the engine failed: .*got no answer within 3 s" "$TMP/s3"; then
     ok "serve --ep 2: a hanging rank fails the request and ends the job (exit $rc)"
 else bad "serve --ep 2: a hanging rank (exit $rc)" "$TMP/s3"; fi
-expect_fail "serve refuses --dcp 2" "not supported by serve yet" 2 serve -m $M --port 0 --dcp 2 --threads 1
+expect_fail "serve --dcp 2 refuses a block size not a multiple of D x I" "block size 24 is not a multiple of --dcp 2 x --dcp-interleave 16" \
+    2 serve -m $M --port 0 --dcp 2 --dcp-interleave 16 --block-size 24 --threads 1
 
 echo "mpi: $pass passed, $fail failed"
 [ "$fail" -eq 0 ]

@@ -198,8 +198,17 @@ k3_status k3_engine_open(k3_engine **out, const k3_model *m, const k3_engine_opt
     if (!o.max_num_seqs) o.max_num_seqs = 16;
     if (!o.max_num_batched_tokens) o.max_num_batched_tokens = 2048;
     if (!o.block_size) o.block_size = 64;
+    const int32_t dcp = k3_dist_dcp_size(o.dist), stripe = dcp * k3_dist_interleave(o.dist);
+    /* under DCP a block holds block_size / D tokens of each rank: the default
+     * is 64 up to a multiple of D * interleave */
+    if (!opt->block_size && stripe > 1) o.block_size = (64 + stripe - 1) / stripe * stripe;
     if (!o.snapshot_stride) o.snapshot_stride = 4;
     if (o.max_num_seqs > 4096) return k3_err(err, K3_ERR_RANGE, "engine: max_num_seqs %d is over 4096", o.max_num_seqs);
+    if (stripe > 1 && o.block_size % stripe)
+        return k3_err(err, K3_ERR_ARG,
+                      "engine: the block size %d is not a multiple of --dcp %d x --dcp-interleave %d (a block "
+                      "holds the same number of tokens of every DCP rank)",
+                      o.block_size, dcp, k3_dist_interleave(o.dist));
     if (o.block_size > 4096) return k3_err(err, K3_ERR_RANGE, "engine: block_size %d is over 4096", o.block_size);
     if (o.max_num_batched_tokens < o.block_size)
         return k3_err(err, K3_ERR_RANGE,
@@ -244,7 +253,7 @@ k3_status k3_engine_open(k3_engine **out, const k3_model *m, const k3_engine_opt
     int64_t n_blocks = (tokens + bs - 1) / bs;
     if (n_blocks > INT32_MAX / 2) n_blocks = INT32_MAX / 2;
     tokens = n_blocks * bs;
-    const int64_t pool_bytes = tokens * bpt;
+    const int64_t pool_bytes = tokens * bpt / dcp; /* this rank's: 1/D under DCP */
     const int64_t state_all = (int64_t)o.max_num_seqs * info.state_bytes_per_seq;
     if (o.max_model_len && o.max_model_len > tokens)
         return k3_err(err, K3_ERR_RANGE, "engine: max_model_len %lld is over the %lld tokens the cache pool holds",

@@ -101,13 +101,15 @@ int main(int argc, char **argv) {
                 pass++;
             }
         }
-        /* the pool: 1/D of max_tokens (plus a partial stripe per sequence),
-         * and one partial block per sequence on top, as in one process */
+        /* the pool: the same global blocks as one process (max_tokens and a
+         * partial block per sequence), each block_size / D slots on a rank;
+         * the block size is 64 up to a multiple of D*I */
         const int64_t one = k3_ctx_cache_bytes(ref), mine = k3_ctx_cache_bytes(ctx);
-        const int64_t D = k3_dist_dcp_size(d), S = co.max_seqs, bs = 64, I = dopt.dcp_interleave;
-        const int64_t one_blocks = (co.max_tokens + bs - 1) / bs + S, block = one / one_blocks;
-        const int64_t mine_tokens = (mine / block - S) * bs;
-        if (mine % block == 0 && mine_tokens >= co.max_tokens / D && mine_tokens < co.max_tokens / D + S * I + bs)
+        const int64_t D = k3_dist_dcp_size(d), S = co.max_seqs, I = dopt.dcp_interleave, st = D * I;
+        const int64_t bs = (64 + st - 1) / st * st, one_blocks = (co.max_tokens + 63) / 64 + S;
+        const int64_t slot_bytes = one / (one_blocks * 64), mine_slots = ((co.max_tokens + bs - 1) / bs + S) * bs / D;
+        if (one % (one_blocks * 64) == 0 && mine == mine_slots * slot_bytes &&
+            mine_slots * D <= co.max_tokens + S * bs + bs)
             pass++;
         else {
             fail++;
