@@ -175,10 +175,9 @@ int k3_cmd_serve(int argc, char **argv) {
         goto fail;
     /* the vision tower, if the checkpoint has one, with --quant's mode (as
      * k3 run --image) and a pool of its own: HTTP threads encode images
-     * while the engine thread steps on its pool */
-    if (cd.d) {
-        vis = NULL; /* the other ranks would get the pads' ids, not the image rows: text only */
-    } else if (k3_vision_open(&vis, m, &err)) {
+     * while the engine thread steps on its pool; under mpirun rank 0 encodes
+     * and the rows go to the other ranks with each batch */
+    if (k3_vision_open(&vis, m, &err)) {
         if (err.status != K3_ERR_UNSUPPORTED || !strstr(err.msg, "no vision tower")) goto fail;
         vis = NULL;
         err = (k3_error){0};

@@ -84,6 +84,23 @@ compare "f32 dcp 3 (4 heads: every partial gathered)" "$TMP/ref_f32.bin" "$TMP/r
 compare "f32 dcp 2, interleave 4, 2 threads" "$TMP/ref_f32.bin" "$TMP/ref_f32.txt" 2 --quant none --kv-cache f32 \
     --dcp 2 --dcp-interleave 4 --threads 2
 
+# images under mpirun (vision-tiny: no routed experts, so DCP): rank 0
+# encodes, the rows go to the other ranks with the batch; logits and text =
+# one process
+VT=tests/models/vision-tiny
+VI=tests/golden/vision/images
+VRUN="run -m $VT --quant none --temp 0 -n 6 --threads 1 --image $VI/rgb_200x130.png --image $VI/photo_67x45.jpg"
+"$K3" $VRUN --dump-logits "$TMP/vref.bin" "Which is brighter?" >"$TMP/vref.txt" 2>"$TMP/ref.err" ||
+    bad "one-process image reference" "$TMP/ref.err"
+rm -f "$TMP/d.bin"
+if $MPI -np 2 "$K3" $VRUN --dcp 2 --dump-logits "$TMP/d.bin" "Which is brighter?" >"$TMP/d.txt" 2>"$TMP/d.err" &&
+    "$BUILD/k3-cmp" "$TMP/vref.bin" "$TMP/d.bin" 1e-5 >"$TMP/cmp" 2>&1 && cmp -s "$TMP/vref.txt" "$TMP/d.txt"; then
+    ok "run --image x2 --dcp 2: $(cut -d, -f1 "$TMP/cmp"), same greedy text"
+else
+    bad "run --image x2 --dcp 2" "$TMP/d.err"
+    sed 's/^/    /' "$TMP/cmp" 2>/dev/null | head -3
+fi
+
 # k3 bench's counters against the formulas
 for ex in allgather butterfly; do
     $MPI -np 4 "$K3" bench -m $M --dcp 4 --dcp-topk-exchange $ex --contexts 64 --runs 1 --decode-tokens 2 \
@@ -194,6 +211,26 @@ serve_check 2 ep_dispatch,ep_combine --ep 2
 serve_check 2 topk_exchange,lse_merge --dcp 2
 serve_check 4 topk_exchange,lse_merge,ep_dispatch,ep_combine --dcp 2 --ep 2
 kill $spid 2>/dev/null
+# chat with images against k3 serve --dcp 2 on vision-tiny
+VSRV="serve -m $VT --port 0 --threads 1 --max-num-seqs 4"
+timeout 120 "$K3" $VSRV >/dev/null 2>"$TMP/s1" </dev/null &
+spid=$!
+$MPI -np 2 "$K3" $VSRV --dcp 2 >/dev/null 2>"$TMP/s2" </dev/null &
+mpid=$!
+p1=$(wait_port "$TMP/s1")
+p2=$(wait_port "$TMP/s2")
+if [ -n "$p2" ] && [ -n "$p1" ] && grep -q "images on" "$TMP/s2" &&
+    timeout 100 python3 tests/mpi_serve.py "$p2" "$p1" --images "$VI/rgb_200x130.png,$VI/photo_67x45.jpg" >"$TMP/c" 2>&1; then
+    ok "serve --dcp 2 with images: $(grep -c '^ok' "$TMP/c") chat checks (greedy text = one process)"
+else
+    bad "serve --dcp 2 with images (ports '$p2' '$p1')" "$TMP/c"
+    sed 's/^/    /' "$TMP/s2" | tail -3
+fi
+kill $spid 2>/dev/null
+for c in $(pgrep -f "serve -m $VT --port 0 --threads 1 --max-num-seqs 4 --dcp 2\$"); do
+    tr '\0' '\n' </proc/$c/environ 2>/dev/null | grep -qx OMPI_COMM_WORLD_RANK=0 && kill -TERM $c
+done
+wait $mpid
 # a rank that hangs under serve: the request fails, rank 0 names the
 # collective and ends the job (non-zero, not the timeout)
 $MPI -np 2 "$K3" $SRV --ep 2 --dist-timeout 3 --dist-test-hang 1 >/dev/null 2>"$TMP/s3" </dev/null &

@@ -5,7 +5,11 @@
 # cross-rank counters present in /metrics, and those of the kinds named by
 # --grow (sent bytes and calls) growing after a request of 12 tokens (over
 # tiny-dsa's index_topk of 8, so DSA rows exchange candidates).
-# Usage: python3 tests/mpi_serve.py MPI_PORT ONE_PORT [--metrics [--grow KIND,KIND...]]
+# With --images IMG,IMG (a checkpoint with a vision tower): chat requests
+# with those images instead -- the same greedy text as one process (rank 0
+# encodes, the rows travel with the batch), twice, and two images in one turn.
+# Usage: python3 tests/mpi_serve.py MPI_PORT ONE_PORT [--metrics [--grow KIND,KIND...]] [--images IMG,IMG]
+import base64
 import json
 import sys
 import threading
@@ -28,7 +32,33 @@ def comp(port, ids, n=6):
     return post(port, {"prompt": ids, "max_tokens": n, "temperature": 0})
 
 
+def chat_images(port, paths, text, n=8):
+    content = []
+    for p in paths:
+        with open(p, "rb") as f:
+            kind = "jpeg" if p.endswith(".jpg") else "png"
+            content.append({"type": "image_url", "image_url": {
+                "url": "data:image/%s;base64,%s" % (kind, base64.b64encode(f.read()).decode())}})
+    body = {"messages": [{"role": "user", "content": content + [{"type": "text", "text": text}]}],
+            "max_tokens": n, "temperature": 0}
+    req = urllib.request.Request("http://127.0.0.1:%d/v1/chat/completions" % port, json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.load(r)
+
+
 mpi, one = int(sys.argv[1]), int(sys.argv[2])
+if "--images" in sys.argv:
+    imgs = sys.argv[sys.argv.index("--images") + 1].split(",")
+    fails = 0
+    for name, paths in (("one image", imgs[:1]), ("the same image again", imgs[:1]), ("%d images" % len(imgs), imgs)):
+        a, b = chat_images(mpi, paths, "What is this?"), chat_images(one, paths, "What is this?")
+        ta, tb = a["choices"][0]["message"]["content"], b["choices"][0]["message"]["content"]
+        ok = ta == tb and a["usage"]["prompt_tokens"] == b["usage"]["prompt_tokens"]
+        print(("ok   " if ok else "FAIL ") + "chat with %s: same greedy text as one process (%d prompt tokens)"
+              % (name, a["usage"]["prompt_tokens"]) + ("" if ok else ": %r vs %r" % (ta, tb)))
+        fails += 0 if ok else 1
+    sys.exit(1 if fails else 0)
 short = [(i * 37 + 11) % 1000 for i in range(9)]
 long_ = [(i * 53 + 7) % 1000 for i in range(150)]  # > 2 blocks of 64: cacheable
 fails = 0

@@ -545,7 +545,7 @@ k3_status k3_ctx_run(k3_ctx *ctx, const k3_batch_seq *batch, int32_t n_seqs, con
     }
     if (any && !logits) return k3_err(err, K3_ERR_ARG, "forward: logits buffer is NULL");
     k3_status st = validate(ctx, batch, n_seqs, want, true, err);
-    if (!st && sends(ctx)) st = k3_dist_send_run(ctx->dist, batch, n_seqs, want, err);
+    if (!st && sends(ctx)) st = k3_dist_send_run(ctx->dist, batch, n_seqs, want, ctx->c->hidden_size, err);
     if (st) return st;
     run_rounds(ctx, batch, n_seqs, want, logits);
     return k3_dist_failed(ctx->dist, err);
@@ -575,7 +575,7 @@ k3_status k3_ctx_forward(k3_ctx *ctx, const k3_batch_seq *batch, int32_t n_seqs,
                     (long long)blocks_needed, ctx->n_free);
     /* with several processes rank 0 hands the batch to the others, which replay it */
     if (!st && ctx->dist && k3_dist_rank(ctx->dist) == 0 && k3_dist_size(ctx->dist) > 1)
-        st = k3_dist_send_forward(ctx->dist, batch, n_seqs, mode, err);
+        st = k3_dist_send_forward(ctx->dist, batch, n_seqs, mode, ctx->c->hidden_size, err);
     if (!st) {
         /* the default block manager: reserve blocks from the free list
          * (the same global tables on every rank under DCP) */
