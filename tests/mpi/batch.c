@@ -3,7 +3,8 @@
  * library's DCP path with what a scheduler does -- several sequences of
  * different lengths in one batch (prefill spans and decode rows mixed, one
  * round cut into several by max_batch), a sequence reset and reused -- on
- * a context made with a dist (--dcp = world size), against a one-process
+ * a context made with a dist (--dcp = world size), image rows in place of
+ * some embeddings (k3_batch_seq.embeds), against a one-process
  * context on rank 0. Rank 0 drives; the others run k3_dist_worker. Checks
  * the logits of every step to rel-L2 1e-5 (fp32 path), and that each rank
  * holds about 1/D of the cache. Prints "batch: N passed, N failed".
@@ -74,6 +75,13 @@ int main(int argc, char **argv) {
             for (int i = 0; i < 64; i++) toks[q][i] = (int32_t)((q * 97 + i * 31 + 5) % V);
         /* steps: (n_tokens per sequence; 0 = not in the batch), reset before step 4 */
         const int steps[7][3] = {{30, 9, 0}, {1, 1, 17}, {1, 0, 1}, {1, 1, 1}, {12, 1, 1}, {1, 1, 1}, {1, 1, 1}};
+        /* rows replacing the embeddings of tokens 2..5 of sequence 1 in step
+         * 0 (what an image's pads carry): they travel with the batch */
+        const int64_t Dm = info.hidden_size;
+        float *img = malloc(sizeof(float) * (size_t)(4 * Dm));
+        const float *erow[9] = {0};
+        for (int64_t i = 0; i < 4 * Dm; i++) img[i] = (float)((i * 7919) % 201 - 100) / 400.0f;
+        for (int r = 0; r < 4; r++) erow[2 + r] = img + r * Dm;
         int off[3] = {0, 0, 0};
         for (int st = 0; st < 7; st++) {
             if (st == 4) {
@@ -85,7 +93,7 @@ int main(int argc, char **argv) {
             int nb = 0, rows = 0;
             for (int q = 0; q < 3; q++)
                 if (steps[st][q]) {
-                    b[nb++] = (k3_batch_seq){q, steps[st][q], toks[q] + off[q]};
+                    b[nb++] = (k3_batch_seq){q, steps[st][q], toks[q] + off[q], st == 0 && q == 1 ? erow : NULL};
                     off[q] += steps[st][q];
                     rows += steps[st][q];
                 }
@@ -117,6 +125,7 @@ int main(int argc, char **argv) {
         }
         free(la);
         free(lb);
+        free(img);
         if (k3_dist_release(d, &err)) k3_dist_abort(d, 1);
     }
     double v[2] = {pass, fail};
