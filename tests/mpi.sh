@@ -105,7 +105,8 @@ fi
 for ex in allgather butterfly; do
     $MPI -np 4 "$K3" bench -m $M --dcp 4 --dcp-topk-exchange $ex --contexts 64 --runs 1 --decode-tokens 2 \
         --quant none --kv-cache f32 >"$TMP/b" 2>&1
-    if [ "$(grep -c -- "-- agree" "$TMP/b")" -eq 2 ]; then ok "bench dcp 4 $ex: top-k and LSE bytes agree with the formulas"
+    if [ "$(grep -c -- "-- agree" "$TMP/b")" -eq 4 ] && ! grep -q DIFFER "$TMP/b"; then
+        ok "bench dcp 4 $ex: top-k and LSE bytes (rank 0, and all 4 ranks summed) agree with the formulas"
     else bad "bench dcp 4 $ex: counters against the formulas" "$TMP/b"; fi
 done
 
@@ -115,8 +116,12 @@ python3 -c 'import json,sys
 d = json.load(open(sys.argv[1]))
 for c in d["contexts"]:
     assert c["comm"]["topk_exchange"]["recv_per_token"] == c["topk_formula_bytes"] > 0
-    assert c["comm"]["lse_merge"]["recv_per_token"] == c["lse_formula_bytes"] > 0 and c["decode_ms"] > 0' "$TMP/j" 2>"$TMP/jerr" &&
-    ok "bench --json under mpirun: counters = formulas" || bad "bench --json under mpirun" "$TMP/jerr"
+    assert c["comm"]["lse_merge"]["recv_per_token"] == c["lse_formula_bytes"] > 0 and c["decode_ms"] > 0
+    a, n = c["comm_all_ranks"], c["ranks_summed"]
+    assert n == 2 and a["topk_exchange"]["recv_per_token"] == n * c["topk_formula_bytes"]
+    assert a["lse_merge"]["recv_per_token"] == n * c["lse_formula_bytes"]
+    assert all(a[k]["sent_per_token"] == a[k]["recv_per_token"] for k in a)' "$TMP/j" 2>"$TMP/jerr" &&
+    ok "bench --json under mpirun: counters = formulas (rank 0, and summed over the ranks)" || bad "bench --json under mpirun" "$TMP/jerr"
 
 # each rank's cache is 1/D of one process's (1024 and 1000 tokens: whole blocks)
 mem() { grep "^$1 bytes per rank:" "$2" | cut -d: -f2; }

@@ -2,7 +2,8 @@
 # on a server under mpirun against the same on a one-process server (the
 # same text), a repeated long prompt hitting the prefix cache (the KDA
 # restore path), two requests in flight at once, and with --metrics the
-# cross-rank counters present in /metrics, and those of the kinds named by
+# cross-rank counters present in /metrics (summed over the ranks: sent =
+# received for every kind), and those of the kinds named by
 # --grow (sent bytes and calls) growing after a request of 12 tokens (over
 # tiny-dsa's index_topk of 8, so DSA rows exchange candidates).
 # With --images IMG,IMG (a checkpoint with a vision tower): chat requests
@@ -102,6 +103,12 @@ if "--metrics" in sys.argv:
                           ("seconds_total", ""))]
     check("/metrics has the cross-rank counters", all(n in m1 for n in names),
           "missing %s" % [n for n in names if n not in m1])
+    # summed over the ranks, every byte sent is a byte received
+    kinds = ("topk_exchange", "lse_merge", "ep_dispatch", "ep_combine", "control")
+    check("/metrics: summed over the ranks, sent = received for every kind",
+          all(m1.get('k3:dist_bytes_total{kind="%s",dir="sent"}' % k) ==
+              m1.get('k3:dist_bytes_total{kind="%s",dir="received"}' % k) for k in kinds) and
+          m1.get('k3:dist_bytes_total{kind="control",dir="received"}', 0) > 0, repr(m1))
     for k in grow:
         b, c = 'k3:dist_bytes_total{kind="%s",dir="sent"}' % k, 'k3:dist_calls_total{kind="%s"}' % k
         check("/metrics: %s bytes and calls grow after a request (%s -> %s bytes)" % (k, m0.get(b), m1.get(b)),

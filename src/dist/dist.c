@@ -309,7 +309,8 @@ k3_status k3_dist_max(k3_dist *d, double *v, int32_t n, k3_error *err) { return 
 
 /* ---- rank 0's command channel ------------------------------------------------------ */
 
-enum { CMD_STOP = 1, CMD_FORWARD, CMD_RESET, CMD_FILL, CMD_POOL, CMD_RUN, CMD_BLOCKS, CMD_POS, CMD_CLEAR, CMD_RESTORE };
+enum { CMD_STOP = 1, CMD_FORWARD, CMD_RESET, CMD_FILL, CMD_POOL, CMD_RUN, CMD_BLOCKS, CMD_POS, CMD_CLEAR, CMD_RESTORE,
+       CMD_STATS };
 
 typedef struct cmd_hdr {
     int32_t cmd, n_seqs, mode, pad;
@@ -486,6 +487,46 @@ k3_status k3_dist_send_restore(k3_dist *d, int32_t seq, const void *state, int64
     return k3_dist_failed(d, err);
 }
 
+/* Every rank takes its counters and they are summed (an all-reduce of
+ * 4 x K3_COMM_COUNT doubles: exact to 2^53 bytes). */
+static k3_status stats_sum(k3_dist *d, k3_comm_stats *mine, k3_comm_stats *all, k3_error *err) {
+    k3_comm_stats own;
+    k3_dist_stats_take(d, &own);
+    if (mine) *mine = own;
+    enum { K = K3_COMM_COUNT };
+    double v[4 * K];
+    for (int k = 0; k < K; k++) {
+        v[k] = (double)own.sent[k];
+        v[K + k] = (double)own.recv[k];
+        v[2 * K + k] = (double)own.calls[k];
+        v[3 * K + k] = own.seconds[k];
+    }
+    const k3_status s = reduce(d, v, 4 * K, MPI_SUM, err);
+    if (all) {
+        memset(all, 0, sizeof *all);
+        for (int k = 0; !s && k < K; k++) {
+            all->sent[k] = (int64_t)v[k];
+            all->recv[k] = (int64_t)v[K + k];
+            all->calls[k] = (int64_t)v[2 * K + k];
+            all->seconds[k] = v[3 * K + k];
+        }
+    }
+    return s;
+}
+
+k3_status k3_dist_stats_take_all(k3_dist *d, k3_comm_stats *mine, k3_comm_stats *all, k3_error *err) {
+    if (!d || d->size == 1 || d->rank != 0) {
+        k3_comm_stats own = {0};
+        if (d) k3_dist_stats_take(d, &own);
+        if (mine) *mine = own;
+        if (all) *all = own;
+        return d && d->rank != 0 ? k3_err(err, K3_ERR_ARG, "dist: only rank 0 sums the counters") : K3_OK;
+    }
+    cmd_hdr h = {CMD_STATS, 0, 0, 0, 0, 0, 0};
+    if (bcast(d, &h, sizeof h, "broadcast of a counter sum", d->timeout)) return k3_dist_failed(d, err);
+    return stats_sum(d, mine, all, err);
+}
+
 k3_status k3_dist_release(k3_dist *d, k3_error *err) {
     if (d->rank != 0 || d->size == 1) return K3_OK;
     cmd_hdr h = {CMD_STOP, 0, 0, 0, 0, 0, 0};
@@ -603,6 +644,10 @@ k3_status k3_dist_worker_pool(k3_dist *d, const k3_model *m, k3_pool *pool, k3_e
             if (s) break;
             continue;
         }
+        if (h.cmd == CMD_STATS) {
+            if ((s = stats_sum(d, NULL, NULL, err))) break;
+            continue;
+        }
         if (!ctx || h.cmd < CMD_RUN || h.cmd > CMD_RESTORE) {
             s = k3_err(err, K3_ERR_FORMAT, "dist: rank %d: unexpected command %d from rank 0", d->rank, h.cmd);
             break;
@@ -624,6 +669,11 @@ k3_status k3_dist_worker(k3_dist *d, k3_ctx *ctx, k3_error *err) {
         if (h.cmd == CMD_STOP) return K3_OK;
         if (h.cmd == CMD_RESET) {
             k3_ctx_seq_reset(ctx, (int32_t)h.a);
+            continue;
+        }
+        if (h.cmd == CMD_STATS) {
+            k3_status s = stats_sum(d, NULL, NULL, err);
+            if (s) return s;
             continue;
         }
         if (h.cmd == CMD_FILL) {

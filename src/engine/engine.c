@@ -70,7 +70,7 @@ struct k3_engine {
     int64_t V, max_model_len, cache_tokens, state_bytes;
     int32_t block_size, max_blocks, plp_cap;
 
-    k3_comm_stats comm;           /* cross-rank counters since open (o.dist), under mu */
+    k3_comm_stats comm;           /* cross-rank counters since open, all ranks summed (o.dist), under mu */
 
     /* inbox, under mu */
     pthread_mutex_t mu;
@@ -767,8 +767,9 @@ k3_status k3_engine_step(k3_engine *e, k3_step_result *res, k3_error *err) {
     const double t = k3_engine_now();
     res->n_tokens = fst ? 0 : s->plan_tokens;
     if (e->o.dist && s->n_plan) {
+        /* every rank's, summed (a failed link is sticky: the next pass reports it) */
         k3_comm_stats c;
-        k3_dist_stats_take(e->o.dist, &c);
+        k3_dist_stats_take_all(e->o.dist, NULL, &c, NULL);
         pthread_mutex_lock(&e->mu);
         for (int k = 0; k < K3_COMM_COUNT; k++) {
             e->comm.sent[k] += c.sent[k];
