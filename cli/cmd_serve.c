@@ -235,6 +235,11 @@ int k3_cmd_serve(int argc, char **argv) {
             dir, name, quant, kv_name, threads, (long long)st.max_model_len, max_seqs ? max_seqs : 16,
             (long long)st.cache_tokens, (long long)st.blocks_total, no_prefix ? "off" : "on",
             vis ? "on" : "off (text only)");
+    if (cd.d)
+        fprintf(stderr, "k3 serve: %d ranks, DCP %d (interleave %d), EP %d: cache %lld bytes per rank (block %d tokens, %d per rank)\n",
+                k3_dist_size(cd.d), k3_dist_dcp_size(cd.d), k3_dist_interleave(cd.d), k3_dist_ep_size(cd.d),
+                (long long)k3_engine_cache_bytes(eng), (int)(st.cache_tokens / st.blocks_total),
+                (int)(st.cache_tokens / st.blocks_total / k3_dist_dcp_size(cd.d)));
     const bool v6 = strchr(host, ':') != NULL;
     fprintf(stderr, "k3 serve: listening on http://%s%s%s:%d%s\n", v6 ? "[" : "", host, v6 ? "]" : "",
             k3_server_port(srv), api_key && *api_key ? " (API key required)" : "");

@@ -584,6 +584,9 @@ void k3_dist_stats_take(k3_dist *d, k3_comm_stats *out);
  * waiting in k3_dist_worker or k3_dist_worker_pool, take and add theirs.
  * One process: both get this process's counters. */
 k3_status k3_dist_stats_take_all(k3_dist *d, k3_comm_stats *mine, k3_comm_stats *all, k3_error *err);
+/* Bytes of the latent and indexer cache pool an engine's context holds on
+ * this rank (under DCP each rank holds the same: 1/D of one process's). */
+int64_t k3_engine_cache_bytes(const k3_engine *e);
 /* k3 serve's ranks > 0: waits for rank 0's engine to make its context (same
  * options, on model m and pool), then replays every call the engine makes on
  * it, until k3_dist_release (K3_OK) or a failure. Frees the context. */

@@ -181,7 +181,7 @@ fi
 # exits 0
 port_of() { sed -n 's/.*listening on http:\/\/127.0.0.1:\([0-9]*\).*/\1/p' "$1" | head -1; }
 wait_port() { for i in $(seq 300); do p=$(port_of "$1"); [ -n "$p" ] && { echo "$p"; return; }; sleep 0.1; done; }
-SRV="serve -m $M --port 0 --threads 1 --max-num-seqs 4"
+SRV="serve -m $M --port 0 --threads 1 --max-num-seqs 4 --cache-tokens 16384"
 timeout 300 "$K3" $SRV >/dev/null 2>"$TMP/s1" </dev/null &
 spid=$!
 trap 'kill $mpid $spid 2>/dev/null; rm -rf "$TMP"' EXIT
@@ -195,6 +195,7 @@ serve_check() {
     $MPI -np "$np" "$K3" $SRV "$@" >/dev/null 2>"$TMP/s2" </dev/null &
     mpid=$!
     p2=$(wait_port "$TMP/s2")
+    echo "$(sed -n 's/.*DCP \([0-9]*\) .*cache \([0-9]*\) bytes per rank.*/\1 \2/p' "$TMP/s2")" >>"$TMP/cachebytes"
     if [ -n "$p2" ] && [ -n "$p1" ] && timeout 100 python3 tests/mpi_serve.py "$p2" "$p1" --metrics --grow "$grow" >"$TMP/c" 2>&1; then
         ok "$name: $(grep -c '^ok' "$TMP/c") client checks (greedy text = one process, prefix-cache hit, two in flight, /metrics $grow grow)"
     else
@@ -203,7 +204,7 @@ serve_check() {
     fi
     # SIGTERM to rank 0 (the k3 process whose rank is 0)
     r0=
-    for c in $(pgrep -f "serve -m $M --port 0 --threads 1 --max-num-seqs 4 $*\$"); do
+    for c in $(pgrep -f "serve -m $M --port 0 --threads 1 --max-num-seqs 4 --cache-tokens 16384 $*\$"); do
         tr '\0' '\n' </proc/$c/environ 2>/dev/null | grep -qx OMPI_COMM_WORLD_RANK=0 && r0=$c
     done
     [ -n "$r0" ] && kill -TERM "$r0"
@@ -216,6 +217,12 @@ serve_check 2 ep_dispatch,ep_combine --ep 2
 serve_check 2 topk_exchange,lse_merge --dcp 2
 serve_check 4 topk_exchange,lse_merge,ep_dispatch,ep_combine --dcp 2 --ep 2
 kill $spid 2>/dev/null
+# the cache bytes per rank each server printed: DCP 2's are half of DCP 1's
+if awk 'NR == 1 { one = $2 } NF == 2 && $2 * $1 != one { bad = 1 } END { exit bad || NR != 3 || one < 1 }' "$TMP/cachebytes"; then
+    ok "serve: cache bytes per rank $(cut -d' ' -f2 "$TMP/cachebytes" | tr '\n' ' ')(DCP 1, 2, 2): 1/D"
+else
+    bad "serve: cache bytes per rank (DCP, bytes): $(tr '\n' ';' <"$TMP/cachebytes")"
+fi
 # chat with images against k3 serve --dcp 2 on vision-tiny
 VSRV="serve -m $VT --port 0 --threads 1 --max-num-seqs 4"
 timeout 120 "$K3" $VSRV >/dev/null 2>"$TMP/s1" </dev/null &

@@ -497,6 +497,8 @@ void k3_engine_wait(k3_engine *e, double timeout_s) {
     pthread_mutex_unlock(&e->mu);
 }
 
+int64_t k3_engine_cache_bytes(const k3_engine *e) { return k3_ctx_cache_bytes(e->ctx); }
+
 bool k3_engine_comm_stats(k3_engine *e, k3_comm_stats *out) {
     pthread_mutex_lock(&e->mu);
     *out = e->comm;
