@@ -54,6 +54,21 @@ int main(int argc, char **argv) {
         return 1;
     }
     int pass = 0, fail = 0;
+    if (k3_dist_dcp_size(d) > 1 && rank == 0) { /* a block must hold as many tokens of every rank */
+        k3_ctx_options bad_bs = co;
+        bad_bs.block_size = 63;
+        k3_ctx *no = NULL;
+        k3_error e2 = {0};
+        const k3_status bs_st = k3_ctx_init(&no, m, &bad_bs, &e2);
+        if (bs_st == K3_ERR_ARG && !no && strstr(e2.msg, "block size 63 is not a multiple of --dcp"))
+            pass++;
+        else {
+            fail++;
+            fprintf(stderr, "batch: block size 63 under DCP %d: status %d '%s'\n", k3_dist_dcp_size(d), (int)bs_st,
+                    e2.msg);
+        }
+        k3_ctx_free(no);
+    }
     if (rank != 0) {
         if (k3_dist_worker(d, ctx, &err)) {
             fprintf(stderr, "batch: rank %d: %s\n", rank, err.msg);
