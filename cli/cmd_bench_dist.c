@@ -7,7 +7,8 @@
  * -- bytes, time and GB/s -- with the DSA top-k exchange measured beside its
  * formula ((D-1)*k*8 B per DSA layer for the all-gather, log2(D)*k*8 B for
  * the butterfly). The traffic is printed for rank 0 and summed over all
- * ranks (k3_dist_stats_take_all: the workers' counters too). Also each rank's cache bytes and routed-expert bytes.
+ * ranks (k3_dist_stats_take_all: the workers' counters too). Also each
+ * rank's cache bytes and routed-expert bytes.
  * Rank 0 prints; medians of --runs runs (min and max beside). The ranks of
  * a one-machine job share its cores, so wall-clock speed-ups are not the
  * point here: memory per rank and traffic are.

@@ -142,8 +142,8 @@ int k3_cmd_serve(int argc, char **argv) {
     }
     k3_kv_type kv;
     if (bad || port > 65535 || threads < 1 || max_seqs > 1 << 20 || max_batched > 1 << 24 ||
-        max_waiting > 1 << 20 || block > 4096 || snapshot_mb > 1 << 24 || max_conn > 65536 || timeout > 86400 || vthreads > 64 ||
-        max_image_px > K3_IMAGE_MAX_PIXELS) {
+        max_waiting > 1 << 20 || block > 4096 || snapshot_mb > 1 << 24 || max_conn > 65536 || timeout > 86400 ||
+        vthreads > 64 || max_image_px > K3_IMAGE_MAX_PIXELS) {
         fprintf(stderr, "k3 serve: a numeric option is not a non-negative integer in range\n");
         return 2;
     }
@@ -236,7 +236,9 @@ int k3_cmd_serve(int argc, char **argv) {
             (long long)st.cache_tokens, (long long)st.blocks_total, no_prefix ? "off" : "on",
             vis ? "on" : "off (text only)");
     if (cd.d)
-        fprintf(stderr, "k3 serve: %d ranks, DCP %d (interleave %d), EP %d: cache %lld bytes per rank (block %d tokens, %d per rank)\n",
+        fprintf(stderr,
+                "k3 serve: %d ranks, DCP %d (interleave %d), EP %d: cache %lld bytes per rank (block %d tokens, "
+                "%d per rank)\n",
                 k3_dist_size(cd.d), k3_dist_dcp_size(cd.d), k3_dist_interleave(cd.d), k3_dist_ep_size(cd.d),
                 (long long)k3_engine_cache_bytes(eng), (int)(st.cache_tokens / st.blocks_total),
                 (int)(st.cache_tokens / st.blocks_total / k3_dist_dcp_size(cd.d)));

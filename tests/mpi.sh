@@ -186,6 +186,19 @@ timeout 300 "$K3" $SRV >/dev/null 2>"$TMP/s1" </dev/null &
 spid=$!
 trap 'kill $mpid $spid 2>/dev/null; rm -rf "$TMP"' EXIT
 p1=$(wait_port "$TMP/s1")
+# rank0_of PID: the process of MPI rank 0 among PID's descendants (not a
+# pattern match: other checkouts may run the same commands at the same time)
+rank0_of() {
+    todo=$1
+    while [ -n "$todo" ]; do
+        next=
+        for q in $todo; do
+            tr '\0' '\n' </proc/$q/environ 2>/dev/null | grep -qx OMPI_COMM_WORLD_RANK=0 && { echo $q; return; }
+            next="$next $(pgrep -P $q | tr '\n' ' ')"
+        done
+        todo=$(echo $next)
+    done
+}
 # serve_check NP GROW ARGS...: the server under mpirun -np NP with ARGS against
 # the one-process server; GROW: the counter kinds that must grow in /metrics
 serve_check() {
@@ -203,10 +216,7 @@ serve_check() {
         sed 's/^/    /' "$TMP/s2" | tail -5
     fi
     # SIGTERM to rank 0 (the k3 process whose rank is 0)
-    r0=
-    for c in $(pgrep -f "serve -m $M --port 0 --threads 1 --max-num-seqs 4 --cache-tokens 16384 $*\$"); do
-        tr '\0' '\n' </proc/$c/environ 2>/dev/null | grep -qx OMPI_COMM_WORLD_RANK=0 && r0=$c
-    done
+    r0=$(rank0_of $mpid)
     [ -n "$r0" ] && kill -TERM "$r0"
     wait $mpid
     rc=$?
@@ -239,9 +249,8 @@ else
     sed 's/^/    /' "$TMP/s2" | tail -3
 fi
 kill $spid 2>/dev/null
-for c in $(pgrep -f "serve -m $VT --port 0 --threads 1 --max-num-seqs 4 --dcp 2\$"); do
-    tr '\0' '\n' </proc/$c/environ 2>/dev/null | grep -qx OMPI_COMM_WORLD_RANK=0 && kill -TERM $c
-done
+r0=$(rank0_of $mpid)
+[ -n "$r0" ] && kill -TERM "$r0"
 wait $mpid
 # a rank that hangs under serve: the request fails, rank 0 names the
 # collective and ends the job (non-zero, not the timeout)

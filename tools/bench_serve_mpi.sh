@@ -50,8 +50,18 @@ PY
 if [ "$np" -eq 0 ]; then
     kill -TERM $pid
 else
-    for c in $(pgrep -f "$K3 serve -m $M --port 0"); do
-        tr '\0' '\n' </proc/$c/environ 2>/dev/null | grep -qx OMPI_COMM_WORLD_RANK=0 && kill -TERM $c
+    todo=$pid # rank 0 among mpirun's descendants
+    while [ -n "$todo" ]; do
+        next=
+        for q in $todo; do
+            if tr '\0' '\n' </proc/$q/environ 2>/dev/null | grep -qx OMPI_COMM_WORLD_RANK=0; then
+                kill -TERM $q
+                next=
+                break
+            fi
+            next="$next $(pgrep -P $q | tr '\n' ' ')"
+        done
+        todo=$(echo $next)
     done
 fi
 wait $pid

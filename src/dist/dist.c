@@ -382,14 +382,13 @@ static k3_status recv_embeds(k3_dist *d, int64_t n_tokens, int64_t rows, int64_t
         bcast(d, *buf, sizeof(float) * (size_t)(rows * row_floats), "broadcast of image rows", d->timeout))
         s = k3_dist_failed(d, err);
     int64_t r = 0;
-    for (int64_t t = 0; !s && t < n_tokens; t++)
-        if (flag[t]) {
-            if (r == rows) break;
-            (*ptrs)[t] = *buf + r++ * row_floats;
-        }
+    for (int64_t t = 0; !s && t < n_tokens; t++) r += flag[t] != 0;
     if (!s && r != rows)
-        s = k3_err(err, K3_ERR_FORMAT, "dist: rank %d: image row flags disagree with their count from rank 0",
-                   d->rank);
+        s = k3_err(err, K3_ERR_FORMAT, "dist: rank %d: %lld image row flags from rank 0, but %lld rows", d->rank,
+                   (long long)r, (long long)rows);
+    r = 0;
+    for (int64_t t = 0; !s && t < n_tokens; t++)
+        if (flag[t]) (*ptrs)[t] = *buf + r++ * row_floats;
     free(flag);
     return s;
 }
