@@ -226,6 +226,19 @@ serve_check() {
 serve_check 2 ep_dispatch,ep_combine --ep 2
 serve_check 2 topk_exchange,lse_merge --dcp 2
 serve_check 4 topk_exchange,lse_merge,ep_dispatch,ep_combine --dcp 2 --ep 2
+# preemption under DCP: a 320-token pool for four requests at once
+$MPI -np 2 "$K3" serve -m $M --port 0 --threads 1 --max-num-seqs 4 --cache-tokens 320 --dcp 2 >/dev/null \
+    2>"$TMP/s2" </dev/null &
+mpid=$!
+p2=$(wait_port "$TMP/s2")
+if [ -n "$p2" ] && [ -n "$p1" ] && timeout 100 python3 tests/mpi_serve.py "$p2" "$p1" --preempt >"$TMP/c" 2>&1; then
+    ok "serve --dcp 2: $(sed 's/^ok   //' "$TMP/c")"
+else
+    bad "serve --dcp 2 preemption (ports '$p2' '$p1')" "$TMP/c"
+fi
+r0=$(rank0_of $mpid)
+[ -n "$r0" ] && kill -TERM "$r0"
+wait $mpid
 kill $spid 2>/dev/null
 # the cache bytes per rank each server printed: DCP 2's are half of DCP 1's
 if awk 'NR == 1 { one = $2 } NF == 2 && $2 * $1 != one { bad = 1 } END { exit bad || NR != 3 || one < 1 }' "$TMP/cachebytes"; then

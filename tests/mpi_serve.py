@@ -9,7 +9,10 @@
 # With --images IMG,IMG (a checkpoint with a vision tower): chat requests
 # with those images instead -- the same greedy text as one process (rank 0
 # encodes, the rows travel with the batch), twice, and two images in one turn.
+# With --preempt: four requests at once on a pool too small for them (the
+# server runs with --cache-tokens 320): preemptions, the same texts.
 # Usage: python3 tests/mpi_serve.py MPI_PORT ONE_PORT [--metrics [--grow KIND,KIND...]] [--images IMG,IMG]
+#        [--preempt]
 import base64
 import json
 import sys
@@ -49,6 +52,26 @@ def chat_images(port, paths, text, n=8):
 
 
 mpi, one = int(sys.argv[1]), int(sys.argv[2])
+if "--preempt" in sys.argv:
+    # four requests at once on a server whose pool is too small for them
+    # (--cache-tokens 320): the engine preempts and recomputes, the blocks
+    # change hands on every rank, and the texts stay the one-process ones
+    prompts = [[(i * 53 + 7 * k) % 1000 for i in range(60 + 10 * k)] for k in range(4)]
+    def ign(port, ids):
+        return post(port, {"prompt": ids, "max_tokens": 40, "temperature": 0, "ignore_eos": True})["choices"][0]["text"]
+    ref = [ign(one, p) for p in prompts]
+    got = [None] * 4
+    th = [threading.Thread(target=lambda k=k: got.__setitem__(k, ign(mpi, prompts[k]))) for k in range(4)]
+    for t in th:
+        t.start()
+    for t in th:
+        t.join()
+    m = metrics(mpi)
+    pre = sum(float(l.rsplit(" ", 1)[1]) for l in m.splitlines() if l.startswith("vllm:num_preemptions_total"))
+    ok = got == ref and pre > 0
+    print(("ok   " if ok else "FAIL ") + "4 requests over a 320-token pool: %d preemptions, same texts" % pre +
+          ("" if ok else ": %r vs %r" % (got, ref)))
+    sys.exit(0 if ok else 1)
 if "--images" in sys.argv:
     imgs = sys.argv[sys.argv.index("--images") + 1].split(",")
     fails = 0
