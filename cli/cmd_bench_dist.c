@@ -6,7 +6,9 @@
  * content), and the cross-rank traffic per decoded token by collective kind
  * -- bytes, time and GB/s -- with the DSA top-k exchange measured beside its
  * formula ((D-1)*k*8 B per DSA layer for the all-gather, log2(D)*k*8 B for
- * the butterfly). Also each rank's cache bytes and routed-expert bytes.
+ * the butterfly). The traffic is printed for rank 0 and summed over all
+ * ranks (k3_dist_stats_take_all: the workers' counters too). Also each
+ * rank's cache bytes and routed-expert bytes.
  * Rank 0 prints; medians of --runs runs (min and max beside). The ranks of
  * a one-machine job share its cores, so wall-clock speed-ups are not the
  * point here: memory per rank and traffic are.
@@ -156,13 +158,14 @@ int k3_cmd_bench_dist(int argc, char **argv) {
     }
     for (int ci = 0; ci < nctx; ci++) {
         const long L = contexts[ci];
-        k3_comm_stats tot = {0};
+        k3_comm_stats tot = {0}, tall = {0}; /* rank 0's; every rank's, summed */
+        const int N = cd.d ? k3_dist_size(cd.d) : 1;
         int64_t tokens = 0;
         for (int r = -1; r < runs; r++) { /* run -1 warms up, untimed and uncounted */
             k3_ctx_seq_reset(ctx, 0);
             if (k3_ctx_seq_fill_synthetic(ctx, 0, L, 1, &err)) goto fail_ms;
-            k3_comm_stats st;
-            if (cd.d) k3_dist_stats_take(cd.d, &st);
+            k3_comm_stats st, sa;
+            if (cd.d && k3_dist_stats_take_all(cd.d, &st, &sa, &err)) goto fail_ms;
             int32_t id = 7;
             const double t0 = now_s();
             for (int step = 0; step < dtok; step++) {
@@ -171,7 +174,7 @@ int k3_cmd_bench_dist(int argc, char **argv) {
                 id = (id * 31 + 17) % (int32_t)info.vocab_size;
             }
             const double dt = now_s() - t0;
-            if (cd.d) k3_dist_stats_take(cd.d, &st);
+            if (cd.d && k3_dist_stats_take_all(cd.d, &st, &sa, &err)) goto fail_ms;
             if (r < 0) continue;
             ms[r] = dt / dtok * 1e3;
             tokens += dtok;
@@ -180,6 +183,10 @@ int k3_cmd_bench_dist(int argc, char **argv) {
                 tot.recv[k] += st.recv[k];
                 tot.calls[k] += st.calls[k];
                 tot.seconds[k] += st.seconds[k];
+                tall.sent[k] += sa.sent[k];
+                tall.recv[k] += sa.recv[k];
+                tall.calls[k] += sa.calls[k];
+                tall.seconds[k] += sa.seconds[k];
             }
         }
         qsort(ms, (size_t)runs, sizeof *ms, cmp_d);
@@ -190,27 +197,36 @@ int k3_cmd_bench_dist(int argc, char **argv) {
                    ci ? ", " : "", L, med, ms[0], ms[runs - 1],
                    (long long)(ex == K3_TOPK_BUTTERFLY ? plan.topk_butterfly_bytes : plan.topk_allgather_bytes),
                    (long long)plan.lse_bytes);
-            for (int k = 0; k < K3_COMM_COUNT; k++) {
-                const double bs = (double)tot.sent[k] / tokens, br = (double)tot.recv[k] / tokens;
-                const double us = tot.seconds[k] / tokens * 1e6;
-                printf("%s\"%s\": {\"sent_per_token\": %.0f, \"recv_per_token\": %.0f, \"us_per_token\": %.1f, "
-                       "\"gbps\": %.4f}",
-                       k ? ", " : "", k3_comm_kind_name((k3_comm_kind)k), bs, br, us,
-                       us > 0 ? (bs + br) / (us * 1e3) : 0.0);
+            /* "comm": rank 0's; "comm_all_ranks": every rank's, summed */
+            for (int w = 0; w < 2; w++) {
+                const k3_comm_stats *cs = w ? &tall : &tot;
+                if (w) printf("}, \"comm_all_ranks\": {");
+                for (int k = 0; k < K3_COMM_COUNT; k++) {
+                    const double bs = (double)cs->sent[k] / tokens, br = (double)cs->recv[k] / tokens;
+                    const double us = cs->seconds[k] / tokens * 1e6;
+                    printf("%s\"%s\": {\"sent_per_token\": %.0f, \"recv_per_token\": %.0f, \"us_per_token\": %.1f, "
+                           "\"gbps\": %.4f}",
+                           k ? ", " : "", k3_comm_kind_name((k3_comm_kind)k), bs, br, us,
+                           us > 0 ? (bs + br) / (us * 1e3) : 0.0);
+                }
             }
-            printf("}}");
+            printf("}, \"ranks_summed\": %d}", N);
             continue;
         }
         printf("context %ld: decode %.2f ms/token (median of %d runs of %d tokens; min %.2f, max %.2f)\n", L,
                runs % 2 ? ms[runs / 2] : 0.5 * (ms[runs / 2 - 1] + ms[runs / 2]), runs, dtok, ms[0],
                ms[runs - 1]);
-        printf("  rank 0 traffic per decoded token (bytes sent, received; time inside the collectives):\n");
-        for (int k = 0; k < K3_COMM_COUNT; k++) {
-            if (!tot.calls[k]) continue;
-            const double bs = (double)tot.sent[k] / tokens, br = (double)tot.recv[k] / tokens;
-            const double us = tot.seconds[k] / tokens * 1e6;
-            printf("    %-14s sent %10.0f B  recv %10.0f B  %8.1f us  %6.3f GB/s\n", k3_comm_kind_name((k3_comm_kind)k),
-                   bs, br, us, us > 0 ? (bs + br) / (us * 1e3) : 0.0);
+        for (int w = 0; w < 2; w++) {
+            const k3_comm_stats *cs = w ? &tall : &tot;
+            if (w) printf("  all %d ranks summed, per decoded token (bytes sent, received; rank-seconds inside):\n", N);
+            else printf("  rank 0 traffic per decoded token (bytes sent, received; time inside the collectives):\n");
+            for (int k = 0; k < K3_COMM_COUNT; k++) {
+                if (!cs->calls[k]) continue;
+                const double bs = (double)cs->sent[k] / tokens, br = (double)cs->recv[k] / tokens;
+                const double us = cs->seconds[k] / tokens * 1e6;
+                printf("    %-14s sent %10.0f B  recv %10.0f B  %8.1f us  %6.3f GB/s\n",
+                       k3_comm_kind_name((k3_comm_kind)k), bs, br, us, us > 0 ? (bs + br) / (us * 1e3) : 0.0);
+            }
         }
         if (D > 1 && plan.n_dsa > 0) {
             const int64_t f = ex == K3_TOPK_BUTTERFLY ? plan.topk_butterfly_bytes : plan.topk_allgather_bytes;
@@ -219,11 +235,18 @@ int k3_cmd_bench_dist(int argc, char **argv) {
                    " -- %s\n",
                    got, (long long)f, plan.n_dsa, ex == K3_TOPK_BUTTERFLY ? "log2(D)" : "(D-1)",
                    got == (double)f ? "agree" : "DIFFER");
+            /* every rank runs every row, so each receives the same */
+            const double all = (double)tall.recv[K3_COMM_TOPK] / tokens;
+            printf("  top-k exchange received per token, all %d ranks: measured %.0f B, %d x formula %lld B -- %s\n", N,
+                   all, N, (long long)(N * f), all == (double)(N * f) ? "agree" : "DIFFER");
         }
         if (D > 1) {
             const double got = (double)tot.recv[K3_COMM_LSE] / tokens;
             printf("  LSE merge received per token: measured %.0f B, k3 plan's formula %lld B -- %s\n", got,
                    (long long)plan.lse_bytes, got == (double)plan.lse_bytes ? "agree" : "DIFFER");
+            const double all = (double)tall.recv[K3_COMM_LSE] / tokens;
+            printf("  LSE merge received per token, all %d ranks: measured %.0f B, %d x formula %lld B -- %s\n", N, all,
+                   N, (long long)(N * plan.lse_bytes), all == (double)(N * plan.lse_bytes) ? "agree" : "DIFFER");
         }
     }
     free(ms);

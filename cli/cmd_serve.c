@@ -36,6 +36,8 @@ static int usage_serve(void) {
             "                               a prompt token priced by its position (default 0: off)\n"
             "  --max-waiting N              waiting requests before 503 (default 256)\n"
             "  --cache-tokens N             cache pool size in tokens (default: from the machine)\n"
+            "  --block-size N               tokens per cache block (default 64; under --dcp D a multiple of\n"
+            "                               D x --dcp-interleave, by default 64 rounded up to one)\n"
             "  --no-prefix-cache            turn prefix caching off\n"
             "  --snapshot-mb N              byte budget of the prefix cache's KDA snapshots (default: the engine's)\n"
             "  --quant MODE                 none | w8a8 | w8a8-mxfp8 | w4a8 | w8a8+w4a8 (default %s)\n"
@@ -47,8 +49,10 @@ static int usage_serve(void) {
             "  --vision-threads N           threads of the image encoder's own pool (default: --threads)\n"
             "  --timeout S                  drop a client idle this long (default 30)\n"
             "  --max-connections N          connections at once, one thread each (default 1024)\n"
-            "  --ep E                       under mpirun -np E: the routed experts split over E ranks; rank 0\n"
-            "                               serves HTTP and runs the engine, the others replay its forward passes\n"
+            "  --ep E, --dcp D              under mpirun -np N: the routed experts split over E ranks, the\n"
+            "                               cache sharded by token over D ranks (--dcp-interleave I,\n"
+            "                               --dcp-topk-exchange allgather|butterfly); rank 0 serves HTTP and\n"
+            "                               runs the engine, the others replay its forward passes\n"
             "  --dist-timeout S             a rank silent this long mid-pass ends the job (default 300)\n",
             K3_DEFAULT_QUANT, K3_DEFAULT_KV);
     return 2;
@@ -98,7 +102,8 @@ out:
 int k3_cmd_serve(int argc, char **argv) {
     const char *dir = K3_DEFAULT_MODEL, *host = "127.0.0.1", *api_key = NULL, *name = NULL;
     const char *quant = K3_DEFAULT_QUANT, *kv_name = K3_DEFAULT_KV;
-    long port = 8000, max_len = 0, max_seqs = 0, max_batched = 0, max_step_cost = 0, max_waiting = 256, cache_tokens = 0;
+    long port = 8000, max_len = 0, max_seqs = 0, max_batched = 0, max_step_cost = 0, max_waiting = 256, cache_tokens = 0,
+         block = 0;
     long max_body = 0, timeout = 0, snapshot_mb = 0, max_conn = 1024, max_image_px = 0, vthreads = 0;
     bool keep_mapped = false, no_prefix = false;
     long threads = k3_cli_default_threads();
@@ -120,6 +125,7 @@ int k3_cmd_serve(int argc, char **argv) {
         else if (ARG("--max-step-cost")) max_step_cost = parse_long(argv[++i], &bad);
         else if (ARG("--max-waiting")) max_waiting = parse_long(argv[++i], &bad);
         else if (ARG("--cache-tokens")) cache_tokens = parse_long(argv[++i], &bad);
+        else if (ARG("--block-size")) block = parse_long(argv[++i], &bad);
         else if (ARG("--snapshot-mb")) snapshot_mb = parse_long(argv[++i], &bad);
         else if (ARG("--quant")) quant = argv[++i];
         else if (ARG("--kv-cache")) kv_name = argv[++i];
@@ -140,8 +146,8 @@ int k3_cmd_serve(int argc, char **argv) {
     }
     k3_kv_type kv;
     if (bad || port > 65535 || threads < 1 || max_seqs > 1 << 20 || max_batched > 1 << 24 || max_step_cost > 1 << 24 ||
-        max_waiting > 1 << 20 || snapshot_mb > 1 << 24 || max_conn > 65536 || timeout > 86400 || vthreads > 64 ||
-        max_image_px > K3_IMAGE_MAX_PIXELS) {
+        max_waiting > 1 << 20 || block > 4096 || snapshot_mb > 1 << 24 || max_conn > 65536 || timeout > 86400 ||
+        vthreads > 64 || max_image_px > K3_IMAGE_MAX_PIXELS) {
         fprintf(stderr, "k3 serve: a numeric option is not a non-negative integer in range\n");
         return 2;
     }
@@ -152,14 +158,6 @@ int k3_cmd_serve(int argc, char **argv) {
     if (!api_key) api_key = getenv("K3_API_KEY");
     if (!name) name = dir;
     if (k3_cli_dist_start(&cd, "serve")) return k3_cli_dist_exit(&cd, 2);
-    if (cd.d && k3_dist_dcp_size(cd.d) > 1) {
-        /* every rank sees it; rank 0 says it */
-        if (cd.rank == 0)
-            fprintf(stderr, "k3 serve: --dcp %d is not supported by serve yet (the engine's global block tables "
-                            "would need the DCP per-rank layout); use --ep alone\n", k3_dist_dcp_size(cd.d));
-        k3_cli_dist_end(&cd);
-        return k3_cli_dist_exit(&cd, 2);
-    }
     if (cd.d && cd.rank != 0) return serve_worker(&cd, dir, quant, keep_mapped, (int)threads);
 
     k3_error err = {0};
@@ -181,10 +179,9 @@ int k3_cmd_serve(int argc, char **argv) {
         goto fail;
     /* the vision tower, if the checkpoint has one, with --quant's mode (as
      * k3 run --image) and a pool of its own: HTTP threads encode images
-     * while the engine thread steps on its pool */
-    if (cd.d) {
-        vis = NULL; /* the other ranks would get the pads' ids, not the image rows: text only */
-    } else if (k3_vision_open(&vis, m, &err)) {
+     * while the engine thread steps on its pool; under mpirun rank 0 encodes
+     * and the rows go to the other ranks with each batch */
+    if (k3_vision_open(&vis, m, &err)) {
         if (err.status != K3_ERR_UNSUPPORTED || !strstr(err.msg, "no vision tower")) goto fail;
         vis = NULL;
         err = (k3_error){0};
@@ -204,6 +201,7 @@ int k3_cmd_serve(int argc, char **argv) {
                             .max_step_cost = (int32_t)max_step_cost,
                             .max_model_len = max_len,
                             .cache_tokens = cache_tokens,
+                            .block_size = (int32_t)block,
                             .kv_cache = kv,
                             .no_prefix_cache = no_prefix,
                             .snapshot_bytes = (int64_t)snapshot_mb << 20,
@@ -242,6 +240,13 @@ int k3_cmd_serve(int argc, char **argv) {
             dir, name, quant, kv_name, threads, (long long)st.max_model_len, max_seqs ? max_seqs : 16,
             (long long)st.cache_tokens, (long long)st.blocks_total, no_prefix ? "off" : "on",
             vis ? "on" : "off (text only)");
+    if (cd.d)
+        fprintf(stderr,
+                "k3 serve: %d ranks, DCP %d (interleave %d), EP %d: cache %lld bytes per rank (block %d tokens, "
+                "%d per rank)\n",
+                k3_dist_size(cd.d), k3_dist_dcp_size(cd.d), k3_dist_interleave(cd.d), k3_dist_ep_size(cd.d),
+                (long long)k3_engine_cache_bytes(eng), (int)(st.cache_tokens / st.blocks_total),
+                (int)(st.cache_tokens / st.blocks_total / k3_dist_dcp_size(cd.d)));
     const bool v6 = strchr(host, ':') != NULL;
     fprintf(stderr, "k3 serve: listening on http://%s%s%s:%d%s\n", v6 ? "[" : "", host, v6 ? "]" : "",
             k3_server_port(srv), api_key && *api_key ? " (API key required)" : "");

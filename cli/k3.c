@@ -288,10 +288,7 @@ int k3_cmd_run(int argc, char **argv) {
             fprintf(stderr, "k3 run: --image needs a text prompt, not --ids\n");
             goto out_quiet;
         }
-        if (cd.d) { /* the other ranks would get the pads' ids, not the image rows */
-            fprintf(stderr, "k3 run: --image runs in one process, not with --dcp or --ep\n");
-            goto out_quiet;
-        }
+        /* under mpirun rank 0 encodes; the rows go to the other ranks with the batch */
         if (k3_pool_init(&pool, threads, &err)) goto out;
         if (chat && k3_cli_chat_content_at(tok, system, think, ids, n_ids, &at, &err)) goto out;
         if (k3_cli_images_insert(&img, m, tok, pool, quant, image_files, n_images, at, &ids, &n_ids, &err)) goto out;

@@ -587,12 +587,22 @@ typedef struct k3_comm_stats {
 const char *k3_comm_kind_name(k3_comm_kind k);
 /* Copies the counters into *out and resets them. */
 void k3_dist_stats_take(k3_dist *d, k3_comm_stats *out);
+/* Rank 0 of several (dcp-serve): takes its own counters into *mine and
+ * every rank's, summed, into *all (either may be NULL); the other ranks,
+ * waiting in k3_dist_worker or k3_dist_worker_pool, take and add theirs.
+ * One process: both get this process's counters. */
+k3_status k3_dist_stats_take_all(k3_dist *d, k3_comm_stats *mine, k3_comm_stats *all, k3_error *err);
+/* Bytes of the latent and indexer cache pool an engine's context holds on
+ * this rank (under DCP each rank holds the same: 1/D of one process's). */
+int64_t k3_engine_cache_bytes(const k3_engine *e);
 /* k3 serve's ranks > 0: waits for rank 0's engine to make its context (same
  * options, on model m and pool), then replays every call the engine makes on
  * it, until k3_dist_release (K3_OK) or a failure. Frees the context. */
 k3_status k3_dist_worker_pool(k3_dist *d, const k3_model *m, k3_pool *pool, k3_error *err);
-/* Rank 0's cross-rank counters summed over an engine's steps since it opened
- * (any thread); false (and zeros) when the engine runs in one process. */
+/* The cross-rank counters of every rank, summed over the ranks and over an
+ * engine's steps since it opened (any thread; taken with
+ * k3_dist_stats_take_all after each step); false (and zeros) when the
+ * engine runs in one process. */
 bool k3_engine_comm_stats(k3_engine *e, k3_comm_stats *out);
 
 /* k3_model_open keeping only the routed experts of EP rank ep_rank of

@@ -84,11 +84,29 @@ compare "f32 dcp 3 (4 heads: every partial gathered)" "$TMP/ref_f32.bin" "$TMP/r
 compare "f32 dcp 2, interleave 4, 2 threads" "$TMP/ref_f32.bin" "$TMP/ref_f32.txt" 2 --quant none --kv-cache f32 \
     --dcp 2 --dcp-interleave 4 --threads 2
 
+# images under mpirun (vision-tiny: no routed experts, so DCP): rank 0
+# encodes, the rows go to the other ranks with the batch; logits and text =
+# one process
+VT=tests/models/vision-tiny
+VI=tests/golden/vision/images
+VRUN="run -m $VT --quant none --temp 0 -n 6 --threads 1 --image $VI/rgb_200x130.png --image $VI/photo_67x45.jpg"
+"$K3" $VRUN --dump-logits "$TMP/vref.bin" "Which is brighter?" >"$TMP/vref.txt" 2>"$TMP/ref.err" ||
+    bad "one-process image reference" "$TMP/ref.err"
+rm -f "$TMP/d.bin"
+if $MPI -np 2 "$K3" $VRUN --dcp 2 --dump-logits "$TMP/d.bin" "Which is brighter?" >"$TMP/d.txt" 2>"$TMP/d.err" &&
+    "$BUILD/k3-cmp" "$TMP/vref.bin" "$TMP/d.bin" 1e-5 >"$TMP/cmp" 2>&1 && cmp -s "$TMP/vref.txt" "$TMP/d.txt"; then
+    ok "run --image x2 --dcp 2: $(cut -d, -f1 "$TMP/cmp"), same greedy text"
+else
+    bad "run --image x2 --dcp 2" "$TMP/d.err"
+    sed 's/^/    /' "$TMP/cmp" 2>/dev/null | head -3
+fi
+
 # k3 bench's counters against the formulas
 for ex in allgather butterfly; do
     $MPI -np 4 "$K3" bench -m $M --dcp 4 --dcp-topk-exchange $ex --contexts 64 --runs 1 --decode-tokens 2 \
         --quant none --kv-cache f32 >"$TMP/b" 2>&1
-    if [ "$(grep -c -- "-- agree" "$TMP/b")" -eq 2 ]; then ok "bench dcp 4 $ex: top-k and LSE bytes agree with the formulas"
+    if [ "$(grep -c -- "-- agree" "$TMP/b")" -eq 4 ] && ! grep -q DIFFER "$TMP/b"; then
+        ok "bench dcp 4 $ex: top-k and LSE bytes (rank 0, and all 4 ranks summed) agree with the formulas"
     else bad "bench dcp 4 $ex: counters against the formulas" "$TMP/b"; fi
 done
 
@@ -98,8 +116,12 @@ python3 -c 'import json,sys
 d = json.load(open(sys.argv[1]))
 for c in d["contexts"]:
     assert c["comm"]["topk_exchange"]["recv_per_token"] == c["topk_formula_bytes"] > 0
-    assert c["comm"]["lse_merge"]["recv_per_token"] == c["lse_formula_bytes"] > 0 and c["decode_ms"] > 0' "$TMP/j" 2>"$TMP/jerr" &&
-    ok "bench --json under mpirun: counters = formulas" || bad "bench --json under mpirun" "$TMP/jerr"
+    assert c["comm"]["lse_merge"]["recv_per_token"] == c["lse_formula_bytes"] > 0 and c["decode_ms"] > 0
+    a, n = c["comm_all_ranks"], c["ranks_summed"]
+    assert n == 2 and a["topk_exchange"]["recv_per_token"] == n * c["topk_formula_bytes"]
+    assert a["lse_merge"]["recv_per_token"] == n * c["lse_formula_bytes"]
+    assert all(a[k]["sent_per_token"] == a[k]["recv_per_token"] for k in a)' "$TMP/j" 2>"$TMP/jerr" &&
+    ok "bench --json under mpirun: counters = formulas (rank 0, and summed over the ranks)" || bad "bench --json under mpirun" "$TMP/jerr"
 
 # each rank's cache is 1/D of one process's (1024 and 1000 tokens: whole blocks)
 mem() { grep "^$1 bytes per rank:" "$2" | cut -d: -f2; }
@@ -152,35 +174,97 @@ if "$K3" $RUN --dcp 2 >/dev/null 2>"$TMP/err"; then bad "--dcp 2 without mpirun"
     grep -q "mpirun" "$TMP/err" && ok "--dcp 2 without mpirun says to use mpirun" || bad "--dcp 2 without mpirun" "$TMP/err"
 fi
 
-# k3 serve --ep 2 under mpirun against one process (tests/mpi_serve.py);
-# rank 0 ends on SIGTERM and lets the other rank go: mpirun exits 0
+# k3 serve under mpirun against one process (tests/mpi_serve.py): --ep 2,
+# --dcp 2 (the engine's global block tables on every rank's 1/D cache; the
+# 150-token prompt is over index_topk, so DSA selection runs) and --dcp 2
+# --ep 2 on 4 ranks; rank 0 ends on SIGTERM and lets the others go: mpirun
+# exits 0
 port_of() { sed -n 's/.*listening on http:\/\/127.0.0.1:\([0-9]*\).*/\1/p' "$1" | head -1; }
-wait_port() { for i in $(seq 150); do p=$(port_of "$1"); [ -n "$p" ] && { echo "$p"; return; }; sleep 0.1; done; }
-SRV="serve -m $M --port 0 --threads 1 --max-num-seqs 4"
-$MPI -np 2 "$K3" $SRV --ep 2 >/dev/null 2>"$TMP/s2" </dev/null &
-mpid=$!
-timeout 60 "$K3" $SRV >/dev/null 2>"$TMP/s1" </dev/null &
+wait_port() { for i in $(seq 300); do p=$(port_of "$1"); [ -n "$p" ] && { echo "$p"; return; }; sleep 0.1; done; }
+SRV="serve -m $M --port 0 --threads 1 --max-num-seqs 4 --cache-tokens 16384"
+timeout 300 "$K3" $SRV >/dev/null 2>"$TMP/s1" </dev/null &
 spid=$!
 trap 'kill $mpid $spid 2>/dev/null; rm -rf "$TMP"' EXIT
-p2=$(wait_port "$TMP/s2")
 p1=$(wait_port "$TMP/s1")
-if [ -n "$p2" ] && [ -n "$p1" ] && timeout 100 python3 tests/mpi_serve.py "$p2" "$p1" --metrics >"$TMP/c" 2>&1; then
-    ok "serve --ep 2: $(grep -c '^ok' "$TMP/c") client checks (greedy text = one process, prefix-cache hit, two in flight, /metrics cross-rank counters)"
+# rank0_of PID: the process of MPI rank 0 among PID's descendants (not a
+# pattern match: other checkouts may run the same commands at the same time)
+rank0_of() {
+    todo=$1
+    while [ -n "$todo" ]; do
+        next=
+        for q in $todo; do
+            tr '\0' '\n' </proc/$q/environ 2>/dev/null | grep -qx OMPI_COMM_WORLD_RANK=0 && { echo $q; return; }
+            next="$next $(pgrep -P $q | tr '\n' ' ')"
+        done
+        todo=$(echo $next)
+    done
+}
+# serve_check NP GROW ARGS...: the server under mpirun -np NP with ARGS against
+# the one-process server; GROW: the counter kinds that must grow in /metrics
+serve_check() {
+    np=$1 grow=$2
+    shift 2
+    name="serve $*"
+    $MPI -np "$np" "$K3" $SRV "$@" >/dev/null 2>"$TMP/s2" </dev/null &
+    mpid=$!
+    p2=$(wait_port "$TMP/s2")
+    echo "$(sed -n 's/.*DCP \([0-9]*\) .*cache \([0-9]*\) bytes per rank.*/\1 \2/p' "$TMP/s2")" >>"$TMP/cachebytes"
+    if [ -n "$p2" ] && [ -n "$p1" ] && timeout 100 python3 tests/mpi_serve.py "$p2" "$p1" --metrics --grow "$grow" >"$TMP/c" 2>&1; then
+        ok "$name: $(grep -c '^ok' "$TMP/c") client checks (greedy text = one process, prefix-cache hit, two in flight, /metrics $grow grow)"
+    else
+        bad "$name (ports '$p2' '$p1')" "$TMP/c"
+        sed 's/^/    /' "$TMP/s2" | tail -5
+    fi
+    # SIGTERM to rank 0 (the k3 process whose rank is 0)
+    r0=$(rank0_of $mpid)
+    [ -n "$r0" ] && kill -TERM "$r0"
+    wait $mpid
+    rc=$?
+    if [ -n "$r0" ] && [ $rc -eq 0 ] && grep -q "shutting down" "$TMP/s2"; then ok "$name: SIGTERM on rank 0 ends every rank (exit 0)"
+    else bad "$name: SIGTERM on rank 0 (rank 0 pid '$r0', exit $rc)" "$TMP/s2"; fi
+}
+serve_check 2 ep_dispatch,ep_combine --ep 2
+serve_check 2 topk_exchange,lse_merge --dcp 2
+serve_check 4 topk_exchange,lse_merge,ep_dispatch,ep_combine --dcp 2 --ep 2
+# preemption under DCP: a 320-token pool for four requests at once
+$MPI -np 2 "$K3" serve -m $M --port 0 --threads 1 --max-num-seqs 4 --cache-tokens 320 --dcp 2 >/dev/null \
+    2>"$TMP/s2" </dev/null &
+mpid=$!
+p2=$(wait_port "$TMP/s2")
+if [ -n "$p2" ] && [ -n "$p1" ] && timeout 100 python3 tests/mpi_serve.py "$p2" "$p1" --preempt >"$TMP/c" 2>&1; then
+    ok "serve --dcp 2: $(sed 's/^ok   //' "$TMP/c")"
 else
-    bad "serve --ep 2 (ports '$p2' '$p1')" "$TMP/c"
-    sed 's/^/    /' "$TMP/s2" | tail -5
+    bad "serve --dcp 2 preemption (ports '$p2' '$p1')" "$TMP/c"
 fi
-kill $spid 2>/dev/null
-# SIGTERM to rank 0 (the k3 process whose rank is 0)
-r0=
-for c in $(pgrep -f "serve -m $M --port 0 --threads 1 --max-num-seqs 4 --ep 2"); do
-    tr '\0' '\n' </proc/$c/environ 2>/dev/null | grep -qx OMPI_COMM_WORLD_RANK=0 && r0=$c
-done
+r0=$(rank0_of $mpid)
 [ -n "$r0" ] && kill -TERM "$r0"
 wait $mpid
-rc=$?
-if [ -n "$r0" ] && [ $rc -eq 0 ] && grep -q "shutting down" "$TMP/s2"; then ok "serve --ep 2: SIGTERM on rank 0 ends every rank (exit 0)"
-else bad "serve --ep 2: SIGTERM on rank 0 (rank 0 pid '$r0', exit $rc)" "$TMP/s2"; fi
+kill $spid 2>/dev/null
+# the cache bytes per rank each server printed: DCP 2's are half of DCP 1's
+if awk 'NR == 1 { one = $2 } NF == 2 && $2 * $1 != one { bad = 1 } END { exit bad || NR != 3 || one < 1 }' "$TMP/cachebytes"; then
+    ok "serve: cache bytes per rank $(cut -d' ' -f2 "$TMP/cachebytes" | tr '\n' ' ')(DCP 1, 2, 2): 1/D"
+else
+    bad "serve: cache bytes per rank (DCP, bytes): $(tr '\n' ';' <"$TMP/cachebytes")"
+fi
+# chat with images against k3 serve --dcp 2 on vision-tiny
+VSRV="serve -m $VT --port 0 --threads 1 --max-num-seqs 4"
+timeout 120 "$K3" $VSRV >/dev/null 2>"$TMP/s1" </dev/null &
+spid=$!
+$MPI -np 2 "$K3" $VSRV --dcp 2 >/dev/null 2>"$TMP/s2" </dev/null &
+mpid=$!
+p1=$(wait_port "$TMP/s1")
+p2=$(wait_port "$TMP/s2")
+if [ -n "$p2" ] && [ -n "$p1" ] && grep -q "images on" "$TMP/s2" &&
+    timeout 100 python3 tests/mpi_serve.py "$p2" "$p1" --images "$VI/rgb_200x130.png,$VI/photo_67x45.jpg" >"$TMP/c" 2>&1; then
+    ok "serve --dcp 2 with images: $(grep -c '^ok' "$TMP/c") chat checks (greedy text = one process)"
+else
+    bad "serve --dcp 2 with images (ports '$p2' '$p1')" "$TMP/c"
+    sed 's/^/    /' "$TMP/s2" | tail -3
+fi
+kill $spid 2>/dev/null
+r0=$(rank0_of $mpid)
+[ -n "$r0" ] && kill -TERM "$r0"
+wait $mpid
 # a rank that hangs under serve: the request fails, rank 0 names the
 # collective and ends the job (non-zero, not the timeout)
 $MPI -np 2 "$K3" $SRV --ep 2 --dist-timeout 3 --dist-test-hang 1 >/dev/null 2>"$TMP/s3" </dev/null &
@@ -194,7 +278,8 @@ rc=$?
 if [ $rc -ne 0 ] && [ $rc -lt 124 ] && grep -q "the engine failed: .*got no answer within 3 s" "$TMP/s3"; then
     ok "serve --ep 2: a hanging rank fails the request and ends the job (exit $rc)"
 else bad "serve --ep 2: a hanging rank (exit $rc)" "$TMP/s3"; fi
-expect_fail "serve refuses --dcp 2" "not supported by serve yet" 2 serve -m $M --port 0 --dcp 2 --threads 1
+expect_fail "serve --dcp 2 refuses a block size not a multiple of D x I" "block size 24 is not a multiple of --dcp 2 x --dcp-interleave 16" \
+    2 serve -m $M --port 0 --dcp 2 --dcp-interleave 16 --block-size 24 --threads 1
 
 echo "mpi: $pass passed, $fail failed"
 [ "$fail" -eq 0 ]

@@ -11,6 +11,7 @@
 
 #include "common/error.h"
 #include "dist/dist.h"
+#include "engine/ctx.h"
 #include "k3.h"
 #include "model/model.h"
 #include "test.h"
@@ -33,6 +34,55 @@ K3_TEST(dist_dcp_layout_brute_force) {
                 for (int q = 0; q < D; q++) CHECK(k3_dcp_count(x + 1, q, D, I) == seen[q]);
             }
         }
+}
+
+/* The DCP cache layout (ctx.h): a sequence's global block table indexes
+ * every rank's cache; global block B holds, on each rank, bs/D slots: its own
+ * tokens of positions [B*bs, (B+1)*bs) in order. Brute force over D, I, bs
+ * and a scrambled block table: each position has exactly one owner, the
+ * owner's slot lies in the block's bs/D slots, the slots of a rank are
+ * distinct and fill its blocks exactly, and the j-th own token's slot is
+ * k3_ctx_local_slot(j) (what the DCP attention reads). */
+K3_TEST(dist_dcp_global_block_slots) {
+    int32_t table[6] = {4, 1, 5, 0, 3, 2};
+    k3_seq seq = {0, table, 6};
+    for (int D = 1; D <= 4; D++)
+        for (int I = 1; I <= 3; I++)
+            for (int mult = 1; mult <= 2; mult++) {
+                const int bs = D * I * 2 * mult, lbs = bs / D, n = 6 * bs;
+                int owners[6 * 48] = {0};
+                for (int r = 0; r < D; r++) {
+                    k3_ctx ctx;
+                    memset(&ctx, 0, sizeof ctx);
+                    ctx.seqs = &seq;
+                    ctx.block_size = bs;
+                    ctx.lbs = lbs;
+                    ctx.dcp = D;
+                    ctx.dcp_rank = r;
+                    ctx.dcp_il = I;
+                    int used[6 * 48] = {0}; /* slots [0, 6*lbs) */
+                    int64_t j = 0;
+                    for (int64_t x = 0; x < n; x++) {
+                        const int64_t slot = k3_ctx_own_slot(&ctx, 0, x);
+                        if (slot < 0) {
+                            CHECK(k3_dcp_owner(x, D, I) != r);
+                            continue;
+                        }
+                        owners[x]++;
+                        CHECK(k3_dcp_owner(x, D, I) == r);
+                        const int64_t base = (int64_t)table[x / bs] * lbs;
+                        CHECKF(slot >= base && slot < base + lbs, "D %d I %d bs %d x %lld: slot %lld outside block %d",
+                               D, I, bs, (long long)x, (long long)slot, table[x / bs]);
+                        CHECK(used[slot]++ == 0);
+                        CHECK(k3_dcp_local(x, D, I) == j);
+                        CHECK(k3_ctx_local_slot(&ctx, 0, j) == slot);
+                        j++;
+                    }
+                    CHECK(j == 6 * lbs);
+                    for (int i = 0; i < 6 * lbs; i++) CHECK(used[i] == 1);
+                }
+                for (int64_t x = 0; x < n; x++) CHECK(owners[x] == 1);
+            }
 }
 
 static int cmp_plain(const void *pa, const void *pb) {

@@ -39,9 +39,13 @@ k3_status k3_dist_ctx_setup(k3_ctx *ctx, k3_dist *d, k3_error *err) {
     ctx->ep_rank = k3_dist_ep_rank(d);
     if (ctx->dcp > 64)
         return k3_err(err, K3_ERR_UNSUPPORTED, "context: --dcp %d, at most 64 supported", ctx->dcp);
-    if (ctx->dcp > 1 && ctx->block_size % ctx->dcp_il)
-        return k3_err(err, K3_ERR_ARG, "context: the block size %d is not a multiple of --dcp-interleave %d",
-                      ctx->block_size, ctx->dcp_il);
+    /* a block then holds bs/D tokens of every rank (ctx.h k3_ctx_own_slot) */
+    if (ctx->dcp > 1 && ctx->block_size % (ctx->dcp * ctx->dcp_il))
+        return k3_err(err, K3_ERR_ARG,
+                      "context: the block size %d is not a multiple of --dcp %d x --dcp-interleave %d (a block "
+                      "holds the same number of tokens of every DCP rank)",
+                      ctx->block_size, ctx->dcp, ctx->dcp_il);
+    ctx->lbs = ctx->block_size / (ctx->dcp > 1 ? ctx->dcp : 1);
     if (ctx->ep > 1) {
         if (c->n_experts < 1)
             return k3_err(err, K3_ERR_ARG, "context: --ep %d but the model has no routed experts", ctx->ep);
@@ -131,11 +135,8 @@ static const k3_span *span_of(const k3_ctx *ctx, int64_t t) {
     return NULL;
 }
 
-/* slot of this rank's local index j of sequence seq */
-static inline int64_t local_slot(const k3_ctx *ctx, int32_t seq, int64_t j) {
-    const k3_seq *s = &ctx->seqs[seq];
-    return (int64_t)s->blocks[j / ctx->block_size] * ctx->block_size + j % ctx->block_size;
-}
+/* slot of this rank's local index j of sequence seq (ctx.h) */
+#define local_slot k3_ctx_local_slot
 
 /* Rows that exchange: local indexer scores over the own keys, the local
  * top-k as candidates (sorted, padded to k). */

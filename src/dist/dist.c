@@ -309,17 +309,96 @@ k3_status k3_dist_max(k3_dist *d, double *v, int32_t n, k3_error *err) { return 
 
 /* ---- rank 0's command channel ------------------------------------------------------ */
 
-enum { CMD_STOP = 1, CMD_FORWARD, CMD_RESET, CMD_FILL, CMD_POOL, CMD_RUN, CMD_BLOCKS, CMD_POS, CMD_CLEAR, CMD_RESTORE };
+enum { CMD_STOP = 1, CMD_FORWARD, CMD_RESET, CMD_FILL, CMD_POOL, CMD_RUN, CMD_BLOCKS, CMD_POS, CMD_CLEAR, CMD_RESTORE,
+       CMD_STATS };
 
 typedef struct cmd_hdr {
     int32_t cmd, n_seqs, mode, pad;
     int64_t n_tokens, a, b;
 } cmd_hdr;
 
+/* ---- image rows (k3_batch_seq.embeds) after a batch ---------------------------------
+ * The header's field a counts them; when non-zero a flag per token (1: the
+ * row follows) and the rows themselves (row_floats floats each) follow the
+ * ids, in token order. */
+
+static int64_t embed_rows(const k3_batch_seq *batch, int32_t n_seqs) {
+    int64_t n = 0;
+    for (int32_t i = 0; i < n_seqs; i++)
+        for (int32_t t = 0; batch[i].embeds && t < batch[i].n_tokens; t++) n += batch[i].embeds[t] != NULL;
+    return n;
+}
+
+/* refused before anything is sent: a message over MPI's int count */
+static k3_status embed_check(int64_t rows, int64_t row_floats, k3_error *err) {
+    if (rows > 0 && (row_floats < 1 || rows > (int64_t)INT32_MAX / 4 / row_floats))
+        return k3_err(err, K3_ERR_RANGE, "dist: %lld image rows of %lld floats are over one broadcast (2 GB)",
+                      (long long)rows, (long long)row_floats);
+    return K3_OK;
+}
+
+static k3_status send_embeds(k3_dist *d, const k3_batch_seq *batch, int32_t n_seqs, int64_t n_tokens, int64_t rows,
+                             int64_t row_floats, k3_error *err) {
+    if (rows == 0 || d->fail.status) return k3_dist_failed(d, err);
+    int32_t *flag = malloc(sizeof(int32_t) * (size_t)(n_tokens + 1));
+    float *f = malloc(sizeof(float) * (size_t)(rows * row_floats));
+    if (!flag || !f) {
+        free(flag), free(f);
+        /* the workers wait for the rows: the link cannot go on */
+        return k3_err(err, dist_fail(d, "sending image rows (out of memory)", MPI_SUCCESS), "%s", d->fail.msg);
+    }
+    int64_t o = 0, r = 0;
+    for (int32_t i = 0; i < n_seqs; i++)
+        for (int32_t t = 0; t < batch[i].n_tokens; t++, o++) {
+            const float *e = batch[i].embeds ? batch[i].embeds[t] : NULL;
+            flag[o] = e != NULL;
+            if (e) memcpy(f + r++ * row_floats, e, sizeof(float) * (size_t)row_floats);
+        }
+    if (!bcast(d, flag, sizeof(int32_t) * (size_t)n_tokens, "broadcast of image rows", d->timeout))
+        bcast(d, f, sizeof(float) * (size_t)(rows * row_floats), "broadcast of image rows", d->timeout);
+    free(flag), free(f);
+    return k3_dist_failed(d, err);
+}
+
+/* The worker's side: *ptrs gets a row pointer per token of the batch (NULL:
+ * the embedding table's), pointing into *buf; both caller-freed. */
+static k3_status recv_embeds(k3_dist *d, int64_t n_tokens, int64_t rows, int64_t row_floats, const float ***ptrs,
+                             float **buf, k3_error *err) {
+    *ptrs = NULL;
+    *buf = NULL;
+    if (rows == 0) return K3_OK;
+    if (rows < 0 || rows > n_tokens || row_floats < 1 || rows > (int64_t)INT32_MAX / 4 / row_floats)
+        return k3_err(err, K3_ERR_FORMAT, "dist: rank %d: %lld image rows for %lld tokens from rank 0", d->rank,
+                      (long long)rows, (long long)n_tokens);
+    int32_t *flag = malloc(sizeof(int32_t) * (size_t)n_tokens);
+    *buf = malloc(sizeof(float) * (size_t)(rows * row_floats));
+    *ptrs = calloc((size_t)n_tokens, sizeof(float *));
+    if (!flag || !*buf || !*ptrs) {
+        free(flag);
+        return k3_err(err, K3_ERR_NOMEM, "dist: rank %d: out of memory for image rows", d->rank);
+    }
+    k3_status s = K3_OK;
+    if (bcast(d, flag, sizeof(int32_t) * (size_t)n_tokens, "broadcast of image rows", d->timeout) ||
+        bcast(d, *buf, sizeof(float) * (size_t)(rows * row_floats), "broadcast of image rows", d->timeout))
+        s = k3_dist_failed(d, err);
+    int64_t r = 0;
+    for (int64_t t = 0; !s && t < n_tokens; t++) r += flag[t] != 0;
+    if (!s && r != rows)
+        s = k3_err(err, K3_ERR_FORMAT, "dist: rank %d: %lld image row flags from rank 0, but %lld rows", d->rank,
+                   (long long)r, (long long)rows);
+    r = 0;
+    for (int64_t t = 0; !s && t < n_tokens; t++)
+        if (flag[t]) (*ptrs)[t] = *buf + r++ * row_floats;
+    free(flag);
+    return s;
+}
+
 k3_status k3_dist_send_forward(k3_dist *d, const k3_batch_seq *batch, int32_t n_seqs, k3_logits_mode mode,
-                               k3_error *err) {
-    cmd_hdr h = {CMD_FORWARD, n_seqs, (int32_t)mode, 0, 0, 0, 0};
+                               int64_t row_floats, k3_error *err) {
+    cmd_hdr h = {CMD_FORWARD, n_seqs, (int32_t)mode, 0, 0, embed_rows(batch, n_seqs), 0};
     for (int32_t i = 0; i < n_seqs; i++) h.n_tokens += batch[i].n_tokens;
+    const k3_status es = embed_check(h.a, row_floats, err);
+    if (es) return es;
     const size_t bytes = sizeof(int32_t) * (size_t)(2 * n_seqs + h.n_tokens);
     int32_t *p = malloc(bytes ? bytes : 1);
     if (!p) return k3_err(err, K3_ERR_NOMEM, "dist: out of memory for a batch");
@@ -333,7 +412,7 @@ k3_status k3_dist_send_forward(k3_dist *d, const k3_batch_seq *batch, int32_t n_
     if (!bcast(d, &h, sizeof h, "broadcast of a batch", d->timeout))
         bcast(d, p, bytes, "broadcast of a batch", d->timeout);
     free(p);
-    return k3_dist_failed(d, err);
+    return send_embeds(d, batch, n_seqs, h.n_tokens, h.a, row_floats, err);
 }
 
 k3_status k3_dist_send_reset(k3_dist *d, int32_t seq, k3_error *err) {
@@ -359,13 +438,11 @@ k3_status k3_dist_send_pool(k3_dist *d, const k3_ctx_options *o, int32_t n_block
 }
 
 k3_status k3_dist_send_run(k3_dist *d, const k3_batch_seq *batch, int32_t n_seqs, const uint8_t *want,
-                           k3_error *err) {
-    cmd_hdr h = {CMD_RUN, n_seqs, 0, 0, 0, 0, 0};
-    for (int32_t i = 0; i < n_seqs; i++) {
-        h.n_tokens += batch[i].n_tokens;
-        if (batch[i].embeds)
-            return k3_err(err, K3_ERR_UNSUPPORTED, "dist: image embeddings are not sent to the other ranks yet");
-    }
+                           int64_t row_floats, k3_error *err) {
+    cmd_hdr h = {CMD_RUN, n_seqs, 0, 0, 0, embed_rows(batch, n_seqs), 0};
+    for (int32_t i = 0; i < n_seqs; i++) h.n_tokens += batch[i].n_tokens;
+    const k3_status es = embed_check(h.a, row_floats, err);
+    if (es) return es;
     const size_t bytes = sizeof(int32_t) * (size_t)(3 * n_seqs + h.n_tokens);
     int32_t *p = malloc(bytes ? bytes : 1);
     if (!p) return k3_err(err, K3_ERR_NOMEM, "dist: out of memory for a batch");
@@ -380,7 +457,7 @@ k3_status k3_dist_send_run(k3_dist *d, const k3_batch_seq *batch, int32_t n_seqs
     if (!bcast(d, &h, sizeof h, "broadcast of a batch", d->timeout))
         bcast(d, p, bytes, "broadcast of a batch", d->timeout);
     free(p);
-    return k3_dist_failed(d, err);
+    return send_embeds(d, batch, n_seqs, h.n_tokens, h.a, row_floats, err);
 }
 
 k3_status k3_dist_send_blocks(k3_dist *d, int32_t seq, const int32_t *blocks, int32_t n, k3_error *err) {
@@ -407,6 +484,46 @@ k3_status k3_dist_send_restore(k3_dist *d, int32_t seq, const void *state, int64
     if (!bcast(d, &h, sizeof h, "broadcast of a state restore", d->timeout) && bytes > 0)
         bcast(d, (void *)state, (size_t)bytes, "broadcast of a state restore", d->timeout);
     return k3_dist_failed(d, err);
+}
+
+/* Every rank takes its counters and they are summed (an all-reduce of
+ * 4 x K3_COMM_COUNT doubles: exact to 2^53 bytes). */
+static k3_status stats_sum(k3_dist *d, k3_comm_stats *mine, k3_comm_stats *all, k3_error *err) {
+    k3_comm_stats own;
+    k3_dist_stats_take(d, &own);
+    if (mine) *mine = own;
+    enum { K = K3_COMM_COUNT };
+    double v[4 * K];
+    for (int k = 0; k < K; k++) {
+        v[k] = (double)own.sent[k];
+        v[K + k] = (double)own.recv[k];
+        v[2 * K + k] = (double)own.calls[k];
+        v[3 * K + k] = own.seconds[k];
+    }
+    const k3_status s = reduce(d, v, 4 * K, MPI_SUM, err);
+    if (all) {
+        memset(all, 0, sizeof *all);
+        for (int k = 0; !s && k < K; k++) {
+            all->sent[k] = (int64_t)v[k];
+            all->recv[k] = (int64_t)v[K + k];
+            all->calls[k] = (int64_t)v[2 * K + k];
+            all->seconds[k] = v[3 * K + k];
+        }
+    }
+    return s;
+}
+
+k3_status k3_dist_stats_take_all(k3_dist *d, k3_comm_stats *mine, k3_comm_stats *all, k3_error *err) {
+    if (!d || d->size == 1 || d->rank != 0) {
+        k3_comm_stats own = {0};
+        if (d) k3_dist_stats_take(d, &own);
+        if (mine) *mine = own;
+        if (all) *all = own;
+        return d && d->rank != 0 ? k3_err(err, K3_ERR_ARG, "dist: only rank 0 sums the counters") : K3_OK;
+    }
+    cmd_hdr h = {CMD_STATS, 0, 0, 0, 0, 0, 0};
+    if (bcast(d, &h, sizeof h, "broadcast of a counter sum", d->timeout)) return k3_dist_failed(d, err);
+    return stats_sum(d, mine, all, err);
 }
 
 k3_status k3_dist_release(k3_dist *d, k3_error *err) {
@@ -461,10 +578,12 @@ static k3_status worker_engine_cmd(k3_dist *d, k3_ctx *ctx, const cmd_hdr *h, k3
     int32_t *p = malloc(bytes ? bytes : 1);
     k3_batch_seq *b = calloc((size_t)(h->n_seqs ? h->n_seqs : 1), sizeof *b);
     uint8_t *want = malloc((size_t)(h->n_seqs ? h->n_seqs : 1));
-    float *logits = NULL;
+    float *logits = NULL, *ebuf = NULL;
+    const float **eptr = NULL;
     k3_status s = K3_OK;
     if (!p || !b || !want) s = k3_err(err, K3_ERR_NOMEM, "dist: rank %d: out of memory for a batch", d->rank);
     if (!s && bcast(d, p, bytes, "broadcast of a batch", d->timeout)) s = k3_dist_failed(d, err);
+    if (!s) s = recv_embeds(d, h->n_tokens, h->a, ctx->c->hidden_size, &eptr, &ebuf, err);
     if (!s) {
         int64_t o = 3 * h->n_seqs, rows = 0;
         for (int32_t i = 0; i < h->n_seqs; i++) {
@@ -476,6 +595,7 @@ static k3_status worker_engine_cmd(k3_dist *d, k3_ctx *ctx, const cmd_hdr *h, k3
             b[i].seq = p[3 * i];
             b[i].n_tokens = n;
             b[i].tokens = p + o;
+            b[i].embeds = eptr ? eptr + (o - 3 * h->n_seqs) : NULL;
             want[i] = (uint8_t)p[3 * i + 2];
             rows += want[i] == K3_WANT_ALL ? n : want[i] == K3_WANT_LAST ? 1 : 0;
             o += n;
@@ -484,6 +604,8 @@ static k3_status worker_engine_cmd(k3_dist *d, k3_ctx *ctx, const cmd_hdr *h, k3
             s = k3_err(err, K3_ERR_NOMEM, "dist: rank %d: out of memory for a batch", d->rank);
     }
     if (!s) s = k3_ctx_run(ctx, b, h->n_seqs, want, logits, err);
+    free(eptr);
+    free(ebuf);
     free(p);
     free(b);
     free(want);
@@ -521,6 +643,10 @@ k3_status k3_dist_worker_pool(k3_dist *d, const k3_model *m, k3_pool *pool, k3_e
             if (s) break;
             continue;
         }
+        if (h.cmd == CMD_STATS) {
+            if ((s = stats_sum(d, NULL, NULL, err))) break;
+            continue;
+        }
         if (!ctx || h.cmd < CMD_RUN || h.cmd > CMD_RESTORE) {
             s = k3_err(err, K3_ERR_FORMAT, "dist: rank %d: unexpected command %d from rank 0", d->rank, h.cmd);
             break;
@@ -544,6 +670,11 @@ k3_status k3_dist_worker(k3_dist *d, k3_ctx *ctx, k3_error *err) {
             k3_ctx_seq_reset(ctx, (int32_t)h.a);
             continue;
         }
+        if (h.cmd == CMD_STATS) {
+            k3_status s = stats_sum(d, NULL, NULL, err);
+            if (s) return s;
+            continue;
+        }
         if (h.cmd == CMD_FILL) {
             k3_status s = k3_ctx_seq_fill_synthetic(ctx, (int32_t)h.a, h.n_tokens, (uint64_t)h.b, err);
             if (s) return s;
@@ -556,18 +687,27 @@ k3_status k3_dist_worker(k3_dist *d, k3_ctx *ctx, k3_error *err) {
         k3_batch_seq *b = malloc(sizeof *b * (size_t)(h.n_seqs ? h.n_seqs : 1));
         const k3_logits_mode mode = (k3_logits_mode)h.mode;
         const int64_t rows = mode == K3_LOGITS_NONE ? 0 : mode == K3_LOGITS_ALL ? h.n_tokens : h.n_seqs;
-        float *logits = malloc(sizeof(float) * (size_t)(rows * V + 1));
+        float *logits = malloc(sizeof(float) * (size_t)(rows * V + 1)), *ebuf = NULL;
+        const float **eptr = NULL;
         k3_status s = K3_OK;
         if (!p || !b || !logits) s = k3_err(err, K3_ERR_NOMEM, "dist: rank %d: out of memory for a batch", d->rank);
         if (!s && bcast(d, p, bytes, "broadcast of a batch", d->timeout)) s = k3_dist_failed(d, err);
+        if (!s) s = recv_embeds(d, h.n_tokens, h.a, ctx->c->hidden_size, &eptr, &ebuf, err);
         if (!s) {
             int64_t o = 2 * h.n_seqs;
             for (int32_t i = 0; i < h.n_seqs; i++) {
-                b[i] = (k3_batch_seq){p[2 * i], p[2 * i + 1], p + o};
-                o += p[2 * i + 1];
+                const int32_t n = p[2 * i + 1];
+                if (n < 0 || o + n > 2 * h.n_seqs + h.n_tokens) {
+                    s = k3_err(err, K3_ERR_FORMAT, "dist: rank %d: a bad batch from rank 0", d->rank);
+                    break;
+                }
+                b[i] = (k3_batch_seq){p[2 * i], n, p + o, eptr ? eptr + (o - 2 * h.n_seqs) : NULL};
+                o += n;
             }
-            s = k3_ctx_forward(ctx, b, h.n_seqs, mode, logits, err);
+            if (!s) s = k3_ctx_forward(ctx, b, h.n_seqs, mode, logits, err);
         }
+        free(eptr);
+        free(ebuf);
         free(p);
         free(b);
         free(logits);

@@ -76,15 +76,18 @@ k3_status k3_dist_failed(const k3_dist *d, k3_error *err);
 
 /* ---- rank 0's calls, sent to the workers (ctx.c) ------------------------------ */
 
+/* A batch goes out as its ids; rows replacing embeddings (images,
+ * k3_batch_seq.embeds: row_floats = hidden_size floats each) follow it, so
+ * every rank runs the same input rows. */
 k3_status k3_dist_send_forward(k3_dist *d, const k3_batch_seq *batch, int32_t n_seqs, k3_logits_mode mode,
-                               k3_error *err);
+                               int64_t row_floats, k3_error *err);
 k3_status k3_dist_send_reset(k3_dist *d, int32_t seq, k3_error *err);
 k3_status k3_dist_send_fill(k3_dist *d, int32_t seq, int64_t n, uint64_t seed, k3_error *err);
 
 /* the engine's (k3 serve, a context made by k3_ctx_init_pool; ctx.c) */
 k3_status k3_dist_send_pool(k3_dist *d, const k3_ctx_options *o, int32_t n_blocks, int64_t max_ctx, k3_error *err);
 k3_status k3_dist_send_run(k3_dist *d, const k3_batch_seq *batch, int32_t n_seqs, const uint8_t *want,
-                           k3_error *err);
+                           int64_t row_floats, k3_error *err);
 k3_status k3_dist_send_blocks(k3_dist *d, int32_t seq, const int32_t *blocks, int32_t n, k3_error *err);
 k3_status k3_dist_send_pos(k3_dist *d, int32_t seq, int64_t pos, k3_error *err);
 k3_status k3_dist_send_clear(k3_dist *d, int32_t seq, k3_error *err);

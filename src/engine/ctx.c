@@ -37,23 +37,16 @@ static void *zalloc(alloc_state *a, size_t n, size_t size) {
 
 static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
-/* Cache tokens this rank must hold for max_tokens over max_seqs sequences:
- * all of them in one process; under DCP its own share of one sequence, or
- * with several at most 1/D of the tokens plus a partial stripe per sequence. */
-static int64_t local_capacity(const k3_ctx *ctx, int64_t max_tokens, int32_t max_seqs) {
-    if (ctx->dcp <= 1) return max_tokens;
-    if (max_seqs <= 1) return k3_dist_local_tokens(ctx, max_tokens);
-    return (max_tokens + ctx->dcp - 1) / ctx->dcp + (int64_t)max_seqs * ctx->dcp_il;
-}
-
-/* Blocks sequence s needs on this rank once it holds end tokens. */
+/* Blocks a sequence needs once it holds end tokens: global blocks of
+ * block_size positions, under DCP too (each rank's block holds its
+ * block_size / D of them; ctx.h k3_ctx_own_slot). */
 static int64_t blocks_for(const k3_ctx *ctx, int64_t end) {
-    return (k3_dist_local_tokens(ctx, end) + ctx->block_size - 1) / ctx->block_size;
+    return (end + ctx->block_size - 1) / ctx->block_size;
 }
 
 int64_t k3_ctx_cache_bytes(const k3_ctx *ctx) {
     const k3_config *c = ctx->c;
-    const int64_t slots = (int64_t)ctx->n_blocks * ctx->block_size;
+    const int64_t slots = (int64_t)ctx->n_blocks * ctx->lbs;
     int64_t per = 0;
     for (int i = 0; i < c->n_layers; i++) {
         if (c->layer_kind[i] == K3_LAYER_KDA) continue;
@@ -168,6 +161,10 @@ static k3_status ctx_create(k3_ctx **out, const k3_model *m, const k3_ctx_option
     ctx->nth = opt->pool ? k3_pool_size(opt->pool) : 1;
     ctx->max_seqs = opt->max_seqs;
     ctx->block_size = opt->block_size ? opt->block_size : 64;
+    if (!opt->block_size && opt->dist) { /* the default under DCP: 64 up to a multiple of D*I */
+        const int32_t stripe = k3_dist_dcp_size(opt->dist) * k3_dist_interleave(opt->dist);
+        if (stripe > 0) ctx->block_size = (64 + stripe - 1) / stripe * stripe;
+    }
     ctx->max_batch = opt->max_batch ? opt->max_batch : 512;
     ctx->max_tokens = opt->max_tokens;
     ctx->max_ctx = opt->max_tokens < c->max_positions ? opt->max_tokens : c->max_positions;
@@ -183,17 +180,17 @@ static k3_status ctx_create(k3_ctx **out, const k3_model *m, const k3_ctx_option
     }
     const int32_t bs = ctx->block_size;
     /* one partial block per sequence on top, so max_tokens fit however they
-     * are spread over the sequences (under DCP: this rank's share of them) */
-    ctx->n_blocks = (int32_t)((local_capacity(ctx, opt->max_tokens, opt->max_seqs) + bs - 1) / bs) +
-                    (opt->max_seqs > 1 ? opt->max_seqs : 0);
-    ctx->max_blocks_per_seq = (int32_t)((k3_dist_local_tokens(ctx, ctx->max_ctx) + bs - 1) / bs);
+     * are spread over the sequences; under DCP the same global blocks, each
+     * bs/D slots on this rank */
+    ctx->n_blocks = (int32_t)((opt->max_tokens + bs - 1) / bs) + (opt->max_seqs > 1 ? opt->max_seqs : 0);
+    ctx->max_blocks_per_seq = (int32_t)((ctx->max_ctx + bs - 1) / bs);
     if (n_blocks_ext > 0) ctx->n_blocks = n_blocks_ext;
 
     alloc_state a = {0};
     const int64_t nL = c->n_layers, D = c->hidden_size, T = ctx->max_batch;
     const int64_t HK = (int64_t)c->kda_heads * c->kda_head_dim, dk = c->kda_head_dim;
     const int64_t Km1 = c->conv_size > 0 ? c->conv_size - 1 : 0;
-    const int64_t ld = c->kv_lora_rank + c->qk_rope_dim, bslots = (int64_t)ctx->n_blocks * bs;
+    const int64_t ld = c->kv_lora_rank + c->qk_rope_dim, bslots = (int64_t)ctx->n_blocks * ctx->lbs;
 
     ctx->seqs = zalloc(&a, (size_t)ctx->max_seqs, sizeof(k3_seq));
     for (int i = 0; ctx->seqs && i < ctx->max_seqs; i++)
@@ -347,11 +344,6 @@ k3_status k3_ctx_init_pool(k3_ctx **out, const k3_model *m, const k3_ctx_options
     if (n_blocks < 1 || max_ctx < 1)
         return k3_err(err, K3_ERR_ARG, "context: n_blocks and max_ctx must be positive");
     if (opt->dist && k3_dist_rank(opt->dist) == 0 && k3_dist_size(opt->dist) > 1) {
-        if (k3_dist_dcp_size(opt->dist) > 1)
-            return k3_err(err, K3_ERR_UNSUPPORTED,
-                          "context: an engine-owned cache under --dcp %d is not supported yet (the engine's block "
-                          "tables would need the DCP per-rank layout); use --dcp 1",
-                          k3_dist_dcp_size(opt->dist));
         k3_status ds = k3_dist_send_pool(opt->dist, opt, n_blocks, max_ctx, err);
         if (ds) return ds;
     }
@@ -553,7 +545,7 @@ k3_status k3_ctx_run(k3_ctx *ctx, const k3_batch_seq *batch, int32_t n_seqs, con
     }
     if (any && !logits) return k3_err(err, K3_ERR_ARG, "forward: logits buffer is NULL");
     k3_status st = validate(ctx, batch, n_seqs, want, true, err);
-    if (!st && sends(ctx)) st = k3_dist_send_run(ctx->dist, batch, n_seqs, want, err);
+    if (!st && sends(ctx)) st = k3_dist_send_run(ctx->dist, batch, n_seqs, want, ctx->c->hidden_size, err);
     if (st) return st;
     run_rounds(ctx, batch, n_seqs, want, logits);
     return k3_dist_failed(ctx->dist, err);
@@ -583,10 +575,10 @@ k3_status k3_ctx_forward(k3_ctx *ctx, const k3_batch_seq *batch, int32_t n_seqs,
                     (long long)blocks_needed, ctx->n_free);
     /* with several processes rank 0 hands the batch to the others, which replay it */
     if (!st && ctx->dist && k3_dist_rank(ctx->dist) == 0 && k3_dist_size(ctx->dist) > 1)
-        st = k3_dist_send_forward(ctx->dist, batch, n_seqs, mode, err);
+        st = k3_dist_send_forward(ctx->dist, batch, n_seqs, mode, ctx->c->hidden_size, err);
     if (!st) {
         /* the default block manager: reserve blocks from the free list
-         * (under DCP, for this rank's share of the positions) */
+         * (the same global tables on every rank under DCP) */
         for (int32_t i = 0; i < n_seqs; i++) {
             k3_seq *s = &ctx->seqs[batch[i].seq];
             const int64_t end = s->pos + batch[i].n_tokens;

@@ -92,6 +92,7 @@ struct k3_ctx {
     int nth;
 
     int32_t max_seqs, block_size, max_batch;
+    int32_t lbs;                  /* slots of one block on this rank: block_size / dcp */
     int64_t max_tokens, max_ctx;  /* max_ctx: longest sequence */
     int32_t n_blocks, max_blocks_per_seq;
     /* the default block manager of k3_ctx_forward (NULL when an engine owns
@@ -182,14 +183,25 @@ static inline int64_t k3_ctx_slot(const k3_ctx *ctx, int32_t seq, int64_t pos) {
     return (int64_t)s->blocks[pos / ctx->block_size] * ctx->block_size + pos % ctx->block_size;
 }
 
+/* Slot of this rank's local index j of sequence seq: under DCP global block
+ * B of a sequence holds, on each rank, its local indices [B*lbs, (B+1)*lbs)
+ * (block_size is a multiple of D*I), in the rank's block of lbs slots with
+ * the same id; one process: lbs = block_size and j = pos. */
+static inline int64_t k3_ctx_local_slot(const k3_ctx *ctx, int32_t seq, int64_t j) {
+    const k3_seq *s = &ctx->seqs[seq];
+    return (int64_t)s->blocks[j / ctx->lbs] * ctx->lbs + j % ctx->lbs;
+}
+
 /* Slot of position pos of sequence seq on this rank, or -1 when another DCP
  * rank caches it (token x lives on rank (x div I) mod D, at local index
- * (x div (I*D))*I + x mod I; src/dist/dist.h). */
+ * (x div (I*D))*I + x mod I; src/dist/dist.h). With o = x mod bs that is
+ * blocks[x div bs]*(bs/D) + (o div (I*D))*I + o mod I: the engine's global
+ * block tables index every rank's cache unchanged. */
 static inline int64_t k3_ctx_own_slot(const k3_ctx *ctx, int32_t seq, int64_t pos) {
     if (ctx->dcp > 1) {
-        const int64_t I = ctx->dcp_il;
+        const int64_t I = ctx->dcp_il, bs = ctx->block_size, o = pos % bs;
         if ((pos / I) % ctx->dcp != ctx->dcp_rank) return -1;
-        pos = pos / (I * ctx->dcp) * I + pos % I;
+        return (int64_t)ctx->seqs[seq].blocks[pos / bs] * ctx->lbs + o / (I * ctx->dcp) * I + o % I;
     }
     return k3_ctx_slot(ctx, seq, pos);
 }

@@ -71,7 +71,7 @@ struct k3_engine {
     int32_t block_size, max_blocks, plp_cap;
     int64_t cost_p0;              /* where the step cost guard prices a prompt token at 2 */
 
-    k3_comm_stats comm;           /* cross-rank counters since open (o.dist), under mu */
+    k3_comm_stats comm;           /* cross-rank counters since open, all ranks summed (o.dist), under mu */
 
     /* inbox, under mu */
     pthread_mutex_t mu;
@@ -227,8 +227,17 @@ k3_status k3_engine_open(k3_engine **out, const k3_model *m, const k3_engine_opt
     if (!o.max_num_seqs) o.max_num_seqs = 16;
     if (!o.max_num_batched_tokens) o.max_num_batched_tokens = 2048;
     if (!o.block_size) o.block_size = 64;
+    const int32_t dcp = k3_dist_dcp_size(o.dist), stripe = dcp * k3_dist_interleave(o.dist);
+    /* under DCP a block holds block_size / D tokens of each rank: the default
+     * is 64 up to a multiple of D * interleave */
+    if (!opt->block_size && stripe > 1) o.block_size = (64 + stripe - 1) / stripe * stripe;
     if (!o.snapshot_stride) o.snapshot_stride = 4;
     if (o.max_num_seqs > 4096) return k3_err(err, K3_ERR_RANGE, "engine: max_num_seqs %d is over 4096", o.max_num_seqs);
+    if (stripe > 1 && o.block_size % stripe)
+        return k3_err(err, K3_ERR_ARG,
+                      "engine: the block size %d is not a multiple of --dcp %d x --dcp-interleave %d (a block "
+                      "holds the same number of tokens of every DCP rank)",
+                      o.block_size, dcp, k3_dist_interleave(o.dist));
     if (o.block_size > 4096) return k3_err(err, K3_ERR_RANGE, "engine: block_size %d is over 4096", o.block_size);
     if (o.max_num_batched_tokens < o.block_size)
         return k3_err(err, K3_ERR_RANGE,
@@ -273,7 +282,7 @@ k3_status k3_engine_open(k3_engine **out, const k3_model *m, const k3_engine_opt
     int64_t n_blocks = (tokens + bs - 1) / bs;
     if (n_blocks > INT32_MAX / 2) n_blocks = INT32_MAX / 2;
     tokens = n_blocks * bs;
-    const int64_t pool_bytes = tokens * bpt;
+    const int64_t pool_bytes = tokens * bpt / dcp; /* this rank's: 1/D under DCP */
     const int64_t state_all = (int64_t)o.max_num_seqs * info.state_bytes_per_seq;
     if (o.max_model_len && o.max_model_len > tokens)
         return k3_err(err, K3_ERR_RANGE, "engine: max_model_len %lld is over the %lld tokens the cache pool holds",
@@ -519,6 +528,8 @@ void k3_engine_wait(k3_engine *e, double timeout_s) {
     }
     pthread_mutex_unlock(&e->mu);
 }
+
+int64_t k3_engine_cache_bytes(const k3_engine *e) { return k3_ctx_cache_bytes(e->ctx); }
 
 bool k3_engine_comm_stats(k3_engine *e, k3_comm_stats *out) {
     pthread_mutex_lock(&e->mu);
@@ -792,8 +803,9 @@ k3_status k3_engine_step(k3_engine *e, k3_step_result *res, k3_error *err) {
     const double t = k3_engine_now();
     res->n_tokens = fst ? 0 : s->plan_tokens;
     if (e->o.dist && s->n_plan) {
+        /* every rank's, summed (a failed link is sticky: the next pass reports it) */
         k3_comm_stats c;
-        k3_dist_stats_take(e->o.dist, &c);
+        k3_dist_stats_take_all(e->o.dist, NULL, &c, NULL);
         pthread_mutex_lock(&e->mu);
         for (int k = 0; k < K3_COMM_COUNT; k++) {
             e->comm.sent[k] += c.sent[k];

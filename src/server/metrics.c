@@ -152,19 +152,19 @@ void k3_metrics_render(k3_metrics *m, const k3_engine_stats *st, const char *mod
 }
 
 void k3_metrics_render_dist(const k3_comm_stats *cs, k3_buf *o) {
-    k3_buf_addf(o, "# HELP k3:dist_bytes_total Bytes rank 0 sent to and received from the other ranks, per "
-                   "collective kind.\n# TYPE k3:dist_bytes_total counter\n");
+    k3_buf_addf(o, "# HELP k3:dist_bytes_total Bytes the ranks sent to and received from other ranks, summed over "
+                   "all ranks, per collective kind.\n# TYPE k3:dist_bytes_total counter\n");
     for (int k = 0; k < K3_COMM_COUNT; k++)
         k3_buf_addf(o, "k3:dist_bytes_total{kind=\"%s\",dir=\"sent\"} %lld\n"
                        "k3:dist_bytes_total{kind=\"%s\",dir=\"received\"} %lld\n",
                     k3_comm_kind_name((k3_comm_kind)k), (long long)cs->sent[k],
                     k3_comm_kind_name((k3_comm_kind)k), (long long)cs->recv[k]);
-    k3_buf_addf(o, "# HELP k3:dist_calls_total Collectives rank 0 took part in, per kind.\n"
+    k3_buf_addf(o, "# HELP k3:dist_calls_total Collective calls, summed over all ranks, per kind.\n"
                    "# TYPE k3:dist_calls_total counter\n");
     for (int k = 0; k < K3_COMM_COUNT; k++)
         k3_buf_addf(o, "k3:dist_calls_total{kind=\"%s\"} %lld\n", k3_comm_kind_name((k3_comm_kind)k),
                     (long long)cs->calls[k]);
-    k3_buf_addf(o, "# HELP k3:dist_seconds_total Seconds rank 0 spent in collectives, per kind.\n"
+    k3_buf_addf(o, "# HELP k3:dist_seconds_total Seconds spent in collectives, summed over all ranks, per kind.\n"
                    "# TYPE k3:dist_seconds_total counter\n");
     for (int k = 0; k < K3_COMM_COUNT; k++)
         k3_buf_addf(o, "k3:dist_seconds_total{kind=\"%s\"} %.9g\n", k3_comm_kind_name((k3_comm_kind)k),

@@ -3,7 +3,8 @@
  * library's DCP path with what a scheduler does -- several sequences of
  * different lengths in one batch (prefill spans and decode rows mixed, one
  * round cut into several by max_batch), a sequence reset and reused -- on
- * a context made with a dist (--dcp = world size), against a one-process
+ * a context made with a dist (--dcp = world size), image rows in place of
+ * some embeddings (k3_batch_seq.embeds), against a one-process
  * context on rank 0. Rank 0 drives; the others run k3_dist_worker. Checks
  * the logits of every step to rel-L2 1e-5 (fp32 path), and that each rank
  * holds about 1/D of the cache. Prints "batch: N passed, N failed".
@@ -53,6 +54,21 @@ int main(int argc, char **argv) {
         return 1;
     }
     int pass = 0, fail = 0;
+    if (k3_dist_dcp_size(d) > 1 && rank == 0) { /* a block must hold as many tokens of every rank */
+        k3_ctx_options bad_bs = co;
+        bad_bs.block_size = 63;
+        k3_ctx *no = NULL;
+        k3_error e2 = {0};
+        const k3_status bs_st = k3_ctx_init(&no, m, &bad_bs, &e2);
+        if (bs_st == K3_ERR_ARG && !no && strstr(e2.msg, "block size 63 is not a multiple of --dcp"))
+            pass++;
+        else {
+            fail++;
+            fprintf(stderr, "batch: block size 63 under DCP %d: status %d '%s'\n", k3_dist_dcp_size(d), (int)bs_st,
+                    e2.msg);
+        }
+        k3_ctx_free(no);
+    }
     if (rank != 0) {
         if (k3_dist_worker(d, ctx, &err)) {
             fprintf(stderr, "batch: rank %d: %s\n", rank, err.msg);
@@ -74,6 +90,13 @@ int main(int argc, char **argv) {
             for (int i = 0; i < 64; i++) toks[q][i] = (int32_t)((q * 97 + i * 31 + 5) % V);
         /* steps: (n_tokens per sequence; 0 = not in the batch), reset before step 4 */
         const int steps[7][3] = {{30, 9, 0}, {1, 1, 17}, {1, 0, 1}, {1, 1, 1}, {12, 1, 1}, {1, 1, 1}, {1, 1, 1}};
+        /* rows replacing the embeddings of tokens 2..5 of sequence 1 in step
+         * 0 (what an image's pads carry): they travel with the batch */
+        const int64_t Dm = info.hidden_size;
+        float *img = malloc(sizeof(float) * (size_t)(4 * Dm));
+        const float *erow[9] = {0};
+        for (int64_t i = 0; i < 4 * Dm; i++) img[i] = (float)((i * 7919) % 201 - 100) / 400.0f;
+        for (int r = 0; r < 4; r++) erow[2 + r] = img + r * Dm;
         int off[3] = {0, 0, 0};
         for (int st = 0; st < 7; st++) {
             if (st == 4) {
@@ -85,7 +108,7 @@ int main(int argc, char **argv) {
             int nb = 0, rows = 0;
             for (int q = 0; q < 3; q++)
                 if (steps[st][q]) {
-                    b[nb++] = (k3_batch_seq){q, steps[st][q], toks[q] + off[q]};
+                    b[nb++] = (k3_batch_seq){q, steps[st][q], toks[q] + off[q], st == 0 && q == 1 ? erow : NULL};
                     off[q] += steps[st][q];
                     rows += steps[st][q];
                 }
@@ -101,13 +124,15 @@ int main(int argc, char **argv) {
                 pass++;
             }
         }
-        /* the pool: 1/D of max_tokens (plus a partial stripe per sequence),
-         * and one partial block per sequence on top, as in one process */
+        /* the pool: the same global blocks as one process (max_tokens and a
+         * partial block per sequence), each block_size / D slots on a rank;
+         * the block size is 64 up to a multiple of D*I */
         const int64_t one = k3_ctx_cache_bytes(ref), mine = k3_ctx_cache_bytes(ctx);
-        const int64_t D = k3_dist_dcp_size(d), S = co.max_seqs, bs = 64, I = dopt.dcp_interleave;
-        const int64_t one_blocks = (co.max_tokens + bs - 1) / bs + S, block = one / one_blocks;
-        const int64_t mine_tokens = (mine / block - S) * bs;
-        if (mine % block == 0 && mine_tokens >= co.max_tokens / D && mine_tokens < co.max_tokens / D + S * I + bs)
+        const int64_t D = k3_dist_dcp_size(d), S = co.max_seqs, I = dopt.dcp_interleave, st = D * I;
+        const int64_t bs = (64 + st - 1) / st * st, one_blocks = (co.max_tokens + 63) / 64 + S;
+        const int64_t slot_bytes = one / (one_blocks * 64), mine_slots = ((co.max_tokens + bs - 1) / bs + S) * bs / D;
+        if (one % (one_blocks * 64) == 0 && mine == mine_slots * slot_bytes &&
+            mine_slots * D <= co.max_tokens + S * bs + bs)
             pass++;
         else {
             fail++;
@@ -115,6 +140,7 @@ int main(int argc, char **argv) {
         }
         free(la);
         free(lb);
+        free(img);
         if (k3_dist_release(d, &err)) k3_dist_abort(d, 1);
     }
     double v[2] = {pass, fail};
