@@ -29,6 +29,7 @@
 
 #include "common/error.h"
 #include "server/gen.h"
+#include "server/http.h"
 
 #define MAX_N 16
 #define MAX_STOPS 16
@@ -243,6 +244,22 @@ void k3_srv_gen_stop(struct k3_server *s) {
 }
 
 void k3_srv_engine_stats(struct k3_server *s, k3_engine_stats *st) { k3_engine_get_stats(s->engine, st); }
+
+int64_t k3_srv_max_model_len(struct k3_server *s) {
+    if (!s->engine) return s->max_model_len;
+    k3_engine_stats st;
+    k3_srv_engine_stats(s, &st);
+    return st.max_model_len;
+}
+
+bool k3_server_failed(k3_server *s, k3_error *err) {
+    pthread_mutex_lock(&s->fail_mu);
+    const bool f = s->failed;
+    if (f && err) *err = s->fail_err;
+    pthread_mutex_unlock(&s->fail_mu);
+    return f;
+}
+
 
 /* ---- request parsing -------------------------------------------------- */
 

@@ -146,8 +146,12 @@ void k3_metrics_render(k3_metrics *m, const k3_engine_stats *st, const char *mod
     k3_buf_addf(o, "# HELP k3:http_requests_total HTTP requests answered.\n# TYPE k3:http_requests_total counter\n"
                    "k3:http_requests_total{model_name=\"%s\"} %llu\n"
                    "# HELP k3:http_errors_total HTTP requests answered with an error status.\n"
-                   "# TYPE k3:http_errors_total counter\nk3:http_errors_total{model_name=\"%s\"} %llu\n",
-                model, (unsigned long long)m->http_requests, model, (unsigned long long)m->http_errors);
+                   "# TYPE k3:http_errors_total counter\nk3:http_errors_total{model_name=\"%s\"} %llu\n"
+                   "# HELP k3:http_connections_refused_total Connections over the limit answered 503.\n"
+                   "# TYPE k3:http_connections_refused_total counter\n"
+                   "k3:http_connections_refused_total{model_name=\"%s\"} %llu\n",
+                model, (unsigned long long)m->http_requests, model, (unsigned long long)m->http_errors, model,
+                (unsigned long long)m->http_refused);
     pthread_mutex_unlock(&m->mu);
 }
 

@@ -39,6 +39,7 @@ typedef struct k3_metrics {
     pthread_mutex_t mu;
     k3_hist h[K3_H_COUNT];
     uint64_t http_requests, http_errors;
+    uint64_t http_refused; /* 503s to connections over the limit */
     /* engine requests finished, by the reason the client saw (a stop
      * string ends a request by cancelling it, yet it finished with "stop") */
     uint64_t finished[K3_FINISH_ERROR + 1];
