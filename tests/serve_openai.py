@@ -471,13 +471,40 @@ def main():
         finally:
             s2.stop()
 
+    def t_kv_residency():
+        # vLLM's sampled residency histograms: absent unless asked for; with every block followed and a
+        # pool of 8 blocks, the lifetime count grows once requests evict blocks
+        assert metric(s.metrics(), "vllm:kv_block_lifetime_seconds_count") is None
+        s3 = Server(TINY, "--kv-cache-metrics", "--kv-cache-metrics-sample", "1", "--cache-tokens", "512",
+                    "--max-num-seqs", "2")
+        try:
+            m0 = s3.metrics()
+            names = ["vllm:kv_block_lifetime_seconds", "vllm:kv_block_idle_before_evict_seconds",
+                     "vllm:kv_block_reuse_gap_seconds"]
+            for n in names:
+                assert metric(m0, n + "_count") == 0, (n, m0)
+                assert metric(m0, n + "_bucket", le="1800") == 0 and metric(m0, n + "_bucket", le="+Inf") == 0
+            cl = s3.client()
+            counts = []
+            for i in range(6):
+                words = " ".join(f"w{(i * 37 + k) % 101}" for k in range(60))
+                greedy(cl, TINY, words, 8)
+                counts.append(metric(s3.metrics(), "vllm:kv_block_lifetime_seconds_count"))
+            assert counts[-1] > counts[2] > 0, counts
+            m1 = s3.metrics()
+            assert metric(m1, "vllm:kv_block_idle_before_evict_seconds_count") == counts[-1], m1
+            assert metric(m1, "vllm:kv_block_lifetime_seconds_bucket", le="+Inf") == counts[-1]
+        finally:
+            s3.stop()
+
     for name, fn in [("models", t_models), ("completion", t_completion), ("chat", t_chat),
                      ("streaming with usage", t_stream_usage), ("stop strings", t_stop),
                      ("n=2 and seed", t_n2_seed), ("logprobs with echo", t_logprobs_echo),
                      ("tool-call round trip", t_tools), ("thinking on and off", t_thinking),
                      ("errors", t_errors), ("dropped stream is cancelled", t_dropped_stream),
                      ("32 concurrent streams equal alone", t_concurrent), ("prefix cache hit", t_prefix_cache),
-                     ("503 when busy, API key", t_busy_and_key)]:
+                     ("503 when busy, API key", t_busy_and_key),
+                     ("KV block residency histograms", t_kv_residency)]:
         check(name, fn)
 
     def t_mini_soak():

@@ -82,6 +82,7 @@ struct k3_engine {
     uint64_t next_id;
     int64_t n_accepted;           /* submitted and not finished (for max_waiting) */
     k3_engine_stats st;           /* published at the end of each step */
+    k3_kv_residency kv_res;       /* the same, when the residency metrics are on */
 
     /* stepping thread only */
     req **live;                   /* submitted and not yet freed */
@@ -502,6 +503,20 @@ void k3_engine_get_stats(k3_engine *e, k3_engine_stats *st) {
     pthread_mutex_unlock(&e->mu);
 }
 
+k3_status k3_engine_set_kv_metrics(k3_engine *e, double sample_rate, k3_error *err) {
+    pthread_mutex_lock(&e->mu);
+    const k3_status st = k3_kv_track_enable(&e->bm, sample_rate, e->o.cache_salt, err);
+    k3_kv_track_get(&e->bm, &e->kv_res);
+    pthread_mutex_unlock(&e->mu);
+    return st;
+}
+
+void k3_engine_kv_residency(k3_engine *e, k3_kv_residency *out) {
+    pthread_mutex_lock(&e->mu);
+    *out = e->kv_res;
+    pthread_mutex_unlock(&e->mu);
+}
+
 /* ---- the step ------------------------------------------------------------------------------- */
 
 static void finish(k3_engine *e, req *r, k3_finish_reason why, double t) {
@@ -660,6 +675,7 @@ static void publish_stats(k3_engine *e) {
     st->n_snapshot_restores = e->n_snap_restores;
     st->snapshot_save_s = e->snap_save_s;
     st->snapshot_restore_s = e->snap_restore_s;
+    if (e->bm.track) k3_kv_track_get(&e->bm, &e->kv_res);
     pthread_mutex_unlock(&e->mu);
 }
 

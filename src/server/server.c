@@ -143,6 +143,11 @@ static enum MHD_Result route_metrics(struct k3_server *s, struct MHD_Connection 
         bs = st.blocks_total ? (int32_t)(st.cache_tokens / st.blocks_total) : 0;
     }
     k3_metrics_render(&s->metrics, s->engine ? &st : NULL, s->model_label, bs, &o);
+    if (s->engine) {
+        k3_kv_residency kr;
+        k3_engine_kv_residency(s->engine, &kr);
+        k3_metrics_render_kv(&kr, s->model_label, &o);
+    }
     k3_comm_stats cs;
     if (s->engine && k3_engine_comm_stats(s->engine, &cs)) k3_metrics_render_dist(&cs, &o);
     if (o.oom || !o.p) {
