@@ -27,6 +27,7 @@ import urllib.parse
 import zlib
 
 import openai
+from openai.lib.streaming.chat import ChatCompletionStreamState
 
 K3 = sys.argv[1] if len(sys.argv) > 1 else "build/k3"
 TINY = "tests/models/tiny"
@@ -334,6 +335,20 @@ def main():
         r = c.chat.completions.create(model=M, messages=msgs, tools=tools, tool_choice="auto", max_tokens=6,
                                       temperature=0, extra_body={"ignore_eos": True})
         assert r.choices[0].finish_reason in ("length", "tool_calls", "stop"), r.choices[0]
+        # streamed, accumulated by the official client's own stream state (tool-call deltas by index,
+        # arguments concatenated): the same message as the whole reply
+        kw = dict(model=M, messages=msgs, tools=tools, tool_choice="auto", max_tokens=12, temperature=0,
+                  extra_body={"ignore_eos": True, "chat_template_kwargs": {"thinking": False}})
+        whole = c.chat.completions.create(**kw).choices[0]
+        state = ChatCompletionStreamState()
+        for ch in c.chat.completions.create(stream=True, **kw):
+            state.handle_chunk(ch)
+        acc = state.current_completion_snapshot.choices[0]
+        assert acc.finish_reason == whole.finish_reason, (acc, whole)
+        assert (acc.message.content or "") == (whole.message.content or ""), (acc.message, whole.message)
+        wt = [(t.function.name, t.function.arguments) for t in whole.message.tool_calls or []]
+        at = [(t.function.name, t.function.arguments) for t in acc.message.tool_calls or []]
+        assert at == wt, (at, wt)
         # the tools and the call are in the prompt: it is longer than the same talk without them
         plain = post(s.url + "/tokenize", json_body={"messages": [msgs[0]]}).json()["count"]
         assert r.usage.prompt_tokens > plain + 20, (r.usage.prompt_tokens, plain)
