@@ -2,7 +2,7 @@
  * stepgap.c -- one decode step of the engine against one of a bare context,
  * in the same process on the same loaded model, interleaved step by step
  * (ctx, engine, ctx, engine, ...) so that both meet the same machine state.
- * A developer tool (`make stepgap`), not part of k3: it isolates what the
+ * (in ABBA order). A developer tool (`make stepgap`), not part of k3: it isolates what the
  * engine's step adds to `k3 run`'s decode loop from the noise of a shared
  * machine (separate processes see different loads and page placements).
  *
@@ -11,6 +11,7 @@
  * Prints the median and mean time per decode step of each, their ratio,
  * and the engine step's time outside its forward pass is the difference.
  */
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -110,18 +111,25 @@ int main(int argc, char **argv) {
 
     double *tc = malloc(sizeof(double) * (size_t)N), *te = malloc(sizeof(double) * (size_t)N);
     int n = 0;
+    /* ABBA: the order alternates, so neither arm always runs first */
     for (; n < N; n++) {
-        double t0 = now_s();
-        k3_sampler_accept(smp, tok);
-        b = (k3_batch_seq){0, 1, &tok, NULL};
-        if (k3_ctx_forward(ctx, &b, 1, K3_LOGITS_LAST, logits, &err)) DIE("decode");
-        tok = k3_sampler_sample(smp, logits);
-        tc[n] = now_s() - t0;
-        t0 = now_s();
-        if (k3_engine_step(e, &res, &err)) DIE("engine step");
-        if (getenv("STEPGAP_V")) printf("step %d: %d tokens\n", n, res.n_tokens);
-        te[n] = now_s() - t0;
-        if (res.n_outputs == 0 || res.outputs[0].n_new != 1) break;
+        bool stop = false;
+        for (int arm = 0; arm < 2; arm++) {
+            const bool engine_arm = (arm == 0) == (n % 2 == 1);
+            const double t0 = now_s();
+            if (!engine_arm) {
+                k3_sampler_accept(smp, tok);
+                b = (k3_batch_seq){0, 1, &tok, NULL};
+                if (k3_ctx_forward(ctx, &b, 1, K3_LOGITS_LAST, logits, &err)) DIE("decode");
+                tok = k3_sampler_sample(smp, logits);
+                tc[n] = now_s() - t0;
+            } else {
+                if (k3_engine_step(e, &res, &err)) DIE("engine step");
+                te[n] = now_s() - t0;
+                stop = res.n_outputs == 0 || res.outputs[0].n_new != 1;
+            }
+        }
+        if (stop) break;
     }
     if (n < 2) {
         fprintf(stderr, "stepgap: the engine stopped after %d steps\n", n);
