@@ -216,7 +216,14 @@ K3_TEST(server_http_slow_client_and_connection_limit) {
     const double el = (double)(t1.tv_sec - t0.tv_sec) + (t1.tv_nsec - t0.tv_nsec) * 1e-9;
     CHECKF(got >= 0 && el < 8.0, "slow client not dropped (read %ld after %.1f s)", got, el);
     close(fd);
-    usleep(200 * 1000); /* the dropped client's slot is given back */
+    /* the dropped client's slot is given back: only the asking connection is open */
+    bool idle = false;
+    for (int tries = 0; tries < 100 && !idle; tries++) {
+        idle = get(port, "/metrics", NULL, resp, sizeof resp) == 200 &&
+               strstr(resp, "k3:http_connections{model_name=\"tiny\"} 1\n");
+        usleep(50 * 1000);
+    }
+    CHECK(idle);
     /* more connections than the limit: each sends a request; the 8 within
      * the limit are answered, the 16 over it get a 503 with Retry-After and
      * OpenAI's error JSON and are closed; the server lives */

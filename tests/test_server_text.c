@@ -167,7 +167,7 @@ K3_TEST(server_chat_message_tool_calls) {
  * name from the first, the arguments concatenated), equal the tool calls
  * of the whole reply; the arguments arrive in pieces, not at the end. */
 K3_TEST(server_tool_calls_stream_incrementally) {
-    const char *text =
+    const char *text_lit =
         "Two tools.<|close|>think<|sep|><|open|>response<|sep|><|close|>response<|sep|>"
         "<|open|>tools<|sep|><|open|>call tool=\"get_weather\" index=\"1\"<|sep|>"
         "<|open|>argument key=\"city\" type=\"string\"<|sep|>Paris, \"la ville\"\nlumi\xC3\xA8re<|close|>argument<|sep|>"
@@ -178,6 +178,8 @@ K3_TEST(server_tool_calls_stream_incrementally) {
         "<|close|>call<|sep|>"
         "<|open|>call tool=\"noargs\" index=\"3\"<|sep|><|close|>call<|sep|>"
         "<|close|>tools<|sep|><|close|>message<|sep|>";
+    char *text = strdup(text_lit); /* on the heap: the cut loop below reads it by index */
+    REQUIRE(text);
     const size_t len = strlen(text);
     k3_tool_stream ts = {0};
     char ids[4][32] = {{0}}, names[4][32] = {{0}};
@@ -189,8 +191,9 @@ K3_TEST(server_tool_calls_stream_incrementally) {
         const bool done = cut == len;
         /* not inside a marker <|...|> nor a UTF-8 character */
         bool inside = false;
-        for (size_t b = cut; b-- > 0 && cut - b < 12;) {
-            if (text[b] == '>' && b + 1 <= cut) break;
+        for (size_t back = 1; back <= cut && back < 12; back++) {
+            const size_t b = cut - back;
+            if (text[b] == '>') break;
             if (text[b] == '<' && b + 1 < len && text[b + 1] == '|') {
                 const char *e = strstr(text + b, "|>");
                 inside = e && (size_t)(e - text) + 2 > cut;
@@ -264,6 +267,7 @@ K3_TEST(server_tool_calls_stream_incrementally) {
     json_decref(m);
     for (int i = 0; i < 4; i++) k3_buf_free(&args[i]);
     k3_tool_stream_free(&ts);
+    free(text);
 
     /* what was sent must stay a prefix: a call whose arguments changed is an error */
     k3_tool_stream t2 = {0};

@@ -143,6 +143,10 @@ static enum MHD_Result route_metrics(struct k3_server *s, struct MHD_Connection 
         bs = st.blocks_total ? (int32_t)(st.cache_tokens / st.blocks_total) : 0;
     }
     k3_metrics_render(&s->metrics, s->engine ? &st : NULL, s->model_label, bs, &o);
+    k3_buf_addf(&o,
+                "# HELP k3:http_connections Open HTTP connections (this one included).\n"
+                "# TYPE k3:http_connections gauge\nk3:http_connections{model_name=\"%s\"} %d\n",
+                s->model_label, atomic_load(&s->n_conn));
     if (s->engine) {
         k3_kv_residency kr;
         k3_engine_kv_residency(s->engine, &kr);
@@ -228,7 +232,8 @@ static bool over_limit(struct k3_server *s, struct MHD_Connection *c) {
 /* 503 + Retry-After + OpenAI's error JSON, and the connection closes. */
 static enum MHD_Result refuse_busy(struct k3_server *s, struct MHD_Connection *c) {
     char msg[160];
-    snprintf(msg, sizeof msg, "the server has %u connections open, its limit: try again later", s->max_conn);
+    snprintf(msg, sizeof msg, "too many connections: this server takes %u at once (its connection limit); try again later",
+             s->max_conn);
     json_t *e = k3_srv_error_json(503, msg);
     char *text = e ? json_dumps(e, JSON_COMPACT) : NULL;
     json_decref(e);
