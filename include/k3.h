@@ -797,7 +797,9 @@ void k3_server_stop(k3_server *s);
  * are kept) to the moment the block is taken again for other tokens
  * (eviction); then lifetime = eviction - birth, idle = eviction - last
  * access (birth when never hit), and one reuse gap per pair of consecutive
- * kept accesses are observed. Buckets: k3_kv_residency_le, in seconds. */
+ * kept accesses are observed. Buckets: k3_kv_residency_le, in seconds.
+ * Without prefix caching (no_prefix_cache) nothing is observed, as in vLLM
+ * (its blocks are never evicted from a cache): the histograms stay empty. */
 
 #define K3_KV_RESIDENCY_BUCKETS 21
 

@@ -150,5 +150,25 @@ K3_TEST(kv_residency_engine_counts_evictions) {
     CHECK(r.idle.n == r.lifetime.n && r.lifetime.sum >= 0);
     CHECK(k3_engine_check(e));
     k3_engine_close(e);
+    /* without prefix caching (as vLLM): present, and empty however many blocks are reused */
+    o.no_prefix_cache = true;
+    REQUIRE(k3_engine_open(&e, m, &o, &err) == K3_OK);
+    REQUIRE(k3_engine_set_kv_metrics(e, 1.0, &err) == K3_OK);
+    for (int round = 0; round < 4; round++) {
+        int32_t ids[40];
+        for (int i = 0; i < 40; i++) ids[i] = 3 + (round * 41 + i * 7) % 200;
+        k3_request_params p = {.prompt = ids, .n_prompt = 40, .max_tokens = 4, .ignore_eos = true,
+                               .logprobs = -1, .prompt_logprobs = -1};
+        p.sampling = (k3_sampler_options){.temperature = 0, .top_p = 1, .repeat_penalty = 1};
+        uint64_t id;
+        REQUIRE(k3_engine_submit(e, &p, &id, &err) == K3_OK);
+        while (k3_engine_has_work(e)) {
+            k3_step_result res;
+            REQUIRE(k3_engine_step(e, &res, &err) == K3_OK);
+        }
+    }
+    k3_engine_kv_residency(e, &r);
+    CHECK(r.enabled && r.lifetime.n == 0 && r.idle.n == 0);
+    k3_engine_close(e);
     k3_model_close(m);
 }

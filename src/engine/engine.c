@@ -505,8 +505,15 @@ void k3_engine_get_stats(k3_engine *e, k3_engine_stats *st) {
 
 k3_status k3_engine_set_kv_metrics(k3_engine *e, double sample_rate, k3_error *err) {
     pthread_mutex_lock(&e->mu);
-    const k3_status st = k3_kv_track_enable(&e->bm, sample_rate, e->o.cache_salt, err);
+    /* as vLLM: without prefix caching no block is ever evicted from the
+     * cache, so the histograms exist and stay empty */
+    const bool caching = !e->o.no_prefix_cache;
+    const k3_status st = k3_kv_track_enable(&e->bm, caching ? sample_rate : 0, e->o.cache_salt, err);
     k3_kv_track_get(&e->bm, &e->kv_res);
+    if (!st && !caching && sample_rate > 0 && sample_rate <= 1) {
+        e->kv_res.enabled = true;
+        e->kv_res.sample_rate = sample_rate;
+    }
     pthread_mutex_unlock(&e->mu);
     return st;
 }
