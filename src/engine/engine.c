@@ -570,16 +570,23 @@ static bool is_stop(const k3_engine *e, const req *r, int32_t id) {
 }
 
 /* Samples rq's next token from its logits row. */
-static void sample(k3_engine *e, req *r, const float *lg, double t) {
+static void sample(k3_engine *e, req *r, float *lg, double t) {
     const int64_t V = e->V;
-    memcpy(e->row, lg, sizeof(float) * (size_t)V);
+    /* the sampler works in place: on a copy only when the raw row is still
+     * needed for the logprobs (lg is this step's scratch, read by no one
+     * after; a copy is V floats per request per step: 640 KB at K3's vocab) */
+    float *row = lg;
+    if (r->p.logprobs >= 0) {
+        memcpy(e->row, lg, sizeof(float) * (size_t)V);
+        row = e->row;
+    }
     /* min_tokens: the stop ids cannot be generated before (as vLLM) */
     if (r->n_gen < r->p.min_tokens) {
         if (!r->p.ignore_eos)
-            for (int32_t i = 0; i < e->n_eos; i++) e->row[e->eos[i]] = -INFINITY;
-        for (int32_t i = 0; i < r->p.n_stop_ids; i++) e->row[r->stop_ids[i]] = -INFINITY;
+            for (int32_t i = 0; i < e->n_eos; i++) row[e->eos[i]] = -INFINITY;
+        for (int32_t i = 0; i < r->p.n_stop_ids; i++) row[r->stop_ids[i]] = -INFINITY;
     }
-    const int32_t id = k3_sampler_sample(r->smp, e->row);
+    const int32_t id = k3_sampler_sample(r->smp, row);
     if (id < 0 || id >= V) { /* a sampler that refuses non-finite logits */
         snprintf(r->error, sizeof r->error, "the logits of request %llu are not finite",
                  (unsigned long long)r->rq.id);
@@ -814,7 +821,7 @@ k3_status k3_engine_step(k3_engine *e, k3_step_result *res, k3_error *err) {
             e->snap_save_s += k3_engine_now() - t0;
             e->n_snap_saves++;
         }
-        const float *lg = NULL;
+        float *lg = NULL;
         if (e->want[i] == K3_WANT_ALL) {
             prompt_logprobs(e, r, e->logits + row * e->V, c, n);
             lg = e->logits + (row + n - 1) * e->V;
