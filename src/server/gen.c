@@ -90,6 +90,8 @@ typedef struct job {
     k3_vision_prompt vp; /* a chat prompt's image rows and keys, until submitted */
 } job;
 
+static void choice_advance(struct job *j, struct choice *c);
+
 /* ---- the engine thread ------------------------------------------------ */
 
 static void job_free(job *j) {
@@ -184,13 +186,17 @@ static void on_output(struct k3_server *s, const k3_req_output *o, double t) {
     c->n_generated = o->n_generated;
     bool fin = false;
     if (o->events & K3_EV_FINISHED) {
-        /* a stop string cancels the request: it finished with "stop" */
-        k3_metrics_finished(&s->metrics, o->finish == K3_FINISH_CANCELLED && c->stop_hit ? K3_FINISH_STOP : o->finish);
         c->finished = true;
         c->finish = o->finish;
         c->stop_id = o->stop_id;
         if (o->finish == K3_FINISH_ERROR && !c->error[0])
             snprintf(c->error, sizeof c->error, "%s", o->error ? o->error : "the engine failed this request");
+        /* counted by the reason the client sees: the text is decoded now
+         * (the HTTP thread may not have got to it), and a stop string in
+         * it makes "stop" -- even when the engine reached max_tokens before
+         * the cancel the stop string sent came */
+        choice_advance(c->job, c);
+        k3_metrics_finished(&s->metrics, c->stop_hit && o->finish != K3_FINISH_ERROR ? K3_FINISH_STOP : o->finish);
         fin = true;
     }
     pthread_cond_broadcast(&j->cv);
