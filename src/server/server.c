@@ -1,11 +1,11 @@
 /*
  * server.c -- the HTTP layer of `k3 serve` on libmicrohttpd: one thread per
  * connection (a blocked generation waits in its own thread), a connection
- * limit, an idle timeout for slow clients, a body size limit enforced from
+ * limit (one over it is answered 503 with Retry-After), an idle timeout for slow clients, a body size limit enforced from
  * Content-Length before anything is read (and again while reading a body
  * sent without one), the API key, routing, and the routes that need no
  * generation: /health, /version, /v1/models, /tokenize, /detokenize,
- * /metrics. The generation routes are in gen.c.
+ * /metrics. The generation routes are in gen.c; both answer through http.c.
  */
 #include <arpa/inet.h>
 #include <netdb.h>
