@@ -36,7 +36,7 @@ MODEL   ?= models/k3-mini
 PROMPT  ?= It is a truth universally acknowledged, that
 RUN_ARGS?= -n 64
 
-.PHONY: all help deps run test test-unit test-cli clean asan ubsan format check-reference kbench xcore
+.PHONY: all help deps run test test-unit test-cli clean asan ubsan format check-reference kbench xcore stepgap
 all: $(BUILD)/k3 $(BUILD)/k3-test
 
 help:
@@ -114,6 +114,11 @@ kbench: $(BUILD)/kbench
 $(BUILD)/xcore: bench/xcore.c $(BUILD)/libk3.a
 	$(CC) $(K3_CFLAGS) $(PC_CFLAGS) $(CFLAGS) -o $@ $< $(BUILD)/libk3.a $(PC_LIBS) $(LDLIBS)
 xcore: $(BUILD)/xcore
+
+# Developer tool: the engine's decode step against a bare context's, interleaved.
+$(BUILD)/stepgap: bench/stepgap.c $(BUILD)/libk3.a
+	$(CC) $(K3_CFLAGS) $(PC_CFLAGS) $(CFLAGS) -o $@ $< $(BUILD)/libk3.a $(PC_LIBS) $(LDLIBS)
+stepgap: $(BUILD)/stepgap
 
 # ---- install, bench checkpoints, fuzzers (issue 14) --------------------------
 

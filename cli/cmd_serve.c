@@ -48,7 +48,11 @@ static int usage_serve(void) {
             "  --max-image-pixels N         largest image, width x height (default 67108864 = 8192 x 8192)\n"
             "  --vision-threads N           threads of the image encoder's own pool (default: --threads)\n"
             "  --timeout S                  drop a client idle this long (default 30)\n"
-            "  --max-connections N          connections at once, one thread each (default 1024)\n"
+            "  --max-connections N          connections at once, one thread each (default 1024); one more is\n"
+            "                               answered 503 with Retry-After\n"
+            "  --kv-cache-metrics           the sampled block residency histograms in /metrics (vLLM's\n"
+            "                               vllm:kv_block_lifetime_seconds, _idle_before_evict_, _reuse_gap_)\n"
+            "  --kv-cache-metrics-sample F  the fraction of blocks followed (default 0.01)\n"
             "  --ep E, --dcp D              under mpirun -np N: the routed experts split over E ranks, the\n"
             "                               cache sharded by token over D ranks (--dcp-interleave I,\n"
             "                               --dcp-topk-exchange allgather|butterfly); rank 0 serves HTTP and\n"
@@ -105,7 +109,8 @@ int k3_cmd_serve(int argc, char **argv) {
     long port = 8000, max_len = 0, max_seqs = 0, max_batched = 0, max_step_cost = 0, max_waiting = 256, cache_tokens = 0,
          block = 0;
     long max_body = 0, timeout = 0, snapshot_mb = 0, max_conn = 1024, max_image_px = 0, vthreads = 0;
-    bool keep_mapped = false, no_prefix = false;
+    bool keep_mapped = false, no_prefix = false, kv_metrics = false;
+    float kv_sample = 0.01f;
     long threads = k3_cli_default_threads();
     int bad = 0;
     k3_cli_dist cd;
@@ -137,6 +142,10 @@ int k3_cmd_serve(int argc, char **argv) {
         else if (ARG("--max-connections")) max_conn = parse_long(argv[++i], &bad);
         else if (!strcmp(a, "--mmap")) keep_mapped = true;
         else if (!strcmp(a, "--no-prefix-cache")) no_prefix = true;
+        else if (!strcmp(a, "--kv-cache-metrics")) kv_metrics = true;
+        else if (ARG("--kv-cache-metrics-sample")) {
+            if (k3_cli_float("serve", "--kv-cache-metrics-sample", argv[++i], 0.0, 1.0, &kv_sample)) return 2;
+        }
         else if (!strcmp(a, "-h") || !strcmp(a, "--help")) return usage_serve();
         else {
             fprintf(stderr, "k3 serve: unknown option or missing value: %s\n", a);
@@ -212,6 +221,7 @@ int k3_cmd_serve(int argc, char **argv) {
                             .pool = pool,
                             .dist = cd.d};
     if (k3_engine_open(&eng, m, &eo, &err)) goto fail;
+    if (kv_metrics && k3_engine_set_kv_metrics(eng, kv_sample, &err)) goto fail;
     k3_engine_stats st;
     k3_engine_get_stats(eng, &st);
     k3_server_options so = {.host = host,

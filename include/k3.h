@@ -807,6 +807,44 @@ bool k3_server_failed(k3_server *s, k3_error *err);
 /* Stops listening, cancels what runs, joins the threads. */
 void k3_server_stop(k3_server *s);
 
+/* ---- KV-cache residency metrics (issue #17) ----
+ *
+ * vLLM v1's sampled block residency histograms (--kv-cache-metrics): a
+ * sampled fraction of the cache blocks handed out is followed from the
+ * allocation (birth) through its prefix-cache hits (accesses: the last four
+ * are kept) to the moment the block is taken again for other tokens
+ * (eviction); then lifetime = eviction - birth, idle = eviction - last
+ * access (birth when never hit), and one reuse gap per pair of consecutive
+ * kept accesses are observed. Buckets: k3_kv_residency_le, in seconds.
+ * Without prefix caching (no_prefix_cache) nothing is observed, as in vLLM
+ * (its blocks are never evicted from a cache): the histograms stay empty. */
+
+#define K3_KV_RESIDENCY_BUCKETS 21
+
+typedef struct k3_kv_hist {
+    uint64_t count[K3_KV_RESIDENCY_BUCKETS + 1]; /* per bucket (not cumulative); last = +Inf */
+    double sum;
+    uint64_t n;
+} k3_kv_hist;
+
+typedef struct k3_kv_residency {
+    bool enabled;
+    double sample_rate;        /* the fraction of allocated blocks followed */
+    k3_kv_hist lifetime;       /* vllm:kv_block_lifetime_seconds */
+    k3_kv_hist idle;           /* vllm:kv_block_idle_before_evict_seconds */
+    k3_kv_hist reuse_gap;      /* vllm:kv_block_reuse_gap_seconds */
+} k3_kv_residency;
+
+/* The upper bounds of the buckets (vLLM's: 1 ms ... 1800 s). */
+extern const double k3_kv_residency_le[K3_KV_RESIDENCY_BUCKETS];
+
+/* Turns the residency metrics on with sample_rate in (0, 1] (vLLM's
+ * default is 0.01), or off with 0. Call before the first k3_engine_step.
+ * K3_ERR_ARG for a rate outside [0, 1], K3_ERR_NOMEM. */
+k3_status k3_engine_set_kv_metrics(k3_engine *e, double sample_rate, k3_error *err);
+/* The histograms as of the last step (any thread; enabled = false when off). */
+void k3_engine_kv_residency(k3_engine *e, k3_kv_residency *out);
+
 /* ---- kernel ISA (issue #18) ---- */
 
 /* Picks the kernels every later call runs: "ref" (scalar), "avx2" (AVX2 +

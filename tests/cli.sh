@@ -224,6 +224,7 @@ expect_fail "serve bad --kv-cache" "kv-cache" "$K3" serve -m "$TINY" --kv-cache 
 expect_fail "serve missing model" "config.json" "$K3" serve -m "$TMP/none" --port 0
 expect_fail "serve bad --port" "numeric option" "$K3" serve -m "$TINY" --port 70000
 expect_fail "serve bad --block-size" "numeric option" "$K3" serve -m "$TINY" --block-size 5000
+expect_fail "serve --kv-cache-metrics-sample over 1" "kv-cache-metrics-sample expects a finite number from 0 to 1" "$K3" serve -m "$TINY" --kv-cache-metrics --kv-cache-metrics-sample 2
 expect_fail "bench serve unreachable" "v1/models" "$K3" bench serve --base-url http://127.0.0.1:1 --tokenizer "$TINY"
 expect_fail "bench serve --num-prompts not a number" "\-\-num-prompts expects an integer" "$K3" bench serve --base-url http://127.0.0.1:1 --num-prompts abc
 expect_fail "bench --dcp --runs not a number" "\-\-runs expects an integer" "$K3" bench -m "$TINY" --dcp 1 --runs x

@@ -27,6 +27,7 @@ import urllib.parse
 import zlib
 
 import openai
+from openai.lib.streaming.chat import ChatCompletionStreamState
 
 K3 = sys.argv[1] if len(sys.argv) > 1 else "build/k3"
 TINY = "tests/models/tiny"
@@ -334,6 +335,20 @@ def main():
         r = c.chat.completions.create(model=M, messages=msgs, tools=tools, tool_choice="auto", max_tokens=6,
                                       temperature=0, extra_body={"ignore_eos": True})
         assert r.choices[0].finish_reason in ("length", "tool_calls", "stop"), r.choices[0]
+        # streamed, accumulated by the official client's own stream state (tool-call deltas by index,
+        # arguments concatenated): the same message as the whole reply
+        kw = dict(model=M, messages=msgs, tools=tools, tool_choice="auto", max_tokens=12, temperature=0,
+                  extra_body={"ignore_eos": True, "chat_template_kwargs": {"thinking": False}})
+        whole = c.chat.completions.create(**kw).choices[0]
+        state = ChatCompletionStreamState()
+        for ch in c.chat.completions.create(stream=True, **kw):
+            state.handle_chunk(ch)
+        acc = state.current_completion_snapshot.choices[0]
+        assert acc.finish_reason == whole.finish_reason, (acc, whole)
+        assert (acc.message.content or "") == (whole.message.content or ""), (acc.message, whole.message)
+        wt = [(t.function.name, t.function.arguments) for t in whole.message.tool_calls or []]
+        at = [(t.function.name, t.function.arguments) for t in acc.message.tool_calls or []]
+        assert at == wt, (at, wt)
         # the tools and the call are in the prompt: it is longer than the same talk without them
         plain = post(s.url + "/tokenize", json_body={"messages": [msgs[0]]}).json()["count"]
         assert r.usage.prompt_tokens > plain + 20, (r.usage.prompt_tokens, plain)
@@ -471,13 +486,40 @@ def main():
         finally:
             s2.stop()
 
+    def t_kv_residency():
+        # vLLM's sampled residency histograms: absent unless asked for; with every block followed and a
+        # pool of 8 blocks, the lifetime count grows once requests evict blocks
+        assert metric(s.metrics(), "vllm:kv_block_lifetime_seconds_count") is None
+        s3 = Server(TINY, "--kv-cache-metrics", "--kv-cache-metrics-sample", "1", "--cache-tokens", "512",
+                    "--max-num-seqs", "2")
+        try:
+            m0 = s3.metrics()
+            names = ["vllm:kv_block_lifetime_seconds", "vllm:kv_block_idle_before_evict_seconds",
+                     "vllm:kv_block_reuse_gap_seconds"]
+            for n in names:
+                assert metric(m0, n + "_count") == 0, (n, m0)
+                assert metric(m0, n + "_bucket", le="1800") == 0 and metric(m0, n + "_bucket", le="+Inf") == 0
+            cl = s3.client()
+            counts = []
+            for i in range(6):
+                words = " ".join(f"w{(i * 37 + k) % 101}" for k in range(60))
+                greedy(cl, TINY, words, 8)
+                counts.append(metric(s3.metrics(), "vllm:kv_block_lifetime_seconds_count"))
+            assert counts[-1] > counts[2] > 0, counts
+            m1 = s3.metrics()
+            assert metric(m1, "vllm:kv_block_idle_before_evict_seconds_count") == counts[-1], m1
+            assert metric(m1, "vllm:kv_block_lifetime_seconds_bucket", le="+Inf") == counts[-1]
+        finally:
+            s3.stop()
+
     for name, fn in [("models", t_models), ("completion", t_completion), ("chat", t_chat),
                      ("streaming with usage", t_stream_usage), ("stop strings", t_stop),
                      ("n=2 and seed", t_n2_seed), ("logprobs with echo", t_logprobs_echo),
                      ("tool-call round trip", t_tools), ("thinking on and off", t_thinking),
                      ("errors", t_errors), ("dropped stream is cancelled", t_dropped_stream),
                      ("32 concurrent streams equal alone", t_concurrent), ("prefix cache hit", t_prefix_cache),
-                     ("503 when busy, API key", t_busy_and_key)]:
+                     ("503 when busy, API key", t_busy_and_key),
+                     ("KV block residency histograms", t_kv_residency)]:
         check(name, fn)
 
     def t_mini_soak():

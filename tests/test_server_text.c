@@ -160,3 +160,126 @@ K3_TEST(server_chat_message_tool_calls) {
     CHECK(json_object_get(m, "tool_calls") == NULL);
     json_decref(m);
 }
+
+/* A chat reply streamed the way the server cuts it (never inside a special
+ * marker or a UTF-8 character, an undecided tag held back): the tool-call
+ * deltas, accumulated as the openai client does (by index: id, type and
+ * name from the first, the arguments concatenated), equal the tool calls
+ * of the whole reply; the arguments arrive in pieces, not at the end. */
+K3_TEST(server_tool_calls_stream_incrementally) {
+    const char *text_lit =
+        "Two tools.<|close|>think<|sep|><|open|>response<|sep|><|close|>response<|sep|>"
+        "<|open|>tools<|sep|><|open|>call tool=\"get_weather\" index=\"1\"<|sep|>"
+        "<|open|>argument key=\"city\" type=\"string\"<|sep|>Paris, \"la ville\"\nlumi\xC3\xA8re<|close|>argument<|sep|>"
+        "<|open|>argument key=\"days\" type=\"number\"<|sep|>3<|close|>argument<|sep|>"
+        "<|close|>call<|sep|>"
+        "<|open|>call tool=\"lookup\" index=\"2\"<|sep|>"
+        "<|open|>json type=\"object\"<|sep|>{\"q\":[1,2],\"deep\":{\"x\":null}}<|close|>json<|sep|>"
+        "<|close|>call<|sep|>"
+        "<|open|>call tool=\"noargs\" index=\"3\"<|sep|><|close|>call<|sep|>"
+        "<|close|>tools<|sep|><|close|>message<|sep|>";
+    char *text = strdup(text_lit); /* on the heap: the cut loop below reads it by index */
+    REQUIRE(text);
+    const size_t len = strlen(text);
+    k3_tool_stream ts = {0};
+    char ids[4][32] = {{0}}, names[4][32] = {{0}};
+    k3_buf args[4] = {{0}};
+    int n_calls = 0, n_frag0 = 0, bad_entries = 0, frag0_before_close = 0;
+    size_t last = (size_t)-1;
+    const char *close0 = strstr(text, "<|close|>call<|sep|>");
+    for (size_t cut = 0; cut <= len; cut++) {
+        const bool done = cut == len;
+        /* not inside a marker <|...|> nor a UTF-8 character */
+        bool inside = false;
+        for (size_t back = 1; back <= cut && back < 12; back++) {
+            const size_t b = cut - back;
+            if (text[b] == '>') break;
+            if (text[b] == '<' && b + 1 < len && text[b + 1] == '|') {
+                const char *e = strstr(text + b, "|>");
+                inside = e && (size_t)(e - text) + 2 > cut;
+                break;
+            }
+        }
+        if (inside || (cut < len && ((unsigned char)text[cut] & 0xC0) == 0x80)) continue;
+        const size_t upto = done ? len : k3_srv_chat_hold(text, 0, cut);
+        if (upto == last) continue;
+        last = upto;
+        k3_chat_reply r;
+        k3_chat_partial_call part;
+        k3_error err = {0};
+        REQUIREF(k3_chat_parse_reply_partial(text, upto, true, &r, done ? NULL : &part, &err) == K3_OK, "at %zu: %s",
+                 upto, err.msg);
+        json_t *d = json_array();
+        REQUIREF(k3_srv_tool_deltas(&ts, &r, done ? NULL : &part, d, &err) == K3_OK, "at %zu: %s", upto, err.msg);
+        size_t k;
+        json_t *v;
+        json_array_foreach(d, k, v) {
+            const int idx = (int)json_integer_value(json_object_get(v, "index"));
+            json_t *f = json_object_get(v, "function");
+            if (idx < 0 || idx > 3 || !f) {
+                bad_entries++;
+                continue;
+            }
+            if (json_object_get(v, "id")) {
+                /* the first delta of a call: index, id, type, name, arguments "" */
+                if (idx != n_calls || strcmp(json_string_value(json_object_get(v, "type")), "function") ||
+                    strcmp(json_string_value(json_object_get(f, "arguments")), ""))
+                    bad_entries++;
+                snprintf(ids[idx], sizeof ids[idx], "%s", json_string_value(json_object_get(v, "id")));
+                snprintf(names[idx], sizeof names[idx], "%s", json_string_value(json_object_get(f, "name")));
+                n_calls++;
+            } else {
+                if (json_object_get(f, "name")) bad_entries++;
+                const char *a = json_string_value(json_object_get(f, "arguments"));
+                k3_buf_add(&args[idx], a, strlen(a));
+                if (idx == 0) {
+                    n_frag0++;
+                    frag0_before_close += upto <= (size_t)(close0 - text);
+                }
+            }
+        }
+        json_decref(d);
+        if (!done) k3_chat_partial_call_free(&part);
+        k3_chat_reply_free(&r);
+    }
+    printf("    3 tool calls streamed: call 1's arguments in %d fragments, %d of them before the call closed\n", n_frag0,
+           frag0_before_close);
+    CHECK(bad_entries == 0);
+    CHECKF(n_calls == 3, "%d calls streamed", n_calls);
+    CHECKF(n_frag0 >= 10 && frag0_before_close >= 10, "call 1's arguments came in %d fragments (%d before it closed)",
+           n_frag0, frag0_before_close);
+    /* the whole reply, not streamed */
+    bool tools = false;
+    k3_error err = {0};
+    json_t *m = k3_srv_chat_message(text, len, true, &tools, &err);
+    REQUIREF(m, "%s", err.msg);
+    json_t *tc = json_object_get(m, "tool_calls");
+    CHECK(tools && json_array_size(tc) == 3);
+    for (int i = 0; i < 3 && i < (int)json_array_size(tc); i++) {
+        json_t *f = json_object_get(json_array_get(tc, i), "function");
+        const char *want = json_string_value(json_object_get(f, "arguments"));
+        k3_buf_add(&args[i], "", 0);
+        CHECKF(!strcmp(names[i], json_string_value(json_object_get(f, "name"))), "call %d name %s", i, names[i]);
+        CHECKF(args[i].p && !strcmp(args[i].p, want), "call %d: streamed %s, whole %s", i, args[i].p, want);
+        CHECK(!strncmp(ids[i], "call_", 5) && strlen(ids[i]) == 29);
+    }
+    CHECK(strcmp(ids[0], ids[1]) && strcmp(ids[1], ids[2]));
+    json_decref(m);
+    for (int i = 0; i < 4; i++) k3_buf_free(&args[i]);
+    k3_tool_stream_free(&ts);
+    free(text);
+
+    /* what was sent must stay a prefix: a call whose arguments changed is an error */
+    k3_tool_stream t2 = {0};
+    k3_chat_reply r = {.tool_calls_json = "[{\"id\":\"x\",\"type\":\"function\",\"function\":{\"name\":\"f\","
+                                          "\"arguments\":\"{\\\"a\\\": 1}\"}}]",
+                       .n_tool_calls = 1};
+    json_t *d = json_array();
+    CHECK(k3_srv_tool_deltas(&t2, &r, NULL, d, &err) == K3_OK && json_array_size(d) == 2);
+    json_decref(d);
+    r.tool_calls_json = "[{\"id\":\"x\",\"type\":\"function\",\"function\":{\"name\":\"f\",\"arguments\":\"{\\\"b\\\": 1}\"}}]";
+    d = json_array();
+    CHECK(k3_srv_tool_deltas(&t2, &r, NULL, d, &err) == K3_ERR_FORMAT && strstr(err.msg, "prefix"));
+    json_decref(d);
+    k3_tool_stream_free(&t2);
+}

@@ -83,6 +83,7 @@ struct k3_engine {
     uint64_t next_id;
     int64_t n_accepted;           /* submitted and not finished (for max_waiting) */
     k3_engine_stats st;           /* published at the end of each step */
+    k3_kv_residency kv_res;       /* the same, when the residency metrics are on */
 
     /* stepping thread only */
     req **live;                   /* submitted and not yet freed */
@@ -545,6 +546,27 @@ void k3_engine_get_stats(k3_engine *e, k3_engine_stats *st) {
     pthread_mutex_unlock(&e->mu);
 }
 
+k3_status k3_engine_set_kv_metrics(k3_engine *e, double sample_rate, k3_error *err) {
+    pthread_mutex_lock(&e->mu);
+    /* as vLLM: without prefix caching no block is ever evicted from the
+     * cache, so the histograms exist and stay empty */
+    const bool caching = !e->o.no_prefix_cache;
+    const k3_status st = k3_kv_track_enable(&e->bm, caching ? sample_rate : 0, e->o.cache_salt, err);
+    k3_kv_track_get(&e->bm, &e->kv_res);
+    if (!st && !caching && sample_rate > 0 && sample_rate <= 1) {
+        e->kv_res.enabled = true;
+        e->kv_res.sample_rate = sample_rate;
+    }
+    pthread_mutex_unlock(&e->mu);
+    return st;
+}
+
+void k3_engine_kv_residency(k3_engine *e, k3_kv_residency *out) {
+    pthread_mutex_lock(&e->mu);
+    *out = e->kv_res;
+    pthread_mutex_unlock(&e->mu);
+}
+
 /* ---- the step ------------------------------------------------------------------------------- */
 
 static void finish(k3_engine *e, req *r, k3_finish_reason why, double t) {
@@ -591,16 +613,23 @@ static bool is_stop(const k3_engine *e, const req *r, int32_t id) {
 }
 
 /* Samples rq's next token from its logits row. */
-static void sample(k3_engine *e, req *r, const float *lg, double t) {
+static void sample(k3_engine *e, req *r, float *lg, double t) {
     const int64_t V = e->V;
-    memcpy(e->row, lg, sizeof(float) * (size_t)V);
+    /* the sampler works in place: on a copy only when the raw row is still
+     * needed for the logprobs (lg is this step's scratch, read by no one
+     * after; a copy is V floats per request per step: 640 KB at K3's vocab) */
+    float *row = lg;
+    if (r->p.logprobs >= 0) {
+        memcpy(e->row, lg, sizeof(float) * (size_t)V);
+        row = e->row;
+    }
     /* min_tokens: the stop ids cannot be generated before (as vLLM) */
     if (r->n_gen < r->p.min_tokens) {
         if (!r->p.ignore_eos)
-            for (int32_t i = 0; i < e->n_eos; i++) e->row[e->eos[i]] = -INFINITY;
-        for (int32_t i = 0; i < r->p.n_stop_ids; i++) e->row[r->stop_ids[i]] = -INFINITY;
+            for (int32_t i = 0; i < e->n_eos; i++) row[e->eos[i]] = -INFINITY;
+        for (int32_t i = 0; i < r->p.n_stop_ids; i++) row[r->stop_ids[i]] = -INFINITY;
     }
-    const int32_t id = k3_sampler_sample(r->smp, e->row);
+    const int32_t id = k3_sampler_sample(r->smp, row);
     if (id < 0 || id >= V) { /* a sampler that refuses non-finite logits */
         snprintf(r->error, sizeof r->error, "the logits of request %llu are not finite",
                  (unsigned long long)r->rq.id);
@@ -705,6 +734,7 @@ static void publish_stats(k3_engine *e) {
     st->n_snapshot_restores = e->n_snap_restores;
     st->snapshot_save_s = e->snap_save_s;
     st->snapshot_restore_s = e->snap_restore_s;
+    if (e->bm.track) k3_kv_track_get(&e->bm, &e->kv_res);
     pthread_mutex_unlock(&e->mu);
 }
 
@@ -837,7 +867,7 @@ k3_status k3_engine_step(k3_engine *e, k3_step_result *res, k3_error *err) {
             e->snap_save_s += k3_engine_now() - t0;
             e->n_snap_saves++;
         }
-        const float *lg = NULL;
+        float *lg = NULL;
         if (e->want[i] == K3_WANT_ALL) {
             prompt_logprobs(e, r, e->logits + row * e->V, c, n);
             lg = e->logits + (row + n - 1) * e->V;

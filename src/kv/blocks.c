@@ -3,6 +3,7 @@
  */
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "common/error.h"
 #include "kv/kv.h"
@@ -95,6 +96,122 @@ void k3_kv_register(k3_kv_blocks *bm, int32_t b, uint64_t hash, uint64_t parent,
     bm->n_hashed++;
 }
 
+/* ---- residency metrics ------------------------------------------------------------- */
+
+const double k3_kv_residency_le[K3_KV_RESIDENCY_BUCKETS] = {0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1,
+                                                             0.2,   0.5,   1,     2,    5,    10,   20,
+                                                             30,    60,    120,   300,  600,  1200, 1800};
+
+#define TRACK_HISTORY 4 /* accesses kept per block (vLLM: a deque of 4) */
+
+typedef struct k3_kv_track {
+    double rate;
+    uint64_t rng;
+    int64_t (*now_ns)(void *);
+    void *now_arg;
+    bool *on;                     /* [n] followed */
+    int64_t *birth, *last;        /* [n] ns */
+    int64_t *hist;                /* [n * TRACK_HISTORY] access times, oldest first */
+    uint8_t *n_hist;              /* [n] */
+    k3_kv_residency agg;
+} k3_kv_track;
+
+static int64_t mono_ns(void *arg) {
+    (void)arg;
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static void track_free(k3_kv_track *t) {
+    if (!t) return;
+    free(t->on);
+    free(t->birth);
+    free(t->last);
+    free(t->hist);
+    free(t->n_hist);
+    free(t);
+}
+
+k3_status k3_kv_track_enable(k3_kv_blocks *bm, double rate, uint64_t seed, k3_error *err) {
+    if (!(rate >= 0 && rate <= 1))
+        return k3_err(err, K3_ERR_ARG, "blocks: the residency sample rate %g is not in [0, 1]", rate);
+    track_free(bm->track);
+    bm->track = NULL;
+    if (rate == 0) return K3_OK;
+    k3_kv_track *t = calloc(1, sizeof *t);
+    const size_t n = (size_t)bm->n_blocks;
+    if (t) {
+        t->on = calloc(n, sizeof *t->on);
+        t->birth = calloc(n, sizeof *t->birth);
+        t->last = calloc(n, sizeof *t->last);
+        t->hist = calloc(n * TRACK_HISTORY, sizeof *t->hist);
+        t->n_hist = calloc(n, sizeof *t->n_hist);
+    }
+    if (!t || !t->on || !t->birth || !t->last || !t->hist || !t->n_hist) {
+        track_free(t);
+        return k3_err(err, K3_ERR_NOMEM, "blocks: out of memory for the residency metrics of %d blocks",
+                      bm->n_blocks);
+    }
+    t->rate = rate;
+    t->rng = seed ^ 0x9E3779B97F4A7C15ull;
+    t->now_ns = mono_ns;
+    t->agg.enabled = true;
+    t->agg.sample_rate = rate;
+    bm->track = t;
+    return K3_OK;
+}
+
+void k3_kv_track_set_clock(k3_kv_blocks *bm, int64_t (*now_ns)(void *), void *arg) {
+    if (!bm->track) return;
+    bm->track->now_ns = now_ns ? now_ns : mono_ns;
+    bm->track->now_arg = arg;
+}
+
+void k3_kv_track_get(const k3_kv_blocks *bm, k3_kv_residency *out) {
+    if (bm->track) *out = bm->track->agg;
+    else memset(out, 0, sizeof *out);
+}
+
+static void observe(k3_kv_hist *h, double v) {
+    int b = 0;
+    while (b < K3_KV_RESIDENCY_BUCKETS && v > k3_kv_residency_le[b]) b++;
+    h->count[b]++;
+    h->sum += v;
+    h->n++;
+}
+
+/* Block b is taken for new tokens: a followed one is observed and dropped,
+ * then the new one is followed with probability rate. */
+static void track_alloc(k3_kv_track *t, int32_t b) {
+    const int64_t now = t->now_ns(t->now_arg);
+    if (t->on[b]) {
+        observe(&t->agg.lifetime, (double)(now - t->birth[b]) * 1e-9);
+        observe(&t->agg.idle, (double)(now - t->last[b]) * 1e-9);
+        const int64_t *h = t->hist + (size_t)b * TRACK_HISTORY;
+        for (int i = 1; i < t->n_hist[b]; i++) observe(&t->agg.reuse_gap, (double)(h[i] - h[i - 1]) * 1e-9);
+        t->on[b] = false;
+    }
+    t->rng = mix64(t->rng + 0x9E3779B97F4A7C15ull);
+    if ((double)(t->rng >> 11) * 0x1.0p-53 < t->rate) {
+        t->on[b] = true;
+        t->birth[b] = t->last[b] = now;
+        t->n_hist[b] = 0;
+    }
+}
+
+static void track_access(k3_kv_track *t, int32_t b) {
+    if (!t->on[b]) return;
+    const int64_t now = t->now_ns(t->now_arg);
+    int64_t *h = t->hist + (size_t)b * TRACK_HISTORY;
+    if (t->n_hist[b] == TRACK_HISTORY) {
+        memmove(h, h + 1, sizeof *h * (TRACK_HISTORY - 1));
+        t->n_hist[b]--;
+    }
+    h[t->n_hist[b]++] = now;
+    t->last[b] = now;
+}
+
 /* ---- the manager ------------------------------------------------------------------ */
 
 k3_status k3_kv_blocks_init(k3_kv_blocks *bm, int32_t n_blocks, int32_t block_size, k3_error *err) {
@@ -144,6 +261,7 @@ void k3_kv_blocks_free(k3_kv_blocks *bm) {
     free(bm->tokens);
     free(bm->chain);
     free(bm->bucket);
+    track_free(bm->track);
     memset(bm, 0, sizeof *bm);
 }
 
@@ -155,6 +273,7 @@ int32_t k3_kv_alloc(k3_kv_blocks *bm) {
         index_remove(bm, b);
         bm->n_evicted++;
     }
+    if (bm->track) track_alloc(bm->track, b);
     bm->ref[b] = 1;
     return b;
 }
@@ -162,6 +281,7 @@ int32_t k3_kv_alloc(k3_kv_blocks *bm) {
 void k3_kv_ref(k3_kv_blocks *bm, int32_t b) {
     K3_ASSERT(b >= 0 && b < bm->n_blocks);
     if (bm->ref[b]++ == 0 && bm->in_free[b]) fl_remove(bm, b);
+    if (bm->track) track_access(bm->track, b);
 }
 
 void k3_kv_unref(k3_kv_blocks *bm, int32_t b) {

@@ -46,6 +46,7 @@ typedef struct k3_kv_blocks {
     int32_t *chain;               /* [n] next block in the same bucket */
     uint32_t bucket_mask;
     int64_t n_hashed, n_evicted;  /* hashed blocks; hashes dropped on reuse */
+    struct k3_kv_track *track;    /* residency metrics, NULL = off */
 } k3_kv_blocks;
 
 k3_status k3_kv_blocks_init(k3_kv_blocks *bm, int32_t n_blocks, int32_t block_size, k3_error *err);
@@ -65,6 +66,17 @@ int32_t k3_kv_lookup(const k3_kv_blocks *bm, uint64_t hash, uint64_t parent, uin
  * cached in another block, or b already has a hash). */
 void k3_kv_register(k3_kv_blocks *bm, int32_t b, uint64_t hash, uint64_t parent, uint64_t extra,
                     const int32_t *tokens);
+/* Residency metrics (k3_kv_residency, vLLM's semantics): k3_kv_alloc of a
+ * followed block observes its lifetime, idle time and reuse gaps first (it
+ * is evicted: taken for other tokens), then follows the new block with
+ * probability sample_rate; k3_kv_ref of a followed block records an access.
+ * now_ns is the clock (CLOCK_MONOTONIC; tests give their own with
+ * k3_kv_track_set_clock). rate 0 turns it off. */
+k3_status k3_kv_track_enable(k3_kv_blocks *bm, double sample_rate, uint64_t seed, k3_error *err);
+void k3_kv_track_set_clock(k3_kv_blocks *bm, int64_t (*now_ns)(void *), void *arg);
+/* The histograms so far (out->enabled = false when off). */
+void k3_kv_track_get(const k3_kv_blocks *bm, k3_kv_residency *out);
+
 /* Consistency check for tests: free list, counts and index agree. */
 bool k3_kv_check(const k3_kv_blocks *bm);
 

@@ -29,6 +29,7 @@
 
 #include "common/error.h"
 #include "server/gen.h"
+#include "server/http.h"
 
 #define MAX_N 16
 #define MAX_STOPS 16
@@ -62,6 +63,7 @@ typedef struct choice {
     size_t lp_sent;     /* tokens whose logprobs were sent (stream) */
     bool stop_hit, done, role_sent, final_sent;
     size_t sent_reasoning, sent_content;
+    k3_tool_stream ts;  /* tool calls streamed */
     int64_t n_out;      /* completion tokens counted */
 } choice;
 
@@ -88,6 +90,8 @@ typedef struct job {
     k3_vision_prompt vp; /* a chat prompt's image rows and keys, until submitted */
 } job;
 
+static void choice_advance(struct job *j, struct choice *c);
+
 /* ---- the engine thread ------------------------------------------------ */
 
 static void job_free(job *j) {
@@ -99,6 +103,7 @@ static void job_free(job *j) {
         free(c->plp);
         free(c->ptop);
         k3_buf_free(&c->text);
+        k3_tool_stream_free(&c->ts);
     }
     for (int i = 0; i < j->n_prompts; i++) free(j->prompts[i]);
     k3_vision_prompt_free(&j->vp);
@@ -181,13 +186,17 @@ static void on_output(struct k3_server *s, const k3_req_output *o, double t) {
     c->n_generated = o->n_generated;
     bool fin = false;
     if (o->events & K3_EV_FINISHED) {
-        /* a stop string cancels the request: it finished with "stop" */
-        k3_metrics_finished(&s->metrics, o->finish == K3_FINISH_CANCELLED && c->stop_hit ? K3_FINISH_STOP : o->finish);
         c->finished = true;
         c->finish = o->finish;
         c->stop_id = o->stop_id;
         if (o->finish == K3_FINISH_ERROR && !c->error[0])
             snprintf(c->error, sizeof c->error, "%s", o->error ? o->error : "the engine failed this request");
+        /* counted by the reason the client sees: the text is decoded now
+         * (the HTTP thread may not have got to it), and a stop string in
+         * it makes "stop" -- even when the engine reached max_tokens before
+         * the cancel the stop string sent came */
+        choice_advance(c->job, c);
+        k3_metrics_finished(&s->metrics, c->stop_hit && o->finish != K3_FINISH_ERROR ? K3_FINISH_STOP : o->finish);
         fin = true;
     }
     pthread_cond_broadcast(&j->cv);
@@ -243,6 +252,22 @@ void k3_srv_gen_stop(struct k3_server *s) {
 }
 
 void k3_srv_engine_stats(struct k3_server *s, k3_engine_stats *st) { k3_engine_get_stats(s->engine, st); }
+
+int64_t k3_srv_max_model_len(struct k3_server *s) {
+    if (!s->engine) return s->max_model_len;
+    k3_engine_stats st;
+    k3_srv_engine_stats(s, &st);
+    return st.max_model_len;
+}
+
+bool k3_server_failed(k3_server *s, k3_error *err) {
+    pthread_mutex_lock(&s->fail_mu);
+    const bool f = s->failed;
+    if (f && err) *err = s->fail_err;
+    pthread_mutex_unlock(&s->fail_mu);
+    return f;
+}
+
 
 /* ---- request parsing -------------------------------------------------- */
 
@@ -498,18 +523,84 @@ static size_t choice_sendable(job *j, choice *c) {
     if (lim < c->emitted) return c->emitted;
     const size_t hold = k3_stops_holdback(&j->stops, c->text.p, lim, c->emitted);
     lim -= hold;
-    if (j->chat) {
-        /* a tag is decided at its <|sep|>: hold back an unfinished one */
-        const char *t = c->text.p;
-        for (size_t i = lim; i-- > c->emitted;) {
-            if (t[i] != '<') continue;
-            if (!strncmp(t + i, "<|open|>", 8) || !strncmp(t + i, "<|close|>", 9)) {
-                if (!memmem(t + i, lim - i, "<|sep|>", 7)) lim = i;
-                break;
-            }
+    if (j->chat) lim = k3_srv_chat_hold(c->text.p, c->emitted, lim);
+    return lim < c->emitted ? c->emitted : lim;
+}
+
+size_t k3_srv_chat_hold(const char *t, size_t from, size_t lim) {
+    /* a tag is decided at its <|sep|>: hold back an unfinished one */
+    for (size_t i = lim; i-- > from;) {
+        if (t[i] != '<') continue;
+        if ((lim - i >= 8 && !strncmp(t + i, "<|open|>", 8)) || (lim - i >= 9 && !strncmp(t + i, "<|close|>", 9))) {
+            if (!memmem(t + i, lim - i, "<|sep|>", 7)) lim = i;
+            break;
         }
     }
-    return lim < c->emitted ? c->emitted : lim;
+    return lim;
+}
+
+void k3_tool_stream_free(k3_tool_stream *ts) {
+    for (int i = 0; i < ts->n; i++) k3_buf_free(&ts->calls[i].sent);
+    free(ts->calls);
+    *ts = (k3_tool_stream){0};
+}
+
+k3_status k3_srv_tool_deltas(k3_tool_stream *ts, const k3_chat_reply *r, const k3_chat_partial_call *part, json_t *out,
+                             k3_error *err) {
+    json_t *tc = NULL;
+    if (r->tool_calls_json && r->n_tool_calls > 0 && !(tc = json_loads(r->tool_calls_json, 0, NULL)))
+        return k3_err(err, K3_ERR_NOMEM, "out of memory for the tool calls");
+    const size_t nc = json_array_size(tc), total = nc + (part && part->name && part->args ? 1 : 0);
+    k3_status st = K3_OK;
+    for (size_t k = 0; k < total && !st; k++) {
+        const char *name, *args;
+        size_t alen;
+        if (k < nc) {
+            json_t *f = json_object_get(json_array_get(tc, k), "function"), *a = json_object_get(f, "arguments");
+            name = json_string_value(json_object_get(f, "name"));
+            args = json_string_value(a);
+            alen = json_string_length(a);
+        } else {
+            name = part->name;
+            args = part->args;
+            alen = part->args_len;
+        }
+        if (!name || !args) {
+            st = k3_err(err, K3_ERR_FORMAT, "tool call %zu has no name or arguments", k + 1);
+            break;
+        }
+        if ((int)k >= ts->n) {
+            if (ts->n == ts->cap) {
+                const int cap = ts->cap ? ts->cap * 2 : 4;
+                k3_tool_stream_call *nw = realloc(ts->calls, sizeof *nw * (size_t)cap);
+                if (!nw) {
+                    st = k3_err(err, K3_ERR_NOMEM, "out of memory for the tool calls");
+                    break;
+                }
+                ts->calls = nw;
+                ts->cap = cap;
+            }
+            k3_tool_stream_call *sc = &ts->calls[ts->n++];
+            memset(sc, 0, sizeof *sc);
+            k3_chat_new_call_id(sc->id);
+            json_t *e = json_pack("{s:i,s:s,s:s,s:{s:o,s:s}}", "index", (int)k, "id", sc->id, "type", "function",
+                                  "function", "name", k3_srv_jstr(name, strlen(name)), "arguments", "");
+            if (!e || json_array_append_new(out, e)) st = k3_err(err, K3_ERR_NOMEM, "out of memory for a delta");
+        }
+        k3_tool_stream_call *sc = &ts->calls[k];
+        if (sc->sent.len > alen || (sc->sent.len && memcmp(args, sc->sent.p, sc->sent.len)))
+            st = k3_err(err, K3_ERR_FORMAT,
+                        "tool call %zu (%s): the arguments sent so far are not a prefix of its arguments", k + 1, name);
+        else if (alen > sc->sent.len) {
+            json_t *e = json_pack("{s:i,s:{s:o}}", "index", (int)k, "function", "arguments",
+                                  k3_srv_jstr(args + sc->sent.len, alen - sc->sent.len));
+            k3_buf_add(&sc->sent, args + sc->sent.len, alen - sc->sent.len);
+            if (!e || json_array_append_new(out, e) || sc->sent.oom)
+                st = k3_err(err, K3_ERR_NOMEM, "out of memory for a delta");
+        }
+    }
+    json_decref(tc);
+    return st;
 }
 
 static const char *finish_str(const choice *c, bool tool_calls) {
@@ -650,12 +741,6 @@ static json_t *usage_of(job *j) {
     return json_pack("{s:I,s:I,s:I,s:{s:I}}", "prompt_tokens", (json_int_t)prompt, "completion_tokens",
                      (json_int_t)out, "total_tokens", (json_int_t)(prompt + out), "prompt_tokens_details",
                      "cached_tokens", (json_int_t)cached);
-}
-
-/* The parsed reply of a chat choice over text[0..len). */
-static k3_status parse_reply(job *j, choice *c, size_t len, k3_chat_reply *r, k3_error *err) {
-    memset(r, 0, sizeof *r);
-    return k3_chat_parse_reply(c->text.p ? c->text.p : "", len, j->thinking, r, err);
 }
 
 json_t *k3_srv_chat_message(const char *text, size_t len, bool thinking, bool *tools, k3_error *err) {
@@ -861,7 +946,9 @@ static void stream_choice(job *j, int i) {
     k3_error err = {0};
     bool tools = false;
     if (upto > c->emitted || c->done) {
-        if (parse_reply(j, c, upto, &r, &err)) {
+        k3_chat_partial_call part;
+        if (k3_chat_parse_reply_partial(c->text.p ? c->text.p : "", upto, j->thinking, &r, c->done ? NULL : &part,
+                                        &err)) {
             if (c->done) {
                 char msg[700];
                 snprintf(msg, sizeof msg, "the model's reply cannot be parsed: %s", err.msg);
@@ -891,16 +978,28 @@ static void stream_choice(job *j, int i) {
                                       "finish_reason")));
             c->sent_content = cl;
         }
-        if (c->done && r.tool_calls_json && r.n_tool_calls > 0) {
-            json_t *tc = json_loads(r.tool_calls_json, 0, NULL);
-            size_t k;
-            json_t *v;
-            json_array_foreach(tc, k, v) json_object_set_new(v, "index", json_integer((json_int_t)k));
-            if (tc) {
-                sse(j, chunk(j, json_pack("[{s:i,s:{s:o},s:n,s:n}]", "index", i, "delta", "tool_calls", tc,
-                                          "logprobs", "finish_reason")));
-                tools = true;
-            }
+        /* tool calls as they are generated: a header per call, then its argument fragments */
+        json_t *deltas = json_array();
+        k3_status tst = deltas ? k3_srv_tool_deltas(&c->ts, &r, c->done ? NULL : &part, deltas, &err)
+                               : k3_err(&err, K3_ERR_NOMEM, "out of memory");
+        size_t k;
+        json_t *v;
+        json_array_foreach(deltas, k, v) {
+            json_incref(v);
+            sse(j, chunk(j, json_pack("[{s:i,s:{s:[o]},s:n,s:n}]", "index", i, "delta", "tool_calls", v, "logprobs",
+                                      "finish_reason")));
+        }
+        json_decref(deltas);
+        if (!c->done) k3_chat_partial_call_free(&part);
+        tools = r.tool_calls_json && r.n_tool_calls > 0;
+        if (tst) {
+            char msg[700];
+            snprintf(msg, sizeof msg, "the model's tool calls cannot be streamed: %s", err.msg);
+            sse_error(j, 500, msg);
+            if (!c->done) cancel_all(j);
+            c->final_sent = true;
+            k3_chat_reply_free(&r);
+            return;
         }
         k3_chat_reply_free(&r);
         c->emitted = upto;

@@ -8,6 +8,7 @@
 #define K3_SERVER_GEN_H
 
 #include "server/server.h"
+#include "tokenizer/chat_stream.h"
 
 k3_status k3_srv_gen_start(struct k3_server *s, k3_error *err);
 void k3_srv_gen_stop(struct k3_server *s);
@@ -27,5 +28,33 @@ k3_status k3_srv_encode_chat(struct k3_server *s, json_t *root, k3_vision_prompt
  * set when there are any). NULL with err when the reply cannot be parsed,
  * e.g. a tool call whose arguments are not valid JSON. */
 json_t *k3_srv_chat_message(const char *text, size_t len, bool thinking, bool *tools, k3_error *err);
+
+/* ---- streamed tool calls (what vLLM's OpenAI server sends) ----
+ * A call's first delta: {index, id, type "function", function {name,
+ * arguments ""}}; then {index, function {arguments: FRAGMENT}} as its
+ * arguments grow. The fragments of a call add up to the arguments the
+ * non-streamed reply has (the whole reply is still parsed and checked at
+ * the end). */
+typedef struct k3_tool_stream_call {
+    char id[32];
+    k3_buf sent;        /* the arguments sent so far */
+} k3_tool_stream_call;
+
+typedef struct k3_tool_stream {
+    k3_tool_stream_call *calls;
+    int n, cap;
+} k3_tool_stream;
+
+/* Appends to out (a JSON array) the tool_calls delta entries that are new
+ * since the last call, for r's complete calls and the call being generated
+ * (part, or NULL). K3_ERR_FORMAT when the arguments sent are no longer a
+ * prefix of a call's arguments, K3_ERR_NOMEM. */
+k3_status k3_srv_tool_deltas(k3_tool_stream *ts, const k3_chat_reply *r, const k3_chat_partial_call *part, json_t *out,
+                             k3_error *err);
+void k3_tool_stream_free(k3_tool_stream *ts);
+/* The end of text[from..lim) a chat stream may parse and send now: an
+ * <|open|> or <|close|> tag whose <|sep|> has not come is held back (its
+ * name and attributes are not decided). */
+size_t k3_srv_chat_hold(const char *t, size_t from, size_t lim);
 
 #endif /* K3_SERVER_GEN_H */

@@ -146,8 +146,12 @@ void k3_metrics_render(k3_metrics *m, const k3_engine_stats *st, const char *mod
     k3_buf_addf(o, "# HELP k3:http_requests_total HTTP requests answered.\n# TYPE k3:http_requests_total counter\n"
                    "k3:http_requests_total{model_name=\"%s\"} %llu\n"
                    "# HELP k3:http_errors_total HTTP requests answered with an error status.\n"
-                   "# TYPE k3:http_errors_total counter\nk3:http_errors_total{model_name=\"%s\"} %llu\n",
-                model, (unsigned long long)m->http_requests, model, (unsigned long long)m->http_errors);
+                   "# TYPE k3:http_errors_total counter\nk3:http_errors_total{model_name=\"%s\"} %llu\n"
+                   "# HELP k3:http_connections_refused_total Connections over the limit answered 503.\n"
+                   "# TYPE k3:http_connections_refused_total counter\n"
+                   "k3:http_connections_refused_total{model_name=\"%s\"} %llu\n",
+                model, (unsigned long long)m->http_requests, model, (unsigned long long)m->http_errors, model,
+                (unsigned long long)m->http_refused);
     pthread_mutex_unlock(&m->mu);
 }
 
@@ -169,4 +173,34 @@ void k3_metrics_render_dist(const k3_comm_stats *cs, k3_buf *o) {
     for (int k = 0; k < K3_COMM_COUNT; k++)
         k3_buf_addf(o, "k3:dist_seconds_total{kind=\"%s\"} %.9g\n", k3_comm_kind_name((k3_comm_kind)k),
                     cs->seconds[k]);
+}
+
+static void kv_hist(k3_buf *o, const char *name, const char *help, const k3_kv_hist *h, const char *model) {
+    k3_buf_addf(o, "# HELP %s %s\n# TYPE %s histogram\n", name, help, name);
+    uint64_t cum = 0;
+    for (int b = 0; b < K3_KV_RESIDENCY_BUCKETS; b++) {
+        cum += h->count[b];
+        k3_buf_addf(o, "%s_bucket{le=\"%g\",model_name=\"%s\"} %llu\n", name, k3_kv_residency_le[b], model,
+                    (unsigned long long)cum);
+    }
+    cum += h->count[K3_KV_RESIDENCY_BUCKETS];
+    k3_buf_addf(o, "%s_bucket{le=\"+Inf\",model_name=\"%s\"} %llu\n", name, model, (unsigned long long)cum);
+    k3_buf_addf(o, "%s_sum{model_name=\"%s\"} %.17g\n%s_count{model_name=\"%s\"} %llu\n", name, model, h->sum, name,
+                model, (unsigned long long)h->n);
+}
+
+void k3_metrics_render_kv(const k3_kv_residency *r, const char *model, k3_buf *o) {
+    if (!r->enabled) return;
+    kv_hist(o, "vllm:kv_block_lifetime_seconds",
+            "Histogram of KV cache block lifetime from allocation to eviction. Sampled metrics "
+            "(controlled by --kv-cache-metrics-sample).",
+            &r->lifetime, model);
+    kv_hist(o, "vllm:kv_block_idle_before_evict_seconds",
+            "Histogram of idle time before KV cache block eviction. Sampled metrics "
+            "(controlled by --kv-cache-metrics-sample).",
+            &r->idle, model);
+    kv_hist(o, "vllm:kv_block_reuse_gap_seconds",
+            "Histogram of time gaps between consecutive KV cache block accesses. Only the last 4 accesses "
+            "are tracked. Sampled metrics (controlled by --kv-cache-metrics-sample).",
+            &r->reuse_gap, model);
 }

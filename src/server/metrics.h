@@ -39,6 +39,7 @@ typedef struct k3_metrics {
     pthread_mutex_t mu;
     k3_hist h[K3_H_COUNT];
     uint64_t http_requests, http_errors;
+    uint64_t http_refused; /* 503s to connections over the limit */
     /* engine requests finished, by the reason the client saw (a stop
      * string ends a request by cancelling it, yet it finished with "stop") */
     uint64_t finished[K3_FINISH_ERROR + 1];
@@ -53,6 +54,8 @@ void k3_metrics_finished(k3_metrics *m, k3_finish_reason why);
  * kind: k3:dist_bytes_total{kind,dir="sent"|"received"}, k3:dist_calls_total,
  * k3:dist_seconds_total. */
 void k3_metrics_render_dist(const k3_comm_stats *cs, k3_buf *o);
+/* vLLM's sampled block residency histograms (only when r->enabled). */
+void k3_metrics_render_kv(const k3_kv_residency *r, const char *model_name, k3_buf *o);
 void k3_metrics_render(k3_metrics *m, const k3_engine_stats *st, const char *model_name, int32_t block_size,
                        k3_buf *out);
 

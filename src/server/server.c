@@ -1,11 +1,11 @@
 /*
  * server.c -- the HTTP layer of `k3 serve` on libmicrohttpd: one thread per
  * connection (a blocked generation waits in its own thread), a connection
- * limit, an idle timeout for slow clients, a body size limit enforced from
+ * limit (one over it is answered 503 with Retry-After), an idle timeout for slow clients, a body size limit enforced from
  * Content-Length before anything is read (and again while reading a body
  * sent without one), the API key, routing, and the routes that need no
  * generation: /health, /version, /v1/models, /tokenize, /detokenize,
- * /metrics. The generation routes are in gen.c.
+ * /metrics. The generation routes are in gen.c; both answer through http.c.
  */
 #include <arpa/inet.h>
 #include <netdb.h>
@@ -21,6 +21,7 @@
 #include "common/error.h"
 #include "common/json_guard.h"
 #include "server/gen.h"
+#include "server/http.h"
 #include "server/server.h"
 
 #define JSON_MAX_DEPTH 64
@@ -34,75 +35,6 @@ typedef struct conn_req {
 static char *dup_or(const char *s, const char *dflt) {
     const char *v = s && *s ? s : dflt;
     return v ? strdup(v) : NULL;
-}
-
-json_t *k3_srv_jstr(const char *p, size_t n) {
-    if (k3_utf8_valid(p, n)) return json_stringn(p, n);
-    size_t m;
-    char *r = k3_utf8_repair(p, n, &m);
-    if (!r) return NULL;
-    /* a NUL byte became U+FFFD too, so r is valid */
-    json_t *j = json_stringn(r, m);
-    free(r);
-    return j;
-}
-
-static enum MHD_Result queue(struct k3_server *s, struct MHD_Connection *c, unsigned status, char *text,
-                             size_t len, const char *type) {
-    struct MHD_Response *r = MHD_create_response_from_buffer(len, text, MHD_RESPMEM_MUST_FREE);
-    if (!r) {
-        free(text);
-        return MHD_NO;
-    }
-    MHD_add_response_header(r, "Content-Type", type);
-    if (status == 503) MHD_add_response_header(r, "Retry-After", "1");
-    if (status == 401) MHD_add_response_header(r, "WWW-Authenticate", "Bearer");
-    pthread_mutex_lock(&s->metrics.mu);
-    s->metrics.http_requests++;
-    if (status >= 400) s->metrics.http_errors++;
-    pthread_mutex_unlock(&s->metrics.mu);
-    const enum MHD_Result ret = MHD_queue_response(c, status, r);
-    MHD_destroy_response(r);
-    return ret;
-}
-
-enum MHD_Result k3_srv_json(struct k3_server *s, struct MHD_Connection *c, unsigned status, json_t *body) {
-    char *text = body ? json_dumps(body, JSON_COMPACT) : NULL;
-    json_decref(body);
-    if (!text) return MHD_NO;
-    return queue(s, c, status, text, strlen(text), "application/json");
-}
-
-static const char *error_type(unsigned status) {
-    switch (status) {
-    case 400: return "BadRequestError";
-    case 401: return "AuthenticationError";
-    case 404: return "NotFoundError";
-    case 405: return "MethodNotAllowedError";
-    case 413: return "RequestTooLargeError";
-    case 503: return "ServiceUnavailableError";
-    default: return status >= 500 ? "InternalServerError" : "BadRequestError";
-    }
-}
-
-enum MHD_Result k3_srv_error(struct k3_server *s, struct MHD_Connection *c, unsigned status, const char *fmt, ...) {
-    char msg[1024];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
-    va_end(ap);
-    json_t *m = k3_srv_jstr(msg, strlen(msg));
-    json_t *e = json_pack("{s:{s:o,s:s,s:n,s:i}}", "error", "message", m ? m : json_string("error"), "type",
-                          error_type(status), "param", "code", (json_int_t)status);
-    return k3_srv_json(s, c, status, e);
-}
-
-bool k3_srv_client_gone(struct MHD_Connection *c) {
-    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
-    if (!ci) return true;
-    struct pollfd p = {.fd = ci->connect_fd, .events = POLLRDHUP};
-    if (poll(&p, 1, 0) < 0) return false;
-    return (p.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL)) != 0;
 }
 
 /* Constant-time comparison of the Authorization header with "Bearer KEY". */
@@ -141,13 +73,6 @@ static json_t *parse_body(struct k3_server *s, struct MHD_Connection *c, const c
         return NULL;
     }
     return root;
-}
-
-int64_t k3_srv_max_model_len(struct k3_server *s) {
-    if (!s->engine) return s->max_model_len;
-    k3_engine_stats st;
-    k3_srv_engine_stats(s, &st);
-    return st.max_model_len;
 }
 
 static enum MHD_Result route_models(struct k3_server *s, struct MHD_Connection *c) {
@@ -218,13 +143,22 @@ static enum MHD_Result route_metrics(struct k3_server *s, struct MHD_Connection 
         bs = st.blocks_total ? (int32_t)(st.cache_tokens / st.blocks_total) : 0;
     }
     k3_metrics_render(&s->metrics, s->engine ? &st : NULL, s->model_label, bs, &o);
+    k3_buf_addf(&o,
+                "# HELP k3:http_connections Open HTTP connections (this one included).\n"
+                "# TYPE k3:http_connections gauge\nk3:http_connections{model_name=\"%s\"} %d\n",
+                s->model_label, atomic_load(&s->n_conn));
+    if (s->engine) {
+        k3_kv_residency kr;
+        k3_engine_kv_residency(s->engine, &kr);
+        k3_metrics_render_kv(&kr, s->model_label, &o);
+    }
     k3_comm_stats cs;
     if (s->engine && k3_engine_comm_stats(s->engine, &cs)) k3_metrics_render_dist(&cs, &o);
     if (o.oom || !o.p) {
         k3_buf_free(&o);
         return k3_srv_error(s, c, 500, "out of memory");
     }
-    return queue(s, c, 200, o.p, o.len, "text/plain; version=0.0.4; charset=utf-8");
+    return k3_srv_queue(s, c, 200, o.p, o.len, "text/plain; version=0.0.4; charset=utf-8");
 }
 
 static enum MHD_Result dispatch(struct k3_server *s, struct MHD_Connection *c, const char *url, const char *method,
@@ -236,7 +170,7 @@ static enum MHD_Result dispatch(struct k3_server *s, struct MHD_Connection *c, c
         if (!get) return k3_srv_error(s, c, 405, "/health takes GET");
         if (atomic_load(&s->stopping)) return k3_srv_error(s, c, 503, "the server is shutting down");
         if (s->engine && k3_server_failed(s, NULL)) return k3_srv_error(s, c, 503, "the engine has failed");
-        return queue(s, c, 200, strdup(""), 0, "text/plain");
+        return k3_srv_queue(s, c, 200, strdup(""), 0, "text/plain");
     }
     if (!auth_ok(s, c)) return k3_srv_error(s, c, 401, "a valid API key is needed: Authorization: Bearer KEY");
     static const char *gets[] = {"/version", "/v1/models", "/metrics"};
@@ -272,11 +206,63 @@ static enum MHD_Result dispatch(struct k3_server *s, struct MHD_Connection *c, c
     return k3_srv_error(s, c, 404, "no route %s %s", method, url);
 }
 
+/* The socket context of a connection that arrived over the limit. */
+static char over_limit_mark;
+
+static void on_connection(void *cls, struct MHD_Connection *c, void **socket_context,
+                          enum MHD_ConnectionNotificationCode toe) {
+    struct k3_server *s = cls;
+    if (toe == MHD_CONNECTION_NOTIFY_STARTED) {
+        const int n = atomic_fetch_add(&s->n_conn, 1) + 1;
+        *socket_context = n > (int)s->max_conn ? &over_limit_mark : NULL;
+    } else if (toe == MHD_CONNECTION_NOTIFY_CLOSED) {
+        atomic_fetch_sub(&s->n_conn, 1);
+    }
+}
+
+/* True when c came over the connection limit and no slot has come free
+ * since (a connection counts itself, so n_conn <= max_conn means there is
+ * room now). */
+static bool over_limit(struct k3_server *s, struct MHD_Connection *c) {
+    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_SOCKET_CONTEXT);
+    if (!ci || ci->socket_context != &over_limit_mark) return false;
+    return atomic_load(&s->n_conn) > (int)s->max_conn;
+}
+
+/* 503 + Retry-After + OpenAI's error JSON, and the connection closes. */
+static enum MHD_Result refuse_busy(struct k3_server *s, struct MHD_Connection *c) {
+    char msg[160];
+    snprintf(msg, sizeof msg, "too many connections: this server takes %u at once (its connection limit); try again later",
+             s->max_conn);
+    json_t *e = k3_srv_error_json(503, msg);
+    char *text = e ? json_dumps(e, JSON_COMPACT) : NULL;
+    json_decref(e);
+    if (!text) return MHD_NO;
+    struct MHD_Response *r = MHD_create_response_from_buffer(strlen(text), text, MHD_RESPMEM_MUST_FREE);
+    if (!r) {
+        free(text);
+        return MHD_NO;
+    }
+    MHD_add_response_header(r, "Content-Type", "application/json");
+    MHD_add_response_header(r, "Retry-After", "1");
+    MHD_add_response_header(r, MHD_HTTP_HEADER_CONNECTION, "close");
+    pthread_mutex_lock(&s->metrics.mu);
+    s->metrics.http_requests++;
+    s->metrics.http_errors++;
+    s->metrics.http_refused++;
+    pthread_mutex_unlock(&s->metrics.mu);
+    const enum MHD_Result ret = MHD_queue_response(c, 503, r);
+    MHD_destroy_response(r);
+    return ret;
+}
+
 static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const char *url, const char *method,
                                   const char *version, const char *data, size_t *data_size, void **con_cls) {
     struct k3_server *s = cls;
     conn_req *r = *con_cls;
     if (!r) {
+        /* over the connection limit: answered at once, the body unread */
+        if (over_limit(s, c)) return refuse_busy(s, c);
         r = calloc(1, sizeof *r);
         if (!r) return MHD_NO;
         *con_cls = r;
@@ -395,14 +381,20 @@ k3_status k3_server_start(k3_server **out, const k3_server_options *opt, k3_erro
     unsigned flags = MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_POLL;
     if (ai->ai_family == AF_INET6) flags |= MHD_USE_IPv6;
     const unsigned limit = opt->max_connections > 0 ? (unsigned)opt->max_connections : 256u;
+    s->max_conn = limit;
+    atomic_init(&s->n_conn, 0);
+    /* MHD's own limit (connections beyond it are closed unanswered) leaves
+     * room for the ones that get a 503 */
+    const unsigned hard = limit + (limit < 64u ? 64u : limit);
     if (s->engine && k3_srv_gen_start(s, err)) {
         freeaddrinfo(ai);
         server_free(s);
         return err ? err->status : K3_ERR_NOMEM;
     }
     s->d = MHD_start_daemon(flags, 0, NULL, NULL, on_request, s, MHD_OPTION_SOCK_ADDR, ai->ai_addr,
-                            MHD_OPTION_CONNECTION_LIMIT, limit, MHD_OPTION_CONNECTION_TIMEOUT,
+                            MHD_OPTION_CONNECTION_LIMIT, hard, MHD_OPTION_CONNECTION_TIMEOUT,
                             (unsigned)s->timeout_s, MHD_OPTION_NOTIFY_COMPLETED, on_completed, s,
+                            MHD_OPTION_NOTIFY_CONNECTION, on_connection, s,
                             MHD_OPTION_THREAD_STACK_SIZE, (size_t)512 << 10, MHD_OPTION_LISTEN_BACKLOG_SIZE, 512u,
                             MHD_OPTION_END);
     freeaddrinfo(ai);
@@ -420,14 +412,6 @@ k3_status k3_server_start(k3_server **out, const k3_server_options *opt, k3_erro
 }
 
 int k3_server_port(const k3_server *s) { return s->port; }
-
-bool k3_server_failed(k3_server *s, k3_error *err) {
-    pthread_mutex_lock(&s->fail_mu);
-    const bool f = s->failed;
-    if (f && err) *err = s->fail_err;
-    pthread_mutex_unlock(&s->fail_mu);
-    return f;
-}
 
 void k3_server_stop(k3_server *s) {
     if (!s) return;

@@ -1,6 +1,8 @@
 /*
- * server.h -- what the HTTP layer (server.c) and the generation routes
- * (gen.c) share.
+ * server.h -- the server's state, shared by the HTTP layer (server.c), the
+ * generation routes (gen.c) and the response helpers (http.c). Only types:
+ * the functions are in http.h (both sides) and gen.h (server.c calls gen.c;
+ * gen.c never calls server.c).
  */
 #ifndef K3_SERVER_SERVER_H
 #define K3_SERVER_SERVER_H
@@ -22,6 +24,11 @@ struct k3_server {
     int64_t max_model_len;
     size_t max_body;
     int timeout_s, port;
+    /* connections: MHD's hard limit is above max_conn; a connection that
+     * arrives over max_conn is answered 503 + Retry-After and closed
+     * (server.c, counted in on_connection) */
+    unsigned max_conn;
+    atomic_int n_conn;
     long created;
     k3_metrics metrics;
     atomic_bool stopping;
@@ -40,15 +47,5 @@ struct k3_server {
     int64_t max_image_pixels;
     pthread_mutex_t vision_mu;
 };
-
-/* Queues a JSON response (takes the reference of body). */
-enum MHD_Result k3_srv_json(struct k3_server *s, struct MHD_Connection *c, unsigned status, json_t *body);
-/* Queues an error in OpenAI's shape: {"error": {message, type, param, code}}. */
-enum MHD_Result k3_srv_error(struct k3_server *s, struct MHD_Connection *c, unsigned status, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
-/* A json string of s[0..n), invalid UTF-8 replaced by U+FFFD. */
-json_t *k3_srv_jstr(const char *p, size_t n);
-/* True once the client of c has hung up. */
-bool k3_srv_client_gone(struct MHD_Connection *c);
 
 #endif /* K3_SERVER_SERVER_H */

@@ -38,6 +38,7 @@
 #include "common/error.h"
 #include "common/json_guard.h"
 #include "tokenizer/chat_json.h"
+#include "tokenizer/chat_stream.h"
 
 #define OPEN "<|open|>"
 #define SEP "<|sep|>"
@@ -181,11 +182,14 @@ static void new_call_id(char out[32]) {
     out[29] = 0;
 }
 
+void k3_chat_new_call_id(char out[32]) { new_call_id(out); }
+
 typedef struct parser {
     cursor c;
     k3_error *err;
     k3_sbuf calls; /* the tool_calls array so far */
     int32_t n_calls;
+    k3_chat_partial_call *part; /* NULL, or where the call cut off at the end goes */
 } parser;
 
 static k3_status bad(parser *p, const char *what) {
@@ -248,8 +252,19 @@ static k3_status call_body(parser *p, const char *name, k3_sbuf *args, bool *cut
         k3_status st = K3_OK;
         if (g == GOT_NOMEM) st = nomem(p);
         else if (g == GOT_BAD) st = bad(p, "a malformed argument tag");
-        else if (g == GOT_CUT || end == (size_t)-1) *cut = true;
-        else if (is_arg) {
+        else if (g == GOT_CUT || end == (size_t)-1) {
+            *cut = true;
+            /* streaming: a string value cut off midway is already that
+             * prefix of its JSON (without the closing quote) */
+            const char *key = attr_get(&a, "key"), *type = attr_get(&a, "type");
+            if (p->part && g == GOT_OK && is_arg && key && type && !strcmp(type, "string") && !json_block) {
+                if (!first) k3_sbuf_puts(args, ", ");
+                k3_pyjson_string(args, key, strlen(key));
+                k3_sbuf_puts(args, ": ");
+                k3_pyjson_string(args, c->s + c->at, c->n - c->at);
+                if (args->n) args->n--; /* the closing quote */
+            }
+        } else if (is_arg) {
             const char *key = attr_get(&a, "key"), *type = attr_get(&a, "type");
             if (!key || !type || json_block) {
                 st = bad(p, json_block ? "an argument after a json block"
@@ -306,7 +321,17 @@ static k3_status tools(parser *p) {
         if (g == GOT_NOMEM) st = nomem(p);
         else if (g == GOT_BAD || (g == GOT_OK && !name)) st = bad(p, "a call without a tool name");
         k3_sbuf args = {0};
-        if (st == K3_OK && !cut) st = call_body(p, name, &args, &cut);
+        if (st == K3_OK && !cut) {
+            st = call_body(p, name, &args, &cut);
+            if (st == K3_OK && cut && p->part && !args.oom) {
+                /* the call being generated: its name and arguments so far */
+                const char *as = k3_sbuf_cstr(&args);
+                p->part->name = strdup(name);
+                p->part->args = as ? dup_n(as, args.n) : NULL;
+                p->part->args_len = args.n;
+                if (!p->part->name || !p->part->args) st = nomem(p);
+            }
+        }
         if (st == K3_OK && !cut && args.oom) st = nomem(p);
         if (st == K3_OK && !cut) {
             char id[32];
@@ -336,11 +361,24 @@ void k3_chat_reply_free(k3_chat_reply *r) {
     *r = (k3_chat_reply){0};
 }
 
+void k3_chat_partial_call_free(k3_chat_partial_call *p) {
+    if (!p) return;
+    free(p->name);
+    free(p->args);
+    *p = (k3_chat_partial_call){0};
+}
+
 k3_status k3_chat_parse_reply(const char *text, size_t len, bool thinking, k3_chat_reply *out,
                               k3_error *err) {
+    return k3_chat_parse_reply_partial(text, len, thinking, out, NULL, err);
+}
+
+k3_status k3_chat_parse_reply_partial(const char *text, size_t len, bool thinking, k3_chat_reply *out,
+                                      k3_chat_partial_call *part, k3_error *err) {
     *out = (k3_chat_reply){0};
+    if (part) *part = (k3_chat_partial_call){0};
     if (!text && len) return k3_err(err, K3_ERR_ARG, "k3_chat_parse_reply: no text");
-    parser p = {.c = {text ? text : "", len, 0}, .err = err};
+    parser p = {.c = {text ? text : "", len, 0}, .err = err, .part = part};
     cursor *c = &p.c;
     const char *reasoning = NULL, *content = NULL;
     size_t reasoning_len = 0, content_len = 0;
@@ -396,6 +434,9 @@ k3_status k3_chat_parse_reply(const char *text, size_t len, bool thinking, k3_ch
     }
     if (st == K3_OK && p.calls.oom) st = nomem(&p);
     k3_sbuf_free(&p.calls);
-    if (st != K3_OK) k3_chat_reply_free(out);
+    if (st != K3_OK) {
+        k3_chat_reply_free(out);
+        k3_chat_partial_call_free(part);
+    }
     return st;
 }

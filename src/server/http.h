@@ -1,0 +1,32 @@
+/*
+ * http.h -- the response helpers every route uses (http.c): JSON answers,
+ * errors in OpenAI's shape, strings from bytes that may not be UTF-8, and
+ * the hang-up test. Both server.c (routing, the non-generation routes) and
+ * gen.c (the generation routes) call these; neither calls the other's
+ * helpers, so the dependency goes one way: server.c -> gen.c -> http.c,
+ * with the shared struct in server.h.
+ */
+#ifndef K3_SERVER_HTTP_H
+#define K3_SERVER_HTTP_H
+
+#include "server/server.h"
+
+/* Queues text[0..len) (takes it: freed with the response) with Content-Type
+ * type; a 503 carries Retry-After, a 401 WWW-Authenticate. Counts the
+ * answer in the server's HTTP counters. */
+enum MHD_Result k3_srv_queue(struct k3_server *s, struct MHD_Connection *c, unsigned status, char *text, size_t len,
+                             const char *type);
+/* Queues a JSON response (takes the reference of body). */
+enum MHD_Result k3_srv_json(struct k3_server *s, struct MHD_Connection *c, unsigned status, json_t *body);
+/* The OpenAI error object {"error": {message, type, param, code}} for status
+ * (new reference, NULL when out of memory). */
+json_t *k3_srv_error_json(unsigned status, const char *msg);
+/* Queues an error in OpenAI's shape: {"error": {message, type, param, code}}. */
+enum MHD_Result k3_srv_error(struct k3_server *s, struct MHD_Connection *c, unsigned status, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+/* A json string of s[0..n), invalid UTF-8 replaced by U+FFFD. */
+json_t *k3_srv_jstr(const char *p, size_t n);
+/* True once the client of c has hung up. */
+bool k3_srv_client_gone(struct MHD_Connection *c);
+
+#endif /* K3_SERVER_HTTP_H */

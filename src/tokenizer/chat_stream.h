@@ -1,0 +1,29 @@
+/*
+ * chat_stream.h -- what the server needs to stream a reply's tool calls as
+ * they are generated (chat_reply.c): the call a reply is cut off inside,
+ * and the tool-call ids.
+ */
+#ifndef K3_TOKENIZER_CHAT_STREAM_H
+#define K3_TOKENIZER_CHAT_STREAM_H
+
+#include <stddef.h>
+
+#include "k3.h"
+
+/* The tool call a reply is cut off inside: its tool name and its arguments
+ * JSON so far (a prefix of what the whole call's arguments will be: the
+ * arguments before the cut, and a string value cut midway up to the cut). */
+typedef struct k3_chat_partial_call {
+    char *name;      /* NULL when the text does not end inside a named call */
+    char *args;
+    size_t args_len;
+} k3_chat_partial_call;
+
+/* k3_chat_parse_reply, and (part not NULL) the call the text ends inside. */
+k3_status k3_chat_parse_reply_partial(const char *text, size_t len, bool thinking, k3_chat_reply *out,
+                                      k3_chat_partial_call *part, k3_error *err);
+void k3_chat_partial_call_free(k3_chat_partial_call *p);
+/* A new tool-call id: "call_" and 24 of [0-9A-Za-z]. */
+void k3_chat_new_call_id(char out[32]);
+
+#endif /* K3_TOKENIZER_CHAT_STREAM_H */
