@@ -13,6 +13,7 @@
 #include "engine/ctx.h"
 #include "engine/engine.h"
 #include "k3.h"
+#include "kernels/kernels.h"
 #include "kv/kv.h"
 #include "model/model.h"
 #include "test.h"
@@ -988,5 +989,63 @@ K3_TEST(sched_wait_and_idle_step) {
     drain(e, &r, id, 1);
     CHECK(r.n == 2 && r.finished == 1 && !k3_engine_has_work(e));
     k3_engine_close(e);
+    k3_model_close(m);
+}
+
+/* A KDA state captured inside a forward pass (k3_ctx_capture_state) is the
+ * state a context has after exactly those tokens, bit for bit, on every
+ * kernel path (the KDA layers cut their spans on the block grid, so the
+ * pieces up to the capture are the same). */
+K3_TEST(ctx_capture_state_mid_chunk) {
+    k3_model *m = open_model("tests/models/tiny-dsa");
+    REQUIRE(m);
+    const int V = (int)m->cfg.vocab_size;
+    int32_t ids[150];
+    make_ids(ids, 150, V, 3);
+    k3_error err = {0};
+    const k3_isa best = k3_kernels_isa();
+    for (int isa = K3_ISA_REF; isa <= K3_ISA_AVX512; isa++) {
+        if (!k3_kernels_have((k3_isa)isa)) continue;
+        k3_kernels_force((k3_isa)isa);
+        for (int bs = 16; bs <= 64; bs *= 4) {
+            k3_ctx_options o = {.max_seqs = 2, .max_tokens = 512, .block_size = bs};
+            k3_ctx *a = NULL, *b = NULL;
+            REQUIRE(k3_ctx_init(&a, m, &o, &err) == K3_OK && k3_ctx_init(&b, m, &o, &err) == K3_OK);
+            const int64_t nb = k3_ctx_state_bytes(a);
+            REQUIRE(nb > 0);
+            uint8_t *cap = malloc((size_t)nb), *cap2 = malloc((size_t)nb), *ref = malloc((size_t)nb);
+            REQUIRE(cap && cap2 && ref);
+            memset(cap, 0xA5, (size_t)nb);
+            memset(cap2, 0xA5, (size_t)nb);
+            /* a: 20 tokens, then 130 in one pass with captures at 64 and at its end */
+            k3_batch_seq s1 = {0, 20, ids, NULL}, s2 = {0, 130, ids + 20, NULL};
+            REQUIRE(k3_ctx_forward(a, &s1, 1, K3_LOGITS_NONE, NULL, &err) == K3_OK);
+            REQUIRE(k3_ctx_capture_state(a, 0, 64, cap, &err) == K3_OK);
+            REQUIRE(k3_ctx_capture_state(a, 0, 150, cap2, &err) == K3_OK);
+            REQUIRE(k3_ctx_forward(a, &s2, 1, K3_LOGITS_NONE, NULL, &err) == K3_OK);
+            /* b: the first 64 tokens one by one after 8 at once */
+            k3_batch_seq t = {0, 8, ids, NULL};
+            REQUIRE(k3_ctx_forward(b, &t, 1, K3_LOGITS_NONE, NULL, &err) == K3_OK);
+            for (int i = 8; i < 64; i++) {
+                t = (k3_batch_seq){0, 1, ids + i, NULL};
+                REQUIRE(k3_ctx_forward(b, &t, 1, K3_LOGITS_NONE, NULL, &err) == K3_OK);
+            }
+            k3_ctx_state_save(b, 0, ref);
+            CHECKF(!memcmp(cap, ref, (size_t)nb), "isa %d block %d: the state captured at 64 differs", isa, bs);
+            k3_ctx_state_save(a, 0, ref);
+            CHECKF(!memcmp(cap2, ref, (size_t)nb), "isa %d block %d: the state captured at the end differs", isa, bs);
+            /* captures are forgotten after a run */
+            memset(cap, 0xA5, (size_t)nb);
+            t = (k3_batch_seq){0, 1, ids + 100, NULL};
+            REQUIRE(k3_ctx_forward(a, &t, 1, K3_LOGITS_NONE, NULL, &err) == K3_OK);
+            CHECK(cap[0] == 0xA5 && cap[nb - 1] == 0xA5);
+            free(cap);
+            free(cap2);
+            free(ref);
+            k3_ctx_free(a);
+            k3_ctx_free(b);
+        }
+    }
+    k3_kernels_force(best);
     k3_model_close(m);
 }

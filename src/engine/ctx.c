@@ -83,6 +83,8 @@ void k3_ctx_free(k3_ctx *ctx) {
     free(ctx->idx_s);
     free(ctx->kda_S);
     free(ctx->kda_conv);
+    free(ctx->kda_snap_off);
+    free(ctx->caps);
     free(ctx->lat_cache);
     free(ctx->idx_cache);
     free(ctx->free_blocks);
@@ -204,6 +206,7 @@ static k3_status ctx_create(k3_ctx **out, const k3_model *m, const k3_ctx_option
     }
     ctx->kda_S = zalloc(&a, (size_t)nL, sizeof(float *));
     ctx->kda_conv = zalloc(&a, (size_t)nL, sizeof(float *));
+    ctx->kda_snap_off = zalloc(&a, (size_t)nL, sizeof(int64_t));
     ctx->lat_cache = zalloc(&a, (size_t)nL, sizeof(float *));
     ctx->idx_cache = zalloc(&a, (size_t)nL, sizeof(float *));
     ctx->lat8 = zalloc(&a, (size_t)nL, sizeof(int8_t *));
@@ -214,6 +217,9 @@ static k3_status ctx_create(k3_ctx **out, const k3_model *m, const k3_ctx_option
     for (int64_t i = 0; !a.failed && i < nL; i++) {
         const int kind = c->layer_kind[i];
         if (kind == K3_LAYER_KDA) {
+            if (ctx->kda_snap_off) /* state_copy's layout: each KDA layer's S, then its conv windows */
+                for (int64_t l = 0; l < i; l++)
+                    if (c->layer_kind[l] == K3_LAYER_KDA) ctx->kda_snap_off[i] += c->kda_heads * dk * dk + 3 * Km1 * HK;
             ctx->kda_S[i] = zalloc(&a, (size_t)(ctx->max_seqs * c->kda_heads * dk * dk), sizeof(float));
             ctx->kda_conv[i] = zalloc(&a, (size_t)(ctx->max_seqs * 3 * Km1 * HK), sizeof(float));
         } else if (ctx->kv == K3_KV_F32) {
@@ -452,6 +458,20 @@ void k3_ctx_state_restore(k3_ctx *ctx, int32_t seq, const void *src) {
     state_copy(ctx, seq, (float *)src, 1);
 }
 
+k3_status k3_ctx_capture_state(k3_ctx *ctx, int32_t seq, int64_t pos, void *dst, k3_error *err) {
+    if (seq < 0 || seq >= ctx->max_seqs || pos < 1 || !dst)
+        return k3_err(err, K3_ERR_ARG, "capture: bad slot %d, position %lld or no buffer", seq, (long long)pos);
+    if (ctx->n_caps == ctx->cap_caps) {
+        const int32_t cap = ctx->cap_caps ? 2 * ctx->cap_caps : 16;
+        k3_capture *c = realloc(ctx->caps, sizeof *c * (size_t)cap);
+        if (!c) return k3_err(err, K3_ERR_NOMEM, "capture: out of memory");
+        ctx->caps = c;
+        ctx->cap_caps = cap;
+    }
+    ctx->caps[ctx->n_caps++] = (k3_capture){seq, pos, dst};
+    return K3_OK;
+}
+
 int64_t k3_ctx_seq_pos(const k3_ctx *ctx, int32_t seq) {
     if (seq < 0 || seq >= ctx->max_seqs) return -1;
     return ctx->seqs[seq].pos;
@@ -546,9 +566,12 @@ k3_status k3_ctx_run(k3_ctx *ctx, const k3_batch_seq *batch, int32_t n_seqs, con
     if (any && !logits) return k3_err(err, K3_ERR_ARG, "forward: logits buffer is NULL");
     k3_status st = validate(ctx, batch, n_seqs, want, true, err);
     if (!st && sends(ctx)) st = k3_dist_send_run(ctx->dist, batch, n_seqs, want, ctx->c->hidden_size, err);
-    if (st) return st;
-    run_rounds(ctx, batch, n_seqs, want, logits);
-    return k3_dist_failed(ctx->dist, err);
+    if (!st) {
+        run_rounds(ctx, batch, n_seqs, want, logits);
+        st = k3_dist_failed(ctx->dist, err);
+    }
+    ctx->n_caps = 0;
+    return st;
 }
 
 k3_status k3_ctx_forward(k3_ctx *ctx, const k3_batch_seq *batch, int32_t n_seqs,
@@ -588,6 +611,7 @@ k3_status k3_ctx_forward(k3_ctx *ctx, const k3_batch_seq *batch, int32_t n_seqs,
         st = k3_dist_failed(ctx->dist, err);
     }
     if (want != want_buf) free(want);
+    ctx->n_caps = 0;
     return st;
 }
 

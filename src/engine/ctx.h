@@ -20,8 +20,9 @@
 #include "common/error.h"
 #include "model/model.h"
 
-/* Prefill spans of at least K3_KDA_CHUNK_MIN tokens use the chunked KDA
- * form with chunks of K3_KDA_CHUNK, on CPUs without AVX-512. Measured (one
+/* Prefill pieces (a span cut on the block grid) of at least
+ * K3_KDA_CHUNK_MIN tokens use the chunked KDA form with chunks of
+ * K3_KDA_CHUNK, on CPUs without AVX-512. Measured (one
  * head, dk = dv = 128, 512 tokens, one thread): AVX2 chunked-16 0.8 ms,
  * AVX2 recurrent 0.9 ms, AVX-512 recurrent 0.75 ms -- so with AVX-512 the
  * recurrent form runs prefill too, which also makes prefill bit-identical to
@@ -85,6 +86,14 @@ typedef struct k3_scratch {
     float *rwork;                 /* [E] router work (single-threaded) */
 } k3_scratch;
 
+/* A KDA state to copy (k3_ctx_state_save's layout) once sequence seq has
+ * consumed pos tokens, inside a forward pass. */
+typedef struct k3_capture {
+    int32_t seq;
+    int64_t pos;
+    void *dst;
+} k3_capture;
+
 struct k3_ctx {
     const k3_model *m;
     const k3_config *c;
@@ -104,7 +113,10 @@ struct k3_ctx {
     float **kda_conv;             /* [n_layers] -> [max_seqs, 3, K-1, H*dk] */
     k3_kv_type kv;                /* cache format */
     bool dense;                   /* DSA layers run as dense MLA */
-    int32_t kda_chunk_min;        /* spans this long use the chunked KDA form */
+    int32_t kda_chunk_min;        /* pieces this long use the chunked KDA form */
+    int64_t *kda_snap_off;        /* [n_layers] a KDA layer's offset in a state copy (floats) */
+    k3_capture *caps;             /* KDA states to capture in the next k3_ctx_run */
+    int32_t n_caps, cap_caps;
     float **lat_cache;            /* F32: [n_layers] -> [n_blocks*bs, kv_lora+rope] */
     float **idx_cache;            /* F32: [n_layers] -> [n_blocks*bs, dI] (DSA) */
     int32_t n_tiles;              /* C8 scale tiles per latent row */
@@ -159,6 +171,14 @@ void k3_ctx_seq_clear_state(k3_ctx *ctx, int32_t seq);
 int64_t k3_ctx_state_bytes(const k3_ctx *ctx);
 void k3_ctx_state_save(k3_ctx *ctx, int32_t seq, void *dst);
 void k3_ctx_state_restore(k3_ctx *ctx, int32_t seq, const void *src);
+/* Asks the next k3_ctx_run to copy slot seq's KDA state into dst (state
+ * bytes) at the moment it has consumed pos tokens, pos inside the tokens the
+ * run gives it: a snapshot in the middle of a chunk. The KDA layers process
+ * a span in pieces that end on the block grid, so a capture on the grid
+ * costs a copy and changes no result. Captures are forgotten after the run
+ * (taken or not: the run failed). This rank only: under mpirun the other
+ * ranks compute the same state and keep no snapshots. */
+k3_status k3_ctx_capture_state(k3_ctx *ctx, int32_t seq, int64_t pos, void *dst, k3_error *err);
 
 /* Which logits an entry of k3_ctx_run wants. */
 enum { K3_WANT_NONE = 0, K3_WANT_LAST = 1, K3_WANT_ALL = 2 };

@@ -98,6 +98,9 @@ struct k3_engine {
     float *row;                   /* [V] a copy for sampling */
     int64_t prompt_tokens, generation_tokens, finished_by[K3_FINISH_ERROR + 1];
     int64_t n_snap_saves, n_snap_restores;
+    int32_t req_snaps, step_snaps; /* snapshot points of one request's chunk, of a step at most */
+    int64_t *snap_pos;            /* [req_snaps + step_snaps]: a request's points, then the step's */
+    uint64_t *snap_key;
     double snap_save_s, snap_restore_s;
 };
 
@@ -204,6 +207,8 @@ void k3_engine_close(k3_engine *e) {
     free(e->want);
     free(e->logits);
     free(e->row);
+    free(e->snap_pos);
+    free(e->snap_key);
     free(e->eos);
     k3_sched_free(&e->sched);
     k3_kv_snaps_free(&e->sn);
@@ -363,7 +368,16 @@ k3_status k3_engine_open(k3_engine **out, const k3_model *m, const k3_engine_opt
         e->want = calloc((size_t)o.max_num_seqs, 1);
         e->logits = malloc(sizeof(float) * (size_t)((o.max_num_seqs + e->plp_cap) * e->V));
         e->row = malloc(sizeof(float) * (size_t)e->V);
-        if (!e->batch || !e->want || !e->logits || !e->row) st = k3_err(err, K3_ERR_NOMEM, "engine: out of memory");
+        /* snapshot points: a request's chunk crosses at most one per block
+         * (+ its end and a junction), a step at most as many as fit */
+        e->req_snaps = o.max_num_batched_tokens / (int32_t)bs + 3;
+        int64_t step = (int64_t)o.max_num_seqs * e->req_snaps;
+        if (step > e->sn.cap) step = e->sn.cap;
+        e->step_snaps = (int32_t)step;
+        e->snap_pos = malloc(sizeof(int64_t) * (size_t)(e->req_snaps + step));
+        e->snap_key = malloc(sizeof(uint64_t) * (size_t)(e->req_snaps + step));
+        if (!e->batch || !e->want || !e->logits || !e->row || !e->snap_pos || !e->snap_key)
+            st = k3_err(err, K3_ERR_NOMEM, "engine: out of memory");
     }
     if (st) {
         k3_engine_close(e);
@@ -827,9 +841,36 @@ k3_status k3_engine_step(k3_engine *e, k3_step_result *res, k3_error *err) {
     }
     K3_ASSERT(n_rows <= e->o.max_num_seqs + e->plp_cap);
 
-    /* 3. the forward pass */
+    /* the KDA snapshots this step's tokens cross, captured inside the pass
+     * (after the restores above: a new entry may evict an old one); never
+     * more than the budget holds, so no two share a buffer */
     k3_error ferr = {0};
-    const k3_status fst = s->n_plan ? k3_ctx_run(e->ctx, e->batch, s->n_plan, e->want, e->logits, &ferr) : K3_OK;
+    k3_status fst = K3_OK;
+    int32_t n_taken = 0;
+    const double t_snap = k3_engine_now();
+    int64_t *pos = e->snap_pos, *step_pos = e->snap_pos + e->req_snaps;
+    uint64_t *key = e->snap_key, *step_key = e->snap_key + e->req_snaps;
+    for (int32_t i = 0; i < s->n_plan && !fst; i++) {
+        k3_rq *rq = s->plan[i];
+        const int32_t n = k3_sched_snap_points(s, rq, pos, key, e->req_snaps);
+        const int32_t room = e->step_snaps - n_taken;
+        /* over the room keep the last ones (the prompt's end) */
+        for (int32_t k = n > room ? n - room : 0; k < n && !fst; k++) {
+            void *buf = k3_kv_snap_put(&e->sn, key[k], pos[k]);
+            if (!buf) continue; /* out of memory: no snapshot there */
+            step_pos[n_taken] = pos[k];
+            step_key[n_taken++] = key[k];
+            fst = k3_ctx_capture_state(e->ctx, rq->slot, pos[k], buf, &ferr);
+        }
+    }
+    e->snap_save_s += k3_engine_now() - t_snap;
+
+    /* 3. the forward pass */
+    if (!fst && s->n_plan) fst = k3_ctx_run(e->ctx, e->batch, s->n_plan, e->want, e->logits, &ferr);
+    if (fst)
+        for (int32_t k = 0; k < n_taken; k++) k3_kv_snap_drop(&e->sn, step_key[k], step_pos[k]);
+    else
+        e->n_snap_saves += n_taken;
     const double t = k3_engine_now();
     res->n_tokens = fst ? 0 : s->plan_tokens;
     if (e->o.dist && s->n_plan) {
@@ -860,13 +901,7 @@ k3_status k3_engine_step(k3_engine *e, k3_step_result *res, k3_error *err) {
         const int64_t c = rq->n_computed;
         const int32_t n = rq->n_sched;
         if (c < rq->n_prompt) e->prompt_tokens += (c + n < rq->n_prompt ? c + n : rq->n_prompt) - c;
-        void *snap = k3_sched_computed(s, rq);
-        if (snap) {
-            const double t0 = k3_engine_now();
-            k3_ctx_state_save(e->ctx, rq->slot, snap);
-            e->snap_save_s += k3_engine_now() - t0;
-            e->n_snap_saves++;
-        }
+        k3_sched_computed(s, rq);
         float *lg = NULL;
         if (e->want[i] == K3_WANT_ALL) {
             prompt_logprobs(e, r, e->logits + row * e->V, c, n);

@@ -105,18 +105,39 @@ typedef struct {
     int hg;             /* attention: head groups per (row, part) item */
 } layer_job;
 
+/* The buffer to capture sequence seq's KDA state into at position pos, or
+ * NULL (k3_ctx_capture_state). */
+static float *capture_at(const k3_ctx *ctx, int32_t seq, int64_t pos) {
+    for (int32_t i = 0; i < ctx->n_caps; i++)
+        if (ctx->caps[i].seq == seq && ctx->caps[i].pos == pos) return ctx->caps[i].dst;
+    return NULL;
+}
+
+/* The end (offset in the span) of the piece that starts at offset a: the
+ * next block boundary, or the span's end. */
+static int64_t piece_end(const k3_ctx *ctx, const k3_span *sp, int64_t a) {
+    const int64_t bs = ctx->block_size, e = ((sp->pos0 + a) / bs + 1) * bs - sp->pos0;
+    return e < sp->n ? e : sp->n;
+}
+
 /* Everything of one KDA head of one span after the projections, as one pool
  * item (items = spans x heads; a decode step spreads it evenly over the
  * threads): the short convs + SiLU of the head's q, k, v channels; L2 norms
  * of q and k, the decay gate and beta; the recurrence; the output norm and
- * gate. */
+ * gate. The convs and the recurrence go over the span in pieces that end on
+ * the block grid, on every rank and whatever is captured (the recurrent
+ * form gives the results of one go; the chunked one restarts its chunks at
+ * each boundary; a piece takes the chunked form by its own length), so the
+ * state at a block boundary inside a pass is the state of a pass that ends
+ * there; where a piece ends at a captured position this head's conv windows
+ * and S are copied out. */
 static void kda_head_items(void *p, int64_t lo, int64_t hi, int ith) {
     const layer_job *j = p;
     k3_ctx *ctx = j->ctx;
     const k3_config *c = ctx->c;
     const k3_layer *L = j->L;
     const int H = c->kda_heads, dk = c->kda_head_dim, dv = dk, K = c->conv_size;
-    const int64_t HK = (int64_t)H * dk;
+    const int64_t HK = (int64_t)H * dk, nS = (int64_t)H * dk * dv, off = ctx->kda_snap_off[j->layer];
     const float qscale = 1.0f / sqrtf((float)dk);
     for (int64_t it = lo; it < hi; it++) {
         const k3_span *sp = &ctx->spans[it / H];
@@ -126,7 +147,14 @@ static void kda_head_items(void *p, int64_t lo, int64_t hi, int ith) {
             float *x = which == 0 ? ctx->s.kq : which == 1 ? ctx->s.kk : ctx->s.kv;
             const float *w = which == 0 ? L->q_conv : which == 1 ? L->k_conv : L->v_conv;
             float *state = ctx->kda_conv[j->layer] + ((int64_t)sp->seq * 3 + which) * (K - 1) * HK;
-            k3_kda_conv(x + t0 * HK + ch, HK, sp->n, dk, K, w + ch, HK, state + ch, HK);
+            for (int64_t a = 0, b; a < sp->n; a = b) {
+                b = piece_end(ctx, sp, a);
+                k3_kda_conv(x + (t0 + a) * HK + ch, HK, (int)(b - a), dk, K, w + ch, HK, state + ch, HK);
+                float *cap = ctx->n_caps ? capture_at(ctx, sp->seq, sp->pos0 + b) : NULL;
+                for (int r = 0; cap && r < K - 1; r++)
+                    memcpy(cap + off + nS + ((int64_t)which * (K - 1) + r) * HK + ch, state + r * HK + ch,
+                           sizeof(float) * (size_t)dk);
+            }
         }
         for (int64_t t = t0; t < t0 + sp->n; t++) {
             float *q = ctx->s.kq + t * HK + ch, *k = ctx->s.kk + t * HK + ch;
@@ -146,19 +174,25 @@ static void kda_head_items(void *p, int64_t lo, int64_t hi, int ith) {
             float *b = ctx->s.kbeta + t * H + h;
             *b = sigmoidf(*b);
         }
-        k3_kda_head kh = {
-            .n = sp->n, .dk = dk, .dv = dv,
-            .q = ctx->s.kq + t0 * HK + ch, .k = ctx->s.kk + t0 * HK + ch, .g = ctx->s.kz + t0 * HK + ch,
-            .ld_qk = HK,
-            .v = ctx->s.kv + t0 * HK + ch, .ld_v = HK,
-            .beta = ctx->s.kbeta + t0 * H + h, .ld_beta = H,
-            .o = ctx->s.ko + t0 * HK + ch, .ld_o = HK,
-        };
         float *S = ctx->kda_S[j->layer] + ((int64_t)sp->seq * H + h) * dk * dv;
-        if (sp->n >= ctx->kda_chunk_min)
-            k3_kda_chunked(&kh, S, K3_KDA_CHUNK, ctx->s.tkda[ith]);
-        else
-            k3_kda_recurrent(&kh, S);
+        for (int64_t a = 0, b; a < sp->n; a = b) {
+            b = piece_end(ctx, sp, a);
+            const int64_t ta = t0 + a;
+            k3_kda_head kh = {
+                .n = (int)(b - a), .dk = dk, .dv = dv,
+                .q = ctx->s.kq + ta * HK + ch, .k = ctx->s.kk + ta * HK + ch, .g = ctx->s.kz + ta * HK + ch,
+                .ld_qk = HK,
+                .v = ctx->s.kv + ta * HK + ch, .ld_v = HK,
+                .beta = ctx->s.kbeta + ta * H + h, .ld_beta = H,
+                .o = ctx->s.ko + ta * HK + ch, .ld_o = HK,
+            };
+            if (b - a >= ctx->kda_chunk_min)
+                k3_kda_chunked(&kh, S, K3_KDA_CHUNK, ctx->s.tkda[ith]);
+            else
+                k3_kda_recurrent(&kh, S);
+            float *cap = ctx->n_caps ? capture_at(ctx, sp->seq, sp->pos0 + b) : NULL;
+            if (cap) memcpy(cap + off + (int64_t)h * dk * dv, S, sizeof(float) * (size_t)(dk * dv));
+        }
         /* o_h = rms(o_h; o_norm) ⊙ sigmoid(gate_h) (FusedRMSNormGated, eps = rms_norm_eps) */
         for (int64_t t = t0; t < t0 + sp->n; t++) {
             float *o = ctx->s.ko + t * HK + ch;

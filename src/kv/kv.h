@@ -112,6 +112,9 @@ bool k3_kv_snap_has(const k3_kv_snaps *sn, uint64_t key, int64_t pos);
  * full), or NULL when the budget holds none or memory is out. An existing
  * snapshot for key is returned for overwrite. */
 void *k3_kv_snap_put(k3_kv_snaps *sn, uint64_t key, int64_t pos);
+/* Forgets the snapshot for key at pos, if held (one whose content was never
+ * written: its forward pass failed). */
+void k3_kv_snap_drop(k3_kv_snaps *sn, uint64_t key, int64_t pos);
 static inline int64_t k3_kv_snap_bytes(const k3_kv_snaps *sn) { return (int64_t)sn->n * sn->bytes_each; }
 
 #endif /* K3_KV_KV_H */

@@ -122,3 +122,15 @@ void *k3_kv_snap_put(k3_kv_snaps *sn, uint64_t key, int64_t pos) {
     sn->n_taken++;
     return sn->data[e];
 }
+
+void k3_kv_snap_drop(k3_kv_snaps *sn, uint64_t key, int64_t pos) {
+    const int32_t e = find(sn, key, pos);
+    if (e < 0) return;
+    lru_remove(sn, e);
+    int32_t *at = &sn->bucket[key & sn->bucket_mask];
+    while (*at != e) at = &sn->chain[*at];
+    *at = sn->chain[e];
+    sn->free_list[sn->n_free_slots++] = e;
+    sn->n--;
+    sn->n_taken--;
+}

@@ -123,17 +123,6 @@ static bool is_snap_point(const k3_sched *s, const k3_rq *rq, int64_t p) {
     return (p / bs) % s->cfg.snapshot_stride == 0 || p == grid_floor(s, rq->prefill_end) || p == rq->junction;
 }
 
-/* The first snapshot point after position c, or INT64_MAX. */
-static int64_t next_snap_point(const k3_sched *s, const k3_rq *rq, int64_t c) {
-    if (!s->cfg.prefix_cache || s->sn->cap == 0) return INT64_MAX;
-    const int64_t bs = s->cfg.block_size, stride = (int64_t)s->cfg.snapshot_stride * bs;
-    int64_t p = (c / stride + 1) * stride;
-    const int64_t g = grid_floor(s, rq->prefill_end);
-    if (g > c && g < p) p = g;
-    if (rq->junction > c && rq->junction < p) p = rq->junction;
-    return p <= rq->prefill_end ? p : INT64_MAX;
-}
-
 /* What the guard charges for a prompt token at position p. */
 static double token_cost(const k3_sched *s, int64_t p) {
     const int64_t q = p < s->cfg.cost_cap ? p : s->cfg.cost_cap;
@@ -166,8 +155,6 @@ static int32_t chunk(const k3_sched *s, const k3_rq *rq, int32_t budget, int32_t
         const int64_t g = grid_floor(s, c + n) - c;
         if (g > 0 || !held) n = g;
     }
-    const int64_t p = next_snap_point(s, rq, c);
-    if (p < c + n) n = p - c;
     return n > 0 ? (int32_t)n : 0;
 }
 
@@ -309,23 +296,32 @@ void k3_sched_schedule(k3_sched *s) {
     if (cost_left >= 0 && s->plan_cost > s->guarded_cost_max) s->guarded_cost_max = s->plan_cost;
 }
 
-void *k3_sched_computed(k3_sched *s, k3_rq *rq) {
+int32_t k3_sched_snap_points(const k3_sched *s, const k3_rq *rq, int64_t *pos, uint64_t *key, int32_t max) {
+    if (s->sn->bytes_each == 0) return 0;
+    const int64_t bs = s->cfg.block_size, end = rq->n_computed + rq->n_sched;
+    int32_t n = 0;
+    for (int64_t p = (rq->n_computed / bs + 1) * bs; p <= end && n < max; p += bs) {
+        if (!is_snap_point(s, rq, p) || p / bs > rq->n_hash) continue;
+        const uint64_t k = rq->hash[p / bs - 1];
+        if (k3_kv_snap_has(s->sn, k, p)) continue;
+        pos[n] = p;
+        key[n++] = k;
+    }
+    return n;
+}
+
+void k3_sched_computed(k3_sched *s, k3_rq *rq) {
     const int32_t bs = s->cfg.block_size;
     rq->n_computed += rq->n_sched;
     rq->n_sched = 0;
     rq->is_new = false;
     rq->restore = NULL;
-    if (!s->cfg.prefix_cache) return NULL;
+    if (!s->cfg.prefix_cache) return;
     while (rq->n_registered < rq->n_hash && (int64_t)(rq->n_registered + 1) * bs <= rq->n_computed) {
         const int32_t k = rq->n_registered++;
         k3_kv_register(s->bm, rq->blocks[k], rq->hash[k], k ? rq->hash[k - 1] : s->cfg.hash_seed, rq->extra[k],
                        rq->tok + (int64_t)k * bs);
     }
-    const int64_t p = rq->n_computed;
-    if (s->sn->bytes_each == 0 || !is_snap_point(s, rq, p) || p / bs > rq->n_hash) return NULL;
-    const uint64_t key = rq->hash[p / bs - 1];
-    if (k3_kv_snap_has(s->sn, key, p)) return NULL;
-    return k3_kv_snap_put(s->sn, key, p);
 }
 
 int64_t k3_sched_blocks_held(const k3_sched *s) {

@@ -9,8 +9,11 @@
  * waiting requests are admitted in arrival order while the budget, the slots
  * and the free blocks last (and, while requests decode, the step cost guard
  * of k3_sched_config). A chunk that does not finish the request's prefill
- * ends on the block grid (unless the guard holds it inside a block), and at
- * the next KDA snapshot point, so the boundary state can be taken. When a running request needs a block and none
+ * ends on the block grid (unless the guard holds it inside a block). A
+ * chunk may cross KDA snapshot points: the forward pass captures the KDA
+ * state at each of them (k3_sched_snap_points lists them, the context's
+ * k3_ctx_capture_state takes them), so a short prompt is one forward pass
+ * however many snapshots it leaves behind. When a running request needs a block and none
  * is free, the newest running request is preempted by recompute: its blocks
  * are released (their hashes stay in the prefix cache), it goes back to the
  * front of the queue and later recomputes its prompt and the tokens it had
@@ -75,8 +78,8 @@ typedef struct k3_sched_config {
      * 1 + p*cost_slope + min(p, cost_cap)*cost_cap_slope, stay within
      * max_step_cost: a prompt token's work grows with the keys it attends
      * over, a decode's budget should not. A chunk the guard holds under the
-     * next block boundary may end inside a block (never past a snapshot
-     * point). Without decodes only the token budget applies. */
+     * next block boundary may end inside a block. Without decodes only the
+     * token budget applies. */
     int32_t max_step_cost;
     double cost_slope, cost_cap_slope;
     int64_t cost_cap;
@@ -108,10 +111,13 @@ void k3_sched_hash(k3_sched *s, k3_rq *rq);
 k3_status k3_sched_add(k3_sched *s, k3_rq *rq, k3_error *err);
 /* Plans one step into s->plan (preempting as needed). */
 void k3_sched_schedule(k3_sched *s);
+/* Before the forward pass: the snapshot points of rq's scheduled tokens
+ * (positions in (n_computed, n_computed + n_sched], ascending) that have no
+ * snapshot yet, at most max, with the key each is stored under. */
+int32_t k3_sched_snap_points(const k3_sched *s, const k3_rq *rq, int64_t *pos, uint64_t *key, int32_t max);
 /* After the forward pass: rq's scheduled tokens are in the cache; registers
- * its newly full blocks. Returns a buffer to save the slot's KDA state into
- * when rq now stands on one of its snapshot points, else NULL. */
-void *k3_sched_computed(k3_sched *s, k3_rq *rq);
+ * its newly full blocks. */
+void k3_sched_computed(k3_sched *s, k3_rq *rq);
 /* Ends rq wherever it is: releases its blocks and slot. */
 void k3_sched_release(k3_sched *s, k3_rq *rq);
 /* Blocks held by requests' tables, for checks. */
