@@ -197,6 +197,17 @@ double k3_now(void);
         if ((ctx)->prof_on) (ctx)->prof[op] += k3_now() - prof_t0_;            \
     } while (0)
 
+/* Blocks a sequence needs once it holds end tokens (global blocks of
+ * block_size positions, under DCP too). */
+static inline int64_t k3_ctx_blocks_for(const k3_ctx *ctx, int64_t end) {
+    return (end + ctx->block_size - 1) / ctx->block_size;
+}
+
+/* Whether this is rank 0 of several: its context calls go to the others. */
+static inline bool k3_ctx_sends(const k3_ctx *ctx) {
+    return ctx->dist && k3_dist_rank(ctx->dist) == 0 && k3_dist_size(ctx->dist) > 1;
+}
+
 /* Slot of position pos of sequence seq in the cache. */
 static inline int64_t k3_ctx_slot(const k3_ctx *ctx, int32_t seq, int64_t pos) {
     const k3_seq *s = &ctx->seqs[seq];
