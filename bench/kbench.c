@@ -8,7 +8,9 @@
  *   KB_HUGE=1: the matrices in 2 MB pages; KB_SHUFFLE=1: read in a random
  *   order (routed experts); KB_KB=N: N KB of matrices (small: from cache);
  *   KB_ISA=ref|avx2|avx2-novnni|avx512: the kernels (k3_set_isa; default the
- *   best the CPU has); KB_FMT=name: only the formats whose name starts so
+ *   best the CPU has); KB_FMT=name: only the formats whose name starts so;
+ *   KB_CPU=1: time by the process's CPU clock instead of the wall clock (with
+ *   one thread, on a machine others load: their time slices then do not count)
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -22,7 +24,7 @@
 
 static double now_s(void) {
     struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
+    clock_gettime(getenv("KB_CPU") ? CLOCK_PROCESS_CPUTIME_ID : CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 

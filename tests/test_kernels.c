@@ -251,6 +251,10 @@ K3_TEST(kernels_matmul_matches_ref) {
         {37, 67, 1},  {37, 67, 3},    {64, 200, 8},  {50, 1000, 2}, {16, 96, 67},
         {45, 589, 67}, {130, 1088, 4}, {19, 33, 5},  {7, 8, 1},     {100, 520, 9},
         {3, 1, 2},    {33, 130, 17},
+        /* whole 32-column blocks (the paired order for BF16 on AVX2 and
+         * AVX-512): n = 1 with four rows a pass (K <= 256) and a 3-row
+         * remainder, n = 2 and 3, a 2-row remainder at n = 1 over KC blocks */
+        {39, 256, 1}, {37, 256, 2},   {26, 96, 3},   {10, 1056, 1},
     };
     k3_pool *pools[3] = {NULL, NULL, NULL};
     REQUIRE(k3_pool_init(&pools[1], 1, NULL) == K3_OK);

@@ -51,6 +51,10 @@ enum {
     ROWS_OUTER_BYTES = 1 << 20, /* tiled: x up to this size -> row blocks outermost */
     STREAM_MAX_N = 64,          /* dense types stream up to this many x rows */
     STREAM_ROWS = 24,           /* weight rows per group in multi-pass streaming */
+    STREAM_PAIRED_N = 16,       /* paired BF16 streams up to this many x rows */
+    PAIRED_NR1 = 1,             /* BF16 rows per pass at n = 1 (K > 256) */
+    PF_AHEAD = 4096,            /* n = 1: bytes ahead a row's weights are prefetched into L2 */
+
 };
 
 /* ---- loaders ---------------------------------------------------------- */
@@ -83,19 +87,56 @@ INLINE size_t elem_size(int wt) { return wt == K3_W_F32 ? 4 : 2; }
 #define MX_F16_HI 0x00, 0x38, 0x3c, 0x3e, 0x40, 0x42, 0x44, 0x46, \
                   0x80, 0xb8, 0xbc, 0xbe, 0xc0, 0xc2, 0xc4, 0xc6
 
-/* 64 MXFP4 weights (32 bytes at p) -> out[8] in column order; s0 scales
- * columns 0..31, s1 columns 32..63. */
-INLINE void mx_dec64(const uint8_t *p, __m256 s0, __m256 s1, __m256 out[8]) {
+/* ---- the paired order (MXFP4, and BF16 with K % 32 == 0) -------------- */
+
+/* Whether w sums in the paired order: each 32-column block taken as its 16
+ * even, then its 16 odd columns (x deinterleaved so by prep_x), four 8-column
+ * groups [even 0-14, even 16-30, odd 1-15, odd 17-31] that alternate between
+ * two accumulators (tile() with U = 2 over the deinterleaved columns). */
+INLINE bool paired(const k3_mat *w) {
+    return w->type == K3_W_MXFP4 || (w->type == K3_W_BF16 && w->cols % 32 == 0);
+}
+
+/* 8-float halves: [a0 a2 a4 a6 b0 b2 b4 b6] (imm 0x88) or the odd ones (0xdd). */
+#define PAIR_SEL(a, b, imm)                                                                     \
+    _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, imm)), 0xd8))
+
+/* x [n, K] (K % 32 == 0) into the paired order. */
+static void x_deinterleave(const float *x, int64_t K, int64_t n, float *xd) {
+    for (int64_t i = 0; i < n * K; i += 32) {
+        const __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + i + 8);
+        const __m256 c = _mm256_loadu_ps(x + i + 16), d = _mm256_loadu_ps(x + i + 24);
+        _mm256_storeu_ps(xd + i, PAIR_SEL(a, b, 0x88));
+        _mm256_storeu_ps(xd + i + 8, PAIR_SEL(c, d, 0x88));
+        _mm256_storeu_ps(xd + i + 16, PAIR_SEL(a, b, 0xdd));
+        _mm256_storeu_ps(xd + i + 24, PAIR_SEL(c, d, 0xdd));
+    }
+}
+
+/* 32 BF16 weights (64 bytes at p) -> out[4] in the paired order: each 32-bit
+ * word is an even column (low half) and an odd one (high half), so a shift
+ * and a mask decode them, no shuffle. */
+INLINE void bf_dec32p(const uint8_t *p, __m256 out[4]) {
+    const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
+    const __m256i v0 = _mm256_loadu_si256((const __m256i *)p), v1 = _mm256_loadu_si256((const __m256i *)(p + 32));
+    out[0] = _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16));
+    out[1] = _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16));
+    out[2] = _mm256_castsi256_ps(_mm256_and_si256(v0, hi));
+    out[3] = _mm256_castsi256_ps(_mm256_and_si256(v1, hi));
+}
+
+/* 64 MXFP4 weights (32 bytes, two blocks with scales s0, s1) -> out[8] in the
+ * paired order (out[0..3] the first block). The low nibbles are the even
+ * columns, the high ones the odd: no interleaving back. */
+INLINE void mx_dec64p(const uint8_t *p, __m256 s0, __m256 s1, __m256 out[8]) {
     const __m256i tbl = _mm256_setr_epi8(MX_F16_HI, MX_F16_HI);
     const __m256i m = _mm256_set1_epi8(0x0f), z = _mm256_setzero_si256();
-    __m256i b = _mm256_loadu_si256((const __m256i *)p);
-    __m256i lo = _mm256_and_si256(b, m);
-    __m256i hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
-    /* per 128-bit lane: codes of columns 0..15 (lane 1: 32..47), 16..31 (48..63) */
-    __m256i h0 = _mm256_shuffle_epi8(tbl, _mm256_unpacklo_epi8(lo, hi));
-    __m256i h1 = _mm256_shuffle_epi8(tbl, _mm256_unpackhi_epi8(lo, hi));
-    __m256i f0 = _mm256_unpacklo_epi8(z, h0), f1 = _mm256_unpackhi_epi8(z, h0);
-    __m256i f2 = _mm256_unpacklo_epi8(z, h1), f3 = _mm256_unpackhi_epi8(z, h1);
+    const __m256i b = _mm256_loadu_si256((const __m256i *)p);
+    const __m256i hl = _mm256_shuffle_epi8(tbl, _mm256_and_si256(b, m));
+    const __m256i hh = _mm256_shuffle_epi8(tbl, _mm256_and_si256(_mm256_srli_epi16(b, 4), m));
+    /* per 128-bit lane (one block each): fp16 of even 0-14, 16-30, odd 1-15, 17-31 */
+    const __m256i f0 = _mm256_unpacklo_epi8(z, hl), f1 = _mm256_unpackhi_epi8(z, hl);
+    const __m256i f2 = _mm256_unpacklo_epi8(z, hh), f3 = _mm256_unpackhi_epi8(z, hh);
     out[0] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(f0)), s0);
     out[1] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(f1)), s0);
     out[2] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(f2)), s0);
@@ -106,19 +147,26 @@ INLINE void mx_dec64(const uint8_t *p, __m256 s0, __m256 s1, __m256 out[8]) {
     out[7] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(f3, 1)), s1);
 }
 
-/* 32 MXFP4 weights (16 bytes at p) -> out[4] in column order. */
-INLINE void mx_dec32(const uint8_t *p, __m256 s, __m256 out[4]) {
+/* 8 E8M0 bytes -> 2^(e-127) as fp32 (0 -> 2^-127, 255 -> NaN), as k3_mx_scale. */
+INLINE __m256 mx_scales8(const uint8_t *sc) {
+    const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sc));
+    __m256i b = _mm256_slli_epi32(e, 23);
+    b = _mm256_blendv_epi8(b, _mm256_set1_epi32(0x00400000), _mm256_cmpeq_epi32(e, _mm256_setzero_si256()));
+    b = _mm256_blendv_epi8(b, _mm256_set1_epi32(0x7fc00000), _mm256_cmpeq_epi32(e, _mm256_set1_epi32(255)));
+    return _mm256_castsi256_ps(b);
+}
+
+/* 32 MXFP4 weights (16 bytes, one block) -> out[4] in the paired order. */
+INLINE void mx_dec32p(const uint8_t *p, __m256 s, __m256 out[4]) {
     const __m128i tbl = _mm_setr_epi8(MX_F16_HI);
     const __m128i m = _mm_set1_epi8(0x0f), z = _mm_setzero_si128();
-    __m128i b = _mm_loadu_si128((const __m128i *)p);
-    __m128i lo = _mm_and_si128(b, m);
-    __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
-    __m128i h0 = _mm_shuffle_epi8(tbl, _mm_unpacklo_epi8(lo, hi));
-    __m128i h1 = _mm_shuffle_epi8(tbl, _mm_unpackhi_epi8(lo, hi));
-    out[0] = _mm256_mul_ps(_mm256_cvtph_ps(_mm_unpacklo_epi8(z, h0)), s);
-    out[1] = _mm256_mul_ps(_mm256_cvtph_ps(_mm_unpackhi_epi8(z, h0)), s);
-    out[2] = _mm256_mul_ps(_mm256_cvtph_ps(_mm_unpacklo_epi8(z, h1)), s);
-    out[3] = _mm256_mul_ps(_mm256_cvtph_ps(_mm_unpackhi_epi8(z, h1)), s);
+    const __m128i b = _mm_loadu_si128((const __m128i *)p);
+    const __m128i hl = _mm_shuffle_epi8(tbl, _mm_and_si128(b, m));
+    const __m128i hh = _mm_shuffle_epi8(tbl, _mm_and_si128(_mm_srli_epi16(b, 4), m));
+    out[0] = _mm256_mul_ps(_mm256_cvtph_ps(_mm_unpacklo_epi8(z, hl)), s);
+    out[1] = _mm256_mul_ps(_mm256_cvtph_ps(_mm_unpackhi_epi8(z, hl)), s);
+    out[2] = _mm256_mul_ps(_mm256_cvtph_ps(_mm_unpacklo_epi8(z, hh)), s);
+    out[3] = _mm256_mul_ps(_mm256_cvtph_ps(_mm_unpackhi_epi8(z, hh)), s);
 }
 
 /* ---- reductions: one fixed tree, so every path rounds alike ----------- */
@@ -238,61 +286,107 @@ INLINE void stream_dense(int wt, const k3_mat *w, const float *x, int64_t n, flo
 #undef T
 }
 
-/* s[i*NR + j] = block sum over columns [0, K <= KC) of MXFP4 row j (p + j*ldp,
- * scales sc + j*lds) times x row i (x + i*ldx), in MXFP4's canonical order
- * (tile() with U = 2). */
-INLINE void stream_mx_block(const uint8_t *p, int64_t ldp, const uint8_t *sc, int64_t lds,
-                            const float *x, int64_t ldx, int64_t K, float *s, const int MR,
-                            const int NR) {
-    __m256 acc[4][4][2];
-    UNROLL for (int i = 0; i < MR; i++)
-        UNROLL for (int j = 0; j < NR; j++) acc[i][j][0] = acc[i][j][1] = _mm256_setzero_ps();
-    int64_t k = 0;
-    for (; k + 64 <= K; k += 64) {
-        UNROLL for (int j = 0; j < NR; j++) {
-            __m256 wv[8];
-            mx_dec64(p + j * ldp + k / 2, _mm256_set1_ps(k3_mx_scale(sc[j * lds + k / 32])),
-                     _mm256_set1_ps(k3_mx_scale(sc[j * lds + k / 32 + 1])), wv);
-            UNROLL for (int i = 0; i < MR; i++)
-                UNROLL for (int q = 0; q < 8; q++)
-                    acc[i][j][q % 2] = _mm256_fmadd_ps(
-                        wv[q], _mm256_loadu_ps(x + i * ldx + k + 8 * q), acc[i][j][q % 2]);
+/* Paired rows [r, r+NR) (MXFP4 or BF16, type wt; p, sc their first row, ldp,
+ * lds apart) x MR deinterleaved x rows (xd, ldx apart), KC blocks in the
+ * canonical order: y[i*ldy + j] = the dot of x row i and weight row j. */
+INLINE void stream_paired_rows(const int wt, const uint8_t *p, int64_t ldp, const uint8_t *sc,
+                               int64_t lds, const float *xd, int64_t ldx, int64_t len, float *y,
+                               int64_t ldy, const int MR, const int NR) {
+    float t[16] = {0};
+    _Alignas(32) float sv[4][8]; /* MXFP4: the scales of 8 blocks (256 columns) per row */
+    for (int64_t kb = 0; kb < len; kb += KC) {
+        const int64_t ke = len - kb < KC ? len : kb + KC;
+        __m256 acc[4][4][2];
+        UNROLL for (int i = 0; i < MR; i++)
+            UNROLL for (int j = 0; j < NR; j++) acc[i][j][0] = acc[i][j][1] = _mm256_setzero_ps();
+        int64_t k = kb;
+        if (wt == K3_W_MXFP4) {
+            for (; k + 64 <= ke; k += 64) {
+                if (k % 256 == 0)
+                    UNROLL for (int j = 0; j < NR; j++) {
+                        if (len - k >= 256) _mm256_store_ps(sv[j], mx_scales8(sc + j * lds + k / 32));
+                        else for (int b = 0; b < (len - k) / 32; b++) sv[j][b] = k3_mx_scale(sc[j * lds + k / 32 + b]);
+                    }
+                UNROLL for (int j = 0; j < NR; j++) {
+                    __m256 wv[8];
+                    const float *s2 = &sv[j][k % 256 / 32];
+                    if (MR == 1 && k % 128 == 0)
+                        _mm_prefetch((const char *)p + j * ldp + k / 2 + PF_AHEAD, _MM_HINT_T1);
+                    mx_dec64p(p + j * ldp + k / 2, _mm256_broadcast_ss(s2), _mm256_broadcast_ss(s2 + 1), wv);
+                    UNROLL for (int i = 0; i < MR; i++)
+                        UNROLL for (int q = 0; q < 8; q++)
+                            acc[i][j][q % 2] = _mm256_fmadd_ps(wv[q], _mm256_loadu_ps(xd + i * ldx + k + 8 * q),
+                                                               acc[i][j][q % 2]);
+                }
+            }
+            if (k < ke) /* a last block of 32 */
+                UNROLL for (int j = 0; j < NR; j++) {
+                    __m256 wv[4];
+                    mx_dec32p(p + j * ldp + k / 2, _mm256_set1_ps(k3_mx_scale(sc[j * lds + k / 32])), wv);
+                    UNROLL for (int i = 0; i < MR; i++)
+                        UNROLL for (int q = 0; q < 4; q++)
+                            acc[i][j][q % 2] = _mm256_fmadd_ps(wv[q], _mm256_loadu_ps(xd + i * ldx + k + 8 * q),
+                                                               acc[i][j][q % 2]);
+                }
+        } else {
+            for (; k < ke; k += 32)
+                UNROLL for (int j = 0; j < NR; j++) {
+                    __m256 wv[4];
+                    if (MR == 1) _mm_prefetch((const char *)p + j * ldp + k * 2 + PF_AHEAD, _MM_HINT_T1);
+                    bf_dec32p(p + j * ldp + k * 2, wv);
+                    UNROLL for (int i = 0; i < MR; i++)
+                        UNROLL for (int q = 0; q < 4; q++)
+                            acc[i][j][q % 2] = _mm256_fmadd_ps(wv[q], _mm256_loadu_ps(xd + i * ldx + k + 8 * q),
+                                                               acc[i][j][q % 2]);
+                }
         }
+        __m256 v[16];
+        float s[16];
+        UNROLL for (int i = 0; i < MR; i++)
+            UNROLL for (int j = 0; j < NR; j++) v[i * NR + j] = _mm256_add_ps(acc[i][j][0], acc[i][j][1]);
+        hsum_all(v, MR * NR, s);
+        UNROLL for (int q = 0; q < MR * NR; q++) t[q] = kb ? t[q] + s[q] : s[q];
     }
-    if (k < K) { /* K % 64 == 32 */
-        UNROLL for (int j = 0; j < NR; j++) {
-            __m256 wv[4];
-            mx_dec32(p + j * ldp + k / 2, _mm256_set1_ps(k3_mx_scale(sc[j * lds + k / 32])), wv);
-            UNROLL for (int i = 0; i < MR; i++)
-                UNROLL for (int q = 0; q < 4; q++)
-                    acc[i][j][q % 2] = _mm256_fmadd_ps(
-                        wv[q], _mm256_loadu_ps(x + i * ldx + k + 8 * q), acc[i][j][q % 2]);
-        }
-    }
-    __m256 v[16];
     UNROLL for (int i = 0; i < MR; i++)
-        UNROLL for (int j = 0; j < NR; j++) v[i * NR + j] = _mm256_add_ps(acc[i][j][0], acc[i][j][1]);
-    hsum_all(v, MR * NR, s);
+        UNROLL for (int j = 0; j < NR; j++) y[i * ldy + j] = t[i * NR + j];
 }
 
-static void stream_mx(const k3_mat *w, const float *x, int64_t n, float *y, int64_t ldy,
-                      int64_t r0, int64_t r1) {
+/* Rows [r0, r1) of a paired matrix x n rows of x prepared by prep_x, in
+ * passes of up to 4 x rows over groups of STREAM_ROWS weight rows (later
+ * passes find the group in L2). Weight rows per pass, by measurement: at
+ * n = 1 one BF16 row at a time, in address order (what the prefetchers
+ * follow best), four MXFP4 rows (adjacent, so still one stream: two
+ * accumulator chains per row leave the FMAs waiting on their latency) and
+ * four BF16 rows of at most 256 columns; two at n = 2. */
+static void stream_paired(const k3_mat *w, const float *xd, int64_t n, float *y, int64_t ldy,
+                          int64_t r0, int64_t r1) {
     const int64_t K = w->cols;
-    /* One weight row at a time: two accumulators per x row suffice, and the
-     * decoded row (8 registers) leaves no room for more (measured). */
-    for (int64_t r = r0; r < r1; r++) {
-        for (int64_t k0 = 0; k0 < K; k0 += KC) {
-            const int64_t kl = K - k0 < KC ? K - k0 : KC;
-            const uint8_t *pr = (const uint8_t *)w->data + r * (K / 2) + k0 / 2;
-            const uint8_t *sr = w->scale + r * (K / 32) + k0 / 32;
-            float s[4];
-            switch (n) {
-            case 1: stream_mx_block(pr, K / 2, sr, K / 32, x + k0, K, kl, s, 1, 1); break;
-            case 2: stream_mx_block(pr, K / 2, sr, K / 32, x + k0, K, kl, s, 2, 1); break;
-            case 3: stream_mx_block(pr, K / 2, sr, K / 32, x + k0, K, kl, s, 3, 1); break;
-            default: stream_mx_block(pr, K / 2, sr, K / 32, x + k0, K, kl, s, 4, 1); break;
+    const int wt = w->type;
+    const size_t rowb = wt == K3_W_MXFP4 ? (size_t)K / 2 : (size_t)K * 2;
+    for (int64_t g = r0; g < r1; g += STREAM_ROWS) {
+        const int64_t ge = r1 - g < STREAM_ROWS ? r1 : g + STREAM_ROWS;
+        for (int64_t i = 0; i < n; i += 4) {
+            const int mi = (int)(n - i < 4 ? n - i : 4);
+            for (int64_t r = g; r < ge;) {
+                int nr = mi == 1 ? (wt == K3_W_MXFP4 || K <= 256 ? 4 : PAIRED_NR1) : mi == 2 ? 2 : 1;
+                while (ge - r < nr) nr /= 2;
+                const uint8_t *pr = (const uint8_t *)w->data + r * rowb;
+                const uint8_t *sr = wt == K3_W_MXFP4 ? w->scale + r * (K / 32) : NULL;
+                const float *xi = xd + i * K;
+                float *yi = y + i * ldy + r;
+#define C(WT, MR, NR) stream_paired_rows(WT, pr, (int64_t)rowb, sr, K / 32, xi, K, K, yi, ldy, MR, NR)
+#define S(MR, NR)                                                                             \
+    case (MR) * 8 + (NR):                                                                     \
+        if (wt == K3_W_MXFP4) C(K3_W_MXFP4, MR, NR); else C(K3_W_BF16, MR, NR);               \
+        break;
+                switch (mi * 8 + nr) {
+                S(1, 1) S(1, 2) S(1, 4) S(2, 1) S(2, 2) S(3, 1) S(4, 1)
+                default: K3_ASSERT(!"stream_paired: bad shape");
+                }
+#undef S
+#undef C
+                r += nr;
             }
-            for (int64_t i = 0; i < n; i++) y[i * ldy + r] = k0 ? y[i * ldy + r] + s[i] : s[i];
         }
     }
 }
@@ -314,21 +408,29 @@ static void convert_block(const k3_mat *w, int64_t r0, int nr, int64_t k0, int k
         }
         case K3_W_BF16: {
             const uint16_t *s = (const uint16_t *)w->data + (r0 + j) * K + k0;
+            if (paired(w)) { /* in the paired order */
+                __m256 v[4];
+                for (; k < kl; k += 32) {
+                    bf_dec32p((const uint8_t *)(s + k), v);
+                    UNROLL for (int q = 0; q < 4; q++) _mm256_storeu_ps(d + k + 8 * q, v[q]);
+                }
+                break;
+            }
             for (; k + 8 <= kl; k += 8) _mm256_storeu_ps(d + k, ld8(K3_W_BF16, s, k));
             for (; k < kl; k++) d[k] = ld1(K3_W_BF16, s, k);
             break;
         }
-        case K3_W_MXFP4: {
+        case K3_W_MXFP4: { /* in the paired order */
             const uint8_t *s = (const uint8_t *)w->data + (r0 + j) * (K / 2) + k0 / 2;
             const uint8_t *sc = w->scale + (r0 + j) * (K / 32) + k0 / 32;
             __m256 v[8];
             for (; k + 64 <= kl; k += 64) {
-                mx_dec64(s + k / 2, _mm256_set1_ps(k3_mx_scale(sc[k / 32])),
-                         _mm256_set1_ps(k3_mx_scale(sc[k / 32 + 1])), v);
+                mx_dec64p(s + k / 2, _mm256_set1_ps(k3_mx_scale(sc[k / 32])),
+                          _mm256_set1_ps(k3_mx_scale(sc[k / 32 + 1])), v);
                 UNROLL for (int q = 0; q < 8; q++) _mm256_storeu_ps(d + k + 8 * q, v[q]);
             }
             if (k < kl) {
-                mx_dec32(s + k / 2, _mm256_set1_ps(k3_mx_scale(sc[k / 32])), v);
+                mx_dec32p(s + k / 2, _mm256_set1_ps(k3_mx_scale(sc[k / 32])), v);
                 UNROLL for (int q = 0; q < 4; q++) _mm256_storeu_ps(d + k + 8 * q, v[q]);
             }
             break;
@@ -376,8 +478,9 @@ static void tiled_block(const k3_mat *w, const float *x, int64_t n, float *y, in
     } else {
         convert_block(w, rb, nr, k0, kl, buf);
     }
-    if (w->type == K3_W_MXFP4) {
-        /* 3 x 2 tiles: 12 accumulators (two per pair) + 2 weights + 1 x. */
+    if (paired(w)) {
+        /* x deinterleaved like the weights (prep_x); 3 x 2 tiles: 12
+         * accumulators (two per pair) + 2 weights + 1 x. */
         for (int64_t i = 0; i < n; i += 3) {
             const int mi = (int)(n - i < 3 ? n - i : 3);
             for (int j = 0; j < nr; j += 2)
@@ -424,8 +527,11 @@ static void stream_rows(const k3_mat *w, const float *x, int64_t n, float *y, in
     switch (w->type) {
     case K3_W_F32: stream_dense(K3_W_F32, w, x, n, y, ldy, r0, r1); break;
     case K3_W_F16: stream_dense(K3_W_F16, w, x, n, y, ldy, r0, r1); break;
-    case K3_W_BF16: stream_dense(K3_W_BF16, w, x, n, y, ldy, r0, r1); break;
-    case K3_W_MXFP4: stream_mx(w, x, n, y, ldy, r0, r1); break;
+    case K3_W_BF16:
+        if (paired(w)) stream_paired(w, x, n, y, ldy, r0, r1);
+        else stream_dense(K3_W_BF16, w, x, n, y, ldy, r0, r1);
+        break;
+    case K3_W_MXFP4: stream_paired(w, x, n, y, ldy, r0, r1); break;
     default: K3_ASSERT(!"matmul: bad type");
     }
 }
@@ -434,7 +540,9 @@ static void matmul_rows(const k3_mat *w, const float *x, int64_t n, float *y, in
                         int64_t r0, int64_t r1) {
     if (n <= 4) {
         stream_rows(w, x, n, y, ldy, r0, r1);
-    } else if (w->type != K3_W_MXFP4 && n <= STREAM_MAX_N) {
+    } else if (w->type == K3_W_BF16 && paired(w) && n <= STREAM_PAIRED_N) {
+        stream_paired(w, x, n, y, ldy, r0, r1);
+    } else if (!paired(w) && n <= STREAM_MAX_N) {
         /* Passes of 4 activation rows over groups of STREAM_ROWS weight rows:
          * the first pass brings the group from DRAM, the others find it in
          * L2, and converting on the fly beats a buffer round trip. (MXFP4
@@ -448,6 +556,13 @@ static void matmul_rows(const k3_mat *w, const float *x, int64_t n, float *y, in
     } else {
         tiled(w, x, n, y, ldy, r0, r1);
     }
+}
+
+/* x for a paired matrix, in the paired order (see x_deinterleave). */
+static int64_t prep_x_avx2(const k3_mat *w, const float *x, int64_t n, float *xp) {
+    if (!paired(w)) return 0;
+    if (xp) x_deinterleave(x, w->cols, n, xp);
+    return n * w->cols;
 }
 
 static float dot_avx2(const float *a, const float *b, int64_t n) {
@@ -482,6 +597,7 @@ static void axpy_avx2(float *y, float a, const float *x, int64_t n) {
 const k3_kernel_ops k3_ops_avx2 = {
     .isa = K3_ISA_AVX2,
     .matmul = matmul_rows,
+    .prep_x = prep_x_avx2,
     .dot = dot_avx2,
     .axpy = axpy_avx2,
     .glu = k3_glu_avx2,
