@@ -45,6 +45,7 @@ enum {
     ROWS_OUTER_BYTES = 1 << 20, /* tiled: x up to this size -> row blocks outermost */
     STREAM_MAX_N = 64,          /* dense types stream up to this many x rows */
     STREAM_PAIRED_N = 16,       /* paired BF16 the same */
+    PF_AHEAD = 4096,            /* n = 1: bytes ahead a row's weights are prefetched into L2 */
     STREAM_ROWS = 24,           /* weight rows per group in multi-pass streaming */
 };
 
@@ -285,10 +286,16 @@ INLINE void stream_paired_rows(const int wt, const uint8_t *p, int64_t ldp, cons
             }
             __m512 we[4], wo[4];
             UNROLL for (int j = 0; j < NR; j++) {
-                if (wt == K3_W_MXFP4)
+                /* one token: the row streams alone; a prefetch 4 KB ahead
+                 * into L2 keeps the line fill ahead of the decode */
+                if (wt == K3_W_MXFP4) {
+                    if (MR == 1 && k % 128 == 0)
+                        _mm_prefetch((const char *)p + j * ldp + k / 2 + PF_AHEAD, _MM_HINT_T1);
                     mx_dec32(p + j * ldp + k / 2, sv[j][(k % 512) / 32], &we[j], &wo[j]);
-                else
+                } else {
+                    if (MR == 1) _mm_prefetch((const char *)p + j * ldp + k * 2 + PF_AHEAD, _MM_HINT_T1);
                     bf_dec32(p + j * ldp + k * 2, &we[j], &wo[j]);
+                }
             }
             UNROLL for (int i = 0; i < MR; i++) {
                 __m512 xe = in_reg(_mm512_loadu_ps(xd + i * len + k));
