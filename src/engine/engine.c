@@ -850,23 +850,26 @@ k3_status k3_engine_step(k3_engine *e, k3_step_result *res, k3_error *err) {
     const double t_snap = k3_engine_now();
     int64_t *pos = e->snap_pos, *step_pos = e->snap_pos + e->req_snaps;
     uint64_t *key = e->snap_key, *step_key = e->snap_key + e->req_snaps;
-    for (int32_t i = 0; i < s->n_plan && !fst; i++) {
+    for (int32_t i = 0; i < s->n_plan; i++) {
         k3_rq *rq = s->plan[i];
         const int32_t n = k3_sched_snap_points(s, rq, pos, key, e->req_snaps);
         const int32_t room = e->step_snaps - n_taken;
         /* over the room keep the last ones (the prompt's end) */
-        for (int32_t k = n > room ? n - room : 0; k < n && !fst; k++) {
+        for (int32_t k = n > room ? n - room : 0; k < n; k++) {
             void *buf = k3_kv_snap_put(&e->sn, key[k], pos[k]);
             if (!buf) continue; /* out of memory: no snapshot there */
+            if (k3_ctx_capture_state(e->ctx, rq->slot, pos[k], buf, NULL)) {
+                k3_kv_snap_drop(&e->sn, key[k], pos[k]); /* the same: a shorter hit later */
+                continue;
+            }
             step_pos[n_taken] = pos[k];
             step_key[n_taken++] = key[k];
-            fst = k3_ctx_capture_state(e->ctx, rq->slot, pos[k], buf, &ferr);
         }
     }
     e->snap_save_s += k3_engine_now() - t_snap;
 
     /* 3. the forward pass */
-    if (!fst && s->n_plan) fst = k3_ctx_run(e->ctx, e->batch, s->n_plan, e->want, e->logits, &ferr);
+    if (s->n_plan) fst = k3_ctx_run(e->ctx, e->batch, s->n_plan, e->want, e->logits, &ferr);
     if (fst)
         for (int32_t k = 0; k < n_taken; k++) k3_kv_snap_drop(&e->sn, step_key[k], step_pos[k]);
     else
