@@ -417,24 +417,24 @@ int64_t k3_ctx_state_bytes(const k3_ctx *ctx) {
     return n * (int64_t)sizeof(float);
 }
 
-/* save (dir 0) or restore (dir 1) the KDA state of one slot, layer by layer:
- * S then the conv windows */
+/* save (dir 0) or restore (dir 1) the KDA state of one slot, layer by layer
+ * at kda_snap_off (the layout captures use too): S then the conv windows */
 static void state_copy(k3_ctx *ctx, int32_t seq, float *buf, int dir) {
     const k3_config *c = ctx->c;
     const int64_t HK = (int64_t)c->kda_heads * c->kda_head_dim, dk = c->kda_head_dim;
     const int64_t Km1 = c->conv_size > 0 ? c->conv_size - 1 : 0;
-    const int64_t nS = (int64_t)c->kda_heads * dk * dk, nC = 3 * Km1 * HK;
+    const size_t nS = (size_t)c->kda_heads * dk * dk, nC = (size_t)(3 * Km1 * HK);
     for (int i = 0; i < c->n_layers; i++) {
         if (!ctx->kda_S[i]) continue;
         float *S = ctx->kda_S[i] + (int64_t)seq * nS, *C = ctx->kda_conv[i] + (int64_t)seq * nC;
+        float *b = buf + ctx->kda_snap_off[i];
         if (dir == 0) {
-            memcpy(buf, S, sizeof(float) * (size_t)nS);
-            memcpy(buf + nS, C, sizeof(float) * (size_t)nC);
+            memcpy(b, S, sizeof(float) * nS);
+            memcpy(b + nS, C, sizeof(float) * nC);
         } else {
-            memcpy(S, buf, sizeof(float) * (size_t)nS);
-            memcpy(C, buf + nS, sizeof(float) * (size_t)nC);
+            memcpy(S, b, sizeof(float) * nS);
+            memcpy(C, b + nS, sizeof(float) * nC);
         }
-        buf += nS + nC;
     }
 }
 

@@ -195,13 +195,19 @@ static bool next_block_pending(const k3_sched *s, const k3_rq *rq, int32_t k) {
     return false;
 }
 
-/* Adds rq's n scheduled tokens to the step's cost; a prompt chunk comes off
- * what the guard has left (a decode's cost was reserved). */
-static void charge(k3_sched *s, const k3_rq *rq, int32_t n, double *cost_left) {
-    const bool decode = rq->n_tok - rq->n_computed == 1;
-    const double c = decode ? 1.0 : span_cost(s, rq->n_computed, n);
-    s->plan_cost += c;
-    if (*cost_left >= 0 && !decode) *cost_left = *cost_left > c ? *cost_left - c : 0;
+/* Under the guard (*cost_left >= 0): adds rq's n scheduled tokens to the
+ * step's cost *step (a decode 1, a prompt chunk by position) and takes a
+ * prompt chunk off what the guard has left (a decode's cost was reserved).
+ * Without the guard nothing is priced. */
+static void charge(const k3_sched *s, const k3_rq *rq, int32_t n, double *cost_left, double *step) {
+    if (*cost_left < 0) return;
+    if (rq->n_tok - rq->n_computed == 1) {
+        *step += 1.0;
+        return;
+    }
+    const double c = span_cost(s, rq->n_computed, n);
+    *step += c;
+    *cost_left = *cost_left > c ? *cost_left - c : 0;
 }
 
 void k3_sched_schedule(k3_sched *s) {
@@ -209,11 +215,10 @@ void k3_sched_schedule(k3_sched *s) {
     int32_t budget = s->cfg.max_tokens, plp_left = s->cfg.plp_cap;
     s->n_plan = 0;
     s->plan_tokens = 0;
-    s->plan_cost = 0;
     bool preempted = false;
     /* the guard: with decodes running, prompt chunks get what they leave of
      * max_step_cost (-1: no guard this step) */
-    double cost_left = -1;
+    double cost_left = -1, step_cost = 0;
     if (s->cfg.max_step_cost > 0) {
         int32_t n_dec = 0;
         for (int32_t i = 0; i < s->n_running; i++) n_dec += s->running[i]->n_tok - s->running[i]->n_computed == 1;
@@ -244,7 +249,7 @@ void k3_sched_schedule(k3_sched *s) {
         s->plan_tokens += n;
         budget -= n;
         if (rq->plp && rq->n_computed < rq->n_prompt) plp_left -= n;
-        charge(s, rq, n, &cost_left);
+        charge(s, rq, n, &cost_left, &step_cost);
     }
 
     /* 2. waiting requests, in order, unless this step preempted */
@@ -291,9 +296,9 @@ void k3_sched_schedule(k3_sched *s) {
         s->plan_tokens += n;
         budget -= n;
         if (rq->plp) plp_left -= n;
-        charge(s, rq, n, &cost_left);
+        charge(s, rq, n, &cost_left, &step_cost);
     }
-    if (cost_left >= 0 && s->plan_cost > s->guarded_cost_max) s->guarded_cost_max = s->plan_cost;
+    if (cost_left >= 0 && step_cost > s->guarded_cost_max) s->guarded_cost_max = step_cost;
 }
 
 int32_t k3_sched_snap_points(const k3_sched *s, const k3_rq *rq, int64_t *pos, uint64_t *key, int32_t max) {

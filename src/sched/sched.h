@@ -96,7 +96,6 @@ typedef struct k3_sched {
     int32_t *free_slots, n_free_slots;
     k3_rq **plan;                 /* [max_seqs] this step's requests, in batch order */
     int32_t n_plan, plan_tokens;
-    double plan_cost;             /* this step's cost (decodes 1, prompt tokens by position) */
     /* counters */
     int64_t n_preemptions, prefix_queries, prefix_hits;
     double guarded_cost_max;      /* the costliest step the guard held */
