@@ -29,12 +29,16 @@
  *   3x2 with two accumulators each for MXFP4) runs over it: 7 loads per 12
  *   FMAs. F32 weights are used in place.
  *
- * MXFP4: 32 packed bytes hold 64 columns (low nibble = even column). Nibbles
- * are split, interleaved back into column order, and looked up with pshufb in
- * a table of the high bytes of the fp16 encodings of ±{0,.5,1,1.5,2,3,4,6}
- * (their low bytes are all zero); vcvtph2ps then gives exact fp32, times the
- * block scale 2^(e-127), which is exact too. So every product x*w is the one
- * the reference forms; only the summation order differs.
+ * MXFP4: 32 packed bytes hold 64 columns, two 32-column blocks (low nibble =
+ * even column). Each code is looked up twice with pshufb, in tables of the
+ * high and the low bytes of the BF16 encodings of ±{0,.5,1,1.5,2,3,4,6}; the
+ * two bytes, unpacked into 16-bit words, are the code's BF16 value, and a
+ * shift or a mask makes it fp32 (exact), times the block scale 2^(e-127),
+ * which is exact too. So every product x*w is the one the reference forms;
+ * only the summation order differs. A pair of blocks decodes with one block
+ * per 128-bit lane, so its eight vectors each hold 4 columns of both blocks
+ * (the quad order, mx_dec64q; x is put in that order by prep_x); a last lone
+ * block takes the paired order of BF16 (mx_dec32p).
  */
 #include "kernels/kernels_isa.h"
 #include "common/error.h"
@@ -87,6 +91,12 @@ INLINE size_t elem_size(int wt) { return wt == K3_W_F32 ? 4 : 2; }
 #define MX_F16_HI 0x00, 0x38, 0x3c, 0x3e, 0x40, 0x42, 0x44, 0x46, \
                   0x80, 0xb8, 0xbc, 0xbe, 0xc0, 0xc2, 0xc4, 0xc6
 
+/* High and low bytes of the BF16 encodings of the 16 E2M1 codes. */
+#define MX_BF_HI 0x00, 0x3f, 0x3f, 0x3f, 0x40, 0x40, 0x40, 0x40, \
+                 0x80, 0xbf, 0xbf, 0xbf, 0xc0, 0xc0, 0xc0, 0xc0
+#define MX_BF_LO 0x00, 0x00, 0x80, 0xc0, 0x00, 0x40, 0x80, 0xc0, \
+                 0x00, 0x00, 0x80, 0xc0, 0x00, 0x40, 0x80, 0xc0
+
 /* ---- the paired order (MXFP4, and BF16 with K % 32 == 0) -------------- */
 
 /* Whether w sums in the paired order: each 32-column block taken as its 16
@@ -125,26 +135,34 @@ INLINE void bf_dec32p(const uint8_t *p, __m256 out[4]) {
     out[3] = _mm256_castsi256_ps(_mm256_and_si256(v1, hi));
 }
 
-/* 64 MXFP4 weights (32 bytes, two blocks with scales s0, s1) -> out[8] in the
- * paired order (out[0..3] the first block). The low nibbles are the even
- * columns, the high ones the odd: no interleaving back. */
-INLINE void mx_dec64p(const uint8_t *p, __m256 s0, __m256 s1, __m256 out[8]) {
-    const __m256i tbl = _mm256_setr_epi8(MX_F16_HI, MX_F16_HI);
-    const __m256i m = _mm256_set1_epi8(0x0f), z = _mm256_setzero_si256();
+/* The quad order of a pair of MXFP4 blocks (64 columns; c = column within
+ * its block): vector q, lane l holds column QUAD_COL[q] + 4 (l mod 4) of the
+ * first block (l < 4) or of the second (l >= 4). */
+static const uint8_t QUAD_COL[8] = {0, 2, 16, 18, 1, 3, 17, 19};
+
+/* 64 MXFP4 weights (32 bytes, blocks with scales s = [s0 x4, s1 x4]) ->
+ * out[8] in the quad order. Per 64 weights: 3 ops to split the nibbles, 4
+ * lookups, 4 unpacks, 8 shifts or masks, 8 scalings (F16C's vcvtph2ps is two
+ * ops for 8 weights, and needed the block split out of the lanes). */
+INLINE void mx_dec64q(const uint8_t *p, __m256 s, __m256 out[8]) {
+    const __m256i th = _mm256_setr_epi8(MX_BF_HI, MX_BF_HI), tl = _mm256_setr_epi8(MX_BF_LO, MX_BF_LO);
+    const __m256i m = _mm256_set1_epi8(0x0f), hi = _mm256_set1_epi32((int)0xffff0000u);
     const __m256i b = _mm256_loadu_si256((const __m256i *)p);
-    const __m256i hl = _mm256_shuffle_epi8(tbl, _mm256_and_si256(b, m));
-    const __m256i hh = _mm256_shuffle_epi8(tbl, _mm256_and_si256(_mm256_srli_epi16(b, 4), m));
-    /* per 128-bit lane (one block each): fp16 of even 0-14, 16-30, odd 1-15, 17-31 */
-    const __m256i f0 = _mm256_unpacklo_epi8(z, hl), f1 = _mm256_unpackhi_epi8(z, hl);
-    const __m256i f2 = _mm256_unpacklo_epi8(z, hh), f3 = _mm256_unpackhi_epi8(z, hh);
-    out[0] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(f0)), s0);
-    out[1] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(f1)), s0);
-    out[2] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(f2)), s0);
-    out[3] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(f3)), s0);
-    out[4] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(f0, 1)), s1);
-    out[5] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(f1, 1)), s1);
-    out[6] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(f2, 1)), s1);
-    out[7] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(f3, 1)), s1);
+    const __m256i ce = _mm256_and_si256(b, m), co = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
+    const __m256i le = _mm256_shuffle_epi8(tl, ce), he = _mm256_shuffle_epi8(th, ce);
+    const __m256i lo = _mm256_shuffle_epi8(tl, co), ho = _mm256_shuffle_epi8(th, co);
+    /* BF16 words, per lane: even columns 0-14, 16-30, odd 1-15, 17-31 */
+    const __m256i w[4] = {_mm256_unpacklo_epi8(le, he), _mm256_unpackhi_epi8(le, he),
+                          _mm256_unpacklo_epi8(lo, ho), _mm256_unpackhi_epi8(lo, ho)};
+    UNROLL for (int g = 0; g < 4; g++) {
+        out[2 * g] = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(w[g], 16)), s);
+        out[2 * g + 1] = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_and_si256(w[g], hi)), s);
+    }
+}
+
+/* [s[0] x4, s[1] x4]: the scales of a pair of blocks, for mx_dec64q. */
+INLINE __m256 mx_pair_scale(const float *s) {
+    return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(s)), _mm_broadcast_ss(s + 1), 1);
 }
 
 /* 8 E8M0 bytes -> 2^(e-127) as fp32 (0 -> 2^-127, 255 -> NaN), as k3_mx_scale. */
@@ -312,7 +330,7 @@ INLINE void stream_paired_rows(const int wt, const uint8_t *p, int64_t ldp, cons
                     const float *s2 = &sv[j][k % 256 / 32];
                     if (MR == 1 && k % 128 == 0)
                         _mm_prefetch((const char *)p + j * ldp + k / 2 + PF_AHEAD, _MM_HINT_T1);
-                    mx_dec64p(p + j * ldp + k / 2, _mm256_broadcast_ss(s2), _mm256_broadcast_ss(s2 + 1), wv);
+                    mx_dec64q(p + j * ldp + k / 2, mx_pair_scale(s2), wv);
                     UNROLL for (int i = 0; i < MR; i++)
                         UNROLL for (int q = 0; q < 8; q++)
                             acc[i][j][q % 2] = _mm256_fmadd_ps(wv[q], _mm256_loadu_ps(xd + i * ldx + k + 8 * q),
@@ -420,13 +438,13 @@ static void convert_block(const k3_mat *w, int64_t r0, int nr, int64_t k0, int k
             for (; k < kl; k++) d[k] = ld1(K3_W_BF16, s, k);
             break;
         }
-        case K3_W_MXFP4: { /* in the paired order */
+        case K3_W_MXFP4: { /* in the quad order (a lone last block paired) */
             const uint8_t *s = (const uint8_t *)w->data + (r0 + j) * (K / 2) + k0 / 2;
             const uint8_t *sc = w->scale + (r0 + j) * (K / 32) + k0 / 32;
             __m256 v[8];
             for (; k + 64 <= kl; k += 64) {
-                mx_dec64p(s + k / 2, _mm256_set1_ps(k3_mx_scale(sc[k / 32])),
-                          _mm256_set1_ps(k3_mx_scale(sc[k / 32 + 1])), v);
+                const float s2[2] = {k3_mx_scale(sc[k / 32]), k3_mx_scale(sc[k / 32 + 1])};
+                mx_dec64q(s + k / 2, mx_pair_scale(s2), v);
                 UNROLL for (int q = 0; q < 8; q++) _mm256_storeu_ps(d + k + 8 * q, v[q]);
             }
             if (k < kl) {
@@ -558,10 +576,25 @@ static void matmul_rows(const k3_mat *w, const float *x, int64_t n, float *y, in
     }
 }
 
-/* x for a paired matrix, in the paired order (see x_deinterleave). */
+/* x [n, K] (K % 32 == 0) for MXFP4: each pair of blocks in the quad order
+ * (QUAD_COL), a last lone block in the paired order. */
+static void x_quad(const float *x, int64_t K, int64_t n, float *xq) {
+    for (int64_t i = 0; i < n; i++) {
+        const float *xr = x + i * K;
+        float *d = xq + i * K;
+        int64_t k = 0;
+        for (; k + 64 <= K; k += 64)
+            for (int q = 0; q < 8; q++)
+                for (int l = 0; l < 8; l++) d[k + 8 * q + l] = xr[k + (l >= 4 ? 32 : 0) + QUAD_COL[q] + 4 * (l % 4)];
+        if (k < K) x_deinterleave(xr + k, 32, 1, d + k);
+    }
+}
+
+/* x for a paired matrix: MXFP4's quad order, or BF16's paired order. */
 static int64_t prep_x_avx2(const k3_mat *w, const float *x, int64_t n, float *xp) {
     if (!paired(w)) return 0;
-    if (xp) x_deinterleave(x, w->cols, n, xp);
+    if (xp && w->type == K3_W_MXFP4) x_quad(x, w->cols, n, xp);
+    else if (xp) x_deinterleave(x, w->cols, n, xp);
     return n * w->cols;
 }
 
