@@ -241,7 +241,7 @@ typedef void (*rows_fn)(const uint8_t *packed, const uint8_t *scale, int64_t col
                         const int32_t *corr, int64_t ldc, const float *xs, int64_t n, int64_t r0, int64_t r1,
                         float *y, int64_t ldy);
 
-/* A W4A8 activation preparation's AVX-512 VBMI form equals its scalar one,
+/* A W4A8 activation preparation's SIMD form (AVX-512 VBMI, AVX2) equals its scalar one,
  * bit for bit, for each of ncols row lengths, with extreme values. */
 static void check_prep(prep_fn ref, prep_fn simd, const int64_t *cols, int ncols) {
     int8_t xq[2048], p1[2048], p2[2048];
@@ -408,10 +408,19 @@ static void check_q8_avx2(int R, int C, int N, int split) {
 K3_TEST(quant_w8a8_avx2_equals_scalar) {
     if (!have_avx2()) return;
     have_avxvnni();
-    check_q8_avx2(7, 64, 1, 3);     /* decode, a row tail of the tiles */
+    check_q8_avx2(7, 64, 1, 3);     /* decode, a row tail of the tiles; one token: row pairs + an odd row */
+    check_q8_avx2(5, 8200, 1, 2);   /* one token, rows longer than the |x| buffer (column chunks) */
+    check_q8_avx2(6, 4128, 1, 1);   /* one token, a 32-column step after the 64-column ones */
     check_q8_avx2(50, 300, 7, 13);  /* int8 tail, two 48-row slices, token groups of 3 + 1 */
     check_q8_avx2(13, 1040, 5, 4);  /* the 128-column decode steps + a 32-column one */
     check_q8_avx2(96, 2048, 2, 48);
+}
+
+/* The tiles' order on AVX2 (k3_mx4_r4_prep_avx2, what the AVX2 path takes). */
+K3_TEST(quant_w4a8_r4_prep_avx2_equals_ref) {
+    if (!have_avx2()) return;
+    const int64_t cols[] = {128, 384, 1024, 2048};
+    check_prep(k3_mx4_r4_prep_ref, k3_mx4_r4_prep_avx2, cols, 4);
 }
 
 /* W4A8 on tiles on AVX2: plain and AVX-VNNI give the same bits as each

@@ -182,6 +182,7 @@ void k3_mx4_r4_prep_ref(const int8_t *xq, int64_t cols, int8_t *xp, int32_t *cor
 
 void k3_mx4_r4_prep(const int8_t *xq, int64_t cols, int8_t *xp, int32_t *corr) {
     if (have_vnni() && __builtin_cpu_supports("avx512vbmi")) k3_mx4_r4_prep_avx512_vbmi(xq, cols, xp, corr);
+    else if (k3_kernels_isa() == K3_ISA_AVX2) k3_mx4_r4_prep_avx2(xq, cols, xp, corr);
     else k3_mx4_r4_prep_ref(xq, cols, xp, corr);
 }
 

@@ -45,10 +45,13 @@ void k3_mx4_r4_pack(const k3_mat *src, uint8_t *data, uint8_t *scale);
  * per group of 128 columns, for j = 0..3, the columns 8j, 8j+2, 8j+4, 8j+6
  * of each of the four blocks (16 bytes: the low nibbles of stretch j), then
  * 8j+1, 8j+3, ... (the high ones); corr [cols / 32] gets -12 x each block's
- * sum. The scalar form, and the AVX-512 VBMI one, bit for bit the same. */
+ * sum. The scalar form, the AVX-512 VBMI one and the AVX2 one (below), bit
+ * for bit the same. */
 void k3_mx4_r4_prep(const int8_t *xq, int64_t cols, int8_t *xp, int32_t *corr);
 void k3_mx4_r4_prep_ref(const int8_t *xq, int64_t cols, int8_t *xp, int32_t *corr);
 void k3_mx4_r4_prep_avx512_vbmi(const int8_t *xq, int64_t cols, int8_t *xp, int32_t *corr);
+/* The same on AVX2 (check k3_kernels_isa), what the AVX2 path takes. */
+void k3_mx4_r4_prep_avx2(const int8_t *xq, int64_t cols, int8_t *xp, int32_t *corr);
 /* One activation row fake-quantized to MXFP8 (E4M3 per 32, E8M0 scale), in place. */
 void k3_quant_act_mxfp8(float *x, int64_t n);
 

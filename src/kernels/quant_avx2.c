@@ -182,64 +182,182 @@ INLINE VNNI void q8_tile_vnni(const int8_t *w, int64_t ldw, const int8_t *x, int
         }
 }
 
-/* One row against one token, four chains (decode). */
-static inline int32_t q8_dot1(const int8_t *w, const int8_t *x, int64_t cols) {
+/* One token, two adjacent rows per pass (one stream, 4 KB a pass), two
+ * chains each: with the x loads shared this read 7% more of the bandwidth
+ * than one row at a time (kbench, two threads, from DRAM). Plain AVX2 takes
+ * |x| made once per call (ax), one vpsignb fewer per 32 bytes. */
+static inline void q8_dot2(const int8_t *w, int64_t ldw, int64_t cols, const int8_t *x, const int8_t *ax,
+                           int32_t out[2]) {
     const __m256i ones = _mm256_set1_epi16(1);
     __m256i a[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+    const int8_t *w1 = w + ldw;
     int64_t c = 0;
-    for (; c + 128 <= cols; c += 128) {
+    for (; c + 64 <= cols; c += 64) {
         PF(w + c);
-        PF(w + c + 64);
-#pragma GCC unroll 4
-        for (int k = 0; k < 4; k++) {
+        PF(w1 + c);
+#pragma GCC unroll 2
+        for (int k = 0; k < 2; k++) {
             const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + c + 32 * k));
-            const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + c + 32 * k));
-            a[k] = _mm256_add_epi32(
-                a[k], _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(xv, xv), _mm256_sign_epi8(wv, xv)), ones));
+            const __m256i av = _mm256_loadu_si256((const __m256i *)(ax + c + 32 * k));
+            const __m256i w0v = _mm256_loadu_si256((const __m256i *)(w + c + 32 * k));
+            const __m256i w1v = _mm256_loadu_si256((const __m256i *)(w1 + c + 32 * k));
+            a[k] = _mm256_add_epi32(a[k], _mm256_madd_epi16(_mm256_maddubs_epi16(av, _mm256_sign_epi8(w0v, xv)), ones));
+            a[2 + k] = _mm256_add_epi32(a[2 + k], _mm256_madd_epi16(_mm256_maddubs_epi16(av, _mm256_sign_epi8(w1v, xv)), ones));
         }
     }
     for (; c + 32 <= cols; c += 32) {
         const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + c));
-        const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + c));
-        a[0] = _mm256_add_epi32(
-            a[0], _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(xv, xv), _mm256_sign_epi8(wv, xv)), ones));
+        const __m256i av = _mm256_loadu_si256((const __m256i *)(ax + c));
+        const __m256i w0v = _mm256_loadu_si256((const __m256i *)(w + c));
+        const __m256i w1v = _mm256_loadu_si256((const __m256i *)(w1 + c));
+        a[0] = _mm256_add_epi32(a[0], _mm256_madd_epi16(_mm256_maddubs_epi16(av, _mm256_sign_epi8(w0v, xv)), ones));
+        a[2] = _mm256_add_epi32(a[2], _mm256_madd_epi16(_mm256_maddubs_epi16(av, _mm256_sign_epi8(w1v, xv)), ones));
     }
-    int32_t s = hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(a[0], a[1]), _mm256_add_epi32(a[2], a[3])));
+    int32_t s0 = hsum_epi32(_mm256_add_epi32(a[0], a[1])), s1 = hsum_epi32(_mm256_add_epi32(a[2], a[3]));
+    for (; c < cols; c++) {
+        s0 += (int32_t)w[c] * x[c];
+        s1 += (int32_t)w1[c] * x[c];
+    }
+    out[0] = s0;
+    out[1] = s1;
+}
+
+/* The same, one row (an odd last row). */
+static inline int32_t q8_dot1(const int8_t *w, int64_t cols, const int8_t *x, const int8_t *ax) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
+    int64_t c = 0;
+    for (; c + 64 <= cols; c += 64) {
+        PF(w + c);
+        const __m256i w0 = _mm256_loadu_si256((const __m256i *)(w + c));
+        const __m256i w1 = _mm256_loadu_si256((const __m256i *)(w + c + 32));
+        const __m256i x0 = _mm256_loadu_si256((const __m256i *)(x + c));
+        const __m256i x1 = _mm256_loadu_si256((const __m256i *)(x + c + 32));
+        a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(ax + c)),
+                                                                         _mm256_sign_epi8(w0, x0)), ones));
+        a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(ax + c + 32)),
+                                                                         _mm256_sign_epi8(w1, x1)), ones));
+    }
+    for (; c + 32 <= cols; c += 32) {
+        const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + c));
+        a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(ax + c)),
+                                                                         _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(w + c)), xv)), ones));
+    }
+    int32_t s = hsum_epi32(_mm256_add_epi32(a0, a1));
     for (; c < cols; c++) s += (int32_t)w[c] * x[c];
     return s;
 }
 
-static inline VNNI int32_t q8_dot1_vnni(const int8_t *w, const int8_t *x, int64_t cols) {
+static inline VNNI void q8_dot2_vnni(const int8_t *w, int64_t ldw, int64_t cols, const int8_t *x, int32_t out[2]) {
     const uint8_t *xu = (const uint8_t *)x;
     __m256i a[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+    const int8_t *w1 = w + ldw;
     int64_t c = 0;
-    for (; c + 128 <= cols; c += 128) {
+    for (; c + 64 <= cols; c += 64) {
         PF(w + c);
-        PF(w + c + 64);
-#pragma GCC unroll 4
-        for (int k = 0; k < 4; k++)
-            a[k] = _mm256_dpbusd_avx_epi32(a[k], _mm256_loadu_si256((const __m256i *)(xu + c + 32 * k)),
-                                           _mm256_loadu_si256((const __m256i *)(w + c + 32 * k)));
+        PF(w1 + c);
+#pragma GCC unroll 2
+        for (int k = 0; k < 2; k++) {
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xu + c + 32 * k));
+            a[k] = _mm256_dpbusd_avx_epi32(a[k], xv, _mm256_loadu_si256((const __m256i *)(w + c + 32 * k)));
+            a[2 + k] = _mm256_dpbusd_avx_epi32(a[2 + k], xv, _mm256_loadu_si256((const __m256i *)(w1 + c + 32 * k)));
+        }
+    }
+    for (; c + 32 <= cols; c += 32) {
+        const __m256i xv = _mm256_loadu_si256((const __m256i *)(xu + c));
+        a[0] = _mm256_dpbusd_avx_epi32(a[0], xv, _mm256_loadu_si256((const __m256i *)(w + c)));
+        a[2] = _mm256_dpbusd_avx_epi32(a[2], xv, _mm256_loadu_si256((const __m256i *)(w1 + c)));
+    }
+    int32_t s0 = hsum_epi32(_mm256_add_epi32(a[0], a[1])), s1 = hsum_epi32(_mm256_add_epi32(a[2], a[3]));
+    for (; c < cols; c++) {
+        s0 += (int32_t)w[c] * xu[c];
+        s1 += (int32_t)w1[c] * xu[c];
+    }
+    out[0] = s0;
+    out[1] = s1;
+}
+
+static inline VNNI int32_t q8_dot1_vnni(const int8_t *w, int64_t cols, const int8_t *x) {
+    const uint8_t *xu = (const uint8_t *)x;
+    __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
+    int64_t c = 0;
+    for (; c + 64 <= cols; c += 64) {
+        PF(w + c);
+        a0 = _mm256_dpbusd_avx_epi32(a0, _mm256_loadu_si256((const __m256i *)(xu + c)),
+                                     _mm256_loadu_si256((const __m256i *)(w + c)));
+        a1 = _mm256_dpbusd_avx_epi32(a1, _mm256_loadu_si256((const __m256i *)(xu + c + 32)),
+                                     _mm256_loadu_si256((const __m256i *)(w + c + 32)));
     }
     for (; c + 32 <= cols; c += 32)
-        a[0] = _mm256_dpbusd_avx_epi32(a[0], _mm256_loadu_si256((const __m256i *)(xu + c)),
-                                       _mm256_loadu_si256((const __m256i *)(w + c)));
-    int32_t s = hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(a[0], a[1]), _mm256_add_epi32(a[2], a[3])));
+        a0 = _mm256_dpbusd_avx_epi32(a0, _mm256_loadu_si256((const __m256i *)(xu + c)),
+                                     _mm256_loadu_si256((const __m256i *)(w + c)));
+    int32_t s = hsum_epi32(_mm256_add_epi32(a0, a1));
     for (; c < cols; c++) s += (int32_t)w[c] * xu[c];
     return s;
 }
 
+/* |x| of len (<= AX_MAX) int8 */
+enum { AX_MAX = 8192 };
+static inline void abs_i8(const int8_t *x, int64_t len, int8_t *ax) {
+    int64_t c = 0;
+    for (; c + 32 <= len; c += 32) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(x + c));
+        _mm256_storeu_si256((__m256i *)(ax + c), _mm256_sign_epi8(v, v));
+    }
+    for (; c < len; c++) ax[c] = (int8_t)(x[c] < 0 ? -x[c] : x[c]);
+}
+
+/* Rows [r0, r1) of a Q8 matrix against one token (decode), two rows a pass;
+ * rows longer than AX_MAX one at a time in column chunks (|x| made again per
+ * chunk; integer sums, exact in any order). */
+static void q8_one_avx2(const int8_t *w, const float *row_scale, int64_t cols, const int8_t *x, float xs,
+                        int64_t r0, int64_t r1, float *y) {
+    int8_t ax[AX_MAX];
+    if (cols > AX_MAX) {
+        for (int64_t r = r0; r < r1; r++) {
+            int32_t d = 0;
+            for (int64_t c0 = 0; c0 < cols; c0 += AX_MAX) {
+                const int64_t len = cols - c0 < AX_MAX ? cols - c0 : AX_MAX;
+                abs_i8(x + c0, len, ax);
+                d += q8_dot1(w + r * cols + c0, len, x + c0, ax);
+            }
+            y[r] = (float)d * xs * row_scale[r];
+        }
+        return;
+    }
+    abs_i8(x, cols, ax);
+    int64_t r = r0;
+    for (; r + 2 <= r1; r += 2) {
+        int32_t o[2];
+        q8_dot2(w + r * cols, cols, cols, x, ax, o);
+        y[r] = (float)o[0] * xs * row_scale[r];
+        y[r + 1] = (float)o[1] * xs * row_scale[r + 1];
+    }
+    if (r < r1) y[r] = (float)q8_dot1(w + r * cols, cols, x, ax) * xs * row_scale[r];
+}
+
+static VNNI void q8_one_vnni(const int8_t *w, const float *row_scale, const int32_t *row_sum, int64_t cols,
+                             const int8_t *x, float xs, int64_t r0, int64_t r1, float *y) {
+    int64_t r = r0;
+    for (; r + 2 <= r1; r += 2) {
+        int32_t o[2];
+        q8_dot2_vnni(w + r * cols, cols, cols, x, o);
+        y[r] = (float)(o[0] - 128 * row_sum[r]) * xs * row_scale[r];
+        y[r + 1] = (float)(o[1] - 128 * row_sum[r + 1]) * xs * row_scale[r + 1];
+    }
+    if (r < r1) y[r] = (float)(q8_dot1_vnni(w + r * cols, cols, x) - 128 * row_sum[r]) * xs * row_scale[r];
+}
+
 /* Rows [r0, r1) x tokens [0, n) of a Q8 matrix, y[t*ldy + r] =
  * (Σ w x - off·row_sum[r]) · xs[t] · row_scale[r] (off: 128 for VNNI's x + 128,
- * else 0). One token: row by row, the weights in address order. More: tiles
+ * else 0). One token: two rows a pass, the weights in address order. More: tiles
  * (VNNI 4 rows x 3 tokens, plain 3 x 3), over 48-row slices that stay in L2
  * while the token groups pass. */
-#define Q8_ROWS(NAME, TILE, DOT1, OFF, ATTR, TR, TT)                                                              \
+#define Q8_ROWS(NAME, TILE, ONE_TOKEN, OFF, ATTR, TR, TT)                                                              \
     ATTR void NAME(const int8_t *w, const float *row_scale, const int32_t *row_sum, int64_t cols, const int8_t *x,  \
                    const float *xs, int64_t n, int64_t r0, int64_t r1, float *y, int64_t ldy) {                     \
         if (n == 1) {                                                                                               \
-            for (int64_t r = r0; r < r1; r++)                                                                       \
-                y[r] = (float)(DOT1(w + r * cols, x, cols) - OFF * row_sum[r]) * xs[0] * row_scale[r];              \
+            ONE_TOKEN;                                                                                              \
             return;                                                                                                 \
         }                                                                                                           \
         int32_t o[4][4];                                                                                            \
@@ -270,19 +388,21 @@ static inline VNNI int32_t q8_dot1_vnni(const int8_t *w, const int8_t *x, int64_
         }                                                                                                           \
     }
 
-Q8_ROWS(k3_q8_rows_avx2, q8_tile, q8_dot1, 0, , 3, 3)
-Q8_ROWS(k3_q8_rows_avxvnni, q8_tile_vnni, q8_dot1_vnni, 128, VNNI, 4, 3)
+#define ONE_AVX2 q8_one_avx2(w, row_scale, cols, x, xs[0], r0, r1, y)
+#define ONE_VNNI q8_one_vnni(w, row_scale, row_sum, cols, x, xs[0], r0, r1, y)
+Q8_ROWS(k3_q8_rows_avx2, q8_tile, ONE_AVX2, 0, , 3, 3)
+Q8_ROWS(k3_q8_rows_avxvnni, q8_tile_vnni, ONE_VNNI, 128, VNNI, 4, 3)
 
 /* ---- W4A8 on MXFP4_R4 tiles ------------------------------------------------------- */
 
-/* 8 E8M0 bytes -> 2^(e-128) (the scale halved, for the doubled codes);
- * e = 1, 0 give the subnormals 2^-127, 2^-128, like vscalefps. */
+/* 8 E8M0 bytes -> 2^(e-128) (the scale halved, for the doubled codes):
+ * e << 23 read as a float is 2^(e-127) for e >= 1, raised to 2^-127
+ * (0x00400000) for e = 0, then halved, exactly (e = 1, 0 give the
+ * subnormals 2^-127, 2^-128, like vscalefps). */
 INLINE __m256 half_scales8(const uint8_t *e8) {
     const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)e8));
-    const __m256i one = _mm256_set1_epi32(1);
-    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, one), 23);
-    const __m256i sub = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
-    return _mm256_castsi256_ps(_mm256_blendv_epi8(sub, normal, _mm256_cmpgt_epi32(e, one)));
+    const __m256i b = _mm256_max_epi32(_mm256_slli_epi32(e, 23), _mm256_set1_epi32(0x00400000));
+    return _mm256_mul_ps(_mm256_castsi256_ps(b), _mm256_set1_ps(0.5f));
 }
 
 /* One row pair (rows 2p, 2p+1 of a tile) against NT prepared tokens:
@@ -343,6 +463,76 @@ INLINE __m256 half_scales8(const uint8_t *e8) {
 MX4_PAIR(mx4_pair_avx2, , DOTS_AVX2)
 MX4_PAIR(mx4_pair_vnni, VNNI, DOTS_VNNI)
 
+/* One token, a whole tile (both row pairs) per pass: each 64-byte stretch
+ * read once, the token's 8 x 16 bytes loaded once per group for both pairs,
+ * two independent chains. The same integer dots and the same FMA per lane as
+ * MX4_PAIR, so the same bits. */
+#define MX4_TILE1(NAME, ATTR, DOTS2)                                                                             \
+    INLINE ATTR void NAME(const uint8_t *packed, const uint8_t *scale, int64_t cols, const int8_t *x,            \
+                          const int32_t *corr, __m256 *acc0, __m256 *acc1) {                                     \
+        const __m256i lut = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0, 12, 13,  \
+                                             14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);                 \
+        const __m256i m4 = _mm256_set1_epi8(0x0f);                                                               \
+        const __m256i ones = _mm256_set1_epi16(1);                                                               \
+        (void)ones;                                                                                              \
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();                                               \
+        for (int64_t g = 0; g < cols; g += 128, packed += 256, scale += 16, x += 128) {                          \
+            _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) PF(packed + 64 * j);                            \
+            const __m256i c4 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(corr + g / 32)));   \
+            __m256i d0, d1;                                                                                      \
+            DOTS2;                                                                                               \
+            a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), half_scales8(scale), a0);                               \
+            a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), half_scales8(scale + 8), a1);                           \
+        }                                                                                                        \
+        *acc0 = a0;                                                                                              \
+        *acc1 = a1;                                                                                              \
+    }
+
+#define DEC(P, LO, HI)                                                                                           \
+    do {                                                                                                         \
+        const __m256i pk_ = _mm256_loadu_si256((const __m256i *)(P));                                            \
+        LO = _mm256_shuffle_epi8(lut, _mm256_and_si256(pk_, m4));                                                \
+        HI = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(pk_, 4), m4));                          \
+    } while (0)
+#define XB1(k) _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(x + 16 * (k))))
+#define DOTS2_AVX2                                                                                               \
+    do {                                                                                                         \
+        __m256i sl0 = _mm256_setzero_si256(), sh0 = sl0, sl1 = sl0, sh1 = sl0;                                   \
+        _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) {                                                    \
+            __m256i l0, h0, l1, h1;                                                                              \
+            DEC(packed + 64 * j, l0, h0);                                                                        \
+            DEC(packed + 64 * j + 32, l1, h1);                                                                   \
+            const __m256i xl = XB1(2 * j), xh = XB1(2 * j + 1);                                                  \
+            sl0 = _mm256_add_epi16(sl0, _mm256_maddubs_epi16(l0, xl));                                           \
+            sh0 = _mm256_add_epi16(sh0, _mm256_maddubs_epi16(h0, xh));                                           \
+            sl1 = _mm256_add_epi16(sl1, _mm256_maddubs_epi16(l1, xl));                                           \
+            sh1 = _mm256_add_epi16(sh1, _mm256_maddubs_epi16(h1, xh));                                           \
+        }                                                                                                        \
+        d0 = _mm256_add_epi32(c4, _mm256_add_epi32(_mm256_madd_epi16(sl0, ones), _mm256_madd_epi16(sh0, ones))); \
+        d1 = _mm256_add_epi32(c4, _mm256_add_epi32(_mm256_madd_epi16(sl1, ones), _mm256_madd_epi16(sh1, ones))); \
+    } while (0)
+#define DOTS2_VNNI                                                                                               \
+    do {                                                                                                         \
+        __m256i e0 = _mm256_setzero_si256(), e1 = e0;                                                            \
+        d0 = c4;                                                                                                 \
+        d1 = c4;                                                                                                 \
+        _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) {                                                    \
+            __m256i l0, h0, l1, h1;                                                                              \
+            DEC(packed + 64 * j, l0, h0);                                                                        \
+            DEC(packed + 64 * j + 32, l1, h1);                                                                   \
+            const __m256i xl = XB1(2 * j), xh = XB1(2 * j + 1);                                                  \
+            d0 = _mm256_dpbusd_avx_epi32(d0, l0, xl);                                                            \
+            e0 = _mm256_dpbusd_avx_epi32(e0, h0, xh);                                                            \
+            d1 = _mm256_dpbusd_avx_epi32(d1, l1, xl);                                                            \
+            e1 = _mm256_dpbusd_avx_epi32(e1, h1, xh);                                                            \
+        }                                                                                                        \
+        d0 = _mm256_add_epi32(d0, e0);                                                                           \
+        d1 = _mm256_add_epi32(d1, e1);                                                                           \
+    } while (0)
+
+MX4_TILE1(mx4_tile1_avx2, , DOTS2_AVX2)
+MX4_TILE1(mx4_tile1_vnni, VNNI, DOTS2_VNNI)
+
 /* A row's four lanes (0 + 1) + (2 + 3), both rows of the pair: y[0], y[1]. */
 INLINE void pair_store(__m256 a, float xs, float *y) {
     __m256 v = _mm256_add_ps(a, _mm256_permute_ps(a, _MM_SHUFFLE(2, 3, 0, 1)));
@@ -354,10 +544,19 @@ INLINE void pair_store(__m256 a, float xs, float *y) {
 /* Rows [r0, r1) (whole tiles) x tokens [0, n) of a K3_W_MXFP4_R4 matrix
  * against activations prepared by k3_mx4_r4_prep: 16-row slices, groups of
  * up to 8 tokens, each tile's row pairs in turn. */
-#define MX4_R4_ROWS(NAME, PAIR, ATTR)                                                                           \
+#define MX4_R4_ROWS(NAME, PAIR, TILE1, ATTR)                                                                           \
     ATTR void NAME(const uint8_t *packed, const uint8_t *scale, int64_t cols, const int8_t *xp,                 \
                    const int32_t *corr, int64_t ldc, const float *xs, int64_t n, int64_t r0, int64_t r1,        \
                    float *y, int64_t ldy) {                                                                     \
+        if (n == 1) { /* decode: whole tiles in address order */                                                \
+            for (int64_t r = r0; r < r1; r += 4) {                                                              \
+                __m256 a0, a1;                                                                                  \
+                TILE1(packed + r / 4 * 2 * cols, scale + r / 4 * (cols / 8), cols, xp, corr, &a0, &a1);         \
+                pair_store(a0, xs[0], y + r);                                                                   \
+                pair_store(a1, xs[0], y + r + 2);                                                               \
+            }                                                                                                   \
+            return;                                                                                             \
+        }                                                                                                       \
         for (int64_t rb = r0; rb < r1; rb += 16) {                                                              \
             const int64_t re = rb + 16 < r1 ? rb + 16 : r1;                                                     \
             for (int64_t t0 = 0; t0 < n; t0 += 8) {                                                             \
@@ -386,8 +585,39 @@ INLINE void pair_store(__m256 a, float xs, float *y) {
         }                                                                                                       \
     }
 
-MX4_R4_ROWS(k3_mx4_r4_rows_avx2, mx4_pair_avx2, )
-MX4_R4_ROWS(k3_mx4_r4_rows_avxvnni, mx4_pair_vnni, VNNI)
+MX4_R4_ROWS(k3_mx4_r4_rows_avx2, mx4_pair_avx2, mx4_tile1_avx2, )
+MX4_R4_ROWS(k3_mx4_r4_rows_avxvnni, mx4_pair_vnni, mx4_tile1_vnni, VNNI)
+
+/* = k3_mx4_r4_prep_ref (cols % 128 == 0), bit for bit: per group, each
+ * block's 32 bytes split by vpshufb (per 128-bit lane: stretch 2h's even
+ * columns, its odd ones, then stretch 2h + 1's) into dwords, which two
+ * rounds of unpacks gather across the four blocks; corr from the exact
+ * int32 block sums (maddubs by 1, madd by 1, two hadds). */
+void k3_mx4_r4_prep_avx2(const int8_t *xq, int64_t cols, int8_t *xp, int32_t *corr) {
+    const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15, 0, 2, 4, 6, 1, 3, 5,
+                                           7, 8, 10, 12, 14, 9, 11, 13, 15);
+    const __m256i one8 = _mm256_set1_epi8(1), one16 = _mm256_set1_epi16(1);
+    for (int64_t g = 0; g < cols; g += 128) {
+        __m256i a[4], v[4];
+        for (int b = 0; b < 4; b++) {
+            const __m256i xb = _mm256_loadu_si256((const __m256i *)(xq + g + 32 * b));
+            a[b] = _mm256_shuffle_epi8(xb, split);
+            v[b] = _mm256_madd_epi16(_mm256_maddubs_epi16(one8, xb), one16);
+        }
+        /* lane h of a[b] holds (as dwords) stretch 2h even, 2h odd, 2h+1 even, 2h+1 odd of block b */
+        const __m256i l01 = _mm256_unpacklo_epi32(a[0], a[1]), l23 = _mm256_unpacklo_epi32(a[2], a[3]);
+        const __m256i h01 = _mm256_unpackhi_epi32(a[0], a[1]), h23 = _mm256_unpackhi_epi32(a[2], a[3]);
+        const __m256i e02 = _mm256_unpacklo_epi64(l01, l23), o02 = _mm256_unpackhi_epi64(l01, l23);
+        const __m256i e13 = _mm256_unpacklo_epi64(h01, h23), o13 = _mm256_unpackhi_epi64(h01, h23);
+        _mm256_storeu_si256((__m256i *)(xp + g), _mm256_permute2x128_si256(e02, o02, 0x20));
+        _mm256_storeu_si256((__m256i *)(xp + g + 32), _mm256_permute2x128_si256(e13, o13, 0x20));
+        _mm256_storeu_si256((__m256i *)(xp + g + 64), _mm256_permute2x128_si256(e02, o02, 0x31));
+        _mm256_storeu_si256((__m256i *)(xp + g + 96), _mm256_permute2x128_si256(e13, o13, 0x31));
+        const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+        const __m128i sum = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+        _mm_storeu_si128((__m128i *)(corr + g / 32), _mm_mullo_epi32(sum, _mm_set1_epi32(-12)));
+    }
+}
 
 /* ---- MXFP8 --------------------------------------------------------------------------- */
 
