@@ -341,18 +341,19 @@ K3_TEST(kernels_matmul_batch_invariant) {
     float *y1 = malloc(sizeof(float) * N * R), *yb = malloc(sizeof(float) * N * R);
     for (int i = 0; i < N * C; i++) x[i] = rndf();
     /* The stored formats; BF16 also with whole 32-column blocks (the paired
-     * order on AVX-512; 128 columns: four rows a pass at n = 1); 1088 =
-     * 17 x 64: a 32-column MXFP4 tail on AVX2. */
+     * order on AVX-512; 128 columns: four rows a pass at n = 1); MXFP4
+     * over two column blocks (1088), and with a lone last 32-column block
+     * (1120 = 17.5 x 64: AVX2's quad order, then its paired order). */
     static const struct { k3_wtype t; int64_t cols; } cases[] = {
-        {K3_W_F32, C},     {K3_W_F16, C},       {K3_W_BF16, C},
-        {K3_W_BF16, 1088}, {K3_W_BF16, 128},    {K3_W_MXFP4, 1088},
+        {K3_W_F32, C},     {K3_W_F16, C},    {K3_W_BF16, C},     {K3_W_BF16, 1088},
+        {K3_W_BF16, 128},  {K3_W_MXFP4, 1088}, {K3_W_MXFP4, 1120},
     };
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
         const k3_wtype t = cases[c].t;
         const int64_t cols = cases[c].cols;
         test_mat m = make_mat((k3_wtype)t, R, cols);
         float *xs = malloc(sizeof(float) * N * cols);
-        for (int64_t i = 0; i < N * cols; i++) xs[i] = x[i];
+        for (int64_t i = 0; i < N * cols; i++) xs[i] = x[i % (N * C)];
         FOR_EACH_ISA(isa) {
             /* Each row alone, single-threaded. */
             for (int i = 0; i < N; i++) k3_matmul(NULL, &m.w, xs + i * cols, 1, y1 + i * R);

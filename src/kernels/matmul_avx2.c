@@ -50,8 +50,8 @@
 #define INLINE static inline __attribute__((always_inline))
 
 enum {
-    KC = 512,                   /* columns per block of the canonical order */
-    RB = 24,                    /* tiled: weight rows per block (48 KB of fp32) */
+    KC = 1024,                  /* columns per block of the canonical order */
+    RB = 12,                    /* tiled: weight rows per block (48 KB of fp32) */
     ROWS_OUTER_BYTES = 1 << 20, /* tiled: x up to this size -> row blocks outermost */
     STREAM_MAX_N = 64,          /* dense types stream up to this many x rows */
     STREAM_ROWS = 24,           /* weight rows per group in multi-pass streaming */
