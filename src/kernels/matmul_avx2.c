@@ -135,10 +135,9 @@ INLINE void bf_dec32p(const uint8_t *p, __m256 out[4]) {
     out[3] = _mm256_castsi256_ps(_mm256_and_si256(v1, hi));
 }
 
-/* The quad order of a pair of MXFP4 blocks (64 columns; c = column within
- * its block): vector q, lane l holds column QUAD_COL[q] + 4 (l mod 4) of the
- * first block (l < 4) or of the second (l >= 4). */
-static const uint8_t QUAD_COL[8] = {0, 2, 16, 18, 1, 3, 17, 19};
+/* The quad order of a pair of MXFP4 blocks (64 columns): vector q, lane l
+ * holds column QUAD_COL[q] + 4 (l mod 4) of the first block (l < 4) or of
+ * the second (l >= 4), QUAD_COL = {0, 2, 16, 18, 1, 3, 17, 19}. */
 
 /* 64 MXFP4 weights (32 bytes, blocks with scales s = [s0 x4, s1 x4]) ->
  * out[8] in the quad order. Per 64 weights: 3 ops to split the nibbles, 4
@@ -577,15 +576,30 @@ static void matmul_rows(const k3_mat *w, const float *x, int64_t n, float *y, in
 }
 
 /* x [n, K] (K % 32 == 0) for MXFP4: each pair of blocks in the quad order
- * (QUAD_COL), a last lone block in the paired order. */
+ * (QUAD_COL above), a last lone block in the paired order. */
 static void x_quad(const float *x, int64_t K, int64_t n, float *xq) {
     for (int64_t i = 0; i < n; i++) {
         const float *xr = x + i * K;
         float *d = xq + i * K;
         int64_t k = 0;
-        for (; k + 64 <= K; k += 64)
-            for (int q = 0; q < 8; q++)
-                for (int l = 0; l < 8; l++) d[k + 8 * q + l] = xr[k + (l >= 4 ? 32 : 0) + QUAD_COL[q] + 4 * (l % 4)];
+        for (; k + 64 <= K; k += 64) {
+            /* per 16 columns a 4 x 4 transpose (rows: 4 adjacent columns),
+             * the first block in the low lanes, the second in the high */
+            UNROLL for (int h = 0; h < 2; h++) {
+                const float *a = xr + k + 16 * h, *b = a + 32;
+                const __m256 a0 = _mm256_loadu_ps(a), a1 = _mm256_loadu_ps(a + 8);
+                const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
+                const __m256 r0 = _mm256_permute2f128_ps(a0, b0, 0x20), r1 = _mm256_permute2f128_ps(a0, b0, 0x31);
+                const __m256 r2 = _mm256_permute2f128_ps(a1, b1, 0x20), r3 = _mm256_permute2f128_ps(a1, b1, 0x31);
+                const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
+                const __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
+                /* columns 16h + 4p + c for c = 0, 1, 2, 3: the quad vectors 2h + 0, 4, 1, 5 */
+                _mm256_storeu_ps(d + k + 8 * (2 * h), _mm256_shuffle_ps(t0, t2, 0x44));
+                _mm256_storeu_ps(d + k + 8 * (2 * h + 4), _mm256_shuffle_ps(t0, t2, 0xee));
+                _mm256_storeu_ps(d + k + 8 * (2 * h + 1), _mm256_shuffle_ps(t1, t3, 0x44));
+                _mm256_storeu_ps(d + k + 8 * (2 * h + 5), _mm256_shuffle_ps(t1, t3, 0xee));
+            }
+        }
         if (k < K) x_deinterleave(xr + k, 32, 1, d + k);
     }
 }
