@@ -182,10 +182,11 @@ INLINE VNNI void q8_tile_vnni(const int8_t *w, int64_t ldw, const int8_t *x, int
         }
 }
 
-/* One token, two adjacent rows per pass (one stream, 4 KB a pass), two
- * chains each: with the x loads shared this read 7% more of the bandwidth
- * than one row at a time (kbench, two threads, from DRAM). Plain AVX2 takes
- * |x| made once per call (ax), one vpsignb fewer per 32 bytes. */
+/* One token, two rows ldw apart per pass (adjacent: one stream; ldw 0 is an
+ * odd last row taken twice), two chains each: with the x loads shared this
+ * read 7% more of the bandwidth than one row at a time (kbench, two threads,
+ * from DRAM). Plain AVX2 takes |x| made once per call (ax), one vpsignb
+ * fewer per 32 bytes. */
 static inline void q8_dot2(const int8_t *w, int64_t ldw, int64_t cols, const int8_t *x, const int8_t *ax,
                            int32_t out[2]) {
     const __m256i ones = _mm256_set1_epi16(1);
@@ -222,32 +223,6 @@ static inline void q8_dot2(const int8_t *w, int64_t ldw, int64_t cols, const int
     out[1] = s1;
 }
 
-/* The same, one row (an odd last row). */
-static inline int32_t q8_dot1(const int8_t *w, int64_t cols, const int8_t *x, const int8_t *ax) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
-    int64_t c = 0;
-    for (; c + 64 <= cols; c += 64) {
-        PF(w + c);
-        const __m256i w0 = _mm256_loadu_si256((const __m256i *)(w + c));
-        const __m256i w1 = _mm256_loadu_si256((const __m256i *)(w + c + 32));
-        const __m256i x0 = _mm256_loadu_si256((const __m256i *)(x + c));
-        const __m256i x1 = _mm256_loadu_si256((const __m256i *)(x + c + 32));
-        a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(ax + c)),
-                                                                         _mm256_sign_epi8(w0, x0)), ones));
-        a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(ax + c + 32)),
-                                                                         _mm256_sign_epi8(w1, x1)), ones));
-    }
-    for (; c + 32 <= cols; c += 32) {
-        const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + c));
-        a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(ax + c)),
-                                                                         _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(w + c)), xv)), ones));
-    }
-    int32_t s = hsum_epi32(_mm256_add_epi32(a0, a1));
-    for (; c < cols; c++) s += (int32_t)w[c] * x[c];
-    return s;
-}
-
 static inline VNNI void q8_dot2_vnni(const int8_t *w, int64_t ldw, int64_t cols, const int8_t *x, int32_t out[2]) {
     const uint8_t *xu = (const uint8_t *)x;
     __m256i a[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
@@ -277,25 +252,6 @@ static inline VNNI void q8_dot2_vnni(const int8_t *w, int64_t ldw, int64_t cols,
     out[1] = s1;
 }
 
-static inline VNNI int32_t q8_dot1_vnni(const int8_t *w, int64_t cols, const int8_t *x) {
-    const uint8_t *xu = (const uint8_t *)x;
-    __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
-    int64_t c = 0;
-    for (; c + 64 <= cols; c += 64) {
-        PF(w + c);
-        a0 = _mm256_dpbusd_avx_epi32(a0, _mm256_loadu_si256((const __m256i *)(xu + c)),
-                                     _mm256_loadu_si256((const __m256i *)(w + c)));
-        a1 = _mm256_dpbusd_avx_epi32(a1, _mm256_loadu_si256((const __m256i *)(xu + c + 32)),
-                                     _mm256_loadu_si256((const __m256i *)(w + c + 32)));
-    }
-    for (; c + 32 <= cols; c += 32)
-        a0 = _mm256_dpbusd_avx_epi32(a0, _mm256_loadu_si256((const __m256i *)(xu + c)),
-                                     _mm256_loadu_si256((const __m256i *)(w + c)));
-    int32_t s = hsum_epi32(_mm256_add_epi32(a0, a1));
-    for (; c < cols; c++) s += (int32_t)w[c] * xu[c];
-    return s;
-}
-
 /* |x| of len (<= AX_MAX) int8 */
 enum { AX_MAX = 8192 };
 static inline void abs_i8(const int8_t *x, int64_t len, int8_t *ax) {
@@ -307,45 +263,38 @@ static inline void abs_i8(const int8_t *x, int64_t len, int8_t *ax) {
     for (; c < len; c++) ax[c] = (int8_t)(x[c] < 0 ? -x[c] : x[c]);
 }
 
-/* Rows [r0, r1) of a Q8 matrix against one token (decode), two rows a pass;
- * rows longer than AX_MAX one at a time in column chunks (|x| made again per
- * chunk; integer sums, exact in any order). */
+/* Rows [r0, r1) of a Q8 matrix against one token (decode), two rows a pass
+ * (an odd last row as a pair of itself: ldw 0); rows longer than AX_MAX in
+ * column chunks (|x| made again per chunk; integer sums, exact in any order). */
 static void q8_one_avx2(const int8_t *w, const float *row_scale, int64_t cols, const int8_t *x, float xs,
                         int64_t r0, int64_t r1, float *y) {
     int8_t ax[AX_MAX];
-    if (cols > AX_MAX) {
-        for (int64_t r = r0; r < r1; r++) {
-            int32_t d = 0;
-            for (int64_t c0 = 0; c0 < cols; c0 += AX_MAX) {
-                const int64_t len = cols - c0 < AX_MAX ? cols - c0 : AX_MAX;
-                abs_i8(x + c0, len, ax);
-                d += q8_dot1(w + r * cols + c0, len, x + c0, ax);
-            }
-            y[r] = (float)d * xs * row_scale[r];
+    if (cols <= AX_MAX) abs_i8(x, cols, ax);
+    for (int64_t r = r0; r < r1; r += 2) {
+        const int64_t ldw = r + 1 < r1 ? cols : 0;
+        int32_t d[2] = {0, 0};
+        for (int64_t c0 = 0; c0 < cols; c0 += AX_MAX) {
+            const int64_t len = cols - c0 < AX_MAX ? cols - c0 : AX_MAX;
+            if (cols > AX_MAX) abs_i8(x + c0, len, ax);
+            int32_t o[2];
+            q8_dot2(w + r * cols + c0, ldw, len, x + c0, ax, o);
+            d[0] += o[0];
+            d[1] += o[1];
         }
-        return;
+        y[r] = (float)d[0] * xs * row_scale[r];
+        if (ldw) y[r + 1] = (float)d[1] * xs * row_scale[r + 1];
     }
-    abs_i8(x, cols, ax);
-    int64_t r = r0;
-    for (; r + 2 <= r1; r += 2) {
-        int32_t o[2];
-        q8_dot2(w + r * cols, cols, cols, x, ax, o);
-        y[r] = (float)o[0] * xs * row_scale[r];
-        y[r + 1] = (float)o[1] * xs * row_scale[r + 1];
-    }
-    if (r < r1) y[r] = (float)q8_dot1(w + r * cols, cols, x, ax) * xs * row_scale[r];
 }
 
 static VNNI void q8_one_vnni(const int8_t *w, const float *row_scale, const int32_t *row_sum, int64_t cols,
                              const int8_t *x, float xs, int64_t r0, int64_t r1, float *y) {
-    int64_t r = r0;
-    for (; r + 2 <= r1; r += 2) {
+    for (int64_t r = r0; r < r1; r += 2) {
+        const int64_t ldw = r + 1 < r1 ? cols : 0;
         int32_t o[2];
-        q8_dot2_vnni(w + r * cols, cols, cols, x, o);
+        q8_dot2_vnni(w + r * cols, ldw, cols, x, o);
         y[r] = (float)(o[0] - 128 * row_sum[r]) * xs * row_scale[r];
-        y[r + 1] = (float)(o[1] - 128 * row_sum[r + 1]) * xs * row_scale[r + 1];
+        if (ldw) y[r + 1] = (float)(o[1] - 128 * row_sum[r + 1]) * xs * row_scale[r + 1];
     }
-    if (r < r1) y[r] = (float)(q8_dot1_vnni(w + r * cols, cols, x) - 128 * row_sum[r]) * xs * row_scale[r];
 }
 
 /* Rows [r0, r1) x tokens [0, n) of a Q8 matrix, y[t*ldy + r] =
