@@ -114,6 +114,23 @@ K3_TEST(kv_residency_history_and_sampling) {
     k3_kv_blocks_free(&bm);
 }
 
+/* One greedy 40-token request (ids from round) run to the end; false on an
+ * engine error (reported). */
+static bool run_round(k3_engine *e, int round, k3_error *err) {
+    int32_t ids[40];
+    for (int i = 0; i < 40; i++) ids[i] = 3 + (round * 41 + i * 7) % 200;
+    k3_request_params p = {.prompt = ids, .n_prompt = 40, .max_tokens = 4, .ignore_eos = true,
+                           .logprobs = -1, .prompt_logprobs = -1};
+    p.sampling = (k3_sampler_options){.temperature = 0, .top_p = 1, .repeat_penalty = 1};
+    uint64_t id;
+    if (k3_engine_submit(e, &p, &id, err) != K3_OK) return false;
+    while (k3_engine_has_work(e)) {
+        k3_step_result res;
+        if (k3_engine_step(e, &res, err) != K3_OK) return false;
+    }
+    return true;
+}
+
 K3_TEST(kv_residency_engine_counts_evictions) {
     k3_model *m = NULL;
     k3_error err = {0};
@@ -131,17 +148,7 @@ K3_TEST(kv_residency_engine_counts_evictions) {
     CHECK(r.enabled && r.sample_rate == 1.0 && r.lifetime.n == 0);
     uint64_t last = 0;
     for (int round = 0; round < 6; round++) {
-        int32_t ids[40];
-        for (int i = 0; i < 40; i++) ids[i] = 3 + (round * 41 + i * 7) % 200;
-        k3_request_params p = {.prompt = ids, .n_prompt = 40, .max_tokens = 4, .ignore_eos = true,
-                               .logprobs = -1, .prompt_logprobs = -1};
-        p.sampling = (k3_sampler_options){.temperature = 0, .top_p = 1, .repeat_penalty = 1};
-        uint64_t id;
-        REQUIRE(k3_engine_submit(e, &p, &id, &err) == K3_OK);
-        while (k3_engine_has_work(e)) {
-            k3_step_result res;
-            REQUIRE(k3_engine_step(e, &res, &err) == K3_OK);
-        }
+        REQUIREF(run_round(e, round, &err), "round %d: %s", round, err.msg);
         k3_engine_kv_residency(e, &r);
         if (round >= 3) CHECKF(r.lifetime.n > last, "round %d: lifetime count %llu, was %llu", round,
                                (unsigned long long)r.lifetime.n, (unsigned long long)last);
@@ -155,17 +162,7 @@ K3_TEST(kv_residency_engine_counts_evictions) {
     REQUIRE(k3_engine_open(&e, m, &o, &err) == K3_OK);
     REQUIRE(k3_engine_set_kv_metrics(e, 1.0, &err) == K3_OK);
     for (int round = 0; round < 4; round++) {
-        int32_t ids[40];
-        for (int i = 0; i < 40; i++) ids[i] = 3 + (round * 41 + i * 7) % 200;
-        k3_request_params p = {.prompt = ids, .n_prompt = 40, .max_tokens = 4, .ignore_eos = true,
-                               .logprobs = -1, .prompt_logprobs = -1};
-        p.sampling = (k3_sampler_options){.temperature = 0, .top_p = 1, .repeat_penalty = 1};
-        uint64_t id;
-        REQUIRE(k3_engine_submit(e, &p, &id, &err) == K3_OK);
-        while (k3_engine_has_work(e)) {
-            k3_step_result res;
-            REQUIRE(k3_engine_step(e, &res, &err) == K3_OK);
-        }
+        REQUIREF(run_round(e, round, &err), "round %d: %s", round, err.msg);
     }
     k3_engine_kv_residency(e, &r);
     CHECK(r.enabled && r.lifetime.n == 0 && r.idle.n == 0);
