@@ -20,12 +20,6 @@
 
 #include "k3.h"
 
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
 static int cmp(const void *a, const void *b) {
     const double x = *(const double *)a, y = *(const double *)b;
     return x < y ? -1 : x > y;
@@ -116,16 +110,16 @@ int main(int argc, char **argv) {
         bool stop = false;
         for (int arm = 0; arm < 2; arm++) {
             const bool engine_arm = (arm == 0) == (n % 2 == 1);
-            const double t0 = now_s();
+            const double t0 = k3_now();
             if (!engine_arm) {
                 k3_sampler_accept(smp, tok);
                 b = (k3_batch_seq){0, 1, &tok, NULL};
                 if (k3_ctx_forward(ctx, &b, 1, K3_LOGITS_LAST, logits, &err)) DIE("decode");
                 tok = k3_sampler_sample(smp, logits);
-                tc[n] = now_s() - t0;
+                tc[n] = k3_now() - t0;
             } else {
                 if (k3_engine_step(e, &res, &err)) DIE("engine step");
-                te[n] = now_s() - t0;
+                te[n] = k3_now() - t0;
                 stop = res.n_outputs == 0 || res.outputs[0].n_new != 1;
             }
         }

@@ -33,12 +33,6 @@ enum { MAX_BYTES = 16384 };
 
 static volatile uint64_t sink; /* keeps the reads */
 
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
 static int cmpd(const void *a, const void *b) {
     const double x = *(const double *)a, y = *(const double *)b;
     return (x > y) - (x < y);
@@ -79,13 +73,13 @@ static int measure(size_t bytes, int iters, double *rt_us, double *rd_us) {
     }
     uint64_t sum = 0;
     for (int64_t i = 0; i < iters; i++) {
-        const double t0 = now_s();
+        const double t0 = k3_now();
         atomic_store_explicit(&x->flag, 2 * i + 1, memory_order_release);
         while (atomic_load_explicit(&x->flag, memory_order_acquire) != 2 * i + 2) {
         }
-        const double t1 = now_s();
+        const double t1 = k3_now();
         for (size_t k = 0; k < bytes / 8; k++) sum += x->buf[k];
-        const double t2 = now_s();
+        const double t2 = k3_now();
         rt[i] = (t1 - t0) * 1e6;
         rd[i] = (t2 - t1) * 1e6;
     }

@@ -13,12 +13,6 @@
 
 #include "cli.h"
 
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
 static int cmp_d(const void *a, const void *b) {
     const double x = *(const double *)a, y = *(const double *)b;
     return (x > y) - (x < y);
@@ -70,12 +64,12 @@ int k3_cli_bench_vision(const k3_model *m, k3_pool *pool, const char *quant, int
             fprintf(stderr, "  image encode %dx%d (%d tokens)...\n", sizes[i][0], sizes[i][1], plan.n_tokens);
             for (int k = 0; k < runs && !s; k++) {
                 float *px = NULL, *rows = NULL;
-                const double t0 = now_s();
+                const double t0 = k3_now();
                 s = k3_vision_preprocess(v, im, &px, &plan, &err);
-                const double t1 = now_s();
+                const double t1 = k3_now();
                 if (!s) s = k3_vision_encode_pixels(v, pool, px, &plan, &rows, &err);
                 tp[k] = (t1 - t0) * 1e3;
-                tt[k] = (now_s() - t1) * 1e3;
+                tt[k] = (k3_now() - t1) * 1e3;
                 free(px), free(rows);
             }
         }

@@ -25,12 +25,6 @@
 #include "cli.h"
 #include "k3.h"
 
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
 static int cmp_d(const void *a, const void *b) {
     const double x = *(const double *)a, y = *(const double *)b;
     return (x > y) - (x < y);
@@ -155,14 +149,14 @@ static int run_decode(bench *b, int batch, int64_t pos, bool synth, bool dense, 
         /* the machine's bandwidth drifts (other tenants): measure it before
          * and after each run, so each run's fraction compares like with like */
         if (b->bw_runs && r >= 0) b->bw_runs[r] = k3_membw_read_gbps(b->pool, b->bw_bytes, 3);
-        const double t0 = now_s();
+        const double t0 = k3_now();
         for (int step = 0; step < steps && !rc; step++) {
             for (int s = 0; s < batch; s++) bs[s] = (k3_batch_seq){s, 1, &next[s]};
             if (k3_ctx_forward(ctx, bs, batch, K3_LOGITS_LAST, logits, err)) rc = 1;
             for (int s = 0; s < batch; s++) next[s] = (int32_t)((next[s] + 17 * step + 1) % V);
         }
         if (r < 0) continue;
-        rates[r] = (double)batch * b->decode_tokens / (now_s() - t0);
+        rates[r] = (double)batch * b->decode_tokens / (k3_now() - t0);
         if (b->dec_runs) b->dec_runs[r] = rates[r];
         if (b->bw_after) b->bw_after[r] = k3_membw_read_gbps(b->pool, b->bw_bytes, 3);
         if (prof && r == b->runs - 1) k3_ctx_profile_take(ctx, prof);
@@ -200,9 +194,9 @@ static int run_prefill(bench *b, int64_t len, stat3 *out, k3_profile *prof, k3_e
             k3_ctx_profile_enable(ctx, true);
         }
         k3_batch_seq p = {0, (int32_t)len, ids};
-        const double t0 = now_s();
+        const double t0 = k3_now();
         if (k3_ctx_forward(ctx, &p, 1, K3_LOGITS_LAST, logits, err)) rc = 1;
-        rates[r] = (double)len / (now_s() - t0);
+        rates[r] = (double)len / (k3_now() - t0);
         if (prof && r == b->runs - 1) k3_ctx_profile_take(ctx, prof);
     }
     if (!rc) *out = stats(rates, b->runs);
@@ -257,9 +251,9 @@ static double eta_left(const eta *e, const bench *b, const long *prompts, int fr
 
 static void eta_say(const eta *e, const char *what, double left, bool known) {
     if (known)
-        fprintf(stderr, "  %s (%.0f s so far, about %.0f s left)\n", what, now_s() - e->t0, left);
+        fprintf(stderr, "  %s (%.0f s so far, about %.0f s left)\n", what, k3_now() - e->t0, left);
     else
-        fprintf(stderr, "  %s (%.0f s so far)\n", what, now_s() - e->t0);
+        fprintf(stderr, "  %s (%.0f s so far)\n", what, k3_now() - e->t0);
 }
 
 /* A decode run whose bandwidth readings before and after it (both taken)
@@ -346,9 +340,9 @@ int k3_cmd_bench(int argc, char **argv) {
 
     fprintf(stderr, "k3 bench: %s, %d threads, %d runs, quant %s, kv %s, isa %s\n", dir, threads, runs, quant,
             kv == K3_KV_C8 ? "c8" : "f32", k3_isa_current());
-    eta et = {.t0 = now_s()};
+    eta et = {.t0 = k3_now()};
     const double membw = k3_membw_read_gbps(b.pool, (size_t)membw_mb << 20, runs);
-    et.t_bw = (now_s() - et.t0) * 3.0 / runs;
+    et.t_bw = (k3_now() - et.t0) * 3.0 / runs;
     if (membw <= 0) {
         fprintf(stderr, "k3 bench: cannot allocate %ld MB to measure bandwidth\n", membw_mb);
         goto out;
@@ -361,9 +355,9 @@ int k3_cmd_bench(int argc, char **argv) {
         char what[64];
         snprintf(what, sizeof what, "prefill %ld tokens...", prompts[i]);
         eta_say(&et, what, eta_left(&et, &b, prompts, i, n_prompts, 2, longctx, contexts, n_contexts), i > 0);
-        const double tp = now_s();
+        const double tp = k3_now();
         if (run_prefill(&b, prompts[i], &pre[i], profile && prompts[i] == 512 ? &prof_pre : NULL, &err)) goto fail;
-        if (i == 0) et.t_tok = (now_s() - tp) / ((double)runs * prompts[i] * (1.0 + prompts[i] / 4096.0));
+        if (i == 0) et.t_tok = (k3_now() - tp) / ((double)runs * prompts[i] * (1.0 + prompts[i] / 4096.0));
     }
     eta_say(&et, "decode, batch 1...", eta_left(&et, &b, prompts, n_prompts, n_prompts, 2, longctx, contexts, n_contexts),
             true);
@@ -490,7 +484,7 @@ int k3_cmd_bench(int argc, char **argv) {
             print_profile("decode b=1", &prof_dec, false);
         }
     }
-    fprintf(stderr, "k3 bench: done in %.0f s\n", now_s() - et.t0);
+    fprintf(stderr, "k3 bench: done in %.0f s\n", k3_now() - et.t0);
     rc = 0;
     goto out;
 fail:

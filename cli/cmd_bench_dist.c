@@ -23,12 +23,6 @@
 #include "cli.h"
 #include "k3.h"
 
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
 static int cmp_d(const void *a, const void *b) {
     const double x = *(const double *)a, y = *(const double *)b;
     return (x > y) - (x < y);
@@ -167,13 +161,13 @@ int k3_cmd_bench_dist(int argc, char **argv) {
             k3_comm_stats st, sa;
             if (cd.d && k3_dist_stats_take_all(cd.d, &st, &sa, &err)) goto fail_ms;
             int32_t id = 7;
-            const double t0 = now_s();
+            const double t0 = k3_now();
             for (int step = 0; step < dtok; step++) {
                 k3_batch_seq b = {0, 1, &id};
                 if (k3_ctx_forward(ctx, &b, 1, K3_LOGITS_LAST, logits, &err)) goto fail_ms;
                 id = (id * 31 + 17) % (int32_t)info.vocab_size;
             }
-            const double dt = now_s() - t0;
+            const double dt = k3_now() - t0;
             if (cd.d && k3_dist_stats_take_all(cd.d, &st, &sa, &err)) goto fail_ms;
             if (r < 0) continue;
             ms[r] = dt / dtok * 1e3;

@@ -28,12 +28,6 @@
 #include "cli.h"
 #include "k3.h"
 
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
 typedef struct {
     char *p;
     size_t len, cap;
@@ -115,7 +109,7 @@ static void on_event(req *r, const char *data, size_t len) {
         }
         if (d && json_array_size(json_object_get(d, "tool_calls"))) has = true;
         if (has) {
-            const double t = now_s();
+            const double t = k3_now();
             if (r->t_first == 0) r->t_first = t;
             else itl_add(r, t - r->t_last);
             r->t_last = t;
@@ -492,9 +486,9 @@ int k3_cmd_bench_serve(int argc, char **argv) {
 
     CURLM *multi = curl_multi_init();
     long next = 0, in_flight = 0, finished = 0;
-    const double t0 = now_s();
+    const double t0 = k3_now();
     while (finished < n_prompts) {
-        const double t = now_s() - t0;
+        const double t = k3_now() - t0;
         while (next < n_prompts && in_flight < conc && arrive[next] <= t) {
             req *r = &rs[next++];
             r->h = curl_easy_init();
@@ -508,7 +502,7 @@ int k3_cmd_bench_serve(int argc, char **argv) {
             curl_easy_setopt(r->h, CURLOPT_PRIVATE, r);
             curl_easy_setopt(r->h, CURLOPT_NOSIGNAL, 1L);
             curl_easy_setopt(r->h, CURLOPT_TIMEOUT, timeout);
-            r->t_send = now_s();
+            r->t_send = k3_now();
             curl_multi_add_handle(multi, r->h);
             in_flight++;
         }
@@ -520,7 +514,7 @@ int k3_cmd_bench_serve(int argc, char **argv) {
             if (msg->msg != CURLMSG_DONE) continue;
             req *r;
             curl_easy_getinfo(msg->easy_handle, CURLINFO_PRIVATE, (char **)&r);
-            r->t_end = now_s();
+            r->t_end = k3_now();
             long code = 0;
             curl_easy_getinfo(msg->easy_handle, CURLINFO_RESPONSE_CODE, &code);
             if (!r->dropped) {
@@ -546,12 +540,12 @@ int k3_cmd_bench_serve(int argc, char **argv) {
         }
         double wait_ms = 50;
         if (next < n_prompts && in_flight < conc) {
-            const double dt = (arrive[next] - (now_s() - t0)) * 1000.0;
+            const double dt = (arrive[next] - (k3_now() - t0)) * 1000.0;
             wait_ms = dt < 0 ? 0 : dt < wait_ms ? dt : wait_ms;
         }
         curl_multi_poll(multi, NULL, 0, (int)wait_ms, NULL);
     }
-    const double dur = now_s() - t0;
+    const double dur = k3_now() - t0;
     curl_multi_cleanup(multi);
 
     /* the report */

@@ -226,7 +226,7 @@ int k3_cmd_bench_throughput(int argc, char **argv) {
     long next = 0, done = 0, in_flight = 0;
     bool long_sent = long_len == 0;
     const uint64_t first_id = 1;
-    const double t0 = k3_engine_now();
+    const double t0 = k3_now();
     double t_end = t0;
     while (done < n_track) {
         /* keep C in flight */
@@ -239,7 +239,7 @@ int k3_cmd_bench_throughput(int argc, char **argv) {
             if (k3_engine_submit(e, &p, &id, &err)) goto fail;
             track *t = &tr[id - first_id];
             t->id = id;
-            t->t_submit = k3_engine_now();
+            t->t_submit = k3_now();
             next++;
             in_flight++;
         }
@@ -248,7 +248,7 @@ int k3_cmd_bench_throughput(int argc, char **argv) {
             bool all = in_flight > 0;
             for (long i = 0; i < n_track && all; i++)
                 if (tr[i].id && !tr[i].done && !tr[i].long_one && tr[i].n_out == 0) all = false;
-            if (all) t_mark = k3_engine_now();
+            if (all) t_mark = k3_now();
         }
         if (!long_sent && t_mark > 0) {
             {
@@ -260,7 +260,7 @@ int k3_cmd_bench_throughput(int argc, char **argv) {
                 track *t = &tr[id - first_id];
                 t->id = id;
                 t->long_one = true;
-                t->t_submit = k3_engine_now();
+                t->t_submit = k3_now();
                 long_sent = true;
             }
         }

@@ -16,12 +16,6 @@
 
 #include "cli.h"
 
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
 void k3_cli_images_free(k3_cli_images *im) {
     for (int i = 0; i < im->n; i++) free(im->rows[i]);
     free(im->rows);
@@ -68,7 +62,7 @@ k3_status k3_cli_images_insert(k3_cli_images *im, const k3_model *m, const k3_to
     }
     for (int i = 0; i < n_files && !s; i++) {
         k3_image *img = NULL;
-        const double t0 = now_s();
+        const double t0 = k3_now();
         if ((s = k3_image_load(&img, files[i], 0, err))) break;
         s = k3_vision_plan(im->v, k3_image_width(img), k3_image_height(img), &plans[i], err);
         if (!s) s = k3_vision_encode(im->v, pool, img, &im->rows[i], NULL, err);
@@ -78,7 +72,7 @@ k3_status k3_cli_images_insert(k3_cli_images *im, const k3_model *m, const k3_to
         ats[i] = at;
         fprintf(stderr, "image %s: %dx%d -> %dx%d, %dx%d patches, %d tokens, encoded in %.1f ms\n", files[i],
                 plans[i].width, plans[i].height, plans[i].resized_w, plans[i].resized_h, plans[i].grid_h,
-                plans[i].grid_w, plans[i].n_tokens, (now_s() - t0) * 1e3);
+                plans[i].grid_w, plans[i].n_tokens, (k3_now() - t0) * 1e3);
     }
     int32_t *out = NULL;
     size_t n_out = 0;

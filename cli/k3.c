@@ -18,12 +18,6 @@
 #include "cli.h"
 #include "k3.h"
 
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
 static int fail(const char *cmd, const k3_error *e) {
     fprintf(stderr, "k3 %s: %s\n", cmd, e->msg[0] ? e->msg : k3_status_str(e->status));
     return 1;
@@ -340,10 +334,10 @@ distributed:
     if (tok && !chat && !ids_arg) fwrite(prompt, 1, strlen(prompt), stdout);
     fflush(stdout);
 
-    double t0 = now_s();
+    double t0 = k3_now();
     k3_batch_seq b = {0, (int32_t)n_ids, ids, img.embeds};
     if (k3_ctx_forward(ctx, &b, 1, dump ? K3_LOGITS_ALL : K3_LOGITS_LAST, logits, &err)) goto out;
-    const double t_prefill = now_s() - t0;
+    const double t_prefill = k3_now() - t0;
     for (size_t i = 0; i < n_ids; i++) k3_sampler_accept(smp, ids[i]);
 
     if (dump) {
@@ -361,7 +355,7 @@ distributed:
     if (chat) k3_cli_chat_render_init(&cr, tok, think, stdout);
     const int32_t eos = tok ? k3_tokenizer_special(tok, "[EOS]") : -1;
     int n_done = 0;
-    double t1 = now_s();
+    double t1 = k3_now();
     const char *stop = "";
     for (; n_done < n_gen; n_done++) {
         if (k3_ctx_seq_pos(ctx, 0) >= want) {
@@ -387,7 +381,7 @@ distributed:
         b = (k3_batch_seq){0, 1, &id};
         if (n_done + 1 < n_gen && k3_ctx_forward(ctx, &b, 1, K3_LOGITS_LAST, logits, &err)) goto out;
     }
-    const double t_decode = now_s() - t1;
+    const double t_decode = k3_now() - t1;
     printf("\n");
     fflush(stdout); /* the text ends before the timing line on stderr */
     fprintf(stderr, "prompt %zu tokens, prefill %.1f tok/s, decode %d tokens at %.1f tok/s%s "

@@ -267,6 +267,9 @@ k3_status k3_ctx_forward(k3_ctx *ctx, const k3_batch_seq *batch, int32_t n_seqs,
 
 /* ---- measurement ------------------------------------------------------ */
 
+/* The library's clock: monotonic seconds (every time it reports is on it). */
+double k3_now(void);
+
 /* Time per operator of the forward pass, summed since the last reset. */
 typedef enum k3_prof_op {
     K3_PROF_EMBED = 0,  /* embedding rows */
@@ -444,7 +447,7 @@ typedef struct k3_req_output {
     int64_t n_prompt;             /* prompt tokens */
     int64_t n_cached;             /* of them served by the prefix cache */
     int64_t n_generated;          /* tokens generated so far */
-    /* times in seconds on k3_engine_now's clock; 0 = not yet */
+    /* times in seconds on k3_now's clock; 0 = not yet */
     double t_arrival, t_scheduled, t_first_token, t_finished;
     double prefill_s, decode_s;   /* time in prefill and in decode steps */
     const char *error;            /* with K3_FINISH_ERROR */
@@ -493,8 +496,6 @@ bool k3_engine_has_work(k3_engine *e);
 /* Blocks until a submit or cancel arrives or timeout_s passes. */
 void k3_engine_wait(k3_engine *e, double timeout_s);
 void k3_engine_get_stats(k3_engine *e, k3_engine_stats *st);
-/* The engine's clock (monotonic seconds). */
-double k3_engine_now(void);
 /* Notes on the engine (implementation: src/engine/engine.c, src/sched,
  * src/kv). logprobs and prompt_logprobs take at most 20 alternatives, and
  * when both are asked for they must ask for the same number (n_top is one

@@ -784,7 +784,7 @@ K3_TEST(sched_submit_cancel_from_another_thread) {
     static int ended[41];
     memset(ended, 0, sizeof ended);
     k3_error err = {0};
-    const double t0 = k3_engine_now();
+    const double t0 = k3_now();
     for (;;) {
         k3_engine_wait(e, 0.002);
         k3_step_result sr;
@@ -796,7 +796,7 @@ K3_TEST(sched_submit_cancel_from_another_thread) {
         if (st.requests_finished[K3_FINISH_LENGTH] + st.requests_finished[K3_FINISH_CANCELLED] +
                     st.requests_finished[K3_FINISH_STOP] == 40 && !k3_engine_has_work(e))
             break;
-        if (k3_engine_now() - t0 > 30) break;
+        if (k3_now() - t0 > 30) break;
     }
     pthread_join(th, NULL);
     REQUIRE(a.n == 40);
@@ -975,16 +975,16 @@ K3_TEST(sched_wait_and_idle_step) {
     k3_error err = {0};
     REQUIRE(k3_engine_step(e, &sr, &err) == K3_OK);
     CHECK(sr.n_outputs == 0 && sr.n_tokens == 0);
-    double t0 = k3_engine_now();
+    double t0 = k3_now();
     k3_engine_wait(e, 0.02);
-    const double idle = k3_engine_now() - t0;
+    const double idle = k3_now() - t0;
     CHECKF(idle >= 0.015 && idle < 1.0, "idle wait took %.3f s", idle);
     int32_t ids[8] = {1, 2, 3, 4, 5, 6, 7, 8};
     const uint64_t id = submit(e, ids, 8, 2, 0, 0, -1);
     CHECK(id > 0 && k3_engine_has_work(e));
-    t0 = k3_engine_now();
+    t0 = k3_now();
     k3_engine_wait(e, 5.0);
-    CHECK(k3_engine_now() - t0 < 1.0);
+    CHECK(k3_now() - t0 < 1.0);
     result r = {0};
     drain(e, &r, id, 1);
     CHECK(r.n == 2 && r.finished == 1 && !k3_engine_has_work(e));

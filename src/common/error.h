@@ -21,6 +21,13 @@ k3_status k3_err(k3_error *err, k3_status status, const char *fmt, ...) K3_PRINT
 /* Clears err to K3_OK with an empty message. */
 void k3_err_clear(k3_error *err);
 
+/* Returns the status of x from the calling function unless it is K3_OK. */
+#define K3_TRY(x)                                                              \
+    do {                                                                       \
+        k3_status k3_try_ = (x);                                               \
+        if (k3_try_ != K3_OK) return k3_try_;                                  \
+    } while (0)
+
 /* A bug, not bad input: aborts with file:line in every build. */
 #define K3_ASSERT(x) ((x) ? (void)0 : k3_assert_fail(#x, __FILE__, __LINE__))
 void k3_assert_fail(const char *expr, const char *file, int line);

@@ -36,6 +36,7 @@
  * caller while it runs range 0). k3_pool_for from such a thread runs inline.
  */
 #include "common/pool.h"
+#include "common/clock.h"
 #include "common/error.h"
 
 #include <pthread.h>
@@ -89,12 +90,6 @@ static inline void cpu_relax(void) {
 #endif
 }
 
-static int64_t now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
-
 /* Spins up to SPIN_NS for cond(arg); false if it still does not hold. */
 static bool spin_until(bool (*cond)(k3_pool *, uint64_t), k3_pool *p, uint64_t v) {
     int64_t t0 = 0;
@@ -103,7 +98,7 @@ static bool spin_until(bool (*cond)(k3_pool *, uint64_t), k3_pool *p, uint64_t v
             if (cond(p, v)) return true;
             cpu_relax();
         }
-        int64_t t = now_ns();
+        int64_t t = k3_now_ns();
         if (i == 0) t0 = t;
         else if (t - t0 > SPIN_NS) return false;
         else if (t - t0 > PAUSE_NS) sched_yield();

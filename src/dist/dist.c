@@ -32,12 +32,6 @@ struct k3_dist {
     k3_error fail;  /* sticky */
 };
 
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
 static k3_status dist_fail(k3_dist *d, const char *what, int rc) {
     if (d->fail.status) return d->fail.status;
     char es[MPI_MAX_ERROR_STRING] = "";
@@ -53,7 +47,7 @@ static k3_status dist_fail(k3_dist *d, const char *what, int rc) {
  * runs, 3 tries each, alternated): 200 yields 2.7-5.8 ms per decoded token,
  * 20 yields 4.6-10.4, 20000 (spinning) 9.7-12.8. */
 static k3_status wait_req(k3_dist *d, MPI_Request *r, const char *what, double timeout) {
-    const double t0 = now_s();
+    const double t0 = k3_now();
     for (long spins = 0;; spins++) {
         int flag = 0;
         const int rc = MPI_Test(r, &flag, MPI_STATUS_IGNORE);
@@ -63,7 +57,7 @@ static k3_status wait_req(k3_dist *d, MPI_Request *r, const char *what, double t
             sched_yield();
             continue;
         }
-        if (timeout >= 0 && now_s() - t0 > timeout) {
+        if (timeout >= 0 && k3_now() - t0 > timeout) {
             if (!d->fail.status)
                 k3_err(&d->fail, K3_ERR_IO,
                        "dist: rank %d: %s got no answer within %.0f s (a rank died or hangs)", d->rank, what,
@@ -90,7 +84,7 @@ static void count(k3_dist *d, k3_comm_kind kind, int64_t sent, int64_t recv, dou
     d->st.sent[kind] += sent;
     d->st.recv[kind] += recv;
     d->st.calls[kind]++;
-    d->st.seconds[kind] += now_s() - t0;
+    d->st.seconds[kind] += k3_now() - t0;
 }
 
 k3_status k3_dist_allgather(k3_dist *d, k3_group g, k3_comm_kind kind, const void *send, size_t bytes,
@@ -98,7 +92,7 @@ k3_status k3_dist_allgather(k3_dist *d, k3_group g, k3_comm_kind kind, const voi
     if (d->fail.status) return d->fail.status;
     const int n = k3_dist_group_size(d, g);
     if (bytes > (size_t)INT32_MAX / (size_t)n) return dist_fail(d, "allgather (message too large)", MPI_SUCCESS);
-    const double t0 = now_s();
+    const double t0 = k3_now();
     MPI_Request r;
     int rc = MPI_Iallgather(send, (int)bytes, MPI_BYTE, recv, (int)bytes, MPI_BYTE, comm_of(d, g), &r);
     if (rc != MPI_SUCCESS) return dist_fail(d, "allgather", rc);
@@ -111,7 +105,7 @@ k3_status k3_dist_sendrecv(k3_dist *d, k3_group g, k3_comm_kind kind, const void
                            int32_t partner, void *recv) {
     if (d->fail.status) return d->fail.status;
     if (bytes > (size_t)INT32_MAX) return dist_fail(d, "sendrecv (message too large)", MPI_SUCCESS);
-    const double t0 = now_s();
+    const double t0 = k3_now();
     MPI_Request r[2];
     int rc = MPI_Irecv(recv, (int)bytes, MPI_BYTE, partner, 7, comm_of(d, g), &r[0]);
     if (rc == MPI_SUCCESS) rc = MPI_Isend(send, (int)bytes, MPI_BYTE, partner, 7, comm_of(d, g), &r[1]);
@@ -125,7 +119,7 @@ k3_status k3_dist_sendrecv(k3_dist *d, k3_group g, k3_comm_kind kind, const void
 k3_status k3_dist_alltoallv(k3_dist *d, k3_group g, k3_comm_kind kind, const void *send, const int *scount,
                             const int *sdispl, void *recv, const int *rcount, const int *rdispl) {
     if (d->fail.status) return d->fail.status;
-    const double t0 = now_s();
+    const double t0 = k3_now();
     MPI_Request r;
     int rc = MPI_Ialltoallv(send, scount, sdispl, MPI_BYTE, recv, rcount, rdispl, MPI_BYTE, comm_of(d, g), &r);
     if (rc != MPI_SUCCESS) return dist_fail(d, "alltoallv", rc);
@@ -145,7 +139,7 @@ k3_status k3_dist_alltoallv(k3_dist *d, k3_group g, k3_comm_kind kind, const voi
 static k3_status bcast(k3_dist *d, void *buf, size_t bytes, const char *what, double timeout) {
     if (d->fail.status) return d->fail.status;
     if (bytes > (size_t)INT32_MAX) return dist_fail(d, "broadcast (message too large)", MPI_SUCCESS);
-    const double t0 = now_s();
+    const double t0 = k3_now();
     MPI_Request r;
     int rc = MPI_Ibcast(buf, (int)bytes, MPI_BYTE, 0, MPI_COMM_WORLD, &r);
     if (rc != MPI_SUCCESS) return dist_fail(d, what, rc);

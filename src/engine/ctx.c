@@ -470,12 +470,6 @@ int64_t k3_ctx_seq_pos(const k3_ctx *ctx, int32_t seq) {
 
 /* ---- measurement --------------------------------------------------------------- */
 
-double k3_now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
 const char *k3_prof_op_name(k3_prof_op op) {
     static const char *names[K3_PROF_COUNT] = {"embed", "attnres", "norm", "kda", "mlapo", "qli",
                                                "qsfa", "mla_out", "ffn", "moe", "head"};

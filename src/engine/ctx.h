@@ -189,7 +189,6 @@ k3_status k3_ctx_run(k3_ctx *ctx, const k3_batch_seq *batch, int32_t n_seqs, con
                      k3_error *err);
 
 /* Profiling: PROF(ctx, op, statement) adds the statement's time to op. */
-double k3_now(void);
 #define PROF(ctx, op, stmt)                                                    \
     do {                                                                       \
         const double prof_t0_ = (ctx)->prof_on ? k3_now() : 0.0;               \

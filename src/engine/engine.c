@@ -104,12 +104,6 @@ struct k3_engine {
     double snap_save_s, snap_restore_s;
 };
 
-double k3_engine_now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
 /* ---- memory accounting ------------------------------------------------------ */
 
 static int64_t cache_bytes_per_token(const k3_config *c, k3_kv_type kv) {
@@ -484,7 +478,7 @@ k3_status k3_engine_submit(k3_engine *e, const k3_request_params *p, uint64_t *i
     r->rq.owner = r;
     r->stop_id = -1;
     for (int64_t i = 0; i < p->n_prompt; i++) k3_sampler_accept(r->smp, p->prompt[i]);
-    r->t_arrival = k3_engine_now();
+    r->t_arrival = k3_now();
 
     pthread_mutex_lock(&e->mu);
     if (e->o.max_waiting > 0 && e->n_sub + e->st.n_waiting >= e->o.max_waiting) {
@@ -720,7 +714,7 @@ static void fill_output(const k3_engine *e, req *r, k3_req_output *o) {
         o->prefill_s = r->t_first_token - r->t_scheduled;
         o->decode_s = (r->finished ? r->t_finished : r->t_last) - r->t_first_token;
     } else if (r->t_scheduled > 0) {
-        o->prefill_s = (r->finished ? r->t_finished : k3_engine_now()) - r->t_scheduled;
+        o->prefill_s = (r->finished ? r->t_finished : k3_now()) - r->t_scheduled;
     }
     o->error = r->finish == K3_FINISH_ERROR ? r->error : NULL;
     (void)e;
@@ -803,7 +797,7 @@ k3_status k3_engine_step(k3_engine *e, k3_step_result *res, k3_error *err) {
         }
     }
     free(subs);
-    const double t_in = k3_engine_now();
+    const double t_in = k3_now();
     for (int32_t i = 0; i < n_cancels; i++)
         for (int32_t j = 0; j < e->n_live; j++)
             if (e->live[j]->rq.id == cancels[i] && !e->live[j]->finished) finish(e, e->live[j], K3_FINISH_CANCELLED, t_in);
@@ -817,9 +811,9 @@ k3_status k3_engine_step(k3_engine *e, k3_step_result *res, k3_error *err) {
         req *r = rq->owner;
         if (rq->is_new) {
             if (rq->restore) {
-                const double t0 = k3_engine_now();
+                const double t0 = k3_now();
                 k3_ctx_state_restore(e->ctx, rq->slot, rq->restore);
-                e->snap_restore_s += k3_engine_now() - t0;
+                e->snap_restore_s += k3_now() - t0;
                 e->n_snap_restores++;
             } else {
                 k3_ctx_seq_clear_state(e->ctx, rq->slot);
@@ -847,7 +841,7 @@ k3_status k3_engine_step(k3_engine *e, k3_step_result *res, k3_error *err) {
     k3_error ferr = {0};
     k3_status fst = K3_OK;
     int32_t n_taken = 0;
-    const double t_snap = k3_engine_now();
+    const double t_snap = k3_now();
     int64_t *pos = e->snap_pos, *step_pos = e->snap_pos + e->req_snaps;
     uint64_t *key = e->snap_key, *step_key = e->snap_key + e->req_snaps;
     for (int32_t i = 0; i < s->n_plan; i++) {
@@ -866,7 +860,7 @@ k3_status k3_engine_step(k3_engine *e, k3_step_result *res, k3_error *err) {
             step_key[n_taken++] = key[k];
         }
     }
-    e->snap_save_s += k3_engine_now() - t_snap;
+    e->snap_save_s += k3_now() - t_snap;
 
     /* 3. the forward pass */
     if (s->n_plan) fst = k3_ctx_run(e->ctx, e->batch, s->n_plan, e->want, e->logits, &ferr);
@@ -874,7 +868,7 @@ k3_status k3_engine_step(k3_engine *e, k3_step_result *res, k3_error *err) {
         for (int32_t k = 0; k < n_taken; k++) k3_kv_snap_drop(&e->sn, step_key[k], step_pos[k]);
     else
         e->n_snap_saves += n_taken;
-    const double t = k3_engine_now();
+    const double t = k3_now();
     res->n_tokens = fst ? 0 : s->plan_tokens;
     if (e->o.dist && s->n_plan) {
         /* every rank's, summed (a failed link is sticky: the next pass reports it) */

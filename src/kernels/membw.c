@@ -57,12 +57,6 @@ static void bw_task(void *ctx, int64_t lo, int64_t hi, int ith) {
 #endif
 }
 
-static double seconds(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
 static int cmp_double(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
     return (x > y) - (x < y);
@@ -86,9 +80,9 @@ double k3_membw_read_gbps(k3_pool *pool, size_t bytes, int reps) {
         k3_pool_for(pool, (int64_t)n_lines, grain, bw_task, j);
         j->fill = false;
         for (int r = 0; r < reps; r++) {
-            double t0 = seconds();
+            double t0 = k3_now();
             k3_pool_for(pool, (int64_t)n_lines, grain, bw_task, j);
-            double dt = seconds() - t0;
+            double dt = k3_now() - t0;
             rate[r] = (double)(n_lines * LINE) / (dt > 1e-9 ? dt : 1e-9) * 1e-9;
         }
         qsort(rate, (size_t)reps, sizeof *rate, cmp_double);

@@ -5,6 +5,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "common/clock.h"
 #include "common/error.h"
 #include "kv/kv.h"
 
@@ -118,9 +119,7 @@ typedef struct k3_kv_track {
 
 static int64_t mono_ns(void *arg) {
     (void)arg;
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+    return k3_now_ns();
 }
 
 static void track_free(k3_kv_track *t) {

@@ -18,7 +18,7 @@
  * before jansson sees it; duplicate keys are rejected.
  */
 #include "config.h"
-#include "../common/error.h"
+#include "common/error.h"
 #include "../common/json_guard.h"
 #include "../common/file.h"
 
@@ -211,12 +211,6 @@ static k3_status get_token_id(const parser *p, json_t *obj, const char *key, int
     return K3_OK;
 }
 
-#define TRY(x)                                                                \
-    do {                                                                      \
-        k3_status s_ = (x);                                                   \
-        if (s_ != K3_OK) return s_;                                           \
-    } while (0)
-
 /* ---- pieces ------------------------------------------------------------- */
 
 /* Reads a 1-based layer list into flags[0..n): each id in 1..n, no repeats. */
@@ -248,14 +242,14 @@ static k3_status parse_quant(const parser *p, json_t *q, k3_config *cfg) {
     const char *method = NULL;
     parser pq = *p;
     pq.where = "quantization_config";
-    TRY(get_str(&pq, q, "quant_method", NULL, &method));
+    K3_TRY(get_str(&pq, q, "quant_method", NULL, &method));
     if (!method) return missing(&pq, "quant_method");
     if (strcmp(method, "compressed-tensors") != 0)
         return k3_err(p->err, K3_ERR_UNSUPPORTED,
                       "%s: quantization method '%s' is not supported (only "
                       "compressed-tensors mxfp4-pack-quantized)", p->src, method);
     const char *format = NULL;
-    TRY(get_str(&pq, q, "format", NULL, &format));
+    K3_TRY(get_str(&pq, q, "format", NULL, &format));
     if (format && !strcmp(format, "mxfp4-pack-quantized")) {
         cfg->experts_mxfp4 = true;
         return K3_OK;
@@ -338,16 +332,16 @@ static k3_status parse_linear(const parser *p, json_t *la, k3_config *cfg) {
                           p->src, key, where);
     }
     bool neg = false;
-    TRY(get_bool(&pl, la, "allow_neg_eigval", false, &neg));
+    K3_TRY(get_bool(&pl, la, "allow_neg_eigval", false, &neg));
     if (neg)
         return k3_err(p->err, K3_ERR_UNSUPPORTED,
                       "%s: %s.allow_neg_eigval = true is not supported", p->src, where);
 
     int n = cfg->n_layers;
     bool kda[K3_MAX_LAYERS] = {0}, full[K3_MAX_LAYERS] = {0};
-    TRY(parse_layer_list(&pl, la, "kda_layers", n, kda));
+    K3_TRY(parse_layer_list(&pl, la, "kda_layers", n, kda));
     if (get(la, "full_attn_layers")) {
-        TRY(parse_layer_list(&pl, la, "full_attn_layers", n, full));
+        K3_TRY(parse_layer_list(&pl, la, "full_attn_layers", n, full));
     } else {
         for (int i = 0; i < n; i++) full[i] = !kda[i]; /* the complement */
     }
@@ -366,18 +360,18 @@ static k3_status parse_linear(const parser *p, json_t *la, k3_config *cfg) {
     }
     if (n_kda == 0) return K3_OK; /* sizes unused */
 
-    TRY(get_i32(&pl, la, "num_heads", true, 0, 1, 1 << 16, &cfg->kda_heads));
+    K3_TRY(get_i32(&pl, la, "num_heads", true, 0, 1, 1 << 16, &cfg->kda_heads));
     /* the scalar KDA recurrence keeps a value row on the stack (kda.c) */
-    TRY(get_i32(&pl, la, "head_dim", true, 0, 1, K3_MAX_KDA_HEAD_DIM, &cfg->kda_head_dim));
-    TRY(get_i32(&pl, la, "short_conv_kernel_size", true, 0, 1, 64, &cfg->conv_size));
+    K3_TRY(get_i32(&pl, la, "head_dim", true, 0, 1, K3_MAX_KDA_HEAD_DIM, &cfg->kda_head_dim));
+    K3_TRY(get_i32(&pl, la, "short_conv_kernel_size", true, 0, 1, 64, &cfg->conv_size));
     double lb;
     cfg->kda_has_lower_bound = get(la, "gate_lower_bound") != NULL;
-    TRY(get_num(&pl, la, "gate_lower_bound", 0.0, &lb));
+    K3_TRY(get_num(&pl, la, "gate_lower_bound", 0.0, &lb));
     if (cfg->kda_has_lower_bound && !(lb < 0))
         return k3_err(p->err, K3_ERR_FORMAT,
                       "%s: %s.gate_lower_bound = %g must be negative", p->src, where, lb);
     cfg->kda_lower_bound = (float)lb;
-    TRY(get_bool(&pl, la, "use_full_rank_gate", false, &cfg->kda_full_rank_gate));
+    K3_TRY(get_bool(&pl, la, "use_full_rank_gate", false, &cfg->kda_full_rank_gate));
     cfg->kda_gate_rank = cfg->kda_full_rank_gate ? 0 : cfg->kda_head_dim;
     return K3_OK;
 }
@@ -441,8 +435,8 @@ static k3_status parse_root(k3_config *cfg, json_t *root, const char *src, k3_er
 
     /* Family. */
     const char *root_type = NULL, *text_type = NULL;
-    TRY(get_str(&pr, root, "model_type", NULL, &root_type));
-    TRY(get_str(&p, tc, "model_type", root_type, &text_type));
+    K3_TRY(get_str(&pr, root, "model_type", NULL, &root_type));
+    K3_TRY(get_str(&p, tc, "model_type", root_type, &text_type));
     if (!text_type) return missing(&p, "model_type");
     if (strcmp(text_type, "kimi_linear") && strcmp(text_type, "kimi_k3"))
         return k3_err(err, K3_ERR_UNSUPPORTED, "%s: model_type '%s' is not supported "
@@ -455,37 +449,37 @@ static k3_status parse_root(k3_config *cfg, json_t *root, const char *src, k3_er
 
     /* Sizes. */
     const int64_t big = (int64_t)1 << 40;
-    TRY(get_int(&p, tc, "vocab_size", true, 0, 1, INT32_MAX, &cfg->vocab_size));
-    TRY(get_int(&p, tc, "hidden_size", true, 0, 1, 1 << 20, &cfg->hidden_size));
-    TRY(get_i32(&p, tc, "num_hidden_layers", true, 0, 1, K3_MAX_LAYERS, &cfg->n_layers));
+    K3_TRY(get_int(&p, tc, "vocab_size", true, 0, 1, INT32_MAX, &cfg->vocab_size));
+    K3_TRY(get_int(&p, tc, "hidden_size", true, 0, 1, 1 << 20, &cfg->hidden_size));
+    K3_TRY(get_i32(&p, tc, "num_hidden_layers", true, 0, 1, K3_MAX_LAYERS, &cfg->n_layers));
     int64_t mml;
-    TRY(get_int(&p, tc, "model_max_length", false, 1048576, 1, big, &mml));
-    TRY(get_int(&p, tc, "max_position_embeddings", false, mml, 1, big, &cfg->max_positions));
+    K3_TRY(get_int(&p, tc, "model_max_length", false, 1048576, 1, big, &mml));
+    K3_TRY(get_int(&p, tc, "max_position_embeddings", false, mml, 1, big, &cfg->max_positions));
     double eps;
-    TRY(get_num(&p, tc, "rms_norm_eps", 1e-5, &eps));
+    K3_TRY(get_num(&p, tc, "rms_norm_eps", 1e-5, &eps));
     if (!(eps > 0 && eps < 1))
         return k3_err(err, K3_ERR_FORMAT, "%s: rms_norm_eps = %g must be in (0, 1)", src, eps);
     cfg->rms_eps = (float)eps;
     bool tie_root;
-    TRY(get_bool(&pr, root, "tie_word_embeddings", false, &tie_root));
-    TRY(get_bool(&p, tc, "tie_word_embeddings", tie_root, &cfg->tie_word_embeddings));
+    K3_TRY(get_bool(&pr, root, "tie_word_embeddings", false, &tie_root));
+    K3_TRY(get_bool(&p, tc, "tie_word_embeddings", tie_root, &cfg->tie_word_embeddings));
 
     /* Special ids: the root wins, text_config is the fallback. */
     cfg->bos_id = cfg->eos_id = cfg->pad_id = -1;
-    TRY(get_token_id(&p, tc, "bos_token_id", &cfg->bos_id));
-    TRY(get_token_id(&p, tc, "eos_token_id", &cfg->eos_id));
-    TRY(get_token_id(&p, tc, "pad_token_id", &cfg->pad_id));
+    K3_TRY(get_token_id(&p, tc, "bos_token_id", &cfg->bos_id));
+    K3_TRY(get_token_id(&p, tc, "eos_token_id", &cfg->eos_id));
+    K3_TRY(get_token_id(&p, tc, "pad_token_id", &cfg->pad_id));
     if (nested) {
-        TRY(get_token_id(&pr, root, "bos_token_id", &cfg->bos_id));
-        TRY(get_token_id(&pr, root, "eos_token_id", &cfg->eos_id));
-        TRY(get_token_id(&pr, root, "pad_token_id", &cfg->pad_id));
+        K3_TRY(get_token_id(&pr, root, "bos_token_id", &cfg->bos_id));
+        K3_TRY(get_token_id(&pr, root, "eos_token_id", &cfg->eos_id));
+        K3_TRY(get_token_id(&pr, root, "pad_token_id", &cfg->pad_id));
     }
 
     /* Layer kinds: KDA / MLA from linear_attn_config (absent = all MLA). */
     json_t *la = get(tc, "linear_attn_config");
     for (int i = 0; i < cfg->n_layers; i++) cfg->layer_kind[i] = K3_LAYER_MLA;
-    if (la) TRY(parse_linear(&p, la, cfg));
-    TRY(check_layer_types(&p, tc, cfg, la));
+    if (la) K3_TRY(parse_linear(&p, la, cfg));
+    K3_TRY(check_layer_types(&p, tc, cfg, la));
     int n_full = 0;
     for (int i = 0; i < cfg->n_layers; i++) n_full += cfg->layer_kind[i] != K3_LAYER_KDA;
 
@@ -493,28 +487,28 @@ static k3_status parse_root(k3_config *cfg, json_t *root, const char *src, k3_er
     if (n_full > 0) {
         bool nope;
         /* both families are NoPE; transformers' KimiLinear has no other mode */
-        TRY(get_bool(&p, tc, "mla_use_nope", true, &nope));
+        K3_TRY(get_bool(&p, tc, "mla_use_nope", true, &nope));
         if (!nope)
             return k3_err(err, K3_ERR_UNSUPPORTED,
                           "%s: mla_use_nope is false: RoPE MLA not supported", src);
-        TRY(check_rope_parameters(&p, tc));
+        K3_TRY(check_rope_parameters(&p, tc));
         json_t *rs = json_object_get(tc, "rope_scaling");
         if (rs && !json_is_null(rs))
             return k3_err(err, K3_ERR_UNSUPPORTED,
                           "%s: rope_scaling is set, but k3 runs NoPE MLA only", src);
         bool bias;
-        TRY(get_bool(&p, tc, "attention_bias", false, &bias));
+        K3_TRY(get_bool(&p, tc, "attention_bias", false, &bias));
         if (bias)
             return k3_err(err, K3_ERR_UNSUPPORTED,
                           "%s: attention_bias = true is not supported", src);
         /* per-head log-sum-exp rows live on the stack in forward.c: K3_MAX_HEADS */
-        TRY(get_i32(&p, tc, "num_attention_heads", true, 0, 1, K3_MAX_HEADS, &cfg->n_heads));
-        TRY(get_i32(&p, tc, "q_lora_rank", false, 0, 0, 1 << 20, &cfg->q_lora_rank));
-        TRY(get_i32(&p, tc, "kv_lora_rank", true, 0, 1, 1 << 20, &cfg->kv_lora_rank));
-        TRY(get_i32(&p, tc, "qk_nope_head_dim", true, 0, 1, 1 << 16, &cfg->qk_nope_dim));
-        TRY(get_i32(&p, tc, "qk_rope_head_dim", true, 0, 0, 1 << 16, &cfg->qk_rope_dim));
-        TRY(get_i32(&p, tc, "v_head_dim", true, 0, 1, 1 << 16, &cfg->v_head_dim));
-        TRY(get_bool(&p, tc, "mla_use_output_gate", k3, &cfg->mla_use_output_gate));
+        K3_TRY(get_i32(&p, tc, "num_attention_heads", true, 0, 1, K3_MAX_HEADS, &cfg->n_heads));
+        K3_TRY(get_i32(&p, tc, "q_lora_rank", false, 0, 0, 1 << 20, &cfg->q_lora_rank));
+        K3_TRY(get_i32(&p, tc, "kv_lora_rank", true, 0, 1, 1 << 20, &cfg->kv_lora_rank));
+        K3_TRY(get_i32(&p, tc, "qk_nope_head_dim", true, 0, 1, 1 << 16, &cfg->qk_nope_dim));
+        K3_TRY(get_i32(&p, tc, "qk_rope_head_dim", true, 0, 0, 1 << 16, &cfg->qk_rope_dim));
+        K3_TRY(get_i32(&p, tc, "v_head_dim", true, 0, 1, 1 << 16, &cfg->v_head_dim));
+        K3_TRY(get_bool(&p, tc, "mla_use_output_gate", k3, &cfg->mla_use_output_gate));
         json_t *qkh = get(tc, "qk_head_dim");
         if (qkh && (!json_is_integer(qkh) || json_integer_value(qkh) != cfg->qk_nope_dim + cfg->qk_rope_dim))
             return k3_err(err, K3_ERR_FORMAT, "%s: qk_head_dim must equal qk_nope_head_dim + qk_rope_head_dim (%d)",
@@ -525,16 +519,16 @@ static k3_status parse_root(k3_config *cfg, json_t *root, const char *src, k3_er
     bool has_idx = get(tc, "index_n_heads") || get(tc, "index_head_dim") ||
                    get(tc, "index_topk") || get(tc, "index_layers");
     if (has_idx) {
-        TRY(get_i32(&p, tc, "index_n_heads", true, 0, 1, 1 << 16, &cfg->index_n_heads));
-        TRY(get_i32(&p, tc, "index_head_dim", true, 0, 1, 1 << 16, &cfg->index_head_dim));
-        TRY(get_i32(&p, tc, "index_topk", true, 0, 1, INT32_MAX, &cfg->index_topk));
+        K3_TRY(get_i32(&p, tc, "index_n_heads", true, 0, 1, 1 << 16, &cfg->index_n_heads));
+        K3_TRY(get_i32(&p, tc, "index_head_dim", true, 0, 1, 1 << 16, &cfg->index_head_dim));
+        K3_TRY(get_i32(&p, tc, "index_topk", true, 0, 1, INT32_MAX, &cfg->index_topk));
         if (n_full > 0 && cfg->q_lora_rank == 0)
             return k3_err(err, K3_ERR_UNSUPPORTED,
                           "%s: a DSA indexer needs q_lora_rank > 0 (it reads the q latent)",
                           src);
         bool sel[K3_MAX_LAYERS] = {0};
         if (get(tc, "index_layers")) {
-            TRY(parse_layer_list(&p, tc, "index_layers", cfg->n_layers, sel));
+            K3_TRY(parse_layer_list(&p, tc, "index_layers", cfg->n_layers, sel));
             for (int i = 0; i < cfg->n_layers; i++)
                 if (sel[i] && cfg->layer_kind[i] != K3_LAYER_MLA)
                     return k3_err(err, K3_ERR_FORMAT,
@@ -548,12 +542,12 @@ static k3_status parse_root(k3_config *cfg, json_t *root, const char *src, k3_er
     }
 
     /* AttnRes. */
-    TRY(get_i32(&p, tc, "attn_res_block_size", false, root_k3 ? 12 : 0, 1, K3_MAX_LAYERS,
+    K3_TRY(get_i32(&p, tc, "attn_res_block_size", false, root_k3 ? 12 : 0, 1, K3_MAX_LAYERS,
                 &cfg->attn_res_block_size));
 
     /* Activation. */
     const char *act;
-    TRY(get_str(&p, tc, "hidden_act", k3 ? "situ" : "silu", &act));
+    K3_TRY(get_str(&p, tc, "hidden_act", k3 ? "situ" : "silu", &act));
     if (!strcmp(act, "situ")) cfg->act = K3_ACT_SITU;
     else if (!strcmp(act, "silu")) cfg->act = K3_ACT_SILU;
     else
@@ -564,9 +558,9 @@ static k3_status parse_root(k3_config *cfg, json_t *root, const char *src, k3_er
          * (absent, null and 0 all give 1.0); linear beta absent or null = no
          * linear part (plain u, 0 here), for both families. */
         double b1, b2;
-        TRY(get_num(&p, tc, "activation_situ_beta", 1.0, &b1));
+        K3_TRY(get_num(&p, tc, "activation_situ_beta", 1.0, &b1));
         if (b1 == 0) b1 = 1.0;
-        TRY(get_num(&p, tc, "activation_situ_linear_beta", 0.0, &b2));
+        K3_TRY(get_num(&p, tc, "activation_situ_linear_beta", 0.0, &b2));
         if (!(b1 > 0) || b2 < 0)
             return k3_err(err, K3_ERR_FORMAT,
                           "%s: activation_situ_beta (%g) must be > 0 and "
@@ -578,12 +572,12 @@ static k3_status parse_root(k3_config *cfg, json_t *root, const char *src, k3_er
     /* Quantization: text_config first, then the root. */
     json_t *q = get(tc, "quantization_config");
     if (!q && nested) q = get(root, "quantization_config");
-    if (q) TRY(parse_quant(&p, q, cfg));
+    if (q) K3_TRY(parse_quant(&p, q, cfg));
 
     /* FFN and MoE. */
-    TRY(get_i32(&p, tc, "num_experts", false, 0, 0, 1 << 20, &cfg->n_experts));
-    TRY(get_i32(&p, tc, "first_k_dense_replace", false, 1, 0, cfg->n_layers, &cfg->first_k_dense));
-    TRY(get_i32(&p, tc, "moe_layer_freq", false, 1, 1, K3_MAX_LAYERS, &cfg->moe_layer_freq));
+    K3_TRY(get_i32(&p, tc, "num_experts", false, 0, 0, 1 << 20, &cfg->n_experts));
+    K3_TRY(get_i32(&p, tc, "first_k_dense_replace", false, 1, 0, cfg->n_layers, &cfg->first_k_dense));
+    K3_TRY(get_i32(&p, tc, "moe_layer_freq", false, 1, 1, K3_MAX_LAYERS, &cfg->moe_layer_freq));
     int n_dense = 0, n_moe = 0;
     json_t *mlt = get(tc, "mlp_layer_types"); /* transformers: wins when present */
     if (mlt && (!json_is_array(mlt) || (int)json_array_size(mlt) != cfg->n_layers))
@@ -605,42 +599,42 @@ static k3_status parse_root(k3_config *cfg, json_t *root, const char *src, k3_er
         n_dense += !cfg->layer_moe[i];
     }
     if (n_dense > 0)
-        TRY(get_int(&p, tc, "intermediate_size", true, 0, 1, big, &cfg->intermediate_size));
+        K3_TRY(get_int(&p, tc, "intermediate_size", true, 0, 1, big, &cfg->intermediate_size));
     if (n_moe > 0) {
         int E = cfg->n_experts;
-        TRY(get_i32(&p, tc, "num_experts_per_token", true, 0, 1, E, &cfg->n_experts_per_tok));
-        TRY(get_i32(&p, tc, "num_shared_experts", false, k3 ? 2 : 1, 0, 1024,
+        K3_TRY(get_i32(&p, tc, "num_experts_per_token", true, 0, 1, E, &cfg->n_experts_per_tok));
+        K3_TRY(get_i32(&p, tc, "num_shared_experts", false, k3 ? 2 : 1, 0, 1024,
                     &cfg->n_shared_experts));
-        TRY(get_int(&p, tc, "moe_intermediate_size", true, 0, 1, big, &cfg->moe_intermediate));
+        K3_TRY(get_int(&p, tc, "moe_intermediate_size", true, 0, 1, big, &cfg->moe_intermediate));
         cfg->latent_moe = get(tc, "routed_expert_hidden_size") != NULL;
-        TRY(get_int(&p, tc, "routed_expert_hidden_size", false, cfg->hidden_size, 1, big,
+        K3_TRY(get_int(&p, tc, "routed_expert_hidden_size", false, cfg->hidden_size, 1, big,
                     &cfg->expert_dim));
-        TRY(get_bool(&p, tc, "latent_moe_use_norm", k3, &cfg->latent_moe_norm));
+        K3_TRY(get_bool(&p, tc, "latent_moe_use_norm", k3, &cfg->latent_moe_norm));
         if (!cfg->latent_moe) cfg->latent_moe_norm = false;
         const char *router;
-        TRY(get_str(&p, tc, "moe_router_activation_func", "sigmoid", &router));
+        K3_TRY(get_str(&p, tc, "moe_router_activation_func", "sigmoid", &router));
         if (!strcmp(router, "sigmoid")) cfg->router_sigmoid = true;
         else if (!strcmp(router, "softmax")) cfg->router_sigmoid = false;
         else
             return k3_err(err, K3_ERR_UNSUPPORTED,
                           "%s: moe_router_activation_func '%s' is not supported", src, router);
         const char *topk_method;
-        TRY(get_str(&p, tc, "topk_method", "noaux_tc", &topk_method));
+        K3_TRY(get_str(&p, tc, "topk_method", "noaux_tc", &topk_method));
         if (strcmp(topk_method, "noaux_tc") && strcmp(topk_method, "greedy"))
             return k3_err(err, K3_ERR_UNSUPPORTED, "%s: topk_method '%s' is not supported",
                           src, topk_method);
-        TRY(get_bool(&p, tc, "moe_renormalize", true, &cfg->moe_renormalize));
+        K3_TRY(get_bool(&p, tc, "moe_renormalize", true, &cfg->moe_renormalize));
         double scale;
         /* defaults as in each family's config class (KimiLinear: 2.446) */
-        TRY(get_num(&p, tc, "routed_scaling_factor", k3 ? 1.0 : 2.446, &scale));
+        K3_TRY(get_num(&p, tc, "routed_scaling_factor", k3 ? 1.0 : 2.446, &scale));
         if (!(scale > 0))
             return k3_err(err, K3_ERR_FORMAT, "%s: routed_scaling_factor = %g must be > 0",
                           src, scale);
         cfg->routed_scaling = (float)scale;
         /* the router ranks groups in fixed arrays (moe.c): at most K3_MOE_MAX_GROUPS */
-        TRY(get_i32(&p, tc, "num_expert_group", false, 1, 1, E < K3_MOE_MAX_GROUPS ? E : K3_MOE_MAX_GROUPS,
+        K3_TRY(get_i32(&p, tc, "num_expert_group", false, 1, 1, E < K3_MOE_MAX_GROUPS ? E : K3_MOE_MAX_GROUPS,
                     &cfg->n_expert_groups));
-        TRY(get_i32(&p, tc, "topk_group", false, 1, 1, cfg->n_expert_groups,
+        K3_TRY(get_i32(&p, tc, "topk_group", false, 1, 1, cfg->n_expert_groups,
                     &cfg->topk_groups));
         if (E % cfg->n_expert_groups)
             return k3_err(err, K3_ERR_FORMAT,

@@ -14,7 +14,7 @@
  * (vision tower, projector, MTP layers) are ignored.
  */
 #include "model.h"
-#include "../common/error.h"
+#include "common/error.h"
 
 #include <stdarg.h>
 #include <stdio.h>
@@ -342,12 +342,6 @@ static k3_status bind_res(walker *w, float **dst, const char *norm_name,
 
 /* ---- the layer walk ------------------------------------------------------ */
 
-#define TRY(x)                                                                \
-    do {                                                                      \
-        k3_status s_ = (x);                                                   \
-        if (s_ != K3_OK) return s_;                                           \
-    } while (0)
-
 /* &L->field, or NULL when counting (no layer to write to). */
 #define F(field) (L ? &L->field : NULL)
 
@@ -422,26 +416,26 @@ static k3_status walk_kda(walker *w, int i, k3_layer *L) {
     for (int j = 0; j < 3; j++) {
         k3_mat *proj = L ? (j == 0 ? &L->q_proj : j == 1 ? &L->k_proj : &L->v_proj) : NULL;
         float **conv = L ? (j == 0 ? &L->q_conv : j == 1 ? &L->k_conv : &L->v_conv) : NULL;
-        TRY(bind_mat(w, proj, nm(w, "model.layers.%d.self_attn.%s_proj.weight", i, qkv[j]),
+        K3_TRY(bind_mat(w, proj, nm(w, "model.layers.%d.self_attn.%s_proj.weight", i, qkv[j]),
                      HD, D));
-        TRY(bind_conv(w, conv, nm(w, "model.layers.%d.self_attn.%s_conv1d.weight", i, qkv[j]),
+        K3_TRY(bind_conv(w, conv, nm(w, "model.layers.%d.self_attn.%s_conv1d.weight", i, qkv[j]),
                       HD, c->conv_size));
     }
-    TRY(bind_mat(w, F(o_proj), nm(w, "model.layers.%d.self_attn.o_proj.weight", i), D, HD));
-    TRY(bind_mat(w, F(f_a), nm(w, "model.layers.%d.self_attn.f_a_proj.weight", i), dk, D));
-    TRY(bind_mat(w, F(f_b), nm(w, "model.layers.%d.self_attn.f_b_proj.weight", i), HD, dk));
-    TRY(bind_mat(w, F(b_proj), nm(w, "model.layers.%d.self_attn.b_proj.weight", i), H, D));
-    TRY(bind_alog(w, F(A_log), nm(w, "model.layers.%d.self_attn.A_log", i), H));
-    TRY(bind_vec(w, F(dt_bias), nm(w, "model.layers.%d.self_attn.dt_bias", i), HD));
-    TRY(bind_vec(w, F(o_norm), nm(w, "model.layers.%d.self_attn.o_norm.weight", i), dk));
+    K3_TRY(bind_mat(w, F(o_proj), nm(w, "model.layers.%d.self_attn.o_proj.weight", i), D, HD));
+    K3_TRY(bind_mat(w, F(f_a), nm(w, "model.layers.%d.self_attn.f_a_proj.weight", i), dk, D));
+    K3_TRY(bind_mat(w, F(f_b), nm(w, "model.layers.%d.self_attn.f_b_proj.weight", i), HD, dk));
+    K3_TRY(bind_mat(w, F(b_proj), nm(w, "model.layers.%d.self_attn.b_proj.weight", i), H, D));
+    K3_TRY(bind_alog(w, F(A_log), nm(w, "model.layers.%d.self_attn.A_log", i), H));
+    K3_TRY(bind_vec(w, F(dt_bias), nm(w, "model.layers.%d.self_attn.dt_bias", i), HD));
+    K3_TRY(bind_vec(w, F(o_norm), nm(w, "model.layers.%d.self_attn.o_norm.weight", i), dk));
     if (c->kda_full_rank_gate) {
-        TRY(bind_mat(w, F(g_proj), nm(w, "model.layers.%d.self_attn.g_proj.weight", i), HD, D));
+        K3_TRY(bind_mat(w, F(g_proj), nm(w, "model.layers.%d.self_attn.g_proj.weight", i), HD, D));
     } else {
         int64_t r = c->kda_gate_rank;
-        TRY(bind_mat(w, F(g_a), nm(w, "model.layers.%d.self_attn.g_a_proj.weight", i), r, D));
-        TRY(bind_mat(w, F(g_b), nm(w, "model.layers.%d.self_attn.g_b_proj.weight", i), HD, r));
+        K3_TRY(bind_mat(w, F(g_a), nm(w, "model.layers.%d.self_attn.g_a_proj.weight", i), r, D));
+        K3_TRY(bind_mat(w, F(g_b), nm(w, "model.layers.%d.self_attn.g_b_proj.weight", i), HD, r));
     }
-    if (w->pass == PASS_LOAD) TRY(derive_kda_in(w, L, c->kda_full_rank_gate));
+    if (w->pass == PASS_LOAD) K3_TRY(derive_kda_in(w, L, c->kda_full_rank_gate));
     return K3_OK;
 }
 
@@ -450,40 +444,40 @@ static k3_status walk_mla(walker *w, int i, k3_layer *L) {
     int64_t D = c->hidden_size, H = c->n_heads, ql = c->q_lora_rank, kv = c->kv_lora_rank;
     int64_t qk = c->qk_nope_dim + c->qk_rope_dim, v = c->v_head_dim;
     if (ql > 0) {
-        TRY(bind_mat(w, F(q_a), nm(w, "model.layers.%d.self_attn.q_a_proj.weight", i), ql, D));
-        TRY(bind_vec(w, F(q_a_norm), nm(w, "model.layers.%d.self_attn.q_a_layernorm.weight", i),
+        K3_TRY(bind_mat(w, F(q_a), nm(w, "model.layers.%d.self_attn.q_a_proj.weight", i), ql, D));
+        K3_TRY(bind_vec(w, F(q_a_norm), nm(w, "model.layers.%d.self_attn.q_a_layernorm.weight", i),
                      ql));
-        TRY(bind_mat(w, F(q_b), nm(w, "model.layers.%d.self_attn.q_b_proj.weight", i), H * qk,
+        K3_TRY(bind_mat(w, F(q_b), nm(w, "model.layers.%d.self_attn.q_b_proj.weight", i), H * qk,
                      ql));
     } else {
-        TRY(bind_mat(w, F(q_b), nm(w, "model.layers.%d.self_attn.q_proj.weight", i), H * qk, D));
+        K3_TRY(bind_mat(w, F(q_b), nm(w, "model.layers.%d.self_attn.q_proj.weight", i), H * qk, D));
     }
-    TRY(bind_mat(w, F(kv_a), nm(w, "model.layers.%d.self_attn.kv_a_proj_with_mqa.weight", i),
+    K3_TRY(bind_mat(w, F(kv_a), nm(w, "model.layers.%d.self_attn.kv_a_proj_with_mqa.weight", i),
                  kv + c->qk_rope_dim, D));
-    TRY(bind_vec(w, F(kv_a_norm), nm(w, "model.layers.%d.self_attn.kv_a_layernorm.weight", i),
+    K3_TRY(bind_vec(w, F(kv_a_norm), nm(w, "model.layers.%d.self_attn.kv_a_layernorm.weight", i),
                  kv));
-    TRY(bind_mat(w, F(kv_b), nm(w, "model.layers.%d.self_attn.kv_b_proj.weight", i),
+    K3_TRY(bind_mat(w, F(kv_b), nm(w, "model.layers.%d.self_attn.kv_b_proj.weight", i),
                  H * (c->qk_nope_dim + v), kv));
-    TRY(bind_mat(w, F(o_proj), nm(w, "model.layers.%d.self_attn.o_proj.weight", i), D, H * v));
+    K3_TRY(bind_mat(w, F(o_proj), nm(w, "model.layers.%d.self_attn.o_proj.weight", i), D, H * v));
     if (c->mla_use_output_gate)
-        TRY(bind_mat(w, F(g_proj), nm(w, "model.layers.%d.self_attn.g_proj.weight", i), H * v,
+        K3_TRY(bind_mat(w, F(g_proj), nm(w, "model.layers.%d.self_attn.g_proj.weight", i), H * v,
                      D));
     if (c->layer_kind[i] == K3_LAYER_DSA) {
         int64_t HI = c->index_n_heads, dI = c->index_head_dim;
-        TRY(bind_mat(w, F(idx_wq_b),
+        K3_TRY(bind_mat(w, F(idx_wq_b),
                      nm(w, "model.layers.%d.self_attn.indexer.wq_b.weight", i), HI * dI, ql));
-        TRY(bind_mat(w, F(idx_wk), nm(w, "model.layers.%d.self_attn.indexer.wk.weight", i), dI,
+        K3_TRY(bind_mat(w, F(idx_wk), nm(w, "model.layers.%d.self_attn.indexer.wk.weight", i), dI,
                      D));
-        TRY(bind_vec(w, F(idx_k_norm_w),
+        K3_TRY(bind_vec(w, F(idx_k_norm_w),
                      nm(w, "model.layers.%d.self_attn.indexer.k_norm.weight", i), dI));
-        TRY(bind_vec(w, F(idx_k_norm_b),
+        K3_TRY(bind_vec(w, F(idx_k_norm_b),
                      nm(w, "model.layers.%d.self_attn.indexer.k_norm.bias", i), dI));
-        TRY(bind_mat(w, F(idx_weights),
+        K3_TRY(bind_mat(w, F(idx_weights),
                      nm(w, "model.layers.%d.self_attn.indexer.weights_proj.weight", i), HI, D));
     }
     if (w->pass == PASS_LOAD) {
-        TRY(derive_wuk(w, L));
-        TRY(derive_mla_down(w, L));
+        K3_TRY(derive_wuk(w, L));
+        K3_TRY(derive_mla_down(w, L));
     }
     return K3_OK;
 }
@@ -494,25 +488,25 @@ static k3_status walk_moe(walker *w, int i, k3_layer *L) {
     const char *P = "model.layers.%d.block_sparse_moe.";
     char fmt[160];
 #define MOE(suffix) (snprintf(fmt, sizeof fmt, "%s%s", P, suffix), nm(w, fmt, i))
-    TRY(bind_mat(w, F(router), MOE("gate.weight"), E, D));
-    TRY(bind_vec_opt(w, F(router_bias), MOE("gate.e_score_correction_bias"), E, true));
+    K3_TRY(bind_mat(w, F(router), MOE("gate.weight"), E, D));
+    K3_TRY(bind_vec_opt(w, F(router_bias), MOE("gate.e_score_correction_bias"), E, true));
     if (c->latent_moe) {
-        TRY(bind_mat(w, F(lat_down), MOE("routed_expert_down_proj.weight"), Dl, D));
-        TRY(bind_mat(w, F(lat_up), MOE("routed_expert_up_proj.weight"), D, Dl));
+        K3_TRY(bind_mat(w, F(lat_down), MOE("routed_expert_down_proj.weight"), Dl, D));
+        K3_TRY(bind_mat(w, F(lat_up), MOE("routed_expert_up_proj.weight"), D, Dl));
         if (c->latent_moe_norm)
-            TRY(bind_vec(w, F(lat_norm), MOE("routed_expert_norm.weight"), Dl));
+            K3_TRY(bind_vec(w, F(lat_norm), MOE("routed_expert_norm.weight"), Dl));
     }
     if (c->n_shared_experts > 0) {
         int64_t S = c->n_shared_experts * Im;
-        TRY(bind_mat(w, F(sh_gate), MOE("shared_experts.gate_proj.weight"), S, D));
-        TRY(bind_mat(w, F(sh_up), MOE("shared_experts.up_proj.weight"), S, D));
-        TRY(bind_mat(w, F(sh_down), MOE("shared_experts.down_proj.weight"), D, S));
+        K3_TRY(bind_mat(w, F(sh_gate), MOE("shared_experts.gate_proj.weight"), S, D));
+        K3_TRY(bind_mat(w, F(sh_up), MOE("shared_experts.up_proj.weight"), S, D));
+        K3_TRY(bind_mat(w, F(sh_down), MOE("shared_experts.down_proj.weight"), D, S));
         if (w->pass == PASS_LOAD) {
             /* the latent down-projection and the shared experts' gate and up
              * all read the layer input: one stack when latent, else gate+up */
             const k3_mat *parts[3] = {&L->lat_down, &L->sh_gate, &L->sh_up};
-            if (c->latent_moe) TRY(derive_stack(w, parts, 3, &L->moe_in));
-            if (!L->moe_in.data) TRY(derive_gate_up(w, &L->sh_gate, &L->sh_up, &L->sh_gu));
+            if (c->latent_moe) K3_TRY(derive_stack(w, parts, 3, &L->moe_in));
+            if (!L->moe_in.data) K3_TRY(derive_gate_up(w, &L->sh_gate, &L->sh_up, &L->sh_gu));
         }
     }
 #undef MOE
@@ -572,21 +566,21 @@ static k3_status walk_layer(walker *w, int i, k3_layer *L) {
         L->kind = (k3_layer_kind)c->layer_kind[i];
         L->moe = c->layer_moe[i];
     }
-    TRY(bind_vec(w, F(input_norm), nm(w, "model.layers.%d.input_layernorm.weight", i), D));
-    TRY(bind_vec(w, F(post_attn_norm), nm(w, "model.layers.%d.post_attention_layernorm.weight", i),
+    K3_TRY(bind_vec(w, F(input_norm), nm(w, "model.layers.%d.input_layernorm.weight", i), D));
+    K3_TRY(bind_vec(w, F(post_attn_norm), nm(w, "model.layers.%d.post_attention_layernorm.weight", i),
                  D));
     if (c->attn_res_block_size > 0) {
         char pn[256];
         snprintf(pn, sizeof pn, "model.layers.%d.self_attention_res_proj.weight", i);
-        TRY(bind_res(w, F(attn_res_w), nm(w, "model.layers.%d.self_attention_res_norm.weight", i),
+        K3_TRY(bind_res(w, F(attn_res_w), nm(w, "model.layers.%d.self_attention_res_norm.weight", i),
                      pn, D));
         snprintf(pn, sizeof pn, "model.layers.%d.mlp_res_proj.weight", i);
-        TRY(bind_res(w, F(mlp_res_w), nm(w, "model.layers.%d.mlp_res_norm.weight", i), pn, D));
+        K3_TRY(bind_res(w, F(mlp_res_w), nm(w, "model.layers.%d.mlp_res_norm.weight", i), pn, D));
     }
-    if (c->layer_kind[i] == K3_LAYER_KDA) TRY(walk_kda(w, i, L));
-    else TRY(walk_mla(w, i, L));
+    if (c->layer_kind[i] == K3_LAYER_KDA) K3_TRY(walk_kda(w, i, L));
+    else K3_TRY(walk_mla(w, i, L));
     if (c->layer_moe[i]) {
-        TRY(walk_moe(w, i, L));
+        K3_TRY(walk_moe(w, i, L));
     } else {
         int64_t I = c->intermediate_size;
         /* transformers' KimiLinear save renames every ".mlp." to
@@ -595,10 +589,10 @@ static k3_status walk_layer(walker *w, int i, k3_layer *L) {
         if (!lookup(w, nm(w, "model.layers.%d.mlp.gate_proj.weight", i)) &&
             lookup(w, nm(w, "model.layers.%d.block_sparse_moe.gate_proj.weight", i)))
             mlp = "block_sparse_moe";
-        TRY(bind_mat(w, F(ffn_gate), nm(w, "model.layers.%d.%s.gate_proj.weight", i, mlp), I, D));
-        TRY(bind_mat(w, F(ffn_up), nm(w, "model.layers.%d.%s.up_proj.weight", i, mlp), I, D));
-        TRY(bind_mat(w, F(ffn_down), nm(w, "model.layers.%d.%s.down_proj.weight", i, mlp), D, I));
-        if (w->pass == PASS_LOAD) TRY(derive_gate_up(w, &L->ffn_gate, &L->ffn_up, &L->ffn_gu));
+        K3_TRY(bind_mat(w, F(ffn_gate), nm(w, "model.layers.%d.%s.gate_proj.weight", i, mlp), I, D));
+        K3_TRY(bind_mat(w, F(ffn_up), nm(w, "model.layers.%d.%s.up_proj.weight", i, mlp), I, D));
+        K3_TRY(bind_mat(w, F(ffn_down), nm(w, "model.layers.%d.%s.down_proj.weight", i, mlp), D, I));
+        if (w->pass == PASS_LOAD) K3_TRY(derive_gate_up(w, &L->ffn_gate, &L->ffn_up, &L->ffn_gu));
     }
     return K3_OK;
 }
@@ -610,20 +604,20 @@ static k3_status walk_model(walker *w) {
     k3_model *o = w->out;
     int64_t V = c->vocab_size, D = c->hidden_size;
     stats before = w->st;
-    TRY(bind_mat(w, o ? &o->embed : NULL, "model.embed_tokens.weight", V, D));
+    K3_TRY(bind_mat(w, o ? &o->embed : NULL, "model.embed_tokens.weight", V, D));
     w->st.emb_params += w->st.params - before.params;
     w->st.emb_bytes += w->st.bytes - before.bytes;
     if (c->tie_word_embeddings) {
         if (o) o->lm_head = o->embed;
     } else {
-        TRY(bind_mat(w, o ? &o->lm_head : NULL, "lm_head.weight", V, D));
+        K3_TRY(bind_mat(w, o ? &o->lm_head : NULL, "lm_head.weight", V, D));
     }
-    TRY(bind_vec(w, o ? &o->final_norm : NULL, "model.norm.weight", D));
+    K3_TRY(bind_vec(w, o ? &o->final_norm : NULL, "model.norm.weight", D));
     if (c->attn_res_block_size > 0)
-        TRY(bind_res(w, o ? &o->out_res_w : NULL, "model.output_attn_res_norm.weight",
+        K3_TRY(bind_res(w, o ? &o->out_res_w : NULL, "model.output_attn_res_norm.weight",
                      "model.output_attn_res_proj.weight", D));
     for (int i = 0; i < c->n_layers; i++)
-        TRY(walk_layer(w, i, o ? &o->layers[i] : NULL));
+        K3_TRY(walk_layer(w, i, o ? &o->layers[i] : NULL));
     return K3_OK;
 }
 

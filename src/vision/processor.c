@@ -66,29 +66,23 @@ static k3_status get_vec3(json_t *o, const char *key, double *v, bool positive, 
     return K3_OK;
 }
 
-#define TRY(x)                          \
-    do {                                \
-        k3_status s_ = (x);             \
-        if (s_) return s_;              \
-    } while (0)
-
 static k3_status parse_proc(k3_image_proc *p, json_t *c, const char *src, k3_error *err) {
     int64_t v;
     v = p->patch_size;
-    TRY(get_int(c, "patch_size", 1, 1024, &v, src, err));
+    K3_TRY(get_int(c, "patch_size", 1, 1024, &v, src, err));
     p->patch_size = (int32_t)v;
     v = p->merge;
-    TRY(get_int(c, "merge_kernel_size", 1, 16, &v, src, err));
+    K3_TRY(get_int(c, "merge_kernel_size", 1, 16, &v, src, err));
     p->merge = (int32_t)v;
-    TRY(get_int(c, "in_patch_limit", 1, (int64_t)1 << 30, &p->in_patch_limit, src, err));
+    K3_TRY(get_int(c, "in_patch_limit", 1, (int64_t)1 << 30, &p->in_patch_limit, src, err));
     v = p->side_limit;
-    TRY(get_int(c, "patch_limit_on_one_side", 1, 1 << 16, &v, src, err));
+    K3_TRY(get_int(c, "patch_limit_on_one_side", 1, 1 << 16, &v, src, err));
     p->side_limit = (int32_t)v;
     json_t *fixed = json_object_get(c, "fixed_output_tokens");
     if (fixed && !json_is_null(fixed))
         return k3_err(err, K3_ERR_UNSUPPORTED, "%s: fixed_output_tokens is not supported", src);
-    TRY(get_vec3(c, "image_mean", p->mean, false, src, err));
-    TRY(get_vec3(c, "image_std", p->std, true, src, err));
+    K3_TRY(get_vec3(c, "image_mean", p->mean, false, src, err));
+    K3_TRY(get_vec3(c, "image_std", p->std, true, src, err));
     json_t *stage = json_object_get(c, "transparent_bg_fill_stage");
     if (stage && !json_is_null(stage)) {
         const char *s = json_string_value(stage);
@@ -121,13 +115,13 @@ static k3_status parse_proc(k3_image_proc *p, json_t *c, const char *src, k3_err
         else return k3_err(err, K3_ERR_FORMAT, "%s: unknown transparent_bg_config.pattern '%s'", src, s);
     }
     v = p->square;
-    TRY(get_int(bg, "chessboard_square_size", 1, 1 << 16, &v, src, err));
+    K3_TRY(get_int(bg, "chessboard_square_size", 1, 1 << 16, &v, src, err));
     p->square = (int32_t)v;
     v = p->white;
-    TRY(get_int(bg, "chessboard_white_value", 0, 255, &v, src, err));
+    K3_TRY(get_int(bg, "chessboard_white_value", 0, 255, &v, src, err));
     p->white = (int32_t)v;
     v = p->gray;
-    TRY(get_int(bg, "chessboard_gray_value", 0, 255, &v, src, err));
+    K3_TRY(get_int(bg, "chessboard_gray_value", 0, 255, &v, src, err));
     p->gray = (int32_t)v;
     json_t *tl = json_object_get(bg, "chessboard_square_on_top_left");
     if (tl) {

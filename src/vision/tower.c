@@ -96,28 +96,22 @@ static k3_status vfalse(vparse *p, const char *key) {
     return K3_OK;
 }
 
-#define TRY(x)                          \
-    do {                                \
-        k3_status s_ = (x);             \
-        if (s_) goto fail;              \
-    } while (0)
-
 static k3_status parse_vision_config(k3_vision_config *c, json_t *root, json_t *vc, const char *src,
                                      const k3_config *text, k3_error *err) {
     vparse p = {vc, src, err};
     int64_t v;
     if (!json_is_object(vc)) return k3_err(err, K3_ERR_FORMAT, "%s: vision_config is not an object", src);
-    TRY(vint(&p, "patch_size", 14, 1, 64, &v)); c->patch_size = (int32_t)v;
-    TRY(vint(&p, "init_pos_emb_height", 64, 1, 512, &v)); c->pos_h = (int32_t)v;
-    TRY(vint(&p, "init_pos_emb_width", 64, 1, 512, &v)); c->pos_w = (int32_t)v;
-    TRY(vint(&p, "init_pos_emb_time", 4, 1, 1024, &v)); c->pos_t = (int32_t)v;
-    TRY(vint(&p, "vt_num_attention_heads", 12, 1, 1024, &v)); c->n_heads = (int32_t)v;
-    TRY(vint(&p, "vt_num_hidden_layers", 27, 1, 1024, &v)); c->n_layers = (int32_t)v;
-    TRY(vint(&p, "vt_hidden_size", 1024, 1, 1 << 16, &c->hidden));
-    TRY(vint(&p, "vt_intermediate_size", 4096, 1, 1 << 18, &c->mlp));
-    TRY(vint(&p, "qkv_hidden_size", 1536, 1, 1 << 16, &c->qkv));
-    TRY(vint(&p, "mm_hidden_size", c->hidden, 1, 1 << 16, &c->mm_hidden));
-    TRY(vint(&p, "text_hidden_size", 7168, 1, 1 << 20, &c->text_hidden));
+    K3_TRY(vint(&p, "patch_size", 14, 1, 64, &v)); c->patch_size = (int32_t)v;
+    K3_TRY(vint(&p, "init_pos_emb_height", 64, 1, 512, &v)); c->pos_h = (int32_t)v;
+    K3_TRY(vint(&p, "init_pos_emb_width", 64, 1, 512, &v)); c->pos_w = (int32_t)v;
+    K3_TRY(vint(&p, "init_pos_emb_time", 4, 1, 1024, &v)); c->pos_t = (int32_t)v;
+    K3_TRY(vint(&p, "vt_num_attention_heads", 12, 1, 1024, &v)); c->n_heads = (int32_t)v;
+    K3_TRY(vint(&p, "vt_num_hidden_layers", 27, 1, 1024, &v)); c->n_layers = (int32_t)v;
+    K3_TRY(vint(&p, "vt_hidden_size", 1024, 1, 1 << 16, &c->hidden));
+    K3_TRY(vint(&p, "vt_intermediate_size", 4096, 1, 1 << 18, &c->mlp));
+    K3_TRY(vint(&p, "qkv_hidden_size", 1536, 1, 1 << 16, &c->qkv));
+    K3_TRY(vint(&p, "mm_hidden_size", c->hidden, 1, 1 << 16, &c->mm_hidden));
+    K3_TRY(vint(&p, "text_hidden_size", 7168, 1, 1 << 20, &c->text_hidden));
     json_t *mk = json_object_get(vc, "merge_kernel_size");
     c->merge_h = c->merge_w = 2;
     if (mk && !json_is_null(mk)) {
@@ -133,20 +127,20 @@ static k3_status parse_vision_config(k3_vision_config *c, json_t *root, json_t *
     static const char *const rms[] = {"rmsnorm"}, *const mlp2[] = {"mlp2"}, *const tpool[] = {"sd2_tpool"},
                              *const pm2[] = {"patchmergerv2"}, *const fixed[] = {"divided_fixed"},
                              *const gelu[] = {"gelu"}, *const interp[] = {"bilinear", "bicubic"};
-    TRY(vstr(&p, "norm_type", "rmsnorm", rms, 1, NULL));
-    TRY(vstr(&p, "mlp_type", "mlp2", mlp2, 1, NULL));
-    TRY(vstr(&p, "merge_type", "sd2_tpool", tpool, 1, NULL));
-    TRY(vstr(&p, "mm_projector_type", "patchmergerv2", pm2, 1, NULL));
-    TRY(vstr(&p, "pos_emb_type", "divided_fixed", fixed, 1, NULL));
-    TRY(vstr(&p, "projector_hidden_act", "gelu", gelu, 1, NULL));
+    K3_TRY(vstr(&p, "norm_type", "rmsnorm", rms, 1, NULL));
+    K3_TRY(vstr(&p, "mlp_type", "mlp2", mlp2, 1, NULL));
+    K3_TRY(vstr(&p, "merge_type", "sd2_tpool", tpool, 1, NULL));
+    K3_TRY(vstr(&p, "mm_projector_type", "patchmergerv2", pm2, 1, NULL));
+    K3_TRY(vstr(&p, "pos_emb_type", "divided_fixed", fixed, 1, NULL));
+    K3_TRY(vstr(&p, "projector_hidden_act", "gelu", gelu, 1, NULL));
     /* activation_func is not read: MoonViT3dPretrainedModel hard-codes
      * PytorchGELUTanh whatever the config says. */
     int which = 0;
-    TRY(vstr(&p, "pos_emb_interpolation_mode", "bilinear", interp, 2, &which));
+    K3_TRY(vstr(&p, "pos_emb_interpolation_mode", "bilinear", interp, 2, &which));
     c->interp = which ? K3_INTERP_BICUBIC : K3_INTERP_BILINEAR;
-    TRY(vfalse(&p, "attn_bias"));
-    TRY(vfalse(&p, "linear_bias"));
-    TRY(vfalse(&p, "patch_embed_proj_bias"));
+    K3_TRY(vfalse(&p, "attn_bias"));
+    K3_TRY(vfalse(&p, "linear_bias"));
+    K3_TRY(vfalse(&p, "patch_embed_proj_bias"));
     json_t *eps = json_object_get(vc, "projector_ln_eps");
     double e = eps && json_is_number(eps) ? json_number_value(eps) : 1e-5;
     if (!(e > 0 && e < 1)) return k3_err(err, K3_ERR_FORMAT, "%s: vision_config.projector_ln_eps must be in (0, 1)", src);
@@ -168,10 +162,7 @@ static k3_status parse_vision_config(k3_vision_config *c, json_t *root, json_t *
                       (long long)pid, (long long)text->vocab_size);
     c->media_pad_id = (int32_t)pid;
     return K3_OK;
-fail:
-    return err ? err->status : K3_ERR_FORMAT;
 }
-#undef TRY
 
 /* ---- tensors ------------------------------------------------------------------ */
 
