@@ -4,10 +4,10 @@
 #include <math.h>
 #include <string.h>
 
-#include "attn/attnres.h"
-#include "attn/mla.h"
+#include "kernels/attnres.h"
+#include "kernels/mla.h"
 #include "kernels/kernels.h"
-#include "moe/moe.h"
+#include "kernels/router.h"
 #include "test.h"
 
 static uint64_t rng = 7;

@@ -4,7 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "attn/mla.h"
+#include "kernels/mla.h"
 #include "kernels/attn_ops.h"
 #include "kernels/kernels.h"
 #include "test.h"

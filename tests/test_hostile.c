@@ -19,7 +19,7 @@
 #include "k3.h"
 #include "kernels/attn_ops.h"
 #include "model/config.h"
-#include "moe/moe.h"
+#include "kernels/router.h"
 #include "tokenizer/tokenizer_internal.h"
 
 #define TINY "tests/models/tiny"

@@ -3,7 +3,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "attn/kda.h"
+#include "kernels/kda.h"
 #include "kernels/kernels.h"
 #include "test.h"
 

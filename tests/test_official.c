@@ -13,7 +13,7 @@
 #include "../cli/cli.h"
 #include "k3.h"
 #include "model/safetensors.h"
-#include "moe/moe.h"
+#include "kernels/router.h"
 #include "test.h"
 
 typedef struct golden {

@@ -11,8 +11,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "attn/kda.h"
-#include "attn/mla.h"
+#include "kernels/kda.h"
+#include "kernels/mla.h"
 #include "k3.h"
 #include "model/safetensors.h"
 #include "test.h"

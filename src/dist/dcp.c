@@ -18,7 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "attn/mla.h"
+#include "kernels/mla.h"
 #include "common/error.h"
 #include "common/pool.h"
 #include "dist.h"

@@ -11,7 +11,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "attn/kda.h"
+#include "kernels/kda.h"
 #include "dist/dist.h"
 #include "dist/hooks.h"
 #include "kernels/attn_ops.h"

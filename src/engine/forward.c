@@ -10,14 +10,14 @@
 #include <math.h>
 #include <string.h>
 
-#include "attn/attnres.h"
-#include "attn/kda.h"
-#include "attn/mla.h"
+#include "kernels/attnres.h"
+#include "kernels/kda.h"
+#include "kernels/mla.h"
 #include "common/pool.h"
 #include "kernels/attn_ops.h"
 #include "ctx.h"
 #include "dist/hooks.h"
-#include "moe/moe.h"
+#include "kernels/router.h"
 
 /* ---- small row helpers ------------------------------------------------- */
 

@@ -1,6 +1,6 @@
 /*
  * kda_avx2.c -- AVX2 + FMA paths of the KDA recurrent and chunked forms (see
- * attn/kda.h). They mirror k3_kda_recurrent_ref / k3_kda_chunked_ref: same
+ * kda.h). They mirror k3_kda_recurrent_ref / k3_kda_chunked_ref: same
  * algebra, fp32 throughout, only the summation order (and FMA rounding)
  * differs. Compiled with -mavx2 -mfma; called only when the CPU has them and
  * dk, dv are multiples of 8.
@@ -45,7 +45,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "attn/kda.h"
+#include "kernels/kda.h"
 #include "kernels/vexp_avx2.h"
 
 #define AI static inline __attribute__((always_inline))

@@ -1,5 +1,5 @@
 /*
- * kda_avx512.c -- AVX-512 (F) path of the KDA recurrent form (see attn/kda.h
+ * kda_avx512.c -- AVX-512 (F) path of the KDA recurrent form (see kda.h
  * and kda_avx2.c, whose header describes the panel walk). Mirrors
  * k3_kda_recurrent_ref.
  *
@@ -12,7 +12,7 @@
 #include <immintrin.h>
 #include <stdint.h>
 
-#include "attn/kda.h"
+#include "kernels/kda.h"
 #include "kernels/vexp_avx512.h"
 
 #define AI static inline __attribute__((always_inline))

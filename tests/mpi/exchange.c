@@ -13,7 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "attn/mla.h"
+#include "kernels/mla.h"
 #include "common/error.h"
 #include "dist/dist.h"
 

@@ -8,8 +8,8 @@
  * log-decay (<= 0), beta in (0,1). Mirrors fla `naive_recurrent_kda` /
  * `naive_chunk_kda`.
  */
-#ifndef K3_ATTN_KDA_H
-#define K3_ATTN_KDA_H
+#ifndef K3_KERNELS_KDA_H
+#define K3_KERNELS_KDA_H
 
 #include <stdbool.h>
 #include <stdint.h>
@@ -69,4 +69,4 @@ void k3_kda_gate(float *z, int n, float A_log, const float *dt_bias, bool has_lb
 void k3_kda_conv(float *x, int64_t ldx, int n, int C, int K, const float *w, int64_t ldw, float *state,
                  int64_t lds);
 
-#endif /* K3_ATTN_KDA_H */
+#endif /* K3_KERNELS_KDA_H */

@@ -1,5 +1,5 @@
-/* moe.c -- the router (see moe.h). */
-#include "moe.h"
+/* router.c -- the MoE router (see router.h). */
+#include "router.h"
 
 #include <math.h>
 

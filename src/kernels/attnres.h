@@ -9,8 +9,8 @@
  * double accumulation of the reductions. The engine splits the tokens of a
  * round evenly over the threads (scores and mix fused per token).
  */
-#ifndef K3_ATTN_ATTNRES_H
-#define K3_ATTN_ATTNRES_H
+#ifndef K3_KERNELS_ATTNRES_H
+#define K3_KERNELS_ATTNRES_H
 
 #include <stdint.h>
 
@@ -22,4 +22,4 @@ void k3_attnres_mix(const float *const *V, int n, const float *w, int64_t D, flo
 void k3_attnres_mix_ref(const float *const *V, int n, const float *w, int64_t D, float eps,
                         float *out);
 
-#endif /* K3_ATTN_ATTNRES_H */
+#endif /* K3_KERNELS_ATTNRES_H */

@@ -8,8 +8,8 @@
  * (kv_lora values) and q_pe (rope values); its output is the latent average
  * ĉ = Σ_s p_s c_s, to which the caller applies W_UV.
  */
-#ifndef K3_ATTN_MLA_H
-#define K3_ATTN_MLA_H
+#ifndef K3_KERNELS_MLA_H
+#define K3_KERNELS_MLA_H
 
 #include <stdint.h>
 
@@ -30,4 +30,4 @@ void k3_indexer_scores(const float *q, const float *w, int HI, int dI,
  * returns the count. work: [n] ints. */
 int k3_topk(const float *scores, int n, int k, int32_t *sel, int32_t *work);
 
-#endif /* K3_ATTN_MLA_H */
+#endif /* K3_KERNELS_MLA_H */

@@ -1,5 +1,5 @@
 /*
- * moe.h -- the MoE router (k3-model.md §3.5; the gated activations are k3_glu in
+ * router.h -- the MoE router (k3-model.md §3.5; the gated activations are k3_glu in
  * kernels.h).
  *
  * Router: scores s = sigmoid(logits) (or softmax); experts chosen by the top-k
@@ -8,8 +8,8 @@
  * n_group > topk_group the groups are first ranked by the sum of their two
  * best biased scores (DeepSeek's noaux_tc).
  */
-#ifndef K3_MOE_MOE_H
-#define K3_MOE_MOE_H
+#ifndef K3_KERNELS_ROUTER_H
+#define K3_KERNELS_ROUTER_H
 
 #include <stdbool.h>
 #include <stdint.h>
@@ -26,4 +26,4 @@ typedef struct k3_router_cfg {
 void k3_router_select(const k3_router_cfg *rc, float *logits, const float *bias,
                       int32_t *ids, float *weights, float *work);
 
-#endif /* K3_MOE_MOE_H */
+#endif /* K3_KERNELS_ROUTER_H */
