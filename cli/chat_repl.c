@@ -138,7 +138,6 @@ int k3_cli_chat_repl(const k3_cli_repl *r) {
     int64_t n_ctx = r->n_ctx > 0 ? r->n_ctx : 4096;
     if (n_ctx > info.max_positions) n_ctx = info.max_positions;
     const int32_t eom = k3_tokenizer_special(r->tok, "<|end_of_msg|>");
-    const int32_t eos = k3_tokenizer_special(r->tok, "[EOS]");
     if (eom < 0) {
         fprintf(stderr, "k3 run: the tokenizer has no <|end_of_msg|> token, so it cannot hold a conversation\n");
         return 1;
@@ -214,7 +213,7 @@ int k3_cli_chat_repl(const k3_cli_repl *r) {
                                 "`k3 info -m DIR` names the tensor\n");
                 goto out;
             }
-            if (id == eom || id == eos) {
+            if (k3_tokenizer_is_eos(r->tok, id)) {
                 if (feed(ctx, &eom, 1, NULL, &err)) goto fail;
                 k3_sampler_accept(smp, eom);
                 ended = true;

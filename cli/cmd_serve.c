@@ -200,11 +200,8 @@ int k3_cmd_serve(int argc, char **argv) {
             k3_pool_init(&vpool, (int)(vthreads ? vthreads : threads), &err))
             goto fail;
     }
-    int32_t eos[2];
-    int n_eos = 0;
-    const int32_t e1 = k3_tokenizer_special(tok, "[EOS]"), e2 = k3_tokenizer_special(tok, "<|end_of_msg|>");
-    if (e1 >= 0) eos[n_eos++] = e1;
-    if (e2 >= 0) eos[n_eos++] = e2;
+    int32_t eos[K3_MAX_EOS_IDS];
+    const int32_t n_eos = k3_tokenizer_eos_ids(tok, eos);
     k3_engine_options eo = {.max_num_seqs = (int32_t)max_seqs,
                             .max_num_batched_tokens = (int32_t)max_batched,
                             .max_step_cost = (int32_t)max_step_cost,

@@ -350,10 +350,8 @@ distributed:
         memmove(logits, logits + (n_ids - 1) * V, sizeof(float) * (size_t)V);
     }
 
-    const int32_t eom = tok ? k3_tokenizer_special(tok, "<|end_of_msg|>") : -1;
     k3_cli_chat_view cr;
     if (chat) k3_cli_chat_render_init(&cr, tok, think, stdout);
-    const int32_t eos = tok ? k3_tokenizer_special(tok, "[EOS]") : -1;
     int n_done = 0;
     double t1 = k3_now();
     const char *stop = "";
@@ -368,7 +366,7 @@ distributed:
                             "`k3 info -m DIR` names the tensor\n");
             goto out_quiet;
         }
-        if (id == eom || id == eos) {
+        if (tok && k3_tokenizer_is_eos(tok, id)) {
             stop = " (end of message)";
             break;
         }

@@ -147,6 +147,13 @@ void k3_tokenizer_free(k3_tokenizer *t);
 int32_t k3_tokenizer_n_vocab(const k3_tokenizer *t);
 /* Id of a special token by name ("<|end_of_msg|>"), or -1. */
 int32_t k3_tokenizer_special(const k3_tokenizer *t, const char *name);
+/* The ids that end a generation: [EOS] (the end of a text) and
+ * <|end_of_msg|> (the end of a chat turn), those of them the tokenizer has,
+ * in that order. Returns how many were written. */
+#define K3_MAX_EOS_IDS 2
+int32_t k3_tokenizer_eos_ids(const k3_tokenizer *t, int32_t out[K3_MAX_EOS_IDS]);
+/* Whether id is one of k3_tokenizer_eos_ids. */
+bool k3_tokenizer_is_eos(const k3_tokenizer *t, int32_t id);
 /* True for special (added) ids. */
 bool k3_tokenizer_is_special(const k3_tokenizer *t, int32_t id);
 

@@ -482,7 +482,6 @@ k3_status k3_srv_encode_chat(struct k3_server *s, json_t *root, k3_vision_prompt
 
 /* ---- text ------------------------------------------------------------- */
 
-static bool is_eos(const struct k3_server *s, int32_t id) { return id == s->eom_id || id == s->eos_id; }
 
 /* Decodes new tokens, finds stop strings. Called with j->mu held. */
 static void choice_advance(job *j, choice *c) {
@@ -496,7 +495,7 @@ static void choice_advance(job *j, choice *c) {
         size_t len = 0;
         const char *p = k3_tokenizer_token(s->tok, id, &len);
         if (!p) continue;
-        if (k3_tokenizer_is_special(s->tok, id) && (!j->chat || is_eos(s, id))) continue;
+        if (k3_tokenizer_is_special(s->tok, id) && (!j->chat || k3_tokenizer_is_eos(s->tok, id))) continue;
         const size_t before = c->text.len;
         k3_buf_add(&c->text, p, len);
         if (j->stops.n) {

@@ -352,8 +352,6 @@ k3_status k3_server_start(k3_server **out, const k3_server_options *opt, k3_erro
     s->max_body = opt->max_body_bytes ? opt->max_body_bytes : (size_t)4 << 20;
     s->timeout_s = opt->timeout_s > 0 ? opt->timeout_s : 30;
     s->created = (long)time(NULL);
-    s->eom_id = k3_tokenizer_special(s->tok, "<|end_of_msg|>");
-    s->eos_id = k3_tokenizer_special(s->tok, "[EOS]");
     atomic_init(&s->stopping, false);
     atomic_init(&s->next_id, 1);
     int64_t mml = s->max_model_len;

@@ -40,7 +40,6 @@ struct k3_server {
     pthread_mutex_t fail_mu;
     bool failed;
     k3_error fail_err;
-    int32_t eom_id, eos_id; /* <|end_of_msg|>, [EOS] or -1 */
     /* images in chat (gen.c): the tower or NULL, its pool, encodes one at a time */
     const k3_vision *vision;
     k3_pool *vision_pool;

@@ -177,6 +177,24 @@ int32_t k3_tokenizer_special(const k3_tokenizer *t, const char *name) {
     return -1;
 }
 
+int32_t k3_tokenizer_eos_ids(const k3_tokenizer *t, int32_t out[K3_MAX_EOS_IDS]) {
+    static const char *const names[K3_MAX_EOS_IDS] = {"[EOS]", "<|end_of_msg|>"};
+    int32_t n = 0;
+    for (int i = 0; i < K3_MAX_EOS_IDS; i++) {
+        const int32_t id = k3_tokenizer_special(t, names[i]);
+        if (id >= 0) out[n++] = id;
+    }
+    return n;
+}
+
+bool k3_tokenizer_is_eos(const k3_tokenizer *t, int32_t id) {
+    int32_t ids[K3_MAX_EOS_IDS];
+    const int32_t n = k3_tokenizer_eos_ids(t, ids);
+    for (int32_t i = 0; i < n; i++)
+        if (ids[i] == id) return true;
+    return false;
+}
+
 bool k3_tokenizer_is_special(const k3_tokenizer *t, int32_t id) {
     return id >= t->bpe.n_ranks && id < k3_tokenizer_n_vocab(t);
 }
