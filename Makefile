@@ -17,9 +17,10 @@ CC      ?= cc
 OPT     ?= -O2 -fvect-cost-model=dynamic
 CFLAGS  ?= $(OPT) -g
 WARN    := -Wall -Wextra -Wshadow -Wstrict-prototypes -Wvla -Wno-unused-parameter -Wno-missing-field-initializers -Werror
-DEPS_PC := libpcre2-8 jansson libpng libjpeg libmicrohttpd libcurl
+DEPS_PC := libpcre2-8 jansson libpng libjpeg libwebp libwebpdemux libmicrohttpd libcurl
 K3_CFLAGS := -std=c11 -D_GNU_SOURCE -Iinclude -Isrc $(WARN) -pthread -MMD -MP
-LDLIBS  := -lm -pthread
+# giflib ships no pkg-config file: its header is checked by the deps step.
+LDLIBS  := -lgif -lm -pthread
 
 BUILD   := build
 DEPS_OK := $(BUILD)/.deps-ok
@@ -49,11 +50,14 @@ help:
 	@echo "make fuzz        run each libFuzzer harness for FUZZ_TIME seconds (default 60)"
 	@echo "make clean"
 
-# Installs the Debian packages the build needs when pkg-config cannot find them.
+# Installs the Debian packages the build needs when pkg-config cannot find them
+# (or the compiler cannot find giflib's header, which has no .pc file).
+HAVE_GIF_H = printf '\#include <gif_lib.h>\n' | $(CC) -E -x c - >/dev/null 2>&1
 $(DEPS_OK): scripts/install-deps.sh
 	@mkdir -p $(BUILD)
-	@pkg-config --exists $(DEPS_PC) 2>/dev/null || sh scripts/install-deps.sh
+	@{ pkg-config --exists $(DEPS_PC) && $(HAVE_GIF_H); } 2>/dev/null || sh scripts/install-deps.sh
 	@pkg-config --exists $(DEPS_PC) || { echo "missing: $(DEPS_PC) (see scripts/install-deps.sh)"; exit 1; }
+	@$(HAVE_GIF_H) || { echo "missing: gif_lib.h (libgif-dev, see scripts/install-deps.sh)"; exit 1; }
 	@touch $@
 deps: $(DEPS_OK)
 
