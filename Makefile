@@ -45,6 +45,7 @@ help:
 	@echo "make test        build and run the whole test suite"
 	@echo "make asan|ubsan  the suite under AddressSanitizer / UBSan"
 	@echo "make check-reference  compare with external references (needs PyPI)"
+	@echo "make test-hf-tokenizer  the Hugging Face tokenizer of each checkpoint against k3's (needs PyPI)"
 	@echo "make bench-model make the bench checkpoints (bench/bench, bench/bench-dsa; ~2 GB each)"
 	@echo "make install     install k3 and the default model under PREFIX (default /usr/local)"
 	@echo "make fuzz        run each libFuzzer harness for FUZZ_TIME seconds (default 60)"
@@ -99,6 +100,13 @@ ubsan:
 
 check-reference:
 	sh tools/check-reference.sh
+
+# The Hugging Face tokenizer every checkpoint ships (tools/hf_tokenizer)
+# against k3's, id for id: transformers + tiktoken in the project's .venv
+# (scripts/venv.sh, PyPI the first time), no torch.
+.PHONY: test-hf-tokenizer
+test-hf-tokenizer: $(BUILD)/k3
+	@PY=$$(sh scripts/venv.sh transformers tiktoken) && "$$PY" tests/hf_tokenizer.py $(BUILD)/k3
 
 format:
 	clang-format -i include/*.h src/*/*.[ch] cli/*.c tests/*.[ch]

@@ -67,6 +67,8 @@ from llmcompressor.modeling.kimi_k3.kimi_k3_vision_processing import KimiK3Visio
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "tests", "models", "tiny")
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import k3ckpt  # noqa: E402
 
 # Media specials of the tiny tokenizer: K3 has <|media_begin|> 163602,
 # <|media_content|> 163603, <|media_end|> 163604, <|media_pad|> 163605, i.e.
@@ -447,6 +449,7 @@ def write_bench(out, seed):
             os.remove(os.path.join(out, n))
     shutil.copy(os.path.join(TINY, "tiktoken.model"), out)
     shutil.copy(os.path.join(ROOT, "tests", "models", "vision-tiny", "tokenizer_config.json"), out)
+    k3ckpt.install_hf_tokenizer(out)
     print(f"wrote {out}: {sum(p.numel() for p in model.vision_tower.parameters()) / 1e6:.1f}M tower parameters")
 
 
@@ -501,6 +504,7 @@ def main():
     with open(os.path.join(a.model, "tokenizer_config.json"), "w") as f:
         json.dump(tc, f, indent=2, ensure_ascii=False)
         f.write("\n")
+    k3ckpt.install_hf_tokenizer(a.model)  # tokenization_k3.py + auto_map
 
     # ---- images and preprocessing ----
     img_dir = os.path.join(a.golden, "images")
