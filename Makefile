@@ -17,9 +17,10 @@ CC      ?= cc
 OPT     ?= -O2 -fvect-cost-model=dynamic
 CFLAGS  ?= $(OPT) -g
 WARN    := -Wall -Wextra -Wshadow -Wstrict-prototypes -Wvla -Wno-unused-parameter -Wno-missing-field-initializers -Werror
-DEPS_PC := libpcre2-8 jansson libpng libjpeg libmicrohttpd libcurl
+DEPS_PC := libpcre2-8 jansson libpng libjpeg libwebp libwebpdemux libmicrohttpd libcurl
 K3_CFLAGS := -std=c11 -D_GNU_SOURCE -Iinclude -Isrc $(WARN) -pthread -MMD -MP
-LDLIBS  := -lm -pthread
+# giflib ships no pkg-config file: its header is checked by the deps step.
+LDLIBS  := -lgif -lm -pthread
 
 BUILD   := build
 DEPS_OK := $(BUILD)/.deps-ok
@@ -44,16 +45,20 @@ help:
 	@echo "make test        build and run the whole test suite"
 	@echo "make asan|ubsan  the suite under AddressSanitizer / UBSan"
 	@echo "make check-reference  compare with external references (needs PyPI)"
+	@echo "make test-hf-tokenizer  the Hugging Face tokenizer of each checkpoint against k3's (needs PyPI)"
 	@echo "make bench-model make the bench checkpoints (bench/bench, bench/bench-dsa; ~2 GB each)"
 	@echo "make install     install k3 and the default model under PREFIX (default /usr/local)"
 	@echo "make fuzz        run each libFuzzer harness for FUZZ_TIME seconds (default 60)"
 	@echo "make clean"
 
-# Installs the Debian packages the build needs when pkg-config cannot find them.
+# Installs the Debian packages the build needs when pkg-config cannot find them
+# (or the compiler cannot find giflib's header, which has no .pc file).
+HAVE_GIF_H = printf '\#include <gif_lib.h>\n' | $(CC) -E -x c - >/dev/null 2>&1
 $(DEPS_OK): scripts/install-deps.sh
 	@mkdir -p $(BUILD)
-	@pkg-config --exists $(DEPS_PC) 2>/dev/null || sh scripts/install-deps.sh
+	@{ pkg-config --exists $(DEPS_PC) && $(HAVE_GIF_H); } 2>/dev/null || sh scripts/install-deps.sh
 	@pkg-config --exists $(DEPS_PC) || { echo "missing: $(DEPS_PC) (see scripts/install-deps.sh)"; exit 1; }
+	@$(HAVE_GIF_H) || { echo "missing: gif_lib.h (libgif-dev, see scripts/install-deps.sh)"; exit 1; }
 	@touch $@
 deps: $(DEPS_OK)
 
@@ -95,6 +100,13 @@ ubsan:
 
 check-reference:
 	sh tools/check-reference.sh
+
+# The Hugging Face tokenizer every checkpoint ships (tools/hf_tokenizer)
+# against k3's, id for id: transformers + tiktoken in the project's .venv
+# (scripts/venv.sh, PyPI the first time), no torch.
+.PHONY: test-hf-tokenizer
+test-hf-tokenizer: $(BUILD)/k3
+	@PY=$$(sh scripts/venv.sh transformers tiktoken) && "$$PY" tests/hf_tokenizer.py $(BUILD)/k3
 
 format:
 	clang-format -i include/*.h src/*/*.[ch] cli/*.c tests/*.[ch]

@@ -42,7 +42,7 @@ static void usage_to(FILE *out) {
             "                      under mpirun; 0 = every CPU)\n"
             "  --chat              wrap the prompt as a user turn in the K3 chat format\n"
             "  --think             open the assistant turn in thinking mode (implies --chat)\n"
-            "  --image FILE        a PNG or JPEG before the prompt text (repeatable)\n"
+            "  --image FILE        a PNG, JPEG, WEBP or GIF (first frame) before the prompt text (repeatable)\n"
             "  --ids 1,2,3         feed these token ids instead of a text prompt\n"
             "  --dump-logits FILE  write the logits of every prompt position (float32)\n"
             "  --ctx N             context size in tokens (default: prompt + n)\n"

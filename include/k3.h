@@ -655,11 +655,12 @@ k3_status k3_plan_compute(const char *config_path, const k3_plan_options *opt, k
 
 /* ---- vision: images in prompts (../shared/docs/vision.md) --------------
  *
- * A k3_image is a decoded PNG or JPEG; a k3_vision is a checkpoint's MoonViT3d
- * tower, sd2_tpool merger and patchmergerv2 projector with its image
- * processor (preprocessor_config.json, or the published defaults). An image
- * enters a prompt as <|media_begin|>image {W}x{H}<|media_content|> + N
- * <|media_pad|> + <|media_end|> (k3_vision_image_prompt), and its N rows
+ * A k3_image is a decoded PNG, JPEG, WEBP or GIF; a k3_vision is a
+ * checkpoint's MoonViT3d tower, sd2_tpool merger and patchmergerv2 projector
+ * with its image processor (preprocessor_config.json, or the published
+ * defaults). An image enters a prompt as
+ * <|media_begin|>image {W}x{H}<|media_content|> + N <|media_pad|> +
+ * <|media_end|> (k3_vision_image_prompt), and its N rows
  * (k3_vision_encode) replace the pads' embeddings (k3_batch_seq.embeds).
  */
 
@@ -669,17 +670,19 @@ typedef struct k3_vision k3_vision;
 /* Pixel cap used when max_pixels is 0: 8192 x 8192. */
 #define K3_IMAGE_MAX_PIXELS ((int64_t)8192 * 8192)
 
-/* Decodes a PNG or JPEG (told apart by their signatures) from memory. The
- * header's size is checked against max_pixels (0 = K3_IMAGE_MAX_PIXELS)
- * before any pixel is decoded; truncated or corrupt data, other formats and
- * PNG/JPEG variants k3 does not read (16-bit grey, CMYK) are refused with a
- * message. */
+/* Decodes a PNG, JPEG, WEBP or GIF (told apart by their signatures) from
+ * memory; of an animated WEBP or GIF, the first frame (as Pillow composes it
+ * on the canvas). The header's size is checked against max_pixels (0 =
+ * K3_IMAGE_MAX_PIXELS) before any pixel is decoded; truncated or corrupt
+ * data, other formats and variants k3 does not read (16-bit grey PNG, CMYK
+ * JPEG) are refused with a message. */
 k3_status k3_image_decode(k3_image **out, const void *data, size_t size, int64_t max_pixels,
                           k3_error *err);
 /* The same from an OpenAI image_url: only data: URLs with base64 content
- * ("data:image/png;base64,..."; image/png, image/jpeg or no type). Remote
- * URLs (http:, https:, ...) are refused with K3_ERR_UNSUPPORTED naming the
- * rule -- k3 fetches nothing; malformed base64 is K3_ERR_ARG. */
+ * ("data:image/png;base64,..."; image/png, image/jpeg, image/webp, image/gif
+ * or no type). Remote URLs (http:, https:, ...) are refused with
+ * K3_ERR_UNSUPPORTED naming the rule -- k3 fetches nothing; malformed base64
+ * is K3_ERR_ARG. */
 k3_status k3_image_decode_url(k3_image **out, const char *url, size_t len, int64_t max_pixels, k3_error *err);
 /* The same from a file. */
 k3_status k3_image_load(k3_image **out, const char *path, int64_t max_pixels, k3_error *err);
