@@ -200,8 +200,9 @@ static uint64_t rng_next(uint64_t *s) {
 
 static double rng_unit(uint64_t *s) { return (double)(rng_next(s) >> 11) / 9007199254740992.0; }
 
-static int usage_bs(void) {
-    fprintf(stderr,
+/* The usage on stdout (exit 0) for --help, on stderr (exit 2) after a bad option. */
+static int usage_bs(FILE *f) {
+    fprintf(f,
             "usage: k3 bench serve --base-url URL [options]\n"
             "  --model M                  model name (default: the first of GET /v1/models)\n"
             "  --endpoint completions|chat (default completions)\n"
@@ -223,7 +224,7 @@ static int usage_bs(void) {
             "  --timeout S                per-request limit in seconds (default 600)\n"
             "  --json                     print one JSON object instead of the table\n",
             K3_DEFAULT_MODEL);
-    return 2;
+    return f == stdout ? 0 : 2;
 }
 
 static size_t to_sbuf(char *p, size_t size, size_t n, void *ud) {
@@ -378,9 +379,9 @@ int k3_cmd_bench_serve(int argc, char **argv) {
                 }
                 g_pct[g_n_pct++] = v;
                 p = *end == ',' ? end + 1 : end;
-                if (*end && *end != ',') return usage_bs();
+                if (*end && *end != ',') return usage_bs(stderr);
             }
-            if (!g_n_pct) return usage_bs();
+            if (!g_n_pct) return usage_bs(stderr);
         } else if (!strcmp(a, "--ignore-eos")) ignore_eos = true;
         else if (!strcmp(a, "--json")) json_out = true;
         else if (ARG("--goodput")) {
@@ -396,16 +397,16 @@ int k3_cmd_bench_serve(int argc, char **argv) {
                     return 2;
                 }
             }
-        } else if (!strcmp(a, "-h") || !strcmp(a, "--help")) return usage_bs();
+        } else if (!strcmp(a, "-h") || !strcmp(a, "--help")) return usage_bs(stdout);
         else {
             fprintf(stderr, "k3 bench serve: unknown option or missing value: %s\n", a);
-            return usage_bs();
+            return usage_bs(stderr);
         }
 #undef ARG
 #undef NUM
     }
     const bool chat = !strcmp(endpoint, "chat");
-    if (!base || (!chat && strcmp(endpoint, "completions"))) return usage_bs();
+    if (!base || (!chat && strcmp(endpoint, "completions"))) return usage_bs(stderr);
     if (in_len < 1 || out_len < 1 || n_prompts < 1 || conc < 0 || prefix_len < 0 || range < 0 || range >= 1 ||
         !(rate > 0) || drop_frac < 0 || drop_frac > 1 || timeout < 1) {
         fprintf(stderr, "k3 bench serve: lengths, --num-prompts and --request-rate must be positive, "
