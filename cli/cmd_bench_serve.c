@@ -26,34 +26,15 @@
 #include <time.h>
 
 #include "cli.h"
+#include "common/buf.h"
 #include "k3.h"
-
-typedef struct {
-    char *p;
-    size_t len, cap;
-} sbuf;
-
-static int sbuf_add(sbuf *b, const char *d, size_t n) {
-    if (b->len + n + 1 > b->cap) {
-        size_t cap = b->cap ? b->cap * 2 : 1024;
-        while (cap < b->len + n + 1) cap *= 2;
-        char *t = realloc(b->p, cap);
-        if (!t) return -1;
-        b->p = t;
-        b->cap = cap;
-    }
-    memcpy(b->p + b->len, d, n);
-    b->len += n;
-    b->p[b->len] = 0;
-    return 0;
-}
 
 typedef struct req {
     int idx;
     char *body;
     CURL *h;
     struct curl_slist *hdr;
-    sbuf in;
+    k3_buf in;
     double t_send, t_first, t_last, t_end;
     double *itl;
     int n_itl, cap_itl, n_chunks;
@@ -122,7 +103,8 @@ static void on_event(req *r, const char *data, size_t len) {
 static size_t on_data(char *ptr, size_t size, size_t nmemb, void *ud) {
     req *r = ud;
     const size_t n = size * nmemb;
-    if (sbuf_add(&r->in, ptr, n)) return 0;
+    k3_buf_add(&r->in, ptr, n);
+    if (r->in.oom) return 0;
     /* events end with a blank line; lines start with "data:" */
     for (;;) {
         char *end = strstr(r->in.p, "\n\n");
@@ -227,8 +209,10 @@ static int usage_bs(FILE *f) {
     return f == stdout ? 0 : 2;
 }
 
-static size_t to_sbuf(char *p, size_t size, size_t n, void *ud) {
-    return sbuf_add(ud, p, size * n) ? 0 : size * n;
+static size_t to_buf(char *p, size_t size, size_t n, void *ud) {
+    k3_buf *b = ud;
+    k3_buf_add(b, p, size * n);
+    return b->oom ? 0 : size * n;
 }
 
 /* GET base/v1/models -> the first id (caller frees), or NULL with why. */
@@ -242,12 +226,12 @@ static char *first_model(const char *base, const char *key, char *why, size_t wh
         snprintf(auth, sizeof auth, "Authorization: Bearer %s", key);
         hdr = curl_slist_append(hdr, auth);
     }
-    sbuf b = {0};
+    k3_buf b = {0};
     curl_easy_setopt(h, CURLOPT_URL, url);
     curl_easy_setopt(h, CURLOPT_HTTPHEADER, hdr);
     curl_easy_setopt(h, CURLOPT_TIMEOUT, 30L);
     curl_easy_setopt(h, CURLOPT_NOSIGNAL, 1L);
-    curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, to_sbuf);
+    curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, to_buf);
     curl_easy_setopt(h, CURLOPT_WRITEDATA, &b);
     const CURLcode cc = curl_easy_perform(h);
     long code = 0;
@@ -264,7 +248,7 @@ static char *first_model(const char *base, const char *key, char *why, size_t wh
         else snprintf(why, why_len, "GET %.300s: no model in the answer", url);
         json_decref(j);
     }
-    free(b.p);
+    k3_buf_free(&b);
     return id;
 }
 
@@ -534,8 +518,7 @@ int k3_cmd_bench_serve(int argc, char **argv) {
             curl_easy_cleanup(r->h);
             curl_slist_free_all(r->hdr);
             r->h = NULL;
-            free(r->in.p);
-            r->in.p = NULL;
+            k3_buf_free(&r->in);
             in_flight--;
             finished++;
         }
