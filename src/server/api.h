@@ -2,7 +2,8 @@
  * api.h -- the API surfaces, one file each (api_NAME.c): a surface maps its
  * request onto the request table (request.h) and its answer onto the
  * generation job's choices (job.h), and is a row of the routing table
- * (routes.c). Today: OpenAI's completions and chat completions.
+ * (routes.c): OpenAI's completions (api_completions.c) and chat completions
+ * (api_chat.c).
  */
 #ifndef K3_SERVER_API_H
 #define K3_SERVER_API_H
