@@ -22,8 +22,9 @@ static void on_signal(int sig) {
     g_quit = 1;
 }
 
-static int usage_serve(void) {
-    fprintf(stderr,
+/* The usage on stdout (exit 0) for --help, on stderr (exit 2) after a bad option. */
+static int usage_serve(FILE *f) {
+    fprintf(f,
             "usage: k3 serve [-m DIR] [options]\n"
             "  --host ADDR                  address to bind (default 127.0.0.1)\n"
             "  --port N                     port (default 8000; 0 = any free port)\n"
@@ -59,7 +60,7 @@ static int usage_serve(void) {
             "                               runs the engine, the others replay its forward passes\n"
             "  --dist-timeout S             a rank silent this long mid-pass ends the job (default 300)\n",
             K3_DEFAULT_QUANT, K3_DEFAULT_KV);
-    return 2;
+    return f == stdout ? 0 : 2;
 }
 
 static long parse_long(const char *s, int *bad) {
@@ -146,10 +147,10 @@ int k3_cmd_serve(int argc, char **argv) {
         else if (ARG("--kv-cache-metrics-sample")) {
             if (k3_cli_float("serve", "--kv-cache-metrics-sample", argv[++i], 0.0, 1.0, &kv_sample)) return 2;
         }
-        else if (!strcmp(a, "-h") || !strcmp(a, "--help")) return usage_serve();
+        else if (!strcmp(a, "-h") || !strcmp(a, "--help")) return usage_serve(stdout);
         else {
             fprintf(stderr, "k3 serve: unknown option or missing value: %s\n", a);
-            return usage_serve();
+            return usage_serve(stderr);
         }
 #undef ARG
     }

@@ -268,13 +268,13 @@ K3_TEST(chat_json_float_repr_equals_python) {
     int n = 0, bad = 0;
     while (fscanf(f, "%63s %63s", hex, want) == 2) {
         double v = strtod(hex, NULL);
-        k3_sbuf b = {0};
+        k3_buf b = {0};
         k3_pyjson_float(&b, v);
-        const char *got = k3_sbuf_cstr(&b);
+        const char *got = k3_buf_cstr(&b);
         if (!got || strcmp(got, want)) {
             if (bad++ < 5) k3_test_fail(__FILE__, __LINE__, "%s: %s, Python %s", hex, got, want);
         }
-        k3_sbuf_free(&b);
+        k3_buf_free(&b);
         n++;
     }
     fclose(f);

@@ -8,7 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "server/gen.h"
+#include "server/api.h"
 #include "server/metrics.h"
 #include "server/text.h"
 

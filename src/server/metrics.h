@@ -9,7 +9,7 @@
 #include <stdint.h>
 
 #include "k3.h"
-#include "server/text.h"
+#include "common/buf.h"
 
 #define K3_HIST_MAX_BUCKETS 24
 

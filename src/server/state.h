@@ -1,11 +1,13 @@
 /*
- * server.h -- the server's state, shared by the HTTP layer (server.c), the
- * generation routes (gen.c) and the response helpers (http.c). Only types:
- * the functions are in http.h (both sides) and gen.h (server.c calls gen.c;
- * gen.c never calls server.c).
+ * state.h -- the server's state, shared by every file of src/server. Only
+ * the struct: the daemon (server.c) finds a request's row in the routing
+ * table (routes.c); a generation route is an API surface (api_NAME.c) that
+ * parses the request table (request.c) and answers through the generation
+ * job (job.c), which submits through the engine thread (engine_loop.c) and
+ * streams through sse.c; every answer goes out through http.c.
  */
-#ifndef K3_SERVER_SERVER_H
-#define K3_SERVER_SERVER_H
+#ifndef K3_SERVER_STATE_H
+#define K3_SERVER_STATE_H
 
 #include <microhttpd.h>
 #include <jansson.h>
@@ -33,18 +35,18 @@ struct k3_server {
     k3_metrics metrics;
     atomic_bool stopping;
     atomic_uint_fast64_t next_id;
-    /* the engine thread (gen.c) */
+    /* the engine thread (engine_loop.c) */
     pthread_t eng_thread;
     bool eng_started;
     atomic_bool gen_quit;
     pthread_mutex_t fail_mu;
     bool failed;
     k3_error fail_err;
-    /* images in chat (gen.c): the tower or NULL, its pool, encodes one at a time */
+    /* images in chat (api_chat.c): the tower or NULL, its pool, encodes one at a time */
     const k3_vision *vision;
     k3_pool *vision_pool;
     int64_t max_image_pixels;
     pthread_mutex_t vision_mu;
 };
 
-#endif /* K3_SERVER_SERVER_H */
+#endif /* K3_SERVER_STATE_H */
