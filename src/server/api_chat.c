@@ -314,16 +314,24 @@ static void stream_choice(k3_srv_job *j, int i) {
         if (cl > c->sent_content) {
             json_t *lp = json_null();
             if (j->rq.logprobs >= 0) {
-                /* the content's tokens that begin in the content sent so far */
-                size_t re, off, len, a = 0, b = 0;
+                /* the content's tokens that begin in the content sent so far; the
+                 * tokens before lp_sent are decided (sent, or not content) */
+                size_t re, off, len, a = (size_t)-1, b = 0, t = c->lp_sent;
                 bool has;
                 k3_chat_reply_spans(c->text.p ? c->text.p : "", upto, j->rq.thinking, &re, &has, &off, &len);
-                if (has) tokens_in(c, lp_upto, off, len, &a, &b);
-                if (a < c->lp_sent) a = c->lp_sent;
+                for (; has && t < lp_upto && t < c->n_seen; t++) {
+                    size_t t0, t1;
+                    k3_srv_choice_token_span(c, t, &t0, &t1);
+                    if (t0 >= off + len) break; /* not sent yet */
+                    if (t1 > t0 && t1 > off) {
+                        if (a == (size_t)-1) a = t;
+                        b = t + 1;
+                    }
+                }
+                if (has) c->lp_sent = t;
                 json_decref(lp);
                 json_t *content = json_array();
-                if (b > a) k3_srv_chat_logprobs(j, c, a, b, content);
-                if (b > c->lp_sent) c->lp_sent = b;
+                if (a != (size_t)-1) k3_srv_chat_logprobs(j, c, a, b, content);
                 lp = json_pack("{s:o}", "content", content);
             }
             send_chunk(j, json_pack("[{s:i,s:{s:o},s:o,s:n}]", "index", i, "delta", "content",
