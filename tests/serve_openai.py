@@ -548,9 +548,11 @@ def main():
         sv = Server(VISION, "--max-image-pixels", "60000")
         try:
             cv = sv.client()
+            # specials kept by name, unspaced, as k3 run prints them
             kw = dict(model=VISION, max_tokens=12, temperature=0, logprobs=True,
                       extra_body={"ignore_eos": True, "repetition_penalty": 1,
-                                  "chat_template_kwargs": {"thinking": False}})
+                                  "chat_template_kwargs": {"thinking": False}, "skip_special_tokens": False,
+                                  "spaces_between_special_tokens": False})
             q = "What is in the picture?"
             for files in (["photo_67x45.jpg"], ["photo_67x45.jpg", "rgb_112x112.png"]):
                 r = cv.chat.completions.create(messages=image_msg([data_url(IMAGES + f) for f in files], q), **kw)

@@ -212,20 +212,20 @@ json_t *k3_srv_chat_message(const char *text, size_t len, bool thinking, bool *t
 
 /* ---- answers -------------------------------------------------------------- */
 
-/* The generated tokens [*a, *b) of c (of its first n) whose text lies in
- * text[off, off + len): the tokens of one part of the reply. */
-static void tokens_in(const k3_srv_choice *c, size_t n, size_t off, size_t len, size_t *a, size_t *b) {
-    *a = *b = 0;
-    bool found = false;
-    for (size_t i = 0; i < n && i < c->n_seen; i++) {
+/* Appends to content the logprobs entries of c's generated tokens [from,
+ * upto) whose text lies in text[off, off + len): the tokens of the content
+ * (one that puts no text there, a special left out, is not listed). Returns
+ * where it stopped: the first token that begins at or after off + len. */
+static size_t content_logprobs(k3_srv_job *j, const k3_srv_choice *c, size_t from, size_t upto, size_t off, size_t len,
+                               json_t *content) {
+    size_t t = from;
+    for (; t < upto && t < c->n_seen; t++) {
         size_t t0, t1;
-        k3_srv_choice_token_span(c, i, &t0, &t1);
-        if (t1 > t0 && t0 < off + len && t1 > off) {
-            if (!found) *a = i;
-            found = true;
-            *b = i + 1;
-        }
+        k3_srv_choice_token_span(c, t, &t0, &t1);
+        if (t0 >= off + len) break; /* past the content (or what is sent of it) */
+        if (t1 > t0 && t1 > off) k3_srv_chat_logprobs(j, c, t, t + 1, content);
     }
+    return t;
 }
 
 /* Reasoning tokens: those that begin inside the think channel (its closing tag included). */
@@ -257,11 +257,10 @@ static json_t *answer_choice(k3_srv_job *j, k3_srv_choice *c, char *why, size_t 
         json_decref(lp);
         /* the tokens of the content, as message.content has it */
         json_t *content = json_array();
-        size_t re, off, len, a = 0, b = 0;
+        size_t re, off, len;
         bool has;
         k3_chat_reply_spans(c->text.p ? c->text.p : "", c->text.len, j->rq.thinking, &re, &has, &off, &len);
-        if (has) tokens_in(c, c->n_seen, off, len, &a, &b);
-        k3_srv_chat_logprobs(j, c, a, b, content);
+        if (has) content_logprobs(j, c, 0, c->n_seen, off, len, content);
         lp = json_pack("{s:o}", "content", content);
     }
     return json_pack("{s:i,s:o,s:o,s:s}", "index", c->index, "message", msg, "logprobs", lp, "finish_reason",
@@ -316,22 +315,12 @@ static void stream_choice(k3_srv_job *j, int i) {
             if (j->rq.logprobs >= 0) {
                 /* the content's tokens that begin in the content sent so far; the
                  * tokens before lp_sent are decided (sent, or not content) */
-                size_t re, off, len, a = (size_t)-1, b = 0, t = c->lp_sent;
+                size_t re, off, len;
                 bool has;
                 k3_chat_reply_spans(c->text.p ? c->text.p : "", upto, j->rq.thinking, &re, &has, &off, &len);
-                for (; has && t < lp_upto && t < c->n_seen; t++) {
-                    size_t t0, t1;
-                    k3_srv_choice_token_span(c, t, &t0, &t1);
-                    if (t0 >= off + len) break; /* not sent yet */
-                    if (t1 > t0 && t1 > off) {
-                        if (a == (size_t)-1) a = t;
-                        b = t + 1;
-                    }
-                }
-                if (has) c->lp_sent = t;
                 json_decref(lp);
                 json_t *content = json_array();
-                if (a != (size_t)-1) k3_srv_chat_logprobs(j, c, a, b, content);
+                if (has) c->lp_sent = content_logprobs(j, c, c->lp_sent, lp_upto, off, len, content);
                 lp = json_pack("{s:o}", "content", content);
             }
             send_chunk(j, json_pack("[{s:i,s:{s:o},s:o,s:n}]", "index", i, "delta", "content",
