@@ -46,6 +46,7 @@ help:
 	@echo "make asan|ubsan  the suite under AddressSanitizer / UBSan"
 	@echo "make check-reference  compare with external references (needs PyPI)"
 	@echo "make test-hf-tokenizer  the Hugging Face tokenizer of each checkpoint against k3's (needs PyPI)"
+	@echo "make test-lm-eval  lm-eval local-completions, remote tokenizer, against k3 serve (needs PyPI)"
 	@echo "make bench-model make the bench checkpoints (bench/bench, bench/bench-dsa; ~2 GB each)"
 	@echo "make install     install k3 and the default model under PREFIX (default /usr/local)"
 	@echo "make fuzz        run each libFuzzer harness for FUZZ_TIME seconds (default 60)"
@@ -109,6 +110,17 @@ check-reference:
 .PHONY: test-hf-tokenizer
 test-hf-tokenizer: $(BUILD)/k3
 	@PY=$$(sh scripts/venv.sh transformers tiktoken) && "$$PY" tests/hf_tokenizer.py $(BUILD)/k3
+
+# lm-eval's local-completions with tokenizer_backend=remote against k3 serve on
+# models/k3-mini (tests/lm_eval_remote.py, tasks in tests/lm_eval/):
+# lm-eval[api] 0.4.13 into the project's .venv (PyPI the first time: ~750 MB
+# with datasets, pyarrow, pandas, scipy; about 2 minutes), no torch.
+LM_EVAL_PKG ?= lm-eval[api]==0.4.13
+.PHONY: test-lm-eval
+test-lm-eval: $(BUILD)/k3
+	@PY=$$(sh scripts/venv.sh numpy openai) && \
+	  { "$$PY" -c "import lm_eval, aiohttp, tenacity" 2>/dev/null || "$$PY" -m pip install -q "$(LM_EVAL_PKG)"; } && \
+	  "$$PY" tests/lm_eval_remote.py $(BUILD)/k3
 
 format:
 	clang-format -i include/*.h src/*/*.[ch] cli/*.c tests/*.[ch]

@@ -315,6 +315,12 @@ double k3_membw_read_gbps(k3_pool *pool, size_t bytes, int reps);
 
 /* ---- sampling --------------------------------------------------------- */
 
+/* A bias added to one token's logit (OpenAI's logit_bias). */
+typedef struct k3_logit_bias {
+    int32_t id;
+    float bias;
+} k3_logit_bias;
+
 typedef struct k3_sampler_options {
     float temperature;    /* 0 = greedy */
     int32_t top_k;        /* 0 = off */
@@ -323,17 +329,41 @@ typedef struct k3_sampler_options {
     float repeat_penalty; /* 1 = off; applied to ids in the history window */
     int32_t repeat_last_n;/* history window for the penalty (0 = all) */
     uint64_t seed;
+    /* OpenAI's penalties over the output (the ids this sampler drew):
+     * logit[t] -= count[t] * frequency_penalty + (count[t] > 0) * presence_penalty */
+    float frequency_penalty; /* 0 = off */
+    float presence_penalty;  /* 0 = off */
+    const k3_logit_bias *logit_bias; /* [n_logit_bias], each added to its logit */
+    int32_t n_logit_bias;
+    const int32_t *allowed_ids; /* NULL: every id; else only these [n_allowed] may be drawn */
+    int32_t n_allowed;
+    /* vLLM's bad words as token sequences: word w is bad_words[bad_word_off[w] ..
+     * bad_word_off[w + 1]) (n_bad_words + 1 offsets); its last id is masked
+     * whenever the output ends with the ids before it (a one-id word always) */
+    const int32_t *bad_words;
+    const int32_t *bad_word_off;
+    int32_t n_bad_words;
 } k3_sampler_options;
 
 typedef struct k3_sampler k3_sampler;
 
+/* Copies what opt points to (logit_bias, allowed_ids, bad_words): the
+ * caller may free it after. K3_ERR_ARG names a bad option (an id out of
+ * range, a non-finite penalty or bias, an empty allowed list). */
 k3_status k3_sampler_init(k3_sampler **out, const k3_sampler_options *opt,
                           int32_t n_vocab, k3_error *err);
 void k3_sampler_free(k3_sampler *s);
-/* Records an id in the history used by the repetition penalty. */
+/* Records an id in the history used by the repetition penalty (the prompt
+ * and the output alike). */
 void k3_sampler_accept(k3_sampler *s, int32_t id);
-/* Picks an id from logits [n_vocab] (logits may be modified). Returns -1
- * when a logit is NaN or +Inf (there is no distribution to sample from). */
+/* Picks an id from logits [n_vocab]. In this order (vLLM's): ids outside
+ * allowed_ids and bad words masked (-inf), logit_bias added, then the
+ * repetition, frequency and presence penalties; on return logits holds
+ * these processed logits, and then top-k, temperature, top-p, min-p and
+ * the draw (or greedy: the first of the largest) choose from them. The
+ * id drawn joins the output the frequency/presence penalties and bad words
+ * look at. Returns -1 when a logit is NaN or +Inf (there is no distribution
+ * to sample from) or when every id is masked. */
 int32_t k3_sampler_sample(k3_sampler *s, float *logits);
 
 /* ---- engine: many requests on one model --------------------------------

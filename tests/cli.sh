@@ -250,5 +250,21 @@ else
     bad "serve: a Python with the openai client (scripts/venv.sh)" "$TMP/venv.err"
 fi
 
+# the sampling knobs, roles and thinking with the official openai client (tests/serve_knobs.py)
+if PY=$(sh scripts/venv.sh openai 2>"$TMP/venv.err"); then
+    timeout 600 "$PY" tests/serve_knobs.py "$K3" >"$TMP/knobs.out" 2>&1
+    grep -E "^(ok|FAIL) |^    " "$TMP/knobs.out"
+    kp=$(sed -n 's/^knobs: \([0-9]*\) passed, \([0-9]*\) failed$/\1/p' "$TMP/knobs.out")
+    kf=$(sed -n 's/^knobs: \([0-9]*\) passed, \([0-9]*\) failed$/\2/p' "$TMP/knobs.out")
+    if [ -z "$kp" ]; then
+        bad "knobs: the openai knobs test did not finish" "$TMP/knobs.out"
+    else
+        pass=$((pass + kp))
+        fail=$((fail + kf))
+    fi
+else
+    bad "knobs: a Python with the openai client (scripts/venv.sh)" "$TMP/venv.err"
+fi
+
 echo "cli: $pass passed, $fail failed"
 [ $fail -eq 0 ]

@@ -638,8 +638,9 @@ static void sample(k3_engine *e, req *r, float *lg, double t) {
         for (int32_t i = 0; i < r->p.n_stop_ids; i++) row[r->stop_ids[i]] = -INFINITY;
     }
     const int32_t id = k3_sampler_sample(r->smp, row);
-    if (id < 0 || id >= V) { /* a sampler that refuses non-finite logits */
-        snprintf(r->error, sizeof r->error, "the logits of request %llu are not finite",
+    if (id < 0 || id >= V) { /* a sampler that refuses non-finite logits, or has every id masked */
+        snprintf(r->error, sizeof r->error,
+                 "request %llu has no token to sample: its logits are not finite, or every token is masked",
                  (unsigned long long)r->rq.id);
         finish(e, r, K3_FINISH_ERROR, t);
         return;

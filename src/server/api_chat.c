@@ -15,16 +15,23 @@
 #include "server/api.h"
 #include "server/http.h"
 #include "server/job.h"
+#include "tokenizer/reasoning.h"
 
 #define OBJECT "chat.completion"
 #define CHUNK_OBJECT "chat.completion.chunk"
 
 /* ---- the prompt --------------------------------------------------------- */
 
-/* The think switch of a chat request: chat_template_kwargs.enable_thinking
- * or .thinking (K3's default: on). */
-static k3_status chat_thinking(json_t *root, bool *out, k3_error *err) {
-    *out = true;
+/* The think switch and effort of a chat request: "reasoning_effort" on
+ * OpenAI's scale (k3_chat_reasoning_effort: none is off; absent, K3's
+ * default: on, at "max"), then chat_template_kwargs, which win:
+ * .thinking / .enable_thinking turn it on or off, .thinking_effort names
+ * K3's level (null: none named, the model's own judgement). */
+static k3_status chat_thinking(json_t *root, bool *thinking, const char **effort, k3_error *err) {
+    json_t *re = json_object_get(root, "reasoning_effort");
+    if (re && !json_is_null(re) && !json_is_string(re))
+        return k3_err(err, K3_ERR_ARG, "\"reasoning_effort\" must be a string");
+    K3_TRY(k3_chat_reasoning_effort(json_string_value(re), thinking, effort, err));
     json_t *kw = json_object_get(root, "chat_template_kwargs");
     if (!kw || json_is_null(kw)) return K3_OK;
     if (!json_is_object(kw)) return k3_err(err, K3_ERR_ARG, "\"chat_template_kwargs\" must be an object");
@@ -33,8 +40,13 @@ static k3_status chat_thinking(json_t *root, bool *out, k3_error *err) {
         json_t *v = json_object_get(kw, keys[i]);
         if (!v || json_is_null(v)) continue;
         if (!json_is_boolean(v)) return k3_err(err, K3_ERR_ARG, "\"%s\" must be true or false", keys[i]);
-        *out = json_is_true(v);
+        *thinking = json_is_true(v);
+        if (*thinking && !*effort) *effort = "max";
     }
+    json_t *te = json_object_get(kw, "thinking_effort");
+    if (te && !json_is_null(te) && !json_is_string(te))
+        return k3_err(err, K3_ERR_ARG, "\"thinking_effort\" must be a string");
+    if (te) *effort = json_string_value(te);
     return K3_OK;
 }
 
@@ -57,7 +69,8 @@ k3_status k3_srv_encode_chat(struct k3_server *s, json_t *root, k3_vision_prompt
                              k3_error *err) {
     memset(out, 0, sizeof *out);
     bool thinking = true;
-    K3_TRY(chat_thinking(root, &thinking, err));
+    const char *effort = NULL;
+    K3_TRY(chat_thinking(root, &thinking, &effort, err));
     if (thinking_out) *thinking_out = thinking;
     json_t *msgs = json_object_get(root, "messages");
     if (!json_is_array(msgs) || json_array_size(msgs) == 0)
@@ -70,15 +83,12 @@ k3_status k3_srv_encode_chat(struct k3_server *s, json_t *root, k3_vision_prompt
     if (json_is_string(tc)) tool_choice = json_string_value(tc);
     else if (json_is_object(tc)) tool_choice = "required";
     else if (tc && !json_is_null(tc)) return k3_err(err, K3_ERR_ARG, "\"tool_choice\" must be a string or an object");
-    json_t *kw = json_object_get(root, "chat_template_kwargs");
-    json_t *effort = json_is_object(kw) ? json_object_get(kw, "thinking_effort") : NULL;
-    if (!effort) effort = json_object_get(root, "reasoning_effort");
     json_t *rf = json_object_get(root, "response_format");
     char *mj = json_dumps(msgs, JSON_COMPACT), *tj = tools && json_is_array(tools) ? json_dumps(tools, JSON_COMPACT) : NULL;
     char *rj = json_is_object(rf) ? json_dumps(rf, JSON_COMPACT) : NULL;
     k3_chat_options co = {.add_generation_prompt = true,
                           .thinking = thinking,
-                          .thinking_effort = json_is_string(effort) ? json_string_value(effort) : NULL,
+                          .thinking_effort = effort,
                           .tool_choice = tool_choice,
                           .response_format = rj};
     /* image parts go through the tower (v NULL: refused for a text-only
@@ -182,7 +192,12 @@ json_t *k3_srv_chat_message(const char *text, size_t len, bool thinking, bool *t
     *tools = false;
     if (k3_chat_parse_reply(text, len, thinking, &r, err)) return NULL;
     json_t *msg = json_pack("{s:s}", "role", "assistant");
-    json_object_set_new(msg, "content", r.content ? k3_srv_jstr(r.content, strlen(r.content)) : json_null());
+    /* as OpenAI's reasoning models: content is "" when the reply has none
+     * (thinking used up max_tokens), null only beside tool calls */
+    const bool calls = r.tool_calls_json && r.n_tool_calls > 0;
+    json_object_set_new(msg, "content", r.content ? k3_srv_jstr(r.content, strlen(r.content))
+                                        : calls  ? json_null()
+                                                 : json_string(""));
     if (r.reasoning) json_object_set_new(msg, "reasoning_content", k3_srv_jstr(r.reasoning, strlen(r.reasoning)));
     if (r.tool_calls_json && r.n_tool_calls > 0) {
         json_t *tc = json_loads(r.tool_calls_json, 0, NULL);
@@ -197,6 +212,37 @@ json_t *k3_srv_chat_message(const char *text, size_t len, bool thinking, bool *t
 
 /* ---- answers -------------------------------------------------------------- */
 
+/* Appends to content the logprobs entries of c's generated tokens [from,
+ * upto) whose text lies in text[off, off + len): the tokens of the content
+ * (one that puts no text there, a special left out, is not listed). Returns
+ * where it stopped: the first token that begins at or after off + len. */
+static size_t content_logprobs(k3_srv_job *j, const k3_srv_choice *c, size_t from, size_t upto, size_t off, size_t len,
+                               json_t *content) {
+    size_t t = from;
+    for (; t < upto && t < c->n_seen; t++) {
+        size_t t0, t1;
+        k3_srv_choice_token_span(c, t, &t0, &t1);
+        if (t0 >= off + len) break; /* past the content (or what is sent of it) */
+        if (t1 > t0 && t1 > off) k3_srv_chat_logprobs(j, c, t, t + 1, content);
+    }
+    return t;
+}
+
+/* Reasoning tokens: those that begin inside the think channel (its closing tag included). */
+static int64_t reasoning_tokens(k3_srv_job *j, const k3_srv_choice *c) {
+    if (!j->rq.thinking) return 0;
+    size_t re, off, len;
+    bool has;
+    k3_chat_reply_spans(c->text.p ? c->text.p : "", c->text.len, true, &re, &has, &off, &len);
+    int64_t n = 0;
+    for (size_t i = 0; i < c->n_seen; i++) {
+        size_t t0, t1;
+        k3_srv_choice_token_span(c, i, &t0, &t1);
+        n += t0 < re;
+    }
+    return n;
+}
+
 /* One entry of choices: the message, its logprobs, the finish reason. */
 static json_t *answer_choice(k3_srv_job *j, k3_srv_choice *c, char *why, size_t why_len) {
     k3_error err = {0};
@@ -209,8 +255,12 @@ static json_t *answer_choice(k3_srv_job *j, k3_srv_choice *c, char *why, size_t 
     json_t *lp = json_null();
     if (j->rq.logprobs >= 0) {
         json_decref(lp);
+        /* the tokens of the content, as message.content has it */
         json_t *content = json_array();
-        k3_srv_chat_logprobs(j, c, 0, (size_t)c->n_out, content);
+        size_t re, off, len;
+        bool has;
+        k3_chat_reply_spans(c->text.p ? c->text.p : "", c->text.len, j->rq.thinking, &re, &has, &off, &len);
+        if (has) content_logprobs(j, c, 0, c->n_seen, off, len, content);
         lp = json_pack("{s:o}", "content", content);
     }
     return json_pack("{s:i,s:o,s:o,s:s}", "index", c->index, "message", msg, "logprobs", lp, "finish_reason",
@@ -262,11 +312,15 @@ static void stream_choice(k3_srv_job *j, int i) {
         }
         if (cl > c->sent_content) {
             json_t *lp = json_null();
-            if (j->rq.logprobs >= 0 && lp_upto > c->lp_sent) {
+            if (j->rq.logprobs >= 0) {
+                /* the content's tokens that begin in the content sent so far; the
+                 * tokens before lp_sent are decided (sent, or not content) */
+                size_t re, off, len;
+                bool has;
+                k3_chat_reply_spans(c->text.p ? c->text.p : "", upto, j->rq.thinking, &re, &has, &off, &len);
                 json_decref(lp);
                 json_t *content = json_array();
-                k3_srv_chat_logprobs(j, c, c->lp_sent, lp_upto, content);
-                c->lp_sent = lp_upto;
+                if (has) c->lp_sent = content_logprobs(j, c, c->lp_sent, lp_upto, off, len, content);
                 lp = json_pack("{s:o}", "content", content);
             }
             send_chunk(j, json_pack("[{s:i,s:{s:o},s:o,s:n}]", "index", i, "delta", "content",
@@ -318,6 +372,7 @@ static const k3_srv_api chat = {
     .answer = answer,
     .stream_choice = stream_choice,
     .stream_end = stream_end,
+    .reasoning_tokens = reasoning_tokens,
 };
 
 enum MHD_Result k3_api_chat(struct k3_server *s, struct MHD_Connection *c, json_t *root) {

@@ -86,6 +86,12 @@ static void on_output(struct k3_server *s, const k3_req_output *o, double t) {
     if (!q) return;
     k3_srv_group *g = q->group;
     pthread_mutex_lock(&g->mu);
+    /* the prompt counts once its prefill is done: at the first token, or at
+     * the end of a request that generates none */
+    if ((o->n_new > 0 && q->n_tok == 0) ||
+        ((o->events & K3_EV_FINISHED) && q->n_tok == 0 && o->n_new == 0 &&
+         (o->finish == K3_FINISH_LENGTH || o->finish == K3_FINISH_STOP)))
+        k3_metrics_prompt(&s->metrics, o->n_prompt, o->n_cached);
     if (o->n_new > 0) {
         if (o->top && o->n_top > 0 && q->n_top == 0 && q->n_tok == 0) q->n_top = o->n_top;
         if (grow(q, q->n_tok + (size_t)o->n_new)) {
@@ -130,23 +136,14 @@ static void on_output(struct k3_server *s, const k3_req_output *o, double t) {
         if (o->finish == K3_FINISH_ERROR && !q->error[0])
             snprintf(q->error, sizeof q->error, "%s", o->error ? o->error : "the engine failed this request");
         /* counted by the reason the client sees (the group decodes the
-         * text now: the HTTP thread may not have got to it) */
-        k3_metrics_finished(&s->metrics, g->on_finish(g, q));
+         * text now: the HTTP thread may not have got to it), with the
+         * request's histograms, before the client can have its answer */
+        k3_metrics_request_done(&s->metrics, g->on_finish(g, q), o);
         fin = true;
     }
     pthread_cond_broadcast(&g->cv);
     pthread_mutex_unlock(&g->mu);
-    if (fin) {
-        k3_metrics *m = &s->metrics;
-        if (o->t_first_token > 0) k3_metrics_observe(m, K3_H_TTFT, o->t_first_token - o->t_arrival);
-        if (o->t_finished > 0) k3_metrics_observe(m, K3_H_E2E, o->t_finished - o->t_arrival);
-        if (o->t_scheduled > 0) k3_metrics_observe(m, K3_H_QUEUE, o->t_scheduled - o->t_arrival);
-        k3_metrics_observe(m, K3_H_PREFILL, o->prefill_s);
-        k3_metrics_observe(m, K3_H_DECODE, o->decode_s);
-        k3_metrics_observe(m, K3_H_PROMPT_TOKENS, (double)o->n_prompt);
-        k3_metrics_observe(m, K3_H_GEN_TOKENS, (double)o->n_generated);
-        k3_srv_group_unref(g);
-    }
+    if (fin) k3_srv_group_unref(g);
 }
 
 static void *engine_main(void *arg) {

@@ -7,13 +7,18 @@
  * requests cancelled within one step plus 100 ms); the engine thread
  * appends the outputs (engine_loop.c).
  *
- * Text: generated tokens are decoded into a byte buffer (specials skipped
- * unless the surface keeps them by name for its reply parser); only whole
- * UTF-8 characters are sent; stop strings are searched over the whole
- * unsent text, so a stop split over tokens is found, and the longest
- * unsent suffix that could still begin a stop string is held back until
- * the next token decides it. A stop string ends the request (cancelled in
- * the engine) and is never sent.
+ * Text: generated tokens are decoded into a byte buffer: specials left
+ * out unless skip_special_tokens is false (then by name, with a space on
+ * each side when spaces_between_special_tokens, as Hugging Face's slow
+ * tokenizers join them), and the chat markup always by name for a surface
+ * that parses it; the end of each token in the text is kept, so the
+ * surfaces can tell which tokens made which part of it. Only whole UTF-8
+ * characters are sent; stop strings are searched over the whole unsent
+ * text, so a stop split over tokens is found, and the longest unsent
+ * suffix that could still begin a stop string is held back until the next
+ * token decides it. A stop string ends the request (cancelled in the
+ * engine) and is never sent, nor is the stop token that ended it, unless
+ * include_stop_str_in_output.
  */
 #include <math.h>
 #include <stdio.h>
@@ -44,6 +49,7 @@ static void job_destroy(k3_srv_group *g) {
         k3_srv_choice *c = &j->ch[i];
         k3_srv_seq_free(&c->q);
         k3_buf_free(&c->text);
+        free(c->tok_end);
         k3_tool_stream_free(&c->ts);
     }
     free(j->ch);
@@ -56,34 +62,78 @@ static void job_unref(k3_srv_job *j) { k3_srv_group_unref(&j->g); }
 
 /* ---- text ------------------------------------------------------------- */
 
+enum { SP_NONE, SP_TEXT, SP_SPECIAL };
+
+/* Appends token id to c's text. */
+static void add_token(k3_srv_job *j, k3_srv_choice *c, int32_t id) {
+    const k3_tokenizer *tok = j->s->tok;
+    size_t len = 0;
+    const char *p = k3_tokenizer_token(tok, id, &len);
+    if (!p) return;
+    const bool space = j->rq.spaces_between_special_tokens;
+    if (k3_tokenizer_is_special(tok, id)) {
+        if (j->api->keep_specials && (id == j->markup[0] || id == j->markup[1] || id == j->markup[2])) {
+            k3_buf_add(&c->text, p, len); /* markup: parsed away, no spaces */
+            c->sp = SP_NONE;
+            return;
+        }
+        if (j->rq.skip_special_tokens) return;
+        if (space && c->sp != SP_NONE) k3_buf_add(&c->text, " ", 1);
+        k3_buf_add(&c->text, p, len);
+        c->sp = SP_SPECIAL;
+        return;
+    }
+    if (space && c->sp == SP_SPECIAL) k3_buf_add(&c->text, " ", 1);
+    k3_buf_add(&c->text, p, len);
+    c->sp = SP_TEXT;
+}
+
 void k3_srv_choice_advance(k3_srv_job *j, k3_srv_choice *c) {
-    struct k3_server *s = j->s;
     const k3_srv_seq *q = &c->q;
     if (c->done) return;
+    if (q->n_tok > c->tok_cap) {
+        size_t cap = c->tok_cap ? c->tok_cap * 2 : 64;
+        while (cap < q->n_tok) cap *= 2;
+        size_t *te = realloc(c->tok_end, sizeof *te * cap);
+        if (!te) {
+            if (!q->error[0]) snprintf(c->q.error, sizeof c->q.error, "out of memory for the generated text");
+            k3_srv_cancel(j->s, &c->q);
+            c->done = true;
+            return;
+        }
+        c->tok_end = te;
+        c->tok_cap = cap;
+    }
     for (; c->n_seen < q->n_tok && !c->stop_hit; c->n_seen++) {
         const int32_t id = q->toks[c->n_seen];
         c->n_out++;
-        /* the token that ended the request is not part of the text */
-        if (q->finished && q->finish == K3_FINISH_STOP && c->n_seen + 1 == q->n_tok && id == q->stop_id) continue;
-        size_t len = 0;
-        const char *p = k3_tokenizer_token(s->tok, id, &len);
-        if (!p) continue;
-        if (k3_tokenizer_is_special(s->tok, id) && (!j->api->keep_specials || k3_tokenizer_is_eos(s->tok, id)))
-            continue;
-        k3_buf_add(&c->text, p, len);
+        /* the token that ended the request is not part of the text, unless asked for */
+        const bool stop_tok = q->finished && q->finish == K3_FINISH_STOP && c->n_seen + 1 == q->n_tok &&
+                              id == q->stop_id;
+        if (!stop_tok || j->rq.include_stop_str) add_token(j, c, id);
+        c->tok_end[c->n_seen] = c->text.len;
         if (j->rq.stops.n) {
             /* a stop can begin in the held-back text, never in sent text */
             size_t sl = 0;
             const long at = k3_stops_find(&j->rq.stops, c->text.p, c->text.len, c->emitted, &sl);
             if (at >= 0) {
-                c->text.len = (size_t)at;
-                c->text.p[at] = 0;
+                const size_t cut = (size_t)at + (j->rq.include_stop_str ? sl : 0);
+                c->text.len = cut;
+                c->text.p[cut] = 0;
                 c->stop_hit = true;
-                k3_srv_cancel(s, &c->q);
+                k3_srv_cancel(j->s, &c->q);
             }
         }
     }
     if (c->stop_hit || (q->finished && c->n_seen == q->n_tok)) c->done = true;
+}
+
+void k3_srv_choice_token_span(const k3_srv_choice *c, size_t i, size_t *start, size_t *end) {
+    size_t a = i ? c->tok_end[i - 1] : 0, b = c->tok_end[i];
+    if (a > c->text.len) a = c->text.len;
+    if (b > c->text.len) b = c->text.len;
+    *start = a;
+    *end = b;
 }
 
 size_t k3_srv_choice_sendable(k3_srv_job *j, k3_srv_choice *c) {
@@ -190,9 +240,15 @@ json_t *k3_srv_openai_usage(k3_srv_job *j) {
             }
     }
     for (int i = 0; i < j->n; i++) out += j->ch[i].n_out;
-    return json_pack("{s:I,s:I,s:I,s:{s:I}}", "prompt_tokens", (json_int_t)prompt, "completion_tokens",
-                     (json_int_t)out, "total_tokens", (json_int_t)(prompt + out), "prompt_tokens_details",
-                     "cached_tokens", (json_int_t)cached);
+    json_t *u = json_pack("{s:I,s:I,s:I,s:{s:I}}", "prompt_tokens", (json_int_t)prompt, "completion_tokens",
+                          (json_int_t)out, "total_tokens", (json_int_t)(prompt + out), "prompt_tokens_details",
+                          "cached_tokens", (json_int_t)cached);
+    if (u && j->api->reasoning_tokens) {
+        int64_t rt = 0;
+        for (int i = 0; i < j->n; i++) rt += j->api->reasoning_tokens(j, &j->ch[i]);
+        json_object_set_new(u, "completion_tokens_details", json_pack("{s:I}", "reasoning_tokens", (json_int_t)rt));
+    }
+    return u;
 }
 
 json_t *k3_srv_openai_object(k3_srv_job *j, const char *object, json_t *choices) {
@@ -343,7 +399,16 @@ static k3_request_params engine_request(k3_srv_job *j, int i, int64_t max_model_
                      .min_p = (float)rq->min_p,
                      .repeat_penalty = (float)rq->repetition_penalty,
                      .repeat_last_n = 0,
-                     .seed = base_seed + (uint64_t)(i % (int)rq->n)},
+                     .seed = base_seed + (uint64_t)(i % (int)rq->n),
+                     .frequency_penalty = (float)rq->frequency_penalty,
+                     .presence_penalty = (float)rq->presence_penalty,
+                     .logit_bias = rq->logit_bias,
+                     .n_logit_bias = rq->n_logit_bias,
+                     .allowed_ids = rq->allowed_ids,
+                     .n_allowed = rq->n_allowed,
+                     .bad_words = rq->bad_words,
+                     .bad_word_off = rq->bad_word_off,
+                     .n_bad_words = rq->n_bad_words},
         .max_tokens = (int32_t)mt,
         .min_tokens = (int32_t)rq->min_tokens,
         .stop_ids = rq->n_stop_ids ? rq->stop_ids : NULL,
@@ -369,6 +434,12 @@ enum MHD_Result k3_srv_job_serve(struct k3_server *s, struct MHD_Connection *con
     snprintf(j->id, sizeof j->id, "%s-%016llx", api->id_prefix,
              (unsigned long long)mix64(rid ^ ((uint64_t)j->created << 20)));
 
+    j->markup[0] = j->markup[1] = j->markup[2] = -1;
+    if (api->keep_specials) {
+        j->markup[0] = k3_tokenizer_special(s->tok, "<|open|>");
+        j->markup[1] = k3_tokenizer_special(s->tok, "<|close|>");
+        j->markup[2] = k3_tokenizer_special(s->tok, "<|sep|>");
+    }
     k3_srv_request *rq = &j->rq;
     k3_srv_bad e = {{0}, 400};
     const int64_t mml = k3_srv_max_model_len(s);

@@ -43,6 +43,9 @@ typedef struct k3_srv_choice {
     /* the text, decoded on the HTTP side (or by the engine thread at the end) */
     size_t n_seen;     /* tokens decoded into text */
     k3_buf text;
+    size_t *tok_end;   /* [n_seen] the text's length after each token (k3_srv_choice_token_span) */
+    size_t tok_cap;
+    int sp;            /* what the text last took, for spaces_between_special_tokens */
     int64_t n_out;     /* completion tokens counted */
     bool stop_hit;     /* a stop string ended it (cut from the text) */
     bool done;         /* the text is final */
@@ -59,7 +62,9 @@ typedef struct k3_srv_choice {
 typedef struct k3_srv_api {
     unsigned fields;             /* the request table's rows it takes (K3_API_*) */
     const char *id_prefix;       /* of the response id, e.g. "cmpl" */
-    bool keep_specials;          /* decode special tokens by name (a chat reply parser needs them) */
+    bool keep_specials;          /* decode the chat markup (<|open|>, <|close|>, <|sep|>) by name,
+                                    for the surface's reply parser; other specials follow
+                                    skip_special_tokens */
     long long default_max_tokens; /* when the request names none; -1: what the context leaves */
     k3_srv_prompt_fn prompt;     /* the surface's prompt field(s) */
     /* How much of t[from..lim) may be sent now (e.g. an undecided tag held
@@ -73,6 +78,9 @@ typedef struct k3_srv_api {
      * choice has ended, the closing events. */
     void (*stream_choice)(k3_srv_job *j, int i);
     void (*stream_end)(k3_srv_job *j);
+    /* The reasoning tokens of a finished choice (usage's
+     * completion_tokens_details.reasoning_tokens), or NULL: no such field. */
+    int64_t (*reasoning_tokens)(k3_srv_job *j, const k3_srv_choice *c);
 } k3_srv_api;
 
 struct k3_srv_job {
@@ -85,6 +93,7 @@ struct k3_srv_job {
     k3_srv_choice *ch;
     char id[64];
     long created;
+    int32_t markup[3]; /* the ids of <|open|>, <|close|>, <|sep|> (-1: none), with keep_specials */
     k3_sse sse;        /* a stream's bytes not yet handed to the connection */
     bool sent_done;    /* the stream's closing events are out */
 };
@@ -100,6 +109,10 @@ void k3_srv_choice_advance(k3_srv_job *j, k3_srv_choice *c);
 /* Bytes of c's text that may be sent now: whole characters, nothing that
  * may still become a stop string, and what the surface's hold allows. */
 size_t k3_srv_choice_sendable(k3_srv_job *j, k3_srv_choice *c);
+/* Where generated token i of c lies in its text: [*start, *end), clipped
+ * to the text (a token the text left out, or cut by a stop string, is
+ * empty or short). i < c->n_seen. */
+void k3_srv_choice_token_span(const k3_srv_choice *c, size_t i, size_t *start, size_t *end);
 /* The tokens whose logprobs may be sent now. */
 size_t k3_srv_choice_lp_ready(const k3_srv_choice *c);
 /* Why c failed (the engine's message, or fallback when it gave none), or

@@ -1,7 +1,7 @@
 /*
  * routes.c -- the routing table (routes.h) and the routes that need no
  * generation: /health, /version, /v1/models, /metrics, /tokenize,
- * /detokenize. The generation routes are the API surfaces (api.h).
+ * /detokenize, /tokenizer_info. The generation routes are the API surfaces (api.h).
  */
 #include <stdlib.h>
 #include <string.h>
@@ -10,6 +10,7 @@
 #include "server/engine_loop.h"
 #include "server/http.h"
 #include "server/routes.h"
+#include "tokenizer/tokenizer_info.h"
 
 static enum MHD_Result route_health(struct k3_server *s, struct MHD_Connection *c, json_t *root) {
     if (atomic_load(&s->stopping)) return k3_srv_error(s, c, 503, "the server is shutting down");
@@ -55,14 +56,26 @@ static enum MHD_Result route_metrics(struct k3_server *s, struct MHD_Connection 
     return k3_srv_queue(s, c, 200, o.p, o.len, "text/plain; version=0.0.4; charset=utf-8");
 }
 
+/* vLLM's /tokenize: "prompt" (a special's name in it read as the special,
+ * as vLLM with the released tokenizer reads it; "split_special_tokens":
+ * true reads it as ordinary text, as a /v1/completions prompt is) or
+ * "messages" (the chat prompt /v1/chat/completions would run);
+ * "return_token_strs" adds each token's text. */
 static enum MHD_Result route_tokenize(struct k3_server *s, struct MHD_Connection *c, json_t *root) {
     int32_t *ids = NULL;
     size_t n = 0;
     k3_error err = {0};
     json_t *prompt = json_object_get(root, "prompt"), *msgs = json_object_get(root, "messages");
+    json_t *split = json_object_get(root, "split_special_tokens"), *strs = json_object_get(root, "return_token_strs");
+    if ((split && !json_is_boolean(split) && !json_is_null(split)) || (strs && !json_is_boolean(strs) && !json_is_null(strs)))
+        return k3_srv_error(s, c, 400, "\"split_special_tokens\" and \"return_token_strs\" must be true or false");
     if (json_is_string(prompt)) {
-        if (k3_tokenizer_encode(s->tok, json_string_value(prompt), json_string_length(prompt), &ids, &n, &err))
-            return k3_srv_error(s, c, 400, "prompt: %s", err.msg);
+        const k3_status st =
+            json_is_true(split)
+                ? k3_tokenizer_encode(s->tok, json_string_value(prompt), json_string_length(prompt), &ids, &n, &err)
+                : k3_tokenizer_encode_specials(s->tok, json_string_value(prompt), json_string_length(prompt), &ids, &n,
+                                               &err);
+        if (st) return k3_srv_error(s, c, 400, "prompt: %s", err.msg);
     } else if (json_is_array(msgs)) {
         k3_vision_prompt vp;
         if (k3_srv_encode_chat(s, root, &vp, NULL, &err))
@@ -73,12 +86,31 @@ static enum MHD_Result route_tokenize(struct k3_server *s, struct MHD_Connection
     } else {
         return k3_srv_error(s, c, 400, "tokenize needs \"prompt\" (a string) or \"messages\" (an array)");
     }
-    json_t *arr = json_array();
-    for (size_t i = 0; i < n; i++) json_array_append_new(arr, json_integer(ids[i]));
+    json_t *arr = json_array(), *ts = json_is_true(strs) ? json_array() : NULL;
+    for (size_t i = 0; i < n; i++) {
+        json_array_append_new(arr, json_integer(ids[i]));
+        if (ts) {
+            size_t len = 0;
+            const char *p = k3_tokenizer_token(s->tok, ids[i], &len);
+            json_t *str = p ? k3_srv_jstr(p, len) : NULL;
+            json_array_append_new(ts, str ? str : json_string(""));
+        }
+    }
     free(ids);
-    return k3_srv_json(s, c, 200,
-                       json_pack("{s:I,s:I,s:o}", "count", (json_int_t)n, "max_model_len",
-                                 (json_int_t)k3_srv_max_model_len(s), "tokens", arr));
+    json_t *out = json_pack("{s:I,s:I,s:o}", "count", (json_int_t)n, "max_model_len",
+                            (json_int_t)k3_srv_max_model_len(s), "tokens", arr);
+    if (out && ts) json_object_set_new(out, "token_strs", ts);
+    else json_decref(ts);
+    return k3_srv_json(s, c, 200, out);
+}
+
+/* vLLM's /tokenizer_info (lm-eval's remote tokenizer starts with it). */
+static enum MHD_Result route_tokenizer_info(struct k3_server *s, struct MHD_Connection *c, json_t *root) {
+    char *text = NULL;
+    size_t len = 0;
+    k3_error err = {0};
+    if (k3_tokenizer_info_json(s->tok, &text, &len, &err)) return k3_srv_error(s, c, 500, "%s", err.msg);
+    return k3_srv_queue(s, c, 200, text, len, "application/json");
 }
 
 static enum MHD_Result route_detokenize(struct k3_server *s, struct MHD_Connection *c, json_t *root) {
@@ -118,6 +150,7 @@ static const k3_route routes[] = {
     {"GET", "/metrics", route_metrics, AUTH},
     {"POST", "/tokenize", route_tokenize, AUTH | JSON},
     {"POST", "/detokenize", route_detokenize, AUTH | JSON},
+    {"GET", "/tokenizer_info", route_tokenizer_info, AUTH},
     {"POST", "/v1/completions", k3_api_completions, AUTH | JSON | GEN},
     {"POST", "/v1/chat/completions", k3_api_chat, AUTH | JSON | GEN},
 };
