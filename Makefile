@@ -72,7 +72,9 @@ $(BUILD)/%_avx512.o: %_avx512.c | $(DEPS_OK)
 	@mkdir -p $(dir $@)
 	$(CC) $(K3_CFLAGS) $(PC_CFLAGS) $(CFLAGS) -mavx512f -mavx512bw -mavx512vl -mavx512vnni -mavx2 -mfma -mf16c -c $< -o $@
 
+# made afresh, so an object whose source moved or went does not stay inside
 $(BUILD)/libk3.a: $(OBJ)
+	@rm -f $@
 	ar rcs $@ $^
 
 $(BUILD)/k3: $(CLI_OBJ) $(BUILD)/libk3.a
@@ -170,7 +172,7 @@ fuzz-build:
 endif
 fuzz: fuzz-build
 	@sh fuzz/run.sh $(FUZZ_BUILD) $(FUZZ_TIME)
-# MPI (src/dist, issue 19): build/k3 always links OpenMPI (Debian's
+# MPI (src/comm: the only code that calls it): build/k3 always links OpenMPI (Debian's
 # openmpi-bin + libopenmpi-dev, scripts/install-deps.sh); without mpirun it
 # runs as world size 1. Flags from pkg-config ompi-c, else from mpicc.
 DEPS_PC += ompi-c

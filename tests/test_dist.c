@@ -1,7 +1,7 @@
 /*
- * test_dist.c -- the parts of src/dist that need no second process: the DCP
- * token layout against brute force, the candidate order and merge of the
- * top-k exchange against a plain sort, the planner against the loaded
+ * test_dist.c -- what of several processes needs no second one: the DCP
+ * token layout (ctx.h) against brute force, the candidate order and merge
+ * of the top-k exchange (src/comm) against a plain sort, the planner against the loaded
  * model's own figures, and the EP loader keeping only its experts. The
  * exchange over MPI itself, and the whole model under mpirun, are in
  * tests/mpi.sh.
@@ -10,8 +10,8 @@
 #include <string.h>
 
 #include "common/error.h"
-#include "dist/dist.h"
-#include "engine/ctx.h"
+#include "comm/comm.h"
+#include "ctx/ctx.h"
 #include "k3.h"
 #include "model/model.h"
 #include "test.h"

@@ -8,7 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "engine/ctx.h"
+#include "ctx/ctx.h"
 #include "k3.h"
 #include "model/model.h"
 #include "test.h"

@@ -10,7 +10,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "engine/ctx.h"
+#include "ctx/ctx.h"
 #include "engine/engine.h"
 #include "k3.h"
 #include "kernels/kernels.h"

@@ -3,13 +3,15 @@
  *
  * The engine owns a context made with k3_ctx_init_pool (cache storage for
  * the pool's blocks, one sequence slot per running request), the block
- * manager and KDA snapshots (src/kv), and the scheduler (src/sched). A step:
+ * manager and KDA snapshots (src/kv), and the scheduler (src/sched). It
+ * drives the context through the executor (src/executor), which under
+ * mpirun makes every call on every rank. A step:
  *   1. frees the requests that finished in the previous step (their outputs
  *      lived until now), takes the inbox (submits and cancels from any thread,
  *      under the mutex), ends cancelled requests;
  *   2. plans (k3_sched_schedule), sets each planned slot's block table and
  *      position (restoring a snapshot or zeroing the KDA state on admission);
- *   3. runs one k3_ctx_run over the plan;
+ *   3. runs one forward pass (k3_exec_run) over the plan;
  *   4. registers full blocks, takes snapshots, samples (each request its own
  *      sampler: the same tokens alone or batched), applies stop rules, and
  *      reports outputs and events.
@@ -25,9 +27,9 @@
 #include <unistd.h>
 
 #include "common/error.h"
-#include "ctx.h"
-#include "dist/dist.h"
+#include "ctx/ctx.h"
 #include "engine.h"
+#include "executor/executor.h"
 #include "kernels/attn_ops.h"
 #include "kv/kv.h"
 #include "model/model.h"
@@ -336,7 +338,7 @@ k3_status k3_engine_open(k3_engine **out, const k3_model *m, const k3_engine_opt
                              .kv_cache = o.kv_cache,
                              .pool = o.pool,
                              .dist = o.dist};
-        st = k3_ctx_init_pool(&e->ctx, m, &co, (int32_t)n_blocks, max_model_len, err);
+        st = k3_exec_init_pool(&e->ctx, m, &co, (int32_t)n_blocks, max_model_len, err);
     }
     if (!st) {
         e->state_bytes = k3_ctx_state_bytes(e->ctx);
@@ -812,16 +814,16 @@ k3_status k3_engine_step(k3_engine *e, k3_step_result *res, k3_error *err) {
         if (rq->is_new) {
             if (rq->restore) {
                 const double t0 = k3_now();
-                k3_ctx_state_restore(e->ctx, rq->slot, rq->restore);
+                k3_exec_state_restore(e->ctx, rq->slot, rq->restore);
                 e->snap_restore_s += k3_now() - t0;
                 e->n_snap_restores++;
             } else {
-                k3_ctx_seq_clear_state(e->ctx, rq->slot);
+                k3_exec_seq_clear_state(e->ctx, rq->slot);
             }
-            k3_ctx_seq_set_pos(e->ctx, rq->slot, rq->n_computed);
+            k3_exec_seq_set_pos(e->ctx, rq->slot, rq->n_computed);
             if (r->t_scheduled == 0) r->t_scheduled = t_in;
         }
-        K3_ASSERT(k3_ctx_seq_set_blocks(e->ctx, rq->slot, rq->blocks, rq->n_blocks, NULL) == K3_OK);
+        K3_ASSERT(k3_exec_seq_set_blocks(e->ctx, rq->slot, rq->blocks, rq->n_blocks, NULL) == K3_OK);
         e->batch[i] = (k3_batch_seq){rq->slot, rq->n_sched, rq->tok + rq->n_computed,
                                      r->emb ? r->emb + rq->n_computed : NULL};
         const bool ends = rq->n_computed + rq->n_sched == rq->n_tok;
@@ -863,7 +865,7 @@ k3_status k3_engine_step(k3_engine *e, k3_step_result *res, k3_error *err) {
     e->snap_save_s += k3_now() - t_snap;
 
     /* 3. the forward pass */
-    if (s->n_plan) fst = k3_ctx_run(e->ctx, e->batch, s->n_plan, e->want, e->logits, &ferr);
+    if (s->n_plan) fst = k3_exec_run(e->ctx, e->batch, s->n_plan, e->want, e->logits, &ferr);
     if (fst)
         for (int32_t k = 0; k < n_taken; k++) k3_kv_snap_drop(&e->sn, step_key[k], step_pos[k]);
     else
@@ -873,7 +875,7 @@ k3_status k3_engine_step(k3_engine *e, k3_step_result *res, k3_error *err) {
     if (e->o.dist && s->n_plan) {
         /* every rank's, summed (a failed link is sticky: the next pass reports it) */
         k3_comm_stats c;
-        k3_dist_stats_take_all(e->o.dist, NULL, &c, NULL);
+        k3_exec_stats_take_all(e->o.dist, NULL, &c, NULL);
         pthread_mutex_lock(&e->mu);
         for (int k = 0; k < K3_COMM_COUNT; k++) {
             e->comm.sent[k] += c.sent[k];
@@ -937,7 +939,7 @@ k3_status k3_engine_step(k3_engine *e, k3_step_result *res, k3_error *err) {
     publish_stats(e);
     /* a failed link to the other ranks stays failed: the engine cannot go on
      * (the requests of this step have their error; the server ends the job) */
-    if (!st && fst && k3_dist_failed(e->o.dist, NULL)) st = k3_err(err, fst, "%s", ferr.msg);
+    if (!st && fst && k3_exec_failed(e->ctx, NULL)) st = k3_err(err, fst, "%s", ferr.msg);
     return st;
 }
 

@@ -15,8 +15,8 @@
 #include "kernels/mla.h"
 #include "common/pool.h"
 #include "kernels/attn_ops.h"
-#include "ctx.h"
-#include "dist/hooks.h"
+#include "forward/forward.h"
+#include "layers/layers.h"
 #include "kernels/router.h"
 
 /* ---- small row helpers ------------------------------------------------- */
@@ -244,14 +244,6 @@ static void kda_layer(k3_ctx *ctx, const k3_layer *L, int layer, const float *xn
 
 /* ---- MLA / DSA layer ---------------------------------------------------- */
 
-/* the span (sequence, position) of round row t */
-static const k3_span *span_of(const k3_ctx *ctx, int64_t t) {
-    for (int32_t i = 0; i < ctx->n_spans; i++)
-        if (t < ctx->spans[i].t0 + ctx->spans[i].n) return &ctx->spans[i];
-    K3_ASSERT(0);
-    return NULL;
-}
-
 /* Slots of positions [a, b) of sequence seq (one process: a block's slots
  * are consecutive), one k3_ctx_slot per block. */
 static void seq_slots(const k3_ctx *ctx, int32_t seq, int64_t a, int64_t b, int64_t *out) {
@@ -268,7 +260,7 @@ static void seq_slots(const k3_ctx *ctx, int32_t seq, int64_t a, int64_t b, int6
 static void dsa_score_range(k3_ctx *ctx, int layer, int64_t t, int a, int b, int64_t *slots, float *sc) {
     const k3_config *c = ctx->c;
     const int HI = c->index_n_heads, dI = c->index_head_dim;
-    const k3_span *sp = span_of(ctx, t);
+    const k3_span *sp = k3_span_of(ctx, t);
     seq_slots(ctx, sp->seq, a, b, slots + a);
     if (ctx->kv == K3_KV_C8)
         k3_qli_scores(ctx->s.iq8 + t * HI * dI, ctx->s.iqs + t * HI, ctx->s.iw + t * HI, HI, dI, ctx->idx8[layer],
@@ -279,7 +271,7 @@ static void dsa_score_range(k3_ctx *ctx, int layer, int64_t t, int a, int b, int
 }
 
 static int row_len(const k3_ctx *ctx, int64_t t) {
-    const k3_span *sp = span_of(ctx, t);
+    const k3_span *sp = k3_span_of(ctx, t);
     return (int)(sp->pos0 + (t - sp->t0) + 1);
 }
 
@@ -361,14 +353,14 @@ static void mla_attend_items(void *p, int64_t lo, int64_t hi, int ith) {
             all = ctx->s.isel + t * c->index_topk;
             n = ctx->s.icount[t];
         } else {
-            const k3_span *sp = span_of(ctx, t);
+            const k3_span *sp = k3_span_of(ctx, t);
             n = (int)(sp->pos0 + (t - sp->t0) + 1);
             all = NULL;
         }
         const int a = (int)((int64_t)n * part / j->parts), b = (int)((int64_t)n * (part + 1) / j->parts);
         const int64_t *slots = all ? all + a : NULL;
         if (!slots) {
-            const k3_span *sp = span_of(ctx, t);
+            const k3_span *sp = k3_span_of(ctx, t);
             int64_t *sl = ctx->s.tslots[ith];
             seq_slots(ctx, sp->seq, a, b, sl);
             slots = sl;
@@ -572,7 +564,7 @@ static void mla_layer(k3_ctx *ctx, const k3_layer *L, int layer, const float *xn
 
     PROF(ctx, K3_PROF_MLAPO, mlapo(ctx, L, layer, xn));
     layer_job aj = {ctx, L, layer, 1, 1};
-    if (ctx->dcp > 1) PROF(ctx, K3_PROF_QSFA, k3_dcp_attention(ctx, L, layer)); /* src/dist/dcp.c */
+    if (ctx->dcp > 1) PROF(ctx, K3_PROF_QSFA, k3_mla_dcp_attention(ctx, L, layer)); /* src/layers/mla_dcp.c */
     else mla_attend_local(ctx, L, layer);
     const double t_out = ctx->prof_on ? k3_now() : 0.0;
 
@@ -714,7 +706,7 @@ static void moe_layer(k3_ctx *ctx, const k3_layer *L, const float *yn, float *ou
         k3_matmul(ctx->pool, &L->lat_down, yn, T, s->lat);
         z = s->lat;
     }
-    if (ctx->ep > 1) z = k3_ep_dispatch(ctx, z); /* src/dist/ep.c */
+    if (ctx->ep > 1) z = k3_ep_dispatch(ctx, z); /* src/layers/moe_ep.c */
     /* group the (token, slot) rows by expert: counting sort, token order kept */
     memset(s->ecount, 0, sizeof(int32_t) * (size_t)(E + 1));
     for (int64_t i = 0; i < T * K; i++) s->ecount[s->rids[i] + 1]++;
