@@ -11,7 +11,7 @@
  * then has, per row and head, a partial output over a disjoint set of
  * tokens and its log-sum-exp; the ranks all-gather them and every rank
  * merges them in rank order with k3_lse_merge (the merge the thread split
- * of forward.c uses), so the result is identical on all ranks. A rank that
+ * of mla.c uses), so the result is identical on all ranks. A rank that
  * owns no winner contributes lse = -inf, weight 0.
  */
 #include <math.h>
