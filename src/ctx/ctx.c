@@ -15,6 +15,7 @@
 
 #include "kernels/attn_ops.h"
 #include "kernels/kda.h"
+#include "model/plan.h"
 
 /* ---- allocation ---------------------------------------------------------- */
 
@@ -132,17 +133,8 @@ static k3_status exchange_alloc(k3_ctx *ctx, k3_error *err) {
  * block_size / D of them; ctx.h k3_ctx_own_slot). */
 
 int64_t k3_ctx_cache_bytes(const k3_ctx *ctx) {
-    const k3_config *c = ctx->c;
-    const int64_t slots = (int64_t)ctx->n_blocks * ctx->lbs;
-    int64_t per = 0;
-    for (int i = 0; i < c->n_layers; i++) {
-        if (c->layer_kind[i] == K3_LAYER_KDA) continue;
-        if (ctx->kv == K3_KV_F32) per += (int64_t)(c->kv_lora_rank + c->qk_rope_dim) * 4;
-        else per += c->kv_lora_rank + (int64_t)ctx->n_tiles * 4 + (int64_t)c->qk_rope_dim * 4;
-        if (c->layer_kind[i] == K3_LAYER_DSA)
-            per += ctx->kv == K3_KV_F32 ? (int64_t)c->index_head_dim * 4 : c->index_head_dim + 4;
-    }
-    return per * slots;
+    /* each rank's slots: n_blocks blocks of bs/D */
+    return k3_config_cache_bytes_per_token(ctx->c, ctx->kv) * ((int64_t)ctx->n_blocks * ctx->lbs);
 }
 
 void k3_ctx_free(k3_ctx *ctx) {

@@ -30,9 +30,9 @@
 #include "ctx/ctx.h"
 #include "engine.h"
 #include "executor/executor.h"
-#include "kernels/attn_ops.h"
 #include "kv/kv.h"
 #include "model/model.h"
+#include "model/plan.h"
 #include "sched/sched.h"
 
 #define K3_MAX_LOGPROBS 20
@@ -107,19 +107,6 @@ struct k3_engine {
 };
 
 /* ---- memory accounting ------------------------------------------------------ */
-
-static int64_t cache_bytes_per_token(const k3_config *c, k3_kv_type kv) {
-    int64_t n = 0;
-    const int64_t tiles = (c->kv_lora_rank + K3_C8_TILE - 1) / K3_C8_TILE;
-    for (int i = 0; i < c->n_layers; i++) {
-        const int k = c->layer_kind[i];
-        if (k == K3_LAYER_KDA) continue;
-        if (kv == K3_KV_F32) n += ((int64_t)c->kv_lora_rank + c->qk_rope_dim) * 4;
-        else n += c->kv_lora_rank + tiles * 4 + (int64_t)c->qk_rope_dim * 4;
-        if (k == K3_LAYER_DSA) n += kv == K3_KV_F32 ? (int64_t)c->index_head_dim * 4 : c->index_head_dim + 4;
-    }
-    return n;
-}
 
 /* The step cost guard's price of a prompt token at position p (sched.h):
  * 1 + p * slope + min(p, cap) * cap_slope, the FLOPs of attending over p
@@ -258,7 +245,7 @@ k3_status k3_engine_open(k3_engine **out, const k3_model *m, const k3_engine_opt
                       (long long)o.max_model_len, (long long)c->max_positions);
 
     /* the pool */
-    const int64_t bpt = cache_bytes_per_token(c, o.kv_cache), avail = machine_bytes(false);
+    const int64_t bpt = k3_config_cache_bytes_per_token(c, o.kv_cache), avail = machine_bytes(false);
     k3_model_info info;
     k3_model_get_info(m, &info);
     /* what the weights leave of the machine */
