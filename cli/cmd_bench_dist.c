@@ -111,7 +111,7 @@ int k3_cmd_bench_dist(int argc, char **argv) {
     k3_model_info info;
     k3_model_get_info(m, &info);
     s = k3_pool_init(&pool, threads, &err);
-    k3_ctx_options co = {.max_seqs = 1, .max_tokens = longest + dtok + 8, .max_batch = 16, .kv_cache = kv,
+    k3_ctx_options co = {.max_seqs = 1, .cache_tokens = longest + dtok + 8, .max_batch = 16, .kv_cache = kv,
                          .pool = pool, .dist = cd.d};
     if (!s) s = k3_ctx_init(&ctx, m, &co, &err);
     if (k3_cli_dist_agree(&cd, s, &err, "bench")) {

@@ -305,7 +305,7 @@ distributed:
     if (want < 0) goto out_quiet; /* rank 0 said why */
     {
         k3_status cs = pool ? K3_OK : k3_pool_init(&pool, threads, &err); /* --image made it already */
-        k3_ctx_options co = {.max_seqs = 1, .max_tokens = want, .pool = pool, .kv_cache = kv, .dist = cd.d};
+        k3_ctx_options co = {.max_seqs = 1, .cache_tokens = want, .pool = pool, .kv_cache = kv, .dist = cd.d};
         if (!cs) cs = k3_ctx_init(&ctx, m, &co, &err);
         if (k3_cli_dist_agree(&cd, cs, &err, "run")) {
             if (!cd.d) goto out;

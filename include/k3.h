@@ -230,7 +230,7 @@ typedef enum k3_kv_type {
 
 typedef struct k3_ctx_options {
     int32_t max_seqs;      /* sequences that may hold state at once */
-    int64_t max_tokens;    /* cache capacity in tokens over all sequences */
+    int64_t cache_tokens;  /* cache capacity in tokens over all sequences */
     int32_t block_size;    /* tokens per cache block (0 = default 64) */
     int32_t max_batch;     /* tokens per forward pass (0 = default 512) */
     k3_kv_type kv_cache;   /* cache format (default K3_KV_F32) */

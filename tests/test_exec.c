@@ -141,7 +141,7 @@ static k3_model *g_m;
 static k3_ctx *make_ctx(bool pool) {
     k3_ctx *c = NULL;
     k3_error err = {0};
-    k3_ctx_options o = {.max_seqs = 3, .max_tokens = 512, .block_size = 16, .max_batch = 24};
+    k3_ctx_options o = {.max_seqs = 3, .cache_tokens = 512, .block_size = 16, .max_batch = 24};
     const k3_status s = pool ? k3_ctx_init_pool(&c, g_m, &o, 40, 512, &err) : k3_ctx_init(&c, g_m, &o, &err);
     if (s) k3_test_fail(__FILE__, __LINE__, "context: %s", err.msg);
     return c;

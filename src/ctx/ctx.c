@@ -218,8 +218,8 @@ static k3_status ctx_create(k3_ctx **out, const k3_model *m, const k3_ctx_option
                             int64_t max_ctx_ext, k3_error *err) {
     *out = NULL;
     const k3_config *c = &m->cfg;
-    if (!opt || opt->max_seqs < 1 || opt->max_tokens < 1)
-        return k3_err(err, K3_ERR_ARG, "context: max_seqs and max_tokens must be positive");
+    if (!opt || opt->max_seqs < 1 || opt->cache_tokens < 1)
+        return k3_err(err, K3_ERR_ARG, "context: max_seqs and cache_tokens must be positive");
     if (opt->block_size < 0 || opt->max_batch < 0)
         return k3_err(err, K3_ERR_ARG, "context: block_size and max_batch must not be negative");
     if (opt->kv_cache != K3_KV_F32 && opt->kv_cache != K3_KV_C8)
@@ -247,8 +247,8 @@ static k3_status ctx_create(k3_ctx **out, const k3_model *m, const k3_ctx_option
         if (stripe > 0) ctx->block_size = (64 + stripe - 1) / stripe * stripe;
     }
     ctx->max_batch = opt->max_batch ? opt->max_batch : 512;
-    ctx->max_tokens = opt->max_tokens;
-    ctx->max_ctx = opt->max_tokens < c->max_positions ? opt->max_tokens : c->max_positions;
+    ctx->cache_tokens = opt->cache_tokens;
+    ctx->max_ctx = opt->cache_tokens < c->max_positions ? opt->cache_tokens : c->max_positions;
     if (max_ctx_ext > 0) ctx->max_ctx = max_ctx_ext < c->max_positions ? max_ctx_ext : c->max_positions;
     ctx->kv = opt->kv_cache;
     ctx->dense = opt->dense_attention;
@@ -260,10 +260,10 @@ static k3_status ctx_create(k3_ctx **out, const k3_model *m, const k3_ctx_option
         return ds;
     }
     const int32_t bs = ctx->block_size;
-    /* one partial block per sequence on top, so max_tokens fit however they
+    /* one partial block per sequence on top, so cache_tokens fit however they
      * are spread over the sequences; under DCP the same global blocks, each
      * bs/D slots on this rank */
-    ctx->n_blocks = (int32_t)((opt->max_tokens + bs - 1) / bs) + (opt->max_seqs > 1 ? opt->max_seqs : 0);
+    ctx->n_blocks = (int32_t)((opt->cache_tokens + bs - 1) / bs) + (opt->max_seqs > 1 ? opt->max_seqs : 0);
     ctx->max_blocks_per_seq = (int32_t)((ctx->max_ctx + bs - 1) / bs);
     if (n_blocks_ext > 0) ctx->n_blocks = n_blocks_ext;
 
@@ -413,7 +413,7 @@ static k3_status ctx_create(k3_ctx **out, const k3_model *m, const k3_ctx_option
     if (a.failed) {
         k3_ctx_free(ctx);
         return k3_err(err, K3_ERR_NOMEM, "context: out of memory (%lld tokens, %d sequences)",
-                      (long long)opt->max_tokens, opt->max_seqs);
+                      (long long)opt->cache_tokens, opt->max_seqs);
     }
     *out = ctx;
     return K3_OK;

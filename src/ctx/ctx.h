@@ -123,7 +123,7 @@ struct k3_ctx {
 
     int32_t max_seqs, block_size, max_batch;
     int32_t lbs;                  /* slots of one block on this rank: block_size / dcp */
-    int64_t max_tokens, max_ctx;  /* max_ctx: longest sequence */
+    int64_t cache_tokens, max_ctx; /* cache capacity in tokens over all sequences; max_ctx: longest sequence */
     int32_t n_blocks, max_blocks_per_seq;
     /* the default block manager of k3_ctx_forward (NULL when an engine owns
      * the blocks: k3_ctx_init_pool) */

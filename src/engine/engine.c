@@ -319,7 +319,7 @@ k3_status k3_engine_open(k3_engine **out, const k3_model *m, const k3_engine_opt
         e->n_eos = o.n_eos_ids;
         e->o.eos_ids = e->eos;
         k3_ctx_options co = {.max_seqs = o.max_num_seqs,
-                             .max_tokens = tokens,
+                             .cache_tokens = tokens,
                              .block_size = (int32_t)bs,
                              .max_batch = o.max_num_batched_tokens < 1024 ? o.max_num_batched_tokens : 1024,
                              .kv_cache = o.kv_cache,
@@ -334,7 +334,7 @@ k3_status k3_engine_open(k3_engine **out, const k3_model *m, const k3_engine_opt
     if (!st) st = k3_kv_snaps_init(&e->sn, e->state_bytes, snap_budget, err);
     if (!st) {
         k3_sched_config sc = {.max_seqs = o.max_num_seqs,
-                              .max_tokens = o.max_num_batched_tokens,
+                              .max_num_batched_tokens = o.max_num_batched_tokens,
                               .block_size = (int32_t)bs,
                               .max_blocks = e->max_blocks,
                               .snapshot_stride = o.snapshot_stride,

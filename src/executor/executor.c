@@ -524,7 +524,7 @@ static k3_status replay_call(k3_ctx *ctx, rmsg *r, k3_error *err) {
 static void put_pool(wmsg *w, const k3_ctx_options *o, int32_t n_blocks, int64_t max_ctx) {
     const int32_t kv = (int32_t)o->kv_cache, dense = o->dense_attention;
     w_put(w, &o->max_seqs, sizeof o->max_seqs);
-    w_put(w, &o->max_tokens, sizeof o->max_tokens);
+    w_put(w, &o->cache_tokens, sizeof o->cache_tokens);
     w_put(w, &o->block_size, sizeof o->block_size);
     w_put(w, &o->max_batch, sizeof o->max_batch);
     w_put(w, &kv, sizeof kv);
@@ -554,7 +554,7 @@ static k3_status replay_pool(rmsg *r, k3_ctx **out, const k3_model *m, k3_pool *
     int32_t kv = 0, dense = 0, n_blocks = 0;
     int64_t max_ctx = 0;
     r_get(r, &o.max_seqs, sizeof o.max_seqs);
-    r_get(r, &o.max_tokens, sizeof o.max_tokens);
+    r_get(r, &o.cache_tokens, sizeof o.cache_tokens);
     r_get(r, &o.block_size, sizeof o.block_size);
     r_get(r, &o.max_batch, sizeof o.max_batch);
     r_get(r, &kv, sizeof kv);

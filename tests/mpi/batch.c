@@ -48,7 +48,7 @@ int main(int argc, char **argv) {
     k3_model *m = NULL, *full = NULL;
     k3_ctx *ctx = NULL, *ref = NULL;
     k3_status s = k3_model_open_ep(&m, dir, k3_dist_ep_rank(d), k3_dist_ep_size(d), &err);
-    k3_ctx_options co = {.max_seqs = 3, .max_tokens = 4096, .max_batch = 24, .kv_cache = K3_KV_F32, .dist = d};
+    k3_ctx_options co = {.max_seqs = 3, .cache_tokens = 4096, .max_batch = 24, .kv_cache = K3_KV_F32, .dist = d};
     if (!s) s = k3_ctx_init(&ctx, m, &co, &err);
     if (k3_dist_agree(d, s, &err)) {
         if (rank == 0) fprintf(stderr, "batch: %s\n", err.msg);
@@ -125,15 +125,15 @@ int main(int argc, char **argv) {
                 pass++;
             }
         }
-        /* the pool: the same global blocks as one process (max_tokens and a
+        /* the pool: the same global blocks as one process (cache_tokens and a
          * partial block per sequence), each block_size / D slots on a rank;
          * the block size is 64 up to a multiple of D*I */
         const int64_t one = k3_ctx_cache_bytes(ref), mine = k3_ctx_cache_bytes(ctx);
         const int64_t D = k3_dist_dcp_size(d), S = co.max_seqs, I = dopt.dcp_interleave, st = D * I;
-        const int64_t bs = (64 + st - 1) / st * st, one_blocks = (co.max_tokens + 63) / 64 + S;
-        const int64_t slot_bytes = one / (one_blocks * 64), mine_slots = ((co.max_tokens + bs - 1) / bs + S) * bs / D;
+        const int64_t bs = (64 + st - 1) / st * st, one_blocks = (co.cache_tokens + 63) / 64 + S;
+        const int64_t slot_bytes = one / (one_blocks * 64), mine_slots = ((co.cache_tokens + bs - 1) / bs + S) * bs / D;
         if (one % (one_blocks * 64) == 0 && mine == mine_slots * slot_bytes &&
-            mine_slots * D <= co.max_tokens + S * bs + bs)
+            mine_slots * D <= co.cache_tokens + S * bs + bs)
             pass++;
         else {
             fail++;
