@@ -192,7 +192,7 @@ K3_TEST(exec_replay_of_every_row_equals_the_calls) {
     for (int i = 0; i < 40; i++) ids[i] = (i * 37 + 11) % (int32_t)V;
     for (int64_t i = 0; i < D; i++) row[i] = (float)((i * 7919) % 201 - 100) / 400.0f;
     const float *erow[40] = {0};
-    erow[3] = erow[4] = row; /* rows replacing two embeddings */
+    for (int i = 3; i < 9; i++) erow[i] = row; /* rows replacing six embeddings: 6 KB, broadcast apart */
 
     /* the simple context of k3 run and k3 bench: forward, reset, fill */
     k3_exec_tap t1 = {0}, t2 = {0};

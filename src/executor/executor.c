@@ -53,9 +53,11 @@ void k3_exec_set_tap(k3_exec_tap *tap) { g_tap = tap; }
 static bool sends(const k3_dist *d) { return d && k3_dist_rank(d) == 0 && k3_dist_size(d) > 1; }
 
 /* ---- writing a message ------------------------------------------------------------
- * The payload is copied together; an array of SEG_MIN bytes or more is a
- * segment instead, broadcast from where it lies after the payload (its
- * length, and whether it is one, are in the payload). */
+ * The payload is copied together; an array of SEG_MIN bytes or more (of at
+ * most MAX_SEGS per message) is a segment instead, broadcast from where it
+ * lies after the payload, with its length in the payload. Both sides know
+ * an array's length (calls.h: the same on every rank), so both take the
+ * same arrays for segments and a short array travels without a length. */
 
 typedef struct wmsg {
     msg_hdr h;
@@ -112,10 +114,15 @@ static void w_put(wmsg *w, const void *src, size_t n) {
 
 /* n bytes at p: copied, or a segment (owned: freed after the send) */
 static void w_array(wmsg *w, const void *p, size_t n, void *owned) {
-    const int64_t len = (int64_t)n;
-    const uint8_t is_seg = n >= SEG_MIN && w->n_seg < MAX_SEGS;
-    w_put(w, &len, sizeof len);
-    w_put(w, &is_seg, 1);
+    const bool is_seg = n >= SEG_MIN && w->n_seg < MAX_SEGS;
+    if (is_seg && n > INT32_MAX) {
+        free(owned);
+        return w_fail(w, K3_ERR_RANGE, "dist: an array over one broadcast (2 GB)");
+    }
+    if (is_seg) {
+        const int32_t len = (int32_t)n;
+        w_put(w, &len, sizeof len);
+    }
     if (!is_seg) {
         w_put(w, p, n);
         free(owned);
@@ -129,13 +136,14 @@ static void w_array(wmsg *w, const void *p, size_t n, void *owned) {
 }
 
 static void w_batch(wmsg *w, const k3_batch_seq *batch, int32_t n_seqs, int64_t row_floats) {
-    int64_t n_tokens = 0, rows = 0;
+    int64_t n_tokens = 0;
+    int32_t rows = 0;
     for (int32_t i = 0; i < n_seqs; i++) {
         n_tokens += batch[i].n_tokens;
         for (int32_t t = 0; batch[i].embeds && t < batch[i].n_tokens; t++) rows += batch[i].embeds[t] != NULL;
     }
     /* refused before anything is sent: a message over MPI's int count */
-    if (rows > 0 && (row_floats < 1 || rows > (int64_t)INT32_MAX / 4 / row_floats)) {
+    if (rows > 0 && (row_floats < 1 || rows > INT32_MAX / 4 / row_floats)) {
         char m[200];
         snprintf(m, sizeof m, "dist: %lld image rows of %lld floats are over one broadcast (2 GB)", (long long)rows,
                  (long long)row_floats);
@@ -160,7 +168,7 @@ static void w_batch(wmsg *w, const k3_batch_seq *batch, int32_t n_seqs, int64_t 
             w_put(w, &flag, 1);
             if (e) memcpy(f + r++ * row_floats, e, sizeof(float) * (size_t)row_floats);
         }
-    w_array(w, f, sizeof(float) * (size_t)(rows * row_floats), f);
+    w_array(w, f, sizeof(float) * (size_t)rows * (size_t)row_floats, f);
 }
 
 static void tap_put(const void *p, size_t n) {
@@ -216,6 +224,7 @@ typedef struct rmsg {
     const uint8_t *p; /* the payload */
     size_t n, at;
     void *payload;    /* allocated when it did not travel in the header */
+    int n_seg;        /* segments read */
     k3_dist *d;       /* the segments come from rank 0, or */
     const k3_exec_tap *tap; /* from the tap, at *tap_at */
     size_t *tap_at;
@@ -276,6 +285,7 @@ static k3_status r_unit(rmsg *r, void *dst, size_t n, double wait_s) {
 static k3_status r_next(rmsg *r) {
     r->st = K3_OK;
     r->h.cmd = 0;
+    r->n_seg = 0;
     msg_hdr h;
     if (r_unit(r, &h, sizeof h, -1.0)) return r->st;
     r->h = h;
@@ -305,24 +315,31 @@ static void r_get(rmsg *r, void *dst, size_t n) {
     r->at += n;
 }
 
-/* an array written by w_array: expect bytes long (-1: any, *got gets it) */
-static void *r_array(rmsg *r, int64_t expect, int64_t *got) {
-    int64_t len = 0;
-    uint8_t is_seg = 0;
-    r_get(r, &len, sizeof len);
-    r_get(r, &is_seg, 1);
+/* an array written by w_array, expect bytes long (what this rank computes) */
+static void *r_array(rmsg *r, int64_t expect) {
     if (r->st) return NULL;
-    if (len < 0 || len > INT32_MAX || (expect >= 0 && len != expect) || (!is_seg && (int64_t)(r->n - r->at) < len)) {
-        char m[128];
-        snprintf(m, sizeof m, "an array of %lld bytes, expected %lld", (long long)len, (long long)expect);
-        r_fail(r, K3_ERR_FORMAT, m);
+    if (expect < 0 || expect > INT32_MAX) {
+        r_fail(r, K3_ERR_FORMAT, "an array over one broadcast");
         return NULL;
     }
-    if (got) *got = len;
-    void *p = r_alloc(r, (size_t)len);
+    const bool is_seg = expect >= SEG_MIN && r->n_seg < MAX_SEGS;
+    if (is_seg) { /* its length, checked: the ranks must agree on it */
+        int32_t len = 0;
+        r_get(r, &len, sizeof len);
+        if (!r->st && len != expect) {
+            char m[128];
+            snprintf(m, sizeof m, "an array of %d bytes where %lld were expected", len, (long long)expect);
+            r_fail(r, K3_ERR_FORMAT, m);
+        }
+    }
+    void *p = r_alloc(r, (size_t)expect);
     if (!p) return NULL;
-    if (is_seg) r_unit(r, p, (size_t)len, r->d ? k3_comm_timeout(r->d) : 0);
-    else r_get(r, p, (size_t)len);
+    if (is_seg) {
+        r->n_seg++;
+        r_unit(r, p, (size_t)expect, r->d ? k3_comm_timeout(r->d) : 0);
+    } else {
+        r_get(r, p, (size_t)expect);
+    }
     return r->st ? NULL : p;
 }
 
@@ -341,7 +358,7 @@ static void r_batch(rmsg *r, const k3_batch_seq **out, int32_t *n_out, int64_t r
     }
     int32_t *tok = r_alloc(r, sizeof(int32_t) * (size_t)n_tokens);
     r_get(r, tok, sizeof(int32_t) * (size_t)n_tokens);
-    int64_t rows = 0;
+    int32_t rows = 0;
     r_get(r, &rows, sizeof rows);
     const float **eptr = NULL;
     if (!r->st && rows > 0) {
@@ -349,7 +366,7 @@ static void r_batch(rmsg *r, const k3_batch_seq **out, int32_t *n_out, int64_t r
         eptr = r_alloc(r, sizeof *eptr * (size_t)n_tokens);
         uint8_t *flag = r_alloc(r, (size_t)n_tokens);
         r_get(r, flag, (size_t)n_tokens);
-        const float *f = r_array(r, (int64_t)sizeof(float) * rows * row_floats, NULL);
+        const float *f = r_array(r, (int64_t)sizeof(float) * rows * row_floats);
         int64_t k = 0;
         for (int64_t t = 0; !r->st && t < n_tokens; t++) {
             eptr[t] = flag[t] && k < rows ? f + k * row_floats : NULL;
@@ -431,7 +448,7 @@ int64_t k3_exec_run_rows(const k3_batch_seq *batch, int32_t n_seqs, const uint8_
         ptr = ids_;                                                                                                \
     }
 #define GET_BYTES(type, ptr, len)                                                                                  \
-    if (!r->st) ptr = r_array(r, (int64_t)(len), NULL);
+    if (!r->st) ptr = r_array(r, (int64_t)(len));
 #define GET_BATCH(batch, n) r_batch(r, &batch, &n, ctx->c->hidden_size);
 #define GET_LOGITS(ptr, rows)                                                                                      \
     if (!r->st) ptr = r_logits(r, (int64_t)(rows), ctx->c->vocab_size);
