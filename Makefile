@@ -72,7 +72,7 @@ $(BUILD)/%_avx512.o: %_avx512.c | $(DEPS_OK)
 	@mkdir -p $(dir $@)
 	$(CC) $(K3_CFLAGS) $(PC_CFLAGS) $(CFLAGS) -mavx512f -mavx512bw -mavx512vl -mavx512vnni -mavx2 -mfma -mf16c -c $< -o $@
 
-# made afresh, so an object whose source moved or went does not stay inside
+# made afresh, so an object whose source is gone does not stay in the archive
 $(BUILD)/libk3.a: $(OBJ)
 	@rm -f $@
 	ar rcs $@ $^
