@@ -114,25 +114,21 @@ static void w_put(wmsg *w, const void *src, size_t n) {
 
 /* n bytes at p: copied, or a segment (owned: freed after the send) */
 static void w_array(wmsg *w, const void *p, size_t n, void *owned) {
-    const bool is_seg = n >= SEG_MIN && w->n_seg < MAX_SEGS;
-    if (is_seg && n > INT32_MAX) {
-        free(owned);
-        return w_fail(w, K3_ERR_RANGE, "dist: an array over one broadcast (2 GB)");
-    }
-    if (is_seg) {
-        const int32_t len = (int32_t)n;
-        w_put(w, &len, sizeof len);
-    }
-    if (!is_seg) {
+    if (n < SEG_MIN || w->n_seg == MAX_SEGS) {
         w_put(w, p, n);
         free(owned);
-    } else if (w->st) {
-        free(owned);
-    } else {
-        w->seg[w->n_seg].p = p;
-        w->seg[w->n_seg].n = n;
-        w->seg[w->n_seg++].owned = owned;
+        return;
     }
+    if (n > INT32_MAX) w_fail(w, K3_ERR_RANGE, "dist: an array over one broadcast (2 GB)");
+    const int32_t len = (int32_t)n;
+    w_put(w, &len, sizeof len);
+    if (w->st) {
+        free(owned);
+        return;
+    }
+    w->seg[w->n_seg].p = p;
+    w->seg[w->n_seg].n = n;
+    w->seg[w->n_seg++].owned = owned;
 }
 
 static void w_batch(wmsg *w, const k3_batch_seq *batch, int32_t n_seqs, int64_t row_floats) {
