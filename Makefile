@@ -196,7 +196,7 @@ fuzz-build:
 endif
 fuzz: fuzz-build
 	@sh fuzz/run.sh $(FUZZ_BUILD) $(FUZZ_TIME)
-# MPI (src/dist, issue 19): build/k3 always links OpenMPI (Debian's
+# MPI (src/comm: the only code that calls it): build/k3 always links OpenMPI (Debian's
 # openmpi-bin + libopenmpi-dev, scripts/install-deps.sh); without mpirun it
 # runs as world size 1. Flags from pkg-config ompi-c, else from mpicc.
 DEPS_PC += ompi-c

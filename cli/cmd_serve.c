@@ -92,7 +92,7 @@ static int serve_worker(k3_cli_dist *cd, const char *dir, const char *quant, boo
     k3_status ms = k3_cli_open_model_dist(&m, dir, quant, keep_mapped, false, cd, &err);
     if (k3_cli_dist_agree(cd, ms, &err, "serve")) goto out;
     k3_cli_dist_test_hooks(cd);
-    if (k3_pool_init(&pool, threads, &err) || k3_dist_worker_pool(cd->d, m, pool, &err)) {
+    if (k3_pool_init(&pool, threads, &err) || k3_exec_serve_pool(cd->d, m, pool, &err)) {
         fprintf(stderr, "k3 serve: rank %d: %s\n", cd->rank, err.msg);
         k3_dist_abort(cd->d, 1);
     }
@@ -306,10 +306,10 @@ out:
     k3_tokenizer_free(tok);
     k3_model_close(m);
     if (cd.d) {
-        /* the workers wait in k3_dist_worker_pool: let them go, or end the job
+        /* the other ranks wait in k3_exec_serve_pool: let them go, or end the job
          * when a rank died (a failed link stays failed) */
         k3_error rerr = {0};
-        if (k3_dist_release(cd.d, &rerr)) {
+        if (k3_exec_release(cd.d, &rerr)) {
             fprintf(stderr, "k3 serve: %s\n", rerr.msg);
             k3_dist_abort(cd.d, 1);
         }

@@ -230,7 +230,7 @@ typedef enum k3_kv_type {
 
 typedef struct k3_ctx_options {
     int32_t max_seqs;      /* sequences that may hold state at once */
-    int64_t max_tokens;    /* cache capacity in tokens over all sequences */
+    int64_t cache_tokens;  /* cache capacity in tokens over all sequences */
     int32_t block_size;    /* tokens per cache block (0 = default 64) */
     int32_t max_batch;     /* tokens per forward pass (0 = default 512) */
     k3_kv_type kv_cache;   /* cache format (default K3_KV_F32) */
@@ -413,8 +413,8 @@ typedef struct k3_engine_options {
                                        model, quantization and cache format */
     k3_pool *pool;                  /* borrowed; NULL = single-threaded */
     struct k3_dist *dist;           /* borrowed; NULL = one process. On rank 0 of
-                                       several (--ep E, --dcp 1) the context's calls
-                                       go to the workers (k3_dist_worker_pool) */
+                                       several the context's calls go to the other
+                                       ranks (k3_exec_serve_pool) */
 } k3_engine_options;
 
 typedef struct k3_request_params {
@@ -540,15 +540,16 @@ void k3_engine_get_stats(k3_engine *e, k3_engine_stats *st);
  * finished request are valid until the next step, which frees it. */
 
 
-/* ---- distributed: several processes on MPI (src/dist) -------------------
+/* ---- distributed: several processes on MPI (src/comm, src/executor) ------
  *
  * One k3_dist per process joins the MPI world (mpirun -np N) and splits it
  * into a decode-context-parallel group of D ranks (consecutive world ranks)
  * and an expert-parallel group of E ranks (world ranks N/E apart); D and E
- * divide N. Rank 0 owns tokenization, sampling and I/O: its calls of
- * k3_ctx_forward / k3_ctx_seq_reset / k3_ctx_seq_fill_synthetic on a context
- * made with the dist are sent to every other rank, which runs them from
- * k3_dist_worker, so every rank runs its share of every forward pass.
+ * divide N. Every rank makes a context with the dist. Rank 0 owns
+ * tokenization, sampling and I/O and drives its context through the
+ * executor (k3_exec_forward, ...: below), which sends each call to every
+ * other rank; they replay them in k3_exec_serve, so every rank runs its
+ * share of every forward pass.
  * DCP: token x of a sequence lives on DCP rank (x div I) mod D, which equals
  * ((x mod (bs*D)) div I) mod D for bs a multiple of I (serving.md §2.5); the
  * latent and indexer caches hold only own tokens, attention and the DSA
@@ -596,11 +597,6 @@ k3_topk_exchange k3_dist_exchange(const k3_dist *d);
 k3_status k3_dist_agree(k3_dist *d, k3_status mine, k3_error *err);
 /* Broadcasts n int64 values from rank 0. */
 k3_status k3_dist_bcast_i64(k3_dist *d, int64_t *v, int32_t n, k3_error *err);
-/* Ranks other than 0: runs rank 0's context calls on ctx until rank 0 calls
- * k3_dist_release (returns K3_OK) or something fails. */
-k3_status k3_dist_worker(k3_dist *d, k3_ctx *ctx, k3_error *err);
-/* Rank 0: lets the workers' k3_dist_worker return. */
-k3_status k3_dist_release(k3_dist *d, k3_error *err);
 /* Sums a double over all ranks (for per-rank figures). */
 k3_status k3_dist_sum(k3_dist *d, double *v, int32_t n, k3_error *err);
 /* The largest of a value over all ranks. */
@@ -625,21 +621,39 @@ typedef struct k3_comm_stats {
 const char *k3_comm_kind_name(k3_comm_kind k);
 /* Copies the counters into *out and resets them. */
 void k3_dist_stats_take(k3_dist *d, k3_comm_stats *out);
-/* Rank 0 of several (dcp-serve): takes its own counters into *mine and
- * every rank's, summed, into *all (either may be NULL); the other ranks,
- * waiting in k3_dist_worker or k3_dist_worker_pool, take and add theirs.
- * One process: both get this process's counters. */
-k3_status k3_dist_stats_take_all(k3_dist *d, k3_comm_stats *mine, k3_comm_stats *all, k3_error *err);
+
+/* The executor: rank 0's calls on a context made with a dist, made on every
+ * rank. Each k3_exec_ call takes the arguments of the k3_ctx_ call of the
+ * same name; on rank 0 of several it sends the call to the other ranks and
+ * makes it on its own context (a forward pass together with the others);
+ * with one process (no dist, or a world of 1) it is the k3_ctx_ call. A send
+ * that fails is sticky: the next forward pass returns it. */
+k3_status k3_exec_forward(k3_ctx *ctx, const k3_batch_seq *batch, int32_t n_seqs, k3_logits_mode mode,
+                          float *logits, k3_error *err);
+void k3_exec_seq_reset(k3_ctx *ctx, int32_t seq);
+k3_status k3_exec_seq_fill_synthetic(k3_ctx *ctx, int32_t seq, int64_t n, uint64_t seed, k3_error *err);
+/* Ranks other than 0: makes rank 0's calls on ctx (made with the dist, the
+ * same options as rank 0's) until rank 0 calls k3_exec_release (returns
+ * K3_OK) or something fails. */
+k3_status k3_exec_serve(k3_ctx *ctx, k3_error *err);
+/* k3 serve's ranks > 0: waits for rank 0's engine to make its context (same
+ * options, on model m and pool), then makes every call the engine makes on
+ * it, until k3_exec_release (K3_OK) or a failure. Frees the context. */
+k3_status k3_exec_serve_pool(k3_dist *d, const k3_model *m, k3_pool *pool, k3_error *err);
+/* Rank 0: lets the other ranks' k3_exec_serve and k3_exec_serve_pool
+ * return (K3_OK with one process). */
+k3_status k3_exec_release(k3_dist *d, k3_error *err);
+/* Rank 0 of several: takes its own counters into *mine and every rank's,
+ * summed, into *all (either may be NULL); the other ranks, serving, take and
+ * add theirs. One process: both get this process's counters. */
+k3_status k3_exec_stats_take_all(k3_dist *d, k3_comm_stats *mine, k3_comm_stats *all, k3_error *err);
+
 /* Bytes of the latent and indexer cache pool an engine's context holds on
  * this rank (under DCP each rank holds the same: 1/D of one process's). */
 int64_t k3_engine_cache_bytes(const k3_engine *e);
-/* k3 serve's ranks > 0: waits for rank 0's engine to make its context (same
- * options, on model m and pool), then replays every call the engine makes on
- * it, until k3_dist_release (K3_OK) or a failure. Frees the context. */
-k3_status k3_dist_worker_pool(k3_dist *d, const k3_model *m, k3_pool *pool, k3_error *err);
 /* The cross-rank counters of every rank, summed over the ranks and over an
  * engine's steps since it opened (any thread; taken with
- * k3_dist_stats_take_all after each step); false (and zeros) when the
+ * k3_exec_stats_take_all after each step); false (and zeros) when the
  * engine runs in one process. */
 bool k3_engine_comm_stats(k3_engine *e, k3_comm_stats *out);
 

@@ -1,121 +1,33 @@
 /*
- * dcp.c -- decode context parallelism inside the forward pass (serving.md
- * §2.5), and the context's share of src/dist (hooks.h).
+ * mla_dcp.c -- the MLA/DSA attention under decode context parallelism
+ * (serving.md §2.5): the DCP form of the layer of mla.c.
  *
  * Every rank of a DCP group runs the same rows; each caches only the tokens
  * it owns, so each attends only over those. For a DSA layer a row's indexer
  * scores over the own keys give a local top-k of (score, global position);
- * k3_dist_topk_exchange settles the global top-k, the same on every rank and
+ * k3_comm_topk_exchange settles the global top-k, the same on every rank and
  * the same tokens k3_topk picks in one process; each rank attends over the
  * winners it owns. A dense layer attends over the whole own shard. Each rank
  * then has, per row and head, a partial output over a disjoint set of
  * tokens and its log-sum-exp; the ranks all-gather them and every rank
  * merges them in rank order with k3_lse_merge (the merge the thread split
- * of forward.c uses), so the result is identical on all ranks. A rank that
+ * of mla.c uses), so the result is identical on all ranks. A rank that
  * owns no winner contributes lse = -inf, weight 0.
  */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "kernels/mla.h"
+#include "comm/comm.h"
 #include "common/error.h"
 #include "common/pool.h"
-#include "dist.h"
-#include "hooks.h"
 #include "kernels/attn_ops.h"
+#include "kernels/mla.h"
+#include "layers/layers.h"
 
-int64_t k3_dist_local_tokens(const k3_ctx *ctx, int64_t n) {
-    return ctx->dcp > 1 ? k3_dcp_count(n, ctx->dcp_rank, ctx->dcp, ctx->dcp_il) : n;
-}
-
-k3_status k3_dist_ctx_setup(k3_ctx *ctx, k3_dist *d, k3_error *err) {
-    const k3_config *c = ctx->c;
-    ctx->dist = d; /* NULL: one process, dcp = ep = 1 */
-    ctx->dcp = k3_dist_dcp_size(d);
-    ctx->dcp_rank = k3_dist_dcp_rank(d);
-    ctx->dcp_il = k3_dist_interleave(d);
-    ctx->ep = k3_dist_ep_size(d);
-    ctx->ep_rank = k3_dist_ep_rank(d);
-    if (ctx->dcp > 64)
-        return k3_err(err, K3_ERR_UNSUPPORTED, "context: --dcp %d, at most 64 supported", ctx->dcp);
-    /* a block then holds bs/D tokens of every rank (ctx.h k3_ctx_own_slot) */
-    if (ctx->dcp > 1 && ctx->block_size % (ctx->dcp * ctx->dcp_il))
-        return k3_err(err, K3_ERR_ARG,
-                      "context: the block size %d is not a multiple of --dcp %d x --dcp-interleave %d (a block "
-                      "holds the same number of tokens of every DCP rank)",
-                      ctx->block_size, ctx->dcp, ctx->dcp_il);
-    ctx->lbs = ctx->block_size / (ctx->dcp > 1 ? ctx->dcp : 1);
-    if (ctx->ep > 1) {
-        if (c->n_experts < 1)
-            return k3_err(err, K3_ERR_ARG, "context: --ep %d but the model has no routed experts", ctx->ep);
-        if (ctx->ep > c->n_experts || c->n_experts % ctx->ep)
-            return k3_err(err, K3_ERR_ARG, "context: --ep %d does not divide the %d routed experts", ctx->ep,
-                          c->n_experts);
-    }
-    if (ctx->m->ep_size != ctx->ep || (ctx->ep > 1 && ctx->m->ep_rank != ctx->ep_rank))
-        return k3_err(err, K3_ERR_ARG,
-                      "context: the model holds the experts of EP rank %d of %d, the dist is EP rank %d of %d",
-                      ctx->m->ep_rank, ctx->m->ep_size, ctx->ep_rank, ctx->ep);
-    return K3_OK;
-}
-
-k3_status k3_dist_ctx_alloc(k3_ctx *ctx, k3_error *err) {
-    const k3_config *c = ctx->c;
-    k3_dist_scratch *x = calloc(1, sizeof *x);
-    if (!x) return k3_err(err, K3_ERR_NOMEM, "context: out of memory for the DCP/EP buffers");
-    ctx->ds = x;
-    const size_t T = (size_t)ctx->max_batch, D = (size_t)ctx->dcp;
-    const size_t k = (size_t)(c->index_topk > 0 ? c->index_topk : 1), H = (size_t)c->n_heads;
-    const size_t row = H * (size_t)c->kv_lora_rank + H;
-    bool ok = true;
-    if (ctx->dcp > 1) {
-        ok = ok && (x->cand = malloc(sizeof(k3_cand) * T * k));
-        ok = ok && (x->cand_out = malloc(sizeof(k3_cand) * T * k));
-        ok = ok && (x->cand_work = malloc(sizeof(k3_cand) * T * k * (D > 2 ? D : 2)));
-        ok = ok && (x->xrow = malloc(sizeof(int32_t) * T));
-        ok = ok && (x->wslots = malloc(sizeof(int64_t) * T * k));
-        ok = ok && (x->wcount = malloc(sizeof(int32_t) * T));
-        ok = ok && (x->att = malloc(sizeof(float) * T * row));
-        ok = ok && (x->att_all = malloc(sizeof(float) * T * row * D));
-        ok = ok && (x->att_send = malloc(sizeof(float) * T * row));
-        ok = ok && (x->att_mine = malloc(sizeof(float) * T * row));
-    }
-    if (ctx->ep > 1) {
-        const size_t Dl = (size_t)c->expert_dim, K = (size_t)c->n_experts_per_tok, E = (size_t)ctx->ep;
-        ok = ok && (x->zr = calloc(T * Dl, sizeof(float)));
-        ok = ok && (x->sendb = malloc(sizeof(float) * T * K * Dl));
-        ok = ok && (x->recvb = malloc(sizeof(float) * T * K * Dl));
-        ok = ok && (x->sc = calloc(4 * E, sizeof(int)));
-        if (ok) {
-            x->sd = x->sc + E;
-            x->rc = x->sc + 2 * E;
-            x->rd = x->sc + 3 * E;
-        }
-    }
-    if (!ok) return k3_err(err, K3_ERR_NOMEM, "context: out of memory for the DCP/EP buffers");
-    return K3_OK;
-}
-
-void k3_dist_ctx_free(k3_ctx *ctx) {
-    k3_dist_scratch *x = ctx->ds;
-    if (!x) return;
-    free(x->cand);
-    free(x->cand_out);
-    free(x->cand_work);
-    free(x->xrow);
-    free(x->wslots);
-    free(x->wcount);
-    free(x->att);
-    free(x->att_all);
-    free(x->att_send);
-    free(x->att_mine);
-    free(x->zr);
-    free(x->sendb);
-    free(x->recvb);
-    free(x->sc);
-    free(x);
-    ctx->ds = NULL;
+k3_status k3_layers_failed(const k3_ctx *ctx, k3_error *err) {
+    /* the DCP and the EP exchanges share one sticky failure: the dist's */
+    return k3_comm_failed(ctx->dist, err);
 }
 
 /* ---- the attention --------------------------------------------------------- */
@@ -128,13 +40,6 @@ typedef struct {
     int hg;      /* head groups per row */
 } dcp_job;
 
-static const k3_span *span_of(const k3_ctx *ctx, int64_t t) {
-    for (int32_t i = 0; i < ctx->n_spans; i++)
-        if (t < ctx->spans[i].t0 + ctx->spans[i].n) return &ctx->spans[i];
-    K3_ASSERT(0);
-    return NULL;
-}
-
 /* slot of this rank's local index j of sequence seq (ctx.h) */
 #define local_slot k3_ctx_local_slot
 
@@ -144,13 +49,13 @@ static void dcp_local_topk(void *p, int64_t lo, int64_t hi, int ith) {
     const dcp_job *j = p;
     k3_ctx *ctx = j->ctx;
     const k3_config *c = ctx->c;
-    k3_dist_scratch *x = ctx->ds;
+    k3_exchange_scratch *x = ctx->xs;
     const int HI = c->index_n_heads, dI = c->index_head_dim, k = c->index_topk;
     for (int64_t t = lo; t < hi; t++) {
         if (x->xrow[t] < 0) continue;
-        const k3_span *sp = span_of(ctx, t);
+        const k3_span *sp = k3_span_of(ctx, t);
         const int64_t n = sp->pos0 + (t - sp->t0) + 1;
-        const int nl = (int)k3_dist_local_tokens(ctx, n);
+        const int nl = (int)k3_ctx_local_tokens(ctx, n);
         int64_t *slots = ctx->s.tslots[ith];
         float *sc = ctx->s.tscore[ith];
         for (int i = 0; i < nl; i++) slots[i] = local_slot(ctx, sp->seq, i);
@@ -179,14 +84,14 @@ static int cmp_i64(const void *a, const void *b) {
 static void dcp_winners(void *p, int64_t lo, int64_t hi, int ith) {
     const dcp_job *j = p;
     k3_ctx *ctx = j->ctx;
-    k3_dist_scratch *x = ctx->ds;
+    k3_exchange_scratch *x = ctx->xs;
     const int k = ctx->c->index_topk, D = ctx->dcp, I = ctx->dcp_il, r = ctx->dcp_rank;
     for (int64_t t = lo; t < hi; t++) {
-        const k3_span *sp = span_of(ctx, t);
+        const k3_span *sp = k3_span_of(ctx, t);
         int64_t *w = x->wslots + (size_t)t * k;
         int n = 0;
         if (x->xrow[t] < 0) { /* the row sees at most k tokens: all of them win */
-            const int64_t nl = k3_dist_local_tokens(ctx, sp->pos0 + (t - sp->t0) + 1);
+            const int64_t nl = k3_ctx_local_tokens(ctx, sp->pos0 + (t - sp->t0) + 1);
             for (int64_t i = 0; i < nl; i++) w[n++] = local_slot(ctx, sp->seq, i);
         } else {
             const k3_cand *g = x->cand_out + (size_t)x->xrow[t] * k;
@@ -208,7 +113,7 @@ static void dcp_attend(void *p, int64_t lo, int64_t hi, int ith) {
     const dcp_job *j = p;
     k3_ctx *ctx = j->ctx;
     const k3_config *c = ctx->c;
-    k3_dist_scratch *x = ctx->ds;
+    k3_exchange_scratch *x = ctx->xs;
     const int H = c->n_heads, nope = c->qk_nope_dim, rope = c->qk_rope_dim, kvl = c->kv_lora_rank;
     const int64_t T = ctx->T, ld = kvl + rope, qh = nope + rope, row = (int64_t)H * kvl + H;
     const float scale = 1.0f / sqrtf((float)(nope + rope));
@@ -221,8 +126,8 @@ static void dcp_attend(void *p, int64_t lo, int64_t hi, int ith) {
             slots = x->wslots + (size_t)t * c->index_topk;
             n = x->wcount[t];
         } else {
-            const k3_span *sp = span_of(ctx, t);
-            n = (int)k3_dist_local_tokens(ctx, sp->pos0 + (t - sp->t0) + 1);
+            const k3_span *sp = k3_span_of(ctx, t);
+            n = (int)k3_ctx_local_tokens(ctx, sp->pos0 + (t - sp->t0) + 1);
             int64_t *sl = ctx->s.tslots[ith];
             for (int i = 0; i < n; i++) sl[i] = local_slot(ctx, sp->seq, i);
             slots = sl;
@@ -256,7 +161,7 @@ static void dcp_merge(void *p, int64_t lo, int64_t hi, int ith) {
     k3_ctx *ctx = j->ctx;
     const int H = ctx->c->n_heads, kvl = ctx->c->kv_lora_rank, D = ctx->dcp;
     const int64_t T = ctx->T, row = (int64_t)H * kvl + H;
-    k3_dist_scratch *x = ctx->ds;
+    k3_exchange_scratch *x = ctx->xs;
     for (int64_t t = lo; t < hi; t++) {
         const float *o[64], *l[64];
         for (int q = 0; q < D; q++) {
@@ -278,7 +183,7 @@ static void dcp_merge(void *p, int64_t lo, int64_t hi, int ith) {
  * instead of (D-1) * H * (kv_lora + 1) for gathering every partial. */
 static void merge_by_heads(k3_ctx *ctx) {
     const k3_config *c = ctx->c;
-    k3_dist_scratch *x = ctx->ds;
+    k3_exchange_scratch *x = ctx->xs;
     const int H = c->n_heads, kvl = c->kv_lora_rank, D = ctx->dcp, me = ctx->dcp_rank, hg = H / D;
     const int64_t T = ctx->T, row = (int64_t)H * kvl + H, part = (int64_t)hg * (kvl + 1);
     /* send: to rank q, per row, heads [q*hg, (q+1)*hg): o then lse */
@@ -294,7 +199,7 @@ static void merge_by_heads(k3_ctx *ctx) {
         cnt[q] = (int)(sizeof(float) * (size_t)(T * part));
         dsp[q] = q * cnt[q];
     }
-    k3_dist_alltoallv(ctx->dist, K3_GROUP_DCP, K3_COMM_LSE, x->att_send, cnt, dsp, x->att_all, cnt, dsp);
+    k3_comm_alltoallv(ctx->dist, K3_GROUP_DCP, K3_COMM_LSE, x->att_send, cnt, dsp, x->att_all, cnt, dsp);
     for (int64_t t = 0; t < T; t++) {
         const float *o[64], *l[64];
         for (int q = 0; q < D; q++) {
@@ -307,7 +212,7 @@ static void merge_by_heads(k3_ctx *ctx) {
     (void)me;
     /* everyone's merged heads: [D][T][hg*kvl] */
     float *all = x->att_all + (int64_t)D * T * part;
-    k3_dist_allgather(ctx->dist, K3_GROUP_DCP, K3_COMM_LSE, x->att_mine, sizeof(float) * (size_t)(T * hg * kvl), all);
+    k3_comm_allgather(ctx->dist, K3_GROUP_DCP, K3_COMM_LSE, x->att_mine, sizeof(float) * (size_t)(T * hg * kvl), all);
     for (int q = 0; q < D; q++)
         for (int64_t t = 0; t < T; t++)
             for (int i = 0; i < hg; i++)
@@ -317,20 +222,20 @@ static void merge_by_heads(k3_ctx *ctx) {
 
 /* QLI on the own keys and the local top-k, the exchange, the own winners. */
 static void dcp_select(k3_ctx *ctx, dcp_job *j, int32_t nx) {
-    k3_dist_scratch *x = ctx->ds;
+    k3_exchange_scratch *x = ctx->xs;
     const int k = ctx->c->index_topk;
     k3_pool_for(ctx->pool, ctx->T, 1, dcp_local_topk, j);
-    if (nx && k3_dist_topk_exchange(ctx->dist, x->cand, nx, k, x->cand_out, x->cand_work))
+    if (nx && k3_comm_topk_exchange(ctx->dist, x->cand, nx, k, x->cand_out, x->cand_work))
         for (int64_t i = 0; i < (int64_t)nx * k; i++) /* failed (the error is sticky): no winners */
             x->cand_out[i] = (k3_cand){-INFINITY, -1};
     k3_pool_for(ctx->pool, ctx->T, 1, dcp_winners, j);
 }
 
-void k3_dcp_attention(k3_ctx *ctx, const k3_layer *L, int layer) {
+void k3_mla_dcp_attention(k3_ctx *ctx, const k3_layer *L, int layer) {
     const k3_config *c = ctx->c;
     const int64_t T = ctx->T;
     const int H = c->n_heads;
-    k3_dist_scratch *x = ctx->ds;
+    k3_exchange_scratch *x = ctx->xs;
     dcp_job j = {ctx, L, layer, L->kind == K3_LAYER_DSA && !ctx->dense, 1};
     if (T < ctx->nth) j.hg = 2 * ctx->nth < H ? 2 * ctx->nth : H;
     if (j.sparse) {
@@ -339,7 +244,7 @@ void k3_dcp_attention(k3_ctx *ctx, const k3_layer *L, int layer) {
          * rank knows which (the lengths are replicated) */
         int32_t nx = 0;
         for (int64_t t = 0; t < T; t++) {
-            const k3_span *sp = span_of(ctx, t);
+            const k3_span *sp = k3_span_of(ctx, t);
             x->xrow[t] = sp->pos0 + (t - sp->t0) + 1 > k ? nx++ : -1;
         }
         PROF(ctx, K3_PROF_QLI, dcp_select(ctx, &j, nx));
@@ -351,6 +256,6 @@ void k3_dcp_attention(k3_ctx *ctx, const k3_layer *L, int layer) {
     }
     /* heads that do not split evenly: every rank gathers every partial */
     const size_t row = (size_t)H * c->kv_lora_rank + (size_t)H;
-    k3_dist_allgather(ctx->dist, K3_GROUP_DCP, K3_COMM_LSE, x->att, sizeof(float) * row * (size_t)T, x->att_all);
+    k3_comm_allgather(ctx->dist, K3_GROUP_DCP, K3_COMM_LSE, x->att, sizeof(float) * row * (size_t)T, x->att_all);
     k3_pool_for(ctx->pool, T, 1, dcp_merge, &j);
 }

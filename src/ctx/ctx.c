@@ -1,20 +1,21 @@
 /*
  * ctx.c -- contexts, the arena: state and cache storage for n_blocks blocks,
  * the per-slot block tables their owner sets, KDA state save/restore and
- * captures (see ctx.h). Nothing here computes: the driver that runs a batch
- * is run.c, the layers forward.c.
+ * captures (see ctx.h). Nothing here computes (the forward pass is
+ * src/forward) and nothing here is sent to other ranks (src/executor mirrors
+ * the calls that change a context): from the dist a context takes only its
+ * place in the DCP and EP groups, for its cache layout and its experts.
  */
-#include "ctx.h"
+#include "ctx/ctx.h"
 
 #include <limits.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
-#include "kernels/kda.h"
-#include "dist/dist.h"
-#include "dist/hooks.h"
 #include "kernels/attn_ops.h"
+#include "kernels/kda.h"
+#include "model/plan.h"
 
 /* ---- allocation ---------------------------------------------------------- */
 
@@ -34,22 +35,106 @@ static void *zalloc(alloc_state *a, size_t n, size_t size) {
 
 static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
+/* ---- the place among several ranks ------------------------------------------ */
+
+/* Before the cache is sized: this rank's DCP and EP groups (none for d
+ * NULL), checked against the model and the block size. */
+static k3_status ranks_setup(k3_ctx *ctx, k3_dist *d, k3_error *err) {
+    const k3_config *c = ctx->c;
+    ctx->dist = d;
+    ctx->dcp = k3_dist_dcp_size(d);
+    ctx->dcp_rank = k3_dist_dcp_rank(d);
+    ctx->dcp_il = k3_dist_interleave(d);
+    ctx->ep = k3_dist_ep_size(d);
+    ctx->ep_rank = k3_dist_ep_rank(d);
+    if (ctx->dcp > 64)
+        return k3_err(err, K3_ERR_UNSUPPORTED, "context: --dcp %d, at most 64 supported", ctx->dcp);
+    /* a block then holds bs/D tokens of every rank (ctx.h k3_ctx_own_slot) */
+    if (ctx->dcp > 1 && ctx->block_size % (ctx->dcp * ctx->dcp_il))
+        return k3_err(err, K3_ERR_ARG,
+                      "context: the block size %d is not a multiple of --dcp %d x --dcp-interleave %d (a block "
+                      "holds the same number of tokens of every DCP rank)",
+                      ctx->block_size, ctx->dcp, ctx->dcp_il);
+    ctx->lbs = ctx->block_size / (ctx->dcp > 1 ? ctx->dcp : 1);
+    if (ctx->ep > 1) {
+        if (c->n_experts < 1)
+            return k3_err(err, K3_ERR_ARG, "context: --ep %d but the model has no routed experts", ctx->ep);
+        if (ctx->ep > c->n_experts || c->n_experts % ctx->ep)
+            return k3_err(err, K3_ERR_ARG, "context: --ep %d does not divide the %d routed experts", ctx->ep,
+                          c->n_experts);
+    }
+    if (ctx->m->ep_size != ctx->ep || (ctx->ep > 1 && ctx->m->ep_rank != ctx->ep_rank))
+        return k3_err(err, K3_ERR_ARG,
+                      "context: the model holds the experts of EP rank %d of %d, the dist is EP rank %d of %d",
+                      ctx->m->ep_rank, ctx->m->ep_size, ctx->ep_rank, ctx->ep);
+    return K3_OK;
+}
+
+static void exchange_free(k3_exchange_scratch *x) {
+    if (!x) return;
+    free(x->cand);
+    free(x->cand_out);
+    free(x->cand_work);
+    free(x->xrow);
+    free(x->wslots);
+    free(x->wcount);
+    free(x->att);
+    free(x->att_all);
+    free(x->att_send);
+    free(x->att_mine);
+    free(x->zr);
+    free(x->sendb);
+    free(x->recvb);
+    free(x->sc);
+    free(x);
+}
+
+/* The buffers of the DCP and EP exchanges (src/layers/mla_dcp.c, moe_ep.c),
+ * for max_batch rows. */
+static k3_status exchange_alloc(k3_ctx *ctx, k3_error *err) {
+    const k3_config *c = ctx->c;
+    k3_exchange_scratch *x = calloc(1, sizeof *x);
+    if (!x) return k3_err(err, K3_ERR_NOMEM, "context: out of memory for the DCP/EP buffers");
+    ctx->xs = x;
+    const size_t T = (size_t)ctx->max_batch, D = (size_t)ctx->dcp;
+    const size_t k = (size_t)(c->index_topk > 0 ? c->index_topk : 1), H = (size_t)c->n_heads;
+    const size_t row = H * (size_t)c->kv_lora_rank + H;
+    bool ok = true;
+    if (ctx->dcp > 1) {
+        ok = ok && (x->cand = malloc(sizeof(k3_cand) * T * k));
+        ok = ok && (x->cand_out = malloc(sizeof(k3_cand) * T * k));
+        ok = ok && (x->cand_work = malloc(sizeof(k3_cand) * T * k * (D > 2 ? D : 2)));
+        ok = ok && (x->xrow = malloc(sizeof(int32_t) * T));
+        ok = ok && (x->wslots = malloc(sizeof(int64_t) * T * k));
+        ok = ok && (x->wcount = malloc(sizeof(int32_t) * T));
+        ok = ok && (x->att = malloc(sizeof(float) * T * row));
+        ok = ok && (x->att_all = malloc(sizeof(float) * T * row * D));
+        ok = ok && (x->att_send = malloc(sizeof(float) * T * row));
+        ok = ok && (x->att_mine = malloc(sizeof(float) * T * row));
+    }
+    if (ctx->ep > 1) {
+        const size_t Dl = (size_t)c->expert_dim, K = (size_t)c->n_experts_per_tok, E = (size_t)ctx->ep;
+        ok = ok && (x->zr = calloc(T * Dl, sizeof(float)));
+        ok = ok && (x->sendb = malloc(sizeof(float) * T * K * Dl));
+        ok = ok && (x->recvb = malloc(sizeof(float) * T * K * Dl));
+        ok = ok && (x->sc = calloc(4 * E, sizeof(int)));
+        if (ok) {
+            x->sd = x->sc + E;
+            x->rc = x->sc + 2 * E;
+            x->rd = x->sc + 3 * E;
+        }
+    }
+    if (!ok) return k3_err(err, K3_ERR_NOMEM, "context: out of memory for the DCP/EP buffers");
+    return K3_OK;
+}
+
 /* Blocks a sequence needs once it holds end tokens: global blocks of
  * block_size positions, under DCP too (each rank's block holds its
  * block_size / D of them; ctx.h k3_ctx_own_slot). */
 
 int64_t k3_ctx_cache_bytes(const k3_ctx *ctx) {
-    const k3_config *c = ctx->c;
-    const int64_t slots = (int64_t)ctx->n_blocks * ctx->lbs;
-    int64_t per = 0;
-    for (int i = 0; i < c->n_layers; i++) {
-        if (c->layer_kind[i] == K3_LAYER_KDA) continue;
-        if (ctx->kv == K3_KV_F32) per += (int64_t)(c->kv_lora_rank + c->qk_rope_dim) * 4;
-        else per += c->kv_lora_rank + (int64_t)ctx->n_tiles * 4 + (int64_t)c->qk_rope_dim * 4;
-        if (c->layer_kind[i] == K3_LAYER_DSA)
-            per += ctx->kv == K3_KV_F32 ? (int64_t)c->index_head_dim * 4 : c->index_head_dim + 4;
-    }
-    return per * slots;
+    /* each rank's slots: n_blocks blocks of bs/D */
+    return k3_config_cache_bytes_per_token(ctx->c, ctx->kv) * ((int64_t)ctx->n_blocks * ctx->lbs);
 }
 
 void k3_ctx_free(k3_ctx *ctx) {
@@ -125,7 +210,7 @@ void k3_ctx_free(k3_ctx *ctx) {
     free(s->tsel);
     free(s->twork);
     free(s->tkda);
-    k3_dist_ctx_free(ctx);
+    exchange_free(ctx->xs);
     free(ctx);
 }
 
@@ -133,8 +218,8 @@ static k3_status ctx_create(k3_ctx **out, const k3_model *m, const k3_ctx_option
                             int64_t max_ctx_ext, k3_error *err) {
     *out = NULL;
     const k3_config *c = &m->cfg;
-    if (!opt || opt->max_seqs < 1 || opt->max_tokens < 1)
-        return k3_err(err, K3_ERR_ARG, "context: max_seqs and max_tokens must be positive");
+    if (!opt || opt->max_seqs < 1 || opt->cache_tokens < 1)
+        return k3_err(err, K3_ERR_ARG, "context: max_seqs and cache_tokens must be positive");
     if (opt->block_size < 0 || opt->max_batch < 0)
         return k3_err(err, K3_ERR_ARG, "context: block_size and max_batch must not be negative");
     if (opt->kv_cache != K3_KV_F32 && opt->kv_cache != K3_KV_C8)
@@ -162,23 +247,23 @@ static k3_status ctx_create(k3_ctx **out, const k3_model *m, const k3_ctx_option
         if (stripe > 0) ctx->block_size = (64 + stripe - 1) / stripe * stripe;
     }
     ctx->max_batch = opt->max_batch ? opt->max_batch : 512;
-    ctx->max_tokens = opt->max_tokens;
-    ctx->max_ctx = opt->max_tokens < c->max_positions ? opt->max_tokens : c->max_positions;
+    ctx->cache_tokens = opt->cache_tokens;
+    ctx->max_ctx = opt->cache_tokens < c->max_positions ? opt->cache_tokens : c->max_positions;
     if (max_ctx_ext > 0) ctx->max_ctx = max_ctx_ext < c->max_positions ? max_ctx_ext : c->max_positions;
     ctx->kv = opt->kv_cache;
     ctx->dense = opt->dense_attention;
     ctx->kda_chunk_min = k3_kernels_isa() >= K3_ISA_AVX512 ? INT32_MAX : K3_KDA_CHUNK_MIN;
     ctx->n_tiles = (c->kv_lora_rank + K3_C8_TILE - 1) / K3_C8_TILE;
-    k3_status ds = k3_dist_ctx_setup(ctx, opt->dist, err); /* DCP / EP, or none */
+    k3_status ds = ranks_setup(ctx, opt->dist, err); /* DCP / EP, or none */
     if (ds) {
         k3_ctx_free(ctx);
         return ds;
     }
     const int32_t bs = ctx->block_size;
-    /* one partial block per sequence on top, so max_tokens fit however they
+    /* one partial block per sequence on top, so cache_tokens fit however they
      * are spread over the sequences; under DCP the same global blocks, each
      * bs/D slots on this rank */
-    ctx->n_blocks = (int32_t)((opt->max_tokens + bs - 1) / bs) + (opt->max_seqs > 1 ? opt->max_seqs : 0);
+    ctx->n_blocks = (int32_t)((opt->cache_tokens + bs - 1) / bs) + (opt->max_seqs > 1 ? opt->max_seqs : 0);
     ctx->max_blocks_per_seq = (int32_t)((ctx->max_ctx + bs - 1) / bs);
     if (n_blocks_ext > 0) ctx->n_blocks = n_blocks_ext;
 
@@ -324,11 +409,11 @@ static k3_status ctx_create(k3_ctx **out, const k3_model *m, const k3_ctx_option
     ctx->round_tokens = zalloc(&a, (size_t)T, sizeof(int32_t));
     ctx->round_out = zalloc(&a, (size_t)T, sizeof(int32_t));
     ctx->round_embeds = zalloc(&a, (size_t)T, sizeof(float *));
-    if (!a.failed && ctx->dist && k3_dist_ctx_alloc(ctx, err) != K3_OK) a.failed = true;
+    if (!a.failed && ctx->dist && exchange_alloc(ctx, err) != K3_OK) a.failed = true;
     if (a.failed) {
         k3_ctx_free(ctx);
         return k3_err(err, K3_ERR_NOMEM, "context: out of memory (%lld tokens, %d sequences)",
-                      (long long)opt->max_tokens, opt->max_seqs);
+                      (long long)opt->cache_tokens, opt->max_seqs);
     }
     *out = ctx;
     return K3_OK;
@@ -343,18 +428,10 @@ k3_status k3_ctx_init_pool(k3_ctx **out, const k3_model *m, const k3_ctx_options
     *out = NULL;
     if (n_blocks < 1 || max_ctx < 1)
         return k3_err(err, K3_ERR_ARG, "context: n_blocks and max_ctx must be positive");
-    if (opt->dist && k3_dist_rank(opt->dist) == 0 && k3_dist_size(opt->dist) > 1) {
-        k3_status ds = k3_dist_send_pool(opt->dist, opt, n_blocks, max_ctx, err);
-        if (ds) return ds;
-    }
     return ctx_create(out, m, opt, n_blocks, max_ctx, err);
 }
 
 /* ---- sequences ------------------------------------------------------------- */
-
-/* Rank 0 of several: each call that changes a sequence is sent to the other
- * ranks, which replay it (k3_dist_worker, k3_dist_worker_pool). A failure to
- * send is sticky: the next forward pass reports it. */
 
 static void clear_state(k3_ctx *ctx, int32_t seq) {
     const k3_config *c = ctx->c;
@@ -370,13 +447,11 @@ static void clear_state(k3_ctx *ctx, int32_t seq) {
 
 void k3_ctx_seq_clear_state(k3_ctx *ctx, int32_t seq) {
     if (seq < 0 || seq >= ctx->max_seqs) return;
-    if (k3_ctx_sends(ctx)) k3_dist_send_clear(ctx->dist, seq, NULL);
     clear_state(ctx, seq);
 }
 
 void k3_ctx_seq_reset(k3_ctx *ctx, int32_t seq) {
     if (seq < 0 || seq >= ctx->max_seqs) return;
-    if (k3_ctx_sends(ctx)) k3_dist_send_reset(ctx->dist, seq, NULL);
     k3_seq *s = &ctx->seqs[seq];
     if (ctx->free_blocks)
         for (int32_t b = s->n_blocks - 1; b >= 0; b--) ctx->free_blocks[ctx->n_free++] = s->blocks[b];
@@ -394,7 +469,6 @@ k3_status k3_ctx_seq_set_blocks(k3_ctx *ctx, int32_t seq, const int32_t *blocks,
     for (int32_t i = 0; i < n; i++)
         if (blocks[i] < 0 || blocks[i] >= ctx->n_blocks)
             return k3_err(err, K3_ERR_ARG, "context: block id %d out of range [0, %d)", blocks[i], ctx->n_blocks);
-    if (k3_ctx_sends(ctx)) k3_dist_send_blocks(ctx->dist, seq, blocks, n, NULL);
     k3_seq *s = &ctx->seqs[seq];
     if (n) memcpy(s->blocks, blocks, sizeof(int32_t) * (size_t)n);
     s->n_blocks = n;
@@ -403,7 +477,6 @@ k3_status k3_ctx_seq_set_blocks(k3_ctx *ctx, int32_t seq, const int32_t *blocks,
 
 void k3_ctx_seq_set_pos(k3_ctx *ctx, int32_t seq, int64_t pos) {
     if (seq < 0 || seq >= ctx->max_seqs || pos < 0) return;
-    if (k3_ctx_sends(ctx)) k3_dist_send_pos(ctx->dist, seq, pos, NULL);
     ctx->seqs[seq].pos = pos;
 }
 
@@ -419,7 +492,7 @@ int64_t k3_ctx_state_bytes(const k3_ctx *ctx) {
 
 /* save (dir 0) or restore (dir 1) the KDA state of one slot, layer by layer
  * at kda_snap_off (the layout captures use too): S then the conv windows */
-static void state_copy(k3_ctx *ctx, int32_t seq, float *buf, int dir) {
+static void state_copy(const k3_ctx *ctx, int32_t seq, float *buf, int dir) {
     const k3_config *c = ctx->c;
     const int64_t HK = (int64_t)c->kda_heads * c->kda_head_dim, dk = c->kda_head_dim;
     const int64_t Km1 = c->conv_size > 0 ? c->conv_size - 1 : 0;
@@ -438,14 +511,12 @@ static void state_copy(k3_ctx *ctx, int32_t seq, float *buf, int dir) {
     }
 }
 
-void k3_ctx_state_save(k3_ctx *ctx, int32_t seq, void *dst) {
+void k3_ctx_state_save(const k3_ctx *ctx, int32_t seq, void *dst) {
     if (seq >= 0 && seq < ctx->max_seqs) state_copy(ctx, seq, dst, 0);
 }
 
 void k3_ctx_state_restore(k3_ctx *ctx, int32_t seq, const void *src) {
     if (seq < 0 || seq >= ctx->max_seqs) return;
-    /* rank 0 sends the bytes it restores: the workers keep no snapshots */
-    if (k3_ctx_sends(ctx)) k3_dist_send_restore(ctx->dist, seq, src, k3_ctx_state_bytes(ctx), NULL);
     state_copy(ctx, seq, (float *)src, 1);
 }
 
@@ -462,6 +533,8 @@ k3_status k3_ctx_capture_state(k3_ctx *ctx, int32_t seq, int64_t pos, void *dst,
     ctx->caps[ctx->n_caps++] = (k3_capture){seq, pos, dst};
     return K3_OK;
 }
+
+void k3_ctx_forget_captures(k3_ctx *ctx) { ctx->n_caps = 0; }
 
 int64_t k3_ctx_seq_pos(const k3_ctx *ctx, int32_t seq) {
     if (seq < 0 || seq >= ctx->max_seqs) return -1;
@@ -498,10 +571,6 @@ k3_status k3_ctx_seq_fill_synthetic(k3_ctx *ctx, int32_t seq, int64_t n, uint64_
         return k3_err(err, K3_ERR_ARG, "fill: this context's blocks are owned by an engine");
     if (need > ctx->n_free)
         return k3_err(err, K3_ERR_RANGE, "fill: cache full: %lld blocks needed, %d free", (long long)need, ctx->n_free);
-    if (ctx->dist && k3_dist_rank(ctx->dist) == 0 && k3_dist_size(ctx->dist) > 1) {
-        k3_status ds = k3_dist_send_fill(ctx->dist, seq, n, seed, err);
-        if (ds) return ds;
-    }
     while (s->n_blocks < k3_ctx_blocks_for(ctx, end)) s->blocks[s->n_blocks++] = ctx->free_blocks[--ctx->n_free];
     uint64_t r = seed * 0x9E3779B97F4A7C15ull + 1;
 #define RND() ((float)((int64_t)((r = r * 6364136223846793005ull + 1442695040888963407ull) >> 40) - 8388608) / 8388608.0f)

@@ -1,5 +1,6 @@
 /*
- * ep.c -- expert parallelism inside the MoE layer (serving.md §4).
+ * moe_ep.c -- the routed experts under expert parallelism (serving.md §4):
+ * the EP form of the MoE layer.
  *
  * Routed expert e lives on EP rank e / (n_experts / E). Every rank has the
  * router's choices for every row (they are computed on replicated rows), so
@@ -14,8 +15,8 @@
  */
 #include <string.h>
 
-#include "dist.h"
-#include "hooks.h"
+#include "comm/comm.h"
+#include "layers/layers.h"
 
 static inline int owner(const k3_ctx *ctx, int32_t e) { return e / (ctx->c->n_experts / ctx->ep); }
 
@@ -36,7 +37,7 @@ static void displs(const int *count, int *displ, int n) {
 }
 
 const float *k3_ep_dispatch(k3_ctx *ctx, const float *z) {
-    k3_dist_scratch *x = ctx->ds;
+    k3_exchange_scratch *x = ctx->xs;
     const int E = ctx->ep, me = ctx->ep_rank;
     const int64_t T = ctx->T, Dl = ctx->c->expert_dim;
     const size_t rb = sizeof(float) * (size_t)Dl;
@@ -56,7 +57,7 @@ const float *k3_ep_dispatch(k3_ctx *ctx, const float *z) {
     }
     displs(x->sc, x->sd, E);
     displs(x->rc, x->rd, E);
-    k3_dist_alltoallv(ctx->dist, K3_GROUP_EP, K3_COMM_EP_DISPATCH, x->sendb, x->sc, x->sd, x->recvb, x->rc, x->rd);
+    k3_comm_alltoallv(ctx->dist, K3_GROUP_EP, K3_COMM_EP_DISPATCH, x->sendb, x->sc, x->sd, x->recvb, x->rc, x->rd);
     /* the rows my experts read: received ones, and my own */
     for (int o = 0; o < E; o++) {
         const float *rp = x->recvb + x->rd[o] / (int)sizeof(float);
@@ -73,7 +74,7 @@ const float *k3_ep_dispatch(k3_ctx *ctx, const float *z) {
 }
 
 void k3_ep_combine(k3_ctx *ctx) {
-    k3_dist_scratch *x = ctx->ds;
+    k3_exchange_scratch *x = ctx->xs;
     const int E = ctx->ep, me = ctx->ep_rank, K = ctx->c->n_experts_per_tok;
     const int64_t T = ctx->T, Dl = ctx->c->expert_dim;
     const size_t rb = sizeof(float) * (size_t)Dl;
@@ -96,7 +97,7 @@ void k3_ep_combine(k3_ctx *ctx) {
     }
     displs(x->sc, x->sd, E);
     displs(x->rc, x->rd, E);
-    k3_dist_alltoallv(ctx->dist, K3_GROUP_EP, K3_COMM_EP_COMBINE, x->sendb, x->sc, x->sd, x->recvb, x->rc, x->rd);
+    k3_comm_alltoallv(ctx->dist, K3_GROUP_EP, K3_COMM_EP_COMBINE, x->sendb, x->sc, x->sd, x->recvb, x->rc, x->rd);
     for (int o = 0; o < E; o++) {
         if (o == me) continue;
         const float *rp = x->recvb + x->rd[o] / (int)sizeof(float);
@@ -110,7 +111,7 @@ void k3_ep_combine(k3_ctx *ctx) {
 }
 
 void k3_ep_gather(k3_ctx *ctx, float *comb) {
-    k3_dist_scratch *x = ctx->ds;
+    k3_exchange_scratch *x = ctx->xs;
     const int E = ctx->ep, me = ctx->ep_rank;
     const int64_t T = ctx->T, Dl = ctx->c->expert_dim;
     const size_t rb = sizeof(float) * (size_t)Dl;
@@ -129,7 +130,7 @@ void k3_ep_gather(k3_ctx *ctx, float *comb) {
         x->rc[o] = o == me ? 0 : theirs * (int)rb;
     }
     displs(x->rc, x->rd, E);
-    k3_dist_alltoallv(ctx->dist, K3_GROUP_EP, K3_COMM_EP_COMBINE, x->sendb, x->sc, x->sd, x->recvb, x->rc, x->rd);
+    k3_comm_alltoallv(ctx->dist, K3_GROUP_EP, K3_COMM_EP_COMBINE, x->sendb, x->sc, x->sd, x->recvb, x->rc, x->rd);
     for (int o = 0; o < E; o++) {
         if (o == me) continue;
         const float *rp = x->recvb + x->rd[o] / (int)sizeof(float);

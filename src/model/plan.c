@@ -4,9 +4,9 @@
  * the byte widths those of k3's formats: BF16 as stored, W8A8 int8 with an
  * fp32 scale and an int32 sum per output row, MXFP8 one byte plus an E8M0
  * scale per 32, MXFP4 routed experts half a byte plus a scale per 32. The
- * caches as k3_ctx allocates them (f32, or C8: int8 latent + fp32 scale per
- * 128-tile + fp32 rope; int8 indexer key + fp32 scale). Traffic per decoded
- * token as this engine moves it (src/dist): the top-k candidates (8 B each),
+ * caches as k3_ctx allocates them (k3_config_cache_bytes_per_token, the one
+ * place the formula is written). Traffic per decoded token as the DCP and
+ * EP forms of the layers move it (src/layers): the top-k candidates (8 B each),
  * the DCP partial outputs (kv_lora + 1 floats per head, to the head's
  * merging rank) and the merged heads (kv_lora floats), and for EP the
  * latent (fp32) once per remote owner of a token's experts, and each remote
@@ -17,9 +17,22 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "model/plan.h"
+
 #include "common/error.h"
 #include "kernels/attn_ops.h"
-#include "model/config.h"
+
+int64_t k3_config_cache_bytes_per_token(const k3_config *c, k3_kv_type kv) {
+    const int64_t kvl = c->kv_lora_rank, rope = c->qk_rope_dim, dI = c->index_head_dim;
+    const int64_t tiles = (kvl + K3_C8_TILE - 1) / K3_C8_TILE;
+    int64_t n = 0;
+    for (int i = 0; i < c->n_layers; i++) {
+        if (c->layer_kind[i] == K3_LAYER_KDA) continue;
+        n += kv == K3_KV_C8 ? kvl + tiles * 4 + rope * 4 : (kvl + rope) * 4;
+        if (c->layer_kind[i] == K3_LAYER_DSA) n += kv == K3_KV_C8 ? dI + 4 : dI * 4;
+    }
+    return n;
+}
 
 static int64_t linear_bytes(int64_t rows, int64_t cols, k3_wquant q) {
     if (q == K3_WQ_INT8) return rows * cols + rows * 8;
@@ -82,8 +95,8 @@ k3_status k3_plan_compute(const char *path, const k3_plan_options *opt, k3_plan 
     const k3_wquant q = opt->quant.linear;
     const int64_t Hd = c->hidden_size, V = c->vocab_size;
     int64_t w = V * Hd * 2 + (c->tie_word_embeddings ? 0 : V * Hd * 2) + Hd * 4, ex = 0;
-    int64_t cache = 0, state = 0, lse = 0, nd = 0, nm = 0, nk = 0, nmoe = 0;
-    const bool c8 = opt->kv_cache == K3_KV_C8;
+    const int64_t cache = k3_config_cache_bytes_per_token(c, opt->kv_cache);
+    int64_t state = 0, lse = 0, nd = 0, nm = 0, nk = 0, nmoe = 0;
     const int64_t kvl = c->kv_lora_rank, rope = c->qk_rope_dim, H = c->n_heads;
     for (int i = 0; i < c->n_layers; i++) {
         w += 2 * Hd * 4; /* the two norms (and AttnRes vectors, about the same) */
@@ -105,8 +118,6 @@ k3_status k3_plan_compute(const char *path, const k3_plan_options *opt, k3_plan 
             w += linear_bytes(kvl + rope, Hd, q) + linear_bytes(H * (c->qk_nope_dim + c->v_head_dim), kvl, q) +
                  linear_bytes(Hd, H * c->v_head_dim, q);
             if (c->mla_use_output_gate) w += linear_bytes(H * c->v_head_dim, Hd, q);
-            const int64_t tiles = (kvl + K3_C8_TILE - 1) / K3_C8_TILE;
-            cache += c8 ? kvl + tiles * 4 + rope * 4 : (kvl + rope) * 4;
             /* the head-split merge (H divisible by D), else every partial */
             lse += H % D == 0 ? (D - 1) * (H / D) * (2 * kvl + 1) * 4 : (D - 1) * H * (kvl + 1) * 4;
             if (c->layer_kind[i] == K3_LAYER_DSA) {
@@ -114,7 +125,6 @@ k3_status k3_plan_compute(const char *path, const k3_plan_options *opt, k3_plan 
                 nd++;
                 w += linear_bytes(HI * dI, c->q_lora_rank > 0 ? c->q_lora_rank : Hd, q) +
                      linear_bytes(dI, Hd, q) + linear_bytes(HI, Hd, q) + 2 * dI * 4;
-                cache += c8 ? dI + 4 : dI * 4;
             } else {
                 nm++;
             }

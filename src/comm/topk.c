@@ -12,7 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "dist.h"
+#include "comm/comm.h"
 
 int k3_cand_before(const k3_cand *a, const k3_cand *b) {
     if ((a->pos < 0) != (b->pos < 0)) return b->pos < 0; /* padding last */
@@ -36,9 +36,9 @@ static int cmp_cand(const void *pa, const void *pb) {
 
 void k3_cand_sort(k3_cand *c, int n) { qsort(c, (size_t)n, sizeof *c, cmp_cand); }
 
-k3_status k3_dist_topk_exchange(k3_dist *d, const k3_cand *mine, int32_t rows, int32_t k, k3_cand *out,
+k3_status k3_comm_topk_exchange(k3_dist *d, const k3_cand *mine, int32_t rows, int32_t k, k3_cand *out,
                                 k3_cand *work) {
-    const int32_t D = k3_dist_group_size(d, K3_GROUP_DCP), r = k3_dist_group_rank(d, K3_GROUP_DCP);
+    const int32_t D = k3_comm_group_size(d, K3_GROUP_DCP), r = k3_comm_group_rank(d, K3_GROUP_DCP);
     const size_t row_bytes = sizeof(k3_cand) * (size_t)k, all = row_bytes * (size_t)rows;
     if (D == 1) {
         memcpy(out, mine, all);
@@ -46,7 +46,7 @@ k3_status k3_dist_topk_exchange(k3_dist *d, const k3_cand *mine, int32_t rows, i
     }
     if (k3_dist_exchange(d) == K3_TOPK_ALLGATHER) {
         /* work: [D][rows][k]; merge the D sorted lists of each row pairwise */
-        k3_status s = k3_dist_allgather(d, K3_GROUP_DCP, K3_COMM_TOPK, mine, all, work);
+        k3_status s = k3_comm_allgather(d, K3_GROUP_DCP, K3_COMM_TOPK, mine, all, work);
         if (s) return s;
         k3_cand *tmp = malloc(row_bytes * 2);
         if (!tmp) return K3_ERR_NOMEM;
@@ -68,7 +68,7 @@ k3_status k3_dist_topk_exchange(k3_dist *d, const k3_cand *mine, int32_t rows, i
     memcpy(out, mine, all);
     k3_cand *theirs = work, *merged = work + (size_t)rows * k;
     for (int32_t bit = 1; bit < D; bit <<= 1) {
-        k3_status s = k3_dist_sendrecv(d, K3_GROUP_DCP, K3_COMM_TOPK, out, all, r ^ bit, theirs);
+        k3_status s = k3_comm_sendrecv(d, K3_GROUP_DCP, K3_COMM_TOPK, out, all, r ^ bit, theirs);
         if (s) return s;
         for (int32_t t = 0; t < rows; t++)
             k3_cand_merge(out + (size_t)t * k, theirs + (size_t)t * k, k, merged + (size_t)t * k);

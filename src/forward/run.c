@@ -1,17 +1,16 @@
 /*
- * run.c -- the forward driver (ctx.h): validates a batch and cuts it into
- * rounds of at most max_batch tokens for forward.c. k3_ctx_run takes block
- * tables its owner (an engine, src/kv) has set; the public k3_ctx_forward
- * adds a simple default block manager (a free list) for callers that drive a
- * context alone (the CLI, the tests). With several processes rank 0 sends
- * each batch to the others first (src/dist).
+ * run.c -- the forward driver (forward.h): validates a batch and cuts it
+ * into rounds of at most max_batch tokens for forward.c. k3_ctx_run takes
+ * block tables its owner (an engine, src/kv) has set; the public
+ * k3_ctx_forward adds a simple default block manager (a free list) for
+ * callers that drive a context alone (the CLI, the tests). Under mpirun the
+ * executor (src/executor) hands each batch to the other ranks first.
  */
 #include <stdlib.h>
 #include <string.h>
 
-#include "ctx.h"
-#include "dist/dist.h"
-#include "dist/hooks.h"
+#include "forward/forward.h"
+#include "layers/layers.h"
 
 /* Checks a batch before any state is touched; with check_blocks, that each
  * sequence's block table already covers its new positions. */
@@ -89,8 +88,8 @@ static void run_rounds(k3_ctx *ctx, const k3_batch_seq *batch, int32_t n_seqs, c
     }
 }
 
-k3_status k3_ctx_run(k3_ctx *ctx, const k3_batch_seq *batch, int32_t n_seqs, const uint8_t *want, float *logits,
-                     k3_error *err) {
+k3_status k3_ctx_run_check(const k3_ctx *ctx, const k3_batch_seq *batch, int32_t n_seqs, const uint8_t *want,
+                           const float *logits, k3_error *err) {
     if (n_seqs > 0 && !want) return k3_err(err, K3_ERR_ARG, "forward: no logits modes");
     bool any = false;
     for (int32_t i = 0; i < n_seqs; i++) {
@@ -98,29 +97,29 @@ k3_status k3_ctx_run(k3_ctx *ctx, const k3_batch_seq *batch, int32_t n_seqs, con
         any |= want[i] != K3_WANT_NONE;
     }
     if (any && !logits) return k3_err(err, K3_ERR_ARG, "forward: logits buffer is NULL");
-    k3_status st = validate(ctx, batch, n_seqs, want, true, err);
-    if (!st && k3_ctx_sends(ctx)) st = k3_dist_send_run(ctx->dist, batch, n_seqs, want, ctx->c->hidden_size, err);
+    return validate(ctx, batch, n_seqs, want, true, err);
+}
+
+k3_status k3_ctx_run(k3_ctx *ctx, const k3_batch_seq *batch, int32_t n_seqs, const uint8_t *want, float *logits,
+                     k3_error *err) {
+    k3_status st = k3_ctx_run_check(ctx, batch, n_seqs, want, logits, err);
     if (!st) {
         run_rounds(ctx, batch, n_seqs, want, logits);
-        st = k3_dist_failed(ctx->dist, err);
+        st = k3_layers_failed(ctx, err);
     }
     ctx->n_caps = 0;
     return st;
 }
 
-k3_status k3_ctx_forward(k3_ctx *ctx, const k3_batch_seq *batch, int32_t n_seqs,
-                         k3_logits_mode mode, float *logits, k3_error *err) {
-    if (n_seqs < 0 || (n_seqs > 0 && !batch))
-        return k3_err(err, K3_ERR_ARG, "forward: bad batch");
-    if (mode != K3_LOGITS_NONE && !logits)
-        return k3_err(err, K3_ERR_ARG, "forward: logits buffer is NULL");
-    if (!ctx->free_blocks)
-        return k3_err(err, K3_ERR_ARG, "forward: this context's blocks are owned by an engine (use k3_ctx_run)");
-    uint8_t want_buf[64] = {0}, *want = n_seqs <= 64 ? want_buf : malloc((size_t)n_seqs);
-    if (!want) return k3_err(err, K3_ERR_NOMEM, "forward: out of memory");
+/* k3_ctx_forward's per-entry logits modes: into want (n_seqs of them). */
+static void want_of_mode(k3_logits_mode mode, int32_t n_seqs, uint8_t *want) {
     for (int32_t i = 0; i < n_seqs; i++)
         want[i] = mode == K3_LOGITS_LAST ? K3_WANT_LAST : mode == K3_LOGITS_ALL ? K3_WANT_ALL : K3_WANT_NONE;
-    /* Validate everything before touching any state. */
+}
+
+/* k3_ctx_forward's checks, with its modes in want. */
+static k3_status forward_check(const k3_ctx *ctx, const k3_batch_seq *batch, int32_t n_seqs, const uint8_t *want,
+                               k3_error *err) {
     k3_status st = validate(ctx, batch, n_seqs, want, false, err);
     int64_t blocks_needed = 0;
     for (int32_t i = 0; !st && i < n_seqs; i++) {
@@ -130,9 +129,42 @@ k3_status k3_ctx_forward(k3_ctx *ctx, const k3_batch_seq *batch, int32_t n_seqs,
     if (!st && blocks_needed > ctx->n_free)
         st = k3_err(err, K3_ERR_RANGE, "forward: cache full: %lld blocks needed, %d free",
                     (long long)blocks_needed, ctx->n_free);
-    /* with several processes rank 0 hands the batch to the others, which replay it */
-    if (!st && ctx->dist && k3_dist_rank(ctx->dist) == 0 && k3_dist_size(ctx->dist) > 1)
-        st = k3_dist_send_forward(ctx->dist, batch, n_seqs, mode, ctx->c->hidden_size, err);
+    return st;
+}
+
+/* The checks that come before the modes are known to be sound. */
+static k3_status forward_args(const k3_ctx *ctx, const k3_batch_seq *batch, int32_t n_seqs, k3_logits_mode mode,
+                              const float *logits, k3_error *err) {
+    if (n_seqs < 0 || (n_seqs > 0 && !batch))
+        return k3_err(err, K3_ERR_ARG, "forward: bad batch");
+    if (mode != K3_LOGITS_NONE && !logits)
+        return k3_err(err, K3_ERR_ARG, "forward: logits buffer is NULL");
+    if (!ctx->free_blocks)
+        return k3_err(err, K3_ERR_ARG, "forward: this context's blocks are owned by an engine (use k3_ctx_run)");
+    return K3_OK;
+}
+
+k3_status k3_ctx_forward_check(const k3_ctx *ctx, const k3_batch_seq *batch, int32_t n_seqs, k3_logits_mode mode,
+                               const float *logits, k3_error *err) {
+    k3_status st = forward_args(ctx, batch, n_seqs, mode, logits, err);
+    if (st) return st;
+    uint8_t want_buf[64] = {0}, *want = n_seqs <= 64 ? want_buf : malloc((size_t)n_seqs);
+    if (!want) return k3_err(err, K3_ERR_NOMEM, "forward: out of memory");
+    want_of_mode(mode, n_seqs, want);
+    st = forward_check(ctx, batch, n_seqs, want, err);
+    if (want != want_buf) free(want);
+    return st;
+}
+
+k3_status k3_ctx_forward(k3_ctx *ctx, const k3_batch_seq *batch, int32_t n_seqs,
+                         k3_logits_mode mode, float *logits, k3_error *err) {
+    k3_status st = forward_args(ctx, batch, n_seqs, mode, logits, err);
+    if (st) return st;
+    uint8_t want_buf[64] = {0}, *want = n_seqs <= 64 ? want_buf : malloc((size_t)n_seqs);
+    if (!want) return k3_err(err, K3_ERR_NOMEM, "forward: out of memory");
+    want_of_mode(mode, n_seqs, want);
+    /* Validate everything before touching any state. */
+    st = forward_check(ctx, batch, n_seqs, want, err);
     if (!st) {
         /* the default block manager: reserve blocks from the free list
          * (the same global tables on every rank under DCP) */
@@ -142,7 +174,7 @@ k3_status k3_ctx_forward(k3_ctx *ctx, const k3_batch_seq *batch, int32_t n_seqs,
             while (s->n_blocks < k3_ctx_blocks_for(ctx, end)) s->blocks[s->n_blocks++] = ctx->free_blocks[--ctx->n_free];
         }
         run_rounds(ctx, batch, n_seqs, want, logits);
-        st = k3_dist_failed(ctx->dist, err);
+        st = k3_layers_failed(ctx, err);
     }
     if (want != want_buf) free(want);
     ctx->n_caps = 0;

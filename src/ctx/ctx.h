@@ -10,13 +10,17 @@
  *     [n_blocks*bs, dI]. Each sequence has a block table (logical block ->
  *     block id), so prefix sharing and paging need no change of layout;
  *   - the scratch of one forward pass of up to max_batch tokens, allocated
- *     once here: the token loop allocates nothing.
- * Only forward.c and ctx.c see this struct.
+ *     once here (the buffers of the DCP and EP exchanges too): the token
+ *     loop allocates nothing.
+ * The arena is ctx.c; the forward pass (src/forward) and the layers
+ * (src/layers) read and write it; the executor (src/executor) mirrors the
+ * calls that change it to the other ranks. Nothing here sends anything.
  */
-#ifndef K3_ENGINE_CTX_H
-#define K3_ENGINE_CTX_H
+#ifndef K3_CTX_CTX_H
+#define K3_CTX_CTX_H
 
 #include "k3.h"
+#include "comm/comm.h"
 #include "common/error.h"
 #include "model/model.h"
 
@@ -86,6 +90,23 @@ typedef struct k3_scratch {
     float *rwork;                 /* [E] router work (single-threaded) */
 } k3_scratch;
 
+/* The buffers of the exchanges with other ranks (sized for max_batch rows;
+ * NULL with one process): the DCP form of the MLA/DSA layer
+ * (src/layers/mla_dcp.c) and the EP form of the MoE layer (moe_ep.c). */
+typedef struct k3_exchange_scratch {
+    /* DCP */
+    k3_cand *cand, *cand_out, *cand_work; /* [T*k], [T*k], [T*k*max(D,2)] */
+    int32_t *xrow;                        /* [T] row -> exchanged row, or -1 */
+    int64_t *wslots;                      /* [T*k] own winners' slots */
+    int32_t *wcount;                      /* [T] */
+    float *att, *att_all;                 /* [T*(H*kvl+H)], [D*T*(H*kvl+H)] */
+    float *att_send, *att_mine;           /* head-split merge: [T*(H*kvl+H)], [T*(H/D)*kvl] */
+    /* EP */
+    float *zr;                            /* [T, Dl] the latents the own experts read */
+    float *sendb, *recvb;                 /* [T*K*Dl] each */
+    int *sc, *sd, *rc, *rd;               /* [E] byte counts and displacements */
+} k3_exchange_scratch;
+
 /* A KDA state to copy (k3_ctx_state_save's layout) once sequence seq has
  * consumed pos tokens, inside a forward pass. */
 typedef struct k3_capture {
@@ -102,7 +123,7 @@ struct k3_ctx {
 
     int32_t max_seqs, block_size, max_batch;
     int32_t lbs;                  /* slots of one block on this rank: block_size / dcp */
-    int64_t max_tokens, max_ctx;  /* max_ctx: longest sequence */
+    int64_t cache_tokens, max_ctx; /* cache capacity in tokens over all sequences; max_ctx: longest sequence */
     int32_t n_blocks, max_blocks_per_seq;
     /* the default block manager of k3_ctx_forward (NULL when an engine owns
      * the blocks: k3_ctx_init_pool) */
@@ -141,18 +162,13 @@ struct k3_ctx {
     int32_t n_spans;
     int32_t T;
 
-    /* distributed (src/dist/hooks.h); one process: dist NULL, dcp = ep = 1 */
+    /* several ranks (k3_ctx_options.dist, the transport of the layers' DCP
+     * and EP forms); one process: dist NULL, dcp = ep = 1 */
     struct k3_dist *dist;
     int32_t dcp, dcp_rank, dcp_il;   /* DCP group size, this rank, interleave */
     int32_t ep, ep_rank;             /* EP group size, this rank */
-    struct k3_dist_scratch *ds;      /* their exchange buffers */
+    k3_exchange_scratch *xs;         /* their exchange buffers */
 };
-
-/* The forward pass over one round of at most max_batch tokens: rows T,
- * spans already laid out, blocks already allocated. out_rows lists the rows
- * whose logits are wanted (n_out of them), written to logits. */
-void k3_forward_round(k3_ctx *ctx, const int32_t *tokens, const int32_t *out_rows,
-                      int32_t n_out, float *logits);
 
 /* ---- the owner's side (an engine: src/engine/engine.c) ----------------
  * A context made by k3_ctx_init_pool holds cache storage for n_blocks blocks
@@ -169,9 +185,9 @@ void k3_ctx_seq_set_pos(k3_ctx *ctx, int32_t seq, int64_t pos);
 void k3_ctx_seq_clear_state(k3_ctx *ctx, int32_t seq);
 /* Bytes of one slot's KDA state (every KDA layer's S and conv windows). */
 int64_t k3_ctx_state_bytes(const k3_ctx *ctx);
-void k3_ctx_state_save(k3_ctx *ctx, int32_t seq, void *dst);
+void k3_ctx_state_save(const k3_ctx *ctx, int32_t seq, void *dst);
 void k3_ctx_state_restore(k3_ctx *ctx, int32_t seq, const void *src);
-/* Asks the next k3_ctx_run to copy slot seq's KDA state into dst (state
+/* Asks the next k3_ctx_run (src/forward) to copy slot seq's KDA state into dst (state
  * bytes) at the moment it has consumed pos tokens, pos inside the tokens the
  * run gives it: a snapshot in the middle of a chunk. The KDA layers process
  * a span in pieces that end on the block grid, so a capture on the grid
@@ -179,14 +195,9 @@ void k3_ctx_state_restore(k3_ctx *ctx, int32_t seq, const void *src);
  * (taken or not: the run failed). This rank only: under mpirun the other
  * ranks compute the same state and keep no snapshots. */
 k3_status k3_ctx_capture_state(k3_ctx *ctx, int32_t seq, int64_t pos, void *dst, k3_error *err);
-
-/* Which logits an entry of k3_ctx_run wants. */
-enum { K3_WANT_NONE = 0, K3_WANT_LAST = 1, K3_WANT_ALL = 2 };
-/* The forward pass over a batch whose block tables are already set: logits
- * rows in batch order (an entry's last row, or all its rows, per want[i]).
- * Validates everything first; on error no state changes. */
-k3_status k3_ctx_run(k3_ctx *ctx, const k3_batch_seq *batch, int32_t n_seqs, const uint8_t *want, float *logits,
-                     k3_error *err);
+/* Forgets the captures asked for the next run, as every run does at its
+ * end (for a run that is not made after all). */
+void k3_ctx_forget_captures(k3_ctx *ctx);
 
 /* Profiling: PROF(ctx, op, statement) adds the statement's time to op. */
 #define PROF(ctx, op, stmt)                                                    \
@@ -200,11 +211,6 @@ k3_status k3_ctx_run(k3_ctx *ctx, const k3_batch_seq *batch, int32_t n_seqs, con
  * block_size positions, under DCP too). */
 static inline int64_t k3_ctx_blocks_for(const k3_ctx *ctx, int64_t end) {
     return (end + ctx->block_size - 1) / ctx->block_size;
-}
-
-/* Whether this is rank 0 of several: its context calls go to the others. */
-static inline bool k3_ctx_sends(const k3_ctx *ctx) {
-    return ctx->dist && k3_dist_rank(ctx->dist) == 0 && k3_dist_size(ctx->dist) > 1;
 }
 
 /* Slot of position pos of sequence seq in the cache. */
@@ -222,9 +228,29 @@ static inline int64_t k3_ctx_local_slot(const k3_ctx *ctx, int32_t seq, int64_t 
     return (int64_t)s->blocks[j / ctx->lbs] * ctx->lbs + j % ctx->lbs;
 }
 
+/* ---- the DCP layout (serving.md §2.5) ---------------------------------------
+ * Token x of a sequence lives on DCP rank (x div I) mod D of D, at local
+ * index (x div (I*D))*I + x mod I; with bs a multiple of I,
+ * ((x mod (bs*D)) div I) mod D == (x div I) mod D. */
+static inline int32_t k3_dcp_owner(int64_t x, int32_t D, int32_t I) { return (int32_t)((x / I) % D); }
+/* local index of token x on its owner */
+static inline int64_t k3_dcp_local(int64_t x, int32_t D, int32_t I) { return x / ((int64_t)I * D) * I + x % I; }
+/* global position of local index j on rank r */
+static inline int64_t k3_dcp_global(int64_t j, int32_t r, int32_t D, int32_t I) {
+    return ((j / I) * D + r) * I + j % I;
+}
+/* tokens among [0, n) that rank r owns: its local indices [0, count) */
+static inline int64_t k3_dcp_count(int64_t n, int32_t r, int32_t D, int32_t I) {
+    const int64_t stripe = (int64_t)I * D, rem = n % stripe - (int64_t)r * I;
+    return n / stripe * I + (rem < 0 ? 0 : rem > I ? I : rem);
+}
+/* Tokens among a sequence's first n that this rank caches. */
+static inline int64_t k3_ctx_local_tokens(const k3_ctx *ctx, int64_t n) {
+    return ctx->dcp > 1 ? k3_dcp_count(n, ctx->dcp_rank, ctx->dcp, ctx->dcp_il) : n;
+}
+
 /* Slot of position pos of sequence seq on this rank, or -1 when another DCP
- * rank caches it (token x lives on rank (x div I) mod D, at local index
- * (x div (I*D))*I + x mod I; src/dist/dist.h). With o = x mod bs that is
+ * rank caches it (k3_dcp_owner, k3_dcp_local). With o = x mod bs that is
  * blocks[x div bs]*(bs/D) + (o div (I*D))*I + o mod I: the engine's global
  * block tables index every rank's cache unchanged. */
 static inline int64_t k3_ctx_own_slot(const k3_ctx *ctx, int32_t seq, int64_t pos) {
@@ -236,4 +262,4 @@ static inline int64_t k3_ctx_own_slot(const k3_ctx *ctx, int32_t seq, int64_t po
     return k3_ctx_slot(ctx, seq, pos);
 }
 
-#endif /* K3_ENGINE_CTX_H */
+#endif /* K3_CTX_CTX_H */
