@@ -702,3 +702,306 @@ K3_TEST(grammar_mask_apply_forced) {
     k3_grammar_matcher_free(m);
     k3_grammar_free(g);
 }
+
+/* ---- K3 tool calls --------------------------------------------------------------------------- */
+
+/* The ids the model writes for the assistant message asst (JSON) after a
+ * user turn: the chat encoder's rendering of the conversation minus that of
+ * the prompt with its generation prompt. */
+static int32_t *assistant_ids(const char *asst, const char *tools, bool thinking, size_t *n) {
+    char msgs[4096], prompt[1024];
+    snprintf(prompt, sizeof prompt, "[{\"role\":\"user\",\"content\":\"Weather in Paris?\"}]");
+    snprintf(msgs, sizeof msgs, "[{\"role\":\"user\",\"content\":\"Weather in Paris?\"},%s]", asst);
+    k3_chat_options o = {.add_generation_prompt = true, .thinking = thinking};
+    int32_t *p = NULL, *f = NULL;
+    size_t np = 0, nf = 0;
+    k3_error err = {0};
+    if (k3_chat_encode_json(mini_tok, prompt, tools, &o, &p, &np, &err) != K3_OK) {
+        fprintf(stderr, "encode: %s\n", err.msg);
+        return NULL;
+    }
+    o.add_generation_prompt = false;
+    if (k3_chat_encode_json(mini_tok, msgs, tools, &o, &f, &nf, &err) != K3_OK || nf < np || memcmp(p, f, np * sizeof *p)) {
+        fprintf(stderr, "encode: %s (prefix %s)\n", err.msg, nf >= np && !memcmp(p, f, np * sizeof *p) ? "same" : "differs");
+        free(p);
+        free(f);
+        return NULL;
+    }
+    *n = nf - np;
+    memmove(f, f + np, *n * sizeof *f);
+    free(p);
+    return f;
+}
+
+/* Feeds ids through g checking each against the mask; the index of the
+ * first refused id, or -1 when all pass (the last being an end id). */
+static long feed(k3_grammar *g, const int32_t *ids, size_t n) {
+    const k3_grammar_vocab *v = k3_grammar_mask_words(mini_vocab()) ? mini_vocab() : NULL;
+    k3_grammar_matcher *m;
+    k3_error err = {0};
+    if (!v || k3_grammar_matcher_init(&m, g, &err) != K3_OK) return -2;
+    uint64_t *mask = malloc(v->n_words * 8);
+    long r = -1;
+    for (size_t i = 0; i < n && r < 0; i++) {
+        k3_grammar_matcher_fill_mask(m, mask, &err);
+        bool allowed = (mask[ids[i] >> 6] >> (ids[i] & 63)) & 1;
+        bool ok = k3_grammar_matcher_accept(m, ids[i], &err) == K3_OK;
+        if (!allowed || !ok) r = (long)i;
+    }
+    if (r < 0 && !k3_grammar_matcher_is_ended(m)) r = (long)n;
+    free(mask);
+    k3_grammar_matcher_free(m);
+    return r;
+}
+
+static const char TOOLS[] =
+    "[{\"type\":\"function\",\"function\":{\"name\":\"get_weather\",\"parameters\":{\"type\":\"object\","
+    "\"properties\":{\"city\":{\"type\":\"string\"},\"days\":{\"type\":\"integer\",\"minimum\":1},"
+    "\"unit\":{\"enum\":[\"c\",\"f\"]},\"hours\":{\"type\":\"array\",\"items\":{\"type\":\"integer\"}},"
+    "\"opts\":{\"type\":\"object\",\"properties\":{\"wind\":{\"type\":\"boolean\"}}},\"note\":{\"type\":[\"string\",\"null\"]}},"
+    "\"required\":[\"city\"]}}},"
+    "{\"type\":\"function\",\"function\":{\"name\":\"now\",\"parameters\":{\"type\":\"object\",\"properties\":{}}}}]";
+
+static k3_grammar *tool_grammar(bool parallel, bool thinking, const char *only) {
+    json_error_t je;
+    json_t *arr = json_loads(TOOLS, 0, &je);
+    k3_grammar_tool t[2];
+    char *params[2] = {0};
+    int32_t n = 0;
+    for (size_t i = 0; i < json_array_size(arr); i++) {
+        json_t *fn = json_object_get(json_array_get(arr, i), "function");
+        const char *name = json_string_value(json_object_get(fn, "name"));
+        if (only && strcmp(only, name)) continue;
+        params[n] = json_dumps(json_object_get(fn, "parameters"), JSON_COMPACT);
+        t[n] = (k3_grammar_tool){name, params[n]};
+        n++;
+    }
+    k3_grammar_spec spec = {.kind = K3_GRAMMAR_TOOL_CALLS, .tools = t, .n_tools = n, .parallel_calls = parallel,
+                            .thinking = thinking};
+    k3_grammar *g = NULL;
+    k3_error err = {0};
+    if (k3_grammar_compile(&g, mini_vocab(), &spec, &err) != K3_OK) fprintf(stderr, "tool grammar: %s\n", err.msg);
+    for (int32_t i = 0; i < n; i++) free(params[i]);
+    json_decref(arr);
+    return g;
+}
+
+K3_TEST(grammar_tool_calls) {
+    REQUIRE(mini_vocab());
+    k3_grammar *g = tool_grammar(false, false, NULL), *gp = tool_grammar(true, false, NULL);
+    k3_grammar *gn = tool_grammar(false, false, "now"), *gt = tool_grammar(false, true, NULL);
+    REQUIRE(g && gp && gn && gt);
+    static const char *const one =
+        "{\"role\":\"assistant\",\"content\":null,\"tool_calls\":[{\"id\":\"c1\",\"type\":\"function\",\"function\":"
+        "{\"name\":\"get_weather\",\"arguments\":\"{\\\"city\\\": \\\"Paris \\\\\\\"Ville\\\\\\\" & co\\\", \\\"days\\\": 3, "
+        "\\\"unit\\\": \\\"c\\\", \\\"hours\\\": [1, 2], \\\"opts\\\": {\\\"wind\\\": true}, \\\"note\\\": null}\"}}]}";
+    size_t n;
+    int32_t *ids = assistant_ids(one, TOOLS, false, &n);
+    REQUIRE(ids);
+    CHECKF(feed(g, ids, n) == -1, "one call refused at %ld", feed(g, ids, n));
+    CHECK(feed(gp, ids, n) == -1);
+    CHECK(feed(gn, ids, n) >= 0); /* only "now" may be called */
+    /* the text parses back into the same call */
+    char *text;
+    size_t len;
+    k3_error err = {0};
+    REQUIRE(k3_tokenizer_decode(mini_tok, ids, n, &text, &len, &err) == K3_OK);
+    k3_chat_reply rep;
+    REQUIRE(k3_chat_parse_reply(text, len, false, &rep, &err) == K3_OK);
+    CHECK(rep.n_tool_calls == 1 && rep.tool_calls_json && strstr(rep.tool_calls_json, "get_weather"));
+    k3_chat_reply_free(&rep);
+    free(text);
+    free(ids);
+    /* two calls need parallel_calls; the second is index 2 */
+    static const char *const two =
+        "{\"role\":\"assistant\",\"content\":\"\",\"tool_calls\":[{\"id\":\"c1\",\"type\":\"function\",\"function\":"
+        "{\"name\":\"now\",\"arguments\":\"{}\"}},{\"id\":\"c2\",\"type\":\"function\",\"function\":{\"name\":\"get_weather\","
+        "\"arguments\":\"{\\\"city\\\": \\\"Oslo\\\"}\"}}]}";
+    ids = assistant_ids(two, TOOLS, false, &n);
+    REQUIRE(ids);
+    CHECK(feed(gp, ids, n) == -1);
+    CHECK(feed(g, ids, n) >= 0);
+    free(ids);
+    /* with thinking: free text, then the calls */
+    static const char *const think =
+        "{\"role\":\"assistant\",\"reasoning_content\":\"The user wants weather; <b>call</b> it.\",\"content\":null,"
+        "\"tool_calls\":[{\"id\":\"c1\",\"type\":\"function\",\"function\":{\"name\":\"now\",\"arguments\":\"{}\"}}]}";
+    ids = assistant_ids(think, TOOLS, true, &n);
+    REQUIRE(ids);
+    CHECK(feed(gt, ids, n) == -1);
+    CHECK(feed(g, ids, n) >= 0);
+    free(ids);
+    /* wrong arguments are refused: a string for days, a missing city, an unknown unit */
+    static const char *const bad[] = {
+        "{\\\"city\\\": \\\"x\\\", \\\"days\\\": \\\"3\\\"}", "{\\\"days\\\": 3}", "{\\\"city\\\": \\\"x\\\", \\\"unit\\\": \\\"k\\\"}",
+        "{\\\"city\\\": \\\"x\\\", \\\"days\\\": 0}", "{\\\"city\\\": \\\"x\\\", \\\"extra\\\": 1}"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        char a[1024];
+        snprintf(a, sizeof a,
+                 "{\"role\":\"assistant\",\"content\":null,\"tool_calls\":[{\"id\":\"c\",\"type\":\"function\",\"function\":"
+                 "{\"name\":\"get_weather\",\"arguments\":\"%s\"}}]}", bad[i]);
+        ids = assistant_ids(a, TOOLS, false, &n);
+        REQUIRE(ids);
+        CHECKF(feed(g, ids, n) >= 0, "bad arguments %zu accepted", i);
+        free(ids);
+    }
+    k3_grammar_free(g);
+    k3_grammar_free(gp);
+    k3_grammar_free(gn);
+    k3_grammar_free(gt);
+}
+
+K3_TEST(grammar_k3_reply_json) {
+    k3_grammar_vocab *v = mini_vocab();
+    REQUIRE(v);
+    const char *schema = "{\"type\":\"object\",\"properties\":{\"answer\":{\"type\":\"string\"},\"n\":{\"type\":\"integer\"}},"
+                         "\"required\":[\"answer\",\"n\"],\"additionalProperties\":false}";
+    for (int thinking = 0; thinking < 2; thinking++) {
+        k3_grammar_spec spec = {.kind = K3_GRAMMAR_JSON_SCHEMA, .text = schema, .k3_reply = true, .thinking = thinking};
+        k3_grammar *g = NULL;
+        k3_error err = {0};
+        REQUIREF(k3_grammar_compile(&g, v, &spec, &err) == K3_OK, "%s", err.msg);
+        const char *ok = thinking ? "{\"role\":\"assistant\",\"reasoning_content\":\"hmm\",\"content\":\"{\\\"answer\\\": \\\"Paris\\\", \\\"n\\\": 2}\"}"
+                                  : "{\"role\":\"assistant\",\"content\":\"{\\\"answer\\\": \\\"Paris\\\", \\\"n\\\": 2}\"}";
+        size_t n;
+        int32_t *ids = assistant_ids(ok, NULL, thinking, &n);
+        REQUIRE(ids);
+        CHECKF(feed(g, ids, n) == -1, "thinking %d: refused at %ld", thinking, feed(g, ids, n));
+        free(ids);
+        const char *no = "{\"role\":\"assistant\",\"content\":\"{\\\"answer\\\": 1, \\\"n\\\": 2}\"}";
+        if (!thinking) {
+            ids = assistant_ids(no, NULL, false, &n);
+            REQUIRE(ids);
+            CHECK(feed(g, ids, n) >= 0);
+            free(ids);
+        }
+        k3_grammar_free(g);
+    }
+    /* the K3 form needs the chat specials */
+    k3_grammar_spec spec = {.kind = K3_GRAMMAR_JSON_OBJECT, .k3_reply = true};
+    k3_grammar *g = NULL;
+    k3_error err = {0};
+    REQUIRE(o200k_vocab());
+    CHECK(k3_grammar_compile(&g, o200k_vocab(), &spec, &err) == K3_ERR_ARG && strstr(err.msg, "<|open|>"));
+}
+
+/* ---- the JSON Schema Test Suite ------------------------------------------------------------- */
+
+/* The keyword an error message names ("keyword 'X'", "format 'X'", ...),
+ * for the summary. */
+static void error_key(const char *msg, char *out, size_t cap) {
+    const char *p = strstr(msg, "keyword '");
+    const char *q = p ? p + 9 : NULL;
+    if (!q && (p = strstr(msg, "format '"))) q = p;
+    if (!q && (p = strstr(msg, "$ref '"))) q = "$ref (remote)";
+    if (!q && strstr(msg, "oneOf branches")) q = "oneOf (overlapping)";
+    if (!q && strstr(msg, "nothing can match")) q = "(matches nothing)";
+    if (!q && strstr(msg, "not supported")) q = msg;
+    if (!q) q = msg;
+    size_t n = strcspn(q, q == msg ? "" : "'");
+    if (q[0] == 'f' && !strncmp(q, "format '", 8)) n = 8 + strcspn(q + 8, "'") + 1;
+    snprintf(out, cap, "%.*s", (int)(n < cap ? n : cap - 1), q);
+}
+
+K3_TEST(grammar_schema_suite) {
+    k3_grammar_vocab *v = o200k_vocab();
+    REQUIRE(v);
+    json_error_t je;
+    json_t *cases = json_load_file("tests/golden/grammar/suite.json", JSON_ALLOW_NUL, &je);
+    REQUIREF(cases, "tests/golden/grammar/suite.json: %s", je.text);
+    size_t words = v->n_words;
+    uint64_t *mask = malloc(words * 8);
+    int compiled = 0, refused = 0, texts = 0, valid_ok = 0, invalid_ok = 0, false_accept = 0, false_reject = 0;
+    int stricter = 0;
+    struct { char key[96]; int n; } keys[64];
+    int nkeys = 0;
+    size_t ci;
+    json_t *c;
+    json_array_foreach(cases, ci, c) {
+        const char *file = json_string_value(json_object_get(c, "file"));
+        const char *group = json_string_value(json_object_get(c, "group"));
+        char *schema = strdup(json_string_value(json_object_get(c, "schema")));
+        json_t *cj = json_object_get(c, "compiles");
+        bool expect = !json_is_false(cj);
+        k3_grammar_spec spec = {.kind = K3_GRAMMAR_JSON_SCHEMA, .text = schema};
+        k3_grammar *g = NULL;
+        k3_error err = {0};
+        k3_status st = k3_grammar_compile(&g, v, &spec, &err);
+        free(schema);
+        if (st != K3_OK) {
+            refused++;
+            CHECKF(st == K3_ERR_UNSUPPORTED || st == K3_ERR_ARG, "%s: %s: status %d: %s", file, group, st, err.msg);
+            CHECKF(!cj || !expect, "%s: %s: no longer compiles: %s", file, group, err.msg);
+            char key[96];
+            error_key(err.msg, key, sizeof key);
+            int k = 0;
+            while (k < nkeys && strcmp(keys[k].key, key)) k++;
+            if (k == nkeys && nkeys < 64) {
+                snprintf(keys[nkeys].key, sizeof keys[nkeys].key, "%s", key);
+                keys[nkeys++].n = 0;
+            }
+            if (k < nkeys) keys[k].n++;
+            continue;
+        }
+        compiled++;
+        CHECKF(!cj || expect, "%s: %s: compiles now (update the golden)", file, group);
+        k3_grammar_matcher *m;
+        REQUIRE(k3_grammar_matcher_init(&m, g, &err) == K3_OK);
+        size_t ti;
+        json_t *t;
+        json_array_foreach(json_object_get(c, "tests"), ti, t) {
+            bool valid = json_is_true(json_object_get(t, "valid"));
+            const char *why = json_string_value(json_object_get(t, "stricter"));
+            size_t xi;
+            json_t *x;
+            json_array_foreach(json_object_get(t, "texts"), xi, x) {
+                size_t n;
+                int32_t *ids = NULL;
+                if (k3_tokenizer_encode(o200k_tok, json_string_value(x), json_string_length(x), &ids, &n, &err) != K3_OK) {
+                    CHECKF(false, "%s: encode: %s", file, err.msg);
+                    continue;
+                }
+                texts++;
+                k3_grammar_matcher_reset(m);
+                bool ok = true;
+                for (size_t i = 0; i < n && ok; i++) {
+                    if (k3_grammar_matcher_fill_mask(m, mask, &err) != K3_OK) ok = false;
+                    bool allowed = ok && ((mask[ids[i] >> 6] >> (ids[i] & 63)) & 1);
+                    k3_status a = k3_grammar_matcher_accept(m, ids[i], &err);
+                    if (allowed != (a == K3_OK)) CHECKF(false, "%s: %s: mask and accept disagree", file, group);
+                    ok = allowed;
+                }
+                if (ok) ok = k3_grammar_matcher_is_complete(m);
+                if (!valid) {
+                    if (ok) {
+                        false_accept++;
+                        printf("    ACCEPTED %s: %s: %s: %s\n", file, group, json_string_value(json_object_get(t, "description")), json_string_value(x));
+                        CHECKF(false, "%s: %s: %s: the invalid %s was accepted", file, group,
+                               json_string_value(json_object_get(t, "description")), json_string_value(x));
+                    } else invalid_ok++;
+                } else if (ok) {
+                    valid_ok++;
+                } else if (why) {
+                    stricter++;
+                } else {
+                    false_reject++;
+                    printf("    REFUSED %s: %s: %s: %s\n", file, group, json_string_value(json_object_get(t, "description")), json_string_value(x));
+                    CHECKF(false, "%s: %s: %s: the valid %s was refused", file, group,
+                           json_string_value(json_object_get(t, "description")), json_string_value(x));
+                }
+                free(ids);
+            }
+        }
+        k3_grammar_matcher_free(m);
+        k3_grammar_free(g);
+    }
+    printf("    suite: %d schemas compiled, %d refused; %d texts: %d valid accepted, %d invalid rejected, "
+           "%d valid refused by design (stricter), %d valid refused, %d invalid accepted\n",
+           compiled, refused, texts, valid_ok, invalid_ok, stricter, false_reject, false_accept);
+    printf("    refused by keyword:");
+    for (int k = 0; k < nkeys; k++) printf(" %s %d;", keys[k].key, keys[k].n);
+    printf("\n");
+    CHECK(false_accept == 0);
+    free(mask);
+    json_decref(cases);
+}

@@ -563,9 +563,13 @@ static k3_status multiple_dfa(js *J, const dec *d, k3g_fa *out) {
     return st;
 }
 
-/* Numeric keywords of s for a number (int_only: an integer). *none when
- * there are none (the caller uses the standard rule). */
-static k3_status number_dfa(js *J, const json_t *s, bool int_only, k3g_fa *out, bool *none) {
+/* Numeric keywords of s for a number of kind mode: NUM_ANY, NUM_INT (an
+ * integer) or NUM_FRAC (a number that is not one: a fraction with a nonzero
+ * digit). *none when there is nothing to build (the caller uses the standard
+ * rule). */
+enum { NUM_ANY, NUM_INT, NUM_FRAC };
+
+static k3_status number_dfa(js *J, const json_t *s, int mode, k3g_fa *out, bool *none) {
     *out = (k3g_fa){0};
     *none = true;
     k3g_builder *b = J->b;
@@ -606,15 +610,19 @@ static k3_status number_dfa(js *J, const json_t *s, bool int_only, k3g_fa *out, 
     size_t ix;
     json_t *ev;
     json_array_foreach(extra, ix, ev) json_array_append(mults, ev);
-    if (!has_lo && !has_hi && json_array_size(mults) == 0) {
+    if (!has_lo && !has_hi && json_array_size(mults) == 0 && mode != NUM_FRAC) {
         json_decref(mults);
         return K3_OK;
     }
     *none = false;
     /* the number syntax, no exponent */
-    k3g_ast *shape = int_only ? k3g_seq3(b, k3g_rep(b, L(J, "-"), 0, 1), int_canon(J),
-                                         k3g_rep(b, k3g_seq2(b, L(J, "."), k3g_rep(b, L(J, "0"), 1, -1)), 0, 1))
-                              : k3g_seq3(b, k3g_rep(b, L(J, "-"), 0, 1), int_canon(J), frac_any(J));
+    k3g_ast *sign = k3g_rep(b, L(J, "-"), 0, 1), *shape;
+    if (mode == NUM_INT)
+        shape = k3g_seq3(b, sign, int_canon(J), k3g_rep(b, k3g_seq2(b, L(J, "."), k3g_rep(b, L(J, "0"), 1, -1)), 0, 1));
+    else if (mode == NUM_FRAC)
+        shape = k3g_seq3(b, sign, int_canon(J), k3g_seq3(b, L(J, "."), DIGITS(J, 0, -1), k3g_seq2(b, D(J, 1, 9), DIGITS(J, 0, -1))));
+    else
+        shape = k3g_seq3(b, sign, int_canon(J), frac_any(J));
     k3g_fa cur = {0};
     k3_status st = k3g_ast_dfa(b, shape, &cur, "a number");
     if (st == K3_OK && has_lo) {
@@ -1336,10 +1344,6 @@ static json_t *normalize(js *J, json_t *s) {
         unsigned t, mine;
         if (type_bits(J, json_object_get(nt, "type"), &t) != K3_OK) goto done;
         if (!json_object_get(nt, "type")) t = T_ALL;
-        if (t & T_INT && !(t & T_FRAC)) {
-            /* not integer: numbers with a fraction -- kept only without other numbers */
-            t &= ~(unsigned)T_INT;
-        }
         if (schema_types(J, rest, &mine) != K3_OK) goto done;
         json_object_set_new(rest, K_TYPES, json_integer(mine & ~t & T_ALL));
         json_object_del(rest, "type");
@@ -1493,8 +1497,12 @@ static k3g_ast *any_of_types(js *J, unsigned types, int enc) {
     if ((types & T_NUM) == T_NUM) k[n++] = k3g_ref(b, k3g_std_rule(b, K3G_STD_NUMBER));
     else if (types & T_INT) k[n++] = k3g_ref(b, k3g_std_rule(b, K3G_STD_INTEGER));
     else if (types & T_FRAC) {
-        unsup(J, "a number that must not be an integer is not supported%s", "");
-        return NULL;
+        k3g_fa d = {0};
+        bool none;
+        json_t *e = json_object();
+        k3_status st = e ? number_dfa(J, e, NUM_FRAC, &d, &none) : nomem(J);
+        json_decref(e);
+        if (st != K3_OK || !(k[n++] = k3g_fa_rule(b, &d, J->path))) return NULL;
     }
     if (types & T_STR)
         k[n++] = k3g_ref(b, k3g_std_rule(b, enc == ENC_JSON ? K3G_STD_STRING : K3G_STD_RAW_STRING));
@@ -1611,7 +1619,7 @@ static k3_status value_allowed(js *J, const json_t *s, const json_t *v, unsigned
     if (t & T_NUM) {
         k3g_fa d = {0};
         bool none;
-        K3_TRY(number_dfa(J, s, false, &d, &none));
+        K3_TRY(number_dfa(J, s, NUM_ANY, &d, &none));
         if (none) {
             *ok = true;
             return K3_OK;
@@ -1993,11 +2001,8 @@ static k3g_ast *flat(js *J, json_t *s, unsigned types, int enc, bool *is_std_ref
     if (types & T_NULL) k[n++] = L(J, "null");
     if (types & T_BOOL) k[n++] = k3g_alt2(b, L(J, "true"), L(J, "false"));
     if (types & T_NUM) {
-        if (!(types & T_INT)) {
-            unsup(J, "a number that must not be an integer is not supported%s", "");
-            return NULL;
-        }
-        bool int_only = !(types & T_FRAC);
+        int mode = (types & T_NUM) == T_NUM ? NUM_ANY : (types & T_INT) ? NUM_INT : NUM_FRAC;
+        bool int_only = mode == NUM_INT;
         const char *f = json_string_value(json_object_get(s, "format"));
         json_t *ns = s;
         json_t *tmp = NULL;
@@ -2014,7 +2019,7 @@ static k3g_ast *flat(js *J, json_t *s, unsigned types, int enc, bool *is_std_ref
         }
         k3g_fa d = {0};
         bool none;
-        k3_status st = number_dfa(J, ns, int_only, &d, &none);
+        k3_status st = number_dfa(J, ns, mode, &d, &none);
         json_decref(tmp);
         if (st != K3_OK) return NULL;
         if (none) {
@@ -2196,7 +2201,7 @@ static k3_status js_open(js *J, k3g_builder *b, const char *text, const char *wh
     if (k3_json_too_deep(text, len, 128))
         return k3_err(b->err, K3_ERR_UNSUPPORTED, "%s: the schema nests deeper than 128 levels", where);
     json_error_t je;
-    J->root = json_loadb(text, len, JSON_DECODE_ANY, &je);
+    J->root = json_loadb(text, len, JSON_DECODE_ANY | JSON_ALLOW_NUL, &je);
     if (!J->root) return k3_err(b->err, K3_ERR_ARG, "%s: not valid JSON (line %d: %s)", where, je.line, je.text);
     J->anchors = json_object();
     if (!J->anchors) return nomem(J);
