@@ -526,6 +526,9 @@ static const char *const WALK_SCHEMAS[] = {
     "{\"type\":\"object\",\"properties\":{\"when\":{\"type\":\"string\",\"format\":\"date-time\"},"
     "\"n\":{\"type\":\"number\",\"minimum\":-1.5,\"maximum\":1000}},\"additionalProperties\":{\"type\":\"integer\"}}",
     "true",
+    "{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"string\",\"minLength\":2,\"maxLength\":5},"
+    "\"b\":{\"type\":\"array\",\"items\":{\"type\":\"string\",\"minLength\":12,\"maxLength\":150}}},"
+    "\"additionalProperties\":false}",
 };
 
 K3_TEST(grammar_mask_reference_mini) {

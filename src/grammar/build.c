@@ -311,6 +311,8 @@ void k3g_builder_free(k3g_builder *b) {
         free(b->rules[i].name);
         k3g_fa_free(&b->rules[i].fa);
         free(b->rules[i].alias);
+        free(b->rules[i].budget);
+        free(b->rules[i].need);
     }
     free(b->rules);
     for (kept *k = b->kept, *nx; k; k = nx) {
@@ -442,82 +444,99 @@ static void json_char_edges(k3g_fa *fa, const int32_t *s, int32_t next) {
     hex_edges(fa, s[JS_L4], next);
 }
 
-/* A JSON string literal with min..max characters (max < 0: no limit), as a
- * DFA laid out as: 0 the opening quote's state, 1 the closing (final), then
- * JS_ROLES states per character position. With alias != NULL, *alias gets
- * for every node the node of the standard string with the same token table
- * (-1 for none): positions at least min and at least lookahead characters
- * from max behave like the standard string's body for any token of at most
- * lookahead bytes. */
-static k3_status json_string_dfa(k3g_fa *fa, int64_t min, int64_t max, int32_t lookahead, int32_t **alias,
-                                 k3_error *err) {
+/* A JSON string with min..max characters (max < 0: no limit) as a DFA:
+ * with quote, node 0 reads the opening quote and node 1 is the end; without,
+ * node 0 is the end and the start is the first position's body. Then
+ * JS_ROLES nodes per character position. With alias != NULL the nodes get
+ * the node of the standard string tail (quote = false, no limits) playing
+ * the same role, with the characters still allowed (budget) and needed
+ * (need) at that position; budget -1 where no token of at most lookahead
+ * bytes can reach the limit and none is needed: the tail's own table. */
+static k3_status json_string_dfa(k3g_fa *fa, int64_t min, int64_t max, bool quote, int32_t lookahead,
+                                 int32_t **alias, int32_t **budget, int32_t **need, k3_error *err) {
     *fa = (k3g_fa){0};
-    if (alias) *alias = NULL;
+    if (alias) *alias = *budget = *need = NULL;
     if (min < 0) min = 0;
     if (max >= 0 && max < min) return K3_OK;
     if (min > K3G_MAX_REPEAT || max > K3G_MAX_REPEAT)
         return k3_err(err, K3_ERR_UNSUPPORTED, "a string length of %lld is beyond the supported %d",
                       (long long)(max > min ? max : min), K3G_MAX_REPEAT);
     int64_t top = max >= 0 ? max : min; /* positions 0..top */
-    int32_t open = k3g_fa_state(fa), close = k3g_fa_state(fa);
+    int32_t open = quote ? k3g_fa_state(fa) : -1, close = k3g_fa_state(fa);
+    int32_t base = quote ? 2 : 1;
     for (int64_t k = 0; k <= top; k++)
         for (int i = 0; i < JS_ROLES; i++) k3g_fa_state(fa);
     if (fa->oom || fa->too_big) {
         k3g_fa_free(fa);
         return k3_err(err, K3_ERR_NOMEM, "out of memory building a string");
     }
-    fa->start = open;
+    fa->start = quote ? open : base;
     fa->final[close] = 1;
-    k3g_fa_byte(fa, open, 2, '"', '"');
+    if (quote) k3g_fa_byte(fa, open, base, '"', '"');
     for (int64_t k = 0; k <= top; k++) {
         int32_t s[JS_ROLES];
-        for (int i = 0; i < JS_ROLES; i++) s[i] = (int32_t)(2 + k * JS_ROLES + i);
+        for (int i = 0; i < JS_ROLES; i++) s[i] = (int32_t)(base + k * JS_ROLES + i);
         if (k >= min) k3g_fa_byte(fa, s[JS_BODY], close, '"', '"');
-        if (k < top) json_char_edges(fa, s, (int32_t)(2 + (k + 1) * JS_ROLES));
+        if (k < top) json_char_edges(fa, s, (int32_t)(base + (k + 1) * JS_ROLES));
         else if (max < 0) json_char_edges(fa, s, s[JS_BODY]);
     }
-    if (alias && fa->n) {
-        *alias = malloc((size_t)fa->n * sizeof **alias);
-        if (!*alias) {
+    int32_t old_n = fa->n;
+    int32_t *al = NULL, *bu = NULL, *ne = NULL;
+    if (alias) {
+        al = malloc((size_t)old_n * sizeof *al);
+        bu = malloc((size_t)old_n * sizeof *bu);
+        ne = malloc((size_t)old_n * sizeof *ne);
+        if (!al || !bu || !ne) {
+            free(al);
+            free(bu);
+            free(ne);
             k3g_fa_free(fa);
             return k3_err(err, K3_ERR_NOMEM, "out of memory building a string");
         }
-        (*alias)[open] = min == 0 && (max < 0 || max > lookahead) ? 0 : -1;
-        (*alias)[close] = 1;
+        if (quote) al[open] = -1, bu[open] = -1, ne[open] = 0;
+        al[close] = 0, bu[close] = -1, ne[close] = 0;
         for (int64_t k = 0; k <= top; k++) {
-            bool same = k >= min && (max < 0 || max - k > lookahead);
-            for (int i = 0; i < JS_ROLES; i++)
-                (*alias)[2 + k * JS_ROLES + i] = same ? 2 + i : -1;
+            int32_t n_need = (int32_t)(min > k ? min - k : 0);
+            bool far = max < 0 || max - k > lookahead;
+            int32_t b = far && !n_need ? -1 : max < 0 ? INT32_MAX : (int32_t)(max - k);
+            for (int i = 0; i < JS_ROLES; i++) {
+                int32_t at = (int32_t)(base + k * JS_ROLES + i);
+                al[at] = 1 + i;
+                bu[at] = b;
+                ne[at] = n_need;
+            }
         }
     }
-    /* trim drops the unused role states of the last position; the alias map
-     * follows the renumbering */
-    int32_t *map = malloc((size_t)fa->n * sizeof *map);
-    if (!map || !k3g_fa_trim(fa, map)) {
-        free(map);
+    /* trim drops the unused role states of the last position; the maps
+     * follow the renumbering */
+    int32_t *map = malloc((size_t)old_n * sizeof *map);
+    bool ok = map && k3g_fa_trim(fa, map);
+    if (ok && alias) {
+        *alias = malloc(((size_t)fa->n + 1) * sizeof **alias);
+        *budget = malloc(((size_t)fa->n + 1) * sizeof **budget);
+        *need = malloc(((size_t)fa->n + 1) * sizeof **need);
+        ok = *alias && *budget && *need;
+        for (int32_t i = 0; ok && i < old_n; i++)
+            if (map[i] >= 0) {
+                (*alias)[map[i]] = al[i];
+                (*budget)[map[i]] = bu[i];
+                (*need)[map[i]] = ne[i];
+            }
+    }
+    free(map);
+    free(al);
+    free(bu);
+    free(ne);
+    if (!ok) {
         if (alias) {
             free(*alias);
-            *alias = NULL;
+            free(*budget);
+            free(*need);
+            *alias = *budget = *need = NULL;
         }
         k3g_fa_free(fa);
         return k3_err(err, K3_ERR_NOMEM, "out of memory building a string");
     }
-    if (alias && *alias) {
-        int32_t old_n = (int32_t)(2 + (top + 1) * JS_ROLES);
-        int32_t *na = malloc(((size_t)fa->n + 1) * sizeof *na);
-        if (!na) {
-            free(map);
-            free(*alias);
-            *alias = NULL;
-            k3g_fa_free(fa);
-            return k3_err(err, K3_ERR_NOMEM, "out of memory building a string");
-        }
-        for (int32_t i = 0; i < old_n; i++)
-            if (map[i] >= 0) na[map[i]] = (*alias)[i];
-        free(*alias);
-        *alias = na;
-    }
-    free(map);
     return K3_OK;
 }
 
@@ -536,22 +555,30 @@ static k3g_ast *int_part(k3g_builder *b) {
 
 static k3g_ast *opt(k3g_builder *b, k3g_ast *x) { return k3g_rep(b, x, 0, 1); }
 
-static const char *std_name[K3G_STD_N] = {
-    "string", "number", "integer", "value", "object", "array", "value-compact", "object-compact",
+static const char *std_name[K3G_STD_FORMAT0] = {
+    "string", "string-tail", "number", "integer", "value", "object", "array", "value-compact", "object-compact",
     "array-compact", "value-py", "object-py", "array-py", "raw-string", "any-text",
 };
 
 int32_t k3g_std_rule(k3g_builder *b, k3g_std s) {
     if (b->std_rule[s] >= 0) return b->std_rule[s];
-    int32_t r = k3g_rule(b, std_name[s]);
+    char fname[48];
+    if (s >= K3G_STD_FORMAT0) snprintf(fname, sizeof fname, "format-%s", k3g_formats[s - K3G_STD_FORMAT0]);
+    int32_t r = k3g_rule(b, s < K3G_STD_FORMAT0 ? std_name[s] : fname);
     if (r < 0) return -1;
     b->std_rule[s] = r;
     b->rules[r].std = (int16_t)s;
     k3_status st = K3_OK;
     switch (s) {
     case K3G_STD_STRING: {
+        int32_t tail = k3g_std_rule(b, K3G_STD_STRING_TAIL);
+        if (tail < 0) return -1;
+        st = k3g_rule_set(b, r, k3g_seq2(b, k3g_str(b, "\""), k3g_ref(b, tail)));
+        break;
+    }
+    case K3G_STD_STRING_TAIL: {
         k3g_fa fa = {0};
-        st = json_string_dfa(&fa, 0, -1, 0, NULL, b->err);
+        st = json_string_dfa(&fa, 0, -1, false, 0, NULL, NULL, NULL, b->err);
         if (st == K3_OK) st = k3g_rule_set_dfa(b, r, &fa);
         break;
     }
@@ -629,7 +656,18 @@ int32_t k3g_std_rule(k3g_builder *b, k3g_std s) {
         if (st == K3_OK) st = k3g_rule_set_dfa(b, r, &d);
         break;
     }
-    case K3G_STD_N: break;
+    default: {
+        /* a format: '"' the format's text, JSON-encoded, '"' */
+        k3g_fa raw = {0}, enc = {0};
+        st = k3g_format_dfa(b, s - K3G_STD_FORMAT0, &raw);
+        if (st == K3_OK) st = k3g_fa_json_encode(&raw, &enc, "a format", b->err);
+        k3g_fa_free(&raw);
+        if (st == K3_OK) {
+            k3g_fa *kf = k3g_keep(b, &enc);
+            st = kf ? std_set_ast(b, r, k3g_seq3(b, k3g_str(b, "\""), k3g_fa_ast(b, kf), k3g_str(b, "\""))) : K3_ERR_NOMEM;
+        }
+        break;
+    }
     }
     return st == K3_OK ? r : -1;
 }
@@ -639,15 +677,19 @@ int32_t k3g_json_string_rule(k3g_builder *b, int64_t min, int64_t max) {
     int32_t r = k3g_rule(b, "string-length");
     if (r < 0) return -1;
     k3g_fa fa = {0};
-    int32_t *alias = NULL;
+    int32_t *alias = NULL, *budget = NULL, *need = NULL;
     int32_t look = b->vocab ? b->vocab->max_len + 1 : INT32_MAX / 2;
-    if (json_string_dfa(&fa, min, max, look, &alias, b->err) != K3_OK) return -1;
+    if (json_string_dfa(&fa, min, max, true, look, &alias, &budget, &need, b->err) != K3_OK) return -1;
     if (k3g_rule_set_dfa(b, r, &fa) != K3_OK) {
         free(alias);
+        free(budget);
+        free(need);
         return -1;
     }
     b->rules[r].alias = alias;
-    b->rules[r].alias_std = K3G_STD_STRING;
+    b->rules[r].budget = budget;
+    b->rules[r].need = need;
+    b->rules[r].alias_std = K3G_STD_STRING_TAIL;
     return r;
 }
 
@@ -745,7 +787,9 @@ static k3_status prune_rule(k3g_builder *b, int32_t r, const uint8_t *ok) {
     fa->first = NULL;
     if (!k3g_fa_trim(fa, NULL)) return nomem(b);
     free(R->alias);
-    R->alias = NULL;
+    free(R->budget);
+    free(R->need);
+    R->alias = R->budget = R->need = NULL;
     return K3_OK;
 }
 
@@ -1001,6 +1045,15 @@ k3_status k3g_finalize(k3g_builder *b, int32_t root, k3_grammar **out) {
             g->rule_name = calloc((size_t)nr, sizeof *g->rule_name);
             g->follow = calloc((size_t)nr, sizeof *g->follow);
             g->entries = calloc(nn ? nn : 1, sizeof *g->entries);
+            bool any_budget = false;
+            for (int32_t r = 0; r < n; r++)
+                if (reach[r] && b->rules[r].budget) any_budget = true;
+            if (any_budget) {
+                g->budget = malloc((nn ? nn : 1) * sizeof *g->budget);
+                g->need = malloc((nn ? nn : 1) * sizeof *g->need);
+                if (!g->budget || !g->need) st = nomem(b);
+                for (size_t i = 0; g->budget && i < nn; i++) g->budget[i] = -1;
+            }
             if (!g->nodes || !g->bedges || !g->redges || !g->sedges || !g->rule_start || !g->rule_first ||
                 !g->rule_n || !g->rule_std || !g->rule_name || !g->follow || !g->entries)
                 st = nomem(b);
@@ -1027,8 +1080,13 @@ k3_status k3g_finalize(k3g_builder *b, int32_t root, k3_grammar **out) {
                 nd->final = fa->final[s];
                 nd->key = base + s;
                 if (std_ok) nd->key = -1 - (v->std_first[R->std] + s);
-                else if (alias_ok && R->alias[s] >= 0 && R->alias[s] < v->std_n[R->alias_std])
+                else if (alias_ok && R->alias[s] >= 0 && R->alias[s] < v->std_n[R->alias_std]) {
                     nd->key = -1 - (v->std_first[R->alias_std] + R->alias[s]);
+                    if (g->budget && R->budget) {
+                        g->budget[base + s] = R->budget[s];
+                        g->need[base + s] = R->need[s];
+                    }
+                }
                 nd->b0 = g->n_bedges;
                 nd->r0 = g->n_redges;
                 nd->s0 = g->n_sedges;
@@ -1128,6 +1186,8 @@ k3_status k3g_finalize(k3g_builder *b, int32_t root, k3_grammar **out) {
             free(g->rule_std);
             free(g->follow);
             free(g->entries);
+            free(g->budget);
+            free(g->need);
             free(g);
         }
         return st;
@@ -1153,5 +1213,7 @@ void k3g_grammar_destroy(k3_grammar *g) {
     free(g->rule_std);
     free(g->follow);
     free(g->entries);
+    free(g->budget);
+    free(g->need);
     free(g);
 }

@@ -188,7 +188,8 @@ typedef struct k3g_ast {
 typedef enum k3g_ws { K3G_WS_FLEX = 0, K3G_WS_COMPACT = 1, K3G_WS_PY = 2 } k3g_ws;
 
 typedef enum k3g_std {
-    K3G_STD_STRING,          /* a JSON string literal, every escape */
+    K3G_STD_STRING,          /* a JSON string literal, every escape: '"' tail */
+    K3G_STD_STRING_TAIL,     /* its characters and the closing quote */
     K3G_STD_NUMBER,          /* a JSON number */
     K3G_STD_INTEGER,         /* -?(0|[1-9][0-9]*)(\.0+)? */
     K3G_STD_VALUE_FLEX,      /* any JSON value, in each whitespace mode */
@@ -202,12 +203,16 @@ typedef enum k3g_std {
     K3G_STD_ARRAY_PY,
     K3G_STD_RAW_STRING,      /* UTF-8 text without "<|close|>" (a tool-call argument) */
     K3G_STD_ANY_TEXT,        /* any bytes (a think block) */
-    K3G_STD_N
+    K3G_STD_FORMAT0,         /* a JSON string of each supported format, in the order of k3g_formats */
+    K3G_STD_N = K3G_STD_FORMAT0 + 10
 } k3g_std;
 
 /* The standard rules whose token tables k3_grammar_vocab_init computes up
  * front (the rest are computed on first use). */
 #define K3G_STD_WARM(s) ((s) <= K3G_STD_ARRAY_PY)
+/* The node roles of the string tail: node 0 the end (after the quote), node
+ * 1 + K3G_JS_BODY between characters; the others inside one character. */
+#define K3G_JS_BODY 0
 
 /* ---- the builder (build.c) --------------------------------------------------- */
 
@@ -218,8 +223,11 @@ typedef struct k3g_brule {
     bool defined;           /* a body was given */
     bool dfa;               /* fa is already a DFA */
     /* Aliases (optional, [fa.n] once a DFA): a node whose token table equals
-     * that of node alias[i] of the standard rule alias_std (-1: none). */
-    int32_t *alias;
+     * that of node alias[i] of the standard rule alias_std (-1: none), with
+     * budget[i] >= 0 the characters it may still take before its end and
+     * need[i] those it must take before it may end (budget -1: no limit
+     * within one token; a length-limited string). */
+    int32_t *alias, *budget, *need;
     int16_t alias_std;
 } k3g_brule;
 
@@ -299,6 +307,12 @@ typedef struct k3g_json_opts {
     const char *where;    /* error path prefix */
 } k3g_json_opts;
 
+/* The supported string formats ("date", "time", ...; NULL-terminated),
+ * and the raw-text DFA of format i. */
+extern const char *const k3g_formats[];
+k3_status k3g_format_dfa(k3g_builder *b, int i, k3g_fa *out);
+int k3g_format_index(const char *name);
+
 /* A JSON Schema text as a rule (*rule). */
 k3_status k3g_json_schema(k3g_builder *b, const char *text, const k3g_json_opts *o, int32_t *rule);
 /* The arguments of a K3 tool call for a parameters schema (NULL: none): the
@@ -348,6 +362,7 @@ struct k3_grammar {
     int16_t *rule_std;
     char **rule_name;
     k3g_bset *follow;       /* [n_rules]: the bytes that may follow the rule */
+    int32_t *budget, *need; /* [n_nodes] or NULL: the counted aliases (k3g_brule) */
     /* token tables, one slot per node (aliased nodes share a slot) */
     _Atomic(k3g_entry *) *entries;
     pthread_mutex_t mu;     /* guards ldfa and the filling of entries */
@@ -370,6 +385,8 @@ void k3g_grammar_destroy(k3_grammar *g);
 
 /* ---- the vocabulary (vocab.c) ----------------------------------------------- */
 
+#define K3G_N_SLICES 3
+
 /* A token trie in preorder; node 0 is the root. */
 typedef struct k3g_trie {
     int32_t n;
@@ -379,6 +396,13 @@ typedef struct k3g_trie {
     int32_t *tok;            /* [n] a token ending here, or -1 */
     uint8_t *dup;            /* [n] 1: more tokens end here (dup_next) */
 } k3g_trie;
+
+typedef struct k3g_slice {
+    k3g_fa dfa;              /* the slice's language (one or more of its characters) */
+    uint64_t *bits;          /* [n_words] its tokens */
+    int32_t n;
+    k3g_trie rest;           /* every other ordinary token */
+} k3g_slice;
 
 struct k3_grammar_vocab {
     int32_t n_vocab;
@@ -392,15 +416,14 @@ struct k3_grammar_vocab {
     int32_t max_len;         /* longest ordinary token, bytes */
     k3g_trie trie;           /* every ordinary token */
     int32_t *dup_next;       /* [n_vocab] the next id with the same bytes, or -1 */
-    /* The slice: the tokens that are JSON string text (valid UTF-8 without
-     * '"', '\' or control characters), as a bitset, and a trie of all the
-     * other tokens. A walk from a state that accepts every string of the
-     * slice's language takes the slice at once and walks only the rest. */
-    k3g_fa slice_dfa;
-    uint64_t *slice_bits;    /* [n_words] */
-    int32_t n_slice;
-    k3g_trie rest;
+    /* Slices: classes of tokens (JSON string text: valid UTF-8 without '"',
+     * a backslash or control characters; ASCII letters and digits; lower-case
+     * letters), each as a bitset and a trie of all the other tokens. A walk
+     * from a state that accepts every string of a slice's language takes the
+     * slice at once and walks only the rest. Largest first. */
+    k3g_slice slice[K3G_N_SLICES];
     k3_grammar *std;         /* the standard grammar */
+    _Atomic(struct k3g_counted *) *counted; /* [std nodes]: the string tail's counts */
     int32_t std_first[K3G_STD_N]; /* its first node of each standard rule */
     int32_t std_n[K3G_STD_N];     /* and their node counts */
     double warm_ms;          /* time taken computing the warm tables */
@@ -428,6 +451,20 @@ struct k3g_entry {
     uint32_t *s_tok0;     /* [n_sfx + 1]: tokens of node i are s_toks[s_tok0[i] .. s_tok0[i+1]) */
     int32_t *s_toks;
 };
+
+/* For a node of the standard string tail: the characters each token of its
+ * table takes, so that a length-limited string (a node with a budget, see
+ * k3g_brule) can filter the tail's table instead of walking its own. */
+typedef struct k3g_counted {
+    int32_t n;            /* accepted tokens that do not end the string */
+    int32_t *tok, *cnt;   /* [n] by characters, most first */
+    int32_t n_close;      /* accepted tokens that end with the closing quote */
+    int32_t *close_tok, *close_cnt; /* characters before the quote */
+    int32_t *s_cnt;       /* [the entry's s_toks]: characters before the quote */
+} k3g_counted;
+
+const k3g_counted *k3g_counted_get(const k3_grammar_vocab *v, int32_t std_node, k3_error *err);
+void k3g_counted_free(k3g_counted *c);
 
 /* The token table of node n of g (computed on first use, any thread); NULL
  * with err on allocation failure. */

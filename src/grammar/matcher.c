@@ -152,6 +152,11 @@ static void new_generation(k3g_cscratch *s) {
 
 bool k3g_closure(const k3_grammar *g, k3g_frames *fr, k3g_cscratch *cs, const k3g_cfg *seeds, size_t n_seeds,
                  k3g_cfgv *out, bool *bottom) {
+    if (n_seeds == 1) {
+        /* the common case: a node that reads and neither references nor ends */
+        const k3g_node *nd = &g->nodes[seeds[0].node];
+        if (!nd->nr && !nd->final) return (nd->nb || nd->ns) ? k3g_cfgv_push(out, seeds[0]) : true;
+    }
     new_generation(cs);
     size_t count = 0;
     bool oom = false;
@@ -226,6 +231,7 @@ struct k3_grammar_matcher {
     k3g_bset *lv_allowed;
     size_t cap_lv, cap_lva;
     uint64_t *seen;           /* (key, stack) pairs done in this mask; stack ~0: the accepted set */
+    uint64_t *scratch;        /* [mask words]: a counted node's accepted set */
     size_t n_seen, cap_seen;
 };
 
@@ -297,6 +303,7 @@ void k3_grammar_matcher_free(k3_grammar_matcher *m) {
     free(m->lv_off);
     free(m->lv_allowed);
     free(m->seen);
+    free(m->scratch);
     free(m);
 }
 
@@ -461,8 +468,10 @@ static void allowed_bytes(const k3_grammar *g, const k3g_cfg *c, size_t n, k3g_b
     }
 }
 
-/* The uncertain tokens of e that the stack below frame `stack` accepts. */
-static bool suffix_walk(k3_grammar_matcher *m, const k3g_entry *e, int32_t stack, uint64_t *mask) {
+/* The uncertain tokens of e that the stack below frame `stack` accepts;
+ * with cnt, only those whose count lies in need..budget. */
+static bool suffix_walk(k3_grammar_matcher *m, const k3g_entry *e, int32_t stack, uint64_t *mask, const int32_t *cnt,
+                        int32_t need, int32_t budget) {
     const k3_grammar *g = m->g;
     int32_t frames0 = m->fr.n;
     size_t depth_cap = 1;
@@ -519,7 +528,8 @@ static bool suffix_walk(k3_grammar_matcher *m, const k3g_entry *e, int32_t stack
                 i = (int32_t)e->s_next[i];
                 continue;
             }
-            for (uint32_t k = e->s_tok0[i]; k < e->s_tok0[i + 1]; k++) set_bit(mask, e->s_toks[k]);
+            for (uint32_t k = e->s_tok0[i]; k < e->s_tok0[i + 1]; k++)
+                if (!cnt || (cnt[k] >= need && cnt[k] <= budget)) set_bit(mask, e->s_toks[k]);
             m->lv_off[d + 1] = lv->n;
             if (lv->n > base) allowed_bytes(g, lv->v + base, lv->n - base, &m->lv_allowed[d]);
             else m->lv_allowed[d] = (k3g_bset){{0}};
@@ -528,6 +538,34 @@ static bool suffix_walk(k3_grammar_matcher *m, const k3g_entry *e, int32_t stack
     }
     k3g_frames_truncate(&m->fr, frames0);
     return ok;
+}
+
+static k3_status counted_node(k3_grammar_matcher *m, k3g_cfg c, const k3g_entry *e, int32_t budget, int32_t need,
+                              uint64_t *mask, k3_error *err) {
+    const k3_grammar *g = m->g;
+    const k3_grammar_vocab *v = g->vocab;
+    size_t words = v->n_words;
+    const k3g_counted *ct = k3g_counted_get(v, -g->nodes[c.node].key - 1, err);
+    if (!ct) return err && err->status ? err->status : K3_ERR_NOMEM;
+    bool oom = false;
+    uint64_t key = (uint64_t)(0x80000000u | (uint32_t)c.node) << 32;
+    if (first_time(m, key | 0xFFFFFFFFu, &oom)) {
+        if (!m->scratch && !(m->scratch = malloc(words * sizeof *m->scratch))) return nomem(err);
+        uint64_t *x = m->scratch;
+        memset(x, 0, words * sizeof *x);
+        or_acc(e, x, words);
+        /* most characters first: stop at the first that fits */
+        for (int32_t k = 0; k < ct->n && ct->cnt[k] > budget; k++) x[ct->tok[k] >> 6] &= ~((uint64_t)1 << (ct->tok[k] & 63));
+        for (int32_t k = 0; k < ct->n_close; k++)
+            if (ct->close_cnt[k] < need || ct->close_cnt[k] > budget)
+                x[ct->close_tok[k] >> 6] &= ~((uint64_t)1 << (ct->close_tok[k] & 63));
+        for (size_t w = 0; w < words; w++) mask[w] |= x[w];
+    }
+    if (oom) return nomem(err);
+    if (e->n_sfx > 1 && c.stack >= 0 && first_time(m, key | (uint32_t)c.stack, &oom)) {
+        if (!suffix_walk(m, e, c.stack, mask, ct->s_cnt, need, budget)) return nomem(err);
+    }
+    return oom ? nomem(err) : K3_OK;
 }
 
 k3_status k3_grammar_matcher_fill_mask(k3_grammar_matcher *m, uint64_t *mask, k3_error *err) {
@@ -546,11 +584,18 @@ k3_status k3_grammar_matcher_fill_mask(k3_grammar_matcher *m, uint64_t *mask, k3
         if (nd->nb == 0) continue;
         const k3g_entry *e = k3g_entry_get(g, c.node, err);
         if (!e) return err && err->status ? err->status : K3_ERR_NOMEM;
+        int32_t budget = g->budget ? g->budget[c.node] : -1;
+        if (budget >= 0) {
+            /* a length-limited string: the tail's table, less what is too long
+             * (or ends too early) from here; the node itself is the key */
+            K3_TRY(counted_node(m, c, e, budget, g->need[c.node], mask, err));
+            continue;
+        }
         uint64_t key = (uint64_t)(uint32_t)nd->key << 32;
         if (first_time(m, key | 0xFFFFFFFFu, &oom)) or_acc(e, mask, words);
         if (oom) return nomem(err);
         if (e->n_sfx > 1 && c.stack >= 0 && first_time(m, key | (uint32_t)c.stack, &oom)) {
-            if (!suffix_walk(m, e, c.stack, mask)) return nomem(err);
+            if (!suffix_walk(m, e, c.stack, mask, NULL, 0, 0)) return nomem(err);
         }
         if (oom) return nomem(err);
     }

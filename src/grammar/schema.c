@@ -729,36 +729,60 @@ static void uri_regex(char *out, size_t cap, const char *ipv6) {
              unres, sub, ipv6, unres, sub, unres, sub, seg, segnz, seg, segnz, seg, unres, sub, unres, sub);
 }
 
-/* The raw-text DFA of a string format (cached per compile); NULL with err. */
-static k3g_fa *format_dfa(js *J, const char *name) {
-    for (size_t i = 0; i < J->n_fmts; i++)
-        if (!strcmp(J->fmts[i].name, name)) return J->fmts[i].dfa;
-    static char ipv6[4096], uri[16384], dt[2048];
+const char *const k3g_formats[] = {"date", "time", "date-time", "email", "uuid", "ipv4", "ipv6", "uri",
+                                   "duration", "json-pointer", NULL};
+
+int k3g_format_index(const char *name) {
+    for (int i = 0; k3g_formats[i]; i++)
+        if (!strcmp(k3g_formats[i], name)) return i;
+    return -1;
+}
+
+k3_status k3g_format_dfa(k3g_builder *b, int fi, k3g_fa *out) {
+    *out = (k3g_fa){0};
+    const char *name = k3g_formats[fi];
+    char *buf = malloc(32768), *v6 = malloc(4096);
+    if (!buf || !v6) {
+        free(buf);
+        free(v6);
+        return k3_err(b->err, K3_ERR_NOMEM, "out of memory compiling a format");
+    }
     const char *re = NULL;
     for (size_t i = 0; i < sizeof FORMATS / sizeof FORMATS[0]; i++)
-        if (!strcmp(FORMATS[i][0], name)) re = FORMATS[i][1] ? FORMATS[i][1] : "";
-    if (!re) {
-        unsup(J, "format '%s' is not supported (supported: date, time, date-time, email, uuid, uri, ipv4, "
-                 "ipv6, duration, json-pointer)", name);
-        return NULL;
-    }
+        if (!strcmp(FORMATS[i][0], name)) re = FORMATS[i][1];
     if (!strcmp(name, "ipv6")) {
-        ipv6_regex(ipv6, sizeof ipv6);
-        re = ipv6;
+        ipv6_regex(v6, 4096);
+        re = v6;
     } else if (!strcmp(name, "uri")) {
-        ipv6_regex(ipv6, sizeof ipv6);
-        uri_regex(uri, sizeof uri, ipv6);
-        re = uri;
+        ipv6_regex(v6, 4096);
+        uri_regex(buf, 32768, v6);
+        re = buf;
     } else if (!strcmp(name, "date-time")) {
-        snprintf(dt, sizeof dt, "%s[Tt]%s", FORMATS[0][1], FORMATS[1][1]);
-        re = dt;
+        snprintf(buf, 32768, "%s[Tt]%s", FORMATS[0][1], FORMATS[1][1]);
+        re = buf;
     }
     k3g_ast *a;
     char where[64];
     snprintf(where, sizeof where, "format %s", name);
-    if (k3g_regex(J->b, re, strlen(re), false, where, &a) != K3_OK) return NULL;
+    k3_status st = k3g_regex(b, re, strlen(re), false, where, &a);
+    if (st == K3_OK) st = k3g_ast_dfa(b, a, out, where);
+    free(buf);
+    free(v6);
+    return st;
+}
+
+/* The raw-text DFA of a string format (cached per compile); NULL with err. */
+static k3g_fa *format_dfa(js *J, const char *name) {
+    for (size_t i = 0; i < J->n_fmts; i++)
+        if (!strcmp(J->fmts[i].name, name)) return J->fmts[i].dfa;
+    int fi = k3g_format_index(name);
+    if (fi < 0) {
+        unsup(J, "format '%s' is not supported (supported: date, time, date-time, email, uuid, uri, ipv4, "
+                 "ipv6, duration, json-pointer)", name);
+        return NULL;
+    }
     k3g_fa d = {0};
-    if (k3g_ast_dfa(J->b, a, &d, where) != K3_OK) return NULL;
+    if (k3g_format_dfa(J->b, fi, &d) != K3_OK) return NULL;
     k3g_fa *kept = k3g_keep(J->b, &d);
     if (!kept || !k3g_grow(&J->fmts, &J->cap_fmts, J->n_fmts + 1, sizeof *J->fmts)) {
         nomem(J);
@@ -858,6 +882,14 @@ static k3_status string_raw_dfa(js *J, const json_t *s, k3g_fa *out, bool *plain
  * raw text of a K3 tool-call argument (no "<|close|>" inside). */
 static k3g_ast *string_value(js *J, const json_t *s, int enc) {
     k3g_builder *b = J->b;
+    /* one format and nothing else: the standard rule of that format */
+    const char *f = json_string_value(json_object_get(s, "format"));
+    if (enc == ENC_JSON && f && k3g_format_index(f) >= 0 && !json_object_get(s, "pattern") &&
+        !json_object_get(s, K_PATTERNS) && !json_object_get(s, K_FORMATS) && !json_object_get(s, "minLength") &&
+        !json_object_get(s, "maxLength")) {
+        int32_t r = k3g_std_rule(b, (k3g_std)(K3G_STD_FORMAT0 + k3g_format_index(f)));
+        return r < 0 ? NULL : k3g_ref(b, r);
+    }
     k3g_fa raw = {0};
     bool plain;
     int64_t mn, mx;

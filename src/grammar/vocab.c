@@ -47,15 +47,20 @@ static void trie_free(k3g_trie *t) {
 
 void k3_grammar_vocab_free(k3_grammar_vocab *v) {
     if (!v) return;
+    if (v->counted)
+        for (int32_t i = 0; v->std && i < v->std->n_nodes; i++) k3g_counted_free(atomic_load(&v->counted[i]));
+    free(v->counted);
     if (v->std) k3g_grammar_destroy(v->std);
     free(v->bytes);
     free(v->off);
     free(v->is_special);
     free(v->specials);
     trie_free(&v->trie);
-    trie_free(&v->rest);
-    k3g_fa_free(&v->slice_dfa);
-    free(v->slice_bits);
+    for (int i = 0; i < K3G_N_SLICES; i++) {
+        trie_free(&v->slice[i].rest);
+        k3g_fa_free(&v->slice[i].dfa);
+        free(v->slice[i].bits);
+    }
     free(v->dup_next);
     free(v);
 }
@@ -146,27 +151,40 @@ static k3_status build_trie(k3_grammar_vocab *v, k3g_trie *tr, const uint64_t *k
     return K3_OK;
 }
 
-/* The slice: JSON string text tokens, and the trie of the others. */
-static k3_status build_slice(k3_grammar_vocab *v, k3_error *err) {
-    k3g_builder b;
-    k3g_builder_init(&b, NULL, err);
-    uint32_t hi[2] = {0x80, 0x10FFFF};
-    k3g_ast *k[4] = {k3g_brange(&b, 0x20, 0x21), k3g_brange(&b, 0x23, 0x5B), k3g_brange(&b, 0x5D, 0x7F),
-                     k3g_cpset(&b, hi, 1)};
-    k3_status st = k3g_ast_dfa(&b, k3g_rep(&b, k3g_alt(&b, k, 4), 1, -1), &v->slice_dfa, "the token slice");
-    k3g_builder_free(&b);
-    if (st != K3_OK) return st;
-    v->slice_bits = calloc(v->n_words ? v->n_words : 1, sizeof *v->slice_bits);
-    if (!v->slice_bits) return nomem(err);
-    for (int32_t id = 0; id < v->n_vocab; id++) {
-        uint32_t len = v->off[id + 1] - v->off[id];
-        if (v->is_special[id] || len == 0) continue;
-        if (k3g_fa_accepts(&v->slice_dfa, v->bytes + v->off[id], len)) {
-            v->slice_bits[id >> 6] |= (uint64_t)1 << (id & 63);
-            v->n_slice++;
+/* The slices (grammar.h): their tokens, and the tries of the others. */
+static k3_status build_slices(k3_grammar_vocab *v, k3_error *err) {
+    for (int s = 0; s < K3G_N_SLICES; s++) {
+        k3g_slice *sl = &v->slice[s];
+        k3g_builder b;
+        k3g_builder_init(&b, NULL, err);
+        k3g_ast *one;
+        if (s == 0) {
+            uint32_t hi[2] = {0x80, 0x10FFFF};
+            k3g_ast *k[4] = {k3g_brange(&b, 0x20, 0x21), k3g_brange(&b, 0x23, 0x5B), k3g_brange(&b, 0x5D, 0x7F),
+                             k3g_cpset(&b, hi, 1)};
+            one = k3g_alt(&b, k, 4);
+        } else if (s == 1) {
+            k3g_ast *k[3] = {k3g_brange(&b, '0', '9'), k3g_brange(&b, 'A', 'Z'), k3g_brange(&b, 'a', 'z')};
+            one = k3g_alt(&b, k, 3);
+        } else {
+            one = k3g_brange(&b, 'a', 'z');
         }
+        k3_status st = k3g_ast_dfa(&b, k3g_rep(&b, one, 1, -1), &sl->dfa, "a token slice");
+        k3g_builder_free(&b);
+        if (st != K3_OK) return st;
+        sl->bits = calloc(v->n_words ? v->n_words : 1, sizeof *sl->bits);
+        if (!sl->bits) return nomem(err);
+        for (int32_t id = 0; id < v->n_vocab; id++) {
+            uint32_t len = v->off[id + 1] - v->off[id];
+            if (v->is_special[id] || len == 0) continue;
+            if (k3g_fa_accepts(&sl->dfa, v->bytes + v->off[id], len)) {
+                sl->bits[id >> 6] |= (uint64_t)1 << (id & 63);
+                sl->n++;
+            }
+        }
+        K3_TRY(build_trie(v, &sl->rest, sl->bits, true, false, err));
     }
-    return build_trie(v, &v->rest, v->slice_bits, true, false, err);
+    return K3_OK;
 }
 
 /* The standard grammar: every standard rule, reachable from one root. */
@@ -216,8 +234,10 @@ static k3_status vocab_finish(k3_grammar_vocab *v, k3_error *err) {
         if (!v->is_special[id] && (int32_t)len > v->max_len) v->max_len = (int32_t)len;
     }
     K3_TRY(build_trie(v, &v->trie, NULL, false, true, err));
-    K3_TRY(build_slice(v, err));
+    K3_TRY(build_slices(v, err));
     K3_TRY(build_std(v, err));
+    v->counted = calloc((size_t)v->std->n_nodes, sizeof *v->counted);
+    if (!v->counted) return nomem(err);
     int64_t t0 = k3_now_ns();
     for (int s = 0; s < K3G_STD_N; s++) {
         if (!K3G_STD_WARM(s) || v->std_first[s] < 0) continue;
@@ -228,6 +248,10 @@ static k3_status vocab_finish(k3_grammar_vocab *v, k3_error *err) {
             if (!k3g_entry_get(v->std, node, err)) return err && err->status ? err->status : K3_ERR_NOMEM;
         }
     }
+    /* the character counts of the string body: every length-limited string uses them */
+    if (v->std_first[K3G_STD_STRING_TAIL] >= 0 &&
+        !k3g_counted_get(v, v->std_first[K3G_STD_STRING_TAIL] + 1 + K3G_JS_BODY, err))
+        return err && err->status ? err->status : K3_ERR_NOMEM;
     v->warm_ms = (double)(k3_now_ns() - t0) / 1e6;
     return K3_OK;
 }

@@ -271,8 +271,7 @@ static int32_t walk(k3g_ldfa *L, const k3_grammar *g, const k3g_trie *tr, int32_
 
 /* Whether every string of the slice's language stays alive from state s0
  * (a product walk of the two automata). 1 yes, 0 no, < 0 a failure. */
-static int32_t covers(k3g_ldfa *L, const k3_grammar *g, int32_t s0) {
-    const k3g_fa *sl = &g->vocab->slice_dfa;
+static int32_t covers(k3g_ldfa *L, const k3_grammar *g, int32_t s0, const k3g_fa *sl) {
     if (sl->n == 0 || !sl->first) return 0;
     size_t cap = 64, n = 0;
     uint64_t *seen = malloc(cap * sizeof *seen);
@@ -304,7 +303,7 @@ static int32_t covers(k3g_ldfa *L, const k3_grammar *g, int32_t s0) {
                 bool dup = false;
                 for (size_t k = 0; k < n && !dup; k++) dup = seen[k] == y;
                 if (dup) continue;
-                if (n > 4096) {
+                if (n > 256) {
                     r = 0; /* too many pairs to be worth it: walk everything */
                     break;
                 }
@@ -429,13 +428,18 @@ static k3g_entry *compute(k3_grammar *g, int32_t node, k3_error *err) {
         fail = s0;
     }
     if (ok && s0 >= 0) {
-        /* a state that takes the whole slice walks only the other tokens */
-        int32_t cov = v->n_slice > v->rest.n / 4 ? covers(L, g, s0) : 0;
+        /* a state that takes a whole slice walks only the other tokens */
         const k3g_trie *tr = &v->trie;
-        if (cov == 1) {
-            for (size_t w = 0; w < v->n_words; w++) bits[w] |= v->slice_bits[w];
-            n_acc = v->n_slice;
-            tr = &v->rest;
+        int32_t cov = 0;
+        for (int k = 0; k < K3G_N_SLICES && cov == 0; k++) {
+            const k3g_slice *sl = &v->slice[k];
+            if (sl->n < 256) continue; /* too few tokens to be worth a check */
+            cov = covers(L, g, s0, &sl->dfa);
+            if (cov == 1) {
+                for (size_t w = 0; w < v->n_words; w++) bits[w] |= sl->bits[w];
+                n_acc = sl->n;
+                tr = &sl->rest;
+            }
         }
         int32_t r = cov < 0 ? cov : walk(L, g, tr, s0, bits, &n_acc, &u, follow, ds, popd);
         if (r < 0) {
@@ -487,4 +491,130 @@ const k3g_entry *k3g_entry_get(const k3_grammar *gc, int32_t n, k3_error *err) {
     }
     pthread_mutex_unlock(&g->mu);
     return e;
+}
+
+/* ---- counted tables of the string tail -------------------------------------------------- */
+
+void k3g_counted_free(k3g_counted *c) {
+    if (!c) return;
+    free(c->tok);
+    free(c->cnt);
+    free(c->close_tok);
+    free(c->close_cnt);
+    free(c->s_cnt);
+    free(c);
+}
+
+/* Characters token tok takes from tail node `from` over its first n bytes:
+ * each arrival at the body completes one; a character left open at the end
+ * counts too. *closed: the bytes end with the closing quote. */
+static int32_t count_chars(const k3_grammar *std, int32_t from, int32_t body, int32_t end, const uint8_t *p, size_t n,
+                           bool *closed) {
+    int32_t cnt = 0, node = from;
+    *closed = false;
+    for (size_t i = 0; i < n && node >= 0; i++) {
+        int32_t t = k3g_step(std, node, p[i]);
+        if (t == body) cnt++;
+        if (t == end) *closed = true;
+        node = t;
+    }
+    if (!*closed && node != body) cnt++;
+    return cnt;
+}
+
+typedef struct tc {
+    int32_t tok, cnt;
+} tc;
+
+static int tc_cmp(const void *a, const void *b) {
+    const tc *x = a, *y = b;
+    return x->cnt != y->cnt ? (x->cnt > y->cnt ? -1 : 1) : (x->tok < y->tok ? -1 : x->tok > y->tok);
+}
+
+static k3g_counted *counted_make(const k3_grammar_vocab *v, int32_t node, k3_error *err) {
+    const k3_grammar *std = v->std;
+    const k3g_entry *e = k3g_entry_get(std, node, err);
+    if (!e) return NULL;
+    int32_t first = v->std_first[K3G_STD_STRING_TAIL], end = first, body = first + 1 + K3G_JS_BODY;
+    k3g_counted *c = calloc(1, sizeof *c);
+    tc *open = malloc((size_t)(e->n_acc ? e->n_acc : 1) * sizeof *open);
+    tc *close = malloc((size_t)(e->n_acc ? e->n_acc : 1) * sizeof *close);
+    int32_t no = 0, nc = 0;
+    bool ok = c && open && close;
+    for (int32_t i = 0, k = 0; ok && k < e->n_acc; i++) {
+        int32_t tok;
+        if (e->acc_bits) {
+            if (!((e->acc_bits[i >> 6] >> (i & 63)) & 1)) continue;
+            tok = i;
+        } else {
+            tok = e->acc_list[i];
+        }
+        k++;
+        bool closed;
+        int32_t cnt = count_chars(std, node, body, end, v->bytes + v->off[tok], v->off[tok + 1] - v->off[tok], &closed);
+        if (closed) close[nc++] = (tc){tok, cnt};
+        else open[no++] = (tc){tok, cnt};
+    }
+    if (ok) {
+        /* by characters, most first: a counting sort (counts are at most a
+         * token's length) */
+        int32_t maxc = 0;
+        for (int32_t k = 0; k < no; k++)
+            if (open[k].cnt > maxc) maxc = open[k].cnt;
+        int32_t *start = calloc((size_t)maxc + 2, sizeof *start);
+        tc *sorted = malloc((size_t)(no ? no : 1) * sizeof *sorted);
+        if (start && sorted) {
+            for (int32_t k = 0; k < no; k++) start[maxc - open[k].cnt + 1]++;
+            for (int32_t c2 = 0; c2 <= maxc; c2++) start[c2 + 1] += start[c2];
+            for (int32_t k = 0; k < no; k++) sorted[start[maxc - open[k].cnt]++] = open[k];
+            memcpy(open, sorted, (size_t)no * sizeof *open);
+        } else {
+            qsort(open, (size_t)no, sizeof *open, tc_cmp);
+        }
+        free(start);
+        free(sorted);
+        c->n = no;
+        c->n_close = nc;
+        c->tok = malloc((size_t)(no ? no : 1) * sizeof *c->tok);
+        c->cnt = malloc((size_t)(no ? no : 1) * sizeof *c->cnt);
+        c->close_tok = malloc((size_t)(nc ? nc : 1) * sizeof *c->close_tok);
+        c->close_cnt = malloc((size_t)(nc ? nc : 1) * sizeof *c->close_cnt);
+        size_t ns = e->n_sfx ? e->s_tok0[e->n_sfx] : 0;
+        c->s_cnt = malloc((ns ? ns : 1) * sizeof *c->s_cnt);
+        ok = c->tok && c->cnt && c->close_tok && c->close_cnt && c->s_cnt;
+        for (int32_t k = 0; ok && k < no; k++) c->tok[k] = open[k].tok, c->cnt[k] = open[k].cnt;
+        for (int32_t k = 0; ok && k < nc; k++) c->close_tok[k] = close[k].tok, c->close_cnt[k] = close[k].cnt;
+        /* the uncertain tokens leave the tail right after its quote */
+        for (int32_t i = 1; ok && i < e->n_sfx; i++)
+            for (uint32_t k = e->s_tok0[i]; k < e->s_tok0[i + 1]; k++) {
+                int32_t tok = e->s_toks[k];
+                size_t len = v->off[tok + 1] - v->off[tok];
+                bool closed;
+                c->s_cnt[k] = count_chars(std, node, body, end, v->bytes + v->off[tok], len - e->s_depth[i], &closed);
+            }
+    }
+    free(open);
+    free(close);
+    if (!ok) {
+        k3g_counted_free(c);
+        k3_err(err, K3_ERR_NOMEM, "out of memory computing token tables");
+        return NULL;
+    }
+    return c;
+}
+
+const k3g_counted *k3g_counted_get(const k3_grammar_vocab *v, int32_t node, k3_error *err) {
+    k3g_counted *c = atomic_load_explicit(&v->counted[node], memory_order_acquire);
+    if (c) return c;
+    k3_grammar *std = v->std;
+    /* the entry first (it takes the same mutex) */
+    if (!k3g_entry_get(std, node, err)) return NULL;
+    pthread_mutex_lock(&std->mu);
+    c = atomic_load_explicit(&v->counted[node], memory_order_relaxed);
+    if (!c) {
+        c = counted_make(v, node, err);
+        if (c) atomic_store_explicit(&v->counted[node], c, memory_order_release);
+    }
+    pthread_mutex_unlock(&std->mu);
+    return c;
 }
