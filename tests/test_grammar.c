@@ -559,6 +559,29 @@ K3_TEST(grammar_mask_reference_mini) {
     CHECKF(steps > 400, "only %d steps were checked", steps);
 }
 
+/* Tool-call grammars (specials, raw string arguments with length limits)
+ * against the reference on the k3-mini vocabulary. */
+K3_TEST(grammar_mask_reference_tools) {
+    k3_grammar_vocab *v = mini_vocab();
+    REQUIRE(v);
+    k3_grammar_tool t[2] = {
+        {"post", "{\"type\":\"object\",\"properties\":{\"text\":{\"type\":\"string\",\"minLength\":2,\"maxLength\":9},"
+                 "\"n\":{\"type\":\"integer\"},\"tags\":{\"type\":\"array\",\"items\":{\"type\":\"string\"}}},"
+                 "\"required\":[\"text\"]}"},
+        {"free", "{\"type\":\"object\",\"properties\":{\"q\":{\"type\":\"string\"}},\"additionalProperties\":true}"}};
+    int steps = 0;
+    for (int mode = 0; mode < 3; mode++) {
+        k3_grammar_spec spec = {.kind = K3_GRAMMAR_TOOL_CALLS, .tools = t, .n_tools = 2, .parallel_calls = mode == 1,
+                                .thinking = mode == 2};
+        k3_grammar *g = NULL;
+        k3_error err = {0};
+        REQUIREF(k3_grammar_compile(&g, v, &spec, &err) == K3_OK, "%s", err.msg);
+        for (uint64_t seed = 1; seed <= 5; seed++) steps += walk_check(g, v, 80, seed * 31 + (uint64_t)mode, "tools");
+        k3_grammar_free(g);
+    }
+    CHECKF(steps > 300, "only %d steps were checked", steps);
+}
+
 K3_TEST(grammar_mask_reference_o200k) {
     k3_grammar_vocab *v = o200k_vocab();
     REQUIRE(v);
@@ -1007,4 +1030,94 @@ K3_TEST(grammar_schema_suite) {
     CHECK(false_accept == 0);
     free(mask);
     json_decref(cases);
+}
+
+/* ---- the agent schemas of bench/grammar -------------------------------------------------------- */
+
+#include <dirent.h>
+
+static char *slurp(const char *path) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    fseek(f, 0, SEEK_END);
+    long n = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    char *s = malloc((size_t)n + 1);
+    if (s && fread(s, 1, (size_t)n, f) != (size_t)n) {
+        free(s);
+        s = NULL;
+    }
+    if (s) s[n] = 0;
+    fclose(f);
+    return s;
+}
+
+K3_TEST(grammar_agent_schemas) {
+    k3_grammar_vocab *v = o200k_vocab();
+    REQUIRE(v);
+    DIR *d = opendir("bench/grammar");
+    REQUIRE(d);
+    struct dirent *de;
+    int schemas = 0, texts = 0;
+    uint64_t *mask = malloc(v->n_words * 8);
+    while ((de = readdir(d))) {
+        size_t len = strlen(de->d_name);
+        if (len < 6 || strcmp(de->d_name + len - 5, ".json") || de->d_name[0] < '0' || de->d_name[0] > '9') continue;
+        char path[512];
+        snprintf(path, sizeof path, "bench/grammar/%s", de->d_name);
+        char *schema = slurp(path);
+        snprintf(path, sizeof path, "bench/grammar/%.*sl", (int)len, de->d_name);
+        char *lines = slurp(path);
+        REQUIREF(schema && lines, "%s", path);
+        k3_grammar *g = NULL;
+        k3_error err = {0};
+        for (int compact = 0; compact < 2; compact++) {
+            k3_grammar_spec spec = {.kind = K3_GRAMMAR_JSON_SCHEMA, .text = schema, .compact = compact};
+            CHECKF(k3_grammar_compile(&g, v, &spec, &err) == K3_OK, "%s: %s", de->d_name, err.msg);
+            if (!g) continue;
+            schemas++;
+            k3_grammar_matcher *m;
+            REQUIRE(k3_grammar_matcher_init(&m, g, &err) == K3_OK);
+            for (char *p = lines; *p;) {
+                char *nl = strchr(p, '\n');
+                if (nl) *nl = 0;
+                json_error_t je;
+                json_t *j = json_loads(p, JSON_DECODE_ANY, &je);
+                if (nl) *nl = '\n';
+                p = nl ? nl + 1 : p + strlen(p);
+                if (!json_is_string(j)) {
+                    json_decref(j);
+                    continue;
+                }
+                /* compact mode: only the compact texts */
+                bool has_ws = strpbrk(json_string_value(j), " \n") != NULL;
+                size_t n;
+                int32_t *ids = NULL;
+                if (compact && has_ws) {
+                    json_decref(j);
+                    continue;
+                }
+                REQUIRE(k3_tokenizer_encode(o200k_tok, json_string_value(j), json_string_length(j), &ids, &n, &err) == K3_OK);
+                texts++;
+                k3_grammar_matcher_reset(m);
+                bool ok = true;
+                for (size_t i = 0; i < n && ok; i++) {
+                    ok = k3_grammar_matcher_fill_mask(m, mask, &err) == K3_OK && ((mask[ids[i] >> 6] >> (ids[i] & 63)) & 1) &&
+                         k3_grammar_matcher_accept(m, ids[i], &err) == K3_OK;
+                }
+                CHECKF(ok && k3_grammar_matcher_is_complete(m), "%s (compact %d): refused %s", de->d_name, compact,
+                       json_string_value(j));
+                free(ids);
+                json_decref(j);
+            }
+            k3_grammar_matcher_free(m);
+            k3_grammar_free(g);
+            g = NULL;
+        }
+        free(schema);
+        free(lines);
+    }
+    closedir(d);
+    free(mask);
+    CHECKF(schemas >= 100 && texts >= 300, "%d schemas, %d texts", schemas, texts);
 }

@@ -540,6 +540,140 @@ static k3_status json_string_dfa(k3g_fa *fa, int64_t min, int64_t max, bool quot
     return K3_OK;
 }
 
+/* UTF-8 text of min..max characters without "<|close|>" (a tool-call
+ * argument: the argument ends with the special token <|close|>, so the
+ * text must not spell it), laid out per character position as 9 boundary
+ * roles (how much of "<|close|>" the text ends with) and the 7 roles inside
+ * a multi-byte character (which resets that count): position k, role i is
+ * node k * 16 + i. Aliases as for json_string_dfa, into the unlimited form
+ * (the standard raw string). */
+enum { RAW_KMP = 9, RAW_ROLES = 16 };
+
+static k3_status raw_string_dfa(k3g_fa *fa, int64_t min, int64_t max, int32_t lookahead, int32_t **alias,
+                                int32_t **budget, int32_t **need, k3_error *err) {
+    *fa = (k3g_fa){0};
+    if (alias) *alias = *budget = *need = NULL;
+    if (min < 0) min = 0;
+    if (max >= 0 && max < min) return K3_OK;
+    if (min > K3G_MAX_REPEAT || max > K3G_MAX_REPEAT)
+        return k3_err(err, K3_ERR_UNSUPPORTED, "a string length of %lld is beyond the supported %d",
+                      (long long)(max > min ? max : min), K3G_MAX_REPEAT);
+    static const char w[] = "<|close|>";
+    int32_t next[RAW_KMP][128]; /* KMP over the ASCII bytes; RAW_KMP = spelled out */
+    for (int j = 0; j < RAW_KMP; j++)
+        for (int c = 0; c < 128; c++) {
+            int k = j;
+            while (k > 0 && w[k] != c) {
+                /* the failure of "<|close|>": only "<|" prefixes overlap with... none
+                 * but the trivial, computed plainly */
+                int f = 0;
+                for (int l = k - 1; l > 0; l--)
+                    if (!memcmp(w, w + k - l, (size_t)l)) {
+                        f = l;
+                        break;
+                    }
+                k = f;
+            }
+            next[j][c] = w[k] == c ? k + 1 : 0;
+        }
+    int64_t top = max >= 0 ? max : min;
+    for (int64_t k = 0; k <= top; k++)
+        for (int i = 0; i < RAW_ROLES; i++) k3g_fa_state(fa);
+    if (fa->oom || fa->too_big) {
+        k3g_fa_free(fa);
+        return k3_err(err, K3_ERR_NOMEM, "out of memory building a string");
+    }
+    fa->start = 0;
+    for (int64_t k = 0; k <= top; k++) {
+        int32_t at = (int32_t)(k * RAW_ROLES);
+        bool last = k == top;
+        if (last && max >= 0) {
+            for (int j = 0; j < RAW_KMP; j++) fa->final[at + j] = 1;
+            continue;
+        }
+        int32_t to = last ? at : at + RAW_ROLES; /* the next position's roles */
+        int32_t m[7];
+        for (int i = 0; i < 7; i++) m[i] = at + RAW_KMP + i;
+        for (int j = 0; j < RAW_KMP; j++) {
+            if (k >= min) fa->final[at + j] = 1;
+            for (int c = 0; c < 128;) {
+                int z = c;
+                while (z + 1 < 128 && next[j][z + 1] == next[j][c]) z++;
+                if (next[j][c] < RAW_KMP) k3g_fa_byte(fa, at + j, to + next[j][c], (unsigned)c, (unsigned)z);
+                c = z + 1;
+            }
+            k3g_fa_byte(fa, at + j, m[0], 0xC2, 0xDF);
+            k3g_fa_byte(fa, at + j, m[3], 0xE0, 0xE0);
+            k3g_fa_byte(fa, at + j, m[1], 0xE1, 0xEC);
+            k3g_fa_byte(fa, at + j, m[4], 0xED, 0xED);
+            k3g_fa_byte(fa, at + j, m[1], 0xEE, 0xEF);
+            k3g_fa_byte(fa, at + j, m[5], 0xF0, 0xF0);
+            k3g_fa_byte(fa, at + j, m[2], 0xF1, 0xF3);
+            k3g_fa_byte(fa, at + j, m[6], 0xF4, 0xF4);
+        }
+        k3g_fa_byte(fa, m[0], to, 0x80, 0xBF);
+        k3g_fa_byte(fa, m[1], m[0], 0x80, 0xBF);
+        k3g_fa_byte(fa, m[2], m[1], 0x80, 0xBF);
+        k3g_fa_byte(fa, m[3], m[0], 0xA0, 0xBF);
+        k3g_fa_byte(fa, m[4], m[0], 0x80, 0x9F);
+        k3g_fa_byte(fa, m[5], m[1], 0x90, 0xBF);
+        k3g_fa_byte(fa, m[6], m[1], 0x80, 0x8F);
+    }
+    int32_t old_n = fa->n;
+    int32_t *al = NULL, *bu = NULL, *ne = NULL;
+    if (alias) {
+        al = malloc((size_t)old_n * sizeof *al);
+        bu = malloc((size_t)old_n * sizeof *bu);
+        ne = malloc((size_t)old_n * sizeof *ne);
+        if (!al || !bu || !ne) {
+            free(al);
+            free(bu);
+            free(ne);
+            k3g_fa_free(fa);
+            return k3_err(err, K3_ERR_NOMEM, "out of memory building a string");
+        }
+        for (int64_t k = 0; k <= top; k++) {
+            bool far = max < 0 || max - k > lookahead;
+            int32_t b = far ? -1 : (int32_t)(max - k);
+            for (int i = 0; i < RAW_ROLES; i++) {
+                int32_t at = (int32_t)(k * RAW_ROLES + i);
+                al[at] = i;
+                bu[at] = b;
+                ne[at] = 0;
+            }
+        }
+    }
+    int32_t *map = malloc((size_t)old_n * sizeof *map);
+    bool ok = map && k3g_fa_trim(fa, map);
+    if (ok && alias) {
+        *alias = malloc(((size_t)fa->n + 1) * sizeof **alias);
+        *budget = malloc(((size_t)fa->n + 1) * sizeof **budget);
+        *need = malloc(((size_t)fa->n + 1) * sizeof **need);
+        ok = *alias && *budget && *need;
+        for (int32_t i = 0; ok && i < old_n; i++)
+            if (map[i] >= 0) {
+                (*alias)[map[i]] = al[i];
+                (*budget)[map[i]] = bu[i];
+                (*need)[map[i]] = ne[i];
+            }
+    }
+    free(map);
+    free(al);
+    free(bu);
+    free(ne);
+    if (!ok) {
+        if (alias) {
+            free(*alias);
+            free(*budget);
+            free(*need);
+            *alias = *budget = *need = NULL;
+        }
+        k3g_fa_free(fa);
+        return k3_err(err, K3_ERR_NOMEM, "out of memory building a string");
+    }
+    return K3_OK;
+}
+
 static k3_status std_set_ast(k3g_builder *b, int32_t r, k3g_ast *a) {
     if (!a) return k3_err(b->err, K3_ERR_NOMEM, "out of memory building a grammar");
     k3g_fa dfa = {0};
@@ -592,8 +726,14 @@ int32_t k3g_std_rule(k3g_builder *b, k3g_std s) {
         break;
     }
     case K3G_STD_INTEGER: {
-        k3g_ast *frac = opt(b, k3g_seq2(b, k3g_str(b, "."), k3g_rep(b, k3g_str(b, "0"), 1, -1)));
-        st = std_set_ast(b, r, k3g_seq3(b, opt(b, k3g_str(b, "-")), int_part(b), frac));
+        /* an integer, also with a zero fraction (1.0) up to 15 digits, where a
+         * double still holds it exactly: past that, parsers read 1...0.0 as
+         * a float that is no longer the integer (or is infinite) */
+        k3g_ast *frac = k3g_seq2(b, k3g_str(b, "."), k3g_rep(b, k3g_str(b, "0"), 1, -1));
+        k3g_ast *small = k3g_alt2(b, k3g_str(b, "0"), k3g_seq2(b, k3g_brange(b, '1', '9'),
+                                                              k3g_rep(b, k3g_brange(b, '0', '9'), 0, 14)));
+        k3g_ast *body = k3g_alt2(b, k3g_seq2(b, small, opt(b, frac)), int_part(b));
+        st = std_set_ast(b, r, k3g_seq2(b, opt(b, k3g_str(b, "-")), body));
         break;
     }
     case K3G_STD_VALUE_FLEX:
@@ -641,12 +781,8 @@ int32_t k3g_std_rule(k3g_builder *b, k3g_std s) {
         break;
     }
     case K3G_STD_RAW_STRING: {
-        k3g_fa t, w, d;
-        st = k3g_fa_utf8_text(&t, b->err);
-        if (st == K3_OK) st = k3g_fa_avoid(&w, "<|close|>", b->err);
-        if (st == K3_OK) st = k3g_fa_intersect(&t, &w, &d, "a raw string", b->err);
-        k3g_fa_free(&t);
-        k3g_fa_free(&w);
+        k3g_fa d = {0};
+        st = raw_string_dfa(&d, 0, -1, 0, NULL, NULL, NULL, b->err);
         if (st == K3_OK) st = k3g_rule_set_dfa(b, r, &d);
         break;
     }
@@ -690,6 +826,27 @@ int32_t k3g_json_string_rule(k3g_builder *b, int64_t min, int64_t max) {
     b->rules[r].budget = budget;
     b->rules[r].need = need;
     b->rules[r].alias_std = K3G_STD_STRING_TAIL;
+    return r;
+}
+
+int32_t k3g_raw_string_rule(k3g_builder *b, int64_t min, int64_t max) {
+    if (min <= 0 && max < 0) return k3g_std_rule(b, K3G_STD_RAW_STRING);
+    int32_t r = k3g_rule(b, "raw-string-length");
+    if (r < 0) return -1;
+    k3g_fa fa = {0};
+    int32_t *alias = NULL, *budget = NULL, *need = NULL;
+    int32_t look = b->vocab ? b->vocab->max_len + 1 : INT32_MAX / 2;
+    if (raw_string_dfa(&fa, min, max, look, &alias, &budget, &need, b->err) != K3_OK) return -1;
+    if (k3g_rule_set_dfa(b, r, &fa) != K3_OK) {
+        free(alias);
+        free(budget);
+        free(need);
+        return -1;
+    }
+    b->rules[r].alias = alias;
+    b->rules[r].budget = budget;
+    b->rules[r].need = need;
+    b->rules[r].alias_std = K3G_STD_RAW_STRING;
     return r;
 }
 

@@ -33,7 +33,12 @@ bool k3g_grow(void *p, size_t *cap, size_t need, size_t elem) {
 }
 
 void k3g_bset_range(k3g_bset *s, unsigned lo, unsigned hi) {
-    for (unsigned c = lo; c <= hi && c < 256; c++) k3g_bset_add(s, c);
+    if (hi > 255) hi = 255;
+    for (unsigned w = lo >> 6; lo <= hi && w <= (hi >> 6); w++) {
+        unsigned a = w == (lo >> 6) ? lo & 63 : 0, z = w == (hi >> 6) ? hi & 63 : 63;
+        uint64_t m = (z == 63 ? ~(uint64_t)0 : (((uint64_t)1 << (z + 1)) - 1)) & ~(((uint64_t)1 << a) - 1);
+        s->w[w] |= m;
+    }
 }
 
 typedef struct k3g_arena_blk {
@@ -134,7 +139,9 @@ static int edge_cmp(const void *a, const void *b) {
 bool k3g_fa_index(k3g_fa *fa) {
     if (fa->oom) return false;
     if (fa->first) return true;
-    qsort(fa->e, fa->ne, sizeof *fa->e, edge_cmp);
+    bool sorted = true;
+    for (size_t i = 1; i < fa->ne && sorted; i++) sorted = edge_cmp(&fa->e[i - 1], &fa->e[i]) <= 0;
+    if (!sorted) qsort(fa->e, fa->ne, sizeof *fa->e, edge_cmp);
     fa->first = malloc(((size_t)fa->n + 1) * sizeof *fa->first);
     if (!fa->first) return false;
     size_t j = 0;

@@ -211,8 +211,11 @@ typedef enum k3g_std {
  * front (the rest are computed on first use). */
 #define K3G_STD_WARM(s) ((s) <= K3G_STD_ARRAY_PY)
 /* The node roles of the string tail: node 0 the end (after the quote), node
- * 1 + K3G_JS_BODY between characters; the others inside one character. */
+ * 1 + K3G_JS_BODY between characters; the others inside one character. The
+ * raw string: nodes 0..K3G_RAW_BOUNDARY-1 between characters, the others
+ * inside one. */
 #define K3G_JS_BODY 0
+#define K3G_RAW_BOUNDARY 9
 
 /* ---- the builder (build.c) --------------------------------------------------- */
 
@@ -260,6 +263,8 @@ k3_status k3g_ast_dfa(k3g_builder *b, const k3g_ast *ast, k3g_fa *out, const cha
  * escape, as a rule whose nodes share the standard string's token tables
  * where they behave alike; -1 on failure. */
 int32_t k3g_json_string_rule(k3g_builder *b, int64_t min, int64_t max);
+/* The same for a raw tool-call argument (UTF-8 without "<|close|>"). */
+int32_t k3g_raw_string_rule(k3g_builder *b, int64_t min, int64_t max);
 /* Finishes the grammar with root rule root; the builder is emptied. */
 k3_status k3g_finalize(k3g_builder *b, int32_t root, k3_grammar **out);
 

@@ -617,10 +617,17 @@ static k3_status number_dfa(js *J, const json_t *s, int mode, k3g_fa *out, bool 
     *none = false;
     /* the number syntax, no exponent */
     k3g_ast *sign = k3g_rep(b, L(J, "-"), 0, 1), *shape;
-    if (mode == NUM_INT)
-        shape = k3g_seq3(b, sign, int_canon(J), k3g_rep(b, k3g_seq2(b, L(J, "."), k3g_rep(b, L(J, "0"), 1, -1)), 0, 1));
+    if (mode == NUM_INT) {
+        /* a zero fraction only up to 15 digits (the standard integer rule says why) */
+        k3g_ast *small = k3g_alt2(b, L(J, "0"), k3g_seq2(b, D(J, 1, 9), DIGITS(J, 0, 14)));
+        k3g_ast *frac = k3g_seq2(b, L(J, "."), k3g_rep(b, L(J, "0"), 1, -1));
+        shape = k3g_seq2(b, sign, k3g_alt2(b, k3g_seq2(b, small, k3g_rep(b, frac, 0, 1)), int_canon(J)));
+    }
     else if (mode == NUM_FRAC)
-        shape = k3g_seq3(b, sign, int_canon(J), k3g_seq3(b, L(J, "."), DIGITS(J, 0, -1), k3g_seq2(b, D(J, 1, 9), DIGITS(J, 0, -1))));
+        /* at most 15 significant digits, so that a double still reads a
+         * number that is not an integer */
+        shape = k3g_seq3(b, sign, k3g_alt2(b, L(J, "0"), k3g_seq2(b, D(J, 1, 9), DIGITS(J, 0, 7))),
+                         k3g_seq3(b, L(J, "."), DIGITS(J, 0, 6), D(J, 1, 9)));
     else
         shape = k3g_seq3(b, sign, int_canon(J), frac_any(J));
     k3g_fa cur = {0};
@@ -899,8 +906,8 @@ static k3g_ast *string_value(js *J, const json_t *s, int enc) {
             int32_t r = k3g_json_string_rule(b, mn, mx);
             return r < 0 ? NULL : k3g_ref(b, r);
         }
-        if (mn <= 0 && mx < 0) return k3g_ref(b, k3g_std_rule(b, K3G_STD_RAW_STRING));
-        if (k3g_fa_utf8_length(&raw, mn, mx, J->err) != K3_OK) return NULL;
+        int32_t r = k3g_raw_string_rule(b, mn, mx);
+        return r < 0 ? NULL : k3g_ref(b, r);
     }
     k3g_fa enc_fa = {0};
     k3_status st;

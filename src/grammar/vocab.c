@@ -79,20 +79,21 @@ static k3_status nomem(k3_error *err) { return k3_err(err, K3_ERR_NOMEM, "out of
 
 /* The trie of the ordinary tokens for which keep(id) holds (every one when
  * keep is NULL); fills dup_next for duplicates when dups is set. */
+static tokref *sorted_tokens; /* every ordinary token in byte order (during the build) */
+static int32_t n_sorted;
+
 static k3_status build_trie(k3_grammar_vocab *v, k3g_trie *tr, const uint64_t *keep, bool keep_out, bool dups,
                             k3_error *err) {
-    int32_t n = v->n_vocab, m = 0;
-    tokref *t = malloc((size_t)(n ? n : 1) * sizeof *t);
+    int32_t m = 0;
+    tokref *t = malloc((size_t)(n_sorted ? n_sorted : 1) * sizeof *t);
     if (!t) return nomem(err);
     size_t total = 1;
-    for (int32_t id = 0; id < n; id++) {
-        uint32_t len = v->off[id + 1] - v->off[id];
-        if (v->is_special[id] || len == 0) continue;
+    for (int32_t i = 0; i < n_sorted; i++) {
+        int32_t id = sorted_tokens[i].id;
         if (keep && (((keep[id >> 6] >> (id & 63)) & 1) == keep_out)) continue;
-        t[m++] = (tokref){v->bytes + v->off[id], len, id};
-        total += len;
+        t[m++] = sorted_tokens[i];
+        total += sorted_tokens[i].len;
     }
-    qsort(t, (size_t)m, sizeof *t, tokref_cmp);
     /* nodes: at most 1 + the sum of lengths */
     tr->byte = malloc(total);
     tr->depth = malloc(total * sizeof *tr->depth);
@@ -233,8 +234,26 @@ static k3_status vocab_finish(k3_grammar_vocab *v, k3_error *err) {
         if (len > 65535) return k3_err(err, K3_ERR_FORMAT, "token %d is %u bytes long (the grammar tables take 65535)", id, len);
         if (!v->is_special[id] && (int32_t)len > v->max_len) v->max_len = (int32_t)len;
     }
-    K3_TRY(build_trie(v, &v->trie, NULL, false, true, err));
-    K3_TRY(build_slices(v, err));
+    /* one sort for every trie; the build runs under a lock because the
+     * sorted array is static (vocabularies are built rarely) */
+    static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+    pthread_mutex_lock(&mu);
+    n_sorted = 0;
+    sorted_tokens = malloc((size_t)(v->n_vocab ? v->n_vocab : 1) * sizeof *sorted_tokens);
+    k3_status st = sorted_tokens ? K3_OK : nomem(err);
+    for (int32_t id = 0; st == K3_OK && id < v->n_vocab; id++) {
+        uint32_t len = v->off[id + 1] - v->off[id];
+        if (!v->is_special[id] && len) sorted_tokens[n_sorted++] = (tokref){v->bytes + v->off[id], len, id};
+    }
+    if (st == K3_OK) {
+        qsort(sorted_tokens, (size_t)n_sorted, sizeof *sorted_tokens, tokref_cmp);
+        st = build_trie(v, &v->trie, NULL, false, true, err);
+    }
+    if (st == K3_OK) st = build_slices(v, err);
+    free(sorted_tokens);
+    sorted_tokens = NULL;
+    pthread_mutex_unlock(&mu);
+    if (st != K3_OK) return st;
     K3_TRY(build_std(v, err));
     v->counted = calloc((size_t)v->std->n_nodes, sizeof *v->counted);
     if (!v->counted) return nomem(err);

@@ -505,20 +505,21 @@ void k3g_counted_free(k3g_counted *c) {
     free(c);
 }
 
-/* Characters token tok takes from tail node `from` over its first n bytes:
- * each arrival at the body completes one; a character left open at the end
- * counts too. *closed: the bytes end with the closing quote. */
-static int32_t count_chars(const k3_grammar *std, int32_t from, int32_t body, int32_t end, const uint8_t *p, size_t n,
-                           bool *closed) {
+/* Characters a token takes from node `from` of a string rule over its
+ * first n bytes: each arrival at a boundary node (body0 <= node < body1)
+ * completes one; a character left open at the end counts too. *closed:
+ * the bytes end at `end` (the closing quote; -1 for none). */
+static int32_t count_chars(const k3_grammar *std, int32_t from, int32_t body0, int32_t body1, int32_t end,
+                           const uint8_t *p, size_t n, bool *closed) {
     int32_t cnt = 0, node = from;
     *closed = false;
     for (size_t i = 0; i < n && node >= 0; i++) {
         int32_t t = k3g_step(std, node, p[i]);
-        if (t == body) cnt++;
+        if (t >= body0 && t < body1) cnt++;
         if (t == end) *closed = true;
         node = t;
     }
-    if (!*closed && node != body) cnt++;
+    if (!*closed && !(node >= body0 && node < body1)) cnt++;
     return cnt;
 }
 
@@ -535,7 +536,13 @@ static k3g_counted *counted_make(const k3_grammar_vocab *v, int32_t node, k3_err
     const k3_grammar *std = v->std;
     const k3g_entry *e = k3g_entry_get(std, node, err);
     if (!e) return NULL;
-    int32_t first = v->std_first[K3G_STD_STRING_TAIL], end = first, body = first + 1 + K3G_JS_BODY;
+    int32_t first = v->std_first[K3G_STD_STRING_TAIL], end = first, b0 = first + 1 + K3G_JS_BODY, b1 = b0 + 1;
+    int32_t raw = v->std_first[K3G_STD_RAW_STRING];
+    if (raw >= 0 && node >= raw && node < raw + v->std_n[K3G_STD_RAW_STRING]) {
+        end = -1;
+        b0 = raw;
+        b1 = raw + K3G_RAW_BOUNDARY;
+    }
     k3g_counted *c = calloc(1, sizeof *c);
     tc *open = malloc((size_t)(e->n_acc ? e->n_acc : 1) * sizeof *open);
     tc *close = malloc((size_t)(e->n_acc ? e->n_acc : 1) * sizeof *close);
@@ -551,7 +558,7 @@ static k3g_counted *counted_make(const k3_grammar_vocab *v, int32_t node, k3_err
         }
         k++;
         bool closed;
-        int32_t cnt = count_chars(std, node, body, end, v->bytes + v->off[tok], v->off[tok + 1] - v->off[tok], &closed);
+        int32_t cnt = count_chars(std, node, b0, b1, end, v->bytes + v->off[tok], v->off[tok + 1] - v->off[tok], &closed);
         if (closed) close[nc++] = (tc){tok, cnt};
         else open[no++] = (tc){tok, cnt};
     }
@@ -590,7 +597,7 @@ static k3g_counted *counted_make(const k3_grammar_vocab *v, int32_t node, k3_err
                 int32_t tok = e->s_toks[k];
                 size_t len = v->off[tok + 1] - v->off[tok];
                 bool closed;
-                c->s_cnt[k] = count_chars(std, node, body, end, v->bytes + v->off[tok], len - e->s_depth[i], &closed);
+                c->s_cnt[k] = count_chars(std, node, b0, b1, end, v->bytes + v->off[tok], len - e->s_depth[i], &closed);
             }
     }
     free(open);
