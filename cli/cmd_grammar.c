@@ -18,6 +18,9 @@
  * [{"accepted", "tokens", "rejected_at"}], "mask_us": {"mean", "p50", "p99",
  * "max", "n"}}; rejected_at is the index of the first token refused, or
  * the token count when every token passed but the text is incomplete.
+ * --batch N then steps N requests through the accepted test texts together,
+ * filling each step's masks with k3_grammar_fill_masks on --threads T (the
+ * engine's per-step call), and reports the step time ("batch_us" in --json).
  * --sample N prints N random texts the grammar allows (one JSON string per
  * line; the tokens picked uniformly among the allowed ones), for checking
  * them with an outside validator. --times FILE writes every mask time (us),
@@ -40,6 +43,7 @@ static const char usage[] =
     "                   | --choice A,B,.. | --tools FILE)\n"
     "                  [--compact] [--strict] [--k3-reply] [--think] [--parallel]\n"
     "                  [--test FILE] [--sample N [--seed S] [--max-tokens N]] [--json] [--times FILE]\n"
+    "                  [--batch N [--threads T]]\n"
     "  Compiles a constraint for a vocabulary, feeds test texts through it token by\n"
     "  token and times the mask of every step.\n"
     "  -m DIR             a model directory (its tiktoken.model and specials)\n"
@@ -57,6 +61,8 @@ static const char usage[] =
     "  --sample N         print N random texts the grammar allows (--seed, --max-tokens)\n"
     "  --json             one JSON object with the verdicts and the mask times\n"
     "  --times FILE       every mask time (us), one a line\n"
+    "  --batch N          then N requests through the accepted test texts together, each\n"
+    "                     step's masks filled at once (k3_grammar_fill_masks); --threads T\n"
     "  Exit status 0 when it ran, whatever the verdicts.\n";
 
 static int fail(const char *fmt, ...) {
@@ -172,7 +178,8 @@ int k3_cmd_grammar(int argc, char **argv) {
     const char *choice = NULL, *tools_file = NULL, *test = NULL, *times_file = NULL;
     bool json_out = false, compact = false, strict = false, k3_reply = false, think = false, parallel = false;
     bool want_object = false;
-    long sample = 0, max_tokens = 512;
+    long sample = 0, max_tokens = 512, batch = 0;
+    int threads = 1;
     unsigned long long seed = 1;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -191,7 +198,7 @@ int k3_cmd_grammar(int argc, char **argv) {
         else if (!strcmp(a, "-m") || !strcmp(a, "--vocab") || !strcmp(a, "--pattern") || !strcmp(a, "--json-schema") ||
                  !strcmp(a, "--regex") || !strcmp(a, "--grammar") || !strcmp(a, "--choice") || !strcmp(a, "--tools") ||
                  !strcmp(a, "--test") || !strcmp(a, "--sample") || !strcmp(a, "--seed") || !strcmp(a, "--max-tokens") ||
-                 !strcmp(a, "--times")) {
+                 !strcmp(a, "--times") || !strcmp(a, "--batch") || !strcmp(a, "--threads")) {
             if (!has) return bad_usage("%s needs a value", a);
             const char *v = argv[++i];
             if (!strcmp(a, "-m")) model = v;
@@ -204,12 +211,16 @@ int k3_cmd_grammar(int argc, char **argv) {
             else if (!strcmp(a, "--tools")) tools_file = v;
             else if (!strcmp(a, "--test")) test = v;
             else if (!strcmp(a, "--times")) times_file = v;
+            else if (!strcmp(a, "--threads")) {
+                if (k3_cli_threads("grammar", v, &threads)) return 2;
+            }
             else {
                 char *end;
                 errno = 0;
                 long long x = strtoll(v, &end, 10);
                 if (*end || errno || x < 0) return bad_usage("%s needs a non-negative integer", a);
                 if (!strcmp(a, "--sample")) sample = (long)x;
+                else if (!strcmp(a, "--batch")) batch = (long)x > 4096 ? 4096 : (long)x;
                 else if (!strcmp(a, "--seed")) seed = (unsigned long long)x;
                 else max_tokens = (long)x;
             }
@@ -320,6 +331,8 @@ int k3_cmd_grammar(int argc, char **argv) {
     json_t *results = json_array();
     double *times = NULL;
     size_t n_times = 0, cap_times = 0;
+    text_case *cases = NULL;
+    size_t n_cases = 0, cap_cases = 0;
     if (rc == 0 && g && test) {
         size_t n;
         char *t = read_all(test, &n);
@@ -385,6 +398,16 @@ int k3_cmd_grammar(int argc, char **argv) {
                     json_object_set_new(r, "tokens", json_integer((json_int_t)tc.n));
                     json_object_set_new(r, "rejected_at", rejected < 0 ? json_null() : json_integer(rejected));
                     json_array_append_new(results, r);
+                    if (rejected < 0 && n_cases == cap_cases) {
+                        cap_cases = cap_cases ? cap_cases * 2 : 16;
+                        text_case *nc = realloc(cases, cap_cases * sizeof *nc);
+                        if (nc) cases = nc;
+                        else cap_cases = n_cases;
+                    }
+                    if (rejected < 0 && n_cases < cap_cases) {
+                        cases[n_cases++] = tc;
+                        tc.ids = NULL;
+                    }
                 }
                 free(tc.ids);
             }
@@ -394,6 +417,98 @@ int k3_cmd_grammar(int argc, char **argv) {
         free(mask);
         free(t);
     }
+
+    /* --batch: N requests stepping together, their masks filled at once */
+    json_t *batch_json = NULL;
+    if (rc == 0 && g && batch > 0 && n_cases > 0) {
+        k3_pool *pool = NULL;
+        if (threads > 1 && k3_pool_init(&pool, threads, &err) != K3_OK) rc = fail("%s", err.msg);
+        k3_grammar_matcher **ms = calloc((size_t)batch, sizeof *ms);
+        uint64_t **masks = calloc((size_t)batch, sizeof *masks);
+        k3_grammar_matcher **act = calloc((size_t)batch, sizeof *act);
+        uint64_t **amask = calloc((size_t)batch, sizeof *amask);
+        size_t *pos = calloc((size_t)batch, sizeof *pos);
+        int32_t *who = calloc((size_t)batch, sizeof *who);
+        double *steps = NULL;
+        size_t n_steps = 0, cap_steps = 0;
+        size_t words = k3_grammar_mask_words(gv);
+        if (rc == 0 && (!ms || !masks || !act || !amask || !pos || !who)) rc = fail("out of memory");
+        for (long i = 0; rc == 0 && i < batch; i++) {
+            masks[i] = malloc(words * sizeof **masks);
+            if (!masks[i] || k3_grammar_matcher_init(&ms[i], g, &err) != K3_OK) rc = fail("out of memory");
+        }
+        /* each request takes the texts in turn, starting at its own */
+        for (int round = 0; rc == 0; round++) {
+            int32_t na = 0;
+            for (long i = 0; i < batch; i++) {
+                const text_case *tc = &cases[(size_t)(i + round) % n_cases];
+                if (pos[i] < tc->n) {
+                    act[na] = ms[i];
+                    amask[na] = masks[i];
+                    who[na++] = (int32_t)i;
+                }
+            }
+            if (na == 0) {
+                if (round > 0) break;
+                break;
+            }
+            double a = k3_now();
+            if (k3_grammar_fill_masks(act, amask, na, pool, &err) != K3_OK) {
+                rc = fail("%s", err.msg);
+                break;
+            }
+            double us = (k3_now() - a) * 1e6;
+            if (n_steps == cap_steps) {
+                cap_steps = cap_steps ? cap_steps * 2 : 256;
+                double *ns = realloc(steps, cap_steps * sizeof *ns);
+                if (!ns) {
+                    rc = fail("out of memory");
+                    break;
+                }
+                steps = ns;
+            }
+            steps[n_steps++] = us;
+            for (int32_t k = 0; k < na && rc == 0; k++) {
+                long i = who[k];
+                const text_case *tc = &cases[(size_t)(i + round) % n_cases];
+                if (k3_grammar_matcher_accept(ms[i], tc->ids[pos[i]], &err) != K3_OK) rc = fail("--batch: %s", err.msg);
+                pos[i]++;
+            }
+            /* a text done: the next round starts the next text from scratch */
+            bool all_done = true;
+            for (long i = 0; i < batch; i++)
+                if (pos[i] < cases[(size_t)(i + round) % n_cases].n) all_done = false;
+            if (all_done) break;
+            round--; /* the same texts until every request is done */
+        }
+        if (rc == 0 && n_steps) {
+            double sum = 0;
+            for (size_t i = 0; i < n_steps; i++) sum += steps[i];
+            qsort(steps, n_steps, sizeof *steps, cmp_double);
+            batch_json = json_object();
+            json_object_set_new(batch_json, "requests", json_integer(batch));
+            json_object_set_new(batch_json, "threads", json_integer(threads));
+            json_object_set_new(batch_json, "mean", json_real(sum / (double)n_steps));
+            json_object_set_new(batch_json, "p50", json_real(steps[(n_steps - 1) / 2]));
+            json_object_set_new(batch_json, "p99", json_real(steps[(size_t)((double)(n_steps - 1) * 0.99)]));
+            json_object_set_new(batch_json, "max", json_real(steps[n_steps - 1]));
+            json_object_set_new(batch_json, "n", json_integer((json_int_t)n_steps));
+        }
+        for (long i = 0; ms && i < batch; i++) {
+            k3_grammar_matcher_free(ms[i]);
+            if (masks) free(masks[i]);
+        }
+        free(ms);
+        free(masks);
+        free(act);
+        free(amask);
+        free(pos);
+        free(who);
+        free(steps);
+        k3_pool_free(pool);
+    }
+    for (size_t i = 0; i < n_cases; i++) free(cases[i].ids);
+    free(cases);
 
     /* samples */
     if (rc == 0 && g && sample > 0) {
@@ -489,6 +604,7 @@ int k3_cmd_grammar(int argc, char **argv) {
         json_object_set_new(mu, "max", json_real(mx));
         json_object_set_new(mu, "n", json_integer((json_int_t)n_times));
         json_object_set_new(o, "mask_us", mu);
+        if (batch_json) json_object_set(o, "batch_us", batch_json);
         char *s = json_dumps(o, JSON_REAL_PRECISION(6));
         if (s) puts(s);
         free(s);
@@ -508,8 +624,16 @@ int k3_cmd_grammar(int argc, char **argv) {
         }
         if (n_times)
             printf("masks: %zu, mean %.1f us, p50 %.1f us, p99 %.1f us, max %.1f us\n", n_times, mean, p50, p99, mx);
+        if (batch_json)
+            printf("batch of %lld on %lld threads: %lld steps, mean %.1f us, p50 %.1f us, p99 %.1f us, max %.1f us a step\n",
+                   (long long)json_integer_value(json_object_get(batch_json, "requests")),
+                   (long long)json_integer_value(json_object_get(batch_json, "threads")),
+                   (long long)json_integer_value(json_object_get(batch_json, "n")),
+                   json_real_value(json_object_get(batch_json, "mean")), json_real_value(json_object_get(batch_json, "p50")),
+                   json_real_value(json_object_get(batch_json, "p99")), json_real_value(json_object_get(batch_json, "max")));
     }
     json_decref(results);
+    json_decref(batch_json);
     free(times);
     k3_grammar_free(g);
     free(text);

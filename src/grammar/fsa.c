@@ -474,7 +474,9 @@ k3_status k3g_fa_determinize(const k3g_fa *nfa_in, k3g_fa *out, const char *what
             st = out->too_big ? K3_ERR_UNSUPPORTED : K3_ERR_NOMEM;
             break;
         }
-        if (sp.n_sets > K3G_MAX_DFA_STATES) {
+        /* states, and the NFA states they hold: a pattern such as
+         * [a-z]*x[a-z]{200} has few of the first and very many of the second */
+        if (sp.n_sets > K3G_MAX_DFA_STATES || sp.n > (size_t)8 * K3G_MAX_DFA_STATES) {
             st = K3_ERR_UNSUPPORTED;
             break;
         }

@@ -43,8 +43,10 @@
 
 /* ---- limits (hostile input gets an error, not a machine-sized grammar) --- */
 
-#define K3G_MAX_NFA_STATES  (4 << 20)  /* per automaton under construction */
-#define K3G_MAX_DFA_STATES  (1 << 20)  /* per determinized automaton */
+#define K3G_MAX_NFA_STATES  (2 << 20)  /* per automaton under construction */
+#define K3G_MAX_DFA_STATES  250000     /* per determinized automaton */
+#define K3G_MAX_STRLEN      20000      /* minLength / maxLength (each character is ~23 nodes) */
+#define K3G_MAX_ITEMS       10000      /* minItems / maxItems */
 #define K3G_MAX_NODES       (4 << 20)  /* per compiled grammar */
 #define K3G_MAX_RULES       (1 << 20)
 #define K3G_MAX_REPEAT      100000     /* a bounded repetition {m,n}: n at most */

@@ -240,7 +240,7 @@ static k3_status nomem(k3_error *err) { return k3_err(err, K3_ERR_NOMEM, "out of
 static const k3g_cfg *top_cfgs(const k3_grammar_matcher *m, size_t *n) {
     const mstate *s = &m->hist[m->n_hist - 1];
     *n = s->n;
-    return m->cfgs.v + s->off;
+    return m->cfgs.v ? m->cfgs.v + s->off : NULL;
 }
 
 static bool push_state(k3_grammar_matcher *m, const k3g_cfg *c, size_t n, bool complete, bool ended) {
@@ -653,7 +653,7 @@ k3_status k3_grammar_matcher_forced(const k3_grammar_matcher *mc, char *buf, siz
     if (st.ended || st.complete) return K3_OK;
     int32_t frames0 = m->fr.n;
     k3g_cfgv *src = NULL, *dst = &m->ta;
-    const k3g_cfg *c = m->cfgs.v + st.off;
+    const k3g_cfg *c = m->cfgs.v ? m->cfgs.v + st.off : NULL;
     size_t n = st.n;
     k3_status r = K3_OK;
     while (*len < cap) {

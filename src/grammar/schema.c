@@ -367,6 +367,13 @@ static int dec_cmp(const dec *a, const dec *b) {
     return 0;
 }
 
+/* A count keyword's value, clamped far past every limit (a double of 1e30
+ * would not fit an int64). */
+static int64_t count_of(const json_t *v) {
+    double d = json_number_value(v);
+    return d > 1e12 ? (int64_t)1e12 : d < -1e12 ? (int64_t)-1e12 : (int64_t)d;
+}
+
 /* ---- small expression helpers ----------------------------------------------------------- */
 
 static k3g_ast *L(js *J, const char *s) { return k3g_str(J->b, s); }
@@ -829,13 +836,19 @@ static k3_status string_raw_dfa(js *J, const json_t *s, k3g_fa *out, bool *plain
     if (a) {
         if (!json_is_integer(a) && !(json_is_real(a) && json_real_value(a) == floor(json_real_value(a))))
             return bad(J, "'minLength' must be a non-negative integer%s", "");
-        *mn = (int64_t)json_number_value(a);
+        *mn = count_of(a);
     }
     if (z) {
         if (!json_is_integer(z) && !(json_is_real(z) && json_real_value(z) == floor(json_real_value(z))))
             return bad(J, "'maxLength' must be a non-negative integer%s", "");
-        *mx = (int64_t)json_number_value(z);
+        *mx = count_of(z);
         if (*mx < 0) return bad(J, "'maxLength' must be a non-negative integer%s", "");
+    }
+    if (*mn > K3G_MAX_STRLEN || *mx > K3G_MAX_STRLEN) {
+        char what[96];
+        snprintf(what, sizeof what, "%s %lld is beyond the supported %d", *mx > K3G_MAX_STRLEN ? "maxLength" : "minLength",
+                 (long long)(*mx > K3G_MAX_STRLEN ? *mx : *mn), K3G_MAX_STRLEN);
+        return unsup(J, "%s", what);
     }
     json_t *pats = json_array(), *fmts = json_array();
     if (!pats || !fmts) {
@@ -1693,7 +1706,7 @@ static k3_status array_rule(js *J, json_t *s, k3g_fa *fa) {
     if (prefix && !json_is_array(prefix)) return bad(J, "'prefixItems' must be an array%s", "");
     if ((mn_j && !is_nonneg_int(mn_j)) || (mx_j && !is_nonneg_int(mx_j)))
         return bad(J, "'minItems' and 'maxItems' must be non-negative integers%s", "");
-    int64_t mn = mn_j ? (int64_t)json_number_value(mn_j) : 0, mx = mx_j ? (int64_t)json_number_value(mx_j) : -1;
+    int64_t mn = mn_j ? count_of(mn_j) : 0, mx = mx_j ? count_of(mx_j) : -1;
     int64_t P = (int64_t)json_array_size(prefix);
     bool more = !json_is_false(items);
     /* positions unrolled: up to maxItems, else to the longest fixed part
@@ -1703,7 +1716,12 @@ static k3_status array_rule(js *J, json_t *s, k3g_fa *fa) {
     else if (more) Lmax = P > mn ? P : mn > 1 ? mn : 1;
     else Lmax = mx >= 0 && mx < P ? mx : P;
     if (more && Lmax < P && mx < 0) Lmax = P;
-    if (Lmax > K3G_MAX_REPEAT) return unsup(J, "an array of %s items is beyond the supported size", "so many");
+    if (Lmax > K3G_MAX_ITEMS || mn > K3G_MAX_ITEMS) {
+        char what[96];
+        snprintf(what, sizeof what, "%s %lld is beyond the supported %d", mn > K3G_MAX_ITEMS ? "minItems" : "maxItems",
+                 (long long)(mn > K3G_MAX_ITEMS ? mn : Lmax), K3G_MAX_ITEMS);
+        return unsup(J, "%s", what);
+    }
     bool loop = more && mx < 0;
     /* the item expressions */
     k3g_ast *item_rest = NULL;
@@ -1789,7 +1807,7 @@ static k3_status object_rule(js *J, json_t *s, k3g_fa *fa) {
     if (pp && !json_is_object(pp)) return bad(J, "'patternProperties' must be an object%s", "");
     if ((mn_j && !is_nonneg_int(mn_j)) || (mx_j && !is_nonneg_int(mx_j)))
         return bad(J, "'minProperties' and 'maxProperties' must be non-negative integers%s", "");
-    int64_t mn = mn_j ? (int64_t)json_number_value(mn_j) : 0, mx = mx_j ? (int64_t)json_number_value(mx_j) : -1;
+    int64_t mn = mn_j ? count_of(mn_j) : 0, mx = mx_j ? count_of(mx_j) : -1;
     if (mx > 64 || mn > 64) return unsup(J, "minProperties/maxProperties over 64 are not supported%s", "");
     if (!ap) ap = J->no_extra && props ? json_false() : json_true();
     size_t n_pp = json_object_size(pp);
