@@ -358,7 +358,7 @@ typedef struct k3_grammar k3_grammar;
 typedef struct k3_grammar_matcher k3_grammar_matcher;
 
 /* The tables of a tokenizer's vocabulary (a token trie; the token tables of
- * the standard JSON rules, computed here: ~0.1 s for 200k tokens). tok is
+ * the standard JSON rules, computed here: ~0.2 s and ~22 MB for 200k tokens). tok is
  * only read during the call. */
 k3_status k3_grammar_vocab_init(k3_grammar_vocab **out, const k3_tokenizer *tok, k3_error *err);
 void k3_grammar_vocab_free(k3_grammar_vocab *v);

@@ -218,7 +218,7 @@ k3_status k3_grammar_compile(k3_grammar **out, const k3_grammar_vocab *v, const 
     if (st == K3_OK && !content) st = err && err->status ? err->status : k3_err(err, K3_ERR_NOMEM, "out of memory compiling a grammar");
     int32_t root = -1;
     if (st == K3_OK) {
-        root = k3g_rule(&b, "output");
+        root = k3g_rule(&b, where);
         if (root < 0) st = err && err->status ? err->status : K3_ERR_NOMEM;
     }
     if (st == K3_OK) st = k3g_rule_set(&b, root, content);
