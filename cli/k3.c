@@ -7,6 +7,7 @@
  *   k3 eval -m DIR --text FILE             see cmd_eval.c
  *   k3 bench -m DIR                        see cmd_bench.c (bench serve: cmd_bench_serve.c)
  *   k3 serve -m DIR                        see cmd_serve.c
+ *   k3 grammar ...                         see cmd_grammar.c
  */
 #include <errno.h>
 #include <stdio.h>
@@ -484,6 +485,7 @@ static const char usage_text[] =
             "  bench     prefill/decode speed against the measured memory bandwidth\n"
             "  serve     an OpenAI-compatible HTTP server (see cmd_serve.c)\n"
             "  plan      memory and cross-rank traffic of a DCP/EP deployment, from a config\n"
+            "  grammar   compile a JSON schema / regex / grammar and check texts against it\n"
             "  --version print the version\n"
             "run `k3 <command> --help` for its options\n";
 
@@ -504,6 +506,7 @@ int main(int argc, char **argv) {
     if (!strcmp(cmd, "bench")) return k3_cmd_bench(argc - 1, argv + 1);
     if (!strcmp(cmd, "plan")) return k3_cmd_plan(argc - 1, argv + 1);
     if (!strcmp(cmd, "serve")) return k3_cmd_serve(argc - 1, argv + 1);
+    if (!strcmp(cmd, "grammar")) return k3_cmd_grammar(argc - 1, argv + 1);
     if (!strcmp(cmd, "-h") || !strcmp(cmd, "--help") || !strcmp(cmd, "help")) {
         usage_to_stdout();
         return 0;

@@ -366,6 +366,116 @@ void k3_sampler_accept(k3_sampler *s, int32_t id);
  * to sample from) or when every id is masked. */
 int32_t k3_sampler_sample(k3_sampler *s, float *logits);
 
+/* ---- grammar: constrained decoding ---------------------------------------
+ *
+ * Structured outputs: which tokens a model may sample next so that its text
+ * matches a JSON Schema, a regular expression, a list of choices, a GBNF
+ * grammar or K3's tool-call format (docs/grammar.md). Three objects:
+ *   k3_grammar_vocab    the tokens of one model, built once from its
+ *                       tokenizer; read-only afterwards, any thread;
+ *   k3_grammar          a compiled grammar over that vocabulary; immutable
+ *                       (its token tables fill in on first use, thread-safe),
+ *                       shared by any threads, reference counted;
+ *   k3_grammar_matcher  the state of one request; one thread at a time.
+ * A mask is a bitset over token ids, bit (id & 63) of word (id >> 6), of
+ * k3_grammar_mask_words words. Special tokens are allowed only where the
+ * grammar names them; the ids that end a generation (k3_tokenizer_eos_ids)
+ * only when the text so far is complete.
+ */
+
+typedef struct k3_grammar_vocab k3_grammar_vocab;
+typedef struct k3_grammar k3_grammar;
+typedef struct k3_grammar_matcher k3_grammar_matcher;
+
+/* The tables of a tokenizer's vocabulary (a token trie; the token tables of
+ * the standard JSON rules, computed here: ~0.2 s and ~22 MB for 200k tokens). tok is
+ * only read during the call. */
+k3_status k3_grammar_vocab_init(k3_grammar_vocab **out, const k3_tokenizer *tok, k3_error *err);
+void k3_grammar_vocab_free(k3_grammar_vocab *v);
+/* Words of a mask: (n_vocab + 63) / 64. */
+size_t k3_grammar_mask_words(const k3_grammar_vocab *v);
+
+typedef enum k3_grammar_kind {
+    K3_GRAMMAR_JSON_SCHEMA, /* text: a JSON Schema (draft 2020-12 meaning) */
+    K3_GRAMMAR_JSON_OBJECT, /* any JSON object (response_format json_object) */
+    K3_GRAMMAR_REGEX,       /* text: a regular expression the whole output matches */
+    K3_GRAMMAR_CHOICE,      /* choices: the output is exactly one of them */
+    K3_GRAMMAR_GBNF,        /* text: a GBNF grammar; the output matches its rule "root" */
+    K3_GRAMMAR_TOOL_CALLS,  /* tools: K3 tool calls (always in the K3 reply form) */
+} k3_grammar_kind;
+
+typedef struct k3_grammar_tool {
+    const char *name;
+    const char *parameters; /* JSON Schema text of the arguments; NULL = no arguments */
+} k3_grammar_tool;
+
+typedef struct k3_grammar_spec {
+    k3_grammar_kind kind;
+    const char *text;                 /* NUL-terminated */
+    const char *const *choices;       /* K3_GRAMMAR_CHOICE */
+    int32_t n_choices;
+    const k3_grammar_tool *tools;     /* K3_GRAMMAR_TOOL_CALLS */
+    int32_t n_tools;
+    bool parallel_calls;              /* tool calls: one or more (false: exactly one) */
+    bool compact;                     /* JSON: no whitespace between tokens */
+    bool no_extra_properties;         /* JSON Schema: an object without
+                                         "additionalProperties" allows no others */
+    bool k3_reply;                    /* the output goes on a K3 assistant turn from
+                                         its generation prompt: the content, then
+                                         <|close|>response<|sep|> [<|close|>message<|sep|>] */
+    bool thinking;                    /* k3_reply and tool calls: the prompt opened
+                                         the think block; free text until it closes */
+    const char *where;                /* names the input in errors, e.g.
+                                         "response_format.json_schema.schema"
+                                         (NULL: "json_schema", "regex", "grammar", ...) */
+} k3_grammar_spec;
+
+/* Compiles spec. A construct the engine cannot honour is K3_ERR_UNSUPPORTED
+ * naming it and where it is ("json_schema.properties.x: keyword
+ * 'dependentSchemas' is not supported"); malformed input is K3_ERR_ARG. */
+k3_status k3_grammar_compile(k3_grammar **out, const k3_grammar_vocab *v, const k3_grammar_spec *spec,
+                             k3_error *err);
+/* Takes one more reference; k3_grammar_free drops one. */
+k3_grammar *k3_grammar_ref(k3_grammar *g);
+void k3_grammar_free(k3_grammar *g);
+
+/* A matcher at the start of the output; it keeps a reference to g. */
+k3_status k3_grammar_matcher_init(k3_grammar_matcher **out, k3_grammar *g, k3_error *err);
+/* An independent copy (n > 1 choices from one prompt). */
+k3_status k3_grammar_matcher_clone(k3_grammar_matcher **out, const k3_grammar_matcher *m, k3_error *err);
+void k3_grammar_matcher_free(k3_grammar_matcher *m);
+/* The tokens allowed next, over the whole vocabulary (mask: mask_words). */
+k3_status k3_grammar_matcher_fill_mask(k3_grammar_matcher *m, uint64_t *mask, k3_error *err);
+/* Advances on a sampled token; K3_ERR_ARG (state unchanged) when the token
+ * is not allowed here. An end-of-generation id is accepted when the text is
+ * complete and ends the matcher. */
+k3_status k3_grammar_matcher_accept(k3_grammar_matcher *m, int32_t id, k3_error *err);
+/* Accepts ids in order (rebuilding a preempted request's state); on a
+ * refusal the tokens before it stay accepted and *n_accepted says how many. */
+k3_status k3_grammar_matcher_accept_tokens(k3_grammar_matcher *m, const int32_t *ids, size_t n,
+                                           size_t *n_accepted, k3_error *err);
+/* Whether the text so far is a complete match (EOS and stop strings allowed). */
+bool k3_grammar_matcher_is_complete(const k3_grammar_matcher *m);
+/* Whether an end-of-generation id was accepted. */
+bool k3_grammar_matcher_is_ended(const k3_grammar_matcher *m);
+/* Tokens accepted so far. */
+int32_t k3_grammar_matcher_n_tokens(const k3_grammar_matcher *m);
+/* Undoes the last n accepted tokens (K3_ERR_ARG for more than were accepted). */
+k3_status k3_grammar_matcher_rollback(k3_grammar_matcher *m, int32_t n, k3_error *err);
+/* Back to the start of the output. */
+void k3_grammar_matcher_reset(k3_grammar_matcher *m);
+/* The bytes every continuation of the text starts with (jump-forward
+ * decoding), at most cap; *len is how many (0 when the next byte is open). */
+k3_status k3_grammar_matcher_forced(const k3_grammar_matcher *m, char *buf, size_t cap, size_t *len,
+                                    k3_error *err);
+/* The masks of n matchers at once, spread over pool (NULL = this thread);
+ * masks[i] belongs to matchers[i]. */
+k3_status k3_grammar_fill_masks(k3_grammar_matcher *const *matchers, uint64_t *const *masks, int32_t n,
+                                k3_pool *pool, k3_error *err);
+/* Sets logits[i] to -INFINITY for every id the mask forbids, and for ids at
+ * or past the vocabulary's size (a model's padded embedding rows). */
+void k3_grammar_mask_apply(const k3_grammar_vocab *v, const uint64_t *mask, float *logits, int32_t n_logits);
+
 /* ---- engine: many requests on one model --------------------------------
  *
  * A k3_engine owns a context, a block manager (reference-counted cache

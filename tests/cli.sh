@@ -223,6 +223,7 @@ expect_fail "NaN weight: run refuses at load" "non-finite" "$K3" run -m "$TMP/m"
 expect_fail "NaN weight: run --quant none --no-check-tensors: the sampler refuses" "not finite" "$K3" run -m "$TMP/m" --quant none --kv-cache f32 --no-check-tensors -n 4 --temp 0 hi
 
 . tests/cli_vision.sh
+. tests/cli_grammar.sh
 # k3 serve: bad options fail cleanly
 expect_fail "serve bad --kv-cache" "kv-cache" "$K3" serve -m "$TINY" --kv-cache f16
 expect_fail "serve missing model" "config.json" "$K3" serve -m "$TMP/none" --port 0
