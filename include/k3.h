@@ -367,7 +367,10 @@ typedef struct k3_engine_options {
     bool no_prefix_cache;           /* prefix caching is on unless this is set */
     int32_t snapshot_stride;        /* a KDA snapshot every this many blocks of a
                                        prompt (0 = default), and at each prompt's end */
-    int64_t snapshot_bytes;         /* byte budget of KDA snapshots (0 = default) */
+    int64_t snapshot_bytes;         /* byte budget of KDA snapshots (0 = default: one
+                                       state per snapshot point the pool can back,
+                                       (blocks / snapshot_stride + max_num_seqs) states,
+                                       within 1 GiB and an eighth of free memory) */
     int32_t max_waiting;            /* submit refuses with K3_ERR_BUSY past this many
                                        waiting requests (0 = no limit) */
     int32_t max_step_cost;          /* while requests decode, a step's cost stays within
@@ -480,6 +483,8 @@ typedef struct k3_engine_stats {
     int64_t requests_finished[K3_FINISH_ERROR + 1]; /* by finish reason */
     int64_t max_model_len, cache_tokens;
     int64_t state_bytes_per_seq;          /* one KDA snapshot */
+    int64_t snapshot_budget;              /* the snapshots' byte budget */
+    int32_t max_num_seqs, max_waiting;    /* running requests at once; waiting ones before K3_ERR_BUSY (0: no limit) */
     int64_t n_snapshot_saves, n_snapshot_restores; /* KDA snapshots taken / restored */
     double snapshot_save_s, snapshot_restore_s;    /* time spent taking / restoring them */
 } k3_engine_stats;
