@@ -298,7 +298,7 @@ static void stream_choice(k3_srv_job *j, int i) {
     }
     if (c->done) {
         const char *why = k3_srv_choice_error(c, "generation failed");
-        if (why) k3_sse_error(&j->sse, 500, why);
+        if (why) k3_sse_error(&j->sse, k3_srv_choice_error_status(c), why);
         else
             send_chunk(j, json_pack("[{s:i,s:{},s:n,s:s}]", "index", i, "delta", "logprobs", "finish_reason",
                                     k3_srv_finish_reason(c, tools)));
