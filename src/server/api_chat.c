@@ -233,6 +233,21 @@ static void stream_fail(k3_srv_job *j, k3_srv_choice *c, const char *what, const
     c->final_sent = true;
 }
 
+/* {"content": [...]} for the tokens [lp_sent, upto) whose logprobs are not
+ * sent yet, or null (none asked for, or none new). */
+static json_t *stream_logprobs_upto(k3_srv_job *j, k3_srv_choice *c, size_t upto) {
+    if (j->rq.logprobs < 0 || upto <= c->lp_sent) return json_null();
+    json_t *content = json_array();
+    k3_srv_chat_logprobs(j, c, c->lp_sent, upto, content);
+    c->lp_sent = upto;
+    return json_pack("{s:o}", "content", content);
+}
+
+/* The last chunk's: every token's that is left. */
+static json_t *stream_logprobs(k3_srv_job *j, k3_srv_choice *c) {
+    return stream_logprobs_upto(j, c, k3_srv_choice_lp_ready(c));
+}
+
 static void stream_choice(k3_srv_job *j, int i) {
     k3_srv_choice *c = &j->ch[i];
     if (c->final_sent) return;
@@ -254,24 +269,19 @@ static void stream_choice(k3_srv_job *j, int i) {
             return;
         }
         const size_t rl = r.reasoning ? strlen(r.reasoning) : 0, cl = r.content ? strlen(r.content) : 0;
+        /* the logprobs of every token decoded so far go with the first delta
+         * sent (reasoning, then content; the rest with the last chunk), so
+         * a reply that stays in reasoning_content has them all too */
         if (rl > c->sent_reasoning) {
-            send_chunk(j, json_pack("[{s:i,s:{s:o},s:n,s:n}]", "index", i, "delta", "reasoning_content",
+            send_chunk(j, json_pack("[{s:i,s:{s:o},s:o,s:n}]", "index", i, "delta", "reasoning_content",
                                     k3_srv_jstr(r.reasoning + c->sent_reasoning, rl - c->sent_reasoning), "logprobs",
-                                    "finish_reason"));
+                                    stream_logprobs_upto(j, c, lp_upto), "finish_reason"));
             c->sent_reasoning = rl;
         }
         if (cl > c->sent_content) {
-            json_t *lp = json_null();
-            if (j->rq.logprobs >= 0 && lp_upto > c->lp_sent) {
-                json_decref(lp);
-                json_t *content = json_array();
-                k3_srv_chat_logprobs(j, c, c->lp_sent, lp_upto, content);
-                c->lp_sent = lp_upto;
-                lp = json_pack("{s:o}", "content", content);
-            }
             send_chunk(j, json_pack("[{s:i,s:{s:o},s:o,s:n}]", "index", i, "delta", "content",
-                                    k3_srv_jstr(r.content + c->sent_content, cl - c->sent_content), "logprobs", lp,
-                                    "finish_reason"));
+                                    k3_srv_jstr(r.content + c->sent_content, cl - c->sent_content), "logprobs",
+                                    stream_logprobs_upto(j, c, lp_upto), "finish_reason"));
             c->sent_content = cl;
         }
         /* tool calls as they are generated: a header per call, then its argument fragments */
@@ -300,8 +310,8 @@ static void stream_choice(k3_srv_job *j, int i) {
         const char *why = k3_srv_choice_error(c, "generation failed");
         if (why) k3_sse_error(&j->sse, k3_srv_choice_error_status(c), why);
         else
-            send_chunk(j, json_pack("[{s:i,s:{},s:n,s:s}]", "index", i, "delta", "logprobs", "finish_reason",
-                                    k3_srv_finish_reason(c, tools)));
+            send_chunk(j, json_pack("[{s:i,s:{},s:o,s:s}]", "index", i, "delta", "logprobs", stream_logprobs(j, c),
+                                    "finish_reason", k3_srv_finish_reason(c, tools)));
         c->final_sent = true;
     }
 }
