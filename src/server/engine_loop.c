@@ -65,12 +65,17 @@ k3_status k3_srv_submit(struct k3_server *s, k3_srv_seq *q, k3_request_params *p
     pthread_mutex_lock(&s->live_mu);
     if (s->live_closed) {
         st = k3_err(err, K3_ERR_IO, "the engine has failed");
-    } else if (!(st = k3_engine_submit(s->engine, p, &q->eid, err))) {
-        /* in the list before the engine thread can report it */
-        q->number = ++s->n_submitted;
-        q->live_next = s->live;
-        if (s->live) s->live->live_prev = q;
-        s->live = q;
+    } else {
+        q->number = s->n_submitted + 1;
+        st = k3_engine_submit(s->engine, p, &q->eid, err);
+        if (!st) {
+            /* in the list before the engine thread can report its end (which
+             * takes live_mu to unlink it) */
+            s->n_submitted++;
+            q->live_next = s->live;
+            if (s->live) s->live->live_prev = q;
+            s->live = q;
+        }
     }
     pthread_mutex_unlock(&s->live_mu);
     pthread_mutex_lock(&g->mu);

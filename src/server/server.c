@@ -22,14 +22,21 @@
  *
  * Before the body. On the request line and headers (libmicrohttpd's first
  * call) a request is answered at once, its body never read, when: the
- * connection is over a limit (503), the server is shutting down (503), its
- * framing is ambiguous (differing Content-Length values, or both
- * Content-Length and Transfer-Encoding: 400), its Transfer-Encoding is not
- * chunked (501), its body is compressed (Content-Encoding: 415), it is a CORS
+ * connection is over a limit (503), the server is shutting down (503),
+ * its Content-Length values differ (400), its Transfer-Encoding is not
+ * chunked (501), it has both a Content-Length and Transfer-Encoding:
+ * chunked (400), its body is compressed (Content-Encoding: 415), it is a CORS
  * preflight (OPTIONS: 204, or 403 for an origin not allowed), its Origin is
  * not allowed (403), it lacks the API key (401), its path or method is
  * unknown (404, 405, 501), or its Content-Length is over the body limit
  * (413). So an unauthenticated client never has a body buffered.
+ *
+ * What libmicrohttpd (0.9.75) decides before any callback of ours: a
+ * request line without a space (e.g. "GARBAGE") is closed unanswered
+ * (parse_initial_message_line fails without queueing an answer); a bad
+ * HTTP version, a header line without a colon or a Content-Length that is
+ * not a number get its own 400 with an HTML body; a request line or headers
+ * over its buffer a 414 or 431.
  */
 #include <arpa/inet.h>
 #include <netdb.h>
@@ -417,8 +424,10 @@ static enum MHD_Result answer_options(struct k3_server *s, struct MHD_Connection
  * (r->answered), else names the route and reads on. */
 static enum MHD_Result on_headers(struct k3_server *s, struct MHD_Connection *c, const char *url, const char *method,
                                   conn_req *r) {
+    /* busy while it is answered here: the reaper writes its 408 only to
+     * connections libmicrohttpd is not writing to (waiting, or reading a body) */
     k3_srv_conn *k = conn_of(c);
-    conn_set(s, k, CONN_BODY);
+    conn_set(s, k, CONN_BUSY);
     r->answered = true;
     char msg[256];
     if (still_over(s, k, msg, sizeof msg)) return refuse_busy(s, c, msg);
@@ -432,10 +441,10 @@ static enum MHD_Result on_headers(struct k3_server *s, struct MHD_Connection *c,
     MHD_get_connection_values(c, MHD_HEADER_KIND, count_header, &cl);
     MHD_get_connection_values(c, MHD_HEADER_KIND, count_header, &te);
     if (cl.differ) return k3_srv_error(s, c, 400, "the request has Content-Length headers that differ");
-    if (cl.n && te.n)
-        return k3_srv_error(s, c, 400, "the request has both Content-Length and Transfer-Encoding");
     if (te.n > 1 || (te.n && strcasecmp(te.first, "chunked")))
         return k3_srv_error(s, c, 501, "Transfer-Encoding: %s is not supported (only chunked)", te.first);
+    if (cl.n && te.n)
+        return k3_srv_error(s, c, 400, "the request has both Content-Length and Transfer-Encoding");
     const char *ce = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Content-Encoding");
     if (ce && strcasecmp(ce, "identity"))
         return k3_srv_error(s, c, 415, "a compressed body (Content-Encoding: %s) is not supported: send it as it is",
@@ -469,6 +478,7 @@ static enum MHD_Result on_headers(struct k3_server *s, struct MHD_Connection *c,
     }
     r->answered = false;
     r->route = rt;
+    conn_set(s, k, CONN_BODY);
     return MHD_YES;
 }
 
