@@ -3,7 +3,7 @@
 they keep going; every request is accounted for.
 
 Each client loops: a random route (completions or chat), one of the prompts (slices of
-data/heldout/austen.txt, 8 to 300 words), a random max_tokens of 16..128, greedy with
+data/heldout/austen.txt, 8 to 300 words), a random max_tokens of 16..512, greedy with
 ignore_eos, streamed. The whole answer of every (route, prompt, max_tokens) is fetched first (a
 warm-up, concurrently), so each completed stream is checked against it. Outcomes:
   completed   finish_reason "length", [DONE], the chunked body's end, the text of the whole answer
@@ -45,7 +45,7 @@ for i in range(args.prompts):
     n = rng.choice([8, 16, 32, 64, 128, 300])
     at = rng.randrange(0, len(words) - n)
     PROMPTS.append(" ".join(words[at:at + n]))
-LENGTHS = [16, 32, 64, 128]
+LENGTHS = [16, 32, 64, 128, 512]
 ROUTES = ["/v1/completions", "/v1/chat/completions"]
 
 
