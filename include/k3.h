@@ -507,7 +507,10 @@ typedef struct k3_engine_options {
     bool no_prefix_cache;           /* prefix caching is on unless this is set */
     int32_t snapshot_stride;        /* a KDA snapshot every this many blocks of a
                                        prompt (0 = default), and at each prompt's end */
-    int64_t snapshot_bytes;         /* byte budget of KDA snapshots (0 = default) */
+    int64_t snapshot_bytes;         /* byte budget of KDA snapshots (0 = default: one
+                                       state per snapshot point the pool can back,
+                                       (blocks / snapshot_stride + max_num_seqs) states,
+                                       within 1 GiB and an eighth of free memory) */
     int32_t max_waiting;            /* submit refuses with K3_ERR_BUSY past this many
                                        waiting requests (0 = no limit) */
     int32_t max_step_cost;          /* while requests decode, a step's cost stays within
@@ -620,6 +623,8 @@ typedef struct k3_engine_stats {
     int64_t requests_finished[K3_FINISH_ERROR + 1]; /* by finish reason */
     int64_t max_model_len, cache_tokens;
     int64_t state_bytes_per_seq;          /* one KDA snapshot */
+    int64_t snapshot_budget;              /* the snapshots' byte budget */
+    int32_t max_num_seqs, max_waiting;    /* running requests at once; waiting ones before K3_ERR_BUSY (0: no limit) */
     int64_t n_snapshot_saves, n_snapshot_restores; /* KDA snapshots taken / restored */
     double snapshot_save_s, snapshot_restore_s;    /* time spent taking / restoring them */
 } k3_engine_stats;
@@ -935,10 +940,16 @@ void k3_vision_prompt_free(k3_vision_prompt *p);
  *
  * One libmicrohttpd daemon (a thread per connection) answers /v1/models,
  * /v1/completions, /v1/chat/completions, /tokenize, /detokenize, /health,
- * /metrics and /version; one engine thread owns the engine and steps it,
- * HTTP threads submit and cancel and wait on their own requests. The server
- * never prints: the caller reads k3_engine_get_stats for its log line and
- * k3_server_failed for a fatal engine error.
+ * /ready, /metrics and /version; one engine thread owns the engine and
+ * steps it, HTTP threads submit and cancel and wait on their own requests.
+ * The server never prints: the caller reads k3_engine_get_stats for its log
+ * line and k3_server_failed for a fatal engine error.
+ *
+ * Every request gets an answer that tells how it ended: when the engine
+ * fails, or when the server is shut down (k3_server_drain, then
+ * k3_server_end), a stream gets an error event (OpenAI's error JSON),
+ * [DONE] and the end of its chunked body, and a whole answer a 503 naming
+ * why; only a hang-up of the client (or k3_server_stop) ends one silently.
  */
 
 typedef struct k3_server k3_server;
@@ -946,15 +957,32 @@ typedef struct k3_server k3_server;
 typedef struct k3_server_options {
     const char *host;          /* address or name to bind (NULL = "127.0.0.1") */
     int port;                  /* 0 = any free port (see k3_server_port) */
-    const char *api_key;       /* NULL or "": no key; else every route but /health
-                                  needs "Authorization: Bearer KEY" */
+    const char *api_key;       /* NULL: no key; else every route but /health,
+                                  /ready and /metrics needs "Authorization: Bearer
+                                  KEY" or "x-api-key: KEY"; "" is refused */
+    bool metrics_require_key;  /* /metrics needs the key too */
     const char *model_name;    /* the served model name (required) */
     const k3_tokenizer *tok;   /* borrowed, required */
     k3_engine *engine;         /* borrowed; NULL: the generation routes answer 503 */
     int64_t max_model_len;     /* reported by /v1/models when engine is NULL */
     size_t max_body_bytes;     /* bodies over this are refused unread (0 = 4 MiB) */
-    int max_connections;       /* connections at once (0 = 256) */
+    int max_connections;       /* connections at once (0 = 256): one over it takes
+                                  the place of the one that has waited longest for
+                                  its request line and headers, else is answered 503 */
+    int max_connections_per_ip; /* connections from one address (0 = no cap) */
     int timeout_s;             /* a client idle this long is dropped (0 = 30) */
+    int header_timeout_s;      /* the request line and headers must be in this long
+                                  after the connection opened or its previous answer
+                                  went out (0 = 10) */
+    int body_timeout_s;        /* the body must be in this long after the headers (0 = 60) */
+    double step_timeout_s;     /* /health and /ready answer 503 while one engine step
+                                  has run longer than this (0 = 300) */
+    const char *allowed_origins; /* CORS: a comma-separated list of origins that may
+                                  call from a browser, "*" for any; NULL or "": only
+                                  the server's own origin. A request with any other
+                                  Origin is refused 403 */
+    const char *allowed_methods; /* for preflights (NULL = "GET, POST, OPTIONS") */
+    const char *allowed_headers; /* for preflights (NULL = "*": those asked for) */
     const char *version;       /* /version (NULL = "k3") */
     const k3_vision *vision;   /* borrowed; NULL: a text-only model (chat image
                                   parts answer 400) */
@@ -962,14 +990,28 @@ typedef struct k3_server_options {
                                   the engine's), used by one request at a time;
                                   NULL = one thread */
     int64_t max_image_pixels;  /* per image (0 = K3_IMAGE_MAX_PIXELS) */
+    /* tests only: the engine thread fails at its step test_fail_step (1 = the
+     * first), as a failed k3_engine_step would; engine request number
+     * test_fail_request (1 = the first submitted) fails alone */
+    int64_t test_fail_step, test_fail_request;
 } k3_server_options;
 
 k3_status k3_server_start(k3_server **out, const k3_server_options *opt, k3_error *err);
 /* The port the server listens on. */
 int k3_server_port(const k3_server *s);
-/* True (and *err filled) once the engine thread met an error it cannot go on from. */
+/* True (and *err filled) once the engine thread met an error it cannot go on
+ * from; every request in flight then has had its error ending. */
 bool k3_server_failed(k3_server *s, k3_error *err);
-/* Stops listening, cancels what runs, joins the threads. */
+/* Stops taking requests: from now on each new one is answered 503 with
+ * Retry-After (and Connection: close), /health and /ready 503; the requests
+ * in flight go on. */
+void k3_server_drain(k3_server *s);
+/* Requests received and not yet answered in full. */
+int k3_server_in_flight(k3_server *s);
+/* Ends every request still in flight with its error ending (503, why);
+ * returns at once, the answers go out on their own threads. */
+void k3_server_end(k3_server *s, const char *why);
+/* Stops listening, cuts what still runs, joins the threads. */
 void k3_server_stop(k3_server *s);
 
 /* ---- KV-cache residency metrics (issue #17) ----
