@@ -82,7 +82,7 @@ k3_status k3_model_open(k3_model **out, const char *dir, k3_error *err);
 void k3_model_close(k3_model *m);
 void k3_model_get_info(const k3_model *m, k3_model_info *info);
 
-/* Load-time quantization (serving.md §5). Matrices are converted once into
+/* Load-time quantization (docs/serving-reference.md §5). Matrices are converted once into
  * memory the model owns; activations are quantized per token at run time. */
 typedef enum k3_wquant {
     K3_WQ_NONE = 0,  /* as stored (BF16 trunk): the reference */
@@ -117,7 +117,7 @@ k3_status k3_model_load_resident(k3_model *m, int64_t max_bytes, int64_t *copied
  * cache sizes) into buf. Returns the length it wanted (snprintf rules). */
 size_t k3_model_describe(const k3_model *m, char *buf, size_t size);
 
-/* ---- model: checks (polish) ---- */
+/* ---- model: checks ----------------------------------------------- */
 /* Checks that every stored float of the checkpoint is finite (no NaN or
  * Inf; MXFP4 scales not the NaN byte): K3_ERR_FORMAT naming the tensor and
  * the element otherwise. One pass over the mapped files (0.3 s for 1.9 GB
@@ -174,7 +174,7 @@ typedef struct k3_chat_msg {
     const char *reasoning; /* assistant thinking, may be NULL */
 } k3_chat_msg;
 
-/* Encodes a conversation in the K3 chat format (k3-model.md section 5).
+/* Encodes a conversation in the K3 chat format (docs/model.md §5).
  * With add_generation_prompt the assistant turn is opened: with thinking on,
  * up to <|open|>think<|sep|>; off, up to <|open|>response<|sep|>.
  * *ids is caller-freed. */
@@ -666,7 +666,7 @@ void k3_engine_get_stats(k3_engine *e, k3_engine_stats *st);
  * other rank; they replay them in k3_exec_serve, so every rank runs its
  * share of every forward pass.
  * DCP: token x of a sequence lives on DCP rank (x div I) mod D, which equals
- * ((x mod (bs*D)) div I) mod D for bs a multiple of I (serving.md §2.5); the
+ * ((x mod (bs*D)) div I) mod D for bs a multiple of I (docs/serving-reference.md §2.5.1); the
  * latent and indexer caches hold only own tokens, attention and the DSA
  * top-k are settled across the group and merged exactly by log-sum-exp. EP:
  * routed expert e lives on EP rank e div (n_experts / E) (k3_model_open_ep
@@ -812,7 +812,7 @@ k3_status k3_plan_compute(const char *config_path, const k3_plan_options *opt, k
                           k3_error *err);
 
 
-/* ---- vision: images in prompts (../shared/docs/vision.md) --------------
+/* ---- vision: images in prompts (docs/vision.md) --------------
  *
  * A k3_image is a decoded PNG, JPEG, WEBP or GIF; a k3_vision is a
  * checkpoint's MoonViT3d tower, sd2_tpool merger and patchmergerv2 projector
@@ -1014,7 +1014,7 @@ void k3_server_end(k3_server *s, const char *why);
 /* Stops listening, cuts what still runs, joins the threads. */
 void k3_server_stop(k3_server *s);
 
-/* ---- KV-cache residency metrics (issue #17) ----
+/* ---- KV-cache residency metrics --------------------------------------------
  *
  * vLLM v1's sampled block residency histograms (--kv-cache-metrics): a
  * sampled fraction of the cache blocks handed out is followed from the
@@ -1052,7 +1052,7 @@ k3_status k3_engine_set_kv_metrics(k3_engine *e, double sample_rate, k3_error *e
 /* The histograms as of the last step (any thread; enabled = false when off). */
 void k3_engine_kv_residency(k3_engine *e, k3_kv_residency *out);
 
-/* ---- kernel ISA (issue #18) ---- */
+/* ---- kernel ISA ------------------------------------------------------ */
 
 /* Picks the kernels every later call runs: "ref" (scalar), "avx2" (AVX2 +
  * FMA + F16C, with AVX-VNNI for the integer dot products where the CPU has

@@ -1,6 +1,6 @@
 /*
  * metrics.h -- Prometheus histograms and the /metrics text with vLLM's names
- * (serving.md section 6) plus k3's own.
+ * (docs/serving-reference.md §6.1) plus k3's own.
  */
 #ifndef K3_SERVER_METRICS_H
 #define K3_SERVER_METRICS_H
