@@ -534,6 +534,7 @@ static k3_request_params engine_request(k3_srv_job *j, int i) {
         .prompt_logprobs = rq->echo && rq->logprobs >= 0 ? (int32_t)rq->logprobs : -1,
         .embeds = rq->vp.n_images ? (const float *const *)rq->vp.embeds : NULL,
         .extra_keys = rq->vp.n_images ? rq->vp.keys : NULL,
+        .grammar = rq->grammar,
     };
 }
 

@@ -87,6 +87,11 @@ struct k3_server {
     k3_pool *vision_pool;
     int64_t max_image_pixels;
     pthread_mutex_t vision_mu;
+    /* structured outputs (constraint.c): the model's grammar vocabulary (made
+     * on first use) and the cache of compiled grammars, under grammar_mu */
+    pthread_mutex_t grammar_mu;
+    k3_grammar_vocab *gvocab;
+    struct k3_srv_gcache *gcache;
 };
 
 #endif /* K3_SERVER_STATE_H */
