@@ -420,6 +420,11 @@ typedef struct k3_grammar_spec {
     bool compact;                     /* JSON: no whitespace between tokens */
     bool no_extra_properties;         /* JSON Schema: an object without
                                          "additionalProperties" allows no others */
+    bool canonical_numbers;           /* JSON Schema: numbers as JSON writers write them:
+                                         an integer without a fraction (21, not 21.0),
+                                         no exponent, at most 15 fraction digits, enum
+                                         numbers in their shortest text (tool-call
+                                         arguments always) */
     bool k3_reply;                    /* the output goes on a K3 assistant turn from
                                          its generation prompt: the content, then
                                          <|close|>response<|sep|> [<|close|>message<|sep|>] */

@@ -154,6 +154,7 @@ static k3_status tool_calls(k3g_builder *b, const k3_grammar_spec *spec, const c
             /* content matching the JSON Schema text, or the calls */
             k3g_json_opts o = {.ws = spec->compact ? K3G_WS_COMPACT : K3G_WS_FLEX,
                                .no_extra = spec->no_extra_properties,
+                               .int_canon = spec->canonical_numbers,
                                .where = spec->text_where ? spec->text_where : "json_schema"};
             int32_t r;
             st = k3g_json_schema(b, spec->text, &o, &r);
@@ -193,7 +194,8 @@ k3_status k3_grammar_compile(k3_grammar **out, const k3_grammar_vocab *v, const 
     if (needs_text && !spec->text) st = k3_err(err, K3_ERR_ARG, "%s: no text given", where);
     if (st == K3_OK) switch (spec->kind) {
         case K3_GRAMMAR_JSON_SCHEMA: {
-            k3g_json_opts o = {.ws = ws, .no_extra = spec->no_extra_properties, .where = where};
+            k3g_json_opts o = {.ws = ws, .no_extra = spec->no_extra_properties, .int_canon = spec->canonical_numbers,
+                               .where = where};
             int32_t r;
             st = k3g_json_schema(&b, spec->text, &o, &r);
             if (st == K3_OK) content = k3g_ref(&b, r);

@@ -311,6 +311,7 @@ k3_status k3g_gbnf(k3g_builder *b, const char *text, size_t len, const char *whe
 typedef struct k3g_json_opts {
     k3g_ws ws;
     bool no_extra;        /* absent additionalProperties means false */
+    bool int_canon;       /* numbers as JSON writers write them (k3_grammar_spec.canonical_numbers) */
     const char *where;    /* error path prefix */
 } k3g_json_opts;
 

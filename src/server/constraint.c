@@ -124,8 +124,9 @@ static k3_grammar *cache_put(struct k3_srv_gcache *c, const char *key, size_t kl
 /* The cache key: the kind and flags, then the texts, NUL-separated. */
 static bool spec_key(const k3_grammar_spec *sp, k3_buf *k) {
     char head[64];
-    const int n = snprintf(head, sizeof head, "%d|%d%d%d%d%d%d%d|", (int)sp->kind, sp->compact, sp->no_extra_properties,
-                           sp->k3_reply, sp->thinking, sp->parallel_calls, sp->tools_optional, sp->text != NULL);
+    const int n = snprintf(head, sizeof head, "%d|%d%d%d%d%d%d%d%d|", (int)sp->kind, sp->compact,
+                           sp->no_extra_properties, sp->k3_reply, sp->thinking, sp->parallel_calls,
+                           sp->tools_optional, sp->text != NULL, sp->canonical_numbers);
     k3_buf_add(k, head, (size_t)n);
     if (sp->text) k3_buf_add(k, sp->text, strlen(sp->text) + 1);
     for (int32_t i = 0; i < sp->n_choices; i++) k3_buf_add(k, sp->choices[i], strlen(sp->choices[i]) + 1);
@@ -389,6 +390,7 @@ bool k3_srv_constraint(struct k3_server *s, const k3_srv_constraint_in *in, k3_g
         w.sp.text = w.text;
         w.sp.choices = w.choices;
         w.sp.compact = true;
+        w.sp.canonical_numbers = true;
         w.sp.k3_reply = in->k3_reply;
         w.sp.thinking = in->k3_reply && in->thinking;
         w.sp.where = w.where;
