@@ -90,8 +90,8 @@ static void add_token(k3_srv_job *j, k3_srv_choice *c, int32_t id) {
     c->sp = SP_TEXT;
 }
 
-/* With a grammar: whether the text after generated token n_seen is a
- * complete match, from the choice's own matcher (a token it refuses, which
+/* With a grammar and stop strings: whether the text after generated token
+ * n_seen is a complete match, from the choice's own matcher (a token it refuses, which
  * the engine's would not have sampled, turns the tracking off: no stop
  * string ends the output then). */
 static void grammar_track(k3_srv_job *j, k3_srv_choice *c, int32_t id) {
@@ -129,9 +129,10 @@ void k3_srv_choice_advance(k3_srv_job *j, k3_srv_choice *c) {
         size_t cap = c->tok_cap ? c->tok_cap * 2 : 64;
         while (cap < q->n_tok) cap *= 2;
         size_t *te = realloc(c->tok_end, sizeof *te * cap);
-        uint8_t *cm = te && j->rq.grammar ? realloc(c->complete, cap) : NULL;
+        const bool track = j->rq.grammar && j->rq.stops.n;
+        uint8_t *cm = te && track ? realloc(c->complete, cap) : NULL;
         if (cm) c->complete = cm;
-        if (!te || (j->rq.grammar && !cm)) {
+        if (!te || (track && !cm)) {
             if (te) c->tok_end = te;
             if (!q->error[0]) snprintf(c->q.error, sizeof c->q.error, "out of memory for the generated text");
             k3_srv_cancel(j->s, &c->q);
@@ -149,7 +150,7 @@ void k3_srv_choice_advance(k3_srv_job *j, k3_srv_choice *c) {
                               id == q->stop_id;
         if (!stop_tok || j->rq.include_stop_str) add_token(j, c, id);
         c->tok_end[c->n_seen] = c->text.len;
-        if (j->rq.grammar) grammar_track(j, c, id);
+        if (j->rq.grammar && j->rq.stops.n) grammar_track(j, c, id);
         if (j->rq.stops.n) {
             /* a stop can begin in the held-back text, never in sent text */
             size_t sl = 0;
