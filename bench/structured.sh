@@ -6,8 +6,9 @@
 #   flock -x /tmp/k3-cpu.lock sh bench/structured.sh
 # The schema (bench/structured_rf.json) is a ticket: a bounded title, an enum, a short
 # array, then free notes, so every constrained request still generates OUT tokens
-# (--ignore-eos) and walks the structure first. Prints each run's median TPOT and the
-# engine's grammar counters from /metrics (k3:grammar_seconds_total, k3:grammar_masks_total).
+# (--ignore-eos) and walks the structure first. Rounds alternate the order (ABBA).
+# Prints each run's median TPOT and the engine's grammar counters from /metrics
+# (k3:grammar_seconds_total, k3:grammar_masks_total).
 set -e
 K3=${K3:-build/k3}
 MODEL=${1:-/work/bench/bench}
@@ -43,10 +44,15 @@ bench 1001 >/dev/null
 echo "after warm-up: $(grammar)"
 r=1
 while [ $r -le "$ROUNDS" ]; do
-    a=$(bench $((2 * r)) | tpot)
-    g0=$(grammar)
-    b=$(bench $((2 * r + 1)) --response-format @"$RF" | tpot)
-    echo "round $r: TPOT unconstrained $a ms, constrained $b ms  (grammar before: $g0)"
+    # ABBA: odd rounds unconstrained first, even rounds constrained first
+    if [ $((r % 2)) -eq 1 ]; then
+        a=$(bench $((2 * r)) | tpot)
+        b=$(bench $((2 * r + 1)) --response-format @"$RF" | tpot)
+    else
+        b=$(bench $((2 * r + 1)) --response-format @"$RF" | tpot)
+        a=$(bench $((2 * r)) | tpot)
+    fi
+    echo "round $r: TPOT unconstrained $a ms, constrained $b ms, ratio $(echo "$b $a" | awk '{printf "%.4f", $1 / $2}')  ($(grammar))"
     r=$((r + 1))
 done
 echo "end: $(grammar)"

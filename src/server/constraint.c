@@ -211,7 +211,7 @@ static bool set_source(want *w, const char *source, k3_srv_bad *e) {
     return true;
 }
 
-static bool from_response_format(json_t *rf, const char *name, want *w, k3_srv_bad *e) {
+static bool from_response_format(json_t *rf, const char *name, const char *schema_name, want *w, k3_srv_bad *e) {
     if (!rf || json_is_null(rf)) return true;
     if (!json_is_object(rf)) return bad(e, 400, "\"%s\" must be an object", name);
     const char *type = json_string_value(json_object_get(rf, "type"));
@@ -237,7 +237,8 @@ static bool from_response_format(json_t *rf, const char *name, want *w, k3_srv_b
         return true;
     }
     char field[96];
-    snprintf(field, sizeof field, "%s.json_schema.schema", name);
+    if (schema_name) snprintf(field, sizeof field, "%s", schema_name);
+    else snprintf(field, sizeof field, "%s.json_schema.schema", name);
     if (!schema_text(schema, field, &w->text, e)) return false;
     w->sp.kind = K3_GRAMMAR_JSON_SCHEMA;
     w->sp.no_extra_properties = json_is_true(strict);
@@ -384,7 +385,8 @@ bool k3_srv_constraint(struct k3_server *s, const k3_srv_constraint_in *in, k3_g
     *out = NULL;
     want w;
     memset(&w, 0, sizeof w);
-    bool ok = from_response_format(in->response_format, in->rf_name ? in->rf_name : "response_format", &w, e) &&
+    bool ok = from_response_format(in->response_format, in->rf_name ? in->rf_name : "response_format",
+                                   in->schema_name, &w, e) &&
               from_vllm(in->vllm, &w, e) && from_tools(in, &w, e);
     if (ok && w.source) {
         w.sp.text = w.text;
@@ -433,4 +435,25 @@ bool k3_srv_constraint_openai(struct k3_server *s, unsigned api, json_t *root, b
         if (rf && !json_is_null(rf)) in.response_format = rf; /* vLLM takes it on completions too */
     }
     return k3_srv_constraint(s, &in, out, e);
+}
+
+bool k3_srv_constraint_words(struct k3_server *s, json_t *response_format, const char *rf_name,
+                             const char *schema_name, json_t *tools,
+                             const char *tool_choice, const char *tool_name, bool parallel_calls, bool thinking,
+                             k3_grammar **out, k3_srv_bad *e) {
+    json_t *tc = NULL;
+    if (tool_name) tc = json_pack("{s:s,s:{s:s}}", "type", "function", "function", "name", tool_name);
+    else if (tool_choice) tc = json_string(tool_choice);
+    if ((tool_name || tool_choice) && !tc) return bad(e, 500, "out of memory");
+    k3_srv_constraint_in in = {.response_format = response_format,
+                               .rf_name = rf_name,
+                               .schema_name = schema_name,
+                               .tools = tools,
+                               .tool_choice = tc,
+                               .parallel_calls = parallel_calls,
+                               .k3_reply = true,
+                               .thinking = thinking};
+    const bool ok = k3_srv_constraint(s, &in, out, e);
+    json_decref(tc);
+    return ok;
 }

@@ -26,6 +26,7 @@ typedef struct k3_srv_constraint_in {
      * "json_schema", "json_schema": {"name", "schema", "strict"}}, or NULL */
     json_t *response_format;
     const char *rf_name;    /* how the request names it ("response_format"; NULL: that) */
+    const char *schema_name; /* how it names the schema in it (NULL: RF_NAME.json_schema.schema) */
     /* chat's tools [{"type": "function", "function": {"name", "parameters",
      * "strict"}}] and tool_choice ("none" | "auto" | "required" |
      * {"type": "function", "function": {"name"}}), or NULL */
@@ -49,6 +50,16 @@ bool k3_srv_constraint(struct k3_server *s, const k3_srv_constraint_in *in, k3_g
  * guided_* with both) into k3_srv_constraint. */
 bool k3_srv_constraint_openai(struct k3_server *s, unsigned api, json_t *root, bool thinking, k3_grammar **out,
                               k3_srv_bad *e);
+
+/* For a surface that keeps chat's constraint as words (Responses, Messages):
+ * tool_choice "auto" | "required" | "none" or NULL, tool_name the one tool a
+ * "required" names (or NULL), response_format in chat's shape (rf_name and
+ * schema_name how the request spells it and its schema, e.g. "text.format"
+ * and "text.format.schema"); always a K3 chat reply. */
+bool k3_srv_constraint_words(struct k3_server *s, json_t *response_format, const char *rf_name,
+                             const char *schema_name, json_t *tools,
+                             const char *tool_choice, const char *tool_name, bool parallel_calls, bool thinking,
+                             k3_grammar **out, k3_srv_bad *e);
 
 /* Frees the server's cache and vocabulary (after the engine has stopped). */
 void k3_srv_constraint_free(struct k3_server *s);
