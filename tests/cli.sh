@@ -142,7 +142,7 @@ for c in run info tokenize eval bench; do
     if "$K3" $c --help >"$TMP/out" 2>&1 && grep -q "usage: k3 $c" "$TMP/out"; then ok "$c --help exits 0"; else bad "$c --help exits 0" "$TMP/out"; fi
 done
 # the usage on stdout
-for c in serve "bench throughput" "bench serve"; do
+for c in serve plan grammar "bench throughput" "bench serve"; do
     if "$K3" $c --help >"$TMP/out" 2>/dev/null && grep -q "usage: k3 $c" "$TMP/out"; then ok "$c --help exits 0"; else bad "$c --help exits 0" "$TMP/out"; fi
 done
 "$K3" --version >"$TMP/out" 2>&1 && grep -q "^k3 [0-9]" "$TMP/out" && ok "k3 --version" || bad "k3 --version" "$TMP/out"
