@@ -51,6 +51,8 @@ static int usage_serve(FILE *f) {
             "  --timeout S                  drop a client idle this long (default 30)\n"
             "  --max-connections N          connections at once, one thread each (default 1024); one more is\n"
             "                               answered 503 with Retry-After\n"
+            "  --no-ui                      no chat page at / (by default / serves one that talks to\n"
+            "                               /v1/chat/completions)\n"
             "  --kv-cache-metrics           the sampled block residency histograms in /metrics (vLLM's\n"
             "                               vllm:kv_block_lifetime_seconds, _idle_before_evict_, _reuse_gap_)\n"
             "  --kv-cache-metrics-sample F  the fraction of blocks followed (default 0.01)\n"
@@ -110,7 +112,7 @@ int k3_cmd_serve(int argc, char **argv) {
     long port = 8000, max_len = 0, max_seqs = 0, max_batched = 0, max_step_cost = 0, max_waiting = 256, cache_tokens = 0,
          block = 0;
     long max_body = 0, timeout = 0, snapshot_mb = 0, max_conn = 1024, max_image_px = 0, vthreads = 0;
-    bool keep_mapped = false, no_prefix = false, kv_metrics = false;
+    bool keep_mapped = false, no_prefix = false, kv_metrics = false, no_ui = false;
     float kv_sample = 0.01f;
     long threads = k3_cli_default_threads();
     int bad = 0;
@@ -143,6 +145,7 @@ int k3_cmd_serve(int argc, char **argv) {
         else if (ARG("--max-connections")) max_conn = parse_long(argv[++i], &bad);
         else if (!strcmp(a, "--mmap")) keep_mapped = true;
         else if (!strcmp(a, "--no-prefix-cache")) no_prefix = true;
+        else if (!strcmp(a, "--no-ui")) no_ui = true;
         else if (!strcmp(a, "--kv-cache-metrics")) kv_metrics = true;
         else if (ARG("--kv-cache-metrics-sample")) {
             if (k3_cli_float("serve", "--kv-cache-metrics-sample", argv[++i], 0.0, 1.0, &kv_sample)) return 2;
@@ -234,7 +237,8 @@ int k3_cmd_serve(int argc, char **argv) {
                             .version = "k3 0.1",
                             .vision = vis,
                             .vision_pool = vpool,
-                            .max_image_pixels = max_image_px};
+                            .max_image_pixels = max_image_px,
+                            .no_ui = no_ui};
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
     sa.sa_handler = on_signal;
@@ -258,6 +262,9 @@ int k3_cmd_serve(int argc, char **argv) {
     const bool v6 = strchr(host, ':') != NULL;
     fprintf(stderr, "k3 serve: listening on http://%s%s%s:%d%s\n", v6 ? "[" : "", host, v6 ? "]" : "",
             k3_server_port(srv), api_key && *api_key ? " (API key required)" : "");
+    if (!no_ui)
+        fprintf(stderr, "k3 serve: chat page at http://%s%s%s:%d/\n", v6 ? "[" : "", host, v6 ? "]" : "",
+                k3_server_port(srv));
 
     struct timespec t0;
     clock_gettime(CLOCK_MONOTONIC, &t0);

@@ -780,8 +780,9 @@ void k3_vision_prompt_free(k3_vision_prompt *p);
 /* ---- server: the OpenAI-compatible HTTP API (src/server) ---------------
  *
  * One libmicrohttpd daemon (a thread per connection) answers /v1/models,
- * /v1/completions, /v1/chat/completions, /tokenize, /detokenize, /health,
- * /metrics and /version; one engine thread owns the engine and steps it,
+ * /v1/completions, /v1/chat/completions, /v1/responses, Anthropic's
+ * /v1/messages, /tokenize, /detokenize, /health, /metrics, /version and a
+ * chat page at /; one engine thread owns the engine and steps it,
  * HTTP threads submit and cancel and wait on their own requests. The server
  * never prints: the caller reads k3_engine_get_stats for its log line and
  * k3_server_failed for a fatal engine error.
@@ -808,6 +809,7 @@ typedef struct k3_server_options {
                                   the engine's), used by one request at a time;
                                   NULL = one thread */
     int64_t max_image_pixels;  /* per image (0 = K3_IMAGE_MAX_PIXELS) */
+    bool no_ui;                /* no chat page at / (a 404 there) */
 } k3_server_options;
 
 k3_status k3_server_start(k3_server **out, const k3_server_options *opt, k3_error *err);

@@ -24,7 +24,7 @@
 /* The think switch of a chat request: chat_template_kwargs.enable_thinking
  * or .thinking (K3's default: on). */
 static k3_status chat_thinking(json_t *root, bool *out, k3_error *err) {
-    *out = true;
+    *out = K3_SRV_THINKING_DEFAULT;
     json_t *kw = json_object_get(root, "chat_template_kwargs");
     if (!kw || json_is_null(kw)) return K3_OK;
     if (!json_is_object(kw)) return k3_err(err, K3_ERR_ARG, "\"chat_template_kwargs\" must be an object");
@@ -36,6 +36,25 @@ static k3_status chat_thinking(json_t *root, bool *out, k3_error *err) {
         *out = json_is_true(v);
     }
     return K3_OK;
+}
+
+k3_status k3_srv_reasoning_effort(const char *field, const char *effort, bool *thinking, const char **k3_effort,
+                                  k3_error *err) {
+    static const struct {
+        const char *openai, *k3;
+        bool on;
+    } map[] = {{"none", NULL, false}, {"minimal", "low", true}, {"low", "low", true}, {"medium", NULL, true},
+               {"high", "high", true}, {"xhigh", "max", true},  {"max", "max", true}};
+    *thinking = K3_SRV_THINKING_DEFAULT;
+    *k3_effort = NULL;
+    if (!effort) return K3_OK;
+    for (size_t i = 0; i < sizeof map / sizeof *map; i++)
+        if (!strcmp(effort, map[i].openai)) {
+            *thinking = map[i].on;
+            *k3_effort = map[i].k3;
+            return K3_OK;
+        }
+    return k3_err(err, K3_ERR_ARG, "\"%s\" is \"%.32s\", not none, minimal, low, medium, high or xhigh", field, effort);
 }
 
 /* Whether any message has an image part (the encode then takes the tower's pool). */
@@ -53,10 +72,38 @@ static bool has_image(json_t *msgs) {
     return false;
 }
 
+k3_status k3_srv_encode_messages(struct k3_server *s, const k3_srv_chat_input *in, k3_vision_prompt *out,
+                                 k3_error *err) {
+    memset(out, 0, sizeof *out);
+    if (!json_is_array(in->messages) || json_array_size(in->messages) == 0)
+        return k3_err(err, K3_ERR_ARG, "\"messages\" must be a non-empty list");
+    char *mj = json_dumps(in->messages, JSON_COMPACT);
+    char *tj = json_is_array(in->tools) ? json_dumps(in->tools, JSON_COMPACT) : NULL;
+    char *rj = json_is_object(in->response_format) ? json_dumps(in->response_format, JSON_COMPACT) : NULL;
+    k3_chat_options co = {.add_generation_prompt = true,
+                          .thinking = in->thinking,
+                          .thinking_effort = in->effort,
+                          .tool_choice = in->tool_choice,
+                          .response_format = rj};
+    /* image parts go through the tower (v NULL: refused for a text-only
+     * model); one encode at a time, on the tower's own pool */
+    const bool img = has_image(in->messages);
+    if (img) pthread_mutex_lock(&s->vision_mu);
+    k3_status st = mj && (tj || !json_is_array(in->tools)) && (rj || !json_is_object(in->response_format))
+                       ? k3_vision_chat_encode_json(img ? s->vision : NULL, s->tok, img ? s->vision_pool : NULL, mj,
+                                                    tj, &co, s->max_image_pixels, out, err)
+                       : k3_err(err, K3_ERR_NOMEM, "out of memory");
+    if (img) pthread_mutex_unlock(&s->vision_mu);
+    free(mj);
+    free(tj);
+    free(rj);
+    return st;
+}
+
 k3_status k3_srv_encode_chat(struct k3_server *s, json_t *root, k3_vision_prompt *out, bool *thinking_out,
                              k3_error *err) {
     memset(out, 0, sizeof *out);
-    bool thinking = true;
+    bool thinking = K3_SRV_THINKING_DEFAULT;
     K3_TRY(chat_thinking(root, &thinking, err));
     if (thinking_out) *thinking_out = thinking;
     json_t *msgs = json_object_get(root, "messages");
@@ -74,25 +121,13 @@ k3_status k3_srv_encode_chat(struct k3_server *s, json_t *root, k3_vision_prompt
     json_t *effort = json_is_object(kw) ? json_object_get(kw, "thinking_effort") : NULL;
     if (!effort) effort = json_object_get(root, "reasoning_effort");
     json_t *rf = json_object_get(root, "response_format");
-    char *mj = json_dumps(msgs, JSON_COMPACT), *tj = tools && json_is_array(tools) ? json_dumps(tools, JSON_COMPACT) : NULL;
-    char *rj = json_is_object(rf) ? json_dumps(rf, JSON_COMPACT) : NULL;
-    k3_chat_options co = {.add_generation_prompt = true,
-                          .thinking = thinking,
-                          .thinking_effort = json_is_string(effort) ? json_string_value(effort) : NULL,
-                          .tool_choice = tool_choice,
-                          .response_format = rj};
-    /* image parts go through the tower (v NULL: refused for a text-only
-     * model); one encode at a time, on the tower's own pool */
-    const bool img = has_image(msgs);
-    if (img) pthread_mutex_lock(&s->vision_mu);
-    k3_status st = mj ? k3_vision_chat_encode_json(img ? s->vision : NULL, s->tok, img ? s->vision_pool : NULL, mj,
-                                                   tj, &co, s->max_image_pixels, out, err)
-                      : k3_err(err, K3_ERR_NOMEM, "out of memory");
-    if (img) pthread_mutex_unlock(&s->vision_mu);
-    free(mj);
-    free(tj);
-    free(rj);
-    return st;
+    const k3_srv_chat_input in = {.messages = msgs,
+                                  .tools = json_is_array(tools) ? tools : NULL,
+                                  .tool_choice = tool_choice,
+                                  .thinking = thinking,
+                                  .effort = json_is_string(effort) ? json_string_value(effort) : NULL,
+                                  .response_format = json_is_object(rf) ? rf : NULL};
+    return k3_srv_encode_messages(s, &in, out, err);
 }
 
 static bool chat_prompt(struct k3_server *s, json_t *root, k3_srv_request *rq, k3_srv_bad *e) {

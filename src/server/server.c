@@ -22,6 +22,7 @@
 #include "server/engine_loop.h"
 #include "server/http.h"
 #include "server/routes.h"
+#include "server/store.h"
 #include "server/state.h"
 
 #define JSON_MAX_DEPTH 64
@@ -51,25 +52,26 @@ static bool auth_ok(const struct k3_server *s, struct MHD_Connection *c) {
 
 /* Parses the body as a JSON object; on failure queues a 400 and returns NULL
  * with *ret set. */
-static json_t *parse_body(struct k3_server *s, struct MHD_Connection *c, const conn_req *r, enum MHD_Result *ret) {
+static json_t *parse_body(struct k3_server *s, struct MHD_Connection *c, const k3_route *rt, const conn_req *r,
+                          enum MHD_Result *ret) {
     if (r->body.len == 0) {
-        *ret = k3_srv_error(s, c, 400, "the request has no body: expected a JSON object");
+        *ret = k3_srv_route_error(rt, s, c, 400, "the request has no body: expected a JSON object");
         return NULL;
     }
     if (k3_json_too_deep(r->body.p, r->body.len, JSON_MAX_DEPTH)) {
-        *ret = k3_srv_error(s, c, 400, "the request JSON nests deeper than %d levels", JSON_MAX_DEPTH);
+        *ret = k3_srv_route_error(rt, s, c, 400, "the request JSON nests deeper than %d levels", JSON_MAX_DEPTH);
         return NULL;
     }
     json_error_t je;
     json_t *root = json_loadb(r->body.p, r->body.len, 0, &je);
     if (!root) {
-        *ret = k3_srv_error(s, c, 400, "the request is not valid JSON (line %d, column %d): %s", je.line, je.column,
-                            je.text);
+        *ret = k3_srv_route_error(rt, s, c, 400, "the request is not valid JSON (line %d, column %d): %s", je.line,
+                                  je.column, je.text);
         return NULL;
     }
     if (!json_is_object(root)) {
         json_decref(root);
-        *ret = k3_srv_error(s, c, 400, "the request JSON must be an object");
+        *ret = k3_srv_route_error(rt, s, c, 400, "the request JSON must be an object");
         return NULL;
     }
     return root;
@@ -81,30 +83,32 @@ static json_t *parse_body(struct k3_server *s, struct MHD_Connection *c, const c
  * an engine that can generate. */
 static enum MHD_Result dispatch(struct k3_server *s, struct MHD_Connection *c, const char *url, const char *method,
                                 conn_req *r) {
-    if (r->too_big)
-        return k3_srv_error(s, c, 413, "the request body is over the limit of %zu bytes", s->max_body);
     const k3_route *other = NULL, *rt = k3_srv_route_find(method, url, &other);
     const k3_route *known = rt ? rt : other;
+    /* every error of a known path in the shape of its API (k3_route.error) */
+    if (r->too_big)
+        return k3_srv_route_error(known, s, c, 413, "the request body is over the limit of %zu bytes", s->max_body);
     if ((!known || (known->flags & K3_ROUTE_AUTH)) && !auth_ok(s, c))
-        return k3_srv_error(s, c, 401, "a valid API key is needed: Authorization: Bearer KEY");
+        return k3_srv_route_error(known, s, c, 401, "a valid API key is needed: Authorization: Bearer KEY");
     if (!known) return k3_srv_error(s, c, 404, "no route %s %s", method, url);
-    if (!rt) return k3_srv_error(s, c, 405, "%s takes %s", url, known->method);
+    if (!rt) return k3_srv_route_error(known, s, c, 405, "%s takes %s", url, known->method);
     enum MHD_Result ret;
     json_t *root = NULL;
     if (rt->flags & K3_ROUTE_JSON) {
-        if (!(root = parse_body(s, c, r, &ret))) return ret;
+        if (!(root = parse_body(s, c, rt, r, &ret))) return ret;
         json_t *model = json_object_get(root, "model");
         if (model && !json_is_null(model) && (!json_is_string(model) || strcmp(json_string_value(model), s->model))) {
-            ret = k3_srv_error(s, c, 404, "the model `%s` does not exist (this server serves `%s`)",
-                               json_is_string(model) ? json_string_value(model) : "?", s->model);
+            ret = k3_srv_route_error(rt, s, c, 404, "the model `%s` does not exist (this server serves `%s`)",
+                                     json_is_string(model) ? json_string_value(model) : "?", s->model);
             json_decref(root);
             return ret;
         }
     }
     if ((rt->flags & K3_ROUTE_GENERATES) && !s->engine)
-        ret = k3_srv_error(s, c, 503, "this server has no engine to generate with");
+        ret = k3_srv_route_error(rt, s, c, 503, "this server has no engine to generate with");
     else if ((rt->flags & K3_ROUTE_GENERATES) && k3_server_failed(s, NULL))
-        ret = k3_srv_error(s, c, 503, "the engine has failed");
+        ret = k3_srv_route_error(rt, s, c, 503, "the engine has failed");
+    else if (rt->fn_url) ret = rt->fn_url(s, c, url);
     else ret = rt->fn(s, c, root);
     json_decref(root);
     return ret;
@@ -177,8 +181,10 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
             const unsigned long long v = strtoull(cl, &end, 10);
             if (end == cl || v > s->max_body) {
                 r->too_big = true;
-                return k3_srv_error(s, c, 413, "the request body (%s bytes) is over the limit of %zu bytes", cl,
-                                    s->max_body);
+                const k3_route *other = NULL, *rt = k3_srv_route_find(method, url, &other);
+                return k3_srv_route_error(rt ? rt : other, s, c, 413,
+                                          "the request body (%s bytes) is over the limit of %zu bytes", cl,
+                                          s->max_body);
             }
         }
         return MHD_YES;
@@ -227,6 +233,7 @@ static void server_free(struct k3_server *s) {
     free(s->model);
     free(s->model_label);
     free(s->version);
+    k3_srv_store_free(s->responses);
     k3_metrics_destroy(&s->metrics);
     pthread_mutex_destroy(&s->fail_mu);
     pthread_mutex_destroy(&s->vision_mu);
@@ -245,6 +252,8 @@ k3_status k3_server_start(k3_server **out, const k3_server_options *opt, k3_erro
     s->vision = opt->vision;
     s->vision_pool = opt->vision_pool;
     s->max_image_pixels = opt->max_image_pixels;
+    s->no_ui = opt->no_ui;
+    s->responses = k3_srv_store_new(K3_SRV_STORE_ENTRIES, K3_SRV_STORE_BYTES);
     s->host = dup_or(opt->host, "127.0.0.1");
     s->api_key = dup_or(opt->api_key, NULL);
     s->model = strdup(opt->model_name);
@@ -266,7 +275,8 @@ k3_status k3_server_start(k3_server **out, const k3_server_options *opt, k3_erro
         mml = st.max_model_len;
     }
     k3_metrics_init(&s->metrics, mml, mbt);
-    if (!s->host || !s->model || !s->model_label || !s->version || (opt->api_key && *opt->api_key && !s->api_key)) {
+    if (!s->host || !s->model || !s->model_label || !s->version || !s->responses ||
+        (opt->api_key && *opt->api_key && !s->api_key)) {
         server_free(s);
         return k3_err(err, K3_ERR_NOMEM, "out of memory for the server");
     }
