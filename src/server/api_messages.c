@@ -344,6 +344,12 @@ static bool parse_thinking(json_t *root, msg_ctx *x, bool count_only, bad *b) {
             x->thinking = true;
         }
     }
+    if (x->thinking) {
+        /* the effort of thinking that asks none: chat's default (k3_srv_reasoning_effort of NULL) */
+        bool on = false;
+        k3_error err = {0};
+        if (k3_srv_reasoning_effort("thinking", NULL, &on, &x->effort, &err)) return fail(b, 400, "%s", err.msg);
+    }
     json_t *oc = json_object_get(root, "output_config");
     if (!oc || json_is_null(oc)) return true;
     if (!json_is_object(oc)) return fail(b, 400, "\"output_config\" must be an object");
