@@ -51,6 +51,7 @@ help:
 	@echo "make check-reference  compare with external references (needs PyPI)"
 	@echo "make test-hf-tokenizer  the Hugging Face tokenizer of each checkpoint against k3's (needs PyPI)"
 	@echo "make test-browser  the chat page at / in headless Chromium (installs Debian's chromium)"
+	@echo "make test-lm-eval  lm-eval local-completions, remote tokenizer, against k3 serve (needs PyPI)"
 	@echo "make bench-model make the bench checkpoints (bench/bench, bench/bench-dsa; ~2 GB each)"
 	@echo "make install     install k3 and the default model under PREFIX (default /usr/local)"
 	@echo "make fuzz        run each libFuzzer harness for FUZZ_TIME seconds (default 60)"
@@ -133,6 +134,17 @@ test-browser: $(BUILD)/k3
 test-hf-tokenizer: $(BUILD)/k3
 	@PY=$$(sh scripts/venv.sh transformers tiktoken) && "$$PY" tests/hf_tokenizer.py $(BUILD)/k3
 
+# lm-eval's local-completions with tokenizer_backend=remote against k3 serve on
+# models/k3-mini (tests/lm_eval_remote.py, tasks in tests/lm_eval/):
+# lm-eval[api] 0.4.13 into the project's .venv (PyPI the first time: ~750 MB
+# with datasets, pyarrow, pandas, scipy; about 2 minutes), no torch.
+LM_EVAL_PKG ?= lm-eval[api]==0.4.13
+.PHONY: test-lm-eval
+test-lm-eval: $(BUILD)/k3
+	@PY=$$(sh scripts/venv.sh numpy openai) && \
+	  { "$$PY" -c "import lm_eval, aiohttp, tenacity" 2>/dev/null || "$$PY" -m pip install -q "$(LM_EVAL_PKG)"; } && \
+	  "$$PY" tests/lm_eval_remote.py $(BUILD)/k3
+
 format:
 	clang-format -i include/*.h src/*/*.[ch] cli/*.c tests/*.[ch]
 
@@ -188,11 +200,11 @@ FUZZ_BUILD  ?= build-fuzz
 FUZZ_TIME   ?= 60
 FUZZ_TEST_TIME ?= 3
 FUZZ_SAN    := -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer
-FUZZ_NAMES  := safetensors config tiktoken chat image
+FUZZ_NAMES  := safetensors config tiktoken chat image grammar
 HAVE_CLANG  := $(shell command -v $(FUZZ_CC) >/dev/null 2>&1 && echo yes)
-# Only the parsers are linked: common/, config, safetensors, tokenizer.
+# Only the parsers are linked: common/, config, safetensors, tokenizer, image, grammar.
 FUZZ_LIB_SRC := $(wildcard src/common/*.c src/tokenizer/*.c) src/model/config.c src/model/safetensors.c
-FUZZ_LIB_SRC += src/vision/image.c src/vision/processor.c
+FUZZ_LIB_SRC += src/vision/image.c src/vision/processor.c $(wildcard src/grammar/*.c)
 ifeq ($(HAVE_CLANG),yes)
 fuzz-build: $(DEPS_OK)
 	@$(MAKE) --no-print-directory BUILD=$(FUZZ_BUILD) CC=$(FUZZ_CC) \
@@ -207,7 +219,7 @@ fuzz-build:
 endif
 fuzz: fuzz-build
 	@sh fuzz/run.sh $(FUZZ_BUILD) $(FUZZ_TIME)
-# MPI (src/dist, issue 19): build/k3 always links OpenMPI (Debian's
+# MPI (src/comm: the only code that calls it): build/k3 always links OpenMPI (Debian's
 # openmpi-bin + libopenmpi-dev, scripts/install-deps.sh); without mpirun it
 # runs as world size 1. Flags from pkg-config ompi-c, else from mpicc.
 DEPS_PC += ompi-c

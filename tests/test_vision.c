@@ -359,7 +359,7 @@ K3_TEST(vision_logits_official) {
     for (int i = 0; i < n; i++) same &= ids[i] == (int32_t)gi64(tid, i);
     CHECKF(same, "the prompt's ids differ from the official framing");
 
-    k3_ctx_options o = {.max_seqs = 1, .max_tokens = 256, .block_size = 16, .max_batch = 32, .pool = pool};
+    k3_ctx_options o = {.max_seqs = 1, .cache_tokens = 256, .block_size = 16, .max_batch = 32, .pool = pool};
     REQUIRE(k3_ctx_init(&ctx, f.m, &o, &err) == K3_OK);
     lg = malloc(sizeof(float) * (size_t)(V * n));
     k3_batch_seq b = {0, n, ids, emb};
@@ -405,7 +405,7 @@ K3_TEST(vision_text_logits_official) {
         const int n = (int)tid->shape[0];
         int32_t ids[64];
         for (int i = 0; i < n && i < 64; i++) ids[i] = (int32_t)gi64(tid, i);
-        k3_ctx_options o = {.max_seqs = 1, .max_tokens = 64, .block_size = 16};
+        k3_ctx_options o = {.max_seqs = 1, .cache_tokens = 64, .block_size = 16};
         float *lg = malloc(sizeof(float) * 1024 * (size_t)n), *ref = gf32(tl);
         k3_batch_seq b = {0, n, ids};
         REQUIRE(k3_ctx_init(&ctx, m, &o, &err) == K3_OK && k3_ctx_forward(ctx, &b, 1, K3_LOGITS_ALL, lg, &err) == K3_OK);
@@ -1004,7 +1004,7 @@ static char *chat_with(const char *file) {
 static void ctx_greedy(const fixture *f, const k3_vision_prompt *vp, int32_t *want, int n) {
     k3_ctx *ctx = NULL;
     k3_error err = {0};
-    k3_ctx_options co = {.max_seqs = 1, .max_tokens = 256, .block_size = 16};
+    k3_ctx_options co = {.max_seqs = 1, .cache_tokens = 256, .block_size = 16};
     float *lg = malloc(sizeof(float) * 1024);
     if (!lg || k3_ctx_init(&ctx, f->m, &co, &err)) {
         k3_test_fail(__FILE__, __LINE__, "ctx: %s", err.msg);

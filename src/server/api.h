@@ -35,15 +35,11 @@ enum MHD_Result k3_srv_anthropic_error(struct k3_server *s, struct MHD_Connectio
  * and reasoning_effort NULL below all take it. */
 #define K3_SRV_THINKING_DEFAULT true
 
-/* OpenAI's reasoning effort (chat's "reasoning_effort", Responses'
- * "reasoning.effort") onto K3's thinking switch and thinking_effort:
- *   NULL (not given)  the default switch (K3_SRV_THINKING_DEFAULT), no effort
- *   "none"            thinking off
- *   "minimal", "low"  on, "low"
- *   "medium"          on, no effort note (the model's own default)
- *   "high"            on, "high"
- *   "xhigh", "max"    on, "max"
- * Anything else is K3_ERR_ARG naming field. */
+/* OpenAI's reasoning effort (Responses' "reasoning.effort", Anthropic's
+ * "output_config.effort") onto K3's thinking switch and thinking_effort,
+ * as chat's "reasoning_effort" maps it (k3_chat_reasoning_effort: NULL is
+ * the default, on at "max"; "none" is off); an unknown value is
+ * K3_ERR_ARG naming field. */
 k3_status k3_srv_reasoning_effort(const char *field, const char *effort, bool *thinking, const char **k3_effort,
                                   k3_error *err);
 

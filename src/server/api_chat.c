@@ -15,16 +15,23 @@
 #include "server/api.h"
 #include "server/http.h"
 #include "server/job.h"
+#include "tokenizer/reasoning.h"
 
 #define OBJECT "chat.completion"
 #define CHUNK_OBJECT "chat.completion.chunk"
 
 /* ---- the prompt --------------------------------------------------------- */
 
-/* The think switch of a chat request: chat_template_kwargs.enable_thinking
- * or .thinking (K3's default: on). */
-static k3_status chat_thinking(json_t *root, bool *out, k3_error *err) {
-    *out = K3_SRV_THINKING_DEFAULT;
+/* The think switch and effort of a chat request: "reasoning_effort" on
+ * OpenAI's scale (k3_chat_reasoning_effort: none is off; absent, K3's
+ * default: on, at "max"), then chat_template_kwargs, which win:
+ * .thinking / .enable_thinking turn it on or off, .thinking_effort names
+ * K3's level (null: none named, the model's own judgement). */
+static k3_status chat_thinking(json_t *root, bool *thinking, const char **effort, k3_error *err) {
+    json_t *re = json_object_get(root, "reasoning_effort");
+    if (re && !json_is_null(re) && !json_is_string(re))
+        return k3_err(err, K3_ERR_ARG, "\"reasoning_effort\" must be a string");
+    K3_TRY(k3_chat_reasoning_effort(json_string_value(re), thinking, effort, err));
     json_t *kw = json_object_get(root, "chat_template_kwargs");
     if (!kw || json_is_null(kw)) return K3_OK;
     if (!json_is_object(kw)) return k3_err(err, K3_ERR_ARG, "\"chat_template_kwargs\" must be an object");
@@ -33,28 +40,22 @@ static k3_status chat_thinking(json_t *root, bool *out, k3_error *err) {
         json_t *v = json_object_get(kw, keys[i]);
         if (!v || json_is_null(v)) continue;
         if (!json_is_boolean(v)) return k3_err(err, K3_ERR_ARG, "\"%s\" must be true or false", keys[i]);
-        *out = json_is_true(v);
+        *thinking = json_is_true(v);
+        if (*thinking && !*effort) *effort = "max";
     }
+    json_t *te = json_object_get(kw, "thinking_effort");
+    if (te && !json_is_null(te) && !json_is_string(te))
+        return k3_err(err, K3_ERR_ARG, "\"thinking_effort\" must be a string");
+    if (te) *effort = json_string_value(te);
     return K3_OK;
 }
 
 k3_status k3_srv_reasoning_effort(const char *field, const char *effort, bool *thinking, const char **k3_effort,
                                   k3_error *err) {
-    static const struct {
-        const char *openai, *k3;
-        bool on;
-    } map[] = {{"none", NULL, false}, {"minimal", "low", true}, {"low", "low", true}, {"medium", NULL, true},
-               {"high", "high", true}, {"xhigh", "max", true},  {"max", "max", true}};
-    *thinking = K3_SRV_THINKING_DEFAULT;
-    *k3_effort = NULL;
-    if (!effort) return K3_OK;
-    for (size_t i = 0; i < sizeof map / sizeof *map; i++)
-        if (!strcmp(effort, map[i].openai)) {
-            *thinking = map[i].on;
-            *k3_effort = map[i].k3;
-            return K3_OK;
-        }
-    return k3_err(err, K3_ERR_ARG, "\"%s\" is \"%.32s\", not none, minimal, low, medium, high or xhigh", field, effort);
+    k3_error e = {0};
+    if (k3_chat_reasoning_effort(effort, thinking, k3_effort, &e))
+        return k3_err(err, K3_ERR_ARG, "\"%s\": %s", field, e.msg);
+    return K3_OK;
 }
 
 /* Whether any message has an image part (the encode then takes the tower's pool). */
@@ -104,7 +105,8 @@ k3_status k3_srv_encode_chat(struct k3_server *s, json_t *root, k3_vision_prompt
                              k3_error *err) {
     memset(out, 0, sizeof *out);
     bool thinking = K3_SRV_THINKING_DEFAULT;
-    K3_TRY(chat_thinking(root, &thinking, err));
+    const char *effort = NULL;
+    K3_TRY(chat_thinking(root, &thinking, &effort, err));
     if (thinking_out) *thinking_out = thinking;
     json_t *msgs = json_object_get(root, "messages");
     if (!json_is_array(msgs) || json_array_size(msgs) == 0)
@@ -117,15 +119,12 @@ k3_status k3_srv_encode_chat(struct k3_server *s, json_t *root, k3_vision_prompt
     if (json_is_string(tc)) tool_choice = json_string_value(tc);
     else if (json_is_object(tc)) tool_choice = "required";
     else if (tc && !json_is_null(tc)) return k3_err(err, K3_ERR_ARG, "\"tool_choice\" must be a string or an object");
-    json_t *kw = json_object_get(root, "chat_template_kwargs");
-    json_t *effort = json_is_object(kw) ? json_object_get(kw, "thinking_effort") : NULL;
-    if (!effort) effort = json_object_get(root, "reasoning_effort");
     json_t *rf = json_object_get(root, "response_format");
     const k3_srv_chat_input in = {.messages = msgs,
                                   .tools = json_is_array(tools) ? tools : NULL,
                                   .tool_choice = tool_choice,
                                   .thinking = thinking,
-                                  .effort = json_is_string(effort) ? json_string_value(effort) : NULL,
+                                  .effort = effort,
                                   .response_format = json_is_object(rf) ? rf : NULL};
     return k3_srv_encode_messages(s, &in, out, err);
 }
@@ -217,7 +216,12 @@ json_t *k3_srv_chat_message(const char *text, size_t len, bool thinking, bool *t
     *tools = false;
     if (k3_chat_parse_reply(text, len, thinking, &r, err)) return NULL;
     json_t *msg = json_pack("{s:s}", "role", "assistant");
-    json_object_set_new(msg, "content", r.content ? k3_srv_jstr(r.content, strlen(r.content)) : json_null());
+    /* as OpenAI's reasoning models: content is "" when the reply has none
+     * (thinking used up max_tokens), null only beside tool calls */
+    const bool calls = r.tool_calls_json && r.n_tool_calls > 0;
+    json_object_set_new(msg, "content", r.content ? k3_srv_jstr(r.content, strlen(r.content))
+                                        : calls  ? json_null()
+                                                 : json_string(""));
     if (r.reasoning) json_object_set_new(msg, "reasoning_content", k3_srv_jstr(r.reasoning, strlen(r.reasoning)));
     if (r.tool_calls_json && r.n_tool_calls > 0) {
         json_t *tc = json_loads(r.tool_calls_json, 0, NULL);
@@ -232,6 +236,53 @@ json_t *k3_srv_chat_message(const char *text, size_t len, bool thinking, bool *t
 
 /* ---- answers -------------------------------------------------------------- */
 
+/* Appends to content the logprobs entries of c's generated tokens [from,
+ * upto) whose text lies in text[off, off + len): the tokens of the content
+ * (one that puts no text there, a special left out, is not listed). Returns
+ * where it stopped: the first token that begins at or after off + len. */
+static size_t content_logprobs(k3_srv_job *j, const k3_srv_choice *c, size_t from, size_t upto, size_t off, size_t len,
+                               json_t *content) {
+    size_t t = from;
+    for (; t < upto && t < c->n_seen; t++) {
+        size_t t0, t1;
+        k3_srv_choice_token_span(c, t, &t0, &t1);
+        if (t0 >= off + len) break; /* past the content (or what is sent of it) */
+        if (t1 > t0 && t1 > off) k3_srv_chat_logprobs(j, c, t, t + 1, content);
+    }
+    return t;
+}
+
+/* Appends to out the logprobs entries of c's generated tokens [from, upto)
+ * that begin before re (the think channel, its closing tag included: the
+ * tokens usage counts as reasoning_tokens; one that puts no text there is
+ * not listed). Returns where it stopped: the first token at or past re. */
+static size_t reasoning_logprobs(k3_srv_job *j, const k3_srv_choice *c, size_t from, size_t upto, size_t re,
+                                 json_t *out) {
+    size_t t = from;
+    for (; t < upto && t < c->n_seen; t++) {
+        size_t t0, t1;
+        k3_srv_choice_token_span(c, t, &t0, &t1);
+        if (t0 >= re) break;
+        if (t1 > t0) k3_srv_chat_logprobs(j, c, t, t + 1, out);
+    }
+    return t;
+}
+
+/* Reasoning tokens: those that begin inside the think channel (its closing tag included). */
+static int64_t reasoning_tokens(k3_srv_job *j, const k3_srv_choice *c) {
+    if (!j->rq.thinking) return 0;
+    size_t re, off, len;
+    bool has;
+    k3_chat_reply_spans(c->text.p ? c->text.p : "", c->text.len, true, &re, &has, &off, &len);
+    int64_t n = 0;
+    for (size_t i = 0; i < c->n_seen; i++) {
+        size_t t0, t1;
+        k3_srv_choice_token_span(c, i, &t0, &t1);
+        n += t0 < re;
+    }
+    return n;
+}
+
 /* One entry of choices: the message, its logprobs, the finish reason. */
 static json_t *answer_choice(k3_srv_job *j, k3_srv_choice *c, char *why, size_t why_len) {
     k3_error err = {0};
@@ -244,9 +295,20 @@ static json_t *answer_choice(k3_srv_job *j, k3_srv_choice *c, char *why, size_t 
     json_t *lp = json_null();
     if (j->rq.logprobs >= 0) {
         json_decref(lp);
+        /* the tokens of the content, as message.content has it */
         json_t *content = json_array();
-        k3_srv_chat_logprobs(j, c, 0, (size_t)c->n_out, content);
+        size_t re, off, len;
+        bool has;
+        k3_chat_reply_spans(c->text.p ? c->text.p : "", c->text.len, j->rq.thinking, &re, &has, &off, &len);
+        if (has) content_logprobs(j, c, 0, c->n_seen, off, len, content);
         lp = json_pack("{s:o}", "content", content);
+        /* and those of the reasoning, as message.reasoning_content has it */
+        if (j->rq.thinking) {
+            json_t *rs = json_array();
+            reasoning_logprobs(j, c, 0, c->n_seen, re, rs);
+            if (json_array_size(rs)) json_object_set_new(lp, "reasoning_content", rs);
+            else json_decref(rs);
+        }
     }
     return json_pack("{s:i,s:o,s:o,s:s}", "index", c->index, "message", msg, "logprobs", lp, "finish_reason",
                      k3_srv_finish_reason(c, tools));
@@ -266,6 +328,31 @@ static void stream_fail(k3_srv_job *j, k3_srv_choice *c, const char *what, const
     snprintf(msg, sizeof msg, "%s: %s", what, why);
     k3_sse_error(&j->sse, 500, msg);
     c->final_sent = true;
+}
+
+/* Sets lp's "reasoning_content" to the entries of c's reasoning tokens
+ * [lp_rsent, lp_upto) that begin in the think channel of text[0, upto), and
+ * moves lp_rsent past them; none new, no key. */
+static void add_reasoning_logprobs(k3_srv_job *j, k3_srv_choice *c, size_t lp_upto, size_t upto, json_t *lp) {
+    if (!j->rq.thinking) return;
+    size_t re, off, len;
+    bool has;
+    k3_chat_reply_spans(c->text.p ? c->text.p : "", upto, true, &re, &has, &off, &len);
+    json_t *rs = json_array();
+    c->lp_rsent = reasoning_logprobs(j, c, c->lp_rsent, lp_upto, re, rs);
+    if (json_array_size(rs)) json_object_set_new(lp, "reasoning_content", rs);
+    else json_decref(rs);
+}
+
+/* The last chunk's logprobs: the reasoning tokens not sent yet (the
+ * closing tag's), or null. */
+static json_t *final_logprobs(k3_srv_job *j, k3_srv_choice *c) {
+    if (j->rq.logprobs < 0) return json_null();
+    json_t *lp = json_pack("{s:n}", "content");
+    add_reasoning_logprobs(j, c, k3_srv_choice_lp_ready(c), c->text.len, lp);
+    if (json_object_get(lp, "reasoning_content")) return lp;
+    json_decref(lp);
+    return json_null();
 }
 
 static void stream_choice(k3_srv_job *j, int i) {
@@ -289,20 +376,34 @@ static void stream_choice(k3_srv_job *j, int i) {
             return;
         }
         const size_t rl = r.reasoning ? strlen(r.reasoning) : 0, cl = r.content ? strlen(r.content) : 0;
+        /* the logprobs of every token decoded so far go with the first delta
+         * sent (reasoning, then content; the rest with the last chunk), so
+         * a reply that stays in reasoning_content has them all too */
         if (rl > c->sent_reasoning) {
-            send_chunk(j, json_pack("[{s:i,s:{s:o},s:n,s:n}]", "index", i, "delta", "reasoning_content",
+            json_t *lp = json_null();
+            if (j->rq.logprobs >= 0) {
+                json_decref(lp);
+                lp = json_pack("{s:n}", "content");
+                add_reasoning_logprobs(j, c, lp_upto, upto, lp);
+            }
+            send_chunk(j, json_pack("[{s:i,s:{s:o},s:o,s:n}]", "index", i, "delta", "reasoning_content",
                                     k3_srv_jstr(r.reasoning + c->sent_reasoning, rl - c->sent_reasoning), "logprobs",
-                                    "finish_reason"));
+                                    lp, "finish_reason"));
             c->sent_reasoning = rl;
         }
         if (cl > c->sent_content) {
             json_t *lp = json_null();
-            if (j->rq.logprobs >= 0 && lp_upto > c->lp_sent) {
+            if (j->rq.logprobs >= 0) {
+                /* the content's tokens that begin in the content sent so far; the
+                 * tokens before lp_sent are decided (sent, or not content) */
+                size_t re, off, len;
+                bool has;
+                k3_chat_reply_spans(c->text.p ? c->text.p : "", upto, j->rq.thinking, &re, &has, &off, &len);
                 json_decref(lp);
                 json_t *content = json_array();
-                k3_srv_chat_logprobs(j, c, c->lp_sent, lp_upto, content);
-                c->lp_sent = lp_upto;
+                if (has) c->lp_sent = content_logprobs(j, c, c->lp_sent, lp_upto, off, len, content);
                 lp = json_pack("{s:o}", "content", content);
+                add_reasoning_logprobs(j, c, lp_upto, upto, lp);
             }
             send_chunk(j, json_pack("[{s:i,s:{s:o},s:o,s:n}]", "index", i, "delta", "content",
                                     k3_srv_jstr(r.content + c->sent_content, cl - c->sent_content), "logprobs", lp,
@@ -333,10 +434,10 @@ static void stream_choice(k3_srv_job *j, int i) {
     }
     if (c->done) {
         const char *why = k3_srv_choice_error(c, "generation failed");
-        if (why) k3_sse_error(&j->sse, 500, why);
+        if (why) k3_sse_error(&j->sse, k3_srv_choice_error_status(c), why);
         else
-            send_chunk(j, json_pack("[{s:i,s:{},s:n,s:s}]", "index", i, "delta", "logprobs", "finish_reason",
-                                    k3_srv_finish_reason(c, tools)));
+            send_chunk(j, json_pack("[{s:i,s:{},s:o,s:s}]", "index", i, "delta", "logprobs", final_logprobs(j, c),
+                                    "finish_reason", k3_srv_finish_reason(c, tools)));
         c->final_sent = true;
     }
 }
@@ -353,6 +454,7 @@ static const k3_srv_api chat = {
     .answer = answer,
     .stream_choice = stream_choice,
     .stream_end = stream_end,
+    .reasoning_tokens = reasoning_tokens,
 };
 
 enum MHD_Result k3_api_chat(struct k3_server *s, struct MHD_Connection *c, json_t *root) {

@@ -111,24 +111,31 @@ static json_t *lp_top(k3_srv_job *j, int32_t id, float lp, const k3_logprob *top
 }
 
 /* Appends the entry of token id (logprob lp: NULL for none, top: the
- * top_logprobs entry or NULL) at text offset *offset, and moves it on. */
-static void lp_append(k3_srv_job *j, json_t *lp, int32_t id, json_t *logprob, json_t *top, size_t *offset) {
+ * top_logprobs entry or NULL) at text offset offset. */
+static void lp_entry(k3_srv_job *j, json_t *lp, int32_t id, json_t *logprob, json_t *top, size_t offset) {
     json_array_append_new(json_object_get(lp, "tokens"), k3_srv_token_json(j, id));
     json_array_append_new(json_object_get(lp, "token_logprobs"), logprob ? logprob : json_null());
     json_array_append_new(json_object_get(lp, "top_logprobs"), top ? top : json_null());
-    json_array_append_new(json_object_get(lp, "text_offset"), json_integer((json_int_t)*offset));
+    json_array_append_new(json_object_get(lp, "text_offset"), json_integer((json_int_t)offset));
+}
+
+/* A prompt token's entry at *offset, which moves on by its text. */
+static void lp_append(k3_srv_job *j, json_t *lp, int32_t id, json_t *logprob, json_t *top, size_t *offset) {
+    lp_entry(j, lp, id, logprob, top, *offset);
     size_t len = 0;
     if (!k3_tokenizer_is_special(j->s->tok, id)) k3_tokenizer_token(j->s->tok, id, &len);
     *offset += len;
 }
 
-/* Generated tokens [a, b) of c. */
-static void lp_generated(k3_srv_job *j, const k3_srv_choice *c, size_t a, size_t b, json_t *lp, size_t *offset) {
+/* Generated tokens [a, b) of c, at base + where each begins in its text. */
+static void lp_generated(k3_srv_job *j, const k3_srv_choice *c, size_t a, size_t b, json_t *lp, size_t base) {
     const k3_srv_seq *q = &c->q;
-    for (size_t i = a; i < b && i < q->n_tok; i++) {
+    for (size_t i = a; i < b && i < q->n_tok && i < c->n_seen; i++) {
         const float l = q->lps[i];
         json_t *top = lp_top(j, q->toks[i], l, q->tops ? q->tops + i * (size_t)q->n_top : NULL, q->n_top);
-        lp_append(j, lp, q->toks[i], isnan(l) ? NULL : json_real(l), top, offset);
+        size_t t0, t1;
+        k3_srv_choice_token_span(c, i, &t0, &t1);
+        lp_entry(j, lp, q->toks[i], isnan(l) ? NULL : json_real(l), top, base + t0);
     }
 }
 
@@ -157,7 +164,7 @@ static json_t *answer_choice(k3_srv_job *j, k3_srv_choice *c, char *why, size_t 
         lp = lp_new();
         size_t off = 0;
         if (j->rq.echo) lp_prompt(j, c, lp, &off);
-        lp_generated(j, c, 0, c->n_out < 0 ? 0 : (size_t)c->n_out, lp, &off);
+        lp_generated(j, c, 0, c->n_out < 0 ? 0 : (size_t)c->n_out, lp, off);
     }
     json_t *text;
     if (j->rq.echo) {
@@ -192,7 +199,7 @@ static void stream_choice(k3_srv_job *j, int i) {
     if (c->done) {
         const char *why = k3_srv_choice_error(c, "generation failed");
         if (why) {
-            k3_sse_error(&j->sse, 500, why);
+            k3_sse_error(&j->sse, k3_srv_choice_error_status(c), why);
             c->final_sent = true;
             return;
         }
@@ -212,8 +219,7 @@ static void stream_choice(k3_srv_job *j, int i) {
         if (j->rq.logprobs >= 0 && lp_upto > c->lp_sent) {
             json_decref(lp);
             lp = lp_new();
-            size_t off = c->emitted;
-            lp_generated(j, c, c->lp_sent, lp_upto, lp, &off);
+            lp_generated(j, c, c->lp_sent, lp_upto, lp, 0);
             c->lp_sent = lp_upto;
         }
         c->emitted = upto;

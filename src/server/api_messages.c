@@ -498,7 +498,7 @@ static enum MHD_Result answer(k3_srv_job *j) {
     msg_ctx *x = j->surf;
     k3_srv_choice *c = &j->ch[0];
     const char *failed = k3_srv_choice_error(c, "engine error");
-    if (failed) return k3_srv_anthropic_error(j->s, j->conn, 500, failed);
+    if (failed) return k3_srv_anthropic_error(j->s, j->conn, k3_srv_choice_error_status(c), failed);
     k3_chat_reply r;
     k3_error err = {0};
     char why[700];
@@ -558,8 +558,11 @@ static const k3_items_ops items_ops = {
     .close = ev_close,
 };
 
-static void stream_error(k3_srv_job *j, const char *why) {
-    k3_sse_event(&j->sse, "error", k3_srv_anthropic_error_json(500, why));
+/* Anthropic's error event, as its API ends a stream it cannot finish (the
+ * SDK raises it): a reply that fails, and the server's own endings (a
+ * shutdown, the engine failed: the stream_error hook). */
+static void stream_error(k3_srv_job *j, unsigned status, const char *why) {
+    k3_sse_event(&j->sse, "error", k3_srv_anthropic_error_json(status, why));
 }
 
 static void stream_choice(k3_srv_job *j, int i) {
@@ -583,7 +586,7 @@ static void stream_choice(k3_srv_job *j, int i) {
     if (st < 0) {
         char why[700];
         snprintf(why, sizeof why, "the model's reply cannot be streamed: %s", err.msg);
-        stream_error(j, why);
+        stream_error(j, 500, why);
         c->final_sent = true;
         if (!c->done) k3_srv_job_cancel(j);
         return;
@@ -592,7 +595,7 @@ static void stream_choice(k3_srv_job *j, int i) {
     k3_chat_reply_free(&r);
     const char *failed = k3_srv_choice_error(c, "generation failed");
     if (failed) {
-        stream_error(j, failed);
+        stream_error(j, k3_srv_choice_error_status(c), failed);
     } else {
         event(j, "message_delta",
               json_pack("{s:{s:s,s:o},s:o}", "delta", "stop_reason", stop_reason(c, has_calls(&x->items)),
@@ -614,6 +617,7 @@ static const k3_srv_api messages = {
     .answer = answer,
     .stream_choice = stream_choice,
     .stream_end = stream_end,
+    .stream_error = stream_error,
     .error = k3_srv_anthropic_error,
     .surf_free = ctx_free,
 };

@@ -546,6 +546,8 @@ static enum MHD_Result answer(k3_srv_job *j) {
     resp_ctx *x = j->surf;
     k3_srv_choice *c = &j->ch[0];
     const char *failed = k3_srv_choice_error(c, "engine error");
+    if (failed && k3_srv_choice_error_status(c) != 500)
+        return k3_srv_error(j->s, j->conn, k3_srv_choice_error_status(c), "%s", failed);
     if (failed) return k3_srv_error(j->s, j->conn, 500, "generation failed: %s", failed);
     k3_chat_reply r;
     k3_error err = {0};
@@ -641,15 +643,19 @@ static void stream_failed(k3_srv_job *j, const char *why) {
                                             k3_srv_jstr(why, strlen(why))))));
 }
 
+/* response.created and response.in_progress, once. */
+static void stream_start(k3_srv_job *j, k3_srv_choice *c) {
+    if (c->started) return;
+    c->started = true;
+    json_t *r0 = response_json(j, "in_progress", NULL, NULL, NULL);
+    event(j, "response.created", json_pack("{s:O}", "response", r0));
+    event(j, "response.in_progress", json_pack("{s:o}", "response", r0));
+}
+
 static void stream_choice(k3_srv_job *j, int i) {
     k3_srv_choice *c = &j->ch[i];
     if (c->final_sent) return;
-    if (!c->started) {
-        c->started = true;
-        json_t *r0 = response_json(j, "in_progress", NULL, NULL, NULL);
-        event(j, "response.created", json_pack("{s:O}", "response", r0));
-        event(j, "response.in_progress", json_pack("{s:o}", "response", r0));
-    }
+    stream_start(j, c);
     resp_ctx *x = j->surf;
     k3_chat_reply r;
     k3_error err = {0};
@@ -679,6 +685,17 @@ static void stream_choice(k3_srv_job *j, int i) {
 
 static void stream_end(k3_srv_job *j) {}
 
+/* The server ends the stream (a shutdown, the engine failed):
+ * response.failed with the output so far and the reason, the Responses
+ * API's ending of a response that cannot finish. */
+static void stream_ended(k3_srv_job *j, unsigned status, const char *why) {
+    k3_srv_choice *c = &j->ch[0];
+    if (c->final_sent) return;
+    stream_start(j, c);
+    stream_failed(j, why);
+    c->final_sent = true;
+}
+
 static const k3_srv_api responses = {
     .fields = K3_API_RESPONSES,
     .id_prefix = "resp",
@@ -689,6 +706,7 @@ static const k3_srv_api responses = {
     .answer = answer,
     .stream_choice = stream_choice,
     .stream_end = stream_end,
+    .stream_error = stream_ended,
     .surf_free = ctx_free,
 };
 

@@ -7,13 +7,18 @@
  * requests cancelled within one step plus 100 ms); the engine thread
  * appends the outputs (engine_loop.c).
  *
- * Text: generated tokens are decoded into a byte buffer (specials skipped
- * unless the surface keeps them by name for its reply parser); only whole
- * UTF-8 characters are sent; stop strings are searched over the whole
- * unsent text, so a stop split over tokens is found, and the longest
- * unsent suffix that could still begin a stop string is held back until
- * the next token decides it. A stop string ends the request (cancelled in
- * the engine) and is never sent.
+ * Text: generated tokens are decoded into a byte buffer: specials left
+ * out unless skip_special_tokens is false (then by name, with a space on
+ * each side when spaces_between_special_tokens, as Hugging Face's slow
+ * tokenizers join them), and the chat markup always by name for a surface
+ * that parses it; the end of each token in the text is kept, so the
+ * surfaces can tell which tokens made which part of it. Only whole UTF-8
+ * characters are sent; stop strings are searched over the whole unsent
+ * text, so a stop split over tokens is found, and the longest unsent
+ * suffix that could still begin a stop string is held back until the next
+ * token decides it. A stop string ends the request (cancelled in the
+ * engine) and is never sent, nor is the stop token that ended it, unless
+ * include_stop_str_in_output.
  */
 #include <math.h>
 #include <stdarg.h>
@@ -45,6 +50,7 @@ static void job_destroy(k3_srv_group *g) {
         k3_srv_choice *c = &j->ch[i];
         k3_srv_seq_free(&c->q);
         k3_buf_free(&c->text);
+        free(c->tok_end);
         k3_tool_stream_free(&c->ts);
     }
     free(j->ch);
@@ -58,21 +64,56 @@ static void job_unref(k3_srv_job *j) { k3_srv_group_unref(&j->g); }
 
 /* ---- text ------------------------------------------------------------- */
 
+enum { SP_NONE, SP_TEXT, SP_SPECIAL };
+
+/* Appends token id to c's text. */
+static void add_token(k3_srv_job *j, k3_srv_choice *c, int32_t id) {
+    const k3_tokenizer *tok = j->s->tok;
+    size_t len = 0;
+    const char *p = k3_tokenizer_token(tok, id, &len);
+    if (!p) return;
+    const bool space = j->rq.spaces_between_special_tokens;
+    if (k3_tokenizer_is_special(tok, id)) {
+        if (j->api->keep_specials && (id == j->markup[0] || id == j->markup[1] || id == j->markup[2])) {
+            k3_buf_add(&c->text, p, len); /* markup: parsed away, no spaces */
+            c->sp = SP_NONE;
+            return;
+        }
+        if (j->rq.skip_special_tokens) return;
+        if (space && c->sp != SP_NONE) k3_buf_add(&c->text, " ", 1);
+        k3_buf_add(&c->text, p, len);
+        c->sp = SP_SPECIAL;
+        return;
+    }
+    if (space && c->sp == SP_SPECIAL) k3_buf_add(&c->text, " ", 1);
+    k3_buf_add(&c->text, p, len);
+    c->sp = SP_TEXT;
+}
+
 void k3_srv_choice_advance(k3_srv_job *j, k3_srv_choice *c) {
-    struct k3_server *s = j->s;
     const k3_srv_seq *q = &c->q;
     if (c->done) return;
+    if (q->n_tok > c->tok_cap) {
+        size_t cap = c->tok_cap ? c->tok_cap * 2 : 64;
+        while (cap < q->n_tok) cap *= 2;
+        size_t *te = realloc(c->tok_end, sizeof *te * cap);
+        if (!te) {
+            if (!q->error[0]) snprintf(c->q.error, sizeof c->q.error, "out of memory for the generated text");
+            k3_srv_cancel(j->s, &c->q);
+            c->done = true;
+            return;
+        }
+        c->tok_end = te;
+        c->tok_cap = cap;
+    }
     for (; c->n_seen < q->n_tok && !c->stop_hit; c->n_seen++) {
         const int32_t id = q->toks[c->n_seen];
         c->n_out++;
-        /* the token that ended the request is not part of the text */
-        if (q->finished && q->finish == K3_FINISH_STOP && c->n_seen + 1 == q->n_tok && id == q->stop_id) continue;
-        size_t len = 0;
-        const char *p = k3_tokenizer_token(s->tok, id, &len);
-        if (!p) continue;
-        if (k3_tokenizer_is_special(s->tok, id) && (!j->api->keep_specials || k3_tokenizer_is_eos(s->tok, id)))
-            continue;
-        k3_buf_add(&c->text, p, len);
+        /* the token that ended the request is not part of the text, unless asked for */
+        const bool stop_tok = q->finished && q->finish == K3_FINISH_STOP && c->n_seen + 1 == q->n_tok &&
+                              id == q->stop_id;
+        if (!stop_tok || j->rq.include_stop_str) add_token(j, c, id);
+        c->tok_end[c->n_seen] = c->text.len;
         if (j->rq.stops.n) {
             /* a stop can begin in the held-back text, never in sent text */
             size_t sl = 0;
@@ -80,14 +121,23 @@ void k3_srv_choice_advance(k3_srv_job *j, k3_srv_choice *c) {
             if (at >= 0) {
                 for (int k = 0; k < j->rq.stops.n && !c->stop_which; k++)
                     if (j->rq.stops.len[k] == sl && !memcmp(c->text.p + at, j->rq.stops.s[k], sl)) c->stop_which = k + 1;
-                c->text.len = (size_t)at;
-                c->text.p[at] = 0;
+                const size_t cut = (size_t)at + (j->rq.include_stop_str ? sl : 0);
+                c->text.len = cut;
+                c->text.p[cut] = 0;
                 c->stop_hit = true;
-                k3_srv_cancel(s, &c->q);
+                k3_srv_cancel(j->s, &c->q);
             }
         }
     }
     if (c->stop_hit || (q->finished && c->n_seen == q->n_tok)) c->done = true;
+}
+
+void k3_srv_choice_token_span(const k3_srv_choice *c, size_t i, size_t *start, size_t *end) {
+    size_t a = i ? c->tok_end[i - 1] : 0, b = c->tok_end[i];
+    if (a > c->text.len) a = c->text.len;
+    if (b > c->text.len) b = c->text.len;
+    *start = a;
+    *end = b;
 }
 
 size_t k3_srv_choice_sendable(k3_srv_job *j, k3_srv_choice *c) {
@@ -106,6 +156,8 @@ const char *k3_srv_choice_error(const k3_srv_choice *c, const char *fallback) {
     if (c->q.finish != K3_FINISH_ERROR && !c->q.error[0]) return NULL;
     return c->q.error[0] ? c->q.error : fallback;
 }
+
+unsigned k3_srv_choice_error_status(const k3_srv_choice *c) { return c->q.err_status ? c->q.err_status : 500; }
 
 const char *k3_srv_finish_reason(const k3_srv_choice *c, bool tool_calls) {
     if (c->stop_hit) return "stop";
@@ -194,9 +246,15 @@ json_t *k3_srv_openai_usage(k3_srv_job *j) {
             }
     }
     for (int i = 0; i < j->n; i++) out += j->ch[i].n_out;
-    return json_pack("{s:I,s:I,s:I,s:{s:I}}", "prompt_tokens", (json_int_t)prompt, "completion_tokens",
-                     (json_int_t)out, "total_tokens", (json_int_t)(prompt + out), "prompt_tokens_details",
-                     "cached_tokens", (json_int_t)cached);
+    json_t *u = json_pack("{s:I,s:I,s:I,s:{s:I}}", "prompt_tokens", (json_int_t)prompt, "completion_tokens",
+                          (json_int_t)out, "total_tokens", (json_int_t)(prompt + out), "prompt_tokens_details",
+                          "cached_tokens", (json_int_t)cached);
+    if (u && j->api->reasoning_tokens) {
+        int64_t rt = 0;
+        for (int i = 0; i < j->n; i++) rt += j->api->reasoning_tokens(j, &j->ch[i]);
+        json_object_set_new(u, "completion_tokens_details", json_pack("{s:I}", "reasoning_tokens", (json_int_t)rt));
+    }
+    return u;
 }
 
 json_t *k3_srv_openai_object(k3_srv_job *j, const char *object, json_t *choices) {
@@ -213,6 +271,8 @@ enum MHD_Result k3_srv_openai_answer(k3_srv_job *j, const char *object, k3_srv_c
         json_t *ch = failed ? NULL : choice(j, c, why, sizeof why);
         if (failed || (!ch && why[0])) {
             json_decref(choices);
+            if (failed && k3_srv_choice_error_status(c) != 500)
+                return k3_srv_error(j->s, j->conn, k3_srv_choice_error_status(c), "%s", failed);
             if (failed) return k3_srv_error(j->s, j->conn, 500, "generation failed: %s", failed);
             return k3_srv_error(j->s, j->conn, 500, "%s", why);
         }
@@ -245,46 +305,109 @@ enum MHD_Result k3_srv_api_error(const k3_srv_api *api, struct k3_server *s, str
     return k3_srv_error(s, c, status, "%s", msg);
 }
 
+/* ---- submitting, waiting ------------------------------------------------- */
+
+static k3_request_params engine_request(k3_srv_job *j, int i);
+
+/* Submits the choices that wait while fewer than the job's seats run (the
+ * job's mutex not held). One the engine refuses fails alone with its
+ * message: the answer is under way. */
+static void submit_more(k3_srv_job *j) {
+    for (;;) {
+        pthread_mutex_lock(&j->g.mu);
+        int running = 0;
+        for (int i = 0; i < j->n_sub; i++) running += !j->ch[i].q.finished;
+        const int i = j->n_sub;
+        const bool more = i < j->n && running < j->seats;
+        pthread_mutex_unlock(&j->g.mu);
+        if (!more) return;
+        k3_srv_choice *c = &j->ch[i];
+        k3_request_params p = engine_request(j, i);
+        k3_error err = {0};
+        const k3_status st = k3_srv_submit(j->s, &c->q, &p, &err);
+        pthread_mutex_lock(&j->g.mu);
+        j->n_sub++;
+        if (st) {
+            c->q.finished = true;
+            c->q.finish = K3_FINISH_ERROR;
+            c->q.err_status = st == K3_ERR_BUSY || st == K3_ERR_IO ? 503 : st == K3_ERR_NOMEM ? 500 : 400;
+            snprintf(c->q.error, sizeof c->q.error, "%.250s", err.msg);
+        }
+        pthread_mutex_unlock(&j->g.mu);
+    }
+}
+
+static void wait_a_while(k3_srv_job *j) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    ts.tv_nsec += 100 * 1000000L;
+    if (ts.tv_nsec >= 1000000000L) ts.tv_sec++, ts.tv_nsec -= 1000000000L;
+    pthread_cond_timedwait(&j->g.cv, &j->g.mu, &ts);
+}
+
 /* ---- the whole answer --------------------------------------------------- */
 
-/* 0: all choices done; 1: the client left or the server stops; 2: engine failed. */
-static int wait_all(k3_srv_job *j) {
+/* 0: all choices done; 1: the client hung up or the server stops (no
+ * answer); 2: the server ends the request (why[] says why). A client that
+ * only half-closed is answered: only a hang-up (reset, or both ways shut)
+ * cancels, or failing to write the answer. */
+static int wait_all(k3_srv_job *j, char *why, size_t cap) {
     struct k3_server *s = j->s;
-    pthread_mutex_lock(&j->g.mu);
     for (;;) {
-        bool all = true;
-        for (int i = 0; i < j->n; i++) {
+        pthread_mutex_lock(&j->g.mu);
+        bool all = j->n_sub == j->n, failed = false;
+        for (int i = 0; i < j->n_sub; i++) {
             k3_srv_choice_advance(j, &j->ch[i]);
             all &= j->ch[i].done;
+            failed |= j->ch[i].done && k3_srv_choice_error_status(&j->ch[i]) == 503;
         }
-        if (all) break;
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        ts.tv_nsec += 100 * 1000000L;
-        if (ts.tv_nsec >= 1000000000L) ts.tv_sec++, ts.tv_nsec -= 1000000000L;
-        pthread_cond_timedwait(&j->g.cv, &j->g.mu, &ts);
-        if (atomic_load(&s->stopping) || k3_srv_client_gone(j->conn)) {
-            k3_srv_job_cancel(j);
+        const char *end = k3_srv_ending(s, why, cap);
+        /* done, unless the server failed under it */
+        if (all && !(end && failed)) {
             pthread_mutex_unlock(&j->g.mu);
-            return 1;
+            return 0;
         }
-        if (k3_server_failed(s, NULL)) {
+        if (end) {
+            k3_srv_job_cancel(j);
             pthread_mutex_unlock(&j->g.mu);
             return 2;
         }
+        wait_a_while(j);
+        const bool cut = atomic_load(&s->stopping) || k3_srv_client_gone(j->conn);
+        if (cut) k3_srv_job_cancel(j);
+        pthread_mutex_unlock(&j->g.mu);
+        if (cut) return 1;
+        submit_more(j);
     }
-    pthread_mutex_unlock(&j->g.mu);
-    return 0;
 }
 
 static enum MHD_Result answer_whole(k3_srv_job *j) {
-    const int w = wait_all(j);
+    char why[300];
+    const int w = wait_all(j, why, sizeof why);
     if (w == 1) return MHD_NO;
-    if (w == 2) return k3_srv_api_error(j->api, j->s, j->conn, 503, "the engine has failed");
+    if (w == 2) return k3_srv_api_error(j->api, j->s, j->conn, 503, "%s", why);
     return j->api->answer(j);
 }
 
 /* ---- the stream --------------------------------------------------------- */
+
+static double mono_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+/* The server ends the stream: the surface's error ending. */
+static void stream_ended(k3_srv_job *j, const char *why) {
+    k3_srv_job_cancel(j);
+    if (j->api->stream_error) j->api->stream_error(j, 503, why);
+    else {
+        k3_sse_error(&j->sse, 503, why);
+        k3_sse_done(&j->sse);
+    }
+    j->sent_done = true;
+    MHD_set_connection_option(j->conn, MHD_CONNECTION_OPTION_TIMEOUT, (unsigned)j->s->timeout_s);
+}
 
 static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max) {
     k3_srv_job *j = cls;
@@ -293,8 +416,14 @@ static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max) {
         if (!k3_sse_empty(&j->sse)) return (ssize_t)k3_sse_take(&j->sse, buf, max);
         if (j->sent_done) return MHD_CONTENT_READER_END_OF_STREAM;
         pthread_mutex_lock(&j->g.mu);
-        bool all = true;
-        for (int i = 0; i < j->n; i++) {
+        char why[300];
+        if (k3_srv_ending(s, why, sizeof why)) {
+            stream_ended(j, why);
+            pthread_mutex_unlock(&j->g.mu);
+            continue;
+        }
+        bool all = j->n_sub == j->n;
+        for (int i = 0; i < j->n_sub; i++) {
             j->api->stream_choice(j, i);
             all &= j->ch[i].final_sent;
         }
@@ -304,21 +433,27 @@ static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max) {
             /* generation is over: a client that stops reading is dropped again */
             MHD_set_connection_option(j->conn, MHD_CONNECTION_OPTION_TIMEOUT, (unsigned)s->timeout_s);
         }
-        if (k3_sse_empty(&j->sse) && !j->sent_done) {
-            struct timespec ts;
-            clock_gettime(CLOCK_REALTIME, &ts);
-            ts.tv_nsec += 100 * 1000000L;
-            if (ts.tv_nsec >= 1000000000L) ts.tv_sec++, ts.tv_nsec -= 1000000000L;
-            pthread_cond_timedwait(&j->g.cv, &j->g.mu, &ts);
-        }
+        if (k3_sse_empty(&j->sse) && !j->sent_done) wait_a_while(j);
         pthread_mutex_unlock(&j->g.mu);
         if (j->sse.out.oom) return MHD_CONTENT_READER_END_WITH_ERROR;
-        if (k3_sse_empty(&j->sse) && !j->sent_done &&
-            (atomic_load(&s->stopping) || k3_server_failed(s, NULL) || k3_srv_client_gone(j->conn))) {
-            pthread_mutex_lock(&j->g.mu);
-            k3_srv_job_cancel(j);
-            pthread_mutex_unlock(&j->g.mu);
-            return MHD_CONTENT_READER_END_WITH_ERROR;
+        if (k3_sse_empty(&j->sse) && !j->sent_done) {
+            if (atomic_load(&s->stopping) || k3_srv_client_gone(j->conn)) {
+                pthread_mutex_lock(&j->g.mu);
+                k3_srv_job_cancel(j);
+                pthread_mutex_unlock(&j->g.mu);
+                return MHD_CONTENT_READER_END_WITH_ERROR;
+            }
+            /* a client that sent its end may still read, or be gone: a
+             * comment each second tells (the write after a closed peer
+             * fails, and the connection's end cancels the stream) */
+            if (k3_srv_client_half_closed(j->conn)) {
+                const double now = mono_s();
+                if (now - j->probe_t >= 1.0) {
+                    j->probe_t = now;
+                    k3_sse_comment(&j->sse);
+                }
+            }
+            submit_more(j);
         }
     }
 }
@@ -344,14 +479,51 @@ static enum MHD_Result fail_job(k3_srv_job *j, unsigned status, const char *msg)
     return k3_srv_api_error(api, s, conn, status, "%s", msg);
 }
 
+/* Choice i's max_tokens: the request's, or the surface's default (what
+ * the context leaves when it has none), cut to the job's cap. */
+static long long choice_max_tokens(const k3_srv_job *j, int i) {
+    const k3_srv_request *rq = &j->rq;
+    const int64_t np = rq->n_prompt[j->ch[i].prompt_index];
+    long long mt = rq->max_tokens;
+    if (mt < 0) {
+        mt = j->api->default_max_tokens >= 0 ? j->api->default_max_tokens : (j->mml > np ? j->mml - np : 0);
+        if (j->mt_cap >= 0 && mt > j->mt_cap) mt = j->mt_cap;
+    }
+    return mt;
+}
+
+/* The work caps (K3_SRV_MAX_TOKENS, K3_SRV_MAX_LP_ENTRIES): false with e
+ * when an explicit max_tokens asks for more; a default one is capped. */
+static bool check_work(k3_srv_job *j, k3_srv_bad *e) {
+    const k3_srv_request *rq = &j->rq;
+    const long long per = rq->logprobs >= 0 ? 1 + rq->logprobs : 1;
+    const long long cap = rq->logprobs >= 0 ? K3_SRV_MAX_LP_ENTRIES : K3_SRV_MAX_TOKENS;
+    long long prompt = 0, total = 0, longest = 0;
+    for (int i = 0; i < j->n; i++) {
+        const long long np = rq->echo ? rq->n_prompt[j->ch[i].prompt_index] : 0;
+        prompt += np;
+        if (np > longest) longest = np;
+        total += choice_max_tokens(j, i) + np;
+    }
+    if (total * per <= cap) return true;
+    const char *what = rq->logprobs >= 0 ? "logprob entries" : "tokens";
+    if (rq->max_tokens >= 0 || j->api->default_max_tokens >= 0 || prompt * per >= cap)
+        return k3_srv_bad_set(e, 400,
+                              "the request asks for %lld %s (%d choices x (max_tokens%s)%s), over the limit of %lld per "
+                              "request: ask for fewer choices, tokens%s",
+                              total * per, what, j->n, rq->echo ? " + the echoed prompt" : "",
+                              rq->logprobs >= 0 ? " x (1 + top logprobs)" : "", cap,
+                              rq->logprobs >= 0 ? " or alternatives" : "");
+    /* a default max_tokens: what is left per choice after the echoed prompts */
+    j->mt_cap = (cap / per - prompt) / j->n;
+    return true;
+}
+
 /* The engine request of choice i (its prompt, sampling and limits). */
-static k3_request_params engine_request(k3_srv_job *j, int i, int64_t max_model_len, uint64_t base_seed) {
+static k3_request_params engine_request(k3_srv_job *j, int i) {
     const k3_srv_request *rq = &j->rq;
     const k3_srv_choice *c = &j->ch[i];
     const int64_t np = rq->n_prompt[c->prompt_index];
-    long long mt = rq->max_tokens;
-    if (mt < 0) mt = j->api->default_max_tokens >= 0 ? j->api->default_max_tokens
-                                                     : (max_model_len > np ? max_model_len - np : 0);
     return (k3_request_params){
         .prompt = rq->prompts[c->prompt_index],
         .n_prompt = np,
@@ -361,8 +533,17 @@ static k3_request_params engine_request(k3_srv_job *j, int i, int64_t max_model_
                      .min_p = (float)rq->min_p,
                      .repeat_penalty = (float)rq->repetition_penalty,
                      .repeat_last_n = 0,
-                     .seed = base_seed + (uint64_t)(i % (int)rq->n)},
-        .max_tokens = (int32_t)mt,
+                     .seed = j->base_seed + (uint64_t)(i % (int)rq->n),
+                     .frequency_penalty = (float)rq->frequency_penalty,
+                     .presence_penalty = (float)rq->presence_penalty,
+                     .logit_bias = rq->logit_bias,
+                     .n_logit_bias = rq->n_logit_bias,
+                     .allowed_ids = rq->allowed_ids,
+                     .n_allowed = rq->n_allowed,
+                     .bad_words = rq->bad_words,
+                     .bad_word_off = rq->bad_word_off,
+                     .n_bad_words = rq->n_bad_words},
+        .max_tokens = (int32_t)choice_max_tokens(j, i),
         .min_tokens = (int32_t)rq->min_tokens,
         .stop_ids = rq->n_stop_ids ? rq->stop_ids : NULL,
         .n_stop_ids = rq->n_stop_ids,
@@ -396,6 +577,12 @@ enum MHD_Result k3_srv_job_serve_surf(struct k3_server *s, struct MHD_Connection
     snprintf(j->id, sizeof j->id, "%s-%016llx", api->id_prefix,
              (unsigned long long)mix64(rid ^ ((uint64_t)j->created << 20)));
 
+    j->markup[0] = j->markup[1] = j->markup[2] = -1;
+    if (api->keep_specials) {
+        j->markup[0] = k3_tokenizer_special(s->tok, "<|open|>");
+        j->markup[1] = k3_tokenizer_special(s->tok, "<|close|>");
+        j->markup[2] = k3_tokenizer_special(s->tok, "<|sep|>");
+    }
     k3_srv_request *rq = &j->rq;
     k3_srv_bad e = {{0}, 400};
     const int64_t mml = k3_srv_max_model_len(s);
@@ -417,9 +604,10 @@ enum MHD_Result k3_srv_job_serve_surf(struct k3_server *s, struct MHD_Connection
         job_unref(j);
         return k3_srv_api_error(api, s, conn, 500, "out of memory");
     }
-    const uint64_t base_seed = rq->seed >= 0 || rq->seed_given
-                                   ? (uint64_t)rq->seed
-                                   : mix64(rid * 0x2545F4914F6CDD1Dull ^ (uint64_t)time(NULL));
+    j->base_seed = rq->seed >= 0 || rq->seed_given ? (uint64_t)rq->seed
+                                                   : mix64(rid * 0x2545F4914F6CDD1Dull ^ (uint64_t)time(NULL));
+    j->mml = mml;
+    j->mt_cap = -1;
     for (int i = 0; i < j->n; i++) {
         k3_srv_choice *c = &j->ch[i];
         c->job = j;
@@ -435,12 +623,25 @@ enum MHD_Result k3_srv_job_serve_surf(struct k3_server *s, struct MHD_Connection
                      (long long)np, (long long)mml);
             return fail_job(j, 400, msg);
         }
-        k3_request_params p = engine_request(j, i, mml, base_seed);
-        k3_error err = {0};
-        const k3_status st = k3_srv_submit(s, &c->q, &p, &err);
-        if (st) return fail_job(j, st == K3_ERR_BUSY ? 503 : st == K3_ERR_NOMEM ? 500 : 400, err.msg);
     }
-    k3_vision_prompt_free(&rq->vp); /* the engine copied the rows */
+    if (!check_work(j, &e)) return fail_job(j, e.status, e.msg);
+    /* fairness: half the engine's seats at most, and one at a time for
+     * choices that each prefill their whole prompt (prompt logprobs do not
+     * read the prefix cache), so a request behind this one is not held up
+     * for all of them */
+    k3_engine_stats st;
+    k3_srv_engine_stats(s, &st);
+    j->seats = st.max_num_seqs > 1 ? st.max_num_seqs / 2 : 1;
+    if (rq->echo && rq->logprobs >= 0) j->seats = 1;
+    for (int i = 0; i < j->n && i < j->seats; i++) {
+        k3_request_params p = engine_request(j, i);
+        k3_error err = {0};
+        const k3_status st2 = k3_srv_submit(s, &j->ch[i].q, &p, &err);
+        if (st2) return fail_job(j, st2 == K3_ERR_BUSY || st2 == K3_ERR_IO ? 503 : st2 == K3_ERR_NOMEM ? 500 : 400,
+                                 err.msg);
+        j->n_sub = i + 1;
+    }
+    if (j->n_sub == j->n) k3_vision_prompt_free(&rq->vp); /* the engine copied the rows */
     /* the generation may take long: the idle timeout is for slow clients */
     MHD_set_connection_option(conn, MHD_CONNECTION_OPTION_TIMEOUT, 0u);
     if (!rq->stream) {

@@ -20,6 +20,14 @@
 
 typedef struct k3_srv_job k3_srv_job;
 
+/* What one request may ask for, so an answer's size and its hold on the
+ * engine stay bounded: generated plus echoed tokens over all its choices,
+ * and logprob entries (those tokens x (1 + top alternatives)). An explicit
+ * max_tokens over them is a 400 naming the numbers; a default one is cut
+ * to fit. */
+#define K3_SRV_MAX_TOKENS (1ll << 21)
+#define K3_SRV_MAX_LP_ENTRIES (1ll << 19)
+
 /* ---- streamed tool calls (what vLLM's OpenAI server sends) ----
  * A call's first delta: {index, id, type "function", function {name,
  * arguments ""}}; then {index, function {arguments: FRAGMENT}} as its
@@ -45,13 +53,17 @@ typedef struct k3_srv_choice {
     /* the text, decoded on the HTTP side (or by the engine thread at the end) */
     size_t n_seen;     /* tokens decoded into text */
     k3_buf text;
+    size_t *tok_end;   /* [n_seen] the text's length after each token (k3_srv_choice_token_span) */
+    size_t tok_cap;
+    int sp;            /* what the text last took, for spaces_between_special_tokens */
     int64_t n_out;     /* completion tokens counted */
     bool stop_hit;     /* a stop string ended it (cut from the text) */
     int stop_which;    /* 1 + the index in rq.stops of that stop string, 0 when none */
     bool done;         /* the text is final */
     /* what a stream has sent */
     size_t emitted;    /* bytes of text */
-    size_t lp_sent;    /* tokens whose logprobs were sent */
+    size_t lp_sent;    /* tokens whose logprobs were sent (content: chat) */
+    size_t lp_rsent;   /* chat: reasoning tokens whose logprobs were sent */
     bool started;      /* the surface's opening events (a role delta, the echo) */
     bool final_sent;   /* its last event */
     size_t sent_reasoning, sent_content;
@@ -62,7 +74,9 @@ typedef struct k3_srv_choice {
 typedef struct k3_srv_api {
     unsigned fields;             /* the request table's rows it takes (K3_API_*) */
     const char *id_prefix;       /* of the response id, e.g. "cmpl" */
-    bool keep_specials;          /* decode special tokens by name (a chat reply parser needs them) */
+    bool keep_specials;          /* decode the chat markup (<|open|>, <|close|>, <|sep|>) by name,
+                                    for the surface's reply parser; other specials follow
+                                    skip_special_tokens */
     long long default_max_tokens; /* when the request names none; -1: what the context leaves */
     k3_srv_prompt_fn prompt;     /* the surface's prompt field(s) */
     /* How much of t[from..lim) may be sent now (e.g. an undecided tag held
@@ -81,6 +95,13 @@ typedef struct k3_srv_api {
     enum MHD_Result (*error)(struct k3_server *s, struct MHD_Connection *c, unsigned status, const char *msg);
     /* Frees the surface's own state of a job (k3_srv_job.surf), or NULL. */
     void (*surf_free)(void *surf);
+    /* The reasoning tokens of a finished choice (usage's
+     * completion_tokens_details.reasoning_tokens), or NULL: no such field. */
+    int64_t (*reasoning_tokens)(k3_srv_job *j, const k3_srv_choice *c);
+    /* Streaming, the job's mutex held: the events that end the stream when
+     * the server ends it (the engine failed, a shutdown), or NULL: OpenAI's
+     * error event and [DONE]. */
+    void (*stream_error)(k3_srv_job *j, unsigned status, const char *msg);
 } k3_srv_api;
 
 struct k3_srv_job {
@@ -93,9 +114,17 @@ struct k3_srv_job {
     k3_srv_choice *ch;
     char id[64];
     long created;
+    int32_t markup[3]; /* the ids of <|open|>, <|close|>, <|sep|> (-1: none), with keep_specials */
     k3_sse sse;        /* a stream's bytes not yet handed to the connection */
     bool sent_done;    /* the stream's closing events are out */
     void *surf;        /* the surface's own state (k3_srv_job_serve_surf), freed by api->surf_free */
+    /* choices enter the engine at most `seats` at a time (the first n_sub
+     * have), so one request with many choices leaves room for others */
+    int n_sub, seats;
+    int64_t mml;       /* the context length */
+    long long mt_cap;  /* a default max_tokens is at most this (-1: no cap) */
+    uint64_t base_seed;
+    double probe_t;    /* when a half-closed stream client was last probed */
 };
 
 /* Parses root for api, submits, and answers (the whole answer or a
@@ -121,11 +150,17 @@ void k3_srv_choice_advance(k3_srv_job *j, k3_srv_choice *c);
 /* Bytes of c's text that may be sent now: whole characters, nothing that
  * may still become a stop string, and what the surface's hold allows. */
 size_t k3_srv_choice_sendable(k3_srv_job *j, k3_srv_choice *c);
+/* Where generated token i of c lies in its text: [*start, *end), clipped
+ * to the text (a token the text left out, or cut by a stop string, is
+ * empty or short). i < c->n_seen. */
+void k3_srv_choice_token_span(const k3_srv_choice *c, size_t i, size_t *start, size_t *end);
 /* The tokens whose logprobs may be sent now. */
 size_t k3_srv_choice_lp_ready(const k3_srv_choice *c);
 /* Why c failed (the engine's message, or fallback when it gave none), or
  * NULL when it did not fail. */
 const char *k3_srv_choice_error(const k3_srv_choice *c, const char *fallback);
+/* The HTTP status of c's failure: 500, or 503 when the server failed. */
+unsigned k3_srv_choice_error_status(const k3_srv_choice *c);
 /* OpenAI's finish_reason: stop, length, abort, error; tool_calls when a
  * reply that ended by itself made tool calls. */
 const char *k3_srv_finish_reason(const k3_srv_choice *c, bool tool_calls);

@@ -16,6 +16,7 @@
 #define K3_SRV_MAX_N 16     /* choices of one request (prompts x n) */
 #define K3_SRV_MAX_STOPS 16 /* stop strings, stop token ids */
 #define K3_SRV_MAX_TOP 20   /* top logprobs */
+#define K3_SRV_MAX_BAD_WORDS 128 /* bad_words strings */
 
 /* The API surfaces, as the table's rows name them. */
 enum {
@@ -37,9 +38,17 @@ bool k3_srv_bad_set(k3_srv_bad *e, unsigned status, const char *fmt, ...) __attr
 typedef struct k3_srv_request {
     /* sampling */
     double temperature, top_p, min_p, repetition_penalty;
+    double frequency_penalty, presence_penalty;
     long long top_k;
     long long seed;
     bool seed_given;
+    k3_logit_bias *logit_bias;  /* one entry per id (the last one given), clamped to [-100, 100] */
+    int n_logit_bias;
+    int32_t *allowed_ids;       /* NULL: every id */
+    int n_allowed;
+    int32_t *bad_words;         /* token sequences (k3_sampler_options' layout) */
+    int32_t *bad_word_off;      /* [n_bad_words + 1] */
+    int n_bad_words;
     /* generation */
     long long n;          /* choices per prompt */
     long long max_tokens; /* -1: the surface's default */
@@ -48,6 +57,11 @@ typedef struct k3_srv_request {
     k3_stops stops;
     int32_t stop_ids[K3_SRV_MAX_STOPS];
     int n_stop_ids;
+    /* the text */
+    bool include_stop_str;      /* a stop string (or stop token) ends the text but stays in it */
+    bool skip_special_tokens;   /* specials are left out of the text (default); the chat
+                                   markup a surface parses is decoded either way */
+    bool spaces_between_special_tokens; /* a special kept in the text has a space on each side */
     /* what the answer carries */
     long long logprobs;   /* -1 none, else the number of top alternatives */
     bool want_logprobs;   /* chat's "logprobs": true (top_logprobs gives the number) */

@@ -1,8 +1,9 @@
 /*
  * routes.c -- the routing table (routes.h) and the routes that need no
- * generation: /health, /version, /v1/models, /metrics, /tokenize,
- * /detokenize, and the chat page at /. The generation routes are the API
- * surfaces (api.h).
+ * generation: /health (liveness: the engine can generate), /ready
+ * (readiness: a request would be taken now), /version, /v1/models,
+ * /metrics, /tokenize, /detokenize, /tokenizer_info, and the chat page at
+ * /. The generation routes are the API surfaces (api.h).
  */
 #include <stdarg.h>
 #include <stdio.h>
@@ -14,11 +15,50 @@
 #include "server/http.h"
 #include "server/routes.h"
 #include "server/ui_page.h"
+#include "tokenizer/tokenizer_info.h"
 
+/* Why the server cannot serve a generation now, or NULL: shutting down,
+ * the engine failed, or a step has run longer than the step timeout (a
+ * stuck rank); with queue_full, also a full waiting queue. */
+static const char *not_ok(struct k3_server *s, bool queue_full, char *buf, size_t cap) {
+    if (atomic_load(&s->phase) != K3_SRV_RUNNING) return "the server is shutting down";
+    if (!s->engine) return NULL;
+    k3_error e = {0};
+    if (k3_server_failed(s, &e)) {
+        snprintf(buf, cap, "the engine failed: %.250s", e.msg);
+        return buf;
+    }
+    const double t = k3_srv_step_seconds(s);
+    if (t > s->step_timeout_s) {
+        snprintf(buf, cap, "the engine has been in one step for %.0f s, over the step timeout of %.0f s", t,
+                 s->step_timeout_s);
+        return buf;
+    }
+    if (queue_full) {
+        k3_engine_stats st;
+        k3_srv_engine_stats(s, &st);
+        if (st.max_waiting > 0 && st.n_waiting >= st.max_waiting) {
+            snprintf(buf, cap, "the engine's queue is full (%d requests waiting)", st.n_waiting);
+            return buf;
+        }
+    }
+    return NULL;
+}
+
+/* Liveness: 200 while the engine can generate. */
 static enum MHD_Result route_health(struct k3_server *s, struct MHD_Connection *c, json_t *root) {
-    if (atomic_load(&s->stopping)) return k3_srv_error(s, c, 503, "the server is shutting down");
-    if (s->engine && k3_server_failed(s, NULL)) return k3_srv_error(s, c, 503, "the engine has failed");
+    char buf[300];
+    const char *why = not_ok(s, false, buf, sizeof buf);
+    if (why) return k3_srv_error(s, c, 503, "%s", why);
     return k3_srv_queue(s, c, 200, strdup(""), 0, "text/plain");
+}
+
+/* Readiness: 200 while a new generation request would be taken now. */
+static enum MHD_Result route_ready(struct k3_server *s, struct MHD_Connection *c, json_t *root) {
+    char buf[300];
+    const char *why = not_ok(s, true, buf, sizeof buf);
+    if (why) return k3_srv_error(s, c, 503, "%s", why);
+    return k3_srv_json(s, c, 200, json_pack("{s:s}", "status", "ready"));
 }
 
 static enum MHD_Result route_version(struct k3_server *s, struct MHD_Connection *c, json_t *root) {
@@ -46,8 +86,13 @@ static enum MHD_Result route_metrics(struct k3_server *s, struct MHD_Connection 
     k3_metrics_render(&s->metrics, s->engine ? &st : NULL, s->model_label, bs, &o);
     k3_buf_addf(&o,
                 "# HELP k3:http_connections Open HTTP connections (this one included).\n"
-                "# TYPE k3:http_connections gauge\nk3:http_connections{model_name=\"%s\"} %d\n",
-                s->model_label, atomic_load(&s->n_conn));
+                "# TYPE k3:http_connections gauge\nk3:http_connections{model_name=\"%s\"} %d\n"
+                "# HELP k3:http_in_flight HTTP requests received and not yet answered in full (this one included).\n"
+                "# TYPE k3:http_in_flight gauge\nk3:http_in_flight{model_name=\"%s\"} %d\n"
+                "# HELP k3:server_draining 1 while the server shuts down (new requests are answered 503).\n"
+                "# TYPE k3:server_draining gauge\nk3:server_draining{model_name=\"%s\"} %d\n",
+                s->model_label, atomic_load(&s->n_conn), s->model_label, atomic_load(&s->in_flight), s->model_label,
+                atomic_load(&s->phase) != K3_SRV_RUNNING);
     if (s->engine) {
         k3_kv_residency kr;
         k3_engine_kv_residency(s->engine, &kr);
@@ -62,14 +107,26 @@ static enum MHD_Result route_metrics(struct k3_server *s, struct MHD_Connection 
     return k3_srv_queue(s, c, 200, o.p, o.len, "text/plain; version=0.0.4; charset=utf-8");
 }
 
+/* vLLM's /tokenize: "prompt" (a special's name in it read as the special,
+ * as vLLM with the released tokenizer reads it; "split_special_tokens":
+ * true reads it as ordinary text, as a /v1/completions prompt is) or
+ * "messages" (the chat prompt /v1/chat/completions would run);
+ * "return_token_strs" adds each token's text. */
 static enum MHD_Result route_tokenize(struct k3_server *s, struct MHD_Connection *c, json_t *root) {
     int32_t *ids = NULL;
     size_t n = 0;
     k3_error err = {0};
     json_t *prompt = json_object_get(root, "prompt"), *msgs = json_object_get(root, "messages");
+    json_t *split = json_object_get(root, "split_special_tokens"), *strs = json_object_get(root, "return_token_strs");
+    if ((split && !json_is_boolean(split) && !json_is_null(split)) || (strs && !json_is_boolean(strs) && !json_is_null(strs)))
+        return k3_srv_error(s, c, 400, "\"split_special_tokens\" and \"return_token_strs\" must be true or false");
     if (json_is_string(prompt)) {
-        if (k3_tokenizer_encode(s->tok, json_string_value(prompt), json_string_length(prompt), &ids, &n, &err))
-            return k3_srv_error(s, c, 400, "prompt: %s", err.msg);
+        const k3_status st =
+            json_is_true(split)
+                ? k3_tokenizer_encode(s->tok, json_string_value(prompt), json_string_length(prompt), &ids, &n, &err)
+                : k3_tokenizer_encode_specials(s->tok, json_string_value(prompt), json_string_length(prompt), &ids, &n,
+                                               &err);
+        if (st) return k3_srv_error(s, c, 400, "prompt: %s", err.msg);
     } else if (json_is_array(msgs)) {
         k3_vision_prompt vp;
         if (k3_srv_encode_chat(s, root, &vp, NULL, &err))
@@ -80,12 +137,31 @@ static enum MHD_Result route_tokenize(struct k3_server *s, struct MHD_Connection
     } else {
         return k3_srv_error(s, c, 400, "tokenize needs \"prompt\" (a string) or \"messages\" (an array)");
     }
-    json_t *arr = json_array();
-    for (size_t i = 0; i < n; i++) json_array_append_new(arr, json_integer(ids[i]));
+    json_t *arr = json_array(), *ts = json_is_true(strs) ? json_array() : NULL;
+    for (size_t i = 0; i < n; i++) {
+        json_array_append_new(arr, json_integer(ids[i]));
+        if (ts) {
+            size_t len = 0;
+            const char *p = k3_tokenizer_token(s->tok, ids[i], &len);
+            json_t *str = p ? k3_srv_jstr(p, len) : NULL;
+            json_array_append_new(ts, str ? str : json_string(""));
+        }
+    }
     free(ids);
-    return k3_srv_json(s, c, 200,
-                       json_pack("{s:I,s:I,s:o}", "count", (json_int_t)n, "max_model_len",
-                                 (json_int_t)k3_srv_max_model_len(s), "tokens", arr));
+    json_t *out = json_pack("{s:I,s:I,s:o}", "count", (json_int_t)n, "max_model_len",
+                            (json_int_t)k3_srv_max_model_len(s), "tokens", arr);
+    if (out && ts) json_object_set_new(out, "token_strs", ts);
+    else json_decref(ts);
+    return k3_srv_json(s, c, 200, out);
+}
+
+/* vLLM's /tokenizer_info (lm-eval's remote tokenizer starts with it). */
+static enum MHD_Result route_tokenizer_info(struct k3_server *s, struct MHD_Connection *c, json_t *root) {
+    char *text = NULL;
+    size_t len = 0;
+    k3_error err = {0};
+    if (k3_tokenizer_info_json(s->tok, &text, &len, &err)) return k3_srv_error(s, c, 500, "%s", err.msg);
+    return k3_srv_queue(s, c, 200, text, len, "application/json");
 }
 
 static enum MHD_Result route_detokenize(struct k3_server *s, struct MHD_Connection *c, json_t *root) {
@@ -126,17 +202,20 @@ static enum MHD_Result route_ui(struct k3_server *s, struct MHD_Connection *c, j
 #define AUTH K3_ROUTE_AUTH
 #define JSON K3_ROUTE_JSON
 #define GEN K3_ROUTE_GENERATES
+#define DRAIN K3_ROUTE_DRAIN
 #define PREFIX K3_ROUTE_PREFIX
 #define ANTHROPIC NULL, k3_srv_anthropic_error
 
 static const k3_route routes[] = {
     {"GET", "/", route_ui, 0},
-    {"GET", "/health", route_health, 0},
+    {"GET", "/health", route_health, DRAIN},
+    {"GET", "/ready", route_ready, DRAIN},
     {"GET", "/version", route_version, AUTH},
     {"GET", "/v1/models", route_models, AUTH},
-    {"GET", "/metrics", route_metrics, AUTH},
+    {"GET", "/metrics", route_metrics, K3_ROUTE_METRICS | DRAIN},
     {"POST", "/tokenize", route_tokenize, AUTH | JSON},
     {"POST", "/detokenize", route_detokenize, AUTH | JSON},
+    {"GET", "/tokenizer_info", route_tokenizer_info, AUTH},
     {"POST", "/v1/completions", k3_api_completions, AUTH | JSON | GEN},
     {"POST", "/v1/chat/completions", k3_api_chat, AUTH | JSON | GEN},
     {"POST", "/v1/responses", k3_api_responses, AUTH | JSON | GEN},

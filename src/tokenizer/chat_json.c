@@ -370,6 +370,13 @@ static k3_status content(enc *e, const json_t *c, size_t index) {
             return k3_err(e->err, K3_ERR_UNSUPPORTED, "message %zu: content part %zu is an "
                           "image, which the text chat encoder does not take", index, i);
         json_t *t = json_object_get(part, "text");
+        /* as encoding_k3.py, a part of any other type is read for its "text";
+         * one without (input_audio, file, video_url, ...) is a kind of
+         * content K3 does not take, and is named as such */
+        if (!json_is_string(t) && ts && strcmp(ts, "text"))
+            return k3_err(e->err, K3_ERR_UNSUPPORTED, "message %zu: content part %zu has the type "
+                          "\"%.40s\", which K3 does not take (text and image_url parts only)",
+                          index, i, ts);
         if (!json_is_string(t))
             return k3_err(e->err, K3_ERR_ARG, "message %zu: content part %zu has no \"text\" "
                           "string", index, i);
@@ -761,13 +768,16 @@ static k3_status role_of(const json_t *m, size_t i, role *r, k3_error *err) {
         return k3_err(err, K3_ERR_ARG, "message %zu is not an object", i);
     const char *s = json_string_value(json_object_get(m, "role"));
     if (!s) return k3_err(err, K3_ERR_ARG, "message %zu has no role", i);
-    if (!strcmp(s, "system")) *r = ROLE_SYSTEM;
+    /* "developer" is OpenAI's name for the system role on its reasoning
+     * models ("developer messages are the new system messages"); K3 has one
+     * system role, so both render as it (vLLM does the same). */
+    if (!strcmp(s, "system") || !strcmp(s, "developer")) *r = ROLE_SYSTEM;
     else if (!strcmp(s, "user")) *r = ROLE_USER;
     else if (!strcmp(s, "assistant")) *r = ROLE_ASSISTANT;
     else if (!strcmp(s, "tool")) *r = ROLE_TOOL;
     else
-        return k3_err(err, K3_ERR_ARG, "message %zu has the unknown role \"%s\" (system, user, "
-                      "assistant or tool)", i, s);
+        return k3_err(err, K3_ERR_ARG, "message %zu has the unknown role \"%s\" (system, developer, "
+                      "user, assistant or tool)", i, s);
     return K3_OK;
 }
 

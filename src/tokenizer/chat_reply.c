@@ -373,23 +373,22 @@ k3_status k3_chat_parse_reply(const char *text, size_t len, bool thinking, k3_ch
     return k3_chat_parse_reply_partial(text, len, thinking, out, NULL, err);
 }
 
-k3_status k3_chat_parse_reply_partial(const char *text, size_t len, bool thinking, k3_chat_reply *out,
-                                      k3_chat_partial_call *part, k3_error *err) {
-    *out = (k3_chat_reply){0};
-    if (part) *part = (k3_chat_partial_call){0};
-    if (!text && len) return k3_err(err, K3_ERR_ARG, "k3_chat_parse_reply: no text");
-    parser p = {.c = {text ? text : "", len, 0}, .err = err, .part = part};
-    cursor *c = &p.c;
-    const char *reasoning = NULL, *content = NULL;
-    size_t reasoning_len = 0, content_len = 0;
-    bool in_response = !thinking, have_content = false;
-    k3_status st = K3_OK;
+/* The front of a reply: where the reasoning ends (after its closing tag)
+ * and where the content lies; c is left after the content. */
+typedef struct spans {
+    size_t reasoning_len, reasoning_end; /* the reasoning's bytes; the end of its channel */
+    bool have_content;
+    size_t content_off, content_len;
+} spans;
 
+static spans find_spans(cursor *c, bool thinking) {
+    spans sp = {0};
+    bool in_response = !thinking;
     if (thinking) {
         size_t end = find(c, CLOSE "think" SEP);
-        reasoning = c->s;
-        reasoning_len = end == (size_t)-1 ? c->n : end;
+        sp.reasoning_len = end == (size_t)-1 ? c->n : end;
         c->at = end == (size_t)-1 ? c->n : end + strlen(CLOSE "think" SEP);
+        sp.reasoning_end = c->at;
         in_response = eat(c, OPEN "response" SEP);
         /* A reply that goes on with neither a response channel nor tools
          * (nor the end of the message) is read as its content. */
@@ -400,6 +399,7 @@ k3_status k3_chat_parse_reply_partial(const char *text, size_t len, bool thinkin
     }
     if (in_response) {
         size_t end = find(c, CLOSE "response" SEP);
+        sp.content_off = c->at;
         if (end == (size_t)-1) {
             /* cut off, or a reply that ends the message without closing
              * the channel */
@@ -407,23 +407,42 @@ k3_status k3_chat_parse_reply_partial(const char *text, size_t len, bool thinkin
             size_t eom = find(c, END_OF_MSG);
             if (eom < end) end = eom;
             if (end == (size_t)-1) end = c->n;
-            content = c->s + c->at;
-            content_len = end - c->at;
             c->at = end;
         } else {
-            content = c->s + c->at;
-            content_len = end - c->at;
             c->at = end + strlen(CLOSE "response" SEP);
         }
-        have_content = true;
+        sp.content_len = end - sp.content_off;
+        sp.have_content = true;
     }
+    return sp;
+}
+
+void k3_chat_reply_spans(const char *text, size_t len, bool thinking, size_t *reasoning_end, bool *has_content,
+                         size_t *content_off, size_t *content_len) {
+    cursor c = {text ? text : "", text ? len : 0, 0};
+    const spans sp = find_spans(&c, thinking);
+    *reasoning_end = sp.reasoning_end;
+    *has_content = sp.have_content;
+    *content_off = sp.content_off;
+    *content_len = sp.content_len;
+}
+
+k3_status k3_chat_parse_reply_partial(const char *text, size_t len, bool thinking, k3_chat_reply *out,
+                                      k3_chat_partial_call *part, k3_error *err) {
+    *out = (k3_chat_reply){0};
+    if (part) *part = (k3_chat_partial_call){0};
+    if (!text && len) return k3_err(err, K3_ERR_ARG, "k3_chat_parse_reply: no text");
+    parser p = {.c = {text ? text : "", len, 0}, .err = err, .part = part};
+    cursor *c = &p.c;
+    const spans sp = find_spans(c, thinking);
+    k3_status st = K3_OK;
     if (eat(c, OPEN "tools" SEP)) st = tools(&p);
 
-    if (st == K3_OK && reasoning_len) {
-        if (!(out->reasoning = dup_n(reasoning, reasoning_len))) st = nomem(&p);
+    if (st == K3_OK && sp.reasoning_len) {
+        if (!(out->reasoning = dup_n(c->s, sp.reasoning_len))) st = nomem(&p);
     }
-    if (st == K3_OK && have_content && (content_len || !p.n_calls)) {
-        if (!(out->content = dup_n(content, content_len))) st = nomem(&p);
+    if (st == K3_OK && sp.have_content && (sp.content_len || !p.n_calls)) {
+        if (!(out->content = dup_n(c->s + sp.content_off, sp.content_len))) st = nomem(&p);
     }
     if (st == K3_OK && p.n_calls) {
         k3_buf_puts(&p.calls, "]");
