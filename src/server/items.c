@@ -47,7 +47,7 @@ static k3_item *push(k3_items *it, const k3_items_ops *ops, k3_item_kind kind, i
 }
 
 json_t *k3_items_calls(const k3_chat_reply *r) {
-    if (r->tool_calls_json && r->n_tool_calls > 0) return json_loads(r->tool_calls_json, 0, NULL);
+    if (r && r->tool_calls_json && r->n_tool_calls > 0) return json_loads(r->tool_calls_json, 0, NULL);
     return json_array();
 }
 

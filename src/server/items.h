@@ -51,7 +51,8 @@ k3_status k3_items_of_reply(k3_items *it, const k3_items_ops *ops, const k3_chat
  * why; the stream should end with an error). */
 int k3_items_step(k3_srv_job *j, k3_srv_choice *c, k3_items *it, const k3_items_ops *ops, k3_chat_reply *final,
                   k3_error *err);
-/* r's calls as a JSON array (new reference; an empty array when none), NULL when out of memory. */
+/* r's calls as a JSON array (new reference; an empty array when none or r
+ * is NULL), NULL when out of memory. */
 json_t *k3_items_calls(const k3_chat_reply *r);
 /* The generated tokens of c before its reasoning ended (all of them when
  * it never ended; 0 when the reply did not open in the think channel), the
