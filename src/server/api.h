@@ -44,11 +44,19 @@ k3_status k3_srv_reasoning_effort(const char *field, const char *effort, bool *t
                                   k3_error *err);
 
 /* A conversation in chat's shape, for k3_srv_encode_messages (every member
- * borrowed). */
+ * borrowed). Chat, Responses and Messages all fill it, so its constraint
+ * fields (tools, tool_choice, tool_name, response_format) are the one
+ * place a request's decoding constraint is read from, whatever the API:
+ * Responses' text.format and Anthropic's output_config.format come as
+ * chat's response_format, Anthropic's tool_choice any/tool as chat's
+ * required (with the tool's name). */
 typedef struct k3_srv_chat_input {
     json_t *messages;        /* OpenAI chat messages (a non-empty array) */
     json_t *tools;           /* OpenAI chat tools [{type, function {name, description, parameters}}], or NULL */
     const char *tool_choice; /* NULL, "auto", "required" or "none" */
+    const char *tool_name;   /* with "required": the one tool it must call (chat's {"type": "function",
+                                "function": {"name"}}, Responses' {"type": "function", "name"},
+                                Anthropic's {"type": "tool", "name"}), or NULL: any of them */
     bool thinking;           /* open the think channel */
     const char *effort;      /* K3's thinking_effort (low, high, max) or NULL */
     json_t *response_format; /* chat's response_format object ({type, json_schema}) or NULL: where

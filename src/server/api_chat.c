@@ -115,14 +115,18 @@ k3_status k3_srv_encode_chat(struct k3_server *s, json_t *root, k3_vision_prompt
     if (tools && !json_is_null(tools) && !json_is_array(tools))
         return k3_err(err, K3_ERR_ARG, "\"tools\" must be a list");
     json_t *tc = json_object_get(root, "tool_choice");
-    const char *tool_choice = NULL;
+    const char *tool_choice = NULL, *tool_name = NULL;
     if (json_is_string(tc)) tool_choice = json_string_value(tc);
-    else if (json_is_object(tc)) tool_choice = "required";
+    else if (json_is_object(tc)) {
+        tool_choice = "required";
+        tool_name = json_string_value(json_object_get(json_object_get(tc, "function"), "name"));
+    }
     else if (tc && !json_is_null(tc)) return k3_err(err, K3_ERR_ARG, "\"tool_choice\" must be a string or an object");
     json_t *rf = json_object_get(root, "response_format");
     const k3_srv_chat_input in = {.messages = msgs,
                                   .tools = json_is_array(tools) ? tools : NULL,
                                   .tool_choice = tool_choice,
+                                  .tool_name = tool_name,
                                   .thinking = thinking,
                                   .effort = effort,
                                   .response_format = json_is_object(rf) ? rf : NULL};

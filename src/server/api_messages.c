@@ -45,6 +45,7 @@ typedef struct msg_ctx {
     json_t *tools;           /* chat-shaped, or NULL */
     json_t *response_format; /* chat-shaped, or NULL */
     char tool_choice[16];    /* "" (none given), auto, required, none */
+    char tool_name[256];     /* with required: the one tool named, or "" */
     bool thinking;
     const char *effort;
     char id[64];
@@ -318,6 +319,9 @@ static bool parse_tool_choice(json_t *tc, msg_ctx *x, bad *b) {
         }
         if (!found)
             return fail(b, 400, "\"tool_choice\" names the tool \"%s\", which is not in \"tools\"", name ? name : "?");
+        if (strlen(name) >= sizeof x->tool_name)
+            return fail(b, 400, "\"tool_choice\" names a tool of over %zu bytes", sizeof x->tool_name - 1);
+        snprintf(x->tool_name, sizeof x->tool_name, "%s", name);
     }
     snprintf(x->tool_choice, sizeof x->tool_choice, "%s", mapped);
     return true;
@@ -402,6 +406,7 @@ static k3_status encode(struct k3_server *s, msg_ctx *x, k3_vision_prompt *vp, k
     const k3_srv_chat_input in = {.messages = x->messages,
                                   .tools = x->tools,
                                   .tool_choice = x->tool_choice[0] ? x->tool_choice : NULL,
+                                  .tool_name = x->tool_name[0] ? x->tool_name : NULL,
                                   .thinking = x->thinking,
                                   .effort = x->effort,
                                   .response_format = x->response_format};

@@ -48,6 +48,7 @@ typedef struct resp_ctx {
     json_t *tools;           /* chat-shaped tools, or NULL */
     json_t *response_format; /* chat-shaped, or NULL */
     char tool_choice[16];    /* "" (none given), auto, required, none */
+    char tool_name[256];     /* with required: the one tool named, or "" */
     bool thinking;
     const char *effort;      /* K3's thinking_effort */
     bool store;
@@ -285,7 +286,10 @@ static bool parse_tool_choice(json_t *tc, resp_ctx *x, bad *b) {
     const char *name = json_string_value(json_object_get(tc, "name"));
     if (!name || !x->tools || !has_tool(x->tools, name))
         return fail(b, 400, "\"tool_choice\" names the function \"%s\", which is not in \"tools\"", name ? name : "?");
+    if (strlen(name) >= sizeof x->tool_name)
+        return fail(b, 400, "\"tool_choice\" names a function of over %zu bytes", sizeof x->tool_name - 1);
     snprintf(x->tool_choice, sizeof x->tool_choice, "required");
+    snprintf(x->tool_name, sizeof x->tool_name, "%s", name);
     return true;
 }
 
@@ -424,6 +428,7 @@ static bool resp_prompt(struct k3_server *s, json_t *root, k3_srv_request *rq, k
     const k3_srv_chat_input in = {.messages = x->messages,
                                   .tools = x->tools,
                                   .tool_choice = x->tool_choice[0] ? x->tool_choice : NULL,
+                                  .tool_name = x->tool_name[0] ? x->tool_name : NULL,
                                   .thinking = x->thinking,
                                   .effort = x->effort,
                                   .response_format = x->response_format};
