@@ -187,10 +187,11 @@ K3_TEST(server_reasoning_effort_map) {
     bool on = false;
     const char *eff = "x";
     k3_error err = {0};
-    CHECK(k3_srv_reasoning_effort("f", NULL, &on, &eff, &err) == K3_OK && on == K3_SRV_THINKING_DEFAULT && !eff);
+    /* chat's table (k3_chat_reasoning_effort): none given is thinking on at "max" */
+    CHECK(k3_srv_reasoning_effort("f", NULL, &on, &eff, &err) == K3_OK && on && !strcmp(eff, "max"));
     CHECK(k3_srv_reasoning_effort("f", "none", &on, &eff, &err) == K3_OK && !on && !eff);
     CHECK(k3_srv_reasoning_effort("f", "minimal", &on, &eff, &err) == K3_OK && on && !strcmp(eff, "low"));
-    CHECK(k3_srv_reasoning_effort("f", "medium", &on, &eff, &err) == K3_OK && on && !eff);
+    CHECK(k3_srv_reasoning_effort("f", "medium", &on, &eff, &err) == K3_OK && on && !strcmp(eff, "high"));
     CHECK(k3_srv_reasoning_effort("f", "high", &on, &eff, &err) == K3_OK && on && !strcmp(eff, "high"));
     CHECK(k3_srv_reasoning_effort("f", "xhigh", &on, &eff, &err) == K3_OK && on && !strcmp(eff, "max"));
     CHECK(k3_srv_reasoning_effort("reasoning.effort", "extreme", &on, &eff, &err) == K3_ERR_ARG &&
