@@ -18,7 +18,11 @@
  * (/v1/chat/completions), responses (/v1/responses: text and reasoning
  * deltas, usage from response.completed) or messages (Anthropic's
  * /v1/messages: content_block_delta, usage from message_start and
- * message_delta), so the surfaces can be timed against each other.
+ * message_delta), so the surfaces can be timed against each other;
+ * --no-thinking turns chat's and Responses' thinking off (Anthropic's is
+ * off unless asked), so the three send one prompt: K3's thinking-effort
+ * system message alone is ~150 tokens, which would otherwise be timed as
+ * a difference between the APIs.
  */
 #include <curl/curl.h>
 #include <errno.h>
@@ -267,6 +271,8 @@ static int usage_bs(FILE *f) {
             "  --max-concurrency C        requests in flight at most (default: no limit)\n"
             "  --request-rate R           requests/s, Poisson arrivals (default inf)\n"
             "  --ignore-eos               generate all O tokens\n"
+            "  --no-thinking              chat and responses ask for no thinking (reasoning effort none), as\n"
+            "                             messages does by default, so the three send the same prompt\n"
             "  --goodput ttft:MS tpot:MS e2el:MS   SLOs for goodput\n"
             "  --disconnect-fraction F    drop this share of the streams after their first chunks\n"
             "  --metric-percentiles 50,90,99  percentiles to report (default 99)\n"
@@ -386,7 +392,7 @@ int k3_cmd_bench_serve(int argc, char **argv) {
     long in_len = 1024, out_len = 128, n_prompts = 100, conc = 0, prefix_len = 0, timeout = 600;
     double range = 0, rate = INFINITY, drop_frac = 0;
     double slo_ttft = 0, slo_tpot = 0, slo_e2el = 0; /* ms; 0 = none */
-    bool ignore_eos = false, json_out = false, goodput = false;
+    bool ignore_eos = false, json_out = false, goodput = false, no_thinking = false;
     uint64_t seed = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -436,6 +442,7 @@ int k3_cmd_bench_serve(int argc, char **argv) {
             }
             if (!g_n_pct) return usage_bs(stderr);
         } else if (!strcmp(a, "--ignore-eos")) ignore_eos = true;
+        else if (!strcmp(a, "--no-thinking")) no_thinking = true;
         else if (!strcmp(a, "--json")) json_out = true;
         else if (ARG("--goodput")) {
             goodput = true;
@@ -536,6 +543,10 @@ int k3_cmd_bench_serve(int argc, char **argv) {
                               "temperature", 0.0, "stream", 1, "ignore_eos", ignore_eos);
         /* the usage: OpenAI's chunk when asked for; Responses and Messages always send theirs */
         if (g_ep <= EP_CHAT) json_object_set_new(b, "stream_options", json_pack("{s:b}", "include_usage", 1));
+        /* thinking off the way each API says it (Messages: off unless asked) */
+        if (no_thinking && g_ep == EP_CHAT) json_object_set_new(b, "reasoning_effort", json_string("none"));
+        if (no_thinking && g_ep == EP_RESPONSES)
+            json_object_set_new(b, "reasoning", json_pack("{s:s}", "effort", "none"));
         if (g_ep == EP_CHAT || g_ep == EP_MESSAGES)
             json_object_set_new(b, "messages", json_pack("[{s:s,s:s}]", "role", "user", "content", text));
         else json_object_set_new(b, g_ep == EP_RESPONSES ? "input" : "prompt", json_string(text));
