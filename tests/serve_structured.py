@@ -9,6 +9,7 @@ client calls it:
   - tool_choice "required" and a named function return tool_calls whose arguments validate against
     the function's parameters, streamed deltas included; auto with a strict tool;
   - vLLM's structured_outputs (regex, choice, grammar, json) and guided_* on chat and completions;
+  - /v1/responses' text.format and /v1/messages' tool_choice any / tool, through the same constraint;
   - n > 1 with a seed (the same seed, the same replies), logprobs, stop strings, thinking on;
   - a request preempted on a tiny cache pool still valid;
   - the 400s: an unsupported keyword named with its path, a named function not in tools, two
@@ -418,6 +419,35 @@ def main():
     check("400: a bad grammar", bad(400, "grammar", extra_body={"structured_outputs": {"grammar": "root ::= ("}}))
     check("400: a bad response_format type", bad(400, "response_format",
                                                   response_format={"type": "xml"}))
+
+    def responses_format():
+        sch2 = schs[23]
+        r = c.responses.create(model=M, input="Pick.", max_output_tokens=MAXTOK, temperature=0,
+                               reasoning={"effort": "none"},
+                               text={"format": {"type": "json_schema", "name": "p", "schema": sch2, "strict": True}})
+        validate(r.output_text, sch2, "responses text.format")
+        r = so.post(s.url + "/v1/responses", json_body={
+            "model": M, "input": "x", "max_output_tokens": 10,
+            "text": {"format": {"type": "json_schema", "name": "p", "schema": {"contains": {}}}}})
+        assert r.status_code == 400 and "text.format.schema: keyword 'contains'" in r.text, r.text
+    check("/v1/responses: text.format's schema constrains the output; its 400 names text.format.schema",
+          responses_format)
+
+    def messages_tools():
+        tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
+                  "input_schema": t["function"]["parameters"]} for t in TOOLS]
+        for tc, only in (({"type": "any"}, None), ({"type": "tool", "name": "get_weather"}, "get_weather")):
+            r = so.post(s.url + "/v1/messages", json_body={
+                "model": M, "max_tokens": MAXTOK, "temperature": 0, "tools": tools, "tool_choice": tc,
+                "messages": [{"role": "user", "content": "Call a tool."}]}, timeout=120)
+            assert r.status_code == 200, r.text
+            body = r.json()
+            uses = [b for b in body["content"] if b["type"] == "tool_use"]
+            assert uses and body["stop_reason"] == "tool_use", body
+            for u in uses:
+                assert u["name"] in PARAMS and (not only or u["name"] == only), u
+                jsonschema.validate(u["input"], PARAMS[u["name"]])
+    check("/v1/messages: tool_choice any and tool give tool_use blocks whose input validates", messages_tools)
     s.stop()
 
     # preemption: four constrained requests at once on a pool too small for them

@@ -87,6 +87,10 @@ struct k3_server {
     k3_pool *vision_pool;
     int64_t max_image_pixels;
     pthread_mutex_t vision_mu;
+    /* the Responses API's stored responses (store.h; api_responses.c) */
+    struct k3_srv_store *responses;
+    /* the chat page at / is off (--no-ui) */
+    bool no_ui;
     /* structured outputs (constraint.c): the model's grammar vocabulary (made
      * on first use) and the cache of compiled grammars, under grammar_mu */
     pthread_mutex_t grammar_mu;
