@@ -381,5 +381,6 @@ void k3_srv_request_free(k3_srv_request *rq) {
     free(rq->allowed_ids);
     free(rq->bad_words);
     free(rq->bad_word_off);
+    k3_grammar_free(rq->grammar);
     memset(rq, 0, sizeof *rq);
 }

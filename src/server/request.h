@@ -74,6 +74,7 @@ typedef struct k3_srv_request {
     int64_t *n_prompt;
     k3_vision_prompt vp;  /* a chat prompt's image rows and keys, until submitted */
     bool thinking;        /* the prompt opened the think channel: the reply starts in it */
+    k3_grammar *grammar;  /* what the output must match (constraint.h), or NULL; a reference */
 } k3_srv_request;
 
 /* A surface's prompt field(s) into rq->prompts (and vp, thinking); false with e. */
