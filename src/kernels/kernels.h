@@ -55,24 +55,65 @@ static inline int64_t k3_r4_scale(int64_t cols, int64_t r, int64_t c) {
     return r / 4 * (cols / 8) + c / 128 * 16 + r % 4 * 4 + c % 128 / 32;
 }
 
-/* Bytes one row occupies (data + scales). */
+/* ---- the weight-type table (wtype.c) ---------------------------------- */
+
+/* Which activations k3_matmul's kernels for a type take (k3_wtype_traits.acts). */
+enum { K3_ACTS_F32 = 1, K3_ACTS_8BIT = 2 };
+
+/* One row per k3_wtype: what the code around the kernels asks of a type.
+ * Adding a format is a row here, its kernels, and their entries in the
+ * kernel tables (dispatch.c); docs/ARCHITECTURE.md lists the files. */
+typedef struct k3_wtype_traits {
+    const char *name;
+    int bits;           /* bits of one weight in data: a row is cols * bits / 8 bytes */
+    int block;          /* columns per E8M0 scale in scale (cols % block == 0); 0: no scales */
+    bool row_scale;     /* one fp32 scale per row (row_scale) and the sum of its integer values (row_sum) */
+    bool is_float;      /* plain floats (F32, F16, BF16): what --quant converts */
+    int tile_rows;      /* rows per tile: row views start and end on whole tiles (1: no tiles) */
+    int tile_cols;      /* columns per tile group (cols % tile_cols == 0; 1: none) */
+    unsigned acts;      /* K3_ACTS_*: K3_ACTS_8BIT alone runs with 8-bit activations whatever k3_mat.act8 says */
+    bool act_mxfp8;     /* its 8-bit activations are MXFP8 per 32-block (else int8 per token) */
+    /* Columns [c0, c0 + len) of row r, dequantized: the scalar decode every
+     * kernel that reads the type is held to. */
+    void (*get_row)(const k3_mat *w, int64_t r, int64_t c0, int64_t len, float *out);
+} k3_wtype_traits;
+
+const k3_wtype_traits *k3_wtype_info(k3_wtype t);
+
+/* Bytes one row occupies (data + scales + row scale). */
 size_t k3_mat_row_bytes(const k3_mat *w);
-/* View of rows [r0, r0+n). */
+/* Bytes of the data array and of the scale array (every row). */
+size_t k3_mat_data_bytes(const k3_mat *w);
+size_t k3_mat_scale_bytes(const k3_mat *w);
+/* View of rows [r0, r0+n) (whole tiles where the type has them). */
 k3_mat k3_mat_rows(const k3_mat *w, int64_t r0, int64_t n);
 /* Dequantizes row r into out[cols]. */
 void k3_mat_get_row(const k3_mat *w, int64_t r, float *out);
 
-/* ---- scalar conversions ---- */
+/* ---- scalar conversions (codec.c) -------------------------------------- */
 float k3_bf16_to_f32(uint16_t h);
 uint16_t k3_f32_to_bf16(float f);   /* round to nearest even */
 float k3_f16_to_f32(uint16_t h);
 /* E2M1 code (4 bits) -> value; E8M0 byte -> 2^(e-127) (255 -> NaN). */
 float k3_e2m1_to_f32(uint8_t code);
 float k3_e8m0_to_f32(uint8_t e);
+/* 2^(e-127) for an E8M0 byte, 255 -> NaN (= k3_e8m0_to_f32, inlined for the
+ * MXFP4 inner loops). e = 0 gives the subnormal 2^-127; every e2m1 value times
+ * it is still exact, so decoded weights equal the reference's bit for bit. */
+static inline float k3_mx_scale(uint8_t e) {
+    union { uint32_t u; float f; } v;
+    if (e == 255) v.u = 0x7fc00000u;
+    else if (e >= 1) v.u = (uint32_t)e << 23;
+    else v.u = 0x00400000u;
+    return v.f;
+}
 /* E4M3 (OCP FP8: bias 7, max 448, 0x7F/0xFF = NaN, no infinities). */
 float k3_e4m3_to_f32(uint8_t code);
 /* Round to the nearest E4M3 (ties to even), saturating at +-448. */
 uint8_t k3_f32_to_e4m3(float x);
+/* One MXFP8 block: 32 values as E4M3 codes q[32] and their E8M0 scale *e
+ * (the OCP rule, raised by one where it would clip: quant.h). */
+void k3_mxfp8_block(const float *x, uint8_t *q, uint8_t *e);
 
 /* ---- matrix products ---- */
 

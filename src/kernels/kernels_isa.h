@@ -37,15 +37,4 @@ extern const k3_kernel_ops k3_ops_ref;
 extern const k3_kernel_ops k3_ops_avx2;
 extern const k3_kernel_ops k3_ops_avx512;
 
-/* 2^(e-127) for an E8M0 byte, 255 -> NaN (= k3_e8m0_to_f32, inlined for the
- * MXFP4 inner loops). e = 0 gives the subnormal 2^-127; every e2m1 value times
- * it is still exact, so decoded weights equal the reference's bit for bit. */
-static inline float k3_mx_scale(uint8_t e) {
-    union { uint32_t u; float f; } v;
-    if (e == 255) v.u = 0x7fc00000u;
-    else if (e >= 1) v.u = (uint32_t)e << 23;
-    else v.u = 0x00400000u;
-    return v.f;
-}
-
 #endif /* K3_KERNELS_KERNELS_ISA_H */

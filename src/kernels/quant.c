@@ -1,7 +1,8 @@
 /*
  * quant.c -- 8-bit weight conversion, activation quantization, and the
  * matmul driver for 8-bit activations (see quant.h). The inner loops have a
- * scalar form here and an AVX2 form in quant_avx2.c.
+ * scalar form here and SIMD forms in quant_avx2.c and quant_avx512.c; the
+ * number formats are codec.c's.
  */
 #include "quant.h"
 
@@ -13,36 +14,6 @@
 #include "common/error.h"
 #include "common/mem.h"
 #include "common/pool.h"
-
-/* ---- FP8 E4M3 ------------------------------------------------------------ */
-
-float k3_e4m3_to_f32(uint8_t c) {
-    const int e = (c >> 3) & 15, f = c & 7;
-    if (e == 15 && f == 7) return NAN;
-    const float v = e ? ldexpf((float)(8 + f), e - 10) : ldexpf((float)f, -9);
-    return c & 0x80 ? -v : v;
-}
-
-uint8_t k3_f32_to_e4m3(float x) {
-    const uint8_t sign = signbit(x) ? 0x80 : 0;
-    float a = fabsf(x);
-    if (isnan(a)) return 0x7F;
-    if (a >= 448.0f) return sign | 0x7E;
-    if (a == 0.0f) return sign;
-    int e2;
-    frexpf(a, &e2);             /* a = m 2^e2, m in [0.5, 1) */
-    int E = e2 - 1 + 7;         /* biased exponent of a normal E4M3 */
-    unsigned code;
-    if (E < 1) {
-        /* subnormal: units of 2^-9; 8 units roll over into E = 1, f = 0 */
-        code = (unsigned)nearbyintf(a * 512.0f);
-    } else {
-        const float f = nearbyintf((ldexpf(a, 7 - E) - 1.0f) * 8.0f); /* 0..8 */
-        code = ((unsigned)E << 3) + (unsigned)f; /* f = 8 carries into E */
-    }
-    if (code > 0x7E) code = 0x7E;
-    return (uint8_t)(sign | code);
-}
 
 /* ---- weight conversion ---------------------------------------------------- */
 
@@ -60,28 +31,6 @@ void k3_quant_q8_mat(const k3_mat *src, int8_t *q, float *scales, int32_t *sums)
     free(row);
 }
 
-/* E8M0 exponent for a block with max |x| = amax: the OCP rule X =
- * 2^(floor(log2 amax) - emax_exp) (E4M3: emax_exp 8), raised by one when
- * amax / X would pass the largest element max_elem (E4M3: 448), since the
- * OCP rule clips blocks whose amax lies in [448, 512) x 2^k by up to 12%
- * (rounding the scale up, as the MXFP8 training recipes do). */
-static uint8_t mx_scale_byte(float amax, int emax_exp, float max_elem) {
-    if (!(amax > 0.0f)) return 127 - 20; /* all zero: any scale works */
-    int e2;
-    const float m = frexpf(amax, &e2); /* amax = m 2^e2, m in [0.5, 1) */
-    int b = (e2 - 1) - emax_exp + 127;
-    if (ldexpf(m, emax_exp + 1) > max_elem) b++;
-    return (uint8_t)(b < 0 ? 0 : b > 254 ? 254 : b);
-}
-
-static void mxfp8_block(const float *x, uint8_t *q, uint8_t *e) {
-    float amax = 0.0f;
-    for (int i = 0; i < 32; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
-    *e = mx_scale_byte(amax, 8, 448.0f);
-    const float inv = 1.0f / k3_e8m0_to_f32(*e);
-    for (int i = 0; i < 32; i++) q[i] = k3_f32_to_e4m3(x[i] * inv);
-}
-
 void k3_quant_mxfp8_mat(const k3_mat *src, uint8_t *q, uint8_t *e) {
     K3_ASSERT(src->cols % 32 == 0);
     float *row = malloc(sizeof(float) * (size_t)src->cols);
@@ -89,7 +38,7 @@ void k3_quant_mxfp8_mat(const k3_mat *src, uint8_t *q, uint8_t *e) {
     const int64_t nb = src->cols / 32;
     for (int64_t r = 0; r < src->rows; r++) {
         k3_mat_get_row(src, r, row);
-        for (int64_t b = 0; b < nb; b++) mxfp8_block(row + 32 * b, q + r * src->cols + 32 * b, e + r * nb + b);
+        for (int64_t b = 0; b < nb; b++) k3_mxfp8_block(row + 32 * b, q + r * src->cols + 32 * b, e + r * nb + b);
     }
     free(row);
 }
@@ -189,7 +138,7 @@ void k3_mx4_r4_prep(const int8_t *xq, int64_t cols, int8_t *xp, int32_t *corr) {
 void k3_quant_act_mxfp8(float *x, int64_t n) {
     for (int64_t b = 0; b + 32 <= n; b += 32) {
         uint8_t q[32], e;
-        mxfp8_block(x + b, q, &e);
+        k3_mxfp8_block(x + b, q, &e);
         const float s = k3_e8m0_to_f32(e);
         for (int i = 0; i < 32; i++) x[b + i] = k3_e4m3_to_f32(q[i]) * s;
     }
@@ -411,7 +360,7 @@ void k3_matmul_q_ref(const k3_mat *w, const float *x, int64_t n, float *y) {
     K3_ASSERT(xd && wr && xq);
     for (int64_t i = 0; i < n; i++) {
         memcpy(xd, x + i * cols, sizeof(float) * (size_t)cols);
-        if (w->type == K3_W_MXFP8) {
+        if (k3_wtype_info(w->type)->act_mxfp8) {
             k3_quant_act_mxfp8(xd, cols);
         } else {
             const float s = k3_quant_act_i8(xd, cols, xq);
