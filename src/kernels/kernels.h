@@ -2,9 +2,10 @@
  * kernels.h -- the numeric kernels the forward pass is built from.
  *
  * Weights are k3_mat views into the mapped checkpoint in their stored format;
- * activations are fp32. Every kernel has a scalar reference (suffix _ref,
- * src/kernels/ref.c) that tests hold the fast paths to; k3_kernels_init picks
- * the fastest path the CPU supports once, at start-up.
+ * activations are fp32. Every kernel has a scalar reference (suffix _ref) that
+ * tests hold the fast paths to; k3_kernels_init picks the kernel table of the
+ * fastest path the CPU supports once, at start-up (dispatch.c), and every entry
+ * point below runs the kernel that table names.
  *
  * Shapes are row-major: x [n, cols], W [rows, cols], y [n, rows], y = x Wᵀ.
  */
@@ -22,7 +23,8 @@ typedef enum k3_wtype {
     K3_W_Q8,       /* int8 [rows, cols] + fp32 scale per row (row_scale); made at load */
     K3_W_MXFP8,    /* OCP MXFP8: E4M3 [rows, cols] + E8M0 scales [rows, cols/32]; made at load */
     K3_W_MXFP4_R4, /* MXFP4 bytes and scales rearranged in tiles of 4 rows (k3_r4_byte,
-                      k3_r4_scale) for the AVX-512 W4A8 kernel; made at load (quant.h) */
+                      k3_r4_scale) for the W4A8 tile kernels (AVX-512 VNNI, AVX2); made
+                      at load (quant.h) */
     K3_W_COUNT
 } k3_wtype;
 
@@ -37,7 +39,7 @@ typedef struct k3_mat {
     const float *row_scale;/* Q8: one scale per row */
     const int32_t *row_sum;/* Q8: Σ of each row's int8 values (k3_quant_q8_mat) */
     bool act8;             /* quantize the activations to 8 bits per token (W4A8/W8A8):
-                              k3_matmul then runs the integer kernels of quant.h */
+                              k3_matmul then runs the 8-bit kernels, quant.h */
 } k3_mat;
 
 /* K3_W_MXFP4_R4 (rows % 4 == 0, cols % 128 == 0): where the packed byte of
@@ -140,9 +142,11 @@ typedef enum k3_glu_kind { K3_GLU_SWIGLU = 0, K3_GLU_SITU, K3_GLU_SILU, K3_GLU_G
 void k3_glu(float *f1, const float *f2, int64_t n, k3_glu_kind kind, float b1, float b2);
 void k3_glu_ref(float *f1, const float *f2, int64_t n, k3_glu_kind kind, float b1, float b2);
 
-/* Which path k3_matmul and friends use: "ref", "avx2", ... */
+/* ---- which kernels run (dispatch.c) ------------------------------------ */
+
+/* The CPU levels k3_kernels_init picks a kernel table for: "ref", "avx2", ... */
 typedef enum k3_isa { K3_ISA_REF = 0, K3_ISA_AVX2, K3_ISA_AVX512 } k3_isa;
-/* Detects the CPU once; safe to call many times. */
+/* Detects the CPU and builds the tables once; safe to call many times. */
 void k3_kernels_init(void);
 k3_isa k3_kernels_isa(void);
 const char *k3_isa_name(k3_isa isa);
@@ -151,9 +155,9 @@ void k3_kernels_force(k3_isa isa);
 /* Whether the CPU has the instructions of isa. */
 bool k3_kernels_have(k3_isa isa);
 /* Whether the AVX2 integer kernels use AVX-VNNI (vpdpbusd on 256 bits): the
- * AVX2 path is running, the CPU has it, and it is not switched off (by
- * k3_set_isa("avx2-novnni"), or k3_kernels_force_avxvnni(false) in tests;
- * k3_kernels_force turns it back on where the CPU has it). */
+ * "avx2-vnni" table is running, which k3_kernels_force(K3_ISA_AVX2) takes where
+ * the CPU has it; k3_set_isa("avx2-novnni"), or k3_kernels_force_avxvnni(false)
+ * in tests, takes the plain "avx2" one. */
 bool k3_kernels_avxvnni(void);
 void k3_kernels_force_avxvnni(bool on);
 

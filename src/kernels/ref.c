@@ -1,7 +1,8 @@
 /*
  * ref.c -- the scalar references of the fp32-activation kernels: matmul (any
  * weight type, through its row dequantizer, wtype.c), dot, axpy and the gated
- * activations, which every fast path is tested against.
+ * activations, which the "ref" table runs and every fast path is tested
+ * against.
  *
  * The references accumulate in double (each fp32 product is exact in double),
  * so they are closer to the exact result than any fp32 kernel; a fast path's
@@ -16,8 +17,8 @@
 
 enum { REF_CHUNK = 256 };
 
-static void matmul_ref_rows(const k3_mat *w, const float *x, int64_t n, float *y, int64_t ldy,
-                            int64_t r0, int64_t r1) {
+void k3_matmul_rows_ref(const k3_mat *w, const float *x, int64_t n, float *y, int64_t ldy, int64_t r0,
+                        int64_t r1) {
     const int64_t cols = w->cols;
     const k3_wtype_traits *ti = k3_wtype_info(w->type);
     float wr[REF_CHUNK];
@@ -38,7 +39,7 @@ static void matmul_ref_rows(const k3_mat *w, const float *x, int64_t n, float *y
 void k3_matmul_ref(const k3_mat *w, const float *x, int64_t n, float *y) {
     const int block = k3_wtype_info(w->type)->block;
     K3_ASSERT(!block || w->cols % block == 0);
-    matmul_ref_rows(w, x, n, y, w->rows, 0, w->rows);
+    k3_matmul_rows_ref(w, x, n, y, w->rows, 0, w->rows);
 }
 
 float k3_dot_ref(const float *a, const float *b, int64_t n) {
@@ -64,11 +65,3 @@ void k3_glu_ref(float *f1, const float *f2, int64_t n, k3_glu_kind kind, float b
             f1[i] = g / (1.0f + expf(-g)) * u;
     }
 }
-
-const k3_kernel_ops k3_ops_ref = {
-    .isa = K3_ISA_REF,
-    .matmul = matmul_ref_rows,
-    .dot = k3_dot_ref,
-    .axpy = k3_axpy_ref,
-    .glu = k3_glu_ref,
-};
