@@ -457,7 +457,7 @@ K3_TEST(kernels_isa_detect) {
  * what fails when a kernel is missing. */
 static void check_table(const k3_kernel_ops *o) {
     CHECKF(o->name && o->quant_act_i8 && o->mx4_prep && o->mx4_r4_prep && o->mx4_dot && o->mxfp8_dequant && o->dot &&
-               o->axpy && o->glu && o->qli_scores && o->qsfa && o->lse_merge && o->attnres_mix &&
+               o->axpy && o->glu && o->softmax && o->qli_scores && o->qsfa && o->lse_merge && o->attnres_mix &&
                o->kda_recurrent && o->kda_chunked,
            "table %s: an empty entry", o->name);
     CHECKF(o->base || (!o->qli_fits && !o->qsfa_fits && !o->kda_recurrent_fits && !o->kda_chunked_fits),

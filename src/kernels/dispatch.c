@@ -50,6 +50,7 @@ static void build_ref(k3_kernel_ops *o) {
         .dot = k3_dot_ref,
         .axpy = k3_axpy_ref,
         .glu = k3_glu_ref,
+        .softmax = k3_softmax_ref,
         .qli_scores = k3_qli_scores_ref,
         .qsfa = k3_qsfa_ref,
         .lse_merge = k3_lse_merge_ref,
@@ -83,6 +84,7 @@ static void build_avx2(k3_kernel_ops *o, const k3_kernel_ops *base) {
     o->dot = k3_dot_avx2;
     o->axpy = k3_axpy_avx2;
     o->glu = k3_glu_avx2;
+    o->softmax = k3_softmax_avx2;
     o->qli_fits = k3_qli_avx2_fits;
     o->qli_scores = k3_qli_scores_avx2;
     o->qsfa_fits = k3_qsfa_avx2_fits;
@@ -114,6 +116,7 @@ static void build_avx512(k3_kernel_ops *o, const k3_kernel_ops *avx2, bool vnni,
     o->dot = k3_dot_avx512;
     o->axpy = k3_axpy_avx512;
     o->glu = k3_glu_avx512;
+    o->softmax = k3_softmax_avx512;
     o->qsfa_fits = k3_qsfa_avx512_fits;
     o->qsfa = k3_qsfa_avx512;
     o->kda_recurrent = k3_kda_recurrent_avx512;
@@ -259,6 +262,8 @@ void k3_axpy(float *y, float a, const float *x, int64_t n) { k3_ops()->axpy(y, a
 void k3_glu(float *f1, const float *f2, int64_t n, k3_glu_kind kind, float b1, float b2) {
     k3_ops()->glu(f1, f2, n, kind, b1, b2);
 }
+
+void k3_softmax(float *s, int64_t n, float scale) { k3_ops()->softmax(s, n, scale); }
 
 float k3_quant_act_i8(const float *x, int64_t n, int8_t *q) { return k3_ops()->quant_act_i8(x, n, q); }
 

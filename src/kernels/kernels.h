@@ -130,6 +130,10 @@ float k3_dot_ref(const float *a, const float *b, int64_t n);
 /* y += a * x */
 void k3_axpy(float *y, float a, const float *x, int64_t n);
 void k3_axpy_ref(float *y, float a, const float *x, int64_t n);
+/* s[i] = softmax(scale · s)[i] over n values, in place (the vision tower's
+ * attention rows); the SIMD paths use their own exp. */
+void k3_softmax(float *s, int64_t n, float scale);
+void k3_softmax_ref(float *s, int64_t n, float scale);
 
 /* ---- gated activations (k3-model.md §3.5) ---- */
 

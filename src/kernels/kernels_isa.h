@@ -19,8 +19,8 @@
  *
  * Files: a kernel is defined in a file that the tables point at and that
  * calls no entry point (so no file both feeds the table and reads it): the
- * references in ref.c, quant.c, attn_ops.c, attnres.c, kda.c, the SIMD
- * forms in *_avx2.c and *_avx512.c. The entry points are in dispatch.c,
+ * references in ref.c, quant.c, attn_ops.c, attnres.c, kda.c, softmax.c, the
+ * SIMD forms in *_avx2.c and *_avx512.c. The entry points are in dispatch.c,
  * k3_matmul in matmul.c; what is built on entry points (quantize.c,
  * kda_conv.c, mla.c) sits above them.
  *
@@ -114,6 +114,7 @@ typedef void k3_mxfp8_dequant_fn(const uint8_t *q, const uint8_t *e, int64_t len
 typedef float k3_dot_fn(const float *a, const float *b, int64_t n);
 typedef void k3_axpy_fn(float *y, float a, const float *x, int64_t n);
 typedef void k3_glu_fn(float *f1, const float *f2, int64_t n, k3_glu_kind kind, float b1, float b2);
+typedef void k3_softmax_fn(float *s, int64_t n, float scale);
 typedef bool k3_qli_fits_fn(int HI, int dI);
 typedef void k3_qli_fn(const int8_t *q8, const float *qs, const float *w, int HI, int dI, const int8_t *k8,
                        const float *ks, const int64_t *slots, int n, float *scores);
@@ -152,6 +153,7 @@ struct k3_kernel_ops {
     k3_dot_fn *dot;
     k3_axpy_fn *axpy;
     k3_glu_fn *glu;
+    k3_softmax_fn *softmax;
 
     /* attention on 8-bit caches, the LSE merge and the AttnRes mix */
     k3_qli_fits_fn *qli_fits;
@@ -173,12 +175,13 @@ const k3_kernel_ops *k3_ops(void);
 
 /* ---- the kernels (the references' prototypes are in the public headers) ---- */
 
-/* fp32 activations: ref.c, matmul_avx2.c, matmul_avx512.c, act_*.c */
+/* fp32 activations: ref.c, matmul_avx2.c, matmul_avx512.c, act_*.c, softmax*.c */
 k3_mm_rows_fn k3_matmul_rows_ref, k3_matmul_rows_avx2, k3_matmul_rows_avx512;
 k3_mm_prep_fn k3_matmul_prep_x_avx2, k3_matmul_prep_x_avx512;
 k3_dot_fn k3_dot_avx2, k3_dot_avx512;
 k3_axpy_fn k3_axpy_avx2, k3_axpy_avx512;
 k3_glu_fn k3_glu_avx2, k3_glu_avx512;
+k3_softmax_fn k3_softmax_avx2, k3_softmax_avx512;
 
 /* 8-bit activations. quant.c, the scalar forms: the "ref" table's W8A8 and
  * tile W4A8 rows; W4A8 on the stored layout a row at a time with the table's

@@ -457,30 +457,9 @@ static void gelu_erf_rows(void *p, int64_t lo, int64_t hi, int ith) {
     }
 }
 
-void k3_vit_softmax_ref(float *s, int64_t n, float scale) {
-    float mx = -INFINITY;
-    for (int64_t k = 0; k < n; k++) {
-        s[k] *= scale;
-        if (s[k] > mx) mx = s[k];
-    }
-    float sum = 0;
-    for (int64_t k = 0; k < n; k++) {
-        s[k] = expf(s[k] - mx);
-        sum += s[k];
-    }
-    const float inv = 1.0f / sum;
-    for (int64_t k = 0; k < n; k++) s[k] *= inv;
-}
-
 static void softmax_rows(void *p, int64_t lo, int64_t hi, int ith) {
     const vjob *j = p;
-    const k3_isa isa = k3_kernels_isa();
-    for (int64_t r = lo; r < hi; r++) {
-        float *s = j->x + r * j->n;
-        if (isa == K3_ISA_AVX512) k3_vit_softmax_avx512(s, j->n, j->scale);
-        else if (isa == K3_ISA_AVX2) k3_vit_softmax_avx2(s, j->n, j->scale);
-        else k3_vit_softmax_ref(s, j->n, j->scale);
-    }
+    for (int64_t r = lo; r < hi; r++) k3_softmax(j->x + r * j->n, j->n, j->scale);
 }
 
 /* q and k of every head of rows [lo, hi): (a + bi)(c + di) on pairs */
