@@ -203,8 +203,7 @@ static k3_status vmat(vbind *b, k3_mat *dst, const char *name, const int64_t *sh
     if (s) return s;
     int64_t cols = 1;
     for (int i = 1; i < nd; i++) cols *= shape[i];
-    const k3_wtype wt = t->dtype == K3_DTYPE_F32 ? K3_W_F32 : t->dtype == K3_DTYPE_F16 ? K3_W_F16 : K3_W_BF16;
-    *dst = (k3_mat){.type = wt, .rows = shape[0], .cols = cols, .data = t->data};
+    *dst = (k3_mat){.type = k3_model_wtype_of(t->dtype), .rows = shape[0], .cols = cols, .data = t->data};
     return K3_OK;
 }
 
