@@ -17,6 +17,9 @@ int k3_cmd_bench_throughput(int argc, char **argv); /* `k3 bench throughput` */
 
 #include "k3.h"
 
+/* The --quant modes, as the subcommands' help lists them (k3_quant_parse). */
+#define K3_CLI_QUANT_MODES "none | w8a8 | w8a8-mxfp8 | w4a8 | w8a8+w4a8"
+
 /* The quantization mode and cache format used when none is given. The
  * trunk runs as stored (BF16) and the routed experts as stored (MXFP4 or
  * BF16, fp32 activations), with the C8 cache: on tiny checkpoints built by

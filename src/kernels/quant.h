@@ -1,7 +1,7 @@
 /*
  * quant.h -- 8-bit weights and activations (serving.md §5).
  *
- * Weights are converted once, at load: K3_W_Q8 (int8 per
+ * Weights are converted once, at load (k3_quantize_mat): K3_W_Q8 (int8 per
  * output channel, symmetric, s = max|w_row| / 127) or K3_W_MXFP8 (E4M3 with an
  * E8M0 scale per 32 columns, X = 2^(floor(log2 amax) - 8)). Routed experts
  * stay MXFP4. With k3_mat.act8 set (and always for Q8, MXFP8 and the MXFP4_R4
@@ -20,10 +20,29 @@
 
 /* ---- load-time conversion (quantize.c) ---------------------------------- */
 
-/* Converts src (F32/F16/BF16) to Q8: q [rows, cols], scales [rows], and the
- * sum of each row's int8 values [rows] (k3_mat.row_sum, which the VNNI
- * kernels need); to MXFP8 (cols % 32 == 0): q [rows, cols] E4M3,
- * e [rows, cols/32] E8M0. */
+/* Memory for a converted matrix's arrays: n bytes that stay as long as the
+ * matrix is used; NULL when there is none. */
+typedef void *(*k3_quant_alloc_fn)(void *ctx, size_t n);
+
+/* Converts *w (F32, F16 or BF16) to the format of q -- K3_WQ_INT8: K3_W_Q8
+ * with its row scales and row sums, K3_WQ_MXFP8: K3_W_MXFP8 -- in arrays from
+ * alloc (data, then the row scales and sums, then the block scales), and
+ * points *w at them. Leaves *w as it is, returning K3_OK, where q does not
+ * apply: K3_WQ_NONE, no data, a matrix that is not plain floats, or columns
+ * the format's blocks do not divide (MXFP8 with cols % 32 != 0). */
+k3_status k3_quantize_mat(k3_mat *w, k3_wquant q, k3_quant_alloc_fn alloc, void *ctx, k3_error *err);
+
+/* The --quant name of q ("none", "w8a8", "w8a8-mxfp8"); the mode a name (or
+ * its alias: "w8a8-int8", "mxfp8") stands for, false for none; and the names
+ * of the modes that convert, ", "-joined, into buf. */
+const char *k3_quant_mode_name(k3_wquant q);
+bool k3_quant_mode_of(const char *name, k3_wquant *q);
+void k3_quant_mode_list(char *buf, size_t size);
+
+/* The converters themselves: src (F32/F16/BF16) to Q8: q [rows, cols],
+ * scales [rows], and the sum of each row's int8 values [rows] (k3_mat.row_sum,
+ * which the VNNI kernels need); to MXFP8 (cols % 32 == 0): q [rows, cols]
+ * E4M3, e [rows, cols/32] E8M0. */
 void k3_quant_q8_mat(const k3_mat *src, int8_t *q, float *scales, int32_t *sums);
 void k3_quant_mxfp8_mat(const k3_mat *src, uint8_t *q, uint8_t *e);
 

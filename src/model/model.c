@@ -842,13 +842,16 @@ k3_status k3_quant_parse(const char *s, k3_quant_options *out, k3_error *err) {
     if (!s || strlen(s) >= sizeof buf) return k3_err(err, K3_ERR_ARG, "quant: bad mode");
     snprintf(buf, sizeof buf, "%s", s);
     for (char *save = NULL, *tok = strtok_r(buf, "+,", &save); tok; tok = strtok_r(NULL, "+,", &save)) {
+        k3_wquant q;
         if (!strcmp(tok, "none") || !strcmp(tok, "bf16")) continue;
-        else if (!strcmp(tok, "w8a8") || !strcmp(tok, "w8a8-int8")) out->linear = K3_WQ_INT8;
-        else if (!strcmp(tok, "w8a8-mxfp8") || !strcmp(tok, "mxfp8")) out->linear = K3_WQ_MXFP8;
+        else if (k3_quant_mode_of(tok, &q)) out->linear = q;
         else if (!strcmp(tok, "w4a8")) out->experts_a8 = true;
-        else
-            return k3_err(err, K3_ERR_ARG,
-                          "quant: unknown mode '%s' (use none, w8a8, w8a8-mxfp8, w4a8, or e.g. w8a8+w4a8)", tok);
+        else {
+            char modes[128];
+            k3_quant_mode_list(modes, sizeof modes);
+            return k3_err(err, K3_ERR_ARG, "quant: unknown mode '%s' (use none, %s, w4a8, or e.g. w8a8+w4a8)", tok,
+                          modes);
+        }
     }
     return K3_OK;
 }
@@ -863,29 +866,18 @@ static void disown(k3_model *m, const void *p) {
         }
 }
 
+/* Memory for quantized arrays: own_packed's (k3_quantize_mat's alloc). */
+static void *pack_alloc(void *m, size_t n) { return own_packed(m, n); }
+
 /* alias: W_UK, the k half of kv_b again -- its bytes are counted with kv_b's
  * and its source stays (wuk_t names it) */
 static k3_status quantize_mat(k3_model *m, k3_mat *w, k3_wquant q, bool alias, k3_error *err) {
-    if (!w->data || !k3_wtype_info(w->type)->is_float) return K3_OK;
+    const void *old = w->data;
     /* a stack the loader made: not needed once converted */
-    const void *src = alias || k3_st_maps(m->st, w->data) ? NULL : w->data;
-    if (q == K3_WQ_MXFP8 && w->cols % 32) return K3_OK; /* stays as stored */
-    const size_t n = (size_t)(w->rows * w->cols);
+    const void *src = alias || !old || k3_st_maps(m->st, old) ? NULL : old;
     const int64_t before = w->rows * (int64_t)k3_mat_row_bytes(w);
-    if (q == K3_WQ_INT8) {
-        int8_t *d = own_packed(m, n);
-        float *sc = own_packed(m, sizeof(float) * (size_t)w->rows);
-        if (!d || !sc) return k3_err(err, K3_ERR_NOMEM, "quant: out of memory");
-        int32_t *sum = own_packed(m, sizeof(int32_t) * (size_t)w->rows);
-        if (!sum) return k3_err(err, K3_ERR_NOMEM, "quant: out of memory");
-        k3_quant_q8_mat(w, d, sc, sum);
-        *w = (k3_mat){.type = K3_W_Q8, .rows = w->rows, .cols = w->cols, .data = d, .row_scale = sc, .row_sum = sum};
-    } else {
-        uint8_t *d = own_packed(m, n), *e = own_packed(m, n / 32);
-        if (!d || !e) return k3_err(err, K3_ERR_NOMEM, "quant: out of memory");
-        k3_quant_mxfp8_mat(w, d, e);
-        *w = (k3_mat){.type = K3_W_MXFP8, .rows = w->rows, .cols = w->cols, .data = d, .scale = e};
-    }
+    K3_TRY(k3_quantize_mat(w, q, pack_alloc, m, err));
+    if (w->data == old) return K3_OK; /* stays as stored */
     if (!alias) m->quant_bytes_delta += w->rows * (int64_t)k3_mat_row_bytes(w) - before;
     if (src) disown(m, src);
     return K3_OK;

@@ -310,24 +310,7 @@ k3_status k3_vision_open(k3_vision **out, const k3_model *m, k3_error *err) {
     return K3_OK;
 }
 
-static k3_status quant_one(k3_vision *v, k3_mat *w, k3_wquant q, k3_error *err) {
-    if (q == K3_WQ_MXFP8 && w->cols % 32) return K3_OK; /* stays as stored */
-    const size_t n = (size_t)(w->rows * w->cols);
-    if (q == K3_WQ_INT8) {
-        int8_t *d = vown(v, n);
-        float *sc = vown(v, sizeof(float) * (size_t)w->rows);
-        int32_t *sum = vown(v, sizeof(int32_t) * (size_t)w->rows);
-        if (!d || !sc || !sum) return k3_err(err, K3_ERR_NOMEM, "vision quant: out of memory");
-        k3_quant_q8_mat(w, d, sc, sum);
-        *w = (k3_mat){.type = K3_W_Q8, .rows = w->rows, .cols = w->cols, .data = d, .row_scale = sc, .row_sum = sum};
-    } else {
-        uint8_t *d = vown(v, n), *e = vown(v, n / 32);
-        if (!d || !e) return k3_err(err, K3_ERR_NOMEM, "vision quant: out of memory");
-        k3_quant_mxfp8_mat(w, d, e);
-        *w = (k3_mat){.type = K3_W_MXFP8, .rows = w->rows, .cols = w->cols, .data = d, .scale = e};
-    }
-    return K3_OK;
-}
+static void *quant_alloc(void *v, size_t n) { return vown(v, n); }
 
 k3_status k3_vision_quantize(k3_vision *v, const k3_quant_options *opt, k3_error *err) {
     if (!v || !opt || opt->linear == K3_WQ_NONE) return K3_OK;
@@ -337,12 +320,12 @@ k3_status k3_vision_quantize(k3_vision *v, const k3_quant_options *opt, k3_error
         k3_vit_block *L = &v->blocks[i];
         k3_mat *ms[] = {&L->wqkv, &L->wo, &L->fc0, &L->fc1};
         for (int k = 0; k < 4; k++)
-            if ((s = quant_one(v, ms[k], opt->linear, err))) return s;
+            if ((s = k3_quantize_mat(ms[k], opt->linear, quant_alloc, v, err))) return s;
     }
-    if ((s = quant_one(v, &v->patch, opt->linear, err)) || (s = quant_one(v, &v->proj0, opt->linear, err)) ||
-        (s = quant_one(v, &v->proj2, opt->linear, err)))
-        return s;
-    v->quant = opt->linear == K3_WQ_INT8 ? "w8a8" : "w8a8-mxfp8";
+    k3_mat *more[] = {&v->patch, &v->proj0, &v->proj2};
+    for (int k = 0; k < 3; k++)
+        if ((s = k3_quantize_mat(more[k], opt->linear, quant_alloc, v, err))) return s;
+    v->quant = k3_quant_mode_name(opt->linear);
     return K3_OK;
 }
 
