@@ -17,9 +17,10 @@ CC      ?= cc
 OPT     ?= -O2 -fvect-cost-model=dynamic
 CFLAGS  ?= $(OPT) -g
 WARN    := -Wall -Wextra -Wshadow -Wstrict-prototypes -Wmissing-prototypes -Wvla -Wno-unused-parameter -Wno-missing-field-initializers -Werror
-DEPS_PC := libpcre2-8 jansson libpng libjpeg libmicrohttpd libcurl
+DEPS_PC := libpcre2-8 jansson libpng libjpeg libwebp libwebpdemux libmicrohttpd libcurl
 K3_CFLAGS := -std=c11 -D_GNU_SOURCE -Iinclude -Isrc $(WARN) -pthread -MMD -MP
-LDLIBS  := -lm -pthread
+# giflib ships no pkg-config file: its header is checked by the deps step.
+LDLIBS  := -lgif -lm -pthread
 
 BUILD   := build
 DEPS_OK := $(BUILD)/.deps-ok
@@ -44,16 +45,21 @@ help:
 	@echo "make test        build and run the whole test suite"
 	@echo "make asan|ubsan  the suite under AddressSanitizer / UBSan"
 	@echo "make check-reference  compare with external references (needs PyPI)"
+	@echo "make test-hf-tokenizer  the Hugging Face tokenizer of each checkpoint against k3's (needs PyPI)"
+	@echo "make test-lm-eval  lm-eval local-completions, remote tokenizer, against k3 serve (needs PyPI)"
 	@echo "make bench-model make the bench checkpoints (bench/bench, bench/bench-dsa; ~2 GB each)"
 	@echo "make install     install k3 and the default model under PREFIX (default /usr/local)"
 	@echo "make fuzz        run each libFuzzer harness for FUZZ_TIME seconds (default 60)"
 	@echo "make clean"
 
-# Installs the Debian packages the build needs when pkg-config cannot find them.
+# Installs the Debian packages the build needs when pkg-config cannot find them
+# (or the compiler cannot find giflib's header, which has no .pc file).
+HAVE_GIF_H = printf '\#include <gif_lib.h>\n' | $(CC) -E -x c - >/dev/null 2>&1
 $(DEPS_OK): scripts/install-deps.sh
 	@mkdir -p $(BUILD)
-	@pkg-config --exists $(DEPS_PC) 2>/dev/null || sh scripts/install-deps.sh
+	@{ pkg-config --exists $(DEPS_PC) && $(HAVE_GIF_H); } 2>/dev/null || sh scripts/install-deps.sh
 	@pkg-config --exists $(DEPS_PC) || { echo "missing: $(DEPS_PC) (see scripts/install-deps.sh)"; exit 1; }
+	@$(HAVE_GIF_H) || { echo "missing: gif_lib.h (libgif-dev, see scripts/install-deps.sh)"; exit 1; }
 	@touch $@
 deps: $(DEPS_OK)
 
@@ -72,7 +78,9 @@ $(BUILD)/%_avx512.o: %_avx512.c | $(DEPS_OK)
 	@mkdir -p $(dir $@)
 	$(CC) $(K3_CFLAGS) $(PC_CFLAGS) $(CFLAGS) -mavx512f -mavx512bw -mavx512vl -mavx512vnni -mavx2 -mfma -mf16c -c $< -o $@
 
+# made afresh, so an object whose source is gone does not stay in the archive
 $(BUILD)/libk3.a: $(OBJ)
+	@rm -f $@
 	ar rcs $@ $^
 
 $(BUILD)/k3: $(CLI_OBJ) $(BUILD)/libk3.a
@@ -95,6 +103,24 @@ ubsan:
 
 check-reference:
 	sh tools/check-reference.sh
+
+# The Hugging Face tokenizer every checkpoint ships (tools/hf_tokenizer)
+# against k3's, id for id: transformers + tiktoken in the project's .venv
+# (scripts/venv.sh, PyPI the first time), no torch.
+.PHONY: test-hf-tokenizer
+test-hf-tokenizer: $(BUILD)/k3
+	@PY=$$(sh scripts/venv.sh transformers tiktoken) && "$$PY" tests/hf_tokenizer.py $(BUILD)/k3
+
+# lm-eval's local-completions with tokenizer_backend=remote against k3 serve on
+# models/k3-mini (tests/lm_eval_remote.py, tasks in tests/lm_eval/):
+# lm-eval[api] 0.4.13 into the project's .venv (PyPI the first time: ~750 MB
+# with datasets, pyarrow, pandas, scipy; about 2 minutes), no torch.
+LM_EVAL_PKG ?= lm-eval[api]==0.4.13
+.PHONY: test-lm-eval
+test-lm-eval: $(BUILD)/k3
+	@PY=$$(sh scripts/venv.sh numpy openai) && \
+	  { "$$PY" -c "import lm_eval, aiohttp, tenacity" 2>/dev/null || "$$PY" -m pip install -q "$(LM_EVAL_PKG)"; } && \
+	  "$$PY" tests/lm_eval_remote.py $(BUILD)/k3
 
 format:
 	clang-format -i include/*.h src/*/*.[ch] cli/*.c tests/*.[ch]
@@ -151,11 +177,11 @@ FUZZ_BUILD  ?= build-fuzz
 FUZZ_TIME   ?= 60
 FUZZ_TEST_TIME ?= 3
 FUZZ_SAN    := -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer
-FUZZ_NAMES  := safetensors config tiktoken chat image
+FUZZ_NAMES  := safetensors config tiktoken chat image grammar
 HAVE_CLANG  := $(shell command -v $(FUZZ_CC) >/dev/null 2>&1 && echo yes)
-# Only the parsers are linked: common/, config, safetensors, tokenizer.
+# Only the parsers are linked: common/, config, safetensors, tokenizer, image, grammar.
 FUZZ_LIB_SRC := $(wildcard src/common/*.c src/tokenizer/*.c) src/model/config.c src/model/safetensors.c
-FUZZ_LIB_SRC += src/vision/image.c src/vision/processor.c
+FUZZ_LIB_SRC += src/vision/image.c src/vision/processor.c $(wildcard src/grammar/*.c)
 ifeq ($(HAVE_CLANG),yes)
 fuzz-build: $(DEPS_OK)
 	@$(MAKE) --no-print-directory BUILD=$(FUZZ_BUILD) CC=$(FUZZ_CC) \
@@ -170,7 +196,7 @@ fuzz-build:
 endif
 fuzz: fuzz-build
 	@sh fuzz/run.sh $(FUZZ_BUILD) $(FUZZ_TIME)
-# MPI (src/dist, issue 19): build/k3 always links OpenMPI (Debian's
+# MPI (src/comm: the only code that calls it): build/k3 always links OpenMPI (Debian's
 # openmpi-bin + libopenmpi-dev, scripts/install-deps.sh); without mpirun it
 # runs as world size 1. Flags from pkg-config ompi-c, else from mpicc.
 DEPS_PC += ompi-c

@@ -73,7 +73,7 @@ int main(int argc, char **argv) {
 
     /* the bare context, as `k3 run` makes it */
     k3_ctx *ctx = NULL;
-    k3_ctx_options co = {.max_seqs = 1, .max_tokens = P + N + 1, .pool = pool, .kv_cache = K3_KV_C8};
+    k3_ctx_options co = {.max_seqs = 1, .cache_tokens = P + N + 1, .pool = pool, .kv_cache = K3_KV_C8};
     if (k3_ctx_init(&ctx, m, &co, &err)) DIE("ctx");
     float *logits = malloc(sizeof(float) * (size_t)V);
     k3_sampler *smp = NULL;

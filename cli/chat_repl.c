@@ -144,7 +144,7 @@ int k3_cli_chat_repl(const k3_cli_repl *r) {
     }
 
     if (k3_pool_init(&pool, r->threads, &err)) goto fail;
-    k3_ctx_options co = {.max_seqs = 1, .max_tokens = n_ctx, .pool = pool, .kv_cache = r->kv};
+    k3_ctx_options co = {.max_seqs = 1, .cache_tokens = n_ctx, .pool = pool, .kv_cache = r->kv};
     if (k3_ctx_init(&ctx, r->model, &co, &err)) goto fail;
     if (k3_sampler_init(&smp, r->sampling, (int32_t)info.vocab_size, &err)) goto fail;
     if (!(logits = malloc(sizeof(float) * (size_t)info.vocab_size))) {

@@ -109,7 +109,7 @@ static int run_decode(bench *b, int batch, int64_t pos, bool synth, bool dense, 
                       k3_error *err) {
     k3_ctx *ctx = NULL;
     k3_ctx_options o = {.max_seqs = batch,
-                        .max_tokens = (int64_t)batch * (pos + b->decode_tokens + 1),
+                        .cache_tokens = (int64_t)batch * (pos + b->decode_tokens + 1),
                         .kv_cache = b->kv,
                         .dense_attention = dense,
                         .pool = b->pool};
@@ -174,7 +174,7 @@ done:
 
 static int run_prefill(bench *b, int64_t len, stat3 *out, k3_profile *prof, k3_error *err) {
     k3_ctx *ctx = NULL;
-    k3_ctx_options o = {.max_seqs = 1, .max_tokens = len, .kv_cache = b->kv, .pool = b->pool};
+    k3_ctx_options o = {.max_seqs = 1, .cache_tokens = len, .kv_cache = b->kv, .pool = b->pool};
     if (k3_ctx_init(&ctx, b->m, &o, err)) return 1;
     const int64_t V = b->info.vocab_size;
     float *logits = malloc(sizeof(float) * (size_t)V);

@@ -7,7 +7,7 @@
  * -- bytes, time and GB/s -- with the DSA top-k exchange measured beside its
  * formula ((D-1)*k*8 B per DSA layer for the all-gather, log2(D)*k*8 B for
  * the butterfly). The traffic is printed for rank 0 and summed over all
- * ranks (k3_dist_stats_take_all: the workers' counters too). Also each
+ * ranks (k3_exec_stats_take_all: the other ranks' counters too). Also each
  * rank's cache bytes and routed-expert bytes.
  * Rank 0 prints; medians of --runs runs (min and max beside). The ranks of
  * a one-machine job share its cores, so wall-clock speed-ups are not the
@@ -111,7 +111,7 @@ int k3_cmd_bench_dist(int argc, char **argv) {
     k3_model_info info;
     k3_model_get_info(m, &info);
     s = k3_pool_init(&pool, threads, &err);
-    k3_ctx_options co = {.max_seqs = 1, .max_tokens = longest + dtok + 8, .max_batch = 16, .kv_cache = kv,
+    k3_ctx_options co = {.max_seqs = 1, .cache_tokens = longest + dtok + 8, .max_batch = 16, .kv_cache = kv,
                          .pool = pool, .dist = cd.d};
     if (!s) s = k3_ctx_init(&ctx, m, &co, &err);
     if (k3_cli_dist_agree(&cd, s, &err, "bench")) {
@@ -120,7 +120,7 @@ int k3_cmd_bench_dist(int argc, char **argv) {
     }
     if (k3_cli_show_memory(&cd, m, ctx, "bench")) goto abort;
     if (!root) {
-        if (k3_dist_worker(cd.d, ctx, &err)) {
+        if (k3_exec_serve(ctx, &err)) {
             fprintf(stderr, "k3 bench: %s\n", err.msg);
             goto abort;
         }
@@ -156,19 +156,19 @@ int k3_cmd_bench_dist(int argc, char **argv) {
         const int N = cd.d ? k3_dist_size(cd.d) : 1;
         int64_t tokens = 0;
         for (int r = -1; r < runs; r++) { /* run -1 warms up, untimed and uncounted */
-            k3_ctx_seq_reset(ctx, 0);
-            if (k3_ctx_seq_fill_synthetic(ctx, 0, L, 1, &err)) goto fail_ms;
+            k3_exec_seq_reset(ctx, 0);
+            if (k3_exec_seq_fill_synthetic(ctx, 0, L, 1, &err)) goto fail_ms;
             k3_comm_stats st, sa;
-            if (cd.d && k3_dist_stats_take_all(cd.d, &st, &sa, &err)) goto fail_ms;
+            if (cd.d && k3_exec_stats_take_all(cd.d, &st, &sa, &err)) goto fail_ms;
             int32_t id = 7;
             const double t0 = k3_now();
             for (int step = 0; step < dtok; step++) {
                 k3_batch_seq b = {0, 1, &id};
-                if (k3_ctx_forward(ctx, &b, 1, K3_LOGITS_LAST, logits, &err)) goto fail_ms;
+                if (k3_exec_forward(ctx, &b, 1, K3_LOGITS_LAST, logits, &err)) goto fail_ms;
                 id = (id * 31 + 17) % (int32_t)info.vocab_size;
             }
             const double dt = k3_now() - t0;
-            if (cd.d && k3_dist_stats_take_all(cd.d, &st, &sa, &err)) goto fail_ms;
+            if (cd.d && k3_exec_stats_take_all(cd.d, &st, &sa, &err)) goto fail_ms;
             if (r < 0) continue;
             ms[r] = dt / dtok * 1e3;
             tokens += dtok;
@@ -246,13 +246,13 @@ int k3_cmd_bench_dist(int argc, char **argv) {
     free(ms);
     if (json) printf("]}\n");
     rc = 0;
-    if (cd.d && k3_dist_release(cd.d, &err)) goto fail;
+    if (cd.d && k3_exec_release(cd.d, &err)) goto fail;
     goto done;
 fail_ms:
     free(ms);
 fail:
     fprintf(stderr, "k3 bench: %s\n", err.msg);
-    if (cd.d && k3_dist_release(cd.d, &err)) goto abort;
+    if (cd.d && k3_exec_release(cd.d, &err)) goto abort;
     goto done;
 abort:
     k3_dist_abort(cd.d, 1);

@@ -26,34 +26,15 @@
 #include <time.h>
 
 #include "cli.h"
+#include "common/buf.h"
 #include "k3.h"
-
-typedef struct {
-    char *p;
-    size_t len, cap;
-} sbuf;
-
-static int sbuf_add(sbuf *b, const char *d, size_t n) {
-    if (b->len + n + 1 > b->cap) {
-        size_t cap = b->cap ? b->cap * 2 : 1024;
-        while (cap < b->len + n + 1) cap *= 2;
-        char *t = realloc(b->p, cap);
-        if (!t) return -1;
-        b->p = t;
-        b->cap = cap;
-    }
-    memcpy(b->p + b->len, d, n);
-    b->len += n;
-    b->p[b->len] = 0;
-    return 0;
-}
 
 typedef struct req {
     int idx;
     char *body;
     CURL *h;
     struct curl_slist *hdr;
-    sbuf in;
+    k3_buf in;
     double t_send, t_first, t_last, t_end;
     double *itl;
     int n_itl, cap_itl, n_chunks;
@@ -122,7 +103,8 @@ static void on_event(req *r, const char *data, size_t len) {
 static size_t on_data(char *ptr, size_t size, size_t nmemb, void *ud) {
     req *r = ud;
     const size_t n = size * nmemb;
-    if (sbuf_add(&r->in, ptr, n)) return 0;
+    k3_buf_add(&r->in, ptr, n);
+    if (r->in.oom) return 0;
     /* events end with a blank line; lines start with "data:" */
     for (;;) {
         char *end = strstr(r->in.p, "\n\n");
@@ -200,8 +182,9 @@ static uint64_t rng_next(uint64_t *s) {
 
 static double rng_unit(uint64_t *s) { return (double)(rng_next(s) >> 11) / 9007199254740992.0; }
 
-static int usage_bs(void) {
-    fprintf(stderr,
+/* The usage on stdout (exit 0) for --help, on stderr (exit 2) after a bad option. */
+static int usage_bs(FILE *f) {
+    fprintf(f,
             "usage: k3 bench serve --base-url URL [options]\n"
             "  --model M                  model name (default: the first of GET /v1/models)\n"
             "  --endpoint completions|chat (default completions)\n"
@@ -223,11 +206,13 @@ static int usage_bs(void) {
             "  --timeout S                per-request limit in seconds (default 600)\n"
             "  --json                     print one JSON object instead of the table\n",
             K3_DEFAULT_MODEL);
-    return 2;
+    return f == stdout ? 0 : 2;
 }
 
-static size_t to_sbuf(char *p, size_t size, size_t n, void *ud) {
-    return sbuf_add(ud, p, size * n) ? 0 : size * n;
+static size_t to_buf(char *p, size_t size, size_t n, void *ud) {
+    k3_buf *b = ud;
+    k3_buf_add(b, p, size * n);
+    return b->oom ? 0 : size * n;
 }
 
 /* GET base/v1/models -> the first id (caller frees), or NULL with why. */
@@ -241,12 +226,12 @@ static char *first_model(const char *base, const char *key, char *why, size_t wh
         snprintf(auth, sizeof auth, "Authorization: Bearer %s", key);
         hdr = curl_slist_append(hdr, auth);
     }
-    sbuf b = {0};
+    k3_buf b = {0};
     curl_easy_setopt(h, CURLOPT_URL, url);
     curl_easy_setopt(h, CURLOPT_HTTPHEADER, hdr);
     curl_easy_setopt(h, CURLOPT_TIMEOUT, 30L);
     curl_easy_setopt(h, CURLOPT_NOSIGNAL, 1L);
-    curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, to_sbuf);
+    curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, to_buf);
     curl_easy_setopt(h, CURLOPT_WRITEDATA, &b);
     const CURLcode cc = curl_easy_perform(h);
     long code = 0;
@@ -263,7 +248,7 @@ static char *first_model(const char *base, const char *key, char *why, size_t wh
         else snprintf(why, why_len, "GET %.300s: no model in the answer", url);
         json_decref(j);
     }
-    free(b.p);
+    k3_buf_free(&b);
     return id;
 }
 
@@ -378,9 +363,9 @@ int k3_cmd_bench_serve(int argc, char **argv) {
                 }
                 g_pct[g_n_pct++] = v;
                 p = *end == ',' ? end + 1 : end;
-                if (*end && *end != ',') return usage_bs();
+                if (*end && *end != ',') return usage_bs(stderr);
             }
-            if (!g_n_pct) return usage_bs();
+            if (!g_n_pct) return usage_bs(stderr);
         } else if (!strcmp(a, "--ignore-eos")) ignore_eos = true;
         else if (!strcmp(a, "--json")) json_out = true;
         else if (ARG("--goodput")) {
@@ -396,16 +381,16 @@ int k3_cmd_bench_serve(int argc, char **argv) {
                     return 2;
                 }
             }
-        } else if (!strcmp(a, "-h") || !strcmp(a, "--help")) return usage_bs();
+        } else if (!strcmp(a, "-h") || !strcmp(a, "--help")) return usage_bs(stdout);
         else {
             fprintf(stderr, "k3 bench serve: unknown option or missing value: %s\n", a);
-            return usage_bs();
+            return usage_bs(stderr);
         }
 #undef ARG
 #undef NUM
     }
     const bool chat = !strcmp(endpoint, "chat");
-    if (!base || (!chat && strcmp(endpoint, "completions"))) return usage_bs();
+    if (!base || (!chat && strcmp(endpoint, "completions"))) return usage_bs(stderr);
     if (in_len < 1 || out_len < 1 || n_prompts < 1 || conc < 0 || prefix_len < 0 || range < 0 || range >= 1 ||
         !(rate > 0) || drop_frac < 0 || drop_frac > 1 || timeout < 1) {
         fprintf(stderr, "k3 bench serve: lengths, --num-prompts and --request-rate must be positive, "
@@ -533,8 +518,7 @@ int k3_cmd_bench_serve(int argc, char **argv) {
             curl_easy_cleanup(r->h);
             curl_slist_free_all(r->hdr);
             r->h = NULL;
-            free(r->in.p);
-            r->in.p = NULL;
+            k3_buf_free(&r->in);
             in_flight--;
             finished++;
         }

@@ -28,8 +28,9 @@
 #include "cli.h"
 #include "k3.h"
 
-static int usage_tp(void) {
-    fprintf(stderr,
+/* The usage on stdout (exit 0) for --help, on stderr (exit 2) after a bad option. */
+static int usage_tp(FILE *f) {
+    fprintf(f,
             "usage: k3 bench throughput [-m DIR] [options]\n"
             "  --num-prompts N          requests (default 64)\n"
             "  --max-concurrency C      requests in flight at once (default 16)\n"
@@ -53,7 +54,7 @@ static int usage_tp(void) {
             "  --snapshot-mb N          engine: snapshot budget in MB (default: the engine's)\n"
             "  --no-prefix-cache        engine: prefix caching off\n"
             "  --json                   one JSON object on stdout\n");
-    return 2;
+    return f == stdout ? 0 : 2;
 }
 
 static int cmp_d(const void *a, const void *b) {
@@ -140,12 +141,13 @@ int k3_cmd_bench_throughput(int argc, char **argv) {
         else if (!strcmp(a, "--json")) json = true;
         else if (!strcmp(a, "--mmap")) keep_mapped = true;
         else if (!strcmp(a, "--no-prefix-cache")) no_prefix = true;
-        else return usage_tp();
+        else if (!strcmp(a, "-h") || !strcmp(a, "--help")) return usage_tp(stdout);
+        else return usage_tp(stderr);
     }
     if (bad || num < 1 || conc < 1 || in_len < 1 || out_len < 1 || threads < 1 || n_pfx < 1 || pfx >= in_len ||
         num > 1000000 || in_len > 10000000 || long_len > 10000000 || msc > 1000000) {
         fprintf(stderr, "k3 bench throughput: bad option value (need N, C, I, O, K >= 1 and P < I)\n");
-        return usage_tp();
+        return usage_tp(stderr);
     }
     if (conc > num) conc = num;
 

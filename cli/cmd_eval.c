@@ -169,7 +169,7 @@ int k3_cmd_eval(int argc, char **argv) {
     if (ctx_len > info.max_positions) ctx_len = info.max_positions;
     if (stride > ctx_len) stride = ctx_len;
     if (k3_pool_init(&pool, threads, &err)) goto fail;
-    k3_ctx_options co = {.max_seqs = 1, .max_tokens = ctx_len, .pool = pool, .kv_cache = kv};
+    k3_ctx_options co = {.max_seqs = 1, .cache_tokens = ctx_len, .pool = pool, .kv_cache = kv};
     if (!remote && k3_ctx_init(&ctx, m, &co, &err)) goto fail;
     const int64_t V = info.vocab_size;
     if (remote) {
@@ -182,14 +182,14 @@ int k3_cmd_eval(int argc, char **argv) {
         if (compare) { /* the fp32 reference is the model opened above */
             rm = m;
             m = NULL;
-            k3_ctx_options ro = {.max_seqs = 1, .max_tokens = ctx_len, .pool = pool, .kv_cache = K3_KV_F32};
+            k3_ctx_options ro = {.max_seqs = 1, .cache_tokens = ctx_len, .pool = pool, .kv_cache = K3_KV_F32};
             if (k3_ctx_init(&rctx, rm, &ro, &err)) goto fail;
             rlogits = malloc(sizeof(float) * (size_t)(V * ctx_len));
         }
     }
     logits = remote ? malloc(sizeof(float)) : malloc(sizeof(float) * (size_t)(V * ctx_len));
     if (compare && !remote) {
-        k3_ctx_options ro = {.max_seqs = 1, .max_tokens = ctx_len, .pool = pool, .kv_cache = K3_KV_F32};
+        k3_ctx_options ro = {.max_seqs = 1, .cache_tokens = ctx_len, .pool = pool, .kv_cache = K3_KV_F32};
         if (k3_model_open(&rm, dir, &err) || k3_ctx_init(&rctx, rm, &ro, &err)) goto fail;
         rlogits = malloc(sizeof(float) * (size_t)(V * ctx_len));
     }

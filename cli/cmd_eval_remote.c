@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "cli.h"
+#include "common/buf.h"
 
 struct k3_eval_remote {
     CURL *h;
@@ -20,30 +21,14 @@ struct k3_eval_remote {
     char *model;
 };
 
-typedef struct {
-    char *p;
-    size_t len, cap;
-} rbuf;
-
 static size_t on_data(char *p, size_t size, size_t n, void *ud) {
-    rbuf *b = ud;
-    const size_t k = size * n;
-    if (b->len + k + 1 > b->cap) {
-        size_t cap = b->cap ? b->cap * 2 : 1 << 16;
-        while (cap < b->len + k + 1) cap *= 2;
-        char *t = realloc(b->p, cap);
-        if (!t) return 0;
-        b->p = t;
-        b->cap = cap;
-    }
-    memcpy(b->p + b->len, p, k);
-    b->len += k;
-    b->p[b->len] = 0;
-    return k;
+    k3_buf *b = ud;
+    k3_buf_add(b, p, size * n);
+    return b->oom ? 0 : size * n;
 }
 
 static char *fetch(struct k3_eval_remote *r, const char *url, const char *body, long *code, char *why, size_t wl) {
-    rbuf b = {0};
+    k3_buf b = {0};
     curl_easy_reset(r->h);
     curl_easy_setopt(r->h, CURLOPT_URL, url);
     curl_easy_setopt(r->h, CURLOPT_HTTPHEADER, r->hdr);
@@ -57,7 +42,7 @@ static char *fetch(struct k3_eval_remote *r, const char *url, const char *body, 
     curl_easy_getinfo(r->h, CURLINFO_RESPONSE_CODE, code);
     if (cc != CURLE_OK) {
         snprintf(why, wl, "%.300s: %s", url, curl_easy_strerror(cc));
-        free(b.p);
+        k3_buf_free(&b);
         return NULL;
     }
     if (!b.p) b.p = strdup("");

@@ -22,8 +22,9 @@ static void on_signal(int sig) {
     g_quit = 1;
 }
 
-static int usage_serve(void) {
-    fprintf(stderr,
+/* The usage on stdout (exit 0) for --help, on stderr (exit 2) after a bad option. */
+static int usage_serve(FILE *f) {
+    fprintf(f,
             "usage: k3 serve [-m DIR] [options]\n"
             "  --host ADDR                  address to bind (default 127.0.0.1)\n"
             "  --port N                     port (default 8000; 0 = any free port)\n"
@@ -59,7 +60,7 @@ static int usage_serve(void) {
             "                               runs the engine, the others replay its forward passes\n"
             "  --dist-timeout S             a rank silent this long mid-pass ends the job (default 300)\n",
             K3_DEFAULT_QUANT, K3_DEFAULT_KV);
-    return 2;
+    return f == stdout ? 0 : 2;
 }
 
 static long parse_long(const char *s, int *bad) {
@@ -91,7 +92,7 @@ static int serve_worker(k3_cli_dist *cd, const char *dir, const char *quant, boo
     k3_status ms = k3_cli_open_model_dist(&m, dir, quant, keep_mapped, false, cd, &err);
     if (k3_cli_dist_agree(cd, ms, &err, "serve")) goto out;
     k3_cli_dist_test_hooks(cd);
-    if (k3_pool_init(&pool, threads, &err) || k3_dist_worker_pool(cd->d, m, pool, &err)) {
+    if (k3_pool_init(&pool, threads, &err) || k3_exec_serve_pool(cd->d, m, pool, &err)) {
         fprintf(stderr, "k3 serve: rank %d: %s\n", cd->rank, err.msg);
         k3_dist_abort(cd->d, 1);
     }
@@ -146,10 +147,10 @@ int k3_cmd_serve(int argc, char **argv) {
         else if (ARG("--kv-cache-metrics-sample")) {
             if (k3_cli_float("serve", "--kv-cache-metrics-sample", argv[++i], 0.0, 1.0, &kv_sample)) return 2;
         }
-        else if (!strcmp(a, "-h") || !strcmp(a, "--help")) return usage_serve();
+        else if (!strcmp(a, "-h") || !strcmp(a, "--help")) return usage_serve(stdout);
         else {
             fprintf(stderr, "k3 serve: unknown option or missing value: %s\n", a);
-            return usage_serve();
+            return usage_serve(stderr);
         }
 #undef ARG
     }
@@ -305,10 +306,10 @@ out:
     k3_tokenizer_free(tok);
     k3_model_close(m);
     if (cd.d) {
-        /* the workers wait in k3_dist_worker_pool: let them go, or end the job
+        /* the other ranks wait in k3_exec_serve_pool: let them go, or end the job
          * when a rank died (a failed link stays failed) */
         k3_error rerr = {0};
-        if (k3_dist_release(cd.d, &rerr)) {
+        if (k3_exec_release(cd.d, &rerr)) {
             fprintf(stderr, "k3 serve: %s\n", rerr.msg);
             k3_dist_abort(cd.d, 1);
         }

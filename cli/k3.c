@@ -7,6 +7,7 @@
  *   k3 eval -m DIR --text FILE             see cmd_eval.c
  *   k3 bench -m DIR                        see cmd_bench.c (bench serve: cmd_bench_serve.c)
  *   k3 serve -m DIR                        see cmd_serve.c
+ *   k3 grammar ...                         see cmd_grammar.c
  */
 #include <errno.h>
 #include <stdio.h>
@@ -42,7 +43,7 @@ static void usage_to(FILE *out) {
             "                      under mpirun; 0 = every CPU)\n"
             "  --chat              wrap the prompt as a user turn in the K3 chat format\n"
             "  --think             open the assistant turn in thinking mode (implies --chat)\n"
-            "  --image FILE        a PNG or JPEG before the prompt text (repeatable)\n"
+            "  --image FILE        a PNG, JPEG, WEBP or GIF (first frame) before the prompt text (repeatable)\n"
             "  --ids 1,2,3         feed these token ids instead of a text prompt\n"
             "  --dump-logits FILE  write the logits of every prompt position (float32)\n"
             "  --ctx N             context size in tokens (default: prompt + n)\n"
@@ -305,18 +306,18 @@ distributed:
     if (want < 0) goto out_quiet; /* rank 0 said why */
     {
         k3_status cs = pool ? K3_OK : k3_pool_init(&pool, threads, &err); /* --image made it already */
-        k3_ctx_options co = {.max_seqs = 1, .max_tokens = want, .pool = pool, .kv_cache = kv, .dist = cd.d};
+        k3_ctx_options co = {.max_seqs = 1, .cache_tokens = want, .pool = pool, .kv_cache = kv, .dist = cd.d};
         if (!cs) cs = k3_ctx_init(&ctx, m, &co, &err);
         if (k3_cli_dist_agree(&cd, cs, &err, "run")) {
             if (!cd.d) goto out;
-            if (root) k3_dist_release(cd.d, &err);
+            if (root) k3_exec_release(cd.d, &err);
             goto out_quiet;
         }
     }
     k3_cli_dist_test_hooks(&cd);
     if (show_mem && k3_cli_show_memory(&cd, m, ctx, "run")) goto out_abort;
     if (!root) {
-        if (k3_dist_worker(cd.d, ctx, &err)) {
+        if (k3_exec_serve(ctx, &err)) {
             fprintf(stderr, "k3 run: %s\n", err.msg);
             k3_dist_abort(cd.d, 1);
         }
@@ -336,7 +337,7 @@ distributed:
 
     double t0 = k3_now();
     k3_batch_seq b = {0, (int32_t)n_ids, ids, img.embeds};
-    if (k3_ctx_forward(ctx, &b, 1, dump ? K3_LOGITS_ALL : K3_LOGITS_LAST, logits, &err)) goto out;
+    if (k3_exec_forward(ctx, &b, 1, dump ? K3_LOGITS_ALL : K3_LOGITS_LAST, logits, &err)) goto out;
     const double t_prefill = k3_now() - t0;
     for (size_t i = 0; i < n_ids; i++) k3_sampler_accept(smp, ids[i]);
 
@@ -377,7 +378,7 @@ distributed:
         else if (piece && !k3_tokenizer_is_special(tok, id)) fwrite(piece, 1, len, stdout);
         fflush(stdout);
         b = (k3_batch_seq){0, 1, &id};
-        if (n_done + 1 < n_gen && k3_ctx_forward(ctx, &b, 1, K3_LOGITS_LAST, logits, &err)) goto out;
+        if (n_done + 1 < n_gen && k3_exec_forward(ctx, &b, 1, K3_LOGITS_LAST, logits, &err)) goto out;
     }
     const double t_decode = k3_now() - t1;
     printf("\n");
@@ -386,15 +387,15 @@ distributed:
             "(quant %s, kv %s)\n", n_ids, n_ids / (t_prefill > 0 ? t_prefill : 1e-9), n_done,
             n_done / (t_decode > 0 ? t_decode : 1e-9), stop, quant, kv == K3_KV_C8 ? "c8" : "f32");
     rc = 0;
-    if (cd.d && k3_dist_release(cd.d, &err)) goto out_abort;
+    if (cd.d && k3_exec_release(cd.d, &err)) goto out_abort;
     goto out_quiet;
 out:
     rc = fail("run", &err);
     if (cd.d && root && ctx) {
-        /* workers wait in k3_dist_worker: let them go, or end the job when
-         * the failure was the communication itself */
+        /* the other ranks wait in k3_exec_serve: let them go, or end the job
+         * when the failure was the communication itself */
         k3_error e2 = {0};
-        if (k3_dist_release(cd.d, &e2)) k3_dist_abort(cd.d, 1); /* a failed link stays failed */
+        if (k3_exec_release(cd.d, &e2)) k3_dist_abort(cd.d, 1); /* a failed link stays failed */
     }
     goto out_quiet;
 out_abort:
@@ -484,6 +485,7 @@ static const char usage_text[] =
             "  bench     prefill/decode speed against the measured memory bandwidth\n"
             "  serve     an OpenAI-compatible HTTP server (see cmd_serve.c)\n"
             "  plan      memory and cross-rank traffic of a DCP/EP deployment, from a config\n"
+            "  grammar   compile a JSON schema / regex / grammar and check texts against it\n"
             "  --version print the version\n"
             "run `k3 <command> --help` for its options\n";
 
@@ -504,6 +506,7 @@ int main(int argc, char **argv) {
     if (!strcmp(cmd, "bench")) return k3_cmd_bench(argc - 1, argv + 1);
     if (!strcmp(cmd, "plan")) return k3_cmd_plan(argc - 1, argv + 1);
     if (!strcmp(cmd, "serve")) return k3_cmd_serve(argc - 1, argv + 1);
+    if (!strcmp(cmd, "grammar")) return k3_cmd_grammar(argc - 1, argv + 1);
     if (!strcmp(cmd, "-h") || !strcmp(cmd, "--help") || !strcmp(cmd, "help")) {
         usage_to_stdout();
         return 0;

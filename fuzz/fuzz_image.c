@@ -1,4 +1,4 @@
-/* fuzz_image.c -- libFuzzer harness: image bytes (PNG or JPEG) through
+/* fuzz_image.c -- libFuzzer harness: image bytes (PNG, JPEG, WEBP or GIF) through
  * k3_image_decode (capped at 2^20 pixels), then the K3 processor with a
  * small patch budget so that resizing, the chessboard and padding run:
  * bad input must give an error, never a crash or a read out of bounds. */

@@ -230,7 +230,7 @@ typedef enum k3_kv_type {
 
 typedef struct k3_ctx_options {
     int32_t max_seqs;      /* sequences that may hold state at once */
-    int64_t max_tokens;    /* cache capacity in tokens over all sequences */
+    int64_t cache_tokens;  /* cache capacity in tokens over all sequences */
     int32_t block_size;    /* tokens per cache block (0 = default 64) */
     int32_t max_batch;     /* tokens per forward pass (0 = default 512) */
     k3_kv_type kv_cache;   /* cache format (default K3_KV_F32) */
@@ -315,6 +315,12 @@ double k3_membw_read_gbps(k3_pool *pool, size_t bytes, int reps);
 
 /* ---- sampling --------------------------------------------------------- */
 
+/* A bias added to one token's logit (OpenAI's logit_bias). */
+typedef struct k3_logit_bias {
+    int32_t id;
+    float bias;
+} k3_logit_bias;
+
 typedef struct k3_sampler_options {
     float temperature;    /* 0 = greedy */
     int32_t top_k;        /* 0 = off */
@@ -323,18 +329,152 @@ typedef struct k3_sampler_options {
     float repeat_penalty; /* 1 = off; applied to ids in the history window */
     int32_t repeat_last_n;/* history window for the penalty (0 = all) */
     uint64_t seed;
+    /* OpenAI's penalties over the output (the ids this sampler drew):
+     * logit[t] -= count[t] * frequency_penalty + (count[t] > 0) * presence_penalty */
+    float frequency_penalty; /* 0 = off */
+    float presence_penalty;  /* 0 = off */
+    const k3_logit_bias *logit_bias; /* [n_logit_bias], each added to its logit */
+    int32_t n_logit_bias;
+    const int32_t *allowed_ids; /* NULL: every id; else only these [n_allowed] may be drawn */
+    int32_t n_allowed;
+    /* vLLM's bad words as token sequences: word w is bad_words[bad_word_off[w] ..
+     * bad_word_off[w + 1]) (n_bad_words + 1 offsets); its last id is masked
+     * whenever the output ends with the ids before it (a one-id word always) */
+    const int32_t *bad_words;
+    const int32_t *bad_word_off;
+    int32_t n_bad_words;
 } k3_sampler_options;
 
 typedef struct k3_sampler k3_sampler;
 
+/* Copies what opt points to (logit_bias, allowed_ids, bad_words): the
+ * caller may free it after. K3_ERR_ARG names a bad option (an id out of
+ * range, a non-finite penalty or bias, an empty allowed list). */
 k3_status k3_sampler_init(k3_sampler **out, const k3_sampler_options *opt,
                           int32_t n_vocab, k3_error *err);
 void k3_sampler_free(k3_sampler *s);
-/* Records an id in the history used by the repetition penalty. */
+/* Records an id in the history used by the repetition penalty (the prompt
+ * and the output alike). */
 void k3_sampler_accept(k3_sampler *s, int32_t id);
-/* Picks an id from logits [n_vocab] (logits may be modified). Returns -1
- * when a logit is NaN or +Inf (there is no distribution to sample from). */
+/* Picks an id from logits [n_vocab]. In this order (vLLM's): ids outside
+ * allowed_ids and bad words masked (-inf), logit_bias added, then the
+ * repetition, frequency and presence penalties; on return logits holds
+ * these processed logits, and then top-k, temperature, top-p, min-p and
+ * the draw (or greedy: the first of the largest) choose from them. The
+ * id drawn joins the output the frequency/presence penalties and bad words
+ * look at. Returns -1 when a logit is NaN or +Inf (there is no distribution
+ * to sample from) or when every id is masked. */
 int32_t k3_sampler_sample(k3_sampler *s, float *logits);
+
+/* ---- grammar: constrained decoding ---------------------------------------
+ *
+ * Structured outputs: which tokens a model may sample next so that its text
+ * matches a JSON Schema, a regular expression, a list of choices, a GBNF
+ * grammar or K3's tool-call format (docs/grammar.md). Three objects:
+ *   k3_grammar_vocab    the tokens of one model, built once from its
+ *                       tokenizer; read-only afterwards, any thread;
+ *   k3_grammar          a compiled grammar over that vocabulary; immutable
+ *                       (its token tables fill in on first use, thread-safe),
+ *                       shared by any threads, reference counted;
+ *   k3_grammar_matcher  the state of one request; one thread at a time.
+ * A mask is a bitset over token ids, bit (id & 63) of word (id >> 6), of
+ * k3_grammar_mask_words words. Special tokens are allowed only where the
+ * grammar names them; the ids that end a generation (k3_tokenizer_eos_ids)
+ * only when the text so far is complete.
+ */
+
+typedef struct k3_grammar_vocab k3_grammar_vocab;
+typedef struct k3_grammar k3_grammar;
+typedef struct k3_grammar_matcher k3_grammar_matcher;
+
+/* The tables of a tokenizer's vocabulary (a token trie; the token tables of
+ * the standard JSON rules, computed here: ~0.2 s and ~22 MB for 200k tokens). tok is
+ * only read during the call. */
+k3_status k3_grammar_vocab_init(k3_grammar_vocab **out, const k3_tokenizer *tok, k3_error *err);
+void k3_grammar_vocab_free(k3_grammar_vocab *v);
+/* Words of a mask: (n_vocab + 63) / 64. */
+size_t k3_grammar_mask_words(const k3_grammar_vocab *v);
+
+typedef enum k3_grammar_kind {
+    K3_GRAMMAR_JSON_SCHEMA, /* text: a JSON Schema (draft 2020-12 meaning) */
+    K3_GRAMMAR_JSON_OBJECT, /* any JSON object (response_format json_object) */
+    K3_GRAMMAR_REGEX,       /* text: a regular expression the whole output matches */
+    K3_GRAMMAR_CHOICE,      /* choices: the output is exactly one of them */
+    K3_GRAMMAR_GBNF,        /* text: a GBNF grammar; the output matches its rule "root" */
+    K3_GRAMMAR_TOOL_CALLS,  /* tools: K3 tool calls (always in the K3 reply form) */
+} k3_grammar_kind;
+
+typedef struct k3_grammar_tool {
+    const char *name;
+    const char *parameters; /* JSON Schema text of the arguments; NULL = no arguments */
+} k3_grammar_tool;
+
+typedef struct k3_grammar_spec {
+    k3_grammar_kind kind;
+    const char *text;                 /* NUL-terminated */
+    const char *const *choices;       /* K3_GRAMMAR_CHOICE */
+    int32_t n_choices;
+    const k3_grammar_tool *tools;     /* K3_GRAMMAR_TOOL_CALLS */
+    int32_t n_tools;
+    bool parallel_calls;              /* tool calls: one or more (false: exactly one) */
+    bool compact;                     /* JSON: no whitespace between tokens */
+    bool no_extra_properties;         /* JSON Schema: an object without
+                                         "additionalProperties" allows no others */
+    bool k3_reply;                    /* the output goes on a K3 assistant turn from
+                                         its generation prompt: the content, then
+                                         <|close|>response<|sep|> [<|close|>message<|sep|>] */
+    bool thinking;                    /* k3_reply and tool calls: the prompt opened
+                                         the think block; free text until it closes */
+    const char *where;                /* names the input in errors, e.g.
+                                         "response_format.json_schema.schema"
+                                         (NULL: "json_schema", "regex", "grammar", ...) */
+} k3_grammar_spec;
+
+/* Compiles spec. A construct the engine cannot honour is K3_ERR_UNSUPPORTED
+ * naming it and where it is ("json_schema.properties.x: keyword
+ * 'dependentSchemas' is not supported"); malformed input is K3_ERR_ARG. */
+k3_status k3_grammar_compile(k3_grammar **out, const k3_grammar_vocab *v, const k3_grammar_spec *spec,
+                             k3_error *err);
+/* Takes one more reference; k3_grammar_free drops one. */
+k3_grammar *k3_grammar_ref(k3_grammar *g);
+void k3_grammar_free(k3_grammar *g);
+
+/* A matcher at the start of the output; it keeps a reference to g. */
+k3_status k3_grammar_matcher_init(k3_grammar_matcher **out, k3_grammar *g, k3_error *err);
+/* An independent copy (n > 1 choices from one prompt). */
+k3_status k3_grammar_matcher_clone(k3_grammar_matcher **out, const k3_grammar_matcher *m, k3_error *err);
+void k3_grammar_matcher_free(k3_grammar_matcher *m);
+/* The tokens allowed next, over the whole vocabulary (mask: mask_words). */
+k3_status k3_grammar_matcher_fill_mask(k3_grammar_matcher *m, uint64_t *mask, k3_error *err);
+/* Advances on a sampled token; K3_ERR_ARG (state unchanged) when the token
+ * is not allowed here. An end-of-generation id is accepted when the text is
+ * complete and ends the matcher. */
+k3_status k3_grammar_matcher_accept(k3_grammar_matcher *m, int32_t id, k3_error *err);
+/* Accepts ids in order (rebuilding a preempted request's state); on a
+ * refusal the tokens before it stay accepted and *n_accepted says how many. */
+k3_status k3_grammar_matcher_accept_tokens(k3_grammar_matcher *m, const int32_t *ids, size_t n,
+                                           size_t *n_accepted, k3_error *err);
+/* Whether the text so far is a complete match (EOS and stop strings allowed). */
+bool k3_grammar_matcher_is_complete(const k3_grammar_matcher *m);
+/* Whether an end-of-generation id was accepted. */
+bool k3_grammar_matcher_is_ended(const k3_grammar_matcher *m);
+/* Tokens accepted so far. */
+int32_t k3_grammar_matcher_n_tokens(const k3_grammar_matcher *m);
+/* Undoes the last n accepted tokens (K3_ERR_ARG for more than were accepted). */
+k3_status k3_grammar_matcher_rollback(k3_grammar_matcher *m, int32_t n, k3_error *err);
+/* Back to the start of the output. */
+void k3_grammar_matcher_reset(k3_grammar_matcher *m);
+/* The bytes every continuation of the text starts with (jump-forward
+ * decoding), at most cap; *len is how many (0 when the next byte is open). */
+k3_status k3_grammar_matcher_forced(const k3_grammar_matcher *m, char *buf, size_t cap, size_t *len,
+                                    k3_error *err);
+/* The masks of n matchers at once, spread over pool (NULL = this thread);
+ * masks[i] belongs to matchers[i]. */
+k3_status k3_grammar_fill_masks(k3_grammar_matcher *const *matchers, uint64_t *const *masks, int32_t n,
+                                k3_pool *pool, k3_error *err);
+/* Sets logits[i] to -INFINITY for every id the mask forbids, and for ids at
+ * or past the vocabulary's size (a model's padded embedding rows). */
+void k3_grammar_mask_apply(const k3_grammar_vocab *v, const uint64_t *mask, float *logits, int32_t n_logits);
 
 /* ---- engine: many requests on one model --------------------------------
  *
@@ -383,8 +523,8 @@ typedef struct k3_engine_options {
                                        model, quantization and cache format */
     k3_pool *pool;                  /* borrowed; NULL = single-threaded */
     struct k3_dist *dist;           /* borrowed; NULL = one process. On rank 0 of
-                                       several (--ep E, --dcp 1) the context's calls
-                                       go to the workers (k3_dist_worker_pool) */
+                                       several the context's calls go to the other
+                                       ranks (k3_exec_serve_pool) */
 } k3_engine_options;
 
 typedef struct k3_request_params {
@@ -510,15 +650,16 @@ void k3_engine_get_stats(k3_engine *e, k3_engine_stats *st);
  * finished request are valid until the next step, which frees it. */
 
 
-/* ---- distributed: several processes on MPI (src/dist) -------------------
+/* ---- distributed: several processes on MPI (src/comm, src/executor) ------
  *
  * One k3_dist per process joins the MPI world (mpirun -np N) and splits it
  * into a decode-context-parallel group of D ranks (consecutive world ranks)
  * and an expert-parallel group of E ranks (world ranks N/E apart); D and E
- * divide N. Rank 0 owns tokenization, sampling and I/O: its calls of
- * k3_ctx_forward / k3_ctx_seq_reset / k3_ctx_seq_fill_synthetic on a context
- * made with the dist are sent to every other rank, which runs them from
- * k3_dist_worker, so every rank runs its share of every forward pass.
+ * divide N. Every rank makes a context with the dist. Rank 0 owns
+ * tokenization, sampling and I/O and drives its context through the
+ * executor (k3_exec_forward, ...: below), which sends each call to every
+ * other rank; they replay them in k3_exec_serve, so every rank runs its
+ * share of every forward pass.
  * DCP: token x of a sequence lives on DCP rank (x div I) mod D, which equals
  * ((x mod (bs*D)) div I) mod D for bs a multiple of I (serving.md §2.5); the
  * latent and indexer caches hold only own tokens, attention and the DSA
@@ -566,11 +707,6 @@ k3_topk_exchange k3_dist_exchange(const k3_dist *d);
 k3_status k3_dist_agree(k3_dist *d, k3_status mine, k3_error *err);
 /* Broadcasts n int64 values from rank 0. */
 k3_status k3_dist_bcast_i64(k3_dist *d, int64_t *v, int32_t n, k3_error *err);
-/* Ranks other than 0: runs rank 0's context calls on ctx until rank 0 calls
- * k3_dist_release (returns K3_OK) or something fails. */
-k3_status k3_dist_worker(k3_dist *d, k3_ctx *ctx, k3_error *err);
-/* Rank 0: lets the workers' k3_dist_worker return. */
-k3_status k3_dist_release(k3_dist *d, k3_error *err);
 /* Sums a double over all ranks (for per-rank figures). */
 k3_status k3_dist_sum(k3_dist *d, double *v, int32_t n, k3_error *err);
 /* The largest of a value over all ranks. */
@@ -595,21 +731,39 @@ typedef struct k3_comm_stats {
 const char *k3_comm_kind_name(k3_comm_kind k);
 /* Copies the counters into *out and resets them. */
 void k3_dist_stats_take(k3_dist *d, k3_comm_stats *out);
-/* Rank 0 of several (dcp-serve): takes its own counters into *mine and
- * every rank's, summed, into *all (either may be NULL); the other ranks,
- * waiting in k3_dist_worker or k3_dist_worker_pool, take and add theirs.
- * One process: both get this process's counters. */
-k3_status k3_dist_stats_take_all(k3_dist *d, k3_comm_stats *mine, k3_comm_stats *all, k3_error *err);
+
+/* The executor: rank 0's calls on a context made with a dist, made on every
+ * rank. Each k3_exec_ call takes the arguments of the k3_ctx_ call of the
+ * same name; on rank 0 of several it sends the call to the other ranks and
+ * makes it on its own context (a forward pass together with the others);
+ * with one process (no dist, or a world of 1) it is the k3_ctx_ call. A send
+ * that fails is sticky: the next forward pass returns it. */
+k3_status k3_exec_forward(k3_ctx *ctx, const k3_batch_seq *batch, int32_t n_seqs, k3_logits_mode mode,
+                          float *logits, k3_error *err);
+void k3_exec_seq_reset(k3_ctx *ctx, int32_t seq);
+k3_status k3_exec_seq_fill_synthetic(k3_ctx *ctx, int32_t seq, int64_t n, uint64_t seed, k3_error *err);
+/* Ranks other than 0: makes rank 0's calls on ctx (made with the dist, the
+ * same options as rank 0's) until rank 0 calls k3_exec_release (returns
+ * K3_OK) or something fails. */
+k3_status k3_exec_serve(k3_ctx *ctx, k3_error *err);
+/* k3 serve's ranks > 0: waits for rank 0's engine to make its context (same
+ * options, on model m and pool), then makes every call the engine makes on
+ * it, until k3_exec_release (K3_OK) or a failure. Frees the context. */
+k3_status k3_exec_serve_pool(k3_dist *d, const k3_model *m, k3_pool *pool, k3_error *err);
+/* Rank 0: lets the other ranks' k3_exec_serve and k3_exec_serve_pool
+ * return (K3_OK with one process). */
+k3_status k3_exec_release(k3_dist *d, k3_error *err);
+/* Rank 0 of several: takes its own counters into *mine and every rank's,
+ * summed, into *all (either may be NULL); the other ranks, serving, take and
+ * add theirs. One process: both get this process's counters. */
+k3_status k3_exec_stats_take_all(k3_dist *d, k3_comm_stats *mine, k3_comm_stats *all, k3_error *err);
+
 /* Bytes of the latent and indexer cache pool an engine's context holds on
  * this rank (under DCP each rank holds the same: 1/D of one process's). */
 int64_t k3_engine_cache_bytes(const k3_engine *e);
-/* k3 serve's ranks > 0: waits for rank 0's engine to make its context (same
- * options, on model m and pool), then replays every call the engine makes on
- * it, until k3_dist_release (K3_OK) or a failure. Frees the context. */
-k3_status k3_dist_worker_pool(k3_dist *d, const k3_model *m, k3_pool *pool, k3_error *err);
 /* The cross-rank counters of every rank, summed over the ranks and over an
  * engine's steps since it opened (any thread; taken with
- * k3_dist_stats_take_all after each step); false (and zeros) when the
+ * k3_exec_stats_take_all after each step); false (and zeros) when the
  * engine runs in one process. */
 bool k3_engine_comm_stats(k3_engine *e, k3_comm_stats *out);
 
@@ -655,11 +809,12 @@ k3_status k3_plan_compute(const char *config_path, const k3_plan_options *opt, k
 
 /* ---- vision: images in prompts (../shared/docs/vision.md) --------------
  *
- * A k3_image is a decoded PNG or JPEG; a k3_vision is a checkpoint's MoonViT3d
- * tower, sd2_tpool merger and patchmergerv2 projector with its image
- * processor (preprocessor_config.json, or the published defaults). An image
- * enters a prompt as <|media_begin|>image {W}x{H}<|media_content|> + N
- * <|media_pad|> + <|media_end|> (k3_vision_image_prompt), and its N rows
+ * A k3_image is a decoded PNG, JPEG, WEBP or GIF; a k3_vision is a
+ * checkpoint's MoonViT3d tower, sd2_tpool merger and patchmergerv2 projector
+ * with its image processor (preprocessor_config.json, or the published
+ * defaults). An image enters a prompt as
+ * <|media_begin|>image {W}x{H}<|media_content|> + N <|media_pad|> +
+ * <|media_end|> (k3_vision_image_prompt), and its N rows
  * (k3_vision_encode) replace the pads' embeddings (k3_batch_seq.embeds).
  */
 
@@ -669,17 +824,19 @@ typedef struct k3_vision k3_vision;
 /* Pixel cap used when max_pixels is 0: 8192 x 8192. */
 #define K3_IMAGE_MAX_PIXELS ((int64_t)8192 * 8192)
 
-/* Decodes a PNG or JPEG (told apart by their signatures) from memory. The
- * header's size is checked against max_pixels (0 = K3_IMAGE_MAX_PIXELS)
- * before any pixel is decoded; truncated or corrupt data, other formats and
- * PNG/JPEG variants k3 does not read (16-bit grey, CMYK) are refused with a
- * message. */
+/* Decodes a PNG, JPEG, WEBP or GIF (told apart by their signatures) from
+ * memory; of an animated WEBP or GIF, the first frame (as Pillow composes it
+ * on the canvas). The header's size is checked against max_pixels (0 =
+ * K3_IMAGE_MAX_PIXELS) before any pixel is decoded; truncated or corrupt
+ * data, other formats and variants k3 does not read (16-bit grey PNG, CMYK
+ * JPEG) are refused with a message. */
 k3_status k3_image_decode(k3_image **out, const void *data, size_t size, int64_t max_pixels,
                           k3_error *err);
 /* The same from an OpenAI image_url: only data: URLs with base64 content
- * ("data:image/png;base64,..."; image/png, image/jpeg or no type). Remote
- * URLs (http:, https:, ...) are refused with K3_ERR_UNSUPPORTED naming the
- * rule -- k3 fetches nothing; malformed base64 is K3_ERR_ARG. */
+ * ("data:image/png;base64,..."; image/png, image/jpeg, image/webp, image/gif
+ * or no type). Remote URLs (http:, https:, ...) are refused with
+ * K3_ERR_UNSUPPORTED naming the rule -- k3 fetches nothing; malformed base64
+ * is K3_ERR_ARG. */
 k3_status k3_image_decode_url(k3_image **out, const char *url, size_t len, int64_t max_pixels, k3_error *err);
 /* The same from a file. */
 k3_status k3_image_load(k3_image **out, const char *path, int64_t max_pixels, k3_error *err);

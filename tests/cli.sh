@@ -141,6 +141,10 @@ expect_ok "--threads 0 = every CPU" "$K3" run -m "$TINY" --threads 0 -n 2 --temp
 for c in run info tokenize eval bench; do
     if "$K3" $c --help >"$TMP/out" 2>&1 && grep -q "usage: k3 $c" "$TMP/out"; then ok "$c --help exits 0"; else bad "$c --help exits 0" "$TMP/out"; fi
 done
+# the usage on stdout
+for c in serve "bench throughput" "bench serve"; do
+    if "$K3" $c --help >"$TMP/out" 2>/dev/null && grep -q "usage: k3 $c" "$TMP/out"; then ok "$c --help exits 0"; else bad "$c --help exits 0" "$TMP/out"; fi
+done
 "$K3" --version >"$TMP/out" 2>&1 && grep -q "^k3 [0-9]" "$TMP/out" && ok "k3 --version" || bad "k3 --version" "$TMP/out"
 expect_ok "--think implies --chat" "$K3" run -m "$TINY" --think -n 3 --temp 0 "Hi"
 grep -q '^\[think\]' "$TMP/out" && ok "--think shows its opening marker" || bad "--think shows its opening marker" "$TMP/out"
@@ -219,6 +223,7 @@ expect_fail "NaN weight: run refuses at load" "non-finite" "$K3" run -m "$TMP/m"
 expect_fail "NaN weight: run --quant none --no-check-tensors: the sampler refuses" "not finite" "$K3" run -m "$TMP/m" --quant none --kv-cache f32 --no-check-tensors -n 4 --temp 0 hi
 
 . tests/cli_vision.sh
+. tests/cli_grammar.sh
 # k3 serve: bad options fail cleanly
 expect_fail "serve bad --kv-cache" "kv-cache" "$K3" serve -m "$TINY" --kv-cache f16
 expect_fail "serve missing model" "config.json" "$K3" serve -m "$TMP/none" --port 0
@@ -244,6 +249,22 @@ if PY=$(sh scripts/venv.sh openai 2>"$TMP/venv.err"); then
     fi
 else
     bad "serve: a Python with the openai client (scripts/venv.sh)" "$TMP/venv.err"
+fi
+
+# the sampling knobs, roles and thinking with the official openai client (tests/serve_knobs.py)
+if PY=$(sh scripts/venv.sh openai 2>"$TMP/venv.err"); then
+    timeout 600 "$PY" tests/serve_knobs.py "$K3" >"$TMP/knobs.out" 2>&1
+    grep -E "^(ok|FAIL) |^    " "$TMP/knobs.out"
+    kp=$(sed -n 's/^knobs: \([0-9]*\) passed, \([0-9]*\) failed$/\1/p' "$TMP/knobs.out")
+    kf=$(sed -n 's/^knobs: \([0-9]*\) passed, \([0-9]*\) failed$/\2/p' "$TMP/knobs.out")
+    if [ -z "$kp" ]; then
+        bad "knobs: the openai knobs test did not finish" "$TMP/knobs.out"
+    else
+        pass=$((pass + kp))
+        fail=$((fail + kf))
+    fi
+else
+    bad "knobs: a Python with the openai client (scripts/venv.sh)" "$TMP/venv.err"
 fi
 
 echo "cli: $pass passed, $fail failed"

@@ -25,7 +25,18 @@ python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); e=d["image_encode"]
 
 expect_fail "image on a text-only checkpoint" "no vision tower" "$K3" run -m "$TINY" -n 1 --image "$VI/rgb_112x112.png" hi
 expect_fail "image file missing" "No such file" "$K3" run -m "$VT" -n 1 --image "$TMP/none.png" hi
-expect_fail "image not PNG or JPEG" "not a PNG or JPEG" "$K3" run -m "$VT" -n 1 --image "$VT/config.json" hi
+expect_fail "image not PNG, JPEG, WEBP or GIF" "not a PNG, JPEG, WEBP or GIF image" "$K3" run -m "$VT" -n 1 --image "$VT/config.json" hi
+expect_ok "run --image WEBP and GIF (first frames)" "$K3" run -m "$VT" --quant none --temp 0 -n 2 \
+    --image "$VI/webp_anim_offset_140x100.webp" --image "$VI/gif_trns_150x100.gif" "Which is brighter?"
+grep -q "140x100 -> 133x95, 8x10 patches, 20 tokens" "$TMP/err" && grep -q "150x100 -> 143x95, 8x12 patches, 24 tokens" "$TMP/err" && ok "run --image reports WEBP/GIF sizes" ||
+    bad "run --image reports WEBP/GIF sizes" "$TMP/err"
+head -c 2000 "$VI/webp_lossy_150x100.webp" >"$TMP/cut.webp"
+expect_fail "truncated WEBP" "bad WEBP: the file is truncated" "$K3" run -m "$VT" -n 1 --image "$TMP/cut.webp" hi
+head -c 700 "$VI/gif_interlaced_53x37.gif" >"$TMP/cut.gif"
+expect_fail "truncated GIF" "bad GIF: the file is truncated" "$K3" run -m "$VT" -n 1 --image "$TMP/cut.gif" hi
+# a GIF screen of 40000 x 40000 with a 1x1 frame: refused from its first 13 bytes
+printf 'GIF89a\100\234\100\234\200\000\000\000\000\000\377\377\377,\000\000\000\000\001\000\001\000\000\002\002D\001\000;' >"$TMP/bomb.gif"
+expect_fail "oversized GIF" "over the limit" "$K3" run -m "$VT" -n 1 --image "$TMP/bomb.gif" hi
 head -c 2000 "$VI/rgb_200x130.png" >"$TMP/cut.png"
 expect_fail "truncated PNG" "truncated" "$K3" run -m "$VT" -n 1 --image "$TMP/cut.png" hi
 head -c 600 "$VI/photo_67x45.jpg" >"$TMP/cut.jpg"

@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "k3.h"
+#include "tokenizer/reasoning.h"
 #include "test.h"
 #include "tokenizer/chat_json.h"
 
@@ -217,7 +218,7 @@ K3_TEST(chat_json_rejects_bad_requests) {
     } cases[] = {
         {"[{\"role\":\"user\",\"content\":\"x\"", NULL, NULL, NULL, NULL, "not valid JSON", K3_ERR_ARG},
         {"{\"role\":\"user\"}", NULL, NULL, NULL, NULL, "array", K3_ERR_ARG},
-        {"[{\"role\":\"developer\",\"content\":\"x\"}]", NULL, NULL, NULL, NULL, "message 0", K3_ERR_ARG},
+        {"[{\"role\":\"moderator\",\"content\":\"x\"}]", NULL, NULL, NULL, NULL, "message 0", K3_ERR_ARG},
         {"[{\"content\":\"x\"}]", NULL, NULL, NULL, NULL, "no role", K3_ERR_ARG},
         {"[1]", NULL, NULL, NULL, NULL, "message 0", K3_ERR_ARG},
         {"[{\"role\":\"user\",\"content\":5}]", NULL, NULL, NULL, NULL, "content", K3_ERR_ARG},
@@ -268,13 +269,13 @@ K3_TEST(chat_json_float_repr_equals_python) {
     int n = 0, bad = 0;
     while (fscanf(f, "%63s %63s", hex, want) == 2) {
         double v = strtod(hex, NULL);
-        k3_sbuf b = {0};
+        k3_buf b = {0};
         k3_pyjson_float(&b, v);
-        const char *got = k3_sbuf_cstr(&b);
+        const char *got = k3_buf_cstr(&b);
         if (!got || strcmp(got, want)) {
             if (bad++ < 5) k3_test_fail(__FILE__, __LINE__, "%s: %s, Python %s", hex, got, want);
         }
-        k3_sbuf_free(&b);
+        k3_buf_free(&b);
         n++;
     }
     fclose(f);
@@ -324,4 +325,67 @@ K3_TEST(chat_json_cuts_segments_every_400k_chars) {
     for (int k = 0; k < 3; k++) free(ids[k]);
     free(text);
     k3_tokenizer_free(t);
+}
+
+/* OpenAI's developer role is the system role: the same ids. A content part
+ * of a kind K3 does not take is named by its type; any part with a "text"
+ * string is text, as encoding_k3.py reads it. */
+K3_TEST(chat_json_developer_role_and_part_types) {
+    k3_tokenizer *t = NULL;
+    k3_error err = {0};
+    REQUIREF(k3_tokenizer_open(&t, "models/k3-mini", &err) == K3_OK, "%s", err.msg);
+    k3_chat_options opt = {.add_generation_prompt = true, .thinking = true, .thinking_effort = "high"};
+    const char *pairs[][2] = {
+        {"[{\"role\":\"system\",\"content\":\"Answer briefly.\"},{\"role\":\"user\",\"content\":\"hi\"}]",
+         "[{\"role\":\"developer\",\"content\":\"Answer briefly.\"},{\"role\":\"user\",\"content\":\"hi\"}]"},
+        {"[{\"role\":\"user\",\"content\":\"hi\"}]",
+         "[{\"role\":\"user\",\"content\":[{\"type\":\"input_text\",\"text\":\"hi\"}]}]"},
+    };
+    for (int i = 0; i < 2; i++) {
+        int32_t *a = NULL, *b = NULL;
+        size_t na = 0, nb = 0;
+        REQUIREF(k3_chat_encode_json(t, pairs[i][0], NULL, &opt, &a, &na, &err) == K3_OK, "%s", err.msg);
+        REQUIREF(k3_chat_encode_json(t, pairs[i][1], NULL, &opt, &b, &nb, &err) == K3_OK, "%s", err.msg);
+        CHECKF(na == nb && !memcmp(a, b, na * sizeof *a), "pair %d: %zu and %zu ids", i, na, nb);
+        free(a);
+        free(b);
+    }
+    const char *bad[][2] = {
+        {"[{\"role\":\"user\",\"content\":[{\"type\":\"input_audio\",\"input_audio\":{\"data\":\"\",\"format\":\"wav\"}}]}]",
+         "\"input_audio\", which K3 does not take"},
+        {"[{\"role\":\"user\",\"content\":[{\"type\":\"text\",\"text\":\"a\"},{\"type\":\"file\",\"file\":{}}]}]",
+         "content part 1 has the type \"file\""},
+        {"[{\"role\":\"user\",\"content\":[{\"type\":\"text\"}]}]", "has no \"text\" string"},
+    };
+    for (int i = 0; i < 3; i++) {
+        int32_t *ids = NULL;
+        size_t n = 0;
+        k3_error e = {0};
+        const k3_status st = k3_chat_encode_json(t, bad[i][0], NULL, &opt, &ids, &n, &e);
+        CHECKF(st != K3_OK && strstr(e.msg, bad[i][1]) && !ids, "case %d: %d %s", i, st, e.msg);
+    }
+    k3_tokenizer_free(t);
+}
+
+/* reasoning_effort onto K3's thinking switch and effort: the documented table. */
+K3_TEST(chat_reasoning_effort_table) {
+    static const struct {
+        const char *in;
+        bool thinking;
+        const char *effort;
+    } rows[] = {{NULL, true, "max"},     {"none", false, NULL},   {"minimal", true, "low"}, {"low", true, "low"},
+                {"medium", true, "high"}, {"high", true, "high"}, {"xhigh", true, "max"},   {"max", true, "max"}};
+    for (size_t i = 0; i < sizeof rows / sizeof *rows; i++) {
+        bool th = !rows[i].thinking;
+        const char *ef = "unset";
+        k3_error e = {0};
+        CHECK(k3_chat_reasoning_effort(rows[i].in, &th, &ef, &e) == K3_OK);
+        CHECKF(th == rows[i].thinking && (ef == rows[i].effort || (ef && rows[i].effort && !strcmp(ef, rows[i].effort))),
+               "%s -> %d %s", rows[i].in ? rows[i].in : "(none)", th, ef ? ef : "NULL");
+    }
+    bool th;
+    const char *ef;
+    k3_error e = {0};
+    CHECK(k3_chat_reasoning_effort("extreme", &th, &ef, &e) == K3_ERR_ARG && strstr(e.msg, "\"extreme\"") &&
+          strstr(e.msg, "xhigh"));
 }

@@ -1,7 +1,7 @@
 /*
- * test_dist.c -- the parts of src/dist that need no second process: the DCP
- * token layout against brute force, the candidate order and merge of the
- * top-k exchange against a plain sort, the planner against the loaded
+ * test_dist.c -- what of several processes needs no second one: the DCP
+ * token layout (ctx.h) against brute force, the candidate order and merge
+ * of the top-k exchange (src/comm) against a plain sort, the planner against the loaded
  * model's own figures, and the EP loader keeping only its experts. The
  * exchange over MPI itself, and the whole model under mpirun, are in
  * tests/mpi.sh.
@@ -10,8 +10,8 @@
 #include <string.h>
 
 #include "common/error.h"
-#include "dist/dist.h"
-#include "engine/ctx.h"
+#include "comm/comm.h"
+#include "ctx/ctx.h"
 #include "k3.h"
 #include "model/model.h"
 #include "test.h"
@@ -143,7 +143,7 @@ K3_TEST(dist_plan_matches_the_model) {
     o.kv_cache = K3_KV_C8;
     REQUIRE(k3_plan_compute(TINY_DSA "/config.json", &o, &p, &err) == K3_OK);
     k3_ctx *ctx = NULL;
-    k3_ctx_options co = {.max_seqs = 1, .max_tokens = 128, .kv_cache = K3_KV_C8};
+    k3_ctx_options co = {.max_seqs = 1, .cache_tokens = 128, .kv_cache = K3_KV_C8};
     REQUIREF(k3_ctx_init(&ctx, m, &co, &err) == K3_OK, "%s", err.msg);
     CHECK(k3_ctx_cache_bytes(ctx) == p.cache_bytes_per_token * 128);
     k3_ctx_free(ctx);
@@ -166,7 +166,7 @@ K3_TEST(dist_ep_loader_keeps_own_experts) {
     CHECK(k3_model_load_resident(m1, 0, &copied, &err) == K3_OK);
     /* a context without the dist cannot use a model cut for EP */
     k3_ctx *ctx = NULL;
-    k3_ctx_options co = {.max_seqs = 1, .max_tokens = 16};
+    k3_ctx_options co = {.max_seqs = 1, .cache_tokens = 16};
     CHECK(k3_ctx_init(&ctx, m1, &co, &err) == K3_ERR_ARG);
     k3_model_close(m1);
     m1 = NULL;

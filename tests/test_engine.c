@@ -8,7 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "engine/ctx.h"
+#include "ctx/ctx.h"
 #include "k3.h"
 #include "model/model.h"
 #include "test.h"
@@ -54,7 +54,7 @@ static k3_model *open_model(const char *dir) {
 static float *run_kv(const k3_model *m, const int32_t *ids, int n, int max_batch, k3_pool *pool, k3_kv_type kv) {
     k3_ctx *ctx = NULL;
     k3_error err = {0};
-    k3_ctx_options o = {.max_seqs = 1, .max_tokens = n > 256 ? n : 256, .max_batch = max_batch, .block_size = 16,
+    k3_ctx_options o = {.max_seqs = 1, .cache_tokens = n > 256 ? n : 256, .max_batch = max_batch, .block_size = 16,
                         .pool = pool, .kv_cache = kv};
     if (k3_ctx_init(&ctx, m, &o, &err)) {
         k3_test_fail(__FILE__, __LINE__, "ctx: %s", err.msg);
@@ -142,7 +142,7 @@ static void prefill_vs_decode(const char *dir, bool chunked) {
     {
         k3_ctx *pc = NULL;
         k3_error e0 = {0};
-        k3_ctx_options po = {.max_seqs = 1, .max_tokens = 64, .block_size = 16};
+        k3_ctx_options po = {.max_seqs = 1, .cache_tokens = 64, .block_size = 16};
         REQUIRE(k3_ctx_init(&pc, m, &po, &e0) == K3_OK);
         pc->kda_chunk_min = chunked ? 2 : INT32_MAX;
         all = malloc(sizeof(float) * (size_t)(V * N));
@@ -152,7 +152,7 @@ static void prefill_vs_decode(const char *dir, bool chunked) {
     }
     k3_ctx *ctx = NULL;
     k3_error err = {0};
-    k3_ctx_options o = {.max_seqs = 1, .max_tokens = 64, .block_size = 16};
+    k3_ctx_options o = {.max_seqs = 1, .cache_tokens = 64, .block_size = 16};
     REQUIRE(k3_ctx_init(&ctx, m, &o, &err) == K3_OK);
     float *one = malloc(sizeof(float) * (size_t)V);
     double worst = 0;
@@ -188,7 +188,7 @@ K3_TEST(engine_state_continuation) {
     float *all = run_all(m, ids, N, 0, NULL);
     k3_ctx *ctx = NULL;
     k3_error err = {0};
-    k3_ctx_options o = {.max_seqs = 2, .max_tokens = 128, .block_size = 8, .max_batch = 16};
+    k3_ctx_options o = {.max_seqs = 2, .cache_tokens = 128, .block_size = 8, .max_batch = 16};
     REQUIRE(k3_ctx_init(&ctx, m, &o, &err) == K3_OK);
     float *lg = malloc(sizeof(float) * (size_t)(V * N));
     k3_batch_seq b1 = {1, N1, ids};
@@ -217,7 +217,7 @@ K3_TEST(engine_batch_equals_alone) {
     }
     k3_ctx *ctx = NULL;
     k3_error err = {0};
-    k3_ctx_options o = {.max_seqs = 4, .max_tokens = 256, .block_size = 8, .max_batch = 20};
+    k3_ctx_options o = {.max_seqs = 4, .cache_tokens = 256, .block_size = 8, .max_batch = 20};
     REQUIRE(k3_ctx_init(&ctx, m, &o, &err) == K3_OK);
     /* sequences 3, 0, 2 in one batch; max_batch 20 cuts the middle one */
     k3_batch_seq b[3] = {{3, lens[0], ids[0]}, {0, lens[1], ids[1]}, {2, lens[2], ids[2]}};
@@ -327,7 +327,7 @@ K3_TEST(engine_bad_input_keeps_state) {
     k3_ctx *ctx = NULL;
     k3_error err = {0};
     /* 32 tokens in blocks of 8: 4 blocks + one spare per sequence = 7 */
-    k3_ctx_options o = {.max_seqs = 3, .max_tokens = 32, .block_size = 8};
+    k3_ctx_options o = {.max_seqs = 3, .cache_tokens = 32, .block_size = 8};
     REQUIRE(k3_ctx_init(&ctx, m, &o, &err) == K3_OK);
     int32_t ids[40];
     test_ids(ids, 40, (int)V, 1);
@@ -426,7 +426,7 @@ static void split_decode(k3_kv_type kv) {
     float *res[2];
     for (int r = 0; r < 2; r++) {
         k3_ctx *ctx = NULL;
-        k3_ctx_options o = {.max_seqs = 1, .max_tokens = N, .pool = r ? pool : NULL, .kv_cache = kv};
+        k3_ctx_options o = {.max_seqs = 1, .cache_tokens = N, .pool = r ? pool : NULL, .kv_cache = kv};
         REQUIRE(k3_ctx_init(&ctx, m, &o, &err) == K3_OK);
         res[r] = malloc(sizeof(float) * (size_t)V);
         k3_batch_seq b = {0, N - 1, ids};
@@ -488,7 +488,7 @@ K3_TEST(engine_dsa_split_select_equals_whole) {
     for (int kv = 0; kv < 2; kv++)
         for (int r = 0; r < 2; r++) {
             k3_ctx *ctx = NULL;
-            k3_ctx_options o = {.max_seqs = 1, .max_tokens = 3001, .pool = r ? pool : NULL, .kv_cache = kv};
+            k3_ctx_options o = {.max_seqs = 1, .cache_tokens = 3001, .pool = r ? pool : NULL, .kv_cache = kv};
             REQUIRE(k3_ctx_init(&ctx, m, &o, &err) == K3_OK);
             REQUIRE(k3_ctx_seq_fill_synthetic(ctx, 0, 3000, 9, &err) == K3_OK);
             res[kv][r] = malloc(sizeof(float) * (size_t)V);

@@ -300,7 +300,7 @@ K3_TEST(hostile_unpadded_header) {
     int32_t ids[3] = {1, 2, 3};
     float la[3 * 1024], lb[3 * 1024];
     k3_ctx *ca = NULL, *cb = NULL;
-    k3_ctx_options co = {.max_seqs = 1, .max_tokens = 8};
+    k3_ctx_options co = {.max_seqs = 1, .cache_tokens = 8};
     REQUIRE(k3_ctx_init(&ca, m, &co, &e) == K3_OK && k3_ctx_init(&cb, ref, &co, &e) == K3_OK);
     k3_batch_seq bs = {0, 3, ids};
     REQUIRE(k3_ctx_forward(ca, &bs, 1, K3_LOGITS_ALL, la, &e) == K3_OK);
@@ -343,7 +343,7 @@ K3_TEST(hostile_nan_weights) {
     CHECKF(strstr(e.msg, "layers.0.input_layernorm.weight") && strstr(e.msg, "element 5"), "%s", e.msg);
     /* and the forward pass gives non-finite logits, which the sampler refuses */
     k3_ctx *ctx = NULL;
-    k3_ctx_options co = {.max_seqs = 1, .max_tokens = 8};
+    k3_ctx_options co = {.max_seqs = 1, .cache_tokens = 8};
     REQUIRE(k3_ctx_init(&ctx, m, &co, &e) == K3_OK);
     int32_t ids[2] = {1, 2};
     float logits[1024];

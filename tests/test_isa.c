@@ -35,7 +35,7 @@ static float *logits_on(const char *isa, int64_t *V) {
     k3_model_info info;
     k3_model_get_info(m, &info);
     *V = info.vocab_size;
-    k3_ctx_options o = {.max_seqs = 1, .max_tokens = 64, .block_size = 16, .pool = pool, .kv_cache = K3_KV_C8};
+    k3_ctx_options o = {.max_seqs = 1, .cache_tokens = 64, .block_size = 16, .pool = pool, .kv_cache = K3_KV_C8};
     if (k3_ctx_init(&ctx, m, &o, &err)) goto out;
     int32_t ids[N];
     unsigned seed = 9;

@@ -94,7 +94,7 @@ static bool run_mode(const char *dir, const char *quant, k3_kv_type kv, const go
     float *lg = malloc(sizeof(float) * (size_t)(g->n * g->vocab));
     bool ok = lg && k3_quant_parse(quant, &q, &err) == K3_OK &&
               k3_model_open(&m, dir, &err) == K3_OK && k3_model_quantize(m, &q, &err) == K3_OK;
-    k3_ctx_options o = {.max_seqs = 1, .max_tokens = 64, .block_size = 16, .kv_cache = kv};
+    k3_ctx_options o = {.max_seqs = 1, .cache_tokens = 64, .block_size = 16, .kv_cache = kv};
     ok = ok && k3_ctx_init(&ctx, m, &o, &err) == K3_OK;
     k3_batch_seq b = {0, g->n, g->ids};
     ok = ok && k3_ctx_forward(ctx, &b, 1, K3_LOGITS_ALL, lg, &err) == K3_OK;

@@ -252,7 +252,7 @@ K3_TEST(reference_kimi_linear_transformers) {
     k3_model_get_info(m, &info);
     const int64_t V = info.vocab_size;
     ref = gf(&G, "logits", V * n);
-    k3_ctx_options o = {.max_seqs = 1, .max_tokens = 64, .block_size = 16};
+    k3_ctx_options o = {.max_seqs = 1, .cache_tokens = 64, .block_size = 16};
     if (!ref) goto done;
     if (k3_ctx_init(&ctx, m, &o, &err) != K3_OK) {
         k3_test_fail(__FILE__, __LINE__, "ctx: %s", err.msg);

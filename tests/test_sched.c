@@ -10,7 +10,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "engine/ctx.h"
+#include "ctx/ctx.h"
 #include "engine/engine.h"
 #include "k3.h"
 #include "kernels/kernels.h"
@@ -202,7 +202,7 @@ K3_TEST(sched_engine_equals_ctx_forward) {
     REQUIRE(r.n == 10);
     k3_ctx *ctx = NULL;
     k3_error err = {0};
-    k3_ctx_options co = {.max_seqs = 1, .max_tokens = 128, .block_size = 16};
+    k3_ctx_options co = {.max_seqs = 1, .cache_tokens = 128, .block_size = 16};
     REQUIRE(k3_ctx_init(&ctx, m, &co, &err) == K3_OK);
     float *lg = malloc(sizeof(float) * (size_t)V);
     k3_batch_seq b = {0, 40, ids};
@@ -586,7 +586,7 @@ K3_TEST(sched_prompt_logprobs) {
     /* reference: all logits of the prompt through the context */
     k3_ctx *ctx = NULL;
     k3_error err = {0};
-    k3_ctx_options co = {.max_seqs = 1, .max_tokens = 256, .block_size = 16};
+    k3_ctx_options co = {.max_seqs = 1, .cache_tokens = 256, .block_size = 16};
     REQUIRE(k3_ctx_init(&ctx, m, &co, &err) == K3_OK);
     float *lg = malloc(sizeof(float) * (size_t)(V * N));
     k3_batch_seq b = {0, N, ids};
@@ -1008,7 +1008,7 @@ K3_TEST(ctx_capture_state_mid_chunk) {
         if (!k3_kernels_have((k3_isa)isa)) continue;
         k3_kernels_force((k3_isa)isa);
         for (int bs = 16; bs <= 64; bs *= 4) {
-            k3_ctx_options o = {.max_seqs = 2, .max_tokens = 512, .block_size = bs};
+            k3_ctx_options o = {.max_seqs = 2, .cache_tokens = 512, .block_size = bs};
             k3_ctx *a = NULL, *b = NULL;
             REQUIRE(k3_ctx_init(&a, m, &o, &err) == K3_OK && k3_ctx_init(&b, m, &o, &err) == K3_OK);
             const int64_t nb = k3_ctx_state_bytes(a);

@@ -8,7 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "server/gen.h"
+#include "server/api.h"
 #include "server/metrics.h"
 #include "server/text.h"
 
@@ -282,4 +282,75 @@ K3_TEST(server_tool_calls_stream_incrementally) {
     CHECK(k3_srv_tool_deltas(&t2, &r, NULL, d, &err) == K3_ERR_FORMAT && strstr(err.msg, "prefix"));
     json_decref(d);
     k3_tool_stream_free(&t2);
+}
+
+/* The generation job's text: specials left out, or by name with a space on
+ * each side (Hugging Face's " ".join of the pieces between them); the chat
+ * markup kept by name for the parser, never spaced; the stop token only
+ * with include_stop_str_in_output; each token's place in the text. */
+static void decode_case(const k3_tokenizer *tok, bool chat, bool skip, bool spaces, bool include_stop,
+                        const int32_t *ids, int n, const char *want, const size_t *ends) {
+    struct k3_server srv;
+    memset(&srv, 0, sizeof srv);
+    srv.tok = tok;
+    k3_srv_api api = {.keep_specials = chat};
+    static k3_srv_job j;
+    memset(&j, 0, sizeof j);
+    j.s = &srv;
+    j.api = &api;
+    j.rq.skip_special_tokens = skip;
+    j.rq.spaces_between_special_tokens = spaces;
+    j.rq.include_stop_str = include_stop;
+    j.markup[0] = k3_tokenizer_special(tok, "<|open|>");
+    j.markup[1] = k3_tokenizer_special(tok, "<|close|>");
+    j.markup[2] = k3_tokenizer_special(tok, "<|sep|>");
+    k3_srv_choice c;
+    memset(&c, 0, sizeof c);
+    c.q.toks = (int32_t *)ids;
+    c.q.n_tok = (size_t)n;
+    c.q.finished = true;
+    c.q.finish = K3_FINISH_STOP;
+    c.q.stop_id = ids[n - 1];
+    k3_srv_choice_advance(&j, &c);
+    const char *got = c.text.p ? c.text.p : "";
+    CHECKF(c.done && c.text.len == strlen(want) && !memcmp(got, want, c.text.len),
+           "chat %d skip %d spaces %d include %d: \"%s\", wanted \"%s\"", chat, skip, spaces, include_stop, got, want);
+    for (int i = 0; ends && i < n; i++) {
+        size_t a, b;
+        k3_srv_choice_token_span(&c, (size_t)i, &a, &b);
+        CHECKF(b == ends[i] && a == (i ? ends[i - 1] : 0), "token %d ends at %zu, wanted %zu", i, b, ends[i]);
+    }
+    k3_buf_free(&c.text);
+    free(c.tok_end);
+}
+
+K3_TEST(server_job_text_specials_and_spans) {
+    k3_tokenizer *tok = NULL;
+    k3_error err = {0};
+    REQUIREF(k3_tokenizer_open(&tok, "models/k3-mini", &err) == K3_OK, "%s", err.msg);
+    int32_t *the = NULL, *and = NULL, *r = NULL;
+    size_t n1 = 0, n2 = 0, nr = 0;
+    REQUIRE(k3_tokenizer_encode(tok, "The", 3, &the, &n1, &err) == K3_OK && n1 == 1);
+    REQUIRE(k3_tokenizer_encode(tok, " and", 4, &and, &n2, &err) == K3_OK && n2 == 1);
+    REQUIRE(k3_tokenizer_encode(tok, "response", 8, &r, &nr, &err) == K3_OK && nr == 2);
+    const int32_t bos = k3_tokenizer_special(tok, "[BOS]"), eos = k3_tokenizer_special(tok, "[EOS]");
+    const int32_t open = k3_tokenizer_special(tok, "<|open|>"), sep = k3_tokenizer_special(tok, "<|sep|>");
+    /* The [BOS] [BOS] and [EOS]: the last one stopped it */
+    const int32_t a[] = {the[0], bos, bos, and[0], eos};
+    const size_t ends_skip[] = {3, 3, 3, 7, 7}, ends_keep[] = {3, 9, 15, 20, 20};
+    decode_case(tok, false, true, true, false, a, 5, "The and", ends_skip);
+    decode_case(tok, false, false, true, false, a, 5, "The [BOS] [BOS]  and", ends_keep);
+    decode_case(tok, false, false, false, false, a, 5, "The[BOS][BOS] and", NULL);
+    decode_case(tok, false, false, false, true, a, 5, "The[BOS][BOS] and[EOS]", NULL);
+    decode_case(tok, false, false, true, true, a, 5, "The [BOS] [BOS]  and [EOS]", NULL);
+    decode_case(tok, false, true, true, true, a, 5, "The and", NULL); /* included, but a special: skipped */
+    /* chat: <|open|>response<|sep|> by name whatever the options; [BOS] after the markup has no space before it */
+    const int32_t b[] = {open, r[0], r[1], sep, bos, the[0], eos};
+    decode_case(tok, true, true, true, false, b, 7, "<|open|>response<|sep|>The", NULL);
+    decode_case(tok, true, false, true, false, b, 7, "<|open|>response<|sep|>[BOS] The", NULL);
+    decode_case(tok, true, false, false, false, b, 7, "<|open|>response<|sep|>[BOS]The", NULL);
+    free(the);
+    free(and);
+    free(r);
+    k3_tokenizer_free(tok);
 }

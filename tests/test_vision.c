@@ -4,8 +4,9 @@
  * counts), the MoonViT3d tower + sd2_tpool + patchmergerv2 (rel-L2 1e-5 in
  * fp32), the position-table resize in both interpolation modes, and
  * whole-model logits with two images in the prompt (rel-L2 1e-5, same greedy
- * tokens). Then bad input: malformed, truncated and oversized images, a
- * checkpoint without a tower. */
+ * tokens); WEBP and GIF first frames against Pillow and the processor. Then
+ * bad input: malformed, truncated and oversized images, a checkpoint without
+ * a tower. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -359,7 +360,7 @@ K3_TEST(vision_logits_official) {
     for (int i = 0; i < n; i++) same &= ids[i] == (int32_t)gi64(tid, i);
     CHECKF(same, "the prompt's ids differ from the official framing");
 
-    k3_ctx_options o = {.max_seqs = 1, .max_tokens = 256, .block_size = 16, .max_batch = 32, .pool = pool};
+    k3_ctx_options o = {.max_seqs = 1, .cache_tokens = 256, .block_size = 16, .max_batch = 32, .pool = pool};
     REQUIRE(k3_ctx_init(&ctx, f.m, &o, &err) == K3_OK);
     lg = malloc(sizeof(float) * (size_t)(V * n));
     k3_batch_seq b = {0, n, ids, emb};
@@ -405,7 +406,7 @@ K3_TEST(vision_text_logits_official) {
         const int n = (int)tid->shape[0];
         int32_t ids[64];
         for (int i = 0; i < n && i < 64; i++) ids[i] = (int32_t)gi64(tid, i);
-        k3_ctx_options o = {.max_seqs = 1, .max_tokens = 64, .block_size = 16};
+        k3_ctx_options o = {.max_seqs = 1, .cache_tokens = 64, .block_size = 16};
         float *lg = malloc(sizeof(float) * 1024 * (size_t)n), *ref = gf32(tl);
         k3_batch_seq b = {0, n, ids};
         REQUIRE(k3_ctx_init(&ctx, m, &o, &err) == K3_OK && k3_ctx_forward(ctx, &b, 1, K3_LOGITS_ALL, lg, &err) == K3_OK);
@@ -451,7 +452,7 @@ K3_TEST(vision_bad_images) {
     k3_error err = {0};
     uint8_t b[256];
     /* not an image, empty */
-    CHECK(k3_image_decode(&im, "GIF89a....", 10, 0, &err) == K3_ERR_UNSUPPORTED && !im);
+    CHECK(k3_image_decode(&im, "BM........", 10, 0, &err) == K3_ERR_UNSUPPORTED && !im);
     k3_err_clear(&err);
     CHECK(k3_image_decode(&im, b, 0, 0, &err) == K3_ERR_FORMAT && !im);
     k3_err_clear(&err);
@@ -575,7 +576,7 @@ K3_TEST(vision_data_url) {
     im = NULL;
     /* refused: remote URLs, other types, bad or cut base64, no comma */
     const char *bad[] = {"https://example.com/cat.png", "http://10.0.0.1/x.jpg", "file:///etc/passwd",
-                         "data:image/gif;base64,R0lGODlh", "data:image/png,rawbytes", "data:image/png;base64,@@@@",
+                         "data:image/bmp;base64,Qk0AAAAA", "data:image/png,rawbytes", "data:image/png;base64,@@@@",
                          "data:image/png;base64", "data:image/png;base64,iVBORw0KGgo"};
     const k3_status want[] = {K3_ERR_UNSUPPORTED, K3_ERR_UNSUPPORTED, K3_ERR_UNSUPPORTED, K3_ERR_UNSUPPORTED,
                               K3_ERR_UNSUPPORTED, K3_ERR_ARG, K3_ERR_ARG, K3_ERR_FORMAT};
@@ -588,6 +589,228 @@ K3_TEST(vision_data_url) {
     CHECK(k3_image_decode_url(&im, "https://x/y.png", 15, 0, &err) && strstr(err.msg, "fetches nothing"));
     free(url), free(enc), free(png);
     k3_image_free(ref);
+}
+
+/* ---- WEBP and GIF ------------------------------------------------------------ */
+
+/* tests/golden/vision/formats.safetensors (official_vision.py --formats): the
+ * first frame as Pillow decodes it and the official processor's output. */
+static const char *const fmt_images[] = {
+    "webp_lossy_150x100.webp", "webp_lossless_90x70.webp", "webp_alpha_160x120.webp",
+    "webp_alpha_lossless_64x48.webp", "webp_anim_160x100.webp", "webp_anim_offset_140x100.webp",
+    "webp_anim_offset_rgb_140x100.webp", "gif_palette_170x100.gif", "gif_trns_150x100.gif", "gif_grey_250x40.gif",
+    "gif_anim_110x70.gif", "gif_offset_trns_150x100.gif", "gif_offset_local_120x80.gif", "gif_beyond_60x50.gif",
+    "gif_interlaced_53x37.gif", "gif_greykey_160x100.gif", "gif_nopalette_160x100.gif", "gif_local_ramp_90x50.gif",
+    "gif_short_palette_44x30.gif", "gif_noise_96x64.gif"};
+enum { N_FMT = sizeof fmt_images / sizeof fmt_images[0] };
+
+static bool fmt_golden_open(golden *g) {
+    memset(g, 0, sizeof *g);
+    size_t n = 0;
+    k3_error err = {0};
+    g->buf = read_file(GDIR "/formats.safetensors", &n);
+    if (!g->buf) {
+        k3_test_fail(__FILE__, __LINE__, "cannot read " GDIR "/formats.safetensors (see its README)");
+        return false;
+    }
+    if (k3_st_init(&g->st, &err) || k3_st_parse(g->st, g->buf, n, 0, GDIR "/formats.safetensors", &err)) {
+        k3_test_fail(__FILE__, __LINE__, "golden: %s", err.msg);
+        return false;
+    }
+    return true;
+}
+
+/* Each WEBP / GIF: the decoded first frame equals Pillow's convert("RGBA")
+ * byte for byte (a grey key is the alpha PIL gives it), and the processor's
+ * grid and pixel values equal the official KimiK3VisionProcessor's. */
+K3_TEST(vision_formats_official) {
+    golden g;
+    fixture f;
+    if (!fmt_golden_open(&g)) return;
+    if (!fixture_open(&f)) goto out;
+    int n_dec = 0, n_px = 0;
+    for (int i = 0; i < N_FMT; i++) {
+        char name[64], path[256];
+        snprintf(path, sizeof path, GDIR "/images/%s", fmt_images[i]);
+        snprintf(name, sizeof name, "fmt%d.rgba", i);
+        const k3_st_tensor *tr = gt(&g, name, K3_DTYPE_U8);
+        snprintf(name, sizeof name, "fmt%d.grid_thw", i);
+        const k3_st_tensor *tg = gt(&g, name, K3_DTYPE_I64);
+        snprintf(name, sizeof name, "fmt%d.pixels", i);
+        const k3_st_tensor *tp = gt(&g, name, K3_DTYPE_U8);
+        k3_image *im = NULL;
+        k3_error err = {0};
+        if (k3_image_load(&im, path, 0, &err)) k3_test_fail(__FILE__, __LINE__, "%s", err.msg);
+        if (!tr || !tg || !tp || !im) {
+            k3_image_free(im);
+            continue;
+        }
+        const bool size_ok = tr->shape[0] == im->height && tr->shape[1] == im->width;
+        CHECKF(size_ok, "%s: %dx%d, Pillow %lldx%lld", fmt_images[i], im->width, im->height, (long long)tr->shape[1],
+               (long long)tr->shape[0]);
+        if (size_ok) {
+            size_t diff = 0;
+            for (size_t p = 0; p < (size_t)im->width * im->height; p++) {
+                uint8_t px[4];
+                memcpy(px, im->px + 4 * p, 4);
+                if (im->mode == K3_IMODE_GREY_KEY) px[3] = px[0] == im->key ? 0 : 255;
+                diff += memcmp(px, tr->data + 4 * p, 4) != 0;
+            }
+            n_dec += diff == 0;
+            CHECKF(diff == 0, "%s: %zu pixels differ from Pillow's first frame", fmt_images[i], diff);
+        }
+        float *px = NULL;
+        k3_image_plan plan;
+        if (k3_vision_preprocess(f.v, im, &px, &plan, &err)) {
+            k3_test_fail(__FILE__, __LINE__, "%s: %s", fmt_images[i], err.msg);
+            k3_image_free(im);
+            continue;
+        }
+        CHECKF(plan.grid_t == gi64(tg, 0) && plan.grid_h == gi64(tg, 1) && plan.grid_w == gi64(tg, 2),
+               "%s: grid (%d,%d,%d), official (%lld,%lld,%lld)", fmt_images[i], plan.grid_t, plan.grid_h,
+               plan.grid_w, (long long)gi64(tg, 0), (long long)gi64(tg, 1), (long long)gi64(tg, 2));
+        const int64_t n = (int64_t)plan.grid_h * plan.grid_w * 3 * 14 * 14;
+        CHECKF((size_t)n == tp->nbytes, "%s: %lld values, official %zu", fmt_images[i], (long long)n, tp->nbytes);
+        if ((size_t)n == tp->nbytes) {
+            /* the official values are (u / 255 - 0.5) / 0.5 of these bytes
+             * (official_vision.py checks that bit for bit); 1e-6 is far
+             * below one step of u (7.8e-3) */
+            double e = 0;
+            for (int64_t k = 0; k < n; k++) {
+                const double ref = ((double)(float)(tp->data[k] / 255.0) - 0.5) / 0.5, d = px[k] - ref;
+                if (d > e || -d > e) e = d > 0 ? d : -d;
+            }
+            n_px += e <= 1e-6;
+            CHECKF(e <= 1e-6, "%s: pixel values max |diff| %.3g vs the official processor", fmt_images[i], e);
+        }
+        free(px);
+        k3_image_free(im);
+    }
+    printf("    WEBP + GIF: %d/%d first frames equal Pillow's, %d/%d pixel values equal the official processor's\n",
+           n_dec, N_FMT, n_px, N_FMT);
+out:
+    fixture_close(&f);
+    golden_close(&g);
+}
+
+static void le16(uint8_t *p, uint32_t v) { p[0] = (uint8_t)v, p[1] = (uint8_t)(v >> 8); }
+
+/* A GIF89a whose screen is sw x sh with a one-colour palette and an image
+ * descriptor of fw x fh at (x, y), then nothing. */
+static size_t gif_header(uint8_t *b, uint32_t sw, uint32_t sh, uint32_t x, uint32_t y, uint32_t fw, uint32_t fh) {
+    memcpy(b, "GIF89a", 6);
+    le16(b + 6, sw), le16(b + 8, sh);
+    b[10] = 0x80, b[11] = 0, b[12] = 0;            /* a global table of 2 entries */
+    memset(b + 13, 0, 6);
+    b[19] = 0x2c;
+    le16(b + 20, x), le16(b + 22, y), le16(b + 24, fw), le16(b + 26, fh);
+    b[28] = 0;
+    b[29] = 2; /* LZW code size, then no data */
+    return 30;
+}
+
+K3_TEST(vision_formats_bad) {
+    k3_image *im = NULL;
+    k3_error err = {0};
+    uint8_t b[64];
+    /* decompression bombs: refused from the header, before any pixel */
+    size_t n = gif_header(b, 30000, 30000, 0, 0, 10, 10);
+    CHECKF(k3_image_decode(&im, b, n, 0, &err) == K3_ERR_RANGE && !im && strstr(err.msg, "over the limit"), "%s",
+           err.msg);
+    k3_err_clear(&err);
+    n = gif_header(b, 10, 10, 60000, 60000, 5000, 5000); /* the frame grows the screen past the cap */
+    CHECKF(k3_image_decode(&im, b, n, 0, &err) == K3_ERR_RANGE && !im, "%s", err.msg);
+    k3_err_clear(&err);
+    n = gif_header(b, 64, 64, 0, 0, 64, 64);
+    CHECK(k3_image_decode(&im, b, n, 100, &err) == K3_ERR_RANGE && !im); /* a caller's own cap */
+    k3_err_clear(&err);
+    CHECKF(k3_image_decode(&im, b, n, 0, &err) == K3_ERR_FORMAT && !im && strstr(err.msg, "truncated"), "%s", err.msg);
+    k3_err_clear(&err);
+    b[19] = ';'; /* a GIF with no image */
+    CHECKF(k3_image_decode(&im, b, 20, 0, &err) == K3_ERR_FORMAT && !im && strstr(err.msg, "no image"), "%s", err.msg);
+    k3_err_clear(&err);
+    /* VP8X canvas 16384 x 16384 (2.7e8 pixels): refused before the decoder allocates it */
+    static const uint8_t vp8x[30] = {'R', 'I', 'F', 'F', 22, 0, 0, 0, 'W', 'E', 'B', 'P', 'V', 'P', '8', 'X',
+                                     10, 0, 0, 0, 0x02, 0, 0, 0, 0xff, 0x3f, 0, 0xff, 0x3f, 0};
+    CHECKF(k3_image_decode(&im, vp8x, sizeof vp8x, 0, &err) == K3_ERR_RANGE && !im, "%s", err.msg);
+    k3_err_clear(&err);
+    CHECKF(k3_image_decode(&im, vp8x, 16, 0, &err) == K3_ERR_FORMAT && !im, "%s", err.msg);
+    k3_err_clear(&err);
+    /* RIFF WEBP with another first chunk, and other formats: not an image k3 reads */
+    static const uint8_t riff[16] = {'R', 'I', 'F', 'F', 8, 0, 0, 0, 'W', 'E', 'B', 'P', 'A', 'L', 'P', 'H'};
+    CHECKF(k3_image_decode(&im, riff, 16, 0, &err) == K3_ERR_UNSUPPORTED && !im &&
+               strstr(err.msg, "not a PNG, JPEG, WEBP or GIF image"), "%s", err.msg);
+    k3_err_clear(&err);
+    CHECK(k3_image_decode(&im, "GIF88a....", 10, 0, &err) == K3_ERR_UNSUPPORTED && !im);
+    k3_err_clear(&err);
+    /* real files cut short (every one refused as truncated) and corrupted
+     * (an error or an image, never a crash: the fuzzer goes further) */
+    static const char *const files[] = {GDIR "/images/webp_lossy_150x100.webp", GDIR "/images/webp_alpha_lossless_64x48.webp",
+                                        GDIR "/images/webp_anim_offset_140x100.webp", GDIR "/images/gif_palette_170x100.gif",
+                                        GDIR "/images/gif_interlaced_53x37.gif", GDIR "/images/gif_noise_96x64.gif"};
+    for (int fi = 0; fi < 6; fi++) {
+        size_t len = 0;
+        uint8_t *data = read_file(files[fi], &len);
+        REQUIRE(data && len > 100);
+        const size_t cuts[] = {len / 2, len * 3 / 4, 40, data[0] == 'G' ? 13 : 20, data[0] == 'G' ? 4 : 13};
+        for (int c = 0; c < 5; c++) {
+            const k3_status s = k3_image_decode(&im, data, cuts[c], 0, &err);
+            CHECKF(s == K3_ERR_FORMAT && !im && strstr(err.msg, "truncated"), "%s cut at %zu: status %d (%s)",
+                   files[fi], cuts[c], s, err.msg);
+            k3_err_clear(&err);
+        }
+        if (data[0] == 'G') { /* a lost trailer Pillow forgives, and so does k3 */
+            CHECKF(k3_image_decode(&im, data, len - 1, 0, &err) == K3_OK && im, "%s without ';': %s", files[fi], err.msg);
+            k3_image_free(im);
+            im = NULL;
+            k3_err_clear(&err);
+        }
+        for (size_t at = 30; at < len; at += len / 7) {
+            uint8_t *c = malloc(len);
+            memcpy(c, data, len);
+            memset(c + at, 0xa5, len - at < 16 ? len - at : 16);
+            if (k3_image_decode(&im, c, len, 0, &err) == K3_OK) k3_image_free(im);
+            im = NULL;
+            k3_err_clear(&err);
+            free(c);
+        }
+        free(data);
+    }
+    /* only the first frame is read: an animated GIF cut inside its second
+     * frame gives the same image (Pillow's Image.open reads no further) */
+    size_t len = 0;
+    uint8_t *data = read_file(GDIR "/images/gif_anim_110x70.gif", &len);
+    REQUIRE(data);
+    k3_image *whole = NULL;
+    CHECKF(k3_image_decode(&whole, data, len, 0, &err) == K3_OK, "%s", err.msg);
+    CHECKF(k3_image_decode(&im, data, len * 2 / 3, 0, &err) == K3_OK, "%s", err.msg);
+    CHECK(im && whole && k3_image_hash(im) == k3_image_hash(whole));
+    k3_image_free(im), k3_image_free(whole);
+    free(data);
+}
+
+/* data: URLs with image/webp and image/gif, as a server receives them. */
+K3_TEST(vision_formats_data_url) {
+    static const char *const files[] = {"webp_alpha_160x120.webp", "gif_trns_150x100.gif"};
+    static const char *const types[] = {"image/webp", "image/gif"};
+    for (int i = 0; i < 2; i++) {
+        char path[256];
+        snprintf(path, sizeof path, GDIR "/images/%s", files[i]);
+        size_t n = 0;
+        uint8_t *data = read_file(path, &n);
+        REQUIRE(data);
+        char *enc = b64(data, n);
+        const size_t ne = strlen(enc);
+        char *url = malloc(ne + 64);
+        snprintf(url, ne + 64, "data:%s;base64,%s", types[i], enc);
+        k3_image *im = NULL, *ref = NULL;
+        k3_error err = {0};
+        CHECKF(k3_image_decode_url(&im, url, strlen(url), 0, &err) == K3_OK, "%s: %s", types[i], err.msg);
+        CHECKF(k3_image_load(&ref, path, 0, &err) == K3_OK, "%s", err.msg);
+        CHECK(im && ref && k3_image_hash(im) == k3_image_hash(ref));
+        k3_image_free(im), k3_image_free(ref);
+        free(url), free(enc), free(data);
+    }
 }
 
 K3_TEST(vision_splice_bad) {
@@ -782,7 +1005,7 @@ static char *chat_with(const char *file) {
 static void ctx_greedy(const fixture *f, const k3_vision_prompt *vp, int32_t *want, int n) {
     k3_ctx *ctx = NULL;
     k3_error err = {0};
-    k3_ctx_options co = {.max_seqs = 1, .max_tokens = 256, .block_size = 16};
+    k3_ctx_options co = {.max_seqs = 1, .cache_tokens = 256, .block_size = 16};
     float *lg = malloc(sizeof(float) * 1024);
     if (!lg || k3_ctx_init(&ctx, f->m, &co, &err)) {
         k3_test_fail(__FILE__, __LINE__, "ctx: %s", err.msg);

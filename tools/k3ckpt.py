@@ -245,10 +245,23 @@ def _write_tokenizer(out_dir, ranks, specials):
     tc["additional_special_tokens"] = [n for n in ("<|end_of_msg|>", "<|open|>", "<|close|>",
                                                    "<|sep|>", "<|media_pad|>") if n in byname]
     tc.update({"clean_up_tokenization_spaces": False, "model_max_length": 1048576,
-               "tokenizer_class": "TikTokenTokenizer"})
+               "tokenizer_class": "K3Tokenizer"})
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
         json.dump(tc, f, indent=2)
         f.write("\n")
+    install_hf_tokenizer(out_dir)
+
+
+def install_hf_tokenizer(out_dir):
+    """Puts the Hugging Face tokenizer into a checkpoint (tools/hf_tokenizer:
+    tokenization_k3.py and tokenizer_config.json's auto_map), so that
+    AutoTokenizer.from_pretrained(out_dir, trust_remote_code=True) loads it."""
+    import importlib.util
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_tokenizer", "install.py")
+    spec = importlib.util.spec_from_file_location("k3_hf_tokenizer_install", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.install(out_dir)
 
 
 def make_config(n_ranks, **text_overrides):

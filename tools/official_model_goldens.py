@@ -204,6 +204,7 @@ def save_golden(path, ids, logits, tokens):
 def copy_tokenizer(out):
     for f in ("tiktoken.model", "tokenizer_config.json"):
         shutil.copy(os.path.join(TOKENIZER, f), os.path.join(out, f))
+    k3ckpt.install_hf_tokenizer(out)  # tokenization_k3.py + auto_map
 
 
 def main():

@@ -30,6 +30,7 @@ import json
 import math
 import os
 import shutil
+import struct
 import sys
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
@@ -66,6 +67,8 @@ from llmcompressor.modeling.kimi_k3.kimi_k3_vision_processing import KimiK3Visio
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "tests", "models", "tiny")
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import k3ckpt  # noqa: E402
 
 # Media specials of the tiny tokenizer: K3 has <|media_begin|> 163602,
 # <|media_content|> 163603, <|media_end|> 163604, <|media_pad|> 163605, i.e.
@@ -157,6 +160,239 @@ def write_images(d, rng):
     return out
 
 
+# ---- WEBP and GIF: the first frame as Pillow opens it ----------------------
+
+def _gif_lzw(indices, min_size):
+    """GIF's variable-width LZW (what any encoder writes): a clear code first
+    and whenever the table is nearly full, the end code last; packed LSB first."""
+    clear, end = 1 << min_size, (1 << min_size) + 1
+    out, acc, nacc = bytearray(), 0, 0
+
+    def put(code, width):
+        nonlocal acc, nacc
+        acc |= code << nacc
+        nacc += width
+        while nacc >= 8:
+            out.append(acc & 255)
+            acc >>= 8
+            nacc -= 8
+
+    def reset():
+        return {bytes([i]): i for i in range(clear)}, end + 1, min_size + 1
+
+    table, nxt, width = reset()
+    put(clear, width)
+    w = b""
+    for k in indices:
+        wk = w + bytes([k])
+        if wk in table:
+            w = wk
+            continue
+        put(table[w], width)
+        if nxt < 4093:
+            table[wk] = nxt
+            nxt += 1
+            if nxt > (1 << width) and width < 12:
+                width += 1
+        else:
+            put(clear, width)
+            table, nxt, width = reset()
+        w = bytes([k])
+    if w:
+        put(table[w], width)
+    put(end, width)
+    if nacc:
+        out.append(acc & 255)
+    return bytes(out)
+
+
+def _gif_blocks(data):
+    return b"".join(bytes([len(data[i:i + 255])]) + data[i:i + 255] for i in range(0, len(data), 255)) + b"\0"
+
+
+def _gif_table(colors, bits):
+    """A colour table of 2**bits entries (RGB triples), padded with black."""
+    flat = bytearray()
+    for c in colors:
+        flat += bytes(c)
+    return bytes(flat) + b"\0" * (3 * (1 << bits) - len(flat))
+
+
+def gif_bytes(screen, frame_idx, x0=0, y0=0, global_colors=None, global_bits=0, local_colors=None,
+              local_bits=0, transparency=None, interlace=False, min_code=8, background=0):
+    """A GIF89a of one frame written field by field (Pillow's writer always
+    puts the first frame on the whole screen, with its own palette layout)."""
+    fh, fw = frame_idx.shape
+    g = bytearray(b"GIF89a")
+    g += struct.pack("<HH", *screen)
+    flags = (0x80 | 0x70 | (global_bits - 1)) if global_colors is not None else 0x70
+    g += bytes([flags, background, 0])
+    if global_colors is not None:
+        g += _gif_table(global_colors, global_bits)
+    if transparency is not None:
+        g += b"\x21\xf9\x04" + bytes([1]) + struct.pack("<H", 0) + bytes([transparency, 0])
+    g += b"\x2c" + struct.pack("<HHHH", x0, y0, fw, fh)
+    lflags = (0x40 if interlace else 0) | ((0x80 | (local_bits - 1)) if local_colors is not None else 0)
+    g += bytes([lflags])
+    if local_colors is not None:
+        g += _gif_table(local_colors, local_bits)
+    rows = list(range(fh))
+    if interlace:
+        rows = [y for start, step in ((0, 8), (4, 8), (2, 4), (1, 2)) for y in range(start, fh, step)]
+    g += bytes([min_code]) + _gif_blocks(_gif_lzw(frame_idx[rows].reshape(-1).tolist(), min_code))
+    return bytes(g + b";")
+
+
+def _riff_chunk(tag, payload):
+    return tag + struct.pack("<I", len(payload)) + payload + (b"\0" if len(payload) & 1 else b"")
+
+
+def _webp_frame_chunks(still):
+    """The frame chunks (ALPH + VP8, or VP8L) of a still WEBP file."""
+    assert still[:4] == b"RIFF" and still[8:12] == b"WEBP"
+    out, off = b"", 12
+    while off < len(still):
+        tag, n = still[off:off + 4], struct.unpack("<I", still[off + 4:off + 8])[0]
+        if tag in (b"ALPH", b"VP8 ", b"VP8L"):
+            out += still[off:off + 8 + n + (n & 1)]
+        off += 8 + n + (n & 1)
+    return out
+
+
+def webp_anim_bytes(canvas, frames, alpha):
+    """An animated WEBP (VP8X + ANIM + ANMF) from still frames placed at even
+    offsets: frames = [(still_webp_bytes, x, y, w, h)]."""
+    vp8x = bytes([0x02 | (0x10 if alpha else 0), 0, 0, 0]) + struct.pack("<I", canvas[0] - 1)[:3] \
+        + struct.pack("<I", canvas[1] - 1)[:3]
+    body = _riff_chunk(b"VP8X", vp8x) + _riff_chunk(b"ANIM", struct.pack("<IH", 0, 0))
+    for still, x, y, w, h in frames:
+        hdr = struct.pack("<I", x // 2)[:3] + struct.pack("<I", y // 2)[:3] + struct.pack("<I", w - 1)[:3] \
+            + struct.pack("<I", h - 1)[:3] + struct.pack("<I", 100)[:3] + bytes([0])
+        body += _riff_chunk(b"ANMF", hdr + _webp_frame_chunks(still))
+    return b"RIFF" + struct.pack("<I", 4 + len(body)) + b"WEBP" + body
+
+
+def write_format_images(d, rng):
+    """WEBP and GIF inputs: each way Pillow's first frame differs."""
+    import io
+    os.makedirs(d, exist_ok=True)
+    out = []
+
+    def smooth(h, w, c, noise=24):
+        y, x = np.mgrid[0:h, 0:w]
+        base = np.stack([(x * 255 // max(w - 1, 1)), (y * 255 // max(h - 1, 1)),
+                         ((x + y) * 7) % 256, (x * y) % 256], -1)[..., :c]
+        return np.clip(base + rng.integers(-noise, noise + 1, size=(h, w, c)), 0, 255).astype(np.uint8)
+
+    def save(name, data):
+        with open(os.path.join(d, name), "wb") as f:
+            f.write(data)
+        out.append(name)
+
+    def pil_bytes(im, fmt, **kw):
+        b = io.BytesIO()
+        im.save(b, fmt, **kw)
+        return b.getvalue()
+
+    # WEBP: Pillow says RGB or RGBA from the bitstream's alpha flag
+    save("webp_lossy_150x100.webp", pil_bytes(Image.fromarray(smooth(100, 150, 3), "RGB"), "WEBP", quality=80))
+    save("webp_lossless_90x70.webp", pil_bytes(Image.fromarray(smooth(70, 90, 3), "RGB"), "WEBP", lossless=True))
+    a = smooth(120, 160, 4)
+    yy, xx = np.mgrid[0:120, 0:160]
+    a[..., 3] = np.clip((xx * 3 + yy) % 290 - 20, 0, 255)
+    save("webp_alpha_160x120.webp", pil_bytes(Image.fromarray(a, "RGBA"), "WEBP", quality=70))
+    save("webp_alpha_lossless_64x48.webp",
+         pil_bytes(Image.fromarray(a[:48, :64], "RGBA"), "WEBP", lossless=True, exact=True))
+    frames = [Image.fromarray(smooth(100, 160, 3), "RGB") for _ in range(3)]
+    save("webp_anim_160x100.webp", pil_bytes(frames[0], "WEBP", save_all=True, append_images=frames[1:],
+                                            duration=100, quality=75))
+    # animated, the first frame smaller than the canvas (transparent around it)
+    f0 = pil_bytes(Image.fromarray(a[:40, :60], "RGBA"), "WEBP", quality=75)
+    f1 = pil_bytes(Image.fromarray(smooth(100, 140, 3), "RGB"), "WEBP", quality=75)
+    save("webp_anim_offset_140x100.webp",
+         webp_anim_bytes((140, 100), [(f0, 24, 30, 60, 40), (f1, 0, 0, 140, 100)], True))
+    # the same layout with no alpha anywhere: "RGB", black around the frame
+    g0 = pil_bytes(Image.fromarray(smooth(40, 60, 3), "RGB"), "WEBP", quality=75)
+    save("webp_anim_offset_rgb_140x100.webp",
+         webp_anim_bytes((140, 100), [(g0, 24, 30, 60, 40), (f1, 0, 0, 140, 100)], False))
+
+    # GIF through Pillow's own writer (interlaced from 16 rows up)
+    p = Image.fromarray(smooth(100, 170, 3), "RGB").quantize(colors=64)
+    save("gif_palette_170x100.gif", pil_bytes(p, "GIF"))                       # "P", interlaced
+    p = Image.fromarray(smooth(100, 150, 3), "RGB").quantize(colors=32)
+    save("gif_trns_150x100.gif", pil_bytes(p, "GIF", transparency=5, interlace=False))  # "P" + transparency
+    save("gif_grey_250x40.gif", pil_bytes(Image.fromarray(smooth(40, 250, 1)[..., 0], "L"), "GIF"))  # "L"
+    fr = [Image.fromarray(smooth(70, 110, 3), "RGB").quantize(colors=48) for _ in range(3)]
+    save("gif_anim_110x70.gif", pil_bytes(fr[0], "GIF", save_all=True, append_images=fr[1:], duration=80))
+
+    # GIF written field by field
+    pal = [tuple(int(v) for v in rng.integers(0, 256, 3)) for _ in range(32)]
+    idx = rng.integers(0, 32, (40, 70)).astype(np.uint8)
+    idx[:, 20:50] = (np.arange(30)[None, :] // 3 + np.arange(40)[:, None] // 5) % 32   # runs: real LZW work
+    save("gif_offset_trns_150x100.gif", gif_bytes((150, 100), idx, 25, 17, pal, 5, transparency=9))
+    lpal = [tuple(int(v) for v in rng.integers(0, 256, 3)) for _ in range(16)]
+    save("gif_offset_local_120x80.gif",
+         gif_bytes((120, 80), idx % 16, 40, 30, pal, 5, local_colors=lpal, local_bits=4, min_code=4))
+    save("gif_beyond_60x50.gif", gif_bytes((60, 50), idx, 30, 20, pal, 5))      # frame past the screen
+    tall = rng.integers(0, 32, (37, 53)).astype(np.uint8)
+    save("gif_interlaced_53x37.gif", gif_bytes((53, 37), tall, 0, 0, pal, 5, interlace=True, min_code=5))
+    ramp = [(i, i, i) for i in range(256)]
+    g = smooth(100, 160, 1)[..., 0]
+    save("gif_greykey_160x100.gif", gif_bytes((160, 100), g, 0, 0, ramp, 8, transparency=int(g[50, 80])))
+    save("gif_nopalette_160x100.gif", gif_bytes((160, 100), g // 2, 0, 0))
+    # a local grey ramp under a global palette: Pillow says "L" but keeps the
+    # global palette on the pixels (and its resize refuses it: no resize here)
+    save("gif_local_ramp_90x50.gif", gif_bytes((90, 50), g[:50, :90], 0, 0, pal, 5, local_colors=ramp,
+                                               local_bits=8))
+    short = rng.integers(0, 16, (30, 44)).astype(np.uint8)                       # indices past a 4-colour palette
+    save("gif_short_palette_44x30.gif", gif_bytes((44, 30), short, 0, 0, pal[:4], 2, min_code=4))
+    big = rng.integers(0, 256, (64, 96)).astype(np.uint8)                        # 12-bit codes, table resets
+    save("gif_noise_96x64.gif", gif_bytes((96, 64), big, 0, 0, pal * 8, 8))
+    return out
+
+
+def format_goldens(golden_dir, seed):
+    """formats.safetensors: for each WEBP / GIF image the official processor's
+    pixel values (as the uint8 values they normalize) and grid, and the first
+    frame as Pillow decodes it (convert("RGBA"))."""
+    from safetensors.numpy import save_file as save_np
+    from llmcompressor.modeling.kimi_k3.media_utils import normalize
+    rng = np.random.default_rng(seed + 100)
+    img_dir = os.path.join(golden_dir, "images")
+    names = write_format_images(img_dir, rng)
+    proc = KimiK3VisionProcessor(media_proc_cfg=dict(MEDIA_PROC_CFG))
+    gold, meta = {}, []
+    for i, n in enumerate(names):
+        path = os.path.join(img_dir, n)
+        im = Image.open(path)
+        mode, info = im.mode, dict(im.info)
+        rgba = np.asarray(im.convert("RGBA")).copy()
+        bf = proc.preprocess([{"type": "image", "image": Image.open(path)}], return_tensors="pt")
+        px, grid = bf["pixel_values"].float().numpy(), bf["grid_thws"][0].numpy().astype(np.int64)
+        ntok = proc.media_tokens_calculator({"type": "image", "image": Image.open(path)})
+        # the pixel values are the processor's uint8 image normalized: kept as
+        # those bytes (a quarter of the size), after checking that the
+        # official normalize gives back the processor's floats bit for bit
+        u8 = np.rint((px * np.float32(0.5) + np.float32(0.5)) * 255).astype(np.uint8)
+        back = normalize(u8.transpose(0, 2, 3, 1), np.array(MEDIA_PROC_CFG["image_mean"]),
+                         1.0 / np.array(MEDIA_PROC_CFG["image_std"])).transpose(0, 3, 1, 2)
+        assert np.array_equal(back, px), n
+        gold[f"fmt{i}.pixels"] = np.ascontiguousarray(u8)
+        gold[f"fmt{i}.grid_thw"] = grid
+        gold[f"fmt{i}.rgba"] = rgba
+        m = dict(file=n, width=im.size[0], height=im.size[1], mode=mode, grid=grid.tolist(), tokens=int(ntok))
+        if "transparency" in info:
+            m["transparency"] = info["transparency"]
+        meta.append(m)
+        print(f"{n}: {im.size[0]}x{im.size[1]} mode {mode}{' transparency %s' % info['transparency'] if 'transparency' in info else ''}"
+              f" frames {getattr(im, 'n_frames', 1)} grid {grid.tolist()} tokens {ntok}")
+    save_np(gold, os.path.join(golden_dir, "formats.safetensors"), metadata={"images": json.dumps(meta)})
+    with open(os.path.join(golden_dir, "formats.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+        f.write("\n")
+    print("Pillow", Image.__version__, "libwebp", __import__("PIL.features").features.version("webp"))
+
+
 def redraw(model, seed):
     """Deterministic weights for every parameter (the official _init_weights
     returns early, so some parameters would be left uninitialised)."""
@@ -213,6 +449,7 @@ def write_bench(out, seed):
             os.remove(os.path.join(out, n))
     shutil.copy(os.path.join(TINY, "tiktoken.model"), out)
     shutil.copy(os.path.join(ROOT, "tests", "models", "vision-tiny", "tokenizer_config.json"), out)
+    k3ckpt.install_hf_tokenizer(out)
     print(f"wrote {out}: {sum(p.numel() for p in model.vision_tower.parameters()) / 1e6:.1f}M tower parameters")
 
 
@@ -225,7 +462,12 @@ def main():
                     help="instead: write a checkpoint with the released tower size (27 blocks, "
                          "hidden 1024, BF16, no preprocessor_config.json = the published budget) "
                          "and a 1-layer text model, for `k3 bench`'s image-encode figure")
+    ap.add_argument("--formats", action="store_true",
+                    help="instead: write the WEBP and GIF images and formats.safetensors only "
+                         "(the processor; no model)")
     a = ap.parse_args()
+    if a.formats:
+        return format_goldens(a.golden, a.seed)
     if a.bench:
         return write_bench(a.bench, a.seed)
     torch.manual_seed(a.seed)
@@ -262,6 +504,7 @@ def main():
     with open(os.path.join(a.model, "tokenizer_config.json"), "w") as f:
         json.dump(tc, f, indent=2, ensure_ascii=False)
         f.write("\n")
+    k3ckpt.install_hf_tokenizer(a.model)  # tokenization_k3.py + auto_map
 
     # ---- images and preprocessing ----
     img_dir = os.path.join(a.golden, "images")

@@ -3,13 +3,15 @@
  *
  * The engine owns a context made with k3_ctx_init_pool (cache storage for
  * the pool's blocks, one sequence slot per running request), the block
- * manager and KDA snapshots (src/kv), and the scheduler (src/sched). A step:
+ * manager and KDA snapshots (src/kv), and the scheduler (src/sched). It
+ * drives the context through the executor (src/executor), which under
+ * mpirun makes every call on every rank. A step:
  *   1. frees the requests that finished in the previous step (their outputs
  *      lived until now), takes the inbox (submits and cancels from any thread,
  *      under the mutex), ends cancelled requests;
  *   2. plans (k3_sched_schedule), sets each planned slot's block table and
  *      position (restoring a snapshot or zeroing the KDA state on admission);
- *   3. runs one k3_ctx_run over the plan;
+ *   3. runs one forward pass (k3_exec_run) over the plan;
  *   4. registers full blocks, takes snapshots, samples (each request its own
  *      sampler: the same tokens alone or batched), applies stop rules, and
  *      reports outputs and events.
@@ -25,12 +27,12 @@
 #include <unistd.h>
 
 #include "common/error.h"
-#include "ctx.h"
-#include "dist/dist.h"
+#include "ctx/ctx.h"
 #include "engine.h"
-#include "kernels/attn_ops.h"
+#include "executor/executor.h"
 #include "kv/kv.h"
 #include "model/model.h"
+#include "model/plan.h"
 #include "sched/sched.h"
 
 #define K3_MAX_LOGPROBS 20
@@ -105,19 +107,6 @@ struct k3_engine {
 };
 
 /* ---- memory accounting ------------------------------------------------------ */
-
-static int64_t cache_bytes_per_token(const k3_config *c, k3_kv_type kv) {
-    int64_t n = 0;
-    const int64_t tiles = (c->kv_lora_rank + K3_C8_TILE - 1) / K3_C8_TILE;
-    for (int i = 0; i < c->n_layers; i++) {
-        const int k = c->layer_kind[i];
-        if (k == K3_LAYER_KDA) continue;
-        if (kv == K3_KV_F32) n += ((int64_t)c->kv_lora_rank + c->qk_rope_dim) * 4;
-        else n += c->kv_lora_rank + tiles * 4 + (int64_t)c->qk_rope_dim * 4;
-        if (k == K3_LAYER_DSA) n += kv == K3_KV_F32 ? (int64_t)c->index_head_dim * 4 : c->index_head_dim + 4;
-    }
-    return n;
-}
 
 /* The step cost guard's price of a prompt token at position p (sched.h):
  * 1 + p * slope + min(p, cap) * cap_slope, the FLOPs of attending over p
@@ -256,7 +245,7 @@ k3_status k3_engine_open(k3_engine **out, const k3_model *m, const k3_engine_opt
                       (long long)o.max_model_len, (long long)c->max_positions);
 
     /* the pool */
-    const int64_t bpt = cache_bytes_per_token(c, o.kv_cache), avail = machine_bytes(false);
+    const int64_t bpt = k3_config_cache_bytes_per_token(c, o.kv_cache), avail = machine_bytes(false);
     k3_model_info info;
     k3_model_get_info(m, &info);
     /* what the weights leave of the machine */
@@ -330,13 +319,13 @@ k3_status k3_engine_open(k3_engine **out, const k3_model *m, const k3_engine_opt
         e->n_eos = o.n_eos_ids;
         e->o.eos_ids = e->eos;
         k3_ctx_options co = {.max_seqs = o.max_num_seqs,
-                             .max_tokens = tokens,
+                             .cache_tokens = tokens,
                              .block_size = (int32_t)bs,
                              .max_batch = o.max_num_batched_tokens < 1024 ? o.max_num_batched_tokens : 1024,
                              .kv_cache = o.kv_cache,
                              .pool = o.pool,
                              .dist = o.dist};
-        st = k3_ctx_init_pool(&e->ctx, m, &co, (int32_t)n_blocks, max_model_len, err);
+        st = k3_exec_init_pool(&e->ctx, m, &co, (int32_t)n_blocks, max_model_len, err);
     }
     if (!st) {
         e->state_bytes = k3_ctx_state_bytes(e->ctx);
@@ -345,7 +334,7 @@ k3_status k3_engine_open(k3_engine **out, const k3_model *m, const k3_engine_opt
     if (!st) st = k3_kv_snaps_init(&e->sn, e->state_bytes, snap_budget, err);
     if (!st) {
         k3_sched_config sc = {.max_seqs = o.max_num_seqs,
-                              .max_tokens = o.max_num_batched_tokens,
+                              .max_num_batched_tokens = o.max_num_batched_tokens,
                               .block_size = (int32_t)bs,
                               .max_blocks = e->max_blocks,
                               .snapshot_stride = o.snapshot_stride,
@@ -638,8 +627,9 @@ static void sample(k3_engine *e, req *r, float *lg, double t) {
         for (int32_t i = 0; i < r->p.n_stop_ids; i++) row[r->stop_ids[i]] = -INFINITY;
     }
     const int32_t id = k3_sampler_sample(r->smp, row);
-    if (id < 0 || id >= V) { /* a sampler that refuses non-finite logits */
-        snprintf(r->error, sizeof r->error, "the logits of request %llu are not finite",
+    if (id < 0 || id >= V) { /* a sampler that refuses non-finite logits, or has every id masked */
+        snprintf(r->error, sizeof r->error,
+                 "request %llu has no token to sample: its logits are not finite, or every token is masked",
                  (unsigned long long)r->rq.id);
         finish(e, r, K3_FINISH_ERROR, t);
         return;
@@ -812,16 +802,16 @@ k3_status k3_engine_step(k3_engine *e, k3_step_result *res, k3_error *err) {
         if (rq->is_new) {
             if (rq->restore) {
                 const double t0 = k3_now();
-                k3_ctx_state_restore(e->ctx, rq->slot, rq->restore);
+                k3_exec_state_restore(e->ctx, rq->slot, rq->restore);
                 e->snap_restore_s += k3_now() - t0;
                 e->n_snap_restores++;
             } else {
-                k3_ctx_seq_clear_state(e->ctx, rq->slot);
+                k3_exec_seq_clear_state(e->ctx, rq->slot);
             }
-            k3_ctx_seq_set_pos(e->ctx, rq->slot, rq->n_computed);
+            k3_exec_seq_set_pos(e->ctx, rq->slot, rq->n_computed);
             if (r->t_scheduled == 0) r->t_scheduled = t_in;
         }
-        K3_ASSERT(k3_ctx_seq_set_blocks(e->ctx, rq->slot, rq->blocks, rq->n_blocks, NULL) == K3_OK);
+        K3_ASSERT(k3_exec_seq_set_blocks(e->ctx, rq->slot, rq->blocks, rq->n_blocks, NULL) == K3_OK);
         e->batch[i] = (k3_batch_seq){rq->slot, rq->n_sched, rq->tok + rq->n_computed,
                                      r->emb ? r->emb + rq->n_computed : NULL};
         const bool ends = rq->n_computed + rq->n_sched == rq->n_tok;
@@ -863,7 +853,7 @@ k3_status k3_engine_step(k3_engine *e, k3_step_result *res, k3_error *err) {
     e->snap_save_s += k3_now() - t_snap;
 
     /* 3. the forward pass */
-    if (s->n_plan) fst = k3_ctx_run(e->ctx, e->batch, s->n_plan, e->want, e->logits, &ferr);
+    if (s->n_plan) fst = k3_exec_run(e->ctx, e->batch, s->n_plan, e->want, e->logits, &ferr);
     if (fst)
         for (int32_t k = 0; k < n_taken; k++) k3_kv_snap_drop(&e->sn, step_key[k], step_pos[k]);
     else
@@ -873,7 +863,7 @@ k3_status k3_engine_step(k3_engine *e, k3_step_result *res, k3_error *err) {
     if (e->o.dist && s->n_plan) {
         /* every rank's, summed (a failed link is sticky: the next pass reports it) */
         k3_comm_stats c;
-        k3_dist_stats_take_all(e->o.dist, NULL, &c, NULL);
+        k3_exec_stats_take_all(e->o.dist, NULL, &c, NULL);
         pthread_mutex_lock(&e->mu);
         for (int k = 0; k < K3_COMM_COUNT; k++) {
             e->comm.sent[k] += c.sent[k];
@@ -937,7 +927,7 @@ k3_status k3_engine_step(k3_engine *e, k3_step_result *res, k3_error *err) {
     publish_stats(e);
     /* a failed link to the other ranks stays failed: the engine cannot go on
      * (the requests of this step have their error; the server ends the job) */
-    if (!st && fst && k3_dist_failed(e->o.dist, NULL)) st = k3_err(err, fst, "%s", ferr.msg);
+    if (!st && fst && k3_exec_failed(e->ctx, NULL)) st = k3_err(err, fst, "%s", ferr.msg);
     return st;
 }
 

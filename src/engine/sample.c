@@ -1,10 +1,15 @@
 /*
- * sample.c -- token sampling: greedy, temperature, top-k, top-p, min-p and a
- * repetition penalty, with a seeded generator (k3_sampler of k3.h).
+ * sample.c -- token sampling (k3_sampler of k3.h): logit processors, then
+ * greedy or a seeded draw through top-k, temperature, top-p and min-p.
  *
- * Order (as llama.cpp's default chain): repetition penalty on the raw logits,
- * then top-k, temperature, softmax, top-p, min-p, draw. Greedy (temperature
- * 0) takes the highest logit after the penalty, ties to the lowest id.
+ * Processors, in vLLM's order, on the raw logits: ids outside allowed_ids
+ * and bad words masked (-inf); logit_bias added; the repetition penalty
+ * (a positive logit divided by it, a negative one multiplied, each distinct
+ * id of the history window once); OpenAI's frequency and presence
+ * penalties over the output (the ids this sampler drew). Then (as
+ * llama.cpp's default chain) top-k, temperature, softmax, top-p, min-p,
+ * draw. Greedy (temperature 0) takes the highest processed logit, ties to
+ * the lowest id.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -18,19 +23,36 @@ typedef struct {
 } cand;
 
 struct k3_sampler {
-    k3_sampler_options o;
+    k3_sampler_options o; /* its pointers cleared: the copies below */
     int32_t n_vocab;
     cand *c;            /* [n_vocab] */
     uint8_t *mark;      /* [n_vocab] ids already penalised this step */
     int32_t *hist;      /* ring of recent ids */
     int32_t hist_cap, hist_n, hist_head;
     uint64_t rng;
+    /* the output: what this sampler drew */
+    int32_t *count;     /* [n_vocab] times drawn, with a frequency or presence penalty */
+    int32_t *distinct;  /* the ids drawn at least once, in order */
+    int32_t n_distinct, cap_distinct;
+    int32_t *out;       /* every id drawn, with bad words */
+    int64_t n_out, cap_out;
+    k3_logit_bias *bias;
+    int32_t n_bias;
+    uint8_t *allowed;   /* [n_vocab] 1 = may be drawn, or NULL */
+    int32_t *bw;        /* bad words: ids, offsets [n_bw + 1] */
+    int32_t *bw_off;
+    int32_t n_bw;
 };
 
-k3_status k3_sampler_init(k3_sampler **out, const k3_sampler_options *opt, int32_t n_vocab,
-                          k3_error *err) {
-    *out = NULL;
-    if (n_vocab <= 0) return k3_err(err, K3_ERR_ARG, "sampler: vocabulary size must be positive");
+static k3_status check_ids(const int32_t *ids, int64_t n, int32_t V, const char *what, k3_error *err) {
+    for (int64_t i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= V)
+            return k3_err(err, K3_ERR_ARG, "sampler: %s[%lld] = %d is not a token id in 0..%d", what, (long long)i,
+                          ids[i], V - 1);
+    return K3_OK;
+}
+
+static k3_status check_options(const k3_sampler_options *opt, int32_t V, k3_error *err) {
     /* written so that NaN fails every test */
     if (!(opt->temperature >= 0 && opt->temperature <= 1e30f) || opt->top_k < 0 ||
         !(opt->top_p > 0 && opt->top_p <= 1) || !(opt->min_p >= 0 && opt->min_p <= 1) ||
@@ -38,15 +60,73 @@ k3_status k3_sampler_init(k3_sampler **out, const k3_sampler_options *opt, int32
         return k3_err(err, K3_ERR_ARG,
                       "sampler: bad options (need temp >= 0, top_k >= 0, 0 < top_p <= 1, 0 <= min_p <= 1, "
                       "repeat penalty > 0)");
+    if (!isfinite(opt->frequency_penalty) || !isfinite(opt->presence_penalty))
+        return k3_err(err, K3_ERR_ARG, "sampler: the frequency and presence penalties must be finite");
+    if (opt->n_logit_bias < 0 || (opt->n_logit_bias > 0 && !opt->logit_bias))
+        return k3_err(err, K3_ERR_ARG, "sampler: n_logit_bias is %d without a logit_bias array", opt->n_logit_bias);
+    for (int32_t i = 0; i < opt->n_logit_bias; i++) {
+        const k3_logit_bias *b = &opt->logit_bias[i];
+        if (b->id < 0 || b->id >= V)
+            return k3_err(err, K3_ERR_ARG, "sampler: logit_bias[%d] names id %d, not a token id in 0..%d", i, b->id,
+                          V - 1);
+        if (!isfinite(b->bias))
+            return k3_err(err, K3_ERR_ARG, "sampler: logit_bias[%d] (id %d) is not finite", i, b->id);
+    }
+    if (opt->allowed_ids && opt->n_allowed <= 0)
+        return k3_err(err, K3_ERR_ARG, "sampler: allowed_ids is given but empty (no id could be drawn)");
+    if (opt->allowed_ids) K3_TRY(check_ids(opt->allowed_ids, opt->n_allowed, V, "allowed_ids", err));
+    if (opt->n_bad_words < 0 || (opt->n_bad_words > 0 && (!opt->bad_words || !opt->bad_word_off)))
+        return k3_err(err, K3_ERR_ARG, "sampler: n_bad_words is %d without the word arrays", opt->n_bad_words);
+    if (opt->n_bad_words > 0) {
+        if (opt->bad_word_off[0] != 0) return k3_err(err, K3_ERR_ARG, "sampler: bad_word_off[0] must be 0");
+        for (int32_t w = 0; w < opt->n_bad_words; w++)
+            if (opt->bad_word_off[w + 1] <= opt->bad_word_off[w])
+                return k3_err(err, K3_ERR_ARG, "sampler: bad word %d has no ids", w);
+        K3_TRY(check_ids(opt->bad_words, opt->bad_word_off[opt->n_bad_words], V, "bad_words", err));
+    }
+    return K3_OK;
+}
+
+k3_status k3_sampler_init(k3_sampler **out, const k3_sampler_options *opt, int32_t n_vocab,
+                          k3_error *err) {
+    *out = NULL;
+    if (n_vocab <= 0) return k3_err(err, K3_ERR_ARG, "sampler: vocabulary size must be positive");
+    K3_TRY(check_options(opt, n_vocab, err));
     k3_sampler *s = calloc(1, sizeof *s);
     if (!s) return k3_err(err, K3_ERR_NOMEM, "sampler: out of memory");
     s->o = *opt;
+    s->o.logit_bias = NULL;
+    s->o.allowed_ids = NULL;
+    s->o.bad_words = s->o.bad_word_off = NULL;
     s->n_vocab = n_vocab;
     s->hist_cap = opt->repeat_last_n > 0 ? opt->repeat_last_n : 4096;
     s->c = malloc(sizeof(cand) * (size_t)n_vocab);
     s->hist = malloc(sizeof(int32_t) * (size_t)s->hist_cap);
     s->mark = calloc((size_t)n_vocab, 1);
-    if (!s->c || !s->hist || !s->mark) {
+    bool ok = s->c && s->hist && s->mark;
+    if (ok && (opt->frequency_penalty != 0 || opt->presence_penalty != 0))
+        ok = (s->count = calloc((size_t)n_vocab, sizeof *s->count)) != NULL;
+    if (ok && opt->n_logit_bias > 0) {
+        ok = (s->bias = malloc(sizeof *s->bias * (size_t)opt->n_logit_bias)) != NULL;
+        if (ok) memcpy(s->bias, opt->logit_bias, sizeof *s->bias * (size_t)opt->n_logit_bias);
+        s->n_bias = opt->n_logit_bias;
+    }
+    if (ok && opt->allowed_ids) {
+        ok = (s->allowed = calloc((size_t)n_vocab, 1)) != NULL;
+        for (int32_t i = 0; ok && i < opt->n_allowed; i++) s->allowed[opt->allowed_ids[i]] = 1;
+    }
+    if (ok && opt->n_bad_words > 0) {
+        const int32_t n_ids = opt->bad_word_off[opt->n_bad_words];
+        s->bw = malloc(sizeof *s->bw * (size_t)n_ids);
+        s->bw_off = malloc(sizeof *s->bw_off * (size_t)(opt->n_bad_words + 1));
+        ok = s->bw && s->bw_off;
+        if (ok) {
+            memcpy(s->bw, opt->bad_words, sizeof *s->bw * (size_t)n_ids);
+            memcpy(s->bw_off, opt->bad_word_off, sizeof *s->bw_off * (size_t)(opt->n_bad_words + 1));
+            s->n_bw = opt->n_bad_words;
+        }
+    }
+    if (!ok) {
         k3_sampler_free(s);
         return k3_err(err, K3_ERR_NOMEM, "sampler: out of memory");
     }
@@ -60,6 +140,13 @@ void k3_sampler_free(k3_sampler *s) {
     free(s->c);
     free(s->hist);
     free(s->mark);
+    free(s->count);
+    free(s->distinct);
+    free(s->out);
+    free(s->bias);
+    free(s->allowed);
+    free(s->bw);
+    free(s->bw_off);
     free(s);
 }
 
@@ -67,6 +154,71 @@ void k3_sampler_accept(k3_sampler *s, int32_t id) {
     s->hist[s->hist_head] = id;
     s->hist_head = (s->hist_head + 1) % s->hist_cap;
     if (s->hist_n < s->hist_cap) s->hist_n++;
+}
+
+/* The id drawn joins the output. False when out of memory: the id is then
+ * not counted (the penalties and bad words see one id less). */
+static bool note_output(k3_sampler *s, int32_t id) {
+    bool ok = true;
+    if (s->count) {
+        if (s->count[id] == 0) {
+            if (s->n_distinct == s->cap_distinct) {
+                const int32_t cap = s->cap_distinct ? s->cap_distinct * 2 : 64;
+                int32_t *d = realloc(s->distinct, sizeof *d * (size_t)cap);
+                if (d) {
+                    s->distinct = d;
+                    s->cap_distinct = cap;
+                }
+            }
+            if (s->n_distinct < s->cap_distinct) s->distinct[s->n_distinct++] = id;
+            else ok = false;
+        }
+        if (ok) s->count[id]++;
+    }
+    if (s->n_bw) {
+        if (s->n_out == s->cap_out) {
+            const int64_t cap = s->cap_out ? s->cap_out * 2 : 64;
+            int32_t *o = realloc(s->out, sizeof *o * (size_t)cap);
+            if (o) {
+                s->out = o;
+                s->cap_out = cap;
+            }
+        }
+        if (s->n_out < s->cap_out) s->out[s->n_out++] = id;
+        else ok = false;
+    }
+    return ok;
+}
+
+/* The processors, in place (see the top of the file). */
+static void process(k3_sampler *s, float *logits) {
+    const int32_t V = s->n_vocab;
+    if (s->allowed)
+        for (int32_t i = 0; i < V; i++)
+            if (!s->allowed[i]) logits[i] = -INFINITY;
+    for (int32_t w = 0; w < s->n_bw; w++) {
+        const int32_t *ids = s->bw + s->bw_off[w];
+        const int64_t pre = s->bw_off[w + 1] - s->bw_off[w] - 1; /* ids before the masked one */
+        if (pre > s->n_out) continue;
+        if (pre == 0 || !memcmp(s->out + (s->n_out - pre), ids, sizeof *ids * (size_t)pre)) logits[ids[pre]] = -INFINITY;
+    }
+    for (int32_t i = 0; i < s->n_bias; i++) logits[s->bias[i].id] += s->bias[i].bias;
+    if (s->o.repeat_penalty != 1.0f) {
+        /* penalise each distinct recent id once */
+        for (int32_t i = 0; i < s->hist_n; i++) {
+            const int32_t id = s->hist[i];
+            if (id < 0 || id >= V || s->mark[id]) continue;
+            s->mark[id] = 1;
+            logits[id] = logits[id] > 0 ? logits[id] / s->o.repeat_penalty : logits[id] * s->o.repeat_penalty;
+        }
+        for (int32_t i = 0; i < s->hist_n; i++)
+            if (s->hist[i] >= 0 && s->hist[i] < V) s->mark[s->hist[i]] = 0;
+    }
+    if (s->count)
+        for (int32_t i = 0; i < s->n_distinct; i++) {
+            const int32_t id = s->distinct[i];
+            logits[id] -= (float)s->count[id] * s->o.frequency_penalty + s->o.presence_penalty;
+        }
 }
 
 /* splitmix64 -> uniform in [0, 1) */
@@ -85,23 +237,13 @@ static int cand_desc(const void *a, const void *b) {
     return (x->id > y->id) - (x->id < y->id);
 }
 
-int32_t k3_sampler_sample(k3_sampler *s, float *logits) {
+static int32_t draw(k3_sampler *s, float *logits) {
     const int32_t V = s->n_vocab;
     /* NaN or +Inf anywhere (damaged weights, an overflow): no distribution
      * to sample from, and greedy would quietly answer id 0. -Inf is a mask. */
     for (int32_t i = 0; i < V; i++)
         if (isnan(logits[i]) || logits[i] == INFINITY) return -1;
-    if (s->o.repeat_penalty != 1.0f) {
-        /* penalise each distinct recent id once */
-        for (int32_t i = 0; i < s->hist_n; i++) {
-            const int32_t id = s->hist[i];
-            if (id < 0 || id >= V || s->mark[id]) continue;
-            s->mark[id] = 1;
-            logits[id] = logits[id] > 0 ? logits[id] / s->o.repeat_penalty : logits[id] * s->o.repeat_penalty;
-        }
-        for (int32_t i = 0; i < s->hist_n; i++)
-            if (s->hist[i] >= 0 && s->hist[i] < V) s->mark[s->hist[i]] = 0;
-    }
+    process(s, logits);
     if (s->o.temperature == 0.0f) {
         /* the first of the largest; the best value kept in a register, not
          * reloaded through its index (this runs between two decode steps) */
@@ -112,7 +254,7 @@ int32_t k3_sampler_sample(k3_sampler *s, float *logits) {
                 bv = logits[i];
                 best = i;
             }
-        return best;
+        return bv > -INFINITY ? best : -1; /* every id masked */
     }
     int32_t n = V;
     if (s->o.top_k > 0 && s->o.top_k < V) {
@@ -147,6 +289,7 @@ int32_t k3_sampler_sample(k3_sampler *s, float *logits) {
         for (int32_t i = 0; i < V; i++) s->c[i] = (cand){logits[i], i};
         qsort(s->c, (size_t)V, sizeof(cand), cand_desc);
     }
+    if (!(s->c[0].logit > -INFINITY)) return -1; /* every id masked */
     const float inv_t = 1.0f / s->o.temperature;
     const float mx = s->c[0].logit * inv_t;
     double sum = 0.0;
@@ -154,6 +297,8 @@ int32_t k3_sampler_sample(k3_sampler *s, float *logits) {
         s->c[i].logit = expf(s->c[i].logit * inv_t - mx);
         sum += s->c[i].logit;
     }
+    /* masked ids (weight 0) sort last: never drawn, not even by rounding */
+    while (n > 1 && s->c[n - 1].logit == 0.0f) n--;
     if (s->o.top_p < 1.0f) {
         double acc = 0.0;
         for (int32_t i = 0; i < n; i++) {
@@ -178,4 +323,10 @@ int32_t k3_sampler_sample(k3_sampler *s, float *logits) {
         if (r < 0) return s->c[i].id;
     }
     return s->c[n - 1].id;
+}
+
+int32_t k3_sampler_sample(k3_sampler *s, float *logits) {
+    const int32_t id = draw(s, logits);
+    if (id >= 0) note_output(s, id);
+    return id;
 }

@@ -14,6 +14,7 @@
  * (vision tower, projector, MTP layers) are ignored.
  */
 #include "model.h"
+#include "model/plan.h"
 #include "common/error.h"
 
 #include <stdarg.h>
@@ -713,7 +714,7 @@ void k3_model_get_info(const k3_model *m, k3_model_info *info) {
     info->hidden_size = c->hidden_size;
     info->n_layers = c->n_layers;
     info->max_positions = c->max_positions;
-    int64_t cache = 0, state = 0;
+    int64_t state = 0;
     for (int i = 0; i < c->n_layers; i++) {
         switch ((k3_layer_kind)c->layer_kind[i]) {
         case K3_LAYER_KDA: {
@@ -722,17 +723,11 @@ void k3_model_get_info(const k3_model *m, k3_model_info *info) {
             state += (H * dk * dk + 3 * H * dk * (c->conv_size - 1)) * 4;
             break;
         }
-        case K3_LAYER_DSA:
-            info->n_dsa++;
-            cache += ((int64_t)c->kv_lora_rank + c->qk_rope_dim + c->index_head_dim) * 4;
-            break;
-        case K3_LAYER_MLA:
-            info->n_mla++;
-            cache += ((int64_t)c->kv_lora_rank + c->qk_rope_dim) * 4;
-            break;
+        case K3_LAYER_DSA: info->n_dsa++; break;
+        case K3_LAYER_MLA: info->n_mla++; break;
         }
     }
-    info->cache_bytes_per_token = cache;
+    info->cache_bytes_per_token = k3_config_cache_bytes_per_token(c, K3_KV_F32);
     info->state_bytes_per_seq = state;
 
     /* Sizes: a read-only walk (the model was fully checked at open). */

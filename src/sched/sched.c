@@ -212,7 +212,7 @@ static void charge(const k3_sched *s, const k3_rq *rq, int32_t n, double *cost_l
 
 void k3_sched_schedule(k3_sched *s) {
     const int32_t bs = s->cfg.block_size;
-    int32_t budget = s->cfg.max_tokens, plp_left = s->cfg.plp_cap;
+    int32_t budget = s->cfg.max_num_batched_tokens, plp_left = s->cfg.plp_cap;
     s->n_plan = 0;
     s->plan_tokens = 0;
     bool preempted = false;

@@ -67,7 +67,9 @@ typedef struct k3_rq {
 } k3_rq;
 
 typedef struct k3_sched_config {
-    int32_t max_seqs, max_tokens, block_size, max_blocks;
+    int32_t max_seqs;               /* running requests (sequence slots) */
+    int32_t max_num_batched_tokens; /* the token budget of a step */
+    int32_t block_size, max_blocks;
     int32_t snapshot_stride;      /* blocks */
     int32_t plp_cap;              /* prompt-logprob rows per step (a block multiple) */
     bool prefix_cache;

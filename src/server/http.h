@@ -1,15 +1,13 @@
 /*
  * http.h -- the response helpers every route uses (http.c): JSON answers,
  * errors in OpenAI's shape, strings from bytes that may not be UTF-8, and
- * the hang-up test. Both server.c (routing, the non-generation routes) and
- * gen.c (the generation routes) call these; neither calls the other's
- * helpers, so the dependency goes one way: server.c -> gen.c -> http.c,
- * with the shared struct in server.h.
+ * the hang-up test. Everything in src/server answers through these; they
+ * call nothing else of the server.
  */
 #ifndef K3_SERVER_HTTP_H
 #define K3_SERVER_HTTP_H
 
-#include "server/server.h"
+#include "server/state.h"
 
 /* Queues text[0..len) (takes it: freed with the response) with Content-Type
  * type; a 503 carries Retry-After, a 401 WWW-Authenticate. Counts the

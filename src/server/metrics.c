@@ -59,15 +59,20 @@ void k3_metrics_init(k3_metrics *m, int64_t max_model_len, int32_t max_batched) 
 
 void k3_metrics_destroy(k3_metrics *m) { pthread_mutex_destroy(&m->mu); }
 
-void k3_metrics_observe(k3_metrics *m, int which, double v) {
-    if (which < 0 || which >= K3_H_COUNT) return;
+/* m->mu held */
+static void observe(k3_metrics *m, int which, double v) {
     k3_hist *h = &m->h[which];
-    pthread_mutex_lock(&m->mu);
     int b = 0;
     while (b < h->n_le && v > h->le[b]) b++;
     h->count[b]++;
     h->sum += v;
     h->n++;
+}
+
+void k3_metrics_observe(k3_metrics *m, int which, double v) {
+    if (which < 0 || which >= K3_H_COUNT) return;
+    pthread_mutex_lock(&m->mu);
+    observe(m, which, v);
     pthread_mutex_unlock(&m->mu);
 }
 
@@ -75,6 +80,26 @@ void k3_metrics_finished(k3_metrics *m, k3_finish_reason why) {
     if ((int)why < 0 || why > K3_FINISH_ERROR) return;
     pthread_mutex_lock(&m->mu);
     m->finished[why]++;
+    pthread_mutex_unlock(&m->mu);
+}
+
+void k3_metrics_prompt(k3_metrics *m, int64_t n_prompt, int64_t n_cached) {
+    pthread_mutex_lock(&m->mu);
+    m->prompt_tokens += (uint64_t)(n_prompt > 0 ? n_prompt : 0);
+    m->prompt_tokens_cached += (uint64_t)(n_cached > 0 ? n_cached : 0);
+    pthread_mutex_unlock(&m->mu);
+}
+
+void k3_metrics_request_done(k3_metrics *m, k3_finish_reason why, const k3_req_output *o) {
+    pthread_mutex_lock(&m->mu);
+    if ((int)why >= 0 && why <= K3_FINISH_ERROR) m->finished[why]++;
+    if (o->t_first_token > 0) observe(m, K3_H_TTFT, o->t_first_token - o->t_arrival);
+    if (o->t_finished > 0) observe(m, K3_H_E2E, o->t_finished - o->t_arrival);
+    if (o->t_scheduled > 0) observe(m, K3_H_QUEUE, o->t_scheduled - o->t_arrival);
+    observe(m, K3_H_PREFILL, o->prefill_s);
+    observe(m, K3_H_DECODE, o->decode_s);
+    observe(m, K3_H_PROMPT_TOKENS, (double)o->n_prompt);
+    observe(m, K3_H_GEN_TOKENS, (double)o->n_generated);
     pthread_mutex_unlock(&m->mu);
 }
 
@@ -91,6 +116,20 @@ void k3_metrics_render(k3_metrics *m, const k3_engine_stats *st, const char *mod
         memset(&z, 0, sizeof z);
         st = &z;
     }
+    /* one snapshot of the server's counters and histograms: they are
+     * rendered as they stood together */
+    static const k3_metrics zero;
+    k3_metrics snap = zero;
+    pthread_mutex_lock(&m->mu);
+    memcpy(snap.h, m->h, sizeof snap.h);
+    memcpy(snap.finished, m->finished, sizeof snap.finished);
+    snap.http_requests = m->http_requests;
+    snap.http_errors = m->http_errors;
+    snap.http_refused = m->http_refused;
+    snap.prompt_tokens = m->prompt_tokens;
+    snap.prompt_tokens_cached = m->prompt_tokens_cached;
+    pthread_mutex_unlock(&m->mu);
+    m = &snap;
     metric(o, "vllm:num_requests_running", "gauge", "Number of requests in model execution batches.", model,
            st->n_running);
     metric(o, "vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", model,
@@ -98,17 +137,20 @@ void k3_metrics_render(k3_metrics *m, const k3_engine_stats *st, const char *mod
     metric(o, "vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", model,
            st->cache_usage);
     metric(o, "vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.", model,
-           (double)st->prompt_tokens);
+           (double)m->prompt_tokens);
+    metric(o, "vllm:prompt_tokens_cached_total", "counter", "Number of cached prompt tokens (local + external).",
+           model, (double)m->prompt_tokens_cached);
+    metric(o, "k3:prompt_tokens_computed_total", "counter",
+           "Prompt tokens the forward pass computed (cache hits left out, recomputation after preemption in).",
+           model, (double)st->prompt_tokens);
     metric(o, "vllm:generation_tokens_total", "counter", "Number of generation tokens processed.", model,
            (double)st->generation_tokens);
     k3_buf_addf(o, "# HELP vllm:request_success_total Count of successfully processed requests.\n"
                    "# TYPE vllm:request_success_total counter\n");
     static const char *reason[] = {NULL, "stop", "length", "abort", "error"};
-    pthread_mutex_lock(&m->mu);
     for (int r = K3_FINISH_STOP; r <= K3_FINISH_ERROR; r++)
         k3_buf_addf(o, "vllm:request_success_total{finished_reason=\"%s\",model_name=\"%s\"} %llu\n", reason[r],
                     model, (unsigned long long)m->finished[r]);
-    pthread_mutex_unlock(&m->mu);
     metric(o, "vllm:num_preemptions_total", "counter", "Cumulative number of preemption from the engine.", model,
            (double)st->n_preemptions);
     metric(o, "vllm:prefix_cache_queries_total", "counter",
@@ -127,7 +169,6 @@ void k3_metrics_render(k3_metrics *m, const k3_engine_stats *st, const char *mod
            (double)st->n_snapshots);
     metric(o, "k3:kda_snapshot_bytes", "gauge", "Bytes of KDA state snapshots held by the prefix cache.", model,
            (double)st->snapshot_bytes);
-    pthread_mutex_lock(&m->mu);
     for (int i = 0; i < K3_H_COUNT; i++) {
         const k3_hist *h = &m->h[i];
         k3_buf_addf(o, "# HELP %s %s\n# TYPE %s histogram\n", h->name, h->help, h->name);
@@ -152,7 +193,6 @@ void k3_metrics_render(k3_metrics *m, const k3_engine_stats *st, const char *mod
                    "k3:http_connections_refused_total{model_name=\"%s\"} %llu\n",
                 model, (unsigned long long)m->http_requests, model, (unsigned long long)m->http_errors, model,
                 (unsigned long long)m->http_refused);
-    pthread_mutex_unlock(&m->mu);
 }
 
 void k3_metrics_render_dist(const k3_comm_stats *cs, k3_buf *o) {

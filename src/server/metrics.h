@@ -9,7 +9,7 @@
 #include <stdint.h>
 
 #include "k3.h"
-#include "server/text.h"
+#include "common/buf.h"
 
 #define K3_HIST_MAX_BUCKETS 24
 
@@ -43,12 +43,21 @@ typedef struct k3_metrics {
     /* engine requests finished, by the reason the client saw (a stop
      * string ends a request by cancelling it, yet it finished with "stop") */
     uint64_t finished[K3_FINISH_ERROR + 1];
+    /* vLLM's prompt token counters: a request's whole prompt when its
+     * prefill is done (its first token), and of it what the prefix cache held */
+    uint64_t prompt_tokens, prompt_tokens_cached;
 } k3_metrics;
 
 void k3_metrics_init(k3_metrics *m, int64_t max_model_len, int32_t max_num_batched_tokens);
 void k3_metrics_destroy(k3_metrics *m);
 void k3_metrics_observe(k3_metrics *m, int which, double v);
 void k3_metrics_finished(k3_metrics *m, k3_finish_reason why);
+/* A request's prefill is done: its prompt counts (n_cached of it from the prefix cache). */
+void k3_metrics_prompt(k3_metrics *m, int64_t n_prompt, int64_t n_cached);
+/* A request has finished, with the reason the client sees: its success
+ * counter and every per-request histogram (from o's times and counts) move
+ * together, under one lock, so no scrape sees the one without the other. */
+void k3_metrics_request_done(k3_metrics *m, k3_finish_reason why, const k3_req_output *o);
 /* Appends the whole /metrics text; st may be NULL (no engine: zeros). */
 /* The cross-rank counters of rank 0 (k3 serve under mpirun), per collective
  * kind: k3:dist_bytes_total{kind,dir="sent"|"received"}, k3:dist_calls_total,

@@ -3,9 +3,8 @@
  * connection (a blocked generation waits in its own thread), a connection
  * limit (one over it is answered 503 with Retry-After), an idle timeout for slow clients, a body size limit enforced from
  * Content-Length before anything is read (and again while reading a body
- * sent without one), the API key, routing, and the routes that need no
- * generation: /health, /version, /v1/models, /tokenize, /detokenize,
- * /metrics. The generation routes are in gen.c; both answer through http.c.
+ * sent without one), the API key, and dispatch through the routing table
+ * (routes.c). The engine thread is engine_loop.c.
  */
 #include <arpa/inet.h>
 #include <netdb.h>
@@ -20,9 +19,10 @@
 
 #include "common/error.h"
 #include "common/json_guard.h"
-#include "server/gen.h"
+#include "server/engine_loop.h"
 #include "server/http.h"
-#include "server/server.h"
+#include "server/routes.h"
+#include "server/state.h"
 
 #define JSON_MAX_DEPTH 64
 
@@ -75,135 +75,39 @@ static json_t *parse_body(struct k3_server *s, struct MHD_Connection *c, const c
     return root;
 }
 
-static enum MHD_Result route_models(struct k3_server *s, struct MHD_Connection *c) {
-    json_t *m = json_pack("{s:s,s:s,s:I,s:s,s:s,s:I,s:[]}", "id", s->model, "object", "model", "created",
-                          (json_int_t)s->created, "owned_by", "k3", "root", s->model, "max_model_len",
-                          (json_int_t)k3_srv_max_model_len(s), "permission");
-    return k3_srv_json(s, c, 200, json_pack("{s:s,s:[o]}", "object", "list", "data", m));
-}
-
-static enum MHD_Result route_tokenize(struct k3_server *s, struct MHD_Connection *c, json_t *root) {
-    int32_t *ids = NULL;
-    size_t n = 0;
-    k3_error err = {0};
-    json_t *prompt = json_object_get(root, "prompt"), *msgs = json_object_get(root, "messages");
-    if (json_is_string(prompt)) {
-        if (k3_tokenizer_encode(s->tok, json_string_value(prompt), json_string_length(prompt), &ids, &n, &err))
-            return k3_srv_error(s, c, 400, "prompt: %s", err.msg);
-    } else if (json_is_array(msgs)) {
-        k3_vision_prompt vp;
-        if (k3_srv_encode_chat(s, root, &vp, NULL, &err))
-            return k3_srv_error(s, c, err.status == K3_ERR_NOMEM ? 500 : 400, "%s", err.msg);
-        ids = vp.ids, n = vp.n_ids;
-        vp.ids = NULL;
-        k3_vision_prompt_free(&vp);
-    } else {
-        return k3_srv_error(s, c, 400, "tokenize needs \"prompt\" (a string) or \"messages\" (an array)");
-    }
-    json_t *arr = json_array();
-    for (size_t i = 0; i < n; i++) json_array_append_new(arr, json_integer(ids[i]));
-    free(ids);
-    return k3_srv_json(s, c, 200,
-                       json_pack("{s:I,s:I,s:o}", "count", (json_int_t)n, "max_model_len",
-                                 (json_int_t)k3_srv_max_model_len(s), "tokens", arr));
-}
-
-static enum MHD_Result route_detokenize(struct k3_server *s, struct MHD_Connection *c, json_t *root) {
-    json_t *toks = json_object_get(root, "tokens");
-    if (!json_is_array(toks)) return k3_srv_error(s, c, 400, "detokenize needs \"tokens\" (an array of ids)");
-    const size_t n = json_array_size(toks);
-    int32_t *ids = malloc((n ? n : 1) * sizeof *ids);
-    if (!ids) return k3_srv_error(s, c, 500, "out of memory");
-    const int32_t nv = k3_tokenizer_n_vocab(s->tok);
-    for (size_t i = 0; i < n; i++) {
-        json_t *v = json_array_get(toks, i);
-        if (!json_is_integer(v) || json_integer_value(v) < 0 || json_integer_value(v) >= nv) {
-            free(ids);
-            return k3_srv_error(s, c, 400, "tokens[%zu] is not a token id in 0..%d", i, nv - 1);
-        }
-        ids[i] = (int32_t)json_integer_value(v);
-    }
-    char *text = NULL;
-    size_t len = 0;
-    k3_error err = {0};
-    const k3_status st = k3_tokenizer_decode(s->tok, ids, n, &text, &len, &err);
-    free(ids);
-    if (st) return k3_srv_error(s, c, 400, "%s", err.msg);
-    json_t *j = k3_srv_jstr(text, len);
-    free(text);
-    return k3_srv_json(s, c, 200, json_pack("{s:o}", "prompt", j ? j : json_string("")));
-}
-
-static enum MHD_Result route_metrics(struct k3_server *s, struct MHD_Connection *c) {
-    k3_buf o = {0};
-    k3_engine_stats st;
-    int32_t bs = 0;
-    if (s->engine) {
-        k3_srv_engine_stats(s, &st);
-        bs = st.blocks_total ? (int32_t)(st.cache_tokens / st.blocks_total) : 0;
-    }
-    k3_metrics_render(&s->metrics, s->engine ? &st : NULL, s->model_label, bs, &o);
-    k3_buf_addf(&o,
-                "# HELP k3:http_connections Open HTTP connections (this one included).\n"
-                "# TYPE k3:http_connections gauge\nk3:http_connections{model_name=\"%s\"} %d\n",
-                s->model_label, atomic_load(&s->n_conn));
-    if (s->engine) {
-        k3_kv_residency kr;
-        k3_engine_kv_residency(s->engine, &kr);
-        k3_metrics_render_kv(&kr, s->model_label, &o);
-    }
-    k3_comm_stats cs;
-    if (s->engine && k3_engine_comm_stats(s->engine, &cs)) k3_metrics_render_dist(&cs, &o);
-    if (o.oom || !o.p) {
-        k3_buf_free(&o);
-        return k3_srv_error(s, c, 500, "out of memory");
-    }
-    return k3_srv_queue(s, c, 200, o.p, o.len, "text/plain; version=0.0.4; charset=utf-8");
-}
-
+/* The request's route, and what its flags ask for, in this order: the
+ * API key (an unknown path asks for it too: without the key nothing tells
+ * which paths exist), the method, a JSON body naming this server's model,
+ * an engine that can generate. */
 static enum MHD_Result dispatch(struct k3_server *s, struct MHD_Connection *c, const char *url, const char *method,
                                 conn_req *r) {
-    const bool get = !strcmp(method, "GET") || !strcmp(method, "HEAD"), post = !strcmp(method, "POST");
     if (r->too_big)
         return k3_srv_error(s, c, 413, "the request body is over the limit of %zu bytes", s->max_body);
-    if (!strcmp(url, "/health")) {
-        if (!get) return k3_srv_error(s, c, 405, "/health takes GET");
-        if (atomic_load(&s->stopping)) return k3_srv_error(s, c, 503, "the server is shutting down");
-        if (s->engine && k3_server_failed(s, NULL)) return k3_srv_error(s, c, 503, "the engine has failed");
-        return k3_srv_queue(s, c, 200, strdup(""), 0, "text/plain");
-    }
-    if (!auth_ok(s, c)) return k3_srv_error(s, c, 401, "a valid API key is needed: Authorization: Bearer KEY");
-    static const char *gets[] = {"/version", "/v1/models", "/metrics"};
-    static const char *posts[] = {"/tokenize", "/detokenize", "/v1/completions", "/v1/chat/completions"};
-    for (size_t i = 0; i < sizeof gets / sizeof *gets; i++)
-        if (!strcmp(url, gets[i])) {
-            if (!get) return k3_srv_error(s, c, 405, "%s takes GET", url);
-            if (i == 0) return k3_srv_json(s, c, 200, json_pack("{s:s}", "version", s->version));
-            if (i == 1) return route_models(s, c);
-            return route_metrics(s, c);
-        }
-    for (size_t i = 0; i < sizeof posts / sizeof *posts; i++)
-        if (!strcmp(url, posts[i])) {
-            if (!post) return k3_srv_error(s, c, 405, "%s takes POST", url);
-            enum MHD_Result ret;
-            json_t *root = parse_body(s, c, r, &ret);
-            if (!root) return ret;
-            json_t *model = json_object_get(root, "model");
-            if (model && !json_is_null(model) &&
-                (!json_is_string(model) || strcmp(json_string_value(model), s->model))) {
-                ret = k3_srv_error(s, c, 404, "the model `%s` does not exist (this server serves `%s`)",
-                                   json_is_string(model) ? json_string_value(model) : "?", s->model);
-                json_decref(root);
-                return ret;
-            }
-            if (i == 0) ret = route_tokenize(s, c, root);
-            else if (i == 1) ret = route_detokenize(s, c, root);
-            else if (!s->engine) ret = k3_srv_error(s, c, 503, "this server has no engine to generate with");
-            else ret = k3_srv_generate(s, c, root, i == 3);
+    const k3_route *other = NULL, *rt = k3_srv_route_find(method, url, &other);
+    const k3_route *known = rt ? rt : other;
+    if ((!known || (known->flags & K3_ROUTE_AUTH)) && !auth_ok(s, c))
+        return k3_srv_error(s, c, 401, "a valid API key is needed: Authorization: Bearer KEY");
+    if (!known) return k3_srv_error(s, c, 404, "no route %s %s", method, url);
+    if (!rt) return k3_srv_error(s, c, 405, "%s takes %s", url, known->method);
+    enum MHD_Result ret;
+    json_t *root = NULL;
+    if (rt->flags & K3_ROUTE_JSON) {
+        if (!(root = parse_body(s, c, r, &ret))) return ret;
+        json_t *model = json_object_get(root, "model");
+        if (model && !json_is_null(model) && (!json_is_string(model) || strcmp(json_string_value(model), s->model))) {
+            ret = k3_srv_error(s, c, 404, "the model `%s` does not exist (this server serves `%s`)",
+                               json_is_string(model) ? json_string_value(model) : "?", s->model);
             json_decref(root);
             return ret;
         }
-    return k3_srv_error(s, c, 404, "no route %s %s", method, url);
+    }
+    if ((rt->flags & K3_ROUTE_GENERATES) && !s->engine)
+        ret = k3_srv_error(s, c, 503, "this server has no engine to generate with");
+    else if ((rt->flags & K3_ROUTE_GENERATES) && k3_server_failed(s, NULL))
+        ret = k3_srv_error(s, c, 503, "the engine has failed");
+    else ret = rt->fn(s, c, root);
+    json_decref(root);
+    return ret;
 }
 
 /* The socket context of a connection that arrived over the limit. */
@@ -384,7 +288,7 @@ k3_status k3_server_start(k3_server **out, const k3_server_options *opt, k3_erro
     /* MHD's own limit (connections beyond it are closed unanswered) leaves
      * room for the ones that get a 503 */
     const unsigned hard = limit + (limit < 64u ? 64u : limit);
-    if (s->engine && k3_srv_gen_start(s, err)) {
+    if (s->engine && k3_srv_engine_start(s, err)) {
         freeaddrinfo(ai);
         server_free(s);
         return err ? err->status : K3_ERR_NOMEM;
@@ -397,7 +301,7 @@ k3_status k3_server_start(k3_server **out, const k3_server_options *opt, k3_erro
                             MHD_OPTION_END);
     freeaddrinfo(ai);
     if (!s->d) {
-        if (s->engine) k3_srv_gen_stop(s);
+        if (s->engine) k3_srv_engine_stop(s);
         k3_err(err, K3_ERR_IO, "cannot listen on %s port %d (in use, or not an address of this machine)", s->host,
                opt->port);
         server_free(s);
@@ -417,6 +321,6 @@ void k3_server_stop(k3_server *s) {
     /* waiting handlers see the flag within their poll interval, cancel
      * their requests and return; then the daemon's threads end */
     MHD_stop_daemon(s->d);
-    if (s->engine) k3_srv_gen_stop(s);
+    if (s->engine) k3_srv_engine_stop(s);
     server_free(s);
 }

@@ -1,7 +1,6 @@
 /*
- * text.h -- the text side of streaming: UTF-8 completeness and repair, the
- * stop-string matcher, and a growing byte buffer. Pure functions, tested in
- * tests/test_server.c.
+ * text.h -- the text side of streaming: UTF-8 completeness and repair, and
+ * the stop-string matcher. Pure functions, tested in tests/test_server_text.c.
  */
 #ifndef K3_SERVER_TEXT_H
 #define K3_SERVER_TEXT_H
@@ -31,16 +30,5 @@ long k3_stops_find(const k3_stops *st, const char *text, size_t len, size_t from
  * is a proper prefix of some stop string (it may still become one). */
 size_t k3_stops_holdback(const k3_stops *st, const char *text, size_t len, size_t from);
 void k3_stops_free(k3_stops *st);
-
-typedef struct k3_buf {
-    char *p;
-    size_t len, cap;
-    bool oom;
-} k3_buf;
-
-/* Appends (and keeps p NUL-terminated); on failure sets oom and drops data. */
-void k3_buf_add(k3_buf *b, const void *data, size_t n);
-void k3_buf_addf(k3_buf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-void k3_buf_free(k3_buf *b);
 
 #endif /* K3_SERVER_TEXT_H */

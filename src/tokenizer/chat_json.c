@@ -41,46 +41,14 @@
 #include "common/json_guard.h"
 #include "tokenizer/tokenizer_internal.h"
 
-/* ---- byte buffer ---------------------------------------------------------- */
-
-void k3_sbuf_put(k3_sbuf *b, const char *s, size_t n) {
-    if (b->oom) return;
-    if (b->n + n + 1 > b->cap) {
-        size_t cap = b->cap ? b->cap : 64;
-        while (cap < b->n + n + 1) cap *= 2;
-        char *p = realloc(b->p, cap);
-        if (!p) {
-            b->oom = true;
-            return;
-        }
-        b->p = p;
-        b->cap = cap;
-    }
-    if (n) memcpy(b->p + b->n, s, n);
-    b->n += n;
-    b->p[b->n] = 0;
-}
-
-void k3_sbuf_puts(k3_sbuf *b, const char *s) { k3_sbuf_put(b, s, strlen(s)); }
-
-const char *k3_sbuf_cstr(k3_sbuf *b) {
-    k3_sbuf_put(b, "", 0);
-    return b->oom ? NULL : b->p;
-}
-
-void k3_sbuf_free(k3_sbuf *b) {
-    free(b->p);
-    *b = (k3_sbuf){0};
-}
-
 /* ---- JSON as Python writes it ---------------------------------------------- */
 
-void k3_pyjson_float(k3_sbuf *b, double v) {
+void k3_pyjson_float(k3_buf *b, double v) {
     if (v == 0) {
-        k3_sbuf_puts(b, signbit(v) ? "-0.0" : "0.0");
+        k3_buf_puts(b, signbit(v) ? "-0.0" : "0.0");
         return;
     }
-    if (v < 0) k3_sbuf_puts(b, "-");
+    if (v < 0) k3_buf_puts(b, "-");
     double a = fabs(v);
     /* The shortest %.*e that reads back to a: repr's digits. */
     char e[40];
@@ -125,11 +93,11 @@ void k3_pyjson_float(k3_sbuf *b, double v) {
         int x = decpt - 1;
         n += snprintf(out + n, sizeof out - (size_t)n, "e%c%02d", x < 0 ? '-' : '+', abs(x));
     }
-    k3_sbuf_puts(b, out);
+    k3_buf_puts(b, out);
 }
 
-void k3_pyjson_string(k3_sbuf *b, const char *s, size_t n) {
-    k3_sbuf_put(b, "\"", 1);
+void k3_pyjson_string(k3_buf *b, const char *s, size_t n) {
+    k3_buf_add(b, "\"", 1);
     size_t run = 0; /* bytes copied verbatim since the last escape */
     for (size_t i = 0; i < n; i++) {
         unsigned char c = (unsigned char)s[i];
@@ -153,12 +121,12 @@ void k3_pyjson_string(k3_sbuf *b, const char *s, size_t n) {
             run++;
             continue;
         }
-        k3_sbuf_put(b, s + i - run, run);
+        k3_buf_add(b, s + i - run, run);
         run = 0;
-        k3_sbuf_puts(b, rep);
+        k3_buf_puts(b, rep);
     }
-    k3_sbuf_put(b, s + n - run, run);
-    k3_sbuf_put(b, "\"", 1);
+    k3_buf_add(b, s + n - run, run);
+    k3_buf_add(b, "\"", 1);
 }
 
 typedef struct kv {
@@ -170,26 +138,26 @@ static int kv_cmp(const void *a, const void *b) {
     return strcmp(((const kv *)a)->key, ((const kv *)b)->key);
 }
 
-void k3_pyjson_dump(k3_sbuf *b, const json_t *v, bool compact, bool sort_keys) {
+void k3_pyjson_dump(k3_buf *b, const json_t *v, bool compact, bool sort_keys) {
     const char *item_sep = compact ? "," : ", ", *key_sep = compact ? ":" : ": ";
     char num[32];
     switch (json_typeof(v)) {
-    case JSON_NULL: k3_sbuf_puts(b, "null"); break;
-    case JSON_TRUE: k3_sbuf_puts(b, "true"); break;
-    case JSON_FALSE: k3_sbuf_puts(b, "false"); break;
+    case JSON_NULL: k3_buf_puts(b, "null"); break;
+    case JSON_TRUE: k3_buf_puts(b, "true"); break;
+    case JSON_FALSE: k3_buf_puts(b, "false"); break;
     case JSON_INTEGER:
         snprintf(num, sizeof num, "%" JSON_INTEGER_FORMAT, json_integer_value(v));
-        k3_sbuf_puts(b, num);
+        k3_buf_puts(b, num);
         break;
     case JSON_REAL: k3_pyjson_float(b, json_real_value(v)); break;
     case JSON_STRING: k3_pyjson_string(b, json_string_value(v), json_string_length(v)); break;
     case JSON_ARRAY:
-        k3_sbuf_puts(b, "[");
+        k3_buf_puts(b, "[");
         for (size_t i = 0; i < json_array_size(v); i++) {
-            if (i) k3_sbuf_puts(b, item_sep);
+            if (i) k3_buf_puts(b, item_sep);
             k3_pyjson_dump(b, json_array_get(v, i), compact, sort_keys);
         }
-        k3_sbuf_puts(b, "]");
+        k3_buf_puts(b, "]");
         break;
     case JSON_OBJECT: {
         size_t n = json_object_size(v), i = 0;
@@ -202,14 +170,14 @@ void k3_pyjson_dump(k3_sbuf *b, const json_t *v, bool compact, bool sort_keys) {
         json_t *val;
         json_object_foreach((json_t *)v, key, val) items[i++] = (kv){key, val};
         if (sort_keys) qsort(items, n, sizeof *items, kv_cmp);
-        k3_sbuf_puts(b, "{");
+        k3_buf_puts(b, "{");
         for (i = 0; i < n; i++) {
-            if (i) k3_sbuf_puts(b, item_sep);
+            if (i) k3_buf_puts(b, item_sep);
             k3_pyjson_string(b, items[i].key, strlen(items[i].key));
-            k3_sbuf_puts(b, key_sep);
+            k3_buf_puts(b, key_sep);
             k3_pyjson_dump(b, items[i].val, compact, sort_keys);
         }
-        k3_sbuf_puts(b, "}");
+        k3_buf_puts(b, "}");
         free(items);
         break;
     }
@@ -263,11 +231,11 @@ static bool py_blank(const char *s, size_t n) {
 
 /* str(v) of a scalar id (tool_calls[].id, tool_call_id): strings as they
  * are, numbers as Python prints them, booleans as True / False. */
-static bool py_str_scalar(k3_sbuf *b, const json_t *v) {
+static bool py_str_scalar(k3_buf *b, const json_t *v) {
     switch (json_typeof(v)) {
-    case JSON_STRING: k3_sbuf_put(b, json_string_value(v), json_string_length(v)); return true;
-    case JSON_TRUE: k3_sbuf_puts(b, "True"); return true;
-    case JSON_FALSE: k3_sbuf_puts(b, "False"); return true;
+    case JSON_STRING: k3_buf_add(b, json_string_value(v), json_string_length(v)); return true;
+    case JSON_TRUE: k3_buf_puts(b, "True"); return true;
+    case JSON_FALSE: k3_buf_puts(b, "False"); return true;
     case JSON_INTEGER:
     case JSON_REAL: k3_pyjson_dump(b, v, false, false); return true;
     default: return false;
@@ -307,23 +275,23 @@ static k3_status nomem(k3_error *err) {
 
 /* " KEY", "=\"", VALUE with & and " escaped, "\"" */
 static k3_status attr_seg(enc *e, const attr *a) {
-    k3_sbuf b = {0};
-    k3_sbuf_puts(&b, " ");
-    k3_sbuf_puts(&b, a->key);
+    k3_buf b = {0};
+    k3_buf_puts(&b, " ");
+    k3_buf_puts(&b, a->key);
     if (b.oom) return nomem(e->err);
-    k3_status st = text(e, b.p, b.n);
+    k3_status st = text(e, b.p, b.len);
     if (st == K3_OK) st = texts(e, "=\"");
-    b.n = 0;
+    b.len = 0;
     for (size_t i = 0; i < a->vlen; i++) {
         char c = a->val[i];
-        if (c == '&') k3_sbuf_puts(&b, "&amp;");
-        else if (c == '"') k3_sbuf_puts(&b, "&quot;");
-        else k3_sbuf_put(&b, &c, 1);
+        if (c == '&') k3_buf_puts(&b, "&amp;");
+        else if (c == '"') k3_buf_puts(&b, "&quot;");
+        else k3_buf_add(&b, &c, 1);
     }
     if (st == K3_OK && b.oom) st = nomem(e->err);
-    if (st == K3_OK) st = text(e, b.p, b.n);
+    if (st == K3_OK) st = text(e, b.p, b.len);
     if (st == K3_OK) st = texts(e, "\"");
-    k3_sbuf_free(&b);
+    k3_buf_free(&b);
     return st;
 }
 
@@ -355,8 +323,8 @@ static k3_status system_note(enc *e, const char *type, const char *body) {
 }
 
 static k3_status tool_declare(enc *e, const json_t *tools, bool dynamic) {
-    k3_sbuf b = {0};
-    k3_sbuf_puts(&b, dynamic ? "## New Tools Available\n"
+    k3_buf b = {0};
+    k3_buf_puts(&b, dynamic ? "## New Tools Available\n"
                                "The system dynamically extends the toolset via lazy-loading.\n"
                                "You have access to all existing and extended tools.\n"
                                "Here are the specs for the extended tools.\n\n"
@@ -365,13 +333,13 @@ static k3_status tool_declare(enc *e, const json_t *tools, bool dynamic) {
                                "Here are the available tools, described in JSONSchema.\n\n"
                                "```json\n");
     k3_pyjson_dump(&b, tools, true, true);
-    k3_sbuf_puts(&b, "\n```");
+    k3_buf_puts(&b, "\n```");
     attr a[2] = {attr_s("role", "system"), attr_s("type", "tool-declare")};
     k3_status st = b.oom ? nomem(e->err) : open_tag(e, "message", a, 2);
-    if (st == K3_OK) st = text(e, b.p, b.n);
+    if (st == K3_OK) st = text(e, b.p, b.len);
     if (st == K3_OK) st = close_tag(e, "message");
     if (st == K3_OK) st = control(e, e->end_of_msg);
-    k3_sbuf_free(&b);
+    k3_buf_free(&b);
     return st;
 }
 
@@ -402,6 +370,13 @@ static k3_status content(enc *e, const json_t *c, size_t index) {
             return k3_err(e->err, K3_ERR_UNSUPPORTED, "message %zu: content part %zu is an "
                           "image, which the text chat encoder does not take", index, i);
         json_t *t = json_object_get(part, "text");
+        /* as encoding_k3.py, a part of any other type is read for its "text";
+         * one without (input_audio, file, video_url, ...) is a kind of
+         * content K3 does not take, and is named as such */
+        if (!json_is_string(t) && ts && strcmp(ts, "text"))
+            return k3_err(e->err, K3_ERR_UNSUPPORTED, "message %zu: content part %zu has the type "
+                          "\"%.40s\", which K3 does not take (text and image_url parts only)",
+                          index, i, ts);
         if (!json_is_string(t))
             return k3_err(e->err, K3_ERR_ARG, "message %zu: content part %zu has no \"text\" "
                           "string", index, i);
@@ -495,10 +470,10 @@ static k3_status tool_call(enc *e, const json_t *tc, size_t index, size_t i) {
             if (st == K3_OK && json_is_string(val)) {
                 st = text(e, json_string_value(val), json_string_length(val));
             } else if (st == K3_OK) {
-                k3_sbuf b = {0};
+                k3_buf b = {0};
                 k3_pyjson_dump(&b, val, false, false);
-                st = b.oom ? nomem(e->err) : text(e, b.p, b.n);
-                k3_sbuf_free(&b);
+                st = b.oom ? nomem(e->err) : text(e, b.p, b.len);
+                k3_buf_free(&b);
             }
             if (st == K3_OK) st = close_tag(e, "argument");
         }
@@ -628,16 +603,16 @@ static k3_status id_index_build(id_index *x, const json_t *calls, size_t index, 
     for (size_t i = 0; i < n; i++) {
         json_t *tc = json_array_get(calls, i), *id = json_object_get(tc, "id");
         if (!json_is_object(tc) || !id || json_is_null(id)) continue;
-        k3_sbuf b = {0};
+        k3_buf b = {0};
         if (!py_str_scalar(&b, id))
             return k3_err(err, K3_ERR_ARG, "message %zu: tool call %zu: \"id\" must be a "
                           "string", index, i);
-        const char *key = k3_sbuf_cstr(&b);
+        const char *key = k3_buf_cstr(&b);
         if (!key) return nomem(err);
         bool dup = false;
         for (size_t j = 0; j < x->n && !dup; j++) dup = !strcmp(x->v[j].key, key);
         if (dup) {
-            k3_sbuf_free(&b);
+            k3_buf_free(&b);
             continue;
         }
         json_t *fn = json_object_get(tc, "function");
@@ -683,17 +658,17 @@ static k3_status resort_tool_results(msg *ms, size_t n, k3_error *err) {
             if (!id) id = json_object_get(ms[i].m, "id");
             call_id *match = NULL;
             if (id && !json_is_null(id)) {
-                k3_sbuf b = {0};
+                k3_buf b = {0};
                 if (!py_str_scalar(&b, id)) {
                     st = k3_err(err, K3_ERR_ARG, "message %zu: tool_call_id must be a string",
                                 ms[i].index);
                     break;
                 }
-                const char *key = k3_sbuf_cstr(&b);
+                const char *key = k3_buf_cstr(&b);
                 if (!key) st = nomem(err);
                 for (size_t j = 0; key && j < cur.n && !match; j++)
                     if (!strcmp(cur.v[j].key, key)) match = &cur.v[j];
-                k3_sbuf_free(&b);
+                k3_buf_free(&b);
             }
             if (!match) unresolved = true;
             run[nr] = (run_item){match ? match->position : 0, nr, ms[i]};
@@ -769,17 +744,17 @@ static k3_status response_format(enc *e, const char *rf_json) {
         snprintf(body, sizeof body, FORMAT_NOTE, "json_object");
         st = system_note(e, "response-format", body);
     } else if (!strcmp(ts, "json_schema")) {
-        k3_sbuf b = {0};
+        k3_buf b = {0};
         char head[512];
         snprintf(head, sizeof head, FORMAT_NOTE, "json_schema");
-        k3_sbuf_puts(&b, head);
-        k3_sbuf_puts(&b, "\nThe JSON data must match the following schema:\n```json\n");
+        k3_buf_puts(&b, head);
+        k3_buf_puts(&b, "\nThe JSON data must match the following schema:\n```json\n");
         const json_t *schema = response_schema(rf);
         if (schema) k3_pyjson_dump(&b, schema, true, true);
-        else k3_sbuf_puts(&b, "null");
-        k3_sbuf_puts(&b, "\n```");
+        else k3_buf_puts(&b, "null");
+        k3_buf_puts(&b, "\n```");
         st = b.oom ? nomem(e->err) : system_note(e, "response-format", b.p);
-        k3_sbuf_free(&b);
+        k3_buf_free(&b);
     } else if (strcmp(ts, "text")) {
         st = k3_err(e->err, K3_ERR_ARG, "response_format type \"%s\" is not text, json_object "
                     "or json_schema", ts);
@@ -793,13 +768,16 @@ static k3_status role_of(const json_t *m, size_t i, role *r, k3_error *err) {
         return k3_err(err, K3_ERR_ARG, "message %zu is not an object", i);
     const char *s = json_string_value(json_object_get(m, "role"));
     if (!s) return k3_err(err, K3_ERR_ARG, "message %zu has no role", i);
-    if (!strcmp(s, "system")) *r = ROLE_SYSTEM;
+    /* "developer" is OpenAI's name for the system role on its reasoning
+     * models ("developer messages are the new system messages"); K3 has one
+     * system role, so both render as it (vLLM does the same). */
+    if (!strcmp(s, "system") || !strcmp(s, "developer")) *r = ROLE_SYSTEM;
     else if (!strcmp(s, "user")) *r = ROLE_USER;
     else if (!strcmp(s, "assistant")) *r = ROLE_ASSISTANT;
     else if (!strcmp(s, "tool")) *r = ROLE_TOOL;
     else
-        return k3_err(err, K3_ERR_ARG, "message %zu has the unknown role \"%s\" (system, user, "
-                      "assistant or tool)", i, s);
+        return k3_err(err, K3_ERR_ARG, "message %zu has the unknown role \"%s\" (system, developer, "
+                      "user, assistant or tool)", i, s);
     return K3_OK;
 }
 

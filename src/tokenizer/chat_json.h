@@ -1,6 +1,6 @@
 /*
  * chat_json.h -- what chat_json.c (the OpenAI-shaped encoder) and
- * chat_reply.c (the reply parser) share: a growable byte buffer and JSON
+ * chat_reply.c (the reply parser) share: JSON, into a k3_buf (common/buf.h),
  * written exactly as Python's json.dumps(..., ensure_ascii=False) writes it,
  * because encoding_k3.py renders tool declarations, argument values and
  * response schemas that way and the token ids depend on every byte.
@@ -23,26 +23,15 @@
 #include <stdbool.h>
 #include <stddef.h>
 
-typedef struct k3_sbuf {
-    char *p;      /* owned, NUL-terminated when n > 0 or after k3_sbuf_cstr */
-    size_t n, cap;
-    bool oom;     /* an append failed; the contents are incomplete */
-} k3_sbuf;
-
-void k3_sbuf_put(k3_sbuf *b, const char *s, size_t n);
-void k3_sbuf_puts(k3_sbuf *b, const char *s);
-/* The contents as a NUL-terminated string (NULL after an allocation failure);
- * the buffer keeps ownership. */
-const char *k3_sbuf_cstr(k3_sbuf *b);
-void k3_sbuf_free(k3_sbuf *b);
+#include "common/buf.h"
 
 /* repr(float) of a finite double. */
-void k3_pyjson_float(k3_sbuf *b, double v);
+void k3_pyjson_float(k3_buf *b, double v);
 /* A JSON string literal of n bytes of UTF-8. */
-void k3_pyjson_string(k3_sbuf *b, const char *s, size_t n);
+void k3_pyjson_string(k3_buf *b, const char *s, size_t n);
 /* json.dumps(v, ensure_ascii=False[, separators=(",", ":")]) of a deep-
  * sorted copy when sort_keys. Recursion follows the nesting of v, which the
  * callers cap with k3_json_too_deep before parsing. */
-void k3_pyjson_dump(k3_sbuf *b, const json_t *v, bool compact, bool sort_keys);
+void k3_pyjson_dump(k3_buf *b, const json_t *v, bool compact, bool sort_keys);
 
 #endif /* K3_TOKENIZER_CHAT_JSON_H */

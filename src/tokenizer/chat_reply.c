@@ -187,7 +187,7 @@ void k3_chat_new_call_id(char out[32]) { new_call_id(out); }
 typedef struct parser {
     cursor c;
     k3_error *err;
-    k3_sbuf calls; /* the tool_calls array so far */
+    k3_buf calls; /* the tool_calls array so far */
     int32_t n_calls;
     k3_chat_partial_call *part; /* NULL, or where the call cut off at the end goes */
 } parser;
@@ -202,7 +202,7 @@ static k3_status nomem(parser *p) {
 }
 
 /* One argument value of its declared type, appended to args as JSON. */
-static k3_status argument(parser *p, k3_sbuf *args, const char *name, const char *key,
+static k3_status argument(parser *p, k3_buf *args, const char *name, const char *key,
                           const char *type, const char *v, size_t n) {
     if (!strcmp(type, "string")) {
         k3_pyjson_string(args, v, n);
@@ -230,10 +230,10 @@ static k3_status argument(parser *p, k3_sbuf *args, const char *name, const char
 
 /* The body of a call after its open tag, up to and including
  * <|close|>call<|sep|>. *cut: the text ended first. */
-static k3_status call_body(parser *p, const char *name, k3_sbuf *args, bool *cut) {
+static k3_status call_body(parser *p, const char *name, k3_buf *args, bool *cut) {
     cursor *c = &p->c;
     bool first = true, json_block = false;
-    k3_sbuf_puts(args, "{");
+    k3_buf_puts(args, "{");
     for (;;) {
         if (eat(c, CLOSE "call" SEP)) break;
         bool is_arg = eat(c, OPEN "argument"), is_json = !is_arg && eat(c, OPEN "json");
@@ -258,11 +258,11 @@ static k3_status call_body(parser *p, const char *name, k3_sbuf *args, bool *cut
              * prefix of its JSON (without the closing quote) */
             const char *key = attr_get(&a, "key"), *type = attr_get(&a, "type");
             if (p->part && g == GOT_OK && is_arg && key && type && !strcmp(type, "string") && !json_block) {
-                if (!first) k3_sbuf_puts(args, ", ");
+                if (!first) k3_buf_puts(args, ", ");
                 k3_pyjson_string(args, key, strlen(key));
-                k3_sbuf_puts(args, ": ");
+                k3_buf_puts(args, ": ");
                 k3_pyjson_string(args, c->s + c->at, c->n - c->at);
-                if (args->n) args->n--; /* the closing quote */
+                if (args->len) args->len--; /* the closing quote */
             }
         } else if (is_arg) {
             const char *key = attr_get(&a, "key"), *type = attr_get(&a, "type");
@@ -270,9 +270,9 @@ static k3_status call_body(parser *p, const char *name, k3_sbuf *args, bool *cut
                 st = bad(p, json_block ? "an argument after a json block"
                                        : "an argument without a key or a type");
             } else {
-                if (!first) k3_sbuf_puts(args, ", ");
+                if (!first) k3_buf_puts(args, ", ");
                 k3_pyjson_string(args, key, strlen(key));
-                k3_sbuf_puts(args, ": ");
+                k3_buf_puts(args, ": ");
                 st = argument(p, args, name, key, type, c->s + c->at, end - c->at);
                 first = false;
             }
@@ -289,7 +289,7 @@ static k3_status call_body(parser *p, const char *name, k3_sbuf *args, bool *cut
                             "JSON object: %.*s", p->n_calls + 1, name, n > 60 ? 60 : (int)n,
                             c->s + c->at);
             if (st == K3_OK) {
-                args->n = 0;
+                args->len = 0;
                 k3_pyjson_dump(args, j, false, false);
                 json_block = true;
                 first = false;
@@ -300,7 +300,7 @@ static k3_status call_body(parser *p, const char *name, k3_sbuf *args, bool *cut
         if (st != K3_OK || *cut) return st;
         c->at = end + strlen(close);
     }
-    if (!json_block) k3_sbuf_puts(args, "}");
+    if (!json_block) k3_buf_puts(args, "}");
     return K3_OK;
 }
 
@@ -320,15 +320,15 @@ static k3_status tools(parser *p) {
         const char *name = attr_get(&a, "tool");
         if (g == GOT_NOMEM) st = nomem(p);
         else if (g == GOT_BAD || (g == GOT_OK && !name)) st = bad(p, "a call without a tool name");
-        k3_sbuf args = {0};
+        k3_buf args = {0};
         if (st == K3_OK && !cut) {
             st = call_body(p, name, &args, &cut);
             if (st == K3_OK && cut && p->part && !args.oom) {
                 /* the call being generated: its name and arguments so far */
-                const char *as = k3_sbuf_cstr(&args);
+                const char *as = k3_buf_cstr(&args);
                 p->part->name = strdup(name);
-                p->part->args = as ? dup_n(as, args.n) : NULL;
-                p->part->args_len = args.n;
+                p->part->args = as ? dup_n(as, args.len) : NULL;
+                p->part->args_len = args.len;
                 if (!p->part->name || !p->part->args) st = nomem(p);
             }
         }
@@ -336,18 +336,18 @@ static k3_status tools(parser *p) {
         if (st == K3_OK && !cut) {
             char id[32];
             new_call_id(id);
-            k3_sbuf *b = &p->calls;
-            k3_sbuf_puts(b, p->n_calls ? "," : "[");
-            k3_sbuf_puts(b, "{\"id\":\"");
-            k3_sbuf_puts(b, id);
-            k3_sbuf_puts(b, "\",\"type\":\"function\",\"function\":{\"name\":");
+            k3_buf *b = &p->calls;
+            k3_buf_puts(b, p->n_calls ? "," : "[");
+            k3_buf_puts(b, "{\"id\":\"");
+            k3_buf_puts(b, id);
+            k3_buf_puts(b, "\",\"type\":\"function\",\"function\":{\"name\":");
             k3_pyjson_string(b, name, strlen(name));
-            k3_sbuf_puts(b, ",\"arguments\":");
-            k3_pyjson_string(b, args.p, args.n);
-            k3_sbuf_puts(b, "}}");
+            k3_buf_puts(b, ",\"arguments\":");
+            k3_pyjson_string(b, args.p, args.len);
+            k3_buf_puts(b, "}}");
             p->n_calls++;
         }
-        k3_sbuf_free(&args);
+        k3_buf_free(&args);
         attrs_free(&a);
         if (st != K3_OK || cut) return st;
     }
@@ -373,23 +373,22 @@ k3_status k3_chat_parse_reply(const char *text, size_t len, bool thinking, k3_ch
     return k3_chat_parse_reply_partial(text, len, thinking, out, NULL, err);
 }
 
-k3_status k3_chat_parse_reply_partial(const char *text, size_t len, bool thinking, k3_chat_reply *out,
-                                      k3_chat_partial_call *part, k3_error *err) {
-    *out = (k3_chat_reply){0};
-    if (part) *part = (k3_chat_partial_call){0};
-    if (!text && len) return k3_err(err, K3_ERR_ARG, "k3_chat_parse_reply: no text");
-    parser p = {.c = {text ? text : "", len, 0}, .err = err, .part = part};
-    cursor *c = &p.c;
-    const char *reasoning = NULL, *content = NULL;
-    size_t reasoning_len = 0, content_len = 0;
-    bool in_response = !thinking, have_content = false;
-    k3_status st = K3_OK;
+/* The front of a reply: where the reasoning ends (after its closing tag)
+ * and where the content lies; c is left after the content. */
+typedef struct spans {
+    size_t reasoning_len, reasoning_end; /* the reasoning's bytes; the end of its channel */
+    bool have_content;
+    size_t content_off, content_len;
+} spans;
 
+static spans find_spans(cursor *c, bool thinking) {
+    spans sp = {0};
+    bool in_response = !thinking;
     if (thinking) {
         size_t end = find(c, CLOSE "think" SEP);
-        reasoning = c->s;
-        reasoning_len = end == (size_t)-1 ? c->n : end;
+        sp.reasoning_len = end == (size_t)-1 ? c->n : end;
         c->at = end == (size_t)-1 ? c->n : end + strlen(CLOSE "think" SEP);
+        sp.reasoning_end = c->at;
         in_response = eat(c, OPEN "response" SEP);
         /* A reply that goes on with neither a response channel nor tools
          * (nor the end of the message) is read as its content. */
@@ -400,6 +399,7 @@ k3_status k3_chat_parse_reply_partial(const char *text, size_t len, bool thinkin
     }
     if (in_response) {
         size_t end = find(c, CLOSE "response" SEP);
+        sp.content_off = c->at;
         if (end == (size_t)-1) {
             /* cut off, or a reply that ends the message without closing
              * the channel */
@@ -407,33 +407,52 @@ k3_status k3_chat_parse_reply_partial(const char *text, size_t len, bool thinkin
             size_t eom = find(c, END_OF_MSG);
             if (eom < end) end = eom;
             if (end == (size_t)-1) end = c->n;
-            content = c->s + c->at;
-            content_len = end - c->at;
             c->at = end;
         } else {
-            content = c->s + c->at;
-            content_len = end - c->at;
             c->at = end + strlen(CLOSE "response" SEP);
         }
-        have_content = true;
+        sp.content_len = end - sp.content_off;
+        sp.have_content = true;
     }
+    return sp;
+}
+
+void k3_chat_reply_spans(const char *text, size_t len, bool thinking, size_t *reasoning_end, bool *has_content,
+                         size_t *content_off, size_t *content_len) {
+    cursor c = {text ? text : "", text ? len : 0, 0};
+    const spans sp = find_spans(&c, thinking);
+    *reasoning_end = sp.reasoning_end;
+    *has_content = sp.have_content;
+    *content_off = sp.content_off;
+    *content_len = sp.content_len;
+}
+
+k3_status k3_chat_parse_reply_partial(const char *text, size_t len, bool thinking, k3_chat_reply *out,
+                                      k3_chat_partial_call *part, k3_error *err) {
+    *out = (k3_chat_reply){0};
+    if (part) *part = (k3_chat_partial_call){0};
+    if (!text && len) return k3_err(err, K3_ERR_ARG, "k3_chat_parse_reply: no text");
+    parser p = {.c = {text ? text : "", len, 0}, .err = err, .part = part};
+    cursor *c = &p.c;
+    const spans sp = find_spans(c, thinking);
+    k3_status st = K3_OK;
     if (eat(c, OPEN "tools" SEP)) st = tools(&p);
 
-    if (st == K3_OK && reasoning_len) {
-        if (!(out->reasoning = dup_n(reasoning, reasoning_len))) st = nomem(&p);
+    if (st == K3_OK && sp.reasoning_len) {
+        if (!(out->reasoning = dup_n(c->s, sp.reasoning_len))) st = nomem(&p);
     }
-    if (st == K3_OK && have_content && (content_len || !p.n_calls)) {
-        if (!(out->content = dup_n(content, content_len))) st = nomem(&p);
+    if (st == K3_OK && sp.have_content && (sp.content_len || !p.n_calls)) {
+        if (!(out->content = dup_n(c->s + sp.content_off, sp.content_len))) st = nomem(&p);
     }
     if (st == K3_OK && p.n_calls) {
-        k3_sbuf_puts(&p.calls, "]");
-        const char *s = k3_sbuf_cstr(&p.calls);
+        k3_buf_puts(&p.calls, "]");
+        const char *s = k3_buf_cstr(&p.calls);
         if (!s) st = nomem(&p);
-        else if (!(out->tool_calls_json = dup_n(s, p.calls.n))) st = nomem(&p);
+        else if (!(out->tool_calls_json = dup_n(s, p.calls.len))) st = nomem(&p);
         out->n_tool_calls = p.n_calls;
     }
     if (st == K3_OK && p.calls.oom) st = nomem(&p);
-    k3_sbuf_free(&p.calls);
+    k3_buf_free(&p.calls);
     if (st != K3_OK) {
         k3_chat_reply_free(out);
         k3_chat_partial_call_free(part);

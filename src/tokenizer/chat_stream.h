@@ -6,6 +6,7 @@
 #ifndef K3_TOKENIZER_CHAT_STREAM_H
 #define K3_TOKENIZER_CHAT_STREAM_H
 
+#include <stdbool.h>
 #include <stddef.h>
 
 #include "k3.h"
@@ -23,6 +24,13 @@ typedef struct k3_chat_partial_call {
 k3_status k3_chat_parse_reply_partial(const char *text, size_t len, bool thinking, k3_chat_reply *out,
                                       k3_chat_partial_call *part, k3_error *err);
 void k3_chat_partial_call_free(k3_chat_partial_call *p);
+/* Where k3_chat_parse_reply finds the parts of text: the think channel ends
+ * at *reasoning_end (after its closing tag; 0 without thinking, len while it
+ * is open), and the content, when *has_content, is text[*content_off,
+ * *content_off + *content_len) -- so a server can tell which generated
+ * tokens are reasoning and which are content. */
+void k3_chat_reply_spans(const char *text, size_t len, bool thinking, size_t *reasoning_end, bool *has_content,
+                         size_t *content_off, size_t *content_len);
 /* A new tool-call id: "call_" and 24 of [0-9A-Za-z]. */
 void k3_chat_new_call_id(char out[32]);
 

@@ -48,8 +48,13 @@ static k3_status read_config(k3_tokenizer *t, const char *path, k3_error *err) {
     }
     json_error_t je;
     json_t *root = json_loadb(text, len, 0, &je);
-    free(text);
-    if (!root) return k3_err(err, K3_ERR_FORMAT, "%s:%d: %s", path, je.line, je.text);
+    if (!root) {
+        free(text);
+        return k3_err(err, K3_ERR_FORMAT, "%s:%d: %s", path, je.line, je.text);
+    }
+    free(t->config);
+    t->config = text; /* kept for the server's /tokenizer_info */
+    t->config_len = len;
 
     k3_status st = K3_OK;
     json_t *dec = json_object_get(root, "added_tokens_decoder");
@@ -162,6 +167,7 @@ void k3_tokenizer_free(k3_tokenizer *t) {
         for (int32_t i = 0; i < t->n_specials; i++) free(t->special_name[i]);
     free(t->special_name);
     free(t->special_len);
+    free(t->config);
     free(t);
 }
 

@@ -73,6 +73,8 @@ struct k3_tokenizer {
     int32_t n_specials;   /* 0 without a config, else K3_N_SPECIALS */
     char **special_name;  /* [n_specials], id = n_ranks + i; owned */
     size_t *special_len;  /* [n_specials] */
+    char *config;         /* the text of tokenizer_config.json, or NULL (tokenizer_info.c) */
+    size_t config_len;
 };
 
 /* Opens a tokenizer from explicit paths: the rank file, and a

@@ -1,5 +1,6 @@
 /*
- * image.c -- PNG (libpng) and JPEG (libjpeg-turbo) decoding into k3_image.
+ * image.c -- PNG (libpng), JPEG (libjpeg-turbo), WEBP (libwebp) and GIF
+ * (giflib) decoding into k3_image.
  *
  * The decoded form keeps what PIL's Image.open would know, because the K3
  * processor resizes the image in its original mode (transparent_bg_fill_stage
@@ -12,6 +13,17 @@
  *   PNG RGBA 8/16      -> "RGBA"
  *   PNG palette        -> "P" (resized NEAREST), alpha from tRNS    -> PALETTE
  *   JPEG grey / YCbCr  -> "L" / "RGB"; CMYK and YCCK are refused.
+ *   WEBP               -> the first frame as libwebp's animation decoder
+ *                         composes it on the canvas (what Pillow reads):
+ *                         "RGBA" when the file says it has alpha, else "RGB"
+ *   GIF                -> the first frame on the logical screen (grown to hold
+ *                         the frame, as Pillow does), as GifImagePlugin does:
+ *                         "P" with the frame's palette (local, else global),
+ *                         alpha 0 at the transparency index; "L" when that
+ *                         palette is the identity grey ramp (entry i = (i,i,i))
+ *                         or there is none, the transparency index then a grey
+ *                         key; outside the frame, the transparency index (or 0)
+ *                         -> PALETTE, or RGB / GREY_KEY for "L"
  * Sizes are checked against the pixel cap after the header and before any
  * pixel data is inflated, so a decompression bomb costs a header read.
  */
@@ -22,9 +34,12 @@
 #include <string.h>
 #include <strings.h>
 
+#include <gif_lib.h>
 #include <jpeglib.h>
 #include <jerror.h>
 #include <png.h>
+#include <webp/decode.h>
+#include <webp/demux.h>
 
 #include "common/error.h"
 #include "vision/vision.h"
@@ -326,6 +341,227 @@ done:
     return K3_OK;
 }
 
+/* ---- WEBP ----------------------------------------------------------------- */
+
+static uint32_t le32(const uint8_t *p) {
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+static k3_status decode_webp(k3_image **out, const uint8_t *data, size_t size, int64_t max_pixels,
+                             const char *what, k3_error *err) {
+    /* the RIFF header says how long the file is: a shorter one was cut */
+    const bool cut = size < 12 || (uint64_t)le32(data + 4) + 8 > size;
+    WebPBitstreamFeatures f;
+    const VP8StatusCode vs = WebPGetFeatures(data, size, &f);
+    if (vs != VP8_STATUS_OK)
+        return k3_err(err, K3_ERR_FORMAT, "%s: bad WEBP: %s", what,
+                      cut || vs == VP8_STATUS_NOT_ENOUGH_DATA ? "the file is truncated"
+                      : vs == VP8_STATUS_UNSUPPORTED_FEATURE  ? "a feature libwebp does not read"
+                                                              : "the header is corrupt");
+    /* the canvas (VP8X) or the image: checked before the decoder allocates it */
+    k3_status st = check_size((uint32_t)f.width, (uint32_t)f.height, max_pixels, what, err);
+    if (st) return st;
+    if (cut) return k3_err(err, K3_ERR_FORMAT, "%s: bad WEBP: the file is truncated", what);
+    /* Pillow reads every WEBP, still or animated, through the animation
+     * decoder in its default RGBA mode and calls it "RGBA" when the
+     * bitstream features say alpha, else "RGB" (the fourth byte dropped) */
+    WebPAnimDecoderOptions opt;
+    if (!WebPAnimDecoderOptionsInit(&opt))
+        return k3_err(err, K3_ERR_UNSUPPORTED, "%s: the libwebp library does not match its headers", what);
+    opt.color_mode = MODE_RGBA;
+    opt.use_threads = 0;
+    const WebPData wd = {data, size};
+    WebPAnimDecoder *dec = WebPAnimDecoderNew(&wd, &opt);
+    if (!dec) return k3_err(err, K3_ERR_FORMAT, "%s: bad WEBP: the container is corrupt", what);
+    k3_image *im = NULL;
+    WebPAnimInfo info;
+    uint8_t *canvas = NULL;
+    int ts = 0;
+    if (!WebPAnimDecoderGetInfo(dec, &info)) {
+        st = k3_err(err, K3_ERR_FORMAT, "%s: bad WEBP: the container is corrupt", what);
+        goto done;
+    }
+    if ((st = check_size(info.canvas_width, info.canvas_height, max_pixels, what, err))) goto done;
+    if (!WebPAnimDecoderGetNext(dec, &canvas, &ts) || !canvas) {
+        st = k3_err(err, K3_ERR_FORMAT, "%s: bad WEBP: the first frame does not decode (corrupt data)", what);
+        goto done;
+    }
+    im = image_new(info.canvas_width, info.canvas_height);
+    if (!im) {
+        st = k3_err(err, K3_ERR_NOMEM, "%s: out of memory for %ux%u pixels", what, info.canvas_width,
+                    info.canvas_height);
+        goto done;
+    }
+    const size_t n = (size_t)info.canvas_width * info.canvas_height;
+    memcpy(im->px, canvas, n * 4);
+    im->mode = f.has_alpha ? K3_IMODE_RGBA : K3_IMODE_RGB;
+    if (!f.has_alpha)
+        for (size_t i = 0; i < n; i++) im->px[4 * i + 3] = 255;
+done:
+    WebPAnimDecoderDelete(dec);
+    if (st) {
+        k3_image_free(im);
+        return st;
+    }
+    *out = im;
+    return K3_OK;
+}
+
+/* ---- GIF ------------------------------------------------------------------ */
+
+typedef struct gif_src {
+    const uint8_t *p;
+    size_t n, off;
+    bool cut; /* a read asked for bytes past the end */
+} gif_src;
+
+static int gif_read(GifFileType *g, GifByteType *buf, int len) {
+    gif_src *s = g->UserData;
+    size_t k = len > 0 ? (size_t)len : 0;
+    if (k > s->n - s->off) {
+        k = s->n - s->off;
+        s->cut = true;
+    }
+    memcpy(buf, s->p + s->off, k);
+    s->off += k;
+    return (int)k;
+}
+
+static k3_status gif_fail(k3_error *err, const char *what, const gif_src *s, int code) {
+    if (s->cut) return k3_err(err, K3_ERR_FORMAT, "%s: bad GIF: the file is truncated", what);
+    const char *m = code ? GifErrorString(code) : NULL;
+    char low[128];
+    snprintf(low, sizeof low, "%s", m ? m : "corrupt data");
+    if (low[0] >= 'A' && low[0] <= 'Z') low[0] = (char)(low[0] - 'A' + 'a');
+    return k3_err(err, K3_ERR_FORMAT, "%s: bad GIF: %s", what, low);
+}
+
+/* GifImagePlugin keeps a palette only when it is not the identity grey
+ * ramp (entry i = (i, i, i)); without one the frame is "L". */
+static bool gif_palette_needed(const ColorMapObject *m) {
+    for (int i = 0; i < m->ColorCount; i++)
+        if (m->Colors[i].Red != i || m->Colors[i].Green != i || m->Colors[i].Blue != i) return true;
+    return false;
+}
+
+static k3_status decode_gif(k3_image **out, const uint8_t *data, size_t size, int64_t max_pixels,
+                            const char *what, k3_error *err) {
+    gif_src src = {.p = data, .n = size};
+    int e = 0;
+    GifFileType *g = DGifOpen(&src, gif_read, &e);
+    if (!g) return gif_fail(err, what, &src, e);
+    k3_image *im = NULL;
+    uint8_t *idx = NULL, *line = NULL;
+    k3_status st = K3_OK;
+    int trns = -1; /* the last graphic control extension before the frame */
+    /* the records up to the first image descriptor */
+    for (;;) {
+        GifRecordType rt;
+        if (DGifGetRecordType(g, &rt) == GIF_ERROR) {
+            st = gif_fail(err, what, &src, g->Error);
+            goto done;
+        }
+        if (rt == IMAGE_DESC_RECORD_TYPE) {
+            if (DGifGetImageDesc(g) == GIF_ERROR) {
+                st = gif_fail(err, what, &src, g->Error);
+                goto done;
+            }
+            break;
+        }
+        if (rt == TERMINATE_RECORD_TYPE) {
+            st = k3_err(err, K3_ERR_FORMAT, "%s: bad GIF: the file holds no image", what);
+            goto done;
+        }
+        int code = 0;
+        GifByteType *ext = NULL;
+        if (DGifGetExtension(g, &code, &ext) == GIF_ERROR) {
+            st = gif_fail(err, what, &src, g->Error);
+            goto done;
+        }
+        if (code == GRAPHICS_EXT_FUNC_CODE && ext) { /* ext[0] is the block's length */
+            if (ext[0] < 3 || ((ext[1] & 1) && ext[0] < 4)) {
+                st = k3_err(err, K3_ERR_FORMAT, "%s: bad GIF: a graphic control block of %d bytes", what, ext[0]);
+                goto done;
+            }
+            if (ext[1] & 1) trns = ext[4];
+        }
+        while (ext)
+            if (DGifGetExtensionNext(g, &ext) == GIF_ERROR) {
+                st = gif_fail(err, what, &src, g->Error);
+                goto done;
+            }
+    }
+    const GifImageDesc *d = &g->Image;
+    const uint32_t x0 = (uint32_t)d->Left, y0 = (uint32_t)d->Top, fw = (uint32_t)d->Width, fh = (uint32_t)d->Height;
+    /* the logical screen, grown to hold a frame that reaches past it */
+    const uint32_t w = x0 + fw > (uint32_t)g->SWidth ? x0 + fw : (uint32_t)g->SWidth;
+    const uint32_t h = y0 + fh > (uint32_t)g->SHeight ? y0 + fh : (uint32_t)g->SHeight;
+    if ((st = check_size(w, h, max_pixels, what, err))) goto done;
+    /* the frame's palette, else the global one; a ramp is no palette ("L").
+     * A local ramp under a global palette Pillow calls "L" but keeps the
+     * global palette on the pixels (what convert shows; its resize refuses
+     * that image), so those indices go through the global palette here. */
+    const ColorMapObject *pal = d->ColorMap && gif_palette_needed(d->ColorMap) ? d->ColorMap
+                                : g->SColorMap && gif_palette_needed(g->SColorMap) ? g->SColorMap
+                                                                                  : NULL;
+    im = image_new(w, h);
+    idx = malloc((size_t)w * h);
+    line = malloc(fw ? fw : 1);
+    if (!im || !idx || !line) {
+        st = k3_err(err, K3_ERR_NOMEM, "%s: out of memory for %ux%u pixels", what, w, h);
+        goto done;
+    }
+    /* outside the frame: the transparency index, else 0 (Pillow's fill) */
+    memset(idx, trns >= 0 ? trns : 0, (size_t)w * h);
+    /* rows in the file's order (the four interlace passes, or top down);
+     * giflib reads on to the data's end block after the last pixel, so a
+     * file cut right before that block (Pillow stops at the last pixel and
+     * takes it) is refused as truncated here */
+    if (fw && fh) {
+        static const uint32_t start[4] = {0, 4, 2, 1}, step[4] = {8, 8, 4, 2};
+        const int passes = d->Interlace ? 4 : 1;
+        for (int p = 0; p < passes; p++)
+            for (uint32_t y = d->Interlace ? start[p] : 0; y < fh; y += d->Interlace ? step[p] : 1) {
+                if (DGifGetLine(g, line, (int)fw) == GIF_ERROR) {
+                    st = gif_fail(err, what, &src, g->Error);
+                    goto done;
+                }
+                memcpy(idx + (size_t)(y0 + y) * w + x0, line, fw);
+            }
+    }
+    const size_t n = (size_t)w * h;
+    if (pal) {
+        im->mode = K3_IMODE_PALETTE;
+        im->has_alpha = trns >= 0;
+        for (size_t i = 0; i < n; i++) {
+            const int c = idx[i];
+            uint8_t *o = im->px + 4 * i;
+            if (c < pal->ColorCount) o[0] = pal->Colors[c].Red, o[1] = pal->Colors[c].Green, o[2] = pal->Colors[c].Blue;
+            else o[0] = o[1] = o[2] = 0; /* past the palette: Pillow's zeroed table */
+            o[3] = c == trns ? 0 : 255;
+        }
+    } else {
+        im->grey = true;
+        im->mode = trns >= 0 ? K3_IMODE_GREY_KEY : K3_IMODE_RGB;
+        im->key = trns >= 0 ? (uint8_t)trns : 0;
+        for (size_t i = 0; i < n; i++) {
+            uint8_t *o = im->px + 4 * i;
+            o[0] = o[1] = o[2] = idx[i];
+            o[3] = 255;
+        }
+    }
+done:
+    DGifCloseFile(g, &e);
+    free(idx);
+    free(line);
+    if (st) {
+        k3_image_free(im);
+        return st;
+    }
+    *out = im;
+    return K3_OK;
+}
+
 /* ---- entry points --------------------------------------------------------- */
 
 static k3_status decode_named(k3_image **out, const void *data, size_t size, int64_t max_pixels,
@@ -337,8 +573,18 @@ static k3_status decode_named(k3_image **out, const void *data, size_t size, int
     if (size >= 8 && !memcmp(p, png_sig, 8)) return decode_png(out, p, size, max_pixels, what, err);
     if (size >= 3 && p[0] == 0xff && p[1] == 0xd8 && p[2] == 0xff)
         return decode_jpeg(out, p, size, max_pixels, what, err);
+    /* RIFF....WEBP and a VP8 / VP8L / VP8X chunk, as Pillow's _accept */
+    if (size >= 16 && !memcmp(p, "RIFF", 4) && !memcmp(p + 8, "WEBP", 4) &&
+        (!memcmp(p + 12, "VP8 ", 4) || !memcmp(p + 12, "VP8L", 4) || !memcmp(p + 12, "VP8X", 4)))
+        return decode_webp(out, p, size, max_pixels, what, err);
+    if (size >= 6 && (!memcmp(p, "GIF87a", 6) || !memcmp(p, "GIF89a", 6)))
+        return decode_gif(out, p, size, max_pixels, what, err);
+    /* cut inside the signature itself */
+    if ((size >= 12 && size < 16 && !memcmp(p, "RIFF", 4) && !memcmp(p + 8, "WEBP", 4)) ||
+        (size >= 3 && size < 6 && (!memcmp(p, "GIF87a", size) || !memcmp(p, "GIF89a", size))))
+        return k3_err(err, K3_ERR_FORMAT, "%s: bad %s: the file is truncated", what, p[0] == 'G' ? "GIF" : "WEBP");
     if (size == 0) return k3_err(err, K3_ERR_FORMAT, "%s: the image is empty", what);
-    return k3_err(err, K3_ERR_UNSUPPORTED, "%s: not a PNG or JPEG image", what);
+    return k3_err(err, K3_ERR_UNSUPPORTED, "%s: not a PNG, JPEG, WEBP or GIF image", what);
 }
 
 k3_status k3_image_decode(k3_image **out, const void *data, size_t size, int64_t max_pixels, k3_error *err) {
@@ -370,11 +616,12 @@ k3_status k3_image_decode_url(k3_image **out, const char *url, size_t len, int64
     if (nmeta < 7 || strncasecmp(comma - 7, ";base64", 7))
         return k3_err(err, K3_ERR_UNSUPPORTED, "image_url: the data: URL is not base64 (';base64,' expected)");
     const size_t ntype = nmeta - 7;
-    const char *types[] = {"image/png", "image/jpeg", "image/jpg"};
+    const char *types[] = {"image/png", "image/jpeg", "image/jpg", "image/webp", "image/gif"};
     bool type_ok = ntype == 0;
-    for (int i = 0; i < 3 && !type_ok; i++) type_ok = ntype == strlen(types[i]) && !strncasecmp(meta, types[i], ntype);
+    for (int i = 0; i < 5 && !type_ok; i++) type_ok = ntype == strlen(types[i]) && !strncasecmp(meta, types[i], ntype);
     if (!type_ok)
-        return k3_err(err, K3_ERR_UNSUPPORTED, "image_url: media type '%.*s' is not supported (PNG or JPEG)",
+        return k3_err(err, K3_ERR_UNSUPPORTED,
+                      "image_url: media type '%.*s' is not supported (PNG, JPEG, WEBP or GIF)",
                       (int)(ntype < 64 ? ntype : 64), meta);
     const char *p = comma + 1, *end = url + len;
     /* 1 GB of base64 is far past any image the pixel cap lets through */

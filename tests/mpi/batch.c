@@ -5,7 +5,8 @@
  * round cut into several by max_batch), a sequence reset and reused -- on
  * a context made with a dist (--dcp = world size), image rows in place of
  * some embeddings (k3_batch_seq.embeds), against a one-process
- * context on rank 0. Rank 0 drives; the others run k3_dist_worker. Checks
+ * context on rank 0. Rank 0 drives through the executor (k3_exec_forward);
+ * the others serve (k3_exec_serve). Checks
  * the logits of every step to rel-L2 1e-5 (fp32 path), and that each rank
  * holds about 1/D of the cache. Prints "batch: N passed, N failed".
  */
@@ -47,7 +48,7 @@ int main(int argc, char **argv) {
     k3_model *m = NULL, *full = NULL;
     k3_ctx *ctx = NULL, *ref = NULL;
     k3_status s = k3_model_open_ep(&m, dir, k3_dist_ep_rank(d), k3_dist_ep_size(d), &err);
-    k3_ctx_options co = {.max_seqs = 3, .max_tokens = 4096, .max_batch = 24, .kv_cache = K3_KV_F32, .dist = d};
+    k3_ctx_options co = {.max_seqs = 3, .cache_tokens = 4096, .max_batch = 24, .kv_cache = K3_KV_F32, .dist = d};
     if (!s) s = k3_ctx_init(&ctx, m, &co, &err);
     if (k3_dist_agree(d, s, &err)) {
         if (rank == 0) fprintf(stderr, "batch: %s\n", err.msg);
@@ -70,7 +71,7 @@ int main(int argc, char **argv) {
         k3_ctx_free(no);
     }
     if (rank != 0) {
-        if (k3_dist_worker(d, ctx, &err)) {
+        if (k3_exec_serve(ctx, &err)) {
             fprintf(stderr, "batch: rank %d: %s\n", rank, err.msg);
             k3_dist_abort(d, 1);
         }
@@ -100,7 +101,7 @@ int main(int argc, char **argv) {
         int off[3] = {0, 0, 0};
         for (int st = 0; st < 7; st++) {
             if (st == 4) {
-                k3_ctx_seq_reset(ctx, 0);
+                k3_exec_seq_reset(ctx, 0);
                 k3_ctx_seq_reset(ref, 0);
                 off[0] = 0;
             }
@@ -114,7 +115,7 @@ int main(int argc, char **argv) {
                 }
             const k3_logits_mode mode = st % 2 ? K3_LOGITS_LAST : K3_LOGITS_ALL;
             const int64_t n = (mode == K3_LOGITS_ALL ? rows : nb) * V;
-            s = k3_ctx_forward(ctx, b, nb, mode, la, &err);
+            s = k3_exec_forward(ctx, b, nb, mode, la, &err);
             if (!s) s = k3_ctx_forward(ref, b, nb, mode, lb, &err);
             const double e = s ? 1.0 : rel_l2(lb, la, n);
             if (s || !(e <= 1e-5)) {
@@ -124,15 +125,15 @@ int main(int argc, char **argv) {
                 pass++;
             }
         }
-        /* the pool: the same global blocks as one process (max_tokens and a
+        /* the pool: the same global blocks as one process (cache_tokens and a
          * partial block per sequence), each block_size / D slots on a rank;
          * the block size is 64 up to a multiple of D*I */
         const int64_t one = k3_ctx_cache_bytes(ref), mine = k3_ctx_cache_bytes(ctx);
         const int64_t D = k3_dist_dcp_size(d), S = co.max_seqs, I = dopt.dcp_interleave, st = D * I;
-        const int64_t bs = (64 + st - 1) / st * st, one_blocks = (co.max_tokens + 63) / 64 + S;
-        const int64_t slot_bytes = one / (one_blocks * 64), mine_slots = ((co.max_tokens + bs - 1) / bs + S) * bs / D;
+        const int64_t bs = (64 + st - 1) / st * st, one_blocks = (co.cache_tokens + 63) / 64 + S;
+        const int64_t slot_bytes = one / (one_blocks * 64), mine_slots = ((co.cache_tokens + bs - 1) / bs + S) * bs / D;
         if (one % (one_blocks * 64) == 0 && mine == mine_slots * slot_bytes &&
-            mine_slots * D <= co.max_tokens + S * bs + bs)
+            mine_slots * D <= co.cache_tokens + S * bs + bs)
             pass++;
         else {
             fail++;
@@ -141,7 +142,7 @@ int main(int argc, char **argv) {
         free(la);
         free(lb);
         free(img);
-        if (k3_dist_release(d, &err)) k3_dist_abort(d, 1);
+        if (k3_exec_release(d, &err)) k3_dist_abort(d, 1);
     }
     double v[2] = {pass, fail};
     k3_dist_sum(d, v, 2, &err);

@@ -1,6 +1,6 @@
 /*
  * exchange.c -- build/k3-mpi-exchange, run under mpirun -np D: the DSA
- * top-k exchange alone (k3_dist_topk_exchange). Every rank draws the same
+ * top-k exchange alone (k3_comm_topk_exchange). Every rank draws the same
  * random scores with many ties (a few distinct values, some NaN) for a few
  * rows and lengths, keeps the positions it owns under the DCP layout
  * (several interleaves), takes its local top-k with k3_topk, exchanges
@@ -15,7 +15,8 @@
 
 #include "kernels/mla.h"
 #include "common/error.h"
-#include "dist/dist.h"
+#include "comm/comm.h"
+#include "ctx/ctx.h"
 
 static const float *g_sc;
 static int plain_cmp(const void *pa, const void *pb) {
@@ -77,7 +78,7 @@ int main(void) {
                     mine[i] = (k3_cand){own[sel[i]], (int32_t)k3_dcp_global(sel[i], r, D, il)};
                 k3_cand_sort(mine, kk);
                 for (int i = kk; i < k; i++) mine[i] = (k3_cand){-INFINITY, -1};
-                k3_status st = k3_dist_topk_exchange(dd, mine, 1, k, out, wk);
+                k3_status st = k3_comm_topk_exchange(dd, mine, 1, k, out, wk);
                 /* the plain sort of everything */
                 int32_t *all = malloc(sizeof(int32_t) * (size_t)n);
                 for (int i = 0; i < n; i++) all[i] = i;

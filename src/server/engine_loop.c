@@ -1,0 +1,201 @@
+/*
+ * engine_loop.c -- the server's engine thread (engine_loop.h).
+ *
+ * One thread owns the engine and steps it; for every output of a step it
+ * appends the new tokens, logprobs and prompt logprobs to the engine
+ * request's k3_srv_seq under its group's mutex and signals the group. At
+ * the finished event the group's on_finish gives the reason the client
+ * sees, the request is counted and its latencies observed, and the
+ * engine's reference to the group is dropped.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/error.h"
+#include "server/engine_loop.h"
+
+void k3_srv_group_init(k3_srv_group *g, k3_finish_reason (*on_finish)(k3_srv_group *, k3_srv_seq *),
+                       void (*destroy)(k3_srv_group *)) {
+    pthread_mutex_init(&g->mu, NULL);
+    pthread_cond_init(&g->cv, NULL);
+    g->refs = 1;
+    g->on_finish = on_finish;
+    g->destroy = destroy;
+}
+
+void k3_srv_group_unref(k3_srv_group *g) {
+    pthread_mutex_lock(&g->mu);
+    const int left = --g->refs;
+    pthread_mutex_unlock(&g->mu);
+    if (left == 0) {
+        pthread_mutex_destroy(&g->mu);
+        pthread_cond_destroy(&g->cv);
+        g->destroy(g);
+    }
+}
+
+void k3_srv_seq_free(k3_srv_seq *q) {
+    free(q->toks);
+    free(q->lps);
+    free(q->tops);
+    free(q->plp);
+    free(q->ptop);
+}
+
+k3_status k3_srv_submit(struct k3_server *s, k3_srv_seq *q, k3_request_params *p, k3_error *err) {
+    k3_srv_group *g = q->group;
+    p->user = q;
+    pthread_mutex_lock(&g->mu);
+    g->refs++; /* the engine's reference, dropped when it reports the end */
+    pthread_mutex_unlock(&g->mu);
+    const k3_status st = k3_engine_submit(s->engine, p, &q->eid, err);
+    pthread_mutex_lock(&g->mu);
+    if (st) g->refs--;
+    else q->submitted = true;
+    pthread_mutex_unlock(&g->mu);
+    return st;
+}
+
+void k3_srv_cancel(struct k3_server *s, k3_srv_seq *q) {
+    if (q->submitted && !q->finished) k3_engine_cancel(s->engine, q->eid);
+}
+
+static bool grow(k3_srv_seq *q, size_t need) {
+    if (need <= q->cap) return true;
+    size_t cap = q->cap ? q->cap * 2 : 64;
+    while (cap < need) cap *= 2;
+    int32_t *t = realloc(q->toks, cap * sizeof *t);
+    if (!t) return false;
+    q->toks = t;
+    float *l = realloc(q->lps, cap * sizeof *l);
+    if (!l) return false;
+    q->lps = l;
+    if (q->n_top > 0) {
+        k3_logprob *p = realloc(q->tops, cap * (size_t)q->n_top * sizeof *p);
+        if (!p) return false;
+        q->tops = p;
+    }
+    q->cap = cap;
+    return true;
+}
+
+static void on_output(struct k3_server *s, const k3_req_output *o, double t) {
+    k3_srv_seq *q = o->user;
+    if (!q) return;
+    k3_srv_group *g = q->group;
+    pthread_mutex_lock(&g->mu);
+    /* the prompt counts once its prefill is done: at the first token, or at
+     * the end of a request that generates none */
+    if ((o->n_new > 0 && q->n_tok == 0) ||
+        ((o->events & K3_EV_FINISHED) && q->n_tok == 0 && o->n_new == 0 &&
+         (o->finish == K3_FINISH_LENGTH || o->finish == K3_FINISH_STOP)))
+        k3_metrics_prompt(&s->metrics, o->n_prompt, o->n_cached);
+    if (o->n_new > 0) {
+        if (o->top && o->n_top > 0 && q->n_top == 0 && q->n_tok == 0) q->n_top = o->n_top;
+        if (grow(q, q->n_tok + (size_t)o->n_new)) {
+            for (int i = 0; i < o->n_new; i++) {
+                q->toks[q->n_tok + (size_t)i] = o->tokens[i];
+                q->lps[q->n_tok + (size_t)i] = o->logprobs ? o->logprobs[i] : NAN;
+                if (q->n_top > 0)
+                    for (int k = 0; k < q->n_top; k++)
+                        q->tops[(q->n_tok + (size_t)i) * (size_t)q->n_top + (size_t)k] =
+                            o->top && k < o->n_top ? o->top[(size_t)i * (size_t)o->n_top + (size_t)k]
+                                                   : (k3_logprob){-1, -INFINITY};
+            }
+            q->n_tok += (size_t)o->n_new;
+        } else if (!q->finished) {
+            snprintf(q->error, sizeof q->error, "out of memory for the generated tokens");
+            k3_engine_cancel(s->engine, q->eid);
+        }
+        if (q->last_t > 0) k3_metrics_observe(&s->metrics, K3_H_ITL, (t - q->last_t) / o->n_new);
+        q->last_t = t;
+    }
+    if (o->n_prompt_logprobs > 0 && o->prompt_logprobs && !q->got_plp) {
+        const int64_t n = o->n_prompt_logprobs;
+        const int nt = o->n_top;
+        q->plp = malloc((size_t)n * sizeof *q->plp);
+        if (q->plp) memcpy(q->plp, o->prompt_logprobs, (size_t)n * sizeof *q->plp);
+        if (o->prompt_top && nt > 0) {
+            q->ptop = malloc((size_t)n * (size_t)nt * sizeof *q->ptop);
+            if (q->ptop) memcpy(q->ptop, o->prompt_top, (size_t)n * (size_t)nt * sizeof *q->ptop);
+        }
+        q->n_plp = q->plp ? n : 0;
+        if (nt > 0 && q->n_top == 0 && q->n_tok == 0) q->n_top = nt;
+        q->got_plp = true;
+    }
+    q->n_prompt = o->n_prompt;
+    q->n_cached = o->n_cached;
+    q->n_generated = o->n_generated;
+    bool fin = false;
+    if (o->events & K3_EV_FINISHED) {
+        q->finished = true;
+        q->finish = o->finish;
+        q->stop_id = o->stop_id;
+        if (o->finish == K3_FINISH_ERROR && !q->error[0])
+            snprintf(q->error, sizeof q->error, "%s", o->error ? o->error : "the engine failed this request");
+        /* counted by the reason the client sees (the group decodes the
+         * text now: the HTTP thread may not have got to it), with the
+         * request's histograms, before the client can have its answer */
+        k3_metrics_request_done(&s->metrics, g->on_finish(g, q), o);
+        fin = true;
+    }
+    pthread_cond_broadcast(&g->cv);
+    pthread_mutex_unlock(&g->mu);
+    if (fin) k3_srv_group_unref(g);
+}
+
+static void *engine_main(void *arg) {
+    struct k3_server *s = arg;
+    while (!atomic_load(&s->gen_quit) || k3_engine_has_work(s->engine)) {
+        if (!k3_engine_has_work(s->engine)) {
+            k3_engine_wait(s->engine, 0.1);
+            continue;
+        }
+        k3_step_result res;
+        k3_error err = {0};
+        if (k3_engine_step(s->engine, &res, &err)) {
+            pthread_mutex_lock(&s->fail_mu);
+            s->failed = true;
+            s->fail_err = err;
+            pthread_mutex_unlock(&s->fail_mu);
+            break;
+        }
+        if (res.n_tokens > 0) k3_metrics_observe(&s->metrics, K3_H_ITER_TOKENS, res.n_tokens);
+        for (int i = 0; i < res.n_outputs; i++) on_output(s, &res.outputs[i], res.t);
+    }
+    return NULL;
+}
+
+k3_status k3_srv_engine_start(struct k3_server *s, k3_error *err) {
+    atomic_store(&s->gen_quit, false);
+    if (pthread_create(&s->eng_thread, NULL, engine_main, s))
+        return k3_err(err, K3_ERR_NOMEM, "cannot start the engine thread");
+    s->eng_started = true;
+    return K3_OK;
+}
+
+void k3_srv_engine_stop(struct k3_server *s) {
+    if (!s->eng_started) return;
+    atomic_store(&s->gen_quit, true);
+    pthread_join(s->eng_thread, NULL);
+    s->eng_started = false;
+}
+
+void k3_srv_engine_stats(struct k3_server *s, k3_engine_stats *st) { k3_engine_get_stats(s->engine, st); }
+
+int64_t k3_srv_max_model_len(struct k3_server *s) {
+    if (!s->engine) return s->max_model_len;
+    k3_engine_stats st;
+    k3_srv_engine_stats(s, &st);
+    return st.max_model_len;
+}
+
+bool k3_server_failed(k3_server *s, k3_error *err) {
+    pthread_mutex_lock(&s->fail_mu);
+    const bool f = s->failed;
+    if (f && err) *err = s->fail_err;
+    pthread_mutex_unlock(&s->fail_mu);
+    return f;
+}

@@ -1,0 +1,497 @@
+/*
+ * job.c -- the generation job (job.h).
+ *
+ * The HTTP thread of a request parses it (request.c), submits one engine
+ * request per prompt and choice, and waits on the job's condition variable
+ * (polling its socket every 100 ms, so a client that hangs up has its
+ * requests cancelled within one step plus 100 ms); the engine thread
+ * appends the outputs (engine_loop.c).
+ *
+ * Text: generated tokens are decoded into a byte buffer: specials left
+ * out unless skip_special_tokens is false (then by name, with a space on
+ * each side when spaces_between_special_tokens, as Hugging Face's slow
+ * tokenizers join them), and the chat markup always by name for a surface
+ * that parses it; the end of each token in the text is kept, so the
+ * surfaces can tell which tokens made which part of it. Only whole UTF-8
+ * characters are sent; stop strings are searched over the whole unsent
+ * text, so a stop split over tokens is found, and the longest unsent
+ * suffix that could still begin a stop string is held back until the next
+ * token decides it. A stop string ends the request (cancelled in the
+ * engine) and is never sent, nor is the stop token that ended it, unless
+ * include_stop_str_in_output.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "common/error.h"
+#include "server/http.h"
+#include "server/job.h"
+
+static uint64_t mix64(uint64_t x) {
+    x += 0x9E3779B97F4A7C15ull;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+}
+
+void k3_tool_stream_free(k3_tool_stream *ts) {
+    for (int i = 0; i < ts->n; i++) k3_buf_free(&ts->calls[i].sent);
+    free(ts->calls);
+    *ts = (k3_tool_stream){0};
+}
+
+static void job_destroy(k3_srv_group *g) {
+    k3_srv_job *j = (k3_srv_job *)g;
+    for (int i = 0; i < j->n; i++) {
+        k3_srv_choice *c = &j->ch[i];
+        k3_srv_seq_free(&c->q);
+        k3_buf_free(&c->text);
+        free(c->tok_end);
+        k3_tool_stream_free(&c->ts);
+    }
+    free(j->ch);
+    k3_srv_request_free(&j->rq);
+    k3_sse_free(&j->sse);
+    free(j);
+}
+
+static void job_unref(k3_srv_job *j) { k3_srv_group_unref(&j->g); }
+
+/* ---- text ------------------------------------------------------------- */
+
+enum { SP_NONE, SP_TEXT, SP_SPECIAL };
+
+/* Appends token id to c's text. */
+static void add_token(k3_srv_job *j, k3_srv_choice *c, int32_t id) {
+    const k3_tokenizer *tok = j->s->tok;
+    size_t len = 0;
+    const char *p = k3_tokenizer_token(tok, id, &len);
+    if (!p) return;
+    const bool space = j->rq.spaces_between_special_tokens;
+    if (k3_tokenizer_is_special(tok, id)) {
+        if (j->api->keep_specials && (id == j->markup[0] || id == j->markup[1] || id == j->markup[2])) {
+            k3_buf_add(&c->text, p, len); /* markup: parsed away, no spaces */
+            c->sp = SP_NONE;
+            return;
+        }
+        if (j->rq.skip_special_tokens) return;
+        if (space && c->sp != SP_NONE) k3_buf_add(&c->text, " ", 1);
+        k3_buf_add(&c->text, p, len);
+        c->sp = SP_SPECIAL;
+        return;
+    }
+    if (space && c->sp == SP_SPECIAL) k3_buf_add(&c->text, " ", 1);
+    k3_buf_add(&c->text, p, len);
+    c->sp = SP_TEXT;
+}
+
+void k3_srv_choice_advance(k3_srv_job *j, k3_srv_choice *c) {
+    const k3_srv_seq *q = &c->q;
+    if (c->done) return;
+    if (q->n_tok > c->tok_cap) {
+        size_t cap = c->tok_cap ? c->tok_cap * 2 : 64;
+        while (cap < q->n_tok) cap *= 2;
+        size_t *te = realloc(c->tok_end, sizeof *te * cap);
+        if (!te) {
+            if (!q->error[0]) snprintf(c->q.error, sizeof c->q.error, "out of memory for the generated text");
+            k3_srv_cancel(j->s, &c->q);
+            c->done = true;
+            return;
+        }
+        c->tok_end = te;
+        c->tok_cap = cap;
+    }
+    for (; c->n_seen < q->n_tok && !c->stop_hit; c->n_seen++) {
+        const int32_t id = q->toks[c->n_seen];
+        c->n_out++;
+        /* the token that ended the request is not part of the text, unless asked for */
+        const bool stop_tok = q->finished && q->finish == K3_FINISH_STOP && c->n_seen + 1 == q->n_tok &&
+                              id == q->stop_id;
+        if (!stop_tok || j->rq.include_stop_str) add_token(j, c, id);
+        c->tok_end[c->n_seen] = c->text.len;
+        if (j->rq.stops.n) {
+            /* a stop can begin in the held-back text, never in sent text */
+            size_t sl = 0;
+            const long at = k3_stops_find(&j->rq.stops, c->text.p, c->text.len, c->emitted, &sl);
+            if (at >= 0) {
+                const size_t cut = (size_t)at + (j->rq.include_stop_str ? sl : 0);
+                c->text.len = cut;
+                c->text.p[cut] = 0;
+                c->stop_hit = true;
+                k3_srv_cancel(j->s, &c->q);
+            }
+        }
+    }
+    if (c->stop_hit || (q->finished && c->n_seen == q->n_tok)) c->done = true;
+}
+
+void k3_srv_choice_token_span(const k3_srv_choice *c, size_t i, size_t *start, size_t *end) {
+    size_t a = i ? c->tok_end[i - 1] : 0, b = c->tok_end[i];
+    if (a > c->text.len) a = c->text.len;
+    if (b > c->text.len) b = c->text.len;
+    *start = a;
+    *end = b;
+}
+
+size_t k3_srv_choice_sendable(k3_srv_job *j, k3_srv_choice *c) {
+    if (c->done) return c->text.len;
+    size_t lim = k3_utf8_complete(c->text.p, c->text.len);
+    if (lim < c->emitted) return c->emitted;
+    const size_t hold = k3_stops_holdback(&j->rq.stops, c->text.p, lim, c->emitted);
+    lim -= hold;
+    if (j->api->hold) lim = j->api->hold(c->text.p, c->emitted, lim);
+    return lim < c->emitted ? c->emitted : lim;
+}
+
+size_t k3_srv_choice_lp_ready(const k3_srv_choice *c) { return c->done ? (size_t)c->n_out : c->n_seen; }
+
+const char *k3_srv_choice_error(const k3_srv_choice *c, const char *fallback) {
+    if (c->q.finish != K3_FINISH_ERROR && !c->q.error[0]) return NULL;
+    return c->q.error[0] ? c->q.error : fallback;
+}
+
+const char *k3_srv_finish_reason(const k3_srv_choice *c, bool tool_calls) {
+    if (c->stop_hit) return "stop";
+    switch (c->q.finish) {
+    case K3_FINISH_STOP: return tool_calls ? "tool_calls" : "stop";
+    case K3_FINISH_LENGTH: return "length";
+    case K3_FINISH_CANCELLED: return "abort";
+    default: return "error";
+    }
+}
+
+char *k3_srv_choice_prompt_text(k3_srv_job *j, const k3_srv_choice *c, size_t *len) {
+    char *pt = NULL;
+    *len = 0;
+    if (k3_tokenizer_decode(j->s->tok, j->rq.prompts[c->prompt_index], (size_t)j->rq.n_prompt[c->prompt_index], &pt,
+                            len, NULL)) {
+        free(pt);
+        *len = 0;
+        return NULL;
+    }
+    return pt;
+}
+
+/* The engine thread, the job's mutex held: the choice's text is decoded
+ * now, and a stop string in it makes "stop" -- even when the engine
+ * reached max_tokens before the cancel the stop string sent came. */
+static k3_finish_reason on_finish(k3_srv_group *g, k3_srv_seq *q) {
+    k3_srv_choice *c = (k3_srv_choice *)q;
+    k3_srv_choice_advance((k3_srv_job *)g, c);
+    return c->stop_hit && q->finish != K3_FINISH_ERROR ? K3_FINISH_STOP : q->finish;
+}
+
+void k3_srv_job_cancel(k3_srv_job *j) {
+    for (int i = 0; i < j->n; i++) k3_srv_cancel(j->s, &j->ch[i].q);
+}
+
+/* ---- logprobs and usage ----------------------------------------------- */
+
+json_t *k3_srv_token_json(k3_srv_job *j, int32_t id) {
+    if (j->rq.tok_ids) {
+        char b[32];
+        snprintf(b, sizeof b, "token_id:%d", id);
+        return json_string(b);
+    }
+    size_t len = 0;
+    const char *p = k3_tokenizer_token(j->s->tok, id, &len);
+    if (!p) return json_string("");
+    return k3_srv_jstr(p, len);
+}
+
+static json_t *bytes_of(struct k3_server *s, int32_t id) {
+    size_t len = 0;
+    const char *p = k3_tokenizer_token(s->tok, id, &len);
+    json_t *a = json_array();
+    for (size_t i = 0; p && i < len; i++) json_array_append_new(a, json_integer((unsigned char)p[i]));
+    return a;
+}
+
+void k3_srv_chat_logprobs(k3_srv_job *j, const k3_srv_choice *c, size_t a, size_t b, json_t *content) {
+    struct k3_server *s = j->s;
+    const k3_srv_seq *q = &c->q;
+    for (size_t i = a; i < b && i < q->n_tok; i++) {
+        const int32_t id = q->toks[i];
+        json_t *top = json_array();
+        for (int k = 0; k < q->n_top && k < j->rq.logprobs; k++) {
+            const k3_logprob *t = &q->tops[i * (size_t)q->n_top + (size_t)k];
+            if (t->id < 0) continue;
+            json_array_append_new(top, json_pack("{s:o,s:f,s:o}", "token", k3_srv_token_json(j, t->id), "logprob",
+                                                 (double)t->logprob, "bytes", bytes_of(s, t->id)));
+        }
+        json_array_append_new(content, json_pack("{s:o,s:o,s:o,s:o}", "token", k3_srv_token_json(j, id), "logprob",
+                                                 isnan(q->lps[i]) ? json_null() : json_real(q->lps[i]), "bytes",
+                                                 bytes_of(s, id), "top_logprobs", top));
+    }
+}
+
+json_t *k3_srv_openai_usage(k3_srv_job *j) {
+    int64_t prompt = 0, cached = 0, out = 0;
+    for (int p = 0; p < j->rq.n_prompts; p++) {
+        prompt += j->rq.n_prompt[p];
+        /* the first choice of each prompt tells how much of it was cached */
+        for (int i = 0; i < j->n; i++)
+            if (j->ch[i].prompt_index == p) {
+                cached += j->ch[i].q.n_cached;
+                break;
+            }
+    }
+    for (int i = 0; i < j->n; i++) out += j->ch[i].n_out;
+    json_t *u = json_pack("{s:I,s:I,s:I,s:{s:I}}", "prompt_tokens", (json_int_t)prompt, "completion_tokens",
+                          (json_int_t)out, "total_tokens", (json_int_t)(prompt + out), "prompt_tokens_details",
+                          "cached_tokens", (json_int_t)cached);
+    if (u && j->api->reasoning_tokens) {
+        int64_t rt = 0;
+        for (int i = 0; i < j->n; i++) rt += j->api->reasoning_tokens(j, &j->ch[i]);
+        json_object_set_new(u, "completion_tokens_details", json_pack("{s:I}", "reasoning_tokens", (json_int_t)rt));
+    }
+    return u;
+}
+
+json_t *k3_srv_openai_object(k3_srv_job *j, const char *object, json_t *choices) {
+    return json_pack("{s:s,s:s,s:I,s:s,s:o}", "id", j->id, "object", object, "created", (json_int_t)j->created,
+                     "model", j->s->model, "choices", choices);
+}
+
+enum MHD_Result k3_srv_openai_answer(k3_srv_job *j, const char *object, k3_srv_choice_json_fn choice) {
+    json_t *choices = json_array();
+    for (int i = 0; i < j->n; i++) {
+        k3_srv_choice *c = &j->ch[i];
+        const char *failed = k3_srv_choice_error(c, "engine error");
+        char why[1024] = "";
+        json_t *ch = failed ? NULL : choice(j, c, why, sizeof why);
+        if (failed || (!ch && why[0])) {
+            json_decref(choices);
+            if (failed) return k3_srv_error(j->s, j->conn, 500, "generation failed: %s", failed);
+            return k3_srv_error(j->s, j->conn, 500, "%s", why);
+        }
+        json_array_append_new(choices, ch);
+    }
+    json_t *resp = k3_srv_openai_object(j, object, choices);
+    if (resp) json_object_set_new(resp, "usage", k3_srv_openai_usage(j));
+    return k3_srv_json(j->s, j->conn, 200, resp);
+}
+
+void k3_srv_openai_stream_end(k3_srv_job *j, const char *object) {
+    if (j->rq.include_usage) {
+        json_t *u = k3_srv_openai_object(j, object, json_array());
+        json_object_set_new(u, "usage", k3_srv_openai_usage(j));
+        k3_sse_data(&j->sse, u);
+    }
+    k3_sse_done(&j->sse);
+}
+
+/* ---- the whole answer --------------------------------------------------- */
+
+/* 0: all choices done; 1: the client left or the server stops; 2: engine failed. */
+static int wait_all(k3_srv_job *j) {
+    struct k3_server *s = j->s;
+    pthread_mutex_lock(&j->g.mu);
+    for (;;) {
+        bool all = true;
+        for (int i = 0; i < j->n; i++) {
+            k3_srv_choice_advance(j, &j->ch[i]);
+            all &= j->ch[i].done;
+        }
+        if (all) break;
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_nsec += 100 * 1000000L;
+        if (ts.tv_nsec >= 1000000000L) ts.tv_sec++, ts.tv_nsec -= 1000000000L;
+        pthread_cond_timedwait(&j->g.cv, &j->g.mu, &ts);
+        if (atomic_load(&s->stopping) || k3_srv_client_gone(j->conn)) {
+            k3_srv_job_cancel(j);
+            pthread_mutex_unlock(&j->g.mu);
+            return 1;
+        }
+        if (k3_server_failed(s, NULL)) {
+            pthread_mutex_unlock(&j->g.mu);
+            return 2;
+        }
+    }
+    pthread_mutex_unlock(&j->g.mu);
+    return 0;
+}
+
+static enum MHD_Result answer_whole(k3_srv_job *j) {
+    const int w = wait_all(j);
+    if (w == 1) return MHD_NO;
+    if (w == 2) return k3_srv_error(j->s, j->conn, 503, "the engine has failed");
+    return j->api->answer(j);
+}
+
+/* ---- the stream --------------------------------------------------------- */
+
+static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max) {
+    k3_srv_job *j = cls;
+    struct k3_server *s = j->s;
+    for (;;) {
+        if (!k3_sse_empty(&j->sse)) return (ssize_t)k3_sse_take(&j->sse, buf, max);
+        if (j->sent_done) return MHD_CONTENT_READER_END_OF_STREAM;
+        pthread_mutex_lock(&j->g.mu);
+        bool all = true;
+        for (int i = 0; i < j->n; i++) {
+            j->api->stream_choice(j, i);
+            all &= j->ch[i].final_sent;
+        }
+        if (all) {
+            j->api->stream_end(j);
+            j->sent_done = true;
+            /* generation is over: a client that stops reading is dropped again */
+            MHD_set_connection_option(j->conn, MHD_CONNECTION_OPTION_TIMEOUT, (unsigned)s->timeout_s);
+        }
+        if (k3_sse_empty(&j->sse) && !j->sent_done) {
+            struct timespec ts;
+            clock_gettime(CLOCK_REALTIME, &ts);
+            ts.tv_nsec += 100 * 1000000L;
+            if (ts.tv_nsec >= 1000000000L) ts.tv_sec++, ts.tv_nsec -= 1000000000L;
+            pthread_cond_timedwait(&j->g.cv, &j->g.mu, &ts);
+        }
+        pthread_mutex_unlock(&j->g.mu);
+        if (j->sse.out.oom) return MHD_CONTENT_READER_END_WITH_ERROR;
+        if (k3_sse_empty(&j->sse) && !j->sent_done &&
+            (atomic_load(&s->stopping) || k3_server_failed(s, NULL) || k3_srv_client_gone(j->conn))) {
+            pthread_mutex_lock(&j->g.mu);
+            k3_srv_job_cancel(j);
+            pthread_mutex_unlock(&j->g.mu);
+            return MHD_CONTENT_READER_END_WITH_ERROR;
+        }
+    }
+}
+
+static void stream_free(void *cls) {
+    k3_srv_job *j = cls;
+    pthread_mutex_lock(&j->g.mu);
+    k3_srv_job_cancel(j);
+    pthread_mutex_unlock(&j->g.mu);
+    job_unref(j);
+}
+
+/* ---- the route ---------------------------------------------------------- */
+
+static enum MHD_Result fail_job(k3_srv_job *j, unsigned status, const char *msg) {
+    struct k3_server *s = j->s;
+    struct MHD_Connection *conn = j->conn;
+    pthread_mutex_lock(&j->g.mu);
+    k3_srv_job_cancel(j);
+    pthread_mutex_unlock(&j->g.mu);
+    job_unref(j);
+    return k3_srv_error(s, conn, status, "%s", msg);
+}
+
+/* The engine request of choice i (its prompt, sampling and limits). */
+static k3_request_params engine_request(k3_srv_job *j, int i, int64_t max_model_len, uint64_t base_seed) {
+    const k3_srv_request *rq = &j->rq;
+    const k3_srv_choice *c = &j->ch[i];
+    const int64_t np = rq->n_prompt[c->prompt_index];
+    long long mt = rq->max_tokens;
+    if (mt < 0) mt = j->api->default_max_tokens >= 0 ? j->api->default_max_tokens
+                                                     : (max_model_len > np ? max_model_len - np : 0);
+    return (k3_request_params){
+        .prompt = rq->prompts[c->prompt_index],
+        .n_prompt = np,
+        .sampling = {.temperature = (float)rq->temperature,
+                     .top_k = rq->top_k < 0 ? 0 : (int32_t)rq->top_k,
+                     .top_p = (float)rq->top_p,
+                     .min_p = (float)rq->min_p,
+                     .repeat_penalty = (float)rq->repetition_penalty,
+                     .repeat_last_n = 0,
+                     .seed = base_seed + (uint64_t)(i % (int)rq->n),
+                     .frequency_penalty = (float)rq->frequency_penalty,
+                     .presence_penalty = (float)rq->presence_penalty,
+                     .logit_bias = rq->logit_bias,
+                     .n_logit_bias = rq->n_logit_bias,
+                     .allowed_ids = rq->allowed_ids,
+                     .n_allowed = rq->n_allowed,
+                     .bad_words = rq->bad_words,
+                     .bad_word_off = rq->bad_word_off,
+                     .n_bad_words = rq->n_bad_words},
+        .max_tokens = (int32_t)mt,
+        .min_tokens = (int32_t)rq->min_tokens,
+        .stop_ids = rq->n_stop_ids ? rq->stop_ids : NULL,
+        .n_stop_ids = rq->n_stop_ids,
+        .ignore_eos = rq->ignore_eos,
+        .logprobs = rq->logprobs >= 0 ? (int32_t)rq->logprobs : -1,
+        .prompt_logprobs = rq->echo && rq->logprobs >= 0 ? (int32_t)rq->logprobs : -1,
+        .embeds = rq->vp.n_images ? (const float *const *)rq->vp.embeds : NULL,
+        .extra_keys = rq->vp.n_images ? rq->vp.keys : NULL,
+    };
+}
+
+enum MHD_Result k3_srv_job_serve(struct k3_server *s, struct MHD_Connection *conn, json_t *root,
+                                 const k3_srv_api *api) {
+    k3_srv_job *j = calloc(1, sizeof *j);
+    if (!j) return k3_srv_error(s, conn, 500, "out of memory");
+    k3_srv_group_init(&j->g, on_finish, job_destroy);
+    j->s = s;
+    j->api = api;
+    j->conn = conn;
+    j->created = (long)time(NULL);
+    const uint64_t rid = atomic_fetch_add(&s->next_id, 1);
+    snprintf(j->id, sizeof j->id, "%s-%016llx", api->id_prefix,
+             (unsigned long long)mix64(rid ^ ((uint64_t)j->created << 20)));
+
+    j->markup[0] = j->markup[1] = j->markup[2] = -1;
+    if (api->keep_specials) {
+        j->markup[0] = k3_tokenizer_special(s->tok, "<|open|>");
+        j->markup[1] = k3_tokenizer_special(s->tok, "<|close|>");
+        j->markup[2] = k3_tokenizer_special(s->tok, "<|sep|>");
+    }
+    k3_srv_request *rq = &j->rq;
+    k3_srv_bad e = {{0}, 400};
+    const int64_t mml = k3_srv_max_model_len(s);
+    bool ok = k3_srv_request_parse(s, api->fields, api->prompt, root, rq, &e);
+    if (ok && rq->n_prompts * rq->n > K3_SRV_MAX_N)
+        ok = k3_srv_bad_set(&e, 400, "%d prompts x n = %lld choices, more than %d", rq->n_prompts, rq->n,
+                            K3_SRV_MAX_N);
+    if (!ok) {
+        job_unref(j);
+        return k3_srv_error(s, conn, e.status, "%s", e.msg);
+    }
+    if (rq->echo && rq->stream && rq->logprobs >= 0) {
+        job_unref(j);
+        return k3_srv_error(s, conn, 400, "\"echo\" with \"logprobs\" is not supported when streaming");
+    }
+    j->n = rq->n_prompts * (int)rq->n;
+    j->ch = calloc((size_t)j->n, sizeof *j->ch);
+    if (!j->ch) {
+        job_unref(j);
+        return k3_srv_error(s, conn, 500, "out of memory");
+    }
+    const uint64_t base_seed = rq->seed >= 0 || rq->seed_given
+                                   ? (uint64_t)rq->seed
+                                   : mix64(rid * 0x2545F4914F6CDD1Dull ^ (uint64_t)time(NULL));
+    for (int i = 0; i < j->n; i++) {
+        k3_srv_choice *c = &j->ch[i];
+        c->job = j;
+        c->index = i;
+        c->prompt_index = i / (int)rq->n;
+        c->q.group = &j->g;
+        c->q.stop_id = -1;
+        const int64_t np = rq->n_prompt[c->prompt_index];
+        if (np > mml) {
+            char msg[256];
+            snprintf(msg, sizeof msg,
+                     "the prompt has %lld tokens, more than this model's maximum context length of %lld tokens",
+                     (long long)np, (long long)mml);
+            return fail_job(j, 400, msg);
+        }
+        k3_request_params p = engine_request(j, i, mml, base_seed);
+        k3_error err = {0};
+        const k3_status st = k3_srv_submit(s, &c->q, &p, &err);
+        if (st) return fail_job(j, st == K3_ERR_BUSY ? 503 : st == K3_ERR_NOMEM ? 500 : 400, err.msg);
+    }
+    k3_vision_prompt_free(&rq->vp); /* the engine copied the rows */
+    /* the generation may take long: the idle timeout is for slow clients */
+    MHD_set_connection_option(conn, MHD_CONNECTION_OPTION_TIMEOUT, 0u);
+    if (!rq->stream) {
+        const enum MHD_Result r = answer_whole(j);
+        MHD_set_connection_option(conn, MHD_CONNECTION_OPTION_TIMEOUT, (unsigned)s->timeout_s);
+        job_unref(j);
+        return r;
+    }
+    return k3_sse_respond(s, conn, stream_read, j, stream_free);
+}

@@ -1,0 +1,148 @@
+/*
+ * job.h -- the generation job (job.c): one HTTP request's choices, shared by
+ * every API surface. It turns the parsed request (request.h) into engine
+ * requests (one per prompt and choice, submitted through the engine loop),
+ * decodes each choice's tokens into text, applies stop strings, keeps the
+ * logprobs, tells the finish reason, and either waits for the whole answer
+ * or pumps a stream. What the answer looks like is the surface's
+ * (k3_srv_api, one per api_NAME.c): its hooks build the whole response and
+ * the stream's events from the choices.
+ */
+#ifndef K3_SERVER_JOB_H
+#define K3_SERVER_JOB_H
+
+#include "server/engine_loop.h"
+#include "server/request.h"
+#include "server/sse.h"
+#include "tokenizer/chat_stream.h"
+
+typedef struct k3_srv_job k3_srv_job;
+
+/* ---- streamed tool calls (what vLLM's OpenAI server sends) ----
+ * A call's first delta: {index, id, type "function", function {name,
+ * arguments ""}}; then {index, function {arguments: FRAGMENT}} as its
+ * arguments grow. The fragments of a call add up to the arguments the
+ * non-streamed reply has (the whole reply is still parsed and checked at
+ * the end). */
+typedef struct k3_tool_stream_call {
+    char id[32];
+    k3_buf sent; /* the arguments sent so far */
+} k3_tool_stream_call;
+
+typedef struct k3_tool_stream {
+    k3_tool_stream_call *calls;
+    int n, cap;
+} k3_tool_stream;
+
+void k3_tool_stream_free(k3_tool_stream *ts);
+
+typedef struct k3_srv_choice {
+    k3_srv_seq q;      /* what the engine thread wrote (engine_loop.h) */
+    k3_srv_job *job;
+    int index, prompt_index;
+    /* the text, decoded on the HTTP side (or by the engine thread at the end) */
+    size_t n_seen;     /* tokens decoded into text */
+    k3_buf text;
+    size_t *tok_end;   /* [n_seen] the text's length after each token (k3_srv_choice_token_span) */
+    size_t tok_cap;
+    int sp;            /* what the text last took, for spaces_between_special_tokens */
+    int64_t n_out;     /* completion tokens counted */
+    bool stop_hit;     /* a stop string ended it (cut from the text) */
+    bool done;         /* the text is final */
+    /* what a stream has sent */
+    size_t emitted;    /* bytes of text */
+    size_t lp_sent;    /* tokens whose logprobs were sent */
+    bool started;      /* the surface's opening events (a role delta, the echo) */
+    bool final_sent;   /* its last event */
+    size_t sent_reasoning, sent_content;
+    k3_tool_stream ts; /* tool calls streamed */
+} k3_srv_choice;
+
+/* An API surface: how its answers look. */
+typedef struct k3_srv_api {
+    unsigned fields;             /* the request table's rows it takes (K3_API_*) */
+    const char *id_prefix;       /* of the response id, e.g. "cmpl" */
+    bool keep_specials;          /* decode the chat markup (<|open|>, <|close|>, <|sep|>) by name,
+                                    for the surface's reply parser; other specials follow
+                                    skip_special_tokens */
+    long long default_max_tokens; /* when the request names none; -1: what the context leaves */
+    k3_srv_prompt_fn prompt;     /* the surface's prompt field(s) */
+    /* How much of t[from..lim) may be sent now (e.g. an undecided tag held
+     * back), or NULL: all of it. */
+    size_t (*hold)(const char *t, size_t from, size_t lim);
+    /* Queues the whole answer once every choice is done (or the error
+     * that keeps it from being made). */
+    enum MHD_Result (*answer)(k3_srv_job *j);
+    /* Streaming, the job's mutex held: the events for what is new in
+     * choice i (it sets final_sent with its last one), then once every
+     * choice has ended, the closing events. */
+    void (*stream_choice)(k3_srv_job *j, int i);
+    void (*stream_end)(k3_srv_job *j);
+    /* The reasoning tokens of a finished choice (usage's
+     * completion_tokens_details.reasoning_tokens), or NULL: no such field. */
+    int64_t (*reasoning_tokens)(k3_srv_job *j, const k3_srv_choice *c);
+} k3_srv_api;
+
+struct k3_srv_job {
+    k3_srv_group g;    /* first: the engine loop's view of the job */
+    struct k3_server *s;
+    const k3_srv_api *api;
+    struct MHD_Connection *conn;
+    k3_srv_request rq; /* the request as parsed; owns the prompts */
+    int n;
+    k3_srv_choice *ch;
+    char id[64];
+    long created;
+    int32_t markup[3]; /* the ids of <|open|>, <|close|>, <|sep|> (-1: none), with keep_specials */
+    k3_sse sse;        /* a stream's bytes not yet handed to the connection */
+    bool sent_done;    /* the stream's closing events are out */
+};
+
+/* Parses root for api, submits, and answers (the whole answer or a
+ * stream); every refusal is an error in OpenAI's shape. */
+enum MHD_Result k3_srv_job_serve(struct k3_server *s, struct MHD_Connection *conn, json_t *root,
+                                 const k3_srv_api *api);
+
+/* For the surfaces' hooks (the job's mutex held while streaming): */
+/* Decodes c's new tokens into its text and applies the stop strings. */
+void k3_srv_choice_advance(k3_srv_job *j, k3_srv_choice *c);
+/* Bytes of c's text that may be sent now: whole characters, nothing that
+ * may still become a stop string, and what the surface's hold allows. */
+size_t k3_srv_choice_sendable(k3_srv_job *j, k3_srv_choice *c);
+/* Where generated token i of c lies in its text: [*start, *end), clipped
+ * to the text (a token the text left out, or cut by a stop string, is
+ * empty or short). i < c->n_seen. */
+void k3_srv_choice_token_span(const k3_srv_choice *c, size_t i, size_t *start, size_t *end);
+/* The tokens whose logprobs may be sent now. */
+size_t k3_srv_choice_lp_ready(const k3_srv_choice *c);
+/* Why c failed (the engine's message, or fallback when it gave none), or
+ * NULL when it did not fail. */
+const char *k3_srv_choice_error(const k3_srv_choice *c, const char *fallback);
+/* OpenAI's finish_reason: stop, length, abort, error; tool_calls when a
+ * reply that ended by itself made tool calls. */
+const char *k3_srv_finish_reason(const k3_srv_choice *c, bool tool_calls);
+/* Cancels every choice still running. */
+void k3_srv_job_cancel(k3_srv_job *j);
+/* The decoded prompt of c (caller frees), NULL when it cannot be decoded. */
+char *k3_srv_choice_prompt_text(k3_srv_job *j, const k3_srv_choice *c, size_t *len);
+
+/* ---- what OpenAI's completions and chat answers share ---- */
+/* One entry of an answer's choices, or NULL: with why filled, the answer
+ * is a 500 saying why. */
+typedef json_t *(*k3_srv_choice_json_fn)(k3_srv_job *j, k3_srv_choice *c, char *why, size_t why_len);
+/* Queues OpenAI's whole answer {id, object, created, model, choices,
+ * usage}, choice(c) for each entry of choices; a choice the engine failed
+ * is a 500. */
+enum MHD_Result k3_srv_openai_answer(k3_srv_job *j, const char *object, k3_srv_choice_json_fn choice);
+/* {id, object, created, model, choices} (takes choices). */
+json_t *k3_srv_openai_object(k3_srv_job *j, const char *object, json_t *choices);
+/* The usage object: prompt, completion and total tokens, cached prompt tokens. */
+json_t *k3_srv_openai_usage(k3_srv_job *j);
+/* The stream's end: the usage chunk when asked for (object: the chunk's), then [DONE]. */
+void k3_srv_openai_stream_end(k3_srv_job *j, const char *object);
+/* A logprob entry's token: its text, or "token_id:N" with return_tokens_as_token_ids. */
+json_t *k3_srv_token_json(k3_srv_job *j, int32_t id);
+/* Chat's logprobs.content entries {token, logprob, bytes, top_logprobs} for generated tokens [a, b) of c. */
+void k3_srv_chat_logprobs(k3_srv_job *j, const k3_srv_choice *c, size_t a, size_t b, json_t *content);
+
+#endif /* K3_SERVER_JOB_H */

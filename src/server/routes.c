@@ -1,0 +1,173 @@
+/*
+ * routes.c -- the routing table (routes.h) and the routes that need no
+ * generation: /health, /version, /v1/models, /metrics, /tokenize,
+ * /detokenize, /tokenizer_info. The generation routes are the API surfaces (api.h).
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "server/api.h"
+#include "server/engine_loop.h"
+#include "server/http.h"
+#include "server/routes.h"
+#include "tokenizer/tokenizer_info.h"
+
+static enum MHD_Result route_health(struct k3_server *s, struct MHD_Connection *c, json_t *root) {
+    if (atomic_load(&s->stopping)) return k3_srv_error(s, c, 503, "the server is shutting down");
+    if (s->engine && k3_server_failed(s, NULL)) return k3_srv_error(s, c, 503, "the engine has failed");
+    return k3_srv_queue(s, c, 200, strdup(""), 0, "text/plain");
+}
+
+static enum MHD_Result route_version(struct k3_server *s, struct MHD_Connection *c, json_t *root) {
+    return k3_srv_json(s, c, 200, json_pack("{s:s}", "version", s->version));
+}
+
+static enum MHD_Result route_models(struct k3_server *s, struct MHD_Connection *c, json_t *root) {
+    json_t *m = json_pack("{s:s,s:s,s:I,s:s,s:s,s:I,s:[]}", "id", s->model, "object", "model", "created",
+                          (json_int_t)s->created, "owned_by", "k3", "root", s->model, "max_model_len",
+                          (json_int_t)k3_srv_max_model_len(s), "permission");
+    return k3_srv_json(s, c, 200, json_pack("{s:s,s:[o]}", "object", "list", "data", m));
+}
+
+static enum MHD_Result route_metrics(struct k3_server *s, struct MHD_Connection *c, json_t *root) {
+    k3_buf o = {0};
+    k3_engine_stats st;
+    int32_t bs = 0;
+    if (s->engine) {
+        k3_srv_engine_stats(s, &st);
+        bs = st.blocks_total ? (int32_t)(st.cache_tokens / st.blocks_total) : 0;
+    }
+    k3_metrics_render(&s->metrics, s->engine ? &st : NULL, s->model_label, bs, &o);
+    k3_buf_addf(&o,
+                "# HELP k3:http_connections Open HTTP connections (this one included).\n"
+                "# TYPE k3:http_connections gauge\nk3:http_connections{model_name=\"%s\"} %d\n",
+                s->model_label, atomic_load(&s->n_conn));
+    if (s->engine) {
+        k3_kv_residency kr;
+        k3_engine_kv_residency(s->engine, &kr);
+        k3_metrics_render_kv(&kr, s->model_label, &o);
+    }
+    k3_comm_stats cs;
+    if (s->engine && k3_engine_comm_stats(s->engine, &cs)) k3_metrics_render_dist(&cs, &o);
+    if (o.oom || !o.p) {
+        k3_buf_free(&o);
+        return k3_srv_error(s, c, 500, "out of memory");
+    }
+    return k3_srv_queue(s, c, 200, o.p, o.len, "text/plain; version=0.0.4; charset=utf-8");
+}
+
+/* vLLM's /tokenize: "prompt" (a special's name in it read as the special,
+ * as vLLM with the released tokenizer reads it; "split_special_tokens":
+ * true reads it as ordinary text, as a /v1/completions prompt is) or
+ * "messages" (the chat prompt /v1/chat/completions would run);
+ * "return_token_strs" adds each token's text. */
+static enum MHD_Result route_tokenize(struct k3_server *s, struct MHD_Connection *c, json_t *root) {
+    int32_t *ids = NULL;
+    size_t n = 0;
+    k3_error err = {0};
+    json_t *prompt = json_object_get(root, "prompt"), *msgs = json_object_get(root, "messages");
+    json_t *split = json_object_get(root, "split_special_tokens"), *strs = json_object_get(root, "return_token_strs");
+    if ((split && !json_is_boolean(split) && !json_is_null(split)) || (strs && !json_is_boolean(strs) && !json_is_null(strs)))
+        return k3_srv_error(s, c, 400, "\"split_special_tokens\" and \"return_token_strs\" must be true or false");
+    if (json_is_string(prompt)) {
+        const k3_status st =
+            json_is_true(split)
+                ? k3_tokenizer_encode(s->tok, json_string_value(prompt), json_string_length(prompt), &ids, &n, &err)
+                : k3_tokenizer_encode_specials(s->tok, json_string_value(prompt), json_string_length(prompt), &ids, &n,
+                                               &err);
+        if (st) return k3_srv_error(s, c, 400, "prompt: %s", err.msg);
+    } else if (json_is_array(msgs)) {
+        k3_vision_prompt vp;
+        if (k3_srv_encode_chat(s, root, &vp, NULL, &err))
+            return k3_srv_error(s, c, err.status == K3_ERR_NOMEM ? 500 : 400, "%s", err.msg);
+        ids = vp.ids, n = vp.n_ids;
+        vp.ids = NULL;
+        k3_vision_prompt_free(&vp);
+    } else {
+        return k3_srv_error(s, c, 400, "tokenize needs \"prompt\" (a string) or \"messages\" (an array)");
+    }
+    json_t *arr = json_array(), *ts = json_is_true(strs) ? json_array() : NULL;
+    for (size_t i = 0; i < n; i++) {
+        json_array_append_new(arr, json_integer(ids[i]));
+        if (ts) {
+            size_t len = 0;
+            const char *p = k3_tokenizer_token(s->tok, ids[i], &len);
+            json_t *str = p ? k3_srv_jstr(p, len) : NULL;
+            json_array_append_new(ts, str ? str : json_string(""));
+        }
+    }
+    free(ids);
+    json_t *out = json_pack("{s:I,s:I,s:o}", "count", (json_int_t)n, "max_model_len",
+                            (json_int_t)k3_srv_max_model_len(s), "tokens", arr);
+    if (out && ts) json_object_set_new(out, "token_strs", ts);
+    else json_decref(ts);
+    return k3_srv_json(s, c, 200, out);
+}
+
+/* vLLM's /tokenizer_info (lm-eval's remote tokenizer starts with it). */
+static enum MHD_Result route_tokenizer_info(struct k3_server *s, struct MHD_Connection *c, json_t *root) {
+    char *text = NULL;
+    size_t len = 0;
+    k3_error err = {0};
+    if (k3_tokenizer_info_json(s->tok, &text, &len, &err)) return k3_srv_error(s, c, 500, "%s", err.msg);
+    return k3_srv_queue(s, c, 200, text, len, "application/json");
+}
+
+static enum MHD_Result route_detokenize(struct k3_server *s, struct MHD_Connection *c, json_t *root) {
+    json_t *toks = json_object_get(root, "tokens");
+    if (!json_is_array(toks)) return k3_srv_error(s, c, 400, "detokenize needs \"tokens\" (an array of ids)");
+    const size_t n = json_array_size(toks);
+    int32_t *ids = malloc((n ? n : 1) * sizeof *ids);
+    if (!ids) return k3_srv_error(s, c, 500, "out of memory");
+    const int32_t nv = k3_tokenizer_n_vocab(s->tok);
+    for (size_t i = 0; i < n; i++) {
+        json_t *v = json_array_get(toks, i);
+        if (!json_is_integer(v) || json_integer_value(v) < 0 || json_integer_value(v) >= nv) {
+            free(ids);
+            return k3_srv_error(s, c, 400, "tokens[%zu] is not a token id in 0..%d", i, nv - 1);
+        }
+        ids[i] = (int32_t)json_integer_value(v);
+    }
+    char *text = NULL;
+    size_t len = 0;
+    k3_error err = {0};
+    const k3_status st = k3_tokenizer_decode(s->tok, ids, n, &text, &len, &err);
+    free(ids);
+    if (st) return k3_srv_error(s, c, 400, "%s", err.msg);
+    json_t *j = k3_srv_jstr(text, len);
+    free(text);
+    return k3_srv_json(s, c, 200, json_pack("{s:o}", "prompt", j ? j : json_string("")));
+}
+
+#define AUTH K3_ROUTE_AUTH
+#define JSON K3_ROUTE_JSON
+#define GEN K3_ROUTE_GENERATES
+
+static const k3_route routes[] = {
+    {"GET", "/health", route_health, 0},
+    {"GET", "/version", route_version, AUTH},
+    {"GET", "/v1/models", route_models, AUTH},
+    {"GET", "/metrics", route_metrics, AUTH},
+    {"POST", "/tokenize", route_tokenize, AUTH | JSON},
+    {"POST", "/detokenize", route_detokenize, AUTH | JSON},
+    {"GET", "/tokenizer_info", route_tokenizer_info, AUTH},
+    {"POST", "/v1/completions", k3_api_completions, AUTH | JSON | GEN},
+    {"POST", "/v1/chat/completions", k3_api_chat, AUTH | JSON | GEN},
+};
+
+static bool method_is(const char *row, const char *method) {
+    if (!strcmp(row, method)) return true;
+    return !strcmp(row, "GET") && !strcmp(method, "HEAD");
+}
+
+const k3_route *k3_srv_route_find(const char *method, const char *path, const k3_route **same_path) {
+    const k3_route *other = NULL;
+    if (same_path) *same_path = NULL;
+    for (size_t i = 0; i < sizeof routes / sizeof *routes; i++) {
+        if (strcmp(routes[i].path, path)) continue;
+        if (method_is(routes[i].method, method)) return &routes[i];
+        if (!other) other = &routes[i];
+    }
+    if (same_path) *same_path = other;
+    return NULL;
+}

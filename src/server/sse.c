@@ -1,0 +1,54 @@
+/* sse.c -- Server-Sent Events: framing and the streamed response (sse.h). */
+#include <stdlib.h>
+#include <string.h>
+
+#include "server/http.h"
+#include "server/sse.h"
+
+void k3_sse_data(k3_sse *e, json_t *obj) {
+    char *t = obj ? json_dumps(obj, JSON_COMPACT) : NULL;
+    json_decref(obj);
+    if (!t) return;
+    k3_buf_add(&e->out, "data: ", 6);
+    k3_buf_add(&e->out, t, strlen(t));
+    k3_buf_add(&e->out, "\n\n", 2);
+    free(t);
+}
+
+void k3_sse_done(k3_sse *e) { k3_buf_add(&e->out, "data: [DONE]\n\n", 14); }
+
+void k3_sse_error(k3_sse *e, unsigned status, const char *msg) { k3_sse_data(e, k3_srv_error_json(status, msg)); }
+
+bool k3_sse_empty(const k3_sse *e) { return e->pos >= e->out.len; }
+
+size_t k3_sse_take(k3_sse *e, char *buf, size_t max) {
+    size_t n = e->out.len - e->pos;
+    if (n > max) n = max;
+    memcpy(buf, e->out.p + e->pos, n);
+    e->pos += n;
+    if (e->pos == e->out.len) e->pos = e->out.len = 0;
+    return n;
+}
+
+void k3_sse_free(k3_sse *e) {
+    k3_buf_free(&e->out);
+    e->pos = 0;
+}
+
+enum MHD_Result k3_sse_respond(struct k3_server *s, struct MHD_Connection *c, MHD_ContentReaderCallback read,
+                               void *cls, MHD_ContentReaderFreeCallback done) {
+    struct MHD_Response *resp = MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 16 << 10, read, cls, done);
+    if (!resp) {
+        done(cls);
+        return k3_srv_error(s, c, 500, "out of memory for the stream");
+    }
+    MHD_add_response_header(resp, "Content-Type", "text/event-stream");
+    MHD_add_response_header(resp, "Cache-Control", "no-cache");
+    MHD_add_response_header(resp, "Connection", "close");
+    pthread_mutex_lock(&s->metrics.mu);
+    s->metrics.http_requests++;
+    pthread_mutex_unlock(&s->metrics.mu);
+    const enum MHD_Result r = MHD_queue_response(c, 200, resp);
+    MHD_destroy_response(resp);
+    return r;
+}
