@@ -72,6 +72,12 @@ $(BUILD)/%_avx512.o: %_avx512.c | $(DEPS_OK)
 	@mkdir -p $(dir $@)
 	$(CC) $(K3_CFLAGS) $(PC_CFLAGS) $(CFLAGS) -mavx512f -mavx512bw -mavx512vl -mavx512vnni -mavx2 -mfma -mf16c -c $< -o $@
 
+# The AMX kernels (src/kernels/*_amx.c): the tile instructions and the
+# AVX-512 parts around them; chosen at run time like the others.
+$(BUILD)/src/kernels/%_amx.o: src/kernels/%_amx.c | $(DEPS_OK)
+	@mkdir -p $(dir $@)
+	$(CC) $(K3_CFLAGS) $(PC_CFLAGS) $(CFLAGS) -mamx-tile -mamx-bf16 -mamx-int8 -mavx512bf16 -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512vnni -mavx2 -mfma -mf16c -c $< -o $@
+
 $(BUILD)/libk3.a: $(OBJ)
 	ar rcs $@ $^
 
