@@ -36,7 +36,7 @@ MODEL   ?= models/k3-mini
 PROMPT  ?= It is a truth universally acknowledged, that
 RUN_ARGS?= -n 64
 
-.PHONY: all help deps run test test-unit test-cli clean asan ubsan format check-reference kbench xcore stepgap
+.PHONY: all help deps run test test-unit test-cli clean asan ubsan format check-reference kbench xcore stepgap amxbench
 all: $(BUILD)/k3 $(BUILD)/k3-test
 
 help:
@@ -114,6 +114,13 @@ clean:
 $(BUILD)/kbench: bench/kbench.c $(BUILD)/libk3.a
 	$(CC) $(K3_CFLAGS) $(PC_CFLAGS) $(CFLAGS) -o $@ $< $(BUILD)/libk3.a $(PC_LIBS) $(LDLIBS)
 kbench: $(BUILD)/kbench
+
+# Developer tool: the AMX kernels alone (the unit's peak, the routed experts
+# of the bench checkpoint's shapes from DRAM, BF16 trunk products), beside
+# the AVX-512 ones (docs/amx.md).
+$(BUILD)/amxbench: bench/amxbench.c $(BUILD)/libk3.a
+	$(CC) $(K3_CFLAGS) $(PC_CFLAGS) $(CFLAGS) -o $@ $< $(BUILD)/libk3.a $(PC_LIBS) $(LDLIBS)
+amxbench: $(BUILD)/amxbench
 
 # Developer tool: the cost of a hand-off between the two cores, and the read
 # bandwidth of one thread and of two (which of the machine's states is on).
