@@ -13,6 +13,7 @@
  *   AB_MB=600     MB of expert weights per format (layers cycled)
  *   AB_RUNS=9     timed layer calls per point (median)
  *   AB_AVX=0      skip the AVX-512 baselines; AB_TRUNK=0 skip the trunk shapes
+ *   AB_QLI=4096   key slots of the DSA indexer run (16 heads of 128, 512 and 64 tokens); 0 skips it
  *   AB_EMU=1      the emulated kernels (checks the tool; its times mean nothing)
  *   AB_AMX=0      only the AVX-512 baselines (runs on any AVX-512 machine)
  * Time the figures under `flock -x /tmp/k3-cpu.lock`.
@@ -24,6 +25,7 @@
 
 #include "k3.h"
 #include "kernels/amx.h"
+#include "kernels/attn_ops.h"
 #include "kernels/kernels.h"
 #include "kernels/quant.h"
 
@@ -240,7 +242,7 @@ int main(int argc, char **argv) {
                 }
             }
         const bool fused = !strcmp(fmt, "bf16") || !strcmp(fmt, "mxfp4");
-        printf("%-9s %d layers of %.0f MB%s\n", fmt, nl, layer_mb, fused ? " (k3_amx_moe)" : " (products)");
+        printf("%-9s %d layers of %.0f MB%s\n", fmt, nl, layer_mb, !amx ? "" : fused ? " (k3_amx_moe)" : " (products)");
         char tl[128];
         snprintf(tl, sizeof tl, "%s", toks);
         char *sv = NULL;
@@ -330,6 +332,55 @@ int main(int argc, char **argv) {
             free(buf);
             free((void *)w.data);
         }
+    }
+    /* ---- the DSA indexer over a chunk ---- */
+    const int64_t nk = atoll(env("AB_QLI", "4096"));
+    if (nk > 0) {
+        const int HI = 16, dI = 128;
+        printf("\nDSA indexer scores (QLI), %d heads of %d, %lld key slots: GOP/s (2 per multiply-add)\n", HI, dI,
+               (long long)nk);
+        int8_t *k8 = malloc((size_t)(nk * dI)), *q8 = malloc((size_t)(512 * HI * dI));
+        float *ks = malloc(sizeof(float) * (size_t)nk), *qs = malloc(sizeof(float) * 512 * HI);
+        float *w = malloc(sizeof(float) * 512 * HI), *sc = malloc(sizeof(float) * (size_t)(512 * nk));
+        int64_t *slots = malloc(sizeof(int64_t) * (size_t)nk);
+        for (int64_t i = 0; i < nk * dI; i++) k8[i] = (int8_t)(rnd() % 255 - 127);
+        for (int64_t i = 0; i < 512 * HI * dI; i++) q8[i] = (int8_t)(rnd() % 255 - 127);
+        for (int64_t i = 0; i < nk; i++) {
+            ks[i] = 1e-3f;
+            slots[i] = i;
+        }
+        for (int i = 0; i < 512 * HI; i++) {
+            qs[i] = 1e-3f;
+            w[i] = frand();
+        }
+        for (int64_t T = 512; T >= 64; T /= 8) {
+            double ta[64], tv[64];
+            const int nr = emu ? 1 : runs < 64 ? runs : 64;
+            for (int r = 0; r < nr; r++) {
+                double t0 = now_s();
+                if (amx) k3_amx_qli_scores(pool, q8, qs, w, T, HI, dI, k8, ks, slots, nk, sc, nk);
+                ta[r] = now_s() - t0;
+                t0 = now_s();
+                if (avx)
+                    for (int64_t t = 0; t < T; t++)
+                        k3_qli_scores(q8 + t * HI * dI, qs + t * HI, w + t * HI, HI, dI, k8, ks, slots, (int)nk, sc + t * nk);
+                tv[r] = now_s() - t0;
+            }
+            qsort(ta, (size_t)nr, sizeof ta[0], cmpd);
+            qsort(tv, (size_t)nr, sizeof tv[0], cmpd);
+            const double op = 2.0 * T * HI * dI * (double)nk / 1e9;
+            printf("  %4lld tokens:", (long long)T);
+            if (amx) printf(" amx %7.1f GOP/s (%4.1f%% of peak)", op / ta[nr / 2], 100 * op / ta[nr / 2] / peak[1]);
+            if (avx) printf("   avx512 (k3_qli_scores per token) %7.1f GOP/s", op / tv[nr / 2]);
+            printf("\n");
+        }
+        free(k8);
+        free(q8);
+        free(ks);
+        free(qs);
+        free(w);
+        free(sc);
+        free(slots);
     }
     k3_pool_free(pool);
     return 0;

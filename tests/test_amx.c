@@ -21,6 +21,7 @@
 #include "k3.h"
 #include "common/pool.h"
 #include "kernels/amx.h"
+#include "kernels/attn_ops.h"
 #include "kernels/kernels.h"
 #include "kernels/quant.h"
 
@@ -453,4 +454,60 @@ K3_TEST(amx_threads_invariant) {
     free(x);
     free(y1);
     free(y2);
+}
+
+/* The DSA indexer over a chunk: each token's scores equal k3_qli_scores_ref's
+ * bit for bit (slots in any order, repeated or not). */
+static void check_qli(int64_t T, int HI, int dI, int64_t n, int64_t nslots) {
+    int8_t *q8 = malloc((size_t)(T * HI * dI)), *k8 = malloc((size_t)(nslots * dI));
+    float *qs = malloc(sizeof(float) * (size_t)(T * HI)), *w = malloc(sizeof(float) * (size_t)(T * HI));
+    float *ks = malloc(sizeof(float) * (size_t)nslots);
+    int64_t *slots = malloc(sizeof(int64_t) * (size_t)n);
+    for (int64_t i = 0; i < T * HI * dI; i++) q8[i] = (int8_t)((int)(rnd() % 255) - 127);
+    for (int64_t i = 0; i < nslots * dI; i++) k8[i] = (int8_t)((int)(rnd() % 255) - 127);
+    for (int64_t i = 0; i < T * HI; i++) {
+        qs[i] = 1e-3f * (1 + rnd() % 100);
+        w[i] = frand(0.5f);
+    }
+    for (int64_t i = 0; i < nslots; i++) ks[i] = 1e-3f * (1 + rnd() % 100);
+    for (int64_t i = 0; i < n; i++) slots[i] = i % 5 == 4 ? (int64_t)(rnd() % (uint32_t)nslots) : (i * 7) % nslots;
+    const int64_t lds = n + 3;
+    float *ref = malloc(sizeof(float) * (size_t)(T * lds)), *y = malloc(sizeof(float) * (size_t)(T * lds));
+    for (int64_t t = 0; t < T; t++)
+        k3_qli_scores_ref(q8 + t * HI * dI, qs + t * HI, w + t * HI, HI, dI, k8, ks, slots, (int)n, ref + t * lds);
+    k3_pool *pool = NULL;
+    REQUIRE(k3_pool_init(&pool, 2, NULL) == K3_OK);
+    bool hw[2];
+    const int nb = backends(hw);
+    for (int b = 0; b < nb; b++) {
+        use(hw[b]);
+        for (int th = 0; th < 2; th++) {
+            memset(y, 0, sizeof(float) * (size_t)(T * lds));
+            k3_amx_qli_scores(th ? pool : NULL, q8, qs, w, T, HI, dI, k8, ks, slots, n, y, lds);
+            int bad = 0;
+            for (int64_t t = 0; t < T; t++) bad += memcmp(y + t * lds, ref + t * lds, sizeof(float) * (size_t)n) != 0;
+            CHECKF(!bad, "qli T=%lld HI=%d dI=%d n=%lld: %d tokens differ from the reference (%s, %d threads)",
+                   (long long)T, HI, dI, (long long)n, bad, hw[b] ? "amx" : "emulated", th + 1);
+        }
+    }
+    use(true);
+    k3_pool_free(pool);
+    free(q8);
+    free(k8);
+    free(qs);
+    free(w);
+    free(ks);
+    free(slots);
+    free(ref);
+    free(y);
+}
+
+K3_TEST(amx_qli_equals_ref) {
+    CHECK(k3_amx_qli_ok(16, 128) && k3_amx_qli_ok(64, 64) && !k3_amx_qli_ok(8, 128) && !k3_amx_qli_ok(16, 96));
+    check_qli(1, 16, 128, 1, 4);
+    check_qli(3, 16, 128, 15, 40);
+    check_qli(17, 16, 128, 100, 300); /* the bench checkpoint's indexer: 16 heads of 128 */
+    check_qli(5, 32, 64, 33, 50);
+    check_qli(2, 64, 128, 64, 64);
+    check_qli(64, 16, 128, 257, 257);
 }

@@ -299,3 +299,31 @@ void k3_amx_moe(k3_pool *pool, const k3_amx_expert *experts, int64_t n_experts, 
         k3_pool_for(pool, item0[n_experts], 1, moe_task, &j);
     }
 }
+
+/* ---- the DSA indexer ------------------------------------------------------- */
+
+bool k3_amx_qli_ok(int HI, int dI) { return HI > 0 && HI % 16 == 0 && dI > 0 && dI % 64 == 0 && dI <= 1024; }
+
+typedef struct qli_job {
+    const k3_amx_ops *k;
+    const int8_t *q8, *k8;
+    const float *qs, *w, *ks;
+    const int64_t *slots;
+    int64_t T, n, lds;
+    int HI, dI;
+    float *scores;
+} qli_job;
+
+static void qli_task(void *ctx, int64_t lo, int64_t hi, int ith) {
+    const qli_job *j = ctx;
+    j->k->qli(j->q8, j->qs, j->w, j->T, j->HI, j->dI, j->k8, j->ks, j->slots, j->n, j->scores, j->lds, lo, hi);
+}
+
+void k3_amx_qli_scores(k3_pool *pool, const int8_t *q8, const float *qs, const float *w, int64_t T, int HI, int dI,
+                       const int8_t *k8, const float *ks, const int64_t *slots, int64_t n, float *scores, int64_t lds) {
+    const k3_amx_ops *k = kern();
+    K3_ASSERT(k && k3_amx_qli_ok(HI, dI));
+    if (T <= 0 || n <= 0) return;
+    qli_job j = {k, q8, k8, qs, w, ks, slots, T, n, lds, HI, dI, scores};
+    k3_pool_for(pool, (n + 31) / 32, 1, qli_task, &j);
+}

@@ -91,6 +91,15 @@ typedef struct k3_amx_expert {
 void k3_amx_moe(k3_pool *pool, const k3_amx_expert *experts, int64_t n_experts, const int64_t *row0,
                 const float *x, float *y, k3_glu_kind kind, float b1, float b2);
 
+/* DSA indexer scores (QLI, attn_ops.h) of T query tokens over the same n key
+ * slots: scores[t * lds + i] = k3_qli_scores_ref(q8 + t HI dI, qs + t HI,
+ * w + t HI, ...)[i], bit for bit. q8 [T, HI, dI] int8, qs and w [T, HI]; k8
+ * rows of dI int8 and ks per slot, as k3_qli_scores. Split over 32-slot
+ * panels. Shapes: k3_amx_qli_ok. */
+bool k3_amx_qli_ok(int HI, int dI);
+void k3_amx_qli_scores(k3_pool *pool, const int8_t *q8, const float *qs, const float *w, int64_t T, int HI, int dI,
+                       const int8_t *k8, const float *ks, const int64_t *slots, int64_t n, float *scores, int64_t lds);
+
 /* The unit's peak on this core: iters rounds of a loop of tile products
  * (2 x 2 accumulators over operands in tiles, no memory traffic); returns
  * the operations done (2 per multiply-add), to be divided by the time. */
@@ -113,6 +122,9 @@ typedef struct k3_amx_ops {
     void (*up)(const k3_amx_expert *e, const uint8_t *xb, int64_t n, uint8_t *hb, int64_t s0, int64_t s1,
                k3_glu_kind kind, float b1, float b2);
     double (*peak)(bool int8, int64_t iters);
+    /* k3_amx_qli_scores over 32-slot panels [p0, p1) */
+    void (*qli)(const int8_t *q8, const float *qs, const float *w, int64_t T, int HI, int dI, const int8_t *k8,
+                const float *ks, const int64_t *slots, int64_t n, float *scores, int64_t lds, int64_t p0, int64_t p1);
 } k3_amx_ops;
 extern const k3_amx_ops k3_amx_ops_hw, k3_amx_ops_emu;
 /* B tiles per 16 tokens for w: ceil(cols / 32) (BF16), ceil(cols / 64) (INT8). */
