@@ -37,7 +37,7 @@ MODEL   ?= models/k3-mini
 PROMPT  ?= It is a truth universally acknowledged, that
 RUN_ARGS?= -n 64
 
-.PHONY: all help deps run test test-unit test-cli clean asan ubsan format check-reference kbench xcore stepgap
+.PHONY: all help deps run test test-unit test-cli clean asan ubsan format check-reference kbench xcore stepgap amxbench
 all: $(BUILD)/k3 $(BUILD)/k3-test
 
 help:
@@ -77,6 +77,12 @@ $(BUILD)/%_avx2.o: %_avx2.c | $(DEPS_OK)
 $(BUILD)/%_avx512.o: %_avx512.c | $(DEPS_OK)
 	@mkdir -p $(dir $@)
 	$(CC) $(K3_CFLAGS) $(PC_CFLAGS) $(CFLAGS) -mavx512f -mavx512bw -mavx512vl -mavx512vnni -mavx2 -mfma -mf16c -c $< -o $@
+
+# The AMX kernels (src/kernels/*_amx.c): the tile instructions and the
+# AVX-512 parts around them; chosen at run time like the others.
+$(BUILD)/src/kernels/%_amx.o: src/kernels/%_amx.c | $(DEPS_OK)
+	@mkdir -p $(dir $@)
+	$(CC) $(K3_CFLAGS) $(PC_CFLAGS) $(CFLAGS) -mamx-tile -mamx-bf16 -mamx-int8 -mavx512bf16 -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512vnni -mavx2 -mfma -mf16c -c $< -o $@
 
 # made afresh, so an object whose source is gone does not stay in the archive
 $(BUILD)/libk3.a: $(OBJ)
@@ -134,6 +140,13 @@ clean:
 $(BUILD)/kbench: bench/kbench.c $(BUILD)/libk3.a
 	$(CC) $(K3_CFLAGS) $(PC_CFLAGS) $(CFLAGS) -o $@ $< $(BUILD)/libk3.a $(PC_LIBS) $(LDLIBS)
 kbench: $(BUILD)/kbench
+
+# Developer tool: the AMX kernels alone (the unit's peak, the routed experts
+# of the bench checkpoint's shapes from DRAM, BF16 trunk products), beside
+# the AVX-512 ones (docs/amx.md).
+$(BUILD)/amxbench: bench/amxbench.c $(BUILD)/libk3.a
+	$(CC) $(K3_CFLAGS) $(PC_CFLAGS) $(CFLAGS) -o $@ $< $(BUILD)/libk3.a $(PC_LIBS) $(LDLIBS)
+amxbench: $(BUILD)/amxbench
 
 # Developer tool: the cost of a hand-off between the two cores, and the read
 # bandwidth of one thread and of two (which of the machine's states is on).

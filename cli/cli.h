@@ -141,7 +141,7 @@ void k3_eval_remote_close(k3_eval_remote *r);
 /* Applies --isa NAME (k3_set_isa) for subcommand cmd; 0, or prints why not
  * and returns 2. Call it while parsing, before the model is opened. */
 int k3_cli_set_isa(const char *cmd, const char *name);
-#define K3_CLI_ISA_HELP "ref | avx2 | avx2-novnni | avx512 | best (default: best the CPU has)"
+#define K3_CLI_ISA_HELP "ref | avx2 | avx2-novnni | avx512 | amx | best (default: best the CPU has)"
 
 /* The model directory used when -m is not given. */
 #define K3_DEFAULT_MODEL "models/k3-mini"

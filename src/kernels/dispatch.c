@@ -15,6 +15,13 @@
  *                  VNNI its W8A8, W4A8 and QLI kernels, with VBMI too the
  *                  vpermb forms of W4A8 and its orders; without VNNI the 8-bit
  *                  products stay AVX2's.
+ *   "amx"          "avx512" with the products of BF16, MXFP4 (fp32
+ *                  activations) and Q8 weights on the AMX tile unit (amx.h)
+ *                  for calls with enough rows to fill tiles (prefill,
+ *                  batches); the rest, decode included, run "avx512"'s
+ *                  kernels (its base). Only where the CPU has AMX and the
+ *                  kernel grants the process the tile state (arch_prctl, in
+ *                  k3_amx_init); "--isa amx" elsewhere is an error saying why.
  * CPU features come from __builtin_cpu_supports, which also checks that the OS
  * saves the wider registers. The best table the CPU has is current unless
  * k3_set_isa (`--isa`) or k3_kernels_force (tests) chose another; which one
@@ -22,6 +29,7 @@
  * form, so it is chosen before the model is loaded.
  */
 #include "kernels/kernels_isa.h"
+#include "kernels/amx.h"
 #include "kernels/quant.h"
 #include "common/error.h"
 
@@ -30,8 +38,9 @@
 #include <string.h>
 
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
-static k3_kernel_ops t_ref, t_avx2, t_avx2_vnni, t_avx512;
-static bool g_have[3];
+static k3_kernel_ops t_ref, t_avx2, t_avx2_vnni, t_avx512, t_amx;
+static bool g_have[K3_ISA_COUNT];
+static bool g_amx_built; /* t_amx is made (the unit is granted, or the emulation can run) */
 static bool g_have_avxvnni; /* AVX-VNNI (vpdpbusd on ymm) */
 static const k3_kernel_ops *g_best;
 static const k3_kernel_ops *_Atomic g_ops;
@@ -135,15 +144,21 @@ static void build_avx512(k3_kernel_ops *o, const k3_kernel_ops *avx2, bool vnni,
     o->qli_scores = k3_qli_scores_avx512;
 }
 
-/* AMX (a table to come, over "avx512"): a copy of t_avx512 whose GEMM
- * entries -- q[K3_W_Q8], q[K3_W_MXFP4_R4] -- are tile kernels (*_amx.c) with a
- * fits() that takes n at or above the rows where the tiles pay off, and
- * base = &t_avx512, so decode and short chunks run the AVX-512 kernels; built
- * in detect() where the CPU has AMX-INT8 and the process has its tile state
- * (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)), then the best; with a
- * K3_ISA_AMX and an "amx" name in k3_set_isa. Its kernels must give the bits
- * of the AVX-512 ones (the same float epilogue after the exact integer dots),
- * or a sequence's logits would depend on the size of its batch. */
+/* AMX over "avx512": the GEMMs with enough rows on the tiles, everything
+ * else (decode's streams, attention, the W4A8 tiles) as "avx512". Q8 gives
+ * the AVX-512 VNNI kernel's bits (the same integers, the same float
+ * epilogue); BF16 and MXFP4 round the activations to BF16 (amx.h), so a
+ * product with n at or above the threshold differs from the same rows one at
+ * a time within that rounding: "avx512" is the exact path. */
+static void build_amx(k3_kernel_ops *o, const k3_kernel_ops *avx512) {
+    *o = *avx512;
+    o->name = "amx";
+    o->isa = K3_ISA_AMX;
+    o->base = avx512;
+    const k3_mm_kernel mm = {.fits = k3_amx_mm_fits, .call = k3_amx_mm_call};
+    o->mm[K3_W_BF16] = o->mm[K3_W_MXFP4] = mm;
+    o->q[K3_W_Q8] = (k3_q_kernel){.form = K3_QX_I8, .fits = k3_amx_q8_fits, .call = k3_amx_mm_call};
+}
 
 static void detect(void) {
     g_have[K3_ISA_REF] = true;
@@ -169,7 +184,13 @@ static void detect(void) {
         build_avx512(&t_avx512, &t_avx2, vnni, vbmi);
         g_best = &t_avx512;
     }
-    /* the AMX table goes here, over t_avx512 (above) */
+    if (g_have[K3_ISA_AVX512] && vnni) {
+        k3_error err = {0};
+        g_have[K3_ISA_AMX] = k3_amx_init(&err) == K3_OK; /* the CPU has it and the tile state is granted */
+        g_amx_built = g_have[K3_ISA_AMX] || k3_amx_emu_possible();
+        if (g_amx_built) build_amx(&t_amx, &t_avx512);
+        if (g_have[K3_ISA_AMX]) g_best = &t_amx;
+    }
     atomic_store(&g_ops, g_best);
 }
 
@@ -187,8 +208,13 @@ const k3_kernel_ops *k3_ops(void) {
 /* The table of isa where the CPU has it (AVX2: with AVX-VNNI where it has
  * that), else NULL. */
 static const k3_kernel_ops *table_of(k3_isa isa) {
-    if ((int)isa < 0 || (int)isa >= 3 || !g_have[isa]) return NULL;
-    return isa == K3_ISA_AVX512 ? &t_avx512 : isa == K3_ISA_AVX2 ? (g_have_avxvnni ? &t_avx2_vnni : &t_avx2) : &t_ref;
+    if ((int)isa < 0 || (int)isa >= K3_ISA_COUNT || !g_have[isa]) return NULL;
+    switch (isa) {
+    case K3_ISA_AMX: return &t_amx;
+    case K3_ISA_AVX512: return &t_avx512;
+    case K3_ISA_AVX2: return g_have_avxvnni ? &t_avx2_vnni : &t_avx2;
+    default: return &t_ref;
+    }
 }
 
 /* ---- choosing ------------------------------------------------------------------- */
@@ -200,19 +226,30 @@ const char *k3_isa_name(k3_isa isa) {
     case K3_ISA_REF: return "ref";
     case K3_ISA_AVX2: return "avx2";
     case K3_ISA_AVX512: return "avx512";
+    case K3_ISA_AMX: return "amx";
+    case K3_ISA_COUNT: break;
     }
     return "unknown";
 }
 
 void k3_kernels_force(k3_isa isa) {
     k3_kernels_init();
+    k3_amx_emulate(false);
     const k3_kernel_ops *o = table_of(isa);
     atomic_store(&g_ops, o ? o : g_best);
 }
 
 bool k3_kernels_have(k3_isa isa) {
     k3_kernels_init();
-    return (int)isa >= 0 && (int)isa < 3 && g_have[isa];
+    return (int)isa >= 0 && (int)isa < K3_ISA_COUNT && g_have[isa];
+}
+
+bool k3_kernels_force_amx_emulated(void) {
+    k3_kernels_init();
+    if (!g_amx_built || !k3_amx_emu_possible()) return false;
+    k3_amx_emulate(true);
+    atomic_store(&g_ops, &t_amx);
+    return true;
 }
 
 bool k3_kernels_avxvnni(void) { return k3_ops() == &t_avx2_vnni; }
@@ -224,6 +261,7 @@ void k3_kernels_force_avxvnni(bool on) {
 
 k3_status k3_set_isa(const char *name, k3_error *err) {
     k3_kernels_init();
+    k3_amx_emulate(false);
     if (!name || !strcmp(name, "best") || !*name) {
         atomic_store(&g_ops, g_best);
         return K3_OK;
@@ -231,8 +269,13 @@ k3_status k3_set_isa(const char *name, k3_error *err) {
     /* vnni: 0 the plain AVX2 table, 1 AVX-VNNI where the CPU has it, 2 required */
     static const struct { const char *name; k3_isa isa; int vnni; } names[] = {
         {"ref", K3_ISA_REF, 0},      {"avx2", K3_ISA_AVX2, 1}, {"avx2-vnni", K3_ISA_AVX2, 2},
-        {"avx2-novnni", K3_ISA_AVX2, 0}, {"avx512", K3_ISA_AVX512, 0},
+        {"avx2-novnni", K3_ISA_AVX2, 0}, {"avx512", K3_ISA_AVX512, 0}, {"amx", K3_ISA_AMX, 0},
     };
+    if (!strcmp(name, "amx") && !g_have[K3_ISA_AMX]) {
+        k3_error why = {0};
+        k3_amx_init(&why);
+        return k3_err(err, K3_ERR_UNSUPPORTED, "kernel ISA 'amx' is not available: %s", why.msg);
+    }
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
         if (strcmp(name, names[i].name)) continue;
         if (!g_have[names[i].isa])
@@ -244,7 +287,7 @@ k3_status k3_set_isa(const char *name, k3_error *err) {
         atomic_store(&g_ops, o);
         return K3_OK;
     }
-    return k3_err(err, K3_ERR_ARG, "unknown kernel ISA '%s' (ref, avx2, avx2-novnni, avx512 or best)", name);
+    return k3_err(err, K3_ERR_ARG, "unknown kernel ISA '%s' (ref, avx2, avx2-novnni, avx512, amx or best)", name);
 }
 
 const char *k3_isa_current(void) { return k3_ops()->name; }

@@ -149,7 +149,7 @@ void k3_glu_ref(float *f1, const float *f2, int64_t n, k3_glu_kind kind, float b
 /* ---- which kernels run (dispatch.c) ------------------------------------ */
 
 /* The CPU levels k3_kernels_init picks a kernel table for: "ref", "avx2", ... */
-typedef enum k3_isa { K3_ISA_REF = 0, K3_ISA_AVX2, K3_ISA_AVX512 } k3_isa;
+typedef enum k3_isa { K3_ISA_REF = 0, K3_ISA_AVX2, K3_ISA_AVX512, K3_ISA_AMX, K3_ISA_COUNT } k3_isa;
 /* Detects the CPU and builds the tables once; safe to call many times. */
 void k3_kernels_init(void);
 k3_isa k3_kernels_isa(void);
@@ -164,5 +164,10 @@ bool k3_kernels_have(k3_isa isa);
  * in tests, takes the plain "avx2" one. */
 bool k3_kernels_avxvnni(void);
 void k3_kernels_force_avxvnni(bool on);
+/* Tests: makes the "amx" table current with the tile instructions emulated
+ * (k3_amx_emulate) where the CPU runs the emulation, so its dispatch and
+ * kernels run on a CPU without the unit; false (and nothing changed) where it
+ * cannot. k3_kernels_force or k3_set_isa leaves it (and the emulation off). */
+bool k3_kernels_force_amx_emulated(void);
 
 #endif /* K3_KERNELS_KERNELS_H */

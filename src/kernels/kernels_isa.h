@@ -58,11 +58,17 @@ typedef int64_t k3_mm_prep_fn(const k3_mat *w, const float *x, int64_t n, float 
  * one). k3_matmul asks once per call, with the call's n; the pool may then
  * hand the kernel any share of those rows. */
 typedef bool k3_mm_fits_fn(const k3_mat *w, int64_t n);
+/* A kernel that makes the whole product itself (its own activation form and
+ * its own split over the pool): the AMX kernels, whose activation tiles are
+ * made once per call for every weight panel. Set instead of rows' split (an
+ * entry with call still has rows NULL or not; k3_matmul takes call first). */
+typedef void k3_mm_call_fn(k3_pool *pool, const k3_mat *w, const float *x, int64_t n, float *y);
 
 typedef struct k3_mm_kernel {
     k3_mm_fits_fn *fits;
     k3_mm_rows_fn *rows;
     k3_mm_prep_fn *prep_x;
+    k3_mm_call_fn *call;
 } k3_mm_kernel;
 
 /* ---- matrix products with 8-bit activations -------------------------------- */
@@ -98,6 +104,7 @@ typedef struct k3_q_kernel {
     k3_qform form;
     k3_mm_fits_fn *fits;
     k3_q_rows_fn *rows;
+    k3_mm_call_fn *call; /* the whole product from fp32 x (its own quantizer), as k3_mm_kernel.call */
 } k3_q_kernel;
 
 /* The activation quantizer and the W4A8 orders (quant.h); the dot of one
@@ -131,7 +138,7 @@ typedef void k3_kda_chunked_fn(const k3_kda_head *h, float *S, int chunk, float 
 /* ---- the table --------------------------------------------------------------- */
 
 struct k3_kernel_ops {
-    const char *name;          /* k3_isa_current(): "ref", "avx2", "avx2-vnni", "avx512" */
+    const char *name;          /* k3_isa_current(): "ref", "avx2", "avx2-vnni", "avx512", "amx" */
     k3_isa isa;
     const k3_kernel_ops *base; /* runs the calls an entry's fits() turns down; NULL for "ref" */
 
@@ -213,6 +220,14 @@ k3_q_rows_fn k3_q8_rows_avx512, k3_mx4_rows_avx512, k3_mx4_rows_avx512_vbmi, k3_
 k3_act_i8_fn k3_quant_act_i8_avx512;
 k3_mx4_order_fn k3_mx4_prep_avx512_vbmi, k3_mx4_r4_prep_avx512_vbmi;
 k3_mxfp8_dequant_fn k3_mxfp8_dequant_avx512;
+
+/* amx.c: the "amx" table's products on the tile unit (amx.h), each taking
+ * the calls with at least the rows where the tiles pay off (fits) and leaving
+ * the rest to "avx512": BF16 weights and MXFP4 ones (the BF16-decode route)
+ * with fp32 activations, Q8 (W8A8) with int8 ones, bit for bit the AVX-512
+ * VNNI kernel's. */
+k3_mm_fits_fn k3_amx_mm_fits, k3_amx_q8_fits;
+k3_mm_call_fn k3_amx_mm_call;
 
 /* QLI and QSFA (attn_ops_avx2.c, attn_ops_avx512.c). AVX2 QSFA goes by
  * blocks of 8 slots where rope % 8 == 0 and rope <= kv_lora, else slot by

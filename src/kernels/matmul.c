@@ -2,7 +2,8 @@
  * matmul.c -- k3_matmul: takes the current table's kernel for the weight type
  * (k3_kernel_ops.mm with fp32 activations, .q with 8-bit ones, by the
  * weight-type table's acts and k3_mat.act8), makes the activations the kernel
- * reads once per call, and splits the rows over the thread pool.
+ * reads once per call, and splits the rows over the thread pool; a kernel
+ * with a call entry (AMX) does both itself.
  *
  * Threading: work is cut into row ranges, up to 4 per thread, that the pool
  * hands to whichever thread is free (each slice of the weights is streamed
@@ -53,6 +54,10 @@ static void mm_task(void *ctx, int64_t lo, int64_t hi, int ith) {
 static void matmul_f32(k3_pool *pool, const k3_kernel_ops *o, const k3_mat *w, const float *x, int64_t n, float *y) {
     while (o->mm[w->type].fits && !o->mm[w->type].fits(w, n)) o = o->base;
     const k3_mm_kernel *k = &o->mm[w->type];
+    if (k->call) {
+        k->call(pool, w, x, n, y);
+        return;
+    }
     K3_ASSERT(k->rows); /* k3_wtype_traits.acts said fp32 */
     const int64_t nprep = k->prep_x ? k->prep_x(w, x, n, NULL) : 0;
     if (nprep > 0 && n > PREP_ROWS) {
@@ -100,6 +105,10 @@ static void q_rows(void *p, int64_t lo, int64_t hi, int ith) {
 static void matmul_q(k3_pool *pool, const k3_kernel_ops *o, const k3_mat *w, const float *x, int64_t n, float *y) {
     while (o->q[w->type].fits && !o->q[w->type].fits(w, n)) o = o->base;
     const k3_q_kernel *k = &o->q[w->type];
+    if (k->call) {
+        k->call(pool, w, x, n, y);
+        return;
+    }
     K3_ASSERT(k->rows); /* "k3_matmul: weight type without an 8-bit path" */
     const int64_t cols = w->cols, ldc = (cols + 127) / 128 * 16;
     /* scratch: xs [n] | xf or corr [n, cols or ldc] | xq [n, cols] | prepared [n, cols] */
