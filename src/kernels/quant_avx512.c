@@ -91,6 +91,14 @@ static void q8_tiles(const int8_t *w, int64_t cols, const uint8_t *xu, int nr, i
 #undef T
 }
 
+/* How far ahead (bytes) the W4A8 tile kernel prefetches its weights into L2
+ * (_MM_HINT_T1) at one token, as the AVX2 one does (quant_avx2.c): without
+ * it a core's stream of routed experts from DRAM fell behind the AVX2
+ * kernel's. (W8A8's row stream does not gain from it: the hardware follows
+ * one long row.) */
+enum { ONE_AHEAD = 4096 };
+#define PF1(p) _mm_prefetch((const char *)(p) + ONE_AHEAD, _MM_HINT_T1)
+
 /* One row against one token: four accumulators so the vpdpbusd chain is not
  * what limits a decode step. Σ w xu, like q8_tile. */
 static inline int32_t q8_dot1(const int8_t *w, const uint8_t *xu, int64_t cols) {
