@@ -16,7 +16,7 @@ CC      ?= cc
 # element is computed as before, so results do not change.
 OPT     ?= -O2 -fvect-cost-model=dynamic
 CFLAGS  ?= $(OPT) -g
-WARN    := -Wall -Wextra -Wshadow -Wstrict-prototypes -Wvla -Wno-unused-parameter -Wno-missing-field-initializers -Werror
+WARN    := -Wall -Wextra -Wshadow -Wstrict-prototypes -Wmissing-prototypes -Wvla -Wno-unused-parameter -Wno-missing-field-initializers -Werror
 DEPS_PC := libpcre2-8 jansson libpng libjpeg libwebp libwebpdemux libmicrohttpd libcurl
 K3_CFLAGS := -std=c11 -D_GNU_SOURCE -Iinclude -Isrc $(WARN) -pthread -MMD -MP
 # giflib ships no pkg-config file: its header is checked by the deps step.
@@ -41,7 +41,7 @@ MODEL   ?= models/k3-mini
 PROMPT  ?= It is a truth universally acknowledged, that
 RUN_ARGS?= -n 64
 
-.PHONY: all help deps run test test-unit test-cli clean asan ubsan format check-reference kbench xcore stepgap
+.PHONY: all help deps run test test-unit test-cli clean asan ubsan format check-reference kbench xcore stepgap amxbench
 all: $(BUILD)/k3 $(BUILD)/k3-test
 
 help:
@@ -91,6 +91,11 @@ $(BUILD)/gen/ui_page.c: $(UI_PAGE) $(BUILD)/embed
 	$(BUILD)/embed k3_ui_index_html $(UI_PAGE) > $@.tmp && mv $@.tmp $@
 $(BUILD)/gen/ui_page.o: $(BUILD)/gen/ui_page.c
 	$(CC) $(K3_CFLAGS) $(CFLAGS) -c $< -o $@
+# The AMX kernels (src/kernels/*_amx.c): the tile instructions and the
+# AVX-512 parts around them; chosen at run time like the others.
+$(BUILD)/src/kernels/%_amx.o: src/kernels/%_amx.c | $(DEPS_OK)
+	@mkdir -p $(dir $@)
+	$(CC) $(K3_CFLAGS) $(PC_CFLAGS) $(CFLAGS) -mamx-tile -mamx-bf16 -mamx-int8 -mavx512bf16 -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512vnni -mavx2 -mfma -mf16c -c $< -o $@
 
 # made afresh, so an object whose source is gone does not stay in the archive
 $(BUILD)/libk3.a: $(OBJ)
@@ -157,6 +162,13 @@ clean:
 $(BUILD)/kbench: bench/kbench.c $(BUILD)/libk3.a
 	$(CC) $(K3_CFLAGS) $(PC_CFLAGS) $(CFLAGS) -o $@ $< $(BUILD)/libk3.a $(PC_LIBS) $(LDLIBS)
 kbench: $(BUILD)/kbench
+
+# Developer tool: the AMX kernels alone (the unit's peak, the routed experts
+# of the bench checkpoint's shapes from DRAM, BF16 trunk products), beside
+# the AVX-512 ones (docs/amx.md).
+$(BUILD)/amxbench: bench/amxbench.c $(BUILD)/libk3.a
+	$(CC) $(K3_CFLAGS) $(PC_CFLAGS) $(CFLAGS) -o $@ $< $(BUILD)/libk3.a $(PC_LIBS) $(LDLIBS)
+amxbench: $(BUILD)/amxbench
 
 # Developer tool: the cost of a hand-off between the two cores, and the read
 # bandwidth of one thread and of two (which of the machine's states is on).

@@ -65,13 +65,12 @@ int main(int argc, char **argv) {
     for (size_t f = 0; f < sizeof fmts / sizeof fmts[0]; f++) {
         if (getenv("KB_FMT") && strncmp(fmts[f].name, getenv("KB_FMT"), strlen(getenv("KB_FMT")))) continue;
         k3_mat w = {.type = fmts[f].t, .rows = rows, .cols = cols, .act8 = fmts[f].act8};
+        const k3_wtype_traits *ti = k3_wtype_info(w.type);
         const size_t rb = k3_mat_row_bytes(&w);
         const size_t mb = rb * (size_t)rows;
         const int nm = (int)(((getenv("KB_KB") ? (size_t)atoll(getenv("KB_KB")) : 524288) << 10) / mb) + 1;
         k3_mat *ms = calloc((size_t)nm, sizeof *ms);
-        const size_t db = fmts[f].t == K3_W_BF16 ? 2 * (size_t)(rows * cols)
-                          : fmts[f].t == K3_W_MXFP4 || fmts[f].t == K3_W_MXFP4_R4 ? (size_t)(rows * cols / 2)
-                                                                                   : (size_t)(rows * cols);
+        const size_t db = k3_mat_data_bytes(&w);
         /* one after the other in one allocation, like the model's copies
          * (k3_model_load_resident); KB_HUGE: in 2 MB pages, as they are */
         const size_t al = (db * nm + (2u << 20) - 1) / (2u << 20) * (2u << 20);
@@ -86,12 +85,12 @@ int main(int argc, char **argv) {
             if (fmts[f].t == K3_W_MXFP8)
                 for (size_t i = 0; i < db; i++) if ((d[i] & 0x7f) == 0x7f) d[i] = 0x10;
             ms[m].data = d;
-            if (fmts[f].t == K3_W_MXFP4 || fmts[f].t == K3_W_MXFP8 || fmts[f].t == K3_W_MXFP4_R4) {
-                uint8_t *s = malloc((size_t)(rows * cols / 32));
-                for (int64_t i = 0; i < rows * cols / 32; i++) s[i] = (uint8_t)(118 + rnd() % 8);
+            if (ti->block) {
+                uint8_t *s = malloc(k3_mat_scale_bytes(&w));
+                for (size_t i = 0; i < k3_mat_scale_bytes(&w); i++) s[i] = (uint8_t)(118 + rnd() % 8);
                 ms[m].scale = s;
             }
-            if (fmts[f].t == K3_W_Q8) { /* as the loader makes them: scales and row sums */
+            if (ti->row_scale) { /* as the loader makes them: scales and row sums */
                 float *s = malloc(sizeof(float) * (size_t)rows);
                 int32_t *sum = malloc(sizeof(int32_t) * (size_t)rows);
                 for (int64_t i = 0; i < rows; i++) {

@@ -17,6 +17,9 @@ int k3_cmd_bench_throughput(int argc, char **argv); /* `k3 bench throughput` */
 
 #include "k3.h"
 
+/* The --quant modes, as the subcommands' help lists them (k3_quant_parse). */
+#define K3_CLI_QUANT_MODES "none | w8a8 | w8a8-mxfp8 | w4a8 | w8a8+w4a8"
+
 /* The quantization mode and cache format used when none is given. The
  * trunk runs as stored (BF16) and the routed experts as stored (MXFP4 or
  * BF16, fp32 activations), with the C8 cache: on tiny checkpoints built by
@@ -138,7 +141,7 @@ void k3_eval_remote_close(k3_eval_remote *r);
 /* Applies --isa NAME (k3_set_isa) for subcommand cmd; 0, or prints why not
  * and returns 2. Call it while parsing, before the model is opened. */
 int k3_cli_set_isa(const char *cmd, const char *name);
-#define K3_CLI_ISA_HELP "ref | avx2 | avx2-novnni | avx512 | best (default: best the CPU has)"
+#define K3_CLI_ISA_HELP "ref | avx2 | avx2-novnni | avx512 | amx | best (default: best the CPU has)"
 
 /* The model directory used when -m is not given. */
 #define K3_DEFAULT_MODEL "models/k3-mini"

@@ -68,7 +68,7 @@ static void usage_to(FILE *out) {
             "  --threads N          worker threads (default: the physical cores; 0 = every CPU)\n"
             "  --runs N             runs per figure, 1-64 (default 5; medians with min and max)\n"
             "  --kv-cache f32|c8    cache format\n"
-            "  --quant MODE         none | w8a8 | w8a8-mxfp8 | w4a8 | w8a8+w4a8\n"
+            "  --quant MODE         " K3_CLI_QUANT_MODES "\n"
             "  --mmap               keep the weights in the file mapping (default: in RAM)\n"
             "  --prompts 128,512,2048  prefill lengths\n"
             "  --decode-tokens N    decode steps per run (default 16)\n"

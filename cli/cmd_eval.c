@@ -34,7 +34,7 @@ static void usage_to(FILE *out) {
             "  --threads N     worker threads (default: the physical cores; 0 = every CPU)\n"
             "  --stride N      tokens a window advances (default ctx/2)\n"
             "  --max-tokens N  score only the first N tokens of the file\n"
-            "  --quant MODE    none | w8a8 | w8a8-mxfp8 | w4a8 | w8a8+w4a8\n"
+            "  --quant MODE    " K3_CLI_QUANT_MODES "\n"
             "  --isa NAME      kernels: " K3_CLI_ISA_HELP "\n"
             "  --mmap          keep the weights in the file mapping\n"
             "  --kv-cache f32|c8\n"

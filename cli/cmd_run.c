@@ -40,7 +40,7 @@ static void usage_to(FILE *out) {
             "  --ids 1,2,3         feed these token ids instead of a text prompt\n"
             "  --dump-logits FILE  write the logits of every prompt position (float32)\n"
             "  --ctx N             context size in tokens (default: prompt + n)\n"
-            "  --quant MODE        none | w8a8 | w8a8-mxfp8 | w4a8 | w8a8+w4a8 (default %s)\n"
+            "  --quant MODE        " K3_CLI_QUANT_MODES " (default %s)\n"
             "  --mmap              read weights from the file mapping (default: copy them\n"
             "                      into RAM when they take at most half of it)\n"
             "  --kv-cache f32|c8   cache format (default %s)\n"

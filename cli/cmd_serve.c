@@ -73,7 +73,7 @@ static int usage_serve(FILE *f) {
             "                               D x --dcp-interleave, by default 64 rounded up to one)\n"
             "  --no-prefix-cache            turn prefix caching off\n"
             "  --snapshot-mb N              byte budget of the prefix cache's KDA snapshots (default: the engine's)\n"
-            "  --quant MODE                 none | w8a8 | w8a8-mxfp8 | w4a8 | w8a8+w4a8 (default %s)\n"
+            "  --quant MODE                 " K3_CLI_QUANT_MODES " (default %s)\n"
             "  --kv-cache f32|c8            cache format (default %s)\n"
             "  --mmap                       keep the weights in the file mapping\n"
             "  --threads N                  worker threads (default: the physical cores)\n"

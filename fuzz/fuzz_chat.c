@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fuzz.h"
 #include "k3.h"
 
 static k3_tokenizer *tiny;

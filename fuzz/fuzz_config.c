@@ -4,6 +4,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "fuzz.h"
 #include "model/config.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {

@@ -5,6 +5,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "fuzz.h"
 #include "vision/vision.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {

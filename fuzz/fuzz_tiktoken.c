@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fuzz.h"
 #include "k3.h"
 #include "tokenizer/pretok.h"
 #include "tokenizer/tokenizer_internal.h"

@@ -1082,15 +1082,17 @@ void k3_engine_kv_residency(k3_engine *e, k3_kv_residency *out);
 /* Picks the kernels every later call runs: "ref" (scalar), "avx2" (AVX2 +
  * FMA + F16C, with AVX-VNNI for the integer dot products where the CPU has
  * it), "avx2-vnni" (the same, refused without AVX-VNNI), "avx2-novnni" (the
- * same without AVX-VNNI), "avx512", or "best" / NULL
- * (the best the CPU has, the default). Call it before k3_model_quantize and
+ * same without AVX-VNNI), "avx512", "amx" (AVX-512 with the prefill and
+ * batch GEMMs on the AMX tile unit: only where the CPU has it and the kernel
+ * grants the tile state), or "best" / NULL (the best the CPU has, the
+ * default). Call it before k3_model_quantize and
  * k3_model_load_resident: the resident layout of the 8-bit weights depends on
  * the ISA (the W4A8 4-row tiles are AVX-512 VNNI only), and contexts choose
  * their KDA form when made. K3_ERR_ARG for an unknown name,
  * K3_ERR_UNSUPPORTED for an ISA this CPU lacks. Not thread safe with
  * running forward passes. */
 k3_status k3_set_isa(const char *name, k3_error *err);
-/* The ISA running now: "ref", "avx2", "avx2-vnni" (AVX2 with AVX-VNNI) or "avx512". */
+/* The ISA running now: "ref", "avx2", "avx2-vnni" (AVX2 with AVX-VNNI), "avx512" or "amx". */
 const char *k3_isa_current(void);
 
 #ifdef __cplusplus

@@ -4,6 +4,7 @@
 #include <string.h>
 
 #include "kernels/kda.h"
+#include "kernels/kernels_isa.h"
 #include "kernels/kernels.h"
 #include "test.h"
 

@@ -4,6 +4,7 @@
 
 #include "common/pool.h"
 #include "kernels/kernels.h"
+#include "kernels/kernels_isa.h"
 #include "kernels/membw.h"
 
 #include <stdlib.h>
@@ -447,6 +448,40 @@ K3_TEST(kernels_isa_detect) {
     restore_best_isa();
     CHECK(k3_kernels_isa() == best);
     CHECK(!strcmp(k3_isa_name(K3_ISA_AVX2), "avx2"));
+}
+
+/* Every table the CPU has (AVX2 with and without AVX-VNNI) has a kernel for
+ * every weight type and family the weight-type table says it takes, and an
+ * entry for every other family; a fits() entry has a base to fall back on.
+ * A new format is a row of the weight-type table plus its kernels: this is
+ * what fails when a kernel is missing. */
+static void check_table(const k3_kernel_ops *o) {
+    CHECKF(o->name && o->quant_act_i8 && o->mx4_prep && o->mx4_r4_prep && o->mx4_dot && o->mxfp8_dequant && o->dot &&
+               o->axpy && o->glu && o->softmax && o->qli_scores && o->qsfa && o->lse_merge && o->attnres_mix &&
+               o->kda_recurrent && o->kda_chunked,
+           "table %s: an empty entry", o->name);
+    CHECKF(o->base || (!o->qli_fits && !o->qsfa_fits && !o->kda_recurrent_fits && !o->kda_chunked_fits),
+           "table %s: fits() without a base", o->name);
+    for (int t = 0; t < K3_W_COUNT; t++) {
+        const k3_wtype_traits *ti = k3_wtype_info((k3_wtype)t);
+        CHECKF(!(ti->acts & K3_ACTS_F32) || o->mm[t].rows, "table %s: no fp32 kernel for %s", o->name, ti->name);
+        CHECKF(!(ti->acts & K3_ACTS_8BIT) || o->q[t].rows, "table %s: no 8-bit kernel for %s", o->name, ti->name);
+        CHECKF(o->base || (!o->mm[t].fits && !o->q[t].fits), "table %s: fits() without a base", o->name);
+    }
+}
+
+K3_TEST(kernels_tables_complete) {
+    for (int isa = K3_ISA_REF; isa <= K3_ISA_AVX512; isa++) {
+        if (!k3_kernels_have((k3_isa)isa)) continue;
+        k3_kernels_force((k3_isa)isa);
+        check_table(k3_ops());
+        if (isa == K3_ISA_AVX2) {
+            k3_kernels_force_avxvnni(false);
+            CHECK(!strcmp(k3_isa_current(), "avx2"));
+            check_table(k3_ops());
+        }
+    }
+    restore_best_isa();
 }
 
 K3_TEST(kernels_membw_small) {

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "kernels/kernels.h"
+#include "kernels/kernels_isa.h"
 #include "kernels/quant.h"
 #include "test.h"
 
@@ -237,9 +238,15 @@ static bool have_vnni_vbmi(void) {
 }
 
 typedef void (*prep_fn)(const int8_t *xq, int64_t cols, int8_t *xp, int32_t *corr);
-typedef void (*rows_fn)(const uint8_t *packed, const uint8_t *scale, int64_t cols, const int8_t *xp,
-                        const int32_t *corr, int64_t ldc, const float *xs, int64_t n, int64_t r0, int64_t r1,
-                        float *y, int64_t ldy);
+typedef void (*rows_fn)(const k3_qjob *j, int64_t r0, int64_t r1);
+
+/* Rows [r0, r1) of w against n tokens' activations as kernel f reads them
+ * (xq, with corr for the W4A8 orders), into y [n, w->rows]. */
+static void run_rows(rows_fn f, const k3_mat *w, const int8_t *xq, const int32_t *corr, int64_t ldc, const float *xs,
+                     int64_t n, int64_t r0, int64_t r1, float *y) {
+    const k3_qjob j = {.w = w, .n = n, .xq = xq, .corr = corr, .ldc = ldc, .xs = xs, .y = y};
+    f(&j, r0, r1);
+}
 
 /* A W4A8 activation preparation's SIMD form (AVX-512 VBMI, AVX2) equals its scalar one,
  * bit for bit, for each of ncols row lengths, with extreme values. */
@@ -296,6 +303,8 @@ static void check_w4a8_kernels(bool tiles, int R, int C, int N, int split) {
         free(tp);
         free(ts);
     }
+    const k3_mat wm = {.type = tiles ? K3_W_MXFP4_R4 : K3_W_MXFP4, .rows = R, .cols = C, .data = pk, .scale = sc,
+                       .act8 = true};
     const prep_fn prep = tiles ? k3_mx4_r4_prep : k3_mx4_prep;
     const rows_fn shufb = tiles ? k3_mx4_r4_rows_avx512 : k3_mx4_rows_avx512;
     const rows_fn vbmi = tiles ? k3_mx4_r4_rows_avx512_vbmi : k3_mx4_rows_avx512_vbmi;
@@ -304,12 +313,12 @@ static void check_w4a8_kernels(bool tiles, int R, int C, int N, int split) {
         xs[t] = k3_quant_act_i8(x + t * C, C, xq + t * C);
         prep(xq + t * C, C, xp + t * C, corr + t * ldc);
     }
-    shufb(pk, sc, C, xp, corr, ldc, xs, N, 0, R, y1, R);
-    vbmi(pk, sc, C, xp, corr, ldc, xs, N, 0, R, y2, R);
+    run_rows(shufb, &wm, xp, corr, ldc, xs, N, 0, R, y1);
+    run_rows(vbmi, &wm, xp, corr, ldc, xs, N, 0, R, y2);
     CHECKF(memcmp(y1, y2, sizeof(float) * N * R) == 0, "tiles %d: vpshufb and vpermb differ", tiles);
     for (int t = 0; t < N; t++) {
-        vbmi(pk, sc, C, xp + t * C, corr + t * ldc, ldc, xs + t, 1, 0, split, yt, R);
-        vbmi(pk, sc, C, xp + t * C, corr + t * ldc, ldc, xs + t, 1, split, R, yt, R);
+        run_rows(vbmi, &wm, xp + t * C, corr + t * ldc, ldc, xs + t, 1, 0, split, yt);
+        run_rows(vbmi, &wm, xp + t * C, corr + t * ldc, ldc, xs + t, 1, split, R, yt);
         CHECKF(memcmp(yt, y2 + t * R, sizeof(float) * R) == 0, "tiles %d: token %d alone differs from the batch",
                tiles, t);
     }
@@ -370,25 +379,26 @@ static void check_q8_avx2(int R, int C, int N, int split) {
         sums[r] = s;
     }
     for (int t = 0; t < N; t++) xs[t] = 0.02f + 0.003f * (float)t;
+    const k3_mat wm = {.type = K3_W_Q8, .rows = R, .cols = C, .data = w, .row_scale = rs, .row_sum = sums};
     for (int t = 0; t < N; t++)
         for (int r = 0; r < R; r++) {
             int32_t d = 0;
             for (int c = 0; c < C; c++) d += (int32_t)w[r * C + c] * xq[t * C + c];
             y0[t * R + r] = (float)d * xs[t] * rs[r];
         }
-    k3_q8_rows_avx2(w, rs, sums, C, xq, xs, N, 0, R, y1, R);
+    run_rows(k3_q8_rows_avx2, &wm, xq, NULL, 0, xs, N, 0, R, y1);
     CHECKF(memcmp(y0, y1, sizeof(float) * N * R) == 0, "%dx%d n=%d: plain AVX2 != scalar", R, C, N);
     for (int t = 0; t < N; t++) {
-        k3_q8_rows_avx2(w, rs, sums, C, xq + t * C, xs + t, 1, 0, split, yt, R);
-        k3_q8_rows_avx2(w, rs, sums, C, xq + t * C, xs + t, 1, split, R, yt, R);
+        run_rows(k3_q8_rows_avx2, &wm, xq + t * C, NULL, 0, xs + t, 1, 0, split, yt);
+        run_rows(k3_q8_rows_avx2, &wm, xq + t * C, NULL, 0, xs + t, 1, split, R, yt);
         CHECKF(memcmp(yt, y0 + t * R, sizeof(float) * R) == 0, "plain: token %d alone differs", t);
     }
     if (k3_kernels_avxvnni() || (k3_kernels_force(K3_ISA_AVX2), k3_kernels_avxvnni())) {
-        k3_q8_rows_avxvnni(w, rs, sums, C, xu, xs, N, 0, split, y2, R);
-        k3_q8_rows_avxvnni(w, rs, sums, C, xu, xs, N, split, R, y2, R);
+        run_rows(k3_q8_rows_avxvnni, &wm, xu, NULL, 0, xs, N, 0, split, y2);
+        run_rows(k3_q8_rows_avxvnni, &wm, xu, NULL, 0, xs, N, split, R, y2);
         CHECKF(memcmp(y0, y2, sizeof(float) * N * R) == 0, "%dx%d n=%d: AVX-VNNI != scalar", R, C, N);
         for (int t = 0; t < N; t++) {
-            k3_q8_rows_avxvnni(w, rs, sums, C, xu + t * C, xs + t, 1, 0, R, yt, R);
+            run_rows(k3_q8_rows_avxvnni, &wm, xu + t * C, NULL, 0, xs + t, 1, 0, R, yt);
             CHECKF(memcmp(yt, y0 + t * R, sizeof(float) * R) == 0, "VNNI: token %d alone differs", t);
         }
     }
@@ -438,35 +448,36 @@ static void check_w4a8_avx2(int R, int C, int N, int split) {
     for (int i = 0; i < R * C / 32; i++) sc[i] = (uint8_t)(i % 17 == 0 ? i % 3 : 118 + i % 13); /* and subnormal scales */
     const k3_mat w = {.type = K3_W_MXFP4, .rows = R, .cols = C, .data = pk, .scale = sc, .act8 = true};
     k3_mx4_r4_pack(&w, tp, ts);
+    const k3_mat wt = {.type = K3_W_MXFP4_R4, .rows = R, .cols = C, .data = tp, .scale = ts, .act8 = true};
     for (int i = 0; i < N * C; i++) x[i] = frand() * (i % 29 == 0 ? 6.0f : 1.0f);
     for (int t = 0; t < N; t++) {
         xs[t] = k3_quant_act_i8_ref(x + t * C, C, xq + t * C);
         k3_mx4_r4_prep_ref(xq + t * C, C, xp + t * C, corr + t * ldc);
     }
-    k3_mx4_r4_rows_avx2(tp, ts, C, xp, corr, ldc, xs, N, 0, R, y1, R);
+    run_rows(k3_mx4_r4_rows_avx2, &wt, xp, corr, ldc, xs, N, 0, R, y1);
     k3_kernels_force(K3_ISA_REF);
     k3_matmul_q_ref(&w, x, N, yr);
     k3_kernels_force(K3_ISA_AVX512);
     const double rel = k3_test_rel_l2(y1, yr, (int64_t)N * R);
     CHECKF(rel < 1e-6, "%dx%d n=%d: rel-L2 %.3g vs the reference", R, C, N, rel);
     for (int t = 0; t < N; t++) {
-        k3_mx4_r4_rows_avx2(tp, ts, C, xp + t * C, corr + t * ldc, ldc, xs + t, 1, 0, split, yt, R);
-        k3_mx4_r4_rows_avx2(tp, ts, C, xp + t * C, corr + t * ldc, ldc, xs + t, 1, split, R, yt, R);
+        run_rows(k3_mx4_r4_rows_avx2, &wt, xp + t * C, corr + t * ldc, ldc, xs + t, 1, 0, split, yt);
+        run_rows(k3_mx4_r4_rows_avx2, &wt, xp + t * C, corr + t * ldc, ldc, xs + t, 1, split, R, yt);
         CHECKF(memcmp(yt, y1 + t * R, sizeof(float) * R) == 0, "plain: token %d alone differs", t);
     }
     k3_kernels_force(K3_ISA_AVX2);
     if (k3_kernels_avxvnni()) {
-        k3_mx4_r4_rows_avxvnni(tp, ts, C, xp, corr, ldc, xs, N, 0, R, y2, R);
+        run_rows(k3_mx4_r4_rows_avxvnni, &wt, xp, corr, ldc, xs, N, 0, R, y2);
         CHECKF(memcmp(y1, y2, sizeof(float) * N * R) == 0, "%dx%d n=%d: AVX-VNNI != plain", R, C, N);
         for (int t = 0; t < N; t++) {
-            k3_mx4_r4_rows_avxvnni(tp, ts, C, xp + t * C, corr + t * ldc, ldc, xs + t, 1, 0, split, yt, R);
-            k3_mx4_r4_rows_avxvnni(tp, ts, C, xp + t * C, corr + t * ldc, ldc, xs + t, 1, split, R, yt, R);
+            run_rows(k3_mx4_r4_rows_avxvnni, &wt, xp + t * C, corr + t * ldc, ldc, xs + t, 1, 0, split, yt);
+            run_rows(k3_mx4_r4_rows_avxvnni, &wt, xp + t * C, corr + t * ldc, ldc, xs + t, 1, split, R, yt);
             CHECKF(memcmp(yt, y1 + t * R, sizeof(float) * R) == 0, "VNNI: token %d alone differs", t);
         }
     }
     k3_kernels_force(K3_ISA_AVX512);
     if (k3_kernels_isa() >= K3_ISA_AVX512 && __builtin_cpu_supports("avx512vnni")) {
-        k3_mx4_r4_rows_avx512(tp, ts, C, xp, corr, ldc, xs, N, 0, R, y2, R);
+        run_rows(k3_mx4_r4_rows_avx512, &wt, xp, corr, ldc, xs, N, 0, R, y2);
         CHECKF(memcmp(y1, y2, sizeof(float) * N * R) == 0, "%dx%d n=%d: AVX2 != AVX-512 tiles", R, C, N);
     }
     free(pk);

@@ -12,6 +12,7 @@
 
 #include "common/error.h"
 #include "k3.h"
+#include "kernels/kernels_isa.h"
 #include "model/safetensors.h"
 #include "test.h"
 #include "vision/vision.h"
@@ -876,13 +877,13 @@ K3_TEST(vision_softmax_paths) {
             x[i] = ((float)(r >> 8) / 16777216.0f - 0.5f) * 60.0f; /* logits spread over +-30 */
         }
         memcpy(a, x, sizeof(float) * (size_t)n);
-        k3_vit_softmax_ref(a, n, 0.0884f);
+        k3_softmax_ref(a, n, 0.0884f);
         for (int path = 0; path < 2; path++) {
             if (path == 0 && k3_kernels_isa() < K3_ISA_AVX2) continue;
             if (path == 1 && k3_kernels_isa() < K3_ISA_AVX512) continue;
             memcpy(b, x, sizeof(float) * (size_t)n);
-            if (path == 0) k3_vit_softmax_avx2(b, n, 0.0884f);
-            else k3_vit_softmax_avx512(b, n, 0.0884f);
+            if (path == 0) k3_softmax_avx2(b, n, 0.0884f);
+            else k3_softmax_avx512(b, n, 0.0884f);
             double e = 0, s = 0;
             for (int64_t i = 0; i < n; i++) {
                 e = fmax(e, fabs((double)b[i] - a[i]) / (a[i] > 1e-30f ? a[i] : 1e-30));

@@ -17,7 +17,14 @@ void *k3_alloc_big(size_t n);
  * least need bytes, 64-byte aligned: grown on first use (no allocation in
  * steady state), its old contents not kept, freed when the thread exits.
  * Aborts (K3_ASSERT) when out of memory, like the kernels' stack buffers. */
-enum { K3_SCRATCH_QUANT, K3_SCRATCH_MATMUL, K3_SCRATCH_SLOTS };
+enum {
+    K3_SCRATCH_QUANT,
+    K3_SCRATCH_MATMUL,
+    K3_SCRATCH_AMX_X, /* the AMX kernels' activation tiles (calling thread) */
+    K3_SCRATCH_AMX_H, /* their MoE hidden tiles (calling thread) */
+    K3_SCRATCH_AMX_T, /* their per-thread accumulators */
+    K3_SCRATCH_SLOTS
+};
 void *k3_scratch(int slot, size_t need);
 
 #endif /* K3_COMMON_MEM_H */

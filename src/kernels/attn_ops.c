@@ -1,53 +1,18 @@
 /*
- * attn_ops.c -- QLI and QSFA (see attn_ops.h): scalar references, the
- * dispatch to the AVX2 and AVX-512 paths, quantizers and the Hadamard
- * transform.
+ * attn_ops.c -- QLI, QSFA and the LSE merge (see attn_ops.h): the scalar
+ * references (the "ref" table's kernels; dispatch.c runs the current table's),
+ * the per-token quantizers and the Hadamard transform.
  */
 #include "attn_ops.h"
 
 #include <math.h>
 #include <string.h>
 
-#include "kernels/kernels.h"
+#include "kernels/kernels_isa.h"
+#include "kernels/quant.h"
 
-/* AVX2 paths, attn_ops_avx2.c */
-void k3_qli_scores_avx2(const int8_t *q8, const float *qs, const float *w, int HI, int dI,
-                        const int8_t *k8, const float *ks, const int64_t *slots, int n, float *scores);
-void k3_qsfa_avx2(const float *qa, const float *qpe, int H, const k3_c8_cache *c,
-                  const int64_t *slots, int n, float scale, float *out, float *lse, float *work);
-
-/* AVX2 QSFA by blocks of slots (attn_ops_avx2.c), and the work floats it needs */
-int64_t k3_qsfa_work_avx2b(int H, int kv_lora, int rope);
-void k3_qsfa_avx2b(const float *qa, const float *qpe, int H, const k3_c8_cache *c, const int64_t *slots, int n,
-                   float scale, float *out, float *lse, float *work);
-
-/* AVX-512 VNNI path, attn_ops_avx512.c: whether it takes these shapes, and
- * the scores */
-int k3_qli_avx512_ok(int HI, int dI);
-void k3_qli_scores_avx512(const int8_t *q8, const float *qs, const float *w, int HI, int dI, const int8_t *k8,
-                          const float *ks, const int64_t *slots, int n, float *scores);
-
-/* AVX-512 QSFA, attn_ops_avx512.c, and the work floats it needs */
-int64_t k3_qsfa_work_avx512(int H, int kv_lora, int rope);
-void k3_qsfa_avx512(const float *qa, const float *qpe, int H, const k3_c8_cache *c, const int64_t *slots, int n,
-                    float scale, float *out, float *lse, float *work);
-
-static int use_avx2(void) { return k3_kernels_isa() >= K3_ISA_AVX2; }
-
-float k3_quant_i8(const float *x, int n, int8_t *q) {
-    float amax = 0.0f;
-    for (int i = 0; i < n; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
-    if (amax == 0.0f) {
-        memset(q, 0, (size_t)n);
-        return 0.0f;
-    }
-    const float s = amax / 127.0f, inv = 127.0f / amax;
-    for (int i = 0; i < n; i++) {
-        const float r = nearbyintf(x[i] * inv);
-        q[i] = (int8_t)(r > 127.0f ? 127 : r < -127.0f ? -127 : r);
-    }
-    return s;
-}
+/* = the per-token quantizer of the 8-bit matmuls, the scalar form */
+float k3_quant_i8(const float *x, int n, int8_t *q) { return k3_quant_act_i8_ref(x, n, q); }
 
 void k3_quant_i8_tiles(const float *x, int n, int8_t *q, float *scales) {
     for (int t = 0; t * K3_C8_TILE < n; t++) {
@@ -84,26 +49,14 @@ void k3_qli_scores_ref(const int8_t *q8, const float *qs, const float *w, int HI
     }
 }
 
-void k3_qli_scores(const int8_t *q8, const float *qs, const float *w, int HI, int dI,
-                   const int8_t *k8, const float *ks, const int64_t *slots, int n, float *scores) {
-    if (k3_kernels_isa() >= K3_ISA_AVX512 && __builtin_cpu_supports("avx512vnni") &&
-        k3_qli_avx512_ok(HI, dI))
-        k3_qli_scores_avx512(q8, qs, w, HI, dI, k8, ks, slots, n, scores);
-    else if (use_avx2() && dI % 16 == 0 && dI <= 256 && HI <= 64) /* its q16[64 * 256] */
-        k3_qli_scores_avx2(q8, qs, w, HI, dI, k8, ks, slots, n, scores);
-    else
-        k3_qli_scores_ref(q8, qs, w, HI, dI, k8, ks, slots, n, scores);
-}
-
 /* ---- QSFA ---------------------------------------------------------------- */
 
 int64_t k3_qsfa_work(int H, int kv_lora, int n) {
-    /* ref: scores [H, n] + one row; avx2: one row + running max/sum [2H];
-     * avx512: a block of rows and its scores (rope <= kv_lora) */
-    const int64_t ref = (int64_t)H * n + kv_lora + 2 * H, simd = k3_qsfa_work_avx512(H, kv_lora, kv_lora);
-    const int64_t a2 = k3_qsfa_work_avx2b(H, kv_lora, kv_lora);
-    const int64_t mx = ref > simd ? ref : simd;
-    return mx > a2 ? mx : a2;
+    /* ref: scores [H, n] + one row; AVX2 slot by slot: one row + running
+     * max/sum [2H]; by blocks of slots (AVX2, AVX-512): a block of rows and
+     * its scores (rope <= kv_lora) */
+    const int64_t ref = (int64_t)H * n + kv_lora + 2 * H, blocks = k3_qsfa_block_work(H, kv_lora, kv_lora);
+    return ref > blocks ? ref : blocks;
 }
 
 static float dq(const k3_c8_cache *c, int64_t slot, int i) {
@@ -134,20 +87,8 @@ void k3_qsfa_ref(const float *qa, const float *qpe, int H, const k3_c8_cache *c,
     }
 }
 
-void k3_qsfa(const float *qa, const float *qpe, int H, const k3_c8_cache *c,
-             const int64_t *slots, int n, float scale, float *out, float *lse, float *work) {
-    if (k3_kernels_isa() >= K3_ISA_AVX512 && c->kv_lora % 16 == 0 && c->rope % 16 == 0 && c->rope <= c->kv_lora)
-        k3_qsfa_avx512(qa, qpe, H, c, slots, n, scale, out, lse, work);
-    else if (use_avx2() && c->kv_lora % 8 == 0 && c->rope % 8 == 0 && c->rope <= c->kv_lora)
-        k3_qsfa_avx2b(qa, qpe, H, c, slots, n, scale, out, lse, work);
-    else if (use_avx2() && c->kv_lora % 8 == 0)
-        k3_qsfa_avx2(qa, qpe, H, c, slots, n, scale, out, lse, work);
-    else
-        k3_qsfa_ref(qa, qpe, H, c, slots, n, scale, out, lse, work);
-}
-
-void k3_lse_merge(const float *const *o, const float *const *lse, int P, int H, int d,
-                  float *out, float *lse_out) {
+void k3_lse_merge_ref(const float *const *o, const float *const *lse, int P, int H, int d, float *out,
+                      float *lse_out) {
     for (int h = 0; h < H; h++) {
         float mx = -INFINITY;
         for (int p = 0; p < P; p++) mx = lse[p][h] > mx ? lse[p][h] : mx;

@@ -14,6 +14,9 @@
  *   z_s = (<qa, dq(c_s)> + <qpe, kpe_s>) · scale,  o = Σ softmax(z)_s dq(c_s)
  * and the natural-log LSE of z, so partial results over disjoint slot sets
  * merge exactly (k3_lse_merge).
+ *
+ * Each runs the current kernel table's form (kernels_isa.h: the SIMD forms
+ * where they take the shape, else the references).
  */
 #ifndef K3_KERNELS_ATTN_OPS_H
 #define K3_KERNELS_ATTN_OPS_H
@@ -56,5 +59,7 @@ void k3_qsfa_ref(const float *qa, const float *qpe, int H, const k3_c8_cache *c,
  * lse_p [P][H] -> out [H, d], lse [H]. A part with lse = -inf weighs 0. */
 void k3_lse_merge(const float *const *o, const float *const *lse, int P, int H, int d,
                   float *out, float *lse_out);
+void k3_lse_merge_ref(const float *const *o, const float *const *lse, int P, int H, int d,
+                      float *out, float *lse_out);
 
 #endif /* K3_KERNELS_ATTN_OPS_H */

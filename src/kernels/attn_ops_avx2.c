@@ -1,12 +1,13 @@
 /*
- * attn_ops_avx2.c -- AVX2 paths of QLI and QSFA (see attn_ops.h). Compiled
- * with -mavx2 -mfma; called only when the CPU has them.
+ * attn_ops_avx2.c -- AVX2 paths of QLI and QSFA (see attn_ops.h), the "avx2"
+ * tables' (and the "avx512" one's where its own do not take a shape).
+ * Compiled with -mavx2 -mfma; run only where the CPU has them.
  */
 #include <immintrin.h>
 #include <math.h>
 #include <string.h>
 
-#include "attn_ops.h"
+#include "kernels/kernels_isa.h"
 #include "vexp_avx2.h"
 
 static inline float hsum8(__m256 v) {
@@ -35,6 +36,9 @@ static inline float dot8(const float *a, const float *b, int n) {
     for (; i < n; i++) s += a[i] * b[i];
     return s;
 }
+
+/* its q16[64 * 256] */
+bool k3_qli_avx2_fits(int HI, int dI) { return dI % 16 == 0 && dI <= 256 && HI <= 64; }
 
 void k3_qli_scores_avx2(const int8_t *q8, const float *qs, const float *w, int HI, int dI,
                         const int8_t *k8, const float *ks, const int64_t *slots, int n, float *scores) {
@@ -76,8 +80,9 @@ void k3_qli_scores_avx2(const int8_t *q8, const float *qs, const float *w, int H
     }
 }
 
-void k3_qsfa_avx2(const float *qa, const float *qpe, int H, const k3_c8_cache *c,
-                  const int64_t *slots, int n, float scale, float *out, float *lse, float *work) {
+/* Slot by slot (kv_lora % 8 == 0; any rope). */
+static void qsfa_slots(const float *qa, const float *qpe, int H, const k3_c8_cache *c, const int64_t *slots, int n,
+                       float scale, float *out, float *lse, float *work) {
     const int kvl = c->kv_lora, rope = c->rope;
     float *cf = work;                 /* dequantized row [kvl] */
     float *m = work + kvl, *l = m + H; /* running max and sum per head */
@@ -138,19 +143,15 @@ static inline __attribute__((always_inline)) __m256 sum8x8(const __m256 a[8]) {
 }
 
 enum { QB = 8 }; /* slots per block */
-
-int64_t k3_qsfa_work_avx2b(int H, int kv_lora, int rope) {
-    const int HP = (H + 3) / 4 * 4;
-    return (int64_t)QB * kv_lora + kv_lora + rope + (int64_t)HP * QB + 3 * HP;
-}
+_Static_assert(QB == 8, "the block of k3_qsfa_block_work");
 
 /* The AVX-512 kernel's plan on 8 lanes: blocks of 8 slots dequantized once;
  * scores for 4 heads x 2 slots at a time (8 accumulators, reduced together);
  * per head one max, one vector exp and one rescale per block (online softmax
  * by blocks); then o_h = α o_h + Σ p c over the block, 8 columns at a time.
  * kv_lora % 8 == 0, rope % 8 == 0. */
-void k3_qsfa_avx2b(const float *qa, const float *qpe, int H, const k3_c8_cache *c, const int64_t *slots, int n,
-                   float scale, float *out, float *lse, float *work) {
+static void qsfa_blocks(const float *qa, const float *qpe, int H, const k3_c8_cache *c, const int64_t *slots,
+                        int n, float scale, float *out, float *lse, float *work) {
     const int kvl = c->kv_lora, rope = c->rope, HP = (H + 3) / 4 * 4;
     float *cf = work, *zero = cf + QB * kvl, *z = zero + kvl + rope, *m = z + HP * QB, *l = m + HP, *al = l + HP;
     memset(zero, 0, sizeof(float) * (size_t)(kvl + rope));
@@ -269,4 +270,12 @@ void k3_qsfa_avx2b(const float *qa, const float *qpe, int H, const k3_c8_cache *
             _mm256_storeu_ps(out + (int64_t)h * kvl + j, _mm256_mul_ps(_mm256_loadu_ps(out + (int64_t)h * kvl + j), inv));
         lse[h] = m[h] + logf(l[h]);
     }
+}
+
+bool k3_qsfa_avx2_fits(const k3_c8_cache *c) { return c->kv_lora % 8 == 0; }
+
+void k3_qsfa_avx2(const float *qa, const float *qpe, int H, const k3_c8_cache *c, const int64_t *slots, int n,
+                  float scale, float *out, float *lse, float *work) {
+    if (c->rope % 8 == 0 && c->rope <= c->kv_lora) qsfa_blocks(qa, qpe, H, c, slots, n, scale, out, lse, work);
+    else qsfa_slots(qa, qpe, H, c, slots, n, scale, out, lse, work);
 }

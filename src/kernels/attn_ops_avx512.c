@@ -19,12 +19,12 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "attn_ops.h"
+#include "kernels/kernels_isa.h"
 #include "vexp_avx512.h"
 
 enum { QLI_MAX_G = 64, QLI_MAX_HEADS = 64 };
 
-int k3_qli_avx512_ok(int HI, int dI) { return HI <= QLI_MAX_HEADS && dI % 64 == 0 && dI / 4 <= QLI_MAX_G; }
+bool k3_qli_avx512_fits(int HI, int dI) { return HI <= QLI_MAX_HEADS && dI % 64 == 0 && dI / 4 <= QLI_MAX_G; }
 
 /* r[0..15]: dwords [16 c, 16 c + 16) of 16 keys -> out[j]: dword 16 c + j of
  * keys 0..15 in lanes 0..15 */
@@ -125,9 +125,8 @@ static inline __attribute__((always_inline)) __m512 sum16x16(const __m512 a[16])
 enum { QSFA_B = 8 }; /* slots per block */
 _Static_assert(QSFA_B == 8, "a block's weights are stored with an 8-lane mask");
 
-int64_t k3_qsfa_work_avx512(int H, int kv_lora, int rope) {
-    const int HP = (H + 3) / 4 * 4;
-    return (int64_t)QSFA_B * kv_lora + kv_lora + rope + (int64_t)HP * QSFA_B + 3 * HP;
+bool k3_qsfa_avx512_fits(const k3_c8_cache *c) {
+    return c->kv_lora % 16 == 0 && c->rope % 16 == 0 && c->rope <= c->kv_lora;
 }
 
 /* Blocks of 8 slots: the block dequantized once; its scores for 4 heads x 4

@@ -1,16 +1,7 @@
-/* attnres.c -- see attnres.h. */
+/* attnres.c -- the scalar reference of the AttnRes mix (see attnres.h). */
 #include "attnres.h"
 
 #include <math.h>
-
-#include "kernels/kernels.h"
-
-void k3_attnres_mix_avx2(const float *const *V, int n, const float *w, int64_t D, float eps, float *out);
-
-void k3_attnres_mix(const float *const *V, int n, const float *w, int64_t D, float eps, float *out) {
-    if (k3_kernels_isa() >= K3_ISA_AVX2) k3_attnres_mix_avx2(V, n, w, D, eps, out);
-    else k3_attnres_mix_ref(V, n, w, D, eps, out);
-}
 
 void k3_attnres_mix_ref(const float *const *V, int n, const float *w, int64_t D, float eps,
                         float *out) {

@@ -18,7 +18,7 @@
 
 void k3_attnres_mix(const float *const *V, int n, const float *w, int64_t D, float eps,
                     float *out);
-/* The scalar reference (k3_attnres_mix dispatches to SIMD when it can). */
+/* The scalar reference (k3_attnres_mix runs the current kernel table's form). */
 void k3_attnres_mix_ref(const float *const *V, int n, const float *w, int64_t D, float eps,
                         float *out);
 

@@ -1,12 +1,13 @@
 /*
- * attnres_avx2.c -- AVX2 path of the AttnRes mix (see attnres.h): one
+ * attnres_avx2.c -- AVX2 path of the AttnRes mix (see attnres.h), the
+ * "avx2" and "avx512" tables': one
  * pass over each candidate for its sum of squares and its projection on w,
  * then the softmax weights, then one pass writing the mix.
  */
 #include <immintrin.h>
 #include <math.h>
 
-#include "kernels/attnres.h"
+#include "kernels/kernels_isa.h"
 
 static inline double hsum_pd(__m256d v) {
     __m128d s = _mm_add_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));

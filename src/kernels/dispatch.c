@@ -1,61 +1,202 @@
 /*
- * dispatch.c -- picks the kernel table for this CPU once, and splits k3_matmul
- * over the thread pool.
+ * dispatch.c -- the kernel tables (kernels_isa.h): built once from what the
+ * CPU has, one of them current; and the entry points that run the current
+ * table's kernels (k3_matmul is in matmul.c).
  *
- * ISA choice: AVX-512 (F+BW+VL) > AVX2+FMA+F16C > scalar, by
- * __builtin_cpu_supports (which also checks that the OS saves the wider
- * registers). k3_kernels_force is for tests and benchmarks; k3_set_isa (k3.h,
- * `--isa`) is the public form, by name, which also says whether the AVX2
- * integer kernels may use AVX-VNNI (detected here too).
- *
- * Threading: work is cut into row ranges, up to 4 per thread, that the
- * pool hands to whichever thread is free (each slice of the weights is
- * streamed exactly once, which is what decode is bound by); small row counts
- * with many activation rows are split over n as well. The kernels are batch
- * invariant (kernels_isa.h), so the split never changes a result. Tiny
- * products run on the calling thread: a pool round trip costs about as much
- * as 32 KB of weights.
+ * Tables, each a copy of the one below it with the entries it has kernels for
+ * replaced:
+ *   "ref"          the scalar references; takes every shape.
+ *   "avx2"         AVX2 + FMA + F16C; its integer kernels in the plain form
+ *                  (vpmaddubsw/vpmaddwd).
+ *   "avx2-vnni"    "avx2" with the AVX-VNNI forms of W8A8 and the W4A8 tiles
+ *                  (vpdpbusd on 256 bits) where the CPU has them; "avx2" where
+ *                  the CPU has AVX-VNNI means this one, "avx2-novnni" the plain.
+ *   "avx512"       AVX-512 F+BW+VL over "avx2" (the plain one); with AVX-512
+ *                  VNNI its W8A8, W4A8 and QLI kernels, with VBMI too the
+ *                  vpermb forms of W4A8 and its orders; without VNNI the 8-bit
+ *                  products stay AVX2's.
+ *   "amx"          "avx512" with the products of BF16, MXFP4 (fp32
+ *                  activations) and Q8 weights on the AMX tile unit (amx.h)
+ *                  for calls with enough rows to fill tiles (prefill,
+ *                  batches); the rest, decode included, run "avx512"'s
+ *                  kernels (its base). Only where the CPU has AMX and the
+ *                  kernel grants the process the tile state (arch_prctl, in
+ *                  k3_amx_init); "--isa amx" elsewhere is an error saying why.
+ * CPU features come from __builtin_cpu_supports, which also checks that the OS
+ * saves the wider registers. The best table the CPU has is current unless
+ * k3_set_isa (`--isa`) or k3_kernels_force (tests) chose another; which one
+ * runs also decides the resident layout (the W4A8 tiles) and a context's KDA
+ * form, so it is chosen before the model is loaded.
  */
 #include "kernels/kernels_isa.h"
+#include "kernels/amx.h"
 #include "kernels/quant.h"
 #include "common/error.h"
-#include "common/mem.h"
-#include "common/pool.h"
 
 #include <pthread.h>
 #include <stdatomic.h>
 #include <string.h>
 
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
+static k3_kernel_ops t_ref, t_avx2, t_avx2_vnni, t_avx512, t_amx;
+static bool g_have[K3_ISA_COUNT];
+static bool g_amx_built; /* t_amx is made (the unit is granted, or the emulation can run) */
+static bool g_have_avxvnni; /* AVX-VNNI (vpdpbusd on ymm) */
 static const k3_kernel_ops *g_best;
-static bool g_have[3];
-static bool g_have_avxvnni;         /* AVX-VNNI (vpdpbusd on ymm) */
-static _Atomic bool g_use_avxvnni;  /* the AVX2 integer kernels may use it */
 static const k3_kernel_ops *_Atomic g_ops;
 
-static const k3_kernel_ops *const g_table[3] = {&k3_ops_ref, &k3_ops_avx2, &k3_ops_avx512};
+/* ---- the tables --------------------------------------------------------------- */
+
+static void build_ref(k3_kernel_ops *o) {
+    *o = (k3_kernel_ops){
+        .name = "ref",
+        .isa = K3_ISA_REF,
+        .quant_act_i8 = k3_quant_act_i8_ref,
+        .mx4_prep = k3_mx4_prep_ref,
+        .mx4_r4_prep = k3_mx4_r4_prep_ref,
+        .mx4_dot = k3_mx4_dot_ref,
+        .mxfp8_dequant = k3_mxfp8_dequant_ref,
+        .dot = k3_dot_ref,
+        .axpy = k3_axpy_ref,
+        .glu = k3_glu_ref,
+        .softmax = k3_softmax_ref,
+        .qli_scores = k3_qli_scores_ref,
+        .qsfa = k3_qsfa_ref,
+        .lse_merge = k3_lse_merge_ref,
+        .attnres_mix = k3_attnres_mix_ref,
+        .kda_recurrent = k3_kda_recurrent_ref,
+        .kda_chunked = k3_kda_chunked_ref,
+    };
+    /* every type the fp32 family takes, through its row dequantizer */
+    for (int t = 0; t < K3_W_COUNT; t++)
+        if (k3_wtype_info((k3_wtype)t)->acts & K3_ACTS_F32) o->mm[t].rows = k3_matmul_rows_ref;
+    o->q[K3_W_Q8] = (k3_q_kernel){.form = K3_QX_I8, .rows = k3_q8_rows_ref};
+    o->q[K3_W_MXFP4] = (k3_q_kernel){.form = K3_QX_I8, .rows = k3_mx4_rows};
+    o->q[K3_W_MXFP4_R4] = (k3_q_kernel){.form = K3_QX_I8, .rows = k3_mx4_r4_rows_ref};
+    o->q[K3_W_MXFP8] = (k3_q_kernel){.form = K3_QX_MXFP8, .rows = k3_mxfp8_rows};
+}
+
+static void build_avx2(k3_kernel_ops *o, const k3_kernel_ops *base) {
+    *o = *base;
+    o->name = "avx2";
+    o->isa = K3_ISA_AVX2;
+    o->base = base;
+    const k3_mm_kernel mm = {.rows = k3_matmul_rows_avx2, .prep_x = k3_matmul_prep_x_avx2};
+    o->mm[K3_W_F32] = o->mm[K3_W_F16] = o->mm[K3_W_BF16] = o->mm[K3_W_MXFP4] = mm;
+    o->q[K3_W_Q8] = (k3_q_kernel){.form = K3_QX_I8, .rows = k3_q8_rows_avx2};
+    o->q[K3_W_MXFP4_R4] = (k3_q_kernel){.form = K3_QX_MX4_R4, .rows = k3_mx4_r4_rows_avx2};
+    o->w4a8_tiles = true;
+    o->quant_act_i8 = k3_quant_act_i8_avx2;
+    o->mx4_r4_prep = k3_mx4_r4_prep_avx2;
+    o->mx4_dot = k3_mx4_dot_avx2;
+    o->mxfp8_dequant = k3_mxfp8_dequant_avx2;
+    o->dot = k3_dot_avx2;
+    o->axpy = k3_axpy_avx2;
+    o->glu = k3_glu_avx2;
+    o->softmax = k3_softmax_avx2;
+    o->qli_fits = k3_qli_avx2_fits;
+    o->qli_scores = k3_qli_scores_avx2;
+    o->qsfa_fits = k3_qsfa_avx2_fits;
+    o->qsfa = k3_qsfa_avx2;
+    o->attnres_mix = k3_attnres_mix_avx2;
+    o->kda_recurrent_fits = o->kda_chunked_fits = k3_kda_simd_fits;
+    o->kda_recurrent = k3_kda_recurrent_avx2;
+    o->kda_chunked = k3_kda_chunked_avx2;
+}
+
+static void build_avx2_vnni(k3_kernel_ops *o, const k3_kernel_ops *avx2) {
+    *o = *avx2;
+    o->name = "avx2-vnni";
+    o->q[K3_W_Q8] = (k3_q_kernel){.form = K3_QX_U8, .rows = k3_q8_rows_avxvnni};
+    o->q[K3_W_MXFP4_R4] = (k3_q_kernel){.form = K3_QX_MX4_R4, .rows = k3_mx4_r4_rows_avxvnni};
+}
+
+/* The AVX-512 recurrence beats every chunked form at every span length
+ * (kda.h), so prefill runs it too, and is then bit-identical to decode. */
+static void build_avx512(k3_kernel_ops *o, const k3_kernel_ops *avx2, bool vnni, bool vbmi) {
+    *o = *avx2;
+    o->name = "avx512";
+    o->isa = K3_ISA_AVX512;
+    o->base = avx2;
+    const k3_mm_kernel mm = {.rows = k3_matmul_rows_avx512, .prep_x = k3_matmul_prep_x_avx512};
+    o->mm[K3_W_F32] = o->mm[K3_W_F16] = o->mm[K3_W_BF16] = o->mm[K3_W_MXFP4] = mm;
+    o->quant_act_i8 = k3_quant_act_i8_avx512;
+    o->mxfp8_dequant = k3_mxfp8_dequant_avx512;
+    o->dot = k3_dot_avx512;
+    o->axpy = k3_axpy_avx512;
+    o->glu = k3_glu_avx512;
+    o->softmax = k3_softmax_avx512;
+    o->qsfa_fits = k3_qsfa_avx512_fits;
+    o->qsfa = k3_qsfa_avx512;
+    o->kda_recurrent = k3_kda_recurrent_avx512;
+    o->kda_recurrent_prefill = true;
+    if (!vnni) {
+        o->w4a8_tiles = false; /* no tile kernel of its own */
+        return;
+    }
+    o->q[K3_W_Q8] = (k3_q_kernel){.form = K3_QX_U8, .rows = k3_q8_rows_avx512};
+    o->q[K3_W_MXFP4] = (k3_q_kernel){.form = K3_QX_MX4, .rows = vbmi ? k3_mx4_rows_avx512_vbmi : k3_mx4_rows_avx512};
+    o->q[K3_W_MXFP4_R4] =
+        (k3_q_kernel){.form = K3_QX_MX4_R4, .rows = vbmi ? k3_mx4_r4_rows_avx512_vbmi : k3_mx4_r4_rows_avx512};
+    o->mx4_prep = vbmi ? k3_mx4_prep_avx512_vbmi : k3_mx4_prep_ref;
+    o->mx4_r4_prep = vbmi ? k3_mx4_r4_prep_avx512_vbmi : k3_mx4_r4_prep_ref;
+    o->qli_fits = k3_qli_avx512_fits;
+    o->qli_scores = k3_qli_scores_avx512;
+}
+
+/* AMX over "avx512": the GEMMs with enough rows on the tiles, everything
+ * else (decode's streams, attention, the W4A8 tiles) as "avx512". Q8 gives
+ * the AVX-512 VNNI kernel's bits (the same integers, the same float
+ * epilogue); BF16 and MXFP4 round the activations to BF16 (amx.h), so a
+ * product with n at or above the threshold differs from the same rows one at
+ * a time within that rounding: "avx512" is the exact path. */
+static void build_amx(k3_kernel_ops *o, const k3_kernel_ops *avx512) {
+    *o = *avx512;
+    o->name = "amx";
+    o->isa = K3_ISA_AMX;
+    o->base = avx512;
+    const k3_mm_kernel mm = {.fits = k3_amx_mm_fits, .call = k3_amx_mm_call};
+    o->mm[K3_W_BF16] = o->mm[K3_W_MXFP4] = mm;
+    o->q[K3_W_Q8] = (k3_q_kernel){.form = K3_QX_I8, .fits = k3_amx_q8_fits, .call = k3_amx_mm_call};
+}
 
 static void detect(void) {
     g_have[K3_ISA_REF] = true;
+    bool vnni = false, vbmi = false;
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_cpu_init();
     g_have[K3_ISA_AVX2] = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                           __builtin_cpu_supports("f16c");
     g_have[K3_ISA_AVX512] = g_have[K3_ISA_AVX2] && __builtin_cpu_supports("avx512f") &&
-                            __builtin_cpu_supports("avx512bw") &&
-                            __builtin_cpu_supports("avx512vl");
+                            __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
     g_have_avxvnni = g_have[K3_ISA_AVX2] && __builtin_cpu_supports("avxvnni");
+    vnni = __builtin_cpu_supports("avx512vnni");
+    vbmi = __builtin_cpu_supports("avx512vbmi");
 #endif
-    atomic_store(&g_use_avxvnni, g_have_avxvnni);
-    g_best = &k3_ops_ref;
-    if (g_have[K3_ISA_AVX2]) g_best = &k3_ops_avx2;
-    if (g_have[K3_ISA_AVX512]) g_best = &k3_ops_avx512;
+    build_ref(&t_ref);
+    g_best = &t_ref;
+    if (g_have[K3_ISA_AVX2]) {
+        build_avx2(&t_avx2, &t_ref);
+        build_avx2_vnni(&t_avx2_vnni, &t_avx2);
+        g_best = g_have_avxvnni ? &t_avx2_vnni : &t_avx2;
+    }
+    if (g_have[K3_ISA_AVX512]) {
+        build_avx512(&t_avx512, &t_avx2, vnni, vbmi);
+        g_best = &t_avx512;
+    }
+    if (g_have[K3_ISA_AVX512] && vnni) {
+        k3_error err = {0};
+        g_have[K3_ISA_AMX] = k3_amx_init(&err) == K3_OK; /* the CPU has it and the tile state is granted */
+        g_amx_built = g_have[K3_ISA_AMX] || k3_amx_emu_possible();
+        if (g_amx_built) build_amx(&t_amx, &t_avx512);
+        if (g_have[K3_ISA_AMX]) g_best = &t_amx;
+    }
     atomic_store(&g_ops, g_best);
 }
 
 void k3_kernels_init(void) { pthread_once(&g_once, detect); }
 
-static inline const k3_kernel_ops *ops(void) {
+const k3_kernel_ops *k3_ops(void) {
     const k3_kernel_ops *o = atomic_load_explicit(&g_ops, memory_order_acquire);
     if (!o) {
         k3_kernels_init();
@@ -64,146 +205,149 @@ static inline const k3_kernel_ops *ops(void) {
     return o;
 }
 
-k3_isa k3_kernels_isa(void) { return ops()->isa; }
+/* The table of isa where the CPU has it (AVX2: with AVX-VNNI where it has
+ * that), else NULL. */
+static const k3_kernel_ops *table_of(k3_isa isa) {
+    if ((int)isa < 0 || (int)isa >= K3_ISA_COUNT || !g_have[isa]) return NULL;
+    switch (isa) {
+    case K3_ISA_AMX: return &t_amx;
+    case K3_ISA_AVX512: return &t_avx512;
+    case K3_ISA_AVX2: return g_have_avxvnni ? &t_avx2_vnni : &t_avx2;
+    default: return &t_ref;
+    }
+}
+
+/* ---- choosing ------------------------------------------------------------------- */
+
+k3_isa k3_kernels_isa(void) { return k3_ops()->isa; }
 
 const char *k3_isa_name(k3_isa isa) {
     switch (isa) {
     case K3_ISA_REF: return "ref";
     case K3_ISA_AVX2: return "avx2";
     case K3_ISA_AVX512: return "avx512";
+    case K3_ISA_AMX: return "amx";
+    case K3_ISA_COUNT: break;
     }
     return "unknown";
 }
 
 void k3_kernels_force(k3_isa isa) {
     k3_kernels_init();
-    const k3_kernel_ops *o = g_best;
-    if ((int)isa >= 0 && (int)isa < 3 && g_have[isa]) o = g_table[isa];
-    atomic_store(&g_ops, o);
-    atomic_store(&g_use_avxvnni, g_have_avxvnni);
+    k3_amx_emulate(false);
+    const k3_kernel_ops *o = table_of(isa);
+    atomic_store(&g_ops, o ? o : g_best);
 }
 
 bool k3_kernels_have(k3_isa isa) {
     k3_kernels_init();
-    return (int)isa >= 0 && (int)isa < 3 && g_have[isa];
+    return (int)isa >= 0 && (int)isa < K3_ISA_COUNT && g_have[isa];
 }
 
-bool k3_kernels_avxvnni(void) {
-    return ops()->isa == K3_ISA_AVX2 && atomic_load_explicit(&g_use_avxvnni, memory_order_relaxed);
+bool k3_kernels_force_amx_emulated(void) {
+    k3_kernels_init();
+    if (!g_amx_built || !k3_amx_emu_possible()) return false;
+    k3_amx_emulate(true);
+    atomic_store(&g_ops, &t_amx);
+    return true;
 }
+
+bool k3_kernels_avxvnni(void) { return k3_ops() == &t_avx2_vnni; }
 
 void k3_kernels_force_avxvnni(bool on) {
-    k3_kernels_init();
-    atomic_store(&g_use_avxvnni, on && g_have_avxvnni);
+    const k3_kernel_ops *o = k3_ops();
+    if (o == &t_avx2 || o == &t_avx2_vnni) atomic_store(&g_ops, on && g_have_avxvnni ? &t_avx2_vnni : &t_avx2);
 }
 
 k3_status k3_set_isa(const char *name, k3_error *err) {
     k3_kernels_init();
+    k3_amx_emulate(false);
     if (!name || !strcmp(name, "best") || !*name) {
-        k3_kernels_force(g_best->isa);
+        atomic_store(&g_ops, g_best);
         return K3_OK;
     }
+    /* vnni: 0 the plain AVX2 table, 1 AVX-VNNI where the CPU has it, 2 required */
     static const struct { const char *name; k3_isa isa; int vnni; } names[] = {
         {"ref", K3_ISA_REF, 0},      {"avx2", K3_ISA_AVX2, 1}, {"avx2-vnni", K3_ISA_AVX2, 2},
-        {"avx2-novnni", K3_ISA_AVX2, 0}, {"avx512", K3_ISA_AVX512, 0},
+        {"avx2-novnni", K3_ISA_AVX2, 0}, {"avx512", K3_ISA_AVX512, 0}, {"amx", K3_ISA_AMX, 0},
     };
+    if (!strcmp(name, "amx") && !g_have[K3_ISA_AMX]) {
+        k3_error why = {0};
+        k3_amx_init(&why);
+        return k3_err(err, K3_ERR_UNSUPPORTED, "kernel ISA 'amx' is not available: %s", why.msg);
+    }
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
         if (strcmp(name, names[i].name)) continue;
         if (!g_have[names[i].isa])
             return k3_err(err, K3_ERR_UNSUPPORTED, "this CPU lacks the instructions of kernel ISA '%s'", name);
         if (names[i].vnni == 2 && !g_have_avxvnni)
             return k3_err(err, K3_ERR_UNSUPPORTED, "this CPU lacks AVX-VNNI (kernel ISA '%s')", name);
-        k3_kernels_force(names[i].isa);
-        atomic_store(&g_use_avxvnni, names[i].vnni && g_have_avxvnni);
+        const k3_kernel_ops *o = table_of(names[i].isa);
+        if (names[i].isa == K3_ISA_AVX2 && !names[i].vnni) o = &t_avx2;
+        atomic_store(&g_ops, o);
         return K3_OK;
     }
-    return k3_err(err, K3_ERR_ARG, "unknown kernel ISA '%s' (ref, avx2, avx2-novnni, avx512 or best)", name);
+    return k3_err(err, K3_ERR_ARG, "unknown kernel ISA '%s' (ref, avx2, avx2-novnni, avx512, amx or best)", name);
 }
 
-const char *k3_isa_current(void) {
-    const k3_isa isa = ops()->isa;
-    if (isa == K3_ISA_AVX2) return k3_kernels_avxvnni() ? "avx2-vnni" : "avx2";
-    return k3_isa_name(isa);
-}
+const char *k3_isa_current(void) { return k3_ops()->name; }
 
-float k3_dot(const float *a, const float *b, int64_t n) { return ops()->dot(a, b, n); }
+/* ---- the entry points ------------------------------------------------------------- */
 
-void k3_axpy(float *y, float a, const float *x, int64_t n) { ops()->axpy(y, a, x, n); }
+/* o: the first table from the current one down its bases whose entry takes
+ * the call (no fits(), or fits() says yes; "ref" has none). */
+#define PICK(o, fits, ...) for (o = k3_ops(); o->fits && !o->fits(__VA_ARGS__); o = o->base) {}
+
+float k3_dot(const float *a, const float *b, int64_t n) { return k3_ops()->dot(a, b, n); }
+
+void k3_axpy(float *y, float a, const float *x, int64_t n) { k3_ops()->axpy(y, a, x, n); }
 
 void k3_glu(float *f1, const float *f2, int64_t n, k3_glu_kind kind, float b1, float b2) {
-    ops()->glu(f1, f2, n, kind, b1, b2);
+    k3_ops()->glu(f1, f2, n, kind, b1, b2);
 }
 
-/* ---- threaded matmul -------------------------------------------------- */
+void k3_softmax(float *s, int64_t n, float scale) { k3_ops()->softmax(s, n, scale); }
 
-typedef struct mm_job {
-    const k3_kernel_ops *ops;
-    const k3_mat *w;
-    const float *x;
-    float *y;
-    int64_t n;
-    int64_t n_rc, n_nc; /* row chunks x n chunks */
-} mm_job;
+float k3_quant_act_i8(const float *x, int64_t n, int8_t *q) { return k3_ops()->quant_act_i8(x, n, q); }
 
-enum { PREP_ROWS = 256 }; /* x rows prepared at a time (ops->prep_x) */
+void k3_mx4_prep(const int8_t *xq, int64_t cols, int8_t *xp, int32_t *corr) { k3_ops()->mx4_prep(xq, cols, xp, corr); }
 
-/* Items t = nc * n_rc + rc: row chunk rc (16 rows, the last one takes the
- * rest) of activation chunk nc. A claimed range [lo, hi) is one kernel call
- * per activation chunk it touches, over all its rows at once. */
-static void mm_task(void *ctx, int64_t lo, int64_t hi, int ith) {
-    const mm_job *j = ctx;
-    const int64_t rows = j->w->rows, cols = j->w->cols;
-    for (int64_t t = lo; t < hi;) {
-        const int64_t nc = t / j->n_rc, rc0 = t % j->n_rc;
-        const int64_t te = hi < (nc + 1) * j->n_rc ? hi : (nc + 1) * j->n_rc;
-        const int64_t rc1 = te - nc * j->n_rc; /* exclusive */
-        const int64_t r0 = rc0 * 16, r1 = rc1 == j->n_rc ? rows : rc1 * 16;
-        const int64_t i0 = j->n * nc / j->n_nc, i1 = j->n * (nc + 1) / j->n_nc;
-        if (r0 < r1 && i0 < i1)
-            j->ops->matmul(j->w, j->x + i0 * cols, i1 - i0, j->y + i0 * rows, rows, r0, r1);
-        t = te;
-    }
+void k3_mx4_r4_prep(const int8_t *xq, int64_t cols, int8_t *xp, int32_t *corr) {
+    k3_ops()->mx4_r4_prep(xq, cols, xp, corr);
 }
 
-void k3_matmul(k3_pool *pool, const k3_mat *w, const float *x, int64_t n, float *y) {
-    K3_ASSERT(w->type >= K3_W_F32 && w->type < K3_W_COUNT);
-    K3_ASSERT(w->type != K3_W_MXFP4 || w->cols % 32 == 0);
-    K3_ASSERT(w->type != K3_W_MXFP4_R4 || w->act8); /* only the W4A8 kernel reads tiles */
-    if (n <= 0 || w->rows <= 0) return;
-    if (w->cols == 0) { /* empty sums; the kernels assume at least one column */
-        memset(y, 0, sizeof(float) * (size_t)(n * w->rows));
-        return;
-    }
-    if (w->act8 || w->type == K3_W_Q8 || w->type == K3_W_MXFP8) {
-        k3_matmul_q(pool, w, x, n, y); /* 8-bit activations: quant.c */
-        return;
-    }
-    mm_job j = {ops(), w, x, y, n, 1, 1};
-    const int64_t nprep = j.ops->prep_x ? j.ops->prep_x(w, x, n, NULL) : 0;
-    if (nprep > 0 && n > PREP_ROWS) {
-        /* blocks of x rows, so the scratch stays small (batch invariance
-         * makes the split invisible) */
-        for (int64_t i = 0; i < n; i += PREP_ROWS)
-            k3_matmul(pool, w, x + i * w->cols, n - i < PREP_ROWS ? n - i : PREP_ROWS, y + i * w->rows);
-        return;
-    }
-    if (nprep > 0) {
-        float *xp = k3_scratch(K3_SCRATCH_MATMUL, sizeof(float) * (size_t)nprep);
-        j.ops->prep_x(w, x, n, xp);
-        j.x = xp;
-    }
-    const int64_t rows = w->rows;
-    const int T = k3_pool_size(pool);
-    const double bytes = (double)rows * (double)k3_mat_row_bytes(w);
-    const double macs = (double)rows * (double)w->cols * (double)n;
-    if (T > 1 && (bytes >= 32768 || macs >= 131072)) {
-        /* 16-row items, a contiguous share per thread, stolen from as
-         * the threads come free (pool.c); few rows and many tokens also
-         * split the tokens */
-        j.n_rc = rows / 16 > 0 ? rows / 16 : 1;
-        int64_t nn = T / j.n_rc, nmax = n / 4 > 0 ? n / 4 : 1;
-        j.n_nc = nn < nmax ? nn : nmax;
-        if (j.n_nc < 1) j.n_nc = 1;
-    }
-    k3_pool_for(pool, j.n_rc * j.n_nc, 1, mm_task, &j);
+void k3_qli_scores(const int8_t *q8, const float *qs, const float *w, int HI, int dI, const int8_t *k8,
+                   const float *ks, const int64_t *slots, int n, float *scores) {
+    const k3_kernel_ops *o;
+    PICK(o, qli_fits, HI, dI);
+    o->qli_scores(q8, qs, w, HI, dI, k8, ks, slots, n, scores);
 }
+
+void k3_qsfa(const float *qa, const float *qpe, int H, const k3_c8_cache *c, const int64_t *slots, int n,
+             float scale, float *out, float *lse, float *work) {
+    const k3_kernel_ops *o;
+    PICK(o, qsfa_fits, c);
+    o->qsfa(qa, qpe, H, c, slots, n, scale, out, lse, work);
+}
+
+void k3_lse_merge(const float *const *o, const float *const *lse, int P, int H, int d, float *out, float *lse_out) {
+    k3_ops()->lse_merge(o, lse, P, H, d, out, lse_out);
+}
+
+void k3_attnres_mix(const float *const *V, int n, const float *w, int64_t D, float eps, float *out) {
+    k3_ops()->attnres_mix(V, n, w, D, eps, out);
+}
+
+void k3_kda_recurrent(const k3_kda_head *h, float *S) {
+    const k3_kernel_ops *o;
+    PICK(o, kda_recurrent_fits, h);
+    o->kda_recurrent(h, S);
+}
+
+void k3_kda_chunked(const k3_kda_head *h, float *S, int chunk, float *work) {
+    const k3_kernel_ops *o;
+    PICK(o, kda_chunked_fits, h);
+    o->kda_chunked(h, S, chunk, work);
+}
+
+bool k3_kda_recurrent_prefill(void) { return k3_ops()->kda_recurrent_prefill; }

@@ -27,9 +27,10 @@ typedef struct k3_kda_head {
     int64_t ld_o;
 } k3_kda_head;
 
-/* The forms below dispatch on k3_kernels_isa(): AVX2/AVX-512 paths when the
- * CPU has them and dk, dv are multiples of 8 (dk <= 8192), else the scalar
- * references (_ref), which tests hold the fast paths to.
+/* The forms below run the current kernel table's (kernels_isa.h): the
+ * AVX2/AVX-512 paths where the CPU has them and dk, dv are multiples of 8
+ * (dk <= 8192), else the scalar references (_ref, kda.c), which tests
+ * hold the fast paths to.
  *
  * Which form for a span: on the CPU the recurrent form is the one to use at
  * every length. Per state element and token it does 4 vector ops against the
@@ -41,6 +42,10 @@ typedef struct k3_kda_head {
  * stays for cross-checks (and matmul hardware). */
 void k3_kda_recurrent(const k3_kda_head *h, float *S);
 void k3_kda_recurrent_ref(const k3_kda_head *h, float *S);
+/* Whether the current table's recurrent form is the faster one for prefill
+ * spans of every length (AVX-512), so a context need not cut spans into
+ * chunked pieces. */
+bool k3_kda_recurrent_prefill(void);
 
 /* Floats of work memory k3_kda_chunked (any path) needs. */
 int64_t k3_kda_chunk_work(int chunk, int dk, int dv);
@@ -49,13 +54,7 @@ int64_t k3_kda_chunk_work(int chunk, int dk, int dv);
 void k3_kda_chunked(const k3_kda_head *h, float *S, int chunk, float *work);
 void k3_kda_chunked_ref(const k3_kda_head *h, float *S, int chunk, float *work);
 
-/* The ISA paths (src/kernels/kda_avx2.c, kda_avx512.c), for the dispatch and
- * tests only: call them only when the CPU has the ISA, dk % 8 == 0,
- * dv % 8 == 0 and dk <= 8192. */
-void k3_kda_recurrent_avx2(const k3_kda_head *h, float *S);
-void k3_kda_recurrent_avx512(const k3_kda_head *h, float *S);
-void k3_kda_chunked_avx2(const k3_kda_head *h, float *S, int chunk, float *work);
-/* Floats of work memory the SIMD chunked paths need (<= k3_kda_chunk_work). */
+/* Floats of work memory the SIMD chunked form needs (<= k3_kda_chunk_work). */
 int64_t k3_kda_chunk_work_simd(int chunk, int dk, int dv);
 
 /* Decay gate, per channel: K3 form (has_lb) g = lb * sigmoid(exp(A) * (z + dt_bias)),

@@ -2,8 +2,9 @@
  * kda_avx2.c -- AVX2 + FMA paths of the KDA recurrent and chunked forms (see
  * kda.h). They mirror k3_kda_recurrent_ref / k3_kda_chunked_ref: same
  * algebra, fp32 throughout, only the summation order (and FMA rounding)
- * differs. Compiled with -mavx2 -mfma; called only when the CPU has them and
- * dk, dv are multiples of 8.
+ * differs. Compiled with -mavx2 -mfma; run only where the CPU has them and
+ * dk, dv are multiples of 8 (k3_kda_simd_fits, which the AVX-512 recurrence
+ * shares).
  *
  * Recurrent. Every column v of S evolves on its own (the recurrence mixes
  * rows, never columns), so S is walked in column panels of 16 (dk x 16 fp32,
@@ -45,7 +46,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "kernels/kda.h"
+#include "kernels/kernels_isa.h"
 #include "kernels/vexp_avx2.h"
 
 #define AI static inline __attribute__((always_inline))
@@ -60,6 +61,12 @@ AI __m256 hsum8x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 
     const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
     return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
                          _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+/* The SIMD paths step over dk and dv in 8 lanes, and the recurrent ones keep
+ * exp(g) of at least one token (dk floats) in an 8192-float stack buffer. */
+bool k3_kda_simd_fits(const k3_kda_head *h) {
+    return h->dk > 0 && h->dv > 0 && h->dk % 8 == 0 && h->dv % 8 == 0 && h->dk <= 8192;
 }
 
 /* ---- recurrent form ----------------------------------------------------- */

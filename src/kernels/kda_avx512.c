@@ -12,7 +12,7 @@
 #include <immintrin.h>
 #include <stdint.h>
 
-#include "kernels/kda.h"
+#include "kernels/kernels_isa.h"
 #include "kernels/vexp_avx512.h"
 
 #define AI static inline __attribute__((always_inline))

@@ -2,9 +2,10 @@
  * kernels.h -- the numeric kernels the forward pass is built from.
  *
  * Weights are k3_mat views into the mapped checkpoint in their stored format;
- * activations are fp32. Every kernel has a scalar reference (suffix _ref,
- * src/kernels/ref.c) that tests hold the fast paths to; k3_kernels_init picks
- * the fastest path the CPU supports once, at start-up.
+ * activations are fp32. Every kernel has a scalar reference (suffix _ref) that
+ * tests hold the fast paths to; k3_kernels_init picks the kernel table of the
+ * fastest path the CPU supports once, at start-up (dispatch.c), and every entry
+ * point below runs the kernel that table names.
  *
  * Shapes are row-major: x [n, cols], W [rows, cols], y [n, rows], y = x Wᵀ.
  */
@@ -22,7 +23,8 @@ typedef enum k3_wtype {
     K3_W_Q8,       /* int8 [rows, cols] + fp32 scale per row (row_scale); made at load */
     K3_W_MXFP8,    /* OCP MXFP8: E4M3 [rows, cols] + E8M0 scales [rows, cols/32]; made at load */
     K3_W_MXFP4_R4, /* MXFP4 bytes and scales rearranged in tiles of 4 rows (k3_r4_byte,
-                      k3_r4_scale) for the AVX-512 W4A8 kernel; made at load (quant.h) */
+                      k3_r4_scale) for the W4A8 tile kernels (AVX-512 VNNI, AVX2); made
+                      at load (quant.h) */
     K3_W_COUNT
 } k3_wtype;
 
@@ -37,7 +39,7 @@ typedef struct k3_mat {
     const float *row_scale;/* Q8: one scale per row */
     const int32_t *row_sum;/* Q8: Σ of each row's int8 values (k3_quant_q8_mat) */
     bool act8;             /* quantize the activations to 8 bits per token (W4A8/W8A8):
-                              k3_matmul then runs the integer kernels of quant.h */
+                              k3_matmul then runs the 8-bit kernels, quant.h */
 } k3_mat;
 
 /* K3_W_MXFP4_R4 (rows % 4 == 0, cols % 128 == 0): where the packed byte of
@@ -55,24 +57,65 @@ static inline int64_t k3_r4_scale(int64_t cols, int64_t r, int64_t c) {
     return r / 4 * (cols / 8) + c / 128 * 16 + r % 4 * 4 + c % 128 / 32;
 }
 
-/* Bytes one row occupies (data + scales). */
+/* ---- the weight-type table (wtype.c) ---------------------------------- */
+
+/* Which activations k3_matmul's kernels for a type take (k3_wtype_traits.acts). */
+enum { K3_ACTS_F32 = 1, K3_ACTS_8BIT = 2 };
+
+/* One row per k3_wtype: what the code around the kernels asks of a type.
+ * Adding a format is a row here, its kernels, and their entries in the
+ * kernel tables (dispatch.c); docs/ARCHITECTURE.md lists the files. */
+typedef struct k3_wtype_traits {
+    const char *name;
+    int bits;           /* bits of one weight in data: a row is cols * bits / 8 bytes */
+    int block;          /* columns per E8M0 scale in scale (cols % block == 0); 0: no scales */
+    bool row_scale;     /* one fp32 scale per row (row_scale) and the sum of its integer values (row_sum) */
+    bool is_float;      /* plain floats (F32, F16, BF16): what --quant converts */
+    int tile_rows;      /* rows per tile: row views start and end on whole tiles (1: no tiles) */
+    int tile_cols;      /* columns per tile group (cols % tile_cols == 0; 1: none) */
+    unsigned acts;      /* K3_ACTS_*: K3_ACTS_8BIT alone runs with 8-bit activations whatever k3_mat.act8 says */
+    bool act_mxfp8;     /* its 8-bit activations are MXFP8 per 32-block (else int8 per token) */
+    /* Columns [c0, c0 + len) of row r, dequantized: the scalar decode every
+     * kernel that reads the type is held to. */
+    void (*get_row)(const k3_mat *w, int64_t r, int64_t c0, int64_t len, float *out);
+} k3_wtype_traits;
+
+const k3_wtype_traits *k3_wtype_info(k3_wtype t);
+
+/* Bytes one row occupies (data + scales + row scale). */
 size_t k3_mat_row_bytes(const k3_mat *w);
-/* View of rows [r0, r0+n). */
+/* Bytes of the data array and of the scale array (every row). */
+size_t k3_mat_data_bytes(const k3_mat *w);
+size_t k3_mat_scale_bytes(const k3_mat *w);
+/* View of rows [r0, r0+n) (whole tiles where the type has them). */
 k3_mat k3_mat_rows(const k3_mat *w, int64_t r0, int64_t n);
 /* Dequantizes row r into out[cols]. */
 void k3_mat_get_row(const k3_mat *w, int64_t r, float *out);
 
-/* ---- scalar conversions ---- */
+/* ---- scalar conversions (codec.c) -------------------------------------- */
 float k3_bf16_to_f32(uint16_t h);
 uint16_t k3_f32_to_bf16(float f);   /* round to nearest even */
 float k3_f16_to_f32(uint16_t h);
 /* E2M1 code (4 bits) -> value; E8M0 byte -> 2^(e-127) (255 -> NaN). */
 float k3_e2m1_to_f32(uint8_t code);
 float k3_e8m0_to_f32(uint8_t e);
+/* 2^(e-127) for an E8M0 byte, 255 -> NaN (= k3_e8m0_to_f32, inlined for the
+ * MXFP4 inner loops). e = 0 gives the subnormal 2^-127; every e2m1 value times
+ * it is still exact, so decoded weights equal the reference's bit for bit. */
+static inline float k3_mx_scale(uint8_t e) {
+    union { uint32_t u; float f; } v;
+    if (e == 255) v.u = 0x7fc00000u;
+    else if (e >= 1) v.u = (uint32_t)e << 23;
+    else v.u = 0x00400000u;
+    return v.f;
+}
 /* E4M3 (OCP FP8: bias 7, max 448, 0x7F/0xFF = NaN, no infinities). */
 float k3_e4m3_to_f32(uint8_t code);
 /* Round to the nearest E4M3 (ties to even), saturating at +-448. */
 uint8_t k3_f32_to_e4m3(float x);
+/* One MXFP8 block: 32 values as E4M3 codes q[32] and their E8M0 scale *e
+ * (the OCP rule, raised by one where it would clip: quant.h). */
+void k3_mxfp8_block(const float *x, uint8_t *q, uint8_t *e);
 
 /* ---- matrix products ---- */
 
@@ -87,6 +130,10 @@ float k3_dot_ref(const float *a, const float *b, int64_t n);
 /* y += a * x */
 void k3_axpy(float *y, float a, const float *x, int64_t n);
 void k3_axpy_ref(float *y, float a, const float *x, int64_t n);
+/* s[i] = softmax(scale · s)[i] over n values, in place (the vision tower's
+ * attention rows); the SIMD paths use their own exp. */
+void k3_softmax(float *s, int64_t n, float scale);
+void k3_softmax_ref(float *s, int64_t n, float scale);
 
 /* ---- gated activations (docs/model.md §3.5) ---- */
 
@@ -99,9 +146,11 @@ typedef enum k3_glu_kind { K3_GLU_SWIGLU = 0, K3_GLU_SITU, K3_GLU_SILU, K3_GLU_G
 void k3_glu(float *f1, const float *f2, int64_t n, k3_glu_kind kind, float b1, float b2);
 void k3_glu_ref(float *f1, const float *f2, int64_t n, k3_glu_kind kind, float b1, float b2);
 
-/* Which path k3_matmul and friends use: "ref", "avx2", ... */
-typedef enum k3_isa { K3_ISA_REF = 0, K3_ISA_AVX2, K3_ISA_AVX512 } k3_isa;
-/* Detects the CPU once; safe to call many times. */
+/* ---- which kernels run (dispatch.c) ------------------------------------ */
+
+/* The CPU levels k3_kernels_init picks a kernel table for: "ref", "avx2", ... */
+typedef enum k3_isa { K3_ISA_REF = 0, K3_ISA_AVX2, K3_ISA_AVX512, K3_ISA_AMX, K3_ISA_COUNT } k3_isa;
+/* Detects the CPU and builds the tables once; safe to call many times. */
 void k3_kernels_init(void);
 k3_isa k3_kernels_isa(void);
 const char *k3_isa_name(k3_isa isa);
@@ -110,10 +159,15 @@ void k3_kernels_force(k3_isa isa);
 /* Whether the CPU has the instructions of isa. */
 bool k3_kernels_have(k3_isa isa);
 /* Whether the AVX2 integer kernels use AVX-VNNI (vpdpbusd on 256 bits): the
- * AVX2 path is running, the CPU has it, and it is not switched off (by
- * k3_set_isa("avx2-novnni"), or k3_kernels_force_avxvnni(false) in tests;
- * k3_kernels_force turns it back on where the CPU has it). */
+ * "avx2-vnni" table is running, which k3_kernels_force(K3_ISA_AVX2) takes where
+ * the CPU has it; k3_set_isa("avx2-novnni"), or k3_kernels_force_avxvnni(false)
+ * in tests, takes the plain "avx2" one. */
 bool k3_kernels_avxvnni(void);
 void k3_kernels_force_avxvnni(bool on);
+/* Tests: makes the "amx" table current with the tile instructions emulated
+ * (k3_amx_emulate) where the CPU runs the emulation, so its dispatch and
+ * kernels run on a CPU without the unit; false (and nothing changed) where it
+ * cannot. k3_kernels_force or k3_set_isa leaves it (and the emulation off). */
+bool k3_kernels_force_amx_emulated(void);
 
 #endif /* K3_KERNELS_KERNELS_H */

@@ -1,51 +1,256 @@
 /*
- * kernels_isa.h -- private to src/kernels: the per-ISA function table that
- * dispatch.c chooses from. Each ISA file (ref.c, matmul_avx2.c,
- * matmul_avx512.c) exports one table; dispatch.c owns the threading.
+ * kernels_isa.h -- private to src/kernels: the kernel table, and every kernel
+ * it can hold.
+ *
+ * One k3_kernel_ops per CPU level ("ref", "avx2", "avx2-vnni", "avx512"),
+ * built once by dispatch.c from the kernels declared below, and one of them
+ * current (k3_kernels_init picks the best the CPU has; k3_set_isa, --isa and
+ * k3_kernels_force pick another). Every entry point of src/kernels runs the
+ * current table's kernel: a caller never asks which CPU it is on.
+ *
+ * A table starts as a copy of the one below it and replaces the entries it
+ * has kernels for, so an entry is never empty where the reference has one. An
+ * entry with a fits() predicate takes only the calls it says yes to; the
+ * others run the entry of `base` (the next table down), e.g. the AVX-512 QLI
+ * kernel takes up to 64 heads and dI % 64 == 0, AVX2's dI % 16 == 0, the
+ * reference every shape. Whatever table runs a call, its result is the one the
+ * batch-invariance contract below allows, so a fits() that depends on n must
+ * pick kernels that give the same bits as the base's.
+ *
+ * Files: a kernel is defined in a file that the tables point at and that
+ * calls no entry point (so no file both feeds the table and reads it): the
+ * references in ref.c, quant.c, attn_ops.c, attnres.c, kda.c, softmax.c, the
+ * SIMD forms in *_avx2.c and *_avx512.c. The entry points are in dispatch.c,
+ * k3_matmul in matmul.c; what is built on entry points (quantize.c,
+ * kda_conv.c, mla.c) sits above them.
+ *
+ * Each kernel family's signature is a function type (k3_*_fn), which the
+ * table's entries point at and the declarations below declare kernels with.
  */
 #ifndef K3_KERNELS_KERNELS_ISA_H
 #define K3_KERNELS_KERNELS_ISA_H
 
+#include "kernels/attn_ops.h"
+#include "kernels/attnres.h"
+#include "kernels/kda.h"
 #include "kernels/kernels.h"
 
-typedef struct k3_kernel_ops {
+typedef struct k3_kernel_ops k3_kernel_ops;
+
+/* ---- matrix products with fp32 activations ------------------------------- */
+
+/* Rows [r0, r1) of y = x Wᵀ: y[i*ldy + r] for i < n, r0 <= r < r1.
+ * x: [n, w->cols] (row stride w->cols). One thread; the kernel picks its own
+ * blocking (streaming for small n, tiled for large n), but each y[i][r] must
+ * come out bit for bit the same whatever n, r0, r1 and the position of row i
+ * (batch invariance: k3_matmul splits freely, and the engine's batch == alone
+ * and causality tests compare with memcmp). Stack: up to ~100 KB (the
+ * AVX-512 tiled path's weight block). x is as prep_x left it where that
+ * returns > 0 for w. */
+typedef void k3_mm_rows_fn(const k3_mat *w, const float *x, int64_t n, float *y, int64_t ldy, int64_t r0,
+                           int64_t r1);
+/* Optional (NULL: x is always taken as it is): x [n, w->cols] in the order
+ * rows wants for w, written to xp once per k3_matmul call rather than by every
+ * row chunk. Returns the floats it writes (0: w takes x as it is); with
+ * xp == NULL only returns that count. */
+typedef int64_t k3_mm_prep_fn(const k3_mat *w, const float *x, int64_t n, float *xp);
+/* Whether a kernel takes a product of n activation rows with w (NULL: every
+ * one). k3_matmul asks once per call, with the call's n; the pool may then
+ * hand the kernel any share of those rows. */
+typedef bool k3_mm_fits_fn(const k3_mat *w, int64_t n);
+/* A kernel that makes the whole product itself (its own activation form and
+ * its own split over the pool): the AMX kernels, whose activation tiles are
+ * made once per call for every weight panel. Set instead of rows' split (an
+ * entry with call still has rows NULL or not; k3_matmul takes call first). */
+typedef void k3_mm_call_fn(k3_pool *pool, const k3_mat *w, const float *x, int64_t n, float *y);
+
+typedef struct k3_mm_kernel {
+    k3_mm_fits_fn *fits;
+    k3_mm_rows_fn *rows;
+    k3_mm_prep_fn *prep_x;
+    k3_mm_call_fn *call;
+} k3_mm_kernel;
+
+/* ---- matrix products with 8-bit activations -------------------------------- */
+
+/* The form a kernel reads the activations in, which k3_matmul makes once per
+ * call from x (quant.h has the quantizers and the orders). */
+typedef enum k3_qform {
+    K3_QX_I8 = 0, /* int8 per token, one scale each (k3_quant_act_i8) */
+    K3_QX_U8,     /* the same plus 128, as unsigned bytes (vpdpbusd's unsigned side) */
+    K3_QX_MX4,    /* int8 in k3_mx4_prep order, with its corr */
+    K3_QX_MX4_R4, /* int8 in k3_mx4_r4_prep order, with its corr */
+    K3_QX_MXFP8,  /* fp32 fake-quantized per 32-block (k3_quant_act_mxfp8) */
+} k3_qform;
+
+/* One 8-bit-activation product y[n, w->rows] = x Wᵀ as its kernel reads it. */
+typedef struct k3_qjob {
+    const k3_kernel_ops *ops; /* the table the kernel came from (its dots, decoders) */
+    const k3_mat *w;
+    int64_t n;                /* tokens */
+    const int8_t *xq;         /* [n, cols]: int8, or + 128, or a W4A8 order (k3_qform) */
+    const int32_t *corr;      /* [n, ldc]: W4A8 orders, -12 x block sums */
+    int64_t ldc;
+    const float *xs;          /* [n]: token scales */
+    const float *xf;          /* [n, cols]: K3_QX_MXFP8 */
+    float *y;                 /* [n, w->rows]: y[t * w->rows + r] */
+} k3_qjob;
+
+/* Rows [r0, r1) (whole tiles of w's type) x every token of j, into j->y;
+ * batch invariant as k3_mm_rows_fn. */
+typedef void k3_q_rows_fn(const k3_qjob *j, int64_t r0, int64_t r1);
+
+typedef struct k3_q_kernel {
+    k3_qform form;
+    k3_mm_fits_fn *fits;
+    k3_q_rows_fn *rows;
+    k3_mm_call_fn *call; /* the whole product from fp32 x (its own quantizer), as k3_mm_kernel.call */
+} k3_q_kernel;
+
+/* The activation quantizer and the W4A8 orders (quant.h); the dot of one
+ * stored-layout MXFP4 row with one int8 token, Σ_blocks 2^(e-128) · <x, 2
+ * e2m1> (each block an exact integer dot); len (% 32 == 0) E4M3 codes with
+ * their E8M0 block scales -> fp32. */
+typedef float k3_act_i8_fn(const float *x, int64_t n, int8_t *q);
+typedef void k3_mx4_order_fn(const int8_t *xq, int64_t cols, int8_t *xp, int32_t *corr);
+typedef float k3_mx4_dot_fn(const uint8_t *packed, const uint8_t *scale, const int8_t *x, int64_t cols);
+typedef void k3_mxfp8_dequant_fn(const uint8_t *q, const uint8_t *e, int64_t len, float *out);
+
+/* ---- the rest (each as its entry point: kernels.h, attn_ops.h, attnres.h, kda.h) -- */
+
+typedef float k3_dot_fn(const float *a, const float *b, int64_t n);
+typedef void k3_axpy_fn(float *y, float a, const float *x, int64_t n);
+typedef void k3_glu_fn(float *f1, const float *f2, int64_t n, k3_glu_kind kind, float b1, float b2);
+typedef void k3_softmax_fn(float *s, int64_t n, float scale);
+typedef bool k3_qli_fits_fn(int HI, int dI);
+typedef void k3_qli_fn(const int8_t *q8, const float *qs, const float *w, int HI, int dI, const int8_t *k8,
+                       const float *ks, const int64_t *slots, int n, float *scores);
+typedef bool k3_qsfa_fits_fn(const k3_c8_cache *c);
+typedef void k3_qsfa_fn(const float *qa, const float *qpe, int H, const k3_c8_cache *c, const int64_t *slots, int n,
+                        float scale, float *out, float *lse, float *work);
+typedef void k3_lse_merge_fn(const float *const *o, const float *const *lse, int P, int H, int d, float *out,
+                             float *lse_out);
+typedef void k3_attnres_fn(const float *const *V, int n, const float *w, int64_t D, float eps, float *out);
+typedef bool k3_kda_fits_fn(const k3_kda_head *h);
+typedef void k3_kda_recurrent_fn(const k3_kda_head *h, float *S);
+typedef void k3_kda_chunked_fn(const k3_kda_head *h, float *S, int chunk, float *work);
+
+/* ---- the table --------------------------------------------------------------- */
+
+struct k3_kernel_ops {
+    const char *name;          /* k3_isa_current(): "ref", "avx2", "avx2-vnni", "avx512", "amx" */
     k3_isa isa;
-    /* Rows [r0, r1) of y = x Wᵀ: y[i*ldy + r] for i < n, r0 <= r < r1.
-     * x: [n, w->cols] (row stride w->cols). One thread; the ISA picks its
-     * own blocking (streaming for small n, tiled for large n), but each
-     * y[i][r] must come out bit for bit the same whatever n, r0, r1 and the
-     * position of row i (batch invariance: dispatch.c splits freely, and the
-     * engine's batch == alone and causality tests compare with memcmp).
-     * Stack: up to ~100 KB (the AVX-512 tiled path's weight block).
-     * x is as prep_x left it where that returns > 0 for w. */
-    void (*matmul)(const k3_mat *w, const float *x, int64_t n, float *y, int64_t ldy,
-                   int64_t r0, int64_t r1);
-    /* Optional (NULL: x is always taken as it is): x [n, w->cols] in the
-     * order matmul wants for w, written to xp once per k3_matmul call rather
-     * than by every row chunk. Returns the floats it writes (0: w takes x as
-     * it is); with xp == NULL only returns that count. */
-    int64_t (*prep_x)(const k3_mat *w, const float *x, int64_t n, float *xp);
-    float (*dot)(const float *a, const float *b, int64_t n);
-    void (*axpy)(float *y, float a, const float *x, int64_t n);
-    void (*glu)(float *f1, const float *f2, int64_t n, k3_glu_kind kind, float b1, float b2);
-} k3_kernel_ops;
+    const k3_kernel_ops *base; /* runs the calls an entry's fits() turns down; NULL for "ref" */
 
-void k3_glu_avx2(float *f1, const float *f2, int64_t n, k3_glu_kind kind, float b1, float b2);
-void k3_glu_avx512(float *f1, const float *f2, int64_t n, k3_glu_kind kind, float b1, float b2);
+    /* matrix products, by weight type (k3_wtype_traits.acts says which
+     * family takes a type); rows NULL: no kernel */
+    k3_mm_kernel mm[K3_W_COUNT];
+    k3_q_kernel q[K3_W_COUNT];
+    /* MXFP4 matrices with 8-bit activations are copied as K3_W_MXFP4_R4
+     * tiles at load (k3_mx4_r4_wanted): this table has a faster tile kernel */
+    bool w4a8_tiles;
 
-extern const k3_kernel_ops k3_ops_ref;
-extern const k3_kernel_ops k3_ops_avx2;
-extern const k3_kernel_ops k3_ops_avx512;
+    /* what the 8-bit products are made of */
+    k3_act_i8_fn *quant_act_i8;
+    k3_mx4_order_fn *mx4_prep, *mx4_r4_prep;
+    k3_mx4_dot_fn *mx4_dot;
+    k3_mxfp8_dequant_fn *mxfp8_dequant;
 
-/* 2^(e-127) for an E8M0 byte, 255 -> NaN (= k3_e8m0_to_f32, inlined for the
- * MXFP4 inner loops). e = 0 gives the subnormal 2^-127; every e2m1 value times
- * it is still exact, so decoded weights equal the reference's bit for bit. */
-static inline float k3_mx_scale(uint8_t e) {
-    union { uint32_t u; float f; } v;
-    if (e == 255) v.u = 0x7fc00000u;
-    else if (e >= 1) v.u = (uint32_t)e << 23;
-    else v.u = 0x00400000u;
-    return v.f;
+    /* fp32 vectors */
+    k3_dot_fn *dot;
+    k3_axpy_fn *axpy;
+    k3_glu_fn *glu;
+    k3_softmax_fn *softmax;
+
+    /* attention on 8-bit caches, the LSE merge and the AttnRes mix */
+    k3_qli_fits_fn *qli_fits;
+    k3_qli_fn *qli_scores;
+    k3_qsfa_fits_fn *qsfa_fits;
+    k3_qsfa_fn *qsfa;
+    k3_lse_merge_fn *lse_merge;
+    k3_attnres_fn *attnres_mix;
+
+    /* KDA */
+    k3_kda_fits_fn *kda_recurrent_fits, *kda_chunked_fits;
+    k3_kda_recurrent_fn *kda_recurrent;
+    k3_kda_chunked_fn *kda_chunked;
+    bool kda_recurrent_prefill; /* the recurrent form beats the chunked one at every length */
+};
+
+/* The current table (k3_kernels_init on first use). */
+const k3_kernel_ops *k3_ops(void);
+
+/* ---- the kernels (the references' prototypes are in the public headers) ---- */
+
+/* fp32 activations: ref.c, matmul_avx2.c, matmul_avx512.c, act_*.c, softmax*.c */
+k3_mm_rows_fn k3_matmul_rows_ref, k3_matmul_rows_avx2, k3_matmul_rows_avx512;
+k3_mm_prep_fn k3_matmul_prep_x_avx2, k3_matmul_prep_x_avx512;
+k3_dot_fn k3_dot_avx2, k3_dot_avx512;
+k3_axpy_fn k3_axpy_avx2, k3_axpy_avx512;
+k3_glu_fn k3_glu_avx2, k3_glu_avx512;
+k3_softmax_fn k3_softmax_avx2, k3_softmax_avx512;
+
+/* 8-bit activations. quant.c, the scalar forms: the "ref" table's W8A8 and
+ * tile W4A8 rows; W4A8 on the stored layout a row at a time with the table's
+ * mx4_dot, and MXFP8 decoded (mxfp8_dequant) and dotted (dot) by the table,
+ * for every table whose own kernels do not replace them. */
+k3_q_rows_fn k3_q8_rows_ref, k3_mx4_r4_rows_ref, k3_mx4_rows, k3_mxfp8_rows;
+k3_mx4_dot_fn k3_mx4_dot_ref;
+k3_mxfp8_dequant_fn k3_mxfp8_dequant_ref;
+
+/* quant_avx2.c: W8A8 in a plain form (vpmaddubsw/vpmaddwd, K3_QX_I8) and an
+ * AVX-VNNI one (vpdpbusd, K3_QX_U8), W4A8 on K3_W_MXFP4_R4 tiles
+ * (K3_QX_MX4_R4) in both forms, all giving the same bits; the stored-layout
+ * MXFP4 dot; the quantizer, the tiles' order and the MXFP8 decode (F16C), bit
+ * for bit the scalar ones. */
+k3_q_rows_fn k3_q8_rows_avx2, k3_q8_rows_avxvnni, k3_mx4_r4_rows_avx2, k3_mx4_r4_rows_avxvnni;
+k3_mx4_dot_fn k3_mx4_dot_avx2;
+k3_act_i8_fn k3_quant_act_i8_avx2;
+k3_mx4_order_fn k3_mx4_r4_prep_avx2;
+k3_mxfp8_dequant_fn k3_mxfp8_dequant_avx2;
+
+/* quant_avx512.c, AVX-512 VNNI for the W8A8 (K3_QX_U8) and W4A8 kernels
+ * (K3_QX_MX4 on the stored layout, K3_QX_MX4_R4 on tiles), each W4A8 kernel
+ * also in a VBMI form (vpermb decodes the nibbles) with the same bits; the
+ * quantizer, the W4A8 orders (VBMI) and the MXFP8 decode, bit for bit the
+ * scalar ones (the decode for every code but the NaNs 0x7F, 0xFF, which the
+ * quantizer never writes). */
+k3_q_rows_fn k3_q8_rows_avx512, k3_mx4_rows_avx512, k3_mx4_rows_avx512_vbmi, k3_mx4_r4_rows_avx512,
+    k3_mx4_r4_rows_avx512_vbmi;
+k3_act_i8_fn k3_quant_act_i8_avx512;
+k3_mx4_order_fn k3_mx4_prep_avx512_vbmi, k3_mx4_r4_prep_avx512_vbmi;
+k3_mxfp8_dequant_fn k3_mxfp8_dequant_avx512;
+
+/* amx.c: the "amx" table's products on the tile unit (amx.h), each taking
+ * the calls with at least the rows where the tiles pay off (fits) and leaving
+ * the rest to "avx512": BF16 weights and MXFP4 ones (the BF16-decode route)
+ * with fp32 activations, Q8 (W8A8) with int8 ones, bit for bit the AVX-512
+ * VNNI kernel's. */
+k3_mm_fits_fn k3_amx_mm_fits, k3_amx_q8_fits;
+k3_mm_call_fn k3_amx_mm_call;
+
+/* QLI and QSFA (attn_ops_avx2.c, attn_ops_avx512.c). AVX2 QSFA goes by
+ * blocks of 8 slots where rope % 8 == 0 and rope <= kv_lora, else slot by
+ * slot. */
+k3_qli_fits_fn k3_qli_avx2_fits, k3_qli_avx512_fits;
+k3_qli_fn k3_qli_scores_avx2, k3_qli_scores_avx512;
+k3_qsfa_fits_fn k3_qsfa_avx2_fits, k3_qsfa_avx512_fits;
+k3_qsfa_fn k3_qsfa_avx2, k3_qsfa_avx512;
+/* Floats of work the QSFA kernels by blocks of 8 slots (AVX2, AVX-512) use:
+ * a block of rows, a zero row, the block's scores, three values per head (the
+ * heads padded to 4). */
+static inline int64_t k3_qsfa_block_work(int H, int kv_lora, int rope) {
+    const int HP = (H + 3) / 4 * 4;
+    return 8 * (int64_t)kv_lora + kv_lora + rope + (int64_t)HP * 8 + 3 * HP;
 }
+
+/* The AttnRes mix (attnres_avx2.c). */
+k3_attnres_fn k3_attnres_mix_avx2;
+
+/* KDA (kda_avx2.c, kda_avx512.c): dk, dv multiples of 8, dk <= 8192
+ * (k3_kda_simd_fits). */
+k3_kda_fits_fn k3_kda_simd_fits;
+k3_kda_recurrent_fn k3_kda_recurrent_avx2, k3_kda_recurrent_avx512;
+k3_kda_chunked_fn k3_kda_chunked_avx2;
 
 #endif /* K3_KERNELS_KERNELS_ISA_H */

@@ -1,6 +1,6 @@
 /*
- * matmul_avx2.c -- AVX2 + FMA + F16C kernels (the k3_ops_avx2 table).
- * Mirrors ref.c: matmul_ref_rows, k3_dot_ref, k3_axpy_ref.
+ * matmul_avx2.c -- AVX2 + FMA + F16C kernels of the "avx2" tables (dispatch.c).
+ * Mirrors ref.c: k3_matmul_rows_ref, k3_dot_ref, k3_axpy_ref.
  *
  * Canonical order. Every path computes y[i][r] with the same operations in
  * the same order, whatever n, the position of row i or r in a tile, or the
@@ -536,7 +536,7 @@ static void tiled(const k3_mat *w, const float *x, int64_t n, float *y, int64_t 
     }
 }
 
-/* ---- the table -------------------------------------------------------- */
+/* ---- the kernels of the table ----------------------------------------- */
 
 /* Any type, n <= 4 activation rows. */
 static void stream_rows(const k3_mat *w, const float *x, int64_t n, float *y, int64_t ldy,
@@ -553,8 +553,8 @@ static void stream_rows(const k3_mat *w, const float *x, int64_t n, float *y, in
     }
 }
 
-static void matmul_rows(const k3_mat *w, const float *x, int64_t n, float *y, int64_t ldy,
-                        int64_t r0, int64_t r1) {
+void k3_matmul_rows_avx2(const k3_mat *w, const float *x, int64_t n, float *y, int64_t ldy, int64_t r0,
+                         int64_t r1) {
     if (n <= 4) {
         stream_rows(w, x, n, y, ldy, r0, r1);
     } else if (w->type == K3_W_BF16 && paired(w) && n <= STREAM_PAIRED_N) {
@@ -605,14 +605,14 @@ static void x_quad(const float *x, int64_t K, int64_t n, float *xq) {
 }
 
 /* x for a paired matrix: MXFP4's quad order, or BF16's paired order. */
-static int64_t prep_x_avx2(const k3_mat *w, const float *x, int64_t n, float *xp) {
+int64_t k3_matmul_prep_x_avx2(const k3_mat *w, const float *x, int64_t n, float *xp) {
     if (!paired(w)) return 0;
     if (xp && w->type == K3_W_MXFP4) x_quad(x, w->cols, n, xp);
     else if (xp) x_deinterleave(x, w->cols, n, xp);
     return n * w->cols;
 }
 
-static float dot_avx2(const float *a, const float *b, int64_t n) {
+float k3_dot_avx2(const float *a, const float *b, int64_t n) {
     __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
     int64_t i = 0;
     for (; i + 32 <= n; i += 32) {
@@ -628,7 +628,7 @@ static float dot_avx2(const float *a, const float *b, int64_t n) {
     return s;
 }
 
-static void axpy_avx2(float *y, float a, const float *x, int64_t n) {
+void k3_axpy_avx2(float *y, float a, const float *x, int64_t n) {
     const __m256 av = _mm256_set1_ps(a);
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
@@ -640,12 +640,3 @@ static void axpy_avx2(float *y, float a, const float *x, int64_t n) {
         _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
     for (; i < n; i++) y[i] = fmaf(a, x[i], y[i]);
 }
-
-const k3_kernel_ops k3_ops_avx2 = {
-    .isa = K3_ISA_AVX2,
-    .matmul = matmul_rows,
-    .prep_x = prep_x_avx2,
-    .dot = dot_avx2,
-    .axpy = axpy_avx2,
-    .glu = k3_glu_avx2,
-};

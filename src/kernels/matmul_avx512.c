@@ -1,6 +1,6 @@
 /*
- * matmul_avx512.c -- AVX-512 (F, BW, VL) kernels (the k3_ops_avx512 table).
- * Mirrors ref.c (matmul_ref_rows, k3_dot_ref, k3_axpy_ref). Same structure as
+ * matmul_avx512.c -- AVX-512 (F, BW, VL) kernels of the "avx512" table (dispatch.c).
+ * Mirrors ref.c (k3_matmul_rows_ref, k3_dot_ref, k3_axpy_ref). Same structure as
  * matmul_avx2.c; read that file's header first. Differences:
  *
  *   - 16-lane vectors, KC = 1024, a 4x6 register tile, RB = 24 (a 96 KB
@@ -494,7 +494,7 @@ static void tiled(const k3_mat *w, const float *x, int64_t n, float *y, int64_t 
     }
 }
 
-/* ---- the table -------------------------------------------------------- */
+/* ---- the kernels of the table ----------------------------------------- */
 
 /* Any type, n <= 4 activation rows. */
 static void stream_rows(const k3_mat *w, const float *x, int64_t n, float *y, int64_t ldy,
@@ -515,14 +515,14 @@ static void stream_rows(const k3_mat *w, const float *x, int64_t n, float *y, in
 
 /* x for a paired matrix: each 32-column block as its 16 even, then its 16
  * odd columns (the order both the weights' decoders give). */
-static int64_t prep_x_avx512(const k3_mat *w, const float *x, int64_t n, float *xp) {
+int64_t k3_matmul_prep_x_avx512(const k3_mat *w, const float *x, int64_t n, float *xp) {
     if (!paired(w)) return 0;
     if (xp) mx_deinterleave(x, w->cols, n, 0, w->cols, xp);
     return n * w->cols;
 }
 
-static void matmul_rows(const k3_mat *w, const float *x, int64_t n, float *y, int64_t ldy,
-                        int64_t r0, int64_t r1) {
+void k3_matmul_rows_avx512(const k3_mat *w, const float *x, int64_t n, float *y, int64_t ldy, int64_t r0,
+                           int64_t r1) {
     if (n <= 4) {
         stream_rows(w, x, n, y, ldy, r0, r1);
     } else if (w->type == K3_W_BF16 && paired(w) && n <= STREAM_PAIRED_N) {
@@ -543,7 +543,7 @@ static void matmul_rows(const k3_mat *w, const float *x, int64_t n, float *y, in
     }
 }
 
-static float dot_avx512(const float *a, const float *b, int64_t n) {
+float k3_dot_avx512(const float *a, const float *b, int64_t n) {
     __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
     int64_t i = 0;
     for (; i + 64 <= n; i += 64) {
@@ -559,7 +559,7 @@ static float dot_avx512(const float *a, const float *b, int64_t n) {
     return k3_hsum(_mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3)));
 }
 
-static void axpy_avx512(float *y, float a, const float *x, int64_t n) {
+void k3_axpy_avx512(float *y, float a, const float *x, int64_t n) {
     const __m512 av = _mm512_set1_ps(a);
     int64_t i = 0;
     for (; i + 16 <= n; i += 16)
@@ -570,12 +570,3 @@ static void axpy_avx512(float *y, float a, const float *x, int64_t n) {
         _mm512_mask_storeu_ps(y + i, m, v);
     }
 }
-
-const k3_kernel_ops k3_ops_avx512 = {
-    .isa = K3_ISA_AVX512,
-    .matmul = matmul_rows,
-    .prep_x = prep_x_avx512,
-    .dot = dot_avx512,
-    .axpy = axpy_avx512,
-    .glu = k3_glu_avx512,
-};

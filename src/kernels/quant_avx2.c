@@ -1,8 +1,8 @@
 /*
- * quant_avx2.c -- AVX2 inner loops of the 8-bit matmuls (see quant.h), in
- * two forms where the integer dot products are concerned: plain AVX2, and
- * AVX-VNNI (vpdpbusd on 256 bits, `target("avxvnni")`, taken only where the
- * CPU has it: k3_kernels_avxvnni).
+ * quant_avx2.c -- AVX2 kernels of the 8-bit matmuls (see quant.h and
+ * kernels_isa.h), in two forms where the integer dot products are concerned:
+ * plain AVX2 (the "avx2" table), and AVX-VNNI (vpdpbusd on 256 bits,
+ * `target("avxvnni")`, the "avx2-vnni" table, only where the CPU has it).
  *
  * Plain AVX2 int8 x int8 uses the sign trick: maddubs(|a|, b·sign(a)) never
  * saturates because both sides are clamped to [-127, 127] (2·127·127 < 32768).
@@ -27,7 +27,8 @@
 #include <math.h>
 #include <string.h>
 
-#include "quant.h"
+#include "common/error.h"
+#include "kernels/kernels_isa.h"
 #include "quant_simd.h"
 
 #define INLINE static inline __attribute__((always_inline))
@@ -52,18 +53,9 @@ INLINE __m256i dot32(__m256i a, __m256i b) {
     return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
 }
 
-int32_t k3_dot_i8_avx2(const int8_t *a, const int8_t *b, int64_t n) {
-    __m256i acc = _mm256_setzero_si256();
-    int64_t i = 0;
-    for (; i + 32 <= n; i += 32)
-        acc = _mm256_add_epi32(acc, dot32(_mm256_loadu_si256((const __m256i *)(a + i)),
-                                          _mm256_loadu_si256((const __m256i *)(b + i))));
-    int32_t s = hsum_epi32(acc);
-    for (; i < n; i++) s += (int32_t)a[i] * b[i];
-    return s;
-}
-
-float k3_dot_mxfp4_i8_avx2(const uint8_t *packed, const uint8_t *scale, const int8_t *x, int64_t cols) {
+/* Σ_blocks 2^(e_b-128) · <x8 block, 2·e2m1 block> for one row of the stored
+ * MXFP4 layout (k3_mx4_dot_ref's blocks, each an exact integer dot) */
+float k3_mx4_dot_avx2(const uint8_t *packed, const uint8_t *scale, const int8_t *x, int64_t cols) {
     __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0; b < cols / 32; b++) {
         const __m256i w = k3_mxfp4_block_i8(packed + 16 * b);
@@ -303,8 +295,13 @@ static VNNI void q8_one_vnni(const int8_t *w, const float *row_scale, const int3
  * (VNNI 4 rows x 3 tokens, plain 3 x 3), over 48-row slices that stay in L2
  * while the token groups pass. */
 #define Q8_ROWS(NAME, TILE, ONE_TOKEN, OFF, ATTR, TR, TT)                                                              \
-    ATTR void NAME(const int8_t *w, const float *row_scale, const int32_t *row_sum, int64_t cols, const int8_t *x,  \
-                   const float *xs, int64_t n, int64_t r0, int64_t r1, float *y, int64_t ldy) {                     \
+    ATTR void NAME(const k3_qjob *job, int64_t r0, int64_t r1) {                                                    \
+        const int8_t *w = job->w->data, *x = job->xq;                                                               \
+        const float *row_scale = job->w->row_scale, *xs = job->xs;                                                  \
+        const int32_t *row_sum = job->w->row_sum;                                                                   \
+        const int64_t cols = job->w->cols, n = job->n, ldy = job->w->rows;                                          \
+        float *y = job->y;                                                                                          \
+        K3_ASSERT(row_sum); /* made by k3_quant_q8_mat */                                                           \
         if (n == 1) {                                                                                               \
             ONE_TOKEN;                                                                                              \
             return;                                                                                                 \
@@ -494,9 +491,13 @@ INLINE void pair_store(__m256 a, float xs, float *y) {
  * against activations prepared by k3_mx4_r4_prep: 16-row slices, groups of
  * up to 8 tokens, each tile's row pairs in turn. */
 #define MX4_R4_ROWS(NAME, PAIR, TILE1, ATTR)                                                                           \
-    ATTR void NAME(const uint8_t *packed, const uint8_t *scale, int64_t cols, const int8_t *xp,                 \
-                   const int32_t *corr, int64_t ldc, const float *xs, int64_t n, int64_t r0, int64_t r1,        \
-                   float *y, int64_t ldy) {                                                                     \
+    ATTR void NAME(const k3_qjob *job, int64_t r0, int64_t r1) {                                                \
+        const uint8_t *packed = job->w->data, *scale = job->w->scale;                                           \
+        const int8_t *xp = job->xq;                                                                             \
+        const int32_t *corr = job->corr;                                                                        \
+        const float *xs = job->xs;                                                                              \
+        const int64_t cols = job->w->cols, ldc = job->ldc, n = job->n, ldy = job->w->rows;                      \
+        float *y = job->y;                                                                                      \
         if (n == 1) { /* decode: whole tiles in address order */                                                \
             for (int64_t r = r0; r < r1; r += 4) {                                                              \
                 __m256 a0, a1;                                                                                  \

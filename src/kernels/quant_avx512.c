@@ -1,6 +1,6 @@
 /*
- * quant_avx512.c -- AVX-512 VNNI inner loops of the 8-bit matmuls (see
- * quant.h). vpdpbusd multiplies unsigned by signed bytes: for W8A8 the
+ * quant_avx512.c -- AVX-512 VNNI kernels of the 8-bit matmuls (see quant.h
+ * and kernels_isa.h), the "avx512" table's where the CPU has VNNI. vpdpbusd multiplies unsigned by signed bytes: for W8A8 the
  * activations go in as x + 128 and 128 Σw comes off; for W4A8 the weights go
  * in as 2·E2M1 + 12 and 12 Σx comes off. Integer sums, so exact.
  */
@@ -8,7 +8,9 @@
 #include <math.h>
 #include <string.h>
 
-#include "quant.h"
+#include "common/error.h"
+#include "kernels/kernels_isa.h"
+#include "kernels/quant.h"
 #include "hsum_avx512.h"
 
 /* ---- per-token activation quantization ----------------------------------- */
@@ -89,6 +91,14 @@ static void q8_tiles(const int8_t *w, int64_t cols, const uint8_t *xu, int nr, i
 #undef T
 }
 
+/* How far ahead (bytes) the W4A8 tile kernel prefetches its weights into L2
+ * (_MM_HINT_T1) at one token, as the AVX2 one does (quant_avx2.c): without
+ * it a core's stream of routed experts from DRAM fell behind the AVX2
+ * kernel's. (W8A8's row stream does not gain from it: the hardware follows
+ * one long row.) */
+enum { ONE_AHEAD = 4096 };
+#define PF1(p) _mm_prefetch((const char *)(p) + ONE_AHEAD, _MM_HINT_T1)
+
 /* One row against one token: four accumulators so the vpdpbusd chain is not
  * what limits a decode step. Σ w xu, like q8_tile. */
 static inline int32_t q8_dot1(const int8_t *w, const uint8_t *xu, int64_t cols) {
@@ -112,9 +122,14 @@ static inline int32_t q8_dot1(const int8_t *w, const uint8_t *xu, int64_t cols) 
  * Few tokens (decode): one row at a time against all of them, so the weights
  * stream in address order, which is what the prefetchers follow best. Many:
  * 4x4 tiles, blocked so a 64-row slice of W stays in L2 while the tokens pass. */
-void k3_q8_rows_avx512(const int8_t *w, const float *row_scale, const int32_t *row_sum, int64_t cols,
-                       const uint8_t *xu, const float *xs, int64_t n, int64_t r0, int64_t r1, float *y,
-                       int64_t ldy) {
+void k3_q8_rows_avx512(const k3_qjob *j, int64_t r0, int64_t r1) {
+    const int8_t *w = j->w->data;
+    const uint8_t *xu = (const uint8_t *)j->xq;
+    const float *row_scale = j->w->row_scale, *xs = j->xs;
+    const int32_t *row_sum = j->w->row_sum;
+    const int64_t cols = j->w->cols, n = j->n, ldy = j->w->rows;
+    float *y = j->y;
+    K3_ASSERT(row_sum); /* made by k3_quant_q8_mat */
     if (n == 1) {
         for (int64_t r = r0; r < r1; r++)
             y[r] = (float)(q8_dot1(w + r * cols, xu, cols) - 128 * row_sum[r]) * xs[0] * row_scale[r];
@@ -244,7 +259,7 @@ enum { MX4_AHEAD = 8192 };
 /* ---- W8A8 MXFP8 -------------------------------------------------------------- */
 
 /* len (% 32 == 0) E4M3 codes with their E8M0 block scales -> fp32, the same
- * values as the table in quant.c: sign and the 7 low bits placed as an IEEE
+ * values as the scalar decode (quant.c): sign and the 7 low bits placed as an IEEE
  * half (s eeee mmm -> s 0eeee mmm0000000) is the E4M3 value times 2^-8, for
  * normals and subnormals alike; the half converts exactly. The NaN codes
  * 0x7F/0xFF, which the quantizer never writes, are not kept NaN. */

@@ -143,7 +143,7 @@ static float elem_f32(const uint8_t *data, k3_dtype d, int64_t i) {
     return d == K3_DTYPE_BF16 ? k3_bf16_to_f32(h) : k3_f16_to_f32(h);
 }
 
-static k3_wtype wtype_of(k3_dtype d) {
+k3_wtype k3_model_wtype_of(k3_dtype d) {
     return d == K3_DTYPE_F32 ? K3_W_F32 : d == K3_DTYPE_F16 ? K3_W_F16 : K3_W_BF16;
 }
 
@@ -203,7 +203,7 @@ static k3_status bind_mat(walker *w, k3_mat *dst, const char *name, int64_t rows
     if (!is_float(t->dtype)) return bad_dtype(w, t, "BF16, F16 or F32");
     int64_t want[2] = {rows, cols};
     if (!same_shape(t, want, 2)) return bad_shape(w, t, want, 2);
-    if (dst && w->out) *dst = (k3_mat){.type = wtype_of(t->dtype), .rows = rows, .cols = cols, .data = t->data};
+    if (dst && w->out) *dst = (k3_mat){.type = k3_model_wtype_of(t->dtype), .rows = rows, .cols = cols, .data = t->data};
     count(w, rows * cols, (int64_t)t->nbytes);
     return K3_OK;
 }
@@ -350,18 +350,17 @@ static k3_status bind_res(walker *w, float **dst, const char *norm_name,
 static k3_status derive_wuk(walker *w, k3_layer *L) {
     const k3_config *c = &w->m->cfg;
     int64_t H = c->n_heads, kv = c->kv_lora_rank, nope = c->qk_nope_dim, v = c->v_head_dim;
-    float *t = own(w, H * kv * nope);
-    if (!t) return nomem(w);
-    const k3_mat *kb = &L->kv_b;
-    k3_dtype d = kb->type == K3_W_F32 ? K3_DTYPE_F32
-               : kb->type == K3_W_F16 ? K3_DTYPE_F16 : K3_DTYPE_BF16;
+    float *t = own(w, H * kv * nope), *row = malloc(sizeof(float) * (size_t)(kv > 0 ? kv : 1));
+    if (!t || !row) {
+        free(row);
+        return nomem(w);
+    }
     for (int64_t h = 0; h < H; h++)
         for (int64_t j = 0; j < nope; j++) {
-            int64_t row = h * (nope + v) + j;
-            for (int64_t col = 0; col < kv; col++)
-                t[(h * kv + col) * nope + j] =
-                    elem_f32(kb->data, d, row * kb->cols + col);
+            k3_mat_get_row(&L->kv_b, h * (nope + v) + j, row);
+            for (int64_t col = 0; col < kv; col++) t[(h * kv + col) * nope + j] = row[col];
         }
+    free(row);
     L->wuk = (k3_mat){.type = K3_W_F32, .rows = H * kv, .cols = nope, .data = t};
     L->wuk_t = t;
     return K3_OK;
@@ -369,13 +368,15 @@ static k3_status derive_wuk(walker *w, k3_layer *L) {
 
 /* parts[0..np) stacked by rows into one owned matrix of their common dtype,
  * so one matmul (one pass over the input, one dispatch) serves them all;
- * *out stays empty when the parts differ in dtype or are MXFP4. */
+ * *out stays empty when the parts differ in dtype or keep scales beside
+ * their data (MXFP4). */
 static k3_status derive_stack(walker *w, const k3_mat *const *parts, int np, k3_mat *out) {
     if (!parts[0]->data) return K3_OK;
+    const k3_wtype_traits *ti = k3_wtype_info(parts[0]->type);
+    if (ti->block || ti->row_scale) return K3_OK;
     int64_t rows = 0;
     for (int j = 0; j < np; j++) {
-        if (parts[j]->type != parts[0]->type || parts[j]->type == K3_W_MXFP4 || parts[j]->cols != parts[0]->cols)
-            return K3_OK;
+        if (parts[j]->type != parts[0]->type || parts[j]->cols != parts[0]->cols) return K3_OK;
         rows += parts[j]->rows;
     }
     const size_t rb = k3_mat_row_bytes(parts[0]);
@@ -653,9 +654,7 @@ int64_t k3_model_expert_bytes(const k3_model *m) {
             const k3_mat *ws[3] = {&L->exp_gate[e], &L->exp_up[e], &L->exp_down[e]};
             for (int j = 0; j < 3; j++) {
                 const k3_mat *w = ws[j];
-                if (!w->data) continue;
-                const bool mx4 = w->type == K3_W_MXFP4 || w->type == K3_W_MXFP4_R4;
-                b += mx4 ? w->rows * (w->cols / 2 + w->cols / 32) : w->rows * (int64_t)k3_mat_row_bytes(w);
+                if (w->data) b += w->rows * (int64_t)k3_mat_row_bytes(w);
             }
         }
     }
@@ -838,13 +837,16 @@ k3_status k3_quant_parse(const char *s, k3_quant_options *out, k3_error *err) {
     if (!s || strlen(s) >= sizeof buf) return k3_err(err, K3_ERR_ARG, "quant: bad mode");
     snprintf(buf, sizeof buf, "%s", s);
     for (char *save = NULL, *tok = strtok_r(buf, "+,", &save); tok; tok = strtok_r(NULL, "+,", &save)) {
+        k3_wquant q;
         if (!strcmp(tok, "none") || !strcmp(tok, "bf16")) continue;
-        else if (!strcmp(tok, "w8a8") || !strcmp(tok, "w8a8-int8")) out->linear = K3_WQ_INT8;
-        else if (!strcmp(tok, "w8a8-mxfp8") || !strcmp(tok, "mxfp8")) out->linear = K3_WQ_MXFP8;
+        else if (k3_quant_mode_of(tok, &q)) out->linear = q;
         else if (!strcmp(tok, "w4a8")) out->experts_a8 = true;
-        else
-            return k3_err(err, K3_ERR_ARG,
-                          "quant: unknown mode '%s' (use none, w8a8, w8a8-mxfp8, w4a8, or e.g. w8a8+w4a8)", tok);
+        else {
+            char modes[128];
+            k3_quant_mode_list(modes, sizeof modes);
+            return k3_err(err, K3_ERR_ARG, "quant: unknown mode '%s' (use none, %s, w4a8, or e.g. w8a8+w4a8)", tok,
+                          modes);
+        }
     }
     return K3_OK;
 }
@@ -859,29 +861,18 @@ static void disown(k3_model *m, const void *p) {
         }
 }
 
+/* Memory for quantized arrays: own_packed's (k3_quantize_mat's alloc). */
+static void *pack_alloc(void *m, size_t n) { return own_packed(m, n); }
+
 /* alias: W_UK, the k half of kv_b again -- its bytes are counted with kv_b's
  * and its source stays (wuk_t names it) */
 static k3_status quantize_mat(k3_model *m, k3_mat *w, k3_wquant q, bool alias, k3_error *err) {
-    if (!w->data || w->type == K3_W_MXFP4 || w->type == K3_W_Q8 || w->type == K3_W_MXFP8) return K3_OK;
+    const void *old = w->data;
     /* a stack the loader made: not needed once converted */
-    const void *src = alias || k3_st_maps(m->st, w->data) ? NULL : w->data;
-    if (q == K3_WQ_MXFP8 && w->cols % 32) return K3_OK; /* stays as stored */
-    const size_t n = (size_t)(w->rows * w->cols);
+    const void *src = alias || !old || k3_st_maps(m->st, old) ? NULL : old;
     const int64_t before = w->rows * (int64_t)k3_mat_row_bytes(w);
-    if (q == K3_WQ_INT8) {
-        int8_t *d = own_packed(m, n);
-        float *sc = own_packed(m, sizeof(float) * (size_t)w->rows);
-        if (!d || !sc) return k3_err(err, K3_ERR_NOMEM, "quant: out of memory");
-        int32_t *sum = own_packed(m, sizeof(int32_t) * (size_t)w->rows);
-        if (!sum) return k3_err(err, K3_ERR_NOMEM, "quant: out of memory");
-        k3_quant_q8_mat(w, d, sc, sum);
-        *w = (k3_mat){.type = K3_W_Q8, .rows = w->rows, .cols = w->cols, .data = d, .row_scale = sc, .row_sum = sum};
-    } else {
-        uint8_t *d = own_packed(m, n), *e = own_packed(m, n / 32);
-        if (!d || !e) return k3_err(err, K3_ERR_NOMEM, "quant: out of memory");
-        k3_quant_mxfp8_mat(w, d, e);
-        *w = (k3_mat){.type = K3_W_MXFP8, .rows = w->rows, .cols = w->cols, .data = d, .scale = e};
-    }
+    K3_TRY(k3_quantize_mat(w, q, pack_alloc, m, err));
+    if (w->data == old) return K3_OK; /* stays as stored */
     if (!alias) m->quant_bytes_delta += w->rows * (int64_t)k3_mat_row_bytes(w) - before;
     if (src) disown(m, src);
     return K3_OK;
@@ -909,6 +900,13 @@ static int runtime_mats(const k3_config *c, k3_layer *L, k3_mat **out) {
     return n;
 }
 
+/* Whether a matrix of type t may run with 8-bit activations by choice
+ * (k3_mat.act8): its kernels take both (MXFP4, as W4A8). */
+static bool can_act8(k3_wtype t) {
+    const unsigned a = k3_wtype_info(t)->acts;
+    return (a & K3_ACTS_8BIT) && (a & K3_ACTS_F32);
+}
+
 k3_status k3_model_quantize(k3_model *m, const k3_quant_options *opt, k3_error *err) {
     const k3_config *c = &m->cfg;
     for (int i = 0; i < c->n_layers; i++) {
@@ -923,9 +921,8 @@ k3_status k3_model_quantize(k3_model *m, const k3_quant_options *opt, k3_error *
         }
         if (opt->experts_a8 && L->moe)
             for (int e = 0; e < c->n_experts; e++) {
-                L->exp_gate[e].act8 = L->exp_gate[e].type == K3_W_MXFP4;
-                L->exp_up[e].act8 = L->exp_up[e].type == K3_W_MXFP4;
-                L->exp_down[e].act8 = L->exp_down[e].type == K3_W_MXFP4;
+                k3_mat *ws[3] = {&L->exp_gate[e], &L->exp_up[e], &L->exp_down[e]};
+                for (int j = 0; j < 3; j++) ws[j]->act8 = can_act8(ws[j]->type);
             }
     }
     return K3_OK;
@@ -938,8 +935,7 @@ k3_status k3_model_quantize(k3_model *m, const k3_quant_options *opt, k3_error *
  * (k3_mx4_r4_wanted). */
 static k3_status copy_mat(k3_model *m, k3_mat *w, bool dry, int64_t *bytes, k3_error *err) {
     if (!w->data || !k3_st_maps(m->st, w->data)) return K3_OK;
-    const size_t nb = (size_t)w->rows * (w->type == K3_W_MXFP4 ? (size_t)w->cols / 2 : k3_mat_row_bytes(w));
-    const size_t ns = w->type == K3_W_MXFP4 ? (size_t)(w->rows * (w->cols / 32)) : 0;
+    const size_t nb = k3_mat_data_bytes(w), ns = k3_mat_scale_bytes(w);
     *bytes += (int64_t)(nb + ns);
     if (dry) return K3_OK;
     uint8_t *d = own_packed(m, nb), *sc = ns ? own_packed(m, ns) : NULL;

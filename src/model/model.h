@@ -104,4 +104,7 @@ struct k3_model {
     size_t pack_used;
 };
 
+/* The matrix type of a float tensor (F32, F16, BF16), viewed in place. */
+k3_wtype k3_model_wtype_of(k3_dtype d);
+
 #endif /* K3_MODEL_MODEL_H */

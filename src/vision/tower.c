@@ -203,8 +203,7 @@ static k3_status vmat(vbind *b, k3_mat *dst, const char *name, const int64_t *sh
     if (s) return s;
     int64_t cols = 1;
     for (int i = 1; i < nd; i++) cols *= shape[i];
-    const k3_wtype wt = t->dtype == K3_DTYPE_F32 ? K3_W_F32 : t->dtype == K3_DTYPE_F16 ? K3_W_F16 : K3_W_BF16;
-    *dst = (k3_mat){.type = wt, .rows = shape[0], .cols = cols, .data = t->data};
+    *dst = (k3_mat){.type = k3_model_wtype_of(t->dtype), .rows = shape[0], .cols = cols, .data = t->data};
     return K3_OK;
 }
 
@@ -311,24 +310,7 @@ k3_status k3_vision_open(k3_vision **out, const k3_model *m, k3_error *err) {
     return K3_OK;
 }
 
-static k3_status quant_one(k3_vision *v, k3_mat *w, k3_wquant q, k3_error *err) {
-    if (q == K3_WQ_MXFP8 && w->cols % 32) return K3_OK; /* stays as stored */
-    const size_t n = (size_t)(w->rows * w->cols);
-    if (q == K3_WQ_INT8) {
-        int8_t *d = vown(v, n);
-        float *sc = vown(v, sizeof(float) * (size_t)w->rows);
-        int32_t *sum = vown(v, sizeof(int32_t) * (size_t)w->rows);
-        if (!d || !sc || !sum) return k3_err(err, K3_ERR_NOMEM, "vision quant: out of memory");
-        k3_quant_q8_mat(w, d, sc, sum);
-        *w = (k3_mat){.type = K3_W_Q8, .rows = w->rows, .cols = w->cols, .data = d, .row_scale = sc, .row_sum = sum};
-    } else {
-        uint8_t *d = vown(v, n), *e = vown(v, n / 32);
-        if (!d || !e) return k3_err(err, K3_ERR_NOMEM, "vision quant: out of memory");
-        k3_quant_mxfp8_mat(w, d, e);
-        *w = (k3_mat){.type = K3_W_MXFP8, .rows = w->rows, .cols = w->cols, .data = d, .scale = e};
-    }
-    return K3_OK;
-}
+static void *quant_alloc(void *v, size_t n) { return vown(v, n); }
 
 k3_status k3_vision_quantize(k3_vision *v, const k3_quant_options *opt, k3_error *err) {
     if (!v || !opt || opt->linear == K3_WQ_NONE) return K3_OK;
@@ -338,12 +320,12 @@ k3_status k3_vision_quantize(k3_vision *v, const k3_quant_options *opt, k3_error
         k3_vit_block *L = &v->blocks[i];
         k3_mat *ms[] = {&L->wqkv, &L->wo, &L->fc0, &L->fc1};
         for (int k = 0; k < 4; k++)
-            if ((s = quant_one(v, ms[k], opt->linear, err))) return s;
+            if ((s = k3_quantize_mat(ms[k], opt->linear, quant_alloc, v, err))) return s;
     }
-    if ((s = quant_one(v, &v->patch, opt->linear, err)) || (s = quant_one(v, &v->proj0, opt->linear, err)) ||
-        (s = quant_one(v, &v->proj2, opt->linear, err)))
-        return s;
-    v->quant = opt->linear == K3_WQ_INT8 ? "w8a8" : "w8a8-mxfp8";
+    k3_mat *more[] = {&v->patch, &v->proj0, &v->proj2};
+    for (int k = 0; k < 3; k++)
+        if ((s = k3_quantize_mat(more[k], opt->linear, quant_alloc, v, err))) return s;
+    v->quant = k3_quant_mode_name(opt->linear);
     return K3_OK;
 }
 
@@ -457,30 +439,9 @@ static void gelu_erf_rows(void *p, int64_t lo, int64_t hi, int ith) {
     }
 }
 
-void k3_vit_softmax_ref(float *s, int64_t n, float scale) {
-    float mx = -INFINITY;
-    for (int64_t k = 0; k < n; k++) {
-        s[k] *= scale;
-        if (s[k] > mx) mx = s[k];
-    }
-    float sum = 0;
-    for (int64_t k = 0; k < n; k++) {
-        s[k] = expf(s[k] - mx);
-        sum += s[k];
-    }
-    const float inv = 1.0f / sum;
-    for (int64_t k = 0; k < n; k++) s[k] *= inv;
-}
-
 static void softmax_rows(void *p, int64_t lo, int64_t hi, int ith) {
     const vjob *j = p;
-    const k3_isa isa = k3_kernels_isa();
-    for (int64_t r = lo; r < hi; r++) {
-        float *s = j->x + r * j->n;
-        if (isa == K3_ISA_AVX512) k3_vit_softmax_avx512(s, j->n, j->scale);
-        else if (isa == K3_ISA_AVX2) k3_vit_softmax_avx2(s, j->n, j->scale);
-        else k3_vit_softmax_ref(s, j->n, j->scale);
-    }
+    for (int64_t r = lo; r < hi; r++) k3_softmax(j->x + r * j->n, j->n, j->scale);
 }
 
 /* q and k of every head of rows [lo, hi): (a + bi)(c + di) on pairs */

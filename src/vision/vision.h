@@ -139,12 +139,6 @@ struct k3_vision {
 void k3_vision_pos_interp(const float *tab, int32_t th, int32_t tw, int64_t D, int32_t h, int32_t w,
                           k3_interp mode, float *out);
 
-/* Softmax of s[0..n) after scaling by scale, in place: the scalar
- * reference and the SIMD forms held to it (vector exp, a few ulp). */
-void k3_vit_softmax_ref(float *s, int64_t n, float scale);
-void k3_vit_softmax_avx2(float *s, int64_t n, float scale);
-void k3_vit_softmax_avx512(float *s, int64_t n, float scale);
-
 /* The tower + merger + projector over one image's patches [gh * gw, 3 P P]:
  * out [gh * gw / 4, text_hidden]. */
 k3_status k3_vision_forward(const k3_vision *v, k3_pool *pool, const float *pixels, int32_t gt, int32_t gh,

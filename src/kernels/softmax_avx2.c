@@ -1,15 +1,15 @@
 /*
- * softmax_avx2.c -- the tower's attention softmax on 8 lanes (vector exp of
- * vexp_avx2.h), the tail in scalar; the scalar reference is
- * k3_vit_softmax_ref (tower.c), and tests/test_vision.c holds this to it.
+ * softmax_avx2.c -- k3_softmax (the vision tower's attention rows) on 8
+ * lanes (vector exp of vexp_avx2.h), the tail in scalar; the scalar reference
+ * is k3_softmax_ref (softmax.c), and tests/test_vision.c holds this to it.
  */
 #include <immintrin.h>
 #include <math.h>
 
 #include "kernels/vexp_avx2.h"
-#include "vision/vision.h"
+#include "kernels/kernels_isa.h"
 
-void k3_vit_softmax_avx2(float *s, int64_t n, float scale) {
+void k3_softmax_avx2(float *s, int64_t n, float scale) {
     const __m256 vs = _mm256_set1_ps(scale);
     __m256 vmax = _mm256_set1_ps(-INFINITY);
     int64_t i = 0;

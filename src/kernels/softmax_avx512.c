@@ -1,16 +1,16 @@
 /*
- * softmax_avx512.c -- the tower's attention softmax on 16 lanes (vector exp of
- * vexp_avx512.h); the scalar reference is k3_vit_softmax_ref (tower.c), and
- * tests/test_vision.c holds this to it.
+ * softmax_avx512.c -- k3_softmax (the vision tower's attention rows) on 16
+ * lanes (vector exp of vexp_avx512.h); the scalar reference is k3_softmax_ref
+ * (softmax.c), and tests/test_vision.c holds this to it.
  */
 #include <immintrin.h>
 #include <math.h>
 
 #include "kernels/hsum_avx512.h"
 #include "kernels/vexp_avx512.h"
-#include "vision/vision.h"
+#include "kernels/kernels_isa.h"
 
-void k3_vit_softmax_avx512(float *s, int64_t n, float scale) {
+void k3_softmax_avx512(float *s, int64_t n, float scale) {
     const __m512 vs = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
     __m512 vmax = ninf;
     for (int64_t i = 0; i < n; i += 16) {

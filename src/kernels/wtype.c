@@ -1,0 +1,124 @@
+/*
+ * wtype.c -- the weight-type table (kernels.h: k3_wtype_traits): one row per
+ * k3_wtype with its geometry, which activations its kernels take, and its row
+ * dequantizer, which is the scalar decode of the type (k3_matmul_ref and
+ * k3_matmul_q_ref are built on it, and every SIMD decode is tested against
+ * it). k3_mat's helpers below read only the table.
+ */
+#include "kernels/kernels.h"
+#include "common/error.h"
+
+#include <string.h>
+
+/* ---- row dequantizers: columns [c0, c0 + len) of row r ------------------- */
+
+static void row_f32(const k3_mat *w, int64_t r, int64_t c0, int64_t len, float *out) {
+    memcpy(out, (const float *)w->data + r * w->cols + c0, (size_t)len * sizeof *out);
+}
+
+static void row_f16(const k3_mat *w, int64_t r, int64_t c0, int64_t len, float *out) {
+    const uint16_t *p = (const uint16_t *)w->data + r * w->cols + c0;
+    for (int64_t c = 0; c < len; c++) out[c] = k3_f16_to_f32(p[c]);
+}
+
+static void row_bf16(const k3_mat *w, int64_t r, int64_t c0, int64_t len, float *out) {
+    const uint16_t *p = (const uint16_t *)w->data + r * w->cols + c0;
+    for (int64_t c = 0; c < len; c++) out[c] = k3_bf16_to_f32(p[c]);
+}
+
+static void row_mxfp4(const k3_mat *w, int64_t r, int64_t c0, int64_t len, float *out) {
+    const int64_t cols = w->cols;
+    const uint8_t *p = (const uint8_t *)w->data + r * (cols / 2);
+    const uint8_t *s = w->scale + r * (cols / 32);
+    for (int64_t c = c0; c < c0 + len; c++) {
+        uint8_t b = p[c / 2];
+        uint8_t code = (c & 1) ? (uint8_t)(b >> 4) : (uint8_t)(b & 15);
+        out[c - c0] = k3_e2m1_to_f32(code) * k3_e8m0_to_f32(s[c / 32]);
+    }
+}
+
+static void row_q8(const k3_mat *w, int64_t r, int64_t c0, int64_t len, float *out) {
+    const int8_t *p = (const int8_t *)w->data + r * w->cols + c0;
+    for (int64_t c = 0; c < len; c++) out[c] = p[c] * w->row_scale[r];
+}
+
+static void row_mxfp8(const k3_mat *w, int64_t r, int64_t c0, int64_t len, float *out) {
+    const int64_t cols = w->cols;
+    const uint8_t *p = (const uint8_t *)w->data + r * cols;
+    const uint8_t *s = w->scale + r * (cols / 32);
+    for (int64_t c = c0; c < c0 + len; c++) out[c - c0] = k3_e4m3_to_f32(p[c]) * k3_e8m0_to_f32(s[c / 32]);
+}
+
+static void row_mxfp4_r4(const k3_mat *w, int64_t r, int64_t c0, int64_t len, float *out) {
+    const int64_t cols = w->cols;
+    const uint8_t *p = w->data;
+    for (int64_t c = c0; c < c0 + len; c++) {
+        uint8_t b = p[k3_r4_byte(cols, r, c & ~(int64_t)1)];
+        uint8_t code = (c & 1) ? (uint8_t)(b >> 4) : (uint8_t)(b & 15);
+        out[c - c0] = k3_e2m1_to_f32(code) * k3_e8m0_to_f32(w->scale[k3_r4_scale(cols, r, c)]);
+    }
+}
+
+/* ---- the table ---------------------------------------------------------------- */
+
+static const k3_wtype_traits table[] = {
+    [K3_W_F32] = {.name = "f32", .bits = 32, .is_float = true, .tile_rows = 1, .tile_cols = 1,
+                  .acts = K3_ACTS_F32, .get_row = row_f32},
+    [K3_W_F16] = {.name = "f16", .bits = 16, .is_float = true, .tile_rows = 1, .tile_cols = 1,
+                  .acts = K3_ACTS_F32, .get_row = row_f16},
+    [K3_W_BF16] = {.name = "bf16", .bits = 16, .is_float = true, .tile_rows = 1, .tile_cols = 1,
+                   .acts = K3_ACTS_F32, .get_row = row_bf16},
+    /* fp32 activations, or 8-bit ones (W4A8) where k3_mat.act8 asks */
+    [K3_W_MXFP4] = {.name = "mxfp4", .bits = 4, .block = 32, .tile_rows = 1, .tile_cols = 1,
+                    .acts = K3_ACTS_F32 | K3_ACTS_8BIT, .get_row = row_mxfp4},
+    [K3_W_Q8] = {.name = "q8", .bits = 8, .row_scale = true, .tile_rows = 1, .tile_cols = 1,
+                 .acts = K3_ACTS_8BIT, .get_row = row_q8},
+    [K3_W_MXFP8] = {.name = "mxfp8", .bits = 8, .block = 32, .tile_rows = 1, .tile_cols = 1,
+                    .acts = K3_ACTS_8BIT, .act_mxfp8 = true, .get_row = row_mxfp8},
+    /* a tile's bytes and scales are its rows' (k3_r4_byte): 4 rows x 128 columns */
+    [K3_W_MXFP4_R4] = {.name = "mxfp4-r4", .bits = 4, .block = 32, .tile_rows = 4, .tile_cols = 128,
+                       .acts = K3_ACTS_8BIT, .get_row = row_mxfp4_r4},
+};
+_Static_assert(sizeof table / sizeof table[0] == K3_W_COUNT, "a row per k3_wtype");
+
+const k3_wtype_traits *k3_wtype_info(k3_wtype t) {
+    K3_ASSERT((int)t >= 0 && t < K3_W_COUNT && table[t].name);
+    return &table[t];
+}
+
+/* ---- k3_mat ------------------------------------------------------------------ */
+
+size_t k3_mat_row_bytes(const k3_mat *w) {
+    const k3_wtype_traits *ti = k3_wtype_info(w->type);
+    const size_t c = (size_t)w->cols;
+    return c * (size_t)ti->bits / 8 + (ti->block ? c / (size_t)ti->block : 0) + (ti->row_scale ? sizeof(float) : 0);
+}
+
+size_t k3_mat_data_bytes(const k3_mat *w) {
+    return (size_t)w->rows * ((size_t)w->cols * (size_t)k3_wtype_info(w->type)->bits / 8);
+}
+
+size_t k3_mat_scale_bytes(const k3_mat *w) {
+    const int block = k3_wtype_info(w->type)->block;
+    return block ? (size_t)w->rows * ((size_t)w->cols / (size_t)block) : 0;
+}
+
+k3_mat k3_mat_rows(const k3_mat *w, int64_t r0, int64_t n) {
+    const k3_wtype_traits *ti = k3_wtype_info(w->type);
+    K3_ASSERT(r0 >= 0 && n >= 0 && r0 + n <= w->rows);
+    K3_ASSERT(r0 % ti->tile_rows == 0 && n % ti->tile_rows == 0); /* whole tiles */
+    k3_mat v = *w;
+    v.rows = n;
+    v.data = (const uint8_t *)w->data + (size_t)r0 * ((size_t)w->cols * (size_t)ti->bits / 8);
+    if (ti->block) v.scale = w->scale + r0 * (w->cols / ti->block);
+    if (ti->row_scale) {
+        v.row_scale = w->row_scale + r0;
+        if (w->row_sum) v.row_sum = w->row_sum + r0;
+    }
+    return v;
+}
+
+void k3_mat_get_row(const k3_mat *w, int64_t r, float *out) {
+    K3_ASSERT(r >= 0 && r < w->rows);
+    k3_wtype_info(w->type)->get_row(w, r, 0, w->cols, out);
+}
