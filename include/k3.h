@@ -356,6 +356,12 @@ void k3_sampler_free(k3_sampler *s);
 /* Records an id in the history used by the repetition penalty (the prompt
  * and the output alike). */
 void k3_sampler_accept(k3_sampler *s, int32_t id);
+/* Records id as drawn, as if k3_sampler_sample had just returned it (a
+ * token sampled elsewhere: a prefill instance's first token): the output
+ * the penalties and bad words look at, and the random number a non-greedy
+ * draw takes, so the draws after it are those of the sampler that drew it
+ * (the repetition penalty's history is k3_sampler_accept's, as after a draw). */
+void k3_sampler_take(k3_sampler *s, int32_t id);
 /* Picks an id from logits [n_vocab]. In this order (vLLM's): ids outside
  * allowed_ids and bad words masked (-inf), logit_bias added, then the
  * repetition, frequency and presence penalties; on return logits holds
@@ -411,6 +417,8 @@ typedef struct k3_engine_options {
     int32_t n_eos_ids;
     uint64_t cache_salt;            /* mixed into every block hash: identifies the
                                        model, quantization and cache format */
+    double hold_timeout_s;          /* a hold (kv_hold) nobody released is freed after
+                                       this long (0 = 120 s) */
     k3_pool *pool;                  /* borrowed; NULL = single-threaded */
     struct k3_dist *dist;           /* borrowed; NULL = one process. On rank 0 of
                                        several the context's calls go to the other
@@ -443,6 +451,12 @@ typedef struct k3_request_params {
                                        (copied at submit) replacing that prompt token's
                                        embedding, NULL for the table's -- image rows
                                        (k3_vision_splice); give extra_keys with them */
+    /* disaggregated serving (below: "prefill and decode apart") */
+    bool kv_hold;                   /* prefill side: when the request ends (stop or
+                                       length), keep its blocks and its KDA state at
+                                       the prompt's end as a hold named by its id */
+    const struct k3_remote_prefill *remote; /* decode side: the prompt was computed
+                                       elsewhere (copied at submit) */
 } k3_request_params;
 
 /* Events of a request since the previous step (bits of k3_req_output.events). */
@@ -488,6 +502,10 @@ typedef struct k3_req_output {
     double t_arrival, t_scheduled, t_first_token, t_finished;
     double prefill_s, decode_s;   /* time in prefill and in decode steps */
     const char *error;            /* with K3_FINISH_ERROR */
+    /* a request whose prompt was computed by a prefill instance (else 0): that
+     * instance's queue and prefill times, the pull (blocks allocated to the
+     * last byte in), and the first decode step after it */
+    double remote_queue_s, remote_prefill_s, transfer_s, first_step_s;
 } k3_req_output;
 
 typedef struct k3_step_result {
@@ -512,6 +530,11 @@ typedef struct k3_engine_stats {
     int64_t state_bytes_per_seq;          /* one KDA snapshot */
     int64_t n_snapshot_saves, n_snapshot_restores; /* KDA snapshots taken / restored */
     double snapshot_save_s, snapshot_restore_s;    /* time spent taking / restoring them */
+    /* prefill and decode apart: holds kept for decode instances (and their
+     * blocks), holds freed unread at their timeout, holds released; pulls in
+     * flight (and their blocks), pulls landed and failed */
+    int64_t n_holds, hold_blocks, holds_expired, holds_released;
+    int64_t n_pulls, pull_blocks, pulls_ok, pulls_failed;
 } k3_engine_stats;
 
 k3_status k3_engine_open(k3_engine **out, const k3_model *m, const k3_engine_options *opt,
@@ -533,6 +556,87 @@ bool k3_engine_has_work(k3_engine *e);
 /* Blocks until a submit or cancel arrives or timeout_s passes. */
 void k3_engine_wait(k3_engine *e, double timeout_s);
 void k3_engine_get_stats(k3_engine *e, k3_engine_stats *st);
+/* ---- prefill and decode apart (the engine's side; src/pd moves the bytes) --
+ * A prefill instance runs a request submitted with kv_hold as any other
+ * (its first token sampled, then max_tokens); when it ends by stop or
+ * length its cache blocks and its KDA state at the prompt's end stay as a
+ * hold named by the request's id, until a decode instance has read them
+ * (k3_engine_hold_read, _read_state, from any thread) and
+ * k3_engine_hold_release, or until hold_timeout_s passes. A decode
+ * instance takes the same prompt with `remote` set: at a step the engine
+ * gives it the blocks of the whole prompt (those its prefix cache holds are
+ * shared, as a hit), and tells the pull hook to fetch the rest; the request
+ * then waits holding its blocks but no running slot (the scheduler does not
+ * see it) until k3_engine_pull_done. Landed, its blocks enter the prefix
+ * cache as if computed (a KDA snapshot too when the prompt ends on the
+ * block grid), the remote first token is its first output (the sampler
+ * takes it as drawn), and it decodes on. A pull that fails, or a request
+ * cancelled while pulling, ends with its blocks freed once the hook's side
+ * has stopped writing. */
+typedef struct k3_remote_prefill {
+    int32_t first_token;          /* what the prefill instance sampled after the prompt */
+    float first_logprob;          /* its logprob (NaN: not known) */
+    const k3_logprob *first_top;  /* [n_first_top] its alternatives, best first (copied) */
+    int32_t n_first_top;
+    double queue_s, prefill_s;    /* the prefill instance's times (reported, for the TTFT split) */
+    void *ctx;                    /* handed to the pull hook */
+} k3_remote_prefill;
+
+typedef enum k3_pull_op {
+    K3_PULL_START,  /* blocks are ready: fetch positions [n_local, n_tokens) and the state */
+    K3_PULL_ABORT,  /* the request ended before its blocks were given: fetch nothing
+                       (tell the prefill instance to free its hold) */
+    K3_PULL_CANCEL, /* the request was cancelled while pulling: stop soon, then
+                       k3_engine_pull_done */
+} k3_pull_op;
+
+typedef struct k3_pull_info {
+    k3_pull_op op;
+    uint64_t id;                  /* the request */
+    void *ctx;                    /* k3_remote_prefill.ctx */
+    int64_t n_local;              /* prompt tokens the cache already holds (a block multiple) */
+    int64_t n_tokens;             /* the prompt's tokens */
+} k3_pull_info;
+
+/* Called on the stepping thread (so it must only queue work): once per
+ * remote request with START or ABORT, then CANCEL if it is cancelled while
+ * pulling. Set before the first k3_engine_step. */
+typedef void (*k3_pull_hook)(void *arg, const k3_pull_info *info);
+void k3_engine_set_pull_hook(k3_engine *e, k3_pull_hook fn, void *arg);
+/* Bytes of n tokens of layer `layer` in the transfer layout (0 for a KDA
+ * layer), and of one KDA state. */
+int64_t k3_engine_kv_bytes(const k3_engine *e, int32_t layer, int64_t n);
+int64_t k3_engine_state_bytes(const k3_engine *e);
+/* Decode side, any thread, between START and k3_engine_pull_done: positions
+ * [t0, t0 + n) of layer into the request's blocks (bytes must be
+ * k3_engine_kv_bytes(layer, n), t0 >= n_local, t0 + n <= n_tokens); the KDA
+ * state. K3_ERR_ARG when the request is not pulling or was cancelled (stop
+ * then), or the range is wrong. */
+k3_status k3_engine_pull_write(k3_engine *e, uint64_t id, int32_t layer, int64_t t0, int32_t n, const void *rows,
+                               int64_t bytes, k3_error *err);
+k3_status k3_engine_pull_state(k3_engine *e, uint64_t id, const void *state, int64_t bytes, k3_error *err);
+/* The pull is over: landed (ok: every position and the state written) or
+ * failed (why: what the request's error says). */
+void k3_engine_pull_done(k3_engine *e, uint64_t id, bool ok, const char *why);
+
+typedef struct k3_hold_info {
+    int64_t n_tokens;             /* the prompt's tokens (what the blocks hold) */
+    int32_t n_blocks;
+    int64_t state_bytes;
+} k3_hold_info;
+/* Prefill side, any thread: a hold's size, and its block ids into blocks
+ * (up to cap; may be NULL). K3_ERR_ARG when there is no such hold. */
+k3_status k3_engine_hold_get(k3_engine *e, uint64_t id, k3_hold_info *out, int32_t *blocks, int32_t cap,
+                             k3_error *err);
+/* Positions [t0, t0 + n) of layer of a hold into rows (bytes as for
+ * pull_write); its KDA state. */
+k3_status k3_engine_hold_read(k3_engine *e, uint64_t id, int32_t layer, int64_t t0, int32_t n, void *rows,
+                              int64_t bytes, k3_error *err);
+k3_status k3_engine_hold_read_state(k3_engine *e, uint64_t id, void *state, int64_t bytes, k3_error *err);
+/* Frees a hold (at the next step, once no read is in flight); unknown ids
+ * are ignored. */
+void k3_engine_hold_release(k3_engine *e, uint64_t id);
+
 /* Notes on the engine (implementation: src/engine/engine.c, src/sched,
  * src/kv). logprobs and prompt_logprobs take at most 20 alternatives, and
  * when both are asked for they must ask for the same number (n_top is one
