@@ -113,6 +113,11 @@ k3_status k3_model_quantize(k3_model *m, const k3_quant_options *opt, k3_error *
  * *copied gets the bytes copied. */
 k3_status k3_model_load_resident(k3_model *m, int64_t max_bytes, int64_t *copied, k3_error *err);
 
+/* A 64-bit name of the checkpoint: its config.json and every safetensors
+ * header hashed, so instances that hand caches to one another can tell they
+ * run the same model (nonzero). */
+uint64_t k3_model_identity(const k3_model *m);
+
 /* Writes a human-readable description (config, layer map, parameter and
  * cache sizes) into buf. Returns the length it wanted (snprintf rules). */
 size_t k3_model_describe(const k3_model *m, char *buf, size_t size);
@@ -609,12 +614,14 @@ int64_t k3_engine_kv_bytes(const k3_engine *e, int32_t layer, int64_t n);
 int64_t k3_engine_state_bytes(const k3_engine *e);
 /* Decode side, any thread, between START and k3_engine_pull_done: positions
  * [t0, t0 + n) of layer into the request's blocks (bytes must be
- * k3_engine_kv_bytes(layer, n), t0 >= n_local, t0 + n <= n_tokens); the KDA
- * state. K3_ERR_ARG when the request is not pulling or was cancelled (stop
+ * k3_engine_kv_bytes(layer, n), t0 >= n_local, t0 + n <= n_tokens); bytes
+ * [offset, offset + bytes) of the KDA state (the pull lands once all of it
+ * came). K3_ERR_ARG when the request is not pulling or was cancelled (stop
  * then), or the range is wrong. */
 k3_status k3_engine_pull_write(k3_engine *e, uint64_t id, int32_t layer, int64_t t0, int32_t n, const void *rows,
                                int64_t bytes, k3_error *err);
-k3_status k3_engine_pull_state(k3_engine *e, uint64_t id, const void *state, int64_t bytes, k3_error *err);
+k3_status k3_engine_pull_state(k3_engine *e, uint64_t id, int64_t offset, const void *part, int64_t bytes,
+                               k3_error *err);
 /* The pull is over: landed (ok: every position and the state written) or
  * failed (why: what the request's error says). */
 void k3_engine_pull_done(k3_engine *e, uint64_t id, bool ok, const char *why);
@@ -623,16 +630,18 @@ typedef struct k3_hold_info {
     int64_t n_tokens;             /* the prompt's tokens (what the blocks hold) */
     int32_t n_blocks;
     int64_t state_bytes;
+    double queue_s, prefill_s;    /* the request's time waiting, and in prefill */
 } k3_hold_info;
 /* Prefill side, any thread: a hold's size, and its block ids into blocks
  * (up to cap; may be NULL). K3_ERR_ARG when there is no such hold. */
 k3_status k3_engine_hold_get(k3_engine *e, uint64_t id, k3_hold_info *out, int32_t *blocks, int32_t cap,
                              k3_error *err);
 /* Positions [t0, t0 + n) of layer of a hold into rows (bytes as for
- * pull_write); its KDA state. */
+ * pull_write); bytes [offset, offset + bytes) of its KDA state. */
 k3_status k3_engine_hold_read(k3_engine *e, uint64_t id, int32_t layer, int64_t t0, int32_t n, void *rows,
                               int64_t bytes, k3_error *err);
-k3_status k3_engine_hold_read_state(k3_engine *e, uint64_t id, void *state, int64_t bytes, k3_error *err);
+k3_status k3_engine_hold_read_state(k3_engine *e, uint64_t id, int64_t offset, void *part, int64_t bytes,
+                                    k3_error *err);
 /* Frees a hold (at the next step, once no read is in flight); unknown ids
  * are ignored. */
 void k3_engine_hold_release(k3_engine *e, uint64_t id);
@@ -925,6 +934,75 @@ k3_status k3_vision_chat_encode_json(const k3_vision *v, const k3_tokenizer *t, 
                                      const char *tools_json, const k3_chat_options *opt, int64_t max_pixels,
                                      k3_vision_prompt *out, k3_error *err);
 void k3_vision_prompt_free(k3_vision_prompt *p);
+/* ---- prefill and decode apart: the transfer agent and the proxy (src/pd) --
+ *
+ * A k3_pd sits beside one instance's engine and server. As a prefill
+ * instance it listens on its transfer port and serves holds (k3_engine
+ * hold_*) to the decode instances that pull them; as a decode instance it
+ * is the engine's pull hook: it connects to the prefill instance a
+ * request's kv_transfer_params name and writes what arrives into the
+ * request's blocks. The stream is plain TCP: a pull request, then units
+ * (one layer's rows for a run of positions, or a piece of the KDA state),
+ * each with its length, a checksum and the identity of the model,
+ * quantization and cache format (a mismatch is refused, naming both); the
+ * prefill side frees the hold when the stream ends, read or not. The server
+ * (k3_server_options.pd) reads and writes vLLM's kv_transfer_params
+ * (do_remote_decode / do_remote_prefill, remote_engine_id, remote_host,
+ * remote_port, remote_block_ids, remote_request_id; and k3's own: the
+ * first token, the token count, the model identity). docs/pd.md has the
+ * protocol. */
+typedef struct k3_pd k3_pd;
+
+typedef struct k3_pd_options {
+    k3_engine *engine;          /* borrowed, required */
+    const char *host;           /* the transfer listener's address (NULL = "127.0.0.1") */
+    int port;                   /* its port (0 = any free port; -1 = none: a decode instance only) */
+    const char *advertise_host; /* remote_host in the answers (NULL = host) */
+    uint64_t model_id;          /* k3_model_identity */
+    const char *quant;          /* the --quant mode (NULL = "none") */
+    k3_kv_type kv_cache;
+    int32_t block_size;
+    double timeout_s;           /* a transfer that moves nothing this long fails (0 = 30) */
+    int max_pulls;              /* pulls at once (0 = 8) */
+    const char *fault;          /* tests only: NULL, or "flip:U" (a byte of unit U's payload
+                                   flipped after its checksum), "stall:U:MS" (sleep before
+                                   sending unit U, prefill side; after receiving it, decode side) */
+} k3_pd_options;
+
+k3_status k3_pd_start(k3_pd **out, const k3_pd_options *opt, k3_error *err);
+/* Stops listening and pulling (transfers in flight fail), joins the threads.
+ * Before k3_engine_close. */
+void k3_pd_stop(k3_pd *pd);
+/* The transfer port (-1 without a listener). */
+int k3_pd_port(const k3_pd *pd);
+
+/* The proxy: one OpenAI endpoint in front of prefill and decode instances
+ * (k3 serve --role proxy). A generation request goes to the least loaded
+ * prefill instance with kv_transfer_params {do_remote_decode: true}, one
+ * token, no stream; its answer's kv_transfer_params go with the original
+ * request to the least loaded decode instance, whose answer (or stream) is
+ * the client's. Other routes go to a decode instance as they are. A backend
+ * that cannot be reached is skipped for a while and another tried; when none
+ * answers, the client gets an error in OpenAI's shape. */
+typedef struct k3_proxy k3_proxy;
+
+typedef struct k3_proxy_options {
+    const char *host;           /* address to bind (NULL = "127.0.0.1") */
+    int port;                   /* 0 = any free port */
+    const char *const *prefill; /* [n_prefill] base URLs (http://host:port) */
+    int n_prefill;
+    const char *const *decode;  /* [n_decode] */
+    int n_decode;
+    const char *api_key;        /* NULL or "": none; else clients need it (and it is passed on) */
+    double timeout_s;           /* a backend silent this long fails the request (0 = 600) */
+    size_t max_body_bytes;      /* 0 = 4 MiB */
+    int max_connections;        /* 0 = 1024 */
+} k3_proxy_options;
+
+k3_status k3_proxy_start(k3_proxy **out, const k3_proxy_options *opt, k3_error *err);
+int k3_proxy_port(const k3_proxy *p);
+void k3_proxy_stop(k3_proxy *p);
+
 /* ---- server: the OpenAI-compatible HTTP API (src/server) ---------------
  *
  * One libmicrohttpd daemon (a thread per connection) answers /v1/models,
@@ -956,6 +1034,8 @@ typedef struct k3_server_options {
                                   the engine's), used by one request at a time;
                                   NULL = one thread */
     int64_t max_image_pixels;  /* per image (0 = K3_IMAGE_MAX_PIXELS) */
+    k3_pd *pd;                 /* borrowed; NULL: kv_transfer_params are refused (not a
+                                  prefill or decode instance) */
 } k3_server_options;
 
 k3_status k3_server_start(k3_server **out, const k3_server_options *opt, k3_error *err);

@@ -69,7 +69,7 @@ typedef struct req {
     int pull_phase;               /* PULL_*, under mu once the pull started */
     bool pull_cancel;             /* under mu: cancelled while pulling */
     int pull_pins;                /* under mu: writes in flight */
-    bool pull_got_state;          /* under mu */
+    int64_t pull_state_got;       /* under mu: bytes of the state written */
     char pull_err[256];           /* under mu: why it failed */
     double t_pull0, t_landed, t_second;
 } req;
@@ -84,6 +84,7 @@ typedef struct hold {
     int64_t n_tokens;
     void *state;
     double deadline;
+    double queue_s, prefill_s;
     int pins;                     /* reads in flight */
     bool released;
 } hold;
@@ -687,6 +688,8 @@ static void make_hold(k3_engine *e, req *r, double t) {
         h->state = r->hold_state;
         r->hold_state = NULL;
         h->deadline = t + e->hold_timeout;
+        h->queue_s = r->t_scheduled - r->t_arrival;
+        h->prefill_s = (r->t_first_token > 0 ? r->t_first_token : t) - r->t_scheduled;
     }
     pthread_mutex_unlock(&e->mu);
     if (!ok) {
@@ -1344,13 +1347,14 @@ k3_status k3_engine_pull_write(k3_engine *e, uint64_t id, int32_t layer, int64_t
     return st;
 }
 
-k3_status k3_engine_pull_state(k3_engine *e, uint64_t id, const void *state, int64_t bytes, k3_error *err) {
+k3_status k3_engine_pull_state(k3_engine *e, uint64_t id, int64_t offset, const void *part, int64_t bytes,
+                               k3_error *err) {
     req *r = NULL;
     pthread_mutex_lock(&e->mu);
     k3_status st = pull_pin(e, id, &r, err);
-    if (!st && bytes != e->state_bytes)
-        st = k3_err(err, K3_ERR_ARG, "pull: a KDA state of %lld bytes, where this model's is %lld", (long long)bytes,
-                    (long long)e->state_bytes);
+    if (!st && (offset < 0 || bytes < 0 || offset + bytes > e->state_bytes))
+        st = k3_err(err, K3_ERR_ARG, "pull: KDA state bytes [%lld, %lld), where this model's state is %lld bytes",
+                    (long long)offset, (long long)(offset + bytes), (long long)e->state_bytes);
     pthread_mutex_unlock(&e->mu);
     if (st) {
         if (r) {
@@ -1360,9 +1364,9 @@ k3_status k3_engine_pull_state(k3_engine *e, uint64_t id, const void *state, int
         }
         return st;
     }
-    if (bytes > 0) memcpy(r->pull_state, state, (size_t)bytes);
+    if (bytes > 0) memcpy((char *)r->pull_state + offset, part, (size_t)bytes);
     pthread_mutex_lock(&e->mu);
-    r->pull_got_state = true;
+    r->pull_state_got += bytes;
     r->pull_pins--;
     pthread_mutex_unlock(&e->mu);
     return K3_OK;
@@ -1372,9 +1376,9 @@ void k3_engine_pull_done(k3_engine *e, uint64_t id, bool ok, const char *why) {
     pthread_mutex_lock(&e->mu);
     req *r = find_pull(e, id);
     if (r && r->pull_phase == PULL_ACTIVE) {
-        if (ok && !r->pull_got_state && e->state_bytes > 0) {
+        if (ok && r->pull_state_got != e->state_bytes) {
             ok = false;
-            why = "the prefill instance sent no KDA state";
+            why = "the prefill instance sent no KDA state, or part of it";
         }
         r->pull_phase = ok ? PULL_OK : PULL_FAILED;
         snprintf(r->pull_err, sizeof r->pull_err, "%s", why ? why : "");
@@ -1395,7 +1399,7 @@ k3_status k3_engine_hold_get(k3_engine *e, uint64_t id, k3_hold_info *out, int32
     pthread_mutex_lock(&e->mu);
     const hold *h = find_hold(e, id);
     if (h) {
-        *out = (k3_hold_info){h->n_tokens, h->n_blocks, e->state_bytes};
+        *out = (k3_hold_info){h->n_tokens, h->n_blocks, e->state_bytes, h->queue_s, h->prefill_s};
         if (blocks) memcpy(blocks, h->blocks, sizeof(int32_t) * (size_t)(h->n_blocks < cap ? h->n_blocks : cap));
     }
     pthread_mutex_unlock(&e->mu);
@@ -1452,15 +1456,16 @@ k3_status k3_engine_hold_read(k3_engine *e, uint64_t id, int32_t layer, int64_t 
     return st;
 }
 
-k3_status k3_engine_hold_read_state(k3_engine *e, uint64_t id, void *state, int64_t bytes, k3_error *err) {
+k3_status k3_engine_hold_read_state(k3_engine *e, uint64_t id, int64_t offset, void *part, int64_t bytes,
+                                    k3_error *err) {
     hold *h = hold_pin(e, id, err);
     if (!h) return K3_ERR_ARG;
     k3_status st = K3_OK;
-    if (bytes != e->state_bytes)
-        st = k3_err(err, K3_ERR_ARG, "hold: a KDA state is %lld bytes here, not %lld", (long long)e->state_bytes,
-                    (long long)bytes);
+    if (offset < 0 || bytes < 0 || offset + bytes > e->state_bytes)
+        st = k3_err(err, K3_ERR_ARG, "hold: KDA state bytes [%lld, %lld), where a state is %lld bytes here",
+                    (long long)offset, (long long)(offset + bytes), (long long)e->state_bytes);
     else if (bytes > 0)
-        memcpy(state, h->state, (size_t)bytes);
+        memcpy(part, (char *)h->state + offset, (size_t)bytes);
     hold_unpin(e, h);
     return st;
 }

@@ -52,6 +52,7 @@ static void job_destroy(k3_srv_group *g) {
         free(c->tok_end);
         k3_tool_stream_free(&c->ts);
     }
+    k3_srv_pd_free(j);
     free(j->ch);
     k3_srv_request_free(&j->rq);
     k3_sse_free(&j->sse);
@@ -272,13 +273,14 @@ enum MHD_Result k3_srv_openai_answer(k3_srv_job *j, const char *object, k3_srv_c
     }
     json_t *resp = k3_srv_openai_object(j, object, choices);
     if (resp) json_object_set_new(resp, "usage", k3_srv_openai_usage(j));
-    return k3_srv_json(j->s, j->conn, 200, resp);
+    return k3_srv_job_json(j, 200, resp);
 }
 
 void k3_srv_openai_stream_end(k3_srv_job *j, const char *object) {
     if (j->rq.include_usage) {
         json_t *u = k3_srv_openai_object(j, object, json_array());
         json_object_set_new(u, "usage", k3_srv_openai_usage(j));
+        if (u && j->extra) json_object_update(u, j->extra);
         k3_sse_data(&j->sse, u);
     }
     k3_sse_done(&j->sse);
@@ -320,6 +322,8 @@ static enum MHD_Result answer_whole(k3_srv_job *j) {
     const int w = wait_all(j);
     if (w == 1) return MHD_NO;
     if (w == 2) return k3_srv_error(j->s, j->conn, 503, "the engine has failed");
+    char why[600];
+    if (!k3_srv_pd_finish(j, why, sizeof why)) return k3_srv_error(j->s, j->conn, 500, "%s", why);
     return j->api->answer(j);
 }
 
@@ -338,6 +342,8 @@ static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max) {
             all &= j->ch[i].final_sent;
         }
         if (all) {
+            char why[600];
+            k3_srv_pd_finish(j, why, sizeof why); /* a decode side's figures, for the usage chunk */
             j->api->stream_end(j);
             j->sent_done = true;
             /* generation is over: a client that stops reading is dropped again */
@@ -455,6 +461,10 @@ enum MHD_Result k3_srv_job_serve(struct k3_server *s, struct MHD_Connection *con
         job_unref(j);
         return k3_srv_error(s, conn, 400, "\"echo\" with \"logprobs\" is not supported when streaming");
     }
+    if (!k3_srv_pd_prepare(j, &e)) {
+        job_unref(j);
+        return k3_srv_error(s, conn, e.status, "%s", e.msg);
+    }
     j->n = rq->n_prompts * (int)rq->n;
     j->ch = calloc((size_t)j->n, sizeof *j->ch);
     if (!j->ch) {
@@ -480,6 +490,7 @@ enum MHD_Result k3_srv_job_serve(struct k3_server *s, struct MHD_Connection *con
             return fail_job(j, 400, msg);
         }
         k3_request_params p = engine_request(j, i, mml, base_seed);
+        k3_srv_pd_request(j, &p);
         k3_error err = {0};
         const k3_status st = k3_srv_submit(s, &c->q, &p, &err);
         if (st) return fail_job(j, st == K3_ERR_BUSY ? 503 : st == K3_ERR_NOMEM ? 500 : 400, err.msg);

@@ -72,6 +72,7 @@ typedef struct k3_srv_request {
     int64_t *n_prompt;
     k3_vision_prompt vp;  /* a chat prompt's image rows and keys, until submitted */
     bool thinking;        /* the prompt opened the think channel: the reply starts in it */
+    json_t *kv_transfer;  /* vLLM's kv_transfer_params (an object, referenced), or NULL */
 } k3_srv_request;
 
 /* A surface's prompt field(s) into rq->prompts (and vp, thinking); false with e. */

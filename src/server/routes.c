@@ -10,6 +10,7 @@
 #include "server/engine_loop.h"
 #include "server/http.h"
 #include "server/routes.h"
+#include "pd/pd.h"
 #include "tokenizer/tokenizer_info.h"
 
 static enum MHD_Result route_health(struct k3_server *s, struct MHD_Connection *c, json_t *root) {
@@ -49,6 +50,7 @@ static enum MHD_Result route_metrics(struct k3_server *s, struct MHD_Connection 
     }
     k3_comm_stats cs;
     if (s->engine && k3_engine_comm_stats(s->engine, &cs)) k3_metrics_render_dist(&cs, &o);
+    if (s->pd) k3_pd_metrics_render(s->pd, s->model_label, &o);
     if (o.oom || !o.p) {
         k3_buf_free(&o);
         return k3_srv_error(s, c, 500, "out of memory");

@@ -47,6 +47,8 @@ struct k3_server {
     k3_pool *vision_pool;
     int64_t max_image_pixels;
     pthread_mutex_t vision_mu;
+    /* prefill and decode apart: the transfer agent, or NULL (src/pd) */
+    struct k3_pd *pd;
 };
 
 #endif /* K3_SERVER_STATE_H */
