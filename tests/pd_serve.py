@@ -280,11 +280,28 @@ def main():
         info = subprocess.run([K3, "info", "-m", TINY, "--no-check-tensors"], capture_output=True, text=True).stdout
         bpt = int(re.search(r"cache: \d+ bytes per token \(fp32\), (\d+) \(c8\)", info).group(1))
         st = int(re.search(r"KDA state (\d+) bytes per sequence", info).group(1))
+        m0 = d.metrics()
+        moved = 0
         for n in (37, 300):
             r = comp(x1, ids(n, 50 + n), 2)
             t = r.model_extra["kv_transfer"]
             assert t["bytes"] == n * bpt + st and t["states"] == 1, (n, t, bpt, st)
-    check("transfer bytes = prompt tokens x cache bytes per token + one KDA state (k3 info)", bytes_exact)
+            moved += t["bytes"]
+            tt = t["ttft"]  # the time to first token, split
+            for k in ("prefill_queue_s", "prefill_s", "decode_queue_s", "transfer_s", "first_decode_step_s"):
+                assert tt[k] >= 0, (k, tt)
+            assert tt["prefill_s"] > 0 and tt["transfer_s"] > 0 and tt["first_decode_step_s"] > 0, tt
+        m1 = d.metrics()
+        rx = 'k3:kv_transfer_bytes_total{model_name="m",dir="received"}'
+        assert m1[rx] - m0[rx] == moved, (m1[rx] - m0[rx], moved)
+        ok = 'k3:kv_transfers_total{model_name="m",dir="received",result="ok"}'
+        assert m1[ok] - m0[ok] == 2
+        for k in ("k3:kv_transfer_states_total", "k3:kv_transfer_gbps_count", "k3:pd_ttft_transfer_seconds_count",
+                  "k3:pd_first_decode_step_seconds_count"):
+            assert m1[k] - m0.get(k, 0) == 2, (k, m0.get(k), m1.get(k))
+        assert m1["k3:kv_transfer_blocks_total"] - m0["k3:kv_transfer_blocks_total"] == 1 + 5, (m0, m1)
+    check("transfer bytes = prompt tokens x cache bytes per token + one KDA state (k3 info); "
+          "the TTFT split and /metrics agree", bytes_exact)
     check("tiny: every hold and pull gone, no block used", lambda: blocks_back(p1, p2, d))
 
     # ---- tiny-dsa: past the DSA top-k ----
@@ -319,6 +336,20 @@ def main():
         s.stop()
 
     # ---- faults: each fails its request only, with an error; nothing leaks ----
+    pe = prefill(TINY, "--kv-hold-timeout", "0.5")
+
+    def expired():
+        # vLLM's first leg, asked directly; nobody comes to pull
+        r = pe.client().completions.create(model=NAME, prompt=ids(90, 12), max_tokens=8, temperature=0,
+                                           extra_body={"kv_transfer_params": {"do_remote_decode": True}})
+        kt = r.model_extra["kv_transfer_params"]
+        assert kt["do_remote_prefill"] and kt["remote_block_ids"] and r.usage.completion_tokens == 1, kt
+        m = pe.metrics()
+        assert m["k3:kv_holds"] == 1 and m["k3:kv_hold_blocks"] == 2, m
+        blocks_back(pe)
+        assert pe.metrics()["k3:kv_holds_expired_total"] == 1
+    check("a hold nobody pulls is freed at --kv-hold-timeout, counted in /metrics", expired)
+    pe.stop()
     pf = prefill(TINY, "--kv-fault", "flip:1")
     xf = proxy([pf], [d])
 

@@ -469,7 +469,6 @@ static void do_job(k3_pd *pd, const job *j) {
     const double t0 = k3_now();
     const k3_status st = run_pull(pd, p, &j->pi, &bytes, &units, &states, &err);
     const double dt = k3_now() - t0;
-    k3_engine_pull_done(pd->e, j->pi.id, st == K3_OK, st ? err.msg : NULL);
     /* blocks written: those past the ones the prefix cache held */
     const int64_t bs = pd->id.block_size > 0 ? pd->id.block_size : 1;
     const int64_t blocks = (j->pi.n_tokens + bs - 1) / bs - j->pi.n_local / bs;
@@ -493,6 +492,11 @@ static void do_job(k3_pd *pd, const job *j) {
     }
     pd->recv_bytes += bytes;
     pd->recv_seconds += dt;
+    pthread_mutex_unlock(&pd->mu);
+    /* the figures are in place before the engine may finish the request
+     * (its answer reads them) */
+    k3_engine_pull_done(pd->e, j->pi.id, st == K3_OK, st ? err.msg : NULL);
+    pthread_mutex_lock(&pd->mu);
     pull_unref_locked(p);
     pthread_mutex_unlock(&pd->mu);
 }

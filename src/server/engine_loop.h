@@ -53,6 +53,10 @@ struct k3_srv_seq {
     char error[256];    /* why it failed (an engine error, out of memory) */
     int64_t n_prompt, n_cached, n_generated;
     double last_t;      /* when its last tokens came (inter-token latency) */
+    /* a request prefilled elsewhere, at its end: the TTFT split of its
+     * answer's kv_transfer (queue here, blocks given to the cache landed,
+     * landed to the first token computed here) */
+    double pd_queue_s, pd_transfer_s, pd_first_step_s;
 };
 
 /* Starts and stops the engine thread (stop waits for the work in flight). */

@@ -107,7 +107,16 @@ bool k3_srv_pd_finish(k3_srv_job *j, char *why, size_t why_len) {
     if (j->pull) {
         k3_pd_pull_stats st;
         k3_pd_pull_stats_get(j->s->pd, j->pull, &st);
-        if (st.ended && st.ok) j->extra = json_pack("{s:o}", "kv_transfer", k3_pd_pull_json(&st));
+        if (st.ended && st.ok) {
+            json_t *kt = k3_pd_pull_json(&st);
+            const k3_srv_seq *q = j->n > 0 ? &j->ch[0].q : NULL;
+            if (kt && q) /* the time to first token, split */
+                json_object_set_new(kt, "ttft",
+                                    json_pack("{s:f,s:f,s:f,s:f,s:f}", "prefill_queue_s", st.queue_s, "prefill_s",
+                                              st.prefill_s, "decode_queue_s", q->pd_queue_s, "transfer_s",
+                                              q->pd_transfer_s, "first_decode_step_s", q->pd_first_step_s));
+            j->extra = json_pack("{s:o}", "kv_transfer", kt);
+        }
     }
     return true;
 }
