@@ -15,7 +15,9 @@
 #include "common/error.h"
 #include "engine/engine.h"
 #include "k3.h"
+#include "kernels/kernels.h"
 #include "model/model.h"
+#include "pd/wire.h"
 #include "test.h"
 
 #define TINY_DSA "tests/models/tiny-dsa"
@@ -387,4 +389,37 @@ K3_TEST(pd_failed_cancelled_and_unread_transfers_free_everything) {
     k3_engine_close(p);
     k3_engine_close(d);
     k3_model_close(m);
+}
+
+/* The transfer checksum: its AVX2 and AVX-512 blocks give the reference's
+ * value for every length and alignment, and any one flipped bit (in a
+ * block or in the tail) changes it. */
+K3_TEST(pd_checksum_vector_forms_equal_the_reference_and_see_a_flipped_bit) {
+    enum { N = 3000 };
+    uint8_t *b = malloc(N + 8);
+    REQUIRE(b);
+    uint64_t r = 12345;
+    for (int i = 0; i < N + 8; i++) {
+        r = r * 6364136223846793005ull + 1442695040888963407ull;
+        b[i] = (uint8_t)(r >> 56);
+    }
+    const k3_isa was = k3_kernels_isa();
+    for (size_t n = 0; n <= N; n += n < 600 ? 1 : 97)
+        for (size_t off = 0; off < 8; off += 3) {
+            const uint64_t want = k3_pd_sum_ref(b + off, n);
+            for (int isa = K3_ISA_REF; isa <= K3_ISA_AVX512; isa++) {
+                if (!k3_kernels_have((k3_isa)isa)) continue;
+                k3_kernels_force((k3_isa)isa);
+                CHECKF(k3_pd_sum(b + off, n) == want, "n %zu offset %zu isa %d", n, off, isa);
+            }
+        }
+    k3_kernels_force(was);
+    const uint64_t whole = k3_pd_sum(b, N);
+    for (int bit = 0; bit < 8 * N; bit += 13) {
+        b[bit / 8] ^= (uint8_t)(1u << (bit % 8));
+        CHECKF(k3_pd_sum(b, N) != whole, "bit %d", bit);
+        b[bit / 8] ^= (uint8_t)(1u << (bit % 8));
+    }
+    CHECK(k3_pd_sum(b, N) == whole && k3_pd_sum(b, N - 1) != whole);
+    free(b);
 }

@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include "common/error.h"
+#include "kernels/kernels.h"
 
 _Static_assert(sizeof(k3_pd_ident) == 40, "k3_pd_ident is 40 bytes on the wire");
 _Static_assert(sizeof(k3_pd_req) == 96, "k3_pd_req is 96 bytes on the wire");
@@ -24,33 +25,63 @@ _Static_assert(sizeof(k3_pd_unit) == 96, "k3_pd_unit is 96 bytes on the wire");
 /* ---- the checksum ----------------------------------------------------------- */
 
 static inline uint64_t rotl(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
+static inline uint32_t rotl32(uint32_t x, int r) { return (x << r) | (x >> (32 - r)); }
 
 #define SUM_P1 0x9E3779B185EBCA87ull
 #define SUM_P2 0xC2B2AE3D27D4EB4Full
 
-uint64_t k3_pd_sum(const void *p, size_t n) {
-    const uint8_t *b = p;
-    uint64_t a0 = SUM_P1 ^ n, a1 = SUM_P2, a2 = SUM_P1 + SUM_P2, a3 = ~SUM_P1;
+size_t k3_pd_sum_blocks_ref(const uint8_t *b, size_t n, uint32_t a[K3_PD_SUM_LANES]) {
     size_t i = 0;
-    for (; i + 32 <= n; i += 32) { /* four independent lanes: the multiplies overlap */
-        uint64_t w[4];
-        memcpy(w, b + i, 32);
-        a0 = rotl(a0 + w[0] * SUM_P2, 31) * SUM_P1;
-        a1 = rotl(a1 + w[1] * SUM_P2, 31) * SUM_P1;
-        a2 = rotl(a2 + w[2] * SUM_P2, 31) * SUM_P1;
-        a3 = rotl(a3 + w[3] * SUM_P2, 31) * SUM_P1;
-    }
-    uint64_t h = rotl(a0, 1) + rotl(a1, 7) + rotl(a2, 12) + rotl(a3, 18);
-    for (; i + 8 <= n; i += 8) {
+    for (; i + K3_PD_SUM_BLOCK <= n; i += K3_PD_SUM_BLOCK)
+        for (int j = 0; j < K3_PD_SUM_LANES; j++) {
+            uint32_t w;
+            memcpy(&w, b + i + 4 * (size_t)j, 4);
+            a[j] = rotl32((a[j] ^ w) * K3_PD_SUM_Q, K3_PD_SUM_R);
+        }
+    return i;
+}
+
+/* The lanes' start, then (after the blocks) the lanes and the tail folded
+ * into 64 bits: each step a bijection of the running value and of the word
+ * it takes, so a change in one lane or one tail byte changes the result. */
+static void sum_init(uint32_t a[K3_PD_SUM_LANES], size_t n) {
+    for (int j = 0; j < K3_PD_SUM_LANES; j++) a[j] = (uint32_t)(j + 1) * 0x85EBCA77u ^ (uint32_t)n ^ (uint32_t)(n >> 32);
+}
+
+static uint64_t sum_finish(const uint32_t a[K3_PD_SUM_LANES], const uint8_t *b, size_t m, size_t n) {
+    uint64_t h = SUM_P1 ^ n;
+    for (int j = 0; j < K3_PD_SUM_LANES; j++) h = rotl(h ^ ((uint64_t)a[j] * SUM_P2), 27) * SUM_P1;
+    size_t i = 0;
+    for (; i + 8 <= m; i += 8) {
         uint64_t w;
         memcpy(&w, b + i, 8);
         h = rotl(h ^ (w * SUM_P2), 27) * SUM_P1 + 0x85EBCA77C2B2AE63ull;
     }
-    for (; i < n; i++) h = rotl(h ^ (b[i] * SUM_P1), 11) * SUM_P2;
+    for (; i < m; i++) h = rotl(h ^ (b[i] * SUM_P1), 11) * SUM_P2;
     h ^= h >> 33;
     h *= SUM_P2;
     h ^= h >> 29;
     return h;
+}
+
+uint64_t k3_pd_sum_ref(const void *p, size_t n) {
+    const uint8_t *b = p;
+    uint32_t a[K3_PD_SUM_LANES];
+    sum_init(a, n);
+    const size_t i = n ? k3_pd_sum_blocks_ref(b, n, a) : 0;
+    return sum_finish(a, b + i, n - i, n);
+}
+
+uint64_t k3_pd_sum(const void *p, size_t n) {
+    if (n < K3_PD_SUM_BLOCK) return k3_pd_sum_ref(p, n);
+    const uint8_t *b = p;
+    uint32_t a[K3_PD_SUM_LANES];
+    sum_init(a, n);
+    const k3_isa isa = k3_kernels_isa();
+    const size_t i = isa == K3_ISA_AVX512 ? k3_pd_sum_blocks_avx512(b, n, a)
+                     : isa == K3_ISA_AVX2 ? k3_pd_sum_blocks_avx2(b, n, a)
+                                          : k3_pd_sum_blocks_ref(b, n, a);
+    return sum_finish(a, b + i, n - i, n);
 }
 
 void k3_pd_req_seal(k3_pd_req *r) {
