@@ -803,6 +803,10 @@ typedef struct k3_plan {
     int64_t topk_allgather_bytes, topk_butterfly_bytes; /* all DSA layers */
     int64_t lse_bytes;              /* DCP partial outputs + LSE, all MLA/DSA layers */
     int64_t ep_dispatch_bytes, ep_combine_bytes; /* all MoE layers, expected */
+    /* prefill and decode apart: what one prompt of the context moves from the
+     * prefill instance (its rows + one KDA state), and what each of D decode
+     * ranks receives (its 1/D of the rows + the state) */
+    int64_t pd_bytes_per_seq, pd_bytes_per_rank;
 } k3_plan;
 
 /* Reads CONFIG.json (a file) and computes the plan. */
