@@ -182,11 +182,11 @@ FUZZ_BUILD  ?= build-fuzz
 FUZZ_TIME   ?= 60
 FUZZ_TEST_TIME ?= 3
 FUZZ_SAN    := -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer
-FUZZ_NAMES  := safetensors config tiktoken chat image
+FUZZ_NAMES  := safetensors config tiktoken chat image grammar
 HAVE_CLANG  := $(shell command -v $(FUZZ_CC) >/dev/null 2>&1 && echo yes)
-# Only the parsers are linked: common/, config, safetensors, tokenizer.
+# Only the parsers are linked: common/, config, safetensors, tokenizer, image, grammar.
 FUZZ_LIB_SRC := $(wildcard src/common/*.c src/tokenizer/*.c) src/model/config.c src/model/safetensors.c
-FUZZ_LIB_SRC += src/vision/image.c src/vision/processor.c
+FUZZ_LIB_SRC += src/vision/image.c src/vision/processor.c $(wildcard src/grammar/*.c)
 ifeq ($(HAVE_CLANG),yes)
 fuzz-build: $(DEPS_OK)
 	@$(MAKE) --no-print-directory BUILD=$(FUZZ_BUILD) CC=$(FUZZ_CC) \

@@ -5,7 +5,7 @@
  * Requests are streamed (stream_options.include_usage) through one libcurl
  * multi handle: at most --max-concurrency in flight, arrivals at
  * --request-rate as a Poisson process (exponential gaps; default: all at
- * once). Definitions (serving.md section 6): TTFT = first chunk with text -
+ * once). Definitions (docs/serving-reference.md §6.3): TTFT = first chunk with text -
  * send; ITL = gaps between later chunks with text; E2EL = end - send;
  * TPOT = (E2EL - TTFT) / (output tokens - 1); output tokens from the usage
  * chunk (chunks counted when the server sends none); goodput = requests

@@ -8,8 +8,8 @@
 
 #include "cli.h"
 
-static int usage_plan(void) {
-    fprintf(stderr,
+static int usage_plan_to(FILE *out, int rc) {
+    fprintf(out,
             "usage: k3 plan --config CONFIG.json [options]\n"
             "  --dcp D             decode context parallel ranks (default 1)\n"
             "  --ep E              expert parallel ranks (default 1)\n"
@@ -18,8 +18,10 @@ static int usage_plan(void) {
             "  --quant MODE        none | w8a8 | w8a8-mxfp8 (+w4a8 changes nothing here) (default w8a8)\n"
             "  --topk K            DSA top-k for the exchange (default: the config's)\n"
             "the full-size configs: docs/configs/kimi-k3.json, docs/configs/kimi-k3.1-pro-dsa.json\n");
-    return 2;
+    return rc;
 }
+
+static int usage_plan(void) { return usage_plan_to(stderr, 2); }
 
 static const char *gb(double b, char *buf, size_t n) {
     if (b >= 1e12) snprintf(buf, n, "%.2f TB", b / 1e12);
@@ -48,7 +50,7 @@ int k3_cmd_plan(int argc, char **argv) {
                 fprintf(stderr, "k3 plan: --kv-cache must be f32 or c8, not '%s'\n", argv[i]);
                 return 2;
             }
-        } else if (!strcmp(a, "-h") || !strcmp(a, "--help")) return usage_plan();
+        } else if (!strcmp(a, "-h") || !strcmp(a, "--help")) return usage_plan_to(stdout, 0);
         else {
             fprintf(stderr, "k3 plan: unknown option or missing value: %s\n", a);
             return usage_plan();

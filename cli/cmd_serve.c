@@ -1,8 +1,10 @@
 /*
  * cmd_serve.c -- `k3 serve -m DIR`: the OpenAI-compatible HTTP server
  * (src/server) on the batching engine. Prints the mode and the address at
- * start, one log line every 5 s while busy (like vLLM's), and shuts down
- * cleanly on SIGINT / SIGTERM.
+ * start, one log line every 5 s while busy (like vLLM's), and drains on
+ * SIGINT / SIGTERM: new requests are refused, those running finish within
+ * --shutdown-timeout, the rest get an error ending, then it exits 0 (1 when
+ * the engine failed).
  */
 #include <errno.h>
 #include <signal.h>
@@ -15,11 +17,34 @@
 #include "cli.h"
 #include "k3.h"
 
-static volatile sig_atomic_t g_quit;
+/* Signals so far, and whether one came from the parent under mpirun
+ * (mpirun ending the job: it sends SIGKILL a second later). */
+static volatile sig_atomic_t g_signals, g_from_parent;
 
-static void on_signal(int sig) {
+static void on_signal(int sig, siginfo_t *si, void *uc) {
     (void)sig;
-    g_quit = 1;
+    (void)uc;
+    g_signals = g_signals + 1;
+    if (si && si->si_pid > 1 && si->si_pid == getppid()) g_from_parent = 1;
+}
+
+static double mono_now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+static void nap_ms(long ms) {
+    struct timespec nap = {ms / 1000, (ms % 1000) * 1000000L};
+    nanosleep(&nap, NULL);
+}
+
+/* Waits up to wait_s (or a further signal) for the requests in flight to be
+ * answered; how many are left. */
+static int wait_in_flight(k3_server *srv, double wait_s, int signals) {
+    const double end = mono_now() + wait_s;
+    while (k3_server_in_flight(srv) > 0 && mono_now() < end && g_signals <= signals) nap_ms(20);
+    return k3_server_in_flight(srv);
 }
 
 /* The usage on stdout (exit 0) for --help, on stderr (exit 2) after a bad option. */
@@ -28,7 +53,14 @@ static int usage_serve(FILE *f) {
             "usage: k3 serve [-m DIR] [options]\n"
             "  --host ADDR                  address to bind (default 127.0.0.1)\n"
             "  --port N                     port (default 8000; 0 = any free port)\n"
-            "  --api-key KEY                require Authorization: Bearer KEY (or set K3_API_KEY)\n"
+            "  --api-key KEY                require Authorization: Bearer KEY or x-api-key: KEY on every route\n"
+            "                               but /health, /ready, /metrics (or set K3_API_KEY; an empty key is refused)\n"
+            "  --metrics-require-key        /metrics needs the key too (default: open, as vLLM's)\n"
+            "  --allowed-origins LIST       CORS: origins a browser page may call from, comma-separated, or '*'\n"
+            "                               (default: none but the server's own: a request with another Origin\n"
+            "                               is refused 403, so a web page cannot drive a local model)\n"
+            "  --allowed-methods LIST       CORS preflight methods (default \"GET, POST, OPTIONS\")\n"
+            "  --allowed-headers LIST       CORS preflight headers (default '*': those the browser asks for)\n"
             "  --served-model-name NAME     the model name clients use (default: DIR)\n"
             "  --max-model-len N            prompt + output tokens per request\n"
             "  --max-num-seqs N             running requests at once (default 16)\n"
@@ -49,8 +81,18 @@ static int usage_serve(FILE *f) {
             "  --max-image-pixels N         largest image, width x height (default 67108864 = 8192 x 8192)\n"
             "  --vision-threads N           threads of the image encoder's own pool (default: --threads)\n"
             "  --timeout S                  drop a client idle this long (default 30)\n"
-            "  --max-connections N          connections at once, one thread each (default 1024); one more is\n"
-            "                               answered 503 with Retry-After\n"
+            "  --header-timeout S           a request line and headers must be in within S of the connection\n"
+            "                               opening or of its previous answer, else 408 and closed (default 10)\n"
+            "  --body-timeout S             a body must be in within S of its headers, else 408 (default 60)\n"
+            "  --max-connections N          connections at once, one thread each (default 1024); one more takes\n"
+            "                               the place of the connection that has waited longest for its request,\n"
+            "                               or is answered 503 with Retry-After when every one is busy\n"
+            "  --max-connections-per-ip N   connections at once from one address, the rest 503 (default 0: no cap)\n"
+            "  --shutdown-timeout S         on SIGTERM / SIGINT: stop taking requests (503), let those running\n"
+            "                               finish for up to S, then end the rest with an error event (streams)\n"
+            "                               or a 503; a second signal cuts at once (default 5; 0 = end at once)\n"
+            "  --step-timeout S             /health and /ready answer 503 while one engine step has run longer\n"
+            "                               than S (default: --dist-timeout, 300)\n"
             "  --kv-cache-metrics           the sampled block residency histograms in /metrics (vLLM's\n"
             "                               vllm:kv_block_lifetime_seconds, _idle_before_evict_, _reuse_gap_)\n"
             "  --kv-cache-metrics-sample F  the fraction of blocks followed (default 0.01)\n"
@@ -58,7 +100,8 @@ static int usage_serve(FILE *f) {
             "                               cache sharded by token over D ranks (--dcp-interleave I,\n"
             "                               --dcp-topk-exchange allgather|butterfly); rank 0 serves HTTP and\n"
             "                               runs the engine, the others replay its forward passes\n"
-            "  --dist-timeout S             a rank silent this long mid-pass ends the job (default 300)\n"
+            "  --dist-timeout S             a rank silent this long mid-pass fails the engine: every request\n"
+            "                               gets the error, then the job ends (default 300)\n"
             "  --role prefill|decode|proxy  prefill and decode apart (docs/pd.md): a prefill instance keeps a\n"
             "                               finished prompt's cache for a decode instance to pull; a decode\n"
             "                               instance pulls it; `--role proxy --prefill URL[,URL...] --decode\n"
@@ -121,7 +164,10 @@ int k3_cmd_serve(int argc, char **argv) {
     long port = 8000, max_len = 0, max_seqs = 0, max_batched = 0, max_step_cost = 0, max_waiting = 256, cache_tokens = 0,
          block = 0;
     long max_body = 0, timeout = 0, snapshot_mb = 0, max_conn = 1024, max_image_px = 0, vthreads = 0;
-    bool keep_mapped = false, no_prefix = false, kv_metrics = false;
+    long header_timeout = 10, body_timeout = 60, max_conn_ip = 0, shutdown_timeout = 5, step_timeout = 0;
+    long test_fail_step = 0, test_fail_request = 0;
+    const char *origins = NULL, *cors_methods = NULL, *cors_headers = NULL;
+    bool keep_mapped = false, no_prefix = false, kv_metrics = false, metrics_key = false;
     float kv_sample = 0.01f;
     const char *role = NULL, *kv_host = NULL, *kv_adv = NULL, *kv_fault = NULL;
     long kv_port = 0;
@@ -167,6 +213,18 @@ int k3_cmd_serve(int argc, char **argv) {
         } else if (ARG("--kv-transfer-timeout")) {
             if (k3_cli_float("serve", "--kv-transfer-timeout", argv[++i], 0.001, 86400.0, &kv_timeout)) return 2;
         }
+        else if (ARG("--max-connections-per-ip")) max_conn_ip = parse_long(argv[++i], &bad);
+        else if (ARG("--header-timeout")) header_timeout = parse_long(argv[++i], &bad);
+        else if (ARG("--body-timeout")) body_timeout = parse_long(argv[++i], &bad);
+        else if (ARG("--shutdown-timeout")) shutdown_timeout = parse_long(argv[++i], &bad);
+        else if (ARG("--step-timeout")) step_timeout = parse_long(argv[++i], &bad);
+        else if (ARG("--allowed-origins")) origins = argv[++i];
+        else if (ARG("--allowed-methods")) cors_methods = argv[++i];
+        else if (ARG("--allowed-headers")) cors_headers = argv[++i];
+        else if (!strcmp(a, "--metrics-require-key")) metrics_key = true;
+        /* tests only (not in --help): the engine fails at step N; engine request N fails alone */
+        else if (ARG("--test-fail-step")) test_fail_step = parse_long(argv[++i], &bad);
+        else if (ARG("--test-fail-request")) test_fail_request = parse_long(argv[++i], &bad);
         else if (!strcmp(a, "--mmap")) keep_mapped = true;
         else if (!strcmp(a, "--no-prefix-cache")) no_prefix = true;
         else if (!strcmp(a, "--kv-cache-metrics")) kv_metrics = true;
@@ -183,7 +241,9 @@ int k3_cmd_serve(int argc, char **argv) {
     k3_kv_type kv;
     if (bad || port > 65535 || threads < 1 || max_seqs > 1 << 20 || max_batched > 1 << 24 || max_step_cost > 1 << 24 ||
         max_waiting > 1 << 20 || block > 4096 || snapshot_mb > 1 << 24 || max_conn > 65536 || timeout > 86400 ||
-        vthreads > 64 || max_image_px > K3_IMAGE_MAX_PIXELS) {
+        vthreads > 64 || max_image_px > K3_IMAGE_MAX_PIXELS || max_conn_ip > 65536 || header_timeout < 1 ||
+        header_timeout > 86400 || body_timeout < 1 || body_timeout > 86400 || shutdown_timeout > 86400 ||
+        step_timeout > 1 << 24) {
         fprintf(stderr, "k3 serve: a numeric option is not a non-negative integer in range\n");
         return 2;
     }
@@ -200,6 +260,12 @@ int k3_cmd_serve(int argc, char **argv) {
         return 2;
     }
     if (!api_key) api_key = getenv("K3_API_KEY");
+    if (api_key && !*api_key) {
+        /* a launcher passing an unset variable must not leave the server open */
+        fprintf(stderr, "k3 serve: the API key is empty (--api-key \"\" or K3_API_KEY=): give a key, or leave it out "
+                        "to serve without one\n");
+        return 2;
+    }
     if (!name) name = dir;
     if (k3_cli_dist_start(&cd, "serve")) return k3_cli_dist_exit(&cd, 2);
     if (cd.d && cd.rank != 0) return serve_worker(&cd, dir, quant, keep_mapped, (int)threads);
@@ -284,20 +350,41 @@ int k3_cmd_serve(int argc, char **argv) {
                             .vision = vis,
                             .vision_pool = vpool,
                             .max_image_pixels = max_image_px,
+                            .metrics_require_key = metrics_key,
+                            .max_connections_per_ip = (int)max_conn_ip,
+                            .header_timeout_s = (int)header_timeout,
+                            .body_timeout_s = (int)body_timeout,
+                            .step_timeout_s = step_timeout ? (double)step_timeout
+                                                           : cd.opt.timeout_s > 0 ? cd.opt.timeout_s : 300.0,
+                            .allowed_origins = origins,
+                            .allowed_methods = cors_methods,
+                            .allowed_headers = cors_headers,
+                            .test_fail_step = test_fail_step,
+                            .test_fail_request = test_fail_request,
                             .pd = pd};
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
-    sa.sa_handler = on_signal;
+    sa.sa_sigaction = on_signal;
+    sa.sa_flags = SA_SIGINFO;
     sigaction(SIGINT, &sa, NULL);
     sigaction(SIGTERM, &sa, NULL);
     signal(SIGPIPE, SIG_IGN);
     if (k3_server_start(&srv, &so, &err)) goto fail;
     fprintf(stderr,
             "k3 serve: model %s as \"%s\", quant %s, kv-cache %s, %ld threads, max_model_len %lld, "
-            "max_num_seqs %ld, cache %lld tokens in %lld blocks, prefix cache %s, images %s\n",
-            dir, name, quant, kv_name, threads, (long long)st.max_model_len, max_seqs ? max_seqs : 16,
-            (long long)st.cache_tokens, (long long)st.blocks_total, no_prefix ? "off" : "on",
-            vis ? "on" : "off (text only)");
+            "max_num_seqs %d, cache %lld tokens in %lld blocks (%lld MB), prefix cache %s, images %s\n",
+            dir, name, quant, kv_name, threads, (long long)st.max_model_len, st.max_num_seqs,
+            (long long)st.cache_tokens, (long long)st.blocks_total, (long long)(k3_engine_cache_bytes(eng) >> 20),
+            no_prefix ? "off" : "on", vis ? "on" : "off (text only)");
+    if (!no_prefix)
+        fprintf(stderr,
+                "k3 serve: KDA snapshots of the prefix cache: up to %.1f MB, %lld states of %.1f KB (%s)\n",
+                (double)st.snapshot_budget / (1 << 20),
+                (long long)(st.state_bytes_per_seq ? st.snapshot_budget / st.state_bytes_per_seq : 0),
+                (double)st.state_bytes_per_seq / 1024,
+                snapshot_mb ? "--snapshot-mb"
+                            : "one per 4 blocks of the pool and one per running request, within 1 GiB and an "
+                              "eighth of free memory");
     if (cd.d)
         fprintf(stderr,
                 "k3 serve: %d ranks, DCP %d (interleave %d), EP %d: cache %lld bytes per rank (block %d tokens, "
@@ -310,19 +397,26 @@ int k3_cmd_serve(int argc, char **argv) {
                 k3_pd_port(pd));
     else if (pd)
         fprintf(stderr, "k3 serve: role %s: prompts' caches are pulled from prefill instances\n", role);
+    fprintf(stderr, "k3 serve: auth %s; CORS: %s; /metrics %s\n",
+            api_key ? "on (Authorization: Bearer KEY or x-api-key: KEY)" : "off (no --api-key: every route is open)",
+            origins && *origins ? origins : "the server's own origin only",
+            api_key && metrics_key ? "needs the key" : "open");
     const bool v6 = strchr(host, ':') != NULL;
     fprintf(stderr, "k3 serve: listening on http://%s%s%s:%d%s\n", v6 ? "[" : "", host, v6 ? "]" : "",
-            k3_server_port(srv), api_key && *api_key ? " (API key required)" : "");
+            k3_server_port(srv), api_key ? " (API key required)" : "");
 
     struct timespec t0;
     clock_gettime(CLOCK_MONOTONIC, &t0);
     k3_engine_stats last = st;
     double t_last = t0.tv_sec + t0.tv_nsec * 1e-9;
-    while (!g_quit) {
-        struct timespec nap = {0, 200 * 1000000L};
-        nanosleep(&nap, NULL);
+    while (!g_signals) {
+        nap_ms(100);
         if (k3_server_failed(srv, &err)) {
+            /* every request in flight has had its error ending: let the
+             * answers go out, refuse new ones meanwhile, then end the job */
             fprintf(stderr, "k3 serve: the engine failed: %s\n", err.msg);
+            k3_server_drain(srv);
+            wait_in_flight(srv, 2.0, 0);
             goto fail_quiet;
         }
         struct timespec t;
@@ -345,7 +439,28 @@ int k3_cmd_serve(int argc, char **argv) {
         last = cur;
         t_last = now;
     }
-    fprintf(stderr, "k3 serve: shutting down\n");
+    {
+        /* the drain: no new requests; those running finish within
+         * --shutdown-timeout, then the rest end with an error event or a 503.
+         * Under mpirun a signal from mpirun itself (it ends the job, and
+         * kills a second later) ends them at once. */
+        const bool now = g_from_parent && cd.d;
+        const double grace = now ? 0.0 : (double)shutdown_timeout;
+        fprintf(stderr, "k3 serve: shutting down: %d requests in flight, %s\n", k3_server_in_flight(srv),
+                now ? "mpirun ends the job: ending them now"
+                    : "new ones refused; a second signal cuts at once");
+        k3_server_drain(srv);
+        const int left = grace > 0 ? wait_in_flight(srv, grace, 1) : k3_server_in_flight(srv);
+        if (left > 0) {
+            k3_server_end(srv, "the server is shutting down");
+            if (g_signals <= 1) wait_in_flight(srv, now ? 0.5 : 2.0, 1);
+        }
+        if (k3_server_failed(srv, &err)) {
+            fprintf(stderr, "k3 serve: the engine failed: %s\n", err.msg);
+            goto fail_quiet;
+        }
+        fprintf(stderr, "k3 serve: shut down (%d requests were ended by it)\n", left);
+    }
     rc = 0;
     goto out;
 fail:

@@ -14,7 +14,7 @@ if [ ! -x "$DIR/fuzz_config" ]; then
     echo "fuzz: 0 passed, 0 failed"
     exit 0
 fi
-for name in safetensors config tiktoken chat image; do
+for name in safetensors config tiktoken chat image grammar; do
     mkdir -p "$DIR/corpus/$name"
     log="$DIR/fuzz_$name.log"
     if "$DIR/fuzz_$name" -max_total_time="$T" -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 \

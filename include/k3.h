@@ -82,7 +82,7 @@ k3_status k3_model_open(k3_model **out, const char *dir, k3_error *err);
 void k3_model_close(k3_model *m);
 void k3_model_get_info(const k3_model *m, k3_model_info *info);
 
-/* Load-time quantization (serving.md §5). Matrices are converted once into
+/* Load-time quantization (docs/serving-reference.md §5). Matrices are converted once into
  * memory the model owns; activations are quantized per token at run time. */
 typedef enum k3_wquant {
     K3_WQ_NONE = 0,  /* as stored (BF16 trunk): the reference */
@@ -122,7 +122,7 @@ uint64_t k3_model_identity(const k3_model *m);
  * cache sizes) into buf. Returns the length it wanted (snprintf rules). */
 size_t k3_model_describe(const k3_model *m, char *buf, size_t size);
 
-/* ---- model: checks (polish) ---- */
+/* ---- model: checks ----------------------------------------------- */
 /* Checks that every stored float of the checkpoint is finite (no NaN or
  * Inf; MXFP4 scales not the NaN byte): K3_ERR_FORMAT naming the tensor and
  * the element otherwise. One pass over the mapped files (0.3 s for 1.9 GB
@@ -179,7 +179,7 @@ typedef struct k3_chat_msg {
     const char *reasoning; /* assistant thinking, may be NULL */
 } k3_chat_msg;
 
-/* Encodes a conversation in the K3 chat format (k3-model.md section 5).
+/* Encodes a conversation in the K3 chat format (docs/model.md §5).
  * With add_generation_prompt the assistant turn is opened: with thinking on,
  * up to <|open|>think<|sep|>; off, up to <|open|>response<|sep|>.
  * *ids is caller-freed. */
@@ -377,6 +377,116 @@ void k3_sampler_take(k3_sampler *s, int32_t id);
  * to sample from) or when every id is masked. */
 int32_t k3_sampler_sample(k3_sampler *s, float *logits);
 
+/* ---- grammar: constrained decoding ---------------------------------------
+ *
+ * Structured outputs: which tokens a model may sample next so that its text
+ * matches a JSON Schema, a regular expression, a list of choices, a GBNF
+ * grammar or K3's tool-call format (docs/grammar.md). Three objects:
+ *   k3_grammar_vocab    the tokens of one model, built once from its
+ *                       tokenizer; read-only afterwards, any thread;
+ *   k3_grammar          a compiled grammar over that vocabulary; immutable
+ *                       (its token tables fill in on first use, thread-safe),
+ *                       shared by any threads, reference counted;
+ *   k3_grammar_matcher  the state of one request; one thread at a time.
+ * A mask is a bitset over token ids, bit (id & 63) of word (id >> 6), of
+ * k3_grammar_mask_words words. Special tokens are allowed only where the
+ * grammar names them; the ids that end a generation (k3_tokenizer_eos_ids)
+ * only when the text so far is complete.
+ */
+
+typedef struct k3_grammar_vocab k3_grammar_vocab;
+typedef struct k3_grammar k3_grammar;
+typedef struct k3_grammar_matcher k3_grammar_matcher;
+
+/* The tables of a tokenizer's vocabulary (a token trie; the token tables of
+ * the standard JSON rules, computed here: ~0.2 s and ~22 MB for 200k tokens). tok is
+ * only read during the call. */
+k3_status k3_grammar_vocab_init(k3_grammar_vocab **out, const k3_tokenizer *tok, k3_error *err);
+void k3_grammar_vocab_free(k3_grammar_vocab *v);
+/* Words of a mask: (n_vocab + 63) / 64. */
+size_t k3_grammar_mask_words(const k3_grammar_vocab *v);
+
+typedef enum k3_grammar_kind {
+    K3_GRAMMAR_JSON_SCHEMA, /* text: a JSON Schema (draft 2020-12 meaning) */
+    K3_GRAMMAR_JSON_OBJECT, /* any JSON object (response_format json_object) */
+    K3_GRAMMAR_REGEX,       /* text: a regular expression the whole output matches */
+    K3_GRAMMAR_CHOICE,      /* choices: the output is exactly one of them */
+    K3_GRAMMAR_GBNF,        /* text: a GBNF grammar; the output matches its rule "root" */
+    K3_GRAMMAR_TOOL_CALLS,  /* tools: K3 tool calls (always in the K3 reply form) */
+} k3_grammar_kind;
+
+typedef struct k3_grammar_tool {
+    const char *name;
+    const char *parameters; /* JSON Schema text of the arguments; NULL = no arguments */
+} k3_grammar_tool;
+
+typedef struct k3_grammar_spec {
+    k3_grammar_kind kind;
+    const char *text;                 /* NUL-terminated */
+    const char *const *choices;       /* K3_GRAMMAR_CHOICE */
+    int32_t n_choices;
+    const k3_grammar_tool *tools;     /* K3_GRAMMAR_TOOL_CALLS */
+    int32_t n_tools;
+    bool parallel_calls;              /* tool calls: one or more (false: exactly one) */
+    bool compact;                     /* JSON: no whitespace between tokens */
+    bool no_extra_properties;         /* JSON Schema: an object without
+                                         "additionalProperties" allows no others */
+    bool k3_reply;                    /* the output goes on a K3 assistant turn from
+                                         its generation prompt: the content, then
+                                         <|close|>response<|sep|> [<|close|>message<|sep|>] */
+    bool thinking;                    /* k3_reply and tool calls: the prompt opened
+                                         the think block; free text until it closes */
+    const char *where;                /* names the input in errors, e.g.
+                                         "response_format.json_schema.schema"
+                                         (NULL: "json_schema", "regex", "grammar", ...) */
+} k3_grammar_spec;
+
+/* Compiles spec. A construct the engine cannot honour is K3_ERR_UNSUPPORTED
+ * naming it and where it is ("json_schema.properties.x: keyword
+ * 'dependentSchemas' is not supported"); malformed input is K3_ERR_ARG. */
+k3_status k3_grammar_compile(k3_grammar **out, const k3_grammar_vocab *v, const k3_grammar_spec *spec,
+                             k3_error *err);
+/* Takes one more reference; k3_grammar_free drops one. */
+k3_grammar *k3_grammar_ref(k3_grammar *g);
+void k3_grammar_free(k3_grammar *g);
+
+/* A matcher at the start of the output; it keeps a reference to g. */
+k3_status k3_grammar_matcher_init(k3_grammar_matcher **out, k3_grammar *g, k3_error *err);
+/* An independent copy (n > 1 choices from one prompt). */
+k3_status k3_grammar_matcher_clone(k3_grammar_matcher **out, const k3_grammar_matcher *m, k3_error *err);
+void k3_grammar_matcher_free(k3_grammar_matcher *m);
+/* The tokens allowed next, over the whole vocabulary (mask: mask_words). */
+k3_status k3_grammar_matcher_fill_mask(k3_grammar_matcher *m, uint64_t *mask, k3_error *err);
+/* Advances on a sampled token; K3_ERR_ARG (state unchanged) when the token
+ * is not allowed here. An end-of-generation id is accepted when the text is
+ * complete and ends the matcher. */
+k3_status k3_grammar_matcher_accept(k3_grammar_matcher *m, int32_t id, k3_error *err);
+/* Accepts ids in order (rebuilding a preempted request's state); on a
+ * refusal the tokens before it stay accepted and *n_accepted says how many. */
+k3_status k3_grammar_matcher_accept_tokens(k3_grammar_matcher *m, const int32_t *ids, size_t n,
+                                           size_t *n_accepted, k3_error *err);
+/* Whether the text so far is a complete match (EOS and stop strings allowed). */
+bool k3_grammar_matcher_is_complete(const k3_grammar_matcher *m);
+/* Whether an end-of-generation id was accepted. */
+bool k3_grammar_matcher_is_ended(const k3_grammar_matcher *m);
+/* Tokens accepted so far. */
+int32_t k3_grammar_matcher_n_tokens(const k3_grammar_matcher *m);
+/* Undoes the last n accepted tokens (K3_ERR_ARG for more than were accepted). */
+k3_status k3_grammar_matcher_rollback(k3_grammar_matcher *m, int32_t n, k3_error *err);
+/* Back to the start of the output. */
+void k3_grammar_matcher_reset(k3_grammar_matcher *m);
+/* The bytes every continuation of the text starts with (jump-forward
+ * decoding), at most cap; *len is how many (0 when the next byte is open). */
+k3_status k3_grammar_matcher_forced(const k3_grammar_matcher *m, char *buf, size_t cap, size_t *len,
+                                    k3_error *err);
+/* The masks of n matchers at once, spread over pool (NULL = this thread);
+ * masks[i] belongs to matchers[i]. */
+k3_status k3_grammar_fill_masks(k3_grammar_matcher *const *matchers, uint64_t *const *masks, int32_t n,
+                                k3_pool *pool, k3_error *err);
+/* Sets logits[i] to -INFINITY for every id the mask forbids, and for ids at
+ * or past the vocabulary's size (a model's padded embedding rows). */
+void k3_grammar_mask_apply(const k3_grammar_vocab *v, const uint64_t *mask, float *logits, int32_t n_logits);
+
 /* ---- engine: many requests on one model --------------------------------
  *
  * A k3_engine owns a context, a block manager (reference-counted cache
@@ -408,7 +518,10 @@ typedef struct k3_engine_options {
     bool no_prefix_cache;           /* prefix caching is on unless this is set */
     int32_t snapshot_stride;        /* a KDA snapshot every this many blocks of a
                                        prompt (0 = default), and at each prompt's end */
-    int64_t snapshot_bytes;         /* byte budget of KDA snapshots (0 = default) */
+    int64_t snapshot_bytes;         /* byte budget of KDA snapshots (0 = default: one
+                                       state per snapshot point the pool can back,
+                                       (blocks / snapshot_stride + max_num_seqs) states,
+                                       within 1 GiB and an eighth of free memory) */
     int32_t max_waiting;            /* submit refuses with K3_ERR_BUSY past this many
                                        waiting requests (0 = no limit) */
     int32_t max_step_cost;          /* while requests decode, a step's cost stays within
@@ -533,6 +646,8 @@ typedef struct k3_engine_stats {
     int64_t requests_finished[K3_FINISH_ERROR + 1]; /* by finish reason */
     int64_t max_model_len, cache_tokens;
     int64_t state_bytes_per_seq;          /* one KDA snapshot */
+    int64_t snapshot_budget;              /* the snapshots' byte budget */
+    int32_t max_num_seqs, max_waiting;    /* running requests at once; waiting ones before K3_ERR_BUSY (0: no limit) */
     int64_t n_snapshot_saves, n_snapshot_restores; /* KDA snapshots taken / restored */
     double snapshot_save_s, snapshot_restore_s;    /* time spent taking / restoring them */
     /* prefill and decode apart: holds kept for decode instances (and their
@@ -664,7 +779,7 @@ void k3_engine_hold_release(k3_engine *e, uint64_t id);
  * other rank; they replay them in k3_exec_serve, so every rank runs its
  * share of every forward pass.
  * DCP: token x of a sequence lives on DCP rank (x div I) mod D, which equals
- * ((x mod (bs*D)) div I) mod D for bs a multiple of I (serving.md §2.5); the
+ * ((x mod (bs*D)) div I) mod D for bs a multiple of I (docs/serving-reference.md §2.5.1); the
  * latent and indexer caches hold only own tokens, attention and the DSA
  * top-k are settled across the group and merged exactly by log-sum-exp. EP:
  * routed expert e lives on EP rank e div (n_experts / E) (k3_model_open_ep
@@ -814,7 +929,7 @@ k3_status k3_plan_compute(const char *config_path, const k3_plan_options *opt, k
                           k3_error *err);
 
 
-/* ---- vision: images in prompts (../shared/docs/vision.md) --------------
+/* ---- vision: images in prompts (docs/vision.md) --------------
  *
  * A k3_image is a decoded PNG, JPEG, WEBP or GIF; a k3_vision is a
  * checkpoint's MoonViT3d tower, sd2_tpool merger and patchmergerv2 projector
@@ -1011,10 +1126,16 @@ void k3_proxy_stop(k3_proxy *p);
  *
  * One libmicrohttpd daemon (a thread per connection) answers /v1/models,
  * /v1/completions, /v1/chat/completions, /tokenize, /detokenize, /health,
- * /metrics and /version; one engine thread owns the engine and steps it,
- * HTTP threads submit and cancel and wait on their own requests. The server
- * never prints: the caller reads k3_engine_get_stats for its log line and
- * k3_server_failed for a fatal engine error.
+ * /ready, /metrics and /version; one engine thread owns the engine and
+ * steps it, HTTP threads submit and cancel and wait on their own requests.
+ * The server never prints: the caller reads k3_engine_get_stats for its log
+ * line and k3_server_failed for a fatal engine error.
+ *
+ * Every request gets an answer that tells how it ended: when the engine
+ * fails, or when the server is shut down (k3_server_drain, then
+ * k3_server_end), a stream gets an error event (OpenAI's error JSON),
+ * [DONE] and the end of its chunked body, and a whole answer a 503 naming
+ * why; only a hang-up of the client (or k3_server_stop) ends one silently.
  */
 
 typedef struct k3_server k3_server;
@@ -1022,15 +1143,32 @@ typedef struct k3_server k3_server;
 typedef struct k3_server_options {
     const char *host;          /* address or name to bind (NULL = "127.0.0.1") */
     int port;                  /* 0 = any free port (see k3_server_port) */
-    const char *api_key;       /* NULL or "": no key; else every route but /health
-                                  needs "Authorization: Bearer KEY" */
+    const char *api_key;       /* NULL: no key; else every route but /health,
+                                  /ready and /metrics needs "Authorization: Bearer
+                                  KEY" or "x-api-key: KEY"; "" is refused */
+    bool metrics_require_key;  /* /metrics needs the key too */
     const char *model_name;    /* the served model name (required) */
     const k3_tokenizer *tok;   /* borrowed, required */
     k3_engine *engine;         /* borrowed; NULL: the generation routes answer 503 */
     int64_t max_model_len;     /* reported by /v1/models when engine is NULL */
     size_t max_body_bytes;     /* bodies over this are refused unread (0 = 4 MiB) */
-    int max_connections;       /* connections at once (0 = 256) */
+    int max_connections;       /* connections at once (0 = 256): one over it takes
+                                  the place of the one that has waited longest for
+                                  its request line and headers, else is answered 503 */
+    int max_connections_per_ip; /* connections from one address (0 = no cap) */
     int timeout_s;             /* a client idle this long is dropped (0 = 30) */
+    int header_timeout_s;      /* the request line and headers must be in this long
+                                  after the connection opened or its previous answer
+                                  went out (0 = 10) */
+    int body_timeout_s;        /* the body must be in this long after the headers (0 = 60) */
+    double step_timeout_s;     /* /health and /ready answer 503 while one engine step
+                                  has run longer than this (0 = 300) */
+    const char *allowed_origins; /* CORS: a comma-separated list of origins that may
+                                  call from a browser, "*" for any; NULL or "": only
+                                  the server's own origin. A request with any other
+                                  Origin is refused 403 */
+    const char *allowed_methods; /* for preflights (NULL = "GET, POST, OPTIONS") */
+    const char *allowed_headers; /* for preflights (NULL = "*": those asked for) */
     const char *version;       /* /version (NULL = "k3") */
     const k3_vision *vision;   /* borrowed; NULL: a text-only model (chat image
                                   parts answer 400) */
@@ -1038,6 +1176,10 @@ typedef struct k3_server_options {
                                   the engine's), used by one request at a time;
                                   NULL = one thread */
     int64_t max_image_pixels;  /* per image (0 = K3_IMAGE_MAX_PIXELS) */
+    /* tests only: the engine thread fails at its step test_fail_step (1 = the
+     * first), as a failed k3_engine_step would; engine request number
+     * test_fail_request (1 = the first submitted) fails alone */
+    int64_t test_fail_step, test_fail_request;
     k3_pd *pd;                 /* borrowed; NULL: kv_transfer_params are refused (not a
                                   prefill or decode instance) */
 } k3_server_options;
@@ -1045,12 +1187,22 @@ typedef struct k3_server_options {
 k3_status k3_server_start(k3_server **out, const k3_server_options *opt, k3_error *err);
 /* The port the server listens on. */
 int k3_server_port(const k3_server *s);
-/* True (and *err filled) once the engine thread met an error it cannot go on from. */
+/* True (and *err filled) once the engine thread met an error it cannot go on
+ * from; every request in flight then has had its error ending. */
 bool k3_server_failed(k3_server *s, k3_error *err);
-/* Stops listening, cancels what runs, joins the threads. */
+/* Stops taking requests: from now on each new one is answered 503 with
+ * Retry-After (and Connection: close), /health and /ready 503; the requests
+ * in flight go on. */
+void k3_server_drain(k3_server *s);
+/* Requests received and not yet answered in full. */
+int k3_server_in_flight(k3_server *s);
+/* Ends every request still in flight with its error ending (503, why);
+ * returns at once, the answers go out on their own threads. */
+void k3_server_end(k3_server *s, const char *why);
+/* Stops listening, cuts what still runs, joins the threads. */
 void k3_server_stop(k3_server *s);
 
-/* ---- KV-cache residency metrics (issue #17) ----
+/* ---- KV-cache residency metrics --------------------------------------------
  *
  * vLLM v1's sampled block residency histograms (--kv-cache-metrics): a
  * sampled fraction of the cache blocks handed out is followed from the
@@ -1088,7 +1240,7 @@ k3_status k3_engine_set_kv_metrics(k3_engine *e, double sample_rate, k3_error *e
 /* The histograms as of the last step (any thread; enabled = false when off). */
 void k3_engine_kv_residency(k3_engine *e, k3_kv_residency *out);
 
-/* ---- kernel ISA (issue #18) ---- */
+/* ---- kernel ISA ------------------------------------------------------ */
 
 /* Picks the kernels every later call runs: "ref" (scalar), "avx2" (AVX2 +
  * FMA + F16C, with AVX-VNNI for the integer dot products where the CPU has

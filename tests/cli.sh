@@ -142,7 +142,7 @@ for c in run info tokenize eval bench; do
     if "$K3" $c --help >"$TMP/out" 2>&1 && grep -q "usage: k3 $c" "$TMP/out"; then ok "$c --help exits 0"; else bad "$c --help exits 0" "$TMP/out"; fi
 done
 # the usage on stdout
-for c in serve "bench throughput" "bench serve"; do
+for c in serve plan grammar "bench throughput" "bench serve"; do
     if "$K3" $c --help >"$TMP/out" 2>/dev/null && grep -q "usage: k3 $c" "$TMP/out"; then ok "$c --help exits 0"; else bad "$c --help exits 0" "$TMP/out"; fi
 done
 "$K3" --version >"$TMP/out" 2>&1 && grep -q "^k3 [0-9]" "$TMP/out" && ok "k3 --version" || bad "k3 --version" "$TMP/out"
@@ -223,11 +223,15 @@ expect_fail "NaN weight: run refuses at load" "non-finite" "$K3" run -m "$TMP/m"
 expect_fail "NaN weight: run --quant none --no-check-tensors: the sampler refuses" "not finite" "$K3" run -m "$TMP/m" --quant none --kv-cache f32 --no-check-tensors -n 4 --temp 0 hi
 
 . tests/cli_vision.sh
+. tests/cli_grammar.sh
 # k3 serve: bad options fail cleanly
 expect_fail "serve bad --kv-cache" "kv-cache" "$K3" serve -m "$TINY" --kv-cache f16
 expect_fail "serve missing model" "config.json" "$K3" serve -m "$TMP/none" --port 0
 expect_fail "serve bad --port" "numeric option" "$K3" serve -m "$TINY" --port 70000
 expect_fail "serve bad --block-size" "numeric option" "$K3" serve -m "$TINY" --block-size 5000
+expect_fail "serve --api-key empty" "the API key is empty" "$K3" serve -m "$TINY" --port 0 --api-key ""
+expect_fail "serve K3_API_KEY empty" "the API key is empty" env K3_API_KEY= "$K3" serve -m "$TINY" --port 0
+expect_fail "serve bad --header-timeout" "numeric option" "$K3" serve -m "$TINY" --header-timeout 0
 expect_fail "serve --kv-cache-metrics-sample over 1" "kv-cache-metrics-sample expects a finite number from 0 to 1" "$K3" serve -m "$TINY" --kv-cache-metrics --kv-cache-metrics-sample 2
 expect_fail "bench serve unreachable" "v1/models" "$K3" bench serve --base-url http://127.0.0.1:1 --tokenizer "$TINY"
 expect_fail "bench serve --num-prompts not a number" "\-\-num-prompts expects an integer" "$K3" bench serve --base-url http://127.0.0.1:1 --num-prompts abc
@@ -245,6 +249,18 @@ if PY=$(sh scripts/venv.sh openai 2>"$TMP/venv.err"); then
     else
         pass=$((pass + sp))
         fail=$((fail + sf))
+    fi
+    # the server loses no request (tests/serve_robust.py): half-closed clients, the drain on
+    # SIGTERM, an engine failure, the work caps, keep-alive, CORS
+    timeout 600 "$PY" tests/serve_robust.py "$K3" >"$TMP/robust.out" 2>&1
+    grep -E "^(ok|FAIL) |^    " "$TMP/robust.out"
+    rp=$(sed -n 's/^robust: \([0-9]*\) passed, \([0-9]*\) failed$/\1/p' "$TMP/robust.out")
+    rf=$(sed -n 's/^robust: \([0-9]*\) passed, \([0-9]*\) failed$/\2/p' "$TMP/robust.out")
+    if [ -z "$rp" ]; then
+        bad "robust: the test did not finish" "$TMP/robust.out"
+    else
+        pass=$((pass + rp))
+        fail=$((fail + rf))
     fi
 else
     bad "serve: a Python with the openai client (scripts/venv.sh)" "$TMP/venv.err"

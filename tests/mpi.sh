@@ -5,7 +5,10 @@
 # --dump-logits) to rel-L2 1e-5 and the same greedy text, on the fp32 path
 # and on C8; each rank's cache bytes 1/D of one process's; bad
 # configurations, a rank that dies and a rank that hangs end every rank
-# with a message, never a hang. Skipped (one line) when mpirun is missing.
+# with a message, never a hang; under k3 serve a rank killed or stopped
+# mid-stream gives the client its error event (tests/mpi_stream.py), and
+# /health turns 503 while a step is stuck. Skipped (one line) when mpirun
+# is missing.
 # Usage: sh tests/mpi.sh build/k3 build/k3-test  (build/k3-cmp,
 # build/k3-mpi-exchange and build/k3-mpi-batch beside them). Ends with `mpi: N passed, N failed`.
 K3=${1:-build/k3}
@@ -278,6 +281,56 @@ rc=$?
 if [ $rc -ne 0 ] && [ $rc -lt 124 ] && grep -q "the engine failed: .*got no answer within 3 s" "$TMP/s3"; then
     ok "serve --ep 2: a hanging rank fails the request and ends the job (exit $rc)"
 else bad "serve --ep 2: a hanging rank (exit $rc)" "$TMP/s3"; fi
+# rank_of PID R: the process of MPI rank R among PID's descendants
+rank_of() {
+    todo=$1
+    while [ -n "$todo" ]; do
+        next=
+        for q in $todo; do
+            tr '\0' '\n' </proc/$q/environ 2>/dev/null | grep -qx "OMPI_COMM_WORLD_RANK=$2" && { echo $q; return; }
+            next="$next $(pgrep -P $q | tr '\n' ' ')"
+        done
+        todo=$(echo $next)
+    done
+}
+# wait_line FILE PATTERN: until FILE has a line matching PATTERN (30 s at most)
+wait_line() { for i in $(seq 300); do grep -q "$2" "$1" 2>/dev/null && return 0; sleep 0.1; done; return 1; }
+# a rank killed mid-stream: mpirun ends the job (SIGTERM to rank 0, SIGKILL a second later);
+# rank 0 ends the stream at once with the error event, [DONE] and the body's end
+$MPI -np 2 "$K3" $SRV --ep 2 >/dev/null 2>"$TMP/s4" </dev/null &
+mpid=$!
+p4=$(wait_port "$TMP/s4")
+if [ -n "$p4" ]; then
+    timeout 60 python3 tests/mpi_stream.py "$p4" >"$TMP/c4" 2>&1 &
+    cpid=$!
+    wait_line "$TMP/c4" '^started' && r1=$(rank_of $mpid 1) && [ -n "$r1" ] && kill -KILL "$r1"
+    wait $cpid
+fi
+wait $mpid
+rc=$?
+if grep -q "^ending: error 503 the server is shutting down" "$TMP/c4" 2>/dev/null && [ $rc -ne 0 ] && [ $rc -ne 124 ]; then
+    ok "serve --ep 2: a rank killed mid-stream: the client gets the error event and [DONE] (job exit $rc)"
+else bad "serve --ep 2: a rank killed mid-stream (job exit $rc)" "$TMP/c4"; sed 's/^/    /' "$TMP/s4" | tail -4; fi
+# a rank stopped mid-stream: /health turns 503 once the step has run past --step-timeout, the
+# collective's deadline (--dist-timeout) fails the engine, the stream gets the engine's message,
+# the job ends non-zero
+$MPI -np 2 "$K3" $SRV --ep 2 --dist-timeout 6 --step-timeout 2 >/dev/null 2>"$TMP/s5" </dev/null &
+mpid=$!
+p5=$(wait_port "$TMP/s5")
+r1=
+if [ -n "$p5" ]; then
+    timeout 60 python3 tests/mpi_stream.py "$p5" --health >"$TMP/c5" 2>&1 &
+    cpid=$!
+    wait_line "$TMP/c5" '^started' && r1=$(rank_of $mpid 1) && [ -n "$r1" ] && sleep 0.5 && kill -STOP "$r1"
+    wait $cpid
+fi
+wait $mpid
+rc=$?
+[ -n "$r1" ] && kill -CONT "$r1" 2>/dev/null
+if grep -q "^health: 503 the engine has been in one step for" "$TMP/c5" && ! grep -q "(after 0 x 200)" "$TMP/c5" &&
+    grep -q "^ending: error 503 the engine failed: .*within 6 s" "$TMP/c5" && [ $rc -ne 0 ] && [ $rc -lt 124 ]; then
+    ok "serve --ep 2: a stopped rank: /health 503 past --step-timeout, the stream gets the engine's message (exit $rc)"
+else bad "serve --ep 2: a stopped rank (exit $rc)" "$TMP/c5"; sed 's/^/    /' "$TMP/s5" | tail -4; fi
 expect_fail "serve --dcp 2 refuses a block size not a multiple of D x I" "block size 24 is not a multiple of --dcp 2 x --dcp-interleave 16" \
     2 serve -m $M --port 0 --dcp 2 --dcp-interleave 16 --block-size 24 --threads 1
 

@@ -1,4 +1,4 @@
-/* test_attn.c -- MLA absorbed == naive (k3-model.md §6.2.4), the DSA top-k
+/* test_attn.c -- MLA absorbed == naive (docs/model.md §6.2.4), the DSA top-k
  * and indexer (§6.2.6), AttnRes (§6.2.9) and the router (§6.2.8). */
 #include <stdlib.h>
 #include <math.h>

@@ -1,6 +1,6 @@
 /*
  * test_config.c -- config.json parsing: the real K3 config, the tiny config of
- * k3-model.md 6.1 (with and without the DSA index fields), a flat config, a
+ * docs/model.md §6.1 (with and without the DSA index fields), a flat config, a
  * Kimi-Linear config, and the errors for missing, unknown and bad fields.
  */
 #include "test.h"
@@ -10,7 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* The tiny config of k3-model.md 6.1. */
+/* The tiny config of docs/model.md §6.1. */
 static const char *tiny_json =
     "{\n"
     "  \"architectures\": [\"KimiK3ForConditionalGeneration\"], \"model_type\": \"kimi_k3\",\n"

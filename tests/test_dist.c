@@ -25,7 +25,7 @@ K3_TEST(dist_dcp_layout_brute_force) {
             int64_t seen[5] = {0};
             for (int64_t x = 0; x < 300; x++) {
                 const int r = k3_dcp_owner(x, D, I);
-                CHECK(r == ((x % (bs * D)) / I) % D); /* serving.md §2.5's form */
+                CHECK(r == ((x % (bs * D)) / I) % D); /* docs/serving-reference.md §2.5's form */
                 const int64_t j = k3_dcp_local(x, D, I);
                 CHECKF(j == seen[r], "D %d I %d x %lld: local %lld, expected %lld", D, I, (long long)x, (long long)j,
                        (long long)seen[r]);
@@ -137,7 +137,7 @@ K3_TEST(dist_plan_matches_the_model) {
            (long long)p.weight_bytes, (long long)info.weight_bytes);
     CHECK(p.cache_bytes_per_rank == p.cache_bytes_per_token * 500);
     CHECK(p.weight_bytes_per_rank == p.weight_bytes - p.expert_bytes + p.expert_bytes / 4);
-    /* the formulas of serving.md §2.5 with k = 8, D = 2, 2 DSA layers */
+    /* the formulas of docs/serving-reference.md §2.5 with k = 8, D = 2, 2 DSA layers */
     CHECK(p.n_dsa == 2 && p.topk_allgather_bytes == 2 * 1 * 8 * 8 && p.topk_butterfly_bytes == 2 * 1 * 8 * 8);
     /* C8 per token, as the context allocates it */
     o.kv_cache = K3_KV_C8;
@@ -177,10 +177,10 @@ K3_TEST(dist_ep_loader_keeps_own_experts) {
     k3_model_close(m);
 }
 
-/* The full-size K3 config against the sizes k3-model.md states: routed
+/* The full-size K3 config against the sizes docs/model.md §2.4 states: routed
  * experts 92 x 896 x 17,547,264 B; 24 MLA layers; KDA state 69 layers x
  * (96 x 128 x 128 + 3 x 12288 x 3) x 4 B; and the traffic formulas of
- * serving.md §2.5 on the DSA variant at W = 16, k = 2048. */
+ * docs/serving-reference.md §2.5 on the DSA variant at W = 16, k = 2048. */
 K3_TEST(dist_plan_full_size_k3) {
     k3_plan p;
     k3_error err = {0};

@@ -1,7 +1,7 @@
 /* test_engine.c -- whole-model tests on the tiny checkpoints of
  * tests/models (made by tools/make_checkpoint.py): logits against the
  * independent PyTorch reference (tools/reference.py goldens), and the
- * invariants of k3-model.md §6.2: prefill == token-by-token decode, state
+ * invariants of docs/model.md §6.2: prefill == token-by-token decode, state
  * continuation, batch == alone, causality, DSA with top-k >= length == dense,
  * thread-count invariance, and bad input that leaves the state untouched. */
 #include <limits.h>

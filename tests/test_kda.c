@@ -1,4 +1,4 @@
-/* test_kda.c -- KDA: chunked form == recurrent form (k3-model.md §6.2.1),
+/* test_kda.c -- KDA: chunked form == recurrent form (docs/model.md §6.2.1),
  * gate ranges (§6.2.10), short conv with state == conv over the whole run. */
 #include <stdlib.h>
 #include <string.h>

@@ -170,7 +170,7 @@ out:
     golden_close(&g);
 }
 
-/* navit_resize_image's worked examples with the published budget (vision.md §2.2). */
+/* navit_resize_image's worked examples with the published budget (docs/vision.md §2.2). */
 K3_TEST(vision_resize_plan_published) {
     k3_image_proc p;
     k3_image_proc_defaults(&p);
@@ -196,7 +196,7 @@ K3_TEST(vision_resize_plan_published) {
 K3_TEST(vision_pos_interp_official) {
     /* the official code interpolates the table with the config's mode
      * (modeling_kimi_k3.py passes pos_emb_interpolation_mode through; one
-     * port hard-codes bicubic, vision.md §8.1): both modes against torch */
+     * port hard-codes bicubic, docs/vision.md §8.1): both modes against torch */
     golden g;
     if (!golden_open(&g)) return;
     const k3_st_tensor *tab = k3_st_get(g.st, "posemb.bilinear.5x7");

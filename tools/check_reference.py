@@ -19,7 +19,7 @@ References (none of their code is copied into this repository):
   * transformers: models/kimi_linear (KimiLinearForCausalLM; its reference PyTorch paths),
     models/deepseek_v32 (DeepseekV32Indexer).
   * DeepSeek-V3.2-Exp inference/model.py, class Indexer (the scoring formula, re-typed below in
-    plain torch from k3-model.md §3.6; no RoPE since K3 is NoPE).
+    plain torch from docs/model.md §3.6; no RoPE since K3 is NoPE).
 
 Random data comes from numpy's PCG64 with fixed seeds, so reruns are bit-identical for the same
 torch build. Prints every cross-check it makes; exits 1 when one fails.
@@ -166,7 +166,7 @@ DSA_TOPK = (8, 16)
 
 def deepseek_index_scores(q, k, w_raw):
     """DeepSeek-V3.2-Exp inference/model.py Indexer.forward, fp32, no RoPE, no FP8/Hadamard
-    (k3-model.md §3.6): I(t,s) = Σ_h w[t,h]·H^-0.5·d^-0.5 · ReLU(q[t,h]·k[s]), s ≤ t."""
+    (docs/model.md §3.6): I(t,s) = Σ_h w[t,h]·H^-0.5·d^-0.5 · ReLU(q[t,h]·k[s]), s ≤ t."""
     T, HI, dI = q.shape
     w = w_raw * HI ** -0.5 * dI ** -0.5
     dots = torch.einsum("thd,sd->ths", q.double(), k.double())

@@ -8,7 +8,7 @@ pieces of Kimi's split pattern. For each case NAME:
   NAME.txt          the input text (UTF-8 bytes, written as is)
   NAME.o200k.ids    tiktoken o200k_base encode_ordinary, ids separated by spaces
   NAME.cl100k.ids   the same with cl100k_base
-  NAME.kimi.ids     Kimi's pat_str (k3-model.md section 5) over the o200k ranks
+  NAME.kimi.ids     Kimi's pat_str (docs/model.md §5) over the o200k ranks
   NAME.kimi.split   the byte lengths of the pieces of Kimi's pattern, in order
 
 cases.txt lists the names. kimi-o200k/tokenizer_config.json names K3's special
@@ -70,7 +70,7 @@ KIMI_PAT_REWRITTEN = "|".join([
     r"""\s+""",
 ])
 
-# Offsets of K3's named specials after the ranks (k3-model.md section 5:
+# Offsets of K3's named specials after the ranks (docs/model.md §5:
 # 163584 + offset in the real vocabulary).
 SPECIALS = {
     0: ("[BOS]", True),

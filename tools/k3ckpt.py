@@ -1,6 +1,6 @@
 """k3ckpt -- write Kimi K3 checkpoints in the released layout (numpy only, no torch).
 
-Spec: ../shared/docs/k3-model.md sections 2, 4, 5.
+Spec: docs/model.md sections 2, 4, 5.
 
 Public API
 ----------

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Deterministic random Kimi K3 checkpoints in the released layout (k3-model.md sections 2, 4, 6.1).
+"""Deterministic random Kimi K3 checkpoints in the released layout (docs/model.md §§2, 4, 6.1).
 
   python3 tools/make_checkpoint.py --preset tiny|tiny-dsa|bench|bench-dsa --out DIR [--seed N]
 

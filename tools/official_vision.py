@@ -568,7 +568,7 @@ def main():
         gold["video.pixel_values"] = clip.contiguous()
         gold["video.out"] = model.mm_projector(model.vision_tower(clip, torch.tensor([[3, 4, 6]])))[0].float().contiguous()
     # the position table resized as get_rope_shape does it, in both modes
-    # (the release config says bilinear; vision.md §8.1)
+    # (the release config says bilinear; docs/vision.md §8.1)
     pe = model.vision_tower.patch_embed.pos_emb.weight.detach()
     for mode in ("bilinear", "bicubic"):
         for (h, w) in ((5, 7), (12, 10)):

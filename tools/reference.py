@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Plain PyTorch reference forward for Kimi K3 (and the kimi_linear family), written straight
-from ../shared/docs/k3-model.md section 3. Token-at-a-time, no shortcuts, CPU.
+from docs/model.md section 3. Token-at-a-time, no shortcuts, CPU.
 
   python3 tools/reference.py -m DIR --ids 1,2,3 --out logits.f32 [--dtype f64|f32]
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Train k3-mini (K3.1 architecture, k3-model.md §3) on the training split of the corpora.
+"""Train k3-mini (K3.1 architecture, docs/model.md §3) on the training split of the corpora.
 
     python3 tools/train.py --out runs/k3mini --minutes 70 [--preset mini]
 

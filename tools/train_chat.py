@@ -1,4 +1,4 @@
-"""Synthetic K3-format chat dialogues built from the training text (k3-model.md §5).
+"""Synthetic K3-format chat dialogues built from the training text (docs/model.md §5).
 
 Each dialogue is encoded segment by segment (control tokens are single special ids; tag
 names, attributes and contents are separately tokenized text segments):

@@ -16,7 +16,7 @@ CORPORA = ["austen", "brown", "kjv", "mobydick", "sotu"]
 HELDOUT_FRAC = 0.02
 HELDOUT_MIN = 50_000  # bytes (characters; the corpora are nearly all ASCII)
 
-# Kimi's pre-tokenizer split regex (k3-model.md §5). Python `regex` needs VERSION1 for the
+# Kimi's pre-tokenizer split regex (docs/model.md §5). Python `regex` needs VERSION1 for the
 # `&&` set intersections (in V0 they silently mean something else).
 KIMI_PAT = "|".join([
     r"""[\p{Han}]+""",

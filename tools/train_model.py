@@ -1,4 +1,4 @@
-"""PyTorch implementation of the K3.1 text model (k3-model.md §3) for training k3-mini.
+"""PyTorch implementation of the K3.1 text model (docs/model.md §3) for training k3-mini.
 
 Parameter names follow the checkpoint names of §4 (without the `language_model.` prefix),
 except the routed experts, which are stacked per layer (`block_sparse_moe.experts_w{1,2,3}`,

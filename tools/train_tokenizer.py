@@ -3,7 +3,7 @@
 
     python3 tools/train_tokenizer.py --out models/k3-mini/tiktoken.model [--ranks 7936]
 
-Words come from Kimi's split regex (k3-model.md §5, KIMI_PAT in train_data.py) applied by
+Words come from Kimi's split regex (docs/model.md §5, KIMI_PAT in train_data.py) applied by
 HF `tokenizers` (Split pre-tokenizer, Oniguruma; checked equal to python-`regex` V1 on the
 corpus), mapped to bytes with the GPT-2 ByteLevel alphabet, and trained with HF's BpeTrainer
 (deterministic: single-threaded, fixed input order). Output: ranks 0..255 = the single bytes

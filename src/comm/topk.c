@@ -1,5 +1,5 @@
 /*
- * topk.c -- settling the DSA top-k across the DCP group (serving.md §2.5):
+ * topk.c -- settling the DSA top-k across the DCP group (docs/serving-reference.md §2.5.3):
  * each rank brings its local top-k of (score, global position) candidates;
  * either every rank gathers all D lists (all-gather) or the ranks merge
  * pairwise over log2(D) rounds (butterfly, partner = rank XOR 2^i). Both end

@@ -261,7 +261,7 @@ static inline int64_t k3_ctx_local_slot(const k3_ctx *ctx, int32_t seq, int64_t 
     return (int64_t)s->blocks[j / ctx->lbs] * ctx->lbs + j % ctx->lbs;
 }
 
-/* ---- the DCP layout (serving.md §2.5) ---------------------------------------
+/* ---- the DCP layout (docs/serving-reference.md §2.5.1) ---------------------------------------
  * Token x of a sequence lives on DCP rank (x div I) mod D of D, at local
  * index (x div (I*D))*I + x mod I; with bs a multiple of I,
  * ((x mod (bs*D)) div I) mod D == (x div I) mod D. */

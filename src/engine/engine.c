@@ -340,8 +340,14 @@ k3_status k3_engine_open(k3_engine **out, const k3_model *m, const k3_engine_opt
     const int64_t max_model_len = o.max_model_len ? o.max_model_len : (c->max_positions < tokens ? c->max_positions : tokens);
     int64_t snap_budget = o.snapshot_bytes;
     if (!snap_budget) {
+        /* a snapshot serves a hit only while the attention blocks of its
+         * prefix are cached: the pool backs at most one per snapshot point
+         * (every snapshot_stride blocks) plus the prompt end of each running
+         * request; no more than that, 1 GiB or an eighth of free memory */
+        const int64_t useful = (n_blocks / o.snapshot_stride + o.max_num_seqs) * info.state_bytes_per_seq;
         snap_budget = (int64_t)1 << 30;
         if (snap_budget > avail / 8) snap_budget = avail / 8;
+        if (snap_budget > useful) snap_budget = useful;
         if (snap_budget < 8 * info.state_bytes_per_seq) snap_budget = 8 * info.state_bytes_per_seq;
     }
     if (o.no_prefix_cache) snap_budget = 0;
@@ -434,6 +440,9 @@ k3_status k3_engine_open(k3_engine **out, const k3_model *m, const k3_engine_opt
     e->st.max_model_len = max_model_len;
     e->st.cache_tokens = tokens;
     e->st.state_bytes_per_seq = e->state_bytes;
+    e->st.snapshot_budget = snap_budget;
+    e->st.max_num_seqs = o.max_num_seqs;
+    e->st.max_waiting = o.max_waiting;
     *out = e;
     return K3_OK;
 }

@@ -1,5 +1,5 @@
 /*
- * forward.c -- the layer loop of one forward round (k3-model.md §3): the
+ * forward.c -- the layer loop of one forward round (docs/model.md §3): the
  * embedding, then per layer AttnRes mix -> RMSNorm -> KDA or MLA/DSA ->
  * AttnRes mix -> RMSNorm -> dense FFN or MoE (the layers are src/layers),
  * then the head.

@@ -1,5 +1,5 @@
 /*
- * attn_ops.h -- the attention operators on 8-bit caches (serving.md §2.1,
+ * attn_ops.h -- the attention operators on 8-bit caches (docs/serving-reference.md §2.1,
  * §2.2), each with a scalar reference (_ref) that tests hold the fast path to.
  *
  * QLI, the quantized lightning indexer. Indexer keys are Hadamard-rotated

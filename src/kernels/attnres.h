@@ -1,6 +1,6 @@
 /*
  * attnres.h -- Attention Residuals: the softmax mix over block residuals that
- * replaces K3's residual stream (k3-model.md §3.2, serving.md §2.4).
+ * replaces K3's residual stream (docs/model.md §3.2, docs/serving-reference.md §2.4).
  *
  * For one token with candidates V_0..V_{n-1} (each D values):
  *   score_e = Σ_d w[d] V_e[d] / sqrt(mean(V_e²) + eps);  α = softmax(score)

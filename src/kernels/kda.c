@@ -1,7 +1,7 @@
 /*
  * kda.c -- Kimi Delta Attention kernels (see kda.h).
  *
- * The chunked form follows k3-model.md §3.3: inside a chunk, G_t is the
+ * The chunked form follows docs/model.md §3.3: inside a chunk, G_t is the
  * running sum of the log-decays, and every decay factor between two tokens is
  * evaluated as exp(G_t - G_j) with j <= t, never as exp(G_t) * exp(-G_j):
  * with g >= -5 per step, G reaches -320 in a 64-token chunk and exp(+320)

@@ -1,6 +1,6 @@
 /*
  * kda.h -- Kimi Delta Attention for one head: the recurrent form (decode) and
- * the chunked form (prefill), which must agree (k3-model.md §3.3, §6.2.1).
+ * the chunked form (prefill), which must agree (docs/model.md §3.3, §6.2.1).
  *
  * State S is [dk][dv] fp32, S[k][v], updated in place. Per token t:
  *   S <- diag(exp(g_t)) S;  u = beta_t (v_t - Sᵀ k_t);  S <- S + k_t uᵀ;  o_t = Sᵀ q_t

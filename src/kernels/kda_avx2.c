@@ -15,7 +15,7 @@
  *     row *= exp(g_t[a]);         u_t += k_t[a] row
  * The exps of a token group are taken once, before the panels.
  *
- * Chunked. k3-model.md §3.3 with sub-blocks of SB tokens inside a chunk, so
+ * Chunked. docs/model.md §3.3 with sub-blocks of SB tokens inside a chunk, so
  * that the C²·dk decay factors of L and Aqk need not all be exps. For j in an
  * earlier sub-block than t, with r the first token of t's sub-block,
  *     exp(G_t - G_j) = exp(G_t - G_r) · exp(G_r - G_j)

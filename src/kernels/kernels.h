@@ -88,7 +88,7 @@ float k3_dot_ref(const float *a, const float *b, int64_t n);
 void k3_axpy(float *y, float a, const float *x, int64_t n);
 void k3_axpy_ref(float *y, float a, const float *x, int64_t n);
 
-/* ---- gated activations (k3-model.md §3.5) ---- */
+/* ---- gated activations (docs/model.md §3.5) ---- */
 
 /* f1[i] = act(f1[i], f2[i]) over n values. SwiGLU: silu(g)·u. SiTU:
  * b1 tanh(g/b1) sigmoid(g) · b2 tanh(u/b2) (b2 <= 0: plain u). SiLU: silu(g)

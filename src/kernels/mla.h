@@ -1,7 +1,7 @@
 /*
  * mla.h -- gated NoPE MLA attention in the absorbed (latent) form, and the
  * DSA lightning indexer that picks which past tokens it may attend to
- * (k3-model.md §3.4, §3.6).
+ * (docs/model.md §3.4, §3.6).
  *
  * The latent cache holds one row per token slot: [c (kv_lora) | kpe (rope)],
  * ld = kv_lora + rope. A query head arrives absorbed: qa = W_UKᵀ q_nope

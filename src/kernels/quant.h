@@ -1,5 +1,5 @@
 /*
- * quant.h -- 8-bit weights and activations (serving.md §5).
+ * quant.h -- 8-bit weights and activations (docs/serving-reference.md §5).
  *
  * Weights are converted once, at load: K3_W_Q8 (int8 per output channel,
  * symmetric, s = max|w_row| / 127) or K3_W_MXFP8 (E4M3 with an E8M0 scale

@@ -1,5 +1,5 @@
 /*
- * router.h -- the MoE router (k3-model.md §3.5; the gated activations are k3_glu in
+ * router.h -- the MoE router (docs/model.md §3.5; the gated activations are k3_glu in
  * kernels.h).
  *
  * Router: scores s = sigmoid(logits) (or softmax); experts chosen by the top-k

@@ -1,6 +1,6 @@
 /*
  * attnres.c -- the AttnRes mix of a layer's input over the round's rows
- * (k3-model.md §3.2): the mix itself is kernels/attnres.h; the layer loop
+ * (docs/model.md §3.2): the mix itself is kernels/attnres.h; the layer loop
  * (src/forward/forward.c) keeps the bank.
  */
 #include "common/pool.h"
@@ -8,7 +8,7 @@
 #include "layers/layers.h"
 
 /* out[t] = Σ_e α_e V_e[t] with V = [bank_0 .. bank_{nb-1}, P], α = softmax of
- * the RMS-normalised projections on w (k3-model.md §3.2). */
+ * the RMS-normalised projections on w (docs/model.md §3.2). */
 typedef struct {
     const k3_ctx *ctx;
     float *out;

@@ -1,5 +1,5 @@
 /*
- * ffn.c -- the dense FFN (k3-model.md §3.5): the first layers' MLP and the
+ * ffn.c -- the dense FFN (docs/model.md §3.5): the first layers' MLP and the
  * MoE layers' shared experts when they are not stacked with the latent
  * projection (moe.c).
  */

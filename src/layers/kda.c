@@ -1,5 +1,5 @@
 /*
- * kda.c -- the KDA layer (Kimi Delta Attention, k3-model.md §3.3): the
+ * kda.c -- the KDA layer (Kimi Delta Attention, docs/model.md §3.3): the
  * projections that read the layer input, then per span and head the short
  * convs, the gates, the recurrence and the output gate (the primitives are
  * kernels/kda.h). The recurrent state and conv windows of each sequence

@@ -1,5 +1,5 @@
 /*
- * mla.c -- the MLA/DSA layer (k3-model.md §3.4): MLAPO (everything that
+ * mla.c -- the MLA/DSA layer (docs/model.md §3.4): MLAPO (everything that
  * reads the layer input, and the cache writes), then for a DSA layer QLI
  * (indexer scores and the exact top-k), then attention over the selected
  * (or all) cached slots, W_UV, the output gate and o_proj. The primitives

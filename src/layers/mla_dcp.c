@@ -1,6 +1,6 @@
 /*
  * mla_dcp.c -- the MLA/DSA attention under decode context parallelism
- * (serving.md §2.5): the DCP form of the layer of mla.c.
+ * (docs/serving-reference.md §2.5): the DCP form of the layer of mla.c.
  *
  * Every rank of a DCP group runs the same rows; each caches only the tokens
  * it owns, so each attends only over those. For a DSA layer a row's indexer

@@ -1,5 +1,5 @@
 /*
- * moe.c -- the latent MoE layer (k3-model.md §3.5): the router, the latent
+ * moe.c -- the latent MoE layer (docs/model.md §3.5): the router, the latent
  * down-projection (stacked with the shared experts' gate and up when the
  * loader could), the routed experts, their combine in slot order, the
  * latent norm and up-projection, and the shared experts. Under EP each rank

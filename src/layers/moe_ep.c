@@ -1,5 +1,5 @@
 /*
- * moe_ep.c -- the routed experts under expert parallelism (serving.md §4):
+ * moe_ep.c -- the routed experts under expert parallelism (docs/serving-reference.md §4.3):
  * the EP form of the MoE layer.
  *
  * Routed expert e lives on EP rank e / (n_experts / E). Every rank has the

@@ -6,7 +6,7 @@
  * size is a K3_ERR_FORMAT naming the field. Switches that only select a
  * variant (gate form, output gate, router, ...) default to the values of the
  * family's reference code: K3 (root model_type "kimi_k3", or AttnRes fields
- * present) takes the released K3 values of k3-model.md section 2; Kimi-Linear
+ * present) takes the released K3 values of docs/model.md §2; Kimi-Linear
  * takes the defaults of its configuration_kimi.py.
  *
  * Every key of text_config must be on the allow-list below. A key that is not

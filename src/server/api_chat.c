@@ -228,6 +228,22 @@ static size_t content_logprobs(k3_srv_job *j, const k3_srv_choice *c, size_t fro
     return t;
 }
 
+/* Appends to out the logprobs entries of c's generated tokens [from, upto)
+ * that begin before re (the think channel, its closing tag included: the
+ * tokens usage counts as reasoning_tokens; one that puts no text there is
+ * not listed). Returns where it stopped: the first token at or past re. */
+static size_t reasoning_logprobs(k3_srv_job *j, const k3_srv_choice *c, size_t from, size_t upto, size_t re,
+                                 json_t *out) {
+    size_t t = from;
+    for (; t < upto && t < c->n_seen; t++) {
+        size_t t0, t1;
+        k3_srv_choice_token_span(c, t, &t0, &t1);
+        if (t0 >= re) break;
+        if (t1 > t0) k3_srv_chat_logprobs(j, c, t, t + 1, out);
+    }
+    return t;
+}
+
 /* Reasoning tokens: those that begin inside the think channel (its closing tag included). */
 static int64_t reasoning_tokens(k3_srv_job *j, const k3_srv_choice *c) {
     if (!j->rq.thinking) return 0;
@@ -262,6 +278,13 @@ static json_t *answer_choice(k3_srv_job *j, k3_srv_choice *c, char *why, size_t 
         k3_chat_reply_spans(c->text.p ? c->text.p : "", c->text.len, j->rq.thinking, &re, &has, &off, &len);
         if (has) content_logprobs(j, c, 0, c->n_seen, off, len, content);
         lp = json_pack("{s:o}", "content", content);
+        /* and those of the reasoning, as message.reasoning_content has it */
+        if (j->rq.thinking) {
+            json_t *rs = json_array();
+            reasoning_logprobs(j, c, 0, c->n_seen, re, rs);
+            if (json_array_size(rs)) json_object_set_new(lp, "reasoning_content", rs);
+            else json_decref(rs);
+        }
     }
     return json_pack("{s:i,s:o,s:o,s:s}", "index", c->index, "message", msg, "logprobs", lp, "finish_reason",
                      k3_srv_finish_reason(c, tools));
@@ -281,6 +304,31 @@ static void stream_fail(k3_srv_job *j, k3_srv_choice *c, const char *what, const
     snprintf(msg, sizeof msg, "%s: %s", what, why);
     k3_sse_error(&j->sse, 500, msg);
     c->final_sent = true;
+}
+
+/* Sets lp's "reasoning_content" to the entries of c's reasoning tokens
+ * [lp_rsent, lp_upto) that begin in the think channel of text[0, upto), and
+ * moves lp_rsent past them; none new, no key. */
+static void add_reasoning_logprobs(k3_srv_job *j, k3_srv_choice *c, size_t lp_upto, size_t upto, json_t *lp) {
+    if (!j->rq.thinking) return;
+    size_t re, off, len;
+    bool has;
+    k3_chat_reply_spans(c->text.p ? c->text.p : "", upto, true, &re, &has, &off, &len);
+    json_t *rs = json_array();
+    c->lp_rsent = reasoning_logprobs(j, c, c->lp_rsent, lp_upto, re, rs);
+    if (json_array_size(rs)) json_object_set_new(lp, "reasoning_content", rs);
+    else json_decref(rs);
+}
+
+/* The last chunk's logprobs: the reasoning tokens not sent yet (the
+ * closing tag's), or null. */
+static json_t *final_logprobs(k3_srv_job *j, k3_srv_choice *c) {
+    if (j->rq.logprobs < 0) return json_null();
+    json_t *lp = json_pack("{s:n}", "content");
+    add_reasoning_logprobs(j, c, k3_srv_choice_lp_ready(c), c->text.len, lp);
+    if (json_object_get(lp, "reasoning_content")) return lp;
+    json_decref(lp);
+    return json_null();
 }
 
 static void stream_choice(k3_srv_job *j, int i) {
@@ -304,10 +352,19 @@ static void stream_choice(k3_srv_job *j, int i) {
             return;
         }
         const size_t rl = r.reasoning ? strlen(r.reasoning) : 0, cl = r.content ? strlen(r.content) : 0;
+        /* the logprobs of every token decoded so far go with the first delta
+         * sent (reasoning, then content; the rest with the last chunk), so
+         * a reply that stays in reasoning_content has them all too */
         if (rl > c->sent_reasoning) {
-            send_chunk(j, json_pack("[{s:i,s:{s:o},s:n,s:n}]", "index", i, "delta", "reasoning_content",
+            json_t *lp = json_null();
+            if (j->rq.logprobs >= 0) {
+                json_decref(lp);
+                lp = json_pack("{s:n}", "content");
+                add_reasoning_logprobs(j, c, lp_upto, upto, lp);
+            }
+            send_chunk(j, json_pack("[{s:i,s:{s:o},s:o,s:n}]", "index", i, "delta", "reasoning_content",
                                     k3_srv_jstr(r.reasoning + c->sent_reasoning, rl - c->sent_reasoning), "logprobs",
-                                    "finish_reason"));
+                                    lp, "finish_reason"));
             c->sent_reasoning = rl;
         }
         if (cl > c->sent_content) {
@@ -322,6 +379,7 @@ static void stream_choice(k3_srv_job *j, int i) {
                 json_t *content = json_array();
                 if (has) c->lp_sent = content_logprobs(j, c, c->lp_sent, lp_upto, off, len, content);
                 lp = json_pack("{s:o}", "content", content);
+                add_reasoning_logprobs(j, c, lp_upto, upto, lp);
             }
             send_chunk(j, json_pack("[{s:i,s:{s:o},s:o,s:n}]", "index", i, "delta", "content",
                                     k3_srv_jstr(r.content + c->sent_content, cl - c->sent_content), "logprobs", lp,
@@ -352,10 +410,10 @@ static void stream_choice(k3_srv_job *j, int i) {
     }
     if (c->done) {
         const char *why = k3_srv_choice_error(c, "generation failed");
-        if (why) k3_sse_error(&j->sse, 500, why);
+        if (why) k3_sse_error(&j->sse, k3_srv_choice_error_status(c), why);
         else
-            send_chunk(j, json_pack("[{s:i,s:{},s:n,s:s}]", "index", i, "delta", "logprobs", "finish_reason",
-                                    k3_srv_finish_reason(c, tools)));
+            send_chunk(j, json_pack("[{s:i,s:{},s:o,s:s}]", "index", i, "delta", "logprobs", final_logprobs(j, c),
+                                    "finish_reason", k3_srv_finish_reason(c, tools)));
         c->final_sent = true;
     }
 }

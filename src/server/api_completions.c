@@ -199,7 +199,7 @@ static void stream_choice(k3_srv_job *j, int i) {
     if (c->done) {
         const char *why = k3_srv_choice_error(c, "generation failed");
         if (why) {
-            k3_sse_error(&j->sse, 500, why);
+            k3_sse_error(&j->sse, k3_srv_choice_error_status(c), why);
             c->final_sent = true;
             return;
         }

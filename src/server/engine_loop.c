@@ -6,12 +6,15 @@
  * request's k3_srv_seq under its group's mutex and signals the group. At
  * the finished event the group's on_finish gives the reason the client
  * sees, the request is counted and its latencies observed, and the
- * engine's reference to the group is dropped.
+ * engine's reference to the group is dropped. A step that fails ends the
+ * loop: every request in flight ends with the engine's message (fail_all),
+ * the server reads as failed, and nothing more is submitted.
  */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "common/error.h"
 #include "server/engine_loop.h"
@@ -44,13 +47,37 @@ void k3_srv_seq_free(k3_srv_seq *q) {
     free(q->ptop);
 }
 
+static void live_unlink(struct k3_server *s, k3_srv_seq *q) {
+    if (q->live_prev) q->live_prev->live_next = q->live_next;
+    else if (s->live == q) s->live = q->live_next;
+    if (q->live_next) q->live_next->live_prev = q->live_prev;
+    q->live_prev = q->live_next = NULL;
+}
+
 k3_status k3_srv_submit(struct k3_server *s, k3_srv_seq *q, k3_request_params *p, k3_error *err) {
     k3_srv_group *g = q->group;
     p->user = q;
+    q->err_status = 500;
     pthread_mutex_lock(&g->mu);
     g->refs++; /* the engine's reference, dropped when it reports the end */
     pthread_mutex_unlock(&g->mu);
-    const k3_status st = k3_engine_submit(s->engine, p, &q->eid, err);
+    k3_status st;
+    pthread_mutex_lock(&s->live_mu);
+    if (s->live_closed) {
+        st = k3_err(err, K3_ERR_IO, "the engine has failed");
+    } else {
+        q->number = s->n_submitted + 1;
+        st = k3_engine_submit(s->engine, p, &q->eid, err);
+        if (!st) {
+            /* in the list before the engine thread can report its end (which
+             * takes live_mu to unlink it) */
+            s->n_submitted++;
+            q->live_next = s->live;
+            if (s->live) s->live->live_prev = q;
+            s->live = q;
+        }
+    }
+    pthread_mutex_unlock(&s->live_mu);
     pthread_mutex_lock(&g->mu);
     if (st) g->refs--;
     else q->submitted = true;
@@ -60,6 +87,30 @@ k3_status k3_srv_submit(struct k3_server *s, k3_srv_seq *q, k3_request_params *p
 
 void k3_srv_cancel(struct k3_server *s, k3_srv_seq *q) {
     if (q->submitted && !q->finished) k3_engine_cancel(s->engine, q->eid);
+}
+
+void k3_srv_cancel_all(struct k3_server *s) {
+    /* a group lives while one of its requests is in the list (the engine's
+     * reference), so its cv may be signalled here */
+    pthread_mutex_lock(&s->live_mu);
+    for (k3_srv_seq *q = s->live; q; q = q->live_next) {
+        if (!s->live_closed) k3_engine_cancel(s->engine, q->eid);
+        pthread_cond_broadcast(&q->group->cv);
+    }
+    pthread_mutex_unlock(&s->live_mu);
+}
+
+const char *k3_srv_ending(struct k3_server *s, char *buf, size_t cap) {
+    k3_error e = {0};
+    if (k3_server_failed(s, &e)) {
+        snprintf(buf, cap, "the engine failed: %.250s", e.msg);
+        return buf;
+    }
+    if (atomic_load(&s->phase) == K3_SRV_ENDING) {
+        snprintf(buf, cap, "%s", s->end_msg);
+        return buf;
+    }
+    return NULL;
 }
 
 static bool grow(k3_srv_seq *q, size_t need) {
@@ -109,6 +160,11 @@ static void on_output(struct k3_server *s, const k3_req_output *o, double t) {
             snprintf(q->error, sizeof q->error, "out of memory for the generated tokens");
             k3_engine_cancel(s->engine, q->eid);
         }
+        if (s->test_fail_request && q->number == s->test_fail_request && !q->finished && !q->error[0]) {
+            snprintf(q->error, sizeof q->error, "test hook: engine request %lld failed alone",
+                     (long long)q->number);
+            k3_engine_cancel(s->engine, q->eid);
+        }
         if (q->last_t > 0) k3_metrics_observe(&s->metrics, K3_H_ITL, (t - q->last_t) / o->n_new);
         q->last_t = t;
     }
@@ -148,7 +204,49 @@ static void on_output(struct k3_server *s, const k3_req_output *o, double t) {
     }
     pthread_cond_broadcast(&g->cv);
     pthread_mutex_unlock(&g->mu);
-    if (fin) k3_srv_group_unref(g);
+    if (fin) {
+        pthread_mutex_lock(&s->live_mu);
+        live_unlink(s, q);
+        pthread_mutex_unlock(&s->live_mu);
+        k3_srv_group_unref(g);
+    }
+}
+
+/* The engine failed: every request in flight ends with its message (a
+ * 503: the server, not the request, failed), and the engine's references go. */
+static void fail_all(struct k3_server *s, const k3_error *err) {
+    pthread_mutex_lock(&s->fail_mu);
+    s->failed = true;
+    s->fail_err = *err;
+    pthread_mutex_unlock(&s->fail_mu);
+    pthread_mutex_lock(&s->live_mu);
+    s->live_closed = true;
+    k3_srv_seq *q = s->live;
+    s->live = NULL;
+    pthread_mutex_unlock(&s->live_mu);
+    while (q) {
+        k3_srv_seq *next = q->live_next;
+        k3_srv_group *g = q->group;
+        pthread_mutex_lock(&g->mu);
+        q->live_prev = q->live_next = NULL;
+        if (!q->finished) {
+            q->finished = true;
+            q->finish = K3_FINISH_ERROR;
+            q->err_status = 503;
+            snprintf(q->error, sizeof q->error, "the engine failed: %.230s", err->msg);
+            k3_metrics_finished(&s->metrics, K3_FINISH_ERROR);
+        }
+        pthread_cond_broadcast(&g->cv);
+        pthread_mutex_unlock(&g->mu);
+        k3_srv_group_unref(g);
+        q = next;
+    }
+}
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
 }
 
 static void *engine_main(void *arg) {
@@ -160,17 +258,25 @@ static void *engine_main(void *arg) {
         }
         k3_step_result res;
         k3_error err = {0};
-        if (k3_engine_step(s->engine, &res, &err)) {
-            pthread_mutex_lock(&s->fail_mu);
-            s->failed = true;
-            s->fail_err = err;
-            pthread_mutex_unlock(&s->fail_mu);
+        atomic_store(&s->step_t0_ns, (long long)now_ns());
+        k3_status st;
+        if (s->test_fail_step && ++s->n_steps == s->test_fail_step)
+            st = k3_err(&err, K3_ERR_IO, "test hook: engine step %lld failed", (long long)s->n_steps);
+        else st = k3_engine_step(s->engine, &res, &err);
+        atomic_store(&s->step_t0_ns, 0);
+        if (st) {
+            fail_all(s, &err);
             break;
         }
         if (res.n_tokens > 0) k3_metrics_observe(&s->metrics, K3_H_ITER_TOKENS, res.n_tokens);
         for (int i = 0; i < res.n_outputs; i++) on_output(s, &res.outputs[i], res.t);
     }
     return NULL;
+}
+
+double k3_srv_step_seconds(struct k3_server *s) {
+    const long long t0 = atomic_load(&s->step_t0_ns);
+    return t0 ? (double)(now_ns() - t0) * 1e-9 : 0.0;
 }
 
 k3_status k3_srv_engine_start(struct k3_server *s, k3_error *err) {

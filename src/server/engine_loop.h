@@ -11,13 +11,17 @@
  * reference for the HTTP side and one per submitted engine request,
  * dropped when the engine reports it finished, so a client that leaves
  * never frees memory the engine thread still writes to.
+ *
+ * The server keeps the engine requests in flight in a list: when the
+ * engine fails, the engine thread ends each of them with the engine's
+ * message (K3_FINISH_ERROR, status 503) and drops its reference, so every
+ * waiting thread gets its answer and nothing is left behind.
  */
 #ifndef K3_SERVER_ENGINE_LOOP_H
 #define K3_SERVER_ENGINE_LOOP_H
 
 #include "server/state.h"
 
-typedef struct k3_srv_seq k3_srv_seq;
 typedef struct k3_srv_group k3_srv_group;
 
 struct k3_srv_group {
@@ -51,15 +55,21 @@ struct k3_srv_seq {
     k3_finish_reason finish;
     int32_t stop_id;    /* the id that stopped it, or -1 */
     char error[256];    /* why it failed (an engine error, out of memory) */
+    unsigned err_status; /* the HTTP status of that failure: 500, 503 when the engine failed */
     int64_t n_prompt, n_cached, n_generated;
     double last_t;      /* when its last tokens came (inter-token latency) */
     /* a request prefilled elsewhere, at its end: the TTFT split of its
      * answer's kv_transfer (queue here, blocks given to the cache landed,
      * landed to the first token computed here) */
     double pd_queue_s, pd_transfer_s, pd_first_step_s;
+    /* the server's list of engine requests in flight (live_mu) */
+    k3_srv_seq *live_prev, *live_next;
+    int64_t number;     /* 1 = the first submitted by this server */
 };
 
 /* Starts and stops the engine thread (stop waits for the work in flight). */
+/* How long the step in progress has run (0: none in progress). */
+double k3_srv_step_seconds(struct k3_server *s);
 k3_status k3_srv_engine_start(struct k3_server *s, k3_error *err);
 void k3_srv_engine_stop(struct k3_server *s);
 void k3_srv_engine_stats(struct k3_server *s, k3_engine_stats *st);
@@ -71,10 +81,17 @@ void k3_srv_group_init(k3_srv_group *g, k3_finish_reason (*on_finish)(k3_srv_gro
 /* Drops a reference; the last one destroys the group. */
 void k3_srv_group_unref(k3_srv_group *g);
 /* Submits p as q (q->group set; p->user becomes q); the group gets the
- * engine's reference. The engine's status and message on failure. */
+ * engine's reference. The engine's status and message on failure, also
+ * once the engine has failed. Not with the group's mu held. */
 k3_status k3_srv_submit(struct k3_server *s, k3_srv_seq *q, k3_request_params *p, k3_error *err);
 /* Ends q in the engine unless it has finished (the group's mu held). */
 void k3_srv_cancel(struct k3_server *s, k3_srv_seq *q);
+/* Cancels every engine request in flight and wakes the threads waiting
+ * on them (k3_server_end). */
+void k3_srv_cancel_all(struct k3_server *s);
+/* The message of a server-wide ending (the engine failed, or the server
+ * ends what is in flight) and its HTTP status, or NULL while neither. */
+const char *k3_srv_ending(struct k3_server *s, char *buf, size_t cap);
 /* Frees what the engine thread wrote into q. */
 void k3_srv_seq_free(k3_srv_seq *q);
 

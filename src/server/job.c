@@ -154,6 +154,8 @@ const char *k3_srv_choice_error(const k3_srv_choice *c, const char *fallback) {
     return c->q.error[0] ? c->q.error : fallback;
 }
 
+unsigned k3_srv_choice_error_status(const k3_srv_choice *c) { return c->q.err_status ? c->q.err_status : 500; }
+
 const char *k3_srv_finish_reason(const k3_srv_choice *c, bool tool_calls) {
     if (c->stop_hit) return "stop";
     switch (c->q.finish) {
@@ -266,6 +268,8 @@ enum MHD_Result k3_srv_openai_answer(k3_srv_job *j, const char *object, k3_srv_c
         json_t *ch = failed ? NULL : choice(j, c, why, sizeof why);
         if (failed || (!ch && why[0])) {
             json_decref(choices);
+            if (failed && k3_srv_choice_error_status(c) != 500)
+                return k3_srv_error(j->s, j->conn, k3_srv_choice_error_status(c), "%s", failed);
             if (failed) return k3_srv_error(j->s, j->conn, 500, "generation failed: %s", failed);
             return k3_srv_error(j->s, j->conn, 500, "%s", why);
         }
@@ -286,48 +290,111 @@ void k3_srv_openai_stream_end(k3_srv_job *j, const char *object) {
     k3_sse_done(&j->sse);
 }
 
+/* ---- submitting, waiting ------------------------------------------------- */
+
+static k3_request_params engine_request(k3_srv_job *j, int i);
+
+/* Submits the choices that wait while fewer than the job's seats run (the
+ * job's mutex not held). One the engine refuses fails alone with its
+ * message: the answer is under way. */
+static void submit_more(k3_srv_job *j) {
+    for (;;) {
+        pthread_mutex_lock(&j->g.mu);
+        int running = 0;
+        for (int i = 0; i < j->n_sub; i++) running += !j->ch[i].q.finished;
+        const int i = j->n_sub;
+        const bool more = i < j->n && running < j->seats;
+        pthread_mutex_unlock(&j->g.mu);
+        if (!more) return;
+        k3_srv_choice *c = &j->ch[i];
+        k3_request_params p = engine_request(j, i);
+        k3_error err = {0};
+        const k3_status st = k3_srv_submit(j->s, &c->q, &p, &err);
+        pthread_mutex_lock(&j->g.mu);
+        j->n_sub++;
+        if (st) {
+            c->q.finished = true;
+            c->q.finish = K3_FINISH_ERROR;
+            c->q.err_status = st == K3_ERR_BUSY || st == K3_ERR_IO ? 503 : st == K3_ERR_NOMEM ? 500 : 400;
+            snprintf(c->q.error, sizeof c->q.error, "%.250s", err.msg);
+        }
+        pthread_mutex_unlock(&j->g.mu);
+    }
+}
+
+static void wait_a_while(k3_srv_job *j) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    ts.tv_nsec += 100 * 1000000L;
+    if (ts.tv_nsec >= 1000000000L) ts.tv_sec++, ts.tv_nsec -= 1000000000L;
+    pthread_cond_timedwait(&j->g.cv, &j->g.mu, &ts);
+}
+
 /* ---- the whole answer --------------------------------------------------- */
 
-/* 0: all choices done; 1: the client left or the server stops; 2: engine failed. */
-static int wait_all(k3_srv_job *j) {
+/* 0: all choices done; 1: the client hung up or the server stops (no
+ * answer); 2: the server ends the request (why[] says why). A client that
+ * only half-closed is answered: only a hang-up (reset, or both ways shut)
+ * cancels, or failing to write the answer. */
+static int wait_all(k3_srv_job *j, char *why, size_t cap) {
     struct k3_server *s = j->s;
-    pthread_mutex_lock(&j->g.mu);
     for (;;) {
-        bool all = true;
-        for (int i = 0; i < j->n; i++) {
+        pthread_mutex_lock(&j->g.mu);
+        bool all = j->n_sub == j->n, failed = false;
+        for (int i = 0; i < j->n_sub; i++) {
             k3_srv_choice_advance(j, &j->ch[i]);
             all &= j->ch[i].done;
+            failed |= j->ch[i].done && k3_srv_choice_error_status(&j->ch[i]) == 503;
         }
-        if (all) break;
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        ts.tv_nsec += 100 * 1000000L;
-        if (ts.tv_nsec >= 1000000000L) ts.tv_sec++, ts.tv_nsec -= 1000000000L;
-        pthread_cond_timedwait(&j->g.cv, &j->g.mu, &ts);
-        if (atomic_load(&s->stopping) || k3_srv_client_gone(j->conn)) {
-            k3_srv_job_cancel(j);
+        const char *end = k3_srv_ending(s, why, cap);
+        /* done, unless the server failed under it */
+        if (all && !(end && failed)) {
             pthread_mutex_unlock(&j->g.mu);
-            return 1;
+            return 0;
         }
-        if (k3_server_failed(s, NULL)) {
+        if (end) {
+            k3_srv_job_cancel(j);
             pthread_mutex_unlock(&j->g.mu);
             return 2;
         }
+        wait_a_while(j);
+        const bool cut = atomic_load(&s->stopping) || k3_srv_client_gone(j->conn);
+        if (cut) k3_srv_job_cancel(j);
+        pthread_mutex_unlock(&j->g.mu);
+        if (cut) return 1;
+        submit_more(j);
     }
-    pthread_mutex_unlock(&j->g.mu);
-    return 0;
 }
 
 static enum MHD_Result answer_whole(k3_srv_job *j) {
-    const int w = wait_all(j);
+    char why[300];
+    const int w = wait_all(j, why, sizeof why);
     if (w == 1) return MHD_NO;
-    if (w == 2) return k3_srv_error(j->s, j->conn, 503, "the engine has failed");
-    char why[600];
-    if (!k3_srv_pd_finish(j, why, sizeof why)) return k3_srv_error(j->s, j->conn, 500, "%s", why);
+    if (w == 2) return k3_srv_error(j->s, j->conn, 503, "%s", why);
+    char pd_why[600];
+    if (!k3_srv_pd_finish(j, pd_why, sizeof pd_why)) return k3_srv_error(j->s, j->conn, 500, "%s", pd_why);
     return j->api->answer(j);
 }
 
 /* ---- the stream --------------------------------------------------------- */
+
+static double mono_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+/* The server ends the stream: the surface's error ending. */
+static void stream_ended(k3_srv_job *j, const char *why) {
+    k3_srv_job_cancel(j);
+    if (j->api->stream_error) j->api->stream_error(j, 503, why);
+    else {
+        k3_sse_error(&j->sse, 503, why);
+        k3_sse_done(&j->sse);
+    }
+    j->sent_done = true;
+    MHD_set_connection_option(j->conn, MHD_CONNECTION_OPTION_TIMEOUT, (unsigned)j->s->timeout_s);
+}
 
 static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max) {
     k3_srv_job *j = cls;
@@ -336,34 +403,46 @@ static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max) {
         if (!k3_sse_empty(&j->sse)) return (ssize_t)k3_sse_take(&j->sse, buf, max);
         if (j->sent_done) return MHD_CONTENT_READER_END_OF_STREAM;
         pthread_mutex_lock(&j->g.mu);
-        bool all = true;
-        for (int i = 0; i < j->n; i++) {
+        char why[300];
+        if (k3_srv_ending(s, why, sizeof why)) {
+            stream_ended(j, why);
+            pthread_mutex_unlock(&j->g.mu);
+            continue;
+        }
+        bool all = j->n_sub == j->n;
+        for (int i = 0; i < j->n_sub; i++) {
             j->api->stream_choice(j, i);
             all &= j->ch[i].final_sent;
         }
         if (all) {
-            char why[600];
-            k3_srv_pd_finish(j, why, sizeof why); /* a decode side's figures, for the usage chunk */
+            char pd_why[600];
+            k3_srv_pd_finish(j, pd_why, sizeof pd_why); /* a decode side's figures, for the usage chunk */
             j->api->stream_end(j);
             j->sent_done = true;
             /* generation is over: a client that stops reading is dropped again */
             MHD_set_connection_option(j->conn, MHD_CONNECTION_OPTION_TIMEOUT, (unsigned)s->timeout_s);
         }
-        if (k3_sse_empty(&j->sse) && !j->sent_done) {
-            struct timespec ts;
-            clock_gettime(CLOCK_REALTIME, &ts);
-            ts.tv_nsec += 100 * 1000000L;
-            if (ts.tv_nsec >= 1000000000L) ts.tv_sec++, ts.tv_nsec -= 1000000000L;
-            pthread_cond_timedwait(&j->g.cv, &j->g.mu, &ts);
-        }
+        if (k3_sse_empty(&j->sse) && !j->sent_done) wait_a_while(j);
         pthread_mutex_unlock(&j->g.mu);
         if (j->sse.out.oom) return MHD_CONTENT_READER_END_WITH_ERROR;
-        if (k3_sse_empty(&j->sse) && !j->sent_done &&
-            (atomic_load(&s->stopping) || k3_server_failed(s, NULL) || k3_srv_client_gone(j->conn))) {
-            pthread_mutex_lock(&j->g.mu);
-            k3_srv_job_cancel(j);
-            pthread_mutex_unlock(&j->g.mu);
-            return MHD_CONTENT_READER_END_WITH_ERROR;
+        if (k3_sse_empty(&j->sse) && !j->sent_done) {
+            if (atomic_load(&s->stopping) || k3_srv_client_gone(j->conn)) {
+                pthread_mutex_lock(&j->g.mu);
+                k3_srv_job_cancel(j);
+                pthread_mutex_unlock(&j->g.mu);
+                return MHD_CONTENT_READER_END_WITH_ERROR;
+            }
+            /* a client that sent its end may still read, or be gone: a
+             * comment each second tells (the write after a closed peer
+             * fails, and the connection's end cancels the stream) */
+            if (k3_srv_client_half_closed(j->conn)) {
+                const double now = mono_s();
+                if (now - j->probe_t >= 1.0) {
+                    j->probe_t = now;
+                    k3_sse_comment(&j->sse);
+                }
+            }
+            submit_more(j);
         }
     }
 }
@@ -388,15 +467,52 @@ static enum MHD_Result fail_job(k3_srv_job *j, unsigned status, const char *msg)
     return k3_srv_error(s, conn, status, "%s", msg);
 }
 
+/* Choice i's max_tokens: the request's, or the surface's default (what
+ * the context leaves when it has none), cut to the job's cap. */
+static long long choice_max_tokens(const k3_srv_job *j, int i) {
+    const k3_srv_request *rq = &j->rq;
+    const int64_t np = rq->n_prompt[j->ch[i].prompt_index];
+    long long mt = rq->max_tokens;
+    if (mt < 0) {
+        mt = j->api->default_max_tokens >= 0 ? j->api->default_max_tokens : (j->mml > np ? j->mml - np : 0);
+        if (j->mt_cap >= 0 && mt > j->mt_cap) mt = j->mt_cap;
+    }
+    return mt;
+}
+
+/* The work caps (K3_SRV_MAX_TOKENS, K3_SRV_MAX_LP_ENTRIES): false with e
+ * when an explicit max_tokens asks for more; a default one is capped. */
+static bool check_work(k3_srv_job *j, k3_srv_bad *e) {
+    const k3_srv_request *rq = &j->rq;
+    const long long per = rq->logprobs >= 0 ? 1 + rq->logprobs : 1;
+    const long long cap = rq->logprobs >= 0 ? K3_SRV_MAX_LP_ENTRIES : K3_SRV_MAX_TOKENS;
+    long long prompt = 0, total = 0, longest = 0;
+    for (int i = 0; i < j->n; i++) {
+        const long long np = rq->echo ? rq->n_prompt[j->ch[i].prompt_index] : 0;
+        prompt += np;
+        if (np > longest) longest = np;
+        total += choice_max_tokens(j, i) + np;
+    }
+    if (total * per <= cap) return true;
+    const char *what = rq->logprobs >= 0 ? "logprob entries" : "tokens";
+    if (rq->max_tokens >= 0 || j->api->default_max_tokens >= 0 || prompt * per >= cap)
+        return k3_srv_bad_set(e, 400,
+                              "the request asks for %lld %s (%d choices x (max_tokens%s)%s), over the limit of %lld per "
+                              "request: ask for fewer choices, tokens%s",
+                              total * per, what, j->n, rq->echo ? " + the echoed prompt" : "",
+                              rq->logprobs >= 0 ? " x (1 + top logprobs)" : "", cap,
+                              rq->logprobs >= 0 ? " or alternatives" : "");
+    /* a default max_tokens: what is left per choice after the echoed prompts */
+    j->mt_cap = (cap / per - prompt) / j->n;
+    return true;
+}
+
 /* The engine request of choice i (its prompt, sampling and limits). */
-static k3_request_params engine_request(k3_srv_job *j, int i, int64_t max_model_len, uint64_t base_seed) {
+static k3_request_params engine_request(k3_srv_job *j, int i) {
     const k3_srv_request *rq = &j->rq;
     const k3_srv_choice *c = &j->ch[i];
     const int64_t np = rq->n_prompt[c->prompt_index];
-    long long mt = rq->max_tokens;
-    if (mt < 0) mt = j->api->default_max_tokens >= 0 ? j->api->default_max_tokens
-                                                     : (max_model_len > np ? max_model_len - np : 0);
-    return (k3_request_params){
+    k3_request_params p = {
         .prompt = rq->prompts[c->prompt_index],
         .n_prompt = np,
         .sampling = {.temperature = (float)rq->temperature,
@@ -405,7 +521,7 @@ static k3_request_params engine_request(k3_srv_job *j, int i, int64_t max_model_
                      .min_p = (float)rq->min_p,
                      .repeat_penalty = (float)rq->repetition_penalty,
                      .repeat_last_n = 0,
-                     .seed = base_seed + (uint64_t)(i % (int)rq->n),
+                     .seed = j->base_seed + (uint64_t)(i % (int)rq->n),
                      .frequency_penalty = (float)rq->frequency_penalty,
                      .presence_penalty = (float)rq->presence_penalty,
                      .logit_bias = rq->logit_bias,
@@ -415,7 +531,7 @@ static k3_request_params engine_request(k3_srv_job *j, int i, int64_t max_model_
                      .bad_words = rq->bad_words,
                      .bad_word_off = rq->bad_word_off,
                      .n_bad_words = rq->n_bad_words},
-        .max_tokens = (int32_t)mt,
+        .max_tokens = (int32_t)choice_max_tokens(j, i),
         .min_tokens = (int32_t)rq->min_tokens,
         .stop_ids = rq->n_stop_ids ? rq->stop_ids : NULL,
         .n_stop_ids = rq->n_stop_ids,
@@ -425,6 +541,8 @@ static k3_request_params engine_request(k3_srv_job *j, int i, int64_t max_model_
         .embeds = rq->vp.n_images ? (const float *const *)rq->vp.embeds : NULL,
         .extra_keys = rq->vp.n_images ? rq->vp.keys : NULL,
     };
+    k3_srv_pd_request(j, &p); /* kept for a decode instance, or pulled from a prefill one */
+    return p;
 }
 
 enum MHD_Result k3_srv_job_serve(struct k3_server *s, struct MHD_Connection *conn, json_t *root,
@@ -471,9 +589,10 @@ enum MHD_Result k3_srv_job_serve(struct k3_server *s, struct MHD_Connection *con
         job_unref(j);
         return k3_srv_error(s, conn, 500, "out of memory");
     }
-    const uint64_t base_seed = rq->seed >= 0 || rq->seed_given
-                                   ? (uint64_t)rq->seed
-                                   : mix64(rid * 0x2545F4914F6CDD1Dull ^ (uint64_t)time(NULL));
+    j->base_seed = rq->seed >= 0 || rq->seed_given ? (uint64_t)rq->seed
+                                                   : mix64(rid * 0x2545F4914F6CDD1Dull ^ (uint64_t)time(NULL));
+    j->mml = mml;
+    j->mt_cap = -1;
     for (int i = 0; i < j->n; i++) {
         k3_srv_choice *c = &j->ch[i];
         c->job = j;
@@ -489,13 +608,25 @@ enum MHD_Result k3_srv_job_serve(struct k3_server *s, struct MHD_Connection *con
                      (long long)np, (long long)mml);
             return fail_job(j, 400, msg);
         }
-        k3_request_params p = engine_request(j, i, mml, base_seed);
-        k3_srv_pd_request(j, &p);
-        k3_error err = {0};
-        const k3_status st = k3_srv_submit(s, &c->q, &p, &err);
-        if (st) return fail_job(j, st == K3_ERR_BUSY ? 503 : st == K3_ERR_NOMEM ? 500 : 400, err.msg);
     }
-    k3_vision_prompt_free(&rq->vp); /* the engine copied the rows */
+    if (!check_work(j, &e)) return fail_job(j, e.status, e.msg);
+    /* fairness: half the engine's seats at most, and one at a time for
+     * choices that each prefill their whole prompt (prompt logprobs do not
+     * read the prefix cache), so a request behind this one is not held up
+     * for all of them */
+    k3_engine_stats st;
+    k3_srv_engine_stats(s, &st);
+    j->seats = st.max_num_seqs > 1 ? st.max_num_seqs / 2 : 1;
+    if (rq->echo && rq->logprobs >= 0) j->seats = 1;
+    for (int i = 0; i < j->n && i < j->seats; i++) {
+        k3_request_params p = engine_request(j, i);
+        k3_error err = {0};
+        const k3_status st2 = k3_srv_submit(s, &j->ch[i].q, &p, &err);
+        if (st2) return fail_job(j, st2 == K3_ERR_BUSY || st2 == K3_ERR_IO ? 503 : st2 == K3_ERR_NOMEM ? 500 : 400,
+                                 err.msg);
+        j->n_sub = i + 1;
+    }
+    if (j->n_sub == j->n) k3_vision_prompt_free(&rq->vp); /* the engine copied the rows */
     /* the generation may take long: the idle timeout is for slow clients */
     MHD_set_connection_option(conn, MHD_CONNECTION_OPTION_TIMEOUT, 0u);
     if (!rq->stream) {

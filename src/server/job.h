@@ -18,6 +18,14 @@
 
 typedef struct k3_srv_job k3_srv_job;
 
+/* What one request may ask for, so an answer's size and its hold on the
+ * engine stay bounded: generated plus echoed tokens over all its choices,
+ * and logprob entries (those tokens x (1 + top alternatives)). An explicit
+ * max_tokens over them is a 400 naming the numbers; a default one is cut
+ * to fit. */
+#define K3_SRV_MAX_TOKENS (1ll << 21)
+#define K3_SRV_MAX_LP_ENTRIES (1ll << 19)
+
 /* ---- streamed tool calls (what vLLM's OpenAI server sends) ----
  * A call's first delta: {index, id, type "function", function {name,
  * arguments ""}}; then {index, function {arguments: FRAGMENT}} as its
@@ -51,7 +59,8 @@ typedef struct k3_srv_choice {
     bool done;         /* the text is final */
     /* what a stream has sent */
     size_t emitted;    /* bytes of text */
-    size_t lp_sent;    /* tokens whose logprobs were sent */
+    size_t lp_sent;    /* tokens whose logprobs were sent (content: chat) */
+    size_t lp_rsent;   /* chat: reasoning tokens whose logprobs were sent */
     bool started;      /* the surface's opening events (a role delta, the echo) */
     bool final_sent;   /* its last event */
     size_t sent_reasoning, sent_content;
@@ -81,6 +90,10 @@ typedef struct k3_srv_api {
     /* The reasoning tokens of a finished choice (usage's
      * completion_tokens_details.reasoning_tokens), or NULL: no such field. */
     int64_t (*reasoning_tokens)(k3_srv_job *j, const k3_srv_choice *c);
+    /* Streaming, the job's mutex held: the events that end the stream when
+     * the server ends it (the engine failed, a shutdown), or NULL: OpenAI's
+     * error event and [DONE]. */
+    void (*stream_error)(k3_srv_job *j, unsigned status, const char *msg);
 } k3_srv_api;
 
 struct k3_srv_job {
@@ -102,6 +115,13 @@ struct k3_srv_job {
     struct k3_pd_pull *pull; /* the pull of its prompt's cache (do_remote_prefill), or NULL */
     k3_remote_prefill rp;    /* the engine request's remote part */
     json_t *extra;     /* members added to the whole answer's top level, or NULL */
+    /* choices enter the engine at most `seats` at a time (the first n_sub
+     * have), so one request with many choices leaves room for others */
+    int n_sub, seats;
+    int64_t mml;       /* the context length */
+    long long mt_cap;  /* a default max_tokens is at most this (-1: no cap) */
+    uint64_t base_seed;
+    double probe_t;    /* when a half-closed stream client was last probed */
 };
 
 /* ---- prefill and decode apart (pd.c): vLLM's kv_transfer_params ----
@@ -138,6 +158,8 @@ size_t k3_srv_choice_lp_ready(const k3_srv_choice *c);
 /* Why c failed (the engine's message, or fallback when it gave none), or
  * NULL when it did not fail. */
 const char *k3_srv_choice_error(const k3_srv_choice *c, const char *fallback);
+/* The HTTP status of c's failure: 500, or 503 when the server failed. */
+unsigned k3_srv_choice_error_status(const k3_srv_choice *c);
 /* OpenAI's finish_reason: stop, length, abort, error; tool_calls when a
  * reply that ended by itself made tool calls. */
 const char *k3_srv_finish_reason(const k3_srv_choice *c, bool tool_calls);

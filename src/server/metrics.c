@@ -140,6 +140,8 @@ void k3_metrics_render(k3_metrics *m, const k3_engine_stats *st, const char *mod
     snap.http_requests = m->http_requests;
     snap.http_errors = m->http_errors;
     snap.http_refused = m->http_refused;
+    snap.http_timeouts = m->http_timeouts;
+    snap.http_evicted = m->http_evicted;
     snap.prompt_tokens = m->prompt_tokens;
     snap.prompt_tokens_cached = m->prompt_tokens_cached;
     pthread_mutex_unlock(&m->mu);
@@ -204,9 +206,16 @@ void k3_metrics_render(k3_metrics *m, const k3_engine_stats *st, const char *mod
                    "# TYPE k3:http_errors_total counter\nk3:http_errors_total{model_name=\"%s\"} %llu\n"
                    "# HELP k3:http_connections_refused_total Connections over the limit answered 503.\n"
                    "# TYPE k3:http_connections_refused_total counter\n"
-                   "k3:http_connections_refused_total{model_name=\"%s\"} %llu\n",
+                   "k3:http_connections_refused_total{model_name=\"%s\"} %llu\n"
+                   "# HELP k3:http_timeouts_total Connections closed because their request line and headers, or "
+                   "their body, did not arrive in time.\n"
+                   "# TYPE k3:http_timeouts_total counter\nk3:http_timeouts_total{model_name=\"%s\"} %llu\n"
+                   "# HELP k3:http_evicted_total Connections waiting for their request that were closed to make room "
+                   "for a new one over the connection limit.\n"
+                   "# TYPE k3:http_evicted_total counter\nk3:http_evicted_total{model_name=\"%s\"} %llu\n",
                 model, (unsigned long long)m->http_requests, model, (unsigned long long)m->http_errors, model,
-                (unsigned long long)m->http_refused);
+                (unsigned long long)m->http_refused, model, (unsigned long long)m->http_timeouts, model,
+                (unsigned long long)m->http_evicted);
 }
 
 void k3_metrics_render_dist(const k3_comm_stats *cs, k3_buf *o) {

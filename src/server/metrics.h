@@ -1,6 +1,6 @@
 /*
  * metrics.h -- Prometheus histograms and the /metrics text with vLLM's names
- * (serving.md section 6) plus k3's own.
+ * (docs/serving-reference.md §6.1) plus k3's own.
  */
 #ifndef K3_SERVER_METRICS_H
 #define K3_SERVER_METRICS_H
@@ -47,6 +47,8 @@ typedef struct k3_metrics {
     k3_hist h[K3_H_COUNT];
     uint64_t http_requests, http_errors;
     uint64_t http_refused; /* 503s to connections over the limit */
+    uint64_t http_timeouts; /* connections closed past their header or body deadline */
+    uint64_t http_evicted;  /* waiting connections closed for a new one over the limit */
     /* engine requests finished, by the reason the client saw (a stop
      * string ends a request by cancelling it, yet it finished with "stop") */
     uint64_t finished[K3_FINISH_ERROR + 1];

@@ -1,8 +1,11 @@
 /*
  * routes.c -- the routing table (routes.h) and the routes that need no
- * generation: /health, /version, /v1/models, /metrics, /tokenize,
- * /detokenize, /tokenizer_info. The generation routes are the API surfaces (api.h).
+ * generation: /health (liveness: the engine can generate), /ready
+ * (readiness: a request would be taken now), /version, /v1/models,
+ * /metrics, /tokenize, /detokenize, /tokenizer_info. The generation routes
+ * are the API surfaces (api.h).
  */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -13,10 +16,48 @@
 #include "pd/pd.h"
 #include "tokenizer/tokenizer_info.h"
 
+/* Why the server cannot serve a generation now, or NULL: shutting down,
+ * the engine failed, or a step has run longer than the step timeout (a
+ * stuck rank); with queue_full, also a full waiting queue. */
+static const char *not_ok(struct k3_server *s, bool queue_full, char *buf, size_t cap) {
+    if (atomic_load(&s->phase) != K3_SRV_RUNNING) return "the server is shutting down";
+    if (!s->engine) return NULL;
+    k3_error e = {0};
+    if (k3_server_failed(s, &e)) {
+        snprintf(buf, cap, "the engine failed: %.250s", e.msg);
+        return buf;
+    }
+    const double t = k3_srv_step_seconds(s);
+    if (t > s->step_timeout_s) {
+        snprintf(buf, cap, "the engine has been in one step for %.0f s, over the step timeout of %.0f s", t,
+                 s->step_timeout_s);
+        return buf;
+    }
+    if (queue_full) {
+        k3_engine_stats st;
+        k3_srv_engine_stats(s, &st);
+        if (st.max_waiting > 0 && st.n_waiting >= st.max_waiting) {
+            snprintf(buf, cap, "the engine's queue is full (%d requests waiting)", st.n_waiting);
+            return buf;
+        }
+    }
+    return NULL;
+}
+
+/* Liveness: 200 while the engine can generate. */
 static enum MHD_Result route_health(struct k3_server *s, struct MHD_Connection *c, json_t *root) {
-    if (atomic_load(&s->stopping)) return k3_srv_error(s, c, 503, "the server is shutting down");
-    if (s->engine && k3_server_failed(s, NULL)) return k3_srv_error(s, c, 503, "the engine has failed");
+    char buf[300];
+    const char *why = not_ok(s, false, buf, sizeof buf);
+    if (why) return k3_srv_error(s, c, 503, "%s", why);
     return k3_srv_queue(s, c, 200, strdup(""), 0, "text/plain");
+}
+
+/* Readiness: 200 while a new generation request would be taken now. */
+static enum MHD_Result route_ready(struct k3_server *s, struct MHD_Connection *c, json_t *root) {
+    char buf[300];
+    const char *why = not_ok(s, true, buf, sizeof buf);
+    if (why) return k3_srv_error(s, c, 503, "%s", why);
+    return k3_srv_json(s, c, 200, json_pack("{s:s}", "status", "ready"));
 }
 
 static enum MHD_Result route_version(struct k3_server *s, struct MHD_Connection *c, json_t *root) {
@@ -41,8 +82,13 @@ static enum MHD_Result route_metrics(struct k3_server *s, struct MHD_Connection 
     k3_metrics_render(&s->metrics, s->engine ? &st : NULL, s->model_label, bs, &o);
     k3_buf_addf(&o,
                 "# HELP k3:http_connections Open HTTP connections (this one included).\n"
-                "# TYPE k3:http_connections gauge\nk3:http_connections{model_name=\"%s\"} %d\n",
-                s->model_label, atomic_load(&s->n_conn));
+                "# TYPE k3:http_connections gauge\nk3:http_connections{model_name=\"%s\"} %d\n"
+                "# HELP k3:http_in_flight HTTP requests received and not yet answered in full (this one included).\n"
+                "# TYPE k3:http_in_flight gauge\nk3:http_in_flight{model_name=\"%s\"} %d\n"
+                "# HELP k3:server_draining 1 while the server shuts down (new requests are answered 503).\n"
+                "# TYPE k3:server_draining gauge\nk3:server_draining{model_name=\"%s\"} %d\n",
+                s->model_label, atomic_load(&s->n_conn), s->model_label, atomic_load(&s->in_flight), s->model_label,
+                atomic_load(&s->phase) != K3_SRV_RUNNING);
     if (s->engine) {
         k3_kv_residency kr;
         k3_engine_kv_residency(s->engine, &kr);
@@ -144,12 +190,14 @@ static enum MHD_Result route_detokenize(struct k3_server *s, struct MHD_Connecti
 #define AUTH K3_ROUTE_AUTH
 #define JSON K3_ROUTE_JSON
 #define GEN K3_ROUTE_GENERATES
+#define DRAIN K3_ROUTE_DRAIN
 
 static const k3_route routes[] = {
-    {"GET", "/health", route_health, 0},
+    {"GET", "/health", route_health, DRAIN},
+    {"GET", "/ready", route_ready, DRAIN},
     {"GET", "/version", route_version, AUTH},
     {"GET", "/v1/models", route_models, AUTH},
-    {"GET", "/metrics", route_metrics, AUTH},
+    {"GET", "/metrics", route_metrics, K3_ROUTE_METRICS | DRAIN},
     {"POST", "/tokenize", route_tokenize, AUTH | JSON},
     {"POST", "/detokenize", route_detokenize, AUTH | JSON},
     {"GET", "/tokenizer_info", route_tokenizer_info, AUTH},

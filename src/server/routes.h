@@ -2,7 +2,8 @@
  * routes.h -- the routing table (routes.c): one row per route, {method,
  * path, handler, flags}. server.c finds the row of a request and applies
  * what its flags ask for (the API key, a JSON body naming this server's
- * model, an engine that has not failed) before the handler runs.
+ * model, an engine that has not failed, whether it answers during a
+ * shutdown) before the handler runs.
  */
 #ifndef K3_SERVER_ROUTES_H
 #define K3_SERVER_ROUTES_H
@@ -16,6 +17,8 @@ enum {
     K3_ROUTE_AUTH = 1u << 0,      /* needs the API key, when the server has one */
     K3_ROUTE_JSON = 1u << 1,      /* a JSON object body; its "model", if any, must be this server's */
     K3_ROUTE_GENERATES = 1u << 2, /* runs the engine: 503 without one, or once it has failed */
+    K3_ROUTE_METRICS = 1u << 3,   /* needs the API key only with --metrics-require-key */
+    K3_ROUTE_DRAIN = 1u << 4,     /* still answers while the server shuts down */
 };
 
 typedef struct k3_route {

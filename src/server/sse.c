@@ -19,6 +19,8 @@ void k3_sse_done(k3_sse *e) { k3_buf_add(&e->out, "data: [DONE]\n\n", 14); }
 
 void k3_sse_error(k3_sse *e, unsigned status, const char *msg) { k3_sse_data(e, k3_srv_error_json(status, msg)); }
 
+void k3_sse_comment(k3_sse *e) { k3_buf_add(&e->out, ":\n\n", 3); }
+
 bool k3_sse_empty(const k3_sse *e) { return e->pos >= e->out.len; }
 
 size_t k3_sse_take(k3_sse *e, char *buf, size_t max) {
@@ -44,7 +46,9 @@ enum MHD_Result k3_sse_respond(struct k3_server *s, struct MHD_Connection *c, MH
     }
     MHD_add_response_header(resp, "Content-Type", "text/event-stream");
     MHD_add_response_header(resp, "Cache-Control", "no-cache");
-    MHD_add_response_header(resp, "Connection", "close");
+    /* HTTP/1.1: a chunked body on a connection that stays open (HTTP/1.0:
+     * libmicrohttpd closes it at the end) */
+    k3_srv_headers(s, c, resp);
     pthread_mutex_lock(&s->metrics.mu);
     s->metrics.http_requests++;
     pthread_mutex_unlock(&s->metrics.mu);

@@ -19,6 +19,9 @@ void k3_sse_data(k3_sse *e, json_t *obj);
 void k3_sse_done(k3_sse *e);
 /* An error event in OpenAI's shape {"error": {message, type, param, code}}. */
 void k3_sse_error(k3_sse *e, unsigned status, const char *msg);
+/* ":\n\n", a comment every client skips: probes a client that half-closed
+ * (the write fails once it is gone). */
+void k3_sse_comment(k3_sse *e);
 /* True when nothing is pending. */
 bool k3_sse_empty(const k3_sse *e);
 /* Moves up to max pending bytes into buf: how many. */

@@ -1,5 +1,5 @@
 /*
- * chat.c -- k3_chat_encode: the K3 "XTML" chat format (k3-model.md section 5,
+ * chat.c -- k3_chat_encode: the K3 "XTML" chat format (docs/model.md §5,
  * Moonshot's encoding_k3.py).
  *
  * A conversation is a list of segments. A control segment is one special id

@@ -3,7 +3,7 @@
  *
  * Three patterns, each a PCRE2 transcription of a pat_str that tiktoken runs
  * with the Rust fancy-regex crate: o200k_base, cl100k_base, and Kimi's
- * (o200k's rules behind a leading Han rule; k3-model.md section 5). The
+ * (o200k's rules behind a leading Han rule; docs/model.md §5). The
  * transcriptions keep fancy-regex's results, not just its spelling:
  *   - `\s` is Unicode White_Space, written out as a class, because PCRE2's
  *     UCP `\s` also matches U+180E;

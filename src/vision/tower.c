@@ -1,5 +1,5 @@
 /*
- * tower.c -- MoonViT3d, sd2_tpool and patchmergerv2 (vision.md §3-4), as
+ * tower.c -- MoonViT3d, sd2_tpool and patchmergerv2 (docs/vision.md §3-4), as
  * modeling_kimi_k3.py computes them:
  *
  *   x = patches [L, 3 P P] · proj.weightᵀ + pos (the table F.interpolate'd to
@@ -12,7 +12,7 @@
  *   y = post_rms(fc2(gelu(fc0'(tokens))))       -- exact erf GELU, eps projector_ln_eps
  *
  * The encoder norms are nn.RMSNorm(eps=None): torch resolves that to
- * finfo(float32).eps (vision.md §3.7, §8.2). Matrices go through k3_matmul in
+ * finfo(float32).eps (docs/vision.md §3.7, §8.2). Matrices go through k3_matmul in
  * their stored format (or as --quant converted them); the attention products
  * are k3_matmul calls on fp32 views of the image's keys and values.
  */

@@ -1,5 +1,5 @@
 /*
- * vision.h -- the vision side of a K3 checkpoint (../shared/docs/vision.md):
+ * vision.h -- the vision side of a K3 checkpoint (docs/vision.md):
  * decoded images (image.c), the K3 image processor (processor.c: patch-budget
  * resize with PIL's BICUBIC, the transparent-background chessboard, padding
  * to the merge grid, normalization, patchify) and the MoonViT3d tower with
@@ -8,7 +8,7 @@
  * The reference is Moonshot's own code (llmcompressor 0.14.0.1,
  * llmcompressor/modeling/kimi_k3/): media_utils.py and
  * kimi_k3_vision_processing.py for the processor, modeling_kimi_k3.py for the
- * tower. Where sources disagree (vision.md §8) this follows modeling_kimi_k3.py.
+ * tower. Where sources disagree (docs/vision.md §8) this follows modeling_kimi_k3.py.
  * This module reads the checkpoint's config.json (vision_config) and
  * preprocessor_config.json itself; src/model knows nothing of vision.
  */
@@ -55,7 +55,7 @@ typedef struct k3_image_proc {
     bool after_resize;         /* transparent_bg_fill_stage == "after_resize" */
 } k3_image_proc;
 
-/* The published defaults (vision.md §2.1). */
+/* The published defaults (docs/vision.md §2.1). */
 void k3_image_proc_defaults(k3_image_proc *p);
 /* Reads DIR/preprocessor_config.json (its media_proc_cfg object, or the
  * fields at its root); a missing file leaves the defaults. */

@@ -1,12 +1,6 @@
 /*
- * k3.c -- the `k3` program: subcommand dispatch, `k3 run` and `k3 info`.
- *
- *   k3 run [-m DIR] [options] [PROMPT]     generate text (streams to stdout)
- *   k3 info [-m DIR]                       config, layer map, sizes
- *   k3 tokenize ...                        see cmd_tokenize.c
- *   k3 eval -m DIR --text FILE             see cmd_eval.c
- *   k3 bench -m DIR                        see cmd_bench.c (bench serve: cmd_bench_serve.c)
- *   k3 serve -m DIR                        see cmd_serve.c
+ * cmd_run.c -- `k3 run` (generate text, streamed to stdout) and `k3 info`
+ * (config, layer map, sizes, the kernels in use). main.c dispatches.
  */
 #include <errno.h>
 #include <stdio.h>
@@ -473,45 +467,4 @@ int k3_cmd_info(int argc, char **argv) {
     int rc = k3_cli_print_vision(m);
     k3_model_close(m);
     return rc;
-}
-
-static const char usage_text[] =
-            "usage: k3 <command> [options]\n"
-            "  run       generate text from a model\n"
-            "  info      describe a model: config, layer map, sizes\n"
-            "  tokenize  text to token ids, or ids to text with --decode\n"
-            "  eval      perplexity of a model over a text file\n"
-            "  bench     prefill/decode speed against the measured memory bandwidth\n"
-            "  serve     an OpenAI-compatible HTTP server (see cmd_serve.c)\n"
-            "  plan      memory and cross-rank traffic of a DCP/EP deployment, from a config\n"
-            "  --version print the version\n"
-            "run `k3 <command> --help` for its options\n";
-
-static int usage(void) {
-    fputs(usage_text, stderr);
-    return 2;
-}
-
-static void usage_to_stdout(void) { fputs(usage_text, stdout); }
-
-int main(int argc, char **argv) {
-    if (argc < 2) return usage();
-    const char *cmd = argv[1];
-    if (!strcmp(cmd, "run")) return k3_cmd_run(argc - 1, argv + 1);
-    if (!strcmp(cmd, "info")) return k3_cmd_info(argc - 1, argv + 1);
-    if (!strcmp(cmd, "tokenize")) return k3_cmd_tokenize(argc - 1, argv + 1);
-    if (!strcmp(cmd, "eval")) return k3_cmd_eval(argc - 1, argv + 1);
-    if (!strcmp(cmd, "bench")) return k3_cmd_bench(argc - 1, argv + 1);
-    if (!strcmp(cmd, "plan")) return k3_cmd_plan(argc - 1, argv + 1);
-    if (!strcmp(cmd, "serve")) return k3_cmd_serve(argc - 1, argv + 1);
-    if (!strcmp(cmd, "-h") || !strcmp(cmd, "--help") || !strcmp(cmd, "help")) {
-        usage_to_stdout();
-        return 0;
-    }
-    if (!strcmp(cmd, "--version") || !strcmp(cmd, "-V") || !strcmp(cmd, "version")) {
-        printf("k3 %s\n", K3_VERSION);
-        return 0;
-    }
-    fprintf(stderr, "k3: unknown command '%s'\n", cmd);
-    return usage();
 }
