@@ -9,8 +9,8 @@
  * {"do_remote_decode": true}, one token, no stream; the kv_transfer_params
  * of its answer go with the client's own request to the least loaded decode
  * instance, whose answer or stream is relayed as it comes. The proxy knows
- * no API surface: completions, chat, the Responses and Messages APIs (or a
- * vLLM backend's) all go the same way. Other routes go to a decode instance
+ * no API surface: completions, chat and any other generating route (a k3
+ * backend's or a vLLM backend's) go the same way. Other routes go to a decode instance
  * unchanged; /health and /metrics are the proxy's own.
  *
  * Failures: a backend that cannot be reached is marked down for a few
