@@ -29,6 +29,10 @@ SRC     := $(sort $(wildcard src/*/*.c))
 CLI_SRC := $(sort $(wildcard cli/*.c))
 TEST_SRC:= $(sort $(wildcard tests/*.c))
 OBJ     := $(SRC:%.c=$(BUILD)/%.o)
+# The chat page at / (src/server/ui/index.html) as a C array in the library:
+# tools/embed.c writes it, so the build needs no xxd.
+UI_PAGE := src/server/ui/index.html
+OBJ     += $(BUILD)/gen/ui_page.o
 CLI_OBJ := $(CLI_SRC:%.c=$(BUILD)/%.o)
 TEST_OBJ:= $(TEST_SRC:%.c=$(BUILD)/%.o)
 
@@ -46,6 +50,7 @@ help:
 	@echo "make asan|ubsan  the suite under AddressSanitizer / UBSan"
 	@echo "make check-reference  compare with external references (needs PyPI)"
 	@echo "make test-hf-tokenizer  the Hugging Face tokenizer of each checkpoint against k3's (needs PyPI)"
+	@echo "make test-browser  the chat page at / in headless Chromium (installs Debian's chromium)"
 	@echo "make test-lm-eval  lm-eval local-completions, remote tokenizer, against k3 serve (needs PyPI)"
 	@echo "make bench-model make the bench checkpoints (bench/bench, bench/bench-dsa; ~2 GB each)"
 	@echo "make install     install k3 and the default model under PREFIX (default /usr/local)"
@@ -78,6 +83,15 @@ $(BUILD)/%_avx512.o: %_avx512.c | $(DEPS_OK)
 	@mkdir -p $(dir $@)
 	$(CC) $(K3_CFLAGS) $(PC_CFLAGS) $(CFLAGS) -mavx512f -mavx512bw -mavx512vl -mavx512vnni -mavx2 -mfma -mf16c -c $< -o $@
 
+$(BUILD)/embed: tools/embed.c
+	@mkdir -p $(dir $@)
+	$(CC) -O2 -o $@ $<
+$(BUILD)/gen/ui_page.c: $(UI_PAGE) $(BUILD)/embed
+	@mkdir -p $(dir $@)
+	$(BUILD)/embed k3_ui_index_html $(UI_PAGE) > $@.tmp && mv $@.tmp $@
+$(BUILD)/gen/ui_page.o: $(BUILD)/gen/ui_page.c
+	$(CC) $(K3_CFLAGS) $(CFLAGS) -c $< -o $@
+
 # made afresh, so an object whose source is gone does not stay in the archive
 $(BUILD)/libk3.a: $(OBJ)
 	@rm -f $@
@@ -107,6 +121,15 @@ check-reference:
 # The Hugging Face tokenizer every checkpoint ships (tools/hf_tokenizer)
 # against k3's, id for id: transformers + tiktoken in the project's .venv
 # (scripts/venv.sh, PyPI the first time), no torch.
+# The chat page at / in headless Chromium (tests/browser_ui.py): Debian's
+# chromium by scripts/install-browser-deps.sh (not needed by the build or
+# `make test`), the openai client in the project's .venv; screenshots in
+# $(BUILD)/test-browser.
+.PHONY: test-browser
+test-browser: $(BUILD)/k3
+	@sh scripts/install-browser-deps.sh
+	@PY=$$(sh scripts/venv.sh openai) && "$$PY" tests/browser_ui.py $(BUILD)/k3 $(BUILD)/test-browser
+
 .PHONY: test-hf-tokenizer
 test-hf-tokenizer: $(BUILD)/k3
 	@PY=$$(sh scripts/venv.sh transformers tiktoken) && "$$PY" tests/hf_tokenizer.py $(BUILD)/k3

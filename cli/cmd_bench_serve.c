@@ -14,11 +14,19 @@
  * --prefix-len ids first); input tokens are the server's prompt_tokens.
  * --disconnect-fraction F drops that share of the requests after their first
  * chunks (a soak of clients that go away): they are counted apart, neither
- * completed nor failed. A mixed workload: --long-input-len L makes each
- * request, with probability --long-fraction F, a prompt of L tokens instead
- * (long prompts arriving while others decode); the inter-token latency of
- * the short requests alone is reported beside the whole (what a long
- * prefill does to the decodes around it).
+ * completed nor failed. --endpoint picks the API: completions, chat
+ * (/v1/chat/completions), responses (/v1/responses: text and reasoning
+ * deltas, usage from response.completed) or messages (Anthropic's
+ * /v1/messages: content_block_delta, usage from message_start and
+ * message_delta), so the surfaces can be timed against each other;
+ * --no-thinking turns chat's and Responses' thinking off (Anthropic's is
+ * off unless asked), so the three send one prompt: K3's thinking-effort
+ * system message alone is ~150 tokens, which would otherwise be timed as
+ * a difference between the APIs. A mixed workload: --long-input-len L
+ * makes each request, with probability --long-fraction F, a prompt of L
+ * tokens instead (long prompts arriving while others decode); the
+ * inter-token latency of the short requests alone is reported beside the
+ * whole (what a long prefill does to the decodes around it).
  */
 #include <curl/curl.h>
 #include <errno.h>
@@ -32,6 +40,10 @@
 #include "cli.h"
 #include "common/buf.h"
 #include "k3.h"
+
+/* The API of --endpoint. */
+typedef enum { EP_COMPLETIONS, EP_CHAT, EP_RESPONSES, EP_MESSAGES } endpoint_kind;
+static endpoint_kind g_ep = EP_COMPLETIONS;
 
 typedef struct req {
     int idx;
@@ -59,6 +71,64 @@ static void itl_add(req *r, double v) {
     r->itl[r->n_itl++] = v;
 }
 
+static void got_text(req *r) {
+    const double t = k3_now();
+    if (r->t_first == 0) r->t_first = t;
+    else itl_add(r, t - r->t_last);
+    r->t_last = t;
+    r->n_chunks++;
+}
+
+static bool nonempty(json_t *v) { return json_is_string(v) && json_string_length(v) > 0; }
+
+/* A Responses event (its "type" says which). */
+static void on_responses_event(req *r, json_t *j, const char *type) {
+    if (strstr(type, ".delta") && (!strcmp(type, "response.output_text.delta") ||
+                                   !strcmp(type, "response.reasoning_text.delta") ||
+                                   !strcmp(type, "response.function_call_arguments.delta"))) {
+        if (nonempty(json_object_get(j, "delta"))) got_text(r);
+        return;
+    }
+    json_t *resp = json_object_get(j, "response");
+    if (!strcmp(type, "response.failed")) {
+        json_t *m = json_object_get(json_object_get(resp, "error"), "message");
+        r->error = true;
+        snprintf(r->err, sizeof r->err, "%s", json_is_string(m) ? json_string_value(m) : "response.failed");
+        return;
+    }
+    if (strcmp(type, "response.completed") && strcmp(type, "response.incomplete")) return;
+    r->done_marker = true;
+    json_t *u = json_object_get(resp, "usage");
+    if (json_is_object(u)) {
+        r->got_usage = true;
+        r->prompt_tokens = (long)json_integer_value(json_object_get(u, "input_tokens"));
+        r->completion_tokens = (long)json_integer_value(json_object_get(u, "output_tokens"));
+    }
+}
+
+/* An Anthropic Messages event: input_tokens there leave out the cached ones. */
+static void on_messages_event(req *r, json_t *j, const char *type) {
+    if (!strcmp(type, "content_block_delta")) {
+        json_t *d = json_object_get(j, "delta");
+        if (nonempty(json_object_get(d, "text")) || nonempty(json_object_get(d, "thinking")) ||
+            nonempty(json_object_get(d, "partial_json")))
+            got_text(r);
+        return;
+    }
+    json_t *u = !strcmp(type, "message_start") ? json_object_get(json_object_get(j, "message"), "usage")
+                : !strcmp(type, "message_delta") ? json_object_get(j, "usage")
+                                                 : NULL;
+    if (json_is_object(u)) {
+        r->got_usage = true;
+        json_t *in = json_object_get(u, "input_tokens"), *out = json_object_get(u, "output_tokens");
+        if (json_is_integer(in))
+            r->prompt_tokens = (long)(json_integer_value(in) +
+                                      json_integer_value(json_object_get(u, "cache_read_input_tokens")));
+        if (json_is_integer(out)) r->completion_tokens = (long)json_integer_value(out);
+    }
+    if (!strcmp(type, "message_stop")) r->done_marker = true;
+}
+
 /* One SSE event's data. */
 static void on_event(req *r, const char *data, size_t len) {
     if (len == 6 && !memcmp(data, "[DONE]", 6)) {
@@ -72,10 +142,17 @@ static void on_event(req *r, const char *data, size_t len) {
         return;
     }
     json_t *e = json_object_get(j, "error");
-    if (e) {
+    if (e && !json_is_null(e)) {
         r->error = true;
         json_t *m = json_object_get(e, "message");
         snprintf(r->err, sizeof r->err, "%s", json_is_string(m) ? json_string_value(m) : "error event");
+    }
+    const char *type = json_string_value(json_object_get(j, "type"));
+    if (g_ep == EP_RESPONSES || g_ep == EP_MESSAGES) {
+        if (type && g_ep == EP_RESPONSES) on_responses_event(r, j, type);
+        else if (type) on_messages_event(r, j, type);
+        json_decref(j);
+        return;
     }
     json_t *u = json_object_get(j, "usage");
     if (json_is_object(u)) {
@@ -93,13 +170,7 @@ static void on_event(req *r, const char *data, size_t len) {
             if (json_is_string(v) && json_string_length(v) > 0) has = true;
         }
         if (d && json_array_size(json_object_get(d, "tool_calls"))) has = true;
-        if (has) {
-            const double t = k3_now();
-            if (r->t_first == 0) r->t_first = t;
-            else itl_add(r, t - r->t_last);
-            r->t_last = t;
-            r->n_chunks++;
-        }
+        if (has) got_text(r);
     }
     json_decref(j);
 }
@@ -191,7 +262,9 @@ static int usage_bs(FILE *f) {
     fprintf(f,
             "usage: k3 bench serve --base-url URL [options]\n"
             "  --model M                  model name (default: the first of GET /v1/models)\n"
-            "  --endpoint completions|chat (default completions)\n"
+            "  --endpoint completions|chat|responses|messages  the API (default completions; chat:\n"
+            "                             /v1/chat/completions, responses: /v1/responses, messages:\n"
+            "                             Anthropic's /v1/messages)\n"
             "  --dataset random           (the only dataset)\n"
             "  --tokenizer DIR            tokenizer for the random text (default %s)\n"
             "  --random-input-len I       prompt tokens (default 1024)\n"
@@ -204,6 +277,8 @@ static int usage_bs(FILE *f) {
             "  --max-concurrency C        requests in flight at most (default: no limit)\n"
             "  --request-rate R           requests/s, Poisson arrivals (default inf)\n"
             "  --ignore-eos               generate all O tokens\n"
+            "  --no-thinking              chat and responses ask for no thinking (reasoning effort none), as\n"
+            "                             messages does by default, so the three send the same prompt\n"
             "  --goodput ttft:MS tpot:MS e2el:MS   SLOs for goodput\n"
             "  --disconnect-fraction F    drop this share of the streams after their first chunks\n"
             "  --metric-percentiles 50,90,99  percentiles to report (default 99)\n"
@@ -323,7 +398,7 @@ int k3_cmd_bench_serve(int argc, char **argv) {
     long in_len = 1024, out_len = 128, n_prompts = 100, conc = 0, prefix_len = 0, timeout = 600, long_len = 0;
     double range = 0, rate = INFINITY, drop_frac = 0, long_frac = 0.25;
     double slo_ttft = 0, slo_tpot = 0, slo_e2el = 0; /* ms; 0 = none */
-    bool ignore_eos = false, json_out = false, goodput = false;
+    bool ignore_eos = false, json_out = false, goodput = false, no_thinking = false;
     uint64_t seed = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -375,6 +450,7 @@ int k3_cmd_bench_serve(int argc, char **argv) {
             }
             if (!g_n_pct) return usage_bs(stderr);
         } else if (!strcmp(a, "--ignore-eos")) ignore_eos = true;
+        else if (!strcmp(a, "--no-thinking")) no_thinking = true;
         else if (!strcmp(a, "--json")) json_out = true;
         else if (ARG("--goodput")) {
             goodput = true;
@@ -397,8 +473,17 @@ int k3_cmd_bench_serve(int argc, char **argv) {
 #undef ARG
 #undef NUM
     }
-    const bool chat = !strcmp(endpoint, "chat");
-    if (!base || (!chat && strcmp(endpoint, "completions"))) return usage_bs(stderr);
+    static const char *eps[] = {"completions", "chat", "responses", "messages"};
+    int ep = -1;
+    for (int k = 0; k < 4; k++)
+        if (!strcmp(endpoint, eps[k])) ep = k;
+    if (ep < 0) {
+        fprintf(stderr, "k3 bench serve: --endpoint takes completions, chat, responses or messages, not '%s'\n",
+                endpoint);
+        return 2;
+    }
+    g_ep = (endpoint_kind)ep;
+    if (!base) return usage_bs(stderr);
     if (in_len < 1 || out_len < 1 || n_prompts < 1 || conc < 0 || prefix_len < 0 || range < 0 || range >= 1 ||
         !(rate > 0) || drop_frac < 0 || drop_frac > 1 || timeout < 1) {
         fprintf(stderr, "k3 bench serve: lengths, --num-prompts and --request-rate must be positive, "
@@ -445,9 +530,11 @@ int k3_cmd_bench_serve(int argc, char **argv) {
         fprintf(stderr, "k3 bench serve: out of memory\n");
         goto out;
     }
-    char url[2200], auth[1100];
-    snprintf(url, sizeof url, "%s/v1/%s", base, chat ? "chat/completions" : "completions");
+    char url[2200], auth[1100], xkey[1100];
+    static const char *paths[] = {"completions", "chat/completions", "responses", "messages"};
+    snprintf(url, sizeof url, "%s/v1/%s", base, paths[g_ep]);
     snprintf(auth, sizeof auth, "Authorization: Bearer %s", key ? key : "");
+    snprintf(xkey, sizeof xkey, "x-api-key: %s", key ? key : "");
     double t_arr = 0;
     for (long i = 0; i < n_prompts; i++) {
         req *r = &rs[i];
@@ -461,11 +548,18 @@ int k3_cmd_bench_serve(int argc, char **argv) {
             fprintf(stderr, "k3 bench serve: cannot make the random prompts\n");
             goto out;
         }
-        json_t *b = json_pack("{s:s,s:I,s:f,s:b,s:{s:b},s:b}", "model", model, chat ? "max_completion_tokens" : "max_tokens",
-                              (json_int_t)(ol > 0 ? ol : 1), "temperature", 0.0, "stream", 1, "stream_options",
-                              "include_usage", 1, "ignore_eos", ignore_eos);
-        if (chat) json_object_set_new(b, "messages", json_pack("[{s:s,s:s}]", "role", "user", "content", text));
-        else json_object_set_new(b, "prompt", json_string(text));
+        static const char *max_key[] = {"max_tokens", "max_completion_tokens", "max_output_tokens", "max_tokens"};
+        json_t *b = json_pack("{s:s,s:I,s:f,s:b,s:b}", "model", model, max_key[g_ep], (json_int_t)(ol > 0 ? ol : 1),
+                              "temperature", 0.0, "stream", 1, "ignore_eos", ignore_eos);
+        /* the usage: OpenAI's chunk when asked for; Responses and Messages always send theirs */
+        if (g_ep <= EP_CHAT) json_object_set_new(b, "stream_options", json_pack("{s:b}", "include_usage", 1));
+        /* thinking off the way each API says it (Messages: off unless asked) */
+        if (no_thinking && g_ep == EP_CHAT) json_object_set_new(b, "reasoning_effort", json_string("none"));
+        if (no_thinking && g_ep == EP_RESPONSES)
+            json_object_set_new(b, "reasoning", json_pack("{s:s}", "effort", "none"));
+        if (g_ep == EP_CHAT || g_ep == EP_MESSAGES)
+            json_object_set_new(b, "messages", json_pack("[{s:s,s:s}]", "role", "user", "content", text));
+        else json_object_set_new(b, g_ep == EP_RESPONSES ? "input" : "prompt", json_string(text));
         free(text);
         r->body = json_dumps(b, JSON_COMPACT);
         json_decref(b);
@@ -489,6 +583,8 @@ int k3_cmd_bench_serve(int argc, char **argv) {
             r->h = curl_easy_init();
             r->hdr = curl_slist_append(NULL, "Content-Type: application/json");
             if (key && *key) r->hdr = curl_slist_append(r->hdr, auth);
+            if (key && *key && g_ep == EP_MESSAGES) r->hdr = curl_slist_append(r->hdr, xkey);
+            if (g_ep == EP_MESSAGES) r->hdr = curl_slist_append(r->hdr, "anthropic-version: 2023-06-01");
             curl_easy_setopt(r->h, CURLOPT_URL, url);
             curl_easy_setopt(r->h, CURLOPT_HTTPHEADER, r->hdr);
             curl_easy_setopt(r->h, CURLOPT_POSTFIELDS, r->body);
@@ -521,7 +617,10 @@ int k3_cmd_bench_serve(int argc, char **argv) {
                     snprintf(r->err, sizeof r->err, "HTTP %ld: %.200s", code, r->in.p ? r->in.p : "");
                 } else if (!r->done_marker && !r->error) {
                     r->error = true;
-                    snprintf(r->err, sizeof r->err, "the stream ended without [DONE]");
+                    snprintf(r->err, sizeof r->err, "the stream ended without %s",
+                             g_ep == EP_RESPONSES  ? "response.completed"
+                             : g_ep == EP_MESSAGES ? "message_stop"
+                                                   : "[DONE]");
                 }
             }
             curl_multi_remove_handle(multi, r->h);

@@ -93,6 +93,8 @@ static int usage_serve(FILE *f) {
             "                               or a 503; a second signal cuts at once (default 5; 0 = end at once)\n"
             "  --step-timeout S             /health and /ready answer 503 while one engine step has run longer\n"
             "                               than S (default: --dist-timeout, 300)\n"
+            "  --no-ui                      no chat page at / (by default / serves one that talks to\n"
+            "                               /v1/chat/completions)\n"
             "  --kv-cache-metrics           the sampled block residency histograms in /metrics (vLLM's\n"
             "                               vllm:kv_block_lifetime_seconds, _idle_before_evict_, _reuse_gap_)\n"
             "  --kv-cache-metrics-sample F  the fraction of blocks followed (default 0.01)\n"
@@ -167,7 +169,7 @@ int k3_cmd_serve(int argc, char **argv) {
     long header_timeout = 10, body_timeout = 60, max_conn_ip = 0, shutdown_timeout = 5, step_timeout = 0;
     long test_fail_step = 0, test_fail_request = 0;
     const char *origins = NULL, *cors_methods = NULL, *cors_headers = NULL;
-    bool keep_mapped = false, no_prefix = false, kv_metrics = false, metrics_key = false;
+    bool keep_mapped = false, no_prefix = false, kv_metrics = false, metrics_key = false, no_ui = false;
     float kv_sample = 0.01f;
     const char *role = NULL, *kv_host = NULL, *kv_adv = NULL, *kv_fault = NULL;
     long kv_port = 0;
@@ -227,6 +229,7 @@ int k3_cmd_serve(int argc, char **argv) {
         else if (ARG("--test-fail-request")) test_fail_request = parse_long(argv[++i], &bad);
         else if (!strcmp(a, "--mmap")) keep_mapped = true;
         else if (!strcmp(a, "--no-prefix-cache")) no_prefix = true;
+        else if (!strcmp(a, "--no-ui")) no_ui = true;
         else if (!strcmp(a, "--kv-cache-metrics")) kv_metrics = true;
         else if (ARG("--kv-cache-metrics-sample")) {
             if (k3_cli_float("serve", "--kv-cache-metrics-sample", argv[++i], 0.0, 1.0, &kv_sample)) return 2;
@@ -361,6 +364,7 @@ int k3_cmd_serve(int argc, char **argv) {
                             .allowed_headers = cors_headers,
                             .test_fail_step = test_fail_step,
                             .test_fail_request = test_fail_request,
+                            .no_ui = no_ui,
                             .pd = pd};
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
@@ -404,6 +408,9 @@ int k3_cmd_serve(int argc, char **argv) {
     const bool v6 = strchr(host, ':') != NULL;
     fprintf(stderr, "k3 serve: listening on http://%s%s%s:%d%s\n", v6 ? "[" : "", host, v6 ? "]" : "",
             k3_server_port(srv), api_key ? " (API key required)" : "");
+    if (!no_ui)
+        fprintf(stderr, "k3 serve: chat page at http://%s%s%s:%d/\n", v6 ? "[" : "", host, v6 ? "]" : "",
+                k3_server_port(srv));
 
     struct timespec t0;
     clock_gettime(CLOCK_MONOTONIC, &t0);

@@ -8,7 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "grammar/grammar.h"
+#include "grammar/vocab.h"
 #include "k3.h"
 
 static k3_grammar_vocab *bytes;

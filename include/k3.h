@@ -1125,17 +1125,20 @@ void k3_proxy_stop(k3_proxy *p);
 /* ---- server: the OpenAI-compatible HTTP API (src/server) ---------------
  *
  * One libmicrohttpd daemon (a thread per connection) answers /v1/models,
- * /v1/completions, /v1/chat/completions, /tokenize, /detokenize, /health,
- * /ready, /metrics and /version; one engine thread owns the engine and
- * steps it, HTTP threads submit and cancel and wait on their own requests.
- * The server never prints: the caller reads k3_engine_get_stats for its log
- * line and k3_server_failed for a fatal engine error.
+ * /v1/completions, /v1/chat/completions, /v1/responses, Anthropic's
+ * /v1/messages, /tokenize, /detokenize, /health, /ready, /metrics, /version
+ * and a chat page at /; one engine thread owns the engine and steps it,
+ * HTTP threads submit and cancel and wait on their own requests. The server
+ * never prints: the caller reads k3_engine_get_stats for its log line and
+ * k3_server_failed for a fatal engine error.
  *
  * Every request gets an answer that tells how it ended: when the engine
  * fails, or when the server is shut down (k3_server_drain, then
- * k3_server_end), a stream gets an error event (OpenAI's error JSON),
- * [DONE] and the end of its chunked body, and a whole answer a 503 naming
- * why; only a hang-up of the client (or k3_server_stop) ends one silently.
+ * k3_server_end), a stream gets its API's error event (OpenAI's error JSON
+ * and [DONE] on completions and chat, response.failed on /v1/responses,
+ * Anthropic's event: error on /v1/messages) and the end of its chunked body,
+ * and a whole answer a 503 naming why; only a hang-up of the client (or
+ * k3_server_stop) ends one silently.
  */
 
 typedef struct k3_server k3_server;
@@ -1176,6 +1179,7 @@ typedef struct k3_server_options {
                                   the engine's), used by one request at a time;
                                   NULL = one thread */
     int64_t max_image_pixels;  /* per image (0 = K3_IMAGE_MAX_PIXELS) */
+    bool no_ui;                /* no chat page at / (a 404 there) */
     /* tests only: the engine thread fails at its step test_fail_step (1 = the
      * first), as a failed k3_engine_step would; engine request number
      * test_fail_request (1 = the first submitted) fails alone */

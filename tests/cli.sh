@@ -234,6 +234,7 @@ expect_fail "serve K3_API_KEY empty" "the API key is empty" env K3_API_KEY= "$K3
 expect_fail "serve bad --header-timeout" "numeric option" "$K3" serve -m "$TINY" --header-timeout 0
 expect_fail "serve --kv-cache-metrics-sample over 1" "kv-cache-metrics-sample expects a finite number from 0 to 1" "$K3" serve -m "$TINY" --kv-cache-metrics --kv-cache-metrics-sample 2
 expect_fail "bench serve unreachable" "v1/models" "$K3" bench serve --base-url http://127.0.0.1:1 --tokenizer "$TINY"
+expect_fail "bench serve --endpoint unknown" "\-\-endpoint takes completions, chat, responses or messages" "$K3" bench serve --base-url http://127.0.0.1:1 --endpoint embeddings
 expect_fail "bench serve --num-prompts not a number" "\-\-num-prompts expects an integer" "$K3" bench serve --base-url http://127.0.0.1:1 --num-prompts abc
 expect_fail "bench --dcp --runs not a number" "\-\-runs expects an integer" "$K3" bench -m "$TINY" --dcp 1 --runs x
 
@@ -266,6 +267,25 @@ else
     bad "serve: a Python with the openai client (scripts/venv.sh)" "$TMP/venv.err"
 fi
 
+# /v1/responses with the official openai client, /v1/messages with the official
+# anthropic client (tests/serve_responses.py, tests/serve_anthropic.py)
+for t in responses:openai anthropic:anthropic; do
+    name=${t%%:*}
+    if PY=$(sh scripts/venv.sh openai ${t#*:} 2>"$TMP/venv.err"); then
+        timeout 900 "$PY" tests/serve_$name.py "$K3" >"$TMP/serve_$name.out" 2>&1
+        grep -E "^(ok|FAIL) |^    " "$TMP/serve_$name.out"
+        sp=$(sed -n "s/^$name: \([0-9]*\) passed, \([0-9]*\) failed\$/\1/p" "$TMP/serve_$name.out")
+        sf=$(sed -n "s/^$name: \([0-9]*\) passed, \([0-9]*\) failed\$/\2/p" "$TMP/serve_$name.out")
+        if [ -z "$sp" ]; then
+            bad "serve: the $name test did not finish" "$TMP/serve_$name.out"
+        else
+            pass=$((pass + sp))
+            fail=$((fail + sf))
+        fi
+    else
+        bad "serve: a Python with the ${t#*:} client (scripts/venv.sh)" "$TMP/venv.err"
+    fi
+done
 # the sampling knobs, roles and thinking with the official openai client (tests/serve_knobs.py)
 if PY=$(sh scripts/venv.sh openai 2>"$TMP/venv.err"); then
     timeout 600 "$PY" tests/serve_knobs.py "$K3" >"$TMP/knobs.out" 2>&1

@@ -249,6 +249,26 @@ def main():
         assert chat_stream(x2, msgs2, 20) == chat_stream(c, msgs2, 20)
     check("chat with tools, whole and streamed, equal colocated", tools)
 
+    def surfaces():
+        def post(srv, path, body):
+            r = urllib.request.Request(srv.url + path, json.dumps(body).encode(),
+                                       {"Content-Type": "application/json", "anthropic-version": "2023-06-01"})
+            with urllib.request.urlopen(r, timeout=60) as f:
+                return json.load(f)
+        rb = {"model": NAME, "input": "Tell me about the weather.", "max_output_tokens": 16, "temperature": 0,
+              "store": False}
+        a, b = post(x1, "/v1/responses", rb), post(c, "/v1/responses", rb)
+        # the decode instance's own prefix cache may hold the start of the prompt
+        assert a["kv_transfer"]["tokens"] >= 1 and a["usage"]["input_tokens"] == b["usage"]["input_tokens"], a
+        strip = lambda r: [[p.get("text") for p in o.get("content", [])] for o in r["output"]]
+        assert strip(a) == strip(b) and a["usage"]["output_tokens"] == b["usage"]["output_tokens"], (a, b)
+        mb = {"model": NAME, "messages": [{"role": "user", "content": "Tell me about the weather."}], "max_tokens": 16,
+              "temperature": 0}
+        a, b = post(x2, "/v1/messages", mb), post(c, "/v1/messages", mb)
+        assert a["kv_transfer"]["tokens"] >= 1 and a["usage"]["input_tokens"] == b["usage"]["input_tokens"], a
+        assert a["content"] == b["content"] and a["stop_reason"] == b["stop_reason"], (a, b)
+    check("the Responses and Messages APIs equal colocated", surfaces)
+
     def many():
         prompts = [ids(20 + 7 * i, 100 + i) for i in range(16)]
         want = [comp(c, p, 12).choices[0].text for p in prompts]

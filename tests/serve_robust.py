@@ -10,8 +10,10 @@ by the test hook gives every request in flight the engine's message and the proc
 a request that fails alone fails alone; streamed chat logprobs cover the reasoning tokens and
 equal the whole answer's; the work caps and the seat share of one request; SSE over
 keep-alive; CORS (a page's preflight and call allowed with --allowed-origins, refused without);
-x-api-key; 415 for a compressed body. Prints `ok   robust: NAME` / `FAIL robust: NAME` and ends
-with `robust: N passed, N failed`. Every server it starts dies with it (PR_SET_PDEATHSIG).
+x-api-key; 415 for a compressed body; the drain, an engine failure, CORS, the key and
+half-closed clients on /v1/responses and /v1/messages too, each ending and refusal in its
+API's shape. Prints `ok   robust: NAME` / `FAIL robust: NAME` and ends with
+`robust: N passed, N failed`; a second argument runs only the checks whose name holds it. Every server it starts dies with it (PR_SET_PDEATHSIG).
 """
 import ctypes
 import http.client
@@ -30,6 +32,7 @@ import traceback
 import openai
 
 K3 = sys.argv[1] if len(sys.argv) > 1 else "build/k3"
+ONLY = sys.argv[2] if len(sys.argv) > 2 else None
 TINY = "tests/models/tiny"
 servers = []
 passed = 0
@@ -103,6 +106,8 @@ class Server:
 
 def check(name, fn):
     global passed, failed
+    if ONLY and ONLY not in name:
+        return
     t0 = time.time()
     try:
         fn()
@@ -230,6 +235,63 @@ def stream_finished(r, max_tokens):
     fins = [c["choices"][0].get("finish_reason") for c in ev[:-1] if isinstance(c, dict) and c.get("choices")]
     assert fins and fins[-1] == "length", fins[-3:]
     assert not any(isinstance(c, dict) and "error" in c for c in ev), ev
+
+
+def named_events(r):
+    """The SSE events as (event name or None, data payload), for the named events of the
+    Responses and Messages APIs."""
+    out = []
+    for block in r.body.decode(errors="replace").split("\n\n"):
+        name, data = None, None
+        for ln in block.split("\n"):
+            if ln.startswith("event: "):
+                name = ln[7:]
+            elif ln.startswith("data: "):
+                data = ln[6:]
+        if data is not None:
+            out.append((name, data if data == "[DONE]" else json.loads(data)))
+    return out
+
+
+# one long request per generating surface, in its own shape (tests/models/tiny's chat markup)
+LONG = {
+    "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3000}),
+    "responses": ("/v1/responses", {"input": "hi", "max_output_tokens": 3000}),
+    "messages": ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3000}),
+}
+
+
+def surface_stream_ended(api, r, why):
+    """A stream the server ended, in its API's own shape: chat's error event and [DONE]; the
+    Responses API's response.failed naming why; Anthropic's `event: error` with its error
+    JSON. Always the chunked body's end."""
+    assert r.status == 200 and r.complete, (api, r.status, r.complete, r.raw[-200:])
+    if api == "chat":
+        return stream_ended_by_server(r, why)
+    ev = named_events(r)
+    assert ev and all(d != "[DONE]" for _, d in ev), (api, ev[-3:])
+    name, last = ev[-1]
+    if api == "responses":
+        assert ev[0][0] == "response.created", ev[:2]
+        assert name == "response.failed" and last["type"] == name, (name, last)
+        assert last["response"]["status"] == "failed" and why in last["response"]["error"]["message"], last
+    else:
+        assert ev[0][0] == "message_start", ev[:2]
+        assert name == "error" and last["type"] == "error", (name, last)
+        assert last["error"]["type"] == "overloaded_error" and why in last["error"]["message"], last
+    return len(ev)
+
+
+def surface_whole_refused(api, r, status, why):
+    """A whole answer refused with status, in its API's error JSON."""
+    assert r.status == status and r.complete, (api, r.status, r.body[:200])
+    j = r.json()
+    if api == "messages":
+        assert j["type"] == "error" and why in j["error"]["message"], j
+        assert j["error"]["type"] == {401: "authentication_error", 403: "permission_error",
+                                      503: "overloaded_error"}[status], j
+    else:
+        assert why in j["error"]["message"], j
 
 
 def main():
@@ -408,12 +470,17 @@ def main():
             short[0] = post(sd.port, "/v1/completions", dict(body, max_tokens=10, stream=True),
                             on_first=lambda _: firsts.release())
 
-        th = [threading.Thread(target=st, args=(i,)) for i in range(8)] + \
-             [threading.Thread(target=wh, args=(i,)) for i in range(4)] + [threading.Thread(target=sh)]
+        th = [threading.Thread(target=st, args=(i,)) for i in range(8)] + [threading.Thread(target=sh)]
         for t in th:
             t.start()
         for _ in range(9):
             assert firsts.acquire(timeout=60), "the streams did not start"
+        # the whole answers join once the streams run, so none can finish its 3000 tokens first
+        # on a loaded machine
+        tw = [threading.Thread(target=wh, args=(i,)) for i in range(4)]
+        for t in tw:
+            t.start()
+        th += tw
         time.sleep(0.3)
         t0 = time.time()
         sd.proc.send_signal(signal.SIGTERM)
@@ -503,6 +570,169 @@ def main():
         assert sa.proc.returncode == 0
 
     check("a request that fails alone fails alone; the server goes on", t_fails_alone)
+
+    def t_surfaces_drain():
+        # SIGTERM with a stream and a whole answer on each generating surface: each ends in its
+        # own API's shape; a new /v1/messages request is refused in Anthropic's (no grace, so
+        # none of them can finish first)
+        sd = Server("--shutdown-timeout", "0")
+        res = {}
+        firsts = threading.Semaphore(0)
+
+        def one(api, stream):
+            path, body = LONG[api]
+            b = dict(body, temperature=0, ignore_eos=True, stream=stream)
+            res[api, stream] = post(sd.port, path, b, on_first=(lambda _: firsts.release()) if stream else None)
+
+        th = [threading.Thread(target=one, args=(api, st)) for api in LONG for st in (True, False)]
+        for t in th:
+            t.start()
+        for _ in LONG:
+            assert firsts.acquire(timeout=60), "the streams did not start"
+        time.sleep(0.3)
+        sd.proc.send_signal(signal.SIGTERM)
+        for t in th:
+            t.join(30)
+        sd.proc.wait(15)
+        assert sd.proc.returncode == 0, (sd.proc.returncode, sd.text()[-500:])
+        for api in LONG:
+            surface_stream_ended(api, res[api, True], "shutting down")
+            surface_whole_refused(api, res[api, False], 503, "shutting down")
+        # while a stream drains, a new request is refused in its API's shape, with Retry-After
+        sg = Server("--shutdown-timeout", "30")
+        started = threading.Event()
+        th = threading.Thread(target=lambda: post(sg.port, LONG["chat"][0],
+                                                  dict(LONG["chat"][1], ignore_eos=True, stream=True),
+                                                  on_first=lambda _: started.set()))
+        th.start()
+        assert started.wait(60)
+        sg.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        for api in ("messages", "responses"):
+            nr = post(sg.port, LONG[api][0], LONG[api][1])
+            assert nr.headers.get("retry-after"), nr.headers
+            surface_whole_refused(api, nr, 503, "shutting down")
+        th.join(60)
+        sg.proc.wait(15)
+        assert sg.proc.returncode == 0, sg.proc.returncode
+
+    check("SIGTERM: chat, Responses and Messages streams and whole answers each end in their API's shape",
+          t_surfaces_drain)
+
+    def t_surfaces_engine_failure():
+        sf = Server("--test-fail-step", "60", "--max-num-seqs", "6")
+        res = {}
+
+        def one(api, stream):
+            path, body = LONG[api]
+            res[api, stream] = post(sf.port, path, dict(body, temperature=0, ignore_eos=True, stream=stream))
+
+        th = [threading.Thread(target=one, args=(api, st)) for api in LONG for st in (True, False)]
+        for t in th:
+            t.start()
+        for t in th:
+            t.join(60)
+        sf.proc.wait(15)
+        for api in LONG:
+            surface_stream_ended(api, res[api, True], "the engine failed: test hook")
+            surface_whole_refused(api, res[api, False], 503, "the engine failed: test hook")
+        assert sf.proc.returncode == 1, sf.proc.returncode
+
+    check("an engine failure: chat, Responses and Messages requests get the engine's message in their shape",
+          t_surfaces_engine_failure)
+
+    def t_surfaces_fail_alone():
+        # a stream whose engine request fails alone ends in its API's error shape; the next is fine
+        for api in ("responses", "messages"):
+            sa = Server("--test-fail-request", "1")
+            try:
+                path, body = LONG[api]
+                b = dict(body, temperature=0, ignore_eos=True, stream=True)
+                b["max_output_tokens" if api == "responses" else "max_tokens"] = 6
+                ev = named_events(post(sa.port, path, b))
+                name, last = ev[-1]
+                if api == "responses":
+                    assert name == "response.failed" and "failed alone" in last["response"]["error"]["message"], ev
+                else:
+                    assert name == "error" and last["error"]["type"] == "api_error" and \
+                        "failed alone" in last["error"]["message"], ev
+                ok = named_events(post(sa.port, path, b))[-1][0]
+                assert ok in ("response.incomplete", "message_stop"), ok
+            finally:
+                sa.stop()
+
+    check("a Responses or Messages stream that fails alone ends in its API's error event", t_surfaces_fail_alone)
+
+    def t_surfaces_cors_auth():
+        sc = Server("--allowed-origins", "http://app.example", "--api-key", "sekret")
+        try:
+            # the Anthropic SDK's headers from a page: the preflight, then a stream with x-api-key
+            pre = exchange(sc.port, request_bytes("OPTIONS", "/v1/messages", None, {
+                "Origin": "http://app.example", "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "anthropic-version, content-type, x-api-key",
+                "Connection": "close"}), timeout=10)
+            assert pre.status == 204 and pre.headers.get("access-control-allow-origin") == "http://app.example" \
+                and "x-api-key" in pre.headers.get("access-control-allow-headers", ""), (pre.status, pre.headers)
+            hdr = {"Origin": "http://app.example", "x-api-key": "sekret", "anthropic-version": "2023-06-01"}
+            r = post(sc.port, "/v1/messages", dict(LONG["messages"][1], max_tokens=4, stream=True), headers=hdr)
+            assert r.status == 200 and r.headers.get("access-control-allow-origin") == "http://app.example", \
+                (r.status, r.headers)
+            assert named_events(r)[-1][0] == "message_stop", named_events(r)[-2:]
+            r = post(sc.port, "/v1/messages/count_tokens", {"messages": [{"role": "user", "content": "hi"}]},
+                     headers=hdr)
+            assert r.status == 200 and r.json()["input_tokens"] > 0 and \
+                r.headers.get("access-control-allow-origin") == "http://app.example", (r.status, r.body[:200])
+            r = post(sc.port, "/v1/responses", dict(LONG["responses"][1], max_output_tokens=4, stream=True),
+                     headers={"Origin": "http://app.example", "Authorization": "Bearer sekret"})
+            assert r.status == 200 and r.headers.get("access-control-allow-origin") == "http://app.example", \
+                (r.status, r.headers)
+            assert named_events(r)[-1][0] in ("response.completed", "response.incomplete"), named_events(r)[-1]
+            # refusals in the route's shape: a wrong key, an origin not allowed
+            r = post(sc.port, "/v1/messages", dict(LONG["messages"][1], max_tokens=2), headers={"x-api-key": "no"})
+            surface_whole_refused("messages", r, 401, "API key")
+            r = post(sc.port, "/v1/messages", dict(LONG["messages"][1], max_tokens=2),
+                     headers={"Origin": "http://evil.example", "x-api-key": "sekret"})
+            assert "access-control-allow-origin" not in r.headers, r.headers
+            surface_whole_refused("messages", r, 403, "not allowed")
+            r = post(sc.port, "/v1/responses", dict(LONG["responses"][1], max_output_tokens=2),
+                     headers={"Authorization": "Bearer no"})
+            surface_whole_refused("responses", r, 401, "API key")
+        finally:
+            sc.stop()
+
+    check("CORS and the key on /v1/messages and /v1/responses; refusals in each API's shape",
+          t_surfaces_cors_auth)
+
+    def t_surfaces_half_close():
+        sh = Server()
+        try:
+            for api in ("responses", "messages"):
+                path, body = LONG[api]
+                for stream in (False, True):
+                    res = [None] * 10
+
+                    def one(i):
+                        b = dict(body, temperature=0, ignore_eos=True, stream=stream)
+                        b["max_output_tokens" if api == "responses" else "max_tokens"] = 8
+                        res[i] = exchange(sh.port, request_bytes("POST", path, b), half_close=True)
+
+                    th = [threading.Thread(target=one, args=(i,)) for i in range(10)]
+                    for t in th:
+                        t.start()
+                    for t in th:
+                        t.join(120)
+                    for r in res:
+                        assert r is not None and r.status == 200 and r.complete, (api, stream, r and r.status)
+                        if stream:
+                            last = named_events(r)[-1][0]
+                            assert last in ("response.incomplete", "message_stop"), (api, last)
+                        else:
+                            assert r.json()["usage"]["output_tokens"] == 8, r.json()["usage"]
+        finally:
+            sh.stop()
+
+    check("10 half-closing clients on /v1/responses and /v1/messages, streamed and not, answered in full",
+          t_surfaces_half_close)
 
 
 def cleanup(*_):

@@ -11,7 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "grammar/grammar.h"
+#include "grammar/vocab.h"
 #include "k3.h"
 #include "test.h"
 

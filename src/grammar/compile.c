@@ -29,7 +29,12 @@
 #include <string.h>
 
 #include "common/error.h"
-#include "grammar/grammar.h"
+#include "grammar/build.h"
+#include "grammar/gbnf.h"
+#include "grammar/regex.h"
+#include "grammar/schema.h"
+#include "grammar/stdrules.h"
+#include "grammar/vocab.h"
 
 typedef struct specials {
     int32_t open, close, sep;

@@ -12,7 +12,7 @@
 #include <string.h>
 
 #include "common/error.h"
-#include "grammar/grammar.h"
+#include "grammar/fsa.h"
 
 /* ---- helpers ------------------------------------------------------------- */
 

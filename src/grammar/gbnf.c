@@ -21,7 +21,8 @@
 #include <string.h>
 
 #include "common/error.h"
-#include "grammar/grammar.h"
+#include "grammar/gbnf.h"
+#include "grammar/vocab.h"
 
 typedef struct gp {
     k3g_builder *b;

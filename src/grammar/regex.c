@@ -22,7 +22,7 @@
 #include <string.h>
 
 #include "common/error.h"
-#include "grammar/grammar.h"
+#include "grammar/regex.h"
 
 #define ANCHOR_START INT32_MIN
 #define ANCHOR_END (INT32_MIN + 1)

@@ -47,7 +47,10 @@
 
 #include "common/error.h"
 #include "common/json_guard.h"
-#include "grammar/grammar.h"
+#include "grammar/regex.h"
+#include "grammar/schema.h"
+#include "grammar/stdrules.h"
+#include "grammar/vocab.h"
 
 enum {
     T_NULL = 1,
@@ -684,108 +687,6 @@ static k3_status number_dfa(js *J, const json_t *s, int mode, k3g_fa *out, bool 
 
 /* ---- strings ------------------------------------------------------------------------- */
 
-static const char *const FORMATS[][2] = {
-    {"date",
-     "(\\d{4}-(0[1-9]|1[0-2])-(0[1-9]|1\\d|2[0-8])|\\d{4}-(0[13-9]|1[0-2])-(29|30)|\\d{4}-(0[13578]|1[02])-31|"
-     "(\\d\\d(0[48]|[2468][048]|[13579][26])|([02468][048]|[13579][26])00)-02-29)"},
-    {"time",
-     "(([01]\\d|2[0-3]):[0-5]\\d:[0-5]\\d(\\.\\d+)?([Zz]|[+-]([01]\\d|2[0-3]):[0-5]\\d)|23:59:60(\\.\\d+)?([Zz]|[+-]00:00))"},
-    {"date-time", NULL}, /* date [Tt] time */
-    {"email",
-     "[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+(\\.[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+)*@"
-     "[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*"},
-    {"uuid", "[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"},
-    {"ipv4", "(25[0-5]|2[0-4]\\d|1\\d\\d|[1-9]?\\d)(\\.(25[0-5]|2[0-4]\\d|1\\d\\d|[1-9]?\\d)){3}"},
-    {"ipv6", NULL},
-    {"uri", NULL},
-    {"duration",
-     "P(\\d+W|(\\d+Y(\\d+M(\\d+D)?)?|\\d+M(\\d+D)?|\\d+D)(T(\\d+H(\\d+M(\\d+S)?)?|\\d+M(\\d+S)?|\\d+S))?|"
-     "T(\\d+H(\\d+M(\\d+S)?)?|\\d+M(\\d+S)?|\\d+S))"},
-    {"json-pointer", "(/([^/~]|~[01])*)*"},
-};
-
-#define IPV4 "(25[0-5]|2[0-4]\\d|1\\d\\d|[1-9]?\\d)(\\.(25[0-5]|2[0-4]\\d|1\\d\\d|[1-9]?\\d)){3}"
-#define H16 "[0-9A-Fa-f]{1,4}"
-
-/* RFC 4291 text forms (RFC 3986 IPv6address) */
-static void ipv6_regex(char *out, size_t cap) {
-    const char *ls32 = "(" H16 ":" H16 "|" IPV4 ")";
-    size_t n = 0;
-    n += (size_t)snprintf(out + n, cap - n, "(");
-    /* 6(h16:) ls32 */
-    n += (size_t)snprintf(out + n, cap - n, "(" H16 ":){6}%s", ls32);
-    /* :: 5(h16:) ls32 */
-    n += (size_t)snprintf(out + n, cap - n, "|::(" H16 ":){5}%s", ls32);
-    /* [h16] :: 4(h16:) ls32 ... */
-    static const int after[] = {4, 3, 2, 1, 0};
-    for (int k = 0; k < 5; k++) {
-        n += (size_t)snprintf(out + n, cap - n, "|((" H16 ":){0,%d}" H16 ")?::", k);
-        if (after[k]) n += (size_t)snprintf(out + n, cap - n, "(" H16 ":){%d}", after[k]);
-        n += (size_t)snprintf(out + n, cap - n, "%s", ls32);
-    }
-    n += (size_t)snprintf(out + n, cap - n, "|((" H16 ":){0,5}" H16 ")?::" H16);
-    n += (size_t)snprintf(out + n, cap - n, "|((" H16 ":){0,6}" H16 ")?::");
-    snprintf(out + n, cap - n, ")");
-}
-
-/* RFC 3986 absolute URI */
-static void uri_regex(char *out, size_t cap, const char *ipv6) {
-    const char *unres = "A-Za-z0-9._~\\-", *sub = "!$&'()*+,;=";
-    char pchar[200], seg[260], segnz[260];
-    snprintf(pchar, sizeof pchar, "([%s%s:@]|%%[0-9A-Fa-f]{2})", unres, sub);
-    snprintf(seg, sizeof seg, "%s*", pchar);
-    snprintf(segnz, sizeof segnz, "%s+", pchar);
-    snprintf(out, cap,
-             "[A-Za-z][A-Za-z0-9+.-]*:"
-             "(//(([%s%s:]|%%[0-9A-Fa-f]{2})*@)?(\\[(%s|v[0-9A-Fa-f]+\\.[%s%s:]+)\\]|([%s%s]|%%[0-9A-Fa-f]{2})*)"
-             "(:\\d*)?(/%s)*|/(%s(/%s)*)?|%s(/%s)*|)"
-             "(\\?([%s%s:@/?]|%%[0-9A-Fa-f]{2})*)?(#([%s%s:@/?]|%%[0-9A-Fa-f]{2})*)?",
-             unres, sub, ipv6, unres, sub, unres, sub, seg, segnz, seg, segnz, seg, unres, sub, unres, sub);
-}
-
-const char *const k3g_formats[] = {"date", "time", "date-time", "email", "uuid", "ipv4", "ipv6", "uri",
-                                   "duration", "json-pointer", NULL};
-
-int k3g_format_index(const char *name) {
-    for (int i = 0; k3g_formats[i]; i++)
-        if (!strcmp(k3g_formats[i], name)) return i;
-    return -1;
-}
-
-k3_status k3g_format_dfa(k3g_builder *b, int fi, k3g_fa *out) {
-    *out = (k3g_fa){0};
-    const char *name = k3g_formats[fi];
-    char *buf = malloc(32768), *v6 = malloc(4096);
-    if (!buf || !v6) {
-        free(buf);
-        free(v6);
-        return k3_err(b->err, K3_ERR_NOMEM, "out of memory compiling a format");
-    }
-    const char *re = NULL;
-    for (size_t i = 0; i < sizeof FORMATS / sizeof FORMATS[0]; i++)
-        if (!strcmp(FORMATS[i][0], name)) re = FORMATS[i][1];
-    if (!strcmp(name, "ipv6")) {
-        ipv6_regex(v6, 4096);
-        re = v6;
-    } else if (!strcmp(name, "uri")) {
-        ipv6_regex(v6, 4096);
-        uri_regex(buf, 32768, v6);
-        re = buf;
-    } else if (!strcmp(name, "date-time")) {
-        snprintf(buf, 32768, "%s[Tt]%s", FORMATS[0][1], FORMATS[1][1]);
-        re = buf;
-    }
-    k3g_ast *a;
-    char where[64];
-    snprintf(where, sizeof where, "format %s", name);
-    k3_status st = k3g_regex(b, re, strlen(re), false, where, &a);
-    if (st == K3_OK) st = k3g_ast_dfa(b, a, out, where);
-    free(buf);
-    free(v6);
-    return st;
-}
-
-/* The raw-text DFA of a string format (cached per compile); NULL with err. */
 static k3g_fa *format_dfa(js *J, const char *name) {
     for (size_t i = 0; i < J->n_fmts; i++)
         if (!strcmp(J->fmts[i].name, name)) return J->fmts[i].dfa;

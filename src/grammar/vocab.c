@@ -19,7 +19,10 @@
 
 #include "common/clock.h"
 #include "common/error.h"
-#include "grammar/grammar.h"
+#include "grammar/build.h"
+#include "grammar/stdrules.h"
+#include "grammar/vocab.h"
+#include "grammar/walk.h"
 
 typedef struct tokref {
     const uint8_t *p;

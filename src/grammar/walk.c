@@ -27,7 +27,8 @@
 #include <string.h>
 
 #include "common/error.h"
-#include "grammar/grammar.h"
+#include "grammar/parser.h"
+#include "grammar/walk.h"
 
 #define LDFA_KEEP 16384      /* states kept between walks */
 #define LDFA_MAX (1 << 20)   /* states in one walk */

@@ -50,6 +50,14 @@ static k3_status chat_thinking(json_t *root, bool *thinking, const char **effort
     return K3_OK;
 }
 
+k3_status k3_srv_reasoning_effort(const char *field, const char *effort, bool *thinking, const char **k3_effort,
+                                  k3_error *err) {
+    k3_error e = {0};
+    if (k3_chat_reasoning_effort(effort, thinking, k3_effort, &e))
+        return k3_err(err, K3_ERR_ARG, "\"%s\": %s", field, e.msg);
+    return K3_OK;
+}
+
 /* Whether any message has an image part (the encode then takes the tower's pool). */
 static bool has_image(json_t *msgs) {
     size_t i, k;
@@ -65,10 +73,38 @@ static bool has_image(json_t *msgs) {
     return false;
 }
 
+k3_status k3_srv_encode_messages(struct k3_server *s, const k3_srv_chat_input *in, k3_vision_prompt *out,
+                                 k3_error *err) {
+    memset(out, 0, sizeof *out);
+    if (!json_is_array(in->messages) || json_array_size(in->messages) == 0)
+        return k3_err(err, K3_ERR_ARG, "\"messages\" must be a non-empty list");
+    char *mj = json_dumps(in->messages, JSON_COMPACT);
+    char *tj = json_is_array(in->tools) ? json_dumps(in->tools, JSON_COMPACT) : NULL;
+    char *rj = json_is_object(in->response_format) ? json_dumps(in->response_format, JSON_COMPACT) : NULL;
+    k3_chat_options co = {.add_generation_prompt = true,
+                          .thinking = in->thinking,
+                          .thinking_effort = in->effort,
+                          .tool_choice = in->tool_choice,
+                          .response_format = rj};
+    /* image parts go through the tower (v NULL: refused for a text-only
+     * model); one encode at a time, on the tower's own pool */
+    const bool img = has_image(in->messages);
+    if (img) pthread_mutex_lock(&s->vision_mu);
+    k3_status st = mj && (tj || !json_is_array(in->tools)) && (rj || !json_is_object(in->response_format))
+                       ? k3_vision_chat_encode_json(img ? s->vision : NULL, s->tok, img ? s->vision_pool : NULL, mj,
+                                                    tj, &co, s->max_image_pixels, out, err)
+                       : k3_err(err, K3_ERR_NOMEM, "out of memory");
+    if (img) pthread_mutex_unlock(&s->vision_mu);
+    free(mj);
+    free(tj);
+    free(rj);
+    return st;
+}
+
 k3_status k3_srv_encode_chat(struct k3_server *s, json_t *root, k3_vision_prompt *out, bool *thinking_out,
                              k3_error *err) {
     memset(out, 0, sizeof *out);
-    bool thinking = true;
+    bool thinking = K3_SRV_THINKING_DEFAULT;
     const char *effort = NULL;
     K3_TRY(chat_thinking(root, &thinking, &effort, err));
     if (thinking_out) *thinking_out = thinking;
@@ -79,30 +115,22 @@ k3_status k3_srv_encode_chat(struct k3_server *s, json_t *root, k3_vision_prompt
     if (tools && !json_is_null(tools) && !json_is_array(tools))
         return k3_err(err, K3_ERR_ARG, "\"tools\" must be a list");
     json_t *tc = json_object_get(root, "tool_choice");
-    const char *tool_choice = NULL;
+    const char *tool_choice = NULL, *tool_name = NULL;
     if (json_is_string(tc)) tool_choice = json_string_value(tc);
-    else if (json_is_object(tc)) tool_choice = "required";
+    else if (json_is_object(tc)) {
+        tool_choice = "required";
+        tool_name = json_string_value(json_object_get(json_object_get(tc, "function"), "name"));
+    }
     else if (tc && !json_is_null(tc)) return k3_err(err, K3_ERR_ARG, "\"tool_choice\" must be a string or an object");
     json_t *rf = json_object_get(root, "response_format");
-    char *mj = json_dumps(msgs, JSON_COMPACT), *tj = tools && json_is_array(tools) ? json_dumps(tools, JSON_COMPACT) : NULL;
-    char *rj = json_is_object(rf) ? json_dumps(rf, JSON_COMPACT) : NULL;
-    k3_chat_options co = {.add_generation_prompt = true,
-                          .thinking = thinking,
-                          .thinking_effort = effort,
-                          .tool_choice = tool_choice,
-                          .response_format = rj};
-    /* image parts go through the tower (v NULL: refused for a text-only
-     * model); one encode at a time, on the tower's own pool */
-    const bool img = has_image(msgs);
-    if (img) pthread_mutex_lock(&s->vision_mu);
-    k3_status st = mj ? k3_vision_chat_encode_json(img ? s->vision : NULL, s->tok, img ? s->vision_pool : NULL, mj,
-                                                   tj, &co, s->max_image_pixels, out, err)
-                      : k3_err(err, K3_ERR_NOMEM, "out of memory");
-    if (img) pthread_mutex_unlock(&s->vision_mu);
-    free(mj);
-    free(tj);
-    free(rj);
-    return st;
+    const k3_srv_chat_input in = {.messages = msgs,
+                                  .tools = json_is_array(tools) ? tools : NULL,
+                                  .tool_choice = tool_choice,
+                                  .tool_name = tool_name,
+                                  .thinking = thinking,
+                                  .effort = effort,
+                                  .response_format = json_is_object(rf) ? rf : NULL};
+    return k3_srv_encode_messages(s, &in, out, err);
 }
 
 static bool chat_prompt(struct k3_server *s, json_t *root, k3_srv_request *rq, k3_srv_bad *e) {

@@ -21,6 +21,7 @@
  * include_stop_str_in_output.
  */
 #include <math.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -54,6 +55,7 @@ static void job_destroy(k3_srv_group *g) {
     }
     k3_srv_pd_free(j);
     free(j->ch);
+    if (j->surf && j->api && j->api->surf_free) j->api->surf_free(j->surf);
     k3_srv_request_free(&j->rq);
     k3_sse_free(&j->sse);
     free(j);
@@ -118,6 +120,8 @@ void k3_srv_choice_advance(k3_srv_job *j, k3_srv_choice *c) {
             size_t sl = 0;
             const long at = k3_stops_find(&j->rq.stops, c->text.p, c->text.len, c->emitted, &sl);
             if (at >= 0) {
+                for (int k = 0; k < j->rq.stops.n && !c->stop_which; k++)
+                    if (j->rq.stops.len[k] == sl && !memcmp(c->text.p + at, j->rq.stops.s[k], sl)) c->stop_which = k + 1;
                 const size_t cut = (size_t)at + (j->rq.include_stop_str ? sl : 0);
                 c->text.len = cut;
                 c->text.p[cut] = 0;
@@ -290,6 +294,19 @@ void k3_srv_openai_stream_end(k3_srv_job *j, const char *object) {
     k3_sse_done(&j->sse);
 }
 
+/* ---- errors ------------------------------------------------------------ */
+
+enum MHD_Result k3_srv_api_error(const k3_srv_api *api, struct k3_server *s, struct MHD_Connection *c, unsigned status,
+                                 const char *fmt, ...) {
+    char msg[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    if (api && api->error) return api->error(s, c, status, msg);
+    return k3_srv_error(s, c, status, "%s", msg);
+}
+
 /* ---- submitting, waiting ------------------------------------------------- */
 
 static k3_request_params engine_request(k3_srv_job *j, int i);
@@ -370,9 +387,9 @@ static enum MHD_Result answer_whole(k3_srv_job *j) {
     char why[300];
     const int w = wait_all(j, why, sizeof why);
     if (w == 1) return MHD_NO;
-    if (w == 2) return k3_srv_error(j->s, j->conn, 503, "%s", why);
+    if (w == 2) return k3_srv_api_error(j->api, j->s, j->conn, 503, "%s", why);
     char pd_why[600];
-    if (!k3_srv_pd_finish(j, pd_why, sizeof pd_why)) return k3_srv_error(j->s, j->conn, 500, "%s", pd_why);
+    if (!k3_srv_pd_finish(j, pd_why, sizeof pd_why)) return k3_srv_api_error(j->api, j->s, j->conn, 500, "%s", pd_why);
     return j->api->answer(j);
 }
 
@@ -460,11 +477,12 @@ static void stream_free(void *cls) {
 static enum MHD_Result fail_job(k3_srv_job *j, unsigned status, const char *msg) {
     struct k3_server *s = j->s;
     struct MHD_Connection *conn = j->conn;
+    const k3_srv_api *api = j->api;
     pthread_mutex_lock(&j->g.mu);
     k3_srv_job_cancel(j);
     pthread_mutex_unlock(&j->g.mu);
     job_unref(j);
-    return k3_srv_error(s, conn, status, "%s", msg);
+    return k3_srv_api_error(api, s, conn, status, "%s", msg);
 }
 
 /* Choice i's max_tokens: the request's, or the surface's default (what
@@ -547,8 +565,17 @@ static k3_request_params engine_request(k3_srv_job *j, int i) {
 
 enum MHD_Result k3_srv_job_serve(struct k3_server *s, struct MHD_Connection *conn, json_t *root,
                                  const k3_srv_api *api) {
+    return k3_srv_job_serve_surf(s, conn, root, api, NULL);
+}
+
+enum MHD_Result k3_srv_job_serve_surf(struct k3_server *s, struct MHD_Connection *conn, json_t *root,
+                                      const k3_srv_api *api, void *surf) {
     k3_srv_job *j = calloc(1, sizeof *j);
-    if (!j) return k3_srv_error(s, conn, 500, "out of memory");
+    if (!j) {
+        if (surf && api->surf_free) api->surf_free(surf);
+        return k3_srv_api_error(api, s, conn, 500, "out of memory");
+    }
+    j->surf = surf;
     k3_srv_group_init(&j->g, on_finish, job_destroy);
     j->s = s;
     j->api = api;
@@ -573,11 +600,11 @@ enum MHD_Result k3_srv_job_serve(struct k3_server *s, struct MHD_Connection *con
                             K3_SRV_MAX_N);
     if (!ok) {
         job_unref(j);
-        return k3_srv_error(s, conn, e.status, "%s", e.msg);
+        return k3_srv_api_error(api, s, conn, e.status, "%s", e.msg);
     }
     if (rq->echo && rq->stream && rq->logprobs >= 0) {
         job_unref(j);
-        return k3_srv_error(s, conn, 400, "\"echo\" with \"logprobs\" is not supported when streaming");
+        return k3_srv_api_error(api, s, conn, 400, "\"echo\" with \"logprobs\" is not supported when streaming");
     }
     if (!k3_srv_pd_prepare(j, &e)) {
         job_unref(j);
@@ -587,7 +614,7 @@ enum MHD_Result k3_srv_job_serve(struct k3_server *s, struct MHD_Connection *con
     j->ch = calloc((size_t)j->n, sizeof *j->ch);
     if (!j->ch) {
         job_unref(j);
-        return k3_srv_error(s, conn, 500, "out of memory");
+        return k3_srv_api_error(api, s, conn, 500, "out of memory");
     }
     j->base_seed = rq->seed >= 0 || rq->seed_given ? (uint64_t)rq->seed
                                                    : mix64(rid * 0x2545F4914F6CDD1Dull ^ (uint64_t)time(NULL));

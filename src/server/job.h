@@ -11,6 +11,8 @@
 #ifndef K3_SERVER_JOB_H
 #define K3_SERVER_JOB_H
 
+#include <stddef.h>
+
 #include "server/engine_loop.h"
 #include "server/request.h"
 #include "server/sse.h"
@@ -56,6 +58,7 @@ typedef struct k3_srv_choice {
     int sp;            /* what the text last took, for spaces_between_special_tokens */
     int64_t n_out;     /* completion tokens counted */
     bool stop_hit;     /* a stop string ended it (cut from the text) */
+    int stop_which;    /* 1 + the index in rq.stops of that stop string, 0 when none */
     bool done;         /* the text is final */
     /* what a stream has sent */
     size_t emitted;    /* bytes of text */
@@ -87,6 +90,11 @@ typedef struct k3_srv_api {
      * choice has ended, the closing events. */
     void (*stream_choice)(k3_srv_job *j, int i);
     void (*stream_end)(k3_srv_job *j);
+    /* Queues an error response in the surface's shape (every refusal the
+     * job makes), or NULL: OpenAI's {"error": {...}}. */
+    enum MHD_Result (*error)(struct k3_server *s, struct MHD_Connection *c, unsigned status, const char *msg);
+    /* Frees the surface's own state of a job (k3_srv_job.surf), or NULL. */
+    void (*surf_free)(void *surf);
     /* The reasoning tokens of a finished choice (usage's
      * completion_tokens_details.reasoning_tokens), or NULL: no such field. */
     int64_t (*reasoning_tokens)(k3_srv_job *j, const k3_srv_choice *c);
@@ -115,6 +123,7 @@ struct k3_srv_job {
     struct k3_pd_pull *pull; /* the pull of its prompt's cache (do_remote_prefill), or NULL */
     k3_remote_prefill rp;    /* the engine request's remote part */
     json_t *extra;     /* members added to the whole answer's top level, or NULL */
+    void *surf;        /* the surface's own state (k3_srv_job_serve_surf), freed by api->surf_free */
     /* choices enter the engine at most `seats` at a time (the first n_sub
      * have), so one request with many choices leaves room for others */
     int n_sub, seats;
@@ -142,6 +151,18 @@ enum MHD_Result k3_srv_job_json(k3_srv_job *j, unsigned status, json_t *resp);
  * stream); every refusal is an error in OpenAI's shape. */
 enum MHD_Result k3_srv_job_serve(struct k3_server *s, struct MHD_Connection *conn, json_t *root,
                                  const k3_srv_api *api);
+/* The same with the surface's own state surf (taken: freed by
+ * api->surf_free with the job, or at once when the job cannot be made). */
+enum MHD_Result k3_srv_job_serve_surf(struct k3_server *s, struct MHD_Connection *conn, json_t *root,
+                                      const k3_srv_api *api, void *surf);
+/* The job whose request rq is: a surface's prompt callback gets the job's
+ * own request, and reaches the job's surf through it. */
+static inline k3_srv_job *k3_srv_job_of(k3_srv_request *rq) {
+    return (k3_srv_job *)(void *)((char *)rq - offsetof(k3_srv_job, rq));
+}
+/* Queues an error in api's shape (api->error, else OpenAI's). */
+enum MHD_Result k3_srv_api_error(const k3_srv_api *api, struct k3_server *s, struct MHD_Connection *c, unsigned status,
+                                 const char *fmt, ...) __attribute__((format(printf, 5, 6)));
 
 /* For the surfaces' hooks (the job's mutex held while streaming): */
 /* Decodes c's new tokens into its text and applies the stop strings. */

@@ -16,6 +16,8 @@
 #include "server/request.h"
 
 #define ALL (K3_API_COMPLETIONS | K3_API_CHAT)
+#define RESP K3_API_RESPONSES
+#define MSGS K3_API_MESSAGES
 
 typedef enum {
     F_NUM,            /* a number in [lo, hi] (double) */
@@ -56,20 +58,22 @@ typedef struct field {
 #define SPECIAL(name, apis, kind) {name, apis, kind, 0, 0, 0, 0, 0, 0, NULL}
 
 static const field fields[] = {
-    NUM("temperature", ALL, temperature, 0, 2),
-    NUM("top_p", ALL, top_p, 1e-9, 1),
-    NUM("min_p", ALL, min_p, 0, 1),
-    NUM("repetition_penalty", ALL, repetition_penalty, 1e-6, 100),
-    INT("top_k", ALL, top_k, -1, 1 << 30),
+    NUM("temperature", ALL | RESP | MSGS, temperature, 0, 2),
+    NUM("top_p", ALL | RESP | MSGS, top_p, 1e-9, 1),
+    NUM("min_p", ALL | RESP, min_p, 0, 1),
+    NUM("repetition_penalty", ALL | RESP, repetition_penalty, 1e-6, 100),
+    INT("top_k", ALL | RESP | MSGS, top_k, -1, 1 << 30),
     INT("n", ALL, n, 1, K3_SRV_MAX_N),
-    {"seed", ALL, F_SEED, M(seed), 0, 0, INT64_MIN, INT64_MAX, 0, NULL},
-    INT("max_tokens", ALL, max_tokens, 0, 1 << 30),
+    {"seed", ALL | RESP, F_SEED, M(seed), 0, 0, INT64_MIN, INT64_MAX, 0, NULL},
+    INT("max_tokens", ALL | MSGS, max_tokens, 0, 1 << 30),
     INT("min_tokens", ALL, min_tokens, 0, 1 << 30),
-    BOOL("stream", ALL, stream),
-    BOOL("ignore_eos", ALL, ignore_eos),
-    SPECIAL("stop", ALL, F_STOP),
+    BOOL("stream", ALL | RESP | MSGS, stream),
+    BOOL("ignore_eos", ALL | RESP | MSGS, ignore_eos),
+    SPECIAL("stop", ALL | RESP, F_STOP),
+    SPECIAL("stop_sequences", MSGS, F_STOP),
     BOOL("return_tokens_as_token_ids", ALL, tok_ids),
     INT("max_completion_tokens", K3_API_CHAT, max_tokens, 0, 1 << 30),
+    INT("max_output_tokens", RESP, max_tokens, 1, 1 << 30),
     NUM("frequency_penalty", ALL, frequency_penalty, -2, 2),
     NUM("presence_penalty", ALL, presence_penalty, -2, 2),
     SPECIAL("logit_bias", ALL, F_LOGIT_BIAS),
@@ -85,9 +89,9 @@ static const field fields[] = {
     BOOL("logprobs", K3_API_CHAT, want_logprobs),
     {"top_logprobs", K3_API_CHAT, F_TOP_LOGPROBS, M(logprobs), 0, 0, 0, K3_SRV_MAX_TOP, 0, NULL},
     SPECIAL("stream_options", ALL, F_STREAM_OPTIONS),
-    SPECIAL(NULL, ALL, F_PROMPT),
+    SPECIAL(NULL, ALL | RESP | MSGS, F_PROMPT),
     SPECIAL("stop_token_ids", ALL, F_STOP_IDS),
-    SPECIAL("kv_transfer_params", ALL, F_KV_TRANSFER),
+    SPECIAL("kv_transfer_params", ALL | RESP | MSGS, F_KV_TRANSFER),
 };
 
 bool k3_srv_bad_set(k3_srv_bad *e, unsigned status, const char *fmt, ...) {

@@ -22,6 +22,8 @@
 enum {
     K3_API_COMPLETIONS = 1u << 0, /* POST /v1/completions */
     K3_API_CHAT = 1u << 1,        /* POST /v1/chat/completions */
+    K3_API_RESPONSES = 1u << 2,   /* POST /v1/responses */
+    K3_API_MESSAGES = 1u << 3,    /* POST /v1/messages (Anthropic) */
 };
 
 /* A refusal: the HTTP status and one sentence naming the field. */

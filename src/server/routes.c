@@ -2,9 +2,10 @@
  * routes.c -- the routing table (routes.h) and the routes that need no
  * generation: /health (liveness: the engine can generate), /ready
  * (readiness: a request would be taken now), /version, /v1/models,
- * /metrics, /tokenize, /detokenize, /tokenizer_info. The generation routes
- * are the API surfaces (api.h).
+ * /metrics, /tokenize, /detokenize, /tokenizer_info, and the chat page at
+ * /. The generation routes are the API surfaces (api.h).
  */
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -14,6 +15,7 @@
 #include "server/http.h"
 #include "server/routes.h"
 #include "pd/pd.h"
+#include "server/ui_page.h"
 #include "tokenizer/tokenizer_info.h"
 
 /* Why the server cannot serve a generation now, or NULL: shutting down,
@@ -65,9 +67,12 @@ static enum MHD_Result route_version(struct k3_server *s, struct MHD_Connection 
 }
 
 static enum MHD_Result route_models(struct k3_server *s, struct MHD_Connection *c, json_t *root) {
-    json_t *m = json_pack("{s:s,s:s,s:I,s:s,s:s,s:I,s:[]}", "id", s->model, "object", "model", "created",
+    /* capabilities: what the chat page (and any client) may offer: images
+     * only with a vision tower */
+    json_t *m = json_pack("{s:s,s:s,s:I,s:s,s:s,s:I,s:[],s:{s:b}}", "id", s->model, "object", "model", "created",
                           (json_int_t)s->created, "owned_by", "k3", "root", s->model, "max_model_len",
-                          (json_int_t)k3_srv_max_model_len(s), "permission");
+                          (json_int_t)k3_srv_max_model_len(s), "permission", "capabilities", "vision",
+                          s->vision != NULL);
     return k3_srv_json(s, c, 200, json_pack("{s:s,s:[o]}", "object", "list", "data", m));
 }
 
@@ -187,12 +192,24 @@ static enum MHD_Result route_detokenize(struct k3_server *s, struct MHD_Connecti
     return k3_srv_json(s, c, 200, json_pack("{s:o}", "prompt", j ? j : json_string("")));
 }
 
+/* The chat page (ui_page.h: src/server/ui/index.html, built into the binary). */
+static enum MHD_Result route_ui(struct k3_server *s, struct MHD_Connection *c, json_t *root) {
+    if (s->no_ui) return k3_srv_error(s, c, 404, "no route GET / (the chat page is off: --no-ui)");
+    char *page = malloc(k3_ui_index_html_len + 1);
+    if (!page) return k3_srv_error(s, c, 500, "out of memory");
+    memcpy(page, k3_ui_index_html, k3_ui_index_html_len);
+    return k3_srv_queue(s, c, 200, page, k3_ui_index_html_len, "text/html; charset=utf-8");
+}
+
 #define AUTH K3_ROUTE_AUTH
 #define JSON K3_ROUTE_JSON
 #define GEN K3_ROUTE_GENERATES
 #define DRAIN K3_ROUTE_DRAIN
+#define PREFIX K3_ROUTE_PREFIX
+#define ANTHROPIC NULL, k3_srv_anthropic_error
 
 static const k3_route routes[] = {
+    {"GET", "/", route_ui, 0},
     {"GET", "/health", route_health, DRAIN},
     {"GET", "/ready", route_ready, DRAIN},
     {"GET", "/version", route_version, AUTH},
@@ -203,6 +220,11 @@ static const k3_route routes[] = {
     {"GET", "/tokenizer_info", route_tokenizer_info, AUTH},
     {"POST", "/v1/completions", k3_api_completions, AUTH | JSON | GEN},
     {"POST", "/v1/chat/completions", k3_api_chat, AUTH | JSON | GEN},
+    {"POST", "/v1/responses", k3_api_responses, AUTH | JSON | GEN},
+    {"GET", "/v1/responses/", NULL, AUTH | PREFIX, k3_api_responses_get},
+    {"DELETE", "/v1/responses/", NULL, AUTH | PREFIX, k3_api_responses_delete},
+    {"POST", "/v1/messages", k3_api_messages, AUTH | JSON | GEN, ANTHROPIC},
+    {"POST", "/v1/messages/count_tokens", k3_api_messages_count_tokens, AUTH | JSON, ANTHROPIC},
 };
 
 static bool method_is(const char *row, const char *method) {
@@ -210,14 +232,32 @@ static bool method_is(const char *row, const char *method) {
     return !strcmp(row, "GET") && !strcmp(method, "HEAD");
 }
 
+/* A prefix row takes one non-empty segment below its path. */
+static bool path_is(const k3_route *r, const char *path) {
+    if (!(r->flags & K3_ROUTE_PREFIX)) return !strcmp(r->path, path);
+    const size_t n = strlen(r->path);
+    return !strncmp(r->path, path, n) && path[n] && !strchr(path + n, '/');
+}
+
 const k3_route *k3_srv_route_find(const char *method, const char *path, const k3_route **same_path) {
     const k3_route *other = NULL;
     if (same_path) *same_path = NULL;
     for (size_t i = 0; i < sizeof routes / sizeof *routes; i++) {
-        if (strcmp(routes[i].path, path)) continue;
+        if (!path_is(&routes[i], path)) continue;
         if (method_is(routes[i].method, method)) return &routes[i];
         if (!other) other = &routes[i];
     }
     if (same_path) *same_path = other;
     return NULL;
+}
+
+enum MHD_Result k3_srv_route_error(const k3_route *rt, struct k3_server *s, struct MHD_Connection *c, unsigned status,
+                                   const char *fmt, ...) {
+    char msg[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    if (rt && rt->error) return rt->error(s, c, status, msg);
+    return k3_srv_error(s, c, status, "%s", msg);
 }

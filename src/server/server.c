@@ -52,9 +52,11 @@
 
 #include "common/error.h"
 #include "common/json_guard.h"
+#include "server/api.h"
 #include "server/engine_loop.h"
 #include "server/http.h"
 #include "server/routes.h"
+#include "server/store.h"
 #include "server/state.h"
 
 #define JSON_MAX_DEPTH 64
@@ -267,61 +269,67 @@ static bool auth_ok(const struct k3_server *s, struct MHD_Connection *c) {
 
 /* Parses the body as a JSON object; on failure queues a 400 and returns NULL
  * with *ret set. */
-static json_t *parse_body(struct k3_server *s, struct MHD_Connection *c, const conn_req *r, enum MHD_Result *ret) {
+static json_t *parse_body(struct k3_server *s, struct MHD_Connection *c, const k3_route *rt, const conn_req *r,
+                          enum MHD_Result *ret) {
     if (r->body.len == 0) {
-        *ret = k3_srv_error(s, c, 400, "the request has no body: expected a JSON object");
+        *ret = k3_srv_route_error(rt, s, c, 400, "the request has no body: expected a JSON object");
         return NULL;
     }
     if (k3_json_too_deep(r->body.p, r->body.len, JSON_MAX_DEPTH)) {
-        *ret = k3_srv_error(s, c, 400, "the request JSON nests deeper than %d levels", JSON_MAX_DEPTH);
+        *ret = k3_srv_route_error(rt, s, c, 400, "the request JSON nests deeper than %d levels", JSON_MAX_DEPTH);
         return NULL;
     }
     json_error_t je;
     json_t *root = json_loadb(r->body.p, r->body.len, 0, &je);
     if (!root) {
-        *ret = k3_srv_error(s, c, 400, "the request is not valid JSON (line %d, column %d): %s", je.line, je.column,
-                            je.text);
+        *ret = k3_srv_route_error(rt, s, c, 400, "the request is not valid JSON (line %d, column %d): %s", je.line,
+                                  je.column, je.text);
         return NULL;
     }
     if (!json_is_object(root)) {
         json_decref(root);
-        *ret = k3_srv_error(s, c, 400, "the request JSON must be an object");
+        *ret = k3_srv_route_error(rt, s, c, 400, "the request JSON must be an object");
         return NULL;
     }
     return root;
 }
 
 /* The whole request is in: its JSON body, the model it names, an engine
- * that can generate, then the route's handler. */
-static enum MHD_Result dispatch(struct k3_server *s, struct MHD_Connection *c, conn_req *r) {
-    if (r->too_big)
-        return k3_srv_error(s, c, 413, "the request body is over the limit of %zu bytes", s->max_body);
+ * that can generate, then the route's handler; every error in the shape
+ * of the route's API (k3_route.error). */
+static enum MHD_Result dispatch(struct k3_server *s, struct MHD_Connection *c, const char *url, conn_req *r) {
     const k3_route *rt = r->route;
+    if (r->too_big)
+        return k3_srv_route_error(rt, s, c, 413, "the request body is over the limit of %zu bytes", s->max_body);
     enum MHD_Result ret;
     json_t *root = NULL;
     if (rt->flags & K3_ROUTE_JSON) {
-        if (!(root = parse_body(s, c, r, &ret))) return ret;
+        if (!(root = parse_body(s, c, rt, r, &ret))) return ret;
         json_t *model = json_object_get(root, "model");
         if (model && !json_is_null(model) && (!json_is_string(model) || strcmp(json_string_value(model), s->model))) {
-            ret = k3_srv_error(s, c, 404, "the model `%s` does not exist (this server serves `%s`)",
-                               json_is_string(model) ? json_string_value(model) : "?", s->model);
+            ret = k3_srv_route_error(rt, s, c, 404, "the model `%s` does not exist (this server serves `%s`)",
+                                     json_is_string(model) ? json_string_value(model) : "?", s->model);
             json_decref(root);
             return ret;
         }
     }
     k3_error fe = {0};
     if ((rt->flags & K3_ROUTE_GENERATES) && !s->engine)
-        ret = k3_srv_error(s, c, 503, "this server has no engine to generate with");
+        ret = k3_srv_route_error(rt, s, c, 503, "this server has no engine to generate with");
     else if ((rt->flags & K3_ROUTE_GENERATES) && k3_server_failed(s, &fe))
-        ret = k3_srv_error(s, c, 503, "the engine failed: %s", fe.msg);
+        ret = k3_srv_route_error(rt, s, c, 503, "the engine failed: %s", fe.msg);
+    else if (rt->fn_url) ret = rt->fn_url(s, c, url);
     else ret = rt->fn(s, c, root);
     json_decref(root);
     return ret;
 }
 
-/* 503 + Retry-After + OpenAI's error JSON, and the connection closes. */
-static enum MHD_Result refuse_busy(struct k3_server *s, struct MHD_Connection *c, const char *msg) {
-    json_t *e = k3_srv_error_json(503, msg);
+/* 503 + Retry-After + the error JSON of rt's API (OpenAI's when rt is NULL
+ * or has no error hook of its own), and the connection closes. */
+static enum MHD_Result refuse_busy(struct k3_server *s, struct MHD_Connection *c, const k3_route *rt,
+                                   const char *msg) {
+    json_t *e = rt && rt->error == k3_srv_anthropic_error ? k3_srv_anthropic_error_json(503, msg)
+                                                           : k3_srv_error_json(503, msg);
     char *text = e ? json_dumps(e, JSON_COMPACT) : NULL;
     json_decref(e);
     if (!text) return MHD_NO;
@@ -429,51 +437,51 @@ static enum MHD_Result on_headers(struct k3_server *s, struct MHD_Connection *c,
     k3_srv_conn *k = conn_of(c);
     conn_set(s, k, CONN_BUSY);
     r->answered = true;
-    char msg[256];
-    if (still_over(s, k, msg, sizeof msg)) return refuse_busy(s, c, msg);
     const k3_route *other = NULL, *rt = k3_srv_route_find(method, url, &other);
     const k3_route *known = rt ? rt : other;
+    char msg[256];
+    if (still_over(s, k, msg, sizeof msg)) return refuse_busy(s, c, known, msg);
     /* shutting down: new requests are refused, /health, /ready and /metrics still tell */
     if (atomic_load(&s->phase) != K3_SRV_RUNNING && !(rt && (rt->flags & K3_ROUTE_DRAIN)))
-        return k3_srv_error(s, c, 503, "the server is shutting down");
+        return k3_srv_route_error(known, s, c, 503, "the server is shutting down");
     /* the framing (RFC 9112 section 6): one length, or chunked alone */
     header_count cl = {.name = "Content-Length"}, te = {.name = "Transfer-Encoding"};
     MHD_get_connection_values(c, MHD_HEADER_KIND, count_header, &cl);
     MHD_get_connection_values(c, MHD_HEADER_KIND, count_header, &te);
-    if (cl.differ) return k3_srv_error(s, c, 400, "the request has Content-Length headers that differ");
+    if (cl.differ) return k3_srv_route_error(known, s, c, 400, "the request has Content-Length headers that differ");
     if (te.n > 1 || (te.n && strcasecmp(te.first, "chunked")))
-        return k3_srv_error(s, c, 501, "Transfer-Encoding: %s is not supported (only chunked)", te.first);
+        return k3_srv_route_error(known, s, c, 501, "Transfer-Encoding: %s is not supported (only chunked)", te.first);
     if (cl.n && te.n)
-        return k3_srv_error(s, c, 400, "the request has both Content-Length and Transfer-Encoding");
+        return k3_srv_route_error(known, s, c, 400, "the request has both Content-Length and Transfer-Encoding");
     const char *ce = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Content-Encoding");
     if (ce && strcasecmp(ce, "identity"))
-        return k3_srv_error(s, c, 415, "a compressed body (Content-Encoding: %s) is not supported: send it as it is",
+        return k3_srv_route_error(known, s, c, 415, "a compressed body (Content-Encoding: %s) is not supported: send it as it is",
                             ce);
     if (!strcmp(method, "OPTIONS")) return answer_options(s, c);
     const char *origin;
     if (k3_srv_origin(s, c, &origin) < 0)
-        return k3_srv_error(s, c, 403, "cross-origin requests from %s are not allowed (the server's --allowed-origins)",
+        return k3_srv_route_error(known, s, c, 403, "cross-origin requests from %s are not allowed (the server's --allowed-origins)",
                             origin);
     /* the key before anything else of the route: an unknown path asks for
      * it too, so without the key nothing tells which paths exist */
     const bool needs_key = !known || (known->flags & K3_ROUTE_AUTH) ||
                            ((known->flags & K3_ROUTE_METRICS) && s->metrics_key);
     if (needs_key && !auth_ok(s, c))
-        return k3_srv_error(s, c, 401,
+        return k3_srv_route_error(known, s, c, 401,
                             "a valid API key is needed: Authorization: Bearer KEY, or x-api-key: KEY");
-    if (!known) return k3_srv_error(s, c, 404, "no route %s %s", method, url);
+    if (!known) return k3_srv_route_error(known, s, c, 404, "no route %s %s", method, url);
     if (!rt) {
         if (strcmp(method, "GET") && strcmp(method, "HEAD") && strcmp(method, "POST") && strcmp(method, "PUT") &&
             strcmp(method, "DELETE") && strcmp(method, "PATCH"))
-            return k3_srv_error(s, c, 501, "the method %s is not implemented", method);
-        return k3_srv_error(s, c, 405, "%s takes %s", url, known->method);
+            return k3_srv_route_error(known, s, c, 501, "the method %s is not implemented", method);
+        return k3_srv_route_error(known, s, c, 405, "%s takes %s", url, known->method);
     }
     /* an oversized body is refused before it is read */
     if (cl.n) {
         char *end;
         const unsigned long long v = strtoull(cl.first, &end, 10);
         if (end == cl.first || v > s->max_body)
-            return k3_srv_error(s, c, 413, "the request body (%s bytes) is over the limit of %zu bytes", cl.first,
+            return k3_srv_route_error(known, s, c, 413, "the request body (%s bytes) is over the limit of %zu bytes", cl.first,
                                 s->max_body);
     }
     r->answered = false;
@@ -510,7 +518,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
     r->started = true;
     conn_set(s, conn_of(c), CONN_BUSY);
     if (r->body.oom) return k3_srv_error(s, c, 500, "out of memory for the request body");
-    return dispatch(s, c, r);
+    return dispatch(s, c, url, r);
 }
 
 static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls, enum MHD_RequestTerminationCode toe) {
@@ -579,6 +587,7 @@ static void server_free(struct k3_server *s) {
     free(s->model);
     free(s->model_label);
     free(s->version);
+    k3_srv_store_free(s->responses);
     for (int i = 0; i < s->n_origins; i++) free(s->origins[i]);
     free(s->origins);
     free(s->cors_methods);
@@ -616,6 +625,8 @@ k3_status k3_server_start(k3_server **out, const k3_server_options *opt, k3_erro
     s->pd = opt->pd;
     s->vision_pool = opt->vision_pool;
     s->max_image_pixels = opt->max_image_pixels;
+    s->no_ui = opt->no_ui;
+    s->responses = k3_srv_store_new(K3_SRV_STORE_ENTRIES, K3_SRV_STORE_BYTES);
     s->host = dup_or(opt->host, "127.0.0.1");
     s->api_key = dup_or(opt->api_key, NULL);
     s->metrics_key = opt->metrics_require_key;
@@ -651,7 +662,7 @@ k3_status k3_server_start(k3_server **out, const k3_server_options *opt, k3_erro
         mml = st.max_model_len;
     }
     k3_metrics_init(&s->metrics, mml, mbt);
-    if (!s->host || !s->model || !s->model_label || !s->version || !s->cors_methods || (opt->api_key && !s->api_key) ||
+    if (!s->host || !s->model || !s->model_label || !s->version || !s->cors_methods || !s->responses || (opt->api_key && !s->api_key) ||
         (opt->allowed_headers && *opt->allowed_headers && strcmp(opt->allowed_headers, "*") && !s->cors_headers) ||
         !parse_origins(s, opt->allowed_origins)) {
         server_free(s);

@@ -15,6 +15,18 @@ void k3_sse_data(k3_sse *e, json_t *obj) {
     free(t);
 }
 
+void k3_sse_event(k3_sse *e, const char *name, json_t *obj) {
+    char *t = obj ? json_dumps(obj, JSON_COMPACT) : NULL;
+    json_decref(obj);
+    if (!t) return;
+    k3_buf_add(&e->out, "event: ", 7);
+    k3_buf_add(&e->out, name, strlen(name));
+    k3_buf_add(&e->out, "\ndata: ", 7);
+    k3_buf_add(&e->out, t, strlen(t));
+    k3_buf_add(&e->out, "\n\n", 2);
+    free(t);
+}
+
 void k3_sse_done(k3_sse *e) { k3_buf_add(&e->out, "data: [DONE]\n\n", 14); }
 
 void k3_sse_error(k3_sse *e, unsigned status, const char *msg) { k3_sse_data(e, k3_srv_error_json(status, msg)); }

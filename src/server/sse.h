@@ -15,6 +15,9 @@ typedef struct k3_sse {
 
 /* "data: JSON\n\n" (takes obj; nothing when it is NULL). */
 void k3_sse_data(k3_sse *e, json_t *obj);
+/* A named event: "event: NAME\ndata: JSON\n\n" (takes obj; nothing when it
+ * is NULL), as the Responses and Anthropic Messages streams frame theirs. */
+void k3_sse_event(k3_sse *e, const char *name, json_t *obj);
 /* "data: [DONE]\n\n", the end of an OpenAI stream. */
 void k3_sse_done(k3_sse *e);
 /* An error event in OpenAI's shape {"error": {message, type, param, code}}. */

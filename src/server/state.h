@@ -89,6 +89,10 @@ struct k3_server {
     pthread_mutex_t vision_mu;
     /* prefill and decode apart: the transfer agent, or NULL (src/pd) */
     struct k3_pd *pd;
+    /* the Responses API's stored responses (store.h; api_responses.c) */
+    struct k3_srv_store *responses;
+    /* the chat page at / is off (--no-ui) */
+    bool no_ui;
 };
 
 #endif /* K3_SERVER_STATE_H */
