@@ -279,6 +279,8 @@ static int usage_bs(FILE *f) {
             "  --ignore-eos               generate all O tokens\n"
             "  --no-thinking              chat and responses ask for no thinking (reasoning effort none), as\n"
             "                             messages does by default, so the three send the same prompt\n"
+            "  --response-format JSON     completions and chat: send this response_format with every\n"
+            "                             request (a JSON object, or @FILE), e.g. a json_schema\n"
             "  --goodput ttft:MS tpot:MS e2el:MS   SLOs for goodput\n"
             "  --disconnect-fraction F    drop this share of the streams after their first chunks\n"
             "  --metric-percentiles 50,90,99  percentiles to report (default 99)\n"
@@ -400,6 +402,7 @@ int k3_cmd_bench_serve(int argc, char **argv) {
     double slo_ttft = 0, slo_tpot = 0, slo_e2el = 0; /* ms; 0 = none */
     bool ignore_eos = false, json_out = false, goodput = false, no_thinking = false;
     uint64_t seed = 0;
+    const char *rf_arg = NULL;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const int has = i + 1 < argc;
@@ -433,6 +436,7 @@ int k3_cmd_bench_serve(int argc, char **argv) {
         else if (ARG("--disconnect-fraction")) NUM(dbl(a, argv[++i], 0, 1, &drop_frac));
         else if (ARG("--seed")) NUM(k3_cli_u64(CMD, a, argv[++i], &seed));
         else if (ARG("--api-key")) key = argv[++i];
+        else if (ARG("--response-format")) rf_arg = argv[++i];
         else if (ARG("--timeout")) NUM(k3_cli_long(CMD, a, argv[++i], 1, 1L << 30, &timeout));
         else if (ARG("--metric-percentiles")) {
             char *p = argv[++i];
@@ -491,6 +495,16 @@ int k3_cmd_bench_serve(int argc, char **argv) {
         return 2;
     }
     if (!conc || conc > n_prompts) conc = n_prompts;
+    json_t *rf = NULL;
+    if (rf_arg) {
+        json_error_t je;
+        rf = rf_arg[0] == '@' ? json_load_file(rf_arg + 1, 0, &je) : json_loads(rf_arg, 0, &je);
+        if (!json_is_object(rf)) {
+            fprintf(stderr, "k3 bench serve: --response-format: not a JSON object (%s)\n", rf ? "" : je.text);
+            json_decref(rf);
+            return 2;
+        }
+    }
     char basebuf[2048];
     snprintf(basebuf, sizeof basebuf, "%s", base);
     size_t bl = strlen(basebuf);
@@ -502,6 +516,7 @@ int k3_cmd_bench_serve(int argc, char **argv) {
     k3_tokenizer *tok = NULL;
     if (k3_tokenizer_open(&tok, tok_dir, &err)) {
         fprintf(stderr, "k3 bench serve: --tokenizer %s: %s\n", tok_dir, err.msg);
+        json_decref(rf);
         return 1;
     }
     curl_global_init(CURL_GLOBAL_DEFAULT);
@@ -513,6 +528,7 @@ int k3_cmd_bench_serve(int argc, char **argv) {
             fprintf(stderr, "k3 bench serve: %s\n", why);
             k3_tokenizer_free(tok);
             curl_global_cleanup();
+            json_decref(rf);
             return 1;
         }
         model = model_own;
@@ -557,6 +573,7 @@ int k3_cmd_bench_serve(int argc, char **argv) {
         if (no_thinking && g_ep == EP_CHAT) json_object_set_new(b, "reasoning_effort", json_string("none"));
         if (no_thinking && g_ep == EP_RESPONSES)
             json_object_set_new(b, "reasoning", json_pack("{s:s}", "effort", "none"));
+        if (rf && g_ep <= EP_CHAT) json_object_set(b, "response_format", rf);
         if (g_ep == EP_CHAT || g_ep == EP_MESSAGES)
             json_object_set_new(b, "messages", json_pack("[{s:s,s:s}]", "role", "user", "content", text));
         else json_object_set_new(b, g_ep == EP_RESPONSES ? "input" : "prompt", json_string(text));
@@ -784,6 +801,7 @@ out:
     free(arrive);
     free(prefix);
     free(model_own);
+    json_decref(rf);
     k3_tokenizer_free(tok);
     curl_global_cleanup();
     return rc;

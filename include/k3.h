@@ -431,11 +431,21 @@ typedef struct k3_grammar_spec {
     bool compact;                     /* JSON: no whitespace between tokens */
     bool no_extra_properties;         /* JSON Schema: an object without
                                          "additionalProperties" allows no others */
+    bool canonical_numbers;           /* JSON Schema: numbers as JSON writers write them:
+                                         an integer without a fraction (21, not 21.0),
+                                         no exponent, at most 15 fraction digits, enum
+                                         numbers in their shortest text (tool-call
+                                         arguments always) */
     bool k3_reply;                    /* the output goes on a K3 assistant turn from
                                          its generation prompt: the content, then
                                          <|close|>response<|sep|> [<|close|>message<|sep|>] */
     bool thinking;                    /* k3_reply and tool calls: the prompt opened
                                          the think block; free text until it closes */
+    bool tools_optional;              /* tool calls: the reply may be content instead
+                                         (tool_choice "auto" with strict tools): free
+                                         text, then the calls or the reply's end; with
+                                         text (a JSON Schema), that JSON or the calls */
+    const char *text_where;           /* tool calls with text: names the schema in errors */
     const char *where;                /* names the input in errors, e.g.
                                          "response_format.json_schema.schema"
                                          (NULL: "json_schema", "regex", "grammar", ...) */
@@ -448,6 +458,8 @@ k3_status k3_grammar_compile(k3_grammar **out, const k3_grammar_vocab *v, const 
                              k3_error *err);
 /* Takes one more reference; k3_grammar_free drops one. */
 k3_grammar *k3_grammar_ref(k3_grammar *g);
+/* The vocabulary g was compiled for. */
+const k3_grammar_vocab *k3_grammar_get_vocab(const k3_grammar *g);
 void k3_grammar_free(k3_grammar *g);
 
 /* A matcher at the start of the output; it keeps a reference to g. */
@@ -575,6 +587,13 @@ typedef struct k3_request_params {
                                        the prompt's end as a hold named by its id */
     const struct k3_remote_prefill *remote; /* decode side: the prompt was computed
                                        elsewhere (copied at submit) */
+    k3_grammar *grammar;            /* NULL, or the grammar the output must match
+                                       (the request keeps a matcher of its own, with a
+                                       reference): every token is sampled under its
+                                       mask (logprobs too are those of the masked
+                                       logits), EOS and stop ids end it only where the
+                                       text is complete, and the grammar's end ends it
+                                       (reason stop) */
 } k3_request_params;
 
 /* Events of a request since the previous step (bits of k3_req_output.events). */
@@ -655,6 +674,8 @@ typedef struct k3_engine_stats {
      * flight (and their blocks), pulls landed and failed */
     int64_t n_holds, hold_blocks, holds_expired, holds_released;
     int64_t n_pulls, pull_blocks, pulls_ok, pulls_failed;
+    int64_t grammar_steps, grammar_masks; /* steps that filled grammar masks, masks filled */
+    double grammar_s;                     /* time spent filling and applying them */
 } k3_engine_stats;
 
 k3_status k3_engine_open(k3_engine **out, const k3_model *m, const k3_engine_options *opt,

@@ -302,5 +302,21 @@ else
     bad "knobs: a Python with the openai client (scripts/venv.sh)" "$TMP/venv.err"
 fi
 
+# structured outputs through k3 serve with the official openai client and jsonschema (tests/serve_structured.py)
+if PY=$(sh scripts/venv.sh openai jsonschema 2>"$TMP/venv.err"); then
+    timeout 600 "$PY" tests/serve_structured.py "$K3" >"$TMP/structured.out" 2>&1
+    grep -E "^(ok|FAIL) |^    " "$TMP/structured.out"
+    gp=$(sed -n 's/^structured: \([0-9]*\) passed, \([0-9]*\) failed$/\1/p' "$TMP/structured.out")
+    gf=$(sed -n 's/^structured: \([0-9]*\) passed, \([0-9]*\) failed$/\2/p' "$TMP/structured.out")
+    if [ -z "$gp" ]; then
+        bad "structured: the structured-outputs test did not finish" "$TMP/structured.out"
+    else
+        pass=$((pass + gp))
+        fail=$((fail + gf))
+    fi
+else
+    bad "structured: a Python with the openai client and jsonschema (scripts/venv.sh)" "$TMP/venv.err"
+fi
+
 echo "cli: $pass passed, $fail failed"
 [ $fail -eq 0 ]

@@ -269,6 +269,18 @@ def main():
         assert a["content"] == b["content"] and a["stop_reason"] == b["stop_reason"], (a, b)
     check("the Responses and Messages APIs equal colocated", surfaces)
 
+    def structured():
+        schema = {"type": "object", "properties": {"city": {"type": "string"}, "n": {"type": "integer"}},
+                  "required": ["city", "n"]}
+        rf = {"type": "json_schema", "json_schema": {"name": "w", "schema": schema}}
+        msgs = [{"role": "user", "content": "Weather in Paris?"}]
+        a = chat(x1, msgs, 40, response_format=rf)
+        b = chat(c, msgs, 40, response_format=rf)
+        assert a.model_extra["kv_transfer"]["tokens"] >= 1
+        assert a.choices[0].message.content == b.choices[0].message.content, (a, b)
+        assert a.choices[0].finish_reason == b.choices[0].finish_reason
+    check("structured outputs (a JSON schema) equal colocated", structured)
+
     def many():
         prompts = [ids(20 + 7 * i, 100 + i) for i in range(16)]
         want = [comp(c, p, 12).choices[0].text for p in prompts]

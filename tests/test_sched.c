@@ -1049,3 +1049,102 @@ K3_TEST(ctx_capture_state_mid_chunk) {
     k3_kernels_force(best);
     k3_model_close(m);
 }
+
+/* Requests under a grammar (k3_request_params.grammar): every output matches
+ * the regex and ends with an EOS (reason stop) once it is complete, batched
+ * and preempted on a small pool as alone, logprobs those of the masked row
+ * (the chosen id is in the mask: the grammar accepts it). */
+static void grammar_solo(const k3_model *m, const int32_t *eos, int n_eos, k3_grammar *g, const int32_t *ids, int n,
+                         float temp, uint64_t seed, result *out) {
+    k3_engine_options o = {.max_num_seqs = 1, .cache_tokens = 1024, .block_size = 16, .no_prefix_cache = true,
+                           .eos_ids = eos, .n_eos_ids = n_eos};
+    k3_engine *e = open_engine(m, &o);
+    if (!e) return;
+    memset(out, 0, sizeof *out);
+    k3_request_params p = {.prompt = ids, .n_prompt = n, .max_tokens = 40, .logprobs = NTOP, .prompt_logprobs = -1,
+                           .grammar = g};
+    p.sampling = (k3_sampler_options){.temperature = temp, .top_k = temp > 0 ? 40 : 0, .top_p = 1.0f,
+                                      .repeat_penalty = 1.0f, .seed = seed};
+    uint64_t id = 0;
+    k3_error err = {0};
+    if (k3_engine_submit(e, &p, &id, &err)) k3_test_fail(__FILE__, __LINE__, "submit: %s", err.msg);
+    drain(e, out, id, 1);
+    k3_engine_close(e);
+}
+
+K3_TEST(sched_grammar_constrained) {
+    k3_model *m = open_model("tests/models/tiny-dsa");
+    REQUIRE(m);
+    k3_tokenizer *tok = NULL;
+    k3_grammar_vocab *gv = NULL;
+    k3_grammar *g = NULL;
+    k3_error err = {0};
+    REQUIRE(k3_tokenizer_open(&tok, "tests/models/tiny-dsa", &err) == K3_OK);
+    REQUIRE(k3_grammar_vocab_init(&gv, tok, &err) == K3_OK);
+    const k3_grammar_spec sp = {.kind = K3_GRAMMAR_REGEX, .text = "[a-z]{3,6}-[0-9]{2}"};
+    REQUIRE(k3_grammar_compile(&g, gv, &sp, &err) == K3_OK);
+    int32_t eos[K3_MAX_EOS_IDS];
+    const int n_eos = k3_tokenizer_eos_ids(tok, eos);
+    REQUIRE(n_eos > 0);
+    const int V = (int)m->cfg.vocab_size;
+    enum { N = 4 };
+    int32_t ids[N][46];
+    result alone[N], tog[N];
+    for (int i = 0; i < N; i++) {
+        make_ids(ids[i], 46, V, 70 + i);
+        grammar_solo(m, eos, n_eos, g, ids[i], 46, i % 2 ? 1.0f : 0, 3 + i, &alone[i]);
+    }
+    /* 7 blocks of 16 for four requests of 46 + a few tokens (3 blocks each, then 4): preemptions */
+    k3_engine_options o = {.max_num_seqs = 4, .cache_tokens = 64 + 48, .block_size = 16, .eos_ids = eos,
+                           .n_eos_ids = n_eos};
+    k3_engine *e = open_engine(m, &o);
+    REQUIRE(e);
+    memset(tog, 0, sizeof tog);
+    uint64_t base = 0;
+    for (int i = 0; i < N; i++) {
+        k3_request_params p = {.prompt = ids[i], .n_prompt = 46, .max_tokens = 40, .logprobs = NTOP,
+                               .prompt_logprobs = -1, .grammar = g};
+        p.sampling = (k3_sampler_options){.temperature = i % 2 ? 1.0f : 0, .top_k = i % 2 ? 40 : 0, .top_p = 1.0f,
+                                          .repeat_penalty = 1.0f, .seed = 3 + (uint64_t)i};
+        uint64_t id = 0;
+        CHECK(k3_engine_submit(e, &p, &id, &err) == K3_OK);
+        if (!i) base = id;
+    }
+    drain(e, tog, base, N);
+    k3_engine_stats st;
+    k3_engine_get_stats(e, &st);
+    printf("    %lld preemptions, %lld masks in %lld steps, %.3f ms\n", (long long)st.n_preemptions,
+           (long long)st.grammar_masks, (long long)st.grammar_steps, st.grammar_s * 1e3);
+    CHECK(st.n_preemptions > 0);
+    CHECK(st.grammar_masks > 0 && st.grammar_steps > 0 && st.grammar_steps < st.grammar_masks);
+    for (int i = 0; i < N; i++) {
+        CHECKF(same_tokens(&tog[i], &alone[i]), "request %d (preempted %d times) differs from alone", i,
+               tog[i].preempted);
+        CHECKF(tog[i].fin == K3_FINISH_STOP, "request %d finished %d", i, (int)tog[i].fin);
+        /* the text before the EOS matches; the grammar takes every token */
+        k3_grammar_matcher *gm = NULL;
+        REQUIRE(k3_grammar_matcher_init(&gm, g, &err) == K3_OK);
+        size_t n_ok = 0;
+        CHECKF(k3_grammar_matcher_accept_tokens(gm, tog[i].tok, (size_t)tog[i].n, &n_ok, &err) == K3_OK,
+               "request %d: token %zu refused", i, n_ok);
+        CHECK(k3_grammar_matcher_is_ended(gm));
+        k3_grammar_matcher_free(gm);
+        char *text = NULL;
+        size_t len = 0;
+        REQUIRE(k3_tokenizer_decode(tok, tog[i].tok, (size_t)(tog[i].n - 1), &text, &len, &err) == K3_OK);
+        bool ok = len >= 6;
+        size_t k = 0;
+        while (k < len && text[k] >= 'a' && text[k] <= 'z') k++;
+        ok = ok && k >= 3 && k <= 6 && k + 3 == len && text[k] == '-' && text[k + 1] >= '0' && text[k + 1] <= '9' &&
+             text[k + 2] >= '0' && text[k + 2] <= '9';
+        CHECKF(ok, "request %d: '%.*s' does not match", i, (int)len, text);
+        /* the masked row's logprobs: the chosen token is among the most likely allowed */
+        for (int t = 0; t < tog[i].n; t++) CHECK(tog[i].lp[t] <= 0 && tog[i].lp[t] > -1e30f);
+        free(text);
+    }
+    k3_engine_close(e);
+    k3_grammar_free(g);
+    k3_grammar_vocab_free(gv);
+    k3_tokenizer_free(tok);
+    k3_model_close(m);
+}

@@ -72,6 +72,11 @@ typedef struct req {
     int64_t pull_state_got;       /* under mu: bytes of the state written */
     char pull_err[256];           /* under mu: why it failed */
     double t_pull0, t_landed, t_second;
+    /* the grammar the output matches (p.grammar), or NULL */
+    k3_grammar_matcher *gm;       /* at the output's end: every generated token accepted */
+    uint64_t *mask;               /* [mask words] this step's mask */
+    const k3_grammar_vocab *gv;   /* the grammar's vocabulary */
+    float *stop_raw;              /* [n_stop_ids] their raw logits, for when the text is complete */
 } req;
 
 enum { PULL_NONE = 0, PULL_WAIT, PULL_ACTIVE, PULL_OK, PULL_FAILED };
@@ -143,6 +148,11 @@ struct k3_engine {
     uint8_t *want;
     float *logits;                /* [(max_seqs + plp_cap) * V] */
     float *row;                   /* [V] a copy for sampling */
+    k3_grammar_matcher **g_m;     /* [max_seqs] this step's constrained samplers */
+    uint64_t **g_mask;            /* [max_seqs] their masks */
+    float **lg_of;                /* [max_seqs] the logits row each plan entry samples from, or NULL */
+    int64_t grammar_steps, grammar_masks;
+    double grammar_s;
     int64_t prompt_tokens, generation_tokens, finished_by[K3_FINISH_ERROR + 1];
     int64_t n_snap_saves, n_snap_restores;
     int32_t req_snaps, step_snaps; /* snapshot points of one request's chunk, of a step at most */
@@ -208,6 +218,9 @@ static void req_free(req *r) {
     free(r->hold_state);
     free(r->first_top);
     free(r->pull_state);
+    k3_grammar_matcher_free(r->gm);
+    free(r->mask);
+    free(r->stop_raw);
     free(r);
 }
 
@@ -245,6 +258,9 @@ void k3_engine_close(k3_engine *e) {
     free(e->want);
     free(e->logits);
     free(e->row);
+    free(e->g_m);
+    free(e->g_mask);
+    free(e->lg_of);
     free(e->snap_pos);
     free(e->snap_key);
     free(e->eos);
@@ -421,6 +437,9 @@ k3_status k3_engine_open(k3_engine **out, const k3_model *m, const k3_engine_opt
         e->want = calloc((size_t)o.max_num_seqs, 1);
         e->logits = malloc(sizeof(float) * (size_t)((o.max_num_seqs + e->plp_cap) * e->V));
         e->row = malloc(sizeof(float) * (size_t)e->V);
+        e->g_m = calloc((size_t)o.max_num_seqs, sizeof *e->g_m);
+        e->g_mask = calloc((size_t)o.max_num_seqs, sizeof *e->g_mask);
+        e->lg_of = calloc((size_t)o.max_num_seqs, sizeof *e->lg_of);
         /* snapshot points: a request's chunk crosses at most one per block
          * (+ its end and a junction), a step at most as many as fit */
         e->req_snaps = o.max_num_batched_tokens / (int32_t)bs + 3;
@@ -429,7 +448,8 @@ k3_status k3_engine_open(k3_engine **out, const k3_model *m, const k3_engine_opt
         e->step_snaps = (int32_t)step;
         e->snap_pos = malloc(sizeof(int64_t) * (size_t)(e->req_snaps + step));
         e->snap_key = malloc(sizeof(uint64_t) * (size_t)(e->req_snaps + step));
-        if (!e->batch || !e->want || !e->logits || !e->row || !e->snap_pos || !e->snap_key)
+        if (!e->batch || !e->want || !e->logits || !e->row || !e->g_m || !e->g_mask || !e->lg_of || !e->snap_pos ||
+            !e->snap_key)
             st = k3_err(err, K3_ERR_NOMEM, "engine: out of memory");
     }
     if (st) {
@@ -562,6 +582,18 @@ k3_status k3_engine_submit(k3_engine *e, const k3_request_params *p, uint64_t *i
         r->rp.first_top = r->first_top;
     }
     r->p.remote = NULL;
+    if (p->grammar) { /* a matcher of its own, at the start of the output */
+        const k3_grammar_vocab *gv = r->gv = k3_grammar_get_vocab(p->grammar);
+        st = k3_grammar_matcher_init(&r->gm, p->grammar, err);
+        if (!st && (!(r->mask = malloc(sizeof(uint64_t) * k3_grammar_mask_words(gv))) ||
+                    !(r->stop_raw = malloc(sizeof(float) * (size_t)(p->n_stop_ids + 1)))))
+            st = k3_err(err, K3_ERR_NOMEM, "submit: out of memory for a grammar mask");
+        if (st) {
+            req_free(r);
+            return st;
+        }
+    }
+    r->p.grammar = NULL; /* the matcher holds the reference */
     memcpy(r->rq.tok, p->prompt, sizeof(int32_t) * (size_t)p->n_prompt);
     if (p->n_stop_ids) memcpy(r->stop_ids, p->stop_ids, sizeof(int32_t) * (size_t)p->n_stop_ids);
     r->p.prompt = r->rq.tok;
@@ -755,9 +787,49 @@ static bool is_stop(const k3_engine *e, const req *r, int32_t id) {
     return false;
 }
 
-/* Samples rq's next token from its logits row. */
+static bool is_eos(const k3_engine *e, int32_t id) {
+    for (int32_t i = 0; i < e->n_eos; i++)
+        if (e->eos[i] == id) return true;
+    return false;
+}
+
+static bool is_stop_id(const req *r, int32_t id) {
+    for (int32_t i = 0; i < r->p.n_stop_ids; i++)
+        if (r->stop_ids[i] == id) return true;
+    return false;
+}
+
+/* Whether r's grammar mask allows an id that is neither an EOS nor a stop id
+ * (min_tokens holds the stops back only then: a complete text that can only
+ * end would have nothing left to sample). */
+static bool grammar_allows_text(const k3_engine *e, const req *r) {
+    const k3_grammar_vocab *gv = r->gv;
+    const size_t nw = k3_grammar_mask_words(gv);
+    for (size_t w = 0; w < nw; w++)
+        for (uint64_t b = r->mask[w]; b; b &= b - 1) {
+            const int32_t id = (int32_t)(w * 64 + (size_t)__builtin_ctzll(b));
+            if (id < e->V && !is_eos(e, id) && !is_stop_id(r, id)) return true;
+        }
+    return false;
+}
+
+/* Samples rq's next token from its logits row (with a grammar: under this
+ * step's mask, r->mask). */
 static void sample(k3_engine *e, req *r, float *lg, double t) {
     const int64_t V = e->V;
+    bool complete = false;
+    if (r->gm) {
+        /* the mask on the raw row, so the logprobs are those of what may be
+         * sampled; the stop ids, which the mask forbids unless the grammar
+         * writes them, are allowed back where the text is complete */
+        const double t0 = k3_now();
+        complete = k3_grammar_matcher_is_complete(r->gm);
+        for (int32_t i = 0; i < r->p.n_stop_ids; i++) r->stop_raw[i] = lg[r->stop_ids[i]];
+        k3_grammar_mask_apply(r->gv, r->mask, lg, (int32_t)V);
+        if (complete)
+            for (int32_t i = 0; i < r->p.n_stop_ids; i++) lg[r->stop_ids[i]] = r->stop_raw[i];
+        e->grammar_s += k3_now() - t0;
+    }
     /* the sampler works in place: on a copy only when the raw row is still
      * needed for the logprobs (lg is this step's scratch, read by no one
      * after; a copy is V floats per request per step: 640 KB at K3's vocab) */
@@ -767,7 +839,7 @@ static void sample(k3_engine *e, req *r, float *lg, double t) {
         row = e->row;
     }
     /* min_tokens: the stop ids cannot be generated before (as vLLM) */
-    if (r->n_gen < r->p.min_tokens) {
+    if (r->n_gen < r->p.min_tokens && (!r->gm || grammar_allows_text(e, r))) {
         if (!r->p.ignore_eos)
             for (int32_t i = 0; i < e->n_eos; i++) row[e->eos[i]] = -INFINITY;
         for (int32_t i = 0; i < r->p.n_stop_ids; i++) row[r->stop_ids[i]] = -INFINITY;
@@ -799,12 +871,79 @@ static void sample(k3_engine *e, req *r, float *lg, double t) {
     }
     if (r->n_gen == 2 && r->remote) r->t_second = t;
     r->t_last = t;
-    if (is_stop(e, r, id) && r->n_gen >= r->p.min_tokens) {
+    if (r->gm) {
+        /* a stop id ends a complete text (it is not the grammar's); every
+         * other token is the grammar's, and its end (an EOS accepted where
+         * the text is complete) ends the request */
+        k3_error gerr = {0};
+        if (complete && is_stop_id(r, id) && !is_eos(e, id)) {
+            r->stop_id = id;
+            finish(e, r, K3_FINISH_STOP, t);
+            return;
+        }
+        if (k3_grammar_matcher_accept(r->gm, id, &gerr)) {
+            snprintf(r->error, sizeof r->error, "request %llu: the grammar refused token %d: %.400s",
+                     (unsigned long long)rq->id, id, gerr.msg);
+            finish(e, r, K3_FINISH_ERROR, t);
+            return;
+        }
+        if (k3_grammar_matcher_is_ended(r->gm)) {
+            r->stop_id = id;
+            finish(e, r, K3_FINISH_STOP, t);
+            return;
+        }
+    }
+    if (!r->gm && is_stop(e, r, id) && r->n_gen >= r->p.min_tokens) {
         r->stop_id = id;
         finish(e, r, K3_FINISH_STOP, t);
     } else if (r->n_gen >= r->p.max_tokens || rq->n_tok >= e->max_model_len) {
         finish(e, r, K3_FINISH_LENGTH, t);
     }
+}
+
+/* Fills r->mask for each request of the plan that samples this step under
+ * a grammar (lg_of set), all in one k3_grammar_fill_masks over the pool. A
+ * matcher that is not at the output's end (the tokens it has accepted are
+ * not those generated, which a recompute never changes) is rebuilt from
+ * the tokens first. A request whose mask cannot be made fails alone. */
+static void grammar_masks(k3_engine *e, int32_t n_plan, double t) {
+    int32_t n = 0;
+    const double t0 = k3_now();
+    for (int32_t i = 0; i < n_plan; i++) {
+        req *r = e->sched.plan[i]->owner;
+        if (!e->lg_of[i] || !r->gm || r->finished) continue;
+        if (k3_grammar_matcher_n_tokens(r->gm) != r->n_gen) {
+            k3_error gerr = {0};
+            size_t n_ok = 0;
+            k3_grammar_matcher_reset(r->gm);
+            if (k3_grammar_matcher_accept_tokens(r->gm, r->rq.tok + r->rq.n_prompt, (size_t)r->n_gen, &n_ok, &gerr)) {
+                snprintf(r->error, sizeof r->error, "request %llu: its tokens do not match its grammar: %.400s",
+                         (unsigned long long)r->rq.id, gerr.msg);
+                finish(e, r, K3_FINISH_ERROR, t);
+                continue;
+            }
+        }
+        e->g_m[n] = r->gm;
+        e->g_mask[n++] = r->mask;
+    }
+    if (!n) return;
+    k3_error gerr = {0};
+    if (k3_grammar_fill_masks(e->g_m, e->g_mask, n, e->o.pool, &gerr)) {
+        /* one at a time, to fail only the requests whose masks fail */
+        for (int32_t i = 0; i < n_plan; i++) {
+            req *r = e->sched.plan[i]->owner;
+            if (!e->lg_of[i] || !r->gm || r->finished) continue;
+            k3_error one = {0};
+            if (k3_grammar_matcher_fill_mask(r->gm, r->mask, &one)) {
+                snprintf(r->error, sizeof r->error, "request %llu: no grammar mask: %.400s", (unsigned long long)r->rq.id,
+                         one.msg);
+                finish(e, r, K3_FINISH_ERROR, t);
+            }
+        }
+    }
+    e->grammar_steps++;
+    e->grammar_masks += n;
+    e->grammar_s += k3_now() - t0;
 }
 
 /* prompt logprobs from rows [0, n) of a chunk that starts at position c */
@@ -895,6 +1034,9 @@ static void publish_stats(k3_engine *e) {
     for (int32_t i = 0; i < e->n_pulls; i++) st->pull_blocks += e->pulls[i]->rq.n_blocks;
     st->pulls_ok = e->pulls_ok;
     st->pulls_failed = e->pulls_failed;
+    st->grammar_steps = e->grammar_steps;
+    st->grammar_masks = e->grammar_masks;
+    st->grammar_s = e->grammar_s;
     if (e->bm.track) k3_kv_track_get(&e->bm, &e->kv_res);
     pthread_mutex_unlock(&e->mu);
 }
@@ -938,7 +1080,22 @@ static void land(k3_engine *e, req *r, double t) {
     k3_sched_hash(s, rq);
     r->t_first_token = r->t_last = r->t_landed = t;
     rq->events |= K3_EV_FIRST_TOKEN;
-    if (is_stop(e, r, id) && r->n_gen >= r->p.min_tokens) {
+    bool stop = is_stop(e, r, id) && r->n_gen >= r->p.min_tokens;
+    if (r->gm) { /* the first token is the grammar's too, as a local first step takes it */
+        k3_error gerr = {0};
+        if (k3_grammar_matcher_is_complete(r->gm) && is_stop_id(r, id) && !is_eos(e, id)) {
+            stop = true;
+        } else if (k3_grammar_matcher_accept(r->gm, id, &gerr)) {
+            snprintf(r->error, sizeof r->error,
+                     "request %llu: the grammar refused token %d, the prefill instance's first: %.400s",
+                     (unsigned long long)rq->id, id, gerr.msg);
+            finish(e, r, K3_FINISH_ERROR, t);
+            return;
+        } else {
+            stop = k3_grammar_matcher_is_ended(r->gm);
+        }
+    }
+    if (stop) {
         r->stop_id = id;
         finish(e, r, K3_FINISH_STOP, t);
     } else if (r->n_gen >= r->p.max_tokens || rq->n_tok >= e->max_model_len) {
@@ -1247,10 +1404,18 @@ static k3_status step(k3_engine *e, k3_step_result *res, k3_error *err) {
             lg = e->logits + row * e->V;
             row++;
         }
+        e->lg_of[i] = NULL;
         if (rq->n_computed == rq->n_tok) { /* the prefill (or the last token) is done */
             if (r->p.max_tokens == 0) finish(e, r, K3_FINISH_LENGTH, t);
-            else if (lg) sample(e, r, lg, t);
+            else e->lg_of[i] = lg;
         }
+    }
+    /* the grammar masks of every constrained request that samples now, in
+     * one call over the pool, so that they do not queue behind each other */
+    if (!fst) grammar_masks(e, n_plan, t);
+    for (int32_t i = 0; i < n_plan; i++) {
+        req *r = s->plan[i]->owner;
+        if (!fst && e->lg_of[i] && !r->finished) sample(e, r, e->lg_of[i], t);
     }
 
     step_pulls(e, k3_now());

@@ -14,6 +14,11 @@
  *
  *   [ think as above ] <|close|>response<|sep|>                (no content)
  *   <|open|>tools<|sep|> CALL+ <|close|>tools<|sep|> [<|close|>message<|sep|>]
+ *
+ * or, with tools_optional, TEXT <|close|>response<|sep|> [<|open|>tools<|sep|>
+ * CALL+ <|close|>tools<|sep|>] [<|close|>message<|sep|>] (TEXT without
+ * <|close|>), and with a JSON Schema text beside the tools, either JSON
+ * <|close|>response<|sep|> or <|close|>response<|sep|> and the calls.
  *   CALL = <|open|>call tool="NAME" index="N"<|sep|> ARGS <|close|>call<|sep|>
  *   ARGS = (<|open|>argument key="K" type="T"<|sep|> VALUE <|close|>argument<|sep|>)*
  *        | <|open|>json type="object"<|sep|> {...} <|close|>json<|sep|>
@@ -148,10 +153,30 @@ static k3_status tool_calls(k3g_builder *b, const k3_grammar_spec *spec, const c
     }
     if (st == K3_OK) {
         k3g_ast *pre = spec->thinking ? think_part(b, &s) : k3g_empty(b);
-        k3g_ast *kk[5] = {pre, tag(b, s.close, "response", s.sep), tag(b, s.open, "tools", s.sep), all,
-                          tag(b, s.close, "tools", s.sep)};
-        *out = k3g_seq2(b, k3g_seq(b, kk, 5), reply_end(b, &s));
-        if (!*out) st = K3_ERR_NOMEM;
+        k3g_ast *calls_part = k3g_seq3(b, tag(b, s.open, "tools", s.sep), all, tag(b, s.close, "tools", s.sep));
+        k3g_ast *turn;
+        if (spec->tools_optional && spec->text) {
+            /* content matching the JSON Schema text, or the calls */
+            k3g_json_opts o = {.ws = spec->compact ? K3G_WS_COMPACT : K3G_WS_FLEX,
+                               .no_extra = spec->no_extra_properties,
+                               .int_canon = spec->canonical_numbers,
+                               .where = spec->text_where ? spec->text_where : "json_schema"};
+            int32_t r;
+            st = k3g_json_schema(b, spec->text, &o, &r);
+            turn = st ? NULL
+                      : k3g_alt2(b, k3g_seq2(b, k3g_ref(b, r), tag(b, s.close, "response", s.sep)),
+                                 k3g_seq2(b, tag(b, s.close, "response", s.sep), calls_part));
+        } else if (spec->tools_optional) {
+            /* text content (a raw string: no <|close|> in it), then the calls or none */
+            int32_t text = k3g_std_rule(b, K3G_STD_RAW_STRING);
+            turn = text < 0 ? NULL
+                            : k3g_seq3(b, k3g_ref(b, text), tag(b, s.close, "response", s.sep),
+                                       k3g_rep(b, calls_part, 0, 1));
+        } else {
+            turn = k3g_seq2(b, tag(b, s.close, "response", s.sep), calls_part);
+        }
+        *out = st ? NULL : k3g_seq3(b, pre, turn, reply_end(b, &s));
+        if (!st && !*out) st = K3_ERR_NOMEM;
     }
     free(body);
     if (st == K3_ERR_NOMEM && !(b->err && b->err->status)) k3_err(b->err, st, "out of memory compiling tool calls");
@@ -174,7 +199,8 @@ k3_status k3_grammar_compile(k3_grammar **out, const k3_grammar_vocab *v, const 
     if (needs_text && !spec->text) st = k3_err(err, K3_ERR_ARG, "%s: no text given", where);
     if (st == K3_OK) switch (spec->kind) {
         case K3_GRAMMAR_JSON_SCHEMA: {
-            k3g_json_opts o = {.ws = ws, .no_extra = spec->no_extra_properties, .where = where};
+            k3g_json_opts o = {.ws = ws, .no_extra = spec->no_extra_properties, .int_canon = spec->canonical_numbers,
+                               .where = where};
             int32_t r;
             st = k3g_json_schema(&b, spec->text, &o, &r);
             if (st == K3_OK) content = k3g_ref(&b, r);

@@ -88,6 +88,8 @@ k3_grammar *k3_grammar_ref(k3_grammar *g) {
     return g;
 }
 
+const k3_grammar_vocab *k3_grammar_get_vocab(const k3_grammar *g) { return g ? g->vocab : NULL; }
+
 void k3_grammar_free(k3_grammar *g) {
     if (g && atomic_fetch_sub(&g->refs, 1) == 1) k3g_grammar_destroy(g);
 }

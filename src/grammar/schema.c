@@ -90,6 +90,7 @@ typedef struct js {
     const char *root_id;
     k3g_ws ws;
     bool no_extra;
+    bool int_canon;       /* numbers as JSON writers write them (k3_grammar_spec.canonical_numbers) */
     memo_e *memo;
     size_t n_memo, cap_memo;
     fmt_e *fmts;
@@ -401,7 +402,15 @@ static k3g_ast *colon(js *J) {
 static k3g_ast *int_canon(js *J) {
     return k3g_alt2(J->b, L(J, "0"), k3g_seq2(J->b, D(J, 1, 9), DIGITS(J, 0, -1)));
 }
-static k3g_ast *frac_any(js *J) { return k3g_rep(J->b, k3g_seq2(J->b, L(J, "."), DIGITS(J, 1, -1)), 0, 1); }
+/* any integer: the standard rule (a zero fraction allowed), or with
+ * int_canon -?(0|[1-9][0-9]*) */
+static k3g_ast *int_any(js *J) {
+    if (!J->int_canon) return k3g_ref(J->b, k3g_std_rule(J->b, K3G_STD_INTEGER));
+    return k3g_seq2(J->b, k3g_rep(J->b, L(J, "-"), 0, 1), int_canon(J));
+}
+static k3g_ast *frac_any(js *J) {
+    return k3g_rep(J->b, k3g_seq2(J->b, L(J, "."), DIGITS(J, 1, J->int_canon ? 15 : -1)), 0, 1);
+}
 static k3g_ast *nn_any(js *J) { return k3g_seq2(J->b, int_canon(J), frac_any(J)); }
 static k3g_ast *zero_nn(js *J) {
     return k3g_seq2(J->b, L(J, "0"), k3g_rep(J->b, k3g_seq2(J->b, L(J, "."), k3g_rep(J->b, L(J, "0"), 1, -1)), 0, 1));
@@ -620,14 +629,16 @@ static k3_status number_dfa(js *J, const json_t *s, int mode, k3g_fa *out, bool 
     size_t ix;
     json_t *ev;
     json_array_foreach(extra, ix, ev) json_array_append(mults, ev);
-    if (!has_lo && !has_hi && json_array_size(mults) == 0 && mode != NUM_FRAC) {
+    if (!has_lo && !has_hi && json_array_size(mults) == 0 && mode != NUM_FRAC && !J->int_canon) {
         json_decref(mults);
         return K3_OK;
     }
     *none = false;
     /* the number syntax, no exponent */
     k3g_ast *sign = k3g_rep(b, L(J, "-"), 0, 1), *shape;
-    if (mode == NUM_INT) {
+    if (mode == NUM_INT && J->int_canon) {
+        shape = k3g_seq2(b, sign, int_canon(J));
+    } else if (mode == NUM_INT) {
         /* a zero fraction only up to 15 digits (the standard integer rule says why) */
         k3g_ast *small = k3g_alt2(b, L(J, "0"), k3g_seq2(b, D(J, 1, 9), DIGITS(J, 0, 14)));
         k3g_ast *frac = k3g_seq2(b, L(J, "."), k3g_rep(b, L(J, "0"), 1, -1));
@@ -1448,7 +1459,7 @@ static k3g_ast *any_of_types(js *J, unsigned types, int enc) {
     if (types & T_NULL) k[n++] = L(J, "null");
     if (types & T_BOOL) k[n++] = k3g_alt2(b, L(J, "true"), L(J, "false"));
     if ((types & T_NUM) == T_NUM) k[n++] = k3g_ref(b, k3g_std_rule(b, K3G_STD_NUMBER));
-    else if (types & T_INT) k[n++] = k3g_ref(b, k3g_std_rule(b, K3G_STD_INTEGER));
+    else if (types & T_INT) k[n++] = int_any(J);
     else if (types & T_FRAC) {
         k3g_fa d = {0};
         bool none;
@@ -1480,7 +1491,8 @@ static k3g_ast *literal(js *J, const json_t *v, int enc) {
         }
         k3g_ast *sign = d.neg ? L(J, "-") : dec_is_zero(&d) ? k3g_rep(b, L(J, "-"), 0, 1) : k3g_empty(b);
         k3g_ast *tail;
-        if (!d.F[0]) tail = k3g_rep(b, k3g_seq2(b, L(J, "."), k3g_rep(b, L(J, "0"), 1, -1)), 0, 1);
+        if (J->int_canon) tail = d.F[0] ? k3g_seq2(b, L(J, "."), L(J, d.F)) : k3g_empty(b);
+        else if (!d.F[0]) tail = k3g_rep(b, k3g_seq2(b, L(J, "."), k3g_rep(b, L(J, "0"), 1, -1)), 0, 1);
         else tail = k3g_seq3(b, L(J, "."), L(J, d.F), k3g_rep(b, L(J, "0"), 0, -1));
         return k3g_seq3(b, sign, L(J, d.I), tail);
     }
@@ -1981,7 +1993,7 @@ static k3g_ast *flat(js *J, json_t *s, unsigned types, int enc, bool *is_std_ref
         json_decref(tmp);
         if (st != K3_OK) return NULL;
         if (none) {
-            k[n++] = k3g_ref(b, k3g_std_rule(b, int_only ? K3G_STD_INTEGER : K3G_STD_NUMBER));
+            k[n++] = int_only ? int_any(J) : k3g_ref(b, k3g_std_rule(b, K3G_STD_NUMBER));
         } else {
             k[n++] = k3g_fa_rule(b, &d, J->path);
             if (!k[n - 1]) return NULL;
@@ -2150,8 +2162,9 @@ static void js_free(js *J) {
     json_decref(J->root);
 }
 
-static k3_status js_open(js *J, k3g_builder *b, const char *text, const char *where, k3g_ws ws, bool no_extra) {
-    *J = (js){.b = b, .err = b->err, .ws = ws, .no_extra = no_extra};
+static k3_status js_open(js *J, k3g_builder *b, const char *text, const char *where, k3g_ws ws, bool no_extra,
+                         bool int_canon) {
+    *J = (js){.b = b, .err = b->err, .ws = ws, .no_extra = no_extra, .int_canon = int_canon};
     snprintf(J->path, sizeof J->path, "%s", where);
     J->plen = strlen(J->path);
     size_t len = strlen(text);
@@ -2171,7 +2184,7 @@ static k3_status js_open(js *J, k3g_builder *b, const char *text, const char *wh
 k3_status k3g_json_schema(k3g_builder *b, const char *text, const k3g_json_opts *o, int32_t *rule) {
     *rule = -1;
     js J;
-    k3_status st = js_open(&J, b, text, o->where ? o->where : "json_schema", o->ws, o->no_extra);
+    k3_status st = js_open(&J, b, text, o->where ? o->where : "json_schema", o->ws, o->no_extra, o->int_canon);
     if (st == K3_OK) {
         k3g_ast *a = value_of(&J, J.root, T_ALL, ENC_JSON);
         if (!a) st = b->err && b->err->status ? b->err->status : K3_ERR_NOMEM;
@@ -2222,7 +2235,7 @@ k3_status k3g_tool_args(k3g_builder *b, const char *params, const char *where, k
         return *out ? K3_OK : K3_ERR_NOMEM;
     }
     js J;
-    k3_status st = js_open(&J, b, params, where, K3G_WS_PY, true);
+    k3_status st = js_open(&J, b, params, where, K3G_WS_PY, true, true);
     int32_t open = b->vocab ? k3g_vocab_special(b->vocab, "<|open|>", 8) : -1;
     int32_t sepid = b->vocab ? k3g_vocab_special(b->vocab, "<|sep|>", 7) : -1;
     int32_t close = b->vocab ? k3g_vocab_special(b->vocab, "<|close|>", 9) : -1;

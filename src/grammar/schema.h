@@ -11,6 +11,7 @@
 typedef struct k3g_json_opts {
     k3g_ws ws;
     bool no_extra;        /* absent additionalProperties means false */
+    bool int_canon;       /* numbers as JSON writers write them (k3_grammar_spec.canonical_numbers) */
     const char *where;    /* error path prefix */
 } k3g_json_opts;
 

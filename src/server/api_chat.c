@@ -13,6 +13,7 @@
 
 #include "common/error.h"
 #include "server/api.h"
+#include "server/constraint.h"
 #include "server/http.h"
 #include "server/job.h"
 #include "tokenizer/reasoning.h"
@@ -139,7 +140,8 @@ static bool chat_prompt(struct k3_server *s, json_t *root, k3_srv_request *rq, k
         return k3_srv_bad_set(e, err.status == K3_ERR_NOMEM ? 500 : 400, "%s", err.msg);
     int32_t *ids = rq->vp.ids; /* the request owns the ids now */
     rq->vp.ids = NULL;
-    return k3_srv_request_one_prompt(rq, ids, (int64_t)rq->vp.n_ids, e);
+    return k3_srv_request_one_prompt(rq, ids, (int64_t)rq->vp.n_ids, e) &&
+           k3_srv_constraint_openai(s, K3_API_CHAT, root, rq->thinking, &rq->grammar, e);
 }
 
 /* ---- the reply ------------------------------------------------------------ */

@@ -36,6 +36,7 @@
 
 #include "common/error.h"
 #include "server/api.h"
+#include "server/constraint.h"
 #include "server/http.h"
 #include "server/items.h"
 #include "server/job.h"
@@ -420,7 +421,14 @@ static bool msg_prompt(struct k3_server *s, json_t *root, k3_srv_request *rq, k3
     if (encode(s, x, &rq->vp, &err)) return k3_srv_bad_set(e, err.status == K3_ERR_NOMEM ? 500 : 400, "%s", err.msg);
     int32_t *ids = rq->vp.ids;
     rq->vp.ids = NULL;
-    return k3_srv_request_one_prompt(rq, ids, (int64_t)rq->vp.n_ids, e);
+    /* output_config.format and tool_choice any / tool constrain the reply (constraint.h) */
+    json_t *tc = json_object_get(root, "tool_choice");
+    return k3_srv_request_one_prompt(rq, ids, (int64_t)rq->vp.n_ids, e) &&
+           k3_srv_constraint_words(s, x->response_format, "output_config.format", "output_config.format.schema",
+                                   x->tools, x->tool_choice[0] ? x->tool_choice : NULL,
+                                   x->tool_name[0] ? x->tool_name : NULL,
+                                   !json_is_true(json_object_get(tc, "disable_parallel_tool_use")), x->thinking,
+                                   &rq->grammar, e);
 }
 
 /* ---- the answer -------------------------------------------------------------- */

@@ -36,6 +36,7 @@
 
 #include "common/error.h"
 #include "server/api.h"
+#include "server/constraint.h"
 #include "server/http.h"
 #include "server/items.h"
 #include "server/job.h"
@@ -436,7 +437,11 @@ static bool resp_prompt(struct k3_server *s, json_t *root, k3_srv_request *rq, k
         return k3_srv_bad_set(e, err.status == K3_ERR_NOMEM ? 500 : 400, "%s", err.msg);
     int32_t *ids = rq->vp.ids;
     rq->vp.ids = NULL;
-    return k3_srv_request_one_prompt(rq, ids, (int64_t)rq->vp.n_ids, e);
+    /* text.format and tool_choice constrain the reply (constraint.h) */
+    return k3_srv_request_one_prompt(rq, ids, (int64_t)rq->vp.n_ids, e) &&
+           k3_srv_constraint_words(s, x->response_format, "text.format", "text.format.schema", x->tools, in.tool_choice,
+                                   in.tool_name, !json_is_false(json_object_get(root, "parallel_tool_calls")),
+                                   x->thinking, &rq->grammar, e);
 }
 
 /* ---- the answer ------------------------------------------------------------ */

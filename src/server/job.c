@@ -51,6 +51,8 @@ static void job_destroy(k3_srv_group *g) {
         k3_srv_seq_free(&c->q);
         k3_buf_free(&c->text);
         free(c->tok_end);
+        free(c->complete);
+        k3_grammar_matcher_free(c->gm);
         k3_tool_stream_free(&c->ts);
     }
     k3_srv_pd_free(j);
@@ -91,6 +93,38 @@ static void add_token(k3_srv_job *j, k3_srv_choice *c, int32_t id) {
     c->sp = SP_TEXT;
 }
 
+/* With a grammar and stop strings: whether the text after generated token
+ * n_seen is a complete match, from the choice's own matcher (a token it refuses, which
+ * the engine's would not have sampled, turns the tracking off: no stop
+ * string ends the output then). */
+static void grammar_track(k3_srv_job *j, k3_srv_choice *c, int32_t id) {
+    k3_error err = {0};
+    if (!c->gm && !c->gm_off) {
+        if (k3_grammar_matcher_init(&c->gm, j->rq.grammar, &err)) c->gm_off = true;
+        else c->complete0 = k3_grammar_matcher_is_complete(c->gm);
+    }
+    if (!c->gm_off && k3_grammar_matcher_accept(c->gm, id, &err)) c->gm_off = true;
+    c->complete[c->n_seen] = !c->gm_off && k3_grammar_matcher_is_complete(c->gm);
+}
+
+/* The first stop string in c's unsent text (k3_stops_find); with a grammar
+ * only one that begins where the text before it is complete, so a stop
+ * string never cuts a structured output short. */
+static long find_stop(k3_srv_job *j, k3_srv_choice *c, size_t *sl) {
+    size_t from = c->emitted;
+    for (;;) {
+        const long at = k3_stops_find(&j->rq.stops, c->text.p, c->text.len, from, sl);
+        if (at < 0 || !j->rq.grammar) return at;
+        bool ok = at == 0 && c->complete0;
+        for (size_t k = c->n_seen + 1; !ok && k-- > 0;) {
+            if (c->tok_end[k] < (size_t)at) break;
+            ok = c->tok_end[k] == (size_t)at && c->complete[k];
+        }
+        if (ok) return at;
+        from = (size_t)at + 1;
+    }
+}
+
 void k3_srv_choice_advance(k3_srv_job *j, k3_srv_choice *c) {
     const k3_srv_seq *q = &c->q;
     if (c->done) return;
@@ -98,7 +132,11 @@ void k3_srv_choice_advance(k3_srv_job *j, k3_srv_choice *c) {
         size_t cap = c->tok_cap ? c->tok_cap * 2 : 64;
         while (cap < q->n_tok) cap *= 2;
         size_t *te = realloc(c->tok_end, sizeof *te * cap);
-        if (!te) {
+        const bool track = j->rq.grammar && j->rq.stops.n;
+        uint8_t *cm = te && track ? realloc(c->complete, cap) : NULL;
+        if (cm) c->complete = cm;
+        if (!te || (track && !cm)) {
+            if (te) c->tok_end = te;
             if (!q->error[0]) snprintf(c->q.error, sizeof c->q.error, "out of memory for the generated text");
             k3_srv_cancel(j->s, &c->q);
             c->done = true;
@@ -115,10 +153,11 @@ void k3_srv_choice_advance(k3_srv_job *j, k3_srv_choice *c) {
                               id == q->stop_id;
         if (!stop_tok || j->rq.include_stop_str) add_token(j, c, id);
         c->tok_end[c->n_seen] = c->text.len;
+        if (j->rq.grammar && j->rq.stops.n) grammar_track(j, c, id);
         if (j->rq.stops.n) {
             /* a stop can begin in the held-back text, never in sent text */
             size_t sl = 0;
-            const long at = k3_stops_find(&j->rq.stops, c->text.p, c->text.len, c->emitted, &sl);
+            const long at = find_stop(j, c, &sl);
             if (at >= 0) {
                 for (int k = 0; k < j->rq.stops.n && !c->stop_which; k++)
                     if (j->rq.stops.len[k] == sl && !memcmp(c->text.p + at, j->rq.stops.s[k], sl)) c->stop_which = k + 1;
@@ -558,6 +597,7 @@ static k3_request_params engine_request(k3_srv_job *j, int i) {
         .prompt_logprobs = rq->echo && rq->logprobs >= 0 ? (int32_t)rq->logprobs : -1,
         .embeds = rq->vp.n_images ? (const float *const *)rq->vp.embeds : NULL,
         .extra_keys = rq->vp.n_images ? rq->vp.keys : NULL,
+        .grammar = rq->grammar,
     };
     k3_srv_pd_request(j, &p); /* kept for a decode instance, or pulled from a prefill one */
     return p;

@@ -68,6 +68,11 @@ typedef struct k3_srv_choice {
     bool final_sent;   /* its last event */
     size_t sent_reasoning, sent_content;
     k3_tool_stream ts; /* tool calls streamed */
+    /* with a grammar: which token ends leave a complete text (stop strings
+     * end the output only there), from a matcher of its own */
+    k3_grammar_matcher *gm;
+    uint8_t *complete; /* [n_seen] after token i */
+    bool complete0, gm_off;
 } k3_srv_choice;
 
 /* An API surface: how its answers look. */

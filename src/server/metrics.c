@@ -185,6 +185,12 @@ void k3_metrics_render(k3_metrics *m, const k3_engine_stats *st, const char *mod
            (double)st->n_snapshots);
     metric(o, "k3:kda_snapshot_bytes", "gauge", "Bytes of KDA state snapshots held by the prefix cache.", model,
            (double)st->snapshot_bytes);
+    metric(o, "k3:grammar_steps_total", "counter", "Engine steps that filled grammar masks (structured outputs).",
+           model, (double)st->grammar_steps);
+    metric(o, "k3:grammar_masks_total", "counter", "Grammar masks filled, one per constrained request and step.", model,
+           (double)st->grammar_masks);
+    metric(o, "k3:grammar_seconds_total", "counter",
+           "Time the engine's steps spent filling and applying grammar masks.", model, st->grammar_s);
     for (int i = 0; i < K3_H_COUNT; i++) {
         const k3_hist *h = &m->h[i];
         k3_buf_addf(o, "# HELP %s %s\n# TYPE %s histogram\n", h->name, h->help, h->name);

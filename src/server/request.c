@@ -391,5 +391,6 @@ void k3_srv_request_free(k3_srv_request *rq) {
     free(rq->bad_words);
     free(rq->bad_word_off);
     json_decref(rq->kv_transfer);
+    k3_grammar_free(rq->grammar);
     memset(rq, 0, sizeof *rq);
 }

@@ -53,6 +53,7 @@
 #include "common/error.h"
 #include "common/json_guard.h"
 #include "server/api.h"
+#include "server/constraint.h"
 #include "server/engine_loop.h"
 #include "server/http.h"
 #include "server/routes.h"
@@ -598,6 +599,8 @@ static void server_free(struct k3_server *s) {
     pthread_mutex_destroy(&s->conn_mu);
     pthread_cond_destroy(&s->reaper_cv);
     pthread_mutex_destroy(&s->vision_mu);
+    k3_srv_constraint_free(s);
+    pthread_mutex_destroy(&s->grammar_mu);
     free(s);
 }
 
@@ -621,6 +624,7 @@ k3_status k3_server_start(k3_server **out, const k3_server_options *opt, k3_erro
     pthread_mutex_init(&s->conn_mu, NULL);
     pthread_cond_init(&s->reaper_cv, NULL);
     pthread_mutex_init(&s->vision_mu, NULL);
+    pthread_mutex_init(&s->grammar_mu, NULL);
     s->vision = opt->vision;
     s->pd = opt->pd;
     s->vision_pool = opt->vision_pool;

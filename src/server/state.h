@@ -93,6 +93,11 @@ struct k3_server {
     struct k3_srv_store *responses;
     /* the chat page at / is off (--no-ui) */
     bool no_ui;
+    /* structured outputs (constraint.c): the model's grammar vocabulary (made
+     * on first use) and the cache of compiled grammars, under grammar_mu */
+    pthread_mutex_t grammar_mu;
+    k3_grammar_vocab *gvocab;
+    struct k3_srv_gcache *gcache;
 };
 
 #endif /* K3_SERVER_STATE_H */
