@@ -41,7 +41,7 @@ MODEL   ?= models/k3-mini
 PROMPT  ?= It is a truth universally acknowledged, that
 RUN_ARGS?= -n 64
 
-.PHONY: all help deps run test test-unit test-cli clean asan ubsan format check-reference kbench xcore stepgap amxbench
+.PHONY: all help deps run test test-unit test-cli clean asan ubsan format check-reference kbench xcore stepgap amxbench tcpcopy
 all: $(BUILD)/k3 $(BUILD)/k3-test
 
 help:
@@ -175,6 +175,11 @@ amxbench: $(BUILD)/amxbench
 $(BUILD)/xcore: bench/xcore.c $(BUILD)/libk3.a
 	$(CC) $(K3_CFLAGS) $(PC_CFLAGS) $(CFLAGS) -o $@ $< $(BUILD)/libk3.a $(PC_LIBS) $(LDLIBS)
 xcore: $(BUILD)/xcore
+
+# Developer tool: the plain loopback TCP copy the prefill -> decode transfer is held against.
+$(BUILD)/tcpcopy: bench/tcpcopy.c | $(DEPS_OK)
+	$(CC) $(K3_CFLAGS) $(CFLAGS) -o $@ $< -pthread
+tcpcopy: $(BUILD)/tcpcopy
 
 # Developer tool: the engine's decode step against a bare context's, interleaved.
 $(BUILD)/stepgap: bench/stepgap.c $(BUILD)/libk3.a

@@ -12,6 +12,8 @@ int k3_cmd_tokenize(int argc, char **argv);
 int k3_cmd_eval(int argc, char **argv);
 int k3_cmd_bench(int argc, char **argv);
 int k3_cmd_serve(int argc, char **argv);
+/* k3 serve --role proxy (cmd_proxy.c) */
+int k3_cmd_serve_proxy(int argc, char **argv);
 int k3_cmd_bench_serve(int argc, char **argv);
 int k3_cmd_bench_throughput(int argc, char **argv); /* `k3 bench throughput` */
 

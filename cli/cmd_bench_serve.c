@@ -22,7 +22,11 @@
  * --no-thinking turns chat's and Responses' thinking off (Anthropic's is
  * off unless asked), so the three send one prompt: K3's thinking-effort
  * system message alone is ~150 tokens, which would otherwise be timed as
- * a difference between the APIs.
+ * a difference between the APIs. A mixed workload: --long-input-len L
+ * makes each request, with probability --long-fraction F, a prompt of L
+ * tokens instead (long prompts arriving while others decode); the
+ * inter-token latency of the short requests alone is reported beside the
+ * whole (what a long prefill does to the decodes around it).
  */
 #include <curl/curl.h>
 #include <errno.h>
@@ -51,7 +55,7 @@ typedef struct req {
     double *itl;
     int n_itl, cap_itl, n_chunks;
     long prompt_tokens, completion_tokens;
-    bool got_usage, done_marker, error, drop, dropped;
+    bool got_usage, done_marker, error, drop, dropped, is_long;
     int drop_after;
     char err[256];
 } req;
@@ -267,6 +271,8 @@ static int usage_bs(FILE *f) {
             "  --random-output-len O      output tokens (default 128)\n"
             "  --random-range-ratio R     lengths uniform in [x(1-R), x(1+R)] (default 0)\n"
             "  --prefix-len P             a shared prefix of P tokens before every prompt\n"
+            "  --long-input-len L         a mixed workload: a share of the prompts have L tokens instead\n"
+            "  --long-fraction F          that share (default 0.25 with --long-input-len)\n"
             "  --num-prompts N            requests (default 100)\n"
             "  --max-concurrency C        requests in flight at most (default: no limit)\n"
             "  --request-rate R           requests/s, Poisson arrivals (default inf)\n"
@@ -391,8 +397,8 @@ int k3_cmd_bench_serve(int argc, char **argv) {
     const char *base = NULL, *model = NULL, *endpoint = "completions", *tok_dir = K3_DEFAULT_MODEL;
     const char *key = getenv("OPENAI_API_KEY");
     if (!key) key = getenv("K3_API_KEY");
-    long in_len = 1024, out_len = 128, n_prompts = 100, conc = 0, prefix_len = 0, timeout = 600;
-    double range = 0, rate = INFINITY, drop_frac = 0;
+    long in_len = 1024, out_len = 128, n_prompts = 100, conc = 0, prefix_len = 0, timeout = 600, long_len = 0;
+    double range = 0, rate = INFINITY, drop_frac = 0, long_frac = 0.25;
     double slo_ttft = 0, slo_tpot = 0, slo_e2el = 0; /* ms; 0 = none */
     bool ignore_eos = false, json_out = false, goodput = false, no_thinking = false;
     uint64_t seed = 0;
@@ -419,6 +425,8 @@ int k3_cmd_bench_serve(int argc, char **argv) {
         else if (ARG("--random-output-len")) NUM(k3_cli_long(CMD, a, argv[++i], 1, 1L << 30, &out_len));
         else if (ARG("--random-range-ratio")) NUM(dbl(a, argv[++i], 0, 1, &range));
         else if (ARG("--prefix-len") || ARG("--random-prefix-len")) NUM(k3_cli_long(CMD, a, argv[++i], 0, 1L << 30, &prefix_len));
+        else if (ARG("--long-input-len")) NUM(k3_cli_long(CMD, a, argv[++i], 1, 1L << 30, &long_len));
+        else if (ARG("--long-fraction")) NUM(dbl(a, argv[++i], 0, 1, &long_frac));
         else if (ARG("--num-prompts")) NUM(k3_cli_long(CMD, a, argv[++i], 1, 1L << 30, &n_prompts));
         else if (ARG("--max-concurrency")) NUM(k3_cli_long(CMD, a, argv[++i], 0, 1L << 20, &conc));
         else if (ARG("--request-rate")) {
@@ -547,7 +555,9 @@ int k3_cmd_bench_serve(int argc, char **argv) {
     for (long i = 0; i < n_prompts; i++) {
         req *r = &rs[i];
         r->idx = (int)i;
-        const long il = range > 0 ? (long)(in_len * (1 - range) + rng_unit(&rng) * 2 * range * in_len) : in_len;
+        r->is_long = long_len > 0 && rng_unit(&rng) < long_frac;
+        const long base_len = r->is_long ? long_len : in_len;
+        const long il = range > 0 ? (long)(base_len * (1 - range) + rng_unit(&rng) * 2 * range * base_len) : base_len;
         const long ol = range > 0 ? (long)(out_len * (1 - range) + rng_unit(&rng) * 2 * range * out_len) : out_len;
         char *text = random_text(tok, prefix, (int)prefix_len, (int)(il > 0 ? il : 1), &rng);
         if (!text) {
@@ -654,8 +664,10 @@ int k3_cmd_bench_serve(int argc, char **argv) {
            *e2el = calloc((size_t)n_prompts, sizeof *e2el);
     size_t n_itl = 0, n_tpot = 0;
     for (long i = 0; i < n_prompts; i++) n_itl += (size_t)rs[i].n_itl;
-    double *itl = calloc(n_itl + 1, sizeof *itl);
-    if (!ttft || !tpot || !e2el || !itl) {
+    double *itl = calloc(n_itl + 1, sizeof *itl), *itl_s = calloc(n_itl + 1, sizeof *itl_s);
+    size_t n_itl_s = 0;
+    long n_long = 0;
+    if (!ttft || !tpot || !e2el || !itl || !itl_s) {
         fprintf(stderr, "k3 bench serve: out of memory\n");
         goto out;
     }
@@ -682,13 +694,15 @@ int k3_cmd_bench_serve(int argc, char **argv) {
         double tp = 0;
         if (out > 1) tpot[n_tpot++] = tp = (e2 - tt) / (double)(out - 1) * 1000;
         for (int k = 0; k < r->n_itl; k++) itl[n_itl++] = r->itl[k] * 1000;
+        for (int k = 0; !r->is_long && k < r->n_itl; k++) itl_s[n_itl_s++] = r->itl[k] * 1000;
+        n_long += r->is_long;
         ok++;
         if ((!slo_ttft || ttft[ok - 1] <= slo_ttft) && (!slo_tpot || tp <= slo_tpot) &&
             (!slo_e2el || e2el[ok - 1] <= slo_e2el))
             good++;
     }
     const dist dt = dist_of(ttft, (size_t)ok), dp = dist_of(tpot, n_tpot), di = dist_of(itl, n_itl),
-               de = dist_of(e2el, (size_t)ok);
+               de = dist_of(e2el, (size_t)ok), ds_short = dist_of(itl_s, n_itl_s);
     if (json_out) {
         json_t *j = json_pack("{s:I,s:I,s:I,s:I,s:f,s:I,s:I,s:f,s:f,s:f}", "completed", (json_int_t)ok, "failed",
                               (json_int_t)failed, "disconnected", (json_int_t)dropped, "max_concurrency",
@@ -709,6 +723,16 @@ int k3_cmd_bench_serve(int argc, char **argv) {
             for (int q = 0; q < g_n_pct; q++) {
                 snprintf(k, sizeof k, "p%g_%s_ms", g_pct[q], names[m]);
                 json_object_set_new(j, k, json_real(ds[m]->pct[q]));
+            }
+        }
+        if (long_len > 0) { /* the mixed workload: the short requests' inter-token latency */
+            json_object_set_new(j, "long_requests", json_integer(n_long));
+            json_object_set_new(j, "long_input_len", json_integer(long_len));
+            json_object_set_new(j, "mean_itl_short_ms", json_real(ds_short.mean));
+            json_object_set_new(j, "median_itl_short_ms", json_real(ds_short.median));
+            for (int q = 0; q < g_n_pct; q++) {
+                snprintf(k, sizeof k, "p%g_itl_short_ms", g_pct[q]);
+                json_object_set_new(j, k, json_real(ds_short.pct[q]));
             }
         }
         if (first_err) json_object_set_new(j, "first_error", json_string(first_err));
@@ -748,6 +772,17 @@ int k3_cmd_bench_serve(int argc, char **argv) {
                 printf("%-40s %-10.2f\n", k, ds[m]->pct[q]);
             }
         }
+        if (long_len > 0) {
+            printf("-----Inter-token Latency (short requests)----------\n");
+            printf("%-40s %-10ld\n", "Long requests:", n_long);
+            printf("%-40s %-10.2f\n", "Mean ITL of the short (ms):", ds_short.mean);
+            printf("%-40s %-10.2f\n", "Median ITL of the short (ms):", ds_short.median);
+            for (int q = 0; q < g_n_pct; q++) {
+                char k[64];
+                snprintf(k, sizeof k, "P%g ITL of the short (ms):", g_pct[q]);
+                printf("%-40s %-10.2f\n", k, ds_short.pct[q]);
+            }
+        }
         printf("==================================================\n");
         if (first_err) fprintf(stderr, "k3 bench serve: first failure: %s\n", first_err);
     }
@@ -756,6 +791,7 @@ int k3_cmd_bench_serve(int argc, char **argv) {
     free(tpot);
     free(e2el);
     free(itl);
+    free(itl_s);
 out:
     for (long i = 0; rs && i < n_prompts; i++) {
         free(rs[i].body);

@@ -104,5 +104,17 @@ int k3_cmd_plan(int argc, char **argv) {
            (long long)p.ep_dispatch_bytes);
     printf("  ep_combine        %lld B over the EP group (remote results back + the combined row to E-1 ranks)\n",
            (long long)p.ep_combine_bytes);
+    /* prefill -> decode (src/pd): bytes on the wire are payload; each 1 MiB unit adds a 96-byte header */
+    const double link[2] = {100e9 / 8, 400e9 / 8};
+    printf("prefill -> decode, one prompt of %lld tokens:\n", (long long)o.context);
+    printf("  moves             %s = %lld tokens x %lld B + one KDA state of %s\n",
+           gb((double)p.pd_bytes_per_seq, b1, sizeof b1), (long long)o.context, (long long)p.cache_bytes_per_token,
+           gb((double)p.state_bytes_per_seq, b2, sizeof b2));
+    printf("  over one link     %.3f s at 100 Gb/s, %.3f s at 400 Gb/s\n", (double)p.pd_bytes_per_seq / link[0],
+           (double)p.pd_bytes_per_seq / link[1]);
+    printf("  to %d decode ranks %s each (its 1/%d of the rows + the state), each on its own link: %.3f s at 100 Gb/s, "
+           "%.3f s at 400 Gb/s\n",
+           o.dcp, gb((double)p.pd_bytes_per_rank, b3, sizeof b3), o.dcp, (double)p.pd_bytes_per_rank / link[0],
+           (double)p.pd_bytes_per_rank / link[1]);
     return 0;
 }

@@ -103,7 +103,18 @@ static int usage_serve(FILE *f) {
             "                               --dcp-topk-exchange allgather|butterfly); rank 0 serves HTTP and\n"
             "                               runs the engine, the others replay its forward passes\n"
             "  --dist-timeout S             a rank silent this long mid-pass fails the engine: every request\n"
-            "                               gets the error, then the job ends (default 300)\n",
+            "                               gets the error, then the job ends (default 300)\n"
+            "  --role prefill|decode|proxy  prefill and decode apart (docs/pd.md): a prefill instance keeps a\n"
+            "                               finished prompt's cache for a decode instance to pull; a decode\n"
+            "                               instance pulls it; `--role proxy --prefill URL[,URL...] --decode\n"
+            "                               URL[,URL...]` is the one endpoint in front of them (k3 serve --role\n"
+            "                               proxy --help)\n"
+            "  --kv-transfer-port N         the transfer listener's port (prefill; default 0 = any free port)\n"
+            "  --kv-transfer-host ADDR      its address (default: --host); --kv-transfer-advertise ADDR: the\n"
+            "                               address decode instances are told (default: the same)\n"
+            "  --kv-hold-timeout S          a kept prompt nobody pulled is freed after S seconds (default 120)\n"
+            "  --kv-transfer-timeout S      a transfer silent this long fails (default 30)\n"
+            "  --kv-fault SPEC              tests only: flip:U | stall:U:MS (see docs/pd.md)\n",
             K3_DEFAULT_QUANT, K3_DEFAULT_KV);
     return f == stdout ? 0 : 2;
 }
@@ -160,6 +171,11 @@ int k3_cmd_serve(int argc, char **argv) {
     const char *origins = NULL, *cors_methods = NULL, *cors_headers = NULL;
     bool keep_mapped = false, no_prefix = false, kv_metrics = false, metrics_key = false, no_ui = false;
     float kv_sample = 0.01f;
+    const char *role = NULL, *kv_host = NULL, *kv_adv = NULL, *kv_fault = NULL;
+    long kv_port = 0;
+    float kv_hold_timeout = 0, kv_timeout = 0;
+    for (int i = 1; i + 1 < argc; i++)
+        if (!strcmp(argv[i], "--role") && !strcmp(argv[i + 1], "proxy")) return k3_cmd_serve_proxy(argc, argv);
     long threads = k3_cli_default_threads();
     int bad = 0;
     k3_cli_dist cd;
@@ -189,6 +205,16 @@ int k3_cmd_serve(int argc, char **argv) {
         else if (ARG("--max-image-pixels")) max_image_px = parse_long(argv[++i], &bad);
         else if (ARG("--vision-threads")) vthreads = parse_long(argv[++i], &bad);
         else if (ARG("--max-connections")) max_conn = parse_long(argv[++i], &bad);
+        else if (ARG("--role")) role = argv[++i];
+        else if (ARG("--kv-transfer-port")) kv_port = parse_long(argv[++i], &bad);
+        else if (ARG("--kv-transfer-host")) kv_host = argv[++i];
+        else if (ARG("--kv-transfer-advertise")) kv_adv = argv[++i];
+        else if (ARG("--kv-fault")) kv_fault = argv[++i];
+        else if (ARG("--kv-hold-timeout")) {
+            if (k3_cli_float("serve", "--kv-hold-timeout", argv[++i], 0.001, 86400.0, &kv_hold_timeout)) return 2;
+        } else if (ARG("--kv-transfer-timeout")) {
+            if (k3_cli_float("serve", "--kv-transfer-timeout", argv[++i], 0.001, 86400.0, &kv_timeout)) return 2;
+        }
         else if (ARG("--max-connections-per-ip")) max_conn_ip = parse_long(argv[++i], &bad);
         else if (ARG("--header-timeout")) header_timeout = parse_long(argv[++i], &bad);
         else if (ARG("--body-timeout")) body_timeout = parse_long(argv[++i], &bad);
@@ -224,6 +250,14 @@ int k3_cmd_serve(int argc, char **argv) {
         fprintf(stderr, "k3 serve: a numeric option is not a non-negative integer in range\n");
         return 2;
     }
+    if (role && strcmp(role, "prefill") && strcmp(role, "decode")) {
+        fprintf(stderr, "k3 serve: --role must be prefill, decode or proxy, not '%s'\n", role);
+        return 2;
+    }
+    if (kv_port > 65535) {
+        fprintf(stderr, "k3 serve: --kv-transfer-port must be in 0..65535\n");
+        return 2;
+    }
     if (k3_cli_parse_kv(kv_name, &kv)) {
         fprintf(stderr, "k3 serve: --kv-cache must be f32 or c8, not '%s'\n", kv_name);
         return 2;
@@ -246,6 +280,7 @@ int k3_cmd_serve(int argc, char **argv) {
     k3_vision *vis = NULL;
     k3_engine *eng = NULL;
     k3_server *srv = NULL;
+    k3_pd *pd = NULL;
     int rc = 1;
     k3_status ms = k3_cli_open_model_dist(&m, dir, quant, keep_mapped, false, &cd, &err);
     if (cd.d) {
@@ -285,12 +320,26 @@ int k3_cmd_serve(int argc, char **argv) {
                             .eos_ids = eos,
                             .n_eos_ids = n_eos,
                             .cache_salt = salt_of(quant, kv),
+                            .hold_timeout_s = kv_hold_timeout,
                             .pool = pool,
                             .dist = cd.d};
     if (k3_engine_open(&eng, m, &eo, &err)) goto fail;
     if (kv_metrics && k3_engine_set_kv_metrics(eng, kv_sample, &err)) goto fail;
     k3_engine_stats st;
     k3_engine_get_stats(eng, &st);
+    if (role) {
+        k3_pd_options po = {.engine = eng,
+                            .host = kv_host ? kv_host : host,
+                            .port = strcmp(role, "prefill") ? -1 : (int)kv_port,
+                            .advertise_host = kv_adv,
+                            .model_id = k3_model_identity(m),
+                            .quant = quant,
+                            .kv_cache = kv,
+                            .block_size = st.blocks_total ? (int32_t)(st.cache_tokens / st.blocks_total) : 0,
+                            .timeout_s = kv_timeout,
+                            .fault = kv_fault};
+        if (k3_pd_start(&pd, &po, &err)) goto fail;
+    }
     k3_server_options so = {.host = host,
                             .port = (int)port,
                             .api_key = api_key,
@@ -315,7 +364,8 @@ int k3_cmd_serve(int argc, char **argv) {
                             .allowed_headers = cors_headers,
                             .test_fail_step = test_fail_step,
                             .test_fail_request = test_fail_request,
-                            .no_ui = no_ui};
+                            .no_ui = no_ui,
+                            .pd = pd};
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
     sa.sa_sigaction = on_signal;
@@ -346,6 +396,11 @@ int k3_cmd_serve(int argc, char **argv) {
                 k3_dist_size(cd.d), k3_dist_dcp_size(cd.d), k3_dist_interleave(cd.d), k3_dist_ep_size(cd.d),
                 (long long)k3_engine_cache_bytes(eng), (int)(st.cache_tokens / st.blocks_total),
                 (int)(st.cache_tokens / st.blocks_total / k3_dist_dcp_size(cd.d)));
+    if (pd && k3_pd_port(pd) >= 0)
+        fprintf(stderr, "k3 serve: role %s, kv transfer listening on %s:%d\n", role, kv_host ? kv_host : host,
+                k3_pd_port(pd));
+    else if (pd)
+        fprintf(stderr, "k3 serve: role %s: prompts' caches are pulled from prefill instances\n", role);
     fprintf(stderr, "k3 serve: auth %s; CORS: %s; /metrics %s\n",
             api_key ? "on (Authorization: Bearer KEY or x-api-key: KEY)" : "off (no --api-key: every route is open)",
             origins && *origins ? origins : "the server's own origin only",
@@ -421,6 +476,7 @@ fail_quiet:
     rc = 1;
 out:
     k3_server_stop(srv);
+    k3_pd_stop(pd);
     k3_engine_close(eng);
     k3_vision_close(vis);
     k3_pool_free(vpool);

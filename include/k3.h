@@ -113,6 +113,11 @@ k3_status k3_model_quantize(k3_model *m, const k3_quant_options *opt, k3_error *
  * *copied gets the bytes copied. */
 k3_status k3_model_load_resident(k3_model *m, int64_t max_bytes, int64_t *copied, k3_error *err);
 
+/* A 64-bit name of the checkpoint: its config.json and every safetensors
+ * header hashed, so instances that hand caches to one another can tell they
+ * run the same model (nonzero). */
+uint64_t k3_model_identity(const k3_model *m);
+
 /* Writes a human-readable description (config, layer map, parameter and
  * cache sizes) into buf. Returns the length it wanted (snprintf rules). */
 size_t k3_model_describe(const k3_model *m, char *buf, size_t size);
@@ -356,6 +361,12 @@ void k3_sampler_free(k3_sampler *s);
 /* Records an id in the history used by the repetition penalty (the prompt
  * and the output alike). */
 void k3_sampler_accept(k3_sampler *s, int32_t id);
+/* Records id as drawn, as if k3_sampler_sample had just returned it (a
+ * token sampled elsewhere: a prefill instance's first token): the output
+ * the penalties and bad words look at, and the random number a non-greedy
+ * draw takes, so the draws after it are those of the sampler that drew it
+ * (the repetition penalty's history is k3_sampler_accept's, as after a draw). */
+void k3_sampler_take(k3_sampler *s, int32_t id);
 /* Picks an id from logits [n_vocab]. In this order (vLLM's): ids outside
  * allowed_ids and bad words masked (-inf), logit_bias added, then the
  * repetition, frequency and presence penalties; on return logits holds
@@ -536,6 +547,8 @@ typedef struct k3_engine_options {
     int32_t n_eos_ids;
     uint64_t cache_salt;            /* mixed into every block hash: identifies the
                                        model, quantization and cache format */
+    double hold_timeout_s;          /* a hold (kv_hold) nobody released is freed after
+                                       this long (0 = 120 s) */
     k3_pool *pool;                  /* borrowed; NULL = single-threaded */
     struct k3_dist *dist;           /* borrowed; NULL = one process. On rank 0 of
                                        several the context's calls go to the other
@@ -568,6 +581,12 @@ typedef struct k3_request_params {
                                        (copied at submit) replacing that prompt token's
                                        embedding, NULL for the table's -- image rows
                                        (k3_vision_splice); give extra_keys with them */
+    /* disaggregated serving (below: "prefill and decode apart") */
+    bool kv_hold;                   /* prefill side: when the request ends (stop or
+                                       length), keep its blocks and its KDA state at
+                                       the prompt's end as a hold named by its id */
+    const struct k3_remote_prefill *remote; /* decode side: the prompt was computed
+                                       elsewhere (copied at submit) */
     k3_grammar *grammar;            /* NULL, or the grammar the output must match
                                        (the request keeps a matcher of its own, with a
                                        reference): every token is sampled under its
@@ -620,6 +639,10 @@ typedef struct k3_req_output {
     double t_arrival, t_scheduled, t_first_token, t_finished;
     double prefill_s, decode_s;   /* time in prefill and in decode steps */
     const char *error;            /* with K3_FINISH_ERROR */
+    /* a request whose prompt was computed by a prefill instance (else 0): that
+     * instance's queue and prefill times, the pull (blocks allocated to the
+     * last byte in), and the first decode step after it */
+    double remote_queue_s, remote_prefill_s, transfer_s, first_step_s;
 } k3_req_output;
 
 typedef struct k3_step_result {
@@ -646,6 +669,11 @@ typedef struct k3_engine_stats {
     int32_t max_num_seqs, max_waiting;    /* running requests at once; waiting ones before K3_ERR_BUSY (0: no limit) */
     int64_t n_snapshot_saves, n_snapshot_restores; /* KDA snapshots taken / restored */
     double snapshot_save_s, snapshot_restore_s;    /* time spent taking / restoring them */
+    /* prefill and decode apart: holds kept for decode instances (and their
+     * blocks), holds freed unread at their timeout, holds released; pulls in
+     * flight (and their blocks), pulls landed and failed */
+    int64_t n_holds, hold_blocks, holds_expired, holds_released;
+    int64_t n_pulls, pull_blocks, pulls_ok, pulls_failed;
     int64_t grammar_steps, grammar_masks; /* steps that filled grammar masks, masks filled */
     double grammar_s;                     /* time spent filling and applying them */
 } k3_engine_stats;
@@ -669,6 +697,91 @@ bool k3_engine_has_work(k3_engine *e);
 /* Blocks until a submit or cancel arrives or timeout_s passes. */
 void k3_engine_wait(k3_engine *e, double timeout_s);
 void k3_engine_get_stats(k3_engine *e, k3_engine_stats *st);
+/* ---- prefill and decode apart (the engine's side; src/pd moves the bytes) --
+ * A prefill instance runs a request submitted with kv_hold as any other
+ * (its first token sampled, then max_tokens); when it ends by stop or
+ * length its cache blocks and its KDA state at the prompt's end stay as a
+ * hold named by the request's id, until a decode instance has read them
+ * (k3_engine_hold_read, _read_state, from any thread) and
+ * k3_engine_hold_release, or until hold_timeout_s passes. A decode
+ * instance takes the same prompt with `remote` set: at a step the engine
+ * gives it the blocks of the whole prompt (those its prefix cache holds are
+ * shared, as a hit), and tells the pull hook to fetch the rest; the request
+ * then waits holding its blocks but no running slot (the scheduler does not
+ * see it) until k3_engine_pull_done. Landed, its blocks enter the prefix
+ * cache as if computed (a KDA snapshot too when the prompt ends on the
+ * block grid), the remote first token is its first output (the sampler
+ * takes it as drawn), and it decodes on. A pull that fails, or a request
+ * cancelled while pulling, ends with its blocks freed once the hook's side
+ * has stopped writing. */
+typedef struct k3_remote_prefill {
+    int32_t first_token;          /* what the prefill instance sampled after the prompt */
+    float first_logprob;          /* its logprob (NaN: not known) */
+    const k3_logprob *first_top;  /* [n_first_top] its alternatives, best first (copied) */
+    int32_t n_first_top;
+    double queue_s, prefill_s;    /* the prefill instance's times (reported, for the TTFT split) */
+    void *ctx;                    /* handed to the pull hook */
+} k3_remote_prefill;
+
+typedef enum k3_pull_op {
+    K3_PULL_START,  /* blocks are ready: fetch positions [n_local, n_tokens) and the state */
+    K3_PULL_ABORT,  /* the request ended before its blocks were given: fetch nothing
+                       (tell the prefill instance to free its hold) */
+    K3_PULL_CANCEL, /* the request was cancelled while pulling: stop soon, then
+                       k3_engine_pull_done */
+} k3_pull_op;
+
+typedef struct k3_pull_info {
+    k3_pull_op op;
+    uint64_t id;                  /* the request */
+    void *ctx;                    /* k3_remote_prefill.ctx */
+    int64_t n_local;              /* prompt tokens the cache already holds (a block multiple) */
+    int64_t n_tokens;             /* the prompt's tokens */
+} k3_pull_info;
+
+/* Called on the stepping thread (so it must only queue work): once per
+ * remote request with START or ABORT, then CANCEL if it is cancelled while
+ * pulling. Set before the first k3_engine_step. */
+typedef void (*k3_pull_hook)(void *arg, const k3_pull_info *info);
+void k3_engine_set_pull_hook(k3_engine *e, k3_pull_hook fn, void *arg);
+/* Bytes of n tokens of layer `layer` in the transfer layout (0 for a KDA
+ * layer), and of one KDA state. */
+int64_t k3_engine_kv_bytes(const k3_engine *e, int32_t layer, int64_t n);
+int64_t k3_engine_state_bytes(const k3_engine *e);
+/* Decode side, any thread, between START and k3_engine_pull_done: positions
+ * [t0, t0 + n) of layer into the request's blocks (bytes must be
+ * k3_engine_kv_bytes(layer, n), t0 >= n_local, t0 + n <= n_tokens); bytes
+ * [offset, offset + bytes) of the KDA state (the pull lands once all of it
+ * came). K3_ERR_ARG when the request is not pulling or was cancelled (stop
+ * then), or the range is wrong. */
+k3_status k3_engine_pull_write(k3_engine *e, uint64_t id, int32_t layer, int64_t t0, int32_t n, const void *rows,
+                               int64_t bytes, k3_error *err);
+k3_status k3_engine_pull_state(k3_engine *e, uint64_t id, int64_t offset, const void *part, int64_t bytes,
+                               k3_error *err);
+/* The pull is over: landed (ok: every position and the state written) or
+ * failed (why: what the request's error says). */
+void k3_engine_pull_done(k3_engine *e, uint64_t id, bool ok, const char *why);
+
+typedef struct k3_hold_info {
+    int64_t n_tokens;             /* the prompt's tokens (what the blocks hold) */
+    int32_t n_blocks;
+    int64_t state_bytes;
+    double queue_s, prefill_s;    /* the request's time waiting, and in prefill */
+} k3_hold_info;
+/* Prefill side, any thread: a hold's size, and its block ids into blocks
+ * (up to cap; may be NULL). K3_ERR_ARG when there is no such hold. */
+k3_status k3_engine_hold_get(k3_engine *e, uint64_t id, k3_hold_info *out, int32_t *blocks, int32_t cap,
+                             k3_error *err);
+/* Positions [t0, t0 + n) of layer of a hold into rows (bytes as for
+ * pull_write); bytes [offset, offset + bytes) of its KDA state. */
+k3_status k3_engine_hold_read(k3_engine *e, uint64_t id, int32_t layer, int64_t t0, int32_t n, void *rows,
+                              int64_t bytes, k3_error *err);
+k3_status k3_engine_hold_read_state(k3_engine *e, uint64_t id, int64_t offset, void *part, int64_t bytes,
+                                    k3_error *err);
+/* Frees a hold (at the next step, once no read is in flight); unknown ids
+ * are ignored. */
+void k3_engine_hold_release(k3_engine *e, uint64_t id);
+
 /* Notes on the engine (implementation: src/engine/engine.c, src/sched,
  * src/kv). logprobs and prompt_logprobs take at most 20 alternatives, and
  * when both are asked for they must ask for the same number (n_top is one
@@ -826,6 +939,10 @@ typedef struct k3_plan {
     int64_t topk_allgather_bytes, topk_butterfly_bytes; /* all DSA layers */
     int64_t lse_bytes;              /* DCP partial outputs + LSE, all MLA/DSA layers */
     int64_t ep_dispatch_bytes, ep_combine_bytes; /* all MoE layers, expected */
+    /* prefill and decode apart: what one prompt of the context moves from the
+     * prefill instance (its rows + one KDA state), and what each of D decode
+     * ranks receives (its 1/D of the rows + the state) */
+    int64_t pd_bytes_per_seq, pd_bytes_per_rank;
 } k3_plan;
 
 /* Reads CONFIG.json (a file) and computes the plan. */
@@ -957,6 +1074,75 @@ k3_status k3_vision_chat_encode_json(const k3_vision *v, const k3_tokenizer *t, 
                                      const char *tools_json, const k3_chat_options *opt, int64_t max_pixels,
                                      k3_vision_prompt *out, k3_error *err);
 void k3_vision_prompt_free(k3_vision_prompt *p);
+/* ---- prefill and decode apart: the transfer agent and the proxy (src/pd) --
+ *
+ * A k3_pd sits beside one instance's engine and server. As a prefill
+ * instance it listens on its transfer port and serves holds (k3_engine
+ * hold_*) to the decode instances that pull them; as a decode instance it
+ * is the engine's pull hook: it connects to the prefill instance a
+ * request's kv_transfer_params name and writes what arrives into the
+ * request's blocks. The stream is plain TCP: a pull request, then units
+ * (one layer's rows for a run of positions, or a piece of the KDA state),
+ * each with its length, a checksum and the identity of the model,
+ * quantization and cache format (a mismatch is refused, naming both); the
+ * prefill side frees the hold when the stream ends, read or not. The server
+ * (k3_server_options.pd) reads and writes vLLM's kv_transfer_params
+ * (do_remote_decode / do_remote_prefill, remote_engine_id, remote_host,
+ * remote_port, remote_block_ids, remote_request_id; and k3's own: the
+ * first token, the token count, the model identity). docs/pd.md has the
+ * protocol. */
+typedef struct k3_pd k3_pd;
+
+typedef struct k3_pd_options {
+    k3_engine *engine;          /* borrowed, required */
+    const char *host;           /* the transfer listener's address (NULL = "127.0.0.1") */
+    int port;                   /* its port (0 = any free port; -1 = none: a decode instance only) */
+    const char *advertise_host; /* remote_host in the answers (NULL = host) */
+    uint64_t model_id;          /* k3_model_identity */
+    const char *quant;          /* the --quant mode (NULL = "none") */
+    k3_kv_type kv_cache;
+    int32_t block_size;
+    double timeout_s;           /* a transfer that moves nothing this long fails (0 = 30) */
+    int max_pulls;              /* pulls at once (0 = 8) */
+    const char *fault;          /* tests only: NULL, or "flip:U" (a byte of unit U's payload
+                                   flipped after its checksum), "stall:U:MS" (sleep before
+                                   sending unit U, prefill side; after receiving it, decode side) */
+} k3_pd_options;
+
+k3_status k3_pd_start(k3_pd **out, const k3_pd_options *opt, k3_error *err);
+/* Stops listening and pulling (transfers in flight fail), joins the threads.
+ * Before k3_engine_close. */
+void k3_pd_stop(k3_pd *pd);
+/* The transfer port (-1 without a listener). */
+int k3_pd_port(const k3_pd *pd);
+
+/* The proxy: one OpenAI endpoint in front of prefill and decode instances
+ * (k3 serve --role proxy). A generation request goes to the least loaded
+ * prefill instance with kv_transfer_params {do_remote_decode: true}, one
+ * token, no stream; its answer's kv_transfer_params go with the original
+ * request to the least loaded decode instance, whose answer (or stream) is
+ * the client's. Other routes go to a decode instance as they are. A backend
+ * that cannot be reached is skipped for a while and another tried; when none
+ * answers, the client gets an error in OpenAI's shape. */
+typedef struct k3_proxy k3_proxy;
+
+typedef struct k3_proxy_options {
+    const char *host;           /* address to bind (NULL = "127.0.0.1") */
+    int port;                   /* 0 = any free port */
+    const char *const *prefill; /* [n_prefill] base URLs (http://host:port) */
+    int n_prefill;
+    const char *const *decode;  /* [n_decode] */
+    int n_decode;
+    const char *api_key;        /* NULL or "": none; else clients need it (and it is passed on) */
+    double timeout_s;           /* a backend silent this long fails the request (0 = 600) */
+    size_t max_body_bytes;      /* 0 = 4 MiB */
+    int max_connections;        /* 0 = 1024 */
+} k3_proxy_options;
+
+k3_status k3_proxy_start(k3_proxy **out, const k3_proxy_options *opt, k3_error *err);
+int k3_proxy_port(const k3_proxy *p);
+void k3_proxy_stop(k3_proxy *p);
+
 /* ---- server: the OpenAI-compatible HTTP API (src/server) ---------------
  *
  * One libmicrohttpd daemon (a thread per connection) answers /v1/models,
@@ -1019,6 +1205,8 @@ typedef struct k3_server_options {
      * first), as a failed k3_engine_step would; engine request number
      * test_fail_request (1 = the first submitted) fails alone */
     int64_t test_fail_step, test_fail_request;
+    k3_pd *pd;                 /* borrowed; NULL: kv_transfer_params are refused (not a
+                                  prefill or decode instance) */
 } k3_server_options;
 
 k3_status k3_server_start(k3_server **out, const k3_server_options *opt, k3_error *err);

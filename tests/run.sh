@@ -1,7 +1,8 @@
 #!/bin/sh
 # run.sh -- the whole suite for `make test`: the C unit and model tests
 # (build/k3-test), then the CLI checks (tests/cli.sh), then the fuzzers
-# (fuzz/run.sh, a few seconds each; skipped without clang), then one closing line
+# (fuzz/run.sh, a few seconds each; skipped without clang), then MPI
+# (tests/mpi.sh) and prefill/decode apart (tests/pd.sh), then one closing line
 # with the totals: `N passed, N failed`. Exit status 1 if anything failed.
 # Usage: sh tests/run.sh build/k3-test build/k3
 log=$(mktemp)
@@ -12,10 +13,12 @@ sh tests/cli.sh "$2" | tee -a "$log"
 sh fuzz/run.sh "${FUZZ_DIR:-build-fuzz}" "${FUZZ_TEST_TIME:-3}" | tee -a "$log"
 # several processes under mpirun (tests/mpi.sh)
 sh tests/mpi.sh "$2" | tee -a "$log"
-sum() { grep -E "^((cli|fuzz|mpi): )?[0-9]+ passed, [0-9]+ failed$" "$log" | sed -E 's/^(cli|fuzz|mpi): //' | awk -v f="$1" '{s += $f} END {print s + 0}'; }
+# prefill and decode apart behind the proxy (tests/pd.sh)
+sh tests/pd.sh "$2" | tee -a "$log"
+sum() { grep -E "^((cli|fuzz|mpi|pd): )?[0-9]+ passed, [0-9]+ failed$" "$log" | sed -E 's/^(cli|fuzz|mpi|pd): //' | awk -v f="$1" '{s += $f} END {print s + 0}'; }
 p=$(sum 1)
 f=$(sum 3)
 # a runner that crashed before its summary counts as a failure
-[ "$(grep -cE "^((cli|fuzz|mpi): )?[0-9]+ passed" "$log")" -eq 4 ] || f=$((f + 1))
+[ "$(grep -cE "^((cli|fuzz|mpi|pd): )?[0-9]+ passed" "$log")" -eq 5 ] || f=$((f + 1))
 echo "$p passed, $f failed"
 [ "$f" -eq 0 ]

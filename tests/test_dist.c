@@ -192,6 +192,10 @@ K3_TEST(dist_plan_full_size_k3) {
     CHECK(p.cache_bytes_per_token == 24 * (512 + 4 * 4 + 64 * 4)); /* C8 as k3 stores it */
     CHECK(p.cache_bytes_per_rank == p.cache_bytes_per_token * (1 << 16));
     CHECK(p.weight_bytes_per_rank == p.weight_bytes - p.expert_bytes + p.expert_bytes / 64);
+    /* prefill -> decode: every row of the prompt and one KDA state; each of
+     * the 16 decode ranks its 1/16 of the rows and the whole state */
+    CHECK(p.pd_bytes_per_seq == p.cache_bytes_per_token * (1 << 20) + p.state_bytes_per_seq);
+    CHECK(p.pd_bytes_per_rank == p.cache_bytes_per_token * (1 << 16) + p.state_bytes_per_seq);
     REQUIREF(k3_plan_compute("docs/configs/kimi-k3.1-pro-dsa.json", &o, &p, &err) == K3_OK, "%s", err.msg);
     CHECK(p.n_dsa == 24);
     CHECK(p.topk_allgather_bytes == 24LL * 15 * 2048 * 8); /* 240 KB per layer */

@@ -241,6 +241,15 @@ K3_TEST(exec_replay_of_every_row_equals_the_calls) {
         CHECK(CALL(seq_set_blocks, p, 2, blk0, 2, &err) == K3_OK);
         CALL(seq_set_pos, p, 2, 20);
         CHECK(CALL(run, p, r1, 2, want2, lg, &err) == K3_OK);
+        /* a sequence's rows of the first attention layer out and into other blocks */
+        int32_t L = 0;
+        while (p->c->layer_kind[L] == K3_LAYER_KDA) L++;
+        const int64_t kb = k3_ctx_kv_bytes(p, L, 20);
+        char *rows = malloc((size_t)kb);
+        REQUIRE(rows && kb > 0);
+        CHECK(CALL(kv_gather, p, blk0, 3, L, 0, 20, rows, &err) == K3_OK);
+        CHECK(CALL(kv_write, p, blk1, 2, L, 3, 20, rows, &err) == K3_OK);
+        free(rows);
 #undef CALL
         k3_exec_set_tap(NULL);
     }

@@ -199,6 +199,39 @@ k3_status k3_ctx_capture_state(k3_ctx *ctx, int32_t seq, int64_t pos, void *dst,
  * end (for a run that is not made after all). */
 void k3_ctx_forget_captures(k3_ctx *ctx);
 
+/* ---- moving a sequence's cache between instances (src/pd) ---------------
+ * The transfer layout of n tokens of one MLA/DSA layer, component after
+ * component, each token-major: f32: the latent + rope rows [n, kv_lora +
+ * rope] f32 (+ DSA: the indexer keys [n, dI] f32); C8: the int8 latent [n,
+ * kv_lora], its tile scales [n, tiles] f32, the rope part [n, rope] f32 (+
+ * DSA: the int8 indexer keys [n, dI] and their scales [n] f32). Summed over
+ * the layers a token is k3_config_cache_bytes_per_token bytes. Positions are
+ * those of a block-table slice: blocks[0] holds positions [0, bs), and t0, n
+ * are positions in it (so a slice may start anywhere on the block grid; the
+ * DCP owner of a position depends only on its place in its block). */
+/* Bytes of n tokens of layer `layer` in the transfer layout (0 for a KDA
+ * layer or a layer out of range). */
+int64_t k3_ctx_kv_bytes(const k3_ctx *ctx, int32_t layer, int64_t n);
+/* Copies positions [t0, t0 + n) of layer `layer` of the block-table slice
+ * blocks[0..n_blocks) into dst (k3_ctx_kv_bytes(n) bytes); under DCP only
+ * the positions this rank caches are written (the others are left as they
+ * are). Reads only: safe beside a forward pass that does not write those
+ * blocks. */
+k3_status k3_ctx_kv_read(const k3_ctx *ctx, const int32_t *blocks, int32_t n_blocks, int32_t layer, int64_t t0,
+                         int64_t n, void *dst, k3_error *err);
+/* The reverse: the rows of src into the cache (under DCP only the positions
+ * this rank caches, so one message re-shards a sequence by token owner). */
+k3_status k3_ctx_kv_write(k3_ctx *ctx, const int32_t *blocks, int32_t n_blocks, int32_t layer, int64_t t0,
+                          int32_t n, const void *src, k3_error *err);
+/* k3_ctx_kv_read on every DCP rank, assembled on DCP rank 0 (a collective
+ * of the DCP group: each rank's rows travel to rank 0, which keeps each
+ * position from its owner); with one rank, k3_ctx_kv_read. */
+k3_status k3_ctx_kv_gather(k3_ctx *ctx, const int32_t *blocks, int32_t n_blocks, int32_t layer, int64_t t0,
+                           int32_t n, void *dst, k3_error *err);
+/* What k3_ctx_kv_gather checks before it exchanges anything. */
+k3_status k3_ctx_kv_gather_check(const k3_ctx *ctx, const int32_t *blocks, int32_t n_blocks, int32_t layer,
+                                 int64_t t0, int32_t n, const void *dst, k3_error *err);
+
 /* Profiling: PROF(ctx, op, statement) adds the statement's time to op. */
 #define PROF(ctx, op, stmt)                                                    \
     do {                                                                       \

@@ -58,12 +58,41 @@ typedef struct req {
     k3_logprob *plp_top;          /* [(n_prompt - 1) * n_top] */
     float *emb_rows;              /* the given embedding rows, copied [n_rows, D] */
     const float **emb;            /* [cap_tok] row per token (NULL = the table's), or NULL */
+    /* prefill side (kv_hold): the KDA state at the prompt's end, captured in the pass that ends it */
+    void *hold_state;
+    bool hold_captured;
+    /* decode side (remote): the prefill instance's answer and the pull */
+    bool remote;
+    k3_remote_prefill rp;         /* rp.first_top -> first_top (copied) */
+    k3_logprob *first_top;
+    void *pull_state;             /* [state_bytes] the KDA state pulled */
+    int pull_phase;               /* PULL_*, under mu once the pull started */
+    bool pull_cancel;             /* under mu: cancelled while pulling */
+    int pull_pins;                /* under mu: writes in flight */
+    int64_t pull_state_got;       /* under mu: bytes of the state written */
+    char pull_err[256];           /* under mu: why it failed */
+    double t_pull0, t_landed, t_second;
     /* the grammar the output matches (p.grammar), or NULL */
     k3_grammar_matcher *gm;       /* at the output's end: every generated token accepted */
     uint64_t *mask;               /* [mask words] this step's mask */
     const k3_grammar_vocab *gv;   /* the grammar's vocabulary */
     float *stop_raw;              /* [n_stop_ids] their raw logits, for when the text is complete */
 } req;
+
+enum { PULL_NONE = 0, PULL_WAIT, PULL_ACTIVE, PULL_OK, PULL_FAILED };
+
+/* A finished request's blocks and end state, kept for a decode instance. */
+typedef struct hold {
+    uint64_t id;
+    int32_t *blocks;
+    int32_t n_blocks;
+    int64_t n_tokens;
+    void *state;
+    double deadline;
+    double queue_s, prefill_s;
+    int pins;                     /* reads in flight */
+    bool released;
+} hold;
 
 struct k3_engine {
     const k3_model *m;
@@ -79,6 +108,22 @@ struct k3_engine {
     int64_t cost_p0;              /* where the step cost guard prices a prompt token at 2 */
 
     k3_comm_stats comm;           /* cross-rank counters since open, all ranks summed (o.dist), under mu */
+
+    /* prefill and decode apart (k3.h) */
+    bool exec_lock;               /* several ranks: the executor is one thread's at a time */
+    pthread_mutex_t exec_mu;      /* held by a step, and by a pull's writes and a hold's reads */
+    k3_pull_hook pull_hook;
+    void *pull_arg;
+    req **rwait;                  /* stepping thread: remote requests waiting for blocks, in order */
+    int32_t n_rwait, cap_rwait;
+    bool rwait_blocked;           /* the first of them did not fit since blocks were last freed */
+    req **pulls;                  /* under mu: remote requests pulling */
+    int32_t n_pulls, cap_pulls;
+    hold **holds;                 /* under mu */
+    int32_t n_holds, cap_holds;
+    int64_t n_async;              /* under mu: pulls done and holds released, not yet stepped */
+    int64_t holds_expired, holds_released, pulls_ok, pulls_failed; /* under mu */
+    double hold_timeout;
 
     /* inbox, under mu */
     pthread_mutex_t mu;
@@ -170,10 +215,20 @@ static void req_free(req *r) {
     free(r->plp_top);
     free(r->emb_rows);
     free(r->emb);
+    free(r->hold_state);
+    free(r->first_top);
+    free(r->pull_state);
     k3_grammar_matcher_free(r->gm);
     free(r->mask);
     free(r->stop_raw);
     free(r);
+}
+
+static void hold_free(hold *h) {
+    if (!h) return;
+    free(h->blocks);
+    free(h->state);
+    free(h);
 }
 
 static bool push_ptr(void ***arr, int32_t *n, int32_t *cap, void *p) {
@@ -209,6 +264,11 @@ void k3_engine_close(k3_engine *e) {
     free(e->snap_pos);
     free(e->snap_key);
     free(e->eos);
+    for (int32_t i = 0; i < e->n_holds; i++) hold_free(e->holds[i]);
+    free(e->holds);
+    free(e->rwait);
+    free(e->pulls);
+    pthread_mutex_destroy(&e->exec_mu);
     k3_sched_free(&e->sched);
     k3_kv_snaps_free(&e->sn);
     k3_kv_blocks_free(&e->bm);
@@ -225,7 +285,8 @@ k3_status k3_engine_open(k3_engine **out, const k3_model *m, const k3_engine_opt
     k3_engine_options o = *opt;
     if (o.max_num_seqs < 0 || o.max_num_batched_tokens < 0 || o.max_model_len < 0 || o.cache_tokens < 0 ||
         o.cache_bytes < 0 || o.block_size < 0 || o.snapshot_stride < 0 || o.snapshot_bytes < 0 ||
-        o.max_waiting < 0 || o.max_step_cost < 0 || o.n_eos_ids < 0 || (o.n_eos_ids > 0 && !o.eos_ids))
+        o.max_waiting < 0 || o.max_step_cost < 0 || o.n_eos_ids < 0 || (o.n_eos_ids > 0 && !o.eos_ids) ||
+        !(o.hold_timeout_s >= 0 && o.hold_timeout_s <= 1e9))
         return k3_err(err, K3_ERR_ARG, "engine: negative option or missing eos_ids");
     if (o.kv_cache != K3_KV_F32 && o.kv_cache != K3_KV_C8)
         return k3_err(err, K3_ERR_ARG, "engine: unknown cache type %d", (int)o.kv_cache);
@@ -318,6 +379,9 @@ k3_status k3_engine_open(k3_engine **out, const k3_model *m, const k3_engine_opt
     if (!e) return k3_err(err, K3_ERR_NOMEM, "engine: out of memory");
     pthread_mutex_init(&e->mu, NULL);
     pthread_cond_init(&e->cv, NULL);
+    pthread_mutex_init(&e->exec_mu, NULL);
+    e->exec_lock = o.dist && k3_dist_size(o.dist) > 1;
+    e->hold_timeout = o.hold_timeout_s > 0 ? o.hold_timeout_s : 120.0;
     e->m = m;
     e->o = o;
     e->V = c->vocab_size;
@@ -424,6 +488,24 @@ k3_status k3_engine_submit(k3_engine *e, const k3_request_params *p, uint64_t *i
         if (p->stop_ids[i] < 0 || p->stop_ids[i] >= e->V)
             return k3_err(err, K3_ERR_ARG, "submit: stop id %d is out of range [0, %lld)", p->stop_ids[i],
                           (long long)e->V);
+    if (p->kv_hold && (p->remote || p->max_tokens < 1))
+        return k3_err(err, K3_ERR_ARG, "submit: a request kept for a decode instance (kv_hold) generates its "
+                                       "first token here (max_tokens >= 1) and is not itself remote");
+    if (p->remote) {
+        const k3_remote_prefill *rp = p->remote;
+        if (rp->first_token < 0 || rp->first_token >= e->V)
+            return k3_err(err, K3_ERR_ARG, "submit: the prefill instance's first token %d is out of range [0, %lld)",
+                          rp->first_token, (long long)e->V);
+        if (p->prompt_logprobs >= 0 || p->max_tokens < 1)
+            return k3_err(err, K3_ERR_ARG, "submit: a request prefilled elsewhere has no prompt logprobs here and "
+                                           "generates at least its first token (max_tokens >= 1)");
+        if (rp->n_first_top < 0 || rp->n_first_top > K3_MAX_LOGPROBS || (rp->n_first_top > 0 && !rp->first_top))
+            return k3_err(err, K3_ERR_ARG, "submit: n_first_top %d is not in 0..%d", rp->n_first_top,
+                          K3_MAX_LOGPROBS);
+        if (!e->pull_hook)
+            return k3_err(err, K3_ERR_UNSUPPORTED, "submit: this engine has no pull hook: it cannot fetch a "
+                                                   "prompt's cache from a prefill instance");
+    }
     const int64_t total = p->n_prompt + p->max_tokens;
     if (total > e->max_model_len)
         return k3_err(err, K3_ERR_RANGE,
@@ -483,6 +565,23 @@ k3_status k3_engine_submit(k3_engine *e, const k3_request_params *p, uint64_t *i
             }
     }
     r->p.embeds = NULL;
+    if (p->kv_hold && e->state_bytes > 0 && !(r->hold_state = malloc((size_t)e->state_bytes))) {
+        req_free(r);
+        return k3_err(err, K3_ERR_NOMEM, "submit: out of memory for a KDA state to keep");
+    }
+    if (p->remote) {
+        r->remote = true;
+        r->rp = *p->remote;
+        r->first_top = malloc(sizeof(k3_logprob) * (size_t)(r->rp.n_first_top + 1));
+        r->pull_state = e->state_bytes > 0 ? malloc((size_t)e->state_bytes) : NULL;
+        if (!r->first_top || (e->state_bytes > 0 && !r->pull_state)) {
+            req_free(r);
+            return k3_err(err, K3_ERR_NOMEM, "submit: out of memory for a pulled KDA state");
+        }
+        if (r->rp.n_first_top) memcpy(r->first_top, p->remote->first_top, sizeof(k3_logprob) * (size_t)r->rp.n_first_top);
+        r->rp.first_top = r->first_top;
+    }
+    r->p.remote = NULL;
     if (p->grammar) { /* a matcher of its own, at the start of the output */
         const k3_grammar_vocab *gv = r->gv = k3_grammar_get_vocab(p->grammar);
         st = k3_grammar_matcher_init(&r->gm, p->grammar, err);
@@ -545,16 +644,23 @@ void k3_engine_cancel(k3_engine *e, uint64_t id) {
     pthread_mutex_unlock(&e->mu);
 }
 
+/* A hold that a step should free now (under mu). */
+static bool hold_due(const hold *h, double now) { return h->pins == 0 && (h->released || now >= h->deadline); }
+
 bool k3_engine_has_work(k3_engine *e) {
+    const double now = k3_now();
     pthread_mutex_lock(&e->mu);
-    const bool w = e->n_sub > 0 || e->n_cancel > 0;
+    bool w = e->n_sub > 0 || e->n_cancel > 0 || e->n_async > 0;
+    for (int32_t i = 0; !w && i < e->n_holds; i++) w = hold_due(e->holds[i], now);
     pthread_mutex_unlock(&e->mu);
-    return w || e->sched.n_running > 0 || e->sched.n_waiting > 0 || e->n_done > 0;
+    /* remote requests waiting for blocks: only worth a step when some were freed */
+    return w || e->sched.n_running > 0 || e->sched.n_waiting > 0 || e->n_done > 0 ||
+           (e->n_rwait > 0 && !e->rwait_blocked);
 }
 
 void k3_engine_wait(k3_engine *e, double timeout_s) {
     pthread_mutex_lock(&e->mu);
-    if (e->n_sub == 0 && e->n_cancel == 0 && timeout_s > 0) {
+    if (e->n_sub == 0 && e->n_cancel == 0 && e->n_async == 0 && timeout_s > 0) {
         struct timespec ts;
         clock_gettime(CLOCK_REALTIME, &ts);
         const double t = (double)ts.tv_sec + ts.tv_nsec * 1e-9 + timeout_s;
@@ -562,7 +668,7 @@ void k3_engine_wait(k3_engine *e, double timeout_s) {
         ts.tv_nsec = (long)((t - (double)ts.tv_sec) * 1e9);
         if (ts.tv_nsec >= 1000000000L) ts.tv_nsec = 999999999L;
         /* until something arrives or the time is up (spurious wake-ups wait on) */
-        while (e->n_sub == 0 && e->n_cancel == 0)
+        while (e->n_sub == 0 && e->n_cancel == 0 && e->n_async == 0)
             if (pthread_cond_timedwait(&e->cv, &e->mu, &ts) != 0) break;
     }
     pthread_mutex_unlock(&e->mu);
@@ -607,9 +713,40 @@ void k3_engine_kv_residency(k3_engine *e, k3_kv_residency *out) {
 
 /* ---- the step ------------------------------------------------------------------------------- */
 
+/* A finished kv_hold request's blocks (a reference each) and end state
+ * become a hold. Out of memory: no hold (the decode side is told there is none). */
+static void make_hold(k3_engine *e, req *r, double t) {
+    k3_rq *rq = &r->rq;
+    hold *h = calloc(1, sizeof *h);
+    if (h) h->blocks = malloc(sizeof(int32_t) * (size_t)(rq->n_blocks + 1));
+    pthread_mutex_lock(&e->mu);
+    const bool ok = h && h->blocks && push_ptr((void ***)&e->holds, &e->n_holds, &e->cap_holds, h);
+    if (ok) {
+        h->id = rq->id;
+        h->n_blocks = rq->n_blocks;
+        h->n_tokens = rq->n_prompt;
+        memcpy(h->blocks, rq->blocks, sizeof(int32_t) * (size_t)rq->n_blocks);
+        h->state = r->hold_state;
+        r->hold_state = NULL;
+        h->deadline = t + e->hold_timeout;
+        h->queue_s = r->t_scheduled - r->t_arrival;
+        h->prefill_s = (r->t_first_token > 0 ? r->t_first_token : t) - r->t_scheduled;
+    }
+    pthread_mutex_unlock(&e->mu);
+    if (!ok) {
+        hold_free(h);
+        return;
+    }
+    for (int32_t b = 0; b < h->n_blocks; b++) k3_kv_ref(&e->bm, h->blocks[b]);
+}
+
 static void finish(k3_engine *e, req *r, k3_finish_reason why, double t) {
     if (r->finished) return;
+    if (r->p.kv_hold && (why == K3_FINISH_STOP || why == K3_FINISH_LENGTH) && r->rq.n_computed >= r->rq.n_prompt &&
+        (r->hold_captured || e->state_bytes == 0))
+        make_hold(e, r, t);
     k3_sched_release(&e->sched, &r->rq);
+    e->rwait_blocked = false; /* blocks were freed: a remote request may fit now */
     r->finished = true;
     r->finish = why;
     r->t_finished = t;
@@ -732,6 +869,7 @@ static void sample(k3_engine *e, req *r, float *lg, double t) {
         r->t_first_token = t;
         rq->events |= K3_EV_FIRST_TOKEN;
     }
+    if (r->n_gen == 2 && r->remote) r->t_second = t;
     r->t_last = t;
     if (r->gm) {
         /* a stop id ends a complete text (it is not the grammar's); every
@@ -855,6 +993,12 @@ static void fill_output(const k3_engine *e, req *r, k3_req_output *o) {
         o->prefill_s = (r->finished ? r->t_finished : k3_now()) - r->t_scheduled;
     }
     o->error = r->finish == K3_FINISH_ERROR ? r->error : NULL;
+    if (r->remote) {
+        o->remote_queue_s = r->rp.queue_s;
+        o->remote_prefill_s = r->rp.prefill_s;
+        o->transfer_s = r->t_landed > 0 ? r->t_landed - r->t_pull0 : 0;
+        o->first_step_s = r->t_second > 0 ? r->t_second - r->t_landed : 0;
+    }
     (void)e;
 }
 
@@ -880,6 +1024,16 @@ static void publish_stats(k3_engine *e) {
     st->n_snapshot_restores = e->n_snap_restores;
     st->snapshot_save_s = e->snap_save_s;
     st->snapshot_restore_s = e->snap_restore_s;
+    st->n_holds = e->n_holds;
+    st->hold_blocks = 0;
+    for (int32_t i = 0; i < e->n_holds; i++) st->hold_blocks += e->holds[i]->n_blocks;
+    st->holds_expired = e->holds_expired;
+    st->holds_released = e->holds_released;
+    st->n_pulls = e->n_pulls;
+    st->pull_blocks = 0;
+    for (int32_t i = 0; i < e->n_pulls; i++) st->pull_blocks += e->pulls[i]->rq.n_blocks;
+    st->pulls_ok = e->pulls_ok;
+    st->pulls_failed = e->pulls_failed;
     st->grammar_steps = e->grammar_steps;
     st->grammar_masks = e->grammar_masks;
     st->grammar_s = e->grammar_s;
@@ -887,7 +1041,167 @@ static void publish_stats(k3_engine *e) {
     pthread_mutex_unlock(&e->mu);
 }
 
+static void pull_hook(k3_engine *e, req *r, k3_pull_op op) {
+    const k3_pull_info pi = {op, r->rq.id, r->rp.ctx, r->rq.n_cached, r->rq.n_prompt};
+    if (e->pull_hook) e->pull_hook(e->pull_arg, &pi);
+}
+
+/* A remote request's pull has landed: its blocks enter the prefix cache as
+ * if computed, the prefill instance's first token is its first output, and
+ * it waits (with its blocks) to decode on. */
+static void land(k3_engine *e, req *r, double t) {
+    k3_sched *s = &e->sched;
+    k3_rq *rq = &r->rq;
+    const int32_t bs = e->block_size;
+    rq->n_computed = rq->n_prompt;
+    if (!e->o.no_prefix_cache) {
+        while (rq->n_registered < rq->n_hash && (int64_t)(rq->n_registered + 1) * bs <= rq->n_computed) {
+            const int32_t k = rq->n_registered++;
+            k3_kv_register(&e->bm, rq->blocks[k], rq->hash[k], k ? rq->hash[k - 1] : s->cfg.hash_seed, rq->extra[k],
+                           rq->tok + (int64_t)k * bs);
+        }
+        /* the state at the prompt's end is the snapshot a local prefill would keep there */
+        if (e->state_bytes > 0 && rq->n_prompt % bs == 0 && rq->n_prompt / bs <= rq->n_hash) {
+            void *buf = k3_kv_snap_put(&e->sn, rq->hash[rq->n_prompt / bs - 1], rq->n_prompt);
+            if (buf) memcpy(buf, r->pull_state, (size_t)e->state_bytes);
+        }
+    }
+    const int32_t id = r->rp.first_token;
+    k3_sampler_take(r->smp, id);
+    k3_sampler_accept(r->smp, id);
+    r->out_tok = id;
+    r->out_lp = r->rp.first_logprob;
+    for (int32_t k = 0; k < r->p.logprobs; k++)
+        r->out_top[k] = k < r->rp.n_first_top ? r->first_top[k] : (k3_logprob){-1, -INFINITY};
+    r->n_new = 1;
+    r->n_gen = 1;
+    e->generation_tokens++;
+    rq->tok[rq->n_tok++] = id;
+    k3_sched_hash(s, rq);
+    r->t_first_token = r->t_last = r->t_landed = t;
+    rq->events |= K3_EV_FIRST_TOKEN;
+    bool stop = is_stop(e, r, id) && r->n_gen >= r->p.min_tokens;
+    if (r->gm) { /* the first token is the grammar's too, as a local first step takes it */
+        k3_error gerr = {0};
+        if (k3_grammar_matcher_is_complete(r->gm) && is_stop_id(r, id) && !is_eos(e, id)) {
+            stop = true;
+        } else if (k3_grammar_matcher_accept(r->gm, id, &gerr)) {
+            snprintf(r->error, sizeof r->error,
+                     "request %llu: the grammar refused token %d, the prefill instance's first: %.400s",
+                     (unsigned long long)rq->id, id, gerr.msg);
+            finish(e, r, K3_FINISH_ERROR, t);
+            return;
+        } else {
+            stop = k3_grammar_matcher_is_ended(r->gm);
+        }
+    }
+    if (stop) {
+        r->stop_id = id;
+        finish(e, r, K3_FINISH_STOP, t);
+    } else if (r->n_gen >= r->p.max_tokens || rq->n_tok >= e->max_model_len) {
+        finish(e, r, K3_FINISH_LENGTH, t);
+    } else {
+        rq->landed_state = e->state_bytes > 0 ? r->pull_state : NULL;
+        if (k3_sched_add_landed(s, rq, NULL)) {
+            snprintf(r->error, sizeof r->error, "out of memory for the queue");
+            finish(e, r, K3_FINISH_ERROR, t);
+        }
+    }
+}
+
+/* Frees the holds that are due. */
+static void step_holds(k3_engine *e, double t) {
+    pthread_mutex_lock(&e->mu);
+    for (int32_t i = 0; i < e->n_holds;) {
+        hold *h = e->holds[i];
+        if (!hold_due(h, t)) {
+            i++;
+            continue;
+        }
+        if (!h->released) e->holds_expired++;
+        e->holds[i] = e->holds[--e->n_holds];
+        for (int32_t b = h->n_blocks - 1; b >= 0; b--) k3_kv_unref(&e->bm, h->blocks[b]);
+        hold_free(h);
+        e->rwait_blocked = false;
+    }
+    pthread_mutex_unlock(&e->mu);
+}
+
+/* Lands or ends the pulls that are over (after the step's forward pass: a
+ * landed request's first output is this step's, its first decode the next's). */
+static void step_pulls(k3_engine *e, double t) {
+    pthread_mutex_lock(&e->mu);
+    req **over = e->n_pulls ? malloc(sizeof(req *) * (size_t)e->n_pulls) : NULL;
+    int32_t n_over = 0;
+    for (int32_t i = 0; over && i < e->n_pulls;) {
+        req *r = e->pulls[i];
+        if (r->pull_phase != PULL_OK && r->pull_phase != PULL_FAILED) {
+            i++;
+            continue;
+        }
+        over[n_over++] = r;
+        if (r->pull_phase == PULL_OK && !r->pull_cancel) e->pulls_ok++;
+        else e->pulls_failed++;
+        memmove(e->pulls + i, e->pulls + i + 1, sizeof(req *) * (size_t)(e->n_pulls - i - 1));
+        e->n_pulls--;
+    }
+    e->n_async = 0;
+    pthread_mutex_unlock(&e->mu);
+    for (int32_t i = 0; i < n_over; i++) {
+        req *r = over[i];
+        const int phase = r->pull_phase;
+        r->pull_phase = PULL_NONE;
+        if (r->finished) continue;
+        if (r->pull_cancel) {
+            finish(e, r, K3_FINISH_CANCELLED, t);
+        } else if (phase == PULL_OK) {
+            land(e, r, t);
+        } else {
+            snprintf(r->error, sizeof r->error, "%s", r->pull_err[0] ? r->pull_err : "the pull from the prefill instance failed");
+            finish(e, r, K3_FINISH_ERROR, t);
+        }
+    }
+    free(over);
+}
+
+/* Remote requests in arrival order get their blocks while they fit. */
+static void step_rwait(k3_engine *e, double t) {
+    while (e->n_rwait > 0) {
+        req *r = e->rwait[0];
+        if (!k3_sched_remote_alloc(&e->sched, &r->rq)) {
+            e->rwait_blocked = true;
+            return;
+        }
+        memmove(e->rwait, e->rwait + 1, sizeof(req *) * (size_t)(e->n_rwait - 1));
+        e->n_rwait--;
+        r->t_pull0 = r->t_scheduled = t;
+        r->rq.events |= K3_EV_SCHEDULED;
+        pthread_mutex_lock(&e->mu);
+        const bool ok = push_ptr((void ***)&e->pulls, &e->n_pulls, &e->cap_pulls, r);
+        if (ok) r->pull_phase = PULL_ACTIVE;
+        pthread_mutex_unlock(&e->mu);
+        if (!ok) {
+            snprintf(r->error, sizeof r->error, "out of memory for the pull list");
+            r->pull_phase = PULL_NONE;
+            finish(e, r, K3_FINISH_ERROR, t);
+            pull_hook(e, r, K3_PULL_ABORT);
+            continue;
+        }
+        pull_hook(e, r, K3_PULL_START);
+    }
+}
+
+static k3_status step(k3_engine *e, k3_step_result *res, k3_error *err);
+
 k3_status k3_engine_step(k3_engine *e, k3_step_result *res, k3_error *err) {
+    if (!e->exec_lock) return step(e, res, err);
+    pthread_mutex_lock(&e->exec_mu);
+    const k3_status st = step(e, res, err);
+    pthread_mutex_unlock(&e->exec_mu);
+    return st;
+}
+
+static k3_status step(k3_engine *e, k3_step_result *res, k3_error *err) {
     memset(res, 0, sizeof *res);
     k3_sched *s = &e->sched;
 
@@ -906,6 +1220,7 @@ k3_status k3_engine_step(k3_engine *e, k3_step_result *res, k3_error *err) {
         e->live[i]->rq.events = 0;
         e->live[i]->n_new = 0;
     }
+    step_holds(e, k3_now());
 
     /* the inbox */
     pthread_mutex_lock(&e->mu);
@@ -923,12 +1238,25 @@ k3_status k3_engine_step(k3_engine *e, k3_step_result *res, k3_error *err) {
         req *r = subs[i];
         if (st || !push_ptr((void ***)&e->live, &e->n_live, &e->cap_live, r)) {
             st = st ? st : k3_err(err, K3_ERR_NOMEM, "step: out of memory for the request list");
+            if (r->remote) pull_hook(e, r, K3_PULL_ABORT);
             req_free(r);
             continue;
         }
         r->rq.events |= K3_EV_QUEUED;
         k3_sched_hash(s, &r->rq);
-        if (k3_sched_add(s, &r->rq, NULL)) {
+        if (r->remote) {
+            if (push_ptr((void ***)&e->rwait, &e->n_rwait, &e->cap_rwait, r)) {
+                r->pull_phase = PULL_WAIT;
+                continue;
+            }
+            snprintf(r->error, sizeof r->error, "out of memory for the queue");
+            r->finished = true;
+            r->finish = K3_FINISH_ERROR;
+            r->rq.state = K3_RQ_DONE;
+            r->rq.events |= K3_EV_FINISHED;
+            e->finished_by[K3_FINISH_ERROR]++;
+            pull_hook(e, r, K3_PULL_ABORT);
+        } else if (k3_sched_add(s, &r->rq, NULL)) {
             snprintf(r->error, sizeof r->error, "out of memory for the queue");
             r->finished = true;
             r->finish = K3_FINISH_ERROR;
@@ -940,9 +1268,30 @@ k3_status k3_engine_step(k3_engine *e, k3_step_result *res, k3_error *err) {
     free(subs);
     const double t_in = k3_now();
     for (int32_t i = 0; i < n_cancels; i++)
-        for (int32_t j = 0; j < e->n_live; j++)
-            if (e->live[j]->rq.id == cancels[i] && !e->live[j]->finished) finish(e, e->live[j], K3_FINISH_CANCELLED, t_in);
+        for (int32_t j = 0; j < e->n_live; j++) {
+            req *r = e->live[j];
+            if (r->rq.id != cancels[i] || r->finished) continue;
+            if (r->pull_phase == PULL_WAIT) { /* no blocks yet: nothing to fetch */
+                for (int32_t k = 0; k < e->n_rwait; k++)
+                    if (e->rwait[k] == r) {
+                        memmove(e->rwait + k, e->rwait + k + 1, sizeof(req *) * (size_t)(e->n_rwait - k - 1));
+                        e->n_rwait--;
+                        break;
+                    }
+                r->pull_phase = PULL_NONE;
+                finish(e, r, K3_FINISH_CANCELLED, t_in);
+                pull_hook(e, r, K3_PULL_ABORT);
+            } else if (r->pull_phase != PULL_NONE) { /* its blocks are being written: ended once the pull stops */
+                pthread_mutex_lock(&e->mu);
+                r->pull_cancel = true;
+                pthread_mutex_unlock(&e->mu);
+                pull_hook(e, r, K3_PULL_CANCEL);
+            } else {
+                finish(e, r, K3_FINISH_CANCELLED, t_in);
+            }
+        }
     free(cancels);
+    step_rwait(e, t_in);
 
     /* 2. plan and set the slots up */
     k3_sched_schedule(s);
@@ -987,6 +1336,10 @@ k3_status k3_engine_step(k3_engine *e, k3_step_result *res, k3_error *err) {
     uint64_t *key = e->snap_key, *step_key = e->snap_key + e->req_snaps;
     for (int32_t i = 0; i < s->n_plan; i++) {
         k3_rq *rq = s->plan[i];
+        req *r = rq->owner;
+        /* a request kept for a decode instance: its state where the prompt ends */
+        if (r->hold_state && rq->n_computed < rq->n_prompt && rq->n_computed + rq->n_sched >= rq->n_prompt)
+            r->hold_captured = !k3_ctx_capture_state(e->ctx, rq->slot, rq->n_prompt, r->hold_state, NULL);
         const int32_t n = k3_sched_snap_points(s, rq, pos, key, e->req_snaps);
         const int32_t room = e->step_snaps - n_taken;
         /* over the room keep the last ones (the prompt's end) */
@@ -1007,6 +1360,8 @@ k3_status k3_engine_step(k3_engine *e, k3_step_result *res, k3_error *err) {
     if (s->n_plan) fst = k3_exec_run(e->ctx, e->batch, s->n_plan, e->want, e->logits, &ferr);
     if (fst)
         for (int32_t k = 0; k < n_taken; k++) k3_kv_snap_drop(&e->sn, step_key[k], step_pos[k]);
+    if (fst)
+        for (int32_t i = 0; i < s->n_plan; i++) ((req *)s->plan[i]->owner)->hold_captured = false;
     else
         e->n_snap_saves += n_taken;
     const double t = k3_now();
@@ -1063,6 +1418,8 @@ k3_status k3_engine_step(k3_engine *e, k3_step_result *res, k3_error *err) {
         if (!fst && e->lg_of[i] && !r->finished) sample(e, r, e->lg_of[i], t);
     }
 
+    step_pulls(e, k3_now());
+
     /* outputs: every live request with something to say */
     int32_t n_out = 0;
     for (int32_t i = 0; i < e->n_live; i++) n_out += e->live[i]->rq.events || e->live[i]->n_new;
@@ -1096,7 +1453,205 @@ int64_t k3_engine_blocks_free(const k3_engine *e) { return e->bm.n_free; }
 
 bool k3_engine_check(const k3_engine *e) {
     if (!k3_kv_check(&e->bm)) return false;
-    int64_t refs = 0;
+    int64_t refs = 0, held = k3_sched_blocks_held(&e->sched);
     for (int32_t b = 0; b < e->bm.n_blocks; b++) refs += e->bm.ref[b];
-    return refs == k3_sched_blocks_held(&e->sched);
+    /* and the holds kept for decode instances, the pulls in flight */
+    for (int32_t i = 0; i < e->n_holds; i++) held += e->holds[i]->n_blocks;
+    for (int32_t i = 0; i < e->n_pulls; i++) held += e->pulls[i]->rq.n_blocks;
+    return refs == held;
+}
+
+/* ---- prefill and decode apart (k3.h) ------------------------------------------------------ */
+
+void k3_engine_set_pull_hook(k3_engine *e, k3_pull_hook fn, void *arg) {
+    e->pull_hook = fn;
+    e->pull_arg = arg;
+}
+
+int64_t k3_engine_kv_bytes(const k3_engine *e, int32_t layer, int64_t n) { return k3_ctx_kv_bytes(e->ctx, layer, n); }
+
+int64_t k3_engine_state_bytes(const k3_engine *e) { return e->state_bytes; }
+
+/* The pulling request id (under mu), or NULL. */
+static req *find_pull(const k3_engine *e, uint64_t id) {
+    for (int32_t i = 0; i < e->n_pulls; i++)
+        if (e->pulls[i]->rq.id == id) return e->pulls[i];
+    return NULL;
+}
+
+/* Pins request id's pull for a write (under mu), or fails saying why. */
+static k3_status pull_pin(k3_engine *e, uint64_t id, req **out, k3_error *err) {
+    req *r = find_pull(e, id);
+    if (!r || r->pull_phase != PULL_ACTIVE)
+        return k3_err(err, K3_ERR_ARG, "pull: request %llu is not pulling", (unsigned long long)id);
+    if (r->pull_cancel) return k3_err(err, K3_ERR_ARG, "pull: request %llu was cancelled", (unsigned long long)id);
+    r->pull_pins++;
+    *out = r;
+    return K3_OK;
+}
+
+k3_status k3_engine_pull_write(k3_engine *e, uint64_t id, int32_t layer, int64_t t0, int32_t n, const void *rows,
+                               int64_t bytes, k3_error *err) {
+    req *r = NULL;
+    pthread_mutex_lock(&e->mu);
+    k3_status st = pull_pin(e, id, &r, err);
+    pthread_mutex_unlock(&e->mu);
+    if (st) return st;
+    const k3_rq *rq = &r->rq;
+    const int64_t want = k3_ctx_kv_bytes(e->ctx, layer, n);
+    if (want <= 0 && n > 0)
+        st = k3_err(err, K3_ERR_ARG, "pull: layer %d is not an MLA/DSA layer of this model", layer);
+    else if (t0 < rq->n_cached || n < 0 || t0 + n > rq->n_prompt)
+        st = k3_err(err, K3_ERR_ARG, "pull: positions [%lld, %lld) are outside [%lld, %lld), what request %llu fetches",
+                    (long long)t0, (long long)(t0 + n), (long long)rq->n_cached, (long long)rq->n_prompt,
+                    (unsigned long long)id);
+    else if (bytes != want)
+        st = k3_err(err, K3_ERR_ARG, "pull: %lld bytes for %d tokens of layer %d, where this instance's cache holds %lld",
+                    (long long)bytes, n, layer, (long long)want);
+    if (!st && n > 0) {
+        const int32_t b0 = (int32_t)(t0 / e->block_size);
+        if (e->exec_lock) pthread_mutex_lock(&e->exec_mu);
+        st = k3_exec_kv_write(e->ctx, rq->blocks + b0, rq->n_blocks - b0, layer, t0 - (int64_t)b0 * e->block_size, n,
+                              rows, err);
+        if (e->exec_lock) pthread_mutex_unlock(&e->exec_mu);
+    }
+    pthread_mutex_lock(&e->mu);
+    r->pull_pins--;
+    pthread_mutex_unlock(&e->mu);
+    return st;
+}
+
+k3_status k3_engine_pull_state(k3_engine *e, uint64_t id, int64_t offset, const void *part, int64_t bytes,
+                               k3_error *err) {
+    req *r = NULL;
+    pthread_mutex_lock(&e->mu);
+    k3_status st = pull_pin(e, id, &r, err);
+    if (!st && (offset < 0 || bytes < 0 || offset + bytes > e->state_bytes))
+        st = k3_err(err, K3_ERR_ARG, "pull: KDA state bytes [%lld, %lld), where this model's state is %lld bytes",
+                    (long long)offset, (long long)(offset + bytes), (long long)e->state_bytes);
+    pthread_mutex_unlock(&e->mu);
+    if (st) {
+        if (r) {
+            pthread_mutex_lock(&e->mu);
+            r->pull_pins--;
+            pthread_mutex_unlock(&e->mu);
+        }
+        return st;
+    }
+    if (bytes > 0) memcpy((char *)r->pull_state + offset, part, (size_t)bytes);
+    pthread_mutex_lock(&e->mu);
+    r->pull_state_got += bytes;
+    r->pull_pins--;
+    pthread_mutex_unlock(&e->mu);
+    return K3_OK;
+}
+
+void k3_engine_pull_done(k3_engine *e, uint64_t id, bool ok, const char *why) {
+    pthread_mutex_lock(&e->mu);
+    req *r = find_pull(e, id);
+    if (r && r->pull_phase == PULL_ACTIVE) {
+        if (ok && r->pull_state_got != e->state_bytes) {
+            ok = false;
+            why = "the prefill instance sent no KDA state, or part of it";
+        }
+        r->pull_phase = ok ? PULL_OK : PULL_FAILED;
+        snprintf(r->pull_err, sizeof r->pull_err, "%s", why ? why : "");
+        e->n_async++;
+        pthread_cond_broadcast(&e->cv);
+    }
+    pthread_mutex_unlock(&e->mu);
+}
+
+static hold *find_hold(const k3_engine *e, uint64_t id) {
+    for (int32_t i = 0; i < e->n_holds; i++)
+        if (e->holds[i]->id == id && !e->holds[i]->released) return e->holds[i];
+    return NULL;
+}
+
+k3_status k3_engine_hold_get(k3_engine *e, uint64_t id, k3_hold_info *out, int32_t *blocks, int32_t cap,
+                             k3_error *err) {
+    pthread_mutex_lock(&e->mu);
+    const hold *h = find_hold(e, id);
+    if (h) {
+        *out = (k3_hold_info){h->n_tokens, h->n_blocks, e->state_bytes, h->queue_s, h->prefill_s};
+        if (blocks) memcpy(blocks, h->blocks, sizeof(int32_t) * (size_t)(h->n_blocks < cap ? h->n_blocks : cap));
+    }
+    pthread_mutex_unlock(&e->mu);
+    return h ? K3_OK : k3_err(err, K3_ERR_ARG, "hold %llu is not held here (never made, released, or timed out)",
+                              (unsigned long long)id);
+}
+
+/* Pins hold id for a read (under mu). */
+static hold *hold_pin(k3_engine *e, uint64_t id, k3_error *err) {
+    pthread_mutex_lock(&e->mu);
+    hold *h = find_hold(e, id);
+    if (h) h->pins++;
+    pthread_mutex_unlock(&e->mu);
+    if (!h) k3_err(err, K3_ERR_ARG, "hold %llu is not held here (never made, released, or timed out)",
+                   (unsigned long long)id);
+    return h;
+}
+
+static void hold_unpin(k3_engine *e, hold *h) {
+    pthread_mutex_lock(&e->mu);
+    h->pins--;
+    if (h->released) {
+        e->n_async++;
+        pthread_cond_broadcast(&e->cv);
+    }
+    pthread_mutex_unlock(&e->mu);
+}
+
+k3_status k3_engine_hold_read(k3_engine *e, uint64_t id, int32_t layer, int64_t t0, int32_t n, void *rows,
+                              int64_t bytes, k3_error *err) {
+    hold *h = hold_pin(e, id, err);
+    if (!h) return K3_ERR_ARG;
+    const int64_t want = k3_ctx_kv_bytes(e->ctx, layer, n);
+    k3_status st = K3_OK;
+    if (want <= 0 && n > 0) st = k3_err(err, K3_ERR_ARG, "hold: layer %d is not an MLA/DSA layer of this model", layer);
+    else if (t0 < 0 || n < 0 || t0 + n > h->n_tokens)
+        st = k3_err(err, K3_ERR_ARG, "hold: positions [%lld, %lld) are outside the %lld tokens it holds", (long long)t0,
+                    (long long)(t0 + n), (long long)h->n_tokens);
+    else if (bytes != want)
+        st = k3_err(err, K3_ERR_ARG, "hold: %lld bytes for %d tokens of layer %d, where they are %lld", (long long)bytes,
+                    n, layer, (long long)want);
+    if (!st && n > 0) {
+        const int32_t b0 = (int32_t)(t0 / e->block_size);
+        const int64_t rel = t0 - (int64_t)b0 * e->block_size;
+        if (e->ctx->dcp > 1) { /* every rank's share, through the executor */
+            pthread_mutex_lock(&e->exec_mu);
+            st = k3_exec_kv_gather(e->ctx, h->blocks + b0, h->n_blocks - b0, layer, rel, n, rows, err);
+            pthread_mutex_unlock(&e->exec_mu);
+        } else { /* rank 0 caches every position (one process, or EP alone) */
+            st = k3_ctx_kv_read(e->ctx, h->blocks + b0, h->n_blocks - b0, layer, rel, n, rows, err);
+        }
+    }
+    hold_unpin(e, h);
+    return st;
+}
+
+k3_status k3_engine_hold_read_state(k3_engine *e, uint64_t id, int64_t offset, void *part, int64_t bytes,
+                                    k3_error *err) {
+    hold *h = hold_pin(e, id, err);
+    if (!h) return K3_ERR_ARG;
+    k3_status st = K3_OK;
+    if (offset < 0 || bytes < 0 || offset + bytes > e->state_bytes)
+        st = k3_err(err, K3_ERR_ARG, "hold: KDA state bytes [%lld, %lld), where a state is %lld bytes here",
+                    (long long)offset, (long long)(offset + bytes), (long long)e->state_bytes);
+    else if (bytes > 0)
+        memcpy(part, (char *)h->state + offset, (size_t)bytes);
+    hold_unpin(e, h);
+    return st;
+}
+
+void k3_engine_hold_release(k3_engine *e, uint64_t id) {
+    pthread_mutex_lock(&e->mu);
+    hold *h = find_hold(e, id);
+    if (h) {
+        h->released = true;
+        e->holds_released++;
+        e->n_async++;
+        pthread_cond_broadcast(&e->cv);
+    }
+    pthread_mutex_unlock(&e->mu);
 }

@@ -325,6 +325,12 @@ static int32_t draw(k3_sampler *s, float *logits) {
     return s->c[n - 1].id;
 }
 
+void k3_sampler_take(k3_sampler *s, int32_t id) {
+    if (id < 0 || id >= s->n_vocab) return;
+    if (s->o.temperature != 0.0f) (void)next_uniform(s);
+    note_output(s, id);
+}
+
 int32_t k3_sampler_sample(k3_sampler *s, float *logits) {
     const int32_t id = draw(s, logits);
     if (id >= 0) note_output(s, id);

@@ -28,6 +28,9 @@
  *            (LOGITS, ptr, rows)     float *ptr: rank 0's logits; a scratch
  *                                    buffer of rows (an expression) x vocab
  *                                    floats on the other ranks
+ *            (OUT, type, ptr, len)   type *ptr: what rank 0 receives (len
+ *                                    bytes, an expression as for BYTES); a
+ *                                    scratch buffer on the other ranks
  */
 #ifndef K3_EXECUTOR_CALLS_H
 #define K3_EXECUTOR_CALLS_H
@@ -42,7 +45,11 @@
     X(seq_set_blocks, STATUS, LOCAL, (VAL, int32_t, seq), (IDS, blocks, n))                                        \
     X(seq_set_pos, VOID, LOCAL, (VAL, int32_t, seq), (VAL, int64_t, pos))                                          \
     X(seq_clear_state, VOID, LOCAL, (VAL, int32_t, seq))                                                           \
-    X(state_restore, VOID, LOCAL, (VAL, int32_t, seq), (BYTES, void, src, k3_ctx_state_bytes(ctx)))
+    X(state_restore, VOID, LOCAL, (VAL, int32_t, seq), (BYTES, void, src, k3_ctx_state_bytes(ctx)))            \
+    X(kv_write, STATUS, LOCAL, (IDS, blocks, n_blocks), (VAL, int32_t, layer), (VAL, int64_t, t0),               \
+      (VAL, int32_t, n), (BYTES, void, src, k3_ctx_kv_bytes(ctx, layer, n)))                                       \
+    X(kv_gather, STATUS, COLLECTIVE(k3_ctx_kv_gather_check), (IDS, blocks, n_blocks), (VAL, int32_t, layer),     \
+      (VAL, int64_t, t0), (VAL, int32_t, n), (OUT, void, dst, k3_ctx_kv_bytes(ctx, layer, n)))
 
 /* The calls that take a context but stay on their rank, and why: X(NAME). A
  * context is made on every rank with the same options (k3_ctx_init by each

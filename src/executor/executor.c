@@ -384,6 +384,12 @@ static float *r_logits(rmsg *r, int64_t rows, int64_t vocab) {
     return r_alloc(r, sizeof(float) * (size_t)(rows * vocab + 1));
 }
 
+/* a scratch buffer of len bytes for what rank 0 alone receives */
+static void *r_out(rmsg *r, int64_t len) {
+    if (!r->st && (len < 0 || len > INT32_MAX)) r_fail(r, K3_ERR_FORMAT, "a bad output size");
+    return r_alloc(r, (size_t)(len > 0 ? len : 1));
+}
+
 /* ---- the rows of calls.h ------------------------------------------------------------- */
 
 int64_t k3_exec_forward_rows(const k3_batch_seq *batch, int32_t n_seqs, k3_logits_mode mode) {
@@ -409,6 +415,7 @@ int64_t k3_exec_run_rows(const k3_batch_seq *batch, int32_t n_seqs, const uint8_
 #define ARG_BYTES(type, ptr, len) , ptr
 #define ARG_BATCH(batch, n) , batch, n
 #define ARG_LOGITS(ptr, rows) , ptr
+#define ARG_OUT(type, ptr, len) , ptr
 
 #define PUT(...) PUT_(__VA_ARGS__)
 #define PUT_(kind, ...) PUT_##kind(__VA_ARGS__)
@@ -419,6 +426,7 @@ int64_t k3_exec_run_rows(const k3_batch_seq *batch, int32_t n_seqs, const uint8_
 #define PUT_BYTES(type, ptr, len) w_array(&w, ptr, (size_t)(len), NULL);
 #define PUT_BATCH(batch, n) w_batch(&w, batch, n, ctx->c->hidden_size);
 #define PUT_LOGITS(ptr, rows)
+#define PUT_OUT(type, ptr, len)
 
 #define LOCAL(...) LOCAL_(__VA_ARGS__)
 #define LOCAL_(kind, ...) LOCAL_##kind(__VA_ARGS__)
@@ -431,16 +439,17 @@ int64_t k3_exec_run_rows(const k3_batch_seq *batch, int32_t n_seqs, const uint8_
     const k3_batch_seq *batch = NULL;                                                                              \
     int32_t n = 0;
 #define LOCAL_LOGITS(ptr, rows) float *ptr = NULL;
+#define LOCAL_OUT(type, ptr, len) type *ptr = NULL;
 
 #define GET(...) GET_(__VA_ARGS__)
 #define GET_(kind, ...) GET_##kind(__VA_ARGS__)
 #define GET_VAL(type, name) r_get(r, &name, sizeof(type));
-#define GET_IDS(ptr, n)                                                                                            \
-    r_get(r, &n, sizeof(int32_t));                                                                                 \
-    if (!r->st && (n < 0 || (size_t)n > r->n / 4)) r_fail(r, K3_ERR_FORMAT, "a bad id list");                      \
+#define GET_IDS(ptr, cnt)                                                                                          \
+    r_get(r, &cnt, sizeof(int32_t));                                                                               \
+    if (!r->st && (cnt < 0 || (size_t)cnt > r->n / 4)) r_fail(r, K3_ERR_FORMAT, "a bad id list");                  \
     if (!r->st) {                                                                                                  \
-        int32_t *ids_ = r_alloc(r, sizeof(int32_t) * (size_t)n);                                                   \
-        r_get(r, ids_, sizeof(int32_t) * (size_t)n);                                                               \
+        int32_t *ids_ = r_alloc(r, sizeof(int32_t) * (size_t)cnt);                                                 \
+        r_get(r, ids_, sizeof(int32_t) * (size_t)cnt);                                                             \
         ptr = ids_;                                                                                                \
     }
 #define GET_BYTES(type, ptr, len)                                                                                  \
@@ -448,6 +457,8 @@ int64_t k3_exec_run_rows(const k3_batch_seq *batch, int32_t n_seqs, const uint8_
 #define GET_BATCH(batch, n) r_batch(r, &batch, &n, ctx->c->hidden_size);
 #define GET_LOGITS(ptr, rows)                                                                                      \
     if (!r->st) ptr = r_logits(r, (int64_t)(rows), ctx->c->vocab_size);
+#define GET_OUT(type, ptr, len)                                                                                    \
+    if (!r->st) ptr = r_out(r, (int64_t)(len));
 
 #define EACH K3_EXEC_EACH
 #define PARAM K3_EXEC_PARAM

@@ -37,20 +37,23 @@ int64_t k3_exec_run_rows(const k3_batch_seq *batch, int32_t n_seqs, const uint8_
 #define K3_EXEC_PARAM_BYTES(type, ptr, len) , const type *ptr
 #define K3_EXEC_PARAM_BATCH(batch, n) , const k3_batch_seq *batch, int32_t n
 #define K3_EXEC_PARAM_LOGITS(ptr, rows) , float *ptr
+#define K3_EXEC_PARAM_OUT(type, ptr, len) , type *ptr
 #define K3_EXEC_RET_STATUS k3_status
 #define K3_EXEC_RET_VOID void
 #define K3_EXEC_ERRP_STATUS , k3_error *err
 #define K3_EXEC_ERRP_VOID
-/* K3_EXEC_EACH(M, a, b, ...) = M a M b ...: up to 4 arguments */
+/* K3_EXEC_EACH(M, a, b, ...) = M a M b ...: up to 6 arguments */
 #define K3_EXEC_EACH(m, ...) K3_EXEC_EACH_(K3_EXEC_NARGS(__VA_ARGS__), m, __VA_ARGS__)
 #define K3_EXEC_EACH_(n, m, ...) K3_EXEC_EACH__(n, m, __VA_ARGS__)
 #define K3_EXEC_EACH__(n, m, ...) K3_EXEC_EACH_##n(m, __VA_ARGS__)
-#define K3_EXEC_NARGS(...) K3_EXEC_NARGS_(__VA_ARGS__, 4, 3, 2, 1, 0)
-#define K3_EXEC_NARGS_(a, b, c, d, n, ...) n
+#define K3_EXEC_NARGS(...) K3_EXEC_NARGS_(__VA_ARGS__, 6, 5, 4, 3, 2, 1, 0)
+#define K3_EXEC_NARGS_(a, b, c, d, e, f, n, ...) n
 #define K3_EXEC_EACH_1(m, a) m a
 #define K3_EXEC_EACH_2(m, a, b) m a m b
 #define K3_EXEC_EACH_3(m, a, b, c) m a m b m c
 #define K3_EXEC_EACH_4(m, a, b, c, d) m a m b m c m d
+#define K3_EXEC_EACH_5(m, a, b, c, d, e) m a m b m c m d m e
+#define K3_EXEC_EACH_6(m, a, b, c, d, e, f) m a m b m c m d m e m f
 
 #define K3_EXEC_DECLARE(name, ret, order, ...)                                                                     \
     K3_EXEC_RET_##ret k3_exec_##name(k3_ctx *ctx K3_EXEC_EACH(K3_EXEC_PARAM, __VA_ARGS__) K3_EXEC_ERRP_##ret);

@@ -824,8 +824,9 @@ size_t k3_model_describe(const k3_model *m, char *buf, size_t size) {
         (long long)in.weight_bytes, human((double)in.weight_bytes, h3, sizeof h3),
         (long long)in.bytes_per_token, human((double)in.bytes_per_token, h4, sizeof h4),
         m->quant_bytes_delta ? "as quantized" : "as stored");
-    put(buf, size, &n, "cache: %lld bytes per token (fp32); KDA state %lld bytes per sequence\n",
-        (long long)in.cache_bytes_per_token, (long long)in.state_bytes_per_seq);
+    put(buf, size, &n, "cache: %lld bytes per token (fp32), %lld (c8); KDA state %lld bytes per sequence\n",
+        (long long)in.cache_bytes_per_token, (long long)k3_config_cache_bytes_per_token(&m->cfg, K3_KV_C8),
+        (long long)in.state_bytes_per_seq);
     return n;
 }
 

@@ -160,6 +160,11 @@ k3_status k3_plan_compute(const char *path, const k3_plan_options *opt, k3_plan 
     out->weight_bytes_per_rank = w + ex / E;
     out->cache_bytes_per_rank = cache * ((L + D - 1) / D);
     out->mem_bytes_per_rank = out->weight_bytes_per_rank + out->cache_bytes_per_rank + state;
+    /* prefill -> decode: the prompt's rows of every MLA/DSA layer and one KDA
+     * state (src/pd); under DCP each decode rank takes its own rows and the
+     * whole state */
+    out->pd_bytes_per_seq = cache * L + state;
+    out->pd_bytes_per_rank = out->cache_bytes_per_rank + state;
     out->n_dsa = (int32_t)nd;
     out->n_mla = (int32_t)nm;
     out->n_kda = (int32_t)nk;

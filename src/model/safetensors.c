@@ -327,6 +327,18 @@ k3_status k3_st_init(k3_st **out, k3_error *err) {
     return K3_OK;
 }
 
+uint64_t k3_st_header_hash(const k3_st *st, uint64_t h) {
+    for (int32_t i = 0; i < st->n_files; i++) {
+        const st_file *f = &st->files[i];
+        if (!f->map || f->size < 8) continue;
+        uint64_t hl = 0;
+        memcpy(&hl, f->map, 8);
+        const size_t n = hl <= f->size - 8 ? (size_t)hl + 8 : 8;
+        for (size_t k = 0; k < n; k++) h = (h ^ f->map[k]) * 1099511628211ull;
+    }
+    return h;
+}
+
 void k3_st_close(k3_st *st) {
     if (!st) return;
     for (int64_t i = 0; i < st->n; i++) free(st->t[i].name);

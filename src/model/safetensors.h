@@ -54,6 +54,9 @@ k3_status k3_st_init(k3_st **out, k3_error *err);
 /* Opens DIR/model.safetensors or DIR/model.safetensors.index.json. */
 k3_status k3_st_open(k3_st **out, const char *dir, k3_error *err);
 void k3_st_close(k3_st *st);
+/* Folds every mapped file's header (its length and JSON: names, dtypes,
+ * shapes, offsets) into h: what the files hold, without reading the data. */
+uint64_t k3_st_header_hash(const k3_st *st, uint64_t h);
 
 /* Looks a tensor up by its full name; NULL when absent. */
 const k3_st_tensor *k3_st_get(const k3_st *st, const char *name);

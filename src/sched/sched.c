@@ -63,6 +63,16 @@ k3_status k3_sched_add(k3_sched *s, k3_rq *rq, k3_error *err) {
     return K3_OK;
 }
 
+k3_status k3_sched_add_landed(k3_sched *s, k3_rq *rq, k3_error *err) {
+    K3_TRY(k3_sched_add(s, rq, err));
+    /* before the first waiting request that is not landed */
+    int32_t at = 0;
+    while (at < s->n_waiting - 1 && s->waiting[at]->n_blocks > 0) at++;
+    memmove(s->waiting + at + 1, s->waiting + at, sizeof(k3_rq *) * (size_t)(s->n_waiting - 1 - at));
+    s->waiting[at] = rq;
+    return K3_OK;
+}
+
 static void waiting_remove(k3_sched *s, int32_t i) {
     memmove(s->waiting + i, s->waiting + i + 1, sizeof(k3_rq *) * (size_t)(s->n_waiting - i - 1));
     s->n_waiting--;
@@ -255,6 +265,29 @@ void k3_sched_schedule(k3_sched *s) {
     /* 2. waiting requests, in order, unless this step preempted */
     for (int32_t w = 0; !preempted && w < s->n_waiting && budget > 0 && s->n_free_slots > 0;) {
         k3_rq *rq = s->waiting[w];
+        if (rq->n_blocks > 0) { /* landed: its prompt is in its blocks, its state in hand */
+            const int32_t n = chunk(s, rq, budget, plp_left, cost_left);
+            const int32_t need = blocks_for(s, rq->n_computed + n) - rq->n_blocks;
+            if (n == 0 || need > s->bm->n_free) break;
+            for (int32_t b = 0; b < need; b++) rq->blocks[rq->n_blocks++] = k3_kv_alloc(s->bm);
+            rq->restore = rq->landed_state;
+            rq->landed_state = NULL;
+            rq->prefill_end = rq->n_prompt;
+            rq->junction = 0;
+            rq->admitted_once = true;
+            rq->slot = s->free_slots[--s->n_free_slots];
+            rq->state = K3_RQ_RUNNING;
+            rq->is_new = true;
+            rq->events |= K3_EV_SCHEDULED;
+            rq->n_sched = n;
+            waiting_remove(s, w);
+            s->running[s->n_running++] = rq;
+            s->plan[s->n_plan++] = rq;
+            s->plan_tokens += n;
+            budget -= n;
+            charge(s, rq, n, &cost_left, &step_cost);
+            continue;
+        }
         int32_t n_hit = 0, n_attn = 0;
         lookup(s, rq, rq->blocks, &n_hit, &n_attn); /* the table is empty while waiting */
         if (next_block_pending(s, rq, n_hit)) {
@@ -299,6 +332,33 @@ void k3_sched_schedule(k3_sched *s) {
         charge(s, rq, n, &cost_left, &step_cost);
     }
     if (cost_left >= 0 && step_cost > s->guarded_cost_max) s->guarded_cost_max = step_cost;
+}
+
+bool k3_sched_remote_alloc(k3_sched *s, k3_rq *rq) {
+    const int32_t bs = s->cfg.block_size, nb = blocks_for(s, rq->n_prompt);
+    int32_t k = 0;
+    if (s->cfg.prefix_cache && rq->read_cache)
+        for (const int64_t full = rq->n_prompt / bs; k < full && k < rq->n_hash; k++) {
+            const uint64_t parent = k ? rq->hash[k - 1] : s->cfg.hash_seed;
+            const int32_t b = k3_kv_lookup(s->bm, rq->hash[k], parent, rq->extra[k], rq->tok + (int64_t)k * bs);
+            if (b < 0) break;
+            rq->blocks[k] = b;
+        }
+    int32_t from_free = 0;
+    for (int32_t i = 0; i < k; i++) from_free += s->bm->ref[rq->blocks[i]] == 0;
+    if (nb - k + from_free > s->bm->n_free) return false;
+    for (int32_t i = 0; i < k; i++) k3_kv_ref(s->bm, rq->blocks[i]);
+    for (int32_t i = k; i < nb; i++) rq->blocks[i] = k3_kv_alloc(s->bm);
+    rq->n_blocks = nb;
+    rq->n_registered = k;
+    rq->n_computed = 0;
+    rq->n_cached = (int64_t)k * bs;
+    if (s->cfg.prefix_cache && rq->read_cache) {
+        s->prefix_queries += rq->n_prompt;
+        s->prefix_hits += rq->n_cached;
+    }
+    rq->state = K3_RQ_REMOTE;
+    return true;
 }
 
 int32_t k3_sched_snap_points(const k3_sched *s, const k3_rq *rq, int64_t *pos, uint64_t *key, int32_t max) {

@@ -36,7 +36,9 @@
 #include "k3.h"
 #include "kv/kv.h"
 
-typedef enum { K3_RQ_WAITING = 0, K3_RQ_RUNNING, K3_RQ_DONE } k3_rq_state;
+/* K3_RQ_REMOTE: its prompt's blocks are held while their contents come from
+ * a prefill instance (the engine keeps it; the scheduler does not see it). */
+typedef enum { K3_RQ_WAITING = 0, K3_RQ_RUNNING, K3_RQ_DONE, K3_RQ_REMOTE } k3_rq_state;
 
 typedef struct k3_rq {
     uint64_t id;
@@ -62,6 +64,8 @@ typedef struct k3_rq {
     int32_t n_sched;              /* tokens scheduled */
     bool is_new;                  /* admitted by this step: set the slot up */
     const void *restore;          /* snapshot to restore into the slot, NULL = zero state */
+    const void *landed_state;     /* a waiting request that holds blocks (its prompt came
+                                     from a prefill instance): the KDA state to admit it with */
     uint32_t events;              /* K3_EV_* since the last step */
     void *owner;                  /* the engine's part of the request */
 } k3_rq;
@@ -110,6 +114,15 @@ void k3_sched_free(k3_sched *s);
 void k3_sched_hash(k3_sched *s, k3_rq *rq);
 /* Queues rq (at the back). */
 k3_status k3_sched_add(k3_sched *s, k3_rq *rq, k3_error *err);
+/* Queues rq at the front: a request whose prompt is in its blocks already
+ * (n_computed tokens, landed_state), to decode from there. */
+k3_status k3_sched_add_landed(k3_sched *s, k3_rq *rq, k3_error *err);
+/* A prompt whose cache comes from elsewhere: the blocks of all its n_prompt
+ * tokens, the leading full blocks the prefix index holds shared (n_cached
+ * gets their tokens: no KDA snapshot is needed, the state comes with the
+ * rest); the rest fresh. False, and nothing taken, when the free blocks
+ * do not suffice. rq becomes K3_RQ_REMOTE. */
+bool k3_sched_remote_alloc(k3_sched *s, k3_rq *rq);
 /* Plans one step into s->plan (preempting as needed). */
 void k3_sched_schedule(k3_sched *s);
 /* Before the forward pass: the snapshot points of rq's scheduled tokens

@@ -531,7 +531,7 @@ static enum MHD_Result answer(k3_srv_job *j) {
                              "model", j->s->model, "content", content, "stop_reason",
                              stop_reason(c, has_calls(&x->items)), "stop_sequence", stop_sequence(j, c), "usage",
                              usage_json(j));
-    return k3_srv_json(j->s, j->conn, 200, resp);
+    return k3_srv_job_json(j, 200, resp); /* with a prefill or decode instance's members */
 }
 
 /* ---- the stream ---------------------------------------------------------------- */

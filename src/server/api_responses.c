@@ -574,7 +574,7 @@ static enum MHD_Result answer(k3_srv_job *j) {
     json_t *resp = response_json(j, status, output_json(x, &r, status), usage, NULL);
     store(j, resp, &r);
     k3_chat_reply_free(&r);
-    return k3_srv_json(j->s, j->conn, 200, resp);
+    return k3_srv_job_json(j, 200, resp); /* with a prefill or decode instance's members */
 }
 
 /* ---- the stream ------------------------------------------------------------ */

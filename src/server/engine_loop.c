@@ -189,6 +189,11 @@ static void on_output(struct k3_server *s, const k3_req_output *o, double t) {
         q->finished = true;
         q->finish = o->finish;
         q->stop_id = o->stop_id;
+        if (o->transfer_s > 0) {
+            q->pd_queue_s = o->t_scheduled > 0 ? o->t_scheduled - o->t_arrival : 0;
+            q->pd_transfer_s = o->transfer_s;
+            q->pd_first_step_s = o->first_step_s;
+        }
         if (o->finish == K3_FINISH_ERROR && !q->error[0])
             snprintf(q->error, sizeof q->error, "%s", o->error ? o->error : "the engine failed this request");
         /* counted by the reason the client sees (the group decodes the

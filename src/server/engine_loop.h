@@ -58,6 +58,10 @@ struct k3_srv_seq {
     unsigned err_status; /* the HTTP status of that failure: 500, 503 when the engine failed */
     int64_t n_prompt, n_cached, n_generated;
     double last_t;      /* when its last tokens came (inter-token latency) */
+    /* a request prefilled elsewhere, at its end: the TTFT split of its
+     * answer's kv_transfer (queue here, blocks given to the cache landed,
+     * landed to the first token computed here) */
+    double pd_queue_s, pd_transfer_s, pd_first_step_s;
     /* the server's list of engine requests in flight (live_mu) */
     k3_srv_seq *live_prev, *live_next;
     int64_t number;     /* 1 = the first submitted by this server */

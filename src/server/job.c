@@ -55,6 +55,7 @@ static void job_destroy(k3_srv_group *g) {
         k3_grammar_matcher_free(c->gm);
         k3_tool_stream_free(&c->ts);
     }
+    k3_srv_pd_free(j);
     free(j->ch);
     if (j->surf && j->api && j->api->surf_free) j->api->surf_free(j->surf);
     k3_srv_request_free(&j->rq);
@@ -319,13 +320,14 @@ enum MHD_Result k3_srv_openai_answer(k3_srv_job *j, const char *object, k3_srv_c
     }
     json_t *resp = k3_srv_openai_object(j, object, choices);
     if (resp) json_object_set_new(resp, "usage", k3_srv_openai_usage(j));
-    return k3_srv_json(j->s, j->conn, 200, resp);
+    return k3_srv_job_json(j, 200, resp);
 }
 
 void k3_srv_openai_stream_end(k3_srv_job *j, const char *object) {
     if (j->rq.include_usage) {
         json_t *u = k3_srv_openai_object(j, object, json_array());
         json_object_set_new(u, "usage", k3_srv_openai_usage(j));
+        if (u && j->extra) json_object_update(u, j->extra);
         k3_sse_data(&j->sse, u);
     }
     k3_sse_done(&j->sse);
@@ -425,6 +427,8 @@ static enum MHD_Result answer_whole(k3_srv_job *j) {
     const int w = wait_all(j, why, sizeof why);
     if (w == 1) return MHD_NO;
     if (w == 2) return k3_srv_api_error(j->api, j->s, j->conn, 503, "%s", why);
+    char pd_why[600];
+    if (!k3_srv_pd_finish(j, pd_why, sizeof pd_why)) return k3_srv_api_error(j->api, j->s, j->conn, 500, "%s", pd_why);
     return j->api->answer(j);
 }
 
@@ -467,6 +471,8 @@ static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max) {
             all &= j->ch[i].final_sent;
         }
         if (all) {
+            char pd_why[600];
+            k3_srv_pd_finish(j, pd_why, sizeof pd_why); /* a decode side's figures, for the usage chunk */
             j->api->stream_end(j);
             j->sent_done = true;
             /* generation is over: a client that stops reading is dropped again */
@@ -563,7 +569,7 @@ static k3_request_params engine_request(k3_srv_job *j, int i) {
     const k3_srv_request *rq = &j->rq;
     const k3_srv_choice *c = &j->ch[i];
     const int64_t np = rq->n_prompt[c->prompt_index];
-    return (k3_request_params){
+    k3_request_params p = {
         .prompt = rq->prompts[c->prompt_index],
         .n_prompt = np,
         .sampling = {.temperature = (float)rq->temperature,
@@ -593,6 +599,8 @@ static k3_request_params engine_request(k3_srv_job *j, int i) {
         .extra_keys = rq->vp.n_images ? rq->vp.keys : NULL,
         .grammar = rq->grammar,
     };
+    k3_srv_pd_request(j, &p); /* kept for a decode instance, or pulled from a prefill one */
+    return p;
 }
 
 enum MHD_Result k3_srv_job_serve(struct k3_server *s, struct MHD_Connection *conn, json_t *root,
@@ -637,6 +645,10 @@ enum MHD_Result k3_srv_job_serve_surf(struct k3_server *s, struct MHD_Connection
     if (rq->echo && rq->stream && rq->logprobs >= 0) {
         job_unref(j);
         return k3_srv_api_error(api, s, conn, 400, "\"echo\" with \"logprobs\" is not supported when streaming");
+    }
+    if (!k3_srv_pd_prepare(j, &e)) {
+        job_unref(j);
+        return k3_srv_error(s, conn, e.status, "%s", e.msg);
     }
     j->n = rq->n_prompts * (int)rq->n;
     j->ch = calloc((size_t)j->n, sizeof *j->ch);

@@ -122,6 +122,12 @@ struct k3_srv_job {
     int32_t markup[3]; /* the ids of <|open|>, <|close|>, <|sep|> (-1: none), with keep_specials */
     k3_sse sse;        /* a stream's bytes not yet handed to the connection */
     bool sent_done;    /* the stream's closing events are out */
+    /* prefill and decode apart (pd.c) */
+    bool pd_prefill;   /* kept for a decode instance (do_remote_decode) */
+    bool pd_answered;  /* its kv_transfer_params went out */
+    struct k3_pd_pull *pull; /* the pull of its prompt's cache (do_remote_prefill), or NULL */
+    k3_remote_prefill rp;    /* the engine request's remote part */
+    json_t *extra;     /* members added to the whole answer's top level, or NULL */
     void *surf;        /* the surface's own state (k3_srv_job_serve_surf), freed by api->surf_free */
     /* choices enter the engine at most `seats` at a time (the first n_sub
      * have), so one request with many choices leaves room for others */
@@ -131,6 +137,20 @@ struct k3_srv_job {
     uint64_t base_seed;
     double probe_t;    /* when a half-closed stream client was last probed */
 };
+
+/* ---- prefill and decode apart (pd.c): vLLM's kv_transfer_params ----
+ * After parsing: checks the params and makes the decode side's pull (false
+ * with e); each engine request is then adjusted (one token and kv_hold, or
+ * remote); once every choice is done the answer's extra members are made
+ * (false with why: a 500); the job's end frees it all (a pull never
+ * submitted is given up, its hold released). */
+bool k3_srv_pd_prepare(k3_srv_job *j, k3_srv_bad *e);
+void k3_srv_pd_request(k3_srv_job *j, k3_request_params *p);
+bool k3_srv_pd_finish(k3_srv_job *j, char *why, size_t why_len);
+void k3_srv_pd_free(k3_srv_job *j);
+/* Queues a surface's whole answer with the job's extra members (what every
+ * surface's answer should go out through). */
+enum MHD_Result k3_srv_job_json(k3_srv_job *j, unsigned status, json_t *resp);
 
 /* Parses root for api, submits, and answers (the whole answer or a
  * stream); every refusal is an error in OpenAI's shape. */

@@ -52,6 +52,14 @@ void k3_metrics_init(k3_metrics *m, int64_t max_model_len, int32_t max_batched) 
              "Number of prefill tokens processed.", le, n);
     hist_set(&m->h[K3_H_GEN_TOKENS], "vllm:request_generation_tokens",
              "Number of generation tokens processed.", le, n);
+    hist_set(&m->h[K3_H_PD_QUEUE], "k3:pd_ttft_queue_seconds",
+             "TTFT of a request prefilled elsewhere: its time waiting on the prefill instance.", ttft, nt);
+    hist_set(&m->h[K3_H_PD_PREFILL], "k3:pd_ttft_prefill_seconds",
+             "TTFT of a request prefilled elsewhere: its prefill there.", ttft, nt);
+    hist_set(&m->h[K3_H_PD_TRANSFER], "k3:pd_ttft_transfer_seconds",
+             "TTFT of a request prefilled elsewhere: blocks given here to the last byte of its cache pulled.", ttft, nt);
+    hist_set(&m->h[K3_H_PD_FIRST_STEP], "k3:pd_first_decode_step_seconds",
+             "A request prefilled elsewhere: from its cache landing to its first token computed here.", ttft, nt);
     n = count_buckets(le, (double)(max_batched > 0 ? max_batched : 1));
     hist_set(&m->h[K3_H_ITER_TOKENS], "vllm:iteration_tokens_total",
              "Histogram of number of tokens per engine_step.", le, n);
@@ -100,6 +108,12 @@ void k3_metrics_request_done(k3_metrics *m, k3_finish_reason why, const k3_req_o
     observe(m, K3_H_DECODE, o->decode_s);
     observe(m, K3_H_PROMPT_TOKENS, (double)o->n_prompt);
     observe(m, K3_H_GEN_TOKENS, (double)o->n_generated);
+    if (o->transfer_s > 0) {
+        observe(m, K3_H_PD_QUEUE, o->remote_queue_s);
+        observe(m, K3_H_PD_PREFILL, o->remote_prefill_s);
+        observe(m, K3_H_PD_TRANSFER, o->transfer_s);
+        if (o->first_step_s > 0) observe(m, K3_H_PD_FIRST_STEP, o->first_step_s);
+    }
     pthread_mutex_unlock(&m->mu);
 }
 

@@ -32,6 +32,13 @@ enum {
     K3_H_PROMPT_TOKENS,
     K3_H_GEN_TOKENS,
     K3_H_ITER_TOKENS,
+    /* prefill and decode apart (decode side): the TTFT of a request prefilled
+     * elsewhere, split into that instance's queue and prefill, the pull, and
+     * the first decode step here */
+    K3_H_PD_QUEUE,
+    K3_H_PD_PREFILL,
+    K3_H_PD_TRANSFER,
+    K3_H_PD_FIRST_STEP,
     K3_H_COUNT
 };
 

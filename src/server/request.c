@@ -31,6 +31,7 @@ typedef enum {
     F_BAD_WORDS,      /* a list of strings, tokenized as vLLM does */
     F_TOP_LOGPROBS,   /* chat's count of top alternatives, after its "logprobs" flag */
     F_STREAM_OPTIONS, /* {"include_usage": bool}, only with "stream": true */
+    F_KV_TRANSFER,    /* vLLM's kv_transfer_params: an object, kept for the job (src/pd reads it) */
     F_PROMPT,         /* the surface's own prompt field(s) */
     F_UNSUPPORTED,    /* not implemented: refused unless it asks for nothing */
 } kind;
@@ -90,6 +91,7 @@ static const field fields[] = {
     SPECIAL("stream_options", ALL, F_STREAM_OPTIONS),
     SPECIAL(NULL, ALL | RESP | MSGS, F_PROMPT),
     SPECIAL("stop_token_ids", ALL, F_STOP_IDS),
+    SPECIAL("kv_transfer_params", ALL | RESP | MSGS, F_KV_TRANSFER),
 };
 
 bool k3_srv_bad_set(k3_srv_bad *e, unsigned status, const char *fmt, ...) {
@@ -335,6 +337,13 @@ static bool parse_field(struct k3_server *s, const field *f, k3_srv_prompt_fn pr
         if (!rq->stream) return bad(e, 400, "\"%s\" is only allowed with \"stream\": true", f->name);
         return get_bool(so, "include_usage", &rq->include_usage, e);
     }
+    case F_KV_TRANSFER: {
+        json_t *kt = json_object_get(root, f->name);
+        if (!kt || json_is_null(kt)) return true;
+        if (!json_is_object(kt)) return bad(e, 400, "\"%s\" must be an object", f->name);
+        rq->kv_transfer = json_incref(kt);
+        return true;
+    }
     case F_PROMPT: return prompt(s, root, rq, e);
     case F_UNSUPPORTED:
         if (asks_nothing(f, json_object_get(root, f->name), rq)) return true;
@@ -381,6 +390,7 @@ void k3_srv_request_free(k3_srv_request *rq) {
     free(rq->allowed_ids);
     free(rq->bad_words);
     free(rq->bad_word_off);
+    json_decref(rq->kv_transfer);
     k3_grammar_free(rq->grammar);
     memset(rq, 0, sizeof *rq);
 }

@@ -74,6 +74,7 @@ typedef struct k3_srv_request {
     int64_t *n_prompt;
     k3_vision_prompt vp;  /* a chat prompt's image rows and keys, until submitted */
     bool thinking;        /* the prompt opened the think channel: the reply starts in it */
+    json_t *kv_transfer;  /* vLLM's kv_transfer_params (an object, referenced), or NULL */
     k3_grammar *grammar;  /* what the output must match (constraint.h), or NULL; a reference */
 } k3_srv_request;
 

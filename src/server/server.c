@@ -626,6 +626,7 @@ k3_status k3_server_start(k3_server **out, const k3_server_options *opt, k3_erro
     pthread_mutex_init(&s->vision_mu, NULL);
     pthread_mutex_init(&s->grammar_mu, NULL);
     s->vision = opt->vision;
+    s->pd = opt->pd;
     s->vision_pool = opt->vision_pool;
     s->max_image_pixels = opt->max_image_pixels;
     s->no_ui = opt->no_ui;

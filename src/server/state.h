@@ -87,6 +87,8 @@ struct k3_server {
     k3_pool *vision_pool;
     int64_t max_image_pixels;
     pthread_mutex_t vision_mu;
+    /* prefill and decode apart: the transfer agent, or NULL (src/pd) */
+    struct k3_pd *pd;
     /* the Responses API's stored responses (store.h; api_responses.c) */
     struct k3_srv_store *responses;
     /* the chat page at / is off (--no-ui) */
