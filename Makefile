@@ -151,7 +151,7 @@ test-lm-eval: $(BUILD)/k3
 	  "$$PY" tests/lm_eval_remote.py $(BUILD)/k3
 
 format:
-	clang-format -i include/*.h src/*/*.[ch] cli/*.c tests/*.[ch]
+	clang-format -i include/*.h src/*/*.[ch] cli/*.[ch] tests/*.[ch]
 
 clean:
 	rm -rf $(BUILD) build-asan build-ubsan $(FUZZ_BUILD)

@@ -77,8 +77,8 @@ int k3_cli_bench_vision(const k3_model *m, k3_pool *pool, const char *quant, int
         if (s) break;
         qsort(tp, (size_t)runs, sizeof tp[0], cmp_d);
         qsort(tt, (size_t)runs, sizeof tt[0], cmp_d);
-        *r = (k3_cli_vision_run){sizes[i][0], sizes[i][1], plan.n_tokens, plan.grid_h * plan.grid_w, tp[runs / 2],
-                                 tt[runs / 2], tt[0], tt[runs - 1], k3_vision_flops(v, &plan) / 1e9};
+        *r = (k3_cli_vision_run){sizes[i][0],  sizes[i][1], plan.n_tokens, plan.grid_h * plan.grid_w,      tp[runs / 2],
+                                 tt[runs / 2], tt[0],       tt[runs - 1],  k3_vision_flops(v, &plan) / 1e9};
         out->n++;
     }
     k3_vision_close(v);

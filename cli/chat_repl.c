@@ -65,8 +65,8 @@ static k3_status feed(k3_ctx *ctx, const int32_t *ids, size_t n, float *logits, 
 }
 
 /* The text segment `s` encoded and pushed after control id `ctl` (-1: none). */
-static k3_status push_tag(const k3_tokenizer *tok, int32_t ctl, const char *s, int32_t **v, size_t *n,
-                          size_t *cap, k3_error *err) {
+static k3_status push_tag(const k3_tokenizer *tok, int32_t ctl, const char *s, int32_t **v, size_t *n, size_t *cap,
+                          k3_error *err) {
     int32_t *t = NULL;
     size_t nt = 0;
     if (s && k3_tokenizer_encode(tok, s, strlen(s), &t, &nt, err)) return err->status;
@@ -89,8 +89,8 @@ static k3_status push_tag(const k3_tokenizer *tok, int32_t ctl, const char *s, i
 
 /* The ids that close a reply cut off inside block `block` ("" = between
  * blocks): <|close|>BLOCK<|sep|> <|close|>message<|sep|> <|end_of_msg|>. */
-static k3_status closing_ids(const k3_tokenizer *tok, const k3_cli_chat_view *cr, int32_t eom, int32_t **v,
-                             size_t *n, k3_error *err) {
+static k3_status closing_ids(const k3_tokenizer *tok, const k3_cli_chat_view *cr, int32_t eom, int32_t **v, size_t *n,
+                             k3_error *err) {
     size_t cap = 0;
     *v = NULL;
     *n = 0;
@@ -209,8 +209,9 @@ int k3_cli_chat_repl(const k3_cli_repl *r) {
             if (k3_ctx_seq_pos(ctx, 0) + 8 >= n_ctx) break;
             const int32_t id = k3_sampler_sample(smp, logits);
             if (id < 0) {
-                fprintf(stderr, "\nk3 run: the logits are not finite (NaN or +Inf): the weights are damaged; "
-                                "`k3 info -m DIR` names the tensor\n");
+                fprintf(stderr,
+                        "\nk3 run: the logits are not finite (NaN or +Inf): the weights are damaged; "
+                        "`k3 info -m DIR` names the tensor\n");
                 goto out;
             }
             if (k3_tokenizer_is_eos(r->tok, id)) {

@@ -61,9 +61,9 @@ int k3_cli_parse_kv(const char *s, k3_kv_type *out);
 /* Images in a `k3 run` prompt (image_prompt.c). */
 typedef struct k3_cli_images {
     k3_vision *v;
-    float **rows;               /* [n] each image's prompt rows */
+    float **rows; /* [n] each image's prompt rows */
     int n;
-    const float **embeds;       /* [prompt length] row per position, NULL = the token */
+    const float **embeds; /* [prompt length] row per position, NULL = the token */
 } k3_cli_images;
 /* Where a --chat prompt's user content begins in ids. */
 k3_status k3_cli_chat_content_at(const k3_tokenizer *tok, const char *system, bool think, const int32_t *ids,
@@ -84,7 +84,7 @@ typedef struct k3_cli_vision_run {
 } k3_cli_vision_run;
 typedef struct k3_cli_vision_bench {
     k3_cli_vision_run runs[4];
-    int n;  /* 0: the checkpoint has no tower */
+    int n; /* 0: the checkpoint has no tower */
 } k3_cli_vision_bench;
 int k3_cli_bench_vision(const k3_model *m, k3_pool *pool, const char *quant, int runs, bool json,
                         k3_cli_vision_bench *out);
@@ -101,10 +101,10 @@ bool k3_cli_dist_wanted(int argc, char **argv);
 
 typedef struct k3_cli_dist {
     k3_dist_options opt;
-    bool asked;                 /* --dcp or --ep given */
-    k3_dist *d;                 /* NULL: one process */
+    bool asked; /* --dcp or --ep given */
+    k3_dist *d; /* NULL: one process */
     int32_t rank;
-    int32_t die_rank, hang_rank;/* test hooks: --dist-test-die R, --dist-test-hang R */
+    int32_t die_rank, hang_rank; /* test hooks: --dist-test-die R, --dist-test-hang R */
 } k3_cli_dist;
 
 /* Takes --dcp, --ep, --dcp-interleave, --dcp-topk-exchange, --dist-timeout
@@ -135,8 +135,8 @@ k3_status k3_cli_open_model_dist(k3_model **m, const char *dir, const char *quan
  * top1[r] = the server's most likely id there (-1 if not given); 0 on
  * success, else -1 with why. */
 typedef struct k3_eval_remote k3_eval_remote;
-int k3_eval_remote_open(k3_eval_remote **out, const char *base_url, const char *model, const char *api_key,
-                        char *why, size_t why_len);
+int k3_eval_remote_open(k3_eval_remote **out, const char *base_url, const char *model, const char *api_key, char *why,
+                        size_t why_len);
 int k3_eval_remote_window(k3_eval_remote *r, const int32_t *ids, size_t len, double *lp, int32_t *top1, char *why,
                           size_t why_len);
 void k3_eval_remote_close(k3_eval_remote *r);
@@ -199,8 +199,8 @@ typedef struct k3_cli_repl {
     const k3_sampler_options *sampling;
     const char *system; /* or NULL */
     bool think;
-    int n_gen;          /* tokens per reply at most */
-    int64_t n_ctx;      /* 0: 4096 (or the model's limit) */
+    int n_gen;     /* tokens per reply at most */
+    int64_t n_ctx; /* 0: 4096 (or the model's limit) */
 } k3_cli_repl;
 int k3_cli_chat_repl(const k3_cli_repl *r);
 

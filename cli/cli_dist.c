@@ -49,8 +49,7 @@ int k3_cli_dist_args(int *argc, char **argv, k3_cli_dist *cd, const char *cmd) {
             continue;
         }
         if (bad) {
-            fprintf(stderr, "k3 %s: %s needs a positive integer (or allgather|butterfly), not '%s'\n", cmd, a,
-                    argv[i]);
+            fprintf(stderr, "k3 %s: %s needs a positive integer (or allgather|butterfly), not '%s'\n", cmd, a, argv[i]);
             return -1;
         }
     }
@@ -66,8 +65,8 @@ int k3_cli_dist_start(k3_cli_dist *cd, const char *cmd) {
     cd->rank = wr ? atoi(wr) : 0; /* until MPI says */
     if (!ws && !cd->asked) return 0;
     if (!ws && (cd->opt.dcp > 1 || cd->opt.ep > 1)) {
-        fprintf(stderr, "k3 %s: --dcp %d --ep %d need several processes: run under mpirun -np N\n", cmd,
-                cd->opt.dcp, cd->opt.ep);
+        fprintf(stderr, "k3 %s: --dcp %d --ep %d need several processes: run under mpirun -np N\n", cmd, cd->opt.dcp,
+                cd->opt.ep);
         return -1;
     }
     k3_error err = {0};
@@ -101,8 +100,8 @@ void k3_cli_dist_end(k3_cli_dist *cd) {
 
 k3_status k3_cli_open_model_dist(k3_model **m, const char *dir, const char *quant, bool keep_mapped, bool check,
                                  const k3_cli_dist *cd, k3_error *err) {
-    return k3_cli_open_model_ex(m, dir, quant, keep_mapped, check, NULL, k3_dist_ep_rank(cd->d),
-                                k3_dist_ep_size(cd->d), err);
+    return k3_cli_open_model_ex(m, dir, quant, keep_mapped, check, NULL, k3_dist_ep_rank(cd->d), k3_dist_ep_size(cd->d),
+                                err);
 }
 
 int k3_cli_show_memory(k3_cli_dist *cd, const k3_model *m, const k3_ctx *ctx, const char *cmd) {

@@ -97,9 +97,9 @@ typedef struct {
     int decode_tokens;
     k3_kv_type kv;
     size_t bw_bytes;
-    double *bw_runs;   /* when set, run_decode measures the bandwidth before each run, */
-    double *bw_after;  /* after it, */
-    double *dec_runs;  /* and keeps each run's tok/s (in run order) */
+    double *bw_runs;  /* when set, run_decode measures the bandwidth before each run, */
+    double *bw_after; /* after it, */
+    double *dec_runs; /* and keeps each run's tok/s (in run order) */
 } bench;
 
 /* Decode tokens/s of a batch of `batch` sequences at context `pos` (filled
@@ -230,10 +230,10 @@ static void print_profile(const char *what, const k3_profile *p, bool json) {
  * step reads the weights once at the measured bandwidth (batch 8 counted as
  * two steps' worth), and a bandwidth reading costs what the first took. */
 typedef struct {
-    double t0;       /* start */
-    double t_tok;    /* seconds per prefill token (0 until measured) */
-    double t_step;   /* seconds per decode step at batch 1 */
-    double t_bw;     /* seconds per bandwidth reading of 3 passes */
+    double t0;     /* start */
+    double t_tok;  /* seconds per prefill token (0 until measured) */
+    double t_step; /* seconds per decode step at batch 1 */
+    double t_bw;   /* seconds per bandwidth reading of 3 passes */
 } eta;
 
 static double eta_left(const eta *e, const bench *b, const long *prompts, int from_prompt, int n_prompts,
@@ -250,10 +250,8 @@ static double eta_left(const eta *e, const bench *b, const long *prompts, int fr
 }
 
 static void eta_say(const eta *e, const char *what, double left, bool known) {
-    if (known)
-        fprintf(stderr, "  %s (%.0f s so far, about %.0f s left)\n", what, k3_now() - e->t0, left);
-    else
-        fprintf(stderr, "  %s (%.0f s so far)\n", what, k3_now() - e->t0);
+    if (known) fprintf(stderr, "  %s (%.0f s so far, about %.0f s left)\n", what, k3_now() - e->t0, left);
+    else fprintf(stderr, "  %s (%.0f s so far)\n", what, k3_now() - e->t0);
 }
 
 /* A decode run whose bandwidth readings before and after it (both taken)
@@ -302,7 +300,8 @@ int k3_cmd_bench(int argc, char **argv) {
             prompts_given = 1;
         } else if (!strcmp(a, "--contexts") && has) {
             if ((n_contexts = parse_list(argv[++i], contexts, 8)) <= 0) {
-                fprintf(stderr, "k3 bench: --contexts expects up to 8 positive integers separated by commas, not '%s'\n",
+                fprintf(stderr,
+                        "k3 bench: --contexts expects up to 8 positive integers separated by commas, not '%s'\n",
                         argv[i]);
                 return 2;
             }
@@ -359,8 +358,8 @@ int k3_cmd_bench(int argc, char **argv) {
         if (run_prefill(&b, prompts[i], &pre[i], profile && prompts[i] == 512 ? &prof_pre : NULL, &err)) goto fail;
         if (i == 0) et.t_tok = (k3_now() - tp) / ((double)runs * prompts[i] * (1.0 + prompts[i] / 4096.0));
     }
-    eta_say(&et, "decode, batch 1...", eta_left(&et, &b, prompts, n_prompts, n_prompts, 2, longctx, contexts, n_contexts),
-            true);
+    eta_say(&et, "decode, batch 1...",
+            eta_left(&et, &b, prompts, n_prompts, n_prompts, 2, longctx, contexts, n_contexts), true);
     double bw_runs[64], bw_after[64], frac_runs[64], dec_runs[64];
     b.bw_bytes = (size_t)membw_mb << 20;
     b.bw_runs = bw_runs;
@@ -371,8 +370,8 @@ int k3_cmd_bench(int argc, char **argv) {
     b.bw_after = NULL;
     b.dec_runs = NULL;
     if (dec1.med > 0) et.t_step = 1.0 / dec1.med;
-    eta_say(&et, "decode, batch 8...", eta_left(&et, &b, prompts, n_prompts, n_prompts, 1, longctx, contexts, n_contexts),
-            true);
+    eta_say(&et, "decode, batch 8...",
+            eta_left(&et, &b, prompts, n_prompts, n_prompts, 1, longctx, contexts, n_contexts), true);
     if (run_decode(&b, 8, 16, false, false, &dec8, NULL, &err)) goto fail;
 
     const double bpt = (double)b.info.bytes_per_token;
@@ -406,7 +405,8 @@ int k3_cmd_bench(int argc, char **argv) {
         for (int i = 0; i < n_contexts; i++) {
             char what[64];
             snprintf(what, sizeof what, "long context %ld...", contexts[i]);
-            eta_say(&et, what, eta_left(&et, &b, prompts, n_prompts, n_prompts, 0, 1, contexts + i, n_contexts - i), true);
+            eta_say(&et, what, eta_left(&et, &b, prompts, n_prompts, n_prompts, 0, 1, contexts + i, n_contexts - i),
+                    true);
             const int saved = b.decode_tokens;
             b.decode_tokens = 4;
             if (run_decode(&b, 1, contexts[i], true, false, &lc_dsa[i], NULL, &err) ||
@@ -420,15 +420,15 @@ int k3_cmd_bench(int argc, char **argv) {
         printf("{\"model\": \"%s\", \"threads\": %d, \"runs\": %d, \"quant\": \"%s\", \"kv_cache\": \"%s\", "
                "\"isa\": \"%s\", \"mem_bw_gbps\": %.2f, ",
                dir, threads, runs, quant, kv == K3_KV_C8 ? "c8" : "f32", k3_isa_current(), membw);
-        printf("\"prefill_tok_s\": %.2f, \"prefill_tokens\": %ld, \"prefill_gflops\": %.2f, ", pre[ip].med,
-               prompts[ip], gflops);
+        printf("\"prefill_tok_s\": %.2f, \"prefill_tokens\": %ld, \"prefill_gflops\": %.2f, ", pre[ip].med, prompts[ip],
+               gflops);
         printf("\"prefill\": [");
         for (int i = 0; i < n_prompts; i++)
-            printf("%s{\"tokens\": %ld, \"tok_s\": %.2f, \"min\": %.2f, \"max\": %.2f, \"gflops\": %.2f}", i ? ", " : "",
-                   prompts[i], pre[i].med, pre[i].min, pre[i].max,
+            printf("%s{\"tokens\": %ld, \"tok_s\": %.2f, \"min\": %.2f, \"max\": %.2f, \"gflops\": %.2f}",
+                   i ? ", " : "", prompts[i], pre[i].med, pre[i].min, pre[i].max,
                    2.0 * (double)b.info.n_params_active * pre[i].med / 1e9);
-        printf("], \"decode_tok_s\": %.2f, \"decode_tok_s_min\": %.2f, \"decode_tok_s_max\": %.2f, ", dec1.med, dec1.min,
-               dec1.max);
+        printf("], \"decode_tok_s\": %.2f, \"decode_tok_s_min\": %.2f, \"decode_tok_s_max\": %.2f, ", dec1.med,
+               dec1.min, dec1.max);
         printf("\"decode_batch8_tok_s\": %.2f, \"decode_batch8_tok_s_min\": %.2f, \"decode_batch8_tok_s_max\": %.2f, ",
                dec8.med, dec8.min, dec8.max);
         printf("\"bytes_per_token_stored\": %lld, ", (long long)stored.bytes_per_token);
@@ -436,8 +436,7 @@ int k3_cmd_bench(int argc, char **argv) {
                "\"bandwidth_fraction_min\": %.3f, \"bandwidth_fraction_max\": %.3f, "
                "\"decode_mem_bw_gbps\": %.2f, \"decode_mem_bw_gbps_min\": %.2f, \"decode_mem_bw_gbps_max\": %.2f, "
                "\"decode_runs_steady\": %d, ",
-               (long long)b.info.bytes_per_token, eff, frac.med, frac.min, frac.max, bwr.med, bwr.min, bwr.max,
-               steady);
+               (long long)b.info.bytes_per_token, eff, frac.med, frac.min, frac.max, bwr.med, bwr.min, bwr.max, steady);
         printf("\"params\": %lld, \"params_active\": %lld", (long long)b.info.n_params,
                (long long)b.info.n_params_active);
         if (longctx) {

@@ -63,14 +63,11 @@ int k3_cmd_bench_dist(int argc, char **argv) {
         if (!strcmp(a, "-m") && has) dir = argv[++i];
         else if (!strcmp(a, "--threads") && has) {
             if (k3_cli_threads("bench", argv[++i], &threads)) return 2;
-        }
-        else if (!strcmp(a, "--runs") && has) {
+        } else if (!strcmp(a, "--runs") && has) {
             if (k3_cli_int("bench", a, argv[++i], 1, 64, &runs)) return 2;
-        }
-        else if (!strcmp(a, "--decode-tokens") && has) {
+        } else if (!strcmp(a, "--decode-tokens") && has) {
             if (k3_cli_int("bench", a, argv[++i], 1, 1 << 20, &dtok)) return 2;
-        }
-        else if (!strcmp(a, "--quant") && has) quant = argv[++i];
+        } else if (!strcmp(a, "--quant") && has) quant = argv[++i];
         else if (!strcmp(a, "--mmap")) mapped = true;
         else if (!strcmp(a, "--json")) json = true;
         else if (!strcmp(a, "--long-context")) continue; /* implied */
@@ -111,8 +108,12 @@ int k3_cmd_bench_dist(int argc, char **argv) {
     k3_model_info info;
     k3_model_get_info(m, &info);
     s = k3_pool_init(&pool, threads, &err);
-    k3_ctx_options co = {.max_seqs = 1, .cache_tokens = longest + dtok + 8, .max_batch = 16, .kv_cache = kv,
-                         .pool = pool, .dist = cd.d};
+    k3_ctx_options co = {.max_seqs = 1,
+                         .cache_tokens = longest + dtok + 8,
+                         .max_batch = 16,
+                         .kv_cache = kv,
+                         .pool = pool,
+                         .dist = cd.d};
     if (!s) s = k3_ctx_init(&ctx, m, &co, &err);
     if (k3_cli_dist_agree(&cd, s, &err, "bench")) {
         if (!cd.d) fprintf(stderr, "k3 bench: %s\n", err.msg);
@@ -140,9 +141,10 @@ int k3_cmd_bench_dist(int argc, char **argv) {
                "\"kv_cache\": \"%s\", \"contexts\": [",
                dir, cd.d ? k3_dist_size(cd.d) : 1, D, E, cd.d ? k3_dist_interleave(cd.d) : 1,
                ex == K3_TOPK_BUTTERFLY ? "butterfly" : "allgather", kv == K3_KV_C8 ? "c8" : "f32");
-    else printf("model %s: %d ranks, DCP %d (interleave %d, %s top-k exchange), EP %d, cache %s, quant %s\n", dir,
-           cd.d ? k3_dist_size(cd.d) : 1, D, cd.d ? k3_dist_interleave(cd.d) : 1,
-           ex == K3_TOPK_BUTTERFLY ? "butterfly" : "all-gather", E, kv == K3_KV_C8 ? "c8" : "f32", quant);
+    else
+        printf("model %s: %d ranks, DCP %d (interleave %d, %s top-k exchange), EP %d, cache %s, quant %s\n", dir,
+               cd.d ? k3_dist_size(cd.d) : 1, D, cd.d ? k3_dist_interleave(cd.d) : 1,
+               ex == K3_TOPK_BUTTERFLY ? "butterfly" : "all-gather", E, kv == K3_KV_C8 ? "c8" : "f32", quant);
     logits = malloc(sizeof(float) * (size_t)info.vocab_size);
     double *ms = malloc(sizeof(double) * (size_t)runs);
     if (!logits || !ms) {
@@ -208,8 +210,7 @@ int k3_cmd_bench_dist(int argc, char **argv) {
             continue;
         }
         printf("context %ld: decode %.2f ms/token (median of %d runs of %d tokens; min %.2f, max %.2f)\n", L,
-               runs % 2 ? ms[runs / 2] : 0.5 * (ms[runs / 2 - 1] + ms[runs / 2]), runs, dtok, ms[0],
-               ms[runs - 1]);
+               runs % 2 ? ms[runs / 2] : 0.5 * (ms[runs / 2 - 1] + ms[runs / 2]), runs, dtok, ms[0], ms[runs - 1]);
         for (int w = 0; w < 2; w++) {
             const k3_comm_stats *cs = w ? &tall : &tot;
             if (w) printf("  all %d ranks summed, per decoded token (bytes sent, received; rank-seconds inside):\n", N);

@@ -83,9 +83,9 @@ static bool nonempty(json_t *v) { return json_is_string(v) && json_string_length
 
 /* A Responses event (its "type" says which). */
 static void on_responses_event(req *r, json_t *j, const char *type) {
-    if (strstr(type, ".delta") && (!strcmp(type, "response.output_text.delta") ||
-                                   !strcmp(type, "response.reasoning_text.delta") ||
-                                   !strcmp(type, "response.function_call_arguments.delta"))) {
+    if (strstr(type, ".delta") &&
+        (!strcmp(type, "response.output_text.delta") || !strcmp(type, "response.reasoning_text.delta") ||
+         !strcmp(type, "response.function_call_arguments.delta"))) {
         if (nonempty(json_object_get(j, "delta"))) got_text(r);
         return;
     }
@@ -116,14 +116,14 @@ static void on_messages_event(req *r, json_t *j, const char *type) {
         return;
     }
     json_t *u = !strcmp(type, "message_start") ? json_object_get(json_object_get(j, "message"), "usage")
-                : !strcmp(type, "message_delta") ? json_object_get(j, "usage")
-                                                 : NULL;
+        : !strcmp(type, "message_delta")       ? json_object_get(j, "usage")
+                                               : NULL;
     if (json_is_object(u)) {
         r->got_usage = true;
         json_t *in = json_object_get(u, "input_tokens"), *out = json_object_get(u, "output_tokens");
         if (json_is_integer(in))
-            r->prompt_tokens = (long)(json_integer_value(in) +
-                                      json_integer_value(json_object_get(u, "cache_read_input_tokens")));
+            r->prompt_tokens =
+                (long)(json_integer_value(in) + json_integer_value(json_object_get(u, "cache_read_input_tokens")));
         if (json_is_integer(out)) r->completion_tokens = (long)json_integer_value(out);
     }
     if (!strcmp(type, "message_stop")) r->done_marker = true;
@@ -424,7 +424,8 @@ int k3_cmd_bench_serve(int argc, char **argv) {
         else if (ARG("--random-input-len")) NUM(k3_cli_long(CMD, a, argv[++i], 1, 1L << 30, &in_len));
         else if (ARG("--random-output-len")) NUM(k3_cli_long(CMD, a, argv[++i], 1, 1L << 30, &out_len));
         else if (ARG("--random-range-ratio")) NUM(dbl(a, argv[++i], 0, 1, &range));
-        else if (ARG("--prefix-len") || ARG("--random-prefix-len")) NUM(k3_cli_long(CMD, a, argv[++i], 0, 1L << 30, &prefix_len));
+        else if (ARG("--prefix-len") || ARG("--random-prefix-len"))
+            NUM(k3_cli_long(CMD, a, argv[++i], 0, 1L << 30, &prefix_len));
         else if (ARG("--long-input-len")) NUM(k3_cli_long(CMD, a, argv[++i], 1, 1L << 30, &long_len));
         else if (ARG("--long-fraction")) NUM(dbl(a, argv[++i], 0, 1, &long_frac));
         else if (ARG("--num-prompts")) NUM(k3_cli_long(CMD, a, argv[++i], 1, 1L << 30, &n_prompts));
@@ -432,8 +433,7 @@ int k3_cmd_bench_serve(int argc, char **argv) {
         else if (ARG("--request-rate")) {
             if (strcmp(argv[++i], "inf")) NUM(dbl(a, argv[i], 1e-9, 1e9, &rate));
             else rate = INFINITY;
-        }
-        else if (ARG("--disconnect-fraction")) NUM(dbl(a, argv[++i], 0, 1, &drop_frac));
+        } else if (ARG("--disconnect-fraction")) NUM(dbl(a, argv[++i], 0, 1, &drop_frac));
         else if (ARG("--seed")) NUM(k3_cli_u64(CMD, a, argv[++i], &seed));
         else if (ARG("--api-key")) key = argv[++i];
         else if (ARG("--response-format")) rf_arg = argv[++i];
@@ -490,8 +490,9 @@ int k3_cmd_bench_serve(int argc, char **argv) {
     if (!base) return usage_bs(stderr);
     if (in_len < 1 || out_len < 1 || n_prompts < 1 || conc < 0 || prefix_len < 0 || range < 0 || range >= 1 ||
         !(rate > 0) || drop_frac < 0 || drop_frac > 1 || timeout < 1) {
-        fprintf(stderr, "k3 bench serve: lengths, --num-prompts and --request-rate must be positive, "
-                        "--random-range-ratio in [0, 1), --disconnect-fraction in [0, 1]\n");
+        fprintf(stderr,
+                "k3 bench serve: lengths, --num-prompts and --request-rate must be positive, "
+                "--random-range-ratio in [0, 1), --disconnect-fraction in [0, 1]\n");
         return 2;
     }
     if (!conc || conc > n_prompts) conc = n_prompts;
@@ -635,9 +636,9 @@ int k3_cmd_bench_serve(int argc, char **argv) {
                 } else if (!r->done_marker && !r->error) {
                     r->error = true;
                     snprintf(r->err, sizeof r->err, "the stream ended without %s",
-                             g_ep == EP_RESPONSES  ? "response.completed"
-                             : g_ep == EP_MESSAGES ? "message_stop"
-                                                   : "[DONE]");
+                             g_ep == EP_RESPONSES      ? "response.completed"
+                                 : g_ep == EP_MESSAGES ? "message_stop"
+                                                       : "[DONE]");
                 }
             }
             curl_multi_remove_handle(multi, r->h);

@@ -137,12 +137,10 @@ int k3_cmd_bench_throughput(int argc, char **argv) {
                 fprintf(stderr, "k3 bench throughput: --kv-cache must be f32 or c8, not '%s'\n", argv[i]);
                 return 2;
             }
-        } else if (!strcmp(a, "--quant") && has) quant = argv[++i];
-        else if (!strcmp(a, "--json")) json = true;
-        else if (!strcmp(a, "--mmap")) keep_mapped = true;
-        else if (!strcmp(a, "--no-prefix-cache")) no_prefix = true;
-        else if (!strcmp(a, "-h") || !strcmp(a, "--help")) return usage_tp(stdout);
-        else return usage_tp(stderr);
+        }
+        else if (!strcmp(a, "--quant") && has) quant = argv[++i]; else if (!strcmp(a, "--json")) json = true;
+        else if (!strcmp(a, "--mmap")) keep_mapped = true; else if (!strcmp(a, "--no-prefix-cache")) no_prefix = true;
+        else if (!strcmp(a, "-h") || !strcmp(a, "--help")) return usage_tp(stdout); else return usage_tp(stderr);
     }
     if (bad || num < 1 || conc < 1 || in_len < 1 || out_len < 1 || threads < 1 || n_pfx < 1 || pfx >= in_len ||
         num > 1000000 || in_len > 10000000 || long_len > 10000000 || msc > 1000000) {
@@ -197,7 +195,9 @@ int k3_cmd_bench_throughput(int argc, char **argv) {
                             .kv_cache = kv,
                             .no_prefix_cache = no_prefix,
                             .snapshot_stride = (int32_t)stride,
-                            .snapshot_bytes = snap_mb > 0 ? (int64_t)snap_mb << 20 : snap_mb == 0 ? 1 : 0,
+                            .snapshot_bytes = snap_mb > 0 ? (int64_t)snap_mb << 20
+                                : snap_mb == 0            ? 1
+                                                          : 0,
                             .cache_salt = 0x6b33,
                             .pool = pool};
     const int64_t longest = (in_len > long_len ? in_len : long_len) + out_len;
@@ -206,7 +206,8 @@ int k3_cmd_bench_throughput(int argc, char **argv) {
     if (k3_engine_open(&e, m, &eo, &err)) goto fail;
 
     fprintf(stderr,
-            "k3 bench throughput: %s, %ld threads, quant %s, kv %s; %ld prompts x (%ld in, %ld out), concurrency %ld%s\n",
+            "k3 bench throughput: %s, %ld threads, quant %s, kv %s; %ld prompts x (%ld in, %ld out), concurrency "
+            "%ld%s\n",
             dir, threads, quant, kv == K3_KV_C8 ? "c8" : "f32", num, in_len, out_len, conc,
             no_prefix ? ", prefix cache off" : "");
     if (pfx) fprintf(stderr, "  shared prefixes: %ld of %ld tokens\n", n_pfx, pfx);
@@ -233,10 +234,15 @@ int k3_cmd_bench_throughput(int argc, char **argv) {
     while (done < n_track) {
         /* keep C in flight */
         while (in_flight < conc && next < num) {
-            k3_request_params p = {.prompt = prompts + next * in_len, .n_prompt = in_len,
-                                   .max_tokens = (int32_t)out_len, .ignore_eos = true, .logprobs = -1,
-                                   .prompt_logprobs = -1, .user = NULL};
-            p.sampling = (k3_sampler_options){.temperature = 0, .top_p = 1, .repeat_penalty = 1, .seed = (uint64_t)next};
+            k3_request_params p = {.prompt = prompts + next * in_len,
+                                   .n_prompt = in_len,
+                                   .max_tokens = (int32_t)out_len,
+                                   .ignore_eos = true,
+                                   .logprobs = -1,
+                                   .prompt_logprobs = -1,
+                                   .user = NULL};
+            p.sampling =
+                (k3_sampler_options){.temperature = 0, .top_p = 1, .repeat_penalty = 1, .seed = (uint64_t)next};
             uint64_t id;
             if (k3_engine_submit(e, &p, &id, &err)) goto fail;
             track *t = &tr[id - first_id];
@@ -254,8 +260,12 @@ int k3_cmd_bench_throughput(int argc, char **argv) {
         }
         if (!long_sent && t_mark > 0) {
             {
-                k3_request_params p = {.prompt = long_prompt, .n_prompt = long_len, .max_tokens = 1,
-                                       .ignore_eos = true, .logprobs = -1, .prompt_logprobs = -1};
+                k3_request_params p = {.prompt = long_prompt,
+                                       .n_prompt = long_len,
+                                       .max_tokens = 1,
+                                       .ignore_eos = true,
+                                       .logprobs = -1,
+                                       .prompt_logprobs = -1};
                 p.sampling = (k3_sampler_options){.top_p = 1, .repeat_penalty = 1};
                 uint64_t id;
                 if (k3_engine_submit(e, &p, &id, &err)) goto fail;
@@ -318,7 +328,8 @@ int k3_cmd_bench_throughput(int argc, char **argv) {
     for (int64_t i = 0; i < n_itl2; i++) itl2[i] *= 1e3;
     for (long i = 0; i < n_t; i++) ttft[i] *= 1e3;
     for (long i = 0; i < n_p; i++) tpot[i] *= 1e3;
-    const dist d_ttft = summarize(ttft, n_t), d_tpot = summarize(tpot, n_p), d_itl = summarize(itl, n_itl), d_itl2 = summarize(itl2, n_itl2);
+    const dist d_ttft = summarize(ttft, n_t), d_tpot = summarize(tpot, n_p), d_itl = summarize(itl, n_itl),
+               d_itl2 = summarize(itl2, n_itl2);
     const double out_tok = (double)num * (double)out_len, in_tok = (double)num * (double)in_len + (double)long_len;
     const double hit_rate = st.prefix_queries ? (double)st.prefix_hits / (double)st.prefix_queries : 0.0;
     const double snap_take_ms = st.n_snapshot_saves ? st.snapshot_save_s / (double)st.n_snapshot_saves * 1e3 : 0;
@@ -342,10 +353,11 @@ int k3_cmd_bench_throughput(int argc, char **argv) {
                dir, threads, quant, kv == K3_KV_C8 ? "c8" : "f32", num, conc, in_len, out_len, pfx, n_pfx, long_len,
                no_prefix ? "false" : "true", wall, num / wall, out_tok / wall, (out_tok + in_tok) / wall, hit_rate,
                (long long)st.prefix_queries, (long long)st.prefix_hits, (long long)st.n_preemptions, d_ttft.mean,
-               d_ttft.median, d_ttft.p99, d_tpot.mean, d_tpot.median, d_tpot.p99, d_itl.mean, d_itl.median,
-               d_itl.p99, d_itl2.mean, d_itl2.median, d_itl2.p99, (long long)n_itl2, long_ttft * 1e3, (long long)st.state_bytes_per_seq, (long long)st.n_snapshot_saves,
-               snap_take_ms, (long long)st.n_snapshot_restores, snap_restore_ms, (long long)st.cache_tokens,
-               eo.max_num_seqs, msc, st.step_cost_max, (long long)st.prefill_cost_p0, (long long)long_beside);
+               d_ttft.median, d_ttft.p99, d_tpot.mean, d_tpot.median, d_tpot.p99, d_itl.mean, d_itl.median, d_itl.p99,
+               d_itl2.mean, d_itl2.median, d_itl2.p99, (long long)n_itl2, long_ttft * 1e3,
+               (long long)st.state_bytes_per_seq, (long long)st.n_snapshot_saves, snap_take_ms,
+               (long long)st.n_snapshot_restores, snap_restore_ms, (long long)st.cache_tokens, eo.max_num_seqs, msc,
+               st.step_cost_max, (long long)st.prefill_cost_p0, (long long)long_beside);
     } else {
         printf("elapsed                 %.2f s\n", wall);
         printf("request throughput      %.3f req/s\n", num / wall);

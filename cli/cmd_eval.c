@@ -92,8 +92,7 @@ int k3_cmd_eval(int argc, char **argv) {
             if (k3_cli_threads("eval", argv[++i], &threads)) return 2;
         } else if (!strcmp(a, "--max-tokens") && has) {
             if (k3_cli_long("eval", a, argv[++i], 0, LONG_MAX, &max_tok)) return 2;
-        }
-        else if (!strcmp(argv[i], "--quant") && has) quant = argv[++i];
+        } else if (!strcmp(argv[i], "--quant") && has) quant = argv[++i];
         else if (!strcmp(argv[i], "--isa") && has) {
             if (k3_cli_set_isa("eval", argv[++i])) return 2;
         } else if (!strcmp(argv[i], "--mmap")) keep_mapped = true;
@@ -148,8 +147,7 @@ int k3_cmd_eval(int argc, char **argv) {
     } else if (k3_cli_open_model(&m, dir, quant, keep_mapped, &err)) {
         goto fail;
     }
-    if (k3_tokenizer_open(&tok, dir, &err) || k3_tokenizer_encode(tok, text, n_bytes, &ids, &n_ids, &err))
-        goto fail;
+    if (k3_tokenizer_open(&tok, dir, &err) || k3_tokenizer_encode(tok, text, n_bytes, &ids, &n_ids, &err)) goto fail;
     if (max_tok && (size_t)max_tok < n_ids) {
         /* count only the bytes of the scored tokens */
         n_ids = (size_t)max_tok;
@@ -227,8 +225,7 @@ int k3_cmd_eval(int argc, char **argv) {
             if (target < next) continue;
             nll += remote ? -rlp[r] : nll_of(logits + r * V, V, ids[target]);
             scored++;
-            if (compare)
-                agree += (remote ? rtop[r] : argmax(logits + r * V, V)) == argmax(rlogits + r * V, V);
+            if (compare) agree += (remote ? rtop[r] : argmax(logits + r * V, V)) == argmax(rlogits + r * V, V);
         }
         next = start + len;
         clock_gettime(CLOCK_MONOTONIC, &t1);
@@ -236,9 +233,8 @@ int k3_cmd_eval(int argc, char **argv) {
         const int width = 30, done = (int)(width * (double)next / n_ids);
         const int tenth = (int)(10.0 * (double)next / n_ids);
         if (tty)
-            fprintf(stderr, "\r[%.*s%*s] %zu/%zu tokens, ppl %.3f, %.0f tok/s", done,
-                    "##############################", width - done, "", next, n_ids, exp(nll / scored),
-                    scored / (el > 0 ? el : 1e-9));
+            fprintf(stderr, "\r[%.*s%*s] %zu/%zu tokens, ppl %.3f, %.0f tok/s", done, "##############################",
+                    width - done, "", next, n_ids, exp(nll / scored), scored / (el > 0 ? el : 1e-9));
         else if (tenth != last_tenth) {
             last_tenth = tenth;
             fprintf(stderr, "k3 eval: %zu/%zu tokens, ppl %.3f, %.0f tok/s\n", next, n_ids, exp(nll / scored),
@@ -255,8 +251,8 @@ int k3_cmd_eval(int argc, char **argv) {
     if (compare && remote)
         printf("top1_agreement_with_fp32 %.4f (%zu/%zu) via %s\n", (double)agree / scored, agree, scored, base_url);
     else if (compare)
-        printf("top1_agreement_with_fp32 %.4f (%zu/%zu) quant %s kv %s\n", (double)agree / scored, agree, scored,
-               quant, kv == K3_KV_C8 ? "c8" : "f32");
+        printf("top1_agreement_with_fp32 %.4f (%zu/%zu) quant %s kv %s\n", (double)agree / scored, agree, scored, quant,
+               kv == K3_KV_C8 ? "c8" : "f32");
     printf("ppl %.4f bits_per_byte %.4f tokens %zu\n", exp(nll / scored), bpb, scored);
     rc = 0;
     goto out;

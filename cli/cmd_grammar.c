@@ -132,7 +132,8 @@ static int tokenize_line(const k3_tokenizer *tok, json_t *line, text_case *out, 
         int32_t one;
         if (json_is_integer(p)) {
             one = (int32_t)json_integer_value(p);
-            if (one < 0 || one >= k3_tokenizer_n_vocab(tok)) return fail("test line %d: token id %d is out of range", lineno, one);
+            if (one < 0 || one >= k3_tokenizer_n_vocab(tok))
+                return fail("test line %d: token id %d is out of range", lineno, one);
             ids = &one;
             n = 1;
         } else if (json_is_string(p)) {
@@ -213,8 +214,7 @@ int k3_cmd_grammar(int argc, char **argv) {
             else if (!strcmp(a, "--times")) times_file = v;
             else if (!strcmp(a, "--threads")) {
                 if (k3_cli_threads("grammar", v, &threads)) return 2;
-            }
-            else {
+            } else {
                 char *end;
                 errno = 0;
                 long long x = strtoll(v, &end, 10);
@@ -231,7 +231,8 @@ int k3_cmd_grammar(int argc, char **argv) {
     if (!!model + !!vocab != 1) return bad_usage("give -m DIR or --vocab FILE%s", "");
     if (pattern && !vocab) return bad_usage("--pattern goes with --vocab%s", "");
     int kinds = !!schema + !!regex + !!gfile + !!choice + !!tools_file + want_object;
-    if (kinds != 1) return bad_usage("give one of --json-schema, --json-object, --regex, --grammar, --choice, --tools%s", "");
+    if (kinds != 1)
+        return bad_usage("give one of --json-schema, --json-object, --regex, --grammar, --choice, --tools%s", "");
     k3_pattern pat = K3_PATTERN_KIMI;
     if (pattern) {
         if (!strcmp(pattern, "o200k")) pat = K3_PATTERN_O200K;
@@ -261,8 +262,11 @@ int k3_cmd_grammar(int argc, char **argv) {
     k3_grammar_tool *tools = NULL;
     int32_t n_tools = 0;
     json_t *tools_json = NULL;
-    k3_grammar_spec spec = {.compact = compact, .no_extra_properties = strict, .k3_reply = k3_reply,
-                            .thinking = think, .parallel_calls = parallel};
+    k3_grammar_spec spec = {.compact = compact,
+                            .no_extra_properties = strict,
+                            .k3_reply = k3_reply,
+                            .thinking = think,
+                            .parallel_calls = parallel};
     if (schema || gfile) {
         text = read_all(schema ? schema : gfile, &tlen);
         if (!text) rc = fail("cannot read %s: %s", schema ? schema : gfile, strerror(errno));
@@ -339,7 +343,8 @@ int k3_cmd_grammar(int argc, char **argv) {
         if (!t) rc = fail("cannot read %s: %s", test, strerror(errno));
         k3_grammar_matcher *m = NULL;
         uint64_t *mask = malloc(k3_grammar_mask_words(gv) * sizeof *mask);
-        if (rc == 0 && (!mask || k3_grammar_matcher_init(&m, g, &err) != K3_OK)) rc = fail("%s", err.msg[0] ? err.msg : "out of memory");
+        if (rc == 0 && (!mask || k3_grammar_matcher_init(&m, g, &err) != K3_OK))
+            rc = fail("%s", err.msg[0] ? err.msg : "out of memory");
         int lineno = 0;
         for (char *line = t; rc == 0 && line && *line;) {
             char *nl = strchr(line, '\n');
@@ -384,8 +389,8 @@ int k3_cmd_grammar(int argc, char **argv) {
                         k3_error aerr = {0};
                         k3_status ast = k3_grammar_matcher_accept(m, id, &aerr);
                         if (allowed != (ast == K3_OK)) {
-                            rc = fail("%s:%d: token %zu (id %d): the mask says %s but the matcher %s it", test, lineno, k,
-                                      id, allowed ? "allowed" : "refused", ast == K3_OK ? "accepted" : "refused");
+                            rc = fail("%s:%d: token %zu (id %d): the mask says %s but the matcher %s it", test, lineno,
+                                      k, id, allowed ? "allowed" : "refused", ast == K3_OK ? "accepted" : "refused");
                             break;
                         }
                         if (!allowed) {
@@ -625,12 +630,15 @@ int k3_cmd_grammar(int argc, char **argv) {
         if (n_times)
             printf("masks: %zu, mean %.1f us, p50 %.1f us, p99 %.1f us, max %.1f us\n", n_times, mean, p50, p99, mx);
         if (batch_json)
-            printf("batch of %lld on %lld threads: %lld steps, mean %.1f us, p50 %.1f us, p99 %.1f us, max %.1f us a step\n",
+            printf("batch of %lld on %lld threads: %lld steps, mean %.1f us, p50 %.1f us, p99 %.1f us, max %.1f us a "
+                   "step\n",
                    (long long)json_integer_value(json_object_get(batch_json, "requests")),
                    (long long)json_integer_value(json_object_get(batch_json, "threads")),
                    (long long)json_integer_value(json_object_get(batch_json, "n")),
-                   json_real_value(json_object_get(batch_json, "mean")), json_real_value(json_object_get(batch_json, "p50")),
-                   json_real_value(json_object_get(batch_json, "p99")), json_real_value(json_object_get(batch_json, "max")));
+                   json_real_value(json_object_get(batch_json, "mean")),
+                   json_real_value(json_object_get(batch_json, "p50")),
+                   json_real_value(json_object_get(batch_json, "p99")),
+                   json_real_value(json_object_get(batch_json, "max")));
     }
     json_decref(results);
     json_decref(batch_json);

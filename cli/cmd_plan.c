@@ -91,8 +91,8 @@ int k3_cmd_plan(int argc, char **argv) {
     printf("KDA state:          %s per sequence (replicated on every rank)\n",
            gb((double)p.state_bytes_per_seq, b1, sizeof b1));
     printf("per rank:           weights %s + cache %s (1/%d of the sequence) + KDA state %s = %s\n",
-           gb((double)p.weight_bytes_per_rank, b1, sizeof b1), gb((double)p.cache_bytes_per_rank, b2, sizeof b2),
-           o.dcp, gb((double)p.state_bytes_per_seq, b3, sizeof b3), gb((double)p.mem_bytes_per_rank, b4, sizeof b4));
+           gb((double)p.weight_bytes_per_rank, b1, sizeof b1), gb((double)p.cache_bytes_per_rank, b2, sizeof b2), o.dcp,
+           gb((double)p.state_bytes_per_seq, b3, sizeof b3), gb((double)p.mem_bytes_per_rank, b4, sizeof b4));
     printf("per decoded token, cross-rank (one sequence):\n");
     printf("  topk_exchange     all-gather %lld B received per rank = %d DSA layers x (D-1) x k x 8; "
            "butterfly %lld B = %d x log2(D) x k x 8\n",

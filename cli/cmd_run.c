@@ -118,8 +118,13 @@ int k3_cmd_run(int argc, char **argv) {
     long ctx_arg = 0;
     const char *image_files[16];
     int n_images = 0;
-    k3_sampler_options so = {.temperature = 0.8f, .top_k = 40, .top_p = 0.95f, .min_p = 0.05f,
-                             .repeat_penalty = 1.1f, .repeat_last_n = 64, .seed = 42};
+    k3_sampler_options so = {.temperature = 0.8f,
+                             .top_k = 40,
+                             .top_p = 0.95f,
+                             .min_p = 0.05f,
+                             .repeat_penalty = 1.1f,
+                             .repeat_last_n = 64,
+                             .seed = 42};
     k3_cli_dist cd;
     bool workers_wait = false; /* rank 0 owes the workers the context size */
     if (k3_cli_dist_args(&argc, argv, &cd, "run")) return 2;
@@ -161,15 +166,13 @@ int k3_cmd_run(int argc, char **argv) {
                 fprintf(stderr, "k3 run: --kv-cache must be f32 or c8, not '%s'\n", argv[i]);
                 return 2;
             }
-        }
-        else if (ARG("--image")) {
+        } else if (ARG("--image")) {
             if (n_images == 16) {
                 fprintf(stderr, "k3 run: at most 16 --image files\n");
                 return 2;
             }
             image_files[n_images++] = argv[++i];
-        }
-        else if (!strcmp(a, "--chat")) chat = 1;
+        } else if (!strcmp(a, "--chat")) chat = 1;
         else if (!strcmp(a, "--think")) think = 1;
         else if (!strcmp(a, "-h") || !strcmp(a, "--help")) return help_run();
         else if (a[0] == '-' && a[1]) {
@@ -211,7 +214,8 @@ int k3_cmd_run(int argc, char **argv) {
         size_t plen;
         if (!(prompt_buf = k3_cli_read_input("run", prompt_file, K3_CLI_MAX_INPUT, &plen))) return 1;
         if (strlen(prompt_buf) != plen) {
-            fprintf(stderr, "k3 run: the prompt in %s holds a NUL byte\n", !strcmp(prompt_file, "-") ? "stdin" : prompt_file);
+            fprintf(stderr, "k3 run: the prompt in %s holds a NUL byte\n",
+                    !strcmp(prompt_file, "-") ? "stdin" : prompt_file);
             free(prompt_buf);
             return 1;
         }
@@ -265,8 +269,7 @@ int k3_cmd_run(int argc, char **argv) {
         }
     } else if (chat) {
         k3_chat_msg msgs[2] = {{"system", system, NULL}, {"user", prompt, NULL}};
-        if (k3_chat_encode(tok, system ? msgs : msgs + 1, system ? 2 : 1, true, think, &ids, &n_ids, &err))
-            goto out;
+        if (k3_chat_encode(tok, system ? msgs : msgs + 1, system ? 2 : 1, true, think, &ids, &n_ids, &err)) goto out;
     } else if (k3_tokenizer_encode(tok, prompt, strlen(prompt), &ids, &n_ids, &err)) {
         goto out;
     }
@@ -356,8 +359,9 @@ distributed:
         }
         const int32_t id = k3_sampler_sample(smp, logits);
         if (id < 0) {
-            fprintf(stderr, "\nk3 run: the logits are not finite (NaN or +Inf): the weights are damaged; "
-                            "`k3 info -m DIR` names the tensor\n");
+            fprintf(stderr,
+                    "\nk3 run: the logits are not finite (NaN or +Inf): the weights are damaged; "
+                    "`k3 info -m DIR` names the tensor\n");
             goto out_quiet;
         }
         if (tok && k3_tokenizer_is_eos(tok, id)) {
@@ -376,9 +380,11 @@ distributed:
     const double t_decode = k3_now() - t1;
     printf("\n");
     fflush(stdout); /* the text ends before the timing line on stderr */
-    fprintf(stderr, "prompt %zu tokens, prefill %.1f tok/s, decode %d tokens at %.1f tok/s%s "
-            "(quant %s, kv %s)\n", n_ids, n_ids / (t_prefill > 0 ? t_prefill : 1e-9), n_done,
-            n_done / (t_decode > 0 ? t_decode : 1e-9), stop, quant, kv == K3_KV_C8 ? "c8" : "f32");
+    fprintf(stderr,
+            "prompt %zu tokens, prefill %.1f tok/s, decode %d tokens at %.1f tok/s%s "
+            "(quant %s, kv %s)\n",
+            n_ids, n_ids / (t_prefill > 0 ? t_prefill : 1e-9), n_done, n_done / (t_decode > 0 ? t_decode : 1e-9), stop,
+            quant, kv == K3_KV_C8 ? "c8" : "f32");
     rc = 0;
     if (cd.d && k3_exec_release(cd.d, &err)) goto out_abort;
     goto out_quiet;

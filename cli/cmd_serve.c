@@ -54,7 +54,8 @@ static int usage_serve(FILE *f) {
             "  --host ADDR                  address to bind (default 127.0.0.1)\n"
             "  --port N                     port (default 8000; 0 = any free port)\n"
             "  --api-key KEY                require Authorization: Bearer KEY or x-api-key: KEY on every route\n"
-            "                               but /health, /ready, /metrics (or set K3_API_KEY; an empty key is refused)\n"
+            "                               but /health, /ready, /metrics (or set K3_API_KEY; an empty key is "
+            "refused)\n"
             "  --metrics-require-key        /metrics needs the key too (default: open, as vLLM's)\n"
             "  --allowed-origins LIST       CORS: origins a browser page may call from, comma-separated, or '*'\n"
             "                               (default: none but the server's own: a request with another Origin\n"
@@ -163,8 +164,8 @@ out:
 int k3_cmd_serve(int argc, char **argv) {
     const char *dir = K3_DEFAULT_MODEL, *host = "127.0.0.1", *api_key = NULL, *name = NULL;
     const char *quant = K3_DEFAULT_QUANT, *kv_name = K3_DEFAULT_KV;
-    long port = 8000, max_len = 0, max_seqs = 0, max_batched = 0, max_step_cost = 0, max_waiting = 256, cache_tokens = 0,
-         block = 0;
+    long port = 8000, max_len = 0, max_seqs = 0, max_batched = 0, max_step_cost = 0, max_waiting = 256,
+         cache_tokens = 0, block = 0;
     long max_body = 0, timeout = 0, snapshot_mb = 0, max_conn = 1024, max_image_px = 0, vthreads = 0;
     long header_timeout = 10, body_timeout = 60, max_conn_ip = 0, shutdown_timeout = 5, step_timeout = 0;
     long test_fail_step = 0, test_fail_request = 0;
@@ -214,8 +215,7 @@ int k3_cmd_serve(int argc, char **argv) {
             if (k3_cli_float("serve", "--kv-hold-timeout", argv[++i], 0.001, 86400.0, &kv_hold_timeout)) return 2;
         } else if (ARG("--kv-transfer-timeout")) {
             if (k3_cli_float("serve", "--kv-transfer-timeout", argv[++i], 0.001, 86400.0, &kv_timeout)) return 2;
-        }
-        else if (ARG("--max-connections-per-ip")) max_conn_ip = parse_long(argv[++i], &bad);
+        } else if (ARG("--max-connections-per-ip")) max_conn_ip = parse_long(argv[++i], &bad);
         else if (ARG("--header-timeout")) header_timeout = parse_long(argv[++i], &bad);
         else if (ARG("--body-timeout")) body_timeout = parse_long(argv[++i], &bad);
         else if (ARG("--shutdown-timeout")) shutdown_timeout = parse_long(argv[++i], &bad);
@@ -233,8 +233,7 @@ int k3_cmd_serve(int argc, char **argv) {
         else if (!strcmp(a, "--kv-cache-metrics")) kv_metrics = true;
         else if (ARG("--kv-cache-metrics-sample")) {
             if (k3_cli_float("serve", "--kv-cache-metrics-sample", argv[++i], 0.0, 1.0, &kv_sample)) return 2;
-        }
-        else if (!strcmp(a, "-h") || !strcmp(a, "--help")) return usage_serve(stdout);
+        } else if (!strcmp(a, "-h") || !strcmp(a, "--help")) return usage_serve(stdout);
         else {
             fprintf(stderr, "k3 serve: unknown option or missing value: %s\n", a);
             return usage_serve(stderr);
@@ -265,8 +264,9 @@ int k3_cmd_serve(int argc, char **argv) {
     if (!api_key) api_key = getenv("K3_API_KEY");
     if (api_key && !*api_key) {
         /* a launcher passing an unset variable must not leave the server open */
-        fprintf(stderr, "k3 serve: the API key is empty (--api-key \"\" or K3_API_KEY=): give a key, or leave it out "
-                        "to serve without one\n");
+        fprintf(stderr,
+                "k3 serve: the API key is empty (--api-key \"\" or K3_API_KEY=): give a key, or leave it out "
+                "to serve without one\n");
         return 2;
     }
     if (!name) name = dir;
@@ -288,9 +288,7 @@ int k3_cmd_serve(int argc, char **argv) {
     } else if (ms) {
         goto fail;
     }
-    if (k3_tokenizer_open(&tok, dir, &err) ||
-        k3_pool_init(&pool, (int)threads, &err))
-        goto fail;
+    if (k3_tokenizer_open(&tok, dir, &err) || k3_pool_init(&pool, (int)threads, &err)) goto fail;
     /* the vision tower, if the checkpoint has one, with --quant's mode (as
      * k3 run --image) and a pool of its own: HTTP threads encode images
      * while the engine thread steps on its pool; under mpirun rank 0 encodes
@@ -358,7 +356,8 @@ int k3_cmd_serve(int argc, char **argv) {
                             .header_timeout_s = (int)header_timeout,
                             .body_timeout_s = (int)body_timeout,
                             .step_timeout_s = step_timeout ? (double)step_timeout
-                                                           : cd.opt.timeout_s > 0 ? cd.opt.timeout_s : 300.0,
+                                : cd.opt.timeout_s > 0     ? cd.opt.timeout_s
+                                                           : 300.0,
                             .allowed_origins = origins,
                             .allowed_methods = cors_methods,
                             .allowed_headers = cors_headers,
@@ -381,8 +380,7 @@ int k3_cmd_serve(int argc, char **argv) {
             (long long)st.cache_tokens, (long long)st.blocks_total, (long long)(k3_engine_cache_bytes(eng) >> 20),
             no_prefix ? "off" : "on", vis ? "on" : "off (text only)");
     if (!no_prefix)
-        fprintf(stderr,
-                "k3 serve: KDA snapshots of the prefix cache: up to %.1f MB, %lld states of %.1f KB (%s)\n",
+        fprintf(stderr, "k3 serve: KDA snapshots of the prefix cache: up to %.1f MB, %lld states of %.1f KB (%s)\n",
                 (double)st.snapshot_budget / (1 << 20),
                 (long long)(st.state_bytes_per_seq ? st.snapshot_budget / st.state_bytes_per_seq : 0),
                 (double)st.state_bytes_per_seq / 1024,
@@ -399,8 +397,7 @@ int k3_cmd_serve(int argc, char **argv) {
     if (pd && k3_pd_port(pd) >= 0)
         fprintf(stderr, "k3 serve: role %s, kv transfer listening on %s:%d\n", role, kv_host ? kv_host : host,
                 k3_pd_port(pd));
-    else if (pd)
-        fprintf(stderr, "k3 serve: role %s: prompts' caches are pulled from prefill instances\n", role);
+    else if (pd) fprintf(stderr, "k3 serve: role %s: prompts' caches are pulled from prefill instances\n", role);
     fprintf(stderr, "k3 serve: auth %s; CORS: %s; /metrics %s\n",
             api_key ? "on (Authorization: Bearer KEY or x-api-key: KEY)" : "off (no --api-key: every route is open)",
             origins && *origins ? origins : "the server's own origin only",
@@ -454,8 +451,7 @@ int k3_cmd_serve(int argc, char **argv) {
         const bool now = g_from_parent && cd.d;
         const double grace = now ? 0.0 : (double)shutdown_timeout;
         fprintf(stderr, "k3 serve: shutting down: %d requests in flight, %s\n", k3_server_in_flight(srv),
-                now ? "mpirun ends the job: ending them now"
-                    : "new ones refused; a second signal cuts at once");
+                now ? "mpirun ends the job: ending them now" : "new ones refused; a second signal cuts at once");
         k3_server_drain(srv);
         const int left = grace > 0 ? wait_in_flight(srv, grace, 1) : k3_server_in_flight(srv);
         if (left > 0) {

@@ -19,16 +19,15 @@
 #include "cli.h"
 #include "k3.h"
 
-static const char usage[] =
-    "usage: k3 tokenize [-m DIR | --vocab FILE.tiktoken [--pattern o200k|cl100k|kimi]]"
-    " [--decode]\n"
-    "  Reads UTF-8 text on stdin and prints its token ids; with --decode reads ids\n"
-    "  (separated by spaces, commas or newlines) and writes the bytes they stand for.\n"
-    "  -m DIR          model directory with tiktoken.model and tokenizer_config.json\n"
-    "                  (default " K3_DEFAULT_MODEL ")\n"
-    "  --vocab FILE    a bare .tiktoken rank file, no special tokens\n"
-    "  --pattern NAME  split pattern for --vocab (default kimi)\n"
-    "  The input is at most 64 MB.\n";
+static const char usage[] = "usage: k3 tokenize [-m DIR | --vocab FILE.tiktoken [--pattern o200k|cl100k|kimi]]"
+                            " [--decode]\n"
+                            "  Reads UTF-8 text on stdin and prints its token ids; with --decode reads ids\n"
+                            "  (separated by spaces, commas or newlines) and writes the bytes they stand for.\n"
+                            "  -m DIR          model directory with tiktoken.model and tokenizer_config.json\n"
+                            "                  (default " K3_DEFAULT_MODEL ")\n"
+                            "  --vocab FILE    a bare .tiktoken rank file, no special tokens\n"
+                            "  --pattern NAME  split pattern for --vocab (default kimi)\n"
+                            "  The input is at most 64 MB.\n";
 
 static int fail(const char *fmt, ...) {
     va_list ap;

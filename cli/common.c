@@ -95,8 +95,7 @@ int k3_cli_float(const char *cmd, const char *opt, const char *s, double lo, dou
     errno = 0;
     const double v = s && *s && !isspace((unsigned char)*s) ? strtod(s, &end) : 0;
     if (!s || !end || end == s || *end || errno == ERANGE || !isfinite(v) || v < lo || v > hi) {
-        fprintf(stderr, "k3 %s: %s expects a finite number from %g to %g, not '%s'\n", cmd, opt, lo, hi,
-                s ? s : "");
+        fprintf(stderr, "k3 %s: %s expects a finite number from %g to %g, not '%s'\n", cmd, opt, lo, hi, s ? s : "");
         return -1;
     }
     *out = (float)v;
@@ -253,8 +252,9 @@ char *k3_cli_read_input(const char *cmd, const char *path, size_t max, size_t *l
     if (!buf || bad || over || n > max) {
         if (!buf) fprintf(stderr, "k3 %s: out of memory reading %s\n", cmd, name);
         else if (bad) fprintf(stderr, "k3 %s: cannot read %s\n", cmd, name);
-        else fprintf(stderr, "k3 %s: %s is larger than the %zu MB limit; give a smaller file or split it\n", cmd,
-                     name, max >> 20);
+        else
+            fprintf(stderr, "k3 %s: %s is larger than the %zu MB limit; give a smaller file or split it\n", cmd, name,
+                    max >> 20);
         free(buf);
         return NULL;
     }

@@ -77,8 +77,8 @@ k3_status k3_cli_images_insert(k3_cli_images *im, const k3_model *m, const k3_to
     int32_t *out = NULL;
     size_t n_out = 0;
     if (!s)
-        s = k3_vision_splice(im->v, tok, *ids, *n_ids, ats, plans, (const float *const *)im->rows, NULL, n_files,
-                             &out, &n_out, &im->embeds, NULL, err);
+        s = k3_vision_splice(im->v, tok, *ids, *n_ids, ats, plans, (const float *const *)im->rows, NULL, n_files, &out,
+                             &n_out, &im->embeds, NULL, err);
     if (!s) {
         free(*ids);
         *ids = out;

@@ -62,16 +62,16 @@ int k3_pool_size(const k3_pool *pool);
 typedef struct k3_model k3_model;
 
 typedef struct k3_model_info {
-    const char *model_type;   /* "kimi_k3" or "kimi_linear"; borrowed */
+    const char *model_type; /* "kimi_k3" or "kimi_linear"; borrowed */
     int64_t vocab_size;
     int64_t hidden_size;
     int32_t n_layers;
     int32_t n_kda, n_mla, n_dsa; /* layer counts by attention kind */
     int64_t max_positions;
-    int64_t n_params;         /* all parameters of the text model */
-    int64_t n_params_active;  /* parameters used per token (top-k experts) */
-    int64_t weight_bytes;     /* bytes of all text weights as stored */
-    int64_t bytes_per_token;  /* weight bytes read to decode one token */
+    int64_t n_params;              /* all parameters of the text model */
+    int64_t n_params_active;       /* parameters used per token (top-k experts) */
+    int64_t weight_bytes;          /* bytes of all text weights as stored */
+    int64_t bytes_per_token;       /* weight bytes read to decode one token */
     int64_t cache_bytes_per_token; /* MLA latent + indexer keys, all layers */
     int64_t state_bytes_per_seq;   /* KDA recurrent + conv state */
 } k3_model_info;
@@ -85,14 +85,14 @@ void k3_model_get_info(const k3_model *m, k3_model_info *info);
 /* Load-time quantization (docs/serving-reference.md §5). Matrices are converted once into
  * memory the model owns; activations are quantized per token at run time. */
 typedef enum k3_wquant {
-    K3_WQ_NONE = 0,  /* as stored (BF16 trunk): the reference */
-    K3_WQ_INT8,      /* W8A8 INT8: int8 per output channel, int8 activations per token */
-    K3_WQ_MXFP8,     /* W8A8 MXFP8: E4M3 + E8M0 per 32, MXFP8 activations */
+    K3_WQ_NONE = 0, /* as stored (BF16 trunk): the reference */
+    K3_WQ_INT8,     /* W8A8 INT8: int8 per output channel, int8 activations per token */
+    K3_WQ_MXFP8,    /* W8A8 MXFP8: E4M3 + E8M0 per 32, MXFP8 activations */
 } k3_wquant;
 
 typedef struct k3_quant_options {
-    k3_wquant linear;  /* attention linears, dense FFN, shared experts, latent MoE projections */
-    bool experts_a8;   /* W4A8: MXFP4 routed experts with int8 activations */
+    k3_wquant linear; /* attention linears, dense FFN, shared experts, latent MoE projections */
+    bool experts_a8;  /* W4A8: MXFP4 routed experts with int8 activations */
 } k3_quant_options;
 
 /* Parses "none", "w8a8", "w8a8-mxfp8", "w4a8" or a '+'-joined combination
@@ -135,7 +135,7 @@ k3_status k3_model_check_tensors(const k3_model *m, int64_t *n_checked, k3_error
 typedef struct k3_tokenizer k3_tokenizer;
 
 typedef enum k3_pattern {
-    K3_PATTERN_KIMI = 0,  /* Kimi's split regex (o200k + a leading Han rule) */
+    K3_PATTERN_KIMI = 0, /* Kimi's split regex (o200k + a leading Han rule) */
     K3_PATTERN_O200K,
     K3_PATTERN_CL100K,
 } k3_pattern;
@@ -144,8 +144,7 @@ typedef enum k3_pattern {
  * DIR/tokenizer_config.json (added_tokens_decoder). */
 k3_status k3_tokenizer_open(k3_tokenizer **out, const char *dir, k3_error *err);
 /* Opens a bare .tiktoken rank file with a named pattern and no specials. */
-k3_status k3_tokenizer_open_file(k3_tokenizer **out, const char *path,
-                                 k3_pattern pattern, k3_error *err);
+k3_status k3_tokenizer_open_file(k3_tokenizer **out, const char *path, k3_pattern pattern, k3_error *err);
 void k3_tokenizer_free(k3_tokenizer *t);
 
 /* Number of ids (ranks + specials). */
@@ -164,17 +163,17 @@ bool k3_tokenizer_is_special(const k3_tokenizer *t, int32_t id);
 
 /* Encodes UTF-8 text as ordinary text (specials are not parsed). Rejects
  * invalid UTF-8 with K3_ERR_ARG. *ids is caller-freed. */
-k3_status k3_tokenizer_encode(const k3_tokenizer *t, const char *text, size_t len,
-                              int32_t **ids, size_t *n_ids, k3_error *err);
+k3_status k3_tokenizer_encode(const k3_tokenizer *t, const char *text, size_t len, int32_t **ids, size_t *n_ids,
+                              k3_error *err);
 /* Decodes ids to bytes (specials as their names). *out is caller-freed and
  * NUL-terminated; *len excludes the NUL. Rejects ids out of range. */
-k3_status k3_tokenizer_decode(const k3_tokenizer *t, const int32_t *ids, size_t n_ids,
-                              char **out, size_t *len, k3_error *err);
+k3_status k3_tokenizer_decode(const k3_tokenizer *t, const int32_t *ids, size_t n_ids, char **out, size_t *len,
+                              k3_error *err);
 /* Bytes of one id (borrowed), or NULL when out of range. */
 const char *k3_tokenizer_token(const k3_tokenizer *t, int32_t id, size_t *len);
 
 typedef struct k3_chat_msg {
-    const char *role;      /* "system", "user", "assistant" */
+    const char *role; /* "system", "user", "assistant" */
     const char *content;
     const char *reasoning; /* assistant thinking, may be NULL */
 } k3_chat_msg;
@@ -183,9 +182,8 @@ typedef struct k3_chat_msg {
  * With add_generation_prompt the assistant turn is opened: with thinking on,
  * up to <|open|>think<|sep|>; off, up to <|open|>response<|sep|>.
  * *ids is caller-freed. */
-k3_status k3_chat_encode(const k3_tokenizer *t, const k3_chat_msg *msgs, size_t n_msgs,
-                         bool add_generation_prompt, bool thinking,
-                         int32_t **ids, size_t *n_ids, k3_error *err);
+k3_status k3_chat_encode(const k3_tokenizer *t, const k3_chat_msg *msgs, size_t n_msgs, bool add_generation_prompt,
+                         bool thinking, int32_t **ids, size_t *n_ids, k3_error *err);
 
 /* The OpenAI-shaped form of the K3 chat encoder (encoding_k3.py), for the
  * server: messages_json is a JSON array of {role, content (a string or a
@@ -196,10 +194,10 @@ k3_status k3_chat_encode(const k3_tokenizer *t, const k3_chat_msg *msgs, size_t 
  * message naming the message index. *ids is caller-freed. */
 typedef struct k3_chat_options {
     bool add_generation_prompt;
-    bool thinking;                 /* open the think channel (K3's default) */
-    const char *thinking_effort;   /* NULL, "low", "high" or "max" */
-    const char *tool_choice;       /* NULL or "auto", "required", "none" */
-    const char *response_format;   /* NULL or a JSON object {type, json_schema?} */
+    bool thinking;               /* open the think channel (K3's default) */
+    const char *thinking_effort; /* NULL, "low", "high" or "max" */
+    const char *tool_choice;     /* NULL or "auto", "required", "none" */
+    const char *response_format; /* NULL or a JSON object {type, json_schema?} */
 } k3_chat_options;
 
 k3_status k3_chat_encode_json(const k3_tokenizer *t, const char *messages_json, const char *tools_json,
@@ -219,8 +217,7 @@ typedef struct k3_chat_reply {
     int32_t n_tool_calls;
 } k3_chat_reply;
 
-k3_status k3_chat_parse_reply(const char *text, size_t len, bool thinking, k3_chat_reply *out,
-                              k3_error *err);
+k3_status k3_chat_parse_reply(const char *text, size_t len, bool thinking, k3_chat_reply *out, k3_error *err);
 void k3_chat_reply_free(k3_chat_reply *r);
 
 /* ---- context: sequences, caches and the forward pass ------------------ */
@@ -228,24 +225,23 @@ void k3_chat_reply_free(k3_chat_reply *r);
 typedef struct k3_ctx k3_ctx;
 
 typedef enum k3_kv_type {
-    K3_KV_F32 = 0,  /* fp32 latent and indexer caches (the reference) */
-    K3_KV_C8,       /* C8: int8 latent with one scale per 128-tile, fp32 rope
+    K3_KV_F32 = 0, /* fp32 latent and indexer caches (the reference) */
+    K3_KV_C8,      /* C8: int8 latent with one scale per 128-tile, fp32 rope
                        part; indexer keys Hadamard-rotated int8 per token */
 } k3_kv_type;
 
 typedef struct k3_ctx_options {
-    int32_t max_seqs;      /* sequences that may hold state at once */
-    int64_t cache_tokens;  /* cache capacity in tokens over all sequences */
-    int32_t block_size;    /* tokens per cache block (0 = default 64) */
-    int32_t max_batch;     /* tokens per forward pass (0 = default 512) */
-    k3_kv_type kv_cache;   /* cache format (default K3_KV_F32) */
-    bool dense_attention;  /* run DSA layers as dense MLA (indexer unused), to compare */
-    k3_pool *pool;         /* borrowed; NULL = single-threaded */
-    struct k3_dist *dist;  /* borrowed; NULL = one process (see "distributed") */
+    int32_t max_seqs;     /* sequences that may hold state at once */
+    int64_t cache_tokens; /* cache capacity in tokens over all sequences */
+    int32_t block_size;   /* tokens per cache block (0 = default 64) */
+    int32_t max_batch;    /* tokens per forward pass (0 = default 512) */
+    k3_kv_type kv_cache;  /* cache format (default K3_KV_F32) */
+    bool dense_attention; /* run DSA layers as dense MLA (indexer unused), to compare */
+    k3_pool *pool;        /* borrowed; NULL = single-threaded */
+    struct k3_dist *dist; /* borrowed; NULL = one process (see "distributed") */
 } k3_ctx_options;
 
-k3_status k3_ctx_init(k3_ctx **out, const k3_model *m, const k3_ctx_options *opt,
-                      k3_error *err);
+k3_status k3_ctx_init(k3_ctx **out, const k3_model *m, const k3_ctx_options *opt, k3_error *err);
 void k3_ctx_free(k3_ctx *ctx);
 
 /* Forgets sequence seq: its state is zeroed and its cache blocks freed. */
@@ -264,8 +260,8 @@ typedef struct k3_batch_seq {
 } k3_batch_seq;
 
 typedef enum k3_logits_mode {
-    K3_LOGITS_LAST = 0,  /* logits[i] = last token of entry i: [n_seqs, vocab] */
-    K3_LOGITS_ALL,       /* every token, in batch order: [sum n_tokens, vocab] */
+    K3_LOGITS_LAST = 0, /* logits[i] = last token of entry i: [n_seqs, vocab] */
+    K3_LOGITS_ALL,      /* every token, in batch order: [sum n_tokens, vocab] */
     K3_LOGITS_NONE,
 } k3_logits_mode;
 
@@ -274,8 +270,8 @@ typedef enum k3_logits_mode {
  * processed in chunks of max_batch tokens. A sequence appears at most once.
  * logits (float32, row-major) may be NULL with K3_LOGITS_NONE. On error no
  * sequence state is changed. */
-k3_status k3_ctx_forward(k3_ctx *ctx, const k3_batch_seq *batch, int32_t n_seqs,
-                         k3_logits_mode mode, float *logits, k3_error *err);
+k3_status k3_ctx_forward(k3_ctx *ctx, const k3_batch_seq *batch, int32_t n_seqs, k3_logits_mode mode, float *logits,
+                         k3_error *err);
 
 /* ---- measurement ------------------------------------------------------ */
 
@@ -284,17 +280,17 @@ double k3_now(void);
 
 /* Time per operator of the forward pass, summed since the last reset. */
 typedef enum k3_prof_op {
-    K3_PROF_EMBED = 0,  /* embedding rows */
-    K3_PROF_ATTNRES,    /* AttnRes mixes */
-    K3_PROF_NORM,       /* RMSNorms before attention and FFN */
-    K3_PROF_KDA,        /* KDA layers: projections, conv, gates, recurrence, output */
-    K3_PROF_MLAPO,      /* MLA preprocessing: projections, absorption, cache writes */
-    K3_PROF_QLI,        /* DSA indexer scores and top-k */
-    K3_PROF_QSFA,       /* MLA attention over the (selected) cache */
-    K3_PROF_MLA_OUT,    /* W_UV, output gate, o_proj */
-    K3_PROF_FFN,        /* dense FFN and shared experts */
-    K3_PROF_MOE,        /* router and routed experts */
-    K3_PROF_HEAD,       /* final norm and lm_head */
+    K3_PROF_EMBED = 0, /* embedding rows */
+    K3_PROF_ATTNRES,   /* AttnRes mixes */
+    K3_PROF_NORM,      /* RMSNorms before attention and FFN */
+    K3_PROF_KDA,       /* KDA layers: projections, conv, gates, recurrence, output */
+    K3_PROF_MLAPO,     /* MLA preprocessing: projections, absorption, cache writes */
+    K3_PROF_QLI,       /* DSA indexer scores and top-k */
+    K3_PROF_QSFA,      /* MLA attention over the (selected) cache */
+    K3_PROF_MLA_OUT,   /* W_UV, output gate, o_proj */
+    K3_PROF_FFN,       /* dense FFN and shared experts */
+    K3_PROF_MOE,       /* router and routed experts */
+    K3_PROF_HEAD,      /* final norm and lm_head */
     K3_PROF_COUNT
 } k3_prof_op;
 
@@ -327,17 +323,17 @@ typedef struct k3_logit_bias {
 } k3_logit_bias;
 
 typedef struct k3_sampler_options {
-    float temperature;    /* 0 = greedy */
-    int32_t top_k;        /* 0 = off */
-    float top_p;          /* 1 = off */
-    float min_p;          /* 0 = off */
-    float repeat_penalty; /* 1 = off; applied to ids in the history window */
-    int32_t repeat_last_n;/* history window for the penalty (0 = all) */
+    float temperature;     /* 0 = greedy */
+    int32_t top_k;         /* 0 = off */
+    float top_p;           /* 1 = off */
+    float min_p;           /* 0 = off */
+    float repeat_penalty;  /* 1 = off; applied to ids in the history window */
+    int32_t repeat_last_n; /* history window for the penalty (0 = all) */
     uint64_t seed;
     /* OpenAI's penalties over the output (the ids this sampler drew):
      * logit[t] -= count[t] * frequency_penalty + (count[t] > 0) * presence_penalty */
-    float frequency_penalty; /* 0 = off */
-    float presence_penalty;  /* 0 = off */
+    float frequency_penalty;         /* 0 = off */
+    float presence_penalty;          /* 0 = off */
     const k3_logit_bias *logit_bias; /* [n_logit_bias], each added to its logit */
     int32_t n_logit_bias;
     const int32_t *allowed_ids; /* NULL: every id; else only these [n_allowed] may be drawn */
@@ -355,8 +351,7 @@ typedef struct k3_sampler k3_sampler;
 /* Copies what opt points to (logit_bias, allowed_ids, bad_words): the
  * caller may free it after. K3_ERR_ARG names a bad option (an id out of
  * range, a non-finite penalty or bias, an empty allowed list). */
-k3_status k3_sampler_init(k3_sampler **out, const k3_sampler_options *opt,
-                          int32_t n_vocab, k3_error *err);
+k3_status k3_sampler_init(k3_sampler **out, const k3_sampler_options *opt, int32_t n_vocab, k3_error *err);
 void k3_sampler_free(k3_sampler *s);
 /* Records an id in the history used by the repetition penalty (the prompt
  * and the output alike). */
@@ -422,31 +417,31 @@ typedef struct k3_grammar_tool {
 
 typedef struct k3_grammar_spec {
     k3_grammar_kind kind;
-    const char *text;                 /* NUL-terminated */
-    const char *const *choices;       /* K3_GRAMMAR_CHOICE */
+    const char *text;           /* NUL-terminated */
+    const char *const *choices; /* K3_GRAMMAR_CHOICE */
     int32_t n_choices;
-    const k3_grammar_tool *tools;     /* K3_GRAMMAR_TOOL_CALLS */
+    const k3_grammar_tool *tools; /* K3_GRAMMAR_TOOL_CALLS */
     int32_t n_tools;
-    bool parallel_calls;              /* tool calls: one or more (false: exactly one) */
-    bool compact;                     /* JSON: no whitespace between tokens */
-    bool no_extra_properties;         /* JSON Schema: an object without
+    bool parallel_calls;      /* tool calls: one or more (false: exactly one) */
+    bool compact;             /* JSON: no whitespace between tokens */
+    bool no_extra_properties; /* JSON Schema: an object without
                                          "additionalProperties" allows no others */
-    bool canonical_numbers;           /* JSON Schema: numbers as JSON writers write them:
+    bool canonical_numbers;   /* JSON Schema: numbers as JSON writers write them:
                                          an integer without a fraction (21, not 21.0),
                                          no exponent, at most 15 fraction digits, enum
                                          numbers in their shortest text (tool-call
                                          arguments always) */
-    bool k3_reply;                    /* the output goes on a K3 assistant turn from
+    bool k3_reply;            /* the output goes on a K3 assistant turn from
                                          its generation prompt: the content, then
                                          <|close|>response<|sep|> [<|close|>message<|sep|>] */
-    bool thinking;                    /* k3_reply and tool calls: the prompt opened
+    bool thinking;            /* k3_reply and tool calls: the prompt opened
                                          the think block; free text until it closes */
-    bool tools_optional;              /* tool calls: the reply may be content instead
+    bool tools_optional;      /* tool calls: the reply may be content instead
                                          (tool_choice "auto" with strict tools): free
                                          text, then the calls or the reply's end; with
                                          text (a JSON Schema), that JSON or the calls */
-    const char *text_where;           /* tool calls with text: names the schema in errors */
-    const char *where;                /* names the input in errors, e.g.
+    const char *text_where;   /* tool calls with text: names the schema in errors */
+    const char *where;        /* names the input in errors, e.g.
                                          "response_format.json_schema.schema"
                                          (NULL: "json_schema", "regex", "grammar", ...) */
 } k3_grammar_spec;
@@ -454,8 +449,7 @@ typedef struct k3_grammar_spec {
 /* Compiles spec. A construct the engine cannot honour is K3_ERR_UNSUPPORTED
  * naming it and where it is ("json_schema.properties.x: keyword
  * 'dependentSchemas' is not supported"); malformed input is K3_ERR_ARG. */
-k3_status k3_grammar_compile(k3_grammar **out, const k3_grammar_vocab *v, const k3_grammar_spec *spec,
-                             k3_error *err);
+k3_status k3_grammar_compile(k3_grammar **out, const k3_grammar_vocab *v, const k3_grammar_spec *spec, k3_error *err);
 /* Takes one more reference; k3_grammar_free drops one. */
 k3_grammar *k3_grammar_ref(k3_grammar *g);
 /* The vocabulary g was compiled for. */
@@ -475,8 +469,8 @@ k3_status k3_grammar_matcher_fill_mask(k3_grammar_matcher *m, uint64_t *mask, k3
 k3_status k3_grammar_matcher_accept(k3_grammar_matcher *m, int32_t id, k3_error *err);
 /* Accepts ids in order (rebuilding a preempted request's state); on a
  * refusal the tokens before it stay accepted and *n_accepted says how many. */
-k3_status k3_grammar_matcher_accept_tokens(k3_grammar_matcher *m, const int32_t *ids, size_t n,
-                                           size_t *n_accepted, k3_error *err);
+k3_status k3_grammar_matcher_accept_tokens(k3_grammar_matcher *m, const int32_t *ids, size_t n, size_t *n_accepted,
+                                           k3_error *err);
 /* Whether the text so far is a complete match (EOS and stop strings allowed). */
 bool k3_grammar_matcher_is_complete(const k3_grammar_matcher *m);
 /* Whether an end-of-generation id was accepted. */
@@ -489,12 +483,11 @@ k3_status k3_grammar_matcher_rollback(k3_grammar_matcher *m, int32_t n, k3_error
 void k3_grammar_matcher_reset(k3_grammar_matcher *m);
 /* The bytes every continuation of the text starts with (jump-forward
  * decoding), at most cap; *len is how many (0 when the next byte is open). */
-k3_status k3_grammar_matcher_forced(const k3_grammar_matcher *m, char *buf, size_t cap, size_t *len,
-                                    k3_error *err);
+k3_status k3_grammar_matcher_forced(const k3_grammar_matcher *m, char *buf, size_t cap, size_t *len, k3_error *err);
 /* The masks of n matchers at once, spread over pool (NULL = this thread);
  * masks[i] belongs to matchers[i]. */
-k3_status k3_grammar_fill_masks(k3_grammar_matcher *const *matchers, uint64_t *const *masks, int32_t n,
-                                k3_pool *pool, k3_error *err);
+k3_status k3_grammar_fill_masks(k3_grammar_matcher *const *matchers, uint64_t *const *masks, int32_t n, k3_pool *pool,
+                                k3_error *err);
 /* Sets logits[i] to -INFINITY for every id the mask forbids, and for ids at
  * or past the vocabulary's size (a model's padded embedding rows). */
 void k3_grammar_mask_apply(const k3_grammar_vocab *v, const uint64_t *mask, float *logits, int32_t n_logits);
@@ -545,49 +538,49 @@ typedef struct k3_engine_options {
     const int32_t *eos_ids;         /* end-of-sequence ids (copied); a request ends
                                        with reason stop on one unless ignore_eos */
     int32_t n_eos_ids;
-    uint64_t cache_salt;            /* mixed into every block hash: identifies the
+    uint64_t cache_salt;   /* mixed into every block hash: identifies the
                                        model, quantization and cache format */
-    double hold_timeout_s;          /* a hold (kv_hold) nobody released is freed after
+    double hold_timeout_s; /* a hold (kv_hold) nobody released is freed after
                                        this long (0 = 120 s) */
-    k3_pool *pool;                  /* borrowed; NULL = single-threaded */
-    struct k3_dist *dist;           /* borrowed; NULL = one process. On rank 0 of
+    k3_pool *pool;         /* borrowed; NULL = single-threaded */
+    struct k3_dist *dist;  /* borrowed; NULL = one process. On rank 0 of
                                        several the context's calls go to the other
                                        ranks (k3_exec_serve_pool) */
 } k3_engine_options;
 
 typedef struct k3_request_params {
-    const int32_t *prompt;          /* [n_prompt] (copied at submit), n_prompt >= 1 */
+    const int32_t *prompt; /* [n_prompt] (copied at submit), n_prompt >= 1 */
     int64_t n_prompt;
-    k3_sampler_options sampling;    /* its own seed: a request samples the same
+    k3_sampler_options sampling; /* its own seed: a request samples the same
                                        tokens alone or batched */
-    int32_t max_tokens;             /* tokens to generate (0 = prefill only) */
-    int32_t min_tokens;             /* EOS and stop ids are ignored before this many
+    int32_t max_tokens;          /* tokens to generate (0 = prefill only) */
+    int32_t min_tokens;          /* EOS and stop ids are ignored before this many
                                        (as vLLM: they are masked, so not generated) */
-    const int32_t *stop_ids;        /* extra ids that end the request (copied) */
+    const int32_t *stop_ids;     /* extra ids that end the request (copied) */
     int32_t n_stop_ids;
     bool ignore_eos;
-    int32_t logprobs;               /* -1: none; n >= 0: each generated token's
+    int32_t logprobs;           /* -1: none; n >= 0: each generated token's
                                        logprob and the n most likely alternatives */
-    int32_t prompt_logprobs;        /* -1: none; n >= 0: the logprob of every prompt
+    int32_t prompt_logprobs;    /* -1: none; n >= 0: the logprob of every prompt
                                        token after the first, and n alternatives
                                        (such a request does not read the prefix cache) */
-    void *user;                     /* returned in every output of the request */
-    const uint64_t *extra_keys;     /* NULL, or [n_prompt] (copied): a key per prompt
+    void *user;                 /* returned in every output of the request */
+    const uint64_t *extra_keys; /* NULL, or [n_prompt] (copied): a key per prompt
                                        token mixed into the prefix-cache hash of its
                                        block, 0 for plain text; e.g. an image's
                                        content hash on its placeholder tokens, so
                                        equal ids of different images never share */
-    const float *const *embeds;     /* NULL, or [n_prompt]: a row of hidden_size floats
+    const float *const *embeds; /* NULL, or [n_prompt]: a row of hidden_size floats
                                        (copied at submit) replacing that prompt token's
                                        embedding, NULL for the table's -- image rows
                                        (k3_vision_splice); give extra_keys with them */
     /* disaggregated serving (below: "prefill and decode apart") */
-    bool kv_hold;                   /* prefill side: when the request ends (stop or
+    bool kv_hold;                           /* prefill side: when the request ends (stop or
                                        length), keep its blocks and its KDA state at
                                        the prompt's end as a hold named by its id */
     const struct k3_remote_prefill *remote; /* decode side: the prompt was computed
                                        elsewhere (copied at submit) */
-    k3_grammar *grammar;            /* NULL, or the grammar the output must match
+    k3_grammar *grammar;                    /* NULL, or the grammar the output must match
                                        (the request keeps a matcher of its own, with a
                                        reference): every token is sampled under its
                                        mask (logprobs too are those of the masked
@@ -606,11 +599,11 @@ enum {
 };
 
 typedef enum k3_finish_reason {
-    K3_FINISH_NONE = 0,   /* still running */
-    K3_FINISH_STOP,       /* an EOS or stop id (stop_id says which) */
-    K3_FINISH_LENGTH,     /* max_tokens, or the model length */
-    K3_FINISH_CANCELLED,  /* k3_engine_cancel */
-    K3_FINISH_ERROR,      /* see error */
+    K3_FINISH_NONE = 0,  /* still running */
+    K3_FINISH_STOP,      /* an EOS or stop id (stop_id says which) */
+    K3_FINISH_LENGTH,    /* max_tokens, or the model length */
+    K3_FINISH_CANCELLED, /* k3_engine_cancel */
+    K3_FINISH_ERROR,     /* see error */
 } k3_finish_reason;
 
 typedef struct k3_logprob {
@@ -621,11 +614,11 @@ typedef struct k3_logprob {
 typedef struct k3_req_output {
     uint64_t id;
     void *user;
-    uint32_t events;              /* K3_EV_* bits */
-    int32_t n_new;                /* tokens generated by this step */
-    const int32_t *tokens;        /* [n_new] */
-    const float *logprobs;        /* [n_new] the chosen tokens' logprobs, or NULL */
-    const k3_logprob *top;        /* [n_new * n_top], or NULL */
+    uint32_t events;       /* K3_EV_* bits */
+    int32_t n_new;         /* tokens generated by this step */
+    const int32_t *tokens; /* [n_new] */
+    const float *logprobs; /* [n_new] the chosen tokens' logprobs, or NULL */
+    const k3_logprob *top; /* [n_new * n_top], or NULL */
     int32_t n_top;
     int64_t n_prompt_logprobs;    /* set once, on the step that ends the prefill */
     const float *prompt_logprobs; /* [n_prompt_logprobs] for prompt tokens 1.. */
@@ -637,8 +630,8 @@ typedef struct k3_req_output {
     int64_t n_generated;          /* tokens generated so far */
     /* times in seconds on k3_now's clock; 0 = not yet */
     double t_arrival, t_scheduled, t_first_token, t_finished;
-    double prefill_s, decode_s;   /* time in prefill and in decode steps */
-    const char *error;            /* with K3_FINISH_ERROR */
+    double prefill_s, decode_s; /* time in prefill and in decode steps */
+    const char *error;          /* with K3_FINISH_ERROR */
     /* a request whose prompt was computed by a prefill instance (else 0): that
      * instance's queue and prefill times, the pull (blocks allocated to the
      * last byte in), and the first decode step after it */
@@ -654,19 +647,19 @@ typedef struct k3_step_result {
 
 typedef struct k3_engine_stats {
     int32_t n_running, n_waiting;
-    int64_t blocks_total, blocks_used;    /* used: held by some request */
-    double cache_usage;                   /* blocks_used / blocks_total */
-    int64_t prefix_queries, prefix_hits;  /* in prompt tokens, as vLLM counts */
-    int64_t n_snapshots, snapshot_bytes;  /* KDA snapshots held */
+    int64_t blocks_total, blocks_used;   /* used: held by some request */
+    double cache_usage;                  /* blocks_used / blocks_total */
+    int64_t prefix_queries, prefix_hits; /* in prompt tokens, as vLLM counts */
+    int64_t n_snapshots, snapshot_bytes; /* KDA snapshots held */
     int64_t n_preemptions;
-    double step_cost_max;                 /* the costliest step that had decodes, in decode tokens */
-    int64_t prefill_cost_p0;              /* the position where a prompt token costs 2 (0 = flat) */
-    int64_t prompt_tokens, generation_tokens; /* computed prompt tokens, generated tokens */
+    double step_cost_max;                           /* the costliest step that had decodes, in decode tokens */
+    int64_t prefill_cost_p0;                        /* the position where a prompt token costs 2 (0 = flat) */
+    int64_t prompt_tokens, generation_tokens;       /* computed prompt tokens, generated tokens */
     int64_t requests_finished[K3_FINISH_ERROR + 1]; /* by finish reason */
     int64_t max_model_len, cache_tokens;
-    int64_t state_bytes_per_seq;          /* one KDA snapshot */
-    int64_t snapshot_budget;              /* the snapshots' byte budget */
-    int32_t max_num_seqs, max_waiting;    /* running requests at once; waiting ones before K3_ERR_BUSY (0: no limit) */
+    int64_t state_bytes_per_seq;       /* one KDA snapshot */
+    int64_t snapshot_budget;           /* the snapshots' byte budget */
+    int32_t max_num_seqs, max_waiting; /* running requests at once; waiting ones before K3_ERR_BUSY (0: no limit) */
     int64_t n_snapshot_saves, n_snapshot_restores; /* KDA snapshots taken / restored */
     double snapshot_save_s, snapshot_restore_s;    /* time spent taking / restoring them */
     /* prefill and decode apart: holds kept for decode instances (and their
@@ -678,8 +671,7 @@ typedef struct k3_engine_stats {
     double grammar_s;                     /* time spent filling and applying them */
 } k3_engine_stats;
 
-k3_status k3_engine_open(k3_engine **out, const k3_model *m, const k3_engine_options *opt,
-                         k3_error *err);
+k3_status k3_engine_open(k3_engine **out, const k3_model *m, const k3_engine_options *opt, k3_error *err);
 void k3_engine_close(k3_engine *e);
 /* Queues a request; *id names it from now on. Refuses a prompt plus
  * max_tokens over max_model_len or over what the pool can ever hold
@@ -715,12 +707,12 @@ void k3_engine_get_stats(k3_engine *e, k3_engine_stats *st);
  * cancelled while pulling, ends with its blocks freed once the hook's side
  * has stopped writing. */
 typedef struct k3_remote_prefill {
-    int32_t first_token;          /* what the prefill instance sampled after the prompt */
-    float first_logprob;          /* its logprob (NaN: not known) */
-    const k3_logprob *first_top;  /* [n_first_top] its alternatives, best first (copied) */
+    int32_t first_token;         /* what the prefill instance sampled after the prompt */
+    float first_logprob;         /* its logprob (NaN: not known) */
+    const k3_logprob *first_top; /* [n_first_top] its alternatives, best first (copied) */
     int32_t n_first_top;
-    double queue_s, prefill_s;    /* the prefill instance's times (reported, for the TTFT split) */
-    void *ctx;                    /* handed to the pull hook */
+    double queue_s, prefill_s; /* the prefill instance's times (reported, for the TTFT split) */
+    void *ctx;                 /* handed to the pull hook */
 } k3_remote_prefill;
 
 typedef enum k3_pull_op {
@@ -733,10 +725,10 @@ typedef enum k3_pull_op {
 
 typedef struct k3_pull_info {
     k3_pull_op op;
-    uint64_t id;                  /* the request */
-    void *ctx;                    /* k3_remote_prefill.ctx */
-    int64_t n_local;              /* prompt tokens the cache already holds (a block multiple) */
-    int64_t n_tokens;             /* the prompt's tokens */
+    uint64_t id;      /* the request */
+    void *ctx;        /* k3_remote_prefill.ctx */
+    int64_t n_local;  /* prompt tokens the cache already holds (a block multiple) */
+    int64_t n_tokens; /* the prompt's tokens */
 } k3_pull_info;
 
 /* Called on the stepping thread (so it must only queue work): once per
@@ -763,15 +755,14 @@ k3_status k3_engine_pull_state(k3_engine *e, uint64_t id, int64_t offset, const 
 void k3_engine_pull_done(k3_engine *e, uint64_t id, bool ok, const char *why);
 
 typedef struct k3_hold_info {
-    int64_t n_tokens;             /* the prompt's tokens (what the blocks hold) */
+    int64_t n_tokens; /* the prompt's tokens (what the blocks hold) */
     int32_t n_blocks;
     int64_t state_bytes;
-    double queue_s, prefill_s;    /* the request's time waiting, and in prefill */
+    double queue_s, prefill_s; /* the request's time waiting, and in prefill */
 } k3_hold_info;
 /* Prefill side, any thread: a hold's size, and its block ids into blocks
  * (up to cap; may be NULL). K3_ERR_ARG when there is no such hold. */
-k3_status k3_engine_hold_get(k3_engine *e, uint64_t id, k3_hold_info *out, int32_t *blocks, int32_t cap,
-                             k3_error *err);
+k3_status k3_engine_hold_get(k3_engine *e, uint64_t id, k3_hold_info *out, int32_t *blocks, int32_t cap, k3_error *err);
 /* Positions [t0, t0 + n) of layer of a hold into rows (bytes as for
  * pull_write); bytes [offset, offset + bytes) of its KDA state. */
 k3_status k3_engine_hold_read(k3_engine *e, uint64_t id, int32_t layer, int64_t t0, int32_t n, void *rows,
@@ -822,7 +813,7 @@ typedef struct k3_dist_options {
     int32_t ep;             /* EP group size E (0 = 1) */
     int32_t dcp_interleave; /* I: consecutive tokens per rank stripe (0 = 1) */
     k3_topk_exchange exchange;
-    double timeout_s;       /* longest wait of one collective (0 = 300 s) */
+    double timeout_s; /* longest wait of one collective (0 = 300 s) */
 } k3_dist_options;
 
 /* Initializes MPI (once per process) and the groups. Fails with one message
@@ -854,11 +845,11 @@ k3_status k3_dist_max(k3_dist *d, double *v, int32_t n, k3_error *err);
 /* Cross-rank traffic by collective kind: bytes this rank sent to and
  * received from other ranks, calls, and seconds spent inside them. */
 typedef enum k3_comm_kind {
-    K3_COMM_TOPK = 0,     /* DSA (score, position) candidate exchange */
-    K3_COMM_LSE,          /* DCP attention partials (output + LSE) */
-    K3_COMM_EP_DISPATCH,  /* latents to their experts' owners */
-    K3_COMM_EP_COMBINE,   /* expert results back, and the combined rows */
-    K3_COMM_CONTROL,      /* rank 0's commands and batches */
+    K3_COMM_TOPK = 0,    /* DSA (score, position) candidate exchange */
+    K3_COMM_LSE,         /* DCP attention partials (output + LSE) */
+    K3_COMM_EP_DISPATCH, /* latents to their experts' owners */
+    K3_COMM_EP_COMBINE,  /* expert results back, and the combined rows */
+    K3_COMM_CONTROL,     /* rank 0's commands and batches */
     K3_COMM_COUNT
 } k3_comm_kind;
 
@@ -877,8 +868,8 @@ void k3_dist_stats_take(k3_dist *d, k3_comm_stats *out);
  * makes it on its own context (a forward pass together with the others);
  * with one process (no dist, or a world of 1) it is the k3_ctx_ call. A send
  * that fails is sticky: the next forward pass returns it. */
-k3_status k3_exec_forward(k3_ctx *ctx, const k3_batch_seq *batch, int32_t n_seqs, k3_logits_mode mode,
-                          float *logits, k3_error *err);
+k3_status k3_exec_forward(k3_ctx *ctx, const k3_batch_seq *batch, int32_t n_seqs, k3_logits_mode mode, float *logits,
+                          k3_error *err);
 void k3_exec_seq_reset(k3_ctx *ctx, int32_t seq);
 k3_status k3_exec_seq_fill_synthetic(k3_ctx *ctx, int32_t seq, int64_t n, uint64_t seed, k3_error *err);
 /* Ranks other than 0: makes rank 0's calls on ctx (made with the dist, the
@@ -908,8 +899,7 @@ bool k3_engine_comm_stats(k3_engine *e, k3_comm_stats *out);
 
 /* k3_model_open keeping only the routed experts of EP rank ep_rank of
  * ep_size (the others are neither bound nor read nor copied). */
-k3_status k3_model_open_ep(k3_model **out, const char *dir, int32_t ep_rank, int32_t ep_size,
-                           k3_error *err);
+k3_status k3_model_open_ep(k3_model **out, const char *dir, int32_t ep_rank, int32_t ep_size, k3_error *err);
 /* Bytes of routed-expert weights this process holds (as stored or converted). */
 int64_t k3_model_expert_bytes(const k3_model *m);
 /* Bytes of the latent and indexer caches this context allocated. */
@@ -917,28 +907,28 @@ int64_t k3_ctx_cache_bytes(const k3_ctx *ctx);
 
 /* A deployment plan from a config alone (no weights): k3 plan. */
 typedef struct k3_plan_options {
-    int32_t dcp, ep;        /* 0 = 1 */
-    int64_t context;        /* tokens of one sequence (0 = 1M) */
+    int32_t dcp, ep; /* 0 = 1 */
+    int64_t context; /* tokens of one sequence (0 = 1M) */
     k3_kv_type kv_cache;
     k3_quant_options quant;
-    int32_t index_topk;     /* 0 = the config's */
+    int32_t index_topk; /* 0 = the config's */
 } k3_plan_options;
 
 typedef struct k3_plan {
-    int64_t weight_bytes;           /* all text weights in the given quantization */
-    int64_t expert_bytes;           /* of them the routed experts */
-    int64_t cache_bytes_per_token;  /* latent + indexer, all MLA/DSA layers */
-    int64_t cache_bytes_per_seq;    /* at the given context */
-    int64_t cache_bytes_per_1m;     /* per 1M-token sequence */
-    int64_t state_bytes_per_seq;    /* KDA recurrent + conv state (replicated) */
-    int64_t weight_bytes_per_rank;  /* replicated part + 1/E of the experts */
-    int64_t cache_bytes_per_rank;   /* one sequence at the context, 1/D of it */
-    int64_t mem_bytes_per_rank;     /* weights + cache + state */
+    int64_t weight_bytes;          /* all text weights in the given quantization */
+    int64_t expert_bytes;          /* of them the routed experts */
+    int64_t cache_bytes_per_token; /* latent + indexer, all MLA/DSA layers */
+    int64_t cache_bytes_per_seq;   /* at the given context */
+    int64_t cache_bytes_per_1m;    /* per 1M-token sequence */
+    int64_t state_bytes_per_seq;   /* KDA recurrent + conv state (replicated) */
+    int64_t weight_bytes_per_rank; /* replicated part + 1/E of the experts */
+    int64_t cache_bytes_per_rank;  /* one sequence at the context, 1/D of it */
+    int64_t mem_bytes_per_rank;    /* weights + cache + state */
     int32_t n_dsa, n_mla, n_kda, n_moe;
     /* cross-rank bytes per decoded token received by one rank */
     int64_t topk_allgather_bytes, topk_butterfly_bytes; /* all DSA layers */
-    int64_t lse_bytes;              /* DCP partial outputs + LSE, all MLA/DSA layers */
-    int64_t ep_dispatch_bytes, ep_combine_bytes; /* all MoE layers, expected */
+    int64_t lse_bytes;                                  /* DCP partial outputs + LSE, all MLA/DSA layers */
+    int64_t ep_dispatch_bytes, ep_combine_bytes;        /* all MoE layers, expected */
     /* prefill and decode apart: what one prompt of the context moves from the
      * prefill instance (its rows + one KDA state), and what each of D decode
      * ranks receives (its 1/D of the rows + the state) */
@@ -946,8 +936,7 @@ typedef struct k3_plan {
 } k3_plan;
 
 /* Reads CONFIG.json (a file) and computes the plan. */
-k3_status k3_plan_compute(const char *config_path, const k3_plan_options *opt, k3_plan *out,
-                          k3_error *err);
+k3_status k3_plan_compute(const char *config_path, const k3_plan_options *opt, k3_plan *out, k3_error *err);
 
 
 /* ---- vision: images in prompts (docs/vision.md) --------------
@@ -973,8 +962,7 @@ typedef struct k3_vision k3_vision;
  * K3_IMAGE_MAX_PIXELS) before any pixel is decoded; truncated or corrupt
  * data, other formats and variants k3 does not read (16-bit grey PNG, CMYK
  * JPEG) are refused with a message. */
-k3_status k3_image_decode(k3_image **out, const void *data, size_t size, int64_t max_pixels,
-                          k3_error *err);
+k3_status k3_image_decode(k3_image **out, const void *data, size_t size, int64_t max_pixels, k3_error *err);
 /* The same from an OpenAI image_url: only data: URLs with base64 content
  * ("data:image/png;base64,..."; image/png, image/jpeg, image/webp, image/gif
  * or no type). Remote URLs (http:, https:, ...) are refused with
@@ -1009,35 +997,34 @@ int64_t k3_vision_out_dim(const k3_vision *v);
 
 /* What the processor makes of an image of w x h pixels. */
 typedef struct k3_image_plan {
-    int32_t width, height;       /* the original size (the prompt's {W}x{H}) */
-    int32_t resized_w, resized_h;/* after the patch-budget resize */
+    int32_t width, height;          /* the original size (the prompt's {W}x{H}) */
+    int32_t resized_w, resized_h;   /* after the patch-budget resize */
     int32_t grid_t, grid_h, grid_w; /* patches, after padding to the merge grid */
-    int32_t n_tokens;            /* rows the image takes in the prompt */
+    int32_t n_tokens;               /* rows the image takes in the prompt */
 } k3_image_plan;
 
-k3_status k3_vision_plan(const k3_vision *v, int32_t width, int32_t height, k3_image_plan *out,
-                         k3_error *err);
+k3_status k3_vision_plan(const k3_vision *v, int32_t width, int32_t height, k3_image_plan *out, k3_error *err);
 /* Floating-point operations of one encode (2 per multiply-add: the matrices
  * per patch or token, and attention's two products), for throughput figures. */
 double k3_vision_flops(const k3_vision *v, const k3_image_plan *plan);
 /* The processor's output: pixel values [grid_h * grid_w, 3, P, P] (P = patch
  * size), caller-freed, as KimiK3VisionProcessor.preprocess computes them. */
-k3_status k3_vision_preprocess(const k3_vision *v, const k3_image *im, float **pixels,
-                               k3_image_plan *plan, k3_error *err);
+k3_status k3_vision_preprocess(const k3_vision *v, const k3_image *im, float **pixels, k3_image_plan *plan,
+                               k3_error *err);
 /* The tower, merger and projector over preprocessed pixels:
  * rows [grid_h * grid_w / 4, k3_vision_out_dim], caller-freed. */
-k3_status k3_vision_encode_pixels(const k3_vision *v, k3_pool *pool, const float *pixels,
-                                  const k3_image_plan *plan, float **rows, k3_error *err);
+k3_status k3_vision_encode_pixels(const k3_vision *v, k3_pool *pool, const float *pixels, const k3_image_plan *plan,
+                                  float **rows, k3_error *err);
 /* Both: an image to its n_tokens prompt rows. */
-k3_status k3_vision_encode(const k3_vision *v, k3_pool *pool, const k3_image *im, float **rows,
-                           int32_t *n_rows, k3_error *err);
+k3_status k3_vision_encode(const k3_vision *v, k3_pool *pool, const k3_image *im, float **rows, int32_t *n_rows,
+                           k3_error *err);
 /* The K3 framing of one image: <|media_begin|> "image {W}x{H}"
  * <|media_content|> n_tokens x <|media_pad|> <|media_end|>; *pad_at gets
  * the index of the first pad (the rows go at pad_at .. pad_at+n_tokens-1).
  * A tokenizer without the media specials is K3_ERR_UNSUPPORTED. *ids is
  * caller-freed. */
-k3_status k3_vision_image_prompt(const k3_vision *v, const k3_tokenizer *t, const k3_image_plan *plan,
-                                 int32_t **ids, size_t *n_ids, size_t *pad_at, k3_error *err);
+k3_status k3_vision_image_prompt(const k3_vision *v, const k3_tokenizer *t, const k3_image_plan *plan, int32_t **ids,
+                                 size_t *n_ids, size_t *pad_at, k3_error *err);
 /* A prompt with images put in: image i's framing is inserted before ids[at[i]]
  * (at nondecreasing, <= n_ids; images at the same point keep their order),
  * and (*embeds)[p] points at row r of rows[i] for its r-th pad, NULL
@@ -1063,16 +1050,16 @@ k3_status k3_vision_splice(const k3_vision *v, const k3_tokenizer *t, const int3
 typedef struct k3_vision_prompt {
     int32_t *ids;
     size_t n_ids;
-    const float **embeds;  /* [n_ids]: NULL, or a row of rows[] */
-    uint64_t *keys;        /* [n_ids] prefix-cache keys; NULL without images */
-    float **rows;          /* [n_images] each image's rows */
-    k3_image_plan *plans;  /* [n_images] */
+    const float **embeds; /* [n_ids]: NULL, or a row of rows[] */
+    uint64_t *keys;       /* [n_ids] prefix-cache keys; NULL without images */
+    float **rows;         /* [n_images] each image's rows */
+    k3_image_plan *plans; /* [n_images] */
     int32_t n_images;
 } k3_vision_prompt;
 
-k3_status k3_vision_chat_encode_json(const k3_vision *v, const k3_tokenizer *t, k3_pool *pool, const char *messages_json,
-                                     const char *tools_json, const k3_chat_options *opt, int64_t max_pixels,
-                                     k3_vision_prompt *out, k3_error *err);
+k3_status k3_vision_chat_encode_json(const k3_vision *v, const k3_tokenizer *t, k3_pool *pool,
+                                     const char *messages_json, const char *tools_json, const k3_chat_options *opt,
+                                     int64_t max_pixels, k3_vision_prompt *out, k3_error *err);
 void k3_vision_prompt_free(k3_vision_prompt *p);
 /* ---- prefill and decode apart: the transfer agent and the proxy (src/pd) --
  *
@@ -1102,9 +1089,9 @@ typedef struct k3_pd_options {
     const char *quant;          /* the --quant mode (NULL = "none") */
     k3_kv_type kv_cache;
     int32_t block_size;
-    double timeout_s;           /* a transfer that moves nothing this long fails (0 = 30) */
-    int max_pulls;              /* pulls at once (0 = 8) */
-    const char *fault;          /* tests only: NULL, or "flip:U" (a byte of unit U's payload
+    double timeout_s;  /* a transfer that moves nothing this long fails (0 = 30) */
+    int max_pulls;     /* pulls at once (0 = 8) */
+    const char *fault; /* tests only: NULL, or "flip:U" (a byte of unit U's payload
                                    flipped after its checksum), "stall:U:MS" (sleep before
                                    sending unit U, prefill side; after receiving it, decode side) */
 } k3_pd_options;
@@ -1131,12 +1118,12 @@ typedef struct k3_proxy_options {
     int port;                   /* 0 = any free port */
     const char *const *prefill; /* [n_prefill] base URLs (http://host:port) */
     int n_prefill;
-    const char *const *decode;  /* [n_decode] */
+    const char *const *decode; /* [n_decode] */
     int n_decode;
-    const char *api_key;        /* NULL or "": none; else clients need it (and it is passed on) */
-    double timeout_s;           /* a backend silent this long fails the request (0 = 600) */
-    size_t max_body_bytes;      /* 0 = 4 MiB */
-    int max_connections;        /* 0 = 1024 */
+    const char *api_key;   /* NULL or "": none; else clients need it (and it is passed on) */
+    double timeout_s;      /* a backend silent this long fails the request (0 = 600) */
+    size_t max_body_bytes; /* 0 = 4 MiB */
+    int max_connections;   /* 0 = 1024 */
 } k3_proxy_options;
 
 k3_status k3_proxy_start(k3_proxy **out, const k3_proxy_options *opt, k3_error *err);
@@ -1165,27 +1152,27 @@ void k3_proxy_stop(k3_proxy *p);
 typedef struct k3_server k3_server;
 
 typedef struct k3_server_options {
-    const char *host;          /* address or name to bind (NULL = "127.0.0.1") */
-    int port;                  /* 0 = any free port (see k3_server_port) */
-    const char *api_key;       /* NULL: no key; else every route but /health,
+    const char *host;            /* address or name to bind (NULL = "127.0.0.1") */
+    int port;                    /* 0 = any free port (see k3_server_port) */
+    const char *api_key;         /* NULL: no key; else every route but /health,
                                   /ready and /metrics needs "Authorization: Bearer
                                   KEY" or "x-api-key: KEY"; "" is refused */
-    bool metrics_require_key;  /* /metrics needs the key too */
-    const char *model_name;    /* the served model name (required) */
-    const k3_tokenizer *tok;   /* borrowed, required */
-    k3_engine *engine;         /* borrowed; NULL: the generation routes answer 503 */
-    int64_t max_model_len;     /* reported by /v1/models when engine is NULL */
-    size_t max_body_bytes;     /* bodies over this are refused unread (0 = 4 MiB) */
-    int max_connections;       /* connections at once (0 = 256): one over it takes
+    bool metrics_require_key;    /* /metrics needs the key too */
+    const char *model_name;      /* the served model name (required) */
+    const k3_tokenizer *tok;     /* borrowed, required */
+    k3_engine *engine;           /* borrowed; NULL: the generation routes answer 503 */
+    int64_t max_model_len;       /* reported by /v1/models when engine is NULL */
+    size_t max_body_bytes;       /* bodies over this are refused unread (0 = 4 MiB) */
+    int max_connections;         /* connections at once (0 = 256): one over it takes
                                   the place of the one that has waited longest for
                                   its request line and headers, else is answered 503 */
-    int max_connections_per_ip; /* connections from one address (0 = no cap) */
-    int timeout_s;             /* a client idle this long is dropped (0 = 30) */
-    int header_timeout_s;      /* the request line and headers must be in this long
+    int max_connections_per_ip;  /* connections from one address (0 = no cap) */
+    int timeout_s;               /* a client idle this long is dropped (0 = 30) */
+    int header_timeout_s;        /* the request line and headers must be in this long
                                   after the connection opened or its previous answer
                                   went out (0 = 10) */
-    int body_timeout_s;        /* the body must be in this long after the headers (0 = 60) */
-    double step_timeout_s;     /* /health and /ready answer 503 while one engine step
+    int body_timeout_s;          /* the body must be in this long after the headers (0 = 60) */
+    double step_timeout_s;       /* /health and /ready answer 503 while one engine step
                                   has run longer than this (0 = 300) */
     const char *allowed_origins; /* CORS: a comma-separated list of origins that may
                                   call from a browser, "*" for any; NULL or "": only
@@ -1193,19 +1180,19 @@ typedef struct k3_server_options {
                                   Origin is refused 403 */
     const char *allowed_methods; /* for preflights (NULL = "GET, POST, OPTIONS") */
     const char *allowed_headers; /* for preflights (NULL = "*": those asked for) */
-    const char *version;       /* /version (NULL = "k3") */
-    const k3_vision *vision;   /* borrowed; NULL: a text-only model (chat image
+    const char *version;         /* /version (NULL = "k3") */
+    const k3_vision *vision;     /* borrowed; NULL: a text-only model (chat image
                                   parts answer 400) */
-    k3_pool *vision_pool;      /* borrowed; the image encodes' own pool (never
+    k3_pool *vision_pool;        /* borrowed; the image encodes' own pool (never
                                   the engine's), used by one request at a time;
                                   NULL = one thread */
-    int64_t max_image_pixels;  /* per image (0 = K3_IMAGE_MAX_PIXELS) */
-    bool no_ui;                /* no chat page at / (a 404 there) */
+    int64_t max_image_pixels;    /* per image (0 = K3_IMAGE_MAX_PIXELS) */
+    bool no_ui;                  /* no chat page at / (a 404 there) */
     /* tests only: the engine thread fails at its step test_fail_step (1 = the
      * first), as a failed k3_engine_step would; engine request number
      * test_fail_request (1 = the first submitted) fails alone */
     int64_t test_fail_step, test_fail_request;
-    k3_pd *pd;                 /* borrowed; NULL: kv_transfer_params are refused (not a
+    k3_pd *pd; /* borrowed; NULL: kv_transfer_params are refused (not a
                                   prefill or decode instance) */
 } k3_server_options;
 
@@ -1249,10 +1236,10 @@ typedef struct k3_kv_hist {
 
 typedef struct k3_kv_residency {
     bool enabled;
-    double sample_rate;        /* the fraction of allocated blocks followed */
-    k3_kv_hist lifetime;       /* vllm:kv_block_lifetime_seconds */
-    k3_kv_hist idle;           /* vllm:kv_block_idle_before_evict_seconds */
-    k3_kv_hist reuse_gap;      /* vllm:kv_block_reuse_gap_seconds */
+    double sample_rate;   /* the fraction of allocated blocks followed */
+    k3_kv_hist lifetime;  /* vllm:kv_block_lifetime_seconds */
+    k3_kv_hist idle;      /* vllm:kv_block_idle_before_evict_seconds */
+    k3_kv_hist reuse_gap; /* vllm:kv_block_reuse_gap_seconds */
 } k3_kv_residency;
 
 /* The upper bounds of the buckets (vLLM's: 1 ms ... 1800 s). */

@@ -23,8 +23,7 @@ static int n_tests;
 static int cur_failed;
 
 void k3_test_register(const char *name, k3_test_fn fn, const char *file) {
-    if (n_tests < (int)(sizeof tests / sizeof tests[0]))
-        tests[n_tests++] = (test_entry){name, fn, file};
+    if (n_tests < (int)(sizeof tests / sizeof tests[0])) tests[n_tests++] = (test_entry){name, fn, file};
 }
 
 void k3_test_fail(const char *file, int line, const char *fmt, ...) {
@@ -73,7 +72,11 @@ int main(int argc, char **argv) {
     for (int i = 0; i < n_tests; i++) {
         int want = argc < 2;
         for (int a = 1; a < argc; a++) {
-            if (!strcmp(argv[a], "--list")) { printf("%s\n", tests[i].name); want = 0; break; }
+            if (!strcmp(argv[a], "--list")) {
+                printf("%s\n", tests[i].name);
+                want = 0;
+                break;
+            }
             if (strstr(tests[i].name, argv[a])) want = 1;
         }
         if (!want) continue;

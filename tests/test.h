@@ -17,21 +17,33 @@ void k3_test_register(const char *name, k3_test_fn fn, const char *file);
 void k3_test_fail(const char *file, int line, const char *fmt, ...);
 int k3_test_failed(void);
 
-#define K3_TEST(name)                                                         \
-    static void test_##name(void);                                            \
-    __attribute__((constructor)) static void register_##name(void) {          \
-        k3_test_register(#name, test_##name, __FILE__);                       \
-    }                                                                         \
+#define K3_TEST(name) \
+    static void test_##name(void); \
+    __attribute__((constructor)) static void register_##name(void) { k3_test_register(#name, test_##name, __FILE__); } \
     static void test_##name(void)
 
-#define CHECK(x)                                                              \
-    do { if (!(x)) k3_test_fail(__FILE__, __LINE__, "%s", #x); } while (0)
-#define CHECKF(x, ...)                                                        \
-    do { if (!(x)) k3_test_fail(__FILE__, __LINE__, __VA_ARGS__); } while (0)
-#define REQUIRE(x)                                                            \
-    do { if (!(x)) { k3_test_fail(__FILE__, __LINE__, "%s", #x); return; } } while (0)
-#define REQUIREF(x, ...)                                                      \
-    do { if (!(x)) { k3_test_fail(__FILE__, __LINE__, __VA_ARGS__); return; } } while (0)
+#define CHECK(x) \
+    do { \
+        if (!(x)) k3_test_fail(__FILE__, __LINE__, "%s", #x); \
+    } while (0)
+#define CHECKF(x, ...) \
+    do { \
+        if (!(x)) k3_test_fail(__FILE__, __LINE__, __VA_ARGS__); \
+    } while (0)
+#define REQUIRE(x) \
+    do { \
+        if (!(x)) { \
+            k3_test_fail(__FILE__, __LINE__, "%s", #x); \
+            return; \
+        } \
+    } while (0)
+#define REQUIREF(x, ...) \
+    do { \
+        if (!(x)) { \
+            k3_test_fail(__FILE__, __LINE__, __VA_ARGS__); \
+            return; \
+        } \
+    } while (0)
 
 /* Relative L2 distance ||a-b|| / max(||b||, tiny). */
 double k3_test_rel_l2(const float *a, const float *b, int64_t n);

@@ -184,8 +184,8 @@ K3_TEST(amx_bf16_rounding_is_k3s) {
     for (int64_t i = 0; i < d; i++) id[i * d + i] = k3_f32_to_bf16(1.0f);
     k3_mat w = {.type = K3_W_BF16, .rows = d, .cols = d, .data = id};
     float *x = malloc(sizeof(float) * (size_t)(n * d)), *y = malloc(sizeof(float) * (size_t)(n * d));
-    const uint32_t special[] = {0x3f808000u, 0x3f818000u, 0x3f80ffffu, 0x3f807fffu, 0x7f7f7fffu, 0x00000001u,
-                                0x00800000u, 0x807fffffu, 0xbf808000u, 0x0080ffffu};
+    const uint32_t special[] = {0x3f808000u, 0x3f818000u, 0x3f80ffffu, 0x3f807fffu, 0x7f7f7fffu,
+                                0x00000001u, 0x00800000u, 0x807fffffu, 0xbf808000u, 0x0080ffffu};
     for (int64_t i = 0; i < n * d; i++) {
         uint32_t u = i % 3 ? (rnd() << 16) ^ rnd() : special[i % 10];
         if ((u & 0x7f000000u) == 0x7f000000u) u ^= 0x40000000u; /* nothing that rounds to inf */
@@ -227,9 +227,9 @@ K3_TEST(amx_bf16_odd_shapes) {
 /* Every BF16 matrix shape of the bench checkpoint (attention, dense FFN,
  * shared and latent expert projections, router, lm_head) at a few tokens. */
 K3_TEST(amx_bf16_trunk_shapes) {
-    static const int64_t sh[][2] = {{2048, 2048}, {576, 2048}, {4096, 512}, {768, 2048}, {3072, 768},
+    static const int64_t sh[][2] = {{2048, 2048}, {576, 2048},  {4096, 512}, {768, 2048},  {3072, 768},
                                     {5632, 2048}, {2048, 5632}, {2048, 768}, {2048, 1024}, {1024, 2048},
-                                    {128, 2048},  {2048, 128},  {16, 2048},  {64, 2048},  {32768, 2048}};
+                                    {128, 2048},  {2048, 128},  {16, 2048},  {64, 2048},   {32768, 2048}};
     for (size_t i = 0; i < sizeof sh / sizeof sh[0]; i++) {
         k3_mat w = bf16_mat(sh[i][0], sh[i][1]);
         check_bf16(&w, sh[i][0] >= 16384 ? 1 : 3, i % 2 == 0, "bf16 trunk");
@@ -302,7 +302,8 @@ static void check_q8(int64_t rows, int64_t cols, int64_t n) {
     float *rs = malloc(sizeof(float) * (size_t)rows);
     int32_t *sums = malloc(sizeof(int32_t) * (size_t)rows);
     k3_quant_q8_mat(&src, wq, rs, sums);
-    k3_mat w = {.type = K3_W_Q8, .rows = rows, .cols = cols, .data = wq, .row_scale = rs, .row_sum = sums, .act8 = true};
+    k3_mat w =
+        {.type = K3_W_Q8, .rows = rows, .cols = cols, .data = wq, .row_scale = rs, .row_sum = sums, .act8 = true};
     float *x = fvec(n * cols, 2.0f), *y = malloc(sizeof(float) * (size_t)(n * rows));
     float *want = malloc(sizeof(float) * (size_t)(n * rows)), *vnni = malloc(sizeof(float) * (size_t)(n * rows));
     int8_t *q = malloc((size_t)cols);
@@ -322,8 +323,9 @@ static void check_q8(int64_t rows, int64_t cols, int64_t n) {
     for (int b = 0; b < nb; b++) {
         use(hw[b]);
         k3_amx_matmul(NULL, &a, x, n, y);
-        CHECKF(!memcmp(y, want, sizeof(float) * (size_t)(n * rows)), "q8 %lldx%lld n=%lld differs from the integer sums (%s)",
-               (long long)rows, (long long)cols, (long long)n, hw[b] ? "amx" : "emulated");
+        CHECKF(!memcmp(y, want, sizeof(float) * (size_t)(n * rows)),
+               "q8 %lldx%lld n=%lld differs from the integer sums (%s)", (long long)rows, (long long)cols, (long long)n,
+               hw[b] ? "amx" : "emulated");
         if (k3_kernels_isa() == K3_ISA_AVX512)
             CHECKF(!memcmp(y, vnni, sizeof(float) * (size_t)(n * rows)), "q8 %lldx%lld n=%lld differs from VNNI",
                    (long long)rows, (long long)cols, (long long)n);
@@ -342,7 +344,7 @@ static void check_q8(int64_t rows, int64_t cols, int64_t n) {
 }
 
 K3_TEST(amx_q8_exact) {
-    static const int64_t sh[][3] = {{1, 1, 1},    {17, 33, 2},   {31, 65, 3},    {16, 64, 17}, {40, 100, 1},
+    static const int64_t sh[][3] = {{1, 1, 1},     {17, 33, 2},   {31, 65, 3},    {16, 64, 17},    {40, 100, 1},
                                     {33, 130, 16}, {64, 128, 64}, {768, 2048, 3}, {2048, 768, 17}, {96, 256, 512}};
     for (size_t i = 0; i < sizeof sh / sizeof sh[0]; i++) check_q8(sh[i][0], sh[i][1], sh[i][2]);
 }
@@ -351,8 +353,8 @@ K3_TEST(amx_q8_exact) {
 
 /* Reference of one expert with the kernel's rounding points: x and h in
  * BF16, sums in double. abs gets sum_k |w2_k h_k| per output. */
-static void expert_ref(const k3_mat *g, const k3_mat *u, const k3_mat *d, const float *x, int64_t m,
-                       k3_glu_kind kind, float b1, float b2, float *y, double *abs) {
+static void expert_ref(const k3_mat *g, const k3_mat *u, const k3_mat *d, const float *x, int64_t m, k3_glu_kind kind,
+                       float b1, float b2, float *y, double *abs) {
     const int64_t hid = g->cols, inter = g->rows;
     float *xr = malloc(sizeof(float) * (size_t)(m * hid) + 1), *gv = malloc(sizeof(float) * (size_t)(m * inter) + 1);
     float *uv = malloc(sizeof(float) * (size_t)(m * inter) + 1);
@@ -390,8 +392,9 @@ static void check_moe(bool mx4, k3_glu_kind kind, float b1, float b2) {
     float *y2 = malloc(sizeof(float) * (size_t)(tot * hid)), *ref = malloc(sizeof(float) * (size_t)(tot * hid));
     double *abs = malloc(sizeof(double) * (size_t)(tot * hid));
     for (int e = 0; e < NE; e++)
-        if (cnt[e]) expert_ref(&g[e], &u[e], &d[e], x + row0[e] * hid, cnt[e], kind, b1, b2, ref + row0[e] * hid,
-                               abs + row0[e] * hid);
+        if (cnt[e])
+            expert_ref(&g[e], &u[e], &d[e], x + row0[e] * hid, cnt[e], kind, b1, b2, ref + row0[e] * hid,
+                       abs + row0[e] * hid);
     k3_pool *pool = NULL;
     REQUIRE(k3_pool_init(&pool, 2, NULL) == K3_OK);
     bool hw[2];
@@ -439,7 +442,8 @@ K3_TEST(amx_threads_invariant) {
     k3_amx_mat a;
     REQUIRE(k3_amx_view(&w, &a, NULL) == K3_OK);
     const int64_t n = 40;
-    float *x = fvec(n * 512, 1.0f), *y1 = malloc(sizeof(float) * (size_t)(n * 200)), *y2 = malloc(sizeof(float) * (size_t)(n * 200));
+    float *x = fvec(n * 512, 1.0f), *y1 = malloc(sizeof(float) * (size_t)(n * 200)),
+          *y2 = malloc(sizeof(float) * (size_t)(n * 200));
     bool hw[2];
     const int nb = backends(hw);
     for (int b = 0; b < nb; b++) {

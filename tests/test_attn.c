@@ -111,8 +111,12 @@ K3_TEST(topk_equals_sorting_on_hard_scores) {
     for (int round = 0; round < 3; round++) {
         for (int i = 0; i < N; i++) {
             const int r = (int)(frand() * 1000.0f);
-            s[i] = r % 11 == 0 ? 0.0f : r % 13 == 0 ? -0.0f : r % 97 == 0 ? NAN : r % 89 == 0 ? -INFINITY
-                 : r % 83 == 0 ? INFINITY : (float)(r % (round == 0 ? 7 : 400)) - 3.5f;
+            s[i] = r % 11 == 0 ? 0.0f
+                : r % 13 == 0  ? -0.0f
+                : r % 97 == 0  ? NAN
+                : r % 89 == 0  ? -INFINITY
+                : r % 83 == 0  ? INFINITY
+                               : (float)(r % (round == 0 ? 7 : 400)) - 3.5f;
         }
         for (int i = 0; i < N; i++) ord[i] = i;
         for (int i = 0; i < N; i++) /* selection sort by the promised order */

@@ -100,8 +100,8 @@ K3_TEST(qsfa_matches_ref_and_dequant_fp32) {
     /* equals fp32 absorbed attention on the dequantized cache */
     for (int h = 0; h < H; h++) {
         float out[KVL], sc[N];
-        const float lse = k3_mla_attend(qa + h * KVL, qpe + h * ROPE, KVL, ROPE, cf, KVL + ROPE, slots, N,
-                                        scale, sc, out);
+        const float lse =
+            k3_mla_attend(qa + h * KVL, qpe + h * ROPE, KVL, ROPE, cf, KVL + ROPE, slots, N, scale, sc, out);
         CHECK(k3_test_rel_l2(o1 + h * KVL, out, KVL) < 1e-5);
         CHECK(fabsf(lse - l1[h]) < 1e-4f);
     }

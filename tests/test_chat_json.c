@@ -14,9 +14,7 @@
 
 #define GOLDEN "tests/golden/chat/"
 
-static const char *str_or_null(json_t *o, const char *key) {
-    return json_string_value(json_object_get(o, key));
-}
+static const char *str_or_null(json_t *o, const char *key) { return json_string_value(json_object_get(o, key)); }
 
 K3_TEST(chat_json_equals_official_encoder) {
     k3_tokenizer *t = NULL;
@@ -40,8 +38,7 @@ K3_TEST(chat_json_equals_official_encoder) {
         int32_t *ids = NULL;
         size_t n = 0;
         k3_error e = {0};
-        k3_status st = k3_chat_encode_json(t, str_or_null(c, "messages"), str_or_null(c, "tools"),
-                                           &opt, &ids, &n, &e);
+        k3_status st = k3_chat_encode_json(t, str_or_null(c, "messages"), str_or_null(c, "tools"), &opt, &ids, &n, &e);
         if (json_is_true(json_object_get(c, "error"))) {
             CHECKF(st == K3_ERR_ARG && e.msg[0], "%s: expected K3_ERR_ARG, got %d", name, st);
             n_err++;
@@ -52,9 +49,8 @@ K3_TEST(chat_json_equals_official_encoder) {
         if (st != K3_OK) continue;
         size_t nw = json_array_size(want), k = 0;
         while (k < n && k < nw && ids[k] == json_integer_value(json_array_get(want, k))) k++;
-        CHECKF(n == nw && k == n, "%s: %zu ids, official %zu, first difference at %zu (%d vs %d)",
-               name, n, nw, k, k < n ? ids[k] : -1,
-               k < nw ? (int)json_integer_value(json_array_get(want, k)) : -1);
+        CHECKF(n == nw && k == n, "%s: %zu ids, official %zu, first difference at %zu (%d vs %d)", name, n, nw, k,
+               k < n ? ids[k] : -1, k < nw ? (int)json_integer_value(json_array_get(want, k)) : -1);
         if (n == nw && k == n) n_ok++;
         free(ids);
     }
@@ -64,9 +60,7 @@ K3_TEST(chat_json_equals_official_encoder) {
     k3_tokenizer_free(t);
 }
 
-static bool same(const char *a, const char *b) {
-    return (!a && !b) || (a && b && !strcmp(a, b));
-}
+static bool same(const char *a, const char *b) { return (!a && !b) || (a && b && !strcmp(a, b)); }
 
 K3_TEST(chat_reply_parses_official_rendering) {
     json_error_t je;
@@ -82,8 +76,7 @@ K3_TEST(chat_reply_parses_official_rendering) {
             want_error |= json_is_null(json_object_get(json_array_get(calls, k), "arguments"));
         k3_chat_reply r;
         k3_error e = {0};
-        k3_status st = k3_chat_parse_reply(text, strlen(text),
-                                           json_is_true(json_object_get(c, "thinking")), &r, &e);
+        k3_status st = k3_chat_parse_reply(text, strlen(text), json_is_true(json_object_get(c, "thinking")), &r, &e);
         if (want_error) {
             CHECKF(st == K3_ERR_FORMAT && e.msg[0], "%s: expected K3_ERR_FORMAT, got %d", name, st);
             CHECK(!r.content && !r.tool_calls_json && !r.reasoning);
@@ -92,10 +85,8 @@ K3_TEST(chat_reply_parses_official_rendering) {
         REQUIREF(st == K3_OK, "%s: %s", name, e.msg);
         CHECKF(same(r.reasoning, str_or_null(c, "reasoning")), "%s: reasoning %s", name,
                r.reasoning ? r.reasoning : "(null)");
-        CHECKF(same(r.content, str_or_null(c, "content")), "%s: content %s", name,
-               r.content ? r.content : "(null)");
-        CHECKF(r.n_tool_calls == (int32_t)json_array_size(calls), "%s: %d calls", name,
-               r.n_tool_calls);
+        CHECKF(same(r.content, str_or_null(c, "content")), "%s: content %s", name, r.content ? r.content : "(null)");
+        CHECKF(r.n_tool_calls == (int32_t)json_array_size(calls), "%s: %d calls", name, r.n_tool_calls);
         if (json_array_size(calls)) {
             json_t *got = json_loads(r.tool_calls_json, 0, &je);
             REQUIREF(json_is_array(got), "%s: tool_calls_json %s", name, r.tool_calls_json);
@@ -106,9 +97,8 @@ K3_TEST(chat_reply_parses_official_rendering) {
                 CHECKF(id && !strncmp(id, "call_", 5) && strlen(id) == 29, "%s: id %s", name, id);
                 CHECK(same(str_or_null(g, "type"), "function"));
                 CHECK(same(str_or_null(fn, "name"), str_or_null(w, "name")));
-                CHECKF(same(str_or_null(fn, "arguments"), str_or_null(w, "arguments")),
-                       "%s: arguments %s, official %s", name, str_or_null(fn, "arguments"),
-                       str_or_null(w, "arguments"));
+                CHECKF(same(str_or_null(fn, "arguments"), str_or_null(w, "arguments")), "%s: arguments %s, official %s",
+                       name, str_or_null(fn, "arguments"), str_or_null(w, "arguments"));
             }
             if (json_array_size(got) == 2) {
                 const char *a = str_or_null(json_array_get(got, 0), "id");
@@ -138,8 +128,8 @@ K3_TEST(chat_reply_parses_official_rendering) {
             for (int k = 0; k < 2; k++) {
                 json_t *conv = json_pack("[{s:s, s:s}, O]", "role", "user", "content", "q", msgs[k]);
                 char *js = json_dumps(conv, 0);
-                CHECKF(k3_chat_encode_json(t, js, NULL, &opt, &ids[k], &n_ids[k], &te) == K3_OK,
-                       "%s: %s", name, te.msg);
+                CHECKF(k3_chat_encode_json(t, js, NULL, &opt, &ids[k], &n_ids[k], &te) == K3_OK, "%s: %s", name,
+                       te.msg);
                 free(js);
                 json_decref(conv);
             }
@@ -156,10 +146,8 @@ K3_TEST(chat_reply_parses_official_rendering) {
         for (size_t cut = 0; cut < strlen(text); cut++) {
             k3_chat_reply p;
             k3_error pe = {0};
-            k3_status ps = k3_chat_parse_reply(text, cut, json_is_true(json_object_get(c, "thinking")),
-                                               &p, &pe);
-            CHECKF(ps == K3_OK && p.n_tool_calls <= r.n_tool_calls, "%s cut at %zu: %s", name, cut,
-                   pe.msg);
+            k3_status ps = k3_chat_parse_reply(text, cut, json_is_true(json_object_get(c, "thinking")), &p, &pe);
+            CHECKF(ps == K3_OK && p.n_tool_calls <= r.n_tool_calls, "%s cut at %zu: %s", name, cut, pe.msg);
             k3_chat_reply_free(&p);
         }
         k3_chat_reply_free(&r);
@@ -173,18 +161,23 @@ K3_TEST(chat_reply_rejects_bad_arguments) {
         k3_status st;
     } cases[] = {
         {"<|open|>tools<|sep|><|open|>call tool=\"f\" index=\"1\"<|sep|><|open|>argument key=\"n\" "
-         "type=\"number\"<|sep|>twelve<|close|>argument<|sep|><|close|>call<|sep|>", K3_ERR_FORMAT},
+         "type=\"number\"<|sep|>twelve<|close|>argument<|sep|><|close|>call<|sep|>",
+         K3_ERR_FORMAT},
         {"<|open|>tools<|sep|><|open|>call tool=\"f\" index=\"1\"<|sep|><|open|>argument key=\"n\" "
-         "type=\"object\"<|sep|>[1]<|close|>argument<|sep|><|close|>call<|sep|>", K3_ERR_FORMAT},
+         "type=\"object\"<|sep|>[1]<|close|>argument<|sep|><|close|>call<|sep|>",
+         K3_ERR_FORMAT},
         {"<|open|>tools<|sep|><|open|>call tool=\"f\" index=\"1\"<|sep|><|open|>argument key=\"n\" "
-         "type=\"boolean\"<|sep|>yes<|close|>argument<|sep|><|close|>call<|sep|>", K3_ERR_FORMAT},
+         "type=\"boolean\"<|sep|>yes<|close|>argument<|sep|><|close|>call<|sep|>",
+         K3_ERR_FORMAT},
         {"<|open|>tools<|sep|><|open|>call tool=\"f\" index=\"1\"<|sep|><|open|>argument key=\"n\" "
-         "type=\"integer\"<|sep|>1<|close|>argument<|sep|><|close|>call<|sep|>", K3_ERR_FORMAT},
+         "type=\"integer\"<|sep|>1<|close|>argument<|sep|><|close|>call<|sep|>",
+         K3_ERR_FORMAT},
         {"<|open|>tools<|sep|><|open|>call index=\"1\"<|sep|><|close|>call<|sep|>", K3_ERR_FORMAT},
         {"<|open|>tools<|sep|>garbage", K3_ERR_FORMAT},
         /* an incomplete value is a cut, not an error */
         {"<|open|>tools<|sep|><|open|>call tool=\"f\" index=\"1\"<|sep|><|open|>argument key=\"n\" "
-         "type=\"number\"<|sep|>1", K3_OK},
+         "type=\"number\"<|sep|>1",
+         K3_OK},
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
         char text[512];
@@ -222,20 +215,21 @@ K3_TEST(chat_json_rejects_bad_requests) {
         {"[{\"content\":\"x\"}]", NULL, NULL, NULL, NULL, "no role", K3_ERR_ARG},
         {"[1]", NULL, NULL, NULL, NULL, "message 0", K3_ERR_ARG},
         {"[{\"role\":\"user\",\"content\":5}]", NULL, NULL, NULL, NULL, "content", K3_ERR_ARG},
-        {"[{\"role\":\"user\",\"content\":[{\"type\":\"image_url\",\"image_url\":{}}]}]", NULL, NULL,
-         NULL, NULL, "image", K3_ERR_UNSUPPORTED},
+        {"[{\"role\":\"user\",\"content\":[{\"type\":\"image_url\",\"image_url\":{}}]}]", NULL, NULL, NULL, NULL,
+         "image", K3_ERR_UNSUPPORTED},
         {"[{\"role\":\"user\",\"content\":\"x\"}]", "{}", NULL, NULL, NULL, "tools", K3_ERR_ARG},
         {"[{\"role\":\"user\",\"content\":\"x\"}]", NULL, "sometimes", NULL, NULL, "tool_choice", K3_ERR_ARG},
         {"[{\"role\":\"user\",\"content\":\"x\"}]", NULL, NULL, "{\"type\":\"yaml\"}", NULL, "yaml", K3_ERR_ARG},
         {"[{\"role\":\"user\",\"content\":\"x\"}]", NULL, NULL, NULL, "", "thinking_effort", K3_ERR_ARG},
-        {"[{\"role\":\"assistant\",\"tool_calls\":[{\"function\":{\"arguments\":{}}}]}]", NULL, NULL,
-         NULL, NULL, "function name", K3_ERR_ARG},
-        {"[{\"role\":\"assistant\",\"tool_calls\":[{\"function\":{\"name\":\"f\",\"arguments\":3}}]}]",
-         NULL, NULL, NULL, NULL, "arguments", K3_ERR_ARG},
+        {"[{\"role\":\"assistant\",\"tool_calls\":[{\"function\":{\"arguments\":{}}}]}]", NULL, NULL, NULL, NULL,
+         "function name", K3_ERR_ARG},
+        {"[{\"role\":\"assistant\",\"tool_calls\":[{\"function\":{\"name\":\"f\",\"arguments\":3}}]}]", NULL, NULL,
+         NULL, NULL, "arguments", K3_ERR_ARG},
         {"[{\"role\":\"user\",\"name\":3,\"content\":\"x\"}]", NULL, NULL, NULL, NULL, "name", K3_ERR_ARG},
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
-        k3_chat_options opt = {.add_generation_prompt = true, .thinking = true,
+        k3_chat_options opt = {.add_generation_prompt = true,
+                               .thinking = true,
                                .tool_choice = cases[i].tool_choice,
                                .response_format = cases[i].response_format,
                                .thinking_effort = cases[i].effort};
@@ -297,17 +291,15 @@ K3_TEST(chat_json_cuts_segments_every_400k_chars) {
     for (size_t i = 0; i < n; i++) text[i] = "abcde "[i % 6];
     text[n] = 0;
     json_t *whole = json_pack("[{s:s, s:s}]", "role", "user", "content", text);
-    json_t *cut = json_pack("[{s:s, s:[{s:s, s:o}, {s:s, s:o}]}]", "role", "user", "content",
-                            "type", "text", "text", json_stringn(text, 400000), "type", "text",
-                            "text", json_string(text + 400000));
+    json_t *cut = json_pack("[{s:s, s:[{s:s, s:o}, {s:s, s:o}]}]", "role", "user", "content", "type", "text", "text",
+                            json_stringn(text, 400000), "type", "text", "text", json_string(text + 400000));
     json_t *convs[2] = {whole, cut};
     int32_t *ids[3] = {0};
     size_t n_ids[3] = {0};
     k3_chat_options opt = {.thinking = true};
     for (int k = 0; k < 2; k++) {
         char *js = json_dumps(convs[k], 0);
-        CHECKF(js && k3_chat_encode_json(t, js, NULL, &opt, &ids[k], &n_ids[k], &err) == K3_OK, "%s",
-               err.msg);
+        CHECKF(js && k3_chat_encode_json(t, js, NULL, &opt, &ids[k], &n_ids[k], &err) == K3_OK, "%s", err.msg);
         free(js);
         json_decref(convs[k]);
     }
@@ -351,7 +343,8 @@ K3_TEST(chat_json_developer_role_and_part_types) {
         free(b);
     }
     const char *bad[][2] = {
-        {"[{\"role\":\"user\",\"content\":[{\"type\":\"input_audio\",\"input_audio\":{\"data\":\"\",\"format\":\"wav\"}}]}]",
+        {"[{\"role\":\"user\",\"content\":[{\"type\":\"input_audio\",\"input_audio\":{\"data\":\"\",\"format\":\"wav\"}"
+         "}]}]",
          "\"input_audio\", which K3 does not take"},
         {"[{\"role\":\"user\",\"content\":[{\"type\":\"text\",\"text\":\"a\"},{\"type\":\"file\",\"file\":{}}]}]",
          "content part 1 has the type \"file\""},
@@ -373,14 +366,15 @@ K3_TEST(chat_reasoning_effort_table) {
         const char *in;
         bool thinking;
         const char *effort;
-    } rows[] = {{NULL, true, "max"},     {"none", false, NULL},   {"minimal", true, "low"}, {"low", true, "low"},
+    } rows[] = {{NULL, true, "max"},      {"none", false, NULL},  {"minimal", true, "low"}, {"low", true, "low"},
                 {"medium", true, "high"}, {"high", true, "high"}, {"xhigh", true, "max"},   {"max", true, "max"}};
     for (size_t i = 0; i < sizeof rows / sizeof *rows; i++) {
         bool th = !rows[i].thinking;
         const char *ef = "unset";
         k3_error e = {0};
         CHECK(k3_chat_reasoning_effort(rows[i].in, &th, &ef, &e) == K3_OK);
-        CHECKF(th == rows[i].thinking && (ef == rows[i].effort || (ef && rows[i].effort && !strcmp(ef, rows[i].effort))),
+        CHECKF(th == rows[i].thinking &&
+                   (ef == rows[i].effort || (ef && rows[i].effort && !strcmp(ef, rows[i].effort))),
                "%s -> %d %s", rows[i].in ? rows[i].in : "(none)", th, ef ? ef : "NULL");
     }
     bool th;

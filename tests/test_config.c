@@ -77,13 +77,13 @@ static k3_status parse_sub(const char *from, const char *to, k3_config *c, k3_er
     return s;
 }
 
-#define EXPECT_ERR(status_, needle, from, to)                                              \
-    do {                                                                                   \
-        k3_config c_;                                                                      \
-        k3_error e_;                                                                       \
-        k3_status s_ = parse_sub(from, to, &c_, &e_);                                      \
+#define EXPECT_ERR(status_, needle, from, to) \
+    do { \
+        k3_config c_; \
+        k3_error e_; \
+        k3_status s_ = parse_sub(from, to, &c_, &e_); \
         CHECKF(s_ == (status_), "status %d (%s), want %d", (int)s_, e_.msg, (int)(status_)); \
-        CHECKF(strstr(e_.msg, needle), "message '%s' lacks '%s'", e_.msg, needle);         \
+        CHECKF(strstr(e_.msg, needle), "message '%s' lacks '%s'", e_.msg, needle); \
     } while (0)
 
 /* ---- the real K3 config ------------------------------------------------- */
@@ -95,8 +95,7 @@ K3_TEST(config_real_k3) {
         bool is_full = l % 4 == 0 || l == 93;
         char *b = is_full ? full : kda;
         size_t *n = is_full ? &nf : &nk;
-        *n += (size_t)snprintf(b + *n, (is_full ? sizeof full : sizeof kda) - *n, "%s%d",
-                               *n ? ", " : "", l);
+        *n += (size_t)snprintf(b + *n, (is_full ? sizeof full : sizeof kda) - *n, "%s%d", *n ? ", " : "", l);
     }
     static char json[8192];
     snprintf(json, sizeof json,
@@ -193,8 +192,8 @@ K3_TEST(config_tiny) {
     CHECK(c.is_k3 && c.n_layers == 8 && c.hidden_size == 256 && c.vocab_size == 1024);
     static const uint8_t kinds[8] = {0, 0, 0, 1, 0, 0, 0, 1};
     for (int i = 0; i < 8; i++) CHECKF(c.layer_kind[i] == kinds[i], "layer %d", i);
-    CHECK(k3_config_is_bank_layer(&c, 0) && k3_config_is_bank_layer(&c, 3) &&
-          k3_config_is_bank_layer(&c, 6) && !k3_config_is_bank_layer(&c, 7));
+    CHECK(k3_config_is_bank_layer(&c, 0) && k3_config_is_bank_layer(&c, 3) && k3_config_is_bank_layer(&c, 6) &&
+          !k3_config_is_bank_layer(&c, 7));
     CHECK(c.experts_mxfp4 && c.expert_dim == 128 && c.moe_intermediate == 64);
     CHECK(c.max_positions == 4096 && c.index_n_heads == 0);
 }
@@ -204,7 +203,8 @@ K3_TEST(config_tiny_dsa) {
     k3_error e;
     k3_status s = parse_sub("\"attn_res_block_size\": 3,",
                             "\"attn_res_block_size\": 3, \"index_n_heads\": 2, "
-                            "\"index_head_dim\": 32, \"index_topk\": 8,", &c, &e);
+                            "\"index_head_dim\": 32, \"index_topk\": 8,",
+                            &c, &e);
     REQUIREF(s == K3_OK, "%s", e.msg);
     CHECK(c.index_n_heads == 2 && c.index_head_dim == 32 && c.index_topk == 8);
     CHECK(c.layer_kind[3] == K3_LAYER_DSA && c.layer_kind[7] == K3_LAYER_DSA);
@@ -213,7 +213,8 @@ K3_TEST(config_tiny_dsa) {
     /* index_layers restricts the indexer to some full-attention layers. */
     s = parse_sub("\"attn_res_block_size\": 3,",
                   "\"attn_res_block_size\": 3, \"index_n_heads\": 2, \"index_head_dim\": 32, "
-                  "\"index_topk\": 8, \"index_layers\": [8],", &c, &e);
+                  "\"index_topk\": 8, \"index_layers\": [8],",
+                  &c, &e);
     REQUIREF(s == K3_OK, "%s", e.msg);
     CHECK(c.layer_kind[3] == K3_LAYER_MLA && c.layer_kind[7] == K3_LAYER_DSA);
 
@@ -229,14 +230,13 @@ K3_TEST(config_tiny_dsa) {
 /* ---- flat and Kimi-Linear configs ---------------------------------------- */
 
 K3_TEST(config_flat) {
-    const char *json =
-        "{\"model_type\": \"kimi_k3\", \"vocab_size\": 512, \"hidden_size\": 64,"
-        " \"num_hidden_layers\": 2, \"num_attention_heads\": 2, \"q_lora_rank\": null,"
-        " \"kv_lora_rank\": 32, \"qk_nope_head_dim\": 16, \"qk_rope_head_dim\": 8,"
-        " \"v_head_dim\": 16, \"linear_attn_config\": {\"num_heads\": 2, \"head_dim\": 16,"
-        " \"short_conv_kernel_size\": 4, \"kda_layers\": [1], \"full_attn_layers\": [2]},"
-        " \"intermediate_size\": 128, \"num_experts\": 4, \"num_experts_per_token\": 2,"
-        " \"moe_intermediate_size\": 32, \"eos_token_id\": [7, 8], \"bos_token_id\": 1}";
+    const char *json = "{\"model_type\": \"kimi_k3\", \"vocab_size\": 512, \"hidden_size\": 64,"
+                       " \"num_hidden_layers\": 2, \"num_attention_heads\": 2, \"q_lora_rank\": null,"
+                       " \"kv_lora_rank\": 32, \"qk_nope_head_dim\": 16, \"qk_rope_head_dim\": 8,"
+                       " \"v_head_dim\": 16, \"linear_attn_config\": {\"num_heads\": 2, \"head_dim\": 16,"
+                       " \"short_conv_kernel_size\": 4, \"kda_layers\": [1], \"full_attn_layers\": [2]},"
+                       " \"intermediate_size\": 128, \"num_experts\": 4, \"num_experts_per_token\": 2,"
+                       " \"moe_intermediate_size\": 32, \"eos_token_id\": [7, 8], \"bos_token_id\": 1}";
     k3_config c;
     k3_error e;
     REQUIREF(parse(json, &c, &e) == K3_OK, "%s", e.msg);
@@ -256,25 +256,24 @@ K3_TEST(config_flat) {
 
 K3_TEST(config_kimi_linear) {
     /* Shaped like Kimi-Linear-48B-A3B's config.json, scaled down. */
-    const char *json =
-        "{\"architectures\": [\"KimiLinearForCausalLM\"], \"auto_map\": {},"
-        " \"model_type\": \"kimi_linear\", \"bos_token_id\": 163584, \"eos_token_id\": 163586,"
-        " \"pad_token_id\": 163839, \"dtype\": \"bfloat16\", \"first_k_dense_replace\": 1,"
-        " \"head_dim\": 72, \"hidden_act\": \"silu\", \"hidden_size\": 256,"
-        " \"initializer_range\": 0.02, \"intermediate_size\": 512, \"kv_lora_rank\": 64,"
-        " \"linear_attn_config\": {\"full_attn_layers\": [4], \"head_dim\": 32,"
-        "   \"kda_layers\": [1, 2, 3], \"num_heads\": 4, \"short_conv_kernel_size\": 4},"
-        " \"mla_use_nope\": true, \"model_max_length\": 1048576, \"moe_intermediate_size\": 64,"
-        " \"moe_layer_freq\": 1, \"moe_renormalize\": true,"
-        " \"moe_router_activation_func\": \"sigmoid\", \"num_attention_heads\": 4,"
-        " \"num_expert_group\": 1, \"num_experts\": 8, \"num_experts_per_token\": 2,"
-        " \"num_hidden_layers\": 4, \"num_key_value_heads\": 4, \"num_nextn_predict_layers\": 0,"
-        " \"num_shared_experts\": 1, \"q_lora_rank\": null, \"qk_nope_head_dim\": 32,"
-        " \"qk_rope_head_dim\": 16, \"rms_norm_eps\": 1e-06, \"rope_scaling\": null,"
-        " \"rope_theta\": 10000.0, \"routed_scaling_factor\": 2.446,"
-        " \"tie_word_embeddings\": false, \"topk_group\": 1, \"transformers_version\": \"4.56.0\","
-        " \"use_cache\": true, \"use_grouped_topk\": true, \"v_head_dim\": 32,"
-        " \"vocab_size\": 1024}";
+    const char *json = "{\"architectures\": [\"KimiLinearForCausalLM\"], \"auto_map\": {},"
+                       " \"model_type\": \"kimi_linear\", \"bos_token_id\": 163584, \"eos_token_id\": 163586,"
+                       " \"pad_token_id\": 163839, \"dtype\": \"bfloat16\", \"first_k_dense_replace\": 1,"
+                       " \"head_dim\": 72, \"hidden_act\": \"silu\", \"hidden_size\": 256,"
+                       " \"initializer_range\": 0.02, \"intermediate_size\": 512, \"kv_lora_rank\": 64,"
+                       " \"linear_attn_config\": {\"full_attn_layers\": [4], \"head_dim\": 32,"
+                       "   \"kda_layers\": [1, 2, 3], \"num_heads\": 4, \"short_conv_kernel_size\": 4},"
+                       " \"mla_use_nope\": true, \"model_max_length\": 1048576, \"moe_intermediate_size\": 64,"
+                       " \"moe_layer_freq\": 1, \"moe_renormalize\": true,"
+                       " \"moe_router_activation_func\": \"sigmoid\", \"num_attention_heads\": 4,"
+                       " \"num_expert_group\": 1, \"num_experts\": 8, \"num_experts_per_token\": 2,"
+                       " \"num_hidden_layers\": 4, \"num_key_value_heads\": 4, \"num_nextn_predict_layers\": 0,"
+                       " \"num_shared_experts\": 1, \"q_lora_rank\": null, \"qk_nope_head_dim\": 32,"
+                       " \"qk_rope_head_dim\": 16, \"rms_norm_eps\": 1e-06, \"rope_scaling\": null,"
+                       " \"rope_theta\": 10000.0, \"routed_scaling_factor\": 2.446,"
+                       " \"tie_word_embeddings\": false, \"topk_group\": 1, \"transformers_version\": \"4.56.0\","
+                       " \"use_cache\": true, \"use_grouped_topk\": true, \"v_head_dim\": 32,"
+                       " \"vocab_size\": 1024}";
     k3_config c;
     k3_error e;
     REQUIREF(parse(json, &c, &e) == K3_OK, "%s", e.msg);
@@ -304,28 +303,25 @@ K3_TEST(config_missing_field) {
 }
 
 K3_TEST(config_unknown_field) {
-    EXPECT_ERR(K3_ERR_UNSUPPORTED, "unknown field 'mla_rope_mode' in text_config",
-               "\"mla_use_nope\": true,", "\"mla_use_nope\": true, \"mla_rope_mode\": 1,");
-    EXPECT_ERR(K3_ERR_UNSUPPORTED, "unknown field 'gate_upper_bound'",
-               "\"gate_lower_bound\": -5.0,", "\"gate_lower_bound\": -5.0, \"gate_upper_bound\": 1,");
+    EXPECT_ERR(K3_ERR_UNSUPPORTED, "unknown field 'mla_rope_mode' in text_config", "\"mla_use_nope\": true,",
+               "\"mla_use_nope\": true, \"mla_rope_mode\": 1,");
+    EXPECT_ERR(K3_ERR_UNSUPPORTED, "unknown field 'gate_upper_bound'", "\"gate_lower_bound\": -5.0,",
+               "\"gate_lower_bound\": -5.0, \"gate_upper_bound\": 1,");
     /* Unknown root keys of a nested config belong to other parts (vision...). */
     k3_config c;
     k3_error e;
-    CHECK(parse_sub("\"tie_word_embeddings\": false,",
-                    "\"tie_word_embeddings\": false, \"video_fps\": 2,", &c, &e) == K3_OK);
+    CHECK(parse_sub("\"tie_word_embeddings\": false,", "\"tie_word_embeddings\": false, \"video_fps\": 2,", &c, &e) ==
+          K3_OK);
 }
 
 K3_TEST(config_bad_layer_lists) {
-    EXPECT_ERR(K3_ERR_FORMAT, "layer 9 is out of range",
-               "\"full_attn_layers\": [4, 8]", "\"full_attn_layers\": [4, 8, 9]");
-    EXPECT_ERR(K3_ERR_FORMAT, "layer 0 is out of range",
-               "\"kda_layers\": [1,", "\"kda_layers\": [0, 1,");
-    EXPECT_ERR(K3_ERR_FORMAT, "layer 4 is in both kda_layers and full_attn_layers",
-               "\"kda_layers\": [1, 2, 3, 5,", "\"kda_layers\": [1, 2, 3, 4, 5,");
-    EXPECT_ERR(K3_ERR_FORMAT, "layer 8 is in neither",
-               "\"full_attn_layers\": [4, 8]", "\"full_attn_layers\": [4]");
-    EXPECT_ERR(K3_ERR_FORMAT, "listed twice",
-               "\"full_attn_layers\": [4, 8]", "\"full_attn_layers\": [4, 8, 8]");
+    EXPECT_ERR(K3_ERR_FORMAT, "layer 9 is out of range", "\"full_attn_layers\": [4, 8]",
+               "\"full_attn_layers\": [4, 8, 9]");
+    EXPECT_ERR(K3_ERR_FORMAT, "layer 0 is out of range", "\"kda_layers\": [1,", "\"kda_layers\": [0, 1,");
+    EXPECT_ERR(K3_ERR_FORMAT, "layer 4 is in both kda_layers and full_attn_layers", "\"kda_layers\": [1, 2, 3, 5,",
+               "\"kda_layers\": [1, 2, 3, 4, 5,");
+    EXPECT_ERR(K3_ERR_FORMAT, "layer 8 is in neither", "\"full_attn_layers\": [4, 8]", "\"full_attn_layers\": [4]");
+    EXPECT_ERR(K3_ERR_FORMAT, "listed twice", "\"full_attn_layers\": [4, 8]", "\"full_attn_layers\": [4, 8, 8]");
     EXPECT_ERR(K3_ERR_FORMAT, "kda_layers", "\"kda_layers\": [1,", "\"kda_layers\": [\"1\",");
 }
 
@@ -333,33 +329,25 @@ K3_TEST(config_bad_values) {
     EXPECT_ERR(K3_ERR_FORMAT, "'num_experts_per_token'", "\"num_experts_per_token\": 4",
                "\"num_experts_per_token\": 17");
     EXPECT_ERR(K3_ERR_FORMAT, "'hidden_size'", "\"hidden_size\": 256", "\"hidden_size\": -256");
-    EXPECT_ERR(K3_ERR_FORMAT, "'num_hidden_layers'", "\"num_hidden_layers\": 8",
-               "\"num_hidden_layers\": 0");
-    EXPECT_ERR(K3_ERR_FORMAT, "multiples of 32", "\"moe_intermediate_size\": 64",
-               "\"moe_intermediate_size\": 48");
-    EXPECT_ERR(K3_ERR_FORMAT, "num_expert_group", "\"num_expert_group\": 1",
-               "\"num_expert_group\": 3");
+    EXPECT_ERR(K3_ERR_FORMAT, "'num_hidden_layers'", "\"num_hidden_layers\": 8", "\"num_hidden_layers\": 0");
+    EXPECT_ERR(K3_ERR_FORMAT, "multiples of 32", "\"moe_intermediate_size\": 64", "\"moe_intermediate_size\": 48");
+    EXPECT_ERR(K3_ERR_FORMAT, "num_expert_group", "\"num_expert_group\": 1", "\"num_expert_group\": 3");
     EXPECT_ERR(K3_ERR_FORMAT, "rms_norm_eps", "\"rms_norm_eps\": 1e-05", "\"rms_norm_eps\": 0");
-    EXPECT_ERR(K3_ERR_UNSUPPORTED, "RoPE MLA not supported", "\"mla_use_nope\": true",
-               "\"mla_use_nope\": false");
-    EXPECT_ERR(K3_ERR_UNSUPPORTED, "hidden_act 'gelu'", "\"hidden_act\": \"situ\"",
-               "\"hidden_act\": \"gelu\"");
+    EXPECT_ERR(K3_ERR_UNSUPPORTED, "RoPE MLA not supported", "\"mla_use_nope\": true", "\"mla_use_nope\": false");
+    EXPECT_ERR(K3_ERR_UNSUPPORTED, "hidden_act 'gelu'", "\"hidden_act\": \"situ\"", "\"hidden_act\": \"gelu\"");
     EXPECT_ERR(K3_ERR_UNSUPPORTED, "rope_scaling", "\"mla_use_nope\": true,",
                "\"mla_use_nope\": true, \"rope_scaling\": {\"type\": \"yarn\"},");
-    EXPECT_ERR(K3_ERR_FORMAT, "duplicate", "\"hidden_size\": 256,",
-               "\"hidden_size\": 256, \"hidden_size\": 128,");
+    EXPECT_ERR(K3_ERR_FORMAT, "duplicate", "\"hidden_size\": 256,", "\"hidden_size\": 256, \"hidden_size\": 128,");
 }
 
 K3_TEST(config_quantization) {
-    EXPECT_ERR(K3_ERR_UNSUPPORTED, "'fp8'", "\"quant_method\": \"compressed-tensors\"",
-               "\"quant_method\": \"fp8\"");
+    EXPECT_ERR(K3_ERR_UNSUPPORTED, "'fp8'", "\"quant_method\": \"compressed-tensors\"", "\"quant_method\": \"fp8\"");
     EXPECT_ERR(K3_ERR_UNSUPPORTED, "'pack-quantized'", "\"format\": \"mxfp4-pack-quantized\"",
                "\"format\": \"pack-quantized\"");
     /* Without a format, the weight group description decides. */
     k3_config c;
     k3_error e;
-    REQUIREF(parse_sub("\"format\": \"mxfp4-pack-quantized\",", "", &c, &e) == K3_OK, "%s",
-             e.msg);
+    REQUIREF(parse_sub("\"format\": \"mxfp4-pack-quantized\",", "", &c, &e) == K3_OK, "%s", e.msg);
     CHECK(c.experts_mxfp4);
     char *j = subst(tiny_json, "\"format\": \"mxfp4-pack-quantized\",", "");
     REQUIRE(j);
@@ -369,8 +357,7 @@ K3_TEST(config_quantization) {
     CHECK(parse(j2, &c, &e) == K3_ERR_UNSUPPORTED);
     free(j2);
     /* No quantization_config: float experts. */
-    j = subst(tiny_json, "\"quantization_config\": {",
-              "\"quantization_config\": null, \"auto_map\": {");
+    j = subst(tiny_json, "\"quantization_config\": {", "\"quantization_config\": null, \"auto_map\": {");
     REQUIRE(j);
     REQUIREF(parse(j, &c, &e) == K3_OK, "%s", e.msg);
     CHECK(!c.experts_mxfp4);
@@ -436,12 +423,14 @@ K3_TEST(config_rope_parameters) {
     k3_config c;
     k3_error e;
     const char *from = "\"mla_use_nope\": true,";
-    CHECKF(parse_sub(from, "\"mla_use_nope\": true, \"rope_parameters\": {\"rope_theta\": "
-                     "50000.0, \"rope_type\": \"default\"},", &c, &e) == K3_OK, "%s", e.msg);
-    CHECKF(parse_sub(from, "\"mla_use_nope\": true, \"rope_parameters\": null,", &c, &e) == K3_OK,
+    CHECKF(parse_sub(from,
+                     "\"mla_use_nope\": true, \"rope_parameters\": {\"rope_theta\": "
+                     "50000.0, \"rope_type\": \"default\"},",
+                     &c, &e) == K3_OK,
            "%s", e.msg);
-    CHECKF(parse_sub(from, "\"mla_use_nope\": true, \"rope_parameters\": {\"rope_theta\": 1e6},",
-                     &c, &e) == K3_OK, "%s", e.msg);
+    CHECKF(parse_sub(from, "\"mla_use_nope\": true, \"rope_parameters\": null,", &c, &e) == K3_OK, "%s", e.msg);
+    CHECKF(parse_sub(from, "\"mla_use_nope\": true, \"rope_parameters\": {\"rope_theta\": 1e6},", &c, &e) == K3_OK,
+           "%s", e.msg);
     /* Would change the math of a RoPE model: refused. */
     EXPECT_ERR(K3_ERR_UNSUPPORTED, "rope_type", from,
                "\"mla_use_nope\": true, \"rope_parameters\": {\"rope_theta\": 1e4, "
@@ -451,8 +440,7 @@ K3_TEST(config_rope_parameters) {
                "\"rope_type\": \"default\"},");
     EXPECT_ERR(K3_ERR_UNSUPPORTED, "rope_parameters.partial_rotary_factor", from,
                "\"mla_use_nope\": true, \"rope_parameters\": {\"partial_rotary_factor\": 0.5},");
-    EXPECT_ERR(K3_ERR_FORMAT, "rope_parameters", from,
-               "\"mla_use_nope\": true, \"rope_parameters\": \"default\",");
+    EXPECT_ERR(K3_ERR_FORMAT, "rope_parameters", from, "\"mla_use_nope\": true, \"rope_parameters\": \"default\",");
     EXPECT_ERR(K3_ERR_UNSUPPORTED, "rope_scaling", from,
                "\"mla_use_nope\": true, \"rope_scaling\": {\"type\": \"yarn\"},");
 }
@@ -465,11 +453,11 @@ K3_TEST(config_situ_defaults_official) {
     const char *from = "\"activation_situ_beta\": 4.0, \"activation_situ_linear_beta\": 25.0,";
     REQUIREF(parse_sub(from, "", &c, &e) == K3_OK, "%s", e.msg);
     CHECK(c.situ_beta == 1.0f && c.situ_linear_beta == 0.0f);
-    REQUIREF(parse_sub(from, "\"activation_situ_beta\": null, \"activation_situ_linear_beta\": null,",
-                       &c, &e) == K3_OK, "%s", e.msg);
+    REQUIREF(parse_sub(from, "\"activation_situ_beta\": null, \"activation_situ_linear_beta\": null,", &c, &e) == K3_OK,
+             "%s", e.msg);
     CHECK(c.situ_beta == 1.0f && c.situ_linear_beta == 0.0f);
-    REQUIREF(parse_sub(from, "\"activation_situ_beta\": 0, \"activation_situ_linear_beta\": 3.0,",
-                       &c, &e) == K3_OK, "%s", e.msg);
+    REQUIREF(parse_sub(from, "\"activation_situ_beta\": 0, \"activation_situ_linear_beta\": 3.0,", &c, &e) == K3_OK,
+             "%s", e.msg);
     CHECK(c.situ_beta == 1.0f && c.situ_linear_beta == 3.0f);
     REQUIREF(parse_sub(from, "\"activation_situ_beta\": 2.5,", &c, &e) == K3_OK, "%s", e.msg);
     CHECK(c.situ_beta == 2.5f && c.situ_linear_beta == 0.0f);

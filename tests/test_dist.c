@@ -200,6 +200,6 @@ K3_TEST(dist_plan_full_size_k3) {
     CHECK(p.n_dsa == 24);
     CHECK(p.topk_allgather_bytes == 24LL * 15 * 2048 * 8); /* 240 KB per layer */
     CHECK(p.topk_butterfly_bytes == 24LL * 4 * 2048 * 8);  /* 64 KB per layer */
-    o.ep = 3; /* 896 = 2^7 x 7 */
+    o.ep = 3;                                              /* 896 = 2^7 x 7 */
     CHECK(k3_plan_compute("docs/configs/kimi-k3.json", &o, &p, &err) == K3_ERR_ARG);
 }

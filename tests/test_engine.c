@@ -54,8 +54,12 @@ static k3_model *open_model(const char *dir) {
 static float *run_kv(const k3_model *m, const int32_t *ids, int n, int max_batch, k3_pool *pool, k3_kv_type kv) {
     k3_ctx *ctx = NULL;
     k3_error err = {0};
-    k3_ctx_options o = {.max_seqs = 1, .cache_tokens = n > 256 ? n : 256, .max_batch = max_batch, .block_size = 16,
-                        .pool = pool, .kv_cache = kv};
+    k3_ctx_options o = {.max_seqs = 1,
+                        .cache_tokens = n > 256 ? n : 256,
+                        .max_batch = max_batch,
+                        .block_size = 16,
+                        .pool = pool,
+                        .kv_cache = kv};
     if (k3_ctx_init(&ctx, m, &o, &err)) {
         k3_test_fail(__FILE__, __LINE__, "ctx: %s", err.msg);
         return NULL;
@@ -104,8 +108,8 @@ static void golden(const char *name) {
             const double r = k3_test_rel_l2(lg + t * V, ref + t * V, V);
             if (r > worst) worst = r;
         }
-        printf("    %s: %d positions, rel-L2 %.3g (worst row %.3g), top-1 agreement %d/%d\n", name, n, e,
-               worst, agree, n);
+        printf("    %s: %d positions, rel-L2 %.3g (worst row %.3g), top-1 agreement %d/%d\n", name, n, e, worst, agree,
+               n);
         CHECKF(e <= 1e-4, "rel-L2 %.3g > 1e-4", e);
         CHECK(agree == n);
     }

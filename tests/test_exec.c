@@ -87,8 +87,7 @@ K3_TEST(exec_every_changing_ctx_call_is_mirrored) {
         free(text);
     }
     /* the scan sees the calls it should (the pattern did not rot) */
-    CHECKF(found >= (int)N_OF(mirrored), "found %d changing calls, fewer than the %d rows", found,
-           (int)N_OF(mirrored));
+    CHECKF(found >= (int)N_OF(mirrored), "found %d changing calls, fewer than the %d rows", found, (int)N_OF(mirrored));
     for (size_t i = 0; i < N_OF(mirrored); i++) CHECK(k3_exec_command(mirrored[i]) >= 0);
 }
 
@@ -261,8 +260,7 @@ K3_TEST(exec_replay_of_every_row_equals_the_calls) {
     /* every row of calls.h had its message replayed */
     for (size_t i = 0; i < N_OF(mirrored); i++) {
         const int32_t cmd = k3_exec_command(mirrored[i]);
-        CHECKF(cmd >= 0 && t1.n_of[cmd] + t2.n_of[cmd] > 0, "row %s of calls.h has no replay case here",
-               mirrored[i]);
+        CHECKF(cmd >= 0 && t1.n_of[cmd] + t2.n_of[cmd] > 0, "row %s of calls.h has no replay case here", mirrored[i]);
     }
 
     /* a tap cut short, and a batch count bent, are refused with a message */

@@ -67,7 +67,8 @@ static k3_grammar_vocab *mini_vocab(void) {
     static k3_grammar_vocab *v;
     if (v) return v;
     k3_error err = {0};
-    if (k3_tokenizer_open(&mini_tok, "models/k3-mini", &err) != K3_OK || k3_grammar_vocab_init(&v, mini_tok, &err) != K3_OK) {
+    if (k3_tokenizer_open(&mini_tok, "models/k3-mini", &err) != K3_OK ||
+        k3_grammar_vocab_init(&v, mini_tok, &err) != K3_OK) {
         fprintf(stderr, "k3-mini: %s\n", err.msg);
         return NULL;
     }
@@ -130,7 +131,11 @@ K3_TEST(grammar_regex_fullmatch) {
         {"(ab)*c?", {"", "ab", "ababc", "c"}, {"a", "abca"}},
         {"x{3}", {"xxx"}, {"xx", "xxxx"}},
         {"x{2,}", {"xx", "xxxxx"}, {"x", ""}},
-        {"^a.c$", {"abc", "a\xc3\xa9" "c"}, {"a\nc", "ac"}},
+        {"^a.c$",
+         {"abc",
+          "a\xc3\xa9"
+          "c"},
+         {"a\nc", "ac"}},
         {"\\u00e9|\\x41|\\.|\\/", {"\xc3\xa9", "A", ".", "/"}, {"e", "a"}},
         {"(?:a|b)(?<n>c)d*?", {"ac", "bcdd"}, {"c", "abc"}},
         {"[\\d-z]", {"5", "-", "z"}, {"a"}},
@@ -155,9 +160,9 @@ K3_TEST(grammar_regex_errors) {
     k3_grammar_vocab *v = byte_vocab();
     REQUIRE(v);
     static const char *const bad[][2] = {
-        {"(?=a)b", "lookahead"}, {"a\\1", "backreference"}, {"\\bword", "word boundary"},
-        {"\\p{L}", "property"}, {"a(b", "unclosed"}, {"a)", "unmatched"}, {"*a", "nothing to repeat"},
-        {"a{3,1}", "n < m"}, {"[z-a]", "out of order"}, {"a^b", "anchor"}, {"a**", "quantifier after"},
+        {"(?=a)b", "lookahead"},   {"a\\1", "backreference"}, {"\\bword", "word boundary"}, {"\\p{L}", "property"},
+        {"a(b", "unclosed"},       {"a)", "unmatched"},       {"*a", "nothing to repeat"},  {"a{3,1}", "n < m"},
+        {"[z-a]", "out of order"}, {"a^b", "anchor"},         {"a**", "quantifier after"},
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         k3_error err = {0};
@@ -197,7 +202,9 @@ K3_TEST(grammar_gbnf) {
     CHECK(str_match(g, "hi bob!") == 1);
     CHECK(str_match(g, "hello ann bo") == 1);
     CHECK(str_match(g, "hello ann bo cy") == 0);
-    CHECK(str_match(g, "\xc3\xa9" "x\n") == 1);
+    CHECK(str_match(g,
+                    "\xc3\xa9"
+                    "x\n") == 1);
     CHECK(str_match(g, "B\xe2\x82\xac\n") == 1);
     CHECK(str_match(g, "D\n\n") == 0);
     k3_grammar_free(g);
@@ -303,41 +310,53 @@ K3_TEST(grammar_json_scalars) {
         {"{\"type\":\"number\"}", {"0", "-1.5e+10", "3.25", "2E-3"}, {"1.", ".5", "0x1", "--1", "NaN"}},
         {"{\"type\":\"boolean\"}", {"true", "false"}, {"True", "1", "null"}},
         {"{\"type\":\"null\"}", {"null"}, {"nul", "\"null\""}},
-        {"{\"type\":\"string\"}", {"\"\"", "\"a\\\"b\"", "\"\\u00e9\\ud83d\\ude00\"", "\"\xe2\x82\xac\""},
+        {"{\"type\":\"string\"}",
+         {"\"\"", "\"a\\\"b\"", "\"\\u00e9\\ud83d\\ude00\"", "\"\xe2\x82\xac\""},
          {"\"a", "\"\\x\"", "\"\\ud83d\"", "\"\x01\"", "\"\xc3\"", "\"\xed\xa0\x80\""}},
         {"{\"type\":[\"string\",\"null\"]}", {"null", "\"x\""}, {"1", "true"}},
         {"{\"type\":\"string\",\"nullable\":true}", {"null", "\"x\""}, {"1"}},
-        {"{\"type\":\"integer\",\"minimum\":-5,\"maximum\":120}", {"-5", "0", "99", "120", "-0", "120.0"},
+        {"{\"type\":\"integer\",\"minimum\":-5,\"maximum\":120}",
+         {"-5", "0", "99", "120", "-0", "120.0"},
          {"-6", "121", "1000", "-10"}},
         {"{\"type\":\"integer\",\"exclusiveMinimum\":0,\"exclusiveMaximum\":10}", {"1", "9"}, {"0", "10", "-0"}},
-        {"{\"type\":\"number\",\"minimum\":1.5,\"maximum\":2.25}", {"1.5", "2", "2.25", "1.999", "2.250"},
+        {"{\"type\":\"number\",\"minimum\":1.5,\"maximum\":2.25}",
+         {"1.5", "2", "2.25", "1.999", "2.250"},
          {"1.49", "2.251", "3", "1"}},
         {"{\"type\":\"number\",\"exclusiveMaximum\":-0.5}", {"-0.6", "-1", "-100.25"}, {"-0.5", "0", "-0.49"}},
         {"{\"type\":\"integer\",\"multipleOf\":7}", {"0", "14", "-21", "700"}, {"1", "15", "-20"}},
         {"{\"type\":\"number\",\"multipleOf\":0.25}", {"0.5", "1", "-2.75", "1.250"}, {"0.3", "1.125"}},
         {"{\"type\":\"integer\",\"minimum\":10,\"multipleOf\":5}", {"10", "15", "1000"}, {"5", "12", "0"}},
-        {"{\"type\":\"string\",\"minLength\":2,\"maxLength\":3}", {"\"ab\"", "\"\xc3\xa9\xc3\xa9\"", "\"a\\nb\""},
+        {"{\"type\":\"string\",\"minLength\":2,\"maxLength\":3}",
+         {"\"ab\"", "\"\xc3\xa9\xc3\xa9\"", "\"a\\nb\""},
          {"\"a\"", "\"abcd\"", "\"\""}},
         {"{\"type\":\"string\",\"pattern\":\"^[a-z]+-[0-9]+$\"}", {"\"ab-12\""}, {"\"ab12\"", "\"Ab-1\"", "\"ab-1x\""}},
         {"{\"type\":\"string\",\"pattern\":\"b+\"}", {"\"abbbc\"", "\"b\""}, {"\"ac\""}},
         {"{\"type\":\"string\",\"pattern\":\"^a\\\"\\\\\\\\\"}", {"\"a\\\"\\\\xyz\""}, {"\"a\\\"x\""}},
         {"{\"enum\":[\"red\",\"green\",1,null,[1,2],{\"a\":true}]}",
-         {"\"red\"", "1", "1.0", "null", "[1,2]", "[ 1 , 2 ]", "{\"a\": true}"}, {"\"blue\"", "2", "[2,1]", "\"1\""}},
+         {"\"red\"", "1", "1.0", "null", "[1,2]", "[ 1 , 2 ]", "{\"a\": true}"},
+         {"\"blue\"", "2", "[2,1]", "\"1\""}},
         {"{\"const\":\"a/b\"}", {"\"a/b\"", "\"a\\/b\""}, {"\"ab\""}},
         {"{\"enum\":[\"x\",\"yy\",3],\"type\":\"string\",\"maxLength\":1}", {"\"x\""}, {"\"yy\"", "3"}},
-        {"{\"type\":\"string\",\"format\":\"date\"}", {"\"2024-02-29\"", "\"1999-12-31\""},
+        {"{\"type\":\"string\",\"format\":\"date\"}",
+         {"\"2024-02-29\"", "\"1999-12-31\""},
          {"\"2023-02-29\"", "\"2024-13-01\"", "\"2024-04-31\"", "\"24-01-01\""}},
-        {"{\"type\":\"string\",\"format\":\"date-time\"}", {"\"2024-01-01T12:30:00Z\"", "\"2024-01-01t12:30:00.5+05:30\""},
+        {"{\"type\":\"string\",\"format\":\"date-time\"}",
+         {"\"2024-01-01T12:30:00Z\"", "\"2024-01-01t12:30:00.5+05:30\""},
          {"\"2024-01-01T24:00:00Z\"", "\"2024-01-01 12:30:00Z\"", "\"2024-01-01T12:30:00\""}},
-        {"{\"type\":\"string\",\"format\":\"uuid\"}", {"\"123e4567-e89b-12d3-a456-426614174000\""},
+        {"{\"type\":\"string\",\"format\":\"uuid\"}",
+         {"\"123e4567-e89b-12d3-a456-426614174000\""},
          {"\"123e4567e89b12d3a456426614174000\"", "\"123e4567-e89b-12d3-a456-42661417400g\""}},
-        {"{\"type\":\"string\",\"format\":\"ipv4\"}", {"\"192.168.0.1\"", "\"0.0.0.0\""},
+        {"{\"type\":\"string\",\"format\":\"ipv4\"}",
+         {"\"192.168.0.1\"", "\"0.0.0.0\""},
          {"\"256.1.1.1\"", "\"01.2.3.4\"", "\"1.2.3\""}},
-        {"{\"type\":\"string\",\"format\":\"ipv6\"}", {"\"::1\"", "\"fe80::1:2\"", "\"1:2:3:4:5:6:7:8\"", "\"::ffff:1.2.3.4\""},
+        {"{\"type\":\"string\",\"format\":\"ipv6\"}",
+         {"\"::1\"", "\"fe80::1:2\"", "\"1:2:3:4:5:6:7:8\"", "\"::ffff:1.2.3.4\""},
          {"\"1:2:3:4:5:6:7:8:9\"", "\"1::2::3\"", "\"12345::\""}},
-        {"{\"type\":\"string\",\"format\":\"email\"}", {"\"joe.bloggs@example.com\"", "\"a+b@x-y.org\""},
+        {"{\"type\":\"string\",\"format\":\"email\"}",
+         {"\"joe.bloggs@example.com\"", "\"a+b@x-y.org\""},
          {"\"joe@\"", "\".a@x.com\"", "\"a..b@x.com\"", "\"ab\""}},
-        {"{\"type\":\"string\",\"format\":\"uri\"}", {"\"https://example.com/a?b=c#d\"", "\"urn:isbn:123\"", "\"mailto:a@b.c\""},
+        {"{\"type\":\"string\",\"format\":\"uri\"}",
+         {"\"https://example.com/a?b=c#d\"", "\"urn:isbn:123\"", "\"mailto:a@b.c\""},
          {"\"//example.com\"", "\"http://exa mple.com\"", "\"1http://x\""}},
     };
     run_js_cases(cases, sizeof cases / sizeof cases[0], false);
@@ -352,38 +371,54 @@ K3_TEST(grammar_json_structures) {
         {"{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"integer\"}}}",
          {"{}", "{\"a\":1}", "{\"a\":1,\"z\":[true]}", "{\"zz\":{}}", "{\"aa\":\"s\"}", "{\"\":1}"},
          {"{\"a\":\"s\"}", "{\"z\":1,\"a\":2}", "{\"a\":1,\"a\":2}"}},
-        {"{\"type\":\"object\",\"patternProperties\":{\"^x-\":{\"type\":\"integer\"}},\"additionalProperties\":{\"type\":\"string\"}}",
-         {"{\"x-a\":1,\"b\":\"s\"}", "{\"y\":\"s\"}"}, {"{\"x-a\":\"s\"}", "{\"b\":1}"}},
-        {"{\"type\":\"object\",\"minProperties\":1,\"maxProperties\":2}", {"{\"a\":1}", "{\"a\":1,\"b\":2}"},
+        {"{\"type\":\"object\",\"patternProperties\":{\"^x-\":{\"type\":\"integer\"}},\"additionalProperties\":{"
+         "\"type\":\"string\"}}",
+         {"{\"x-a\":1,\"b\":\"s\"}", "{\"y\":\"s\"}"},
+         {"{\"x-a\":\"s\"}", "{\"b\":1}"}},
+        {"{\"type\":\"object\",\"minProperties\":1,\"maxProperties\":2}",
+         {"{\"a\":1}", "{\"a\":1,\"b\":2}"},
          {"{}", "{\"a\":1,\"b\":2,\"c\":3}"}},
         {"{\"type\":\"object\",\"propertyNames\":{\"pattern\":\"^[a-z]+$\"}}", {"{\"ab\":1}", "{}"}, {"{\"aB\":1}"}},
         {"{\"type\":\"array\",\"items\":{\"type\":\"integer\"},\"minItems\":1,\"maxItems\":3}",
-         {"[1]", "[1,2,3]", "[ 1 ,\n2 ]"}, {"[]", "[1,2,3,4]", "[1,]", "[\"a\"]"}},
+         {"[1]", "[1,2,3]", "[ 1 ,\n2 ]"},
+         {"[]", "[1,2,3,4]", "[1,]", "[\"a\"]"}},
         {"{\"type\":\"array\",\"prefixItems\":[{\"type\":\"string\"},{\"type\":\"integer\"}],\"items\":false}",
-         {"[]", "[\"a\"]", "[\"a\",1]"}, {"[1]", "[\"a\",1,2]"}},
+         {"[]", "[\"a\"]", "[\"a\",1]"},
+         {"[1]", "[\"a\",1,2]"}},
         {"{\"type\":\"array\",\"prefixItems\":[{\"const\":1}],\"items\":{\"type\":\"string\"},\"minItems\":2}",
-         {"[1,\"a\"]", "[1,\"a\",\"b\"]"}, {"[1]", "[1,2]"}},
+         {"[1,\"a\"]", "[1,\"a\",\"b\"]"},
+         {"[1]", "[1,2]"}},
         {"{\"type\":\"array\",\"items\":[{\"type\":\"string\"}],\"additionalItems\":{\"type\":\"boolean\"}}",
-         {"[\"a\",true,false]"}, {"[\"a\",1]"}},
+         {"[\"a\",true,false]"},
+         {"[\"a\",1]"}},
         {"{\"anyOf\":[{\"type\":\"string\"},{\"type\":\"integer\",\"minimum\":3}]}", {"\"x\"", "3"}, {"2", "null"}},
         {"{\"oneOf\":[{\"type\":\"string\"},{\"type\":\"integer\"}]}", {"\"x\"", "3"}, {"null"}},
         {"{\"oneOf\":[{\"type\":\"object\",\"properties\":{\"kind\":{\"const\":\"a\"},\"x\":{\"type\":\"integer\"}},"
          "\"required\":[\"kind\"],\"additionalProperties\":false},"
-         "{\"type\":\"object\",\"properties\":{\"kind\":{\"const\":\"b\"}},\"required\":[\"kind\"],\"additionalProperties\":false}]}",
-         {"{\"kind\":\"a\",\"x\":1}", "{\"kind\":\"b\"}"}, {"{\"kind\":\"c\"}", "{\"kind\":\"b\",\"x\":1}"}},
+         "{\"type\":\"object\",\"properties\":{\"kind\":{\"const\":\"b\"}},\"required\":[\"kind\"],"
+         "\"additionalProperties\":false}]}",
+         {"{\"kind\":\"a\",\"x\":1}", "{\"kind\":\"b\"}"},
+         {"{\"kind\":\"c\"}", "{\"kind\":\"b\",\"x\":1}"}},
         {"{\"allOf\":[{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"integer\"}},\"required\":[\"a\"]},"
-         "{\"properties\":{\"b\":{\"type\":\"string\"}},\"required\":[\"b\"],\"additionalProperties\":{\"type\":\"integer\"}}]}",
-         {"{\"a\":1,\"b\":\"x\"}", "{\"a\":1,\"b\":\"x\",\"c\":1}"}, {"{\"a\":1}", "{\"b\":\"x\"}", "{\"a\":1,\"b\":\"x\",\"c\":\"s\"}"}},
-        {"{\"allOf\":[{\"type\":\"integer\",\"minimum\":1},{\"maximum\":5},{\"multipleOf\":2}]}", {"2", "4"},
+         "{\"properties\":{\"b\":{\"type\":\"string\"}},\"required\":[\"b\"],\"additionalProperties\":{\"type\":"
+         "\"integer\"}}]}",
+         {"{\"a\":1,\"b\":\"x\"}", "{\"a\":1,\"b\":\"x\",\"c\":1}"},
+         {"{\"a\":1}", "{\"b\":\"x\"}", "{\"a\":1,\"b\":\"x\",\"c\":\"s\"}"}},
+        {"{\"allOf\":[{\"type\":\"integer\",\"minimum\":1},{\"maximum\":5},{\"multipleOf\":2}]}",
+         {"2", "4"},
          {"0", "3", "6"}},
         {"{\"$defs\":{\"node\":{\"type\":\"object\",\"properties\":{\"v\":{\"type\":\"integer\"},"
          "\"next\":{\"$ref\":\"#/$defs/node\"}},\"required\":[\"v\"],\"additionalProperties\":false}},"
          "\"$ref\":\"#/$defs/node\"}",
-         {"{\"v\":1}", "{\"v\":1,\"next\":{\"v\":2,\"next\":{\"v\":3}}}"}, {"{\"v\":1,\"next\":{}}", "{}"}},
+         {"{\"v\":1}", "{\"v\":1,\"next\":{\"v\":2,\"next\":{\"v\":3}}}"},
+         {"{\"v\":1,\"next\":{}}", "{}"}},
         {"{\"definitions\":{\"s\":{\"type\":\"string\"}},\"type\":\"array\",\"items\":{\"$ref\":\"#/definitions/s\"}}",
-         {"[\"a\",\"b\"]"}, {"[1]"}},
-        {"{\"type\":\"object\",\"properties\":{\"t\":{\"$anchor\":\"T\",\"type\":\"integer\"},\"u\":{\"$ref\":\"#T\"}}}",
-         {"{\"t\":1,\"u\":2}"}, {"{\"u\":\"x\"}"}},
+         {"[\"a\",\"b\"]"},
+         {"[1]"}},
+        {"{\"type\":\"object\",\"properties\":{\"t\":{\"$anchor\":\"T\",\"type\":\"integer\"},\"u\":{\"$ref\":\"#T\"}}"
+         "}",
+         {"{\"t\":1,\"u\":2}"},
+         {"{\"u\":\"x\"}"}},
         {"{\"type\":\"array\",\"items\":{\"$ref\":\"#\"},\"maxItems\":2}", {"[]", "[[],[[]]]"}, {"[[],[],[]]", "[1]"}},
         {"{\"not\":{\"type\":\"string\"}}", {"1", "null", "{}"}, {"\"x\""}},
         {"true", {"1", "\"x\"", "{\"a\":[null]}"}, {"", "{"}},
@@ -395,7 +430,8 @@ K3_TEST(grammar_json_structures) {
 K3_TEST(grammar_json_compact) {
     static const js_case cases[] = {
         {"{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"array\",\"items\":{\"type\":\"integer\"}}}}",
-         {"{\"a\":[1,2]}", "{}"}, {"{ \"a\":[1,2]}", "{\"a\":[1, 2]}", "{\"a\": [1]}"}},
+         {"{\"a\":[1,2]}", "{}"},
+         {"{ \"a\":[1,2]}", "{\"a\":[1, 2]}", "{\"a\": [1]}"}},
         {"{\"type\":\"object\"}", {"{\"x\":{\"y\":[1,{}]}}"}, {"{\"x\": 1}"}},
     };
     run_js_cases(cases, sizeof cases / sizeof cases[0], true);
@@ -432,9 +468,11 @@ K3_TEST(grammar_json_errors) {
     }
     /* annotations and unknown keywords are fine */
     k3_error err = {0};
-    k3_grammar *g = compile_kind(v, K3_GRAMMAR_JSON_SCHEMA,
-                                 "{\"title\":\"t\",\"description\":\"d\",\"examples\":[1],\"$comment\":\"c\",\"default\":2,"
-                                 "\"x-vendor\":{\"if\":1},\"type\":\"integer\"}", &err);
+    k3_grammar *g =
+        compile_kind(v, K3_GRAMMAR_JSON_SCHEMA,
+                     "{\"title\":\"t\",\"description\":\"d\",\"examples\":[1],\"$comment\":\"c\",\"default\":2,"
+                     "\"x-vendor\":{\"if\":1},\"type\":\"integer\"}",
+                     &err);
     CHECKF(g, "%s", err.msg);
     k3_grammar_free(g);
 }
@@ -519,9 +557,11 @@ static const char *const WALK_SCHEMAS[] = {
     "{\"type\":\"object\",\"properties\":{\"name\":{\"type\":\"string\"},\"age\":{\"type\":\"integer\",\"minimum\":0},"
     "\"tags\":{\"type\":\"array\",\"items\":{\"enum\":[\"a\",\"bb\",\"c d\"]}},\"ok\":{\"type\":\"boolean\"}},"
     "\"required\":[\"name\"]}",
-    "{\"type\":\"array\",\"items\":{\"anyOf\":[{\"type\":\"number\"},{\"type\":\"string\",\"maxLength\":40},{\"type\":\"null\"}]}}",
+    "{\"type\":\"array\",\"items\":{\"anyOf\":[{\"type\":\"number\"},{\"type\":\"string\",\"maxLength\":40},{\"type\":"
+    "\"null\"}]}}",
     "{\"$defs\":{\"t\":{\"type\":\"object\",\"properties\":{\"v\":{\"type\":\"string\",\"pattern\":\"^[a-z]{1,8}$\"},"
-    "\"kids\":{\"type\":\"array\",\"items\":{\"$ref\":\"#/$defs/t\"}}},\"required\":[\"v\"],\"additionalProperties\":false}},"
+    "\"kids\":{\"type\":\"array\",\"items\":{\"$ref\":\"#/$defs/"
+    "t\"}}},\"required\":[\"v\"],\"additionalProperties\":false}},"
     "\"$ref\":\"#/$defs/t\"}",
     "{\"type\":\"object\",\"properties\":{\"when\":{\"type\":\"string\",\"format\":\"date-time\"},"
     "\"n\":{\"type\":\"number\",\"minimum\":-1.5,\"maximum\":1000}},\"additionalProperties\":{\"type\":\"integer\"}}",
@@ -547,8 +587,9 @@ K3_TEST(grammar_mask_reference_mini) {
     }
     /* a GBNF grammar with specials, a regex */
     k3_error err = {0};
-    k3_grammar *g = compile_kind(v, K3_GRAMMAR_GBNF,
-                                 "root ::= (<|open|> word (\" \" word)* <|close|>)+\nword ::= [a-z]+ | [0-9]{1,3}\n", &err);
+    k3_grammar *g =
+        compile_kind(v, K3_GRAMMAR_GBNF,
+                     "root ::= (<|open|> word (\" \" word)* <|close|>)+\nword ::= [a-z]+ | [0-9]{1,3}\n", &err);
     REQUIREF(g, "%s", err.msg);
     for (uint64_t seed = 1; seed <= 4; seed++) steps += walk_check(g, v, 60, seed, "gbnf");
     k3_grammar_free(g);
@@ -564,14 +605,18 @@ K3_TEST(grammar_mask_reference_mini) {
 K3_TEST(grammar_mask_reference_tools) {
     k3_grammar_vocab *v = mini_vocab();
     REQUIRE(v);
-    k3_grammar_tool t[2] = {
-        {"post", "{\"type\":\"object\",\"properties\":{\"text\":{\"type\":\"string\",\"minLength\":2,\"maxLength\":9},"
-                 "\"n\":{\"type\":\"integer\"},\"tags\":{\"type\":\"array\",\"items\":{\"type\":\"string\"}}},"
-                 "\"required\":[\"text\"]}"},
-        {"free", "{\"type\":\"object\",\"properties\":{\"q\":{\"type\":\"string\"}},\"additionalProperties\":true}"}};
+    k3_grammar_tool t[2] =
+        {{"post",
+          "{\"type\":\"object\",\"properties\":{\"text\":{\"type\":\"string\",\"minLength\":2,\"maxLength\":9},"
+          "\"n\":{\"type\":\"integer\"},\"tags\":{\"type\":\"array\",\"items\":{\"type\":\"string\"}}},"
+          "\"required\":[\"text\"]}"},
+         {"free", "{\"type\":\"object\",\"properties\":{\"q\":{\"type\":\"string\"}},\"additionalProperties\":true}"}};
     int steps = 0;
     for (int mode = 0; mode < 3; mode++) {
-        k3_grammar_spec spec = {.kind = K3_GRAMMAR_TOOL_CALLS, .tools = t, .n_tools = 2, .parallel_calls = mode == 1,
+        k3_grammar_spec spec = {.kind = K3_GRAMMAR_TOOL_CALLS,
+                                .tools = t,
+                                .n_tools = 2,
+                                .parallel_calls = mode == 1,
                                 .thinking = mode == 2};
         k3_grammar *g = NULL;
         k3_error err = {0};
@@ -706,7 +751,8 @@ K3_TEST(grammar_mask_apply_forced) {
     k3_error err = {0};
     k3_grammar *g = compile_kind(v, K3_GRAMMAR_JSON_SCHEMA,
                                  "{\"type\":\"object\",\"properties\":{\"alpha\":{\"type\":\"integer\"}},"
-                                 "\"required\":[\"alpha\"],\"additionalProperties\":false}", &err);
+                                 "\"required\":[\"alpha\"],\"additionalProperties\":false}",
+                                 &err);
     REQUIREF(g, "%s", err.msg);
     k3_grammar_matcher *m;
     REQUIRE(k3_grammar_matcher_init(&m, g, &err) == K3_OK);
@@ -747,8 +793,10 @@ static int32_t *assistant_ids(const char *asst, const char *tools, bool thinking
         return NULL;
     }
     o.add_generation_prompt = false;
-    if (k3_chat_encode_json(mini_tok, msgs, tools, &o, &f, &nf, &err) != K3_OK || nf < np || memcmp(p, f, np * sizeof *p)) {
-        fprintf(stderr, "encode: %s (prefix %s)\n", err.msg, nf >= np && !memcmp(p, f, np * sizeof *p) ? "same" : "differs");
+    if (k3_chat_encode_json(mini_tok, msgs, tools, &o, &f, &nf, &err) != K3_OK || nf < np ||
+        memcmp(p, f, np * sizeof *p)) {
+        fprintf(stderr, "encode: %s (prefix %s)\n", err.msg,
+                nf >= np && !memcmp(p, f, np * sizeof *p) ? "same" : "differs");
         free(p);
         free(f);
         return NULL;
@@ -784,7 +832,8 @@ static const char TOOLS[] =
     "[{\"type\":\"function\",\"function\":{\"name\":\"get_weather\",\"parameters\":{\"type\":\"object\","
     "\"properties\":{\"city\":{\"type\":\"string\"},\"days\":{\"type\":\"integer\",\"minimum\":1},"
     "\"unit\":{\"enum\":[\"c\",\"f\"]},\"hours\":{\"type\":\"array\",\"items\":{\"type\":\"integer\"}},"
-    "\"opts\":{\"type\":\"object\",\"properties\":{\"wind\":{\"type\":\"boolean\"}}},\"note\":{\"type\":[\"string\",\"null\"]}},"
+    "\"opts\":{\"type\":\"object\",\"properties\":{\"wind\":{\"type\":\"boolean\"}}},\"note\":{\"type\":[\"string\","
+    "\"null\"]}},"
     "\"required\":[\"city\"]}}},"
     "{\"type\":\"function\",\"function\":{\"name\":\"now\",\"parameters\":{\"type\":\"object\",\"properties\":{}}}}]";
 
@@ -802,7 +851,10 @@ static k3_grammar *tool_grammar(bool parallel, bool thinking, const char *only) 
         t[n] = (k3_grammar_tool){name, params[n]};
         n++;
     }
-    k3_grammar_spec spec = {.kind = K3_GRAMMAR_TOOL_CALLS, .tools = t, .n_tools = n, .parallel_calls = parallel,
+    k3_grammar_spec spec = {.kind = K3_GRAMMAR_TOOL_CALLS,
+                            .tools = t,
+                            .n_tools = n,
+                            .parallel_calls = parallel,
                             .thinking = thinking};
     k3_grammar *g = NULL;
     k3_error err = {0};
@@ -819,7 +871,8 @@ K3_TEST(grammar_tool_calls) {
     REQUIRE(g && gp && gn && gt);
     static const char *const one =
         "{\"role\":\"assistant\",\"content\":null,\"tool_calls\":[{\"id\":\"c1\",\"type\":\"function\",\"function\":"
-        "{\"name\":\"get_weather\",\"arguments\":\"{\\\"city\\\": \\\"Paris \\\\\\\"Ville\\\\\\\" & co\\\", \\\"days\\\": 3, "
+        "{\"name\":\"get_weather\",\"arguments\":\"{\\\"city\\\": \\\"Paris \\\\\\\"Ville\\\\\\\" & co\\\", "
+        "\\\"days\\\": 3, "
         "\\\"unit\\\": \\\"c\\\", \\\"hours\\\": [1, 2], \\\"opts\\\": {\\\"wind\\\": true}, \\\"note\\\": null}\"}}]}";
     size_t n;
     int32_t *ids = assistant_ids(one, TOOLS, false, &n);
@@ -841,7 +894,8 @@ K3_TEST(grammar_tool_calls) {
     /* two calls need parallel_calls; the second is index 2 */
     static const char *const two =
         "{\"role\":\"assistant\",\"content\":\"\",\"tool_calls\":[{\"id\":\"c1\",\"type\":\"function\",\"function\":"
-        "{\"name\":\"now\",\"arguments\":\"{}\"}},{\"id\":\"c2\",\"type\":\"function\",\"function\":{\"name\":\"get_weather\","
+        "{\"name\":\"now\",\"arguments\":\"{}\"}},{\"id\":\"c2\",\"type\":\"function\",\"function\":{\"name\":\"get_"
+        "weather\","
         "\"arguments\":\"{\\\"city\\\": \\\"Oslo\\\"}\"}}]}";
     ids = assistant_ids(two, TOOLS, false, &n);
     REQUIRE(ids);
@@ -858,14 +912,17 @@ K3_TEST(grammar_tool_calls) {
     CHECK(feed(g, ids, n) >= 0);
     free(ids);
     /* wrong arguments are refused: a string for days, a missing city, an unknown unit */
-    static const char *const bad[] = {
-        "{\\\"city\\\": \\\"x\\\", \\\"days\\\": \\\"3\\\"}", "{\\\"days\\\": 3}", "{\\\"city\\\": \\\"x\\\", \\\"unit\\\": \\\"k\\\"}",
-        "{\\\"city\\\": \\\"x\\\", \\\"days\\\": 0}", "{\\\"city\\\": \\\"x\\\", \\\"extra\\\": 1}"};
+    static const char *const bad[] = {"{\\\"city\\\": \\\"x\\\", \\\"days\\\": \\\"3\\\"}", "{\\\"days\\\": 3}",
+                                      "{\\\"city\\\": \\\"x\\\", \\\"unit\\\": \\\"k\\\"}",
+                                      "{\\\"city\\\": \\\"x\\\", \\\"days\\\": 0}",
+                                      "{\\\"city\\\": \\\"x\\\", \\\"extra\\\": 1}"};
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         char a[1024];
         snprintf(a, sizeof a,
-                 "{\"role\":\"assistant\",\"content\":null,\"tool_calls\":[{\"id\":\"c\",\"type\":\"function\",\"function\":"
-                 "{\"name\":\"get_weather\",\"arguments\":\"%s\"}}]}", bad[i]);
+                 "{\"role\":\"assistant\",\"content\":null,\"tool_calls\":[{\"id\":\"c\",\"type\":\"function\","
+                 "\"function\":"
+                 "{\"name\":\"get_weather\",\"arguments\":\"%s\"}}]}",
+                 bad[i]);
         ids = assistant_ids(a, TOOLS, false, &n);
         REQUIRE(ids);
         CHECKF(feed(g, ids, n) >= 0, "bad arguments %zu accepted", i);
@@ -880,15 +937,18 @@ K3_TEST(grammar_tool_calls) {
 K3_TEST(grammar_k3_reply_json) {
     k3_grammar_vocab *v = mini_vocab();
     REQUIRE(v);
-    const char *schema = "{\"type\":\"object\",\"properties\":{\"answer\":{\"type\":\"string\"},\"n\":{\"type\":\"integer\"}},"
-                         "\"required\":[\"answer\",\"n\"],\"additionalProperties\":false}";
+    const char *schema =
+        "{\"type\":\"object\",\"properties\":{\"answer\":{\"type\":\"string\"},\"n\":{\"type\":\"integer\"}},"
+        "\"required\":[\"answer\",\"n\"],\"additionalProperties\":false}";
     for (int thinking = 0; thinking < 2; thinking++) {
         k3_grammar_spec spec = {.kind = K3_GRAMMAR_JSON_SCHEMA, .text = schema, .k3_reply = true, .thinking = thinking};
         k3_grammar *g = NULL;
         k3_error err = {0};
         REQUIREF(k3_grammar_compile(&g, v, &spec, &err) == K3_OK, "%s", err.msg);
-        const char *ok = thinking ? "{\"role\":\"assistant\",\"reasoning_content\":\"hmm\",\"content\":\"{\\\"answer\\\": \\\"Paris\\\", \\\"n\\\": 2}\"}"
-                                  : "{\"role\":\"assistant\",\"content\":\"{\\\"answer\\\": \\\"Paris\\\", \\\"n\\\": 2}\"}";
+        const char *ok = thinking
+            ? "{\"role\":\"assistant\",\"reasoning_content\":\"hmm\",\"content\":\"{\\\"answer\\\": \\\"Paris\\\", "
+              "\\\"n\\\": 2}\"}"
+            : "{\"role\":\"assistant\",\"content\":\"{\\\"answer\\\": \\\"Paris\\\", \\\"n\\\": 2}\"}";
         size_t n;
         int32_t *ids = assistant_ids(ok, NULL, thinking, &n);
         REQUIRE(ids);
@@ -939,7 +999,10 @@ K3_TEST(grammar_schema_suite) {
     uint64_t *mask = malloc(words * 8);
     int compiled = 0, refused = 0, texts = 0, valid_ok = 0, invalid_ok = 0, false_accept = 0, false_reject = 0;
     int stricter = 0;
-    struct { char key[96]; int n; } keys[64];
+    struct {
+        char key[96];
+        int n;
+    } keys[64];
     int nkeys = 0;
     size_t ci;
     json_t *c;
@@ -983,7 +1046,8 @@ K3_TEST(grammar_schema_suite) {
             json_array_foreach(json_object_get(t, "texts"), xi, x) {
                 size_t n;
                 int32_t *ids = NULL;
-                if (k3_tokenizer_encode(o200k_tok, json_string_value(x), json_string_length(x), &ids, &n, &err) != K3_OK) {
+                if (k3_tokenizer_encode(o200k_tok, json_string_value(x), json_string_length(x), &ids, &n, &err) !=
+                    K3_OK) {
                     CHECKF(false, "%s: encode: %s", file, err.msg);
                     continue;
                 }
@@ -1001,7 +1065,8 @@ K3_TEST(grammar_schema_suite) {
                 if (!valid) {
                     if (ok) {
                         false_accept++;
-                        printf("    ACCEPTED %s: %s: %s: %s\n", file, group, json_string_value(json_object_get(t, "description")), json_string_value(x));
+                        printf("    ACCEPTED %s: %s: %s: %s\n", file, group,
+                               json_string_value(json_object_get(t, "description")), json_string_value(x));
                         CHECKF(false, "%s: %s: %s: the invalid %s was accepted", file, group,
                                json_string_value(json_object_get(t, "description")), json_string_value(x));
                     } else invalid_ok++;
@@ -1011,7 +1076,8 @@ K3_TEST(grammar_schema_suite) {
                     stricter++;
                 } else {
                     false_reject++;
-                    printf("    REFUSED %s: %s: %s: %s\n", file, group, json_string_value(json_object_get(t, "description")), json_string_value(x));
+                    printf("    REFUSED %s: %s: %s: %s\n", file, group,
+                           json_string_value(json_object_get(t, "description")), json_string_value(x));
                     CHECKF(false, "%s: %s: %s: the valid %s was refused", file, group,
                            json_string_value(json_object_get(t, "description")), json_string_value(x));
                 }
@@ -1097,13 +1163,15 @@ K3_TEST(grammar_agent_schemas) {
                     json_decref(j);
                     continue;
                 }
-                REQUIRE(k3_tokenizer_encode(o200k_tok, json_string_value(j), json_string_length(j), &ids, &n, &err) == K3_OK);
+                REQUIRE(k3_tokenizer_encode(o200k_tok, json_string_value(j), json_string_length(j), &ids, &n, &err) ==
+                        K3_OK);
                 texts++;
                 k3_grammar_matcher_reset(m);
                 bool ok = true;
                 for (size_t i = 0; i < n && ok; i++) {
-                    ok = k3_grammar_matcher_fill_mask(m, mask, &err) == K3_OK && ((mask[ids[i] >> 6] >> (ids[i] & 63)) & 1) &&
-                         k3_grammar_matcher_accept(m, ids[i], &err) == K3_OK;
+                    ok = k3_grammar_matcher_fill_mask(m, mask, &err) == K3_OK &&
+                        ((mask[ids[i] >> 6] >> (ids[i] & 63)) & 1) &&
+                        k3_grammar_matcher_accept(m, ids[i], &err) == K3_OK;
                 }
                 CHECKF(ok && k3_grammar_matcher_is_complete(m), "%s (compact %d): refused %s", de->d_name, compact,
                        json_string_value(j));

@@ -120,8 +120,7 @@ K3_TEST(hostile_config_array_bounds) {
         s = k3_config_parse(&c, t, strlen(t), "config.json", &e);
         free(t);
     }
-    CHECKF(s == K3_ERR_FORMAT && strstr(e.msg, "num_expert_group") && strstr(e.msg, "256"), "%d %s", (int)s,
-           e.msg);
+    CHECKF(s == K3_ERR_FORMAT && strstr(e.msg, "num_expert_group") && strstr(e.msg, "256"), "%d %s", (int)s, e.msg);
     s = parse_tiny_sub("\"num_attention_heads\": 4", "\"num_attention_heads\": 1025", &e);
     CHECKF(s == K3_ERR_FORMAT && strstr(e.msg, "num_attention_heads") && strstr(e.msg, "1024"), "%s", e.msg);
     s = parse_tiny_sub("\"head_dim\": 32", "\"head_dim\": 1024", &e);
@@ -327,8 +326,8 @@ K3_TEST(hostile_nan_weights) {
     for (int i = 7; i >= 0; i--) h = h << 8 | (uint8_t)b[i];
     json_t *j = json_loadb(b + 8, (size_t)h, 0, NULL);
     REQUIRE(j);
-    json_t *offs = json_object_get(json_object_get(j, "language_model.model.layers.0.input_layernorm.weight"),
-                                   "data_offsets");
+    json_t *offs =
+        json_object_get(json_object_get(j, "language_model.model.layers.0.input_layernorm.weight"), "data_offsets");
     REQUIRE(offs);
     const size_t at = 8 + (size_t)h + (size_t)json_integer_value(json_array_get(offs, 0)) + 2 * 5;
     json_decref(j);
@@ -407,8 +406,14 @@ K3_TEST(tokenizer_long_runs_golden) {
     static const struct {
         const char *piece;
         int times;
-    } recipe[] = {{"x", 30001}, {" ", 25001}, {"h\xc3\xa9llo w\xc3\xb6rld, ", 1}, {"\xe3\x80\x80", 26000},
-                  {"\xe6\x97\xa5\xe6\x9c\xac\xe8\xaa\x9e", 9000}, {"\n", 30000}, {"ab ", 150000}, {"z", 70000}};
+    } recipe[] = {{"x", 30001},
+                  {" ", 25001},
+                  {"h\xc3\xa9llo w\xc3\xb6rld, ", 1},
+                  {"\xe3\x80\x80", 26000},
+                  {"\xe6\x97\xa5\xe6\x9c\xac\xe8\xaa\x9e", 9000},
+                  {"\n", 30000},
+                  {"ab ", 150000},
+                  {"z", 70000}};
     size_t len = 0;
     for (size_t i = 0; i < sizeof recipe / sizeof recipe[0]; i++) len += strlen(recipe[i].piece) * recipe[i].times;
     char *s = malloc(len), *q = s;
@@ -433,8 +438,8 @@ K3_TEST(tokenizer_long_runs_golden) {
     uint64_t h = 0xcbf29ce484222325ull;
     for (size_t i = 0; i < n; i++)
         for (int b = 0; b < 4; b++) h = (h ^ (((uint32_t)ids[i] >> (8 * b)) & 0xFF)) * 0x100000001b3ull;
-    CHECKF(n == want_n && h == want_h, "%zu ids hash %016llx, want %llu ids hash %016llx", n,
-           (unsigned long long)h, want_n, want_h);
+    CHECKF(n == want_n && h == want_h, "%zu ids hash %016llx, want %llu ids hash %016llx", n, (unsigned long long)h,
+           want_n, want_h);
     free(ids);
     k3_tokenizer_free(t);
     free(s);

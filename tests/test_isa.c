@@ -29,8 +29,7 @@ static float *logits_on(const char *isa, int64_t *V) {
     float *lg = NULL;
     int64_t copied = 0;
     if (k3_quant_parse("w8a8+w4a8", &qo, &err) || k3_model_open(&m, "tests/models/tiny-dsa", &err) ||
-        k3_model_quantize(m, &qo, &err) || k3_model_load_resident(m, 0, &copied, &err) ||
-        k3_pool_init(&pool, 2, &err))
+        k3_model_quantize(m, &qo, &err) || k3_model_load_resident(m, 0, &copied, &err) || k3_pool_init(&pool, 2, &err))
         goto out;
     k3_model_info info;
     k3_model_get_info(m, &info);

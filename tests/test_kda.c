@@ -21,8 +21,14 @@ typedef struct {
 
 /* g_floor: the strongest decay, -5 for K3 (channels d % 3 == 0 reach it) */
 static kda_in make_in_g(int n, int dk, int dv, float g_floor) {
-    kda_in in = {n, dk, dv, malloc(sizeof(float) * n * dk), malloc(sizeof(float) * n * dk),
-                 malloc(sizeof(float) * n * dv), malloc(sizeof(float) * n * dk), malloc(sizeof(float) * n)};
+    kda_in in = {n,
+                 dk,
+                 dv,
+                 malloc(sizeof(float) * n * dk),
+                 malloc(sizeof(float) * n * dk),
+                 malloc(sizeof(float) * n * dv),
+                 malloc(sizeof(float) * n * dk),
+                 malloc(sizeof(float) * n)};
     for (int t = 0; t < n; t++) {
         double sq = 0, sk = 0;
         for (int d = 0; d < dk; d++) {
@@ -54,8 +60,7 @@ static void free_in(kda_in *in) {
 }
 
 static k3_kda_head head(const kda_in *in, float *o) {
-    return (k3_kda_head){in->n, in->dk, in->dv, in->q, in->k, in->g, in->dk, in->v, in->dv,
-                         in->beta, 1, o, in->dv};
+    return (k3_kda_head){in->n, in->dk, in->dv, in->q, in->k, in->g, in->dk, in->v, in->dv, in->beta, 1, o, in->dv};
 }
 
 static void check_chunked(int n, int chunk, int nonzero_state) {
@@ -100,7 +105,12 @@ K3_TEST(kda_recurrent_split_equals_whole) {
     k3_kda_recurrent(&a, S2);
     k3_kda_head b = a;
     b.n = 30;
-    b.q += 50 * dk; b.k += 50 * dk; b.g += 50 * dk; b.v += 50 * dv; b.beta += 50; b.o += 50 * dv;
+    b.q += 50 * dk;
+    b.k += 50 * dk;
+    b.g += 50 * dk;
+    b.v += 50 * dv;
+    b.beta += 50;
+    b.o += 50 * dv;
     k3_kda_recurrent(&b, S2);
     CHECK(memcmp(o1, o2, sizeof o1) == 0);
     CHECK(memcmp(S1, S2, sizeof S1) == 0);
@@ -215,7 +225,10 @@ static void check_simd(int n, int dk, int dv, int chunk, int nonzero_state, floa
         }
     }
     /* w: which worst-case slot of simd_worst the pair reports to */
-    static const struct { int a, b, w; const char *what; } pairs[] = {
+    static const struct {
+        int a, b, w;
+        const char *what;
+    } pairs[] = {
         {REC_AVX2, REC_REF, 0, "recurrent avx2 vs ref"},
         {REC_AVX512, REC_REF, 0, "recurrent avx512 vs ref"},
         {REC_DISPATCH, REC_REF, 0, "recurrent dispatch vs ref"},
@@ -231,8 +244,8 @@ static void check_simd(int n, int dk, int dv, int chunk, int nonzero_state, floa
         if (eo > simd_worst[w]) simd_worst[w] = eo;
         if (es > simd_worst[w]) simd_worst[w] = es;
         CHECKF(eo <= 1e-5 && es <= 1e-5,
-               "%s: T=%d dk=%d dv=%d C=%d state=%d g>=%g: output rel-L2 %.3g, state rel-L2 %.3g",
-               pairs[p].what, n, dk, dv, chunk, nonzero_state, g_floor, eo, es);
+               "%s: T=%d dk=%d dv=%d C=%d state=%d g>=%g: output rel-L2 %.3g, state rel-L2 %.3g", pairs[p].what, n, dk,
+               dv, chunk, nonzero_state, g_floor, eo, es);
     }
     for (int f = 0; f < NF; f++) {
         free(o[f]);
@@ -288,7 +301,12 @@ static void check_split(void (*rec)(const k3_kda_head *, float *), const char *w
     for (int c = 0; c < 5; c++) {
         k3_kda_head a = head(&in, o2);
         a.n = cuts[c];
-        a.q += t * dk; a.k += t * dk; a.g += t * dk; a.v += t * dv; a.beta += t; a.o += t * dv;
+        a.q += t * dk;
+        a.k += t * dk;
+        a.g += t * dk;
+        a.v += t * dv;
+        a.beta += t;
+        a.o += t * dv;
         rec(&a, S2);
         t += cuts[c];
     }

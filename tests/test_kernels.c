@@ -31,10 +31,9 @@ static float from_bits(uint32_t u) {
 }
 
 /* Runs body once per ISA the CPU has, then restores the best one. */
-#define FOR_EACH_ISA(isa)                                                                 \
-    for (int isa_i_ = 0; isa_i_ < 3; isa_i_++)                                           \
-        for (k3_isa isa = (k3_kernels_force((k3_isa)isa_i_), (k3_isa)isa_i_);             \
-             isa == k3_kernels_isa(); isa = (k3_isa)99)
+#define FOR_EACH_ISA(isa) \
+    for (int isa_i_ = 0; isa_i_ < 3; isa_i_++) \
+        for (k3_isa isa = (k3_kernels_force((k3_isa)isa_i_), (k3_isa)isa_i_); isa == k3_kernels_isa(); isa = (k3_isa)99)
 
 static void restore_best_isa(void) { k3_kernels_force(K3_ISA_AVX512); }
 
@@ -249,13 +248,25 @@ static int close_to(const float *y, const float *ref, int64_t n, double *rel, do
 K3_TEST(kernels_matmul_matches_ref) {
     static const int64_t shapes[][3] = {
         /* rows, cols, n */
-        {37, 67, 1},  {37, 67, 3},    {64, 200, 8},  {50, 1000, 2}, {16, 96, 67},
-        {45, 589, 67}, {130, 1088, 4}, {19, 33, 5},  {7, 8, 1},     {100, 520, 9},
-        {3, 1, 2},    {33, 130, 17},
+        {37, 67, 1},
+        {37, 67, 3},
+        {64, 200, 8},
+        {50, 1000, 2},
+        {16, 96, 67},
+        {45, 589, 67},
+        {130, 1088, 4},
+        {19, 33, 5},
+        {7, 8, 1},
+        {100, 520, 9},
+        {3, 1, 2},
+        {33, 130, 17},
         /* whole 32-column blocks (the paired order for BF16 on AVX2 and
          * AVX-512): n = 1 with four rows a pass (K <= 256) and a 3-row
          * remainder, n = 2 and 3, a 2-row remainder at n = 1 over KC blocks */
-        {39, 256, 1}, {37, 256, 2},   {26, 96, 3},   {10, 1056, 1},
+        {39, 256, 1},
+        {37, 256, 2},
+        {26, 96, 3},
+        {10, 1056, 1},
     };
     k3_pool *pools[3] = {NULL, NULL, NULL};
     REQUIRE(k3_pool_init(&pools[1], 1, NULL) == K3_OK);
@@ -276,9 +287,9 @@ K3_TEST(kernels_matmul_matches_ref) {
                     k3_matmul(pools[p], &m.w, x, n, y);
                     double rel, mabs;
                     CHECKF(close_to(y, ref, n * rows, &rel, &mabs),
-                           "%s %s pool=%d rows=%lld cols=%lld n=%lld: rel %.3g max %.3g",
-                           wtype_name((k3_wtype)t), k3_isa_name(isa), p /* 0 = none */,
-                           (long long)rows, (long long)cols, (long long)n, rel, mabs);
+                           "%s %s pool=%d rows=%lld cols=%lld n=%lld: rel %.3g max %.3g", wtype_name((k3_wtype)t),
+                           k3_isa_name(isa), p /* 0 = none */, (long long)rows, (long long)cols, (long long)n, rel,
+                           mabs);
                 }
             }
             free(x);
@@ -299,8 +310,7 @@ K3_TEST(kernels_matmul_blocked_shapes) {
     REQUIRE(k3_pool_init(&pool, 2, NULL) == K3_OK);
     /* {30, 4128, 67}: x over 1 MB, the tiled path's column-panel order;
      * {21, 4160, 4}: MXFP4 streaming in two column chunks. */
-    static const int64_t shapes[][3] = {{97, 1312, 13}, {64, 2080, 1}, {50, 2048, 4}, {30, 4128, 67},
-                                        {21, 4160, 4}};
+    static const int64_t shapes[][3] = {{97, 1312, 13}, {64, 2080, 1}, {50, 2048, 4}, {30, 4128, 67}, {21, 4160, 4}};
     for (int t = 0; t <= K3_W_MXFP4; t++) { /* the stored formats */
         for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
             int64_t rows = shapes[s][0], cols = shapes[s][1], n = shapes[s][2];
@@ -314,10 +324,9 @@ K3_TEST(kernels_matmul_blocked_shapes) {
                 if (isa == K3_ISA_REF) continue;
                 k3_matmul(pool, &m.w, x, n, y);
                 double rel, mabs;
-                CHECKF(close_to(y, ref, n * rows, &rel, &mabs),
-                       "%s %s rows=%lld cols=%lld n=%lld: rel %.3g max %.3g",
-                       wtype_name((k3_wtype)t), k3_isa_name(isa), (long long)rows,
-                       (long long)cols, (long long)n, rel, mabs);
+                CHECKF(close_to(y, ref, n * rows, &rel, &mabs), "%s %s rows=%lld cols=%lld n=%lld: rel %.3g max %.3g",
+                       wtype_name((k3_wtype)t), k3_isa_name(isa), (long long)rows, (long long)cols, (long long)n, rel,
+                       mabs);
             }
             free(x);
             free(ref);
@@ -345,9 +354,12 @@ K3_TEST(kernels_matmul_batch_invariant) {
      * order on AVX-512; 128 columns: four rows a pass at n = 1); MXFP4
      * over two column blocks (1088), and with a lone last 32-column block
      * (1120 = 17.5 x 64: AVX2's quad order, then its paired order). */
-    static const struct { k3_wtype t; int64_t cols; } cases[] = {
-        {K3_W_F32, C},     {K3_W_F16, C},    {K3_W_BF16, C},     {K3_W_BF16, 1088},
-        {K3_W_BF16, 128},  {K3_W_MXFP4, 1088}, {K3_W_MXFP4, 1120},
+    static const struct {
+        k3_wtype t;
+        int64_t cols;
+    } cases[] = {
+        {K3_W_F32, C},    {K3_W_F16, C},      {K3_W_BF16, C},     {K3_W_BF16, 1088},
+        {K3_W_BF16, 128}, {K3_W_MXFP4, 1088}, {K3_W_MXFP4, 1120},
     };
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
         const k3_wtype t = cases[c].t;
@@ -365,8 +377,8 @@ K3_TEST(kernels_matmul_batch_invariant) {
                     k3_matmul(p ? pool : NULL, &m.w, xs + off * cols, n, yb);
                     if (memcmp(yb, y1 + off * R, sizeof(float) * (size_t)(n * R))) {
                         bad++;
-                        CHECKF(0, "%s %s n=%lld threads=%d: not bitwise equal to rows alone",
-                               wtype_name((k3_wtype)t), k3_isa_name(isa), (long long)n, p + 1);
+                        CHECKF(0, "%s %s n=%lld threads=%d: not bitwise equal to rows alone", wtype_name((k3_wtype)t),
+                               k3_isa_name(isa), (long long)n, p + 1);
                     }
                 }
             }
@@ -398,8 +410,8 @@ K3_TEST(kernels_mxfp4_equals_dequantized) {
             k3_matmul(NULL, &m.w, x, ns[k], y1);
             k3_matmul(NULL, &f, x, ns[k], y2);
             double rel, mabs;
-            CHECKF(close_to(y1, y2, ns[k] * R, &rel, &mabs), "%s n=%lld: rel %.3g",
-                   k3_isa_name(isa), (long long)ns[k], rel);
+            CHECKF(close_to(y1, y2, ns[k] * R, &rel, &mabs), "%s n=%lld: rel %.3g", k3_isa_name(isa), (long long)ns[k],
+                   rel);
         }
     }
     restore_best_isa();
@@ -426,14 +438,13 @@ K3_TEST(kernels_dot_axpy) {
         for (size_t k = 0; k < sizeof ns / sizeof ns[0]; k++) {
             int64_t n = ns[k];
             float r = k3_dot_ref(a, b, n), d = k3_dot(a, b, n);
-            CHECKF(fabsf(d - r) <= 1e-6f * (float)(n + 1), "%s dot n=%lld: %g vs %g",
-                   k3_isa_name(isa), (long long)n, d, r);
+            CHECKF(fabsf(d - r) <= 1e-6f * (float)(n + 1), "%s dot n=%lld: %g vs %g", k3_isa_name(isa), (long long)n, d,
+                   r);
             memcpy(y0, b, sizeof b);
             memcpy(y1, b, sizeof b);
             k3_axpy_ref(y0, 0.37f, a, n);
             k3_axpy(y1, 0.37f, a, n);
-            CHECKF(k3_test_max_abs(y1, y0, 1000) <= 1e-6, "%s axpy n=%lld", k3_isa_name(isa),
-                   (long long)n);
+            CHECKF(k3_test_max_abs(y1, y0, 1000) <= 1e-6, "%s axpy n=%lld", k3_isa_name(isa), (long long)n);
         }
     }
     restore_best_isa();

@@ -40,7 +40,7 @@ K3_TEST(kv_residency_observed_at_eviction) {
     REQUIRE(b >= 0);
     k3_kv_register(&bm, b, 77, 0, 0, toks);
     k3_kv_unref(&bm, b); /* free, still cached */
-    fake_ns += 3000000;   /* + 3 ms: a prefix hit */
+    fake_ns += 3000000;  /* + 3 ms: a prefix hit */
     CHECK(k3_kv_lookup(&bm, 77, 0, 0, toks) == b);
     k3_kv_ref(&bm, b);
     k3_kv_unref(&bm, b);
@@ -59,8 +59,7 @@ K3_TEST(kv_residency_observed_at_eviction) {
     k3_kv_track_get(&bm, &r);
     CHECK(r.lifetime.n == 1 && r.idle.n == 1 && r.reuse_gap.n == 1);
     /* lifetime 7.403 s -> le 10; idle 7 s -> le 10; the gap 0.4 s -> le 0.5 */
-    CHECKF(bucket_of(&r.lifetime) == 12 && k3_kv_residency_le[12] == 10, "lifetime bucket %d",
-           bucket_of(&r.lifetime));
+    CHECKF(bucket_of(&r.lifetime) == 12 && k3_kv_residency_le[12] == 10, "lifetime bucket %d", bucket_of(&r.lifetime));
     CHECK(bucket_of(&r.idle) == 12);
     CHECK(bucket_of(&r.reuse_gap) == 8 && k3_kv_residency_le[8] == 0.5);
     CHECK(r.lifetime.sum > 7.402 && r.lifetime.sum < 7.404 && r.idle.sum > 6.999 && r.idle.sum < 7.001);
@@ -119,8 +118,8 @@ K3_TEST(kv_residency_history_and_sampling) {
 static bool run_round(k3_engine *e, int round, k3_error *err) {
     int32_t ids[40];
     for (int i = 0; i < 40; i++) ids[i] = 3 + (round * 41 + i * 7) % 200;
-    k3_request_params p = {.prompt = ids, .n_prompt = 40, .max_tokens = 4, .ignore_eos = true,
-                           .logprobs = -1, .prompt_logprobs = -1};
+    k3_request_params p =
+        {.prompt = ids, .n_prompt = 40, .max_tokens = 4, .ignore_eos = true, .logprobs = -1, .prompt_logprobs = -1};
     p.sampling = (k3_sampler_options){.temperature = 0, .top_p = 1, .repeat_penalty = 1};
     uint64_t id;
     if (k3_engine_submit(e, &p, &id, err) != K3_OK) return false;
@@ -150,8 +149,9 @@ K3_TEST(kv_residency_engine_counts_evictions) {
     for (int round = 0; round < 6; round++) {
         REQUIREF(run_round(e, round, &err), "round %d: %s", round, err.msg);
         k3_engine_kv_residency(e, &r);
-        if (round >= 3) CHECKF(r.lifetime.n > last, "round %d: lifetime count %llu, was %llu", round,
-                               (unsigned long long)r.lifetime.n, (unsigned long long)last);
+        if (round >= 3)
+            CHECKF(r.lifetime.n > last, "round %d: lifetime count %llu, was %llu", round,
+                   (unsigned long long)r.lifetime.n, (unsigned long long)last);
         last = r.lifetime.n;
     }
     CHECK(r.idle.n == r.lifetime.n && r.lifetime.sum >= 0);

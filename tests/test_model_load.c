@@ -100,16 +100,13 @@ static bool edit_header(const char *dir, header_edit edit, void *ctx) {
 }
 
 /* Opens dir, expecting failure with status and a message containing needle. */
-static void expect_open_fails(const char *dir, k3_status want, const char *needle,
-                              const char *file, int line) {
+static void expect_open_fails(const char *dir, k3_status want, const char *needle, const char *file, int line) {
     k3_model *m;
     k3_error e;
     k3_err_clear(&e);
     k3_status s = k3_model_open(&m, dir, &e);
-    if (s != want)
-        k3_test_fail(file, line, "status %d (%s), want %d", (int)s, e.msg, (int)want);
-    if (!strstr(e.msg, needle))
-        k3_test_fail(file, line, "message '%s' lacks '%s'", e.msg, needle);
+    if (s != want) k3_test_fail(file, line, "status %d (%s), want %d", (int)s, e.msg, (int)want);
+    if (!strstr(e.msg, needle)) k3_test_fail(file, line, "message '%s' lacks '%s'", e.msg, needle);
     if (m) k3_model_close(m);
 }
 #define EXPECT_OPEN_FAILS(dir, want, needle) expect_open_fails(dir, want, needle, __FILE__, __LINE__)
@@ -163,10 +160,8 @@ K3_TEST(model_load_tiny) {
 
     int64_t params, bytes;
     st_totals(m->st, &params, &bytes);
-    CHECKF(in.n_params == params, "n_params %lld, want %lld", (long long)in.n_params,
-           (long long)params);
-    CHECKF(in.weight_bytes == bytes, "weight_bytes %lld, want %lld", (long long)in.weight_bytes,
-           (long long)bytes);
+    CHECKF(in.n_params == params, "n_params %lld, want %lld", (long long)in.n_params, (long long)params);
+    CHECKF(in.weight_bytes == bytes, "weight_bytes %lld, want %lld", (long long)in.weight_bytes, (long long)bytes);
     /* Per token: 4 of 16 experts in each of the 7 MoE layers, one embedding row. */
     int64_t exp_params = 7 * 16 * (3 * 64 * 128), exp_bytes = 7 * 16 * 3 * (64 * 64 + 64 * 4);
     CHECK(in.n_params_active == params - exp_params * 12 / 16 - 1023 * 256);
@@ -180,19 +175,20 @@ K3_TEST(model_load_tiny) {
         CHECKF(L->input_norm && L->post_attn_norm && L->attn_res_w && L->mlp_res_w, "layer %d", i);
         CHECKF(L->o_proj.rows == 256 && L->o_proj.data, "layer %d", i);
         if (L->kind == K3_LAYER_KDA)
-            CHECKF(L->q_proj.rows == 128 && L->q_proj.cols == 256 && L->A_log && L->q_conv &&
-                   L->g_proj.rows == 128 && L->f_b.cols == 32 && !L->wuk_t, "layer %d", i);
+            CHECKF(L->q_proj.rows == 128 && L->q_proj.cols == 256 && L->A_log && L->q_conv && L->g_proj.rows == 128 &&
+                       L->f_b.cols == 32 && !L->wuk_t,
+                   "layer %d", i);
         else
-            CHECKF(L->q_a.rows == 64 && L->q_b.rows == 4 * 48 && L->kv_b.rows == 4 * 64 &&
-                   L->kv_a.rows == 80 && L->wuk_t && L->g_proj.rows == 128 &&
-                   !L->idx_wk.data, "layer %d", i);
+            CHECKF(L->q_a.rows == 64 && L->q_b.rows == 4 * 48 && L->kv_b.rows == 4 * 64 && L->kv_a.rows == 80 &&
+                       L->wuk_t && L->g_proj.rows == 128 && !L->idx_wk.data,
+                   "layer %d", i);
     }
     const k3_layer *L1 = &m->layers[1];
     CHECK(L1->exp_gate && L1->exp_gate[15].type == K3_W_MXFP4);
     CHECK(L1->exp_gate[15].rows == 64 && L1->exp_gate[15].cols == 128 && L1->exp_gate[15].scale);
     CHECK(L1->exp_down[3].rows == 128 && L1->exp_down[3].cols == 64);
-    CHECK(L1->router.rows == 16 && L1->router_bias && L1->lat_down.rows == 128 &&
-          L1->lat_up.cols == 128 && L1->lat_norm && L1->sh_gate.rows == 128);
+    CHECK(L1->router.rows == 16 && L1->router_bias && L1->lat_down.rows == 128 && L1->lat_up.cols == 128 &&
+          L1->lat_norm && L1->sh_gate.rows == 128);
     CHECK(m->layers[0].ffn_gate.rows == 512 && m->layers[0].ffn_down.cols == 512);
     CHECK(m->embed.type == K3_W_BF16 && m->embed.rows == 1024 && m->lm_head.data != m->embed.data);
     CHECK(m->final_norm && m->out_res_w);
@@ -202,13 +198,12 @@ K3_TEST(model_load_tiny) {
     const k3_st_tensor *rp = k3_st_get(m->st, "language_model.model.layers.2.mlp_res_proj.weight");
     REQUIRE(rn && rp);
     double err = 0;
-    for (int d = 0; d < 256; d++)
-        err = fmax(err, fabs(m->layers[2].mlp_res_w[d] - bf16_at(rn, d) * bf16_at(rp, d)));
+    for (int d = 0; d < 256; d++) err = fmax(err, fabs(m->layers[2].mlp_res_w[d] - bf16_at(rn, d) * bf16_at(rp, d)));
     CHECK(err == 0);
     const k3_st_tensor *kb = k3_st_get(m->st, "language_model.model.layers.7.self_attn.kv_b_proj.weight");
     REQUIRE(kb);
     int bad = 0;
-    for (int h = 0; h < 4; h++)          /* wuk_t[h][c][d] = kv_b[h*(nope+v)+d][c] */
+    for (int h = 0; h < 4; h++) /* wuk_t[h][c][d] = kv_b[h*(nope+v)+d][c] */
         for (int c = 0; c < 64; c += 5)
             for (int d = 0; d < 32; d += 3)
                 bad += m->layers[7].wuk_t[(h * 64 + c) * 32 + d] != bf16_at(kb, (h * 64 + d) * 64 + c);
@@ -248,9 +243,9 @@ K3_TEST(model_load_tiny_dsa) {
     CHECK(in.cache_bytes_per_token == 2 * (64 + 16 + 32) * 4);
     for (int i = 3; i < 8; i += 4) {
         const k3_layer *L = &m->layers[i];
-        CHECKF(L->kind == K3_LAYER_DSA && L->idx_wq_b.rows == 64 && L->idx_wq_b.cols == 64 &&
-               L->idx_wk.rows == 32 && L->idx_wk.cols == 256 && L->idx_k_norm_w &&
-               L->idx_k_norm_b && L->idx_weights.rows == 2 && L->wuk_t, "layer %d", i);
+        CHECKF(L->kind == K3_LAYER_DSA && L->idx_wq_b.rows == 64 && L->idx_wq_b.cols == 64 && L->idx_wk.rows == 32 &&
+                   L->idx_wk.cols == 256 && L->idx_k_norm_w && L->idx_k_norm_b && L->idx_weights.rows == 2 && L->wuk_t,
+               "layer %d", i);
     }
     char buf[4096];
     k3_model_describe(m, buf, sizeof buf);
@@ -261,11 +256,11 @@ K3_TEST(model_load_tiny_dsa) {
 /* ---- corrupted copies ------------------------------------------------------- */
 
 typedef struct edit {
-    const char *name;   /* tensor */
-    const char *dtype;  /* new dtype or NULL */
-    int64_t shape[2];   /* new 2-D shape when shape[0] > 0 */
+    const char *name;  /* tensor */
+    const char *dtype; /* new dtype or NULL */
+    int64_t shape[2];  /* new 2-D shape when shape[0] > 0 */
     bool remove;
-    bool strip_prefix;  /* drop "language_model." from every name */
+    bool strip_prefix; /* drop "language_model." from every name */
 } edit;
 
 static void apply_edit(json_t *h, void *ctx) {
@@ -291,8 +286,7 @@ static void apply_edit(json_t *h, void *ctx) {
     if (!t) return;
     if (ed->dtype) json_object_set_new(t, "dtype", json_string(ed->dtype));
     if (ed->shape[0] > 0)
-        json_object_set_new(t, "shape", json_pack("[II]", (json_int_t)ed->shape[0],
-                                                  (json_int_t)ed->shape[1]));
+        json_object_set_new(t, "shape", json_pack("[II]", (json_int_t)ed->shape[0], (json_int_t)ed->shape[1]));
 }
 
 #define P "language_model.model.layers."
@@ -304,7 +298,8 @@ K3_TEST(model_load_bad_shape) {
     /* Same byte count, so the file stays valid safetensors. */
     edit ed = {.name = P "3.self_attn.q_b_proj.weight", .shape = {96, 128}};
     REQUIRE(edit_header(dir, apply_edit, &ed));
-    EXPECT_OPEN_FAILS(dir, K3_ERR_SHAPE, "tensor '" P "3.self_attn.q_b_proj.weight': expected "
+    EXPECT_OPEN_FAILS(dir, K3_ERR_SHAPE,
+                      "tensor '" P "3.self_attn.q_b_proj.weight': expected "
                       "shape [192, 64], got [96, 128]");
     rm_ckpt(dir);
 }
@@ -313,8 +308,7 @@ K3_TEST(model_load_bad_dtype) {
     if (!have(TINY)) return;
     char dir[64];
     REQUIRE(copy_ckpt(TINY, dir));
-    edit ed = {.name = "language_model.model.embed_tokens.weight", .dtype = "U8",
-               .shape = {1024, 512}};
+    edit ed = {.name = "language_model.model.embed_tokens.weight", .dtype = "U8", .shape = {1024, 512}};
     REQUIRE(edit_header(dir, apply_edit, &ed));
     EXPECT_OPEN_FAILS(dir, K3_ERR_SHAPE, "embed_tokens.weight': dtype U8 is not allowed");
     rm_ckpt(dir);
@@ -363,8 +357,7 @@ K3_TEST(model_load_nan_scale) {
     for (int i = 7; i >= 0; i--) h = h << 8 | b[i];
     json_t *j = json_loadb((const char *)b + 8, (size_t)h, 0, NULL);
     REQUIRE(j);
-    json_int_t begin = json_integer_value(
-        json_array_get(json_object_get(json_object_get(j, name), "data_offsets"), 0));
+    json_int_t begin = json_integer_value(json_array_get(json_object_get(json_object_get(j, name), "data_offsets"), 0));
     json_decref(j);
     k3_st_close(st);
     b[8 + h + (size_t)begin + 7 * 4 + 2] = 255;
@@ -373,8 +366,8 @@ K3_TEST(model_load_nan_scale) {
     k3_model *m;
     k3_err_clear(&e);
     CHECK(k3_model_open(&m, dir, &e) == K3_ERR_FORMAT && m == NULL);
-    CHECKF(strstr(e.msg, name) && strstr(e.msg, "255") && strstr(e.msg, "row 7") &&
-           strstr(e.msg, "block 2"), "%s", e.msg);
+    CHECKF(strstr(e.msg, name) && strstr(e.msg, "255") && strstr(e.msg, "row 7") && strstr(e.msg, "block 2"), "%s",
+           e.msg);
     rm_ckpt(dir);
 }
 
@@ -452,9 +445,8 @@ static void add(writer *w, const char *name, k3_dtype dt, int ndim, const int64_
         }
     }
     json_object_set_new(w->header, name,
-                        json_pack("{s:s, s:o, s:[II]}", "dtype", k3_dtype_name(dt), "shape", sh,
-                                  "data_offsets", (json_int_t)w->size,
-                                  (json_int_t)(w->size + bytes)));
+                        json_pack("{s:s, s:o, s:[II]}", "dtype", k3_dtype_name(dt), "shape", sh, "data_offsets",
+                                  (json_int_t)w->size, (json_int_t)(w->size + bytes)));
     w->size += bytes;
 }
 
@@ -462,9 +454,7 @@ static void add2(writer *w, const char *name, int64_t r, int64_t c) {
     int64_t s[2] = {r, c};
     add(w, name, K3_DTYPE_BF16, 2, s);
 }
-static void add1(writer *w, const char *name, int64_t n) {
-    add(w, name, K3_DTYPE_F32, 1, &n);
-}
+static void add1(writer *w, const char *name, int64_t n) { add(w, name, K3_DTYPE_F32, 1, &n); }
 
 static const char *linear_config =
     "{\"architectures\": [\"KimiLinearForCausalLM\"], \"model_type\": \"kimi_linear\","
@@ -543,8 +533,7 @@ static bool write_linear(const char *dir) {
     char p[512];
     path_in(p, sizeof p, dir, "model.safetensors");
     FILE *f = fopen(p, "wb");
-    bool ok = f && fwrite(len, 1, 8, f) == 8 && fwrite(text, 1, hl, f) == hl &&
-              fwrite(w.data, 1, w.size, f) == w.size;
+    bool ok = f && fwrite(len, 1, 8, f) == 8 && fwrite(text, 1, hl, f) == hl && fwrite(w.data, 1, w.size, f) == w.size;
     if (f) ok = fclose(f) == 0 && ok;
     path_in(p, sizeof p, dir, "config.json");
     ok = ok && write_all(p, linear_config, strlen(linear_config));
@@ -572,8 +561,8 @@ K3_TEST(model_load_kimi_linear) {
         CHECK(!L0->attn_res_w && L0->g_a.rows == 8 && L0->g_b.cols == 8 && !L0->g_proj.data);
         CHECK(L0->A_log && L0->ffn_gate.rows == 48);
         CHECK(L2->q_b.rows == 24 && L2->q_b.cols == 32 && !L2->q_a.data && !L2->g_proj.data);
-        CHECK(L2->exp_gate[3].type == K3_W_BF16 && L2->exp_gate[3].rows == 16 &&
-              L2->exp_gate[3].cols == 32 && L2->exp_down[0].rows == 32);
+        CHECK(L2->exp_gate[3].type == K3_W_BF16 && L2->exp_gate[3].rows == 16 && L2->exp_gate[3].cols == 32 &&
+              L2->exp_down[0].rows == 32);
         CHECK(!L2->lat_down.data && L2->sh_gate.rows == 16 && L2->router_bias);
         /* Vision tensors are not text parameters; the tied head counts once
          * and is read in full per token. */

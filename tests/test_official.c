@@ -39,12 +39,11 @@ static bool read_golden(const char *path, golden *g) {
     fclose(f);
     k3_st *st = NULL;
     k3_error err = {0};
-    ok = ok && k3_st_init(&st, &err) == K3_OK &&
-         k3_st_parse(st, buf, (size_t)size, 0, path, &err) == K3_OK;
+    ok = ok && k3_st_init(&st, &err) == K3_OK && k3_st_parse(st, buf, (size_t)size, 0, path, &err) == K3_OK;
     const k3_st_tensor *ti = ok ? k3_st_get(st, "ids") : NULL, *tl = ok ? k3_st_get(st, "logits") : NULL,
                        *tg = ok ? k3_st_get(st, "greedy") : NULL;
-    ok = ti && tl && tg && ti->dtype == K3_DTYPE_I32 && tg->dtype == K3_DTYPE_I32 &&
-         tl->dtype == K3_DTYPE_F32 && tl->ndim == 2 && tl->shape[0] == ti->shape[0];
+    ok = ti && tl && tg && ti->dtype == K3_DTYPE_I32 && tg->dtype == K3_DTYPE_I32 && tl->dtype == K3_DTYPE_F32 &&
+        tl->ndim == 2 && tl->shape[0] == ti->shape[0];
     if (ok) {
         g->n = (int)ti->shape[0];
         g->n_greedy = (int)tg->shape[0];
@@ -86,15 +85,14 @@ typedef struct result {
 
 /* Logits of every position in one forward pass, and the greedy continuation
  * decoded token by token. */
-static bool run_mode(const char *dir, const char *quant, k3_kv_type kv, const golden *g,
-                     result *r) {
+static bool run_mode(const char *dir, const char *quant, k3_kv_type kv, const golden *g, result *r) {
     k3_model *m = NULL;
     k3_ctx *ctx = NULL;
     k3_error err = {0};
     k3_quant_options q;
     float *lg = malloc(sizeof(float) * (size_t)(g->n * g->vocab));
-    bool ok = lg && k3_quant_parse(quant, &q, &err) == K3_OK &&
-              k3_model_open(&m, dir, &err) == K3_OK && k3_model_quantize(m, &q, &err) == K3_OK;
+    bool ok = lg && k3_quant_parse(quant, &q, &err) == K3_OK && k3_model_open(&m, dir, &err) == K3_OK &&
+        k3_model_quantize(m, &q, &err) == K3_OK;
     k3_ctx_options o = {.max_seqs = 1, .cache_tokens = 64, .block_size = 16, .kv_cache = kv};
     ok = ok && k3_ctx_init(&ctx, m, &o, &err) == K3_OK;
     k3_batch_seq b = {0, g->n, g->ids};
@@ -129,16 +127,16 @@ static void check_variant(const char *name) {
     if (!read_golden(path, &g)) return;
     result r;
     if (run_mode(dir, "none", K3_KV_F32, &g, &r)) {
-        printf("    %s, fp32 path vs official fp32: rel-L2 %.3g, top-1 %d/%d, greedy %d/%d\n", name,
-               r.rel_l2, r.top1, g.n, r.greedy_ok, g.n_greedy);
+        printf("    %s, fp32 path vs official fp32: rel-L2 %.3g, top-1 %d/%d, greedy %d/%d\n", name, r.rel_l2, r.top1,
+               g.n, r.greedy_ok, g.n_greedy);
         CHECKF(r.rel_l2 <= 1e-5, "%s: fp32 rel-L2 %.3g > 1e-5", name, r.rel_l2);
         CHECKF(r.top1 == g.n, "%s: fp32 top-1 %d/%d", name, r.top1, g.n);
         CHECKF(r.greedy_ok == g.n_greedy, "%s: greedy %d/%d", name, r.greedy_ok, g.n_greedy);
     }
     const k3_kv_type kv = !strcmp(K3_DEFAULT_KV, "c8") ? K3_KV_C8 : K3_KV_F32;
     if (run_mode(dir, K3_DEFAULT_QUANT, kv, &g, &r)) {
-        printf("    %s, default mode (%s, %s) vs official fp32: rel-L2 %.3g, top-1 %d/%d\n", name,
-               K3_DEFAULT_QUANT, K3_DEFAULT_KV, r.rel_l2, r.top1, g.n);
+        printf("    %s, default mode (%s, %s) vs official fp32: rel-L2 %.3g, top-1 %d/%d\n", name, K3_DEFAULT_QUANT,
+               K3_DEFAULT_KV, r.rel_l2, r.top1, g.n);
         CHECKF(r.rel_l2 <= 2e-2, "%s: default mode rel-L2 %.3g > 2e-2", name, r.rel_l2);
         CHECKF(r.top1 == g.n, "%s: default mode top-1 %d/%d", name, r.top1, g.n);
     }
@@ -154,8 +152,13 @@ K3_TEST(official_router_top1_not_renormalized) {
      * top_k > 1 divides by the sum of the chosen scores. */
     float logits[4] = {0.5f, 2.0f, -1.0f, 0.0f}, work[4], w[2];
     int32_t ids[2];
-    k3_router_cfg rc = {.n_experts = 4, .top_k = 1, .sigmoid = true, .renormalize = true,
-                        .scaling = 2.0f, .n_group = 1, .topk_group = 1};
+    k3_router_cfg rc = {.n_experts = 4,
+                        .top_k = 1,
+                        .sigmoid = true,
+                        .renormalize = true,
+                        .scaling = 2.0f,
+                        .n_group = 1,
+                        .topk_group = 1};
     k3_router_select(&rc, logits, NULL, ids, w, work);
     CHECK(ids[0] == 1);
     CHECKF(fabsf(w[0] - 2.0f / (1.0f + expf(-2.0f))) < 1e-6f, "top-1 weight %g", w[0]);
@@ -195,8 +198,7 @@ static void check_variant_amx(const char *name) {
             printf("    %s, %s on %s vs official fp32: rel-L2 %.3g, top-1 %d/%d, greedy %d/%d\n", name, modes[i],
                    k3_isa_current(), r.rel_l2, r.top1, g.n, r.greedy_ok, g.n_greedy);
             CHECKF(r.rel_l2 <= 0.4, "%s (%s) on amx: rel-L2 %.3g > 0.4", name, modes[i], r.rel_l2);
-            CHECKF(r.greedy_ok == g.n_greedy, "%s (%s) on amx: greedy %d/%d", name, modes[i], r.greedy_ok,
-                   g.n_greedy);
+            CHECKF(r.greedy_ok == g.n_greedy, "%s (%s) on amx: greedy %d/%d", name, modes[i], r.greedy_ok, g.n_greedy);
         }
         golden_free(&g);
     }

@@ -120,7 +120,7 @@ static void serve(void *arg) {
                 const int32_t n = (int32_t)(pi->n_tokens - t < x->chunk ? pi->n_tokens - t : x->chunk);
                 const int64_t b = k3_engine_kv_bytes(x->d, L, n);
                 ok = !k3_engine_hold_read(x->p, hid, L, t, n, buf, b, &err) &&
-                     !k3_engine_pull_write(x->d, pi->id, L, t, n, buf, b, &err);
+                    !k3_engine_pull_write(x->d, pi->id, L, t, n, buf, b, &err);
                 if (ok) x->pulled += n;
             }
         }
@@ -128,7 +128,7 @@ static void serve(void *arg) {
         for (int64_t off = 0, half = sb / 2; ok && off < sb; off += half ? half : sb) {
             const int64_t nb = off + half < sb && half ? half : sb - off;
             ok = !k3_engine_hold_read_state(x->p, hid, off, buf, nb, &err) &&
-                 !k3_engine_pull_state(x->d, pi->id, off, buf, nb, &err);
+                !k3_engine_pull_state(x->d, pi->id, off, buf, nb, &err);
         }
         k3_engine_pull_done(x->d, pi->id, ok, ok ? NULL : x->fail ? "the test failed it" : err.msg);
         k3_engine_hold_release(x->p, hid);
@@ -140,8 +140,13 @@ static k3_engine *open_engine(const k3_model *m, k3_kv_type kv, int max_seqs) {
     k3_engine *e = NULL;
     k3_error err = {0};
     const int32_t eos = 770;
-    k3_engine_options o = {.max_num_seqs = max_seqs, .max_num_batched_tokens = 256, .cache_tokens = 4096,
-                           .block_size = 16, .kv_cache = kv, .eos_ids = &eos, .n_eos_ids = 1,
+    k3_engine_options o = {.max_num_seqs = max_seqs,
+                           .max_num_batched_tokens = 256,
+                           .cache_tokens = 4096,
+                           .block_size = 16,
+                           .kv_cache = kv,
+                           .eos_ids = &eos,
+                           .n_eos_ids = 1,
                            .hold_timeout_s = 30};
     if (k3_engine_open(&e, m, &o, &err)) k3_test_fail(__FILE__, __LINE__, "engine: %s", err.msg);
     return e;
@@ -164,9 +169,16 @@ static void compare(const k3_model *m, k3_kv_type kv, const int32_t *const *ps, 
     uint64_t id = 0, c0 = 0, p0 = 0, d0 = 0;
     k3_error err = {0};
     for (int i = 0; i < nq; i++) {
-        k3_request_params q = {.prompt = ps[i], .n_prompt = lens[i], .max_tokens = max_tokens, .logprobs = 0,
-                               .prompt_logprobs = -1, .sampling = {.temperature = temp, .top_p = 1, .repeat_penalty = 1,
-                                                                   .seed = 100 + (uint64_t)i, .frequency_penalty = 0.3f}};
+        k3_request_params q = {.prompt = ps[i],
+                               .n_prompt = lens[i],
+                               .max_tokens = max_tokens,
+                               .logprobs = 0,
+                               .prompt_logprobs = -1,
+                               .sampling = {.temperature = temp,
+                                            .top_p = 1,
+                                            .repeat_penalty = 1,
+                                            .seed = 100 + (uint64_t)i,
+                                            .frequency_penalty = 0.3f}};
         REQUIRE(k3_engine_submit(c, &q, &id, &err) == K3_OK);
         if (i == 0) c0 = id;
         q.kv_hold = true;
@@ -184,17 +196,26 @@ static void compare(const k3_model *m, k3_kv_type kv, const int32_t *const *ps, 
         REQUIREF(k3_engine_hold_get(p, p0 + (uint64_t)i, &hi, NULL, 0, &err) == K3_OK, "%s", err.msg);
         CHECK(hi.n_tokens == lens[i]);
         x.holds[i] = p0 + (uint64_t)i;
-        rem[i] = (k3_remote_prefill){.first_token = rp[i].tok[0], .first_logprob = rp[i].lp[0], .ctx = (void *)(intptr_t)i};
-        k3_request_params q = {.prompt = ps[i], .n_prompt = lens[i], .max_tokens = max_tokens, .logprobs = 0,
-                               .prompt_logprobs = -1, .remote = &rem[i],
-                               .sampling = {.temperature = temp, .top_p = 1, .repeat_penalty = 1,
-                                            .seed = 100 + (uint64_t)i, .frequency_penalty = 0.3f}};
+        rem[i] =
+            (k3_remote_prefill){.first_token = rp[i].tok[0], .first_logprob = rp[i].lp[0], .ctx = (void *)(intptr_t)i};
+        k3_request_params q = {.prompt = ps[i],
+                               .n_prompt = lens[i],
+                               .max_tokens = max_tokens,
+                               .logprobs = 0,
+                               .prompt_logprobs = -1,
+                               .remote = &rem[i],
+                               .sampling = {.temperature = temp,
+                                            .top_p = 1,
+                                            .repeat_penalty = 1,
+                                            .seed = 100 + (uint64_t)i,
+                                            .frequency_penalty = 0.3f}};
         REQUIRE(k3_engine_submit(d, &q, &id, &err) == K3_OK);
         if (i == 0) d0 = id;
     }
     drain(d, rd, d0, nq, serve, &x);
     for (int i = 0; i < nq; i++) {
-        CHECKF(rd[i].fin == rc[i].fin && rd[i].n == rc[i].n && !memcmp(rd[i].tok, rc[i].tok, sizeof(int32_t) * (size_t)rc[i].n),
+        CHECKF(rd[i].fin == rc[i].fin && rd[i].n == rc[i].n &&
+                   !memcmp(rd[i].tok, rc[i].tok, sizeof(int32_t) * (size_t)rc[i].n),
                "%s: request %d: decode after a pull gave %d tokens (finish %d, %s), colocated %d (finish %d)", what, i,
                rd[i].n, rd[i].fin, rd[i].err ? rd[i].err : "", rc[i].n, rc[i].fin);
         for (int k = 0; k < rc[i].n && k < rd[i].n; k++)
@@ -248,8 +269,13 @@ K3_TEST(pd_prefix_on_the_decode_side_is_not_pulled_again) {
     for (int i = 0; i < 2; i++) {
         result rp = {0}, rd = {0}, rc = {0};
         uint64_t id;
-        k3_request_params q = {.prompt = ps[i], .n_prompt = lens[i], .max_tokens = 1, .logprobs = -1,
-                               .prompt_logprobs = -1, .kv_hold = true, .sampling = {.top_p = 1, .repeat_penalty = 1}};
+        k3_request_params q = {.prompt = ps[i],
+                               .n_prompt = lens[i],
+                               .max_tokens = 1,
+                               .logprobs = -1,
+                               .prompt_logprobs = -1,
+                               .kv_hold = true,
+                               .sampling = {.top_p = 1, .repeat_penalty = 1}};
         REQUIRE(k3_engine_submit(p, &q, &id, &err) == K3_OK);
         drain(p, &rp, id, 1, NULL, NULL);
         x.holds[i] = id;
@@ -265,7 +291,9 @@ K3_TEST(pd_prefix_on_the_decode_side_is_not_pulled_again) {
         REQUIRE(k3_engine_submit(c, &qc, &id, &err) == K3_OK);
         drain(c, &rc, id, 1, NULL, NULL);
         CHECK(rd.n == rc.n && !memcmp(rd.tok, rc.tok, sizeof(int32_t) * (size_t)rc.n));
-        if (i == 1) CHECKF(rd.n_cached == 96, "the second request found %lld tokens on the decode side", (long long)rd.n_cached);
+        if (i == 1)
+            CHECKF(rd.n_cached == 96, "the second request found %lld tokens on the decode side",
+                   (long long)rd.n_cached);
     }
     /* two attention layers: the first prompt whole, of the second only what follows the shared 96 */
     CHECKF(pulled[0] == 2 * 100 && pulled[1] == 2 * (130 - 96), "pulled %lld and %lld tokens x layers",
@@ -285,8 +313,13 @@ K3_TEST(pd_failed_cancelled_and_unread_transfers_free_everything) {
     REQUIREF(k3_model_open(&m, TINY_DSA, &err) == K3_OK, "%s", err.msg);
     k3_engine *p = NULL, *d = open_engine(m, K3_KV_F32, 4);
     const int32_t eos = 770;
-    k3_engine_options po = {.max_num_seqs = 4, .max_num_batched_tokens = 256, .cache_tokens = 4096, .block_size = 16,
-                            .eos_ids = &eos, .n_eos_ids = 1, .hold_timeout_s = 0.2};
+    k3_engine_options po = {.max_num_seqs = 4,
+                            .max_num_batched_tokens = 256,
+                            .cache_tokens = 4096,
+                            .block_size = 16,
+                            .eos_ids = &eos,
+                            .n_eos_ids = 1,
+                            .hold_timeout_s = 0.2};
     REQUIRE(k3_engine_open(&p, m, &po, &err) == K3_OK && d);
     hookq hq = {0};
     k3_engine_set_pull_hook(d, hook, &hq);
@@ -296,8 +329,13 @@ K3_TEST(pd_failed_cancelled_and_unread_transfers_free_everything) {
 
     /* a hold nobody reads is freed at its timeout, counted */
     result rp = {0};
-    k3_request_params q = {.prompt = ids, .n_prompt = 40, .max_tokens = 1, .logprobs = -1, .prompt_logprobs = -1,
-                           .kv_hold = true, .sampling = {.top_p = 1, .repeat_penalty = 1}};
+    k3_request_params q = {.prompt = ids,
+                           .n_prompt = 40,
+                           .max_tokens = 1,
+                           .logprobs = -1,
+                           .prompt_logprobs = -1,
+                           .kv_hold = true,
+                           .sampling = {.top_p = 1, .repeat_penalty = 1}};
     REQUIRE(k3_engine_submit(p, &q, &id, &err) == K3_OK);
     drain(p, &rp, id, 1, NULL, NULL);
     k3_engine_stats st;
@@ -316,8 +354,13 @@ K3_TEST(pd_failed_cancelled_and_unread_transfers_free_everything) {
 
     /* a failed pull: the request's error, its blocks back */
     k3_remote_prefill rem = {.first_token = 9, .first_logprob = NAN, .ctx = (void *)(intptr_t)0};
-    k3_request_params qd = {.prompt = ids, .n_prompt = 40, .max_tokens = 4, .logprobs = -1, .prompt_logprobs = -1,
-                            .remote = &rem, .sampling = {.top_p = 1, .repeat_penalty = 1}};
+    k3_request_params qd = {.prompt = ids,
+                            .n_prompt = 40,
+                            .max_tokens = 4,
+                            .logprobs = -1,
+                            .prompt_logprobs = -1,
+                            .remote = &rem,
+                            .sampling = {.top_p = 1, .repeat_penalty = 1}};
     result rd = {0};
     REQUIRE(k3_engine_submit(d, &qd, &id, &err) == K3_OK);
     k3_engine_step(d, &sr, &err);
@@ -355,8 +398,12 @@ K3_TEST(pd_failed_cancelled_and_unread_transfers_free_everything) {
 
     /* cancelled before its blocks came: an abort for the hook, nothing held */
     k3_engine *tight = NULL;
-    k3_engine_options to = {.max_num_seqs = 2, .max_num_batched_tokens = 64, .cache_tokens = 64, .block_size = 16,
-                            .eos_ids = &eos, .n_eos_ids = 1};
+    k3_engine_options to = {.max_num_seqs = 2,
+                            .max_num_batched_tokens = 64,
+                            .cache_tokens = 64,
+                            .block_size = 16,
+                            .eos_ids = &eos,
+                            .n_eos_ids = 1};
     REQUIRE(k3_engine_open(&tight, m, &to, &err) == K3_OK);
     hookq h2 = {0};
     k3_engine_set_pull_hook(tight, hook, &h2);

@@ -10,7 +10,7 @@
 
 typedef struct {
     _Atomic int *hits;
-    _Atomic int bad;    /* a range or thread index out of bounds */
+    _Atomic int bad; /* a range or thread index out of bounds */
     int64_t n;
     int nth_max;
 } cover_job;
@@ -44,8 +44,8 @@ K3_TEST(pool_covers_every_index_once) {
         CHECK(k3_pool_size(pool) == t);
         for (size_t g = 0; g < 3; g++)
             for (size_t i = 0; i < sizeof ns / sizeof ns[0]; i++)
-                CHECKF(covered_once(pool, ns[i], grains[g]), "threads=%d n=%lld grain=%lld", t,
-                       (long long)ns[i], (long long)grains[g]);
+                CHECKF(covered_once(pool, ns[i], grains[g]), "threads=%d n=%lld grain=%lld", t, (long long)ns[i],
+                       (long long)grains[g]);
         k3_pool_free(pool);
     }
 }
@@ -161,8 +161,7 @@ static void long_fn(void *ctx, int64_t lo, int64_t hi, int ith) {
     const uint64_t a = (uint64_t)lo, b = (uint64_t)hi;
     atomic_fetch_add(&j->index_sum, (b - a) % 2 ? (a + b - 1) / 2 * (b - a) : (b - a) / 2 * (a + b - 1));
     int64_t t = atomic_load(&j->top);
-    while (hi > t && !atomic_compare_exchange_weak(&j->top, &t, hi)) {
-    }
+    while (hi > t && !atomic_compare_exchange_weak(&j->top, &t, hi)) {}
 }
 
 K3_TEST(pool_long_ranges) {
@@ -198,8 +197,7 @@ static void inner_fn(void *ctx, int64_t lo, int64_t hi, int ith) {
     nest_inner *in = ctx;
     /* A nested call must run inline: one call, thread 0, the whole range. */
     if (ith != 0 || lo != 0 || hi != in->outer->inner) atomic_store(&in->outer->bad, 1);
-    for (int64_t i = lo; i < hi; i++)
-        atomic_fetch_add(&in->outer->hits[in->row * in->outer->inner + i], 1);
+    for (int64_t i = lo; i < hi; i++) atomic_fetch_add(&in->outer->hits[in->row * in->outer->inner + i], 1);
 }
 
 static void outer_fn(void *ctx, int64_t lo, int64_t hi, int ith) {

@@ -28,9 +28,9 @@ K3_TEST(quant_e4m3_codes) {
         if ((c & 0x7F) == 0x7F || c == 0x80) continue;
         CHECKF(k3_f32_to_e4m3(k3_e4m3_to_f32((uint8_t)c)) == c, "code 0x%02x", c);
     }
-    CHECK(k3_f32_to_e4m3(1000.0f) == 0x7E); /* saturates */
-    CHECK(k3_f32_to_e4m3(1.0625f) == 0x38); /* tie 1 + 1/16 -> even mantissa 0 */
-    CHECK(k3_f32_to_e4m3(1.1875f) == 0x3A); /* tie 1 + 3/16 -> even mantissa 2 */
+    CHECK(k3_f32_to_e4m3(1000.0f) == 0x7E);          /* saturates */
+    CHECK(k3_f32_to_e4m3(1.0625f) == 0x38);          /* tie 1 + 1/16 -> even mantissa 0 */
+    CHECK(k3_f32_to_e4m3(1.1875f) == 0x3A);          /* tie 1 + 3/16 -> even mantissa 2 */
     CHECK(k3_f32_to_e4m3(ldexpf(1.5f, -9)) == 0x02); /* subnormal tie to even */
 }
 
@@ -117,7 +117,7 @@ K3_TEST(quant_matmul_w8a8_w4a8) {
         check_matmul_q(K3_W_MXFP8, shapes[s][0], shapes[s][1], shapes[s][2]);
         check_matmul_q(K3_W_MXFP4, shapes[s][0], shapes[s][1], shapes[s][2]);
     }
-    check_matmul_q(K3_W_Q8, 9, 50, 4); /* int8 tail */
+    check_matmul_q(K3_W_Q8, 9, 50, 4);   /* int8 tail */
     check_matmul_q(K3_W_Q8, 33, 300, 1); /* decode with row sums: 256-column steps + tail */
     check_matmul_q(K3_W_Q8, 17, 1100, 3);
     check_matmul_q(K3_W_MXFP4, 21, 1120, 1); /* W4A8: 512-column scale groups + a 96-column tail */
@@ -168,7 +168,7 @@ K3_TEST(quant_act_i8_simd_equals_ref) {
         float *x = malloc(sizeof(float) * n);
         int8_t *a = malloc(n), *b = malloc(n);
         for (int i = 0; i < n; i++) x[i] = i % 11 == 0 ? 0.0f : frand() * (i % 7 == 0 ? 3.0f : 1.0f);
-        x[n / 2] = 10.0f;                           /* amax: 127 / 10 per unit */
+        x[n / 2] = 10.0f;                            /* amax: 127 / 10 per unit */
         if (n > 4) x[1] = 0.5f * 10.0f / 127.0f * 3; /* exactly 1.5 steps: ties to even */
         const float sa = k3_quant_act_i8_ref(x, n, a);
         for (int isa = K3_ISA_AVX2; isa <= K3_ISA_AVX512; isa++) {
@@ -303,8 +303,8 @@ static void check_w4a8_kernels(bool tiles, int R, int C, int N, int split) {
         free(tp);
         free(ts);
     }
-    const k3_mat wm = {.type = tiles ? K3_W_MXFP4_R4 : K3_W_MXFP4, .rows = R, .cols = C, .data = pk, .scale = sc,
-                       .act8 = true};
+    const k3_mat wm =
+        {.type = tiles ? K3_W_MXFP4_R4 : K3_W_MXFP4, .rows = R, .cols = C, .data = pk, .scale = sc, .act8 = true};
     const prep_fn prep = tiles ? k3_mx4_r4_prep : k3_mx4_prep;
     const rows_fn shufb = tiles ? k3_mx4_r4_rows_avx512 : k3_mx4_rows_avx512;
     const rows_fn vbmi = tiles ? k3_mx4_r4_rows_avx512_vbmi : k3_mx4_rows_avx512_vbmi;
@@ -319,8 +319,8 @@ static void check_w4a8_kernels(bool tiles, int R, int C, int N, int split) {
     for (int t = 0; t < N; t++) {
         run_rows(vbmi, &wm, xp + t * C, corr + t * ldc, ldc, xs + t, 1, 0, split, yt);
         run_rows(vbmi, &wm, xp + t * C, corr + t * ldc, ldc, xs + t, 1, split, R, yt);
-        CHECKF(memcmp(yt, y2 + t * R, sizeof(float) * R) == 0, "tiles %d: token %d alone differs from the batch",
-               tiles, t);
+        CHECKF(memcmp(yt, y2 + t * R, sizeof(float) * R) == 0, "tiles %d: token %d alone differs from the batch", tiles,
+               t);
     }
     free(pk);
     free(sc);
@@ -418,11 +418,11 @@ static void check_q8_avx2(int R, int C, int N, int split) {
 K3_TEST(quant_w8a8_avx2_equals_scalar) {
     if (!have_avx2()) return;
     have_avxvnni();
-    check_q8_avx2(7, 64, 1, 3);     /* decode, a row tail of the tiles; one token: row pairs + an odd row */
-    check_q8_avx2(5, 8200, 1, 2);   /* one token, rows longer than the |x| buffer (column chunks) */
-    check_q8_avx2(6, 4128, 1, 1);   /* one token, a 32-column step after the 64-column ones */
-    check_q8_avx2(50, 300, 7, 13);  /* int8 tail, two 48-row slices, token groups of 3 + 1 */
-    check_q8_avx2(13, 1040, 5, 4);  /* the 128-column decode steps + a 32-column one */
+    check_q8_avx2(7, 64, 1, 3);    /* decode, a row tail of the tiles; one token: row pairs + an odd row */
+    check_q8_avx2(5, 8200, 1, 2);  /* one token, rows longer than the |x| buffer (column chunks) */
+    check_q8_avx2(6, 4128, 1, 1);  /* one token, a 32-column step after the 64-column ones */
+    check_q8_avx2(50, 300, 7, 13); /* int8 tail, two 48-row slices, token groups of 3 + 1 */
+    check_q8_avx2(13, 1040, 5, 4); /* the 128-column decode steps + a 32-column one */
     check_q8_avx2(96, 2048, 2, 48);
 }
 
@@ -445,7 +445,8 @@ static void check_w4a8_avx2(int R, int C, int N, int split) {
     float *x = malloc(sizeof(float) * N * C), *xs = malloc(sizeof(float) * N), *yt = malloc(sizeof(float) * R);
     float *y1 = malloc(sizeof(float) * N * R), *y2 = malloc(sizeof(float) * N * R), *yr = malloc(sizeof(float) * N * R);
     for (int i = 0; i < R * C / 2; i++) pk[i] = (uint8_t)(rng = rng * 6364136223846793005ull + 1, rng >> 56);
-    for (int i = 0; i < R * C / 32; i++) sc[i] = (uint8_t)(i % 17 == 0 ? i % 3 : 118 + i % 13); /* and subnormal scales */
+    for (int i = 0; i < R * C / 32; i++)
+        sc[i] = (uint8_t)(i % 17 == 0 ? i % 3 : 118 + i % 13); /* and subnormal scales */
     const k3_mat w = {.type = K3_W_MXFP4, .rows = R, .cols = C, .data = pk, .scale = sc, .act8 = true};
     k3_mx4_r4_pack(&w, tp, ts);
     const k3_mat wt = {.type = K3_W_MXFP4_R4, .rows = R, .cols = C, .data = tp, .scale = ts, .act8 = true};
@@ -497,7 +498,7 @@ static void check_w4a8_avx2(int R, int C, int N, int split) {
 
 K3_TEST(quant_w4a8_avx2_tiles) {
     if (!have_avx2()) return;
-    check_w4a8_avx2(4, 128, 1, 4);     /* one tile, one group */
-    check_w4a8_avx2(24, 384, 11, 8);   /* the latent experts' down rows, 8 + 3 tokens, a split between slices */
-    check_w4a8_avx2(36, 1024, 9, 20);  /* gate/up rows, a split inside a slice */
+    check_w4a8_avx2(4, 128, 1, 4);    /* one tile, one group */
+    check_w4a8_avx2(24, 384, 11, 8);  /* the latent experts' down rows, 8 + 3 tokens, a split between slices */
+    check_w4a8_avx2(36, 1024, 9, 20); /* gate/up rows, a split inside a slice */
 }

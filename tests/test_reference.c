@@ -30,8 +30,7 @@ static bool golden_open(golden *g, const char *rel) {
     g->path = rel; /* tests run from the repo root */
     FILE *f = fopen(g->path, "rb");
     if (!f) {
-        k3_test_fail(__FILE__, __LINE__, "cannot open %s (regenerate: see tests/golden/ref/README.md)",
-                     g->path);
+        k3_test_fail(__FILE__, __LINE__, "cannot open %s (regenerate: see tests/golden/ref/README.md)", g->path);
         return false;
     }
     fseek(f, 0, SEEK_END);
@@ -41,8 +40,8 @@ static bool golden_open(golden *g, const char *rel) {
     bool ok = g->buf && size > 0 && fread(g->buf, 1, (size_t)size, f) == (size_t)size;
     fclose(f);
     k3_error err = {0};
-    if (ok) ok = k3_st_init(&g->st, &err) == K3_OK &&
-                 k3_st_parse(g->st, g->buf, (size_t)size, 0, g->path, &err) == K3_OK;
+    if (ok)
+        ok = k3_st_init(&g->st, &err) == K3_OK && k3_st_parse(g->st, g->buf, (size_t)size, 0, g->path, &err) == K3_OK;
     if (!ok) k3_test_fail(__FILE__, __LINE__, "cannot read %s: %s", g->path, err.msg);
     return ok;
 }
@@ -57,8 +56,8 @@ static void golden_close(golden *g) {
 static void *golden_get(const golden *g, const char *name, k3_dtype dt, int64_t n) {
     const k3_st_tensor *t = g->st ? k3_st_get(g->st, name) : NULL;
     if (!t || t->dtype != dt || t->nbytes != (size_t)n * k3_dtype_size(dt)) {
-        k3_test_fail(__FILE__, __LINE__, "%s: tensor '%s' missing or not %s x %lld", g->path, name,
-                     k3_dtype_name(dt), (long long)n);
+        k3_test_fail(__FILE__, __LINE__, "%s: tensor '%s' missing or not %s x %lld", g->path, name, k3_dtype_name(dt),
+                     (long long)n);
         return NULL;
     }
     void *p = malloc(t->nbytes);
@@ -66,9 +65,7 @@ static void *golden_get(const golden *g, const char *name, k3_dtype dt, int64_t 
     return p;
 }
 
-static float *gf(const golden *g, const char *name, int64_t n) {
-    return golden_get(g, name, K3_DTYPE_F32, n);
-}
+static float *gf(const golden *g, const char *name, int64_t n) { return golden_get(g, name, K3_DTYPE_F32, n); }
 
 /* ---- KDA vs fla ------------------------------------------------------------ */
 
@@ -76,13 +73,13 @@ enum { KDA_H = 2, KDA_K = 32, KDA_V = 32 };
 
 /* Runs one form over every head: chunk = 0 is the recurrent form. o: [T, H, V]
  * (row-major, fla's layout), S: [H, K, V] in/out. */
-static void kda_run(int T, const float *q, const float *k, const float *v, const float *g,
-                    const float *beta, float *o, float *S, int chunk) {
+static void kda_run(int T, const float *q, const float *k, const float *v, const float *g, const float *beta, float *o,
+                    float *S, int chunk) {
     float *work = chunk ? malloc(sizeof(float) * (size_t)k3_kda_chunk_work(chunk, KDA_K, KDA_V)) : NULL;
     for (int h = 0; h < KDA_H; h++) {
         const int64_t hk = (int64_t)h * KDA_K, hv = (int64_t)h * KDA_V;
-        k3_kda_head kh = {T, KDA_K, KDA_V, q + hk, k + hk, g + hk, KDA_H * KDA_K,
-                          v + hv, KDA_H * KDA_V, beta + h, KDA_H, o + hv, KDA_H * KDA_V};
+        k3_kda_head kh = {T,      KDA_K,         KDA_V,    q + hk, k + hk, g + hk,       KDA_H * KDA_K,
+                          v + hv, KDA_H * KDA_V, beta + h, KDA_H,  o + hv, KDA_H * KDA_V};
         float *Sh = S + (int64_t)h * KDA_K * KDA_V;
         if (chunk) k3_kda_chunked(&kh, Sh, chunk, work);
         else k3_kda_recurrent(&kh, Sh);
@@ -103,7 +100,9 @@ K3_TEST(reference_kda_fla) {
         const int64_t nqk = (int64_t)T * KDA_H * KDA_K, nv = (int64_t)T * KDA_H * KDA_V,
                       nS = (int64_t)KDA_H * KDA_K * KDA_V;
         char n[64];
-#define IN(var, name, count) snprintf(n, sizeof n, "T%d.%s", T, name); float *var = gf(&G, n, count)
+#define IN(var, name, count) \
+    snprintf(n, sizeof n, "T%d.%s", T, name); \
+    float *var = gf(&G, n, count)
         IN(q, "q", nqk);
         IN(k, "k", nqk);
         IN(v, "v", nv);
@@ -114,7 +113,9 @@ K3_TEST(reference_kda_fla) {
         IN(S0, "S0", nS);
 #undef IN
         for (int fi = 0; fi < 2 && q && k && v && z && A_log && dt_bias && beta && S0; fi++) {
-#define OUT(var, name, count) snprintf(n, sizeof n, "T%d.%s.%s", T, forms[fi], name); float *var = gf(&G, n, count)
+#define OUT(var, name, count) \
+    snprintf(n, sizeof n, "T%d.%s.%s", T, forms[fi], name); \
+    float *var = gf(&G, n, count)
             OUT(g, "g", nqk);
             OUT(o_rec, "o_rec", nv);
             OUT(S_rec, "S_rec", nS);
@@ -128,8 +129,8 @@ K3_TEST(reference_kda_fla) {
                 memcpy(gk, z, sizeof(float) * (size_t)nqk);
                 for (int t = 0; t < T; t++)
                     for (int h = 0; h < KDA_H; h++)
-                        k3_kda_gate(gk + ((int64_t)t * KDA_H + h) * KDA_K, KDA_K, A_log[h],
-                                    dt_bias + h * KDA_K, fi == 1, lb);
+                        k3_kda_gate(gk + ((int64_t)t * KDA_H + h) * KDA_K, KDA_K, A_log[h], dt_bias + h * KDA_K,
+                                    fi == 1, lb);
                 const double eg = k3_test_rel_l2(gk, g, nqk);
                 CHECKF(eg <= 1e-6, "T=%d %s: gate rel-L2 %.3g vs fla > 1e-6", T, forms[fi], eg);
                 /* recurrent (on fla's g), then chunked 16 and 64 */
@@ -141,9 +142,8 @@ K3_TEST(reference_kda_fla) {
                     const float *ro = c ? o_chk : o_rec, *rs = c ? S_chk : S_rec;
                     eo[c] = k3_test_rel_l2(o, ro, nv);
                     es[c] = k3_test_rel_l2(S, rs, nS);
-                    CHECKF(eo[c] <= 1e-5 && es[c] <= 1e-5,
-                           "T=%d %s %s: o rel-L2 %.3g, S rel-L2 %.3g vs fla (> 1e-5)", T, forms[fi],
-                           c ? (c == 1 ? "chunked(16)" : "chunked(64)") : "recurrent", eo[c], es[c]);
+                    CHECKF(eo[c] <= 1e-5 && es[c] <= 1e-5, "T=%d %s %s: o rel-L2 %.3g, S rel-L2 %.3g vs fla (> 1e-5)",
+                           T, forms[fi], c ? (c == 1 ? "chunked(16)" : "chunked(64)") : "recurrent", eo[c], es[c]);
                 }
                 /* end to end: k3's own gate feeding the recurrence */
                 memcpy(S, S0, sizeof(float) * (size_t)nS);
@@ -215,8 +215,8 @@ K3_TEST(reference_dsa_indexer) {
                 CHECKF(eq, "top-%d of row %d differs from transformers/DeepSeek", kk, t);
             }
         }
-        printf("    DSA T=%d H_I=%d d_I=%d: scores rel-L2 %.2g; top-8 sets %d/%d, top-16 sets %d/%d equal\n",
-               T, HI, dI, e, same[0], T, same[1], T);
+        printf("    DSA T=%d H_I=%d d_I=%d: scores rel-L2 %.2g; top-8 sets %d/%d, top-16 sets %d/%d equal\n", T, HI, dI,
+               e, same[0], T, same[1], T);
     }
     free(q);
     free(k);
@@ -245,7 +245,8 @@ K3_TEST(reference_kimi_linear_transformers) {
     if (k3_model_open(&m, dir, &err) != K3_OK) {
         k3_test_fail(__FILE__, __LINE__,
                      "k3_model_open(%s) refused a checkpoint written by transformers' "
-                     "save_pretrained (KimiLinearForCausalLM): %s", dir, err.msg);
+                     "save_pretrained (KimiLinearForCausalLM): %s",
+                     dir, err.msg);
         goto done;
     }
     k3_model_info info;
@@ -287,7 +288,8 @@ K3_TEST(reference_kimi_linear_transformers) {
     }
     ed = k3_test_rel_l2(lg, ref, V * n);
     printf("    kimi-linear-tiny (transformers): %d positions, logits rel-L2 %.3g (decode %.3g), "
-           "top-1 %d/%d\n", n, e, ed, agree, n);
+           "top-1 %d/%d\n",
+           n, e, ed, agree, n);
     CHECKF(e <= 1e-4, "logits rel-L2 %.3g vs transformers > 1e-4 (first position over: %d)", e, first_bad);
     CHECKF(ed <= 1e-4, "token-by-token logits rel-L2 %.3g vs transformers > 1e-4", ed);
 done:

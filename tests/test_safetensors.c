@@ -25,8 +25,7 @@ static uint8_t *image(const char *header, size_t data_size, size_t *size) {
 
 /* Parses header + data into a fresh set. On success the caller closes *st
  * and frees *buf (the set points into it); on failure both are NULL. */
-static k3_status parse_image(const char *header, size_t data_size, k3_st **st, uint8_t **buf,
-                             k3_error *e) {
+static k3_status parse_image(const char *header, size_t data_size, k3_st **st, uint8_t **buf, k3_error *e) {
     size_t size;
     *buf = image(header, data_size, &size);
     k3_err_clear(e);
@@ -46,11 +45,11 @@ static void done(k3_st *st, uint8_t *buf) {
     free(buf);
 }
 
-#define GOOD_HEADER                                                                   \
-    "{\"__metadata__\": {\"format\": \"pt\"},"                                        \
+#define GOOD_HEADER \
+    "{\"__metadata__\": {\"format\": \"pt\"}," \
     " \"a.weight\": {\"dtype\": \"BF16\", \"shape\": [2, 3], \"data_offsets\": [0, 12]}," \
-    " \"b.bias\": {\"dtype\": \"F32\", \"shape\": [4], \"data_offsets\": [12, 28]},"   \
-    " \"c.scale\": {\"dtype\": \"U8\", \"shape\": [2, 2], \"data_offsets\": [28, 32]},"  \
+    " \"b.bias\": {\"dtype\": \"F32\", \"shape\": [4], \"data_offsets\": [12, 28]}," \
+    " \"c.scale\": {\"dtype\": \"U8\", \"shape\": [2, 2], \"data_offsets\": [28, 32]}," \
     " \"empty\": {\"dtype\": \"F32\", \"shape\": [0, 5], \"data_offsets\": [32, 32]}}"
 
 K3_TEST(st_parse_good) {
@@ -82,16 +81,16 @@ K3_TEST(st_parse_good) {
     done(st, buf);
 }
 
-#define EXPECT_BAD(status_, needle, header, data_size)                                   \
-    do {                                                                                 \
-        k3_st *st_;                                                                      \
-        k3_error e_;                                                                     \
-        uint8_t *b_;                                                                     \
-        k3_status s_ = parse_image(header, data_size, &st_, &b_, &e_);                        \
+#define EXPECT_BAD(status_, needle, header, data_size) \
+    do { \
+        k3_st *st_; \
+        k3_error e_; \
+        uint8_t *b_; \
+        k3_status s_ = parse_image(header, data_size, &st_, &b_, &e_); \
         CHECKF(s_ == (status_), "status %d (%s), want %d", (int)s_, e_.msg, (int)(status_)); \
-        CHECKF(strstr(e_.msg, needle), "message '%s' lacks '%s'", e_.msg, needle);       \
+        CHECKF(strstr(e_.msg, needle), "message '%s' lacks '%s'", e_.msg, needle); \
         CHECKF(strstr(e_.msg, "model.safetensors"), "message '%s' lacks the file", e_.msg); \
-        if (st_) done(st_, b_);                                                          \
+        if (st_) done(st_, b_); \
     } while (0)
 
 K3_TEST(st_parse_header_length) {
@@ -119,23 +118,24 @@ K3_TEST(st_parse_header_length) {
 }
 
 K3_TEST(st_parse_offsets_past_end) {
-    EXPECT_BAD(K3_ERR_FORMAT,
-               "tensor 'b.bias' data_offsets [12,28] run past the end of the file (size",
-               GOOD_HEADER, 20);
+    EXPECT_BAD(K3_ERR_FORMAT, "tensor 'b.bias' data_offsets [12,28] run past the end of the file (size", GOOD_HEADER,
+               20);
     EXPECT_BAD(K3_ERR_FORMAT, "end before they begin",
                "{\"x\": {\"dtype\": \"U8\", \"shape\": [0], \"data_offsets\": [5, 4]}}", 8);
-    EXPECT_BAD(K3_ERR_FORMAT, "data_offsets",
-               "{\"x\": {\"dtype\": \"U8\", \"shape\": [2], \"data_offsets\": [-2, 0]}}", 8);
+    EXPECT_BAD(K3_ERR_FORMAT, "data_offsets", "{\"x\": {\"dtype\": \"U8\", \"shape\": [2], \"data_offsets\": [-2, 0]}}",
+               8);
 }
 
 K3_TEST(st_parse_overlap) {
     EXPECT_BAD(K3_ERR_FORMAT, "overlap",
                "{\"x\": {\"dtype\": \"U8\", \"shape\": [8], \"data_offsets\": [0, 8]},"
-               " \"y\": {\"dtype\": \"U8\", \"shape\": [4], \"data_offsets\": [6, 10]}}", 16);
+               " \"y\": {\"dtype\": \"U8\", \"shape\": [4], \"data_offsets\": [6, 10]}}",
+               16);
     /* Reported with both names, in either header order. */
     EXPECT_BAD(K3_ERR_FORMAT, "'x'",
                "{\"y\": {\"dtype\": \"U8\", \"shape\": [4], \"data_offsets\": [2, 6]},"
-               " \"x\": {\"dtype\": \"U8\", \"shape\": [8], \"data_offsets\": [0, 8]}}", 16);
+               " \"x\": {\"dtype\": \"U8\", \"shape\": [8], \"data_offsets\": [0, 8]}}",
+               16);
     /* Touching is fine, and so is an empty tensor inside another's range. */
     k3_st *st;
     uint8_t *buf;
@@ -155,24 +155,26 @@ K3_TEST(st_parse_nbytes) {
     /* A shape whose element count overflows is a mismatch, not a wrap. */
     EXPECT_BAD(K3_ERR_FORMAT, "tensor 'x'",
                "{\"x\": {\"dtype\": \"F32\", \"shape\": [4611686018427387904, 4],"
-               " \"data_offsets\": [0, 0]}}", 16);
+               " \"data_offsets\": [0, 0]}}",
+               16);
     EXPECT_BAD(K3_ERR_FORMAT, "dimensions",
                "{\"x\": {\"dtype\": \"U8\", \"shape\": [1,1,1,1,1,1,1,1,1],"
-               " \"data_offsets\": [0, 1]}}", 16);
+               " \"data_offsets\": [0, 1]}}",
+               16);
 }
 
 K3_TEST(st_parse_dtype) {
     EXPECT_BAD(K3_ERR_UNSUPPORTED, "tensor 'x' has unknown dtype 'Q4_K'",
                "{\"x\": {\"dtype\": \"Q4_K\", \"shape\": [2], \"data_offsets\": [0, 2]}}", 8);
-    EXPECT_BAD(K3_ERR_FORMAT, "'dtype'",
-               "{\"x\": {\"shape\": [2], \"data_offsets\": [0, 2]}}", 8);
+    EXPECT_BAD(K3_ERR_FORMAT, "'dtype'", "{\"x\": {\"shape\": [2], \"data_offsets\": [0, 2]}}", 8);
 }
 
 K3_TEST(st_parse_duplicate) {
     /* Within one file (JSON duplicate key). */
     EXPECT_BAD(K3_ERR_FORMAT, "x",
                "{\"x\": {\"dtype\": \"U8\", \"shape\": [2], \"data_offsets\": [0, 2]},"
-               " \"x\": {\"dtype\": \"U8\", \"shape\": [2], \"data_offsets\": [2, 4]}}", 8);
+               " \"x\": {\"dtype\": \"U8\", \"shape\": [2], \"data_offsets\": [2, 4]}}",
+               8);
     /* Across two files of one set; the failed parse adds nothing. */
     const char *h1 = "{\"x\": {\"dtype\": \"U8\", \"shape\": [2], \"data_offsets\": [0, 2]}}";
     const char *h2 = "{\"y\": {\"dtype\": \"U8\", \"shape\": [2], \"data_offsets\": [0, 2]},"
@@ -201,7 +203,8 @@ K3_TEST(st_many_tensors) {
     for (int i = 0; i < N; i++)
         n += (size_t)snprintf(h + n, cap - n,
                               "%s\"layers.%d.w\": {\"dtype\": \"U8\", \"shape\": [1],"
-                              " \"data_offsets\": [%d, %d]}", i ? ", " : "", i, i, i + 1);
+                              " \"data_offsets\": [%d, %d]}",
+                              i ? ", " : "", i, i, i + 1);
     snprintf(h + n, cap - n, "}");
     k3_st *st;
     uint8_t *buf;
@@ -233,8 +236,8 @@ static void write_file(const char *path, const void *data, size_t n) {
 }
 
 static void rm_dir(const char *dir) {
-    static const char *const names[] = {"model.safetensors", "model.safetensors.index.json",
-                                        "a.safetensors", "b.safetensors"};
+    static const char *const names[] = {"model.safetensors", "model.safetensors.index.json", "a.safetensors",
+                                        "b.safetensors"};
     char p[512];
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
         snprintf(p, sizeof p, "%s/%s", dir, names[i]);
@@ -264,8 +267,7 @@ K3_TEST(st_open_single_and_truncated) {
     write_file(path, b, size - 3);
     k3_err_clear(&e);
     CHECK(k3_st_open(&st, dir, &e) == K3_ERR_FORMAT && st == NULL);
-    CHECKF(strstr(e.msg, "run past the end of the file") && strstr(e.msg, "'c.scale'"), "%s",
-           e.msg);
+    CHECKF(strstr(e.msg, "run past the end of the file") && strstr(e.msg, "'c.scale'"), "%s", e.msg);
     /* Truncated inside the header. */
     write_file(path, b, 20);
     k3_err_clear(&e);
@@ -298,11 +300,11 @@ K3_TEST(st_open_sharded) {
     REQUIRE(mkdtemp(dir));
     char path[512];
     size_t sa, sb;
-    uint8_t *a = image("{\"x\": {\"dtype\": \"F32\", \"shape\": [2], \"data_offsets\": [0, 8]}}",
-                       8, &sa);
+    uint8_t *a = image("{\"x\": {\"dtype\": \"F32\", \"shape\": [2], \"data_offsets\": [0, 8]}}", 8, &sa);
     uint8_t *b = image("{\"y\": {\"dtype\": \"U8\", \"shape\": [3], \"data_offsets\": [0, 3]},"
                        " \"vision_tower.z\": {\"dtype\": \"U8\", \"shape\": [1],"
-                       " \"data_offsets\": [3, 4]}}", 4, &sb);
+                       " \"data_offsets\": [3, 4]}}",
+                       4, &sb);
     snprintf(path, sizeof path, "%s/a.safetensors", dir);
     write_file(path, a, sa);
     snprintf(path, sizeof path, "%s/b.safetensors", dir);

@@ -45,7 +45,10 @@ K3_TEST(sample_filters) {
     const float lg[4] = {logf(0.1f), logf(0.2f), logf(0.3f), logf(0.4f)};
     /* top-k 2: only ids 2 and 3; top-p 0.6: ids 3, 2 (0.4 + 0.3 >= 0.6);
      * min-p 0.6: p >= 0.24 -> ids 2, 3 */
-    struct { int k; float p, minp; } cases[3] = {{2, 1.0f, 0}, {0, 0.6f, 0}, {0, 1.0f, 0.6f}};
+    struct {
+        int k;
+        float p, minp;
+    } cases[3] = {{2, 1.0f, 0}, {0, 0.6f, 0}, {0, 1.0f, 0.6f}};
     for (int c = 0; c < 3; c++) {
         k3_sampler *s = mk(1.0f, cases[c].k, cases[c].p, cases[c].minp, 1.0f, 7, 4);
         REQUIRE(s);
@@ -145,7 +148,7 @@ typedef struct ref {
     const uint8_t *allowed;     /* [V] or NULL */
     const int32_t *bw, *bw_off; /* bad words */
     int n_bw;
-    int32_t hist[512];          /* prompt + output (the repetition window: all) */
+    int32_t hist[512]; /* prompt + output (the repetition window: all) */
     int n_hist;
     int32_t out[512];
     int n_out;
@@ -191,16 +194,33 @@ K3_TEST(sample_knobs_match_reference) {
     for (int i = 0; i < V; i++)
         if (i % 5 != 4) allowed[n_allowed++] = i, amask[i] = 1;
     for (int sampled = 0; sampled < 2; sampled++) {
-        k3_sampler_options o = {.temperature = sampled ? 1.0f : 0.0f, .top_p = 1, .repeat_penalty = 1.3f,
-                                .seed = 5, .frequency_penalty = 0.7f, .presence_penalty = -0.4f,
-                                .logit_bias = bias, .n_logit_bias = 4, .allowed_ids = allowed,
-                                .n_allowed = n_allowed, .bad_words = bw, .bad_word_off = bw_off, .n_bad_words = 3};
+        k3_sampler_options o = {.temperature = sampled ? 1.0f : 0.0f,
+                                .top_p = 1,
+                                .repeat_penalty = 1.3f,
+                                .seed = 5,
+                                .frequency_penalty = 0.7f,
+                                .presence_penalty = -0.4f,
+                                .logit_bias = bias,
+                                .n_logit_bias = 4,
+                                .allowed_ids = allowed,
+                                .n_allowed = n_allowed,
+                                .bad_words = bw,
+                                .bad_word_off = bw_off,
+                                .n_bad_words = 3};
         k3_sampler *s = NULL;
         k3_error err = {0};
         REQUIREF(k3_sampler_init(&s, &o, V, &err) == K3_OK, "%s", err.msg);
         static ref r;
-        r = (ref){.V = V, .freq = 0.7f, .pres = -0.4f, .rep = 1.3f, .bias = bias, .n_bias = 4, .allowed = amask,
-                  .bw = bw, .bw_off = bw_off, .n_bw = 3};
+        r = (ref){.V = V,
+                  .freq = 0.7f,
+                  .pres = -0.4f,
+                  .rep = 1.3f,
+                  .bias = bias,
+                  .n_bias = 4,
+                  .allowed = amask,
+                  .bw = bw,
+                  .bw_off = bw_off,
+                  .n_bw = 3};
         const int32_t prompt[] = {1, 2, 3, 8, 40};
         for (int i = 0; i < 5; i++) {
             k3_sampler_accept(s, prompt[i]);
@@ -255,7 +275,10 @@ K3_TEST(sample_knobs_one_by_one) {
     k3_error err = {0};
     /* frequency and presence: over the output only (the prompt's ids are not counted) */
     {
-        k3_sampler_options o = {.temperature = 0, .top_p = 1, .repeat_penalty = 1, .frequency_penalty = 0.5f,
+        k3_sampler_options o = {.temperature = 0,
+                                .top_p = 1,
+                                .repeat_penalty = 1,
+                                .frequency_penalty = 0.5f,
                                 .presence_penalty = 0.25f};
         k3_sampler *s = NULL;
         REQUIRE(k3_sampler_init(&s, &o, 4, &err) == K3_OK);
@@ -271,8 +294,8 @@ K3_TEST(sample_knobs_one_by_one) {
     /* logit_bias: -100 keeps the best id from ever being drawn, +100 makes a poor one certain */
     {
         const k3_logit_bias b[2] = {{0, -100}, {3, 100}};
-        k3_sampler_options o = {.temperature = 1, .top_p = 1, .repeat_penalty = 1, .seed = 3, .logit_bias = b,
-                                .n_logit_bias = 1};
+        k3_sampler_options o =
+            {.temperature = 1, .top_p = 1, .repeat_penalty = 1, .seed = 3, .logit_bias = b, .n_logit_bias = 1};
         k3_sampler *s = NULL, *t = NULL;
         REQUIRE(k3_sampler_init(&s, &o, 4, &err) == K3_OK);
         o.logit_bias = b + 1;
@@ -290,8 +313,8 @@ K3_TEST(sample_knobs_one_by_one) {
     /* logit_bias shapes the distribution: softmax(logits + bias) */
     {
         const k3_logit_bias b = {2, logf(3.0f)};
-        k3_sampler_options o = {.temperature = 1, .top_p = 1, .repeat_penalty = 1, .seed = 11, .logit_bias = &b,
-                                .n_logit_bias = 1};
+        k3_sampler_options o =
+            {.temperature = 1, .top_p = 1, .repeat_penalty = 1, .seed = 11, .logit_bias = &b, .n_logit_bias = 1};
         k3_sampler *s = NULL;
         REQUIRE(k3_sampler_init(&s, &o, 4, &err) == K3_OK);
         int count[4] = {0};
@@ -306,8 +329,8 @@ K3_TEST(sample_knobs_one_by_one) {
     /* allowed_token_ids: nothing else is drawn, greedy or sampled */
     {
         const int32_t a[2] = {1, 3};
-        k3_sampler_options o = {.temperature = 2, .top_p = 1, .repeat_penalty = 1, .seed = 4, .allowed_ids = a,
-                                .n_allowed = 2};
+        k3_sampler_options o =
+            {.temperature = 2, .top_p = 1, .repeat_penalty = 1, .seed = 4, .allowed_ids = a, .n_allowed = 2};
         k3_sampler *s = NULL;
         REQUIRE(k3_sampler_init(&s, &o, 6, &err) == K3_OK);
         int hit[6] = {0};
@@ -321,8 +344,13 @@ K3_TEST(sample_knobs_one_by_one) {
     /* bad words: the pair (1, 2) never appears, though 2 alone does */
     {
         const int32_t bw[2] = {1, 2}, off[2] = {0, 2};
-        k3_sampler_options o = {.temperature = 1, .top_p = 1, .repeat_penalty = 1, .seed = 8, .bad_words = bw,
-                                .bad_word_off = off, .n_bad_words = 1};
+        k3_sampler_options o = {.temperature = 1,
+                                .top_p = 1,
+                                .repeat_penalty = 1,
+                                .seed = 8,
+                                .bad_words = bw,
+                                .bad_word_off = off,
+                                .n_bad_words = 1};
         k3_sampler *s = NULL;
         REQUIRE(k3_sampler_init(&s, &o, 3, &err) == K3_OK);
         int prev = -1, pairs = 0, twos = 0;
@@ -344,8 +372,14 @@ K3_TEST(sample_knobs_refused) {
     const int32_t one[1] = {2};
     for (int t = 0; t < 2; t++) {
         const int32_t bw[1] = {2}, off[2] = {0, 1};
-        k3_sampler_options o = {.temperature = (float)t, .top_p = 1, .repeat_penalty = 1, .allowed_ids = one,
-                                .n_allowed = 1, .bad_words = bw, .bad_word_off = off, .n_bad_words = 1};
+        k3_sampler_options o = {.temperature = (float)t,
+                                .top_p = 1,
+                                .repeat_penalty = 1,
+                                .allowed_ids = one,
+                                .n_allowed = 1,
+                                .bad_words = bw,
+                                .bad_word_off = off,
+                                .n_bad_words = 1};
         k3_sampler *s = NULL;
         k3_error err = {0};
         REQUIRE(k3_sampler_init(&s, &o, 4, &err) == K3_OK);
@@ -355,7 +389,10 @@ K3_TEST(sample_knobs_refused) {
     }
     const k3_logit_bias far = {9, 1}, nan_bias = {1, NAN};
     const int32_t out_of_range[1] = {4}, empty_off[2] = {0, 0}, off1[2] = {0, 1};
-    struct { k3_sampler_options o; const char *needle; } bad[] = {
+    struct {
+        k3_sampler_options o;
+        const char *needle;
+    } bad[] = {
         {{.top_p = 1, .repeat_penalty = 1, .frequency_penalty = NAN}, "frequency"},
         {{.top_p = 1, .repeat_penalty = 1, .presence_penalty = INFINITY}, "presence"},
         {{.top_p = 1, .repeat_penalty = 1, .logit_bias = &far, .n_logit_bias = 1}, "logit_bias[0]"},

@@ -104,10 +104,16 @@ static int drain(k3_engine *e, result *res, uint64_t base, int n_res) {
 
 static uint64_t submit(k3_engine *e, const int32_t *ids, int n, int max_tokens, float temp, uint64_t seed,
                        int logprobs) {
-    k3_request_params p = {.prompt = ids, .n_prompt = n, .max_tokens = max_tokens, .logprobs = logprobs,
+    k3_request_params p = {.prompt = ids,
+                           .n_prompt = n,
+                           .max_tokens = max_tokens,
+                           .logprobs = logprobs,
                            .prompt_logprobs = -1};
-    p.sampling = (k3_sampler_options){.temperature = temp, .top_k = temp > 0 ? 40 : 0, .top_p = 1.0f,
-                                      .repeat_penalty = 1.0f, .seed = seed};
+    p.sampling = (k3_sampler_options){.temperature = temp,
+                                      .top_k = temp > 0 ? 40 : 0,
+                                      .top_p = 1.0f,
+                                      .repeat_penalty = 1.0f,
+                                      .seed = seed};
     p.ignore_eos = true;
     uint64_t id = 0;
     k3_error err = {0};
@@ -116,9 +122,12 @@ static uint64_t submit(k3_engine *e, const int32_t *ids, int n, int max_tokens, 
 }
 
 /* One request alone in a fresh engine without a prefix cache. */
-static void solo(const k3_model *m, k3_kv_type kv, const int32_t *ids, int n, int max_tokens, float temp,
-                 uint64_t seed, result *out) {
-    k3_engine_options o = {.max_num_seqs = 1, .cache_tokens = 1024, .block_size = 16, .kv_cache = kv,
+static void solo(const k3_model *m, k3_kv_type kv, const int32_t *ids, int n, int max_tokens, float temp, uint64_t seed,
+                 result *out) {
+    k3_engine_options o = {.max_num_seqs = 1,
+                           .cache_tokens = 1024,
+                           .block_size = 16,
+                           .kv_cache = kv,
                            .no_prefix_cache = true};
     k3_engine *e = open_engine(m, &o);
     if (!e) return;
@@ -160,8 +169,11 @@ static void batched_equals_alone(const char *model, k3_kv_type kv, int budget) {
         solo(m, kv, ids[i], lens[i], 12, temps[i], 1000 + i, &alone[i]);
         CHECKF(alone[i].n == 12, "request %d alone: %d tokens", i, alone[i].n);
     }
-    k3_engine_options o = {.max_num_seqs = 8, .max_num_batched_tokens = budget, .cache_tokens = 2048,
-                           .block_size = 16, .kv_cache = kv};
+    k3_engine_options o = {.max_num_seqs = 8,
+                           .max_num_batched_tokens = budget,
+                           .cache_tokens = 2048,
+                           .block_size = 16,
+                           .kv_cache = kv};
     k3_engine *e = open_engine(m, &o);
     REQUIRE(e);
     memset(tog, 0, sizeof tog);
@@ -176,8 +188,7 @@ static void batched_equals_alone(const char *model, k3_kv_type kv, int budget) {
         CHECKF(same_tokens(&tog[i], &alone[i]), "request %d: batched tokens differ from alone", i);
         const double d = lp_diff(&tog[i], &alone[i]);
         CHECKF(d <= (kv == K3_KV_F32 ? 1e-5 : 1e-4), "request %d: logprobs differ by %.3g", i, d);
-        CHECK(tog[i].finished == 1 && tog[i].fin == K3_FINISH_LENGTH && tog[i].queued == 1 &&
-              tog[i].first_token == 1);
+        CHECK(tog[i].finished == 1 && tog[i].fin == K3_FINISH_LENGTH && tog[i].queued == 1 && tog[i].first_token == 1);
     }
     k3_engine_stats st;
     k3_engine_get_stats(e, &st);
@@ -233,8 +244,11 @@ K3_TEST(sched_chunk_size_same_output) {
     const int budgets[3] = {16, 48, 2048};
     result r[3];
     for (int b = 0; b < 3; b++) {
-        k3_engine_options o = {.max_num_seqs = 2, .max_num_batched_tokens = budgets[b], .cache_tokens = 1024,
-                               .block_size = 16, .no_prefix_cache = true};
+        k3_engine_options o = {.max_num_seqs = 2,
+                               .max_num_batched_tokens = budgets[b],
+                               .cache_tokens = 1024,
+                               .block_size = 16,
+                               .no_prefix_cache = true};
         k3_engine *e = open_engine(m, &o);
         REQUIRE(e);
         memset(&r[b], 0, sizeof r[b]);
@@ -266,8 +280,12 @@ K3_TEST(sched_step_cost_guard) {
     }
     make_ids(lng, LONG, V, 50);
     solo(m, K3_KV_F32, lng, LONG, 4, 0, 1, &alone[ND]);
-    k3_engine_options o = {.max_num_seqs = 4, .max_num_batched_tokens = 64, .max_step_cost = COST,
-                           .cache_tokens = 1024, .block_size = 16, .no_prefix_cache = true};
+    k3_engine_options o = {.max_num_seqs = 4,
+                           .max_num_batched_tokens = 64,
+                           .max_step_cost = COST,
+                           .cache_tokens = 1024,
+                           .block_size = 16,
+                           .no_prefix_cache = true};
     k3_engine *e = open_engine(m, &o);
     REQUIRE(e);
     memset(tog, 0, sizeof tog);
@@ -328,8 +346,12 @@ static void prefix_run_kv(const k3_model *m, k3_kv_type kv, int stride, int64_t 
     const int V = (int)m->cfg.vocab_size;
     int32_t base[120], p[120];
     make_ids(base, 120, V, 1);
-    k3_engine_options o = {.max_num_seqs = 4, .cache_tokens = 1024, .block_size = 16, .snapshot_stride = stride,
-                           .snapshot_bytes = snap_bytes, .kv_cache = kv};
+    k3_engine_options o = {.max_num_seqs = 4,
+                           .cache_tokens = 1024,
+                           .block_size = 16,
+                           .snapshot_stride = stride,
+                           .snapshot_bytes = snap_bytes,
+                           .kv_cache = kv};
     k3_engine *e = open_engine(m, &o);
     if (!e) return;
     for (int i = 0; i < n; i++) {
@@ -479,7 +501,8 @@ K3_TEST(sched_preempted_equals_never_preempted) {
     for (int i = 0; i < N; i++) {
         pre += tog[i].preempted;
         CHECKF(same_tokens(&tog[i], &alone[i]), "request %d (preempted %d times) differs", i, tog[i].preempted);
-        CHECKF(lp_diff(&tog[i], &alone[i]) <= 1e-5, "request %d: logprobs differ by %.3g", i, lp_diff(&tog[i], &alone[i]));
+        CHECKF(lp_diff(&tog[i], &alone[i]) <= 1e-5, "request %d: logprobs differ by %.3g", i,
+               lp_diff(&tog[i], &alone[i]));
     }
     CHECK(pre == st.n_preemptions);
     CHECK(k3_engine_blocks_free(e) == st.blocks_total);
@@ -536,8 +559,7 @@ K3_TEST(sched_stop_ids_and_min_tokens) {
     const int32_t stop = free_run.tok[3];
     int first = 0;
     while (free_run.tok[first] != stop) first++;
-    k3_engine_options o = {.max_num_seqs = 2, .cache_tokens = 512, .block_size = 16, .eos_ids = &stop,
-                           .n_eos_ids = 1};
+    k3_engine_options o = {.max_num_seqs = 2, .cache_tokens = 512, .block_size = 16, .eos_ids = &stop, .n_eos_ids = 1};
     k3_engine *e = open_engine(m, &o);
     REQUIRE(e);
     k3_request_params p = {.prompt = ids, .n_prompt = 30, .max_tokens = 10, .logprobs = -1, .prompt_logprobs = -1};
@@ -669,8 +691,12 @@ K3_TEST(sched_stress_random) {
     k3_model *m = open_model("tests/models/tiny");
     REQUIRE(m);
     const int V = (int)m->cfg.vocab_size;
-    k3_engine_options o = {.max_num_seqs = 4, .max_num_batched_tokens = 24, .cache_tokens = 64, .block_size = 8,
-                           .snapshot_stride = 1, .snapshot_bytes = 3 * 262656};
+    k3_engine_options o = {.max_num_seqs = 4,
+                           .max_num_batched_tokens = 24,
+                           .cache_tokens = 64,
+                           .block_size = 8,
+                           .snapshot_stride = 1,
+                           .snapshot_bytes = 3 * 262656};
     k3_engine *e = open_engine(m, &o);
     REQUIRE(e);
     enum { MAXR = 600 };
@@ -691,10 +717,15 @@ K3_TEST(sched_stress_random) {
             const int n = 1 + (int)(RAND() % 40);
             memcpy(p, base_prompt, sizeof p); /* shared prefixes of varying length */
             for (int i = (int)(RAND() % 40); i < n; i++) p[i] = (int32_t)(RAND() % (unsigned)V);
-            k3_request_params q = {.prompt = p, .n_prompt = n, .max_tokens = (int32_t)(RAND() % 30),
-                                   .logprobs = (int32_t)(RAND() % 3) - 1, .prompt_logprobs = RAND() % 8 ? -1 : 1};
+            k3_request_params q = {.prompt = p,
+                                   .n_prompt = n,
+                                   .max_tokens = (int32_t)(RAND() % 30),
+                                   .logprobs = (int32_t)(RAND() % 3) - 1,
+                                   .prompt_logprobs = RAND() % 8 ? -1 : 1};
             if (q.logprobs >= 0 && q.prompt_logprobs >= 0) q.logprobs = q.prompt_logprobs;
-            q.sampling = (k3_sampler_options){.temperature = (float)(RAND() % 2), .top_p = 1, .repeat_penalty = 1,
+            q.sampling = (k3_sampler_options){.temperature = (float)(RAND() % 2),
+                                              .top_p = 1,
+                                              .repeat_penalty = 1,
                                               .seed = RAND()};
             uint64_t id;
             k3_err_clear(&err);
@@ -754,7 +785,10 @@ typedef struct {
 static void *submitter(void *p) {
     thread_arg *a = p;
     for (int i = 0; i < 40; i++) {
-        k3_request_params q = {.prompt = a->ids + i, .n_prompt = 10 + i % 7, .max_tokens = 6, .logprobs = -1,
+        k3_request_params q = {.prompt = a->ids + i,
+                               .n_prompt = 10 + i % 7,
+                               .max_tokens = 6,
+                               .logprobs = -1,
                                .prompt_logprobs = -1};
         q.sampling = (k3_sampler_options){.top_p = 1, .repeat_penalty = 1};
         k3_error err = {0};
@@ -794,7 +828,9 @@ K3_TEST(sched_submit_cancel_from_another_thread) {
         k3_engine_stats st;
         k3_engine_get_stats(e, &st);
         if (st.requests_finished[K3_FINISH_LENGTH] + st.requests_finished[K3_FINISH_CANCELLED] +
-                    st.requests_finished[K3_FINISH_STOP] == 40 && !k3_engine_has_work(e))
+                    st.requests_finished[K3_FINISH_STOP] ==
+                40 &&
+            !k3_engine_has_work(e))
             break;
         if (k3_now() - t0 > 30) break;
     }
@@ -861,7 +897,10 @@ K3_TEST(sched_bad_requests_and_configs) {
     k3_engine_options tiny_budget = {.max_num_batched_tokens = 8, .block_size = 16, .cache_tokens = 256};
     k3_err_clear(&err);
     CHECK(k3_engine_open(&e, m, &tiny_budget, &err) == K3_ERR_RANGE);
-    k3_engine_options starve = {.max_num_seqs = 32, .max_num_batched_tokens = 16, .block_size = 16, .cache_tokens = 256};
+    k3_engine_options starve = {.max_num_seqs = 32,
+                                .max_num_batched_tokens = 16,
+                                .block_size = 16,
+                                .cache_tokens = 256};
     k3_err_clear(&err);
     CHECK(k3_engine_open(&e, m, &starve, &err) == K3_ERR_RANGE && strstr(err.msg, "max_num_seqs"));
     /* defaults open, and the model length is capped by the pool */
@@ -884,7 +923,7 @@ K3_TEST(kv_blocks_lru_and_index) {
     int32_t t[2] = {1, 2}, u[2] = {3, 4};
     const uint64_t seed = k3_kv_hash_seed(0, 2, 0);
     const uint64_t h1 = k3_kv_hash_block(seed, 0, t, 2), h2 = k3_kv_hash_block(h1, 0, u, 2);
-    CHECK(h1 != k3_kv_hash_block(seed, 7, t, 2)); /* the extra key counts */
+    CHECK(h1 != k3_kv_hash_block(seed, 7, t, 2));                     /* the extra key counts */
     CHECK(h1 != k3_kv_hash_block(k3_kv_hash_seed(1, 2, 0), 0, t, 2)); /* and the salt */
     const int32_t a = k3_kv_alloc(&bm), b = k3_kv_alloc(&bm);
     CHECK(a == 0 && b == 1 && bm.n_free == 2);
@@ -945,7 +984,11 @@ K3_TEST(sched_prefix_extra_keys) {
     const uint64_t *keys[4] = {ka, kb, ka, NULL};
     int64_t cached[4];
     for (int i = 0; i < 4; i++) {
-        k3_request_params p = {.prompt = ids, .n_prompt = 80, .max_tokens = 2, .logprobs = -1, .prompt_logprobs = -1,
+        k3_request_params p = {.prompt = ids,
+                               .n_prompt = 80,
+                               .max_tokens = 2,
+                               .logprobs = -1,
+                               .prompt_logprobs = -1,
                                .extra_keys = keys[i]};
         p.sampling = (k3_sampler_options){.top_p = 1, .repeat_penalty = 1};
         uint64_t id;
@@ -1056,15 +1099,22 @@ K3_TEST(ctx_capture_state_mid_chunk) {
  * (the chosen id is in the mask: the grammar accepts it). */
 static void grammar_solo(const k3_model *m, const int32_t *eos, int n_eos, k3_grammar *g, const int32_t *ids, int n,
                          float temp, uint64_t seed, result *out) {
-    k3_engine_options o = {.max_num_seqs = 1, .cache_tokens = 1024, .block_size = 16, .no_prefix_cache = true,
-                           .eos_ids = eos, .n_eos_ids = n_eos};
+    k3_engine_options o = {.max_num_seqs = 1,
+                           .cache_tokens = 1024,
+                           .block_size = 16,
+                           .no_prefix_cache = true,
+                           .eos_ids = eos,
+                           .n_eos_ids = n_eos};
     k3_engine *e = open_engine(m, &o);
     if (!e) return;
     memset(out, 0, sizeof *out);
-    k3_request_params p = {.prompt = ids, .n_prompt = n, .max_tokens = 40, .logprobs = NTOP, .prompt_logprobs = -1,
-                           .grammar = g};
-    p.sampling = (k3_sampler_options){.temperature = temp, .top_k = temp > 0 ? 40 : 0, .top_p = 1.0f,
-                                      .repeat_penalty = 1.0f, .seed = seed};
+    k3_request_params p =
+        {.prompt = ids, .n_prompt = n, .max_tokens = 40, .logprobs = NTOP, .prompt_logprobs = -1, .grammar = g};
+    p.sampling = (k3_sampler_options){.temperature = temp,
+                                      .top_k = temp > 0 ? 40 : 0,
+                                      .top_p = 1.0f,
+                                      .repeat_penalty = 1.0f,
+                                      .seed = seed};
     uint64_t id = 0;
     k3_error err = {0};
     if (k3_engine_submit(e, &p, &id, &err)) k3_test_fail(__FILE__, __LINE__, "submit: %s", err.msg);
@@ -1095,17 +1145,23 @@ K3_TEST(sched_grammar_constrained) {
         grammar_solo(m, eos, n_eos, g, ids[i], 46, i % 2 ? 1.0f : 0, 3 + i, &alone[i]);
     }
     /* 7 blocks of 16 for four requests of 46 + a few tokens (3 blocks each, then 4): preemptions */
-    k3_engine_options o = {.max_num_seqs = 4, .cache_tokens = 64 + 48, .block_size = 16, .eos_ids = eos,
+    k3_engine_options o = {.max_num_seqs = 4,
+                           .cache_tokens = 64 + 48,
+                           .block_size = 16,
+                           .eos_ids = eos,
                            .n_eos_ids = n_eos};
     k3_engine *e = open_engine(m, &o);
     REQUIRE(e);
     memset(tog, 0, sizeof tog);
     uint64_t base = 0;
     for (int i = 0; i < N; i++) {
-        k3_request_params p = {.prompt = ids[i], .n_prompt = 46, .max_tokens = 40, .logprobs = NTOP,
-                               .prompt_logprobs = -1, .grammar = g};
-        p.sampling = (k3_sampler_options){.temperature = i % 2 ? 1.0f : 0, .top_k = i % 2 ? 40 : 0, .top_p = 1.0f,
-                                          .repeat_penalty = 1.0f, .seed = 3 + (uint64_t)i};
+        k3_request_params p =
+            {.prompt = ids[i], .n_prompt = 46, .max_tokens = 40, .logprobs = NTOP, .prompt_logprobs = -1, .grammar = g};
+        p.sampling = (k3_sampler_options){.temperature = i % 2 ? 1.0f : 0,
+                                          .top_k = i % 2 ? 40 : 0,
+                                          .top_p = 1.0f,
+                                          .repeat_penalty = 1.0f,
+                                          .seed = 3 + (uint64_t)i};
         uint64_t id = 0;
         CHECK(k3_engine_submit(e, &p, &id, &err) == K3_OK);
         if (!i) base = id;
@@ -1136,7 +1192,7 @@ K3_TEST(sched_grammar_constrained) {
         size_t k = 0;
         while (k < len && text[k] >= 'a' && text[k] <= 'z') k++;
         ok = ok && k >= 3 && k <= 6 && k + 3 == len && text[k] == '-' && text[k + 1] >= '0' && text[k + 1] <= '9' &&
-             text[k + 2] >= '0' && text[k + 2] <= '9';
+            text[k + 2] >= '0' && text[k + 2] <= '9';
         CHECKF(ok, "request %d: '%.*s' does not match", i, (int)len, text);
         /* the masked row's logprobs: the chosen token is among the most likely allowed */
         for (int t = 0; t < tog[i].n; t++) CHECK(tog[i].lp[t] <= 0 && tog[i].lp[t] > -1e30f);

@@ -235,8 +235,11 @@ K3_TEST(sched_unit_prefix_hits) {
     /* KDA snapshots every 2 blocks and at the prompt's end: a hit is cut
      * back to the last boundary with a snapshot, and the junction where the
      * new prompt leaves the cached one becomes a snapshot point */
-    fake_open(&f, (k3_sched_config){.max_seqs = 4, .max_num_batched_tokens = 256, .prefix_cache = true,
-                                    .snapshot_stride = 2},
+    fake_open(&f,
+              (k3_sched_config){.max_seqs = 4,
+                                .max_num_batched_tokens = 256,
+                                .prefix_cache = true,
+                                .snapshot_stride = 2},
               64, 256, 1 << 20);
     fake_add(&f, 100, 100, 1, 0); /* snapshots at 32, 64 and 96 (the last full block) */
     fake_run(&f, 10);
@@ -274,7 +277,8 @@ K3_TEST(sched_unit_step_cost_guard) {
         if (decoding && chunk > 0 && c0 + chunk < 200) {
             double cost = 0;
             for (int64_t p = c0; p < c0 + chunk; p++) cost += 1.0 + (double)p / 32;
-            CHECKF(cost <= 12 - 3 + 1e-9, "a chunk of %lld tokens costing %.2f beside 3 decodes", (long long)chunk, cost);
+            CHECKF(cost <= 12 - 3 + 1e-9, "a chunk of %lld tokens costing %.2f beside 3 decodes", (long long)chunk,
+                   cost);
             held++;
             inside += (c0 + chunk) % BS != 0;
         }

@@ -158,8 +158,7 @@ K3_TEST(server_http_routes_and_errors) {
     CHECK(post(port, "/detokenize", db, strlen(db), NULL, resp, sizeof resp) == 200 &&
           strstr(resp, "\"prompt\":\"Hello world\""));
     const char *dbad = "{\"tokens\":[1,99999]}";
-    CHECK(post(port, "/detokenize", dbad, strlen(dbad), NULL, resp, sizeof resp) == 400 &&
-          strstr(resp, "tokens[1]"));
+    CHECK(post(port, "/detokenize", dbad, strlen(dbad), NULL, resp, sizeof resp) == 400 && strstr(resp, "tokens[1]"));
     /* malformed JSON, bad UTF-8, not an object, too deep, no body */
     const char *bads[] = {"{\"prompt\":", "{\"prompt\":\"\xC3\x28\"}", "[1,2]", "", NULL};
     for (int i = 0; bads[i]; i++)
@@ -212,8 +211,10 @@ K3_TEST(server_http_api_key) {
     send(fd, h, strlen(h), MSG_NOSIGNAL);
     const double t0 = now_s();
     const long n = read_all(fd, resp, sizeof resp, 5000);
-    CHECKF(n > 12 && atoi(resp + 9) == 401 && now_s() - t0 < 2.0, "unauthenticated body: %ld bytes after %.1f s: %.80s",
-           n, now_s() - t0, n > 0 ? resp : "");
+    CHECKF(n > 12 && atoi(resp + 9) == 401 &&
+                   now_s() - t0<2.0, "unauthenticated body: %ld bytes after %.1f s: %.80s", n, now_s() - t0, n> 0
+               ? resp
+               : "");
     close(fd);
     /* with the key the body is read (the route then answers: no engine) */
     const char *cb = "{\"prompt\":\"x\"}";
@@ -374,7 +375,7 @@ K3_TEST(server_http_deadlines_and_connection_limit) {
     bool idle = false;
     for (int tries = 0; tries < 100 && !idle; tries++) {
         idle = get(port, "/metrics", NULL, resp, sizeof resp) == 200 &&
-               strstr(resp, "k3:http_connections{model_name=\"tiny\"} 1\n");
+            strstr(resp, "k3:http_connections{model_name=\"tiny\"} 1\n");
         usleep(50 * 1000);
     }
     CHECK(idle);
@@ -416,8 +417,8 @@ K3_TEST(server_http_deadlines_and_connection_limit) {
     for (int i = LIMIT; i < NC; i++) {
         const int c = fds[i] >= 0 ? status_of(fds[i], 3000) : -1;
         n_busy += c == 503;
-        n_shaped += c == 503 && strstr(resp, "Retry-After: 1") && strstr(resp, "\"type\":\"ServiceUnavailableError\"") &&
-                    strstr(resp, "limit");
+        n_shaped += c == 503 && strstr(resp, "Retry-After: 1") &&
+            strstr(resp, "\"type\":\"ServiceUnavailableError\"") && strstr(resp, "limit");
     }
     CHECKF(n_busy == NC - LIMIT && n_shaped == n_busy, "%d of %d over the limit got 503 (%d shaped)", n_busy,
            NC - LIMIT, n_shaped);
@@ -449,7 +450,8 @@ K3_TEST(server_http_slowloris) {
     const int port = k3_server_port(s);
     enum { NT = 24, ROUNDS = 10 };
     int fds[NT], sent[NT];
-    static const char req[] = "GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
+    static const char req[] =
+        "GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
     for (int i = 0; i < NT; i++) fds[i] = dial(port), sent[i] = 0;
     int served = 0, reconnects = 0;
     for (int round = 0; round < ROUNDS; round++) {
@@ -544,14 +546,14 @@ K3_TEST(server_http_cors) {
           strstr(resp, "Access-Control-Allow-Methods: GET, POST, OPTIONS") &&
           strstr(resp, "Access-Control-Allow-Headers: authorization, content-type") &&
           strstr(resp, "Access-Control-Max-Age"));
-    CHECK(get(port, "/v1/models", "Origin: http://other.example\r\nAuthorization: Bearer k\r\n", resp,
-              sizeof resp) == 200 &&
+    CHECK(get(port, "/v1/models", "Origin: http://other.example\r\nAuthorization: Bearer k\r\n", resp, sizeof resp) ==
+              200 &&
           strstr(resp, "Access-Control-Allow-Origin: http://other.example") && strstr(resp, "Vary: Origin"));
     /* errors carry it too, so the page can read them */
     CHECK(get(port, "/v1/models", "Origin: http://app.example\r\n", resp, sizeof resp) == 401 &&
           strstr(resp, "Access-Control-Allow-Origin: http://app.example"));
-    CHECK(get(port, "/v1/models", "Origin: http://evil.example\r\nAuthorization: Bearer k\r\n", resp,
-              sizeof resp) == 403);
+    CHECK(get(port, "/v1/models", "Origin: http://evil.example\r\nAuthorization: Bearer k\r\n", resp, sizeof resp) ==
+          403);
     k3_server_stop(s);
     o = opts(tok, NULL, 5, 64);
     o.allowed_origins = "*";

@@ -44,17 +44,19 @@ static void on_delta(k3_srv_job *j, const k3_item *it, int i, const char *p, siz
 static void on_close(k3_srv_job *j, const k3_item *it, int i, const k3_chat_reply *r, json_t *calls, bool last) {
     if (i >= MAX_EV) return;
     const char *t = it->kind == K3_ITEM_REASONING ? r->reasoning
-                    : it->kind == K3_ITEM_TEXT    ? r->content
-                                                  : json_string_value(json_object_get(
-                                                        json_object_get(json_array_get(calls, (size_t)it->call),
-                                                                        "function"),
-                                                        "arguments"));
+        : it->kind == K3_ITEM_TEXT
+        ? r->content
+        : json_string_value(
+              json_object_get(json_object_get(json_array_get(calls, (size_t)it->call), "function"), "arguments"));
     snprintf(g_rec.closed[i], sizeof g_rec.closed[i], "%s", t ? t : "");
     g_rec.n_close++;
     if (last) g_rec.last_flags++, g_rec.last_closed = i;
 }
 
-static const k3_items_ops ops = {.prefix = {"rs_", "msg_", "fc_"}, .open = on_open, .delta = on_delta, .close = on_close};
+static const k3_items_ops ops = {.prefix = {"rs_", "msg_", "fc_"},
+                                 .open = on_open,
+                                 .delta = on_delta,
+                                 .close = on_close};
 
 static const char REPLY[] =
     "Let me see.<|close|>think<|sep|><|open|>response<|sep|>Sure, two calls.<|close|>response<|sep|>"

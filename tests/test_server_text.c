@@ -35,9 +35,13 @@ K3_TEST(server_utf8_valid_and_repair) {
     CHECK(!k3_utf8_valid("a\0b", 3));
     CHECK(!k3_utf8_valid("\xC0\xAF", 2)); /* overlong */
     size_t n;
-    char *r = k3_utf8_repair("a\xFF" "b\xE2\x82", 5, &n);
+    char *r = k3_utf8_repair("a\xFF"
+                             "b\xE2\x82",
+                             5, &n);
     REQUIRE(r);
-    CHECK(!strcmp(r, "a\xEF\xBF\xBD" "b\xEF\xBF\xBD\xEF\xBF\xBD"));
+    CHECK(!strcmp(r,
+                  "a\xEF\xBF\xBD"
+                  "b\xEF\xBF\xBD\xEF\xBF\xBD"));
     CHECK(n == strlen(r));
     CHECK(k3_utf8_valid(r, n));
     free(r);
@@ -118,12 +122,11 @@ K3_TEST(server_metrics_histogram_text) {
  * message has the parsed tool calls (arguments as JSON strings) and says so;
  * a call whose argument is not what its type says is an error, not text. */
 K3_TEST(server_chat_message_tool_calls) {
-    const char *text =
-        "Need a tool.<|close|>think<|sep|><|open|>response<|sep|><|close|>response<|sep|>"
-        "<|open|>tools<|sep|><|open|>call tool=\"get_weather\" index=\"1\"<|sep|>"
-        "<|open|>argument key=\"city\" type=\"string\"<|sep|>Paris<|close|>argument<|sep|>"
-        "<|open|>argument key=\"days\" type=\"number\"<|sep|>3<|close|>argument<|sep|>"
-        "<|close|>call<|sep|><|close|>tools<|sep|><|close|>message<|sep|>";
+    const char *text = "Need a tool.<|close|>think<|sep|><|open|>response<|sep|><|close|>response<|sep|>"
+                       "<|open|>tools<|sep|><|open|>call tool=\"get_weather\" index=\"1\"<|sep|>"
+                       "<|open|>argument key=\"city\" type=\"string\"<|sep|>Paris<|close|>argument<|sep|>"
+                       "<|open|>argument key=\"days\" type=\"number\"<|sep|>3<|close|>argument<|sep|>"
+                       "<|close|>call<|sep|><|close|>tools<|sep|><|close|>message<|sep|>";
     bool tools = false;
     k3_error err = {0};
     json_t *m = k3_srv_chat_message(text, strlen(text), true, &tools, &err);
@@ -167,17 +170,17 @@ K3_TEST(server_chat_message_tool_calls) {
  * name from the first, the arguments concatenated), equal the tool calls
  * of the whole reply; the arguments arrive in pieces, not at the end. */
 K3_TEST(server_tool_calls_stream_incrementally) {
-    const char *text_lit =
-        "Two tools.<|close|>think<|sep|><|open|>response<|sep|><|close|>response<|sep|>"
-        "<|open|>tools<|sep|><|open|>call tool=\"get_weather\" index=\"1\"<|sep|>"
-        "<|open|>argument key=\"city\" type=\"string\"<|sep|>Paris, \"la ville\"\nlumi\xC3\xA8re<|close|>argument<|sep|>"
-        "<|open|>argument key=\"days\" type=\"number\"<|sep|>3<|close|>argument<|sep|>"
-        "<|close|>call<|sep|>"
-        "<|open|>call tool=\"lookup\" index=\"2\"<|sep|>"
-        "<|open|>json type=\"object\"<|sep|>{\"q\":[1,2],\"deep\":{\"x\":null}}<|close|>json<|sep|>"
-        "<|close|>call<|sep|>"
-        "<|open|>call tool=\"noargs\" index=\"3\"<|sep|><|close|>call<|sep|>"
-        "<|close|>tools<|sep|><|close|>message<|sep|>";
+    const char *text_lit = "Two tools.<|close|>think<|sep|><|open|>response<|sep|><|close|>response<|sep|>"
+                           "<|open|>tools<|sep|><|open|>call tool=\"get_weather\" index=\"1\"<|sep|>"
+                           "<|open|>argument key=\"city\" type=\"string\"<|sep|>Paris, \"la "
+                           "ville\"\nlumi\xC3\xA8re<|close|>argument<|sep|>"
+                           "<|open|>argument key=\"days\" type=\"number\"<|sep|>3<|close|>argument<|sep|>"
+                           "<|close|>call<|sep|>"
+                           "<|open|>call tool=\"lookup\" index=\"2\"<|sep|>"
+                           "<|open|>json type=\"object\"<|sep|>{\"q\":[1,2],\"deep\":{\"x\":null}}<|close|>json<|sep|>"
+                           "<|close|>call<|sep|>"
+                           "<|open|>call tool=\"noargs\" index=\"3\"<|sep|><|close|>call<|sep|>"
+                           "<|close|>tools<|sep|><|close|>message<|sep|>";
     char *text = strdup(text_lit); /* on the heap: the cut loop below reads it by index */
     REQUIRE(text);
     const size_t len = strlen(text);
@@ -242,8 +245,8 @@ K3_TEST(server_tool_calls_stream_incrementally) {
         if (!done) k3_chat_partial_call_free(&part);
         k3_chat_reply_free(&r);
     }
-    printf("    3 tool calls streamed: call 1's arguments in %d fragments, %d of them before the call closed\n", n_frag0,
-           frag0_before_close);
+    printf("    3 tool calls streamed: call 1's arguments in %d fragments, %d of them before the call closed\n",
+           n_frag0, frag0_before_close);
     CHECK(bad_entries == 0);
     CHECKF(n_calls == 3, "%d calls streamed", n_calls);
     CHECKF(n_frag0 >= 10 && frag0_before_close >= 10, "call 1's arguments came in %d fragments (%d before it closed)",
@@ -277,7 +280,8 @@ K3_TEST(server_tool_calls_stream_incrementally) {
     json_t *d = json_array();
     CHECK(k3_srv_tool_deltas(&t2, &r, NULL, d, &err) == K3_OK && json_array_size(d) == 2);
     json_decref(d);
-    r.tool_calls_json = "[{\"id\":\"x\",\"type\":\"function\",\"function\":{\"name\":\"f\",\"arguments\":\"{\\\"b\\\": 1}\"}}]";
+    r.tool_calls_json =
+        "[{\"id\":\"x\",\"type\":\"function\",\"function\":{\"name\":\"f\",\"arguments\":\"{\\\"b\\\": 1}\"}}]";
     d = json_array();
     CHECK(k3_srv_tool_deltas(&t2, &r, NULL, d, &err) == K3_ERR_FORMAT && strstr(err.msg, "prefix"));
     json_decref(d);

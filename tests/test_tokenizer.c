@@ -52,7 +52,10 @@ static int32_t *parse_ints(const char *s, size_t *n) {
     while (v && *s) {
         char *end;
         long x = strtol(s, &end, 10);
-        if (end == s) { s++; continue; }
+        if (end == s) {
+            s++;
+            continue;
+        }
         if (*n == cap) v = realloc(v, (cap *= 2) * sizeof *v);
         if (v) v[(*n)++] = (int32_t)x;
         s = end;
@@ -76,8 +79,7 @@ static char **read_cases(void) {
     for (char *p = s; *p; p++) n += *p == '\n';
     char **names = calloc(n + 1, sizeof *names);
     size_t i = 0;
-    for (char *tok = strtok(s, "\n"); tok && i < n; tok = strtok(NULL, "\n"))
-        names[i++] = strdup(tok);
+    for (char *tok = strtok(s, "\n"); tok && i < n; tok = strtok(NULL, "\n")) names[i++] = strdup(tok);
     free(s);
     return names;
 }
@@ -91,18 +93,21 @@ static k3_tokenizer *open_file(const char *rel, k3_pattern pat) {
     k3_tokenizer *t = NULL;
     k3_error err = {0};
     if (k3_tokenizer_open_file(&t, rel, pat, &err) != K3_OK)
-        k3_test_fail(__FILE__, __LINE__, "%s (the rank files are committed in data/tokenizers: "
-                     "`git checkout -- data/tokenizers`)", err.msg);
+        k3_test_fail(__FILE__, __LINE__,
+                     "%s (the rank files are committed in data/tokenizers: "
+                     "`git checkout -- data/tokenizers`)",
+                     err.msg);
     return t;
 }
 
 static k3_tokenizer *open_kimi(void) {
     k3_tokenizer *t = NULL;
     k3_error err = {0};
-    if (k3_tokenizer_open_paths(&t, O200K, KIMI_CONFIG,
-                                K3_PATTERN_KIMI, &err) != K3_OK)
-        k3_test_fail(__FILE__, __LINE__, "%s (the rank files are committed in data/tokenizers: "
-                     "`git checkout -- data/tokenizers`)", err.msg);
+    if (k3_tokenizer_open_paths(&t, O200K, KIMI_CONFIG, K3_PATTERN_KIMI, &err) != K3_OK)
+        k3_test_fail(__FILE__, __LINE__,
+                     "%s (the rank files are committed in data/tokenizers: "
+                     "`git checkout -- data/tokenizers`)",
+                     err.msg);
     return t;
 }
 
@@ -120,7 +125,11 @@ static size_t check_goldens(const k3_tokenizer *t, const char *suffix) {
         snprintf(path, sizeof path, GOLDEN "%s.%s.ids", *name, suffix);
         int32_t *want = read_ints(path, &n_want);
         CHECKF(text && want, "cannot read golden %s", path);
-        if (!text || !want) { free(text); free(want); continue; }
+        if (!text || !want) {
+            free(text);
+            free(want);
+            continue;
+        }
         int32_t *got = NULL;
         char *back = NULL;
         k3_error err = {0};
@@ -129,12 +138,10 @@ static size_t check_goldens(const k3_tokenizer *t, const char *suffix) {
         if (st == K3_OK) {
             size_t i = 0;
             while (i < n_got && i < n_want && got[i] == want[i]) i++;
-            CHECKF(i == n_got && i == n_want,
-                   "%s.%s: first difference at token %zu of %zu/%zu (got %d, want %d)", *name,
-                   suffix, i, n_got, n_want, i < n_got ? got[i] : -1, i < n_want ? want[i] : -1);
+            CHECKF(i == n_got && i == n_want, "%s.%s: first difference at token %zu of %zu/%zu (got %d, want %d)",
+                   *name, suffix, i, n_got, n_want, i < n_got ? got[i] : -1, i < n_want ? want[i] : -1);
             st = k3_tokenizer_decode(t, got, n_got, &back, &out_len, &err);
-            CHECKF(st == K3_OK && out_len == len && !memcmp(back, text, len),
-                   "%s: decode(encode(x)) != x", *name);
+            CHECKF(st == K3_OK && out_len == len && !memcmp(back, text, len), "%s: decode(encode(x)) != x", *name);
             total += n_got;
         }
         free(back);
@@ -151,8 +158,7 @@ static char *vocab_text(const char *extra) {
     static const char b64[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
     size_t n = 256 * 16 + strlen(extra) + 1;
     char *s = malloc(n), *p = s;
-    for (int c = 0; c < 256; c++)
-        p += sprintf(p, "%c%c== %d\n", b64[c >> 2], b64[(c & 3) << 4], c);
+    for (int c = 0; c < 256; c++) p += sprintf(p, "%c%c== %d\n", b64[c >> 2], b64[(c & 3) << 4], c);
     strcpy(p, extra);
     return s;
 }
@@ -257,8 +263,7 @@ K3_TEST(tokenizer_kimi_split_golden) {
             CHECKF(l.gap == 0 && l.at == len, "%s: pieces do not cover the text", *name);
             size_t i = 0;
             while (i < l.n && i < n_want && l.len[i] == want[i]) i++;
-            CHECKF(i == l.n && i == n_want,
-                   "%s: first different piece %zu of %zu/%zu (len %d, want %d)", *name, i, l.n,
+            CHECKF(i == l.n && i == n_want, "%s: first different piece %zu of %zu/%zu (len %d, want %d)", *name, i, l.n,
                    n_want, i < l.n ? l.len[i] : -1, i < n_want ? want[i] : -1);
             free(l.len);
         }
@@ -274,18 +279,19 @@ K3_TEST(tokenizer_pattern_classes) {
     k3_pretok *p = NULL;
     k3_error err = {0};
     REQUIRE(k3_pretok_init(&p, K3_PATTERN_KIMI, &err) == K3_OK);
-    struct { const char *text; size_t n_pieces; } cases[] = {
-        {"漢字。", 2},         /* 。 is Han only by Script_Extensions */
-        {"漢々〆", 2},         /* 々 is Script=Han, 〆 is Common */
-        {"x  \xe1\xa0\x8e", 3},  /* U+180E is not White_Space: x | " " | " U+180E" */
-        {"x  \n", 2},          /* "x" | "  \n" */
+    struct {
+        const char *text;
+        size_t n_pieces;
+    } cases[] = {
+        {"漢字。", 2},          /* 。 is Han only by Script_Extensions */
+        {"漢々〆", 2},          /* 々 is Script=Han, 〆 is Common */
+        {"x  \xe1\xa0\x8e", 3}, /* U+180E is not White_Space: x | " " | " U+180E" */
+        {"x  \n", 2},           /* "x" | "  \n" */
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         piece_list l = {.text = cases[i].text};
-        CHECK(k3_pretok_split(p, cases[i].text, strlen(cases[i].text), collect, &l, &err) ==
-              K3_OK);
-        CHECKF(l.n == cases[i].n_pieces, "\"%s\": %zu pieces, want %zu", cases[i].text, l.n,
-               cases[i].n_pieces);
+        CHECK(k3_pretok_split(p, cases[i].text, strlen(cases[i].text), collect, &l, &err) == K3_OK);
+        CHECKF(l.n == cases[i].n_pieces, "\"%s\": %zu pieces, want %zu", cases[i].text, l.n, cases[i].n_pieces);
         free(l.len);
     }
     k3_pretok_free(p);
@@ -335,8 +341,7 @@ K3_TEST(tokenizer_merge_paths_random) {
         CHECK(k3_bpe_encode_piece(&b, (const uint8_t *)s, n, &x, &err) == K3_OK);
         b.heap_min = SIZE_MAX;
         CHECK(k3_bpe_encode_piece(&b, (const uint8_t *)s, n, &y, &err) == K3_OK);
-        CHECKF(x.n == y.n && !memcmp(x.v, y.v, x.n * sizeof *x.v), "trial %d (n=%zu) differs",
-               trial, n);
+        CHECKF(x.n == y.n && !memcmp(x.v, y.v, x.n * sizeof *x.v), "trial %d (n=%zu) differs", trial, n);
         free(x.v);
         free(y.v);
     }
@@ -430,18 +435,15 @@ K3_TEST(tokenizer_chat_golden) {
         int32_t *ids = NULL;
         size_t n_ids;
         k3_error err = {0};
-        k3_status st = k3_chat_encode(t, m, n_msgs,
-                                      json_is_true(json_object_get(c, "add_generation_prompt")),
-                                      json_is_true(json_object_get(c, "thinking")),
-                                      &ids, &n_ids, &err);
+        k3_status st = k3_chat_encode(t, m, n_msgs, json_is_true(json_object_get(c, "add_generation_prompt")),
+                                      json_is_true(json_object_get(c, "thinking")), &ids, &n_ids, &err);
         CHECKF(st == K3_OK, "%s: %s", name, err.msg);
         size_t j = 0;
         while (st == K3_OK && j < n_ids && j < json_array_size(jids) &&
                ids[j] == json_integer_value(json_array_get(jids, j)))
             j++;
-        CHECKF(st == K3_OK && j == n_ids && j == json_array_size(jids),
-               "%s: first difference at id %zu of %zu/%zu", name, j, n_ids,
-               json_array_size(jids));
+        CHECKF(st == K3_OK && j == n_ids && j == json_array_size(jids), "%s: first difference at id %zu of %zu/%zu",
+               name, j, n_ids, json_array_size(jids));
         free(ids);
         free(m);
     }
@@ -478,17 +480,20 @@ K3_TEST(tokenizer_chat_errors) {
 K3_TEST(tokenizer_bad_utf8) {
     k3_tokenizer *t = open_file(O200K, K3_PATTERN_O200K);
     REQUIRE(t);
-    struct { const char *s; size_t len, at; } cases[] = {
-        {"ab\xC0\xAF", 4, 2},              /* overlong '/' */
-        {"\xE0\x80\xAF", 3, 0},            /* overlong, 3 bytes */
-        {"x\xF0\x80\x80\xAF", 5, 1},       /* overlong, 4 bytes */
-        {"x\xED\xA0\x80y", 5, 1},          /* surrogate U+D800 */
-        {"ok \xED\xBF\xBF", 6, 3},         /* surrogate U+DFFF */
-        {"abc\xE4\xB8", 5, 3},             /* truncated at the end */
-        {"abc\xE4\xB8z", 6, 3},            /* truncated in the middle */
-        {"\xF4\x90\x80\x80", 4, 0},        /* above U+10FFFF */
-        {"a\x80", 2, 1},                   /* lone continuation byte */
-        {"caf\xC3\xA9 \xFF", 7, 6},        /* 0xFF */
+    struct {
+        const char *s;
+        size_t len, at;
+    } cases[] = {
+        {"ab\xC0\xAF", 4, 2},        /* overlong '/' */
+        {"\xE0\x80\xAF", 3, 0},      /* overlong, 3 bytes */
+        {"x\xF0\x80\x80\xAF", 5, 1}, /* overlong, 4 bytes */
+        {"x\xED\xA0\x80y", 5, 1},    /* surrogate U+D800 */
+        {"ok \xED\xBF\xBF", 6, 3},   /* surrogate U+DFFF */
+        {"abc\xE4\xB8", 5, 3},       /* truncated at the end */
+        {"abc\xE4\xB8z", 6, 3},      /* truncated in the middle */
+        {"\xF4\x90\x80\x80", 4, 0},  /* above U+10FFFF */
+        {"a\x80", 2, 1},             /* lone continuation byte */
+        {"caf\xC3\xA9 \xFF", 7, 6},  /* 0xFF */
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         int32_t *ids = NULL;
@@ -497,20 +502,23 @@ K3_TEST(tokenizer_bad_utf8) {
         char want[64];
         snprintf(want, sizeof want, "byte %zu", cases[i].at);
         CHECKF(k3_tokenizer_encode(t, cases[i].s, cases[i].len, &ids, &n, &err) == K3_ERR_ARG &&
-               strstr(err.msg, want) && !ids, "case %zu: \"%s\"", i, err.msg);
+                   strstr(err.msg, want) && !ids,
+               "case %zu: \"%s\"", i, err.msg);
     }
     /* The largest valid sequences are fine, and so is NUL. */
     int32_t *ids = NULL;
     size_t n;
     k3_error err = {0};
-    CHECK(k3_tokenizer_encode(t, "\xF4\x8F\xBF\xBF\xED\x9F\xBF\xEE\x80\x80\0", 11, &ids, &n,
-                              &err) == K3_OK);
+    CHECK(k3_tokenizer_encode(t, "\xF4\x8F\xBF\xBF\xED\x9F\xBF\xEE\x80\x80\0", 11, &ids, &n, &err) == K3_OK);
     free(ids);
     k3_tokenizer_free(t);
 }
 
 K3_TEST(tokenizer_bad_vocab) {
-    struct { const char *extra; const char *want; } cases[] = {
+    struct {
+        const char *extra;
+        const char *want;
+    } cases[] = {
         {"QUI= 256\nQ!== 257\n", ":258: bad base64"},
         {"QUI= 256\nQUJD\n", ":258: expected"},
         {"QUI= 256\nQUJD 25x\n", ":258: rank is not a number"},
@@ -524,8 +532,8 @@ K3_TEST(tokenizer_bad_vocab) {
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         k3_bpe b;
         k3_error err = {0};
-        CHECKF(parse_vocab(cases[i].extra, &b, &err) == K3_ERR_FORMAT &&
-               strstr(err.msg, cases[i].want), "case %zu: \"%s\"", i, err.msg);
+        CHECKF(parse_vocab(cases[i].extra, &b, &err) == K3_ERR_FORMAT && strstr(err.msg, cases[i].want),
+               "case %zu: \"%s\"", i, err.msg);
         k3_bpe_free(&b);
     }
     /* No token for byte 0xFF. */
@@ -551,7 +559,8 @@ K3_TEST(tokenizer_decode_range) {
         size_t len;
         k3_error err = {0};
         CHECKF(k3_tokenizer_decode(t, bad[i], 2, &out, &len, &err) == K3_ERR_ARG && !out &&
-               strstr(err.msg, "position 1"), "%s", err.msg);
+                   strstr(err.msg, "position 1"),
+               "%s", err.msg);
     }
     k3_tokenizer_free(t);
 }
@@ -559,8 +568,8 @@ K3_TEST(tokenizer_decode_range) {
 K3_TEST(tokenizer_missing_and_bad_files) {
     k3_tokenizer *t = NULL;
     k3_error err = {0};
-    CHECK(k3_tokenizer_open_file(&t, "tests/golden/tokenizer/no-such.tiktoken",
-                                 K3_PATTERN_O200K, &err) == K3_ERR_IO && !t);
+    CHECK(k3_tokenizer_open_file(&t, "tests/golden/tokenizer/no-such.tiktoken", K3_PATTERN_O200K, &err) == K3_ERR_IO &&
+          !t);
     CHECK(strstr(err.msg, "no-such.tiktoken"));
     k3_error err2 = {0};
     CHECK(k3_tokenizer_open(&t, "tests/golden/tokenizer/no-such-dir", &err2) == K3_ERR_IO);
@@ -621,8 +630,8 @@ K3_TEST(tokenizer_missing_and_bad_files) {
 K3_TEST(tokenizer_roundtrip_random) {
     k3_tokenizer *t = open_kimi();
     REQUIRE(t);
-    static const uint32_t base[] = {0x20, 0x41, 0x61, 0x30, 0xC0, 0x300, 0x400, 0x600,
-                                    0x900, 0x3040, 0x4E00, 0xAC00, 0x1F600, 0x2000, 0xA, 0xD};
+    static const uint32_t base[] = {0x20,  0x41,   0x61,   0x30,   0xC0,    0x300,  0x400, 0x600,
+                                    0x900, 0x3040, 0x4E00, 0xAC00, 0x1F600, 0x2000, 0xA,   0xD};
     uint32_t seed = 7;
     for (int trial = 0; trial < 200; trial++) {
         char s[4096];

@@ -20,10 +20,11 @@
 #define VDIR "tests/models/vision-tiny"
 #define GDIR "tests/golden/vision"
 
-static const char *const images[] = {"rgb_200x130.png", "rgba_180x150.png", "grey_300x40.png", "photo_67x45.jpg",
-                                     "palette_170x101.png", "rgb_112x112.png", "dot_5x3.png",
-                                     "tall_60x400.png", "bw_130x90.png", "grey2bit_150x70.png", "greykey_120x100.png",
-                                     "la_140x95.png", "rgbkey_160x80.png", "grey_150x80.jpg"};
+static const char *const images[] = {"rgb_200x130.png",     "rgba_180x150.png",    "grey_300x40.png",
+                                     "photo_67x45.jpg",     "palette_170x101.png", "rgb_112x112.png",
+                                     "dot_5x3.png",         "tall_60x400.png",     "bw_130x90.png",
+                                     "grey2bit_150x70.png", "greykey_120x100.png", "la_140x95.png",
+                                     "rgbkey_160x80.png",   "grey_150x80.jpg"};
 enum { N_IMAGES = sizeof images / sizeof images[0] };
 
 typedef struct golden {
@@ -70,7 +71,8 @@ static void golden_close(golden *g) {
 
 static const k3_st_tensor *gt(const golden *g, const char *name, k3_dtype dt) {
     const k3_st_tensor *t = k3_st_get(g->st, name);
-    if (!t || t->dtype != dt) k3_test_fail(__FILE__, __LINE__, "golden tensor %s missing or not %s", name, k3_dtype_name(dt));
+    if (!t || t->dtype != dt)
+        k3_test_fail(__FILE__, __LINE__, "golden tensor %s missing or not %s", name, k3_dtype_name(dt));
     return t && t->dtype == dt ? t : NULL;
 }
 
@@ -95,7 +97,8 @@ typedef struct fixture {
 static bool fixture_open(fixture *f) {
     memset(f, 0, sizeof *f);
     k3_error err = {0};
-    if (k3_model_open(&f->m, VDIR, &err) || k3_vision_open(&f->v, f->m, &err) || k3_tokenizer_open(&f->tok, VDIR, &err)) {
+    if (k3_model_open(&f->m, VDIR, &err) || k3_vision_open(&f->v, f->m, &err) ||
+        k3_tokenizer_open(&f->tok, VDIR, &err)) {
         k3_test_fail(__FILE__, __LINE__, "open " VDIR ": %s", err.msg);
         return false;
     }
@@ -164,7 +167,8 @@ K3_TEST(vision_preprocess_official) {
         free(px);
         k3_image_free(im);
     }
-    printf("    processor: %d images (RGB, RGBA, LA, L, 1, 2-bit, grey/RGB keys, palette, JPEGs, 5x3, tall), pixel values max |diff| %.3g\n",
+    printf("    processor: %d images (RGB, RGBA, LA, L, 1, 2-bit, grey/RGB keys, palette, JPEGs, 5x3, tall), pixel "
+           "values max |diff| %.3g\n",
            N_IMAGES, worst);
 out:
     fixture_close(&f);
@@ -177,8 +181,8 @@ K3_TEST(vision_resize_plan_published) {
     k3_image_proc_defaults(&p);
     static const int32_t cases[][7] = {
         /* w, h, new_w, new_h, grid_h, grid_w, tokens */
-        {225, 223, 225, 223, 16, 18, 72},       {100, 100, 100, 100, 8, 8, 16},
-        {1024, 1024, 1024, 1024, 74, 74, 1369}, {1920, 1080, 1920, 1080, 78, 138, 2691},
+        {225, 223, 225, 223, 16, 18, 72},          {100, 100, 100, 100, 8, 8, 16},
+        {1024, 1024, 1024, 1024, 74, 74, 1369},    {1920, 1080, 1920, 1080, 78, 138, 2691},
         {4000, 3000, 4000, 3000, 216, 286, 15444}, {10000, 100, 7168, 71, 6, 512, 768},
         {8000, 8000, 3586, 3586, 258, 258, 16641}, {1861, 7041, 1850, 7002, 502, 134, 16817},
     };
@@ -245,7 +249,9 @@ K3_TEST(vision_tower_official) {
         snprintf(name, sizeof name, "tower.img%d", i);
         const k3_st_tensor *to = gt(&g, name, K3_DTYPE_F32);
         if (!tp || !tg || !to) continue;
-        k3_image_plan plan = {.grid_t = (int32_t)gi64(tg, 0), .grid_h = (int32_t)gi64(tg, 1), .grid_w = (int32_t)gi64(tg, 2)};
+        k3_image_plan plan = {.grid_t = (int32_t)gi64(tg, 0),
+                              .grid_h = (int32_t)gi64(tg, 1),
+                              .grid_w = (int32_t)gi64(tg, 2)};
         float *px = gf32(tp), *ref = gf32(to), *rows = NULL;
         if (k3_vision_encode_pixels(f.v, pool, px, &plan, &rows, &err)) {
             k3_test_fail(__FILE__, __LINE__, "%s", err.msg);
@@ -346,14 +352,13 @@ K3_TEST(vision_logits_official) {
         k3_image *im = load_image((int)gi64(tim, part));
         int32_t nr = 0;
         built = im && k3_vision_plan(f.v, k3_image_width(im), k3_image_height(im), &plans[part], &err) == K3_OK &&
-                k3_vision_encode(f.v, pool, im, &rows[part], &nr, &err) == K3_OK && nr == plans[part].n_tokens;
+            k3_vision_encode(f.v, pool, im, &rows[part], &nr, &err) == K3_OK && nr == plans[part].n_tokens;
         k3_image_free(im);
     }
     size_t k = 0;
     if (built)
-        built = k3_vision_splice(f.v, f.tok, txt, nt, at, plans, (const float *const *)rows, NULL, 2, &ids, &k, &emb, NULL,
-                                 &err) ==
-                K3_OK;
+        built = k3_vision_splice(f.v, f.tok, txt, nt, at, plans, (const float *const *)rows, NULL, 2, &ids, &k, &emb,
+                                 NULL, &err) == K3_OK;
     free(txt);
     REQUIREF(built && k == (size_t)n, "building the prompt: %s (%zu of %d ids)", err.msg, k, n);
     int same = 1;
@@ -409,7 +414,8 @@ K3_TEST(vision_text_logits_official) {
         k3_ctx_options o = {.max_seqs = 1, .cache_tokens = 64, .block_size = 16};
         float *lg = malloc(sizeof(float) * 1024 * (size_t)n), *ref = gf32(tl);
         k3_batch_seq b = {0, n, ids};
-        REQUIRE(k3_ctx_init(&ctx, m, &o, &err) == K3_OK && k3_ctx_forward(ctx, &b, 1, K3_LOGITS_ALL, lg, &err) == K3_OK);
+        REQUIRE(k3_ctx_init(&ctx, m, &o, &err) == K3_OK &&
+                k3_ctx_forward(ctx, &b, 1, K3_LOGITS_ALL, lg, &err) == K3_OK);
         const double e = k3_test_rel_l2(lg, ref, 1024 * (int64_t)n);
         CHECKF(e <= 1e-5, "text-only logits rel-L2 %.3g vs the official model", e);
         free(lg), free(ref);
@@ -461,7 +467,8 @@ K3_TEST(vision_bad_images) {
     CHECK(k3_image_decode(&im, b, n, 0, &err) != K3_OK && !im);
     k3_err_clear(&err);
     n = png_header(b, 20000, 20000); /* 4e8 pixels > the 8192^2 cap */
-    CHECKF(k3_image_decode(&im, b, n, 0, &err) == K3_ERR_RANGE && !im && strstr(err.msg, "over the limit"), "%s", err.msg);
+    CHECKF(k3_image_decode(&im, b, n, 0, &err) == K3_ERR_RANGE && !im && strstr(err.msg, "over the limit"), "%s",
+           err.msg);
     k3_err_clear(&err);
     n = png_header(b, 64, 64);
     CHECK(k3_image_decode(&im, b, n, 100, &err) == K3_ERR_RANGE && !im); /* a caller's own cap */
@@ -495,7 +502,8 @@ K3_TEST(vision_text_only_checkpoint) {
     k3_vision *v = NULL;
     k3_error err = {0};
     REQUIRE(k3_model_open(&m, "tests/models/tiny", &err) == K3_OK);
-    CHECKF(k3_vision_open(&v, m, &err) == K3_ERR_UNSUPPORTED && !v && strstr(err.msg, "no vision tower"), "%s", err.msg);
+    CHECKF(k3_vision_open(&v, m, &err) == K3_ERR_UNSUPPORTED && !v && strstr(err.msg, "no vision tower"), "%s",
+           err.msg);
     k3_model_close(m);
 }
 
@@ -550,7 +558,8 @@ static char *b64(const uint8_t *p, size_t n) {
     static const char A[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
     char *o = malloc(n / 3 * 4 + 8), *q = o;
     for (size_t i = 0; i < n; i += 3) {
-        const uint32_t v = (uint32_t)p[i] << 16 | (i + 1 < n ? (uint32_t)p[i + 1] << 8 : 0) | (i + 2 < n ? p[i + 2] : 0);
+        const uint32_t v =
+            (uint32_t)p[i] << 16 | (i + 1 < n ? (uint32_t)p[i + 1] << 8 : 0) | (i + 2 < n ? p[i + 2] : 0);
         *q++ = A[v >> 18 & 63], *q++ = A[v >> 12 & 63];
         *q++ = i + 1 < n ? A[v >> 6 & 63] : '=';
         *q++ = i + 2 < n ? A[v & 63] : '=';
@@ -575,11 +584,12 @@ K3_TEST(vision_data_url) {
     k3_image_free(im);
     im = NULL;
     /* refused: remote URLs, other types, bad or cut base64, no comma */
-    const char *bad[] = {"https://example.com/cat.png", "http://10.0.0.1/x.jpg", "file:///etc/passwd",
-                         "data:image/bmp;base64,Qk0AAAAA", "data:image/png,rawbytes", "data:image/png;base64,@@@@",
-                         "data:image/png;base64", "data:image/png;base64,iVBORw0KGgo"};
+    const char *bad[] = {"https://example.com/cat.png", "http://10.0.0.1/x.jpg",
+                         "file:///etc/passwd",          "data:image/bmp;base64,Qk0AAAAA",
+                         "data:image/png,rawbytes",     "data:image/png;base64,@@@@",
+                         "data:image/png;base64",       "data:image/png;base64,iVBORw0KGgo"};
     const k3_status want[] = {K3_ERR_UNSUPPORTED, K3_ERR_UNSUPPORTED, K3_ERR_UNSUPPORTED, K3_ERR_UNSUPPORTED,
-                              K3_ERR_UNSUPPORTED, K3_ERR_ARG, K3_ERR_ARG, K3_ERR_FORMAT};
+                              K3_ERR_UNSUPPORTED, K3_ERR_ARG,         K3_ERR_ARG,         K3_ERR_FORMAT};
     for (int i = 0; i < 8; i++) {
         k3_err_clear(&err);
         const k3_status s = k3_image_decode_url(&im, bad[i], strlen(bad[i]), 0, &err);
@@ -595,13 +605,26 @@ K3_TEST(vision_data_url) {
 
 /* tests/golden/vision/formats.safetensors (official_vision.py --formats): the
  * first frame as Pillow decodes it and the official processor's output. */
-static const char *const fmt_images[] = {
-    "webp_lossy_150x100.webp", "webp_lossless_90x70.webp", "webp_alpha_160x120.webp",
-    "webp_alpha_lossless_64x48.webp", "webp_anim_160x100.webp", "webp_anim_offset_140x100.webp",
-    "webp_anim_offset_rgb_140x100.webp", "gif_palette_170x100.gif", "gif_trns_150x100.gif", "gif_grey_250x40.gif",
-    "gif_anim_110x70.gif", "gif_offset_trns_150x100.gif", "gif_offset_local_120x80.gif", "gif_beyond_60x50.gif",
-    "gif_interlaced_53x37.gif", "gif_greykey_160x100.gif", "gif_nopalette_160x100.gif", "gif_local_ramp_90x50.gif",
-    "gif_short_palette_44x30.gif", "gif_noise_96x64.gif"};
+static const char *const fmt_images[] = {"webp_lossy_150x100.webp",
+                                         "webp_lossless_90x70.webp",
+                                         "webp_alpha_160x120.webp",
+                                         "webp_alpha_lossless_64x48.webp",
+                                         "webp_anim_160x100.webp",
+                                         "webp_anim_offset_140x100.webp",
+                                         "webp_anim_offset_rgb_140x100.webp",
+                                         "gif_palette_170x100.gif",
+                                         "gif_trns_150x100.gif",
+                                         "gif_grey_250x40.gif",
+                                         "gif_anim_110x70.gif",
+                                         "gif_offset_trns_150x100.gif",
+                                         "gif_offset_local_120x80.gif",
+                                         "gif_beyond_60x50.gif",
+                                         "gif_interlaced_53x37.gif",
+                                         "gif_greykey_160x100.gif",
+                                         "gif_nopalette_160x100.gif",
+                                         "gif_local_ramp_90x50.gif",
+                                         "gif_short_palette_44x30.gif",
+                                         "gif_noise_96x64.gif"};
 enum { N_FMT = sizeof fmt_images / sizeof fmt_images[0] };
 
 static bool fmt_golden_open(golden *g) {
@@ -667,8 +690,8 @@ K3_TEST(vision_formats_official) {
             continue;
         }
         CHECKF(plan.grid_t == gi64(tg, 0) && plan.grid_h == gi64(tg, 1) && plan.grid_w == gi64(tg, 2),
-               "%s: grid (%d,%d,%d), official (%lld,%lld,%lld)", fmt_images[i], plan.grid_t, plan.grid_h,
-               plan.grid_w, (long long)gi64(tg, 0), (long long)gi64(tg, 1), (long long)gi64(tg, 2));
+               "%s: grid (%d,%d,%d), official (%lld,%lld,%lld)", fmt_images[i], plan.grid_t, plan.grid_h, plan.grid_w,
+               (long long)gi64(tg, 0), (long long)gi64(tg, 1), (long long)gi64(tg, 2));
         const int64_t n = (int64_t)plan.grid_h * plan.grid_w * 3 * 14 * 14;
         CHECKF((size_t)n == tp->nbytes, "%s: %lld values, official %zu", fmt_images[i], (long long)n, tp->nbytes);
         if ((size_t)n == tp->nbytes) {
@@ -700,7 +723,7 @@ static void le16(uint8_t *p, uint32_t v) { p[0] = (uint8_t)v, p[1] = (uint8_t)(v
 static size_t gif_header(uint8_t *b, uint32_t sw, uint32_t sh, uint32_t x, uint32_t y, uint32_t fw, uint32_t fh) {
     memcpy(b, "GIF89a", 6);
     le16(b + 6, sw), le16(b + 8, sh);
-    b[10] = 0x80, b[11] = 0, b[12] = 0;            /* a global table of 2 entries */
+    b[10] = 0x80, b[11] = 0, b[12] = 0; /* a global table of 2 entries */
     memset(b + 13, 0, 6);
     b[19] = 0x2c;
     le16(b + 20, x), le16(b + 22, y), le16(b + 24, fw), le16(b + 26, fh);
@@ -730,8 +753,8 @@ K3_TEST(vision_formats_bad) {
     CHECKF(k3_image_decode(&im, b, 20, 0, &err) == K3_ERR_FORMAT && !im && strstr(err.msg, "no image"), "%s", err.msg);
     k3_err_clear(&err);
     /* VP8X canvas 16384 x 16384 (2.7e8 pixels): refused before the decoder allocates it */
-    static const uint8_t vp8x[30] = {'R', 'I', 'F', 'F', 22, 0, 0, 0, 'W', 'E', 'B', 'P', 'V', 'P', '8', 'X',
-                                     10, 0, 0, 0, 0x02, 0, 0, 0, 0xff, 0x3f, 0, 0xff, 0x3f, 0};
+    static const uint8_t vp8x[30] = {'R', 'I', 'F', 'F', 22, 0,    0, 0, 'W', 'E',  'B',  'P', 'V',  'P',  '8',
+                                     'X', 10,  0,   0,   0,  0x02, 0, 0, 0,   0xff, 0x3f, 0,   0xff, 0x3f, 0};
     CHECKF(k3_image_decode(&im, vp8x, sizeof vp8x, 0, &err) == K3_ERR_RANGE && !im, "%s", err.msg);
     k3_err_clear(&err);
     CHECKF(k3_image_decode(&im, vp8x, 16, 0, &err) == K3_ERR_FORMAT && !im, "%s", err.msg);
@@ -739,15 +762,19 @@ K3_TEST(vision_formats_bad) {
     /* RIFF WEBP with another first chunk, and other formats: not an image k3 reads */
     static const uint8_t riff[16] = {'R', 'I', 'F', 'F', 8, 0, 0, 0, 'W', 'E', 'B', 'P', 'A', 'L', 'P', 'H'};
     CHECKF(k3_image_decode(&im, riff, 16, 0, &err) == K3_ERR_UNSUPPORTED && !im &&
-               strstr(err.msg, "not a PNG, JPEG, WEBP or GIF image"), "%s", err.msg);
+               strstr(err.msg, "not a PNG, JPEG, WEBP or GIF image"),
+           "%s", err.msg);
     k3_err_clear(&err);
     CHECK(k3_image_decode(&im, "GIF88a....", 10, 0, &err) == K3_ERR_UNSUPPORTED && !im);
     k3_err_clear(&err);
     /* real files cut short (every one refused as truncated) and corrupted
      * (an error or an image, never a crash: the fuzzer goes further) */
-    static const char *const files[] = {GDIR "/images/webp_lossy_150x100.webp", GDIR "/images/webp_alpha_lossless_64x48.webp",
-                                        GDIR "/images/webp_anim_offset_140x100.webp", GDIR "/images/gif_palette_170x100.gif",
-                                        GDIR "/images/gif_interlaced_53x37.gif", GDIR "/images/gif_noise_96x64.gif"};
+    static const char *const files[] = {GDIR "/images/webp_lossy_150x100.webp",
+                                        GDIR "/images/webp_alpha_lossless_64x48.webp",
+                                        GDIR "/images/webp_anim_offset_140x100.webp",
+                                        GDIR "/images/gif_palette_170x100.gif",
+                                        GDIR "/images/gif_interlaced_53x37.gif",
+                                        GDIR "/images/gif_noise_96x64.gif"};
     for (int fi = 0; fi < 6; fi++) {
         size_t len = 0;
         uint8_t *data = read_file(files[fi], &len);
@@ -760,7 +787,8 @@ K3_TEST(vision_formats_bad) {
             k3_err_clear(&err);
         }
         if (data[0] == 'G') { /* a lost trailer Pillow forgives, and so does k3 */
-            CHECKF(k3_image_decode(&im, data, len - 1, 0, &err) == K3_OK && im, "%s without ';': %s", files[fi], err.msg);
+            CHECKF(k3_image_decode(&im, data, len - 1, 0, &err) == K3_OK && im, "%s without ';': %s", files[fi],
+                   err.msg);
             k3_image_free(im);
             im = NULL;
             k3_err_clear(&err);
@@ -827,9 +855,11 @@ K3_TEST(vision_splice_bad) {
     size_t n = 0;
     const float **emb = NULL;
     const size_t past[1] = {4}, backwards[2] = {2, 1}, ok[2] = {0, 3};
-    CHECK(k3_vision_splice(f.v, f.tok, ids, 3, past, plans, rows, NULL, 1, &out, &n, &emb, NULL, &err) == K3_ERR_ARG && !out);
+    CHECK(k3_vision_splice(f.v, f.tok, ids, 3, past, plans, rows, NULL, 1, &out, &n, &emb, NULL, &err) == K3_ERR_ARG &&
+          !out);
     k3_err_clear(&err);
-    CHECK(k3_vision_splice(f.v, f.tok, ids, 3, backwards, plans, rows, NULL, 2, &out, &n, &emb, NULL, &err) == K3_ERR_ARG &&
+    CHECK(k3_vision_splice(f.v, f.tok, ids, 3, backwards, plans, rows, NULL, 2, &out, &n, &emb, NULL, &err) ==
+              K3_ERR_ARG &&
           !out);
     k3_err_clear(&err);
     const uint64_t hk[2] = {0x1111, 0x2222};
@@ -839,13 +869,15 @@ K3_TEST(vision_splice_bad) {
     int32_t *fr = NULL;
     size_t nfr = 0, pat = 0;
     REQUIRE(k3_vision_image_prompt(f.v, f.tok, &plan, &fr, &nfr, &pat, &err) == K3_OK);
-    CHECK(n == 3 + 2 * nfr && !memcmp(out, fr, sizeof(int32_t) * nfr) && !memcmp(out + nfr + 3, fr, sizeof(int32_t) * nfr));
+    CHECK(n == 3 + 2 * nfr && !memcmp(out, fr, sizeof(int32_t) * nfr) &&
+          !memcmp(out + nfr + 3, fr, sizeof(int32_t) * nfr));
     CHECK(out[nfr] == 1 && out[nfr + 2] == 3 && pat == nfr - 2);
     for (size_t i = 0; i < n; i++) /* prefix-cache keys: each image's on its framing, 0 on the text */
         CHECK(keys[i] == (i < nfr ? 0x1111u : i < nfr + 3 ? 0u : 0x2222u));
     free(fr);
     free(keys);
-    CHECK(out[0] == k3_tokenizer_special(f.tok, "<|media_begin|>") && out[n - 1] == k3_tokenizer_special(f.tok, "<|media_end|>"));
+    CHECK(out[0] == k3_tokenizer_special(f.tok, "<|media_begin|>") &&
+          out[n - 1] == k3_tokenizer_special(f.tok, "<|media_end|>"));
     int pads = 0;
     for (size_t i = 0; i < n; i++) {
         pads += out[i] == 789;
@@ -927,10 +959,12 @@ K3_TEST(vision_chat_official) {
     k3_vision_prompt_free(&p);
 
     /* refused: a remote URL, a text-only model, the marker in user text */
-    const char *remote = "[{\"role\":\"user\",\"content\":[{\"type\":\"image_url\",\"image_url\":{\"url\":\"https://x.org/a.png\"}}]}]";
+    const char *remote =
+        "[{\"role\":\"user\",\"content\":[{\"type\":\"image_url\",\"image_url\":{\"url\":\"https://x.org/a.png\"}}]}]";
     k3_err_clear(&err);
     CHECKF(k3_vision_chat_encode_json(f.v, f.tok, NULL, remote, NULL, &opt, 0, &p, &err) == K3_ERR_UNSUPPORTED &&
-               strstr(err.msg, "messages[0].content[0]") && strstr(err.msg, "fetches nothing"), "%s", err.msg);
+               strstr(err.msg, "messages[0].content[0]") && strstr(err.msg, "fetches nothing"),
+           "%s", err.msg);
     k3_err_clear(&err);
     CHECK(k3_vision_chat_encode_json(NULL, f.tok, NULL, js, NULL, &opt, 0, &p, &err) == K3_ERR_UNSUPPORTED &&
           strstr(err.msg, "no vision tower"));
@@ -957,8 +991,14 @@ out:
  * prefix only at a KDA snapshot, and vision-tiny has no KDA layer; the keys
  * themselves are sched_prefix_extra_keys's subject.) */
 static int engine_run(k3_engine *e, const k3_vision_prompt *vp, int32_t *toks, int n_max, int64_t *n_cached) {
-    k3_request_params p = {.prompt = vp->ids, .n_prompt = (int64_t)vp->n_ids, .max_tokens = n_max, .logprobs = -1,
-                           .prompt_logprobs = -1, .extra_keys = vp->keys, .embeds = vp->embeds, .ignore_eos = true};
+    k3_request_params p = {.prompt = vp->ids,
+                           .n_prompt = (int64_t)vp->n_ids,
+                           .max_tokens = n_max,
+                           .logprobs = -1,
+                           .prompt_logprobs = -1,
+                           .extra_keys = vp->keys,
+                           .embeds = vp->embeds,
+                           .ignore_eos = true};
     p.sampling = (k3_sampler_options){.temperature = 0, .top_p = 1, .repeat_penalty = 1};
     uint64_t id;
     k3_error err = {0};
@@ -1049,8 +1089,10 @@ K3_TEST(vision_engine) {
     REQUIRE(k3_engine_open(&e, f.m, &eo, &err) == K3_OK);
     int64_t c = 0;
     const int na = engine_run(e, &a, got_a, NG, &c), nb = engine_run(e, &b, got_b, NG, &c);
-    CHECKF(na == NG && !memcmp(got_a, want_a, sizeof want_a), "engine greedy tokens (image a) differ from the context's");
-    CHECKF(nb == NG && !memcmp(got_b, want_b, sizeof want_b), "engine greedy tokens (image b) differ from the context's");
+    CHECKF(na == NG && !memcmp(got_a, want_a, sizeof want_a),
+           "engine greedy tokens (image a) differ from the context's");
+    CHECKF(nb == NG && !memcmp(got_b, want_b, sizeof want_b),
+           "engine greedy tokens (image b) differ from the context's");
     printf("    engine with image rows: greedy %d/%d and %d/%d tokens = the context's\n", na, NG, nb, NG);
     k3_engine_close(e);
     k3_vision_prompt_free(&a);

@@ -29,7 +29,7 @@ struct k3_dist {
     double timeout;
     bool own_init;
     k3_comm_stats st;
-    k3_error fail;  /* sticky */
+    k3_error fail; /* sticky */
 };
 
 static k3_status dist_fail(k3_dist *d, const char *what, int rc) {
@@ -59,9 +59,8 @@ static k3_status wait_req(k3_dist *d, MPI_Request *r, const char *what, double t
         }
         if (timeout >= 0 && k3_now() - t0 > timeout) {
             if (!d->fail.status)
-                k3_err(&d->fail, K3_ERR_IO,
-                       "dist: rank %d: %s got no answer within %.0f s (a rank died or hangs)", d->rank, what,
-                       timeout);
+                k3_err(&d->fail, K3_ERR_IO, "dist: rank %d: %s got no answer within %.0f s (a rank died or hangs)",
+                       d->rank, what, timeout);
             return d->fail.status;
         }
         struct timespec ts = {0, spins < 2000 ? 20000 : 500000};
@@ -87,8 +86,7 @@ static void count(k3_dist *d, k3_comm_kind kind, int64_t sent, int64_t recv, dou
     d->st.seconds[kind] += k3_now() - t0;
 }
 
-k3_status k3_comm_allgather(k3_dist *d, k3_group g, k3_comm_kind kind, const void *send, size_t bytes,
-                            void *recv) {
+k3_status k3_comm_allgather(k3_dist *d, k3_group g, k3_comm_kind kind, const void *send, size_t bytes, void *recv) {
     if (d->fail.status) return d->fail.status;
     const int n = k3_comm_group_size(d, g);
     if (bytes > (size_t)INT32_MAX / (size_t)n) return dist_fail(d, "allgather (message too large)", MPI_SUCCESS);
@@ -101,8 +99,8 @@ k3_status k3_comm_allgather(k3_dist *d, k3_group g, k3_comm_kind kind, const voi
     return s;
 }
 
-k3_status k3_comm_sendrecv(k3_dist *d, k3_group g, k3_comm_kind kind, const void *send, size_t bytes,
-                           int32_t partner, void *recv) {
+k3_status k3_comm_sendrecv(k3_dist *d, k3_group g, k3_comm_kind kind, const void *send, size_t bytes, int32_t partner,
+                           void *recv) {
     if (d->fail.status) return d->fail.status;
     if (bytes > (size_t)INT32_MAX) return dist_fail(d, "sendrecv (message too large)", MPI_SUCCESS);
     const double t0 = k3_now();
@@ -144,8 +142,9 @@ k3_status k3_comm_bcast(k3_dist *d, void *buf, size_t bytes, const char *what, d
     int rc = MPI_Ibcast(buf, (int)bytes, MPI_BYTE, 0, MPI_COMM_WORLD, &r);
     if (rc != MPI_SUCCESS) return dist_fail(d, what, rc);
     k3_status s = wait_req(d, &r, what, timeout);
-    if (!s) count(d, K3_COMM_CONTROL, d->rank == 0 ? (int64_t)bytes * (d->size - 1) : 0,
-                  d->rank == 0 ? 0 : (int64_t)bytes, t0);
+    if (!s)
+        count(d, K3_COMM_CONTROL, d->rank == 0 ? (int64_t)bytes * (d->size - 1) : 0, d->rank == 0 ? 0 : (int64_t)bytes,
+              t0);
     return s;
 }
 
@@ -189,14 +188,10 @@ k3_status k3_dist_init(k3_dist **out, const k3_dist_options *opt, k3_error *err)
     d->timeout = opt && opt->timeout_s > 0 ? opt->timeout_s : 300.0;
     d->exchange = opt ? opt->exchange : K3_TOPK_ALLGATHER;
     k3_status s = K3_OK;
-    if (opt && (opt->dcp < 0 || opt->ep < 0))
-        s = k3_err(err, K3_ERR_ARG, "dist: --dcp and --ep must be positive");
-    else if (I < 1)
-        s = k3_err(err, K3_ERR_ARG, "dist: --dcp-interleave must be positive, not %d", I);
-    else if (n % D)
-        s = k3_err(err, K3_ERR_ARG, "dist: --dcp %d does not divide the %d ranks of the job", D, n);
-    else if (n % E)
-        s = k3_err(err, K3_ERR_ARG, "dist: --ep %d does not divide the %d ranks of the job", E, n);
+    if (opt && (opt->dcp < 0 || opt->ep < 0)) s = k3_err(err, K3_ERR_ARG, "dist: --dcp and --ep must be positive");
+    else if (I < 1) s = k3_err(err, K3_ERR_ARG, "dist: --dcp-interleave must be positive, not %d", I);
+    else if (n % D) s = k3_err(err, K3_ERR_ARG, "dist: --dcp %d does not divide the %d ranks of the job", D, n);
+    else if (n % E) s = k3_err(err, K3_ERR_ARG, "dist: --ep %d does not divide the %d ranks of the job", E, n);
     else if (d->exchange == K3_TOPK_BUTTERFLY && (D & (D - 1)))
         s = k3_err(err, K3_ERR_ARG, "dist: the butterfly top-k exchange needs a power-of-two --dcp, not %d", D);
     else if (d->exchange != K3_TOPK_ALLGATHER && d->exchange != K3_TOPK_BUTTERFLY)
@@ -251,8 +246,7 @@ int32_t k3_dist_interleave(const k3_dist *d) { return d ? d->il : 1; }
 k3_topk_exchange k3_dist_exchange(const k3_dist *d) { return d ? d->exchange : K3_TOPK_ALLGATHER; }
 
 const char *k3_comm_kind_name(k3_comm_kind k) {
-    static const char *names[K3_COMM_COUNT] = {"topk_exchange", "lse_merge", "ep_dispatch", "ep_combine",
-                                               "control"};
+    static const char *names[K3_COMM_COUNT] = {"topk_exchange", "lse_merge", "ep_dispatch", "ep_combine", "control"};
     return k >= 0 && k < K3_COMM_COUNT ? names[k] : "?";
 }
 

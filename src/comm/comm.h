@@ -24,8 +24,8 @@ typedef enum { K3_GROUP_WORLD = 0, K3_GROUP_DCP, K3_GROUP_EP } k3_group;
 /* ---- collectives (bytes; counted under kind, self excluded) ------------------ */
 
 k3_status k3_comm_allgather(k3_dist *d, k3_group g, k3_comm_kind kind, const void *send, size_t bytes, void *recv);
-k3_status k3_comm_sendrecv(k3_dist *d, k3_group g, k3_comm_kind kind, const void *send, size_t bytes,
-                           int32_t partner, void *recv);
+k3_status k3_comm_sendrecv(k3_dist *d, k3_group g, k3_comm_kind kind, const void *send, size_t bytes, int32_t partner,
+                           void *recv);
 /* counts and displacements in bytes, per group rank */
 k3_status k3_comm_alltoallv(k3_dist *d, k3_group g, k3_comm_kind kind, const void *send, const int *scount,
                             const int *sdispl, void *recv, const int *rcount, const int *rdispl);
@@ -71,7 +71,6 @@ void k3_cand_sort(k3_cand *c, int n);
 /* Settles the global top-k of `rows` rows across the DCP group: mine holds
  * each row's local top-k (k entries, sorted, padded); out gets the global
  * top-k of each row (sorted). work: rows*k*max(D, 2) candidates. */
-k3_status k3_comm_topk_exchange(k3_dist *d, const k3_cand *mine, int32_t rows, int32_t k, k3_cand *out,
-                                k3_cand *work);
+k3_status k3_comm_topk_exchange(k3_dist *d, const k3_cand *mine, int32_t rows, int32_t k, k3_cand *out, k3_cand *work);
 
 #endif /* K3_COMM_COMM_H */

@@ -36,8 +36,7 @@ static int cmp_cand(const void *pa, const void *pb) {
 
 void k3_cand_sort(k3_cand *c, int n) { qsort(c, (size_t)n, sizeof *c, cmp_cand); }
 
-k3_status k3_comm_topk_exchange(k3_dist *d, const k3_cand *mine, int32_t rows, int32_t k, k3_cand *out,
-                                k3_cand *work) {
+k3_status k3_comm_topk_exchange(k3_dist *d, const k3_cand *mine, int32_t rows, int32_t k, k3_cand *out, k3_cand *work) {
     const int32_t D = k3_comm_group_size(d, K3_GROUP_DCP), r = k3_comm_group_rank(d, K3_GROUP_DCP);
     const size_t row_bytes = sizeof(k3_cand) * (size_t)k, all = row_bytes * (size_t)rows;
     if (D == 1) {

@@ -12,9 +12,9 @@
 #include <stddef.h>
 
 typedef struct k3_buf {
-    char *p;    /* owned; NULL until the first append */
+    char *p; /* owned; NULL until the first append */
     size_t len, cap;
-    bool oom;   /* an append failed: the contents are incomplete */
+    bool oom; /* an append failed: the contents are incomplete */
 } k3_buf;
 
 /* Appends data[0..n) (and keeps p NUL-terminated); on failure sets oom and drops data. */

@@ -22,10 +22,10 @@ k3_status k3_err(k3_error *err, k3_status status, const char *fmt, ...) K3_PRINT
 void k3_err_clear(k3_error *err);
 
 /* Returns the status of x from the calling function unless it is K3_OK. */
-#define K3_TRY(x)                                                              \
-    do {                                                                       \
-        k3_status k3_try_ = (x);                                               \
-        if (k3_try_ != K3_OK) return k3_try_;                                  \
+#define K3_TRY(x) \
+    do { \
+        k3_status k3_try_ = (x); \
+        if (k3_try_ != K3_OK) return k3_try_; \
     } while (0)
 
 /* A bug, not bad input: aborts with file:line in every build. */

@@ -39,8 +39,7 @@ k3_status k3_file_open_regular(const char *path, int *fd, k3_error *err) {
     return K3_OK;
 }
 
-k3_status k3_file_read(const char *path, size_t max, const char *what, char **out, size_t *len,
-                       k3_error *err) {
+k3_status k3_file_read(const char *path, size_t max, const char *what, char **out, size_t *len, k3_error *err) {
     *out = NULL;
     *len = 0;
     int fd;

@@ -18,7 +18,6 @@ k3_status k3_file_open_regular(const char *path, int *fd, k3_error *err);
 /* Reads a whole regular file of at most max bytes into a NUL-terminated
  * malloc'd buffer (*len excludes the NUL). what names the file in the
  * message of a larger one ("a tokenizer file"). */
-k3_status k3_file_read(const char *path, size_t max, const char *what, char **out, size_t *len,
-                       k3_error *err);
+k3_status k3_file_read(const char *path, size_t max, const char *what, char **out, size_t *len, k3_error *err);
 
 #endif /* K3_COMMON_FILE_H */

@@ -47,8 +47,8 @@
 #include <unistd.h>
 
 #define POOL_MAX_THREADS 512
-#define PAUSE_NS 2000  /* spin with pause this long, then with sched_yield */
-#define SPIN_NS 50000  /* and sleep after this long */
+#define PAUSE_NS 2000 /* spin with pause this long, then with sched_yield */
+#define SPIN_NS 50000 /* and sleep after this long */
 
 typedef struct pool_worker {
     k3_pool *pool;
@@ -56,26 +56,26 @@ typedef struct pool_worker {
 } pool_worker;
 
 struct k3_pool {
-    int n_threads;              /* workers + the caller */
-    pthread_t *threads;         /* [n_threads - 1] */
-    pool_worker *workers;       /* [n_threads - 1] */
+    int n_threads;        /* workers + the caller */
+    pthread_t *threads;   /* [n_threads - 1] */
+    pool_worker *workers; /* [n_threads - 1] */
     pthread_mutex_t mu;
-    pthread_cond_t wake;        /* workers sleep here between jobs */
-    pthread_cond_t done;        /* the caller sleeps here until pending == 0 */
+    pthread_cond_t wake; /* workers sleep here between jobs */
+    pthread_cond_t done; /* the caller sleeps here until pending == 0 */
 
     /* The job; written by the caller before gen is bumped, read-only while
      * it runs. */
     k3_pool_fn fn;
     void *ctx;
-    int nth;                    /* threads taking part in this job (<= n_threads) */
-    int64_t grain;              /* fewest items per claim */
-    struct pool_share {         /* [n_threads]: thread i's unclaimed items */
+    int nth;                              /* threads taking part in this job (<= n_threads) */
+    int64_t grain;                        /* fewest items per claim */
+    struct pool_share {                   /* [n_threads]: thread i's unclaimed items */
         _Alignas(64) _Atomic uint64_t fb; /* front | back << 32 */
-    } *share;
+    } * share;
 
-    _Atomic uint64_t gen;       /* bumped once per job (and once to stop) */
-    _Atomic int pending;        /* workers yet to finish this generation */
-    _Atomic int sleepers;       /* workers blocked (or about to) on wake */
+    _Atomic uint64_t gen; /* bumped once per job (and once to stop) */
+    _Atomic int pending;  /* workers yet to finish this generation */
+    _Atomic int sleepers; /* workers blocked (or about to) on wake */
     _Atomic int caller_sleeping;
     _Atomic int stop;
 };
@@ -105,9 +105,7 @@ static bool spin_until(bool (*cond)(k3_pool *, uint64_t), k3_pool *p, uint64_t v
     }
 }
 
-static bool gen_moved(k3_pool *p, uint64_t seen) {
-    return atomic_load_explicit(&p->gen, memory_order_acquire) != seen;
-}
+static bool gen_moved(k3_pool *p, uint64_t seen) { return atomic_load_explicit(&p->gen, memory_order_acquire) != seen; }
 
 static bool job_done(k3_pool *p, uint64_t unused) {
     (void)unused;
@@ -129,8 +127,7 @@ static void run_range(k3_pool *p, int ith) {
         if (c < g) c = g;
         const int64_t e = b - f > c ? f + c : b;
         /* on failure (a thief moved the back) v is reloaded: try again */
-        if (atomic_compare_exchange_weak_explicit(own, &v, fb_pack(e, b), memory_order_relaxed,
-                                                  memory_order_relaxed))
+        if (atomic_compare_exchange_weak_explicit(own, &v, fb_pack(e, b), memory_order_relaxed, memory_order_relaxed))
             p->fn(p->ctx, f, e, ith);
     }
     for (;;) { /* the back half of the largest share left */
@@ -145,8 +142,8 @@ static void run_range(k3_pool *p, int ith) {
         uint64_t v = atomic_load_explicit(s, memory_order_relaxed);
         const int64_t f = fb_front(v), b = fb_back(v);
         const int64_t m = f + (b - f) / 2 / g * g; /* all of it when less than 2 grains are left */
-        if (f < b && atomic_compare_exchange_weak_explicit(s, &v, fb_pack(f, m), memory_order_relaxed,
-                                                           memory_order_relaxed))
+        if (f < b &&
+            atomic_compare_exchange_weak_explicit(s, &v, fb_pack(f, m), memory_order_relaxed, memory_order_relaxed))
             p->fn(p->ctx, m, b, ith);
     }
 }
@@ -200,8 +197,7 @@ k3_status k3_pool_init(k3_pool **out, int n_threads, k3_error *err) {
         n_threads = c > 0 ? (int)(c < POOL_MAX_THREADS ? c : POOL_MAX_THREADS) : 1;
     }
     if (n_threads > POOL_MAX_THREADS)
-        return k3_err(err, K3_ERR_ARG, "thread pool: %d threads requested, at most %d",
-                      n_threads, POOL_MAX_THREADS);
+        return k3_err(err, K3_ERR_ARG, "thread pool: %d threads requested, at most %d", n_threads, POOL_MAX_THREADS);
     k3_pool *p = calloc(1, sizeof *p);
     if (!p) return k3_err(err, K3_ERR_NOMEM, "thread pool: out of memory");
     p->n_threads = n_threads;
@@ -231,8 +227,7 @@ k3_status k3_pool_init(k3_pool **out, int n_threads, k3_error *err) {
             stop_workers(p, i);
             p->n_threads = 1;
             k3_pool_free(p);
-            return k3_err(err, K3_ERR_NOMEM, "thread pool: cannot start thread %d of %d",
-                          i + 1, n_threads);
+            return k3_err(err, K3_ERR_NOMEM, "thread pool: cannot start thread %d of %d", i + 1, n_threads);
         }
     }
     *out = p;

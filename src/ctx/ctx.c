@@ -47,8 +47,7 @@ static k3_status ranks_setup(k3_ctx *ctx, k3_dist *d, k3_error *err) {
     ctx->dcp_il = k3_dist_interleave(d);
     ctx->ep = k3_dist_ep_size(d);
     ctx->ep_rank = k3_dist_ep_rank(d);
-    if (ctx->dcp > 64)
-        return k3_err(err, K3_ERR_UNSUPPORTED, "context: --dcp %d, at most 64 supported", ctx->dcp);
+    if (ctx->dcp > 64) return k3_err(err, K3_ERR_UNSUPPORTED, "context: --dcp %d, at most 64 supported", ctx->dcp);
     /* a block then holds bs/D tokens of every rank (ctx.h k3_ctx_own_slot) */
     if (ctx->dcp > 1 && ctx->block_size % (ctx->dcp * ctx->dcp_il))
         return k3_err(err, K3_ERR_ARG,
@@ -171,11 +170,11 @@ void k3_ctx_free(k3_ctx *ctx) {
     free(ctx->round_tokens);
     free(ctx->round_out);
     free(ctx->round_embeds);
-    float **fl[] = {&s->P, &s->X, &s->xn, &s->tmp, &s->bank, &s->kq, &s->kk, &s->kv, &s->kg,
-                    &s->kz, &s->kfa, &s->kbeta, &s->ko, &s->cq, &s->mq, &s->ckv, &s->qn, &s->qa,
-                    &s->chat, &s->mo, &s->mgate, &s->mtmp, &s->iq, &s->ik, &s->iw, &s->f1, &s->f2,
-                    &s->rlog, &s->rw, &s->lat, &s->lout, &s->ly, &s->rwork,
-                    &s->iqs, &s->part_o, &s->part_l, &s->fused};
+    float **fl[] = {&s->P,     &s->X,   &s->xn,     &s->tmp,    &s->bank,  &s->kq,   &s->kk,   &s->kv,
+                    &s->kg,    &s->kz,  &s->kfa,    &s->kbeta,  &s->ko,    &s->cq,   &s->mq,   &s->ckv,
+                    &s->qn,    &s->qa,  &s->chat,   &s->mo,     &s->mgate, &s->mtmp, &s->iq,   &s->ik,
+                    &s->iw,    &s->f1,  &s->f2,     &s->rlog,   &s->rw,    &s->lat,  &s->lout, &s->ly,
+                    &s->rwork, &s->iqs, &s->part_o, &s->part_l, &s->fused};
     for (size_t i = 0; i < sizeof fl / sizeof fl[0]; i++) free(*fl[i]);
     free(s->iq8);
     free(s->isel);
@@ -231,8 +230,8 @@ static k3_status ctx_create(k3_ctx **out, const k3_model *m, const k3_ctx_option
     if (c->n_heads > 1024)
         return k3_err(err, K3_ERR_UNSUPPORTED, "context: %d MLA heads, at most 1024 supported", c->n_heads);
     if (c->kda_head_dim > 512 || c->conv_size > 16)
-        return k3_err(err, K3_ERR_UNSUPPORTED, "context: KDA head_dim %d or conv size %d too large",
-                      c->kda_head_dim, c->conv_size);
+        return k3_err(err, K3_ERR_UNSUPPORTED, "context: KDA head_dim %d or conv size %d too large", c->kda_head_dim,
+                      c->conv_size);
 
     k3_ctx *ctx = calloc(1, sizeof *ctx);
     if (!ctx) return k3_err(err, K3_ERR_NOMEM, "context: out of memory");
@@ -318,13 +317,12 @@ static k3_status ctx_create(k3_ctx **out, const k3_model *m, const k3_ctx_option
 
     /* scratch for one round of T tokens */
     k3_scratch *s = &ctx->s;
-    ctx->n_bank_max = c->attn_res_block_size > 0
-                          ? (c->n_layers + c->attn_res_block_size - 1) / c->attn_res_block_size
-                          : 0;
+    ctx->n_bank_max =
+        c->attn_res_block_size > 0 ? (c->n_layers + c->attn_res_block_size - 1) / c->attn_res_block_size : 0;
     const int64_t H = c->n_heads, qh = c->qk_nope_dim + c->qk_rope_dim, kvl = c->kv_lora_rank;
     const int64_t Dl = c->expert_dim, E = c->n_experts, K = c->n_experts_per_tok;
-    ctx->ff_width = max64(c->intermediate_size,
-                          max64((int64_t)c->n_shared_experts * c->moe_intermediate, c->moe_intermediate));
+    ctx->ff_width =
+        max64(c->intermediate_size, max64((int64_t)c->n_shared_experts * c->moe_intermediate, c->moe_intermediate));
     s->P = zalloc(&a, (size_t)(T * D), sizeof(float));
     s->X = zalloc(&a, (size_t)(T * D), sizeof(float));
     s->xn = zalloc(&a, (size_t)(T * D), sizeof(float));
@@ -426,8 +424,7 @@ k3_status k3_ctx_init(k3_ctx **out, const k3_model *m, const k3_ctx_options *opt
 k3_status k3_ctx_init_pool(k3_ctx **out, const k3_model *m, const k3_ctx_options *opt, int32_t n_blocks,
                            int64_t max_ctx, k3_error *err) {
     *out = NULL;
-    if (n_blocks < 1 || max_ctx < 1)
-        return k3_err(err, K3_ERR_ARG, "context: n_blocks and max_ctx must be positive");
+    if (n_blocks < 1 || max_ctx < 1) return k3_err(err, K3_ERR_ARG, "context: n_blocks and max_ctx must be positive");
     return ctx_create(out, m, opt, n_blocks, max_ctx, err);
 }
 
@@ -545,7 +542,7 @@ int64_t k3_ctx_seq_pos(const k3_ctx *ctx, int32_t seq) {
 
 const char *k3_prof_op_name(k3_prof_op op) {
     static const char *names[K3_PROF_COUNT] = {"embed", "attnres", "norm", "kda", "mlapo", "qli",
-                                               "qsfa", "mla_out", "ffn", "moe", "head"};
+                                               "qsfa",  "mla_out", "ffn",  "moe", "head"};
     return op >= 0 && op < K3_PROF_COUNT ? names[op] : "?";
 }
 
@@ -573,13 +570,15 @@ k3_status k3_ctx_seq_fill_synthetic(k3_ctx *ctx, int32_t seq, int64_t n, uint64_
         return k3_err(err, K3_ERR_RANGE, "fill: cache full: %lld blocks needed, %d free", (long long)need, ctx->n_free);
     while (s->n_blocks < k3_ctx_blocks_for(ctx, end)) s->blocks[s->n_blocks++] = ctx->free_blocks[--ctx->n_free];
     uint64_t r = seed * 0x9E3779B97F4A7C15ull + 1;
-#define RND() ((float)((int64_t)((r = r * 6364136223846793005ull + 1442695040888963407ull) >> 40) - 8388608) / 8388608.0f)
+#define RND() \
+    ((float)((int64_t)((r = r * 6364136223846793005ull + 1442695040888963407ull) >> 40) - 8388608) / 8388608.0f)
     const int kvl = c->kv_lora_rank, rope = c->qk_rope_dim, dI = c->index_head_dim;
     float row[4096];
     if (kvl + rope > 4096 || dI > 4096)
         return k3_err(err, K3_ERR_UNSUPPORTED,
                       "fill: synthetic cache rows are at most 4096 floats (kv_lora_rank + qk_rope_head_dim = %d, "
-                      "index_head_dim = %d)", kvl + rope, dI);
+                      "index_head_dim = %d)",
+                      kvl + rope, dI);
     for (int i = 0; i < c->n_layers; i++) {
         if (c->layer_kind[i] == K3_LAYER_KDA) continue;
         for (int64_t p = s->pos; p < end; p++) {

@@ -35,59 +35,59 @@
 #define K3_KDA_CHUNK 16
 
 typedef struct k3_seq {
-    int64_t pos;          /* tokens consumed */
-    int32_t *blocks;      /* block table [max_blocks_per_seq] */
-    int32_t n_blocks;     /* blocks in use */
+    int64_t pos;      /* tokens consumed */
+    int32_t *blocks;  /* block table [max_blocks_per_seq] */
+    int32_t n_blocks; /* blocks in use */
 } k3_seq;
 
 /* A contiguous run of one sequence's tokens inside a forward round. */
 typedef struct k3_span {
     int32_t seq;
-    int32_t t0, n;        /* rows [t0, t0+n) of the round */
-    int64_t pos0;         /* position of the first of them */
+    int32_t t0, n; /* rows [t0, t0+n) of the round */
+    int64_t pos0;  /* position of the first of them */
 } k3_span;
 
 typedef struct k3_scratch {
-    float *P, *X, *xn, *tmp;      /* [T, D] */
-    float *bank;                  /* [n_bank, T, D] */
+    float *P, *X, *xn, *tmp; /* [T, D] */
+    float *bank;             /* [n_bank, T, D] */
     /* KDA */
-    float *kq, *kk, *kv, *kg, *kz;/* [T, H*dk] (kv: [T, H*dv]) */
-    float *kfa;                   /* [T, dk] (and low-rank gate) */
-    float *kbeta;                 /* [T, H] */
-    float *ko;                    /* [T, H*dv] */
+    float *kq, *kk, *kv, *kg, *kz; /* [T, H*dk] (kv: [T, H*dv]) */
+    float *kfa;                    /* [T, dk] (and low-rank gate) */
+    float *kbeta;                  /* [T, H] */
+    float *ko;                     /* [T, H*dv] */
     /* MLA */
-    float *cq;                    /* [T, q_lora] */
-    float *fused;                 /* [T, mla_down rows] MLAPO's fused projection */
-    float *mq;                    /* [T, H*(nope+rope)] */
-    float *ckv;                   /* [T, kv_lora+rope] */
-    float *qn, *qa, *chat;        /* [H, T, nope], [H, T, kv_lora] x2 */
-    float *mo, *mgate, *mtmp;     /* [T, H*v], [T, H*v], [H, T, v] */
+    float *cq;                /* [T, q_lora] */
+    float *fused;             /* [T, mla_down rows] MLAPO's fused projection */
+    float *mq;                /* [T, H*(nope+rope)] */
+    float *ckv;               /* [T, kv_lora+rope] */
+    float *qn, *qa, *chat;    /* [H, T, nope], [H, T, kv_lora] x2 */
+    float *mo, *mgate, *mtmp; /* [T, H*v], [T, H*v], [H, T, v] */
     /* DSA */
-    float *iq, *ik, *iw;          /* [T, HI*dI], [T, dI], [T, HI] */
-    int8_t *iq8;                  /* [T, HI*dI] C8 indexer queries */
-    float *iqs;                   /* [T, HI] their scales */
-    int64_t *isel;                /* [T, topk] selected cache slots */
-    int32_t *icount;              /* [T] */
-    float *part_o, *part_l;       /* split-KV partials [2*nth, H, kv_lora], [2*nth, H] */
+    float *iq, *ik, *iw;    /* [T, HI*dI], [T, dI], [T, HI] */
+    int8_t *iq8;            /* [T, HI*dI] C8 indexer queries */
+    float *iqs;             /* [T, HI] their scales */
+    int64_t *isel;          /* [T, topk] selected cache slots */
+    int32_t *icount;        /* [T] */
+    float *part_o, *part_l; /* split-KV partials [2*nth, H, kv_lora], [2*nth, H] */
     /* FFN / MoE */
-    float *f1, *f2;               /* [T, max(I, n_shared*Im, Im)] */
-    float *rlog;                  /* [T, E] */
-    int32_t *rids;                /* [T, k] */
-    float *rw;                    /* [T, k] */
-    float *lat, *lout;            /* [T, Dl] each: latent inputs, combined outputs */
-    float *ly;                    /* [T, k, Dl] */
-    int32_t *erows;               /* [T*k] token*k+slot rows per expert */
-    int32_t *ecount;              /* [E+1] */
-    int32_t *eact;                /* [E] experts with rows this round */
+    float *f1, *f2;                         /* [T, max(I, n_shared*Im, Im)] */
+    float *rlog;                            /* [T, E] */
+    int32_t *rids;                          /* [T, k] */
+    float *rw;                              /* [T, k] */
+    float *lat, *lout;                      /* [T, Dl] each: latent inputs, combined outputs */
+    float *ly;                              /* [T, k, Dl] */
+    int32_t *erows;                         /* [T*k] token*k+slot rows per expert */
+    int32_t *ecount;                        /* [E+1] */
+    int32_t *eact;                          /* [E] experts with rows this round */
     float **tgather, **tf1, **tf2, **tlout; /* [nth][T*Dl], [nth][T*Im] x2, [nth][T*Dl] */
     /* per thread: attention scores, slot lists, top-k work */
-    float **tscore;               /* [nth][max_ctx] */
-    int64_t **tslots;             /* [nth][max_ctx] */
-    int32_t **tsel, **twork;      /* [nth][max_ctx] */
-    float **tkda;                 /* [nth][kda chunk work] */
-    float **tq;                   /* [nth][H*(kv_lora+rope)] one token's absorbed query */
-    float **tqsfa;                /* [nth][k3_qsfa_work] */
-    float *rwork;                 /* [E] router work (single-threaded) */
+    float **tscore;          /* [nth][max_ctx] */
+    int64_t **tslots;        /* [nth][max_ctx] */
+    int32_t **tsel, **twork; /* [nth][max_ctx] */
+    float **tkda;            /* [nth][kda chunk work] */
+    float **tq;              /* [nth][H*(kv_lora+rope)] one token's absorbed query */
+    float **tqsfa;           /* [nth][k3_qsfa_work] */
+    float *rwork;            /* [E] router work (single-threaded) */
 } k3_scratch;
 
 /* The buffers of the exchanges with other ranks (sized for max_batch rows;
@@ -102,9 +102,9 @@ typedef struct k3_exchange_scratch {
     float *att, *att_all;                 /* [T*(H*kvl+H)], [D*T*(H*kvl+H)] */
     float *att_send, *att_mine;           /* head-split merge: [T*(H*kvl+H)], [T*(H/D)*kvl] */
     /* EP */
-    float *zr;                            /* [T, Dl] the latents the own experts read */
-    float *sendb, *recvb;                 /* [T*K*Dl] each */
-    int *sc, *sd, *rc, *rd;               /* [E] byte counts and displacements */
+    float *zr;              /* [T, Dl] the latents the own experts read */
+    float *sendb, *recvb;   /* [T*K*Dl] each */
+    int *sc, *sd, *rc, *rd; /* [E] byte counts and displacements */
 } k3_exchange_scratch;
 
 /* A KDA state to copy (k3_ctx_state_save's layout) once sequence seq has
@@ -122,7 +122,7 @@ struct k3_ctx {
     int nth;
 
     int32_t max_seqs, block_size, max_batch;
-    int32_t lbs;                  /* slots of one block on this rank: block_size / dcp */
+    int32_t lbs;                   /* slots of one block on this rank: block_size / dcp */
     int64_t cache_tokens, max_ctx; /* cache capacity in tokens over all sequences; max_ctx: longest sequence */
     int32_t n_blocks, max_blocks_per_seq;
     /* the default block manager of k3_ctx_forward (NULL when an engine owns
@@ -130,44 +130,44 @@ struct k3_ctx {
     int32_t *free_blocks, n_free;
 
     k3_seq *seqs;
-    float **kda_S;                /* [n_layers] -> [max_seqs, H, dk, dv] (NULL if not KDA) */
-    float **kda_conv;             /* [n_layers] -> [max_seqs, 3, K-1, H*dk] */
-    k3_kv_type kv;                /* cache format */
-    bool dense;                   /* DSA layers run as dense MLA */
-    int32_t kda_chunk_min;        /* pieces this long use the chunked KDA form */
-    int64_t *kda_snap_off;        /* [n_layers] a KDA layer's offset in a state copy (floats) */
-    k3_capture *caps;             /* KDA states to capture in the next k3_ctx_run */
+    float **kda_S;         /* [n_layers] -> [max_seqs, H, dk, dv] (NULL if not KDA) */
+    float **kda_conv;      /* [n_layers] -> [max_seqs, 3, K-1, H*dk] */
+    k3_kv_type kv;         /* cache format */
+    bool dense;            /* DSA layers run as dense MLA */
+    int32_t kda_chunk_min; /* pieces this long use the chunked KDA form */
+    int64_t *kda_snap_off; /* [n_layers] a KDA layer's offset in a state copy (floats) */
+    k3_capture *caps;      /* KDA states to capture in the next k3_ctx_run */
     int32_t n_caps, cap_caps;
-    float **lat_cache;            /* F32: [n_layers] -> [n_blocks*bs, kv_lora+rope] */
-    float **idx_cache;            /* F32: [n_layers] -> [n_blocks*bs, dI] (DSA) */
-    int32_t n_tiles;              /* C8 scale tiles per latent row */
-    int8_t **lat8;                /* C8: [n_layers] -> [slots, kv_lora] */
-    float **lat_s;                /* C8: [n_layers] -> [slots, n_tiles] */
-    float **lat_r;                /* C8: [n_layers] -> [slots, rope] */
-    int8_t **idx8;                /* C8: [n_layers] -> [slots, dI] */
-    float **idx_s;                /* C8: [n_layers] -> [slots] */
+    float **lat_cache; /* F32: [n_layers] -> [n_blocks*bs, kv_lora+rope] */
+    float **idx_cache; /* F32: [n_layers] -> [n_blocks*bs, dI] (DSA) */
+    int32_t n_tiles;   /* C8 scale tiles per latent row */
+    int8_t **lat8;     /* C8: [n_layers] -> [slots, kv_lora] */
+    float **lat_s;     /* C8: [n_layers] -> [slots, n_tiles] */
+    float **lat_r;     /* C8: [n_layers] -> [slots, rope] */
+    int8_t **idx8;     /* C8: [n_layers] -> [slots, dI] */
+    float **idx_s;     /* C8: [n_layers] -> [slots] */
 
-    bool prof_on;                 /* k3_ctx_profile_enable */
-    double prof[K3_PROF_COUNT];   /* seconds per operator */
+    bool prof_on;               /* k3_ctx_profile_enable */
+    double prof[K3_PROF_COUNT]; /* seconds per operator */
 
     int32_t n_bank_max;
     int64_t ff_width;
     k3_scratch s;
 
     /* the current round (set by the driver, read by the layers) */
-    k3_span *spans;               /* [max_batch] */
-    int32_t *round_tokens;        /* [max_batch] token ids of the round */
-    int32_t *round_out;           /* [max_batch] rows whose logits are wanted */
-    const float **round_embeds;   /* [max_batch] rows replacing the embedding, NULL = the table (vision) */
+    k3_span *spans;             /* [max_batch] */
+    int32_t *round_tokens;      /* [max_batch] token ids of the round */
+    int32_t *round_out;         /* [max_batch] rows whose logits are wanted */
+    const float **round_embeds; /* [max_batch] rows replacing the embedding, NULL = the table (vision) */
     int32_t n_spans;
     int32_t T;
 
     /* several ranks (k3_ctx_options.dist, the transport of the layers' DCP
      * and EP forms); one process: dist NULL, dcp = ep = 1 */
     struct k3_dist *dist;
-    int32_t dcp, dcp_rank, dcp_il;   /* DCP group size, this rank, interleave */
-    int32_t ep, ep_rank;             /* EP group size, this rank */
-    k3_exchange_scratch *xs;         /* their exchange buffers */
+    int32_t dcp, dcp_rank, dcp_il; /* DCP group size, this rank, interleave */
+    int32_t ep, ep_rank;           /* EP group size, this rank */
+    k3_exchange_scratch *xs;       /* their exchange buffers */
 };
 
 /* ---- the owner's side (an engine: src/engine/engine.c) ----------------
@@ -221,23 +221,23 @@ k3_status k3_ctx_kv_read(const k3_ctx *ctx, const int32_t *blocks, int32_t n_blo
                          int64_t n, void *dst, k3_error *err);
 /* The reverse: the rows of src into the cache (under DCP only the positions
  * this rank caches, so one message re-shards a sequence by token owner). */
-k3_status k3_ctx_kv_write(k3_ctx *ctx, const int32_t *blocks, int32_t n_blocks, int32_t layer, int64_t t0,
-                          int32_t n, const void *src, k3_error *err);
+k3_status k3_ctx_kv_write(k3_ctx *ctx, const int32_t *blocks, int32_t n_blocks, int32_t layer, int64_t t0, int32_t n,
+                          const void *src, k3_error *err);
 /* k3_ctx_kv_read on every DCP rank, assembled on DCP rank 0 (a collective
  * of the DCP group: each rank's rows travel to rank 0, which keeps each
  * position from its owner); with one rank, k3_ctx_kv_read. */
-k3_status k3_ctx_kv_gather(k3_ctx *ctx, const int32_t *blocks, int32_t n_blocks, int32_t layer, int64_t t0,
-                           int32_t n, void *dst, k3_error *err);
+k3_status k3_ctx_kv_gather(k3_ctx *ctx, const int32_t *blocks, int32_t n_blocks, int32_t layer, int64_t t0, int32_t n,
+                           void *dst, k3_error *err);
 /* What k3_ctx_kv_gather checks before it exchanges anything. */
-k3_status k3_ctx_kv_gather_check(const k3_ctx *ctx, const int32_t *blocks, int32_t n_blocks, int32_t layer,
-                                 int64_t t0, int32_t n, const void *dst, k3_error *err);
+k3_status k3_ctx_kv_gather_check(const k3_ctx *ctx, const int32_t *blocks, int32_t n_blocks, int32_t layer, int64_t t0,
+                                 int32_t n, const void *dst, k3_error *err);
 
 /* Profiling: PROF(ctx, op, statement) adds the statement's time to op. */
-#define PROF(ctx, op, stmt)                                                    \
-    do {                                                                       \
-        const double prof_t0_ = (ctx)->prof_on ? k3_now() : 0.0;               \
-        stmt;                                                                  \
-        if ((ctx)->prof_on) (ctx)->prof[op] += k3_now() - prof_t0_;            \
+#define PROF(ctx, op, stmt) \
+    do { \
+        const double prof_t0_ = (ctx)->prof_on ? k3_now() : 0.0; \
+        stmt; \
+        if ((ctx)->prof_on) (ctx)->prof[op] += k3_now() - prof_t0_; \
     } while (0)
 
 /* Blocks a sequence needs once it holds end tokens (global blocks of

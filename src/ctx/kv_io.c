@@ -114,23 +114,23 @@ k3_status k3_ctx_kv_read(const k3_ctx *ctx, const int32_t *blocks, int32_t n_blo
     return K3_OK;
 }
 
-k3_status k3_ctx_kv_write(k3_ctx *ctx, const int32_t *blocks, int32_t n_blocks, int32_t layer, int64_t t0,
-                          int32_t n, const void *src, k3_error *err) {
+k3_status k3_ctx_kv_write(k3_ctx *ctx, const int32_t *blocks, int32_t n_blocks, int32_t layer, int64_t t0, int32_t n,
+                          const void *src, k3_error *err) {
     K3_TRY(check_range(ctx, blocks, n_blocks, layer, t0, n, src, err));
     copy_rows(ctx, blocks, layer, t0, n, (uint8_t *)src, false);
     return K3_OK;
 }
 
-k3_status k3_ctx_kv_gather_check(const k3_ctx *ctx, const int32_t *blocks, int32_t n_blocks, int32_t layer,
-                                 int64_t t0, int32_t n, const void *dst, k3_error *err) {
+k3_status k3_ctx_kv_gather_check(const k3_ctx *ctx, const int32_t *blocks, int32_t n_blocks, int32_t layer, int64_t t0,
+                                 int32_t n, const void *dst, k3_error *err) {
     K3_TRY(check_range(ctx, blocks, n_blocks, layer, t0, n, dst, err));
     if (ctx->dcp > 1 && k3_ctx_kv_bytes(ctx, layer, n) > INT32_MAX / ctx->dcp)
         return k3_err(err, K3_ERR_RANGE, "kv transfer: %d tokens of layer %d are over one exchange (2 GB)", n, layer);
     return K3_OK;
 }
 
-k3_status k3_ctx_kv_gather(k3_ctx *ctx, const int32_t *blocks, int32_t n_blocks, int32_t layer, int64_t t0,
-                           int32_t n, void *dst, k3_error *err) {
+k3_status k3_ctx_kv_gather(k3_ctx *ctx, const int32_t *blocks, int32_t n_blocks, int32_t layer, int64_t t0, int32_t n,
+                           void *dst, k3_error *err) {
     if (ctx->dcp <= 1) return k3_ctx_kv_read(ctx, blocks, n_blocks, layer, t0, n, dst, err);
     K3_TRY(k3_ctx_kv_gather_check(ctx, blocks, n_blocks, layer, t0, n, dst, err));
     const int D = ctx->dcp, me = ctx->dcp_rank;

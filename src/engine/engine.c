@@ -39,7 +39,7 @@
 
 typedef struct req {
     k3_rq rq;
-    k3_request_params p;          /* copied; p.prompt points into rq.tok */
+    k3_request_params p; /* copied; p.prompt points into rq.tok */
     int32_t *stop_ids;
     k3_sampler *smp;
     int32_t n_gen;
@@ -51,32 +51,32 @@ typedef struct req {
     /* this step's output */
     int32_t out_tok;
     float out_lp;
-    k3_logprob *out_top;          /* [n_top] */
+    k3_logprob *out_top; /* [n_top] */
     int32_t n_new;
     bool plp_ready, plp_reported;
-    float *plp;                   /* [n_prompt - 1] */
-    k3_logprob *plp_top;          /* [(n_prompt - 1) * n_top] */
-    float *emb_rows;              /* the given embedding rows, copied [n_rows, D] */
-    const float **emb;            /* [cap_tok] row per token (NULL = the table's), or NULL */
+    float *plp;          /* [n_prompt - 1] */
+    k3_logprob *plp_top; /* [(n_prompt - 1) * n_top] */
+    float *emb_rows;     /* the given embedding rows, copied [n_rows, D] */
+    const float **emb;   /* [cap_tok] row per token (NULL = the table's), or NULL */
     /* prefill side (kv_hold): the KDA state at the prompt's end, captured in the pass that ends it */
     void *hold_state;
     bool hold_captured;
     /* decode side (remote): the prefill instance's answer and the pull */
     bool remote;
-    k3_remote_prefill rp;         /* rp.first_top -> first_top (copied) */
+    k3_remote_prefill rp; /* rp.first_top -> first_top (copied) */
     k3_logprob *first_top;
-    void *pull_state;             /* [state_bytes] the KDA state pulled */
-    int pull_phase;               /* PULL_*, under mu once the pull started */
-    bool pull_cancel;             /* under mu: cancelled while pulling */
-    int pull_pins;                /* under mu: writes in flight */
-    int64_t pull_state_got;       /* under mu: bytes of the state written */
-    char pull_err[256];           /* under mu: why it failed */
+    void *pull_state;       /* [state_bytes] the KDA state pulled */
+    int pull_phase;         /* PULL_*, under mu once the pull started */
+    bool pull_cancel;       /* under mu: cancelled while pulling */
+    int pull_pins;          /* under mu: writes in flight */
+    int64_t pull_state_got; /* under mu: bytes of the state written */
+    char pull_err[256];     /* under mu: why it failed */
     double t_pull0, t_landed, t_second;
     /* the grammar the output matches (p.grammar), or NULL */
-    k3_grammar_matcher *gm;       /* at the output's end: every generated token accepted */
-    uint64_t *mask;               /* [mask words] this step's mask */
-    const k3_grammar_vocab *gv;   /* the grammar's vocabulary */
-    float *stop_raw;              /* [n_stop_ids] their raw logits, for when the text is complete */
+    k3_grammar_matcher *gm;     /* at the output's end: every generated token accepted */
+    uint64_t *mask;             /* [mask words] this step's mask */
+    const k3_grammar_vocab *gv; /* the grammar's vocabulary */
+    float *stop_raw;            /* [n_stop_ids] their raw logits, for when the text is complete */
 } req;
 
 enum { PULL_NONE = 0, PULL_WAIT, PULL_ACTIVE, PULL_OK, PULL_FAILED };
@@ -90,7 +90,7 @@ typedef struct hold {
     void *state;
     double deadline;
     double queue_s, prefill_s;
-    int pins;                     /* reads in flight */
+    int pins; /* reads in flight */
     bool released;
 } hold;
 
@@ -105,23 +105,23 @@ struct k3_engine {
     int32_t n_eos;
     int64_t V, max_model_len, cache_tokens, state_bytes;
     int32_t block_size, max_blocks, plp_cap;
-    int64_t cost_p0;              /* where the step cost guard prices a prompt token at 2 */
+    int64_t cost_p0; /* where the step cost guard prices a prompt token at 2 */
 
-    k3_comm_stats comm;           /* cross-rank counters since open, all ranks summed (o.dist), under mu */
+    k3_comm_stats comm; /* cross-rank counters since open, all ranks summed (o.dist), under mu */
 
     /* prefill and decode apart (k3.h) */
-    bool exec_lock;               /* several ranks: the executor is one thread's at a time */
-    pthread_mutex_t exec_mu;      /* held by a step, and by a pull's writes and a hold's reads */
+    bool exec_lock;          /* several ranks: the executor is one thread's at a time */
+    pthread_mutex_t exec_mu; /* held by a step, and by a pull's writes and a hold's reads */
     k3_pull_hook pull_hook;
     void *pull_arg;
-    req **rwait;                  /* stepping thread: remote requests waiting for blocks, in order */
+    req **rwait; /* stepping thread: remote requests waiting for blocks, in order */
     int32_t n_rwait, cap_rwait;
-    bool rwait_blocked;           /* the first of them did not fit since blocks were last freed */
-    req **pulls;                  /* under mu: remote requests pulling */
+    bool rwait_blocked; /* the first of them did not fit since blocks were last freed */
+    req **pulls;        /* under mu: remote requests pulling */
     int32_t n_pulls, cap_pulls;
-    hold **holds;                 /* under mu */
+    hold **holds; /* under mu */
     int32_t n_holds, cap_holds;
-    int64_t n_async;              /* under mu: pulls done and holds released, not yet stepped */
+    int64_t n_async; /* under mu: pulls done and holds released, not yet stepped */
     int64_t holds_expired, holds_released, pulls_ok, pulls_failed; /* under mu */
     double hold_timeout;
 
@@ -133,30 +133,30 @@ struct k3_engine {
     uint64_t *in_cancel;
     int32_t n_cancel, cap_cancel;
     uint64_t next_id;
-    int64_t n_accepted;           /* submitted and not finished (for max_waiting) */
-    k3_engine_stats st;           /* published at the end of each step */
-    k3_kv_residency kv_res;       /* the same, when the residency metrics are on */
+    int64_t n_accepted;     /* submitted and not finished (for max_waiting) */
+    k3_engine_stats st;     /* published at the end of each step */
+    k3_kv_residency kv_res; /* the same, when the residency metrics are on */
 
     /* stepping thread only */
-    req **live;                   /* submitted and not yet freed */
+    req **live; /* submitted and not yet freed */
     int32_t n_live, cap_live;
-    req **done;                   /* finished in the last step: freed at the next */
+    req **done; /* finished in the last step: freed at the next */
     int32_t n_done, cap_done;
     k3_req_output *outs;
     int32_t cap_outs;
-    k3_batch_seq *batch;          /* [max_seqs] */
+    k3_batch_seq *batch; /* [max_seqs] */
     uint8_t *want;
-    float *logits;                /* [(max_seqs + plp_cap) * V] */
-    float *row;                   /* [V] a copy for sampling */
-    k3_grammar_matcher **g_m;     /* [max_seqs] this step's constrained samplers */
-    uint64_t **g_mask;            /* [max_seqs] their masks */
-    float **lg_of;                /* [max_seqs] the logits row each plan entry samples from, or NULL */
+    float *logits;            /* [(max_seqs + plp_cap) * V] */
+    float *row;               /* [V] a copy for sampling */
+    k3_grammar_matcher **g_m; /* [max_seqs] this step's constrained samplers */
+    uint64_t **g_mask;        /* [max_seqs] their masks */
+    float **lg_of;            /* [max_seqs] the logits row each plan entry samples from, or NULL */
     int64_t grammar_steps, grammar_masks;
     double grammar_s;
     int64_t prompt_tokens, generation_tokens, finished_by[K3_FINISH_ERROR + 1];
     int64_t n_snap_saves, n_snap_restores;
     int32_t req_snaps, step_snaps; /* snapshot points of one request's chunk, of a step at most */
-    int64_t *snap_pos;            /* [req_snaps + step_snaps]: a request's points, then the step's */
+    int64_t *snap_pos;             /* [req_snaps + step_snaps]: a request's points, then the step's */
     uint64_t *snap_key;
     double snap_save_s, snap_restore_s;
 };
@@ -284,8 +284,8 @@ k3_status k3_engine_open(k3_engine **out, const k3_model *m, const k3_engine_opt
     const k3_config *c = &m->cfg;
     k3_engine_options o = *opt;
     if (o.max_num_seqs < 0 || o.max_num_batched_tokens < 0 || o.max_model_len < 0 || o.cache_tokens < 0 ||
-        o.cache_bytes < 0 || o.block_size < 0 || o.snapshot_stride < 0 || o.snapshot_bytes < 0 ||
-        o.max_waiting < 0 || o.max_step_cost < 0 || o.n_eos_ids < 0 || (o.n_eos_ids > 0 && !o.eos_ids) ||
+        o.cache_bytes < 0 || o.block_size < 0 || o.snapshot_stride < 0 || o.snapshot_bytes < 0 || o.max_waiting < 0 ||
+        o.max_step_cost < 0 || o.n_eos_ids < 0 || (o.n_eos_ids > 0 && !o.eos_ids) ||
         !(o.hold_timeout_s >= 0 && o.hold_timeout_s <= 1e9))
         return k3_err(err, K3_ERR_ARG, "engine: negative option or missing eos_ids");
     if (o.kv_cache != K3_KV_F32 && o.kv_cache != K3_KV_C8)
@@ -307,7 +307,8 @@ k3_status k3_engine_open(k3_engine **out, const k3_model *m, const k3_engine_opt
     if (o.block_size > 4096) return k3_err(err, K3_ERR_RANGE, "engine: block_size %d is over 4096", o.block_size);
     if (o.max_num_batched_tokens < o.block_size)
         return k3_err(err, K3_ERR_RANGE,
-                      "engine: max_num_batched_tokens %d is below one block (%d tokens): a prompt chunk could never be scheduled",
+                      "engine: max_num_batched_tokens %d is below one block (%d tokens): a prompt chunk could never be "
+                      "scheduled",
                       o.max_num_batched_tokens, o.block_size);
     if (o.max_num_batched_tokens < o.max_num_seqs)
         return k3_err(err, K3_ERR_RANGE,
@@ -336,7 +337,8 @@ k3_status k3_engine_open(k3_engine **out, const k3_model *m, const k3_engine_opt
     } else if (o.cache_bytes) {
         tokens = bpt > 0 ? o.cache_bytes / bpt : o.cache_bytes;
         if (tokens < bs)
-            return k3_err(err, K3_ERR_RANGE, "engine: cache_bytes %lld hold %lld tokens at %lld bytes per token, under one block of %lld",
+            return k3_err(err, K3_ERR_RANGE,
+                          "engine: cache_bytes %lld hold %lld tokens at %lld bytes per token, under one block of %lld",
                           (long long)o.cache_bytes, (long long)tokens, (long long)bpt, (long long)bs);
     } else {
         const int64_t len = o.max_model_len ? o.max_model_len : c->max_positions;
@@ -353,7 +355,8 @@ k3_status k3_engine_open(k3_engine **out, const k3_model *m, const k3_engine_opt
     if (o.max_model_len && o.max_model_len > tokens)
         return k3_err(err, K3_ERR_RANGE, "engine: max_model_len %lld is over the %lld tokens the cache pool holds",
                       (long long)o.max_model_len, (long long)tokens);
-    const int64_t max_model_len = o.max_model_len ? o.max_model_len : (c->max_positions < tokens ? c->max_positions : tokens);
+    const int64_t max_model_len =
+        o.max_model_len ? o.max_model_len : (c->max_positions < tokens ? c->max_positions : tokens);
     int64_t snap_budget = o.snapshot_bytes;
     if (!snap_budget) {
         /* a snapshot serves a hit only while the attention blocks of its
@@ -369,7 +372,8 @@ k3_status k3_engine_open(k3_engine **out, const k3_model *m, const k3_engine_opt
     if (o.no_prefix_cache) snap_budget = 0;
     if (pool_bytes + state_all + snap_budget > room)
         return k3_err(err, K3_ERR_RANGE,
-                      "engine: the cache pool (%lld tokens x %lld bytes = %lld MB), %d KDA states (%lld MB) and the snapshot budget (%lld MB) "
+                      "engine: the cache pool (%lld tokens x %lld bytes = %lld MB), %d KDA states (%lld MB) and the "
+                      "snapshot budget (%lld MB) "
                       "need %lld MB, over the %lld MB the machine has beside the weights",
                       (long long)tokens, (long long)bpt, (long long)(pool_bytes >> 20), o.max_num_seqs,
                       (long long)(state_all >> 20), (long long)(snap_budget >> 20),
@@ -478,7 +482,8 @@ k3_status k3_engine_submit(k3_engine *e, const k3_request_params *p, uint64_t *i
         p->prompt_logprobs > K3_MAX_LOGPROBS)
         return k3_err(err, K3_ERR_ARG, "submit: logprobs and prompt_logprobs must be -1 or 0..%d", K3_MAX_LOGPROBS);
     if (p->logprobs >= 0 && p->prompt_logprobs >= 0 && p->logprobs != p->prompt_logprobs)
-        return k3_err(err, K3_ERR_ARG, "submit: logprobs %d and prompt_logprobs %d must ask for the same number of alternatives",
+        return k3_err(err, K3_ERR_ARG,
+                      "submit: logprobs %d and prompt_logprobs %d must ask for the same number of alternatives",
                       p->logprobs, p->prompt_logprobs);
     for (int64_t i = 0; i < p->n_prompt; i++)
         if (p->prompt[i] < 0 || p->prompt[i] >= e->V)
@@ -489,27 +494,30 @@ k3_status k3_engine_submit(k3_engine *e, const k3_request_params *p, uint64_t *i
             return k3_err(err, K3_ERR_ARG, "submit: stop id %d is out of range [0, %lld)", p->stop_ids[i],
                           (long long)e->V);
     if (p->kv_hold && (p->remote || p->max_tokens < 1))
-        return k3_err(err, K3_ERR_ARG, "submit: a request kept for a decode instance (kv_hold) generates its "
-                                       "first token here (max_tokens >= 1) and is not itself remote");
+        return k3_err(err, K3_ERR_ARG,
+                      "submit: a request kept for a decode instance (kv_hold) generates its "
+                      "first token here (max_tokens >= 1) and is not itself remote");
     if (p->remote) {
         const k3_remote_prefill *rp = p->remote;
         if (rp->first_token < 0 || rp->first_token >= e->V)
             return k3_err(err, K3_ERR_ARG, "submit: the prefill instance's first token %d is out of range [0, %lld)",
                           rp->first_token, (long long)e->V);
         if (p->prompt_logprobs >= 0 || p->max_tokens < 1)
-            return k3_err(err, K3_ERR_ARG, "submit: a request prefilled elsewhere has no prompt logprobs here and "
-                                           "generates at least its first token (max_tokens >= 1)");
+            return k3_err(err, K3_ERR_ARG,
+                          "submit: a request prefilled elsewhere has no prompt logprobs here and "
+                          "generates at least its first token (max_tokens >= 1)");
         if (rp->n_first_top < 0 || rp->n_first_top > K3_MAX_LOGPROBS || (rp->n_first_top > 0 && !rp->first_top))
-            return k3_err(err, K3_ERR_ARG, "submit: n_first_top %d is not in 0..%d", rp->n_first_top,
-                          K3_MAX_LOGPROBS);
+            return k3_err(err, K3_ERR_ARG, "submit: n_first_top %d is not in 0..%d", rp->n_first_top, K3_MAX_LOGPROBS);
         if (!e->pull_hook)
-            return k3_err(err, K3_ERR_UNSUPPORTED, "submit: this engine has no pull hook: it cannot fetch a "
-                                                   "prompt's cache from a prefill instance");
+            return k3_err(err, K3_ERR_UNSUPPORTED,
+                          "submit: this engine has no pull hook: it cannot fetch a "
+                          "prompt's cache from a prefill instance");
     }
     const int64_t total = p->n_prompt + p->max_tokens;
     if (total > e->max_model_len)
         return k3_err(err, K3_ERR_RANGE,
-                      "submit: the prompt (%lld tokens) plus max_tokens (%d) is %lld tokens, over the model length of %lld",
+                      "submit: the prompt (%lld tokens) plus max_tokens (%d) is %lld tokens, over the model length of "
+                      "%lld",
                       (long long)p->n_prompt, p->max_tokens, (long long)total, (long long)e->max_model_len);
     if (total > e->cache_tokens)
         return k3_err(err, K3_ERR_RANGE,
@@ -543,8 +551,7 @@ k3_status k3_engine_submit(k3_engine *e, const k3_request_params *p, uint64_t *i
         r->plp_top = calloc((size_t)(p->n_prompt * (n_top + 1)), sizeof(k3_logprob));
     }
     if (!r->rq.tok || !r->rq.blocks || !r->rq.hash || !r->rq.extra || (p->extra_keys && !tx) || !r->stop_ids ||
-        !r->out_top ||
-        (p->prompt_logprobs >= 0 && (!r->plp || !r->plp_top))) {
+        !r->out_top || (p->prompt_logprobs >= 0 && (!r->plp || !r->plp_top))) {
         req_free(r);
         return k3_err(err, K3_ERR_NOMEM, "submit: out of memory for a %lld-token request", (long long)total);
     }
@@ -578,15 +585,17 @@ k3_status k3_engine_submit(k3_engine *e, const k3_request_params *p, uint64_t *i
             req_free(r);
             return k3_err(err, K3_ERR_NOMEM, "submit: out of memory for a pulled KDA state");
         }
-        if (r->rp.n_first_top) memcpy(r->first_top, p->remote->first_top, sizeof(k3_logprob) * (size_t)r->rp.n_first_top);
+        if (r->rp.n_first_top)
+            memcpy(r->first_top, p->remote->first_top, sizeof(k3_logprob) * (size_t)r->rp.n_first_top);
         r->rp.first_top = r->first_top;
     }
     r->p.remote = NULL;
     if (p->grammar) { /* a matcher of its own, at the start of the output */
         const k3_grammar_vocab *gv = r->gv = k3_grammar_get_vocab(p->grammar);
         st = k3_grammar_matcher_init(&r->gm, p->grammar, err);
-        if (!st && (!(r->mask = malloc(sizeof(uint64_t) * k3_grammar_mask_words(gv))) ||
-                    !(r->stop_raw = malloc(sizeof(float) * (size_t)(p->n_stop_ids + 1)))))
+        if (!st &&
+            (!(r->mask = malloc(sizeof(uint64_t) * k3_grammar_mask_words(gv))) ||
+             !(r->stop_raw = malloc(sizeof(float) * (size_t)(p->n_stop_ids + 1)))))
             st = k3_err(err, K3_ERR_NOMEM, "submit: out of memory for a grammar mask");
         if (st) {
             req_free(r);
@@ -655,7 +664,7 @@ bool k3_engine_has_work(k3_engine *e) {
     pthread_mutex_unlock(&e->mu);
     /* remote requests waiting for blocks: only worth a step when some were freed */
     return w || e->sched.n_running > 0 || e->sched.n_waiting > 0 || e->n_done > 0 ||
-           (e->n_rwait > 0 && !e->rwait_blocked);
+        (e->n_rwait > 0 && !e->rwait_blocked);
 }
 
 void k3_engine_wait(k3_engine *e, double timeout_s) {
@@ -935,8 +944,8 @@ static void grammar_masks(k3_engine *e, int32_t n_plan, double t) {
             if (!e->lg_of[i] || !r->gm || r->finished) continue;
             k3_error one = {0};
             if (k3_grammar_matcher_fill_mask(r->gm, r->mask, &one)) {
-                snprintf(r->error, sizeof r->error, "request %llu: no grammar mask: %.400s", (unsigned long long)r->rq.id,
-                         one.msg);
+                snprintf(r->error, sizeof r->error, "request %llu: no grammar mask: %.400s",
+                         (unsigned long long)r->rq.id, one.msg);
                 finish(e, r, K3_FINISH_ERROR, t);
             }
         }
@@ -1157,7 +1166,8 @@ static void step_pulls(k3_engine *e, double t) {
         } else if (phase == PULL_OK) {
             land(e, r, t);
         } else {
-            snprintf(r->error, sizeof r->error, "%s", r->pull_err[0] ? r->pull_err : "the pull from the prefill instance failed");
+            snprintf(r->error, sizeof r->error, "%s",
+                     r->pull_err[0] ? r->pull_err : "the pull from the prefill instance failed");
             finish(e, r, K3_FINISH_ERROR, t);
         }
     }
@@ -1312,8 +1322,8 @@ static k3_status step(k3_engine *e, k3_step_result *res, k3_error *err) {
             if (r->t_scheduled == 0) r->t_scheduled = t_in;
         }
         K3_ASSERT(k3_exec_seq_set_blocks(e->ctx, rq->slot, rq->blocks, rq->n_blocks, NULL) == K3_OK);
-        e->batch[i] = (k3_batch_seq){rq->slot, rq->n_sched, rq->tok + rq->n_computed,
-                                     r->emb ? r->emb + rq->n_computed : NULL};
+        e->batch[i] =
+            (k3_batch_seq){rq->slot, rq->n_sched, rq->tok + rq->n_computed, r->emb ? r->emb + rq->n_computed : NULL};
         const bool ends = rq->n_computed + rq->n_sched == rq->n_tok;
         if (rq->plp && rq->n_computed < rq->n_prompt) {
             e->want[i] = K3_WANT_ALL;
@@ -1362,8 +1372,7 @@ static k3_status step(k3_engine *e, k3_step_result *res, k3_error *err) {
         for (int32_t k = 0; k < n_taken; k++) k3_kv_snap_drop(&e->sn, step_key[k], step_pos[k]);
     if (fst)
         for (int32_t i = 0; i < s->n_plan; i++) ((req *)s->plan[i]->owner)->hold_captured = false;
-    else
-        e->n_snap_saves += n_taken;
+    else e->n_snap_saves += n_taken;
     const double t = k3_now();
     res->n_tokens = fst ? 0 : s->plan_tokens;
     if (e->o.dist && s->n_plan) {
@@ -1499,14 +1508,14 @@ k3_status k3_engine_pull_write(k3_engine *e, uint64_t id, int32_t layer, int64_t
     if (st) return st;
     const k3_rq *rq = &r->rq;
     const int64_t want = k3_ctx_kv_bytes(e->ctx, layer, n);
-    if (want <= 0 && n > 0)
-        st = k3_err(err, K3_ERR_ARG, "pull: layer %d is not an MLA/DSA layer of this model", layer);
+    if (want <= 0 && n > 0) st = k3_err(err, K3_ERR_ARG, "pull: layer %d is not an MLA/DSA layer of this model", layer);
     else if (t0 < rq->n_cached || n < 0 || t0 + n > rq->n_prompt)
         st = k3_err(err, K3_ERR_ARG, "pull: positions [%lld, %lld) are outside [%lld, %lld), what request %llu fetches",
                     (long long)t0, (long long)(t0 + n), (long long)rq->n_cached, (long long)rq->n_prompt,
                     (unsigned long long)id);
     else if (bytes != want)
-        st = k3_err(err, K3_ERR_ARG, "pull: %lld bytes for %d tokens of layer %d, where this instance's cache holds %lld",
+        st = k3_err(err, K3_ERR_ARG,
+                    "pull: %lld bytes for %d tokens of layer %d, where this instance's cache holds %lld",
                     (long long)bytes, n, layer, (long long)want);
     if (!st && n > 0) {
         const int32_t b0 = (int32_t)(t0 / e->block_size);
@@ -1577,8 +1586,9 @@ k3_status k3_engine_hold_get(k3_engine *e, uint64_t id, k3_hold_info *out, int32
         if (blocks) memcpy(blocks, h->blocks, sizeof(int32_t) * (size_t)(h->n_blocks < cap ? h->n_blocks : cap));
     }
     pthread_mutex_unlock(&e->mu);
-    return h ? K3_OK : k3_err(err, K3_ERR_ARG, "hold %llu is not held here (never made, released, or timed out)",
-                              (unsigned long long)id);
+    return h ? K3_OK
+             : k3_err(err, K3_ERR_ARG, "hold %llu is not held here (never made, released, or timed out)",
+                      (unsigned long long)id);
 }
 
 /* Pins hold id for a read (under mu). */
@@ -1587,8 +1597,9 @@ static hold *hold_pin(k3_engine *e, uint64_t id, k3_error *err) {
     hold *h = find_hold(e, id);
     if (h) h->pins++;
     pthread_mutex_unlock(&e->mu);
-    if (!h) k3_err(err, K3_ERR_ARG, "hold %llu is not held here (never made, released, or timed out)",
-                   (unsigned long long)id);
+    if (!h)
+        k3_err(err, K3_ERR_ARG, "hold %llu is not held here (never made, released, or timed out)",
+               (unsigned long long)id);
     return h;
 }
 
@@ -1613,8 +1624,8 @@ k3_status k3_engine_hold_read(k3_engine *e, uint64_t id, int32_t layer, int64_t 
         st = k3_err(err, K3_ERR_ARG, "hold: positions [%lld, %lld) are outside the %lld tokens it holds", (long long)t0,
                     (long long)(t0 + n), (long long)h->n_tokens);
     else if (bytes != want)
-        st = k3_err(err, K3_ERR_ARG, "hold: %lld bytes for %d tokens of layer %d, where they are %lld", (long long)bytes,
-                    n, layer, (long long)want);
+        st = k3_err(err, K3_ERR_ARG, "hold: %lld bytes for %d tokens of layer %d, where they are %lld",
+                    (long long)bytes, n, layer, (long long)want);
     if (!st && n > 0) {
         const int32_t b0 = (int32_t)(t0 / e->block_size);
         const int64_t rel = t0 - (int64_t)b0 * e->block_size;
@@ -1638,8 +1649,7 @@ k3_status k3_engine_hold_read_state(k3_engine *e, uint64_t id, int64_t offset, v
     if (offset < 0 || bytes < 0 || offset + bytes > e->state_bytes)
         st = k3_err(err, K3_ERR_ARG, "hold: KDA state bytes [%lld, %lld), where a state is %lld bytes here",
                     (long long)offset, (long long)(offset + bytes), (long long)e->state_bytes);
-    else if (bytes > 0)
-        memcpy(part, (char *)h->state + offset, (size_t)bytes);
+    else if (bytes > 0) memcpy(part, (char *)h->state + offset, (size_t)bytes);
     hold_unpin(e, h);
     return st;
 }

@@ -25,21 +25,21 @@ typedef struct {
 struct k3_sampler {
     k3_sampler_options o; /* its pointers cleared: the copies below */
     int32_t n_vocab;
-    cand *c;            /* [n_vocab] */
-    uint8_t *mark;      /* [n_vocab] ids already penalised this step */
-    int32_t *hist;      /* ring of recent ids */
+    cand *c;       /* [n_vocab] */
+    uint8_t *mark; /* [n_vocab] ids already penalised this step */
+    int32_t *hist; /* ring of recent ids */
     int32_t hist_cap, hist_n, hist_head;
     uint64_t rng;
     /* the output: what this sampler drew */
-    int32_t *count;     /* [n_vocab] times drawn, with a frequency or presence penalty */
-    int32_t *distinct;  /* the ids drawn at least once, in order */
+    int32_t *count;    /* [n_vocab] times drawn, with a frequency or presence penalty */
+    int32_t *distinct; /* the ids drawn at least once, in order */
     int32_t n_distinct, cap_distinct;
-    int32_t *out;       /* every id drawn, with bad words */
+    int32_t *out; /* every id drawn, with bad words */
     int64_t n_out, cap_out;
     k3_logit_bias *bias;
     int32_t n_bias;
-    uint8_t *allowed;   /* [n_vocab] 1 = may be drawn, or NULL */
-    int32_t *bw;        /* bad words: ids, offsets [n_bw + 1] */
+    uint8_t *allowed; /* [n_vocab] 1 = may be drawn, or NULL */
+    int32_t *bw;      /* bad words: ids, offsets [n_bw + 1] */
     int32_t *bw_off;
     int32_t n_bw;
 };
@@ -87,8 +87,7 @@ static k3_status check_options(const k3_sampler_options *opt, int32_t V, k3_erro
     return K3_OK;
 }
 
-k3_status k3_sampler_init(k3_sampler **out, const k3_sampler_options *opt, int32_t n_vocab,
-                          k3_error *err) {
+k3_status k3_sampler_init(k3_sampler **out, const k3_sampler_options *opt, int32_t n_vocab, k3_error *err) {
     *out = NULL;
     if (n_vocab <= 0) return k3_err(err, K3_ERR_ARG, "sampler: vocabulary size must be positive");
     K3_TRY(check_options(opt, n_vocab, err));
@@ -200,7 +199,8 @@ static void process(k3_sampler *s, float *logits) {
         const int32_t *ids = s->bw + s->bw_off[w];
         const int64_t pre = s->bw_off[w + 1] - s->bw_off[w] - 1; /* ids before the masked one */
         if (pre > s->n_out) continue;
-        if (pre == 0 || !memcmp(s->out + (s->n_out - pre), ids, sizeof *ids * (size_t)pre)) logits[ids[pre]] = -INFINITY;
+        if (pre == 0 || !memcmp(s->out + (s->n_out - pre), ids, sizeof *ids * (size_t)pre))
+            logits[ids[pre]] = -INFINITY;
     }
     for (int32_t i = 0; i < s->n_bias; i++) logits[s->bias[i].id] += s->bias[i].bias;
     if (s->o.repeat_penalty != 1.0f) {
@@ -272,7 +272,7 @@ static int32_t draw(k3_sampler *s, float *logits) {
                 }
             } else {
                 if (cand_desc(&x, &s->c[0]) >= 0) continue; /* not better than the worst kept */
-                at = 0; /* sift down from the root */
+                at = 0;                                     /* sift down from the root */
                 for (;;) {
                     int32_t ch = 2 * at + 1;
                     if (ch >= n) break;

@@ -35,33 +35,33 @@
 #ifndef K3_EXECUTOR_CALLS_H
 #define K3_EXECUTOR_CALLS_H
 
-#define K3_EXEC_CALLS(X)                                                                                           \
-    X(forward, STATUS, COLLECTIVE(k3_ctx_forward_check), (BATCH, batch, n_seqs), (VAL, k3_logits_mode, mode),      \
-      (LOGITS, logits, k3_exec_forward_rows(batch, n_seqs, mode)))                                                 \
-    X(run, STATUS, COLLECTIVE(k3_ctx_run_check), (BATCH, batch, n_seqs), (BYTES, uint8_t, want, n_seqs),         \
-      (LOGITS, logits, k3_exec_run_rows(batch, n_seqs, want)))                                                     \
-    X(seq_reset, VOID, LOCAL, (VAL, int32_t, seq))                                                                 \
-    X(seq_fill_synthetic, STATUS, LOCAL, (VAL, int32_t, seq), (VAL, int64_t, n), (VAL, uint64_t, seed))            \
-    X(seq_set_blocks, STATUS, LOCAL, (VAL, int32_t, seq), (IDS, blocks, n))                                        \
-    X(seq_set_pos, VOID, LOCAL, (VAL, int32_t, seq), (VAL, int64_t, pos))                                          \
-    X(seq_clear_state, VOID, LOCAL, (VAL, int32_t, seq))                                                           \
-    X(state_restore, VOID, LOCAL, (VAL, int32_t, seq), (BYTES, void, src, k3_ctx_state_bytes(ctx)))            \
-    X(kv_write, STATUS, LOCAL, (IDS, blocks, n_blocks), (VAL, int32_t, layer), (VAL, int64_t, t0),               \
-      (VAL, int32_t, n), (BYTES, void, src, k3_ctx_kv_bytes(ctx, layer, n)))                                       \
-    X(kv_gather, STATUS, COLLECTIVE(k3_ctx_kv_gather_check), (IDS, blocks, n_blocks), (VAL, int32_t, layer),     \
+#define K3_EXEC_CALLS(X) \
+    X(forward, STATUS, COLLECTIVE(k3_ctx_forward_check), (BATCH, batch, n_seqs), (VAL, k3_logits_mode, mode), \
+      (LOGITS, logits, k3_exec_forward_rows(batch, n_seqs, mode))) \
+    X(run, STATUS, COLLECTIVE(k3_ctx_run_check), (BATCH, batch, n_seqs), (BYTES, uint8_t, want, n_seqs), \
+      (LOGITS, logits, k3_exec_run_rows(batch, n_seqs, want))) \
+    X(seq_reset, VOID, LOCAL, (VAL, int32_t, seq)) \
+    X(seq_fill_synthetic, STATUS, LOCAL, (VAL, int32_t, seq), (VAL, int64_t, n), (VAL, uint64_t, seed)) \
+    X(seq_set_blocks, STATUS, LOCAL, (VAL, int32_t, seq), (IDS, blocks, n)) \
+    X(seq_set_pos, VOID, LOCAL, (VAL, int32_t, seq), (VAL, int64_t, pos)) \
+    X(seq_clear_state, VOID, LOCAL, (VAL, int32_t, seq)) \
+    X(state_restore, VOID, LOCAL, (VAL, int32_t, seq), (BYTES, void, src, k3_ctx_state_bytes(ctx))) \
+    X(kv_write, STATUS, LOCAL, (IDS, blocks, n_blocks), (VAL, int32_t, layer), (VAL, int64_t, t0), (VAL, int32_t, n), \
+      (BYTES, void, src, k3_ctx_kv_bytes(ctx, layer, n))) \
+    X(kv_gather, STATUS, COLLECTIVE(k3_ctx_kv_gather_check), (IDS, blocks, n_blocks), (VAL, int32_t, layer), \
       (VAL, int64_t, t0), (VAL, int32_t, n), (OUT, void, dst, k3_ctx_kv_bytes(ctx, layer, n)))
 
 /* The calls that take a context but stay on their rank, and why: X(NAME). A
  * context is made on every rank with the same options (k3_ctx_init by each
  * rank itself, k3_ctx_init_pool through k3_exec_init_pool); what rank 0
  * alone keeps (snapshots, profiles) is not mirrored. */
-#define K3_EXEC_RANK_LOCAL(X)                                                                                      \
-    X(init) /* every rank makes its own, with the same options */                                               \
-    X(init_pool) /* k3_exec_init_pool sends the options */                                                      \
-    X(free) /* every rank frees its own */                                                                      \
-    X(capture_state) /* rank 0 keeps the snapshots; the others compute the same state */                        \
-    X(forget_captures) /* the same captures */                                                                  \
-    X(profile_enable) /* rank 0's operator times */                                                             \
+#define K3_EXEC_RANK_LOCAL(X) \
+    X(init)            /* every rank makes its own, with the same options */ \
+    X(init_pool)       /* k3_exec_init_pool sends the options */ \
+    X(free)            /* every rank frees its own */ \
+    X(capture_state)   /* rank 0 keeps the snapshots; the others compute the same state */ \
+    X(forget_captures) /* the same captures */ \
+    X(profile_enable)  /* rank 0's operator times */ \
     X(profile_take)
 
 #endif /* K3_EXECUTOR_CALLS_H */

@@ -219,9 +219,9 @@ typedef struct rmsg {
     msg_hdr h;
     const uint8_t *p; /* the payload */
     size_t n, at;
-    void *payload;    /* allocated when it did not travel in the header */
-    int n_seg;        /* segments read */
-    k3_dist *d;       /* the segments come from rank 0, or */
+    void *payload;          /* allocated when it did not travel in the header */
+    int n_seg;              /* segments read */
+    k3_dist *d;             /* the segments come from rank 0, or */
     const k3_exec_tap *tap; /* from the tap, at *tap_at */
     size_t *tap_at;
     void *own[16];
@@ -420,8 +420,8 @@ int64_t k3_exec_run_rows(const k3_batch_seq *batch, int32_t n_seqs, const uint8_
 #define PUT(...) PUT_(__VA_ARGS__)
 #define PUT_(kind, ...) PUT_##kind(__VA_ARGS__)
 #define PUT_VAL(type, name) w_put(&w, &name, sizeof(type));
-#define PUT_IDS(ptr, n)                                                                                            \
-    w_put(&w, &n, sizeof(int32_t));                                                                                \
+#define PUT_IDS(ptr, n) \
+    w_put(&w, &n, sizeof(int32_t)); \
     w_put(&w, ptr, sizeof(int32_t) * (size_t)(n > 0 ? n : 0));
 #define PUT_BYTES(type, ptr, len) w_array(&w, ptr, (size_t)(len), NULL);
 #define PUT_BATCH(batch, n) w_batch(&w, batch, n, ctx->c->hidden_size);
@@ -431,12 +431,12 @@ int64_t k3_exec_run_rows(const k3_batch_seq *batch, int32_t n_seqs, const uint8_
 #define LOCAL(...) LOCAL_(__VA_ARGS__)
 #define LOCAL_(kind, ...) LOCAL_##kind(__VA_ARGS__)
 #define LOCAL_VAL(type, name) type name = (type)0;
-#define LOCAL_IDS(ptr, n)                                                                                          \
-    const int32_t *ptr = NULL;                                                                                     \
+#define LOCAL_IDS(ptr, n) \
+    const int32_t *ptr = NULL; \
     int32_t n = 0;
 #define LOCAL_BYTES(type, ptr, len) const type *ptr = NULL;
-#define LOCAL_BATCH(batch, n)                                                                                      \
-    const k3_batch_seq *batch = NULL;                                                                              \
+#define LOCAL_BATCH(batch, n) \
+    const k3_batch_seq *batch = NULL; \
     int32_t n = 0;
 #define LOCAL_LOGITS(ptr, rows) float *ptr = NULL;
 #define LOCAL_OUT(type, ptr, len) type *ptr = NULL;
@@ -444,20 +444,20 @@ int64_t k3_exec_run_rows(const k3_batch_seq *batch, int32_t n_seqs, const uint8_
 #define GET(...) GET_(__VA_ARGS__)
 #define GET_(kind, ...) GET_##kind(__VA_ARGS__)
 #define GET_VAL(type, name) r_get(r, &name, sizeof(type));
-#define GET_IDS(ptr, cnt)                                                                                          \
-    r_get(r, &cnt, sizeof(int32_t));                                                                               \
-    if (!r->st && (cnt < 0 || (size_t)cnt > r->n / 4)) r_fail(r, K3_ERR_FORMAT, "a bad id list");                  \
-    if (!r->st) {                                                                                                  \
-        int32_t *ids_ = r_alloc(r, sizeof(int32_t) * (size_t)cnt);                                                 \
-        r_get(r, ids_, sizeof(int32_t) * (size_t)cnt);                                                             \
-        ptr = ids_;                                                                                                \
+#define GET_IDS(ptr, cnt) \
+    r_get(r, &cnt, sizeof(int32_t)); \
+    if (!r->st && (cnt < 0 || (size_t)cnt > r->n / 4)) r_fail(r, K3_ERR_FORMAT, "a bad id list"); \
+    if (!r->st) { \
+        int32_t *ids_ = r_alloc(r, sizeof(int32_t) * (size_t)cnt); \
+        r_get(r, ids_, sizeof(int32_t) * (size_t)cnt); \
+        ptr = ids_; \
     }
-#define GET_BYTES(type, ptr, len)                                                                                  \
+#define GET_BYTES(type, ptr, len) \
     if (!r->st) ptr = r_array(r, (int64_t)(len));
 #define GET_BATCH(batch, n) r_batch(r, &batch, &n, ctx->c->hidden_size);
-#define GET_LOGITS(ptr, rows)                                                                                      \
+#define GET_LOGITS(ptr, rows) \
     if (!r->st) ptr = r_logits(r, (int64_t)(rows), ctx->c->vocab_size);
-#define GET_OUT(type, ptr, len)                                                                                    \
+#define GET_OUT(type, ptr, len) \
     if (!r->st) ptr = r_out(r, (int64_t)(len));
 
 #define EACH K3_EXEC_EACH
@@ -467,10 +467,10 @@ int64_t k3_exec_run_rows(const k3_batch_seq *batch, int32_t n_seqs, const uint8_
 #define CALL_STATUS(call) st = call
 #define CALL_VOID(call) call
 #define RETURN_STATUS(call) return call
-#define RETURN_VOID(call)                                                                                          \
-    do {                                                                                                           \
-        call;                                                                                                      \
-        return;                                                                                                    \
+#define RETURN_VOID(call) \
+    do { \
+        call; \
+        return; \
     } while (0)
 #define RESULT_STATUS return st;
 #define RESULT_VOID
@@ -486,35 +486,35 @@ int64_t k3_exec_run_rows(const k3_batch_seq *batch, int32_t n_seqs, const uint8_
  * sent when it succeeded; a message that cannot be sent then fails the link
  * (the others would miss it), and a failed link is sticky: the next forward
  * pass returns it. */
-#define DEFINE_CALL(name, ret, order, ...)                                                                         \
-    K3_EXEC_RET_##ret k3_exec_##name(k3_ctx *ctx EACH(PARAM, __VA_ARGS__) K3_EXEC_ERRP_##ret) {                    \
-        if (!g_tap && !sends(ctx->dist)) RETURN_##ret(k3_ctx_##name(ctx EACH(ARG, __VA_ARGS__) ERRA_##ret));       \
-        k3_status st = K3_OK;                                                                                      \
-        k3_error lerr_ = {0};                                                                                      \
-        wmsg w;                                                                                                    \
-        w_init(&w, CMD_##name);                                                                                    \
-        if (IS_COLLECTIVE_##order) {                                                                               \
-            st = CHECK_##order(ctx EACH(ARG, __VA_ARGS__), &lerr_);                                                \
-            if (!st) {                                                                                             \
-                EACH(PUT, __VA_ARGS__)                                                                             \
-                st = w_send(&w, ctx->dist, true, &lerr_);                                                          \
-            }                                                                                                      \
-            if (!st) {                                                                                             \
-                CALL_##ret(k3_ctx_##name(ctx EACH(ARG, __VA_ARGS__) ERRA_##ret));                                  \
-            } else {                                                                                               \
-                k3_ctx_forget_captures(ctx);                                                                       \
-                K3_EXEC_ERR_##ret(st, lerr_);                                                                      \
-            }                                                                                                      \
-        } else {                                                                                                   \
-            CALL_##ret(k3_ctx_##name(ctx EACH(ARG, __VA_ARGS__) ERRA_##ret));                                      \
-            if (!st) {                                                                                             \
-                EACH(PUT, __VA_ARGS__)                                                                             \
-                if (w_send(&w, ctx->dist, true, &lerr_) && sends(ctx->dist))                                       \
-                    k3_comm_fail(ctx->dist, "the message of k3_ctx_" #name " (out of memory)", NULL);              \
-            }                                                                                                      \
-        }                                                                                                          \
-        w_free(&w);                                                                                                \
-        RESULT_##ret                                                                                               \
+#define DEFINE_CALL(name, ret, order, ...) \
+    K3_EXEC_RET_##ret k3_exec_##name(k3_ctx *ctx EACH(PARAM, __VA_ARGS__) K3_EXEC_ERRP_##ret) { \
+        if (!g_tap && !sends(ctx->dist)) RETURN_##ret(k3_ctx_##name(ctx EACH(ARG, __VA_ARGS__) ERRA_##ret)); \
+        k3_status st = K3_OK; \
+        k3_error lerr_ = {0}; \
+        wmsg w; \
+        w_init(&w, CMD_##name); \
+        if (IS_COLLECTIVE_##order) { \
+            st = CHECK_##order(ctx EACH(ARG, __VA_ARGS__), &lerr_); \
+            if (!st) { \
+                EACH(PUT, __VA_ARGS__) \
+                st = w_send(&w, ctx->dist, true, &lerr_); \
+            } \
+            if (!st) { \
+                CALL_##ret(k3_ctx_##name(ctx EACH(ARG, __VA_ARGS__) ERRA_##ret)); \
+            } else { \
+                k3_ctx_forget_captures(ctx); \
+                K3_EXEC_ERR_##ret(st, lerr_); \
+            } \
+        } else { \
+            CALL_##ret(k3_ctx_##name(ctx EACH(ARG, __VA_ARGS__) ERRA_##ret)); \
+            if (!st) { \
+                EACH(PUT, __VA_ARGS__) \
+                if (w_send(&w, ctx->dist, true, &lerr_) && sends(ctx->dist)) \
+                    k3_comm_fail(ctx->dist, "the message of k3_ctx_" #name " (out of memory)", NULL); \
+            } \
+        } \
+        w_free(&w); \
+        RESULT_##ret \
     }
 /* a failed check or send of a COLLECTIVE call: its message to the caller */
 #define K3_EXEC_ERR_STATUS(st, e) k3_err(err, st, "%s", e.msg)
@@ -523,23 +523,25 @@ int64_t k3_exec_run_rows(const k3_batch_seq *batch, int32_t n_seqs, const uint8_
 K3_EXEC_CALLS(DEFINE_CALL)
 
 /* A serving rank's side of row NAME: read the arguments, make the call. */
-#define REPLAY_CALL(name, ret, order, ...)                                                                         \
-    case CMD_##name: {                                                                                             \
-        EACH(LOCAL, __VA_ARGS__)                                                                                   \
-        EACH(GET, __VA_ARGS__)                                                                                     \
-        if (r->st) return k3_err(err, r->st, "%s", r->msg);                                                        \
-        if (r->at != r->n) return k3_err(err, K3_ERR_FORMAT, "dist: rank %d: %zu bytes too many in a message "     \
-                                         "from rank 0 (%s)", r->rank, r->n - r->at, #name);                        \
-        CALL_##ret(k3_ctx_##name(ctx EACH(ARG, __VA_ARGS__) ERRA_##ret));                                          \
-        return st;                                                                                                 \
+#define REPLAY_CALL(name, ret, order, ...) \
+    case CMD_##name: { \
+        EACH(LOCAL, __VA_ARGS__) \
+        EACH(GET, __VA_ARGS__) \
+        if (r->st) return k3_err(err, r->st, "%s", r->msg); \
+        if (r->at != r->n) \
+            return k3_err(err, K3_ERR_FORMAT, \
+                          "dist: rank %d: %zu bytes too many in a message " \
+                          "from rank 0 (%s)", \
+                          r->rank, r->n - r->at, #name); \
+        CALL_##ret(k3_ctx_##name(ctx EACH(ARG, __VA_ARGS__) ERRA_##ret)); \
+        return st; \
     }
 
 static k3_status replay_call(k3_ctx *ctx, rmsg *r, k3_error *err) {
     k3_status st = K3_OK;
     switch (r->h.cmd) {
         K3_EXEC_CALLS(REPLAY_CALL)
-    default:
-        return k3_err(err, K3_ERR_FORMAT, "dist: rank %d: unexpected command %d from rank 0", r->rank, r->h.cmd);
+    default: return k3_err(err, K3_ERR_FORMAT, "dist: rank %d: unexpected command %d from rank 0", r->rank, r->h.cmd);
     }
 }
 
@@ -560,8 +562,7 @@ static void put_pool(wmsg *w, const k3_ctx_options *o, int32_t n_blocks, int64_t
 k3_status k3_exec_init_pool(k3_ctx **out, const k3_model *m, const k3_ctx_options *opt, int32_t n_blocks,
                             int64_t max_ctx, k3_error *err) {
     *out = NULL;
-    if (n_blocks < 1 || max_ctx < 1)
-        return k3_err(err, K3_ERR_ARG, "context: n_blocks and max_ctx must be positive");
+    if (n_blocks < 1 || max_ctx < 1) return k3_err(err, K3_ERR_ARG, "context: n_blocks and max_ctx must be positive");
     if (sends(opt->dist)) { /* the others make theirs together with rank 0 */
         wmsg w;
         w_init(&w, CMD_INIT_POOL);

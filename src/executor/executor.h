@@ -55,7 +55,7 @@ int64_t k3_exec_run_rows(const k3_batch_seq *batch, int32_t n_seqs, const uint8_
 #define K3_EXEC_EACH_5(m, a, b, c, d, e) m a m b m c m d m e
 #define K3_EXEC_EACH_6(m, a, b, c, d, e, f) m a m b m c m d m e m f
 
-#define K3_EXEC_DECLARE(name, ret, order, ...)                                                                     \
+#define K3_EXEC_DECLARE(name, ret, order, ...) \
     K3_EXEC_RET_##ret k3_exec_##name(k3_ctx *ctx K3_EXEC_EACH(K3_EXEC_PARAM, __VA_ARGS__) K3_EXEC_ERRP_##ret);
 K3_EXEC_CALLS(K3_EXEC_DECLARE)
 

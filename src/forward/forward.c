@@ -15,8 +15,7 @@
 #include "forward/forward.h"
 #include "layers/layers.h"
 
-void k3_forward_round(k3_ctx *ctx, const int32_t *tokens, const int32_t *out_rows,
-                      int32_t n_out, float *logits) {
+void k3_forward_round(k3_ctx *ctx, const int32_t *tokens, const int32_t *out_rows, int32_t n_out, float *logits) {
     const k3_model *m = ctx->m;
     const k3_config *c = ctx->c;
     const int64_t T = ctx->T, D = c->hidden_size;
@@ -24,10 +23,11 @@ void k3_forward_round(k3_ctx *ctx, const int32_t *tokens, const int32_t *out_row
     const bool attn_res = c->attn_res_block_size > 0;
 
     /* a row given with the batch (image features) replaces the token's embedding */
-    PROF(ctx, K3_PROF_EMBED, for (int64_t t = 0; t < T; t++) {
-        if (ctx->round_embeds[t]) memcpy(s->P + t * D, ctx->round_embeds[t], sizeof(float) * (size_t)D);
-        else k3_mat_get_row(&m->embed, tokens[t], s->P + t * D);
-    });
+    PROF(
+        ctx, K3_PROF_EMBED, for (int64_t t = 0; t < T; t++) {
+            if (ctx->round_embeds[t]) memcpy(s->P + t * D, ctx->round_embeds[t], sizeof(float) * (size_t)D);
+            else k3_mat_get_row(&m->embed, tokens[t], s->P + t * D);
+        });
 
     int nb = 0; /* bank entries */
     for (int i = 0; i < c->n_layers; i++) {
@@ -62,7 +62,9 @@ void k3_forward_round(k3_ctx *ctx, const int32_t *tokens, const int32_t *out_row
         }
         PROF(ctx, K3_PROF_NORM, k3_rmsnorm_rows(ctx, s->xn, D, Y, D, L->post_attn_norm, D, c->rms_eps));
         if (L->moe) k3_moe_layer(ctx, L, s->xn, s->X);
-        else PROF(ctx, K3_PROF_FFN, k3_ffn_dense(ctx, &L->ffn_gu, &L->ffn_gate, &L->ffn_up, &L->ffn_down, s->xn, T, s->X));
+        else
+            PROF(ctx, K3_PROF_FFN,
+                 k3_ffn_dense(ctx, &L->ffn_gu, &L->ffn_gate, &L->ffn_up, &L->ffn_down, s->xn, T, s->X));
         for (int64_t k = 0; k < T * D; k++) s->P[k] += s->X[k];
     }
     if (!n_out) return;

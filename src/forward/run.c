@@ -21,8 +21,7 @@ static k3_status validate(const k3_ctx *ctx, const k3_batch_seq *batch, int32_t 
     for (int32_t i = 0; i < n_seqs; i++) {
         const k3_batch_seq *b = &batch[i];
         if (b->seq < 0 || b->seq >= ctx->max_seqs)
-            return k3_err(err, K3_ERR_ARG, "forward: sequence id %d out of range [0, %d)", b->seq,
-                          ctx->max_seqs);
+            return k3_err(err, K3_ERR_ARG, "forward: sequence id %d out of range [0, %d)", b->seq, ctx->max_seqs);
         for (int32_t j = 0; j < i; j++)
             if (batch[j].seq == b->seq)
                 return k3_err(err, K3_ERR_ARG, "forward: sequence %d appears twice in one batch", b->seq);
@@ -38,7 +37,8 @@ static k3_status validate(const k3_ctx *ctx, const k3_batch_seq *batch, int32_t 
         const int64_t end = s->pos + b->n_tokens;
         if (end > ctx->max_ctx)
             return k3_err(err, K3_ERR_RANGE,
-                          "forward: sequence %d would reach %lld tokens (%lld cached + %d new), over the context of %lld",
+                          "forward: sequence %d would reach %lld tokens (%lld cached + %d new), over the context of "
+                          "%lld",
                           b->seq, (long long)end, (long long)s->pos, b->n_tokens, (long long)ctx->max_ctx);
         if (check_blocks && s->n_blocks < k3_ctx_blocks_for(ctx, end))
             return k3_err(err, K3_ERR_RANGE, "forward: sequence %d has %d blocks for %lld positions", b->seq,
@@ -48,8 +48,7 @@ static k3_status validate(const k3_ctx *ctx, const k3_batch_seq *batch, int32_t 
 }
 
 /* Rounds of at most max_batch tokens, in batch order. */
-static void run_rounds(k3_ctx *ctx, const k3_batch_seq *batch, int32_t n_seqs, const uint8_t *want,
-                       float *logits) {
+static void run_rounds(k3_ctx *ctx, const k3_batch_seq *batch, int32_t n_seqs, const uint8_t *want, float *logits) {
     int32_t *toks = ctx->round_tokens, *orows = ctx->round_out;
     const int64_t V = ctx->c->vocab_size;
     int64_t n_written = 0;
@@ -127,18 +126,16 @@ static k3_status forward_check(const k3_ctx *ctx, const k3_batch_seq *batch, int
         blocks_needed += k3_ctx_blocks_for(ctx, s->pos + batch[i].n_tokens) - s->n_blocks;
     }
     if (!st && blocks_needed > ctx->n_free)
-        st = k3_err(err, K3_ERR_RANGE, "forward: cache full: %lld blocks needed, %d free",
-                    (long long)blocks_needed, ctx->n_free);
+        st = k3_err(err, K3_ERR_RANGE, "forward: cache full: %lld blocks needed, %d free", (long long)blocks_needed,
+                    ctx->n_free);
     return st;
 }
 
 /* The checks that come before the modes are known to be sound. */
 static k3_status forward_args(const k3_ctx *ctx, const k3_batch_seq *batch, int32_t n_seqs, k3_logits_mode mode,
                               const float *logits, k3_error *err) {
-    if (n_seqs < 0 || (n_seqs > 0 && !batch))
-        return k3_err(err, K3_ERR_ARG, "forward: bad batch");
-    if (mode != K3_LOGITS_NONE && !logits)
-        return k3_err(err, K3_ERR_ARG, "forward: logits buffer is NULL");
+    if (n_seqs < 0 || (n_seqs > 0 && !batch)) return k3_err(err, K3_ERR_ARG, "forward: bad batch");
+    if (mode != K3_LOGITS_NONE && !logits) return k3_err(err, K3_ERR_ARG, "forward: logits buffer is NULL");
     if (!ctx->free_blocks)
         return k3_err(err, K3_ERR_ARG, "forward: this context's blocks are owned by an engine (use k3_ctx_run)");
     return K3_OK;
@@ -156,8 +153,8 @@ k3_status k3_ctx_forward_check(const k3_ctx *ctx, const k3_batch_seq *batch, int
     return st;
 }
 
-k3_status k3_ctx_forward(k3_ctx *ctx, const k3_batch_seq *batch, int32_t n_seqs,
-                         k3_logits_mode mode, float *logits, k3_error *err) {
+k3_status k3_ctx_forward(k3_ctx *ctx, const k3_batch_seq *batch, int32_t n_seqs, k3_logits_mode mode, float *logits,
+                         k3_error *err) {
     k3_status st = forward_args(ctx, batch, n_seqs, mode, logits, err);
     if (st) return st;
     uint8_t want_buf[64] = {0}, *want = n_seqs <= 64 ? want_buf : malloc((size_t)n_seqs);
@@ -171,7 +168,8 @@ k3_status k3_ctx_forward(k3_ctx *ctx, const k3_batch_seq *batch, int32_t n_seqs,
         for (int32_t i = 0; i < n_seqs; i++) {
             k3_seq *s = &ctx->seqs[batch[i].seq];
             const int64_t end = s->pos + batch[i].n_tokens;
-            while (s->n_blocks < k3_ctx_blocks_for(ctx, end)) s->blocks[s->n_blocks++] = ctx->free_blocks[--ctx->n_free];
+            while (s->n_blocks < k3_ctx_blocks_for(ctx, end))
+                s->blocks[s->n_blocks++] = ctx->free_blocks[--ctx->n_free];
         }
         run_rounds(ctx, batch, n_seqs, want, logits);
         st = k3_layers_failed(ctx, err);

@@ -363,8 +363,8 @@ k3_status k3g_rule_set_dfa(k3g_builder *b, int32_t r, k3g_fa *dfa) {
 
 typedef struct fin {
     k3g_builder *b;
-    int32_t n;          /* rules */
-    uint8_t *has_ref;   /* the rule's automaton references rules */
+    int32_t n;        /* rules */
+    uint8_t *has_ref; /* the rule's automaton references rules */
     uint8_t *productive, *nullable, *reach;
 } fin;
 
@@ -395,8 +395,7 @@ static k3_status inline_refs(fin *F, int32_t r, const uint8_t *inl) {
         k3g_fedge e = fa->e[i];
         if (e.sym >= 0 && K3G_SYM_IS_REF(e.sym) && inl[K3G_SYM_ARG(e.sym)])
             k3g_fa_embed(&t, &b->rules[K3G_SYM_ARG(e.sym)].fa, e.from, e.to);
-        else
-            k3g_fa_edge(&t, e.from, e.to, e.sym, e.lo, e.hi);
+        else k3g_fa_edge(&t, e.from, e.to, e.sym, e.lo, e.hi);
     }
     if (t.oom || t.too_big) {
         k3g_fa_free(&t);
@@ -653,8 +652,10 @@ k3_status k3g_finalize(k3g_builder *b, int32_t root, k3_grammar **out) {
                     stk[sp - 1]++;
                     int32_t x = left[r][i];
                     if (color[x] == 1)
-                        st = k3_err(err, K3_ERR_ARG, "rule '%s' is left-recursive (it can reach itself "
-                                    "without reading anything)", b->rules[x].name);
+                        st = k3_err(err, K3_ERR_ARG,
+                                    "rule '%s' is left-recursive (it can reach itself "
+                                    "without reading anything)",
+                                    b->rules[x].name);
                     else if (!color[x]) {
                         color[x] = 1;
                         stk[sp++] = x;
@@ -720,8 +721,8 @@ k3_status k3g_finalize(k3g_builder *b, int32_t root, k3_grammar **out) {
                 if (!g->budget || !g->need) st = nomem(b);
                 for (size_t i = 0; g->budget && i < nn; i++) g->budget[i] = -1;
             }
-            if (!g->nodes || !g->bedges || !g->redges || !g->sedges || !g->rule_start || !g->rule_first ||
-                !g->rule_n || !g->rule_std || !g->rule_name || !g->follow || !g->entries)
+            if (!g->nodes || !g->bedges || !g->redges || !g->sedges || !g->rule_start || !g->rule_first || !g->rule_n ||
+                !g->rule_std || !g->rule_name || !g->follow || !g->entries)
                 st = nomem(b);
         }
         int32_t base = 0;
@@ -738,8 +739,7 @@ k3_status k3g_finalize(k3g_builder *b, int32_t root, k3_grammar **out) {
             R->name = NULL;
             const k3_grammar_vocab *v = b->vocab;
             bool std_ok = R->std >= 0 && !b->is_std && v && v->std && v->std_n[R->std] == fa->n;
-            bool alias_ok = R->alias && !b->is_std && v && v->std && R->alias_std >= 0 &&
-                            v->std_n[R->alias_std] > 0;
+            bool alias_ok = R->alias && !b->is_std && v && v->std && R->alias_std >= 0 && v->std_n[R->alias_std] > 0;
             for (int32_t s = 0; s < fa->n; s++) {
                 k3g_node *nd = &g->nodes[base + s];
                 nd->rule = (uint32_t)gr;
@@ -762,8 +762,8 @@ k3_status k3g_finalize(k3g_builder *b, int32_t root, k3_grammar **out) {
                         g->bedges[g->n_bedges++] = (k3g_bedge){e->lo, e->hi, (uint32_t)(base + e->to)};
                         nd->nb++;
                     } else if (K3G_SYM_IS_REF(e->sym)) {
-                        g->redges[g->n_redges++] = (k3g_redge){(uint32_t)map[K3G_SYM_ARG(e->sym)],
-                                                               (uint32_t)(base + e->to)};
+                        g->redges[g->n_redges++] =
+                            (k3g_redge){(uint32_t)map[K3G_SYM_ARG(e->sym)], (uint32_t)(base + e->to)};
                         nd->nr++;
                     } else {
                         g->sedges[g->n_sedges++] = (k3g_sedge){K3G_SYM_ARG(e->sym), (uint32_t)(base + e->to)};

@@ -16,16 +16,16 @@
 /* ---- expressions (build.c) ------------------------------------------------- */
 
 typedef enum k3g_akind {
-    K3G_A_EMPTY,   /* the empty string */
-    K3G_A_NONE,    /* nothing: the empty language */
-    K3G_A_BYTES,   /* a literal byte string */
-    K3G_A_BRANGE,  /* one byte from n ranges (u.r: lo, hi pairs, bytes) */
-    K3G_A_CPSET,   /* one UTF-8 code point from n ranges (u.r: lo, hi pairs) */
-    K3G_A_SYM,     /* a rule reference or a special token (sym) */
-    K3G_A_SEQ,     /* n kids one after the other */
-    K3G_A_ALT,     /* one of n kids */
-    K3G_A_REP,     /* kid[0] min..max times (max < 0: unbounded) */
-    K3G_A_FA,      /* an automaton (u.fa, borrowed) */
+    K3G_A_EMPTY,  /* the empty string */
+    K3G_A_NONE,   /* nothing: the empty language */
+    K3G_A_BYTES,  /* a literal byte string */
+    K3G_A_BRANGE, /* one byte from n ranges (u.r: lo, hi pairs, bytes) */
+    K3G_A_CPSET,  /* one UTF-8 code point from n ranges (u.r: lo, hi pairs) */
+    K3G_A_SYM,    /* a rule reference or a special token (sym) */
+    K3G_A_SEQ,    /* n kids one after the other */
+    K3G_A_ALT,    /* one of n kids */
+    K3G_A_REP,    /* kid[0] min..max times (max < 0: unbounded) */
+    K3G_A_FA,     /* an automaton (u.fa, borrowed) */
 } k3g_akind;
 
 typedef struct k3g_ast {
@@ -44,11 +44,11 @@ typedef struct k3g_ast {
 /* ---- the builder (build.c) --------------------------------------------------- */
 
 typedef struct k3g_brule {
-    char *name;             /* for messages; owned */
-    k3g_fa fa;              /* NFA while building, DFA after finalize */
-    int16_t std;            /* k3g_std or -1 */
-    bool defined;           /* a body was given */
-    bool dfa;               /* fa is already a DFA */
+    char *name;   /* for messages; owned */
+    k3g_fa fa;    /* NFA while building, DFA after finalize */
+    int16_t std;  /* k3g_std or -1 */
+    bool defined; /* a body was given */
+    bool dfa;     /* fa is already a DFA */
     /* Aliases (optional, [fa.n] once a DFA): a node whose token table equals
      * that of node alias[i] of the standard rule alias_std (-1: none), with
      * budget[i] >= 0 the characters it may still take before its end and

@@ -51,7 +51,8 @@ static k3_status need_specials(k3g_builder *b, specials *s) {
     s->close = k3g_vocab_special(v, "<|close|>", 9);
     s->sep = k3g_vocab_special(v, "<|sep|>", 7);
     if (s->open < 0 || s->close < 0 || s->sep < 0)
-        return k3_err(b->err, K3_ERR_ARG, "the K3 reply form needs the tokenizer's <|open|>, <|close|> and <|sep|> "
+        return k3_err(b->err, K3_ERR_ARG,
+                      "the K3 reply form needs the tokenizer's <|open|>, <|close|> and <|sep|> "
                       "specials, and this vocabulary lacks them");
     return K3_OK;
 }
@@ -92,7 +93,8 @@ static k3g_ast *attr_lit(k3g_builder *b, const char *v) {
 static k3_status tool_calls(k3g_builder *b, const k3_grammar_spec *spec, const char *where, k3g_ast **out) {
     specials s;
     K3_TRY(need_specials(b, &s));
-    if (spec->n_tools <= 0 || !spec->tools) return k3_err(b->err, K3_ERR_ARG, "%s: tool calls need at least one tool", where);
+    if (spec->n_tools <= 0 || !spec->tools)
+        return k3_err(b->err, K3_ERR_ARG, "%s: tool calls need at least one tool", where);
     int32_t nt = spec->n_tools;
     int32_t *body = malloc((size_t)nt * sizeof *body);
     if (!body) return k3_err(b->err, K3_ERR_NOMEM, "out of memory compiling tool calls");
@@ -134,8 +136,13 @@ static k3_status tool_calls(k3g_builder *b, const k3_grammar_spec *spec, const c
             index = k3g_seq2(b, k3g_brange(b, '1', '9'), k3g_rep(b, k3g_brange(b, '0', '9'), 0, -1));
         }
         for (int32_t i = 0; i < nt; i++) {
-            k3g_ast *kk[7] = {k3g_special(b, s.open), k3g_str(b, "call tool=\""), attr_lit(b, spec->tools[i].name),
-                              k3g_str(b, "\" index=\""), index, k3g_str(b, "\""), k3g_special(b, s.sep)};
+            k3g_ast *kk[7] = {k3g_special(b, s.open),
+                              k3g_str(b, "call tool=\""),
+                              attr_lit(b, spec->tools[i].name),
+                              k3g_str(b, "\" index=\""),
+                              index,
+                              k3g_str(b, "\""),
+                              k3g_special(b, s.sep)};
             alts[i] = k3g_seq2(b, k3g_seq(b, kk, 7), k3g_ref(b, body[i]));
         }
         calls[k] = k3g_alt(b, alts, nt);
@@ -169,9 +176,9 @@ static k3_status tool_calls(k3g_builder *b, const k3_grammar_spec *spec, const c
         } else if (spec->tools_optional) {
             /* text content (a raw string: no <|close|> in it), then the calls or none */
             int32_t text = k3g_std_rule(b, K3G_STD_RAW_STRING);
-            turn = text < 0 ? NULL
-                            : k3g_seq3(b, k3g_ref(b, text), tag(b, s.close, "response", s.sep),
-                                       k3g_rep(b, calls_part, 0, 1));
+            turn = text < 0
+                ? NULL
+                : k3g_seq3(b, k3g_ref(b, text), tag(b, s.close, "response", s.sep), k3g_rep(b, calls_part, 0, 1));
         } else {
             turn = k3g_seq2(b, tag(b, s.close, "response", s.sep), calls_part);
         }
@@ -183,23 +190,27 @@ static k3_status tool_calls(k3g_builder *b, const k3_grammar_spec *spec, const c
     return st;
 }
 
-k3_status k3_grammar_compile(k3_grammar **out, const k3_grammar_vocab *v, const k3_grammar_spec *spec,
-                             k3_error *err) {
+k3_status k3_grammar_compile(k3_grammar **out, const k3_grammar_vocab *v, const k3_grammar_spec *spec, k3_error *err) {
     *out = NULL;
     if (!v || !spec) return k3_err(err, K3_ERR_ARG, "k3_grammar_compile needs a vocabulary and a spec");
-    static const char *const default_where[] = {"json_schema", "response_format", "regex", "choice", "grammar", "tools"};
-    if ((unsigned)spec->kind > K3_GRAMMAR_TOOL_CALLS) return k3_err(err, K3_ERR_ARG, "unknown grammar kind %d", (int)spec->kind);
+    static const char *const default_where[] = {"json_schema", "response_format", "regex",
+                                                "choice",      "grammar",         "tools"};
+    if ((unsigned)spec->kind > K3_GRAMMAR_TOOL_CALLS)
+        return k3_err(err, K3_ERR_ARG, "unknown grammar kind %d", (int)spec->kind);
     const char *where = spec->where ? spec->where : default_where[spec->kind];
     k3g_builder b;
     k3g_builder_init(&b, v, err);
     k3g_ws ws = spec->compact ? K3G_WS_COMPACT : K3G_WS_FLEX;
     k3_status st = K3_OK;
     k3g_ast *content = NULL;
-    bool needs_text = spec->kind == K3_GRAMMAR_JSON_SCHEMA || spec->kind == K3_GRAMMAR_REGEX || spec->kind == K3_GRAMMAR_GBNF;
+    bool needs_text =
+        spec->kind == K3_GRAMMAR_JSON_SCHEMA || spec->kind == K3_GRAMMAR_REGEX || spec->kind == K3_GRAMMAR_GBNF;
     if (needs_text && !spec->text) st = k3_err(err, K3_ERR_ARG, "%s: no text given", where);
     if (st == K3_OK) switch (spec->kind) {
         case K3_GRAMMAR_JSON_SCHEMA: {
-            k3g_json_opts o = {.ws = ws, .no_extra = spec->no_extra_properties, .int_canon = spec->canonical_numbers,
+            k3g_json_opts o = {.ws = ws,
+                               .no_extra = spec->no_extra_properties,
+                               .int_canon = spec->canonical_numbers,
                                .where = where};
             int32_t r;
             st = k3g_json_schema(&b, spec->text, &o, &r);
@@ -246,7 +257,8 @@ k3_status k3_grammar_compile(k3_grammar **out, const k3_grammar_vocab *v, const 
             content = k3g_seq(&b, kk, 4);
         }
     }
-    if (st == K3_OK && !content) st = err && err->status ? err->status : k3_err(err, K3_ERR_NOMEM, "out of memory compiling a grammar");
+    if (st == K3_OK && !content)
+        st = err && err->status ? err->status : k3_err(err, K3_ERR_NOMEM, "out of memory compiling a grammar");
     int32_t root = -1;
     if (st == K3_OK) {
         root = k3g_rule(&b, where);

@@ -177,7 +177,10 @@ static int utf8_len(uint32_t c) { return c < 0x80 ? 1 : c < 0x800 ? 2 : c < 0x10
 static void utf8_enc(uint32_t c, uint8_t *o) {
     switch (utf8_len(c)) {
     case 1: o[0] = (uint8_t)c; break;
-    case 2: o[0] = (uint8_t)(0xC0 | c >> 6); o[1] = (uint8_t)(0x80 | (c & 0x3F)); break;
+    case 2:
+        o[0] = (uint8_t)(0xC0 | c >> 6);
+        o[1] = (uint8_t)(0x80 | (c & 0x3F));
+        break;
     case 3:
         o[0] = (uint8_t)(0xE0 | c >> 12);
         o[1] = (uint8_t)(0x80 | ((c >> 6) & 0x3F));
@@ -251,12 +254,12 @@ void k3g_fa_utf8(k3g_fa *fa, int32_t from, int32_t to, uint32_t lo, uint32_t hi)
 /* ---- subset construction ---------------------------------------------------- */
 
 typedef struct setpool {
-    int32_t *v;       /* members of every set back to back */
+    int32_t *v; /* members of every set back to back */
     size_t n, cap;
-    size_t *off;      /* [n_sets + 1] */
+    size_t *off; /* [n_sets + 1] */
     size_t cap_off;
     int32_t n_sets;
-    int32_t *slot;    /* hash: set index or -1 */
+    int32_t *slot; /* hash: set index or -1 */
     uint32_t mask;
 } setpool;
 
@@ -450,8 +453,7 @@ k3_status k3g_fa_determinize(const k3g_fa *nfa_in, k3g_fa *out, const char *what
     k3g_fa *nfa = (k3g_fa *)nfa_in; /* indexing sorts the edges, nothing else */
     if (nfa->oom) return k3_err(err, K3_ERR_NOMEM, "out of memory building %s", what);
     if (nfa->too_big)
-        return k3_err(err, K3_ERR_UNSUPPORTED, "%s is too large (over %d automaton states)", what,
-                      K3G_MAX_NFA_STATES);
+        return k3_err(err, K3_ERR_UNSUPPORTED, "%s is too large (over %d automaton states)", what, K3G_MAX_NFA_STATES);
     if (nfa->n == 0) return K3_OK;
     if (!k3g_fa_index(nfa)) return k3_err(err, K3_ERR_NOMEM, "out of memory building %s", what);
 
@@ -555,8 +557,7 @@ k3_status k3g_fa_determinize(const k3g_fa *nfa_in, k3g_fa *out, const char *what
                     seeds[ns++] = tg[q].to;
                 }
             int32_t t;
-            if (st == K3_OK &&
-                (!eclose(&c, seeds, ns) || (t = setpool_get(&sp, c.out, c.n_out, &added)) < 0))
+            if (st == K3_OK && (!eclose(&c, seeds, ns) || (t = setpool_get(&sp, c.out, c.n_out, &added)) < 0))
                 st = K3_ERR_NOMEM;
             if (st == K3_OK) k3g_fa_edge(out, d, t, sym, 0, 0);
         }
@@ -626,8 +627,7 @@ static int32_t pair_get(pairmap *m, int32_t a, int32_t b, bool *added) {
     return m->n++;
 }
 
-k3_status k3g_fa_intersect(const k3g_fa *a_in, const k3g_fa *b_in, k3g_fa *out, const char *what,
-                           k3_error *err) {
+k3_status k3g_fa_intersect(const k3g_fa *a_in, const k3g_fa *b_in, k3g_fa *out, const char *what, k3_error *err) {
     *out = (k3g_fa){0};
     k3g_fa *a = (k3g_fa *)a_in, *b = (k3g_fa *)b_in;
     if (a->n == 0 || b->n == 0) return K3_OK;
@@ -793,8 +793,8 @@ k3_status k3g_fa_json_encode(const k3g_fa *raw_in, k3g_fa *out, const char *what
                 if (c == '"' || c == '\\') {
                     k3g_fa_byte(&t, esc, e->to, c, c);
                 } else {
-                    static const char shortesc[32] = {['\b'] = 'b', ['\f'] = 'f', ['\n'] = 'n',
-                                                      ['\r'] = 'r', ['\t'] = 't'};
+                    static const char shortesc[32] =
+                        {['\b'] = 'b', ['\f'] = 'f', ['\n'] = 'n', ['\r'] = 'r', ['\t'] = 't'};
                     if (shortesc[c]) k3g_fa_byte(&t, esc, e->to, (uint8_t)shortesc[c], (uint8_t)shortesc[c]);
                     if (u[0] < 0) {
                         u[0] = k3g_fa_state(&t);

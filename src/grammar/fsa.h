@@ -19,14 +19,14 @@
 
 /* ---- limits (hostile input gets an error, not a machine-sized grammar) --- */
 
-#define K3G_MAX_NFA_STATES  (2 << 20)  /* per automaton under construction */
-#define K3G_MAX_DFA_STATES  250000     /* per determinized automaton */
-#define K3G_MAX_STRLEN      20000      /* minLength / maxLength (each character is ~23 nodes) */
-#define K3G_MAX_ITEMS       10000      /* minItems / maxItems */
-#define K3G_MAX_NODES       (4 << 20)  /* per compiled grammar */
-#define K3G_MAX_RULES       (1 << 20)
-#define K3G_MAX_REPEAT      100000     /* a bounded repetition {m,n}: n at most */
-#define K3G_MAX_TEXT        (16 << 20) /* schema / grammar / regex text bytes */
+#define K3G_MAX_NFA_STATES (2 << 20) /* per automaton under construction */
+#define K3G_MAX_DFA_STATES 250000    /* per determinized automaton */
+#define K3G_MAX_STRLEN 20000         /* minLength / maxLength (each character is ~23 nodes) */
+#define K3G_MAX_ITEMS 10000          /* minItems / maxItems */
+#define K3G_MAX_NODES (4 << 20)      /* per compiled grammar */
+#define K3G_MAX_RULES (1 << 20)
+#define K3G_MAX_REPEAT 100000   /* a bounded repetition {m,n}: n at most */
+#define K3G_MAX_TEXT (16 << 20) /* schema / grammar / regex text bytes */
 
 /* ---- small helpers ------------------------------------------------------- */
 
@@ -53,33 +53,33 @@ void k3g_arena_free(k3g_arena *a);
 
 /* ---- byte automata (fsa.c) ------------------------------------------------- */
 
-#define K3G_EPS (-2)   /* k3g_fedge.sym: an epsilon edge */
-#define K3G_BYTE (-1)  /* k3g_fedge.sym: bytes lo..hi */
+#define K3G_EPS (-2)  /* k3g_fedge.sym: an epsilon edge */
+#define K3G_BYTE (-1) /* k3g_fedge.sym: bytes lo..hi */
 /* Symbols (sym >= 0): rule r is 2r, special token id t is 2t + 1. */
 #define K3G_SYM_REF(r) (2 * (int32_t)(r))
 #define K3G_SYM_SPECIAL(t) (2 * (int32_t)(t) + 1)
-#define K3G_SYM_IS_REF(s) (((s) & 1) == 0)
+#define K3G_SYM_IS_REF(s) (((s)&1) == 0)
 #define K3G_SYM_ARG(s) ((s) >> 1)
 
 typedef struct k3g_fedge {
     int32_t from, to;
-    int32_t sym;       /* K3G_EPS, K3G_BYTE or a symbol */
-    uint8_t lo, hi;    /* K3G_BYTE: the byte range */
+    int32_t sym;    /* K3G_EPS, K3G_BYTE or a symbol */
+    uint8_t lo, hi; /* K3G_BYTE: the byte range */
 } k3g_fedge;
 
 typedef struct k3g_fa {
-    int32_t n, start;  /* states 0..n-1 */
-    uint8_t *final;    /* [n] */
-    size_t cap;        /* of final */
-    k3g_fedge *e;      /* edges; sorted by (from, sym, lo) once indexed */
+    int32_t n, start; /* states 0..n-1 */
+    uint8_t *final;   /* [n] */
+    size_t cap;       /* of final */
+    k3g_fedge *e;     /* edges; sorted by (from, sym, lo) once indexed */
     size_t ne, cap_e;
-    int32_t *first;    /* [n + 1] when indexed: the edges of s are e[first[s] .. first[s+1]) */
-    bool oom;          /* an append failed; the automaton is incomplete */
-    bool too_big;      /* more than K3G_MAX_NFA_STATES states were asked for */
+    int32_t *first; /* [n + 1] when indexed: the edges of s are e[first[s] .. first[s+1]) */
+    bool oom;       /* an append failed; the automaton is incomplete */
+    bool too_big;   /* more than K3G_MAX_NFA_STATES states were asked for */
 } k3g_fa;
 
 void k3g_fa_free(k3g_fa *fa);
-int32_t k3g_fa_state(k3g_fa *fa);   /* a new non-final state, or -1 (oom/too big) */
+int32_t k3g_fa_state(k3g_fa *fa); /* a new non-final state, or -1 (oom/too big) */
 void k3g_fa_edge(k3g_fa *fa, int32_t from, int32_t to, int32_t sym, unsigned lo, unsigned hi);
 static inline void k3g_fa_eps(k3g_fa *fa, int32_t from, int32_t to) { k3g_fa_edge(fa, from, to, K3G_EPS, 0, 0); }
 static inline void k3g_fa_byte(k3g_fa *fa, int32_t from, int32_t to, unsigned lo, unsigned hi) {

@@ -35,7 +35,7 @@ typedef struct gp {
         char *name;
         int32_t id;
         bool defined;
-    } *names;
+    } * names;
     size_t n_names, cap_names;
     int depth;
 } gp;
@@ -132,7 +132,14 @@ static int64_t char_at(gp *p, k3_status *st) {
     case 'x': nh = 2; break;
     case 'u': nh = 4; break;
     case 'U': nh = 8; break;
-    case '\\': case '"': case '[': case ']': case '-': case '^': case '/': case '\'': return c;
+    case '\\':
+    case '"':
+    case '[':
+    case ']':
+    case '-':
+    case '^':
+    case '/':
+    case '\'': return c;
     default: *st = bad(p, "an unknown escape"); return -1;
     }
     int64_t v = 0;
@@ -170,13 +177,15 @@ static k3_status token_ref(gp *p, bool neg, k3g_ast **out) {
         if (end != buf + len - 2 || x < 0 || !v || x >= v->n_vocab) return bad(p, "a token id out of range");
         id = (int32_t)x;
         if (!v->is_special[id])
-            return k3_err(p->b->err, K3_ERR_UNSUPPORTED, "%s: line %d: %s is an ordinary token; match its "
-                          "text with a \"literal\" instead", p->where, p->line, buf);
+            return k3_err(p->b->err, K3_ERR_UNSUPPORTED,
+                          "%s: line %d: %s is an ordinary token; match its "
+                          "text with a \"literal\" instead",
+                          p->where, p->line, buf);
     } else {
         id = v ? k3g_vocab_special(v, (const char *)p->s + a, len) : -1;
         if (id < 0)
-            return k3_err(p->b->err, K3_ERR_ARG, "%s: line %d: %s is not a special token of this vocabulary",
-                          p->where, p->line, buf);
+            return k3_err(p->b->err, K3_ERR_ARG, "%s: line %d: %s is not a special token of this vocabulary", p->where,
+                          p->line, buf);
     }
     if (!neg) {
         *out = k3g_special(p->b, id);
@@ -385,8 +394,10 @@ static k3_status sequence(gp *p, k3g_ast **out, bool nested) {
                     break;
                 }
                 if (mn > K3G_MAX_REPEAT || mx > K3G_MAX_REPEAT) {
-                    st = k3_err(p->b->err, K3_ERR_UNSUPPORTED, "%s: line %d: a repetition count beyond the "
-                                "supported %d", p->where, p->line, K3G_MAX_REPEAT);
+                    st = k3_err(p->b->err, K3_ERR_UNSUPPORTED,
+                                "%s: line %d: a repetition count beyond the "
+                                "supported %d",
+                                p->where, p->line, K3G_MAX_REPEAT);
                     break;
                 }
             } else break;

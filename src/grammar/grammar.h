@@ -44,11 +44,11 @@
 /* ---- the standard rules' kinds (made in stdrules.c) ---------------------- */
 
 typedef enum k3g_std {
-    K3G_STD_STRING,          /* a JSON string literal, every escape: '"' tail */
-    K3G_STD_STRING_TAIL,     /* its characters and the closing quote */
-    K3G_STD_NUMBER,          /* a JSON number */
-    K3G_STD_INTEGER,         /* -?(0|[1-9][0-9]*)(\.0+)? */
-    K3G_STD_VALUE_FLEX,      /* any JSON value, in each whitespace mode */
+    K3G_STD_STRING,      /* a JSON string literal, every escape: '"' tail */
+    K3G_STD_STRING_TAIL, /* its characters and the closing quote */
+    K3G_STD_NUMBER,      /* a JSON number */
+    K3G_STD_INTEGER,     /* -?(0|[1-9][0-9]*)(\.0+)? */
+    K3G_STD_VALUE_FLEX,  /* any JSON value, in each whitespace mode */
     K3G_STD_OBJECT_FLEX,
     K3G_STD_ARRAY_FLEX,
     K3G_STD_VALUE_COMPACT,
@@ -57,9 +57,9 @@ typedef enum k3g_std {
     K3G_STD_VALUE_PY,
     K3G_STD_OBJECT_PY,
     K3G_STD_ARRAY_PY,
-    K3G_STD_RAW_STRING,      /* UTF-8 text without "<|close|>" (a tool-call argument) */
-    K3G_STD_ANY_TEXT,        /* any bytes (a think block) */
-    K3G_STD_FORMAT0,         /* a JSON string of each supported format, in the order of k3g_formats */
+    K3G_STD_RAW_STRING, /* UTF-8 text without "<|close|>" (a tool-call argument) */
+    K3G_STD_ANY_TEXT,   /* any bytes (a think block) */
+    K3G_STD_FORMAT0,    /* a JSON string of each supported format, in the order of k3g_formats */
     K3G_STD_N = K3G_STD_FORMAT0 + 10
 } k3g_std;
 
@@ -85,17 +85,17 @@ typedef struct k3g_redge {
 } k3g_redge;
 
 typedef struct k3g_sedge {
-    int32_t id;   /* special token id */
+    int32_t id; /* special token id */
     uint32_t to;
 } k3g_sedge;
 
 typedef struct k3g_node {
-    uint32_t b0, r0, s0;   /* first byte / ref / special edge */
+    uint32_t b0, r0, s0; /* first byte / ref / special edge */
     uint16_t nb, nr, ns;
     uint8_t final;
     uint8_t pad;
     uint32_t rule;
-    int32_t key;           /* token-table slot: >= 0 this grammar's, < 0 the
+    int32_t key; /* token-table slot: >= 0 this grammar's, < 0 the
                               standard grammar's slot -key-1 */
 } k3g_node;
 
@@ -118,7 +118,7 @@ struct k3_grammar {
     int32_t *budget, *need; /* [n_nodes] or NULL: the counted aliases (k3g_brule) */
     /* token tables, one slot per node (aliased nodes share a slot) */
     _Atomic(k3g_entry *) *entries;
-    pthread_mutex_t mu;     /* guards ldfa and the filling of entries */
+    pthread_mutex_t mu; /* guards ldfa and the filling of entries */
     k3g_ldfa *ldfa;
     bool is_std;
 };
@@ -141,43 +141,43 @@ static inline int32_t k3g_step(const k3_grammar *g, int32_t n, unsigned c) {
 /* A token trie in preorder; node 0 is the root. */
 typedef struct k3g_trie {
     int32_t n;
-    uint8_t *byte;           /* [n] the byte on the edge into the node */
-    uint16_t *depth;         /* [n] */
-    uint32_t *next;          /* [n] the first node after its subtree */
-    int32_t *tok;            /* [n] a token ending here, or -1 */
-    uint8_t *dup;            /* [n] 1: more tokens end here (dup_next) */
+    uint8_t *byte;   /* [n] the byte on the edge into the node */
+    uint16_t *depth; /* [n] */
+    uint32_t *next;  /* [n] the first node after its subtree */
+    int32_t *tok;    /* [n] a token ending here, or -1 */
+    uint8_t *dup;    /* [n] 1: more tokens end here (dup_next) */
 } k3g_trie;
 
 typedef struct k3g_slice {
-    k3g_fa dfa;              /* the slice's language (one or more of its characters) */
-    uint64_t *bits;          /* [n_words] its tokens */
+    k3g_fa dfa;     /* the slice's language (one or more of its characters) */
+    uint64_t *bits; /* [n_words] its tokens */
     int32_t n;
-    k3g_trie rest;           /* every other ordinary token */
+    k3g_trie rest; /* every other ordinary token */
 } k3g_slice;
 
 struct k3_grammar_vocab {
     int32_t n_vocab;
-    size_t n_words;          /* mask words: (n_vocab + 63) / 64 */
-    uint8_t *bytes;          /* token bytes back to back (specials: their names) */
-    uint32_t *off;           /* [n_vocab + 1] */
-    uint8_t *is_special;     /* [n_vocab] */
-    int32_t *specials;       /* the special ids */
+    size_t n_words;      /* mask words: (n_vocab + 63) / 64 */
+    uint8_t *bytes;      /* token bytes back to back (specials: their names) */
+    uint32_t *off;       /* [n_vocab + 1] */
+    uint8_t *is_special; /* [n_vocab] */
+    int32_t *specials;   /* the special ids */
     int32_t n_specials;
     int32_t eos[K3_MAX_EOS_IDS], n_eos;
-    int32_t max_len;         /* longest ordinary token, bytes */
-    k3g_trie trie;           /* every ordinary token */
-    int32_t *dup_next;       /* [n_vocab] the next id with the same bytes, or -1 */
+    int32_t max_len;   /* longest ordinary token, bytes */
+    k3g_trie trie;     /* every ordinary token */
+    int32_t *dup_next; /* [n_vocab] the next id with the same bytes, or -1 */
     /* Slices: classes of tokens (JSON string text: valid UTF-8 without '"',
      * a backslash or control characters; ASCII letters and digits; lower-case
      * letters), each as a bitset and a trie of all the other tokens. A walk
      * from a state that accepts every string of a slice's language takes the
      * slice at once and walks only the rest. Largest first. */
     k3g_slice slice[K3G_N_SLICES];
-    k3_grammar *std;         /* the standard grammar */
+    k3_grammar *std;                        /* the standard grammar */
     _Atomic(struct k3g_counted *) *counted; /* [std nodes]: the string tail's counts */
-    int32_t std_first[K3G_STD_N]; /* its first node of each standard rule */
-    int32_t std_n[K3G_STD_N];     /* and their node counts */
-    double warm_ms;          /* time taken computing the warm tables */
+    int32_t std_first[K3G_STD_N];           /* its first node of each standard rule */
+    int32_t std_n[K3G_STD_N];               /* and their node counts */
+    double warm_ms;                         /* time taken computing the warm tables */
 };
 
 #endif /* K3_GRAMMAR_GRAMMAR_H */

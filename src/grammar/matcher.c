@@ -29,26 +29,26 @@
 /* ---- the matcher ---------------------------------------------------------------- */
 
 typedef struct mstate {
-    size_t off, n;     /* configurations in m->cfgs */
-    int32_t frames;    /* frames in use at this state */
-    uint8_t complete;  /* the root rule can end here */
-    uint8_t ended;     /* an end-of-generation id was accepted */
+    size_t off, n;    /* configurations in m->cfgs */
+    int32_t frames;   /* frames in use at this state */
+    uint8_t complete; /* the root rule can end here */
+    uint8_t ended;    /* an end-of-generation id was accepted */
 } mstate;
 
 struct k3_grammar_matcher {
     k3_grammar *g;
     k3g_frames fr;
     k3g_cscratch cs;
-    k3g_cfgv cfgs;            /* every state's configurations back to back */
-    mstate *hist;             /* [n_hist]: hist[0] the start, one per token after */
+    k3g_cfgv cfgs; /* every state's configurations back to back */
+    mstate *hist;  /* [n_hist]: hist[0] the start, one per token after */
     size_t n_hist, cap_hist;
     /* scratch */
     k3g_cfgv ta, tb, lv;
-    size_t *lv_off;           /* suffix walks: level d is lv[lv_off[d] .. lv_off[d+1]) */
+    size_t *lv_off; /* suffix walks: level d is lv[lv_off[d] .. lv_off[d+1]) */
     k3g_bset *lv_allowed;
     size_t cap_lv, cap_lva;
-    uint64_t *seen;           /* (key, stack) pairs done in this mask; stack ~0: the accepted set */
-    uint64_t *scratch;        /* [mask words]: a counted node's accepted set */
+    uint64_t *seen;    /* (key, stack) pairs done in this mask; stack ~0: the accepted set */
+    uint64_t *scratch; /* [mask words]: a counted node's accepted set */
     size_t n_seen, cap_seen;
 };
 
@@ -77,8 +77,7 @@ static k3_status start_state(k3_grammar_matcher *m, k3_error *err) {
     m->ta.n = 0;
     bool bottom = false;
     k3g_cfg s0 = {m->g->rule_start[m->g->root], -1};
-    if (!k3g_closure(m->g, &m->fr, &m->cs, &s0, 1, &m->ta, &bottom) ||
-        !push_state(m, m->ta.v, m->ta.n, bottom, false))
+    if (!k3g_closure(m->g, &m->fr, &m->cs, &s0, 1, &m->ta, &bottom) || !push_state(m, m->ta.v, m->ta.n, bottom, false))
         return nomem(err);
     return K3_OK;
 }
@@ -241,8 +240,8 @@ k3_status k3_grammar_matcher_accept(k3_grammar_matcher *m, int32_t id, k3_error 
     return K3_OK;
 }
 
-k3_status k3_grammar_matcher_accept_tokens(k3_grammar_matcher *m, const int32_t *ids, size_t n,
-                                           size_t *n_accepted, k3_error *err) {
+k3_status k3_grammar_matcher_accept_tokens(k3_grammar_matcher *m, const int32_t *ids, size_t n, size_t *n_accepted,
+                                           k3_error *err) {
     if (n_accepted) *n_accepted = 0;
     for (size_t i = 0; i < n; i++) {
         K3_TRY(k3_grammar_matcher_accept(m, ids[i], err));
@@ -374,7 +373,8 @@ static k3_status counted_node(k3_grammar_matcher *m, k3g_cfg c, const k3g_entry 
         memset(x, 0, words * sizeof *x);
         or_acc(e, x, words);
         /* most characters first: stop at the first that fits */
-        for (int32_t k = 0; k < ct->n && ct->cnt[k] > budget; k++) x[ct->tok[k] >> 6] &= ~((uint64_t)1 << (ct->tok[k] & 63));
+        for (int32_t k = 0; k < ct->n && ct->cnt[k] > budget; k++)
+            x[ct->tok[k] >> 6] &= ~((uint64_t)1 << (ct->tok[k] & 63));
         for (int32_t k = 0; k < ct->n_close; k++)
             if (ct->close_cnt[k] < need || ct->close_cnt[k] > budget)
                 x[ct->close_tok[k] >> 6] &= ~((uint64_t)1 << (ct->close_tok[k] & 63));
@@ -436,8 +436,8 @@ static void batch_fn(void *ctx, int64_t lo, int64_t hi, int ith) {
     for (int64_t i = lo; i < hi; i++) b->st[i] = k3_grammar_matcher_fill_mask(b->m[i], b->masks[i], &b->errs[i]);
 }
 
-k3_status k3_grammar_fill_masks(k3_grammar_matcher *const *matchers, uint64_t *const *masks, int32_t n,
-                                k3_pool *pool, k3_error *err) {
+k3_status k3_grammar_fill_masks(k3_grammar_matcher *const *matchers, uint64_t *const *masks, int32_t n, k3_pool *pool,
+                                k3_error *err) {
     if (n <= 0) return K3_OK;
     k3_status *st = calloc((size_t)n, sizeof *st);
     k3_error *errs = calloc((size_t)n, sizeof *errs);
@@ -463,8 +463,7 @@ void k3_grammar_mask_apply(const k3_grammar_vocab *v, const uint64_t *mask, floa
     for (int32_t i = nv; i < n_logits; i++) logits[i] = -INFINITY;
 }
 
-k3_status k3_grammar_matcher_forced(const k3_grammar_matcher *mc, char *buf, size_t cap, size_t *len,
-                                    k3_error *err) {
+k3_status k3_grammar_matcher_forced(const k3_grammar_matcher *mc, char *buf, size_t cap, size_t *len, k3_error *err) {
     k3_grammar_matcher *m = (k3_grammar_matcher *)mc; /* scratch only; the state is restored */
     const k3_grammar *g = m->g;
     *len = 0;

@@ -178,8 +178,8 @@ bool k3g_closure(const k3_grammar *g, k3g_frames *fr, k3g_cscratch *cs, const k3
     return true;
 }
 
-bool k3g_scan_byte(const k3_grammar *g, k3g_frames *fr, k3g_cscratch *cs, const k3g_cfg *in, size_t n_in,
-                   unsigned c, k3g_cfgv *out, bool *bottom) {
+bool k3g_scan_byte(const k3_grammar *g, k3g_frames *fr, k3g_cscratch *cs, const k3g_cfg *in, size_t n_in, unsigned c,
+                   k3g_cfgv *out, bool *bottom) {
     /* the seeds go through out's tail, then the closure replaces them */
     size_t base = out->n;
     for (size_t i = 0; i < n_in; i++) {

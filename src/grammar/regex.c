@@ -49,7 +49,9 @@ static k3_status unsup(rx *p, const char *what) {
                   p->where, what, p->at);
 }
 
-static k3_status nomem(rx *p) { return k3_err(p->b->err, K3_ERR_NOMEM, "out of memory compiling a regular expression"); }
+static k3_status nomem(rx *p) {
+    return k3_err(p->b->err, K3_ERR_NOMEM, "out of memory compiling a regular expression");
+}
 
 static bool cpr_add(cpr *c, uint32_t lo, uint32_t hi) {
     if (c->n == c->cap) {
@@ -105,7 +107,7 @@ static bool cpr_negate(cpr *c) {
 
 /* ECMA-262 \s: WhiteSpace and LineTerminator. */
 static bool add_space(cpr *c) {
-    static const uint32_t r[] = {0x09, 0x0D, 0x20, 0x20, 0xA0, 0xA0, 0x1680, 0x1680, 0x2000, 0x200A,
+    static const uint32_t r[] = {0x09,   0x0D,   0x20,   0x20,   0xA0,   0xA0,   0x1680, 0x1680, 0x2000, 0x200A,
                                  0x2028, 0x2029, 0x202F, 0x202F, 0x205F, 0x205F, 0x3000, 0x3000, 0xFEFF, 0xFEFF};
     for (size_t i = 0; i < sizeof r / sizeof r[0]; i += 2)
         if (!cpr_add(c, r[i], r[i + 1])) return false;
@@ -184,7 +186,12 @@ static int64_t escape(rx *p, bool in_class, uint8_t *cls, k3_status *st) {
     }
     uint8_t c = p->s[p->at];
     switch (c) {
-    case 'd': case 'D': case 'w': case 'W': case 's': case 'S':
+    case 'd':
+    case 'D':
+    case 'w':
+    case 'W':
+    case 's':
+    case 'S':
         p->at++;
         *cls = c;
         return -2;
@@ -255,7 +262,8 @@ static int64_t escape(rx *p, bool in_class, uint8_t *cls, k3_status *st) {
         *st = bad(p, "\\c needs a letter");
         return -1;
     }
-    case 'p': case 'P': *st = unsup(p, "the Unicode property escape \\p{...}"); return -1;
+    case 'p':
+    case 'P': *st = unsup(p, "the Unicode property escape \\p{...}"); return -1;
     case 'k': *st = unsup(p, "the named backreference \\k<...>"); return -1;
     default:
         if (c >= '1' && c <= '9') {
@@ -384,7 +392,8 @@ static k3_status parse_atom(rx *p, k3g_ast **out) {
                 p->at += 2;
             } else if (p->at + 1 < p->n && (p->s[p->at + 1] == '=' || p->s[p->at + 1] == '!')) {
                 return unsup(p, "lookahead (?= / (?!");
-            } else if (p->at + 2 < p->n && p->s[p->at + 1] == '<' && (p->s[p->at + 2] == '=' || p->s[p->at + 2] == '!')) {
+            } else if (p->at + 2 < p->n && p->s[p->at + 1] == '<' &&
+                       (p->s[p->at + 2] == '=' || p->s[p->at + 2] == '!')) {
                 return unsup(p, "lookbehind (?<= / (?<!");
             } else if (p->at + 1 < p->n && (p->s[p->at + 1] == '<' || p->s[p->at + 1] == 'P')) {
                 /* a named group: skip the name */
@@ -436,7 +445,9 @@ static k3_status parse_atom(rx *p, k3g_ast **out) {
         free(r.r);
         return ok ? K3_OK : nomem(p);
     }
-    case '*': case '+': case '?': return bad(p, "a quantifier with nothing to repeat");
+    case '*':
+    case '+':
+    case '?': return bad(p, "a quantifier with nothing to repeat");
     case ')': return bad(p, "an unmatched )");
     default: {
         int64_t v = utf8_next(p);
@@ -486,8 +497,10 @@ static k3_status parse_seq(rx *p, k3g_ast **out) {
                     break;
                 }
                 if (mn > K3G_MAX_REPEAT || mx > K3G_MAX_REPEAT) {
-                    st = k3_err(p->b->err, K3_ERR_UNSUPPORTED, "%s: the repetition count %lld is beyond the "
-                                "supported %d", p->where, (long long)(mx > mn ? mx : mn), K3G_MAX_REPEAT);
+                    st = k3_err(p->b->err, K3_ERR_UNSUPPORTED,
+                                "%s: the repetition count %lld is beyond the "
+                                "supported %d",
+                                p->where, (long long)(mx > mn ? mx : mn), K3G_MAX_REPEAT);
                     break;
                 }
             } else break;
@@ -497,8 +510,8 @@ static k3_status parse_seq(rx *p, k3g_ast **out) {
             }
             if (p->at < p->n && p->s[p->at] == '?') p->at++; /* lazy */
             a = k3g_rep(p->b, a, (int32_t)mn, (int32_t)mx);
-            if (p->at < p->n && (p->s[p->at] == '*' || p->s[p->at] == '+' || p->s[p->at] == '?' ||
-                                 p->s[p->at] == '{')) {
+            if (p->at < p->n &&
+                (p->s[p->at] == '*' || p->s[p->at] == '+' || p->s[p->at] == '?' || p->s[p->at] == '{')) {
                 int64_t a2, b2;
                 size_t save = p->at;
                 if (p->s[p->at] != '{' || braces(p, &a2, &b2)) {
@@ -577,8 +590,10 @@ static k3_status finish_alt(rx *p, k3g_ast *a, bool search, k3g_ast **out) {
     bool start = false, end = false;
     K3_TRY(strip_ends(p, a, &start, &end));
     if (has_anchor(a)) {
-        return k3_err(p->b->err, K3_ERR_UNSUPPORTED, "%s: an anchor ^ or $ inside the pattern (not at its "
-                      "start or end) is not supported", p->where);
+        return k3_err(p->b->err, K3_ERR_UNSUPPORTED,
+                      "%s: an anchor ^ or $ inside the pattern (not at its "
+                      "start or end) is not supported",
+                      p->where);
     }
     int32_t n = 0;
     k3g_ast *seq[3];

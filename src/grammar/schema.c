@@ -90,12 +90,12 @@ typedef struct js {
     const char *root_id;
     k3g_ws ws;
     bool no_extra;
-    bool int_canon;       /* numbers as JSON writers write them (k3_grammar_spec.canonical_numbers) */
+    bool int_canon; /* numbers as JSON writers write them (k3_grammar_spec.canonical_numbers) */
     memo_e *memo;
     size_t n_memo, cap_memo;
     fmt_e *fmts;
     size_t n_fmts, cap_fmts;
-    json_t *anchors;      /* $anchor name -> schema */
+    json_t *anchors; /* $anchor name -> schema */
     bool has_ref;
     char path[1024];
     size_t plen;
@@ -142,20 +142,80 @@ static k3_status nomem(js *J) { return k3_err(J->err, K3_ERR_NOMEM, "out of memo
 
 typedef enum kw_kind { KW_UNKNOWN, KW_OK, KW_ANNOT, KW_UNSUP } kw_kind;
 
-static const char *const KW_SUPPORTED[] = {
-    "type", "enum", "const", "properties", "required", "additionalProperties", "patternProperties",
-    "propertyNames", "minProperties", "maxProperties", "items", "prefixItems", "additionalItems", "minItems",
-    "maxItems", "uniqueItems", "anyOf", "oneOf", "allOf", "not", "$ref", "$defs", "definitions", "minLength",
-    "maxLength", "pattern", "format", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
-    "nullable", K_PATTERNS, K_FORMATS, K_MULTIPLES, K_TYPES, NULL};
-static const char *const KW_ANNOTATIONS[] = {
-    "title", "description", "default", "examples", "example", "$comment", "$schema", "$id", "$anchor",
-    "deprecated", "readOnly", "writeOnly", "contentMediaType", "contentEncoding", "contentSchema",
-    "$vocabulary", "discriminator", "xml", "externalDocs", "then", "else", NULL};
-static const char *const KW_UNSUPPORTED[] = {
-    "if", "dependentSchemas", "dependentRequired", "dependencies", "contains", "minContains", "maxContains",
-    "unevaluatedItems", "unevaluatedProperties", "$dynamicRef", "$dynamicAnchor", "$recursiveRef",
-    "$recursiveAnchor", NULL};
+static const char *const KW_SUPPORTED[] = {"type",
+                                           "enum",
+                                           "const",
+                                           "properties",
+                                           "required",
+                                           "additionalProperties",
+                                           "patternProperties",
+                                           "propertyNames",
+                                           "minProperties",
+                                           "maxProperties",
+                                           "items",
+                                           "prefixItems",
+                                           "additionalItems",
+                                           "minItems",
+                                           "maxItems",
+                                           "uniqueItems",
+                                           "anyOf",
+                                           "oneOf",
+                                           "allOf",
+                                           "not",
+                                           "$ref",
+                                           "$defs",
+                                           "definitions",
+                                           "minLength",
+                                           "maxLength",
+                                           "pattern",
+                                           "format",
+                                           "minimum",
+                                           "maximum",
+                                           "exclusiveMinimum",
+                                           "exclusiveMaximum",
+                                           "multipleOf",
+                                           "nullable",
+                                           K_PATTERNS,
+                                           K_FORMATS,
+                                           K_MULTIPLES,
+                                           K_TYPES,
+                                           NULL};
+static const char *const KW_ANNOTATIONS[] = {"title",
+                                             "description",
+                                             "default",
+                                             "examples",
+                                             "example",
+                                             "$comment",
+                                             "$schema",
+                                             "$id",
+                                             "$anchor",
+                                             "deprecated",
+                                             "readOnly",
+                                             "writeOnly",
+                                             "contentMediaType",
+                                             "contentEncoding",
+                                             "contentSchema",
+                                             "$vocabulary",
+                                             "discriminator",
+                                             "xml",
+                                             "externalDocs",
+                                             "then",
+                                             "else",
+                                             NULL};
+static const char *const KW_UNSUPPORTED[] = {"if",
+                                             "dependentSchemas",
+                                             "dependentRequired",
+                                             "dependencies",
+                                             "contains",
+                                             "minContains",
+                                             "maxContains",
+                                             "unevaluatedItems",
+                                             "unevaluatedProperties",
+                                             "$dynamicRef",
+                                             "$dynamicAnchor",
+                                             "$recursiveRef",
+                                             "$recursiveAnchor",
+                                             NULL};
 
 static bool in_list(const char *const *l, const char *k) {
     for (; *l; l++)
@@ -172,9 +232,7 @@ static kw_kind kw_of(const char *k) {
 
 /* Keywords that constrain a value (everything but annotations, unknown
  * keywords and the definition containers). */
-static bool asserts(const char *k) {
-    return kw_of(k) == KW_OK && strcmp(k, "$defs") && strcmp(k, "definitions");
-}
+static bool asserts(const char *k) { return kw_of(k) == KW_OK && strcmp(k, "$defs") && strcmp(k, "definitions"); }
 
 static bool has_asserts(const json_t *s) {
     const char *k;
@@ -399,9 +457,7 @@ static k3g_ast *colon(js *J) {
 
 /* ---- numbers ------------------------------------------------------------------------ */
 
-static k3g_ast *int_canon(js *J) {
-    return k3g_alt2(J->b, L(J, "0"), k3g_seq2(J->b, D(J, 1, 9), DIGITS(J, 0, -1)));
-}
+static k3g_ast *int_canon(js *J) { return k3g_alt2(J->b, L(J, "0"), k3g_seq2(J->b, D(J, 1, 9), DIGITS(J, 0, -1))); }
 /* any integer: the standard rule (a zero fraction allowed), or with
  * int_canon -?(0|[1-9][0-9]*) */
 static k3g_ast *int_any(js *J) {
@@ -491,8 +547,7 @@ static k3g_ast *ge_nn(js *J, const dec *d, bool strict) {
     k3g_builder *b = J->b;
     k3g_ast *eq;
     if (!d->F[0]) {
-        eq = strict ? k3g_seq3(b, L(J, "."), DIGITS(J, 0, -1), k3g_seq2(b, D(J, 1, 9), DIGITS(J, 0, -1)))
-                    : frac_any(J);
+        eq = strict ? k3g_seq3(b, L(J, "."), DIGITS(J, 0, -1), k3g_seq2(b, D(J, 1, 9), DIGITS(J, 0, -1))) : frac_any(J);
     } else {
         eq = k3g_seq2(b, L(J, "."), frac_ge(J, d->F, 0, strict));
     }
@@ -524,7 +579,8 @@ static k3g_ast *lower(js *J, const dec *lo, bool strict) {
 static k3g_ast *upper(js *J, const dec *hi, bool strict) {
     k3g_builder *b = J->b;
     if (dec_is_zero(hi))
-        return strict ? k3g_seq2(b, L(J, "-"), ge_nn(J, hi, true)) : k3g_alt2(b, k3g_seq2(b, L(J, "-"), nn_any(J)), zero_nn(J));
+        return strict ? k3g_seq2(b, L(J, "-"), ge_nn(J, hi, true))
+                      : k3g_alt2(b, k3g_seq2(b, L(J, "-"), nn_any(J)), zero_nn(J));
     if (hi->neg) {
         dec m = *hi;
         m.neg = false;
@@ -565,10 +621,12 @@ static k3_status multiple_dfa(js *J, const dec *d, k3g_fa *out) {
             if (j == 0) {
                 k3g_fa_byte(out, s, s, '-', '-');
                 k3g_fa_byte(out, s, (int32_t)(r * J2 + 1), '.', '.');
-                for (int c = 0; c < 10; c++) k3g_fa_byte(out, s, (int32_t)(((r * 10 + c) % M) * J2), (unsigned)('0' + c), (unsigned)('0' + c));
+                for (int c = 0; c < 10; c++)
+                    k3g_fa_byte(out, s, (int32_t)(((r * 10 + c) % M) * J2), (unsigned)('0' + c), (unsigned)('0' + c));
             } else if (j <= q) {
                 for (int c = 0; c < 10; c++)
-                    k3g_fa_byte(out, s, (int32_t)(((r * 10 + c) % M) * J2 + j + 1), (unsigned)('0' + c), (unsigned)('0' + c));
+                    k3g_fa_byte(out, s, (int32_t)(((r * 10 + c) % M) * J2 + j + 1), (unsigned)('0' + c),
+                                (unsigned)('0' + c));
             } else {
                 k3g_fa_byte(out, s, s, '0', '0');
             }
@@ -643,14 +701,12 @@ static k3_status number_dfa(js *J, const json_t *s, int mode, k3g_fa *out, bool 
         k3g_ast *small = k3g_alt2(b, L(J, "0"), k3g_seq2(b, D(J, 1, 9), DIGITS(J, 0, 14)));
         k3g_ast *frac = k3g_seq2(b, L(J, "."), k3g_rep(b, L(J, "0"), 1, -1));
         shape = k3g_seq2(b, sign, k3g_alt2(b, k3g_seq2(b, small, k3g_rep(b, frac, 0, 1)), int_canon(J)));
-    }
-    else if (mode == NUM_FRAC)
+    } else if (mode == NUM_FRAC)
         /* at most 15 significant digits, so that a double still reads a
          * number that is not an integer */
         shape = k3g_seq3(b, sign, k3g_alt2(b, L(J, "0"), k3g_seq2(b, D(J, 1, 9), DIGITS(J, 0, 7))),
                          k3g_seq3(b, L(J, "."), DIGITS(J, 0, 6), D(J, 1, 9)));
-    else
-        shape = k3g_seq3(b, sign, int_canon(J), frac_any(J));
+    else shape = k3g_seq3(b, sign, int_canon(J), frac_any(J));
     k3g_fa cur = {0};
     k3_status st = k3g_ast_dfa(b, shape, &cur, "a number");
     if (st == K3_OK && has_lo) {
@@ -703,8 +759,10 @@ static k3g_fa *format_dfa(js *J, const char *name) {
         if (!strcmp(J->fmts[i].name, name)) return J->fmts[i].dfa;
     int fi = k3g_format_index(name);
     if (fi < 0) {
-        unsup(J, "format '%s' is not supported (supported: date, time, date-time, email, uuid, uri, ipv4, "
-                 "ipv6, duration, json-pointer)", name);
+        unsup(J,
+              "format '%s' is not supported (supported: date, time, date-time, email, uuid, uri, ipv4, "
+              "ipv6, duration, json-pointer)",
+              name);
         return NULL;
     }
     k3g_fa d = {0};
@@ -758,8 +816,9 @@ static k3_status string_raw_dfa(js *J, const json_t *s, k3g_fa *out, bool *plain
     }
     if (*mn > K3G_MAX_STRLEN || *mx > K3G_MAX_STRLEN) {
         char what[96];
-        snprintf(what, sizeof what, "%s %lld is beyond the supported %d", *mx > K3G_MAX_STRLEN ? "maxLength" : "minLength",
-                 (long long)(*mx > K3G_MAX_STRLEN ? *mx : *mn), K3G_MAX_STRLEN);
+        snprintf(what, sizeof what, "%s %lld is beyond the supported %d",
+                 *mx > K3G_MAX_STRLEN ? "maxLength" : "minLength", (long long)(*mx > K3G_MAX_STRLEN ? *mx : *mn),
+                 K3G_MAX_STRLEN);
         return unsup(J, "%s", what);
     }
     json_t *pats = json_array(), *fmts = json_array();
@@ -1132,8 +1191,10 @@ static json_t *merge(js *J, json_t *a, json_t *b) {
     if (st == K3_OK && (ppa || ppb)) {
         bool addl_a = aa && !json_is_true(aa), addl_b = ab && !json_is_true(ab);
         if ((ppa && addl_b) || (ppb && addl_a))
-            st = unsup(J, "allOf combining patternProperties with another branch's additionalProperties is "
-                          "not supported%s", "");
+            st = unsup(J,
+                       "allOf combining patternProperties with another branch's additionalProperties is "
+                       "not supported%s",
+                       "");
         json_t *pp = json_object();
         const char *k;
         json_t *v;
@@ -1243,7 +1304,7 @@ static json_t *normalize(js *J, json_t *s) {
     json_t *items = json_object_get(s, "items");
     bool draft4_items = json_is_array(items);
     bool bool_excl = json_is_boolean(json_object_get(s, "exclusiveMinimum")) ||
-                     json_is_boolean(json_object_get(s, "exclusiveMaximum"));
+        json_is_boolean(json_object_get(s, "exclusiveMaximum"));
     bool nullable = json_object_get(s, "nullable") != NULL;
     if (!ref && !all && !nt && !draft4_items && !bool_excl && !nullable) {
         J->norm_depth--;
@@ -1390,7 +1451,8 @@ static json_t *prop_values(js *J, const json_t *s, const char *name) {
 static bool has_required(const json_t *s, const char *name) {
     size_t i;
     json_t *v;
-    json_array_foreach(json_object_get(s, "required"), i, v) if (json_is_string(v) && !strcmp(json_string_value(v), name)) return true;
+    json_array_foreach(json_object_get(s, "required"), i,
+                       v) if (json_is_string(v) && !strcmp(json_string_value(v), name)) return true;
     return false;
 }
 
@@ -1440,8 +1502,10 @@ static bool disjoint(js *J, const json_t *a, const json_t *b) {
         }
         size_t i;
         json_t *r;
-        json_array_foreach(json_object_get(a, "required"), i, r) if (json_is_string(r) && forbids(b, json_string_value(r))) return true;
-        json_array_foreach(json_object_get(b, "required"), i, r) if (json_is_string(r) && forbids(a, json_string_value(r))) return true;
+        json_array_foreach(json_object_get(a, "required"), i,
+                           r) if (json_is_string(r) && forbids(b, json_string_value(r))) return true;
+        json_array_foreach(json_object_get(b, "required"), i,
+                           r) if (json_is_string(r) && forbids(a, json_string_value(r))) return true;
     }
     return false;
 }
@@ -1468,8 +1532,7 @@ static k3g_ast *any_of_types(js *J, unsigned types, int enc) {
         json_decref(e);
         if (st != K3_OK || !(k[n++] = k3g_fa_rule(b, &d, J->path))) return NULL;
     }
-    if (types & T_STR)
-        k[n++] = k3g_ref(b, k3g_std_rule(b, enc == ENC_JSON ? K3G_STD_STRING : K3G_STD_RAW_STRING));
+    if (types & T_STR) k[n++] = k3g_ref(b, k3g_std_rule(b, enc == ENC_JSON ? K3G_STD_STRING : K3G_STD_RAW_STRING));
     if (types & T_ARR) k[n++] = k3g_ref(b, k3g_std_rule(b, (k3g_std)(K3G_STD_ARRAY_FLEX + 3 * m)));
     if (types & T_OBJ) k[n++] = k3g_ref(b, k3g_std_rule(b, (k3g_std)(K3G_STD_OBJECT_FLEX + 3 * m)));
     return k3g_alt(b, k, n);
@@ -1555,8 +1618,8 @@ static bool has_any(const json_t *s, const char *const *keys) {
     return false;
 }
 
-static const char *const OBJ_KEYS[] = {"properties", "required", "additionalProperties", "patternProperties",
-                                       "propertyNames", "minProperties", "maxProperties", NULL};
+static const char *const OBJ_KEYS[] = {"properties",    "required",      "additionalProperties", "patternProperties",
+                                       "propertyNames", "minProperties", "maxProperties",        NULL};
 static const char *const ARR_KEYS[] = {"items", "prefixItems", "minItems", "maxItems", NULL};
 
 /* Whether enum value v satisfies the schema's other scalar keywords. */
@@ -1609,7 +1672,7 @@ static k3_status value_allowed(js *J, const json_t *s, const json_t *v, unsigned
 
 static bool is_nonneg_int(const json_t *v) {
     return (json_is_integer(v) && json_integer_value(v) >= 0) ||
-           (json_is_real(v) && json_real_value(v) >= 0 && json_real_value(v) == floor(json_real_value(v)));
+        (json_is_real(v) && json_real_value(v) >= 0 && json_real_value(v) == floor(json_real_value(v)));
 }
 
 static k3_status array_rule(js *J, json_t *s, k3g_fa *fa) {
@@ -1767,20 +1830,20 @@ static k3_status object_rule(js *J, json_t *s, k3g_fa *fa) {
     size_t ri;
     json_t *rv;
     if (st == K3_OK) json_array_foreach(req, ri, rv) {
-        if (!json_is_string(rv)) {
-            st = bad(J, "'required' must hold strings%s", "");
-            break;
+            if (!json_is_string(rv)) {
+                st = bad(J, "'required' must hold strings%s", "");
+                break;
+            }
+            bool listed = false;
+            for (size_t i = 0; i < np; i++)
+                if (!strcmp(P[i].name, json_string_value(rv))) listed = true;
+            if (listed) continue;
+            if (!k3g_grow(&P, &cap, np + 1, sizeof *P)) {
+                st = nomem(J);
+                break;
+            }
+            P[np++] = (prop){json_string_value(rv), json_incref(ap), true};
         }
-        bool listed = false;
-        for (size_t i = 0; i < np; i++)
-            if (!strcmp(P[i].name, json_string_value(rv))) listed = true;
-        if (listed) continue;
-        if (!k3g_grow(&P, &cap, np + 1, sizeof *P)) {
-            st = nomem(J);
-            break;
-        }
-        P[np++] = (prop){json_string_value(rv), json_incref(ap), true};
-    }
     /* pattern properties also apply to listed names */
     for (size_t i = 0; i < np && st == K3_OK; i++) {
         for (size_t p = 0; p < n_pp; p++) {
@@ -1890,8 +1953,8 @@ static k3_status object_rule(js *J, json_t *s, k3g_fa *fa) {
                 st = k3g_fa_json_encode(&key, &ek, "a property name", J->err);
                 k3g_fa *kept = st == K3_OK ? k3g_keep(b, &ek) : NULL;
                 size_t old = path_push(J, mask ? ".patternProperties" : ".additionalProperties", "");
-                k3g_ast *kname = kept ? k3g_ast_rule(b, k3g_seq3(b, L(J, "\""), k3g_fa_ast(b, kept), L(J, "\"")), J->path)
-                                      : NULL;
+                k3g_ast *kname =
+                    kept ? k3g_ast_rule(b, k3g_seq3(b, L(J, "\""), k3g_fa_ast(b, kept), L(J, "\"")), J->path) : NULL;
                 k3g_ast *val = kname ? value_of(J, vs, T_ALL, ENC_JSON) : NULL;
                 path_pop(J, old);
                 if (st == K3_OK && (!kname || !val)) st = J->err->status ? J->err->status : nomem(J);
@@ -1980,10 +2043,13 @@ static k3g_ast *flat(js *J, json_t *s, unsigned types, int enc, bool *is_std_ref
             /* OpenAPI's integer formats as bounds */
             tmp = json_copy(s);
             json_t *lo = json_object_get(s, "minimum"), *hi = json_object_get(s, "maximum");
-            long long a = !strcmp(f, "int32") ? -2147483648ll : INT64_MIN, z = !strcmp(f, "int32") ? 2147483647ll : INT64_MAX;
+            long long a = !strcmp(f, "int32") ? -2147483648ll : INT64_MIN,
+                      z = !strcmp(f, "int32") ? 2147483647ll : INT64_MAX;
             if (tmp) {
-                if (!lo || (json_is_number(lo) && json_number_value(lo) < (double)a)) json_object_set_new(tmp, "minimum", json_integer(a));
-                if (!hi || (json_is_number(hi) && json_number_value(hi) > (double)z)) json_object_set_new(tmp, "maximum", json_integer(z));
+                if (!lo || (json_is_number(lo) && json_number_value(lo) < (double)a))
+                    json_object_set_new(tmp, "minimum", json_integer(a));
+                if (!hi || (json_is_number(hi) && json_number_value(hi) > (double)z))
+                    json_object_set_new(tmp, "maximum", json_integer(z));
                 ns = tmp;
             }
         }
@@ -2010,7 +2076,8 @@ static k3g_ast *flat(js *J, json_t *s, unsigned types, int enc, bool *is_std_ref
             if (!(types & bit)) continue;
             if (!has_any(s, which ? OBJ_KEYS : ARR_KEYS)) {
                 int m = J->ws == K3G_WS_FLEX ? 0 : J->ws == K3G_WS_COMPACT ? 1 : 2;
-                k[n++] = k3g_ref(b, k3g_std_rule(b, (k3g_std)((which ? K3G_STD_OBJECT_FLEX : K3G_STD_ARRAY_FLEX) + 3 * m)));
+                k[n++] =
+                    k3g_ref(b, k3g_std_rule(b, (k3g_std)((which ? K3G_STD_OBJECT_FLEX : K3G_STD_ARRAY_FLEX) + 3 * m)));
                 continue;
             }
             k3g_fa fa = {0};
@@ -2075,8 +2142,10 @@ static k3g_ast *body_of(js *J, json_t *s, unsigned types, int enc, bool *is_std_
                 for (size_t j = i + 1; j < cnt && st == K3_OK; j++)
                     if (!disjoint(J, br[i], br[j])) {
                         char what[160];
-                        snprintf(what, sizeof what, "oneOf branches %zu and %zu may both match; oneOf is supported "
-                                 "only when its branches are provably disjoint (use anyOf)", i, j);
+                        snprintf(what, sizeof what,
+                                 "oneOf branches %zu and %zu may both match; oneOf is supported "
+                                 "only when its branches are provably disjoint (use anyOf)",
+                                 i, j);
                         st = unsup(J, "%s", what);
                     }
         }
@@ -2168,7 +2237,8 @@ static k3_status js_open(js *J, k3g_builder *b, const char *text, const char *wh
     snprintf(J->path, sizeof J->path, "%s", where);
     J->plen = strlen(J->path);
     size_t len = strlen(text);
-    if (len > K3G_MAX_TEXT) return k3_err(b->err, K3_ERR_UNSUPPORTED, "%s: the schema is longer than %d bytes", where, K3G_MAX_TEXT);
+    if (len > K3G_MAX_TEXT)
+        return k3_err(b->err, K3_ERR_UNSUPPORTED, "%s: the schema is longer than %d bytes", where, K3G_MAX_TEXT);
     if (k3_json_too_deep(text, len, 128))
         return k3_err(b->err, K3_ERR_UNSUPPORTED, "%s: the schema nests deeper than 128 levels", where);
     json_error_t je;
@@ -2248,9 +2318,9 @@ k3_status k3g_tool_args(k3g_builder *b, const char *params, const char *where, k
         schema_types(&J, n, &types);
         json_t *ap = json_object_get(n, "additionalProperties");
         tags = (types & T_OBJ) && !json_object_get(n, "anyOf") && !json_object_get(n, "oneOf") &&
-               !json_object_get(n, "patternProperties") && !json_object_get(n, "minProperties") &&
-               !json_object_get(n, "maxProperties") && !json_object_get(n, "propertyNames") &&
-               !json_object_get(n, "enum") && !json_object_get(n, "const") && (!ap || json_is_false(ap));
+            !json_object_get(n, "patternProperties") && !json_object_get(n, "minProperties") &&
+            !json_object_get(n, "maxProperties") && !json_object_get(n, "propertyNames") &&
+            !json_object_get(n, "enum") && !json_object_get(n, "const") && (!ap || json_is_false(ap));
     } else if (st == K3_OK && json_is_true(n)) {
         tags = true;
     }
@@ -2289,8 +2359,8 @@ k3_status k3g_tool_args(k3g_builder *b, const char *params, const char *where, k
                     st = J.err->status ? J.err->status : K3_ERR_NOMEM;
                     break;
                 }
-                k3g_ast *kk[7] = {k3g_special(b, open), k3g_str(b, "argument key=\""), attr_text(&J, k),
-                                  k3g_str(b, "\" type=\""), k3g_str(b, type_attr(bit)), k3g_str(b, "\""),
+                k3g_ast *kk[7] = {k3g_special(b, open),     k3g_str(b, "argument key=\""), attr_text(&J, k),
+                                  k3g_str(b, "\" type=\""), k3g_str(b, type_attr(bit)),    k3g_str(b, "\""),
                                   k3g_special(b, sepid)};
                 k3g_ast *tail[4] = {k3g_seq(b, kk, 7), val, k3g_special(b, close), k3g_str(b, "argument")};
                 alts[na++] = k3g_seq2(b, k3g_seq(b, tail, 4), k3g_special(b, sepid));
@@ -2305,7 +2375,8 @@ k3_status k3g_tool_args(k3g_builder *b, const char *params, const char *where, k
         k3g_ast *val = value_of(&J, J.root, T_OBJ, ENC_JSON);
         if (!val) st = J.err->status ? J.err->status : K3_ERR_NOMEM;
         else {
-            k3g_ast *kk[6] = {k3g_special(b, open), k3g_str(b, "json type=\"object\""), k3g_special(b, sepid), val,
+            k3g_ast *kk[6] = {k3g_special(b, open),  k3g_str(b, "json type=\"object\""),
+                              k3g_special(b, sepid), val,
                               k3g_special(b, close), k3g_str(b, "json")};
             *out = k3g_seq2(b, k3g_seq(b, kk, 6), k3g_special(b, sepid));
         }

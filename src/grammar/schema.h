@@ -10,9 +10,9 @@
 
 typedef struct k3g_json_opts {
     k3g_ws ws;
-    bool no_extra;        /* absent additionalProperties means false */
-    bool int_canon;       /* numbers as JSON writers write them (k3_grammar_spec.canonical_numbers) */
-    const char *where;    /* error path prefix */
+    bool no_extra;     /* absent additionalProperties means false */
+    bool int_canon;    /* numbers as JSON writers write them (k3_grammar_spec.canonical_numbers) */
+    const char *where; /* error path prefix */
 } k3g_json_opts;
 
 /* A JSON Schema text as a rule (*rule). */

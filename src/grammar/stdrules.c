@@ -37,14 +37,28 @@ k3g_ast *k3g_json_ws(k3g_builder *b, k3g_ws ws) {
 /* The inside of a JSON string in the layout both the standard string and
  * the length-limited strings use: node roles, one copy per character. */
 enum {
-    JS_BODY,             /* between characters */
-    JS_M0, JS_M1, JS_M2, JS_M3, JS_M4, JS_M5, JS_M6, /* inside a UTF-8 sequence */
-    JS_ESC,              /* after a backslash */
-    JS_U1, JS_U2, JS_U3, JS_U4, /* after \u and 0..3 hex digits */
-    JS_UD,               /* after \uD */
-    JS_H3, JS_H4,        /* inside a high surrogate \uD[89AB].. */
-    JS_HB, JS_HU,        /* waiting for the \ and u of the low surrogate */
-    JS_L1, JS_L2, JS_L3, JS_L4, /* the low surrogate \uD[C-F].. */
+    JS_BODY, /* between characters */
+    JS_M0,
+    JS_M1,
+    JS_M2,
+    JS_M3,
+    JS_M4,
+    JS_M5,
+    JS_M6,  /* inside a UTF-8 sequence */
+    JS_ESC, /* after a backslash */
+    JS_U1,
+    JS_U2,
+    JS_U3,
+    JS_U4, /* after \u and 0..3 hex digits */
+    JS_UD, /* after \uD */
+    JS_H3,
+    JS_H4, /* inside a high surrogate \uD[89AB].. */
+    JS_HB,
+    JS_HU, /* waiting for the \ and u of the low surrogate */
+    JS_L1,
+    JS_L2,
+    JS_L3,
+    JS_L4, /* the low surrogate \uD[C-F].. */
     JS_ROLES
 };
 
@@ -114,8 +128,8 @@ static void json_char_edges(k3g_fa *fa, const int32_t *s, int32_t next) {
  * the same role, with the characters still allowed (budget) and needed
  * (need) at that position; budget -1 where no token of at most lookahead
  * bytes can reach the limit and none is needed: the tail's own table. */
-static k3_status json_string_dfa(k3g_fa *fa, int64_t min, int64_t max, bool quote, int32_t lookahead,
-                                 int32_t **alias, int32_t **budget, int32_t **need, k3_error *err) {
+static k3_status json_string_dfa(k3g_fa *fa, int64_t min, int64_t max, bool quote, int32_t lookahead, int32_t **alias,
+                                 int32_t **budget, int32_t **need, k3_error *err) {
     *fa = (k3g_fa){0};
     if (alias) *alias = *budget = *need = NULL;
     if (min < 0) min = 0;
@@ -352,8 +366,8 @@ static k3g_ast *int_part(k3g_builder *b) {
 static k3g_ast *opt(k3g_builder *b, k3g_ast *x) { return k3g_rep(b, x, 0, 1); }
 
 static const char *std_name[K3G_STD_FORMAT0] = {
-    "string", "string-tail", "number", "integer", "value", "object", "array", "value-compact", "object-compact",
-    "array-compact", "value-py", "object-py", "array-py", "raw-string", "any-text",
+    "string",         "string-tail",   "number",   "integer",   "value",    "object",     "array",    "value-compact",
+    "object-compact", "array-compact", "value-py", "object-py", "array-py", "raw-string", "any-text",
 };
 
 int32_t k3g_std_rule(k3g_builder *b, k3g_std s) {
@@ -392,8 +406,8 @@ int32_t k3g_std_rule(k3g_builder *b, k3g_std s) {
          * double still holds it exactly: past that, parsers read 1...0.0 as
          * a float that is no longer the integer (or is infinite) */
         k3g_ast *frac = k3g_seq2(b, k3g_str(b, "."), k3g_rep(b, k3g_str(b, "0"), 1, -1));
-        k3g_ast *small = k3g_alt2(b, k3g_str(b, "0"), k3g_seq2(b, k3g_brange(b, '1', '9'),
-                                                              k3g_rep(b, k3g_brange(b, '0', '9'), 0, 14)));
+        k3g_ast *small = k3g_alt2(b, k3g_str(b, "0"),
+                                  k3g_seq2(b, k3g_brange(b, '1', '9'), k3g_rep(b, k3g_brange(b, '0', '9'), 0, 14)));
         k3g_ast *body = k3g_alt2(b, k3g_seq2(b, small, opt(b, frac)), int_part(b));
         st = std_set_ast(b, r, k3g_seq2(b, opt(b, k3g_str(b, "-")), body));
         break;
@@ -406,7 +420,7 @@ int32_t k3g_std_rule(k3g_builder *b, k3g_std s) {
         int32_t ob = k3g_std_rule(b, (k3g_std)(K3G_STD_OBJECT_FLEX + 3 * m));
         int32_t ar = k3g_std_rule(b, (k3g_std)(K3G_STD_ARRAY_FLEX + 3 * m));
         if (so < 0 || nu < 0 || ob < 0 || ar < 0) return -1;
-        k3g_ast *k[7] = {k3g_ref(b, so), k3g_ref(b, nu), k3g_str(b, "true"), k3g_str(b, "false"),
+        k3g_ast *k[7] = {k3g_ref(b, so),     k3g_ref(b, nu), k3g_str(b, "true"), k3g_str(b, "false"),
                          k3g_str(b, "null"), k3g_ref(b, ob), k3g_ref(b, ar)};
         k3g_ast *a = k3g_alt(b, k, 7);
         if (!a) return -1;
@@ -428,15 +442,17 @@ int32_t k3g_std_rule(k3g_builder *b, k3g_std s) {
         const char *sep = ws == K3G_WS_PY ? ", " : ",", *colon = ws == K3G_WS_PY ? ": " : ":";
         k3g_ast *item;
         if (obj) {
-            k3g_ast *k[5] = {k3g_ref(b, so), k3g_json_ws(b, ws), k3g_str(b, colon), k3g_json_ws(b, ws), k3g_ref(b, val)};
+            k3g_ast *k[5] = {k3g_ref(b, so), k3g_json_ws(b, ws), k3g_str(b, colon), k3g_json_ws(b, ws),
+                             k3g_ref(b, val)};
             item = k3g_seq(b, k, 5);
         } else {
             item = k3g_ref(b, val);
         }
-        k3g_ast *more = k3g_rep(b, k3g_seq(b, (k3g_ast *[]){k3g_json_ws(b, ws), k3g_str(b, sep), k3g_json_ws(b, ws), item}, 4),
-                                0, -1);
-        k3g_ast *k[5] = {k3g_str(b, obj ? "{" : "["), k3g_json_ws(b, ws), opt(b, k3g_seq3(b, item, more, k3g_json_ws(b, ws))),
-                         k3g_str(b, obj ? "}" : "]"), NULL};
+        k3g_ast *more =
+            k3g_rep(b, k3g_seq(b, (k3g_ast *[]){k3g_json_ws(b, ws), k3g_str(b, sep), k3g_json_ws(b, ws), item}, 4), 0,
+                    -1);
+        k3g_ast *k[5] = {k3g_str(b, obj ? "{" : "["), k3g_json_ws(b, ws),
+                         opt(b, k3g_seq3(b, item, more, k3g_json_ws(b, ws))), k3g_str(b, obj ? "}" : "]"), NULL};
         k3g_ast *a = k3g_seq(b, k, 4);
         if (!a) return -1;
         st = k3g_rule_set(b, r, a);
@@ -462,7 +478,8 @@ int32_t k3g_std_rule(k3g_builder *b, k3g_std s) {
         k3g_fa_free(&raw);
         if (st == K3_OK) {
             k3g_fa *kf = k3g_keep(b, &enc);
-            st = kf ? std_set_ast(b, r, k3g_seq3(b, k3g_str(b, "\""), k3g_fa_ast(b, kf), k3g_str(b, "\""))) : K3_ERR_NOMEM;
+            st = kf ? std_set_ast(b, r, k3g_seq3(b, k3g_str(b, "\""), k3g_fa_ast(b, kf), k3g_str(b, "\"")))
+                    : K3_ERR_NOMEM;
         }
         break;
     }
@@ -519,7 +536,8 @@ static const char *const FORMATS[][2] = {
      "(\\d{4}-(0[1-9]|1[0-2])-(0[1-9]|1\\d|2[0-8])|\\d{4}-(0[13-9]|1[0-2])-(29|30)|\\d{4}-(0[13578]|1[02])-31|"
      "(\\d\\d(0[48]|[2468][048]|[13579][26])|([02468][048]|[13579][26])00)-02-29)"},
     {"time",
-     "(([01]\\d|2[0-3]):[0-5]\\d:[0-5]\\d(\\.\\d+)?([Zz]|[+-]([01]\\d|2[0-3]):[0-5]\\d)|23:59:60(\\.\\d+)?([Zz]|[+-]00:00))"},
+     "(([01]\\d|2[0-3]):[0-5]\\d:[0-5]\\d(\\.\\d+)?([Zz]|[+-]([01]\\d|2[0-3]):[0-5]\\d)|23:59:60(\\.\\d+)?([Zz]|[+-]00:"
+     "00))"},
     {"date-time", NULL}, /* date [Tt] time */
     {"email",
      "[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+(\\.[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+)*@"
@@ -573,8 +591,8 @@ static void uri_regex(char *out, size_t cap, const char *ipv6) {
              unres, sub, ipv6, unres, sub, unres, sub, seg, segnz, seg, segnz, seg, unres, sub, unres, sub);
 }
 
-const char *const k3g_formats[] = {"date", "time", "date-time", "email", "uuid", "ipv4", "ipv6", "uri",
-                                   "duration", "json-pointer", NULL};
+const char *const k3g_formats[] = {"date", "time", "date-time", "email",        "uuid", "ipv4",
+                                   "ipv6", "uri",  "duration",  "json-pointer", NULL};
 
 int k3g_format_index(const char *name) {
     for (int i = 0; k3g_formats[i]; i++)

@@ -78,7 +78,9 @@ int32_t k3g_vocab_special(const k3_grammar_vocab *v, const char *name, size_t le
     return -1;
 }
 
-static k3_status nomem(k3_error *err) { return k3_err(err, K3_ERR_NOMEM, "out of memory building the vocabulary tables"); }
+static k3_status nomem(k3_error *err) {
+    return k3_err(err, K3_ERR_NOMEM, "out of memory building the vocabulary tables");
+}
 
 /* The trie of the ordinary tokens for which keep(id) holds (every one when
  * keep is NULL); fills dup_next for duplicates when dups is set. */
@@ -234,7 +236,8 @@ static k3_status vocab_finish(k3_grammar_vocab *v, k3_error *err) {
     for (int32_t id = 0; id < v->n_vocab; id++) {
         v->dup_next[id] = -1;
         uint32_t len = v->off[id + 1] - v->off[id];
-        if (len > 65535) return k3_err(err, K3_ERR_FORMAT, "token %d is %u bytes long (the grammar tables take 65535)", id, len);
+        if (len > 65535)
+            return k3_err(err, K3_ERR_FORMAT, "token %d is %u bytes long (the grammar tables take 65535)", id, len);
         if (!v->is_special[id] && (int32_t)len > v->max_len) v->max_len = (int32_t)len;
     }
     /* one sort for every trie; the build runs under a lock because the
@@ -294,8 +297,7 @@ k3_status k3_grammar_vocab_init(k3_grammar_vocab **out, const k3_tokenizer *tok,
         if (!k3_tokenizer_token(tok, id, &len)) len = 0;
         total += len;
     }
-    if (st == K3_OK && total > UINT32_MAX)
-        st = k3_err(err, K3_ERR_FORMAT, "the vocabulary's tokens take over 4 GB");
+    if (st == K3_OK && total > UINT32_MAX) st = k3_err(err, K3_ERR_FORMAT, "the vocabulary's tokens take over 4 GB");
     if (st == K3_OK && !(v->bytes = malloc(total ? total : 1))) st = nomem(err);
     size_t at = 0;
     for (int32_t id = 0; id < n && st == K3_OK; id++) {
@@ -321,8 +323,7 @@ k3_status k3_grammar_vocab_init(k3_grammar_vocab **out, const k3_tokenizer *tok,
 }
 
 k3_status k3g_vocab_from_tokens(k3_grammar_vocab **out, const char *const *tok, const size_t *len,
-                                const bool *is_special, int32_t n, const int32_t *eos, int32_t n_eos,
-                                k3_error *err) {
+                                const bool *is_special, int32_t n, const int32_t *eos, int32_t n_eos, k3_error *err) {
     *out = NULL;
     k3_grammar_vocab *v = calloc(1, sizeof *v);
     if (!v) return nomem(err);

@@ -30,8 +30,8 @@
 #include "grammar/parser.h"
 #include "grammar/walk.h"
 
-#define LDFA_KEEP 16384      /* states kept between walks */
-#define LDFA_MAX (1 << 20)   /* states in one walk */
+#define LDFA_KEEP 16384    /* states kept between walks */
+#define LDFA_MAX (1 << 20) /* states in one walk */
 #define T_UNKNOWN (-2)
 #define T_DEAD (-1)
 
@@ -45,7 +45,7 @@ struct k3g_ldfa {
     int32_t *ncfg;
     uint8_t *can_pop;
     k3g_bset *allowed;
-    int32_t *trans;      /* [n * 256] */
+    int32_t *trans; /* [n * 256] */
     k3g_cfg *pool;
     size_t npool, cap_pool;
     int32_t *slot;
@@ -179,7 +179,7 @@ static int32_t ldfa_close(k3g_ldfa *L, const k3_grammar *g, const k3g_cfg *seeds
 
 typedef struct unc {
     int32_t tok;
-    int32_t k;       /* the suffix starts at byte k */
+    int32_t k; /* the suffix starts at byte k */
 } unc;
 
 typedef struct uncv {
@@ -455,7 +455,8 @@ static k3g_entry *compute(k3_grammar *g, int32_t node, k3_error *err) {
             if (!e->acc_list) ok = false;
             int32_t k = 0;
             for (size_t w = 0; ok && w < v->n_words; w++)
-                for (uint64_t x = bits[w]; x; x &= x - 1) e->acc_list[k++] = (int32_t)(w * 64 + (size_t)__builtin_ctzll(x));
+                for (uint64_t x = bits[w]; x; x &= x - 1)
+                    e->acc_list[k++] = (int32_t)(w * 64 + (size_t)__builtin_ctzll(x));
         } else {
             e->acc_bits = bits;
             bits = NULL;
@@ -469,10 +470,11 @@ static k3g_entry *compute(k3_grammar *g, int32_t node, k3_error *err) {
     if (!ok) {
         k3g_entry_free(e);
         if (fail == -4)
-            k3_err(err, K3_ERR_UNSUPPORTED, "the grammar is too ambiguous to tabulate (over %d parser states "
-                   "for one node)", LDFA_MAX);
-        else
-            k3_err(err, K3_ERR_NOMEM, "out of memory computing token tables");
+            k3_err(err, K3_ERR_UNSUPPORTED,
+                   "the grammar is too ambiguous to tabulate (over %d parser states "
+                   "for one node)",
+                   LDFA_MAX);
+        else k3_err(err, K3_ERR_NOMEM, "out of memory computing token tables");
         return NULL;
     }
     return e;
@@ -559,7 +561,8 @@ static k3g_counted *counted_make(const k3_grammar_vocab *v, int32_t node, k3_err
         }
         k++;
         bool closed;
-        int32_t cnt = count_chars(std, node, b0, b1, end, v->bytes + v->off[tok], v->off[tok + 1] - v->off[tok], &closed);
+        int32_t cnt =
+            count_chars(std, node, b0, b1, end, v->bytes + v->off[tok], v->off[tok + 1] - v->off[tok], &closed);
         if (closed) close[nc++] = (tc){tok, cnt};
         else open[no++] = (tc){tok, cnt};
     }

@@ -14,15 +14,15 @@
 #include "grammar/grammar.h"
 
 struct k3g_entry {
-    int32_t n_acc;        /* tokens accepted without leaving the rule */
-    int32_t *acc_list;    /* sorted, when sparse (acc_bits NULL) */
-    uint64_t *acc_bits;   /* [n_words], when dense */
+    int32_t n_acc;      /* tokens accepted without leaving the rule */
+    int32_t *acc_list;  /* sorted, when sparse (acc_bits NULL) */
+    uint64_t *acc_bits; /* [n_words], when dense */
     /* the uncertain tokens: a trie over the bytes after the rule ends */
-    int32_t n_sfx;        /* nodes (0 or >= 2: node 0 is the root) */
+    int32_t n_sfx; /* nodes (0 or >= 2: node 0 is the root) */
     uint8_t *s_byte;
     uint16_t *s_depth;
     uint32_t *s_next;
-    uint32_t *s_tok0;     /* [n_sfx + 1]: tokens of node i are s_toks[s_tok0[i] .. s_tok0[i+1]) */
+    uint32_t *s_tok0; /* [n_sfx + 1]: tokens of node i are s_toks[s_tok0[i] .. s_tok0[i+1]) */
     int32_t *s_toks;
 };
 
@@ -30,11 +30,11 @@ struct k3g_entry {
  * table takes, so that a length-limited string (a node with a budget, see
  * k3g_brule) can filter the tail's table instead of walking its own. */
 typedef struct k3g_counted {
-    int32_t n;            /* accepted tokens that do not end the string */
-    int32_t *tok, *cnt;   /* [n] by characters, most first */
-    int32_t n_close;      /* accepted tokens that end with the closing quote */
+    int32_t n;                      /* accepted tokens that do not end the string */
+    int32_t *tok, *cnt;             /* [n] by characters, most first */
+    int32_t n_close;                /* accepted tokens that end with the closing quote */
     int32_t *close_tok, *close_cnt; /* characters before the quote */
-    int32_t *s_cnt;       /* [the entry's s_toks]: characters before the quote */
+    int32_t *s_cnt;                 /* [the entry's s_toks]: characters before the quote */
 } k3g_counted;
 
 const k3g_counted *k3g_counted_get(const k3_grammar_vocab *v, int32_t std_node, k3_error *err);

@@ -26,7 +26,8 @@ static inline __m256 tanh8(__m256 x) {
 }
 
 static inline __m256 sigmoid8(__m256 g) {
-    return _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_add_ps(_mm256_set1_ps(1.0f), k3_exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+    return _mm256_div_ps(_mm256_set1_ps(1.0f),
+                         _mm256_add_ps(_mm256_set1_ps(1.0f), k3_exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
 }
 
 /* Every value goes through the same vector formula (the tail too, masked),

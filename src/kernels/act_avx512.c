@@ -27,7 +27,8 @@ static inline __m512 tanh16(__m512 x) {
 }
 
 static inline __m512 sigmoid16(__m512 g) {
-    return _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_add_ps(_mm512_set1_ps(1.0f), k3_exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+    return _mm512_div_ps(_mm512_set1_ps(1.0f),
+                         _mm512_add_ps(_mm512_set1_ps(1.0f), k3_exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
 }
 
 /* Every value goes through the same vector formula (the tail too, masked),

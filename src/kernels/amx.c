@@ -98,9 +98,8 @@ bool k3_amx_emu_possible(void) {
 #if defined(__x86_64__)
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-           __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bf16") &&
-           __builtin_cpu_supports("fma");
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+        __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("fma");
 #else
     return false;
 #endif
@@ -233,12 +232,12 @@ typedef struct moe_job {
     const float *x;
     float *y;
     uint8_t *xb, *hb;
-    const int64_t *tile0;   /* [ne + 1]: each expert's first token tile */
-    int64_t *item0;         /* [ne + 1]: each expert's first item of the phase */
+    const int64_t *tile0; /* [ne + 1]: each expert's first token tile */
+    int64_t *item0;       /* [ne + 1]: each expert's first item of the phase */
     int64_t hidden, ktx, kth;
     k3_glu_kind kind;
     float b1, b2;
-    int phase;              /* 0: activations, 1: gate/up, 2: down */
+    int phase; /* 0: activations, 1: gate/up, 2: down */
 } moe_job;
 
 static void moe_task(void *ctx, int64_t lo, int64_t hi, int ith) {
@@ -266,8 +265,8 @@ static void moe_task(void *ctx, int64_t lo, int64_t hi, int ith) {
     }
 }
 
-void k3_amx_moe(k3_pool *pool, const k3_amx_expert *experts, int64_t n_experts, const int64_t *row0,
-                const float *x, float *y, k3_glu_kind kind, float b1, float b2) {
+void k3_amx_moe(k3_pool *pool, const k3_amx_expert *experts, int64_t n_experts, const int64_t *row0, const float *x,
+                float *y, k3_glu_kind kind, float b1, float b2) {
     const k3_amx_ops *k = kern();
     K3_ASSERT(k);
     if (n_experts <= 0) return;

@@ -49,11 +49,11 @@ const char *k3_amx_backend(void);
 
 /* A weight matrix as the AMX kernels read it; borrowed, like k3_mat. */
 typedef struct k3_amx_mat {
-    k3_wtype type;          /* K3_W_BF16, K3_W_MXFP4 or K3_W_Q8 */
-    bool act8;              /* activations to int8 per token (k3_quant_act_i8):
+    k3_wtype type; /* K3_W_BF16, K3_W_MXFP4 or K3_W_Q8 */
+    bool act8;     /* activations to int8 per token (k3_quant_act_i8):
                                MXFP4 then takes the INT8 route (W4A8's numbers);
                                always set for Q8 */
-    bool tiled;             /* BF16: tiles made by k3_amx_pack, else stored rows */
+    bool tiled;    /* BF16: tiles made by k3_amx_pack, else stored rows */
     int64_t rows, cols;
     const uint8_t *data;    /* stored rows, or (tiled) 16-row strips of 1 KB
                                tiles: strip s, column tile k at
@@ -88,8 +88,8 @@ typedef struct k3_amx_expert {
  * of y [*, hidden] = down(act(gate x, up x)), act = k3_glu(kind, b1, b2).
  * Split over (expert, 32-row panel) items; each expert's rows fill the
  * token columns of its tiles. h = act(...) is rounded to BF16 like x. */
-void k3_amx_moe(k3_pool *pool, const k3_amx_expert *experts, int64_t n_experts, const int64_t *row0,
-                const float *x, float *y, k3_glu_kind kind, float b1, float b2);
+void k3_amx_moe(k3_pool *pool, const k3_amx_expert *experts, int64_t n_experts, const int64_t *row0, const float *x,
+                float *y, k3_glu_kind kind, float b1, float b2);
 
 /* DSA indexer scores (QLI, attn_ops.h) of T query tokens over the same n key
  * slots: scores[t * lds + i] = k3_qli_scores_ref(q8 + t HI dI, qs + t HI,
@@ -115,8 +115,8 @@ typedef struct k3_amx_ops {
      * scales (act8) */
     void (*prep)(const k3_amx_mat *w, const float *x, int64_t ldx, int64_t nt, uint8_t *xb, float *xs);
     /* 32-row panels [p0, p1) of y[t * ldy + r] = x Wᵀ over n tokens */
-    void (*rows)(const k3_amx_mat *w, const uint8_t *xb, const float *xs, int64_t n, float *y, int64_t ldy,
-                 int64_t p0, int64_t p1);
+    void (*rows)(const k3_amx_mat *w, const uint8_t *xb, const float *xs, int64_t n, float *y, int64_t ldy, int64_t p0,
+                 int64_t p1);
     /* an expert's gate and up, 16-row strips [s0, s1), act, BF16 h into hb
      * (the down projection's B tiles) */
     void (*up)(const k3_amx_expert *e, const uint8_t *xb, int64_t n, uint8_t *hb, int64_t s0, int64_t s1,

@@ -35,8 +35,8 @@ void k3_hadamard(float *x, int n) {
 
 /* ---- QLI ----------------------------------------------------------------- */
 
-void k3_qli_scores_ref(const int8_t *q8, const float *qs, const float *w, int HI, int dI,
-                       const int8_t *k8, const float *ks, const int64_t *slots, int n, float *scores) {
+void k3_qli_scores_ref(const int8_t *q8, const float *qs, const float *w, int HI, int dI, const int8_t *k8,
+                       const float *ks, const int64_t *slots, int n, float *scores) {
     for (int i = 0; i < n; i++) {
         const int8_t *k = k8 + slots[i] * dI;
         float s = 0.0f;
@@ -63,8 +63,8 @@ static float dq(const k3_c8_cache *c, int64_t slot, int i) {
     return c->c8[slot * c->kv_lora + i] * c->cs[slot * c->n_tiles + i / K3_C8_TILE];
 }
 
-void k3_qsfa_ref(const float *qa, const float *qpe, int H, const k3_c8_cache *c,
-                 const int64_t *slots, int n, float scale, float *out, float *lse, float *work) {
+void k3_qsfa_ref(const float *qa, const float *qpe, int H, const k3_c8_cache *c, const int64_t *slots, int n,
+                 float scale, float *out, float *lse, float *work) {
     const int kvl = c->kv_lora, rope = c->rope;
     for (int h = 0; h < H; h++) {
         float *z = work + (int64_t)h * n;
@@ -87,8 +87,7 @@ void k3_qsfa_ref(const float *qa, const float *qpe, int H, const k3_c8_cache *c,
     }
 }
 
-void k3_lse_merge_ref(const float *const *o, const float *const *lse, int P, int H, int d, float *out,
-                      float *lse_out) {
+void k3_lse_merge_ref(const float *const *o, const float *const *lse, int P, int H, int d, float *out, float *lse_out) {
     for (int h = 0; h < H; h++) {
         float mx = -INFINITY;
         for (int p = 0; p < P; p++) mx = lse[p][h] > mx ? lse[p][h] : mx;

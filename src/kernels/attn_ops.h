@@ -34,32 +34,30 @@ void k3_hadamard(float *x, int n);
 
 /* One query token: q8 [HI, dI] with scales qs [HI]; w [HI] (scaled weights).
  * Keys: k8 rows of dI int8 and ks per slot. Writes n scores. */
-void k3_qli_scores(const int8_t *q8, const float *qs, const float *w, int HI, int dI,
-                   const int8_t *k8, const float *ks, const int64_t *slots, int n, float *scores);
-void k3_qli_scores_ref(const int8_t *q8, const float *qs, const float *w, int HI, int dI,
-                       const int8_t *k8, const float *ks, const int64_t *slots, int n, float *scores);
+void k3_qli_scores(const int8_t *q8, const float *qs, const float *w, int HI, int dI, const int8_t *k8, const float *ks,
+                   const int64_t *slots, int n, float *scores);
+void k3_qli_scores_ref(const int8_t *q8, const float *qs, const float *w, int HI, int dI, const int8_t *k8,
+                       const float *ks, const int64_t *slots, int n, float *scores);
 
 /* The latent cache as QSFA reads it. */
 typedef struct k3_c8_cache {
-    const int8_t *c8;      /* [slots, kv_lora] */
-    const float *cs;       /* [slots, n_tiles] */
-    const float *kpe;      /* [slots, rope] */
+    const int8_t *c8; /* [slots, kv_lora] */
+    const float *cs;  /* [slots, n_tiles] */
+    const float *kpe; /* [slots, rope] */
     int kv_lora, rope, n_tiles;
 } k3_c8_cache;
 
 /* One query token, H heads: qa [H, kv_lora], qpe [H, rope]. out [H, kv_lora],
  * lse [H]. work: k3_qsfa_work(H, kv_lora, n) floats. */
 int64_t k3_qsfa_work(int H, int kv_lora, int n);
-void k3_qsfa(const float *qa, const float *qpe, int H, const k3_c8_cache *c,
-             const int64_t *slots, int n, float scale, float *out, float *lse, float *work);
-void k3_qsfa_ref(const float *qa, const float *qpe, int H, const k3_c8_cache *c,
-                 const int64_t *slots, int n, float scale, float *out, float *lse, float *work);
+void k3_qsfa(const float *qa, const float *qpe, int H, const k3_c8_cache *c, const int64_t *slots, int n, float scale,
+             float *out, float *lse, float *work);
+void k3_qsfa_ref(const float *qa, const float *qpe, int H, const k3_c8_cache *c, const int64_t *slots, int n,
+                 float scale, float *out, float *lse, float *work);
 
 /* Merges partial attention results of P disjoint slot sets: o_p [P][H, d],
  * lse_p [P][H] -> out [H, d], lse [H]. A part with lse = -inf weighs 0. */
-void k3_lse_merge(const float *const *o, const float *const *lse, int P, int H, int d,
-                  float *out, float *lse_out);
-void k3_lse_merge_ref(const float *const *o, const float *const *lse, int P, int H, int d,
-                      float *out, float *lse_out);
+void k3_lse_merge(const float *const *o, const float *const *lse, int P, int H, int d, float *out, float *lse_out);
+void k3_lse_merge_ref(const float *const *o, const float *const *lse, int P, int H, int d, float *out, float *lse_out);
 
 #endif /* K3_KERNELS_ATTN_OPS_H */

@@ -40,8 +40,8 @@ static inline float dot8(const float *a, const float *b, int n) {
 /* its q16[64 * 256] */
 bool k3_qli_avx2_fits(int HI, int dI) { return dI % 16 == 0 && dI <= 256 && HI <= 64; }
 
-void k3_qli_scores_avx2(const int8_t *q8, const float *qs, const float *w, int HI, int dI,
-                        const int8_t *k8, const float *ks, const int64_t *slots, int n, float *scores) {
+void k3_qli_scores_avx2(const int8_t *q8, const float *qs, const float *w, int HI, int dI, const int8_t *k8,
+                        const float *ks, const int64_t *slots, int n, float *scores) {
     /* queries widened to int16 once per token; keys widened per slot */
     static _Thread_local int16_t q16[64 * 256];
     float wq[64];
@@ -60,7 +60,8 @@ void k3_qli_scores_avx2(const int8_t *q8, const float *qs, const float *w, int H
                 const int16_t *q = q16 + h * dI;
                 __m256i acc = _mm256_setzero_si256();
                 for (int c = 0; c < nc; c++)
-                    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(kv[c], _mm256_loadu_si256((const __m256i *)(q + 16 * c))));
+                    acc = _mm256_add_epi32(acc,
+                                           _mm256_madd_epi16(kv[c], _mm256_loadu_si256((const __m256i *)(q + 16 * c))));
                 const int32_t d = hsum8i(acc);
                 if (d > 0) s += wq[h] * (float)d;
             }
@@ -70,7 +71,8 @@ void k3_qli_scores_avx2(const int8_t *q8, const float *qs, const float *w, int H
                 __m256i acc = _mm256_setzero_si256();
                 for (int c = 0; c < nc; c++) {
                     const __m256i kk = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(k + 16 * c)));
-                    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(kk, _mm256_loadu_si256((const __m256i *)(q + 16 * c))));
+                    acc =
+                        _mm256_add_epi32(acc, _mm256_madd_epi16(kk, _mm256_loadu_si256((const __m256i *)(q + 16 * c))));
                 }
                 const int32_t d = hsum8i(acc);
                 if (d > 0) s += wq[h] * (float)d;
@@ -84,7 +86,7 @@ void k3_qli_scores_avx2(const int8_t *q8, const float *qs, const float *w, int H
 static void qsfa_slots(const float *qa, const float *qpe, int H, const k3_c8_cache *c, const int64_t *slots, int n,
                        float scale, float *out, float *lse, float *work) {
     const int kvl = c->kv_lora, rope = c->rope;
-    float *cf = work;                 /* dequantized row [kvl] */
+    float *cf = work;                  /* dequantized row [kvl] */
     float *m = work + kvl, *l = m + H; /* running max and sum per head */
     for (int h = 0; h < H; h++) {
         m[h] = -INFINITY;
@@ -150,8 +152,8 @@ _Static_assert(QB == 8, "the block of k3_qsfa_block_work");
  * per head one max, one vector exp and one rescale per block (online softmax
  * by blocks); then o_h = α o_h + Σ p c over the block, 8 columns at a time.
  * kv_lora % 8 == 0, rope % 8 == 0. */
-static void qsfa_blocks(const float *qa, const float *qpe, int H, const k3_c8_cache *c, const int64_t *slots,
-                        int n, float scale, float *out, float *lse, float *work) {
+static void qsfa_blocks(const float *qa, const float *qpe, int H, const k3_c8_cache *c, const int64_t *slots, int n,
+                        float scale, float *out, float *lse, float *work) {
     const int kvl = c->kv_lora, rope = c->rope, HP = (H + 3) / 4 * 4;
     float *cf = work, *zero = cf + QB * kvl, *z = zero + kvl + rope, *m = z + HP * QB, *l = m + HP, *al = l + HP;
     memset(zero, 0, sizeof(float) * (size_t)(kvl + rope));
@@ -267,7 +269,8 @@ static void qsfa_blocks(const float *qa, const float *qpe, int H, const k3_c8_ca
         }
         const __m256 inv = _mm256_set1_ps(1.0f / l[h]);
         for (int j = 0; j < kvl; j += 8)
-            _mm256_storeu_ps(out + (int64_t)h * kvl + j, _mm256_mul_ps(_mm256_loadu_ps(out + (int64_t)h * kvl + j), inv));
+            _mm256_storeu_ps(out + (int64_t)h * kvl + j,
+                             _mm256_mul_ps(_mm256_loadu_ps(out + (int64_t)h * kvl + j), inv));
         lse[h] = m[h] + logf(l[h]);
     }
 }

@@ -77,8 +77,7 @@ void k3_qli_scores_avx512(const int8_t *q8, const float *qs, const float *w, int
         const int m = n - i0 < 16 ? n - i0 : 16;
         for (int c = 0; c < G / 16; c++) {
 #pragma GCC unroll 16
-            for (int i = 0; i < 16; i++)
-                r[i] = i < m ? _mm512_loadu_si512(k8 + slots[i0 + i] * dI + 64 * c) : zero;
+            for (int i = 0; i < 16; i++) r[i] = i < m ? _mm512_loadu_si512(k8 + slots[i0 + i] * dI + 64 * c) : zero;
             transpose16(r, kt + 16 * c);
         }
         for (int g = 0; g < G; g++) kt[g] = _mm512_xor_si512(kt[g], bias);
@@ -158,9 +157,10 @@ void k3_qsfa_avx512(const float *qa, const float *qpe, int H, const k3_c8_cache 
             const int8_t *c8 = c->c8 + s * kvl;
             const float *cs = c->cs + s * c->n_tiles;
             for (int j = 0; j < kvl; j += 16)
-                _mm512_storeu_ps(row + j, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                                            _mm_loadu_si128((const __m128i *)(c8 + j)))),
-                                                        _mm512_set1_ps(cs[j / K3_C8_TILE])));
+                _mm512_storeu_ps(row + j,
+                                 _mm512_mul_ps(_mm512_cvtepi32_ps(
+                                                   _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c8 + j)))),
+                                               _mm512_set1_ps(cs[j / K3_C8_TILE])));
             kp[b] = c->kpe + s * rope;
         }
         /* scores z[h][b] */
@@ -233,8 +233,7 @@ void k3_qsfa_avx512(const float *qa, const float *qpe, int H, const k3_c8_cache 
                 float *oh = out + (int64_t)h * kvl + j;
                 __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(oh), _mm512_set1_ps(al[h]));
 #pragma GCC unroll 8
-                for (int b = 0; b < QSFA_B; b++)
-                    acc = _mm512_fmadd_ps(_mm512_set1_ps(z[h * QSFA_B + b]), cv[b], acc);
+                for (int b = 0; b < QSFA_B; b++) acc = _mm512_fmadd_ps(_mm512_set1_ps(z[h * QSFA_B + b]), cv[b], acc);
                 _mm512_storeu_ps(oh, acc);
             }
         }
@@ -246,7 +245,8 @@ void k3_qsfa_avx512(const float *qa, const float *qpe, int H, const k3_c8_cache 
         }
         const __m512 inv = _mm512_set1_ps(1.0f / l[h]);
         for (int j = 0; j < kvl; j += 16)
-            _mm512_storeu_ps(out + (int64_t)h * kvl + j, _mm512_mul_ps(_mm512_loadu_ps(out + (int64_t)h * kvl + j), inv));
+            _mm512_storeu_ps(out + (int64_t)h * kvl + j,
+                             _mm512_mul_ps(_mm512_loadu_ps(out + (int64_t)h * kvl + j), inv));
         lse[h] = m[h] + logf(l[h]);
     }
 }

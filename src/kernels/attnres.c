@@ -3,8 +3,7 @@
 
 #include <math.h>
 
-void k3_attnres_mix_ref(const float *const *V, int n, const float *w, int64_t D, float eps,
-                        float *out) {
+void k3_attnres_mix_ref(const float *const *V, int n, const float *w, int64_t D, float eps, float *out) {
     float score[K3_ATTNRES_MAX];
     float mx = -INFINITY;
     for (int e = 0; e < n; e++) {

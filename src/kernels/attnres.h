@@ -16,10 +16,8 @@
 
 #define K3_ATTNRES_MAX 513
 
-void k3_attnres_mix(const float *const *V, int n, const float *w, int64_t D, float eps,
-                    float *out);
+void k3_attnres_mix(const float *const *V, int n, const float *w, int64_t D, float eps, float *out);
 /* The scalar reference (k3_attnres_mix runs the current kernel table's form). */
-void k3_attnres_mix_ref(const float *const *V, int n, const float *w, int64_t D, float eps,
-                        float *out);
+void k3_attnres_mix_ref(const float *const *V, int n, const float *w, int64_t D, float eps, float *out);
 
 #endif /* K3_KERNELS_ATTNRES_H */

@@ -29,7 +29,7 @@ float k3_bf16_to_f32(uint16_t h) { return f32_from_bits((uint32_t)h << 16); }
 uint16_t k3_f32_to_bf16(float f) {
     uint32_t u = f32_bits(f);
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
-    u += 0x7fffu + ((u >> 16) & 1); /* round to nearest, ties to even */
+    u += 0x7fffu + ((u >> 16) & 1);                                           /* round to nearest, ties to even */
     return (uint16_t)(u >> 16);
 }
 
@@ -72,15 +72,15 @@ uint8_t k3_f32_to_e4m3(float x) {
     if (a >= 448.0f) return sign | 0x7E;
     if (a == 0.0f) return sign;
     int e2;
-    frexpf(a, &e2);             /* a = m 2^e2, m in [0.5, 1) */
-    int E = e2 - 1 + 7;         /* biased exponent of a normal E4M3 */
+    frexpf(a, &e2);     /* a = m 2^e2, m in [0.5, 1) */
+    int E = e2 - 1 + 7; /* biased exponent of a normal E4M3 */
     unsigned code;
     if (E < 1) {
         /* subnormal: units of 2^-9; 8 units roll over into E = 1, f = 0 */
         code = (unsigned)nearbyintf(a * 512.0f);
     } else {
         const float f = nearbyintf((ldexpf(a, 7 - E) - 1.0f) * 8.0f); /* 0..8 */
-        code = ((unsigned)E << 3) + (unsigned)f; /* f = 8 carries into E */
+        code = ((unsigned)E << 3) + (unsigned)f;                      /* f = 8 carries into E */
     }
     if (code > 0x7E) code = 0x7E;
     return (uint8_t)(sign | code);

@@ -40,7 +40,7 @@
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
 static k3_kernel_ops t_ref, t_avx2, t_avx2_vnni, t_avx512, t_amx;
 static bool g_have[K3_ISA_COUNT];
-static bool g_amx_built; /* t_amx is made (the unit is granted, or the emulation can run) */
+static bool g_amx_built;    /* t_amx is made (the unit is granted, or the emulation can run) */
 static bool g_have_avxvnni; /* AVX-VNNI (vpdpbusd on ymm) */
 static const k3_kernel_ops *g_best;
 static const k3_kernel_ops *_Atomic g_ops;
@@ -165,10 +165,10 @@ static void detect(void) {
     bool vnni = false, vbmi = false;
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_cpu_init();
-    g_have[K3_ISA_AVX2] = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                          __builtin_cpu_supports("f16c");
+    g_have[K3_ISA_AVX2] =
+        __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
     g_have[K3_ISA_AVX512] = g_have[K3_ISA_AVX2] && __builtin_cpu_supports("avx512f") &&
-                            __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
     g_have_avxvnni = g_have[K3_ISA_AVX2] && __builtin_cpu_supports("avxvnni");
     vnni = __builtin_cpu_supports("avx512vnni");
     vbmi = __builtin_cpu_supports("avx512vbmi");
@@ -267,8 +267,12 @@ k3_status k3_set_isa(const char *name, k3_error *err) {
         return K3_OK;
     }
     /* vnni: 0 the plain AVX2 table, 1 AVX-VNNI where the CPU has it, 2 required */
-    static const struct { const char *name; k3_isa isa; int vnni; } names[] = {
-        {"ref", K3_ISA_REF, 0},      {"avx2", K3_ISA_AVX2, 1}, {"avx2-vnni", K3_ISA_AVX2, 2},
+    static const struct {
+        const char *name;
+        k3_isa isa;
+        int vnni;
+    } names[] = {
+        {"ref", K3_ISA_REF, 0},          {"avx2", K3_ISA_AVX2, 1},     {"avx2-vnni", K3_ISA_AVX2, 2},
         {"avx2-novnni", K3_ISA_AVX2, 0}, {"avx512", K3_ISA_AVX512, 0}, {"amx", K3_ISA_AMX, 0},
     };
     if (!strcmp(name, "amx") && !g_have[K3_ISA_AMX]) {
@@ -296,7 +300,8 @@ const char *k3_isa_current(void) { return k3_ops()->name; }
 
 /* o: the first table from the current one down its bases whose entry takes
  * the call (no fits(), or fits() says yes; "ref" has none). */
-#define PICK(o, fits, ...) for (o = k3_ops(); o->fits && !o->fits(__VA_ARGS__); o = o->base) {}
+#define PICK(o, fits, ...) \
+    for (o = k3_ops(); o->fits && !o->fits(__VA_ARGS__); o = o->base) {}
 
 float k3_dot(const float *a, const float *b, int64_t n) { return k3_ops()->dot(a, b, n); }
 
@@ -316,15 +321,15 @@ void k3_mx4_r4_prep(const int8_t *xq, int64_t cols, int8_t *xp, int32_t *corr) {
     k3_ops()->mx4_r4_prep(xq, cols, xp, corr);
 }
 
-void k3_qli_scores(const int8_t *q8, const float *qs, const float *w, int HI, int dI, const int8_t *k8,
-                   const float *ks, const int64_t *slots, int n, float *scores) {
+void k3_qli_scores(const int8_t *q8, const float *qs, const float *w, int HI, int dI, const int8_t *k8, const float *ks,
+                   const int64_t *slots, int n, float *scores) {
     const k3_kernel_ops *o;
     PICK(o, qli_fits, HI, dI);
     o->qli_scores(q8, qs, w, HI, dI, k8, ks, slots, n, scores);
 }
 
-void k3_qsfa(const float *qa, const float *qpe, int H, const k3_c8_cache *c, const int64_t *slots, int n,
-             float scale, float *out, float *lse, float *work) {
+void k3_qsfa(const float *qa, const float *qpe, int H, const k3_c8_cache *c, const int64_t *slots, int n, float scale,
+             float *out, float *lse, float *work) {
     const k3_kernel_ops *o;
     PICK(o, qsfa_fits, c);
     o->qsfa(qa, qpe, H, c, slots, n, scale, out, lse, work);

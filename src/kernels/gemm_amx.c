@@ -11,7 +11,7 @@
 #define TCFG(c) __asm__ volatile("ldtilecfg %0" ::"m"(*(const amx_tcfg *)(c)))
 #define TRELEASE() _tile_release()
 #define TZERO(t) _tile_zero(t)
-#define TLOAD(t, p, s)                                                                                    \
+#define TLOAD(t, p, s) \
     __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #t ::"r"((const void *)(p)), "r"((long)(s)) : "memory")
 #define TSTORE(t, p, s) _tile_stored(t, p, s)
 #define TBF16(c, a, b) _tile_dpbf16ps(c, a, b)

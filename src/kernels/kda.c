@@ -72,12 +72,12 @@ int64_t k3_kda_chunk_work(int chunk, int dk, int dv) {
 
 void k3_kda_chunked_ref(const k3_kda_head *h, float *S, int chunk, float *work) {
     const int dk = h->dk, dv = h->dv;
-    float *G = work;                        /* [C, dk] running log-decay */
-    float *W = G + (int64_t)chunk * dk;     /* [C, dk] */
-    float *U = W + (int64_t)chunk * dk;     /* [C, dv] -> Vn */
-    float *L = U + (int64_t)chunk * dv;     /* [C, C] */
-    float *A = L + (int64_t)chunk * chunk;  /* [C, C] */
-    float *eGC = A + (int64_t)chunk * chunk;/* [dk] */
+    float *G = work;                         /* [C, dk] running log-decay */
+    float *W = G + (int64_t)chunk * dk;      /* [C, dk] */
+    float *U = W + (int64_t)chunk * dk;      /* [C, dv] -> Vn */
+    float *L = U + (int64_t)chunk * dv;      /* [C, C] */
+    float *A = L + (int64_t)chunk * chunk;   /* [C, C] */
+    float *eGC = A + (int64_t)chunk * chunk; /* [dk] */
 
     for (int t0 = 0; t0 < h->n; t0 += chunk) {
         const int C = h->n - t0 < chunk ? h->n - t0 : chunk;
@@ -88,8 +88,7 @@ void k3_kda_chunked_ref(const k3_kda_head *h, float *S, int chunk, float *work) 
 #define B(t) (h->beta[(int64_t)(t0 + (t)) * h->ld_beta])
 #define O(t) (h->o + (int64_t)(t0 + (t)) * h->ld_o)
         for (int t = 0; t < C; t++)
-            for (int d = 0; d < dk; d++)
-                G[t * dk + d] = (t ? G[(t - 1) * dk + d] : 0.0f) + GG(t)[d];
+            for (int d = 0; d < dk; d++) G[t * dk + d] = (t ? G[(t - 1) * dk + d] : 0.0f) + GG(t)[d];
 
         /* L[t,j] = beta_t sum_d k_t k_j e^{G_t - G_j}, and Aqk[t,j] likewise
          * with q_t, for j < t (Aqk also on the diagonal). */

@@ -23,7 +23,7 @@ typedef struct k3_kda_head {
     int64_t ld_v;
     const float *beta;
     int64_t ld_beta;
-    float *o;               /* out: row t at o + t*ld_o, dv values */
+    float *o; /* out: row t at o + t*ld_o, dv values */
     int64_t ld_o;
 } k3_kda_head;
 
@@ -65,7 +65,6 @@ void k3_kda_gate(float *z, int n, float A_log, const float *dt_bias, bool has_lb
  * state of the (K-1) previous inputs per channel (state[j*lds + c], oldest
  * first), updated to the last K-1 inputs. w[j*ldw + c]: tap j of channel c,
  * tap K-1 = current token. x: [n, ldx] (in place: x becomes the output). */
-void k3_kda_conv(float *x, int64_t ldx, int n, int C, int K, const float *w, int64_t ldw, float *state,
-                 int64_t lds);
+void k3_kda_conv(float *x, int64_t ldx, int n, int C, int K, const float *w, int64_t ldw, float *state, int64_t lds);
 
 #endif /* K3_KERNELS_KDA_H */

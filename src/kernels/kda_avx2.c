@@ -55,12 +55,10 @@
 
 
 /* The eight horizontal sums of a0..a7, in order, in one vector. */
-AI __m256 hsum8x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6,
-                  __m256 a7) {
+AI __m256 hsum8x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6, __m256 a7) {
     const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
     const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
-    return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
-                         _mm256_permute2f128_ps(s0123, s4567, 0x31));
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
 /* The SIMD paths step over dk and dv in 8 lanes, and the recurrent ones keep
@@ -75,8 +73,7 @@ enum { REC_TG = 32, REC_E = 8192 }; /* tokens per group; floats of exp(g) */
 
 /* One panel of NV 8-column vectors (columns c0..c0+8NV) through tokens
  * t0..t0+nt; E holds exp(g) of those tokens. */
-AI void rec_panel(const int NV, const k3_kda_head *h, float *S, int c0, int t0, int nt,
-                  const float *E) {
+AI void rec_panel(const int NV, const k3_kda_head *h, float *S, int c0, int t0, int nt, const float *E) {
     const int dk = h->dk, dv = h->dv;
     float *P = S + c0;
     __m256 up[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
@@ -92,8 +89,7 @@ AI void rec_panel(const int NV, const k3_kda_head *h, float *S, int c0, int t0, 
             for (int a = 0; a < dk; a++) {
                 float *row = P + (int64_t)a * dv;
                 const __m256 ea = _mm256_broadcast_ss(e + a), ka = _mm256_broadcast_ss(kc + a);
-                _Pragma("GCC unroll 8")
-                for (int v = 0; v < NV; v++) {
+                _Pragma("GCC unroll 8") for (int v = 0; v < NV; v++) {
                     const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(row + 8 * v), ea);
                     u[v] = _mm256_fmadd_ps(ka, x, u[v]);
                     _mm256_storeu_ps(row + 8 * v, x);
@@ -103,8 +99,7 @@ AI void rec_panel(const int NV, const k3_kda_head *h, float *S, int c0, int t0, 
             for (int a = 0; a < dk; a++) {
                 float *row = P + (int64_t)a * dv;
                 const __m256 ka = _mm256_broadcast_ss(kp + a), qa = _mm256_broadcast_ss(qp + a);
-                _Pragma("GCC unroll 8")
-                for (int v = 0; v < NV; v++) {
+                _Pragma("GCC unroll 8") for (int v = 0; v < NV; v++) {
                     const __m256 x = _mm256_fmadd_ps(ka, up[v], _mm256_loadu_ps(row + 8 * v));
                     o[v] = _mm256_fmadd_ps(qa, x, o[v]);
                     _mm256_storeu_ps(row + 8 * v, x);
@@ -115,8 +110,7 @@ AI void rec_panel(const int NV, const k3_kda_head *h, float *S, int c0, int t0, 
                 float *row = P + (int64_t)a * dv;
                 const __m256 kpa = _mm256_broadcast_ss(kp + a), qpa = _mm256_broadcast_ss(qp + a);
                 const __m256 ea = _mm256_broadcast_ss(e + a), kca = _mm256_broadcast_ss(kc + a);
-                _Pragma("GCC unroll 8")
-                for (int v = 0; v < NV; v++) {
+                _Pragma("GCC unroll 8") for (int v = 0; v < NV; v++) {
                     __m256 x = _mm256_fmadd_ps(kpa, up[v], _mm256_loadu_ps(row + 8 * v));
                     o[v] = _mm256_fmadd_ps(qpa, x, o[v]);
                     x = _mm256_mul_ps(x, ea);
@@ -127,14 +121,13 @@ AI void rec_panel(const int NV, const k3_kda_head *h, float *S, int c0, int t0, 
         }
         if (i > 0) {
             float *ot = h->o + tp * h->ld_o + c0;
-            _Pragma("GCC unroll 8")
-            for (int v = 0; v < NV; v++) _mm256_storeu_ps(ot + 8 * v, o[v]);
+            _Pragma("GCC unroll 8") for (int v = 0; v < NV; v++) _mm256_storeu_ps(ot + 8 * v, o[v]);
         }
         if (i < nt) { /* u = beta (v - Sᵀk) */
             const __m256 b = _mm256_set1_ps(h->beta[tc * h->ld_beta]);
             const float *vt = h->v + tc * h->ld_v + c0;
-            _Pragma("GCC unroll 8")
-            for (int v = 0; v < NV; v++) up[v] = _mm256_mul_ps(b, _mm256_sub_ps(_mm256_loadu_ps(vt + 8 * v), u[v]));
+            _Pragma("GCC unroll 8") for (int v = 0; v < NV; v++) up[v] =
+                _mm256_mul_ps(b, _mm256_sub_ps(_mm256_loadu_ps(vt + 8 * v), u[v]));
         }
     }
 }
@@ -162,45 +155,35 @@ void k3_kda_recurrent_avx2(const k3_kda_head *h, float *S) {
  *     out[i][:] = (cin ? cs_i cin[i][:] : 0) + sgn Σ_{p<K} a(i,p) b[p][:]
  * with a(i,p) = a[i*ars + p*acs], cs_i = cscale ? cscale[i] : 1. cin may be
  * out (each element is read before it is written). */
-AI void mm_tile(const int MR, const int NV, int K, const float *a, int64_t ars, int64_t acs,
-                const float *b, int64_t ldb, float *out, int64_t ldo, const float *cin, int64_t ldc,
-                const float *cscale, float sgn) {
+AI void mm_tile(const int MR, const int NV, int K, const float *a, int64_t ars, int64_t acs, const float *b,
+                int64_t ldb, float *out, int64_t ldo, const float *cin, int64_t ldc, const float *cscale, float sgn) {
     __m256 acc[4][2];
-    _Pragma("GCC unroll 8")
-    for (int i = 0; i < MR; i++)
-        _Pragma("GCC unroll 8")
-        for (int v = 0; v < NV; v++) acc[i][v] = _mm256_setzero_ps();
+    _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++) _Pragma("GCC unroll 8") for (int v = 0; v < NV; v++)
+        acc[i][v] = _mm256_setzero_ps();
     for (int p = 0; p < K; p++) {
         __m256 bv[2];
-        _Pragma("GCC unroll 8")
-        for (int v = 0; v < NV; v++) bv[v] = _mm256_loadu_ps(b + (int64_t)p * ldb + 8 * v);
-        _Pragma("GCC unroll 8")
-        for (int i = 0; i < MR; i++) {
+        _Pragma("GCC unroll 8") for (int v = 0; v < NV; v++) bv[v] = _mm256_loadu_ps(b + (int64_t)p * ldb + 8 * v);
+        _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++) {
             const __m256 ai = _mm256_broadcast_ss(a + i * ars + p * acs);
-            _Pragma("GCC unroll 8")
-            for (int v = 0; v < NV; v++) acc[i][v] = _mm256_fmadd_ps(ai, bv[v], acc[i][v]);
+            _Pragma("GCC unroll 8") for (int v = 0; v < NV; v++) acc[i][v] = _mm256_fmadd_ps(ai, bv[v], acc[i][v]);
         }
     }
     const __m256 s = _mm256_set1_ps(sgn);
-    _Pragma("GCC unroll 8")
-    for (int i = 0; i < MR; i++)
-        _Pragma("GCC unroll 8")
-        for (int v = 0; v < NV; v++) {
-            __m256 r = _mm256_mul_ps(acc[i][v], s);
-            if (cin) {
-                const __m256 c = _mm256_loadu_ps(cin + i * ldc + 8 * v);
-                r = cscale ? _mm256_fmadd_ps(_mm256_set1_ps(cscale[i]), c, r) : _mm256_add_ps(c, r);
-            }
-            _mm256_storeu_ps(out + i * ldo + 8 * v, r);
+    _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++) _Pragma("GCC unroll 8") for (int v = 0; v < NV; v++) {
+        __m256 r = _mm256_mul_ps(acc[i][v], s);
+        if (cin) {
+            const __m256 c = _mm256_loadu_ps(cin + i * ldc + 8 * v);
+            r = cscale ? _mm256_fmadd_ps(_mm256_set1_ps(cscale[i]), c, r) : _mm256_add_ps(c, r);
         }
+        _mm256_storeu_ps(out + i * ldo + 8 * v, r);
+    }
 }
 
 /* out [M, N] = cin-term + sgn a [M, K] · b [K, N], N % 8 == 0 (see mm_tile).
  * tri: a is lower triangular (a(i,p) = 0 for p > i), so row tile i0 only
  * runs p < i0 + 4; the tile's own entries above the diagonal must be 0. */
-static void mm(int M, int N, int K, const float *a, int64_t ars, int64_t acs, const float *b,
-               int64_t ldb, float *out, int64_t ldo, const float *cin, int64_t ldc, const float *cscale,
-               float sgn, int tri) {
+static void mm(int M, int N, int K, const float *a, int64_t ars, int64_t acs, const float *b, int64_t ldb, float *out,
+               int64_t ldo, const float *cin, int64_t ldc, const float *cscale, float sgn, int tri) {
     for (int c0 = 0; c0 < N; c0 += 16) {
         const int nv = N - c0 >= 16 ? 2 : 1;
         for (int i0 = 0; i0 < M; i0 += 4) {
@@ -234,32 +217,35 @@ static void mm(int M, int N, int K, const float *a, int64_t ars, int64_t acs, co
 /* Rows t of x [C, N] (row stride ldx), in place:
  *     x[t] <- beta_t x[t] - Σ_{j<t} l[t][j] x[j]
  * i.e. x <- (I + L)^{-1} diag(beta) x, L strictly lower (row stride ldl). */
-AI void solve_cols(const int NV, int C, float *x, int64_t ldx, const float *l, int64_t ldl,
-                   const float *beta, int64_t ldb) {
+AI void solve_cols(const int NV, int C, float *x, int64_t ldx, const float *l, int64_t ldl, const float *beta,
+                   int64_t ldb) {
     for (int t = 0; t < C; t++) {
         float *xt = x + (int64_t)t * ldx;
         const __m256 bt = _mm256_set1_ps(beta[t * ldb]);
         __m256 acc[8];
-        _Pragma("GCC unroll 8")
-        for (int v = 0; v < NV; v++) acc[v] = _mm256_mul_ps(bt, _mm256_loadu_ps(xt + 8 * v));
+        _Pragma("GCC unroll 8") for (int v = 0; v < NV; v++) acc[v] = _mm256_mul_ps(bt, _mm256_loadu_ps(xt + 8 * v));
         const float *lt = l + (int64_t)t * ldl;
         for (int j = 0; j < t; j++) {
             const __m256 lj = _mm256_broadcast_ss(lt + j);
             const float *xj = x + (int64_t)j * ldx;
-            _Pragma("GCC unroll 8")
-            for (int v = 0; v < NV; v++) acc[v] = _mm256_fnmadd_ps(lj, _mm256_loadu_ps(xj + 8 * v), acc[v]);
+            _Pragma("GCC unroll 8") for (int v = 0; v < NV; v++) acc[v] =
+                _mm256_fnmadd_ps(lj, _mm256_loadu_ps(xj + 8 * v), acc[v]);
         }
-        _Pragma("GCC unroll 8")
-        for (int v = 0; v < NV; v++) _mm256_storeu_ps(xt + 8 * v, acc[v]);
+        _Pragma("GCC unroll 8") for (int v = 0; v < NV; v++) _mm256_storeu_ps(xt + 8 * v, acc[v]);
     }
 }
 
-static void solve(int C, int N, float *x, int64_t ldx, const float *l, int64_t ldl, const float *beta,
-                  int64_t ldb) {
+static void solve(int C, int N, float *x, int64_t ldx, const float *l, int64_t ldl, const float *beta, int64_t ldb) {
     int c = 0;
     for (; c + 64 <= N; c += 64) solve_cols(8, C, x + c, ldx, l, ldl, beta, ldb);
-    if (c + 32 <= N) { solve_cols(4, C, x + c, ldx, l, ldl, beta, ldb); c += 32; }
-    if (c + 16 <= N) { solve_cols(2, C, x + c, ldx, l, ldl, beta, ldb); c += 16; }
+    if (c + 32 <= N) {
+        solve_cols(4, C, x + c, ldx, l, ldl, beta, ldb);
+        c += 32;
+    }
+    if (c + 16 <= N) {
+        solve_cols(2, C, x + c, ldx, l, ldl, beta, ldb);
+        c += 16;
+    }
     if (c + 8 <= N) solve_cols(1, C, x + c, ldx, l, ldl, beta, ldb);
 }
 
@@ -274,24 +260,24 @@ enum { SB = 4 };
 void k3_kda_chunked_avx2(const k3_kda_head *h, float *S, int chunk, float *work) {
     const int dk = h->dk, dv = h->dv;
     const int64_t cd = (int64_t)chunk * dk;
-    float *G = work;                          /* [chunk, dk] running log-decay */
-    float *Ks = G + cd;                       /* [chunk, dk] k_t e^{G_t-G_r}, then k_t e^{G_t} */
-    float *Qs = Ks + cd;                      /* [chunk, dk] q_t e^{G_t-G_r}, then q_t e^{G_t} */
-    float *Kb = Qs + cd;                      /* [chunk, dk] k_j e^{G_r-G_j}, then e^{G_C-G_t} k_t */
-    float *U = Kb + cd;                       /* [chunk, dv] V - Ke S, then Vn */
-    float *L = U + (int64_t)chunk * dv;       /* [chunk, chunk] */
-    float *A = L + (int64_t)chunk * chunk;    /* [chunk, chunk] Aqk, 0 above the diagonal */
-    float *f = A + (int64_t)chunk * chunk;    /* [dk] decay factors */
-    float *f2 = f + dk;                       /* [dk] */
+    float *G = work;                       /* [chunk, dk] running log-decay */
+    float *Ks = G + cd;                    /* [chunk, dk] k_t e^{G_t-G_r}, then k_t e^{G_t} */
+    float *Qs = Ks + cd;                   /* [chunk, dk] q_t e^{G_t-G_r}, then q_t e^{G_t} */
+    float *Kb = Qs + cd;                   /* [chunk, dk] k_j e^{G_r-G_j}, then e^{G_C-G_t} k_t */
+    float *U = Kb + cd;                    /* [chunk, dv] V - Ke S, then Vn */
+    float *L = U + (int64_t)chunk * dv;    /* [chunk, chunk] */
+    float *A = L + (int64_t)chunk * chunk; /* [chunk, chunk] Aqk, 0 above the diagonal */
+    float *f = A + (int64_t)chunk * chunk; /* [dk] decay factors */
+    float *f2 = f + dk;                    /* [dk] */
 
     for (int t0 = 0; t0 < h->n; t0 += chunk) {
         const int C = h->n - t0 < chunk ? h->n - t0 : chunk;
         const float *q0 = h->q + (int64_t)t0 * h->ld_qk, *k0 = h->k + (int64_t)t0 * h->ld_qk;
         const float *g0 = h->g + (int64_t)t0 * h->ld_qk, *b0 = h->beta + (int64_t)t0 * h->ld_beta;
         const int64_t ldq = h->ld_qk, ldb = h->ld_beta;
-#define Q(t) (q0 + (int64_t)(t) * ldq)
-#define K(t) (k0 + (int64_t)(t) * ldq)
-#define GR(t) (G + (int64_t)(t) * dk)
+#define Q(t) (q0 + (int64_t)(t)*ldq)
+#define K(t) (k0 + (int64_t)(t)*ldq)
+#define GR(t) (G + (int64_t)(t)*dk)
         /* G_t = Σ_{i<=t} g_i, summed in the reference's order */
         for (int d = 0; d < dk; d += 8) {
             __m256 s = _mm256_setzero_ps();
@@ -309,11 +295,13 @@ void k3_kda_chunked_avx2(const k3_kda_head *h, float *S, int chunk, float *work)
             if (r > 0) {
                 const int rp = r - SB;
                 for (int d = 0; d < dk; d += 8)
-                    _mm256_storeu_ps(f + d, k3_exp8(_mm256_sub_ps(_mm256_loadu_ps(GR(r) + d), _mm256_loadu_ps(GR(rp) + d))));
+                    _mm256_storeu_ps(f + d,
+                                     k3_exp8(_mm256_sub_ps(_mm256_loadu_ps(GR(r) + d), _mm256_loadu_ps(GR(rp) + d))));
                 for (int j = 0; j < rp; j++)
                     for (int d = 0; d < dk; d += 8)
                         _mm256_storeu_ps(Kb + (int64_t)j * dk + d,
-                                         _mm256_mul_ps(_mm256_loadu_ps(Kb + (int64_t)j * dk + d), _mm256_loadu_ps(f + d)));
+                                         _mm256_mul_ps(_mm256_loadu_ps(Kb + (int64_t)j * dk + d),
+                                                       _mm256_loadu_ps(f + d)));
                 for (int j = rp; j < r; j++)
                     for (int d = 0; d < dk; d += 8) {
                         const __m256 e = k3_exp8(_mm256_sub_ps(_mm256_loadu_ps(GR(r) + d), _mm256_loadu_ps(GR(j) + d)));
@@ -331,8 +319,7 @@ void k3_kda_chunked_avx2(const k3_kda_head *h, float *S, int chunk, float *work)
              * four t at a time (rows past re repeat the last one, unused) */
             for (int t = r; t < re; t += 4) {
                 const float *ks[4], *qs[4];
-                _Pragma("GCC unroll 8")
-                for (int i = 0; i < 4; i++) {
+                _Pragma("GCC unroll 8") for (int i = 0; i < 4; i++) {
                     const int ti = t + i < re ? t + i : re - 1;
                     ks[i] = Ks + (int64_t)ti * dk;
                     qs[i] = Qs + (int64_t)ti * dk;
@@ -366,18 +353,15 @@ void k3_kda_chunked_avx2(const k3_kda_head *h, float *S, int chunk, float *work)
                 for (int j = r; j < t; j++) pt[np] = t, pj[np++] = j;
             for (int p = 0; p < np; p += 4) {
                 const float *kt[4], *qt[4], *Gt[4], *kj[4], *Gj[4];
-                _Pragma("GCC unroll 8")
-                for (int i = 0; i < 4; i++) {
+                _Pragma("GCC unroll 8") for (int i = 0; i < 4; i++) {
                     const int pi = p + i < np ? p + i : np - 1;
                     kt[i] = K(pt[pi]), qt[i] = Q(pt[pi]), Gt[i] = GR(pt[pi]);
                     kj[i] = K(pj[pi]), Gj[i] = GR(pj[pi]);
                 }
                 __m256 l[4], a[4];
-                _Pragma("GCC unroll 8")
-                for (int i = 0; i < 4; i++) l[i] = a[i] = _mm256_setzero_ps();
+                _Pragma("GCC unroll 8") for (int i = 0; i < 4; i++) l[i] = a[i] = _mm256_setzero_ps();
                 for (int d = 0; d < dk; d += 8) {
-                    _Pragma("GCC unroll 8")
-                    for (int i = 0; i < 4; i++) {
+                    _Pragma("GCC unroll 8") for (int i = 0; i < 4; i++) {
                         const __m256 e = k3_exp8(_mm256_sub_ps(_mm256_loadu_ps(Gt[i] + d), _mm256_loadu_ps(Gj[i] + d)));
                         const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(kj[i] + d), e);
                         l[i] = _mm256_fmadd_ps(_mm256_loadu_ps(kt[i] + d), x, l[i]);
@@ -395,11 +379,8 @@ void k3_kda_chunked_avx2(const k3_kda_head *h, float *S, int chunk, float *work)
             /* the diagonal, Aqk[t,t] = q_t·k_t (no decay), eight at a time */
             for (int t = r; t < re; t += 8) {
                 __m256 a[8];
-                _Pragma("GCC unroll 8")
-                for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
-                for (int d = 0; d < dk; d += 8)
-                    _Pragma("GCC unroll 8")
-                    for (int i = 0; i < 8; i++) {
+                _Pragma("GCC unroll 8") for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
+                for (int d = 0; d < dk; d += 8) _Pragma("GCC unroll 8") for (int i = 0; i < 8; i++) {
                         const int ti = t + i < re ? t + i : re - 1;
                         a[i] = _mm256_fmadd_ps(_mm256_loadu_ps(Q(ti) + d), _mm256_loadu_ps(K(ti) + d), a[i]);
                     }

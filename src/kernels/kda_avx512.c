@@ -22,8 +22,7 @@ enum { REC_TG = 32, REC_E = 8192 }; /* tokens per group; floats of exp(g) */
 
 /* One panel of NV 16-column vectors at c0 through tokens t0..t0+nt (E: their
  * exp(g)); the last vector's columns are limited by mask m. */
-AI void rec_panel(const int NV, const k3_kda_head *h, float *S, int c0, int t0, int nt,
-                  const float *E, __mmask16 m) {
+AI void rec_panel(const int NV, const k3_kda_head *h, float *S, int c0, int t0, int nt, const float *E, __mmask16 m) {
     const int dk = h->dk, dv = h->dv;
     float *P = S + c0;
     __mmask16 mv[8];
@@ -39,13 +38,11 @@ AI void rec_panel(const int NV, const k3_kda_head *h, float *S, int c0, int t0, 
         const float *kc = i < nt ? h->k + tc * h->ld_qk : NULL;
         const float *kp = i > 0 ? h->k + tp * h->ld_qk : NULL, *qp = i > 0 ? h->q + tp * h->ld_qk : NULL;
         __m512 u[8], o[8];
-        _Pragma("GCC unroll 8")
-        for (int v = 0; v < NV; v++) u[v] = o[v] = _mm512_setzero_ps();
+        _Pragma("GCC unroll 8") for (int v = 0; v < NV; v++) u[v] = o[v] = _mm512_setzero_ps();
         if (i == 0) {
             for (int a = 0; a < dk; a++) {
                 float *row = P + (int64_t)a * dv;
-                _Pragma("GCC unroll 8")
-                for (int v = 0; v < NV; v++) {
+                _Pragma("GCC unroll 8") for (int v = 0; v < NV; v++) {
                     const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(mv[v], row + 16 * v), _mm512_set1_ps(e[a]));
                     u[v] = _mm512_fmadd_ps(_mm512_set1_ps(kc[a]), x, u[v]);
                     _mm512_mask_storeu_ps(row + 16 * v, mv[v], x);
@@ -54,9 +51,9 @@ AI void rec_panel(const int NV, const k3_kda_head *h, float *S, int c0, int t0, 
         } else if (i == nt) {
             for (int a = 0; a < dk; a++) {
                 float *row = P + (int64_t)a * dv;
-                _Pragma("GCC unroll 8")
-                for (int v = 0; v < NV; v++) {
-                    const __m512 x = _mm512_fmadd_ps(_mm512_set1_ps(kp[a]), up[v], _mm512_maskz_loadu_ps(mv[v], row + 16 * v));
+                _Pragma("GCC unroll 8") for (int v = 0; v < NV; v++) {
+                    const __m512 x =
+                        _mm512_fmadd_ps(_mm512_set1_ps(kp[a]), up[v], _mm512_maskz_loadu_ps(mv[v], row + 16 * v));
                     o[v] = _mm512_fmadd_ps(_mm512_set1_ps(qp[a]), x, o[v]);
                     _mm512_mask_storeu_ps(row + 16 * v, mv[v], x);
                 }
@@ -64,9 +61,9 @@ AI void rec_panel(const int NV, const k3_kda_head *h, float *S, int c0, int t0, 
         } else {
             for (int a = 0; a < dk; a++) {
                 float *row = P + (int64_t)a * dv;
-                _Pragma("GCC unroll 8")
-                for (int v = 0; v < NV; v++) {
-                    __m512 x = _mm512_fmadd_ps(_mm512_set1_ps(kp[a]), up[v], _mm512_maskz_loadu_ps(mv[v], row + 16 * v));
+                _Pragma("GCC unroll 8") for (int v = 0; v < NV; v++) {
+                    __m512 x =
+                        _mm512_fmadd_ps(_mm512_set1_ps(kp[a]), up[v], _mm512_maskz_loadu_ps(mv[v], row + 16 * v));
                     o[v] = _mm512_fmadd_ps(_mm512_set1_ps(qp[a]), x, o[v]);
                     x = _mm512_mul_ps(x, _mm512_set1_ps(e[a]));
                     u[v] = _mm512_fmadd_ps(_mm512_set1_ps(kc[a]), x, u[v]);
@@ -76,15 +73,13 @@ AI void rec_panel(const int NV, const k3_kda_head *h, float *S, int c0, int t0, 
         }
         if (i > 0) {
             float *ot = h->o + tp * h->ld_o + c0;
-            _Pragma("GCC unroll 8")
-            for (int v = 0; v < NV; v++) _mm512_mask_storeu_ps(ot + 16 * v, mv[v], o[v]);
+            _Pragma("GCC unroll 8") for (int v = 0; v < NV; v++) _mm512_mask_storeu_ps(ot + 16 * v, mv[v], o[v]);
         }
         if (i < nt) { /* u = beta (v - Sᵀk) */
             const __m512 b = _mm512_set1_ps(h->beta[tc * h->ld_beta]);
             const float *vt = h->v + tc * h->ld_v + c0;
-            _Pragma("GCC unroll 8")
-            for (int v = 0; v < NV; v++)
-                up[v] = _mm512_mul_ps(b, _mm512_sub_ps(_mm512_maskz_loadu_ps(mv[v], vt + 16 * v), u[v]));
+            _Pragma("GCC unroll 8") for (int v = 0; v < NV; v++) up[v] =
+                _mm512_mul_ps(b, _mm512_sub_ps(_mm512_maskz_loadu_ps(mv[v], vt + 16 * v), u[v]));
         }
     }
 }

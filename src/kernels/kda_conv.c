@@ -51,8 +51,7 @@ static inline __attribute__((always_inline)) void conv_block(float *xt, const fl
     memcpy(xt, s, sizeof(float) * (size_t)nc);
 }
 
-void k3_kda_conv(float *x, int64_t ldx, int n, int C, int K, const float *w, int64_t ldw, float *state,
-                 int64_t lds) {
+void k3_kda_conv(float *x, int64_t ldx, int n, int C, int K, const float *w, int64_t ldw, float *state, int64_t lds) {
     for (int t = 0; t < n; t++) {
         float *xt = x + (int64_t)t * ldx;
         int c0 = 0;

@@ -33,12 +33,12 @@ typedef enum k3_wtype {
  * (and scale) advanced by whole rows. */
 typedef struct k3_mat {
     k3_wtype type;
-    int64_t rows, cols;    /* logical shape, y = W x */
+    int64_t rows, cols; /* logical shape, y = W x */
     const void *data;
-    const uint8_t *scale;  /* MXFP4, MXFP8: E8M0 per 32 columns */
-    const float *row_scale;/* Q8: one scale per row */
-    const int32_t *row_sum;/* Q8: Σ of each row's int8 values (k3_quant_q8_mat) */
-    bool act8;             /* quantize the activations to 8 bits per token (W4A8/W8A8):
+    const uint8_t *scale;   /* MXFP4, MXFP8: E8M0 per 32 columns */
+    const float *row_scale; /* Q8: one scale per row */
+    const int32_t *row_sum; /* Q8: Σ of each row's int8 values (k3_quant_q8_mat) */
+    bool act8;              /* quantize the activations to 8 bits per token (W4A8/W8A8):
                               k3_matmul then runs the 8-bit kernels, quant.h */
 } k3_mat;
 
@@ -67,14 +67,14 @@ enum { K3_ACTS_F32 = 1, K3_ACTS_8BIT = 2 };
  * kernel tables (dispatch.c); docs/ARCHITECTURE.md lists the files. */
 typedef struct k3_wtype_traits {
     const char *name;
-    int bits;           /* bits of one weight in data: a row is cols * bits / 8 bytes */
-    int block;          /* columns per E8M0 scale in scale (cols % block == 0); 0: no scales */
-    bool row_scale;     /* one fp32 scale per row (row_scale) and the sum of its integer values (row_sum) */
-    bool is_float;      /* plain floats (F32, F16, BF16): what --quant converts */
-    int tile_rows;      /* rows per tile: row views start and end on whole tiles (1: no tiles) */
-    int tile_cols;      /* columns per tile group (cols % tile_cols == 0; 1: none) */
-    unsigned acts;      /* K3_ACTS_*: K3_ACTS_8BIT alone runs with 8-bit activations whatever k3_mat.act8 says */
-    bool act_mxfp8;     /* its 8-bit activations are MXFP8 per 32-block (else int8 per token) */
+    int bits;       /* bits of one weight in data: a row is cols * bits / 8 bytes */
+    int block;      /* columns per E8M0 scale in scale (cols % block == 0); 0: no scales */
+    bool row_scale; /* one fp32 scale per row (row_scale) and the sum of its integer values (row_sum) */
+    bool is_float;  /* plain floats (F32, F16, BF16): what --quant converts */
+    int tile_rows;  /* rows per tile: row views start and end on whole tiles (1: no tiles) */
+    int tile_cols;  /* columns per tile group (cols % tile_cols == 0; 1: none) */
+    unsigned acts;  /* K3_ACTS_*: K3_ACTS_8BIT alone runs with 8-bit activations whatever k3_mat.act8 says */
+    bool act_mxfp8; /* its 8-bit activations are MXFP8 per 32-block (else int8 per token) */
     /* Columns [c0, c0 + len) of row r, dequantized: the scalar decode every
      * kernel that reads the type is held to. */
     void (*get_row)(const k3_mat *w, int64_t r, int64_t c0, int64_t len, float *out);
@@ -94,7 +94,7 @@ void k3_mat_get_row(const k3_mat *w, int64_t r, float *out);
 
 /* ---- scalar conversions (codec.c) -------------------------------------- */
 float k3_bf16_to_f32(uint16_t h);
-uint16_t k3_f32_to_bf16(float f);   /* round to nearest even */
+uint16_t k3_f32_to_bf16(float f); /* round to nearest even */
 float k3_f16_to_f32(uint16_t h);
 /* E2M1 code (4 bits) -> value; E8M0 byte -> 2^(e-127) (255 -> NaN). */
 float k3_e2m1_to_f32(uint8_t code);
@@ -103,7 +103,10 @@ float k3_e8m0_to_f32(uint8_t e);
  * MXFP4 inner loops). e = 0 gives the subnormal 2^-127; every e2m1 value times
  * it is still exact, so decoded weights equal the reference's bit for bit. */
 static inline float k3_mx_scale(uint8_t e) {
-    union { uint32_t u; float f; } v;
+    union {
+        uint32_t u;
+        float f;
+    } v;
     if (e == 255) v.u = 0x7fc00000u;
     else if (e >= 1) v.u = (uint32_t)e << 23;
     else v.u = 0x00400000u;

@@ -47,8 +47,7 @@ typedef struct k3_kernel_ops k3_kernel_ops;
  * and causality tests compare with memcmp). Stack: up to ~100 KB (the
  * AVX-512 tiled path's weight block). x is as prep_x left it where that
  * returns > 0 for w. */
-typedef void k3_mm_rows_fn(const k3_mat *w, const float *x, int64_t n, float *y, int64_t ldy, int64_t r0,
-                           int64_t r1);
+typedef void k3_mm_rows_fn(const k3_mat *w, const float *x, int64_t n, float *y, int64_t ldy, int64_t r0, int64_t r1);
 /* Optional (NULL: x is always taken as it is): x [n, w->cols] in the order
  * rows wants for w, written to xp once per k3_matmul call rather than by every
  * row chunk. Returns the floats it writes (0: w takes x as it is); with
@@ -87,13 +86,13 @@ typedef enum k3_qform {
 typedef struct k3_qjob {
     const k3_kernel_ops *ops; /* the table the kernel came from (its dots, decoders) */
     const k3_mat *w;
-    int64_t n;                /* tokens */
-    const int8_t *xq;         /* [n, cols]: int8, or + 128, or a W4A8 order (k3_qform) */
-    const int32_t *corr;      /* [n, ldc]: W4A8 orders, -12 x block sums */
+    int64_t n;           /* tokens */
+    const int8_t *xq;    /* [n, cols]: int8, or + 128, or a W4A8 order (k3_qform) */
+    const int32_t *corr; /* [n, ldc]: W4A8 orders, -12 x block sums */
     int64_t ldc;
-    const float *xs;          /* [n]: token scales */
-    const float *xf;          /* [n, cols]: K3_QX_MXFP8 */
-    float *y;                 /* [n, w->rows]: y[t * w->rows + r] */
+    const float *xs; /* [n]: token scales */
+    const float *xf; /* [n, cols]: K3_QX_MXFP8 */
+    float *y;        /* [n, w->rows]: y[t * w->rows + r] */
 } k3_qjob;
 
 /* Rows [r0, r1) (whole tiles of w's type) x every token of j, into j->y;
@@ -138,7 +137,7 @@ typedef void k3_kda_chunked_fn(const k3_kda_head *h, float *S, int chunk, float 
 /* ---- the table --------------------------------------------------------------- */
 
 struct k3_kernel_ops {
-    const char *name;          /* k3_isa_current(): "ref", "avx2", "avx2-vnni", "avx512", "amx" */
+    const char *name; /* k3_isa_current(): "ref", "avx2", "avx2-vnni", "avx512", "amx" */
     k3_isa isa;
     const k3_kernel_ops *base; /* runs the calls an entry's fits() turns down; NULL for "ref" */
 

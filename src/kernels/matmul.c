@@ -112,7 +112,8 @@ static void matmul_q(k3_pool *pool, const k3_kernel_ops *o, const k3_mat *w, con
     K3_ASSERT(k->rows); /* "k3_matmul: weight type without an 8-bit path" */
     const int64_t cols = w->cols, ldc = (cols + 127) / 128 * 16;
     /* scratch: xs [n] | xf or corr [n, cols or ldc] | xq [n, cols] | prepared [n, cols] */
-    const size_t fsz = k->form == K3_QX_MXFP8 ? (size_t)(n * cols) * sizeof(float) : (size_t)(n * ldc) * sizeof(int32_t);
+    const size_t fsz =
+        k->form == K3_QX_MXFP8 ? (size_t)(n * cols) * sizeof(float) : (size_t)(n * ldc) * sizeof(int32_t);
     char *buf = k3_scratch(K3_SCRATCH_QUANT, (size_t)n * sizeof(float) + fsz + 2 * (size_t)(n * cols) + 64);
     float *xs = (float *)buf;
     float *xf = (float *)(buf + (size_t)n * sizeof(float));

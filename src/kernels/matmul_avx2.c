@@ -66,11 +66,9 @@ enum {
 /* 8 weights of a row starting at column k, as fp32; wt is a constant. */
 INLINE __m256 ld8(int wt, const void *row, int64_t k) {
     switch (wt) {
-    case K3_W_F16:
-        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + k)));
+    case K3_W_F16: return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + k)));
     case K3_W_BF16: {
-        __m256i v = _mm256_cvtepu16_epi32(
-            _mm_loadu_si128((const __m128i *)((const uint16_t *)row + k)));
+        __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + k)));
         return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
     }
     default: return _mm256_loadu_ps((const float *)row + k);
@@ -88,14 +86,11 @@ INLINE float ld1(int wt, const void *row, int64_t k) {
 INLINE size_t elem_size(int wt) { return wt == K3_W_F32 ? 4 : 2; }
 
 /* High bytes of the fp16 encodings of the 16 E2M1 codes. */
-#define MX_F16_HI 0x00, 0x38, 0x3c, 0x3e, 0x40, 0x42, 0x44, 0x46, \
-                  0x80, 0xb8, 0xbc, 0xbe, 0xc0, 0xc2, 0xc4, 0xc6
+#define MX_F16_HI 0x00, 0x38, 0x3c, 0x3e, 0x40, 0x42, 0x44, 0x46, 0x80, 0xb8, 0xbc, 0xbe, 0xc0, 0xc2, 0xc4, 0xc6
 
 /* High and low bytes of the BF16 encodings of the 16 E2M1 codes. */
-#define MX_BF_HI 0x00, 0x3f, 0x3f, 0x3f, 0x40, 0x40, 0x40, 0x40, \
-                 0x80, 0xbf, 0xbf, 0xbf, 0xc0, 0xc0, 0xc0, 0xc0
-#define MX_BF_LO 0x00, 0x00, 0x80, 0xc0, 0x00, 0x40, 0x80, 0xc0, \
-                 0x00, 0x00, 0x80, 0xc0, 0x00, 0x40, 0x80, 0xc0
+#define MX_BF_HI 0x00, 0x3f, 0x3f, 0x3f, 0x40, 0x40, 0x40, 0x40, 0x80, 0xbf, 0xbf, 0xbf, 0xc0, 0xc0, 0xc0, 0xc0
+#define MX_BF_LO 0x00, 0x00, 0x80, 0xc0, 0x00, 0x40, 0x80, 0xc0, 0x00, 0x00, 0x80, 0xc0, 0x00, 0x40, 0x80, 0xc0
 
 /* ---- the paired order (MXFP4, and BF16 with K % 32 == 0) -------------- */
 
@@ -103,12 +98,10 @@ INLINE size_t elem_size(int wt) { return wt == K3_W_F32 ? 4 : 2; }
  * even, then its 16 odd columns (x deinterleaved so by prep_x), four 8-column
  * groups [even 0-14, even 16-30, odd 1-15, odd 17-31] that alternate between
  * two accumulators (tile() with U = 2 over the deinterleaved columns). */
-INLINE bool paired(const k3_mat *w) {
-    return w->type == K3_W_MXFP4 || (w->type == K3_W_BF16 && w->cols % 32 == 0);
-}
+INLINE bool paired(const k3_mat *w) { return w->type == K3_W_MXFP4 || (w->type == K3_W_BF16 && w->cols % 32 == 0); }
 
 /* 8-float halves: [a0 a2 a4 a6 b0 b2 b4 b6] (imm 0x88) or the odd ones (0xdd). */
-#define PAIR_SEL(a, b, imm)                                                                     \
+#define PAIR_SEL(a, b, imm) \
     _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, imm)), 0xd8))
 
 /* x [n, K] (K % 32 == 0) into the paired order. */
@@ -151,8 +144,8 @@ INLINE void mx_dec64q(const uint8_t *p, __m256 s, __m256 out[8]) {
     const __m256i le = _mm256_shuffle_epi8(tl, ce), he = _mm256_shuffle_epi8(th, ce);
     const __m256i lo = _mm256_shuffle_epi8(tl, co), ho = _mm256_shuffle_epi8(th, co);
     /* BF16 words, per lane: even columns 0-14, 16-30, odd 1-15, 17-31 */
-    const __m256i w[4] = {_mm256_unpacklo_epi8(le, he), _mm256_unpackhi_epi8(le, he),
-                          _mm256_unpacklo_epi8(lo, ho), _mm256_unpackhi_epi8(lo, ho)};
+    const __m256i w[4] = {_mm256_unpacklo_epi8(le, he), _mm256_unpackhi_epi8(le, he), _mm256_unpacklo_epi8(lo, ho),
+                          _mm256_unpackhi_epi8(lo, ho)};
     UNROLL for (int g = 0; g < 4; g++) {
         out[2 * g] = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(w[g], 16)), s);
         out[2 * g + 1] = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_and_si256(w[g], hi)), s);
@@ -222,13 +215,13 @@ INLINE __m256 in_reg(__m256 v) {
  * (F32/F16/BF16). y[i*ldy + j] = (accum ? y : 0) + block sum. U = 1 for the
  * dense types; U = 2 is MXFP4's order (8-column groups alternate between two
  * accumulators, added before the horizontal sum). */
-INLINE void tile(int wt, const void *w, int64_t ldw, const float *x, int64_t ldx, int64_t K,
-                 float *y, int64_t ldy, bool accum, const int MR, const int NR, const int U) {
+INLINE void tile(int wt, const void *w, int64_t ldw, const float *x, int64_t ldx, int64_t K, float *y, int64_t ldy,
+                 bool accum, const int MR, const int NR, const int U) {
     const char *wr[8];
     UNROLL for (int j = 0; j < NR; j++) wr[j] = (const char *)w + (size_t)j * ldw * elem_size(wt);
     __m256 acc[4][8][2];
-    UNROLL for (int i = 0; i < MR; i++)
-        UNROLL for (int j = 0; j < NR; j++) acc[i][j][0] = acc[i][j][1] = _mm256_setzero_ps();
+    UNROLL for (int i = 0; i < MR; i++) UNROLL for (int j = 0; j < NR; j++) acc[i][j][0] = acc[i][j][1] =
+        _mm256_setzero_ps();
     int64_t k = 0;
     for (; k + 8 * U <= K; k += 8 * U) {
         UNROLL for (int u = 0; u < U; u++) {
@@ -236,8 +229,7 @@ INLINE void tile(int wt, const void *w, int64_t ldw, const float *x, int64_t ldx
             UNROLL for (int j = 0; j < NR; j++) wv[j] = ld8(wt, wr[j], k + 8 * u);
             UNROLL for (int i = 0; i < MR; i++) {
                 __m256 xv = in_reg(_mm256_loadu_ps(x + i * ldx + k + 8 * u));
-                UNROLL for (int j = 0; j < NR; j++)
-                    acc[i][j][u] = _mm256_fmadd_ps(wv[j], xv, acc[i][j][u]);
+                UNROLL for (int j = 0; j < NR; j++) acc[i][j][u] = _mm256_fmadd_ps(wv[j], xv, acc[i][j][u]);
             }
         }
     }
@@ -252,18 +244,16 @@ INLINE void tile(int wt, const void *w, int64_t ldw, const float *x, int64_t ldx
     }
     __m256 v[32];
     float s[32];
-    UNROLL for (int i = 0; i < MR; i++)
-        UNROLL for (int j = 0; j < NR; j++)
-            v[i * NR + j] = U > 1 ? _mm256_add_ps(acc[i][j][0], acc[i][j][1]) : acc[i][j][0];
+    UNROLL for (int i = 0; i < MR; i++) UNROLL for (int j = 0; j < NR; j++) v[i * NR + j] =
+        U > 1 ? _mm256_add_ps(acc[i][j][0], acc[i][j][1]) : acc[i][j][0];
     hsum_all(v, MR * NR, s);
     for (; k < K; k++)
-        UNROLL for (int i = 0; i < MR; i++)
-            UNROLL for (int j = 0; j < NR; j++) s[i * NR + j] += x[i * ldx + k] * ld1(wt, wr[j], k);
-    UNROLL for (int i = 0; i < MR; i++)
-        UNROLL for (int j = 0; j < NR; j++) {
-            float *d = y + i * ldy + j;
-            *d = accum ? *d + s[i * NR + j] : s[i * NR + j];
-        }
+        UNROLL for (int i = 0; i < MR; i++) UNROLL for (int j = 0; j < NR; j++) s[i * NR + j] +=
+            x[i * ldx + k] * ld1(wt, wr[j], k);
+    UNROLL for (int i = 0; i < MR; i++) UNROLL for (int j = 0; j < NR; j++) {
+        float *d = y + i * ldy + j;
+        *d = accum ? *d + s[i * NR + j] : s[i * NR + j];
+    }
 }
 
 /* ---- stream: n <= 4 --------------------------------------------------- */
@@ -272,15 +262,15 @@ INLINE void tile(int wt, const void *w, int64_t ldw, const float *x, int64_t ldx
  * NR rows at a time (more rows in flight keep more DRAM streams busy; NR was
  * picked by measurement on Zen 4, where a few spills cost less than fewer
  * streams). */
-INLINE void stream_dense(int wt, const k3_mat *w, const float *x, int64_t n, float *y,
-                         int64_t ldy, int64_t r0, int64_t r1) {
+INLINE void stream_dense(int wt, const k3_mat *w, const float *x, int64_t n, float *y, int64_t ldy, int64_t r0,
+                         int64_t r1) {
     const int64_t K = w->cols;
     const size_t rb = (size_t)K * elem_size(wt);
     const char *base = (const char *)w->data;
-#define T(MR, NR)                                                                             \
-    for (int64_t k0 = 0; k0 < K; k0 += KC)                                                    \
-        tile(wt, base + (size_t)r * rb + (size_t)k0 * elem_size(wt), K, x + k0, K,            \
-             K - k0 < KC ? K - k0 : KC, y + r, ldy, k0 > 0, MR, NR, 1)
+#define T(MR, NR) \
+    for (int64_t k0 = 0; k0 < K; k0 += KC) \
+    tile(wt, base + (size_t)r * rb + (size_t)k0 * elem_size(wt), K, x + k0, K, K - k0 < KC ? K - k0 : KC, y + r, ldy, \
+         k0 > 0, MR, NR, 1)
     int64_t r = r0;
     switch (n) {
     case 1:
@@ -306,23 +296,23 @@ INLINE void stream_dense(int wt, const k3_mat *w, const float *x, int64_t n, flo
 /* Paired rows [r, r+NR) (MXFP4 or BF16, type wt; p, sc their first row, ldp,
  * lds apart) x MR deinterleaved x rows (xd, ldx apart), KC blocks in the
  * canonical order: y[i*ldy + j] = the dot of x row i and weight row j. */
-INLINE void stream_paired_rows(const int wt, const uint8_t *p, int64_t ldp, const uint8_t *sc,
-                               int64_t lds, const float *xd, int64_t ldx, int64_t len, float *y,
-                               int64_t ldy, const int MR, const int NR) {
+INLINE void stream_paired_rows(const int wt, const uint8_t *p, int64_t ldp, const uint8_t *sc, int64_t lds,
+                               const float *xd, int64_t ldx, int64_t len, float *y, int64_t ldy, const int MR,
+                               const int NR) {
     float t[16] = {0};
     _Alignas(32) float sv[4][8]; /* MXFP4: the scales of 8 blocks (256 columns) per row */
     for (int64_t kb = 0; kb < len; kb += KC) {
         const int64_t ke = len - kb < KC ? len : kb + KC;
         __m256 acc[4][4][2];
-        UNROLL for (int i = 0; i < MR; i++)
-            UNROLL for (int j = 0; j < NR; j++) acc[i][j][0] = acc[i][j][1] = _mm256_setzero_ps();
+        UNROLL for (int i = 0; i < MR; i++) UNROLL for (int j = 0; j < NR; j++) acc[i][j][0] = acc[i][j][1] =
+            _mm256_setzero_ps();
         int64_t k = kb;
         if (wt == K3_W_MXFP4) {
             for (; k + 64 <= ke; k += 64) {
-                if (k % 256 == 0)
-                    UNROLL for (int j = 0; j < NR; j++) {
+                if (k % 256 == 0) UNROLL for (int j = 0; j < NR; j++) {
                         if (len - k >= 256) _mm256_store_ps(sv[j], mx_scales8(sc + j * lds + k / 32));
-                        else for (int b = 0; b < (len - k) / 32; b++) sv[j][b] = k3_mx_scale(sc[j * lds + k / 32 + b]);
+                        else
+                            for (int b = 0; b < (len - k) / 32; b++) sv[j][b] = k3_mx_scale(sc[j * lds + k / 32 + b]);
                     }
                 UNROLL for (int j = 0; j < NR; j++) {
                     __m256 wv[8];
@@ -330,42 +320,34 @@ INLINE void stream_paired_rows(const int wt, const uint8_t *p, int64_t ldp, cons
                     if (MR == 1 && k % 128 == 0)
                         _mm_prefetch((const char *)p + j * ldp + k / 2 + PF_AHEAD, _MM_HINT_T1);
                     mx_dec64q(p + j * ldp + k / 2, mx_pair_scale(s2), wv);
-                    UNROLL for (int i = 0; i < MR; i++)
-                        UNROLL for (int q = 0; q < 8; q++)
-                            acc[i][j][q % 2] = _mm256_fmadd_ps(wv[q], _mm256_loadu_ps(xd + i * ldx + k + 8 * q),
-                                                               acc[i][j][q % 2]);
+                    UNROLL for (int i = 0; i < MR; i++) UNROLL for (int q = 0; q < 8; q++) acc[i][j][q % 2] =
+                        _mm256_fmadd_ps(wv[q], _mm256_loadu_ps(xd + i * ldx + k + 8 * q), acc[i][j][q % 2]);
                 }
             }
             if (k < ke) /* a last block of 32 */
                 UNROLL for (int j = 0; j < NR; j++) {
                     __m256 wv[4];
                     mx_dec32p(p + j * ldp + k / 2, _mm256_set1_ps(k3_mx_scale(sc[j * lds + k / 32])), wv);
-                    UNROLL for (int i = 0; i < MR; i++)
-                        UNROLL for (int q = 0; q < 4; q++)
-                            acc[i][j][q % 2] = _mm256_fmadd_ps(wv[q], _mm256_loadu_ps(xd + i * ldx + k + 8 * q),
-                                                               acc[i][j][q % 2]);
+                    UNROLL for (int i = 0; i < MR; i++) UNROLL for (int q = 0; q < 4; q++) acc[i][j][q % 2] =
+                        _mm256_fmadd_ps(wv[q], _mm256_loadu_ps(xd + i * ldx + k + 8 * q), acc[i][j][q % 2]);
                 }
         } else {
-            for (; k < ke; k += 32)
-                UNROLL for (int j = 0; j < NR; j++) {
+            for (; k < ke; k += 32) UNROLL for (int j = 0; j < NR; j++) {
                     __m256 wv[4];
                     if (MR == 1) _mm_prefetch((const char *)p + j * ldp + k * 2 + PF_AHEAD, _MM_HINT_T1);
                     bf_dec32p(p + j * ldp + k * 2, wv);
-                    UNROLL for (int i = 0; i < MR; i++)
-                        UNROLL for (int q = 0; q < 4; q++)
-                            acc[i][j][q % 2] = _mm256_fmadd_ps(wv[q], _mm256_loadu_ps(xd + i * ldx + k + 8 * q),
-                                                               acc[i][j][q % 2]);
+                    UNROLL for (int i = 0; i < MR; i++) UNROLL for (int q = 0; q < 4; q++) acc[i][j][q % 2] =
+                        _mm256_fmadd_ps(wv[q], _mm256_loadu_ps(xd + i * ldx + k + 8 * q), acc[i][j][q % 2]);
                 }
         }
         __m256 v[16];
         float s[16];
-        UNROLL for (int i = 0; i < MR; i++)
-            UNROLL for (int j = 0; j < NR; j++) v[i * NR + j] = _mm256_add_ps(acc[i][j][0], acc[i][j][1]);
+        UNROLL for (int i = 0; i < MR; i++) UNROLL for (int j = 0; j < NR; j++) v[i * NR + j] =
+            _mm256_add_ps(acc[i][j][0], acc[i][j][1]);
         hsum_all(v, MR * NR, s);
         UNROLL for (int q = 0; q < MR * NR; q++) t[q] = kb ? t[q] + s[q] : s[q];
     }
-    UNROLL for (int i = 0; i < MR; i++)
-        UNROLL for (int j = 0; j < NR; j++) y[i * ldy + j] = t[i * NR + j];
+    UNROLL for (int i = 0; i < MR; i++) UNROLL for (int j = 0; j < NR; j++) y[i * ldy + j] = t[i * NR + j];
 }
 
 /* Rows [r0, r1) of a paired matrix x n rows of x prepared by prep_x, in
@@ -375,8 +357,7 @@ INLINE void stream_paired_rows(const int wt, const uint8_t *p, int64_t ldp, cons
  * follow best), four MXFP4 rows (adjacent, so still one stream: two
  * accumulator chains per row leave the FMAs waiting on their latency) and
  * four BF16 rows of at most 256 columns; two at n = 2. */
-static void stream_paired(const k3_mat *w, const float *xd, int64_t n, float *y, int64_t ldy,
-                          int64_t r0, int64_t r1) {
+static void stream_paired(const k3_mat *w, const float *xd, int64_t n, float *y, int64_t ldy, int64_t r0, int64_t r1) {
     const int64_t K = w->cols;
     const int wt = w->type;
     const size_t rowb = wt == K3_W_MXFP4 ? (size_t)K / 2 : (size_t)K * 2;
@@ -392,13 +373,14 @@ static void stream_paired(const k3_mat *w, const float *xd, int64_t n, float *y,
                 const float *xi = xd + i * K;
                 float *yi = y + i * ldy + r;
 #define C(WT, MR, NR) stream_paired_rows(WT, pr, (int64_t)rowb, sr, K / 32, xi, K, K, yi, ldy, MR, NR)
-#define S(MR, NR)                                                                             \
-    case (MR) * 8 + (NR):                                                                     \
-        if (wt == K3_W_MXFP4) C(K3_W_MXFP4, MR, NR); else C(K3_W_BF16, MR, NR);               \
+#define S(MR, NR) \
+    case (MR)*8 + (NR): \
+        if (wt == K3_W_MXFP4) C(K3_W_MXFP4, MR, NR); \
+        else C(K3_W_BF16, MR, NR); \
         break;
                 switch (mi * 8 + nr) {
-                S(1, 1) S(1, 2) S(1, 4) S(2, 1) S(2, 2) S(3, 1) S(4, 1)
-                default: K3_ASSERT(!"stream_paired: bad shape");
+                    S(1, 1)
+                    S(1, 2) S(1, 4) S(2, 1) S(2, 2) S(3, 1) S(4, 1) default : K3_ASSERT(!"stream_paired: bad shape");
                 }
 #undef S
 #undef C
@@ -458,34 +440,31 @@ static void convert_block(const k3_mat *w, int64_t r0, int nr, int64_t k0, int k
 }
 
 /* fp32 weights (buffer or F32 matrix) x MR <= 4 activation rows x NR <= 3. */
-static void tile_f32(int mr, int nr, const float *w, int64_t ldw, const float *x, int64_t ldx,
-                     int64_t K, float *y, int64_t ldy, bool accum) {
-#define C(MR, NR)                                                                             \
-    case (MR) * 4 + (NR): tile(K3_W_F32, w, ldw, x, ldx, K, y, ldy, accum, MR, NR, 1); break;
+static void tile_f32(int mr, int nr, const float *w, int64_t ldw, const float *x, int64_t ldx, int64_t K, float *y,
+                     int64_t ldy, bool accum) {
+#define C(MR, NR) \
+    case (MR)*4 + (NR): tile(K3_W_F32, w, ldw, x, ldx, K, y, ldy, accum, MR, NR, 1); break;
     switch (mr * 4 + nr) {
-    C(1, 1) C(1, 2) C(1, 3) C(2, 1) C(2, 2) C(2, 3)
-    C(3, 1) C(3, 2) C(3, 3) C(4, 1) C(4, 2) C(4, 3)
-    default: K3_ASSERT(!"tile_f32: bad shape");
+        C(1, 1)
+        C(1, 2) C(1, 3) C(2, 1) C(2, 2) C(2, 3) C(3, 1) C(3, 2) C(3, 3) C(4, 1) C(4, 2) C(4, 3) default
+            : K3_ASSERT(!"tile_f32: bad shape");
     }
 #undef C
 }
 
 /* The same in MXFP4's order (two accumulators each): MR <= 3, NR <= 2. */
-static void tile_mx(int mr, int nr, const float *w, int64_t ldw, const float *x, int64_t ldx,
-                    int64_t K, float *y, int64_t ldy, bool accum) {
-#define C(MR, NR)                                                                             \
-    case (MR) * 4 + (NR): tile(K3_W_F32, w, ldw, x, ldx, K, y, ldy, accum, MR, NR, 2); break;
-    switch (mr * 4 + nr) {
-    C(1, 1) C(1, 2) C(2, 1) C(2, 2) C(3, 1) C(3, 2)
-    default: K3_ASSERT(!"tile_mx: bad shape");
-    }
+static void tile_mx(int mr, int nr, const float *w, int64_t ldw, const float *x, int64_t ldx, int64_t K, float *y,
+                    int64_t ldy, bool accum) {
+#define C(MR, NR) \
+    case (MR)*4 + (NR): tile(K3_W_F32, w, ldw, x, ldx, K, y, ldy, accum, MR, NR, 2); break;
+    switch (mr * 4 + nr) { C(1, 1) C(1, 2) C(2, 1) C(2, 2) C(3, 1) C(3, 2) default : K3_ASSERT(!"tile_mx: bad shape"); }
 #undef C
 }
 
 /* One RB x KC block: convert (F32 is used in place) and run the register
  * tiles over all n activation rows. */
-static void tiled_block(const k3_mat *w, const float *x, int64_t n, float *y, int64_t ldy,
-                        int64_t rb, int nr, int64_t k0, int kl, float *buf) {
+static void tiled_block(const k3_mat *w, const float *x, int64_t n, float *y, int64_t ldy, int64_t rb, int nr,
+                        int64_t k0, int kl, float *buf) {
     const int64_t K = w->cols;
     const float *wb = buf;
     int64_t ldw = KC;
@@ -501,21 +480,20 @@ static void tiled_block(const k3_mat *w, const float *x, int64_t n, float *y, in
         for (int64_t i = 0; i < n; i += 3) {
             const int mi = (int)(n - i < 3 ? n - i : 3);
             for (int j = 0; j < nr; j += 2)
-                tile_mx(mi, nr - j < 2 ? nr - j : 2, wb + (size_t)j * ldw, ldw, x + i * K + k0, K,
-                        kl, y + i * ldy + rb + j, ldy, k0 > 0);
+                tile_mx(mi, nr - j < 2 ? nr - j : 2, wb + (size_t)j * ldw, ldw, x + i * K + k0, K, kl,
+                        y + i * ldy + rb + j, ldy, k0 > 0);
         }
         return;
     }
     for (int64_t i = 0; i < n; i += 4) {
         const int mi = (int)(n - i < 4 ? n - i : 4);
         for (int j = 0; j < nr; j += 3)
-            tile_f32(mi, nr - j < 3 ? nr - j : 3, wb + (size_t)j * ldw, ldw, x + i * K + k0, K,
-                     kl, y + i * ldy + rb + j, ldy, k0 > 0);
+            tile_f32(mi, nr - j < 3 ? nr - j : 3, wb + (size_t)j * ldw, ldw, x + i * K + k0, K, kl,
+                     y + i * ldy + rb + j, ldy, k0 > 0);
     }
 }
 
-static void tiled(const k3_mat *w, const float *x, int64_t n, float *y, int64_t ldy,
-                  int64_t r0, int64_t r1) {
+static void tiled(const k3_mat *w, const float *x, int64_t n, float *y, int64_t ldy, int64_t r0, int64_t r1) {
     _Alignas(64) float buf[RB * KC];
     const int64_t K = w->cols;
     if (n * K * 4 <= ROWS_OUTER_BYTES) {
@@ -539,8 +517,7 @@ static void tiled(const k3_mat *w, const float *x, int64_t n, float *y, int64_t 
 /* ---- the kernels of the table ----------------------------------------- */
 
 /* Any type, n <= 4 activation rows. */
-static void stream_rows(const k3_mat *w, const float *x, int64_t n, float *y, int64_t ldy,
-                        int64_t r0, int64_t r1) {
+static void stream_rows(const k3_mat *w, const float *x, int64_t n, float *y, int64_t ldy, int64_t r0, int64_t r1) {
     switch (w->type) {
     case K3_W_F32: stream_dense(K3_W_F32, w, x, n, y, ldy, r0, r1); break;
     case K3_W_F16: stream_dense(K3_W_F16, w, x, n, y, ldy, r0, r1); break;
@@ -553,8 +530,7 @@ static void stream_rows(const k3_mat *w, const float *x, int64_t n, float *y, in
     }
 }
 
-void k3_matmul_rows_avx2(const k3_mat *w, const float *x, int64_t n, float *y, int64_t ldy, int64_t r0,
-                         int64_t r1) {
+void k3_matmul_rows_avx2(const k3_mat *w, const float *x, int64_t n, float *y, int64_t ldy, int64_t r0, int64_t r1) {
     if (n <= 4) {
         stream_rows(w, x, n, y, ldy, r0, r1);
     } else if (w->type == K3_W_BF16 && paired(w) && n <= STREAM_PAIRED_N) {
@@ -621,8 +597,7 @@ float k3_dot_avx2(const float *a, const float *b, int64_t n) {
         s2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 16), _mm256_loadu_ps(b + i + 16), s2);
         s3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 24), _mm256_loadu_ps(b + i + 24), s3);
     }
-    for (; i + 8 <= n; i += 8)
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+    for (; i + 8 <= n; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
     float s = hsum(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
     for (; i < n; i++) s += a[i] * b[i];
     return s;
@@ -633,8 +608,7 @@ void k3_axpy_avx2(float *y, float a, const float *x, int64_t n) {
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
         _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-        _mm256_storeu_ps(y + i + 8,
-                         _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i + 8), _mm256_loadu_ps(y + i + 8)));
+        _mm256_storeu_ps(y + i + 8, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i + 8), _mm256_loadu_ps(y + i + 8)));
     }
     for (; i + 8 <= n; i += 8)
         _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));

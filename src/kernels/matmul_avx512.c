@@ -54,8 +54,7 @@ enum {
 /* 16 weights of a row from column k, lanes outside m zero; wt a constant. */
 INLINE __m512 ld16m(int wt, const void *row, int64_t k, __mmask16 m) {
     switch (wt) {
-    case K3_W_F16:
-        return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, (const uint16_t *)row + k));
+    case K3_W_F16: return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, (const uint16_t *)row + k));
     case K3_W_BF16: {
         __m512i v = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, (const uint16_t *)row + k));
         return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
@@ -66,20 +65,16 @@ INLINE __m512 ld16m(int wt, const void *row, int64_t k, __mmask16 m) {
 
 INLINE __m512 ld16(int wt, const void *row, int64_t k) {
     switch (wt) {
-    case K3_W_F16:
-        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + k)));
+    case K3_W_F16: return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + k)));
     case K3_W_BF16: {
-        __m512i v = _mm512_cvtepu16_epi32(
-            _mm256_loadu_si256((const __m256i *)((const uint16_t *)row + k)));
+        __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + k)));
         return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
     }
     default: return _mm512_loadu_ps((const float *)row + k);
     }
 }
 
-INLINE __mmask16 tail_mask(int64_t left) {
-    return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
-}
+INLINE __mmask16 tail_mask(int64_t left) { return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1); }
 
 INLINE size_t elem_size(int wt) { return wt == K3_W_F32 ? 4 : 2; }
 
@@ -87,17 +82,15 @@ INLINE size_t elem_size(int wt) { return wt == K3_W_F32 ? 4 : 2; }
 INLINE __m512 mx_scales16(const uint8_t *sc) {
     __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)sc));
     __m512i b = _mm512_slli_epi32(e, 23);
-    b = _mm512_mask_mov_epi32(b, _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512()),
-                              _mm512_set1_epi32(0x00400000));
-    b = _mm512_mask_mov_epi32(b, _mm512_cmpeq_epi32_mask(e, _mm512_set1_epi32(255)),
-                              _mm512_set1_epi32(0x7fc00000));
+    b = _mm512_mask_mov_epi32(b, _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512()), _mm512_set1_epi32(0x00400000));
+    b = _mm512_mask_mov_epi32(b, _mm512_cmpeq_epi32_mask(e, _mm512_set1_epi32(255)), _mm512_set1_epi32(0x7fc00000));
     return _mm512_castsi512_ps(b);
 }
 
 /* 32 MXFP4 weights (16 bytes at p, block scale s): even and odd columns. */
 INLINE void mx_dec32(const uint8_t *p, float s, __m512 *we, __m512 *wo) {
-    const __m512 tbl = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f,
-                                      -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f);
+    const __m512 tbl = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f, -1.0f, -1.5f, -2.0f,
+                                      -3.0f, -4.0f, -6.0f);
     __m512 ts = _mm512_mul_ps(tbl, _mm512_set1_ps(s));
     __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
     *we = _mm512_permutexvar_ps(v, ts);
@@ -113,14 +106,10 @@ INLINE void bf_dec32(const uint8_t *p, __m512 *we, __m512 *wo) {
 
 /* Whether w sums in the paired order (XP = 1 below): MXFP4, and BF16 whose
  * rows are whole 32-column blocks. */
-INLINE bool paired(const k3_mat *w) {
-    return w->type == K3_W_MXFP4 || (w->type == K3_W_BF16 && w->cols % 32 == 0);
-}
+INLINE bool paired(const k3_mat *w) { return w->type == K3_W_MXFP4 || (w->type == K3_W_BF16 && w->cols % 32 == 0); }
 
 /* Bytes of one row's columns [0, k) of a paired matrix. */
-INLINE size_t paired_bytes(int wt, int64_t k) {
-    return wt == K3_W_MXFP4 ? (size_t)k / 2 : (size_t)k * 2;
-}
+INLINE size_t paired_bytes(int wt, int64_t k) { return wt == K3_W_MXFP4 ? (size_t)k / 2 : (size_t)k * 2; }
 
 /* Columns [k, k+32) of x as its even and odd columns. */
 INLINE void x_split32(const float *x, __m512 *xe, __m512 *xo) {
@@ -154,13 +143,13 @@ INLINE __m512 in_reg(__m512 v) {
  *   XP = 0 (dense): one accumulator, 16 columns a step, masked tail;
  *   XP = 1 (MXFP4, K % 32 == 0): w and x both deinterleaved (each 32-block
  *          as 16 even then 16 odd columns), even and odd accumulators. */
-INLINE void tile(int wt, const void *w, int64_t ldw, const float *x, int64_t ldx, int64_t K,
-                 float *y, int64_t ldy, bool accum, const int MR, const int NR, const int XP) {
+INLINE void tile(int wt, const void *w, int64_t ldw, const float *x, int64_t ldx, int64_t K, float *y, int64_t ldy,
+                 bool accum, const int MR, const int NR, const int XP) {
     const char *wr[8];
     UNROLL for (int j = 0; j < NR; j++) wr[j] = (const char *)w + (size_t)j * ldw * elem_size(wt);
     __m512 acc[4][8][2];
-    UNROLL for (int i = 0; i < MR; i++)
-        UNROLL for (int j = 0; j < NR; j++) acc[i][j][0] = acc[i][j][1] = _mm512_setzero_ps();
+    UNROLL for (int i = 0; i < MR; i++) UNROLL for (int j = 0; j < NR; j++) acc[i][j][0] = acc[i][j][1] =
+        _mm512_setzero_ps();
     if (XP) {
         for (int64_t k = 0; k < K; k += 32) {
             __m512 we[8], wo[8];
@@ -184,8 +173,7 @@ INLINE void tile(int wt, const void *w, int64_t ldw, const float *x, int64_t ldx
             UNROLL for (int j = 0; j < NR; j++) wv[j] = ld16(wt, wr[j], k);
             UNROLL for (int i = 0; i < MR; i++) {
                 __m512 xv = in_reg(_mm512_loadu_ps(x + i * ldx + k));
-                UNROLL for (int j = 0; j < NR; j++)
-                    acc[i][j][0] = _mm512_fmadd_ps(wv[j], xv, acc[i][j][0]);
+                UNROLL for (int j = 0; j < NR; j++) acc[i][j][0] = _mm512_fmadd_ps(wv[j], xv, acc[i][j][0]);
             }
         }
         if (k < K) {
@@ -194,37 +182,34 @@ INLINE void tile(int wt, const void *w, int64_t ldw, const float *x, int64_t ldx
             UNROLL for (int j = 0; j < NR; j++) wv[j] = ld16m(wt, wr[j], k, m);
             UNROLL for (int i = 0; i < MR; i++) {
                 __m512 xv = _mm512_maskz_loadu_ps(m, x + i * ldx + k);
-                UNROLL for (int j = 0; j < NR; j++)
-                    acc[i][j][0] = _mm512_fmadd_ps(wv[j], xv, acc[i][j][0]);
+                UNROLL for (int j = 0; j < NR; j++) acc[i][j][0] = _mm512_fmadd_ps(wv[j], xv, acc[i][j][0]);
             }
         }
     }
     __m512 v[32];
     float s[32];
-    UNROLL for (int i = 0; i < MR; i++)
-        UNROLL for (int j = 0; j < NR; j++)
-            v[i * NR + j] = XP ? _mm512_add_ps(acc[i][j][0], acc[i][j][1]) : acc[i][j][0];
+    UNROLL for (int i = 0; i < MR; i++) UNROLL for (int j = 0; j < NR; j++) v[i * NR + j] =
+        XP ? _mm512_add_ps(acc[i][j][0], acc[i][j][1]) : acc[i][j][0];
     hsum_all(v, MR * NR, s);
-    UNROLL for (int i = 0; i < MR; i++)
-        UNROLL for (int j = 0; j < NR; j++) {
-            float *d = y + i * ldy + j;
-            *d = accum ? *d + s[i * NR + j] : s[i * NR + j];
-        }
+    UNROLL for (int i = 0; i < MR; i++) UNROLL for (int j = 0; j < NR; j++) {
+        float *d = y + i * ldy + j;
+        *d = accum ? *d + s[i * NR + j] : s[i * NR + j];
+    }
 }
 
 /* ---- stream: n <= 4 --------------------------------------------------- */
 
 /* Rows [r0, r1) of a F32/F16/BF16 matrix against n <= 4 activation rows,
  * NR rows at a time (more rows in flight keep more DRAM streams busy). */
-INLINE void stream_dense(int wt, const k3_mat *w, const float *x, int64_t n, float *y,
-                         int64_t ldy, int64_t r0, int64_t r1) {
+INLINE void stream_dense(int wt, const k3_mat *w, const float *x, int64_t n, float *y, int64_t ldy, int64_t r0,
+                         int64_t r1) {
     const int64_t K = w->cols;
     const size_t rb = (size_t)K * elem_size(wt);
     const char *base = (const char *)w->data;
-#define T(MR, NR)                                                                             \
-    for (int64_t k0 = 0; k0 < K; k0 += KC)                                                    \
-        tile(wt, base + (size_t)r * rb + (size_t)k0 * elem_size(wt), K, x + k0, K,            \
-             K - k0 < KC ? K - k0 : KC, y + r, ldy, k0 > 0, MR, NR, 0)
+#define T(MR, NR) \
+    for (int64_t k0 = 0; k0 < K; k0 += KC) \
+    tile(wt, base + (size_t)r * rb + (size_t)k0 * elem_size(wt), K, x + k0, K, K - k0 < KC ? K - k0 : KC, y + r, ldy, \
+         k0 > 0, MR, NR, 0)
     int64_t r = r0;
     switch (n) {
     case 1:
@@ -249,8 +234,7 @@ INLINE void stream_dense(int wt, const k3_mat *w, const float *x, int64_t n, flo
 
 /* x rows [n, K) -> xd [n, len]: columns [c0, c0+len), each 32-block split
  * into its even then odd columns. */
-static void mx_deinterleave(const float *x, int64_t K, int64_t n, int64_t c0, int64_t len,
-                            float *xd) {
+static void mx_deinterleave(const float *x, int64_t K, int64_t n, int64_t c0, int64_t len, float *xd) {
     for (int64_t i = 0; i < n; i++)
         for (int64_t k = 0; k < len; k += 32) {
             __m512 xe, xo;
@@ -263,24 +247,22 @@ static void mx_deinterleave(const float *x, int64_t K, int64_t n, int64_t c0, in
 /* Paired rows [r, r+NR) (MXFP4 or BF16, type wt; p, sc their first row) x
  * MR deinterleaved x rows (xd, stride K), KC blocks in the canonical order:
  * y[i*ldy + j] = the dot of x row i and weight row j. sc unused for BF16. */
-INLINE void stream_paired_rows(const int wt, const uint8_t *p, int64_t ldp, const uint8_t *sc,
-                               int64_t lds, const float *xd, int64_t len, float *y, int64_t ldy,
-                               const int MR, const int NR) {
+INLINE void stream_paired_rows(const int wt, const uint8_t *p, int64_t ldp, const uint8_t *sc, int64_t lds,
+                               const float *xd, int64_t len, float *y, int64_t ldy, const int MR, const int NR) {
     float t[16] = {0};
     _Alignas(64) float sv[4][16];
     for (int64_t kb = 0; kb < len; kb += KC) {
         const int64_t K = len - kb < KC ? len - kb : KC;
         __m512 acc[4][4][2]; /* [x row][weight row][even, odd columns] */
-        UNROLL for (int i = 0; i < MR; i++)
-            UNROLL for (int j = 0; j < NR; j++) acc[i][j][0] = acc[i][j][1] = _mm512_setzero_ps();
+        UNROLL for (int i = 0; i < MR; i++) UNROLL for (int j = 0; j < NR; j++) acc[i][j][0] = acc[i][j][1] =
+            _mm512_setzero_ps();
         for (int64_t k = kb; k < kb + K; k += 32) {
             if (wt == K3_W_MXFP4 && k % 512 == 0) {
                 UNROLL for (int j = 0; j < NR; j++) {
                     if (len - k >= 512) {
                         _mm512_store_ps(sv[j], mx_scales16(sc + j * lds + k / 32));
                     } else {
-                        for (int b = 0; b < (len - k) / 32; b++)
-                            sv[j][b] = k3_mx_scale(sc[j * lds + k / 32 + b]);
+                        for (int b = 0; b < (len - k) / 32; b++) sv[j][b] = k3_mx_scale(sc[j * lds + k / 32 + b]);
                     }
                 }
             }
@@ -308,25 +290,21 @@ INLINE void stream_paired_rows(const int wt, const uint8_t *p, int64_t ldp, cons
         }
         __m512 v[16];
         float s[16];
-        UNROLL for (int i = 0; i < MR; i++)
-            UNROLL for (int j = 0; j < NR; j++)
-                v[i * NR + j] = _mm512_add_ps(acc[i][j][0], acc[i][j][1]);
+        UNROLL for (int i = 0; i < MR; i++) UNROLL for (int j = 0; j < NR; j++) v[i * NR + j] =
+            _mm512_add_ps(acc[i][j][0], acc[i][j][1]);
         hsum_all(v, MR * NR, s);
-        UNROLL for (int i = 0; i < MR; i++)
-            UNROLL for (int j = 0; j < NR; j++) {
-                const int q = i * NR + j;
-                t[q] = kb ? t[q] + s[q] : s[q];
-            }
+        UNROLL for (int i = 0; i < MR; i++) UNROLL for (int j = 0; j < NR; j++) {
+            const int q = i * NR + j;
+            t[q] = kb ? t[q] + s[q] : s[q];
+        }
     }
-    UNROLL for (int i = 0; i < MR; i++)
-        UNROLL for (int j = 0; j < NR; j++) y[i * ldy + j] = t[i * NR + j];
+    UNROLL for (int i = 0; i < MR; i++) UNROLL for (int j = 0; j < NR; j++) y[i * ldy + j] = t[i * NR + j];
 }
 
 /* Rows [r0, r1) of a paired matrix x n <= STREAM_PAIRED_N rows of x
  * prepared by prep_x (deinterleaved). With n > 4, passes of 4 x rows go over
  * groups of STREAM_ROWS weight rows, the later passes finding the group in L2. */
-static void stream_paired(const k3_mat *w, const float *xd, int64_t n, float *y, int64_t ldy,
-                          int64_t r0, int64_t r1) {
+static void stream_paired(const k3_mat *w, const float *xd, int64_t n, float *y, int64_t ldy, int64_t r0, int64_t r1) {
     const int64_t K = w->cols;
     const int wt = w->type;
     const size_t rowb = paired_bytes(wt, K);
@@ -351,14 +329,15 @@ static void stream_paired(const k3_mat *w, const float *xd, int64_t n, float *y,
                 const float *xi = xd + i * K;
                 float *yi = y + i * ldy + r;
 #define C(WT, MR, NR) stream_paired_rows(WT, pr, (int64_t)rowb, sr, K / 32, xi, K, yi, ldy, MR, NR)
-#define S(MR, NR)                                                                             \
-    case (MR) * 4 + (NR) - 1:                                                                 \
-        if (wt == K3_W_MXFP4) C(K3_W_MXFP4, MR, NR); else C(K3_W_BF16, MR, NR);               \
+#define S(MR, NR) \
+    case (MR)*4 + (NR)-1: \
+        if (wt == K3_W_MXFP4) C(K3_W_MXFP4, MR, NR); \
+        else C(K3_W_BF16, MR, NR); \
         break;
                 switch (mi * 4 + nr - 1) {
-                S(1, 1) S(1, 2) S(2, 1) S(2, 2) S(3, 1) S(3, 2) S(4, 1) S(4, 2) S(2, 3) S(3, 3) S(4, 3)
-                S(1, 4)
-                default: K3_ASSERT(!"stream_paired: bad shape");
+                    S(1, 1)
+                    S(1, 2) S(2, 1) S(2, 2) S(3, 1) S(3, 2) S(4, 1) S(4, 2) S(2, 3) S(3, 3) S(4, 3) S(1, 4) default
+                        : K3_ASSERT(!"stream_paired: bad shape");
                 }
 #undef S
 #undef C
@@ -415,35 +394,35 @@ static void convert_block(const k3_mat *w, int64_t r0, int nr, int64_t k0, int k
 }
 
 /* fp32 weights (buffer or F32 matrix) x MR <= 4 activation rows x NR <= TN. */
-static void tile_f32(int mr, int nr, const float *w, int64_t ldw, const float *x, int64_t ldx,
-                     int64_t K, float *y, int64_t ldy, bool accum) {
-#define C(MR, NR)                                                                             \
-    case (MR) * 8 + (NR): tile(K3_W_F32, w, ldw, x, ldx, K, y, ldy, accum, MR, NR, 0); break;
+static void tile_f32(int mr, int nr, const float *w, int64_t ldw, const float *x, int64_t ldx, int64_t K, float *y,
+                     int64_t ldy, bool accum) {
+#define C(MR, NR) \
+    case (MR)*8 + (NR): \
+        tile(K3_W_F32, w, ldw, x, ldx, K, y, ldy, accum, MR, NR, 0); \
+        break;
 #define R(MR) C(MR, 1) C(MR, 2) C(MR, 3) C(MR, 4) C(MR, 5) C(MR, 6)
-    switch (mr * 8 + nr) {
-    R(1) R(2) R(3) R(4)
-    default: K3_ASSERT(!"tile_f32: bad shape");
-    }
+    switch (mr * 8 + nr) { R(1) R(2) R(3) R(4) default : K3_ASSERT(!"tile_f32: bad shape"); }
 #undef R
 #undef C
 }
 
 /* The same for deinterleaved (paired) weights and x, NR <= TN_MX. */
-static void tile_mx(int mr, int nr, const float *w, int64_t ldw, const float *xd, int64_t ldx,
-                    int64_t K, float *y, int64_t ldy, bool accum) {
-#define C(MR, NR)                                                                             \
-    case (MR) * 8 + (NR): tile(K3_W_F32, w, ldw, xd, ldx, K, y, ldy, accum, MR, NR, 1); break;
+static void tile_mx(int mr, int nr, const float *w, int64_t ldw, const float *xd, int64_t ldx, int64_t K, float *y,
+                    int64_t ldy, bool accum) {
+#define C(MR, NR) \
+    case (MR)*8 + (NR): tile(K3_W_F32, w, ldw, xd, ldx, K, y, ldy, accum, MR, NR, 1); break;
     switch (mr * 8 + nr) {
-    C(1, 1) C(1, 2) C(1, 3) C(2, 1) C(2, 2) C(2, 3) C(3, 1) C(3, 2) C(3, 3) C(4, 1) C(4, 2) C(4, 3)
-    default: K3_ASSERT(!"tile_mx: bad shape");
+        C(1, 1)
+        C(1, 2) C(1, 3) C(2, 1) C(2, 2) C(2, 3) C(3, 1) C(3, 2) C(3, 3) C(4, 1) C(4, 2) C(4, 3) default
+            : K3_ASSERT(!"tile_mx: bad shape");
     }
 #undef C
 }
 
 /* One RB x KC block: convert (F32 is used in place) and run the register
  * tiles over all n activation rows. */
-static void tiled_block(const k3_mat *w, const float *x, int64_t n, float *y, int64_t ldy,
-                        int64_t rb, int nr, int64_t k0, int kl, float *buf) {
+static void tiled_block(const k3_mat *w, const float *x, int64_t n, float *y, int64_t ldy, int64_t rb, int nr,
+                        int64_t k0, int kl, float *buf) {
     const int64_t K = w->cols;
     const float *wb = buf;
     int64_t ldw = KC;
@@ -459,21 +438,20 @@ static void tiled_block(const k3_mat *w, const float *x, int64_t n, float *y, in
         for (int64_t i = 0; i < n; i += 4) {
             const int mi = (int)(n - i < 4 ? n - i : 4);
             for (int j = 0; j < nr; j += TN_MX)
-                tile_mx(mi, nr - j < TN_MX ? nr - j : TN_MX, wb + (size_t)j * ldw, ldw, x + i * K + k0,
-                        K, kl, y + i * ldy + rb + j, ldy, k0 > 0);
+                tile_mx(mi, nr - j < TN_MX ? nr - j : TN_MX, wb + (size_t)j * ldw, ldw, x + i * K + k0, K, kl,
+                        y + i * ldy + rb + j, ldy, k0 > 0);
         }
         return;
     }
     for (int64_t i = 0; i < n; i += 4) {
         const int mi = (int)(n - i < 4 ? n - i : 4);
         for (int j = 0; j < nr; j += TN)
-            tile_f32(mi, nr - j < TN ? nr - j : TN, wb + (size_t)j * ldw, ldw, x + i * K + k0, K,
-                     kl, y + i * ldy + rb + j, ldy, k0 > 0);
+            tile_f32(mi, nr - j < TN ? nr - j : TN, wb + (size_t)j * ldw, ldw, x + i * K + k0, K, kl,
+                     y + i * ldy + rb + j, ldy, k0 > 0);
     }
 }
 
-static void tiled(const k3_mat *w, const float *x, int64_t n, float *y, int64_t ldy,
-                  int64_t r0, int64_t r1) {
+static void tiled(const k3_mat *w, const float *x, int64_t n, float *y, int64_t ldy, int64_t r0, int64_t r1) {
     _Alignas(64) float buf[RB * KC];
     const int64_t K = w->cols;
     if (n * K * 4 <= ROWS_OUTER_BYTES) {
@@ -497,16 +475,13 @@ static void tiled(const k3_mat *w, const float *x, int64_t n, float *y, int64_t 
 /* ---- the kernels of the table ----------------------------------------- */
 
 /* Any type, n <= 4 activation rows. */
-static void stream_rows(const k3_mat *w, const float *x, int64_t n, float *y, int64_t ldy,
-                        int64_t r0, int64_t r1) {
+static void stream_rows(const k3_mat *w, const float *x, int64_t n, float *y, int64_t ldy, int64_t r0, int64_t r1) {
     switch (w->type) {
     case K3_W_F32: stream_dense(K3_W_F32, w, x, n, y, ldy, r0, r1); break;
     case K3_W_F16: stream_dense(K3_W_F16, w, x, n, y, ldy, r0, r1); break;
     case K3_W_BF16:
-        if (paired(w))
-            stream_paired(w, x, n, y, ldy, r0, r1);
-        else
-            stream_dense(K3_W_BF16, w, x, n, y, ldy, r0, r1);
+        if (paired(w)) stream_paired(w, x, n, y, ldy, r0, r1);
+        else stream_dense(K3_W_BF16, w, x, n, y, ldy, r0, r1);
         break;
     case K3_W_MXFP4: stream_paired(w, x, n, y, ldy, r0, r1); break;
     default: K3_ASSERT(!"matmul: bad type");
@@ -521,8 +496,7 @@ int64_t k3_matmul_prep_x_avx512(const k3_mat *w, const float *x, int64_t n, floa
     return n * w->cols;
 }
 
-void k3_matmul_rows_avx512(const k3_mat *w, const float *x, int64_t n, float *y, int64_t ldy, int64_t r0,
-                           int64_t r1) {
+void k3_matmul_rows_avx512(const k3_mat *w, const float *x, int64_t n, float *y, int64_t ldy, int64_t r0, int64_t r1) {
     if (n <= 4) {
         stream_rows(w, x, n, y, ldy, r0, r1);
     } else if (w->type == K3_W_BF16 && paired(w) && n <= STREAM_PAIRED_N) {

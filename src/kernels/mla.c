@@ -10,9 +10,8 @@
 
 #include "kernels/kernels.h"
 
-float k3_mla_attend(const float *qa, const float *qpe, int kv_lora, int rope,
-                    const float *cache, int64_t ld, const int64_t *slots, int n,
-                    float scale, float *scores, float *out) {
+float k3_mla_attend(const float *qa, const float *qpe, int kv_lora, int rope, const float *cache, int64_t ld,
+                    const int64_t *slots, int n, float scale, float *scores, float *out) {
     float mx = -INFINITY;
     for (int i = 0; i < n; i++) {
         const float *row = cache + slots[i] * ld;
@@ -29,13 +28,12 @@ float k3_mla_attend(const float *qa, const float *qpe, int kv_lora, int rope,
     }
     const float inv = (float)(1.0 / sum);
     memset(out, 0, sizeof(float) * (size_t)kv_lora);
-    for (int i = 0; i < n; i++)
-        k3_axpy(out, scores[i] * inv, cache + slots[i] * ld, kv_lora);
+    for (int i = 0; i < n; i++) k3_axpy(out, scores[i] * inv, cache + slots[i] * ld, kv_lora);
     return mx + (float)log(sum);
 }
 
-void k3_indexer_scores(const float *q, const float *w, int HI, int dI,
-                       const float *kcache, const int64_t *slots, int n, float *scores) {
+void k3_indexer_scores(const float *q, const float *w, int HI, int dI, const float *kcache, const int64_t *slots, int n,
+                       float *scores) {
     for (int i = 0; i < n; i++) {
         const float *k = kcache + slots[i] * dI;
         float s = 0.0f;

@@ -15,15 +15,14 @@
 
 /* Attends one head over n cache slots. scores: work [n]. Writes ĉ to out
  * [kv_lora] and returns the natural-log log-sum-exp of the scaled scores. */
-float k3_mla_attend(const float *qa, const float *qpe, int kv_lora, int rope,
-                    const float *cache, int64_t ld, const int64_t *slots, int n,
-                    float scale, float *scores, float *out);
+float k3_mla_attend(const float *qa, const float *qpe, int kv_lora, int rope, const float *cache, int64_t ld,
+                    const int64_t *slots, int n, float scale, float *scores, float *out);
 
 /* Indexer scores for one query token over n key slots:
  *   scores[i] = Σ_h w[h] · ReLU(q[h] · k[slot_i])
  * q: [HI, dI], w: [HI] (already scaled), kcache rows of dI floats. */
-void k3_indexer_scores(const float *q, const float *w, int HI, int dI,
-                       const float *kcache, const int64_t *slots, int n, float *scores);
+void k3_indexer_scores(const float *q, const float *w, int HI, int dI, const float *kcache, const int64_t *slots, int n,
+                       float *scores);
 
 /* Exact top-k of scores[0..n): highest first, ties to the lower index
  * (deterministic). Writes min(k, n) indices to sel in ascending order and

@@ -138,7 +138,8 @@ void k3_mx4_rows(const k3_qjob *j, int64_t r0, int64_t r1) {
     const int64_t cols = w->cols, rows = w->rows;
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *pr = (const uint8_t *)w->data + r * (cols / 2), *sr = w->scale + r * (cols / 32);
-        for (int64_t i = 0; i < j->n; i++) j->y[i * rows + r] = j->ops->mx4_dot(pr, sr, j->xq + i * cols, cols) * j->xs[i];
+        for (int64_t i = 0; i < j->n; i++)
+            j->y[i * rows + r] = j->ops->mx4_dot(pr, sr, j->xq + i * cols, cols) * j->xs[i];
     }
 }
 

@@ -130,8 +130,9 @@ INLINE void q8_tile(const int8_t *w, int64_t ldw, const int8_t *x, int64_t ldx, 
             const __m256i ax = _mm256_sign_epi8(xv, xv);
 #pragma GCC unroll 4
             for (int r = 0; r < NR; r++)
-                acc[r][t] = _mm256_add_epi32(
-                    acc[r][t], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(wv[r], xv)), ones));
+                acc[r][t] =
+                    _mm256_add_epi32(acc[r][t],
+                                     _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(wv[r], xv)), ones));
         }
     }
 #pragma GCC unroll 4
@@ -144,8 +145,8 @@ INLINE void q8_tile(const int8_t *w, int64_t ldw, const int8_t *x, int64_t ldx, 
         }
 }
 
-INLINE VNNI void q8_tile_vnni(const int8_t *w, int64_t ldw, const int8_t *x, int64_t ldx, int64_t cols,
-                              const int NR, const int NT, int32_t out[4][4]) {
+INLINE VNNI void q8_tile_vnni(const int8_t *w, int64_t ldw, const int8_t *x, int64_t ldx, int64_t cols, const int NR,
+                              const int NT, int32_t out[4][4]) {
     const uint8_t *xu = (const uint8_t *)x;
     __m256i acc[4][4];
 #pragma GCC unroll 4
@@ -195,7 +196,8 @@ static inline void q8_dot2(const int8_t *w, int64_t ldw, int64_t cols, const int
             const __m256i w0v = _mm256_loadu_si256((const __m256i *)(w + c + 32 * k));
             const __m256i w1v = _mm256_loadu_si256((const __m256i *)(w1 + c + 32 * k));
             a[k] = _mm256_add_epi32(a[k], _mm256_madd_epi16(_mm256_maddubs_epi16(av, _mm256_sign_epi8(w0v, xv)), ones));
-            a[2 + k] = _mm256_add_epi32(a[2 + k], _mm256_madd_epi16(_mm256_maddubs_epi16(av, _mm256_sign_epi8(w1v, xv)), ones));
+            a[2 + k] = _mm256_add_epi32(a[2 + k],
+                                        _mm256_madd_epi16(_mm256_maddubs_epi16(av, _mm256_sign_epi8(w1v, xv)), ones));
         }
     }
     for (; c + 32 <= cols; c += 32) {
@@ -258,8 +260,8 @@ static inline void abs_i8(const int8_t *x, int64_t len, int8_t *ax) {
 /* Rows [r0, r1) of a Q8 matrix against one token (decode), two rows a pass
  * (an odd last row as a pair of itself: ldw 0); rows longer than AX_MAX in
  * column chunks (|x| made again per chunk; integer sums, exact in any order). */
-static void q8_one_avx2(const int8_t *w, const float *row_scale, int64_t cols, const int8_t *x, float xs,
-                        int64_t r0, int64_t r1, float *y) {
+static void q8_one_avx2(const int8_t *w, const float *row_scale, int64_t cols, const int8_t *x, float xs, int64_t r0,
+                        int64_t r1, float *y) {
     int8_t ax[AX_MAX];
     if (cols <= AX_MAX) abs_i8(x, cols, ax);
     for (int64_t r = r0; r < r1; r += 2) {
@@ -294,44 +296,44 @@ static VNNI void q8_one_vnni(const int8_t *w, const float *row_scale, const int3
  * else 0). One token: two rows a pass, the weights in address order. More: tiles
  * (VNNI 4 rows x 3 tokens, plain 3 x 3), over 48-row slices that stay in L2
  * while the token groups pass. */
-#define Q8_ROWS(NAME, TILE, ONE_TOKEN, OFF, ATTR, TR, TT)                                                              \
-    ATTR void NAME(const k3_qjob *job, int64_t r0, int64_t r1) {                                                    \
-        const int8_t *w = job->w->data, *x = job->xq;                                                               \
-        const float *row_scale = job->w->row_scale, *xs = job->xs;                                                  \
-        const int32_t *row_sum = job->w->row_sum;                                                                   \
-        const int64_t cols = job->w->cols, n = job->n, ldy = job->w->rows;                                          \
-        float *y = job->y;                                                                                          \
-        K3_ASSERT(row_sum); /* made by k3_quant_q8_mat */                                                           \
-        if (n == 1) {                                                                                               \
-            ONE_TOKEN;                                                                                              \
-            return;                                                                                                 \
-        }                                                                                                           \
-        int32_t o[4][4];                                                                                            \
-        for (int64_t rb = r0; rb < r1; rb += 48) {                                                                  \
-            const int64_t re = rb + 48 < r1 ? rb + 48 : r1;                                                         \
-            for (int64_t t0 = 0; t0 < n; t0 += TT) {                                                                \
-                const int nt = n - t0 >= TT ? TT : (int)(n - t0);                                                   \
-                const int8_t *xt = x + t0 * cols;                                                                   \
-                for (int64_t r = rb; r < re;) {                                                                     \
-                    const int nr = re - r >= TR ? TR : 1;                                                           \
-                    const int8_t *wr = w + r * cols;                                                                \
-                    if (nr == TR) {                                                                                 \
-                        if (nt == TT) TILE(wr, cols, xt, cols, cols, TR, TT, o);                                    \
-                        else if (nt == 2) TILE(wr, cols, xt, cols, cols, TR, 2, o);                                 \
-                        else TILE(wr, cols, xt, cols, cols, TR, 1, o);                                              \
-                    } else {                                                                                        \
-                        if (nt == TT) TILE(wr, cols, xt, cols, cols, 1, TT, o);                                     \
-                        else if (nt == 2) TILE(wr, cols, xt, cols, cols, 1, 2, o);                                  \
-                        else TILE(wr, cols, xt, cols, cols, 1, 1, o);                                               \
-                    }                                                                                               \
-                    for (int i = 0; i < nr; i++)                                                                    \
-                        for (int t = 0; t < nt; t++)                                                                \
-                            y[(t0 + t) * ldy + r + i] =                                                             \
-                                (float)(o[i][t] - OFF * row_sum[r + i]) * xs[t0 + t] * row_scale[r + i];            \
-                    r += nr;                                                                                        \
-                }                                                                                                   \
-            }                                                                                                       \
-        }                                                                                                           \
+#define Q8_ROWS(NAME, TILE, ONE_TOKEN, OFF, ATTR, TR, TT) \
+    ATTR void NAME(const k3_qjob *job, int64_t r0, int64_t r1) { \
+        const int8_t *w = job->w->data, *x = job->xq; \
+        const float *row_scale = job->w->row_scale, *xs = job->xs; \
+        const int32_t *row_sum = job->w->row_sum; \
+        const int64_t cols = job->w->cols, n = job->n, ldy = job->w->rows; \
+        float *y = job->y; \
+        K3_ASSERT(row_sum); /* made by k3_quant_q8_mat */ \
+        if (n == 1) { \
+            ONE_TOKEN; \
+            return; \
+        } \
+        int32_t o[4][4]; \
+        for (int64_t rb = r0; rb < r1; rb += 48) { \
+            const int64_t re = rb + 48 < r1 ? rb + 48 : r1; \
+            for (int64_t t0 = 0; t0 < n; t0 += TT) { \
+                const int nt = n - t0 >= TT ? TT : (int)(n - t0); \
+                const int8_t *xt = x + t0 * cols; \
+                for (int64_t r = rb; r < re;) { \
+                    const int nr = re - r >= TR ? TR : 1; \
+                    const int8_t *wr = w + r * cols; \
+                    if (nr == TR) { \
+                        if (nt == TT) TILE(wr, cols, xt, cols, cols, TR, TT, o); \
+                        else if (nt == 2) TILE(wr, cols, xt, cols, cols, TR, 2, o); \
+                        else TILE(wr, cols, xt, cols, cols, TR, 1, o); \
+                    } else { \
+                        if (nt == TT) TILE(wr, cols, xt, cols, cols, 1, TT, o); \
+                        else if (nt == 2) TILE(wr, cols, xt, cols, cols, 1, 2, o); \
+                        else TILE(wr, cols, xt, cols, cols, 1, 1, o); \
+                    } \
+                    for (int i = 0; i < nr; i++) \
+                        for (int t = 0; t < nt; t++) \
+                            y[(t0 + t) * ldy + r + i] = \
+                                (float)(o[i][t] - OFF * row_sum[r + i]) * xs[t0 + t] * row_scale[r + i]; \
+                    r += nr; \
+                } \
+            } \
+        } \
     }
 
 #define ONE_AVX2 q8_one_avx2(w, row_scale, cols, x, xs[0], r0, r1, y)
@@ -354,56 +356,56 @@ INLINE __m256 half_scales8(const uint8_t *e8) {
 /* One row pair (rows 2p, 2p+1 of a tile) against NT prepared tokens:
  * acc[t] lanes 4i + b += block b of row i's integer dot (b, b + 4, ... over
  * the groups) times its scale. */
-#define MX4_PAIR(NAME, ATTR, DOTS)                                                                              \
-    INLINE ATTR void NAME(const uint8_t *packed, const uint8_t *scale, int64_t cols, const int8_t *xp,          \
-                          const int32_t *corr, int64_t ldc, const int NT, __m256 acc[8]) {                      \
-        const __m256i lut = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0, 12, 13, \
-                                             14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);                \
-        const __m256i m4 = _mm256_set1_epi8(0x0f);                                                              \
-        const __m256i ones = _mm256_set1_epi16(1);                                                              \
-        (void)ones;                                                                                             \
-        for (int64_t g = 0; g < cols; g += 128, packed += 256, scale += 16) {                                   \
-            __m256i lo[4], hi[4];                                                                               \
-            if (NT == 1) /* the tile's 256 bytes of this group, 4 KB ahead */                                   \
-                _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) PF(packed + 64 * j);                       \
-            _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) {                                               \
-                const __m256i pk = _mm256_loadu_si256((const __m256i *)(packed + 64 * j));                      \
-                lo[j] = _mm256_shuffle_epi8(lut, _mm256_and_si256(pk, m4));                                     \
-                hi[j] = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(pk, 4), m4));               \
-            }                                                                                                   \
-            const __m256 s = half_scales8(scale);                                                               \
-            _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                                              \
-                const int8_t *x = xp + t * cols + g;                                                            \
-                const __m256i c4 =                                                                              \
-                    _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(corr + t * ldc + g / 32)));   \
-                __m256i d;                                                                                      \
-                DOTS;                                                                                           \
-                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), s, acc[t]);                                     \
-            }                                                                                                   \
-        }                                                                                                       \
+#define MX4_PAIR(NAME, ATTR, DOTS) \
+    INLINE ATTR void NAME(const uint8_t *packed, const uint8_t *scale, int64_t cols, const int8_t *xp, \
+                          const int32_t *corr, int64_t ldc, const int NT, __m256 acc[8]) { \
+        const __m256i lut = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0, 12, 13, 14, \
+                                             15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0); \
+        const __m256i m4 = _mm256_set1_epi8(0x0f); \
+        const __m256i ones = _mm256_set1_epi16(1); \
+        (void)ones; \
+        for (int64_t g = 0; g < cols; g += 128, packed += 256, scale += 16) { \
+            __m256i lo[4], hi[4]; \
+            if (NT == 1) /* the tile's 256 bytes of this group, 4 KB ahead */ \
+                _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) PF(packed + 64 * j); \
+            _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) { \
+                const __m256i pk = _mm256_loadu_si256((const __m256i *)(packed + 64 * j)); \
+                lo[j] = _mm256_shuffle_epi8(lut, _mm256_and_si256(pk, m4)); \
+                hi[j] = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(pk, 4), m4)); \
+            } \
+            const __m256 s = half_scales8(scale); \
+            _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) { \
+                const int8_t *x = xp + t * cols + g; \
+                const __m256i c4 = \
+                    _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(corr + t * ldc + g / 32))); \
+                __m256i d; \
+                DOTS; \
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), s, acc[t]); \
+            } \
+        } \
     }
 
 #define XB(k) _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(x + 16 * (k))))
 /* int16 sums of four stretches (< 24384 each), one vpmaddwd per nibble half */
-#define DOTS_AVX2                                                                                               \
-    do {                                                                                                        \
-        __m256i sl = _mm256_maddubs_epi16(lo[0], XB(0)), sh = _mm256_maddubs_epi16(hi[0], XB(1));               \
-        _Pragma("GCC unroll 4") for (int j = 1; j < 4; j++) {                                                   \
-            sl = _mm256_add_epi16(sl, _mm256_maddubs_epi16(lo[j], XB(2 * j)));                                  \
-            sh = _mm256_add_epi16(sh, _mm256_maddubs_epi16(hi[j], XB(2 * j + 1)));                              \
-        }                                                                                                       \
-        d = _mm256_add_epi32(c4, _mm256_add_epi32(_mm256_madd_epi16(sl, ones), _mm256_madd_epi16(sh, ones)));   \
+#define DOTS_AVX2 \
+    do { \
+        __m256i sl = _mm256_maddubs_epi16(lo[0], XB(0)), sh = _mm256_maddubs_epi16(hi[0], XB(1)); \
+        _Pragma("GCC unroll 4") for (int j = 1; j < 4; j++) { \
+            sl = _mm256_add_epi16(sl, _mm256_maddubs_epi16(lo[j], XB(2 * j))); \
+            sh = _mm256_add_epi16(sh, _mm256_maddubs_epi16(hi[j], XB(2 * j + 1))); \
+        } \
+        d = _mm256_add_epi32(c4, _mm256_add_epi32(_mm256_madd_epi16(sl, ones), _mm256_madd_epi16(sh, ones))); \
     } while (0)
 /* the AVX-512 kernel's two chains: corr + the low halves, then the high ones */
-#define DOTS_VNNI                                                                                               \
-    do {                                                                                                        \
-        __m256i e = _mm256_setzero_si256();                                                                     \
-        d = c4;                                                                                                 \
-        _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) {                                                   \
-            d = _mm256_dpbusd_avx_epi32(d, lo[j], XB(2 * j));                                                   \
-            e = _mm256_dpbusd_avx_epi32(e, hi[j], XB(2 * j + 1));                                               \
-        }                                                                                                       \
-        d = _mm256_add_epi32(d, e);                                                                             \
+#define DOTS_VNNI \
+    do { \
+        __m256i e = _mm256_setzero_si256(); \
+        d = c4; \
+        _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) { \
+            d = _mm256_dpbusd_avx_epi32(d, lo[j], XB(2 * j)); \
+            e = _mm256_dpbusd_avx_epi32(e, hi[j], XB(2 * j + 1)); \
+        } \
+        d = _mm256_add_epi32(d, e); \
     } while (0)
 
 MX4_PAIR(mx4_pair_avx2, , DOTS_AVX2)
@@ -413,67 +415,67 @@ MX4_PAIR(mx4_pair_vnni, VNNI, DOTS_VNNI)
  * read once, the token's 8 x 16 bytes loaded once per group for both pairs,
  * two independent chains. The same integer dots and the same FMA per lane as
  * MX4_PAIR, so the same bits. */
-#define MX4_TILE1(NAME, ATTR, DOTS2)                                                                             \
-    INLINE ATTR void NAME(const uint8_t *packed, const uint8_t *scale, int64_t cols, const int8_t *x,            \
-                          const int32_t *corr, __m256 *acc0, __m256 *acc1) {                                     \
-        const __m256i lut = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0, 12, 13,  \
-                                             14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);                 \
-        const __m256i m4 = _mm256_set1_epi8(0x0f);                                                               \
-        const __m256i ones = _mm256_set1_epi16(1);                                                               \
-        (void)ones;                                                                                              \
-        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();                                               \
-        for (int64_t g = 0; g < cols; g += 128, packed += 256, scale += 16, x += 128) {                          \
-            _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) PF(packed + 64 * j);                            \
-            const __m256i c4 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(corr + g / 32)));   \
-            __m256i d0, d1;                                                                                      \
-            DOTS2;                                                                                               \
-            a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), half_scales8(scale), a0);                               \
-            a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), half_scales8(scale + 8), a1);                           \
-        }                                                                                                        \
-        *acc0 = a0;                                                                                              \
-        *acc1 = a1;                                                                                              \
+#define MX4_TILE1(NAME, ATTR, DOTS2) \
+    INLINE ATTR void NAME(const uint8_t *packed, const uint8_t *scale, int64_t cols, const int8_t *x, \
+                          const int32_t *corr, __m256 *acc0, __m256 *acc1) { \
+        const __m256i lut = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0, 12, 13, 14, \
+                                             15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0); \
+        const __m256i m4 = _mm256_set1_epi8(0x0f); \
+        const __m256i ones = _mm256_set1_epi16(1); \
+        (void)ones; \
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(); \
+        for (int64_t g = 0; g < cols; g += 128, packed += 256, scale += 16, x += 128) { \
+            _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) PF(packed + 64 * j); \
+            const __m256i c4 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(corr + g / 32))); \
+            __m256i d0, d1; \
+            DOTS2; \
+            a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), half_scales8(scale), a0); \
+            a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), half_scales8(scale + 8), a1); \
+        } \
+        *acc0 = a0; \
+        *acc1 = a1; \
     }
 
-#define DEC(P, LO, HI)                                                                                           \
-    do {                                                                                                         \
-        const __m256i pk_ = _mm256_loadu_si256((const __m256i *)(P));                                            \
-        LO = _mm256_shuffle_epi8(lut, _mm256_and_si256(pk_, m4));                                                \
-        HI = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(pk_, 4), m4));                          \
+#define DEC(P, LO, HI) \
+    do { \
+        const __m256i pk_ = _mm256_loadu_si256((const __m256i *)(P)); \
+        LO = _mm256_shuffle_epi8(lut, _mm256_and_si256(pk_, m4)); \
+        HI = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(pk_, 4), m4)); \
     } while (0)
 #define XB1(k) _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(x + 16 * (k))))
-#define DOTS2_AVX2                                                                                               \
-    do {                                                                                                         \
-        __m256i sl0 = _mm256_setzero_si256(), sh0 = sl0, sl1 = sl0, sh1 = sl0;                                   \
-        _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) {                                                    \
-            __m256i l0, h0, l1, h1;                                                                              \
-            DEC(packed + 64 * j, l0, h0);                                                                        \
-            DEC(packed + 64 * j + 32, l1, h1);                                                                   \
-            const __m256i xl = XB1(2 * j), xh = XB1(2 * j + 1);                                                  \
-            sl0 = _mm256_add_epi16(sl0, _mm256_maddubs_epi16(l0, xl));                                           \
-            sh0 = _mm256_add_epi16(sh0, _mm256_maddubs_epi16(h0, xh));                                           \
-            sl1 = _mm256_add_epi16(sl1, _mm256_maddubs_epi16(l1, xl));                                           \
-            sh1 = _mm256_add_epi16(sh1, _mm256_maddubs_epi16(h1, xh));                                           \
-        }                                                                                                        \
+#define DOTS2_AVX2 \
+    do { \
+        __m256i sl0 = _mm256_setzero_si256(), sh0 = sl0, sl1 = sl0, sh1 = sl0; \
+        _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) { \
+            __m256i l0, h0, l1, h1; \
+            DEC(packed + 64 * j, l0, h0); \
+            DEC(packed + 64 * j + 32, l1, h1); \
+            const __m256i xl = XB1(2 * j), xh = XB1(2 * j + 1); \
+            sl0 = _mm256_add_epi16(sl0, _mm256_maddubs_epi16(l0, xl)); \
+            sh0 = _mm256_add_epi16(sh0, _mm256_maddubs_epi16(h0, xh)); \
+            sl1 = _mm256_add_epi16(sl1, _mm256_maddubs_epi16(l1, xl)); \
+            sh1 = _mm256_add_epi16(sh1, _mm256_maddubs_epi16(h1, xh)); \
+        } \
         d0 = _mm256_add_epi32(c4, _mm256_add_epi32(_mm256_madd_epi16(sl0, ones), _mm256_madd_epi16(sh0, ones))); \
         d1 = _mm256_add_epi32(c4, _mm256_add_epi32(_mm256_madd_epi16(sl1, ones), _mm256_madd_epi16(sh1, ones))); \
     } while (0)
-#define DOTS2_VNNI                                                                                               \
-    do {                                                                                                         \
-        __m256i e0 = _mm256_setzero_si256(), e1 = e0;                                                            \
-        d0 = c4;                                                                                                 \
-        d1 = c4;                                                                                                 \
-        _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) {                                                    \
-            __m256i l0, h0, l1, h1;                                                                              \
-            DEC(packed + 64 * j, l0, h0);                                                                        \
-            DEC(packed + 64 * j + 32, l1, h1);                                                                   \
-            const __m256i xl = XB1(2 * j), xh = XB1(2 * j + 1);                                                  \
-            d0 = _mm256_dpbusd_avx_epi32(d0, l0, xl);                                                            \
-            e0 = _mm256_dpbusd_avx_epi32(e0, h0, xh);                                                            \
-            d1 = _mm256_dpbusd_avx_epi32(d1, l1, xl);                                                            \
-            e1 = _mm256_dpbusd_avx_epi32(e1, h1, xh);                                                            \
-        }                                                                                                        \
-        d0 = _mm256_add_epi32(d0, e0);                                                                           \
-        d1 = _mm256_add_epi32(d1, e1);                                                                           \
+#define DOTS2_VNNI \
+    do { \
+        __m256i e0 = _mm256_setzero_si256(), e1 = e0; \
+        d0 = c4; \
+        d1 = c4; \
+        _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) { \
+            __m256i l0, h0, l1, h1; \
+            DEC(packed + 64 * j, l0, h0); \
+            DEC(packed + 64 * j + 32, l1, h1); \
+            const __m256i xl = XB1(2 * j), xh = XB1(2 * j + 1); \
+            d0 = _mm256_dpbusd_avx_epi32(d0, l0, xl); \
+            e0 = _mm256_dpbusd_avx_epi32(e0, h0, xh); \
+            d1 = _mm256_dpbusd_avx_epi32(d1, l1, xl); \
+            e1 = _mm256_dpbusd_avx_epi32(e1, h1, xh); \
+        } \
+        d0 = _mm256_add_epi32(d0, e0); \
+        d1 = _mm256_add_epi32(d1, e1); \
     } while (0)
 
 MX4_TILE1(mx4_tile1_avx2, , DOTS2_AVX2)
@@ -490,49 +492,49 @@ INLINE void pair_store(__m256 a, float xs, float *y) {
 /* Rows [r0, r1) (whole tiles) x tokens [0, n) of a K3_W_MXFP4_R4 matrix
  * against activations prepared by k3_mx4_r4_prep: 16-row slices, groups of
  * up to 8 tokens, each tile's row pairs in turn. */
-#define MX4_R4_ROWS(NAME, PAIR, TILE1, ATTR)                                                                           \
-    ATTR void NAME(const k3_qjob *job, int64_t r0, int64_t r1) {                                                \
-        const uint8_t *packed = job->w->data, *scale = job->w->scale;                                           \
-        const int8_t *xp = job->xq;                                                                             \
-        const int32_t *corr = job->corr;                                                                        \
-        const float *xs = job->xs;                                                                              \
-        const int64_t cols = job->w->cols, ldc = job->ldc, n = job->n, ldy = job->w->rows;                      \
-        float *y = job->y;                                                                                      \
-        if (n == 1) { /* decode: whole tiles in address order */                                                \
-            for (int64_t r = r0; r < r1; r += 4) {                                                              \
-                __m256 a0, a1;                                                                                  \
-                TILE1(packed + r / 4 * 2 * cols, scale + r / 4 * (cols / 8), cols, xp, corr, &a0, &a1);         \
-                pair_store(a0, xs[0], y + r);                                                                   \
-                pair_store(a1, xs[0], y + r + 2);                                                               \
-            }                                                                                                   \
-            return;                                                                                             \
-        }                                                                                                       \
-        for (int64_t rb = r0; rb < r1; rb += 16) {                                                              \
-            const int64_t re = rb + 16 < r1 ? rb + 16 : r1;                                                     \
-            for (int64_t t0 = 0; t0 < n; t0 += 8) {                                                             \
-                const int nt = n - t0 >= 8 ? 8 : (int)(n - t0);                                                 \
-                const int8_t *xt = xp + t0 * cols;                                                              \
-                const int32_t *ct = corr + t0 * ldc;                                                            \
-                for (int64_t r = rb; r < re; r += 2) {                                                          \
-                    /* row pair r, r + 1: bytes 32 (r % 4 / 2) into each stretch, scales 8 (r % 4 / 2) */       \
-                    const uint8_t *pr = packed + r / 4 * 2 * cols + r % 4 / 2 * 32;                             \
-                    const uint8_t *sr = scale + r / 4 * (cols / 8) + r % 4 / 2 * 8;                             \
-                    __m256 acc[8];                                                                              \
-                    for (int t = 0; t < 8; t++) acc[t] = _mm256_setzero_ps();                                   \
-                    switch (nt) {                                                                               \
-                    case 1: PAIR(pr, sr, cols, xt, ct, ldc, 1, acc); break;                                     \
-                    case 2: PAIR(pr, sr, cols, xt, ct, ldc, 2, acc); break;                                     \
-                    case 3: PAIR(pr, sr, cols, xt, ct, ldc, 3, acc); break;                                     \
-                    case 4: PAIR(pr, sr, cols, xt, ct, ldc, 4, acc); break;                                     \
-                    case 5: PAIR(pr, sr, cols, xt, ct, ldc, 5, acc); break;                                     \
-                    case 6: PAIR(pr, sr, cols, xt, ct, ldc, 6, acc); break;                                     \
-                    case 7: PAIR(pr, sr, cols, xt, ct, ldc, 7, acc); break;                                     \
-                    default: PAIR(pr, sr, cols, xt, ct, ldc, 8, acc); break;                                    \
-                    }                                                                                           \
-                    for (int t = 0; t < nt; t++) pair_store(acc[t], xs[t0 + t], y + (t0 + t) * ldy + r);       \
-                }                                                                                               \
-            }                                                                                                   \
-        }                                                                                                       \
+#define MX4_R4_ROWS(NAME, PAIR, TILE1, ATTR) \
+    ATTR void NAME(const k3_qjob *job, int64_t r0, int64_t r1) { \
+        const uint8_t *packed = job->w->data, *scale = job->w->scale; \
+        const int8_t *xp = job->xq; \
+        const int32_t *corr = job->corr; \
+        const float *xs = job->xs; \
+        const int64_t cols = job->w->cols, ldc = job->ldc, n = job->n, ldy = job->w->rows; \
+        float *y = job->y; \
+        if (n == 1) { /* decode: whole tiles in address order */ \
+            for (int64_t r = r0; r < r1; r += 4) { \
+                __m256 a0, a1; \
+                TILE1(packed + r / 4 * 2 * cols, scale + r / 4 * (cols / 8), cols, xp, corr, &a0, &a1); \
+                pair_store(a0, xs[0], y + r); \
+                pair_store(a1, xs[0], y + r + 2); \
+            } \
+            return; \
+        } \
+        for (int64_t rb = r0; rb < r1; rb += 16) { \
+            const int64_t re = rb + 16 < r1 ? rb + 16 : r1; \
+            for (int64_t t0 = 0; t0 < n; t0 += 8) { \
+                const int nt = n - t0 >= 8 ? 8 : (int)(n - t0); \
+                const int8_t *xt = xp + t0 * cols; \
+                const int32_t *ct = corr + t0 * ldc; \
+                for (int64_t r = rb; r < re; r += 2) { \
+                    /* row pair r, r + 1: bytes 32 (r % 4 / 2) into each stretch, scales 8 (r % 4 / 2) */ \
+                    const uint8_t *pr = packed + r / 4 * 2 * cols + r % 4 / 2 * 32; \
+                    const uint8_t *sr = scale + r / 4 * (cols / 8) + r % 4 / 2 * 8; \
+                    __m256 acc[8]; \
+                    for (int t = 0; t < 8; t++) acc[t] = _mm256_setzero_ps(); \
+                    switch (nt) { \
+                    case 1: PAIR(pr, sr, cols, xt, ct, ldc, 1, acc); break; \
+                    case 2: PAIR(pr, sr, cols, xt, ct, ldc, 2, acc); break; \
+                    case 3: PAIR(pr, sr, cols, xt, ct, ldc, 3, acc); break; \
+                    case 4: PAIR(pr, sr, cols, xt, ct, ldc, 4, acc); break; \
+                    case 5: PAIR(pr, sr, cols, xt, ct, ldc, 5, acc); break; \
+                    case 6: PAIR(pr, sr, cols, xt, ct, ldc, 6, acc); break; \
+                    case 7: PAIR(pr, sr, cols, xt, ct, ldc, 7, acc); break; \
+                    default: PAIR(pr, sr, cols, xt, ct, ldc, 8, acc); break; \
+                    } \
+                    for (int t = 0; t < nt; t++) pair_store(acc[t], xs[t0 + t], y + (t0 + t) * ldy + r); \
+                } \
+            } \
+        } \
     }
 
 MX4_R4_ROWS(k3_mx4_r4_rows_avx2, mx4_pair_avx2, mx4_tile1_avx2, )
@@ -544,8 +546,8 @@ MX4_R4_ROWS(k3_mx4_r4_rows_avxvnni, mx4_pair_vnni, mx4_tile1_vnni, VNNI)
  * rounds of unpacks gather across the four blocks; corr from the exact
  * int32 block sums (maddubs by 1, madd by 1, two hadds). */
 void k3_mx4_r4_prep_avx2(const int8_t *xq, int64_t cols, int8_t *xp, int32_t *corr) {
-    const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15, 0, 2, 4, 6, 1, 3, 5,
-                                           7, 8, 10, 12, 14, 9, 11, 13, 15);
+    const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15, 0, 2, 4, 6, 1, 3, 5, 7,
+                                           8, 10, 12, 14, 9, 11, 13, 15);
     const __m256i one8 = _mm256_set1_epi8(1), one16 = _mm256_set1_epi16(1);
     for (int64_t g = 0; g < cols; g += 128) {
         __m256i a[4], v[4];
@@ -579,14 +581,17 @@ void k3_mxfp8_dequant_avx2(const uint8_t *q, const uint8_t *e, int64_t len, floa
     const __m128i low7 = _mm_set1_epi16(0x7f), sign = _mm_set1_epi16(0x80);
     const __m256 x256 = _mm256_set1_ps(256.0f);
     for (int64_t b = 0; b < len; b += 32) {
-        union { uint32_t u; float f; } sc;
+        union {
+            uint32_t u;
+            float f;
+        } sc;
         const uint8_t eb = e[b / 32];
         sc.u = eb == 255 ? 0x7fc00000u : eb ? (uint32_t)eb << 23 : 0x00400000u;
         const __m256 s = _mm256_set1_ps(sc.f);
         for (int h = 0; h < 32; h += 8) {
             const __m128i c = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(q + b + h)));
-            const __m128i f16 = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(c, sign), 8),
-                                             _mm_slli_epi16(_mm_and_si128(c, low7), 7));
+            const __m128i f16 =
+                _mm_or_si128(_mm_slli_epi16(_mm_and_si128(c, sign), 8), _mm_slli_epi16(_mm_and_si128(c, low7), 7));
             _mm256_storeu_ps(out + b + h, _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtph_ps(f16), x256), s));
         }
     }

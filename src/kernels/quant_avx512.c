@@ -45,9 +45,8 @@ float k3_quant_act_i8_avx512(const float *x, int64_t n, int8_t *q) {
 /* Σ_c w[r][c] xu[t][c] for NR rows x NT tokens, with xu = x + 128 (unsigned
  * bytes, for vpdpbusd); the caller takes 128 Σ_c w[r][c] (the row sums made
  * at load) off. Integer, so exact in any order. */
-static inline __attribute__((always_inline)) void q8_tile(const int8_t *w, int64_t ldw, const uint8_t *xu,
-                                                          int64_t ldx, int64_t cols, int NR, int NT,
-                                                          int32_t out[4][4]) {
+static inline __attribute__((always_inline)) void q8_tile(const int8_t *w, int64_t ldw, const uint8_t *xu, int64_t ldx,
+                                                          int64_t cols, int NR, int NT, int32_t out[4][4]) {
     __m512i acc[4][4];
 #pragma GCC unroll 4
     for (int r = 0; r < NR; r++)
@@ -55,13 +54,12 @@ static inline __attribute__((always_inline)) void q8_tile(const int8_t *w, int64
         for (int t = 0; t < NT; t++) acc[r][t] = _mm512_setzero_si512();
     int64_t c = 0;
     __m512i wv[4], xv[4];
-#define Q8_STEP(LOAD)                                                                                  \
-    do {                                                                                               \
-        _Pragma("GCC unroll 4") for (int r = 0; r < NR; r++) wv[r] = LOAD(w + r * ldw + c);            \
-        _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++) xv[t] = LOAD(xu + t * ldx + c);           \
-        _Pragma("GCC unroll 4") for (int r = 0; r < NR; r++)                                           \
-            _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++)                                       \
-                acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], xv[t], wv[r]);                               \
+#define Q8_STEP(LOAD) \
+    do { \
+        _Pragma("GCC unroll 4") for (int r = 0; r < NR; r++) wv[r] = LOAD(w + r * ldw + c); \
+        _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++) xv[t] = LOAD(xu + t * ldx + c); \
+        _Pragma("GCC unroll 4") for (int r = 0; r < NR; r++) _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++) \
+            acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], xv[t], wv[r]); \
     } while (0)
 #define LOAD_FULL(p) _mm512_loadu_si512(p)
 #define LOAD_TAIL(p) _mm512_maskz_loadu_epi8(m, p)
@@ -80,12 +78,12 @@ static inline __attribute__((always_inline)) void q8_tile(const int8_t *w, int64
 
 /* q8_tile with nr (1 or 4) and nt (1..4) known only at run time */
 static void q8_tiles(const int8_t *w, int64_t cols, const uint8_t *xu, int nr, int nt, int32_t out[4][4]) {
-#define T(NR)                                                                                          \
-    switch (nt) {                                                                                      \
-    case 1: q8_tile(w, cols, xu, cols, cols, NR, 1, out); break;                                       \
-    case 2: q8_tile(w, cols, xu, cols, cols, NR, 2, out); break;                                       \
-    case 3: q8_tile(w, cols, xu, cols, cols, NR, 3, out); break;                                       \
-    default: q8_tile(w, cols, xu, cols, cols, NR, 4, out); break;                                      \
+#define T(NR) \
+    switch (nt) { \
+    case 1: q8_tile(w, cols, xu, cols, cols, NR, 1, out); break; \
+    case 2: q8_tile(w, cols, xu, cols, cols, NR, 2, out); break; \
+    case 3: q8_tile(w, cols, xu, cols, cols, NR, 3, out); break; \
+    default: q8_tile(w, cols, xu, cols, cols, NR, 4, out); break; \
     }
     if (nr == 4) T(4) else T(1)
 #undef T
@@ -161,7 +159,7 @@ void k3_q8_rows_avx512(const k3_qjob *j, int64_t r0, int64_t r1) {
  * ones), and the lane sums of both halves with vpdpbusd against ones. A
  * last group of fewer blocks goes to the scalar form. */
 __attribute__((target("avx512vbmi"))) void k3_mx4_prep_avx512_vbmi(const int8_t *xq, int64_t cols, int8_t *xp,
-                                                                  int32_t *corr) {
+                                                                   int32_t *corr) {
     uint8_t ie[64], io[64];
     for (int p = 0; p < 64; p++) {
         ie[p] = (uint8_t)(32 * (p / 16) + 2 * (p % 16));
@@ -185,7 +183,7 @@ __attribute__((target("avx512vbmi"))) void k3_mx4_prep_avx512_vbmi(const int8_t 
  * permutation of its 128 activations; the block sums are vpdpbusd lane sums
  * (8 lanes a block), folded pairwise, then within each 128-bit quarter. */
 __attribute__((target("avx512vbmi"))) void k3_mx4_r4_prep_avx512_vbmi(const int8_t *xq, int64_t cols, int8_t *xp,
-                                                                     int32_t *corr) {
+                                                                      int32_t *corr) {
     uint8_t ix[128];
     for (int o = 0; o < 128; o++) /* o = 32j + 16h + 4b + k <- column 32b + 8j + 2k + h */
         ix[o] = (uint8_t)(32 * (o % 16 / 4) + 8 * (o / 32) + 2 * (o % 4) + o % 32 / 16);

@@ -23,7 +23,10 @@ static inline __m256i k3_mxfp4_block_i8(const uint8_t *packed) {
 /* 2^(e-128): the E8M0 scale halved, for the doubled E2M1 values (subnormal
  * for e < 2; e = 255 never reaches a kernel, the loader refuses it). */
 static inline float k3_mxfp4_half_scale(uint8_t e) {
-    union { uint32_t u; float f; } sc;
+    union {
+        uint32_t u;
+        float f;
+    } sc;
     sc.u = e >= 2 ? (uint32_t)(e - 1) << 23 : e ? 0x00400000u : 0x00200000u;
     return sc.f;
 }

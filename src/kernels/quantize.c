@@ -44,7 +44,9 @@ static void to_q8(const k3_mat *src, k3_mat *dst) {
     k3_quant_q8_mat(src, (int8_t *)dst->data, (float *)dst->row_scale, (int32_t *)dst->row_sum);
 }
 
-static void to_mxfp8(const k3_mat *src, k3_mat *dst) { k3_quant_mxfp8_mat(src, (uint8_t *)dst->data, (uint8_t *)dst->scale); }
+static void to_mxfp8(const k3_mat *src, k3_mat *dst) {
+    k3_quant_mxfp8_mat(src, (uint8_t *)dst->data, (uint8_t *)dst->scale);
+}
 
 /* The --quant modes for float matrices: their names, the type they make
  * (its geometry is the weight-type table's) and the converter that fills
@@ -107,7 +109,7 @@ k3_status k3_quantize_mat(k3_mat *w, k3_wquant q, k3_quant_alloc_fn alloc, void 
 bool k3_mx4_r4_wanted(const k3_mat *src) {
     const k3_wtype_traits *t = k3_wtype_info(K3_W_MXFP4_R4);
     return src->type == K3_W_MXFP4 && src->act8 && src->rows % t->tile_rows == 0 && src->cols % t->tile_cols == 0 &&
-           k3_ops()->w4a8_tiles;
+        k3_ops()->w4a8_tiles;
 }
 
 void k3_mx4_r4_pack(const k3_mat *src, uint8_t *data, uint8_t *scale) {

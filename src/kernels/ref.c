@@ -17,8 +17,7 @@
 
 enum { REF_CHUNK = 256 };
 
-void k3_matmul_rows_ref(const k3_mat *w, const float *x, int64_t n, float *y, int64_t ldy, int64_t r0,
-                        int64_t r1) {
+void k3_matmul_rows_ref(const k3_mat *w, const float *x, int64_t n, float *y, int64_t ldy, int64_t r0, int64_t r1) {
     const int64_t cols = w->cols;
     const k3_wtype_traits *ti = k3_wtype_info(w->type);
     float wr[REF_CHUNK];
@@ -55,13 +54,10 @@ void k3_axpy_ref(float *y, float a, const float *x, int64_t n) {
 void k3_glu_ref(float *f1, const float *f2, int64_t n, k3_glu_kind kind, float b1, float b2) {
     for (int64_t i = 0; i < n; i++) {
         const float g = f1[i], u = kind == K3_GLU_SILU ? 1.0f : f2[i];
-        if (kind == K3_GLU_SILU)
-            f1[i] = g / (1.0f + expf(-g));
+        if (kind == K3_GLU_SILU) f1[i] = g / (1.0f + expf(-g));
         else if (kind == K3_GLU_SITU)
             f1[i] = b1 * tanhf(g / b1) / (1.0f + expf(-g)) * (b2 > 0.0f ? b2 * tanhf(u / b2) : u);
-        else if (kind == K3_GLU_GATE)
-            f1[i] = g / (1.0f + expf(-b1 * u));
-        else
-            f1[i] = g / (1.0f + expf(-g)) * u;
+        else if (kind == K3_GLU_GATE) f1[i] = g / (1.0f + expf(-b1 * u));
+        else f1[i] = g / (1.0f + expf(-g)) * u;
     }
 }

@@ -7,12 +7,10 @@
 #include "model/config.h"
 
 /* Is expert a ranked before b on key[]: higher, ties to the lower id. */
-static bool better(const float *key, int a, int b) {
-    return key[a] > key[b] || (key[a] == key[b] && a < b);
-}
+static bool better(const float *key, int a, int b) { return key[a] > key[b] || (key[a] == key[b] && a < b); }
 
-void k3_router_select(const k3_router_cfg *rc, float *logits, const float *bias,
-                      int32_t *ids, float *weights, float *work) {
+void k3_router_select(const k3_router_cfg *rc, float *logits, const float *bias, int32_t *ids, float *weights,
+                      float *work) {
     const int E = rc->n_experts, K = rc->top_k;
     float *key = work; /* biased score used for choosing */
     if (rc->sigmoid) {
@@ -35,8 +33,10 @@ void k3_router_select(const k3_router_cfg *rc, float *logits, const float *bias,
         for (int g = 0; g < rc->n_group; g++) {
             float b1 = -INFINITY, b2 = -INFINITY;
             for (int e = g * gs; e < (g + 1) * gs; e++) {
-                if (key[e] > b1) { b2 = b1; b1 = key[e]; }
-                else if (key[e] > b2) b2 = key[e];
+                if (key[e] > b1) {
+                    b2 = b1;
+                    b1 = key[e];
+                } else if (key[e] > b2) b2 = key[e];
             }
             gscore[g] = b1 + b2;
             keep[g] = false;

@@ -23,7 +23,7 @@ typedef struct k3_router_cfg {
 
 /* logits [E] (overwritten with the scores); bias [E] or NULL. Writes top_k
  * expert ids (best first) and their weights. work: [E] floats. */
-void k3_router_select(const k3_router_cfg *rc, float *logits, const float *bias,
-                      int32_t *ids, float *weights, float *work);
+void k3_router_select(const k3_router_cfg *rc, float *logits, const float *bias, int32_t *ids, float *weights,
+                      float *work);
 
 #endif /* K3_KERNELS_ROUTER_H */

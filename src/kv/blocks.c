@@ -23,7 +23,8 @@ uint64_t k3_kv_hash_seed(uint64_t cache_salt, int32_t block_size, int32_t kv_typ
 
 uint64_t k3_kv_hash_block(uint64_t parent, uint64_t extra, const int32_t *tokens, int32_t n) {
     uint64_t h = mix64(parent ^ 0x9E3779B97F4A7C15ull) ^ mix64(extra + 0x632BE59BD9B4E019ull);
-    for (int32_t i = 0; i < n; i++) h = mix64(h + (uint64_t)(uint32_t)tokens[i] + 0x9E3779B97F4A7C15ull * (uint64_t)(i + 1));
+    for (int32_t i = 0; i < n; i++)
+        h = mix64(h + (uint64_t)(uint32_t)tokens[i] + 0x9E3779B97F4A7C15ull * (uint64_t)(i + 1));
     return mix64(h ^ (uint64_t)n);
 }
 
@@ -71,8 +72,7 @@ static void index_remove(k3_kv_blocks *bm, int32_t b) {
     bm->n_hashed--;
 }
 
-int32_t k3_kv_lookup(const k3_kv_blocks *bm, uint64_t hash, uint64_t parent, uint64_t extra,
-                     const int32_t *tokens) {
+int32_t k3_kv_lookup(const k3_kv_blocks *bm, uint64_t hash, uint64_t parent, uint64_t extra, const int32_t *tokens) {
     const int32_t bs = bm->block_size;
     for (int32_t b = bm->bucket[hash & bm->bucket_mask]; b >= 0; b = bm->chain[b])
         if (bm->hash[b] == hash && bm->parent[b] == parent && bm->extra[b] == extra &&
@@ -100,8 +100,8 @@ void k3_kv_register(k3_kv_blocks *bm, int32_t b, uint64_t hash, uint64_t parent,
 /* ---- residency metrics ------------------------------------------------------------- */
 
 const double k3_kv_residency_le[K3_KV_RESIDENCY_BUCKETS] = {0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1,
-                                                             0.2,   0.5,   1,     2,    5,    10,   20,
-                                                             30,    60,    120,   300,  600,  1200, 1800};
+                                                            0.2,   0.5,   1,     2,    5,    10,   20,
+                                                            30,    60,    120,   300,  600,  1200, 1800};
 
 #define TRACK_HISTORY 4 /* accesses kept per block (vLLM: a deque of 4) */
 
@@ -110,10 +110,10 @@ typedef struct k3_kv_track {
     uint64_t rng;
     int64_t (*now_ns)(void *);
     void *now_arg;
-    bool *on;                     /* [n] followed */
-    int64_t *birth, *last;        /* [n] ns */
-    int64_t *hist;                /* [n * TRACK_HISTORY] access times, oldest first */
-    uint8_t *n_hist;              /* [n] */
+    bool *on;              /* [n] followed */
+    int64_t *birth, *last; /* [n] ns */
+    int64_t *hist;         /* [n * TRACK_HISTORY] access times, oldest first */
+    uint8_t *n_hist;       /* [n] */
     k3_kv_residency agg;
 } k3_kv_track;
 
@@ -149,8 +149,7 @@ k3_status k3_kv_track_enable(k3_kv_blocks *bm, double rate, uint64_t seed, k3_er
     }
     if (!t || !t->on || !t->birth || !t->last || !t->hist || !t->n_hist) {
         track_free(t);
-        return k3_err(err, K3_ERR_NOMEM, "blocks: out of memory for the residency metrics of %d blocks",
-                      bm->n_blocks);
+        return k3_err(err, K3_ERR_NOMEM, "blocks: out of memory for the residency metrics of %d blocks", bm->n_blocks);
     }
     t->rate = rate;
     t->rng = seed ^ 0x9E3779B97F4A7C15ull;
@@ -234,8 +233,8 @@ k3_status k3_kv_blocks_init(k3_kv_blocks *bm, int32_t n_blocks, int32_t block_si
     bm->tokens = malloc(n * (size_t)block_size * sizeof(int32_t));
     bm->chain = malloc(n * sizeof(int32_t));
     bm->bucket = malloc(nb * sizeof(int32_t));
-    if (!bm->ref || !bm->prev || !bm->next || !bm->in_free || !bm->hashed || !bm->hash || !bm->parent ||
-        !bm->extra || !bm->tokens || !bm->chain || !bm->bucket) {
+    if (!bm->ref || !bm->prev || !bm->next || !bm->in_free || !bm->hashed || !bm->hash || !bm->parent || !bm->extra ||
+        !bm->tokens || !bm->chain || !bm->bucket) {
         k3_kv_blocks_free(bm);
         return k3_err(err, K3_ERR_NOMEM, "blocks: out of memory for %d blocks", n_blocks);
     }

@@ -34,19 +34,19 @@ uint64_t k3_kv_hash_block(uint64_t parent, uint64_t extra, const int32_t *tokens
 
 typedef struct k3_kv_blocks {
     int32_t n_blocks, block_size;
-    int32_t *ref;                 /* [n] reference counts */
-    int32_t *prev, *next;         /* [n] free-list links (-1 = none) */
-    bool *in_free;                /* [n] on the free list */
-    int32_t head, tail, n_free;   /* the free list (LRU: evict from the head) */
+    int32_t *ref;               /* [n] reference counts */
+    int32_t *prev, *next;       /* [n] free-list links (-1 = none) */
+    bool *in_free;              /* [n] on the free list */
+    int32_t head, tail, n_free; /* the free list (LRU: evict from the head) */
     /* prefix index: a chained hash table over hashed blocks */
-    bool *hashed;                 /* [n] */
+    bool *hashed;                    /* [n] */
     uint64_t *hash, *parent, *extra; /* [n] */
-    int32_t *tokens;              /* [n * block_size] a hashed block's ids */
-    int32_t *bucket;              /* [n_buckets] first block, -1 = empty */
-    int32_t *chain;               /* [n] next block in the same bucket */
+    int32_t *tokens;                 /* [n * block_size] a hashed block's ids */
+    int32_t *bucket;                 /* [n_buckets] first block, -1 = empty */
+    int32_t *chain;                  /* [n] next block in the same bucket */
     uint32_t bucket_mask;
-    int64_t n_hashed, n_evicted;  /* hashed blocks; hashes dropped on reuse */
-    struct k3_kv_track *track;    /* residency metrics, NULL = off */
+    int64_t n_hashed, n_evicted; /* hashed blocks; hashes dropped on reuse */
+    struct k3_kv_track *track;   /* residency metrics, NULL = off */
 } k3_kv_blocks;
 
 k3_status k3_kv_blocks_init(k3_kv_blocks *bm, int32_t n_blocks, int32_t block_size, k3_error *err);
@@ -60,12 +60,10 @@ void k3_kv_unref(k3_kv_blocks *bm, int32_t b);
 /* Blocks that are held by someone (reference count > 0). */
 static inline int32_t k3_kv_used(const k3_kv_blocks *bm) { return bm->n_blocks - bm->n_free; }
 /* The cached block holding exactly (parent, extra, tokens), or -1. */
-int32_t k3_kv_lookup(const k3_kv_blocks *bm, uint64_t hash, uint64_t parent, uint64_t extra,
-                     const int32_t *tokens);
+int32_t k3_kv_lookup(const k3_kv_blocks *bm, uint64_t hash, uint64_t parent, uint64_t extra, const int32_t *tokens);
 /* Registers full block b under its hash (no-op if that content is already
  * cached in another block, or b already has a hash). */
-void k3_kv_register(k3_kv_blocks *bm, int32_t b, uint64_t hash, uint64_t parent, uint64_t extra,
-                    const int32_t *tokens);
+void k3_kv_register(k3_kv_blocks *bm, int32_t b, uint64_t hash, uint64_t parent, uint64_t extra, const int32_t *tokens);
 /* Residency metrics (k3_kv_residency, vLLM's semantics): k3_kv_alloc of a
  * followed block observes its lifetime, idle time and reuse gaps first (it
  * is evicted: taken for other tokens), then follows the new block with
@@ -88,15 +86,15 @@ bool k3_kv_check(const k3_kv_blocks *bm);
  * recently used. A hit whose snapshot was evicted becomes a shorter hit. */
 
 typedef struct k3_kv_snaps {
-    int64_t bytes_each;           /* k3_ctx_state_bytes */
-    int32_t cap;                  /* snapshots that fit the budget */
-    int32_t n;                    /* held */
-    uint64_t *key;                /* [cap] */
-    int64_t *pos;                 /* [cap] the boundary position (check) */
-    void **data;                  /* [cap] bytes_each each, allocated on first use */
-    int32_t *prev, *next;         /* LRU over held entries; head = oldest */
+    int64_t bytes_each;   /* k3_ctx_state_bytes */
+    int32_t cap;          /* snapshots that fit the budget */
+    int32_t n;            /* held */
+    uint64_t *key;        /* [cap] */
+    int64_t *pos;         /* [cap] the boundary position (check) */
+    void **data;          /* [cap] bytes_each each, allocated on first use */
+    int32_t *prev, *next; /* LRU over held entries; head = oldest */
     int32_t head, tail;
-    int32_t *bucket, *chain;      /* key -> entry */
+    int32_t *bucket, *chain; /* key -> entry */
     uint32_t bucket_mask;
     int32_t *free_list, n_free_slots;
     int64_t n_taken, n_evicted, n_restored;

@@ -28,8 +28,7 @@ k3_status k3_kv_snaps_init(k3_kv_snaps *sn, int64_t bytes_each, int64_t budget, 
     sn->chain = malloc(n * sizeof(int32_t));
     sn->free_list = malloc(n * sizeof(int32_t));
     sn->bucket = malloc(nb * sizeof(int32_t));
-    if (!sn->key || !sn->pos || !sn->data || !sn->prev || !sn->next || !sn->chain || !sn->free_list ||
-        !sn->bucket) {
+    if (!sn->key || !sn->pos || !sn->data || !sn->prev || !sn->next || !sn->chain || !sn->free_list || !sn->bucket) {
         k3_kv_snaps_free(sn);
         return k3_err(err, K3_ERR_NOMEM, "snapshots: out of memory");
     }

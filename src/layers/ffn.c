@@ -10,7 +10,7 @@
 /* gu: gate and up stacked (one matmul into [n, 2I], then the GLU per row),
  * or empty: one matmul each */
 void k3_ffn_dense(k3_ctx *ctx, const k3_mat *gu, const k3_mat *gate, const k3_mat *up, const k3_mat *down,
-                      const float *x, int64_t n, float *out) {
+                  const float *x, int64_t n, float *out) {
     k3_scratch *s = &ctx->s;
     const int64_t I = gate->rows;
     if (gu->data) {

@@ -88,17 +88,22 @@ static void kda_head_items(void *p, int64_t lo, int64_t hi, int ith) {
             b = piece_end(ctx, sp, a);
             const int64_t ta = t0 + a;
             k3_kda_head kh = {
-                .n = (int)(b - a), .dk = dk, .dv = dv,
-                .q = ctx->s.kq + ta * HK + ch, .k = ctx->s.kk + ta * HK + ch, .g = ctx->s.kz + ta * HK + ch,
+                .n = (int)(b - a),
+                .dk = dk,
+                .dv = dv,
+                .q = ctx->s.kq + ta * HK + ch,
+                .k = ctx->s.kk + ta * HK + ch,
+                .g = ctx->s.kz + ta * HK + ch,
                 .ld_qk = HK,
-                .v = ctx->s.kv + ta * HK + ch, .ld_v = HK,
-                .beta = ctx->s.kbeta + ta * H + h, .ld_beta = H,
-                .o = ctx->s.ko + ta * HK + ch, .ld_o = HK,
+                .v = ctx->s.kv + ta * HK + ch,
+                .ld_v = HK,
+                .beta = ctx->s.kbeta + ta * H + h,
+                .ld_beta = H,
+                .o = ctx->s.ko + ta * HK + ch,
+                .ld_o = HK,
             };
-            if (b - a >= ctx->kda_chunk_min)
-                k3_kda_chunked(&kh, S, K3_KDA_CHUNK, ctx->s.tkda[ith]);
-            else
-                k3_kda_recurrent(&kh, S);
+            if (b - a >= ctx->kda_chunk_min) k3_kda_chunked(&kh, S, K3_KDA_CHUNK, ctx->s.tkda[ith]);
+            else k3_kda_recurrent(&kh, S);
             float *cap = ctx->n_caps ? capture_at(ctx, sp->seq, sp->pos0 + b) : NULL;
             if (cap) memcpy(cap + off + (int64_t)h * dk * dv, S, sizeof(float) * (size_t)(dk * dv));
         }

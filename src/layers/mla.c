@@ -36,8 +36,8 @@ static void dsa_score_range(k3_ctx *ctx, int layer, int64_t t, int a, int b, int
         k3_qli_scores(ctx->s.iq8 + t * HI * dI, ctx->s.iqs + t * HI, ctx->s.iw + t * HI, HI, dI, ctx->idx8[layer],
                       ctx->idx_s[layer], slots + a, b - a, sc + a);
     else
-        k3_indexer_scores(ctx->s.iq + t * HI * dI, ctx->s.iw + t * HI, HI, dI, ctx->idx_cache[layer], slots + a,
-                          b - a, sc + a);
+        k3_indexer_scores(ctx->s.iq + t * HI * dI, ctx->s.iw + t * HI, HI, dI, ctx->idx_cache[layer], slots + a, b - a,
+                          sc + a);
 }
 
 static int row_len(const k3_ctx *ctx, int64_t t) {
@@ -138,8 +138,7 @@ static void mla_attend_items(void *p, int64_t lo, int64_t hi, int ith) {
         /* this row's absorbed query, heads [h0, h0+nh): [nh, kvl] then [nh, rope] */
         float *qa = ctx->s.tq[ith], *qpe = qa + (int64_t)nh * kvl;
         for (int h = 0; h < nh; h++) {
-            memcpy(qa + (int64_t)h * kvl, ctx->s.qa + ((int64_t)(h0 + h) * T + t) * kvl,
-                   sizeof(float) * (size_t)kvl);
+            memcpy(qa + (int64_t)h * kvl, ctx->s.qa + ((int64_t)(h0 + h) * T + t) * kvl, sizeof(float) * (size_t)kvl);
             memcpy(qpe + (int64_t)h * rope, ctx->s.mq + t * H * qh + (h0 + h) * qh + nope,
                    sizeof(float) * (size_t)rope);
         }
@@ -157,10 +156,10 @@ static void mla_attend_items(void *p, int64_t lo, int64_t hi, int ith) {
             k3_qsfa(qa, qpe, nh, &cc, slots, b - a, scale, out, lse, ctx->s.tqsfa[ith]);
         } else {
             for (int h = 0; h < nh; h++)
-                lse[h] = b > a ? k3_mla_attend(qa + (int64_t)h * kvl, qpe + (int64_t)h * rope, kvl, rope,
-                                               ctx->lat_cache[j->layer], ld, slots, b - a, scale,
-                                               ctx->s.tscore[ith], out + (int64_t)h * kvl)
-                               : -INFINITY;
+                lse[h] = b > a
+                    ? k3_mla_attend(qa + (int64_t)h * kvl, qpe + (int64_t)h * rope, kvl, rope, ctx->lat_cache[j->layer],
+                                    ld, slots, b - a, scale, ctx->s.tscore[ith], out + (int64_t)h * kvl)
+                    : -INFINITY;
         }
         if (j->parts == 1)
             for (int h = 0; h < nh; h++)

@@ -63,8 +63,8 @@ static void dcp_local_topk(void *p, int64_t lo, int64_t hi, int ith) {
             k3_qli_scores(ctx->s.iq8 + t * HI * dI, ctx->s.iqs + t * HI, ctx->s.iw + t * HI, HI, dI,
                           ctx->idx8[j->layer], ctx->idx_s[j->layer], slots, nl, sc);
         else
-            k3_indexer_scores(ctx->s.iq + t * HI * dI, ctx->s.iw + t * HI, HI, dI, ctx->idx_cache[j->layer], slots,
-                              nl, sc);
+            k3_indexer_scores(ctx->s.iq + t * HI * dI, ctx->s.iw + t * HI, HI, dI, ctx->idx_cache[j->layer], slots, nl,
+                              sc);
         int32_t *sel = ctx->s.tsel[ith];
         const int kk = k3_topk(sc, nl, k, sel, ctx->s.twork[ith]);
         k3_cand *cd = x->cand + (size_t)x->xrow[t] * k;
@@ -148,9 +148,9 @@ static void dcp_attend(void *p, int64_t lo, int64_t hi, int ith) {
             k3_qsfa(qa, qpe, nh, &cc, slots, n, scale, out, lse, ctx->s.tqsfa[ith]);
         } else {
             for (int h = 0; h < nh; h++)
-                lse[h] = k3_mla_attend(qa + (int64_t)h * kvl, qpe + (int64_t)h * rope, kvl, rope,
-                                       ctx->lat_cache[j->layer], ld, slots, n, scale, ctx->s.tscore[ith],
-                                       out + (int64_t)h * kvl);
+                lse[h] =
+                    k3_mla_attend(qa + (int64_t)h * kvl, qpe + (int64_t)h * rope, kvl, rope, ctx->lat_cache[j->layer],
+                                  ld, slots, n, scale, ctx->s.tscore[ith], out + (int64_t)h * kvl);
         }
     }
 }

@@ -62,8 +62,8 @@ void k3_moe_layer(k3_ctx *ctx, const k3_layer *L, const float *yn, float *out) {
 
     const double t_moe = ctx->prof_on ? k3_now() : 0.0;
     k3_matmul(ctx->pool, &L->router, yn, T, s->rlog);
-    const k3_router_cfg rc = {E, K, c->router_sigmoid, c->moe_renormalize, c->routed_scaling,
-                              c->n_expert_groups, c->topk_groups};
+    const k3_router_cfg rc =
+        {E, K, c->router_sigmoid, c->moe_renormalize, c->routed_scaling, c->n_expert_groups, c->topk_groups};
     for (int64_t t = 0; t < T; t++)
         k3_router_select(&rc, s->rlog + t * E, L->router_bias, s->rids + t * K, s->rw + t * K, s->rwork);
 

@@ -38,8 +38,8 @@ static void rms_rows(void *p, int64_t lo, int64_t hi, int ith) {
     for (int64_t t = lo; t < hi; t++) k3_rmsnorm(j->out + t * j->ldo, j->x + t * j->ldx, j->w, j->n, j->eps);
 }
 
-void k3_rmsnorm_rows(k3_ctx *ctx, float *out, int64_t ldo, const float *x, int64_t ldx,
-                    const float *w, int64_t n, float eps) {
+void k3_rmsnorm_rows(k3_ctx *ctx, float *out, int64_t ldo, const float *x, int64_t ldx, const float *w, int64_t n,
+                     float eps) {
     rms_job j = {out, x, w, n, ldo, ldx, eps};
     k3_pool_for(ctx->pool, ctx->T, 8, rms_rows, &j);
 }

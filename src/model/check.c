@@ -68,8 +68,7 @@ static int64_t first_bad(const k3_st_tensor *t) {
             if (p[i] == 0xFF) return (int64_t)i;
         return -1;
     }
-    default:
-        return -1;
+    default: return -1;
     }
 }
 

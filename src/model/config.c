@@ -37,17 +37,41 @@
 /* Keys of text_config (or of a flat root) that k3 reads or knows to be inert. */
 static const char *const text_keys[] = {
     /* identity and bookkeeping */
-    "architectures", "model_type", "auto_map", "dtype", "torch_dtype",
-    "transformers_version", "_name_or_path", "_attn_implementation",
-    "use_cache", "initializer_range", "attention_dropout",
-    "bos_token_id", "eos_token_id", "pad_token_id",
+    "architectures",
+    "model_type",
+    "auto_map",
+    "dtype",
+    "torch_dtype",
+    "transformers_version",
+    "_name_or_path",
+    "_attn_implementation",
+    "use_cache",
+    "initializer_range",
+    "attention_dropout",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
     /* sizes */
-    "vocab_size", "hidden_size", "num_hidden_layers", "max_position_embeddings",
-    "model_max_length", "rms_norm_eps", "tie_word_embeddings",
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "max_position_embeddings",
+    "model_max_length",
+    "rms_norm_eps",
+    "tie_word_embeddings",
     /* MLA */
-    "num_attention_heads", "num_key_value_heads", "head_dim", "q_lora_rank",
-    "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-    "mla_use_nope", "mla_use_output_gate", "rope_theta", "rope_scaling",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "mla_use_nope",
+    "mla_use_output_gate",
+    "rope_theta",
+    "rope_scaling",
     "attention_bias",
     /* transformers 5.x: written into every config it saves; checked below
      * (only {"rope_theta", "rope_type": "default"}, inert for NoPE) */
@@ -57,45 +81,103 @@ static const char *const text_keys[] = {
     /* AttnRes */
     "attn_res_block_size",
     /* FFN / MoE */
-    "first_k_dense_replace", "moe_layer_freq", "intermediate_size", "num_experts",
-    "num_experts_per_token", "num_shared_experts", "moe_intermediate_size",
-    "routed_expert_hidden_size", "latent_moe_use_norm", "moe_router_activation_func",
-    "moe_renormalize", "routed_scaling_factor", "use_grouped_topk",
-    "num_expert_group", "topk_group", "topk_method", "hidden_act",
-    "activation_situ_beta", "activation_situ_linear_beta",
-    "num_nextn_predict_layers", "quantization_config",
+    "first_k_dense_replace",
+    "moe_layer_freq",
+    "intermediate_size",
+    "num_experts",
+    "num_experts_per_token",
+    "num_shared_experts",
+    "moe_intermediate_size",
+    "routed_expert_hidden_size",
+    "latent_moe_use_norm",
+    "moe_router_activation_func",
+    "moe_renormalize",
+    "routed_scaling_factor",
+    "use_grouped_topk",
+    "num_expert_group",
+    "topk_group",
+    "topk_method",
+    "hidden_act",
+    "activation_situ_beta",
+    "activation_situ_linear_beta",
+    "num_nextn_predict_layers",
+    "quantization_config",
     /* transformers' KimiLinearConfig: duplicates of the fields above, checked
      * against them (layer_types, mlp_layer_types, linear_*, qk_head_dim) or inert */
-    "layer_types", "mlp_layer_types", "linear_num_heads", "linear_head_dim",
-    "linear_conv_kernel_dim", "qk_head_dim", "pretraining_tp", "output_router_logits",
+    "layer_types",
+    "mlp_layer_types",
+    "linear_num_heads",
+    "linear_head_dim",
+    "linear_conv_kernel_dim",
+    "qk_head_dim",
+    "pretraining_tp",
+    "output_router_logits",
     /* DSA lightning indexer */
-    "index_n_heads", "index_head_dim", "index_topk", "index_layers",
+    "index_n_heads",
+    "index_head_dim",
+    "index_topk",
+    "index_layers",
     /* PretrainedConfig.to_dict() boilerplate: generation and training knobs */
-    "output_attentions", "output_hidden_states", "return_dict", "use_return_dict",
-    "torchscript", "use_bfloat16", "tf_legacy_loss", "pruned_heads",
-    "chunk_size_feed_forward", "is_encoder_decoder", "is_decoder",
-    "add_cross_attention", "cross_attention_hidden_size", "tie_encoder_decoder",
-    "id2label", "label2id", "problem_type", "finetuning_task", "tokenizer_class",
-    "prefix", "sep_token_id", "decoder_start_token_id", "task_specific_params",
-    "max_length", "min_length", "do_sample", "early_stopping", "num_beams",
-    "num_beam_groups", "diversity_penalty", "temperature", "top_k", "top_p",
-    "typical_p", "repetition_penalty", "length_penalty", "no_repeat_ngram_size",
-    "encoder_no_repeat_ngram_size", "bad_words_ids", "num_return_sequences",
-    "output_scores", "return_dict_in_generate", "forced_bos_token_id",
-    "forced_eos_token_id", "remove_invalid_values",
-    "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens",
+    "output_attentions",
+    "output_hidden_states",
+    "return_dict",
+    "use_return_dict",
+    "torchscript",
+    "use_bfloat16",
+    "tf_legacy_loss",
+    "pruned_heads",
+    "chunk_size_feed_forward",
+    "is_encoder_decoder",
+    "is_decoder",
+    "add_cross_attention",
+    "cross_attention_hidden_size",
+    "tie_encoder_decoder",
+    "id2label",
+    "label2id",
+    "problem_type",
+    "finetuning_task",
+    "tokenizer_class",
+    "prefix",
+    "sep_token_id",
+    "decoder_start_token_id",
+    "task_specific_params",
+    "max_length",
+    "min_length",
+    "do_sample",
+    "early_stopping",
+    "num_beams",
+    "num_beam_groups",
+    "diversity_penalty",
+    "temperature",
+    "top_k",
+    "top_p",
+    "typical_p",
+    "repetition_penalty",
+    "length_penalty",
+    "no_repeat_ngram_size",
+    "encoder_no_repeat_ngram_size",
+    "bad_words_ids",
+    "num_return_sequences",
+    "output_scores",
+    "return_dict_in_generate",
+    "forced_bos_token_id",
+    "forced_eos_token_id",
+    "remove_invalid_values",
+    "exponential_decay_length_penalty",
+    "suppress_tokens",
+    "begin_suppress_tokens",
     "keys_to_ignore_at_inference",
 };
 
 /* Root keys of the multimodal wrapper, allowed too in a flat config. */
 static const char *const root_keys[] = {
-    "text_config", "vision_config", "media_placeholder_token_id",
+    "text_config",       "vision_config",     "media_placeholder_token_id",
     "image_placeholder", "video_placeholder", "ignore_index",
 };
 
 static const char *const linear_keys[] = {
-    "num_heads", "head_dim", "short_conv_kernel_size", "gate_lower_bound",
-    "use_full_rank_gate", "kda_layers", "full_attn_layers", "allow_neg_eigval",
+    "num_heads",          "head_dim",   "short_conv_kernel_size", "gate_lower_bound",
+    "use_full_rank_gate", "kda_layers", "full_attn_layers",       "allow_neg_eigval",
 };
 
 static bool in_list(const char *key, const char *const *list, size_t n) {
@@ -124,18 +206,16 @@ static json_t *get(json_t *obj, const char *key) {
 }
 
 static k3_status missing(const parser *p, const char *key) {
-    return k3_err(p->err, K3_ERR_FORMAT, "%s: missing required field '%s' in %s",
-                  p->src, key, p->where);
+    return k3_err(p->err, K3_ERR_FORMAT, "%s: missing required field '%s' in %s", p->src, key, p->where);
 }
 
 static k3_status bad_type(const parser *p, const char *key, const char *want) {
-    return k3_err(p->err, K3_ERR_FORMAT, "%s: field '%s' in %s must be %s",
-                  p->src, key, p->where, want);
+    return k3_err(p->err, K3_ERR_FORMAT, "%s: field '%s' in %s must be %s", p->src, key, p->where, want);
 }
 
 /* An integer in [lo, hi]. required: absence is an error; else *out = def. */
-static k3_status get_int(const parser *p, json_t *obj, const char *key, bool required,
-                         int64_t def, int64_t lo, int64_t hi, int64_t *out) {
+static k3_status get_int(const parser *p, json_t *obj, const char *key, bool required, int64_t def, int64_t lo,
+                         int64_t hi, int64_t *out) {
     json_t *v = get(obj, key);
     if (!v) {
         if (required) return missing(p, key);
@@ -145,23 +225,21 @@ static k3_status get_int(const parser *p, json_t *obj, const char *key, bool req
     if (!json_is_integer(v)) return bad_type(p, key, "an integer");
     int64_t x = (int64_t)json_integer_value(v);
     if (x < lo || x > hi)
-        return k3_err(p->err, K3_ERR_FORMAT,
-                      "%s: field '%s' in %s = %lld is out of range [%lld, %lld]", p->src,
-                      key, p->where, (long long)x, (long long)lo, (long long)hi);
+        return k3_err(p->err, K3_ERR_FORMAT, "%s: field '%s' in %s = %lld is out of range [%lld, %lld]", p->src, key,
+                      p->where, (long long)x, (long long)lo, (long long)hi);
     *out = x;
     return K3_OK;
 }
 
-static k3_status get_i32(const parser *p, json_t *obj, const char *key, bool required,
-                         int64_t def, int64_t lo, int64_t hi, int32_t *out) {
+static k3_status get_i32(const parser *p, json_t *obj, const char *key, bool required, int64_t def, int64_t lo,
+                         int64_t hi, int32_t *out) {
     int64_t x;
     k3_status s = get_int(p, obj, key, required, def, lo, hi, &x);
     if (s == K3_OK) *out = (int32_t)x;
     return s;
 }
 
-static k3_status get_num(const parser *p, json_t *obj, const char *key, double def,
-                         double *out) {
+static k3_status get_num(const parser *p, json_t *obj, const char *key, double def, double *out) {
     json_t *v = get(obj, key);
     if (!v) {
         *out = def;
@@ -173,8 +251,7 @@ static k3_status get_num(const parser *p, json_t *obj, const char *key, double d
     return K3_OK;
 }
 
-static k3_status get_bool(const parser *p, json_t *obj, const char *key, bool def,
-                          bool *out) {
+static k3_status get_bool(const parser *p, json_t *obj, const char *key, bool def, bool *out) {
     json_t *v = get(obj, key);
     if (!v) {
         *out = def;
@@ -186,8 +263,7 @@ static k3_status get_bool(const parser *p, json_t *obj, const char *key, bool de
 }
 
 /* A string or NULL when absent (def). */
-static k3_status get_str(const parser *p, json_t *obj, const char *key, const char *def,
-                         const char **out) {
+static k3_status get_str(const parser *p, json_t *obj, const char *key, const char *def, const char **out) {
     json_t *v = get(obj, key);
     if (!v) {
         *out = def;
@@ -204,8 +280,7 @@ static k3_status get_token_id(const parser *p, json_t *obj, const char *key, int
     json_t *v = get(obj, key);
     if (!v) return K3_OK; /* keep the fallback already in *out */
     if (json_is_array(v)) v = json_array_get(v, 0);
-    if (!v || !json_is_integer(v) || json_integer_value(v) < 0 ||
-        json_integer_value(v) > INT32_MAX)
+    if (!v || !json_is_integer(v) || json_integer_value(v) < 0 || json_integer_value(v) > INT32_MAX)
         return bad_type(p, key, "a non-negative token id");
     *out = (int32_t)json_integer_value(v);
     return K3_OK;
@@ -214,8 +289,7 @@ static k3_status get_token_id(const parser *p, json_t *obj, const char *key, int
 /* ---- pieces ------------------------------------------------------------- */
 
 /* Reads a 1-based layer list into flags[0..n): each id in 1..n, no repeats. */
-static k3_status parse_layer_list(const parser *p, json_t *obj, const char *key,
-                                  int32_t n_layers, bool *flags) {
+static k3_status parse_layer_list(const parser *p, json_t *obj, const char *key, int32_t n_layers, bool *flags) {
     json_t *arr = get(obj, key);
     if (!arr) return missing(p, key);
     if (!json_is_array(arr)) return bad_type(p, key, "a list of 1-based layer numbers");
@@ -225,12 +299,11 @@ static k3_status parse_layer_list(const parser *p, json_t *obj, const char *key,
         if (!json_is_integer(v)) return bad_type(p, key, "a list of 1-based layer numbers");
         json_int_t id = json_integer_value(v);
         if (id < 1 || id > n_layers)
-            return k3_err(p->err, K3_ERR_FORMAT,
-                          "%s: %s.%s: layer %lld is out of range 1..%d (1-based)", p->src,
+            return k3_err(p->err, K3_ERR_FORMAT, "%s: %s.%s: layer %lld is out of range 1..%d (1-based)", p->src,
                           p->where, key, (long long)id, n_layers);
         if (flags[id - 1])
-            return k3_err(p->err, K3_ERR_FORMAT, "%s: %s.%s: layer %lld is listed twice",
-                          p->src, p->where, key, (long long)id);
+            return k3_err(p->err, K3_ERR_FORMAT, "%s: %s.%s: layer %lld is listed twice", p->src, p->where, key,
+                          (long long)id);
         flags[id - 1] = true;
     }
     return K3_OK;
@@ -247,7 +320,8 @@ static k3_status parse_quant(const parser *p, json_t *q, k3_config *cfg) {
     if (strcmp(method, "compressed-tensors") != 0)
         return k3_err(p->err, K3_ERR_UNSUPPORTED,
                       "%s: quantization method '%s' is not supported (only "
-                      "compressed-tensors mxfp4-pack-quantized)", p->src, method);
+                      "compressed-tensors mxfp4-pack-quantized)",
+                      p->src, method);
     const char *format = NULL;
     K3_TRY(get_str(&pq, q, "format", NULL, &format));
     if (format && !strcmp(format, "mxfp4-pack-quantized")) {
@@ -257,7 +331,8 @@ static k3_status parse_quant(const parser *p, json_t *q, k3_config *cfg) {
     if (format)
         return k3_err(p->err, K3_ERR_UNSUPPORTED,
                       "%s: compressed-tensors format '%s' is not supported (only "
-                      "mxfp4-pack-quantized)", p->src, format);
+                      "mxfp4-pack-quantized)",
+                      p->src, format);
     /* No format: accept only groups that describe MXFP4 weights (4-bit
      * float, group 32) and no quantized activations. */
     json_t *groups = get(q, "config_groups");
@@ -272,12 +347,9 @@ static k3_status parse_quant(const parser *p, json_t *q, k3_config *cfg) {
             json_t *gs = w ? get(w, "group_size") : NULL;
             json_t *act = json_is_object(g) ? get(g, "input_activations") : NULL;
             json_t *gf = json_is_object(g) ? get(g, "format") : NULL;
-            if (gf && (!json_is_string(gf) ||
-                       strcmp(json_string_value(gf), "mxfp4-pack-quantized")))
-                ok = false;
-            if (!json_is_integer(bits) || json_integer_value(bits) != 4 ||
-                !json_is_string(type) || strcmp(json_string_value(type), "float") ||
-                !json_is_integer(gs) || json_integer_value(gs) != 32 || act)
+            if (gf && (!json_is_string(gf) || strcmp(json_string_value(gf), "mxfp4-pack-quantized"))) ok = false;
+            if (!json_is_integer(bits) || json_integer_value(bits) != 4 || !json_is_string(type) ||
+                strcmp(json_string_value(type), "float") || !json_is_integer(gs) || json_integer_value(gs) != 32 || act)
                 ok = false;
         }
     }
@@ -285,7 +357,8 @@ static k3_status parse_quant(const parser *p, json_t *q, k3_config *cfg) {
         return k3_err(p->err, K3_ERR_UNSUPPORTED,
                       "%s: compressed-tensors config_groups other than MXFP4 (4-bit "
                       "float weights, group size 32, no quantized activations) are not "
-                      "supported", p->src);
+                      "supported",
+                      p->src);
     cfg->experts_mxfp4 = true;
     return K3_OK;
 }
@@ -307,11 +380,13 @@ static k3_status check_rope_parameters(const parser *p, json_t *tc) {
             if (!json_is_string(v) || strcmp(json_string_value(v), "default"))
                 return k3_err(p->err, K3_ERR_UNSUPPORTED,
                               "%s: rope_parameters.rope_type is not \"default\": scaled RoPE "
-                              "is not supported (k3 runs NoPE MLA only)", p->src);
+                              "is not supported (k3 runs NoPE MLA only)",
+                              p->src);
         } else {
             return k3_err(p->err, K3_ERR_UNSUPPORTED,
                           "%s: rope_parameters.%s is not supported (k3 runs NoPE MLA only; "
-                          "only rope_theta and rope_type \"default\" are accepted)", p->src, key);
+                          "only rope_theta and rope_type \"default\" are accepted)",
+                          p->src, key);
         }
     }
     return K3_OK;
@@ -328,14 +403,12 @@ static k3_status parse_linear(const parser *p, json_t *la, k3_config *cfg) {
     json_t *v;
     json_object_foreach(la, key, v) {
         if (!IN_LIST(key, linear_keys))
-            return k3_err(p->err, K3_ERR_UNSUPPORTED, "%s: unknown field '%s' in %s",
-                          p->src, key, where);
+            return k3_err(p->err, K3_ERR_UNSUPPORTED, "%s: unknown field '%s' in %s", p->src, key, where);
     }
     bool neg = false;
     K3_TRY(get_bool(&pl, la, "allow_neg_eigval", false, &neg));
     if (neg)
-        return k3_err(p->err, K3_ERR_UNSUPPORTED,
-                      "%s: %s.allow_neg_eigval = true is not supported", p->src, where);
+        return k3_err(p->err, K3_ERR_UNSUPPORTED, "%s: %s.allow_neg_eigval = true is not supported", p->src, where);
 
     int n = cfg->n_layers;
     bool kda[K3_MAX_LAYERS] = {0}, full[K3_MAX_LAYERS] = {0};
@@ -348,12 +421,10 @@ static k3_status parse_linear(const parser *p, json_t *la, k3_config *cfg) {
     int n_kda = 0;
     for (int i = 0; i < n; i++) {
         if (kda[i] && full[i])
-            return k3_err(p->err, K3_ERR_FORMAT,
-                          "%s: layer %d is in both kda_layers and full_attn_layers of %s",
+            return k3_err(p->err, K3_ERR_FORMAT, "%s: layer %d is in both kda_layers and full_attn_layers of %s",
                           p->src, i + 1, where);
         if (!kda[i] && !full[i])
-            return k3_err(p->err, K3_ERR_FORMAT,
-                          "%s: layer %d is in neither kda_layers nor full_attn_layers of %s",
+            return k3_err(p->err, K3_ERR_FORMAT, "%s: layer %d is in neither kda_layers nor full_attn_layers of %s",
                           p->src, i + 1, where);
         cfg->layer_kind[i] = kda[i] ? K3_LAYER_KDA : K3_LAYER_MLA;
         n_kda += kda[i];
@@ -368,8 +439,7 @@ static k3_status parse_linear(const parser *p, json_t *la, k3_config *cfg) {
     cfg->kda_has_lower_bound = get(la, "gate_lower_bound") != NULL;
     K3_TRY(get_num(&pl, la, "gate_lower_bound", 0.0, &lb));
     if (cfg->kda_has_lower_bound && !(lb < 0))
-        return k3_err(p->err, K3_ERR_FORMAT,
-                      "%s: %s.gate_lower_bound = %g must be negative", p->src, where, lb);
+        return k3_err(p->err, K3_ERR_FORMAT, "%s: %s.gate_lower_bound = %g must be negative", p->src, where, lb);
     cfg->kda_lower_bound = (float)lb;
     K3_TRY(get_bool(&pl, la, "use_full_rank_gate", false, &cfg->kda_full_rank_gate));
     cfg->kda_gate_rank = cfg->kda_full_rank_gate ? 0 : cfg->kda_head_dim;
@@ -391,11 +461,14 @@ static k3_status check_layer_types(const parser *p, json_t *tc, const k3_config 
                 return k3_err(p->err, K3_ERR_FORMAT,
                               "%s: layer_types[%d] must be \"linear_attention\" or \"full_attention\"", p->src, i);
             if (lin != (cfg->layer_kind[i] == K3_LAYER_KDA))
-                return k3_err(p->err, K3_ERR_FORMAT,
-                              "%s: layer_types[%d] = \"%s\" disagrees with linear_attn_config", p->src, i, t);
+                return k3_err(p->err, K3_ERR_FORMAT, "%s: layer_types[%d] = \"%s\" disagrees with linear_attn_config",
+                              p->src, i, t);
         }
     }
-    const struct { const char *key; int32_t want; } dup[] = {
+    const struct {
+        const char *key;
+        int32_t want;
+    } dup[] = {
         {"linear_num_heads", cfg->kda_heads},
         {"linear_head_dim", cfg->kda_head_dim},
         {"linear_conv_kernel_dim", cfg->conv_size},
@@ -403,8 +476,8 @@ static k3_status check_layer_types(const parser *p, json_t *tc, const k3_config 
     for (size_t i = 0; la && i < sizeof dup / sizeof dup[0]; i++) {
         json_t *v = get(tc, dup[i].key);
         if (v && (!json_is_integer(v) || json_integer_value(v) != dup[i].want))
-            return k3_err(p->err, K3_ERR_FORMAT, "%s: %s disagrees with linear_attn_config (%d)", p->src,
-                          dup[i].key, dup[i].want);
+            return k3_err(p->err, K3_ERR_FORMAT, "%s: %s disagrees with linear_attn_config (%d)", p->src, dup[i].key,
+                          dup[i].want);
     }
     return K3_OK;
 }
@@ -412,13 +485,11 @@ static k3_status check_layer_types(const parser *p, json_t *tc, const k3_config 
 /* ---- the parser --------------------------------------------------------- */
 
 static k3_status parse_root(k3_config *cfg, json_t *root, const char *src, k3_error *err) {
-    if (!json_is_object(root))
-        return k3_err(err, K3_ERR_FORMAT, "%s: the top level is not a JSON object", src);
+    if (!json_is_object(root)) return k3_err(err, K3_ERR_FORMAT, "%s: the top level is not a JSON object", src);
 
     json_t *tc = get(root, "text_config");
     bool nested = tc != NULL;
-    if (nested && !json_is_object(tc))
-        return k3_err(err, K3_ERR_FORMAT, "%s: text_config is not an object", src);
+    if (nested && !json_is_object(tc)) return k3_err(err, K3_ERR_FORMAT, "%s: text_config is not an object", src);
     if (!nested) tc = root;
     parser p = {src, nested ? "text_config" : "the config", err};
     parser pr = {src, "the config", err}; /* root-level fields */
@@ -439,12 +510,13 @@ static k3_status parse_root(k3_config *cfg, json_t *root, const char *src, k3_er
     K3_TRY(get_str(&p, tc, "model_type", root_type, &text_type));
     if (!text_type) return missing(&p, "model_type");
     if (strcmp(text_type, "kimi_linear") && strcmp(text_type, "kimi_k3"))
-        return k3_err(err, K3_ERR_UNSUPPORTED, "%s: model_type '%s' is not supported "
-                      "(kimi_k3 or kimi_linear)", src, text_type);
+        return k3_err(err, K3_ERR_UNSUPPORTED,
+                      "%s: model_type '%s' is not supported "
+                      "(kimi_k3 or kimi_linear)",
+                      src, text_type);
     bool root_k3 = root_type && !strncmp(root_type, "kimi_k3", 7);
     cfg->is_k3 = root_k3 || !strcmp(text_type, "kimi_k3") || get(tc, "attn_res_block_size");
-    snprintf(cfg->model_type, sizeof cfg->model_type, "%s",
-             cfg->is_k3 ? "kimi_k3" : "kimi_linear");
+    snprintf(cfg->model_type, sizeof cfg->model_type, "%s", cfg->is_k3 ? "kimi_k3" : "kimi_linear");
     bool k3 = cfg->is_k3;
 
     /* Sizes. */
@@ -457,8 +529,7 @@ static k3_status parse_root(k3_config *cfg, json_t *root, const char *src, k3_er
     K3_TRY(get_int(&p, tc, "max_position_embeddings", false, mml, 1, big, &cfg->max_positions));
     double eps;
     K3_TRY(get_num(&p, tc, "rms_norm_eps", 1e-5, &eps));
-    if (!(eps > 0 && eps < 1))
-        return k3_err(err, K3_ERR_FORMAT, "%s: rms_norm_eps = %g must be in (0, 1)", src, eps);
+    if (!(eps > 0 && eps < 1)) return k3_err(err, K3_ERR_FORMAT, "%s: rms_norm_eps = %g must be in (0, 1)", src, eps);
     cfg->rms_eps = (float)eps;
     bool tie_root;
     K3_TRY(get_bool(&pr, root, "tie_word_embeddings", false, &tie_root));
@@ -488,19 +559,14 @@ static k3_status parse_root(k3_config *cfg, json_t *root, const char *src, k3_er
         bool nope;
         /* both families are NoPE; transformers' KimiLinear has no other mode */
         K3_TRY(get_bool(&p, tc, "mla_use_nope", true, &nope));
-        if (!nope)
-            return k3_err(err, K3_ERR_UNSUPPORTED,
-                          "%s: mla_use_nope is false: RoPE MLA not supported", src);
+        if (!nope) return k3_err(err, K3_ERR_UNSUPPORTED, "%s: mla_use_nope is false: RoPE MLA not supported", src);
         K3_TRY(check_rope_parameters(&p, tc));
         json_t *rs = json_object_get(tc, "rope_scaling");
         if (rs && !json_is_null(rs))
-            return k3_err(err, K3_ERR_UNSUPPORTED,
-                          "%s: rope_scaling is set, but k3 runs NoPE MLA only", src);
+            return k3_err(err, K3_ERR_UNSUPPORTED, "%s: rope_scaling is set, but k3 runs NoPE MLA only", src);
         bool bias;
         K3_TRY(get_bool(&p, tc, "attention_bias", false, &bias));
-        if (bias)
-            return k3_err(err, K3_ERR_UNSUPPORTED,
-                          "%s: attention_bias = true is not supported", src);
+        if (bias) return k3_err(err, K3_ERR_UNSUPPORTED, "%s: attention_bias = true is not supported", src);
         /* per-head log-sum-exp rows live on the stack in forward.c: K3_MAX_HEADS */
         K3_TRY(get_i32(&p, tc, "num_attention_heads", true, 0, 1, K3_MAX_HEADS, &cfg->n_heads));
         K3_TRY(get_i32(&p, tc, "q_lora_rank", false, 0, 0, 1 << 20, &cfg->q_lora_rank));
@@ -516,15 +582,14 @@ static k3_status parse_root(k3_config *cfg, json_t *root, const char *src, k3_er
     }
 
     /* DSA: the index_* fields turn full-attention layers into DSA layers. */
-    bool has_idx = get(tc, "index_n_heads") || get(tc, "index_head_dim") ||
-                   get(tc, "index_topk") || get(tc, "index_layers");
+    bool has_idx =
+        get(tc, "index_n_heads") || get(tc, "index_head_dim") || get(tc, "index_topk") || get(tc, "index_layers");
     if (has_idx) {
         K3_TRY(get_i32(&p, tc, "index_n_heads", true, 0, 1, 1 << 16, &cfg->index_n_heads));
         K3_TRY(get_i32(&p, tc, "index_head_dim", true, 0, 1, 1 << 16, &cfg->index_head_dim));
         K3_TRY(get_i32(&p, tc, "index_topk", true, 0, 1, INT32_MAX, &cfg->index_topk));
         if (n_full > 0 && cfg->q_lora_rank == 0)
-            return k3_err(err, K3_ERR_UNSUPPORTED,
-                          "%s: a DSA indexer needs q_lora_rank > 0 (it reads the q latent)",
+            return k3_err(err, K3_ERR_UNSUPPORTED, "%s: a DSA indexer needs q_lora_rank > 0 (it reads the q latent)",
                           src);
         bool sel[K3_MAX_LAYERS] = {0};
         if (get(tc, "index_layers")) {
@@ -533,7 +598,8 @@ static k3_status parse_root(k3_config *cfg, json_t *root, const char *src, k3_er
                 if (sel[i] && cfg->layer_kind[i] != K3_LAYER_MLA)
                     return k3_err(err, K3_ERR_FORMAT,
                                   "%s: index_layers names layer %d, which is not a "
-                                  "full-attention layer", src, i + 1);
+                                  "full-attention layer",
+                                  src, i + 1);
         } else {
             for (int i = 0; i < cfg->n_layers; i++) sel[i] = cfg->layer_kind[i] == K3_LAYER_MLA;
         }
@@ -542,8 +608,8 @@ static k3_status parse_root(k3_config *cfg, json_t *root, const char *src, k3_er
     }
 
     /* AttnRes. */
-    K3_TRY(get_i32(&p, tc, "attn_res_block_size", false, root_k3 ? 12 : 0, 1, K3_MAX_LAYERS,
-                &cfg->attn_res_block_size));
+    K3_TRY(
+        get_i32(&p, tc, "attn_res_block_size", false, root_k3 ? 12 : 0, 1, K3_MAX_LAYERS, &cfg->attn_res_block_size));
 
     /* Activation. */
     const char *act;
@@ -551,8 +617,10 @@ static k3_status parse_root(k3_config *cfg, json_t *root, const char *src, k3_er
     if (!strcmp(act, "situ")) cfg->act = K3_ACT_SITU;
     else if (!strcmp(act, "silu")) cfg->act = K3_ACT_SILU;
     else
-        return k3_err(err, K3_ERR_UNSUPPORTED, "%s: hidden_act '%s' is not supported "
-                      "(situ or silu)", src, act);
+        return k3_err(err, K3_ERR_UNSUPPORTED,
+                      "%s: hidden_act '%s' is not supported "
+                      "(situ or silu)",
+                      src, act);
     if (cfg->act == K3_ACT_SITU) {
         /* Official _get_situ_activation_params: beta = config beta or 1.0
          * (absent, null and 0 all give 1.0); linear beta absent or null = no
@@ -564,7 +632,8 @@ static k3_status parse_root(k3_config *cfg, json_t *root, const char *src, k3_er
         if (!(b1 > 0) || b2 < 0)
             return k3_err(err, K3_ERR_FORMAT,
                           "%s: activation_situ_beta (%g) must be > 0 and "
-                          "activation_situ_linear_beta (%g) >= 0", src, b1, b2);
+                          "activation_situ_linear_beta (%g) >= 0",
+                          src, b1, b2);
         cfg->situ_beta = (float)b1;
         cfg->situ_linear_beta = (float)b2;
     }
@@ -586,29 +655,22 @@ static k3_status parse_root(k3_config *cfg, json_t *root, const char *src, k3_er
         if (mlt) {
             const char *t = json_string_value(json_array_get(mlt, (size_t)i));
             if (!t || (strcmp(t, "dense") && strcmp(t, "sparse")))
-                return k3_err(err, K3_ERR_FORMAT, "%s: mlp_layer_types[%d] must be \"dense\" or \"sparse\"",
-                              src, i);
+                return k3_err(err, K3_ERR_FORMAT, "%s: mlp_layer_types[%d] must be \"dense\" or \"sparse\"", src, i);
             cfg->layer_moe[i] = !strcmp(t, "sparse");
             if (cfg->layer_moe[i] && cfg->n_experts == 0)
-                return k3_err(err, K3_ERR_FORMAT, "%s: mlp_layer_types[%d] is sparse but num_experts is 0",
-                              src, i);
-        } else
-        cfg->layer_moe[i] = cfg->n_experts > 0 && i >= cfg->first_k_dense &&
-                            i % cfg->moe_layer_freq == 0;
+                return k3_err(err, K3_ERR_FORMAT, "%s: mlp_layer_types[%d] is sparse but num_experts is 0", src, i);
+        } else cfg->layer_moe[i] = cfg->n_experts > 0 && i >= cfg->first_k_dense && i % cfg->moe_layer_freq == 0;
         n_moe += cfg->layer_moe[i];
         n_dense += !cfg->layer_moe[i];
     }
-    if (n_dense > 0)
-        K3_TRY(get_int(&p, tc, "intermediate_size", true, 0, 1, big, &cfg->intermediate_size));
+    if (n_dense > 0) K3_TRY(get_int(&p, tc, "intermediate_size", true, 0, 1, big, &cfg->intermediate_size));
     if (n_moe > 0) {
         int E = cfg->n_experts;
         K3_TRY(get_i32(&p, tc, "num_experts_per_token", true, 0, 1, E, &cfg->n_experts_per_tok));
-        K3_TRY(get_i32(&p, tc, "num_shared_experts", false, k3 ? 2 : 1, 0, 1024,
-                    &cfg->n_shared_experts));
+        K3_TRY(get_i32(&p, tc, "num_shared_experts", false, k3 ? 2 : 1, 0, 1024, &cfg->n_shared_experts));
         K3_TRY(get_int(&p, tc, "moe_intermediate_size", true, 0, 1, big, &cfg->moe_intermediate));
         cfg->latent_moe = get(tc, "routed_expert_hidden_size") != NULL;
-        K3_TRY(get_int(&p, tc, "routed_expert_hidden_size", false, cfg->hidden_size, 1, big,
-                    &cfg->expert_dim));
+        K3_TRY(get_int(&p, tc, "routed_expert_hidden_size", false, cfg->hidden_size, 1, big, &cfg->expert_dim));
         K3_TRY(get_bool(&p, tc, "latent_moe_use_norm", k3, &cfg->latent_moe_norm));
         if (!cfg->latent_moe) cfg->latent_moe_norm = false;
         const char *router;
@@ -616,59 +678,48 @@ static k3_status parse_root(k3_config *cfg, json_t *root, const char *src, k3_er
         if (!strcmp(router, "sigmoid")) cfg->router_sigmoid = true;
         else if (!strcmp(router, "softmax")) cfg->router_sigmoid = false;
         else
-            return k3_err(err, K3_ERR_UNSUPPORTED,
-                          "%s: moe_router_activation_func '%s' is not supported", src, router);
+            return k3_err(err, K3_ERR_UNSUPPORTED, "%s: moe_router_activation_func '%s' is not supported", src, router);
         const char *topk_method;
         K3_TRY(get_str(&p, tc, "topk_method", "noaux_tc", &topk_method));
         if (strcmp(topk_method, "noaux_tc") && strcmp(topk_method, "greedy"))
-            return k3_err(err, K3_ERR_UNSUPPORTED, "%s: topk_method '%s' is not supported",
-                          src, topk_method);
+            return k3_err(err, K3_ERR_UNSUPPORTED, "%s: topk_method '%s' is not supported", src, topk_method);
         K3_TRY(get_bool(&p, tc, "moe_renormalize", true, &cfg->moe_renormalize));
         double scale;
         /* defaults as in each family's config class (KimiLinear: 2.446) */
         K3_TRY(get_num(&p, tc, "routed_scaling_factor", k3 ? 1.0 : 2.446, &scale));
-        if (!(scale > 0))
-            return k3_err(err, K3_ERR_FORMAT, "%s: routed_scaling_factor = %g must be > 0",
-                          src, scale);
+        if (!(scale > 0)) return k3_err(err, K3_ERR_FORMAT, "%s: routed_scaling_factor = %g must be > 0", src, scale);
         cfg->routed_scaling = (float)scale;
         /* the router ranks groups in fixed arrays (moe.c): at most K3_MOE_MAX_GROUPS */
         K3_TRY(get_i32(&p, tc, "num_expert_group", false, 1, 1, E < K3_MOE_MAX_GROUPS ? E : K3_MOE_MAX_GROUPS,
-                    &cfg->n_expert_groups));
-        K3_TRY(get_i32(&p, tc, "topk_group", false, 1, 1, cfg->n_expert_groups,
-                    &cfg->topk_groups));
+                       &cfg->n_expert_groups));
+        K3_TRY(get_i32(&p, tc, "topk_group", false, 1, 1, cfg->n_expert_groups, &cfg->topk_groups));
         if (E % cfg->n_expert_groups)
-            return k3_err(err, K3_ERR_FORMAT,
-                          "%s: num_experts (%d) is not a multiple of num_expert_group (%d)",
-                          src, E, cfg->n_expert_groups);
+            return k3_err(err, K3_ERR_FORMAT, "%s: num_experts (%d) is not a multiple of num_expert_group (%d)", src, E,
+                          cfg->n_expert_groups);
         if (cfg->n_expert_groups > cfg->topk_groups &&
             (int64_t)cfg->topk_groups * (E / cfg->n_expert_groups) < cfg->n_experts_per_tok)
-            return k3_err(err, K3_ERR_FORMAT,
-                          "%s: topk_group %d x %d experts per group < num_experts_per_token %d",
-                          src, cfg->topk_groups, E / cfg->n_expert_groups,
-                          cfg->n_experts_per_tok);
+            return k3_err(err, K3_ERR_FORMAT, "%s: topk_group %d x %d experts per group < num_experts_per_token %d",
+                          src, cfg->topk_groups, E / cfg->n_expert_groups, cfg->n_experts_per_tok);
         if (cfg->experts_mxfp4 && (cfg->expert_dim % 32 || cfg->moe_intermediate % 32))
             return k3_err(err, K3_ERR_FORMAT,
                           "%s: MXFP4 experts need widths that are multiples of 32, got "
-                          "expert input %lld and moe_intermediate_size %lld", src,
-                          (long long)cfg->expert_dim, (long long)cfg->moe_intermediate);
+                          "expert input %lld and moe_intermediate_size %lld",
+                          src, (long long)cfg->expert_dim, (long long)cfg->moe_intermediate);
     }
     return K3_OK;
 }
 
-k3_status k3_config_parse(k3_config *cfg, const char *json, size_t len, const char *src,
-                          k3_error *err) {
+k3_status k3_config_parse(k3_config *cfg, const char *json, size_t len, const char *src, k3_error *err) {
     memset(cfg, 0, sizeof *cfg);
     if (!src) src = "config.json";
-    if (len > CONFIG_MAX_BYTES)
-        return k3_err(err, K3_ERR_FORMAT, "%s: %zu bytes is over the 1 MB limit", src, len);
+    if (len > CONFIG_MAX_BYTES) return k3_err(err, K3_ERR_FORMAT, "%s: %zu bytes is over the 1 MB limit", src, len);
     if (k3_json_too_deep(json, len, CONFIG_MAX_DEPTH))
-        return k3_err(err, K3_ERR_FORMAT, "%s: JSON nests deeper than %d levels", src,
-                      CONFIG_MAX_DEPTH);
+        return k3_err(err, K3_ERR_FORMAT, "%s: JSON nests deeper than %d levels", src, CONFIG_MAX_DEPTH);
     json_error_t je;
     json_t *root = json_loadb(json, len, JSON_REJECT_DUPLICATES, &je);
     if (!root)
-        return k3_err(err, K3_ERR_FORMAT, "%s: invalid JSON at line %d column %d: %s", src,
-                      je.line, je.column, je.text);
+        return k3_err(err, K3_ERR_FORMAT, "%s: invalid JSON at line %d column %d: %s", src, je.line, je.column,
+                      je.text);
     k3_status s = parse_root(cfg, root, src, err);
     json_decref(root);
     if (s != K3_OK) memset(cfg, 0, sizeof *cfg);

@@ -30,20 +30,20 @@
 typedef enum pass { PASS_CHECK, PASS_LOAD, PASS_COUNT } pass;
 
 typedef struct stats {
-    int64_t params, bytes;          /* every bound text tensor (embed once) */
-    int64_t exp_params, exp_bytes;  /* routed experts, all layers */
-    int64_t emb_params, emb_bytes;  /* the embedding table */
+    int64_t params, bytes;         /* every bound text tensor (embed once) */
+    int64_t exp_params, exp_bytes; /* routed experts, all layers */
+    int64_t emb_params, emb_bytes; /* the embedding table */
 } stats;
 
 typedef struct walker {
-    const k3_model *m;  /* config and tensors */
-    k3_model *out;      /* where views and copies go; NULL in PASS_COUNT */
+    const k3_model *m; /* config and tensors */
+    k3_model *out;     /* where views and copies go; NULL in PASS_COUNT */
     pass pass;
     k3_error *err;
-    const char *pfx;    /* PFX when the checkpoint uses it, else "" */
-    bool expert;        /* the tensors being bound are routed experts */
+    const char *pfx; /* PFX when the checkpoint uses it, else "" */
+    bool expert;     /* the tensors being bound are routed experts */
     stats st;
-    char name[256];     /* the current name, without prefix */
+    char name[256]; /* the current name, without prefix */
 } walker;
 
 /* ---- small helpers ------------------------------------------------------ */
@@ -66,8 +66,7 @@ static const k3_st_tensor *lookup(const walker *w, const char *name) {
 }
 
 /* The name as the checkpoint spells it (for messages). */
-static const char *full_name(const walker *w, const k3_st_tensor *t, const char *name,
-                             char *buf, size_t size) {
+static const char *full_name(const walker *w, const k3_st_tensor *t, const char *name, char *buf, size_t size) {
     if (t) return t->name;
     snprintf(buf, size, "%s%s", w->pfx, name);
     return buf;
@@ -77,8 +76,7 @@ static k3_status need(walker *w, const char *name, const k3_st_tensor **out) {
     *out = lookup(w, name);
     if (*out) return K3_OK;
     char buf[512];
-    return k3_err(w->err, K3_ERR_FORMAT, "missing tensor '%s'",
-                  full_name(w, NULL, name, buf, sizeof buf));
+    return k3_err(w->err, K3_ERR_FORMAT, "missing tensor '%s'", full_name(w, NULL, name, buf, sizeof buf));
 }
 
 static void fmt_shape(char *buf, size_t size, const int64_t *shape, int ndim) {
@@ -102,13 +100,11 @@ static bool same_shape(const k3_st_tensor *t, const int64_t *want, int ndim) {
     return true;
 }
 
-static bool is_float(k3_dtype d) {
-    return d == K3_DTYPE_BF16 || d == K3_DTYPE_F16 || d == K3_DTYPE_F32;
-}
+static bool is_float(k3_dtype d) { return d == K3_DTYPE_BF16 || d == K3_DTYPE_F16 || d == K3_DTYPE_F32; }
 
 static k3_status bad_dtype(walker *w, const k3_st_tensor *t, const char *allowed) {
-    return k3_err(w->err, K3_ERR_SHAPE, "tensor '%s': dtype %s is not allowed (expected %s)",
-                  t->name, k3_dtype_name(t->dtype), allowed);
+    return k3_err(w->err, K3_ERR_SHAPE, "tensor '%s': dtype %s is not allowed (expected %s)", t->name,
+                  k3_dtype_name(t->dtype), allowed);
 }
 
 /* A zero dimension makes it 0 whatever the others are (they may be huge:
@@ -187,15 +183,12 @@ static void *own_packed(k3_model *m, size_t n) {
 /* An fp32 buffer the model owns. */
 static float *own(walker *w, int64_t n) { return own_bytes(w->out, (size_t)(n > 0 ? n : 1) * sizeof(float)); }
 
-static k3_status nomem(walker *w) {
-    return k3_err(w->err, K3_ERR_NOMEM, "out of memory loading %s", w->m->dir);
-}
+static k3_status nomem(walker *w) { return k3_err(w->err, K3_ERR_NOMEM, "out of memory loading %s", w->m->dir); }
 
 /* ---- binders ------------------------------------------------------------ */
 
 /* A matrix [rows, cols] in BF16/F16/F32, viewed in place. */
-static k3_status bind_mat(walker *w, k3_mat *dst, const char *name, int64_t rows,
-                          int64_t cols) {
+static k3_status bind_mat(walker *w, k3_mat *dst, const char *name, int64_t rows, int64_t cols) {
     if (w->pass == PASS_LOAD) return K3_OK;
     const k3_st_tensor *t;
     k3_status s = need(w, name, &t);
@@ -203,7 +196,8 @@ static k3_status bind_mat(walker *w, k3_mat *dst, const char *name, int64_t rows
     if (!is_float(t->dtype)) return bad_dtype(w, t, "BF16, F16 or F32");
     int64_t want[2] = {rows, cols};
     if (!same_shape(t, want, 2)) return bad_shape(w, t, want, 2);
-    if (dst && w->out) *dst = (k3_mat){.type = k3_model_wtype_of(t->dtype), .rows = rows, .cols = cols, .data = t->data};
+    if (dst && w->out)
+        *dst = (k3_mat){.type = k3_model_wtype_of(t->dtype), .rows = rows, .cols = cols, .data = t->data};
     count(w, rows * cols, (int64_t)t->nbytes);
     return K3_OK;
 }
@@ -211,8 +205,7 @@ static k3_status bind_mat(walker *w, k3_mat *dst, const char *name, int64_t rows
 /* A routed expert matrix W[rows, cols] in MXFP4: NAME.weight_packed U8
  * [rows, cols/2] + NAME.weight_scale U8 [rows, cols/32]. LOAD scans the
  * scales for 255 (NaN in E8M0), which the kernels must never see. */
-static k3_status bind_mxfp4(walker *w, k3_mat *dst, const char *base, int64_t rows,
-                            int64_t cols) {
+static k3_status bind_mxfp4(walker *w, k3_mat *dst, const char *base, int64_t rows, int64_t cols) {
     char pn[320], sn[320];
     snprintf(pn, sizeof pn, "%s.weight_packed", base);
     snprintf(sn, sizeof sn, "%s.weight_scale", base);
@@ -227,8 +220,8 @@ static k3_status bind_mxfp4(walker *w, k3_mat *dst, const char *base, int64_t ro
             int64_t off = hit - sc->data;
             return k3_err(w->err, K3_ERR_FORMAT,
                           "tensor '%s': E8M0 scale 255 (NaN) at row %lld, block %lld "
-                          "(columns %lld..%lld)", sc->name, (long long)(off / nb),
-                          (long long)(off % nb), (long long)(off % nb * 32),
+                          "(columns %lld..%lld)",
+                          sc->name, (long long)(off / nb), (long long)(off % nb), (long long)(off % nb * 32),
                           (long long)(off % nb * 32 + 31));
         }
         return K3_OK;
@@ -238,14 +231,15 @@ static k3_status bind_mxfp4(walker *w, k3_mat *dst, const char *base, int64_t ro
     int64_t wp[2] = {rows, cols / 2}, ws[2] = {rows, cols / 32};
     if (!same_shape(p, wp, 2)) return bad_shape(w, p, wp, 2);
     if (!same_shape(sc, ws, 2)) return bad_shape(w, sc, ws, 2);
-    if (dst && w->out) *dst = (k3_mat){.type = K3_W_MXFP4, .rows = rows, .cols = cols, .data = p->data, .scale = sc->data};
+    if (dst && w->out)
+        *dst = (k3_mat){.type = K3_W_MXFP4, .rows = rows, .cols = cols, .data = p->data, .scale = sc->data};
     count(w, rows * cols, (int64_t)(p->nbytes + sc->nbytes));
     return K3_OK;
 }
 
 /* Checks a vector-like tensor: dtype float, shape one of the allowed forms. */
-static k3_status check_vec(walker *w, const k3_st_tensor *t, const int64_t *want, int ndim,
-                           const int64_t *alt, int alt_ndim) {
+static k3_status check_vec(walker *w, const k3_st_tensor *t, const int64_t *want, int ndim, const int64_t *alt,
+                           int alt_ndim) {
     if (!is_float(t->dtype)) return bad_dtype(w, t, "BF16, F16 or F32");
     if (same_shape(t, want, ndim) || (alt && same_shape(t, alt, alt_ndim))) return K3_OK;
     return bad_shape(w, t, want, ndim);
@@ -261,8 +255,7 @@ static k3_status load_vec(walker *w, float **dst, const k3_st_tensor *t, int64_t
 }
 
 /* A vector [n] -> owned fp32. optional: absent leaves *dst NULL. */
-static k3_status bind_vec_opt(walker *w, float **dst, const char *name, int64_t n,
-                              bool optional) {
+static k3_status bind_vec_opt(walker *w, float **dst, const char *name, int64_t n, bool optional) {
     const k3_st_tensor *t = lookup(w, name);
     if (!t && optional) return K3_OK;
     k3_status s = need(w, name, &t);
@@ -311,8 +304,8 @@ static k3_status bind_alog(walker *w, float **dst, const char *name, int64_t h) 
         if (!(t->ndim == 1 && t->shape[0] >= h) && numel(t) != h)
             return k3_err(w->err, K3_ERR_SHAPE,
                           "tensor '%s': expected shape [%lld] (or padded to more), got "
-                          "%d dimensions and %lld elements", t->name, (long long)h, t->ndim,
-                          (long long)numel(t));
+                          "%d dimensions and %lld elements",
+                          t->name, (long long)h, t->ndim, (long long)numel(t));
         count(w, numel(t), (int64_t)t->nbytes);
         return K3_OK;
     }
@@ -320,8 +313,7 @@ static k3_status bind_alog(walker *w, float **dst, const char *name, int64_t h) 
 }
 
 /* AttnRes pseudo-query: norm [D] ⊙ proj[0, :] ([1, D], or [D]). */
-static k3_status bind_res(walker *w, float **dst, const char *norm_name,
-                          const char *proj_name, int64_t d) {
+static k3_status bind_res(walker *w, float **dst, const char *norm_name, const char *proj_name, int64_t d) {
     const k3_st_tensor *tn, *tp;
     k3_status s = need(w, norm_name, &tn);
     if (s == K3_OK) s = need(w, proj_name, &tp);
@@ -335,8 +327,7 @@ static k3_status bind_res(walker *w, float **dst, const char *norm_name,
     }
     float *r = own(w, d);
     if (!r) return nomem(w);
-    for (int64_t i = 0; i < d; i++)
-        r[i] = elem_f32(tn->data, tn->dtype, i) * elem_f32(tp->data, tp->dtype, i);
+    for (int64_t i = 0; i < d; i++) r[i] = elem_f32(tn->data, tn->dtype, i) * elem_f32(tp->data, tp->dtype, i);
     *dst = r;
     return K3_OK;
 }
@@ -418,10 +409,8 @@ static k3_status walk_kda(walker *w, int i, k3_layer *L) {
     for (int j = 0; j < 3; j++) {
         k3_mat *proj = L ? (j == 0 ? &L->q_proj : j == 1 ? &L->k_proj : &L->v_proj) : NULL;
         float **conv = L ? (j == 0 ? &L->q_conv : j == 1 ? &L->k_conv : &L->v_conv) : NULL;
-        K3_TRY(bind_mat(w, proj, nm(w, "model.layers.%d.self_attn.%s_proj.weight", i, qkv[j]),
-                     HD, D));
-        K3_TRY(bind_conv(w, conv, nm(w, "model.layers.%d.self_attn.%s_conv1d.weight", i, qkv[j]),
-                      HD, c->conv_size));
+        K3_TRY(bind_mat(w, proj, nm(w, "model.layers.%d.self_attn.%s_proj.weight", i, qkv[j]), HD, D));
+        K3_TRY(bind_conv(w, conv, nm(w, "model.layers.%d.self_attn.%s_conv1d.weight", i, qkv[j]), HD, c->conv_size));
     }
     K3_TRY(bind_mat(w, F(o_proj), nm(w, "model.layers.%d.self_attn.o_proj.weight", i), D, HD));
     K3_TRY(bind_mat(w, F(f_a), nm(w, "model.layers.%d.self_attn.f_a_proj.weight", i), dk, D));
@@ -447,35 +436,25 @@ static k3_status walk_mla(walker *w, int i, k3_layer *L) {
     int64_t qk = c->qk_nope_dim + c->qk_rope_dim, v = c->v_head_dim;
     if (ql > 0) {
         K3_TRY(bind_mat(w, F(q_a), nm(w, "model.layers.%d.self_attn.q_a_proj.weight", i), ql, D));
-        K3_TRY(bind_vec(w, F(q_a_norm), nm(w, "model.layers.%d.self_attn.q_a_layernorm.weight", i),
-                     ql));
-        K3_TRY(bind_mat(w, F(q_b), nm(w, "model.layers.%d.self_attn.q_b_proj.weight", i), H * qk,
-                     ql));
+        K3_TRY(bind_vec(w, F(q_a_norm), nm(w, "model.layers.%d.self_attn.q_a_layernorm.weight", i), ql));
+        K3_TRY(bind_mat(w, F(q_b), nm(w, "model.layers.%d.self_attn.q_b_proj.weight", i), H * qk, ql));
     } else {
         K3_TRY(bind_mat(w, F(q_b), nm(w, "model.layers.%d.self_attn.q_proj.weight", i), H * qk, D));
     }
-    K3_TRY(bind_mat(w, F(kv_a), nm(w, "model.layers.%d.self_attn.kv_a_proj_with_mqa.weight", i),
-                 kv + c->qk_rope_dim, D));
-    K3_TRY(bind_vec(w, F(kv_a_norm), nm(w, "model.layers.%d.self_attn.kv_a_layernorm.weight", i),
-                 kv));
-    K3_TRY(bind_mat(w, F(kv_b), nm(w, "model.layers.%d.self_attn.kv_b_proj.weight", i),
-                 H * (c->qk_nope_dim + v), kv));
+    K3_TRY(
+        bind_mat(w, F(kv_a), nm(w, "model.layers.%d.self_attn.kv_a_proj_with_mqa.weight", i), kv + c->qk_rope_dim, D));
+    K3_TRY(bind_vec(w, F(kv_a_norm), nm(w, "model.layers.%d.self_attn.kv_a_layernorm.weight", i), kv));
+    K3_TRY(bind_mat(w, F(kv_b), nm(w, "model.layers.%d.self_attn.kv_b_proj.weight", i), H * (c->qk_nope_dim + v), kv));
     K3_TRY(bind_mat(w, F(o_proj), nm(w, "model.layers.%d.self_attn.o_proj.weight", i), D, H * v));
     if (c->mla_use_output_gate)
-        K3_TRY(bind_mat(w, F(g_proj), nm(w, "model.layers.%d.self_attn.g_proj.weight", i), H * v,
-                     D));
+        K3_TRY(bind_mat(w, F(g_proj), nm(w, "model.layers.%d.self_attn.g_proj.weight", i), H * v, D));
     if (c->layer_kind[i] == K3_LAYER_DSA) {
         int64_t HI = c->index_n_heads, dI = c->index_head_dim;
-        K3_TRY(bind_mat(w, F(idx_wq_b),
-                     nm(w, "model.layers.%d.self_attn.indexer.wq_b.weight", i), HI * dI, ql));
-        K3_TRY(bind_mat(w, F(idx_wk), nm(w, "model.layers.%d.self_attn.indexer.wk.weight", i), dI,
-                     D));
-        K3_TRY(bind_vec(w, F(idx_k_norm_w),
-                     nm(w, "model.layers.%d.self_attn.indexer.k_norm.weight", i), dI));
-        K3_TRY(bind_vec(w, F(idx_k_norm_b),
-                     nm(w, "model.layers.%d.self_attn.indexer.k_norm.bias", i), dI));
-        K3_TRY(bind_mat(w, F(idx_weights),
-                     nm(w, "model.layers.%d.self_attn.indexer.weights_proj.weight", i), HI, D));
+        K3_TRY(bind_mat(w, F(idx_wq_b), nm(w, "model.layers.%d.self_attn.indexer.wq_b.weight", i), HI * dI, ql));
+        K3_TRY(bind_mat(w, F(idx_wk), nm(w, "model.layers.%d.self_attn.indexer.wk.weight", i), dI, D));
+        K3_TRY(bind_vec(w, F(idx_k_norm_w), nm(w, "model.layers.%d.self_attn.indexer.k_norm.weight", i), dI));
+        K3_TRY(bind_vec(w, F(idx_k_norm_b), nm(w, "model.layers.%d.self_attn.indexer.k_norm.bias", i), dI));
+        K3_TRY(bind_mat(w, F(idx_weights), nm(w, "model.layers.%d.self_attn.indexer.weights_proj.weight", i), HI, D));
     }
     if (w->pass == PASS_LOAD) {
         K3_TRY(derive_wuk(w, L));
@@ -495,8 +474,7 @@ static k3_status walk_moe(walker *w, int i, k3_layer *L) {
     if (c->latent_moe) {
         K3_TRY(bind_mat(w, F(lat_down), MOE("routed_expert_down_proj.weight"), Dl, D));
         K3_TRY(bind_mat(w, F(lat_up), MOE("routed_expert_up_proj.weight"), D, Dl));
-        if (c->latent_moe_norm)
-            K3_TRY(bind_vec(w, F(lat_norm), MOE("routed_expert_norm.weight"), Dl));
+        if (c->latent_moe_norm) K3_TRY(bind_vec(w, F(lat_norm), MOE("routed_expert_norm.weight"), Dl));
     }
     if (c->n_shared_experts > 0) {
         int64_t S = c->n_shared_experts * Im;
@@ -527,21 +505,17 @@ static k3_status walk_moe(walker *w, int i, k3_layer *L) {
         /* EP: another rank's expert is neither bound nor read */
         if (L && w->out->ep_size > 1 && e / (E / w->out->ep_size) != w->out->ep_rank) continue;
         for (int j = 0; j < 3; j++) {
-            k3_mat *dst = L ? (j == 0 ? &L->exp_gate[e] : j == 1 ? &L->exp_up[e]
-                                                                 : &L->exp_down[e])
-                            : NULL;
+            k3_mat *dst = L ? (j == 0 ? &L->exp_gate[e] : j == 1 ? &L->exp_up[e] : &L->exp_down[e]) : NULL;
             int64_t rows = j < 2 ? Im : Dl, cols = j < 2 ? Dl : Im;
             k3_status s;
             if (c->experts_mxfp4) {
-                nm(w, "model.layers.%d.block_sparse_moe.experts.%lld.%s", i, (long long)e,
-                   wn[j]);
+                nm(w, "model.layers.%d.block_sparse_moe.experts.%lld.%s", i, (long long)e, wn[j]);
                 char base[256];
                 memcpy(base, w->name, sizeof base);
                 s = bind_mxfp4(w, dst, base, rows, cols);
             } else {
                 s = bind_mat(w, dst,
-                             nm(w, "model.layers.%d.block_sparse_moe.experts.%lld.%s.weight", i,
-                                (long long)e, wn[j]),
+                             nm(w, "model.layers.%d.block_sparse_moe.experts.%lld.%s.weight", i, (long long)e, wn[j]),
                              rows, cols);
             }
             if (s != K3_OK) {
@@ -569,13 +543,11 @@ static k3_status walk_layer(walker *w, int i, k3_layer *L) {
         L->moe = c->layer_moe[i];
     }
     K3_TRY(bind_vec(w, F(input_norm), nm(w, "model.layers.%d.input_layernorm.weight", i), D));
-    K3_TRY(bind_vec(w, F(post_attn_norm), nm(w, "model.layers.%d.post_attention_layernorm.weight", i),
-                 D));
+    K3_TRY(bind_vec(w, F(post_attn_norm), nm(w, "model.layers.%d.post_attention_layernorm.weight", i), D));
     if (c->attn_res_block_size > 0) {
         char pn[256];
         snprintf(pn, sizeof pn, "model.layers.%d.self_attention_res_proj.weight", i);
-        K3_TRY(bind_res(w, F(attn_res_w), nm(w, "model.layers.%d.self_attention_res_norm.weight", i),
-                     pn, D));
+        K3_TRY(bind_res(w, F(attn_res_w), nm(w, "model.layers.%d.self_attention_res_norm.weight", i), pn, D));
         snprintf(pn, sizeof pn, "model.layers.%d.mlp_res_proj.weight", i);
         K3_TRY(bind_res(w, F(mlp_res_w), nm(w, "model.layers.%d.mlp_res_norm.weight", i), pn, D));
     }
@@ -617,9 +589,8 @@ static k3_status walk_model(walker *w) {
     K3_TRY(bind_vec(w, o ? &o->final_norm : NULL, "model.norm.weight", D));
     if (c->attn_res_block_size > 0)
         K3_TRY(bind_res(w, o ? &o->out_res_w : NULL, "model.output_attn_res_norm.weight",
-                     "model.output_attn_res_proj.weight", D));
-    for (int i = 0; i < c->n_layers; i++)
-        K3_TRY(walk_layer(w, i, o ? &o->layers[i] : NULL));
+                        "model.output_attn_res_proj.weight", D));
+    for (int i = 0; i < c->n_layers; i++) K3_TRY(walk_layer(w, i, o ? &o->layers[i] : NULL));
     return K3_OK;
 }
 
@@ -775,40 +746,36 @@ size_t k3_model_describe(const k3_model *m, char *buf, size_t size) {
     size_t n = 0;
     char h1[32], h2[32], h3[32], h4[32];
     if (size) buf[0] = 0;
-    put(buf, size, &n, "model: %s (%s)\n", c->model_type,
-        c->is_k3 ? "Kimi K3 family" : "Kimi-Linear family");
-    put(buf, size, &n, "vocab %lld, hidden %lld, %d layers (%d KDA, %d MLA, %d DSA), "
-        "max positions %lld, rms eps %g%s\n", (long long)c->vocab_size,
-        (long long)c->hidden_size, c->n_layers, in.n_kda, in.n_mla, in.n_dsa,
+    put(buf, size, &n, "model: %s (%s)\n", c->model_type, c->is_k3 ? "Kimi K3 family" : "Kimi-Linear family");
+    put(buf, size, &n,
+        "vocab %lld, hidden %lld, %d layers (%d KDA, %d MLA, %d DSA), "
+        "max positions %lld, rms eps %g%s\n",
+        (long long)c->vocab_size, (long long)c->hidden_size, c->n_layers, in.n_kda, in.n_mla, in.n_dsa,
         (long long)c->max_positions, c->rms_eps, c->tie_word_embeddings ? ", tied lm_head" : "");
     if (in.n_kda)
-        put(buf, size, &n, "KDA: %d heads x %d, conv %d, decay %s, output gate %s\n",
-            c->kda_heads, c->kda_head_dim, c->conv_size,
-            c->kda_has_lower_bound ? "bounded sigmoid" : "softplus",
+        put(buf, size, &n, "KDA: %d heads x %d, conv %d, decay %s, output gate %s\n", c->kda_heads, c->kda_head_dim,
+            c->conv_size, c->kda_has_lower_bound ? "bounded sigmoid" : "softplus",
             c->kda_full_rank_gate ? "full rank" : "low rank");
     if (in.n_mla + in.n_dsa)
-        put(buf, size, &n, "MLA: %d heads, q_lora %d, kv_lora %d, qk %d+%d (NoPE), v %d%s\n",
-            c->n_heads, c->q_lora_rank, c->kv_lora_rank, c->qk_nope_dim, c->qk_rope_dim,
-            c->v_head_dim, c->mla_use_output_gate ? ", output gate" : "");
+        put(buf, size, &n, "MLA: %d heads, q_lora %d, kv_lora %d, qk %d+%d (NoPE), v %d%s\n", c->n_heads,
+            c->q_lora_rank, c->kv_lora_rank, c->qk_nope_dim, c->qk_rope_dim, c->v_head_dim,
+            c->mla_use_output_gate ? ", output gate" : "");
     if (in.n_dsa)
-        put(buf, size, &n, "DSA indexer: %d heads x %d, top %d\n", c->index_n_heads,
-            c->index_head_dim, c->index_topk);
+        put(buf, size, &n, "DSA indexer: %d heads x %d, top %d\n", c->index_n_heads, c->index_head_dim, c->index_topk);
     if (c->n_experts)
-        put(buf, size, &n, "MoE: %d experts (%s), top %d, %d shared, width %lld on %s%lld, "
-            "router %s, scale %g\n", c->n_experts, c->experts_mxfp4 ? "MXFP4" : "float",
-            c->n_experts_per_tok, c->n_shared_experts, (long long)c->moe_intermediate,
-            c->latent_moe ? "latent " : "", (long long)c->expert_dim,
+        put(buf, size, &n,
+            "MoE: %d experts (%s), top %d, %d shared, width %lld on %s%lld, "
+            "router %s, scale %g\n",
+            c->n_experts, c->experts_mxfp4 ? "MXFP4" : "float", c->n_experts_per_tok, c->n_shared_experts,
+            (long long)c->moe_intermediate, c->latent_moe ? "latent " : "", (long long)c->expert_dim,
             c->router_sigmoid ? "sigmoid" : "softmax", c->routed_scaling);
-    put(buf, size, &n, "FFN: %s; residual: %s\n",
-        c->act == K3_ACT_SITU ? "SiTU-GLU" : "SwiGLU",
+    put(buf, size, &n, "FFN: %s; residual: %s\n", c->act == K3_ACT_SITU ? "SiTU-GLU" : "SwiGLU",
         c->attn_res_block_size ? "AttnRes" : "plain");
-    if (c->attn_res_block_size)
-        put(buf, size, &n, "AttnRes: block %d (* = bank layer)\n", c->attn_res_block_size);
+    if (c->attn_res_block_size) put(buf, size, &n, "AttnRes: block %d (* = bank layer)\n", c->attn_res_block_size);
     static const char *const kind[] = {"KDA", "MLA", "DSA"};
     put(buf, size, &n, "layers:");
     for (int i = 0; i < c->n_layers; i++)
-        put(buf, size, &n, " %d:%s%s", i, kind[c->layer_kind[i] % 3],
-            k3_config_is_bank_layer(c, i) ? "*" : "");
+        put(buf, size, &n, " %d:%s%s", i, kind[c->layer_kind[i] % 3], k3_config_is_bank_layer(c, i) ? "*" : "");
     put(buf, size, &n, "\nffn:");
     for (int i = 0; i < c->n_layers;) { /* runs of dense / MoE */
         int j = i;
@@ -817,13 +784,12 @@ size_t k3_model_describe(const k3_model *m, char *buf, size_t size) {
         else put(buf, size, &n, " %d:%s", i, c->layer_moe[i] ? "MoE" : "dense");
         i = j + 1;
     }
-    put(buf, size, &n, "\nparameters: %lld total (%s), %lld active per token (%s)\n",
-        (long long)in.n_params, human((double)in.n_params, h1, sizeof h1),
-        (long long)in.n_params_active, human((double)in.n_params_active, h2, sizeof h2));
+    put(buf, size, &n, "\nparameters: %lld total (%s), %lld active per token (%s)\n", (long long)in.n_params,
+        human((double)in.n_params, h1, sizeof h1), (long long)in.n_params_active,
+        human((double)in.n_params_active, h2, sizeof h2));
     put(buf, size, &n, "weights: %lld bytes (%sB); bytes read per decoded token: %lld (%sB), %s\n",
-        (long long)in.weight_bytes, human((double)in.weight_bytes, h3, sizeof h3),
-        (long long)in.bytes_per_token, human((double)in.bytes_per_token, h4, sizeof h4),
-        m->quant_bytes_delta ? "as quantized" : "as stored");
+        (long long)in.weight_bytes, human((double)in.weight_bytes, h3, sizeof h3), (long long)in.bytes_per_token,
+        human((double)in.bytes_per_token, h4, sizeof h4), m->quant_bytes_delta ? "as quantized" : "as stored");
     put(buf, size, &n, "cache: %lld bytes per token (fp32), %lld (c8); KDA state %lld bytes per sequence\n",
         (long long)in.cache_bytes_per_token, (long long)k3_config_cache_bytes_per_token(&m->cfg, K3_KV_C8),
         (long long)in.state_bytes_per_seq);
@@ -887,14 +853,35 @@ static k3_status quantize_mat(k3_model *m, k3_mat *w, k3_wquant q, bool alias, k
 static int runtime_mats(const k3_config *c, k3_layer *L, k3_mat **out) {
     const bool mla = L->mla_down.data != NULL, kda = L->kda_in.data != NULL;
     const bool ffn = L->ffn_gu.data != NULL, sh = L->sh_gu.data != NULL, moe = L->moe_in.data != NULL;
-    k3_mat *mats[] = {moe ? &L->moe_in : NULL, &L->wuk, &L->o_proj, kda && c->kda_full_rank_gate ? NULL : &L->g_proj,
-                      kda ? &L->kda_in : &L->q_proj, kda ? NULL : &L->k_proj, kda ? NULL : &L->v_proj,
-                      &L->g_a, &L->g_b, kda ? NULL : &L->f_a, &L->f_b, kda ? NULL : &L->b_proj,
-                      mla ? &L->mla_down : &L->q_a, &L->q_b, mla ? NULL : &L->kv_a, &L->kv_b,
-                      mla ? NULL : &L->idx_wk, mla ? NULL : &L->idx_weights, &L->idx_wq_b,
-                      ffn ? &L->ffn_gu : &L->ffn_gate, ffn ? NULL : &L->ffn_up, &L->ffn_down,
-                      moe ? NULL : &L->lat_down, &L->lat_up, moe ? NULL : sh ? &L->sh_gu : &L->sh_gate,
-                      moe || sh ? NULL : &L->sh_up, &L->sh_down};
+    k3_mat *mats[] = {moe ? &L->moe_in : NULL,
+                      &L->wuk,
+                      &L->o_proj,
+                      kda && c->kda_full_rank_gate ? NULL : &L->g_proj,
+                      kda ? &L->kda_in : &L->q_proj,
+                      kda ? NULL : &L->k_proj,
+                      kda ? NULL : &L->v_proj,
+                      &L->g_a,
+                      &L->g_b,
+                      kda ? NULL : &L->f_a,
+                      &L->f_b,
+                      kda ? NULL : &L->b_proj,
+                      mla ? &L->mla_down : &L->q_a,
+                      &L->q_b,
+                      mla ? NULL : &L->kv_a,
+                      &L->kv_b,
+                      mla ? NULL : &L->idx_wk,
+                      mla ? NULL : &L->idx_weights,
+                      &L->idx_wq_b,
+                      ffn ? &L->ffn_gu : &L->ffn_gate,
+                      ffn ? NULL : &L->ffn_up,
+                      &L->ffn_down,
+                      moe ? NULL : &L->lat_down,
+                      &L->lat_up,
+                      moe      ? NULL
+                          : sh ? &L->sh_gu
+                               : &L->sh_gate,
+                      moe || sh ? NULL : &L->sh_up,
+                      &L->sh_down};
     int n = 0;
     for (size_t k = 0; k < sizeof mats / sizeof mats[0]; k++)
         if (mats[k] && mats[k]->data) out[n++] = mats[k];

@@ -104,27 +104,25 @@ k3_status k3_plan_compute(const char *path, const k3_plan_options *opt, k3_plan 
             const int64_t Hk = c->kda_heads, dk = c->kda_head_dim, HK = Hk * dk;
             nk++;
             w += 3 * linear_bytes(HK, Hd, q) + linear_bytes(Hd, HK, q) + linear_bytes(dk, Hd, q) +
-                 linear_bytes(HK, dk, q) + linear_bytes(Hk, Hd, q);
+                linear_bytes(HK, dk, q) + linear_bytes(Hk, Hd, q);
             w += c->kda_full_rank_gate ? linear_bytes(HK, Hd, q)
                                        : linear_bytes(c->kda_gate_rank, Hd, q) + linear_bytes(HK, c->kda_gate_rank, q);
             w += (3 * HK * c->conv_size + HK + Hk + dk) * 4;
             state += (Hk * dk * dk + 3 * HK * (c->conv_size - 1)) * 4;
         } else {
             const int64_t qk = c->qk_nope_dim + rope;
-            if (c->q_lora_rank > 0)
-                w += linear_bytes(c->q_lora_rank, Hd, q) + linear_bytes(H * qk, c->q_lora_rank, q);
-            else
-                w += linear_bytes(H * qk, Hd, q);
+            if (c->q_lora_rank > 0) w += linear_bytes(c->q_lora_rank, Hd, q) + linear_bytes(H * qk, c->q_lora_rank, q);
+            else w += linear_bytes(H * qk, Hd, q);
             w += linear_bytes(kvl + rope, Hd, q) + linear_bytes(H * (c->qk_nope_dim + c->v_head_dim), kvl, q) +
-                 linear_bytes(Hd, H * c->v_head_dim, q);
+                linear_bytes(Hd, H * c->v_head_dim, q);
             if (c->mla_use_output_gate) w += linear_bytes(H * c->v_head_dim, Hd, q);
             /* the head-split merge (H divisible by D), else every partial */
             lse += H % D == 0 ? (D - 1) * (H / D) * (2 * kvl + 1) * 4 : (D - 1) * H * (kvl + 1) * 4;
             if (c->layer_kind[i] == K3_LAYER_DSA) {
                 const int64_t HI = c->index_n_heads, dI = c->index_head_dim;
                 nd++;
-                w += linear_bytes(HI * dI, c->q_lora_rank > 0 ? c->q_lora_rank : Hd, q) +
-                     linear_bytes(dI, Hd, q) + linear_bytes(HI, Hd, q) + 2 * dI * 4;
+                w += linear_bytes(HI * dI, c->q_lora_rank > 0 ? c->q_lora_rank : Hd, q) + linear_bytes(dI, Hd, q) +
+                    linear_bytes(HI, Hd, q) + 2 * dI * 4;
             } else {
                 nm++;
             }
@@ -142,9 +140,9 @@ k3_status k3_plan_compute(const char *path, const k3_plan_options *opt, k3_plan 
              * the combined row to the other E-1 ranks of the group */
             const double hit = groups_hit(Ex, c->n_experts_per_tok, E);
             out->ep_dispatch_bytes += (int64_t)llround(hit * (double)(E - 1) / (double)E * (double)Dl * 4);
-            out->ep_combine_bytes += (int64_t)llround((double)c->n_experts_per_tok * (double)(E - 1) / (double)E *
-                                                      (double)Dl * 4) +
-                                     (E - 1) * Dl * 4;
+            out->ep_combine_bytes +=
+                (int64_t)llround((double)c->n_experts_per_tok * (double)(E - 1) / (double)E * (double)Dl * 4) +
+                (E - 1) * Dl * 4;
         } else if (c->intermediate_size > 0) {
             w += 3 * linear_bytes(c->intermediate_size, Hd, q);
         }

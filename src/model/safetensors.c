@@ -26,21 +26,21 @@
 #include <unistd.h>
 
 #define ST_MAX_HEADER ((uint64_t)100 << 20) /* 100 MB of JSON header */
-#define ST_MAX_INDEX  ((size_t)256 << 20)   /* model.safetensors.index.json */
-#define ST_MAX_DEPTH  16
+#define ST_MAX_INDEX ((size_t)256 << 20)    /* model.safetensors.index.json */
+#define ST_MAX_DEPTH 16
 
 typedef struct st_file {
-    char *path;         /* for messages */
-    uint8_t *map;       /* NULL for images handed to k3_st_parse */
+    char *path;   /* for messages */
+    uint8_t *map; /* NULL for images handed to k3_st_parse */
     size_t size;
 } st_file;
 
 struct k3_st {
-    k3_st_tensor *t;    /* [n] */
+    k3_st_tensor *t; /* [n] */
     int64_t n, cap;
-    int64_t *slot;      /* [n_slots] hash table: tensor index + 1, 0 = empty */
-    int64_t n_slots;    /* power of two, kept >= 2 n */
-    st_file *files;     /* [n_files] mapped shards (k3_st_open only) */
+    int64_t *slot;   /* [n_slots] hash table: tensor index + 1, 0 = empty */
+    int64_t n_slots; /* power of two, kept >= 2 n */
+    st_file *files;  /* [n_files] mapped shards (k3_st_open only) */
     int32_t n_files;
 };
 
@@ -57,16 +57,13 @@ static const struct {
     const char *name;
     size_t size;
 } dtypes[K3_DTYPE_COUNT] = {
-    [K3_DTYPE_F32] = {"F32", 4},     [K3_DTYPE_F16] = {"F16", 2},
-    [K3_DTYPE_BF16] = {"BF16", 2},   [K3_DTYPE_U8] = {"U8", 1},
-    [K3_DTYPE_I8] = {"I8", 1},       [K3_DTYPE_I32] = {"I32", 4},
-    [K3_DTYPE_I64] = {"I64", 8},     [K3_DTYPE_F64] = {"F64", 8},
-    [K3_DTYPE_F8_E4M3] = {"F8_E4M3", 1}, [K3_DTYPE_BOOL] = {"BOOL", 1},
+    [K3_DTYPE_F32] = {"F32", 4},   [K3_DTYPE_F16] = {"F16", 2}, [K3_DTYPE_BF16] = {"BF16", 2},
+    [K3_DTYPE_U8] = {"U8", 1},     [K3_DTYPE_I8] = {"I8", 1},   [K3_DTYPE_I32] = {"I32", 4},
+    [K3_DTYPE_I64] = {"I64", 8},   [K3_DTYPE_F64] = {"F64", 8}, [K3_DTYPE_F8_E4M3] = {"F8_E4M3", 1},
+    [K3_DTYPE_BOOL] = {"BOOL", 1},
 };
 
-const char *k3_dtype_name(k3_dtype t) {
-    return (unsigned)t < K3_DTYPE_COUNT ? dtypes[t].name : "?";
-}
+const char *k3_dtype_name(k3_dtype t) { return (unsigned)t < K3_DTYPE_COUNT ? dtypes[t].name : "?"; }
 
 size_t k3_dtype_size(k3_dtype t) { return (unsigned)t < K3_DTYPE_COUNT ? dtypes[t].size : 0; }
 
@@ -100,8 +97,7 @@ static k3_status reserve(k3_st *st, int64_t more, k3_error *err) {
         int64_t cap = st->cap ? st->cap : 64;
         while (cap < need) cap *= 2;
         k3_st_tensor *t = realloc(st->t, (size_t)cap * sizeof *t);
-        if (!t) return k3_err(err, K3_ERR_NOMEM, "out of memory indexing %lld tensors",
-                              (long long)need);
+        if (!t) return k3_err(err, K3_ERR_NOMEM, "out of memory indexing %lld tensors", (long long)need);
         st->t = t;
         st->cap = cap;
     }
@@ -109,8 +105,7 @@ static k3_status reserve(k3_st *st, int64_t more, k3_error *err) {
         int64_t n_slots = st->n_slots ? st->n_slots : 128;
         while (need * 2 > n_slots) n_slots *= 2;
         int64_t *slot = calloc((size_t)n_slots, sizeof *slot);
-        if (!slot) return k3_err(err, K3_ERR_NOMEM, "out of memory indexing %lld tensors",
-                                 (long long)need);
+        if (!slot) return k3_err(err, K3_ERR_NOMEM, "out of memory indexing %lld tensors", (long long)need);
         free(st->slot);
         st->slot = slot;
         st->n_slots = n_slots;
@@ -145,30 +140,27 @@ static int cmp_span(const void *a, const void *b) {
 }
 
 /* Validates one tensor entry into *t (name not yet copied). */
-static k3_status parse_entry(const char *path, const char *name, json_t *e,
-                             const uint8_t *data, uint64_t data_size, size_t file_size,
-                             k3_st_tensor *t,
-                             span *sp, k3_error *err) {
-    if (!json_is_object(e))
-        return k3_err(err, K3_ERR_FORMAT, "%s: tensor '%s': entry is not an object", path,
-                      name);
+static k3_status parse_entry(const char *path, const char *name, json_t *e, const uint8_t *data, uint64_t data_size,
+                             size_t file_size, k3_st_tensor *t, span *sp, k3_error *err) {
+    if (!json_is_object(e)) return k3_err(err, K3_ERR_FORMAT, "%s: tensor '%s': entry is not an object", path, name);
     json_t *dt = json_object_get(e, "dtype");
     json_t *shape = json_object_get(e, "shape");
     json_t *offs = json_object_get(e, "data_offsets");
     if (!json_is_string(dt) || !json_is_array(shape) || !json_is_array(offs))
         return k3_err(err, K3_ERR_FORMAT,
                       "%s: tensor '%s': needs a string 'dtype', a list 'shape' and a "
-                      "list 'data_offsets'", path, name);
+                      "list 'data_offsets'",
+                      path, name);
     int d = dtype_parse(json_string_value(dt));
     if (d < 0)
-        return k3_err(err, K3_ERR_UNSUPPORTED, "%s: tensor '%s' has unknown dtype '%s'",
-                      path, name, json_string_value(dt));
+        return k3_err(err, K3_ERR_UNSUPPORTED, "%s: tensor '%s' has unknown dtype '%s'", path, name,
+                      json_string_value(dt));
     t->dtype = (k3_dtype)d;
 
     size_t nd = json_array_size(shape);
     if (nd > K3_ST_MAX_DIMS)
-        return k3_err(err, K3_ERR_FORMAT, "%s: tensor '%s' has %zu dimensions (max %d)",
-                      path, name, nd, K3_ST_MAX_DIMS);
+        return k3_err(err, K3_ERR_FORMAT, "%s: tensor '%s' has %zu dimensions (max %d)", path, name, nd,
+                      K3_ST_MAX_DIMS);
     t->ndim = (int32_t)nd;
     /* numel * size must not overflow: every factor is checked against the
      * data size, which bounds the product of the non-zero factors. */
@@ -177,9 +169,8 @@ static k3_status parse_entry(const char *path, const char *name, json_t *e,
     for (size_t i = 0; i < nd; i++) {
         uint64_t dim;
         if (!get_u64(json_array_get(shape, i), &dim))
-            return k3_err(err, K3_ERR_FORMAT,
-                          "%s: tensor '%s': shape entry %zu is not a non-negative integer",
-                          path, name, i);
+            return k3_err(err, K3_ERR_FORMAT, "%s: tensor '%s': shape entry %zu is not a non-negative integer", path,
+                          name, i);
         t->shape[i] = (int64_t)dim;
         if (dim == 0) zero = true;
         else if (!zero && numel > UINT64_MAX / 16 / dim) numel = UINT64_MAX / 16;
@@ -190,61 +181,51 @@ static k3_status parse_entry(const char *path, const char *name, json_t *e,
     uint64_t begin, end;
     if (json_array_size(offs) != 2 || !get_u64(json_array_get(offs, 0), &begin) ||
         !get_u64(json_array_get(offs, 1), &end))
-        return k3_err(err, K3_ERR_FORMAT,
-                      "%s: tensor '%s': data_offsets must be two non-negative integers",
-                      path, name);
+        return k3_err(err, K3_ERR_FORMAT, "%s: tensor '%s': data_offsets must be two non-negative integers", path,
+                      name);
     if (begin > end)
-        return k3_err(err, K3_ERR_FORMAT,
-                      "%s: tensor '%s' data_offsets [%llu,%llu] end before they begin", path,
-                      name, (unsigned long long)begin, (unsigned long long)end);
+        return k3_err(err, K3_ERR_FORMAT, "%s: tensor '%s' data_offsets [%llu,%llu] end before they begin", path, name,
+                      (unsigned long long)begin, (unsigned long long)end);
     if (end > data_size)
         return k3_err(err, K3_ERR_FORMAT,
                       "%s: tensor '%s' data_offsets [%llu,%llu] run past the end of the file "
-                      "(size %llu)", path, name, (unsigned long long)begin,
-                      (unsigned long long)end, (unsigned long long)file_size);
+                      "(size %llu)",
+                      path, name, (unsigned long long)begin, (unsigned long long)end, (unsigned long long)file_size);
     uint64_t want = numel * dtypes[d].size; /* numel <= UINT64_MAX/16: no overflow */
     if (end - begin != want)
-        return k3_err(err, K3_ERR_FORMAT,
-                      "%s: tensor '%s' holds %llu bytes, but %s x shape needs %llu", path,
-                      name, (unsigned long long)(end - begin), dtypes[d].name,
-                      (unsigned long long)want);
+        return k3_err(err, K3_ERR_FORMAT, "%s: tensor '%s' holds %llu bytes, but %s x shape needs %llu", path, name,
+                      (unsigned long long)(end - begin), dtypes[d].name, (unsigned long long)want);
     /* elements are read in place as uint16_t/float/...: their address must be
      * a multiple of their size (writers pad the header to 8 bytes) */
     if (want && (uintptr_t)(data + begin) % dtypes[d].size)
         return k3_err(err, K3_ERR_FORMAT,
                       "%s: tensor '%s' (%s, data offset %llu) is not aligned to its %zu-byte "
                       "elements (the header is not padded to a multiple of 8 bytes): rewrite the "
-                      "file with a padded header", path, name, dtypes[d].name,
-                      (unsigned long long)begin, (size_t)dtypes[d].size);
+                      "file with a padded header",
+                      path, name, dtypes[d].name, (unsigned long long)begin, (size_t)dtypes[d].size);
     t->data = data + begin;
     t->nbytes = (size_t)want;
     *sp = (span){begin, end, name};
     return K3_OK;
 }
 
-k3_status k3_st_parse(k3_st *st, const uint8_t *buf, size_t size, int32_t file,
-                      const char *path, k3_error *err) {
+k3_status k3_st_parse(k3_st *st, const uint8_t *buf, size_t size, int32_t file, const char *path, k3_error *err) {
     if (!path) path = file_name(st, file);
-    if (size < 8)
-        return k3_err(err, K3_ERR_FORMAT,
-                      "%s: %zu bytes is too small for a safetensors file", path, size);
+    if (size < 8) return k3_err(err, K3_ERR_FORMAT, "%s: %zu bytes is too small for a safetensors file", path, size);
     uint64_t hlen = 0;
     for (int i = 7; i >= 0; i--) hlen = hlen << 8 | buf[i];
     if (hlen > size - 8)
-        return k3_err(err, K3_ERR_FORMAT,
-                      "%s: header length %llu runs past the end of the file (size %zu)", path,
+        return k3_err(err, K3_ERR_FORMAT, "%s: header length %llu runs past the end of the file (size %zu)", path,
                       (unsigned long long)hlen, size);
     if (hlen > ST_MAX_HEADER)
-        return k3_err(err, K3_ERR_FORMAT, "%s: header length %llu is over the 100 MB limit",
-                      path, (unsigned long long)hlen);
+        return k3_err(err, K3_ERR_FORMAT, "%s: header length %llu is over the 100 MB limit", path,
+                      (unsigned long long)hlen);
     const char *text = (const char *)buf + 8;
     if (k3_json_too_deep(text, (size_t)hlen, ST_MAX_DEPTH))
         return k3_err(err, K3_ERR_FORMAT, "%s: header JSON nests too deep", path);
     json_error_t je;
     json_t *root = json_loadb(text, (size_t)hlen, JSON_REJECT_DUPLICATES, &je);
-    if (!root)
-        return k3_err(err, K3_ERR_FORMAT, "%s: invalid header JSON at column %d: %s", path,
-                      je.column, je.text);
+    if (!root) return k3_err(err, K3_ERR_FORMAT, "%s: invalid header JSON at column %d: %s", path, je.column, je.text);
     const uint8_t *data = buf + 8 + hlen;
     uint64_t data_size = size - 8 - hlen;
 
@@ -280,11 +261,9 @@ k3_status k3_st_parse(k3_st *st, const uint8_t *buf, size_t size, int32_t file,
     for (size_t c = 0; c < n; c++) {
         if (spans[c].begin == spans[c].end) continue;
         if (prev != SIZE_MAX && spans[c].begin < spans[prev].end) {
-            s = k3_err(err, K3_ERR_FORMAT,
-                       "%s: tensors '%s' [%llu,%llu] and '%s' [%llu,%llu] overlap", path,
-                       spans[prev].name, (unsigned long long)spans[prev].begin,
-                       (unsigned long long)spans[prev].end, spans[c].name,
-                       (unsigned long long)spans[c].begin, (unsigned long long)spans[c].end);
+            s = k3_err(err, K3_ERR_FORMAT, "%s: tensors '%s' [%llu,%llu] and '%s' [%llu,%llu] overlap", path,
+                       spans[prev].name, (unsigned long long)spans[prev].begin, (unsigned long long)spans[prev].end,
+                       spans[c].name, (unsigned long long)spans[c].begin, (unsigned long long)spans[c].end);
             goto done;
         }
         prev = c;
@@ -295,8 +274,8 @@ k3_status k3_st_parse(k3_st *st, const uint8_t *buf, size_t size, int32_t file,
     for (size_t i = 0; i < n; i++) {
         int64_t v = st->slot[find_slot(st, tmp[i].name)];
         if (v) {
-            s = k3_err(err, K3_ERR_FORMAT, "%s: tensor '%s' is also in %s", path,
-                       tmp[i].name, file_name(st, st->t[v - 1].file));
+            s = k3_err(err, K3_ERR_FORMAT, "%s: tensor '%s' is also in %s", path, tmp[i].name,
+                       file_name(st, st->t[v - 1].file));
             goto done;
         }
     }
@@ -360,9 +339,7 @@ const k3_st_tensor *k3_st_get(const k3_st *st, const char *name) {
 
 int64_t k3_st_count(const k3_st *st) { return st ? st->n : 0; }
 
-const k3_st_tensor *k3_st_at(const k3_st *st, int64_t i) {
-    return st && i >= 0 && i < st->n ? &st->t[i] : NULL;
-}
+const k3_st_tensor *k3_st_at(const k3_st *st, int64_t i) { return st && i >= 0 && i < st->n ? &st->t[i] : NULL; }
 
 int64_t k3_st_bytes(const k3_st *st, const char *prefix) {
     size_t len = prefix ? strlen(prefix) : 0;
@@ -388,8 +365,7 @@ static k3_status open_file(k3_st *st, const char *path, k3_error *err) {
     size_t size = (size_t)sb.st_size;
     if (size < 8) {
         close(fd);
-        return k3_err(err, K3_ERR_FORMAT,
-                      "%s: %zu bytes is too small for a safetensors file", path, size);
+        return k3_err(err, K3_ERR_FORMAT, "%s: %zu bytes is too small for a safetensors file", path, size);
     }
     void *map = mmap(NULL, size, PROT_READ, MAP_PRIVATE, fd, 0);
     int e = errno;
@@ -431,8 +407,7 @@ static k3_status open_file(k3_st *st, const char *path, k3_error *err) {
 }
 
 /* Reads a whole (small) file into a NUL-terminated buffer. */
-static k3_status read_small(const char *path, size_t max, char **out, size_t *len,
-                            k3_error *err) {
+static k3_status read_small(const char *path, size_t max, char **out, size_t *len, k3_error *err) {
     return k3_file_read(path, max, "a safetensors index", out, len, err);
 }
 
@@ -440,8 +415,7 @@ static k3_status read_small(const char *path, size_t max, char **out, size_t *le
 static bool shard_name_ok(const char *s) {
     if (!*s || s[0] == '/') return false;
     for (const char *p = s; *p; p++)
-        if (p[0] == '.' && p[1] == '.' && (p == s || p[-1] == '/') && (!p[2] || p[2] == '/'))
-            return false;
+        if (p[0] == '.' && p[1] == '.' && (p == s || p[-1] == '/') && (!p[2] || p[2] == '/')) return false;
     return true;
 }
 
@@ -452,11 +426,9 @@ static k3_status open_index(k3_st *st, const char *dir, const char *ipath, k3_er
     if (s != K3_OK) return s;
     json_error_t je;
     json_t *root = NULL;
-    if (k3_json_too_deep(text, len, ST_MAX_DEPTH))
-        s = k3_err(err, K3_ERR_FORMAT, "%s: JSON nests too deep", ipath);
+    if (k3_json_too_deep(text, len, ST_MAX_DEPTH)) s = k3_err(err, K3_ERR_FORMAT, "%s: JSON nests too deep", ipath);
     else if (!(root = json_loadb(text, len, JSON_REJECT_DUPLICATES, &je)))
-        s = k3_err(err, K3_ERR_FORMAT, "%s: invalid JSON at line %d: %s", ipath, je.line,
-                   je.text);
+        s = k3_err(err, K3_ERR_FORMAT, "%s: invalid JSON at line %d: %s", ipath, je.line, je.text);
     free(text);
     if (s != K3_OK) return s;
     json_t *wm = json_object_get(root, "weight_map");
@@ -473,8 +445,7 @@ static k3_status open_index(k3_st *st, const char *dir, const char *ipath, k3_er
     int32_t n_shards = 0;
     json_object_foreach(wm, name, v) {
         if (!json_is_string(v) || !shard_name_ok(json_string_value(v))) {
-            s = k3_err(err, K3_ERR_FORMAT, "%s: tensor '%s' maps to a bad shard name", ipath,
-                       name);
+            s = k3_err(err, K3_ERR_FORMAT, "%s: tensor '%s' maps to a bad shard name", ipath, name);
             break;
         }
         const char *shard = json_string_value(v);
@@ -482,7 +453,10 @@ static k3_status open_index(k3_st *st, const char *dir, const char *ipath, k3_er
         while (k < n_shards && strcmp(shards[k], shard)) k++;
         if (k < n_shards) continue;
         const char **ns = realloc(shards, (size_t)(n_shards + 1) * sizeof *ns);
-        if (!ns) { s = k3_err(err, K3_ERR_NOMEM, "out of memory"); break; }
+        if (!ns) {
+            s = k3_err(err, K3_ERR_NOMEM, "out of memory");
+            break;
+        }
         shards = ns;
         shards[n_shards++] = shard;
         if (snprintf(path, sizeof path, "%s/%s", dir, shard) >= (int)sizeof path) {
@@ -502,7 +476,8 @@ static k3_status open_index(k3_st *st, const char *dir, const char *ipath, k3_er
             if (!t || t->file != k) {
                 s = k3_err(err, K3_ERR_FORMAT,
                            "%s names tensor '%s' in shard %s, but that shard does not "
-                           "contain it", ipath, name, shard);
+                           "contain it",
+                           ipath, name, shard);
                 break;
             }
         }
@@ -516,10 +491,8 @@ k3_status k3_st_open(k3_st **out, const char *dir, k3_error *err) {
     *out = NULL;
     struct stat sb;
     if (stat(dir, &sb) != 0)
-        return k3_err(err, K3_ERR_IO, "cannot open checkpoint directory %s: %s", dir,
-                      strerror(errno));
-    if (!S_ISDIR(sb.st_mode))
-        return k3_err(err, K3_ERR_IO, "%s is not a directory", dir);
+        return k3_err(err, K3_ERR_IO, "cannot open checkpoint directory %s: %s", dir, strerror(errno));
+    if (!S_ISDIR(sb.st_mode)) return k3_err(err, K3_ERR_IO, "%s is not a directory", dir);
     k3_st *st;
     k3_status s = k3_st_init(&st, err);
     if (s != K3_OK) return s;

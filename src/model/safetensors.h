@@ -30,24 +30,23 @@ typedef enum k3_dtype {
 #define K3_ST_MAX_DIMS 8
 
 typedef struct k3_st_tensor {
-    char *name;                      /* owned by the set */
+    char *name; /* owned by the set */
     k3_dtype dtype;
     int32_t ndim;
     int64_t shape[K3_ST_MAX_DIMS];
-    const uint8_t *data;             /* into the mapping; borrowed */
+    const uint8_t *data; /* into the mapping; borrowed */
     size_t nbytes;
-    int32_t file;                    /* index of the shard it lives in */
+    int32_t file; /* index of the shard it lives in */
 } k3_st_tensor;
 
-typedef struct k3_st k3_st;          /* a set of mapped files + a name index */
+typedef struct k3_st k3_st; /* a set of mapped files + a name index */
 
 const char *k3_dtype_name(k3_dtype t);
 size_t k3_dtype_size(k3_dtype t);
 
 /* Parses one file image buf[0..size) and appends its tensors to st
  * (file index `file`, messages name `path`). Pure: reads only the header. */
-k3_status k3_st_parse(k3_st *st, const uint8_t *buf, size_t size, int32_t file,
-                      const char *path, k3_error *err);
+k3_status k3_st_parse(k3_st *st, const uint8_t *buf, size_t size, int32_t file, const char *path, k3_error *err);
 
 /* An empty set, for k3_st_parse and tests. */
 k3_status k3_st_init(k3_st **out, k3_error *err);

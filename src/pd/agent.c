@@ -41,15 +41,15 @@
 #define K3_PD_MAX_ACTIVE 256
 
 struct k3_pd_pull {
-    int refs;                        /* under pd->mu */
+    int refs; /* under pd->mu */
     char host[256];
     int port;
     uint64_t hold;
     int64_t n_tokens;
     k3_logprob top[K3_PD_MAX_FIRST_TOP];
-    k3_pd_pull_stats st;             /* under pd->mu */
-    bool cancel;                     /* under pd->mu */
-    int fd;                          /* under pd->mu: the socket while pulling, else -1 */
+    k3_pd_pull_stats st; /* under pd->mu */
+    bool cancel;         /* under pd->mu */
+    int fd;              /* under pd->mu: the socket while pulling, else -1 */
 };
 
 typedef struct job {
@@ -59,8 +59,7 @@ typedef struct job {
 
 /* a histogram of the decode side's transfers */
 #define PD_HIST 14
-static const double pd_secs_le[PD_HIST] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
-                                           0.25,  0.5,    1,     2.5,  5,     10,  30};
+static const double pd_secs_le[PD_HIST] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30};
 static const double pd_gbps_le[PD_HIST] = {0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 1.5, 2, 3, 4, 6, 8, 16};
 
 typedef struct hist {
@@ -80,14 +79,14 @@ struct k3_pd {
     pthread_t lthread;
     bool lstarted;
     /* faults (tests) */
-    int fault;                       /* 0, 'f' flip, 's' stall */
+    int fault; /* 0, 'f' flip, 's' stall */
     int64_t fault_unit, fault_ms;
-    atomic_int_fast64_t fault_seen;  /* units counted for the fault */
+    atomic_int_fast64_t fault_seen; /* units counted for the fault */
     pthread_mutex_t mu;
     pthread_cond_t cv;
-    int n_serving;                   /* prefill-side connection threads */
-    int serve_fd[64];                /* their sockets, to end them at stop */
-    job *head, *tail;                /* decode side: the hook's queue */
+    int n_serving;                        /* prefill-side connection threads */
+    int serve_fd[64];                     /* their sockets, to end them at stop */
+    job *head, *tail;                     /* decode side: the hook's queue */
     k3_pd_pull *active[K3_PD_MAX_ACTIVE]; /* the pulls with a socket, to end them at stop */
     pthread_t *workers;
     int n_workers;
@@ -148,7 +147,8 @@ static k3_status serve_pull(k3_pd *pd, int fd, const k3_pd_req *r, int64_t *byte
         if (k3_engine_kv_bytes(e, L, 1) > row_max) row_max = k3_engine_kv_bytes(e, L, 1);
     if (row_max > max_unit) max_unit = row_max;
     uint8_t *buf = malloc((size_t)max_unit);
-    if (!buf) return k3_err(err, K3_ERR_NOMEM, "kv transfer: out of memory for a unit of %lld bytes", (long long)max_unit);
+    if (!buf)
+        return k3_err(err, K3_ERR_NOMEM, "kv transfer: out of memory for a unit of %lld bytes", (long long)max_unit);
     k3_status st = K3_OK;
     int64_t units = 0;
     for (int32_t L = 0; !st && L < n_layers; L++) {
@@ -160,7 +160,8 @@ static k3_status serve_pull(k3_pd *pd, int fd, const k3_pd_req *r, int64_t *byte
             const int64_t nb = row * n;
             st = k3_engine_hold_read(e, r->hold, L, t, n, buf, nb, err);
             if (st) break;
-            k3_pd_unit u = {.kind = K3_PD_LAYER, .id = pd->id, .layer = L, .t0 = t, .n = n, .payload_bytes = (uint64_t)nb};
+            k3_pd_unit u =
+                {.kind = K3_PD_LAYER, .id = pd->id, .layer = L, .t0 = t, .n = n, .payload_bytes = (uint64_t)nb};
             u.payload_sum = k3_pd_sum(buf, (size_t)nb);
             k3_pd_unit_seal(&u);
             fault_send(pd, buf, (size_t)nb);
@@ -173,7 +174,8 @@ static k3_status serve_pull(k3_pd *pd, int fd, const k3_pd_req *r, int64_t *byte
         const int64_t nb = hi.state_bytes - off < max_unit ? hi.state_bytes - off : max_unit;
         st = k3_engine_hold_read_state(e, r->hold, off, buf, nb, err);
         if (st) break;
-        k3_pd_unit u = {.kind = K3_PD_STATE, .id = pd->id, .layer = -1, .t0 = off, .n = nb, .payload_bytes = (uint64_t)nb};
+        k3_pd_unit u =
+            {.kind = K3_PD_STATE, .id = pd->id, .layer = -1, .t0 = off, .n = nb, .payload_bytes = (uint64_t)nb};
         u.payload_sum = k3_pd_sum(buf, (size_t)nb);
         k3_pd_unit_seal(&u);
         fault_send(pd, buf, (size_t)nb);
@@ -332,8 +334,13 @@ static k3_status run_pull(k3_pd *pd, k3_pd_pull *p, const k3_pull_info *pi, int6
         }
     pthread_mutex_unlock(&pd->mu);
     k3_status st = late_cancel ? k3_err(err, K3_ERR_ARG, "cancelled") : K3_OK;
-    k3_pd_req r = {.op = K3_PD_PULL, .hold = p->hold, .id = pd->id, .from = pi->n_local, .to = pi->n_tokens,
-                   .max_unit = K3_PD_UNIT, .engine = pd->engine_id};
+    k3_pd_req r = {.op = K3_PD_PULL,
+                   .hold = p->hold,
+                   .id = pd->id,
+                   .from = pi->n_local,
+                   .to = pi->n_tokens,
+                   .max_unit = K3_PD_UNIT,
+                   .engine = pd->engine_id};
     k3_pd_req_seal(&r);
     if (!st) st = k3_pd_send(fd, &r, sizeof r, NULL, 0, "the pull request", err);
     const int64_t sb = k3_engine_state_bytes(e);
@@ -390,7 +397,8 @@ static k3_status run_pull(k3_pd *pd, k3_pd_pull *p, const k3_pull_info *pi, int6
             k3_pd_ident_str(&pd->id, mine, sizeof mine);
             k3_pd_ident_str(&u.id, theirs, sizeof theirs);
             st = k3_err(err, K3_ERR_UNSUPPORTED,
-                        "kv transfer refused: model mismatch: the prefill instance sent %s, this decode instance runs %s",
+                        "kv transfer refused: model mismatch: the prefill instance sent %s, this decode instance runs "
+                        "%s",
                         theirs, mine);
             break;
         }
@@ -692,13 +700,13 @@ json_t *k3_pd_prefill_params(k3_pd *pd, uint64_t hold, const int32_t *prompt, in
     memcpy(q, pd->id.quant, K3_PD_QUANT_LEN);
     q[K3_PD_QUANT_LEN] = 0;
     /* vLLM's NixlConnector names, then k3's own */
-    json_t *o = json_pack("{s:b,s:b,s:s,s:s,s:s,s:i,s:o,s:i,s:I,s:i,s:s,s:s,s:s,s:i,s:I,s:s,s:f,s:f}",
-                          "do_remote_prefill", 1, "do_remote_decode", 0, "remote_engine_id", eng,
-                          "remote_request_id", req, "remote_host", pd->adv, "remote_port", pd->port,
-                          "remote_block_ids", ids, "tp_size", 1, "num_tokens", (json_int_t)n, "first_token", first,
-                          "model_id", model, "quant", q[0] ? q : "none", "kv_cache", kv_name(pd->id.kv), "block_size",
-                          pd->id.block_size, "kda_state_bytes", (json_int_t)hi.state_bytes, "prompt_hash", ph,
-                          "prefill_queue_s", hi.queue_s, "prefill_s", hi.prefill_s);
+    json_t *o =
+        json_pack("{s:b,s:b,s:s,s:s,s:s,s:i,s:o,s:i,s:I,s:i,s:s,s:s,s:s,s:i,s:I,s:s,s:f,s:f}", "do_remote_prefill", 1,
+                  "do_remote_decode", 0, "remote_engine_id", eng, "remote_request_id", req, "remote_host", pd->adv,
+                  "remote_port", pd->port, "remote_block_ids", ids, "tp_size", 1, "num_tokens", (json_int_t)n,
+                  "first_token", first, "model_id", model, "quant", q[0] ? q : "none", "kv_cache", kv_name(pd->id.kv),
+                  "block_size", pd->id.block_size, "kda_state_bytes", (json_int_t)hi.state_bytes, "prompt_hash", ph,
+                  "prefill_queue_s", hi.queue_s, "prefill_s", hi.prefill_s);
     if (!o) {
         k3_err(err, K3_ERR_NOMEM, "out of memory");
         return NULL;
@@ -769,7 +777,8 @@ k3_pd_pull *k3_pd_pull_new(k3_pd *pd, json_t *params, const int32_t *prompt, int
     p->port = (int)port;
     p->hold = (uint64_t)hold;
     p->n_tokens = n;
-    json_t *lp = json_object_get(params, "first_token_logprob"), *top = json_object_get(params, "first_token_top_logprobs");
+    json_t *lp = json_object_get(params, "first_token_logprob"),
+           *top = json_object_get(params, "first_token_top_logprobs");
     int n_top = 0;
     for (size_t i = 0; json_is_array(top) && i < json_array_size(top) && n_top < K3_PD_MAX_FIRST_TOP; i++) {
         json_t *e = json_array_get(top, i);
@@ -825,10 +834,10 @@ void k3_pd_pull_stats_get(k3_pd *pd, const k3_pd_pull *p, k3_pd_pull_stats *out)
 }
 
 json_t *k3_pd_pull_json(const k3_pd_pull_stats *s) {
-    return json_pack("{s:I,s:I,s:I,s:I,s:f,s:f,s:f,s:f}", "bytes", (json_int_t)s->bytes, "tokens", (json_int_t)s->tokens,
-                     "blocks", (json_int_t)s->blocks, "states", (json_int_t)s->states, "seconds", s->seconds, "gbps",
-                     s->seconds > 0 ? (double)s->bytes / s->seconds / 1e9 : 0.0, "prefill_queue_s", s->queue_s,
-                     "prefill_s", s->prefill_s);
+    return json_pack("{s:I,s:I,s:I,s:I,s:f,s:f,s:f,s:f}", "bytes", (json_int_t)s->bytes, "tokens",
+                     (json_int_t)s->tokens, "blocks", (json_int_t)s->blocks, "states", (json_int_t)s->states, "seconds",
+                     s->seconds, "gbps", s->seconds > 0 ? (double)s->bytes / s->seconds / 1e9 : 0.0, "prefill_queue_s",
+                     s->queue_s, "prefill_s", s->prefill_s);
 }
 
 /* ---- /metrics ----------------------------------------------------------------------------------- */
@@ -842,7 +851,9 @@ static void render_hist(k3_buf *o, const char *name, const char *help, const cha
         k3_buf_addf(o, "%s_bucket{model_name=\"%s\",le=\"%g\"} %llu\n", name, label, le[b], (unsigned long long)cum);
     }
     cum += h->count[PD_HIST];
-    k3_buf_addf(o, "%s_bucket{model_name=\"%s\",le=\"+Inf\"} %llu\n%s_sum{model_name=\"%s\"} %.9g\n%s_count{model_name=\"%s\"} %llu\n",
+    k3_buf_addf(o,
+                "%s_bucket{model_name=\"%s\",le=\"+Inf\"} %llu\n%s_sum{model_name=\"%s\"} "
+                "%.9g\n%s_count{model_name=\"%s\"} %llu\n",
                 name, label, (unsigned long long)cum, name, label, h->sum, name, label, (unsigned long long)h->n);
 }
 
@@ -851,7 +862,8 @@ void k3_pd_metrics_render(k3_pd *pd, const char *label, k3_buf *o) {
     k3_engine_get_stats(pd->e, &st);
     pthread_mutex_lock(&pd->mu);
     k3_buf_addf(o,
-                "# HELP k3:kv_transfer_bytes_total Cache bytes moved between prefill and decode instances (rows and KDA states).\n"
+                "# HELP k3:kv_transfer_bytes_total Cache bytes moved between prefill and decode instances (rows and "
+                "KDA states).\n"
                 "# TYPE k3:kv_transfer_bytes_total counter\n"
                 "k3:kv_transfer_bytes_total{model_name=\"%s\",dir=\"sent\"} %lld\n"
                 "k3:kv_transfer_bytes_total{model_name=\"%s\",dir=\"received\"} %lld\n"
@@ -874,9 +886,9 @@ void k3_pd_metrics_render(k3_pd *pd, const char *label, k3_buf *o) {
                 "# HELP k3:kv_hold_releases_total Holds released by a decode instance that will not pull them.\n"
                 "# TYPE k3:kv_hold_releases_total counter\n"
                 "k3:kv_hold_releases_total{model_name=\"%s\"} %lld\n",
-                label, (long long)pd->sent_bytes, label, (long long)pd->recv_bytes, label, (long long)pd->sent_ok, label,
-                (long long)pd->sent_failed, label, (long long)pd->recv_ok, label, (long long)pd->recv_failed, label,
-                pd->sent_seconds, label, pd->recv_seconds, label, (long long)pd->recv_blocks, label,
+                label, (long long)pd->sent_bytes, label, (long long)pd->recv_bytes, label, (long long)pd->sent_ok,
+                label, (long long)pd->sent_failed, label, (long long)pd->recv_ok, label, (long long)pd->recv_failed,
+                label, pd->sent_seconds, label, pd->recv_seconds, label, (long long)pd->recv_blocks, label,
                 (long long)pd->recv_states, label, (long long)pd->releases);
     render_hist(o, "k3:kv_transfer_seconds", "Time of one transfer, connect to the last byte (decode side).", label,
                 &pd->h_secs, pd_secs_le);

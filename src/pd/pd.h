@@ -22,9 +22,9 @@ typedef struct k3_pd_pull k3_pd_pull;
 /* What the job reads after its request finished. */
 typedef struct k3_pd_pull_stats {
     bool ended, ok;
-    int64_t bytes;        /* payload bytes received (rows and state) */
+    int64_t bytes; /* payload bytes received (rows and state) */
     int64_t units, tokens, layers, states, blocks;
-    double seconds;       /* connect to the last byte */
+    double seconds;            /* connect to the last byte */
     double queue_s, prefill_s; /* the prefill instance's, from its params */
 } k3_pd_pull_stats;
 

@@ -41,7 +41,7 @@
 #include "pd/wire.h"
 
 typedef struct backend {
-    char *url;                 /* base, no trailing slash */
+    char *url; /* base, no trailing slash */
     atomic_int inflight;
     _Atomic double down_until; /* k3_now() before which it is skipped */
     atomic_long requests, failures;
@@ -141,8 +141,8 @@ static int pick(k3_proxy *p, backend *b, int n, unsigned tried) {
 typedef struct call {
     CURL *h;
     struct curl_slist *hdr;
-    k3_buf out;                /* the body as it comes */
-    size_t taken;              /* of it handed to the client (streams) */
+    k3_buf out;   /* the body as it comes */
+    size_t taken; /* of it handed to the client (streams) */
     char ctype[128];
     long status;
     bool got_status;
@@ -277,7 +277,7 @@ typedef struct relay {
     call c;
     CURLM *m;
     bool done, failed, tail_sent;
-    char tail[1200];           /* the error event after a stream cut short */
+    char tail[1200]; /* the error event after a stream cut short */
     size_t tail_len, tail_pos;
 } relay;
 
@@ -567,21 +567,23 @@ static enum MHD_Result metrics(k3_proxy *p, struct MHD_Connection *c) {
                 "k3:proxy_errors_total %ld\n"
                 "# HELP k3:proxy_holds_released_total Holds released because no decode instance took the request.\n"
                 "# TYPE k3:proxy_holds_released_total counter\nk3:proxy_holds_released_total %ld\n"
-                "# HELP k3:proxy_backend_inflight Requests in flight per backend.\n# TYPE k3:proxy_backend_inflight gauge\n",
+                "# HELP k3:proxy_backend_inflight Requests in flight per backend.\n# TYPE k3:proxy_backend_inflight "
+                "gauge\n",
                 atomic_load(&p->requests), atomic_load(&p->errors), atomic_load(&p->released));
     for (int side = 0; side < 2; side++)
         for (int i = 0; i < (side ? p->n_dec : p->n_pre); i++) {
             backend *b = side ? &p->dec[i] : &p->pre[i];
-            k3_buf_addf(&o, "k3:proxy_backend_inflight{role=\"%s\",url=\"%s\"} %d\n", side ? "decode" : "prefill", b->url,
-                        atomic_load(&b->inflight));
+            k3_buf_addf(&o, "k3:proxy_backend_inflight{role=\"%s\",url=\"%s\"} %d\n", side ? "decode" : "prefill",
+                        b->url, atomic_load(&b->inflight));
         }
-    k3_buf_addf(&o, "# HELP k3:proxy_backend_failures_total Calls to a backend that got no answer.\n"
-                    "# TYPE k3:proxy_backend_failures_total counter\n");
+    k3_buf_addf(&o,
+                "# HELP k3:proxy_backend_failures_total Calls to a backend that got no answer.\n"
+                "# TYPE k3:proxy_backend_failures_total counter\n");
     for (int side = 0; side < 2; side++)
         for (int i = 0; i < (side ? p->n_dec : p->n_pre); i++) {
             backend *b = side ? &p->dec[i] : &p->pre[i];
-            k3_buf_addf(&o, "k3:proxy_backend_failures_total{role=\"%s\",url=\"%s\"} %ld\n", side ? "decode" : "prefill",
-                        b->url, atomic_load(&b->failures));
+            k3_buf_addf(&o, "k3:proxy_backend_failures_total{role=\"%s\",url=\"%s\"} %ld\n",
+                        side ? "decode" : "prefill", b->url, atomic_load(&b->failures));
         }
     if (o.oom || !o.p) {
         k3_buf_free(&o);
@@ -725,8 +727,8 @@ k3_status k3_proxy_start(k3_proxy **out, const k3_proxy_options *o, k3_error *er
     if (ai->ai_family == AF_INET6) flags |= MHD_USE_IPv6;
     p->d = MHD_start_daemon(flags, 0, NULL, NULL, on_request, p, MHD_OPTION_SOCK_ADDR, ai->ai_addr,
                             MHD_OPTION_CONNECTION_LIMIT, p->max_conn + 64, MHD_OPTION_CONNECTION_TIMEOUT, 0u,
-                            MHD_OPTION_NOTIFY_COMPLETED, on_completed, p, MHD_OPTION_NOTIFY_CONNECTION, on_connection, p,
-                            MHD_OPTION_THREAD_STACK_SIZE, (size_t)512 << 10, MHD_OPTION_LISTEN_BACKLOG_SIZE, 512u,
+                            MHD_OPTION_NOTIFY_COMPLETED, on_completed, p, MHD_OPTION_NOTIFY_CONNECTION, on_connection,
+                            p, MHD_OPTION_THREAD_STACK_SIZE, (size_t)512 << 10, MHD_OPTION_LISTEN_BACKLOG_SIZE, 512u,
                             MHD_OPTION_END);
     freeaddrinfo(ai);
     if (!p->d) {

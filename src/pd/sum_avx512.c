@@ -14,8 +14,10 @@ size_t k3_pd_sum_blocks_avx512(const uint8_t *b, size_t n, uint32_t a[K3_PD_SUM_
     for (; i + K3_PD_SUM_BLOCK <= n; i += K3_PD_SUM_BLOCK) {
         x0 = _mm512_rol_epi32(_mm512_mullo_epi32(_mm512_xor_si512(x0, _mm512_loadu_si512(b + i)), q), K3_PD_SUM_R);
         x1 = _mm512_rol_epi32(_mm512_mullo_epi32(_mm512_xor_si512(x1, _mm512_loadu_si512(b + i + 64)), q), K3_PD_SUM_R);
-        x2 = _mm512_rol_epi32(_mm512_mullo_epi32(_mm512_xor_si512(x2, _mm512_loadu_si512(b + i + 128)), q), K3_PD_SUM_R);
-        x3 = _mm512_rol_epi32(_mm512_mullo_epi32(_mm512_xor_si512(x3, _mm512_loadu_si512(b + i + 192)), q), K3_PD_SUM_R);
+        x2 =
+            _mm512_rol_epi32(_mm512_mullo_epi32(_mm512_xor_si512(x2, _mm512_loadu_si512(b + i + 128)), q), K3_PD_SUM_R);
+        x3 =
+            _mm512_rol_epi32(_mm512_mullo_epi32(_mm512_xor_si512(x3, _mm512_loadu_si512(b + i + 192)), q), K3_PD_SUM_R);
     }
     _mm512_storeu_si512(a, x0);
     _mm512_storeu_si512(a + 16, x1);

@@ -45,7 +45,8 @@ size_t k3_pd_sum_blocks_ref(const uint8_t *b, size_t n, uint32_t a[K3_PD_SUM_LAN
  * into 64 bits: each step a bijection of the running value and of the word
  * it takes, so a change in one lane or one tail byte changes the result. */
 static void sum_init(uint32_t a[K3_PD_SUM_LANES], size_t n) {
-    for (int j = 0; j < K3_PD_SUM_LANES; j++) a[j] = (uint32_t)(j + 1) * 0x85EBCA77u ^ (uint32_t)n ^ (uint32_t)(n >> 32);
+    for (int j = 0; j < K3_PD_SUM_LANES; j++)
+        a[j] = (uint32_t)(j + 1) * 0x85EBCA77u ^ (uint32_t)n ^ (uint32_t)(n >> 32);
 }
 
 static uint64_t sum_finish(const uint32_t a[K3_PD_SUM_LANES], const uint8_t *b, size_t m, size_t n) {
@@ -79,7 +80,7 @@ uint64_t k3_pd_sum(const void *p, size_t n) {
     sum_init(a, n);
     const k3_isa isa = k3_kernels_isa();
     const size_t i = isa == K3_ISA_AVX512 ? k3_pd_sum_blocks_avx512(b, n, a)
-                     : isa == K3_ISA_AVX2 ? k3_pd_sum_blocks_avx2(b, n, a)
+        : isa == K3_ISA_AVX2              ? k3_pd_sum_blocks_avx2(b, n, a)
                                           : k3_pd_sum_blocks_ref(b, n, a);
     return sum_finish(a, b + i, n - i, n);
 }
@@ -121,7 +122,11 @@ void k3_pd_ident_str(const k3_pd_ident *id, char *buf, size_t size) {
     memcpy(q, id->quant, K3_PD_QUANT_LEN);
     q[K3_PD_QUANT_LEN] = 0;
     snprintf(buf, size, "model %016llx, quant %s, kv-cache %s, block %d", (unsigned long long)id->model,
-             q[0] ? q : "none", id->kv == K3_KV_C8 ? "c8" : id->kv == K3_KV_F32 ? "f32" : "?", id->block_size);
+             q[0] ? q : "none",
+             id->kv == K3_KV_C8        ? "c8"
+                 : id->kv == K3_KV_F32 ? "f32"
+                                       : "?",
+             id->block_size);
 }
 
 bool k3_pd_ident_same(const k3_pd_ident *a, const k3_pd_ident *b) {

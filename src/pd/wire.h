@@ -32,32 +32,32 @@ enum { K3_PD_LAYER = 1, K3_PD_STATE = 2, K3_PD_END = 3, K3_PD_ERROR = 4 };
  * model, quant and kv fields agree (the block size may differ: units
  * address positions, not blocks). */
 typedef struct k3_pd_ident {
-    uint64_t model;                 /* k3_model_identity */
-    char quant[K3_PD_QUANT_LEN];    /* --quant's mode, NUL-padded */
-    uint32_t kv;                    /* k3_kv_type */
+    uint64_t model;              /* k3_model_identity */
+    char quant[K3_PD_QUANT_LEN]; /* --quant's mode, NUL-padded */
+    uint32_t kv;                 /* k3_kv_type */
     int32_t block_size;
 } k3_pd_ident;
 
 typedef struct k3_pd_req {
-    char magic[4];                  /* "K3PD" */
+    char magic[4]; /* "K3PD" */
     uint16_t version, op;
-    uint64_t hold;                  /* remote_request_id */
-    k3_pd_ident id;                 /* the decode side's */
-    int64_t from, to;               /* positions wanted */
-    int64_t max_unit;               /* payload bytes per unit at most */
-    uint64_t engine;                /* the decode instance's engine id (for messages) */
-    uint64_t sum;                   /* of the bytes before it */
+    uint64_t hold;    /* remote_request_id */
+    k3_pd_ident id;   /* the decode side's */
+    int64_t from, to; /* positions wanted */
+    int64_t max_unit; /* payload bytes per unit at most */
+    uint64_t engine;  /* the decode instance's engine id (for messages) */
+    uint64_t sum;     /* of the bytes before it */
 } k3_pd_req;
 
 typedef struct k3_pd_unit {
-    char magic[4];                  /* "K3KV" */
+    char magic[4]; /* "K3KV" */
     uint16_t version, kind;
-    k3_pd_ident id;                 /* the prefill side's */
+    k3_pd_ident id; /* the prefill side's */
     int32_t layer, pad;
-    int64_t t0;                     /* LAYER: first position; STATE: byte offset; END: units before it */
-    int64_t n;                      /* LAYER: positions; STATE: bytes */
+    int64_t t0; /* LAYER: first position; STATE: byte offset; END: units before it */
+    int64_t n;  /* LAYER: positions; STATE: bytes */
     uint64_t payload_bytes, payload_sum;
-    uint64_t sum;                   /* of the bytes before it */
+    uint64_t sum; /* of the bytes before it */
 } k3_pd_unit;
 
 /* A 64-bit checksum of n bytes: 64 lanes of 32 bits, each taking every 64th

@@ -7,8 +7,7 @@
 #include "common/error.h"
 #include "sched/sched.h"
 
-k3_status k3_sched_init(k3_sched *s, const k3_sched_config *cfg, k3_kv_blocks *bm, k3_kv_snaps *sn,
-                        k3_error *err) {
+k3_status k3_sched_init(k3_sched *s, const k3_sched_config *cfg, k3_kv_blocks *bm, k3_kv_snaps *sn, k3_error *err) {
     memset(s, 0, sizeof *s);
     s->cfg = *cfg;
     if (s->cfg.snapshot_stride < 1) s->cfg.snapshot_stride = 1;
@@ -199,8 +198,7 @@ static bool next_block_pending(const k3_sched *s, const k3_rq *rq, int32_t k) {
     const int64_t end = (int64_t)(k + 1) * s->cfg.block_size;
     for (int32_t i = 0; i < s->n_running; i++) {
         const k3_rq *r = s->running[i];
-        if (r->n_hash > k && r->hash[k] == rq->hash[k] && r->n_computed < end && r->prefill_end >= end)
-            return true;
+        if (r->n_hash > k && r->hash[k] == rq->hash[k] && r->n_computed < end && r->prefill_end >= end) return true;
     }
     return false;
 }

@@ -46,10 +46,10 @@ typedef struct k3_rq {
     /* tokens: the prompt, then what was generated */
     int32_t *tok;
     int64_t n_tok, cap_tok, n_prompt;
-    int64_t n_computed;           /* tokens in the cache (the slot's position) */
-    int64_t prefill_end;          /* n_tok when it was (re)admitted */
-    int32_t slot;                 /* -1 unless running */
-    int32_t *blocks;              /* [max_blocks] block table */
+    int64_t n_computed;  /* tokens in the cache (the slot's position) */
+    int64_t prefill_end; /* n_tok when it was (re)admitted */
+    int32_t slot;        /* -1 unless running */
+    int32_t *blocks;     /* [max_blocks] block table */
     int32_t n_blocks;
     uint64_t *hash;               /* [max_blocks] chain hash of each full block of tok */
     uint64_t *extra;              /* [max_blocks] each block's extra key */
@@ -61,21 +61,21 @@ typedef struct k3_rq {
     int64_t n_cached;             /* prompt tokens served by the cache (first admission) */
     bool admitted_once;
     /* this step */
-    int32_t n_sched;              /* tokens scheduled */
-    bool is_new;                  /* admitted by this step: set the slot up */
-    const void *restore;          /* snapshot to restore into the slot, NULL = zero state */
-    const void *landed_state;     /* a waiting request that holds blocks (its prompt came
+    int32_t n_sched;          /* tokens scheduled */
+    bool is_new;              /* admitted by this step: set the slot up */
+    const void *restore;      /* snapshot to restore into the slot, NULL = zero state */
+    const void *landed_state; /* a waiting request that holds blocks (its prompt came
                                      from a prefill instance): the KDA state to admit it with */
-    uint32_t events;              /* K3_EV_* since the last step */
-    void *owner;                  /* the engine's part of the request */
+    uint32_t events;          /* K3_EV_* since the last step */
+    void *owner;              /* the engine's part of the request */
 } k3_rq;
 
 typedef struct k3_sched_config {
     int32_t max_seqs;               /* running requests (sequence slots) */
     int32_t max_num_batched_tokens; /* the token budget of a step */
     int32_t block_size, max_blocks;
-    int32_t snapshot_stride;      /* blocks */
-    int32_t plp_cap;              /* prompt-logprob rows per step (a block multiple) */
+    int32_t snapshot_stride; /* blocks */
+    int32_t plp_cap;         /* prompt-logprob rows per step (a block multiple) */
     bool prefix_cache;
     uint64_t hash_seed;
     /* The step cost guard (max_step_cost 0 = off). While any running request
@@ -95,20 +95,19 @@ typedef struct k3_sched {
     k3_sched_config cfg;
     k3_kv_blocks *bm;
     k3_kv_snaps *sn;
-    k3_rq **running;              /* [max_seqs] admission order, newest last */
+    k3_rq **running; /* [max_seqs] admission order, newest last */
     int32_t n_running;
-    k3_rq **waiting;              /* arrival order (preempted ones in front) */
+    k3_rq **waiting; /* arrival order (preempted ones in front) */
     int32_t n_waiting, cap_waiting;
     int32_t *free_slots, n_free_slots;
-    k3_rq **plan;                 /* [max_seqs] this step's requests, in batch order */
+    k3_rq **plan; /* [max_seqs] this step's requests, in batch order */
     int32_t n_plan, plan_tokens;
     /* counters */
     int64_t n_preemptions, prefix_queries, prefix_hits;
-    double guarded_cost_max;      /* the costliest step the guard held */
+    double guarded_cost_max; /* the costliest step the guard held */
 } k3_sched;
 
-k3_status k3_sched_init(k3_sched *s, const k3_sched_config *cfg, k3_kv_blocks *bm, k3_kv_snaps *sn,
-                        k3_error *err);
+k3_status k3_sched_init(k3_sched *s, const k3_sched_config *cfg, k3_kv_blocks *bm, k3_kv_snaps *sn, k3_error *err);
 void k3_sched_free(k3_sched *s);
 /* Hashes the full blocks of rq->tok that are not hashed yet. */
 void k3_sched_hash(k3_sched *s, k3_rq *rq);

@@ -25,8 +25,7 @@ enum MHD_Result k3_api_responses_delete(struct k3_server *s, struct MHD_Connecti
 /* Anthropic's error JSON {"type":"error","error":{"type","message"}} for
  * status (the error hook of the /v1/messages routes). */
 json_t *k3_srv_anthropic_error_json(unsigned status, const char *msg);
-enum MHD_Result k3_srv_anthropic_error(struct k3_server *s, struct MHD_Connection *c, unsigned status,
-                                       const char *msg);
+enum MHD_Result k3_srv_anthropic_error(struct k3_server *s, struct MHD_Connection *c, unsigned status, const char *msg);
 
 /* ---- chat's pieces that others use (api_chat.c) ---- */
 
@@ -73,8 +72,7 @@ k3_status k3_srv_encode_messages(struct k3_server *s, const k3_srv_chat_input *i
  * as a K3 chat prompt, image parts through the tower (ids, their rows and
  * prefix-cache keys; free with k3_vision_prompt_free); *thinking (may be
  * NULL) gets whether the think channel was opened. */
-k3_status k3_srv_encode_chat(struct k3_server *s, json_t *root, k3_vision_prompt *out, bool *thinking,
-                             k3_error *err);
+k3_status k3_srv_encode_chat(struct k3_server *s, json_t *root, k3_vision_prompt *out, bool *thinking, k3_error *err);
 /* The assistant message of a finished chat reply (text decoded with
  * specials by name): role, content, reasoning_content, tool_calls (*tools
  * set when there are any). NULL with err when the reply cannot be parsed,

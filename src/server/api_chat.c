@@ -92,9 +92,9 @@ k3_status k3_srv_encode_messages(struct k3_server *s, const k3_srv_chat_input *i
     const bool img = has_image(in->messages);
     if (img) pthread_mutex_lock(&s->vision_mu);
     k3_status st = mj && (tj || !json_is_array(in->tools)) && (rj || !json_is_object(in->response_format))
-                       ? k3_vision_chat_encode_json(img ? s->vision : NULL, s->tok, img ? s->vision_pool : NULL, mj,
-                                                    tj, &co, s->max_image_pixels, out, err)
-                       : k3_err(err, K3_ERR_NOMEM, "out of memory");
+        ? k3_vision_chat_encode_json(img ? s->vision : NULL, s->tok, img ? s->vision_pool : NULL, mj, tj, &co,
+                                     s->max_image_pixels, out, err)
+        : k3_err(err, K3_ERR_NOMEM, "out of memory");
     if (img) pthread_mutex_unlock(&s->vision_mu);
     free(mj);
     free(tj);
@@ -121,8 +121,7 @@ k3_status k3_srv_encode_chat(struct k3_server *s, json_t *root, k3_vision_prompt
     else if (json_is_object(tc)) {
         tool_choice = "required";
         tool_name = json_string_value(json_object_get(json_object_get(tc, "function"), "name"));
-    }
-    else if (tc && !json_is_null(tc)) return k3_err(err, K3_ERR_ARG, "\"tool_choice\" must be a string or an object");
+    } else if (tc && !json_is_null(tc)) return k3_err(err, K3_ERR_ARG, "\"tool_choice\" must be a string or an object");
     json_t *rf = json_object_get(root, "response_format");
     const k3_srv_chat_input in = {.messages = msgs,
                                   .tools = json_is_array(tools) ? tools : NULL,
@@ -141,7 +140,7 @@ static bool chat_prompt(struct k3_server *s, json_t *root, k3_srv_request *rq, k
     int32_t *ids = rq->vp.ids; /* the request owns the ids now */
     rq->vp.ids = NULL;
     return k3_srv_request_one_prompt(rq, ids, (int64_t)rq->vp.n_ids, e) &&
-           k3_srv_constraint_openai(s, K3_API_CHAT, root, rq->thinking, &rq->grammar, e);
+        k3_srv_constraint_openai(s, K3_API_CHAT, root, rq->thinking, &rq->grammar, e);
 }
 
 /* ---- the reply ------------------------------------------------------------ */
@@ -225,9 +224,10 @@ json_t *k3_srv_chat_message(const char *text, size_t len, bool thinking, bool *t
     /* as OpenAI's reasoning models: content is "" when the reply has none
      * (thinking used up max_tokens), null only beside tool calls */
     const bool calls = r.tool_calls_json && r.n_tool_calls > 0;
-    json_object_set_new(msg, "content", r.content ? k3_srv_jstr(r.content, strlen(r.content))
-                                        : calls  ? json_null()
-                                                 : json_string(""));
+    json_object_set_new(msg, "content",
+                        r.content   ? k3_srv_jstr(r.content, strlen(r.content))
+                            : calls ? json_null()
+                                    : json_string(""));
     if (r.reasoning) json_object_set_new(msg, "reasoning_content", k3_srv_jstr(r.reasoning, strlen(r.reasoning)));
     if (r.tool_calls_json && r.n_tool_calls > 0) {
         json_t *tc = json_loads(r.tool_calls_json, 0, NULL);
@@ -368,8 +368,9 @@ static void stream_choice(k3_srv_job *j, int i) {
     const size_t upto = k3_srv_choice_sendable(j, c), lp_upto = k3_srv_choice_lp_ready(c);
     if (!c->started) {
         c->started = true;
-        send_chunk(j, json_pack("[{s:i,s:{s:s,s:s},s:n,s:n}]", "index", i, "delta", "role", "assistant", "content",
-                                "", "logprobs", "finish_reason"));
+        send_chunk(j,
+                   json_pack("[{s:i,s:{s:s,s:s},s:n,s:n}]", "index", i, "delta", "role", "assistant", "content", "",
+                             "logprobs", "finish_reason"));
     }
     bool tools = false;
     if (upto > c->emitted || c->done) {
@@ -392,9 +393,10 @@ static void stream_choice(k3_srv_job *j, int i) {
                 lp = json_pack("{s:n}", "content");
                 add_reasoning_logprobs(j, c, lp_upto, upto, lp);
             }
-            send_chunk(j, json_pack("[{s:i,s:{s:o},s:o,s:n}]", "index", i, "delta", "reasoning_content",
-                                    k3_srv_jstr(r.reasoning + c->sent_reasoning, rl - c->sent_reasoning), "logprobs",
-                                    lp, "finish_reason"));
+            send_chunk(j,
+                       json_pack("[{s:i,s:{s:o},s:o,s:n}]", "index", i, "delta", "reasoning_content",
+                                 k3_srv_jstr(r.reasoning + c->sent_reasoning, rl - c->sent_reasoning), "logprobs", lp,
+                                 "finish_reason"));
             c->sent_reasoning = rl;
         }
         if (cl > c->sent_content) {
@@ -411,9 +413,10 @@ static void stream_choice(k3_srv_job *j, int i) {
                 lp = json_pack("{s:o}", "content", content);
                 add_reasoning_logprobs(j, c, lp_upto, upto, lp);
             }
-            send_chunk(j, json_pack("[{s:i,s:{s:o},s:o,s:n}]", "index", i, "delta", "content",
-                                    k3_srv_jstr(r.content + c->sent_content, cl - c->sent_content), "logprobs", lp,
-                                    "finish_reason"));
+            send_chunk(j,
+                       json_pack("[{s:i,s:{s:o},s:o,s:n}]", "index", i, "delta", "content",
+                                 k3_srv_jstr(r.content + c->sent_content, cl - c->sent_content), "logprobs", lp,
+                                 "finish_reason"));
             c->sent_content = cl;
         }
         /* tool calls as they are generated: a header per call, then its argument fragments */
@@ -424,8 +427,9 @@ static void stream_choice(k3_srv_job *j, int i) {
         json_t *v;
         json_array_foreach(deltas, k, v) {
             json_incref(v);
-            send_chunk(j, json_pack("[{s:i,s:{s:[o]},s:n,s:n}]", "index", i, "delta", "tool_calls", v, "logprobs",
-                                    "finish_reason"));
+            send_chunk(j,
+                       json_pack("[{s:i,s:{s:[o]},s:n,s:n}]", "index", i, "delta", "tool_calls", v, "logprobs",
+                                 "finish_reason"));
         }
         json_decref(deltas);
         if (!c->done) k3_chat_partial_call_free(&part);
@@ -442,8 +446,9 @@ static void stream_choice(k3_srv_job *j, int i) {
         const char *why = k3_srv_choice_error(c, "generation failed");
         if (why) k3_sse_error(&j->sse, k3_srv_choice_error_status(c), why);
         else
-            send_chunk(j, json_pack("[{s:i,s:{},s:o,s:s}]", "index", i, "delta", "logprobs", final_logprobs(j, c),
-                                    "finish_reason", k3_srv_finish_reason(c, tools)));
+            send_chunk(j,
+                       json_pack("[{s:i,s:{},s:o,s:s}]", "index", i, "delta", "logprobs", final_logprobs(j, c),
+                                 "finish_reason", k3_srv_finish_reason(c, tools)));
         c->final_sent = true;
     }
 }

@@ -18,8 +18,7 @@
 
 /* ---- the prompt --------------------------------------------------------- */
 
-static bool ids_from_array(struct k3_server *s, json_t *a, const char *what, int32_t **ids, int64_t *n,
-                           k3_srv_bad *e) {
+static bool ids_from_array(struct k3_server *s, json_t *a, const char *what, int32_t **ids, int64_t *n, k3_srv_bad *e) {
     const size_t len = json_array_size(a);
     if (len == 0) return k3_srv_bad_set(e, 400, "%s is empty", what);
     *ids = malloc(len * sizeof **ids);
@@ -224,9 +223,9 @@ static void stream_choice(k3_srv_job *j, int i) {
             c->lp_sent = lp_upto;
         }
         c->emitted = upto;
-        json_t *ch = json_pack("{s:i,s:o,s:o,s:o}", "index", i, "text", k3_srv_jstr(t.p ? t.p : "", t.len),
-                               "logprobs", lp, "finish_reason",
-                               c->done ? json_string(k3_srv_finish_reason(c, false)) : json_null());
+        json_t *ch =
+            json_pack("{s:i,s:o,s:o,s:o}", "index", i, "text", k3_srv_jstr(t.p ? t.p : "", t.len), "logprobs", lp,
+                      "finish_reason", c->done ? json_string(k3_srv_finish_reason(c, false)) : json_null());
         k3_buf_free(&t);
         k3_sse_data(&j->sse, chunk(j, json_pack("[o]", ch)));
     }

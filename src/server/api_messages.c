@@ -168,8 +168,9 @@ static bool tool_result(json_t *block, const char *where, json_t *msgs, bad *b) 
     }
     json_t *tc = k3_srv_jstr(t.p ? t.p : "", t.len);
     k3_buf_free(&t);
-    json_array_append_new(msgs, json_pack("{s:s,s:O,s:o}", "role", "tool", "tool_call_id", id, "content",
-                                          tc ? tc : json_string("")));
+    json_array_append_new(msgs,
+                          json_pack("{s:s,s:O,s:o}", "role", "tool", "tool_call_id", id, "content",
+                                    tc ? tc : json_string("")));
     if (json_array_size(images)) json_array_append_new(msgs, json_pack("{s:s,s:O}", "role", "user", "content", images));
     json_decref(images);
     return true;
@@ -220,9 +221,9 @@ static bool message(json_t *m, size_t i, json_t *msgs, bad *b) {
                 ok = fail(b, 400, "%s: a tool_use needs \"id\", \"name\" and an \"input\" object", w);
                 break;
             }
-            json_array_append_new(calls, json_pack("{s:O,s:s,s:{s:O,s:o}}", "id", id, "type", "function", "function",
-                                                   "name", name, "arguments",
-                                                   input ? json_incref(input) : json_object()));
+            json_array_append_new(calls,
+                                  json_pack("{s:O,s:s,s:{s:O,s:o}}", "id", id, "type", "function", "function", "name",
+                                            name, "arguments", input ? json_incref(input) : json_object()));
         } else if (!strcmp(type, "thinking") && !user) {
             json_t *t = json_object_get(blk, "thinking");
             if (!json_is_string(t)) {
@@ -274,7 +275,8 @@ static bool system_message(json_t *sys, json_t *msgs, bad *b) {
         }
         k3_buf_add(&t, json_string_value(tx), json_string_length(tx));
     }
-    if (t.len) json_array_append_new(msgs, json_pack("{s:s,s:o}", "role", "system", "content", k3_srv_jstr(t.p, t.len)));
+    if (t.len)
+        json_array_append_new(msgs, json_pack("{s:s,s:o}", "role", "system", "content", k3_srv_jstr(t.p, t.len)));
     k3_buf_free(&t);
     return true;
 }
@@ -306,8 +308,11 @@ static bool parse_tool_choice(json_t *tc, msg_ctx *x, bad *b) {
     if (!tc || json_is_null(tc)) return true;
     const char *type = json_is_object(tc) ? json_string_value(json_object_get(tc, "type")) : NULL;
     if (!type) return fail(b, 400, "\"tool_choice\" must be an object with a \"type\" (auto, any, tool, none)");
-    const char *mapped = !strcmp(type, "auto") ? "auto" : !strcmp(type, "any") ? "required"
-                       : !strcmp(type, "none") ? "none" : !strcmp(type, "tool") ? "required" : NULL;
+    const char *mapped = !strcmp(type, "auto") ? "auto"
+        : !strcmp(type, "any")                 ? "required"
+        : !strcmp(type, "none")                ? "none"
+        : !strcmp(type, "tool")                ? "required"
+                                               : NULL;
     if (!mapped) return fail(b, 400, "\"tool_choice.type\" is \"%.32s\", not auto, any, tool or none", type);
     if (!strcmp(type, "tool")) {
         const char *name = json_string_value(json_object_get(tc, "name"));
@@ -373,8 +378,8 @@ static bool parse_thinking(json_t *root, msg_ctx *x, bool count_only, bad *b) {
         json_t *schema = json_object_get(fmt, "schema");
         if (!type || strcmp(type, "json_schema") || !json_is_object(schema))
             return fail(b, 400, "\"output_config.format\" must be {\"type\": \"json_schema\", \"schema\": {...}}");
-        x->response_format = json_pack("{s:s,s:{s:s,s:O}}", "type", "json_schema", "json_schema", "name", "output",
-                                       "schema", schema);
+        x->response_format =
+            json_pack("{s:s,s:{s:s,s:O}}", "type", "json_schema", "json_schema", "name", "output", "schema", schema);
     }
     return true;
 }
@@ -387,8 +392,7 @@ static bool build(json_t *root, msg_ctx *x, bool count_only, bad *b) {
             return fail(b, 400, "\"max_tokens\" must be an integer >= 1");
     }
     json_t *msgs = json_object_get(root, "messages");
-    if (!json_is_array(msgs) || !json_array_size(msgs))
-        return fail(b, 400, "\"messages\" must be a non-empty list");
+    if (!json_is_array(msgs) || !json_array_size(msgs)) return fail(b, 400, "\"messages\" must be a non-empty list");
     x->messages = json_array();
     if (!system_message(json_object_get(root, "system"), x->messages, b)) return false;
     size_t i;
@@ -424,11 +428,10 @@ static bool msg_prompt(struct k3_server *s, json_t *root, k3_srv_request *rq, k3
     /* output_config.format and tool_choice any / tool constrain the reply (constraint.h) */
     json_t *tc = json_object_get(root, "tool_choice");
     return k3_srv_request_one_prompt(rq, ids, (int64_t)rq->vp.n_ids, e) &&
-           k3_srv_constraint_words(s, x->response_format, "output_config.format", "output_config.format.schema",
-                                   x->tools, x->tool_choice[0] ? x->tool_choice : NULL,
-                                   x->tool_name[0] ? x->tool_name : NULL,
-                                   !json_is_true(json_object_get(tc, "disable_parallel_tool_use")), x->thinking,
-                                   &rq->grammar, e);
+        k3_srv_constraint_words(s, x->response_format, "output_config.format", "output_config.format.schema", x->tools,
+                                x->tool_choice[0] ? x->tool_choice : NULL, x->tool_name[0] ? x->tool_name : NULL,
+                                !json_is_true(json_object_get(tc, "disable_parallel_tool_use")), x->thinking,
+                                &rq->grammar, e);
 }
 
 /* ---- the answer -------------------------------------------------------------- */
@@ -464,8 +467,8 @@ static json_t *block_json(const k3_item *it, const k3_chat_reply *r, json_t *cal
         tool_use_id(it->call_id, id);
         json_t *input = NULL;
         if (r) {
-            json_t *a = json_object_get(json_object_get(json_array_get(calls, (size_t)it->call), "function"),
-                                        "arguments");
+            json_t *a =
+                json_object_get(json_object_get(json_array_get(calls, (size_t)it->call), "function"), "arguments");
             if (json_is_string(a)) input = json_loadb(json_string_value(a), json_string_length(a), 0, NULL);
         }
         if (!json_is_object(input)) {
@@ -495,8 +498,8 @@ static json_t *usage_json(k3_srv_job *j) {
     const k3_srv_choice *c = &j->ch[0];
     const int64_t in = j->rq.n_prompt[0], cached = c->q.n_cached;
     return json_pack("{s:I,s:I,s:I,s:I}", "input_tokens", (json_int_t)(in - cached), "output_tokens",
-                     (json_int_t)c->n_out, "cache_read_input_tokens", (json_int_t)cached,
-                     "cache_creation_input_tokens", (json_int_t)0);
+                     (json_int_t)c->n_out, "cache_read_input_tokens", (json_int_t)cached, "cache_creation_input_tokens",
+                     (json_int_t)0);
 }
 
 static bool has_calls(const k3_items *it) {
@@ -527,10 +530,10 @@ static enum MHD_Result answer(k3_srv_job *j) {
     for (int i = 0; i < x->items.n; i++) json_array_append_new(content, block_json(&x->items.v[i], &r, calls));
     json_decref(calls);
     k3_chat_reply_free(&r);
-    json_t *resp = json_pack("{s:s,s:s,s:s,s:s,s:o,s:s,s:o,s:o}", "id", x->id, "type", "message", "role", "assistant",
-                             "model", j->s->model, "content", content, "stop_reason",
-                             stop_reason(c, has_calls(&x->items)), "stop_sequence", stop_sequence(j, c), "usage",
-                             usage_json(j));
+    json_t *resp =
+        json_pack("{s:s,s:s,s:s,s:s,s:o,s:s,s:o,s:o}", "id", x->id, "type", "message", "role", "assistant", "model",
+                  j->s->model, "content", content, "stop_reason", stop_reason(c, has_calls(&x->items)), "stop_sequence",
+                  stop_sequence(j, c), "usage", usage_json(j));
     return k3_srv_job_json(j, 200, resp); /* with a prefill or decode instance's members */
 }
 
@@ -586,9 +589,9 @@ static void stream_choice(k3_srv_job *j, int i) {
     if (!c->started) {
         if (!c->q.n_tok && !c->q.finished) return;
         c->started = true;
-        json_t *msg = json_pack("{s:s,s:s,s:s,s:s,s:[],s:n,s:n,s:o}", "id", x->id, "type", "message", "role",
-                                "assistant", "model", j->s->model, "content", "stop_reason", "stop_sequence", "usage",
-                                usage_json(j));
+        json_t *msg =
+            json_pack("{s:s,s:s,s:s,s:s,s:[],s:n,s:n,s:o}", "id", x->id, "type", "message", "role", "assistant",
+                      "model", j->s->model, "content", "stop_reason", "stop_sequence", "usage", usage_json(j));
         if (msg) json_object_set_new(json_object_get(msg, "usage"), "output_tokens", json_integer(0));
         event(j, "message_start", json_pack("{s:o}", "message", msg));
         event(j, "ping", json_object());

@@ -51,11 +51,11 @@ typedef struct resp_ctx {
     char tool_choice[16];    /* "" (none given), auto, required, none */
     char tool_name[256];     /* with required: the one tool named, or "" */
     bool thinking;
-    const char *effort;      /* K3's thinking_effort */
+    const char *effort; /* K3's thinking_effort */
     bool store;
     char id[64];
     long created;
-    json_t *echo;            /* the request fields the response object repeats */
+    json_t *echo; /* the request fields the response object repeats */
     /* the stream */
     long seq;
     k3_items items;
@@ -126,8 +126,7 @@ static bool content_parts(json_t *content, size_t i, json_t **out, bad *b) {
             json_array_append_new(parts, json_pack("{s:s,s:{s:O}}", "type", "image_url", "image_url", "url", u));
         } else {
             json_decref(parts);
-            return fail(b, 400, "input[%zu].content[%zu]: the content part type \"%s\" is not supported", i, k,
-                        type);
+            return fail(b, 400, "input[%zu].content[%zu]: the content part type \"%s\" is not supported", i, k, type);
         }
     }
     *out = parts;
@@ -185,8 +184,9 @@ static bool input_messages(json_t *input, json_t *msgs, bad *b) {
         if (!type) return fail(b, 400, "input[%zu] has neither a \"type\" nor a \"role\"", i);
         json_t *prev = last_assistant(msgs);
         if (!strcmp(type, "message")) {
-            if (!role || (strcmp(role, "user") && strcmp(role, "system") && strcmp(role, "developer") &&
-                          strcmp(role, "assistant")))
+            if (!role ||
+                (strcmp(role, "user") && strcmp(role, "system") && strcmp(role, "developer") &&
+                 strcmp(role, "assistant")))
                 return fail(b, 400, "input[%zu]: the role must be user, system, developer or assistant", i);
             json_t *content = NULL;
             if (!content_parts(json_object_get(it, "content"), i, &content, b)) return false;
@@ -195,27 +195,30 @@ static bool input_messages(json_t *input, json_t *msgs, bad *b) {
                 continue;
             }
             /* developer is the system role as OpenAI defines it */
-            json_array_append_new(msgs, json_pack("{s:s,s:o}", "role", !strcmp(role, "developer") ? "system" : role,
-                                                  "content", content));
+            json_array_append_new(msgs,
+                                  json_pack("{s:s,s:o}", "role", !strcmp(role, "developer") ? "system" : role,
+                                            "content", content));
         } else if (!strcmp(type, "function_call")) {
             json_t *call_id = json_object_get(it, "call_id"), *name = json_object_get(it, "name"),
                    *args = json_object_get(it, "arguments");
             if (!json_is_string(call_id) || !json_is_string(name) || !json_is_string(args))
                 return fail(b, 400, "input[%zu]: a function_call needs \"call_id\", \"name\" and \"arguments\" strings",
                             i);
-            json_t *tc = json_pack("{s:O,s:s,s:{s:O,s:O}}", "id", call_id, "type", "function", "function", "name",
-                                   name, "arguments", args);
+            json_t *tc = json_pack("{s:O,s:s,s:{s:O,s:O}}", "id", call_id, "type", "function", "function", "name", name,
+                                   "arguments", args);
             json_t *calls = prev ? json_object_get(prev, "tool_calls") : NULL;
             if (json_is_array(calls)) json_array_append_new(calls, tc);
             else if (prev) json_object_set_new(prev, "tool_calls", json_pack("[o]", tc));
             else json_array_append_new(msgs, json_pack("{s:s,s:[o]}", "role", "assistant", "tool_calls", tc));
         } else if (!strcmp(type, "function_call_output")) {
             json_t *call_id = json_object_get(it, "call_id"), *out = json_object_get(it, "output");
-            if (!json_is_string(call_id)) return fail(b, 400, "input[%zu]: a function_call_output needs \"call_id\"", i);
+            if (!json_is_string(call_id))
+                return fail(b, 400, "input[%zu]: a function_call_output needs \"call_id\"", i);
             json_t *content = NULL;
             if (!content_parts(out, i, &content, b)) return false;
-            json_array_append_new(msgs, json_pack("{s:s,s:O,s:o}", "role", "tool", "tool_call_id", call_id, "content",
-                                                  content));
+            json_array_append_new(msgs,
+                                  json_pack("{s:s,s:O,s:o}", "role", "tool", "tool_call_id", call_id, "content",
+                                            content));
         } else if (!strcmp(type, "reasoning")) {
             json_t *r = NULL;
             if (!reasoning_text(it, i, &r, b)) return false;
@@ -363,8 +366,8 @@ static bool refuse_unsupported(json_t *root, bad *b) {
             return fail(b, 400, "\"include\": message.output_text.logprobs is not supported on /v1/responses");
     }
     v = json_object_get(root, "truncation");
-    if (v && !json_is_null(v) && (!json_is_string(v) || (strcmp(json_string_value(v), "disabled") &&
-                                                         strcmp(json_string_value(v), "auto"))))
+    if (v && !json_is_null(v) &&
+        (!json_is_string(v) || (strcmp(json_string_value(v), "disabled") && strcmp(json_string_value(v), "auto"))))
         return fail(b, 400, "\"truncation\" must be \"disabled\" or \"auto\"");
     return true;
 }
@@ -380,7 +383,8 @@ static bool build(struct k3_server *s, json_t *root, resp_ctx *x, bad *b) {
     if (prev && !json_is_null(prev) && !json_is_string(prev))
         return fail(b, 400, "\"previous_response_id\" must be a string");
     json_t *store = json_object_get(root, "store");
-    if (store && !json_is_null(store) && !json_is_boolean(store)) return fail(b, 400, "\"store\" must be true or false");
+    if (store && !json_is_null(store) && !json_is_boolean(store))
+        return fail(b, 400, "\"store\" must be true or false");
     x->store = !json_is_false(store);
     json_t *reasoning = json_object_get(root, "reasoning");
     const char *effort = NULL;
@@ -412,13 +416,14 @@ static bool build(struct k3_server *s, json_t *root, resp_ctx *x, bad *b) {
     json_object_set_new(e, "previous_response_id", json_is_string(prev) ? json_incref(prev) : json_null());
     json_object_set_new(e, "tool_choice", tc && !json_is_null(tc) ? json_incref(tc) : json_string("auto"));
     json_object_set_new(e, "parallel_tool_calls", json_boolean(!json_is_false(par)));
-    json_object_set_new(e, "reasoning", json_pack("{s:o,s:n}", "effort", effort ? json_string(effort) : json_null(),
-                                                  "summary"));
+    json_object_set_new(e, "reasoning",
+                        json_pack("{s:o,s:n}", "effort", effort ? json_string(effort) : json_null(), "summary"));
     json_object_set_new(e, "metadata", json_is_object(meta) ? json_incref(meta) : json_object());
     json_object_set_new(e, "tools", json_is_array(tools) ? json_incref(tools) : json_array());
     json_object_set_new(e, "truncation", json_is_string(trunc) ? json_incref(trunc) : json_string("disabled"));
-    json_object_set_new(e, "text", json_pack("{s:o}", "format",
-                                             json_is_object(fmt) ? json_incref(fmt) : json_pack("{s:s}", "type", "text")));
+    json_object_set_new(e, "text",
+                        json_pack("{s:o}", "format",
+                                  json_is_object(fmt) ? json_incref(fmt) : json_pack("{s:s}", "type", "text")));
     return true;
 }
 
@@ -439,9 +444,9 @@ static bool resp_prompt(struct k3_server *s, json_t *root, k3_srv_request *rq, k
     rq->vp.ids = NULL;
     /* text.format and tool_choice constrain the reply (constraint.h) */
     return k3_srv_request_one_prompt(rq, ids, (int64_t)rq->vp.n_ids, e) &&
-           k3_srv_constraint_words(s, x->response_format, "text.format", "text.format.schema", x->tools, in.tool_choice,
-                                   in.tool_name, !json_is_false(json_object_get(root, "parallel_tool_calls")),
-                                   x->thinking, &rq->grammar, e);
+        k3_srv_constraint_words(s, x->response_format, "text.format", "text.format.schema", x->tools, in.tool_choice,
+                                in.tool_name, !json_is_false(json_object_get(root, "parallel_tool_calls")), x->thinking,
+                                &rq->grammar, e);
 }
 
 /* ---- the answer ------------------------------------------------------------ */
@@ -455,8 +460,8 @@ static json_t *item_json(const k3_item *it, const k3_chat_reply *r, json_t *call
     switch (it->kind) {
     case K3_ITEM_REASONING: {
         const char *t = r && r->reasoning ? r->reasoning : "";
-        json_t *content = r ? json_pack("[{s:s,s:o}]", "type", "reasoning_text", "text", k3_srv_jstr(t, strlen(t)))
-                            : json_array();
+        json_t *content =
+            r ? json_pack("[{s:s,s:o}]", "type", "reasoning_text", "text", k3_srv_jstr(t, strlen(t))) : json_array();
         return json_pack("{s:s,s:s,s:[],s:o,s:s}", "id", it->id, "type", "reasoning", "summary", "content", content,
                          "status", status);
     }
@@ -502,17 +507,16 @@ static json_t *usage_json(k3_srv_job *j) {
 /* The response object (takes output, usage, error). */
 static json_t *response_json(k3_srv_job *j, const char *status, json_t *output, json_t *usage, json_t *error) {
     resp_ctx *x = j->surf;
-    json_t *o = json_pack("{s:s,s:s,s:I,s:s,s:b,s:o,s:o,s:s,s:o,s:b,s:f,s:f,s:o,s:n,s:s}", "id", x->id, "object",
-                          "response", "created_at", (json_int_t)x->created, "status", status, "background", 0,
-                          "error", error ? error : json_null(), "incomplete_details",
-                          !strcmp(status, "incomplete") ? json_pack("{s:s}", "reason", "max_output_tokens")
-                                                        : json_null(),
-                          "model", j->s->model, "output", output ? output : json_array(), "store", x->store,
-                          "temperature", j->rq.temperature, "top_p", j->rq.top_p, "usage", usage ? usage : json_null(),
-                          "user", "service_tier", "default");
+    json_t *o =
+        json_pack("{s:s,s:s,s:I,s:s,s:b,s:o,s:o,s:s,s:o,s:b,s:f,s:f,s:o,s:n,s:s}", "id", x->id, "object", "response",
+                  "created_at", (json_int_t)x->created, "status", status, "background", 0, "error",
+                  error ? error : json_null(), "incomplete_details",
+                  !strcmp(status, "incomplete") ? json_pack("{s:s}", "reason", "max_output_tokens") : json_null(),
+                  "model", j->s->model, "output", output ? output : json_array(), "store", x->store, "temperature",
+                  j->rq.temperature, "top_p", j->rq.top_p, "usage", usage ? usage : json_null(), "user", "service_tier",
+                  "default");
     if (!o) return NULL;
-    json_object_set_new(o, "max_output_tokens",
-                        j->rq.max_tokens >= 0 ? json_integer(j->rq.max_tokens) : json_null());
+    json_object_set_new(o, "max_output_tokens", j->rq.max_tokens >= 0 ? json_integer(j->rq.max_tokens) : json_null());
     json_object_update(o, x->echo);
     return o;
 }
@@ -534,9 +538,10 @@ static void store(k3_srv_job *j, json_t *resp, const k3_chat_reply *r) {
         const k3_item *it = &x->items.v[i];
         if (it->kind != K3_ITEM_CALL) continue;
         json_t *f = json_object_get(json_array_get(calls, (size_t)it->call), "function");
-        json_array_append_new(tc, json_pack("{s:s,s:s,s:{s:s,s:O}}", "id", it->call_id, "type", "function", "function",
-                                            "name", it->name ? it->name : "", "arguments",
-                                            json_object_get(f, "arguments")));
+        json_array_append_new(tc,
+                              json_pack("{s:s,s:s,s:{s:s,s:O}}", "id", it->call_id, "type", "function", "function",
+                                        "name", it->name ? it->name : "", "arguments",
+                                        json_object_get(f, "arguments")));
     }
     if (json_array_size(tc)) json_object_set(msg, "tool_calls", tc);
     json_decref(tc);
@@ -592,8 +597,8 @@ static void ev_open(k3_srv_job *j, const k3_item *it, int i) {
     event(j, "response.output_item.added",
           json_pack("{s:i,s:o}", "output_index", i, "item", item_json(it, NULL, NULL, "in_progress")));
     if (it->kind == K3_ITEM_CALL) return;
-    json_t *part = it->kind == K3_ITEM_TEXT ? part_output_text("")
-                                            : json_pack("{s:s,s:s}", "type", "reasoning_text", "text", "");
+    json_t *part =
+        it->kind == K3_ITEM_TEXT ? part_output_text("") : json_pack("{s:s,s:s}", "type", "reasoning_text", "text", "");
     event(j, "response.content_part.added",
           json_pack("{s:s,s:i,s:i,s:o}", "item_id", it->id, "output_index", i, "content_index", 0, "part", part));
 }

@@ -125,8 +125,8 @@ static k3_grammar *cache_put(struct k3_srv_gcache *c, const char *key, size_t kl
 static bool spec_key(const k3_grammar_spec *sp, k3_buf *k) {
     char head[64];
     const int n = snprintf(head, sizeof head, "%d|%d%d%d%d%d%d%d%d|", (int)sp->kind, sp->compact,
-                           sp->no_extra_properties, sp->k3_reply, sp->thinking, sp->parallel_calls,
-                           sp->tools_optional, sp->text != NULL, sp->canonical_numbers);
+                           sp->no_extra_properties, sp->k3_reply, sp->thinking, sp->parallel_calls, sp->tools_optional,
+                           sp->text != NULL, sp->canonical_numbers);
     k3_buf_add(k, head, (size_t)n);
     if (sp->text) k3_buf_add(k, sp->text, strlen(sp->text) + 1);
     for (int32_t i = 0; i < sp->n_choices; i++) k3_buf_add(k, sp->choices[i], strlen(sp->choices[i]) + 1);
@@ -173,11 +173,11 @@ static bool compile(struct k3_server *s, const k3_grammar_spec *sp, k3_grammar *
 /* What one request asks for, before it is compiled. */
 typedef struct want {
     k3_grammar_spec sp;
-    char *text;               /* owned: a schema's JSON text */
-    const char **choices;     /* owned array (strings borrowed from the request) */
-    k3_grammar_tool *tools;   /* owned array (names borrowed, parameters owned) */
+    char *text;             /* owned: a schema's JSON text */
+    const char **choices;   /* owned array (strings borrowed from the request) */
+    k3_grammar_tool *tools; /* owned array (names borrowed, parameters owned) */
     char where[96];
-    const char *source;       /* the field that asked, for the two-constraints message */
+    const char *source; /* the field that asked, for the two-constraints message */
 } want;
 
 static void want_free(want *w) {
@@ -349,12 +349,15 @@ static bool from_tools(const k3_srv_constraint_in *in, want *w, k3_srv_bad *e) {
             return bad(e, 400, "\"tool_choice\" is \"%.40s\", not none, auto, required or a named function", v);
     } else if (json_is_object(tc)) {
         const char *name = json_string_value(json_object_get(json_object_get(tc, "function"), "name"));
-        if (!name) return bad(e, 400, "\"tool_choice\" must be {\"type\": \"function\", \"function\": {\"name\": ...}}");
+        if (!name)
+            return bad(e, 400, "\"tool_choice\" must be {\"type\": \"function\", \"function\": {\"name\": ...}}");
         for (size_t i = 0; i < n && only < 0; i++)
-            if (!strcmp(json_string_value(json_object_get(json_object_get(json_array_get(tools, i), "function"), "name")),
+            if (!strcmp(json_string_value(
+                            json_object_get(json_object_get(json_array_get(tools, i), "function"), "name")),
                         name))
                 only = (int)i;
-        if (only < 0) return bad(e, 400, "\"tool_choice\" names the function \"%.100s\", which is not in \"tools\"", name);
+        if (only < 0)
+            return bad(e, 400, "\"tool_choice\" names the function \"%.100s\", which is not in \"tools\"", name);
         forced = true;
     } else if (tc && !json_is_null(tc)) {
         return bad(e, 400, "\"tool_choice\" must be a string or an object");
@@ -385,9 +388,9 @@ bool k3_srv_constraint(struct k3_server *s, const k3_srv_constraint_in *in, k3_g
     *out = NULL;
     want w;
     memset(&w, 0, sizeof w);
-    bool ok = from_response_format(in->response_format, in->rf_name ? in->rf_name : "response_format",
-                                   in->schema_name, &w, e) &&
-              from_vllm(in->vllm, &w, e) && from_tools(in, &w, e);
+    bool ok = from_response_format(in->response_format, in->rf_name ? in->rf_name : "response_format", in->schema_name,
+                                   &w, e) &&
+        from_vllm(in->vllm, &w, e) && from_tools(in, &w, e);
     if (ok && w.source) {
         w.sp.text = w.text;
         w.sp.choices = w.choices;
@@ -403,8 +406,9 @@ bool k3_srv_constraint(struct k3_server *s, const k3_srv_constraint_in *in, k3_g
             json_t *tc = in->tool_choice;
             const char *name = json_string_value(json_object_get(json_object_get(tc, "function"), "name"));
             for (size_t i = 0; name && i < json_array_size(in->tools); i++)
-                if (!strcmp(name, json_string_value(json_object_get(
-                                      json_object_get(json_array_get(in->tools, i), "function"), "name")))) {
+                if (!strcmp(name,
+                            json_string_value(
+                                json_object_get(json_object_get(json_array_get(in->tools, i), "function"), "name")))) {
                     char rest[sizeof e->msg];
                     snprintf(rest, sizeof rest, "%s", e->msg + 8);
                     snprintf(e->msg, sizeof e->msg, "tools[%zu]%.480s", i, rest);
@@ -437,10 +441,9 @@ bool k3_srv_constraint_openai(struct k3_server *s, unsigned api, json_t *root, b
     return k3_srv_constraint(s, &in, out, e);
 }
 
-bool k3_srv_constraint_words(struct k3_server *s, json_t *response_format, const char *rf_name,
-                             const char *schema_name, json_t *tools,
-                             const char *tool_choice, const char *tool_name, bool parallel_calls, bool thinking,
-                             k3_grammar **out, k3_srv_bad *e) {
+bool k3_srv_constraint_words(struct k3_server *s, json_t *response_format, const char *rf_name, const char *schema_name,
+                             json_t *tools, const char *tool_choice, const char *tool_name, bool parallel_calls,
+                             bool thinking, k3_grammar **out, k3_srv_bad *e) {
     json_t *tc = NULL;
     if (tool_name) tc = json_pack("{s:s,s:{s:s}}", "type", "function", "function", "name", tool_name);
     else if (tool_choice) tc = json_string(tool_choice);

@@ -25,13 +25,13 @@ typedef struct k3_srv_constraint_in {
     /* OpenAI chat's response_format: {"type": "text" | "json_object" |
      * "json_schema", "json_schema": {"name", "schema", "strict"}}, or NULL */
     json_t *response_format;
-    const char *rf_name;    /* how the request names it ("response_format"; NULL: that) */
+    const char *rf_name;     /* how the request names it ("response_format"; NULL: that) */
     const char *schema_name; /* how it names the schema in it (NULL: RF_NAME.json_schema.schema) */
     /* chat's tools [{"type": "function", "function": {"name", "parameters",
      * "strict"}}] and tool_choice ("none" | "auto" | "required" |
      * {"type": "function", "function": {"name"}}), or NULL */
     json_t *tools, *tool_choice;
-    bool parallel_calls;    /* tool calls: one or more (parallel_tool_calls) */
+    bool parallel_calls; /* tool calls: one or more (parallel_tool_calls) */
     /* an object holding vLLM's "structured_outputs" {json | regex | choice |
      * grammar | json_object} or the older guided_json / guided_regex /
      * guided_choice / guided_grammar (the request's root), or NULL */
@@ -56,10 +56,9 @@ bool k3_srv_constraint_openai(struct k3_server *s, unsigned api, json_t *root, b
  * "required" names (or NULL), response_format in chat's shape (rf_name and
  * schema_name how the request spells it and its schema, e.g. "text.format"
  * and "text.format.schema"); always a K3 chat reply. */
-bool k3_srv_constraint_words(struct k3_server *s, json_t *response_format, const char *rf_name,
-                             const char *schema_name, json_t *tools,
-                             const char *tool_choice, const char *tool_name, bool parallel_calls, bool thinking,
-                             k3_grammar **out, k3_srv_bad *e);
+bool k3_srv_constraint_words(struct k3_server *s, json_t *response_format, const char *rf_name, const char *schema_name,
+                             json_t *tools, const char *tool_choice, const char *tool_name, bool parallel_calls,
+                             bool thinking, k3_grammar **out, k3_srv_bad *e);
 
 /* Frees the server's cache and vocabulary (after the engine has stopped). */
 void k3_srv_constraint_free(struct k3_server *s);

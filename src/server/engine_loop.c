@@ -151,9 +151,9 @@ static void on_output(struct k3_server *s, const k3_req_output *o, double t) {
                 q->lps[q->n_tok + (size_t)i] = o->logprobs ? o->logprobs[i] : NAN;
                 if (q->n_top > 0)
                     for (int k = 0; k < q->n_top; k++)
-                        q->tops[(q->n_tok + (size_t)i) * (size_t)q->n_top + (size_t)k] =
-                            o->top && k < o->n_top ? o->top[(size_t)i * (size_t)o->n_top + (size_t)k]
-                                                   : (k3_logprob){-1, -INFINITY};
+                        q->tops[(q->n_tok + (size_t)i) * (size_t)q->n_top + (size_t)k] = o->top && k < o->n_top
+                            ? o->top[(size_t)i * (size_t)o->n_top + (size_t)k]
+                            : (k3_logprob){-1, -INFINITY};
             }
             q->n_tok += (size_t)o->n_new;
         } else if (!q->finished) {
@@ -161,8 +161,7 @@ static void on_output(struct k3_server *s, const k3_req_output *o, double t) {
             k3_engine_cancel(s->engine, q->eid);
         }
         if (s->test_fail_request && q->number == s->test_fail_request && !q->finished && !q->error[0]) {
-            snprintf(q->error, sizeof q->error, "test hook: engine request %lld failed alone",
-                     (long long)q->number);
+            snprintf(q->error, sizeof q->error, "test hook: engine request %lld failed alone", (long long)q->number);
             k3_engine_cancel(s->engine, q->eid);
         }
         if (q->last_t > 0) k3_metrics_observe(&s->metrics, K3_H_ITL, (t - q->last_t) / o->n_new);

@@ -42,29 +42,29 @@ struct k3_srv_seq {
     k3_srv_group *group;
     uint64_t eid;
     bool submitted;
-    int32_t *toks;      /* [n_tok] generated tokens */
-    float *lps;         /* [n_tok] their logprobs (NaN when not asked for) */
-    k3_logprob *tops;   /* [n_tok * n_top] the top alternatives ({-1, -inf} pads) */
+    int32_t *toks;    /* [n_tok] generated tokens */
+    float *lps;       /* [n_tok] their logprobs (NaN when not asked for) */
+    k3_logprob *tops; /* [n_tok * n_top] the top alternatives ({-1, -inf} pads) */
     size_t n_tok, cap;
     int n_top;
-    float *plp;         /* [n_plp] prompt logprobs for prompt tokens 1.. */
-    k3_logprob *ptop;   /* [n_plp * n_top] or NULL */
+    float *plp;       /* [n_plp] prompt logprobs for prompt tokens 1.. */
+    k3_logprob *ptop; /* [n_plp * n_top] or NULL */
     int64_t n_plp;
     bool got_plp;
     bool finished;
     k3_finish_reason finish;
-    int32_t stop_id;    /* the id that stopped it, or -1 */
-    char error[256];    /* why it failed (an engine error, out of memory) */
+    int32_t stop_id;     /* the id that stopped it, or -1 */
+    char error[256];     /* why it failed (an engine error, out of memory) */
     unsigned err_status; /* the HTTP status of that failure: 500, 503 when the engine failed */
     int64_t n_prompt, n_cached, n_generated;
-    double last_t;      /* when its last tokens came (inter-token latency) */
+    double last_t; /* when its last tokens came (inter-token latency) */
     /* a request prefilled elsewhere, at its end: the TTFT split of its
      * answer's kv_transfer (queue here, blocks given to the cache landed,
      * landed to the first token computed here) */
     double pd_queue_s, pd_transfer_s, pd_first_step_s;
     /* the server's list of engine requests in flight (live_mu) */
     k3_srv_seq *live_prev, *live_next;
-    int64_t number;     /* 1 = the first submitted by this server */
+    int64_t number; /* 1 = the first submitted by this server */
 };
 
 /* Starts and stops the engine thread (stop waits for the work in flight). */

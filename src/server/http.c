@@ -63,8 +63,8 @@ void k3_srv_headers(struct k3_server *s, struct MHD_Connection *c, struct MHD_Re
     if (atomic_load(&s->phase) != K3_SRV_RUNNING) MHD_add_response_header(r, MHD_HTTP_HEADER_CONNECTION, "close");
 }
 
-enum MHD_Result k3_srv_queue(struct k3_server *s, struct MHD_Connection *c, unsigned status, char *text,
-                             size_t len, const char *type) {
+enum MHD_Result k3_srv_queue(struct k3_server *s, struct MHD_Connection *c, unsigned status, char *text, size_t len,
+                             const char *type) {
     struct MHD_Response *r = MHD_create_response_from_buffer(len, text, MHD_RESPMEM_MUST_FREE);
     if (!r) {
         free(text);

@@ -83,8 +83,8 @@ static void close_open(k3_srv_job *j, k3_items *it, const k3_items_ops *ops, con
 }
 
 /* The open item of kind (a new one when the open item is of another kind). */
-static k3_item *ensure(k3_srv_job *j, k3_items *it, const k3_items_ops *ops, k3_item_kind kind,
-                       const k3_chat_reply *r, json_t **calls, k3_error *err) {
+static k3_item *ensure(k3_srv_job *j, k3_items *it, const k3_items_ops *ops, k3_item_kind kind, const k3_chat_reply *r,
+                       json_t **calls, k3_error *err) {
     if (it->open && it->v[it->n - 1].kind == kind) return &it->v[it->n - 1];
     close_open(j, it, ops, r, calls, false);
     k3_item *x = push(it, ops, kind, 0, NULL, NULL, err);
@@ -101,8 +101,7 @@ int k3_items_step(k3_srv_job *j, k3_srv_choice *c, k3_items *it, const k3_items_
     if (!(upto > c->emitted || c->done)) return 0;
     k3_chat_reply r;
     k3_chat_partial_call part;
-    if (k3_chat_parse_reply_partial(c->text.p ? c->text.p : "", upto, j->rq.thinking, &r, c->done ? NULL : &part,
-                                    err))
+    if (k3_chat_parse_reply_partial(c->text.p ? c->text.p : "", upto, j->rq.thinking, &r, c->done ? NULL : &part, err))
         return c->done ? -1 : 0;
     json_t *calls = NULL, *deltas = NULL;
     int ret = 0;
@@ -140,8 +139,7 @@ int k3_items_step(k3_srv_job *j, k3_srv_choice *c, k3_items *it, const k3_items_
             ops->open(j, x, it->n - 1);
         }
         json_t *a = json_object_get(fn, "arguments");
-        if (json_string_length(a) && it->open && it->v[it->n - 1].kind == K3_ITEM_CALL &&
-            it->v[it->n - 1].call == call)
+        if (json_string_length(a) && it->open && it->v[it->n - 1].kind == K3_ITEM_CALL && it->v[it->n - 1].call == call)
             ops->delta(j, &it->v[it->n - 1], it->n - 1, json_string_value(a), json_string_length(a));
     }
     c->emitted = upto;

@@ -16,20 +16,20 @@ typedef enum k3_item_kind { K3_ITEM_REASONING = 0, K3_ITEM_TEXT, K3_ITEM_CALL } 
 
 typedef struct k3_item {
     k3_item_kind kind;
-    int call;          /* K3_ITEM_CALL: the call's index in the reply's tool calls */
-    char id[48];       /* the surface's id prefix and 24 letters and digits */
-    char call_id[48];  /* K3_ITEM_CALL: the tool call's id ("call_..." as chat streams it) */
-    char *name;        /* K3_ITEM_CALL: the tool's name */
+    int call;         /* K3_ITEM_CALL: the call's index in the reply's tool calls */
+    char id[48];      /* the surface's id prefix and 24 letters and digits */
+    char call_id[48]; /* K3_ITEM_CALL: the tool call's id ("call_..." as chat streams it) */
+    char *name;       /* K3_ITEM_CALL: the tool's name */
 } k3_item;
 
 typedef struct k3_items {
     k3_item *v;
     int n, cap;
-    bool open;         /* the last item is open (a stream) */
+    bool open; /* the last item is open (a stream) */
 } k3_items;
 
 typedef struct k3_items_ops {
-    const char *prefix[3];   /* of the item ids, per kind */
+    const char *prefix[3]; /* of the item ids, per kind */
     /* Item i has just been opened (a stream). */
     void (*open)(k3_srv_job *j, const k3_item *it, int i);
     /* Bytes p[0..n) more of item i: reasoning or text, or a fragment of a

@@ -26,20 +26,20 @@ void k3_metrics_init(k3_metrics *m, int64_t max_model_len, int32_t max_batched) 
     memset(m, 0, sizeof *m);
     pthread_mutex_init(&m->mu, NULL);
     /* vLLM's bucket edges (seconds) */
-    static const double ttft[] = {0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                                  2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0};
-    static const double itl[] = {0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
-                                 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0};
-    static const double req[] = {0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
-                                 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0};
+    static const double ttft[] = {0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1,  0.25,  0.5,   0.75,
+                                  1.0,   2.5,   5.0,  7.5,  10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0};
+    static const double itl[] = {0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2,  0.3,  0.4, 0.5,
+                                 0.75, 1.0,   2.5,  5.0,   7.5, 10.0, 20.0, 40.0, 80.0};
+    static const double req[] = {0.3,  0.5,  0.8,  1.0,  1.5,   2.0,   2.5,   5.0,   10.0,   15.0,  20.0,
+                                 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0};
     const int nt = (int)(sizeof ttft / sizeof *ttft), ni = (int)(sizeof itl / sizeof *itl),
               nr = (int)(sizeof req / sizeof *req);
-    hist_set(&m->h[K3_H_TTFT], "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-             ttft, nt);
-    hist_set(&m->h[K3_H_ITL], "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-             itl, ni);
-    hist_set(&m->h[K3_H_E2E], "vllm:e2e_request_latency_seconds",
-             "Histogram of e2e request latency in seconds.", req, nr);
+    hist_set(&m->h[K3_H_TTFT], "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", ttft,
+             nt);
+    hist_set(&m->h[K3_H_ITL], "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", itl,
+             ni);
+    hist_set(&m->h[K3_H_E2E], "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", req,
+             nr);
     hist_set(&m->h[K3_H_QUEUE], "vllm:request_queue_time_seconds",
              "Histogram of time spent in WAITING phase for request.", req, nr);
     hist_set(&m->h[K3_H_PREFILL], "vllm:request_prefill_time_seconds",
@@ -48,21 +48,20 @@ void k3_metrics_init(k3_metrics *m, int64_t max_model_len, int32_t max_batched) 
              "Histogram of time spent in DECODE phase for request.", req, nr);
     double le[K3_HIST_MAX_BUCKETS];
     int n = count_buckets(le, (double)(max_model_len > 0 ? max_model_len : 1));
-    hist_set(&m->h[K3_H_PROMPT_TOKENS], "vllm:request_prompt_tokens",
-             "Number of prefill tokens processed.", le, n);
-    hist_set(&m->h[K3_H_GEN_TOKENS], "vllm:request_generation_tokens",
-             "Number of generation tokens processed.", le, n);
+    hist_set(&m->h[K3_H_PROMPT_TOKENS], "vllm:request_prompt_tokens", "Number of prefill tokens processed.", le, n);
+    hist_set(&m->h[K3_H_GEN_TOKENS], "vllm:request_generation_tokens", "Number of generation tokens processed.", le, n);
     hist_set(&m->h[K3_H_PD_QUEUE], "k3:pd_ttft_queue_seconds",
              "TTFT of a request prefilled elsewhere: its time waiting on the prefill instance.", ttft, nt);
     hist_set(&m->h[K3_H_PD_PREFILL], "k3:pd_ttft_prefill_seconds",
              "TTFT of a request prefilled elsewhere: its prefill there.", ttft, nt);
     hist_set(&m->h[K3_H_PD_TRANSFER], "k3:pd_ttft_transfer_seconds",
-             "TTFT of a request prefilled elsewhere: blocks given here to the last byte of its cache pulled.", ttft, nt);
+             "TTFT of a request prefilled elsewhere: blocks given here to the last byte of its cache pulled.", ttft,
+             nt);
     hist_set(&m->h[K3_H_PD_FIRST_STEP], "k3:pd_first_decode_step_seconds",
              "A request prefilled elsewhere: from its cache landing to its first token computed here.", ttft, nt);
     n = count_buckets(le, (double)(max_batched > 0 ? max_batched : 1));
-    hist_set(&m->h[K3_H_ITER_TOKENS], "vllm:iteration_tokens_total",
-             "Histogram of number of tokens per engine_step.", le, n);
+    hist_set(&m->h[K3_H_ITER_TOKENS], "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+             le, n);
 }
 
 void k3_metrics_destroy(k3_metrics *m) { pthread_mutex_destroy(&m->mu); }
@@ -117,14 +116,11 @@ void k3_metrics_request_done(k3_metrics *m, k3_finish_reason why, const k3_req_o
     pthread_mutex_unlock(&m->mu);
 }
 
-static void metric(k3_buf *o, const char *name, const char *type, const char *help, const char *model,
-                   double v) {
-    k3_buf_addf(o, "# HELP %s %s\n# TYPE %s %s\n%s{model_name=\"%s\"} %.17g\n", name, help, name, type, name,
-                model, v);
+static void metric(k3_buf *o, const char *name, const char *type, const char *help, const char *model, double v) {
+    k3_buf_addf(o, "# HELP %s %s\n# TYPE %s %s\n%s{model_name=\"%s\"} %.17g\n", name, help, name, type, name, model, v);
 }
 
-void k3_metrics_render(k3_metrics *m, const k3_engine_stats *st, const char *model, int32_t block_size,
-                       k3_buf *o) {
+void k3_metrics_render(k3_metrics *m, const k3_engine_stats *st, const char *model, int32_t block_size, k3_buf *o) {
     k3_engine_stats z;
     if (!st) {
         memset(&z, 0, sizeof z);
@@ -154,25 +150,26 @@ void k3_metrics_render(k3_metrics *m, const k3_engine_stats *st, const char *mod
            st->cache_usage);
     metric(o, "vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.", model,
            (double)m->prompt_tokens);
-    metric(o, "vllm:prompt_tokens_cached_total", "counter", "Number of cached prompt tokens (local + external).",
-           model, (double)m->prompt_tokens_cached);
+    metric(o, "vllm:prompt_tokens_cached_total", "counter", "Number of cached prompt tokens (local + external).", model,
+           (double)m->prompt_tokens_cached);
     metric(o, "k3:prompt_tokens_computed_total", "counter",
-           "Prompt tokens the forward pass computed (cache hits left out, recomputation after preemption in).",
-           model, (double)st->prompt_tokens);
+           "Prompt tokens the forward pass computed (cache hits left out, recomputation after preemption in).", model,
+           (double)st->prompt_tokens);
     metric(o, "vllm:generation_tokens_total", "counter", "Number of generation tokens processed.", model,
            (double)st->generation_tokens);
-    k3_buf_addf(o, "# HELP vllm:request_success_total Count of successfully processed requests.\n"
-                   "# TYPE vllm:request_success_total counter\n");
+    k3_buf_addf(o,
+                "# HELP vllm:request_success_total Count of successfully processed requests.\n"
+                "# TYPE vllm:request_success_total counter\n");
     static const char *reason[] = {NULL, "stop", "length", "abort", "error"};
     for (int r = K3_FINISH_STOP; r <= K3_FINISH_ERROR; r++)
-        k3_buf_addf(o, "vllm:request_success_total{finished_reason=\"%s\",model_name=\"%s\"} %llu\n", reason[r],
-                    model, (unsigned long long)m->finished[r]);
+        k3_buf_addf(o, "vllm:request_success_total{finished_reason=\"%s\",model_name=\"%s\"} %llu\n", reason[r], model,
+                    (unsigned long long)m->finished[r]);
     metric(o, "vllm:num_preemptions_total", "counter", "Cumulative number of preemption from the engine.", model,
            (double)st->n_preemptions);
     metric(o, "vllm:prefix_cache_queries_total", "counter",
            "Prefix cache queries, in terms of number of queried tokens.", model, (double)st->prefix_queries);
-    metric(o, "vllm:prefix_cache_hits_total", "counter",
-           "Prefix cache hits, in terms of number of cached tokens.", model, (double)st->prefix_hits);
+    metric(o, "vllm:prefix_cache_hits_total", "counter", "Prefix cache hits, in terms of number of cached tokens.",
+           model, (double)st->prefix_hits);
     k3_buf_addf(o,
                 "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig.\n"
                 "# TYPE vllm:cache_config_info gauge\n"
@@ -201,47 +198,50 @@ void k3_metrics_render(k3_metrics *m, const k3_engine_stats *st, const char *mod
                         (unsigned long long)cum);
         }
         cum += h->count[h->n_le];
-        k3_buf_addf(o, "%s_bucket{le=\"+Inf\",model_name=\"%s\"} %llu\n", h->name, model,
-                    (unsigned long long)cum);
-        k3_buf_addf(o, "%s_sum{model_name=\"%s\"} %.17g\n%s_count{model_name=\"%s\"} %llu\n", h->name, model,
-                    h->sum, h->name, model, (unsigned long long)h->n);
+        k3_buf_addf(o, "%s_bucket{le=\"+Inf\",model_name=\"%s\"} %llu\n", h->name, model, (unsigned long long)cum);
+        k3_buf_addf(o, "%s_sum{model_name=\"%s\"} %.17g\n%s_count{model_name=\"%s\"} %llu\n", h->name, model, h->sum,
+                    h->name, model, (unsigned long long)h->n);
     }
-    k3_buf_addf(o, "# HELP k3:http_requests_total HTTP requests answered.\n# TYPE k3:http_requests_total counter\n"
-                   "k3:http_requests_total{model_name=\"%s\"} %llu\n"
-                   "# HELP k3:http_errors_total HTTP requests answered with an error status.\n"
-                   "# TYPE k3:http_errors_total counter\nk3:http_errors_total{model_name=\"%s\"} %llu\n"
-                   "# HELP k3:http_connections_refused_total Connections over the limit answered 503.\n"
-                   "# TYPE k3:http_connections_refused_total counter\n"
-                   "k3:http_connections_refused_total{model_name=\"%s\"} %llu\n"
-                   "# HELP k3:http_timeouts_total Connections closed because their request line and headers, or "
-                   "their body, did not arrive in time.\n"
-                   "# TYPE k3:http_timeouts_total counter\nk3:http_timeouts_total{model_name=\"%s\"} %llu\n"
-                   "# HELP k3:http_evicted_total Connections waiting for their request that were closed to make room "
-                   "for a new one over the connection limit.\n"
-                   "# TYPE k3:http_evicted_total counter\nk3:http_evicted_total{model_name=\"%s\"} %llu\n",
+    k3_buf_addf(o,
+                "# HELP k3:http_requests_total HTTP requests answered.\n# TYPE k3:http_requests_total counter\n"
+                "k3:http_requests_total{model_name=\"%s\"} %llu\n"
+                "# HELP k3:http_errors_total HTTP requests answered with an error status.\n"
+                "# TYPE k3:http_errors_total counter\nk3:http_errors_total{model_name=\"%s\"} %llu\n"
+                "# HELP k3:http_connections_refused_total Connections over the limit answered 503.\n"
+                "# TYPE k3:http_connections_refused_total counter\n"
+                "k3:http_connections_refused_total{model_name=\"%s\"} %llu\n"
+                "# HELP k3:http_timeouts_total Connections closed because their request line and headers, or "
+                "their body, did not arrive in time.\n"
+                "# TYPE k3:http_timeouts_total counter\nk3:http_timeouts_total{model_name=\"%s\"} %llu\n"
+                "# HELP k3:http_evicted_total Connections waiting for their request that were closed to make room "
+                "for a new one over the connection limit.\n"
+                "# TYPE k3:http_evicted_total counter\nk3:http_evicted_total{model_name=\"%s\"} %llu\n",
                 model, (unsigned long long)m->http_requests, model, (unsigned long long)m->http_errors, model,
                 (unsigned long long)m->http_refused, model, (unsigned long long)m->http_timeouts, model,
                 (unsigned long long)m->http_evicted);
 }
 
 void k3_metrics_render_dist(const k3_comm_stats *cs, k3_buf *o) {
-    k3_buf_addf(o, "# HELP k3:dist_bytes_total Bytes the ranks sent to and received from other ranks, summed over "
-                   "all ranks, per collective kind.\n# TYPE k3:dist_bytes_total counter\n");
+    k3_buf_addf(o,
+                "# HELP k3:dist_bytes_total Bytes the ranks sent to and received from other ranks, summed over "
+                "all ranks, per collective kind.\n# TYPE k3:dist_bytes_total counter\n");
     for (int k = 0; k < K3_COMM_COUNT; k++)
-        k3_buf_addf(o, "k3:dist_bytes_total{kind=\"%s\",dir=\"sent\"} %lld\n"
-                       "k3:dist_bytes_total{kind=\"%s\",dir=\"received\"} %lld\n",
-                    k3_comm_kind_name((k3_comm_kind)k), (long long)cs->sent[k],
-                    k3_comm_kind_name((k3_comm_kind)k), (long long)cs->recv[k]);
-    k3_buf_addf(o, "# HELP k3:dist_calls_total Collective calls, summed over all ranks, per kind.\n"
-                   "# TYPE k3:dist_calls_total counter\n");
+        k3_buf_addf(o,
+                    "k3:dist_bytes_total{kind=\"%s\",dir=\"sent\"} %lld\n"
+                    "k3:dist_bytes_total{kind=\"%s\",dir=\"received\"} %lld\n",
+                    k3_comm_kind_name((k3_comm_kind)k), (long long)cs->sent[k], k3_comm_kind_name((k3_comm_kind)k),
+                    (long long)cs->recv[k]);
+    k3_buf_addf(o,
+                "# HELP k3:dist_calls_total Collective calls, summed over all ranks, per kind.\n"
+                "# TYPE k3:dist_calls_total counter\n");
     for (int k = 0; k < K3_COMM_COUNT; k++)
         k3_buf_addf(o, "k3:dist_calls_total{kind=\"%s\"} %lld\n", k3_comm_kind_name((k3_comm_kind)k),
                     (long long)cs->calls[k]);
-    k3_buf_addf(o, "# HELP k3:dist_seconds_total Seconds spent in collectives, summed over all ranks, per kind.\n"
-                   "# TYPE k3:dist_seconds_total counter\n");
+    k3_buf_addf(o,
+                "# HELP k3:dist_seconds_total Seconds spent in collectives, summed over all ranks, per kind.\n"
+                "# TYPE k3:dist_seconds_total counter\n");
     for (int k = 0; k < K3_COMM_COUNT; k++)
-        k3_buf_addf(o, "k3:dist_seconds_total{kind=\"%s\"} %.9g\n", k3_comm_kind_name((k3_comm_kind)k),
-                    cs->seconds[k]);
+        k3_buf_addf(o, "k3:dist_seconds_total{kind=\"%s\"} %.9g\n", k3_comm_kind_name((k3_comm_kind)k), cs->seconds[k]);
 }
 
 static void kv_hist(k3_buf *o, const char *name, const char *help, const k3_kv_hist *h, const char *model) {

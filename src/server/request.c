@@ -43,7 +43,7 @@ typedef struct field {
     const char *name; /* the JSON key */
     unsigned apis;    /* the surfaces that take it (K3_API_* bits) */
     kind kind;
-    size_t off;       /* the member of k3_srv_request it fills */
+    size_t off; /* the member of k3_srv_request it fills */
     double lo, hi;
     long long ilo, ihi;
     nothing nothing;
@@ -51,11 +51,16 @@ typedef struct field {
 } field;
 
 #define M(member) offsetof(k3_srv_request, member)
-#define NUM(name, apis, member, lo, hi) {name, apis, F_NUM, M(member), lo, hi, 0, 0, 0, NULL}
-#define INT(name, apis, member, lo, hi) {name, apis, F_INT, M(member), 0, 0, lo, hi, 0, NULL}
-#define BOOL(name, apis, member) {name, apis, F_BOOL, M(member), 0, 0, 0, 0, 0, NULL}
-#define UNSUPPORTED(name, apis, nothing, hint) {name, apis, F_UNSUPPORTED, 0, 0, 0, 0, 0, nothing, hint}
-#define SPECIAL(name, apis, kind) {name, apis, kind, 0, 0, 0, 0, 0, 0, NULL}
+#define NUM(name, apis, member, lo, hi) \
+    { name, apis, F_NUM, M(member), lo, hi, 0, 0, 0, NULL }
+#define INT(name, apis, member, lo, hi) \
+    { name, apis, F_INT, M(member), 0, 0, lo, hi, 0, NULL }
+#define BOOL(name, apis, member) \
+    { name, apis, F_BOOL, M(member), 0, 0, 0, 0, 0, NULL }
+#define UNSUPPORTED(name, apis, nothing, hint) \
+    { name, apis, F_UNSUPPORTED, 0, 0, 0, 0, 0, nothing, hint }
+#define SPECIAL(name, apis, kind) \
+    { name, apis, kind, 0, 0, 0, 0, 0, 0, NULL }
 
 static const field fields[] = {
     NUM("temperature", ALL | RESP | MSGS, temperature, 0, 2),
@@ -265,7 +270,8 @@ static bool parse_bad_words(struct k3_server *s, json_t *root, const char *key, 
     if (!v || json_is_null(v)) return true;
     if (!json_is_array(v)) return bad(e, 400, "\"%s\" must be a list of strings", key);
     const size_t n = json_array_size(v);
-    if (n > K3_SRV_MAX_BAD_WORDS) return bad(e, 400, "\"%s\" has %zu strings, more than %d", key, n, K3_SRV_MAX_BAD_WORDS);
+    if (n > K3_SRV_MAX_BAD_WORDS)
+        return bad(e, 400, "\"%s\" has %zu strings, more than %d", key, n, K3_SRV_MAX_BAD_WORDS);
     if (n == 0) return true;
     if (!(rq->bad_word_off = calloc(2 * n + 1, sizeof *rq->bad_word_off))) return bad(e, 500, "out of memory");
     size_t cap = 0;
@@ -307,8 +313,8 @@ static bool asks_nothing(const field *f, json_t *v, const k3_srv_request *rq) {
     }
 }
 
-static bool parse_field(struct k3_server *s, const field *f, k3_srv_prompt_fn prompt, json_t *root,
-                        k3_srv_request *rq, k3_srv_bad *e) {
+static bool parse_field(struct k3_server *s, const field *f, k3_srv_prompt_fn prompt, json_t *root, k3_srv_request *rq,
+                        k3_srv_bad *e) {
     char *m = (char *)rq + f->off;
     switch (f->kind) {
     case F_NUM: return get_num(root, f->name, f->lo, f->hi, (double *)m, e);
@@ -352,8 +358,8 @@ static bool parse_field(struct k3_server *s, const field *f, k3_srv_prompt_fn pr
     return true;
 }
 
-bool k3_srv_request_parse(struct k3_server *s, unsigned api, k3_srv_prompt_fn prompt, json_t *root,
-                          k3_srv_request *rq, k3_srv_bad *e) {
+bool k3_srv_request_parse(struct k3_server *s, unsigned api, k3_srv_prompt_fn prompt, json_t *root, k3_srv_request *rq,
+                          k3_srv_bad *e) {
     memset(rq, 0, sizeof *rq);
     rq->temperature = 1.0;
     rq->top_p = 1.0;

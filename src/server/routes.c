@@ -69,10 +69,10 @@ static enum MHD_Result route_version(struct k3_server *s, struct MHD_Connection 
 static enum MHD_Result route_models(struct k3_server *s, struct MHD_Connection *c, json_t *root) {
     /* capabilities: what the chat page (and any client) may offer: images
      * only with a vision tower */
-    json_t *m = json_pack("{s:s,s:s,s:I,s:s,s:s,s:I,s:[],s:{s:b}}", "id", s->model, "object", "model", "created",
-                          (json_int_t)s->created, "owned_by", "k3", "root", s->model, "max_model_len",
-                          (json_int_t)k3_srv_max_model_len(s), "permission", "capabilities", "vision",
-                          s->vision != NULL);
+    json_t *m =
+        json_pack("{s:s,s:s,s:I,s:s,s:s,s:I,s:[],s:{s:b}}", "id", s->model, "object", "model", "created",
+                  (json_int_t)s->created, "owned_by", "k3", "root", s->model, "max_model_len",
+                  (json_int_t)k3_srv_max_model_len(s), "permission", "capabilities", "vision", s->vision != NULL);
     return k3_srv_json(s, c, 200, json_pack("{s:s,s:[o]}", "object", "list", "data", m));
 }
 
@@ -120,14 +120,14 @@ static enum MHD_Result route_tokenize(struct k3_server *s, struct MHD_Connection
     k3_error err = {0};
     json_t *prompt = json_object_get(root, "prompt"), *msgs = json_object_get(root, "messages");
     json_t *split = json_object_get(root, "split_special_tokens"), *strs = json_object_get(root, "return_token_strs");
-    if ((split && !json_is_boolean(split) && !json_is_null(split)) || (strs && !json_is_boolean(strs) && !json_is_null(strs)))
+    if ((split && !json_is_boolean(split) && !json_is_null(split)) ||
+        (strs && !json_is_boolean(strs) && !json_is_null(strs)))
         return k3_srv_error(s, c, 400, "\"split_special_tokens\" and \"return_token_strs\" must be true or false");
     if (json_is_string(prompt)) {
-        const k3_status st =
-            json_is_true(split)
-                ? k3_tokenizer_encode(s->tok, json_string_value(prompt), json_string_length(prompt), &ids, &n, &err)
-                : k3_tokenizer_encode_specials(s->tok, json_string_value(prompt), json_string_length(prompt), &ids, &n,
-                                               &err);
+        const k3_status st = json_is_true(split)
+            ? k3_tokenizer_encode(s->tok, json_string_value(prompt), json_string_length(prompt), &ids, &n, &err)
+            : k3_tokenizer_encode_specials(s->tok, json_string_value(prompt), json_string_length(prompt), &ids, &n,
+                                           &err);
         if (st) return k3_srv_error(s, c, 400, "prompt: %s", err.msg);
     } else if (json_is_array(msgs)) {
         k3_vision_prompt vp;

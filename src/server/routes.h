@@ -31,7 +31,7 @@ typedef struct k3_route {
     const char *method; /* "GET" (HEAD too), "POST" or "DELETE" */
     const char *path;
     k3_route_fn fn;
-    unsigned flags;     /* K3_ROUTE_* */
+    unsigned flags;          /* K3_ROUTE_* */
     k3_route_url_fn fn_url;  /* instead of fn (K3_ROUTE_PREFIX rows) */
     k3_route_error_fn error; /* every error of the route, the server's own included (the API key,
                                 the body, the model name); NULL: OpenAI's shape */

@@ -90,7 +90,7 @@ static bool same_addr(const k3_srv_conn *a, const k3_srv_conn *b) {
     if (a->addr.ss_family != b->addr.ss_family) return false;
     if (a->addr.ss_family == AF_INET)
         return ((const struct sockaddr_in *)&a->addr)->sin_addr.s_addr ==
-               ((const struct sockaddr_in *)&b->addr)->sin_addr.s_addr;
+            ((const struct sockaddr_in *)&b->addr)->sin_addr.s_addr;
     if (a->addr.ss_family == AF_INET6)
         return !memcmp(&((const struct sockaddr_in6 *)&a->addr)->sin6_addr,
                        &((const struct sockaddr_in6 *)&b->addr)->sin6_addr, sizeof(struct in6_addr));
@@ -143,8 +143,8 @@ static void on_connection(void *cls, struct MHD_Connection *c, void **socket_con
         k->fd = fi ? fi->connect_fd : -1;
         const union MHD_ConnectionInfo *ai = MHD_get_connection_info(c, MHD_CONNECTION_INFO_CLIENT_ADDRESS);
         if (ai && ai->client_addr) {
-            const socklen_t al = ai->client_addr->sa_family == AF_INET6 ? sizeof(struct sockaddr_in6)
-                                                                         : sizeof(struct sockaddr_in);
+            const socklen_t al =
+                ai->client_addr->sa_family == AF_INET6 ? sizeof(struct sockaddr_in6) : sizeof(struct sockaddr_in);
             memcpy(&k->addr, ai->client_addr, al);
             k->alen = al;
         }
@@ -327,10 +327,9 @@ static enum MHD_Result dispatch(struct k3_server *s, struct MHD_Connection *c, c
 
 /* 503 + Retry-After + the error JSON of rt's API (OpenAI's when rt is NULL
  * or has no error hook of its own), and the connection closes. */
-static enum MHD_Result refuse_busy(struct k3_server *s, struct MHD_Connection *c, const k3_route *rt,
-                                   const char *msg) {
-    json_t *e = rt && rt->error == k3_srv_anthropic_error ? k3_srv_anthropic_error_json(503, msg)
-                                                           : k3_srv_error_json(503, msg);
+static enum MHD_Result refuse_busy(struct k3_server *s, struct MHD_Connection *c, const k3_route *rt, const char *msg) {
+    json_t *e =
+        rt && rt->error == k3_srv_anthropic_error ? k3_srv_anthropic_error_json(503, msg) : k3_srv_error_json(503, msg);
     char *text = e ? json_dumps(e, JSON_COMPACT) : NULL;
     json_decref(e);
     if (!text) return MHD_NO;
@@ -456,20 +455,21 @@ static enum MHD_Result on_headers(struct k3_server *s, struct MHD_Connection *c,
         return k3_srv_route_error(known, s, c, 400, "the request has both Content-Length and Transfer-Encoding");
     const char *ce = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Content-Encoding");
     if (ce && strcasecmp(ce, "identity"))
-        return k3_srv_route_error(known, s, c, 415, "a compressed body (Content-Encoding: %s) is not supported: send it as it is",
-                            ce);
+        return k3_srv_route_error(known, s, c, 415,
+                                  "a compressed body (Content-Encoding: %s) is not supported: send it as it is", ce);
     if (!strcmp(method, "OPTIONS")) return answer_options(s, c);
     const char *origin;
     if (k3_srv_origin(s, c, &origin) < 0)
-        return k3_srv_route_error(known, s, c, 403, "cross-origin requests from %s are not allowed (the server's --allowed-origins)",
-                            origin);
+        return k3_srv_route_error(known, s, c, 403,
+                                  "cross-origin requests from %s are not allowed (the server's --allowed-origins)",
+                                  origin);
     /* the key before anything else of the route: an unknown path asks for
      * it too, so without the key nothing tells which paths exist */
-    const bool needs_key = !known || (known->flags & K3_ROUTE_AUTH) ||
-                           ((known->flags & K3_ROUTE_METRICS) && s->metrics_key);
+    const bool needs_key =
+        !known || (known->flags & K3_ROUTE_AUTH) || ((known->flags & K3_ROUTE_METRICS) && s->metrics_key);
     if (needs_key && !auth_ok(s, c))
         return k3_srv_route_error(known, s, c, 401,
-                            "a valid API key is needed: Authorization: Bearer KEY, or x-api-key: KEY");
+                                  "a valid API key is needed: Authorization: Bearer KEY, or x-api-key: KEY");
     if (!known) return k3_srv_route_error(known, s, c, 404, "no route %s %s", method, url);
     if (!rt) {
         if (strcmp(method, "GET") && strcmp(method, "HEAD") && strcmp(method, "POST") && strcmp(method, "PUT") &&
@@ -482,8 +482,8 @@ static enum MHD_Result on_headers(struct k3_server *s, struct MHD_Connection *c,
         char *end;
         const unsigned long long v = strtoull(cl.first, &end, 10);
         if (end == cl.first || v > s->max_body)
-            return k3_srv_route_error(known, s, c, 413, "the request body (%s bytes) is over the limit of %zu bytes", cl.first,
-                                s->max_body);
+            return k3_srv_route_error(known, s, c, 413, "the request body (%s bytes) is over the limit of %zu bytes",
+                                      cl.first, s->max_body);
     }
     r->answered = false;
     r->route = rt;
@@ -639,8 +639,8 @@ k3_status k3_server_start(k3_server **out, const k3_server_options *opt, k3_erro
     s->version = dup_or(opt->version, "k3");
     s->cors_methods = dup_or(opt->allowed_methods, "GET, POST, OPTIONS");
     s->cors_headers = opt->allowed_headers && *opt->allowed_headers && strcmp(opt->allowed_headers, "*")
-                          ? strdup(opt->allowed_headers)
-                          : NULL;
+        ? strdup(opt->allowed_headers)
+        : NULL;
     s->tok = opt->tok;
     s->engine = opt->engine;
     s->max_model_len = opt->max_model_len;
@@ -666,7 +666,8 @@ k3_status k3_server_start(k3_server **out, const k3_server_options *opt, k3_erro
         mml = st.max_model_len;
     }
     k3_metrics_init(&s->metrics, mml, mbt);
-    if (!s->host || !s->model || !s->model_label || !s->version || !s->cors_methods || !s->responses || (opt->api_key && !s->api_key) ||
+    if (!s->host || !s->model || !s->model_label || !s->version || !s->cors_methods || !s->responses ||
+        (opt->api_key && !s->api_key) ||
         (opt->allowed_headers && *opt->allowed_headers && strcmp(opt->allowed_headers, "*") && !s->cors_headers) ||
         !parse_origins(s, opt->allowed_origins)) {
         server_free(s);
@@ -704,10 +705,9 @@ k3_status k3_server_start(k3_server **out, const k3_server_options *opt, k3_erro
     }
     s->reaper_started = true;
     s->d = MHD_start_daemon(flags, 0, NULL, NULL, on_request, s, MHD_OPTION_SOCK_ADDR, ai->ai_addr,
-                            MHD_OPTION_CONNECTION_LIMIT, hard, MHD_OPTION_CONNECTION_TIMEOUT,
-                            (unsigned)s->timeout_s, MHD_OPTION_NOTIFY_COMPLETED, on_completed, s,
-                            MHD_OPTION_NOTIFY_CONNECTION, on_connection, s,
-                            MHD_OPTION_THREAD_STACK_SIZE, (size_t)512 << 10, MHD_OPTION_LISTEN_BACKLOG_SIZE, 512u,
+                            MHD_OPTION_CONNECTION_LIMIT, hard, MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)s->timeout_s,
+                            MHD_OPTION_NOTIFY_COMPLETED, on_completed, s, MHD_OPTION_NOTIFY_CONNECTION, on_connection,
+                            s, MHD_OPTION_THREAD_STACK_SIZE, (size_t)512 << 10, MHD_OPTION_LISTEN_BACKLOG_SIZE, 512u,
                             MHD_OPTION_END);
     freeaddrinfo(ai);
     if (!s->d) {

@@ -49,8 +49,8 @@ void k3_sse_free(k3_sse *e) {
     e->pos = 0;
 }
 
-enum MHD_Result k3_sse_respond(struct k3_server *s, struct MHD_Connection *c, MHD_ContentReaderCallback read,
-                               void *cls, MHD_ContentReaderFreeCallback done) {
+enum MHD_Result k3_sse_respond(struct k3_server *s, struct MHD_Connection *c, MHD_ContentReaderCallback read, void *cls,
+                               MHD_ContentReaderFreeCallback done) {
     struct MHD_Response *resp = MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 16 << 10, read, cls, done);
     if (!resp) {
         done(cls);

@@ -34,7 +34,7 @@ void k3_sse_free(k3_sse *e);
 /* Queues a 200 text/event-stream response whose body comes from read
  * (libmicrohttpd's content reader; done is called when the connection is
  * through with it, also when the response could not be made). */
-enum MHD_Result k3_sse_respond(struct k3_server *s, struct MHD_Connection *c, MHD_ContentReaderCallback read,
-                               void *cls, MHD_ContentReaderFreeCallback done);
+enum MHD_Result k3_sse_respond(struct k3_server *s, struct MHD_Connection *c, MHD_ContentReaderCallback read, void *cls,
+                               MHD_ContentReaderFreeCallback done);
 
 #endif /* K3_SERVER_SSE_H */

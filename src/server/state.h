@@ -31,7 +31,7 @@ typedef struct k3_srv_seq k3_srv_seq;
 struct k3_server {
     struct MHD_Daemon *d;
     char *host, *api_key, *model, *model_label, *version;
-    bool metrics_key;    /* /metrics needs the key */
+    bool metrics_key; /* /metrics needs the key */
     const k3_tokenizer *tok;
     k3_engine *engine;
     int64_t max_model_len;
@@ -47,10 +47,10 @@ struct k3_server {
      * past their header or body deadline (408). MHD's own hard limit is
      * above max_conn. */
     unsigned max_conn, max_conn_ip;
-    atomic_int n_conn;   /* open connections (those being closed included) */
+    atomic_int n_conn; /* open connections (those being closed included) */
     pthread_mutex_t conn_mu;
     k3_srv_conn *conns;
-    int n_live;          /* connections holding a slot: not being closed, not over a limit */
+    int n_live; /* connections holding a slot: not being closed, not over a limit */
     pthread_t reaper;
     pthread_cond_t reaper_cv;
     bool reaper_quit, reaper_started;
@@ -59,7 +59,7 @@ struct k3_server {
     int n_origins;
     bool any_origin;
     char *cors_methods, *cors_headers; /* NULL headers: those asked for */
-    bool loopback;       /* bound to a loopback address */
+    bool loopback;                     /* bound to a loopback address */
     long created;
     k3_metrics metrics;
     atomic_bool stopping; /* k3_server_stop: waiting handlers cut their requests */
@@ -78,7 +78,7 @@ struct k3_server {
      * live_mu: ended with an error if the engine fails */
     pthread_mutex_t live_mu;
     k3_srv_seq *live;
-    bool live_closed;    /* the engine failed: nothing more is submitted */
+    bool live_closed;        /* the engine failed: nothing more is submitted */
     atomic_llong step_t0_ns; /* when the step in progress began (0: none) */
     int64_t n_steps, n_submitted;
     int64_t test_fail_step, test_fail_request;

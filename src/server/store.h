@@ -12,7 +12,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 
-#define K3_SRV_STORE_ENTRIES 1024        /* responses kept at most */
+#define K3_SRV_STORE_ENTRIES 1024             /* responses kept at most */
 #define K3_SRV_STORE_BYTES ((size_t)64 << 20) /* their JSON texts together at most */
 
 typedef struct k3_srv_store k3_srv_store;

@@ -62,8 +62,7 @@ int32_t k3_bpe_rank(const k3_bpe *b, const uint8_t *s, size_t n) {
         if (e->rank < 0) return -1;
         if (e->hash != h) continue;
         uint32_t off = b->offset[e->rank];
-        if (b->offset[e->rank + 1] - off == n && memcmp(b->bytes + off, s, n) == 0)
-            return e->rank;
+        if (b->offset[e->rank + 1] - off == n && memcmp(b->bytes + off, s, n) == 0) return e->rank;
     }
 }
 
@@ -118,8 +117,7 @@ static size_t next_line(const char **p, const char *end, const char **line) {
     return (size_t)(e - s);
 }
 
-k3_status k3_bpe_parse(k3_bpe *b, const char *text, size_t len, const char *name,
-                       k3_error *err) {
+k3_status k3_bpe_parse(k3_bpe *b, const char *text, size_t len, const char *name, k3_error *err) {
     memset(b, 0, sizeof *b);
     b->heap_min = K3_BPE_HEAP_MIN;
     const char *end = text + len, *p, *line;
@@ -129,11 +127,10 @@ k3_status k3_bpe_parse(k3_bpe *b, const char *text, size_t len, const char *name
     for (p = text; p < end;)
         if (next_line(&p, end, &line)) n++;
     if (n == 0) return k3_err(err, K3_ERR_FORMAT, "%s: no tokens", name);
-    if (n > (size_t)INT32_MAX - K3_N_SPECIALS)
-        return k3_err(err, K3_ERR_FORMAT, "%s: too many tokens (%zu)", name, n);
+    if (n > (size_t)INT32_MAX - K3_N_SPECIALS) return k3_err(err, K3_ERR_FORMAT, "%s: too many tokens (%zu)", name, n);
 
     k3_status st = K3_OK;
-    uint8_t *raw = malloc(len / 4 * 3 + 1);     /* decoded bytes, file order */
+    uint8_t *raw = malloc(len / 4 * 3 + 1); /* decoded bytes, file order */
     uint32_t *raw_off = malloc(n * sizeof *raw_off);
     uint32_t *raw_len = malloc(n * sizeof *raw_len); /* by rank */
     b->offset = malloc((n + 1) * sizeof *b->offset);
@@ -169,12 +166,12 @@ k3_status k3_bpe_parse(k3_bpe *b, const char *text, size_t len, const char *name
         if (rank >= n) {
             st = k3_err(err, K3_ERR_FORMAT,
                         "%s:%zu: rank %llu out of range (the file has %zu tokens; "
-                        "ranks must be 0..%zu)", name, lineno, (unsigned long long)rank, n, n - 1);
+                        "ranks must be 0..%zu)",
+                        name, lineno, (unsigned long long)rank, n, n - 1);
             goto done;
         }
         if (raw_len[rank] != UINT32_MAX) {
-            st = k3_err(err, K3_ERR_FORMAT, "%s:%zu: duplicate rank %llu", name, lineno,
-                        (unsigned long long)rank);
+            st = k3_err(err, K3_ERR_FORMAT, "%s:%zu: duplicate rank %llu", name, lineno, (unsigned long long)rank);
             goto done;
         }
         raw_off[rank] = (uint32_t)used;
@@ -217,8 +214,7 @@ k3_status k3_bpe_parse(k3_bpe *b, const char *text, size_t len, const char *name
         size_t sl = raw_len[r];
         if (k3_bpe_rank(b, s, sl) >= 0) {
             /* Find the line for the message: the later of the two ranks. */
-            st = k3_err(err, K3_ERR_FORMAT, "%s: ranks %d and %zu have the same bytes", name,
-                        k3_bpe_rank(b, s, sl), r);
+            st = k3_err(err, K3_ERR_FORMAT, "%s: ranks %d and %zu have the same bytes", name, k3_bpe_rank(b, s, sl), r);
             goto done;
         }
         uint32_t h = hash_bytes(s, sl), i = h & b->mask;
@@ -265,8 +261,7 @@ static uint32_t rank_or_none(const k3_bpe *b, const uint8_t *s, size_t n) {
 
 /* Appends the token of each final part. Every part is a token: it is a
  * single byte (all present, checked at load) or the result of a merge. */
-static k3_status emit(const k3_bpe *b, const uint8_t *s, size_t start, size_t end,
-                      k3_ids *out, k3_error *err) {
+static k3_status emit(const k3_bpe *b, const uint8_t *s, size_t start, size_t end, k3_ids *out, k3_error *err) {
     int32_t r = k3_bpe_rank(b, s + start, end - start);
     K3_ASSERT(r >= 0);
     return k3_ids_push(out, r, err);
@@ -278,8 +273,7 @@ typedef struct part {
 } part;
 
 /* tiktoken's _byte_pair_merge, step for step. */
-static k3_status merge_scan(const k3_bpe *b, const uint8_t *s, size_t n, k3_ids *out,
-                            k3_error *err) {
+static k3_status merge_scan(const k3_bpe *b, const uint8_t *s, size_t n, k3_ids *out, k3_error *err) {
     part local[K3_BPE_HEAP_MIN + 1], *pt = local;
     if (n + 1 > sizeof local / sizeof local[0]) {
         pt = malloc((n + 1) * sizeof *pt);
@@ -300,17 +294,14 @@ static k3_status merge_scan(const k3_bpe *b, const uint8_t *s, size_t n, k3_ids 
          * (part k joined with k+1 spans pt[k].start .. pt[k+3].start while
          * i+1 is still in the array). */
         if (i > 0)
-            pt[i - 1].rank = i + 2 < np ? rank_or_none(b, s + pt[i - 1].start,
-                                                      pt[i + 2].start - pt[i - 1].start)
-                                        : NO_RANK;
-        pt[i].rank = i + 3 < np ? rank_or_none(b, s + pt[i].start, pt[i + 3].start - pt[i].start)
-                                : NO_RANK;
+            pt[i - 1].rank =
+                i + 2 < np ? rank_or_none(b, s + pt[i - 1].start, pt[i + 2].start - pt[i - 1].start) : NO_RANK;
+        pt[i].rank = i + 3 < np ? rank_or_none(b, s + pt[i].start, pt[i + 3].start - pt[i].start) : NO_RANK;
         memmove(pt + i + 1, pt + i + 2, (np - i - 2) * sizeof *pt);
         np--;
     }
     k3_status st = K3_OK;
-    for (size_t k = 0; k + 1 < np && st == K3_OK; k++)
-        st = emit(b, s, pt[k].start, pt[k + 1].start, out, err);
+    for (size_t k = 0; k + 1 < np && st == K3_OK; k++) st = emit(b, s, pt[k].start, pt[k + 1].start, out, err);
     if (pt != local) free(pt);
     return st;
 }
@@ -323,9 +314,7 @@ typedef struct cand {
     uint32_t rank, pos, version;
 } cand;
 
-static bool cand_less(cand a, cand b) {
-    return a.rank < b.rank || (a.rank == b.rank && a.pos < b.pos);
-}
+static bool cand_less(cand a, cand b) { return a.rank < b.rank || (a.rank == b.rank && a.pos < b.pos); }
 
 static void heap_push(cand *h, size_t *n, cand c) {
     size_t i = (*n)++;
@@ -353,8 +342,7 @@ static cand heap_pop(cand *h, size_t *n) {
     return top;
 }
 
-static k3_status merge_heap(const k3_bpe *b, const uint8_t *s, size_t n, k3_ids *out,
-                            k3_error *err) {
+static k3_status merge_heap(const k3_bpe *b, const uint8_t *s, size_t n, k3_ids *out, k3_error *err) {
     /* next[i]: start of the part after the part at i (n at the end);
      * prev[i]: start of the part before (UINT32_MAX at the start);
      * version[i]: UINT32_MAX once the part at i is merged away. */
@@ -379,7 +367,7 @@ static k3_status merge_heap(const k3_bpe *b, const uint8_t *s, size_t n, k3_ids 
         cand c = heap_pop(heap, &nh);
         uint32_t i = c.pos;
         if (version[i] != c.version) continue; /* stale or merged away */
-        uint32_t j = next[i], k = next[j];      /* k may be n */
+        uint32_t j = next[i], k = next[j];     /* k may be n */
         next[i] = k;
         if (k < n) prev[k] = i;
         version[j] = UINT32_MAX;
@@ -404,12 +392,10 @@ done:
     return st;
 }
 
-k3_status k3_bpe_encode_piece(const k3_bpe *b, const uint8_t *s, size_t n, k3_ids *out,
-                              k3_error *err) {
+k3_status k3_bpe_encode_piece(const k3_bpe *b, const uint8_t *s, size_t n, k3_ids *out, k3_error *err) {
     if (n == 0) return K3_OK;
     int32_t r = k3_bpe_rank(b, s, n);
     if (r >= 0) return k3_ids_push(out, r, err);
-    if (n >= UINT32_MAX / 4)
-        return k3_err(err, K3_ERR_RANGE, "a %zu-byte piece is too long to encode", n);
+    if (n >= UINT32_MAX / 4) return k3_err(err, K3_ERR_RANGE, "a %zu-byte piece is too long to encode", n);
     return n < b->heap_min ? merge_scan(b, s, n, out, err) : merge_heap(b, s, n, out, err);
 }

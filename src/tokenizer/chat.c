@@ -37,9 +37,7 @@ static k3_status text(chat *c, const char *s) {
     return k3_tokenizer_encode_append(c->t, s, strlen(s), &c->out, c->err);
 }
 
-static k3_status control(chat *c, int32_t id) {
-    return k3_ids_push(&c->out, id, c->err);
-}
+static k3_status control(chat *c, int32_t id) { return k3_ids_push(&c->out, id, c->err); }
 
 /* An attribute value with & and " escaped, as one text segment. */
 static k3_status attr_value(chat *c, const char *v) {
@@ -113,14 +111,15 @@ static k3_status message(chat *c, const k3_chat_msg *m) {
 static k3_status lookup(const k3_tokenizer *t, const char *name, int32_t *id, k3_error *err) {
     *id = k3_tokenizer_special(t, name);
     if (*id < 0)
-        return k3_err(err, K3_ERR_UNSUPPORTED, "the tokenizer has no %s token for the chat "
-                      "format", name);
+        return k3_err(err, K3_ERR_UNSUPPORTED,
+                      "the tokenizer has no %s token for the chat "
+                      "format",
+                      name);
     return K3_OK;
 }
 
-k3_status k3_chat_encode(const k3_tokenizer *t, const k3_chat_msg *msgs, size_t n_msgs,
-                         bool add_generation_prompt, bool thinking,
-                         int32_t **ids, size_t *n_ids, k3_error *err) {
+k3_status k3_chat_encode(const k3_tokenizer *t, const k3_chat_msg *msgs, size_t n_msgs, bool add_generation_prompt,
+                         bool thinking, int32_t **ids, size_t *n_ids, k3_error *err) {
     *ids = NULL;
     *n_ids = 0;
     chat c = {.t = t, .err = err};
@@ -129,10 +128,8 @@ k3_status k3_chat_encode(const k3_tokenizer *t, const k3_chat_msg *msgs, size_t 
     if (st == K3_OK) st = lookup(t, "<|close|>", &c.close, err);
     if (st == K3_OK) st = lookup(t, "<|end_of_msg|>", &c.end_of_msg, err);
     for (size_t i = 0; i < n_msgs && st == K3_OK; i++) {
-        if (!msgs[i].role || !*msgs[i].role)
-            st = k3_err(err, K3_ERR_ARG, "chat message %zu has no role", i);
-        else
-            st = message(&c, &msgs[i]);
+        if (!msgs[i].role || !*msgs[i].role) st = k3_err(err, K3_ERR_ARG, "chat message %zu has no role", i);
+        else st = message(&c, &msgs[i]);
     }
     if (st == K3_OK && add_generation_prompt) {
         st = open_tag(&c, "message", "role", "assistant");

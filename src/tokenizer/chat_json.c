@@ -134,9 +134,7 @@ typedef struct kv {
     json_t *val;
 } kv;
 
-static int kv_cmp(const void *a, const void *b) {
-    return strcmp(((const kv *)a)->key, ((const kv *)b)->key);
-}
+static int kv_cmp(const void *a, const void *b) { return strcmp(((const kv *)a)->key, ((const kv *)b)->key); }
 
 void k3_pyjson_dump(k3_buf *b, const json_t *v, bool compact, bool sort_keys) {
     const char *item_sep = compact ? "," : ", ", *key_sep = compact ? ":" : ": ";
@@ -214,9 +212,8 @@ static uint32_t utf8_at(const unsigned char *s, size_t n, size_t *len) {
 
 /* str.isspace: the code points Python strips with str.strip(). */
 static bool py_isspace(uint32_t c) {
-    return (c >= 0x09 && c <= 0x0d) || (c >= 0x1c && c <= 0x20) || c == 0x85 || c == 0xa0 ||
-           c == 0x1680 || (c >= 0x2000 && c <= 0x200a) || c == 0x2028 || c == 0x2029 ||
-           c == 0x202f || c == 0x205f || c == 0x3000;
+    return (c >= 0x09 && c <= 0x0d) || (c >= 0x1c && c <= 0x20) || c == 0x85 || c == 0xa0 || c == 0x1680 ||
+        (c >= 0x2000 && c <= 0x200a) || c == 0x2028 || c == 0x2029 || c == 0x202f || c == 0x205f || c == 0x3000;
 }
 
 /* True when s.strip() would be empty. */
@@ -269,9 +266,7 @@ static k3_status texts(enc *e, const char *s) { return text(e, s, strlen(s)); }
 
 static k3_status control(enc *e, int32_t id) { return k3_ids_push(&e->out, id, e->err); }
 
-static k3_status nomem(k3_error *err) {
-    return k3_err(err, K3_ERR_NOMEM, "out of memory encoding a chat");
-}
+static k3_status nomem(k3_error *err) { return k3_err(err, K3_ERR_NOMEM, "out of memory encoding a chat"); }
 
 /* " KEY", "=\"", VALUE with & and " escaped, "\"" */
 static k3_status attr_seg(enc *e, const attr *a) {
@@ -324,14 +319,15 @@ static k3_status system_note(enc *e, const char *type, const char *body) {
 
 static k3_status tool_declare(enc *e, const json_t *tools, bool dynamic) {
     k3_buf b = {0};
-    k3_buf_puts(&b, dynamic ? "## New Tools Available\n"
-                               "The system dynamically extends the toolset via lazy-loading.\n"
-                               "You have access to all existing and extended tools.\n"
-                               "Here are the specs for the extended tools.\n\n"
-                               "```json\n"
-                             : "# Tools\n"
-                               "Here are the available tools, described in JSONSchema.\n\n"
-                               "```json\n");
+    k3_buf_puts(&b,
+                dynamic ? "## New Tools Available\n"
+                          "The system dynamically extends the toolset via lazy-loading.\n"
+                          "You have access to all existing and extended tools.\n"
+                          "Here are the specs for the extended tools.\n\n"
+                          "```json\n"
+                        : "# Tools\n"
+                          "Here are the available tools, described in JSONSchema.\n\n"
+                          "```json\n");
     k3_pyjson_dump(&b, tools, true, true);
     k3_buf_puts(&b, "\n```");
     attr a[2] = {attr_s("role", "system"), attr_s("type", "tool-declare")};
@@ -348,38 +344,47 @@ static k3_status tool_declare(enc *e, const json_t *tools, bool dynamic) {
 typedef enum role { ROLE_SYSTEM, ROLE_USER, ROLE_ASSISTANT, ROLE_TOOL } role;
 
 typedef struct msg {
-    json_t *m;        /* the message object (borrowed from the parsed array) */
-    size_t index;     /* its index in the request, for error messages */
+    json_t *m;    /* the message object (borrowed from the parsed array) */
+    size_t index; /* its index in the request, for error messages */
     role role;
-    json_t *tool;     /* the tool name the id matching resolved, or NULL */
+    json_t *tool; /* the tool name the id matching resolved, or NULL */
 } msg;
 
 static k3_status content(enc *e, const json_t *c, size_t index) {
     if (!c || json_is_null(c)) return K3_OK;
     if (json_is_string(c)) return text(e, json_string_value(c), json_string_length(c));
     if (!json_is_array(c))
-        return k3_err(e->err, K3_ERR_ARG, "message %zu: content must be a string or an array "
-                      "of parts", index);
+        return k3_err(e->err, K3_ERR_ARG,
+                      "message %zu: content must be a string or an array "
+                      "of parts",
+                      index);
     for (size_t i = 0; i < json_array_size(c); i++) {
         json_t *part = json_array_get(c, i), *type = json_object_get(part, "type");
         if (!json_is_object(part) || !type)
-            return k3_err(e->err, K3_ERR_ARG, "message %zu: content part %zu is not an object "
-                          "with a \"type\"", index, i);
+            return k3_err(e->err, K3_ERR_ARG,
+                          "message %zu: content part %zu is not an object "
+                          "with a \"type\"",
+                          index, i);
         const char *ts = json_string_value(type);
         if (ts && (!strcmp(ts, "image") || !strcmp(ts, "image_url")))
-            return k3_err(e->err, K3_ERR_UNSUPPORTED, "message %zu: content part %zu is an "
-                          "image, which the text chat encoder does not take", index, i);
+            return k3_err(e->err, K3_ERR_UNSUPPORTED,
+                          "message %zu: content part %zu is an "
+                          "image, which the text chat encoder does not take",
+                          index, i);
         json_t *t = json_object_get(part, "text");
         /* as encoding_k3.py, a part of any other type is read for its "text";
          * one without (input_audio, file, video_url, ...) is a kind of
          * content K3 does not take, and is named as such */
         if (!json_is_string(t) && ts && strcmp(ts, "text"))
-            return k3_err(e->err, K3_ERR_UNSUPPORTED, "message %zu: content part %zu has the type "
+            return k3_err(e->err, K3_ERR_UNSUPPORTED,
+                          "message %zu: content part %zu has the type "
                           "\"%.40s\", which K3 does not take (text and image_url parts only)",
                           index, i, ts);
         if (!json_is_string(t))
-            return k3_err(e->err, K3_ERR_ARG, "message %zu: content part %zu has no \"text\" "
-                          "string", index, i);
+            return k3_err(e->err, K3_ERR_ARG,
+                          "message %zu: content part %zu has no \"text\" "
+                          "string",
+                          index, i);
         k3_status st = text(e, json_string_value(t), json_string_length(t));
         if (st != K3_OK) return st;
     }
@@ -389,22 +394,21 @@ static k3_status content(enc *e, const json_t *c, size_t index) {
 /* The function object of a tool call: tool_call["function"] when present
  * (it must be an object), else the tool call itself. */
 static k3_status call_fn(const json_t *tc, size_t index, size_t i, json_t **fn, k3_error *err) {
-    if (!json_is_object(tc))
-        return k3_err(err, K3_ERR_ARG, "message %zu: tool call %zu is not an object", index, i);
+    if (!json_is_object(tc)) return k3_err(err, K3_ERR_ARG, "message %zu: tool call %zu is not an object", index, i);
     json_t *f = json_object_get(tc, "function");
     if (f && !json_is_object(f))
-        return k3_err(err, K3_ERR_ARG, "message %zu: tool call %zu: \"function\" is not an "
-                      "object", index, i);
+        return k3_err(err, K3_ERR_ARG,
+                      "message %zu: tool call %zu: \"function\" is not an "
+                      "object",
+                      index, i);
     *fn = f ? f : (json_t *)tc;
     return K3_OK;
 }
 
-static k3_status call_name(const json_t *fn, size_t index, size_t i, const json_t **name,
-                           k3_error *err) {
+static k3_status call_name(const json_t *fn, size_t index, size_t i, const json_t **name, k3_error *err) {
     json_t *n = json_object_get(fn, "name");
     if (!json_is_string(n))
-        return k3_err(err, K3_ERR_ARG, "message %zu: tool call %zu has no function name string",
-                      index, i);
+        return k3_err(err, K3_ERR_ARG, "message %zu: tool call %zu has no function name string", index, i);
     *name = n;
     return K3_OK;
 }
@@ -427,27 +431,29 @@ static k3_status tool_call(enc *e, const json_t *tc, size_t index, size_t i) {
         size_t n = json_string_length(args);
         if (!py_blank(s, n)) {
             json_error_t je;
-            if (!k3_json_too_deep(s, n, 128))
-                parsed = json_loadb(s, n, JSON_DECODE_ANY | JSON_ALLOW_NUL, &je);
+            if (!k3_json_too_deep(s, n, 128)) parsed = json_loadb(s, n, JSON_DECODE_ANY | JSON_ALLOW_NUL, &je);
             if (!parsed) {
                 block = s;
                 block_len = n;
             } else if (!json_is_object(parsed)) {
                 json_decref(parsed);
-                return k3_err(e->err, K3_ERR_ARG, "message %zu: tool call %zu: arguments must "
-                              "be a JSON object", index, i);
+                return k3_err(e->err, K3_ERR_ARG,
+                              "message %zu: tool call %zu: arguments must "
+                              "be a JSON object",
+                              index, i);
             }
         }
         args = parsed;
     } else if (args && !json_is_null(args) && !json_is_object(args)) {
-        return k3_err(e->err, K3_ERR_ARG, "message %zu: tool call %zu: arguments must be an "
-                      "object or a JSON object string", index, i);
+        return k3_err(e->err, K3_ERR_ARG,
+                      "message %zu: tool call %zu: arguments must be an "
+                      "object or a JSON object string",
+                      index, i);
     }
 
     char idx[24];
     snprintf(idx, sizeof idx, "%zu", i + 1);
-    attr a[2] = {{"tool", json_string_value(name), json_string_length(name)},
-                 attr_s("index", idx)};
+    attr a[2] = {{"tool", json_string_value(name), json_string_length(name)}, attr_s("index", idx)};
     st = open_tag(e, "call", a, 2);
     if (st == K3_OK && block) {
         attr t = attr_s("type", "object");
@@ -460,11 +466,11 @@ static k3_status tool_call(enc *e, const json_t *tc, size_t index, size_t i) {
         json_object_foreach(args, key, val) {
             if (st != K3_OK) break;
             const char *type = json_is_boolean(val) ? "boolean"
-                               : json_is_null(val)  ? "null"
-                               : json_is_number(val) ? "number"
-                               : json_is_string(val) ? "string"
-                               : json_is_object(val) ? "object"
-                                                     : "array";
+                : json_is_null(val)                 ? "null"
+                : json_is_number(val)               ? "number"
+                : json_is_string(val)               ? "string"
+                : json_is_object(val)               ? "object"
+                                                    : "array";
             attr aa[2] = {attr_s("key", key), attr_s("type", type)};
             st = open_tag(e, "argument", aa, 2);
             if (st == K3_OK && json_is_string(val)) {
@@ -486,8 +492,7 @@ static k3_status tool_call(enc *e, const json_t *tc, size_t index, size_t i) {
 static k3_status name_attr(const msg *m, attr *a, size_t *n, k3_error *err) {
     json_t *name = json_object_get(m->m, "name");
     if (!name || !truthy(name)) return K3_OK;
-    if (!json_is_string(name))
-        return k3_err(err, K3_ERR_ARG, "message %zu: \"name\" must be a string", m->index);
+    if (!json_is_string(name)) return k3_err(err, K3_ERR_ARG, "message %zu: \"name\" must be a string", m->index);
     a[(*n)++] = (attr){"name", json_string_value(name), json_string_length(name)};
     return K3_OK;
 }
@@ -502,8 +507,7 @@ static k3_status assistant(enc *e, const msg *m, bool thinking) {
         json_t *r = json_object_get(m->m, "reasoning_content");
         if (!r || !truthy(r)) r = json_object_get(m->m, "reasoning");
         if (r && !json_is_null(r) && !json_is_string(r))
-            return k3_err(e->err, K3_ERR_ARG, "message %zu: reasoning must be a string",
-                          m->index);
+            return k3_err(e->err, K3_ERR_ARG, "message %zu: reasoning must be a string", m->index);
         st = open_tag(e, "think", NULL, 0);
         if (st == K3_OK && r && !py_blank(json_string_value(r), json_string_length(r)))
             st = text(e, json_string_value(r), json_string_length(r));
@@ -515,8 +519,7 @@ static k3_status assistant(enc *e, const msg *m, bool thinking) {
     json_t *calls = json_object_get(m->m, "tool_calls");
     if (st == K3_OK && calls && truthy(calls)) {
         if (!json_is_array(calls))
-            return k3_err(e->err, K3_ERR_ARG, "message %zu: tool_calls must be an array",
-                          m->index);
+            return k3_err(e->err, K3_ERR_ARG, "message %zu: tool_calls must be an array", m->index);
         st = open_tag(e, "tools", NULL, 0);
         for (size_t i = 0; i < json_array_size(calls) && st == K3_OK; i++)
             st = tool_call(e, json_array_get(calls, i), m->index, i);
@@ -537,26 +540,30 @@ static k3_status tool_message(enc *e, const msg *m, const json_t *calls, size_t 
         if (!v) v = json_object_get(m->m, "name");
         if (v && !json_is_null(v)) {
             if (!json_is_string(v))
-                return k3_err(e->err, K3_ERR_ARG, "message %zu: the tool name must be a "
-                              "string", m->index);
+                return k3_err(e->err, K3_ERR_ARG,
+                              "message %zu: the tool name must be a "
+                              "string",
+                              m->index);
             name = v;
         }
     }
     if (!name && calls && json_is_array(calls) && tool_index <= json_array_size(calls)) {
         json_t *fn;
-        k3_status st = call_fn(json_array_get(calls, tool_index - 1), m->index,
-                               tool_index - 1, &fn, e->err);
+        k3_status st = call_fn(json_array_get(calls, tool_index - 1), m->index, tool_index - 1, &fn, e->err);
         if (st == K3_OK) st = call_name(fn, m->index, tool_index - 1, &name, e->err);
         if (st != K3_OK) return st;
     }
     if (!name)
-        return k3_err(e->err, K3_ERR_ARG, "message %zu: a tool result needs a resolvable tool "
+        return k3_err(e->err, K3_ERR_ARG,
+                      "message %zu: a tool result needs a resolvable tool "
                       "name: give \"tool\" or \"name\", a tool_call_id of the preceding "
-                      "assistant's tool_calls, or match a tool call by position", m->index);
+                      "assistant's tool_calls, or match a tool call by position",
+                      m->index);
     char idx[24];
     snprintf(idx, sizeof idx, "%zu", tool_index);
-    attr a[3] = {attr_s("role", "tool"), {"tool", json_string_value(name),
-                                           json_string_length(name)}, attr_s("index", idx)};
+    attr a[3] = {attr_s("role", "tool"),
+                 {"tool", json_string_value(name), json_string_length(name)},
+                 attr_s("index", idx)};
     k3_status st = open_tag(e, "message", a, 3);
     if (st == K3_OK) st = content(e, json_object_get(m->m, "content"), m->index);
     if (st == K3_OK) st = close_tag(e, "message");
@@ -578,9 +585,9 @@ static k3_status plain_message(enc *e, const msg *m, const char *role_name) {
 /* ---- tool-result re-sorting (normalize_xtml_tool_result_messages) ---------- */
 
 typedef struct call_id {
-    char *key;           /* str(tool_calls[i].id), owned */
-    size_t position;     /* 1-based position in tool_calls */
-    json_t *name;        /* the function name, or NULL */
+    char *key;       /* str(tool_calls[i].id), owned */
+    size_t position; /* 1-based position in tool_calls */
+    json_t *name;    /* the function name, or NULL */
 } call_id;
 
 typedef struct id_index {
@@ -605,8 +612,10 @@ static k3_status id_index_build(id_index *x, const json_t *calls, size_t index, 
         if (!json_is_object(tc) || !id || json_is_null(id)) continue;
         k3_buf b = {0};
         if (!py_str_scalar(&b, id))
-            return k3_err(err, K3_ERR_ARG, "message %zu: tool call %zu: \"id\" must be a "
-                          "string", index, i);
+            return k3_err(err, K3_ERR_ARG,
+                          "message %zu: tool call %zu: \"id\" must be a "
+                          "string",
+                          index, i);
         const char *key = k3_buf_cstr(&b);
         if (!key) return nomem(err);
         bool dup = false;
@@ -660,8 +669,7 @@ static k3_status resort_tool_results(msg *ms, size_t n, k3_error *err) {
             if (id && !json_is_null(id)) {
                 k3_buf b = {0};
                 if (!py_str_scalar(&b, id)) {
-                    st = k3_err(err, K3_ERR_ARG, "message %zu: tool_call_id must be a string",
-                                ms[i].index);
+                    st = k3_err(err, K3_ERR_ARG, "message %zu: tool_call_id must be a string", ms[i].index);
                     break;
                 }
                 const char *key = k3_buf_cstr(&b);
@@ -695,17 +703,17 @@ static k3_status parse(const char *s, const char *what, json_t **out, k3_error *
         return k3_err(err, K3_ERR_ARG, "%s nests deeper than %d levels", what, CHAT_MAX_DEPTH);
     json_error_t je;
     *out = json_loadb(s, n, JSON_DECODE_ANY | JSON_ALLOW_NUL, &je);
-    if (!*out)
-        return k3_err(err, K3_ERR_ARG, "%s is not valid JSON: %s (at byte %d)", what, je.text,
-                      je.position);
+    if (!*out) return k3_err(err, K3_ERR_ARG, "%s is not valid JSON: %s (at byte %d)", what, je.text, je.position);
     return K3_OK;
 }
 
 static k3_status lookup(const k3_tokenizer *t, const char *name, int32_t *id, k3_error *err) {
     *id = k3_tokenizer_special(t, name);
     if (*id < 0)
-        return k3_err(err, K3_ERR_UNSUPPORTED, "the tokenizer has no %s token for the chat "
-                      "format", name);
+        return k3_err(err, K3_ERR_UNSUPPORTED,
+                      "the tokenizer has no %s token for the chat "
+                      "format",
+                      name);
     return K3_OK;
 }
 
@@ -714,10 +722,9 @@ static const char *EFFORT_NOTE =
     "response channel), supported values include `low`, `medium`, `high`, and `max`.\n"
     "Now the system is invoked with `thinking_effort=%s`.";
 
-static const char *FORMAT_NOTE =
-    "The system is invoked with `response_format=%s`.\n"
-    "Your response must be raw JSON data without markdown code blocks (```json) or any "
-    "additional formatting.";
+static const char *FORMAT_NOTE = "The system is invoked with `response_format=%s`.\n"
+                                 "Your response must be raw JSON data without markdown code blocks (```json) or any "
+                                 "additional formatting.";
 
 /* extract_response_schema: json_schema.schema, else json_schema.json_schema,
  * else json_schema itself; None when there is no json_schema. */
@@ -756,16 +763,17 @@ static k3_status response_format(enc *e, const char *rf_json) {
         st = b.oom ? nomem(e->err) : system_note(e, "response-format", b.p);
         k3_buf_free(&b);
     } else if (strcmp(ts, "text")) {
-        st = k3_err(e->err, K3_ERR_ARG, "response_format type \"%s\" is not text, json_object "
-                    "or json_schema", ts);
+        st = k3_err(e->err, K3_ERR_ARG,
+                    "response_format type \"%s\" is not text, json_object "
+                    "or json_schema",
+                    ts);
     }
     json_decref(rf);
     return st;
 }
 
 static k3_status role_of(const json_t *m, size_t i, role *r, k3_error *err) {
-    if (!json_is_object(m))
-        return k3_err(err, K3_ERR_ARG, "message %zu is not an object", i);
+    if (!json_is_object(m)) return k3_err(err, K3_ERR_ARG, "message %zu is not an object", i);
     const char *s = json_string_value(json_object_get(m, "role"));
     if (!s) return k3_err(err, K3_ERR_ARG, "message %zu has no role", i);
     /* "developer" is OpenAI's name for the system role on its reasoning
@@ -776,13 +784,14 @@ static k3_status role_of(const json_t *m, size_t i, role *r, k3_error *err) {
     else if (!strcmp(s, "assistant")) *r = ROLE_ASSISTANT;
     else if (!strcmp(s, "tool")) *r = ROLE_TOOL;
     else
-        return k3_err(err, K3_ERR_ARG, "message %zu has the unknown role \"%s\" (system, developer, "
-                      "user, assistant or tool)", i, s);
+        return k3_err(err, K3_ERR_ARG,
+                      "message %zu has the unknown role \"%s\" (system, developer, "
+                      "user, assistant or tool)",
+                      i, s);
     return K3_OK;
 }
 
-static k3_status encode(enc *e, const json_t *msgs, const json_t *tools,
-                        const k3_chat_options *opt) {
+static k3_status encode(enc *e, const json_t *msgs, const json_t *tools, const k3_chat_options *opt) {
     size_t n = json_array_size(msgs);
     msg *ms = n ? calloc(n, sizeof *ms) : NULL;
     if (n && !ms) return nomem(e->err);
@@ -797,8 +806,10 @@ static k3_status encode(enc *e, const json_t *msgs, const json_t *tools,
     if (st == K3_OK && opt->thinking && opt->thinking_effort) {
         const char *eff = opt->thinking_effort;
         if (strcmp(eff, "low") && strcmp(eff, "high") && strcmp(eff, "max")) {
-            st = k3_err(e->err, K3_ERR_ARG, "thinking_effort \"%.32s\" is not low, high or "
-                        "max", eff);
+            st = k3_err(e->err, K3_ERR_ARG,
+                        "thinking_effort \"%.32s\" is not low, high or "
+                        "max",
+                        eff);
         } else {
             char body[512];
             snprintf(body, sizeof body, EFFORT_NOTE, eff);
@@ -813,9 +824,7 @@ static k3_status encode(enc *e, const json_t *msgs, const json_t *tools,
         json_t *mt = json_object_get(m->m, "tools");
         switch (m->role) {
         case ROLE_USER: st = plain_message(e, m, "user"); break;
-        case ROLE_SYSTEM:
-            st = mt && truthy(mt) ? tool_declare(e, mt, true) : plain_message(e, m, "system");
-            break;
+        case ROLE_SYSTEM: st = mt && truthy(mt) ? tool_declare(e, mt, true) : plain_message(e, m, "system"); break;
         case ROLE_TOOL: st = tool_message(e, m, calls, ++tool_index); break;
         case ROLE_ASSISTANT:
             calls = json_object_get(m->m, "tool_calls");
@@ -829,14 +838,15 @@ static k3_status encode(enc *e, const json_t *msgs, const json_t *tools,
 
     const char *tc = opt->tool_choice;
     if (st == K3_OK && tc && !strcmp(tc, "required"))
-        st = system_note(e, "tool-choice", "The system is invoked with `tool_choice=required`.\n"
+        st = system_note(e, "tool-choice",
+                         "The system is invoked with `tool_choice=required`.\n"
                          "You MUST call tools in the next message.");
     else if (st == K3_OK && tc && !strcmp(tc, "none"))
-        st = system_note(e, "tool-choice", "The system is invoked with `tool_choice=none`.\n"
+        st = system_note(e, "tool-choice",
+                         "The system is invoked with `tool_choice=none`.\n"
                          "You MUST NOT call any tools in the next message.");
     else if (st == K3_OK && tc && strcmp(tc, "auto"))
-        st = k3_err(e->err, K3_ERR_ARG, "tool_choice \"%.32s\" is not auto, required or none",
-                    tc);
+        st = k3_err(e->err, K3_ERR_ARG, "tool_choice \"%.32s\" is not auto, required or none", tc);
     if (st == K3_OK && opt->response_format) st = response_format(e, opt->response_format);
 
     if (st == K3_OK && opt->add_generation_prompt) {
@@ -852,7 +862,8 @@ k3_status k3_chat_encode_json(const k3_tokenizer *t, const char *messages_json, 
     *ids = NULL;
     *n_ids = 0;
     if (!t || !messages_json || !opt)
-        return k3_err(err, K3_ERR_ARG, "k3_chat_encode_json needs a tokenizer, messages and "
+        return k3_err(err, K3_ERR_ARG,
+                      "k3_chat_encode_json needs a tokenizer, messages and "
                       "options");
     enc e = {.t = t, .err = err};
     k3_status st = lookup(t, "<|open|>", &e.open, err);

@@ -137,8 +137,7 @@ static got tag_rest(cursor *c, tag_attrs *a) {
         if (c->at == c->n || cut_inside(c, SEP)) return GOT_CUT;
         if (c->s[c->at] != ' ' || a->n == MAX_ATTRS) return GOT_BAD;
         size_t k0 = ++c->at;
-        while (c->at < c->n && c->s[c->at] != '=' && c->s[c->at] != '<' && c->s[c->at] != ' ')
-            c->at++;
+        while (c->at < c->n && c->s[c->at] != '=' && c->s[c->at] != '<' && c->s[c->at] != ' ') c->at++;
         size_t k1 = c->at;
         if (c->at == c->n) return GOT_CUT;
         if (k1 == k0 || !eat(c, "=\"")) return c->n - c->at < 2 ? GOT_CUT : GOT_BAD;
@@ -193,17 +192,14 @@ typedef struct parser {
 } parser;
 
 static k3_status bad(parser *p, const char *what) {
-    return k3_err(p->err, K3_ERR_FORMAT, "the reply's tool calls are malformed at byte %zu: %s",
-                  p->c.at, what);
+    return k3_err(p->err, K3_ERR_FORMAT, "the reply's tool calls are malformed at byte %zu: %s", p->c.at, what);
 }
 
-static k3_status nomem(parser *p) {
-    return k3_err(p->err, K3_ERR_NOMEM, "out of memory parsing a reply");
-}
+static k3_status nomem(parser *p) { return k3_err(p->err, K3_ERR_NOMEM, "out of memory parsing a reply"); }
 
 /* One argument value of its declared type, appended to args as JSON. */
-static k3_status argument(parser *p, k3_buf *args, const char *name, const char *key,
-                          const char *type, const char *v, size_t n) {
+static k3_status argument(parser *p, k3_buf *args, const char *name, const char *key, const char *type, const char *v,
+                          size_t n) {
     if (!strcmp(type, "string")) {
         k3_pyjson_string(args, v, n);
         return K3_OK;
@@ -211,21 +207,24 @@ static k3_status argument(parser *p, k3_buf *args, const char *name, const char 
     json_t *j = NULL;
     json_error_t je;
     if (!k3_json_too_deep(v, n, 128)) j = json_loadb(v, n, JSON_DECODE_ANY | JSON_ALLOW_NUL, &je);
-    bool ok = j && ((!strcmp(type, "number") && json_is_number(j)) ||
-                    (!strcmp(type, "boolean") && json_is_boolean(j)) ||
-                    (!strcmp(type, "null") && json_is_null(j)) ||
-                    (!strcmp(type, "object") && json_is_object(j)) ||
-                    (!strcmp(type, "array") && json_is_array(j)));
+    bool ok = j &&
+        ((!strcmp(type, "number") && json_is_number(j)) || (!strcmp(type, "boolean") && json_is_boolean(j)) ||
+         (!strcmp(type, "null") && json_is_null(j)) || (!strcmp(type, "object") && json_is_object(j)) ||
+         (!strcmp(type, "array") && json_is_array(j)));
     if (ok) k3_pyjson_dump(args, j, false, false);
     json_decref(j);
     if (ok) return K3_OK;
     bool known = !strcmp(type, "number") || !strcmp(type, "boolean") || !strcmp(type, "null") ||
-                 !strcmp(type, "object") || !strcmp(type, "array");
+        !strcmp(type, "object") || !strcmp(type, "array");
     if (!known)
-        return k3_err(p->err, K3_ERR_FORMAT, "tool call %d (%s): argument \"%s\" has the unknown "
-                      "type \"%s\"", p->n_calls + 1, name, key, type);
-    return k3_err(p->err, K3_ERR_FORMAT, "tool call %d (%s): argument \"%s\" is not a valid %s: "
-                  "%.*s", p->n_calls + 1, name, key, type, n > 60 ? 60 : (int)n, v);
+        return k3_err(p->err, K3_ERR_FORMAT,
+                      "tool call %d (%s): argument \"%s\" has the unknown "
+                      "type \"%s\"",
+                      p->n_calls + 1, name, key, type);
+    return k3_err(p->err, K3_ERR_FORMAT,
+                  "tool call %d (%s): argument \"%s\" is not a valid %s: "
+                  "%.*s",
+                  p->n_calls + 1, name, key, type, n > 60 ? 60 : (int)n, v);
 }
 
 /* The body of a call after its open tag, up to and including
@@ -238,8 +237,7 @@ static k3_status call_body(parser *p, const char *name, k3_buf *args, bool *cut)
         if (eat(c, CLOSE "call" SEP)) break;
         bool is_arg = eat(c, OPEN "argument"), is_json = !is_arg && eat(c, OPEN "json");
         if (!is_arg && !is_json) {
-            if (cut_inside(c, CLOSE "call" SEP) || cut_inside(c, OPEN "argument") ||
-                cut_inside(c, OPEN "json")) {
+            if (cut_inside(c, CLOSE "call" SEP) || cut_inside(c, OPEN "argument") || cut_inside(c, OPEN "json")) {
                 *cut = true;
                 return K3_OK;
             }
@@ -267,8 +265,7 @@ static k3_status call_body(parser *p, const char *name, k3_buf *args, bool *cut)
         } else if (is_arg) {
             const char *key = attr_get(&a, "key"), *type = attr_get(&a, "type");
             if (!key || !type || json_block) {
-                st = bad(p, json_block ? "an argument after a json block"
-                                       : "an argument without a key or a type");
+                st = bad(p, json_block ? "an argument after a json block" : "an argument without a key or a type");
             } else {
                 if (!first) k3_buf_puts(args, ", ");
                 k3_pyjson_string(args, key, strlen(key));
@@ -282,12 +279,12 @@ static k3_status call_body(parser *p, const char *name, k3_buf *args, bool *cut)
             json_error_t je;
             size_t n = end - c->at;
             if (!first) st = bad(p, "a json block after arguments");
-            else if (!k3_json_too_deep(c->s + c->at, n, 128))
-                j = json_loadb(c->s + c->at, n, JSON_ALLOW_NUL, &je);
+            else if (!k3_json_too_deep(c->s + c->at, n, 128)) j = json_loadb(c->s + c->at, n, JSON_ALLOW_NUL, &je);
             if (st == K3_OK && !json_is_object(j))
-                st = k3_err(p->err, K3_ERR_FORMAT, "tool call %d (%s): the arguments are not a "
-                            "JSON object: %.*s", p->n_calls + 1, name, n > 60 ? 60 : (int)n,
-                            c->s + c->at);
+                st = k3_err(p->err, K3_ERR_FORMAT,
+                            "tool call %d (%s): the arguments are not a "
+                            "JSON object: %.*s",
+                            p->n_calls + 1, name, n > 60 ? 60 : (int)n, c->s + c->at);
             if (st == K3_OK) {
                 args->len = 0;
                 k3_pyjson_dump(args, j, false, false);
@@ -368,8 +365,7 @@ void k3_chat_partial_call_free(k3_chat_partial_call *p) {
     *p = (k3_chat_partial_call){0};
 }
 
-k3_status k3_chat_parse_reply(const char *text, size_t len, bool thinking, k3_chat_reply *out,
-                              k3_error *err) {
+k3_status k3_chat_parse_reply(const char *text, size_t len, bool thinking, k3_chat_reply *out, k3_error *err) {
     return k3_chat_parse_reply_partial(text, len, thinking, out, NULL, err);
 }
 
@@ -392,9 +388,8 @@ static spans find_spans(cursor *c, bool thinking) {
         in_response = eat(c, OPEN "response" SEP);
         /* A reply that goes on with neither a response channel nor tools
          * (nor the end of the message) is read as its content. */
-        if (!in_response && c->at < c->n && !starts(c, OPEN "tools" SEP) &&
-            !starts(c, CLOSE "message" SEP) && !starts(c, END_OF_MSG) &&
-            !cut_inside(c, OPEN "response" SEP) && !cut_inside(c, OPEN "tools" SEP))
+        if (!in_response && c->at < c->n && !starts(c, OPEN "tools" SEP) && !starts(c, CLOSE "message" SEP) &&
+            !starts(c, END_OF_MSG) && !cut_inside(c, OPEN "response" SEP) && !cut_inside(c, OPEN "tools" SEP))
             in_response = true;
     }
     if (in_response) {

@@ -15,7 +15,7 @@
  * JSON so far (a prefix of what the whole call's arguments will be: the
  * arguments before the cut, and a string value cut midway up to the cut). */
 typedef struct k3_chat_partial_call {
-    char *name;      /* NULL when the text does not end inside a named call */
+    char *name; /* NULL when the text does not end inside a named call */
     char *args;
     size_t args_len;
 } k3_chat_partial_call;

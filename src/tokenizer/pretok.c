@@ -19,9 +19,10 @@
 /* ---- pattern sources ---------------------------------------------------- */
 
 /* Unicode White_Space, which is what `\s` means to the Rust regex crate. */
-#define WS "\\t-\\r\\x{20}\\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}" \
-           "\\x{202F}\\x{205F}\\x{3000}"
-#define SPACE     "[" WS "]"
+#define WS \
+    "\\t-\\r\\x{20}\\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}" \
+    "\\x{202F}\\x{205F}\\x{3000}"
+#define SPACE "[" WS "]"
 #define NON_SPACE "[^" WS "]"
 
 /* Script=Han. PCRE2 10.40 made a bare script name mean Script_Extensions and
@@ -36,35 +37,28 @@
 #define UPPER_O200K "[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]"
 #define LOWER_O200K "[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]"
 /* Kimi's [X&&[^\p{Han}]]: one character of X that is not Han. */
-#define UPPER_KIMI  "(?:(?!" HAN ")" UPPER_O200K ")"
-#define LOWER_KIMI  "(?:(?!" HAN ")" LOWER_O200K ")"
+#define UPPER_KIMI "(?:(?!" HAN ")" UPPER_O200K ")"
+#define LOWER_KIMI "(?:(?!" HAN ")" LOWER_O200K ")"
 #define NOT_LN_CRLF "[^\\r\\n\\p{L}\\p{N}]"
 
 /* The tail shared by all three: numbers, punctuation runs, newlines, spaces.
  * PUNCT_TAIL is what may follow a punctuation run ([\r\n]* or o200k's
  * [\r\n/]*). */
-#define TAIL(PUNCT_TAIL)                                  \
-    "|\\p{N}{1,3}"                                        \
-    "| ?[^" WS "\\p{L}\\p{N}]+" PUNCT_TAIL                \
-    "|" SPACE "*[\\r\\n]+"                                \
-    "|" SPACE "+(?!" NON_SPACE ")"                        \
+#define TAIL(PUNCT_TAIL) \
+    "|\\p{N}{1,3}" \
+    "| ?[^" WS "\\p{L}\\p{N}]+" PUNCT_TAIL "|" SPACE "*[\\r\\n]+" \
+    "|" SPACE "+(?!" NON_SPACE ")" \
     "|" SPACE "+"
 
 static const char PAT_O200K[] =
     NOT_LN_CRLF "?" UPPER_O200K "*" LOWER_O200K "+" CONTRACTION "?"
-    "|" NOT_LN_CRLF "?" UPPER_O200K "+" LOWER_O200K "*" CONTRACTION "?"
-    TAIL("[\\r\\n/]*");
+                "|" NOT_LN_CRLF "?" UPPER_O200K "+" LOWER_O200K "*" CONTRACTION "?" TAIL("[\\r\\n/]*");
 
-static const char PAT_CL100K[] =
-    CONTRACTION
-    "|" NOT_LN_CRLF "?\\p{L}+"
-    TAIL("[\\r\\n]*");
+static const char PAT_CL100K[] = CONTRACTION "|" NOT_LN_CRLF "?\\p{L}+" TAIL("[\\r\\n]*");
 
-static const char PAT_KIMI[] =
-    "[" HAN "]+"
-    "|" NOT_LN_CRLF "?" UPPER_KIMI "*" LOWER_KIMI "+" CONTRACTION "?"
-    "|" NOT_LN_CRLF "?" UPPER_KIMI "+" LOWER_KIMI "*" CONTRACTION "?"
-    TAIL("[\\r\\n]*");
+static const char PAT_KIMI[] = "[" HAN "]+"
+                               "|" NOT_LN_CRLF "?" UPPER_KIMI "*" LOWER_KIMI "+" CONTRACTION "?"
+                               "|" NOT_LN_CRLF "?" UPPER_KIMI "+" LOWER_KIMI "*" CONTRACTION "?" TAIL("[\\r\\n]*");
 
 const char *k3_pretok_source(k3_pattern pattern) {
     switch (pattern) {
@@ -89,16 +83,15 @@ k3_status k3_pretok_init(k3_pretok **out, k3_pattern pattern, k3_error *err) {
     if (!p) return k3_err(err, K3_ERR_NOMEM, "out of memory compiling the split pattern");
     int code;
     PCRE2_SIZE at;
-    p->re = pcre2_compile((PCRE2_SPTR)src, PCRE2_ZERO_TERMINATED, PCRE2_UTF | PCRE2_UCP,
-                          &code, &at, NULL);
+    p->re = pcre2_compile((PCRE2_SPTR)src, PCRE2_ZERO_TERMINATED, PCRE2_UTF | PCRE2_UCP, &code, &at, NULL);
     if (!p->re) {
         PCRE2_UCHAR msg[256];
         pcre2_get_error_message(code, msg, sizeof msg);
         free(p);
         /* Our own pattern failing to compile means a PCRE2 without Unicode
          * support or too old for a property we use. */
-        return k3_err(err, K3_ERR_UNSUPPORTED, "PCRE2 rejects the split pattern at %zu: %s",
-                      (size_t)at, (const char *)msg);
+        return k3_err(err, K3_ERR_UNSUPPORTED, "PCRE2 rejects the split pattern at %zu: %s", (size_t)at,
+                      (const char *)msg);
     }
     /* JIT is an optimisation only: without it pcre2_match interprets. */
     (void)pcre2_jit_compile(p->re, PCRE2_JIT_COMPLETE);
@@ -112,8 +105,7 @@ void k3_pretok_free(k3_pretok *p) {
     free(p);
 }
 
-k3_status k3_pretok_split(const k3_pretok *p, const char *text, size_t len,
-                          k3_pretok_fn fn, void *ctx, k3_error *err) {
+k3_status k3_pretok_split(const k3_pretok *p, const char *text, size_t len, k3_pretok_fn fn, void *ctx, k3_error *err) {
     pcre2_match_data *md = pcre2_match_data_create_from_pattern(p->re, NULL);
     if (!md) return k3_err(err, K3_ERR_NOMEM, "out of memory splitting text");
     const PCRE2_SIZE *ov = pcre2_get_ovector_pointer(md);
@@ -125,8 +117,7 @@ k3_status k3_pretok_split(const k3_pretok *p, const char *text, size_t len,
          * letters can overflow it. The interpreter keeps its frames on the
          * heap, so that one piece is matched again without JIT. */
         if (rc == PCRE2_ERROR_JIT_STACKLIMIT)
-            rc = pcre2_match(p->re, (PCRE2_SPTR)text, len, pos,
-                             PCRE2_NO_UTF_CHECK | PCRE2_NO_JIT, md, NULL);
+            rc = pcre2_match(p->re, (PCRE2_SPTR)text, len, pos, PCRE2_NO_UTF_CHECK | PCRE2_NO_JIT, md, NULL);
         if (rc == PCRE2_ERROR_NOMATCH) break;
         if (rc < 0) {
             PCRE2_UCHAR msg[256];
@@ -152,20 +143,23 @@ bool k3_utf8_check(const char *s, size_t len, size_t *bad) {
     size_t i = 0;
     while (i < len) {
         unsigned c = u[i];
-        if (c < 0x80) { i++; continue; }
+        if (c < 0x80) {
+            i++;
+            continue;
+        }
         size_t n;
         unsigned lo = 0x80, hi = 0xBF; /* allowed range of the second byte */
         if (c >= 0xC2 && c <= 0xDF) n = 2;
         else if (c >= 0xE0 && c <= 0xEF) {
             n = 3;
-            if (c == 0xE0) lo = 0xA0;      /* overlong */
-            if (c == 0xED) hi = 0x9F;      /* surrogates D800..DFFF */
+            if (c == 0xE0) lo = 0xA0; /* overlong */
+            if (c == 0xED) hi = 0x9F; /* surrogates D800..DFFF */
         } else if (c >= 0xF0 && c <= 0xF4) {
             n = 4;
-            if (c == 0xF0) lo = 0x90;      /* overlong */
-            if (c == 0xF4) hi = 0x8F;      /* above U+10FFFF */
+            if (c == 0xF0) lo = 0x90; /* overlong */
+            if (c == 0xF4) hi = 0x8F; /* above U+10FFFF */
         } else {
-            goto fail;                     /* continuation, C0/C1, F5..FF */
+            goto fail; /* continuation, C0/C1, F5..FF */
         }
         if (len - i < n) goto fail;
         if (u[i + 1] < lo || u[i + 1] > hi) goto fail;

@@ -32,8 +32,7 @@ const char *k3_pretok_source(k3_pattern pattern);
 typedef k3_status (*k3_pretok_fn)(void *ctx, const char *piece, size_t len);
 
 /* Cuts text[0, len) into pieces. text must be valid UTF-8. */
-k3_status k3_pretok_split(const k3_pretok *p, const char *text, size_t len,
-                          k3_pretok_fn fn, void *ctx, k3_error *err);
+k3_status k3_pretok_split(const k3_pretok *p, const char *text, size_t len, k3_pretok_fn fn, void *ctx, k3_error *err);
 
 /* Strict UTF-8 check (no overlongs, surrogates, code points > U+10FFFF or
  * truncated sequences). Returns true when valid; otherwise *bad is the byte

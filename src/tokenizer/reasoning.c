@@ -24,8 +24,7 @@ static const struct {
     {"high", true, "high"}, {"xhigh", true, "max"},   {"max", true, "max"},
 };
 
-k3_status k3_chat_reasoning_effort(const char *effort, bool *thinking, const char **thinking_effort,
-                                   k3_error *err) {
+k3_status k3_chat_reasoning_effort(const char *effort, bool *thinking, const char **thinking_effort, k3_error *err) {
     *thinking = true;
     *thinking_effort = "max";
     if (!effort) return K3_OK;

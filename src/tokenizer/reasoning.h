@@ -17,7 +17,6 @@
  * "minimal" or "low" ("low"), "medium" or "high" ("high"), "xhigh" or K3's
  * own "max" ("max"). Sets *thinking and *thinking_effort (a static string,
  * NULL when thinking is off). Anything else is K3_ERR_ARG naming the values. */
-k3_status k3_chat_reasoning_effort(const char *effort, bool *thinking, const char **thinking_effort,
-                                   k3_error *err);
+k3_status k3_chat_reasoning_effort(const char *effort, bool *thinking, const char **thinking_effort, k3_error *err);
 
 #endif /* K3_TOKENIZER_REASONING_H */

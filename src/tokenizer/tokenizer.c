@@ -58,8 +58,7 @@ static k3_status read_config(k3_tokenizer *t, const char *path, k3_error *err) {
 
     k3_status st = K3_OK;
     json_t *dec = json_object_get(root, "added_tokens_decoder");
-    if (dec && !json_is_object(dec))
-        st = k3_err(err, K3_ERR_FORMAT, "%s: added_tokens_decoder is not an object", path);
+    if (dec && !json_is_object(dec)) st = k3_err(err, K3_ERR_FORMAT, "%s: added_tokens_decoder is not an object", path);
     const char *key;
     json_t *val;
     json_object_foreach(dec, key, val) {
@@ -70,13 +69,11 @@ static k3_status read_config(k3_tokenizer *t, const char *path, k3_error *err) {
         if (!*key || *end || id < n_ranks || id >= (long long)n_ranks + K3_N_SPECIALS)
             st = k3_err(err, K3_ERR_FORMAT,
                         "%s: added token id \"%s\" is outside the special range %d..%d "
-                        "(the rank file has %d tokens)", path, key, n_ranks,
-                        n_ranks + K3_N_SPECIALS - 1, n_ranks);
+                        "(the rank file has %d tokens)",
+                        path, key, n_ranks, n_ranks + K3_N_SPECIALS - 1, n_ranks);
         else if (!name || !*name)
-            st = k3_err(err, K3_ERR_FORMAT, "%s: added token %s has no \"content\" string",
-                        path, key);
-        else
-            st = set_special(t, (int32_t)(id - n_ranks), name, err);
+            st = k3_err(err, K3_ERR_FORMAT, "%s: added token %s has no \"content\" string", path, key);
+        else st = set_special(t, (int32_t)(id - n_ranks), name, err);
     }
     json_decref(root);
     return st;
@@ -88,8 +85,7 @@ static k3_status load_specials(k3_tokenizer *t, const char *path, k3_error *err)
     int32_t n_ranks = t->bpe.n_ranks;
     t->special_name = calloc(K3_N_SPECIALS, sizeof *t->special_name);
     t->special_len = calloc(K3_N_SPECIALS, sizeof *t->special_len);
-    if (!t->special_name || !t->special_len)
-        return k3_err(err, K3_ERR_NOMEM, "out of memory for special tokens");
+    if (!t->special_name || !t->special_len) return k3_err(err, K3_ERR_NOMEM, "out of memory for special tokens");
     t->n_specials = K3_N_SPECIALS;
     k3_status st = path ? read_config(t, path, err) : K3_OK;
     for (int32_t i = 0; i < K3_N_SPECIALS && st == K3_OK; i++) {
@@ -102,17 +98,16 @@ static k3_status load_specials(k3_tokenizer *t, const char *path, k3_error *err)
     for (int32_t i = 0; i < K3_N_SPECIALS && st == K3_OK; i++)
         for (int32_t k = i + 1; k < K3_N_SPECIALS && st == K3_OK; k++)
             if (!strcmp(t->special_name[i], t->special_name[k]))
-                st = k3_err(err, K3_ERR_FORMAT, "%s: ids %d and %d are both named %s",
-                            path ? path : "tokenizer", n_ranks + i, n_ranks + k,
-                            t->special_name[i]);
+                st = k3_err(err, K3_ERR_FORMAT, "%s: ids %d and %d are both named %s", path ? path : "tokenizer",
+                            n_ranks + i, n_ranks + k, t->special_name[i]);
     return st;
 }
 
 /* ---- open / free -------------------------------------------------------- */
 
 /* with_specials without a config_path: all 256 specials reserved. */
-static k3_status open_impl(k3_tokenizer **out, const char *vocab_path, const char *config_path,
-                           bool with_specials, k3_pattern pattern, k3_error *err) {
+static k3_status open_impl(k3_tokenizer **out, const char *vocab_path, const char *config_path, bool with_specials,
+                           k3_pattern pattern, k3_error *err) {
     *out = NULL;
     k3_tokenizer *t = calloc(1, sizeof *t);
     if (!t) return k3_err(err, K3_ERR_NOMEM, "out of memory opening a tokenizer");
@@ -128,9 +123,8 @@ static k3_status open_impl(k3_tokenizer **out, const char *vocab_path, const cha
     return K3_OK;
 }
 
-k3_status k3_tokenizer_open_paths(k3_tokenizer **out, const char *vocab_path,
-                                  const char *config_path, k3_pattern pattern,
-                                  k3_error *err) {
+k3_status k3_tokenizer_open_paths(k3_tokenizer **out, const char *vocab_path, const char *config_path,
+                                  k3_pattern pattern, k3_error *err) {
     return open_impl(out, vocab_path, config_path, config_path != NULL, pattern, err);
 }
 
@@ -154,8 +148,7 @@ k3_status k3_tokenizer_open(k3_tokenizer **out, const char *dir, k3_error *err) 
     return st;
 }
 
-k3_status k3_tokenizer_open_file(k3_tokenizer **out, const char *path, k3_pattern pattern,
-                                 k3_error *err) {
+k3_status k3_tokenizer_open_file(k3_tokenizer **out, const char *path, k3_pattern pattern, k3_error *err) {
     return k3_tokenizer_open_paths(out, path, NULL, pattern, err);
 }
 
@@ -173,9 +166,7 @@ void k3_tokenizer_free(k3_tokenizer *t) {
 
 /* ---- queries ------------------------------------------------------------ */
 
-int32_t k3_tokenizer_n_vocab(const k3_tokenizer *t) {
-    return t->bpe.n_ranks + t->n_specials;
-}
+int32_t k3_tokenizer_n_vocab(const k3_tokenizer *t) { return t->bpe.n_ranks + t->n_specials; }
 
 int32_t k3_tokenizer_special(const k3_tokenizer *t, const char *name) {
     for (int32_t i = 0; i < t->n_specials; i++)
@@ -233,8 +224,7 @@ static k3_status encode_piece(void *ctx, const char *piece, size_t len) {
 /* Python's str.isspace: Unicode White_Space plus the separators \x1c-\x1f. */
 static bool py_isspace(uint32_t c) {
     return (c >= 0x09 && c <= 0x0D) || (c >= 0x1C && c <= 0x20) || c == 0x85 || c == 0xA0 || c == 0x1680 ||
-           (c >= 0x2000 && c <= 0x200A) || c == 0x2028 || c == 0x2029 || c == 0x202F || c == 0x205F ||
-           c == 0x3000;
+        (c >= 0x2000 && c <= 0x200A) || c == 0x2028 || c == 0x2029 || c == 0x202F || c == 0x205F || c == 0x3000;
 }
 
 /* The code point at s[*i] of valid UTF-8; advances *i. */
@@ -248,11 +238,9 @@ static uint32_t utf8_next(const unsigned char *s, size_t *i) {
     return c;
 }
 
-k3_status k3_tokenizer_encode_append(const k3_tokenizer *t, const char *text, size_t len,
-                                     k3_ids *out, k3_error *err) {
+k3_status k3_tokenizer_encode_append(const k3_tokenizer *t, const char *text, size_t len, k3_ids *out, k3_error *err) {
     size_t bad;
-    if (!k3_utf8_check(text, len, &bad))
-        return k3_err(err, K3_ERR_ARG, "invalid UTF-8 at byte %zu", bad);
+    if (!k3_utf8_check(text, len, &bad)) return k3_err(err, K3_ERR_ARG, "invalid UTF-8 at byte %zu", bad);
     encode_ctx c = {&t->bpe, out, err};
     /* fewer bytes than a run limit: no slicing can apply */
     if (len <= K3_ENCODE_MAX_RUN) return k3_pretok_split(t->pretok, text, len, encode_piece, &c, err);
@@ -284,8 +272,8 @@ k3_status k3_tokenizer_encode_append(const k3_tokenizer *t, const char *text, si
     return st;
 }
 
-k3_status k3_tokenizer_encode(const k3_tokenizer *t, const char *text, size_t len,
-                              int32_t **ids, size_t *n_ids, k3_error *err) {
+k3_status k3_tokenizer_encode(const k3_tokenizer *t, const char *text, size_t len, int32_t **ids, size_t *n_ids,
+                              k3_error *err) {
     *ids = NULL;
     *n_ids = 0;
     k3_ids v = {0};
@@ -304,15 +292,17 @@ k3_status k3_tokenizer_encode(const k3_tokenizer *t, const char *text, size_t le
     return K3_OK;
 }
 
-k3_status k3_tokenizer_decode(const k3_tokenizer *t, const int32_t *ids, size_t n_ids,
-                              char **out, size_t *len, k3_error *err) {
+k3_status k3_tokenizer_decode(const k3_tokenizer *t, const int32_t *ids, size_t n_ids, char **out, size_t *len,
+                              k3_error *err) {
     *out = NULL;
     *len = 0;
     size_t total = 0, tl;
     for (size_t i = 0; i < n_ids; i++) {
         if (!k3_tokenizer_token(t, ids[i], &tl))
-            return k3_err(err, K3_ERR_ARG, "token id %d at position %zu is out of range "
-                          "(vocabulary of %d)", ids[i], i, k3_tokenizer_n_vocab(t));
+            return k3_err(err, K3_ERR_ARG,
+                          "token id %d at position %zu is out of range "
+                          "(vocabulary of %d)",
+                          ids[i], i, k3_tokenizer_n_vocab(t));
         total += tl;
     }
     char *s = malloc(total + 1);

@@ -98,7 +98,8 @@ static int32_t special_at(const k3_tokenizer *t, const char *text, size_t n, siz
     size_t best_len = 0;
     for (int32_t i = 0; i < t->n_specials; i++) {
         const size_t l = t->special_len[i];
-        if (l > best_len && l <= n - at && t->special_name[i][0] == text[at] && !memcmp(text + at, t->special_name[i], l)) {
+        if (l > best_len && l <= n - at && t->special_name[i][0] == text[at] &&
+            !memcmp(text + at, t->special_name[i], l)) {
             best = t->bpe.n_ranks + i;
             best_len = l;
         }

@@ -49,13 +49,14 @@ static bool holds_mark(json_t *j) {
 static const char *part_url(json_t *part, const char *type) {
     json_t *u = json_object_get(part, type);
     if (json_is_string(u)) return json_string_value(u);
-    if (json_is_object(u) && json_is_string(json_object_get(u, "url"))) return json_string_value(json_object_get(u, "url"));
+    if (json_is_object(u) && json_is_string(json_object_get(u, "url")))
+        return json_string_value(json_object_get(u, "url"));
     return NULL;
 }
 
-k3_status k3_vision_chat_encode_json(const k3_vision *v, const k3_tokenizer *t, k3_pool *pool, const char *messages_json,
-                                     const char *tools_json, const k3_chat_options *opt, int64_t max_pixels,
-                                     k3_vision_prompt *out, k3_error *err) {
+k3_status k3_vision_chat_encode_json(const k3_vision *v, const k3_tokenizer *t, k3_pool *pool,
+                                     const char *messages_json, const char *tools_json, const k3_chat_options *opt,
+                                     int64_t max_pixels, k3_vision_prompt *out, k3_error *err) {
     if (!t || !messages_json || !out) return k3_err(err, K3_ERR_ARG, "chat: no messages");
     memset(out, 0, sizeof *out);
     json_error_t je;
@@ -76,8 +77,10 @@ k3_status k3_vision_chat_encode_json(const k3_vision *v, const k3_tokenizer *t, 
                 const char *type = json_is_object(part) ? json_string_value(json_object_get(part, "type")) : NULL;
                 if (!type || (strcmp(type, "image_url") && strcmp(type, "image"))) continue;
                 if (!v) {
-                    s = k3_err(err, K3_ERR_UNSUPPORTED, "messages[%zu].content[%zu]: an image, and the model has no "
-                               "vision tower (it takes text only)", mi, pi);
+                    s = k3_err(err, K3_ERR_UNSUPPORTED,
+                               "messages[%zu].content[%zu]: an image, and the model has no "
+                               "vision tower (it takes text only)",
+                               mi, pi);
                     goto done;
                 }
                 const char *url = part_url(part, type);
@@ -121,8 +124,7 @@ k3_status k3_vision_chat_encode_json(const k3_vision *v, const k3_tokenizer *t, 
             json_t *content = json_object_get(m, "content");
             size_t pi;
             json_t *part;
-            if (json_is_array(content))
-                json_array_foreach(content, pi, part) {
+            if (json_is_array(content)) json_array_foreach(content, pi, part) {
                     const char *tx = json_string_value(json_object_get(part, "text"));
                     if (tx && !strncmp(tx, MARK, strlen(MARK))) {
                         json_object_set_new(part, "text", json_string(""));
@@ -133,7 +135,8 @@ k3_status k3_vision_chat_encode_json(const k3_vision *v, const k3_tokenizer *t, 
         const bool clash = marks != n_img || holds_mark(probe);
         json_decref(probe);
         if (clash) {
-            s = k3_err(err, K3_ERR_ARG, "chat: the messages contain the private-use code point U+E000 with "
+            s = k3_err(err, K3_ERR_ARG,
+                       "chat: the messages contain the private-use code point U+E000 with "
                        "\"k3img\", which k3 uses to place images");
             goto done;
         }
@@ -141,7 +144,8 @@ k3_status k3_vision_chat_encode_json(const k3_vision *v, const k3_tokenizer *t, 
     char *js = json_dumps(msgs, JSON_COMPACT);
     int32_t *ids = NULL;
     size_t n = 0;
-    s = js ? k3_chat_encode_json(t, js, tools_json, opt, &ids, &n, err) : k3_err(err, K3_ERR_NOMEM, "chat: out of memory");
+    s = js ? k3_chat_encode_json(t, js, tools_json, opt, &ids, &n, err)
+           : k3_err(err, K3_ERR_NOMEM, "chat: out of memory");
     free(js);
     if (s) goto done;
     /* find each marker's ids, in order, and cut them out */

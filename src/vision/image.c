@@ -100,9 +100,9 @@ int32_t k3_image_height(const k3_image *im) { return im ? im->height : 0; }
 uint64_t k3_image_hash(const k3_image *im) {
     /* FNV-1a over a header (size, mode, key) and the pixels */
     uint64_t h = 1469598103934665603ull;
-    const uint8_t hdr[] = {(uint8_t)im->width, (uint8_t)(im->width >> 8), (uint8_t)(im->width >> 16),
+    const uint8_t hdr[] = {(uint8_t)im->width,  (uint8_t)(im->width >> 8),  (uint8_t)(im->width >> 16),
                            (uint8_t)im->height, (uint8_t)(im->height >> 8), (uint8_t)(im->height >> 16),
-                           (uint8_t)im->mode, (uint8_t)im->has_alpha, im->key};
+                           (uint8_t)im->mode,   (uint8_t)im->has_alpha,     im->key};
     for (size_t i = 0; i < sizeof hdr; i++) h = (h ^ hdr[i]) * 1099511628211ull;
     const size_t n = (size_t)im->width * im->height * 4;
     for (size_t i = 0; i < n; i++) h = (h ^ im->px[i]) * 1099511628211ull;
@@ -136,8 +136,8 @@ static void png_on_error(png_structp png, png_const_charp msg) {
 
 static void png_on_warning(png_structp png, png_const_charp msg) { (void)png, (void)msg; }
 
-static k3_status decode_png(k3_image **out, const uint8_t *data, size_t size, int64_t max_pixels,
-                            const char *what, k3_error *err) {
+static k3_status decode_png(k3_image **out, const uint8_t *data, size_t size, int64_t max_pixels, const char *what,
+                            k3_error *err) {
     /* IHDR must come first: its size is checked before libpng reads on
      * (png_read_info reads every chunk up to the image data) */
     if (size >= 24 && !memcmp(data + 12, "IHDR", 4)) {
@@ -170,7 +170,8 @@ static k3_status decode_png(k3_image **out, const uint8_t *data, size_t size, in
     int depth = png_get_bit_depth(png, info), ct = png_get_color_type(png, info);
     if ((st = check_size(w, h, max_pixels, what, err))) goto done;
     if ((ct == PNG_COLOR_TYPE_GRAY || ct == PNG_COLOR_TYPE_GRAY_ALPHA) && depth == 16) {
-        st = k3_err(err, K3_ERR_UNSUPPORTED, "%s: 16-bit greyscale PNG is not supported (PIL reads it as mode I;16)", what);
+        st = k3_err(err, K3_ERR_UNSUPPORTED, "%s: 16-bit greyscale PNG is not supported (PIL reads it as mode I;16)",
+                    what);
         goto done;
     }
     im = image_new(w, h);
@@ -279,8 +280,8 @@ static void jpeg_on_message(j_common_ptr c, int level) {
     }
 }
 
-static k3_status decode_jpeg(k3_image **out, const uint8_t *data, size_t size, int64_t max_pixels,
-                             const char *what, k3_error *err) {
+static k3_status decode_jpeg(k3_image **out, const uint8_t *data, size_t size, int64_t max_pixels, const char *what,
+                             k3_error *err) {
     struct jpeg_decompress_struct cinfo;
     jpeg_err je;
     memset(&je, 0, sizeof je);
@@ -347,17 +348,17 @@ static uint32_t le32(const uint8_t *p) {
     return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
 }
 
-static k3_status decode_webp(k3_image **out, const uint8_t *data, size_t size, int64_t max_pixels,
-                             const char *what, k3_error *err) {
+static k3_status decode_webp(k3_image **out, const uint8_t *data, size_t size, int64_t max_pixels, const char *what,
+                             k3_error *err) {
     /* the RIFF header says how long the file is: a shorter one was cut */
     const bool cut = size < 12 || (uint64_t)le32(data + 4) + 8 > size;
     WebPBitstreamFeatures f;
     const VP8StatusCode vs = WebPGetFeatures(data, size, &f);
     if (vs != VP8_STATUS_OK)
         return k3_err(err, K3_ERR_FORMAT, "%s: bad WEBP: %s", what,
-                      cut || vs == VP8_STATUS_NOT_ENOUGH_DATA ? "the file is truncated"
-                      : vs == VP8_STATUS_UNSUPPORTED_FEATURE  ? "a feature libwebp does not read"
-                                                              : "the header is corrupt");
+                      cut || vs == VP8_STATUS_NOT_ENOUGH_DATA    ? "the file is truncated"
+                          : vs == VP8_STATUS_UNSUPPORTED_FEATURE ? "a feature libwebp does not read"
+                                                                 : "the header is corrupt");
     /* the canvas (VP8X) or the image: checked before the decoder allocates it */
     k3_status st = check_size((uint32_t)f.width, (uint32_t)f.height, max_pixels, what, err);
     if (st) return st;
@@ -444,8 +445,8 @@ static bool gif_palette_needed(const ColorMapObject *m) {
     return false;
 }
 
-static k3_status decode_gif(k3_image **out, const uint8_t *data, size_t size, int64_t max_pixels,
-                            const char *what, k3_error *err) {
+static k3_status decode_gif(k3_image **out, const uint8_t *data, size_t size, int64_t max_pixels, const char *what,
+                            k3_error *err) {
     gif_src src = {.p = data, .n = size};
     int e = 0;
     GifFileType *g = DGifOpen(&src, gif_read, &e);
@@ -502,8 +503,8 @@ static k3_status decode_gif(k3_image **out, const uint8_t *data, size_t size, in
      * global palette on the pixels (what convert shows; its resize refuses
      * that image), so those indices go through the global palette here. */
     const ColorMapObject *pal = d->ColorMap && gif_palette_needed(d->ColorMap) ? d->ColorMap
-                                : g->SColorMap && gif_palette_needed(g->SColorMap) ? g->SColorMap
-                                                                                  : NULL;
+        : g->SColorMap && gif_palette_needed(g->SColorMap)                     ? g->SColorMap
+                                                                               : NULL;
     im = image_new(w, h);
     idx = malloc((size_t)w * h);
     line = malloc(fw ? fw : 1);
@@ -564,8 +565,8 @@ done:
 
 /* ---- entry points --------------------------------------------------------- */
 
-static k3_status decode_named(k3_image **out, const void *data, size_t size, int64_t max_pixels,
-                              const char *what, k3_error *err) {
+static k3_status decode_named(k3_image **out, const void *data, size_t size, int64_t max_pixels, const char *what,
+                              k3_error *err) {
     if (!out || (!data && size)) return k3_err(err, K3_ERR_ARG, "%s: no image data", what);
     *out = NULL;
     const uint8_t *p = data;
@@ -620,8 +621,7 @@ k3_status k3_image_decode_url(k3_image **out, const char *url, size_t len, int64
     bool type_ok = ntype == 0;
     for (int i = 0; i < 5 && !type_ok; i++) type_ok = ntype == strlen(types[i]) && !strncasecmp(meta, types[i], ntype);
     if (!type_ok)
-        return k3_err(err, K3_ERR_UNSUPPORTED,
-                      "image_url: media type '%.*s' is not supported (PNG, JPEG, WEBP or GIF)",
+        return k3_err(err, K3_ERR_UNSUPPORTED, "image_url: media type '%.*s' is not supported (PNG, JPEG, WEBP or GIF)",
                       (int)(ntype < 64 ? ntype : 64), meta);
     const char *p = comma + 1, *end = url + len;
     /* 1 GB of base64 is far past any image the pixel cap lets through */

@@ -28,9 +28,17 @@
 
 void k3_image_proc_defaults(k3_image_proc *p) {
     *p = (k3_image_proc){
-        .patch_size = 14, .merge = 2, .in_patch_limit = 65536, .side_limit = 512,
-        .mean = {0.5, 0.5, 0.5}, .std = {0.5, 0.5, 0.5},
-        .bg = K3_BG_CHESSBOARD, .square = 8, .square_top_left = true, .white = 255, .gray = 180,
+        .patch_size = 14,
+        .merge = 2,
+        .in_patch_limit = 65536,
+        .side_limit = 512,
+        .mean = {0.5, 0.5, 0.5},
+        .std = {0.5, 0.5, 0.5},
+        .bg = K3_BG_CHESSBOARD,
+        .square = 8,
+        .square_top_left = true,
+        .white = 255,
+        .gray = 180,
         .after_resize = true,
     };
 }
@@ -87,7 +95,8 @@ static k3_status parse_proc(k3_image_proc *p, json_t *c, const char *src, k3_err
     if (stage && !json_is_null(stage)) {
         const char *s = json_string_value(stage);
         if (!s || (strcmp(s, "after_resize") && strcmp(s, "before_resize")))
-            return k3_err(err, K3_ERR_FORMAT, "%s: transparent_bg_fill_stage must be after_resize or before_resize", src);
+            return k3_err(err, K3_ERR_FORMAT, "%s: transparent_bg_fill_stage must be after_resize or before_resize",
+                          src);
         p->after_resize = !strcmp(s, "after_resize");
     } else {
         p->after_resize = false; /* the processor's own default */
@@ -178,8 +187,13 @@ k3_status k3_image_proc_plan(const k3_image_proc *p, int32_t w, int32_t h, k3_re
         return k3_err(err, K3_ERR_ARG, "image %dx%d: %lldx%lld tokens exceed patch_limit_on_one_side %lld", w, h,
                       (long long)tw, (long long)th, (long long)side);
     *out = (k3_resize_plan){
-        .new_w = (int32_t)nw, .new_h = (int32_t)nh, .pad_w = (int32_t)pw, .pad_h = (int32_t)ph,
-        .grid_h = (int32_t)(th * p->merge), .grid_w = (int32_t)(tw * p->merge), .n_tokens = (int32_t)(th * tw),
+        .new_w = (int32_t)nw,
+        .new_h = (int32_t)nh,
+        .pad_w = (int32_t)pw,
+        .pad_h = (int32_t)ph,
+        .grid_h = (int32_t)(th * p->merge),
+        .grid_w = (int32_t)(tw * p->merge),
+        .n_tokens = (int32_t)(th * tw),
     };
     return K3_OK;
 }
@@ -332,7 +346,8 @@ void k3_pil_resize_nearest(const uint8_t *in, int32_t w, int32_t h, int nch, uin
         for (int32_t y = 0; y < oh; y++)
             for (int32_t x = 0; x < ow; x++)
                 memcpy(out + ((size_t)y * ow + x) * nch,
-                       in + ((size_t)(int32_t)(ay * 0.5 + y * ay) * w + (int32_t)(ax * 0.5 + x * ax)) * nch, (size_t)nch);
+                       in + ((size_t)(int32_t)(ay * 0.5 + y * ay) * w + (int32_t)(ax * 0.5 + x * ax)) * nch,
+                       (size_t)nch);
         return;
     }
     double xo = ax * 0.5;

@@ -92,7 +92,8 @@ static k3_status vfalse(vparse *p, const char *key) {
     json_t *j = json_object_get(p->o, key);
     if (!j || json_is_null(j)) return K3_OK; /* KimiK3VisionConfig defaults: false */
     if (!json_is_boolean(j)) return k3_err(p->err, K3_ERR_FORMAT, "%s: vision_config.%s is not a boolean", p->src, key);
-    if (json_is_true(j)) return k3_err(p->err, K3_ERR_UNSUPPORTED, "%s: vision_config.%s = true is not supported", p->src, key);
+    if (json_is_true(j))
+        return k3_err(p->err, K3_ERR_UNSUPPORTED, "%s: vision_config.%s = true is not supported", p->src, key);
     return K3_OK;
 }
 
@@ -101,12 +102,18 @@ static k3_status parse_vision_config(k3_vision_config *c, json_t *root, json_t *
     vparse p = {vc, src, err};
     int64_t v;
     if (!json_is_object(vc)) return k3_err(err, K3_ERR_FORMAT, "%s: vision_config is not an object", src);
-    K3_TRY(vint(&p, "patch_size", 14, 1, 64, &v)); c->patch_size = (int32_t)v;
-    K3_TRY(vint(&p, "init_pos_emb_height", 64, 1, 512, &v)); c->pos_h = (int32_t)v;
-    K3_TRY(vint(&p, "init_pos_emb_width", 64, 1, 512, &v)); c->pos_w = (int32_t)v;
-    K3_TRY(vint(&p, "init_pos_emb_time", 4, 1, 1024, &v)); c->pos_t = (int32_t)v;
-    K3_TRY(vint(&p, "vt_num_attention_heads", 12, 1, 1024, &v)); c->n_heads = (int32_t)v;
-    K3_TRY(vint(&p, "vt_num_hidden_layers", 27, 1, 1024, &v)); c->n_layers = (int32_t)v;
+    K3_TRY(vint(&p, "patch_size", 14, 1, 64, &v));
+    c->patch_size = (int32_t)v;
+    K3_TRY(vint(&p, "init_pos_emb_height", 64, 1, 512, &v));
+    c->pos_h = (int32_t)v;
+    K3_TRY(vint(&p, "init_pos_emb_width", 64, 1, 512, &v));
+    c->pos_w = (int32_t)v;
+    K3_TRY(vint(&p, "init_pos_emb_time", 4, 1, 1024, &v));
+    c->pos_t = (int32_t)v;
+    K3_TRY(vint(&p, "vt_num_attention_heads", 12, 1, 1024, &v));
+    c->n_heads = (int32_t)v;
+    K3_TRY(vint(&p, "vt_num_hidden_layers", 27, 1, 1024, &v));
+    c->n_layers = (int32_t)v;
     K3_TRY(vint(&p, "vt_hidden_size", 1024, 1, 1 << 16, &c->hidden));
     K3_TRY(vint(&p, "vt_intermediate_size", 4096, 1, 1 << 18, &c->mlp));
     K3_TRY(vint(&p, "qkv_hidden_size", 1536, 1, 1 << 16, &c->qkv));
@@ -143,7 +150,8 @@ static k3_status parse_vision_config(k3_vision_config *c, json_t *root, json_t *
     K3_TRY(vfalse(&p, "patch_embed_proj_bias"));
     json_t *eps = json_object_get(vc, "projector_ln_eps");
     double e = eps && json_is_number(eps) ? json_number_value(eps) : 1e-5;
-    if (!(e > 0 && e < 1)) return k3_err(err, K3_ERR_FORMAT, "%s: vision_config.projector_ln_eps must be in (0, 1)", src);
+    if (!(e > 0 && e < 1))
+        return k3_err(err, K3_ERR_FORMAT, "%s: vision_config.projector_ln_eps must be in (0, 1)", src);
     c->proj_eps = (float)e;
     c->enc_eps = FLT_EPSILON;
     if (c->qkv % c->n_heads || (c->qkv / c->n_heads) % 4)
@@ -153,8 +161,9 @@ static k3_status parse_vision_config(k3_vision_config *c, json_t *root, json_t *
         return k3_err(err, K3_ERR_FORMAT, "%s: vision_config.mm_hidden_size %lld != vt_hidden_size %lld", src,
                       (long long)c->mm_hidden, (long long)c->hidden);
     if (c->text_hidden != text->hidden_size)
-        return k3_err(err, K3_ERR_FORMAT, "%s: vision_config.text_hidden_size %lld != the text model's hidden_size %lld",
-                      src, (long long)c->text_hidden, (long long)text->hidden_size);
+        return k3_err(err, K3_ERR_FORMAT,
+                      "%s: vision_config.text_hidden_size %lld != the text model's hidden_size %lld", src,
+                      (long long)c->text_hidden, (long long)text->hidden_size);
     json_t *pad = json_object_get(root, "media_placeholder_token_id");
     int64_t pid = pad && json_is_integer(pad) ? json_integer_value(pad) : 163605;
     if (pid < 0 || pid >= text->vocab_size)
@@ -233,8 +242,8 @@ static k3_status bind_all(k3_vision *v, const k3_model *m, k3_error *err) {
     const int64_t D = c->hidden, P = c->patch_size, Q = c->qkv, I = c->mlp, M4 = 4 * c->mm_hidden;
     char name[256];
     k3_status s;
-#define B(call)                  \
-    do {                         \
+#define B(call) \
+    do { \
         if ((s = (call))) return s; \
     } while (0)
     B(vmat(&b, &v->patch, "vision_tower.patch_embed.proj.weight", (int64_t[]){D, 3, P, P}, 4));
@@ -275,13 +284,17 @@ k3_status k3_vision_open(k3_vision **out, const k3_model *m, k3_error *err) {
     json_t *vc = json_is_object(root) ? json_object_get(root, "vision_config") : NULL;
     if (!vc || json_is_null(vc)) {
         json_decref(root);
-        return k3_err(err, K3_ERR_UNSUPPORTED, "%s has no vision tower (config.json has no vision_config): it "
-                      "takes text only", m->dir);
+        return k3_err(err, K3_ERR_UNSUPPORTED,
+                      "%s has no vision tower (config.json has no vision_config): it "
+                      "takes text only",
+                      m->dir);
     }
     if (!k3_st_get(m->st, "vision_tower.patch_embed.proj.weight")) {
         json_decref(root);
-        return k3_err(err, K3_ERR_UNSUPPORTED, "%s has no vision tower weights (no vision_tower.* tensors): it takes "
-                      "text only", m->dir);
+        return k3_err(err, K3_ERR_UNSUPPORTED,
+                      "%s has no vision tower weights (no vision_tower.* tensors): it takes "
+                      "text only",
+                      m->dir);
     }
     k3_vision *v = calloc(1, sizeof *v);
     if (!v) {
@@ -360,7 +373,8 @@ void k3_vision_pos_interp(const float *tab, int32_t th, int32_t tw, int64_t D, i
                 const float ly1 = fy - y0, ly0 = 1.0f - ly1, lx1 = fx - x0, lx0 = 1.0f - lx1;
                 const float *a = tab + ((int64_t)y0 * tw + x0) * D, *b = tab + ((int64_t)y0 * tw + x1) * D;
                 const float *c = tab + ((int64_t)y1 * tw + x0) * D, *d = tab + ((int64_t)y1 * tw + x1) * D;
-                for (int64_t k = 0; k < D; k++) o[k] = ly0 * (lx0 * a[k] + lx1 * b[k]) + ly1 * (lx0 * c[k] + lx1 * d[k]);
+                for (int64_t k = 0; k < D; k++)
+                    o[k] = ly0 * (lx0 * a[k] + lx1 * b[k]) + ly1 * (lx0 * c[k] + lx1 * d[k]);
             } else {
                 const float fy = sh * (y + 0.5f) - 0.5f, fx = sw * (x + 0.5f) - 0.5f;
                 const int32_t iy = (int32_t)floorf(fy), ix = (int32_t)floorf(fx);
@@ -389,12 +403,12 @@ void k3_vision_pos_interp(const float *tab, int32_t th, int32_t tw, int64_t D, i
 /* ---- row operations, threaded --------------------------------------------------- */
 
 typedef struct vjob {
-    float *x;           /* rows in place, or the output */
+    float *x; /* rows in place, or the output */
     const float *in;
     const float *w;
-    int64_t n, ld;      /* row width, stride */
+    int64_t n, ld; /* row width, stride */
     float eps, scale;
-    const float *cs;    /* rope: [rows, half] cos, then sin */
+    const float *cs; /* rope: [rows, half] cos, then sin */
     int64_t half, heads, hd, rows;
 } vjob;
 
@@ -410,7 +424,8 @@ static void rms_rows(void *p, int64_t lo, int64_t hi, int ith) {
     }
 }
 
-static void rmsnorm_rows(k3_pool *pool, float *out, const float *x, const float *w, int64_t rows, int64_t n, float eps) {
+static void rmsnorm_rows(k3_pool *pool, float *out, const float *x, const float *w, int64_t rows, int64_t n,
+                         float eps) {
     vjob j = {.x = out, .in = x, .w = w, .n = n, .eps = eps};
     k3_pool_for(pool, rows, 16, rms_rows, &j);
 }
@@ -539,7 +554,8 @@ k3_status k3_vision_forward(const k3_vision *v, k3_pool *pool, const float *pixe
                 vjob sj = {.x = sc, .n = L, .scale = scale};
                 k3_pool_for(pool, nq, 4, softmax_rows, &sj);
                 k3_matmul(pool, &Vm, sc, nq, oh); /* [nq, hd] */
-                for (int64_t r = 0; r < nq; r++) memcpy(o + (q0 + r) * Q + h * hd, oh + r * hd, sizeof(float) * (size_t)hd);
+                for (int64_t r = 0; r < nq; r++)
+                    memcpy(o + (q0 + r) * Q + h * hd, oh + r * hd, sizeof(float) * (size_t)hd);
             }
         }
         k3_matmul(pool, &B->wo, o, L, xn);

@@ -15,8 +15,8 @@ double k3_vision_flops(const k3_vision *v, const k3_image_plan *plan) {
     const k3_vision_config *c = &v->cfg;
     const double L = (double)plan->grid_t * plan->grid_h * plan->grid_w, N = (double)plan->grid_h * plan->grid_w / 4;
     const double D = (double)c->hidden, M4 = 4.0 * (double)c->mm_hidden;
-    const double per_patch = 3.0 * c->patch_size * c->patch_size * D +
-                             c->n_layers * (D * 3 * c->qkv + c->qkv * D + 2 * D * c->mlp);
+    const double per_patch =
+        3.0 * c->patch_size * c->patch_size * D + c->n_layers * (D * 3 * c->qkv + c->qkv * D + 2 * D * c->mlp);
     const double per_token = M4 * M4 + M4 * (double)c->text_hidden;
     return 2.0 * (L * per_patch + N * per_token) + c->n_layers * 4.0 * L * L * (double)c->qkv;
 }
@@ -26,8 +26,14 @@ k3_status k3_vision_plan(const k3_vision *v, int32_t width, int32_t height, k3_i
     k3_resize_plan r;
     k3_status s = k3_image_proc_plan(&v->proc, width, height, &r, err);
     if (s) return s;
-    *out = (k3_image_plan){.width = width, .height = height, .resized_w = r.new_w, .resized_h = r.new_h,
-                           .grid_t = 1, .grid_h = r.grid_h, .grid_w = r.grid_w, .n_tokens = r.n_tokens};
+    *out = (k3_image_plan){.width = width,
+                           .height = height,
+                           .resized_w = r.new_w,
+                           .resized_h = r.new_h,
+                           .grid_t = 1,
+                           .grid_h = r.grid_h,
+                           .grid_w = r.grid_w,
+                           .n_tokens = r.n_tokens};
     return K3_OK;
 }
 
@@ -49,8 +55,14 @@ k3_status k3_vision_preprocess(const k3_vision *v, const k3_image *im, float **p
     k3_image_proc_patchify(&v->proc, rgb, &r, px);
     free(rgb);
     if (plan)
-        *plan = (k3_image_plan){.width = im->width, .height = im->height, .resized_w = r.new_w, .resized_h = r.new_h,
-                                .grid_t = 1, .grid_h = r.grid_h, .grid_w = r.grid_w, .n_tokens = r.n_tokens};
+        *plan = (k3_image_plan){.width = im->width,
+                                .height = im->height,
+                                .resized_w = r.new_w,
+                                .resized_h = r.new_h,
+                                .grid_t = 1,
+                                .grid_h = r.grid_h,
+                                .grid_w = r.grid_w,
+                                .n_tokens = r.n_tokens};
     *pixels = px;
     return K3_OK;
 }
@@ -87,14 +99,16 @@ k3_status k3_vision_image_prompt(const k3_vision *v, const k3_tokenizer *t, cons
                                  size_t *n_ids, size_t *pad_at, k3_error *err) {
     if (!v || !t || !plan || !ids || !n_ids) return k3_err(err, K3_ERR_ARG, "vision: bad prompt arguments");
     *ids = NULL;
-    const int32_t begin = k3_tokenizer_special(t, "<|media_begin|>"), content = k3_tokenizer_special(t, "<|media_content|>");
+    const int32_t begin = k3_tokenizer_special(t, "<|media_begin|>"),
+                  content = k3_tokenizer_special(t, "<|media_content|>");
     const int32_t end = k3_tokenizer_special(t, "<|media_end|>"), pad = k3_tokenizer_special(t, "<|media_pad|>");
     if (begin < 0 || content < 0 || end < 0)
-        return k3_err(err, K3_ERR_UNSUPPORTED, "the tokenizer has no <|media_begin|>, <|media_content|> and <|media_end|> "
+        return k3_err(err, K3_ERR_UNSUPPORTED,
+                      "the tokenizer has no <|media_begin|>, <|media_content|> and <|media_end|> "
                       "specials: images cannot be framed");
     if (pad >= 0 && pad != v->cfg.media_pad_id)
-        return k3_err(err, K3_ERR_FORMAT, "the tokenizer's <|media_pad|> is %d but media_placeholder_token_id is %d", pad,
-                      v->cfg.media_pad_id);
+        return k3_err(err, K3_ERR_FORMAT, "the tokenizer's <|media_pad|> is %d but media_placeholder_token_id is %d",
+                      pad, v->cfg.media_pad_id);
     char text[64];
     snprintf(text, sizeof text, "image %dx%d", plan->width, plan->height);
     int32_t *tx = NULL;
@@ -133,8 +147,10 @@ k3_status k3_vision_splice(const k3_vision *v, const k3_tokenizer *t, const int3
     if (keys) *keys = NULL;
     for (int32_t i = 0; i < n_images; i++)
         if (at[i] > n_ids || (i && at[i] < at[i - 1]) || !rows[i])
-            return k3_err(err, K3_ERR_ARG, "vision: image %d's insertion point %zu is out of order or past the "
-                          "prompt's %zu ids", i, at[i], n_ids);
+            return k3_err(err, K3_ERR_ARG,
+                          "vision: image %d's insertion point %zu is out of order or past the "
+                          "prompt's %zu ids",
+                          i, at[i], n_ids);
     int32_t **fr = calloc((size_t)n_images + 1, sizeof *fr);
     size_t *nfr = calloc((size_t)n_images + 1, sizeof *nfr), *pad = calloc((size_t)n_images + 1, sizeof *pad);
     k3_status s = K3_OK;
@@ -186,7 +202,8 @@ size_t k3_vision_describe(const k3_vision *v, char *buf, size_t size) {
     const k3_image_proc *p = &v->proc;
     return (size_t)snprintf(
         buf, size,
-        "vision: MoonViT3d, %d blocks, hidden %lld, %d heads x %lld (qkv %lld), MLP %lld (gelu-tanh), RMSNorm eps %.3g\n"
+        "vision: MoonViT3d, %d blocks, hidden %lld, %d heads x %lld (qkv %lld), MLP %lld (gelu-tanh), RMSNorm eps "
+        "%.3g\n"
         "vision: patch %d, position table %dx%d (%s), time %d; sd2_tpool 2x2 -> patchmergerv2 %lld -> %lld (eps %g)\n"
         "vision: %lld parameters (%.2fM), %lld bytes as stored, matrices %s\n"
         "vision: processor: %lld patches max, %d a side, bicubic, background %s%s, mean %.3g std %.3g, "
@@ -196,6 +213,8 @@ size_t k3_vision_describe(const k3_vision *v, char *buf, size_t size) {
         c->interp == K3_INTERP_BICUBIC ? "bicubic" : "bilinear", c->pos_t, (long long)(4 * c->mm_hidden),
         (long long)c->text_hidden, (double)c->proj_eps, (long long)v->n_params, v->n_params / 1e6,
         (long long)v->weight_bytes, v->quant, (long long)p->in_patch_limit, p->side_limit,
-        p->bg == K3_BG_CHESSBOARD ? "chessboard" : p->bg == K3_BG_NONE ? "none" : "flat",
+        p->bg == K3_BG_CHESSBOARD ? "chessboard"
+            : p->bg == K3_BG_NONE ? "none"
+                                  : "flat",
         p->after_resize ? " after resize" : " before resize", p->mean[0], p->std[0], c->media_pad_id);
 }
