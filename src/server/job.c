@@ -19,6 +19,8 @@
  * token decides it. A stop string ends the request (cancelled in the
  * engine) and is never sent, nor is the stop token that ended it, unless
  * include_stop_str_in_output.
+ *
+ * Prefill and decode apart: the k3_srv_pd_* at the end.
  */
 #include <math.h>
 #include <stdarg.h>
@@ -28,6 +30,7 @@
 #include <time.h>
 
 #include "common/error.h"
+#include "pd/pd.h"
 #include "server/http.h"
 #include "server/job.h"
 
@@ -149,8 +152,8 @@ void k3_srv_choice_advance(k3_srv_job *j, k3_srv_choice *c) {
         const int32_t id = q->toks[c->n_seen];
         c->n_out++;
         /* the token that ended the request is not part of the text, unless asked for */
-        const bool stop_tok = q->finished && q->finish == K3_FINISH_STOP && c->n_seen + 1 == q->n_tok &&
-                              id == q->stop_id;
+        const bool stop_tok =
+            q->finished && q->finish == K3_FINISH_STOP && c->n_seen + 1 == q->n_tok && id == q->stop_id;
         if (!stop_tok || j->rq.include_stop_str) add_token(j, c, id);
         c->tok_end[c->n_seen] = c->text.len;
         if (j->rq.grammar && j->rq.stops.n) grammar_track(j, c, id);
@@ -160,7 +163,8 @@ void k3_srv_choice_advance(k3_srv_job *j, k3_srv_choice *c) {
             const long at = find_stop(j, c, &sl);
             if (at >= 0) {
                 for (int k = 0; k < j->rq.stops.n && !c->stop_which; k++)
-                    if (j->rq.stops.len[k] == sl && !memcmp(c->text.p + at, j->rq.stops.s[k], sl)) c->stop_which = k + 1;
+                    if (j->rq.stops.len[k] == sl && !memcmp(c->text.p + at, j->rq.stops.s[k], sl))
+                        c->stop_which = k + 1;
                 const size_t cut = (size_t)at + (j->rq.include_stop_str ? sl : 0);
                 c->text.len = cut;
                 c->text.p[cut] = 0;
@@ -265,12 +269,14 @@ void k3_srv_chat_logprobs(k3_srv_job *j, const k3_srv_choice *c, size_t a, size_
         for (int k = 0; k < q->n_top && k < j->rq.logprobs; k++) {
             const k3_logprob *t = &q->tops[i * (size_t)q->n_top + (size_t)k];
             if (t->id < 0) continue;
-            json_array_append_new(top, json_pack("{s:o,s:f,s:o}", "token", k3_srv_token_json(j, t->id), "logprob",
-                                                 (double)t->logprob, "bytes", bytes_of(s, t->id)));
+            json_array_append_new(top,
+                                  json_pack("{s:o,s:f,s:o}", "token", k3_srv_token_json(j, t->id), "logprob",
+                                            (double)t->logprob, "bytes", bytes_of(s, t->id)));
         }
-        json_array_append_new(content, json_pack("{s:o,s:o,s:o,s:o}", "token", k3_srv_token_json(j, id), "logprob",
-                                                 isnan(q->lps[i]) ? json_null() : json_real(q->lps[i]), "bytes",
-                                                 bytes_of(s, id), "top_logprobs", top));
+        json_array_append_new(content,
+                              json_pack("{s:o,s:o,s:o,s:o}", "token", k3_srv_token_json(j, id), "logprob",
+                                        isnan(q->lps[i]) ? json_null() : json_real(q->lps[i]), "bytes", bytes_of(s, id),
+                                        "top_logprobs", top));
     }
 }
 
@@ -298,8 +304,8 @@ json_t *k3_srv_openai_usage(k3_srv_job *j) {
 }
 
 json_t *k3_srv_openai_object(k3_srv_job *j, const char *object, json_t *choices) {
-    return json_pack("{s:s,s:s,s:I,s:s,s:o}", "id", j->id, "object", object, "created", (json_int_t)j->created,
-                     "model", j->s->model, "choices", choices);
+    return json_pack("{s:s,s:s,s:I,s:s,s:o}", "id", j->id, "object", object, "created", (json_int_t)j->created, "model",
+                     j->s->model, "choices", choices);
 }
 
 enum MHD_Result k3_srv_openai_answer(k3_srv_job *j, const char *object, k3_srv_choice_json_fn choice) {
@@ -554,7 +560,8 @@ static bool check_work(k3_srv_job *j, k3_srv_bad *e) {
     const char *what = rq->logprobs >= 0 ? "logprob entries" : "tokens";
     if (rq->max_tokens >= 0 || j->api->default_max_tokens >= 0 || prompt * per >= cap)
         return k3_srv_bad_set(e, 400,
-                              "the request asks for %lld %s (%d choices x (max_tokens%s)%s), over the limit of %lld per "
+                              "the request asks for %lld %s (%d choices x (max_tokens%s)%s), over the limit of %lld "
+                              "per "
                               "request: ask for fewer choices, tokens%s",
                               total * per, what, j->n, rq->echo ? " + the echoed prompt" : "",
                               rq->logprobs >= 0 ? " x (1 + top logprobs)" : "", cap,
@@ -636,8 +643,7 @@ enum MHD_Result k3_srv_job_serve_surf(struct k3_server *s, struct MHD_Connection
     const int64_t mml = k3_srv_max_model_len(s);
     bool ok = k3_srv_request_parse(s, api->fields, api->prompt, root, rq, &e);
     if (ok && rq->n_prompts * rq->n > K3_SRV_MAX_N)
-        ok = k3_srv_bad_set(&e, 400, "%d prompts x n = %lld choices, more than %d", rq->n_prompts, rq->n,
-                            K3_SRV_MAX_N);
+        ok = k3_srv_bad_set(&e, 400, "%d prompts x n = %lld choices, more than %d", rq->n_prompts, rq->n, K3_SRV_MAX_N);
     if (!ok) {
         job_unref(j);
         return k3_srv_api_error(api, s, conn, e.status, "%s", e.msg);
@@ -689,8 +695,8 @@ enum MHD_Result k3_srv_job_serve_surf(struct k3_server *s, struct MHD_Connection
         k3_request_params p = engine_request(j, i);
         k3_error err = {0};
         const k3_status st2 = k3_srv_submit(s, &j->ch[i].q, &p, &err);
-        if (st2) return fail_job(j, st2 == K3_ERR_BUSY || st2 == K3_ERR_IO ? 503 : st2 == K3_ERR_NOMEM ? 500 : 400,
-                                 err.msg);
+        if (st2)
+            return fail_job(j, st2 == K3_ERR_BUSY || st2 == K3_ERR_IO ? 503 : st2 == K3_ERR_NOMEM ? 500 : 400, err.msg);
         j->n_sub = i + 1;
     }
     if (j->n_sub == j->n) k3_vision_prompt_free(&rq->vp); /* the engine copied the rows */
@@ -703,4 +709,134 @@ enum MHD_Result k3_srv_job_serve_surf(struct k3_server *s, struct MHD_Connection
         return r;
     }
     return k3_sse_respond(s, conn, stream_read, j, stream_free);
+}
+
+/* ---- prefill and decode apart (job.h's k3_srv_pd_*) ----
+ *
+ * vLLM's kv_transfer_params read and answered, for every API surface alike.
+ *
+ * Prefill side ({"do_remote_decode": true}): one prompt, one choice, no
+ * stream; the engine request generates one token (whatever max_tokens says)
+ * and is submitted with kv_hold; the whole answer gets kv_transfer_params
+ * naming the hold (src/pd: k3_pd_prefill_params). A hold whose answer never
+ * went out (the client left) is released at once.
+ *
+ * Decode side ({"do_remote_prefill": true, remote_host, ...}): the params
+ * become a pull (k3_pd_pull_new checks them against this prompt) and the
+ * engine request's `remote`; the answer (and a stream's usage chunk) gets
+ * the pull's figures as "kv_transfer". A request refused here still has
+ * its hold released on the prefill side.
+ */
+/* The hold named by params, released on its prefill instance (a request that
+ * will not pull it): a pull made only to be abandoned. */
+static void release_named(k3_srv_job *j) {
+    json_t *p = json_deep_copy(j->rq.kv_transfer);
+    if (!p) return;
+    /* the prompt checks are what failed: make them pass to reach the release */
+    json_object_del(p, "prompt_hash");
+    const int64_t n = j->rq.n_prompts ? j->rq.n_prompt[0] : 0;
+    json_object_set_new(p, "num_tokens", json_integer(n > 0 ? n : 1));
+    k3_remote_prefill rp;
+    k3_pd_pull *pull = n > 0 ? k3_pd_pull_new(j->s->pd, p, j->rq.prompts[0], n, &rp, NULL) : NULL;
+    json_decref(p);
+    if (!pull) return;
+    k3_pd_pull_abandon(j->s->pd, pull);
+    k3_pd_pull_unref(j->s->pd, pull);
+}
+
+bool k3_srv_pd_prepare(k3_srv_job *j, k3_srv_bad *e) {
+    k3_srv_request *rq = &j->rq;
+    json_t *kt = rq->kv_transfer;
+    const bool decode = k3_pd_wants_remote_decode(kt), prefill = k3_pd_wants_remote_prefill(kt);
+    if (!decode && !prefill) return true; /* no transfer asked for (vLLM's proxies send both false) */
+    if (decode && prefill)
+        return k3_srv_bad_set(e, 400, "kv_transfer_params: do_remote_decode and do_remote_prefill cannot both be true");
+    if (!j->s->pd) {
+        if (prefill) release_named(j);
+        return k3_srv_bad_set(e, 400,
+                              "kv_transfer_params: this server is not a prefill or decode instance (k3 serve --role "
+                              "prefill|decode)");
+    }
+    if (rq->n_prompts != 1 || rq->n != 1) {
+        if (prefill) release_named(j);
+        return k3_srv_bad_set(e, 400, "kv_transfer_params: a disaggregated request has one prompt and n = 1");
+    }
+    if (decode) {
+        if (rq->stream) return k3_srv_bad_set(e, 400, "kv_transfer_params: do_remote_decode needs \"stream\": false");
+        j->pd_prefill = true;
+        return true;
+    }
+    if (rq->echo && rq->logprobs >= 0) {
+        release_named(j);
+        return k3_srv_bad_set(e, 400,
+                              "kv_transfer_params: prompt logprobs (\"echo\" with \"logprobs\") are computed "
+                              "where the prompt is, not on a decode instance");
+    }
+    k3_error err = {0};
+    j->pull = k3_pd_pull_new(j->s->pd, kt, rq->prompts[0], rq->n_prompt[0], &j->rp, &err);
+    if (!j->pull) {
+        release_named(j);
+        return k3_srv_bad_set(e, err.status == K3_ERR_NOMEM ? 500 : 400, "%s", err.msg);
+    }
+    return true;
+}
+
+void k3_srv_pd_request(k3_srv_job *j, k3_request_params *p) {
+    if (j->pd_prefill) {
+        p->kv_hold = true;
+        p->max_tokens = 1;
+    } else if (j->pull) {
+        p->remote = &j->rp;
+    }
+}
+
+bool k3_srv_pd_finish(k3_srv_job *j, char *why, size_t why_len) {
+    if (j->extra) return true;
+    if (j->pd_prefill) {
+        const k3_srv_choice *c = &j->ch[0];
+        if (k3_srv_choice_error(c, NULL) || c->q.n_tok < 1) return true; /* the surface answers the error */
+        const k3_srv_seq *q = &c->q;
+        k3_error err = {0};
+        const int nt = q->n_top < (int)j->rq.logprobs ? q->n_top : (int)j->rq.logprobs;
+        json_t *kt = k3_pd_prefill_params(j->s->pd, q->eid, j->rq.prompts[0], j->rq.n_prompt[0], q->toks[0],
+                                          j->rq.logprobs >= 0 ? q->lps[0] : NAN, q->tops, nt > 0 ? nt : 0, &err);
+        if (!kt) {
+            snprintf(why, why_len, "the prompt was computed but its cache is not held for the decode instance: %s",
+                     err.msg);
+            return false;
+        }
+        j->extra = json_pack("{s:o}", "kv_transfer_params", kt);
+        j->pd_answered = j->extra != NULL;
+        return true;
+    }
+    if (j->pull) {
+        k3_pd_pull_stats st;
+        k3_pd_pull_stats_get(j->s->pd, j->pull, &st);
+        if (st.ended && st.ok) {
+            json_t *kt = k3_pd_pull_json(&st);
+            const k3_srv_seq *q = j->n > 0 ? &j->ch[0].q : NULL;
+            if (kt && q) /* the time to first token, split */
+                json_object_set_new(kt, "ttft",
+                                    json_pack("{s:f,s:f,s:f,s:f,s:f}", "prefill_queue_s", st.queue_s, "prefill_s",
+                                              st.prefill_s, "decode_queue_s", q->pd_queue_s, "transfer_s",
+                                              q->pd_transfer_s, "first_decode_step_s", q->pd_first_step_s));
+            j->extra = json_pack("{s:o}", "kv_transfer", kt);
+        }
+    }
+    return true;
+}
+
+void k3_srv_pd_free(k3_srv_job *j) {
+    if (j->pd_prefill && !j->pd_answered && j->n > 0 && j->ch[0].q.submitted && j->s->engine)
+        k3_engine_hold_release(j->s->engine, j->ch[0].q.eid); /* nobody was told of it */
+    if (j->pull && !(j->n > 0 && j->ch && j->ch[0].q.submitted)) k3_pd_pull_abandon(j->s->pd, j->pull);
+    if (j->pull) k3_pd_pull_unref(j->s->pd, j->pull);
+    j->pull = NULL;
+    json_decref(j->extra);
+    j->extra = NULL;
+}
+
+enum MHD_Result k3_srv_job_json(k3_srv_job *j, unsigned status, json_t *resp) {
+    if (resp && j->extra && status == 200) json_object_update(resp, j->extra);
+    return k3_srv_json(j->s, j->conn, status, resp);
 }

@@ -47,25 +47,25 @@ typedef struct k3_tool_stream {
 void k3_tool_stream_free(k3_tool_stream *ts);
 
 typedef struct k3_srv_choice {
-    k3_srv_seq q;      /* what the engine thread wrote (engine_loop.h) */
+    k3_srv_seq q; /* what the engine thread wrote (engine_loop.h) */
     k3_srv_job *job;
     int index, prompt_index;
     /* the text, decoded on the HTTP side (or by the engine thread at the end) */
-    size_t n_seen;     /* tokens decoded into text */
+    size_t n_seen; /* tokens decoded into text */
     k3_buf text;
-    size_t *tok_end;   /* [n_seen] the text's length after each token (k3_srv_choice_token_span) */
+    size_t *tok_end; /* [n_seen] the text's length after each token (k3_srv_choice_token_span) */
     size_t tok_cap;
-    int sp;            /* what the text last took, for spaces_between_special_tokens */
-    int64_t n_out;     /* completion tokens counted */
-    bool stop_hit;     /* a stop string ended it (cut from the text) */
-    int stop_which;    /* 1 + the index in rq.stops of that stop string, 0 when none */
-    bool done;         /* the text is final */
+    int sp;         /* what the text last took, for spaces_between_special_tokens */
+    int64_t n_out;  /* completion tokens counted */
+    bool stop_hit;  /* a stop string ended it (cut from the text) */
+    int stop_which; /* 1 + the index in rq.stops of that stop string, 0 when none */
+    bool done;      /* the text is final */
     /* what a stream has sent */
-    size_t emitted;    /* bytes of text */
-    size_t lp_sent;    /* tokens whose logprobs were sent (content: chat) */
-    size_t lp_rsent;   /* chat: reasoning tokens whose logprobs were sent */
-    bool started;      /* the surface's opening events (a role delta, the echo) */
-    bool final_sent;   /* its last event */
+    size_t emitted;  /* bytes of text */
+    size_t lp_sent;  /* tokens whose logprobs were sent (content: chat) */
+    size_t lp_rsent; /* chat: reasoning tokens whose logprobs were sent */
+    bool started;    /* the surface's opening events (a role delta, the echo) */
+    bool final_sent; /* its last event */
     size_t sent_reasoning, sent_content;
     k3_tool_stream ts; /* tool calls streamed */
     /* with a grammar: which token ends leave a complete text (stop strings
@@ -77,13 +77,13 @@ typedef struct k3_srv_choice {
 
 /* An API surface: how its answers look. */
 typedef struct k3_srv_api {
-    unsigned fields;             /* the request table's rows it takes (K3_API_*) */
-    const char *id_prefix;       /* of the response id, e.g. "cmpl" */
-    bool keep_specials;          /* decode the chat markup (<|open|>, <|close|>, <|sep|>) by name,
+    unsigned fields;              /* the request table's rows it takes (K3_API_*) */
+    const char *id_prefix;        /* of the response id, e.g. "cmpl" */
+    bool keep_specials;           /* decode the chat markup (<|open|>, <|close|>, <|sep|>) by name,
                                     for the surface's reply parser; other specials follow
                                     skip_special_tokens */
     long long default_max_tokens; /* when the request names none; -1: what the context leaves */
-    k3_srv_prompt_fn prompt;     /* the surface's prompt field(s) */
+    k3_srv_prompt_fn prompt;      /* the surface's prompt field(s) */
     /* How much of t[from..lim) may be sent now (e.g. an undecided tag held
      * back), or NULL: all of it. */
     size_t (*hold)(const char *t, size_t from, size_t lim);
@@ -110,7 +110,7 @@ typedef struct k3_srv_api {
 } k3_srv_api;
 
 struct k3_srv_job {
-    k3_srv_group g;    /* first: the engine loop's view of the job */
+    k3_srv_group g; /* first: the engine loop's view of the job */
     struct k3_server *s;
     const k3_srv_api *api;
     struct MHD_Connection *conn;
@@ -122,23 +122,23 @@ struct k3_srv_job {
     int32_t markup[3]; /* the ids of <|open|>, <|close|>, <|sep|> (-1: none), with keep_specials */
     k3_sse sse;        /* a stream's bytes not yet handed to the connection */
     bool sent_done;    /* the stream's closing events are out */
-    /* prefill and decode apart (pd.c) */
-    bool pd_prefill;   /* kept for a decode instance (do_remote_decode) */
-    bool pd_answered;  /* its kv_transfer_params went out */
+    /* prefill and decode apart (k3_srv_pd_*) */
+    bool pd_prefill;         /* kept for a decode instance (do_remote_decode) */
+    bool pd_answered;        /* its kv_transfer_params went out */
     struct k3_pd_pull *pull; /* the pull of its prompt's cache (do_remote_prefill), or NULL */
     k3_remote_prefill rp;    /* the engine request's remote part */
-    json_t *extra;     /* members added to the whole answer's top level, or NULL */
-    void *surf;        /* the surface's own state (k3_srv_job_serve_surf), freed by api->surf_free */
+    json_t *extra;           /* members added to the whole answer's top level, or NULL */
+    void *surf;              /* the surface's own state (k3_srv_job_serve_surf), freed by api->surf_free */
     /* choices enter the engine at most `seats` at a time (the first n_sub
      * have), so one request with many choices leaves room for others */
     int n_sub, seats;
-    int64_t mml;       /* the context length */
-    long long mt_cap;  /* a default max_tokens is at most this (-1: no cap) */
+    int64_t mml;      /* the context length */
+    long long mt_cap; /* a default max_tokens is at most this (-1: no cap) */
     uint64_t base_seed;
-    double probe_t;    /* when a half-closed stream client was last probed */
+    double probe_t; /* when a half-closed stream client was last probed */
 };
 
-/* ---- prefill and decode apart (pd.c): vLLM's kv_transfer_params ----
+/* ---- prefill and decode apart (k3_srv_pd_* in job.c): vLLM's kv_transfer_params ----
  * After parsing: checks the params and makes the decode side's pull (false
  * with e); each engine request is then adjusted (one token and kv_hold, or
  * remote); once every choice is done the answer's extra members are made
@@ -154,8 +154,7 @@ enum MHD_Result k3_srv_job_json(k3_srv_job *j, unsigned status, json_t *resp);
 
 /* Parses root for api, submits, and answers (the whole answer or a
  * stream); every refusal is an error in OpenAI's shape. */
-enum MHD_Result k3_srv_job_serve(struct k3_server *s, struct MHD_Connection *conn, json_t *root,
-                                 const k3_srv_api *api);
+enum MHD_Result k3_srv_job_serve(struct k3_server *s, struct MHD_Connection *conn, json_t *root, const k3_srv_api *api);
 /* The same with the surface's own state surf (taken: freed by
  * api->surf_free with the job, or at once when the job cannot be made). */
 enum MHD_Result k3_srv_job_serve_surf(struct k3_server *s, struct MHD_Connection *conn, json_t *root,
