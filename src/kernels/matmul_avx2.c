@@ -373,17 +373,18 @@ static void stream_paired(const k3_mat *w, const float *xd, int64_t n, float *y,
                 const float *xi = xd + i * K;
                 float *yi = y + i * ldy + r;
 #define C(WT, MR, NR) stream_paired_rows(WT, pr, (int64_t)rowb, sr, K / 32, xi, K, K, yi, ldy, MR, NR)
-#define S(MR, NR) \
-    case (MR)*8 + (NR): \
-        if (wt == K3_W_MXFP4) C(K3_W_MXFP4, MR, NR); \
-        else C(K3_W_BF16, MR, NR); \
+/* clang-format off */
+#define S(MR, NR)                                                                             \
+    case (MR) * 8 + (NR):                                                                     \
+        if (wt == K3_W_MXFP4) C(K3_W_MXFP4, MR, NR); else C(K3_W_BF16, MR, NR);               \
         break;
                 switch (mi * 8 + nr) {
-                    S(1, 1)
-                    S(1, 2) S(1, 4) S(2, 1) S(2, 2) S(3, 1) S(4, 1) default : K3_ASSERT(!"stream_paired: bad shape");
+                S(1, 1) S(1, 2) S(1, 4) S(2, 1) S(2, 2) S(3, 1) S(4, 1)
+                default: K3_ASSERT(!"stream_paired: bad shape");
                 }
 #undef S
 #undef C
+                /* clang-format on */
                 r += nr;
             }
         }
@@ -442,23 +443,30 @@ static void convert_block(const k3_mat *w, int64_t r0, int nr, int64_t k0, int k
 /* fp32 weights (buffer or F32 matrix) x MR <= 4 activation rows x NR <= 3. */
 static void tile_f32(int mr, int nr, const float *w, int64_t ldw, const float *x, int64_t ldx, int64_t K, float *y,
                      int64_t ldy, bool accum) {
-#define C(MR, NR) \
-    case (MR)*4 + (NR): tile(K3_W_F32, w, ldw, x, ldx, K, y, ldy, accum, MR, NR, 1); break;
+/* clang-format off */
+#define C(MR, NR)                                                                             \
+    case (MR) * 4 + (NR): tile(K3_W_F32, w, ldw, x, ldx, K, y, ldy, accum, MR, NR, 1); break;
     switch (mr * 4 + nr) {
-        C(1, 1)
-        C(1, 2) C(1, 3) C(2, 1) C(2, 2) C(2, 3) C(3, 1) C(3, 2) C(3, 3) C(4, 1) C(4, 2) C(4, 3) default
-            : K3_ASSERT(!"tile_f32: bad shape");
+    C(1, 1) C(1, 2) C(1, 3) C(2, 1) C(2, 2) C(2, 3)
+    C(3, 1) C(3, 2) C(3, 3) C(4, 1) C(4, 2) C(4, 3)
+    default: K3_ASSERT(!"tile_f32: bad shape");
     }
 #undef C
+    /* clang-format on */
 }
 
 /* The same in MXFP4's order (two accumulators each): MR <= 3, NR <= 2. */
 static void tile_mx(int mr, int nr, const float *w, int64_t ldw, const float *x, int64_t ldx, int64_t K, float *y,
                     int64_t ldy, bool accum) {
-#define C(MR, NR) \
-    case (MR)*4 + (NR): tile(K3_W_F32, w, ldw, x, ldx, K, y, ldy, accum, MR, NR, 2); break;
-    switch (mr * 4 + nr) { C(1, 1) C(1, 2) C(2, 1) C(2, 2) C(3, 1) C(3, 2) default : K3_ASSERT(!"tile_mx: bad shape"); }
+/* clang-format off */
+#define C(MR, NR)                                                                             \
+    case (MR) * 4 + (NR): tile(K3_W_F32, w, ldw, x, ldx, K, y, ldy, accum, MR, NR, 2); break;
+    switch (mr * 4 + nr) {
+    C(1, 1) C(1, 2) C(2, 1) C(2, 2) C(3, 1) C(3, 2)
+    default: K3_ASSERT(!"tile_mx: bad shape");
+    }
 #undef C
+    /* clang-format on */
 }
 
 /* One RB x KC block: convert (F32 is used in place) and run the register

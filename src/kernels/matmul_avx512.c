@@ -329,18 +329,19 @@ static void stream_paired(const k3_mat *w, const float *xd, int64_t n, float *y,
                 const float *xi = xd + i * K;
                 float *yi = y + i * ldy + r;
 #define C(WT, MR, NR) stream_paired_rows(WT, pr, (int64_t)rowb, sr, K / 32, xi, K, yi, ldy, MR, NR)
-#define S(MR, NR) \
-    case (MR)*4 + (NR)-1: \
-        if (wt == K3_W_MXFP4) C(K3_W_MXFP4, MR, NR); \
-        else C(K3_W_BF16, MR, NR); \
+/* clang-format off */
+#define S(MR, NR)                                                                             \
+    case (MR) * 4 + (NR) - 1:                                                                 \
+        if (wt == K3_W_MXFP4) C(K3_W_MXFP4, MR, NR); else C(K3_W_BF16, MR, NR);               \
         break;
                 switch (mi * 4 + nr - 1) {
-                    S(1, 1)
-                    S(1, 2) S(2, 1) S(2, 2) S(3, 1) S(3, 2) S(4, 1) S(4, 2) S(2, 3) S(3, 3) S(4, 3) S(1, 4) default
-                        : K3_ASSERT(!"stream_paired: bad shape");
+                S(1, 1) S(1, 2) S(2, 1) S(2, 2) S(3, 1) S(3, 2) S(4, 1) S(4, 2) S(2, 3) S(3, 3) S(4, 3)
+                S(1, 4)
+                default: K3_ASSERT(!"stream_paired: bad shape");
                 }
 #undef S
 #undef C
+                /* clang-format on */
                 r += nr;
             }
         }
@@ -397,26 +398,30 @@ static void convert_block(const k3_mat *w, int64_t r0, int nr, int64_t k0, int k
 static void tile_f32(int mr, int nr, const float *w, int64_t ldw, const float *x, int64_t ldx, int64_t K, float *y,
                      int64_t ldy, bool accum) {
 #define C(MR, NR) \
-    case (MR)*8 + (NR): \
-        tile(K3_W_F32, w, ldw, x, ldx, K, y, ldy, accum, MR, NR, 0); \
-        break;
+    case (MR)*8 + (NR): tile(K3_W_F32, w, ldw, x, ldx, K, y, ldy, accum, MR, NR, 0); break;
+/* clang-format off */
 #define R(MR) C(MR, 1) C(MR, 2) C(MR, 3) C(MR, 4) C(MR, 5) C(MR, 6)
-    switch (mr * 8 + nr) { R(1) R(2) R(3) R(4) default : K3_ASSERT(!"tile_f32: bad shape"); }
+    switch (mr * 8 + nr) {
+    R(1) R(2) R(3) R(4)
+    default: K3_ASSERT(!"tile_f32: bad shape");
+    }
 #undef R
 #undef C
+    /* clang-format on */
 }
 
 /* The same for deinterleaved (paired) weights and x, NR <= TN_MX. */
 static void tile_mx(int mr, int nr, const float *w, int64_t ldw, const float *xd, int64_t ldx, int64_t K, float *y,
                     int64_t ldy, bool accum) {
-#define C(MR, NR) \
-    case (MR)*8 + (NR): tile(K3_W_F32, w, ldw, xd, ldx, K, y, ldy, accum, MR, NR, 1); break;
+/* clang-format off */
+#define C(MR, NR)                                                                             \
+    case (MR) * 8 + (NR): tile(K3_W_F32, w, ldw, xd, ldx, K, y, ldy, accum, MR, NR, 1); break;
     switch (mr * 8 + nr) {
-        C(1, 1)
-        C(1, 2) C(1, 3) C(2, 1) C(2, 2) C(2, 3) C(3, 1) C(3, 2) C(3, 3) C(4, 1) C(4, 2) C(4, 3) default
-            : K3_ASSERT(!"tile_mx: bad shape");
+    C(1, 1) C(1, 2) C(1, 3) C(2, 1) C(2, 2) C(2, 3) C(3, 1) C(3, 2) C(3, 3) C(4, 1) C(4, 2) C(4, 3)
+    default: K3_ASSERT(!"tile_mx: bad shape");
     }
 #undef C
+    /* clang-format on */
 }
 
 /* One RB x KC block: convert (F32 is used in place) and run the register
