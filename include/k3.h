@@ -57,6 +57,25 @@ k3_status k3_pool_init(k3_pool **out, int n_threads, k3_error *err);
 void k3_pool_free(k3_pool *pool);
 int k3_pool_size(const k3_pool *pool);
 
+/* ---- kernel ISA ------------------------------------------------------ */
+
+/* Picks the kernels every later call runs: "ref" (scalar), "avx2" (AVX2 +
+ * FMA + F16C, with AVX-VNNI for the integer dot products where the CPU has
+ * it), "avx2-vnni" (the same, refused without AVX-VNNI), "avx2-novnni" (the
+ * same without AVX-VNNI), "avx512", "amx" (AVX-512 with the prefill and
+ * batch GEMMs on the AMX tile unit: only where the CPU has it and the kernel
+ * grants the tile state), or "best" / NULL (the best the CPU has, the
+ * default). Call it before k3_model_quantize and
+ * k3_model_load_resident: the resident layout of the 8-bit weights depends on
+ * the ISA (the W4A8 4-row tiles are made only for a table with a tile
+ * kernel: AVX2 and AVX-512 VNNI), and contexts choose
+ * their KDA form when made. K3_ERR_ARG for an unknown name,
+ * K3_ERR_UNSUPPORTED for an ISA this CPU lacks. Not thread safe with
+ * running forward passes. */
+k3_status k3_set_isa(const char *name, k3_error *err);
+/* The ISA running now: "ref", "avx2", "avx2-vnni" (AVX2 with AVX-VNNI), "avx512" or "amx". */
+const char *k3_isa_current(void);
+
 /* ---- model ------------------------------------------------------------ */
 
 typedef struct k3_model k3_model;
@@ -689,6 +708,44 @@ bool k3_engine_has_work(k3_engine *e);
 /* Blocks until a submit or cancel arrives or timeout_s passes. */
 void k3_engine_wait(k3_engine *e, double timeout_s);
 void k3_engine_get_stats(k3_engine *e, k3_engine_stats *st);
+/* ---- KV-cache residency metrics --------------------------------------------
+ *
+ * vLLM v1's sampled block residency histograms (--kv-cache-metrics): a
+ * sampled fraction of the cache blocks handed out is followed from the
+ * allocation (birth) through its prefix-cache hits (accesses: the last four
+ * are kept) to the moment the block is taken again for other tokens
+ * (eviction); then lifetime = eviction - birth, idle = eviction - last
+ * access (birth when never hit), and one reuse gap per pair of consecutive
+ * kept accesses are observed. Buckets: k3_kv_residency_le, in seconds.
+ * Without prefix caching (no_prefix_cache) nothing is observed, as in vLLM
+ * (its blocks are never evicted from a cache): the histograms stay empty. */
+
+#define K3_KV_RESIDENCY_BUCKETS 21
+
+typedef struct k3_kv_hist {
+    uint64_t count[K3_KV_RESIDENCY_BUCKETS + 1]; /* per bucket (not cumulative); last = +Inf */
+    double sum;
+    uint64_t n;
+} k3_kv_hist;
+
+typedef struct k3_kv_residency {
+    bool enabled;
+    double sample_rate;   /* the fraction of allocated blocks followed */
+    k3_kv_hist lifetime;  /* vllm:kv_block_lifetime_seconds */
+    k3_kv_hist idle;      /* vllm:kv_block_idle_before_evict_seconds */
+    k3_kv_hist reuse_gap; /* vllm:kv_block_reuse_gap_seconds */
+} k3_kv_residency;
+
+/* The upper bounds of the buckets (vLLM's: 1 ms ... 1800 s). */
+extern const double k3_kv_residency_le[K3_KV_RESIDENCY_BUCKETS];
+
+/* Turns the residency metrics on with sample_rate in (0, 1] (vLLM's
+ * default is 0.01), or off with 0. Call before the first k3_engine_step.
+ * K3_ERR_ARG for a rate outside [0, 1], K3_ERR_NOMEM. */
+k3_status k3_engine_set_kv_metrics(k3_engine *e, double sample_rate, k3_error *err);
+/* The histograms as of the last step (any thread; enabled = false when off). */
+void k3_engine_kv_residency(k3_engine *e, k3_kv_residency *out);
+
 /* ---- prefill and decode apart (the engine's side; src/pd moves the bytes) --
  * A prefill instance runs a request submitted with kv_hold as any other
  * (its first token sampled, then max_tokens); when it ends by stop or
@@ -1213,62 +1270,6 @@ int k3_server_in_flight(k3_server *s);
 void k3_server_end(k3_server *s, const char *why);
 /* Stops listening, cuts what still runs, joins the threads. */
 void k3_server_stop(k3_server *s);
-
-/* ---- KV-cache residency metrics --------------------------------------------
- *
- * vLLM v1's sampled block residency histograms (--kv-cache-metrics): a
- * sampled fraction of the cache blocks handed out is followed from the
- * allocation (birth) through its prefix-cache hits (accesses: the last four
- * are kept) to the moment the block is taken again for other tokens
- * (eviction); then lifetime = eviction - birth, idle = eviction - last
- * access (birth when never hit), and one reuse gap per pair of consecutive
- * kept accesses are observed. Buckets: k3_kv_residency_le, in seconds.
- * Without prefix caching (no_prefix_cache) nothing is observed, as in vLLM
- * (its blocks are never evicted from a cache): the histograms stay empty. */
-
-#define K3_KV_RESIDENCY_BUCKETS 21
-
-typedef struct k3_kv_hist {
-    uint64_t count[K3_KV_RESIDENCY_BUCKETS + 1]; /* per bucket (not cumulative); last = +Inf */
-    double sum;
-    uint64_t n;
-} k3_kv_hist;
-
-typedef struct k3_kv_residency {
-    bool enabled;
-    double sample_rate;   /* the fraction of allocated blocks followed */
-    k3_kv_hist lifetime;  /* vllm:kv_block_lifetime_seconds */
-    k3_kv_hist idle;      /* vllm:kv_block_idle_before_evict_seconds */
-    k3_kv_hist reuse_gap; /* vllm:kv_block_reuse_gap_seconds */
-} k3_kv_residency;
-
-/* The upper bounds of the buckets (vLLM's: 1 ms ... 1800 s). */
-extern const double k3_kv_residency_le[K3_KV_RESIDENCY_BUCKETS];
-
-/* Turns the residency metrics on with sample_rate in (0, 1] (vLLM's
- * default is 0.01), or off with 0. Call before the first k3_engine_step.
- * K3_ERR_ARG for a rate outside [0, 1], K3_ERR_NOMEM. */
-k3_status k3_engine_set_kv_metrics(k3_engine *e, double sample_rate, k3_error *err);
-/* The histograms as of the last step (any thread; enabled = false when off). */
-void k3_engine_kv_residency(k3_engine *e, k3_kv_residency *out);
-
-/* ---- kernel ISA ------------------------------------------------------ */
-
-/* Picks the kernels every later call runs: "ref" (scalar), "avx2" (AVX2 +
- * FMA + F16C, with AVX-VNNI for the integer dot products where the CPU has
- * it), "avx2-vnni" (the same, refused without AVX-VNNI), "avx2-novnni" (the
- * same without AVX-VNNI), "avx512", "amx" (AVX-512 with the prefill and
- * batch GEMMs on the AMX tile unit: only where the CPU has it and the kernel
- * grants the tile state), or "best" / NULL (the best the CPU has, the
- * default). Call it before k3_model_quantize and
- * k3_model_load_resident: the resident layout of the 8-bit weights depends on
- * the ISA (the W4A8 4-row tiles are AVX-512 VNNI only), and contexts choose
- * their KDA form when made. K3_ERR_ARG for an unknown name,
- * K3_ERR_UNSUPPORTED for an ISA this CPU lacks. Not thread safe with
- * running forward passes. */
-k3_status k3_set_isa(const char *name, k3_error *err);
-/* The ISA running now: "ref", "avx2", "avx2-vnni" (AVX2 with AVX-VNNI), "avx512" or "amx". */
-const char *k3_isa_current(void);
 
 #ifdef __cplusplus
 }
