@@ -43,6 +43,21 @@ k3g_ast *k3g_lit(k3g_builder *b, const void *s, size_t n) {
     return a;
 }
 
+k3g_ast *k3g_attr_lit(k3g_builder *b, const char *v) {
+    size_t n = strlen(v);
+    char *buf = malloc(6 * n + 1);
+    if (!buf) return NULL;
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (v[i] == '&') k += (size_t)sprintf(buf + k, "&amp;");
+        else if (v[i] == '"') k += (size_t)sprintf(buf + k, "&quot;");
+        else buf[k++] = v[i];
+    }
+    k3g_ast *a = k3g_lit(b, buf, k);
+    free(buf);
+    return a;
+}
+
 k3g_ast *k3g_str(k3g_builder *b, const char *s) { return k3g_lit(b, s, strlen(s)); }
 
 k3g_ast *k3g_brange(k3g_builder *b, unsigned lo, unsigned hi) {

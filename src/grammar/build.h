@@ -89,6 +89,9 @@ k3_status k3g_finalize(k3g_builder *b, int32_t root, k3_grammar **out);
 k3g_ast *k3g_empty(k3g_builder *b);
 k3g_ast *k3g_none(k3g_builder *b);
 k3g_ast *k3g_lit(k3g_builder *b, const void *s, size_t n);
+/* A literal attribute value with & and " written as &amp; and &quot;, as the
+ * chat encoder writes them. */
+k3g_ast *k3g_attr_lit(k3g_builder *b, const char *v);
 k3g_ast *k3g_str(k3g_builder *b, const char *s);
 k3g_ast *k3g_brange(k3g_builder *b, unsigned lo, unsigned hi);
 k3g_ast *k3g_byteset(k3g_builder *b, const k3g_bset *s);

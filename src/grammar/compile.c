@@ -72,22 +72,6 @@ static k3g_ast *reply_end(k3g_builder *b, const specials *s) {
     return k3g_rep(b, tag(b, s->close, "message", s->sep), 0, 1);
 }
 
-/* &amp; and &quot;, as the chat encoder writes attribute values */
-static k3g_ast *attr_lit(k3g_builder *b, const char *v) {
-    size_t n = strlen(v);
-    char *buf = malloc(6 * n + 1);
-    if (!buf) return NULL;
-    size_t k = 0;
-    for (size_t i = 0; i < n; i++) {
-        if (v[i] == '&') k += (size_t)sprintf(buf + k, "&amp;");
-        else if (v[i] == '"') k += (size_t)sprintf(buf + k, "&quot;");
-        else buf[k++] = v[i];
-    }
-    k3g_ast *a = k3g_lit(b, buf, k);
-    free(buf);
-    return a;
-}
-
 #define EXACT_INDICES 16
 
 static k3_status tool_calls(k3g_builder *b, const k3_grammar_spec *spec, const char *where, k3g_ast **out) {
@@ -138,7 +122,7 @@ static k3_status tool_calls(k3g_builder *b, const k3_grammar_spec *spec, const c
         for (int32_t i = 0; i < nt; i++) {
             k3g_ast *kk[7] = {k3g_special(b, s.open),
                               k3g_str(b, "call tool=\""),
-                              attr_lit(b, spec->tools[i].name),
+                              k3g_attr_lit(b, spec->tools[i].name),
                               k3g_str(b, "\" index=\""),
                               index,
                               k3g_str(b, "\""),

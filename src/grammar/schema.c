@@ -2282,22 +2282,6 @@ static const char *type_attr(unsigned bit) {
     }
 }
 
-/* &amp; and &quot; as the chat encoder writes attribute values */
-static k3g_ast *attr_text(js *J, const char *s) {
-    size_t n = strlen(s);
-    char *buf = malloc(6 * n + 1);
-    if (!buf) return NULL;
-    size_t k = 0;
-    for (size_t i = 0; i < n; i++) {
-        if (s[i] == '&') k += (size_t)sprintf(buf + k, "&amp;");
-        else if (s[i] == '"') k += (size_t)sprintf(buf + k, "&quot;");
-        else buf[k++] = s[i];
-    }
-    k3g_ast *a = k3g_lit(J->b, buf, k);
-    free(buf);
-    return a;
-}
-
 k3_status k3g_tool_args(k3g_builder *b, const char *params, const char *where, k3g_ast **out) {
     *out = NULL;
     if (!params) {
@@ -2359,7 +2343,7 @@ k3_status k3g_tool_args(k3g_builder *b, const char *params, const char *where, k
                     st = J.err->status ? J.err->status : K3_ERR_NOMEM;
                     break;
                 }
-                k3g_ast *kk[7] = {k3g_special(b, open),     k3g_str(b, "argument key=\""), attr_text(&J, k),
+                k3g_ast *kk[7] = {k3g_special(b, open),     k3g_str(b, "argument key=\""), k3g_attr_lit(J.b, k),
                                   k3g_str(b, "\" type=\""), k3g_str(b, type_attr(bit)),    k3g_str(b, "\""),
                                   k3g_special(b, sepid)};
                 k3g_ast *tail[4] = {k3g_seq(b, kk, 7), val, k3g_special(b, close), k3g_str(b, "argument")};
