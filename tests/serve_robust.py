@@ -15,12 +15,9 @@ half-closed clients on /v1/responses and /v1/messages too, each ending and refus
 API's shape. Prints `ok   robust: NAME` / `FAIL robust: NAME` and ends with
 `robust: N passed, N failed`; a second argument runs only the checks whose name holds it. Every server it starts dies with it (PR_SET_PDEATHSIG).
 """
-import ctypes
 import http.client
 import json
 import os
-import re
-import select
 import signal
 import socket
 import subprocess
@@ -34,55 +31,20 @@ import openai
 K3 = sys.argv[1] if len(sys.argv) > 1 else "build/k3"
 ONLY = sys.argv[2] if len(sys.argv) > 2 else None
 TINY = "tests/models/tiny"
-servers = []
 passed = 0
 failed = 0
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import serve_openai as so  # noqa: E402  (the Server harness)
 
-def die_with_parent():
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+servers = so.servers
 
 
-class Server:
+class Server(so.Server):
+    """serve_openai's harness with this suite's order: options first, the model a keyword."""
+
     def __init__(self, *extra, model=TINY):
-        args = [K3, "serve", "-m", model, "--port", "0", "--threads", "1", *extra]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                     preexec_fn=die_with_parent)
-        servers.append(self)
-        self.log = []
-        deadline = time.time() + 60
-        port = None
-        buf = b""
-        while time.time() < deadline and port is None:
-            r, _, _ = select.select([self.proc.stderr], [], [], 1.0)
-            if not r:
-                if self.proc.poll() is not None:
-                    break
-                continue
-            chunk = os.read(self.proc.stderr.fileno(), 4096)
-            if not chunk:
-                break
-            buf += chunk
-            m = re.search(rb"listening on http://[^:]+:(\d+)", buf)
-            if m:
-                port = int(m.group(1))
-        self.log.append(buf.decode(errors="replace"))
-        if port is None:
-            self.kill()
-            raise RuntimeError("k3 serve did not start: " + buf.decode(errors="replace")[-500:])
-        threading.Thread(target=self._drain, daemon=True).start()
-        self.port = port
-        self.url = f"http://127.0.0.1:{port}"
-
-    def _drain(self):
-        while True:
-            try:
-                chunk = os.read(self.proc.stderr.fileno(), 4096)
-            except OSError:
-                return
-            if not chunk:
-                return
-            self.log.append(chunk.decode(errors="replace"))
+        super().__init__(model, *extra)
 
     def text(self):
         return "".join(self.log)
@@ -99,9 +61,6 @@ class Server:
                 self.proc.wait(15)
             except subprocess.TimeoutExpired:
                 self.kill()
-
-    def client(self, key="none"):
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, timeout=60, max_retries=0)
 
 
 def check(name, fn):
