@@ -837,6 +837,45 @@ void k3_engine_hold_release(k3_engine *e, uint64_t id);
  * finished request are valid until the next step, which frees it. */
 
 
+/* ---- the disk tier's directory (src/kvstore, docs/kvstore.md) ---------------
+ * What `k3 cache ls|clear DIR` shows and does. A directory holds runs of
+ * cache blocks and KDA snapshots of any number of models (each file's header
+ * says which); the engine's disk tier (src/kvstore/kvstore.h) writes and
+ * reads them. Both calls are safe while instances use the directory: a
+ * reader keeps what it opened, and the shared size counter is set from
+ * what is there. */
+
+typedef struct k3_kvcache_model {
+    uint64_t model;     /* k3_model_identity of what wrote the files */
+    char quant[24];     /* its --quant mode */
+    k3_kv_type kv;      /* cache dtype */
+    int32_t block_size; /* tokens per block */
+    int32_t dcp_rank, dcp_size;
+    int64_t runs, snaps; /* files */
+    int64_t run_bytes, snap_bytes;
+    int64_t blocks;  /* blocks in its run files */
+    double newest_s; /* seconds since its newest file was last used */
+    double oldest_s; /* and its least recently used one */
+} k3_kvcache_model;
+
+typedef struct k3_kvcache_info {
+    int64_t files, bytes;         /* under runs/ and snaps/ */
+    int64_t bad_files, bad_bytes; /* of them: not k3 cache files, torn, or damaged headers */
+    int64_t tmp_files, tmp_bytes; /* being written, or left by a crash */
+    int64_t counter_bytes;        /* the shared size counter (-1: none) */
+    k3_kvcache_model *models;     /* [n_models] by bytes, largest first */
+    int32_t n_models;
+} k3_kvcache_info;
+
+/* Reads every file's header under dir. K3_ERR_IO when dir is not a cache
+ * directory (no runs/ or snaps/). Free with k3_kvcache_info_free. */
+k3_status k3_kvcache_scan(const char *dir, k3_kvcache_info *out, k3_error *err);
+void k3_kvcache_info_free(k3_kvcache_info *info);
+/* Removes the files of model (0 = every file, and whatever tmp/ holds that
+ * no process is writing: older than a minute); *files and *bytes (may be
+ * NULL) get what was removed. */
+k3_status k3_kvcache_clear(const char *dir, uint64_t model, int64_t *files, int64_t *bytes, k3_error *err);
+
 /* ---- distributed: several processes on MPI (src/comm, src/executor) ------
  *
  * One k3_dist per process joins the MPI world (mpirun -np N) and splits it
