@@ -251,3 +251,7 @@ test: $(BUILD)/k3-cmp $(BUILD)/k3-mpi-exchange
 $(BUILD)/k3-mpi-batch: tests/mpi/batch.c $(BUILD)/libk3.a
 	$(CC) $(K3_CFLAGS) $(PC_CFLAGS) $(CFLAGS) -o $@ $< $(BUILD)/libk3.a $(PC_LIBS) $(LDLIBS)
 test: $(BUILD)/k3-mpi-batch
+# The disk tier across processes (tests/kvstore.sh).
+$(BUILD)/k3-kvs-driver: tests/kvstore/driver.c tests/kvs_harness.h $(BUILD)/libk3.a
+	$(CC) $(K3_CFLAGS) $(PC_CFLAGS) $(CFLAGS) -o $@ $< $(BUILD)/libk3.a $(PC_LIBS) $(LDLIBS)
+test: $(BUILD)/k3-kvs-driver
