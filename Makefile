@@ -255,3 +255,6 @@ test: $(BUILD)/k3-mpi-batch
 $(BUILD)/k3-kvs-driver: tests/kvstore/driver.c tests/kvs_harness.h $(BUILD)/libk3.a
 	$(CC) $(K3_CFLAGS) $(PC_CFLAGS) $(CFLAGS) -o $@ $< $(BUILD)/libk3.a $(PC_LIBS) $(LDLIBS)
 test: $(BUILD)/k3-kvs-driver
+$(BUILD)/k3-kvev-driver: tests/kvstore/events_driver.c $(BUILD)/libk3.a
+	$(CC) $(K3_CFLAGS) $(PC_CFLAGS) $(CFLAGS) -o $@ $< $(BUILD)/libk3.a $(PC_LIBS) $(LDLIBS)
+test: $(BUILD)/k3-kvev-driver

@@ -837,6 +837,51 @@ void k3_engine_hold_release(k3_engine *e, uint64_t id);
  * finished request are valid until the next step, which frees it. */
 
 
+/* ---- KV events (src/kvevents, docs/kvstore.md "KV events") -----------------
+ * vLLM's KV cache events for cache-aware routers (vLLM's, Dynamo, llm-d):
+ * BlockStored when a full block enters the prefix cache, BlockRemoved when
+ * its hash is dropped to reuse the block, AllBlocksCleared when the cache
+ * starts empty; msgpack batches on a ZeroMQ PUB socket, each message three
+ * frames (topic, an 8-byte big-endian sequence number, the batch), with
+ * vLLM's optional replay socket (a ROUTER: send the first sequence number
+ * wanted as 8 big-endian bytes, get [seq, batch] messages and then [-1, ""]).
+ * A batch is [ts, [event, ...], data_parallel_rank]; an event is a map
+ * tagged by "type" with vLLM's field names (vLLM >= 0.26), or with
+ * legacy_array a positional array [tag, fields...] (vLLM 0.10 - 0.25). */
+
+typedef struct k3_kv_events k3_kv_events;
+
+typedef struct k3_kv_events_options {
+    const char *endpoint;        /* the PUB socket, as vLLM reads it: one with a '*' host (every
+                                    address), "::", ipc://PATH or inproc:// is bound; another
+                                    address is connected to (a forwarder) */
+    const char *replay_endpoint; /* NULL, or the replay ROUTER socket's (bound) */
+    const char *topic;           /* the first frame (NULL = "") */
+    int32_t buffer_steps;        /* batches kept for replays (0 = 10000) */
+    int32_t hwm;                 /* the PUB socket's high-water mark (0 = 100000) */
+    int32_t data_parallel_rank;  /* the batches' third field */
+    bool legacy_array;           /* positional events (vLLM before its map encoding) */
+    double flush_s;              /* events wait at most this long for their batch (0 = 0.01 s) */
+} k3_kv_events_options;
+
+/* Opens (binds or connects) the sockets and starts the publishing thread,
+ * which sends AllBlocksCleared first. K3_ERR_ARG names a bad endpoint. */
+k3_status k3_kv_events_open(k3_kv_events **out, const k3_kv_events_options *opt, k3_error *err);
+/* Sends what is pending, then closes. */
+void k3_kv_events_close(k3_kv_events *ev);
+
+typedef struct k3_kv_events_stats {
+    int64_t batches, events;               /* messages published, events in them */
+    int64_t stored_blocks, removed_blocks; /* hashes in BlockStored / BlockRemoved events */
+    int64_t bytes;                         /* payload bytes */
+    int64_t replays;                       /* replay requests served */
+} k3_kv_events_stats;
+void k3_kv_events_get_stats(k3_kv_events *ev, k3_kv_events_stats *out);
+
+/* The engine's block manager publishes on ev (NULL: stops); call before the
+ * first k3_engine_step. ev outlives the engine's use of it. */
+void k3_engine_set_kv_events(k3_engine *e, k3_kv_events *ev);
+
 /* ---- the disk tier's directory (src/kvstore, docs/kvstore.md) ---------------
  * What `k3 cache ls|clear DIR` shows and does. A directory holds runs of
  * cache blocks and KDA snapshots of any number of models (each file's header

@@ -128,4 +128,15 @@ else
     fi
 fi
 
+# the KV events, decoded with vLLM's field layout (pyzmq and msgspec in the project's .venv)
+if PY=$(sh scripts/venv.sh pyzmq=zmq msgspec 2>"$TMP/venv.err"); then
+    timeout 300 "$PY" tests/kv_events.py "$BUILD/k3-kvev-driver" >"$TMP/ev.out" 2>&1
+    cat "$TMP/ev.out"
+    pass=$((pass + $(grep -c "^ok " "$TMP/ev.out")))
+    fail=$((fail + $(grep -c "^FAIL " "$TMP/ev.out")))
+    grep -q "^ok .*the driver exits cleanly" "$TMP/ev.out" || { fail=$((fail + 1)); echo "FAIL kvstore: kv events: the test did not finish"; }
+else
+    skipped "kv events (a Python with pyzmq and msgspec: $(tail -1 "$TMP/venv.err"))"
+fi
+
 echo "kvstore: $pass passed, $fail failed, $skip skipped"
