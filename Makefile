@@ -41,7 +41,7 @@ MODEL   ?= models/k3-mini
 PROMPT  ?= It is a truth universally acknowledged, that
 RUN_ARGS?= -n 64
 
-.PHONY: all help deps run test test-unit test-cli clean asan ubsan format check-reference kbench xcore stepgap amxbench tcpcopy
+.PHONY: all help deps run test test-unit test-cli clean asan ubsan format check-reference kbench xcore stepgap amxbench tcpcopy kvsbench
 all: $(BUILD)/k3 $(BUILD)/k3-test
 
 help:
@@ -258,3 +258,7 @@ test: $(BUILD)/k3-kvs-driver
 $(BUILD)/k3-kvev-driver: tests/kvstore/events_driver.c $(BUILD)/libk3.a
 	$(CC) $(K3_CFLAGS) $(PC_CFLAGS) $(CFLAGS) -o $@ $< $(BUILD)/libk3.a $(PC_LIBS) $(LDLIBS)
 test: $(BUILD)/k3-kvev-driver
+# Developer tool: the disk tier's save and load speed against the directory's raw sequential read.
+$(BUILD)/kvsbench: bench/kvsbench.c $(BUILD)/libk3.a
+	$(CC) $(K3_CFLAGS) $(PC_CFLAGS) $(CFLAGS) -o $@ $< $(BUILD)/libk3.a $(PC_LIBS) $(LDLIBS)
+kvsbench: $(BUILD)/kvsbench
