@@ -17,7 +17,7 @@ CC      ?= cc
 OPT     ?= -O2 -fvect-cost-model=dynamic
 CFLAGS  ?= $(OPT) -g
 WARN    := -Wall -Wextra -Wshadow -Wstrict-prototypes -Wmissing-prototypes -Wvla -Wno-unused-parameter -Wno-missing-field-initializers -Werror
-DEPS_PC := libpcre2-8 jansson libpng libjpeg libwebp libwebpdemux libmicrohttpd libcurl
+DEPS_PC := libpcre2-8 jansson libpng libjpeg libwebp libwebpdemux libmicrohttpd libcurl libxxhash libzmq msgpack
 K3_CFLAGS := -std=c11 -D_GNU_SOURCE -Iinclude -Isrc $(WARN) -pthread -MMD -MP
 # giflib ships no pkg-config file: its header is checked by the deps step.
 LDLIBS  := -lgif -lm -pthread
@@ -41,7 +41,7 @@ MODEL   ?= models/k3-mini
 PROMPT  ?= It is a truth universally acknowledged, that
 RUN_ARGS?= -n 64
 
-.PHONY: all help deps run test test-unit test-cli clean asan ubsan format check-reference kbench xcore stepgap amxbench tcpcopy
+.PHONY: all help deps run test test-unit test-cli clean asan ubsan format check-reference kbench xcore stepgap amxbench tcpcopy kvsbench
 all: $(BUILD)/k3 $(BUILD)/k3-test
 
 help:
@@ -251,3 +251,14 @@ test: $(BUILD)/k3-cmp $(BUILD)/k3-mpi-exchange
 $(BUILD)/k3-mpi-batch: tests/mpi/batch.c $(BUILD)/libk3.a
 	$(CC) $(K3_CFLAGS) $(PC_CFLAGS) $(CFLAGS) -o $@ $< $(BUILD)/libk3.a $(PC_LIBS) $(LDLIBS)
 test: $(BUILD)/k3-mpi-batch
+# The disk tier across processes (tests/kvstore.sh).
+$(BUILD)/k3-kvs-driver: tests/kvstore/driver.c tests/kvs_harness.h $(BUILD)/libk3.a
+	$(CC) $(K3_CFLAGS) $(PC_CFLAGS) $(CFLAGS) -o $@ $< $(BUILD)/libk3.a $(PC_LIBS) $(LDLIBS)
+test: $(BUILD)/k3-kvs-driver
+$(BUILD)/k3-kvev-driver: tests/kvstore/events_driver.c $(BUILD)/libk3.a
+	$(CC) $(K3_CFLAGS) $(PC_CFLAGS) $(CFLAGS) -o $@ $< $(BUILD)/libk3.a $(PC_LIBS) $(LDLIBS)
+test: $(BUILD)/k3-kvev-driver
+# Developer tool: the disk tier's save and load speed against the directory's raw sequential read.
+$(BUILD)/kvsbench: bench/kvsbench.c $(BUILD)/libk3.a
+	$(CC) $(K3_CFLAGS) $(PC_CFLAGS) $(CFLAGS) -o $@ $< $(BUILD)/libk3.a $(PC_LIBS) $(LDLIBS)
+kvsbench: $(BUILD)/kvsbench

@@ -95,6 +95,7 @@ void k3_cli_bench_vision_print(const k3_cli_vision_bench *b, bool json);
 /* ---- several processes (cli_dist.c, cmd_plan.c) ---- */
 int k3_cmd_plan(int argc, char **argv);
 int k3_cmd_grammar(int argc, char **argv); /* cmd_grammar.c */
+int k3_cmd_cache(int argc, char **argv);   /* cmd_cache.c: k3 cache ls|clear DIR */
 int k3_cmd_bench_dist(int argc, char **argv);
 /* Whether `k3 bench` runs as k3_cmd_bench_dist: under mpirun, or --dcp/--ep given. */
 bool k3_cli_dist_wanted(int argc, char **argv);

@@ -837,6 +837,90 @@ void k3_engine_hold_release(k3_engine *e, uint64_t id);
  * finished request are valid until the next step, which frees it. */
 
 
+/* ---- KV events (src/kvevents, docs/kvstore.md "KV events") -----------------
+ * vLLM's KV cache events for cache-aware routers (vLLM's, Dynamo, llm-d):
+ * BlockStored when a full block enters the prefix cache, BlockRemoved when
+ * its hash is dropped to reuse the block, AllBlocksCleared when the cache
+ * starts empty; msgpack batches on a ZeroMQ PUB socket, each message three
+ * frames (topic, an 8-byte big-endian sequence number, the batch), with
+ * vLLM's optional replay socket (a ROUTER: send the first sequence number
+ * wanted as 8 big-endian bytes, get [seq, batch] messages and then [-1, ""]).
+ * A batch is [ts, [event, ...], data_parallel_rank]; an event is a map
+ * tagged by "type" with vLLM's field names (vLLM >= 0.26), or with
+ * legacy_array a positional array [tag, fields...] (vLLM 0.10 - 0.25). */
+
+typedef struct k3_kv_events k3_kv_events;
+
+typedef struct k3_kv_events_options {
+    const char *endpoint;        /* the PUB socket, as vLLM reads it: one with a '*' host (every
+                                    address), "::", ipc://PATH or inproc:// is bound; another
+                                    address is connected to (a forwarder) */
+    const char *replay_endpoint; /* NULL, or the replay ROUTER socket's (bound) */
+    const char *topic;           /* the first frame (NULL = "") */
+    int32_t buffer_steps;        /* batches kept for replays (0 = 10000) */
+    int32_t hwm;                 /* the PUB socket's high-water mark (0 = 100000) */
+    int32_t data_parallel_rank;  /* the batches' third field */
+    bool legacy_array;           /* positional events (vLLM before its map encoding) */
+    double flush_s;              /* events wait at most this long for their batch (0 = 0.01 s) */
+} k3_kv_events_options;
+
+/* Opens (binds or connects) the sockets and starts the publishing thread,
+ * which sends AllBlocksCleared first. K3_ERR_ARG names a bad endpoint. */
+k3_status k3_kv_events_open(k3_kv_events **out, const k3_kv_events_options *opt, k3_error *err);
+/* Sends what is pending, then closes. */
+void k3_kv_events_close(k3_kv_events *ev);
+
+typedef struct k3_kv_events_stats {
+    int64_t batches, events;               /* messages published, events in them */
+    int64_t stored_blocks, removed_blocks; /* hashes in BlockStored / BlockRemoved events */
+    int64_t bytes;                         /* payload bytes */
+    int64_t replays;                       /* replay requests served */
+} k3_kv_events_stats;
+void k3_kv_events_get_stats(k3_kv_events *ev, k3_kv_events_stats *out);
+
+/* The engine's block manager publishes on ev (NULL: stops); call before the
+ * first k3_engine_step. ev outlives the engine's use of it. */
+void k3_engine_set_kv_events(k3_engine *e, k3_kv_events *ev);
+
+/* ---- the disk tier's directory (src/kvstore, docs/kvstore.md) ---------------
+ * What `k3 cache ls|clear DIR` shows and does. A directory holds runs of
+ * cache blocks and KDA snapshots of any number of models (each file's header
+ * says which); the engine's disk tier (src/kvstore/kvstore.h) writes and
+ * reads them. Both calls are safe while instances use the directory: a
+ * reader keeps what it opened, and the shared size counter is set from
+ * what is there. */
+
+typedef struct k3_kvcache_model {
+    uint64_t model;     /* k3_model_identity of what wrote the files */
+    char quant[24];     /* its --quant mode */
+    k3_kv_type kv;      /* cache dtype */
+    int32_t block_size; /* tokens per block */
+    int32_t dcp_rank, dcp_size;
+    int64_t runs, snaps; /* files */
+    int64_t run_bytes, snap_bytes;
+    int64_t blocks;  /* blocks in its run files */
+    double newest_s; /* seconds since its newest file was last used */
+    double oldest_s; /* and its least recently used one */
+} k3_kvcache_model;
+
+typedef struct k3_kvcache_info {
+    int64_t files, bytes;         /* under runs/ and snaps/ */
+    int64_t bad_files, bad_bytes; /* of them: not k3 cache files, torn, or damaged headers */
+    int64_t tmp_files, tmp_bytes; /* being written, or left by a crash */
+    int64_t counter_bytes;        /* the shared size counter (-1: none) */
+    k3_kvcache_model *models;     /* [n_models] by bytes, largest first */
+    int32_t n_models;
+} k3_kvcache_info;
+
+/* Reads every file's header under dir. K3_ERR_IO when dir is not a cache
+ * directory (no runs/ or snaps/). Free with k3_kvcache_info_free. */
+k3_status k3_kvcache_scan(const char *dir, k3_kvcache_info *out, k3_error *err);
+void k3_kvcache_info_free(k3_kvcache_info *info);
+/* Removes the files of model (0 = every file, and whatever tmp/ holds that
+ * no process is writing: older than a minute); *files and *bytes (may be
+ * NULL) get what was removed. */
+k3_status k3_kvcache_clear(const char *dir, uint64_t model, int64_t *files, int64_t *bytes, k3_error *err);
+
 /* ---- distributed: several processes on MPI (src/comm, src/executor) ------
  *
  * One k3_dist per process joins the MPI world (mpirun -np N) and splits it

@@ -232,6 +232,13 @@ k3_status k3_ctx_kv_gather(k3_ctx *ctx, const int32_t *blocks, int32_t n_blocks,
 k3_status k3_ctx_kv_gather_check(const k3_ctx *ctx, const int32_t *blocks, int32_t n_blocks, int32_t layer, int64_t t0,
                                  int32_t n, const void *dst, k3_error *err);
 
+/* The bytes of block id `block` of layer `layer` on this rank, one range
+ * per array of the transfer layout's order (the block's lbs slots are
+ * consecutive in each array): what a disk tier reads and writes in place
+ * (src/kvstore). Returns how many ranges (0 for a KDA layer, a layer or a
+ * block out of range). */
+int k3_ctx_kv_block_ranges(k3_ctx *ctx, int32_t layer, int32_t block, void *base[5], int64_t len[5]);
+
 /* Profiling: PROF(ctx, op, statement) adds the statement's time to op. */
 #define PROF(ctx, op, stmt) \
     do { \

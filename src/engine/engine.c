@@ -31,6 +31,7 @@
 #include "engine.h"
 #include "executor/executor.h"
 #include "kv/kv.h"
+#include "kvevents/events.h"
 #include "model/model.h"
 #include "model/plan.h"
 #include "sched/sched.h"
@@ -712,6 +713,21 @@ k3_status k3_engine_set_kv_metrics(k3_engine *e, double sample_rate, k3_error *e
     }
     pthread_mutex_unlock(&e->mu);
     return st;
+}
+
+int64_t k3_engine_cached_hashes(k3_engine *e, uint64_t *out, int64_t cap) {
+    pthread_mutex_lock(&e->mu);
+    int64_t n = 0;
+    for (int32_t b = 0; b < e->bm.n_blocks; b++)
+        if (e->bm.hashed[b] && n++ < cap) out[n - 1] = e->bm.hash[b];
+    pthread_mutex_unlock(&e->mu);
+    return n;
+}
+
+void k3_engine_set_kv_events(k3_engine *e, k3_kv_events *ev) {
+    pthread_mutex_lock(&e->mu);
+    k3_kv_set_observer(&e->bm, ev ? k3_kv_events_observer(ev, e->bm.block_size, e->sched.cfg.hash_seed) : NULL);
+    pthread_mutex_unlock(&e->mu);
 }
 
 void k3_engine_kv_residency(k3_engine *e, k3_kv_residency *out) {

@@ -62,6 +62,7 @@
     X(capture_state)   /* rank 0 keeps the snapshots; the others compute the same state */ \
     X(forget_captures) /* the same captures */ \
     X(profile_enable)  /* rank 0's operator times */ \
+    X(kv_block_ranges) /* a disk tier reads and writes its own rank's blocks in place */ \
     X(profile_take)
 
 #endif /* K3_EXECUTOR_CALLS_H */
