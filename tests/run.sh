@@ -2,7 +2,8 @@
 # run.sh -- the whole suite for `make test`: the C unit and model tests
 # (build/k3-test), then the CLI checks (tests/cli.sh), then the fuzzers
 # (fuzz/run.sh, a few seconds each; skipped without clang), then MPI
-# (tests/mpi.sh) and prefill/decode apart (tests/pd.sh), then one closing line
+# (tests/mpi.sh), prefill/decode apart (tests/pd.sh) and several hosts
+# (tests/hosts.sh), then one closing line
 # with the totals: `N passed, N failed`. Exit status 1 if anything failed.
 # Usage: sh tests/run.sh build/k3-test build/k3
 log=$(mktemp)
@@ -15,10 +16,14 @@ sh fuzz/run.sh "${FUZZ_DIR:-build-fuzz}" "${FUZZ_TEST_TIME:-3}" | tee -a "$log"
 sh tests/mpi.sh "$2" | tee -a "$log"
 # prefill and decode apart behind the proxy (tests/pd.sh)
 sh tests/pd.sh "$2" | tee -a "$log"
-sum() { grep -E "^((cli|fuzz|mpi|pd): )?[0-9]+ passed, [0-9]+ failed$" "$log" | sed -E 's/^(cli|fuzz|mpi|pd): //' | awk -v f="$1" '{s += $f} END {print s + 0}'; }
+# several hosts: network namespaces (tests/hosts.sh; skipped where they cannot be made)
+sh tests/hosts.sh "$2" | tee -a "$log"
+RE="^((cli|fuzz|mpi|pd|hosts): )?[0-9]+ passed, [0-9]+ failed(, [0-9]+ skipped)?$"
+sum() { grep -E "$RE" "$log" | sed -E 's/^(cli|fuzz|mpi|pd|hosts): //; s/,//g' | awk -v f="$1" '{s += $f} END {print s + 0}'; }
 p=$(sum 1)
 f=$(sum 3)
+s=$(sum 5)
 # a runner that crashed before its summary counts as a failure
-[ "$(grep -cE "^((cli|fuzz|mpi|pd): )?[0-9]+ passed" "$log")" -eq 5 ] || f=$((f + 1))
-echo "$p passed, $f failed"
+[ "$(grep -cE "$RE" "$log")" -eq 6 ] || f=$((f + 1))
+if [ "$s" -gt 0 ]; then echo "$p passed, $f failed, $s skipped"; else echo "$p passed, $f failed"; fi
 [ "$f" -eq 0 ]
