@@ -7,10 +7,22 @@ missing=""
 for p in $PKGS; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
 done
-[ -z "$missing" ] && exit 0
-echo "install-deps: installing:$missing"
+# optional: UCX (src/comm/ucx.c, build/ucxbench); k3 builds and its tests skip the UCX cases without it
+OPTIONAL="libucx-dev"
+optional=""
+for p in $OPTIONAL; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || optional="$optional $p"
+done
+[ -z "$missing$optional" ] && exit 0
 SUDO=""
 [ "$(id -u)" -ne 0 ] && SUDO="sudo"
 export DEBIAN_FRONTEND=noninteractive
 $SUDO apt-get update -qq
-$SUDO apt-get install -y -qq $missing
+if [ -n "$missing" ]; then
+    echo "install-deps: installing:$missing"
+    $SUDO apt-get install -y -qq $missing
+fi
+if [ -n "$optional" ]; then
+    echo "install-deps: installing (optional):$optional"
+    $SUDO apt-get install -y -qq $optional || echo "install-deps: optional packages not installed:$optional (k3 builds without them)"
+fi

@@ -2,10 +2,10 @@
 # run.sh -- the whole suite for `make test`: the C unit and model tests
 # (build/k3-test), then the CLI checks (tests/cli.sh), then the fuzzers
 # (fuzz/run.sh, a few seconds each; skipped without clang), then MPI
-# (tests/mpi.sh), prefill/decode apart (tests/pd.sh) and the disk tier
-# (tests/kvstore.sh), then one closing line with the totals: `N passed, N
-# failed` (and `, N skipped` when a check could not run here). Exit status 1
-# if anything failed.
+# (tests/mpi.sh), prefill/decode apart (tests/pd.sh), the disk tier
+# (tests/kvstore.sh) and several hosts (tests/hosts.sh), then one closing line
+# with the totals: `N passed, N failed` (and `, N skipped` when a check could
+# not run here). Exit status 1 if anything failed.
 # Usage: sh tests/run.sh build/k3-test build/k3
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
@@ -19,12 +19,15 @@ sh tests/mpi.sh "$2" | tee -a "$log"
 sh tests/pd.sh "$2" | tee -a "$log"
 # the disk tier across processes and the KV events (tests/kvstore.sh)
 sh tests/kvstore.sh "$2" | tee -a "$log"
-R="cli|fuzz|mpi|pd|kvstore"
-sum() { grep -E "^(($R): )?[0-9]+ passed, [0-9]+ failed(, [0-9]+ skipped)?$" "$log" | sed -E "s/^($R): //" | awk -v f="$1" '{s += $f} END {print s + 0}'; }
+# several hosts: network namespaces (tests/hosts.sh; skipped where they cannot be made)
+sh tests/hosts.sh "$2" | tee -a "$log"
+R="cli|fuzz|mpi|pd|kvstore|hosts"
+RE="^(($R): )?[0-9]+ passed, [0-9]+ failed(, [0-9]+ skipped)?$"
+sum() { grep -E "$RE" "$log" | sed -E "s/^($R): //; s/,//g" | awk -v f="$1" '{s += $f} END {print s + 0}'; }
 p=$(sum 1)
 f=$(sum 3)
-k=$(sum 5)
+s=$(sum 5)
 # a runner that crashed before its summary counts as a failure
-[ "$(grep -cE "^(($R): )?[0-9]+ passed" "$log")" -eq 6 ] || f=$((f + 1))
-if [ "$k" -gt 0 ]; then echo "$p passed, $f failed, $k skipped"; else echo "$p passed, $f failed"; fi
+[ "$(grep -cE "$RE" "$log")" -eq 7 ] || f=$((f + 1))
+if [ "$s" -gt 0 ]; then echo "$p passed, $f failed, $s skipped"; else echo "$p passed, $f failed"; fi
 [ "$f" -eq 0 ]

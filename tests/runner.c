@@ -21,6 +21,7 @@ typedef struct {
 static test_entry tests[1024];
 static int n_tests;
 static int cur_failed;
+static char cur_skip[256];
 
 void k3_test_register(const char *name, k3_test_fn fn, const char *file) {
     if (n_tests < (int)(sizeof tests / sizeof tests[0])) tests[n_tests++] = (test_entry){name, fn, file};
@@ -39,6 +40,8 @@ void k3_test_fail(const char *file, int line, const char *fmt, ...) {
 }
 
 int k3_test_failed(void) { return cur_failed; }
+
+void k3_test_skip(const char *why) { snprintf(cur_skip, sizeof cur_skip, "%s", why); }
 
 double k3_test_rel_l2(const float *a, const float *b, int64_t n) {
     double num = 0, den = 0;
@@ -68,7 +71,7 @@ static int cmp_entry(const void *a, const void *b) {
 
 int main(int argc, char **argv) {
     qsort(tests, (size_t)n_tests, sizeof tests[0], cmp_entry);
-    int passed = 0, failed = 0;
+    int passed = 0, failed = 0, skipped = 0;
     for (int i = 0; i < n_tests; i++) {
         int want = argc < 2;
         for (int a = 1; a < argc; a++) {
@@ -81,12 +84,16 @@ int main(int argc, char **argv) {
         }
         if (!want) continue;
         cur_failed = 0;
+        cur_skip[0] = 0;
         struct timespec t0, t1;
         clock_gettime(CLOCK_MONOTONIC, &t0);
         tests[i].fn();
         clock_gettime(CLOCK_MONOTONIC, &t1);
         double ms = (t1.tv_sec - t0.tv_sec) * 1e3 + (t1.tv_nsec - t0.tv_nsec) / 1e6;
-        if (cur_failed) {
+        if (cur_skip[0] && !cur_failed) {
+            printf("skip %s: %s\n", tests[i].name, cur_skip);
+            skipped++;
+        } else if (cur_failed) {
             printf("FAIL %s (%d checks failed, %.0f ms)\n", tests[i].name, cur_failed, ms);
             failed++;
         } else {
@@ -95,6 +102,7 @@ int main(int argc, char **argv) {
         }
         fflush(stdout);
     }
-    printf("%d passed, %d failed\n", passed, failed);
+    if (skipped) printf("%d passed, %d failed, %d skipped\n", passed, failed, skipped);
+    else printf("%d passed, %d failed\n", passed, failed);
     return failed ? 1 : 0;
 }

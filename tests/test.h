@@ -16,6 +16,9 @@ typedef void (*k3_test_fn)(void);
 void k3_test_register(const char *name, k3_test_fn fn, const char *file);
 void k3_test_fail(const char *file, int line, const char *fmt, ...);
 int k3_test_failed(void);
+/* Marks the running test skipped, with the reason (printed, counted apart
+ * from passed); the test returns after calling it. */
+void k3_test_skip(const char *why);
 
 #define K3_TEST(name) \
     static void test_##name(void); \
