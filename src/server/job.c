@@ -30,16 +30,10 @@
 #include <time.h>
 
 #include "common/error.h"
+#include "common/random.h"
 #include "pd/pd.h"
 #include "server/http.h"
 #include "server/job.h"
-
-static uint64_t mix64(uint64_t x) {
-    x += 0x9E3779B97F4A7C15ull;
-    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-    return x ^ (x >> 31);
-}
 
 void k3_tool_stream_free(k3_tool_stream *ts) {
     for (int i = 0; i < ts->n; i++) k3_buf_free(&ts->calls[i].sent);
@@ -628,9 +622,10 @@ enum MHD_Result k3_srv_job_serve_surf(struct k3_server *s, struct MHD_Connection
     j->api = api;
     j->conn = conn;
     j->created = (long)time(NULL);
-    const uint64_t rid = atomic_fetch_add(&s->next_id, 1);
-    snprintf(j->id, sizeof j->id, "%s-%016llx", api->id_prefix,
-             (unsigned long long)mix64(rid ^ ((uint64_t)j->created << 20)));
+    /* the id tells nothing: random letters from the OS, no counter, clock or address */
+    char pre[24];
+    snprintf(pre, sizeof pre, "%s-", api->id_prefix);
+    k3_random_id(j->id, sizeof j->id, pre, 24);
 
     j->markup[0] = j->markup[1] = j->markup[2] = -1;
     if (api->keep_specials) {
@@ -662,8 +657,9 @@ enum MHD_Result k3_srv_job_serve_surf(struct k3_server *s, struct MHD_Connection
         job_unref(j);
         return k3_srv_api_error(api, s, conn, 500, "out of memory");
     }
-    j->base_seed = rq->seed >= 0 || rq->seed_given ? (uint64_t)rq->seed
-                                                   : mix64(rid * 0x2545F4914F6CDD1Dull ^ (uint64_t)time(NULL));
+    uint64_t seed = 0;
+    if (!(rq->seed >= 0 || rq->seed_given)) k3_random_bytes(&seed, sizeof seed, NULL);
+    j->base_seed = rq->seed >= 0 || rq->seed_given ? (uint64_t)rq->seed : seed;
     j->mml = mml;
     j->mt_cap = -1;
     for (int i = 0; i < j->n; i++) {
