@@ -466,7 +466,7 @@ def ids():
             t_ns = time.time_ns()
             for guess in range(0, 1 << 12):  # the counter is small: its xor leaves the clock's mix
                 t = unmix(ua ^ guess)
-                if abs(t - t_ns) < 86400 * 10 ** 9:
+                if abs(t - t_ns) < 60 * 10 ** 9:
                     found.append("the clock (%d ns, %+.3f s from now) xor a counter %d" % (t, (t - t_ns) / 1e9,
                                                                                               guess))
                     break
@@ -478,11 +478,14 @@ def ids():
         for _ in range(3):
             st, b = http(s.port, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 1})
             cids.append(json.loads(b)["id"])
-        vals = [unmix(int(c.split("-")[1], 16)) for c in cids]
+        try:
+            vals = [unmix(int(c.split("-")[1], 16)) for c in cids]
+        except ValueError:  # not the 16 hex digits of the old form
+            vals = [unmix(b62_words(c.split("-")[1])[0]) for c in cids]
         now = int(time.time())
         clocks = [v >> 20 for v in vals]
         ctr = [v & 0xFFFFF for v in vals]
-        leak = all(abs((c ^ 0) - now) < 86400 for c in clocks)
+        leak = all(abs(c - now) < 60 for c in clocks)
         print("ids: %s -> %s" % (", ".join(cids), "the clock %s s and a counter %s" % (clocks, ctr) if leak else
                                  "no counter or clock found"), flush=True)
     finally:

@@ -1026,6 +1026,10 @@ k3_status k3_image_decode(k3_image **out, const void *data, size_t size, int64_t
  * K3_ERR_UNSUPPORTED naming the rule -- k3 fetches nothing; malformed base64
  * is K3_ERR_ARG. */
 k3_status k3_image_decode_url(k3_image **out, const char *url, size_t len, int64_t max_pixels, k3_error *err);
+/* The size of an image_url's image from its header alone (nothing decoded),
+ * with the same checks and errors as k3_image_decode_url's up to there. */
+k3_status k3_image_probe_url(const char *url, size_t len, int64_t max_pixels, int32_t *width, int32_t *height,
+                             k3_error *err);
 /* The same from a file. */
 k3_status k3_image_load(k3_image **out, const char *path, int64_t max_pixels, k3_error *err);
 /* An image from 8-bit RGBA pixels [height, width, 4] (copied); with
@@ -1103,7 +1107,9 @@ k3_status k3_vision_splice(const k3_vision *v, const k3_tokenizer *t, const int3
  * the result is ready for the forward pass (ids + embeds) and the prefix
  * cache (keys: k3_image_hash on each image's framing, 0 elsewhere). v may be
  * NULL for a text-only model: an image part is then K3_ERR_UNSUPPORTED with
- * a message. Errors name messages[i].content[j]. Free with k3_vision_prompt_free. */
+ * a message. Errors name messages[i].content[j]. Free with k3_vision_prompt_free.
+ * The images are decoded and encoded one at a time: what one takes is freed
+ * before the next is decoded. */
 typedef struct k3_vision_prompt {
     int32_t *ids;
     size_t n_ids;
@@ -1118,6 +1124,17 @@ k3_status k3_vision_chat_encode_json(const k3_vision *v, const k3_tokenizer *t, 
                                      const char *messages_json, const char *tools_json, const k3_chat_options *opt,
                                      int64_t max_pixels, k3_vision_prompt *out, k3_error *err);
 void k3_vision_prompt_free(k3_vision_prompt *p);
+/* What such messages' images will take, from their headers alone (nothing
+ * decoded): their count, decoded pixels and prompt rows (the tower's work).
+ * The same errors as k3_vision_chat_encode_json's for a bad or oversized
+ * image (v NULL: K3_ERR_UNSUPPORTED at the first image). */
+typedef struct k3_vision_cost {
+    int32_t n_images;
+    int64_t pixels; /* decoded, summed */
+    int64_t tokens; /* prompt rows, summed: what the tower computes */
+} k3_vision_cost;
+k3_status k3_vision_chat_cost(const k3_vision *v, const char *messages_json, int64_t max_pixels, k3_vision_cost *out,
+                              k3_error *err);
 /* ---- prefill and decode apart: the transfer agent and the proxy (src/pd) --
  *
  * A k3_pd sits beside one instance's engine and server. As a prefill
@@ -1241,10 +1258,15 @@ typedef struct k3_server_options {
     const k3_vision *vision;     /* borrowed; NULL: a text-only model (chat image
                                   parts answer 400) */
     k3_pool *vision_pool;        /* borrowed; the image encodes' own pool (never
-                                  the engine's), used by one request at a time;
-                                  NULL = one thread */
+                                  the engine's), used by one request at a time, in
+                                  the order they came; NULL = one thread */
     int64_t max_image_pixels;    /* per image (0 = K3_IMAGE_MAX_PIXELS) */
     bool no_ui;                  /* no chat page at / (a 404 there) */
+    /* a request's images together, read from their headers before any is
+     * decoded: their decoded pixels (0 = 4 x K3_IMAGE_MAX_PIXELS) and their
+     * prompt rows, the vision tower's work (0 = the engine's max_model_len);
+     * over either: 400 naming the limit */
+    int64_t max_request_image_pixels, max_request_image_tokens;
     /* tests only: the engine thread fails at its step test_fail_step (1 = the
      * first), as a failed k3_engine_step would; engine request number
      * test_fail_request (1 = the first submitted) fails alone */

@@ -13,6 +13,7 @@
 #include "server/api.h"
 #include "server/engine_loop.h"
 #include "server/http.h"
+#include "server/images.h"
 #include "server/routes.h"
 #include "pd/pd.h"
 #include "server/ui_page.h"
@@ -86,6 +87,7 @@ static enum MHD_Result route_metrics(struct k3_server *s, struct MHD_Connection 
     }
     k3_metrics_render(&s->metrics, s->engine ? &st : NULL, s->model_label, bs, &o);
     k3_http_metrics_render(s->http, s->model_label, &o);
+    k3_srv_images_metrics(s, &o);
     if (s->engine) {
         k3_kv_residency kr;
         k3_engine_kv_residency(s->engine, &kr);

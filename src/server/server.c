@@ -131,7 +131,8 @@ static void server_free(struct k3_server *s) {
     k3_metrics_destroy(&s->metrics);
     pthread_mutex_destroy(&s->fail_mu);
     pthread_mutex_destroy(&s->live_mu);
-    pthread_mutex_destroy(&s->vision_mu);
+    pthread_mutex_destroy(&s->images_mu);
+    pthread_cond_destroy(&s->images_cv);
     k3_srv_constraint_free(s);
     pthread_mutex_destroy(&s->grammar_mu);
     free(s);
@@ -148,12 +149,16 @@ k3_status k3_server_start(k3_server **out, const k3_server_options *opt, k3_erro
     if (!s) return k3_err(err, K3_ERR_NOMEM, "out of memory for the server");
     pthread_mutex_init(&s->fail_mu, NULL);
     pthread_mutex_init(&s->live_mu, NULL);
-    pthread_mutex_init(&s->vision_mu, NULL);
+    pthread_mutex_init(&s->images_mu, NULL);
+    pthread_cond_init(&s->images_cv, NULL);
     pthread_mutex_init(&s->grammar_mu, NULL);
     s->vision = opt->vision;
     s->pd = opt->pd;
     s->vision_pool = opt->vision_pool;
     s->max_image_pixels = opt->max_image_pixels;
+    s->max_request_image_pixels =
+        opt->max_request_image_pixels > 0 ? opt->max_request_image_pixels : 4 * K3_IMAGE_MAX_PIXELS;
+    s->max_request_image_tokens = opt->max_request_image_tokens;
     s->no_ui = opt->no_ui;
     s->responses = k3_srv_store_new(K3_SRV_STORE_ENTRIES, K3_SRV_STORE_BYTES);
     s->metrics_key = opt->metrics_require_key;

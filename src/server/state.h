@@ -51,11 +51,16 @@ struct k3_server {
     atomic_llong step_t0_ns; /* when the step in progress began (0: none) */
     int64_t n_steps, n_submitted;
     int64_t test_fail_step, test_fail_request;
-    /* images in chat (api_chat.c): the tower or NULL, its pool, encodes one at a time */
+    /* images in chat (images.c): the tower or NULL, its pool; the budgets of
+     * one request; the queue of requests whose images wait for the pool (one
+     * at a time, first come first served), under images_mu */
     const k3_vision *vision;
     k3_pool *vision_pool;
-    int64_t max_image_pixels;
-    pthread_mutex_t vision_mu;
+    int64_t max_image_pixels, max_request_image_pixels, max_request_image_tokens;
+    pthread_mutex_t images_mu;
+    pthread_cond_t images_cv;
+    uint64_t images_next, images_serving;  /* tickets: taken, being served */
+    int64_t images_waiting, images_pixels; /* requests waiting; pixels being decoded */
     /* prefill and decode apart: the transfer agent, or NULL (src/pd) */
     struct k3_pd *pd;
     /* the Responses API's stored responses (store.h; api_responses.c) */
