@@ -11,11 +11,11 @@ the transfer secret (K3_KV_TRANSFER_SECRET, set for the instances; an older buil
             another request's hold (no prompt_hash): whose continuation it gets; remote_host /
             remote_port naming a closed, a silent and a talking loopback port of this script: did
             the decode instance connect, and do its errors tell the three apart
-  proxy     the robustness probes of bench/robust_findings.py (halfclose, framing, slowloris,
-            sigterm) against the proxy (tests/pd_as_serve.py: a prefill, a decode instance and the
-            proxy started as one `k3 serve`); bodies buffered before the key (100 clients, the
-            proxy's RSS); --api-key ""; x-api-key and a lower-case bearer; /health with both
-            backends dead
+  proxy     the robustness probes of bench/robust_findings.py (halfclose, framing, auth: 200
+            unauthenticated 4 MiB bodies and a lower-case bearer, slowloris, sigterm) against the
+            proxy (tests/pd_as_serve.py: a prefill, a decode instance and the proxy started as one
+            `k3 serve`), then proxyown
+  proxyown  the proxy's own: x-api-key; /health with both backends killed; --api-key "" 
   robust    tests/serve_robust.py run against the proxy unchanged: its closing line
   ids       one resp_ and one cmpl- id taken apart as an attacker would: the splitmix64 finalizer
             inverted on their 64-bit words; is a word (or two words' xor) an address in k3's
@@ -375,31 +375,50 @@ def proxy():
     rf.Server.pid = lambda self: proxy_pid(self.proc.pid)
     for fn in (rf.halfclose, rf.framing, rf.auth, rf.slowloris, rf.sigterm):
         fn()
+    proxyown(rf)
+
+
+def proxyown(rf=None):
+    if rf is None:
+        here = os.path.dirname(os.path.abspath(__file__))
+        os.environ["K3_BIN"] = K3
+        sys.argv = [sys.argv[0], os.path.join(here, "..", "tests", "pd_as_serve.py")]
+        sys.path.insert(0, here)
+        import robust_findings as rf
     s = rf.Server("--api-key", "k")
     try:
         d, _ = rf.talk(s.port, rf.req("GET", "/v1/models", None, {"x-api-key": "k"}), timeout=10)
         print("proxy: x-api-key: k (the Anthropic SDK's header): status %d" % rf.status(d), flush=True)
     finally:
         s.stop()
-    s = rf.Server()
+    # /health with its backends dead (started here: tests/pd_as_serve.py ends with an instance)
+    pre = Proc([K3, "serve", "-m", TINY, "--port", "0", "--threads", "1", "--role", "prefill",
+                "--kv-transfer-port", "0"])
+    dec = Proc([K3, "serve", "-m", TINY, "--port", "0", "--threads", "1", "--role", "decode"])
+    px = Proc([K3, "serve", "--role", "proxy", "--port", "0", "--prefill", "http://127.0.0.1:%d" % pre.port,
+               "--decode", "http://127.0.0.1:%d" % dec.port])
     try:
-        d, _ = rf.talk(s.port, rf.req("GET", "/health"), timeout=10)
-        before = rf.status(d)
-        for child in os.listdir("/proc"):
-            if child.isdigit():
-                try:
-                    stat = open("/proc/%s/stat" % child).read()
-                    cmd = open("/proc/%s/cmdline" % child, "rb").read()
-                except OSError:
-                    continue
-                if int(stat.rsplit(")", 1)[1].split()[1]) == s.proc.pid and b"--role\0proxy" not in cmd:
-                    os.kill(int(child), signal.SIGKILL)
+        before = http(px.port, "GET", "/health")[0]
+        for b in (pre, dec):
+            b.proc.kill()
+            b.proc.wait()
         time.sleep(4)
-        d, _ = rf.talk(s.port, rf.req("GET", "/health"), timeout=10)
-        print("proxy: /health %d; with both backends killed (4 s later) /health %d" % (before, rf.status(d)),
-              flush=True)
+        print("proxy: /health %d; with both backends killed (4 s later) /health %d" %
+              (before, http(px.port, "GET", "/health")[0]), flush=True)
     finally:
-        s.stop()
+        for p in (px, pre, dec):
+            p.stop()
+    # --api-key "" on the proxy itself
+    e = Proc([K3, "serve", "--role", "proxy", "--api-key", "", "--port", "0", "--prefill", "http://127.0.0.1:1",
+              "--decode", "http://127.0.0.1:2"], wait=5)
+    if e.port:
+        st = http(e.port, "GET", "/v1/models", headers={"Authorization": ""})[0]
+        print("proxy: --api-key \"\": it started; GET /v1/models without a key: status %d (auth off)" % st, flush=True)
+    else:
+        e.proc.wait(10)
+        print("proxy: --api-key \"\": refused to start (exit %d): %s" %
+              (e.proc.returncode, e.log.decode(errors="replace").strip().splitlines()[-1]), flush=True)
+    e.stop()
 
 
 def robust():
