@@ -181,7 +181,7 @@ int k3_cmd_serve(int argc, char **argv) {
     const char *origins = NULL, *cors_methods = NULL, *cors_headers = NULL;
     bool keep_mapped = false, no_prefix = false, kv_metrics = false, metrics_key = false, no_ui = false;
     float kv_sample = 0.01f;
-    const char *role = NULL, *kv_adv = NULL, *kv_fault = NULL, *kv_secret_file = NULL, *peers = NULL;
+    const char *role = NULL, *kv_adv = NULL, *kv_fault = NULL, *kv_secret_file = NULL, *peers = NULL, *kv_host = NULL;
     long kv_port = 0;
     float kv_hold_timeout = 0, kv_timeout = 0;
     for (int i = 1; i + 1 < argc; i++)
@@ -220,6 +220,7 @@ int k3_cmd_serve(int argc, char **argv) {
         else if (ARG("--role")) role = argv[++i];
         else if (ARG("--kv-transfer-port")) kv_port = parse_long(argv[++i], &bad);
         else if (ARG("--kv-transfer-secret-file")) kv_secret_file = argv[++i];
+        else if (ARG("--kv-transfer-host")) kv_host = argv[++i];
         else if (ARG("--prefill-peers")) peers = argv[++i];
         else if (ARG("--kv-transfer-advertise")) kv_adv = argv[++i];
         else if (ARG("--kv-fault")) kv_fault = argv[++i];
@@ -267,6 +268,13 @@ int k3_cmd_serve(int argc, char **argv) {
     }
     if (kv_port > 65535) {
         fprintf(stderr, "k3 serve: --kv-transfer-port must be in 0..65535\n");
+        return 2;
+    }
+    if (kv_host && strcmp(kv_host, host)) {
+        fprintf(stderr,
+                "k3 serve: the transfer port binds where the HTTP port binds: --kv-transfer-host %s differs "
+                "from --host %s (--kv-transfer-advertise names the address decode instances are told)\n",
+                kv_host, host);
         return 2;
     }
     if (k3_cli_parse_kv(kv_name, &kv)) {
