@@ -14,6 +14,9 @@ K3=${1:-build/k3}
 PART=${2:-ucx}
 BUILD=$(dirname "$K3")
 HOSTS_LIB=tests/hosts/lib.sh
+# every instance and the proxy of a PD deployment share the transfer secret (docs/pd.md)
+K3_KV_TRANSFER_SECRET=$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')
+export K3_KV_TRANSFER_SECRET
 . tests/hosts/lib.sh
 why=$(hosts_check)
 [ -n "$why" ] && { echo "bench/hosts.sh: cannot make hosts here: $why"; exit 1; }

@@ -167,6 +167,12 @@ int k3_cli_physical_cores(void);
  * machine under mpirun. */
 int k3_cli_default_threads(void);
 int k3_cli_all_cpus(void);
+/* The deployment's kv transfer secret of --role prefill|decode|proxy: the
+ * file's bytes (--kv-transfer-secret-file FILE; a trailing newline dropped)
+ * or K3_KV_TRANSFER_SECRET. 0 with *out (malloc'ed, the caller clears and
+ * frees it) and *n; else prints why (none given, unreadable, too short) and
+ * returns -1. */
+int k3_cli_transfer_secret(const char *cmd, const char *file, char **out, size_t *n);
 /* The model directory: dir when given with -m, else the default model found
  * in ./models/k3-mini, beside the binary (BIN/../models/k3-mini) or under
  * its install prefix (BIN/../share/k3/models/k3-mini). NULL (with a message

@@ -38,6 +38,7 @@ typedef enum k3_status {
     K3_ERR_ARG,         /* a bad argument: id out of range, bad UTF-8, ... */
     K3_ERR_RANGE,       /* out of capacity: context full, too many sequences */
     K3_ERR_BUSY,        /* try again later: the engine's waiting queue is full */
+    K3_ERR_PERM,        /* refused: the peer or request is not one that may do this */
 } k3_status;
 
 typedef struct k3_error {
@@ -1110,6 +1111,10 @@ k3_status k3_image_decode(k3_image **out, const void *data, size_t size, int64_t
  * K3_ERR_UNSUPPORTED naming the rule -- k3 fetches nothing; malformed base64
  * is K3_ERR_ARG. */
 k3_status k3_image_decode_url(k3_image **out, const char *url, size_t len, int64_t max_pixels, k3_error *err);
+/* The size of an image_url's image from its header alone (nothing decoded),
+ * with the same checks and errors as k3_image_decode_url's up to there. */
+k3_status k3_image_probe_url(const char *url, size_t len, int64_t max_pixels, int32_t *width, int32_t *height,
+                             k3_error *err);
 /* The same from a file. */
 k3_status k3_image_load(k3_image **out, const char *path, int64_t max_pixels, k3_error *err);
 /* An image from 8-bit RGBA pixels [height, width, 4] (copied); with
@@ -1187,7 +1192,9 @@ k3_status k3_vision_splice(const k3_vision *v, const k3_tokenizer *t, const int3
  * the result is ready for the forward pass (ids + embeds) and the prefix
  * cache (keys: k3_image_hash on each image's framing, 0 elsewhere). v may be
  * NULL for a text-only model: an image part is then K3_ERR_UNSUPPORTED with
- * a message. Errors name messages[i].content[j]. Free with k3_vision_prompt_free. */
+ * a message. Errors name messages[i].content[j]. Free with k3_vision_prompt_free.
+ * The images are decoded and encoded one at a time: what one takes is freed
+ * before the next is decoded. */
 typedef struct k3_vision_prompt {
     int32_t *ids;
     size_t n_ids;
@@ -1202,18 +1209,33 @@ k3_status k3_vision_chat_encode_json(const k3_vision *v, const k3_tokenizer *t, 
                                      const char *messages_json, const char *tools_json, const k3_chat_options *opt,
                                      int64_t max_pixels, k3_vision_prompt *out, k3_error *err);
 void k3_vision_prompt_free(k3_vision_prompt *p);
+/* What such messages' images will take, from their headers alone (nothing
+ * decoded): their count, decoded pixels and prompt rows (the tower's work).
+ * The same errors as k3_vision_chat_encode_json's for a bad or oversized
+ * image (v NULL: K3_ERR_UNSUPPORTED at the first image). */
+typedef struct k3_vision_cost {
+    int32_t n_images;
+    int64_t pixels; /* decoded, summed */
+    int64_t tokens; /* prompt rows, summed: what the tower computes */
+} k3_vision_cost;
+k3_status k3_vision_chat_cost(const k3_vision *v, const char *messages_json, int64_t max_pixels, k3_vision_cost *out,
+                              k3_error *err);
 /* ---- prefill and decode apart: the transfer agent and the proxy (src/pd) --
  *
  * A k3_pd sits beside one instance's engine and server. As a prefill
  * instance it listens on its transfer port and serves holds (k3_engine
  * hold_*) to the decode instances that pull them; as a decode instance it
  * is the engine's pull hook: it connects to the prefill instance a
- * request's kv_transfer_params name and writes what arrives into the
- * request's blocks. The stream is plain TCP: a pull request, then units
- * (one layer's rows for a run of positions, or a piece of the KDA state),
- * each with its length, a checksum and the identity of the model,
- * quantization and cache format (a mismatch is refused, naming both); the
- * prefill side frees the hold when the stream ends, read or not. The server
+ * request's kv_transfer_params name (taken only from the proxy, or for a
+ * peer of prefill_peers) and writes what arrives into the request's blocks.
+ * Every instance of a deployment holds the same secret: a connection starts
+ * with a handshake that proves it both ways, then a pull request (a hold's
+ * token of 128 random bits and its prompt's hash), then units (one layer's
+ * rows for a run of positions, or a piece of the KDA state), each with its
+ * length and a MAC; a request for another model, quantization or cache
+ * format, or for a hold this prompt did not make, is refused, naming
+ * nothing. The prefill side frees a pulled hold when the stream ends, read
+ * or not. The server
  * (k3_server_options.pd) reads and writes vLLM's kv_transfer_params
  * (do_remote_decode / do_remote_prefill, remote_engine_id, remote_host,
  * remote_port, remote_block_ids, remote_request_id; and k3's own: the
@@ -1230,11 +1252,15 @@ typedef struct k3_pd_options {
     const char *quant;          /* the --quant mode (NULL = "none") */
     k3_kv_type kv_cache;
     int32_t block_size;
-    double timeout_s;  /* a transfer that moves nothing this long fails (0 = 30) */
-    int max_pulls;     /* pulls at once (0 = 8) */
-    const char *fault; /* tests only: NULL, or "flip:U" (a byte of unit U's payload
-                                   flipped after its checksum), "stall:U:MS" (sleep before
+    double timeout_s;   /* a transfer that moves nothing this long fails (0 = 30) */
+    int max_pulls;      /* pulls at once (0 = 8) */
+    const char *fault;  /* tests only: NULL, or "flip:U" (a byte of unit U's payload
+                                   flipped after its MAC), "stall:U:MS" (sleep before
                                    sending unit U, prefill side; after receiving it, decode side) */
+    const void *secret; /* the deployment's transfer secret (required, >= 16 bytes; copied) */
+    size_t secret_len;
+    const char *prefill_peers; /* decode side: HOST:PORT[,...] whose kv_transfer_params are taken
+                                  without the proxy's credential (NULL: none) */
 } k3_pd_options;
 
 k3_status k3_pd_start(k3_pd **out, const k3_pd_options *opt, k3_error *err);
@@ -1251,7 +1277,10 @@ int k3_pd_port(const k3_pd *pd);
  * request to the least loaded decode instance, whose answer (or stream) is
  * the client's. Other routes go to a decode instance as they are. A backend
  * that cannot be reached is skipped for a while and another tried; when none
- * answers, the client gets an error in OpenAI's shape. */
+ * answers, the client gets an error in its API's shape. It serves through the
+ * same HTTP layer as k3_server (limits, deadlines, the key before any body,
+ * CORS, the drain); its /health answers 200 while a prefill and a decode
+ * instance answer theirs. */
 typedef struct k3_proxy k3_proxy;
 
 typedef struct k3_proxy_options {
@@ -1261,13 +1290,28 @@ typedef struct k3_proxy_options {
     int n_prefill;
     const char *const *decode; /* [n_decode] */
     int n_decode;
-    const char *api_key;   /* NULL or "": none; else clients need it (and it is passed on) */
-    double timeout_s;      /* a backend silent this long fails the request (0 = 600) */
-    size_t max_body_bytes; /* 0 = 4 MiB */
-    int max_connections;   /* 0 = 1024 */
+    const char *api_key;      /* NULL: none; else clients need it (Bearer or x-api-key) and the
+                                 proxy passes it on to the instances; "" is refused */
+    bool metrics_require_key; /* /metrics needs the key too (open by default) */
+    double timeout_s;         /* a backend silent this long fails the request (0 = 600) */
+    /* the HTTP layer's limits, as k3_server_options' (0 = its defaults; at most
+     * 1024 connections) */
+    size_t max_body_bytes;
+    int max_connections, max_connections_per_ip;
+    int idle_timeout_s, header_timeout_s, body_timeout_s;
+    const char *allowed_origins, *allowed_methods, *allowed_headers;
+    const void *secret; /* the deployment's transfer secret (required: the credential on
+                           kv_transfer_params, the release of holds) */
+    size_t secret_len;
 } k3_proxy_options;
 
 k3_status k3_proxy_start(k3_proxy **out, const k3_proxy_options *opt, k3_error *err);
+/* As k3_server_drain, k3_server_in_flight, k3_server_end: new requests 503;
+ * requests received and not answered in full; those in flight ended (a
+ * stream with its API's error event, a whole answer with a 503 naming why). */
+void k3_proxy_drain(k3_proxy *p);
+int k3_proxy_in_flight(k3_proxy *p);
+void k3_proxy_end(k3_proxy *p, const char *why);
 int k3_proxy_port(const k3_proxy *p);
 void k3_proxy_stop(k3_proxy *p);
 
@@ -1325,10 +1369,15 @@ typedef struct k3_server_options {
     const k3_vision *vision;     /* borrowed; NULL: a text-only model (chat image
                                   parts answer 400) */
     k3_pool *vision_pool;        /* borrowed; the image encodes' own pool (never
-                                  the engine's), used by one request at a time;
-                                  NULL = one thread */
+                                  the engine's), used by one request at a time, in
+                                  the order they came; NULL = one thread */
     int64_t max_image_pixels;    /* per image (0 = K3_IMAGE_MAX_PIXELS) */
     bool no_ui;                  /* no chat page at / (a 404 there) */
+    /* a request's images together, read from their headers before any is
+     * decoded: their decoded pixels (0 = 4 x K3_IMAGE_MAX_PIXELS) and their
+     * prompt rows, the vision tower's work (0 = the engine's max_model_len);
+     * over either: 400 naming the limit */
+    int64_t max_request_image_pixels, max_request_image_tokens;
     /* tests only: the engine thread fails at its step test_fail_step (1 = the
      * first), as a failed k3_engine_step would; engine request number
      * test_fail_request (1 = the first submitted) fails alone */

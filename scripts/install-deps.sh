@@ -2,7 +2,7 @@
 # Installs the Debian packages k3 builds against, only when one is missing.
 # Called by `make` (target `deps`); safe to run by hand. Needs root or sudo.
 set -e
-PKGS="build-essential pkg-config libpcre2-dev libjansson-dev libmicrohttpd-dev libcurl4-openssl-dev python3 openmpi-bin libopenmpi-dev libpng-dev libjpeg62-turbo-dev libwebp-dev libgif-dev libxxhash-dev libzmq3-dev libmsgpack-dev"
+PKGS="build-essential pkg-config libpcre2-dev libjansson-dev libmicrohttpd-dev libcurl4-openssl-dev python3 openmpi-bin libopenmpi-dev libpng-dev libjpeg62-turbo-dev libwebp-dev libgif-dev libxxhash-dev libzmq3-dev libmsgpack-dev libssl-dev"
 missing=""
 for p in $PKGS; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"

@@ -23,6 +23,9 @@ FULL=
 BUILD=$(dirname "$K3")
 HOSTS_LIB=tests/hosts/lib.sh
 . tests/hosts/lib.sh
+# every instance and the proxy of a PD deployment share the transfer secret (docs/pd.md)
+K3_KV_TRANSFER_SECRET=$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')
+export K3_KV_TRANSFER_SECRET
 pass=0
 fail=0
 skip=0

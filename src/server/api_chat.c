@@ -15,6 +15,7 @@
 #include "server/api.h"
 #include "server/constraint.h"
 #include "server/http.h"
+#include "server/images.h"
 #include "server/job.h"
 #include "tokenizer/reasoning.h"
 
@@ -88,14 +89,20 @@ k3_status k3_srv_encode_messages(struct k3_server *s, const k3_srv_chat_input *i
                           .tool_choice = in->tool_choice,
                           .response_format = rj};
     /* image parts go through the tower (v NULL: refused for a text-only
-     * model); one encode at a time, on the tower's own pool */
+     * model): the request's budgets checked on the images' headers, then
+     * its turn on the tower's own pool (images.c) */
     const bool img = has_image(in->messages);
-    if (img) pthread_mutex_lock(&s->vision_mu);
-    k3_status st = mj && (tj || !json_is_array(in->tools)) && (rj || !json_is_object(in->response_format))
-        ? k3_vision_chat_encode_json(img ? s->vision : NULL, s->tok, img ? s->vision_pool : NULL, mj, tj, &co,
-                                     s->max_image_pixels, out, err)
-        : k3_err(err, K3_ERR_NOMEM, "out of memory");
-    if (img) pthread_mutex_unlock(&s->vision_mu);
+    k3_vision_cost cost = {0};
+    k3_status st = !mj || (!tj && json_is_array(in->tools)) || (!rj && json_is_object(in->response_format))
+        ? k3_err(err, K3_ERR_NOMEM, "out of memory")
+        : img ? k3_srv_images_admit(s, mj, &cost, err)
+              : K3_OK;
+    if (!st) {
+        if (img) k3_srv_images_enter(s, &cost);
+        st = k3_vision_chat_encode_json(img ? s->vision : NULL, s->tok, img ? s->vision_pool : NULL, mj, tj, &co,
+                                        s->max_image_pixels, out, err);
+        if (img) k3_srv_images_leave(s, &cost);
+    }
     free(mj);
     free(tj);
     free(rj);

@@ -64,22 +64,8 @@ static void ctx_free(void *p) {
 
 /* ---- errors ---------------------------------------------------------------- */
 
-static const char *error_type(unsigned status) {
-    switch (status) {
-    case 401: return "authentication_error";
-    case 403: return "permission_error";
-    case 404: return "not_found_error";
-    case 413: return "request_too_large";
-    case 429: return "rate_limit_error";
-    case 503: return "overloaded_error";
-    default: return status >= 500 ? "api_error" : "invalid_request_error";
-    }
-}
-
 json_t *k3_srv_anthropic_error_json(unsigned status, const char *msg) {
-    json_t *m = k3_srv_jstr(msg, strlen(msg));
-    return json_pack("{s:s,s:{s:s,s:o}}", "type", "error", "error", "type", error_type(status), "message",
-                     m ? m : json_string("error"));
+    return k3_http_anthropic_error_json(status, k3_srv_jstr(msg, strlen(msg)));
 }
 
 enum MHD_Result k3_srv_anthropic_error(struct k3_server *s, struct MHD_Connection *c, unsigned status,

@@ -106,8 +106,8 @@ const char *k3_srv_ending(struct k3_server *s, char *buf, size_t cap) {
         snprintf(buf, cap, "the engine failed: %.250s", e.msg);
         return buf;
     }
-    if (atomic_load(&s->phase) == K3_SRV_ENDING) {
-        snprintf(buf, cap, "%s", s->end_msg);
+    if (k3_http_phase(s->http) == K3_HTTP_ENDING) {
+        snprintf(buf, cap, "%s", k3_http_end_msg(s->http));
         return buf;
     }
     return NULL;

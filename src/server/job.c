@@ -30,16 +30,10 @@
 #include <time.h>
 
 #include "common/error.h"
+#include "common/random.h"
 #include "pd/pd.h"
 #include "server/http.h"
 #include "server/job.h"
-
-static uint64_t mix64(uint64_t x) {
-    x += 0x9E3779B97F4A7C15ull;
-    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-    return x ^ (x >> 31);
-}
 
 void k3_tool_stream_free(k3_tool_stream *ts) {
     for (int i = 0; i < ts->n; i++) k3_buf_free(&ts->calls[i].sent);
@@ -628,9 +622,10 @@ enum MHD_Result k3_srv_job_serve_surf(struct k3_server *s, struct MHD_Connection
     j->api = api;
     j->conn = conn;
     j->created = (long)time(NULL);
-    const uint64_t rid = atomic_fetch_add(&s->next_id, 1);
-    snprintf(j->id, sizeof j->id, "%s-%016llx", api->id_prefix,
-             (unsigned long long)mix64(rid ^ ((uint64_t)j->created << 20)));
+    /* the id tells nothing: random letters from the OS, no counter, clock or address */
+    char pre[24];
+    snprintf(pre, sizeof pre, "%s-", api->id_prefix);
+    k3_random_id(j->id, sizeof j->id, pre, 24);
 
     j->markup[0] = j->markup[1] = j->markup[2] = -1;
     if (api->keep_specials) {
@@ -662,8 +657,9 @@ enum MHD_Result k3_srv_job_serve_surf(struct k3_server *s, struct MHD_Connection
         job_unref(j);
         return k3_srv_api_error(api, s, conn, 500, "out of memory");
     }
-    j->base_seed = rq->seed >= 0 || rq->seed_given ? (uint64_t)rq->seed
-                                                   : mix64(rid * 0x2545F4914F6CDD1Dull ^ (uint64_t)time(NULL));
+    uint64_t seed = 0;
+    if (!(rq->seed >= 0 || rq->seed_given)) k3_random_bytes(&seed, sizeof seed, NULL);
+    j->base_seed = rq->seed >= 0 || rq->seed_given ? (uint64_t)rq->seed : seed;
     j->mml = mml;
     j->mt_cap = -1;
     for (int i = 0; i < j->n; i++) {
@@ -727,22 +723,14 @@ enum MHD_Result k3_srv_job_serve_surf(struct k3_server *s, struct MHD_Connection
  * the pull's figures as "kv_transfer". A request refused here still has
  * its hold released on the prefill side.
  */
-/* The hold named by params, released on its prefill instance (a request that
- * will not pull it): a pull made only to be abandoned. */
-static void release_named(k3_srv_job *j) {
-    json_t *p = json_deep_copy(j->rq.kv_transfer);
-    if (!p) return;
-    /* the prompt checks are what failed: make them pass to reach the release */
-    json_object_del(p, "prompt_hash");
-    const int64_t n = j->rq.n_prompts ? j->rq.n_prompt[0] : 0;
-    json_object_set_new(p, "num_tokens", json_integer(n > 0 ? n : 1));
-    k3_remote_prefill rp;
-    k3_pd_pull *pull = n > 0 ? k3_pd_pull_new(j->s->pd, p, j->rq.prompts[0], n, &rp, NULL) : NULL;
-    json_decref(p);
-    if (!pull) return;
-    k3_pd_pull_abandon(j->s->pd, pull);
-    k3_pd_pull_unref(j->s->pd, pull);
+/* The proxy's credential on the request (decode side), or NULL. */
+static const char *credential(k3_srv_job *j) {
+    return MHD_lookup_connection_value(j->conn, MHD_HEADER_KIND, K3_PD_CREDENTIAL_HEADER);
 }
+
+/* The hold named by params, released on its prefill instance (a request that
+ * will not pull it), when the params came from the proxy. */
+static void release_named(k3_srv_job *j) { k3_pd_release_named(j->s->pd, j->rq.kv_transfer, credential(j)); }
 
 bool k3_srv_pd_prepare(k3_srv_job *j, k3_srv_bad *e) {
     k3_srv_request *rq = &j->rq;
@@ -751,15 +739,13 @@ bool k3_srv_pd_prepare(k3_srv_job *j, k3_srv_bad *e) {
     if (!decode && !prefill) return true; /* no transfer asked for (vLLM's proxies send both false) */
     if (decode && prefill)
         return k3_srv_bad_set(e, 400, "kv_transfer_params: do_remote_decode and do_remote_prefill cannot both be true");
-    if (!j->s->pd) {
-        if (prefill) release_named(j);
+    if (!j->s->pd)
         return k3_srv_bad_set(e, 400,
                               "kv_transfer_params: this server is not a prefill or decode instance (k3 serve --role "
                               "prefill|decode)");
-    }
     if (rq->n_prompts != 1 || rq->n != 1) {
         if (prefill) release_named(j);
-        return k3_srv_bad_set(e, 400, "kv_transfer_params: a disaggregated request has one prompt and n = 1");
+        return k3_srv_bad_set(e, 400, "%s", K3_PD_NOT_SPLIT);
     }
     if (decode) {
         if (rq->stream) return k3_srv_bad_set(e, 400, "kv_transfer_params: do_remote_decode needs \"stream\": false");
@@ -773,9 +759,9 @@ bool k3_srv_pd_prepare(k3_srv_job *j, k3_srv_bad *e) {
                               "where the prompt is, not on a decode instance");
     }
     k3_error err = {0};
-    j->pull = k3_pd_pull_new(j->s->pd, kt, rq->prompts[0], rq->n_prompt[0], &j->rp, &err);
+    j->pull = k3_pd_pull_new(j->s->pd, kt, credential(j), rq->prompts[0], rq->n_prompt[0], &j->rp, &err);
     if (!j->pull) {
-        release_named(j);
+        if (err.status != K3_ERR_PERM) release_named(j);
         return k3_srv_bad_set(e, err.status == K3_ERR_NOMEM ? 500 : 400, "%s", err.msg);
     }
     return true;

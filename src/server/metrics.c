@@ -133,11 +133,6 @@ void k3_metrics_render(k3_metrics *m, const k3_engine_stats *st, const char *mod
     pthread_mutex_lock(&m->mu);
     memcpy(snap.h, m->h, sizeof snap.h);
     memcpy(snap.finished, m->finished, sizeof snap.finished);
-    snap.http_requests = m->http_requests;
-    snap.http_errors = m->http_errors;
-    snap.http_refused = m->http_refused;
-    snap.http_timeouts = m->http_timeouts;
-    snap.http_evicted = m->http_evicted;
     snap.prompt_tokens = m->prompt_tokens;
     snap.prompt_tokens_cached = m->prompt_tokens_cached;
     pthread_mutex_unlock(&m->mu);
@@ -202,23 +197,6 @@ void k3_metrics_render(k3_metrics *m, const k3_engine_stats *st, const char *mod
         k3_buf_addf(o, "%s_sum{model_name=\"%s\"} %.17g\n%s_count{model_name=\"%s\"} %llu\n", h->name, model, h->sum,
                     h->name, model, (unsigned long long)h->n);
     }
-    k3_buf_addf(o,
-                "# HELP k3:http_requests_total HTTP requests answered.\n# TYPE k3:http_requests_total counter\n"
-                "k3:http_requests_total{model_name=\"%s\"} %llu\n"
-                "# HELP k3:http_errors_total HTTP requests answered with an error status.\n"
-                "# TYPE k3:http_errors_total counter\nk3:http_errors_total{model_name=\"%s\"} %llu\n"
-                "# HELP k3:http_connections_refused_total Connections over the limit answered 503.\n"
-                "# TYPE k3:http_connections_refused_total counter\n"
-                "k3:http_connections_refused_total{model_name=\"%s\"} %llu\n"
-                "# HELP k3:http_timeouts_total Connections closed because their request line and headers, or "
-                "their body, did not arrive in time.\n"
-                "# TYPE k3:http_timeouts_total counter\nk3:http_timeouts_total{model_name=\"%s\"} %llu\n"
-                "# HELP k3:http_evicted_total Connections waiting for their request that were closed to make room "
-                "for a new one over the connection limit.\n"
-                "# TYPE k3:http_evicted_total counter\nk3:http_evicted_total{model_name=\"%s\"} %llu\n",
-                model, (unsigned long long)m->http_requests, model, (unsigned long long)m->http_errors, model,
-                (unsigned long long)m->http_refused, model, (unsigned long long)m->http_timeouts, model,
-                (unsigned long long)m->http_evicted);
 }
 
 void k3_metrics_render_dist(const k3_comm_stats *cs, k3_buf *o) {

@@ -36,6 +36,7 @@
 #include <time.h>
 
 #include "common/error.h"
+#include "common/random.h"
 #include "common/json_guard.h"
 #include "tokenizer/chat_json.h"
 #include "tokenizer/chat_stream.h"
@@ -154,32 +155,9 @@ static got tag_rest(cursor *c, tag_attrs *a) {
 
 /* ---- tool calls --------------------------------------------------------------- */
 
-static atomic_uint_fast64_t id_counter;
-
-static uint64_t mix(uint64_t x) {
-    x += 0x9e3779b97f4a7c15u;
-    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9u;
-    x = (x ^ (x >> 27)) * 0x94d049bb133111ebu;
-    return x ^ (x >> 31);
-}
-
-/* "call_" and 24 characters of [0-9A-Za-z]: unique within a process (a
- * counter) and unlikely to repeat across processes (the clock). */
-static void new_call_id(char out[32]) {
-    static const char abc[] = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ";
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    uint64_t n = atomic_fetch_add(&id_counter, 1);
-    uint64_t a = mix(n ^ mix((uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec));
-    uint64_t b = mix(a ^ (uintptr_t)&id_counter);
-    memcpy(out, "call_", 5);
-    for (int i = 0; i < 24; i++) {
-        uint64_t *w = i < 12 ? &a : &b;
-        out[5 + i] = abc[*w % 62];
-        *w /= 62;
-    }
-    out[29] = 0;
-}
+/* "call_" and 24 characters of [0-9A-Za-z] from the OS's generator: they
+ * carry no counter, clock or address. */
+static void new_call_id(char out[32]) { k3_random_id(out, 32, "call_", 24); }
 
 void k3_chat_new_call_id(char out[32]) { new_call_id(out); }
 
