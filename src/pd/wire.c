@@ -22,6 +22,8 @@ _Static_assert(sizeof(k3_pd_ident) == 40, "k3_pd_ident is 40 bytes on the wire")
 _Static_assert(sizeof(k3_pd_hello) == 72, "k3_pd_hello is 72 bytes on the wire");
 _Static_assert(sizeof(k3_pd_req) == 136, "k3_pd_req is 136 bytes on the wire");
 _Static_assert(sizeof(k3_pd_unit) == 72, "k3_pd_unit is 72 bytes on the wire");
+_Static_assert(sizeof(k3_pd_ucx_offer) == 40, "k3_pd_ucx_offer is 40 bytes on the wire");
+_Static_assert(sizeof(k3_pd_ucx_array) == 24, "k3_pd_ucx_array is 24 bytes on the wire");
 
 /* ---- control messages ------------------------------------------------------------- */
 
