@@ -1,13 +1,17 @@
 """pd_transfer.py -- the prefill -> decode transfer's throughput against a plain loopback TCP copy.
 
 Usage: python3 bench/pd_transfer.py [--model DIR] [--tokens N] [--runs R] [--kv-cache f32|c8] [--k3 build/k3]
+                                   [--kv-transport tcp|ucx] [--ucx-tls LIST]
 Starts a prefill and a decode instance (k3 serve --role prefill / decode, --mmap, --threads 1) and
 the proxy, prefills one N-token prompt (ids), then sends it R more times: the prefill instance
 reuses its prefix cache (it computes only the last block), the decode instance has none
 (--no-prefix-cache), so each request moves the whole prompt's cache and its KDA state. Prints each
 transfer's bytes, seconds and GB/s from the answer's kv_transfer figures, the median, and the
 cache bytes per token and KDA state bytes of `k3 info` they add up to. Compare with
-`build/tcpcopy BYTES` (make tcpcopy) run at the same time of day. stdlib only.
+`build/tcpcopy BYTES` (make tcpcopy) run at the same time of day. With --kv-transport ucx both instances
+move the rows by one-sided UCX gets (--ucx-tls: UCX's transports, default sm,self); each transfer is
+checked to have gone that way, and the share of its time the decode side spent checking the MACs of
+what landed is printed. stdlib only.
 """
 import argparse
 import json
@@ -28,6 +32,8 @@ ap.add_argument("--tokens", type=int, default=4096)
 ap.add_argument("--runs", type=int, default=5)
 ap.add_argument("--kv-cache", default="f32")
 ap.add_argument("--k3", default="build/k3")
+ap.add_argument("--kv-transport", default="tcp")
+ap.add_argument("--ucx-tls", default=None)
 a = ap.parse_args()
 procs = []
 # the instances and the proxy share a transfer secret (an older build ignores it)
@@ -64,8 +70,11 @@ try:
     common = ["serve", "-m", a.model, "--port", "0", "--threads", "1", "--mmap", "--kv-cache", a.kv_cache,
               "--served-model-name", "m", "--max-model-len", str(a.tokens + 64), "--cache-tokens", str(2 * a.tokens + 256),
               "--max-num-seqs", "2", "--max-num-batched-tokens", "1024"]
-    pp = start([a.k3] + common + ["--role", "prefill", "--kv-transfer-port", "0"])
-    dp = start([a.k3] + common + ["--role", "decode", "--no-prefix-cache"])
+    tr = ["--kv-transport", a.kv_transport] if a.kv_transport != "tcp" else []
+    if a.ucx_tls:
+        tr += ["--kv-ucx-tls", a.ucx_tls]
+    pp = start([a.k3] + common + ["--role", "prefill", "--kv-transfer-port", "0"] + tr)
+    dp = start([a.k3] + common + ["--role", "decode", "--no-prefix-cache"] + tr)
     xp = start([a.k3, "serve", "--role", "proxy", "--port", "0", "--prefill", "http://127.0.0.1:%d" % pp,
                 "--decode", "http://127.0.0.1:%d" % dp, "--timeout", "3600"])
     ids = [(i * 7919 + 11) % 30000 + 100 for i in range(a.tokens)]
@@ -76,16 +85,22 @@ try:
     t0 = time.time()
     first = post(xp, {"model": "m", "prompt": ids, "max_tokens": 2, "temperature": 0})
     print("prefill of %d tokens (and its transfer): %.1f s" % (a.tokens, time.time() - t0), flush=True)
-    rates = []
+    rates, shares = [], []
     for r in range(a.runs):
         ans = post(xp, {"model": "m", "prompt": ids, "max_tokens": 2, "temperature": 0})
         t = ans["kv_transfer"]
         rates.append(t["gbps"])
-        print("transfer %d: %d bytes (%d tokens x %d + %d = %d) in %.4f s: %.2f GB/s" %
-              (r, t["bytes"], a.tokens, bpt, state, a.tokens * bpt + state, t["seconds"], t["gbps"]), flush=True)
+        share = t.get("verify_s", 0) / t["seconds"] if t["seconds"] > 0 else 0
+        shares.append(share)
+        print("transfer %d: %d bytes (%d tokens x %d + %d = %d) in %.4f s: %.2f GB/s (%s%s)" %
+              (r, t["bytes"], a.tokens, bpt, state, a.tokens * bpt + state, t["seconds"], t["gbps"],
+               t.get("transport", "tcp"), ", %.0f%% checking MACs" % (100 * share) if "verify_s" in t else ""),
+              flush=True)
         assert t["bytes"] == a.tokens * bpt + state
-    print("median %.2f GB/s over %d transfers of %.1f MB" % (statistics.median(rates), a.runs,
-                                                               (a.tokens * bpt + state) / 1e6))
+        assert t.get("transport", "tcp") == a.kv_transport, "moved by %s" % t.get("transport")
+    print("median %.2f GB/s over %d transfers of %.1f MB (%s)%s" % (
+        statistics.median(rates), a.runs, (a.tokens * bpt + state) / 1e6, a.kv_transport,
+        ", %.1f%% of the time checking MACs" % (100 * statistics.median(shares)) if a.kv_transport == "ucx" else ""))
 finally:
     for p in procs:
         if p.poll() is None:

@@ -286,13 +286,17 @@ void k3_ucx_serve(k3_ucx *u, double seconds, const volatile bool *stop) {
 int k3_ucx_serve_until_readable(k3_ucx *u, int fd, double seconds, const volatile bool *stop) {
     const double t0 = k3_now();
     long spins = 0;
-    while (!(stop && *stop) && k3_now() - t0 < seconds) {
-        struct pollfd p = {.fd = fd, .events = POLLIN};
-        if (poll(&p, 1, 0) > 0) return 1;
+    for (unsigned busy = 0;; busy++) {
+        /* while the worker has work, the socket and the clock are looked at
+         * every 64 rounds (a round moves a fragment of a few KiB) */
+        if (spins > 0 || busy % 64 == 0) {
+            if ((stop && *stop) || k3_now() - t0 >= seconds) return 0;
+            struct pollfd p = {.fd = fd, .events = POLLIN};
+            if (poll(&p, 1, 0) > 0) return 1;
+        }
         if (ucp_worker_progress(u->w)) spins = 0;
         else idle(spins++);
     }
-    return 0;
 }
 
 /* ---- registered memory ------------------------------------------------------------------------- */

@@ -42,6 +42,7 @@
  */
 #include <errno.h>
 #include <poll.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -55,6 +56,8 @@
 #define MAX_LAYERS 1024
 #define MAX_COMPS 5
 #define WINDOW 32 /* units whose gets are in flight at once (decode side) */
+#define KEPT 8    /* idle workers kept (host-local transports only) */
+#define REUSES 64 /* pulls a kept worker serves before it is replaced */
 
 /* ---- faults ------------------------------------------------------------------------------------- */
 
@@ -92,7 +95,71 @@ struct k3_pd_ux {
     arr *arrs;
     int n_arrs;
     int first[MAX_LAYERS + 1]; /* arrs of layer L: [first[L], first[L + 1]) */
+    /* Workers: one per pull. Over host-local transports (shared memory)
+     * they are kept and reused (a worker costs 1-8 ms to make here, as much
+     * as a pull of 20 MB), each for REUSES pulls (the endpoints peers made to
+     * it stay until it goes); over a network transport every pull makes its
+     * own and closes it, so nothing of it listens between pulls. */
+    bool local;
+    pthread_mutex_t mu;
+    k3_ucx *idle[KEPT];
+    int uses[KEPT], n_idle;
 };
+
+typedef struct worker {
+    k3_ucx *w;
+    int uses;
+} worker;
+
+static k3_status worker_take(k3_pd_ux *ux, const char *name, worker *out, k3_error *err) {
+    *out = (worker){0};
+    if (ux->local) {
+        pthread_mutex_lock(&ux->mu);
+        if (ux->n_idle > 0) {
+            ux->n_idle--;
+            *out = (worker){ux->idle[ux->n_idle], ux->uses[ux->n_idle]};
+        }
+        pthread_mutex_unlock(&ux->mu);
+        if (out->w) return K3_OK;
+    }
+    return k3_ucx_worker_new(ux->u, name, &out->w, err);
+}
+
+/* Back after a pull (every endpoint of it closed on this side). A failed
+ * pull's worker is not kept. */
+static void worker_give(k3_pd_ux *ux, worker *w, bool ok) {
+    if (!w->w) return;
+    if (ux->local && ok && ++w->uses < REUSES) {
+        pthread_mutex_lock(&ux->mu);
+        const bool kept = ux->n_idle < KEPT;
+        if (kept) {
+            ux->idle[ux->n_idle] = w->w;
+            ux->uses[ux->n_idle++] = w->uses;
+        }
+        pthread_mutex_unlock(&ux->mu);
+        if (kept) {
+            w->w = NULL;
+            return;
+        }
+    }
+    k3_ucx_close(w->w);
+    w->w = NULL;
+}
+
+/* Whether a transport list names only host-local transports (shared memory
+ * and self). */
+static bool only_local(const char *tls) {
+    static const char *const loc[] = {"sm", "cma", "posix", "sysv", "mm", "xpmem", "knem", "shm", "self"};
+    if (!tls) return false;
+    char buf[128];
+    snprintf(buf, sizeof buf, "%s", tls);
+    for (char *save = NULL, *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
+        bool found = false;
+        for (size_t i = 0; i < sizeof loc / sizeof *loc; i++) found |= !strcmp(t, loc[i]);
+        if (!found) return false;
+    }
+    return true;
+}
 
 /* Whether a transport list names a shared-memory transport (no peer failure
  * detection there). */
@@ -114,6 +181,8 @@ k3_status k3_pd_ux_open(k3_pd_ux **out, k3_engine *e, const char *tls, bool serv
     if (!ux) return k3_err(err, K3_ERR_NOMEM, "kv transfer: out of memory");
     ux->e = e;
     ux->serve = serve;
+    ux->local = only_local(tls);
+    pthread_mutex_init(&ux->mu, NULL);
     snprintf(ux->tls, sizeof ux->tls, "%s", tls ? tls : "UCX's default");
     ux->read_direct = k3_engine_kv_direct(e, false);
     ux->write_direct = k3_engine_kv_direct(e, true);
@@ -154,6 +223,8 @@ k3_status k3_pd_ux_open(k3_pd_ux **out, k3_engine *e, const char *tls, bool serv
 
 void k3_pd_ux_close(k3_pd_ux *ux) {
     if (!ux) return;
+    for (int i = 0; i < ux->n_idle; i++) k3_ucx_close(ux->idle[i]);
+    pthread_mutex_destroy(&ux->mu);
     for (int i = 0; i < ux->n_arrs; i++) k3_ucx_mem_free(ux->arrs[i].m);
     free(ux->arrs);
     k3_ucx_close(ux->u);
@@ -242,6 +313,9 @@ static bool put(blob *b, const void *x, size_t n) {
 
 /* The unit's MAC (message 2 no + 1) over its bytes where they lie, in order. */
 static k3_status tag_pieces(k3_pd_session *ss, int64_t no, k3_pd_unit *u, const pieces *ps, k3_error *err) {
+#ifdef K3_PD_UCX_NO_MAC /* a bench build only: what the MACs of the rows cost (docs/pd.md) */
+    return K3_OK;
+#endif
     struct iovec v[64] = {{0}}, *vv = ps->n <= 64 ? v : malloc(sizeof *vv * (size_t)ps->n);
     if (!vv) return k3_err(err, K3_ERR_NOMEM, "kv transfer: out of memory");
     for (int i = 0; i < ps->n; i++) vv[i] = (struct iovec){ps->p[i].dst, ps->p[i].len};
@@ -264,6 +338,14 @@ static k3_status send_header(int fd, k3_pd_session *ss, int64_t no, k3_pd_unit *
     return k3_pd_unit_send(fd, ss, 2 * (uint64_t)no, u, err);
 }
 
+/* Where the transport emulates gets with messages (tcp; on one host the
+ * shared-memory segments of sysv and posix: UCX 1.13 takes cma for
+ * rendezvous only, not for ucp_get), each get is served by this worker's
+ * progress: everything that came is answered before the next unit. */
+static void serve_pending(k3_ucx *w) {
+    for (int i = 0; i < 4096 && k3_ucx_progress(w); i++) {}
+}
+
 k3_status k3_pd_ux_serve(k3_pd_ux *ux, int fd, k3_pd_session *ss, uint64_t hold, const k3_pd_req *r, k3_pd_fault *f,
                          double timeout_s, k3_pd_ux_stats *st, bool *landed, k3_error *err) {
     k3_engine *e = ux->e;
@@ -272,6 +354,7 @@ k3_status k3_pd_ux_serve(k3_pd_ux *ux, int fd, k3_pd_session *ss, uint64_t hold,
     k3_kv_pin pin = {0};
     k3_status s = k3_engine_hold_pin(e, hold, &pin, err);
     const bool pinned = !s;
+    worker wk = {0};
     k3_ucx *w = NULL;
     k3_ucx_mem *sm = NULL;
     blob b = {0};
@@ -284,7 +367,8 @@ k3_status k3_pd_ux_serve(k3_pd_ux *ux, int fd, k3_pd_session *ss, uint64_t hold,
         s = k3_err(err, K3_ERR_ARG, "kv transfer: positions [%lld, %lld) asked of a hold of %lld tokens",
                    (long long)r->from, (long long)r->to, (long long)pin.to);
     /* the pull's own worker: its endpoints and sockets go with it */
-    if (!s) s = k3_ucx_worker_new(ux->u, "k3-prefill-pull", &w, err);
+    if (!s) s = worker_take(ux, "k3-prefill-pull", &wk, err);
+    w = wk.w;
     if (!s && pin.state_bytes > 0)
         s = k3_ucx_mem_register_access(ux->u, pin.state, (size_t)pin.state_bytes, K3_UCX_REMOTE_READ, &sm, err);
     if (!s) s = k3_ucx_address(w, &addr, &alen, err);
@@ -342,7 +426,7 @@ k3_status k3_pd_ux_serve(k3_pd_ux *ux, int fd, k3_pd_session *ss, uint64_t hold,
             if (!s) s = send_header(fd, ss, no, &u, &ps, f, &flipped, &flip_was, err);
             no++;
             st->bytes += row * n;
-            k3_ucx_progress(w); /* over tcp the gets are messages this worker answers */
+            serve_pending(w); /* the gets that came meanwhile */
         }
     }
     for (int64_t off = 0; !s && off < pin.state_bytes; off += max_unit) {
@@ -353,7 +437,7 @@ k3_status k3_pd_ux_serve(k3_pd_ux *ux, int fd, k3_pd_session *ss, uint64_t hold,
         s = send_header(fd, ss, no, &u, &ps, f, &flipped, &flip_was, err);
         no++;
         st->bytes += n;
-        k3_ucx_progress(w);
+        serve_pending(w);
     }
     if (!s) {
         k3_pd_unit u = {.kind = K3_PD_END, .layer = -1, .t0 = no};
@@ -380,8 +464,9 @@ k3_status k3_pd_ux_serve(k3_pd_ux *ux, int fd, k3_pd_session *ss, uint64_t hold,
         if (!s) s = k3_pd_unit_recv(fd, ss, 1, &u, err);
         if (!s) *landed = u.kind == K3_PD_END && u.t0 == no;
     }
-    /* the worker first (no endpoint of the pull is left), then the hold */
-    k3_ucx_close(w);
+    /* the worker first (closed, or over shared memory kept for the next
+     * pull), then the hold */
+    worker_give(ux, &wk, !s && *landed);
     k3_ucx_mem_free(sm);
     if (flipped) *flipped = flip_was;
     if (pinned) k3_engine_hold_unpin(e, &pin);
@@ -392,6 +477,12 @@ k3_status k3_pd_ux_serve(k3_pd_ux *ux, int fd, k3_pd_session *ss, uint64_t hold,
 
 /* ---- the decode side ------------------------------------------------------------------------------ */
 
+/* A unit in flight: its gets posted (GETS), landed and handed to the
+ * checker (LANDED), its MAC checked (GOOD or BAD). The pull's thread posts
+ * and lands units in order, the checker checks them in the same order on a
+ * thread of its own (so the MACs of landed units are computed while the
+ * next units' gets move), and the pull's thread retires them in order. */
+enum { GETS = 0, LANDED, GOOD, BAD };
 typedef struct pend {
     k3_ucx_xfer *x;
     int64_t no; /* the unit's number */
@@ -399,7 +490,19 @@ typedef struct pend {
     struct iovec *v; /* where its bytes landed, in the transfer layout's order */
     int n_v;
     uint8_t *stage; /* a unit buffer (not in place), else NULL */
+    int phase;      /* under the checker's mu */
 } pend;
+
+typedef struct checker {
+    pthread_t t;
+    bool started, quit; /* quit: under mu */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    k3_pd_mac mac; /* a second context of the session's receiving key */
+    struct puller *P;
+    int next;      /* the ring slot it checks next */
+    double busy_s; /* under mu */
+} checker;
 
 typedef struct puller {
     k3_pd_ux *ux;
@@ -414,16 +517,69 @@ typedef struct puller {
     k3_ucx_region **reg;
     int n_reg;
     pend ring[WINDOW];
-    int head, n_pend;
+    int head, n_pend, n_landed; /* slots in use from head; of them landed (from head) */
     k3_pd_ux_stats *st;
     int64_t state_landed;
+    checker ck;
 } puller;
+
+static void *check_main(void *arg) {
+    checker *c = arg;
+    struct puller *P = c->P;
+    pthread_mutex_lock(&c->mu);
+    for (;;) {
+        while (!c->quit && P->ring[c->next].phase != LANDED) pthread_cond_wait(&c->cv, &c->mu);
+        if (c->quit) break;
+        pend *p = &P->ring[c->next];
+        pthread_mutex_unlock(&c->mu);
+        /* the slot is this thread's until its phase moves on */
+        const double t0 = k3_now();
+#ifdef K3_PD_UCX_NO_MAC /* a bench build only: what the MACs of the rows cost (docs/pd.md) */
+        const bool ok = true;
+#else
+        const bool ok = k3_pd_tag_iov_ok(&c->mac, 2 * (uint64_t)p->no + 1, p->v, p->n_v, p->u.payload_tag);
+#endif
+        const double dt = k3_now() - t0;
+        pthread_mutex_lock(&c->mu);
+        c->busy_s += dt;
+        p->phase = ok ? GOOD : BAD;
+        c->next = (c->next + 1) % WINDOW;
+        pthread_cond_broadcast(&c->cv);
+    }
+    pthread_mutex_unlock(&c->mu);
+    return NULL;
+}
+
+static k3_status checker_start(puller *P, k3_error *err) {
+    checker *c = &P->ck;
+    c->P = P;
+    if (!k3_pd_mac_clone(&c->mac, &P->ss->rx) || pthread_create(&c->t, NULL, check_main, c)) {
+        k3_pd_mac_free(&c->mac);
+        return k3_err(err, K3_ERR_NOMEM, "kv transfer: cannot start the MAC checker");
+    }
+    c->started = true;
+    return K3_OK;
+}
+
+/* Stops the checker (after the unit it is checking, if any). */
+static void checker_stop(puller *P) {
+    checker *c = &P->ck;
+    if (!c->started) return;
+    pthread_mutex_lock(&c->mu);
+    c->quit = true;
+    pthread_cond_broadcast(&c->cv);
+    pthread_mutex_unlock(&c->mu);
+    pthread_join(c->t, NULL);
+    k3_pd_mac_free(&c->mac);
+    P->st->verify_s = c->busy_s;
+    c->started = false;
+}
 
 static void pend_free(pend *p) {
     k3_ucx_xfer_free(p->x); /* complete, or cancelled here */
     free(p->v);
     free(p->stage);
-    *p = (pend){0};
+    p->x = NULL, p->v = NULL, p->stage = NULL;
 }
 
 static k3_status stopped(puller *P, k3_error *err) {
@@ -437,52 +593,79 @@ static k3_status stopped(puller *P, k3_error *err) {
     return K3_OK;
 }
 
-/* The oldest unit in flight: landed? then checked (and written, through a
- * buffer) and dropped. 1 when one was, 0 when it is still in flight. */
-static k3_status settle_oldest(puller *P, int *done, k3_error *err) {
+static int phase_of(puller *P, const pend *p) {
+    pthread_mutex_lock(&P->ck.mu);
+    const int ph = p->phase;
+    pthread_mutex_unlock(&P->ck.mu);
+    return ph;
+}
+
+/* Units whose gets completed go to the checker (in order); the oldest,
+ * checked, is retired (written, through a buffer) and its slot freed. *done:
+ * whether anything moved. */
+static k3_status settle(puller *P, int *done, k3_error *err) {
     *done = 0;
-    if (P->n_pend == 0) return K3_OK;
-    pend *p = &P->ring[P->head];
-    int complete = 0;
-    K3_TRY(k3_ucx_xfer_test(p->x, &complete, err));
-    if (!complete) return K3_OK;
-    const double t0 = k3_now();
-    const bool ok = k3_pd_tag_iov_ok(&P->ss->rx, 2 * (uint64_t)p->no + 1, p->v, p->n_v, p->u.payload_tag);
-    P->st->verify_s += k3_now() - t0;
-    if (!ok)
-        return k3_err(err, K3_ERR_FORMAT,
-                      "kv transfer: unit %lld (kind %u, layer %d, positions %lld+%lld) is damaged: its MAC does not "
-                      "match what the gets brought over UCX",
-                      (long long)p->no, p->u.kind, p->u.layer, (long long)p->u.t0, (long long)p->u.n);
-    k3_status s = K3_OK;
-    if (p->stage && p->u.kind == K3_PD_LAYER)
-        s = k3_engine_pull_write(P->e, P->pi->id, p->u.layer, p->u.t0, (int32_t)p->u.n, p->stage,
-                                 (int64_t)p->u.payload_bytes, err);
-    else if (p->stage && p->u.kind == K3_PD_STATE)
-        s = k3_engine_pull_state(P->e, P->pi->id, p->u.t0, p->stage, p->u.n, err);
-    else if (p->u.kind == K3_PD_STATE) P->state_landed += p->u.n;
-    P->st->bytes += (int64_t)p->u.payload_bytes;
-    pend_free(p);
-    P->head = (P->head + 1) % WINDOW;
-    P->n_pend--;
-    P->last = k3_now();
-    *done = 1;
-    return s;
+    while (P->n_landed < P->n_pend) { /* landed, in order */
+        pend *p = &P->ring[(P->head + P->n_landed) % WINDOW];
+        int complete = 0;
+        K3_TRY(k3_ucx_xfer_test(p->x, &complete, err));
+        if (!complete) break;
+        pthread_mutex_lock(&P->ck.mu);
+        p->phase = LANDED;
+        pthread_cond_broadcast(&P->ck.cv);
+        pthread_mutex_unlock(&P->ck.mu);
+        P->n_landed++;
+        P->last = k3_now();
+        *done = 1;
+    }
+    while (P->n_pend > 0) { /* checked, in order */
+        pend *p = &P->ring[P->head];
+        const int ph = phase_of(P, p);
+        if (ph == BAD)
+            return k3_err(err, K3_ERR_FORMAT,
+                          "kv transfer: unit %lld (kind %u, layer %d, positions %lld+%lld) is damaged: its MAC does "
+                          "not match what the gets brought over UCX",
+                          (long long)p->no, p->u.kind, p->u.layer, (long long)p->u.t0, (long long)p->u.n);
+        if (ph != GOOD) break;
+        k3_status s = K3_OK;
+        if (p->stage && p->u.kind == K3_PD_LAYER)
+            s = k3_engine_pull_write(P->e, P->pi->id, p->u.layer, p->u.t0, (int32_t)p->u.n, p->stage,
+                                     (int64_t)p->u.payload_bytes, err);
+        else if (p->stage && p->u.kind == K3_PD_STATE)
+            s = k3_engine_pull_state(P->e, P->pi->id, p->u.t0, p->stage, p->u.n, err);
+        else if (p->u.kind == K3_PD_STATE) P->state_landed += p->u.n;
+        P->st->bytes += (int64_t)p->u.payload_bytes;
+        pend_free(p);
+        pthread_mutex_lock(&P->ck.mu);
+        p->phase = GETS; /* free */
+        pthread_mutex_unlock(&P->ck.mu);
+        P->head = (P->head + 1) % WINDOW;
+        P->n_pend--;
+        P->n_landed--;
+        P->last = k3_now();
+        *done = 1;
+        if (s) return s;
+    }
+    return K3_OK;
 }
 
 /* Progresses the gets in flight (settling what landed) until fd has
  * something to read, or (drain) until nothing is in flight. */
 static k3_status wait_for(puller *P, bool drain, k3_error *err) {
     long spins = 0;
-    for (;;) {
-        int done = 1;
-        while (done && P->n_pend > 0) K3_TRY(settle_oldest(P, &done, err));
-        if (drain ? P->n_pend == 0 : false) return K3_OK;
-        if (!drain) {
-            struct pollfd pf = {.fd = P->fd, .events = POLLIN};
-            if (poll(&pf, 1, 0) > 0) return K3_OK;
+    for (unsigned busy = 0;; busy++) {
+        int done = 0;
+        K3_TRY(settle(P, &done, err));
+        if (done) spins = 0;
+        if (drain && P->n_pend == 0) return K3_OK;
+        /* while gets are moving, the socket and the clock every 64 rounds */
+        if (spins > 0 || busy % 64 == 0 || P->n_pend == 0) {
+            if (!drain) {
+                struct pollfd pf = {.fd = P->fd, .events = POLLIN};
+                if (poll(&pf, 1, 0) > 0) return K3_OK;
+            }
+            K3_TRY(stopped(P, err));
         }
-        K3_TRY(stopped(P, err));
         if (k3_ucx_progress(P->w)) spins = 0;
         else if (++spins > 200) {
             struct timespec ts = {0, spins < 2000 ? 20000 : 200000};
@@ -573,8 +756,13 @@ k3_status k3_pd_ux_pull(k3_pd_ux *ux, int fd, k3_pd_session *ss, const k3_pull_i
     offer o;
     pieces ps = {0};
     bool pinned = false;
-    k3_status s = k3_ucx_worker_new(ux->u, "k3-decode-pull", &P.w, err);
+    pthread_mutex_init(&P.ck.mu, NULL);
+    pthread_cond_init(&P.ck.cv, NULL);
+    worker wk = {0};
+    k3_status s = worker_take(ux, "k3-decode-pull", &wk, err);
+    P.w = wk.w;
     if (!s) s = parse_offer(&P, offer_b, offer_len, &o, err);
+    if (!s) s = checker_start(&P, err);
     /* in place: the request's blocks and state, pinned while gets may write them */
     const bool direct = ux->write_direct;
     if (!s && direct) {
@@ -630,7 +818,10 @@ k3_status k3_pd_ux_pull(k3_pd_ux *ux, int fd, k3_pd_session *ss, const k3_pull_i
             break;
         }
         pend *p = &P.ring[(P.head + P.n_pend) % WINDOW];
-        *p = (pend){.no = no, .u = u};
+        /* a free slot (the checker may be waiting on it: its phase under mu) */
+        pthread_mutex_lock(&P.ck.mu);
+        *p = (pend){.no = no, .u = u, .phase = GETS};
+        pthread_mutex_unlock(&P.ck.mu);
         ps.n = 0;
         if (u.kind == K3_PD_LAYER) {
             const int64_t want = u.layer >= 0 && u.layer < n_layers ? k3_engine_kv_bytes(e, u.layer, u.n) : -1;
@@ -691,17 +882,21 @@ k3_status k3_pd_ux_pull(k3_pd_ux *ux, int fd, k3_pd_session *ss, const k3_pull_i
         if (u.kind == K3_PD_STATE) st->states += state_next == sb;
         k3_pd_fault_recv(f);
         /* the window full: the oldest lands first */
-        while (!s && P.n_pend == WINDOW) {
+        for (long spins = 0; !s && P.n_pend == WINDOW;) {
             int done = 0;
-            s = settle_oldest(&P, &done, err);
+            s = settle(&P, &done, err);
             if (!s && !done) {
                 s = stopped(&P, err);
-                if (!s) k3_ucx_progress(P.w);
+                if (!s && !k3_ucx_progress(P.w) && ++spins > 200) {
+                    struct timespec ts = {0, 20000};
+                    nanosleep(&ts, NULL);
+                }
             }
         }
     }
-    /* whatever failed: what is in flight ends now (the endpoint closed by
-     * force), before the blocks may be freed */
+    /* whatever failed: the checker stops, and what is in flight ends now (the
+     * endpoint closed by force), before the blocks may be freed */
+    checker_stop(&P);
     while (P.n_pend > 0) {
         pend_free(&P.ring[P.head]);
         P.head = (P.head + 1) % WINDOW;
@@ -716,8 +911,10 @@ k3_status k3_pd_ux_pull(k3_pd_ux *ux, int fd, k3_pd_session *ss, const k3_pull_i
     for (int i = 0; i < P.n_reg; i++) k3_ucx_region_free(P.reg[i]);
     free(P.reg);
     k3_ucx_ep_close(P.ep, 1.0);
-    k3_ucx_close(P.w);
+    worker_give(ux, &wk, !s);
     if (pinned) k3_engine_pull_unpin(e, &pin, s ? 0 : P.state_landed);
     free(ps.p);
+    pthread_mutex_destroy(&P.ck.mu);
+    pthread_cond_destroy(&P.ck.cv);
     return s;
 }
