@@ -211,3 +211,40 @@ K3_TEST(spec_verify_chunk_equals_plain_chunk) {
     k3_ctx_free(c);
     k3_model_close(m);
 }
+
+/* Two captures of one slot at one position (a prefix-cache snapshot and a
+ * decode instance's hold where a prompt ends on the block grid) both get
+ * the state: the pass used to fill only the first asked. */
+K3_TEST(ctx_two_captures_at_one_position) {
+    k3_model *m = NULL;
+    k3_error err = {0};
+    REQUIREF(k3_model_open(&m, "tests/models/tiny", &err) == K3_OK, "%s", err.msg);
+    const int64_t V = m->cfg.vocab_size;
+    int32_t ids[32];
+    for (int i = 0; i < 32; i++) ids[i] = (int32_t)((i * 131 + 7) % V);
+    k3_ctx *c = pool_ctx(m, NULL, K3_KV_F32);
+    REQUIRE(c);
+    const int64_t sb = k3_ctx_state_bytes(c);
+    char *a = calloc(1, (size_t)sb), *b = calloc(1, (size_t)sb), *want = malloc((size_t)sb);
+    REQUIRE(a && b && want);
+    slot_up(c, 0);
+    REQUIRE(k3_ctx_capture_state(c, 0, 16, a, &err) == K3_OK);
+    REQUIRE(k3_ctx_capture_state(c, 0, 16, b, &err) == K3_OK);
+    REQUIRE(run1(c, 0, ids, 32, K3_WANT_NONE, NULL) == K3_OK);
+    slot_up(c, 1);
+    REQUIRE(run1(c, 1, ids, 16, K3_WANT_NONE, NULL) == K3_OK);
+    k3_ctx_state_save(c, 1, want);
+    /* the first KDA layer reads the embeddings alone: its state is the same
+     * bits on any kernel table (later ones see products of 32 rows against
+     * 16, which only the exact path keeps equal) */
+    int L0 = 0;
+    while (m->cfg.layer_kind[L0] != K3_LAYER_KDA) L0++;
+    const size_t first = sizeof(float) * (size_t)(m->cfg.kda_heads * m->cfg.kda_head_dim * m->cfg.kda_head_dim);
+    CHECK(!memcmp(a + c->kda_snap_off[L0] * 4, want + c->kda_snap_off[L0] * 4, first));
+    CHECKF(!memcmp(a, b, (size_t)sb), "the second capture at position 16 was not filled");
+    free(a);
+    free(b);
+    free(want);
+    k3_ctx_free(c);
+    k3_model_close(m);
+}

@@ -14,11 +14,12 @@
 
 static inline float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
 
-/* The buffer to capture sequence seq's KDA state into at position pos, or
- * NULL (k3_ctx_capture_state). */
-static float *capture_at(const k3_ctx *ctx, int32_t seq, int64_t pos) {
-    for (int32_t i = 0; i < ctx->n_caps; i++)
-        if (ctx->caps[i].seq == seq && ctx->caps[i].pos == pos) return ctx->caps[i].dst;
+/* The next capture (k3_ctx_capture_state) of sequence seq at position pos
+ * from index *i on, or NULL: one position may be asked for by several (a
+ * prefix-cache snapshot and a hold for a decode instance). */
+static float *capture_next(const k3_ctx *ctx, int32_t seq, int64_t pos, int32_t *i) {
+    for (; *i < ctx->n_caps; (*i)++)
+        if (ctx->caps[*i].seq == seq && ctx->caps[*i].pos == pos) return ctx->caps[(*i)++].dst;
     return NULL;
 }
 
@@ -176,10 +177,11 @@ static void kda_head_items(void *p, int64_t lo, int64_t hi, int ith) {
             for (int64_t a = 0, b; a < sp->n; a = b) {
                 b = piece_end(ctx, sp, a);
                 k3_kda_conv(x + (t0 + a) * HK + ch, HK, (int)(b - a), dk, K, w + ch, HK, state + ch, HK);
-                float *cap = ctx->n_caps ? capture_at(ctx, sp->seq, sp->pos0 + b) : NULL;
-                for (int r = 0; cap && r < K - 1; r++)
-                    memcpy(cap + off + nS + ((int64_t)which * (K - 1) + r) * HK + ch, state + r * HK + ch,
-                           sizeof(float) * (size_t)dk);
+                float *cap;
+                for (int32_t ci = 0; ctx->n_caps && (cap = capture_next(ctx, sp->seq, sp->pos0 + b, &ci));)
+                    for (int r = 0; r < K - 1; r++)
+                        memcpy(cap + off + nS + ((int64_t)which * (K - 1) + r) * HK + ch, state + r * HK + ch,
+                               sizeof(float) * (size_t)dk);
             }
         }
         head_gates(ctx, L, h, t0, sp->n);
@@ -204,8 +206,9 @@ static void kda_head_items(void *p, int64_t lo, int64_t hi, int ith) {
             };
             if (b - a >= ctx->kda_chunk_min) k3_kda_chunked(&kh, S, K3_KDA_CHUNK, ctx->s.tkda[ith]);
             else k3_kda_recurrent(&kh, S);
-            float *cap = ctx->n_caps ? capture_at(ctx, sp->seq, sp->pos0 + b) : NULL;
-            if (cap) memcpy(cap + off + (int64_t)h * dk * dv, S, sizeof(float) * (size_t)(dk * dv));
+            float *cap;
+            for (int32_t ci = 0; ctx->n_caps && (cap = capture_next(ctx, sp->seq, sp->pos0 + b, &ci));)
+                memcpy(cap + off + (int64_t)h * dk * dv, S, sizeof(float) * (size_t)(dk * dv));
         }
         head_out(ctx, L, h, t0, sp->n);
     }

@@ -200,7 +200,7 @@ static void scope_evict(scope_cache *sc) {
 k3_status k3_spec_seq_open(k3_proposer *p, k3_spec_seq **out, k3_spec_method method, uint64_t scope,
                            const int32_t *prompt, int64_t n_prompt, k3_error *err) {
     *out = NULL;
-    if (method == K3_SPEC_OFF) return K3_OK;
+    if (method == K3_SPEC_OFF || method == K3_SPEC_DEFAULT) return K3_OK;
     if (method == K3_SPEC_DRAFT_MODEL && !p->dm)
         return k3_err(err, K3_ERR_UNSUPPORTED, "speculative method draft_model: this engine has no draft model");
     k3_spec_seq *s = calloc(1, sizeof *s);

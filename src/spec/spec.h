@@ -26,7 +26,8 @@
 
 #include "k3.h"
 
-#define K3_SPEC_MAX_DRAFT 16 /* draft tokens per sequence and step at most (a verify chunk is this + 1) */
+#define K3_SPEC_MAX_DRAFT \
+    K3_SPEC_MAX_TOKENS /* draft tokens per sequence and step at most (a verify chunk is this + 1) */
 
 /* ---- a bounded-depth suffix tree with counts (suffix.c) --------------------
  * Every substring of at most `depth` tokens of the texts inserted, as a path
@@ -99,13 +100,7 @@ int32_t k3_ngram_draft(k3_ngram *g, const int32_t *tok, int64_t n, int32_t max, 
 
 /* ---- proposers ---------------------------------------------------------- */
 
-typedef enum k3_spec_method {
-    K3_SPEC_OFF = 0,
-    K3_SPEC_SUFFIX,
-    K3_SPEC_NGRAM,
-    K3_SPEC_DRAFT_MODEL,
-} k3_spec_method;
-
+/* k3_spec_method is k3.h's (K3_SPEC_OFF, _SUFFIX, _NGRAM, _DRAFT_MODEL). */
 const char *k3_spec_method_name(k3_spec_method m);
 /* "suffix", "ngram", "draft_model" (vLLM's name) or "off": K3_OK, else K3_ERR_ARG naming it. */
 k3_status k3_spec_method_parse(const char *s, k3_spec_method *out, k3_error *err);
