@@ -145,6 +145,36 @@ void k3_eval_remote_close(k3_eval_remote *r);
 int k3_cli_set_isa(const char *cmd, const char *name);
 #define K3_CLI_ISA_HELP "ref | avx2 | avx2-novnni | avx512 | amx | best (default: best the CPU has)"
 
+/* ---- speculative decoding options (spec_opts.c) ------------------------ */
+typedef struct k3_cli_spec {
+    const char *method;    /* --speculative (NULL: off, or draft_model with --draft-model) */
+    int k;                 /* --num-speculative-tokens (0: the engine's) */
+    const char *draft_dir; /* --draft-model */
+    bool no_cost_model;    /* --spec-no-cost-model */
+    int rollback;          /* --spec-rollback reapply (0) | states (1) */
+    int tree_depth, cached_requests, lookup_min, lookup_max;
+    float spec_factor, min_prob;
+} k3_cli_spec;
+#define K3_CLI_SPEC_HELP                                                                                      \
+    "  --speculative suffix|ngram|draft_model|off  draft tokens and verify them in one pass (default off):\n" \
+    "                      suffix: a suffix tree of the request's prompt and output and of recent\n"          \
+    "                      outputs of its API key; ngram: the last earlier occurrence of the longest\n"      \
+    "                      n-gram; draft_model: --draft-model DIR (same vocabulary). The same text,\n"      \
+    "                      and for a seed the same tokens, as without (docs/spec.md)\n"                      \
+    "  --num-speculative-tokens K  draft tokens per step at most (1..16, default 8); the engine drafts\n"     \
+    "                      fewer, or none, where its cost model says they do not pay\n"                        \
+    "  --draft-model DIR   the draft model (implies --speculative draft_model)\n"                             \
+    "  --suffix-max-tree-depth N, --suffix-max-cached-requests N, --suffix-max-spec-factor F,\n"            \
+    "  --suffix-min-token-prob F, --prompt-lookup-min N, --prompt-lookup-max N  vLLM's proposer knobs\n"      \
+    "  --spec-no-cost-model  draft whatever is found (for measurements); --spec-rollback reapply|states\n"
+/* 1: argv[*i] was one of them (consumed; *i at its last word), 0: not one,
+ * -1: a bad value (printed). */
+int k3_cli_spec_arg(const char *cmd, int argc, char **argv, int *i, k3_cli_spec *s);
+/* Fills eo's speculative options from s, opening the draft model into
+ * *draft (the caller closes it after the engine); 0, or prints why not. */
+int k3_cli_spec_apply(const char *cmd, const k3_cli_spec *s, const char *quant, k3_engine_options *eo,
+                      k3_model **draft);
+
 /* The model directory used when -m is not given. */
 #define K3_DEFAULT_MODEL "models/k3-mini"
 

@@ -115,7 +115,9 @@ static int usage_serve(FILE *f) {
             "                               address decode instances are told (default: the same)\n"
             "  --kv-hold-timeout S          a kept prompt nobody pulled is freed after S seconds (default 120)\n"
             "  --kv-transfer-timeout S      a transfer silent this long fails (default 30)\n"
-            "  --kv-fault SPEC              tests only: flip:U | stall:U:MS (see docs/pd.md)\n",
+            "  --kv-fault SPEC              tests only: flip:U | stall:U:MS (see docs/pd.md)\n"
+            "speculative decoding (a request may ask for its own with \"speculative_config\": {\"method\",\n"
+            "\"num_speculative_tokens\"}):\n" K3_CLI_SPEC_HELP,
             K3_DEFAULT_QUANT, K3_DEFAULT_KV);
     return f == stdout ? 0 : 2;
 }
@@ -180,10 +182,14 @@ int k3_cmd_serve(int argc, char **argv) {
     long threads = k3_cli_default_threads();
     int bad = 0;
     k3_cli_dist cd;
+    k3_cli_spec spec = {0};
     if (k3_cli_dist_args(&argc, argv, &cd, "serve")) return 2;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const int has = i + 1 < argc;
+        const int sa = k3_cli_spec_arg("serve", argc, argv, &i, &spec);
+        if (sa < 0) return 2;
+        if (sa) continue;
 #define ARG(s) (!strcmp(a, s) && has)
         if (ARG("-m")) dir = argv[++i];
         else if (ARG("--host")) host = argv[++i];
@@ -281,6 +287,7 @@ int k3_cmd_serve(int argc, char **argv) {
     k3_engine *eng = NULL;
     k3_server *srv = NULL;
     k3_pd *pd = NULL;
+    k3_model *draft = NULL;
     int rc = 1;
     k3_status ms = k3_cli_open_model_dist(&m, dir, quant, keep_mapped, false, &cd, &err);
     if (cd.d) {
@@ -321,6 +328,7 @@ int k3_cmd_serve(int argc, char **argv) {
                             .hold_timeout_s = kv_hold_timeout,
                             .pool = pool,
                             .dist = cd.d};
+    if (k3_cli_spec_apply("serve", &spec, quant, &eo, &draft)) goto fail_quiet;
     if (k3_engine_open(&eng, m, &eo, &err)) goto fail;
     if (kv_metrics && k3_engine_set_kv_metrics(eng, kv_sample, &err)) goto fail;
     k3_engine_stats st;
@@ -398,6 +406,12 @@ int k3_cmd_serve(int argc, char **argv) {
         fprintf(stderr, "k3 serve: role %s, kv transfer listening on %s:%d\n", role, kv_host ? kv_host : host,
                 k3_pd_port(pd));
     else if (pd) fprintf(stderr, "k3 serve: role %s: prompts' caches are pulled from prefill instances\n", role);
+    if (eo.speculative != K3_SPEC_OFF && eo.speculative != K3_SPEC_DEFAULT)
+        fprintf(stderr, "k3 serve: speculative decoding: %s, up to %d draft tokens a step%s\n",
+                eo.speculative == K3_SPEC_SUFFIX  ? "suffix"
+                : eo.speculative == K3_SPEC_NGRAM ? "ngram"
+                                                  : "draft model",
+                st.spec_k, spec.no_cost_model ? " (no cost model)" : ", as many as its cost model says pay");
     fprintf(stderr, "k3 serve: auth %s; CORS: %s; /metrics %s\n",
             api_key ? "on (Authorization: Bearer KEY or x-api-key: KEY)" : "off (no --api-key: every route is open)",
             origins && *origins ? origins : "the server's own origin only",
@@ -474,6 +488,7 @@ out:
     k3_server_stop(srv);
     k3_pd_stop(pd);
     k3_engine_close(eng);
+    k3_model_close(draft);
     k3_vision_close(vis);
     k3_pool_free(vpool);
     k3_pool_free(pool);
