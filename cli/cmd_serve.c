@@ -408,9 +408,9 @@ int k3_cmd_serve(int argc, char **argv) {
     else if (pd) fprintf(stderr, "k3 serve: role %s: prompts' caches are pulled from prefill instances\n", role);
     if (eo.speculative != K3_SPEC_OFF && eo.speculative != K3_SPEC_DEFAULT)
         fprintf(stderr, "k3 serve: speculative decoding: %s, up to %d draft tokens a step%s\n",
-                eo.speculative == K3_SPEC_SUFFIX  ? "suffix"
-                : eo.speculative == K3_SPEC_NGRAM ? "ngram"
-                                                  : "draft model",
+                eo.speculative == K3_SPEC_SUFFIX      ? "suffix"
+                    : eo.speculative == K3_SPEC_NGRAM ? "ngram"
+                                                      : "draft model",
                 st.spec_k, spec.no_cost_model ? " (no cost model)" : ", as many as its cost model says pay");
     fprintf(stderr, "k3 serve: auth %s; CORS: %s; /metrics %s\n",
             api_key ? "on (Authorization: Bearer KEY or x-api-key: KEY)" : "off (no --api-key: every route is open)",
