@@ -96,6 +96,7 @@ void k3_cli_bench_vision_print(const k3_cli_vision_bench *b, bool json);
 int k3_cmd_plan(int argc, char **argv);
 int k3_cmd_grammar(int argc, char **argv); /* cmd_grammar.c */
 int k3_cmd_bench_dist(int argc, char **argv);
+int k3_cmd_bench_spec(int argc, char **argv); /* cmd_bench_spec.c */
 /* Whether `k3 bench` runs as k3_cmd_bench_dist: under mpirun, or --dcp/--ep given. */
 bool k3_cli_dist_wanted(int argc, char **argv);
 
