@@ -78,6 +78,7 @@ static int usage_serve(FILE *f) {
             "  --kv-cache f32|c8            cache format (default %s)\n"
             "  --mmap                       keep the weights in the file mapping\n"
             "  --threads N                  worker threads (default: the physical cores)\n"
+            "  --isa NAME                   kernels: " K3_CLI_ISA_HELP "\n"
             "  --max-body-bytes N           largest request body, base64 images included (default 4194304)\n"
             "  --max-image-pixels N         largest image, width x height (default 67108864 = 8192 x 8192)\n"
             "  --vision-threads N           threads of the image encoder's own pool (default: --threads)\n"
@@ -207,7 +208,9 @@ int k3_cmd_serve(int argc, char **argv) {
         else if (ARG("--quant")) quant = argv[++i];
         else if (ARG("--kv-cache")) kv_name = argv[++i];
         else if (ARG("--threads")) threads = parse_long(argv[++i], &bad);
-        else if (ARG("--max-body-bytes")) max_body = parse_long(argv[++i], &bad);
+        else if (ARG("--isa")) {
+            if (k3_cli_set_isa("serve", argv[++i])) return 2;
+        } else if (ARG("--max-body-bytes")) max_body = parse_long(argv[++i], &bad);
         else if (ARG("--timeout")) timeout = parse_long(argv[++i], &bad);
         else if (ARG("--max-image-pixels")) max_image_px = parse_long(argv[++i], &bad);
         else if (ARG("--vision-threads")) vthreads = parse_long(argv[++i], &bad);

@@ -58,6 +58,7 @@ k3_status k3_engine_spec_open(k3_engine *e, k3_error *err) {
                         .prompt_lookup_min = o->prompt_lookup_min,
                         .prompt_lookup_max = o->prompt_lookup_max,
                         .draft_model = o->draft_model,
+                        .kv_cache = o->kv_cache,
                         .pool = o->pool};
     K3_TRY(k3_proposer_open(&e->prop, &c, o->max_num_seqs, e->max_model_len, err));
     k3_spec_policy_init(&e->policy, SPEC_PRIOR_SLOPE);

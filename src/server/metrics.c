@@ -197,8 +197,9 @@ void k3_metrics_render(k3_metrics *m, const k3_engine_stats *st, const char *mod
            (double)st->spec_draft_tokens);
     metric(o, "vllm:spec_decode_num_accepted_tokens_total", "counter", "Number of accepted tokens.", model,
            (double)st->spec_accepted_tokens);
-    k3_buf_addf(o, "# HELP vllm:spec_decode_num_accepted_tokens_per_pos_total Accepted tokens per draft position.\n"
-                   "# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter\n");
+    k3_buf_addf(o,
+                "# HELP vllm:spec_decode_num_accepted_tokens_per_pos_total Accepted tokens per draft position.\n"
+                "# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter\n");
     int n_pos = st->spec_k;
     for (int p = 0; p < K3_SPEC_MAX_TOKENS; p++)
         if (st->spec_accepted_per_pos[p] && p + 1 > n_pos) n_pos = p + 1; /* a request's own k past the engine's */

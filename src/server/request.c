@@ -378,8 +378,7 @@ static bool parse_field(struct k3_server *s, const field *f, k3_srv_prompt_fn pr
                                K3_SPEC_MAX_TOKENS);
                 rq->spec_k = (int)k;
             } else {
-                return bad(e, 400, "\"%s.%s\" is not supported (method, num_speculative_tokens are)", f->name,
-                           key);
+                return bad(e, 400, "\"%s.%s\" is not supported (method, num_speculative_tokens are)", f->name, key);
             }
         }
         return true;

@@ -32,8 +32,8 @@ struct k3_draft_model {
     float *logits;
 };
 
-k3_status k3_draft_model_open(k3_draft_model **out, const k3_model *m, k3_pool *pool, int32_t max_seqs, int64_t max_len,
-                              k3_error *err) {
+k3_status k3_draft_model_open(k3_draft_model **out, const k3_model *m, k3_pool *pool, k3_kv_type kv, int32_t max_seqs,
+                              int64_t max_len, k3_error *err) {
     *out = NULL;
     k3_draft_model *d = calloc(1, sizeof *d);
     if (!d) return k3_err(err, K3_ERR_NOMEM, "draft model: out of memory");
@@ -43,7 +43,10 @@ k3_status k3_draft_model_open(k3_draft_model **out, const k3_model *m, k3_pool *
     d->max_seqs = max_seqs;
     d->V = info.vocab_size;
     d->max_len = max_len < info.max_positions ? max_len : info.max_positions;
-    k3_ctx_options o = {.max_seqs = max_seqs, .cache_tokens = (int64_t)max_seqs * d->max_len, .pool = pool};
+    k3_ctx_options o = {.max_seqs = max_seqs,
+                        .cache_tokens = (int64_t)max_seqs * d->max_len,
+                        .pool = pool,
+                        .kv_cache = kv};
     k3_status st = k3_ctx_init(&d->ctx, m, &o, err);
     if (!st) {
         d->state_bytes = k3_ctx_state_bytes(d->ctx);

@@ -9,8 +9,8 @@
 
 typedef struct k3_draft_model k3_draft_model;
 
-k3_status k3_draft_model_open(k3_draft_model **out, const k3_model *m, k3_pool *pool, int32_t max_seqs, int64_t max_len,
-                              k3_error *err);
+k3_status k3_draft_model_open(k3_draft_model **out, const k3_model *m, k3_pool *pool, k3_kv_type kv, int32_t max_seqs,
+                              int64_t max_len, k3_error *err);
 void k3_draft_model_close(k3_draft_model *d);
 k3_status k3_draft_model_seq_open(k3_draft_model *d, int32_t *slot, k3_error *err);
 void k3_draft_model_seq_close(k3_draft_model *d, int32_t slot);

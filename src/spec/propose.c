@@ -111,7 +111,7 @@ k3_status k3_proposer_open(k3_proposer **out, const k3_spec_config *cfg, int32_t
     if (!p) return k3_err(err, K3_ERR_NOMEM, "proposer: out of memory");
     p->cfg = c;
     if (c.draft_model) {
-        const k3_status st = k3_draft_model_open(&p->dm, c.draft_model, c.pool, max_seqs, max_len, err);
+        const k3_status st = k3_draft_model_open(&p->dm, c.draft_model, c.pool, c.kv_cache, max_seqs, max_len, err);
         if (st) {
             free(p);
             return st;

@@ -119,6 +119,8 @@ typedef struct k3_spec_config {
     int32_t prompt_lookup_min, prompt_lookup_max; /* 0 = 2, 5 */
     /* draft model */
     const k3_model *draft_model;
+    k3_kv_type kv_cache; /* the draft model's cache format: the target's (so a model drafting for itself
+                            computes what the target does) */
     k3_pool *pool;
     bool adaptive; /* choose k per step from the cost model (else always the proposer's length) */
 } k3_spec_config;
