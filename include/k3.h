@@ -1034,6 +1034,15 @@ typedef struct k3_plan {
      * prefill instance (its rows + one KDA state), and what each of D decode
      * ranks receives (its 1/D of the rows + the state) */
     int64_t pd_bytes_per_seq, pd_bytes_per_rank;
+    /* speculative decoding, per sequence: what the KDA rollback keeps per
+     * verify position (re-applying the recurrence: the pre-conv rows and each
+     * head's k, v, gate, beta; or the whole state), and the bytes a pass of
+     * n = 1..16 positions reads at batch 1 (the weights but the routed
+     * experts once, and the expected union of the experts its positions
+     * route to, routing independent: an upper bound) */
+    int64_t spec_reapply_bytes_per_pos, spec_states_bytes_per_pos;
+    int64_t decode_read_bytes;     /* one decode step: the weights but the routed experts + its experts */
+    int64_t verify_read_bytes[17]; /* [n] a pass of n positions, n = 1..16 */
 } k3_plan;
 
 /* Reads CONFIG.json (a file) and computes the plan. */
