@@ -17,6 +17,7 @@
  *                    generated greedily and kept for the next turns;
  *   --synthetic      end to end on a prompt of random ids (a model's own
  *                    greedy continuation).
+ * --temp F samples instead of greedy (the same seed with and without).
  * Each end-to-end figure is decode tokens per second (generated tokens
  * after the first, over the time after the first), with and without, their
  * ratio, the mean acceptance length (1 + accepted / verify passes), and
@@ -42,6 +43,7 @@ static void usage_to(FILE *f) {
             "  --synthetic          a prompt of random ids\n"
             "  --prompt-tokens N    the --text / --synthetic prompt (default 256)\n"
             "  --gen N              tokens generated per prompt or turn (default 128)\n"
+            "  --temp F             sample at this temperature, seed 1 (default 0: greedy)\n"
             "  --rounds N           alternated rounds of with and without (default 3); --runs N curve passes\n"
             "  --quant MODE, --kv-cache f32|c8, --isa NAME, --threads N, --mmap\n" K3_CLI_SPEC_HELP);
 }
@@ -141,6 +143,8 @@ typedef struct e2e {
     k3_kv_type kv;
     k3_engine_options spec; /* the speculative options (k3_cli_spec_apply), draft model opened once */
     int gen;
+    float temp;    /* 0: greedy */
+    uint64_t seed; /* with temp > 0 */
 } e2e;
 
 typedef struct gen_out {
@@ -173,7 +177,7 @@ static int generate(const e2e *x, bool on, const int32_t *prompt, int64_t n_prom
                            .ignore_eos = true,
                            .logprobs = -1,
                            .prompt_logprobs = -1,
-                           .sampling = {.top_p = 1, .repeat_penalty = 1}};
+                           .sampling = {.temperature = x->temp, .top_p = 1, .repeat_penalty = 1, .seed = x->seed}};
     uint64_t id;
     int rc = 1;
     if (k3_engine_submit(e, &p, &id, &err)) {
@@ -268,6 +272,7 @@ static void report(const char *what, gen_out *off, gen_out *on, int rounds) {
 int k3_cmd_bench_spec(int argc, char **argv) {
     const char *dir = K3_DEFAULT_MODEL, *quant = K3_DEFAULT_QUANT, *text = NULL, *replay = NULL;
     int threads = k3_cli_default_threads(), runs = 9, rounds = 3, gen = 128, prompt_tokens = 256;
+    float temp = 0;
     long context = 512;
     bool do_curve = false, synthetic = false, keep_mapped = false;
     k3_kv_type kv = K3_KV_F32;
@@ -295,6 +300,8 @@ int k3_cmd_bench_spec(int argc, char **argv) {
             if (k3_cli_int("bench spec", a, argv[++i], 1, 64, &runs)) return 2;
         } else if (!strcmp(a, "--rounds") && has) {
             if (k3_cli_int("bench spec", a, argv[++i], 1, 16, &rounds)) return 2;
+        } else if (!strcmp(a, "--temp") && has) {
+            if (k3_cli_float("bench spec", a, argv[++i], 0, 10, &temp)) return 2;
         } else if (!strcmp(a, "--gen") && has) {
             if (k3_cli_int("bench spec", a, argv[++i], 2, 1 << 16, &gen)) return 2;
         } else if (!strcmp(a, "--prompt-tokens") && has) {
@@ -338,7 +345,7 @@ int k3_cmd_bench_spec(int argc, char **argv) {
     printf("k3 bench spec: %s, quant %s, kv %s, %s, %d threads; memory bandwidth %.1f GB/s before\n", dir, quant,
            kv == K3_KV_C8 ? "c8" : "f32", k3_isa_current(), threads, bw0);
     if (do_curve && curve(m, pool, kv, context, runs)) goto out;
-    e2e x = {m, tok, pool, kv, {0}, gen};
+    e2e x = {m, tok, pool, kv, {0}, gen, temp, 1};
     if (k3_cli_spec_apply("bench spec", &spec, quant, &x.spec, &draft)) goto out;
     gen_out off[16], on[16];
     const char *what[3] = {"text", "replay", "synthetic"};
