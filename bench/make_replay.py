@@ -24,11 +24,8 @@ TURNS = int(ARGS[ARGS.index("--turns") + 1]) if "--turns" in ARGS else 24
 PROMPTS = ARGS[ARGS.index("--prompts") + 1] if "--prompts" in ARGS else None
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "replay")
 
-MODULE = """import math
-
-RATE = 0.05
+MODULE = """RATE = 0.05
 LIMIT = 100
-
 
 def interest(principal, years):
     total = principal
@@ -36,16 +33,13 @@ def interest(principal, years):
         total = total * (1 + RATE)
     return total
 
-
 def capped(value):
     if value > LIMIT:
         return LIMIT
     return value
 
-
 def report(principal, years):
-    amount = capped(interest(principal, years))
-    return "after %d years: %.2f" % (years, amount)
+    return "%.2f" % capped(interest(principal, years))
 """
 
 CONFIG = """[server]
@@ -59,21 +53,14 @@ size = 512
 policy = lru
 """
 
-LOG = """============================= test session starts =============================
-collected 6 items
-
+LOG = """collected 6 items
 test_bank.py::test_interest PASSED
 test_bank.py::test_capped PASSED
 test_bank.py::test_report FAILED
-test_bank.py::test_zero_years PASSED
 test_bank.py::test_negative PASSED
 test_bank.py::test_large FAILED
-
-================================== FAILURES ===================================
-___________________________________ test_report ___________________________________
-    assert report(100, 2) == "after 2 years: 110.25"
-AssertionError: 'after 2 years: 100.00' != 'after 2 years: 110.25'
-========================= 2 failed, 4 passed in 0.12s =========================
+AssertionError: '100.00' != '110.25'
+2 failed, 4 passed in 0.12s
 """
 
 # the edits, in order: (which text, old, new, what the user says)

@@ -153,6 +153,7 @@ typedef struct gen_out {
     double decode_s; /* after the first token */
     int decoded;     /* tokens after the first */
     int64_t drafts, accepted;
+    int turns; /* replay turns run */
 } gen_out;
 
 /* One greedy request through a fresh engine (spec on or off): its tokens
@@ -239,6 +240,13 @@ static int replay_once(const e2e *x, bool on, json_t *turns, gen_out *out) {
         }
         free(text);
         if (rc) break;
+        k3_model_info info;
+        k3_model_get_info(x->m, &info);
+        if (n + (int64_t)ni + x->gen + 64 > info.max_positions) { /* the model's length: the replay ends here */
+            free(ids);
+            break;
+        }
+        out->turns++;
         if (n + (int64_t)ni + x->gen > cap) {
             cap = (n + (int64_t)ni + x->gen) * 2;
             conv = realloc(conv, sizeof(int32_t) * (size_t)cap);
@@ -408,7 +416,7 @@ int k3_cmd_bench_spec(int argc, char **argv) {
             }
         char label[64];
         snprintf(label, sizeof label, "%s (%zu-token prompt)", what[w], w == 1 ? json_array_size(turns) : np);
-        if (w == 1) snprintf(label, sizeof label, "replay (%zu turns)", json_array_size(turns));
+        if (w == 1) snprintf(label, sizeof label, "replay (%d of %zu turns)", on[0].turns, json_array_size(turns));
         report(label, off, on, rounds);
         for (int r = 0; r < rounds; r++) {
             free(off[r].tok);
