@@ -152,8 +152,11 @@ void k3_engine_spec_propose(k3_engine *e) {
         if (e->o.spec_no_cost_model)
             for (int32_t i = 0; i < n_c; i++) e->take[i] = who[i]->n_draft;
         else k3_spec_policy_choose(&e->policy, n_dec, e->cand, n_c, e->take);
+        int32_t rows = 0;
         for (int32_t i = 0; i < n_c; i++) {
             req *r = who[i];
+            if (rows + e->take[i] > e->spec_rows_cap) e->take[i] = e->spec_rows_cap - rows; /* the logits' room */
+            rows += e->take[i];
             r->n_draft = r->rq.n_draft = e->take[i];
             if (!e->take[i]) k3_spec_calib_update(&r->calib, NULL, 0, 0);
         }

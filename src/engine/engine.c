@@ -263,6 +263,12 @@ k3_status k3_engine_open(k3_engine **out, const k3_model *m, const k3_engine_opt
     if (plp < bs) plp = bs;
     if (plp > o.max_num_batched_tokens) plp = o.max_num_batched_tokens - o.max_num_batched_tokens % bs;
     e->plp_cap = (int32_t)plp;
+    /* draft rows per step (verify chunks' logits): at most ~64 MB of logits,
+     * 16 rows at least (at K3's vocabulary ~100 rows) */
+    int64_t dr = ((int64_t)16 << 20) / e->V;
+    e->spec_rows_cap = (int32_t)(dr < 16                                        ? 16
+                                     : dr > o.max_num_seqs * K3_SPEC_MAX_TOKENS ? o.max_num_seqs * K3_SPEC_MAX_TOKENS
+                                                                                : dr);
 
     k3_status st = K3_OK;
     e->eos = malloc(sizeof(int32_t) * (size_t)(o.n_eos_ids ? o.n_eos_ids : 1));
@@ -303,7 +309,7 @@ k3_status k3_engine_open(k3_engine **out, const k3_model *m, const k3_engine_opt
         e->batch = calloc((size_t)o.max_num_seqs, sizeof(k3_batch_seq));
         e->want = calloc((size_t)o.max_num_seqs, 1);
         /* a decode's row, or a verify chunk's k + 1 rows, per request */
-        e->logits = malloc(sizeof(float) * (size_t)((o.max_num_seqs * (1 + K3_SPEC_MAX_TOKENS) + e->plp_cap) * e->V));
+        e->logits = malloc(sizeof(float) * (size_t)((o.max_num_seqs + e->spec_rows_cap + e->plp_cap) * e->V));
         e->row = malloc(sizeof(float) * (size_t)e->V);
         e->g_m = calloc((size_t)o.max_num_seqs, sizeof *e->g_m);
         e->g_mask = calloc((size_t)o.max_num_seqs, sizeof *e->g_mask);

@@ -91,7 +91,8 @@ struct k3_engine {
     int32_t n_eos;
     int64_t V, max_model_len, cache_tokens, state_bytes;
     int32_t block_size, max_blocks, plp_cap;
-    int64_t cost_p0; /* where the step cost guard prices a prompt token at 2 */
+    int32_t spec_rows_cap; /* draft tokens a step verifies at most (their logits rows) */
+    int64_t cost_p0;       /* where the step cost guard prices a prompt token at 2 */
 
     k3_comm_stats comm; /* cross-rank counters since open, all ranks summed (o.dist), under mu */
 
@@ -125,7 +126,7 @@ struct k3_engine {
     int32_t cap_outs;
     k3_batch_seq *batch; /* [max_seqs] */
     uint8_t *want;
-    float *logits;            /* [(max_seqs * (1 + K3_SPEC_MAX_TOKENS) + plp_cap) * V] */
+    float *logits;            /* [(max_seqs + spec_rows_cap + plp_cap) * V] */
     float *row;               /* [V] a copy for sampling */
     k3_grammar_matcher **g_m; /* [max_seqs] this step's constrained samplers */
     uint64_t **g_mask;        /* [max_seqs] their masks */

@@ -169,7 +169,7 @@ static int32_t setup_slots(k3_engine *e, double t_in) {
             n_rows += ends;
         }
     }
-    K3_ASSERT(n_rows <= e->o.max_num_seqs * (1 + K3_SPEC_MAX_TOKENS) + e->plp_cap);
+    K3_ASSERT(n_rows <= e->o.max_num_seqs + e->spec_rows_cap + e->plp_cap);
     return n_rows;
 }
 
