@@ -37,7 +37,7 @@ static void usage_to(FILE *f) {
     fprintf(f,
             "usage: k3 bench spec -m DIR [--curve] [--text FILE | --replay FILE | --synthetic] [options]\n"
             "  --curve              one verify pass of 1 + k positions (k = 1, 2, 4, 8) against a decode step\n"
-            "  --context N          the curve's context (default 512)\n"
+            "  --context N          the curve's context (default 512); --profile: its passes by operator\n"
             "  --text FILE          greedy continuation of the file's start, with and without drafts\n"
             "  --replay FILE        a conversation, one JSON line per turn {\"user\": TEXT, \"prefix\": TEXT}\n"
             "  --synthetic          a prompt of random ids\n"
@@ -60,7 +60,7 @@ static double median(double *v, int n) {
 
 /* ---- the verify cost curve -------------------------------------------------- */
 
-static int curve(const k3_model *m, k3_pool *pool, k3_kv_type kv, int64_t context, int runs) {
+static int curve(const k3_model *m, k3_pool *pool, k3_kv_type kv, int64_t context, int runs, bool profile) {
     k3_model_info info;
     k3_model_get_info(m, &info);
     const int ks[5] = {0, 1, 2, 4, 8};
@@ -88,10 +88,16 @@ static int curve(const k3_model *m, k3_pool *pool, k3_kv_type kv, int64_t contex
            k3_isa_current(), k3_pool_size(pool));
     printf("  %-6s %10s %8s %12s %12s %12s %14s\n", "k", "pass ms", "x decode", "accept ms", "states pass",
            "states acc", "kept KB/seq");
+    static const char *ops[K3_PROF_COUNT] = {"embed", "attnres", "norm", "kda", "mlapo", "qli",
+                                             "attn",  "mla_out", "ffn",  "moe", "head"};
+    double prof[5][K3_PROF_COUNT] = {{0}};
     for (int ki = 0; ki < 5; ki++) {
         const int k = ks[ki];
         double t[64], ta[64], ts[64], tps[64];
         int n = 0;
+        k3_profile pr;
+        k3_ctx_profile_enable(ctx, profile);
+        k3_ctx_profile_take(ctx, &pr);
         for (int r = -1; r < runs && r < 64; r++) {
             for (int mode = K3_SPEC_REAPPLY; mode <= (k ? K3_SPEC_STATES : K3_SPEC_REAPPLY); mode++) {
                 const k3_batch_seq b = {0, 1 + k, ids, NULL};
@@ -113,6 +119,11 @@ static int curve(const k3_model *m, k3_pool *pool, k3_kv_type kv, int64_t contex
             }
             if (r >= 0) n++;
         }
+        if (profile) {
+            k3_ctx_profile_take(ctx, &pr);
+            for (int op = 0; op < K3_PROF_COUNT; op++) prof[ki][op] = pr.seconds[op] * 1e3 / (runs + 1) / (k ? 2 : 1);
+        }
+        k3_ctx_profile_enable(ctx, false);
         const double tm = median(t, n) * 1e3, am = k ? median(ta, n) * 1e3 : 0, sm = k ? median(ts, n) * 1e3 : 0;
         const double pm = k ? median(tps, n) * 1e3 : 0;
         if (!k) base = tm;
@@ -124,6 +135,16 @@ static int curve(const k3_model *m, k3_pool *pool, k3_kv_type kv, int64_t contex
            "   states pass / acc: the verify pass that keeps every position's state, and its accept (a copy);\n"
            "   kept KB/seq: what each way holds per sequence, re-apply / states; a KDA state here is %lld KB)\n",
            (long long)(k3_ctx_state_bytes(ctx) / 1024));
+    if (profile) {
+        printf("  ms per pass by operator (mean, both rollbacks' passes):\n  %-8s", "k");
+        for (int ki = 0; ki < 5; ki++) printf(" %8d", ks[ki]);
+        printf("\n");
+        for (int op = 0; op < K3_PROF_COUNT; op++) {
+            printf("  %-8s", ops[op]);
+            for (int ki = 0; ki < 5; ki++) printf(" %8.2f", prof[ki][op]);
+            printf("\n");
+        }
+    }
     free(lg);
     k3_ctx_free(ctx);
     return 0;
@@ -282,7 +303,7 @@ int k3_cmd_bench_spec(int argc, char **argv) {
     int threads = k3_cli_default_threads(), runs = 9, rounds = 3, gen = 128, prompt_tokens = 256;
     float temp = 0;
     long context = 512;
-    bool do_curve = false, synthetic = false, keep_mapped = false;
+    bool do_curve = false, synthetic = false, keep_mapped = false, profile = false;
     k3_kv_type kv = K3_KV_F32;
     k3_cli_parse_kv(K3_DEFAULT_KV, &kv);
     k3_cli_spec spec = {.method = "suffix"};
@@ -297,6 +318,7 @@ int k3_cmd_bench_spec(int argc, char **argv) {
             return 0;
         } else if (!strcmp(a, "-m") && has) dir = argv[++i];
         else if (!strcmp(a, "--curve")) do_curve = true;
+        else if (!strcmp(a, "--profile")) profile = true;
         else if (!strcmp(a, "--synthetic")) synthetic = true;
         else if (!strcmp(a, "--mmap")) keep_mapped = true;
         else if (!strcmp(a, "--text") && has) text = argv[++i];
@@ -352,7 +374,7 @@ int k3_cmd_bench_spec(int argc, char **argv) {
     const double bw0 = k3_membw_read_gbps(pool, (size_t)1 << 30, 3);
     printf("k3 bench spec: %s, quant %s, kv %s, %s, %d threads; memory bandwidth %.1f GB/s before\n", dir, quant,
            kv == K3_KV_C8 ? "c8" : "f32", k3_isa_current(), threads, bw0);
-    if (do_curve && curve(m, pool, kv, context, runs)) goto out;
+    if (do_curve && curve(m, pool, kv, context, runs, profile)) goto out;
     e2e x = {m, tok, pool, kv, {0}, gen, temp, 1};
     if (k3_cli_spec_apply("bench spec", &spec, quant, &x.spec, &draft)) goto out;
     gen_out off[16], on[16];

@@ -112,7 +112,7 @@ class MpiServer(so.Server):
 
 def main():
     common = ["--max-num-seqs", "8", "--num-speculative-tokens", "6", *ISA]
-    on = so.Server(MINI, "--speculative", "suffix", *common)
+    on = so.Server(MINI, "--speculative", "suffix", "--spec-no-cost-model", *common)
     off = so.Server(MINI, *common)
     prompts = [REPEAT, CODE, NOVEL]
 
@@ -209,7 +209,7 @@ def main():
 
     def preempt():
         small = ["--cache-tokens", "512", "--block-size", "16", "--max-num-seqs", "6", *ISA]
-        a = so.Server(MINI, "--speculative", "suffix", *small)
+        a = so.Server(MINI, "--speculative", "suffix", "--spec-no-cost-model", *small)
         b = so.Server(MINI, *small)
         try:
             out = {}
@@ -237,7 +237,8 @@ def main():
         def under_mpi(flag):
             def fn():
                 one = so.Server(MINI, "--max-num-seqs", "4", *ISA)
-                two = MpiServer(MINI, flag, "2", "--speculative", "suffix", "--max-num-seqs", "4", *ISA)
+                two = MpiServer(MINI, flag, "2", "--speculative", "suffix", "--spec-no-cost-model", "--max-num-seqs", "4",
+                                *ISA)
                 try:
                     for p in prompts:
                         a, b = complete(two, p), complete(one, p)
