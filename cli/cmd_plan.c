@@ -116,5 +116,19 @@ int k3_cmd_plan(int argc, char **argv) {
            "%.3f s at 400 Gb/s\n",
            o.dcp, gb((double)p.pd_bytes_per_rank, b3, sizeof b3), o.dcp, (double)p.pd_bytes_per_rank / link[0],
            (double)p.pd_bytes_per_rank / link[1]);
+    /* speculative decoding (docs/spec.md) */
+    printf("speculative decoding, one sequence at batch 1:\n");
+    printf("  KDA rollback      per verify position %s re-applying the recurrence (pre-conv rows, each head's k, "
+           "v, gate, beta), %s keeping each position's state; at k = 4: %s / %s\n",
+           gb((double)p.spec_reapply_bytes_per_pos, b1, sizeof b1),
+           gb((double)p.spec_states_bytes_per_pos, b2, sizeof b2),
+           gb(5.0 * (double)p.spec_reapply_bytes_per_pos, b3, sizeof b3),
+           gb(5.0 * (double)p.spec_states_bytes_per_pos, b4, sizeof b4));
+    printf("  bytes read        a decode step %s; a verify pass of 1 + k positions (routing independent, an upper "
+           "bound):",
+           gb((double)p.decode_read_bytes, b1, sizeof b1));
+    for (int k = 1; k <= 8; k *= 2)
+        printf(" k = %d %s (%.2fx)%s", k, gb((double)p.verify_read_bytes[k + 1], b2, sizeof b2),
+               (double)p.verify_read_bytes[k + 1] / (double)p.decode_read_bytes, k < 8 ? "," : "\n");
     return 0;
 }

@@ -529,6 +529,18 @@ void k3_grammar_mask_apply(const k3_grammar_vocab *v, const uint64_t *mask, floa
 
 typedef struct k3_engine k3_engine;
 
+/* Speculative decoding (docs/spec.md): who drafts the tokens a step
+ * verifies. K3_SPEC_DEFAULT in a request means the engine's method; in the
+ * engine's options, off. */
+typedef enum k3_spec_method {
+    K3_SPEC_DEFAULT = 0,
+    K3_SPEC_OFF,
+    K3_SPEC_SUFFIX,      /* a suffix tree of the request's prompt and output, and its scope's past outputs */
+    K3_SPEC_NGRAM,       /* the most recent earlier occurrence of the longest n-gram */
+    K3_SPEC_DRAFT_MODEL, /* a second, small checkpoint of the same vocabulary (draft_model) */
+} k3_spec_method;
+#define K3_SPEC_MAX_TOKENS 16 /* draft tokens per request and step at most */
+
 typedef struct k3_engine_options {
     int32_t max_num_seqs;           /* running requests at once (0 = 16) */
     int32_t max_num_batched_tokens; /* tokens per step over all requests (0 = 2048) */
@@ -566,6 +578,20 @@ typedef struct k3_engine_options {
     struct k3_dist *dist;  /* borrowed; NULL = one process. On rank 0 of
                                        several the context's calls go to the other
                                        ranks (k3_exec_serve_pool) */
+    /* speculative decoding: each step a decoding request may verify draft
+     * tokens in one chunk of its last token and the drafts; the same text
+     * (greedy), the same distribution and, for drafts not sampled (every
+     * method here), the same tokens for the same seed as without */
+    k3_spec_method speculative;     /* K3_SPEC_DEFAULT / OFF: none */
+    int32_t num_speculative_tokens; /* k, draft tokens per step at most (0 = 4; <= K3_SPEC_MAX_TOKENS) */
+    const k3_model *draft_model;    /* borrowed: K3_SPEC_DRAFT_MODEL's checkpoint (same vocabulary) */
+    bool spec_no_cost_model;        /* draft whatever the proposer finds (no cost model): to measure */
+    int32_t spec_rollback;          /* KDA rollback: 0 re-apply the recurrence (default), 1 keep each
+                                       position's state (K3_SPEC_STATES of ctx.h, to compare) */
+    /* the suffix proposer (vLLM's suffix_decoding_* fields; 0 = defaults) */
+    int32_t suffix_max_tree_depth, suffix_max_cached_requests;
+    float suffix_max_spec_factor, suffix_min_token_prob;
+    int32_t prompt_lookup_min, prompt_lookup_max; /* the ngram proposer's n range (0 = 2, 5) */
 } k3_engine_options;
 
 typedef struct k3_request_params {
@@ -600,7 +626,16 @@ typedef struct k3_request_params {
                                        the prompt's end as a hold named by its id */
     const struct k3_remote_prefill *remote; /* decode side: the prompt was computed
                                        elsewhere (copied at submit) */
-    k3_grammar *grammar;                    /* NULL, or the grammar the output must match
+    /* speculative decoding: this request's method (K3_SPEC_DEFAULT: the
+     * engine's; another than the engine's needs its proposer: suffix and
+     * ngram always, draft_model with a draft model), its draft tokens per
+     * step at most (0: the engine's k; at most K3_SPEC_MAX_TOKENS), and its
+     * scope: requests of different scopes never draft from each other's
+     * outputs (the server gives the hash of the API key) */
+    k3_spec_method speculative;
+    int32_t num_speculative_tokens;
+    uint64_t spec_scope;
+    k3_grammar *grammar; /* NULL, or the grammar the output must match
                                        (the request keeps a matcher of its own, with a
                                        reference): every token is sampled under its
                                        mask (logprobs too are those of the masked
@@ -689,6 +724,14 @@ typedef struct k3_engine_stats {
     int64_t n_pulls, pull_blocks, pulls_ok, pulls_failed;
     int64_t grammar_steps, grammar_masks; /* steps that filled grammar masks, masks filled */
     double grammar_s;                     /* time spent filling and applying them */
+    /* speculative decoding (vLLM's spec_decode counters): verify chunks with
+     * drafts, draft tokens in them, draft tokens accepted, and accepted at
+     * each draft position; spec_k is the engine's k (the positions that
+     * count); time proposing and in the accept (KDA rollback included) */
+    int64_t spec_drafts, spec_draft_tokens, spec_accepted_tokens;
+    int64_t spec_accepted_per_pos[K3_SPEC_MAX_TOKENS];
+    int32_t spec_k;
+    double spec_propose_s, spec_accept_s;
 } k3_engine_stats;
 
 k3_status k3_engine_open(k3_engine **out, const k3_model *m, const k3_engine_options *opt, k3_error *err);
@@ -831,11 +874,12 @@ k3_status k3_engine_hold_read_state(k3_engine *e, uint64_t id, int64_t offset, v
  * are ignored. */
 void k3_engine_hold_release(k3_engine *e, uint64_t id);
 
-/* Notes on the engine (implementation: src/engine/engine.c, src/sched,
- * src/kv). logprobs and prompt_logprobs take at most 20 alternatives, and
+/* Notes on the engine (implementation: src/engine, src/sched, src/kv,
+ * src/spec). logprobs and prompt_logprobs take at most 20 alternatives, and
  * when both are asked for they must ask for the same number (n_top is one
- * field). A step yields at most one token per request. Outputs of a
- * finished request are valid until the next step, which frees it. */
+ * field). A step yields one token per request, or with speculative decoding
+ * up to k + 1. Outputs of a finished request are valid until the next step,
+ * which frees it. */
 
 
 /* ---- KV events (src/kvevents, docs/kvstore.md "KV events") -----------------
@@ -1075,6 +1119,15 @@ typedef struct k3_plan {
      * prefill instance (its rows + one KDA state), and what each of D decode
      * ranks receives (its 1/D of the rows + the state) */
     int64_t pd_bytes_per_seq, pd_bytes_per_rank;
+    /* speculative decoding, per sequence: what the KDA rollback keeps per
+     * verify position (re-applying the recurrence: the pre-conv rows and each
+     * head's k, v, gate, beta; or the whole state), and the bytes a pass of
+     * n = 1..16 positions reads at batch 1 (the weights but the routed
+     * experts once, and the expected union of the experts its positions
+     * route to, routing independent: an upper bound) */
+    int64_t spec_reapply_bytes_per_pos, spec_states_bytes_per_pos;
+    int64_t decode_read_bytes;     /* one decode step: the weights but the routed experts + its experts */
+    int64_t verify_read_bytes[17]; /* [n] a pass of n positions, n = 1..16 */
 } k3_plan;
 
 /* Reads CONFIG.json (a file) and computes the plan. */

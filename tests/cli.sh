@@ -318,5 +318,59 @@ else
     bad "structured: a Python with the openai client and jsonschema (scripts/venv.sh)" "$TMP/venv.err"
 fi
 
+# speculative decoding through k3 run: the same text with drafts as without, greedy and seeded,
+# on every kind of checkpoint, over a prompt that repeats and one that does not (the default
+# kernel table; docs/spec.md says where a table's products of many rows make it differ)
+SPEC_P1="The cat sat on the mat. The dog sat on the log. The cat sat on the mat. The dog sat on the log. The cat"
+SPEC_P2="It is a truth universally acknowledged, that"
+for m in models/k3-mini $TINY tests/models/tiny-dsa tests/models/official-tiny; do
+    for p in 1 2; do
+        eval "prompt=\$SPEC_P$p"
+        for temp in 0 0.8; do
+            same=yes
+            timeout 120 "$K3" run -m "$m" -n 40 --temp $temp --seed 7 --speculative off "$prompt" >"$TMP/s.off" 2>"$TMP/s.err" || same=error
+            for method in suffix ngram; do
+                timeout 120 "$K3" run -m "$m" -n 40 --temp $temp --seed 7 --speculative $method "$prompt" >"$TMP/s.on" 2>>"$TMP/s.err" || same=error
+                cmp -s "$TMP/s.off" "$TMP/s.on" || same=no
+            done
+            if [ $same = yes ]; then ok "run --speculative suffix|ngram = off: $m, prompt $p, temp $temp"
+            else bad "run --speculative suffix|ngram = off: $m, prompt $p, temp $temp ($same)" "$TMP/s.err"; fi
+        done
+    done
+done
+# the closing line says the acceptance; a repeating prompt on k3-mini accepts drafts
+timeout 120 "$K3" run -n 40 --temp 0 --speculative suffix "$SPEC_P1" >/dev/null 2>"$TMP/err"
+if grep -q "mean acceptance length" "$TMP/err" && ! grep -q " 0 accepted" "$TMP/err"; then ok "run --speculative: acceptance on the closing line"
+else bad "run --speculative: acceptance on the closing line" "$TMP/err"; fi
+expect_fail "run --speculative eagle" "suffix, ngram, draft_model or off" "$K3" run -m $TINY --speculative eagle x
+expect_fail "run --num-speculative-tokens 17" "num-speculative-tokens" "$K3" run -m $TINY --speculative suffix --num-speculative-tokens 17 x
+expect_fail "run --speculative draft_model without --draft-model" "draft-model DIR" "$K3" run -m $TINY --speculative draft_model x
+expect_fail "run --speculative with --dump-logits" "through the engine" "$K3" run -m $TINY --speculative suffix --dump-logits /dev/null x
+# tiny drafting for itself: every greedy draft accepted
+timeout 120 "$K3" run -m $TINY -n 40 --temp 0 --repeat-penalty 1 --speculative draft_model --draft-model $TINY --spec-no-cost-model "$SPEC_P2" >"$TMP/s.on" 2>"$TMP/err"
+timeout 120 "$K3" run -m $TINY -n 40 --temp 0 --repeat-penalty 1 --speculative off "$SPEC_P2" >"$TMP/s.off" 2>/dev/null
+acc=$(sed -n 's/.* with \([0-9]*\) draft tokens, \([0-9]*\) accepted.*/\1 \2/p' "$TMP/err")
+if cmp -s "$TMP/s.on" "$TMP/s.off" && [ -n "$acc" ] && [ "${acc% *}" = "${acc#* }" ] && [ "${acc% *}" -gt 0 ]; then
+    ok "run --draft-model tiny drafting for itself: the same text, every draft accepted ($acc)"
+else bad "run --draft-model tiny drafting for itself (drafted / accepted: '$acc')" "$TMP/err"; fi
+
+# speculative decoding through k3 serve (tests/serve_spec.py; --mpi: also under mpirun -np 2 --dcp 2)
+if PY=$(sh scripts/venv.sh openai 2>"$TMP/venv.err"); then
+    mpi=
+    command -v mpirun >/dev/null 2>&1 && mpi=--mpi
+    timeout 600 "$PY" tests/serve_spec.py "$K3" $mpi >"$TMP/spec.out" 2>&1
+    grep -E "^(ok|FAIL) |^    " "$TMP/spec.out"
+    xp=$(sed -n 's/^spec: \([0-9]*\) passed, \([0-9]*\) failed$/\1/p' "$TMP/spec.out")
+    xf=$(sed -n 's/^spec: \([0-9]*\) passed, \([0-9]*\) failed$/\2/p' "$TMP/spec.out")
+    if [ -z "$xp" ]; then
+        bad "spec: the speculative decoding test did not finish" "$TMP/spec.out"
+    else
+        pass=$((pass + xp))
+        fail=$((fail + xf))
+    fi
+else
+    bad "spec: a Python with the openai client (scripts/venv.sh)" "$TMP/venv.err"
+fi
+
 echo "cli: $pass passed, $fail failed"
 [ $fail -eq 0 ]

@@ -97,6 +97,7 @@ k3_status k3_plan_compute(const char *path, const k3_plan_options *opt, k3_plan 
     int64_t w = V * Hd * 2 + (c->tie_word_embeddings ? 0 : V * Hd * 2) + Hd * 4, ex = 0;
     const int64_t cache = k3_config_cache_bytes_per_token(c, opt->kv_cache);
     int64_t state = 0, lse = 0, nd = 0, nm = 0, nk = 0, nmoe = 0;
+    double spec_ex[17] = {0};
     const int64_t kvl = c->kv_lora_rank, rope = c->qk_rope_dim, H = c->n_heads;
     for (int i = 0; i < c->n_layers; i++) {
         w += 2 * Hd * 4; /* the two norms (and AttnRes vectors, about the same) */
@@ -109,6 +110,8 @@ k3_status k3_plan_compute(const char *path, const k3_plan_options *opt, k3_plan 
                                        : linear_bytes(c->kda_gate_rank, Hd, q) + linear_bytes(HK, c->kda_gate_rank, q);
             w += (3 * HK * c->conv_size + HK + Hk + dk) * 4;
             state += (Hk * dk * dk + 3 * HK * (c->conv_size - 1)) * 4;
+            out->spec_reapply_bytes_per_pos += (6 * HK + Hk) * 4;
+            out->spec_states_bytes_per_pos += (Hk * dk * dk + 3 * HK * (c->conv_size - 1)) * 4;
         } else {
             const int64_t qk = c->qk_nope_dim + rope;
             if (c->q_lora_rank > 0) w += linear_bytes(c->q_lora_rank, Hd, q) + linear_bytes(H * qk, c->q_lora_rank, q);
@@ -136,6 +139,11 @@ k3_status k3_plan_compute(const char *path, const k3_plan_options *opt, k3_plan 
             if (S) w += 2 * linear_bytes(S, Hd, q) + linear_bytes(Hd, S, q);
             const int64_t per = c->experts_mxfp4 ? 3 * (Im * Dl / 2 + Im * Dl / 32) : 3 * Im * Dl * 2;
             ex += Ex * per;
+            /* a pass of n positions reads the union of their experts: expected
+             * Ex (1 - (1 - K/Ex)^n) of them when the positions route independently */
+            for (int n = 1; n <= 16; n++)
+                spec_ex[n] +=
+                    (double)per * (double)Ex * (1.0 - pow(1.0 - (double)c->n_experts_per_tok / (double)Ex, (double)n));
             /* per token: latent to each remote owner, each remote result back,
              * the combined row to the other E-1 ranks of the group */
             const double hit = groups_hit(Ex, c->n_experts_per_tok, E);
@@ -151,6 +159,10 @@ k3_status k3_plan_compute(const char *path, const k3_plan_options *opt, k3_plan 
     while ((1LL << lg) < D) lg++;
     out->weight_bytes = w + ex;
     out->expert_bytes = ex;
+    /* a pass reads one embedding row, not the table (unless it is the head too) */
+    const int64_t emb_table = c->tie_word_embeddings ? 0 : V * Hd * 2;
+    for (int n = 1; n <= 16; n++) out->verify_read_bytes[n] = w - emb_table + (int64_t)llround(spec_ex[n]);
+    out->decode_read_bytes = out->verify_read_bytes[1];
     out->cache_bytes_per_token = cache;
     out->cache_bytes_per_seq = cache * L;
     out->cache_bytes_per_1m = cache * (1 << 20);

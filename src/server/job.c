@@ -566,6 +566,18 @@ static bool check_work(k3_srv_job *j, k3_srv_bad *e) {
 }
 
 /* The engine request of choice i (its prompt, sampling and limits). */
+/* The drafts' scope of a request: a hash of the API key it presented (0
+ * without one), so outputs never cross from one key's requests to
+ * another's through the suffix proposer's cache. */
+static uint64_t key_scope(struct MHD_Connection *conn) {
+    const char *k = conn ? MHD_lookup_connection_value(conn, MHD_HEADER_KIND, "x-api-key") : NULL;
+    if (!k && conn) k = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
+    if (!k) return 0;
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (; *k; k++) h = (h ^ (uint8_t)*k) * 0x100000001b3ull;
+    return h | 1;
+}
+
 static k3_request_params engine_request(k3_srv_job *j, int i) {
     const k3_srv_request *rq = &j->rq;
     const k3_srv_choice *c = &j->ch[i];
@@ -599,6 +611,9 @@ static k3_request_params engine_request(k3_srv_job *j, int i) {
         .embeds = rq->vp.n_images ? (const float *const *)rq->vp.embeds : NULL,
         .extra_keys = rq->vp.n_images ? rq->vp.keys : NULL,
         .grammar = rq->grammar,
+        .speculative = rq->spec_method,
+        .num_speculative_tokens = rq->spec_k,
+        .spec_scope = key_scope(j->conn),
     };
     k3_srv_pd_request(j, &p); /* kept for a decode instance, or pulled from a prefill one */
     return p;
