@@ -228,12 +228,16 @@ k3_status k3_chat_encode_json(const k3_tokenizer *t, const char *messages_json, 
  * tool_calls_json is an OpenAI tool_calls array whose arguments are JSON
  * object strings. A tool call whose arguments do not form valid JSON is
  * K3_ERR_FORMAT with a message; text that merely stops early (max_tokens) is
- * parsed as far as it goes. Free with k3_chat_reply_free. */
+ * parsed as far as it goes, a call cut off midway included (last_call_cut).
+ * No field ever holds a special's name or a piece of a tag; numbers in the
+ * arguments are passed through as written. Free with k3_chat_reply_free. */
 typedef struct k3_chat_reply {
     char *reasoning;
     char *content;
     char *tool_calls_json;
     int32_t n_tool_calls;
+    bool last_call_cut; /* the last call was cut off midway (max_tokens): its
+                           arguments are the prefix generated so far */
 } k3_chat_reply;
 
 k3_status k3_chat_parse_reply(const char *text, size_t len, bool thinking, k3_chat_reply *out, k3_error *err);

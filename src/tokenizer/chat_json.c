@@ -39,6 +39,7 @@
 
 #include "common/error.h"
 #include "common/json_guard.h"
+#include "common/json_text.h"
 #include "tokenizer/tokenizer_internal.h"
 
 /* ---- JSON as Python writes it ---------------------------------------------- */
@@ -96,38 +97,7 @@ void k3_pyjson_float(k3_buf *b, double v) {
     k3_buf_puts(b, out);
 }
 
-void k3_pyjson_string(k3_buf *b, const char *s, size_t n) {
-    k3_buf_add(b, "\"", 1);
-    size_t run = 0; /* bytes copied verbatim since the last escape */
-    for (size_t i = 0; i < n; i++) {
-        unsigned char c = (unsigned char)s[i];
-        const char *rep = NULL;
-        char u[8];
-        switch (c) {
-        case '"': rep = "\\\""; break;
-        case '\\': rep = "\\\\"; break;
-        case '\b': rep = "\\b"; break;
-        case '\f': rep = "\\f"; break;
-        case '\n': rep = "\\n"; break;
-        case '\r': rep = "\\r"; break;
-        case '\t': rep = "\\t"; break;
-        default:
-            if (c < 0x20) {
-                snprintf(u, sizeof u, "\\u%04x", c);
-                rep = u;
-            }
-        }
-        if (!rep) {
-            run++;
-            continue;
-        }
-        k3_buf_add(b, s + i - run, run);
-        run = 0;
-        k3_buf_puts(b, rep);
-    }
-    k3_buf_add(b, s + n - run, run);
-    k3_buf_add(b, "\"", 1);
-}
+void k3_pyjson_string(k3_buf *b, const char *s, size_t n) { k3_json_write_string(b, s, n); }
 
 typedef struct kv {
     const char *key;
