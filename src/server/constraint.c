@@ -4,8 +4,7 @@
  *
  * What becomes which grammar (k3_grammar_spec, include/k3.h):
  *   response_format json_object          K3_GRAMMAR_JSON_OBJECT
- *   response_format json_schema          K3_GRAMMAR_JSON_SCHEMA (strict: an object
- *                                        without additionalProperties is closed)
+ *   response_format json_schema          K3_GRAMMAR_JSON_SCHEMA
  *   structured_outputs.json, guided_json K3_GRAMMAR_JSON_SCHEMA
  *   .regex, guided_regex                 K3_GRAMMAR_REGEX
  *   .choice, guided_choice               K3_GRAMMAR_CHOICE
@@ -13,15 +12,20 @@
  *   .json_object                         K3_GRAMMAR_JSON_OBJECT
  *   tool_choice required                 K3_GRAMMAR_TOOL_CALLS over every tool
  *   tool_choice {function: {name}}       K3_GRAMMAR_TOOL_CALLS over that tool
+ *     (beside a response format: OpenAI's meaning, this turn is the call)
+ *   tool_choice auto beside a response   K3_GRAMMAR_TOOL_CALLS, tools_optional with
+ *     format (JSON schema or object)     that JSON as the text: a call or the JSON
  *   tool_choice auto, a strict tool      K3_GRAMMAR_TOOL_CALLS, tools_optional
- *                                        (text, or with response_format's schema
- *                                        that JSON, or the calls)
+ *                                        (text, or the calls)
  * with k3_reply on chat (the content of the K3 assistant turn, after the
  * think block when the turn thinks). JSON is compact (no whitespace between
  * tokens): every JSON reader takes it, and a model cannot run on in
- * whitespace. Only one constraint per request: two (response_format and
- * structured_outputs, or tool_choice required beside response_format) are
- * a 400.
+ * whitespace. An object is closed unless its schema opens it
+ * (additionalProperties true or a schema), as XGrammar's strict mode (vLLM's
+ * default engine) and OpenAI's structured outputs generate it; vLLM's
+ * structured_outputs.disable_additional_properties given false opens them.
+ * Two constraints (response_format and structured_outputs, or vLLM's own
+ * beside a forced tool choice) are a 400.
  *
  * The cache: CACHE_CAP grammars by (kind, flags, text), least recently used
  * out; a lookup and the insert are under the server's grammar mutex, the
@@ -35,6 +39,7 @@
 #include "server/constraint.h"
 
 #define CACHE_CAP 64
+#define ANY_OBJECT "{\"type\":\"object\"}"
 
 typedef struct gentry {
     char *key;
@@ -178,6 +183,8 @@ typedef struct want {
     k3_grammar_tool *tools; /* owned array (names borrowed, parameters owned) */
     char where[96];
     const char *source; /* the field that asked, for the two-constraints message */
+    bool from_rf;       /* the constraint is the response format's (a forced tool call replaces it) */
+    bool open_objects;  /* structured_outputs.disable_additional_properties: false, the opt-out */
 } want;
 
 static void want_free(want *w) {
@@ -219,6 +226,7 @@ static bool from_response_format(json_t *rf, const char *name, const char *schem
     if (!strcmp(type, "text")) return true;
     if (!strcmp(type, "json_object")) {
         if (!set_source(w, name, e)) return false;
+        w->from_rf = true;
         w->sp.kind = K3_GRAMMAR_JSON_OBJECT;
         snprintf(w->where, sizeof w->where, "%s", name);
         return true;
@@ -231,6 +239,7 @@ static bool from_response_format(json_t *rf, const char *name, const char *schem
     if (strict && !json_is_null(strict) && !json_is_boolean(strict))
         return bad(e, 400, "\"%s.json_schema.strict\" must be true or false", name);
     if (!set_source(w, name, e)) return false;
+    w->from_rf = true;
     if (!schema || json_is_null(schema)) { /* no schema: any JSON object */
         w->sp.kind = K3_GRAMMAR_JSON_OBJECT;
         snprintf(w->where, sizeof w->where, "%s", name);
@@ -241,7 +250,6 @@ static bool from_response_format(json_t *rf, const char *name, const char *schem
     else snprintf(field, sizeof field, "%s.json_schema.schema", name);
     if (!schema_text(schema, field, &w->text, e)) return false;
     w->sp.kind = K3_GRAMMAR_JSON_SCHEMA;
-    w->sp.no_extra_properties = json_is_true(strict);
     snprintf(w->where, sizeof w->where, "%s", field);
     return true;
 }
@@ -295,7 +303,12 @@ static bool from_vllm(json_t *root, want *w, k3_srv_bad *e) {
             json_t *v = json_object_get(so, keys[i]);
             if (v && !json_is_null(v) && !from_vllm_one(keys[i], v, fields[i], w, e)) return false;
         }
-        if (json_is_true(json_object_get(so, "disable_additional_properties"))) w->sp.no_extra_properties = true;
+        /* objects are closed unless the schema opens them (XGrammar's strict
+         * mode, vLLM's default); vLLM's own switch, given false, opens them */
+        json_t *dap = json_object_get(so, "disable_additional_properties");
+        if (dap && !json_is_null(dap) && !json_is_boolean(dap))
+            return bad(e, 400, "\"structured_outputs.disable_additional_properties\" must be true or false");
+        if (json_is_false(dap)) w->open_objects = true;
     }
     for (int i = 0; guided[i]; i++) {
         json_t *v = json_object_get(root, guided[i]);
@@ -363,16 +376,28 @@ static bool from_tools(const k3_srv_constraint_in *in, want *w, k3_srv_bad *e) {
         return bad(e, 400, "\"tool_choice\" must be a string or an object");
     }
     if (forced && n == 0) return bad(e, 400, "\"tool_choice\" asks for a tool call and \"tools\" is empty");
-    if (!forced && !any_strict) return true; /* auto: the model is free */
+    if (n == 0) return true;
+    /* OpenAI's meaning of tools beside an output schema: a forced tool
+     * choice makes this turn a tool call (the schema is for the answer a
+     * later turn gives); with auto the reply is a tool call or text that
+     * matches the schema -- one grammar, the union */
+    const bool union_text =
+        !forced && w->source && (w->sp.kind == K3_GRAMMAR_JSON_SCHEMA || w->sp.kind == K3_GRAMMAR_JSON_OBJECT);
+    if (!forced && !any_strict && !union_text) return true; /* auto: the model is free (or another constraint holds) */
     if (!in->k3_reply) return bad(e, 400, "\"tool_choice\" needs a chat reply to call tools in");
     if (forced) {
-        if (!set_source(w, "tool_choice", e)) return false;
-    } else if (w->source) {
-        /* auto with strict tools beside response_format: its JSON, or the calls */
-        if (w->sp.kind != K3_GRAMMAR_JSON_SCHEMA) return true; /* json_object / vLLM's: they win; the calls stay free */
+        if (w->source && !w->from_rf) return set_source(w, "tool_choice", e); /* vLLM's own constraint beside it */
+        free(w->text);
+        w->text = NULL;
+        w->source = "tool_choice";
+    } else if (union_text) {
+        if (w->sp.kind == K3_GRAMMAR_JSON_OBJECT && !(w->text = strdup(ANY_OBJECT)))
+            return bad(e, 500, "out of memory");
         w->sp.tools_optional = true;
         w->sp.text_where = strdup(w->where);
         if (!w->sp.text_where) return bad(e, 500, "out of memory");
+    } else if (w->source) {
+        return true; /* vLLM's regex, choice or grammar wins; the calls stay free */
     } else {
         w->source = "tools";
         w->sp.tools_optional = true;
@@ -396,10 +421,27 @@ bool k3_srv_constraint(struct k3_server *s, const k3_srv_constraint_in *in, k3_g
         w.sp.choices = w.choices;
         w.sp.compact = true;
         w.sp.canonical_numbers = true;
+        w.sp.no_extra_properties = !w.open_objects;
         w.sp.k3_reply = in->k3_reply;
         w.sp.thinking = in->k3_reply && in->thinking;
         w.sp.where = w.where;
         ok = compile(s, &w.sp, out, e);
+        /* auto: a tool that is not strict whose parameters the engine cannot
+         * honour takes any arguments object rather than refusing the request
+         * (OpenAI does not hold non-strict arguments to their schema) */
+        for (int32_t tries = 0; !ok && e->status == 400 && w.sp.kind == K3_GRAMMAR_TOOL_CALLS && w.sp.tools_optional &&
+             tries < w.sp.n_tools;
+             tries++) {
+            int i = -1;
+            if (sscanf(e->msg, "tools[%d]", &i) != 1 || i < 0 || i >= w.sp.n_tools) break;
+            json_t *f = json_object_get(json_array_get(in->tools, (size_t)i), "function");
+            if (json_is_true(json_object_get(f, "strict")) || !w.tools[i].parameters ||
+                !strcmp(w.tools[i].parameters, ANY_OBJECT))
+                break;
+            free((char *)w.tools[i].parameters);
+            if (!(w.tools[i].parameters = strdup(ANY_OBJECT))) break;
+            ok = compile(s, &w.sp, out, e);
+        }
         /* a named tool's index in the request, where the compiler counts the tools it was given */
         if (!ok && w.sp.kind == K3_GRAMMAR_TOOL_CALLS && w.sp.n_tools == 1 && json_array_size(in->tools) > 1 &&
             !strncmp(e->msg, "tools[0]", 8)) {
