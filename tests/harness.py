@@ -13,6 +13,7 @@ A server binds 127.0.0.1 on a free port (--port 0, read from its log), dies with
 this process (PR_SET_PDEATHSIG), and its stderr is drained into Server.log so it
 never blocks on a full pipe.
 """
+import base64
 import ctypes
 import http.client
 import json
@@ -25,12 +26,15 @@ import sys
 import threading
 import time
 import traceback
+import struct
 import urllib.parse
+import zlib
 
 K3 = sys.argv[1] if len(sys.argv) > 1 else "build/k3"
 TINY = "tests/models/tiny"
 MINI = "models/k3-mini"
 VISION = "tests/models/vision-tiny"
+IMAGES = "tests/golden/vision/images/"
 servers = []
 
 
@@ -104,17 +108,19 @@ def metric(m, name, **labels):
     return m.get(name) if not labels else None
 
 
-class Server:
-    def __init__(self, model, *extra, key=None, threads=1, stop_timeout=10):
-        args = [K3, "serve", "-m", model, "--port", "0", "--threads", str(threads), *extra]
-        if key:
-            args += ["--api-key", key]
+class Process:
+    """A process that says where it listens on its stderr (`listening on http://HOST:PORT`, or
+    wait_for's group 1): started, its port read, its stderr drained into log; it dies with this
+    process and is stopped by stop_all."""
+
+    def __init__(self, args, wait_for=rb"listening on http://[^:]+:(\d+)", stop_timeout=10, start_timeout=90):
+        self.args = args
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                     preexec_fn=die_with_parent)
+                                     stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
         servers.append(self)
         self.log = []
         self.stop_timeout = stop_timeout
-        deadline = time.time() + 60
+        deadline = time.time() + start_timeout
         port = None
         buf = b""
         while time.time() < deadline and port is None:
@@ -127,18 +133,17 @@ class Server:
             if not chunk:
                 break
             buf += chunk
-            m = re.search(rb"listening on http://[^:]+:(\d+)", buf)
+            m = re.search(wait_for, buf)
             if m:
                 port = int(m.group(1))
         self.log.append(buf.decode(errors="replace"))
         if port is None:
             self.stop()
-            raise RuntimeError("k3 serve did not start: " + buf.decode(errors="replace")[-500:])
+            raise RuntimeError(f"did not start: {' '.join(args)}: " + buf.decode(errors="replace")[-600:])
         threading.Thread(target=self._drain, daemon=True).start()
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
-        self.name = model
-        self.key = key
+        self.key = None
 
     def _drain(self):
         while True:
@@ -186,6 +191,53 @@ class Server:
                 self.kill()
 
 
+class Server(Process):
+    """`k3 serve -m MODEL --port 0 --threads THREADS EXTRA...` on 127.0.0.1."""
+
+    def __init__(self, model, *extra, key=None, threads=1, stop_timeout=10):
+        args = [K3, "serve", "-m", model, "--port", "0", "--threads", str(threads), *extra]
+        if key:
+            args += ["--api-key", key]
+        super().__init__(args, stop_timeout=stop_timeout, start_timeout=60)
+        self.name = model
+        self.key = key
+
+
+def data_url(path):
+    kind = "jpeg" if path.endswith(".jpg") else "png"
+    with open(path, "rb") as f:
+        return f"data:image/{kind};base64," + base64.b64encode(f.read()).decode()
+
+
+def png_url(w, h, rgb):
+    """A data: URL of a w x h PNG of one colour, made here (no image package)."""
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    rows = b"".join(b"\0" + bytes(rgb) * w for _ in range(h))
+    png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)) +
+           chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
+    return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
+def image_msg(urls, text):
+    """One user turn of images then text: what `k3 run --image ... --chat` encodes."""
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": u}} for u in urls] +
+             [{"type": "text", "text": text}]}]
+
+
+def expect_status(fn, status):
+    """fn raises the openai client's APIStatusError with status and an OpenAI-shaped body."""
+    import openai
+    try:
+        fn()
+    except openai.APIStatusError as e:
+        assert e.status_code == status, f"status {e.status_code}, wanted {status}: {e}"
+        body = e.response.json()
+        assert "error" in body and "message" in body["error"], body
+        return e
+    raise AssertionError(f"no error, wanted HTTP {status}")
+
+
 def stop_all():
     for sv in list(servers):
         try:
@@ -231,10 +283,13 @@ class Suite:
     def summary(self):
         return f"{self.prefix}: {self.passed} passed, {self.failed} failed, {self.skipped} skipped"
 
-    def main(self, run):
-        """Runs run(), always stops every server, prints the summary line, exits."""
+    def main(self, run, cleanup=None):
+        """Runs run(), always stops every server (cleanup, default stop_all), prints the
+        summary line, exits."""
+        cleanup = cleanup or stop_all
+
         def on_term(*_):
-            stop_all()
+            cleanup()
             sys.exit(1)
         signal.signal(signal.SIGTERM, on_term)
         try:
@@ -244,6 +299,6 @@ class Suite:
             print(f"FAIL {self.prefix}: the run: {type(e).__name__}: {e}", flush=True)
             traceback.print_exc()
         finally:
-            stop_all()
+            cleanup()
         print(self.summary(), flush=True)
         sys.exit(1 if self.failed else 0)

@@ -3,7 +3,7 @@
 # official openai client in the project's .venv, made by scripts/venv.sh when
 # missing): instances behind k3 serve --role proxy against colocated ones,
 # the faults, and with mpirun a decode (and a prefill) instance under --dcp 2.
-# Ends with `pd: N passed, N failed`. Usage: sh tests/pd.sh build/k3
+# Ends with `pd: N passed, N failed, N skipped`. Usage: sh tests/pd.sh build/k3
 K3=${1:-build/k3}
 err=$(mktemp)
 trap 'rm -f "$err"' EXIT
@@ -14,5 +14,5 @@ if PY=$(sh scripts/venv.sh openai 2>"$err"); then
 else
     echo "FAIL pd: a Python with the openai client (scripts/venv.sh)"
     sed 's/^/    /' "$err"
-    echo "pd: 0 passed, 1 failed"
+    echo "pd: 0 passed, 1 failed, 0 skipped"
 fi
