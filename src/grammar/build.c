@@ -591,6 +591,10 @@ k3_status k3g_finalize(k3g_builder *b, int32_t root, k3_grammar **out) {
     /* 1. determinize the regular rules, mark the small ones for inlining */
     for (int32_t r = 0; r < n && st == K3_OK; r++) {
         k3g_brule *R = &b->rules[r];
+        if ((r & 255) == 0 && k3g_stopped(err, R->name)) {
+            st = err && err->status ? err->status : K3_ERR_UNSUPPORTED;
+            break;
+        }
         if (rule_refs(&R->fa)) continue;
         if (!R->dfa) {
             k3g_fa d = {0};
@@ -611,6 +615,10 @@ k3_status k3g_finalize(k3g_builder *b, int32_t root, k3_grammar **out) {
     /* 2. inline them and determinize the rest */
     for (int32_t r = 0; r < n && st == K3_OK; r++) {
         k3g_brule *R = &b->rules[r];
+        if ((r & 255) == 0 && k3g_stopped(err, R->name)) {
+            st = err && err->status ? err->status : K3_ERR_UNSUPPORTED;
+            break;
+        }
         if (R->std >= 0) continue; /* standard rules stay as built everywhere */
         st = inline_refs(&F, r, inl);
         if (st == K3_OK && !R->dfa) {

@@ -41,6 +41,7 @@
 #include "grammar/schema.h"
 #include "grammar/stdrules.h"
 #include "grammar/vocab.h"
+#include "grammar/walk.h"
 
 typedef struct specials {
     int32_t open, close, sep;
@@ -177,6 +178,28 @@ static k3_status tool_calls(k3g_builder *b, const k3_grammar_spec *spec, const c
     return st;
 }
 
+/* Every token table the grammar's masks will read (a node's; a length-limited
+ * string's counted table), made now on the compiling thread, where the
+ * compile's budget and cancellation apply, rather than at a mask in the
+ * engine's step: a mask is then ORs of ready tables and walks of the few
+ * tokens that leave a rule (docs/grammar.md, "Cost"). A table whose walk
+ * runs past its budget (an ambiguous grammar) refuses the grammar here,
+ * naming the rule. */
+#define TABULATE_NODES 4096 /* a grammar past this many nodes (a huge regular expression) makes the rest on use */
+
+static k3_status tabulate(k3_grammar *g, const char *where, k3_error *err) {
+    for (int32_t n = 0, done = 0; n < g->n_nodes && done < TABULATE_NODES; n++) {
+        if (!g->nodes[n].nb) continue;
+        if ((n & 15) == 0 && k3g_stopped(err, where)) return err && err->status ? err->status : K3_ERR_UNSUPPORTED;
+        k3_error e = {0};
+        const bool ok = g->budget && g->budget[n] >= 0 ? k3g_counted_get(g->vocab, -g->nodes[n].key - 1, &e) != NULL
+                                                       : k3g_entry_get(g, n, &e) != NULL;
+        if (!ok) return k3_err(err, e.status ? e.status : K3_ERR_NOMEM, "%s: %s", where, e.msg);
+        done++;
+    }
+    return K3_OK;
+}
+
 k3_status k3_grammar_compile(k3_grammar **out, const k3_grammar_vocab *v, const k3_grammar_spec *spec, k3_error *err) {
     *out = NULL;
     if (!v || !spec) return k3_err(err, K3_ERR_ARG, "k3_grammar_compile needs a vocabulary and a spec");
@@ -185,6 +208,11 @@ k3_status k3_grammar_compile(k3_grammar **out, const k3_grammar_vocab *v, const 
     if ((unsigned)spec->kind > K3_GRAMMAR_TOOL_CALLS)
         return k3_err(err, K3_ERR_ARG, "unknown grammar kind %d", (int)spec->kind);
     const char *where = spec->where ? spec->where : default_where[spec->kind];
+    /* the compile's budget and cancellation, for every loop below (fsa.h) */
+    k3g_stop stop = {.cancel = spec->cancel, .ctx = spec->cancel_ctx};
+    stop.budget_s = spec->max_compile_s > 0 ? spec->max_compile_s : K3_GRAMMAR_COMPILE_S;
+    stop.deadline = k3_now() + stop.budget_s;
+    k3g_stop_set(&stop);
     k3g_builder b;
     k3g_builder_init(&b, v, err);
     k3g_ws ws = spec->compact ? K3G_WS_COMPACT : K3G_WS_FLEX;
@@ -259,6 +287,14 @@ k3_status k3_grammar_compile(k3_grammar **out, const k3_grammar_vocab *v, const 
             st = k3_err(err, K3_ERR_ARG, "%s: nothing can match it (the constraints contradict each other)", where);
         }
     }
+    if (st == K3_OK) {
+        st = tabulate(*out, where, err);
+        if (st != K3_OK) {
+            k3_grammar_free(*out);
+            *out = NULL;
+        }
+    }
     k3g_builder_free(&b);
+    k3g_stop_set(NULL);
     return st;
 }

@@ -495,6 +495,10 @@ k3_status k3g_gbnf(k3g_builder *b, const char *text, size_t len, const char *whe
     for (;;) {
         space(&p, true);
         if (p.at >= p.n) break;
+        if (k3g_stopped(b->err, where)) {
+            st = b->err && b->err->status ? b->err->status : K3_ERR_UNSUPPORTED;
+            break;
+        }
         size_t a = p.at;
         while (p.at < p.n && name_char(p.s[p.at])) p.at++;
         if (p.at == a) {

@@ -2182,6 +2182,7 @@ static k3g_ast *body_of(js *J, json_t *s, unsigned types, int enc, bool *is_std_
 
 static k3g_ast *value_of(js *J, json_t *s, unsigned types, int enc) {
     k3g_builder *b = J->b;
+    if (k3g_stopped(J->err, J->path)) return NULL; /* the compile's budget, or the client left */
     if (json_is_true(s) && types == T_ALL && enc == ENC_JSON) return any_of_types(J, types, enc);
     if (json_is_false(s)) return k3g_none(b);
     if (!json_is_object(s) && !json_is_boolean(s)) {

@@ -140,7 +140,7 @@ static bool chat_prompt(struct k3_server *s, json_t *root, k3_srv_request *rq, k
     int32_t *ids = rq->vp.ids; /* the request owns the ids now */
     rq->vp.ids = NULL;
     return k3_srv_request_one_prompt(rq, ids, (int64_t)rq->vp.n_ids, e) &&
-        k3_srv_constraint_openai(s, K3_API_CHAT, root, rq->thinking, &rq->grammar, e);
+        k3_srv_constraint_openai(s, K3_API_CHAT, root, rq->thinking, &rq->grammar, k3_srv_job_of(rq)->conn, e);
 }
 
 /* ---- the reply ------------------------------------------------------------ */

@@ -431,7 +431,7 @@ static bool msg_prompt(struct k3_server *s, json_t *root, k3_srv_request *rq, k3
         k3_srv_constraint_words(s, x->response_format, "output_config.format", "output_config.format.schema", x->tools,
                                 x->tool_choice[0] ? x->tool_choice : NULL, x->tool_name[0] ? x->tool_name : NULL,
                                 !json_is_true(json_object_get(tc, "disable_parallel_tool_use")), x->thinking,
-                                &rq->grammar, e);
+                                &rq->grammar, k3_srv_job_of(rq)->conn, e);
 }
 
 /* ---- the answer -------------------------------------------------------------- */

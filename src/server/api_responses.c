@@ -446,7 +446,7 @@ static bool resp_prompt(struct k3_server *s, json_t *root, k3_srv_request *rq, k
     return k3_srv_request_one_prompt(rq, ids, (int64_t)rq->vp.n_ids, e) &&
         k3_srv_constraint_words(s, x->response_format, "text.format", "text.format.schema", x->tools, in.tool_choice,
                                 in.tool_name, !json_is_false(json_object_get(root, "parallel_tool_calls")), x->thinking,
-                                &rq->grammar, e);
+                                &rq->grammar, k3_srv_job_of(rq)->conn, e);
 }
 
 /* ---- the answer ------------------------------------------------------------ */

@@ -31,12 +31,17 @@
  * out; a lookup and the insert are under the server's grammar mutex, the
  * compile is not (two requests compiling one schema at once keep the first).
  */
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "common/buf.h"
 #include "server/constraint.h"
+#include "server/http.h"
 
 #define CACHE_CAP 64
 #define ANY_OBJECT "{\"type\":\"object\"}"
@@ -143,8 +148,41 @@ static bool spec_key(const k3_grammar_spec *sp, k3_buf *k) {
     return !k->oom;
 }
 
-/* Compiles sp (or finds it in the cache) into *out; false with e. */
-static bool compile(struct k3_server *s, const k3_grammar_spec *sp, k3_grammar **out, k3_srv_bad *e) {
+static bool client_gone(void *conn) { return k3_srv_client_gone(conn); }
+
+/* A compile on a thread of its own at the lowest priority (nice 19), so that
+ * a long one takes what the engine's threads leave of the CPU and the other
+ * clients keep their inter-token latency; the HTTP thread waits for it. */
+typedef struct cjob {
+    const k3_grammar_vocab *v;
+    const k3_grammar_spec *sp;
+    k3_grammar *g;
+    k3_error err;
+    k3_status st;
+} cjob;
+
+static void *compile_main(void *arg) {
+    cjob *c = arg;
+    setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), 19); /* best effort: a thread may always lower itself */
+    c->st = k3_grammar_compile(&c->g, c->v, c->sp, &c->err);
+    return NULL;
+}
+
+static k3_status compile_low(const k3_grammar_vocab *v, const k3_grammar_spec *sp, k3_grammar **out, k3_error *err) {
+    cjob c = {.v = v, .sp = sp};
+    pthread_t t;
+    if (pthread_create(&t, NULL, compile_main, &c)) return k3_grammar_compile(out, v, sp, err); /* here, then */
+    pthread_join(t, NULL);
+    *out = c.g;
+    if (c.st) *err = c.err;
+    return c.st;
+}
+
+/* Compiles sp (or finds it in the cache) into *out; false with e. The
+ * compile (its token tables included) has a time budget and stops when the
+ * client of conn (when not NULL) has gone. */
+static bool compile(struct k3_server *s, k3_grammar_spec *sp, struct MHD_Connection *conn, k3_grammar **out,
+                    k3_srv_bad *e) {
     const k3_grammar_vocab *v = vocab(s, e);
     if (!v) return false;
     k3_buf key = {0};
@@ -162,7 +200,9 @@ static bool compile(struct k3_server *s, const k3_grammar_spec *sp, k3_grammar *
     }
     k3_error err = {0};
     k3_grammar *g = NULL;
-    if (k3_grammar_compile(&g, v, sp, &err)) {
+    sp->cancel = conn ? client_gone : NULL;
+    sp->cancel_ctx = conn;
+    if (compile_low(v, sp, &g, &err)) {
         k3_buf_free(&key);
         return bad(e, err.status == K3_ERR_NOMEM ? 500 : 400, "%s", err.msg);
     }
@@ -425,7 +465,7 @@ bool k3_srv_constraint(struct k3_server *s, const k3_srv_constraint_in *in, k3_g
         w.sp.k3_reply = in->k3_reply;
         w.sp.thinking = in->k3_reply && in->thinking;
         w.sp.where = w.where;
-        ok = compile(s, &w.sp, out, e);
+        ok = compile(s, &w.sp, in->conn, out, e);
         /* auto: a tool that is not strict whose parameters the engine cannot
          * honour takes any arguments object rather than refusing the request
          * (OpenAI does not hold non-strict arguments to their schema) */
@@ -440,7 +480,7 @@ bool k3_srv_constraint(struct k3_server *s, const k3_srv_constraint_in *in, k3_g
                 break;
             free((char *)w.tools[i].parameters);
             if (!(w.tools[i].parameters = strdup(ANY_OBJECT))) break;
-            ok = compile(s, &w.sp, out, e);
+            ok = compile(s, &w.sp, in->conn, out, e);
         }
         /* a named tool's index in the request, where the compiler counts the tools it was given */
         if (!ok && w.sp.kind == K3_GRAMMAR_TOOL_CALLS && w.sp.n_tools == 1 && json_array_size(in->tools) > 1 &&
@@ -464,7 +504,7 @@ bool k3_srv_constraint(struct k3_server *s, const k3_srv_constraint_in *in, k3_g
 }
 
 bool k3_srv_constraint_openai(struct k3_server *s, unsigned api, json_t *root, bool thinking, k3_grammar **out,
-                              k3_srv_bad *e) {
+                              struct MHD_Connection *conn, k3_srv_bad *e) {
     const bool chat = api & K3_API_CHAT;
     json_t *par = json_object_get(root, "parallel_tool_calls");
     if (par && !json_is_null(par) && !json_is_boolean(par))
@@ -475,7 +515,8 @@ bool k3_srv_constraint_openai(struct k3_server *s, unsigned api, json_t *root, b
                                .parallel_calls = !json_is_false(par),
                                .vllm = root,
                                .k3_reply = chat,
-                               .thinking = thinking};
+                               .thinking = thinking,
+                               .conn = conn};
     if (!chat) {
         json_t *rf = json_object_get(root, "response_format");
         if (rf && !json_is_null(rf)) in.response_format = rf; /* vLLM takes it on completions too */
@@ -485,7 +526,7 @@ bool k3_srv_constraint_openai(struct k3_server *s, unsigned api, json_t *root, b
 
 bool k3_srv_constraint_words(struct k3_server *s, json_t *response_format, const char *rf_name, const char *schema_name,
                              json_t *tools, const char *tool_choice, const char *tool_name, bool parallel_calls,
-                             bool thinking, k3_grammar **out, k3_srv_bad *e) {
+                             bool thinking, k3_grammar **out, struct MHD_Connection *conn, k3_srv_bad *e) {
     json_t *tc = NULL;
     if (tool_name) tc = json_pack("{s:s,s:{s:s}}", "type", "function", "function", "name", tool_name);
     else if (tool_choice) tc = json_string(tool_choice);
@@ -497,7 +538,8 @@ bool k3_srv_constraint_words(struct k3_server *s, json_t *response_format, const
                                .tool_choice = tc,
                                .parallel_calls = parallel_calls,
                                .k3_reply = true,
-                               .thinking = thinking};
+                               .thinking = thinking,
+                               .conn = conn};
     const bool ok = k3_srv_constraint(s, &in, out, e);
     json_decref(tc);
     return ok;
