@@ -225,6 +225,14 @@ def main():
             assert b.js(LAST + ".querySelector('details.think').hidden") is False, "no thinking shown"
             assert b.js(LAST + ".querySelector('details.think').open") is False, "the thinking is not folded"
             assert b.js(LAST + ".querySelector('.reasoning').textContent.length") > 0
+            # whatever the model wrote and wherever max_tokens cut, no chat markup on the page
+            for seed_tokens in (12, 40):
+                set_value(b, "#max_tokens", seed_tokens)
+                set_value(b, "#input", "Think about the weather and the budget")
+                b.js("document.getElementById('send').click()")
+                b.wait(LAST + " && " + LAST + ".dataset.finish", 60, "the reply ends")
+                page = b.js(LAST + ".textContent")
+                assert "<|" not in page and "|>" not in page, page[-200:]
             b.js("document.getElementById('thinking').checked = false")
 
         def t_stop():

@@ -55,8 +55,8 @@ def masked(r):
 
 
 def tokenize(s, msgs, **kw):
-    h = {"Authorization": f"Bearer {KEY}"}
-    r = h.post(s.url + "/tokenize", json_body={"messages": msgs, **kw}, headers=h)
+    auth = {"Authorization": f"Bearer {KEY}"}
+    r = h.post(s.url + "/tokenize", json_body={"messages": msgs, **kw}, headers=auth)
     assert r.status_code == 200, r.text
     return r.json()["tokens"]
 

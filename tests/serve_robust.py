@@ -103,14 +103,14 @@ class Reply:
 
 
 def request_bytes(method, path, body=None, headers=None, host="x"):
-    h = {"Host": host}
-    h.update(headers or {})
+    hd = {"Host": host}
+    hd.update(headers or {})
     data = b""
     if body is not None:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        h.setdefault("Content-Type", "application/json")
-        h["Content-Length"] = str(len(data))
-    return (f"{method} {path} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in h.items()) + "\r\n").encode() + data
+        hd.setdefault("Content-Type", "application/json")
+        hd["Content-Length"] = str(len(data))
+    return (f"{method} {path} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in hd.items()) + "\r\n").encode() + data
 
 
 def exchange(port, raw, half_close=False, timeout=60, on_first=None):

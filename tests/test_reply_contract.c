@@ -379,3 +379,68 @@ K3_TEST(reply_markup_never_in_a_field) {
     CHECKF(same(r.content, "Hello"), "content '%s'", r.content);
     k3_chat_reply_free(&r);
 }
+
+/* With thinking on, the constraint starts after the think block (as vLLM's
+ * reasoning parsers hand the grammar only the content): the think text runs
+ * free, text that is no JSON included; once <|open|>response<|sep|> is out,
+ * only the schema's JSON may follow, then the closing tags; the whole turn
+ * parses back into the reasoning and the content. */
+K3_TEST(reply_thinking_constraint_starts_after_the_think_block) {
+    REQUIRE(setup());
+    const char *schema = "{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"integer\"}},\"required\":[\"a\"]}";
+    k3_grammar_spec spec = {.kind = K3_GRAMMAR_JSON_SCHEMA,
+                            .text = schema,
+                            .compact = true,
+                            .canonical_numbers = true,
+                            .no_extra_properties = true,
+                            .k3_reply = true,
+                            .thinking = true};
+    k3_grammar *g = NULL;
+    k3_error err = {0};
+    REQUIREF(!k3_grammar_compile(&g, voc, &spec, &err), "%s", err.msg);
+    k3_grammar_matcher *m = NULL;
+    REQUIRE(!k3_grammar_matcher_init(&m, g, &err));
+    uint64_t *mask = malloc(k3_grammar_mask_words(voc) * 8);
+    REQUIRE(mask);
+    const int32_t open = k3_tokenizer_special(tok, "<|open|>"), close = k3_tokenizer_special(tok, "<|close|>"),
+                  sep = k3_tokenizer_special(tok, "<|sep|>");
+    int32_t *think = NULL, *brace = NULL, *word = NULL, *json = NULL, *name = NULL;
+    size_t nt = 0, nb = 0, nw = 0, nj = 0, nn = 0;
+    const char *tt = "Not JSON at all: {{ [ \" so it runs free.";
+    REQUIRE(!k3_tokenizer_encode(tok, tt, strlen(tt), &think, &nt, &err));
+    REQUIRE(!k3_tokenizer_encode(tok, "{", 1, &brace, &nb, &err) && nb == 1);
+    REQUIRE(!k3_tokenizer_encode(tok, "Hello", 5, &word, &nw, &err) && nw >= 1);
+#define ALLOWED(id) ((mask[(id) >> 6] >> ((id)&63)) & 1)
+    /* the think block: free text, any of it */
+    for (size_t i = 0; i < nt; i++) {
+        REQUIRE(!k3_grammar_matcher_fill_mask(m, mask, &err));
+        CHECKF(ALLOWED(think[i]) && ALLOWED(word[0]) && ALLOWED(close), "think token %zu", i);
+        REQUIRE(!k3_grammar_matcher_accept(m, think[i], &err));
+    }
+    /* <|close|>think<|sep|><|open|>response<|sep|> */
+    REQUIRE(!k3_grammar_matcher_accept(m, close, &err));
+    REQUIRE(!k3_tokenizer_encode(tok, "think", 5, &name, &nn, &err));
+    for (size_t i = 0; i < nn; i++) REQUIRE(!k3_grammar_matcher_accept(m, name[i], &err));
+    free(name);
+    REQUIRE(!k3_grammar_matcher_accept(m, sep, &err) && !k3_grammar_matcher_accept(m, open, &err));
+    REQUIRE(!k3_tokenizer_encode(tok, "response", 8, &name, &nn, &err));
+    for (size_t i = 0; i < nn; i++) REQUIRE(!k3_grammar_matcher_accept(m, name[i], &err));
+    REQUIRE(!k3_grammar_matcher_accept(m, sep, &err));
+    /* now the constraint: the JSON's first byte, no free text */
+    REQUIRE(!k3_grammar_matcher_fill_mask(m, mask, &err));
+    CHECK(ALLOWED(brace[0]) && !ALLOWED(word[0]) && !ALLOWED(close));
+    const char *js = "{\"a\":12}";
+    REQUIRE(!k3_tokenizer_encode(tok, js, strlen(js), &json, &nj, &err));
+    for (size_t i = 0; i < nj; i++) REQUIRE(!k3_grammar_matcher_accept(m, json[i], &err));
+    REQUIRE(!k3_grammar_matcher_fill_mask(m, mask, &err));
+    CHECK(ALLOWED(close) && !ALLOWED(word[0]));
+#undef ALLOWED
+    free(think);
+    free(brace);
+    free(word);
+    free(json);
+    free(name);
+    free(mask);
+    k3_grammar_matcher_free(m);
+    k3_grammar_free(g);
+}
