@@ -20,7 +20,6 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 import harness as h  # noqa: E402
 
-import openai  # noqa: E402
 
 SEEDS = int(sys.argv[2]) if len(sys.argv) > 2 else 40
 CONC = int(sys.argv[3]) if len(sys.argv) > 3 else 1
