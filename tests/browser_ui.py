@@ -46,7 +46,7 @@ class Chromium:
         self.out_r, out_w = os.pipe()
 
         def child():
-            ctypes.CDLL("libc.h.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+            ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
             os.dup2(cmd_r, 3)
             os.dup2(out_w, 4)
             # dup2 onto the same number keeps close-on-exec (os.pipe's fds have it)
