@@ -184,18 +184,20 @@ static k3_status tool_calls(k3g_builder *b, const k3_grammar_spec *spec, const c
  * engine's step: a mask is then ORs of ready tables and walks of the few
  * tokens that leave a rule (docs/grammar.md, "Cost"). A table whose walk
  * runs past its budget (an ambiguous grammar) refuses the grammar here,
- * naming the rule. */
-#define TABULATE_NODES 4096 /* a grammar past this many nodes (a huge regular expression) makes the rest on use */
-
-static k3_status tabulate(k3_grammar *g, const char *where, k3_error *err) {
-    for (int32_t n = 0, done = 0; n < g->n_nodes && done < TABULATE_NODES; n++) {
+ * naming the rule. A huge grammar (a regular expression of 2^17 states)
+ * stops making them when a quarter of the compile's budget is spent and
+ * makes the rest on first use, a few hundred microseconds each. */
+static k3_status tabulate(k3_grammar *g, const char *where, double until, k3_error *err) {
+    for (int32_t n = 0; n < g->n_nodes; n++) {
         if (!g->nodes[n].nb) continue;
-        if ((n & 15) == 0 && k3g_stopped(err, where)) return err && err->status ? err->status : K3_ERR_UNSUPPORTED;
+        if ((n & 15) == 0) {
+            if (k3g_stopped(err, where)) return err && err->status ? err->status : K3_ERR_UNSUPPORTED;
+            if (k3_now() > until) break;
+        }
         k3_error e = {0};
         const bool ok = g->budget && g->budget[n] >= 0 ? k3g_counted_get(g->vocab, -g->nodes[n].key - 1, &e) != NULL
                                                        : k3g_entry_get(g, n, &e) != NULL;
         if (!ok) return k3_err(err, e.status ? e.status : K3_ERR_NOMEM, "%s: %s", where, e.msg);
-        done++;
     }
     return K3_OK;
 }
@@ -288,7 +290,7 @@ k3_status k3_grammar_compile(k3_grammar **out, const k3_grammar_vocab *v, const 
         }
     }
     if (st == K3_OK) {
-        st = tabulate(*out, where, err);
+        st = tabulate(*out, where, stop.deadline - 0.75 * stop.budget_s, err);
         if (st != K3_OK) {
             k3_grammar_free(*out);
             *out = NULL;
