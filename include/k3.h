@@ -229,12 +229,16 @@ k3_status k3_chat_encode_json(const k3_tokenizer *t, const char *messages_json, 
  * tool_calls_json is an OpenAI tool_calls array whose arguments are JSON
  * object strings. A tool call whose arguments do not form valid JSON is
  * K3_ERR_FORMAT with a message; text that merely stops early (max_tokens) is
- * parsed as far as it goes. Free with k3_chat_reply_free. */
+ * parsed as far as it goes, a call cut off midway included (last_call_cut).
+ * No field ever holds a special's name or a piece of a tag; numbers in the
+ * arguments are passed through as written. Free with k3_chat_reply_free. */
 typedef struct k3_chat_reply {
     char *reasoning;
     char *content;
     char *tool_calls_json;
     int32_t n_tool_calls;
+    bool last_call_cut; /* the last call was cut off midway (max_tokens): its
+                           arguments are the prefix generated so far */
 } k3_chat_reply;
 
 k3_status k3_chat_parse_reply(const char *text, size_t len, bool thinking, k3_chat_reply *out, k3_error *err);
@@ -442,29 +446,38 @@ typedef struct k3_grammar_spec {
     int32_t n_choices;
     const k3_grammar_tool *tools; /* K3_GRAMMAR_TOOL_CALLS */
     int32_t n_tools;
-    bool parallel_calls;      /* tool calls: one or more (false: exactly one) */
-    bool compact;             /* JSON: no whitespace between tokens */
-    bool no_extra_properties; /* JSON Schema: an object without
+    bool parallel_calls;       /* tool calls: one or more (false: exactly one) */
+    bool compact;              /* JSON: no whitespace between tokens */
+    bool no_extra_properties;  /* JSON Schema: an object without
                                          "additionalProperties" allows no others */
-    bool canonical_numbers;   /* JSON Schema: numbers as JSON writers write them:
+    bool canonical_numbers;    /* JSON Schema: numbers as JSON writers write them:
                                          an integer without a fraction (21, not 21.0),
                                          no exponent, at most 15 fraction digits, enum
                                          numbers in their shortest text (tool-call
                                          arguments always) */
-    bool k3_reply;            /* the output goes on a K3 assistant turn from
+    bool k3_reply;             /* the output goes on a K3 assistant turn from
                                          its generation prompt: the content, then
                                          <|close|>response<|sep|> [<|close|>message<|sep|>] */
-    bool thinking;            /* k3_reply and tool calls: the prompt opened
+    bool thinking;             /* k3_reply and tool calls: the prompt opened
                                          the think block; free text until it closes */
-    bool tools_optional;      /* tool calls: the reply may be content instead
+    bool tools_optional;       /* tool calls: the reply may be content instead
                                          (tool_choice "auto" with strict tools): free
                                          text, then the calls or the reply's end; with
                                          text (a JSON Schema), that JSON or the calls */
-    const char *text_where;   /* tool calls with text: names the schema in errors */
-    const char *where;        /* names the input in errors, e.g.
+    const char *text_where;    /* tool calls with text: names the schema in errors */
+    const char *where;         /* names the input in errors, e.g.
                                          "response_format.json_schema.schema"
                                          (NULL: "json_schema", "regex", "grammar", ...) */
+    double max_compile_s;      /* the compile's time budget (0: K3_GRAMMAR_COMPILE_S):
+                                         past it, K3_ERR_UNSUPPORTED naming what it was
+                                         building */
+    bool (*cancel)(void *ctx); /* or NULL; asked every 10 ms or so while compiling:
+                                         true stops the compile (K3_ERR_IO), as a server
+                                         does when the client has left */
+    void *cancel_ctx;
 } k3_grammar_spec;
+
+#define K3_GRAMMAR_COMPILE_S 10.0
 
 /* Compiles spec. A construct the engine cannot honour is K3_ERR_UNSUPPORTED
  * naming it and where it is ("json_schema.properties.x: keyword
@@ -497,6 +510,10 @@ bool k3_grammar_matcher_is_complete(const k3_grammar_matcher *m);
 bool k3_grammar_matcher_is_ended(const k3_grammar_matcher *m);
 /* Tokens accepted so far. */
 int32_t k3_grammar_matcher_n_tokens(const k3_grammar_matcher *m);
+/* Configurations of the current state and stack frames held (what a mask
+ * walks and what the matcher's memory grows with): polynomial in the text
+ * however ambiguous the grammar, as parses that meet share their stacks. */
+void k3_grammar_matcher_size(const k3_grammar_matcher *m, size_t *configs, size_t *frames);
 /* Undoes the last n accepted tokens (K3_ERR_ARG for more than were accepted). */
 k3_status k3_grammar_matcher_rollback(k3_grammar_matcher *m, int32_t n, k3_error *err);
 /* Back to the start of the output. */

@@ -10,7 +10,7 @@
 # /health turns 503 while a step is stuck. Skipped (one line) when mpirun
 # is missing.
 # Usage: sh tests/mpi.sh build/k3 build/k3-test  (build/k3-cmp,
-# build/k3-mpi-exchange and build/k3-mpi-batch beside them). Ends with `mpi: N passed, N failed`.
+# build/k3-mpi-exchange and build/k3-mpi-batch beside them). Ends with `mpi: N passed, N failed, N skipped`.
 K3=${1:-build/k3}
 BUILD=$(dirname "$K3")
 M=tests/models/tiny-dsa
@@ -22,8 +22,8 @@ ok() { pass=$((pass + 1)); echo "ok   mpi: $1"; }
 bad() { fail=$((fail + 1)); echo "FAIL mpi: $1"; [ -n "$2" ] && sed 's/^/    /' "$2" | head -8; }
 
 if ! command -v mpirun >/dev/null 2>&1; then
-    echo "mpi: skipped (mpirun not found; scripts/install-deps.sh installs openmpi-bin)"
-    echo "mpi: 0 passed, 0 failed"
+    echo "skip mpi: the whole suite: mpirun not found (scripts/install-deps.sh installs openmpi-bin)"
+    echo "mpi: 0 passed, 0 failed, 1 skipped"
     exit 0
 fi
 # CI runs as root; this machine has 2 cores for up to 4 ranks
@@ -334,5 +334,5 @@ else bad "serve --ep 2: a stopped rank (exit $rc)" "$TMP/c5"; sed 's/^/    /' "$
 expect_fail "serve --dcp 2 refuses a block size not a multiple of D x I" "block size 24 is not a multiple of --dcp 2 x --dcp-interleave 16" \
     2 serve -m $M --port 0 --dcp 2 --dcp-interleave 16 --block-size 24 --threads 1
 
-echo "mpi: $pass passed, $fail failed"
+echo "mpi: $pass passed, $fail failed, 0 skipped"
 [ "$fail" -eq 0 ]
