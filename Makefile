@@ -207,7 +207,7 @@ $(BUILD)/k3-netdelay: tests/hosts/netdelay.c | $(DEPS_OK)
 	$(CC) $(K3_CFLAGS) $(CFLAGS) -o $@ $<
 test-hosts: $(BUILD)/k3 $(BUILD)/ucxbench $(BUILD)/k3-netdelay
 	sh tests/hosts.sh $(BUILD)/k3 --full
-bench-hosts: $(BUILD)/k3 $(BUILD)/ucxbench $(BUILD)/k3-netdelay
+bench-hosts: $(BUILD)/k3 $(BUILD)/ucxbench $(BUILD)/k3-netdelay $(BUILD)/xcore
 	sh bench/hosts.sh $(BUILD)/k3 ucx
 	sh bench/hosts.sh $(BUILD)/k3 mpi
 	sh bench/hosts.sh $(BUILD)/k3 pd

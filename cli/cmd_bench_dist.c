@@ -201,9 +201,9 @@ int k3_cmd_bench_dist(int argc, char **argv) {
                     const double bs = (double)cs->sent[k] / tokens, br = (double)cs->recv[k] / tokens;
                     const double us = cs->seconds[k] / tokens * 1e6;
                     printf("%s\"%s\": {\"sent_per_token\": %.0f, \"recv_per_token\": %.0f, \"us_per_token\": %.1f, "
-                           "\"gbps\": %.4f}",
+                           "\"gbps\": %.4f, \"calls_per_token\": %.2f}",
                            k ? ", " : "", k3_comm_kind_name((k3_comm_kind)k), bs, br, us,
-                           us > 0 ? (bs + br) / (us * 1e3) : 0.0);
+                           us > 0 ? (bs + br) / (us * 1e3) : 0.0, (double)cs->calls[k] / tokens);
                 }
             }
             printf("}, \"ranks_summed\": %d}", N);
@@ -213,14 +213,15 @@ int k3_cmd_bench_dist(int argc, char **argv) {
                runs % 2 ? ms[runs / 2] : 0.5 * (ms[runs / 2 - 1] + ms[runs / 2]), runs, dtok, ms[0], ms[runs - 1]);
         for (int w = 0; w < 2; w++) {
             const k3_comm_stats *cs = w ? &tall : &tot;
-            if (w) printf("  all %d ranks summed, per decoded token (bytes sent, received; rank-seconds inside):\n", N);
-            else printf("  rank 0 traffic per decoded token (bytes sent, received; time inside the collectives):\n");
+            if (w) printf("  all %d ranks summed, per decoded token (bytes sent, received; rank-seconds; calls):\n", N);
+            else printf("  rank 0, per decoded token (bytes sent, received; time inside the collectives; calls):\n");
             for (int k = 0; k < K3_COMM_COUNT; k++) {
                 if (!cs->calls[k]) continue;
                 const double bs = (double)cs->sent[k] / tokens, br = (double)cs->recv[k] / tokens;
                 const double us = cs->seconds[k] / tokens * 1e6;
-                printf("    %-14s sent %10.0f B  recv %10.0f B  %8.1f us  %6.3f GB/s\n",
-                       k3_comm_kind_name((k3_comm_kind)k), bs, br, us, us > 0 ? (bs + br) / (us * 1e3) : 0.0);
+                printf("    %-14s sent %10.0f B  recv %10.0f B  %8.1f us  %6.3f GB/s  %5.1f calls\n",
+                       k3_comm_kind_name((k3_comm_kind)k), bs, br, us, us > 0 ? (bs + br) / (us * 1e3) : 0.0,
+                       (double)cs->calls[k] / tokens);
             }
         }
         if (D > 1 && plan.n_dsa > 0) {

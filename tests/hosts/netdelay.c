@@ -200,6 +200,8 @@ int main(int argc, char **argv) {
     }
     if (child > 0) return 0;
     setsid();
+    for (int i = 3; i < 1024; i++) /* nothing of the caller's stays open here (a lock file, a pipe) */
+        if (i != fd) close(i);
     const int null = open("/dev/null", O_RDWR);
     if (null >= 0) {
         dup2(null, 0);
