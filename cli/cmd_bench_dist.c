@@ -236,6 +236,21 @@ int k3_cmd_bench_dist(int argc, char **argv) {
             printf("  top-k exchange received per token, all %d ranks: measured %.0f B, %d x formula %lld B -- %s\n", N,
                    all, N, (long long)(N * f), all == (double)(N * f) ? "agree" : "DIFFER");
         }
+        if (D > 1 || E > 1) {
+            /* less the counters' own command (k3_exec_stats_take_all's broadcast), one a run */
+            int64_t calls = -(tokens / dtok);
+            for (int k = 0; k < K3_COMM_COUNT; k++) calls += tot.calls[k];
+            const int32_t f = ex == K3_TOPK_BUTTERFLY ? plan.collectives_butterfly : plan.collectives_allgather;
+            const double got = (double)calls / tokens;
+            printf("  collectives per token, rank 0: measured %.2f, k3 plan's formula %d -- %s\n", got, f,
+                   got == (double)f ? "agree" : "DIFFER");
+        }
+        if (E > 1)
+            printf("  EP per token, rank 0 (every row's source): received %.0f B, sent %.0f B; k3 plan's expectation"
+                   " %lld B, %lld B (the routing decides)\n",
+                   (double)(tot.recv[K3_COMM_EP_DISPATCH] + tot.recv[K3_COMM_EP_COMBINE]) / tokens,
+                   (double)(tot.sent[K3_COMM_EP_DISPATCH] + tot.sent[K3_COMM_EP_COMBINE]) / tokens,
+                   (long long)plan.ep_source_recv_bytes, (long long)plan.ep_source_sent_bytes);
         if (D > 1) {
             const double got = (double)tot.recv[K3_COMM_LSE] / tokens;
             printf("  LSE merge received per token: measured %.0f B, k3 plan's formula %lld B -- %s\n", got,
