@@ -114,6 +114,7 @@ shape() {
     bps=$(echo "$2" | awk '/gbit$/ { print $1 * 1e9; next } /mbit$/ { print $1 * 1e6; next } { print $1 }')
     burst=$(awk -v b="$bps" 'BEGIN { x = b / 8 / 1000; if (x < 131072) x = 131072; printf "%d", x * 2 }')
     ip netns exec "$ns" tc qdisc add dev eth0 root handle 1: tbf rate "$2" burst "$burst" latency 100ms || return 1
+    [ "$(echo "$3" | awk '{ print $1 + 0 }')" = 0 ] && return 0 # the rate alone
     ip netns exec "$ns" tc qdisc add dev eth0 parent 1:1 handle 10: netem delay "$3" limit 100000 2>/dev/null && return 0
     netdelay_on "$h" "$3"
 }
