@@ -78,6 +78,7 @@ static int usage_serve(FILE *f) {
             "  --kv-cache f32|c8            cache format (default %s)\n"
             "  --mmap                       keep the weights in the file mapping\n"
             "  --threads N                  worker threads (default: the physical cores)\n"
+            "  --isa NAME                   kernels: " K3_CLI_ISA_HELP "\n"
             "  --max-body-bytes N           largest request body, base64 images included (default 4194304)\n"
             "  --max-image-pixels N         largest image, width x height (default 67108864 = 8192 x 8192)\n"
             "  --max-request-image-pixels N a request's images' pixels together, read from their headers before\n"
@@ -129,7 +130,9 @@ static int usage_serve(FILE *f) {
             "                               where either side lacks it); --kv-ucx-tls LIST: UCX's transports\n"
             "                               (default UCX_TLS, else sm,self: one host; across hosts rc or dc\n"
             "                               on an RDMA NIC, or tcp: see docs/pd.md on what tcp exposes)\n"
-            "  --kv-fault SPEC              tests only: flip:U | stall:U:MS (see docs/pd.md)\n",
+            "  --kv-fault SPEC              tests only: flip:U | stall:U:MS (see docs/pd.md)\n"
+            "speculative decoding (a request may ask for its own with \"speculative_config\": {\"method\",\n"
+            "\"num_speculative_tokens\"}):\n" K3_CLI_SPEC_HELP,
             K3_DEFAULT_QUANT, K3_DEFAULT_KV);
     return f == stdout ? 0 : 2;
 }
@@ -195,10 +198,14 @@ int k3_cmd_serve(int argc, char **argv) {
     long threads = k3_cli_default_threads();
     int bad = 0;
     k3_cli_dist cd;
+    k3_cli_spec spec = {0};
     if (k3_cli_dist_args(&argc, argv, &cd, "serve")) return 2;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const int has = i + 1 < argc;
+        const int sa = k3_cli_spec_arg("serve", argc, argv, &i, &spec);
+        if (sa < 0) return 2;
+        if (sa) continue;
 #define ARG(s) (!strcmp(a, s) && has)
         if (ARG("-m")) dir = argv[++i];
         else if (ARG("--host")) host = argv[++i];
@@ -216,7 +223,9 @@ int k3_cmd_serve(int argc, char **argv) {
         else if (ARG("--quant")) quant = argv[++i];
         else if (ARG("--kv-cache")) kv_name = argv[++i];
         else if (ARG("--threads")) threads = parse_long(argv[++i], &bad);
-        else if (ARG("--max-body-bytes")) max_body = parse_long(argv[++i], &bad);
+        else if (ARG("--isa")) {
+            if (k3_cli_set_isa("serve", argv[++i])) return 2;
+        } else if (ARG("--max-body-bytes")) max_body = parse_long(argv[++i], &bad);
         else if (ARG("--timeout")) timeout = parse_long(argv[++i], &bad);
         else if (ARG("--max-image-pixels")) max_image_px = parse_long(argv[++i], &bad);
         else if (ARG("--max-request-image-pixels")) max_req_px = parse_long(argv[++i], &bad);
@@ -318,6 +327,7 @@ int k3_cmd_serve(int argc, char **argv) {
     k3_engine *eng = NULL;
     k3_server *srv = NULL;
     k3_pd *pd = NULL;
+    k3_model *draft = NULL;
     int rc = 1;
     k3_status ms = k3_cli_open_model_dist(&m, dir, quant, keep_mapped, false, &cd, &err);
     if (cd.d) {
@@ -358,6 +368,7 @@ int k3_cmd_serve(int argc, char **argv) {
                             .hold_timeout_s = kv_hold_timeout,
                             .pool = pool,
                             .dist = cd.d};
+    if (k3_cli_spec_apply("serve", &spec, quant, &eo, &draft)) goto fail_quiet;
     if (k3_engine_open(&eng, m, &eo, &err)) goto fail;
     if (kv_metrics && k3_engine_set_kv_metrics(eng, kv_sample, &err)) goto fail;
     k3_engine_stats st;
@@ -463,6 +474,12 @@ int k3_cmd_serve(int argc, char **argv) {
                     "for any peer that reaches it, at any address of this process: keep the transfer network closed "
                     "to all but the deployment (docs/pd.md)\n");
     }
+    if (eo.speculative != K3_SPEC_OFF && eo.speculative != K3_SPEC_DEFAULT)
+        fprintf(stderr, "k3 serve: speculative decoding: %s, up to %d draft tokens a step%s\n",
+                eo.speculative == K3_SPEC_SUFFIX      ? "suffix"
+                    : eo.speculative == K3_SPEC_NGRAM ? "ngram"
+                                                      : "draft model",
+                st.spec_k, spec.no_cost_model ? " (no cost model)" : ", as many as its cost model says pay");
     fprintf(stderr, "k3 serve: auth %s; CORS: %s; /metrics %s\n",
             api_key ? "on (Authorization: Bearer KEY or x-api-key: KEY)" : "off (no --api-key: every route is open)",
             origins && *origins ? origins : "the server's own origin only",
@@ -540,6 +557,7 @@ out:
     k3_server_stop(srv);
     k3_pd_stop(pd);
     k3_engine_close(eng);
+    k3_model_close(draft);
     k3_vision_close(vis);
     k3_pool_free(vpool);
     k3_pool_free(pool);

@@ -229,12 +229,16 @@ k3_status k3_chat_encode_json(const k3_tokenizer *t, const char *messages_json, 
  * tool_calls_json is an OpenAI tool_calls array whose arguments are JSON
  * object strings. A tool call whose arguments do not form valid JSON is
  * K3_ERR_FORMAT with a message; text that merely stops early (max_tokens) is
- * parsed as far as it goes. Free with k3_chat_reply_free. */
+ * parsed as far as it goes, a call cut off midway included (last_call_cut).
+ * No field ever holds a special's name or a piece of a tag; numbers in the
+ * arguments are passed through as written. Free with k3_chat_reply_free. */
 typedef struct k3_chat_reply {
     char *reasoning;
     char *content;
     char *tool_calls_json;
     int32_t n_tool_calls;
+    bool last_call_cut; /* the last call was cut off midway (max_tokens): its
+                           arguments are the prefix generated so far */
 } k3_chat_reply;
 
 k3_status k3_chat_parse_reply(const char *text, size_t len, bool thinking, k3_chat_reply *out, k3_error *err);
@@ -442,29 +446,38 @@ typedef struct k3_grammar_spec {
     int32_t n_choices;
     const k3_grammar_tool *tools; /* K3_GRAMMAR_TOOL_CALLS */
     int32_t n_tools;
-    bool parallel_calls;      /* tool calls: one or more (false: exactly one) */
-    bool compact;             /* JSON: no whitespace between tokens */
-    bool no_extra_properties; /* JSON Schema: an object without
+    bool parallel_calls;       /* tool calls: one or more (false: exactly one) */
+    bool compact;              /* JSON: no whitespace between tokens */
+    bool no_extra_properties;  /* JSON Schema: an object without
                                          "additionalProperties" allows no others */
-    bool canonical_numbers;   /* JSON Schema: numbers as JSON writers write them:
+    bool canonical_numbers;    /* JSON Schema: numbers as JSON writers write them:
                                          an integer without a fraction (21, not 21.0),
                                          no exponent, at most 15 fraction digits, enum
                                          numbers in their shortest text (tool-call
                                          arguments always) */
-    bool k3_reply;            /* the output goes on a K3 assistant turn from
+    bool k3_reply;             /* the output goes on a K3 assistant turn from
                                          its generation prompt: the content, then
                                          <|close|>response<|sep|> [<|close|>message<|sep|>] */
-    bool thinking;            /* k3_reply and tool calls: the prompt opened
+    bool thinking;             /* k3_reply and tool calls: the prompt opened
                                          the think block; free text until it closes */
-    bool tools_optional;      /* tool calls: the reply may be content instead
+    bool tools_optional;       /* tool calls: the reply may be content instead
                                          (tool_choice "auto" with strict tools): free
                                          text, then the calls or the reply's end; with
                                          text (a JSON Schema), that JSON or the calls */
-    const char *text_where;   /* tool calls with text: names the schema in errors */
-    const char *where;        /* names the input in errors, e.g.
+    const char *text_where;    /* tool calls with text: names the schema in errors */
+    const char *where;         /* names the input in errors, e.g.
                                          "response_format.json_schema.schema"
                                          (NULL: "json_schema", "regex", "grammar", ...) */
+    double max_compile_s;      /* the compile's time budget (0: K3_GRAMMAR_COMPILE_S):
+                                         past it, K3_ERR_UNSUPPORTED naming what it was
+                                         building */
+    bool (*cancel)(void *ctx); /* or NULL; asked every 10 ms or so while compiling:
+                                         true stops the compile (K3_ERR_IO), as a server
+                                         does when the client has left */
+    void *cancel_ctx;
 } k3_grammar_spec;
+
+#define K3_GRAMMAR_COMPILE_S 10.0
 
 /* Compiles spec. A construct the engine cannot honour is K3_ERR_UNSUPPORTED
  * naming it and where it is ("json_schema.properties.x: keyword
@@ -497,6 +510,10 @@ bool k3_grammar_matcher_is_complete(const k3_grammar_matcher *m);
 bool k3_grammar_matcher_is_ended(const k3_grammar_matcher *m);
 /* Tokens accepted so far. */
 int32_t k3_grammar_matcher_n_tokens(const k3_grammar_matcher *m);
+/* Configurations of the current state and stack frames held (what a mask
+ * walks and what the matcher's memory grows with): polynomial in the text
+ * however ambiguous the grammar, as parses that meet share their stacks. */
+void k3_grammar_matcher_size(const k3_grammar_matcher *m, size_t *configs, size_t *frames);
 /* Undoes the last n accepted tokens (K3_ERR_ARG for more than were accepted). */
 k3_status k3_grammar_matcher_rollback(k3_grammar_matcher *m, int32_t n, k3_error *err);
 /* Back to the start of the output. */
@@ -528,6 +545,18 @@ void k3_grammar_mask_apply(const k3_grammar_vocab *v, const uint64_t *mask, floa
  */
 
 typedef struct k3_engine k3_engine;
+
+/* Speculative decoding (docs/spec.md): who drafts the tokens a step
+ * verifies. K3_SPEC_DEFAULT in a request means the engine's method; in the
+ * engine's options, off. */
+typedef enum k3_spec_method {
+    K3_SPEC_DEFAULT = 0,
+    K3_SPEC_OFF,
+    K3_SPEC_SUFFIX,      /* a suffix tree of the request's prompt and output, and its scope's past outputs */
+    K3_SPEC_NGRAM,       /* the most recent earlier occurrence of the longest n-gram */
+    K3_SPEC_DRAFT_MODEL, /* a second, small checkpoint of the same vocabulary (draft_model) */
+} k3_spec_method;
+#define K3_SPEC_MAX_TOKENS 16 /* draft tokens per request and step at most */
 
 typedef struct k3_engine_options {
     int32_t max_num_seqs;           /* running requests at once (0 = 16) */
@@ -566,6 +595,20 @@ typedef struct k3_engine_options {
     struct k3_dist *dist;  /* borrowed; NULL = one process. On rank 0 of
                                        several the context's calls go to the other
                                        ranks (k3_exec_serve_pool) */
+    /* speculative decoding: each step a decoding request may verify draft
+     * tokens in one chunk of its last token and the drafts; the same text
+     * (greedy), the same distribution and, for drafts not sampled (every
+     * method here), the same tokens for the same seed as without */
+    k3_spec_method speculative;     /* K3_SPEC_DEFAULT / OFF: none */
+    int32_t num_speculative_tokens; /* k, draft tokens per step at most (0 = 4; <= K3_SPEC_MAX_TOKENS) */
+    const k3_model *draft_model;    /* borrowed: K3_SPEC_DRAFT_MODEL's checkpoint (same vocabulary) */
+    bool spec_no_cost_model;        /* draft whatever the proposer finds (no cost model): to measure */
+    int32_t spec_rollback;          /* KDA rollback: 0 re-apply the recurrence (default), 1 keep each
+                                       position's state (K3_SPEC_STATES of ctx.h, to compare) */
+    /* the suffix proposer (vLLM's suffix_decoding_* fields; 0 = defaults) */
+    int32_t suffix_max_tree_depth, suffix_max_cached_requests;
+    float suffix_max_spec_factor, suffix_min_token_prob;
+    int32_t prompt_lookup_min, prompt_lookup_max; /* the ngram proposer's n range (0 = 2, 5) */
 } k3_engine_options;
 
 typedef struct k3_request_params {
@@ -600,7 +643,16 @@ typedef struct k3_request_params {
                                        the prompt's end as a hold named by its id */
     const struct k3_remote_prefill *remote; /* decode side: the prompt was computed
                                        elsewhere (copied at submit) */
-    k3_grammar *grammar;                    /* NULL, or the grammar the output must match
+    /* speculative decoding: this request's method (K3_SPEC_DEFAULT: the
+     * engine's; another than the engine's needs its proposer: suffix and
+     * ngram always, draft_model with a draft model), its draft tokens per
+     * step at most (0: the engine's k; at most K3_SPEC_MAX_TOKENS), and its
+     * scope: requests of different scopes never draft from each other's
+     * outputs (the server gives the hash of the API key) */
+    k3_spec_method speculative;
+    int32_t num_speculative_tokens;
+    uint64_t spec_scope;
+    k3_grammar *grammar; /* NULL, or the grammar the output must match
                                        (the request keeps a matcher of its own, with a
                                        reference): every token is sampled under its
                                        mask (logprobs too are those of the masked
@@ -689,6 +741,14 @@ typedef struct k3_engine_stats {
     int64_t n_pulls, pull_blocks, pulls_ok, pulls_failed;
     int64_t grammar_steps, grammar_masks; /* steps that filled grammar masks, masks filled */
     double grammar_s;                     /* time spent filling and applying them */
+    /* speculative decoding (vLLM's spec_decode counters): verify chunks with
+     * drafts, draft tokens in them, draft tokens accepted, and accepted at
+     * each draft position; spec_k is the engine's k (the positions that
+     * count); time proposing and in the accept (KDA rollback included) */
+    int64_t spec_drafts, spec_draft_tokens, spec_accepted_tokens;
+    int64_t spec_accepted_per_pos[K3_SPEC_MAX_TOKENS];
+    int32_t spec_k;
+    double spec_propose_s, spec_accept_s;
 } k3_engine_stats;
 
 k3_status k3_engine_open(k3_engine **out, const k3_model *m, const k3_engine_options *opt, k3_error *err);
@@ -868,11 +928,12 @@ void k3_engine_hold_unpin(k3_engine *e, k3_kv_pin *pin);
 k3_status k3_engine_pull_pin(k3_engine *e, uint64_t id, k3_kv_pin *out, k3_error *err);
 void k3_engine_pull_unpin(k3_engine *e, k3_kv_pin *pin, int64_t state_landed);
 
-/* Notes on the engine (implementation: src/engine/engine.c, src/sched,
- * src/kv). logprobs and prompt_logprobs take at most 20 alternatives, and
+/* Notes on the engine (implementation: src/engine, src/sched, src/kv,
+ * src/spec). logprobs and prompt_logprobs take at most 20 alternatives, and
  * when both are asked for they must ask for the same number (n_top is one
- * field). A step yields at most one token per request. Outputs of a
- * finished request are valid until the next step, which frees it. */
+ * field). A step yields one token per request, or with speculative decoding
+ * up to k + 1. Outputs of a finished request are valid until the next step,
+ * which frees it. */
 
 
 /* ---- KV events (src/kvevents, docs/kvstore.md "KV events") -----------------
@@ -1107,11 +1168,33 @@ typedef struct k3_plan {
     /* cross-rank bytes per decoded token received by one rank */
     int64_t topk_allgather_bytes, topk_butterfly_bytes; /* all DSA layers */
     int64_t lse_bytes;                                  /* DCP partial outputs + LSE, all MLA/DSA layers */
-    int64_t ep_dispatch_bytes, ep_combine_bytes;        /* all MoE layers, expected */
+    int64_t ep_dispatch_bytes, ep_combine_bytes;        /* all MoE layers, expected, over the EP group */
+    /* EP as the source rank of a row sees it (a row is sourced by EP rank
+     * row mod E: every row of a one-sequence batch by rank 0): its remote
+     * experts' results received; its latent to each remote owner and the
+     * combined row to the E-1 others sent. In a batch of E rows or more each
+     * rank sources 1/E of them and moves about 1/E of the group's bytes. */
+    int64_t ep_source_recv_bytes, ep_source_sent_bytes;
+    /* collectives per decoded step, each a synchronisation of its group (a
+     * step waits at least that many one-way link latencies): the LSE merge
+     * (2 a MLA/DSA layer, 1 where D does not divide the heads), the top-k
+     * exchange (a DSA layer: 1 all-gather or log2(D) butterfly steps, at
+     * contexts beyond k), EP (dispatch and the two combines a MoE layer) and
+     * the step's broadcast */
+    int32_t collectives_allgather, collectives_butterfly;
     /* prefill and decode apart: what one prompt of the context moves from the
      * prefill instance (its rows + one KDA state), and what each of D decode
      * ranks receives (its 1/D of the rows + the state) */
     int64_t pd_bytes_per_seq, pd_bytes_per_rank;
+    /* speculative decoding, per sequence: what the KDA rollback keeps per
+     * verify position (re-applying the recurrence: the pre-conv rows and each
+     * head's k, v, gate, beta; or the whole state), and the bytes a pass of
+     * n = 1..16 positions reads at batch 1 (the weights but the routed
+     * experts once, and the expected union of the experts its positions
+     * route to, routing independent: an upper bound) */
+    int64_t spec_reapply_bytes_per_pos, spec_states_bytes_per_pos;
+    int64_t decode_read_bytes;     /* one decode step: the weights but the routed experts + its experts */
+    int64_t verify_read_bytes[17]; /* [n] a pass of n positions, n = 1..16 */
 } k3_plan;
 
 /* Reads CONFIG.json (a file) and computes the plan. */

@@ -6,7 +6,7 @@
 # proxy's hardening, ids, image budgets); and the server's robustness suite (tests/serve_robust.py)
 # run unchanged against the proxy (tests/pd_as_serve.py: a prefill, a decode instance and the proxy
 # as one k3 serve); tests/pd_serve.py again with --kv-transport ucx (the rows by one-sided UCX gets;
-# skipped without UCX). Ends with `pd: N passed, N failed`. Usage: sh tests/pd.sh build/k3
+# skipped without UCX). Ends with `pd: N passed, N failed, N skipped`. Usage: sh tests/pd.sh build/k3
 K3=${1:-build/k3}
 err=$(mktemp)
 out=$(mktemp)
@@ -16,16 +16,19 @@ K3_KV_TRANSFER_SECRET=$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')
 export K3_KV_TRANSFER_SECRET
 pass=0
 fail=0
-# runs a suite, shows its lines (NAME: as LABEL:), adds its closing `NAME: N passed, N failed`
-# to the totals
+skip=0
+# runs a suite, shows its lines (NAME: as LABEL:), adds its closing `NAME: N passed, N failed[,
+# N skipped]` to the totals
 suite() {
     name=$1
     label=$2
     shift 2
     "$@" >"$out" 2>&1
     grep -E "^(ok|FAIL|skip) |^    " "$out" | sed "s/^\(ok  \|FAIL\|skip\) $name: /\1 $label: /"
-    p=$(sed -n "s/^$name: \([0-9]*\) passed, \([0-9]*\) failed\$/\1/p" "$out")
-    f=$(sed -n "s/^$name: \([0-9]*\) passed, \([0-9]*\) failed\$/\2/p" "$out")
+    line=$(grep -E "^$name: [0-9]+ passed, [0-9]+ failed(, [0-9]+ skipped)?\$" "$out" | tail -n 1 | tr -d ,)
+    p=$(echo "$line" | awk '{print $2}')
+    f=$(echo "$line" | awk '{print $4}')
+    k=$(echo "$line" | awk '{print $6 + 0}')
     if [ -z "$p" ]; then
         echo "FAIL pd: the $name suite did not finish"
         tail -5 "$out" | sed 's/^/    /'
@@ -33,6 +36,7 @@ suite() {
     else
         pass=$((pass + p))
         fail=$((fail + f))
+        skip=$((skip + k))
     fi
 }
 if PY=$(sh scripts/venv.sh openai 2>"$err"); then
@@ -50,4 +54,4 @@ else
     sed 's/^/    /' "$err"
     fail=$((fail + 1))
 fi
-echo "pd: $pass passed, $fail failed"
+echo "pd: $pass passed, $fail failed, $skip skipped"

@@ -164,9 +164,25 @@ static bool engine_idle(k3_engine *e) {
 }
 
 /* Prompts ps through colocated c, then prefill p + decode d; compares. */
-static void compare(const k3_model *m, k3_kv_type kv, const int32_t *const *ps, const int *lens, int nq, int max_tokens,
-                    float temp, const char *what) {
-    k3_engine *c = open_engine(m, kv, 8), *p = open_engine(m, kv, 8), *d = open_engine(m, kv, 8);
+static void compare_spec(const k3_model *m, k3_kv_type kv, const int32_t *const *ps, const int *lens, int nq,
+                         int max_tokens, float temp, const char *what, k3_spec_method d_spec) {
+    k3_engine *c = open_engine(m, kv, 8), *p = open_engine(m, kv, 8), *d = NULL;
+    {
+        /* the decode side, drafting when d_spec says so */
+        const int32_t eos = 770;
+        k3_engine_options o = {.max_num_seqs = 8,
+                               .max_num_batched_tokens = 256,
+                               .cache_tokens = 4096,
+                               .block_size = 16,
+                               .kv_cache = kv,
+                               .eos_ids = &eos,
+                               .n_eos_ids = 1,
+                               .hold_timeout_s = 30,
+                               .speculative = d_spec,
+                               .spec_no_cost_model = true};
+        k3_error e2 = {0};
+        if (k3_engine_open(&d, m, &o, &e2)) k3_test_fail(__FILE__, __LINE__, "engine: %s", e2.msg);
+    }
     REQUIRE(c && p && d);
     hookq hq = {0};
     k3_engine_set_pull_hook(d, hook, &hq);
@@ -227,6 +243,12 @@ static void compare(const k3_model *m, k3_kv_type kv, const int32_t *const *ps, 
             CHECKF(fabsf(rd[i].lp[k] - rc[i].lp[k]) <= 1e-5f, "%s: request %d token %d logprob %g vs %g", what, i, k,
                    rd[i].lp[k], rc[i].lp[k]);
     }
+    if (d_spec == K3_SPEC_SUFFIX) {
+        k3_engine_stats ds;
+        k3_engine_get_stats(d, &ds);
+        /* verify chunks ran there (a random model seldom copies: their drafts are mostly rejected) */
+        CHECKF(ds.spec_drafts > 0, "%s: the decode side verified no draft", what);
+    }
     /* every hold released, every block back */
     k3_step_result sr;
     k3_engine_step(p, &sr, &err);
@@ -236,6 +258,27 @@ static void compare(const k3_model *m, k3_kv_type kv, const int32_t *const *ps, 
     k3_engine_close(c);
     k3_engine_close(p);
     k3_engine_close(d);
+}
+
+static void compare(const k3_model *m, k3_kv_type kv, const int32_t *const *ps, const int *lens, int nq, int max_tokens,
+                    float temp, const char *what) {
+    compare_spec(m, kv, ps, lens, nq, max_tokens, temp, what, K3_SPEC_OFF);
+}
+
+/* The decode side drafts (suffix): the same tokens as colocated without. */
+K3_TEST(pd_decode_side_speculates_equals_colocated) {
+    k3_error err = {0};
+    k3_model *m = NULL;
+    REQUIREF(k3_model_open(&m, TINY_DSA, &err) == K3_OK, "%s", err.msg);
+    int32_t a[60], b[96];
+    make_ids(a, 12, 1024, 21);
+    for (int i = 12; i < 60; i++) a[i] = a[i % 12]; /* a prompt that repeats */
+    make_ids(b, 96, 1024, 22);
+    const int32_t *ps[2] = {a, b};
+    const int lens[2] = {60, 96};
+    compare_spec(m, K3_KV_F32, ps, lens, 2, 32, 0.0f, "f32 greedy, the decode side drafting", K3_SPEC_SUFFIX);
+    compare_spec(m, K3_KV_F32, ps, lens, 2, 32, 0.8f, "f32 seeded, the decode side drafting", K3_SPEC_SUFFIX);
+    k3_model_close(m);
 }
 
 K3_TEST(pd_decode_after_a_pull_equals_colocated) {

@@ -48,6 +48,7 @@ static void job_destroy(k3_srv_group *g) {
         k3_srv_seq_free(&c->q);
         k3_buf_free(&c->text);
         free(c->tok_end);
+        free(c->marks);
         free(c->complete);
         k3_grammar_matcher_free(c->gm);
         k3_tool_stream_free(&c->ts);
@@ -74,8 +75,22 @@ static void add_token(k3_srv_job *j, k3_srv_choice *c, int32_t id) {
     if (!p) return;
     const bool space = j->rq.spaces_between_special_tokens;
     if (k3_tokenizer_is_special(tok, id)) {
-        if (j->api->keep_specials && (id == j->markup[0] || id == j->markup[1] || id == j->markup[2])) {
-            k3_buf_add(&c->text, p, len); /* markup: parsed away, no spaces */
+        if (j->api->keep_specials &&
+            (id == j->markup[0] || id == j->markup[1] || id == j->markup[2] || id == j->markup[3])) {
+            /* markup: parsed away, no spaces; where it is, so the parser
+             * tells it from text that spells its name */
+            if (c->n_marks == c->cap_marks) {
+                const size_t cap = c->cap_marks ? c->cap_marks * 2 : 16;
+                size_t *m = realloc(c->marks, cap * sizeof *m);
+                if (!m) {
+                    c->text.oom = true;
+                    return;
+                }
+                c->marks = m;
+                c->cap_marks = cap;
+            }
+            c->marks[c->n_marks++] = c->text.len;
+            k3_buf_add(&c->text, p, len);
             c->sp = SP_NONE;
             return;
         }
@@ -566,6 +581,18 @@ static bool check_work(k3_srv_job *j, k3_srv_bad *e) {
 }
 
 /* The engine request of choice i (its prompt, sampling and limits). */
+/* The drafts' scope of a request: a hash of the API key it presented (0
+ * without one), so outputs never cross from one key's requests to
+ * another's through the suffix proposer's cache. */
+static uint64_t key_scope(struct MHD_Connection *conn) {
+    const char *k = conn ? MHD_lookup_connection_value(conn, MHD_HEADER_KIND, "x-api-key") : NULL;
+    if (!k && conn) k = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
+    if (!k) return 0;
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (; *k; k++) h = (h ^ (uint8_t)*k) * 0x100000001b3ull;
+    return h | 1;
+}
+
 static k3_request_params engine_request(k3_srv_job *j, int i) {
     const k3_srv_request *rq = &j->rq;
     const k3_srv_choice *c = &j->ch[i];
@@ -599,6 +626,9 @@ static k3_request_params engine_request(k3_srv_job *j, int i) {
         .embeds = rq->vp.n_images ? (const float *const *)rq->vp.embeds : NULL,
         .extra_keys = rq->vp.n_images ? rq->vp.keys : NULL,
         .grammar = rq->grammar,
+        .speculative = rq->spec_method,
+        .num_speculative_tokens = rq->spec_k,
+        .spec_scope = key_scope(j->conn),
     };
     k3_srv_pd_request(j, &p); /* kept for a decode instance, or pulled from a prefill one */
     return p;
@@ -627,11 +657,12 @@ enum MHD_Result k3_srv_job_serve_surf(struct k3_server *s, struct MHD_Connection
     snprintf(pre, sizeof pre, "%s-", api->id_prefix);
     k3_random_id(j->id, sizeof j->id, pre, 24);
 
-    j->markup[0] = j->markup[1] = j->markup[2] = -1;
+    j->markup[0] = j->markup[1] = j->markup[2] = j->markup[3] = -1;
     if (api->keep_specials) {
         j->markup[0] = k3_tokenizer_special(s->tok, "<|open|>");
         j->markup[1] = k3_tokenizer_special(s->tok, "<|close|>");
         j->markup[2] = k3_tokenizer_special(s->tok, "<|sep|>");
+        j->markup[3] = k3_tokenizer_special(s->tok, "<|end_of_msg|>");
     }
     k3_srv_request *rq = &j->rq;
     k3_srv_bad e = {{0}, 400};

@@ -183,6 +183,29 @@ void k3_metrics_render(k3_metrics *m, const k3_engine_stats *st, const char *mod
            (double)st->grammar_masks);
     metric(o, "k3:grammar_seconds_total", "counter",
            "Time the engine's steps spent filling and applying grammar masks.", model, st->grammar_s);
+    /* speculative decoding: vLLM's counters (its Counter names plus _total);
+     * acceptance rate = accepted / draft tokens, mean acceptance length =
+     * 1 + accepted / drafts, per position accepted_per_pos / drafts */
+    metric(o, "vllm:spec_decode_num_drafts_total", "counter", "Number of spec decoding drafts.", model,
+           (double)st->spec_drafts);
+    metric(o, "vllm:spec_decode_num_draft_tokens_total", "counter", "Number of draft tokens.", model,
+           (double)st->spec_draft_tokens);
+    metric(o, "vllm:spec_decode_num_accepted_tokens_total", "counter", "Number of accepted tokens.", model,
+           (double)st->spec_accepted_tokens);
+    k3_buf_addf(o,
+                "# HELP vllm:spec_decode_num_accepted_tokens_per_pos_total Accepted tokens per draft position.\n"
+                "# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter\n");
+    int n_pos = st->spec_k;
+    for (int p = 0; p < K3_SPEC_MAX_TOKENS; p++)
+        if (st->spec_accepted_per_pos[p] && p + 1 > n_pos) n_pos = p + 1; /* a request's own k past the engine's */
+    for (int p = 0; p < n_pos && p < K3_SPEC_MAX_TOKENS; p++)
+        k3_buf_addf(o, "vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name=\"%s\",position=\"%d\"} %lld\n",
+                    model, p, (long long)st->spec_accepted_per_pos[p]);
+    metric(o, "k3:spec_decode_propose_seconds_total", "counter", "Time the engine's steps spent proposing drafts.",
+           model, st->spec_propose_s);
+    metric(o, "k3:spec_decode_accept_seconds_total", "counter",
+           "Time the engine's steps spent keeping verified positions (KDA rollback and block tables).", model,
+           st->spec_accept_s);
     for (int i = 0; i < K3_H_COUNT; i++) {
         const k3_hist *h = &m->h[i];
         k3_buf_addf(o, "# HELP %s %s\n# TYPE %s histogram\n", h->name, h->help, h->name);
