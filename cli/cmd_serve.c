@@ -130,7 +130,8 @@ static int usage_serve(FILE *f) {
             "                               where either side lacks it); --kv-ucx-tls LIST: UCX's transports\n"
             "                               (default UCX_TLS, else sm,self: one host; across hosts rc or dc\n"
             "                               on an RDMA NIC, or tcp: see docs/pd.md on what tcp exposes)\n"
-            "  --kv-fault SPEC              tests only: flip:U | stall:U:MS (see docs/pd.md)\n"
+            "  --kv-fault SPEC              tests only: flip:U | stall:U:MS | offer:forge |\n"
+            "                               offer:replay (see docs/pd.md)\n"
             "speculative decoding (a request may ask for its own with \"speculative_config\": {\"method\",\n"
             "\"num_speculative_tokens\"}):\n" K3_CLI_SPEC_HELP,
             K3_DEFAULT_QUANT, K3_DEFAULT_KV);

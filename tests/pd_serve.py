@@ -330,6 +330,28 @@ def main():
         same_comp(comp(x1, ids(100, 9), 4), comp(c, ids(100, 9), 4), "after")  # the next request is fine
     check("a flipped byte: the request fails (its MAC), nothing held", flipped)
 
+    def offer_fault(kind, words):
+        po = prefill(TINY, "--kv-fault", "offer:" + kind)
+        xo = proxy([po], [d])
+        ux = 'k3:kv_transfers_ucx_total{model_name="m",dir="%s"}'
+        if kind == "replay":  # the first pull's offer is good: it is sent again for the next
+            same_comp(comp(xo, ids(90, 14), 4), comp(c, ids(90, 14), 4), "the first offer")
+        m0, n0 = d.metrics(), po.metrics()
+        expect_error(lambda: comp(xo, ids(120, 15 if kind == "replay" else 16), 4), *words)
+        blocks_back(po, d)
+        m1, n1 = d.metrics(), po.metrics()
+        assert m1[ux % "received"] == m0[ux % "received"] and n1[ux % "sent"] == n0[ux % "sent"], (m1, n1)
+        same_comp(comp(x1, ids(120, 17), 4), comp(c, ids(120, 17), 4), "after")  # the next request is fine
+        xo.stop()
+        po.stop()
+    for kind, words, what in (("forge", ("damaged", "MAC"), "a byte of its remote keys flipped after its MAC"),
+                              ("replay", ("forged",), "the previous pull's offer sent again, as it went")):
+        name = "a forged UCX offer (%s) is refused: the request fails, no get, nothing held" % what
+        if TRANSPORT == "ucx":
+            check(name, lambda kind=kind, words=words: offer_fault(kind, words))
+        else:
+            suite.skip(name, "the stream makes no offer (--kv-transport ucx)")
+
     xm = proxy([pd_], [d])  # tiny-dsa's prefill in front of tiny's decode
 
     def mismatch():

@@ -347,7 +347,7 @@ static void *conn_main(void *arg) {
     if (pulled) {
         if (ok) pd->sent_ok++;
         else pd->sent_failed++;
-        pd->ucx_sent += ucx;
+        pd->ucx_sent += ucx && ok; /* landed */
         pd->ucx_fallback += fallback;
         pd->sent_bytes += bytes;
         pd->sent_seconds += k3_now() - t0;
@@ -730,6 +730,11 @@ static bool parse_fault(k3_pd *pd, const char *f) {
         pd->fault.unit = u;
         return true;
     }
+    if (!strcmp(f, "offer:forge") || !strcmp(f, "offer:replay")) {
+        pd->fault.kind = f[6] == 'f' ? 'o' : 'r';
+        pthread_mutex_init(&pd->fault.mu, NULL);
+        return true;
+    }
     if (sscanf(f, "stall:%lld:%lld%c", &u, &ms, &tail) == 2 && u >= 0 && ms >= 0 && ms <= 3600000) {
         pd->fault.kind = 's';
         pd->fault.unit = u;
@@ -803,7 +808,8 @@ k3_status k3_pd_start(k3_pd **out, const k3_pd_options *o, k3_error *err) {
     }
     if (!parse_fault(pd, o->fault)) {
         k3_pd_stop(pd);
-        return k3_err(err, K3_ERR_ARG, "kv transfer: fault '%s' is not flip:U or stall:U:MS", o->fault);
+        return k3_err(err, K3_ERR_ARG, "kv transfer: fault '%s' is not flip:U, stall:U:MS, offer:forge or offer:replay",
+                      o->fault);
     }
     snprintf(pd->transport, sizeof pd->transport, "tcp");
     if (o->kv_transport && strcmp(o->kv_transport, "tcp") && strcmp(o->kv_transport, "ucx")) {
@@ -871,6 +877,10 @@ void k3_pd_stop(k3_pd *pd) {
     }
     OPENSSL_cleanse(&pd->keys, sizeof pd->keys);
     k3_pd_ux_close(pd->ux); /* every pull's worker is gone with its thread */
+    if (pd->fault.kind == 'o' || pd->fault.kind == 'r') {
+        free(pd->fault.offer);
+        pthread_mutex_destroy(&pd->fault.mu);
+    }
     pthread_mutex_destroy(&pd->mu);
     pthread_cond_destroy(&pd->cv);
     free(pd);

@@ -346,6 +346,36 @@ static void serve_pending(k3_ucx *w) {
     for (int i = 0; i < 4096 && k3_ucx_progress(w); i++) {}
 }
 
+/* The offer under a test fault: a byte of its last remote key flipped after
+ * its MAC (forged), or the first pull's offer sent as it went (replayed: its
+ * header's MAC and its payload's of another session). */
+static k3_status offer_fault(int fd, k3_pd_session *ss, k3_pd_fault *f, k3_pd_unit *u, blob *b, k3_error *err) {
+    if (f->kind == 'o') {
+        b->p[b->n - 1] ^= 0x10;
+        K3_TRY(k3_pd_unit_send(fd, ss, 0, u, err));
+        return k3_pd_send(fd, b->p, b->n, NULL, 0, "the UCX offer", err);
+    }
+    pthread_mutex_lock(&f->mu);
+    if (!f->offer) { /* the first: kept as it goes */
+        const k3_status s = k3_pd_unit_send(fd, ss, 0, u, err);
+        if (s) {
+            pthread_mutex_unlock(&f->mu);
+            return s;
+        }
+        f->offer = malloc(sizeof *u + b->n);
+        if (f->offer) {
+            memcpy(f->offer, u, sizeof *u);
+            memcpy(f->offer + sizeof *u, b->p, b->n);
+            f->offer_n = sizeof *u + b->n;
+        }
+        pthread_mutex_unlock(&f->mu);
+        return k3_pd_send(fd, b->p, b->n, NULL, 0, "the UCX offer", err);
+    }
+    const k3_status s = k3_pd_send(fd, f->offer, f->offer_n, NULL, 0, "the UCX offer", err);
+    pthread_mutex_unlock(&f->mu);
+    return s;
+}
+
 k3_status k3_pd_ux_serve(k3_pd_ux *ux, int fd, k3_pd_session *ss, uint64_t hold, const k3_pd_req *r, k3_pd_fault *f,
                          double timeout_s, k3_pd_ux_stats *st, bool *landed, k3_error *err) {
     k3_engine *e = ux->e;
@@ -402,8 +432,11 @@ k3_status k3_pd_ux_serve(k3_pd_ux *ux, int fd, k3_pd_session *ss, uint64_t hold,
         if (!s) {
             k3_pd_unit u = {.kind = K3_PD_UCX, .layer = -1, .payload_bytes = b.n};
             k3_pd_tag(&ss->tx, 1, b.p, b.n, NULL, 0, u.payload_tag);
-            s = k3_pd_unit_send(fd, ss, 0, &u, err);
-            if (!s) s = k3_pd_send(fd, b.p, b.n, NULL, 0, "the UCX offer", err);
+            if (f->kind == 'o' || f->kind == 'r') s = offer_fault(fd, ss, f, &u, &b, err);
+            else {
+                s = k3_pd_unit_send(fd, ss, 0, &u, err);
+                if (!s) s = k3_pd_send(fd, b.p, b.n, NULL, 0, "the UCX offer", err);
+            }
             if (!s) no = 1;
         }
     }

@@ -180,6 +180,10 @@ k3_status k3_pd_recv(int fd, void *buf, size_t n, const char *what, k3_error *er
             if (errno == EINTR) continue;
             if (errno == EAGAIN || errno == EWOULDBLOCK)
                 return k3_err(err, K3_ERR_IO, "kv transfer: the peer sent nothing within the timeout in %s", what);
+            if (errno == ECONNRESET) /* a peer that died with something of ours unread */
+                return k3_err(err, K3_ERR_IO,
+                              "kv transfer: the peer closed the connection (reset) in %s (%zu of %zu bytes)", what, got,
+                              n);
             return k3_err(err, K3_ERR_IO, "kv transfer: receiving %s: %s", what, strerror(errno));
         }
         got += (size_t)r;

@@ -9,6 +9,7 @@
 #ifndef K3_PD_XFER_H
 #define K3_PD_XFER_H
 
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -18,11 +19,17 @@
 #include "pd/wire.h"
 
 /* --kv-fault (tests only): flip a byte of unit U after its MAC, or stall
- * before sending (after receiving) unit U. */
+ * before sending (after receiving) unit U; over UCX (prefill side) an offer
+ * forged (a byte of its remote keys flipped after its MAC) or replayed (every
+ * pull after the first sent the first one's offer, header and payload as they
+ * went on the wire). */
 typedef struct k3_pd_fault {
-    int kind; /* 0, 'f' flip, 's' stall */
+    int kind; /* 0, 'f' flip, 's' stall, 'o' offer forged, 'r' offer replayed */
     int64_t unit, ms;
     atomic_int_fast64_t seen; /* units counted */
+    pthread_mutex_t mu;       /* 'r': the offer kept */
+    uint8_t *offer;           /* 'r': the first offer's header and payload */
+    size_t offer_n;
 } k3_pd_fault;
 /* A unit about to go: counted; the stall done when it is its turn. True
  * when its payload is to be flipped. */
