@@ -17,7 +17,7 @@ CC      ?= cc
 OPT     ?= -O2 -fvect-cost-model=dynamic
 CFLAGS  ?= $(OPT) -g
 WARN    := -Wall -Wextra -Wshadow -Wstrict-prototypes -Wmissing-prototypes -Wvla -Wno-unused-parameter -Wno-missing-field-initializers -Werror
-DEPS_PC := libpcre2-8 jansson libpng libjpeg libwebp libwebpdemux libmicrohttpd libcurl
+DEPS_PC := libpcre2-8 jansson libpng libjpeg libwebp libwebpdemux libmicrohttpd libcurl libxxhash libzmq msgpack libcrypto
 K3_CFLAGS := -std=c11 -D_GNU_SOURCE -Iinclude -Isrc $(WARN) -pthread -MMD -MP
 # giflib ships no pkg-config file: its header is checked by the deps step.
 LDLIBS  := -lgif -lm -pthread
@@ -41,7 +41,7 @@ MODEL   ?= models/k3-mini
 PROMPT  ?= It is a truth universally acknowledged, that
 RUN_ARGS?= -n 64
 
-.PHONY: all help deps run test test-unit test-cli clean asan ubsan format check-reference kbench xcore stepgap amxbench tcpcopy
+.PHONY: all help deps run test test-unit test-cli clean asan ubsan format check-reference kbench xcore stepgap amxbench tcpcopy kvsbench ucxbench test-hosts bench-hosts
 all: $(BUILD)/k3 $(BUILD)/k3-test
 
 help:
@@ -52,6 +52,8 @@ help:
 	@echo "make test-hf-tokenizer  the Hugging Face tokenizer of each checkpoint against k3's (needs PyPI)"
 	@echo "make test-browser  the chat page at / in headless Chromium (installs Debian's chromium)"
 	@echo "make test-lm-eval  lm-eval local-completions, remote tokenizer, against k3 serve (needs PyPI)"
+	@echo "make test-hosts  MPI and prefill/decode across network-namespace hosts, shaped links, hosts lost (root)"
+	@echo "make bench-hosts the figures across namespace hosts: UCX and TCP GB/s, MPI bytes per token, PD transfers"
 	@echo "make bench-model make the bench checkpoints (bench/bench, bench/bench-dsa; ~2 GB each)"
 	@echo "make install     install k3 and the default model under PREFIX (default /usr/local)"
 	@echo "make fuzz        run each libFuzzer harness for FUZZ_TIME seconds (default 60)"
@@ -62,14 +64,23 @@ help:
 HAVE_GIF_H = printf '\#include <gif_lib.h>\n' | $(CC) -E -x c - >/dev/null 2>&1
 $(DEPS_OK): scripts/install-deps.sh
 	@mkdir -p $(BUILD)
-	@{ pkg-config --exists $(DEPS_PC) && $(HAVE_GIF_H); } 2>/dev/null || sh scripts/install-deps.sh
+	@{ pkg-config --exists $(DEPS_PC) && $(HAVE_GIF_H) && { [ "$(UCX)" = no ] || pkg-config --exists ucx; }; } 2>/dev/null || sh scripts/install-deps.sh
 	@pkg-config --exists $(DEPS_PC) || { echo "missing: $(DEPS_PC) (see scripts/install-deps.sh)"; exit 1; }
 	@$(HAVE_GIF_H) || { echo "missing: gif_lib.h (libgif-dev, see scripts/install-deps.sh)"; exit 1; }
 	@touch $@
 deps: $(DEPS_OK)
 
-PC_CFLAGS = $(shell pkg-config --cflags $(DEPS_PC) 2>/dev/null)
-PC_LIBS   = $(shell pkg-config --libs $(DEPS_PC) 2>/dev/null)
+PC_CFLAGS = $(shell pkg-config --cflags $(DEPS_PC) 2>/dev/null) $(UCX_CFLAGS)
+PC_LIBS   = $(shell pkg-config --libs $(DEPS_PC) 2>/dev/null) $(UCX_LIBS)
+
+# UCX (src/comm/ucx.c, Debian's libucx-dev): optional. Found by pkg-config
+# when a recipe runs (after the deps step installed it), so the first build
+# on a fresh machine has it too; `make UCX=no` builds without it (every
+# k3_ucx_* call then says so and the UCX tests skip). Flags are lazy (=).
+UCX ?= auto
+UCX_FOUND  = $(if $(filter no,$(UCX)),,$(shell pkg-config --exists ucx 2>/dev/null && echo yes))
+UCX_CFLAGS = $(if $(UCX_FOUND),-DK3_HAVE_UCX=1 $(shell pkg-config --cflags ucx 2>/dev/null))
+UCX_LIBS   = $(if $(UCX_FOUND),$(shell pkg-config --libs ucx 2>/dev/null))
 
 $(BUILD)/%.o: %.c | $(DEPS_OK)
 	@mkdir -p $(dir $@)
@@ -187,6 +198,26 @@ $(BUILD)/tcpcopy: bench/tcpcopy.c | $(DEPS_OK)
 	$(CC) $(K3_CFLAGS) $(CFLAGS) -o $@ $< -pthread
 tcpcopy: $(BUILD)/tcpcopy
 
+# Developer tool: one-sided UCX transfers (src/comm/ucx) against a plain TCP
+# stream of the same bytes, on one host or across two (bench/ucxbench.c).
+$(BUILD)/ucxbench: bench/ucxbench.c $(BUILD)/libk3.a
+	$(CC) $(K3_CFLAGS) $(PC_CFLAGS) $(CFLAGS) -o $@ $< $(BUILD)/libk3.a $(PC_LIBS) $(LDLIBS)
+ucxbench: $(BUILD)/ucxbench
+test: $(BUILD)/ucxbench
+
+# Several hosts for real (tests/hosts.sh; network namespaces, needs root):
+# `make test` runs its quick part; test-hosts adds the shaped links and the
+# hosts lost under mpirun; bench-hosts prints the figures of docs/hosts.md.
+# k3-netdelay: the links' delay where the kernel has no netem (tests/hosts/netdelay.c).
+$(BUILD)/k3-netdelay: tests/hosts/netdelay.c | $(DEPS_OK)
+	$(CC) $(K3_CFLAGS) $(CFLAGS) -o $@ $<
+test-hosts: $(BUILD)/k3 $(BUILD)/ucxbench $(BUILD)/k3-netdelay
+	sh tests/hosts.sh $(BUILD)/k3 --full
+bench-hosts: $(BUILD)/k3 $(BUILD)/ucxbench $(BUILD)/k3-netdelay $(BUILD)/xcore
+	sh bench/hosts.sh $(BUILD)/k3 ucx
+	sh bench/hosts.sh $(BUILD)/k3 mpi
+	sh bench/hosts.sh $(BUILD)/k3 pd
+
 # Developer tool: the engine's decode step against a bare context's, interleaved.
 $(BUILD)/stepgap: bench/stepgap.c $(BUILD)/libk3.a
 	$(CC) $(K3_CFLAGS) $(PC_CFLAGS) $(CFLAGS) -o $@ $< $(BUILD)/libk3.a $(PC_LIBS) $(LDLIBS)
@@ -257,3 +288,14 @@ test: $(BUILD)/k3-cmp $(BUILD)/k3-mpi-exchange
 $(BUILD)/k3-mpi-batch: tests/mpi/batch.c $(BUILD)/libk3.a
 	$(CC) $(K3_CFLAGS) $(PC_CFLAGS) $(CFLAGS) -o $@ $< $(BUILD)/libk3.a $(PC_LIBS) $(LDLIBS)
 test: $(BUILD)/k3-mpi-batch
+# The disk tier across processes (tests/kvstore.sh).
+$(BUILD)/k3-kvs-driver: tests/kvstore/driver.c tests/kvs_harness.h $(BUILD)/libk3.a
+	$(CC) $(K3_CFLAGS) $(PC_CFLAGS) $(CFLAGS) -o $@ $< $(BUILD)/libk3.a $(PC_LIBS) $(LDLIBS)
+test: $(BUILD)/k3-kvs-driver
+$(BUILD)/k3-kvev-driver: tests/kvstore/events_driver.c $(BUILD)/libk3.a
+	$(CC) $(K3_CFLAGS) $(PC_CFLAGS) $(CFLAGS) -o $@ $< $(BUILD)/libk3.a $(PC_LIBS) $(LDLIBS)
+test: $(BUILD)/k3-kvev-driver
+# Developer tool: the disk tier's save and load speed against the directory's raw sequential read.
+$(BUILD)/kvsbench: bench/kvsbench.c $(BUILD)/libk3.a
+	$(CC) $(K3_CFLAGS) $(PC_CFLAGS) $(CFLAGS) -o $@ $< $(BUILD)/libk3.a $(PC_LIBS) $(LDLIBS)
+kvsbench: $(BUILD)/kvsbench

@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import re
+import secrets
 import select
 import signal
 import statistics
@@ -22,13 +23,15 @@ import time
 import urllib.request
 
 ap = argparse.ArgumentParser()
-ap.add_argument("--model", default="/work/bench/bench")
+ap.add_argument("--model", default="bench/bench")
 ap.add_argument("--tokens", type=int, default=4096)
 ap.add_argument("--runs", type=int, default=5)
 ap.add_argument("--kv-cache", default="f32")
 ap.add_argument("--k3", default="build/k3")
 a = ap.parse_args()
 procs = []
+# the instances and the proxy share a transfer secret (an older build ignores it)
+os.environ.setdefault("K3_KV_TRANSFER_SECRET", secrets.token_hex(32))
 
 
 def start(args):

@@ -97,7 +97,9 @@ void k3_cli_bench_vision_print(const k3_cli_vision_bench *b, bool json);
 /* ---- several processes (cli_dist.c, cmd_plan.c) ---- */
 int k3_cmd_plan(int argc, char **argv);
 int k3_cmd_grammar(int argc, char **argv); /* cmd_grammar.c */
+int k3_cmd_cache(int argc, char **argv);   /* cmd_cache.c: k3 cache ls|clear DIR */
 int k3_cmd_bench_dist(int argc, char **argv);
+int k3_cmd_bench_spec(int argc, char **argv); /* cmd_bench_spec.c */
 /* Whether `k3 bench` runs as k3_cmd_bench_dist: under mpirun, or --dcp/--ep given. */
 bool k3_cli_dist_wanted(int argc, char **argv);
 
@@ -147,6 +149,53 @@ void k3_eval_remote_close(k3_eval_remote *r);
 int k3_cli_set_isa(const char *cmd, const char *name);
 #define K3_CLI_ISA_HELP "ref | avx2 | avx2-novnni | avx512 | avx512-nobf16 | amx | best (default: best the CPU has)"
 
+/* ---- speculative decoding options (spec_opts.c) ------------------------ */
+typedef struct k3_cli_spec {
+    const char *method;    /* --speculative (NULL: off, or draft_model with --draft-model) */
+    int k;                 /* --num-speculative-tokens (0: the engine's) */
+    const char *draft_dir; /* --draft-model */
+    bool no_cost_model;    /* --spec-no-cost-model */
+    int rollback;          /* --spec-rollback reapply (0) | states (1) */
+    int tree_depth, cached_requests, lookup_min, lookup_max;
+    float spec_factor, min_prob;
+} k3_cli_spec;
+#define K3_CLI_SPEC_HELP \
+    "  --speculative suffix|ngram|draft_model|off  draft tokens and verify them in one pass (default off):\n" \
+    "                      suffix: a suffix tree of the request's prompt and output and of recent\n" \
+    "                      outputs of its API key; ngram: the last earlier occurrence of the longest\n" \
+    "                      n-gram; draft_model: --draft-model DIR (same vocabulary). The same text,\n" \
+    "                      and for a seed the same tokens, as without (docs/spec.md)\n" \
+    "  --num-speculative-tokens K  draft tokens per step at most (1..16, default 8); the engine drafts\n" \
+    "                      fewer, or none, where its cost model says they do not pay\n" \
+    "  --draft-model DIR   the draft model (implies --speculative draft_model)\n" \
+    "  --suffix-max-tree-depth N, --suffix-max-cached-requests N, --suffix-max-spec-factor F,\n" \
+    "  --suffix-min-token-prob F, --prompt-lookup-min N, --prompt-lookup-max N  vLLM's proposer knobs\n" \
+    "  --spec-no-cost-model  draft whatever is found (for measurements); --spec-rollback reapply|states\n"
+/* 1: argv[*i] was one of them (consumed; *i at its last word), 0: not one,
+ * -1: a bad value (printed). */
+int k3_cli_spec_arg(const char *cmd, int argc, char **argv, int *i, k3_cli_spec *s);
+/* Fills eo's speculative options from s, opening the draft model into
+ * *draft (the caller closes it after the engine); 0, or prints why not. */
+int k3_cli_spec_apply(const char *cmd, const k3_cli_spec *s, const char *quant, k3_engine_options *eo,
+                      k3_model **draft);
+
+/* k3 run's generation through the engine (run_engine.c): for --speculative. */
+typedef struct k3_cli_run_engine_args {
+    const k3_model *m;
+    const k3_tokenizer *tok;
+    k3_pool *pool;
+    const int32_t *ids;
+    size_t n_ids;
+    int n_gen;
+    int64_t ctx_tokens;
+    k3_sampler_options so;
+    k3_kv_type kv;
+    const char *quant;
+    bool chat, think;
+    const k3_cli_spec *spec;
+} k3_cli_run_engine_args;
+int k3_cli_run_engine(const k3_cli_run_engine_args *a);
+
 /* The model directory used when -m is not given. */
 #define K3_DEFAULT_MODEL "models/k3-mini"
 
@@ -168,6 +217,12 @@ int k3_cli_physical_cores(void);
  * machine under mpirun. */
 int k3_cli_default_threads(void);
 int k3_cli_all_cpus(void);
+/* The deployment's kv transfer secret of --role prefill|decode|proxy: the
+ * file's bytes (--kv-transfer-secret-file FILE; a trailing newline dropped)
+ * or K3_KV_TRANSFER_SECRET. 0 with *out (malloc'ed, the caller clears and
+ * frees it) and *n; else prints why (none given, unreadable, too short) and
+ * returns -1. */
+int k3_cli_transfer_secret(const char *cmd, const char *file, char **out, size_t *n);
 /* The model directory: dir when given with -m, else the default model found
  * in ./models/k3-mini, beside the binary (BIN/../models/k3-mini) or under
  * its install prefix (BIN/../share/k3/models/k3-mini). NULL (with a message

@@ -276,6 +276,7 @@ static bool run_steady(double before, double after) {
 int k3_cmd_bench(int argc, char **argv) {
     if (argc > 1 && !strcmp(argv[1], "serve")) return k3_cmd_bench_serve(argc - 1, argv + 1);
     if (argc > 1 && !strcmp(argv[1], "throughput")) return k3_cmd_bench_throughput(argc - 1, argv + 1);
+    if (argc > 1 && !strcmp(argv[1], "spec")) return k3_cmd_bench_spec(argc - 1, argv + 1);
     if (k3_cli_dist_wanted(argc, argv)) return k3_cmd_bench_dist(argc, argv); /* cmd_bench_dist.c */
     const char *dir = K3_DEFAULT_MODEL, *quant = K3_DEFAULT_QUANT;
     bool keep_mapped = false;

@@ -257,6 +257,80 @@ static uint64_t rng_next(uint64_t *s) {
 
 static double rng_unit(uint64_t *s) { return (double)(rng_next(s) >> 11) / 9007199254740992.0; }
 
+/* vLLM's custom dataset: one JSON object per line with a "prompt" string;
+ * their prompts in order, or NULL (said why). */
+static json_t *load_custom(const char *path) {
+    FILE *f = fopen(path, "r");
+    if (!f) {
+        fprintf(stderr, "k3 bench serve: --dataset-path %s: cannot open it\n", path);
+        return NULL;
+    }
+    json_t *all = json_array();
+    char *line = NULL;
+    size_t cap = 0;
+    long no = 0;
+    while (getline(&line, &cap, f) > 0) {
+        no++;
+        if (line[0] == '\n') continue;
+        json_error_t je;
+        json_t *o = json_loads(line, 0, &je);
+        json_t *p = json_object_get(o, "prompt");
+        if (!json_is_string(p)) {
+            fprintf(stderr, "k3 bench serve: %s line %ld: not a JSON object with a \"prompt\" string\n", path, no);
+            json_decref(o);
+            json_decref(all);
+            all = NULL;
+            break;
+        }
+        json_array_append(all, p);
+        json_decref(o);
+    }
+    free(line);
+    fclose(f);
+    if (all && !json_array_size(all)) {
+        fprintf(stderr, "k3 bench serve: %s holds no prompt\n", path);
+        json_decref(all);
+        all = NULL;
+    }
+    return all;
+}
+
+static size_t to_buf(char *p, size_t size, size_t n, void *ud);
+
+/* The speculative decoding counters of GET base/metrics (vLLM's names):
+ * drafts, draft tokens, accepted; false when the server has none. */
+static bool spec_counters(const char *base, const char *key, double out[3]) {
+    CURL *h = curl_easy_init();
+    if (!h) return false;
+    char url[2100], auth[1100];
+    snprintf(url, sizeof url, "%.2047s/metrics", base);
+    struct curl_slist *hdr = NULL;
+    if (key && *key) {
+        snprintf(auth, sizeof auth, "Authorization: Bearer %s", key);
+        hdr = curl_slist_append(hdr, auth);
+    }
+    k3_buf b = {0};
+    curl_easy_setopt(h, CURLOPT_URL, url);
+    curl_easy_setopt(h, CURLOPT_HTTPHEADER, hdr);
+    curl_easy_setopt(h, CURLOPT_TIMEOUT, 30L);
+    curl_easy_setopt(h, CURLOPT_NOSIGNAL, 1L);
+    curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, to_buf);
+    curl_easy_setopt(h, CURLOPT_WRITEDATA, &b);
+    const bool got = curl_easy_perform(h) == CURLE_OK;
+    curl_slist_free_all(hdr);
+    curl_easy_cleanup(h);
+    static const char *names[3] = {"vllm:spec_decode_num_drafts_total{", "vllm:spec_decode_num_draft_tokens_total{",
+                                   "vllm:spec_decode_num_accepted_tokens_total{"};
+    int found = 0;
+    for (int k = 0; got && b.p && k < 3; k++) {
+        const char *at = strstr(b.p, names[k]);
+        const char *sp = at ? strchr(at, '}') : NULL;
+        if (sp && sscanf(sp + 1, "%lf", &out[k]) == 1) found++;
+    }
+    k3_buf_free(&b);
+    return found == 3;
+}
+
 /* The usage on stdout (exit 0) for --help, on stderr (exit 2) after a bad option. */
 static int usage_bs(FILE *f) {
     fprintf(f,
@@ -265,7 +339,9 @@ static int usage_bs(FILE *f) {
             "  --endpoint completions|chat|responses|messages  the API (default completions; chat:\n"
             "                             /v1/chat/completions, responses: /v1/responses, messages:\n"
             "                             Anthropic's /v1/messages)\n"
-            "  --dataset random           (the only dataset)\n"
+            "  --dataset-name random|custom  random text (default), or vLLM's custom dataset: a JSON\n"
+            "                             object per line with a \"prompt\" (--dataset-path FILE), taken in\n"
+            "                             order (again from the top for more --num-prompts)\n"
             "  --tokenizer DIR            tokenizer for the random text (default %s)\n"
             "  --random-input-len I       prompt tokens (default 1024)\n"
             "  --random-output-len O      output tokens (default 128)\n"
@@ -402,7 +478,7 @@ int k3_cmd_bench_serve(int argc, char **argv) {
     double slo_ttft = 0, slo_tpot = 0, slo_e2el = 0; /* ms; 0 = none */
     bool ignore_eos = false, json_out = false, goodput = false, no_thinking = false;
     uint64_t seed = 0;
-    const char *rf_arg = NULL;
+    const char *rf_arg = NULL, *dataset = "random", *dataset_path = NULL;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const int has = i + 1 < argc;
@@ -416,11 +492,13 @@ int k3_cmd_bench_serve(int argc, char **argv) {
         else if (ARG("--model")) model = argv[++i];
         else if (ARG("--endpoint")) endpoint = argv[++i];
         else if (ARG("--dataset") || ARG("--dataset-name")) {
-            if (strcmp(argv[++i], "random")) {
-                fprintf(stderr, "k3 bench serve: only --dataset random is implemented\n");
+            dataset = argv[++i];
+            if (strcmp(dataset, "random") && strcmp(dataset, "custom")) {
+                fprintf(stderr, "k3 bench serve: --dataset-name must be random or custom, not '%s'\n", dataset);
                 return 2;
             }
-        } else if (ARG("--tokenizer")) tok_dir = argv[++i];
+        } else if (ARG("--dataset-path")) dataset_path = argv[++i];
+        else if (ARG("--tokenizer")) tok_dir = argv[++i];
         else if (ARG("--random-input-len")) NUM(k3_cli_long(CMD, a, argv[++i], 1, 1L << 30, &in_len));
         else if (ARG("--random-output-len")) NUM(k3_cli_long(CMD, a, argv[++i], 1, 1L << 30, &out_len));
         else if (ARG("--random-range-ratio")) NUM(dbl(a, argv[++i], 0, 1, &range));
@@ -496,6 +574,14 @@ int k3_cmd_bench_serve(int argc, char **argv) {
         return 2;
     }
     if (!conc || conc > n_prompts) conc = n_prompts;
+    json_t *custom = NULL; /* the custom dataset's prompts */
+    if (!strcmp(dataset, "custom")) {
+        if (!dataset_path) {
+            fprintf(stderr, "k3 bench serve: --dataset-name custom needs --dataset-path FILE\n");
+            return 2;
+        }
+        if (!(custom = load_custom(dataset_path))) return 2;
+    }
     json_t *rf = NULL;
     if (rf_arg) {
         json_error_t je;
@@ -560,7 +646,8 @@ int k3_cmd_bench_serve(int argc, char **argv) {
         const long base_len = r->is_long ? long_len : in_len;
         const long il = range > 0 ? (long)(base_len * (1 - range) + rng_unit(&rng) * 2 * range * base_len) : base_len;
         const long ol = range > 0 ? (long)(out_len * (1 - range) + rng_unit(&rng) * 2 * range * out_len) : out_len;
-        char *text = random_text(tok, prefix, (int)prefix_len, (int)(il > 0 ? il : 1), &rng);
+        char *text = custom ? strdup(json_string_value(json_array_get(custom, (size_t)i % json_array_size(custom))))
+                            : random_text(tok, prefix, (int)prefix_len, (int)(il > 0 ? il : 1), &rng);
         if (!text) {
             fprintf(stderr, "k3 bench serve: cannot make the random prompts\n");
             goto out;
@@ -591,6 +678,8 @@ int k3_cmd_bench_serve(int argc, char **argv) {
         arrive[i] = t_arr;
     }
 
+    double spec0[3] = {0}, spec1[3] = {0};
+    const bool spec_on = spec_counters(base, key, spec0);
     CURLM *multi = curl_multi_init();
     long next = 0, in_flight = 0, finished = 0;
     const double t0 = k3_now();
@@ -704,6 +793,9 @@ int k3_cmd_bench_serve(int argc, char **argv) {
     }
     const dist dt = dist_of(ttft, (size_t)ok), dp = dist_of(tpot, n_tpot), di = dist_of(itl, n_itl),
                de = dist_of(e2el, (size_t)ok), ds_short = dist_of(itl_s, n_itl_s);
+    /* speculative decoding over the run (vLLM bench serve's section): the counters' growth */
+    const bool spec = spec_on && spec_counters(base, key, spec1) && spec1[0] > spec0[0];
+    const double sp_drafts = spec1[0] - spec0[0], sp_tokens = spec1[1] - spec0[1], sp_acc = spec1[2] - spec0[2];
     if (json_out) {
         json_t *j = json_pack("{s:I,s:I,s:I,s:I,s:f,s:I,s:I,s:f,s:f,s:f}", "completed", (json_int_t)ok, "failed",
                               (json_int_t)failed, "disconnected", (json_int_t)dropped, "max_concurrency",
@@ -711,6 +803,13 @@ int k3_cmd_bench_serve(int argc, char **argv) {
                               "total_output_tokens", (json_int_t)out_tok, "request_throughput", ok / dur,
                               "output_throughput", out_tok / dur, "total_token_throughput", (in_tok + out_tok) / dur);
         if (goodput) json_object_set_new(j, "request_goodput", json_real(good / dur));
+        if (spec) {
+            json_object_set_new(j, "spec_decode_acceptance_rate", json_real(sp_tokens > 0 ? sp_acc / sp_tokens : 0));
+            json_object_set_new(j, "spec_decode_acceptance_length", json_real(1 + sp_acc / sp_drafts));
+            json_object_set_new(j, "spec_decode_num_drafts", json_integer((json_int_t)sp_drafts));
+            json_object_set_new(j, "spec_decode_draft_tokens", json_integer((json_int_t)sp_tokens));
+            json_object_set_new(j, "spec_decode_accepted_tokens", json_integer((json_int_t)sp_acc));
+        }
         const char *names[4] = {"ttft", "tpot", "itl", "e2el"};
         const dist *ds[4] = {&dt, &dp, &di, &de};
         char k[64];
@@ -784,6 +883,14 @@ int k3_cmd_bench_serve(int argc, char **argv) {
                 printf("%-40s %-10.2f\n", k, ds_short.pct[q]);
             }
         }
+        if (spec) {
+            printf("---------------Speculative Decoding---------------\n");
+            printf("%-40s %-10.2f\n", "Acceptance rate (%):", sp_tokens > 0 ? 100 * sp_acc / sp_tokens : 0);
+            printf("%-40s %-10.2f\n", "Acceptance length:", 1 + sp_acc / sp_drafts);
+            printf("%-40s %-10.0f\n", "Drafts:", sp_drafts);
+            printf("%-40s %-10.0f\n", "Draft tokens:", sp_tokens);
+            printf("%-40s %-10.0f\n", "Accepted tokens:", sp_acc);
+        }
         printf("==================================================\n");
         if (first_err) fprintf(stderr, "k3 bench serve: first failure: %s\n", first_err);
     }
@@ -794,6 +901,7 @@ int k3_cmd_bench_serve(int argc, char **argv) {
     free(itl);
     free(itl_s);
 out:
+    json_decref(custom);
     for (long i = 0; rs && i < n_prompts; i++) {
         free(rs[i].body);
         free(rs[i].itl);

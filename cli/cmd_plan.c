@@ -104,6 +104,14 @@ int k3_cmd_plan(int argc, char **argv) {
            (long long)p.ep_dispatch_bytes);
     printf("  ep_combine        %lld B over the EP group (remote results back + the combined row to E-1 ranks)\n",
            (long long)p.ep_combine_bytes);
+    printf("  ep per rank       a row's source rank (all of a one-sequence batch: rank 0) receives %lld B and sends "
+           "%lld B;"
+           " in a batch of %d rows or more each rank moves about 1/%d of the group's bytes: %lld B\n",
+           (long long)p.ep_source_recv_bytes, (long long)p.ep_source_sent_bytes, o.ep, o.ep,
+           (long long)((p.ep_dispatch_bytes + p.ep_combine_bytes) / o.ep));
+    printf("  collectives       %d per decoded step with the all-gather top-k exchange, %d with the butterfly:"
+           " each waits for its group, so a step takes at least that many one-way link latencies\n",
+           p.collectives_allgather, p.collectives_butterfly);
     /* prefill -> decode (src/pd): bytes on the wire are payload; each 1 MiB unit adds a 96-byte header */
     const double link[2] = {100e9 / 8, 400e9 / 8};
     printf("prefill -> decode, one prompt of %lld tokens:\n", (long long)o.context);
@@ -116,5 +124,19 @@ int k3_cmd_plan(int argc, char **argv) {
            "%.3f s at 400 Gb/s\n",
            o.dcp, gb((double)p.pd_bytes_per_rank, b3, sizeof b3), o.dcp, (double)p.pd_bytes_per_rank / link[0],
            (double)p.pd_bytes_per_rank / link[1]);
+    /* speculative decoding (docs/spec.md) */
+    printf("speculative decoding, one sequence at batch 1:\n");
+    printf("  KDA rollback      per verify position %s re-applying the recurrence (pre-conv rows, each head's k, "
+           "v, gate, beta), %s keeping each position's state; at k = 4: %s / %s\n",
+           gb((double)p.spec_reapply_bytes_per_pos, b1, sizeof b1),
+           gb((double)p.spec_states_bytes_per_pos, b2, sizeof b2),
+           gb(5.0 * (double)p.spec_reapply_bytes_per_pos, b3, sizeof b3),
+           gb(5.0 * (double)p.spec_states_bytes_per_pos, b4, sizeof b4));
+    printf("  bytes read        a decode step %s; a verify pass of 1 + k positions (routing independent, an upper "
+           "bound):",
+           gb((double)p.decode_read_bytes, b1, sizeof b1));
+    for (int k = 1; k <= 8; k *= 2)
+        printf(" k = %d %s (%.2fx)%s", k, gb((double)p.verify_read_bytes[k + 1], b2, sizeof b2),
+               (double)p.verify_read_bytes[k + 1] / (double)p.decode_read_bytes, k < 8 ? "," : "\n");
     return 0;
 }

@@ -52,7 +52,9 @@ static void usage_to(FILE *out) {
             "  --dcp-topk-exchange allgather|butterfly  the DSA top-k exchange (default allgather)\n"
             "  --dist-timeout S    a collective waiting longer fails (default 300)\n"
             "  --show-memory       print each rank's cache and routed-expert bytes\n"
-            "  --isa NAME          kernels: " K3_CLI_ISA_HELP "\n",
+            "  --isa NAME          kernels: " K3_CLI_ISA_HELP "\n"
+            "speculative decoding (any --speculative, off too, generates through the serving "
+            "engine):\n" K3_CLI_SPEC_HELP,
             K3_DEFAULT_MODEL, K3_DEFAULT_QUANT, K3_DEFAULT_KV);
 }
 
@@ -126,11 +128,15 @@ int k3_cmd_run(int argc, char **argv) {
                              .repeat_last_n = 64,
                              .seed = 42};
     k3_cli_dist cd;
+    k3_cli_spec spec = {0};
     bool workers_wait = false; /* rank 0 owes the workers the context size */
     if (k3_cli_dist_args(&argc, argv, &cd, "run")) return 2;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const int has = i + 1 < argc;
+        const int sa = k3_cli_spec_arg("run", argc, argv, &i, &spec);
+        if (sa < 0) return 2;
+        if (sa) continue;
 #define ARG(name) (!strcmp(a, name) && has)
 /* a number option: strictly parsed, or exit 2 with a message naming it */
 #define NUM(call) \
@@ -225,6 +231,14 @@ int k3_cmd_run(int argc, char **argv) {
         free(prompt_buf);
         return 1;
     }
+    const bool via_engine = spec.method || spec.draft_dir;
+    if (via_engine && (dump || n_images || interactive || cd.asked || k3_cli_dist_wanted(argc, argv))) {
+        fprintf(stderr,
+                "k3 run: --speculative generates through the engine: not with --dump-logits, --image, a "
+                "conversation or mpirun (k3 serve takes them)\n");
+        free(prompt_buf);
+        return 2;
+    }
     if (!seed_given) so.seed = random_seed();
     fprintf(stderr, "k3 run: seed %llu%s\n", (unsigned long long)so.seed,
             seed_given ? "" : " (random; --seed N to repeat)");
@@ -294,6 +308,15 @@ int k3_cmd_run(int argc, char **argv) {
     if ((int64_t)n_ids > want) {
         fprintf(stderr, "k3 run: the prompt has %zu tokens, more than the context of %lld tokens\n", n_ids,
                 (long long)want);
+        goto out_quiet;
+    }
+    if (via_engine) {
+        if (k3_pool_init(&pool, threads, &err)) goto out;
+        if (tok && !chat && !ids_arg) fwrite(prompt, 1, strlen(prompt), stdout);
+        fflush(stdout);
+        const k3_cli_run_engine_args ra = {m,  tok, pool,  ids,  n_ids, n_gen, want < 64 ? 64 : want,
+                                           so, kv,  quant, chat, think, &spec};
+        rc = k3_cli_run_engine(&ra);
         goto out_quiet;
     }
 distributed:

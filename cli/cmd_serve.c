@@ -78,8 +78,14 @@ static int usage_serve(FILE *f) {
             "  --kv-cache f32|c8            cache format (default %s)\n"
             "  --mmap                       keep the weights in the file mapping\n"
             "  --threads N                  worker threads (default: the physical cores)\n"
+            "  --isa NAME                   kernels: " K3_CLI_ISA_HELP "\n"
             "  --max-body-bytes N           largest request body, base64 images included (default 4194304)\n"
             "  --max-image-pixels N         largest image, width x height (default 67108864 = 8192 x 8192)\n"
+            "  --max-request-image-pixels N a request's images' pixels together, read from their headers before\n"
+            "                               any is decoded (default 268435456: four of the largest); images are\n"
+            "                               decoded and encoded one at a time, one request at a time\n"
+            "  --max-request-image-tokens N their prompt rows together, the vision tower's work (default:\n"
+            "                               --max-model-len)\n"
             "  --vision-threads N           threads of the image encoder's own pool (default: --threads)\n"
             "  --timeout S                  drop a client idle this long (default 30)\n"
             "  --header-timeout S           a request line and headers must be in within S of the connection\n"
@@ -110,12 +116,18 @@ static int usage_serve(FILE *f) {
             "                               instance pulls it; `--role proxy --prefill URL[,URL...] --decode\n"
             "                               URL[,URL...]` is the one endpoint in front of them (k3 serve --role\n"
             "                               proxy --help)\n"
-            "  --kv-transfer-port N         the transfer listener's port (prefill; default 0 = any free port)\n"
-            "  --kv-transfer-host ADDR      its address (default: --host); --kv-transfer-advertise ADDR: the\n"
-            "                               address decode instances are told (default: the same)\n"
+            "  --kv-transfer-port N         the transfer listener's port (prefill; default 0 = any free port); it\n"
+            "                               binds on --host; --kv-transfer-advertise ADDR: the address decode\n"
+            "                               instances are told (default: --host)\n"
+            "  --kv-transfer-secret-file F  the deployment's transfer secret (every prefill and decode instance\n"
+            "                               and the proxy: the same; or K3_KV_TRANSFER_SECRET): a pull proves it\n"
+            "  --prefill-peers H:P[,...]    decode: prefill transfer ports whose kv_transfer_params are taken\n"
+            "                               without the proxy's credential (vLLM's proxies)\n"
             "  --kv-hold-timeout S          a kept prompt nobody pulled is freed after S seconds (default 120)\n"
             "  --kv-transfer-timeout S      a transfer silent this long fails (default 30)\n"
-            "  --kv-fault SPEC              tests only: flip:U | stall:U:MS (see docs/pd.md)\n",
+            "  --kv-fault SPEC              tests only: flip:U | stall:U:MS (see docs/pd.md)\n"
+            "speculative decoding (a request may ask for its own with \"speculative_config\": {\"method\",\n"
+            "\"num_speculative_tokens\"}):\n" K3_CLI_SPEC_HELP,
             K3_DEFAULT_QUANT, K3_DEFAULT_KV);
     return f == stdout ? 0 : 2;
 }
@@ -168,11 +180,11 @@ int k3_cmd_serve(int argc, char **argv) {
          cache_tokens = 0, block = 0;
     long max_body = 0, timeout = 0, snapshot_mb = 0, max_conn = 1024, max_image_px = 0, vthreads = 0;
     long header_timeout = 10, body_timeout = 60, max_conn_ip = 0, shutdown_timeout = 5, step_timeout = 0;
-    long test_fail_step = 0, test_fail_request = 0;
+    long test_fail_step = 0, test_fail_request = 0, max_req_px = 0, max_req_tok = 0;
     const char *origins = NULL, *cors_methods = NULL, *cors_headers = NULL;
     bool keep_mapped = false, no_prefix = false, kv_metrics = false, metrics_key = false, no_ui = false;
     float kv_sample = 0.01f;
-    const char *role = NULL, *kv_host = NULL, *kv_adv = NULL, *kv_fault = NULL;
+    const char *role = NULL, *kv_adv = NULL, *kv_fault = NULL, *kv_secret_file = NULL, *peers = NULL, *kv_host = NULL;
     long kv_port = 0;
     float kv_hold_timeout = 0, kv_timeout = 0;
     for (int i = 1; i + 1 < argc; i++)
@@ -180,10 +192,14 @@ int k3_cmd_serve(int argc, char **argv) {
     long threads = k3_cli_default_threads();
     int bad = 0;
     k3_cli_dist cd;
+    k3_cli_spec spec = {0};
     if (k3_cli_dist_args(&argc, argv, &cd, "serve")) return 2;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const int has = i + 1 < argc;
+        const int sa = k3_cli_spec_arg("serve", argc, argv, &i, &spec);
+        if (sa < 0) return 2;
+        if (sa) continue;
 #define ARG(s) (!strcmp(a, s) && has)
         if (ARG("-m")) dir = argv[++i];
         else if (ARG("--host")) host = argv[++i];
@@ -201,14 +217,20 @@ int k3_cmd_serve(int argc, char **argv) {
         else if (ARG("--quant")) quant = argv[++i];
         else if (ARG("--kv-cache")) kv_name = argv[++i];
         else if (ARG("--threads")) threads = parse_long(argv[++i], &bad);
-        else if (ARG("--max-body-bytes")) max_body = parse_long(argv[++i], &bad);
+        else if (ARG("--isa")) {
+            if (k3_cli_set_isa("serve", argv[++i])) return 2;
+        } else if (ARG("--max-body-bytes")) max_body = parse_long(argv[++i], &bad);
         else if (ARG("--timeout")) timeout = parse_long(argv[++i], &bad);
         else if (ARG("--max-image-pixels")) max_image_px = parse_long(argv[++i], &bad);
+        else if (ARG("--max-request-image-pixels")) max_req_px = parse_long(argv[++i], &bad);
+        else if (ARG("--max-request-image-tokens")) max_req_tok = parse_long(argv[++i], &bad);
         else if (ARG("--vision-threads")) vthreads = parse_long(argv[++i], &bad);
         else if (ARG("--max-connections")) max_conn = parse_long(argv[++i], &bad);
         else if (ARG("--role")) role = argv[++i];
         else if (ARG("--kv-transfer-port")) kv_port = parse_long(argv[++i], &bad);
+        else if (ARG("--kv-transfer-secret-file")) kv_secret_file = argv[++i];
         else if (ARG("--kv-transfer-host")) kv_host = argv[++i];
+        else if (ARG("--prefill-peers")) peers = argv[++i];
         else if (ARG("--kv-transfer-advertise")) kv_adv = argv[++i];
         else if (ARG("--kv-fault")) kv_fault = argv[++i];
         else if (ARG("--kv-hold-timeout")) {
@@ -243,9 +265,9 @@ int k3_cmd_serve(int argc, char **argv) {
     k3_kv_type kv;
     if (bad || port > 65535 || threads < 1 || max_seqs > 1 << 20 || max_batched > 1 << 24 || max_step_cost > 1 << 24 ||
         max_waiting > 1 << 20 || block > 4096 || snapshot_mb > 1 << 24 || max_conn > 65536 || timeout > 86400 ||
-        vthreads > 64 || max_image_px > K3_IMAGE_MAX_PIXELS || max_conn_ip > 65536 || header_timeout < 1 ||
-        header_timeout > 86400 || body_timeout < 1 || body_timeout > 86400 || shutdown_timeout > 86400 ||
-        step_timeout > 1 << 24) {
+        vthreads > 64 || max_image_px > K3_IMAGE_MAX_PIXELS || max_req_px > ((long)1 << 40) ||
+        max_req_tok > (1L << 30) || max_conn_ip > 65536 || header_timeout < 1 || header_timeout > 86400 ||
+        body_timeout < 1 || body_timeout > 86400 || shutdown_timeout > 86400 || step_timeout > 1 << 24) {
         fprintf(stderr, "k3 serve: a numeric option is not a non-negative integer in range\n");
         return 2;
     }
@@ -255,6 +277,13 @@ int k3_cmd_serve(int argc, char **argv) {
     }
     if (kv_port > 65535) {
         fprintf(stderr, "k3 serve: --kv-transfer-port must be in 0..65535\n");
+        return 2;
+    }
+    if (kv_host && strcmp(kv_host, host)) {
+        fprintf(stderr,
+                "k3 serve: the transfer port binds where the HTTP port binds: --kv-transfer-host %s differs "
+                "from --host %s (--kv-transfer-advertise names the address decode instances are told)\n",
+                kv_host, host);
         return 2;
     }
     if (k3_cli_parse_kv(kv_name, &kv)) {
@@ -270,8 +299,17 @@ int k3_cmd_serve(int argc, char **argv) {
         return 2;
     }
     if (!name) name = dir;
-    if (k3_cli_dist_start(&cd, "serve")) return k3_cli_dist_exit(&cd, 2);
-    if (cd.d && cd.rank != 0) return serve_worker(&cd, dir, quant, keep_mapped, (int)threads);
+    char *secret = NULL;
+    size_t secret_len = 0;
+    if (role && k3_cli_transfer_secret("serve", kv_secret_file, &secret, &secret_len)) return 2;
+    if (k3_cli_dist_start(&cd, "serve")) {
+        free(secret);
+        return k3_cli_dist_exit(&cd, 2);
+    }
+    if (cd.d && cd.rank != 0) {
+        free(secret);
+        return serve_worker(&cd, dir, quant, keep_mapped, (int)threads);
+    }
 
     k3_error err = {0};
     k3_model *m = NULL;
@@ -281,6 +319,7 @@ int k3_cmd_serve(int argc, char **argv) {
     k3_engine *eng = NULL;
     k3_server *srv = NULL;
     k3_pd *pd = NULL;
+    k3_model *draft = NULL;
     int rc = 1;
     k3_status ms = k3_cli_open_model_dist(&m, dir, quant, keep_mapped, false, &cd, &err);
     if (cd.d) {
@@ -321,13 +360,14 @@ int k3_cmd_serve(int argc, char **argv) {
                             .hold_timeout_s = kv_hold_timeout,
                             .pool = pool,
                             .dist = cd.d};
+    if (k3_cli_spec_apply("serve", &spec, quant, &eo, &draft)) goto fail_quiet;
     if (k3_engine_open(&eng, m, &eo, &err)) goto fail;
     if (kv_metrics && k3_engine_set_kv_metrics(eng, kv_sample, &err)) goto fail;
     k3_engine_stats st;
     k3_engine_get_stats(eng, &st);
     if (role) {
         k3_pd_options po = {.engine = eng,
-                            .host = kv_host ? kv_host : host,
+                            .host = host,
                             .port = strcmp(role, "prefill") ? -1 : (int)kv_port,
                             .advertise_host = kv_adv,
                             .model_id = k3_model_identity(m),
@@ -335,8 +375,13 @@ int k3_cmd_serve(int argc, char **argv) {
                             .kv_cache = kv,
                             .block_size = st.blocks_total ? (int32_t)(st.cache_tokens / st.blocks_total) : 0,
                             .timeout_s = kv_timeout,
-                            .fault = kv_fault};
-        if (k3_pd_start(&pd, &po, &err)) goto fail;
+                            .fault = kv_fault,
+                            .secret = secret,
+                            .secret_len = secret_len,
+                            .prefill_peers = peers};
+        const k3_status ps = k3_pd_start(&pd, &po, &err);
+        memset(secret, 0, secret_len);
+        if (ps) goto fail;
     }
     k3_server_options so = {.host = host,
                             .port = (int)port,
@@ -351,6 +396,8 @@ int k3_cmd_serve(int argc, char **argv) {
                             .vision = vis,
                             .vision_pool = vpool,
                             .max_image_pixels = max_image_px,
+                            .max_request_image_pixels = max_req_px,
+                            .max_request_image_tokens = max_req_tok,
                             .metrics_require_key = metrics_key,
                             .max_connections_per_ip = (int)max_conn_ip,
                             .header_timeout_s = (int)header_timeout,
@@ -395,9 +442,21 @@ int k3_cmd_serve(int argc, char **argv) {
                 (long long)k3_engine_cache_bytes(eng), (int)(st.cache_tokens / st.blocks_total),
                 (int)(st.cache_tokens / st.blocks_total / k3_dist_dcp_size(cd.d)));
     if (pd && k3_pd_port(pd) >= 0)
-        fprintf(stderr, "k3 serve: role %s, kv transfer listening on %s:%d\n", role, kv_host ? kv_host : host,
-                k3_pd_port(pd));
-    else if (pd) fprintf(stderr, "k3 serve: role %s: prompts' caches are pulled from prefill instances\n", role);
+        fprintf(stderr,
+                "k3 serve: role %s, kv transfer listening on %s%s%s:%d (the HTTP port's address; a pull proves the "
+                "deployment's secret, each message has a MAC)\n",
+                role, strchr(host, ':') ? "[" : "", host, strchr(host, ':') ? "]" : "", k3_pd_port(pd));
+    else if (pd)
+        fprintf(stderr,
+                "k3 serve: role %s: prompts' caches are pulled from prefill instances named by the proxy (its "
+                "credential)%s%s\n",
+                role, peers ? " or by --prefill-peers " : "", peers ? peers : "");
+    if (eo.speculative != K3_SPEC_OFF && eo.speculative != K3_SPEC_DEFAULT)
+        fprintf(stderr, "k3 serve: speculative decoding: %s, up to %d draft tokens a step%s\n",
+                eo.speculative == K3_SPEC_SUFFIX      ? "suffix"
+                    : eo.speculative == K3_SPEC_NGRAM ? "ngram"
+                                                      : "draft model",
+                st.spec_k, spec.no_cost_model ? " (no cost model)" : ", as many as its cost model says pay");
     fprintf(stderr, "k3 serve: auth %s; CORS: %s; /metrics %s\n",
             api_key ? "on (Authorization: Bearer KEY or x-api-key: KEY)" : "off (no --api-key: every route is open)",
             origins && *origins ? origins : "the server's own origin only",
@@ -471,9 +530,11 @@ fail:
 fail_quiet:
     rc = 1;
 out:
+    free(secret);
     k3_server_stop(srv);
     k3_pd_stop(pd);
     k3_engine_close(eng);
+    k3_model_close(draft);
     k3_vision_close(vis);
     k3_pool_free(vpool);
     k3_pool_free(pool);

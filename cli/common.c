@@ -57,6 +57,56 @@ int k3_cli_parse_kv(const char *s, k3_kv_type *out) {
 #include <stdlib.h>
 #include <sys/stat.h>
 
+int k3_cli_transfer_secret(const char *cmd, const char *file, char **out, size_t *n) {
+    *out = NULL;
+    *n = 0;
+    char *buf = NULL;
+    size_t len = 0;
+    if (file) {
+        FILE *f = fopen(file, "rb");
+        if (!f) {
+            fprintf(stderr, "k3 %s: --kv-transfer-secret-file %s: %s\n", cmd, file, strerror(errno));
+            return -1;
+        }
+        buf = malloc(4097);
+        len = buf ? fread(buf, 1, 4097, f) : 0;
+        fclose(f);
+        if (!buf || len > 4096) {
+            fprintf(stderr, "k3 %s: --kv-transfer-secret-file %s: %s\n", cmd, file,
+                    buf ? "over 4096 bytes" : "out of memory");
+            free(buf);
+            return -1;
+        }
+    } else {
+        const char *env = getenv("K3_KV_TRANSFER_SECRET");
+        if (!env || !*env) {
+            fprintf(stderr,
+                    "k3 %s: prefill and decode instances and their proxy share a transfer secret: give each the same "
+                    "--kv-transfer-secret-file FILE or K3_KV_TRANSFER_SECRET (for example: head -c 32 /dev/urandom | "
+                    "base64 > FILE)\n",
+                    cmd);
+            return -1;
+        }
+        len = strlen(env);
+        buf = malloc(len + 1);
+        if (!buf) return -1;
+        memcpy(buf, env, len);
+    }
+    while (len && (buf[len - 1] == '\n' || buf[len - 1] == '\r')) len--;
+    if (len < 16) {
+        fprintf(stderr,
+                "k3 %s: the kv transfer secret has %zu bytes: it needs at least 16 (for example 32 random "
+                "bytes: head -c 32 /dev/urandom | base64)\n",
+                cmd, len);
+        memset(buf, 0, len);
+        free(buf);
+        return -1;
+    }
+    *out = buf;
+    *n = len;
+    return 0;
+}
+
 int k3_cli_long(const char *cmd, const char *opt, const char *s, long lo, long hi, long *out) {
     char *end = NULL;
     errno = 0;

@@ -22,6 +22,7 @@ static const struct {
     {"serve", k3_cmd_serve, "an OpenAI-compatible HTTP server"},
     {"plan", k3_cmd_plan, "memory and cross-rank traffic of a DCP/EP deployment, from a config"},
     {"grammar", k3_cmd_grammar, "compile a JSON schema / regex / grammar and check texts against it"},
+    {"cache", k3_cmd_cache, "inspect or clear a disk cache directory (k3 cache ls|clear DIR)"},
 };
 
 static void usage(FILE *out) {

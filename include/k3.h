@@ -38,6 +38,7 @@ typedef enum k3_status {
     K3_ERR_ARG,         /* a bad argument: id out of range, bad UTF-8, ... */
     K3_ERR_RANGE,       /* out of capacity: context full, too many sequences */
     K3_ERR_BUSY,        /* try again later: the engine's waiting queue is full */
+    K3_ERR_PERM,        /* refused: the peer or request is not one that may do this */
 } k3_status;
 
 typedef struct k3_error {
@@ -231,12 +232,16 @@ k3_status k3_chat_encode_json(const k3_tokenizer *t, const char *messages_json, 
  * tool_calls_json is an OpenAI tool_calls array whose arguments are JSON
  * object strings. A tool call whose arguments do not form valid JSON is
  * K3_ERR_FORMAT with a message; text that merely stops early (max_tokens) is
- * parsed as far as it goes. Free with k3_chat_reply_free. */
+ * parsed as far as it goes, a call cut off midway included (last_call_cut).
+ * No field ever holds a special's name or a piece of a tag; numbers in the
+ * arguments are passed through as written. Free with k3_chat_reply_free. */
 typedef struct k3_chat_reply {
     char *reasoning;
     char *content;
     char *tool_calls_json;
     int32_t n_tool_calls;
+    bool last_call_cut; /* the last call was cut off midway (max_tokens): its
+                           arguments are the prefix generated so far */
 } k3_chat_reply;
 
 k3_status k3_chat_parse_reply(const char *text, size_t len, bool thinking, k3_chat_reply *out, k3_error *err);
@@ -473,29 +478,38 @@ typedef struct k3_grammar_spec {
     int32_t n_choices;
     const k3_grammar_tool *tools; /* K3_GRAMMAR_TOOL_CALLS */
     int32_t n_tools;
-    bool parallel_calls;      /* tool calls: one or more (false: exactly one) */
-    bool compact;             /* JSON: no whitespace between tokens */
-    bool no_extra_properties; /* JSON Schema: an object without
+    bool parallel_calls;       /* tool calls: one or more (false: exactly one) */
+    bool compact;              /* JSON: no whitespace between tokens */
+    bool no_extra_properties;  /* JSON Schema: an object without
                                          "additionalProperties" allows no others */
-    bool canonical_numbers;   /* JSON Schema: numbers as JSON writers write them:
+    bool canonical_numbers;    /* JSON Schema: numbers as JSON writers write them:
                                          an integer without a fraction (21, not 21.0),
                                          no exponent, at most 15 fraction digits, enum
                                          numbers in their shortest text (tool-call
                                          arguments always) */
-    bool k3_reply;            /* the output goes on a K3 assistant turn from
+    bool k3_reply;             /* the output goes on a K3 assistant turn from
                                          its generation prompt: the content, then
                                          <|close|>response<|sep|> [<|close|>message<|sep|>] */
-    bool thinking;            /* k3_reply and tool calls: the prompt opened
+    bool thinking;             /* k3_reply and tool calls: the prompt opened
                                          the think block; free text until it closes */
-    bool tools_optional;      /* tool calls: the reply may be content instead
+    bool tools_optional;       /* tool calls: the reply may be content instead
                                          (tool_choice "auto" with strict tools): free
                                          text, then the calls or the reply's end; with
                                          text (a JSON Schema), that JSON or the calls */
-    const char *text_where;   /* tool calls with text: names the schema in errors */
-    const char *where;        /* names the input in errors, e.g.
+    const char *text_where;    /* tool calls with text: names the schema in errors */
+    const char *where;         /* names the input in errors, e.g.
                                          "response_format.json_schema.schema"
                                          (NULL: "json_schema", "regex", "grammar", ...) */
+    double max_compile_s;      /* the compile's time budget (0: K3_GRAMMAR_COMPILE_S):
+                                         past it, K3_ERR_UNSUPPORTED naming what it was
+                                         building */
+    bool (*cancel)(void *ctx); /* or NULL; asked every 10 ms or so while compiling:
+                                         true stops the compile (K3_ERR_IO), as a server
+                                         does when the client has left */
+    void *cancel_ctx;
 } k3_grammar_spec;
+
+#define K3_GRAMMAR_COMPILE_S 10.0
 
 /* Compiles spec. A construct the engine cannot honour is K3_ERR_UNSUPPORTED
  * naming it and where it is ("json_schema.properties.x: keyword
@@ -528,6 +542,10 @@ bool k3_grammar_matcher_is_complete(const k3_grammar_matcher *m);
 bool k3_grammar_matcher_is_ended(const k3_grammar_matcher *m);
 /* Tokens accepted so far. */
 int32_t k3_grammar_matcher_n_tokens(const k3_grammar_matcher *m);
+/* Configurations of the current state and stack frames held (what a mask
+ * walks and what the matcher's memory grows with): polynomial in the text
+ * however ambiguous the grammar, as parses that meet share their stacks. */
+void k3_grammar_matcher_size(const k3_grammar_matcher *m, size_t *configs, size_t *frames);
 /* Undoes the last n accepted tokens (K3_ERR_ARG for more than were accepted). */
 k3_status k3_grammar_matcher_rollback(k3_grammar_matcher *m, int32_t n, k3_error *err);
 /* Back to the start of the output. */
@@ -559,6 +577,18 @@ void k3_grammar_mask_apply(const k3_grammar_vocab *v, const uint64_t *mask, floa
  */
 
 typedef struct k3_engine k3_engine;
+
+/* Speculative decoding (docs/spec.md): who drafts the tokens a step
+ * verifies. K3_SPEC_DEFAULT in a request means the engine's method; in the
+ * engine's options, off. */
+typedef enum k3_spec_method {
+    K3_SPEC_DEFAULT = 0,
+    K3_SPEC_OFF,
+    K3_SPEC_SUFFIX,      /* a suffix tree of the request's prompt and output, and its scope's past outputs */
+    K3_SPEC_NGRAM,       /* the most recent earlier occurrence of the longest n-gram */
+    K3_SPEC_DRAFT_MODEL, /* a second, small checkpoint of the same vocabulary (draft_model) */
+} k3_spec_method;
+#define K3_SPEC_MAX_TOKENS 16 /* draft tokens per request and step at most */
 
 typedef struct k3_engine_options {
     int32_t max_num_seqs;           /* running requests at once (0 = 16) */
@@ -597,6 +627,20 @@ typedef struct k3_engine_options {
     struct k3_dist *dist;  /* borrowed; NULL = one process. On rank 0 of
                                        several the context's calls go to the other
                                        ranks (k3_exec_serve_pool) */
+    /* speculative decoding: each step a decoding request may verify draft
+     * tokens in one chunk of its last token and the drafts; the same text
+     * (greedy), the same distribution and, for drafts not sampled (every
+     * method here), the same tokens for the same seed as without */
+    k3_spec_method speculative;     /* K3_SPEC_DEFAULT / OFF: none */
+    int32_t num_speculative_tokens; /* k, draft tokens per step at most (0 = 4; <= K3_SPEC_MAX_TOKENS) */
+    const k3_model *draft_model;    /* borrowed: K3_SPEC_DRAFT_MODEL's checkpoint (same vocabulary) */
+    bool spec_no_cost_model;        /* draft whatever the proposer finds (no cost model): to measure */
+    int32_t spec_rollback;          /* KDA rollback: 0 re-apply the recurrence (default), 1 keep each
+                                       position's state (K3_SPEC_STATES of ctx.h, to compare) */
+    /* the suffix proposer (vLLM's suffix_decoding_* fields; 0 = defaults) */
+    int32_t suffix_max_tree_depth, suffix_max_cached_requests;
+    float suffix_max_spec_factor, suffix_min_token_prob;
+    int32_t prompt_lookup_min, prompt_lookup_max; /* the ngram proposer's n range (0 = 2, 5) */
 } k3_engine_options;
 
 typedef struct k3_request_params {
@@ -631,7 +675,16 @@ typedef struct k3_request_params {
                                        the prompt's end as a hold named by its id */
     const struct k3_remote_prefill *remote; /* decode side: the prompt was computed
                                        elsewhere (copied at submit) */
-    k3_grammar *grammar;                    /* NULL, or the grammar the output must match
+    /* speculative decoding: this request's method (K3_SPEC_DEFAULT: the
+     * engine's; another than the engine's needs its proposer: suffix and
+     * ngram always, draft_model with a draft model), its draft tokens per
+     * step at most (0: the engine's k; at most K3_SPEC_MAX_TOKENS), and its
+     * scope: requests of different scopes never draft from each other's
+     * outputs (the server gives the hash of the API key) */
+    k3_spec_method speculative;
+    int32_t num_speculative_tokens;
+    uint64_t spec_scope;
+    k3_grammar *grammar; /* NULL, or the grammar the output must match
                                        (the request keeps a matcher of its own, with a
                                        reference): every token is sampled under its
                                        mask (logprobs too are those of the masked
@@ -720,6 +773,14 @@ typedef struct k3_engine_stats {
     int64_t n_pulls, pull_blocks, pulls_ok, pulls_failed;
     int64_t grammar_steps, grammar_masks; /* steps that filled grammar masks, masks filled */
     double grammar_s;                     /* time spent filling and applying them */
+    /* speculative decoding (vLLM's spec_decode counters): verify chunks with
+     * drafts, draft tokens in them, draft tokens accepted, and accepted at
+     * each draft position; spec_k is the engine's k (the positions that
+     * count); time proposing and in the accept (KDA rollback included) */
+    int64_t spec_drafts, spec_draft_tokens, spec_accepted_tokens;
+    int64_t spec_accepted_per_pos[K3_SPEC_MAX_TOKENS];
+    int32_t spec_k;
+    double spec_propose_s, spec_accept_s;
 } k3_engine_stats;
 
 k3_status k3_engine_open(k3_engine **out, const k3_model *m, const k3_engine_options *opt, k3_error *err);
@@ -862,12 +923,97 @@ k3_status k3_engine_hold_read_state(k3_engine *e, uint64_t id, int64_t offset, v
  * are ignored. */
 void k3_engine_hold_release(k3_engine *e, uint64_t id);
 
-/* Notes on the engine (implementation: src/engine/engine.c, src/sched,
- * src/kv). logprobs and prompt_logprobs take at most 20 alternatives, and
+/* Notes on the engine (implementation: src/engine, src/sched, src/kv,
+ * src/spec). logprobs and prompt_logprobs take at most 20 alternatives, and
  * when both are asked for they must ask for the same number (n_top is one
- * field). A step yields at most one token per request. Outputs of a
- * finished request are valid until the next step, which frees it. */
+ * field). A step yields one token per request, or with speculative decoding
+ * up to k + 1. Outputs of a finished request are valid until the next step,
+ * which frees it. */
 
+
+/* ---- KV events (src/kvevents, docs/kvstore.md "KV events") -----------------
+ * vLLM's KV cache events for cache-aware routers (vLLM's, Dynamo, llm-d):
+ * BlockStored when a full block enters the prefix cache, BlockRemoved when
+ * its hash is dropped to reuse the block, AllBlocksCleared when the cache
+ * starts empty; msgpack batches on a ZeroMQ PUB socket, each message three
+ * frames (topic, an 8-byte big-endian sequence number, the batch), with
+ * vLLM's optional replay socket (a ROUTER: send the first sequence number
+ * wanted as 8 big-endian bytes, get [seq, batch] messages and then [-1, ""]).
+ * A batch is [ts, [event, ...], data_parallel_rank]; an event is a map
+ * tagged by "type" with vLLM's field names (vLLM >= 0.26), or with
+ * legacy_array a positional array [tag, fields...] (vLLM 0.10 - 0.25). */
+
+typedef struct k3_kv_events k3_kv_events;
+
+typedef struct k3_kv_events_options {
+    const char *endpoint;        /* the PUB socket, as vLLM reads it: one with a '*' host (every
+                                    address), "::", ipc://PATH or inproc:// is bound; another
+                                    address is connected to (a forwarder) */
+    const char *replay_endpoint; /* NULL, or the replay ROUTER socket's (bound) */
+    const char *topic;           /* the first frame (NULL = "") */
+    int32_t buffer_steps;        /* batches kept for replays (0 = 10000) */
+    int32_t hwm;                 /* the PUB socket's high-water mark (0 = 100000) */
+    int32_t data_parallel_rank;  /* the batches' third field */
+    bool legacy_array;           /* positional events (vLLM before its map encoding) */
+    double flush_s;              /* events wait at most this long for their batch (0 = 0.01 s) */
+} k3_kv_events_options;
+
+/* Opens (binds or connects) the sockets and starts the publishing thread,
+ * which sends AllBlocksCleared first. K3_ERR_ARG names a bad endpoint. */
+k3_status k3_kv_events_open(k3_kv_events **out, const k3_kv_events_options *opt, k3_error *err);
+/* Sends what is pending, then closes. */
+void k3_kv_events_close(k3_kv_events *ev);
+
+typedef struct k3_kv_events_stats {
+    int64_t batches, events;               /* messages published, events in them */
+    int64_t stored_blocks, removed_blocks; /* hashes in BlockStored / BlockRemoved events */
+    int64_t bytes;                         /* payload bytes */
+    int64_t replays;                       /* replay requests served */
+} k3_kv_events_stats;
+void k3_kv_events_get_stats(k3_kv_events *ev, k3_kv_events_stats *out);
+
+/* The engine's block manager publishes on ev (NULL: stops); call before the
+ * first k3_engine_step. ev outlives the engine's use of it. */
+void k3_engine_set_kv_events(k3_engine *e, k3_kv_events *ev);
+
+/* ---- the disk tier's directory (src/kvstore, docs/kvstore.md) ---------------
+ * What `k3 cache ls|clear DIR` shows and does. A directory holds runs of
+ * cache blocks and KDA snapshots of any number of models (each file's header
+ * says which); the engine's disk tier (src/kvstore/kvstore.h) writes and
+ * reads them. Both calls are safe while instances use the directory: a
+ * reader keeps what it opened, and the shared size counter is set from
+ * what is there. */
+
+typedef struct k3_kvcache_model {
+    uint64_t model;     /* k3_model_identity of what wrote the files */
+    char quant[24];     /* its --quant mode */
+    k3_kv_type kv;      /* cache dtype */
+    int32_t block_size; /* tokens per block */
+    int32_t dcp_rank, dcp_size;
+    int64_t runs, snaps; /* files */
+    int64_t run_bytes, snap_bytes;
+    int64_t blocks;  /* blocks in its run files */
+    double newest_s; /* seconds since its newest file was last used */
+    double oldest_s; /* and its least recently used one */
+} k3_kvcache_model;
+
+typedef struct k3_kvcache_info {
+    int64_t files, bytes;         /* under runs/ and snaps/ */
+    int64_t bad_files, bad_bytes; /* of them: not k3 cache files, torn, or damaged headers */
+    int64_t tmp_files, tmp_bytes; /* being written, or left by a crash */
+    int64_t counter_bytes;        /* the shared size counter (-1: none) */
+    k3_kvcache_model *models;     /* [n_models] by bytes, largest first */
+    int32_t n_models;
+} k3_kvcache_info;
+
+/* Reads every file's header under dir. K3_ERR_IO when dir is not a cache
+ * directory (no runs/ or snaps/). Free with k3_kvcache_info_free. */
+k3_status k3_kvcache_scan(const char *dir, k3_kvcache_info *out, k3_error *err);
+void k3_kvcache_info_free(k3_kvcache_info *info);
+/* Removes the files of model (0 = every file, and whatever tmp/ holds that
+ * no process is writing: older than a minute); *files and *bytes (may be
+ * NULL) get what was removed. */
+k3_status k3_kvcache_clear(const char *dir, uint64_t model, int64_t *files, int64_t *bytes, k3_error *err);
 
 /* ---- distributed: several processes on MPI (src/comm, src/executor) ------
  *
@@ -1017,11 +1163,33 @@ typedef struct k3_plan {
     /* cross-rank bytes per decoded token received by one rank */
     int64_t topk_allgather_bytes, topk_butterfly_bytes; /* all DSA layers */
     int64_t lse_bytes;                                  /* DCP partial outputs + LSE, all MLA/DSA layers */
-    int64_t ep_dispatch_bytes, ep_combine_bytes;        /* all MoE layers, expected */
+    int64_t ep_dispatch_bytes, ep_combine_bytes;        /* all MoE layers, expected, over the EP group */
+    /* EP as the source rank of a row sees it (a row is sourced by EP rank
+     * row mod E: every row of a one-sequence batch by rank 0): its remote
+     * experts' results received; its latent to each remote owner and the
+     * combined row to the E-1 others sent. In a batch of E rows or more each
+     * rank sources 1/E of them and moves about 1/E of the group's bytes. */
+    int64_t ep_source_recv_bytes, ep_source_sent_bytes;
+    /* collectives per decoded step, each a synchronisation of its group (a
+     * step waits at least that many one-way link latencies): the LSE merge
+     * (2 a MLA/DSA layer, 1 where D does not divide the heads), the top-k
+     * exchange (a DSA layer: 1 all-gather or log2(D) butterfly steps, at
+     * contexts beyond k), EP (dispatch and the two combines a MoE layer) and
+     * the step's broadcast */
+    int32_t collectives_allgather, collectives_butterfly;
     /* prefill and decode apart: what one prompt of the context moves from the
      * prefill instance (its rows + one KDA state), and what each of D decode
      * ranks receives (its 1/D of the rows + the state) */
     int64_t pd_bytes_per_seq, pd_bytes_per_rank;
+    /* speculative decoding, per sequence: what the KDA rollback keeps per
+     * verify position (re-applying the recurrence: the pre-conv rows and each
+     * head's k, v, gate, beta; or the whole state), and the bytes a pass of
+     * n = 1..16 positions reads at batch 1 (the weights but the routed
+     * experts once, and the expected union of the experts its positions
+     * route to, routing independent: an upper bound) */
+    int64_t spec_reapply_bytes_per_pos, spec_states_bytes_per_pos;
+    int64_t decode_read_bytes;     /* one decode step: the weights but the routed experts + its experts */
+    int64_t verify_read_bytes[17]; /* [n] a pass of n positions, n = 1..16 */
 } k3_plan;
 
 /* Reads CONFIG.json (a file) and computes the plan. */
@@ -1058,6 +1226,10 @@ k3_status k3_image_decode(k3_image **out, const void *data, size_t size, int64_t
  * K3_ERR_UNSUPPORTED naming the rule -- k3 fetches nothing; malformed base64
  * is K3_ERR_ARG. */
 k3_status k3_image_decode_url(k3_image **out, const char *url, size_t len, int64_t max_pixels, k3_error *err);
+/* The size of an image_url's image from its header alone (nothing decoded),
+ * with the same checks and errors as k3_image_decode_url's up to there. */
+k3_status k3_image_probe_url(const char *url, size_t len, int64_t max_pixels, int32_t *width, int32_t *height,
+                             k3_error *err);
 /* The same from a file. */
 k3_status k3_image_load(k3_image **out, const char *path, int64_t max_pixels, k3_error *err);
 /* An image from 8-bit RGBA pixels [height, width, 4] (copied); with
@@ -1135,7 +1307,9 @@ k3_status k3_vision_splice(const k3_vision *v, const k3_tokenizer *t, const int3
  * the result is ready for the forward pass (ids + embeds) and the prefix
  * cache (keys: k3_image_hash on each image's framing, 0 elsewhere). v may be
  * NULL for a text-only model: an image part is then K3_ERR_UNSUPPORTED with
- * a message. Errors name messages[i].content[j]. Free with k3_vision_prompt_free. */
+ * a message. Errors name messages[i].content[j]. Free with k3_vision_prompt_free.
+ * The images are decoded and encoded one at a time: what one takes is freed
+ * before the next is decoded. */
 typedef struct k3_vision_prompt {
     int32_t *ids;
     size_t n_ids;
@@ -1150,18 +1324,33 @@ k3_status k3_vision_chat_encode_json(const k3_vision *v, const k3_tokenizer *t, 
                                      const char *messages_json, const char *tools_json, const k3_chat_options *opt,
                                      int64_t max_pixels, k3_vision_prompt *out, k3_error *err);
 void k3_vision_prompt_free(k3_vision_prompt *p);
+/* What such messages' images will take, from their headers alone (nothing
+ * decoded): their count, decoded pixels and prompt rows (the tower's work).
+ * The same errors as k3_vision_chat_encode_json's for a bad or oversized
+ * image (v NULL: K3_ERR_UNSUPPORTED at the first image). */
+typedef struct k3_vision_cost {
+    int32_t n_images;
+    int64_t pixels; /* decoded, summed */
+    int64_t tokens; /* prompt rows, summed: what the tower computes */
+} k3_vision_cost;
+k3_status k3_vision_chat_cost(const k3_vision *v, const char *messages_json, int64_t max_pixels, k3_vision_cost *out,
+                              k3_error *err);
 /* ---- prefill and decode apart: the transfer agent and the proxy (src/pd) --
  *
  * A k3_pd sits beside one instance's engine and server. As a prefill
  * instance it listens on its transfer port and serves holds (k3_engine
  * hold_*) to the decode instances that pull them; as a decode instance it
  * is the engine's pull hook: it connects to the prefill instance a
- * request's kv_transfer_params name and writes what arrives into the
- * request's blocks. The stream is plain TCP: a pull request, then units
- * (one layer's rows for a run of positions, or a piece of the KDA state),
- * each with its length, a checksum and the identity of the model,
- * quantization and cache format (a mismatch is refused, naming both); the
- * prefill side frees the hold when the stream ends, read or not. The server
+ * request's kv_transfer_params name (taken only from the proxy, or for a
+ * peer of prefill_peers) and writes what arrives into the request's blocks.
+ * Every instance of a deployment holds the same secret: a connection starts
+ * with a handshake that proves it both ways, then a pull request (a hold's
+ * token of 128 random bits and its prompt's hash), then units (one layer's
+ * rows for a run of positions, or a piece of the KDA state), each with its
+ * length and a MAC; a request for another model, quantization or cache
+ * format, or for a hold this prompt did not make, is refused, naming
+ * nothing. The prefill side frees a pulled hold when the stream ends, read
+ * or not. The server
  * (k3_server_options.pd) reads and writes vLLM's kv_transfer_params
  * (do_remote_decode / do_remote_prefill, remote_engine_id, remote_host,
  * remote_port, remote_block_ids, remote_request_id; and k3's own: the
@@ -1178,11 +1367,15 @@ typedef struct k3_pd_options {
     const char *quant;          /* the --quant mode (NULL = "none") */
     k3_kv_type kv_cache;
     int32_t block_size;
-    double timeout_s;  /* a transfer that moves nothing this long fails (0 = 30) */
-    int max_pulls;     /* pulls at once (0 = 8) */
-    const char *fault; /* tests only: NULL, or "flip:U" (a byte of unit U's payload
-                                   flipped after its checksum), "stall:U:MS" (sleep before
+    double timeout_s;   /* a transfer that moves nothing this long fails (0 = 30) */
+    int max_pulls;      /* pulls at once (0 = 8) */
+    const char *fault;  /* tests only: NULL, or "flip:U" (a byte of unit U's payload
+                                   flipped after its MAC), "stall:U:MS" (sleep before
                                    sending unit U, prefill side; after receiving it, decode side) */
+    const void *secret; /* the deployment's transfer secret (required, >= 16 bytes; copied) */
+    size_t secret_len;
+    const char *prefill_peers; /* decode side: HOST:PORT[,...] whose kv_transfer_params are taken
+                                  without the proxy's credential (NULL: none) */
 } k3_pd_options;
 
 k3_status k3_pd_start(k3_pd **out, const k3_pd_options *opt, k3_error *err);
@@ -1199,7 +1392,10 @@ int k3_pd_port(const k3_pd *pd);
  * request to the least loaded decode instance, whose answer (or stream) is
  * the client's. Other routes go to a decode instance as they are. A backend
  * that cannot be reached is skipped for a while and another tried; when none
- * answers, the client gets an error in OpenAI's shape. */
+ * answers, the client gets an error in its API's shape. It serves through the
+ * same HTTP layer as k3_server (limits, deadlines, the key before any body,
+ * CORS, the drain); its /health answers 200 while a prefill and a decode
+ * instance answer theirs. */
 typedef struct k3_proxy k3_proxy;
 
 typedef struct k3_proxy_options {
@@ -1209,13 +1405,28 @@ typedef struct k3_proxy_options {
     int n_prefill;
     const char *const *decode; /* [n_decode] */
     int n_decode;
-    const char *api_key;   /* NULL or "": none; else clients need it (and it is passed on) */
-    double timeout_s;      /* a backend silent this long fails the request (0 = 600) */
-    size_t max_body_bytes; /* 0 = 4 MiB */
-    int max_connections;   /* 0 = 1024 */
+    const char *api_key;      /* NULL: none; else clients need it (Bearer or x-api-key) and the
+                                 proxy passes it on to the instances; "" is refused */
+    bool metrics_require_key; /* /metrics needs the key too (open by default) */
+    double timeout_s;         /* a backend silent this long fails the request (0 = 600) */
+    /* the HTTP layer's limits, as k3_server_options' (0 = its defaults; at most
+     * 1024 connections) */
+    size_t max_body_bytes;
+    int max_connections, max_connections_per_ip;
+    int idle_timeout_s, header_timeout_s, body_timeout_s;
+    const char *allowed_origins, *allowed_methods, *allowed_headers;
+    const void *secret; /* the deployment's transfer secret (required: the credential on
+                           kv_transfer_params, the release of holds) */
+    size_t secret_len;
 } k3_proxy_options;
 
 k3_status k3_proxy_start(k3_proxy **out, const k3_proxy_options *opt, k3_error *err);
+/* As k3_server_drain, k3_server_in_flight, k3_server_end: new requests 503;
+ * requests received and not answered in full; those in flight ended (a
+ * stream with its API's error event, a whole answer with a 503 naming why). */
+void k3_proxy_drain(k3_proxy *p);
+int k3_proxy_in_flight(k3_proxy *p);
+void k3_proxy_end(k3_proxy *p, const char *why);
 int k3_proxy_port(const k3_proxy *p);
 void k3_proxy_stop(k3_proxy *p);
 
@@ -1273,10 +1484,15 @@ typedef struct k3_server_options {
     const k3_vision *vision;     /* borrowed; NULL: a text-only model (chat image
                                   parts answer 400) */
     k3_pool *vision_pool;        /* borrowed; the image encodes' own pool (never
-                                  the engine's), used by one request at a time;
-                                  NULL = one thread */
+                                  the engine's), used by one request at a time, in
+                                  the order they came; NULL = one thread */
     int64_t max_image_pixels;    /* per image (0 = K3_IMAGE_MAX_PIXELS) */
     bool no_ui;                  /* no chat page at / (a 404 there) */
+    /* a request's images together, read from their headers before any is
+     * decoded: their decoded pixels (0 = 4 x K3_IMAGE_MAX_PIXELS) and their
+     * prompt rows, the vision tower's work (0 = the engine's max_model_len);
+     * over either: 400 naming the limit */
+    int64_t max_request_image_pixels, max_request_image_tokens;
     /* tests only: the engine thread fails at its step test_fail_step (1 = the
      * first), as a failed k3_engine_step would; engine request number
      * test_fail_request (1 = the first submitted) fails alone */

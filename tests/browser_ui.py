@@ -23,28 +23,15 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import serve_openai as so  # noqa: E402  (the Server harness and small helpers)
+import harness as h  # noqa: E402
 
 OUT = sys.argv[2] if len(sys.argv) > 2 else "build/test-browser"
-passed = 0
-failed = 0
 
 
-def check(name, fn):
-    global passed, failed
-    t0 = time.time()
-    try:
-        fn()
-        passed += 1
-        print(f"ok   browser: {name} ({time.time() - t0:.1f} s)", flush=True)
-    except Exception as e:  # noqa: BLE001 -- every failure is reported, none stops the run
-        failed += 1
-        print(f"FAIL browser: {name}: {type(e).__name__}: {e}", flush=True)
-        for line in traceback.format_exc().splitlines()[-6:]:
-            print("    " + line, flush=True)
+suite = h.Suite("browser")
+check = suite.check
 
 
 class Chromium:
@@ -192,12 +179,12 @@ WATCH = ("window.__lens = []; new MutationObserver(() => { const a = " + LAST + 
 
 def main():
     b = Chromium()
-    s = so.Server(so.TINY)
+    s = h.Server(h.TINY)
     c = s.client()
     try:
         def t_load():
             b.open(s.url + "/")
-            b.wait(f"document.getElementById('model').textContent.includes({json.dumps(so.TINY)})", 20,
+            b.wait(f"document.getElementById('model').textContent.includes({json.dumps(h.TINY)})", 20,
                    "the page names the model")
             assert b.js("document.getElementById('attach').classList.contains('hidden')"), "images on a text model"
             assert b.js("document.getElementById('caps').textContent") == "text"
@@ -238,6 +225,14 @@ def main():
             assert b.js(LAST + ".querySelector('details.think').hidden") is False, "no thinking shown"
             assert b.js(LAST + ".querySelector('details.think').open") is False, "the thinking is not folded"
             assert b.js(LAST + ".querySelector('.reasoning').textContent.length") > 0
+            # whatever the model wrote and wherever max_tokens cut, no chat markup on the page
+            for seed_tokens in (12, 40):
+                set_value(b, "#max_tokens", seed_tokens)
+                set_value(b, "#input", "Think about the weather and the budget")
+                b.js("document.getElementById('send').click()")
+                b.wait(LAST + " && " + LAST + ".dataset.finish", 60, "the reply ends")
+                page = b.js(LAST + ".textContent")
+                assert "<|" not in page and "|>" not in page, page[-200:]
             b.js("document.getElementById('thinking').checked = false")
 
         def t_stop():
@@ -246,12 +241,12 @@ def main():
             # done before the page has shown 20 characters, so Stop counts only while it still runs
             for attempt in range(5):
                 m0 = s.metrics()
-                ab0 = so.metric(m0, "vllm:request_success_total", finished_reason="abort") or 0
+                ab0 = h.metric(m0, "vllm:request_success_total", finished_reason="abort") or 0
                 set_value(b, "#input", "Tell me a long story")
                 b.js("document.getElementById('send').click()")
                 b.wait(LAST + " && " + LAST + ".querySelector('.content').textContent.length > 20", 30,
                        "text comes")
-                if so.metric(s.metrics(), "vllm:num_requests_running") == 1:
+                if h.metric(s.metrics(), "vllm:num_requests_running") == 1:
                     break
                 b.wait(LAST + ".dataset.finish", 30, "the reply ends")
             else:
@@ -260,16 +255,10 @@ def main():
             b.wait(LAST + ".dataset.finish", 10, "the page stops")
             assert b.js(LAST + ".dataset.finish") == "stopped", b.js(LAST + ".dataset.finish")
             n1 = b.js(LAST + ".querySelector('.content').textContent.length")
-            deadline = time.time() + 10
-            while time.time() < deadline:
-                m = s.metrics()
-                if (so.metric(m, "vllm:num_requests_running") == 0 and
-                        (so.metric(m, "vllm:request_success_total", finished_reason="abort") or 0) > ab0):
-                    break
-                time.sleep(0.1)
-            else:
-                raise AssertionError("the server did not see the request end")
-            time.sleep(0.3)
+            h.wait_until(lambda: h.metric(s.metrics(), "vllm:num_requests_running") == 0 and
+                         (h.metric(s.metrics(), "vllm:request_success_total", finished_reason="abort") or 0) > ab0,
+                         10, "the server to see the request end")
+            # the request has ended: nothing more can come to the page
             assert b.js(LAST + ".querySelector('.content').textContent.length") == n1, "text after Stop"
             assert b.js("document.getElementById('stop').classList.contains('hidden')")
 
@@ -280,12 +269,12 @@ def main():
     finally:
         s.stop()
 
-    sm = so.Server(so.MINI)
+    sm = h.Server(h.MINI)
     try:
         def t_mini():
             # the trained demo model: a conversation of two turns, for the screenshot
             b.open(sm.url + "/")
-            b.wait(f"document.getElementById('model').textContent.includes({json.dumps(so.MINI)})", 20)
+            b.wait(f"document.getElementById('model').textContent.includes({json.dumps(h.MINI)})", 20)
             set_value(b, "#temperature", 0)
             set_value(b, "#max_tokens", 64)
             set_value(b, "#system", "You are a helpful assistant.")
@@ -306,8 +295,8 @@ def main():
     # with --allowed-origins naming that origin (chat, Responses and Messages, with the headers
     # each SDK sends, so each takes a preflight), refused by default; --no-ui leaves / a 404
     other = OtherOrigin()
-    sa = so.Server(so.TINY, "--allowed-origins", other.origin, key="sekret")
-    sb = so.Server(so.TINY, "--no-ui")
+    sa = h.Server(h.TINY, "--allowed-origins", other.origin, key="sekret")
+    sb = h.Server(h.TINY, "--no-ui")
     try:
         def t_cors():
             b.open(other.origin + "/")
@@ -335,12 +324,12 @@ def main():
         sb.stop()
         other.close()
 
-    sv = so.Server(so.VISION, "--max-image-pixels", "60000")
+    sv = h.Server(h.VISION, "--max-image-pixels", "60000")
     try:
         def t_image():
             b.open(sv.url + "/")
             b.wait("!document.getElementById('attach').classList.contains('hidden')", 20, "the Image button shows")
-            path = os.path.abspath(so.IMAGES + "rgb_112x112.png")
+            path = os.path.abspath(h.IMAGES + "rgb_112x112.png")
             doc = b.call("DOM.getDocument")
             node = b.call("DOM.querySelector", {"nodeId": doc["root"]["nodeId"], "selector": "#file"})["nodeId"]
             b.call("DOM.setFileInputFiles", {"nodeId": node, "files": [path]})
@@ -355,7 +344,7 @@ def main():
             stats = b.js(LAST + ".querySelector('.stats').textContent")
             got = int(stats.split(" prompt tokens")[0].split()[-1])
             r = sv.client().chat.completions.create(
-                model=sv.name, messages=so.image_msg([so.data_url(path)], "What is in the picture?"), max_tokens=6,
+                model=sv.name, messages=h.image_msg([h.data_url(path)], "What is in the picture?"), max_tokens=6,
                 temperature=0, extra_body={"chat_template_kwargs": {"thinking": False}})
             assert got == r.usage.prompt_tokens and got > 64, (stats, r.usage)
             print("    screenshot: " + b.screenshot(os.path.join(OUT, "chat-image.png")), flush=True)
@@ -367,17 +356,4 @@ def main():
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except Exception as e:  # noqa: BLE001
-        failed += 1
-        print(f"FAIL browser: setup: {e}", flush=True)
-        traceback.print_exc()
-    finally:
-        for sv in so.servers:
-            try:
-                sv.stop()
-            except Exception:  # noqa: BLE001
-                pass
-    print(f"browser: {passed} passed, {failed} failed", flush=True)
-    sys.exit(1 if failed else 0)
+    suite.main(main)

@@ -2,13 +2,14 @@
 # cli.sh -- end-to-end checks of the `k3` program: it runs, and bad input gets
 # one clear message and a non-zero exit, never a crash (exit status >= 128
 # means a signal) or a hang. Usage: sh tests/cli.sh build/k3
-# Ends with the line `cli: N passed, N failed`.
+# Ends with the line `cli: N passed, N failed, N skipped`.
 K3=${1:-build/k3}
 TINY=tests/models/tiny
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 pass=0
 fail=0
+skip=0
 
 ok() { pass=$((pass + 1)); echo "ok   cli: $1"; }
 bad() { fail=$((fail + 1)); echo "FAIL cli: $1"; [ -n "$2" ] && sed 's/^/    /' "$2" | head -5; }
@@ -238,85 +239,101 @@ expect_fail "bench serve --endpoint unknown" "\-\-endpoint takes completions, ch
 expect_fail "bench serve --num-prompts not a number" "\-\-num-prompts expects an integer" "$K3" bench serve --base-url http://127.0.0.1:1 --num-prompts abc
 expect_fail "bench --dcp --runs not a number" "\-\-runs expects an integer" "$K3" bench -m "$TINY" --dcp 1 --runs x
 
-# k3 serve end to end with the official openai client (tests/serve_openai.py);
-# scripts/venv.sh makes the .venv when it is missing
-if PY=$(sh scripts/venv.sh openai 2>"$TMP/venv.err"); then
-    timeout 900 "$PY" tests/serve_openai.py "$K3" >"$TMP/serve.out" 2>&1
-    grep -E "^(ok|FAIL) |^    " "$TMP/serve.out"
-    sp=$(sed -n 's/^serve: \([0-9]*\) passed, \([0-9]*\) failed$/\1/p' "$TMP/serve.out")
-    sf=$(sed -n 's/^serve: \([0-9]*\) passed, \([0-9]*\) failed$/\2/p' "$TMP/serve.out")
-    if [ -z "$sp" ]; then
-        bad "serve: the openai test did not finish" "$TMP/serve.out"
-    else
-        pass=$((pass + sp))
-        fail=$((fail + sf))
-    fi
-    # the server loses no request (tests/serve_robust.py): half-closed clients, the drain on
-    # SIGTERM, an engine failure, the work caps, keep-alive, CORS
-    timeout 600 "$PY" tests/serve_robust.py "$K3" >"$TMP/robust.out" 2>&1
-    grep -E "^(ok|FAIL) |^    " "$TMP/robust.out"
-    rp=$(sed -n 's/^robust: \([0-9]*\) passed, \([0-9]*\) failed$/\1/p' "$TMP/robust.out")
-    rf=$(sed -n 's/^robust: \([0-9]*\) passed, \([0-9]*\) failed$/\2/p' "$TMP/robust.out")
-    if [ -z "$rp" ]; then
-        bad "robust: the test did not finish" "$TMP/robust.out"
-    else
-        pass=$((pass + rp))
-        fail=$((fail + rf))
-    fi
-else
-    bad "serve: a Python with the openai client (scripts/venv.sh)" "$TMP/venv.err"
-fi
-
-# /v1/responses with the official openai client, /v1/messages with the official
-# anthropic client (tests/serve_responses.py, tests/serve_anthropic.py)
-for t in responses:openai anthropic:anthropic; do
-    name=${t%%:*}
-    if PY=$(sh scripts/venv.sh openai ${t#*:} 2>"$TMP/venv.err"); then
-        timeout 900 "$PY" tests/serve_$name.py "$K3" >"$TMP/serve_$name.out" 2>&1
-        grep -E "^(ok|FAIL) |^    " "$TMP/serve_$name.out"
-        sp=$(sed -n "s/^$name: \([0-9]*\) passed, \([0-9]*\) failed\$/\1/p" "$TMP/serve_$name.out")
-        sf=$(sed -n "s/^$name: \([0-9]*\) passed, \([0-9]*\) failed\$/\2/p" "$TMP/serve_$name.out")
-        if [ -z "$sp" ]; then
-            bad "serve: the $name test did not finish" "$TMP/serve_$name.out"
+# pysuite NAME SECONDS FILE PACKAGE...: a Python suite of tests/harness.py's shape in the
+# project's .venv (scripts/venv.sh makes it, installing what is missing), its checks shown
+# and its closing `NAME: N passed, N failed, N skipped` added to this suite's counts
+pysuite() {
+    ps_name=$1 ps_time=$2 ps_file=$3
+    shift 3
+    if PY=$(sh scripts/venv.sh "$@" 2>"$TMP/venv.err"); then
+        timeout "$ps_time" "$PY" "$ps_file" "$K3" >"$TMP/$ps_name.out" 2>&1
+        grep -E "^(ok|FAIL|skip) |^    " "$TMP/$ps_name.out"
+        ps_line=$(grep -E "^$ps_name: [0-9]+ passed, [0-9]+ failed(, [0-9]+ skipped)?$" "$TMP/$ps_name.out" | tail -n 1)
+        if [ -z "$ps_line" ]; then
+            bad "$ps_name: the suite did not finish" "$TMP/$ps_name.out"
         else
-            pass=$((pass + sp))
-            fail=$((fail + sf))
+            set -- $ps_line
+            pass=$((pass + $2))
+            fail=$((fail + $4))
+            skip=$((skip + ${6:-0}))
         fi
     else
-        bad "serve: a Python with the ${t#*:} client (scripts/venv.sh)" "$TMP/venv.err"
+        bad "$ps_name: a Python with $* (scripts/venv.sh)" "$TMP/venv.err"
     fi
+}
+
+# k3 serve end to end with the official openai client
+pysuite serve 900 tests/serve_openai.py openai
+# the server loses no request: half-closed clients, the drain on SIGTERM, an engine
+# failure, the work caps, keep-alive, CORS
+pysuite robust 600 tests/serve_robust.py openai
+# /v1/responses with the official openai client, /v1/messages with the official anthropic client
+pysuite responses 900 tests/serve_responses.py openai
+pysuite anthropic 900 tests/serve_anthropic.py openai anthropic
+# the sampling knobs, roles and thinking
+pysuite knobs 600 tests/serve_knobs.py openai
+# structured outputs with the official openai client and jsonschema
+pysuite structured 600 tests/serve_structured.py openai jsonschema pydantic
+# what agent frameworks send (openai-agents, instructor: installed from PyPI when
+# missing; a framework that cannot be installed is a skip in the suite)
+sh scripts/venv.sh openai-agents=agents instructor >/dev/null 2>&1 || echo "skip cli: openai-agents or instructor could not be installed from PyPI (their checks skip)"
+pysuite agents 600 tests/serve_agents.py openai jsonschema pydantic
+
+# speculative decoding through k3 run: the same text with drafts as without, greedy and seeded,
+# on every kind of checkpoint, over a prompt that repeats and one that does not (the default
+# kernel table; docs/spec.md says where a table's products of many rows make it differ)
+SPEC_P1="The cat sat on the mat. The dog sat on the log. The cat sat on the mat. The dog sat on the log. The cat"
+SPEC_P2="It is a truth universally acknowledged, that"
+for m in models/k3-mini $TINY tests/models/tiny-dsa tests/models/official-tiny; do
+    for p in 1 2; do
+        eval "prompt=\$SPEC_P$p"
+        for temp in 0 0.8; do
+            same=yes
+            timeout 120 "$K3" run -m "$m" -n 40 --temp $temp --seed 7 --speculative off "$prompt" >"$TMP/s.off" 2>"$TMP/s.err" || same=error
+            for method in suffix ngram; do
+                timeout 120 "$K3" run -m "$m" -n 40 --temp $temp --seed 7 --speculative $method "$prompt" >"$TMP/s.on" 2>>"$TMP/s.err" || same=error
+                cmp -s "$TMP/s.off" "$TMP/s.on" || same=no
+            done
+            if [ $same = yes ]; then ok "run --speculative suffix|ngram = off: $m, prompt $p, temp $temp"
+            else bad "run --speculative suffix|ngram = off: $m, prompt $p, temp $temp ($same)" "$TMP/s.err"; fi
+        done
+    done
 done
-# the sampling knobs, roles and thinking with the official openai client (tests/serve_knobs.py)
+# the closing line says the acceptance; a repeating prompt on k3-mini accepts drafts
+timeout 120 "$K3" run -n 40 --temp 0 --speculative suffix "$SPEC_P1" >/dev/null 2>"$TMP/err"
+if grep -q "mean acceptance length" "$TMP/err" && ! grep -q " 0 accepted" "$TMP/err"; then ok "run --speculative: acceptance on the closing line"
+else bad "run --speculative: acceptance on the closing line" "$TMP/err"; fi
+expect_fail "run --speculative eagle" "suffix, ngram, draft_model or off" "$K3" run -m $TINY --speculative eagle x
+expect_fail "run --num-speculative-tokens 17" "num-speculative-tokens" "$K3" run -m $TINY --speculative suffix --num-speculative-tokens 17 x
+expect_fail "run --speculative draft_model without --draft-model" "draft-model DIR" "$K3" run -m $TINY --speculative draft_model x
+expect_fail "run --speculative with --dump-logits" "through the engine" "$K3" run -m $TINY --speculative suffix --dump-logits /dev/null x
+# tiny drafting for itself: every greedy draft accepted
+timeout 120 "$K3" run -m $TINY -n 40 --temp 0 --repeat-penalty 1 --speculative draft_model --draft-model $TINY --spec-no-cost-model "$SPEC_P2" >"$TMP/s.on" 2>"$TMP/err"
+timeout 120 "$K3" run -m $TINY -n 40 --temp 0 --repeat-penalty 1 --speculative off "$SPEC_P2" >"$TMP/s.off" 2>/dev/null
+acc=$(sed -n 's/.* with \([0-9]*\) draft tokens, \([0-9]*\) accepted.*/\1 \2/p' "$TMP/err")
+if cmp -s "$TMP/s.on" "$TMP/s.off" && [ -n "$acc" ] && [ "${acc% *}" = "${acc#* }" ] && [ "${acc% *}" -gt 0 ]; then
+    ok "run --draft-model tiny drafting for itself: the same text, every draft accepted ($acc)"
+else bad "run --draft-model tiny drafting for itself (drafted / accepted: '$acc')" "$TMP/err"; fi
+
+# speculative decoding through k3 serve (tests/serve_spec.py; --mpi: also under mpirun -np 2 --dcp 2)
 if PY=$(sh scripts/venv.sh openai 2>"$TMP/venv.err"); then
-    timeout 600 "$PY" tests/serve_knobs.py "$K3" >"$TMP/knobs.out" 2>&1
-    grep -E "^(ok|FAIL) |^    " "$TMP/knobs.out"
-    kp=$(sed -n 's/^knobs: \([0-9]*\) passed, \([0-9]*\) failed$/\1/p' "$TMP/knobs.out")
-    kf=$(sed -n 's/^knobs: \([0-9]*\) passed, \([0-9]*\) failed$/\2/p' "$TMP/knobs.out")
-    if [ -z "$kp" ]; then
-        bad "knobs: the openai knobs test did not finish" "$TMP/knobs.out"
+    mpi=
+    command -v mpirun >/dev/null 2>&1 && mpi=--mpi
+    timeout 600 "$PY" tests/serve_spec.py "$K3" $mpi >"$TMP/spec.out" 2>&1
+    grep -E "^(ok|FAIL|skip) |^    " "$TMP/spec.out"
+    xl=$(grep -E "^spec: [0-9]+ passed, [0-9]+ failed(, [0-9]+ skipped)?$" "$TMP/spec.out" | tail -n 1 | tr -d ,)
+    xp=$(echo "$xl" | awk '{print $2}')
+    xf=$(echo "$xl" | awk '{print $4}')
+    if [ -z "$xp" ]; then
+        bad "spec: the speculative decoding test did not finish" "$TMP/spec.out"
     else
-        pass=$((pass + kp))
-        fail=$((fail + kf))
+        pass=$((pass + xp))
+        fail=$((fail + xf))
+        skip=$((skip + $(echo "$xl" | awk '{print $6 + 0}')))
     fi
 else
-    bad "knobs: a Python with the openai client (scripts/venv.sh)" "$TMP/venv.err"
+    bad "spec: a Python with the openai client (scripts/venv.sh)" "$TMP/venv.err"
 fi
 
-# structured outputs through k3 serve with the official openai client and jsonschema (tests/serve_structured.py)
-if PY=$(sh scripts/venv.sh openai jsonschema 2>"$TMP/venv.err"); then
-    timeout 600 "$PY" tests/serve_structured.py "$K3" >"$TMP/structured.out" 2>&1
-    grep -E "^(ok|FAIL) |^    " "$TMP/structured.out"
-    gp=$(sed -n 's/^structured: \([0-9]*\) passed, \([0-9]*\) failed$/\1/p' "$TMP/structured.out")
-    gf=$(sed -n 's/^structured: \([0-9]*\) passed, \([0-9]*\) failed$/\2/p' "$TMP/structured.out")
-    if [ -z "$gp" ]; then
-        bad "structured: the structured-outputs test did not finish" "$TMP/structured.out"
-    else
-        pass=$((pass + gp))
-        fail=$((fail + gf))
-    fi
-else
-    bad "structured: a Python with the openai client and jsonschema (scripts/venv.sh)" "$TMP/venv.err"
-fi
-
-echo "cli: $pass passed, $fail failed"
+echo "cli: $pass passed, $fail failed, $skip skipped"
 [ $fail -eq 0 ]

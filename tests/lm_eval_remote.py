@@ -15,8 +15,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
-import traceback
 
 import numpy as np
 
@@ -36,27 +34,15 @@ def _no_torch(name, *args, **kwargs):
 builtins.__import__ = _no_torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import serve_openai as so  # noqa: E402  (the server harness)
+import harness as h  # noqa: E402
 
 K3 = sys.argv[1] if len(sys.argv) > 1 else "build/k3"
 TOL = 1e-5
 worst = [0.0]  # the largest |lm-eval - k3 run| seen
-passed = 0
-failed = 0
 
 
-def check(name, fn):
-    global passed, failed
-    t0 = time.time()
-    try:
-        fn()
-        passed += 1
-        print(f"ok   lm-eval: {name} ({time.time() - t0:.1f} s)", flush=True)
-    except Exception as e:  # noqa: BLE001 -- every failure is reported
-        failed += 1
-        print(f"FAIL lm-eval: {name}: {type(e).__name__}: {e}", flush=True)
-        for line in traceback.format_exc().splitlines()[-6:]:
-            print("    " + line, flush=True)
+suite = h.Suite("lm-eval")
+check = suite.check
 
 
 def main():
@@ -64,13 +50,13 @@ def main():
     from lm_eval.tasks import TaskManager
     from lm_eval.utils import RemoteTokenizer
 
-    s = so.Server(so.MINI)
-    cfg = json.load(open(os.path.join(so.MINI, "config.json")))
+    s = h.Server(h.MINI)
+    cfg = json.load(open(os.path.join(h.MINI, "config.json")))
     V = cfg.get("text_config", cfg)["vocab_size"]
     tmp = tempfile.mkdtemp(prefix="k3-lm-eval-")
 
     def encode(text):  # what lm-eval's remote tokenizer sends
-        return so.post(s.url + "/tokenize", json_body={"prompt": text, "add_special_tokens": False}).json()["tokens"]
+        return h.post(s.url + "/tokenize", json_body={"prompt": text, "add_special_tokens": False}).json()["tokens"]
 
     cache = {}
 
@@ -79,7 +65,7 @@ def main():
         key = tuple(ids)
         if key not in cache:
             out = os.path.join(tmp, "logits.f32")
-            r = subprocess.run([K3, "run", "-m", so.MINI, "--threads", "1", "--ids", ",".join(map(str, ids)), "-n", "0",
+            r = subprocess.run([K3, "run", "-m", h.MINI, "--threads", "1", "--ids", ",".join(map(str, ids)), "-n", "0",
                                 "--dump-logits", out], capture_output=True, timeout=120)
             assert r.returncode == 0, r.stderr[-400:]
             lg = np.fromfile(out, dtype=np.float32).reshape(len(ids), V).astype(np.float64)
@@ -99,13 +85,13 @@ def main():
 
     def t_remote_tokenizer():
         rt = RemoteTokenizer(s.url + "/v1/completions")
-        cfg = json.load(open(os.path.join(so.MINI, "tokenizer_config.json")))
+        cfg = json.load(open(os.path.join(h.MINI, "tokenizer_config.json")))
         ids = {v["content"]: int(k) for k, v in cfg["added_tokens_decoder"].items()}
         assert rt.eos_token == "[EOS]" and rt.eos_token_id == ids["[EOS]"], (rt.eos_token, rt.eos_token_id)
         assert rt.bos_token_id == ids["[BOS]"] and rt.pad_token == cfg["pad_token"]
         text = "It is a truth universally acknowledged."
         assert rt.decode(rt.encode(text)) == text
-        r = subprocess.run([K3, "tokenize", "-m", so.MINI], input=text.encode(), capture_output=True, timeout=60)
+        r = subprocess.run([K3, "tokenize", "-m", h.MINI], input=text.encode(), capture_output=True, timeout=60)
         assert rt.encode(text) == [int(x) for x in r.stdout.split()], (rt.encode(text), r.stdout)
 
     results = {}
@@ -163,12 +149,4 @@ def main():
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except Exception as e:  # noqa: BLE001
-        failed += 1
-        print(f"FAIL lm-eval: setup: {type(e).__name__}: {e}", flush=True)
-    finally:
-        so.cleanup()
-    print(f"lm-eval: {passed} passed, {failed} failed", flush=True)
-    sys.exit(1 if failed else 0)
+    suite.main(main)

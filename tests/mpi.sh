@@ -13,7 +13,7 @@
 # /health turns 503 while a step is stuck. Skipped (one line) when mpirun
 # is missing.
 # Usage: sh tests/mpi.sh build/k3 build/k3-test  (build/k3-cmp,
-# build/k3-mpi-exchange and build/k3-mpi-batch beside them). Ends with `mpi: N passed, N failed`.
+# build/k3-mpi-exchange and build/k3-mpi-batch beside them). Ends with `mpi: N passed, N failed, N skipped`.
 K3=${1:-build/k3}
 BUILD=$(dirname "$K3")
 M=tests/models/tiny-dsa
@@ -25,8 +25,8 @@ ok() { pass=$((pass + 1)); echo "ok   mpi: $1"; }
 bad() { fail=$((fail + 1)); echo "FAIL mpi: $1"; [ -n "$2" ] && sed 's/^/    /' "$2" | head -8; }
 
 if ! command -v mpirun >/dev/null 2>&1; then
-    echo "mpi: skipped (mpirun not found; scripts/install-deps.sh installs openmpi-bin)"
-    echo "mpi: 0 passed, 0 failed"
+    echo "skip mpi: the whole suite: mpirun not found (scripts/install-deps.sh installs openmpi-bin)"
+    echo "mpi: 0 passed, 0 failed, 1 skipped"
     exit 0
 fi
 # CI runs as root; this machine has 2 cores for up to 4 ranks
@@ -116,10 +116,17 @@ fi
 for ex in allgather butterfly; do
     $MPI -np 4 "$K3" bench -m $M --dcp 4 --dcp-topk-exchange $ex --contexts 64 --runs 1 --decode-tokens 2 \
         --quant none --kv-cache f32 >"$TMP/b" 2>&1
-    if [ "$(grep -c -- "-- agree" "$TMP/b")" -eq 4 ] && ! grep -q DIFFER "$TMP/b"; then
-        ok "bench dcp 4 $ex: top-k and LSE bytes (rank 0, and all 4 ranks summed) agree with the formulas"
+    if [ "$(grep -c -- "-- agree" "$TMP/b")" -eq 5 ] && ! grep -q DIFFER "$TMP/b"; then
+        ok "bench dcp 4 $ex: top-k and LSE bytes (rank 0, and all 4 ranks summed) and the collectives a token agree with the formulas"
     else bad "bench dcp 4 $ex: counters against the formulas" "$TMP/b"; fi
 done
+# DCP and EP together: the collectives a token (k3 plan's latency term) and the EP source rank's bytes
+$MPI -np 2 "$K3" bench -m $M --dcp 2 --ep 2 --contexts 64 --runs 1 --decode-tokens 2 --quant none --kv-cache f32 \
+    >"$TMP/b" 2>&1
+if grep -q "collectives per token, rank 0: measured .* -- agree" "$TMP/b" && grep -q "EP per token, rank 0" "$TMP/b" &&
+    ! grep -q DIFFER "$TMP/b"; then
+    ok "bench dcp 2 ep 2: $(sed -n 's/.*collectives per token, rank 0: \(.*\) -- agree/\1/p' "$TMP/b") collectives a token"
+else bad "bench dcp 2 ep 2: collectives against the formula" "$TMP/b"; fi
 
 $MPI -np 2 "$K3" bench -m $M --dcp 2 --contexts 64,128 --runs 1 --decode-tokens 2 --quant none --kv-cache f32 \
     --json >"$TMP/j" 2>/dev/null
@@ -342,5 +349,5 @@ else bad "serve --ep 2: a stopped rank (exit $rc)" "$TMP/c5"; sed 's/^/    /' "$
 expect_fail "serve --dcp 2 refuses a block size not a multiple of D x I" "block size 24 is not a multiple of --dcp 2 x --dcp-interleave 16" \
     2 serve -m $M --port 0 --dcp 2 --dcp-interleave 16 --block-size 24 --threads 1
 
-echo "mpi: $pass passed, $fail failed"
+echo "mpi: $pass passed, $fail failed, 0 skipped"
 [ "$fail" -eq 0 ]

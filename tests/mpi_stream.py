@@ -6,7 +6,8 @@
 #   ending: cut                  anything else (a bare end: what no client may get)
 # With --health, /health is polled every 100 ms meanwhile and the first 503 is printed as
 # "health: 503 MESSAGE" (the statuses seen before it must all be 200).
-# Usage: python3 tests/mpi_stream.py PORT [--health]
+# Usage: python3 tests/mpi_stream.py PORT [--health] [--host ADDR]  (ADDR: 127.0.0.1 unless given,
+# e.g. a test host's address in tests/hosts.sh)
 import json
 import socket
 import sys
@@ -15,6 +16,7 @@ import time
 
 port = int(sys.argv[1])
 health = "--health" in sys.argv
+HOST = sys.argv[sys.argv.index("--host") + 1] if "--host" in sys.argv else "127.0.0.1"
 stop = threading.Event()
 
 
@@ -22,7 +24,7 @@ def poll_health():
     seen = []
     while not stop.is_set():
         try:
-            s = socket.create_connection(("127.0.0.1", port), timeout=2)
+            s = socket.create_connection((HOST, port), timeout=2)
             s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
             data = b""
             while True:
@@ -46,7 +48,7 @@ def poll_health():
 
 
 body = json.dumps({"prompt": "Hello", "max_tokens": 3000, "ignore_eos": True, "stream": True}).encode()
-s = socket.create_connection(("127.0.0.1", port), timeout=120)
+s = socket.create_connection((HOST, port), timeout=120)
 s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\n"
           b"Content-Length: %d\r\n\r\n" % len(body) + body)
 data = b""

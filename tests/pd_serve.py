@@ -11,107 +11,49 @@ the block counts of /metrics at their baseline: a corrupted byte, a model mismat
 prefill instance dying mid-transfer, the decode instance dying while pulling, a backend the
 proxy cannot reach, a client that leaves during the transfer. With --mpi also a decode
 instance under `mpirun -np 2 ... --dcp 2` (and a prefill instance so) behind the proxy.
-Prints `ok   pd: NAME` / `FAIL pd: NAME` per check and ends with `pd: N passed, N failed`;
+Prints `ok   pd: NAME` / `FAIL pd: NAME` per check and ends with `pd: N passed, N failed, N skipped`;
 stops every process it started (each also dies with this process).
 """
-import ctypes
 import json
 import os
 import re
-import select
 import signal
 import socket
 import subprocess
 import sys
 import threading
-import time
-import traceback
 import urllib.request
 
-import openai
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness as h  # noqa: E402
 
-K3 = sys.argv[1] if len(sys.argv) > 1 else "build/k3"
+import openai  # noqa: E402
+
+K3 = h.K3
 MPI = "--mpi" in sys.argv
 TINY, DSA, VISION = "tests/models/tiny", "tests/models/tiny-dsa", "tests/models/vision-tiny"
 IMAGE = "tests/golden/vision/images/rgb_200x130.png"
 NAME = "m"  # the served model name on every instance (the proxy passes the client's on)
-procs = []
-passed = failed = 0
+procs = h.servers
+suite = h.Suite("pd")
+check = suite.check
 
 
-def die_with_parent():
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-class Proc:
-    """A k3 process whose stderr is read until it says where it listens."""
+class Proc(h.Process):
+    """A k3 process (the harness's), its metrics keyed without the model_name label."""
 
     def __init__(self, args, wait_for=rb"listening on http://[^:]+:(\d+)"):
-        self.args = args
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                                     preexec_fn=die_with_parent)
-        procs.append(self)
-        self.log = []
-        buf, port, deadline = b"", None, time.time() + 90
-        while time.time() < deadline and port is None:
-            r, _, _ = select.select([self.proc.stderr], [], [], 1.0)
-            if not r:
-                if self.proc.poll() is not None:
-                    break
-                continue
-            chunk = os.read(self.proc.stderr.fileno(), 4096)
-            if not chunk:
-                break
-            buf += chunk
-            m = re.search(wait_for, buf)
-            if m:
-                port = int(m.group(1))
-        self.log.append(buf.decode(errors="replace"))
-        if port is None:
-            self.stop()
-            raise RuntimeError("did not start: %s: %s" % (" ".join(args), buf.decode(errors="replace")[-600:]))
-        threading.Thread(target=self._drain, daemon=True).start()
-        self.port = port
-        self.url = "http://127.0.0.1:%d" % port
-
-    def _drain(self):
-        while True:
-            try:
-                chunk = os.read(self.proc.stderr.fileno(), 4096)
-            except OSError:
-                return
-            if not chunk:
-                return
-            self.log.append(chunk.decode(errors="replace"))
+        super().__init__(args, wait_for=wait_for, stop_timeout=15)
 
     def client(self):
         return openai.OpenAI(base_url=self.url + "/v1", api_key="none", timeout=60, max_retries=0)
 
     def metrics(self):
-        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
-            text = r.read().decode()
         out = {}
-        for line in text.splitlines():
-            if line.startswith("#") or not line.strip():
-                continue
-            name, _, value = line.rpartition(" ")
+        for name, value in super().metrics().items():
             out[re.sub(r"\{.*\}", "", name) if "model_name" in name and "dir=" not in name and "result=" not in name
-                else name] = float(value)
+                else name] = value
         return out
-
-    def kill(self):
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
 
 
 def serve(model, *extra):
@@ -132,19 +74,6 @@ def proxy(pre, dec):
                  "--prefill", ",".join(p if isinstance(p, str) else p.url for p in pre),
                  "--decode", ",".join(d if isinstance(d, str) else d.url for d in dec)])
 
-
-def check(name, fn):
-    global passed, failed
-    t0 = time.time()
-    try:
-        fn()
-        passed += 1
-        print("ok   pd: %s (%.1f s)" % (name, time.time() - t0), flush=True)
-    except Exception as e:  # noqa: BLE001 -- every failure is reported, none stops the run
-        failed += 1
-        print("FAIL pd: %s: %s: %s" % (name, type(e).__name__, e), flush=True)
-        for line in traceback.format_exc().splitlines()[-6:]:
-            print("    " + line, flush=True)
 
 
 def ids(n, seed):
@@ -192,19 +121,18 @@ def same_comp(a, b, what):
 
 def blocks_back(*servers, wait=8.0):
     """Every hold and pull gone, no block used (the cache's blocks may stay cached, unreferenced)."""
-    deadline = time.time() + wait
-    while True:
-        bad = []
+    def bad():
+        out = []
         for s in servers:
             m = s.metrics()
             for k in ("k3:kv_blocks_used", "k3:kv_hold_blocks", "k3:kv_holds", "k3:kv_pulls", "k3:kv_pull_blocks"):
                 if m.get(k, 0) != 0:
-                    bad.append("%s %s=%g" % (s.url, k, m[k]))
-        if not bad:
-            return
-        if time.time() > deadline:
-            raise AssertionError("not back to baseline: " + ", ".join(bad))
-        time.sleep(0.2)
+                    out.append("%s %s=%g" % (s.url, k, m[k]))
+        return out
+    try:
+        h.wait_until(lambda: not bad(), wait, "every hold and pull gone, no block used")
+    except AssertionError:
+        raise AssertionError("not back to baseline: " + ", ".join(bad())) from None
 
 
 def expect_error(fn, *words):
@@ -386,17 +314,18 @@ def main():
     xf = proxy([pf], [d])
 
     def flipped():
-        expect_error(lambda: comp(xf, ids(100, 9), 4), "damaged", "checksum")
+        expect_error(lambda: comp(xf, ids(100, 9), 4), "damaged", "MAC")
         blocks_back(pf, d)
         same_comp(comp(x1, ids(100, 9), 4), comp(c, ids(100, 9), 4), "after")  # the next request is fine
-    check("a flipped byte: the request fails (checksum), nothing held", flipped)
+    check("a flipped byte: the request fails (its MAC), nothing held", flipped)
 
     xm = proxy([pd_], [d])  # tiny-dsa's prefill in front of tiny's decode
 
     def mismatch():
-        expect_error(lambda: comp(xm, ids(30, 10), 4), "model mismatch")
+        e = expect_error(lambda: comp(xm, ids(30, 10), 4), "refused", "another model")
+        assert "%016x" % 0 not in str(e) and "model 0" not in str(e), e
         blocks_back(pd_, d)
-    check("a model mismatch is refused, naming both models; nothing held", mismatch)
+    check("a model mismatch is refused, naming neither model; nothing held", mismatch)
 
     def prefill_dies():
         ps = prefill(TINY, "--kv-fault", "stall:1:4000")
@@ -410,7 +339,7 @@ def main():
                 err.append(e)
         t = threading.Thread(target=req)
         t.start()
-        time.sleep(1.0)
+        h.wait_until(lambda: d.metrics().get("k3:kv_pulls", 0) >= 1, 30, "the decode side to pull (the transfer stalls)")
         ps.kill()
         t.join(30)
         assert err and ("closed" in str(err[0]) or "broke off" in str(err[0])), err
@@ -430,7 +359,7 @@ def main():
                 err.append(e)
         t = threading.Thread(target=req)
         t.start()
-        time.sleep(1.0)
+        h.wait_until(lambda: ds.metrics().get("k3:kv_pulls", 0) >= 1, 30, "the decode side to pull (it stalls)")
         ds.kill()
         t.join(30)
         assert err and err[0].status_code == 502, err
@@ -463,10 +392,10 @@ def main():
         body = json.dumps({"model": NAME, "prompt": ids(150, 13), "max_tokens": 8, "stream": True}).encode()
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d"
                   b"\r\n\r\n%s" % (len(body), body))
-        time.sleep(0.8)  # the prefill has answered; the pull stalls
+        # the prefill has answered; the pull stalls
+        h.wait_until(lambda: d.metrics().get("k3:kv_pulls", 0) >= 1, 30, "the decode side to pull (it stalls)")
         s.close()
-        time.sleep(3.0)
-        blocks_back(ps, d)
+        blocks_back(ps, d, wait=30)  # once the stall (2.5 s) ends, the pull sees the client gone
         m = d.metrics()
         assert m.get('k3:kv_transfers_total{model_name="%s",dir="received",result="failed"}' % NAME, 0) >= 1 or \
             m.get("vllm:request_success_total", 0) >= 0
@@ -503,6 +432,11 @@ def main():
             xm3.stop()
         check("decode under mpirun -np 2 --dcp 2 (from a prefill without DCP) equals colocated", dcp_decode)
         check("prefill under mpirun -np 2 --dcp 2 (to a decode without DCP) equals colocated", dcp_prefill)
+    else:
+        for name in ("decode under mpirun -np 2 --dcp 2 equals colocated",
+                     "prefill under mpirun -np 2 --dcp 2 equals colocated"):
+            suite.skip(name, "no --mpi (tests/pd.sh gives it when mpirun is on the PATH; "
+                             "scripts/install-deps.sh installs openmpi-bin)")
 
 
 _once = {}
@@ -552,17 +486,17 @@ def free_port():
     return port
 
 
-try:
-    main()
-except Exception as e:  # noqa: BLE001
-    failed += 1
-    print("FAIL pd: setup: %s: %s" % (type(e).__name__, e), flush=True)
-    traceback.print_exc()
-finally:
+
+def stop_all():
     for p in reversed(procs):
-        if p.args[0] == "mpirun":
-            stop_mpi(p)
-        else:
-            p.stop()
-print("pd: %d passed, %d failed" % (passed, failed), flush=True)
-sys.exit(1 if failed else 0)
+        try:
+            if p.args[0] == "mpirun":
+                stop_mpi(p)
+            else:
+                p.stop()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+if __name__ == "__main__":
+    suite.main(main, cleanup=stop_all)

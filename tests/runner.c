@@ -1,6 +1,8 @@
 /*
  * runner.c -- runs every registered test, or those whose name contains one of
- * the arguments. Exit status 1 if any failed.
+ * the arguments. Exit status 1 if any failed. A test that cannot run here
+ * (SKIP in test.h) is counted as skipped with its reason, never as passed.
+ * Ends with `N passed, N failed, N skipped`.
  *   build/k3-test            all tests
  *   build/k3-test kda mla    tests whose names contain "kda" or "mla"
  *   build/k3-test --list     names only
@@ -8,6 +10,7 @@
 #include "test.h"
 
 #include <stdarg.h>
+#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -18,12 +21,32 @@ typedef struct {
     const char *file;
 } test_entry;
 
-static test_entry tests[1024];
-static int n_tests;
+static test_entry *tests; /* grows: no test is ever dropped */
+static int n_tests, cap_tests;
+static bool lost_tests; /* out of memory registering one: the run fails */
 static int cur_failed;
+static char cur_skip[256];
 
 void k3_test_register(const char *name, k3_test_fn fn, const char *file) {
-    if (n_tests < (int)(sizeof tests / sizeof tests[0])) tests[n_tests++] = (test_entry){name, fn, file};
+    if (n_tests == cap_tests) {
+        const int cap = cap_tests ? cap_tests * 2 : 256;
+        test_entry *t = realloc(tests, sizeof *t * (size_t)cap);
+        if (!t) {
+            lost_tests = true;
+            return;
+        }
+        tests = t;
+        cap_tests = cap;
+    }
+    tests[n_tests++] = (test_entry){name, fn, file};
+}
+
+void k3_test_skip(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(cur_skip, sizeof cur_skip, fmt, ap);
+    va_end(ap);
+    if (!cur_skip[0]) snprintf(cur_skip, sizeof cur_skip, "(no reason given)");
 }
 
 void k3_test_fail(const char *file, int line, const char *fmt, ...) {
@@ -67,8 +90,12 @@ static int cmp_entry(const void *a, const void *b) {
 }
 
 int main(int argc, char **argv) {
-    qsort(tests, (size_t)n_tests, sizeof tests[0], cmp_entry);
-    int passed = 0, failed = 0;
+    if (n_tests) qsort(tests, (size_t)n_tests, sizeof tests[0], cmp_entry);
+    int passed = 0, failed = 0, skipped = 0;
+    if (lost_tests) {
+        printf("FAIL runner: out of memory registering the tests (some were not run)\n");
+        failed++;
+    }
     for (int i = 0; i < n_tests; i++) {
         int want = argc < 2;
         for (int a = 1; a < argc; a++) {
@@ -81,6 +108,7 @@ int main(int argc, char **argv) {
         }
         if (!want) continue;
         cur_failed = 0;
+        cur_skip[0] = 0;
         struct timespec t0, t1;
         clock_gettime(CLOCK_MONOTONIC, &t0);
         tests[i].fn();
@@ -89,12 +117,16 @@ int main(int argc, char **argv) {
         if (cur_failed) {
             printf("FAIL %s (%d checks failed, %.0f ms)\n", tests[i].name, cur_failed, ms);
             failed++;
+        } else if (cur_skip[0]) {
+            printf("skip %s: %s\n", tests[i].name, cur_skip);
+            skipped++;
         } else {
             printf("ok   %s (%.0f ms)\n", tests[i].name, ms);
             passed++;
         }
         fflush(stdout);
     }
-    printf("%d passed, %d failed\n", passed, failed);
+    printf("%d passed, %d failed, %d skipped\n", passed, failed, skipped);
+    free(tests);
     return failed ? 1 : 0;
 }

@@ -12,34 +12,19 @@ Prints `ok   anthropic: NAME` / `FAIL anthropic: NAME` per check and ends with
 import base64
 import json
 import os
-import signal
 import sys
-import time
-import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import serve_openai as so  # noqa: E402  (the Server harness and small helpers)
+import harness as h  # noqa: E402
 
 import anthropic  # noqa: E402
 
-TINY, MINI, VISION = so.TINY, so.MINI, so.VISION
+TINY, MINI, VISION = h.TINY, h.MINI, h.VISION
 KEY = "k3-test-key"
-passed = 0
-failed = 0
 
 
-def check(name, fn):
-    global passed, failed
-    t0 = time.time()
-    try:
-        fn()
-        passed += 1
-        print(f"ok   anthropic: {name} ({time.time() - t0:.1f} s)", flush=True)
-    except Exception as e:  # noqa: BLE001 -- every failure is reported, none stops the run
-        failed += 1
-        print(f"FAIL anthropic: {name}: {type(e).__name__}: {e}", flush=True)
-        for line in traceback.format_exc().splitlines()[-6:]:
-            print("    " + line, flush=True)
+suite = h.Suite("anthropic")
+check = suite.check
 
 
 def client(s, key=KEY):
@@ -76,7 +61,7 @@ def masked(m):
 
 
 def tokenize(s, msgs, **kw):
-    r = so.post(s.url + "/tokenize", json_body={"messages": msgs, **kw},
+    r = h.post(s.url + "/tokenize", json_body={"messages": msgs, **kw},
                 headers={"Authorization": f"Bearer {KEY}"})
     assert r.status_code == 200, r.text
     return r.json()["tokens"]
@@ -92,7 +77,7 @@ def prompt_tokens(m):
 
 
 def main():
-    s = so.Server(TINY, key=KEY)
+    s = h.Server(TINY, key=KEY)
     a = client(s)
     M = s.name
     X = {"ignore_eos": True, "temperature": 0}  # this SDK has no temperature argument: the body has
@@ -218,31 +203,26 @@ def main():
                      "invalid_request_error")
         expect_error(lambda: a.messages.create(model=M, max_tokens=1, messages=[{"role": "user", "content": "x"}],
                                                thinking={"type": "between_tools"}), 400, "invalid_request_error")
-        r = so.post(s.url + "/v1/messages", content=b'{"max_tokens": 1,', headers={"x-api-key": KEY,
+        r = h.post(s.url + "/v1/messages", content=b'{"max_tokens": 1,', headers={"x-api-key": KEY,
                                                                                   "Authorization": f"Bearer {KEY}"})
         assert r.status_code == 400 and r.json()["type"] == "error", r.text
         # an image for a text-only model: the vision path's 400, in Anthropic's shape
-        png = so.data_url(so.IMAGES + "dot_5x3.png").split(",", 1)[1]
+        png = h.data_url(h.IMAGES + "dot_5x3.png").split(",", 1)[1]
         expect_error(lambda: a.messages.create(model=M, max_tokens=1, messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png}}]}]), 400,
             "invalid_request_error")
 
     def t_dropped_stream():
         m0 = s.metrics()
-        ab0 = so.metric(m0, "vllm:request_success_total", finished_reason="abort") or 0
+        ab0 = h.metric(m0, "vllm:request_success_total", finished_reason="abort") or 0
         with a.messages.stream(model=M, max_tokens=3000, messages=[{"role": "user", "content": "x"}],
                                extra_body=X) as st:
             for i, _ in enumerate(st):
                 if i == 6:
                     break
-        deadline = time.time() + 10
-        while time.time() < deadline:
-            m = s.metrics()
-            if (so.metric(m, "vllm:num_requests_running") == 0 and
-                    (so.metric(m, "vllm:request_success_total", finished_reason="abort") or 0) > ab0):
-                return
-            time.sleep(0.1)
-        raise AssertionError("the dropped stream still runs")
+        h.wait_until(lambda: h.metric(s.metrics(), "vllm:num_requests_running") == 0 and
+                     (h.metric(s.metrics(), "vllm:request_success_total", finished_reason="abort") or 0) > ab0,
+                     10, "the dropped stream to end (running 0, one more abort)")
 
     for name, fn in [("create equals chat (text, prompt, usage); system blocks", t_create_equals_chat),
                      ("messages.stream().get_final_message() equals create()", t_stream_equals_create),
@@ -253,7 +233,7 @@ def main():
     s.stop()
 
     def t_mini():
-        sm = so.Server(MINI, key=KEY)
+        sm = h.Server(MINI, key=KEY)
         try:
             am = client(sm)
             q = [{"role": "user", "content": "Who wrote Pride and Prejudice?"}]
@@ -279,10 +259,10 @@ def main():
     check("k3-mini: end_turn, equal to chat; stop_sequences, streamed too", t_mini)
 
     def t_vision():
-        sv = so.Server(VISION, "--max-image-pixels", "60000", key=KEY)
+        sv = h.Server(VISION, "--max-image-pixels", "60000", key=KEY)
         try:
             av = client(sv)
-            with open(so.IMAGES + "photo_67x45.jpg", "rb") as f:
+            with open(h.IMAGES + "photo_67x45.jpg", "rb") as f:
                 data = base64.b64encode(f.read()).decode()
             q = "What is in the picture?"
             m = av.messages.create(model=VISION, max_tokens=8, extra_body=X, messages=[
@@ -290,7 +270,7 @@ def main():
                                                                           "media_type": "image/jpeg", "data": data}},
                                              {"type": "text", "text": q}]}])
             url = "data:image/jpeg;base64," + data
-            ch = openai_chat(sv, so.image_msg([url], q), 8, chat_template_kwargs={"thinking": False})
+            ch = openai_chat(sv, h.image_msg([url], q), 8, chat_template_kwargs={"thinking": False})
             assert prompt_tokens(m) == ch.usage.prompt_tokens, (m.usage, ch.usage)
             assert m.content[0].text == ch.choices[0].message.content, (m.content, ch.choices[0].message)
             n = av.messages.count_tokens(model=VISION, messages=[{"role": "user", "content": [
@@ -306,25 +286,5 @@ def main():
     check("vision: image blocks equal chat's image_url, count_tokens", t_vision)
 
 
-def cleanup(*_):
-    for sv in so.servers:
-        try:
-            sv.stop()
-        except Exception:  # noqa: BLE001
-            pass
-    if _:
-        sys.exit(1)
-
-
 if __name__ == "__main__":
-    signal.signal(signal.SIGTERM, cleanup)
-    try:
-        main()
-    except Exception as e:  # noqa: BLE001
-        failed += 1
-        print(f"FAIL anthropic: setup: {e}", flush=True)
-        traceback.print_exc()
-    finally:
-        cleanup()
-    print(f"anthropic: {passed} passed, {failed} failed", flush=True)
-    sys.exit(1 if failed else 0)
+    suite.main(main)

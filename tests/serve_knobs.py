@@ -20,41 +20,26 @@ Prints `ok   knobs: NAME` / `FAIL knobs: NAME` and ends with `knobs: N passed, N
 import json
 import os
 import sys
-import time
-import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import serve_openai as so  # noqa: E402  (the server harness: Server, raw HTTP, metric)
+import harness as h  # noqa: E402
 from openai.lib.streaming.chat import ChatCompletionStreamState  # noqa: E402
 
-passed = 0
-failed = 0
 
-
-def check(name, fn):
-    global passed, failed
-    t0 = time.time()
-    try:
-        fn()
-        passed += 1
-        print(f"ok   knobs: {name} ({time.time() - t0:.1f} s)", flush=True)
-    except Exception as e:  # noqa: BLE001 -- every failure is reported, none stops the run
-        failed += 1
-        print(f"FAIL knobs: {name}: {type(e).__name__}: {e}", flush=True)
-        for line in traceback.format_exc().splitlines()[-6:]:
-            print("    " + line, flush=True)
+suite = h.Suite("knobs")
+check = suite.check
 
 
 def main():
-    s = so.Server(so.TINY)
+    s = h.Server(h.TINY)
     c = s.client()
     M = s.name
     def tok(text, specials=False):
         body = {"prompt": text} if specials else {"prompt": text, "split_special_tokens": True}
-        return so.post(s.url + "/tokenize", json_body=body).json()["tokens"]
+        return h.post(s.url + "/tokenize", json_body=body).json()["tokens"]
 
     def detok(ids):
-        return so.post(s.url + "/detokenize", json_body={"tokens": ids}).json()["prompt"]
+        return h.post(s.url + "/detokenize", json_body={"tokens": ids}).json()["prompt"]
 
     def gtext(prompt, n, **extra):
         r = c.completions.create(model=M, prompt=prompt, max_tokens=n, temperature=0,
@@ -63,7 +48,7 @@ def main():
 
     PROMPT = "Once upon a time"
     P = tok(PROMPT)
-    specials = {int(k) for k in so.get(s.url + "/tokenizer_info").json()["added_tokens_decoder"]}
+    specials = {int(k) for k in h.get(s.url + "/tokenizer_info").json()["added_tokens_decoder"]}
 
     def greedy_ids(prompt, n, **kw):
         """greedy token ids (return_tokens_as_token_ids) and the response."""
@@ -92,8 +77,8 @@ def main():
                                           temperature=0, frequency_penalty=freq, presence_penalty=pres,
                                           reasoning_effort="none")
             assert r.choices[0].finish_reason in ("length", "stop"), r
-        so.expect_status(lambda: c.completions.create(model=M, prompt="x", frequency_penalty=2.01), 400)
-        so.expect_status(lambda: c.chat.completions.create(model=M, messages=[{"role": "user", "content": "x"}],
+        h.expect_status(lambda: c.completions.create(model=M, prompt="x", frequency_penalty=2.01), 400)
+        h.expect_status(lambda: c.chat.completions.create(model=M, messages=[{"role": "user", "content": "x"}],
                                                             presence_penalty=-2.5), 400)
 
     def t_logit_bias():
@@ -117,9 +102,9 @@ def main():
         echo = c.completions.create(model=M, prompt=P + [77], max_tokens=0, echo=True, logprobs=1, temperature=0)
         raw77 = echo.choices[0].logprobs.token_logprobs[-1]
         assert abs(rb.choices[0].logprobs.token_logprobs[0] - raw77) < 1e-5, (rb.choices[0].logprobs, raw77)
-        e = so.expect_status(lambda: c.completions.create(model=M, prompt="x", logit_bias={"99999999": 1}), 400)
+        e = h.expect_status(lambda: c.completions.create(model=M, prompt="x", logit_bias={"99999999": 1}), 400)
         assert "99999999" in e.message, e.message
-        e = so.expect_status(lambda: c.completions.create(model=M, prompt="x", logit_bias={"hello": 1}), 400)
+        e = h.expect_status(lambda: c.completions.create(model=M, prompt="x", logit_bias={"hello": 1}), 400)
         assert "hello" in e.message, e.message
         # chat
         rc = c.chat.completions.create(model=M, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
@@ -139,8 +124,8 @@ def main():
                                   extra_body={"ignore_eos": True, "allowed_token_ids": allowed,
                                               "return_tokens_as_token_ids": True}, logprobs=0)
         assert all(int(t.split(":")[1]) in allowed for t in rs.choices[0].logprobs.tokens), rs.choices[0]
-        so.expect_status(lambda: c.completions.create(model=M, prompt="x", extra_body={"allowed_token_ids": []}), 400)
-        so.expect_status(lambda: c.completions.create(model=M, prompt="x",
+        h.expect_status(lambda: c.completions.create(model=M, prompt="x", extra_body={"allowed_token_ids": []}), 400)
+        h.expect_status(lambda: c.completions.create(model=M, prompt="x",
                                                       extra_body={"allowed_token_ids": [10 ** 8]}), 400)
         # bad words: a word of the greedy text is never generated again, as either spelling
         plain_ids, plain = greedy_ids(P, 24)
@@ -154,8 +139,8 @@ def main():
             for i in range(len(got) - len(sp) + 1):
                 assert got[i:i + len(sp)] != sp, (word, sp, got)
         assert got != plain_ids, "bad_words changed nothing"
-        so.expect_status(lambda: c.completions.create(model=M, prompt="x", extra_body={"bad_words": ["  "]}), 400)
-        so.expect_status(lambda: c.completions.create(model=M, prompt="x", extra_body={"bad_words": "x"}), 400)
+        h.expect_status(lambda: c.completions.create(model=M, prompt="x", extra_body={"bad_words": ["  "]}), 400)
+        h.expect_status(lambda: c.completions.create(model=M, prompt="x", extra_body={"bad_words": "x"}), 400)
 
     def t_stop_str_and_specials():
         full, _ = gtext(PROMPT, 24)
@@ -195,21 +180,21 @@ def main():
 
     def t_developer_role():
         msgs = lambda role: [{"role": role, "content": "Answer in one word."}, {"role": "user", "content": "hi"}]  # noqa
-        ids = [so.post(s.url + "/tokenize", json_body={"messages": msgs(r)}).json()["tokens"] for r in ("system", "developer")]
+        ids = [h.post(s.url + "/tokenize", json_body={"messages": msgs(r)}).json()["tokens"] for r in ("system", "developer")]
         assert ids[0] == ids[1], ids
         a, b = [c.chat.completions.create(model=M, messages=msgs(r), max_tokens=6, temperature=0,
                                           extra_body={"ignore_eos": True}) for r in ("system", "developer")]
         assert a.choices[0].message == b.choices[0].message, (a, b)
         assert (a.usage.prompt_tokens, a.usage.completion_tokens) == (b.usage.prompt_tokens, b.usage.completion_tokens)
-        e = so.expect_status(lambda: c.chat.completions.create(model=M, messages=[{"role": "moderator", "content": "x"}]), 400)
+        e = h.expect_status(lambda: c.chat.completions.create(model=M, messages=[{"role": "moderator", "content": "x"}]), 400)
         assert "moderator" in e.message
-        e = so.expect_status(lambda: c.chat.completions.create(model=M, messages=[{"role": "user", "content": [
+        e = h.expect_status(lambda: c.chat.completions.create(model=M, messages=[{"role": "user", "content": [
             {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}]), 400)
         assert "input_audio" in e.message, e.message
 
     def t_reasoning_effort():
         def prompt(**body):
-            return so.post(s.url + "/tokenize", json_body={"messages": [{"role": "user", "content": "hi"}], **body}).json()["tokens"]
+            return h.post(s.url + "/tokenize", json_body={"messages": [{"role": "user", "content": "hi"}], **body}).json()["tokens"]
         kw = lambda e: {"chat_template_kwargs": {"thinking": e is not None, "thinking_effort": e}}  # noqa
         want = {None: kw("max"), "none": kw(None), "minimal": kw("low"), "low": kw("low"), "medium": kw("high"),
                 "high": kw("high"), "xhigh": kw("max"), "max": kw("max")}
@@ -229,7 +214,7 @@ def main():
                 assert r.usage.completion_tokens_details.reasoning_tokens == 0
         # chat_template_kwargs win over reasoning_effort
         assert prompt(reasoning_effort="high", chat_template_kwargs={"thinking": False}) == prompt(**kw(None))
-        e = so.expect_status(lambda: c.chat.completions.create(model=M, messages=[{"role": "user", "content": "x"}],
+        e = h.expect_status(lambda: c.chat.completions.create(model=M, messages=[{"role": "user", "content": "x"}],
                                                                 reasoning_effort="extreme"), 400)
         assert "extreme" in e.message and "xhigh" in e.message, e.message
 
@@ -244,7 +229,7 @@ def main():
     s.stop()
 
     # thinking on the trained model, and /metrics right after each reply (a fresh server: exact counts)
-    sm = so.Server(so.MINI)
+    sm = h.Server(h.MINI)
     cm = sm.client()
     MM = sm.name
 
@@ -284,8 +269,8 @@ def main():
             return sm.metrics()
         seen_prompt = seen_cached = 0
         m0 = m()
-        base = {k: so.metric(m0, k) or 0 for k in ("vllm:prompt_tokens_total", "vllm:prompt_tokens_cached_total")}
-        n0 = sum(so.metric(m0, "vllm:request_success_total", finished_reason=r) or 0 for r in ("stop", "length", "abort", "error"))
+        base = {k: h.metric(m0, k) or 0 for k in ("vllm:prompt_tokens_total", "vllm:prompt_tokens_cached_total")}
+        n0 = sum(h.metric(m0, "vllm:request_success_total", finished_reason=r) or 0 for r in ("stop", "length", "abort", "error"))
         for i in range(6):
             if i % 2:
                 r = cm.chat.completions.create(model=MM, messages=[{"role": "user", "content": f"Question {i // 2}?"}],
@@ -296,32 +281,32 @@ def main():
             seen_prompt += r.usage.prompt_tokens
             seen_cached += r.usage.prompt_tokens_details.cached_tokens
             mm = m()  # right after the reply: no wait
-            n = sum(so.metric(mm, "vllm:request_success_total", finished_reason=x) or 0 for x in ("stop", "length", "abort", "error"))
-            for h in ("vllm:e2e_request_latency_seconds", "vllm:request_prompt_tokens", "vllm:request_generation_tokens",
-                      "vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds",
-                      "vllm:request_decode_time_seconds"):
-                assert so.metric(mm, h + "_count") == n, (i, h, so.metric(mm, h + "_count"), n)
+            n = sum(h.metric(mm, "vllm:request_success_total", finished_reason=x) or 0 for x in ("stop", "length", "abort", "error"))
+            for hist in ("vllm:e2e_request_latency_seconds", "vllm:request_prompt_tokens",
+                         "vllm:request_generation_tokens", "vllm:request_queue_time_seconds",
+                         "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds"):
+                assert h.metric(mm, hist + "_count") == n, (i, hist, h.metric(mm, hist + "_count"), n)
             assert n == n0 + i + 1, (i, n, n0)
-            assert so.metric(mm, "vllm:prompt_tokens_total") - base["vllm:prompt_tokens_total"] == seen_prompt, (i, mm)
-            assert so.metric(mm, "vllm:prompt_tokens_cached_total") - base["vllm:prompt_tokens_cached_total"] == seen_cached
-            assert so.metric(mm, "vllm:request_prompt_tokens_sum") - (so.metric(m0, "vllm:request_prompt_tokens_sum") or 0) == seen_prompt
+            assert h.metric(mm, "vllm:prompt_tokens_total") - base["vllm:prompt_tokens_total"] == seen_prompt, (i, mm)
+            assert h.metric(mm, "vllm:prompt_tokens_cached_total") - base["vllm:prompt_tokens_cached_total"] == seen_cached
+            assert h.metric(mm, "vllm:request_prompt_tokens_sum") - (h.metric(m0, "vllm:request_prompt_tokens_sum") or 0) == seen_prompt
         assert seen_cached > 0, "the repeated prompts were never cached"
         # what the forward pass computed is the rest
-        assert so.metric(m(), "k3:prompt_tokens_computed_total") <= so.metric(m(), "vllm:prompt_tokens_total")
+        assert h.metric(m(), "k3:prompt_tokens_computed_total") <= h.metric(m(), "vllm:prompt_tokens_total")
 
     def t_tokenizer_info():
-        info = so.get(sm.url + "/tokenizer_info").json()
-        cfg = json.load(open(os.path.join(so.MINI, "tokenizer_config.json")))
+        info = h.get(sm.url + "/tokenizer_info").json()
+        cfg = json.load(open(os.path.join(h.MINI, "tokenizer_config.json")))
         assert info["tokenizer_class"] == cfg["tokenizer_class"] and info["eos_token"] == cfg["eos_token"], info
         assert info["bos_token"] == cfg["bos_token"] and info["pad_token"] == cfg["pad_token"]
         assert info["added_tokens_decoder"] == {k: v["content"] for k, v in cfg["added_tokens_decoder"].items()}
         assert "vocab_file" not in info and info["model_max_length"] == cfg["model_max_length"]
         # lm-eval's remote tokenizer finds the EOS id by tokenizing its name
-        eos = so.post(sm.url + "/tokenize", json_body={"prompt": info["eos_token"], "add_special_tokens": False}).json()
+        eos = h.post(sm.url + "/tokenize", json_body={"prompt": info["eos_token"], "add_special_tokens": False}).json()
         want = [int(k) for k, v in cfg["added_tokens_decoder"].items() if v["content"] == cfg["eos_token"]]
         assert eos["tokens"] == want, (eos, want)
         # and decodes ids back
-        d = so.post(sm.url + "/detokenize", json_body={"tokens": eos["tokens"]}).json()
+        d = h.post(sm.url + "/detokenize", json_body={"tokens": eos["tokens"]}).json()
         assert d == {"prompt": cfg["eos_token"]}, d
 
     for name, fn in [("thinking that uses up max_tokens; reasoning tokens; logprobs = content", t_thinking_budget),
@@ -332,12 +317,4 @@ def main():
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except Exception as e:  # noqa: BLE001
-        failed += 1
-        print(f"FAIL knobs: setup: {e}", flush=True)
-    finally:
-        so.cleanup()
-    print(f"knobs: {passed} passed, {failed} failed", flush=True)
-    sys.exit(1 if failed else 0)
+    suite.main(main)

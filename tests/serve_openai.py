@@ -3,209 +3,31 @@
 Usage: python tests/serve_openai.py K3_BINARY
 Starts `k3 serve` (a free port per run, --port 0) on tests/models/tiny,
 tests/models/vision-tiny and models/k3-mini, runs the checks, and always stops every server it started
-(each one also dies with this process: PR_SET_PDEATHSIG). Prints
-`ok   serve: NAME` / `FAIL serve: NAME` per check and ends with
-`serve: N passed, N failed`.
+(tests/harness.py). Prints `ok   serve: NAME` / `FAIL serve: NAME` per check and
+ends with `serve: N passed, N failed, N skipped`.
 """
-import base64
-import ctypes
-import http.client
 import json
 import os
 import re
-import select
-import signal
+import socket
 import subprocess
 import sys
 import threading
-import time
-import traceback
 
-import socket
-import struct
-import urllib.parse
-import zlib
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness as h  # noqa: E402
+from harness import (IMAGES, K3, MINI, TINY, VISION, Server, data_url, expect_status, get,  # noqa: E402
+                     image_msg, metric, png_url, post)
 
-import openai
-from openai.lib.streaming.chat import ChatCompletionStreamState
+from openai.lib.streaming.chat import ChatCompletionStreamState  # noqa: E402
 
-K3 = sys.argv[1] if len(sys.argv) > 1 else "build/k3"
-TINY = "tests/models/tiny"
-MINI = "models/k3-mini"
-VISION = "tests/models/vision-tiny"
-IMAGES = "tests/golden/vision/images/"
-servers = []
-passed = 0
-failed = 0
-
-
-class Resp:
-    def __init__(self, status, headers, body):
-        self.status_code = status
-        self.headers = {k.lower(): v for k, v in headers}
-        self.content = body
-        self.text = body.decode(errors="replace")
-
-    def json(self):
-        return json.loads(self.content)
-
-
-def raw(method, url, content=None, json_body=None, headers=None, timeout=30):
-    """One HTTP request with the standard library (no extra package)."""
-    u = urllib.parse.urlsplit(url)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
-    h = dict(headers or {})
-    if json_body is not None:
-        content = json.dumps(json_body).encode()
-        h["Content-Type"] = "application/json"
-    try:
-        conn.request(method, u.path, body=content, headers=h)
-        r = conn.getresponse()
-        return Resp(r.status, r.getheaders(), r.read())
-    finally:
-        conn.close()
-
-
-def get(url, **kw):
-    return raw("GET", url, **kw)
-
-
-def post(url, **kw):
-    return raw("POST", url, **kw)
-
-
-def die_with_parent():
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-class Server:
-    def __init__(self, model, *extra, key=None):
-        args = [K3, "serve", "-m", model, "--port", "0", "--threads", "1", *extra]
-        if key:
-            args += ["--api-key", key]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                     preexec_fn=die_with_parent)
-        servers.append(self)
-        self.log = []
-        deadline = time.time() + 60
-        port = None
-        buf = b""
-        while time.time() < deadline and port is None:
-            r, _, _ = select.select([self.proc.stderr], [], [], 1.0)
-            if not r:
-                if self.proc.poll() is not None:
-                    break
-                continue
-            chunk = os.read(self.proc.stderr.fileno(), 4096)
-            if not chunk:
-                break
-            buf += chunk
-            m = re.search(rb"listening on http://[^:]+:(\d+)", buf)
-            if m:
-                port = int(m.group(1))
-        self.log.append(buf.decode(errors="replace"))
-        if port is None:
-            self.stop()
-            raise RuntimeError("k3 serve did not start: " + buf.decode(errors="replace")[-500:])
-        # keep draining stderr so the server never blocks on a full pipe
-        threading.Thread(target=self._drain, daemon=True).start()
-        self.port = port
-        self.url = f"http://127.0.0.1:{port}"
-        self.name = model
-        self.key = key
-
-    def _drain(self):
-        while True:
-            try:
-                chunk = os.read(self.proc.stderr.fileno(), 4096)
-            except OSError:
-                return
-            if not chunk:
-                return
-            self.log.append(chunk.decode(errors="replace"))
-
-    def client(self, key=None):
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=key or self.key or "none", timeout=60,
-                             max_retries=0)
-
-    def metrics(self):
-        h = {"Authorization": f"Bearer {self.key}"} if self.key else {}
-        text = get(self.url + "/metrics", headers=h, timeout=10).text
-        out = {}
-        for line in text.splitlines():
-            if line.startswith("#") or not line.strip():
-                continue
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-        return out
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-
-
-def metric(m, name, **labels):
-    for k, v in m.items():
-        if k.startswith(name + "{") and all(f'{a}="{b}"' in k for a, b in labels.items()):
-            return v
-    return None
-
-
-def check(name, fn):
-    global passed, failed
-    t0 = time.time()
-    try:
-        fn()
-        passed += 1
-        print(f"ok   serve: {name} ({time.time() - t0:.1f} s)", flush=True)
-    except Exception as e:  # noqa: BLE001 -- every failure is reported, none stops the run
-        failed += 1
-        print(f"FAIL serve: {name}: {type(e).__name__}: {e}", flush=True)
-        for line in traceback.format_exc().splitlines()[-6:]:
-            print("    " + line, flush=True)
-
-
-def expect_status(fn, status):
-    try:
-        fn()
-    except openai.APIStatusError as e:
-        assert e.status_code == status, f"status {e.status_code}, wanted {status}: {e}"
-        body = e.response.json()
-        assert "error" in body and "message" in body["error"], body
-        return e
-    raise AssertionError(f"no error, wanted HTTP {status}")
+suite = h.Suite("serve")
+check = suite.check
 
 
 def greedy(c, model, prompt, n=16, **kw):
     return c.completions.create(model=model, prompt=prompt, max_tokens=n, temperature=0,
                                 extra_body={"ignore_eos": True}, **kw)
-
-
-def data_url(path):
-    kind = "jpeg" if path.endswith(".jpg") else "png"
-    with open(path, "rb") as f:
-        return f"data:image/{kind};base64," + base64.b64encode(f.read()).decode()
-
-
-def png_url(w, h, rgb):
-    """A data: URL of a w x h PNG of one colour, made here (no image package)."""
-    def chunk(kind, data):
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-    rows = b"".join(b"\0" + bytes(rgb) * w for _ in range(h))
-    png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)) +
-           chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
-    return "data:image/png;base64," + base64.b64encode(png).decode()
-
-
-def image_msg(urls, text):
-    """One user turn of images then text: what `k3 run --image ... --chat` encodes."""
-    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": u}} for u in urls] +
-             [{"type": "text", "text": text}]}]
 
 
 def main():
@@ -278,12 +100,9 @@ def main():
         assert text == want and stop not in text, (text, want)
         assert chunks[-1].choices[0].finish_reason == "stop"
         # the engine reports the cancelled requests at its next step; they count as "stop"
-        deadline = time.time() + 10
-        while time.time() < deadline:
-            stops = metric(s.metrics(), "vllm:request_success_total", finished_reason="stop") or 0
-            if stops >= stops0 + 2:
-                break
-            time.sleep(0.05)
+        h.wait_until(lambda: (metric(s.metrics(), "vllm:request_success_total", finished_reason="stop") or 0) >=
+                     stops0 + 2, 10, "the two stopped requests counted as stop")
+        stops = metric(s.metrics(), "vllm:request_success_total", finished_reason="stop") or 0
         assert stops == stops0 + 2, (stops0, stops)
 
     def t_n2_seed():
@@ -416,14 +235,11 @@ def main():
             if got == 3:
                 break
         st.close()
-        deadline = time.time() + 10
-        while time.time() < deadline:
+        def ended():
             m = s.metrics()
-            if (metric(m, "vllm:num_requests_running") == 0 and metric(m, "k3:kv_blocks_used") == 0 and
-                    (metric(m, "vllm:request_success_total", finished_reason="abort") or 0) > ab0):
-                return
-            time.sleep(0.1)
-        raise AssertionError(f"the dropped stream still runs: {m}")
+            return (metric(m, "vllm:num_requests_running") == 0 and metric(m, "k3:kv_blocks_used") == 0 and
+                    (metric(m, "vllm:request_success_total", finished_reason="abort") or 0) > ab0)
+        h.wait_until(ended, 10, "the dropped stream to end (running 0, no blocks held, one more abort)")
 
     def t_concurrent():
         prompts = [f"Request number {i} says" for i in range(32)]
@@ -535,13 +351,9 @@ def main():
                              "--timeout", "60", "--json"], capture_output=True, timeout=300, text=True)
         rep = json.loads(bs.stdout.splitlines()[-1])
         assert rep["failed"] == 0 and rep["completed"] + rep["disconnected"] == 120 and rep["disconnected"] > 0, rep
-        deadline = time.time() + 10
-        while time.time() < deadline:
-            m = s.metrics()
-            if metric(m, "vllm:num_requests_running") == 0 and metric(m, "k3:kv_blocks_used") == 0:
-                return
-            time.sleep(0.1)
-        raise AssertionError(f"blocks still held after the soak: {m}")
+        h.wait_until(lambda: metric(s.metrics(), "vllm:num_requests_running") == 0 and
+                     metric(s.metrics(), "k3:kv_blocks_used") == 0, 10, "no request running and no block held after "
+                     "the soak")
 
     check("a short soak with dropped clients", t_mini_soak)
 
@@ -641,24 +453,5 @@ def main():
     check("k3-mini: greedy equals k3 run, eval --base-url equals offline eval, bench serve", t_mini)
 
 
-def cleanup(*_):
-    for sv in servers:
-        try:
-            sv.stop()
-        except Exception:  # noqa: BLE001
-            pass
-    if _:
-        sys.exit(1)
-
-
 if __name__ == "__main__":
-    signal.signal(signal.SIGTERM, cleanup)
-    try:
-        main()
-    except Exception as e:  # noqa: BLE001
-        failed += 1
-        print(f"FAIL serve: setup: {e}", flush=True)
-    finally:
-        cleanup()
-    print(f"serve: {passed} passed, {failed} failed", flush=True)
-    sys.exit(1 if failed else 0)
+    suite.main(main)

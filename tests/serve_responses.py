@@ -12,35 +12,20 @@ Prints `ok   responses: NAME` / `FAIL responses: NAME` per check and ends with
 import copy
 import json
 import os
-import signal
 import sys
-import time
-import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import serve_openai as so  # noqa: E402  (the Server harness and small helpers)
+import harness as h  # noqa: E402
 
 import openai  # noqa: E402
 from openai.lib.streaming.responses import ResponseStreamState  # noqa: E402
 
-TINY, MINI, VISION = so.TINY, so.MINI, so.VISION
+TINY, MINI, VISION = h.TINY, h.MINI, h.VISION
 KEY = "k3-test-key"
-passed = 0
-failed = 0
 
 
-def check(name, fn):
-    global passed, failed
-    t0 = time.time()
-    try:
-        fn()
-        passed += 1
-        print(f"ok   responses: {name} ({time.time() - t0:.1f} s)", flush=True)
-    except Exception as e:  # noqa: BLE001 -- every failure is reported, none stops the run
-        failed += 1
-        print(f"FAIL responses: {name}: {type(e).__name__}: {e}", flush=True)
-        for line in traceback.format_exc().splitlines()[-6:]:
-            print("    " + line, flush=True)
+suite = h.Suite("responses")
+check = suite.check
 
 
 def expect_status(fn, status):
@@ -70,14 +55,14 @@ def masked(r):
 
 
 def tokenize(s, msgs, **kw):
-    h = {"Authorization": f"Bearer {KEY}"}
-    r = so.post(s.url + "/tokenize", json_body={"messages": msgs, **kw}, headers=h)
+    auth = {"Authorization": f"Bearer {KEY}"}
+    r = h.post(s.url + "/tokenize", json_body={"messages": msgs, **kw}, headers=auth)
     assert r.status_code == 200, r.text
     return r.json()["tokens"]
 
 
 def main():
-    s = so.Server(TINY, key=KEY)
+    s = h.Server(TINY, key=KEY)
     c = s.client()
     M = s.name
     G = dict(temperature=0, extra_body={"ignore_eos": True})
@@ -242,39 +227,34 @@ def main():
         expect_status(lambda: c.responses.create(model=M, input="x", include=["message.output_text.logprobs"]),
                       400)
         expect_status(lambda: c.responses.create(model="nope", input="x"), 404)
-        r = so.post(s.url + "/v1/responses", content=b'{"input": "x",', headers={"Authorization": f"Bearer {KEY}"})
+        r = h.post(s.url + "/v1/responses", content=b'{"input": "x",', headers={"Authorization": f"Bearer {KEY}"})
         assert r.status_code == 400 and r.json()["error"]["message"], r.text
-        assert so.get(s.url + "/v1/responses/resp_x").status_code == 401
-        assert so.get(s.url + "/v1/responses/", headers={"Authorization": f"Bearer {KEY}"}).status_code == 404
+        assert h.get(s.url + "/v1/responses/resp_x").status_code == 401
+        assert h.get(s.url + "/v1/responses/", headers={"Authorization": f"Bearer {KEY}"}).status_code == 404
 
     def t_dropped_stream():
         m0 = s.metrics()
-        ab0 = so.metric(m0, "vllm:request_success_total", finished_reason="abort") or 0
+        ab0 = h.metric(m0, "vllm:request_success_total", finished_reason="abort") or 0
         st = c.responses.create(model=M, input="x", max_output_tokens=3000, stream=True, **G)
         for i, _ in enumerate(st):
             if i == 5:
                 break
         st.close()
-        deadline = time.time() + 10
-        while time.time() < deadline:
-            m = s.metrics()
-            if (so.metric(m, "vllm:num_requests_running") == 0 and
-                    (so.metric(m, "vllm:request_success_total", finished_reason="abort") or 0) > ab0):
-                return
-            time.sleep(0.1)
-        raise AssertionError("the dropped stream still runs")
+        h.wait_until(lambda: h.metric(s.metrics(), "vllm:num_requests_running") == 0 and
+                     (h.metric(s.metrics(), "vllm:request_success_total", finished_reason="abort") or 0) > ab0,
+                     10, "the dropped stream to end (running 0, one more abort)")
 
     def t_page():
         # the chat page at / (no key needed for the page itself), off with --no-ui
-        r = so.get(s.url + "/")
+        r = h.get(s.url + "/")
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/html"), (r.status_code, r.headers)
         assert b"/v1/chat/completions" in r.content and b"<script" in r.content
         assert b"http://" not in r.content and b"https://" not in r.content, "the page fetches nothing"
         m = c.models.list().data[0]
         assert m.model_extra["capabilities"] == {"vision": False}, m
-        s2 = so.Server(TINY, "--no-ui")
+        s2 = h.Server(TINY, "--no-ui")
         try:
-            assert so.get(s2.url + "/").status_code == 404
+            assert h.get(s2.url + "/").status_code == 404
         finally:
             s2.stop()
 
@@ -291,7 +271,7 @@ def main():
     s.stop()
 
     def t_mini_completed():
-        sm = so.Server(MINI, key=KEY)
+        sm = h.Server(MINI, key=KEY)
         try:
             cm = sm.client()
             kw = dict(model=MINI, input="Who wrote Pride and Prejudice?", reasoning={"effort": "none"},
@@ -315,16 +295,16 @@ def main():
     check("k3-mini: a reply that ends: stream().get_final_response() equals create(), and chat", t_mini_completed)
 
     def t_vision():
-        sv = so.Server(VISION, "--max-image-pixels", "60000", key=KEY)
+        sv = h.Server(VISION, "--max-image-pixels", "60000", key=KEY)
         try:
             cv = sv.client()
-            url = so.data_url(so.IMAGES + "photo_67x45.jpg")
+            url = h.data_url(h.IMAGES + "photo_67x45.jpg")
             q = "What is in the picture?"
             r = cv.responses.create(model=VISION, reasoning={"effort": "none"}, max_output_tokens=8, temperature=0,
                                     input=[{"role": "user", "content": [{"type": "input_image", "image_url": url},
                                                                         {"type": "input_text", "text": q}]}],
                                     extra_body={"ignore_eos": True})
-            ch = cv.chat.completions.create(model=VISION, messages=so.image_msg([url], q), max_tokens=8,
+            ch = cv.chat.completions.create(model=VISION, messages=h.image_msg([url], q), max_tokens=8,
                                             temperature=0, extra_body={"ignore_eos": True,
                                                                        "chat_template_kwargs": {"thinking": False}})
             assert r.usage.input_tokens == ch.usage.prompt_tokens, (r.usage, ch.usage)
@@ -339,25 +319,5 @@ def main():
     check("vision: input_image parts equal chat's image_url", t_vision)
 
 
-def cleanup(*_):
-    for sv in so.servers:
-        try:
-            sv.stop()
-        except Exception:  # noqa: BLE001
-            pass
-    if _:
-        sys.exit(1)
-
-
 if __name__ == "__main__":
-    signal.signal(signal.SIGTERM, cleanup)
-    try:
-        main()
-    except Exception as e:  # noqa: BLE001
-        failed += 1
-        print(f"FAIL responses: setup: {e}", flush=True)
-        traceback.print_exc()
-    finally:
-        cleanup()
-    print(f"responses: {passed} passed, {failed} failed", flush=True)
-    sys.exit(1 if failed else 0)
+    suite.main(main)

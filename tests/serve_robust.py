@@ -13,73 +13,45 @@ keep-alive; CORS (a page's preflight and call allowed with --allowed-origins, re
 x-api-key; 415 for a compressed body; the drain, an engine failure, CORS, the key and
 half-closed clients on /v1/responses and /v1/messages too, each ending and refusal in its
 API's shape. Prints `ok   robust: NAME` / `FAIL robust: NAME` and ends with
-`robust: N passed, N failed`; a second argument runs only the checks whose name holds it. Every server it starts dies with it (PR_SET_PDEATHSIG).
+`robust: N passed, N failed, N skipped`; a second argument runs only the checks whose name holds it. Every server it starts dies with it (PR_SET_PDEATHSIG).
 """
 import http.client
 import json
 import os
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
-import traceback
-
-import openai
-
-K3 = sys.argv[1] if len(sys.argv) > 1 else "build/k3"
-ONLY = sys.argv[2] if len(sys.argv) > 2 else None
-TINY = "tests/models/tiny"
-passed = 0
-failed = 0
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import serve_openai as so  # noqa: E402  (the Server harness)
+import harness as h  # noqa: E402
 
-servers = so.servers
+K3 = h.K3
+ONLY = sys.argv[2] if len(sys.argv) > 2 else None
+TINY = h.TINY
 
 
-class Server(so.Server):
-    """serve_openai's harness with this suite's order: options first, the model a keyword."""
+class Server(h.Server):
+    """The harness's server with this suite's order: options first, the model a keyword; 15 s to stop."""
 
     def __init__(self, *extra, model=TINY):
-        super().__init__(model, *extra)
+        super().__init__(model, *extra, stop_timeout=15)
 
-    def text(self):
-        return "".join(self.log)
+    def running(self):
+        return h.metric(self.metrics(), "vllm:num_requests_running") or 0
 
-    def kill(self):
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(5)
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.kill()
+    def draining(self):
+        """Whether it answers /health 503 (a signal began the drain)."""
+        try:
+            return get(self.port, "/health").status == 503
+        except OSError:
+            return True
 
 
-def check(name, fn):
-    global passed, failed
-    if ONLY and ONLY not in name:
-        return
-    t0 = time.time()
-    try:
-        fn()
-        passed += 1
-        print(f"ok   robust: {name} ({time.time() - t0:.1f} s)", flush=True)
-    except Exception as e:  # noqa: BLE001 -- every failure is reported, none stops the run
-        failed += 1
-        print(f"FAIL robust: {name}: {type(e).__name__}: {e}", flush=True)
-        for line in traceback.format_exc().splitlines()[-6:]:
-            print("    " + line, flush=True)
+suite = h.Suite("robust", ONLY)
+check = suite.check
 
-
-# ---- raw HTTP -----------------------------------------------------------------------------
 
 class Reply:
     """One HTTP answer read off a socket to its end: status, headers, the body (chunks
@@ -131,19 +103,20 @@ class Reply:
 
 
 def request_bytes(method, path, body=None, headers=None, host="x"):
-    h = {"Host": host}
-    h.update(headers or {})
+    hd = {"Host": host}
+    hd.update(headers or {})
     data = b""
     if body is not None:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        h.setdefault("Content-Type", "application/json")
-        h["Content-Length"] = str(len(data))
-    return (f"{method} {path} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in h.items()) + "\r\n").encode() + data
+        hd.setdefault("Content-Type", "application/json")
+        hd["Content-Length"] = str(len(data))
+    return (f"{method} {path} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in hd.items()) + "\r\n").encode() + data
 
 
 def exchange(port, raw, half_close=False, timeout=60, on_first=None):
     """Sends raw, optionally shuts down the sending side, reads until the server closes
-    (or an answer of known length is in); on_first(sock) once the first bytes came."""
+    (or an answer of known length is in); on_first(sock) once the body's first event (or,
+    for a plain body, its first bytes) came."""
     s = socket.create_connection(("127.0.0.1", port), timeout=timeout)
     try:
         s.sendall(raw)
@@ -157,9 +130,12 @@ def exchange(port, raw, half_close=False, timeout=60, on_first=None):
                 break
             if not d:
                 break
-            if not data and on_first:
-                on_first(s)
             data += d
+            if on_first:
+                head, sep, body = data.partition(b"\r\n\r\n")
+                if sep and (b"\n\n" in body or (body and b"text/event-stream" not in head)):
+                    on_first(s)
+                    on_first = None
             r = Reply(data)
             if r.complete:
                 break
@@ -337,7 +313,7 @@ def main():
 
         th = threading.Thread(target=big)
         th.start()
-        time.sleep(0.5)
+        h.wait_until(lambda: s.running() >= 8, 60, "the big request's choices to run")
         r = post(s.port, "/v1/completions", {"prompt": "Hello", "max_tokens": 4, "ignore_eos": True})
         done["small"] = time.time()
         th.join(300)
@@ -440,10 +416,10 @@ def main():
         for t in tw:
             t.start()
         th += tw
-        time.sleep(0.3)
+        h.wait_until(lambda: sd.running() >= 12, 60, "the 8 streams and the 4 whole answers to run")
         t0 = time.time()
         sd.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
+        h.wait_until(sd.draining, 10, "/health to turn 503 after SIGTERM")
         # draining: a new request is refused with Retry-After, /health is 503
         nr = post(sd.port, "/v1/completions", {"prompt": "x", "max_tokens": 2})
         assert nr.status == 503 and nr.headers.get("retry-after") and "shutting down" in nr.body.decode(), \
@@ -479,7 +455,7 @@ def main():
         assert started.wait(60)
         t0 = time.time()
         sd.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.2)
+        h.wait_until(sd.draining, 10, "/health to turn 503 after the first SIGTERM")
         sd.proc.send_signal(signal.SIGTERM)
         sd.proc.wait(10)
         t.join(10)
@@ -554,7 +530,7 @@ def main():
         for t in tw:
             t.start()
         th += tw
-        time.sleep(0.3)
+        h.wait_until(lambda: sd.running() >= 2 * len(LONG), 60, "every surface's stream and whole answer to run")
         sd.proc.send_signal(signal.SIGTERM)
         for t in th:
             t.join(30)
@@ -572,7 +548,7 @@ def main():
         th.start()
         assert started.wait(60)
         sg.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
+        h.wait_until(sg.draining, 10, "/health to turn 503 after SIGTERM")
         for api in ("messages", "responses"):
             nr = post(sg.port, LONG[api][0], LONG[api][1])
             assert nr.headers.get("retry-after"), nr.headers
@@ -700,25 +676,6 @@ def main():
           t_surfaces_half_close)
 
 
-def cleanup(*_):
-    for sv in servers:
-        try:
-            sv.kill()
-        except Exception:  # noqa: BLE001
-            pass
-    if _:
-        sys.exit(1)
-
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGTERM, cleanup)
-    try:
-        main()
-    except Exception as e:  # noqa: BLE001
-        failed += 1
-        print(f"FAIL robust: setup: {e}", flush=True)
-        traceback.print_exc()
-    finally:
-        cleanup()
-    print(f"robust: {passed} passed, {failed} failed", flush=True)
-    sys.exit(1 if failed else 0)
+    suite.main(main)

@@ -23,33 +23,19 @@ import json
 import os
 import re
 import sys
-import time
-import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import serve_openai as so  # noqa: E402  (the server harness)
+import harness as h  # noqa: E402
 import jsonschema  # noqa: E402
 import openai  # noqa: E402
 import pydantic  # noqa: E402
 
-passed = 0
-failed = 0
 MAXTOK = 400
 NOTHINK = {"reasoning_effort": "none"}
 
 
-def check(name, fn):
-    global passed, failed
-    t0 = time.time()
-    try:
-        fn()
-        passed += 1
-        print(f"ok   structured: {name} ({time.time() - t0:.1f} s)", flush=True)
-    except Exception as e:  # noqa: BLE001 -- every failure is reported, none stops the run
-        failed += 1
-        print(f"FAIL structured: {name}: {type(e).__name__}: {e}", flush=True)
-        for line in traceback.format_exc().splitlines()[-6:]:
-            print("    " + line, flush=True)
+suite = h.Suite("structured")
+check = suite.check
 
 
 # ---- 50 schemas ------------------------------------------------------------------------------
@@ -155,7 +141,7 @@ def schemas():
 
 
 def chat_json(c, schema, i, stream):
-    body = dict(model=so.MINI, messages=[{"role": "user", "content": "Give me the JSON, case %d." % i}],
+    body = dict(model=h.MINI, messages=[{"role": "user", "content": "Give me the JSON, case %d." % i}],
                 max_tokens=MAXTOK, temperature=0,
                 response_format={"type": "json_schema", "json_schema": {"name": "s%d" % i, "schema": schema,
                                                                         "strict": i % 2 == 0}},
@@ -209,10 +195,10 @@ def check_calls(calls, only=None):
 
 
 def main():
-    s = so.Server(so.MINI)
+    s = h.Server(h.MINI)
     c = s.client()
     c.timeout = 120
-    M = so.MINI
+    M = h.MINI
     schs = schemas()
 
     def fifty(stream):
@@ -426,7 +412,7 @@ def main():
                                reasoning={"effort": "none"},
                                text={"format": {"type": "json_schema", "name": "p", "schema": sch2, "strict": True}})
         validate(r.output_text, sch2, "responses text.format")
-        r = so.post(s.url + "/v1/responses", json_body={
+        r = h.post(s.url + "/v1/responses", json_body={
             "model": M, "input": "x", "max_output_tokens": 10,
             "text": {"format": {"type": "json_schema", "name": "p", "schema": {"contains": {}}}}})
         assert r.status_code == 400 and "text.format.schema: keyword 'contains'" in r.text, r.text
@@ -437,7 +423,7 @@ def main():
         tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
                   "input_schema": t["function"]["parameters"]} for t in TOOLS]
         for tc, only in (({"type": "any"}, None), ({"type": "tool", "name": "get_weather"}, "get_weather")):
-            r = so.post(s.url + "/v1/messages", json_body={
+            r = h.post(s.url + "/v1/messages", json_body={
                 "model": M, "max_tokens": MAXTOK, "temperature": 0, "tools": tools, "tool_choice": tc,
                 "messages": [{"role": "user", "content": "Call a tool."}]}, timeout=120)
             assert r.status_code == 200, r.text
@@ -452,7 +438,7 @@ def main():
 
     # preemption: four constrained requests at once on a pool too small for them
     def preempt():
-        p = so.Server(so.MINI, "--cache-tokens", "640", "--max-num-seqs", "4")
+        p = h.Server(h.MINI, "--cache-tokens", "640", "--max-num-seqs", "4")
         try:
             cp = p.client()
             cp.timeout = 120
@@ -477,17 +463,4 @@ def main():
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except Exception as e:  # noqa: BLE001
-        failed += 1
-        print(f"FAIL structured: the run: {type(e).__name__}: {e}", flush=True)
-        traceback.print_exc()
-    finally:
-        for srv in list(so.servers):
-            try:
-                srv.stop()
-            except Exception:  # noqa: BLE001
-                pass
-    print(f"structured: {passed} passed, {failed} failed", flush=True)
-    sys.exit(1 if failed else 0)
+    suite.main(main)

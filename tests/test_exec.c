@@ -240,6 +240,12 @@ K3_TEST(exec_replay_of_every_row_equals_the_calls) {
         CHECK(CALL(seq_set_blocks, p, 2, blk0, 2, &err) == K3_OK);
         CALL(seq_set_pos, p, 2, 20);
         CHECK(CALL(run, p, r1, 2, want2, lg, &err) == K3_OK);
+        /* a verify chunk of 3 on slot 1, 2 of it kept */
+        CHECK(CALL(spec_begin, p, 1, 3, K3_SPEC_REAPPLY, &err) == K3_OK);
+        k3_batch_seq r2 = {1, 3, ids + 35, NULL};
+        const uint8_t want3 = K3_WANT_ALL;
+        CHECK(CALL(run, p, &r2, 1, &want3, lg, &err) == K3_OK);
+        CHECK(CALL(spec_accept, p, 1, 2, &err) == K3_OK);
         /* a sequence's rows of the first attention layer out and into other blocks */
         int32_t L = 0;
         while (p->c->layer_kind[L] == K3_LAYER_KDA) L++;

@@ -258,10 +258,7 @@ static void check_simd(int n, int dk, int dv, int chunk, int nonzero_state, floa
 
 K3_TEST(kda_simd_matches_ref) {
     k3_kernels_init();
-    if (k3_kernels_isa() < K3_ISA_AVX2) {
-        printf("    (no AVX2 on this CPU: SIMD paths not run)\n");
-        return;
-    }
+    if (k3_kernels_isa() < K3_ISA_AVX2) SKIP("no AVX2 on this CPU: the SIMD paths cannot run");
     /* T = 1 from a zero state is the worst conditioned case: o = β (q·k) v,
      * and q·k of random unit vectors cancels (rel-L2 up to ~5e-6 seen) */
     rng = 12345; /* the same inputs whichever tests ran before */

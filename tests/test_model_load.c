@@ -142,10 +142,7 @@ static float bf16_at(const k3_st_tensor *t, int64_t i) {
 }
 
 K3_TEST(model_load_tiny) {
-    if (!have(TINY)) {
-        printf("    (skipped: %s not built; run tools/make_checkpoint.py)\n", TINY);
-        return;
-    }
+    if (!have(TINY)) SKIP("%s is not built (tools/make_checkpoint.py)", TINY);
     k3_model *m;
     k3_error e;
     k3_err_clear(&e);
@@ -229,10 +226,7 @@ K3_TEST(model_load_tiny) {
 }
 
 K3_TEST(model_load_tiny_dsa) {
-    if (!have(TINY_DSA)) {
-        printf("    (skipped: %s not built)\n", TINY_DSA);
-        return;
-    }
+    if (!have(TINY_DSA)) SKIP("%s is not built (tools/make_checkpoint.py)", TINY_DSA);
     k3_model *m;
     k3_error e;
     k3_err_clear(&e);
@@ -292,7 +286,7 @@ static void apply_edit(json_t *h, void *ctx) {
 #define P "language_model.model.layers."
 
 K3_TEST(model_load_bad_shape) {
-    if (!have(TINY)) return;
+    if (!have(TINY)) SKIP("%s is not built (tools/make_checkpoint.py)", TINY);
     char dir[64];
     REQUIRE(copy_ckpt(TINY, dir));
     /* Same byte count, so the file stays valid safetensors. */
@@ -305,7 +299,7 @@ K3_TEST(model_load_bad_shape) {
 }
 
 K3_TEST(model_load_bad_dtype) {
-    if (!have(TINY)) return;
+    if (!have(TINY)) SKIP("%s is not built (tools/make_checkpoint.py)", TINY);
     char dir[64];
     REQUIRE(copy_ckpt(TINY, dir));
     edit ed = {.name = "language_model.model.embed_tokens.weight", .dtype = "U8", .shape = {1024, 512}};
@@ -321,7 +315,7 @@ K3_TEST(model_load_bad_dtype) {
 }
 
 K3_TEST(model_load_missing_tensor) {
-    if (!have(TINY)) return;
+    if (!have(TINY)) SKIP("%s is not built (tools/make_checkpoint.py)", TINY);
     char dir[64];
     REQUIRE(copy_ckpt(TINY, dir));
     edit ed = {.name = P "4.self_attn.dt_bias", .remove = true};
@@ -336,7 +330,7 @@ K3_TEST(model_load_missing_tensor) {
 }
 
 K3_TEST(model_load_nan_scale) {
-    if (!have(TINY)) return;
+    if (!have(TINY)) SKIP("%s is not built (tools/make_checkpoint.py)", TINY);
     char dir[64];
     REQUIRE(copy_ckpt(TINY, dir));
     /* Find the scale tensor's bytes in the file and set row 7, block 2 to 255. */
@@ -372,7 +366,7 @@ K3_TEST(model_load_nan_scale) {
 }
 
 K3_TEST(model_load_truncated) {
-    if (!have(TINY)) return;
+    if (!have(TINY)) SKIP("%s is not built (tools/make_checkpoint.py)", TINY);
     char dir[64];
     REQUIRE(copy_ckpt(TINY, dir));
     char p[512];
@@ -393,7 +387,7 @@ K3_TEST(model_load_missing_files) {
 }
 
 K3_TEST(model_load_unprefixed) {
-    if (!have(TINY)) return;
+    if (!have(TINY)) SKIP("%s is not built (tools/make_checkpoint.py)", TINY);
     char dir[64];
     REQUIRE(copy_ckpt(TINY, dir));
     edit ed = {.strip_prefix = true};

@@ -8,15 +8,20 @@
  * is not fetched again; a cancelled or failed pull, a hold nobody reads,
  * and a wrong write each end cleanly with every block back. */
 #include <math.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "common/error.h"
 #include "engine/engine.h"
 #include "k3.h"
 #include "kernels/kernels.h"
 #include "model/model.h"
+#include "common/random.h"
+#include "pd/auth.h"
 #include "pd/wire.h"
 #include "test.h"
 
@@ -159,9 +164,25 @@ static bool engine_idle(k3_engine *e) {
 }
 
 /* Prompts ps through colocated c, then prefill p + decode d; compares. */
-static void compare(const k3_model *m, k3_kv_type kv, const int32_t *const *ps, const int *lens, int nq, int max_tokens,
-                    float temp, const char *what) {
-    k3_engine *c = open_engine(m, kv, 8), *p = open_engine(m, kv, 8), *d = open_engine(m, kv, 8);
+static void compare_spec(const k3_model *m, k3_kv_type kv, const int32_t *const *ps, const int *lens, int nq,
+                         int max_tokens, float temp, const char *what, k3_spec_method d_spec) {
+    k3_engine *c = open_engine(m, kv, 8), *p = open_engine(m, kv, 8), *d = NULL;
+    {
+        /* the decode side, drafting when d_spec says so */
+        const int32_t eos = 770;
+        k3_engine_options o = {.max_num_seqs = 8,
+                               .max_num_batched_tokens = 256,
+                               .cache_tokens = 4096,
+                               .block_size = 16,
+                               .kv_cache = kv,
+                               .eos_ids = &eos,
+                               .n_eos_ids = 1,
+                               .hold_timeout_s = 30,
+                               .speculative = d_spec,
+                               .spec_no_cost_model = true};
+        k3_error e2 = {0};
+        if (k3_engine_open(&d, m, &o, &e2)) k3_test_fail(__FILE__, __LINE__, "engine: %s", e2.msg);
+    }
     REQUIRE(c && p && d);
     hookq hq = {0};
     k3_engine_set_pull_hook(d, hook, &hq);
@@ -222,6 +243,12 @@ static void compare(const k3_model *m, k3_kv_type kv, const int32_t *const *ps, 
             CHECKF(fabsf(rd[i].lp[k] - rc[i].lp[k]) <= 1e-5f, "%s: request %d token %d logprob %g vs %g", what, i, k,
                    rd[i].lp[k], rc[i].lp[k]);
     }
+    if (d_spec == K3_SPEC_SUFFIX) {
+        k3_engine_stats ds;
+        k3_engine_get_stats(d, &ds);
+        /* verify chunks ran there (a random model seldom copies: their drafts are mostly rejected) */
+        CHECKF(ds.spec_drafts > 0, "%s: the decode side verified no draft", what);
+    }
     /* every hold released, every block back */
     k3_step_result sr;
     k3_engine_step(p, &sr, &err);
@@ -231,6 +258,27 @@ static void compare(const k3_model *m, k3_kv_type kv, const int32_t *const *ps, 
     k3_engine_close(c);
     k3_engine_close(p);
     k3_engine_close(d);
+}
+
+static void compare(const k3_model *m, k3_kv_type kv, const int32_t *const *ps, const int *lens, int nq, int max_tokens,
+                    float temp, const char *what) {
+    compare_spec(m, kv, ps, lens, nq, max_tokens, temp, what, K3_SPEC_OFF);
+}
+
+/* The decode side drafts (suffix): the same tokens as colocated without. */
+K3_TEST(pd_decode_side_speculates_equals_colocated) {
+    k3_error err = {0};
+    k3_model *m = NULL;
+    REQUIREF(k3_model_open(&m, TINY_DSA, &err) == K3_OK, "%s", err.msg);
+    int32_t a[60], b[96];
+    make_ids(a, 12, 1024, 21);
+    for (int i = 12; i < 60; i++) a[i] = a[i % 12]; /* a prompt that repeats */
+    make_ids(b, 96, 1024, 22);
+    const int32_t *ps[2] = {a, b};
+    const int lens[2] = {60, 96};
+    compare_spec(m, K3_KV_F32, ps, lens, 2, 32, 0.0f, "f32 greedy, the decode side drafting", K3_SPEC_SUFFIX);
+    compare_spec(m, K3_KV_F32, ps, lens, 2, 32, 0.8f, "f32 seeded, the decode side drafting", K3_SPEC_SUFFIX);
+    k3_model_close(m);
 }
 
 K3_TEST(pd_decode_after_a_pull_equals_colocated) {
@@ -438,35 +486,108 @@ K3_TEST(pd_failed_cancelled_and_unread_transfers_free_everything) {
     k3_model_close(m);
 }
 
-/* The transfer checksum: its AVX2 and AVX-512 blocks give the reference's
- * value for every length and alignment, and any one flipped bit (in a
- * block or in the tail) changes it. */
-K3_TEST(pd_checksum_vector_forms_equal_the_reference_and_see_a_flipped_bit) {
-    enum { N = 3000 };
-    uint8_t *b = malloc(N + 8);
-    REQUIRE(b);
-    uint64_t r = 12345;
-    for (int i = 0; i < N + 8; i++) {
-        r = r * 6364136223846793005ull + 1442695040888963407ull;
-        b[i] = (uint8_t)(r >> 56);
+/* The transfer's authentication (src/pd/auth.c) over a socket pair: two
+ * ends with the same secret agree on session keys and each tag checks on
+ * the other side; a flipped byte, another message number (a replay or a
+ * reorder) or another secret fails; an end without the secret learns
+ * nothing but a refusal. */
+typedef struct {
+    int fd;
+    const k3_pd_keys *k;
+    k3_pd_session s;
+    k3_status st;
+} hs_arg;
+
+static void *hs_server(void *arg) {
+    hs_arg *a = arg;
+    a->st = k3_pd_handshake_server(a->fd, a->k, &a->s, NULL);
+    return NULL;
+}
+
+static void handshake(const k3_pd_keys *kc, const k3_pd_keys *ks, hs_arg *cli, hs_arg *srv) {
+    int sv[2];
+    REQUIRE(socketpair(AF_UNIX, SOCK_STREAM, 0, sv) == 0);
+    struct timeval tv = {2, 0};
+    for (int i = 0; i < 2; i++) {
+        setsockopt(sv[i], SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+        setsockopt(sv[i], SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
     }
-    const k3_isa was = k3_kernels_isa();
-    for (size_t n = 0; n <= N; n += n < 600 ? 1 : 97)
-        for (size_t off = 0; off < 8; off += 3) {
-            const uint64_t want = k3_pd_sum_ref(b + off, n);
-            for (int isa = K3_ISA_REF; isa <= K3_ISA_AVX512; isa++) {
-                if (!k3_kernels_have((k3_isa)isa)) continue;
-                k3_kernels_force((k3_isa)isa);
-                CHECKF(k3_pd_sum(b + off, n) == want, "n %zu offset %zu isa %d", n, off, isa);
-            }
+    *cli = (hs_arg){sv[0], kc, {{0}}, K3_OK};
+    *srv = (hs_arg){sv[1], ks, {{0}}, K3_OK};
+    pthread_t t;
+    REQUIRE(pthread_create(&t, NULL, hs_server, srv) == 0);
+    cli->st = k3_pd_handshake_client(cli->fd, kc, &cli->s, NULL);
+    if (cli->st) shutdown(cli->fd, SHUT_RDWR); /* the server side sees the end */
+    pthread_join(t, NULL);
+    close(sv[0]);
+    close(sv[1]);
+}
+
+K3_TEST(pd_handshake_proves_the_secret_and_every_tag_checks_its_bytes_and_place) {
+    k3_pd_keys k1, k2;
+    REQUIRE(k3_pd_keys_derive(&k1, "deployment secret one", 21, NULL) == K3_OK);
+    REQUIRE(k3_pd_keys_derive(&k2, "deployment secret two", 21, NULL) == K3_OK);
+    CHECK(k3_pd_keys_derive(&k2, "short", 5, NULL) == K3_ERR_ARG);
+    hs_arg c, s;
+    handshake(&k1, &k1, &c, &s);
+    CHECK(c.st == K3_OK && s.st == K3_OK);
+    uint8_t msg[3000], tag[K3_PD_TAG_BYTES];
+    for (int i = 0; i < (int)sizeof msg; i++) msg[i] = (uint8_t)(i * 7 + 1);
+    k3_pd_tag(&c.s.tx, 5, msg, sizeof msg, NULL, 0, tag);
+    CHECK(k3_pd_tag_ok(&s.s.rx, 5, msg, sizeof msg, NULL, 0, tag));
+    CHECK(!k3_pd_tag_ok(&s.s.rx, 6, msg, sizeof msg, NULL, 0, tag));   /* another place */
+    CHECK(!k3_pd_tag_ok(&c.s.rx, 5, msg, sizeof msg, NULL, 0, tag));   /* the other direction */
+    CHECK(k3_pd_tag_ok(&s.s.rx, 5, msg, 1000, msg + 1000, 2000, tag)); /* in two pieces */
+    for (int bit = 0; bit < 8 * (int)sizeof msg; bit += 101) {
+        msg[bit / 8] ^= (uint8_t)(1u << (bit % 8));
+        CHECKF(!k3_pd_tag_ok(&s.s.rx, 5, msg, sizeof msg, NULL, 0, tag), "bit %d", bit);
+        msg[bit / 8] ^= (uint8_t)(1u << (bit % 8));
+    }
+    k3_pd_session_free(&c.s);
+    k3_pd_session_free(&s.s);
+    /* another secret: both ends refuse */
+    handshake(&k1, &k2, &c, &s);
+    CHECK(c.st == K3_ERR_PERM && s.st != K3_OK);
+    k3_pd_session_free(&c.s);
+    k3_pd_session_free(&s.s);
+    /* the proxy's credential covers every field that says where to connect */
+    char a[65], b[65];
+    k3_pd_credential(&k1, "127.0.0.1", 9100, "00ff", "ab", 12, a);
+    k3_pd_credential(&k1, "127.0.0.1", 9101, "00ff", "ab", 12, b);
+    CHECK(strlen(a) == 64 && strcmp(a, b));
+    k3_pd_credential(&k1, "127.0.0.2", 9100, "00ff", "ab", 12, b);
+    CHECK(strcmp(a, b));
+    k3_pd_credential(&k2, "127.0.0.1", 9100, "00ff", "ab", 12, b);
+    CHECK(strcmp(a, b));
+    k3_pd_credential(&k1, "127.0.0.1", 9100, "00ff", "ab", 12, b);
+    CHECK(!strcmp(a, b));
+}
+
+/* Ids from the OS's generator: 10,000 of them, no repeats, every letter of
+ * the alphabet about as often in every place (a counter, a clock or an
+ * address would fix letters or repeat them). */
+K3_TEST(random_ids_are_unique_and_every_letter_is_uniform_in_every_place) {
+    enum { N = 10000, L = 24 };
+    static char ids[N][40];
+    static int count[L][62];
+    static const char abc[] = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ";
+    for (int i = 0; i < N; i++) {
+        REQUIRE(k3_random_id(ids[i], sizeof ids[i], "resp_", L));
+        REQUIRE(strlen(ids[i]) == 5 + L);
+        for (int j = 0; j < L; j++) count[j][strchr(abc, ids[i][5 + j]) - abc]++;
+    }
+    /* expected N/62 = 161.3 per letter and place, sd 12.6: +-7 sd */
+    int worst = 0;
+    for (int j = 0; j < L; j++)
+        for (int c = 0; c < 62; c++) {
+            const int d = abs(count[j][c] - N / 62);
+            if (d > worst) worst = d;
         }
-    k3_kernels_force(was);
-    const uint64_t whole = k3_pd_sum(b, N);
-    for (int bit = 0; bit < 8 * N; bit += 13) {
-        b[bit / 8] ^= (uint8_t)(1u << (bit % 8));
-        CHECKF(k3_pd_sum(b, N) != whole, "bit %d", bit);
-        b[bit / 8] ^= (uint8_t)(1u << (bit % 8));
-    }
-    CHECK(k3_pd_sum(b, N) == whole && k3_pd_sum(b, N - 1) != whole);
-    free(b);
+    CHECKF(worst < 90, "a letter %d away from its expected count", worst);
+    qsort(ids, N, sizeof ids[0], (int (*)(const void *, const void *))strcmp);
+    int rep = 0;
+    for (int i = 1; i < N; i++) rep += !strcmp(ids[i], ids[i - 1]);
+    CHECK(rep == 0);
+    char small[8];
+    CHECK(k3_random_id(small, sizeof small, "call_", 24) && strlen(small) == 7); /* cut to fit */
 }

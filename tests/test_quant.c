@@ -221,20 +221,19 @@ static void check_mxfp8_decode(void (*dq)(const uint8_t *, const uint8_t *, int6
 }
 
 K3_TEST(quant_mxfp8_simd_decode_equals_ref) {
+    if (!k3_kernels_have(K3_ISA_AVX2) && !k3_kernels_have(K3_ISA_AVX512))
+        SKIP("neither AVX2 nor AVX-512 on this CPU: no SIMD decode to compare");
     if (k3_kernels_have(K3_ISA_AVX2)) check_mxfp8_decode(k3_mxfp8_dequant_avx2, "avx2");
     else printf("    (no AVX2 on this CPU: not run)\n");
     if (k3_kernels_have(K3_ISA_AVX512)) check_mxfp8_decode(k3_mxfp8_dequant_avx512, "avx512");
     else printf("    (no AVX-512 on this CPU: not run)\n");
 }
 
-/* Whether the AVX-512 VNNI+VBMI kernels can run here (says so when not). */
+/* Whether the AVX-512 VNNI+VBMI kernels can run here. */
 static bool have_vnni_vbmi(void) {
     k3_kernels_init();
-    if (k3_kernels_isa() >= K3_ISA_AVX512 && __builtin_cpu_supports("avx512vnni") &&
-        __builtin_cpu_supports("avx512vbmi"))
-        return true;
-    printf("    (no AVX-512 VNNI+VBMI on this CPU: not run)\n");
-    return false;
+    return k3_kernels_isa() >= K3_ISA_AVX512 && __builtin_cpu_supports("avx512vnni") &&
+        __builtin_cpu_supports("avx512vbmi");
 }
 
 typedef void (*prep_fn)(const int8_t *xq, int64_t cols, int8_t *xp, int32_t *corr);
@@ -269,14 +268,14 @@ static void check_prep(prep_fn ref, prep_fn simd, const int64_t *cols, int ncols
 
 /* The row layout: whole groups of 128 columns, a short last group. */
 K3_TEST(quant_w4a8_prep_vbmi_equals_ref) {
-    if (!have_vnni_vbmi()) return;
+    if (!have_vnni_vbmi()) SKIP("no AVX-512 VNNI+VBMI on this CPU");
     const int64_t cols[] = {32, 96, 128, 384, 1024, 1120, 2048};
     check_prep(k3_mx4_prep_ref, k3_mx4_prep_avx512_vbmi, cols, 7);
 }
 
 /* The tiles' order (k3_mx4_r4_prep). */
 K3_TEST(quant_w4a8_r4_prep_vbmi_equals_ref) {
-    if (!have_vnni_vbmi()) return;
+    if (!have_vnni_vbmi()) SKIP("no AVX-512 VNNI+VBMI on this CPU");
     const int64_t cols[] = {128, 384, 1024, 2048};
     check_prep(k3_mx4_r4_prep_ref, k3_mx4_r4_prep_avx512_vbmi, cols, 4);
 }
@@ -338,18 +337,14 @@ static void check_w4a8_kernels(bool tiles, int R, int C, int N, int split) {
  * group of four rows (they are summed four at a time). Tiles: the latent
  * experts' 384 columns, a split between 16-row slices. */
 K3_TEST(quant_w4a8_vbmi_equals_shufb) {
-    if (!have_vnni_vbmi()) return;
+    if (!have_vnni_vbmi()) SKIP("no AVX-512 VNNI+VBMI on this CPU");
     check_w4a8_kernels(false, 19, 1120, 11, 7);
     check_w4a8_kernels(true, 24, 384, 11, 8);
 }
 
 /* ---- the AVX2 integer kernels (quant_avx2.c, declared in quant.h) ---- */
 
-static bool have_avx2(void) {
-    if (k3_kernels_have(K3_ISA_AVX2)) return true;
-    printf("    (no AVX2 on this CPU: not run)\n");
-    return false;
-}
+static bool have_avx2(void) { return k3_kernels_have(K3_ISA_AVX2); }
 
 static bool have_avxvnni(void) {
     k3_kernels_force(K3_ISA_AVX2);
@@ -416,7 +411,7 @@ static void check_q8_avx2(int R, int C, int N, int split) {
 }
 
 K3_TEST(quant_w8a8_avx2_equals_scalar) {
-    if (!have_avx2()) return;
+    if (!have_avx2()) SKIP("no AVX2 on this CPU");
     have_avxvnni();
     check_q8_avx2(7, 64, 1, 3);    /* decode, a row tail of the tiles; one token: row pairs + an odd row */
     check_q8_avx2(5, 8200, 1, 2);  /* one token, rows longer than the |x| buffer (column chunks) */
@@ -428,7 +423,7 @@ K3_TEST(quant_w8a8_avx2_equals_scalar) {
 
 /* The tiles' order on AVX2 (k3_mx4_r4_prep_avx2, what the AVX2 path takes). */
 K3_TEST(quant_w4a8_r4_prep_avx2_equals_ref) {
-    if (!have_avx2()) return;
+    if (!have_avx2()) SKIP("no AVX2 on this CPU");
     const int64_t cols[] = {128, 384, 1024, 2048};
     check_prep(k3_mx4_r4_prep_ref, k3_mx4_r4_prep_avx2, cols, 4);
 }
@@ -497,7 +492,7 @@ static void check_w4a8_avx2(int R, int C, int N, int split) {
 }
 
 K3_TEST(quant_w4a8_avx2_tiles) {
-    if (!have_avx2()) return;
+    if (!have_avx2()) SKIP("no AVX2 on this CPU");
     check_w4a8_avx2(4, 128, 1, 4);    /* one tile, one group */
     check_w4a8_avx2(24, 384, 11, 8);  /* the latent experts' down rows, 8 + 3 tokens, a split between slices */
     check_w4a8_avx2(36, 1024, 9, 20); /* gate/up rows, a split inside a slice */

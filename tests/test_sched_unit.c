@@ -337,3 +337,52 @@ K3_TEST(sched_unit_release_anywhere) {
     CHECK(fake_step(&f) == 0 && f.s.n_plan == 0);
     fake_close(&f);
 }
+
+/* A decode with drafts is a verify chunk of 1 + n_draft: cut to the budget
+ * and to the free blocks before anyone is preempted; after it, the kept
+ * positions are computed, full blocks registered, and the blocks only
+ * rejected positions used go back (block-table truncation). */
+K3_TEST(sched_unit_verify_chunks) {
+    fake f;
+    /* 4 blocks of 16: two requests of 20 + 20 */
+    fake_open(&f, (k3_sched_config){.max_seqs = 2, .max_num_batched_tokens = 40, .prefix_cache = true}, 4, 0, 0);
+    k3_rq *a = fake_add(&f, 20, 0, 30, 10), *b = fake_add(&f, 20, 0, 30, 400);
+    REQUIRE(a && b);
+    CHECK(fake_step(&f) == 40); /* both prompts, a token each */
+    CHECK(a->n_tok == 21 && a->n_computed == 20 && a->n_blocks == 2 && b->n_blocks == 2);
+    CHECK(f.bm.n_free == 0);
+    /* a drafts 9: positions 20..29 fit its second block (32); b drafts 20:
+     * 1 + 20 over the budget left (40 - 10 = 30 fits) but its block 2
+     * (positions 32..) has no free block: cut to 1 + 11, nobody preempted */
+    for (int i = 0; i < 9; i++) a->tok[a->n_tok + i] = 900 + i;
+    for (int i = 0; i < 20; i++) b->tok[b->n_tok + i] = 950 + i;
+    a->n_draft = 9;
+    b->n_draft = 20;
+    k3_sched_schedule(&f.s);
+    CHECK(f.s.n_plan == 2 && a->n_sched == 10 && a->n_draft == 9);
+    CHECK(b->n_sched == 12 && b->n_draft == 11 && f.s.n_preemptions == 0);
+    /* a keeps 4 (its last token and 3 drafts), b keeps 1 */
+    k3_sched_verified(&f.s, a, 4);
+    k3_sched_verified(&f.s, b, 1);
+    CHECK(a->n_computed == 24 && a->n_draft == 0 && a->n_sched == 0 && a->n_blocks == 2);
+    CHECK(b->n_computed == 21 && b->n_blocks == 2);
+    /* the first block of each is full and registered: a later identical prompt hits it */
+    CHECK(a->n_registered == 1 && b->n_registered == 1);
+    /* drafts over the budget: cut to what is left */
+    a->n_tok = 25;
+    for (int i = 0; i < 25; i++) a->tok[a->n_tok + i] = 700 + i; /* cap_tok is 51 */
+    a->n_draft = 25;
+    b->n_draft = 0;
+    b->n_tok = 22;
+    k3_sched_schedule(&f.s);
+    CHECK(f.s.plan_tokens <= 40 && a->n_sched + b->n_sched == f.s.plan_tokens && a->n_sched - 1 == a->n_draft);
+    /* a verify that reached into a new block and kept none of it gives it back */
+    const int32_t before = a->n_blocks;
+    k3_sched_verified(&f.s, a, 1);
+    CHECK(a->n_computed == 25 && a->n_blocks <= before && a->n_blocks == 2);
+    k3_sched_computed(&f.s, b);
+    int64_t refs = 0;
+    for (int32_t k = 0; k < f.bm.n_blocks; k++) refs += f.bm.ref[k];
+    CHECK(k3_kv_check(&f.bm) && refs == k3_sched_blocks_held(&f.s));
+    fake_close(&f);
+}

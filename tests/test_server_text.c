@@ -129,7 +129,7 @@ K3_TEST(server_chat_message_tool_calls) {
                        "<|close|>call<|sep|><|close|>tools<|sep|><|close|>message<|sep|>";
     bool tools = false;
     k3_error err = {0};
-    json_t *m = k3_srv_chat_message(text, strlen(text), true, &tools, &err);
+    json_t *m = k3_srv_chat_message(text, strlen(text), NULL, true, &tools, &err);
     REQUIREF(m, "%s", err.msg);
     CHECK(tools);
     CHECK(!strcmp(json_string_value(json_object_get(m, "role")), "assistant"));
@@ -150,14 +150,14 @@ K3_TEST(server_chat_message_tool_calls) {
     char *p = strstr(broken, "<|sep|>3<|close|>");
     REQUIRE(p);
     p[7] = 'x';
-    m = k3_srv_chat_message(broken, strlen(broken), true, &tools, &err);
+    m = k3_srv_chat_message(broken, strlen(broken), NULL, true, &tools, &err);
     CHECK(m == NULL && err.status == K3_ERR_FORMAT && strstr(err.msg, "days"));
     json_decref(m);
     free(broken);
 
     /* plain text, thinking off */
     const char *plain = "Hello there.<|close|>response<|sep|><|close|>message<|sep|>";
-    m = k3_srv_chat_message(plain, strlen(plain), false, &tools, &err);
+    m = k3_srv_chat_message(plain, strlen(plain), NULL, false, &tools, &err);
     REQUIRE(m);
     CHECK(!tools && !strcmp(json_string_value(json_object_get(m, "content")), "Hello there."));
     CHECK(json_object_get(m, "tool_calls") == NULL);
@@ -254,7 +254,7 @@ K3_TEST(server_tool_calls_stream_incrementally) {
     /* the whole reply, not streamed */
     bool tools = false;
     k3_error err = {0};
-    json_t *m = k3_srv_chat_message(text, len, true, &tools, &err);
+    json_t *m = k3_srv_chat_message(text, len, NULL, true, &tools, &err);
     REQUIREF(m, "%s", err.msg);
     json_t *tc = json_object_get(m, "tool_calls");
     CHECK(tools && json_array_size(tc) == 3);

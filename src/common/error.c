@@ -16,6 +16,7 @@ const char *k3_status_str(k3_status s) {
     case K3_ERR_ARG: return "bad argument";
     case K3_ERR_RANGE: return "out of range";
     case K3_ERR_BUSY: return "busy";
+    case K3_ERR_PERM: return "refused";
     }
     return "unknown status";
 }

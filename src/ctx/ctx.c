@@ -163,6 +163,7 @@ void k3_ctx_free(k3_ctx *ctx) {
     free(ctx->kda_conv);
     free(ctx->kda_snap_off);
     free(ctx->caps);
+    k3_spec_slots_free(ctx);
     free(ctx->lat_cache);
     free(ctx->idx_cache);
     free(ctx->free_blocks);
@@ -177,6 +178,9 @@ void k3_ctx_free(k3_ctx *ctx) {
                     &s->rwork, &s->iqs, &s->part_o, &s->part_l, &s->fused};
     for (size_t i = 0; i < sizeof fl / sizeof fl[0]; i++) free(*fl[i]);
     free(s->iq8);
+    free(s->rparts);
+    free(s->rfirst);
+    free(s->prow);
     free(s->isel);
     free(s->icount);
     free(s->rids);
@@ -361,8 +365,12 @@ static k3_status ctx_create(k3_ctx **out, const k3_model *m, const k3_ctx_option
     s->iq8 = zalloc(&a, (size_t)(T * c->index_n_heads * c->index_head_dim), sizeof(int8_t));
     s->iqs = zalloc(&a, (size_t)(T * c->index_n_heads), sizeof(float));
     s->isel = zalloc(&a, (size_t)(T * c->index_topk), sizeof(int64_t));
-    s->part_o = zalloc(&a, (size_t)(2 * ctx->nth * H * kvl), sizeof(float));
-    s->part_l = zalloc(&a, (size_t)(2 * ctx->nth * H), sizeof(float));
+    s->n_parts = 2 * ctx->nth > K3_ATTN_PARTS_MAX ? 2 * ctx->nth : K3_ATTN_PARTS_MAX;
+    s->part_o = zalloc(&a, (size_t)((s->n_parts + ctx->nth) * H * kvl), sizeof(float));
+    s->part_l = zalloc(&a, (size_t)(s->n_parts * H), sizeof(float));
+    s->rparts = zalloc(&a, (size_t)T, sizeof(int32_t));
+    s->rfirst = zalloc(&a, (size_t)T, sizeof(int32_t));
+    s->prow = zalloc(&a, (size_t)s->n_parts, sizeof(int32_t));
     s->icount = zalloc(&a, (size_t)T, sizeof(int32_t));
     s->f1 = zalloc(&a, (size_t)(T * ctx->ff_width), sizeof(float));
     s->f2 = zalloc(&a, (size_t)(T * ctx->ff_width), sizeof(float));
@@ -444,6 +452,7 @@ static void clear_state(k3_ctx *ctx, int32_t seq) {
 
 void k3_ctx_seq_clear_state(k3_ctx *ctx, int32_t seq) {
     if (seq < 0 || seq >= ctx->max_seqs) return;
+    k3_spec_forget(ctx, seq);
     clear_state(ctx, seq);
 }
 
@@ -454,6 +463,7 @@ void k3_ctx_seq_reset(k3_ctx *ctx, int32_t seq) {
         for (int32_t b = s->n_blocks - 1; b >= 0; b--) ctx->free_blocks[ctx->n_free++] = s->blocks[b];
     s->n_blocks = 0;
     s->pos = 0;
+    k3_spec_forget(ctx, seq);
     clear_state(ctx, seq);
 }
 
@@ -514,6 +524,7 @@ void k3_ctx_state_save(const k3_ctx *ctx, int32_t seq, void *dst) {
 
 void k3_ctx_state_restore(k3_ctx *ctx, int32_t seq, const void *src) {
     if (seq < 0 || seq >= ctx->max_seqs) return;
+    k3_spec_forget(ctx, seq);
     state_copy(ctx, seq, (float *)src, 1);
 }
 

@@ -34,6 +34,14 @@
 #define K3_KDA_CHUNK_MIN 64
 #define K3_KDA_CHUNK 16
 
+/* Attention of a row over many cached keys is split into parts of at least
+ * 256 keys, at most K3_ATTN_PARTS_MAX and 2 per thread, merged by
+ * log-sum-exp (src/layers/mla.c). The parts depend on the row alone (its
+ * keys and the thread count), never on the other rows of the round, so a
+ * row computes the same bits in a decode step, a verify chunk or a prefill. */
+#define K3_ATTN_PARTS_MAX 64
+#define K3_ATTN_PART_KEYS 256
+
 typedef struct k3_seq {
     int64_t pos;      /* tokens consumed */
     int32_t *blocks;  /* block table [max_blocks_per_seq] */
@@ -63,12 +71,16 @@ typedef struct k3_scratch {
     float *qn, *qa, *chat;    /* [H, T, nope], [H, T, kv_lora] x2 */
     float *mo, *mgate, *mtmp; /* [T, H*v], [T, H*v], [H, T, v] */
     /* DSA */
-    float *iq, *ik, *iw;    /* [T, HI*dI], [T, dI], [T, HI] */
-    int8_t *iq8;            /* [T, HI*dI] C8 indexer queries */
-    float *iqs;             /* [T, HI] their scales */
-    int64_t *isel;          /* [T, topk] selected cache slots */
-    int32_t *icount;        /* [T] */
-    float *part_o, *part_l; /* split-KV partials [2*nth, H, kv_lora], [2*nth, H] */
+    float *iq, *ik, *iw;      /* [T, HI*dI], [T, dI], [T, HI] */
+    int8_t *iq8;              /* [T, HI*dI] C8 indexer queries */
+    float *iqs;               /* [T, HI] their scales */
+    int64_t *isel;            /* [T, topk] selected cache slots */
+    int32_t *icount;          /* [T] */
+    float *part_o, *part_l;   /* split-KV partials [n_parts + nth, H, kv_lora], [n_parts, H]: a wave's
+                               parts, then one row of scratch per thread */
+    int32_t n_parts;          /* parts of one wave of attention rows (K3_ATTN_PARTS_MAX at least) */
+    int32_t *rparts, *rfirst; /* [T] a row's parts and its first part in the wave */
+    int32_t *prow;            /* [n_parts] a part's row */
     /* FFN / MoE */
     float *f1, *f2;                         /* [T, max(I, n_shared*Im, Im)] */
     float *rlog;                            /* [T, E] */
@@ -115,6 +127,16 @@ typedef struct k3_capture {
     void *dst;
 } k3_capture;
 
+/* A slot whose next run is a verify chunk (k3_ctx_spec_begin). */
+typedef struct k3_spec_slot {
+    bool on;      /* the next run of this slot verifies n positions */
+    int32_t n;    /* positions of the chunk */
+    int32_t mode; /* K3_SPEC_REAPPLY or K3_SPEC_STATES */
+    int64_t pos0; /* the slot's position before the chunk */
+    float *buf;   /* what the accept needs, k3_ctx_spec_bytes(n, mode) */
+    int64_t cap;  /* floats allocated */
+} k3_spec_slot;
+
 struct k3_ctx {
     const k3_model *m;
     const k3_config *c;
@@ -138,14 +160,17 @@ struct k3_ctx {
     int64_t *kda_snap_off; /* [n_layers] a KDA layer's offset in a state copy (floats) */
     k3_capture *caps;      /* KDA states to capture in the next k3_ctx_run */
     int32_t n_caps, cap_caps;
-    float **lat_cache; /* F32: [n_layers] -> [n_blocks*bs, kv_lora+rope] */
-    float **idx_cache; /* F32: [n_layers] -> [n_blocks*bs, dI] (DSA) */
-    int32_t n_tiles;   /* C8 scale tiles per latent row */
-    int8_t **lat8;     /* C8: [n_layers] -> [slots, kv_lora] */
-    float **lat_s;     /* C8: [n_layers] -> [slots, n_tiles] */
-    float **lat_r;     /* C8: [n_layers] -> [slots, rope] */
-    int8_t **idx8;     /* C8: [n_layers] -> [slots, dI] */
-    float **idx_s;     /* C8: [n_layers] -> [slots] */
+    int32_t *kda_ord;   /* [n_layers] a KDA layer's place among the KDA layers */
+    k3_spec_slot *spec; /* [max_seqs] verify chunks (k3_ctx_spec_begin), NULL until the first */
+    float **tspec;      /* [nth] a head's state and windows while it verifies */
+    float **lat_cache;  /* F32: [n_layers] -> [n_blocks*bs, kv_lora+rope] */
+    float **idx_cache;  /* F32: [n_layers] -> [n_blocks*bs, dI] (DSA) */
+    int32_t n_tiles;    /* C8 scale tiles per latent row */
+    int8_t **lat8;      /* C8: [n_layers] -> [slots, kv_lora] */
+    float **lat_s;      /* C8: [n_layers] -> [slots, n_tiles] */
+    float **lat_r;      /* C8: [n_layers] -> [slots, rope] */
+    int8_t **idx8;      /* C8: [n_layers] -> [slots, dI] */
+    float **idx_s;      /* C8: [n_layers] -> [slots] */
 
     bool prof_on;               /* k3_ctx_profile_enable */
     double prof[K3_PROF_COUNT]; /* seconds per operator */
@@ -199,6 +224,56 @@ k3_status k3_ctx_capture_state(k3_ctx *ctx, int32_t seq, int64_t pos, void *dst,
  * end (for a run that is not made after all). */
 void k3_ctx_forget_captures(k3_ctx *ctx);
 
+/* ---- verifying drafts (speculative decoding, src/spec) -------------------
+ * A verify chunk is the last accepted token and k draft tokens of one
+ * sequence, run as a short prefill chunk; the caller then keeps the first
+ * n_keep of its positions. The MLA/DSA caches need nothing: a rejected
+ * position's rows are never read (attention stops at a row's own position)
+ * and the next token written there overwrites them. The KDA layers do: their
+ * state must be the state after the last kept position. k3_ctx_spec_begin
+ * marks slot seq, so that in the next k3_ctx_run its n positions run the
+ * KDA recurrence and short convs on a copy of the slot's state (the slot's
+ * own state is not touched) and keep, per position, what the accept needs;
+ * k3_ctx_spec_accept then brings the slot's state to the one after n_keep
+ * positions and its position to pos0 + n_keep. Two ways to keep it
+ * (measured in docs/spec.md):
+ *   K3_SPEC_REAPPLY  per position and KDA layer, the pre-conv q, k, v rows
+ *                    and each head's k, v, decay gate and beta: the accept
+ *                    re-applies the recurrence over the kept positions (the
+ *                    same kernel, the same inputs: the same bits as a pass
+ *                    that never saw the rejected ones), 6·H·dk + H floats per
+ *                    position and layer;
+ *   K3_SPEC_STATES   every head's state and the windows after each position:
+ *                    the accept copies one; a whole KDA state per position.
+ * The chunk must be one entry of the run, of exactly n tokens, and is never
+ * cut over two rounds; snapshots are not captured inside it. A reset, clear,
+ * restore or new begin of the slot forgets the mark. */
+enum { K3_SPEC_REAPPLY = 0, K3_SPEC_STATES = 1 };
+#define K3_CTX_SPEC_MAX 32 /* positions of one verify chunk at most */
+/* Bytes the context keeps per slot for a chunk of n positions in mode. */
+int64_t k3_ctx_spec_bytes(const k3_ctx *ctx, int32_t n, int32_t mode);
+k3_status k3_ctx_spec_begin(k3_ctx *ctx, int32_t seq, int32_t n, int32_t mode, k3_error *err);
+k3_status k3_ctx_spec_accept(k3_ctx *ctx, int32_t seq, int32_t n_keep, k3_error *err);
+/* Inside the context: forgets slot seq's mark (its state is being replaced),
+ * frees what the marks keep (k3_ctx_free). */
+void k3_spec_forget(k3_ctx *ctx, int32_t seq);
+void k3_spec_slots_free(k3_ctx *ctx);
+/* Whether round span sp belongs to a slot marked for a verify chunk. */
+static inline bool k3_spec_on(const k3_ctx *ctx, int32_t seq) { return ctx->spec && ctx->spec[seq].on; }
+/* The layout of what a verify chunk keeps: per KDA layer (by kda_ord) its n
+ * positions, each k3_spec_pos_floats floats: REAPPLY the pre-conv rows [3,
+ * H*dk] (q, k, v), then per head k [dk], v [dk], g [dk], beta; STATES per
+ * head S [dk, dk], then the windows [3, K-1, H*dk] (state_save's layout of
+ * one layer). */
+static inline int64_t k3_spec_pos_floats(const k3_config *c, int32_t mode) {
+    const int64_t H = c->kda_heads, dk = c->kda_head_dim, Km1 = c->conv_size > 0 ? c->conv_size - 1 : 0;
+    return mode == K3_SPEC_STATES ? H * dk * dk + 3 * Km1 * H * dk : 6 * H * dk + H;
+}
+static inline float *k3_spec_at(const k3_ctx *ctx, int32_t seq, int layer, int32_t r) {
+    const k3_spec_slot *sp = &ctx->spec[seq];
+    return sp->buf + ((int64_t)ctx->kda_ord[layer] * sp->n + r) * k3_spec_pos_floats(ctx->c, sp->mode);
+}
+
 /* ---- moving a sequence's cache between instances (src/pd) ---------------
  * The transfer layout of n tokens of one MLA/DSA layer, component after
  * component, each token-major: f32: the latent + rope rows [n, kv_lora +
@@ -231,6 +306,13 @@ k3_status k3_ctx_kv_gather(k3_ctx *ctx, const int32_t *blocks, int32_t n_blocks,
 /* What k3_ctx_kv_gather checks before it exchanges anything. */
 k3_status k3_ctx_kv_gather_check(const k3_ctx *ctx, const int32_t *blocks, int32_t n_blocks, int32_t layer, int64_t t0,
                                  int32_t n, const void *dst, k3_error *err);
+
+/* The bytes of block id `block` of layer `layer` on this rank, one range
+ * per array of the transfer layout's order (the block's lbs slots are
+ * consecutive in each array): what a disk tier reads and writes in place
+ * (src/kvstore). Returns how many ranges (0 for a KDA layer, a layer or a
+ * block out of range). */
+int k3_ctx_kv_block_ranges(k3_ctx *ctx, int32_t layer, int32_t block, void *base[5], int64_t len[5]);
 
 /* Profiling: PROF(ctx, op, statement) adds the statement's time to op. */
 #define PROF(ctx, op, stmt) \

@@ -54,6 +54,17 @@ int64_t k3_ctx_kv_bytes(const k3_ctx *ctx, int32_t layer, int64_t n) {
     return row * n;
 }
 
+int k3_ctx_kv_block_ranges(k3_ctx *ctx, int32_t layer, int32_t block, void *base[5], int64_t len[5]) {
+    if (!is_attn(ctx, layer) || block < 0 || block >= ctx->n_blocks) return 0;
+    comp cs[5];
+    const int nc = layer_comps(ctx, layer, cs);
+    for (int c = 0; c < nc; c++) {
+        base[c] = cs[c].base + (int64_t)block * ctx->lbs * cs[c].row;
+        len[c] = (int64_t)ctx->lbs * cs[c].row;
+    }
+    return nc;
+}
+
 /* Slot on this rank of position p of the slice, or -1 when another DCP rank
  * caches it (k3_ctx_own_slot, with the slice's own table). */
 static int64_t slice_slot(const k3_ctx *ctx, const int32_t *blocks, int64_t p) {

@@ -46,6 +46,8 @@
     X(seq_set_pos, VOID, LOCAL, (VAL, int32_t, seq), (VAL, int64_t, pos)) \
     X(seq_clear_state, VOID, LOCAL, (VAL, int32_t, seq)) \
     X(state_restore, VOID, LOCAL, (VAL, int32_t, seq), (BYTES, void, src, k3_ctx_state_bytes(ctx))) \
+    X(spec_begin, STATUS, LOCAL, (VAL, int32_t, seq), (VAL, int32_t, n), (VAL, int32_t, mode)) \
+    X(spec_accept, STATUS, LOCAL, (VAL, int32_t, seq), (VAL, int32_t, n_keep)) \
     X(kv_write, STATUS, LOCAL, (IDS, blocks, n_blocks), (VAL, int32_t, layer), (VAL, int64_t, t0), (VAL, int32_t, n), \
       (BYTES, void, src, k3_ctx_kv_bytes(ctx, layer, n))) \
     X(kv_gather, STATUS, COLLECTIVE(k3_ctx_kv_gather_check), (IDS, blocks, n_blocks), (VAL, int32_t, layer), \
@@ -62,6 +64,7 @@
     X(capture_state)   /* rank 0 keeps the snapshots; the others compute the same state */ \
     X(forget_captures) /* the same captures */ \
     X(profile_enable)  /* rank 0's operator times */ \
+    X(kv_block_ranges) /* a disk tier reads and writes its own rank's blocks in place */ \
     X(profile_take)
 
 #endif /* K3_EXECUTOR_CALLS_H */

@@ -43,6 +43,11 @@ static k3_status validate(const k3_ctx *ctx, const k3_batch_seq *batch, int32_t 
         if (check_blocks && s->n_blocks < k3_ctx_blocks_for(ctx, end))
             return k3_err(err, K3_ERR_RANGE, "forward: sequence %d has %d blocks for %lld positions", b->seq,
                           s->n_blocks, (long long)end);
+        if (k3_spec_on(ctx, b->seq) && (b->n_tokens != ctx->spec[b->seq].n || s->pos != ctx->spec[b->seq].pos0))
+            return k3_err(err, K3_ERR_ARG,
+                          "forward: sequence %d is marked for a verify chunk of %d tokens at %lld, not %d at %lld",
+                          b->seq, ctx->spec[b->seq].n, (long long)ctx->spec[b->seq].pos0, b->n_tokens,
+                          (long long)s->pos);
     }
     return K3_OK;
 }
@@ -59,6 +64,8 @@ static void run_rounds(k3_ctx *ctx, const k3_batch_seq *batch, int32_t n_seqs, c
         while (cur < n_seqs && T < ctx->max_batch) {
             const k3_batch_seq *b = &batch[cur];
             int32_t take = b->n_tokens - off;
+            /* a verify chunk is never cut over two rounds: it starts the next */
+            if (take > ctx->max_batch - T && T > 0 && k3_spec_on(ctx, b->seq)) break;
             if (take > ctx->max_batch - T) take = ctx->max_batch - T;
             if (take > 0) {
                 k3_span *sp = &ctx->spans[ctx->n_spans++];

@@ -450,6 +450,65 @@ static bool has_path(const k3g_fa *fa, const uint8_t *ok, bool refs_only, int32_
 
 static k3_status nomem(k3g_builder *b) { return k3_err(b->err, K3_ERR_NOMEM, "out of memory building a grammar"); }
 
+/* The rules that reference each rule: refby[ref0[x] .. ref0[x + 1]) for rule x. */
+static k3_status referrers(k3g_builder *b, int32_t n, int32_t **ref0_out, int32_t **refby_out) {
+    int32_t *ref0 = calloc((size_t)n + 1, sizeof *ref0);
+    if (!ref0) return nomem(b);
+    size_t total = 0;
+    for (int32_t r = 0; r < n; r++) {
+        const k3g_fa *fa = &b->rules[r].fa;
+        for (size_t i = 0; i < fa->ne; i++)
+            if (fa->e[i].sym >= 0 && K3G_SYM_IS_REF(fa->e[i].sym)) {
+                ref0[K3G_SYM_ARG(fa->e[i].sym) + 1]++;
+                total++;
+            }
+    }
+    for (int32_t x = 0; x < n; x++) ref0[x + 1] += ref0[x];
+    int32_t *refby = malloc((total ? total : 1) * sizeof *refby), *fill = malloc(((size_t)n + 1) * sizeof *fill);
+    if (!refby || !fill) {
+        free(ref0);
+        free(refby);
+        free(fill);
+        return nomem(b);
+    }
+    memcpy(fill, ref0, ((size_t)n + 1) * sizeof *fill);
+    for (int32_t r = 0; r < n; r++) {
+        const k3g_fa *fa = &b->rules[r].fa;
+        for (size_t i = 0; i < fa->ne; i++)
+            if (fa->e[i].sym >= 0 && K3G_SYM_IS_REF(fa->e[i].sym)) refby[fill[K3G_SYM_ARG(fa->e[i].sym)]++] = r;
+    }
+    free(fill);
+    *ref0_out = ref0;
+    *refby_out = refby;
+    return K3_OK;
+}
+
+/* The least fixpoint of set[r] = has_path(rule r, over set) for the rules in
+ * only (NULL: all), by a work list: a rule is looked at again only when a
+ * rule it references joins the set. */
+static void fixpoint(k3g_builder *b, int32_t n, uint8_t *set, const uint8_t *only, bool refs_only, const int32_t *ref0,
+                     const int32_t *refby, int32_t *wl, uint8_t *inwl, int32_t *q, uint8_t *seen) {
+    int32_t nw = 0;
+    for (int32_t r = n; r-- > 0;)
+        if (!set[r] && (!only || only[r])) {
+            wl[nw++] = r;
+            inwl[r] = 1;
+        }
+    while (nw) {
+        const int32_t r = wl[--nw];
+        inwl[r] = 0;
+        if (set[r] || !has_path(&b->rules[r].fa, set, refs_only, q, seen)) continue;
+        set[r] = 1;
+        for (int32_t k = ref0[r]; k < ref0[r + 1]; k++) {
+            const int32_t x = refby[k];
+            if (!set[x] && !inwl[x] && (!only || only[x])) {
+                wl[nw++] = x;
+                inwl[x] = 1;
+            }
+        }
+    }
+}
+
 /* Drops the edges of rule r that reference rules outside ok[], then trims
  * (aliases are dropped if the numbering changes). */
 static k3_status prune_rule(k3g_builder *b, int32_t r, const uint8_t *ok) {
@@ -532,6 +591,10 @@ k3_status k3g_finalize(k3g_builder *b, int32_t root, k3_grammar **out) {
     /* 1. determinize the regular rules, mark the small ones for inlining */
     for (int32_t r = 0; r < n && st == K3_OK; r++) {
         k3g_brule *R = &b->rules[r];
+        if ((r & 255) == 0 && k3g_stopped(err, R->name)) {
+            st = err && err->status ? err->status : K3_ERR_UNSUPPORTED;
+            break;
+        }
         if (rule_refs(&R->fa)) continue;
         if (!R->dfa) {
             k3g_fa d = {0};
@@ -552,6 +615,10 @@ k3_status k3g_finalize(k3g_builder *b, int32_t root, k3_grammar **out) {
     /* 2. inline them and determinize the rest */
     for (int32_t r = 0; r < n && st == K3_OK; r++) {
         k3g_brule *R = &b->rules[r];
+        if ((r & 255) == 0 && k3g_stopped(err, R->name)) {
+            st = err && err->status ? err->status : K3_ERR_UNSUPPORTED;
+            break;
+        }
         if (R->std >= 0) continue; /* standard rules stay as built everywhere */
         st = inline_refs(&F, r, inl);
         if (st == K3_OK && !R->dfa) {
@@ -583,12 +650,16 @@ k3_status k3g_finalize(k3g_builder *b, int32_t root, k3_grammar **out) {
         seen = malloc(max_states);
         if (!q || !seen) st = nomem(b);
     }
+    /* the rules that reference each rule, for the fixpoints below: a rule is
+     * looked at again only when one it references changes (linear in the
+     * grammar, where a pass over every rule per change is quadratic on a
+     * chain of rules) */
+    int32_t *ref0 = NULL, *refby = NULL, *wl = NULL;
+    uint8_t *inwl = NULL;
+    if (st == K3_OK) st = referrers(b, n, &ref0, &refby);
+    if (st == K3_OK && (!(wl = malloc((size_t)n * sizeof *wl)) || !(inwl = calloc((size_t)n, 1)))) st = nomem(b);
     /* 3. productive rules (a fixpoint), then prune references to the rest */
-    for (bool changed = true; st == K3_OK && changed;) {
-        changed = false;
-        for (int32_t r = 0; r < n; r++)
-            if (!prod[r] && has_path(&b->rules[r].fa, prod, false, q, seen)) prod[r] = changed = true;
-    }
+    if (st == K3_OK) fixpoint(b, n, prod, NULL, false, ref0, refby, wl, inwl, q, seen);
     if (st == K3_OK && !prod[root]) st = k3_err(err, K3_ERR_ARG, "the grammar matches nothing");
     for (int32_t r = 0; r < n && st == K3_OK; r++)
         if (prod[r] && !(inl[r] && r != root)) st = prune_rule(b, r, prod);
@@ -613,12 +684,17 @@ k3_status k3g_finalize(k3g_builder *b, int32_t root, k3_grammar **out) {
         if (b->is_std)
             for (int32_t r = 0; r < n; r++) reach[r] = 1;
     }
-    /* 5. nullable rules, then left recursion */
-    for (bool changed = true; st == K3_OK && changed;) {
-        changed = false;
-        for (int32_t r = 0; r < n; r++)
-            if (reach[r] && !null[r] && has_path(&b->rules[r].fa, null, true, q, seen)) null[r] = changed = true;
-    }
+    /* 5. nullable rules, then left recursion (the pruning above changed the
+     * references: count them again) */
+    free(ref0);
+    free(refby);
+    ref0 = refby = NULL;
+    if (st == K3_OK) st = referrers(b, n, &ref0, &refby);
+    if (st == K3_OK) fixpoint(b, n, null, reach, true, ref0, refby, wl, inwl, q, seen);
+    free(ref0);
+    free(refby);
+    free(wl);
+    free(inwl);
     if (st == K3_OK) {
         /* left edges r -> x: x referenced from a state reachable from r's
          * start through nullable references only; a cycle is an error */

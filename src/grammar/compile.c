@@ -33,6 +33,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/chat_form.h"
 #include "common/error.h"
 #include "grammar/build.h"
 #include "grammar/gbnf.h"
@@ -40,6 +41,7 @@
 #include "grammar/schema.h"
 #include "grammar/stdrules.h"
 #include "grammar/vocab.h"
+#include "grammar/walk.h"
 
 typedef struct specials {
     int32_t open, close, sep;
@@ -47,9 +49,9 @@ typedef struct specials {
 
 static k3_status need_specials(k3g_builder *b, specials *s) {
     const k3_grammar_vocab *v = b->vocab;
-    s->open = k3g_vocab_special(v, "<|open|>", 8);
-    s->close = k3g_vocab_special(v, "<|close|>", 9);
-    s->sep = k3g_vocab_special(v, "<|sep|>", 7);
+    s->open = k3g_vocab_special(v, K3_FORM_OPEN, sizeof K3_FORM_OPEN - 1);
+    s->close = k3g_vocab_special(v, K3_FORM_CLOSE, sizeof K3_FORM_CLOSE - 1);
+    s->sep = k3g_vocab_special(v, K3_FORM_SEP, sizeof K3_FORM_SEP - 1);
     if (s->open < 0 || s->close < 0 || s->sep < 0)
         return k3_err(b->err, K3_ERR_ARG,
                       "the K3 reply form needs the tokenizer's <|open|>, <|close|> and <|sep|> "
@@ -65,11 +67,12 @@ static k3g_ast *tag(k3g_builder *b, int32_t a, const char *text, int32_t c) {
 static k3g_ast *think_part(k3g_builder *b, const specials *s) {
     int32_t text = k3g_std_rule(b, K3G_STD_ANY_TEXT);
     if (text < 0) return NULL;
-    return k3g_seq3(b, k3g_ref(b, text), tag(b, s->close, "think", s->sep), tag(b, s->open, "response", s->sep));
+    return k3g_seq3(b, k3g_ref(b, text), tag(b, s->close, K3_FORM_THINK, s->sep),
+                    tag(b, s->open, K3_FORM_RESPONSE, s->sep));
 }
 
 static k3g_ast *reply_end(k3g_builder *b, const specials *s) {
-    return k3g_rep(b, tag(b, s->close, "message", s->sep), 0, 1);
+    return k3g_rep(b, tag(b, s->close, K3_FORM_MESSAGE, s->sep), 0, 1);
 }
 
 #define EXACT_INDICES 16
@@ -103,7 +106,7 @@ static k3_status tool_calls(k3g_builder *b, const k3_grammar_spec *spec, const c
         snprintf(name, sizeof name, "call %.200s", t->name);
         body[i] = k3g_rule(b, name);
         if (body[i] < 0) st = b->err && b->err->status ? b->err->status : K3_ERR_NOMEM;
-        else st = k3g_rule_set(b, body[i], k3g_seq2(b, args, tag(b, s.close, "call", s.sep)));
+        else st = k3g_rule_set(b, body[i], k3g_seq2(b, args, tag(b, s.close, K3_FORM_CALL, s.sep)));
     }
     /* CALL(index): the open tag with each tool's name, then its body */
     int32_t n_idx = spec->parallel_calls ? EXACT_INDICES + 1 : 1;
@@ -121,9 +124,9 @@ static k3_status tool_calls(k3g_builder *b, const k3_grammar_spec *spec, const c
         }
         for (int32_t i = 0; i < nt; i++) {
             k3g_ast *kk[7] = {k3g_special(b, s.open),
-                              k3g_str(b, "call tool=\""),
+                              k3g_str(b, K3_FORM_CALL " " K3_FORM_ATTR_TOOL "=\""),
                               k3g_attr_lit(b, spec->tools[i].name),
-                              k3g_str(b, "\" index=\""),
+                              k3g_str(b, "\" " K3_FORM_ATTR_INDEX "=\""),
                               index,
                               k3g_str(b, "\""),
                               k3g_special(b, s.sep)};
@@ -144,7 +147,8 @@ static k3_status tool_calls(k3g_builder *b, const k3_grammar_spec *spec, const c
     }
     if (st == K3_OK) {
         k3g_ast *pre = spec->thinking ? think_part(b, &s) : k3g_empty(b);
-        k3g_ast *calls_part = k3g_seq3(b, tag(b, s.open, "tools", s.sep), all, tag(b, s.close, "tools", s.sep));
+        k3g_ast *calls_part =
+            k3g_seq3(b, tag(b, s.open, K3_FORM_TOOLS, s.sep), all, tag(b, s.close, K3_FORM_TOOLS, s.sep));
         k3g_ast *turn;
         if (spec->tools_optional && spec->text) {
             /* content matching the JSON Schema text, or the calls */
@@ -155,16 +159,16 @@ static k3_status tool_calls(k3g_builder *b, const k3_grammar_spec *spec, const c
             int32_t r;
             st = k3g_json_schema(b, spec->text, &o, &r);
             turn = st ? NULL
-                      : k3g_alt2(b, k3g_seq2(b, k3g_ref(b, r), tag(b, s.close, "response", s.sep)),
-                                 k3g_seq2(b, tag(b, s.close, "response", s.sep), calls_part));
+                      : k3g_alt2(b, k3g_seq2(b, k3g_ref(b, r), tag(b, s.close, K3_FORM_RESPONSE, s.sep)),
+                                 k3g_seq2(b, tag(b, s.close, K3_FORM_RESPONSE, s.sep), calls_part));
         } else if (spec->tools_optional) {
             /* text content (a raw string: no <|close|> in it), then the calls or none */
             int32_t text = k3g_std_rule(b, K3G_STD_RAW_STRING);
             turn = text < 0
                 ? NULL
-                : k3g_seq3(b, k3g_ref(b, text), tag(b, s.close, "response", s.sep), k3g_rep(b, calls_part, 0, 1));
+                : k3g_seq3(b, k3g_ref(b, text), tag(b, s.close, K3_FORM_RESPONSE, s.sep), k3g_rep(b, calls_part, 0, 1));
         } else {
-            turn = k3g_seq2(b, tag(b, s.close, "response", s.sep), calls_part);
+            turn = k3g_seq2(b, tag(b, s.close, K3_FORM_RESPONSE, s.sep), calls_part);
         }
         *out = st ? NULL : k3g_seq3(b, pre, turn, reply_end(b, &s));
         if (!st && !*out) st = K3_ERR_NOMEM;
@@ -172,6 +176,30 @@ static k3_status tool_calls(k3g_builder *b, const k3_grammar_spec *spec, const c
     free(body);
     if (st == K3_ERR_NOMEM && !(b->err && b->err->status)) k3_err(b->err, st, "out of memory compiling tool calls");
     return st;
+}
+
+/* Every token table the grammar's masks will read (a node's; a length-limited
+ * string's counted table), made now on the compiling thread, where the
+ * compile's budget and cancellation apply, rather than at a mask in the
+ * engine's step: a mask is then ORs of ready tables and walks of the few
+ * tokens that leave a rule (docs/grammar.md, "Cost"). A table whose walk
+ * runs past its budget (an ambiguous grammar) refuses the grammar here,
+ * naming the rule. A huge grammar (a regular expression of 2^17 states)
+ * stops making them when a quarter of the compile's budget is spent and
+ * makes the rest on first use, a few hundred microseconds each. */
+static k3_status tabulate(k3_grammar *g, const char *where, double until, k3_error *err) {
+    for (int32_t n = 0; n < g->n_nodes; n++) {
+        if (!g->nodes[n].nb) continue;
+        if ((n & 15) == 0) {
+            if (k3g_stopped(err, where)) return err && err->status ? err->status : K3_ERR_UNSUPPORTED;
+            if (k3_now() > until) break;
+        }
+        k3_error e = {0};
+        const bool ok = g->budget && g->budget[n] >= 0 ? k3g_counted_get(g->vocab, -g->nodes[n].key - 1, &e) != NULL
+                                                       : k3g_entry_get(g, n, &e) != NULL;
+        if (!ok) return k3_err(err, e.status ? e.status : K3_ERR_NOMEM, "%s: %s", where, e.msg);
+    }
+    return K3_OK;
 }
 
 k3_status k3_grammar_compile(k3_grammar **out, const k3_grammar_vocab *v, const k3_grammar_spec *spec, k3_error *err) {
@@ -182,6 +210,11 @@ k3_status k3_grammar_compile(k3_grammar **out, const k3_grammar_vocab *v, const 
     if ((unsigned)spec->kind > K3_GRAMMAR_TOOL_CALLS)
         return k3_err(err, K3_ERR_ARG, "unknown grammar kind %d", (int)spec->kind);
     const char *where = spec->where ? spec->where : default_where[spec->kind];
+    /* the compile's budget and cancellation, for every loop below (fsa.h) */
+    k3g_stop stop = {.cancel = spec->cancel, .ctx = spec->cancel_ctx};
+    stop.budget_s = spec->max_compile_s > 0 ? spec->max_compile_s : K3_GRAMMAR_COMPILE_S;
+    stop.deadline = k3_now() + stop.budget_s;
+    k3g_stop_set(&stop);
     k3g_builder b;
     k3g_builder_init(&b, v, err);
     k3g_ws ws = spec->compact ? K3G_WS_COMPACT : K3G_WS_FLEX;
@@ -237,7 +270,7 @@ k3_status k3_grammar_compile(k3_grammar **out, const k3_grammar_vocab *v, const 
         st = need_specials(&b, &s);
         if (st == K3_OK) {
             k3g_ast *pre = spec->thinking ? think_part(&b, &s) : k3g_empty(&b);
-            k3g_ast *kk[4] = {pre, content, tag(&b, s.close, "response", s.sep), reply_end(&b, &s)};
+            k3g_ast *kk[4] = {pre, content, tag(&b, s.close, K3_FORM_RESPONSE, s.sep), reply_end(&b, &s)};
             content = k3g_seq(&b, kk, 4);
         }
     }
@@ -256,6 +289,14 @@ k3_status k3_grammar_compile(k3_grammar **out, const k3_grammar_vocab *v, const 
             st = k3_err(err, K3_ERR_ARG, "%s: nothing can match it (the constraints contradict each other)", where);
         }
     }
+    if (st == K3_OK) {
+        st = tabulate(*out, where, stop.deadline - 0.75 * stop.budget_s, err);
+        if (st != K3_OK) {
+            k3_grammar_free(*out);
+            *out = NULL;
+        }
+    }
     k3g_builder_free(&b);
+    k3g_stop_set(NULL);
     return st;
 }

@@ -448,6 +448,33 @@ typedef struct tgt {
     int32_t to;
 } tgt;
 
+/* ---- a compile's stop -------------------------------------------------------------- */
+
+static _Thread_local k3g_stop *cur_stop;
+
+void k3g_stop_set(k3g_stop *s) { cur_stop = s; }
+
+bool k3g_stopped(k3_error *err, const char *what) {
+    k3g_stop *s = cur_stop;
+    if (!s) return false;
+    if (s->why != K3_OK) return true;
+    const double now = k3_now();
+    if (s->deadline > 0 && now > s->deadline) {
+        s->why = k3_err(err, K3_ERR_UNSUPPORTED, "%s: compiling it takes longer than the budget of %.0f s",
+                        what ? what : "the grammar", s->budget_s);
+        return true;
+    }
+    if (s->cancel && now >= s->next_cancel) {
+        s->next_cancel = now + 0.01;
+        if (s->cancel(s->ctx)) {
+            s->why =
+                k3_err(err, K3_ERR_IO, "%s: the compile was stopped (the client left)", what ? what : "the grammar");
+            return true;
+        }
+    }
+    return false;
+}
+
 k3_status k3g_fa_determinize(const k3g_fa *nfa_in, k3g_fa *out, const char *what, k3_error *err) {
     *out = (k3g_fa){0};
     k3g_fa *nfa = (k3g_fa *)nfa_in; /* indexing sorts the edges, nothing else */
@@ -480,6 +507,10 @@ k3_status k3g_fa_determinize(const k3g_fa *nfa_in, k3g_fa *out, const char *what
          * [a-z]*x[a-z]{200} has few of the first and very many of the second */
         if (sp.n_sets > K3G_MAX_DFA_STATES || sp.n > (size_t)8 * K3G_MAX_DFA_STATES) {
             st = K3_ERR_UNSUPPORTED;
+            break;
+        }
+        if ((d & 255) == 0 && k3g_stopped(err, what)) {
+            st = K3_ERR_RANGE; /* the error is written */
             break;
         }
         /* gather the non-epsilon edges of the members */
@@ -574,6 +605,7 @@ k3_status k3g_fa_determinize(const k3g_fa *nfa_in, k3g_fa *out, const char *what
     free(seeds);
     if (st != K3_OK) {
         k3g_fa_free(out);
+        if (st == K3_ERR_RANGE) return err && err->status ? err->status : K3_ERR_UNSUPPORTED; /* stopped */
         if (st == K3_ERR_UNSUPPORTED)
             return k3_err(err, st, "%s is too large (over %d automaton states)", what, K3G_MAX_DFA_STATES);
         return k3_err(err, K3_ERR_NOMEM, "out of memory building %s", what);
@@ -649,6 +681,10 @@ k3_status k3g_fa_intersect(const k3g_fa *a_in, const k3g_fa *b_in, k3g_fa *out, 
             st = out->oom ? K3_ERR_NOMEM : K3_ERR_UNSUPPORTED;
             break;
         }
+        if ((d & 255) == 0 && k3g_stopped(err, what)) {
+            st = K3_ERR_RANGE; /* the error is written */
+            break;
+        }
         int32_t x = qa[d], y = qb[d];
         out->final[d] = a->final[x] && b->final[y];
         int32_t i = a->first[x], ie = a->first[x + 1], j = b->first[y], je = b->first[y + 1];
@@ -709,6 +745,7 @@ k3_status k3g_fa_intersect(const k3g_fa *a_in, const k3g_fa *b_in, k3g_fa *out, 
     free(qb);
     if (st != K3_OK) {
         k3g_fa_free(out);
+        if (st == K3_ERR_RANGE) return err && err->status ? err->status : K3_ERR_UNSUPPORTED; /* stopped */
         if (st == K3_ERR_UNSUPPORTED)
             return k3_err(err, st, "%s is too large (over %d automaton states)", what, K3G_MAX_DFA_STATES);
         return k3_err(err, K3_ERR_NOMEM, "out of memory building %s", what);

@@ -128,4 +128,22 @@ k3_status k3g_fa_utf8_length(k3g_fa *out, int64_t min, int64_t max, k3_error *er
 /* The DFA of byte strings that do not contain w as a substring. */
 k3_status k3g_fa_avoid(k3g_fa *out, const char *w, k3_error *err);
 
+/* ---- a compile's budget and its cancellation ----
+ * k3_grammar_compile sets a stop for its thread (the spec's time budget and
+ * cancel callback); the long loops (subset constructions, products, the
+ * rules of a grammar, the schema's nodes, the token tables) ask k3g_stopped
+ * every so often and end with the error it writes, naming what they were
+ * building. Nothing is stopped on a thread without one. */
+typedef struct k3g_stop {
+    bool (*cancel)(void *ctx); /* true: stop (the client left); asked at most every 10 ms */
+    void *ctx;
+    double budget_s, deadline; /* the budget, and its end on k3_now()'s clock (0: none) */
+    double next_cancel;        /* when the callback is asked next */
+    k3_status why;             /* K3_OK, or why the compile stopped (sticky) */
+} k3g_stop;
+void k3g_stop_set(k3g_stop *s); /* this thread's, NULL for none */
+/* Whether the compile must stop: true once the budget is spent or the
+ * callback said so, with err naming what and why (once). */
+bool k3g_stopped(k3_error *err, const char *what);
+
 #endif /* K3_GRAMMAR_FSA_H */

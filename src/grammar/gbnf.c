@@ -30,13 +30,17 @@ typedef struct gp {
     size_t n, at;
     const char *where;
     int line;
-    /* rule names -> rule ids */
+    /* rule names -> rule ids, by a hash (a grammar of many rules compiles in
+     * time linear in its text) */
     struct gname {
         char *name;
+        size_t len;
         int32_t id;
         bool defined;
     } * names;
     size_t n_names, cap_names;
+    int32_t *slot; /* open addressing: index into names, or -1 */
+    uint32_t mask;
     int depth;
 } gp;
 
@@ -64,18 +68,55 @@ static void space(gp *p, bool newlines) {
     }
 }
 
-static int32_t rule_of(gp *p, const char *name, size_t len) {
-    for (size_t i = 0; i < p->n_names; i++)
-        if (strlen(p->names[i].name) == len && !memcmp(p->names[i].name, name, len)) return p->names[i].id;
+static uint32_t name_hash(const char *s, size_t n) {
+    uint64_t h = 1469598103934665603ull;
+    for (size_t i = 0; i < n; i++) h = (h ^ (uint8_t)s[i]) * 1099511628211ull;
+    return (uint32_t)(h ^ h >> 32);
+}
+
+static bool names_rehash(gp *p) {
+    uint32_t ns = p->slot ? (p->mask + 1) * 2 : 256;
+    int32_t *slot = malloc((size_t)ns * sizeof *slot);
+    if (!slot) return false;
+    for (uint32_t i = 0; i < ns; i++) slot[i] = -1;
+    for (size_t k = 0; k < p->n_names; k++) {
+        uint32_t i = name_hash(p->names[k].name, p->names[k].len) & (ns - 1);
+        while (slot[i] >= 0) i = (i + 1) & (ns - 1);
+        slot[i] = (int32_t)k;
+    }
+    free(p->slot);
+    p->slot = slot;
+    p->mask = ns - 1;
+    return true;
+}
+
+/* The index in names of the rule called name (made when new); -1 when out of memory. */
+static int32_t name_index(gp *p, const char *name, size_t len) {
+    if (!p->slot || p->n_names * 2 + 2 >= p->mask) {
+        if (!names_rehash(p)) return -1;
+    }
+    uint32_t i = name_hash(name, len) & p->mask;
+    for (; p->slot[i] >= 0; i = (i + 1) & p->mask) {
+        const struct gname *g = &p->names[p->slot[i]];
+        if (g->len == len && !memcmp(g->name, name, len)) return p->slot[i];
+    }
     char buf[256];
     snprintf(buf, sizeof buf, "%.*s", (int)(len < 200 ? len : 200), name);
     int32_t r = k3g_rule(p->b, buf);
     if (r < 0) return -1;
     if (!k3g_grow(&p->names, &p->cap_names, p->n_names + 1, sizeof *p->names)) return -1;
-    char *d = strdup(buf);
+    char *d = malloc(len + 1);
     if (!d) return -1;
-    p->names[p->n_names++] = (struct gname){d, r, false};
-    return r;
+    memcpy(d, name, len);
+    d[len] = 0;
+    p->names[p->n_names] = (struct gname){d, len, r, false};
+    p->slot[i] = (int32_t)p->n_names;
+    return (int32_t)p->n_names++;
+}
+
+static int32_t rule_of(gp *p, const char *name, size_t len) {
+    const int32_t k = name_index(p, name, len);
+    return k < 0 ? -1 : p->names[k].id;
 }
 
 static int64_t utf8_next(gp *p) {
@@ -454,6 +495,10 @@ k3_status k3g_gbnf(k3g_builder *b, const char *text, size_t len, const char *whe
     for (;;) {
         space(&p, true);
         if (p.at >= p.n) break;
+        if (k3g_stopped(b->err, where)) {
+            st = b->err && b->err->status ? b->err->status : K3_ERR_UNSUPPORTED;
+            break;
+        }
         size_t a = p.at;
         while (p.at < p.n && name_char(p.s[p.at])) p.at++;
         if (p.at == a) {
@@ -467,13 +512,13 @@ k3_status k3g_gbnf(k3g_builder *b, const char *text, size_t len, const char *whe
             break;
         }
         p.at += 3;
-        int32_t r = rule_of(&p, (const char *)p.s + a, nl);
-        if (r < 0) {
+        const int32_t k = name_index(&p, (const char *)p.s + a, nl);
+        if (k < 0) {
             st = nomem(&p);
             break;
         }
-        size_t idx = 0;
-        while (p.names[idx].id != r) idx++;
+        const size_t idx = (size_t)k;
+        const int32_t r = p.names[idx].id;
         if (p.names[idx].defined) {
             char what[300];
             snprintf(what, sizeof what, "rule '%s' is defined twice", p.names[idx].name);
@@ -507,5 +552,6 @@ k3_status k3g_gbnf(k3g_builder *b, const char *text, size_t len, const char *whe
     }
     for (size_t i = 0; i < p.n_names; i++) free(p.names[i].name);
     free(p.names);
+    free(p.slot);
     return st;
 }

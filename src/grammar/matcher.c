@@ -30,14 +30,14 @@
 
 typedef struct mstate {
     size_t off, n;    /* configurations in m->cfgs */
-    int32_t frames;   /* frames in use at this state */
+    int32_t nf, ne;   /* frames and edges in use at this state */
     uint8_t complete; /* the root rule can end here */
     uint8_t ended;    /* an end-of-generation id was accepted */
 } mstate;
 
 struct k3_grammar_matcher {
     k3_grammar *g;
-    k3g_frames fr;
+    k3g_gss gs; /* the stacks, graph-structured (parser.h) */
     k3g_cscratch cs;
     k3g_cfgv cfgs; /* every state's configurations back to back */
     mstate *hist;  /* [n_hist]: hist[0] the start, one per token after */
@@ -54,6 +54,16 @@ struct k3_grammar_matcher {
 
 static k3_status nomem(k3_error *err) { return k3_err(err, K3_ERR_NOMEM, "out of memory in the grammar matcher"); }
 
+/* A closure that failed: its budget ran out (what), else out of memory. */
+static k3_status failed(k3_grammar_matcher *m, const char *what, k3_error *err) {
+    if (!m->cs.over) return nomem(err);
+    m->cs.over = false;
+    return k3_err(err, K3_ERR_UNSUPPORTED,
+                  "the grammar needs more than %lld parser steps (or %d stack frames) for %s: a grammar this "
+                  "ambiguous or this large is cut here",
+                  (long long)(strstr(what, "mask") ? K3G_MASK_WORK : K3G_ACCEPT_WORK), K3G_MAX_GSS, what);
+}
+
 static const k3g_cfg *top_cfgs(const k3_grammar_matcher *m, size_t *n) {
     const mstate *s = &m->hist[m->n_hist - 1];
     *n = s->n;
@@ -63,7 +73,7 @@ static const k3g_cfg *top_cfgs(const k3_grammar_matcher *m, size_t *n) {
 static bool push_state(k3_grammar_matcher *m, const k3g_cfg *c, size_t n, bool complete, bool ended) {
     if (!k3g_grow(&m->hist, &m->cap_hist, m->n_hist + 1, sizeof *m->hist)) return false;
     if (!k3g_grow(&m->cfgs.v, &m->cfgs.cap, m->cfgs.n + n, sizeof *m->cfgs.v)) return false;
-    mstate s = {m->cfgs.n, n, m->fr.n, complete, ended};
+    mstate s = {m->cfgs.n, n, m->gs.nf, m->gs.ne, complete, ended};
     if (n) memmove(m->cfgs.v + m->cfgs.n, c, n * sizeof *c);
     m->cfgs.n += n;
     m->hist[m->n_hist++] = s;
@@ -73,12 +83,13 @@ static bool push_state(k3_grammar_matcher *m, const k3g_cfg *c, size_t n, bool c
 static k3_status start_state(k3_grammar_matcher *m, k3_error *err) {
     m->n_hist = 0;
     m->cfgs.n = 0;
-    k3g_frames_truncate(&m->fr, 0);
+    k3g_gss_truncate(&m->gs, 0, 0);
     m->ta.n = 0;
     bool bottom = false;
     k3g_cfg s0 = {m->g->rule_start[m->g->root], -1};
-    if (!k3g_closure(m->g, &m->fr, &m->cs, &s0, 1, &m->ta, &bottom) || !push_state(m, m->ta.v, m->ta.n, bottom, false))
-        return nomem(err);
+    m->cs.budget = K3G_ACCEPT_WORK;
+    if (!k3g_gss_closure(m->g, &m->gs, &m->cs, &s0, 1, &m->ta, &bottom)) return failed(m, "the start", err);
+    if (!push_state(m, m->ta.v, m->ta.n, bottom, false)) return nomem(err);
     return K3_OK;
 }
 
@@ -111,7 +122,7 @@ k3_status k3_grammar_matcher_init(k3_grammar_matcher **out, k3_grammar *g, k3_er
 void k3_grammar_matcher_free(k3_grammar_matcher *m) {
     if (!m) return;
     k3_grammar_free(m->g);
-    k3g_frames_free(&m->fr);
+    k3g_gss_free(&m->gs);
     k3g_cscratch_free(&m->cs);
     free(m->cfgs.v);
     free(m->hist);
@@ -130,7 +141,7 @@ k3_status k3_grammar_matcher_clone(k3_grammar_matcher **out, const k3_grammar_ma
     k3_grammar_matcher *c = calloc(1, sizeof *c);
     if (!c) return nomem(err);
     c->g = k3_grammar_ref(m->g);
-    bool ok = k3g_frames_copy(&c->fr, &m->fr);
+    bool ok = k3g_gss_copy(&c->gs, &m->gs);
     if (ok && m->cfgs.n) {
         ok = k3g_grow(&c->cfgs.v, &c->cfgs.cap, m->cfgs.n, sizeof *c->cfgs.v);
         if (ok) memcpy(c->cfgs.v, m->cfgs.v, m->cfgs.n * sizeof *c->cfgs.v);
@@ -153,10 +164,15 @@ void k3_grammar_matcher_reset(k3_grammar_matcher *m) {
     /* the start state is hist[0]: keep it */
     m->n_hist = 1;
     m->cfgs.n = m->hist[0].n;
-    k3g_frames_truncate(&m->fr, m->hist[0].frames);
+    k3g_gss_truncate(&m->gs, m->hist[0].nf, m->hist[0].ne);
 }
 
 int32_t k3_grammar_matcher_n_tokens(const k3_grammar_matcher *m) { return (int32_t)m->n_hist - 1; }
+
+void k3_grammar_matcher_size(const k3_grammar_matcher *m, size_t *configs, size_t *frames) {
+    *configs = m->hist[m->n_hist - 1].n;
+    *frames = (size_t)m->gs.nf + (size_t)m->gs.ne;
+}
 
 bool k3_grammar_matcher_is_complete(const k3_grammar_matcher *m) {
     const mstate *s = &m->hist[m->n_hist - 1];
@@ -171,7 +187,7 @@ k3_status k3_grammar_matcher_rollback(k3_grammar_matcher *m, int32_t n, k3_error
     m->n_hist -= (size_t)n;
     const mstate *s = &m->hist[m->n_hist - 1];
     m->cfgs.n = s->off + s->n;
-    k3g_frames_truncate(&m->fr, s->frames);
+    k3g_gss_truncate(&m->gs, s->nf, s->ne);
     return K3_OK;
 }
 
@@ -187,7 +203,9 @@ k3_status k3_grammar_matcher_accept(k3_grammar_matcher *m, int32_t id, k3_error 
     if (id < 0 || id >= v->n_vocab) return k3_err(err, K3_ERR_ARG, "token id %d is out of range", id);
     const mstate cur = m->hist[m->n_hist - 1];
     if (cur.ended) return k3_err(err, K3_ERR_ARG, "token %d comes after the end of the generation", id);
-    int32_t frames0 = m->fr.n;
+    const int32_t nf0 = m->gs.nf, ne0 = m->gs.ne;
+    m->cs.budget = K3G_ACCEPT_WORK;
+    m->cs.over = false;
     size_t n;
     const k3g_cfg *c = top_cfgs(m, &n);
     m->ta.n = 0;
@@ -202,7 +220,10 @@ k3_status k3_grammar_matcher_accept(k3_grammar_matcher *m, int32_t id, k3_error 
                     return nomem(err);
         }
         if (m->tb.n) {
-            if (!k3g_closure(g, &m->fr, &m->cs, m->tb.v, m->tb.n, &m->ta, &bottom)) return nomem(err);
+            if (!k3g_gss_closure(g, &m->gs, &m->cs, m->tb.v, m->tb.n, &m->ta, &bottom)) {
+                k3g_gss_truncate(&m->gs, nf0, ne0);
+                return failed(m, "one token", err);
+            }
             if (!push_state(m, m->ta.v, m->ta.n, bottom, false)) return nomem(err);
             return K3_OK;
         }
@@ -220,21 +241,21 @@ k3_status k3_grammar_matcher_accept(k3_grammar_matcher *m, int32_t id, k3_error 
     for (size_t i = 0; i < len; i++) {
         dst->n = 0;
         bottom = false;
-        bool ok = src ? k3g_scan_byte(g, &m->fr, &m->cs, src->v, src->n, p[i], dst, &bottom)
-                      : k3g_scan_byte(g, &m->fr, &m->cs, c, n, p[i], dst, &bottom);
+        bool ok = src ? k3g_gss_scan_byte(g, &m->gs, &m->cs, src->v, src->n, p[i], dst, &bottom)
+                      : k3g_gss_scan_byte(g, &m->gs, &m->cs, c, n, p[i], dst, &bottom);
         if (!ok) {
-            k3g_frames_truncate(&m->fr, frames0);
-            return nomem(err);
+            k3g_gss_truncate(&m->gs, nf0, ne0);
+            return failed(m, "one token", err);
         }
         if (dst->n == 0 && !(bottom && i + 1 == len)) {
-            k3g_frames_truncate(&m->fr, frames0);
+            k3g_gss_truncate(&m->gs, nf0, ne0);
             return k3_err(err, K3_ERR_ARG, "token %d is not allowed here (byte %zu of it)", id, i);
         }
         src = dst;
         dst = dst == &m->ta ? &m->tb : &m->ta;
     }
     if (!push_state(m, src->v, src->n, bottom, false)) {
-        k3g_frames_truncate(&m->fr, frames0);
+        k3g_gss_truncate(&m->gs, nf0, ne0);
         return nomem(err);
     }
     return K3_OK;
@@ -291,18 +312,22 @@ static void allowed_bytes(const k3_grammar *g, const k3g_cfg *c, size_t n, k3g_b
 static bool suffix_walk(k3_grammar_matcher *m, const k3g_entry *e, int32_t stack, uint64_t *mask, const int32_t *cnt,
                         int32_t need, int32_t budget) {
     const k3_grammar *g = m->g;
-    int32_t frames0 = m->fr.n;
+    const int32_t nf0 = m->gs.nf, ne0 = m->gs.ne;
     size_t depth_cap = 1;
     for (int32_t i = 0; i < e->n_sfx; i++)
         if ((size_t)e->s_depth[i] + 1 > depth_cap) depth_cap = (size_t)e->s_depth[i] + 1;
     if (!k3g_grow(&m->lv_off, &m->cap_lv, depth_cap + 1, sizeof *m->lv_off)) return false;
     if (!k3g_grow(&m->lv_allowed, &m->cap_lva, depth_cap, sizeof *m->lv_allowed)) return false;
-    k3g_frame F = m->fr.v[stack];
-    k3g_cfg seed = {F.ret, F.parent};
+    /* the rule's frame popped: its return node on each stack below */
+    m->tb.n = 0;
+    if (!k3g_gss_pop(&m->gs, stack, &m->tb)) return false;
     bool bottom = false;
     m->lv.n = 0;
     m->lv_off[0] = 0;
-    if (!k3g_closure(g, &m->fr, &m->cs, &seed, 1, &m->lv, &bottom)) return false;
+    if (!k3g_gss_closure(g, &m->gs, &m->cs, m->tb.v, m->tb.n, &m->lv, &bottom)) {
+        k3g_gss_truncate(&m->gs, nf0, ne0);
+        return false;
+    }
     m->lv_off[1] = m->lv.n;
     bool ok = true;
     if (m->lv.n) {
@@ -338,7 +363,7 @@ static bool suffix_walk(k3_grammar_matcher *m, const k3g_entry *e, int32_t stack
                 }
                 memcpy(seeds, lv->v + base, ns * sizeof *seeds);
                 lv->n = base;
-                ok = k3g_closure(g, &m->fr, &m->cs, seeds, ns, lv, &bottom);
+                ok = k3g_gss_closure(g, &m->gs, &m->cs, seeds, ns, lv, &bottom);
                 if (seeds != small) free(seeds);
                 if (!ok) break;
             }
@@ -354,7 +379,7 @@ static bool suffix_walk(k3_grammar_matcher *m, const k3g_entry *e, int32_t stack
             i++;
         }
     }
-    k3g_frames_truncate(&m->fr, frames0);
+    k3g_gss_truncate(&m->gs, nf0, ne0);
     return ok;
 }
 
@@ -382,7 +407,7 @@ static k3_status counted_node(k3_grammar_matcher *m, k3g_cfg c, const k3g_entry 
     }
     if (oom) return nomem(err);
     if (e->n_sfx > 1 && c.stack >= 0 && first_time(m, key | (uint32_t)c.stack, &oom)) {
-        if (!suffix_walk(m, e, c.stack, mask, ct->s_cnt, need, budget)) return nomem(err);
+        if (!suffix_walk(m, e, c.stack, mask, ct->s_cnt, need, budget)) return failed(m, "one token's mask", err);
     }
     return oom ? nomem(err) : K3_OK;
 }
@@ -395,6 +420,8 @@ k3_status k3_grammar_matcher_fill_mask(k3_grammar_matcher *m, uint64_t *mask, k3
     const mstate st = m->hist[m->n_hist - 1];
     if (st.ended) return K3_OK;
     m->n_seen = 0;
+    m->cs.budget = K3G_MASK_WORK;
+    m->cs.over = false;
     bool oom = false;
     for (size_t i = 0; i < st.n; i++) {
         k3g_cfg c = m->cfgs.v[st.off + i];
@@ -414,7 +441,7 @@ k3_status k3_grammar_matcher_fill_mask(k3_grammar_matcher *m, uint64_t *mask, k3
         if (first_time(m, key | 0xFFFFFFFFu, &oom)) or_acc(e, mask, words);
         if (oom) return nomem(err);
         if (e->n_sfx > 1 && c.stack >= 0 && first_time(m, key | (uint32_t)c.stack, &oom)) {
-            if (!suffix_walk(m, e, c.stack, mask, NULL, 0, 0)) return nomem(err);
+            if (!suffix_walk(m, e, c.stack, mask, NULL, 0, 0)) return failed(m, "one token's mask", err);
         }
         if (oom) return nomem(err);
     }
@@ -469,7 +496,9 @@ k3_status k3_grammar_matcher_forced(const k3_grammar_matcher *mc, char *buf, siz
     *len = 0;
     const mstate st = m->hist[m->n_hist - 1];
     if (st.ended || st.complete) return K3_OK;
-    int32_t frames0 = m->fr.n;
+    const int32_t nf0 = m->gs.nf, ne0 = m->gs.ne;
+    m->cs.budget = K3G_ACCEPT_WORK;
+    m->cs.over = false;
     k3g_cfgv *src = NULL, *dst = &m->ta;
     const k3g_cfg *c = m->cfgs.v ? m->cfgs.v + st.off : NULL;
     size_t n = st.n;
@@ -487,8 +516,8 @@ k3_status k3_grammar_matcher_forced(const k3_grammar_matcher *mc, char *buf, siz
             if (k3g_bset_has(&a, b)) only = (int)b;
         dst->n = 0;
         bool bottom = false;
-        if (!k3g_scan_byte(g, &m->fr, &m->cs, c, n, (unsigned)only, dst, &bottom)) {
-            r = nomem(err);
+        if (!k3g_gss_scan_byte(g, &m->gs, &m->cs, c, n, (unsigned)only, dst, &bottom)) {
+            r = failed(m, "a forced byte", err);
             break;
         }
         buf[(*len)++] = (char)only;
@@ -498,6 +527,6 @@ k3_status k3_grammar_matcher_forced(const k3_grammar_matcher *mc, char *buf, siz
         c = src->v;
         n = src->n;
     }
-    k3g_frames_truncate(&m->fr, frames0);
+    k3g_gss_truncate(&m->gs, nf0, ne0);
     return r;
 }

@@ -45,8 +45,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/chat_form.h"
 #include "common/error.h"
 #include "common/json_guard.h"
+#include "common/json_text.h"
 #include "grammar/regex.h"
 #include "grammar/schema.h"
 #include "grammar/stdrules.h"
@@ -91,6 +93,7 @@ typedef struct js {
     k3g_ws ws;
     bool no_extra;
     bool int_canon; /* numbers as JSON writers write them (k3_grammar_spec.canonical_numbers) */
+    int int_digits; /* most digits of a number's integer part (common/json_text.h; more for a bound that needs them) */
     memo_e *memo;
     size_t n_memo, cap_memo;
     fmt_e *fmts;
@@ -457,7 +460,10 @@ static k3g_ast *colon(js *J) {
 
 /* ---- numbers ------------------------------------------------------------------------ */
 
-static k3g_ast *int_canon(js *J) { return k3g_alt2(J->b, L(J, "0"), k3g_seq2(J->b, D(J, 1, 9), DIGITS(J, 0, -1))); }
+/* -?(0|[1-9][0-9]*) as the reply parser reads it (common/json_text.h), at most int_digits digits */
+static k3g_ast *int_canon(js *J) {
+    return k3g_alt2(J->b, L(J, "0"), k3g_seq2(J->b, D(J, 1, 9), DIGITS(J, 0, J->int_digits - 1)));
+}
 /* any integer: the standard rule (a zero fraction allowed), or with
  * int_canon -?(0|[1-9][0-9]*) */
 static k3g_ast *int_any(js *J) {
@@ -465,7 +471,10 @@ static k3g_ast *int_any(js *J) {
     return k3g_seq2(J->b, k3g_rep(J->b, L(J, "-"), 0, 1), int_canon(J));
 }
 static k3g_ast *frac_any(js *J) {
-    return k3g_rep(J->b, k3g_seq2(J->b, L(J, "."), DIGITS(J, 1, J->int_canon ? 15 : -1)), 0, 1);
+    return k3g_rep(J->b,
+                   k3g_seq2(J->b, L(J, "."),
+                            DIGITS(J, 1, J->int_canon ? K3_JSON_CANON_FRAC_DIGITS : K3_JSON_FRAC_DIGITS)),
+                   0, 1);
 }
 static k3g_ast *nn_any(js *J) { return k3g_seq2(J->b, int_canon(J), frac_any(J)); }
 static k3g_ast *zero_nn(js *J) {
@@ -692,14 +701,18 @@ static k3_status number_dfa(js *J, const json_t *s, int mode, k3g_fa *out, bool 
         return K3_OK;
     }
     *none = false;
-    /* the number syntax, no exponent */
+    /* the number syntax, no exponent; a bound past the digit limit widens it
+     * to the bound's digits (a minimum of 1e20 still has numbers) */
+    const int int_digits = J->int_digits;
+    if (has_lo && (int)strlen(lo.I) > J->int_digits) J->int_digits = (int)strlen(lo.I);
+    if (has_hi && (int)strlen(hi.I) > J->int_digits) J->int_digits = (int)strlen(hi.I);
     k3g_ast *sign = k3g_rep(b, L(J, "-"), 0, 1), *shape;
     if (mode == NUM_INT && J->int_canon) {
         shape = k3g_seq2(b, sign, int_canon(J));
     } else if (mode == NUM_INT) {
         /* a zero fraction only up to 15 digits (the standard integer rule says why) */
         k3g_ast *small = k3g_alt2(b, L(J, "0"), k3g_seq2(b, D(J, 1, 9), DIGITS(J, 0, 14)));
-        k3g_ast *frac = k3g_seq2(b, L(J, "."), k3g_rep(b, L(J, "0"), 1, -1));
+        k3g_ast *frac = k3g_seq2(b, L(J, "."), k3g_rep(b, L(J, "0"), 1, K3_JSON_FRAC_DIGITS));
         shape = k3g_seq2(b, sign, k3g_alt2(b, k3g_seq2(b, small, k3g_rep(b, frac, 0, 1)), int_canon(J)));
     } else if (mode == NUM_FRAC)
         /* at most 15 significant digits, so that a double still reads a
@@ -707,6 +720,7 @@ static k3_status number_dfa(js *J, const json_t *s, int mode, k3g_fa *out, bool 
         shape = k3g_seq3(b, sign, k3g_alt2(b, L(J, "0"), k3g_seq2(b, D(J, 1, 9), DIGITS(J, 0, 7))),
                          k3g_seq3(b, L(J, "."), DIGITS(J, 0, 6), D(J, 1, 9)));
     else shape = k3g_seq3(b, sign, int_canon(J), frac_any(J));
+    J->int_digits = int_digits;
     k3g_fa cur = {0};
     k3_status st = k3g_ast_dfa(b, shape, &cur, "a number");
     if (st == K3_OK && has_lo) {
@@ -2168,6 +2182,7 @@ static k3g_ast *body_of(js *J, json_t *s, unsigned types, int enc, bool *is_std_
 
 static k3g_ast *value_of(js *J, json_t *s, unsigned types, int enc) {
     k3g_builder *b = J->b;
+    if (k3g_stopped(J->err, J->path)) return NULL; /* the compile's budget, or the client left */
     if (json_is_true(s) && types == T_ALL && enc == ENC_JSON) return any_of_types(J, types, enc);
     if (json_is_false(s)) return k3g_none(b);
     if (!json_is_object(s) && !json_is_boolean(s)) {
@@ -2233,7 +2248,12 @@ static void js_free(js *J) {
 
 static k3_status js_open(js *J, k3g_builder *b, const char *text, const char *where, k3g_ws ws, bool no_extra,
                          bool int_canon) {
-    *J = (js){.b = b, .err = b->err, .ws = ws, .no_extra = no_extra, .int_canon = int_canon};
+    *J = (js){.b = b,
+              .err = b->err,
+              .ws = ws,
+              .no_extra = no_extra,
+              .int_canon = int_canon,
+              .int_digits = K3_JSON_INT_DIGITS};
     snprintf(J->path, sizeof J->path, "%s", where);
     J->plen = strlen(J->path);
     size_t len = strlen(text);
@@ -2343,10 +2363,11 @@ k3_status k3g_tool_args(k3g_builder *b, const char *params, const char *where, k
                     st = J.err->status ? J.err->status : K3_ERR_NOMEM;
                     break;
                 }
-                k3g_ast *kk[7] = {k3g_special(b, open),     k3g_str(b, "argument key=\""), k3g_attr_lit(J.b, k),
-                                  k3g_str(b, "\" type=\""), k3g_str(b, type_attr(bit)),    k3g_str(b, "\""),
+                k3g_ast *kk[7] = {k3g_special(b, open),       k3g_str(b, K3_FORM_ARGUMENT " " K3_FORM_ATTR_KEY "=\""),
+                                  k3g_attr_lit(J.b, k),       k3g_str(b, "\" " K3_FORM_ATTR_TYPE "=\""),
+                                  k3g_str(b, type_attr(bit)), k3g_str(b, "\""),
                                   k3g_special(b, sepid)};
-                k3g_ast *tail[4] = {k3g_seq(b, kk, 7), val, k3g_special(b, close), k3g_str(b, "argument")};
+                k3g_ast *tail[4] = {k3g_seq(b, kk, 7), val, k3g_special(b, close), k3g_str(b, K3_FORM_ARGUMENT)};
                 alts[na++] = k3g_seq2(b, k3g_seq(b, tail, 4), k3g_special(b, sepid));
             }
             path_pop(&J, old);
@@ -2359,9 +2380,9 @@ k3_status k3g_tool_args(k3g_builder *b, const char *params, const char *where, k
         k3g_ast *val = value_of(&J, J.root, T_OBJ, ENC_JSON);
         if (!val) st = J.err->status ? J.err->status : K3_ERR_NOMEM;
         else {
-            k3g_ast *kk[6] = {k3g_special(b, open),  k3g_str(b, "json type=\"object\""),
+            k3g_ast *kk[6] = {k3g_special(b, open),  k3g_str(b, K3_FORM_JSON " " K3_FORM_ATTR_TYPE "=\"object\""),
                               k3g_special(b, sepid), val,
-                              k3g_special(b, close), k3g_str(b, "json")};
+                              k3g_special(b, close), k3g_str(b, K3_FORM_JSON)};
             *out = k3g_seq2(b, k3g_seq(b, kk, 6), k3g_special(b, sepid));
         }
     }

@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "common/error.h"
+#include "common/json_text.h"
 #include "grammar/regex.h"
 #include "grammar/stdrules.h"
 
@@ -357,10 +358,11 @@ static k3_status std_set_ast(k3g_builder *b, int32_t r, k3g_ast *a) {
     return k3g_rule_set_dfa(b, r, &dfa);
 }
 
-static k3g_ast *digits(k3g_builder *b, int min) { return k3g_rep(b, k3g_brange(b, '0', '9'), min, -1); }
+static k3g_ast *digits(k3g_builder *b, int min, int max) { return k3g_rep(b, k3g_brange(b, '0', '9'), min, max); }
 
+/* 0|[1-9][0-9]*, at most K3_JSON_INT_DIGITS digits (common/json_text.h) */
 static k3g_ast *int_part(k3g_builder *b) {
-    return k3g_alt2(b, k3g_str(b, "0"), k3g_seq2(b, k3g_brange(b, '1', '9'), digits(b, 0)));
+    return k3g_alt2(b, k3g_str(b, "0"), k3g_seq2(b, k3g_brange(b, '1', '9'), digits(b, 0, K3_JSON_INT_DIGITS - 1)));
 }
 
 static k3g_ast *opt(k3g_builder *b, k3g_ast *x) { return k3g_rep(b, x, 0, 1); }
@@ -393,10 +395,12 @@ int32_t k3g_std_rule(k3g_builder *b, k3g_std s) {
         break;
     }
     case K3G_STD_NUMBER: {
-        k3g_ast *frac = opt(b, k3g_seq2(b, k3g_str(b, "."), digits(b, 1)));
+        /* bounded as llama.cpp's json-schema-to-grammar bounds a number
+         * (common/json_text.h): a model cannot write digits until max_tokens */
+        k3g_ast *frac = opt(b, k3g_seq2(b, k3g_str(b, "."), digits(b, 1, K3_JSON_FRAC_DIGITS)));
         k3g_ast *e = k3g_alt2(b, k3g_str(b, "e"), k3g_str(b, "E"));
         k3g_ast *sign = opt(b, k3g_alt2(b, k3g_str(b, "+"), k3g_str(b, "-")));
-        k3g_ast *exp = opt(b, k3g_seq3(b, e, sign, digits(b, 1)));
+        k3g_ast *exp = opt(b, k3g_seq3(b, e, sign, digits(b, 1, K3_JSON_INT_DIGITS)));
         k3g_ast *k[4] = {opt(b, k3g_str(b, "-")), int_part(b), frac, exp};
         st = std_set_ast(b, r, k3g_seq(b, k, 4));
         break;
@@ -405,7 +409,7 @@ int32_t k3g_std_rule(k3g_builder *b, k3g_std s) {
         /* an integer, also with a zero fraction (1.0) up to 15 digits, where a
          * double still holds it exactly: past that, parsers read 1...0.0 as
          * a float that is no longer the integer (or is infinite) */
-        k3g_ast *frac = k3g_seq2(b, k3g_str(b, "."), k3g_rep(b, k3g_str(b, "0"), 1, -1));
+        k3g_ast *frac = k3g_seq2(b, k3g_str(b, "."), k3g_rep(b, k3g_str(b, "0"), 1, K3_JSON_FRAC_DIGITS));
         k3g_ast *small = k3g_alt2(b, k3g_str(b, "0"),
                                   k3g_seq2(b, k3g_brange(b, '1', '9'), k3g_rep(b, k3g_brange(b, '0', '9'), 0, 14)));
         k3g_ast *body = k3g_alt2(b, k3g_seq2(b, small, opt(b, frac)), int_part(b));

@@ -415,6 +415,8 @@ static k3g_entry *compute(k3_grammar *g, int32_t node, k3_error *err) {
         return NULL;
     }
     k3g_ldfa *L = g->ldfa;
+    L->cs.budget = K3G_TABLE_WORK; /* a bound on one table's work, however ambiguous the grammar */
+    L->cs.over = false;
     k3g_entry *e = calloc(1, sizeof *e);
     uint64_t *bits = calloc(v->n_words ? v->n_words : 1, sizeof *bits);
     int32_t *ds = malloc(((size_t)v->max_len + 2) * sizeof *ds);
@@ -469,7 +471,17 @@ static k3g_entry *compute(k3_grammar *g, int32_t node, k3_error *err) {
     free(u.v);
     if (!ok) {
         k3g_entry_free(e);
-        if (fail == -4)
+        const char *rule = g->rule_name && g->rule_name[g->nodes[node].rule] ? g->rule_name[g->nodes[node].rule] : "?";
+        if (L->cs.over) {
+            L->cs.over = false;
+            /* the DFA may hold a part-made state: start it afresh next time */
+            k3g_ldfa_free(g->ldfa);
+            g->ldfa = NULL;
+            k3_err(err, K3_ERR_UNSUPPORTED,
+                   "the token table of rule '%.100s' needs more than %d parser steps (parses of one token "
+                   "multiply: a grammar this ambiguous is cut here)",
+                   rule, K3G_TABLE_WORK);
+        } else if (fail == -4)
             k3_err(err, K3_ERR_UNSUPPORTED,
                    "the grammar is too ambiguous to tabulate (over %d parser states "
                    "for one node)",

@@ -95,6 +95,7 @@ void k3_kv_register(k3_kv_blocks *bm, int32_t b, uint64_t hash, uint64_t parent,
     *head = b;
     bm->hashed[b] = true;
     bm->n_hashed++;
+    if (bm->obs && bm->obs->stored) bm->obs->stored(bm->obs->arg, hash, parent, extra, tokens, bs);
 }
 
 /* ---- residency metrics ------------------------------------------------------------- */
@@ -270,6 +271,7 @@ int32_t k3_kv_alloc(k3_kv_blocks *bm) {
     if (bm->hashed[b]) {
         index_remove(bm, b);
         bm->n_evicted++;
+        if (bm->obs && bm->obs->removed) bm->obs->removed(bm->obs->arg, bm->hash[b]);
     }
     if (bm->track) track_alloc(bm->track, b);
     bm->ref[b] = 1;

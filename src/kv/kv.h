@@ -45,9 +45,23 @@ typedef struct k3_kv_blocks {
     int32_t *bucket;                 /* [n_buckets] first block, -1 = empty */
     int32_t *chain;                  /* [n] next block in the same bucket */
     uint32_t bucket_mask;
-    int64_t n_hashed, n_evicted; /* hashed blocks; hashes dropped on reuse */
-    struct k3_kv_track *track;   /* residency metrics, NULL = off */
+    int64_t n_hashed, n_evicted;      /* hashed blocks; hashes dropped on reuse */
+    struct k3_kv_track *track;        /* residency metrics, NULL = off */
+    const struct k3_kv_observer *obs; /* told of every hash in and out, NULL = none */
 } k3_kv_blocks;
+
+/* Who hears of the prefix index's changes (the KV events, src/kvevents):
+ * stored when k3_kv_register indexes a block (its hash, its parent's, the
+ * extra key and the ids), removed when k3_kv_alloc drops a cached block's
+ * hash to reuse it. Called on the thread that changes the index (the
+ * engine's), inside those calls: it must only queue. */
+typedef struct k3_kv_observer {
+    void (*stored)(void *arg, uint64_t hash, uint64_t parent, uint64_t extra, const int32_t *tokens, int32_t n);
+    void (*removed)(void *arg, uint64_t hash);
+    void *arg;
+} k3_kv_observer;
+/* Sets (or with NULL clears) the observer; obs must outlive its use. */
+static inline void k3_kv_set_observer(k3_kv_blocks *bm, const k3_kv_observer *obs) { bm->obs = obs; }
 
 k3_status k3_kv_blocks_init(k3_kv_blocks *bm, int32_t n_blocks, int32_t block_size, k3_error *err);
 void k3_kv_blocks_free(k3_kv_blocks *bm);

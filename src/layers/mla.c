@@ -100,10 +100,11 @@ static void dsa_select(k3_ctx *ctx, const k3_layer *L, int layer) {
     k3_pool_for(ctx->pool, T, 1, dsa_pick_rows, &j);
 }
 
-/* Attention for (row, part, head group) items: each part is a contiguous
- * share of the row's slots, each group a contiguous share of the heads (the
- * heads are independent, so the split changes no result); with one part the
- * result goes straight to ĉ, with several to the partials that
+/* Attention for (part, head group) items of a wave of rows (mla_attend_local):
+ * part p of the wave is part p - rfirst[t] of row t = prow[p], a contiguous
+ * share of the row's slots; each group a contiguous share of the heads (the
+ * heads are independent, so the split changes no result). A row of one part
+ * goes straight to ĉ, the parts of a split row to the partials that
  * mla_merge_rows combines by log-sum-exp. */
 static void mla_attend_items(void *p, int64_t lo, int64_t hi, int ith) {
     const k3_layer_job *j = p;
@@ -112,11 +113,12 @@ static void mla_attend_items(void *p, int64_t lo, int64_t hi, int ith) {
     const int H = c->n_heads, nope = c->qk_nope_dim, rope = c->qk_rope_dim, kvl = c->kv_lora_rank;
     const int64_t T = ctx->T, ld = kvl + rope, qh = nope + rope;
     const float scale = 1.0f / sqrtf((float)(nope + rope));
+    const k3_scratch *s = &ctx->s;
     for (int64_t it = lo; it < hi; it++) {
-        const int64_t tp = it / j->hg; /* (row, part) */
+        const int64_t tp = it / j->hg; /* the part in the wave */
         const int g = (int)(it % j->hg), h0 = H * g / j->hg, nh = H * (g + 1) / j->hg - h0;
-        const int64_t t = tp / j->parts;
-        const int part = (int)(tp % j->parts);
+        const int64_t t = s->prow[tp];
+        const int parts = s->rparts[t], part = (int)(tp - s->rfirst[t]);
         const int64_t *all;
         int n;
         if (j->L->kind == K3_LAYER_DSA && !ctx->dense) {
@@ -127,7 +129,7 @@ static void mla_attend_items(void *p, int64_t lo, int64_t hi, int ith) {
             n = (int)(sp->pos0 + (t - sp->t0) + 1);
             all = NULL;
         }
-        const int a = (int)((int64_t)n * part / j->parts), b = (int)((int64_t)n * (part + 1) / j->parts);
+        const int a = (int)((int64_t)n * part / parts), b = (int)((int64_t)n * (part + 1) / parts);
         const int64_t *slots = all ? all + a : NULL;
         if (!slots) {
             const k3_span *sp = k3_span_of(ctx, t);
@@ -143,11 +145,11 @@ static void mla_attend_items(void *p, int64_t lo, int64_t hi, int ith) {
                    sizeof(float) * (size_t)rope);
         }
         float *out, *lse, lse_buf[K3_MAX_HEADS]; /* nh <= n_heads <= K3_MAX_HEADS (config.c) */
-        if (j->parts > 1) {
+        if (parts > 1) {
             out = ctx->s.part_o + tp * H * kvl + (int64_t)h0 * kvl;
             lse = ctx->s.part_l + tp * H + h0;
         } else {
-            out = ctx->s.part_o + (int64_t)ith * H * kvl;
+            out = ctx->s.part_o + ((int64_t)s->n_parts + ith) * H * kvl;
             lse = lse_buf;
         }
         if (ctx->kv == K3_KV_C8) {
@@ -161,26 +163,36 @@ static void mla_attend_items(void *p, int64_t lo, int64_t hi, int ith) {
                                     ld, slots, b - a, scale, ctx->s.tscore[ith], out + (int64_t)h * kvl)
                     : -INFINITY;
         }
-        if (j->parts == 1)
+        if (parts == 1)
             for (int h = 0; h < nh; h++)
                 memcpy(ctx->s.chat + ((int64_t)(h0 + h) * T + t) * kvl, out + (int64_t)h * kvl,
                        sizeof(float) * (size_t)kvl);
     }
 }
 
+typedef struct {
+    k3_ctx *ctx;
+    int64_t r0; /* the wave's first row */
+} merge_job;
+
+/* Rows r0 + [lo, hi) of a wave: each split row's parts merged by
+ * log-sum-exp into ĉ. */
 static void mla_merge_rows(void *p, int64_t lo, int64_t hi, int ith) {
-    const k3_layer_job *j = p;
+    const merge_job *j = p;
     k3_ctx *ctx = j->ctx;
     const int H = ctx->c->n_heads, kvl = ctx->c->kv_lora_rank;
     const int64_t T = ctx->T;
-    for (int64_t t = lo; t < hi; t++) {
-        const float *o[64], *l[64];
-        for (int q = 0; q < j->parts; q++) {
-            o[q] = ctx->s.part_o + (t * j->parts + q) * H * kvl;
-            l[q] = ctx->s.part_l + (t * j->parts + q) * H;
+    const k3_scratch *s = &ctx->s;
+    for (int64_t t = j->r0 + lo; t < j->r0 + hi; t++) {
+        const int parts = s->rparts[t];
+        if (parts < 2) continue;
+        const float *o[K3_ATTN_PARTS_MAX], *l[K3_ATTN_PARTS_MAX];
+        for (int q = 0; q < parts; q++) {
+            o[q] = ctx->s.part_o + ((int64_t)s->rfirst[t] + q) * H * kvl;
+            l[q] = ctx->s.part_l + ((int64_t)s->rfirst[t] + q) * H;
         }
         float *out = ctx->s.tq[ith], lse[K3_MAX_HEADS];
-        k3_lse_merge(o, l, j->parts, H, kvl, out, lse);
+        k3_lse_merge(o, l, parts, H, kvl, out, lse);
         for (int h = 0; h < H; h++)
             memcpy(ctx->s.chat + ((int64_t)h * T + t) * kvl, out + (int64_t)h * kvl, sizeof(float) * (size_t)kvl);
     }
@@ -348,32 +360,41 @@ void k3_mla_layer(k3_ctx *ctx, const k3_layer *L, int layer, const float *xn, fl
 }
 
 /* Attention of one process: the DSA selection, then each row over its
- * (selected) slots, into s.chat. */
-static void mla_attend_local(k3_ctx *ctx, const k3_layer *L, int layer) {
-    const k3_config *c = ctx->c;
+ * (selected) slots, into s.chat. A row over many slots is split into parts
+ * by its own slot count (ctx.h, K3_ATTN_PARTS_MAX), whatever else the round
+ * holds; the rows go in waves whose parts fit the partials, each wave one
+ * pass over (part, head group) items and one merge of its split rows. */
+static void attend_waves(k3_ctx *ctx, const k3_layer *L, int layer, bool dsa) {
     const int64_t T = ctx->T;
-    const int H = c->n_heads;
-    if (L->kind == K3_LAYER_DSA && !ctx->dense) PROF(ctx, K3_PROF_QLI, dsa_select(ctx, L, layer));
-
-    /* Few rows (decode): split each row's slots across the threads and merge
-     * the parts by log-sum-exp, as decode context parallelism does; below
-     * 256 slots a part, split the heads instead (nothing to merge). */
-    k3_layer_job aj = {ctx, L, layer, 1, 1};
-    if (T < ctx->nth) {
-        int64_t longest = 0;
-        for (int32_t i = 0; i < ctx->n_spans; i++) {
-            const int64_t e = ctx->spans[i].pos0 + ctx->spans[i].n;
-            longest = e > longest ? e : longest;
+    const int H = ctx->c->n_heads;
+    k3_scratch *s = &ctx->s;
+    const int cap = 2 * ctx->nth < K3_ATTN_PARTS_MAX ? 2 * ctx->nth : K3_ATTN_PARTS_MAX;
+    for (int64_t r0 = 0; r0 < T;) {
+        int32_t np = 0;
+        int64_t r1 = r0;
+        for (; r1 < T; r1++) {
+            const int64_t n = dsa ? s->icount[r1] : row_len(ctx, r1);
+            int parts = (int)(n / K3_ATTN_PART_KEYS);
+            parts = parts < 1 ? 1 : parts > cap ? cap : parts;
+            if (np + parts > s->n_parts) break;
+            s->rparts[r1] = parts;
+            s->rfirst[r1] = np;
+            for (int q = 0; q < parts; q++) s->prow[np + q] = (int32_t)r1;
+            np += parts;
         }
-        if (L->kind == K3_LAYER_DSA && !ctx->dense && longest > c->index_topk) longest = c->index_topk;
-        int parts = (int)((2 * ctx->nth) / T);
-        if (parts > longest / 256) parts = (int)(longest / 256);
-        if (parts > 64) parts = 64;
-        aj.parts = parts < 1 ? 1 : parts;
-        if (aj.parts == 1) aj.hg = 2 * ctx->nth < H ? 2 * ctx->nth : H;
+        /* few items: split the heads too (nothing to merge) */
+        int hg = np < 2 * ctx->nth ? (2 * ctx->nth + np - 1) / np : 1;
+        if (hg > H) hg = H;
+        k3_layer_job aj = {ctx, L, layer, 1, hg};
+        k3_pool_for(ctx->pool, (int64_t)np * hg, 1, mla_attend_items, &aj);
+        merge_job mj = {ctx, r0};
+        if (np > r1 - r0) k3_pool_for(ctx->pool, r1 - r0, 1, mla_merge_rows, &mj);
+        r0 = r1;
     }
-    PROF(ctx, K3_PROF_QSFA, {
-        k3_pool_for(ctx->pool, T * aj.parts * aj.hg, 1, mla_attend_items, &aj);
-        if (aj.parts > 1) k3_pool_for(ctx->pool, T, 1, mla_merge_rows, &aj);
-    });
+}
+
+static void mla_attend_local(k3_ctx *ctx, const k3_layer *L, int layer) {
+    const bool dsa = L->kind == K3_LAYER_DSA && !ctx->dense;
+    if (dsa) PROF(ctx, K3_PROF_QLI, dsa_select(ctx, L, layer));
+    PROF(ctx, K3_PROF_QSFA, attend_waves(ctx, L, layer, dsa));
 }

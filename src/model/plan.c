@@ -97,6 +97,7 @@ k3_status k3_plan_compute(const char *path, const k3_plan_options *opt, k3_plan 
     int64_t w = V * Hd * 2 + (c->tie_word_embeddings ? 0 : V * Hd * 2) + Hd * 4, ex = 0;
     const int64_t cache = k3_config_cache_bytes_per_token(c, opt->kv_cache);
     int64_t state = 0, lse = 0, nd = 0, nm = 0, nk = 0, nmoe = 0;
+    double spec_ex[17] = {0};
     const int64_t kvl = c->kv_lora_rank, rope = c->qk_rope_dim, H = c->n_heads;
     for (int i = 0; i < c->n_layers; i++) {
         w += 2 * Hd * 4; /* the two norms (and AttnRes vectors, about the same) */
@@ -109,6 +110,8 @@ k3_status k3_plan_compute(const char *path, const k3_plan_options *opt, k3_plan 
                                        : linear_bytes(c->kda_gate_rank, Hd, q) + linear_bytes(HK, c->kda_gate_rank, q);
             w += (3 * HK * c->conv_size + HK + Hk + dk) * 4;
             state += (Hk * dk * dk + 3 * HK * (c->conv_size - 1)) * 4;
+            out->spec_reapply_bytes_per_pos += (6 * HK + Hk) * 4;
+            out->spec_states_bytes_per_pos += (Hk * dk * dk + 3 * HK * (c->conv_size - 1)) * 4;
         } else {
             const int64_t qk = c->qk_nope_dim + rope;
             if (c->q_lora_rank > 0) w += linear_bytes(c->q_lora_rank, Hd, q) + linear_bytes(H * qk, c->q_lora_rank, q);
@@ -136,6 +139,11 @@ k3_status k3_plan_compute(const char *path, const k3_plan_options *opt, k3_plan 
             if (S) w += 2 * linear_bytes(S, Hd, q) + linear_bytes(Hd, S, q);
             const int64_t per = c->experts_mxfp4 ? 3 * (Im * Dl / 2 + Im * Dl / 32) : 3 * Im * Dl * 2;
             ex += Ex * per;
+            /* a pass of n positions reads the union of their experts: expected
+             * Ex (1 - (1 - K/Ex)^n) of them when the positions route independently */
+            for (int n = 1; n <= 16; n++)
+                spec_ex[n] +=
+                    (double)per * (double)Ex * (1.0 - pow(1.0 - (double)c->n_experts_per_tok / (double)Ex, (double)n));
             /* per token: latent to each remote owner, each remote result back,
              * the combined row to the other E-1 ranks of the group */
             const double hit = groups_hit(Ex, c->n_experts_per_tok, E);
@@ -143,6 +151,10 @@ k3_status k3_plan_compute(const char *path, const k3_plan_options *opt, k3_plan 
             out->ep_combine_bytes +=
                 (int64_t)llround((double)c->n_experts_per_tok * (double)(E - 1) / (double)E * (double)Dl * 4) +
                 (E - 1) * Dl * 4;
+            out->ep_source_recv_bytes +=
+                (int64_t)llround((double)c->n_experts_per_tok * (double)(E - 1) / (double)E * (double)Dl * 4);
+            out->ep_source_sent_bytes +=
+                (int64_t)llround(hit * (double)(E - 1) / (double)E * (double)Dl * 4) + (E - 1) * Dl * 4;
         } else if (c->intermediate_size > 0) {
             w += 3 * linear_bytes(c->intermediate_size, Hd, q);
         }
@@ -151,6 +163,10 @@ k3_status k3_plan_compute(const char *path, const k3_plan_options *opt, k3_plan 
     while ((1LL << lg) < D) lg++;
     out->weight_bytes = w + ex;
     out->expert_bytes = ex;
+    /* a pass reads one embedding row, not the table (unless it is the head too) */
+    const int64_t emb_table = c->tie_word_embeddings ? 0 : V * Hd * 2;
+    for (int n = 1; n <= 16; n++) out->verify_read_bytes[n] = w - emb_table + (int64_t)llround(spec_ex[n]);
+    out->decode_read_bytes = out->verify_read_bytes[1];
     out->cache_bytes_per_token = cache;
     out->cache_bytes_per_seq = cache * L;
     out->cache_bytes_per_1m = cache * (1 << 20);
@@ -170,7 +186,14 @@ k3_status k3_plan_compute(const char *path, const k3_plan_options *opt, k3_plan 
     out->topk_allgather_bytes = D > 1 ? nd * (D - 1) * k * 8 : 0;
     out->topk_butterfly_bytes = D > 1 ? nd * lg * k * 8 : 0;
     out->lse_bytes = D > 1 ? lse : 0;
-    if (E == 1) out->ep_dispatch_bytes = out->ep_combine_bytes = 0;
+    if (E == 1)
+        out->ep_dispatch_bytes = out->ep_combine_bytes = out->ep_source_recv_bytes = out->ep_source_sent_bytes = 0;
+    /* the collectives of one decoded step (src/layers/mla_dcp.c, src/comm/topk.c, src/layers/moe_ep.c) */
+    const int32_t lse_calls = D > 1 ? (int32_t)((nd + nm) * (H % D == 0 ? 2 : 1)) : 0;
+    const int32_t ep_calls = E > 1 ? (int32_t)(3 * nmoe) : 0;
+    const int32_t step = D > 1 || E > 1 ? 1 : 0;
+    out->collectives_allgather = lse_calls + (D > 1 ? (int32_t)nd : 0) + ep_calls + step;
+    out->collectives_butterfly = lse_calls + (D > 1 ? (int32_t)nd * lg : 0) + ep_calls + step;
     free(c);
     return K3_OK;
 }

@@ -3,23 +3,34 @@
  * listener, which streams holds to the decode instances that pull them, and
  * the decode side's pullers, which the engine's pull hook feeds.
  *
- * Prefill side: one thread accepts; each connection gets a thread that
- * reads one request (wire.h). PULL: the identity is compared (a mismatch is
- * an ERROR unit naming both sides), then for every MLA/DSA layer in order
- * the hold's positions [from, to) in runs of at most max_unit bytes
- * (k3_engine_hold_read: straight from the cache, or gathered from the DCP
- * ranks), each run sealed and sent as it is read, so a prompt's cache is
- * never copied whole; then the KDA state in pieces, then END. The hold is
- * released when the connection ends, whatever happened: a decode instance
- * that died mid-stream leaves nothing behind. RELEASE: the hold goes.
+ * Holds are the engine's (k3_engine_hold_*, named by the engine request's
+ * id); outside this file a hold is named by a token of 128 random bits,
+ * bound to the prompt's hash: the table here maps one to the other. A pull
+ * or a release names the token and the hash; anything else is refused
+ * without touching a hold.
+ *
+ * Prefill side: one thread accepts; each connection gets a thread that runs
+ * the handshake (auth.h: a peer without the deployment's secret is closed
+ * unanswered), reads one request (wire.h), and finds its hold. PULL: the
+ * identity is compared (a mismatch is an ERROR unit that names nothing of
+ * either side), then for every MLA/DSA layer in order the hold's positions
+ * [from, to) in runs of at most max_unit bytes (k3_engine_hold_read:
+ * straight from the cache, or gathered from the DCP ranks), each run tagged
+ * and sent as it is read, so a prompt's cache is never copied whole; then
+ * the KDA state in pieces, then END. A hold that was pulled is released when
+ * the connection ends, whatever happened: a decode instance that died
+ * mid-stream leaves nothing behind. RELEASE: the hold goes.
  *
  * Decode side: the hook queues START / ABORT (and CANCEL, which shuts the
- * pull's socket so a blocked read returns); worker threads connect, send
- * PULL, check every header (identity, checksums, the layer, the next
- * position of that layer, the size) and write each unit into the request's
- * blocks (k3_engine_pull_write) as it arrives, then k3_engine_pull_done.
+ * pull's socket so a blocked read returns); worker threads connect, run the
+ * handshake, send PULL, check every header (its MAC, the layer, the next
+ * position of that layer, the size) and every payload's MAC, and write each
+ * unit into the request's blocks (k3_engine_pull_write) as it arrives, then
+ * k3_engine_pull_done. kv_transfer_params that name a peer are taken only
+ * with the proxy's credential or for a peer of --prefill-peers.
  */
 #include <errno.h>
+#include <openssl/crypto.h>
 #include <math.h>
 #include <poll.h>
 #include <pthread.h>
@@ -32,6 +43,8 @@
 #include <unistd.h>
 
 #include "common/error.h"
+#include "common/random.h"
+#include "pd/auth.h"
 #include "pd/pd.h"
 #include "pd/wire.h"
 
@@ -39,12 +52,16 @@
 #define K3_PD_MAX_FIRST_TOP 20
 #define K3_PD_MAX_LAYERS 1024
 #define K3_PD_MAX_ACTIVE 256
+#define K3_PD_MAX_SERVING 64  /* prefill-side connections at once */
+#define K3_PD_MAX_PEERS 64    /* --prefill-peers */
+#define K3_PD_HANDSHAKE_S 5.0 /* a connection proves the secret within this, or is closed */
 
 struct k3_pd_pull {
     int refs; /* under pd->mu */
     char host[256];
     int port;
-    uint64_t hold;
+    uint8_t token[K3_PD_TOKEN_BYTES];
+    uint8_t hash[K3_PD_HASH_BYTES];
     int64_t n_tokens;
     k3_logprob top[K3_PD_MAX_FIRST_TOP];
     k3_pd_pull_stats st; /* under pd->mu */
@@ -68,10 +85,27 @@ typedef struct hist {
     uint64_t n;
 } hist;
 
+/* A hold as the outside names it: its token, the prompt it was made for,
+ * and the engine's id for it. */
+typedef struct hold_ref {
+    uint8_t token[K3_PD_TOKEN_BYTES];
+    uint8_t hash[K3_PD_HASH_BYTES];
+    uint64_t hold;
+    struct hold_ref *next;
+} hold_ref;
+
+typedef struct peer {
+    char host[256];
+    int port;
+} peer;
+
 struct k3_pd {
     k3_engine *e;
     k3_pd_ident id;
     uint64_t engine_id;
+    k3_pd_keys keys;
+    peer peers[K3_PD_MAX_PEERS];
+    int n_peers;
     char host[256], adv[256];
     double timeout;
     int lfd, port;
@@ -85,7 +119,9 @@ struct k3_pd {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     int n_serving;                        /* prefill-side connection threads */
-    int serve_fd[64];                     /* their sockets, to end them at stop */
+    int serve_fd[K3_PD_MAX_SERVING];      /* their sockets, to end them at stop */
+    double serve_t0[K3_PD_MAX_SERVING];   /* when each came; 0 once it proved the secret */
+    hold_ref *holds;                      /* prefill side: the holds' tokens */
     job *head, *tail;                     /* decode side: the hook's queue */
     k3_pd_pull *active[K3_PD_MAX_ACTIVE]; /* the pulls with a socket, to end them at stop */
     pthread_t *workers;
@@ -93,6 +129,7 @@ struct k3_pd {
     /* counters, under mu */
     int64_t sent_bytes, sent_units, sent_ok, sent_failed;
     int64_t recv_bytes, recv_blocks, recv_states, recv_ok, recv_failed, releases;
+    int64_t refused_auth, refused_hold, refused_params; /* prefill: no secret; no such hold; decode: untrusted */
     double sent_seconds, recv_seconds;
     hist h_secs, h_gbps;
 };
@@ -105,6 +142,46 @@ static void hist_add(hist *h, const double *le, double v) {
     h->n++;
 }
 
+
+/* ---- holds and their tokens --------------------------------------------------------------------- */
+
+/* Drops the tokens whose hold the engine no longer has (read, released or
+ * expired); under pd->mu. */
+static void holds_prune_locked(k3_pd *pd) {
+    for (hold_ref **h = &pd->holds; *h;) {
+        if (k3_engine_hold_get(pd->e, (*h)->hold, &(k3_hold_info){0}, NULL, 0, NULL)) {
+            hold_ref *gone = *h;
+            *h = gone->next;
+            free(gone);
+        } else {
+            h = &(*h)->next;
+        }
+    }
+}
+
+/* The engine's hold for token and hash, taken out of the table (a hold is
+ * pulled or released once); false when there is none. Every entry is
+ * compared, in constant time, whatever matches. */
+static bool holds_take(k3_pd *pd, const uint8_t token[K3_PD_TOKEN_BYTES], const uint8_t hash[K3_PD_HASH_BYTES],
+                       uint64_t *hold) {
+    pthread_mutex_lock(&pd->mu);
+    holds_prune_locked(pd);
+    hold_ref **found = NULL;
+    for (hold_ref **h = &pd->holds; *h; h = &(*h)->next) {
+        const bool same =
+            k3_pd_equal((*h)->token, token, K3_PD_TOKEN_BYTES) & k3_pd_equal((*h)->hash, hash, K3_PD_HASH_BYTES);
+        if (same && !found) found = h;
+    }
+    hold_ref *r = found ? *found : NULL;
+    if (r) {
+        *found = r->next;
+        *hold = r->hold;
+    }
+    pthread_mutex_unlock(&pd->mu);
+    free(r);
+    return r != NULL;
+}
+
 /* ---- the prefill side --------------------------------------------------------------------------- */
 
 typedef struct conn {
@@ -112,11 +189,19 @@ typedef struct conn {
     int fd, slot;
 } conn;
 
-static k3_status send_error(k3_pd *pd, int fd, const char *msg) {
-    k3_pd_unit u = {.kind = K3_PD_ERROR, .id = pd->id, .payload_bytes = strlen(msg)};
-    u.payload_sum = k3_pd_sum(msg, u.payload_bytes);
-    k3_pd_unit_seal(&u);
-    return k3_pd_send(fd, &u, sizeof u, msg, u.payload_bytes, "an error unit", NULL);
+/* What the decode side is told of a refusal: that it was refused, nothing
+ * of this instance or of its holds. */
+#define REFUSED \
+    "kv transfer refused by the prefill instance: no hold for this request's prompt, or another model, " \
+    "quantization or cache format"
+
+/* An ERROR unit as unit number u_no (its header message 2u, its payload 2u + 1). */
+static k3_status send_error(int fd, k3_pd_session *ss, int64_t u_no, const char *msg) {
+    const size_t n = strlen(msg);
+    k3_pd_unit u = {.kind = K3_PD_ERROR, .layer = -1, .payload_bytes = n};
+    k3_pd_tag(&ss->tx, 2 * (uint64_t)u_no + 1, msg, n, NULL, 0, u.payload_tag);
+    K3_TRY(k3_pd_unit_send(fd, ss, 2 * (uint64_t)u_no, &u, NULL));
+    return k3_pd_send(fd, msg, n, NULL, 0, "an error unit", NULL);
 }
 
 /* The test hook on the unit about to go: flips a payload byte, or stalls. */
@@ -131,15 +216,26 @@ static void fault_send(k3_pd *pd, uint8_t *payload, size_t n) {
     }
 }
 
-/* Streams hold r->hold's positions and state on fd. */
-static k3_status serve_pull(k3_pd *pd, int fd, const k3_pd_req *r, int64_t *bytes, k3_error *err) {
+/* Unit number u_no: its payload's tag (message 2u + 1), its header (message
+ * 2u) on the stream, its payload by the bulk transport. */
+static k3_status send_unit(k3_pd *pd, int fd, k3_pd_session *ss, k3_pd_bulk *bulk, int64_t u_no, k3_pd_unit *u,
+                           uint8_t *payload, k3_error *err) {
+    k3_pd_tag(&ss->tx, 2 * (uint64_t)u_no + 1, payload, (size_t)u->payload_bytes, NULL, 0, u->payload_tag);
+    if (u->payload_bytes) fault_send(pd, payload, (size_t)u->payload_bytes);
+    K3_TRY(k3_pd_unit_send(fd, ss, 2 * (uint64_t)u_no, u, err));
+    return u->payload_bytes ? bulk->send(bulk, payload, (size_t)u->payload_bytes, err) : K3_OK;
+}
+
+/* Streams hold `hold`'s positions [r->from, r->to) and its state; *units
+ * gets the units sent (an error unit after a failure is the next). */
+static k3_status serve_pull(k3_pd *pd, int fd, k3_pd_session *ss, uint64_t hold, const k3_pd_req *r, int64_t *bytes,
+                            int64_t *units_out, k3_error *err) {
     k3_engine *e = pd->e;
     k3_hold_info hi;
-    K3_TRY(k3_engine_hold_get(e, r->hold, &hi, NULL, 0, err));
+    K3_TRY(k3_engine_hold_get(e, hold, &hi, NULL, 0, err));
     if (r->from < 0 || r->from > r->to || r->to != hi.n_tokens)
-        return k3_err(err, K3_ERR_ARG,
-                      "kv transfer: positions [%lld, %lld) asked of hold %llu, which holds a prompt of %lld tokens",
-                      (long long)r->from, (long long)r->to, (unsigned long long)r->hold, (long long)hi.n_tokens);
+        return k3_err(err, K3_ERR_ARG, "kv transfer: positions [%lld, %lld) asked of a hold of %lld tokens",
+                      (long long)r->from, (long long)r->to, (long long)hi.n_tokens);
     int64_t max_unit = r->max_unit > 0 && r->max_unit < K3_PD_UNIT ? r->max_unit : K3_PD_UNIT;
     const int32_t n_layers = K3_PD_MAX_LAYERS; /* past the model's, kv_bytes is 0 */
     int64_t row_max = 0;
@@ -149,8 +245,11 @@ static k3_status serve_pull(k3_pd *pd, int fd, const k3_pd_req *r, int64_t *byte
     uint8_t *buf = malloc((size_t)max_unit);
     if (!buf)
         return k3_err(err, K3_ERR_NOMEM, "kv transfer: out of memory for a unit of %lld bytes", (long long)max_unit);
+    k3_pd_bulk bulk;
+    k3_pd_bulk_tcp(&bulk, fd);
     k3_status st = K3_OK;
     int64_t units = 0;
+    *units_out = 0;
     for (int32_t L = 0; !st && L < n_layers; L++) {
         const int64_t row = k3_engine_kv_bytes(e, L, 1);
         if (row == 0) continue;
@@ -158,38 +257,27 @@ static k3_status serve_pull(k3_pd *pd, int fd, const k3_pd_req *r, int64_t *byte
         for (int64_t t = r->from; !st && t < r->to; t += per) {
             const int32_t n = (int32_t)(r->to - t < per ? r->to - t : per);
             const int64_t nb = row * n;
-            st = k3_engine_hold_read(e, r->hold, L, t, n, buf, nb, err);
+            st = k3_engine_hold_read(e, hold, L, t, n, buf, nb, err);
             if (st) break;
-            k3_pd_unit u =
-                {.kind = K3_PD_LAYER, .id = pd->id, .layer = L, .t0 = t, .n = n, .payload_bytes = (uint64_t)nb};
-            u.payload_sum = k3_pd_sum(buf, (size_t)nb);
-            k3_pd_unit_seal(&u);
-            fault_send(pd, buf, (size_t)nb);
-            st = k3_pd_send(fd, &u, sizeof u, buf, (size_t)nb, "a layer unit", err);
-            units++;
+            k3_pd_unit u = {.kind = K3_PD_LAYER, .layer = L, .t0 = t, .n = n, .payload_bytes = (uint64_t)nb};
+            st = send_unit(pd, fd, ss, &bulk, units++, &u, buf, err);
             *bytes += nb;
         }
     }
     for (int64_t off = 0; !st && off < hi.state_bytes; off += max_unit) {
         const int64_t nb = hi.state_bytes - off < max_unit ? hi.state_bytes - off : max_unit;
-        st = k3_engine_hold_read_state(e, r->hold, off, buf, nb, err);
+        st = k3_engine_hold_read_state(e, hold, off, buf, nb, err);
         if (st) break;
-        k3_pd_unit u =
-            {.kind = K3_PD_STATE, .id = pd->id, .layer = -1, .t0 = off, .n = nb, .payload_bytes = (uint64_t)nb};
-        u.payload_sum = k3_pd_sum(buf, (size_t)nb);
-        k3_pd_unit_seal(&u);
-        fault_send(pd, buf, (size_t)nb);
-        st = k3_pd_send(fd, &u, sizeof u, buf, (size_t)nb, "a state unit", err);
-        units++;
+        k3_pd_unit u = {.kind = K3_PD_STATE, .layer = -1, .t0 = off, .n = nb, .payload_bytes = (uint64_t)nb};
+        st = send_unit(pd, fd, ss, &bulk, units++, &u, buf, err);
         *bytes += nb;
     }
     free(buf);
     if (!st) {
-        k3_pd_unit u = {.kind = K3_PD_END, .id = pd->id, .layer = -1, .t0 = units};
-        u.payload_sum = k3_pd_sum(NULL, 0);
-        k3_pd_unit_seal(&u);
-        st = k3_pd_send(fd, &u, sizeof u, NULL, 0, "the end unit", err);
+        k3_pd_unit u = {.kind = K3_PD_END, .layer = -1, .t0 = units};
+        st = send_unit(pd, fd, ss, &bulk, units, &u, NULL, err);
     }
+    *units_out = units;
     return st;
 }
 
@@ -197,37 +285,56 @@ static void *conn_main(void *arg) {
     conn *c = arg;
     k3_pd *pd = c->pd;
     const int fd = c->fd;
-    k3_pd_socket_setup(fd, pd->timeout);
+    /* a peer proves the secret within a few seconds, or its slot goes */
+    k3_pd_socket_setup(fd, pd->timeout < K3_PD_HANDSHAKE_S ? pd->timeout : K3_PD_HANDSHAKE_S);
+    k3_pd_session ss = {0};
     k3_pd_req r;
     k3_error err = {0};
     const double t0 = k3_now();
     int64_t bytes = 0;
-    bool pulled = false, ok = false;
-    if (!k3_pd_recv(fd, &r, sizeof r, "the request", &err) && k3_pd_req_check(&r, &err)) {
-        if (r.op == K3_PD_RELEASE) {
-            k3_engine_hold_release(pd->e, r.hold);
+    bool pulled = false, ok = false, authed = false, refused = false;
+    if (!k3_pd_handshake_server(fd, &pd->keys, &ss, &err)) {
+        authed = true;
+        k3_pd_socket_setup(fd, pd->timeout);
+        pthread_mutex_lock(&pd->mu);
+        pd->serve_t0[c->slot] = 0;
+        pthread_mutex_unlock(&pd->mu);
+    }
+    uint64_t hold = 0;
+    if (authed && !k3_pd_req_recv(fd, &ss, &r, &err)) {
+        /* the hold of this token and this prompt's hash, taken out of the
+         * table: only the request it was made for names both */
+        const bool found =
+            (r.op == K3_PD_PULL || r.op == K3_PD_RELEASE) && holds_take(pd, r.hold, r.prompt_hash, &hold);
+        if (!found) {
+            refused = true;
+            send_error(fd, &ss, 0, REFUSED);
+        } else if (r.op == K3_PD_PULL && !k3_pd_ident_same(&r.id, &pd->id)) {
+            /* its own request, on an instance of another model, quantization
+             * or cache format: refused, and the hold goes (nobody else can
+             * name it) */
+            refused = true;
+            send_error(fd, &ss, 0, REFUSED);
+            k3_engine_hold_release(pd->e, hold);
+        } else if (r.op == K3_PD_RELEASE) {
+            k3_engine_hold_release(pd->e, hold);
             pthread_mutex_lock(&pd->mu);
             pd->releases++;
             pthread_mutex_unlock(&pd->mu);
-        } else if (r.op == K3_PD_PULL) {
+        } else {
             pulled = true;
-            if (!k3_pd_ident_same(&r.id, &pd->id)) {
-                char mine[160], theirs[160], msg[512];
-                k3_pd_ident_str(&pd->id, mine, sizeof mine);
-                k3_pd_ident_str(&r.id, theirs, sizeof theirs);
-                snprintf(msg, sizeof msg,
-                         "kv transfer refused: model mismatch: the prefill instance runs %s, the decode instance %s",
-                         mine, theirs);
-                send_error(pd, fd, msg);
-            } else if (serve_pull(pd, fd, &r, &bytes, &err)) {
-                send_error(pd, fd, err.msg); /* a peer that is gone does not read it */
+            int64_t sent = 0;
+            if (serve_pull(pd, fd, &ss, hold, &r, &bytes, &sent, &err)) {
+                /* a peer that is gone does not read it */
+                send_error(fd, &ss, sent, "kv transfer: the prefill instance could not read the hold");
             } else {
                 ok = true;
             }
             /* read or not, nobody pulls a hold twice */
-            k3_engine_hold_release(pd->e, r.hold);
+            k3_engine_hold_release(pd->e, hold);
         }
     }
+    k3_pd_session_free(&ss);
     pthread_mutex_lock(&pd->mu);
     if (pulled) {
         if (ok) pd->sent_ok++;
@@ -235,6 +342,8 @@ static void *conn_main(void *arg) {
         pd->sent_bytes += bytes;
         pd->sent_seconds += k3_now() - t0;
     }
+    if (!authed) pd->refused_auth++;
+    if (refused) pd->refused_hold++;
     pd->serve_fd[c->slot] = -1;
     pd->n_serving--;
     pthread_cond_broadcast(&pd->cv);
@@ -253,9 +362,17 @@ static void *listen_main(void *arg) {
         if (fd < 0) continue;
         conn *c = malloc(sizeof *c);
         pthread_mutex_lock(&pd->mu);
-        int slot = -1;
-        for (int i = 0; i < 64 && slot < 0; i++)
+        int slot = -1, oldest = -1;
+        for (int i = 0; i < K3_PD_MAX_SERVING && slot < 0; i++)
             if (pd->serve_fd[i] < 0) slot = i;
+            else if (pd->serve_t0[i] > 0 && (oldest < 0 || pd->serve_t0[i] < pd->serve_t0[oldest])) oldest = i;
+        if (slot < 0 && oldest >= 0) {
+            /* full: the connection that has waited longest without proving
+             * the secret is cut (its thread frees the slot), so idle
+             * connections cannot lock the pullers out */
+            shutdown(pd->serve_fd[oldest], SHUT_RDWR);
+            pd->serve_t0[oldest] = 0;
+        }
         if (!c || slot < 0) { /* too many at once: the decode side sees the close and fails that request */
             pthread_mutex_unlock(&pd->mu);
             free(c);
@@ -263,6 +380,7 @@ static void *listen_main(void *arg) {
             continue;
         }
         pd->serve_fd[slot] = fd;
+        pd->serve_t0[slot] = k3_now();
         pd->n_serving++;
         pthread_mutex_unlock(&pd->mu);
         *c = (conn){pd, fd, slot};
@@ -296,14 +414,39 @@ void k3_pd_pull_unref(k3_pd *pd, k3_pd_pull *p) {
     pthread_mutex_unlock(&pd->mu);
 }
 
-static void release_remote(k3_pd *pd, const k3_pd_pull *p) {
-    k3_error err = {0};
-    const int fd = k3_pd_connect(p->host, p->port, pd->timeout < 5 ? pd->timeout : 5, &err);
-    if (fd < 0) return; /* the prefill instance frees it at its timeout */
-    k3_pd_req r = {.op = K3_PD_RELEASE, .hold = p->hold, .id = pd->id, .engine = pd->engine_id};
-    k3_pd_req_seal(&r);
-    k3_pd_send(fd, &r, sizeof r, NULL, 0, "a release", &err);
+/* A connection to host:port that has run the handshake, or -1. */
+static int open_session(const k3_pd_keys *k, const char *host, int port, double timeout, k3_pd_session *ss,
+                        k3_error *err) {
+    const int fd = k3_pd_connect(host, port, timeout, err);
+    if (fd < 0) return -1;
+    if (k3_pd_handshake_client(fd, k, ss, err)) {
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+k3_status k3_pd_release_hold(const k3_pd_keys *k, const char *host, int port, const uint8_t token[K3_PD_TOKEN_BYTES],
+                             const uint8_t hash[K3_PD_HASH_BYTES], double timeout_s, k3_error *err) {
+    k3_pd_session ss;
+    const int fd = open_session(k, host, port, timeout_s, &ss, err);
+    if (fd < 0) return err ? err->status : K3_ERR_IO;
+    k3_pd_req r = {.op = K3_PD_RELEASE};
+    memcpy(r.hold, token, K3_PD_TOKEN_BYTES);
+    memcpy(r.prompt_hash, hash, K3_PD_HASH_BYTES);
+    k3_status st = k3_pd_req_send(fd, &ss, &r, err);
+    /* the prefill side answers a refusal, or closes once released */
+    k3_pd_unit u;
+    if (!st && !k3_pd_unit_recv(fd, &ss, 0, &u, NULL) && u.kind == K3_PD_ERROR)
+        st = k3_err(err, K3_ERR_PERM, "%s", REFUSED);
+    k3_pd_session_free(&ss);
     close(fd);
+    return st;
+}
+
+static void release_remote(k3_pd *pd, const k3_pd_pull *p) {
+    /* a failure leaves the hold to the prefill instance's timeout */
+    k3_pd_release_hold(&pd->keys, p->host, p->port, p->token, p->hash, pd->timeout < 5 ? pd->timeout : 5, NULL);
 }
 
 /* The test hook on the unit just received: stalls. */
@@ -322,8 +465,11 @@ static k3_status run_pull(k3_pd *pd, k3_pd_pull *p, const k3_pull_info *pi, int6
     const bool cancelled = p->cancel;
     pthread_mutex_unlock(&pd->mu);
     if (cancelled) return k3_err(err, K3_ERR_ARG, "cancelled");
-    const int fd = k3_pd_connect(p->host, p->port, pd->timeout, err);
+    k3_pd_session ss;
+    const int fd = open_session(&pd->keys, p->host, p->port, pd->timeout, &ss, err);
     if (fd < 0) return err ? err->status : K3_ERR_IO;
+    k3_pd_bulk bulk;
+    k3_pd_bulk_tcp(&bulk, fd);
     pthread_mutex_lock(&pd->mu);
     p->fd = fd;
     const bool late_cancel = p->cancel || atomic_load(&pd->quit);
@@ -334,15 +480,10 @@ static k3_status run_pull(k3_pd *pd, k3_pd_pull *p, const k3_pull_info *pi, int6
         }
     pthread_mutex_unlock(&pd->mu);
     k3_status st = late_cancel ? k3_err(err, K3_ERR_ARG, "cancelled") : K3_OK;
-    k3_pd_req r = {.op = K3_PD_PULL,
-                   .hold = p->hold,
-                   .id = pd->id,
-                   .from = pi->n_local,
-                   .to = pi->n_tokens,
-                   .max_unit = K3_PD_UNIT,
-                   .engine = pd->engine_id};
-    k3_pd_req_seal(&r);
-    if (!st) st = k3_pd_send(fd, &r, sizeof r, NULL, 0, "the pull request", err);
+    k3_pd_req r = {.op = K3_PD_PULL, .id = pd->id, .from = pi->n_local, .to = pi->n_tokens, .max_unit = K3_PD_UNIT};
+    memcpy(r.hold, p->token, K3_PD_TOKEN_BYTES);
+    memcpy(r.prompt_hash, p->hash, K3_PD_HASH_BYTES);
+    if (!st) st = k3_pd_req_send(fd, &ss, &r, err);
     const int64_t sb = k3_engine_state_bytes(e);
     int64_t next[K3_PD_MAX_LAYERS], state_next = 0, n_units = 0;
     int32_t n_layers = 0;
@@ -355,12 +496,8 @@ static k3_status run_pull(k3_pd *pd, k3_pd_pull *p, const k3_pull_info *pi, int6
     bool end = false;
     while (!st && !end) {
         k3_pd_unit u;
-        st = k3_pd_recv(fd, &u, sizeof u, "a unit header", err);
+        st = k3_pd_unit_recv(fd, &ss, 2 * (uint64_t)n_units, &u, err);
         if (st) break;
-        if (!k3_pd_unit_check(&u, err)) {
-            st = K3_ERR_FORMAT;
-            break;
-        }
         if (u.payload_bytes > (uint64_t)K3_PD_UNIT * 4 + 4096) {
             st = k3_err(err, K3_ERR_FORMAT, "kv transfer: a unit of %llu bytes, more than asked for",
                         (unsigned long long)u.payload_bytes);
@@ -375,11 +512,11 @@ static k3_status run_pull(k3_pd *pd, k3_pd_pull *p, const k3_pull_info *pi, int6
             buf = nbuf;
             cap = (size_t)u.payload_bytes;
         }
-        st = k3_pd_recv(fd, buf, (size_t)u.payload_bytes, "a unit's payload", err);
+        if (u.payload_bytes) st = bulk.recv(&bulk, buf, (size_t)u.payload_bytes, err);
         if (st) break;
-        if (k3_pd_sum(buf, (size_t)u.payload_bytes) != u.payload_sum) {
+        if (!k3_pd_tag_ok(&ss.rx, 2 * (uint64_t)n_units + 1, buf, (size_t)u.payload_bytes, NULL, 0, u.payload_tag)) {
             st = k3_err(err, K3_ERR_FORMAT,
-                        "kv transfer: unit %lld (kind %u, layer %d, positions %lld+%lld) is damaged: its checksum does "
+                        "kv transfer: unit %lld (kind %u, layer %d, positions %lld+%lld) is damaged: its MAC does "
                         "not match",
                         (long long)n_units, u.kind, u.layer, (long long)u.t0, (long long)u.n);
             break;
@@ -390,16 +527,6 @@ static k3_status run_pull(k3_pd *pd, k3_pd_pull *p, const k3_pull_info *pi, int6
             memcpy(msg, buf, n);
             msg[n] = 0;
             st = k3_err(err, K3_ERR_UNSUPPORTED, "%s", msg);
-            break;
-        }
-        if (!k3_pd_ident_same(&u.id, &pd->id)) {
-            char mine[160], theirs[160];
-            k3_pd_ident_str(&pd->id, mine, sizeof mine);
-            k3_pd_ident_str(&u.id, theirs, sizeof theirs);
-            st = k3_err(err, K3_ERR_UNSUPPORTED,
-                        "kv transfer refused: model mismatch: the prefill instance sent %s, this decode instance runs "
-                        "%s",
-                        theirs, mine);
             break;
         }
         if (u.kind == K3_PD_LAYER) {
@@ -446,6 +573,7 @@ static k3_status run_pull(k3_pd *pd, k3_pd_pull *p, const k3_pull_info *pi, int6
         }
     }
     free(buf);
+    k3_pd_session_free(&ss);
     pthread_mutex_lock(&pd->mu);
     p->fd = -1;
     for (int i = 0; i < K3_PD_MAX_ACTIVE; i++)
@@ -582,6 +710,37 @@ static bool parse_fault(k3_pd *pd, const char *f) {
     return false;
 }
 
+/* --prefill-peers: HOST:PORT[,HOST:PORT...] ([v6]:PORT too). */
+static k3_status parse_peers(k3_pd *pd, const char *list, k3_error *err) {
+    if (!list || !*list) return K3_OK;
+    const char *p = list;
+    while (*p) {
+        const char *end = strchr(p, ',');
+        const size_t len = end ? (size_t)(end - p) : strlen(p);
+        char item[256];
+        if (len == 0 || len >= sizeof item || pd->n_peers == K3_PD_MAX_PEERS)
+            return k3_err(err, K3_ERR_ARG, "--prefill-peers: '%.*s' is not HOST:PORT (at most %d of them)",
+                          (int)(len < 200 ? len : 200), p, K3_PD_MAX_PEERS);
+        memcpy(item, p, len);
+        item[len] = 0;
+        char *colon = strrchr(item, ':');
+        char *stop = NULL;
+        const long port = colon ? strtol(colon + 1, &stop, 10) : 0;
+        if (!colon || colon == item || !stop || *stop || port < 1 || port > 65535)
+            return k3_err(err, K3_ERR_ARG, "--prefill-peers: '%s' is not HOST:PORT", item);
+        *colon = 0;
+        char *h = item;
+        if (h[0] == '[' && colon[-1] == ']') {
+            colon[-1] = 0;
+            h++;
+        }
+        memcpy(pd->peers[pd->n_peers].host, h, strlen(h) + 1);
+        pd->peers[pd->n_peers++].port = (int)port;
+        p += len + (end ? 1 : 0);
+    }
+    return K3_OK;
+}
+
 k3_status k3_pd_start(k3_pd **out, const k3_pd_options *o, k3_error *err) {
     *out = NULL;
     if (!o || !o->engine) return k3_err(err, K3_ERR_ARG, "kv transfer: no engine");
@@ -596,7 +755,7 @@ k3_status k3_pd_start(k3_pd **out, const k3_pd_options *o, k3_error *err) {
     pd->e = o->engine;
     pd->lfd = -1;
     pd->port = -1;
-    for (int i = 0; i < 64; i++) pd->serve_fd[i] = -1;
+    for (int i = 0; i < K3_PD_MAX_SERVING; i++) pd->serve_fd[i] = -1;
     pd->timeout = o->timeout_s > 0 ? o->timeout_s : 30.0;
     pd->id.model = o->model_id;
     if (o->quant && strcmp(o->quant, "none")) memcpy(pd->id.quant, o->quant, strlen(o->quant));
@@ -604,9 +763,15 @@ k3_status k3_pd_start(k3_pd **out, const k3_pd_options *o, k3_error *err) {
     pd->id.block_size = o->block_size;
     snprintf(pd->host, sizeof pd->host, "%s", o->host ? o->host : "127.0.0.1");
     snprintf(pd->adv, sizeof pd->adv, "%s", o->advertise_host ? o->advertise_host : pd->host);
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    pd->engine_id = k3_pd_sum(&ts, sizeof ts) ^ (uint64_t)getpid() * 0x9E3779B97F4A7C15ull ^ o->model_id;
+    if (k3_random_bytes(&pd->engine_id, sizeof pd->engine_id, err)) {
+        k3_pd_stop(pd);
+        return err ? err->status : K3_ERR_IO;
+    }
+    if (k3_pd_keys_derive(&pd->keys, o->secret, o->secret_len, err) || parse_peers(pd, o->prefill_peers, err)) {
+        const k3_status st = err ? err->status : K3_ERR_ARG;
+        k3_pd_stop(pd);
+        return st;
+    }
     if (!parse_fault(pd, o->fault)) {
         k3_pd_stop(pd);
         return k3_err(err, K3_ERR_ARG, "kv transfer: fault '%s' is not flip:U or stall:U:MS", o->fault);
@@ -650,11 +815,16 @@ void k3_pd_stop(k3_pd *pd) {
     free(pd->workers);
     /* the prefill side's connections: ended, then waited for */
     pthread_mutex_lock(&pd->mu);
-    for (int i = 0; i < 64; i++)
+    for (int i = 0; i < K3_PD_MAX_SERVING; i++)
         if (pd->serve_fd[i] >= 0) shutdown(pd->serve_fd[i], SHUT_RDWR);
     while (pd->n_serving > 0) pthread_cond_wait(&pd->cv, &pd->mu);
     pthread_mutex_unlock(&pd->mu);
     k3_engine_set_pull_hook(pd->e, NULL, NULL);
+    for (hold_ref *h = pd->holds, *nx; h; h = nx) {
+        nx = h->next;
+        free(h);
+    }
+    OPENSSL_cleanse(&pd->keys, sizeof pd->keys);
     pthread_mutex_destroy(&pd->mu);
     pthread_cond_destroy(&pd->cv);
     free(pd);
@@ -663,8 +833,6 @@ void k3_pd_stop(k3_pd *pd) {
 int k3_pd_port(const k3_pd *pd) { return pd ? pd->port : -1; }
 
 /* ---- kv_transfer_params ------------------------------------------------------------------------- */
-
-static uint64_t prompt_hash(const int32_t *ids, int64_t n) { return k3_pd_sum(ids, sizeof(int32_t) * (size_t)n); }
 
 static const char *kv_name(uint32_t kv) { return kv == K3_KV_C8 ? "c8" : "f32"; }
 
@@ -681,22 +849,29 @@ json_t *k3_pd_prefill_params(k3_pd *pd, uint64_t hold, const int32_t *prompt, in
     k3_hold_info hi;
     if (k3_engine_hold_get(pd->e, hold, &hi, NULL, 0, err)) return NULL;
     int32_t *blocks = malloc(sizeof(int32_t) * (size_t)(hi.n_blocks + 1));
-    if (!blocks) {
-        k3_err(err, K3_ERR_NOMEM, "out of memory");
+    hold_ref *ref = calloc(1, sizeof *ref);
+    if (!blocks || !ref || k3_random_bytes(ref->token, sizeof ref->token, err)) {
+        free(blocks);
+        free(ref);
+        if (err && !err->status) k3_err(err, K3_ERR_NOMEM, "out of memory");
         return NULL;
     }
     if (k3_engine_hold_get(pd->e, hold, &hi, blocks, hi.n_blocks, err)) {
         free(blocks);
+        free(ref);
         return NULL;
     }
+    /* the hold is named by its token from now on, for this prompt only */
+    k3_pd_prompt_hash(prompt, n, ref->hash);
+    ref->hold = hold;
     json_t *ids = json_array();
     for (int32_t i = 0; i < hi.n_blocks; i++) json_array_append_new(ids, json_integer(blocks[i]));
     free(blocks);
-    char eng[40], req[32], model[20], ph[20], q[K3_PD_QUANT_LEN + 1];
+    char eng[40], req[2 * K3_PD_TOKEN_BYTES + 1], model[20], ph[2 * K3_PD_HASH_BYTES + 1], q[K3_PD_QUANT_LEN + 1];
     snprintf(eng, sizeof eng, "k3-%016llx", (unsigned long long)pd->engine_id);
-    snprintf(req, sizeof req, "%llu", (unsigned long long)hold);
+    k3_pd_hex(ref->token, K3_PD_TOKEN_BYTES, req);
     snprintf(model, sizeof model, "%016llx", (unsigned long long)pd->id.model);
-    snprintf(ph, sizeof ph, "%016llx", (unsigned long long)prompt_hash(prompt, n));
+    k3_pd_hex(ref->hash, K3_PD_HASH_BYTES, ph);
     memcpy(q, pd->id.quant, K3_PD_QUANT_LEN);
     q[K3_PD_QUANT_LEN] = 0;
     /* vLLM's NixlConnector names, then k3's own */
@@ -708,6 +883,7 @@ json_t *k3_pd_prefill_params(k3_pd *pd, uint64_t hold, const int32_t *prompt, in
                   "block_size", pd->id.block_size, "kda_state_bytes", (json_int_t)hi.state_bytes, "prompt_hash", ph,
                   "prefill_queue_s", hi.queue_s, "prefill_s", hi.prefill_s);
     if (!o) {
+        free(ref);
         k3_err(err, K3_ERR_NOMEM, "out of memory");
         return NULL;
     }
@@ -718,6 +894,11 @@ json_t *k3_pd_prefill_params(k3_pd *pd, uint64_t hold, const int32_t *prompt, in
             if (top[i].id >= 0) json_array_append_new(t, json_pack("[i,f]", top[i].id, (double)top[i].logprob));
         json_object_set_new(o, "first_token_top_logprobs", t);
     }
+    pthread_mutex_lock(&pd->mu);
+    holds_prune_locked(pd);
+    ref->next = pd->holds;
+    pd->holds = ref;
+    pthread_mutex_unlock(&pd->mu);
     return o;
 }
 
@@ -737,30 +918,76 @@ static bool get_int(json_t *o, const char *k, long long lo, long long hi, long l
     return !k3_err(err, K3_ERR_ARG, "kv_transfer_params: \"%s\" must be an integer in [%lld, %lld]", k, lo, hi);
 }
 
-k3_pd_pull *k3_pd_pull_new(k3_pd *pd, json_t *params, const int32_t *prompt, int64_t n, k3_remote_prefill *rp,
-                           k3_error *err) {
-    json_t *host = json_object_get(params, "remote_host");
-    long long port = 0, hold = 0, ntok = 0, first = 0;
-    if (!json_is_string(host) || json_string_length(host) == 0 || json_string_length(host) >= 256) {
-        k3_err(err, K3_ERR_ARG, "kv_transfer_params: \"remote_host\" must name the prefill instance");
+/* The fields that say whom to connect to and what to read, parsed; and
+ * whether they may be used: with the proxy's credential over them, or for a
+ * peer the operator listed. Nothing is connected to before this says yes. */
+typedef struct named {
+    const char *host, *rid, *hash;
+    long long port, n_tokens;
+    uint8_t token[K3_PD_TOKEN_BYTES], prompt_hash[K3_PD_HASH_BYTES];
+} named;
+
+static bool parse_named(k3_pd *pd, json_t *params, const char *credential, named *nm, k3_error *err) {
+    json_t *host = json_object_get(params, "remote_host"), *rid = json_object_get(params, "remote_request_id"),
+           *ph = json_object_get(params, "prompt_hash");
+    if (!json_is_string(host) || json_string_length(host) == 0 || json_string_length(host) >= 256)
+        return !k3_err(err, K3_ERR_ARG, "kv_transfer_params: \"remote_host\" must name the prefill instance");
+    if (!get_int(params, "remote_port", 1, 65535, &nm->port, err) ||
+        !get_int(params, "num_tokens", 1, INT64_MAX, &nm->n_tokens, err))
+        return false;
+    nm->host = json_string_value(host);
+    nm->rid = json_is_string(rid) ? json_string_value(rid) : "";
+    nm->hash = json_is_string(ph) ? json_string_value(ph) : "";
+    bool trusted = false;
+    if (credential && *credential) {
+        char want[2 * K3_PD_KEY_BYTES + 1];
+        k3_pd_credential(&pd->keys, nm->host, nm->port, nm->rid, nm->hash, nm->n_tokens, want);
+        trusted = strlen(credential) == sizeof want - 1 && k3_pd_equal(credential, want, sizeof want - 1);
+    }
+    for (int i = 0; !trusted && i < pd->n_peers; i++)
+        trusted = pd->peers[i].port == nm->port && !strcmp(pd->peers[i].host, nm->host);
+    if (!trusted)
+        return !k3_err(err, K3_ERR_PERM,
+                       "kv_transfer_params: a prefill instance to pull from is taken only from the proxy (its "
+                       "credential, %s) or from --prefill-peers; this request has neither",
+                       K3_PD_CREDENTIAL_HEADER);
+    if (!k3_pd_unhex(nm->rid, nm->token, K3_PD_TOKEN_BYTES))
+        return !k3_err(err, K3_ERR_ARG,
+                       "kv_transfer_params: \"remote_request_id\" must be the hold's token (%d hex "
+                       "digits)",
+                       2 * K3_PD_TOKEN_BYTES);
+    if (!k3_pd_unhex(nm->hash, nm->prompt_hash, K3_PD_HASH_BYTES))
+        return !k3_err(err, K3_ERR_ARG,
+                       "kv_transfer_params: \"prompt_hash\" is required (%d hex digits: the prompt's "
+                       "SHA-256)",
+                       2 * K3_PD_HASH_BYTES);
+    return true;
+}
+
+k3_pd_pull *k3_pd_pull_new(k3_pd *pd, json_t *params, const char *credential, const int32_t *prompt, int64_t n,
+                           k3_remote_prefill *rp, k3_error *err) {
+    named nm;
+    long long first = 0;
+    k3_error pe = {0};
+    if (!parse_named(pd, params, credential, &nm, &pe) || !get_int(params, "first_token", 0, INT32_MAX, &first, &pe)) {
+        if (pe.status == K3_ERR_PERM) {
+            pthread_mutex_lock(&pd->mu);
+            pd->refused_params++;
+            pthread_mutex_unlock(&pd->mu);
+        }
+        if (err) *err = pe;
         return NULL;
     }
-    if (!get_int(params, "remote_port", 1, 65535, &port, err) ||
-        !get_int(params, "remote_request_id", 1, INT64_MAX, &hold, err) ||
-        !get_int(params, "num_tokens", 1, INT64_MAX, &ntok, err) ||
-        !get_int(params, "first_token", 0, INT32_MAX, &first, err))
-        return NULL;
-    if (ntok != n) {
+    if (nm.n_tokens != n) {
         k3_err(err, K3_ERR_ARG,
                "kv_transfer_params: the prefill instance computed %lld prompt tokens, this prompt has %lld: the two "
                "instances did not make the same prompt",
-               ntok, (long long)n);
+               nm.n_tokens, (long long)n);
         return NULL;
     }
-    json_t *ph = json_object_get(params, "prompt_hash");
-    char mine[20];
-    snprintf(mine, sizeof mine, "%016llx", (unsigned long long)prompt_hash(prompt, n));
-    if (ph && (!json_is_string(ph) || strcmp(json_string_value(ph), mine))) {
+    uint8_t mine[K3_PD_HASH_BYTES];
+    k3_pd_prompt_hash(prompt, n, mine);
+    if (!k3_pd_equal(mine, nm.prompt_hash, K3_PD_HASH_BYTES)) {
         k3_err(err, K3_ERR_ARG,
                "kv_transfer_params: the prompt's hash differs from the prefill instance's: the two instances did not "
                "make the same prompt");
@@ -773,9 +1000,10 @@ k3_pd_pull *k3_pd_pull_new(k3_pd *pd, json_t *params, const int32_t *prompt, int
     }
     p->refs = 2;
     p->fd = -1;
-    snprintf(p->host, sizeof p->host, "%s", json_string_value(host));
-    p->port = (int)port;
-    p->hold = (uint64_t)hold;
+    snprintf(p->host, sizeof p->host, "%s", nm.host);
+    p->port = (int)nm.port;
+    memcpy(p->token, nm.token, sizeof p->token);
+    memcpy(p->hash, nm.prompt_hash, sizeof p->hash);
     p->n_tokens = n;
     json_t *lp = json_object_get(params, "first_token_logprob"),
            *top = json_object_get(params, "first_token_top_logprobs");
@@ -807,6 +1035,20 @@ static void *release_main(void *arg) {
     release_remote(pd, p);
     k3_pd_pull_unref(pd, p);
     return NULL;
+}
+
+void k3_pd_release_named(k3_pd *pd, json_t *params, const char *credential) {
+    named nm;
+    if (!pd || !parse_named(pd, params, credential, &nm, NULL)) return; /* untrusted: nothing is connected to */
+    k3_pd_pull *p = calloc(1, sizeof *p);
+    if (!p) return;
+    p->refs = 1;
+    p->fd = -1;
+    snprintf(p->host, sizeof p->host, "%s", nm.host);
+    p->port = (int)nm.port;
+    memcpy(p->token, nm.token, sizeof p->token);
+    memcpy(p->hash, nm.prompt_hash, sizeof p->hash);
+    k3_pd_pull_abandon(pd, p);
 }
 
 void k3_pd_pull_abandon(k3_pd *pd, k3_pd_pull *p) {
@@ -885,11 +1127,19 @@ void k3_pd_metrics_render(k3_pd *pd, const char *label, k3_buf *o) {
                 "k3:kv_transfer_states_total{model_name=\"%s\"} %lld\n"
                 "# HELP k3:kv_hold_releases_total Holds released by a decode instance that will not pull them.\n"
                 "# TYPE k3:kv_hold_releases_total counter\n"
-                "k3:kv_hold_releases_total{model_name=\"%s\"} %lld\n",
+                "k3:kv_hold_releases_total{model_name=\"%s\"} %lld\n"
+                "# HELP k3:kv_transfer_refused_total Transfer connections and requests refused: a peer without the "
+                "deployment's secret, a pull or release that names no hold of this instance for its prompt (prefill), "
+                "kv_transfer_params naming a peer without the proxy's credential (decode).\n"
+                "# TYPE k3:kv_transfer_refused_total counter\n"
+                "k3:kv_transfer_refused_total{model_name=\"%s\",reason=\"auth\"} %lld\n"
+                "k3:kv_transfer_refused_total{model_name=\"%s\",reason=\"hold\"} %lld\n"
+                "k3:kv_transfer_refused_total{model_name=\"%s\",reason=\"params\"} %lld\n",
                 label, (long long)pd->sent_bytes, label, (long long)pd->recv_bytes, label, (long long)pd->sent_ok,
                 label, (long long)pd->sent_failed, label, (long long)pd->recv_ok, label, (long long)pd->recv_failed,
                 label, pd->sent_seconds, label, pd->recv_seconds, label, (long long)pd->recv_blocks, label,
-                (long long)pd->recv_states, label, (long long)pd->releases);
+                (long long)pd->recv_states, label, (long long)pd->releases, label, (long long)pd->refused_auth, label,
+                (long long)pd->refused_hold, label, (long long)pd->refused_params);
     render_hist(o, "k3:kv_transfer_seconds", "Time of one transfer, connect to the last byte (decode side).", label,
                 &pd->h_secs, pd_secs_le);
     render_hist(o, "k3:kv_transfer_gbps", "Throughput of one transfer in GB/s (decode side).", label, &pd->h_gbps,

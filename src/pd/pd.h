@@ -13,6 +13,7 @@
 
 #include "common/buf.h"
 #include "k3.h"
+#include "pd/auth.h"
 
 /* One request's pull (decode side): where its prompt's cache is, and, once
  * the agent is done with it, what moved. Shared by the job that made it and
@@ -28,6 +29,10 @@ typedef struct k3_pd_pull_stats {
     double queue_s, prefill_s; /* the prefill instance's, from its params */
 } k3_pd_pull_stats;
 
+/* The refusal of a request that cannot be disaggregated (several prompts or
+ * choices): the proxy sends such a request whole to a decode instance. */
+#define K3_PD_NOT_SPLIT "kv_transfer_params: a disaggregated request has one prompt and n = 1"
+
 /* kv_transfer_params of a request: which way it asks (neither: NULL or
  * empty, or both false). */
 bool k3_pd_wants_remote_decode(json_t *params);
@@ -41,13 +46,20 @@ json_t *k3_pd_prefill_params(k3_pd *pd, uint64_t hold, const int32_t *prompt, in
                              const k3_logprob *top, int n_top, k3_error *err);
 
 /* Decode side: a pull for the prompt ids [n] from the params a prefill
- * instance answered (checked: the token count and the prompt's hash must be
- * this instance's, the host and port and hold named); *rp is filled for
- * the engine request (rp->ctx = the pull; rp->first_top points into the
- * pull). NULL with err (K3_ERR_ARG) otherwise. Two references: the job's
- * and the agent's. */
-k3_pd_pull *k3_pd_pull_new(k3_pd *pd, json_t *params, const int32_t *prompt, int64_t n, k3_remote_prefill *rp,
-                           k3_error *err);
+ * instance answered. They are taken only with the proxy's credential
+ * (credential: the request's K3_PD_CREDENTIAL_HEADER, or NULL) or for a
+ * peer of --prefill-peers (else K3_ERR_PERM, and nothing is connected to);
+ * then checked: the token count and the prompt's hash must be this
+ * instance's, the host, port and hold's token named. *rp is filled for the
+ * engine request (rp->ctx = the pull; rp->first_top points into the pull).
+ * NULL with err (K3_ERR_ARG, K3_ERR_PERM) otherwise. Two references: the
+ * job's and the agent's. */
+k3_pd_pull *k3_pd_pull_new(k3_pd *pd, json_t *params, const char *credential, const int32_t *prompt, int64_t n,
+                           k3_remote_prefill *rp, k3_error *err);
+/* A request that will not pull the hold its params name: released on the
+ * prefill instance (in the background), when the params are trusted as for
+ * k3_pd_pull_new; else nothing is done. */
+void k3_pd_release_named(k3_pd *pd, json_t *params, const char *credential);
 /* The request could not be submitted: the hold is released on the prefill
  * side (in the background) and the agent's reference dropped. */
 void k3_pd_pull_abandon(k3_pd *pd, k3_pd_pull *p);
@@ -55,6 +67,11 @@ void k3_pd_pull_stats_get(k3_pd *pd, const k3_pd_pull *p, k3_pd_pull_stats *out)
 void k3_pd_pull_unref(k3_pd *pd, k3_pd_pull *p);
 /* The per-request figures of a finished pull as a JSON object (for the answer). */
 json_t *k3_pd_pull_json(const k3_pd_pull_stats *s);
+
+/* A hold released on its prefill instance by anyone with the deployment's
+ * keys (the proxy, when no decode instance took its request). */
+k3_status k3_pd_release_hold(const k3_pd_keys *k, const char *host, int port, const uint8_t token[K3_PD_TOKEN_BYTES],
+                             const uint8_t hash[K3_PD_HASH_BYTES], double timeout_s, k3_error *err);
 
 /* The transfer counters and gauges of /metrics (k3:kv_transfer_* ...). */
 void k3_pd_metrics_render(k3_pd *pd, const char *model_name, k3_buf *o);

@@ -1,32 +1,37 @@
 /*
  * proxy.c -- the one endpoint in front of prefill and decode instances
- * (k3_proxy of k3.h; k3 serve --role proxy): libmicrohttpd for the clients,
- * libcurl for the backends.
+ * (k3_proxy of k3.h; k3 serve --role proxy): the HTTP layer every k3
+ * endpoint shares for the clients (src/http: connections, deadlines and
+ * caps, framing, the key before any body, CORS, the drain), libcurl for the
+ * backends.
  *
  * A generation request (a POST whose body is a JSON object, on any path but
  * the few that do not generate) is sent to the least loaded prefill
  * instance as vLLM's proxies send it: kv_transfer_params
  * {"do_remote_decode": true}, one token, no stream; the kv_transfer_params
  * of its answer go with the client's own request to the least loaded decode
- * instance, whose answer or stream is relayed as it comes. The proxy knows
- * no API surface: completions, chat and any other generating route (a k3
- * backend's or a vLLM backend's) go the same way. Other routes go to a decode instance
- * unchanged; /health and /metrics are the proxy's own.
+ * instance, with the proxy's credential over them (auth.h), whose answer or
+ * stream is relayed as it comes. A request the prefill instance cannot
+ * split (several prompts or choices) goes whole to a decode instance. The
+ * proxy knows no API surface but for the shape of its own errors and
+ * endings (Anthropic's on /v1/messages, the Responses API's on
+ * /v1/responses, OpenAI's elsewhere). Other routes go to a decode instance
+ * unchanged; /health (its backends' health) and /metrics are its own.
  *
  * Failures: a backend that cannot be reached is marked down for a few
  * seconds and the next one tried (a decode instance that is down is
  * replaced by another, which pulls the same hold); when none answers the
- * client gets a 502 in OpenAI's error shape, and a hold made for it is
+ * client gets a 502 in its API's error shape, and a hold made for it is
  * released on its prefill instance. A backend's own error (4xx, 5xx) is
  * relayed as it is. A decode stream cut short ends with an error event the
- * client sees. A client that leaves ends the backend request (the decode
- * instance sees it go, cancels and frees).
+ * client sees. A client that hangs up ends the backend request (the decode
+ * instance sees it go, cancels and frees); one that only half-closes is
+ * still answered. On k3_proxy_end every request in flight ends: a stream
+ * with its API's error event, a whole answer with a 503.
  */
 #include <curl/curl.h>
 #include <jansson.h>
 #include <microhttpd.h>
-#include <netdb.h>
-#include <poll.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdatomic.h>
@@ -38,86 +43,68 @@
 
 #include "common/buf.h"
 #include "common/error.h"
-#include "pd/wire.h"
+#include "http/http.h"
+#include "pd/auth.h"
+#include "pd/pd.h"
 
 typedef struct backend {
     char *url; /* base, no trailing slash */
     atomic_int inflight;
     _Atomic double down_until; /* k3_now() before which it is skipped */
     atomic_long requests, failures;
+    atomic_bool up; /* its /health answered 200 at the last probe */
 } backend;
 
 struct k3_proxy {
-    struct MHD_Daemon *d;
+    k3_http *http;
     backend *pre, *dec;
     int n_pre, n_dec;
-    char *api_key;
+    char *api_key; /* passed on to the backends */
+    bool metrics_key;
+    k3_pd_keys keys;
     double timeout;
-    size_t max_body;
-    unsigned max_conn;
-    atomic_int n_conn;
     atomic_uint rr;
     atomic_bool stopping;
-    int port;
-    atomic_long requests, errors, released;
+    atomic_long requests, errors, released, whole;
+    /* the prober of the backends' /health */
+    pthread_t prober;
+    bool prober_started, quit;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
 };
 
-typedef struct creq {
-    k3_buf body;
-    bool too_big, started;
-} creq;
+/* The routes: the proxy's own, and what it forwards by the shape of its API. */
+enum { R_HEALTH, R_METRICS, R_OPENAI, R_RESPONSES, R_MESSAGES };
+static const int route_ids[] = {R_HEALTH, R_METRICS, R_OPENAI, R_RESPONSES, R_MESSAGES};
+#define ROUTE(r) (&route_ids[r])
+#define ROUTE_OF(p) ((p) ? *(const int *)(p) : R_OPENAI)
 
-/* ---- answers ------------------------------------------------------------------------------------ */
+/* ---- answers in the route's shape ------------------------------------------------------------ */
 
-static const char *err_type(unsigned status) {
-    if (status == 401) return "AuthenticationError";
-    if (status == 404) return "NotFoundError";
-    if (status == 413 || status == 400) return "BadRequestError";
-    if (status == 503) return "ServiceUnavailableError";
-    return status >= 500 ? "InternalServerError" : "BadRequestError";
-}
-
-static char *error_json(unsigned status, const char *msg) {
-    json_t *e = json_pack("{s:{s:s,s:s,s:n,s:i}}", "error", "message", msg, "type", err_type(status), "param", "code",
-                          (int)status);
-    char *t = e ? json_dumps(e, JSON_COMPACT) : NULL;
-    json_decref(e);
-    return t;
-}
-
-static enum MHD_Result queue(struct MHD_Connection *c, unsigned status, char *text, size_t len, const char *type) {
-    if (!text) return MHD_NO;
-    struct MHD_Response *r = MHD_create_response_from_buffer(len, text, MHD_RESPMEM_MUST_FREE);
-    if (!r) {
-        free(text);
-        return MHD_NO;
-    }
-    MHD_add_response_header(r, "Content-Type", type ? type : "application/json");
-    if (status == 503) MHD_add_response_header(r, "Retry-After", "1");
-    const enum MHD_Result ret = MHD_queue_response(c, status, r);
-    MHD_destroy_response(r);
-    return ret;
-}
-
-static enum MHD_Result fail(k3_proxy *p, struct MHD_Connection *c, unsigned status, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
-static enum MHD_Result fail(k3_proxy *p, struct MHD_Connection *c, unsigned status, const char *fmt, ...) {
+static enum MHD_Result fail(k3_proxy *p, struct MHD_Connection *c, int route, unsigned status, const char *fmt, ...)
+    __attribute__((format(printf, 5, 6)));
+static enum MHD_Result fail(k3_proxy *p, struct MHD_Connection *c, int route, unsigned status, const char *fmt, ...) {
     char msg[1024];
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
     atomic_fetch_add(&p->errors, 1);
-    char *t = error_json(status, msg);
-    return queue(c, status, t, t ? strlen(t) : 0, "application/json");
+    json_t *m = k3_http_str(msg);
+    return k3_http_json(p->http, c, status,
+                        route == R_MESSAGES ? k3_http_anthropic_error_json(status, m) : k3_http_error_json(status, m));
 }
 
-static bool client_gone(struct MHD_Connection *c) {
-    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
-    if (!ci) return true;
-    struct pollfd pf = {.fd = ci->connect_fd, .events = POLLRDHUP};
-    if (poll(&pf, 1, 0) < 0) return false;
-    return (pf.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL)) != 0;
+static enum MHD_Result on_error(void *arg, struct MHD_Connection *c, const void *route, unsigned status,
+                                const char *msg) {
+    return fail(arg, c, ROUTE_OF(route), status, "%s", msg);
+}
+
+/* A backend's answer, relayed: text[0..len) taken. */
+static enum MHD_Result relay_whole(k3_proxy *p, struct MHD_Connection *c, long status, char *text, size_t len,
+                                   const char *type) {
+    if (status != 200) atomic_fetch_add(&p->errors, 1);
+    return k3_http_queue(p->http, c, status > 0 ? (unsigned)status : 502, text, len, type && *type ? type : NULL);
 }
 
 /* ---- backends ----------------------------------------------------------------------------------- */
@@ -146,8 +133,9 @@ typedef struct call {
     char ctype[128];
     long status;
     bool got_status;
-    struct MHD_Connection *client; /* watched: a client that leaves ends the call */
-    bool client_left;
+    k3_proxy *p;
+    struct MHD_Connection *client; /* watched: a client that hangs up ends the call */
+    bool client_left, ended;       /* ended: the proxy ended it (k3_proxy_end, stop) */
     char errbuf[CURL_ERROR_SIZE];
 } call;
 
@@ -175,16 +163,30 @@ static size_t on_header(char *ptr, size_t size, size_t n, void *arg) {
 
 static int on_progress(void *arg, curl_off_t dt, curl_off_t dn, curl_off_t ut, curl_off_t un) {
     call *c = arg;
-    if (c->client && client_gone(c->client)) {
+    if (atomic_load(&c->p->stopping) || k3_http_phase(c->p->http) == K3_HTTP_ENDING) {
+        c->ended = true;
+        return 1;
+    }
+    if (c->client && k3_http_client_gone(c->client)) {
         c->client_left = true;
         return 1;
     }
     return 0;
 }
 
+static bool add_header(call *c, const char *name, const char *value) {
+    char h[1200];
+    snprintf(h, sizeof h, "%s: %s", name, value);
+    struct curl_slist *n = curl_slist_append(c->hdr, h);
+    if (n) c->hdr = n;
+    return n != NULL;
+}
+
+/* cred: the proxy's credential for a decode request's kv_transfer_params, or NULL. */
 static bool call_init(call *c, k3_proxy *p, const backend *b, const char *method, const char *path, const char *body,
-                      size_t len, struct MHD_Connection *client) {
+                      size_t len, struct MHD_Connection *client, const char *cred) {
     memset(c, 0, sizeof *c);
+    c->p = p;
     c->h = curl_easy_init();
     if (!c->h) return false;
     char url[2048];
@@ -204,15 +206,31 @@ static bool call_init(call *c, k3_proxy *p, const backend *b, const char *method
     curl_easy_setopt(c->h, CURLOPT_XFERINFOFUNCTION, on_progress);
     curl_easy_setopt(c->h, CURLOPT_XFERINFODATA, c);
     c->client = client;
-    c->hdr = curl_slist_append(NULL, "Content-Type: application/json");
-    c->hdr = curl_slist_append(c->hdr, "Expect:");
-    if (client) {
-        const char *auth = MHD_lookup_connection_value(client, MHD_HEADER_KIND, "Authorization");
-        if (auth) {
-            char h[1024];
-            snprintf(h, sizeof h, "Authorization: %s", auth);
-            c->hdr = curl_slist_append(c->hdr, h);
+    bool ok = add_header(c, "Content-Type", "application/json") && add_header(c, "Expect", "");
+    if (p->api_key) {
+        /* the client proved the proxy's key; the instances take the same */
+        char v[1100];
+        snprintf(v, sizeof v, "Bearer %s", p->api_key);
+        ok = ok && add_header(c, "Authorization", v);
+    } else if (client) {
+        /* no key here: whatever the client sent is the instances' business */
+        static const char *const pass[] = {"Authorization", "x-api-key"};
+        for (int i = 0; i < 2; i++) {
+            const char *v = MHD_lookup_connection_value(client, MHD_HEADER_KIND, pass[i]);
+            if (v && strlen(v) < 1024) ok = ok && add_header(c, pass[i], v);
         }
+    }
+    if (client) {
+        /* the Anthropic API's version header, as the client sent it */
+        const char *v = MHD_lookup_connection_value(client, MHD_HEADER_KIND, "anthropic-version");
+        if (v && strlen(v) < 64) ok = ok && add_header(c, "anthropic-version", v);
+    }
+    if (cred) ok = ok && add_header(c, K3_PD_CREDENTIAL_HEADER, cred);
+    if (!ok) {
+        curl_easy_cleanup(c->h);
+        curl_slist_free_all(c->hdr);
+        c->h = NULL;
+        return false;
     }
     curl_easy_setopt(c->h, CURLOPT_HTTPHEADER, c->hdr);
     /* the body is copied: a call may outlive its caller's buffer (a stream) */
@@ -250,23 +268,33 @@ static bool call_run(call *c, k3_error *err) {
     return false;
 }
 
+/* The request the proxy itself ended (k3_proxy_end): a 503 naming why. */
+static enum MHD_Result ended(k3_proxy *p, struct MHD_Connection *c, int route) {
+    return fail(p, c, route, 503, "%s",
+                k3_http_phase(p->http) == K3_HTTP_ENDING ? k3_http_end_msg(p->http) : "the server is shutting down");
+}
+
 /* The hold a prefill answer named, released on its prefill instance (the
  * request will not reach a decode instance). */
 static void release_hold(k3_proxy *p, json_t *kv) {
-    json_t *host = json_object_get(kv, "remote_host"), *port = json_object_get(kv, "remote_port"),
-           *rid = json_object_get(kv, "remote_request_id");
-    if (!json_is_string(host) || !json_is_integer(port)) return;
-    uint64_t hold = 0;
-    if (json_is_string(rid)) hold = strtoull(json_string_value(rid), NULL, 10);
-    else if (json_is_integer(rid)) hold = (uint64_t)json_integer_value(rid);
-    if (!hold) return;
-    const int fd = k3_pd_connect(json_string_value(host), (int)json_integer_value(port), 2.0, NULL);
-    if (fd < 0) return;
-    k3_pd_req r = {.op = K3_PD_RELEASE, .hold = hold};
-    k3_pd_req_seal(&r);
-    k3_pd_send(fd, &r, sizeof r, NULL, 0, "a release", NULL);
-    close(fd);
-    atomic_fetch_add(&p->released, 1);
+    json_t *host = json_object_get(kv, "remote_host"), *port = json_object_get(kv, "remote_port");
+    uint8_t token[K3_PD_TOKEN_BYTES], hash[K3_PD_HASH_BYTES];
+    if (!json_is_string(host) || !json_is_integer(port) ||
+        !k3_pd_unhex(json_string_value(json_object_get(kv, "remote_request_id")), token, sizeof token) ||
+        !k3_pd_unhex(json_string_value(json_object_get(kv, "prompt_hash")), hash, sizeof hash))
+        return;
+    if (!k3_pd_release_hold(&p->keys, json_string_value(host), (int)json_integer_value(port), token, hash, 2.0, NULL))
+        atomic_fetch_add(&p->released, 1);
+}
+
+/* The proxy's credential over the kv_transfer_params a decode request carries. */
+static void credential(k3_proxy *p, json_t *kv, char out[2 * K3_PD_KEY_BYTES + 1]) {
+    json_t *port = json_object_get(kv, "remote_port"), *n = json_object_get(kv, "num_tokens");
+    const char *host = json_string_value(json_object_get(kv, "remote_host")),
+               *rid = json_string_value(json_object_get(kv, "remote_request_id")),
+               *ph = json_string_value(json_object_get(kv, "prompt_hash"));
+    k3_pd_credential(&p->keys, host ? host : "", json_is_integer(port) ? json_integer_value(port) : 0, rid ? rid : "",
+                     ph ? ph : "", json_is_integer(n) ? json_integer_value(n) : 0, out);
 }
 
 /* ---- a stream from a decode instance ------------------------------------------------------------ */
@@ -276,14 +304,73 @@ typedef struct relay {
     backend *b;
     call c;
     CURLM *m;
-    bool done, failed, tail_sent;
-    char tail[1200]; /* the error event after a stream cut short */
-    size_t tail_len, tail_pos;
+    int route;
+    bool done, failed;
+    k3_buf tail; /* the ending after a stream cut short or ended by the proxy */
+    size_t tail_pos;
+    json_t *resp; /* the Responses API's response object, from its first event */
+    long seq;     /* the Responses API's last sequence_number */
 } relay;
 
-/* Drives the transfer until there are bytes beyond taken, or it ends. */
+/* What a stream's client reads when the stream ends early: its API's error
+ * event (OpenAI's error JSON and [DONE]; the Responses API's
+ * response.failed; Anthropic's event: error). */
+static void make_tail(relay *r, unsigned status, const char *why) {
+    if (r->tail.len) return;
+    json_t *e = NULL;
+    const char *event = NULL;
+    if (r->route == R_MESSAGES) {
+        event = "error";
+        e = k3_http_anthropic_error_json(status, k3_http_str(why));
+    } else if (r->route == R_RESPONSES && r->resp) {
+        event = "response.failed";
+        json_t *resp = json_deep_copy(r->resp);
+        json_object_set_new(resp, "status", json_string("failed"));
+        json_object_set_new(resp, "error", json_pack("{s:s,s:o}", "code", "server_error", "message", k3_http_str(why)));
+        e = json_pack("{s:s,s:I,s:o}", "type", event, "sequence_number", (json_int_t)(r->seq + 1), "response", resp);
+    } else {
+        e = k3_http_error_json(status, k3_http_str(why));
+    }
+    char *t = e ? json_dumps(e, JSON_COMPACT) : NULL;
+    json_decref(e);
+    if (event) k3_buf_addf(&r->tail, "event: %s\ndata: %s\n\n", event, t ? t : "{}");
+    else k3_buf_addf(&r->tail, "data: %s\n\ndata: [DONE]\n\n", t ? t : "{}");
+    free(t);
+}
+
+/* Whole events going to the client: what the Responses API's ending needs
+ * (the response object of its first event, the last sequence_number). */
+static void note_events(relay *r, const char *p, size_t n) {
+    if (r->route != R_RESPONSES) return;
+    while (n > 0) {
+        const char *end = memmem(p, n, "\n\n", 2);
+        const size_t len = end ? (size_t)(end - p) : n;
+        const char *d = len >= 6 && !strncmp(p, "data: ", 6) ? p : memmem(p, len, "\ndata: ", 7);
+        if (d) {
+            d += *d == '\n' ? 7 : 6;
+            json_t *ev = json_loadb(d, (size_t)(p + len - d), 0, NULL);
+            json_t *seq = json_object_get(ev, "sequence_number"), *resp = json_object_get(ev, "response");
+            if (json_is_integer(seq)) r->seq = (long)json_integer_value(seq);
+            if (!r->resp && json_is_object(resp)) r->resp = json_incref(resp);
+            json_decref(ev);
+        }
+        const size_t step = end ? len + 2 : n;
+        p += step;
+        n -= step;
+    }
+}
+
+/* The end of the last whole event in out beyond taken (0: none yet). */
+static size_t events_end(const relay *r) {
+    const char *b = r->c.out.p;
+    for (size_t i = r->c.out.len; i >= r->c.taken + 2 && i >= 2; i--)
+        if (b[i - 1] == '\n' && b[i - 2] == '\n') return i;
+    return 0;
+}
+
+/* Drives the transfer until there are whole events beyond taken, or it ends. */
 static void relay_pump(relay *r, int wait_ms) {
-    while (!r->done && r->c.out.len <= r->c.taken) {
+    while (!r->done && !events_end(r)) {
         int running = 0;
         curl_multi_perform(r->m, &running);
         CURLMsg *msg;
@@ -292,40 +379,52 @@ static void relay_pump(relay *r, int wait_ms) {
             if (msg->msg == CURLMSG_DONE) {
                 r->done = true;
                 r->failed = msg->data.result != CURLE_OK;
-                if (r->failed) {
+                if (r->failed && !r->c.ended) {
                     char m[1024];
                     snprintf(m, sizeof m, "the decode instance %s broke off the stream: %s", r->b->url,
                              r->c.errbuf[0] ? r->c.errbuf : curl_easy_strerror(msg->data.result));
-                    char *t = error_json(502, m);
-                    r->tail_len = t ? (size_t)snprintf(r->tail, sizeof r->tail, "data: %s\n\ndata: [DONE]\n\n", t) : 0;
-                    if (r->tail_len >= sizeof r->tail) r->tail_len = sizeof r->tail - 1;
-                    free(t);
+                    make_tail(r, 502, m);
                 }
             }
-        if (r->done || r->c.out.len > r->c.taken || (r->c.got_status && wait_ms == 0)) break;
+        if (r->done || events_end(r) || (r->c.got_status && wait_ms == 0)) break;
         curl_multi_poll(r->m, NULL, 0, wait_ms > 0 ? wait_ms : 100, NULL);
     }
 }
 
+static ssize_t copy_out(const char *src, size_t n, size_t *pos, char *buf, size_t max) {
+    size_t k = n - *pos;
+    if (k > max) k = max;
+    memcpy(buf, src + *pos, k);
+    *pos += k;
+    return (ssize_t)k;
+}
+
 static ssize_t relay_read(void *cls, uint64_t pos, char *buf, size_t max) {
     relay *r = cls;
-    if (atomic_load(&r->p->stopping)) return MHD_CONTENT_READER_END_WITH_ERROR;
-    relay_pump(r, 100);
-    if (r->c.out.len > r->c.taken) {
-        size_t n = r->c.out.len - r->c.taken;
+    k3_proxy *p = r->p;
+    if (atomic_load(&p->stopping)) return MHD_CONTENT_READER_END_WITH_ERROR;
+    if (!r->done) relay_pump(r, 100);
+    if ((r->c.ended || k3_http_phase(p->http) == K3_HTTP_ENDING) && !r->tail.len && !(r->done && !r->failed)) {
+        /* ended by the proxy (its progress hook may have cut the transfer
+         * already): after the whole events already in, its API's ending */
+        r->done = true;
+        r->c.ended = true;
+        make_tail(r, 503,
+                  k3_http_phase(p->http) == K3_HTTP_ENDING ? k3_http_end_msg(p->http) : "the server is shutting down");
+    }
+    /* whole events only, so an ending never lands inside one */
+    size_t end = events_end(r);
+    if (r->done && !r->failed && !r->c.ended) end = r->c.out.len; /* the backend ended it: all of it */
+    if (end > r->c.taken) {
+        size_t n = end - r->c.taken;
         if (n > max) n = max;
+        note_events(r, r->c.out.p + r->c.taken, n);
         memcpy(buf, r->c.out.p + r->c.taken, n);
         r->c.taken += n;
         if (r->c.taken == r->c.out.len) r->c.out.len = r->c.taken = 0;
         return (ssize_t)n;
     }
-    if (r->done && r->failed && r->tail_pos < r->tail_len) {
-        size_t n = r->tail_len - r->tail_pos;
-        if (n > max) n = max;
-        memcpy(buf, r->tail + r->tail_pos, n);
-        r->tail_pos += n;
-        return (ssize_t)n;
-    }
+    if (r->done && r->tail_pos < r->tail.len) return copy_out(r->tail.p, r->tail.len, &r->tail_pos, buf, max);
     if (r->done) return MHD_CONTENT_READER_END_OF_STREAM;
     return 0; /* nothing yet: MHD asks again */
 }
@@ -335,6 +434,8 @@ static void relay_free(void *cls) {
     curl_multi_remove_handle(r->m, r->c.h);
     curl_multi_cleanup(r->m);
     call_free(&r->c);
+    k3_buf_free(&r->tail);
+    json_decref(r->resp);
     atomic_fetch_sub(&r->b->inflight, 1);
     free(r);
 }
@@ -350,43 +451,51 @@ static bool passthrough_post(const char *url) {
 }
 
 /* method url body to a decode instance, its answer relayed. */
-static enum MHD_Result forward(k3_proxy *p, struct MHD_Connection *c, const char *method, const char *url,
+static enum MHD_Result forward(k3_proxy *p, struct MHD_Connection *c, int route, const char *method, const char *url,
                                const char *body, size_t len) {
     unsigned tried = 0;
     char last[720] = "no decode instance";
     for (;;) {
         const int i = pick(p, p->dec, p->n_dec, tried);
-        if (i < 0) return fail(p, c, 502, "no decode instance answered %s %s: %s", method, url, last);
+        if (i < 0) return fail(p, c, route, 502, "no decode instance answered %s %s: %s", method, url, last);
         tried |= 1u << i;
         backend *b = &p->dec[i];
         call k;
-        if (!call_init(&k, p, b, method, url, body, len, c)) return fail(p, c, 500, "out of memory");
+        if (!call_init(&k, p, b, method, url, body, len, c, NULL)) return fail(p, c, route, 500, "out of memory");
         atomic_fetch_add(&b->inflight, 1);
         atomic_fetch_add(&b->requests, 1);
         k3_error err = {0};
         const bool ok = call_run(&k, &err);
         atomic_fetch_sub(&b->inflight, 1);
+        if (k.ended || k.client_left) {
+            const bool left = k.client_left;
+            call_free(&k);
+            return left ? MHD_NO : ended(p, c, route);
+        }
         if (!ok || !k.got_status) {
             atomic_fetch_add(&b->failures, 1);
             atomic_store(&b->down_until, k3_now() + 2.0);
             snprintf(last, sizeof last, "%.200s: %.500s", b->url, err.msg);
-            const bool gone = k.client_left;
             call_free(&k);
-            if (gone) return MHD_NO;
             continue;
         }
         char *text = malloc(k.out.len + 1);
         if (text) memcpy(text, k.out.p ? k.out.p : "", k.out.len);
-        const enum MHD_Result r = queue(c, (unsigned)k.status, text, k.out.len, k.ctype[0] ? k.ctype : NULL);
+        const enum MHD_Result r = relay_whole(p, c, k.status, text, k.out.len, k.ctype);
         call_free(&k);
         return r;
     }
 }
 
-static enum MHD_Result generate(k3_proxy *p, struct MHD_Connection *c, const char *url, json_t *root) {
-    /* 1. the prefill instance: one token, no stream, kept for a decode instance */
+/* The prefill leg: *kv_out gets the hold's kv_transfer_params (NULL: the
+ * request goes whole to a decode instance). MHD_YES with *answered false
+ * to go on; else the client has been answered (or is gone). */
+static enum MHD_Result prefill_leg(k3_proxy *p, struct MHD_Connection *c, int route, const char *url, json_t *root,
+                                   json_t **ans_out, bool *answered) {
+    *answered = true;
+    *ans_out = NULL;
     json_t *pre = json_deep_copy(root);
-    if (!pre) return fail(p, c, 500, "out of memory");
+    if (!pre) return fail(p, c, route, 500, "out of memory");
     json_object_set_new(pre, "kv_transfer_params",
                         json_pack("{s:b,s:b,s:n,s:n,s:n,s:n}", "do_remote_decode", 1, "do_remote_prefill", 0,
                                   "remote_engine_id", "remote_block_ids", "remote_host", "remote_port"));
@@ -398,32 +507,32 @@ static enum MHD_Result generate(k3_proxy *p, struct MHD_Connection *c, const cha
     if (strstr(url, "completions")) json_object_set_new(pre, "max_tokens", json_integer(1));
     char *pbody = json_dumps(pre, JSON_COMPACT);
     json_decref(pre);
-    if (!pbody) return fail(p, c, 500, "out of memory");
+    if (!pbody) return fail(p, c, route, 500, "out of memory");
     unsigned tried = 0;
     char last[720] = "no prefill instance";
-    json_t *ans = NULL;
     for (;;) {
         const int i = pick(p, p->pre, p->n_pre, tried);
         if (i < 0) {
             free(pbody);
-            return fail(p, c, 502, "no prefill instance answered: %s", last);
+            return fail(p, c, route, 502, "no prefill instance answered: %s", last);
         }
         tried |= 1u << i;
         backend *b = &p->pre[i];
         call k;
-        if (!call_init(&k, p, b, "POST", url, pbody, strlen(pbody), c)) {
+        if (!call_init(&k, p, b, "POST", url, pbody, strlen(pbody), c, NULL)) {
             free(pbody);
-            return fail(p, c, 500, "out of memory");
+            return fail(p, c, route, 500, "out of memory");
         }
         atomic_fetch_add(&b->inflight, 1);
         atomic_fetch_add(&b->requests, 1);
         k3_error err = {0};
         const bool ok = call_run(&k, &err);
         atomic_fetch_sub(&b->inflight, 1);
-        if (k.client_left) {
+        if (k.client_left || k.ended) {
+            const bool left = k.client_left;
             call_free(&k);
             free(pbody);
-            return MHD_NO;
+            return left ? MHD_NO : ended(p, c, route);
         }
         if (!ok || !k.got_status) {
             atomic_fetch_add(&b->failures, 1);
@@ -432,86 +541,106 @@ static enum MHD_Result generate(k3_proxy *p, struct MHD_Connection *c, const cha
             call_free(&k);
             continue;
         }
+        free(pbody);
+        if (k.status == 400 && k.out.len && memmem(k.out.p, k.out.len, K3_PD_NOT_SPLIT, strlen(K3_PD_NOT_SPLIT))) {
+            /* several prompts or choices: the decode instance computes it whole */
+            call_free(&k);
+            atomic_fetch_add(&p->whole, 1);
+            *answered = false;
+            return MHD_YES;
+        }
         if (k.status != 200) { /* the prefill instance's own refusal: the client's */
             char *text = malloc(k.out.len + 1);
             if (text) memcpy(text, k.out.p ? k.out.p : "", k.out.len);
-            atomic_fetch_add(&p->errors, 1);
-            const enum MHD_Result r = queue(c, (unsigned)k.status, text, k.out.len, k.ctype[0] ? k.ctype : NULL);
+            const enum MHD_Result r = relay_whole(p, c, k.status, text, k.out.len, k.ctype);
             call_free(&k);
-            free(pbody);
             return r;
         }
-        ans = json_loadb(k.out.p ? k.out.p : "", k.out.len, 0, NULL);
+        *ans_out = json_loadb(k.out.p ? k.out.p : "", k.out.len, 0, NULL);
         call_free(&k);
-        break;
+        *answered = false;
+        return MHD_YES;
     }
-    free(pbody);
+}
+
+static enum MHD_Result generate(k3_proxy *p, struct MHD_Connection *c, int route, const char *url, json_t *root) {
+    /* 1. the prefill instance: one token, no stream, kept for a decode instance */
+    json_t *ans = NULL;
+    bool answered;
+    const enum MHD_Result pr = prefill_leg(p, c, route, url, root, &ans, &answered);
+    if (answered) return pr;
     json_t *kv = json_is_object(ans) ? json_object_get(ans, "kv_transfer_params") : NULL;
     /* 2. the decode instance: the client's request with the prefill's params
-     * (without them -- a prefill instance that names no hold -- it computes
-     * the prompt itself) */
+     * and the proxy's credential over them (without them -- a request sent
+     * whole, or a prefill instance that names no hold -- it computes the
+     * prompt itself) */
     json_t *dec = json_deep_copy(root);
-    if (dec && json_is_object(kv)) json_object_set(dec, "kv_transfer_params", kv);
-    else if (dec) json_object_del(dec, "kv_transfer_params");
+    char cred[2 * K3_PD_KEY_BYTES + 1] = "";
+    if (dec && json_is_object(kv)) {
+        json_object_set(dec, "kv_transfer_params", kv);
+        credential(p, kv, cred);
+    } else if (dec) {
+        json_object_del(dec, "kv_transfer_params");
+    }
     char *dbody = dec ? json_dumps(dec, JSON_COMPACT) : NULL;
     json_decref(dec);
-    if (!dbody || client_gone(c)) {
+    if (!dbody || k3_http_client_gone(c)) {
         if (json_is_object(kv)) release_hold(p, kv);
         json_decref(ans);
         free(dbody);
-        return dbody ? MHD_NO : fail(p, c, 500, "out of memory");
+        return dbody ? MHD_NO : fail(p, c, route, 500, "out of memory");
     }
     const bool stream = json_is_true(json_object_get(root, "stream"));
-    tried = 0;
-    snprintf(last, sizeof last, "no decode instance");
+    unsigned tried = 0;
+    char last[720] = "no decode instance";
     for (;;) {
         const int i = pick(p, p->dec, p->n_dec, tried);
         if (i < 0) {
             if (json_is_object(kv)) release_hold(p, kv);
             json_decref(ans);
             free(dbody);
-            return fail(p, c, 502, "no decode instance answered: %s", last);
+            return fail(p, c, route, 502, "no decode instance answered: %s", last);
         }
         tried |= 1u << i;
         backend *b = &p->dec[i];
         relay *r = calloc(1, sizeof *r);
-        if (!r || !call_init(&r->c, p, b, "POST", url, dbody, strlen(dbody), c)) {
+        if (!r || !call_init(&r->c, p, b, "POST", url, dbody, strlen(dbody), c, cred[0] ? cred : NULL)) {
             free(r);
+            if (json_is_object(kv)) release_hold(p, kv);
             json_decref(ans);
             free(dbody);
-            return fail(p, c, 500, "out of memory");
+            return fail(p, c, route, 500, "out of memory");
         }
         r->p = p;
         r->b = b;
+        r->route = route;
         atomic_fetch_add(&b->inflight, 1);
         atomic_fetch_add(&b->requests, 1);
         if (!stream) {
             k3_error err = {0};
             const bool ok = call_run(&r->c, &err);
             atomic_fetch_sub(&b->inflight, 1);
-            const bool gone = r->c.client_left;
-            if (ok && r->c.got_status) {
+            const bool gone = r->c.client_left, end = r->c.ended;
+            if (ok && r->c.got_status && !end && !gone) {
                 char *text = malloc(r->c.out.len + 1);
                 if (text) memcpy(text, r->c.out.p ? r->c.out.p : "", r->c.out.len);
-                if (r->c.status != 200) atomic_fetch_add(&p->errors, 1);
-                const enum MHD_Result ret =
-                    queue(c, (unsigned)r->c.status, text, r->c.out.len, r->c.ctype[0] ? r->c.ctype : NULL);
+                const enum MHD_Result ret = relay_whole(p, c, r->c.status, text, r->c.out.len, r->c.ctype);
                 call_free(&r->c);
                 free(r);
                 json_decref(ans);
                 free(dbody);
                 return ret;
             }
+            call_free(&r->c);
+            free(r);
+            if (gone || end) {
+                json_decref(ans);
+                free(dbody);
+                return gone ? MHD_NO : ended(p, c, route);
+            }
             atomic_fetch_add(&b->failures, 1);
             atomic_store(&b->down_until, k3_now() + 2.0);
             snprintf(last, sizeof last, "%.200s: %.500s", b->url, err.msg);
-            call_free(&r->c);
-            free(r);
-            if (gone) {
-                json_decref(ans);
-                free(dbody);
-                return MHD_NO;
-            }
             continue;
         }
         /* a stream: relayed once the decode instance has answered its status */
@@ -520,42 +649,47 @@ static enum MHD_Result generate(k3_proxy *p, struct MHD_Connection *c, const cha
             atomic_fetch_sub(&b->inflight, 1);
             call_free(&r->c);
             free(r);
+            if (json_is_object(kv)) release_hold(p, kv);
             json_decref(ans);
             free(dbody);
-            return fail(p, c, 500, "out of memory");
+            return fail(p, c, route, 500, "out of memory");
         }
         curl_multi_add_handle(r->m, r->c.h);
-        while (!r->done && !r->c.got_status && !client_gone(c)) relay_pump(r, 100);
-        const bool answered = r->c.got_status;
-        if (!answered || (r->done && r->failed && r->c.out.len == 0)) {
-            atomic_fetch_add(&b->failures, 1);
-            atomic_store(&b->down_until, k3_now() + 2.0);
-            snprintf(last, sizeof last, "%s: %s", b->url, r->c.errbuf[0] ? r->c.errbuf : "no answer");
-            const bool gone = client_gone(c);
+        while (!r->done && !r->c.got_status && !k3_http_client_gone(c) && !r->c.ended) relay_pump(r, 100);
+        const bool answered_status = r->c.got_status;
+        if (!answered_status || (r->done && r->failed && r->c.out.len == 0)) {
+            const bool gone = k3_http_client_gone(c), end = r->c.ended;
+            if (!end) {
+                atomic_fetch_add(&b->failures, 1);
+                atomic_store(&b->down_until, k3_now() + 2.0);
+            }
+            snprintf(last, sizeof last, "%.200s: %.500s", b->url, r->c.errbuf[0] ? r->c.errbuf : "no answer");
             relay_free(r);
-            if (gone) {
-                if (json_is_object(kv)) release_hold(p, kv);
+            if (gone || end) {
                 json_decref(ans);
                 free(dbody);
-                return MHD_NO;
+                return gone ? MHD_NO : ended(p, c, route);
             }
             continue;
         }
         curl_easy_getinfo(r->c.h, CURLINFO_RESPONSE_CODE, &r->c.status);
         json_decref(ans);
         free(dbody);
-        struct MHD_Response *resp =
-            MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 16 << 10, relay_read, r, relay_free);
-        if (!resp) {
-            relay_free(r);
-            return MHD_NO;
-        }
-        MHD_add_response_header(resp, "Content-Type", r->c.ctype[0] ? r->c.ctype : "text/event-stream");
-        MHD_add_response_header(resp, "Cache-Control", "no-cache");
-        const enum MHD_Result ret = MHD_queue_response(c, r->c.status ? (unsigned)r->c.status : 200, resp);
-        MHD_destroy_response(resp);
-        return ret;
+        if (r->c.status != 200) atomic_fetch_add(&p->errors, 1);
+        return k3_http_queue_stream(p->http, c, r->c.status ? (unsigned)r->c.status : 200,
+                                    r->c.ctype[0] ? r->c.ctype : "text/event-stream", relay_read, r, relay_free);
     }
+}
+
+static enum MHD_Result health(k3_proxy *p, struct MHD_Connection *c) {
+    if (k3_http_phase(p->http) != K3_HTTP_RUNNING) return fail(p, c, R_HEALTH, 503, "the server is shutting down");
+    int up_pre = 0, up_dec = 0;
+    for (int i = 0; i < p->n_pre; i++) up_pre += atomic_load(&p->pre[i].up);
+    for (int i = 0; i < p->n_dec; i++) up_dec += atomic_load(&p->dec[i].up);
+    if (!up_pre || !up_dec)
+        return fail(p, c, R_HEALTH, 503, "%s%s%s", up_pre ? "" : "no prefill instance is healthy",
+                    !up_pre && !up_dec ? "; " : "", up_dec ? "" : "no decode instance is healthy");
+    return k3_http_queue(p->http, c, 200, NULL, 0, "text/plain");
 }
 
 static enum MHD_Result metrics(k3_proxy *p, struct MHD_Connection *c) {
@@ -567,9 +701,11 @@ static enum MHD_Result metrics(k3_proxy *p, struct MHD_Connection *c) {
                 "k3:proxy_errors_total %ld\n"
                 "# HELP k3:proxy_holds_released_total Holds released because no decode instance took the request.\n"
                 "# TYPE k3:proxy_holds_released_total counter\nk3:proxy_holds_released_total %ld\n"
+                "# HELP k3:proxy_whole_requests_total Requests sent whole to a decode instance (several prompts or "
+                "choices).\n# TYPE k3:proxy_whole_requests_total counter\nk3:proxy_whole_requests_total %ld\n"
                 "# HELP k3:proxy_backend_inflight Requests in flight per backend.\n# TYPE k3:proxy_backend_inflight "
                 "gauge\n",
-                atomic_load(&p->requests), atomic_load(&p->errors), atomic_load(&p->released));
+                atomic_load(&p->requests), atomic_load(&p->errors), atomic_load(&p->released), atomic_load(&p->whole));
     for (int side = 0; side < 2; side++)
         for (int i = 0; i < (side ? p->n_dec : p->n_pre); i++) {
             backend *b = side ? &p->dec[i] : &p->pre[i];
@@ -585,85 +721,124 @@ static enum MHD_Result metrics(k3_proxy *p, struct MHD_Connection *c) {
             k3_buf_addf(&o, "k3:proxy_backend_failures_total{role=\"%s\",url=\"%s\"} %ld\n",
                         side ? "decode" : "prefill", b->url, atomic_load(&b->failures));
         }
+    k3_buf_addf(&o,
+                "# HELP k3:proxy_backend_up 1 when the backend's /health answered 200 at the last probe.\n"
+                "# TYPE k3:proxy_backend_up gauge\n");
+    for (int side = 0; side < 2; side++)
+        for (int i = 0; i < (side ? p->n_dec : p->n_pre); i++) {
+            backend *b = side ? &p->dec[i] : &p->pre[i];
+            k3_buf_addf(&o, "k3:proxy_backend_up{role=\"%s\",url=\"%s\"} %d\n", side ? "decode" : "prefill", b->url,
+                        atomic_load(&b->up) ? 1 : 0);
+        }
+    k3_http_metrics_render(p->http, NULL, &o);
     if (o.oom || !o.p) {
         k3_buf_free(&o);
-        return fail(p, c, 500, "out of memory");
+        return fail(p, c, R_METRICS, 500, "out of memory");
     }
-    return queue(c, 200, o.p, o.len, "text/plain; version=0.0.4; charset=utf-8");
+    return k3_http_queue(p->http, c, 200, o.p, o.len, "text/plain; version=0.0.4; charset=utf-8");
 }
 
-static bool auth_ok(const k3_proxy *p, struct MHD_Connection *c) {
-    if (!p->api_key) return true;
-    const char *h = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Authorization");
-    if (!h || strncmp(h, "Bearer ", 7)) return false;
-    h += 7;
-    const size_t a = strlen(h), b = strlen(p->api_key);
-    unsigned diff = (unsigned)(a ^ b);
-    for (size_t i = 0; i < a; i++) diff |= (unsigned char)h[i] ^ (unsigned char)p->api_key[i % (b ? b : 1)];
-    return diff == 0;
+static void find(void *arg, const char *method, const char *url, k3_http_route *out) {
+    k3_proxy *p = arg;
+    const bool get = !strcmp(method, "GET") || !strcmp(method, "HEAD");
+    if (!strcmp(url, "/health")) {
+        *out = (k3_http_route){.route = ROUTE(R_HEALTH), .method_ok = get, .allow = "GET", .during_drain = true};
+        return;
+    }
+    if (!strcmp(url, "/metrics")) {
+        *out = (k3_http_route){.route = ROUTE(R_METRICS),
+                               .method_ok = get,
+                               .allow = "GET",
+                               .needs_key = p->metrics_key,
+                               .during_drain = true};
+        return;
+    }
+    /* the rest is the backends': every path asks for the key (nothing tells
+     * which exist); the shape of errors by the API's path */
+    const int r = !strncmp(url, "/v1/messages", 12) ? R_MESSAGES
+        : !strncmp(url, "/v1/responses", 13)        ? R_RESPONSES
+                                                    : R_OPENAI;
+    static const char *const methods[] = {"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH"};
+    bool known = false;
+    for (size_t i = 0; i < sizeof methods / sizeof *methods; i++) known |= !strcmp(method, methods[i]);
+    *out = (k3_http_route){.route = ROUTE(r), .method_ok = known, .allow = "GET, POST", .needs_key = true};
 }
 
-static enum MHD_Result dispatch(k3_proxy *p, struct MHD_Connection *c, const char *url, const char *method, creq *r) {
+static enum MHD_Result dispatch(void *arg, struct MHD_Connection *c, const void *route, const char *url,
+                                const char *method, const k3_buf *body, bool too_big) {
+    k3_proxy *p = arg;
     atomic_fetch_add(&p->requests, 1);
-    if (r->too_big) return fail(p, c, 413, "the request body is over the limit of %zu bytes", p->max_body);
-    if (!strcmp(url, "/health") && (!strcmp(method, "GET") || !strcmp(method, "HEAD"))) {
-        if (atomic_load(&p->stopping)) return fail(p, c, 503, "the proxy is shutting down");
-        return queue(c, 200, strdup(""), 0, "text/plain");
-    }
-    if (!auth_ok(p, c)) return fail(p, c, 401, "a valid API key is needed: Authorization: Bearer KEY");
-    if (!strcmp(url, "/metrics") && !strcmp(method, "GET")) return metrics(p, c);
-    if (strcmp(method, "POST") || passthrough_post(url)) return forward(p, c, method, url, r->body.p, r->body.len);
-    json_t *root = r->body.len ? json_loadb(r->body.p, r->body.len, 0, NULL) : NULL;
+    const int r = ROUTE_OF(route);
+    if (r == R_HEALTH) return health(p, c);
+    if (r == R_METRICS) return metrics(p, c);
+    if (strcmp(method, "POST") || passthrough_post(url)) return forward(p, c, r, method, url, body->p, body->len);
+    json_t *root = body->len ? json_loadb(body->p, body->len, 0, NULL) : NULL;
     if (!json_is_object(root)) { /* not a generation: the decode instance answers (or refuses) it */
         json_decref(root);
-        return forward(p, c, method, url, r->body.p, r->body.len);
+        return forward(p, c, r, method, url, body->p, body->len);
     }
-    const enum MHD_Result ret = generate(p, c, url, root);
+    const enum MHD_Result ret = generate(p, c, r, url, root);
     json_decref(root);
     return ret;
 }
 
-static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const char *url, const char *method,
-                                  const char *version, const char *data, size_t *data_size, void **con_cls) {
-    k3_proxy *p = cls;
-    creq *r = *con_cls;
-    if (!r) {
-        if (atomic_load(&p->n_conn) > (int)p->max_conn) return fail(p, c, 503, "too many connections");
-        r = calloc(1, sizeof *r);
-        if (!r) return MHD_NO;
-        *con_cls = r;
-        const char *cl = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Content-Length");
-        if (cl && strtoull(cl, NULL, 10) > p->max_body) r->too_big = true;
-        return MHD_YES;
+/* ---- the backends' health --------------------------------------------------------------------- */
+
+static size_t discard(char *ptr, size_t size, size_t n, void *arg) { return size * n; }
+
+static void probe_all(k3_proxy *p, long timeout_ms) {
+    CURLM *m = curl_multi_init();
+    const int n = p->n_pre + p->n_dec;
+    CURL **h = calloc((size_t)n, sizeof *h);
+    if (!m || !h) {
+        curl_multi_cleanup(m);
+        free(h);
+        return;
     }
-    if (*data_size) {
-        if (!r->too_big && r->body.len + *data_size > p->max_body) {
-            r->too_big = true;
-            k3_buf_free(&r->body);
+    for (int i = 0; i < n; i++) {
+        backend *b = i < p->n_pre ? &p->pre[i] : &p->dec[i - p->n_pre];
+        char url[1100];
+        snprintf(url, sizeof url, "%s/health", b->url);
+        if (!(h[i] = curl_easy_init())) continue;
+        curl_easy_setopt(h[i], CURLOPT_URL, url);
+        curl_easy_setopt(h[i], CURLOPT_NOSIGNAL, 1L);
+        curl_easy_setopt(h[i], CURLOPT_TIMEOUT_MS, timeout_ms);
+        curl_easy_setopt(h[i], CURLOPT_WRITEFUNCTION, discard);
+        curl_multi_add_handle(m, h[i]);
+    }
+    int running = 1;
+    while (running) {
+        curl_multi_perform(m, &running);
+        if (running) curl_multi_poll(m, NULL, 0, 100, NULL);
+    }
+    for (int i = 0; i < n; i++) {
+        backend *b = i < p->n_pre ? &p->pre[i] : &p->dec[i - p->n_pre];
+        long st = 0;
+        if (h[i]) curl_easy_getinfo(h[i], CURLINFO_RESPONSE_CODE, &st);
+        atomic_store(&b->up, st == 200);
+        if (h[i]) {
+            curl_multi_remove_handle(m, h[i]);
+            curl_easy_cleanup(h[i]);
         }
-        if (!r->too_big) k3_buf_add(&r->body, data, *data_size);
-        *data_size = 0;
-        return MHD_YES;
     }
-    if (r->started) return MHD_YES;
-    r->started = true;
-    if (r->body.oom) return fail(p, c, 500, "out of memory for the request body");
-    return dispatch(p, c, url, method, r);
+    curl_multi_cleanup(m);
+    free(h);
 }
 
-static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls, enum MHD_RequestTerminationCode toe) {
-    creq *r = *con_cls;
-    if (!r) return;
-    k3_buf_free(&r->body);
-    free(r);
-    *con_cls = NULL;
-}
-
-static void on_connection(void *cls, struct MHD_Connection *c, void **socket_context,
-                          enum MHD_ConnectionNotificationCode toe) {
-    k3_proxy *p = cls;
-    if (toe == MHD_CONNECTION_NOTIFY_STARTED) atomic_fetch_add(&p->n_conn, 1);
-    else if (toe == MHD_CONNECTION_NOTIFY_CLOSED) atomic_fetch_sub(&p->n_conn, 1);
+static void *prober_main(void *arg) {
+    k3_proxy *p = arg;
+    pthread_mutex_lock(&p->mu);
+    while (!p->quit) {
+        pthread_mutex_unlock(&p->mu);
+        probe_all(p, 2000);
+        pthread_mutex_lock(&p->mu);
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_sec += 1;
+        if (!p->quit) pthread_cond_timedwait(&p->cv, &p->mu, &ts);
+    }
+    pthread_mutex_unlock(&p->mu);
+    return NULL;
 }
 
 /* ---- start / stop ------------------------------------------------------------------------------- */
@@ -683,6 +858,7 @@ static k3_status backends(backend **out, const char *const *urls, int n, const c
         while (l > 7 && b[i].url[l - 1] == '/') b[i].url[--l] = 0;
         atomic_init(&b[i].inflight, 0);
         atomic_init(&b[i].down_until, 0.0);
+        atomic_init(&b[i].up, false);
     }
     return K3_OK;
 }
@@ -693,59 +869,84 @@ static void proxy_free(k3_proxy *p) {
     free(p->pre);
     free(p->dec);
     free(p->api_key);
+    memset(&p->keys, 0, sizeof p->keys);
+    pthread_mutex_destroy(&p->mu);
+    pthread_cond_destroy(&p->cv);
     free(p);
 }
 
 k3_status k3_proxy_start(k3_proxy **out, const k3_proxy_options *o, k3_error *err) {
     *out = NULL;
     if (!o || o->port < 0 || o->port > 65535) return k3_err(err, K3_ERR_ARG, "proxy: bad options (port)");
+    if (o->api_key && !*o->api_key)
+        return k3_err(err, K3_ERR_ARG, "proxy: the API key is empty: give a key, or none to serve without one");
     static atomic_bool curl_ready;
     if (!atomic_exchange(&curl_ready, true)) curl_global_init(CURL_GLOBAL_DEFAULT);
     k3_proxy *p = calloc(1, sizeof *p);
     if (!p) return k3_err(err, K3_ERR_NOMEM, "proxy: out of memory");
+    pthread_mutex_init(&p->mu, NULL);
+    pthread_cond_init(&p->cv, NULL);
     p->n_pre = o->n_prefill;
     p->n_dec = o->n_decode;
     k3_status st = backends(&p->pre, o->prefill, o->n_prefill, "prefill", err);
     if (!st) st = backends(&p->dec, o->decode, o->n_decode, "decode", err);
+    if (!st) st = k3_pd_keys_derive(&p->keys, o->secret, o->secret_len, err);
     if (st) {
         proxy_free(p);
         return st;
     }
-    p->api_key = o->api_key && *o->api_key ? strdup(o->api_key) : NULL;
+    p->api_key = o->api_key ? strdup(o->api_key) : NULL;
+    p->metrics_key = o->metrics_require_key;
     p->timeout = o->timeout_s > 0 ? o->timeout_s : 600;
-    p->max_body = o->max_body_bytes ? o->max_body_bytes : (size_t)4 << 20;
-    p->max_conn = o->max_connections > 0 ? (unsigned)o->max_connections : 1024u;
-    const char *host = o->host ? o->host : "127.0.0.1";
-    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_PASSIVE}, *ai = NULL;
-    char port[16];
-    snprintf(port, sizeof port, "%d", o->port);
-    if (getaddrinfo(host, port, &hints, &ai) || !ai) {
+    if (o->api_key && !p->api_key) {
         proxy_free(p);
-        return k3_err(err, K3_ERR_ARG, "proxy: cannot resolve --host %s", host);
+        return k3_err(err, K3_ERR_NOMEM, "proxy: out of memory");
     }
-    unsigned flags = MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_POLL;
-    if (ai->ai_family == AF_INET6) flags |= MHD_USE_IPv6;
-    p->d = MHD_start_daemon(flags, 0, NULL, NULL, on_request, p, MHD_OPTION_SOCK_ADDR, ai->ai_addr,
-                            MHD_OPTION_CONNECTION_LIMIT, p->max_conn + 64, MHD_OPTION_CONNECTION_TIMEOUT, 0u,
-                            MHD_OPTION_NOTIFY_COMPLETED, on_completed, p, MHD_OPTION_NOTIFY_CONNECTION, on_connection,
-                            p, MHD_OPTION_THREAD_STACK_SIZE, (size_t)512 << 10, MHD_OPTION_LISTEN_BACKLOG_SIZE, 512u,
-                            MHD_OPTION_END);
-    freeaddrinfo(ai);
-    if (!p->d) {
+    /* the backends' health before the first client asks */
+    probe_all(p, 1000);
+    if (pthread_create(&p->prober, NULL, prober_main, p)) {
         proxy_free(p);
-        return k3_err(err, K3_ERR_IO, "proxy: cannot listen on %s port %d (in use?)", host, o->port);
+        return k3_err(err, K3_ERR_NOMEM, "proxy: cannot start a thread");
     }
-    const union MHD_DaemonInfo *di = MHD_get_daemon_info(p->d, MHD_DAEMON_INFO_BIND_PORT);
-    p->port = di ? di->port : o->port;
+    p->prober_started = true;
+    const k3_http_options ho = {.host = o->host,
+                                .port = o->port,
+                                .api_key = o->api_key,
+                                .max_body_bytes = o->max_body_bytes,
+                                .max_connections = o->max_connections ? o->max_connections : 1024,
+                                .max_connections_per_ip = o->max_connections_per_ip,
+                                .timeout_s = o->idle_timeout_s,
+                                .header_timeout_s = o->header_timeout_s,
+                                .body_timeout_s = o->body_timeout_s,
+                                .allowed_origins = o->allowed_origins,
+                                .allowed_methods = o->allowed_methods,
+                                .allowed_headers = o->allowed_headers};
+    const k3_http_app app = {.arg = p, .find = find, .error = on_error, .dispatch = dispatch};
+    if (k3_http_start(&p->http, &ho, &app, err)) {
+        st = err ? err->status : K3_ERR_IO;
+        k3_proxy_stop(p);
+        return st;
+    }
     *out = p;
     return K3_OK;
 }
 
-int k3_proxy_port(const k3_proxy *p) { return p->port; }
+int k3_proxy_port(const k3_proxy *p) { return k3_http_port(p->http); }
+
+void k3_proxy_drain(k3_proxy *p) { k3_http_drain(p->http); }
+
+int k3_proxy_in_flight(k3_proxy *p) { return k3_http_in_flight(p->http); }
+
+void k3_proxy_end(k3_proxy *p, const char *why) { k3_http_end(p->http, why); }
 
 void k3_proxy_stop(k3_proxy *p) {
     if (!p) return;
     atomic_store(&p->stopping, true);
-    MHD_stop_daemon(p->d);
+    if (p->http) k3_http_stop(p->http);
+    pthread_mutex_lock(&p->mu);
+    p->quit = true;
+    pthread_cond_broadcast(&p->cv);
+    pthread_mutex_unlock(&p->mu);
+    if (p->prober_started) pthread_join(p->prober, NULL);
     proxy_free(p);
 }

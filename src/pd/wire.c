@@ -1,5 +1,6 @@
 /*
- * wire.c -- the transfer stream's headers, checksum and sockets (wire.h).
+ * wire.c -- the transfer stream's control messages, its TCP bulk transport
+ * and its sockets (wire.h).
  */
 #include "pd/wire.h"
 
@@ -16,105 +17,56 @@
 #include <unistd.h>
 
 #include "common/error.h"
-#include "kernels/kernels.h"
 
 _Static_assert(sizeof(k3_pd_ident) == 40, "k3_pd_ident is 40 bytes on the wire");
-_Static_assert(sizeof(k3_pd_req) == 96, "k3_pd_req is 96 bytes on the wire");
-_Static_assert(sizeof(k3_pd_unit) == 96, "k3_pd_unit is 96 bytes on the wire");
+_Static_assert(sizeof(k3_pd_hello) == 72, "k3_pd_hello is 72 bytes on the wire");
+_Static_assert(sizeof(k3_pd_req) == 136, "k3_pd_req is 136 bytes on the wire");
+_Static_assert(sizeof(k3_pd_unit) == 72, "k3_pd_unit is 72 bytes on the wire");
 
-/* ---- the checksum ----------------------------------------------------------- */
+/* ---- control messages ------------------------------------------------------------- */
 
-static inline uint64_t rotl(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
-static inline uint32_t rotl32(uint32_t x, int r) { return (x << r) | (x >> (32 - r)); }
-
-#define SUM_P1 0x9E3779B185EBCA87ull
-#define SUM_P2 0xC2B2AE3D27D4EB4Full
-
-size_t k3_pd_sum_blocks_ref(const uint8_t *b, size_t n, uint32_t a[K3_PD_SUM_LANES]) {
-    size_t i = 0;
-    for (; i + K3_PD_SUM_BLOCK <= n; i += K3_PD_SUM_BLOCK)
-        for (int j = 0; j < K3_PD_SUM_LANES; j++) {
-            uint32_t w;
-            memcpy(&w, b + i + 4 * (size_t)j, 4);
-            a[j] = rotl32((a[j] ^ w) * K3_PD_SUM_Q, K3_PD_SUM_R);
-        }
-    return i;
-}
-
-/* The lanes' start, then (after the blocks) the lanes and the tail folded
- * into 64 bits: each step a bijection of the running value and of the word
- * it takes, so a change in one lane or one tail byte changes the result. */
-static void sum_init(uint32_t a[K3_PD_SUM_LANES], size_t n) {
-    for (int j = 0; j < K3_PD_SUM_LANES; j++)
-        a[j] = (uint32_t)(j + 1) * 0x85EBCA77u ^ (uint32_t)n ^ (uint32_t)(n >> 32);
-}
-
-static uint64_t sum_finish(const uint32_t a[K3_PD_SUM_LANES], const uint8_t *b, size_t m, size_t n) {
-    uint64_t h = SUM_P1 ^ n;
-    for (int j = 0; j < K3_PD_SUM_LANES; j++) h = rotl(h ^ ((uint64_t)a[j] * SUM_P2), 27) * SUM_P1;
-    size_t i = 0;
-    for (; i + 8 <= m; i += 8) {
-        uint64_t w;
-        memcpy(&w, b + i, 8);
-        h = rotl(h ^ (w * SUM_P2), 27) * SUM_P1 + 0x85EBCA77C2B2AE63ull;
-    }
-    for (; i < m; i++) h = rotl(h ^ (b[i] * SUM_P1), 11) * SUM_P2;
-    h ^= h >> 33;
-    h *= SUM_P2;
-    h ^= h >> 29;
-    return h;
-}
-
-uint64_t k3_pd_sum_ref(const void *p, size_t n) {
-    const uint8_t *b = p;
-    uint32_t a[K3_PD_SUM_LANES];
-    sum_init(a, n);
-    const size_t i = n ? k3_pd_sum_blocks_ref(b, n, a) : 0;
-    return sum_finish(a, b + i, n - i, n);
-}
-
-uint64_t k3_pd_sum(const void *p, size_t n) {
-    if (n < K3_PD_SUM_BLOCK) return k3_pd_sum_ref(p, n);
-    const uint8_t *b = p;
-    uint32_t a[K3_PD_SUM_LANES];
-    sum_init(a, n);
-    const k3_isa isa = k3_kernels_isa();
-    const size_t i = isa == K3_ISA_AVX512 ? k3_pd_sum_blocks_avx512(b, n, a)
-        : isa == K3_ISA_AVX2              ? k3_pd_sum_blocks_avx2(b, n, a)
-                                          : k3_pd_sum_blocks_ref(b, n, a);
-    return sum_finish(a, b + i, n - i, n);
-}
-
-void k3_pd_req_seal(k3_pd_req *r) {
+k3_status k3_pd_req_send(int fd, k3_pd_session *s, k3_pd_req *r, k3_error *err) {
     memcpy(r->magic, "K3PD", 4);
     r->version = K3_PD_VERSION;
-    r->sum = k3_pd_sum(r, offsetof(k3_pd_req, sum));
+    k3_pd_tag(&s->tx, 0, r, offsetof(k3_pd_req, tag), NULL, 0, r->tag);
+    return k3_pd_send(fd, r, sizeof *r, NULL, 0, "the request", err);
 }
 
-void k3_pd_unit_seal(k3_pd_unit *u) {
+k3_status k3_pd_req_recv(int fd, k3_pd_session *s, k3_pd_req *r, k3_error *err) {
+    K3_TRY(k3_pd_recv(fd, r, sizeof *r, "the request", err));
+    if (memcmp(r->magic, "K3PD", 4) || r->version != K3_PD_VERSION ||
+        !k3_pd_tag_ok(&s->rx, 0, r, offsetof(k3_pd_req, tag), NULL, 0, r->tag))
+        return k3_err(err, K3_ERR_PERM, "kv transfer: a request whose MAC does not match (damaged or forged)");
+    return K3_OK;
+}
+
+k3_status k3_pd_unit_send(int fd, k3_pd_session *s, uint64_t seq, k3_pd_unit *u, k3_error *err) {
     memcpy(u->magic, "K3KV", 4);
     u->version = K3_PD_VERSION;
-    u->sum = k3_pd_sum(u, offsetof(k3_pd_unit, sum));
+    k3_pd_tag(&s->tx, seq, u, offsetof(k3_pd_unit, tag), NULL, 0, u->tag);
+    return k3_pd_send(fd, u, sizeof *u, NULL, 0, "a unit header", err);
 }
 
-bool k3_pd_req_check(const k3_pd_req *r, k3_error *err) {
-    if (memcmp(r->magic, "K3PD", 4)) return !k3_err(err, K3_ERR_FORMAT, "kv transfer: not a k3 transfer request");
-    if (r->version != K3_PD_VERSION)
-        return !k3_err(err, K3_ERR_FORMAT, "kv transfer: protocol version %u, this instance speaks %u", r->version,
-                       K3_PD_VERSION);
-    if (r->sum != k3_pd_sum(r, offsetof(k3_pd_req, sum)))
-        return !k3_err(err, K3_ERR_FORMAT, "kv transfer: a request whose checksum does not match (damaged)");
-    return true;
+k3_status k3_pd_unit_recv(int fd, k3_pd_session *s, uint64_t seq, k3_pd_unit *u, k3_error *err) {
+    K3_TRY(k3_pd_recv(fd, u, sizeof *u, "a unit header", err));
+    if (memcmp(u->magic, "K3KV", 4) || u->version != K3_PD_VERSION ||
+        !k3_pd_tag_ok(&s->rx, seq, u, offsetof(k3_pd_unit, tag), NULL, 0, u->tag))
+        return k3_err(err, K3_ERR_PERM, "kv transfer: a unit header whose MAC does not match (damaged or forged)");
+    return K3_OK;
 }
 
-bool k3_pd_unit_check(const k3_pd_unit *u, k3_error *err) {
-    if (memcmp(u->magic, "K3KV", 4)) return !k3_err(err, K3_ERR_FORMAT, "kv transfer: not a k3 transfer unit");
-    if (u->version != K3_PD_VERSION)
-        return !k3_err(err, K3_ERR_FORMAT, "kv transfer: protocol version %u, this instance speaks %u", u->version,
-                       K3_PD_VERSION);
-    if (u->sum != k3_pd_sum(u, offsetof(k3_pd_unit, sum)))
-        return !k3_err(err, K3_ERR_FORMAT, "kv transfer: a unit header whose checksum does not match (damaged)");
-    return true;
+/* ---- the TCP bulk transport: the payload on the connection's own stream ---------------- */
+
+static k3_status tcp_send(k3_pd_bulk *b, const void *buf, size_t n, k3_error *err) {
+    return k3_pd_send(b->fd, buf, n, NULL, 0, "a unit's payload", err);
+}
+
+static k3_status tcp_recv(k3_pd_bulk *b, void *buf, size_t n, k3_error *err) {
+    return k3_pd_recv(b->fd, buf, n, "a unit's payload", err);
+}
+
+void k3_pd_bulk_tcp(k3_pd_bulk *b, int fd) {
+    *b = (k3_pd_bulk){.name = "tcp", .send = tcp_send, .recv = tcp_recv, .fd = fd};
 }
 
 void k3_pd_ident_str(const k3_pd_ident *id, char *buf, size_t size) {

@@ -1,17 +1,25 @@
 /*
  * wire.h -- the transfer stream between a prefill and a decode instance
- * (wire.c): its two message kinds, their checksum, and the socket calls with
- * deadlines. docs/pd.md has the protocol.
+ * (wire.c): its messages, the bulk transport the rows move by, and the
+ * socket calls with deadlines.
+ * docs/pd.md has the protocol; auth.h the handshake and the MACs.
  *
- * The decode side connects to the prefill side's transfer port and sends
- * one request (k3_pd_req): PULL a hold's positions [from, to) and its KDA
- * state, or RELEASE a hold nobody will read. The prefill side answers a
- * PULL with units (k3_pd_unit + payload): LAYER units (one MLA/DSA layer's
- * rows for a run of positions, in the transfer layout of src/ctx/ctx.h,
- * layer after layer), STATE units (pieces of the KDA state, in order), then
- * END; or one ERROR unit whose payload says why. Every header carries the
- * sender's identity (model, quantization, cache format, block size), the
- * payload's length and checksum, and its own checksum. Both ends are little
+ * Control and bulk are apart. Control messages (the handshake, the request,
+ * each unit's header, the end and an error) go over the connection's TCP
+ * stream, each with its tag (auth.h). A unit's payload (rows or a piece of
+ * the KDA state) moves by a k3_pd_bulk: over the same TCP stream after its
+ * header (k3_pd_bulk_tcp), or by another transport that lands the bytes in
+ * the receiver's buffer; the header carries the payload's tag, which the
+ * receiver checks on what landed before it writes a byte into a block.
+ *
+ * The decode side connects, the handshake runs, it sends one request
+ * (k3_pd_req): PULL a hold's positions [from, to) and its KDA state, or
+ * RELEASE a hold nobody will read; the hold named by its token and the
+ * prompt's hash. The prefill side answers a PULL with units (k3_pd_unit +
+ * payload): LAYER units (one MLA/DSA layer's rows for a run of positions, in
+ * the transfer layout of src/ctx/ctx.h, layer after layer), STATE units
+ * (pieces of the KDA state, in order), then END; or one ERROR unit whose
+ * payload says why, naming nothing of the instance. Both ends are little
  * endian x86-64: the structs go on the wire as they lie in memory.
  */
 #ifndef K3_PD_WIRE_H
@@ -21,12 +29,14 @@
 #include <stdint.h>
 
 #include "k3.h"
+#include "pd/auth.h"
 
-#define K3_PD_VERSION 1
+#define K3_PD_VERSION 2
 #define K3_PD_QUANT_LEN 24
 
 enum { K3_PD_PULL = 1, K3_PD_RELEASE = 2 };
 enum { K3_PD_LAYER = 1, K3_PD_STATE = 2, K3_PD_END = 3, K3_PD_ERROR = 4 };
+enum { K3_PD_HELLO_CLIENT = 1, K3_PD_HELLO_SERVER = 2, K3_PD_HELLO_PROOF = 3 };
 
 /* What an instance runs: two instances exchange caches only when the
  * model, quant and kv fields agree (the block size may differ: units
@@ -38,50 +48,56 @@ typedef struct k3_pd_ident {
     int32_t block_size;
 } k3_pd_ident;
 
+/* The handshake's three messages (auth.c): the client's nonce; the server's
+ * nonce and proof; the client's proof. */
+typedef struct k3_pd_hello {
+    char magic[4]; /* "K3PH" */
+    uint16_t version, role;
+    uint8_t nonce[K3_PD_NONCE_BYTES];
+    uint8_t proof[K3_PD_KEY_BYTES];
+} k3_pd_hello;
+
 typedef struct k3_pd_req {
     char magic[4]; /* "K3PD" */
     uint16_t version, op;
-    uint64_t hold;    /* remote_request_id */
-    k3_pd_ident id;   /* the decode side's */
-    int64_t from, to; /* positions wanted */
-    int64_t max_unit; /* payload bytes per unit at most */
-    uint64_t engine;  /* the decode instance's engine id (for messages) */
-    uint64_t sum;     /* of the bytes before it */
+    uint8_t hold[K3_PD_TOKEN_BYTES];       /* remote_request_id: the hold's token */
+    uint8_t prompt_hash[K3_PD_HASH_BYTES]; /* the prompt the hold was made for */
+    k3_pd_ident id;                        /* the decode side's */
+    int64_t from, to;                      /* positions wanted */
+    int64_t max_unit;                      /* payload bytes per unit at most */
+    uint8_t tag[K3_PD_TAG_BYTES];          /* of the bytes before it (message 0 from the client) */
 } k3_pd_req;
 
 typedef struct k3_pd_unit {
     char magic[4]; /* "K3KV" */
     uint16_t version, kind;
-    k3_pd_ident id; /* the prefill side's */
     int32_t layer, pad;
     int64_t t0; /* LAYER: first position; STATE: byte offset; END: units before it */
     int64_t n;  /* LAYER: positions; STATE: bytes */
-    uint64_t payload_bytes, payload_sum;
-    uint64_t sum; /* of the bytes before it */
+    uint64_t payload_bytes;
+    uint8_t payload_tag[K3_PD_TAG_BYTES]; /* of the payload: message 2u + 1 */
+    uint8_t tag[K3_PD_TAG_BYTES];         /* of the bytes before it: message 2u (u: the unit's number) */
 } k3_pd_unit;
 
-/* A 64-bit checksum of n bytes: 64 lanes of 32 bits, each taking every 64th
- * word of 256-byte blocks (lane = rotl32((lane ^ word) * Q, R), a bijection
- * of the lane and of the word), then the lanes and the tail folded into 64
- * bits the same way: any one damaged word changes it. The vector forms
- * (sum_avx2.c, sum_avx512.c, chosen like the kernels: k3_kernels_isa) give
- * the reference's value for every input (tests/test_pd.c holds them to it);
- * at about 70 GB/s on AVX-512 it costs the transfer little. */
-#define K3_PD_SUM_LANES 64
-#define K3_PD_SUM_BLOCK 256
-#define K3_PD_SUM_Q 0x9E3779B1u
-#define K3_PD_SUM_R 13
-uint64_t k3_pd_sum(const void *p, size_t n);
-uint64_t k3_pd_sum_ref(const void *p, size_t n);
-/* The whole blocks of b[n] into the lanes a; the bytes taken. */
-size_t k3_pd_sum_blocks_ref(const uint8_t *b, size_t n, uint32_t a[K3_PD_SUM_LANES]);
-size_t k3_pd_sum_blocks_avx2(const uint8_t *b, size_t n, uint32_t a[K3_PD_SUM_LANES]);
-size_t k3_pd_sum_blocks_avx512(const uint8_t *b, size_t n, uint32_t a[K3_PD_SUM_LANES]);
-/* Seals a header (its sum) / checks one; false with the reason in err. */
-void k3_pd_req_seal(k3_pd_req *r);
-void k3_pd_unit_seal(k3_pd_unit *u);
-bool k3_pd_req_check(const k3_pd_req *r, k3_error *err);
-bool k3_pd_unit_check(const k3_pd_unit *u, k3_error *err);
+/* How a unit's payload moves. send: n bytes (the receiver knows n from the
+ * header that went before); recv: exactly n into buf. The TCP one writes and
+ * reads the connection's own stream. */
+typedef struct k3_pd_bulk {
+    const char *name;
+    k3_status (*send)(struct k3_pd_bulk *b, const void *buf, size_t n, k3_error *err);
+    k3_status (*recv)(struct k3_pd_bulk *b, void *buf, size_t n, k3_error *err);
+    int fd;
+} k3_pd_bulk;
+void k3_pd_bulk_tcp(k3_pd_bulk *b, int fd);
+
+/* Control messages: sealed (magic, version, tag under s's tx as message seq)
+ * and sent; received and checked (magic, version, tag) -- false with the
+ * reason in err. */
+k3_status k3_pd_req_send(int fd, k3_pd_session *s, k3_pd_req *r, k3_error *err);
+k3_status k3_pd_req_recv(int fd, k3_pd_session *s, k3_pd_req *r, k3_error *err);
+k3_status k3_pd_unit_send(int fd, k3_pd_session *s, uint64_t seq, k3_pd_unit *u, k3_error *err);
+k3_status k3_pd_unit_recv(int fd, k3_pd_session *s, uint64_t seq, k3_pd_unit *u, k3_error *err);
+
 /* "model 0123456789abcdef, quant w4a8, kv-cache c8, block 64" */
 void k3_pd_ident_str(const k3_pd_ident *id, char *buf, size_t size);
 bool k3_pd_ident_same(const k3_pd_ident *a, const k3_pd_ident *b);

@@ -114,6 +114,7 @@ static void preempt(k3_sched *s, k3_rq *rq) {
     running_remove(s, rq);
     drop_blocks(s, rq);
     rq->n_computed = 0;
+    rq->n_draft = 0;
     rq->junction = 0;
     rq->state = K3_RQ_WAITING;
     rq->events |= K3_EV_PREEMPTED;
@@ -151,6 +152,8 @@ static double span_cost(const k3_sched *s, int64_t c, int64_t n) {
  * to compute is a decode: the guard reserved its cost. */
 static int32_t chunk(const k3_sched *s, const k3_rq *rq, int32_t budget, int32_t plp_left, double cost_left) {
     const int64_t c = rq->n_computed, need = rq->n_tok - c;
+    if (need == 1 && rq->n_draft > 0) /* a verify chunk: as much of it as the budget takes */
+        return 1 + rq->n_draft < budget ? 1 + rq->n_draft : budget;
     int64_t n = need < budget ? need : budget;
     if (rq->plp && c < rq->n_prompt && n > plp_left) n = plp_left;
     bool held = false;
@@ -209,8 +212,9 @@ static bool next_block_pending(const k3_sched *s, const k3_rq *rq, int32_t k) {
  * Without the guard nothing is priced. */
 static void charge(const k3_sched *s, const k3_rq *rq, int32_t n, double *cost_left, double *step) {
     if (*cost_left < 0) return;
-    if (rq->n_tok - rq->n_computed == 1) {
-        *step += 1.0;
+    if (rq->n_tok - rq->n_computed == 1) { /* a decode, or a verify chunk of n */
+        *step += (double)n;
+        if (n > 1) *cost_left = *cost_left > n - 1 ? *cost_left - (n - 1) : 0;
         return;
     }
     const double c = span_cost(s, rq->n_computed, n);
@@ -237,9 +241,13 @@ void k3_sched_schedule(k3_sched *s) {
     for (int32_t i = 0; i < s->n_running && budget > 0; i++) {
         k3_rq *rq = s->running[i];
         rq->is_new = false;
-        const int32_t n = chunk(s, rq, budget, plp_left, cost_left);
+        int32_t n = chunk(s, rq, budget, plp_left, cost_left);
         if (n == 0) continue;
-        const int32_t need = blocks_for(s, rq->n_computed + n) - rq->n_blocks;
+        int32_t need = blocks_for(s, rq->n_computed + n) - rq->n_blocks;
+        /* drafts give way before anyone is preempted */
+        while (n > 1 && rq->n_tok - rq->n_computed == 1 && need > s->bm->n_free)
+            need = blocks_for(s, rq->n_computed + --n) - rq->n_blocks;
+        if (rq->n_tok - rq->n_computed == 1) rq->n_draft = n - 1;
         bool self = false;
         while (need > s->bm->n_free) {
             k3_rq *victim = s->running[s->n_running - 1];
@@ -385,6 +393,16 @@ void k3_sched_computed(k3_sched *s, k3_rq *rq) {
         k3_kv_register(s->bm, rq->blocks[k], rq->hash[k], k ? rq->hash[k - 1] : s->cfg.hash_seed, rq->extra[k],
                        rq->tok + (int64_t)k * bs);
     }
+}
+
+void k3_sched_verified(k3_sched *s, k3_rq *rq, int32_t m) {
+    rq->n_draft = 0;
+    rq->n_sched = m;
+    k3_sched_computed(s, rq);
+    /* the next step writes position n_computed: its block stays */
+    const int32_t keep = blocks_for(s, rq->n_computed + 1);
+    for (int32_t b = rq->n_blocks - 1; b >= keep; b--) k3_kv_unref(s->bm, rq->blocks[b]);
+    if (rq->n_blocks > keep) rq->n_blocks = keep;
 }
 
 int64_t k3_sched_blocks_held(const k3_sched *s) {

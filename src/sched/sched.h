@@ -18,7 +18,9 @@
  * are released (their hashes stay in the prefix cache), it goes back to the
  * front of the queue and later recomputes its prompt and the tokens it had
  * generated; its sampler is kept, so it goes on with the same tokens. No
- * request is admitted in a step that preempted.
+ * request is admitted in a step that preempted. A decode with drafts
+ * (n_draft) is a verify chunk of 1 + n_draft tokens: its drafts are cut to
+ * the budget left and to the free blocks before anyone is preempted for them.
  *
  * Prefix cache (at admission): the longest run of the request's full blocks
  * found in the index, cut back to the last boundary that also has a KDA
@@ -61,6 +63,9 @@ typedef struct k3_rq {
     int64_t n_cached;             /* prompt tokens served by the cache (first admission) */
     bool admitted_once;
     /* this step */
+    int32_t n_draft;          /* a decode's draft tokens after its last (at tok[n_tok ..]): it is
+                                 scheduled as a verify chunk of 1 + n_draft, and the schedule may
+                                 cut them (the budget, the free blocks) */
     int32_t n_sched;          /* tokens scheduled */
     bool is_new;              /* admitted by this step: set the slot up */
     const void *restore;      /* snapshot to restore into the slot, NULL = zero state */
@@ -131,6 +136,12 @@ int32_t k3_sched_snap_points(const k3_sched *s, const k3_rq *rq, int64_t *pos, u
 /* After the forward pass: rq's scheduled tokens are in the cache; registers
  * its newly full blocks. */
 void k3_sched_computed(k3_sched *s, k3_rq *rq);
+/* After the forward pass of a verify chunk (n_draft drafts scheduled): its
+ * first m positions are kept (the last token and the drafts accepted), so
+ * n_computed grows by m, the newly full blocks are registered, and the
+ * blocks that only rejected positions used go back (block-table
+ * truncation: their rows are never read). */
+void k3_sched_verified(k3_sched *s, k3_rq *rq, int32_t m);
 /* Ends rq wherever it is: releases its blocks and slot. */
 void k3_sched_release(k3_sched *s, k3_rq *rq);
 /* Blocks held by requests' tables, for checks. */

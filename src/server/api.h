@@ -77,7 +77,8 @@ k3_status k3_srv_encode_chat(struct k3_server *s, json_t *root, k3_vision_prompt
  * specials by name): role, content, reasoning_content, tool_calls (*tools
  * set when there are any). NULL with err when the reply cannot be parsed,
  * e.g. a tool call whose arguments are not valid JSON. */
-json_t *k3_srv_chat_message(const char *text, size_t len, bool thinking, bool *tools, k3_error *err);
+json_t *k3_srv_chat_message(const char *text, size_t len, const k3_chat_text *marks, bool thinking, bool *tools,
+                            k3_error *err);
 /* Appends to out (a JSON array) the tool_calls delta entries that are new
  * since the last call, for r's complete calls and the call being generated
  * (part, or NULL). K3_ERR_FORMAT when the arguments sent are no longer a

@@ -15,6 +15,7 @@
 #include "server/api.h"
 #include "server/constraint.h"
 #include "server/http.h"
+#include "server/images.h"
 #include "server/job.h"
 #include "tokenizer/reasoning.h"
 
@@ -88,14 +89,20 @@ k3_status k3_srv_encode_messages(struct k3_server *s, const k3_srv_chat_input *i
                           .tool_choice = in->tool_choice,
                           .response_format = rj};
     /* image parts go through the tower (v NULL: refused for a text-only
-     * model); one encode at a time, on the tower's own pool */
+     * model): the request's budgets checked on the images' headers, then
+     * its turn on the tower's own pool (images.c) */
     const bool img = has_image(in->messages);
-    if (img) pthread_mutex_lock(&s->vision_mu);
-    k3_status st = mj && (tj || !json_is_array(in->tools)) && (rj || !json_is_object(in->response_format))
-        ? k3_vision_chat_encode_json(img ? s->vision : NULL, s->tok, img ? s->vision_pool : NULL, mj, tj, &co,
-                                     s->max_image_pixels, out, err)
-        : k3_err(err, K3_ERR_NOMEM, "out of memory");
-    if (img) pthread_mutex_unlock(&s->vision_mu);
+    k3_vision_cost cost = {0};
+    k3_status st = !mj || (!tj && json_is_array(in->tools)) || (!rj && json_is_object(in->response_format))
+        ? k3_err(err, K3_ERR_NOMEM, "out of memory")
+        : img ? k3_srv_images_admit(s, mj, &cost, err)
+              : K3_OK;
+    if (!st) {
+        if (img) k3_srv_images_enter(s, &cost);
+        st = k3_vision_chat_encode_json(img ? s->vision : NULL, s->tok, img ? s->vision_pool : NULL, mj, tj, &co,
+                                        s->max_image_pixels, out, err);
+        if (img) k3_srv_images_leave(s, &cost);
+    }
     free(mj);
     free(tj);
     free(rj);
@@ -140,7 +147,7 @@ static bool chat_prompt(struct k3_server *s, json_t *root, k3_srv_request *rq, k
     int32_t *ids = rq->vp.ids; /* the request owns the ids now */
     rq->vp.ids = NULL;
     return k3_srv_request_one_prompt(rq, ids, (int64_t)rq->vp.n_ids, e) &&
-        k3_srv_constraint_openai(s, K3_API_CHAT, root, rq->thinking, &rq->grammar, e);
+        k3_srv_constraint_openai(s, K3_API_CHAT, root, rq->thinking, &rq->grammar, k3_srv_job_of(rq)->conn, e);
 }
 
 /* ---- the reply ------------------------------------------------------------ */
@@ -215,11 +222,12 @@ k3_status k3_srv_tool_deltas(k3_tool_stream *ts, const k3_chat_reply *r, const k
     return st;
 }
 
-json_t *k3_srv_chat_message(const char *text, size_t len, bool thinking, bool *tools, k3_error *err) {
+json_t *k3_srv_chat_message(const char *text, size_t len, const k3_chat_text *marks, bool thinking, bool *tools,
+                            k3_error *err) {
     k3_chat_reply r;
     memset(&r, 0, sizeof r);
     *tools = false;
-    if (k3_chat_parse_reply(text, len, thinking, &r, err)) return NULL;
+    if (k3_chat_parse_reply_marked(text, len, marks, thinking, &r, NULL, err)) return NULL;
     json_t *msg = json_pack("{s:s}", "role", "assistant");
     /* as OpenAI's reasoning models: content is "" when the reply has none
      * (thinking used up max_tokens), null only beside tool calls */
@@ -279,7 +287,8 @@ static int64_t reasoning_tokens(k3_srv_job *j, const k3_srv_choice *c) {
     if (!j->rq.thinking) return 0;
     size_t re, off, len;
     bool has;
-    k3_chat_reply_spans(c->text.p ? c->text.p : "", c->text.len, true, &re, &has, &off, &len);
+    const k3_chat_text mk = k3_srv_choice_marks(c);
+    k3_chat_reply_spans_marked(c->text.p ? c->text.p : "", c->text.len, &mk, true, &re, &has, &off, &len);
     int64_t n = 0;
     for (size_t i = 0; i < c->n_seen; i++) {
         size_t t0, t1;
@@ -293,7 +302,8 @@ static int64_t reasoning_tokens(k3_srv_job *j, const k3_srv_choice *c) {
 static json_t *answer_choice(k3_srv_job *j, k3_srv_choice *c, char *why, size_t why_len) {
     k3_error err = {0};
     bool tools = false;
-    json_t *msg = k3_srv_chat_message(c->text.p ? c->text.p : "", c->text.len, j->rq.thinking, &tools, &err);
+    const k3_chat_text mk = k3_srv_choice_marks(c);
+    json_t *msg = k3_srv_chat_message(c->text.p ? c->text.p : "", c->text.len, &mk, j->rq.thinking, &tools, &err);
     if (!msg) {
         snprintf(why, why_len, "the model's reply cannot be parsed: %s", err.msg);
         return NULL;
@@ -305,7 +315,7 @@ static json_t *answer_choice(k3_srv_job *j, k3_srv_choice *c, char *why, size_t 
         json_t *content = json_array();
         size_t re, off, len;
         bool has;
-        k3_chat_reply_spans(c->text.p ? c->text.p : "", c->text.len, j->rq.thinking, &re, &has, &off, &len);
+        k3_chat_reply_spans_marked(c->text.p ? c->text.p : "", c->text.len, &mk, j->rq.thinking, &re, &has, &off, &len);
         if (has) content_logprobs(j, c, 0, c->n_seen, off, len, content);
         lp = json_pack("{s:o}", "content", content);
         /* and those of the reasoning, as message.reasoning_content has it */
@@ -343,7 +353,8 @@ static void add_reasoning_logprobs(k3_srv_job *j, k3_srv_choice *c, size_t lp_up
     if (!j->rq.thinking) return;
     size_t re, off, len;
     bool has;
-    k3_chat_reply_spans(c->text.p ? c->text.p : "", upto, true, &re, &has, &off, &len);
+    const k3_chat_text mk = k3_srv_choice_marks(c);
+    k3_chat_reply_spans_marked(c->text.p ? c->text.p : "", upto, &mk, true, &re, &has, &off, &len);
     json_t *rs = json_array();
     c->lp_rsent = reasoning_logprobs(j, c, c->lp_rsent, lp_upto, re, rs);
     if (json_array_size(rs)) json_object_set_new(lp, "reasoning_content", rs);
@@ -377,8 +388,9 @@ static void stream_choice(k3_srv_job *j, int i) {
         k3_chat_reply r;
         k3_chat_partial_call part;
         k3_error err = {0};
-        if (k3_chat_parse_reply_partial(c->text.p ? c->text.p : "", upto, j->rq.thinking, &r, c->done ? NULL : &part,
-                                        &err)) {
+        const k3_chat_text mk = k3_srv_choice_marks(c);
+        if (k3_chat_parse_reply_marked(c->text.p ? c->text.p : "", upto, &mk, j->rq.thinking, &r,
+                                       c->done ? NULL : &part, &err)) {
             if (c->done) stream_fail(j, c, "the model's reply cannot be parsed", err.msg);
             return;
         }
@@ -406,7 +418,8 @@ static void stream_choice(k3_srv_job *j, int i) {
                  * tokens before lp_sent are decided (sent, or not content) */
                 size_t re, off, len;
                 bool has;
-                k3_chat_reply_spans(c->text.p ? c->text.p : "", upto, j->rq.thinking, &re, &has, &off, &len);
+                k3_chat_reply_spans_marked(c->text.p ? c->text.p : "", upto, &mk, j->rq.thinking, &re, &has, &off,
+                                           &len);
                 json_decref(lp);
                 json_t *content = json_array();
                 if (has) c->lp_sent = content_logprobs(j, c, c->lp_sent, lp_upto, off, len, content);

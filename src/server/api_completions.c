@@ -83,7 +83,7 @@ static bool parse_prompts(struct k3_server *s, json_t *root, k3_srv_request *rq,
         else ok = k3_srv_bad_set(e, 400, "%s must be a string or a list of token ids", what);
         if (!ok) return false;
     }
-    return k3_srv_constraint_openai(s, K3_API_COMPLETIONS, root, false, &rq->grammar, e);
+    return k3_srv_constraint_openai(s, K3_API_COMPLETIONS, root, false, &rq->grammar, k3_srv_job_of(rq)->conn, e);
 }
 
 /* ---- logprobs in the legacy shape ----------------------------------------- */

@@ -64,22 +64,8 @@ static void ctx_free(void *p) {
 
 /* ---- errors ---------------------------------------------------------------- */
 
-static const char *error_type(unsigned status) {
-    switch (status) {
-    case 401: return "authentication_error";
-    case 403: return "permission_error";
-    case 404: return "not_found_error";
-    case 413: return "request_too_large";
-    case 429: return "rate_limit_error";
-    case 503: return "overloaded_error";
-    default: return status >= 500 ? "api_error" : "invalid_request_error";
-    }
-}
-
 json_t *k3_srv_anthropic_error_json(unsigned status, const char *msg) {
-    json_t *m = k3_srv_jstr(msg, strlen(msg));
-    return json_pack("{s:s,s:{s:s,s:o}}", "type", "error", "error", "type", error_type(status), "message",
-                     m ? m : json_string("error"));
+    return k3_http_anthropic_error_json(status, k3_srv_jstr(msg, strlen(msg)));
 }
 
 enum MHD_Result k3_srv_anthropic_error(struct k3_server *s, struct MHD_Connection *c, unsigned status,
@@ -431,7 +417,7 @@ static bool msg_prompt(struct k3_server *s, json_t *root, k3_srv_request *rq, k3
         k3_srv_constraint_words(s, x->response_format, "output_config.format", "output_config.format.schema", x->tools,
                                 x->tool_choice[0] ? x->tool_choice : NULL, x->tool_name[0] ? x->tool_name : NULL,
                                 !json_is_true(json_object_get(tc, "disable_parallel_tool_use")), x->thinking,
-                                &rq->grammar, e);
+                                &rq->grammar, k3_srv_job_of(rq)->conn, e);
 }
 
 /* ---- the answer -------------------------------------------------------------- */
@@ -470,6 +456,17 @@ static json_t *block_json(const k3_item *it, const k3_chat_reply *r, json_t *cal
             json_t *a =
                 json_object_get(json_object_get(json_array_get(calls, (size_t)it->call), "function"), "arguments");
             if (json_is_string(a)) input = json_loadb(json_string_value(a), json_string_length(a), 0, NULL);
+            /* a call cut off by max_tokens: its arguments so far, closed (a
+             * string value cut midway, then the object), as the stream's
+             * partial_json deltas read */
+            static const char *const ends[] = {"}", "\"}"};
+            for (int k = 0; k < 2 && !input && json_is_string(a); k++) {
+                k3_buf t = {0};
+                k3_buf_add(&t, json_string_value(a), json_string_length(a));
+                k3_buf_puts(&t, ends[k]);
+                if (!t.oom) input = json_loadb(t.p, t.len, 0, NULL);
+                k3_buf_free(&t);
+            }
         }
         if (!json_is_object(input)) {
             json_decref(input);
@@ -518,7 +515,8 @@ static enum MHD_Result answer(k3_srv_job *j) {
     k3_chat_reply r;
     k3_error err = {0};
     char why[700];
-    if (k3_chat_parse_reply(c->text.p ? c->text.p : "", c->text.len, j->rq.thinking, &r, &err)) {
+    const k3_chat_text mk = k3_srv_choice_marks(c);
+    if (k3_chat_parse_reply_marked(c->text.p ? c->text.p : "", c->text.len, &mk, j->rq.thinking, &r, NULL, &err)) {
         snprintf(why, sizeof why, "the model's reply cannot be parsed: %s", err.msg);
         return k3_srv_anthropic_error(j->s, j->conn, 500, why);
     }

@@ -446,7 +446,7 @@ static bool resp_prompt(struct k3_server *s, json_t *root, k3_srv_request *rq, k
     return k3_srv_request_one_prompt(rq, ids, (int64_t)rq->vp.n_ids, e) &&
         k3_srv_constraint_words(s, x->response_format, "text.format", "text.format.schema", x->tools, in.tool_choice,
                                 in.tool_name, !json_is_false(json_object_get(root, "parallel_tool_calls")), x->thinking,
-                                &rq->grammar, e);
+                                &rq->grammar, k3_srv_job_of(rq)->conn, e);
 }
 
 /* ---- the answer ------------------------------------------------------------ */
@@ -566,7 +566,8 @@ static enum MHD_Result answer(k3_srv_job *j) {
     if (failed) return k3_srv_error(j->s, j->conn, 500, "generation failed: %s", failed);
     k3_chat_reply r;
     k3_error err = {0};
-    if (k3_chat_parse_reply(c->text.p ? c->text.p : "", c->text.len, j->rq.thinking, &r, &err))
+    const k3_chat_text mk = k3_srv_choice_marks(c);
+    if (k3_chat_parse_reply_marked(c->text.p ? c->text.p : "", c->text.len, &mk, j->rq.thinking, &r, NULL, &err))
         return k3_srv_error(j->s, j->conn, 500, "the model's reply cannot be parsed: %s", err.msg);
     if (k3_items_of_reply(&x->items, &items_ops, &r, &err)) {
         k3_chat_reply_free(&r);

@@ -4,8 +4,7 @@
  *
  * What becomes which grammar (k3_grammar_spec, include/k3.h):
  *   response_format json_object          K3_GRAMMAR_JSON_OBJECT
- *   response_format json_schema          K3_GRAMMAR_JSON_SCHEMA (strict: an object
- *                                        without additionalProperties is closed)
+ *   response_format json_schema          K3_GRAMMAR_JSON_SCHEMA
  *   structured_outputs.json, guided_json K3_GRAMMAR_JSON_SCHEMA
  *   .regex, guided_regex                 K3_GRAMMAR_REGEX
  *   .choice, guided_choice               K3_GRAMMAR_CHOICE
@@ -13,28 +12,39 @@
  *   .json_object                         K3_GRAMMAR_JSON_OBJECT
  *   tool_choice required                 K3_GRAMMAR_TOOL_CALLS over every tool
  *   tool_choice {function: {name}}       K3_GRAMMAR_TOOL_CALLS over that tool
+ *     (beside a response format: OpenAI's meaning, this turn is the call)
+ *   tool_choice auto beside a response   K3_GRAMMAR_TOOL_CALLS, tools_optional with
+ *     format (JSON schema or object)     that JSON as the text: a call or the JSON
  *   tool_choice auto, a strict tool      K3_GRAMMAR_TOOL_CALLS, tools_optional
- *                                        (text, or with response_format's schema
- *                                        that JSON, or the calls)
+ *                                        (text, or the calls)
  * with k3_reply on chat (the content of the K3 assistant turn, after the
  * think block when the turn thinks). JSON is compact (no whitespace between
  * tokens): every JSON reader takes it, and a model cannot run on in
- * whitespace. Only one constraint per request: two (response_format and
- * structured_outputs, or tool_choice required beside response_format) are
- * a 400.
+ * whitespace. An object is closed unless its schema opens it
+ * (additionalProperties true or a schema), as XGrammar's strict mode (vLLM's
+ * default engine) and OpenAI's structured outputs generate it; vLLM's
+ * structured_outputs.disable_additional_properties given false opens them.
+ * Two constraints (response_format and structured_outputs, or vLLM's own
+ * beside a forced tool choice) are a 400.
  *
  * The cache: CACHE_CAP grammars by (kind, flags, text), least recently used
  * out; a lookup and the insert are under the server's grammar mutex, the
  * compile is not (two requests compiling one schema at once keep the first).
  */
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "common/buf.h"
 #include "server/constraint.h"
+#include "server/http.h"
 
 #define CACHE_CAP 64
+#define ANY_OBJECT "{\"type\":\"object\"}"
 
 typedef struct gentry {
     char *key;
@@ -138,8 +148,41 @@ static bool spec_key(const k3_grammar_spec *sp, k3_buf *k) {
     return !k->oom;
 }
 
-/* Compiles sp (or finds it in the cache) into *out; false with e. */
-static bool compile(struct k3_server *s, const k3_grammar_spec *sp, k3_grammar **out, k3_srv_bad *e) {
+static bool client_gone(void *conn) { return k3_srv_client_gone(conn); }
+
+/* A compile on a thread of its own at the lowest priority (nice 19), so that
+ * a long one takes what the engine's threads leave of the CPU and the other
+ * clients keep their inter-token latency; the HTTP thread waits for it. */
+typedef struct cjob {
+    const k3_grammar_vocab *v;
+    const k3_grammar_spec *sp;
+    k3_grammar *g;
+    k3_error err;
+    k3_status st;
+} cjob;
+
+static void *compile_main(void *arg) {
+    cjob *c = arg;
+    setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), 19); /* best effort: a thread may always lower itself */
+    c->st = k3_grammar_compile(&c->g, c->v, c->sp, &c->err);
+    return NULL;
+}
+
+static k3_status compile_low(const k3_grammar_vocab *v, const k3_grammar_spec *sp, k3_grammar **out, k3_error *err) {
+    cjob c = {.v = v, .sp = sp};
+    pthread_t t;
+    if (pthread_create(&t, NULL, compile_main, &c)) return k3_grammar_compile(out, v, sp, err); /* here, then */
+    pthread_join(t, NULL);
+    *out = c.g;
+    if (c.st) *err = c.err;
+    return c.st;
+}
+
+/* Compiles sp (or finds it in the cache) into *out; false with e. The
+ * compile (its token tables included) has a time budget and stops when the
+ * client of conn (when not NULL) has gone. */
+static bool compile(struct k3_server *s, k3_grammar_spec *sp, struct MHD_Connection *conn, k3_grammar **out,
+                    k3_srv_bad *e) {
     const k3_grammar_vocab *v = vocab(s, e);
     if (!v) return false;
     k3_buf key = {0};
@@ -157,7 +200,9 @@ static bool compile(struct k3_server *s, const k3_grammar_spec *sp, k3_grammar *
     }
     k3_error err = {0};
     k3_grammar *g = NULL;
-    if (k3_grammar_compile(&g, v, sp, &err)) {
+    sp->cancel = conn ? client_gone : NULL;
+    sp->cancel_ctx = conn;
+    if (compile_low(v, sp, &g, &err)) {
         k3_buf_free(&key);
         return bad(e, err.status == K3_ERR_NOMEM ? 500 : 400, "%s", err.msg);
     }
@@ -178,6 +223,8 @@ typedef struct want {
     k3_grammar_tool *tools; /* owned array (names borrowed, parameters owned) */
     char where[96];
     const char *source; /* the field that asked, for the two-constraints message */
+    bool from_rf;       /* the constraint is the response format's (a forced tool call replaces it) */
+    bool open_objects;  /* structured_outputs.disable_additional_properties: false, the opt-out */
 } want;
 
 static void want_free(want *w) {
@@ -219,6 +266,7 @@ static bool from_response_format(json_t *rf, const char *name, const char *schem
     if (!strcmp(type, "text")) return true;
     if (!strcmp(type, "json_object")) {
         if (!set_source(w, name, e)) return false;
+        w->from_rf = true;
         w->sp.kind = K3_GRAMMAR_JSON_OBJECT;
         snprintf(w->where, sizeof w->where, "%s", name);
         return true;
@@ -231,6 +279,7 @@ static bool from_response_format(json_t *rf, const char *name, const char *schem
     if (strict && !json_is_null(strict) && !json_is_boolean(strict))
         return bad(e, 400, "\"%s.json_schema.strict\" must be true or false", name);
     if (!set_source(w, name, e)) return false;
+    w->from_rf = true;
     if (!schema || json_is_null(schema)) { /* no schema: any JSON object */
         w->sp.kind = K3_GRAMMAR_JSON_OBJECT;
         snprintf(w->where, sizeof w->where, "%s", name);
@@ -241,7 +290,6 @@ static bool from_response_format(json_t *rf, const char *name, const char *schem
     else snprintf(field, sizeof field, "%s.json_schema.schema", name);
     if (!schema_text(schema, field, &w->text, e)) return false;
     w->sp.kind = K3_GRAMMAR_JSON_SCHEMA;
-    w->sp.no_extra_properties = json_is_true(strict);
     snprintf(w->where, sizeof w->where, "%s", field);
     return true;
 }
@@ -295,7 +343,12 @@ static bool from_vllm(json_t *root, want *w, k3_srv_bad *e) {
             json_t *v = json_object_get(so, keys[i]);
             if (v && !json_is_null(v) && !from_vllm_one(keys[i], v, fields[i], w, e)) return false;
         }
-        if (json_is_true(json_object_get(so, "disable_additional_properties"))) w->sp.no_extra_properties = true;
+        /* objects are closed unless the schema opens them (XGrammar's strict
+         * mode, vLLM's default); vLLM's own switch, given false, opens them */
+        json_t *dap = json_object_get(so, "disable_additional_properties");
+        if (dap && !json_is_null(dap) && !json_is_boolean(dap))
+            return bad(e, 400, "\"structured_outputs.disable_additional_properties\" must be true or false");
+        if (json_is_false(dap)) w->open_objects = true;
     }
     for (int i = 0; guided[i]; i++) {
         json_t *v = json_object_get(root, guided[i]);
@@ -363,16 +416,28 @@ static bool from_tools(const k3_srv_constraint_in *in, want *w, k3_srv_bad *e) {
         return bad(e, 400, "\"tool_choice\" must be a string or an object");
     }
     if (forced && n == 0) return bad(e, 400, "\"tool_choice\" asks for a tool call and \"tools\" is empty");
-    if (!forced && !any_strict) return true; /* auto: the model is free */
+    if (n == 0) return true;
+    /* OpenAI's meaning of tools beside an output schema: a forced tool
+     * choice makes this turn a tool call (the schema is for the answer a
+     * later turn gives); with auto the reply is a tool call or text that
+     * matches the schema -- one grammar, the union */
+    const bool union_text =
+        !forced && w->source && (w->sp.kind == K3_GRAMMAR_JSON_SCHEMA || w->sp.kind == K3_GRAMMAR_JSON_OBJECT);
+    if (!forced && !any_strict && !union_text) return true; /* auto: the model is free (or another constraint holds) */
     if (!in->k3_reply) return bad(e, 400, "\"tool_choice\" needs a chat reply to call tools in");
     if (forced) {
-        if (!set_source(w, "tool_choice", e)) return false;
-    } else if (w->source) {
-        /* auto with strict tools beside response_format: its JSON, or the calls */
-        if (w->sp.kind != K3_GRAMMAR_JSON_SCHEMA) return true; /* json_object / vLLM's: they win; the calls stay free */
+        if (w->source && !w->from_rf) return set_source(w, "tool_choice", e); /* vLLM's own constraint beside it */
+        free(w->text);
+        w->text = NULL;
+        w->source = "tool_choice";
+    } else if (union_text) {
+        if (w->sp.kind == K3_GRAMMAR_JSON_OBJECT && !(w->text = strdup(ANY_OBJECT)))
+            return bad(e, 500, "out of memory");
         w->sp.tools_optional = true;
         w->sp.text_where = strdup(w->where);
         if (!w->sp.text_where) return bad(e, 500, "out of memory");
+    } else if (w->source) {
+        return true; /* vLLM's regex, choice or grammar wins; the calls stay free */
     } else {
         w->source = "tools";
         w->sp.tools_optional = true;
@@ -396,10 +461,27 @@ bool k3_srv_constraint(struct k3_server *s, const k3_srv_constraint_in *in, k3_g
         w.sp.choices = w.choices;
         w.sp.compact = true;
         w.sp.canonical_numbers = true;
+        w.sp.no_extra_properties = !w.open_objects;
         w.sp.k3_reply = in->k3_reply;
         w.sp.thinking = in->k3_reply && in->thinking;
         w.sp.where = w.where;
-        ok = compile(s, &w.sp, out, e);
+        ok = compile(s, &w.sp, in->conn, out, e);
+        /* auto: a tool that is not strict whose parameters the engine cannot
+         * honour takes any arguments object rather than refusing the request
+         * (OpenAI does not hold non-strict arguments to their schema) */
+        for (int32_t tries = 0; !ok && e->status == 400 && w.sp.kind == K3_GRAMMAR_TOOL_CALLS && w.sp.tools_optional &&
+             tries < w.sp.n_tools;
+             tries++) {
+            int i = -1;
+            if (sscanf(e->msg, "tools[%d]", &i) != 1 || i < 0 || i >= w.sp.n_tools) break;
+            json_t *f = json_object_get(json_array_get(in->tools, (size_t)i), "function");
+            if (json_is_true(json_object_get(f, "strict")) || !w.tools[i].parameters ||
+                !strcmp(w.tools[i].parameters, ANY_OBJECT))
+                break;
+            free((char *)w.tools[i].parameters);
+            if (!(w.tools[i].parameters = strdup(ANY_OBJECT))) break;
+            ok = compile(s, &w.sp, in->conn, out, e);
+        }
         /* a named tool's index in the request, where the compiler counts the tools it was given */
         if (!ok && w.sp.kind == K3_GRAMMAR_TOOL_CALLS && w.sp.n_tools == 1 && json_array_size(in->tools) > 1 &&
             !strncmp(e->msg, "tools[0]", 8)) {
@@ -422,7 +504,7 @@ bool k3_srv_constraint(struct k3_server *s, const k3_srv_constraint_in *in, k3_g
 }
 
 bool k3_srv_constraint_openai(struct k3_server *s, unsigned api, json_t *root, bool thinking, k3_grammar **out,
-                              k3_srv_bad *e) {
+                              struct MHD_Connection *conn, k3_srv_bad *e) {
     const bool chat = api & K3_API_CHAT;
     json_t *par = json_object_get(root, "parallel_tool_calls");
     if (par && !json_is_null(par) && !json_is_boolean(par))
@@ -433,7 +515,8 @@ bool k3_srv_constraint_openai(struct k3_server *s, unsigned api, json_t *root, b
                                .parallel_calls = !json_is_false(par),
                                .vllm = root,
                                .k3_reply = chat,
-                               .thinking = thinking};
+                               .thinking = thinking,
+                               .conn = conn};
     if (!chat) {
         json_t *rf = json_object_get(root, "response_format");
         if (rf && !json_is_null(rf)) in.response_format = rf; /* vLLM takes it on completions too */
@@ -443,7 +526,7 @@ bool k3_srv_constraint_openai(struct k3_server *s, unsigned api, json_t *root, b
 
 bool k3_srv_constraint_words(struct k3_server *s, json_t *response_format, const char *rf_name, const char *schema_name,
                              json_t *tools, const char *tool_choice, const char *tool_name, bool parallel_calls,
-                             bool thinking, k3_grammar **out, k3_srv_bad *e) {
+                             bool thinking, k3_grammar **out, struct MHD_Connection *conn, k3_srv_bad *e) {
     json_t *tc = NULL;
     if (tool_name) tc = json_pack("{s:s,s:{s:s}}", "type", "function", "function", "name", tool_name);
     else if (tool_choice) tc = json_string(tool_choice);
@@ -455,7 +538,8 @@ bool k3_srv_constraint_words(struct k3_server *s, json_t *response_format, const
                                .tool_choice = tc,
                                .parallel_calls = parallel_calls,
                                .k3_reply = true,
-                               .thinking = thinking};
+                               .thinking = thinking,
+                               .conn = conn};
     const bool ok = k3_srv_constraint(s, &in, out, e);
     json_decref(tc);
     return ok;

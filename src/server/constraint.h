@@ -40,6 +40,9 @@ typedef struct k3_srv_constraint_in {
      * the constraint is its content, after the think block when the turn
      * thinks; else the raw completion text */
     bool k3_reply, thinking;
+    /* the request's connection, or NULL: a compile stops (a 4xx is never
+     * sent) when its client has gone */
+    struct MHD_Connection *conn;
 } k3_srv_constraint_in;
 
 /* The grammar of in (*out NULL: none asked for); false with e. */
@@ -49,7 +52,7 @@ bool k3_srv_constraint(struct k3_server *s, const k3_srv_constraint_in *in, k3_g
  * tool_choice, parallel_tool_calls with chat; structured_outputs and
  * guided_* with both) into k3_srv_constraint. */
 bool k3_srv_constraint_openai(struct k3_server *s, unsigned api, json_t *root, bool thinking, k3_grammar **out,
-                              k3_srv_bad *e);
+                              struct MHD_Connection *conn, k3_srv_bad *e);
 
 /* For a surface that keeps chat's constraint as words (Responses, Messages):
  * tool_choice "auto" | "required" | "none" or NULL, tool_name the one tool a
@@ -58,7 +61,7 @@ bool k3_srv_constraint_openai(struct k3_server *s, unsigned api, json_t *root, b
  * and "text.format.schema"); always a K3 chat reply. */
 bool k3_srv_constraint_words(struct k3_server *s, json_t *response_format, const char *rf_name, const char *schema_name,
                              json_t *tools, const char *tool_choice, const char *tool_name, bool parallel_calls,
-                             bool thinking, k3_grammar **out, k3_srv_bad *e);
+                             bool thinking, k3_grammar **out, struct MHD_Connection *conn, k3_srv_bad *e);
 
 /* Frees the server's cache and vocabulary (after the engine has stopped). */
 void k3_srv_constraint_free(struct k3_server *s);

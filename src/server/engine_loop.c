@@ -86,16 +86,23 @@ k3_status k3_srv_submit(struct k3_server *s, k3_srv_seq *q, k3_request_params *p
 }
 
 void k3_srv_cancel(struct k3_server *s, k3_srv_seq *q) {
-    if (q->submitted && !q->finished) k3_engine_cancel(s->engine, q->eid);
+    if (!q->submitted || q->finished) return;
+    q->cancelled = true;
+    k3_engine_cancel(s->engine, q->eid);
 }
 
 void k3_srv_cancel_all(struct k3_server *s) {
     /* a group lives while one of its requests is in the list (the engine's
-     * reference), so its cv may be signalled here */
+     * reference), so its mutex may be taken here (live_mu, then a group's
+     * mu: nothing takes them the other way round) */
     pthread_mutex_lock(&s->live_mu);
     for (k3_srv_seq *q = s->live; q; q = q->live_next) {
+        k3_srv_group *g = q->group;
+        pthread_mutex_lock(&g->mu);
+        if (!q->finished && !q->cancelled) q->server_cut = true;
         if (!s->live_closed) k3_engine_cancel(s->engine, q->eid);
-        pthread_cond_broadcast(&q->group->cv);
+        pthread_cond_broadcast(&g->cv);
+        pthread_mutex_unlock(&g->mu);
     }
     pthread_mutex_unlock(&s->live_mu);
 }
@@ -106,8 +113,8 @@ const char *k3_srv_ending(struct k3_server *s, char *buf, size_t cap) {
         snprintf(buf, cap, "the engine failed: %.250s", e.msg);
         return buf;
     }
-    if (atomic_load(&s->phase) == K3_SRV_ENDING) {
-        snprintf(buf, cap, "%s", s->end_msg);
+    if (k3_http_phase(s->http) == K3_HTTP_ENDING) {
+        snprintf(buf, cap, "%s", k3_http_end_msg(s->http));
         return buf;
     }
     return NULL;
@@ -195,6 +202,13 @@ static void on_output(struct k3_server *s, const k3_req_output *o, double t) {
         }
         if (o->finish == K3_FINISH_ERROR && !q->error[0])
             snprintf(q->error, sizeof q->error, "%s", o->error ? o->error : "the engine failed this request");
+        if (o->finish == K3_FINISH_CANCELLED && q->server_cut) {
+            /* cut by the server's ending, not finished: an error the client sees as one */
+            q->finish = K3_FINISH_ERROR;
+            q->err_status = 503;
+            const char *why = k3_http_end_msg(s->http);
+            snprintf(q->error, sizeof q->error, "%s", why && why[0] ? why : "the server is shutting down");
+        }
         /* counted by the reason the client sees (the group decodes the
          * text now: the HTTP thread may not have got to it), with the
          * request's histograms, before the client can have its answer */

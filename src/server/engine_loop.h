@@ -52,6 +52,8 @@ struct k3_srv_seq {
     int64_t n_plp;
     bool got_plp;
     bool finished;
+    bool cancelled;  /* the HTTP side ended it (k3_srv_cancel: a stop string, a client gone) */
+    bool server_cut; /* the server ended it (k3_srv_cancel_all): a cancelled finish is its error */
     k3_finish_reason finish;
     int32_t stop_id;     /* the id that stopped it, or -1 */
     char error[256];     /* why it failed (an engine error, out of memory) */
@@ -87,7 +89,11 @@ k3_status k3_srv_submit(struct k3_server *s, k3_srv_seq *q, k3_request_params *p
 /* Ends q in the engine unless it has finished (the group's mu held). */
 void k3_srv_cancel(struct k3_server *s, k3_srv_seq *q);
 /* Cancels every engine request in flight and wakes the threads waiting
- * on them (k3_server_end). */
+ * on them (k3_server_end), each under its group's mutex: one that had not
+ * finished nor been cancelled by its HTTP side is marked server_cut, and
+ * when the engine reports it cancelled it finishes as an error with the
+ * server's ending message and status 503 -- so whichever thread looks
+ * first, a choice the server cut is never a whole answer. */
 void k3_srv_cancel_all(struct k3_server *s);
 /* The message of a server-wide ending (the engine failed, or the server
  * ends what is in flight) and its HTTP status, or NULL while neither. */

@@ -1,12 +1,14 @@
 /*
  * http.h -- the response helpers every route uses (http.c): JSON answers,
  * errors in OpenAI's shape, strings from bytes that may not be UTF-8, the
- * CORS check and headers, and the hang-up test. Everything in src/server answers through these; they
- * call nothing else of the server.
+ * CORS check and headers, and the hang-up test, on the HTTP layer every k3
+ * endpoint shares (src/http/http.h). Everything in src/server answers
+ * through these; they call nothing else of the server.
  */
 #ifndef K3_SERVER_HTTP_H
 #define K3_SERVER_HTTP_H
 
+#include "http/http.h"
 #include "server/state.h"
 
 /* Queues text[0..len) (takes it: freed with the response) with Content-Type

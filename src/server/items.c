@@ -1,6 +1,6 @@
 /*
  * items.c -- a chat reply as output items (items.h). The stream re-parses
- * the reply as chat's stream does (k3_chat_parse_reply_partial over the
+ * the reply as chat's stream does (k3_chat_parse_reply_marked over the
  * sendable text, tool calls through k3_srv_tool_deltas) and turns the
  * growth of reasoning, content and calls into item events.
  */
@@ -101,7 +101,9 @@ int k3_items_step(k3_srv_job *j, k3_srv_choice *c, k3_items *it, const k3_items_
     if (!(upto > c->emitted || c->done)) return 0;
     k3_chat_reply r;
     k3_chat_partial_call part;
-    if (k3_chat_parse_reply_partial(c->text.p ? c->text.p : "", upto, j->rq.thinking, &r, c->done ? NULL : &part, err))
+    const k3_chat_text mk = k3_srv_choice_marks(c);
+    if (k3_chat_parse_reply_marked(c->text.p ? c->text.p : "", upto, &mk, j->rq.thinking, &r, c->done ? NULL : &part,
+                                   err))
         return c->done ? -1 : 0;
     json_t *calls = NULL, *deltas = NULL;
     int ret = 0;
@@ -161,22 +163,17 @@ out:
 
 int64_t k3_items_reasoning_tokens(k3_srv_job *j, k3_srv_choice *c) {
     if (!j->rq.thinking) return 0;
-    static const char mark[] = "<|close|>think<|sep|>";
-    const char *t = c->text.p ? c->text.p : "";
-    const char *end = memmem(t, c->text.len, mark, sizeof mark - 1);
-    int64_t n = c->n_out;
-    if (end) {
-        /* the tokens that begin before the mark, counted as the text was built (job.c) */
-        const size_t off = (size_t)(end - t);
-        size_t pos = 0;
-        n = 0;
-        for (size_t i = 0; i < c->q.n_tok && n < c->n_out && pos < off; i++, n++) {
-            const int32_t id = c->q.toks[i];
-            size_t len = 0;
-            const char *p = k3_tokenizer_token(j->s->tok, id, &len);
-            if (!p || (k3_tokenizer_is_special(j->s->tok, id) && k3_tokenizer_is_eos(j->s->tok, id))) continue;
-            pos += len;
-        }
+    size_t re, off, len;
+    bool has;
+    const k3_chat_text mk = k3_srv_choice_marks(c);
+    k3_chat_reply_spans_marked(c->text.p ? c->text.p : "", c->text.len, &mk, true, &re, &has, &off, &len);
+    if (re >= c->text.len) return c->n_out; /* the think block never closed: all of it */
+    /* the tokens that begin inside the think block, its closing tag included */
+    int64_t n = 0;
+    for (size_t i = 0; i < c->n_seen; i++) {
+        size_t t0, t1;
+        k3_srv_choice_token_span(c, i, &t0, &t1);
+        n += t0 < re;
     }
     return n;
 }

@@ -30,16 +30,10 @@
 #include <time.h>
 
 #include "common/error.h"
+#include "common/random.h"
 #include "pd/pd.h"
 #include "server/http.h"
 #include "server/job.h"
-
-static uint64_t mix64(uint64_t x) {
-    x += 0x9E3779B97F4A7C15ull;
-    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-    return x ^ (x >> 31);
-}
 
 void k3_tool_stream_free(k3_tool_stream *ts) {
     for (int i = 0; i < ts->n; i++) k3_buf_free(&ts->calls[i].sent);
@@ -54,6 +48,7 @@ static void job_destroy(k3_srv_group *g) {
         k3_srv_seq_free(&c->q);
         k3_buf_free(&c->text);
         free(c->tok_end);
+        free(c->marks);
         free(c->complete);
         k3_grammar_matcher_free(c->gm);
         k3_tool_stream_free(&c->ts);
@@ -80,8 +75,22 @@ static void add_token(k3_srv_job *j, k3_srv_choice *c, int32_t id) {
     if (!p) return;
     const bool space = j->rq.spaces_between_special_tokens;
     if (k3_tokenizer_is_special(tok, id)) {
-        if (j->api->keep_specials && (id == j->markup[0] || id == j->markup[1] || id == j->markup[2])) {
-            k3_buf_add(&c->text, p, len); /* markup: parsed away, no spaces */
+        if (j->api->keep_specials &&
+            (id == j->markup[0] || id == j->markup[1] || id == j->markup[2] || id == j->markup[3])) {
+            /* markup: parsed away, no spaces; where it is, so the parser
+             * tells it from text that spells its name */
+            if (c->n_marks == c->cap_marks) {
+                const size_t cap = c->cap_marks ? c->cap_marks * 2 : 16;
+                size_t *m = realloc(c->marks, cap * sizeof *m);
+                if (!m) {
+                    c->text.oom = true;
+                    return;
+                }
+                c->marks = m;
+                c->cap_marks = cap;
+            }
+            c->marks[c->n_marks++] = c->text.len;
+            k3_buf_add(&c->text, p, len);
             c->sp = SP_NONE;
             return;
         }
@@ -572,6 +581,18 @@ static bool check_work(k3_srv_job *j, k3_srv_bad *e) {
 }
 
 /* The engine request of choice i (its prompt, sampling and limits). */
+/* The drafts' scope of a request: a hash of the API key it presented (0
+ * without one), so outputs never cross from one key's requests to
+ * another's through the suffix proposer's cache. */
+static uint64_t key_scope(struct MHD_Connection *conn) {
+    const char *k = conn ? MHD_lookup_connection_value(conn, MHD_HEADER_KIND, "x-api-key") : NULL;
+    if (!k && conn) k = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
+    if (!k) return 0;
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (; *k; k++) h = (h ^ (uint8_t)*k) * 0x100000001b3ull;
+    return h | 1;
+}
+
 static k3_request_params engine_request(k3_srv_job *j, int i) {
     const k3_srv_request *rq = &j->rq;
     const k3_srv_choice *c = &j->ch[i];
@@ -605,6 +626,9 @@ static k3_request_params engine_request(k3_srv_job *j, int i) {
         .embeds = rq->vp.n_images ? (const float *const *)rq->vp.embeds : NULL,
         .extra_keys = rq->vp.n_images ? rq->vp.keys : NULL,
         .grammar = rq->grammar,
+        .speculative = rq->spec_method,
+        .num_speculative_tokens = rq->spec_k,
+        .spec_scope = key_scope(j->conn),
     };
     k3_srv_pd_request(j, &p); /* kept for a decode instance, or pulled from a prefill one */
     return p;
@@ -628,15 +652,17 @@ enum MHD_Result k3_srv_job_serve_surf(struct k3_server *s, struct MHD_Connection
     j->api = api;
     j->conn = conn;
     j->created = (long)time(NULL);
-    const uint64_t rid = atomic_fetch_add(&s->next_id, 1);
-    snprintf(j->id, sizeof j->id, "%s-%016llx", api->id_prefix,
-             (unsigned long long)mix64(rid ^ ((uint64_t)j->created << 20)));
+    /* the id tells nothing: random letters from the OS, no counter, clock or address */
+    char pre[24];
+    snprintf(pre, sizeof pre, "%s-", api->id_prefix);
+    k3_random_id(j->id, sizeof j->id, pre, 24);
 
-    j->markup[0] = j->markup[1] = j->markup[2] = -1;
+    j->markup[0] = j->markup[1] = j->markup[2] = j->markup[3] = -1;
     if (api->keep_specials) {
         j->markup[0] = k3_tokenizer_special(s->tok, "<|open|>");
         j->markup[1] = k3_tokenizer_special(s->tok, "<|close|>");
         j->markup[2] = k3_tokenizer_special(s->tok, "<|sep|>");
+        j->markup[3] = k3_tokenizer_special(s->tok, "<|end_of_msg|>");
     }
     k3_srv_request *rq = &j->rq;
     k3_srv_bad e = {{0}, 400};
@@ -662,8 +688,9 @@ enum MHD_Result k3_srv_job_serve_surf(struct k3_server *s, struct MHD_Connection
         job_unref(j);
         return k3_srv_api_error(api, s, conn, 500, "out of memory");
     }
-    j->base_seed = rq->seed >= 0 || rq->seed_given ? (uint64_t)rq->seed
-                                                   : mix64(rid * 0x2545F4914F6CDD1Dull ^ (uint64_t)time(NULL));
+    uint64_t seed = 0;
+    if (!(rq->seed >= 0 || rq->seed_given)) k3_random_bytes(&seed, sizeof seed, NULL);
+    j->base_seed = rq->seed >= 0 || rq->seed_given ? (uint64_t)rq->seed : seed;
     j->mml = mml;
     j->mt_cap = -1;
     for (int i = 0; i < j->n; i++) {
@@ -727,22 +754,14 @@ enum MHD_Result k3_srv_job_serve_surf(struct k3_server *s, struct MHD_Connection
  * the pull's figures as "kv_transfer". A request refused here still has
  * its hold released on the prefill side.
  */
-/* The hold named by params, released on its prefill instance (a request that
- * will not pull it): a pull made only to be abandoned. */
-static void release_named(k3_srv_job *j) {
-    json_t *p = json_deep_copy(j->rq.kv_transfer);
-    if (!p) return;
-    /* the prompt checks are what failed: make them pass to reach the release */
-    json_object_del(p, "prompt_hash");
-    const int64_t n = j->rq.n_prompts ? j->rq.n_prompt[0] : 0;
-    json_object_set_new(p, "num_tokens", json_integer(n > 0 ? n : 1));
-    k3_remote_prefill rp;
-    k3_pd_pull *pull = n > 0 ? k3_pd_pull_new(j->s->pd, p, j->rq.prompts[0], n, &rp, NULL) : NULL;
-    json_decref(p);
-    if (!pull) return;
-    k3_pd_pull_abandon(j->s->pd, pull);
-    k3_pd_pull_unref(j->s->pd, pull);
+/* The proxy's credential on the request (decode side), or NULL. */
+static const char *credential(k3_srv_job *j) {
+    return MHD_lookup_connection_value(j->conn, MHD_HEADER_KIND, K3_PD_CREDENTIAL_HEADER);
 }
+
+/* The hold named by params, released on its prefill instance (a request that
+ * will not pull it), when the params came from the proxy. */
+static void release_named(k3_srv_job *j) { k3_pd_release_named(j->s->pd, j->rq.kv_transfer, credential(j)); }
 
 bool k3_srv_pd_prepare(k3_srv_job *j, k3_srv_bad *e) {
     k3_srv_request *rq = &j->rq;
@@ -751,15 +770,13 @@ bool k3_srv_pd_prepare(k3_srv_job *j, k3_srv_bad *e) {
     if (!decode && !prefill) return true; /* no transfer asked for (vLLM's proxies send both false) */
     if (decode && prefill)
         return k3_srv_bad_set(e, 400, "kv_transfer_params: do_remote_decode and do_remote_prefill cannot both be true");
-    if (!j->s->pd) {
-        if (prefill) release_named(j);
+    if (!j->s->pd)
         return k3_srv_bad_set(e, 400,
                               "kv_transfer_params: this server is not a prefill or decode instance (k3 serve --role "
                               "prefill|decode)");
-    }
     if (rq->n_prompts != 1 || rq->n != 1) {
         if (prefill) release_named(j);
-        return k3_srv_bad_set(e, 400, "kv_transfer_params: a disaggregated request has one prompt and n = 1");
+        return k3_srv_bad_set(e, 400, "%s", K3_PD_NOT_SPLIT);
     }
     if (decode) {
         if (rq->stream) return k3_srv_bad_set(e, 400, "kv_transfer_params: do_remote_decode needs \"stream\": false");
@@ -773,9 +790,9 @@ bool k3_srv_pd_prepare(k3_srv_job *j, k3_srv_bad *e) {
                               "where the prompt is, not on a decode instance");
     }
     k3_error err = {0};
-    j->pull = k3_pd_pull_new(j->s->pd, kt, rq->prompts[0], rq->n_prompt[0], &j->rp, &err);
+    j->pull = k3_pd_pull_new(j->s->pd, kt, credential(j), rq->prompts[0], rq->n_prompt[0], &j->rp, &err);
     if (!j->pull) {
-        release_named(j);
+        if (err.status != K3_ERR_PERM) release_named(j);
         return k3_srv_bad_set(e, err.status == K3_ERR_NOMEM ? 500 : 400, "%s", err.msg);
     }
     return true;

@@ -55,6 +55,8 @@ typedef struct k3_srv_choice {
     k3_buf text;
     size_t *tok_end; /* [n_seen] the text's length after each token (k3_srv_choice_token_span) */
     size_t tok_cap;
+    size_t *marks; /* with keep_specials: where the chat specials decoded by name begin, ascending */
+    size_t n_marks, cap_marks;
     int sp;         /* what the text last took, for spaces_between_special_tokens */
     int64_t n_out;  /* completion tokens counted */
     bool stop_hit;  /* a stop string ended it (cut from the text) */
@@ -119,7 +121,7 @@ struct k3_srv_job {
     k3_srv_choice *ch;
     char id[64];
     long created;
-    int32_t markup[3]; /* the ids of <|open|>, <|close|>, <|sep|> (-1: none), with keep_specials */
+    int32_t markup[4]; /* the ids of <|open|>, <|close|>, <|sep|>, <|end_of_msg|> (-1: none), with keep_specials */
     k3_sse sse;        /* a stream's bytes not yet handed to the connection */
     bool sent_done;    /* the stream's closing events are out */
     /* prefill and decode apart (k3_srv_pd_*) */
@@ -178,6 +180,9 @@ size_t k3_srv_choice_sendable(k3_srv_job *j, k3_srv_choice *c);
  * to the text (a token the text left out, or cut by a stop string, is
  * empty or short). i < c->n_seen. */
 void k3_srv_choice_token_span(const k3_srv_choice *c, size_t i, size_t *start, size_t *end);
+/* Where c's text has its chat specials, for the reply parser
+ * (k3_chat_parse_reply_marked). */
+static inline k3_chat_text k3_srv_choice_marks(const k3_srv_choice *c) { return (k3_chat_text){c->marks, c->n_marks}; }
 /* The tokens whose logprobs may be sent now. */
 size_t k3_srv_choice_lp_ready(const k3_srv_choice *c);
 /* Why c failed (the engine's message, or fallback when it gave none), or

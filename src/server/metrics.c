@@ -133,11 +133,6 @@ void k3_metrics_render(k3_metrics *m, const k3_engine_stats *st, const char *mod
     pthread_mutex_lock(&m->mu);
     memcpy(snap.h, m->h, sizeof snap.h);
     memcpy(snap.finished, m->finished, sizeof snap.finished);
-    snap.http_requests = m->http_requests;
-    snap.http_errors = m->http_errors;
-    snap.http_refused = m->http_refused;
-    snap.http_timeouts = m->http_timeouts;
-    snap.http_evicted = m->http_evicted;
     snap.prompt_tokens = m->prompt_tokens;
     snap.prompt_tokens_cached = m->prompt_tokens_cached;
     pthread_mutex_unlock(&m->mu);
@@ -188,6 +183,29 @@ void k3_metrics_render(k3_metrics *m, const k3_engine_stats *st, const char *mod
            (double)st->grammar_masks);
     metric(o, "k3:grammar_seconds_total", "counter",
            "Time the engine's steps spent filling and applying grammar masks.", model, st->grammar_s);
+    /* speculative decoding: vLLM's counters (its Counter names plus _total);
+     * acceptance rate = accepted / draft tokens, mean acceptance length =
+     * 1 + accepted / drafts, per position accepted_per_pos / drafts */
+    metric(o, "vllm:spec_decode_num_drafts_total", "counter", "Number of spec decoding drafts.", model,
+           (double)st->spec_drafts);
+    metric(o, "vllm:spec_decode_num_draft_tokens_total", "counter", "Number of draft tokens.", model,
+           (double)st->spec_draft_tokens);
+    metric(o, "vllm:spec_decode_num_accepted_tokens_total", "counter", "Number of accepted tokens.", model,
+           (double)st->spec_accepted_tokens);
+    k3_buf_addf(o,
+                "# HELP vllm:spec_decode_num_accepted_tokens_per_pos_total Accepted tokens per draft position.\n"
+                "# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter\n");
+    int n_pos = st->spec_k;
+    for (int p = 0; p < K3_SPEC_MAX_TOKENS; p++)
+        if (st->spec_accepted_per_pos[p] && p + 1 > n_pos) n_pos = p + 1; /* a request's own k past the engine's */
+    for (int p = 0; p < n_pos && p < K3_SPEC_MAX_TOKENS; p++)
+        k3_buf_addf(o, "vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name=\"%s\",position=\"%d\"} %lld\n",
+                    model, p, (long long)st->spec_accepted_per_pos[p]);
+    metric(o, "k3:spec_decode_propose_seconds_total", "counter", "Time the engine's steps spent proposing drafts.",
+           model, st->spec_propose_s);
+    metric(o, "k3:spec_decode_accept_seconds_total", "counter",
+           "Time the engine's steps spent keeping verified positions (KDA rollback and block tables).", model,
+           st->spec_accept_s);
     for (int i = 0; i < K3_H_COUNT; i++) {
         const k3_hist *h = &m->h[i];
         k3_buf_addf(o, "# HELP %s %s\n# TYPE %s histogram\n", h->name, h->help, h->name);
@@ -202,23 +220,6 @@ void k3_metrics_render(k3_metrics *m, const k3_engine_stats *st, const char *mod
         k3_buf_addf(o, "%s_sum{model_name=\"%s\"} %.17g\n%s_count{model_name=\"%s\"} %llu\n", h->name, model, h->sum,
                     h->name, model, (unsigned long long)h->n);
     }
-    k3_buf_addf(o,
-                "# HELP k3:http_requests_total HTTP requests answered.\n# TYPE k3:http_requests_total counter\n"
-                "k3:http_requests_total{model_name=\"%s\"} %llu\n"
-                "# HELP k3:http_errors_total HTTP requests answered with an error status.\n"
-                "# TYPE k3:http_errors_total counter\nk3:http_errors_total{model_name=\"%s\"} %llu\n"
-                "# HELP k3:http_connections_refused_total Connections over the limit answered 503.\n"
-                "# TYPE k3:http_connections_refused_total counter\n"
-                "k3:http_connections_refused_total{model_name=\"%s\"} %llu\n"
-                "# HELP k3:http_timeouts_total Connections closed because their request line and headers, or "
-                "their body, did not arrive in time.\n"
-                "# TYPE k3:http_timeouts_total counter\nk3:http_timeouts_total{model_name=\"%s\"} %llu\n"
-                "# HELP k3:http_evicted_total Connections waiting for their request that were closed to make room "
-                "for a new one over the connection limit.\n"
-                "# TYPE k3:http_evicted_total counter\nk3:http_evicted_total{model_name=\"%s\"} %llu\n",
-                model, (unsigned long long)m->http_requests, model, (unsigned long long)m->http_errors, model,
-                (unsigned long long)m->http_refused, model, (unsigned long long)m->http_timeouts, model,
-                (unsigned long long)m->http_evicted);
 }
 
 void k3_metrics_render_dist(const k3_comm_stats *cs, k3_buf *o) {

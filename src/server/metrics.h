@@ -45,10 +45,6 @@ enum {
 typedef struct k3_metrics {
     pthread_mutex_t mu;
     k3_hist h[K3_H_COUNT];
-    uint64_t http_requests, http_errors;
-    uint64_t http_refused;  /* 503s to connections over the limit */
-    uint64_t http_timeouts; /* connections closed past their header or body deadline */
-    uint64_t http_evicted;  /* waiting connections closed for a new one over the limit */
     /* engine requests finished, by the reason the client saw (a stop
      * string ends a request by cancelling it, yet it finished with "stop") */
     uint64_t finished[K3_FINISH_ERROR + 1];

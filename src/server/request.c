@@ -32,6 +32,7 @@ typedef enum {
     F_TOP_LOGPROBS,   /* chat's count of top alternatives, after its "logprobs" flag */
     F_STREAM_OPTIONS, /* {"include_usage": bool}, only with "stream": true */
     F_KV_TRANSFER,    /* vLLM's kv_transfer_params: an object, kept for the job (src/pd reads it) */
+    F_SPEC,           /* speculative_config: {method, num_speculative_tokens} (vLLM's field names) */
     F_PROMPT,         /* the surface's own prompt field(s) */
     F_UNSUPPORTED,    /* not implemented: refused unless it asks for nothing */
 } kind;
@@ -97,6 +98,7 @@ static const field fields[] = {
     SPECIAL(NULL, ALL | RESP | MSGS, F_PROMPT),
     SPECIAL("stop_token_ids", ALL, F_STOP_IDS),
     SPECIAL("kv_transfer_params", ALL | RESP | MSGS, F_KV_TRANSFER),
+    SPECIAL("speculative_config", ALL | RESP | MSGS, F_SPEC),
 };
 
 bool k3_srv_bad_set(k3_srv_bad *e, unsigned status, const char *fmt, ...) {
@@ -348,6 +350,37 @@ static bool parse_field(struct k3_server *s, const field *f, k3_srv_prompt_fn pr
         if (!kt || json_is_null(kt)) return true;
         if (!json_is_object(kt)) return bad(e, 400, "\"%s\" must be an object", f->name);
         rq->kv_transfer = json_incref(kt);
+        return true;
+    }
+    case F_SPEC: {
+        /* this request's speculative decoding, with vLLM's speculative_config
+         * names: "method" (suffix, ngram, draft_model, off) and
+         * "num_speculative_tokens"; other keys of it are refused */
+        json_t *sc = json_object_get(root, f->name);
+        if (!sc || json_is_null(sc)) return true;
+        if (!json_is_object(sc)) return bad(e, 400, "\"%s\" must be an object", f->name);
+        const char *key;
+        json_t *v;
+        json_object_foreach(sc, key, v) {
+            if (!strcmp(key, "method")) {
+                const char *name = json_is_string(v) ? json_string_value(v) : NULL;
+                const char *names[] = {"off", "suffix", "ngram", "draft_model"};
+                const k3_spec_method ms[] = {K3_SPEC_OFF, K3_SPEC_SUFFIX, K3_SPEC_NGRAM, K3_SPEC_DRAFT_MODEL};
+                rq->spec_method = K3_SPEC_DEFAULT;
+                for (int i = 0; name && i < 4; i++)
+                    if (!strcmp(name, names[i])) rq->spec_method = ms[i];
+                if (rq->spec_method == K3_SPEC_DEFAULT)
+                    return bad(e, 400, "\"%s.method\" must be one of suffix, ngram, draft_model, off", f->name);
+            } else if (!strcmp(key, "num_speculative_tokens")) {
+                long long k = 0;
+                if (!get_int(sc, key, 1, K3_SPEC_MAX_TOKENS, &k, e))
+                    return bad(e, 400, "\"%s.num_speculative_tokens\" must be an integer in [1, %d]", f->name,
+                               K3_SPEC_MAX_TOKENS);
+                rq->spec_k = (int)k;
+            } else {
+                return bad(e, 400, "\"%s.%s\" is not supported (method, num_speculative_tokens are)", f->name, key);
+            }
+        }
         return true;
     }
     case F_PROMPT: return prompt(s, root, rq, e);

@@ -76,6 +76,9 @@ typedef struct k3_srv_request {
     bool thinking;       /* the prompt opened the think channel: the reply starts in it */
     json_t *kv_transfer; /* vLLM's kv_transfer_params (an object, referenced), or NULL */
     k3_grammar *grammar; /* what the output must match (constraint.h), or NULL; a reference */
+    /* speculative_config: K3_SPEC_DEFAULT (the server's) or a method; 0 or its k */
+    k3_spec_method spec_method;
+    int spec_k;
 } k3_srv_request;
 
 /* A surface's prompt field(s) into rq->prompts (and vp, thinking); false with e. */

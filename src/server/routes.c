@@ -13,6 +13,7 @@
 #include "server/api.h"
 #include "server/engine_loop.h"
 #include "server/http.h"
+#include "server/images.h"
 #include "server/routes.h"
 #include "pd/pd.h"
 #include "server/ui_page.h"
@@ -22,7 +23,7 @@
  * the engine failed, or a step has run longer than the step timeout (a
  * stuck rank); with queue_full, also a full waiting queue. */
 static const char *not_ok(struct k3_server *s, bool queue_full, char *buf, size_t cap) {
-    if (atomic_load(&s->phase) != K3_SRV_RUNNING) return "the server is shutting down";
+    if (k3_http_phase(s->http) != K3_HTTP_RUNNING) return "the server is shutting down";
     if (!s->engine) return NULL;
     k3_error e = {0};
     if (k3_server_failed(s, &e)) {
@@ -85,15 +86,8 @@ static enum MHD_Result route_metrics(struct k3_server *s, struct MHD_Connection 
         bs = st.blocks_total ? (int32_t)(st.cache_tokens / st.blocks_total) : 0;
     }
     k3_metrics_render(&s->metrics, s->engine ? &st : NULL, s->model_label, bs, &o);
-    k3_buf_addf(&o,
-                "# HELP k3:http_connections Open HTTP connections (this one included).\n"
-                "# TYPE k3:http_connections gauge\nk3:http_connections{model_name=\"%s\"} %d\n"
-                "# HELP k3:http_in_flight HTTP requests received and not yet answered in full (this one included).\n"
-                "# TYPE k3:http_in_flight gauge\nk3:http_in_flight{model_name=\"%s\"} %d\n"
-                "# HELP k3:server_draining 1 while the server shuts down (new requests are answered 503).\n"
-                "# TYPE k3:server_draining gauge\nk3:server_draining{model_name=\"%s\"} %d\n",
-                s->model_label, atomic_load(&s->n_conn), s->model_label, atomic_load(&s->in_flight), s->model_label,
-                atomic_load(&s->phase) != K3_SRV_RUNNING);
+    k3_http_metrics_render(s->http, s->model_label, &o);
+    k3_srv_images_metrics(s, &o);
     if (s->engine) {
         k3_kv_residency kr;
         k3_engine_kv_residency(s->engine, &kr);

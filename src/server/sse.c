@@ -51,20 +51,5 @@ void k3_sse_free(k3_sse *e) {
 
 enum MHD_Result k3_sse_respond(struct k3_server *s, struct MHD_Connection *c, MHD_ContentReaderCallback read, void *cls,
                                MHD_ContentReaderFreeCallback done) {
-    struct MHD_Response *resp = MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 16 << 10, read, cls, done);
-    if (!resp) {
-        done(cls);
-        return k3_srv_error(s, c, 500, "out of memory for the stream");
-    }
-    MHD_add_response_header(resp, "Content-Type", "text/event-stream");
-    MHD_add_response_header(resp, "Cache-Control", "no-cache");
-    /* HTTP/1.1: a chunked body on a connection that stays open (HTTP/1.0:
-     * libmicrohttpd closes it at the end) */
-    k3_srv_headers(s, c, resp);
-    pthread_mutex_lock(&s->metrics.mu);
-    s->metrics.http_requests++;
-    pthread_mutex_unlock(&s->metrics.mu);
-    const enum MHD_Result r = MHD_queue_response(c, 200, resp);
-    MHD_destroy_response(resp);
-    return r;
+    return k3_http_queue_stream(s->http, c, 200, "text/event-stream", read, cls, done);
 }

@@ -14,59 +14,28 @@
 #include <pthread.h>
 #include <stdatomic.h>
 
+#include "http/http.h"
 #include "k3.h"
 #include "server/metrics.h"
 #include "server/text.h"
 
-/* The server's phases (k3_server_drain, k3_server_end). */
-enum {
-    K3_SRV_RUNNING = 0,
-    K3_SRV_DRAINING, /* new requests 503; those in flight go on */
-    K3_SRV_ENDING,   /* those in flight end with an error ending (end_msg) */
-};
-
-typedef struct k3_srv_conn k3_srv_conn;
 typedef struct k3_srv_seq k3_srv_seq;
 
 struct k3_server {
-    struct MHD_Daemon *d;
-    char *host, *api_key, *model, *model_label, *version;
+    /* the HTTP layer every endpoint shares (src/http): connections, their
+     * limits and deadlines, what is decided before the body, CORS, the key,
+     * the phases of a shutdown (k3_http_phase, k3_http_end_msg) */
+    struct k3_http *http;
+    char *model, *model_label, *version;
     bool metrics_key; /* /metrics needs the key */
     const k3_tokenizer *tok;
     k3_engine *engine;
     int64_t max_model_len;
-    size_t max_body;
-    int timeout_s, port;
-    int header_timeout_s, body_timeout_s;
+    int timeout_s; /* the idle timeout, restored after a generation */
     double step_timeout_s;
-    /* connections (server.c): every open one is a k3_srv_conn in conns,
-     * under conn_mu. One that arrives over max_conn takes the place of the
-     * connection that has waited longest for its request (which is closed),
-     * else it is answered 503 + Retry-After at its request and closed; so is
-     * one over max_conn_ip from its address. A reaper thread closes those
-     * past their header or body deadline (408). MHD's own hard limit is
-     * above max_conn. */
-    unsigned max_conn, max_conn_ip;
-    atomic_int n_conn; /* open connections (those being closed included) */
-    pthread_mutex_t conn_mu;
-    k3_srv_conn *conns;
-    int n_live; /* connections holding a slot: not being closed, not over a limit */
-    pthread_t reaper;
-    pthread_cond_t reaper_cv;
-    bool reaper_quit, reaper_started;
-    /* CORS (http.c): origins that may call from a browser */
-    char **origins;
-    int n_origins;
-    bool any_origin;
-    char *cors_methods, *cors_headers; /* NULL headers: those asked for */
-    bool loopback;                     /* bound to a loopback address */
     long created;
     k3_metrics metrics;
     atomic_bool stopping; /* k3_server_stop: waiting handlers cut their requests */
-    atomic_int phase;     /* K3_SRV_* */
-    char end_msg[256];    /* why requests end (set before phase turns ENDING) */
-    atomic_int in_flight; /* requests received and not yet answered in full */
-    atomic_uint_fast64_t next_id;
     /* the engine thread (engine_loop.c) */
     pthread_t eng_thread;
     bool eng_started;
@@ -82,11 +51,16 @@ struct k3_server {
     atomic_llong step_t0_ns; /* when the step in progress began (0: none) */
     int64_t n_steps, n_submitted;
     int64_t test_fail_step, test_fail_request;
-    /* images in chat (api_chat.c): the tower or NULL, its pool, encodes one at a time */
+    /* images in chat (images.c): the tower or NULL, its pool; the budgets of
+     * one request; the queue of requests whose images wait for the pool (one
+     * at a time, first come first served), under images_mu */
     const k3_vision *vision;
     k3_pool *vision_pool;
-    int64_t max_image_pixels;
-    pthread_mutex_t vision_mu;
+    int64_t max_image_pixels, max_request_image_pixels, max_request_image_tokens;
+    pthread_mutex_t images_mu;
+    pthread_cond_t images_cv;
+    uint64_t images_next, images_serving;  /* tickets: taken, being served */
+    int64_t images_waiting, images_pixels; /* requests waiting; pixels being decoded */
     /* prefill and decode apart: the transfer agent, or NULL (src/pd) */
     struct k3_pd *pd;
     /* the Responses API's stored responses (store.h; api_responses.c) */

@@ -37,8 +37,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/chat_form.h"
 #include "common/error.h"
 #include "common/json_guard.h"
+#include "common/json_text.h"
 #include "tokenizer/tokenizer_internal.h"
 
 /* ---- JSON as Python writes it ---------------------------------------------- */
@@ -96,38 +98,7 @@ void k3_pyjson_float(k3_buf *b, double v) {
     k3_buf_puts(b, out);
 }
 
-void k3_pyjson_string(k3_buf *b, const char *s, size_t n) {
-    k3_buf_add(b, "\"", 1);
-    size_t run = 0; /* bytes copied verbatim since the last escape */
-    for (size_t i = 0; i < n; i++) {
-        unsigned char c = (unsigned char)s[i];
-        const char *rep = NULL;
-        char u[8];
-        switch (c) {
-        case '"': rep = "\\\""; break;
-        case '\\': rep = "\\\\"; break;
-        case '\b': rep = "\\b"; break;
-        case '\f': rep = "\\f"; break;
-        case '\n': rep = "\\n"; break;
-        case '\r': rep = "\\r"; break;
-        case '\t': rep = "\\t"; break;
-        default:
-            if (c < 0x20) {
-                snprintf(u, sizeof u, "\\u%04x", c);
-                rep = u;
-            }
-        }
-        if (!rep) {
-            run++;
-            continue;
-        }
-        k3_buf_add(b, s + i - run, run);
-        run = 0;
-        k3_buf_puts(b, rep);
-    }
-    k3_buf_add(b, s + n - run, run);
-    k3_buf_add(b, "\"", 1);
-}
+void k3_pyjson_string(k3_buf *b, const char *s, size_t n) { k3_json_write_string(b, s, n); }
 
 typedef struct kv {
     const char *key;
@@ -453,13 +424,14 @@ static k3_status tool_call(enc *e, const json_t *tc, size_t index, size_t i) {
 
     char idx[24];
     snprintf(idx, sizeof idx, "%zu", i + 1);
-    attr a[2] = {{"tool", json_string_value(name), json_string_length(name)}, attr_s("index", idx)};
-    st = open_tag(e, "call", a, 2);
+    attr a[2] = {{K3_FORM_ATTR_TOOL, json_string_value(name), json_string_length(name)},
+                 attr_s(K3_FORM_ATTR_INDEX, idx)};
+    st = open_tag(e, K3_FORM_CALL, a, 2);
     if (st == K3_OK && block) {
-        attr t = attr_s("type", "object");
-        st = open_tag(e, "json", &t, 1);
+        attr t = attr_s(K3_FORM_ATTR_TYPE, "object");
+        st = open_tag(e, K3_FORM_JSON, &t, 1);
         if (st == K3_OK) st = text(e, block, block_len);
-        if (st == K3_OK) st = close_tag(e, "json");
+        if (st == K3_OK) st = close_tag(e, K3_FORM_JSON);
     } else if (st == K3_OK && json_is_object(args)) {
         const char *key;
         json_t *val;
@@ -471,8 +443,8 @@ static k3_status tool_call(enc *e, const json_t *tc, size_t index, size_t i) {
                 : json_is_string(val)               ? "string"
                 : json_is_object(val)               ? "object"
                                                     : "array";
-            attr aa[2] = {attr_s("key", key), attr_s("type", type)};
-            st = open_tag(e, "argument", aa, 2);
+            attr aa[2] = {attr_s(K3_FORM_ATTR_KEY, key), attr_s(K3_FORM_ATTR_TYPE, type)};
+            st = open_tag(e, K3_FORM_ARGUMENT, aa, 2);
             if (st == K3_OK && json_is_string(val)) {
                 st = text(e, json_string_value(val), json_string_length(val));
             } else if (st == K3_OK) {
@@ -481,10 +453,10 @@ static k3_status tool_call(enc *e, const json_t *tc, size_t index, size_t i) {
                 st = b.oom ? nomem(e->err) : text(e, b.p, b.len);
                 k3_buf_free(&b);
             }
-            if (st == K3_OK) st = close_tag(e, "argument");
+            if (st == K3_OK) st = close_tag(e, K3_FORM_ARGUMENT);
         }
     }
-    if (st == K3_OK) st = close_tag(e, "call");
+    if (st == K3_OK) st = close_tag(e, K3_FORM_CALL);
     json_decref(parsed);
     return st;
 }
@@ -508,22 +480,22 @@ static k3_status assistant(enc *e, const msg *m, bool thinking) {
         if (!r || !truthy(r)) r = json_object_get(m->m, "reasoning");
         if (r && !json_is_null(r) && !json_is_string(r))
             return k3_err(e->err, K3_ERR_ARG, "message %zu: reasoning must be a string", m->index);
-        st = open_tag(e, "think", NULL, 0);
+        st = open_tag(e, K3_FORM_THINK, NULL, 0);
         if (st == K3_OK && r && !py_blank(json_string_value(r), json_string_length(r)))
             st = text(e, json_string_value(r), json_string_length(r));
-        if (st == K3_OK) st = close_tag(e, "think");
+        if (st == K3_OK) st = close_tag(e, K3_FORM_THINK);
     }
-    if (st == K3_OK) st = open_tag(e, "response", NULL, 0);
+    if (st == K3_OK) st = open_tag(e, K3_FORM_RESPONSE, NULL, 0);
     if (st == K3_OK) st = content(e, json_object_get(m->m, "content"), m->index);
-    if (st == K3_OK) st = close_tag(e, "response");
+    if (st == K3_OK) st = close_tag(e, K3_FORM_RESPONSE);
     json_t *calls = json_object_get(m->m, "tool_calls");
     if (st == K3_OK && calls && truthy(calls)) {
         if (!json_is_array(calls))
             return k3_err(e->err, K3_ERR_ARG, "message %zu: tool_calls must be an array", m->index);
-        st = open_tag(e, "tools", NULL, 0);
+        st = open_tag(e, K3_FORM_TOOLS, NULL, 0);
         for (size_t i = 0; i < json_array_size(calls) && st == K3_OK; i++)
             st = tool_call(e, json_array_get(calls, i), m->index, i);
-        if (st == K3_OK) st = close_tag(e, "tools");
+        if (st == K3_OK) st = close_tag(e, K3_FORM_TOOLS);
     }
     if (st == K3_OK) st = close_tag(e, "message");
     if (st == K3_OK) st = control(e, e->end_of_msg);
@@ -852,7 +824,7 @@ static k3_status encode(enc *e, const json_t *msgs, const json_t *tools, const k
     if (st == K3_OK && opt->add_generation_prompt) {
         attr a = attr_s("role", "assistant");
         st = open_tag(e, "message", &a, 1);
-        if (st == K3_OK) st = open_tag(e, opt->thinking ? "think" : "response", NULL, 0);
+        if (st == K3_OK) st = open_tag(e, opt->thinking ? K3_FORM_THINK : K3_FORM_RESPONSE, NULL, 0);
     }
     return st;
 }
@@ -866,10 +838,10 @@ k3_status k3_chat_encode_json(const k3_tokenizer *t, const char *messages_json, 
                       "k3_chat_encode_json needs a tokenizer, messages and "
                       "options");
     enc e = {.t = t, .err = err};
-    k3_status st = lookup(t, "<|open|>", &e.open, err);
-    if (st == K3_OK) st = lookup(t, "<|sep|>", &e.sep, err);
-    if (st == K3_OK) st = lookup(t, "<|close|>", &e.close, err);
-    if (st == K3_OK) st = lookup(t, "<|end_of_msg|>", &e.end_of_msg, err);
+    k3_status st = lookup(t, K3_FORM_OPEN, &e.open, err);
+    if (st == K3_OK) st = lookup(t, K3_FORM_SEP, &e.sep, err);
+    if (st == K3_OK) st = lookup(t, K3_FORM_CLOSE, &e.close, err);
+    if (st == K3_OK) st = lookup(t, K3_FORM_END_OF_MSG, &e.end_of_msg, err);
     if (st != K3_OK) return st;
 
     json_t *msgs, *tools = NULL;

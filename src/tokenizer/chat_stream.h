@@ -20,7 +20,20 @@ typedef struct k3_chat_partial_call {
     size_t args_len;
 } k3_chat_partial_call;
 
-/* k3_chat_parse_reply, and (part not NULL) the call the text ends inside. */
+/* Where a server's text has its chat specials: the offsets (ascending) of
+ * the <|open|>, <|close|>, <|sep|> and <|end_of_msg|> tokens it decoded by
+ * name, so that text the model wrote that spells one is read as text. */
+typedef struct k3_chat_text {
+    const size_t *marks;
+    size_t n_marks;
+} k3_chat_text;
+
+/* k3_chat_parse_reply over a text whose specials t says (NULL: every name
+ * is one), and (part not NULL, a stream) the call the text ends inside in
+ * part instead of as the cut last entry of tool_calls_json. */
+k3_status k3_chat_parse_reply_marked(const char *text, size_t len, const k3_chat_text *t, bool thinking,
+                                     k3_chat_reply *out, k3_chat_partial_call *part, k3_error *err);
+/* The same with every name a special. */
 k3_status k3_chat_parse_reply_partial(const char *text, size_t len, bool thinking, k3_chat_reply *out,
                                       k3_chat_partial_call *part, k3_error *err);
 void k3_chat_partial_call_free(k3_chat_partial_call *p);
@@ -31,6 +44,8 @@ void k3_chat_partial_call_free(k3_chat_partial_call *p);
  * tokens are reasoning and which are content. */
 void k3_chat_reply_spans(const char *text, size_t len, bool thinking, size_t *reasoning_end, bool *has_content,
                          size_t *content_off, size_t *content_len);
+void k3_chat_reply_spans_marked(const char *text, size_t len, const k3_chat_text *t, bool thinking,
+                                size_t *reasoning_end, bool *has_content, size_t *content_off, size_t *content_len);
 /* A new tool-call id: "call_" and 24 of [0-9A-Za-z]. */
 void k3_chat_new_call_id(char out[32]);
 

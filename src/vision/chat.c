@@ -63,7 +63,8 @@ k3_status k3_vision_chat_encode_json(const k3_vision *v, const k3_tokenizer *t, 
     json_t *msgs = json_loads(messages_json, JSON_REJECT_DUPLICATES, &je);
     int32_t n_img = 0;
     size_t cap = 0;
-    k3_image **imgs = NULL;
+    char **urls = NULL;       /* each image's data: URL; decoded one at a time below */
+    size_t(*where)[2] = NULL; /* its messages[i].content[j] */
     k3_status s = K3_OK;
     if (msgs && json_is_array(msgs)) {
         size_t mi;
@@ -90,19 +91,27 @@ k3_status k3_vision_chat_encode_json(const k3_vision *v, const k3_tokenizer *t, 
                 }
                 if ((size_t)n_img == cap) {
                     cap = cap ? 2 * cap : 4;
-                    k3_image **ni = realloc(imgs, sizeof *ni * cap);
-                    if (!ni) {
+                    char **nu = realloc(urls, sizeof *nu * cap);
+                    if (nu) urls = nu;
+                    size_t(*nw)[2] = nu ? realloc(where, sizeof *nw * cap) : NULL;
+                    if (nw) where = nw;
+                    if (!nu || !nw) {
                         s = k3_err(err, K3_ERR_NOMEM, "chat: out of memory");
                         goto done;
                     }
-                    imgs = ni;
                 }
+                /* its header is checked now (a bad or oversized image fails
+                 * before any other is decoded) */
                 k3_error ie = {0};
-                s = k3_image_decode_url(&imgs[n_img], url, strlen(url), max_pixels, &ie);
+                int32_t w, h;
+                s = k3_image_probe_url(url, strlen(url), max_pixels, &w, &h, &ie);
+                if (!s && !(urls[n_img] = strdup(url))) s = k3_err(&ie, K3_ERR_NOMEM, "out of memory");
                 if (s) {
                     k3_err(err, s, "messages[%zu].content[%zu]: %s", mi, pi, ie.msg);
                     goto done;
                 }
+                where[n_img][0] = mi;
+                where[n_img][1] = pi;
                 n_img++;
                 char mark[32];
                 snprintf(mark, sizeof mark, MARK "%d\xee\x80\x80", n_img - 1);
@@ -180,19 +189,72 @@ k3_status k3_vision_chat_encode_json(const k3_vision *v, const k3_tokenizer *t, 
         nk += n - src;
     }
     free(ids);
+    /* one image at a time: decoded, encoded, its pixels freed before the next */
     for (int32_t i = 0; !s && i < n_img; i++) {
-        s = k3_vision_plan(v, k3_image_width(imgs[i]), k3_image_height(imgs[i]), &out->plans[i], err);
-        if (!s) s = k3_vision_encode(v, pool, imgs[i], &out->rows[i], NULL, err);
-        hk[i] = k3_image_hash(imgs[i]);
+        k3_image *im = NULL;
+        k3_error ie = {0};
+        s = k3_image_decode_url(&im, urls[i], strlen(urls[i]), max_pixels, &ie);
+        if (s) k3_err(err, s, "messages[%zu].content[%zu]: %s", where[i][0], where[i][1], ie.msg);
+        if (!s) s = k3_vision_plan(v, k3_image_width(im), k3_image_height(im), &out->plans[i], err);
+        if (!s) s = k3_vision_encode(v, pool, im, &out->rows[i], NULL, err);
+        if (!s) hk[i] = k3_image_hash(im);
+        k3_image_free(im);
+        free(urls[i]);
+        urls[i] = NULL;
     }
     if (!s)
         s = k3_vision_splice(v, t, kept, nk, at, out->plans, (const float *const *)out->rows, hk, n_img, &out->ids,
                              &out->n_ids, &out->embeds, &out->keys, err);
     free(at), free(kept), free(hk);
 done:
-    for (int32_t i = 0; i < n_img; i++) k3_image_free(imgs[i]);
-    free(imgs);
+    for (int32_t i = 0; i < n_img; i++) free(urls[i]);
+    free(urls);
+    free(where);
     json_decref(msgs);
     if (s) k3_vision_prompt_free(out);
+    return s;
+}
+
+k3_status k3_vision_chat_cost(const k3_vision *v, const char *messages_json, int64_t max_pixels, k3_vision_cost *out,
+                              k3_error *err) {
+    memset(out, 0, sizeof *out);
+    json_t *msgs = messages_json ? json_loads(messages_json, 0, NULL) : NULL;
+    k3_status s = K3_OK;
+    size_t mi, pi;
+    json_t *m, *part;
+    if (json_is_array(msgs)) json_array_foreach(msgs, mi, m) {
+            json_t *content = json_is_object(m) ? json_object_get(m, "content") : NULL;
+            if (!json_is_array(content)) continue;
+            json_array_foreach(content, pi, part) {
+                const char *type = json_is_object(part) ? json_string_value(json_object_get(part, "type")) : NULL;
+                if (!type || (strcmp(type, "image_url") && strcmp(type, "image"))) continue;
+                if (!v) {
+                    s = k3_err(err, K3_ERR_UNSUPPORTED,
+                               "messages[%zu].content[%zu]: an image, and the model has no vision tower (it takes "
+                               "text only)",
+                               mi, pi);
+                    goto done;
+                }
+                const char *url = part_url(part, type);
+                if (!url) {
+                    s = k3_err(err, K3_ERR_ARG, "messages[%zu].content[%zu]: %s has no url", mi, pi, type);
+                    goto done;
+                }
+                k3_error ie = {0};
+                int32_t w, h;
+                k3_image_plan plan;
+                s = k3_image_probe_url(url, strlen(url), max_pixels, &w, &h, &ie);
+                if (!s) s = k3_vision_plan(v, w, h, &plan, &ie);
+                if (s) {
+                    k3_err(err, s, "messages[%zu].content[%zu]: %s", mi, pi, ie.msg);
+                    goto done;
+                }
+                out->n_images++;
+                out->pixels += (int64_t)w * h;
+                out->tokens += plan.n_tokens;
+            }
+        }
+done:
+    json_decref(msgs);
     return s;
 }

@@ -137,7 +137,7 @@ static void png_on_error(png_structp png, png_const_charp msg) {
 static void png_on_warning(png_structp png, png_const_charp msg) { (void)png, (void)msg; }
 
 static k3_status decode_png(k3_image **out, const uint8_t *data, size_t size, int64_t max_pixels, const char *what,
-                            k3_error *err) {
+                            int32_t *dims, k3_error *err) {
     /* IHDR must come first: its size is checked before libpng reads on
      * (png_read_info reads every chunk up to the image data) */
     if (size >= 24 && !memcmp(data + 12, "IHDR", 4)) {
@@ -169,6 +169,10 @@ static k3_status decode_png(k3_image **out, const uint8_t *data, size_t size, in
     uint32_t w = png_get_image_width(png, info), h = png_get_image_height(png, info);
     int depth = png_get_bit_depth(png, info), ct = png_get_color_type(png, info);
     if ((st = check_size(w, h, max_pixels, what, err))) goto done;
+    if (dims) { /* a probe: the size, nothing decoded */
+        dims[0] = (int32_t)w, dims[1] = (int32_t)h;
+        goto done;
+    }
     if ((ct == PNG_COLOR_TYPE_GRAY || ct == PNG_COLOR_TYPE_GRAY_ALPHA) && depth == 16) {
         st = k3_err(err, K3_ERR_UNSUPPORTED, "%s: 16-bit greyscale PNG is not supported (PIL reads it as mode I;16)",
                     what);
@@ -281,7 +285,7 @@ static void jpeg_on_message(j_common_ptr c, int level) {
 }
 
 static k3_status decode_jpeg(k3_image **out, const uint8_t *data, size_t size, int64_t max_pixels, const char *what,
-                             k3_error *err) {
+                             int32_t *dims, k3_error *err) {
     struct jpeg_decompress_struct cinfo;
     jpeg_err je;
     memset(&je, 0, sizeof je);
@@ -299,6 +303,10 @@ static k3_status decode_jpeg(k3_image **out, const uint8_t *data, size_t size, i
     jpeg_mem_src(&cinfo, data, (unsigned long)size);
     jpeg_read_header(&cinfo, TRUE);
     if ((st = check_size(cinfo.image_width, cinfo.image_height, max_pixels, what, err))) goto done;
+    if (dims) { /* a probe: the size, nothing decoded */
+        dims[0] = (int32_t)cinfo.image_width, dims[1] = (int32_t)cinfo.image_height;
+        goto done;
+    }
     const J_COLOR_SPACE cs = cinfo.jpeg_color_space;
     if (cs == JCS_CMYK || cs == JCS_YCCK) {
         st = k3_err(err, K3_ERR_UNSUPPORTED, "%s: CMYK JPEG is not supported", what);
@@ -349,7 +357,7 @@ static uint32_t le32(const uint8_t *p) {
 }
 
 static k3_status decode_webp(k3_image **out, const uint8_t *data, size_t size, int64_t max_pixels, const char *what,
-                             k3_error *err) {
+                             int32_t *dims, k3_error *err) {
     /* the RIFF header says how long the file is: a shorter one was cut */
     const bool cut = size < 12 || (uint64_t)le32(data + 4) + 8 > size;
     WebPBitstreamFeatures f;
@@ -363,6 +371,10 @@ static k3_status decode_webp(k3_image **out, const uint8_t *data, size_t size, i
     k3_status st = check_size((uint32_t)f.width, (uint32_t)f.height, max_pixels, what, err);
     if (st) return st;
     if (cut) return k3_err(err, K3_ERR_FORMAT, "%s: bad WEBP: the file is truncated", what);
+    if (dims) { /* a probe: the size (the canvas of an animation), nothing decoded */
+        dims[0] = f.width, dims[1] = f.height;
+        return K3_OK;
+    }
     /* Pillow reads every WEBP, still or animated, through the animation
      * decoder in its default RGBA mode and calls it "RGBA" when the
      * bitstream features say alpha, else "RGB" (the fourth byte dropped) */
@@ -446,7 +458,7 @@ static bool gif_palette_needed(const ColorMapObject *m) {
 }
 
 static k3_status decode_gif(k3_image **out, const uint8_t *data, size_t size, int64_t max_pixels, const char *what,
-                            k3_error *err) {
+                            int32_t *dims, k3_error *err) {
     gif_src src = {.p = data, .n = size};
     int e = 0;
     GifFileType *g = DGifOpen(&src, gif_read, &e);
@@ -498,6 +510,10 @@ static k3_status decode_gif(k3_image **out, const uint8_t *data, size_t size, in
     const uint32_t w = x0 + fw > (uint32_t)g->SWidth ? x0 + fw : (uint32_t)g->SWidth;
     const uint32_t h = y0 + fh > (uint32_t)g->SHeight ? y0 + fh : (uint32_t)g->SHeight;
     if ((st = check_size(w, h, max_pixels, what, err))) goto done;
+    if (dims) { /* a probe: the size, nothing decoded */
+        dims[0] = (int32_t)w, dims[1] = (int32_t)h;
+        goto done;
+    }
     /* the frame's palette, else the global one; a ramp is no palette ("L").
      * A local ramp under a global palette Pillow calls "L" but keeps the
      * global palette on the pixels (what convert shows; its resize refuses
@@ -565,21 +581,22 @@ done:
 
 /* ---- entry points --------------------------------------------------------- */
 
+/* dims non-NULL: a probe, the size into dims[0..1] and nothing decoded. */
 static k3_status decode_named(k3_image **out, const void *data, size_t size, int64_t max_pixels, const char *what,
-                              k3_error *err) {
+                              int32_t *dims, k3_error *err) {
     if (!out || (!data && size)) return k3_err(err, K3_ERR_ARG, "%s: no image data", what);
     *out = NULL;
     const uint8_t *p = data;
     static const uint8_t png_sig[8] = {0x89, 'P', 'N', 'G', '\r', '\n', 0x1a, '\n'};
-    if (size >= 8 && !memcmp(p, png_sig, 8)) return decode_png(out, p, size, max_pixels, what, err);
+    if (size >= 8 && !memcmp(p, png_sig, 8)) return decode_png(out, p, size, max_pixels, what, dims, err);
     if (size >= 3 && p[0] == 0xff && p[1] == 0xd8 && p[2] == 0xff)
-        return decode_jpeg(out, p, size, max_pixels, what, err);
+        return decode_jpeg(out, p, size, max_pixels, what, dims, err);
     /* RIFF....WEBP and a VP8 / VP8L / VP8X chunk, as Pillow's _accept */
     if (size >= 16 && !memcmp(p, "RIFF", 4) && !memcmp(p + 8, "WEBP", 4) &&
         (!memcmp(p + 12, "VP8 ", 4) || !memcmp(p + 12, "VP8L", 4) || !memcmp(p + 12, "VP8X", 4)))
-        return decode_webp(out, p, size, max_pixels, what, err);
+        return decode_webp(out, p, size, max_pixels, what, dims, err);
     if (size >= 6 && (!memcmp(p, "GIF87a", 6) || !memcmp(p, "GIF89a", 6)))
-        return decode_gif(out, p, size, max_pixels, what, err);
+        return decode_gif(out, p, size, max_pixels, what, dims, err);
     /* cut inside the signature itself */
     if ((size >= 12 && size < 16 && !memcmp(p, "RIFF", 4) && !memcmp(p + 8, "WEBP", 4)) ||
         (size >= 3 && size < 6 && (!memcmp(p, "GIF87a", size) || !memcmp(p, "GIF89a", size))))
@@ -589,7 +606,7 @@ static k3_status decode_named(k3_image **out, const void *data, size_t size, int
 }
 
 k3_status k3_image_decode(k3_image **out, const void *data, size_t size, int64_t max_pixels, k3_error *err) {
-    return decode_named(out, data, size, max_pixels, "image", err);
+    return decode_named(out, data, size, max_pixels, "image", NULL, err);
 }
 
 static int b64_value(unsigned char c) {
@@ -601,7 +618,8 @@ static int b64_value(unsigned char c) {
     return -1;
 }
 
-k3_status k3_image_decode_url(k3_image **out, const char *url, size_t len, int64_t max_pixels, k3_error *err) {
+static k3_status decode_url(k3_image **out, const char *url, size_t len, int64_t max_pixels, int32_t *dims,
+                            k3_error *err) {
     if (out) *out = NULL;
     if (!out || !url) return k3_err(err, K3_ERR_ARG, "image_url: no URL");
     if (len < 5 || strncasecmp(url, "data:", 5)) {
@@ -654,8 +672,23 @@ k3_status k3_image_decode_url(k3_image **out, const char *url, size_t len, int64
         free(buf);
         return k3_err(err, K3_ERR_ARG, "image_url: the base64 data is cut short");
     }
-    k3_status s = decode_named(out, buf, n, max_pixels, "image_url", err);
+    k3_status s = decode_named(out, buf, n, max_pixels, "image_url", dims, err);
     free(buf);
+    return s;
+}
+
+k3_status k3_image_decode_url(k3_image **out, const char *url, size_t len, int64_t max_pixels, k3_error *err) {
+    return decode_url(out, url, len, max_pixels, NULL, err);
+}
+
+k3_status k3_image_probe_url(const char *url, size_t len, int64_t max_pixels, int32_t *width, int32_t *height,
+                             k3_error *err) {
+    k3_image *im = NULL;
+    int32_t dims[2] = {0, 0};
+    const k3_status s = decode_url(&im, url, len, max_pixels, dims, err);
+    k3_image_free(im);
+    *width = dims[0];
+    *height = dims[1];
     return s;
 }
 
@@ -681,7 +714,7 @@ k3_status k3_image_load(k3_image **out, const char *path, int64_t max_pixels, k3
         free(buf);
         return k3_err(err, K3_ERR_IO, "cannot read %s", path);
     }
-    k3_status st = decode_named(out, buf, (size_t)n, max_pixels, path, err);
+    k3_status st = decode_named(out, buf, (size_t)n, max_pixels, path, NULL, err);
     free(buf);
     return st;
 }

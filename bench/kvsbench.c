@@ -1,0 +1,179 @@
+/*
+ * kvsbench.c -- the disk tier's speed at module level: a sequence of cache
+ * blocks (random bytes in a context of MODEL's layout) saved as block runs
+ * and a KDA snapshot, then looked up and loaded back, from the page cache
+ * (warm) and after its pages were dropped (cold: fdatasync + fadvise
+ * DONTNEED on the directory's files), beside a plain sequential read of a
+ * file of the same size in the same directory with 1 MiB read() calls (the
+ * directory's raw speed, as dd bs=1M reads it). Prints the medians of RUNS.
+ *   build/kvsbench MODEL DIR [f32|c8] [TOKENS] [RUNS]
+ */
+#include <dirent.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "ctx/ctx.h"
+#include "k3.h"
+#include "kvstore/kvstore.h"
+
+static int cmpd(const void *a, const void *b) {
+    const double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+static double median(double *v, int n) {
+    qsort(v, (size_t)n, sizeof *v, cmpd);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+/* fdatasync + DONTNEED on every file under dir/sub */
+static void drop_pages(const char *dir, const char *sub) {
+    char p[4096];
+    snprintf(p, sizeof p, "%s/%s", dir, sub);
+    DIR *d = opendir(p);
+    if (!d) return;
+    struct dirent *de;
+    while ((de = readdir(d))) {
+        if (de->d_name[0] == '.') continue;
+        const int fd = openat(dirfd(d), de->d_name, O_RDONLY);
+        if (fd < 0) continue;
+        fdatasync(fd);
+        posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+        close(fd);
+    }
+    closedir(d);
+}
+
+static double raw_read(const char *path, int64_t bytes, bool cold) {
+    int fd = open(path, O_RDONLY);
+    if (fd < 0) return 0;
+    if (cold) {
+        fdatasync(fd);
+        posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+    }
+    char *buf = malloc(1 << 20);
+    const double t0 = k3_now();
+    int64_t got = 0;
+    ssize_t r;
+    while ((r = read(fd, buf, 1 << 20)) > 0) got += r;
+    const double dt = k3_now() - t0;
+    free(buf);
+    close(fd);
+    return got == bytes ? (double)got / dt / 1e9 : 0;
+}
+
+int main(int argc, char **argv) {
+    if (argc < 3) {
+        fprintf(stderr, "usage: kvsbench MODEL DIR [f32|c8] [TOKENS] [RUNS]\n");
+        return 2;
+    }
+    const char *dir = argv[2];
+    const k3_kv_type kv = argc > 3 && !strcmp(argv[3], "f32") ? K3_KV_F32 : K3_KV_C8;
+    const int64_t tokens = argc > 4 ? atoll(argv[4]) : 32768;
+    const int runs = argc > 5 ? atoi(argv[5]) : 5;
+    const int32_t bs = 64, nb = (int32_t)(tokens / bs);
+    k3_error err = {0};
+    k3_model *m = NULL;
+    k3_ctx *ctx = NULL;
+    k3_ctx_options o = {.max_seqs = 1, .cache_tokens = tokens, .block_size = bs, .max_batch = 64, .kv_cache = kv};
+    if (k3_model_open(&m, argv[1], &err) || k3_ctx_init_pool(&ctx, m, &o, nb, tokens, &err)) {
+        fprintf(stderr, "kvsbench: %s\n", err.msg);
+        return 1;
+    }
+    /* random cache bytes (every page touched) */
+    uint64_t x = 88172645463325252ull;
+    for (int32_t L = 0; L < ctx->c->n_layers; L++)
+        for (int32_t b = 0; b < nb; b++) {
+            void *base[5];
+            int64_t len[5];
+            const int nc = k3_ctx_kv_block_ranges(ctx, L, b, base, len);
+            for (int c = 0; c < nc; c++)
+                for (int64_t i = 0; i + 8 <= len[c]; i += 8) {
+                    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+                    memcpy((char *)base[c] + i, &x, 8);
+                }
+        }
+    const int64_t sb = k3_ctx_state_bytes(ctx);
+    char *state = malloc((size_t)sb), *back = malloc((size_t)sb);
+    memset(state, 7, (size_t)sb);
+    int32_t *tok = malloc(sizeof(int32_t) * (size_t)tokens), *blocks = malloc(sizeof(int32_t) * (size_t)nb);
+    double wr[32], rc[32], rw[32], dc[32], dw[32];
+    int64_t bytes = 0;
+    for (int run = 0; run < runs && run < 32; run++) {
+        for (int64_t i = 0; i < tokens; i++) tok[i] = (int32_t)((i * 2654435761u + (uint64_t)run * 97) % 30000);
+        for (int32_t i = 0; i < nb; i++) blocks[i] = i;
+        k3_kvs *s = NULL;
+        k3_kvs_options so = {.dir = dir, .disk_bytes = 64ll << 30, .ctx = ctx, .model_id = 1, .quant = "none"};
+        if (k3_kvs_open(&s, &so, &err)) {
+            fprintf(stderr, "kvsbench: %s\n", err.msg);
+            return 1;
+        }
+        const k3_kvs_seq seq = {.tokens = tok, .n_tokens = tokens};
+        uint64_t t1, t2;
+        k3_kvs_done d1, d2;
+        double t0 = k3_now();
+        if (k3_kvs_save_blocks(s, &seq, blocks, nb, true, &t1, &err) ||
+            k3_kvs_save_snapshot(s, &seq, (int64_t)(nb - 1) * bs, state, 0, &t2, &err) ||
+            k3_kvs_wait(s, t1, &d1, &err) || k3_kvs_wait(s, t2, &d2, &err) || d1.status || d2.status) {
+            fprintf(stderr, "kvsbench: save: %s %s\n", err.msg, d1.why);
+            return 1;
+        }
+        const double tw = k3_now() - t0;
+        bytes = d1.bytes + d2.bytes;
+        wr[run] = (double)bytes / tw / 1e9;
+        for (int pass = 0; pass < 2; pass++) {
+            if (!pass) {
+                drop_pages(dir, "runs");
+                drop_pages(dir, "snaps");
+            }
+            k3_kvs_hit *hit = NULL;
+            t0 = k3_now();
+            uint64_t t3;
+            k3_kvs_done d3;
+            if (k3_kvs_lookup(s, &seq, 0, tokens - 1, &hit, &err) || !hit ||
+                k3_kvs_load(s, hit, blocks, back, &t3, &err) || k3_kvs_wait(s, t3, &d3, &err) || d3.status) {
+                fprintf(stderr, "kvsbench: load: %s %s\n", err.msg, d3.why);
+                return 1;
+            }
+            const double tr = k3_now() - t0;
+            (pass ? rw : rc)[run] = (double)d3.bytes / tr / 1e9;
+        }
+        /* the raw sequential read of a file of the same size beside it */
+        char raw[4096];
+        snprintf(raw, sizeof raw, "%s/raw.bin", dir);
+        FILE *f = fopen(raw, "wb");
+        char *buf = malloc(1 << 20);
+        memset(buf, 1, 1 << 20);
+        for (int64_t w = 0; w < bytes; w += 1 << 20)
+            fwrite(buf, 1, (size_t)(bytes - w < (1 << 20) ? bytes - w : 1 << 20), f);
+        fclose(f);
+        free(buf);
+        dc[run] = raw_read(raw, bytes, true);
+        dw[run] = raw_read(raw, bytes, false);
+        unlink(raw);
+        k3_kvs_close(s);
+        int64_t nf, nbytes;
+        k3_kvcache_clear(dir, 0, &nf, &nbytes, &err);
+    }
+    const int n = runs < 32 ? runs : 32;
+    const double mwr = median(wr, n), mrc = median(rc, n), mrw = median(rw, n), mdc = median(dc, n),
+                 mdw = median(dw, n);
+    printf("kvsbench: %s kv %s, %lld tokens (%d blocks of %d), %.1f MB per save (runs + one %.1f MB snapshot), "
+           "medians of %d\n",
+           argv[1], kv == K3_KV_C8 ? "c8" : "f32", (long long)tokens, nb, bs, (double)bytes / 1e6, (double)sb / 1e6, n);
+    printf("  save (write, published)        %6.2f GB/s\n", mwr);
+    printf("  load cold (pages dropped)      %6.2f GB/s   raw sequential read cold  %6.2f GB/s   ratio %.2f\n", mrc,
+           mdc, mrc / mdc);
+    printf("  load warm (page cache)         %6.2f GB/s   raw sequential read warm  %6.2f GB/s   ratio %.2f\n", mrw,
+           mdw, mrw / mdw);
+    free(state);
+    free(back);
+    free(tok);
+    free(blocks);
+    k3_ctx_free(ctx);
+    k3_model_close(m);
+    return 0;
+}

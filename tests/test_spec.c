@@ -1,0 +1,262 @@
+/*
+ * test_spec.c -- speculative decoding's pieces without an engine (src/spec):
+ * the suffix tree's counts against brute force, removal, rematching; the
+ * proposers (suffix with its per-scope cache of outputs, ngram); the
+ * acceptance rule's output distribution (chi-square against p, for a
+ * distribution q and for a point mass); the cost model and the draft
+ * length.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "spec/spec.h"
+#include "test.h"
+
+static uint64_t rng_state = 12345;
+static uint64_t rnd(void) {
+    uint64_t z = (rng_state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+static double unif(void) { return (double)(rnd() >> 11) / 9007199254740992.0; }
+
+/* occurrences of s[0..m) in text[0..n) */
+static int32_t brute(const int32_t *text, int n, const int32_t *s, int m) {
+    int32_t c = 0;
+    for (int i = 0; i + m <= n; i++) c += !memcmp(text + i, s, sizeof(int32_t) * (size_t)m);
+    return c;
+}
+
+/* the node of s[0..m) from the root, or -1 */
+static int32_t path(const k3_stree *t, const int32_t *s, int m) {
+    int32_t u = 0;
+    for (int i = 0; i < m && u >= 0; i++) u = k3_stree_child(t, u, s[i]);
+    return u;
+}
+
+static int32_t live_nodes(const k3_stree *t) { return t->n_nodes - t->n_free; }
+
+K3_TEST(spec_stree_counts_and_removal) {
+    enum { N = 300, D = 6 };
+    int32_t a[N], b[N];
+    for (int i = 0; i < N; i++) {
+        a[i] = (int32_t)(rnd() % 5); /* a small alphabet: many repeats */
+        b[i] = i % 17 < 9 ? a[i] : (int32_t)(rnd() % 5);
+    }
+    k3_stree t;
+    k3_error err = {0};
+    REQUIRE(k3_stree_init(&t, D, 1 << 20, &err) == K3_OK);
+    k3_sactive sa = {0}, sb = {0};
+    for (int i = 0; i < N; i++) k3_stree_push(&t, &sa, a[i]);
+    const int32_t after_a = live_nodes(&t);
+    for (int i = 0; i < N; i++) k3_stree_push(&t, &sb, b[i]);
+    /* every substring of length <= D of both texts: its count is its occurrences */
+    int bad = 0;
+    for (int m = 1; m <= D; m++)
+        for (int i = 0; i + m <= N; i++) {
+            const int32_t u = path(&t, b + i, m);
+            bad += u < 0 || t.cnt[u] != brute(a, N, b + i, m) + brute(b, N, b + i, m);
+        }
+    CHECKF(!bad, "%d substrings with a wrong count", bad);
+    /* the active suffixes are the text's last suffixes */
+    for (int m = 1; m <= D; m++) CHECK(sb.n >= m && sb.node[m - 1] == path(&t, b + N - m, m));
+    /* a rematch from the tail gives the same nodes */
+    k3_sactive r = {0};
+    k3_stree_rematch(&t, &r, b + N - D, D);
+    CHECK(r.n == sb.n && !memcmp(r.node, sb.node, sizeof(int32_t) * (size_t)r.n));
+    /* removing b leaves a's tree: the same counts and nodes */
+    k3_sactive pb = {0};
+    for (int i = 0; i < N; i++) k3_stree_pop(&t, &pb, b[i]);
+    CHECKF(live_nodes(&t) == after_a, "%d nodes after removing b, %d before it was added", live_nodes(&t), after_a);
+    bad = 0;
+    for (int m = 1; m <= D; m++)
+        for (int i = 0; i + m <= N; i++) {
+            const int32_t u = path(&t, a + i, m);
+            bad += u < 0 || t.cnt[u] != brute(a, N, a + i, m);
+        }
+    CHECK(!bad);
+    k3_sactive pa = {0};
+    for (int i = 0; i < N; i++) k3_stree_pop(&t, &pa, a[i]);
+    CHECK(live_nodes(&t) == 1); /* the root alone */
+    /* a periodic text (one node met twice in a step) comes and goes too */
+    k3_sactive pp = {0}, qq = {0};
+    for (int i = 0; i < 40; i++) k3_stree_push(&t, &pp, 7);
+    CHECK(t.cnt[path(&t, (int32_t[]){7, 7, 7}, 3)] == 38);
+    for (int i = 0; i < 40; i++) k3_stree_pop(&t, &qq, 7);
+    CHECK(live_nodes(&t) == 1);
+    /* a budget stops growth, not counting */
+    k3_stree small;
+    REQUIRE(k3_stree_init(&small, D, 50, &err) == K3_OK);
+    k3_sactive s = {0};
+    for (int i = 0; i < N; i++) k3_stree_push(&small, &s, a[i]);
+    CHECK(live_nodes(&small) <= 50);
+    k3_stree_free(&small);
+    k3_stree_free(&t);
+    CHECK(k3_stree_init(&t, 0, 10, &err) == K3_ERR_RANGE);
+}
+
+K3_TEST(spec_stree_drafts_by_frequency) {
+    k3_stree t;
+    REQUIRE(k3_stree_init(&t, 8, 1 << 16, NULL) == K3_OK);
+    k3_sactive a = {0};
+    /* "1 2 3 4 5" three times, then "1 2 3 9", then "1 2": the text now
+     * ends in "1 2"; after it came 3 four times, then 4 three times of 4 */
+    const int32_t text[] = {1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3, 9, 1, 2};
+    for (size_t i = 0; i < sizeof text / sizeof text[0]; i++) k3_stree_push(&t, &a, text[i]);
+    int32_t d[16];
+    float conf[16], score;
+    const int32_t n = k3_stree_draft(&t, &a, true, 4, 2.0f, 0.1f, d, conf, &score);
+    REQUIREF(n >= 2, "drafted %d", n);
+    CHECK(d[0] == 3 && d[1] == 4);
+    CHECKF(fabsf(conf[0] - 1.0f) < 1e-6f && fabsf(conf[1] - 0.75f) < 1e-6f, "conf %g %g", conf[0], conf[1]);
+    /* the spec factor: a match of 2 drafts at most 2 x factor */
+    CHECK(k3_stree_draft(&t, &a, true, 8, 0.5f, 0.0f, d, conf, &score) <= 1);
+    /* a probability floor above the second token's stops before it */
+    CHECK(k3_stree_draft(&t, &a, true, 4, 2.0f, 0.9f, d, conf, &score) == 1);
+    k3_stree_free(&t);
+}
+
+K3_TEST(spec_ngram_drafts_the_last_occurrence) {
+    k3_ngram g;
+    REQUIRE(k3_ngram_init(&g, 2, 4, NULL) == K3_OK);
+    const int32_t t[] = {5, 6, 7, 8, 9, 1, 6, 7, 3, 3, 5, 6, 7};
+    int32_t d[8], match;
+    /* ends in "5 6 7": at 0 it went on 8 9 1 ("6 7" alone went on 3 at 6) */
+    CHECK(k3_ngram_draft(&g, t, 13, 3, d, &match) == 3 && match == 3 && d[0] == 8 && d[1] == 9 && d[2] == 1);
+    /* ends in "1 6 7"? no; "6 7" most recently went on with 3 3 */
+    const int32_t u[] = {5, 6, 7, 8, 9, 1, 6, 7, 3, 3, 2, 6, 7};
+    k3_ngram h;
+    REQUIRE(k3_ngram_init(&h, 2, 4, NULL) == K3_OK);
+    CHECK(k3_ngram_draft(&h, u, 13, 2, d, &match) == 2 && match == 2 && d[0] == 3 && d[1] == 3);
+    CHECK(k3_ngram_draft(&h, u, 3, 2, d, &match) == 0); /* nothing earlier */
+    k3_ngram_free(&g);
+    k3_ngram_free(&h);
+    CHECK(k3_ngram_init(&g, 3, 2, NULL) == K3_ERR_RANGE);
+}
+
+/* A completed output joins its scope's cache: a later sequence of the same
+ * scope is drafted from it, one of another scope never. */
+K3_TEST(spec_suffix_cache_per_scope) {
+    k3_spec_config c = {.method = K3_SPEC_SUFFIX, .num_speculative_tokens = 4};
+    k3_proposer *p = NULL;
+    k3_error err = {0};
+    REQUIREF(k3_proposer_open(&p, &c, 4, 1024, &err) == K3_OK, "%s", err.msg);
+    const int32_t prompt[] = {100, 101, 102};
+    const int32_t out[] = {40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51};
+    k3_spec_seq *s = NULL;
+    REQUIRE(k3_spec_seq_open(p, &s, K3_SPEC_SUFFIX, 0xA, prompt, 3, &err) == K3_OK);
+    k3_spec_seq_append(p, s, out, 12);
+    k3_spec_seq_close(p, s, true);
+    /* a new request of scope A whose text reaches "42 43 44" */
+    int32_t tok[16] = {200, 201, 42, 43, 44}, d[8];
+    float conf[8];
+    for (int scope = 0; scope < 2; scope++) {
+        k3_spec_seq *q = NULL;
+        REQUIRE(k3_spec_seq_open(p, &q, K3_SPEC_SUFFIX, scope ? 0xB : 0xA, tok, 2, &err) == K3_OK);
+        k3_spec_seq_append(p, q, tok + 2, 3);
+        const int32_t n = k3_spec_seq_propose(p, q, tok, 5, 4, d, conf);
+        if (!scope) CHECKF(n >= 3 && d[0] == 45 && d[1] == 46 && d[2] == 47, "scope A drafted %d", n);
+        else CHECKF(n == 0, "scope B drafted %d tokens from scope A's output", n);
+        k3_spec_seq_close(p, q, false);
+    }
+    /* the sequence's own prompt: a repeat of its prompt is drafted */
+    const int32_t rep[] = {7, 8, 9, 10, 11, 12, 7, 8, 9};
+    k3_spec_seq *r = NULL;
+    REQUIRE(k3_spec_seq_open(p, &r, K3_SPEC_SUFFIX, 0xC, rep, 9, &err) == K3_OK);
+    CHECK(k3_spec_seq_propose(p, r, rep, 9, 3, d, conf) == 3 && d[0] == 10 && d[1] == 11 && d[2] == 12);
+    k3_spec_seq_close(p, r, false);
+    CHECK(k3_proposer_bytes(p) > 0);
+    k3_proposer_close(p);
+    k3_spec_method m;
+    CHECK(k3_spec_method_parse("suffix", &m, &err) == K3_OK && m == K3_SPEC_SUFFIX);
+    CHECK(k3_spec_method_parse("eagle", &m, &err) == K3_ERR_ARG && strstr(err.msg, "eagle"));
+    c.method = K3_SPEC_DRAFT_MODEL;
+    CHECK(k3_proposer_open(&p, &c, 4, 1024, &err) == K3_ERR_ARG);
+    c.method = K3_SPEC_SUFFIX;
+    c.num_speculative_tokens = K3_SPEC_MAX_DRAFT + 1;
+    CHECK(k3_proposer_open(&p, &c, 4, 1024, &err) == K3_ERR_RANGE);
+}
+
+/* Pearson's chi-square of counts against probabilities p (n bins). */
+static double chi2(const int64_t *counts, const float *p, int n, int64_t total) {
+    double x = 0;
+    for (int i = 0; i < n; i++) {
+        const double e = p[i] * (double)total;
+        if (e > 0) x += ((double)counts[i] - e) * ((double)counts[i] - e) / e;
+        else if (counts[i]) return INFINITY;
+    }
+    return x;
+}
+
+/* The rule's output distribution is p whatever q: a draft drawn from q
+ * (and a point mass on one id), 400k trials each, chi-square against p
+ * under the 0.1% point of 6 degrees of freedom (one bin has p = 0). */
+K3_TEST(spec_rejection_rule_keeps_the_distribution) {
+    enum { V = 8, TRIALS = 400000 };
+    const float p[V] = {0.30f, 0.05f, 0.15f, 0.0f, 0.20f, 0.10f, 0.12f, 0.08f};
+    const float q[V] = {0.05f, 0.40f, 0.10f, 0.05f, 0.10f, 0.20f, 0.05f, 0.05f};
+    for (int kind = 0; kind < 3; kind++) {
+        int64_t counts[V] = {0};
+        int64_t acc = 0;
+        for (int t = 0; t < TRIALS; t++) {
+            int32_t d = 0;
+            float pm[V] = {0};
+            const float *qq = q;
+            if (kind == 0) { /* a draft drawn from q */
+                double u = unif();
+                while (d < V - 1 && (u -= q[d]) >= 0) d++;
+            } else { /* a point mass: the same draft always, even one p never picks */
+                d = kind == 1 ? 4 : 3;
+                pm[d] = 1;
+                qq = pm;
+            }
+            bool ok;
+            const int32_t y = k3_spec_reject_sample(p, qq, V, d, unif(), unif(), &ok);
+            REQUIRE(y >= 0 && y < V);
+            counts[y]++;
+            acc += ok;
+        }
+        /* a zero-probability bin gets nothing; 6 free bins then */
+        const double x = chi2(counts, p, V, TRIALS);
+        CHECKF(x < 22.46, "rule %d: chi-square %.2f over 6 degrees of freedom (0.1%% point 22.46)", kind, x);
+        if (kind == 1)
+            CHECKF(fabs((double)acc / TRIALS - p[4]) < 0.005, "point mass accepted %.4f", (double)acc / TRIALS);
+        if (kind == 2) CHECK(acc == 0);
+    }
+}
+
+K3_TEST(spec_cost_model_and_draft_length) {
+    k3_spec_policy p;
+    k3_spec_policy_init(&p, 0.1);
+    CHECK(fabs(k3_spec_policy_cost(&p, 5) - 1.4) < 1e-9); /* the prior alone */
+    k3_spec_policy_observe(&p, 1, 0.100);
+    k3_spec_policy_observe(&p, 5, 0.120);
+    CHECK(fabs(k3_spec_policy_cost(&p, 3) - 0.110) < 1e-9); /* between two seen */
+    CHECK(k3_spec_policy_cost(&p, 9) > 0.120);              /* past them */
+    /* cheap rows and a sure draft: all of it */
+    k3_spec_cand c[2] = {{4, {0.9f, 0.8f, 0.7f, 0.6f}}, {0, {0}}};
+    int32_t take[2];
+    CHECK(k3_spec_policy_choose(&p, 1, c, 1, take) == 4 && take[0] == 4);
+    /* rows at full cost (compute-bound): drafts that are not sure do not pay */
+    k3_spec_policy q;
+    k3_spec_policy_init(&q, 1.0);
+    for (int r = 1; r <= 64; r++) k3_spec_policy_observe(&q, r, 0.01 * r);
+    k3_spec_cand w[2] = {{4, {0.5f, 0.25f, 0.12f, 0.06f}}, {4, {0.5f, 0.25f, 0.12f, 0.06f}}};
+    CHECK(k3_spec_policy_choose(&q, 32, w, 2, take) == 0 && take[0] == 0 && take[1] == 0);
+    /* the calibration: a proposer that is always wrong loses its say, and gets it back after a rest */
+    k3_spec_calib cal;
+    k3_spec_calib_init(&cal);
+    const float conf[4] = {1, 1, 1, 1};
+    k3_spec_cand g;
+    k3_spec_calib_gains(&cal, conf, 4, &g);
+    CHECK(g.n == 4 && g.gain[0] == 1.0f);
+    for (int i = 0; i < 30; i++) k3_spec_calib_update(&cal, conf, 4, 0);
+    k3_spec_calib_gains(&cal, conf, 4, &g);
+    CHECKF(g.gain[0] < 0.1f, "gain %g after 30 rejections", g.gain[0]);
+    CHECK(k3_spec_policy_choose(&p, 1, &g, 1, take) == 0);
+    for (int i = 0; i < 60; i++) k3_spec_calib_update(&cal, conf, 0, 0);
+    k3_spec_calib_gains(&cal, conf, 4, &g);
+    CHECK(g.gain[0] > 0.5f);
+}
