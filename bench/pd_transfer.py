@@ -74,7 +74,7 @@ def hold(how):
         fcntl.flock(lock_fd, how)
 
 
-def state(what):
+def bw_state(what):
     bw = "(build/xcore not built)"
     xcore = os.path.join(os.path.dirname(a.k3) or ".", "xcore")
     if os.access(xcore, os.X_OK):
@@ -125,7 +125,7 @@ try:
     summary = []
     for n in lens:
         hold(fcntl.LOCK_EX)
-        state("exclusive")
+        bw_state("exclusive")
         res = {tr: [] for tr in trs}
         for r in range(a.runs):
             for tr in (trs if r % 2 == 0 else trs[::-1]):
@@ -151,7 +151,7 @@ try:
             line += " paired %s/%s transfer time %.2fx" % (trs[0], trs[1], statistics.median(
                 x[0] / y[0] for x, y in zip(res[trs[0]], res[trs[1]])))
         summary.append(line)
-        state("end")
+        bw_state("end")
         hold(fcntl.LOCK_SH)
     hold(fcntl.LOCK_UN)
     print("medians:")
