@@ -52,7 +52,7 @@ def check(name, fn):
         print("ok   hosts-pd: %s%s" % (name, (": " + r) if isinstance(r, str) else ""), flush=True)
     except Exception as e:  # noqa: BLE001 -- every failure is reported by name
         failed += 1
-        print("FAIL hosts-pd: %s: %s: %s" % (name, type(e).__name__, str(e)[:600]), flush=True)
+        print("FAIL hosts-pd: %s: %s: %s" % (name, type(e).__name__, str(e)[:3200]), flush=True)
 
 
 def addr(h):
@@ -467,7 +467,7 @@ def ucx_part(colo, ref):
         msg = ans.get("error", {}).get("message", "")
         for p in (dec, pre2):
             assert p.p.poll() is None, "host %d's instance died (%s): %s" % (
-                p.host, p.p.returncode, p.log.decode(errors="replace")[-600:])
+                p.host, p.p.returncode, p.log.decode(errors="replace")[-3000:])
         wait_for("decode back at baseline", at_baseline(dec, base_d))
         wait_for("prefill back at baseline", at_baseline(pre2, base_p2), 60)
         wait_for("served again", lambda: post(proxy2.url, body(8), timeout=30)[0] == 200 or "not yet", 30)

@@ -83,6 +83,7 @@ k3_status k3_ucx_worker_new(k3_ucx *parent, const char *name, k3_ucx **out, k3_e
     return NO_UCX(err);
 }
 void k3_ucx_close(k3_ucx *u) {}
+int k3_ucx_quiet(k3_ucx *u) { return 1; }
 const char *k3_ucx_tls(const k3_ucx *u) { return "none"; }
 unsigned k3_ucx_progress(k3_ucx *u) { return 0; }
 void k3_ucx_serve(k3_ucx *u, double seconds, const volatile bool *stop) {}
@@ -136,7 +137,8 @@ struct k3_ucx {
     ucp_worker_h w;
     char tls[128], name[64];
     bool peer_errors;
-    bool child; /* a k3_ucx_worker_new worker: the context is the parent's */
+    bool child;  /* a k3_ucx_worker_new worker: the context is the parent's */
+    void *flush; /* k3_ucx_quiet's flush in flight */
 };
 
 struct k3_ucx_mem {
@@ -255,6 +257,7 @@ k3_status k3_ucx_worker_new(k3_ucx *parent, const char *name, k3_ucx **out, k3_e
 
 void k3_ucx_close(k3_ucx *u) {
     if (!u) return;
+    if (u->flush) ucp_request_free(u->flush);
     ucp_worker_destroy(u->w);
     if (!u->child) ucp_cleanup(u->ctx);
     free(u);
@@ -263,6 +266,20 @@ void k3_ucx_close(k3_ucx *u) {
 const char *k3_ucx_tls(const k3_ucx *u) { return u->tls; }
 
 unsigned k3_ucx_progress(k3_ucx *u) { return ucp_worker_progress(u->w); }
+
+int k3_ucx_quiet(k3_ucx *u) {
+    if (!u->flush) {
+        const ucp_request_param_t p = {0};
+        void *r = ucp_worker_flush_nbx(u->w, &p);
+        if (r == NULL || UCS_PTR_IS_ERR(r)) return 1;
+        u->flush = r;
+    }
+    for (int i = 0; i < 64 && ucp_worker_progress(u->w); i++) {}
+    if (ucp_request_check_status(u->flush) == UCS_INPROGRESS) return 0;
+    ucp_request_free(u->flush);
+    u->flush = NULL;
+    return 1;
+}
 
 /* One idle round of a wait: yield for the first rounds, then sleep a little. */
 static void idle(long spins) {

@@ -79,6 +79,15 @@ k3_status k3_ucx_worker_new(k3_ucx *parent, const char *name, k3_ucx **out, k3_e
  * child's); endpoints, regions and registrations made from it must be freed
  * first. */
 void k3_ucx_close(k3_ucx *u);
+/* Whether everything the worker has outstanding toward any peer (its own
+ * operations and UCX's connection messages, such as the reply to a peer
+ * that connected) is done, without waiting: the first call posts a flush of
+ * the worker, every call progresses it. 1: done (with or without an error:
+ * k3_ucx_close is safe then), 0: not yet. UCX 1.13 aborts in
+ * ucp_worker_destroy on a connection reply still queued toward a peer whose
+ * link is down; a worker whose peer was lost waits for this before it is
+ * closed. */
+int k3_ucx_quiet(k3_ucx *u);
 /* The transports the context may use, as UCX names them (for messages). */
 const char *k3_ucx_tls(const k3_ucx *u);
 

@@ -104,6 +104,12 @@ struct k3_pd_ux {
     pthread_mutex_t mu;
     k3_ucx *idle[KEPT];
     int uses[KEPT], n_idle;
+    /* Workers of failed pulls over a network transport whose peer may be
+     * lost: closed once k3_ucx_quiet says nothing is queued toward it any
+     * more (UCX 1.13 aborts closing a worker with a connection reply queued
+     * toward a peer whose link is down), looked at on every pull. */
+    k3_ucx **parked;
+    int n_parked, cap_parked;
 };
 
 typedef struct worker {
@@ -111,8 +117,22 @@ typedef struct worker {
     int uses;
 } worker;
 
+/* The parked workers that are quiet now, closed (under mu). */
+static void parked_sweep(k3_pd_ux *ux) {
+    int k = 0;
+    for (int i = 0; i < ux->n_parked; i++)
+        if (k3_ucx_quiet(ux->parked[i])) k3_ucx_close(ux->parked[i]);
+        else ux->parked[k++] = ux->parked[i];
+    ux->n_parked = k;
+}
+
 static k3_status worker_take(k3_pd_ux *ux, const char *name, worker *out, k3_error *err) {
     *out = (worker){0};
+    if (!ux->local) {
+        pthread_mutex_lock(&ux->mu);
+        parked_sweep(ux);
+        pthread_mutex_unlock(&ux->mu);
+    }
     if (ux->local) {
         pthread_mutex_lock(&ux->mu);
         if (ux->n_idle > 0) {
@@ -126,9 +146,23 @@ static k3_status worker_take(k3_pd_ux *ux, const char *name, worker *out, k3_err
 }
 
 /* Back after a pull (every endpoint of it closed on this side). A failed
- * pull's worker is not kept. */
+ * pull's worker is not kept; over a network transport it is closed only
+ * when quiet (parked until then). */
 static void worker_give(k3_pd_ux *ux, worker *w, bool ok) {
     if (!w->w) return;
+    if (!ux->local && !ok && !k3_ucx_quiet(w->w)) {
+        pthread_mutex_lock(&ux->mu);
+        if (ux->n_parked == ux->cap_parked) {
+            const int nc = ux->cap_parked ? 2 * ux->cap_parked : 8;
+            k3_ucx **np = realloc(ux->parked, sizeof *np * (size_t)nc);
+            if (np) ux->parked = np, ux->cap_parked = nc;
+        }
+        /* out of memory for the list: left unclosed (closing it may abort) */
+        if (ux->n_parked < ux->cap_parked) ux->parked[ux->n_parked++] = w->w;
+        pthread_mutex_unlock(&ux->mu);
+        w->w = NULL;
+        return;
+    }
     if (ux->local && ok && ++w->uses < REUSES) {
         pthread_mutex_lock(&ux->mu);
         const bool kept = ux->n_idle < KEPT;
@@ -224,10 +258,15 @@ k3_status k3_pd_ux_open(k3_pd_ux **out, k3_engine *e, const char *tls, bool serv
 void k3_pd_ux_close(k3_pd_ux *ux) {
     if (!ux) return;
     for (int i = 0; i < ux->n_idle; i++) k3_ucx_close(ux->idle[i]);
+    /* a parked worker still not quiet is left to the process's end (closing
+     * it would abort), and so is the context it belongs to */
+    parked_sweep(ux);
+    const bool leave = ux->n_parked > 0;
+    free(ux->parked);
     pthread_mutex_destroy(&ux->mu);
     for (int i = 0; i < ux->n_arrs; i++) k3_ucx_mem_free(ux->arrs[i].m);
     free(ux->arrs);
-    k3_ucx_close(ux->u);
+    if (!leave) k3_ucx_close(ux->u);
     free(ux);
 }
 
