@@ -830,7 +830,9 @@ static void job_free(job *j) {
     free(j);
 }
 
-/* Runs j, records its completion; the job is freed. */
+/* Runs j and posts its completion; j stays the caller's, which frees it
+ * after clearing running[] under mu (a waiter or a cancel reads running[]
+ * under mu, so j must outlive its place there). */
 static void run_job(k3_kvs *s, job *j) {
     k3_kvs_done d = {.ticket = j->ticket, .op = j->op};
     const double t0 = k3_now();
@@ -854,7 +856,6 @@ static void run_job(k3_kvs *s, job *j) {
         if (!d.status && d.files) hist_add(&s->m.save_seconds, d.seconds);
     }
     pthread_mutex_unlock(&s->mm);
-    job_free(j);
     pthread_mutex_lock(&s->mu);
     if (s->n_done == s->cap_done) {
         const int32_t cap = s->cap_done ? 2 * s->cap_done : 64;
@@ -903,6 +904,7 @@ static void *worker(void *arg) {
         run_job(s, j);
         pthread_mutex_lock(&s->mu);
         s->running[t] = NULL;
+        job_free(j);
     }
     pthread_mutex_unlock(&s->mu);
     return NULL;
@@ -940,6 +942,7 @@ static void run_queued(k3_kvs *s) {
             pthread_mutex_lock(&s->mu);
             s->running[t] = NULL;
             pthread_mutex_unlock(&s->mu);
+            job_free(j);
         }
 }
 
