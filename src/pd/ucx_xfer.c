@@ -11,9 +11,11 @@
  * buffer of its own (captured at the prompt's end; the slot moves on), so it
  * is registered for the one pull that reads it.
  *
- * A pull. The prefill side makes a worker for the pull alone (so its
- * endpoints and listening sockets live as long as the pull), and sends, as
- * unit 0 on the stream under its MAC, the offer: the worker's address, the
+ * A pull. The prefill side takes a worker for the pull alone (over a
+ * network transport a new one, so its endpoints and listening sockets live
+ * as long as the pull; over shared memory a kept one, see struct k3_pd_ux),
+ * and sends, as unit 0 on the stream under its MAC, the offer: the worker's
+ * address, the
  * remote keys of the arrays and of the state, the hold's block table and
  * block size. Then, for each unit (one layer's rows for a run of positions,
  * or a piece of the state; the same units as the TCP stream's), a header
@@ -29,7 +31,8 @@
  * one get, from the prefill's slot to its own, straight into its blocks and
  * its state buffer (the request's pull pinned: k3_engine_pull_pin). When a
  * unit's gets are complete it checks the unit's MAC over the bytes where
- * they landed; only a pull whose every unit checked lands. Several ranks
+ * they landed (on a checker thread, in order, while the next units' gets
+ * move); only a pull whose every unit checked lands. Several ranks
  * (DCP, EP) keep a decode instance's cache, so there a unit lands in a
  * buffer and goes through k3_engine_pull_write (the executor's mirror). It
  * answers END (or ERROR) as its message 1, then closes its endpoint: the
