@@ -10,7 +10,7 @@
 #        PML unshaped)
 #   pd   the prefill -> decode transfer of 1k, 8k and 32k tokens of bench/bench-dsa across hosts
 #        against the link's rate, and a decode stream's inter-token latency while the largest
-#        lands (bench/hosts_pd.py; today's TCP transport)
+#        lands (bench/hosts_pd.py), over the TCP stream and over UCX (UCX's tcp transport), alternated
 # Each timed step holds the CPU lock exclusively by itself (LOCK, default /tmp/k3-cpu.lock; LOCK=
 # for none) and prints the load and the memory bandwidth state (build/xcore) it met; preparation
 # (a 32k prefill) holds it shared.
@@ -18,7 +18,7 @@
 #   SHAPES='none;10gbit 1ms;1gbit 5ms'  the link shapes;  MB=268435456  ucx bytes
 #   MODEL=bench/bench-dsa  CTX=4096  (mpi)
 #   PD_TOKENS=1024,8192,32768  PD_RUNS=3  PD_QUANT=w8a8+w4a8 (the weights; the cache moved is C8 either way)
-#   PD_THREADS=1  (pd)
+#   PD_THREADS=1  PD_TRANSPORTS=tcp,ucx  (pd)
 K3=${1:-build/k3}
 PART=${2:-ucx}
 BUILD=$(dirname "$K3")
@@ -127,7 +127,7 @@ EOF
 pd)
     on 1 python3 bench/hosts_pd.py "$K3" "$HOSTS_PREFIX" "$HOSTS_NET" --model "${MODEL:-bench/bench-dsa}" \
         --tokens "${PD_TOKENS:-1024,8192,32768}" --runs "${PD_RUNS:-3}" --kv-cache c8 --quant "${PD_QUANT:-w8a8+w4a8}" \
-        --threads "${PD_THREADS:-1}" --itl --shapes "$SHAPES" \
+        --threads "${PD_THREADS:-1}" --itl --shapes "$SHAPES" --transports "${PD_TRANSPORTS:-tcp,ucx}" \
         ${LOCK:+--lock "$LOCK"} 9>&-
     ;;
 *)

@@ -9,11 +9,14 @@ requests and prints the transfer's bytes, seconds and GB/s from the answers' kv_
 and lands the largest prompt's transfer in the middle of it: the inter-token latency of that stream
 before and while the transfer lands (p50, p99, max). With --lock, the prefills hold that lock shared
 and each shape's measurements exclusively, with the load and the memory bandwidth state (build/xcore)
-printed at the start and the end of each hold.
+printed at the start and the end of each hold. --transports tcp,ucx: one decode instance on host 3 and
+one proxy per transport (the prefill instance runs --kv-transport ucx over UCX's tcp transport, which
+serves the stream too); each request's rounds alternate the transports' order, every transfer checked to
+have gone by its transport, the medians and the paired ratio of the transfer times printed.
 
 Usage (inside host 1): python3 bench/hosts_pd.py K3 PREFIX NET --model DIR --tokens 1024,8192,32768
                        [--shapes 'none;10gbit 1ms;1gbit 5ms'] [--runs 3] [--kv-cache c8] [--itl]
-                       [--quant MODE] [--threads N] [--lock /tmp/k3-cpu.lock]
+                       [--quant MODE] [--threads N] [--lock /tmp/k3-cpu.lock] [--transports tcp,ucx]
 """
 import argparse
 import fcntl
@@ -41,6 +44,7 @@ ap.add_argument("--itl", action="store_true")
 ap.add_argument("--lock", default="")
 ap.add_argument("--quant", default="none")
 ap.add_argument("--threads", type=int, default=1)
+ap.add_argument("--transports", default="tcp")
 a = ap.parse_args()
 BUILD = os.path.dirname(a.k3) or "."
 lock_fd = os.open(a.lock, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666) if a.lock else None
@@ -115,13 +119,18 @@ try:
     common = ["serve", "-m", a.model, "--port", "0", "--threads", str(a.threads), "--mmap", "--kv-cache", a.kv_cache,
               "--quant", a.quant, "--served-model-name", "m", "--max-model-len", str(longest + 4096),
               "--cache-tokens", str(2 * longest + 8192), "--max-num-seqs", "4", "--max-num-batched-tokens", "2048"]
+    trs = a.transports.split(",")
+    ux = ["--kv-transport", "ucx", "--kv-ucx-tls", "tcp"]
     hold(fcntl.LOCK_SH)
     pre = start(2, common + ["--host", addr(2), "--role", "prefill", "--kv-transfer-host", addr(2),
-                             "--kv-transfer-port", "0", "--kv-transfer-timeout", "600"])
-    dec = start(3, common + ["--host", addr(3), "--role", "decode", "--no-prefix-cache",
-                             "--kv-transfer-timeout", "600"])
-    px = start(1, ["serve", "--role", "proxy", "--host", addr(1), "--port", "0", "--prefill", pre, "--decode", dec,
-                   "--timeout", "3600"])
+                             "--kv-transfer-port", "0", "--kv-transfer-timeout", "600"] + (ux if "ucx" in trs else []))
+    pxs = {}
+    for tr in trs:
+        dec = start(3, common + ["--host", addr(3), "--role", "decode", "--no-prefix-cache",
+                                 "--kv-transfer-timeout", "600"] + (ux if tr == "ucx" else []))
+        pxs[tr] = start(1, ["serve", "--role", "proxy", "--host", addr(1), "--port", "0", "--prefill", pre,
+                            "--decode", dec, "--timeout", "3600"])
+    px = pxs[trs[0]]
     prompts = {n: [(i * 7919 + 11 + n) % 30000 + 100 for i in range(n)] for n in lens}
     for n in lens:
         t0 = time.time()
@@ -130,8 +139,8 @@ try:
     hold(fcntl.LOCK_UN)
     print("model %s, cache %s, quant %s, %d thread(s) an instance; prefill on host 2, decode on host 3; medians of %d"
           % (a.model, a.kv_cache, a.quant, a.threads, a.runs), flush=True)
-    head = "%-12s %7s %12s %9s %8s %8s %12s %s" % ("link", "tokens", "bytes", "s", "GB/s", "Gb/s", "of the link",
-                                                   "the link's rate alone")
+    head = "%-12s %-4s %7s %12s %9s %8s %8s %12s %9s %s" % (
+        "link", "via", "tokens", "bytes", "s", "GB/s", "Gb/s", "of the link", "TTFT s", "the link's rate alone")
     for spec in a.shapes.split(";"):
         shape(spec)
         rate = None if spec == "none" else float(spec.split()[0][:-4]) * (1 if spec.split()[0].endswith("gbit") else 1e-3)
@@ -139,16 +148,26 @@ try:
         state("exclusive")
         print(head, flush=True)
         for n in lens:
-            got = []
-            for _ in range(a.runs):
-                t = post(px, {"model": "m", "prompt": prompts[n], "max_tokens": 1, "temperature": 0})["kv_transfer"]
-                got.append(t)
-            sec = statistics.median(x["seconds"] for x in got)
-            b = got[0]["bytes"]
-            g = b / sec / 1e9
-            print("%-12s %7d %12d %9.3f %8.3f %8.2f %12s %s" % (
-                spec, n, b, sec, g, g * 8, "%.0f%%" % (100 * g * 8 / rate) if rate else "-",
-                "%.3f s" % (b * 8 / (rate * 1e9)) if rate else "-"), flush=True)
+            got = {tr: [] for tr in trs}
+            for r in range(a.runs):
+                for tr in (trs if r % 2 == 0 else trs[::-1]):
+                    t0 = time.time()
+                    t = post(pxs[tr], {"model": "m", "prompt": prompts[n], "max_tokens": 1,
+                                       "temperature": 0})["kv_transfer"]
+                    assert t["transport"] == tr, "asked %s, moved by %s" % (tr, t["transport"])
+                    got[tr].append(dict(t, ttft=time.time() - t0))
+            for tr in trs:
+                sec = statistics.median(x["seconds"] for x in got[tr])
+                b = got[tr][0]["bytes"]
+                g = b / sec / 1e9
+                print("%-12s %-4s %7d %12d %9.3f %8.3f %8.2f %12s %9.3f %s" % (
+                    spec, tr, n, b, sec, g, g * 8, "%.0f%%" % (100 * g * 8 / rate) if rate else "-",
+                    statistics.median(x["ttft"] for x in got[tr]),
+                    "%.3f s" % (b * 8 / (rate * 1e9)) if rate else "-"), flush=True)
+            if len(trs) == 2:
+                print("%-12s paired %s/%s transfer time at %d tokens: %.2fx" % (
+                    spec, trs[0], trs[1], n, statistics.median(
+                        x["seconds"] / y["seconds"] for x, y in zip(got[trs[0]], got[trs[1]]))), flush=True)
         if a.itl:
             # a long stream on the decode instance, and the longest prompt's transfer landing mid-way
             times = []

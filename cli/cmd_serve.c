@@ -125,7 +125,13 @@ static int usage_serve(FILE *f) {
             "                               without the proxy's credential (vLLM's proxies)\n"
             "  --kv-hold-timeout S          a kept prompt nobody pulled is freed after S seconds (default 120)\n"
             "  --kv-transfer-timeout S      a transfer silent this long fails (default 30)\n"
-            "  --kv-fault SPEC              tests only: flip:U | stall:U:MS (see docs/pd.md)\n"
+            "  --kv-transport tcp|ucx       how the rows move (default tcp): ucx gets them one-sided from where\n"
+            "                               they lie into the decode instance's blocks (libucx; the stream\n"
+            "                               where either side lacks it); --kv-ucx-tls LIST: UCX's transports\n"
+            "                               (default UCX_TLS, else sm,self: one host; across hosts rc or dc\n"
+            "                               on an RDMA NIC, or tcp: see docs/pd.md on what tcp exposes)\n"
+            "  --kv-fault SPEC              tests only: flip:U | stall:U:MS | offer:forge |\n"
+            "                               offer:replay (see docs/pd.md)\n"
             "speculative decoding (a request may ask for its own with \"speculative_config\": {\"method\",\n"
             "\"num_speculative_tokens\"}):\n" K3_CLI_SPEC_HELP,
             K3_DEFAULT_QUANT, K3_DEFAULT_KV);
@@ -185,6 +191,7 @@ int k3_cmd_serve(int argc, char **argv) {
     bool keep_mapped = false, no_prefix = false, kv_metrics = false, metrics_key = false, no_ui = false;
     float kv_sample = 0.01f;
     const char *role = NULL, *kv_adv = NULL, *kv_fault = NULL, *kv_secret_file = NULL, *peers = NULL, *kv_host = NULL;
+    const char *kv_transport = NULL, *ucx_tls = NULL;
     long kv_port = 0;
     float kv_hold_timeout = 0, kv_timeout = 0;
     for (int i = 1; i + 1 < argc; i++)
@@ -233,6 +240,8 @@ int k3_cmd_serve(int argc, char **argv) {
         else if (ARG("--prefill-peers")) peers = argv[++i];
         else if (ARG("--kv-transfer-advertise")) kv_adv = argv[++i];
         else if (ARG("--kv-fault")) kv_fault = argv[++i];
+        else if (ARG("--kv-transport")) kv_transport = argv[++i];
+        else if (ARG("--kv-ucx-tls")) ucx_tls = argv[++i];
         else if (ARG("--kv-hold-timeout")) {
             if (k3_cli_float("serve", "--kv-hold-timeout", argv[++i], 0.001, 86400.0, &kv_hold_timeout)) return 2;
         } else if (ARG("--kv-transfer-timeout")) {
@@ -378,7 +387,13 @@ int k3_cmd_serve(int argc, char **argv) {
                             .fault = kv_fault,
                             .secret = secret,
                             .secret_len = secret_len,
-                            .prefill_peers = peers};
+                            .prefill_peers = peers,
+                            .kv_transport = kv_transport,
+                            /* UCX's own default opens every transport, tcp too (a
+                             * worker any host may reach): one host's unless told */
+                            .ucx_tls = ucx_tls      ? ucx_tls
+                                : getenv("UCX_TLS") ? getenv("UCX_TLS")
+                                                    : "sm,self"};
         const k3_status ps = k3_pd_start(&pd, &po, &err);
         memset(secret, 0, secret_len);
         if (ps) goto fail;
@@ -451,6 +466,15 @@ int k3_cmd_serve(int argc, char **argv) {
                 "k3 serve: role %s: prompts' caches are pulled from prefill instances named by the proxy (its "
                 "credential)%s%s\n",
                 role, peers ? " or by --prefill-peers " : "", peers ? peers : "");
+    if (pd) {
+        const char *tr = k3_pd_transport(pd);
+        fprintf(stderr, "k3 serve: kv transport %s\n", tr);
+        if (!strncmp(tr, "ucx", 3) && (strstr(tr, "tcp") || strstr(tr, "ud") || strstr(tr, "all")))
+            fprintf(stderr,
+                    "k3 serve: warning: UCX over tcp (or ud) emulates one-sided gets with messages its worker answers "
+                    "for any peer that reaches it, at any address of this process: keep the transfer network closed "
+                    "to all but the deployment (docs/pd.md)\n");
+    }
     if (eo.speculative != K3_SPEC_OFF && eo.speculative != K3_SPEC_DEFAULT)
         fprintf(stderr, "k3 serve: speculative decoding: %s, up to %d draft tokens a step%s\n",
                 eo.speculative == K3_SPEC_SUFFIX      ? "suffix"

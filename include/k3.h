@@ -923,6 +923,43 @@ k3_status k3_engine_hold_read_state(k3_engine *e, uint64_t id, int64_t offset, v
  * are ignored. */
 void k3_engine_hold_release(k3_engine *e, uint64_t id);
 
+/* In place, for a one-sided transport (src/pd over UCX): the cache arrays,
+ * and a hold or a pull pinned so that its blocks and KDA state may be read or
+ * written where they lie, with no copy. */
+typedef struct k3_kv_array {
+    void *base;    /* slot 0 */
+    int64_t bytes; /* every block's slots */
+    int64_t row;   /* bytes per slot */
+} k3_kv_array;
+/* The arrays of layer `layer`'s cache on this rank in the transfer layout's
+ * order (k3_engine_kv_bytes(layer, n) = n x their rows summed; 0 for a KDA
+ * layer). Position p of a block table t lies in slot t[p / block_size] x
+ * block_size + p mod block_size of each, in one process (see direct). */
+int k3_engine_kv_arrays(const k3_engine *e, int32_t layer, k3_kv_array out[5]);
+/* Whether this rank's arrays hold every position (no DCP: a hold may be read
+ * in place) and, with write, whether nothing else must see a write (one
+ * process: a pull may be written in place, no rank to mirror it to). */
+bool k3_engine_kv_direct(const k3_engine *e, bool write);
+typedef struct k3_kv_pin {
+    const int32_t *blocks; /* the block table: position p in blocks[p / block_size] */
+    int32_t n_blocks, block_size;
+    int64_t from, to;    /* the positions: a hold's [0, n_tokens), a pull's [n_local, n_tokens) */
+    void *state;         /* the KDA state at the prompt's end (state_bytes; NULL when 0) */
+    int64_t state_bytes; /* k3_engine_state_bytes */
+    void *ref;           /* the engine's, for the unpin */
+} k3_kv_pin;
+/* A hold pinned: its blocks and state stay (released or timed out, they are
+ * freed at the unpin), so they may be read in place. K3_ERR_ARG when there is
+ * no such hold. */
+k3_status k3_engine_hold_pin(k3_engine *e, uint64_t id, k3_kv_pin *out, k3_error *err);
+void k3_engine_hold_unpin(k3_engine *e, k3_kv_pin *pin);
+/* A pull pinned as k3_engine_pull_write pins it: positions [from, to) of its
+ * blocks and its state may be written in place until the unpin, which counts
+ * state_landed bytes of the state as written. K3_ERR_ARG when the request is
+ * not pulling or was cancelled; only where k3_engine_kv_direct(e, true). */
+k3_status k3_engine_pull_pin(k3_engine *e, uint64_t id, k3_kv_pin *out, k3_error *err);
+void k3_engine_pull_unpin(k3_engine *e, k3_kv_pin *pin, int64_t state_landed);
+
 /* Notes on the engine (implementation: src/engine, src/sched, src/kv,
  * src/spec). logprobs and prompt_logprobs take at most 20 alternatives, and
  * when both are asked for they must ask for the same number (n_top is one
@@ -1376,6 +1413,11 @@ typedef struct k3_pd_options {
     size_t secret_len;
     const char *prefill_peers; /* decode side: HOST:PORT[,...] whose kv_transfer_params are taken
                                   without the proxy's credential (NULL: none) */
+    const char *kv_transport;  /* "tcp" (NULL: the default) or "ucx": the rows by one-sided UCX gets
+                                  from where they lie into the decode instance's blocks, where both
+                                  sides have UCX (else, and where the prefill side cannot offer its
+                                  holds in place, the stream) */
+    const char *ucx_tls;       /* the UCX transports (UCX_TLS's syntax; NULL: UCX's own choice) */
 } k3_pd_options;
 
 k3_status k3_pd_start(k3_pd **out, const k3_pd_options *opt, k3_error *err);
@@ -1384,6 +1426,10 @@ k3_status k3_pd_start(k3_pd **out, const k3_pd_options *opt, k3_error *err);
 void k3_pd_stop(k3_pd *pd);
 /* The transfer port (-1 without a listener). */
 int k3_pd_port(const k3_pd *pd);
+/* How transfers move, for the start log: "tcp", "ucx (transports ...)", or
+ * "tcp (--kv-transport ucx: why not)" when UCX was asked for and could not
+ * be had. */
+const char *k3_pd_transport(const k3_pd *pd);
 
 /* The proxy: one OpenAI endpoint in front of prefill and decode instances
  * (k3 serve --role proxy). A generation request goes to the least loaded

@@ -102,9 +102,10 @@ else skipped "UCX across hosts: $BUILD/ucxbench not built"; fi
 
 # prefill / decode / proxy on different hosts
 on 1 python3 tests/hosts_pd.py "$K3" "$HOSTS_PREFIX" "$HOSTS_NET" >"$TMP/pd" 2>&1
-sed -n 's/^ok   hosts-pd: /ok   hosts: pd: /p; s/^FAIL hosts-pd: /FAIL hosts: pd: /p' "$TMP/pd"
+sed -n 's/^ok   hosts-pd: /ok   hosts: pd: /p; s/^FAIL hosts-pd: /FAIL hosts: pd: /p; s/^skip hosts-pd: /skip hosts: pd: /p' "$TMP/pd"
 pass=$((pass + $(grep -c '^ok   hosts-pd' "$TMP/pd")))
 fail=$((fail + $(grep -c '^FAIL hosts-pd' "$TMP/pd")))
+skip=$((skip + $(grep -c '^skip hosts-pd' "$TMP/pd")))
 grep -q "^hosts-pd: [0-9]* passed" "$TMP/pd" || bad "hosts_pd.py ended without its summary" "$TMP/pd"
 for h in 1 2 3 4; do hosts_kill $h; done
 

@@ -13,7 +13,12 @@ to its own host's address (ip netns exec; stdlib only). Checks, through the prox
     host serves again without a restart;
   - the prefill host's link cut during the transfer: the decode side's pull times out, the client
     gets an error, the decode side frees; with the link back the same instances serve again;
-  - a decode host whose link is down before the request: the proxy fails over to the other.
+  - a decode host whose link is down before the request: the proxy fails over to the other;
+  - over UCX (--kv-transport ucx, UCX's tcp transport across the hosts: the decode host gets the
+    rows one-sided from the prefill host's registered cache): the greedy text equals colocated, the
+    transfer went by UCX (the answer and /metrics of both sides say so) and crossed the network, and
+    the prefill host's link cut mid-transfer gives the client an error and both sides free everything;
+    the link back, the same instances serve again (skipped where the build has no UCX).
 Prints `ok ...` / `FAIL ...` / `skip ...` lines and `hosts-pd: N passed, N failed`.
 
 Usage (inside host 1): python3 tests/hosts_pd.py K3 PREFIX NET [--quick]
@@ -47,7 +52,7 @@ def check(name, fn):
         print("ok   hosts-pd: %s%s" % (name, (": " + r) if isinstance(r, str) else ""), flush=True)
     except Exception as e:  # noqa: BLE001 -- every failure is reported by name
         failed += 1
-        print("FAIL hosts-pd: %s: %s: %s" % (name, type(e).__name__, str(e)[:600]), flush=True)
+        print("FAIL hosts-pd: %s: %s: %s" % (name, type(e).__name__, str(e)[:3200]), flush=True)
 
 
 def addr(h):
@@ -60,9 +65,11 @@ def ns(h):
 
 # ---- the one place that knows the PD roles' flags ------------------------------------------------
 # (a transport that needs more flags -- a key, a transport name -- changes them here only)
-def role_args(role, host, extra=()):
+def role_args(role, host, extra=(), transport="tcp"):
     common = ["serve", "-m", MODEL, "--host", addr(host), "--port", "0", "--threads", "1",
               "--served-model-name", NAME, "--max-num-seqs", "4", "--cache-tokens", "8192"]
+    if transport == "ucx" and role != "colocated":  # across hosts: UCX's tcp transport (no RDMA NIC here)
+        common += ["--kv-transport", "ucx", "--kv-ucx-tls", "tcp"]
     if role == "prefill":
         return common + ["--role", "prefill", "--kv-transfer-host", addr(host), "--kv-transfer-port", "0",
                          "--kv-hold-timeout", "60", "--kv-transfer-timeout", "5"] + list(extra)
@@ -247,6 +254,9 @@ def body(n=8, prompt=None):
 
 
 def main():
+    if "--ucx-only" in sys.argv:
+        colo = Proc(2, role_args("colocated", 2))
+        return ucx_part(colo, post(colo.url, body(16))[1]["choices"][0]["text"])
     pre = Proc(2, role_args("prefill", 2))
     colo = Proc(2, role_args("colocated", 2))
     dec = [Proc(3, role_args("decode", 3)), Proc(4, role_args("decode", 4))]
@@ -398,6 +408,74 @@ def main():
         proxy4.stop()
         return end[:160]
     check("decode host killed mid-stream: the client's stream ends with an error event and [DONE]", decode_killed)
+    ucx_part(colo, ref)
+
+
+UCX_RECV, UCX_SENT = 'k3:kv_transfers_ucx_total{dir="received"}', 'k3:kv_transfers_ucx_total{dir="sent"}'
+
+
+def ucx_part(colo, ref):
+    """The transfer over UCX across hosts: prefill on host 2, decode on host 3 (its unit 1 stalled by
+    --kv-fault stall:1:3000 only on the second prefill instance, for the cut)."""
+    pre = Proc(2, role_args("prefill", 2, transport="ucx"))
+    if "kv transport ucx" not in pre.log.decode(errors="replace"):
+        why = re.search(r"kv transport ([^\n]*)", pre.log.decode(errors="replace"))
+        for name in ("over UCX across hosts: text = colocated", "over UCX: prefill host's link cut mid-transfer"):
+            print("skip hosts-pd: %s: %s" % (name, why.group(1) if why else "no UCX in this build"), flush=True)
+        pre.stop()
+        return
+    dec = Proc(3, role_args("decode", 3, transport="ucx"))
+    proxy = Proc(1, proxy_args(1, [pre.url], [dec.url]))
+    base_p, base_d = baseline(pre), baseline(dec)
+
+    def same_text():
+        tx0, m0, n0 = eth0_tx(2), dec.metrics(), pre.metrics()
+        st, ans = post(proxy.url, body(16))
+        assert st == 200, (st, ans)
+        assert ans["choices"][0]["text"] == ref, (ans["choices"][0]["text"], ref)
+        kt = ans["kv_transfer"]
+        assert kt["transport"] == "ucx", kt
+        sent = eth0_tx(2) - tx0
+        assert kt["bytes"] > 0 and sent >= kt["bytes"], (kt, sent)
+        wait_for("prefill back at baseline", at_baseline(pre, base_p))
+        wait_for("decode back at baseline", at_baseline(dec, base_d))
+        m1, n1 = dec.metrics(), pre.metrics()
+        assert m1[UCX_RECV] - m0[UCX_RECV] == 1 and n1[UCX_SENT] - n0[UCX_SENT] == 1, (m1[UCX_RECV], n1[UCX_SENT])
+        return "%d B by UCX gets from host 2 (its eth0 sent %d B) in %.3f s, text = colocated" % (
+            kt["bytes"], sent, kt["seconds"])
+    check("over UCX across hosts (UCX_TLS tcp): text = colocated, /metrics of both sides count it", same_text)
+    proxy.stop()
+    pre.stop()
+
+    pre2 = Proc(2, role_args("prefill", 2, ["--kv-fault", "stall:1:3000"], transport="ucx"))
+    proxy2 = Proc(1, proxy_args(1, [pre2.url], [dec.url]))
+    base_p2 = baseline(pre2)
+
+    def prefill_cut():
+        res = {}
+        t = threading.Thread(target=lambda: res.update(r=post(proxy2.url, body(8, PROMPT[::-1]), timeout=60)))
+        t.start()
+        wait_for("the pull under way", lambda: dec.metrics().get("k3:kv_pulls+", 0) >= 1 or "no pull", 30)
+        link(2, "down")
+        t0 = time.time()
+        t.join(60)
+        dt = time.time() - t0
+        link(2, "up")
+        assert not t.is_alive(), "no answer within 60 s"
+        st, ans = res["r"]
+        assert st >= 500, (st, ans)
+        msg = ans.get("error", {}).get("message", "")
+        for p in (dec, pre2):
+            assert p.p.poll() is None, "host %d's instance died (%s): %s" % (
+                p.host, p.p.returncode, p.log.decode(errors="replace")[-3000:])
+        wait_for("decode back at baseline", at_baseline(dec, base_d))
+        wait_for("prefill back at baseline", at_baseline(pre2, base_p2), 60)
+        wait_for("served again", lambda: post(proxy2.url, body(8), timeout=30)[0] == 200 or "not yet", 30)
+        return "client got %d after %.1f s: %s; served again once the link was back" % (st, dt, msg[:160])
+    check("over UCX: prefill host's link cut mid-transfer: the client gets an error, both sides free", prefill_cut)
+    proxy2.stop()
+    pre2.stop()
+    dec.stop()
 
 
 try:

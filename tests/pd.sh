@@ -5,7 +5,8 @@
 # prefill) instance under --dcp 2); tests/secure.py (the transfer port, kv_transfer_params, the
 # proxy's hardening, ids, image budgets); and the server's robustness suite (tests/serve_robust.py)
 # run unchanged against the proxy (tests/pd_as_serve.py: a prefill, a decode instance and the proxy
-# as one k3 serve). Ends with `pd: N passed, N failed, N skipped`. Usage: sh tests/pd.sh build/k3
+# as one k3 serve); tests/pd_serve.py again with --kv-transport ucx (the rows by one-sided UCX gets;
+# skipped without UCX). Ends with `pd: N passed, N failed, N skipped`. Usage: sh tests/pd.sh build/k3
 K3=${1:-build/k3}
 err=$(mktemp)
 out=$(mktemp)
@@ -42,6 +43,7 @@ if PY=$(sh scripts/venv.sh openai 2>"$err"); then
     mpi=
     command -v mpirun >/dev/null 2>&1 && mpi=--mpi
     suite pd pd timeout 600 "$PY" tests/pd_serve.py "$K3" $mpi
+    suite pd "pd (ucx)" timeout 600 "$PY" tests/pd_serve.py "$K3" $mpi --kv-transport ucx
     suite secure secure timeout 600 "$PY" tests/secure.py "$K3"
     # the proxy under the server's robustness suite, unchanged
     K3_BIN=$K3

@@ -1,6 +1,6 @@
 """pd_serve.py -- prefill and decode apart, end to end with the official `openai` client.
 
-Usage: python tests/pd_serve.py K3_BINARY [--mpi]
+Usage: python tests/pd_serve.py K3_BINARY [--mpi] [--kv-transport tcp|ucx]
 Starts colocated `k3 serve` instances and prefill (--role prefill) / decode (--role decode)
 instances behind `k3 serve --role proxy`, on tests/models/tiny, tiny-dsa and vision-tiny, and
 checks that the proxy's greedy answers equal the colocated server's token for token (1P1D and
@@ -12,7 +12,9 @@ prefill instance dying mid-transfer, the decode instance dying while pulling, a 
 proxy cannot reach, a client that leaves during the transfer. With --mpi also a decode
 instance under `mpirun -np 2 ... --dcp 2` (and a prefill instance so) behind the proxy.
 Prints `ok   pd: NAME` / `FAIL pd: NAME` per check and ends with `pd: N passed, N failed, N skipped`;
-stops every process it started (each also dies with this process).
+stops every process it started (each also dies with this process). With --kv-transport ucx every
+prefill and decode instance runs it (the rows by one-sided UCX gets) and every transfer is checked to
+have gone that way; skipped where the build has no UCX.
 """
 import json
 import os
@@ -31,6 +33,7 @@ import openai  # noqa: E402
 
 K3 = h.K3
 MPI = "--mpi" in sys.argv
+TRANSPORT = sys.argv[sys.argv.index("--kv-transport") + 1] if "--kv-transport" in sys.argv else "tcp"
 TINY, DSA, VISION = "tests/models/tiny", "tests/models/tiny-dsa", "tests/models/vision-tiny"
 IMAGE = "tests/golden/vision/images/rgb_200x130.png"
 NAME = "m"  # the served model name on every instance (the proxy passes the client's on)
@@ -62,11 +65,11 @@ def serve(model, *extra):
 
 
 def prefill(model, *extra):
-    return serve(model, "--role", "prefill", "--kv-transfer-port", "0", *extra)
+    return serve(model, "--role", "prefill", "--kv-transfer-port", "0", "--kv-transport", TRANSPORT, *extra)
 
 
 def decode(model, *extra):
-    return serve(model, "--role", "decode", *extra)
+    return serve(model, "--role", "decode", "--kv-transport", TRANSPORT, *extra)
 
 
 def proxy(pre, dec):
@@ -110,9 +113,11 @@ def chat_stream(srv, messages, n=16, **kw):
     return text, reasoning, calls
 
 
-def same_comp(a, b, what):
-    """a through the proxy (it was pulled: its kv_transfer figures), b colocated."""
-    assert (a.model_extra or {}).get("kv_transfer"), "%s: no kv_transfer in the answer: not disaggregated" % what
+def same_comp(a, b, what, transport=None):
+    """a through the proxy (it was pulled, by the transport asked for: its kv_transfer figures), b colocated."""
+    kt = (a.model_extra or {}).get("kv_transfer")
+    assert kt, "%s: no kv_transfer in the answer: not disaggregated" % what
+    assert kt["transport"] == (transport or TRANSPORT), "%s: moved by %s" % (what, kt["transport"])
     ta, tb = a.choices[0].text, b.choices[0].text
     assert ta == tb, "%s: %r != %r" % (what, ta, tb)
     assert a.choices[0].finish_reason == b.choices[0].finish_reason, what
@@ -157,6 +162,9 @@ def main():
     # ---- tiny: 1P1D and 2P1D against colocated ----
     c = serve(TINY)
     p1, p2, d = prefill(TINY), prefill(TINY), decode(TINY)
+    if TRANSPORT == "ucx" and "kv transport ucx" not in p1.text():
+        suite.skip("every check over UCX", re.search(r"kv transport ([^\n]*)", p1.text()).group(1))
+        return
     x1, x2 = proxy([p1], [d]), proxy([p1, p2], [d])
 
     def short_and_long(x):
@@ -260,6 +268,9 @@ def main():
                   "k3:pd_first_decode_step_seconds_count"):
             assert m1[k] - m0.get(k, 0) == 2, (k, m0.get(k), m1.get(k))
         assert m1["k3:kv_transfer_blocks_total"] - m0["k3:kv_transfer_blocks_total"] == 1 + 5, (m0, m1)
+        # the transport the rows took, as /metrics counts it
+        ux = 'k3:kv_transfers_ucx_total{model_name="m",dir="received"}'
+        assert m1.get(ux, 0) - m0.get(ux, 0) == (2 if TRANSPORT == "ucx" else 0), (TRANSPORT, m0.get(ux), m1.get(ux))
     check("transfer bytes = prompt tokens x cache bytes per token + one KDA state (k3 info); "
           "the TTFT split and /metrics agree", bytes_exact)
     check("tiny: every hold and pull gone, no block used", lambda: blocks_back(p1, p2, d))
@@ -318,6 +329,28 @@ def main():
         blocks_back(pf, d)
         same_comp(comp(x1, ids(100, 9), 4), comp(c, ids(100, 9), 4), "after")  # the next request is fine
     check("a flipped byte: the request fails (its MAC), nothing held", flipped)
+
+    def offer_fault(kind, words):
+        po = prefill(TINY, "--kv-fault", "offer:" + kind)
+        xo = proxy([po], [d])
+        ux = 'k3:kv_transfers_ucx_total{model_name="m",dir="%s"}'
+        if kind == "replay":  # the first pull's offer is good: it is sent again for the next
+            same_comp(comp(xo, ids(90, 14), 4), comp(c, ids(90, 14), 4), "the first offer")
+        m0, n0 = d.metrics(), po.metrics()
+        expect_error(lambda: comp(xo, ids(120, 15 if kind == "replay" else 16), 4), *words)
+        blocks_back(po, d)
+        m1, n1 = d.metrics(), po.metrics()
+        assert m1[ux % "received"] == m0[ux % "received"] and n1[ux % "sent"] == n0[ux % "sent"], (m1, n1)
+        same_comp(comp(x1, ids(120, 17), 4), comp(c, ids(120, 17), 4), "after")  # the next request is fine
+        xo.stop()
+        po.stop()
+    for kind, words, what in (("forge", ("damaged", "MAC"), "a byte of its remote keys flipped after its MAC"),
+                              ("replay", ("forged",), "the previous pull's offer sent again, as it went")):
+        name = "a forged UCX offer (%s) is refused: the request fails, no get, nothing held" % what
+        if TRANSPORT == "ucx":
+            check(name, lambda kind=kind, words=words: offer_fault(kind, words))
+        else:
+            suite.skip(name, "the stream makes no offer (--kv-transport ucx)")
 
     xm = proxy([pd_], [d])  # tiny-dsa's prefill in front of tiny's decode
 
@@ -414,7 +447,7 @@ def main():
                                "--cache-tokens", "8192", "--max-num-seqs", "8", "--dcp", "2", *role_args])
 
         def dcp_decode():
-            dm = under_mpi(["--role", "decode"])
+            dm = under_mpi(["--role", "decode", "--kv-transport", TRANSPORT])
             xm2 = proxy([pd_], [dm])
             for prompt in [ids(5, 21), ids(150, 22), ids(330, 23)]:
                 same_comp(comp(xm2, prompt, 16), comp(serve_once(), prompt, 16), "dcp decode")
@@ -423,10 +456,11 @@ def main():
             xm2.stop()
 
         def dcp_prefill():
-            pm = under_mpi(["--role", "prefill", "--kv-transfer-port", "0"])
+            pm = under_mpi(["--role", "prefill", "--kv-transfer-port", "0", "--kv-transport", TRANSPORT])
             xm3 = proxy([pm], [dd])
             for prompt in [ids(7, 31), ids(260, 32)]:
-                same_comp(comp(xm3, prompt, 16), comp(serve_once(), prompt, 16), "dcp prefill")
+                # a prefill instance under DCP offers no hold in place: the stream, whatever was asked
+                same_comp(comp(xm3, prompt, 16), comp(serve_once(), prompt, 16), "dcp prefill", "tcp")
             blocks_back(pm, dd)
             stop_mpi(pm)
             xm3.stop()

@@ -78,11 +78,21 @@ k3_status k3_ucx_open(k3_ucx **out, const k3_ucx_options *opt, k3_error *err) {
     *out = NULL;
     return NO_UCX(err);
 }
+k3_status k3_ucx_worker_new(k3_ucx *parent, const char *name, k3_ucx **out, k3_error *err) {
+    *out = NULL;
+    return NO_UCX(err);
+}
 void k3_ucx_close(k3_ucx *u) {}
+int k3_ucx_quiet(k3_ucx *u) { return 1; }
 const char *k3_ucx_tls(const k3_ucx *u) { return "none"; }
 unsigned k3_ucx_progress(k3_ucx *u) { return 0; }
 void k3_ucx_serve(k3_ucx *u, double seconds, const volatile bool *stop) {}
+int k3_ucx_serve_until_readable(k3_ucx *u, int fd, double seconds, const volatile bool *stop) { return 0; }
 k3_status k3_ucx_mem_register(k3_ucx *u, void *base, size_t len, k3_ucx_mem **out, k3_error *err) {
+    *out = NULL;
+    return NO_UCX(err);
+}
+k3_status k3_ucx_mem_register_access(k3_ucx *u, void *base, size_t len, int access, k3_ucx_mem **out, k3_error *err) {
     *out = NULL;
     return NO_UCX(err);
 }
@@ -127,6 +137,8 @@ struct k3_ucx {
     ucp_worker_h w;
     char tls[128], name[64];
     bool peer_errors;
+    bool child;  /* a k3_ucx_worker_new worker: the context is the parent's */
+    void *flush; /* k3_ucx_quiet's flush in flight */
 };
 
 struct k3_ucx_mem {
@@ -204,8 +216,10 @@ k3_status k3_ucx_open(k3_ucx **out, const k3_ucx_options *opt, k3_error *err) {
         free(u);
         return ucs_err(err, s, "the transports '%s'%s", opt->tls, NULL);
     }
-    ucp_params_t p = {.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME,
+    /* workers of several threads may share the context (k3_ucx_worker_new) */
+    ucp_params_t p = {.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME | UCP_PARAM_FIELD_MT_WORKERS_SHARED,
                       .features = UCP_FEATURE_RMA,
+                      .mt_workers_shared = 1,
                       .name = u->name};
     s = ucp_init(&p, cfg, &u->ctx);
     ucp_config_release(cfg);
@@ -224,16 +238,48 @@ k3_status k3_ucx_open(k3_ucx **out, const k3_ucx_options *opt, k3_error *err) {
     return K3_OK;
 }
 
+k3_status k3_ucx_worker_new(k3_ucx *parent, const char *name, k3_ucx **out, k3_error *err) {
+    *out = NULL;
+    k3_ucx *u = calloc(1, sizeof *u);
+    if (!u) return k3_err(err, K3_ERR_NOMEM, "ucx: out of memory");
+    *u = *parent;
+    u->child = true;
+    if (name) snprintf(u->name, sizeof u->name, "%s", name);
+    ucp_worker_params_t wp = {.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE, .thread_mode = UCS_THREAD_MODE_SINGLE};
+    const ucs_status_t s = ucp_worker_create(u->ctx, &wp, &u->w);
+    if (s != UCS_OK) {
+        free(u);
+        return ucs_err(err, s, "ucp_worker_create (transports %s)%s", parent->tls, NULL);
+    }
+    *out = u;
+    return K3_OK;
+}
+
 void k3_ucx_close(k3_ucx *u) {
     if (!u) return;
+    if (u->flush) ucp_request_free(u->flush);
     ucp_worker_destroy(u->w);
-    ucp_cleanup(u->ctx);
+    if (!u->child) ucp_cleanup(u->ctx);
     free(u);
 }
 
 const char *k3_ucx_tls(const k3_ucx *u) { return u->tls; }
 
 unsigned k3_ucx_progress(k3_ucx *u) { return ucp_worker_progress(u->w); }
+
+int k3_ucx_quiet(k3_ucx *u) {
+    if (!u->flush) {
+        const ucp_request_param_t p = {0};
+        void *r = ucp_worker_flush_nbx(u->w, &p);
+        if (r == NULL || UCS_PTR_IS_ERR(r)) return 1;
+        u->flush = r;
+    }
+    for (int i = 0; i < 64 && ucp_worker_progress(u->w); i++) {}
+    if (ucp_request_check_status(u->flush) == UCS_INPROGRESS) return 0;
+    ucp_request_free(u->flush);
+    u->flush = NULL;
+    return 1;
+}
 
 /* One idle round of a wait: yield for the first rounds, then sleep a little. */
 static void idle(long spins) {
@@ -254,16 +300,41 @@ void k3_ucx_serve(k3_ucx *u, double seconds, const volatile bool *stop) {
     }
 }
 
+int k3_ucx_serve_until_readable(k3_ucx *u, int fd, double seconds, const volatile bool *stop) {
+    const double t0 = k3_now();
+    long spins = 0;
+    for (unsigned busy = 0;; busy++) {
+        /* while the worker has work, the socket and the clock are looked at
+         * every 64 rounds (a round moves a fragment of a few KiB) */
+        if (spins > 0 || busy % 64 == 0) {
+            if ((stop && *stop) || k3_now() - t0 >= seconds) return 0;
+            struct pollfd p = {.fd = fd, .events = POLLIN};
+            if (poll(&p, 1, 0) > 0) return 1;
+        }
+        if (ucp_worker_progress(u->w)) spins = 0;
+        else idle(spins++);
+    }
+}
+
 /* ---- registered memory ------------------------------------------------------------------------- */
 
 k3_status k3_ucx_mem_register(k3_ucx *u, void *base, size_t len, k3_ucx_mem **out, k3_error *err) {
+    return k3_ucx_mem_register_access(u, base, len, K3_UCX_REMOTE_RW, out, err);
+}
+
+k3_status k3_ucx_mem_register_access(k3_ucx *u, void *base, size_t len, int access, k3_ucx_mem **out, k3_error *err) {
     *out = NULL;
     if (!base || !len) return k3_err(err, K3_ERR_ARG, "ucx: registering an empty region");
     k3_ucx_mem *m = calloc(1, sizeof *m);
     if (!m) return k3_err(err, K3_ERR_NOMEM, "ucx: out of memory");
-    ucp_mem_map_params_t mp = {.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH,
+    unsigned prot = UCP_MEM_MAP_PROT_LOCAL_READ | UCP_MEM_MAP_PROT_LOCAL_WRITE;
+    if (access & K3_UCX_REMOTE_READ) prot |= UCP_MEM_MAP_PROT_REMOTE_READ;
+    if ((access & K3_UCX_REMOTE_RW) == K3_UCX_REMOTE_RW) prot |= UCP_MEM_MAP_PROT_REMOTE_WRITE;
+    ucp_mem_map_params_t mp = {.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                                   UCP_MEM_MAP_PARAM_FIELD_PROT,
                                .address = base,
-                               .length = len};
+                               .length = len,
+                               .prot = prot};
     const ucs_status_t s = ucp_mem_map(u->ctx, &mp, &m->h);
     if (s != UCS_OK) {
         free(m);

@@ -70,23 +70,49 @@ typedef struct k3_ucx_options {
 } k3_ucx_options;
 
 k3_status k3_ucx_open(k3_ucx **out, const k3_ucx_options *opt, k3_error *err);
-/* Frees the worker and the context; endpoints, regions and registrations
- * made from it must be freed first. */
+/* Another worker on parent's context (its options, its registrations), for
+ * another thread: each worker is one thread's, the context is shared. A
+ * worker made for one transfer and closed after it takes its endpoints and
+ * its listening sockets with it. The parent is closed last. */
+k3_status k3_ucx_worker_new(k3_ucx *parent, const char *name, k3_ucx **out, k3_error *err);
+/* Frees the worker (and the context, when it is not a k3_ucx_worker_new
+ * child's); endpoints, regions and registrations made from it must be freed
+ * first. */
 void k3_ucx_close(k3_ucx *u);
+/* Whether everything the worker has outstanding toward any peer (its own
+ * operations and UCX's connection messages, such as the reply to a peer
+ * that connected) is done, without waiting: the first call posts a flush of
+ * the worker, every call progresses it. 1: done (with or without an error:
+ * k3_ucx_close is safe then), 0: not yet. UCX 1.13 aborts in
+ * ucp_worker_destroy on a connection reply still queued toward a peer whose
+ * link is down; a worker whose peer was lost waits for this before it is
+ * closed. */
+int k3_ucx_quiet(k3_ucx *u);
 /* The transports the context may use, as UCX names them (for messages). */
 const char *k3_ucx_tls(const k3_ucx *u);
 
 /* One round of the worker's progress; returns how many events it handled. */
 unsigned k3_ucx_progress(k3_ucx *u);
-/* Progresses for up to seconds (sleeping on the worker's event descriptor
- * when idle), or until *stop (when stop is not NULL) turns true: the target
- * side of a transport that emulates one-sided operations. */
+/* Progresses for up to seconds (short sleeps when idle), or until *stop
+ * (when stop is not NULL) turns true: the target side of a transport that
+ * emulates one-sided operations. */
 void k3_ucx_serve(k3_ucx *u, double seconds, const volatile bool *stop);
+/* The same until fd has something to read (or hung up): 1 then, 0 when
+ * seconds passed or *stop turned true. */
+int k3_ucx_serve_until_readable(k3_ucx *u, int fd, double seconds, const volatile bool *stop);
 
 /* ---- registered memory ------------------------------------------------------------------------- */
 
 /* Registers [base, base + len) for local and remote access. */
 k3_status k3_ucx_mem_register(k3_ucx *u, void *base, size_t len, k3_ucx_mem **out, k3_error *err);
+/* The same with the access a peer is given: K3_UCX_LOCAL (none: the
+ * destination of this side's gets), K3_UCX_REMOTE_READ (gets from a peer),
+ * or both ways. What a remote key enforces is the transport's: an RDMA NIC
+ * checks the region and the access; shared memory (cma) and the transports
+ * that emulate one-sided operations with messages (tcp) do not check them at
+ * all (docs/pd.md, "What a remote key gives"). */
+enum { K3_UCX_LOCAL = 0, K3_UCX_REMOTE_READ = 1, K3_UCX_REMOTE_RW = 3 };
+k3_status k3_ucx_mem_register_access(k3_ucx *u, void *base, size_t len, int access, k3_ucx_mem **out, k3_error *err);
 void k3_ucx_mem_free(k3_ucx_mem *m);
 /* The region's descriptor for a peer (magic, base, length, remote key):
  * *desc is malloc'd, the caller frees it. */

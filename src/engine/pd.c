@@ -577,6 +577,51 @@ k3_status k3_engine_hold_read_state(k3_engine *e, uint64_t id, int64_t offset, v
     return st;
 }
 
+int k3_engine_kv_arrays(const k3_engine *e, int32_t layer, k3_kv_array out[5]) {
+    void *base[5];
+    int64_t len[5];
+    const int n = k3_ctx_kv_block_ranges(e->ctx, layer, 0, base, len);
+    for (int c = 0; c < n; c++) out[c] = (k3_kv_array){base[c], len[c] * e->ctx->n_blocks, len[c] / e->ctx->lbs};
+    return n;
+}
+
+bool k3_engine_kv_direct(const k3_engine *e, bool write) { return write ? !e->exec_lock : e->ctx->dcp == 1; }
+
+k3_status k3_engine_hold_pin(k3_engine *e, uint64_t id, k3_kv_pin *out, k3_error *err) {
+    hold *h = hold_pin(e, id, err);
+    if (!h) return K3_ERR_ARG;
+    *out = (k3_kv_pin){h->blocks, h->n_blocks, e->block_size, 0, h->n_tokens, h->state, e->state_bytes, h};
+    return K3_OK;
+}
+
+void k3_engine_hold_unpin(k3_engine *e, k3_kv_pin *pin) {
+    if (pin && pin->ref) hold_unpin(e, pin->ref);
+    if (pin) pin->ref = NULL;
+}
+
+k3_status k3_engine_pull_pin(k3_engine *e, uint64_t id, k3_kv_pin *out, k3_error *err) {
+    if (!k3_engine_kv_direct(e, true))
+        return k3_err(err, K3_ERR_UNSUPPORTED, "pull: several ranks keep this cache: it is written through them");
+    req *r = NULL;
+    pthread_mutex_lock(&e->mu);
+    const k3_status st = pull_pin(e->pd, id, &r, err);
+    pthread_mutex_unlock(&e->mu);
+    if (st) return st;
+    *out = (k3_kv_pin){r->rq.blocks,   r->rq.n_blocks, e->block_size,  r->rq.n_cached,
+                       r->rq.n_prompt, r->pull_state,  e->state_bytes, r};
+    return K3_OK;
+}
+
+void k3_engine_pull_unpin(k3_engine *e, k3_kv_pin *pin, int64_t state_landed) {
+    if (!pin || !pin->ref) return;
+    req *r = pin->ref;
+    pthread_mutex_lock(&e->mu);
+    r->pull_state_got += state_landed;
+    r->pull_pins--;
+    pthread_mutex_unlock(&e->mu);
+    pin->ref = NULL;
+}
+
 void k3_engine_hold_release(k3_engine *e, uint64_t id) {
     pthread_mutex_lock(&e->mu);
     hold *h = find_hold(e->pd, id);

@@ -47,6 +47,7 @@
 #include "pd/auth.h"
 #include "pd/pd.h"
 #include "pd/wire.h"
+#include "pd/xfer.h"
 
 #define K3_PD_UNIT ((int64_t)1 << 20) /* payload bytes per unit */
 #define K3_PD_MAX_FIRST_TOP 20
@@ -66,6 +67,7 @@ struct k3_pd_pull {
     k3_logprob top[K3_PD_MAX_FIRST_TOP];
     k3_pd_pull_stats st; /* under pd->mu */
     bool cancel;         /* under pd->mu */
+    atomic_bool acancel; /* the same, for the UCX transport's waits */
     int fd;              /* under pd->mu: the socket while pulling, else -1 */
 };
 
@@ -112,10 +114,10 @@ struct k3_pd {
     atomic_bool quit;
     pthread_t lthread;
     bool lstarted;
-    /* faults (tests) */
-    int fault; /* 0, 'f' flip, 's' stall */
-    int64_t fault_unit, fault_ms;
-    atomic_int_fast64_t fault_seen; /* units counted for the fault */
+    k3_pd_fault fault; /* tests */
+    /* --kv-transport ucx: the context and the registered cache (NULL: TCP) */
+    k3_pd_ux *ux;
+    char transport[640]; /* what the start log says */
     pthread_mutex_t mu;
     pthread_cond_t cv;
     int n_serving;                        /* prefill-side connection threads */
@@ -130,6 +132,7 @@ struct k3_pd {
     int64_t sent_bytes, sent_units, sent_ok, sent_failed;
     int64_t recv_bytes, recv_blocks, recv_states, recv_ok, recv_failed, releases;
     int64_t refused_auth, refused_hold, refused_params; /* prefill: no secret; no such hold; decode: untrusted */
+    int64_t ucx_sent, ucx_recv, ucx_fallback;           /* transfers over UCX; UCX asked, the stream served */
     double sent_seconds, recv_seconds;
     hist h_secs, h_gbps;
 };
@@ -206,14 +209,7 @@ static k3_status send_error(int fd, k3_pd_session *ss, int64_t u_no, const char 
 
 /* The test hook on the unit about to go: flips a payload byte, or stalls. */
 static void fault_send(k3_pd *pd, uint8_t *payload, size_t n) {
-    if (!pd->fault) return;
-    const int64_t u = atomic_fetch_add(&pd->fault_seen, 1);
-    if (u != pd->fault_unit) return;
-    if (pd->fault == 'f' && n > 0) payload[n / 2] ^= 0x10;
-    if (pd->fault == 's') {
-        struct timespec ts = {(time_t)(pd->fault_ms / 1000), (long)(pd->fault_ms % 1000) * 1000000L};
-        nanosleep(&ts, NULL);
-    }
+    if (k3_pd_fault_send(&pd->fault) && n > 0) payload[n / 2] ^= 0x10;
 }
 
 /* Unit number u_no: its payload's tag (message 2u + 1), its header (message
@@ -292,7 +288,7 @@ static void *conn_main(void *arg) {
     k3_error err = {0};
     const double t0 = k3_now();
     int64_t bytes = 0;
-    bool pulled = false, ok = false, authed = false, refused = false;
+    bool pulled = false, ok = false, authed = false, refused = false, ucx = false, fallback = false;
     if (!k3_pd_handshake_server(fd, &pd->keys, &ss, &err)) {
         authed = true;
         k3_pd_socket_setup(fd, pd->timeout);
@@ -304,12 +300,12 @@ static void *conn_main(void *arg) {
     if (authed && !k3_pd_req_recv(fd, &ss, &r, &err)) {
         /* the hold of this token and this prompt's hash, taken out of the
          * table: only the request it was made for names both */
-        const bool found =
-            (r.op == K3_PD_PULL || r.op == K3_PD_RELEASE) && holds_take(pd, r.hold, r.prompt_hash, &hold);
+        const bool pull = r.op == K3_PD_PULL || r.op == K3_PD_PULL_UCX;
+        const bool found = (pull || r.op == K3_PD_RELEASE) && holds_take(pd, r.hold, r.prompt_hash, &hold);
         if (!found) {
             refused = true;
             send_error(fd, &ss, 0, REFUSED);
-        } else if (r.op == K3_PD_PULL && !k3_pd_ident_same(&r.id, &pd->id)) {
+        } else if (pull && !k3_pd_ident_same(&r.id, &pd->id)) {
             /* its own request, on an instance of another model, quantization
              * or cache format: refused, and the hold goes (nobody else can
              * name it) */
@@ -321,8 +317,20 @@ static void *conn_main(void *arg) {
             pthread_mutex_lock(&pd->mu);
             pd->releases++;
             pthread_mutex_unlock(&pd->mu);
+        } else if (r.op == K3_PD_PULL_UCX && k3_pd_ux_can_serve(pd->ux)) {
+            /* in place: the decode side gets the rows itself; the hold stays
+             * pinned until it says it is done (or goes) */
+            pulled = ucx = true;
+            k3_pd_ux_stats us;
+            bool landed = false;
+            if (!k3_pd_ux_serve(pd->ux, fd, &ss, hold, &r, &pd->fault, pd->timeout, &us, &landed, &err)) ok = landed;
+            bytes = us.bytes;
+            k3_engine_hold_release(pd->e, hold);
         } else {
+            /* the rows on the stream (a PULL_UCX too, where this instance
+             * cannot offer its holds in place: no UCX, or DCP) */
             pulled = true;
+            fallback = r.op == K3_PD_PULL_UCX;
             int64_t sent = 0;
             if (serve_pull(pd, fd, &ss, hold, &r, &bytes, &sent, &err)) {
                 /* a peer that is gone does not read it */
@@ -339,6 +347,8 @@ static void *conn_main(void *arg) {
     if (pulled) {
         if (ok) pd->sent_ok++;
         else pd->sent_failed++;
+        pd->ucx_sent += ucx && ok; /* landed */
+        pd->ucx_fallback += fallback;
         pd->sent_bytes += bytes;
         pd->sent_seconds += k3_now() - t0;
     }
@@ -450,16 +460,11 @@ static void release_remote(k3_pd *pd, const k3_pd_pull *p) {
 }
 
 /* The test hook on the unit just received: stalls. */
-static void fault_recv(k3_pd *pd) {
-    if (pd->fault != 's') return;
-    if (atomic_fetch_add(&pd->fault_seen, 1) != pd->fault_unit) return;
-    struct timespec ts = {(time_t)(pd->fault_ms / 1000), (long)(pd->fault_ms % 1000) * 1000000L};
-    nanosleep(&ts, NULL);
-}
+static void fault_recv(k3_pd *pd) { k3_pd_fault_recv(&pd->fault); }
 
 /* Pulls for request pi->id; the reason of a failure into err. */
 static k3_status run_pull(k3_pd *pd, k3_pd_pull *p, const k3_pull_info *pi, int64_t *bytes, int64_t *units,
-                          int64_t *states, k3_error *err) {
+                          int64_t *states, bool *via_ucx, double *verify_s, k3_error *err) {
     k3_engine *e = pd->e;
     pthread_mutex_lock(&pd->mu);
     const bool cancelled = p->cancel;
@@ -480,7 +485,12 @@ static k3_status run_pull(k3_pd *pd, k3_pd_pull *p, const k3_pull_info *pi, int6
         }
     pthread_mutex_unlock(&pd->mu);
     k3_status st = late_cancel ? k3_err(err, K3_ERR_ARG, "cancelled") : K3_OK;
-    k3_pd_req r = {.op = K3_PD_PULL, .id = pd->id, .from = pi->n_local, .to = pi->n_tokens, .max_unit = K3_PD_UNIT};
+    /* with UCX, the prefill side may offer the hold in place (else it streams it) */
+    k3_pd_req r = {.op = pd->ux ? K3_PD_PULL_UCX : K3_PD_PULL,
+                   .id = pd->id,
+                   .from = pi->n_local,
+                   .to = pi->n_tokens,
+                   .max_unit = K3_PD_UNIT};
     memcpy(r.hold, p->token, K3_PD_TOKEN_BYTES);
     memcpy(r.prompt_hash, p->hash, K3_PD_HASH_BYTES);
     if (!st) st = k3_pd_req_send(fd, &ss, &r, err);
@@ -498,7 +508,8 @@ static k3_status run_pull(k3_pd *pd, k3_pd_pull *p, const k3_pull_info *pi, int6
         k3_pd_unit u;
         st = k3_pd_unit_recv(fd, &ss, 2 * (uint64_t)n_units, &u, err);
         if (st) break;
-        if (u.payload_bytes > (uint64_t)K3_PD_UNIT * 4 + 4096) {
+        const bool offer = u.kind == K3_PD_UCX && n_units == 0 && pd->ux;
+        if (u.payload_bytes > (offer ? (uint64_t)K3_PD_UCX_OFFER_MAX : (uint64_t)K3_PD_UNIT * 4 + 4096)) {
             st = k3_err(err, K3_ERR_FORMAT, "kv transfer: a unit of %llu bytes, more than asked for",
                         (unsigned long long)u.payload_bytes);
             break;
@@ -519,6 +530,18 @@ static k3_status run_pull(k3_pd *pd, k3_pd_pull *p, const k3_pull_info *pi, int6
                         "kv transfer: unit %lld (kind %u, layer %d, positions %lld+%lld) is damaged: its MAC does "
                         "not match",
                         (long long)n_units, u.kind, u.layer, (long long)u.t0, (long long)u.n);
+            break;
+        }
+        if (offer) { /* the rest over UCX, straight into the request's blocks */
+            k3_pd_ux_stats us;
+            st = k3_pd_ux_pull(pd->ux, fd, &ss, pi, buf, (size_t)u.payload_bytes, K3_PD_UNIT, &pd->fault, pd->timeout,
+                               &p->acancel, &pd->quit, &us, err);
+            *bytes = us.bytes;
+            *states = us.states;
+            *verify_s = us.verify_s;
+            *via_ucx = true;
+            n_units = us.units;
+            end = true;
             break;
         }
         if (u.kind == K3_PD_ERROR) {
@@ -602,8 +625,10 @@ static void do_job(k3_pd *pd, const job *j) {
     }
     k3_error err = {0};
     int64_t bytes = 0, units = 0, states = 0;
+    bool via_ucx = false;
+    double verify_s = 0;
     const double t0 = k3_now();
-    const k3_status st = run_pull(pd, p, &j->pi, &bytes, &units, &states, &err);
+    const k3_status st = run_pull(pd, p, &j->pi, &bytes, &units, &states, &via_ucx, &verify_s, &err);
     const double dt = k3_now() - t0;
     /* blocks written: those past the ones the prefix cache held */
     const int64_t bs = pd->id.block_size > 0 ? pd->id.block_size : 1;
@@ -617,6 +642,9 @@ static void do_job(k3_pd *pd, const job *j) {
     p->st.states = states;
     p->st.blocks = st ? 0 : blocks;
     p->st.seconds = dt;
+    p->st.ucx = via_ucx;
+    p->st.verify_s = verify_s;
+    pd->ucx_recv += via_ucx && !st;
     if (st) {
         pd->recv_failed++;
     } else {
@@ -671,6 +699,7 @@ static void on_pull(void *arg, const k3_pull_info *pi) {
     if (pi->op == K3_PULL_CANCEL) {
         pthread_mutex_lock(&pd->mu);
         p->cancel = true;
+        atomic_store(&p->acancel, true);
         if (p->fd >= 0) shutdown(p->fd, SHUT_RDWR);
         pthread_mutex_unlock(&pd->mu);
         return;
@@ -697,14 +726,19 @@ static bool parse_fault(k3_pd *pd, const char *f) {
     long long u = 0, ms = 0;
     char tail = 0;
     if (sscanf(f, "flip:%lld%c", &u, &tail) == 1 && u >= 0) {
-        pd->fault = 'f';
-        pd->fault_unit = u;
+        pd->fault.kind = 'f';
+        pd->fault.unit = u;
+        return true;
+    }
+    if (!strcmp(f, "offer:forge") || !strcmp(f, "offer:replay")) {
+        pd->fault.kind = f[6] == 'f' ? 'o' : 'r';
+        pthread_mutex_init(&pd->fault.mu, NULL);
         return true;
     }
     if (sscanf(f, "stall:%lld:%lld%c", &u, &ms, &tail) == 2 && u >= 0 && ms >= 0 && ms <= 3600000) {
-        pd->fault = 's';
-        pd->fault_unit = u;
-        pd->fault_ms = ms;
+        pd->fault.kind = 's';
+        pd->fault.unit = u;
+        pd->fault.ms = ms;
         return true;
     }
     return false;
@@ -774,7 +808,24 @@ k3_status k3_pd_start(k3_pd **out, const k3_pd_options *o, k3_error *err) {
     }
     if (!parse_fault(pd, o->fault)) {
         k3_pd_stop(pd);
-        return k3_err(err, K3_ERR_ARG, "kv transfer: fault '%s' is not flip:U or stall:U:MS", o->fault);
+        return k3_err(err, K3_ERR_ARG, "kv transfer: fault '%s' is not flip:U, stall:U:MS, offer:forge or offer:replay",
+                      o->fault);
+    }
+    snprintf(pd->transport, sizeof pd->transport, "tcp");
+    if (o->kv_transport && strcmp(o->kv_transport, "tcp") && strcmp(o->kv_transport, "ucx")) {
+        k3_pd_stop(pd);
+        return k3_err(err, K3_ERR_ARG, "kv transfer: --kv-transport '%s' is not tcp or ucx", o->kv_transport);
+    }
+    if (o->kv_transport && !strcmp(o->kv_transport, "ucx")) {
+        /* TCP stays the fallback: where UCX is absent the stream moves the rows */
+        k3_error ue = {0};
+        if (k3_pd_ux_open(&pd->ux, o->engine, o->ucx_tls, o->port >= 0, &ue))
+            snprintf(pd->transport, sizeof pd->transport, "tcp (--kv-transport ucx: %s)", ue.msg);
+        else
+            snprintf(pd->transport, sizeof pd->transport, "ucx (transports %s%s)", k3_pd_ux_tls(pd->ux),
+                     o->port >= 0 && !k3_pd_ux_can_serve(pd->ux)
+                         ? "; this instance's cache is spread over its DCP ranks: its holds go on the stream"
+                         : "");
     }
     if (o->port >= 0) {
         pd->lfd = k3_pd_listen(pd->host, o->port, &pd->port, err);
@@ -825,12 +876,19 @@ void k3_pd_stop(k3_pd *pd) {
         free(h);
     }
     OPENSSL_cleanse(&pd->keys, sizeof pd->keys);
+    k3_pd_ux_close(pd->ux); /* every pull's worker is gone with its thread */
+    if (pd->fault.kind == 'o' || pd->fault.kind == 'r') {
+        free(pd->fault.offer);
+        pthread_mutex_destroy(&pd->fault.mu);
+    }
     pthread_mutex_destroy(&pd->mu);
     pthread_cond_destroy(&pd->cv);
     free(pd);
 }
 
 int k3_pd_port(const k3_pd *pd) { return pd ? pd->port : -1; }
+
+const char *k3_pd_transport(const k3_pd *pd) { return pd ? pd->transport : "none"; }
 
 /* ---- kv_transfer_params ------------------------------------------------------------------------- */
 
@@ -1076,10 +1134,13 @@ void k3_pd_pull_stats_get(k3_pd *pd, const k3_pd_pull *p, k3_pd_pull_stats *out)
 }
 
 json_t *k3_pd_pull_json(const k3_pd_pull_stats *s) {
-    return json_pack("{s:I,s:I,s:I,s:I,s:f,s:f,s:f,s:f}", "bytes", (json_int_t)s->bytes, "tokens",
-                     (json_int_t)s->tokens, "blocks", (json_int_t)s->blocks, "states", (json_int_t)s->states, "seconds",
-                     s->seconds, "gbps", s->seconds > 0 ? (double)s->bytes / s->seconds / 1e9 : 0.0, "prefill_queue_s",
-                     s->queue_s, "prefill_s", s->prefill_s);
+    json_t *o =
+        json_pack("{s:I,s:I,s:I,s:I,s:f,s:f,s:f,s:f,s:s}", "bytes", (json_int_t)s->bytes, "tokens",
+                  (json_int_t)s->tokens, "blocks", (json_int_t)s->blocks, "states", (json_int_t)s->states, "seconds",
+                  s->seconds, "gbps", s->seconds > 0 ? (double)s->bytes / s->seconds / 1e9 : 0.0, "prefill_queue_s",
+                  s->queue_s, "prefill_s", s->prefill_s, "transport", s->ucx ? "ucx" : "tcp");
+    if (o && s->ucx) json_object_set_new(o, "verify_s", json_real(s->verify_s));
+    return o;
 }
 
 /* ---- /metrics ----------------------------------------------------------------------------------- */
@@ -1140,6 +1201,17 @@ void k3_pd_metrics_render(k3_pd *pd, const char *label, k3_buf *o) {
                 label, pd->sent_seconds, label, pd->recv_seconds, label, (long long)pd->recv_blocks, label,
                 (long long)pd->recv_states, label, (long long)pd->releases, label, (long long)pd->refused_auth, label,
                 (long long)pd->refused_hold, label, (long long)pd->refused_params);
+    k3_buf_addf(o,
+                "# HELP k3:kv_transfers_ucx_total Transfers whose rows moved by one-sided UCX gets (sent: holds "
+                "offered in place and landed; received: pulls landed).\n"
+                "# TYPE k3:kv_transfers_ucx_total counter\n"
+                "k3:kv_transfers_ucx_total{model_name=\"%s\",dir=\"sent\"} %lld\n"
+                "k3:kv_transfers_ucx_total{model_name=\"%s\",dir=\"received\"} %lld\n"
+                "# HELP k3:kv_transfer_ucx_fallback_total Pulls that asked for UCX and got the rows on the stream "
+                "(this prefill instance cannot offer its holds in place).\n"
+                "# TYPE k3:kv_transfer_ucx_fallback_total counter\n"
+                "k3:kv_transfer_ucx_fallback_total{model_name=\"%s\"} %lld\n",
+                label, (long long)pd->ucx_sent, label, (long long)pd->ucx_recv, label, (long long)pd->ucx_fallback);
     render_hist(o, "k3:kv_transfer_seconds", "Time of one transfer, connect to the last byte (decode side).", label,
                 &pd->h_secs, pd_secs_le);
     render_hist(o, "k3:kv_transfer_gbps", "Throughput of one transfer in GB/s (decode side).", label, &pd->h_gbps,

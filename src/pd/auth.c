@@ -73,8 +73,7 @@ void k3_pd_session_free(k3_pd_session *s) {
     s->tx.ctx = s->rx.ctx = NULL;
 }
 
-void k3_pd_tag(k3_pd_mac *m, uint64_t seq, const void *a, size_t na, const void *b, size_t nb,
-               uint8_t tag[K3_PD_TAG_BYTES]) {
+void k3_pd_tag_iov(k3_pd_mac *m, uint64_t seq, const struct iovec *v, int n, uint8_t tag[K3_PD_TAG_BYTES]) {
     /* the 96-bit nonce: the direction and the message's number; the key is
      * the session's own, so no (key, nonce) pair ever repeats */
     uint8_t iv[12];
@@ -84,20 +83,48 @@ void k3_pd_tag(k3_pd_mac *m, uint64_t seq, const void *a, size_t na, const void 
     int ol = 0;
     uint8_t none[16];
     bool ok = EVP_EncryptInit_ex(c, NULL, NULL, NULL, iv) == 1;
-    /* EVP takes an int length: a payload of 1 MiB and more goes in pieces */
-    for (const uint8_t *p = a; ok && na;) {
-        const int n = na > (1u << 30) ? 1 << 30 : (int)na;
-        ok = EVP_EncryptUpdate(c, NULL, &ol, p, n) == 1;
-        p += n, na -= (size_t)n;
-    }
-    for (const uint8_t *p = b; ok && nb;) {
-        const int n = nb > (1u << 30) ? 1 << 30 : (int)nb;
-        ok = EVP_EncryptUpdate(c, NULL, &ol, p, n) == 1;
-        p += n, nb -= (size_t)n;
+    /* EVP takes an int length: a piece of 1 GiB and more goes in parts. The
+     * pieces make one message: the tag of their concatenation. */
+    for (int i = 0; ok && i < n; i++) {
+        size_t left = v[i].iov_len;
+        for (const uint8_t *p = v[i].iov_base; ok && left;) {
+            const int k = left > (1u << 30) ? 1 << 30 : (int)left;
+            ok = EVP_EncryptUpdate(c, NULL, &ol, p, k) == 1;
+            p += k, left -= (size_t)k;
+        }
     }
     ok = ok && EVP_EncryptFinal_ex(c, none, &ol) == 1 &&
         EVP_CIPHER_CTX_ctrl(c, EVP_CTRL_GCM_GET_TAG, K3_PD_TAG_BYTES, tag) == 1;
     if (!ok) k3_random_bytes(tag, K3_PD_TAG_BYTES, NULL); /* a failed MAC matches nothing */
+}
+
+bool k3_pd_tag_iov_ok(k3_pd_mac *m, uint64_t seq, const struct iovec *v, int n, const uint8_t tag[K3_PD_TAG_BYTES]) {
+    uint8_t t[K3_PD_TAG_BYTES];
+    k3_pd_tag_iov(m, seq, v, n, t);
+    return CRYPTO_memcmp(t, tag, K3_PD_TAG_BYTES) == 0;
+}
+
+bool k3_pd_mac_clone(k3_pd_mac *dst, const k3_pd_mac *src) {
+    EVP_CIPHER_CTX *c = EVP_CIPHER_CTX_new();
+    if (!c || EVP_CIPHER_CTX_copy(c, src->ctx) != 1) {
+        EVP_CIPHER_CTX_free(c);
+        return false;
+    }
+    dst->ctx = c;
+    dst->dir = src->dir;
+    return true;
+}
+
+void k3_pd_mac_free(k3_pd_mac *m) {
+    if (!m) return;
+    EVP_CIPHER_CTX_free(m->ctx);
+    m->ctx = NULL;
+}
+
+void k3_pd_tag(k3_pd_mac *m, uint64_t seq, const void *a, size_t na, const void *b, size_t nb,
+               uint8_t tag[K3_PD_TAG_BYTES]) {
+    const struct iovec v[2] = {{(void *)a, na}, {(void *)b, nb}};
+    k3_pd_tag_iov(m, seq, v, 2, tag);
 }
 
 bool k3_pd_tag_ok(k3_pd_mac *m, uint64_t seq, const void *a, size_t na, const void *b, size_t nb,

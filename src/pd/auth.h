@@ -22,6 +22,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/uio.h>
 
 #include "k3.h"
 
@@ -68,6 +69,16 @@ void k3_pd_tag(k3_pd_mac *m, uint64_t seq, const void *a, size_t na, const void 
 /* The same compared with tag in constant time. */
 bool k3_pd_tag_ok(k3_pd_mac *m, uint64_t seq, const void *a, size_t na, const void *b, size_t nb,
                   const uint8_t tag[K3_PD_TAG_BYTES]);
+
+/* The tag of message number seq whose bytes are the n pieces of v in order
+ * (a unit's rows where they lie in the cache: the same tag as of the pieces
+ * copied one after the other). */
+void k3_pd_tag_iov(k3_pd_mac *m, uint64_t seq, const struct iovec *v, int n, uint8_t tag[K3_PD_TAG_BYTES]);
+bool k3_pd_tag_iov_ok(k3_pd_mac *m, uint64_t seq, const struct iovec *v, int n, const uint8_t tag[K3_PD_TAG_BYTES]);
+/* A second context of the same direction's key (for another thread);
+ * false when out of memory. Freed with k3_pd_mac_free. */
+bool k3_pd_mac_clone(k3_pd_mac *dst, const k3_pd_mac *src);
+void k3_pd_mac_free(k3_pd_mac *m);
 
 /* Constant-time equality of n bytes. */
 bool k3_pd_equal(const void *a, const void *b, size_t n);

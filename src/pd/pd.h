@@ -27,6 +27,8 @@ typedef struct k3_pd_pull_stats {
     int64_t units, tokens, layers, states, blocks;
     double seconds;            /* connect to the last byte */
     double queue_s, prefill_s; /* the prefill instance's, from its params */
+    bool ucx;                  /* the rows came by UCX gets (else on the stream) */
+    double verify_s;           /* UCX: time checking the MACs of what landed */
 } k3_pd_pull_stats;
 
 /* The refusal of a request that cannot be disaggregated (several prompts or

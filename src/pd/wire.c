@@ -22,6 +22,8 @@ _Static_assert(sizeof(k3_pd_ident) == 40, "k3_pd_ident is 40 bytes on the wire")
 _Static_assert(sizeof(k3_pd_hello) == 72, "k3_pd_hello is 72 bytes on the wire");
 _Static_assert(sizeof(k3_pd_req) == 136, "k3_pd_req is 136 bytes on the wire");
 _Static_assert(sizeof(k3_pd_unit) == 72, "k3_pd_unit is 72 bytes on the wire");
+_Static_assert(sizeof(k3_pd_ucx_offer) == 40, "k3_pd_ucx_offer is 40 bytes on the wire");
+_Static_assert(sizeof(k3_pd_ucx_array) == 24, "k3_pd_ucx_array is 24 bytes on the wire");
 
 /* ---- control messages ------------------------------------------------------------- */
 
@@ -178,6 +180,10 @@ k3_status k3_pd_recv(int fd, void *buf, size_t n, const char *what, k3_error *er
             if (errno == EINTR) continue;
             if (errno == EAGAIN || errno == EWOULDBLOCK)
                 return k3_err(err, K3_ERR_IO, "kv transfer: the peer sent nothing within the timeout in %s", what);
+            if (errno == ECONNRESET) /* a peer that died with something of ours unread */
+                return k3_err(err, K3_ERR_IO,
+                              "kv transfer: the peer closed the connection (reset) in %s (%zu of %zu bytes)", what, got,
+                              n);
             return k3_err(err, K3_ERR_IO, "kv transfer: receiving %s: %s", what, strerror(errno));
         }
         got += (size_t)r;

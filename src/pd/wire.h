@@ -31,11 +31,18 @@
 #include "k3.h"
 #include "pd/auth.h"
 
-#define K3_PD_VERSION 2
+#define K3_PD_VERSION 3
 #define K3_PD_QUANT_LEN 24
 
-enum { K3_PD_PULL = 1, K3_PD_RELEASE = 2 };
-enum { K3_PD_LAYER = 1, K3_PD_STATE = 2, K3_PD_END = 3, K3_PD_ERROR = 4 };
+/* PULL_UCX: PULL, and the prefill side may answer with one-sided access to
+ * the hold (a K3_PD_UCX unit first) instead of the rows on the stream. */
+enum { K3_PD_PULL = 1, K3_PD_RELEASE = 2, K3_PD_PULL_UCX = 3 };
+/* UCX: the offer (unit 0: k3_pd_ucx_offer and what follows it, on the
+ * stream); then LAYER and STATE units are headers only, their payload_tag the
+ * MAC of the bytes where they lie on the prefill side, which the decode side
+ * gets itself; END; then the decode side's answer, its message 1: an END
+ * unit (all landed and checked) or an ERROR unit, after which the hold goes. */
+enum { K3_PD_LAYER = 1, K3_PD_STATE = 2, K3_PD_END = 3, K3_PD_ERROR = 4, K3_PD_UCX = 5 };
 enum { K3_PD_HELLO_CLIENT = 1, K3_PD_HELLO_SERVER = 2, K3_PD_HELLO_PROOF = 3 };
 
 /* What an instance runs: two instances exchange caches only when the
@@ -78,6 +85,29 @@ typedef struct k3_pd_unit {
     uint8_t payload_tag[K3_PD_TAG_BYTES]; /* of the payload: message 2u + 1 */
     uint8_t tag[K3_PD_TAG_BYTES];         /* of the bytes before it: message 2u (u: the unit's number) */
 } k3_pd_unit;
+
+/* The payload of a K3_PD_UCX unit: how to reach the hold where it lies. In
+ * order: this header; the prefill worker's address [addr_len]; n_arrays
+ * k3_pd_ucx_array (one per cache array of each MLA/DSA layer, in the transfer
+ * layout's order); the hold's block ids, int32 [n_blocks]; n_regions region
+ * descriptors (k3_ucx_mem_pack), each a uint32 length and its bytes. Slot s
+ * of array a is at byte s x row of its region; position p of the hold is slot
+ * blocks[p / block_size] x block_size + p mod block_size. */
+typedef struct k3_pd_ucx_offer {
+    char magic[4]; /* "K3PU" */
+    uint32_t addr_len, n_arrays, n_regions;
+    int32_t block_size, n_blocks;
+    int32_t state_region; /* the KDA state's region, -1 when the model has none */
+    int32_t pad;
+    int64_t n_tokens;
+} k3_pd_ucx_offer;
+
+typedef struct k3_pd_ucx_array {
+    int32_t layer, comp, region, pad;
+    int64_t row; /* bytes per slot */
+} k3_pd_ucx_array;
+
+#define K3_PD_UCX_OFFER_MAX ((int64_t)64 << 20) /* bytes of an offer at most */
 
 /* How a unit's payload moves. send: n bytes (the receiver knows n from the
  * header that went before); recv: exactly n into buf. The TCP one writes and
