@@ -3,7 +3,10 @@
  *
  *   1. memory read bandwidth, STREAM-like over >= 1 GB (the decode ceiling);
  *   2. prefill tok/s for prompts of 128, 512 and 2048 tokens, and GFLOP/s
- *      counted as 2 x active parameters x tokens;
+ *      counted as 2 x active parameters x tokens (the figure earlier docs
+ *      quote) and as the work the prefill does (k3_model_prof_flops: the
+ *      products a token runs, attention over its keys, the head once, no
+ *      embedding), which is what the fraction of the peak is taken of;
  *   3. decode tok/s at batch 1 and batch 8, weight bytes read per decoded
  *      token, effective GB/s and its fraction of the measured bandwidth;
  *   4. image encode (checkpoints with a vision tower): ms per image at three
@@ -24,6 +27,14 @@
 
 #include "cli.h"
 #include "k3.h"
+
+/* GFLOP/s of the work of a prefill of T tokens at tok_s (k3_model_prof_flops). */
+static double work_gflops(const k3_model *m, int64_t T, double tok_s) {
+    double f[K3_PROF_COUNT], sum = 0.0;
+    k3_model_prof_flops(m, T, f);
+    for (int i = 0; i < K3_PROF_COUNT; i++) sum += f[i];
+    return T > 0 ? sum / (double)T * tok_s / 1e9 : 0.0;
+}
 
 static int cmp_d(const void *a, const void *b) {
     const double x = *(const double *)a, y = *(const double *)b;
@@ -416,7 +427,8 @@ int k3_cmd_bench(int argc, char **argv) {
     for (int i = 0; i < n_prompts; i++)
         if (prompts[i] == 512) i512 = i;
     const int ip = i512 >= 0 ? i512 : n_prompts - 1;
-    const double gflops = 2.0 * (double)b.info.n_params_active * pre[ip].med / 1e9;
+    const double gflops = 2.0 * (double)b.info.n_params_active * pre[ip].med / 1e9,
+                 wgflops = work_gflops(b.m, prompts[ip], pre[ip].med);
     double pflops[K3_PROF_COUNT];
     k3_model_prof_flops(b.m, 512, pflops);
 
@@ -443,13 +455,15 @@ int k3_cmd_bench(int argc, char **argv) {
         printf("{\"model\": \"%s\", \"threads\": %d, \"runs\": %d, \"quant\": \"%s\", \"kv_cache\": \"%s\", "
                "\"isa\": \"%s\", \"mem_bw_gbps\": %.2f, ",
                dir, threads, runs, quant, kv == K3_KV_C8 ? "c8" : "f32", k3_isa_current(), membw);
-        printf("\"prefill_tok_s\": %.2f, \"prefill_tokens\": %ld, \"prefill_gflops\": %.2f, ", pre[ip].med, prompts[ip],
-               gflops);
+        printf("\"prefill_tok_s\": %.2f, \"prefill_tokens\": %ld, \"prefill_gflops\": %.2f, "
+               "\"prefill_work_gflops\": %.2f, ",
+               pre[ip].med, prompts[ip], gflops, wgflops);
         printf("\"prefill\": [");
         for (int i = 0; i < n_prompts; i++)
-            printf("%s{\"tokens\": %ld, \"tok_s\": %.2f, \"min\": %.2f, \"max\": %.2f, \"gflops\": %.2f}",
+            printf("%s{\"tokens\": %ld, \"tok_s\": %.2f, \"min\": %.2f, \"max\": %.2f, \"gflops\": %.2f, "
+                   "\"work_gflops\": %.2f}",
                    i ? ", " : "", prompts[i], pre[i].med, pre[i].min, pre[i].max,
-                   2.0 * (double)b.info.n_params_active * pre[i].med / 1e9);
+                   2.0 * (double)b.info.n_params_active * pre[i].med / 1e9, work_gflops(b.m, prompts[i], pre[i].med));
         printf("], \"decode_tok_s\": %.2f, \"decode_tok_s_min\": %.2f, \"decode_tok_s_max\": %.2f, ", dec1.med,
                dec1.min, dec1.max);
         printf("\"decode_batch8_tok_s\": %.2f, \"decode_batch8_tok_s_min\": %.2f, \"decode_batch8_tok_s_max\": %.2f, ",
@@ -466,7 +480,7 @@ int k3_cmd_bench(int argc, char **argv) {
         for (int k = 0; k < K3_PEAK_COUNT; k++)
             printf("%s\"%s\": %.1f", k ? ", " : "", k3_peak_name((k3_peak_kind)k), peak[k]);
         printf("}, \"peak_kind\": \"%s\", \"prefill_peak_fraction\": %.4f", k3_peak_name(pk),
-               peak[pk] > 0 ? gflops / peak[pk] : 0.0);
+               peak[pk] > 0 ? wgflops / peak[pk] : 0.0);
         if (longctx) {
             printf(", \"long_context\": [");
             for (int i = 0; i < n_contexts; i++)
@@ -496,12 +510,15 @@ int k3_cmd_bench(int argc, char **argv) {
                 first = 0;
             }
         printf(" GFLOP/s; this mode's products: %s\n", k3_peak_name(pk));
-        printf("%-18s %10s %10s %10s %10s %9s\n", "", "median", "min", "max", "GFLOP/s", "of peak");
+        printf("%-18s %10s %10s %10s %10s %10s %9s\n", "", "median", "min", "max", "2N GFLOP/s", "work", "of peak");
         for (int i = 0; i < n_prompts; i++) {
-            const double g = 2.0 * (double)b.info.n_params_active * pre[i].med / 1e9;
-            printf("prefill %5ld tok/s %10.1f %10.1f %10.1f %10.1f %8.1f%%\n", prompts[i], pre[i].med, pre[i].min,
-                   pre[i].max, g, peak[pk] > 0 ? 100.0 * g / peak[pk] : 0.0);
+            const double g = 2.0 * (double)b.info.n_params_active * pre[i].med / 1e9,
+                         w = work_gflops(b.m, prompts[i], pre[i].med);
+            printf("prefill %5ld tok/s %10.1f %10.1f %10.1f %10.1f %10.1f %8.1f%%\n", prompts[i], pre[i].med,
+                   pre[i].min, pre[i].max, g, w, peak[pk] > 0 ? 100.0 * w / peak[pk] : 0.0);
         }
+        printf("(2N: 2 x active parameters a token; work: the products each token runs, attention over its keys,\n"
+               " the head once, no embedding lookup: k3_model_prof_flops, what --profile splits by operator)\n");
         printf("decode b=1   tok/s %10.2f %10.2f %10.2f\n", dec1.med, dec1.min, dec1.max);
         printf("decode b=8   tok/s %10.2f %10.2f %10.2f\n", dec8.med, dec8.min, dec8.max);
         printf("decode b=1 effective %.2f GB/s; of the bandwidth measured around each run (median %.2f, "

@@ -437,3 +437,41 @@ K3_TEST(bf16_moe_grouped_equals_one_by_one) {
     k3_pool_free(pool);
     k3_set_isa(NULL, &err);
 }
+
+/* Sparse routing (a batched decode step: a row or two per active expert)
+ * stays off the grouped tiles: each expert then goes through k3_matmul on
+ * the AVX-512 BF16 kernels, which decode the weights in registers (the same
+ * bits, bf16_moe_grouped_equals_one_by_one). */
+K3_TEST(bf16_moe_sparse_routing_not_grouped) {
+    k3_error err = {0};
+    if (k3_set_isa("amx", &err) != K3_OK) {
+        printf("    (not run: %s)\n", err.msg);
+        return;
+    }
+    k3_pool *pool = NULL;
+    REQUIRE(k3_pool_init(&pool, 2, NULL) == K3_OK);
+    enum { E = 32, K = 4, T = 8, D = 96, I = 64 };
+    k3_mat gate[E], up[E], down[E];
+    for (int e = 0; e < E; e++) gate[e] = bf16_mat(I, D), up[e] = bf16_mat(I, D), down[e] = bf16_mat(D, I);
+    float *z = fvec(T * D, 2.0f), *y = calloc((size_t)(T * K * D), sizeof(float));
+    for (int dense = 0; dense < 2; dense++) {
+        /* sparse: 32 rows on 32 experts, one each; dense: the same rows on 2 */
+        int32_t row0[E + 1] = {0}, rows[T * K], eact[E], na = 0;
+        for (int i = 0; i < T * K; i++) row0[(dense ? i / (T * K / 2) : i) + 1]++;
+        for (int e = 0; e < E; e++) row0[e + 1] += row0[e];
+        for (int i = 0; i < T * K; i++) rows[i] = i;
+        for (int e = 0; e < E; e++)
+            if (row0[e + 1] > row0[e]) eact[na++] = e;
+        const bool did = k3_moe_experts(pool, gate, up, down, eact, na, row0, rows, K, z, D, y, D, K3_GLU_SWIGLU, 0, 0);
+        CHECKF(did == (dense == 1), "%s routing (%d rows on %d experts): grouped %d", dense ? "dense" : "sparse", T * K,
+               na, did);
+    }
+    for (int e = 0; e < E; e++) {
+        mat_free(&gate[e]);
+        mat_free(&up[e]);
+        mat_free(&down[e]);
+    }
+    free(z), free(y);
+    k3_pool_free(pool);
+    k3_set_isa(NULL, &err);
+}

@@ -424,9 +424,15 @@ static void moe_bf_task(void *ctx, int64_t lo, int64_t hi, int ith) {
     }
 }
 
+/* The grouped experts take the tiles from this many routed rows per active
+ * expert on average: a tile of one or two tokens pays the weights' decode
+ * into B tiles for one TDPBF16PS, where the AVX-512 kernels decode them in
+ * registers, one expert a thread (docs/amx.md, "Thresholds"). */
+enum { AMX_MOE_ROWS_PER_EXPERT = 8 };
+
 bool k3_amx_moe_bf_fits(const k3_mat *gate, const k3_mat *up, const k3_mat *down, const int32_t *eact, int32_t na,
                         int64_t rows) {
-    if (!kern() || rows < AMX_MIN_ROWS_BF || na <= 0) return false;
+    if (!kern() || rows < AMX_MIN_ROWS_BF || na <= 0 || rows < (int64_t)AMX_MOE_ROWS_PER_EXPERT * na) return false;
     const k3_mat *g0 = &gate[eact[0]];
     for (int32_t a = 0; a < na; a++) {
         const k3_mat *g = &gate[eact[a]], *u = &up[eact[a]], *d = &down[eact[a]];
