@@ -437,3 +437,40 @@ K3_TEST(bf16_moe_grouped_equals_one_by_one) {
     k3_pool_free(pool);
     k3_set_isa(NULL, &err);
 }
+
+/* A verify chunk's few positions spread over many experts (here 20 rows
+ * over 5, 4 an expert): the amx table leaves them to the AVX-512 BF16
+ * kernels one expert at a time (the same bits), where the tiles would run
+ * 1/16 full; with 16 rows an expert it groups them. */
+K3_TEST(bf16_moe_few_rows_per_expert_not_grouped) {
+    k3_error err = {0};
+    if (k3_set_isa("amx", &err) != K3_OK && !k3_kernels_force_amx_emulated()) {
+        printf("    (not run: no AMX unit or emulation: %s)\n", err.msg);
+        k3_set_isa(NULL, NULL);
+        return;
+    }
+    k3_pool *pool = NULL;
+    REQUIRE(k3_pool_init(&pool, 2, NULL) == K3_OK);
+    enum { E = 5, K = 2, D = 64, I = 64 };
+    k3_mat gate[E], up[E], down[E];
+    for (int e = 0; e < E; e++)
+        gate[e] = mx4_mat(I, D, 110, 20), up[e] = mx4_mat(I, D, 110, 20), down[e] = mx4_mat(D, I, 110, 20);
+    for (int per = 4; per <= 16; per += 12) {
+        const int T = per * E / K;
+        int32_t row0[E + 1], rows[16 * E], eact[E];
+        for (int e = 0; e <= E; e++) row0[e] = e * per;
+        for (int i = 0; i < T * K; i++) rows[i] = i;
+        for (int e = 0; e < E; e++) eact[e] = e;
+        float *z = fvec(T * D, 2.0f), *y = calloc((size_t)(T * K * D), sizeof(float));
+        const bool did = k3_moe_experts(pool, gate, up, down, eact, E, row0, rows, K, z, D, y, D, K3_GLU_SWIGLU, 0, 0);
+        CHECKF(did == (per >= 8), "%d rows an expert: grouped %d", per, did);
+        free(z), free(y);
+    }
+    for (int e = 0; e < E; e++) {
+        mat_free(&gate[e]);
+        mat_free(&up[e]);
+        mat_free(&down[e]);
+    }
+    k3_pool_free(pool);
+    k3_set_isa(NULL, &err);
+}

@@ -424,9 +424,16 @@ static void moe_bf_task(void *ctx, int64_t lo, int64_t hi, int ith) {
     }
 }
 
+/* The grouped experts: from this many rows per active expert on average.
+ * Each expert's rows start a tile of 16, so a verify chunk's few positions
+ * spread over many experts (1-2 rows each) would run tiles 1/16 full and
+ * decode every expert's weights into B tiles for them: there the AVX-512
+ * BF16 kernels (the same bits) stream each expert once at the bandwidth. */
+enum { AMX_MIN_ROWS_BF_EXPERT = 8 };
+
 bool k3_amx_moe_bf_fits(const k3_mat *gate, const k3_mat *up, const k3_mat *down, const int32_t *eact, int32_t na,
                         int64_t rows) {
-    if (!kern() || rows < AMX_MIN_ROWS_BF || na <= 0) return false;
+    if (!kern() || rows < AMX_MIN_ROWS_BF || na <= 0 || rows < (int64_t)AMX_MIN_ROWS_BF_EXPERT * na) return false;
     const k3_mat *g0 = &gate[eact[0]];
     for (int32_t a = 0; a < na; a++) {
         const k3_mat *g = &gate[eact[a]], *u = &up[eact[a]], *d = &down[eact[a]];
