@@ -60,7 +60,8 @@ static double median(double *v, int n) {
 
 /* ---- the verify cost curve -------------------------------------------------- */
 
-static int curve(const k3_model *m, k3_pool *pool, k3_kv_type kv, int64_t context, int runs, bool profile, double bw) {
+static int curve(const k3_model *m, k3_pool *pool, k3_kv_type kv, int64_t context, int runs, bool profile, double bw,
+                 const k3_quant_options *qo) {
     k3_model_info info;
     k3_model_get_info(m, &info);
     const int ks[5] = {0, 1, 2, 4, 8};
@@ -151,14 +152,18 @@ static int curve(const k3_model *m, k3_pool *pool, k3_kv_type kv, int64_t contex
     /* The floors: the bytes a pass must read (the trunk once, the union of
      * the experts its positions picked in each MoE layer) at the bandwidth
      * measured before, and its multiply-adds (2 a parameter a position) at
-     * the BF16 dot products' register peak. */
+     * the register peak of the dot products the mode runs few rows on. */
     const double exp_b = (double)info.expert_bytes,
                  trunk = (double)info.bytes_per_token - exp_b * info.n_experts_per_tok * info.n_moe_layers;
-    double peak = k3_peak_gflops(pool, K3_PEAK_BF16DOT, 0.1);
-    if (peak <= 0) peak = k3_peak_gflops(pool, K3_PEAK_FMA32, 0.1);
-    printf("  floors: trunk %.1f MB a pass, %.3f MB an expert of a layer, %d MoE layers, %.1f GB/s, peak %.0f "
+    /* the kind of the mode's products below the tiles' rows: AMX's kinds
+     * map to the AVX-512 dot products the few rows of a pass run on */
+    k3_peak_kind pk = k3_peak_of(qo);
+    if (pk == K3_PEAK_AMX_BF16) pk = K3_PEAK_BF16DOT;
+    if (pk == K3_PEAK_AMX_INT8) pk = K3_PEAK_INT8DOT;
+    const double peak = k3_peak_gflops(pool, pk, 0.1);
+    printf("  floors: trunk %.1f MB a pass, %.3f MB an expert of a layer, %d MoE layers, %.1f GB/s, %s peak %.0f "
            "GFLOP/s\n",
-           trunk / 1e6, exp_b / 1e6, info.n_moe_layers, bw, peak);
+           trunk / 1e6, exp_b / 1e6, info.n_moe_layers, bw, k3_peak_name(pk), peak);
     printf("  %-6s %12s %10s %12s %10s %12s %10s\n", "k", "experts/lyr", "MB read", "bytes ms", "GFLOP", "flops ms",
            "pass/floor");
     for (int ki = 0; ki < 5; ki++) {
@@ -408,7 +413,9 @@ int k3_cmd_bench_spec(int argc, char **argv) {
     const double bw0 = k3_membw_read_gbps(pool, (size_t)1 << 30, 3);
     printf("k3 bench spec: %s, quant %s, kv %s, %s, %d threads; memory bandwidth %.1f GB/s before\n", dir, quant,
            kv == K3_KV_C8 ? "c8" : "f32", k3_isa_current(), threads, bw0);
-    if (do_curve && curve(m, pool, kv, context, runs, profile, bw0)) goto out;
+    k3_quant_options qo = {0};
+    k3_quant_parse(quant, &qo, NULL); /* checked when the model opened */
+    if (do_curve && curve(m, pool, kv, context, runs, profile, bw0, &qo)) goto out;
     e2e x = {m, tok, pool, kv, {0}, gen, temp, 1};
     if (k3_cli_spec_apply("bench spec", &spec, quant, &x.spec, &draft)) goto out;
     gen_out off[16], on[16];
