@@ -60,7 +60,8 @@ static double median(double *v, int n) {
 
 /* ---- the verify cost curve -------------------------------------------------- */
 
-static int curve(const k3_model *m, k3_pool *pool, k3_kv_type kv, int64_t context, int runs, bool profile) {
+static int curve(const k3_model *m, k3_pool *pool, k3_kv_type kv, int64_t context, int runs, bool profile, double bw,
+                 const k3_quant_options *qo) {
     k3_model_info info;
     k3_model_get_info(m, &info);
     const int ks[5] = {0, 1, 2, 4, 8};
@@ -91,6 +92,7 @@ static int curve(const k3_model *m, k3_pool *pool, k3_kv_type kv, int64_t contex
     static const char *ops[K3_PROF_COUNT] = {"embed", "attnres", "norm", "kda", "mlapo", "qli",
                                              "attn",  "mla_out", "ffn",  "moe", "head"};
     double prof[5][K3_PROF_COUNT] = {{0}};
+    double uni[5] = {0}, tms[5] = {0}; /* experts read per MoE layer (the union), pass ms */
     for (int ki = 0; ki < 5; ki++) {
         const int k = ks[ki];
         double t[64], ta[64], ts[64], tps[64];
@@ -101,6 +103,12 @@ static int curve(const k3_model *m, k3_pool *pool, k3_kv_type kv, int64_t contex
         for (int r = -1; r < runs && r < 64; r++) {
             for (int mode = K3_SPEC_REAPPLY; mode <= (k ? K3_SPEC_STATES : K3_SPEC_REAPPLY); mode++) {
                 const k3_batch_seq b = {0, 1 + k, ids, NULL};
+                /* the untimed first pass counts the experts it reads */
+                const bool count = r < 0 && mode == K3_SPEC_REAPPLY;
+                if (count) {
+                    k3_ctx_profile_take(ctx, &pr);
+                    k3_ctx_profile_enable(ctx, true);
+                }
                 if (k && k3_ctx_spec_begin(ctx, 0, 1 + k, mode, &err)) goto fail;
                 const double t0 = k3_now();
                 if (k3_ctx_forward(ctx, &b, 1, k ? K3_LOGITS_ALL : K3_LOGITS_LAST, lg, &err)) goto fail;
@@ -108,6 +116,11 @@ static int curve(const k3_model *m, k3_pool *pool, k3_kv_type kv, int64_t contex
                 /* keep the last token and half the drafts: a typical accept */
                 if (k && k3_ctx_spec_accept(ctx, 0, 1 + k / 2, &err)) goto fail;
                 const double t2 = k3_now();
+                if (count) {
+                    k3_ctx_profile_take(ctx, &pr);
+                    uni[ki] = pr.moe_calls ? (double)pr.moe_experts / (double)pr.moe_calls : 0;
+                    k3_ctx_profile_enable(ctx, profile);
+                }
                 if (r < 0) continue;
                 if (mode == K3_SPEC_REAPPLY) {
                     t[n] = t1 - t0;
@@ -127,6 +140,7 @@ static int curve(const k3_model *m, k3_pool *pool, k3_kv_type kv, int64_t contex
         const double tm = median(t, n) * 1e3, am = k ? median(ta, n) * 1e3 : 0, sm = k ? median(ts, n) * 1e3 : 0;
         const double pm = k ? median(tps, n) * 1e3 : 0;
         if (!k) base = tm;
+        tms[ki] = tm;
         printf("  %-6d %10.2f %8.2f %12.3f %12.2f %12.3f %7.0f /%6.0f\n", k, tm, base > 0 ? tm / base : 0, am, pm, sm,
                k ? (double)k3_ctx_spec_bytes(ctx, 1 + k, K3_SPEC_REAPPLY) / 1024 : 0,
                k ? (double)k3_ctx_spec_bytes(ctx, 1 + k, K3_SPEC_STATES) / 1024 : 0);
@@ -135,6 +149,31 @@ static int curve(const k3_model *m, k3_pool *pool, k3_kv_type kv, int64_t contex
            "   states pass / acc: the verify pass that keeps every position's state, and its accept (a copy);\n"
            "   kept KB/seq: what each way holds per sequence, re-apply / states; a KDA state here is %lld KB)\n",
            (long long)(k3_ctx_state_bytes(ctx) / 1024));
+    /* The floors: the bytes a pass must read (the trunk once, the union of
+     * the experts its positions picked in each MoE layer) at the bandwidth
+     * measured before, and its multiply-adds (2 a parameter a position) at
+     * the register peak of the dot products the mode runs few rows on. */
+    const double exp_b = (double)info.expert_bytes,
+                 trunk = (double)info.bytes_per_token - exp_b * info.n_experts_per_tok * info.n_moe_layers;
+    /* the kind of the mode's products below the tiles' rows: AMX's kinds
+     * map to the AVX-512 dot products the few rows of a pass run on */
+    k3_peak_kind pk = k3_peak_of(qo);
+    if (pk == K3_PEAK_AMX_BF16) pk = K3_PEAK_BF16DOT;
+    if (pk == K3_PEAK_AMX_INT8) pk = K3_PEAK_INT8DOT;
+    const double peak = k3_peak_gflops(pool, pk, 0.1);
+    printf("  floors: trunk %.1f MB a pass, %.3f MB an expert of a layer, %d MoE layers, %.1f GB/s, %s peak %.0f "
+           "GFLOP/s\n",
+           trunk / 1e6, exp_b / 1e6, info.n_moe_layers, bw, k3_peak_name(pk), peak);
+    printf("  %-6s %12s %10s %12s %10s %12s %10s\n", "k", "experts/lyr", "MB read", "bytes ms", "GFLOP", "flops ms",
+           "pass/floor");
+    for (int ki = 0; ki < 5; ki++) {
+        const double rd = trunk + exp_b * uni[ki] * info.n_moe_layers,
+                     fl = 2.0 * (double)info.n_params_active * (1 + ks[ki]) / 1e9;
+        const double fb = bw > 0 ? rd / (bw * 1e9) * 1e3 : 0, fc = peak > 0 ? fl / peak * 1e3 : 0;
+        const double fm = fb > fc ? fb : fc;
+        printf("  %-6d %12.1f %10.1f %12.2f %10.2f %12.2f %10.2f\n", ks[ki], uni[ki], rd / 1e6, fb, fl, fc,
+               fm > 0 ? tms[ki] / fm : 0);
+    }
     if (profile) {
         printf("  ms per pass by operator (mean, both rollbacks' passes):\n  %-8s", "k");
         for (int ki = 0; ki < 5; ki++) printf(" %8d", ks[ki]);
@@ -374,7 +413,9 @@ int k3_cmd_bench_spec(int argc, char **argv) {
     const double bw0 = k3_membw_read_gbps(pool, (size_t)1 << 30, 3);
     printf("k3 bench spec: %s, quant %s, kv %s, %s, %d threads; memory bandwidth %.1f GB/s before\n", dir, quant,
            kv == K3_KV_C8 ? "c8" : "f32", k3_isa_current(), threads, bw0);
-    if (do_curve && curve(m, pool, kv, context, runs, profile)) goto out;
+    k3_quant_options qo = {0};
+    k3_quant_parse(quant, &qo, NULL); /* checked when the model opened */
+    if (do_curve && curve(m, pool, kv, context, runs, profile, bw0, &qo)) goto out;
     e2e x = {m, tok, pool, kv, {0}, gen, temp, 1};
     if (k3_cli_spec_apply("bench spec", &spec, quant, &x.spec, &draft)) goto out;
     gen_out off[16], on[16];

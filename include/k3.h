@@ -94,6 +94,10 @@ typedef struct k3_model_info {
     int64_t bytes_per_token;       /* weight bytes read to decode one token */
     int64_t cache_bytes_per_token; /* MLA latent + indexer keys, all layers */
     int64_t state_bytes_per_seq;   /* KDA recurrent + conv state */
+    int32_t n_experts;             /* routed experts per MoE layer (0: none) */
+    int32_t n_experts_per_tok;     /* routed experts each token picks per layer */
+    int32_t n_moe_layers;          /* layers with routed experts */
+    int64_t expert_bytes;          /* one routed expert of one layer (gate, up, down), as stored */
 } k3_model_info;
 
 /* Opens a checkpoint directory (config.json + safetensors). Weights are
@@ -323,6 +327,9 @@ typedef enum k3_prof_op {
 
 typedef struct k3_profile {
     double seconds[K3_PROF_COUNT];
+    int64_t moe_calls;   /* routed-expert layer calls (a layer of a pass) */
+    int64_t moe_experts; /* experts those calls read: the union of what their rows picked, summed */
+    int64_t moe_rows;    /* (row, expert) pairs those calls computed */
 } k3_profile;
 
 const char *k3_prof_op_name(k3_prof_op op);

@@ -393,7 +393,7 @@ K3_TEST(spec_engine_draft_model_accepts_itself) {
  * distribution, by a two-sample chi-square over the 12 most frequent tokens
  * and the rest, under the 0.1% point. (With the same seeds the tokens are
  * the same ones, which spec_engine_sampling_same_tokens_per_seed checks.) */
-K3_TEST(spec_engine_distribution_per_position) {
+static void distribution_per_position(const char *what, const spec_cfg *drafting) {
     k3_model *m = NULL;
     k3_error err = {0};
     REQUIREF(k3_model_open(&m, "models/k3-mini", &err) == K3_OK, "%s", err.msg);
@@ -405,7 +405,8 @@ K3_TEST(spec_engine_distribution_per_position) {
     k3_engine_stats st;
     int64_t accepted = 0;
     for (int on = 0; on < 2; on++) {
-        spec_cfg sc = {.method = on ? K3_SPEC_SUFFIX : K3_SPEC_OFF, .k = 4, .max_num_seqs = 8};
+        const spec_cfg off = {.method = K3_SPEC_OFF, .max_num_seqs = drafting->max_num_seqs};
+        const spec_cfg sc = on ? *drafting : off;
         for (int s0 = 0; s0 < DRAWS; s0 += MAXQ) {
             /* each batch its own prompt tail; both arms the same tails */
             int32_t tail[MAXQ][64];
@@ -430,7 +431,7 @@ K3_TEST(spec_engine_distribution_per_position) {
                 for (int p = 0; p < POS; p++) at[on][s0 + q][p] = res[q].n > p + 1 ? res[q].tok[p + 1] : -1;
         }
     }
-    CHECKF(accepted > 0, "no draft was accepted: the test shows nothing");
+    CHECKF(accepted > 0, "%s: no draft was accepted: the test shows nothing", what);
     for (int p = 0; p < POS; p++) {
         int32_t tokv[2 * DRAWS];
         static int64_t cnt[2][2 * DRAWS];
@@ -475,7 +476,44 @@ K3_TEST(spec_engine_distribution_per_position) {
         /* the 0.1% points of chi-square for 1..12 degrees of freedom */
         static const double crit[13] = {0,     10.83, 13.82, 16.27, 18.47, 20.52, 22.46,
                                         24.32, 26.12, 27.88, 29.59, 31.26, 32.91};
-        CHECKF(df < 1 || x < crit[df], "position %d: chi-square %.2f over %d degrees of freedom", p + 1, x, df);
+        CHECKF(df < 1 || x < crit[df], "%s, position %d: chi-square %.2f over %d degrees of freedom", what, p + 1, x,
+               df);
     }
     k3_model_close(m);
+}
+
+K3_TEST(spec_engine_distribution_per_position) {
+    const spec_cfg sc = {.method = K3_SPEC_SUFFIX, .k = 4, .max_num_seqs = 8};
+    distribution_per_position("suffix", &sc);
+}
+
+/* The draft model drafts greedily (its argmax), also for a sampled request:
+ * a point mass q, for which the rejection rule (accept d with min(1, p/q) =
+ * p(d), else draw from max(0, p - q) normalised: p without d) is what
+ * drawing from p and comparing with d gives, so the verify needs no q. The
+ * same distribution at each position (k3-mini drafting for itself, greedy
+ * drafts against temperature-1 draws), and for one seed the same tokens. */
+K3_TEST(spec_engine_draft_model_sampled_request) {
+    k3_model *d = NULL, *m = NULL;
+    k3_error err = {0};
+    REQUIREF(k3_model_open(&d, "models/k3-mini", &err) == K3_OK, "%s", err.msg);
+    const spec_cfg sc = {.method = K3_SPEC_DRAFT_MODEL, .k = 4, .draft = d, .max_num_seqs = 8};
+    distribution_per_position("draft_model", &sc);
+    REQUIREF(k3_model_open(&m, "models/k3-mini", &err) == K3_OK, "%s", err.msg);
+    int32_t ids[6][160];
+    int lens[6];
+    const int nq = prompts(ids, lens, (int)m->cfg.vocab_size);
+    const int32_t *ps[6] = {ids[0], ids[1], ids[2], ids[3], ids[4], ids[5]};
+    static result off[MAXQ], on[MAXQ];
+    k3_engine_stats st;
+    const req_cfg seeded = {.max_tokens = 32, .logprobs = NTOP, .temp = 0.8f, .top_p = 0.95f, .ignore_eos = true};
+    const spec_cfg so = {.method = K3_SPEC_OFF, .max_num_seqs = 8};
+    REQUIRE(run(m, &so, ps, lens, nq, &seeded, off, &st));
+    REQUIRE(run(m, &sc, ps, lens, nq, &seeded, on, &st));
+    const int bad = differ(off, on, nq);
+    CHECKF(!bad && st.spec_accepted_tokens > 0,
+           "draft_model, seeded at temperature 0.8 (isa %s): %d of %d requests differ, %lld of %lld drafts accepted",
+           k3_isa_current(), bad, nq, (long long)st.spec_accepted_tokens, (long long)st.spec_draft_tokens);
+    k3_model_close(m);
+    k3_model_close(d);
 }

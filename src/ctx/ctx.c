@@ -564,6 +564,10 @@ void k3_ctx_profile_take(k3_ctx *ctx, k3_profile *out) {
         out->seconds[i] = ctx->prof[i];
         ctx->prof[i] = 0.0;
     }
+    out->moe_calls = ctx->prof_moe[0];
+    out->moe_experts = ctx->prof_moe[1];
+    out->moe_rows = ctx->prof_moe[2];
+    memset(ctx->prof_moe, 0, sizeof ctx->prof_moe);
 }
 
 k3_status k3_ctx_seq_fill_synthetic(k3_ctx *ctx, int32_t seq, int64_t n, uint64_t seed, k3_error *err) {

@@ -174,6 +174,7 @@ struct k3_ctx {
 
     bool prof_on;               /* k3_ctx_profile_enable */
     double prof[K3_PROF_COUNT]; /* seconds per operator */
+    int64_t prof_moe[3];        /* routed-expert calls, experts read, rows (k3_profile) */
 
     int32_t n_bank_max;
     int64_t ff_width;

@@ -425,9 +425,11 @@ static void moe_bf_task(void *ctx, int64_t lo, int64_t hi, int ith) {
 }
 
 /* The grouped experts take the tiles from this many routed rows per active
- * expert on average: a tile of one or two tokens pays the weights' decode
- * into B tiles for one TDPBF16PS, where the AVX-512 kernels decode them in
- * registers, one expert a thread (docs/amx.md, "Thresholds"). */
+ * expert on average: each expert's rows start a tile of 16, so a tile of one
+ * or two tokens (a batched decode step, a verify chunk's few positions over
+ * many experts) pays the weights' decode into B tiles for one TDPBF16PS,
+ * where the AVX-512 BF16 kernels (the same bits) decode them in registers,
+ * one expert a thread (docs/amx.md, "Thresholds"). */
 enum { AMX_MOE_ROWS_PER_EXPERT = 8 };
 
 bool k3_amx_moe_bf_fits(const k3_mat *gate, const k3_mat *up, const k3_mat *down, const int32_t *eact, int32_t na,

@@ -106,6 +106,11 @@ void k3_moe_layer(k3_ctx *ctx, const k3_layer *L, const float *yn, float *out) {
     int32_t na = 0;
     for (int e = 0; e < E; e++)
         if (s->ecount[e + 1] > s->ecount[e] && k3_ep_owns(ctx, e)) s->eact[na++] = e;
+    if (ctx->prof_on) {
+        ctx->prof_moe[0]++;
+        ctx->prof_moe[1] += na;
+        ctx->prof_moe[2] += s->ecount[E];
+    }
     expert_job ej = {ctx, L, z, na, 0};
     const k3_glu_kind kind = c->act == K3_ACT_SITU ? K3_GLU_SITU : K3_GLU_SWIGLU;
     if (k3_moe_experts(ctx->pool, L->exp_gate, L->exp_up, L->exp_down, s->eact, na, s->ecount, s->erows, K, z, Dl,

@@ -716,6 +716,13 @@ void k3_model_get_info(const k3_model *m, k3_model_info *info) {
     int64_t emb_b = c->tie_word_embeddings ? 0 : s->emb_bytes - s->emb_bytes / V;
     info->n_params_active = s->params - s->exp_params + act_exp_params - emb_p;
     info->bytes_per_token = s->bytes - s->exp_bytes + act_exp_bytes - emb_b + m->quant_bytes_delta;
+    int32_t nmoe = 0;
+    for (int i = 0; i < c->n_layers; i++)
+        if (c->layer_moe[i]) nmoe++;
+    info->n_experts = c->n_experts > 0 ? (int32_t)c->n_experts : 0;
+    info->n_experts_per_tok = info->n_experts ? (int32_t)c->n_experts_per_tok : 0;
+    info->n_moe_layers = nmoe;
+    info->expert_bytes = nmoe ? s->exp_bytes / E / nmoe : 0;
 }
 
 /* snprintf into buf at *len, tracking the wanted length (snprintf rules). */
