@@ -18,7 +18,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "engine/engine.h"
 #include "kvs_harness.h"
+#include "model/model.h"
 #include "kvstore/kvstore.h"
 #include "test.h"
 
@@ -577,5 +579,146 @@ K3_TEST(kvstore_arguments) {
     k3_kvs_close(s);
     rm_tree(dir);
     k3_ctx_free(a);
+    k3_model_close(m);
+}
+
+/* ---- the disk tier behind the engine (src/engine/disk.c) ------------------------------------ */
+
+typedef struct eng_out {
+    int32_t tok[16];
+    int n;
+    bool done;
+    k3_finish_reason fin;
+    int64_t n_cached, n_disk;
+} eng_out;
+
+static k3_engine *disk_engine(const k3_model *m, const char *dir) {
+    const k3_engine_options o = {.max_num_seqs = 4,
+                                 .cache_tokens = 2048,
+                                 .block_size = BS,
+                                 .max_num_batched_tokens = 512,
+                                 .kv_cache_dir = dir,
+                                 .kv_cache_disk_bytes = 64 << 20,
+                                 .quant_name = "none"};
+    k3_engine *e = NULL;
+    k3_error err = {0};
+    if (k3_engine_open(&e, m, &o, &err)) k3_test_fail(__FILE__, __LINE__, "engine: %s", err.msg);
+    return e;
+}
+
+static uint64_t eng_submit(k3_engine *e, const int32_t *ids, int n, uint64_t salt) {
+    const k3_request_params p = {.prompt = ids,
+                                 .n_prompt = n,
+                                 .max_tokens = 8,
+                                 .logprobs = -1,
+                                 .prompt_logprobs = -1,
+                                 .sampling = {.temperature = 0, .top_p = 1, .repeat_penalty = 1},
+                                 .cache_salt = salt};
+    uint64_t id = 0;
+    k3_error err = {0};
+    if (k3_engine_submit(e, &p, &id, &err)) k3_test_fail(__FILE__, __LINE__, "submit: %s", err.msg);
+    return id;
+}
+
+/* Steps until outs[0 .. n) (ids base ..) are done, checking the block accounting after every
+ * step; a step waits for the disk tier when only a load is in flight. cancel: the id to cancel
+ * after the first step (0: none). Returns the steps taken, -1 on a failure. */
+static int eng_run(k3_engine *e, eng_out *outs, uint64_t base, int n, uint64_t cancel) {
+    k3_error err = {0};
+    if (!base) return -1; /* the submit failed (and said why) */
+    for (int steps = 0; steps < 20000; steps++) {
+        bool all = true;
+        for (int i = 0; i < n; i++) all &= outs[i].done;
+        if (all) return steps;
+        if (!k3_engine_has_work(e)) k3_engine_wait(e, 0.05);
+        k3_step_result sr;
+        if (k3_engine_step(e, &sr, &err)) {
+            k3_test_fail(__FILE__, __LINE__, "step: %s", err.msg);
+            return -1;
+        }
+        if (!k3_engine_check(e)) {
+            k3_test_fail(__FILE__, __LINE__, "block accounting broken after step %d", steps);
+            return -1;
+        }
+        if (cancel && steps == 0) k3_engine_cancel(e, cancel);
+        for (int32_t k = 0; k < sr.n_outputs; k++) {
+            const k3_req_output *o = &sr.outputs[k];
+            if (o->id < base || o->id >= base + (uint64_t)n) continue;
+            eng_out *r = &outs[o->id - base];
+            for (int32_t t = 0; t < o->n_new && r->n < 16; t++) r->tok[r->n++] = o->tokens[t];
+            if (o->events & K3_EV_FINISHED) {
+                r->done = true;
+                r->fin = o->finish;
+                r->n_cached = o->n_cached;
+                r->n_disk = o->n_disk;
+            }
+        }
+    }
+    k3_test_fail(__FILE__, __LINE__, "the requests did not finish");
+    return -1;
+}
+
+/* A restarted engine takes a prompt the directory holds beyond its RAM hit: it waits outside
+ * the batch (a cold request beside it runs), loads, lands in the prefix cache and continues with
+ * the RAM hit's tokens (the same blocks and state, computed from the same position); every step
+ * the references add up (saves hold theirs); a request cancelled while it loads ends and gives
+ * everything back; another salt finds nothing. */
+K3_TEST(kvstore_engine_connector) {
+    k3_model *m = NULL;
+    k3_error err = {0};
+    REQUIREF(!k3_model_open(&m, TINY, &err), "%s", err.msg);
+    char *dir = tmp_dir();
+    REQUIRE(dir);
+    int32_t p1[200], p3[150];
+    kvh_ids(p1, 200, m->cfg.vocab_size, 41);
+    kvh_ids(p3, 150, m->cfg.vocab_size, 43);
+    /* A: cold, then a RAM hit; closing it finishes its saves */
+    k3_engine *a = disk_engine(m, dir);
+    REQUIRE(a);
+    eng_out cold1 = {0}, ram = {0};
+    uint64_t id = eng_submit(a, p1, 200, 0);
+    CHECK(eng_run(a, &cold1, id, 1, 0) >= 0);
+    id = eng_submit(a, p1, 200, 0);
+    CHECK(eng_run(a, &ram, id, 1, 0) >= 0);
+    CHECKF(ram.n_cached == 192 && ram.n_disk == 0, "RAM hit %lld, disk %lld", (long long)ram.n_cached,
+           (long long)ram.n_disk);
+    k3_engine_close(a);
+    /* B: the disk hit, then beside a cold request */
+    k3_engine *b = disk_engine(m, dir);
+    REQUIRE(b);
+    eng_out disk = {0}, two[2];
+    memset(two, 0, sizeof two);
+    id = eng_submit(b, p1, 200, 0);
+    CHECK(eng_run(b, &disk, id, 1, 0) >= 0);
+    CHECKF(disk.n_cached == ram.n_cached && disk.n_disk == 192, "disk hit: cached %lld, from disk %lld",
+           (long long)disk.n_cached, (long long)disk.n_disk);
+    CHECK(disk.n == ram.n && !memcmp(disk.tok, ram.tok, sizeof(int32_t) * (size_t)ram.n));
+    k3_disk_stats ds;
+    k3_kvs_metrics km;
+    REQUIRE(k3_engine_disk_stats(b, &ds, &km));
+    CHECK(ds.loads_landed == 1 && ds.ext_hits == 192 && ds.ext_queries == 200 && km.bytes_read > 0);
+    k3_engine_close(b);
+    k3_engine *c = disk_engine(m, dir);
+    REQUIRE(c);
+    const uint64_t base = eng_submit(c, p1, 200, 0);
+    eng_submit(c, p3, 150, 0);
+    CHECK(eng_run(c, two, base, 2, 0) >= 0);
+    CHECK(two[0].n_disk == 192 && two[1].n_cached == 0 && two[1].fin == K3_FINISH_LENGTH);
+    k3_engine_close(c);
+    /* cancelled while it loads (or waits for its blocks): everything goes back */
+    k3_engine *d = disk_engine(m, dir);
+    REQUIRE(d);
+    eng_out cx = {0};
+    id = eng_submit(d, p1, 200, 0);
+    CHECK(eng_run(d, &cx, id, 1, id) >= 0);
+    CHECK(cx.fin == K3_FINISH_CANCELLED && cx.n == 0);
+    CHECK(k3_engine_blocks_free(d) == 2048 / BS);
+    /* another salt: a miss */
+    eng_out salted = {0};
+    id = eng_submit(d, p1, 200, 0x5eed);
+    CHECK(eng_run(d, &salted, id, 1, 0) >= 0);
+    CHECK(salted.n_cached == 0 && salted.n_disk == 0);
+    k3_engine_close(d);
+    rm_tree(dir);
     k3_model_close(m);
 }

@@ -367,8 +367,11 @@ static void disk_request_finished(void *self, req *r, k3_finish_reason why, doub
             break;
         }
     if (why == K3_FINISH_ERROR || r->disk_phase != DISK_NONE || r->rq.state == K3_RQ_REMOTE) return;
+    /* up to the prompt's last full block: a lookup finds a run only when it ends within the prompt
+     * looking (the next turn's prompt, which holds this one's output, saves its own) */
     int32_t n = r->rq.n_registered;
     if (n > r->rq.n_computed / d->bs) n = (int32_t)(r->rq.n_computed / d->bs);
+    if (n > r->rq.n_prompt / d->bs) n = (int32_t)(r->rq.n_prompt / d->bs);
     if (n > r->disk_saved) save_runs(d, r, n, true);
 }
 
