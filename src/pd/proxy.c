@@ -46,9 +46,11 @@
 #include "http/http.h"
 #include "pd/auth.h"
 #include "pd/pd.h"
+#include "router/router.h"
 
 typedef struct backend {
-    char *url; /* base, no trailing slash */
+    char *url;    /* base, no trailing slash */
+    int32_t rix;  /* the router's index of it, -1 for prefill and decode instances */
     atomic_int inflight;
     _Atomic double down_until; /* k3_now() before which it is skipped */
     atomic_long requests, failures;
@@ -66,6 +68,12 @@ struct k3_proxy {
     atomic_uint rr;
     atomic_bool stopping;
     atomic_long requests, errors, released, whole;
+    /* the router (--role router): its policy over the backends (p->dec), under rmu */
+    k3_router *router;
+    pthread_mutex_t rmu;
+    int32_t key_block;                 /* bytes of the prompt's key per tree node */
+    atomic_long routed[K3_ROUTE_RR + 1]; /* by why */
+    atomic_long matched_bytes, key_bytes;
     /* the prober of the backends' /health */
     pthread_t prober;
     bool prober_started, quit;
@@ -123,6 +131,15 @@ static int pick(k3_proxy *p, backend *b, int n, unsigned tried) {
         if (*slot < 0 || atomic_load(&b[i].inflight) < atomic_load(&b[*slot].inflight)) *slot = i;
     }
     return best >= 0 ? best : best_down;
+}
+
+/* A request sent to b ended (ok: answered, or ended by the client or the proxy; else b failed it):
+ * the router's load and health learn it. */
+static void backend_done(k3_proxy *p, backend *b, bool ok) {
+    if (!p->router || b->rix < 0) return;
+    pthread_mutex_lock(&p->rmu);
+    k3_router_done(p->router, b->rix, ok, k3_now());
+    pthread_mutex_unlock(&p->rmu);
 }
 
 typedef struct call {
@@ -308,8 +325,9 @@ typedef struct relay {
     bool done, failed;
     k3_buf tail; /* the ending after a stream cut short or ended by the proxy */
     size_t tail_pos;
-    json_t *resp; /* the Responses API's response object, from its first event */
-    long seq;     /* the Responses API's last sequence_number */
+    json_t *resp;  /* the Responses API's response object, from its first event */
+    long seq;      /* the Responses API's last sequence_number */
+    bool ended_ok; /* ended by the client or the proxy before an answer: not the backend's failure */
 } relay;
 
 /* What a stream's client reads when the stream ends early: its API's error
@@ -429,8 +447,12 @@ static ssize_t relay_read(void *cls, uint64_t pos, char *buf, size_t max) {
     return 0; /* nothing yet: MHD asks again */
 }
 
+static void backend_done(k3_proxy *p, backend *b, bool ok);
+
 static void relay_free(void *cls) {
     relay *r = cls;
+    backend_done(r->p, r->b,
+                 r->ended_ok || r->c.client_left || r->c.ended || (r->c.got_status && !r->failed && r->c.status < 500));
     curl_multi_remove_handle(r->m, r->c.h);
     curl_multi_cleanup(r->m);
     call_free(&r->c);
@@ -563,7 +585,180 @@ static enum MHD_Result prefill_leg(k3_proxy *p, struct MHD_Connection *c, int ro
     }
 }
 
+/* The leg that answers the client: body (taken) to one of l->bs (l->choose's pick, then another
+ * not tried when it cannot be reached: it is marked down), its answer or stream relayed as it
+ * comes. The decode leg of prefill/decode disaggregation and the router's one leg. */
+typedef struct leg {
+    backend *bs; /* the backends it may use */
+    int n;
+    int (*choose)(k3_proxy *p, const struct leg *l, unsigned tried); /* an index not in tried, or -1 */
+    const int32_t *key; /* the router's: the prompt's key */
+    int64_t n_key;
+    const char *cred; /* the proxy's credential over kv_transfer_params, or NULL */
+    json_t *kv;       /* the hold to release when no backend takes the request, or NULL */
+    const char *what; /* "decode instance", "backend" */
+} leg;
+
+static int pick_least_loaded(k3_proxy *p, const leg *l, unsigned tried) { return pick(p, l->bs, l->n, tried); }
+
+/* The router's choice among the backends not tried (the policy of src/router: the longest prefix
+ * it sent there, balanced by load; a backend down gets a probe); it records the request there. */
+static int choose_router(k3_proxy *p, const leg *l, unsigned tried) {
+    pthread_mutex_lock(&p->rmu);
+    const double now = k3_now();
+    const k3_route rt = k3_router_route_excluding(p->router, l->key, l->n_key, now, tried);
+    if (rt.backend < 0) {
+        /* none healthy: the least loaded not tried, whatever its health (it may be back) */
+        const int i = pick(p, l->bs, l->n, tried);
+        if (i >= 0) k3_router_sent(p->router, i, l->key, l->n_key, now);
+        pthread_mutex_unlock(&p->rmu);
+        if (i >= 0) atomic_fetch_add(&p->routed[K3_ROUTE_NONE], 1);
+        return i;
+    }
+    pthread_mutex_unlock(&p->rmu);
+    atomic_fetch_add(&p->routed[rt.why], 1);
+    atomic_fetch_add(&p->matched_bytes, rt.matched_tokens);
+    return rt.backend;
+}
+
+static enum MHD_Result answer_leg(k3_proxy *p, struct MHD_Connection *c, int route, const char *url, char *body,
+                                  bool stream, const leg *l) {
+    unsigned tried = 0;
+    char last[720];
+    snprintf(last, sizeof last, "no %s", l->what);
+    for (;;) {
+        const int i = l->choose(p, l, tried);
+        if (i < 0) {
+            if (l->kv) release_hold(p, l->kv);
+            free(body);
+            return fail(p, c, route, 502, "no %s answered: %s", l->what, last);
+        }
+        tried |= 1u << i;
+        backend *b = &l->bs[i];
+        relay *r = calloc(1, sizeof *r);
+        if (!r || !call_init(&r->c, p, b, "POST", url, body, strlen(body), c, l->cred)) {
+            free(r);
+            backend_done(p, b, true);
+            if (l->kv) release_hold(p, l->kv);
+            free(body);
+            return fail(p, c, route, 500, "out of memory");
+        }
+        r->p = p;
+        r->b = b;
+        r->route = route;
+        atomic_fetch_add(&b->inflight, 1);
+        atomic_fetch_add(&b->requests, 1);
+        if (!stream) {
+            k3_error err = {0};
+            const bool ok = call_run(&r->c, &err);
+            atomic_fetch_sub(&b->inflight, 1);
+            const bool gone = r->c.client_left, end = r->c.ended;
+            /* a backend that answered (not with a server error), or a call the client or the proxy ended */
+            backend_done(p, b, (ok && r->c.got_status && r->c.status < 500) || gone || end);
+            if (ok && r->c.got_status && !end && !gone) {
+                char *text = malloc(r->c.out.len + 1);
+                if (text) memcpy(text, r->c.out.p ? r->c.out.p : "", r->c.out.len);
+                const enum MHD_Result ret = relay_whole(p, c, r->c.status, text, r->c.out.len, r->c.ctype);
+                call_free(&r->c);
+                free(r);
+                free(body);
+                return ret;
+            }
+            call_free(&r->c);
+            free(r);
+            if (gone || end) {
+                free(body);
+                return gone ? MHD_NO : ended(p, c, route);
+            }
+            atomic_fetch_add(&b->failures, 1);
+            atomic_store(&b->down_until, k3_now() + 2.0);
+            snprintf(last, sizeof last, "%.200s: %.500s", b->url, err.msg);
+            continue;
+        }
+        /* a stream: relayed once the decode instance has answered its status */
+        r->m = curl_multi_init();
+        if (!r->m) {
+            atomic_fetch_sub(&b->inflight, 1);
+            backend_done(p, b, true);
+            call_free(&r->c);
+            free(r);
+            if (l->kv) release_hold(p, l->kv);
+            free(body);
+            return fail(p, c, route, 500, "out of memory");
+        }
+        curl_multi_add_handle(r->m, r->c.h);
+        while (!r->done && !r->c.got_status && !k3_http_client_gone(c) && !r->c.ended) relay_pump(r, 100);
+        const bool answered_status = r->c.got_status;
+        if (!answered_status || (r->done && r->failed && r->c.out.len == 0)) {
+            const bool gone = k3_http_client_gone(c), end = r->c.ended;
+            if (!end) {
+                atomic_fetch_add(&b->failures, 1);
+                atomic_store(&b->down_until, k3_now() + 2.0);
+            }
+            snprintf(last, sizeof last, "%.200s: %.500s", b->url, r->c.errbuf[0] ? r->c.errbuf : "no answer");
+            if (gone || end) r->ended_ok = true; /* not the backend's failure */
+            relay_free(r);
+            if (gone || end) {
+                free(body);
+                return gone ? MHD_NO : ended(p, c, route);
+            }
+            continue;
+        }
+        curl_easy_getinfo(r->c.h, CURLINFO_RESPONSE_CODE, &r->c.status);
+        free(body);
+        if (r->c.status != 200) atomic_fetch_add(&p->errors, 1);
+        return k3_http_queue_stream(p->http, c, r->c.status ? (unsigned)r->c.status : 200,
+                                    r->c.ctype[0] ? r->c.ctype : "text/event-stream", relay_read, r, relay_free);
+    }
+}
+
+
+/* The prompt's key for the router's tree: the fields that make a prompt, in the order a template
+ * renders them, as compact JSON -- a conversation that grows keeps its key's prefix (the router
+ * sees text, as SGLang's does; no tokenizer here). One int32 per byte. NULL when none. */
+static int32_t *prompt_key(json_t *root, int64_t *n) {
+    static const char *const fields[] = {"instructions", "system", "tools", "prompt", "messages", "input"};
+    k3_buf b = {0};
+    for (size_t i = 0; i < sizeof fields / sizeof *fields; i++) {
+        json_t *v = json_object_get(root, fields[i]);
+        if (!v) continue;
+        char *t = json_dumps(v, JSON_COMPACT | JSON_ENCODE_ANY);
+        if (t) k3_buf_addf(&b, "%s:%s\n", fields[i], t);
+        free(t);
+    }
+    *n = 0;
+    if (b.oom || !b.len) {
+        k3_buf_free(&b);
+        return NULL;
+    }
+    int32_t *key = malloc(sizeof(int32_t) * b.len);
+    if (key) {
+        for (size_t i = 0; i < b.len; i++) key[i] = (unsigned char)b.p[i];
+        *n = (int64_t)b.len;
+    }
+    k3_buf_free(&b);
+    return key;
+}
+
+/* The router's generation request: whole to the backend its policy picks. */
+static enum MHD_Result route_generate(k3_proxy *p, struct MHD_Connection *c, int route, const char *url,
+                                      json_t *root) {
+    int64_t n_key = 0;
+    int32_t *key = prompt_key(root, &n_key);
+    char *body = json_dumps(root, JSON_COMPACT);
+    if (!body) {
+        free(key);
+        return fail(p, c, route, 500, "out of memory");
+    }
+    atomic_fetch_add(&p->key_bytes, n_key);
+    const leg l = {.bs = p->dec, .n = p->n_dec, .choose = choose_router, .key = key, .n_key = n_key, .what = "backend"};
+    const enum MHD_Result ret = answer_leg(p, c, route, url, body, json_is_true(json_object_get(root, "stream")), &l);
+    free(key);
+    return ret;
+}
+
 static enum MHD_Result generate(k3_proxy *p, struct MHD_Connection *c, int route, const char *url, json_t *root) {
+    if (p->router) return route_generate(p, c, route, url, root);
     /* 1. the prefill instance: one token, no stream, kept for a decode instance */
     json_t *ans = NULL;
     bool answered;
@@ -590,95 +785,16 @@ static enum MHD_Result generate(k3_proxy *p, struct MHD_Connection *c, int route
         free(dbody);
         return dbody ? MHD_NO : fail(p, c, route, 500, "out of memory");
     }
-    const bool stream = json_is_true(json_object_get(root, "stream"));
-    unsigned tried = 0;
-    char last[720] = "no decode instance";
-    for (;;) {
-        const int i = pick(p, p->dec, p->n_dec, tried);
-        if (i < 0) {
-            if (json_is_object(kv)) release_hold(p, kv);
-            json_decref(ans);
-            free(dbody);
-            return fail(p, c, route, 502, "no decode instance answered: %s", last);
-        }
-        tried |= 1u << i;
-        backend *b = &p->dec[i];
-        relay *r = calloc(1, sizeof *r);
-        if (!r || !call_init(&r->c, p, b, "POST", url, dbody, strlen(dbody), c, cred[0] ? cred : NULL)) {
-            free(r);
-            if (json_is_object(kv)) release_hold(p, kv);
-            json_decref(ans);
-            free(dbody);
-            return fail(p, c, route, 500, "out of memory");
-        }
-        r->p = p;
-        r->b = b;
-        r->route = route;
-        atomic_fetch_add(&b->inflight, 1);
-        atomic_fetch_add(&b->requests, 1);
-        if (!stream) {
-            k3_error err = {0};
-            const bool ok = call_run(&r->c, &err);
-            atomic_fetch_sub(&b->inflight, 1);
-            const bool gone = r->c.client_left, end = r->c.ended;
-            if (ok && r->c.got_status && !end && !gone) {
-                char *text = malloc(r->c.out.len + 1);
-                if (text) memcpy(text, r->c.out.p ? r->c.out.p : "", r->c.out.len);
-                const enum MHD_Result ret = relay_whole(p, c, r->c.status, text, r->c.out.len, r->c.ctype);
-                call_free(&r->c);
-                free(r);
-                json_decref(ans);
-                free(dbody);
-                return ret;
-            }
-            call_free(&r->c);
-            free(r);
-            if (gone || end) {
-                json_decref(ans);
-                free(dbody);
-                return gone ? MHD_NO : ended(p, c, route);
-            }
-            atomic_fetch_add(&b->failures, 1);
-            atomic_store(&b->down_until, k3_now() + 2.0);
-            snprintf(last, sizeof last, "%.200s: %.500s", b->url, err.msg);
-            continue;
-        }
-        /* a stream: relayed once the decode instance has answered its status */
-        r->m = curl_multi_init();
-        if (!r->m) {
-            atomic_fetch_sub(&b->inflight, 1);
-            call_free(&r->c);
-            free(r);
-            if (json_is_object(kv)) release_hold(p, kv);
-            json_decref(ans);
-            free(dbody);
-            return fail(p, c, route, 500, "out of memory");
-        }
-        curl_multi_add_handle(r->m, r->c.h);
-        while (!r->done && !r->c.got_status && !k3_http_client_gone(c) && !r->c.ended) relay_pump(r, 100);
-        const bool answered_status = r->c.got_status;
-        if (!answered_status || (r->done && r->failed && r->c.out.len == 0)) {
-            const bool gone = k3_http_client_gone(c), end = r->c.ended;
-            if (!end) {
-                atomic_fetch_add(&b->failures, 1);
-                atomic_store(&b->down_until, k3_now() + 2.0);
-            }
-            snprintf(last, sizeof last, "%.200s: %.500s", b->url, r->c.errbuf[0] ? r->c.errbuf : "no answer");
-            relay_free(r);
-            if (gone || end) {
-                json_decref(ans);
-                free(dbody);
-                return gone ? MHD_NO : ended(p, c, route);
-            }
-            continue;
-        }
-        curl_easy_getinfo(r->c.h, CURLINFO_RESPONSE_CODE, &r->c.status);
-        json_decref(ans);
-        free(dbody);
-        if (r->c.status != 200) atomic_fetch_add(&p->errors, 1);
-        return k3_http_queue_stream(p->http, c, r->c.status ? (unsigned)r->c.status : 200,
-                                    r->c.ctype[0] ? r->c.ctype : "text/event-stream", relay_read, r, relay_free);
-    }
+    const leg l = {.bs = p->dec,
+                   .n = p->n_dec,
+                   .choose = pick_least_loaded,
+                   .cred = cred[0] ? cred : NULL,
+                   .kv = json_is_object(kv) ? kv : NULL,
+                   .what = "decode instance"};
+    const enum MHD_Result ret =
+        answer_leg(p, c, route, url, dbody, json_is_true(json_object_get(root, "stream")), &l);
+    json_decref(ans);
+    return ret;
 }
 
 static enum MHD_Result health(k3_proxy *p, struct MHD_Connection *c) {
