@@ -202,10 +202,15 @@ test: $(BUILD)/ucxbench
 # Several hosts for real (tests/hosts.sh; network namespaces, needs root):
 # `make test` runs its quick part; test-hosts adds the shaped links and the
 # hosts lost under mpirun; bench-hosts prints the figures of docs/hosts.md.
-test-hosts: $(BUILD)/k3 $(BUILD)/ucxbench
+# k3-netdelay: the links' delay where the kernel has no netem (tests/hosts/netdelay.c).
+$(BUILD)/k3-netdelay: tests/hosts/netdelay.c | $(DEPS_OK)
+	$(CC) $(K3_CFLAGS) $(CFLAGS) -o $@ $<
+test-hosts: $(BUILD)/k3 $(BUILD)/ucxbench $(BUILD)/k3-netdelay
 	sh tests/hosts.sh $(BUILD)/k3 --full
-bench-hosts: $(BUILD)/k3 $(BUILD)/ucxbench
-	sh bench/hosts.sh $(BUILD)/k3
+bench-hosts: $(BUILD)/k3 $(BUILD)/ucxbench $(BUILD)/k3-netdelay $(BUILD)/xcore
+	sh bench/hosts.sh $(BUILD)/k3 ucx
+	sh bench/hosts.sh $(BUILD)/k3 mpi
+	sh bench/hosts.sh $(BUILD)/k3 pd
 
 # Developer tool: the engine's decode step against a bare context's, interleaved.
 $(BUILD)/stepgap: bench/stepgap.c $(BUILD)/libk3.a

@@ -3,16 +3,20 @@
 Runs inside host 1 (the proxy's and the client's host): a prefill instance on host 2, a decode instance
 (--no-prefix-cache, so every request moves its whole prompt) on host 3, the proxy on host 1. For each
 prompt length it prefills once (the prefill instance keeps its prefix cache, so later requests compute
-one block), then for each link shape (tc on every host's egress, set here) sends --runs requests and
-prints the transfer's bytes, seconds and GB/s from the answers' kv_transfer figures (medians), against
-the link's rate. With --itl it also streams a long generation on the decode instance and lands the
-largest prompt's transfer in the middle of it: the inter-token latency of that stream before and while
-the transfer lands (p50, p99, max).
+one block), then for each link shape (tests/hosts/lib.sh's shape on every host's egress) sends --runs
+requests and prints the transfer's bytes, seconds and GB/s from the answers' kv_transfer figures
+(medians), against the link's rate. With --itl it also streams a long generation on the decode instance
+and lands the largest prompt's transfer in the middle of it: the inter-token latency of that stream
+before and while the transfer lands (p50, p99, max). With --lock, the prefills hold that lock shared
+and each shape's measurements exclusively, with the load and the memory bandwidth state (build/xcore)
+printed at the start and the end of each hold.
 
-Usage (inside host 1): python3 bench/hosts_pd.py K3 PREFIX NET --model DIR --tokens 1024,8192
+Usage (inside host 1): python3 bench/hosts_pd.py K3 PREFIX NET --model DIR --tokens 1024,8192,32768
                        [--shapes 'none;10gbit 1ms;1gbit 5ms'] [--runs 3] [--kv-cache c8] [--itl]
+                       [--quant MODE] [--threads N] [--lock /tmp/k3-cpu.lock]
 """
 import argparse
+import fcntl
 import json
 import os
 import re
@@ -34,7 +38,28 @@ ap.add_argument("--shapes", default="none;10gbit 1ms;1gbit 5ms")
 ap.add_argument("--runs", type=int, default=3)
 ap.add_argument("--kv-cache", default="c8")
 ap.add_argument("--itl", action="store_true")
+ap.add_argument("--lock", default="")
+ap.add_argument("--quant", default="none")
+ap.add_argument("--threads", type=int, default=1)
 a = ap.parse_args()
+BUILD = os.path.dirname(a.k3) or "."
+lock_fd = os.open(a.lock, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666) if a.lock else None
+
+
+def state(what):
+    bw = "(build/xcore not built)"
+    xcore = os.path.join(BUILD, "xcore")
+    if os.access(xcore, os.X_OK):
+        last = subprocess.run([xcore, "1", "10"], capture_output=True, text=True).stdout.strip().splitlines()[-1].split()
+        bw = "%s / %s GB/s" % (last[0], last[2])
+    print("-- %s: load %s; memory bandwidth, 1 / 2 threads: %s" % (
+        what, " ".join(open("/proc/loadavg").read().split()[:3]), bw), flush=True)
+
+
+def hold(how):
+    """the CPU lock: LOCK_SH, LOCK_EX or LOCK_UN (nothing without --lock)"""
+    if lock_fd is not None:
+        fcntl.flock(lock_fd, how)
 procs = []
 
 
@@ -65,18 +90,12 @@ def start(host, args):
 
 
 def shape(spec):
+    """every host's link: tests/hosts/lib.sh's shape (a tbf, and netem or k3-netdelay for the delay)"""
     for h in (1, 2, 3):
-        ns = a.prefix + str(h)
-        subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", "eth0", "root"], capture_output=True)
-        if spec == "none":
-            continue
-        rate, delay = spec.split()
-        bps = float(rate[:-4]) * (1e9 if rate.endswith("gbit") else 1e6)
-        burst = int(max(bps / 8 / 1000, 131072) * 2)
-        subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root", "handle", "1:", "tbf",
-                        "rate", rate, "burst", str(burst), "latency", "100ms"], check=True)
-        subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "parent", "1:1", "handle",
-                        "10:", "netem", "delay", delay, "limit", "100000"], check=True)
+        args = ["off"] if spec == "none" else spec.split()
+        subprocess.run(["sh", "-c", '. tests/hosts/lib.sh && shape "$@"', "sh", str(h)] + args, check=True,
+                       env=dict(os.environ, HOSTS_PREFIX=a.prefix, HOSTS_NET=a.net,
+                                HOSTS_NETDELAY=os.path.join(BUILD, "k3-netdelay")))
 
 
 def post(url, body, timeout=3600):
@@ -93,9 +112,10 @@ def pct(xs, q):
 try:
     lens = [int(x) for x in a.tokens.split(",")]
     longest = max(lens)
-    common = ["serve", "-m", a.model, "--port", "0", "--threads", "1", "--mmap", "--kv-cache", a.kv_cache,
-              "--served-model-name", "m", "--max-model-len", str(longest + 4096),
+    common = ["serve", "-m", a.model, "--port", "0", "--threads", str(a.threads), "--mmap", "--kv-cache", a.kv_cache,
+              "--quant", a.quant, "--served-model-name", "m", "--max-model-len", str(longest + 4096),
               "--cache-tokens", str(2 * longest + 8192), "--max-num-seqs", "4", "--max-num-batched-tokens", "2048"]
+    hold(fcntl.LOCK_SH)
     pre = start(2, common + ["--host", addr(2), "--role", "prefill", "--kv-transfer-host", addr(2),
                              "--kv-transfer-port", "0", "--kv-transfer-timeout", "600"])
     dec = start(3, common + ["--host", addr(3), "--role", "decode", "--no-prefix-cache",
@@ -107,21 +127,29 @@ try:
         t0 = time.time()
         post(px, {"model": "m", "prompt": prompts[n], "max_tokens": 1, "temperature": 0})
         print("prefill of %d tokens (and a first transfer): %.1f s" % (n, time.time() - t0), flush=True)
-    print("%-14s %7s %12s %9s %8s %9s %s" % ("link", "tokens", "bytes", "s", "GB/s", "Gb/s", "of the link"), flush=True)
+    hold(fcntl.LOCK_UN)
+    print("model %s, cache %s, quant %s, %d thread(s) an instance; prefill on host 2, decode on host 3; medians of %d"
+          % (a.model, a.kv_cache, a.quant, a.threads, a.runs), flush=True)
+    head = "%-12s %7s %12s %9s %8s %8s %12s %s" % ("link", "tokens", "bytes", "s", "GB/s", "Gb/s", "of the link",
+                                                   "the link's rate alone")
     for spec in a.shapes.split(";"):
         shape(spec)
         rate = None if spec == "none" else float(spec.split()[0][:-4]) * (1 if spec.split()[0].endswith("gbit") else 1e-3)
+        hold(fcntl.LOCK_EX)
+        state("exclusive")
+        print(head, flush=True)
         for n in lens:
             got = []
             for _ in range(a.runs):
                 t = post(px, {"model": "m", "prompt": prompts[n], "max_tokens": 1, "temperature": 0})["kv_transfer"]
                 got.append(t)
-            s = statistics.median(x["seconds"] for x in got)
+            sec = statistics.median(x["seconds"] for x in got)
             b = got[0]["bytes"]
-            g = b / s / 1e9
-            print("%-14s %7d %12d %9.3f %8.3f %9.2f %s" % (spec, n, b, s, g, g * 8,
-                  "%.0f%%" % (100 * g * 8 / rate) if rate else "-"), flush=True)
-        if a.itl and spec != "none":
+            g = b / sec / 1e9
+            print("%-12s %7d %12d %9.3f %8.3f %8.2f %12s %s" % (
+                spec, n, b, sec, g, g * 8, "%.0f%%" % (100 * g * 8 / rate) if rate else "-",
+                "%.3f s" % (b * 8 / (rate * 1e9)) if rate else "-"), flush=True)
+        if a.itl:
             # a long stream on the decode instance, and the longest prompt's transfer landing mid-way
             times = []
             mark = {}
@@ -136,7 +164,7 @@ try:
                             times.append(time.time())
             th = threading.Thread(target=streamer)
             th.start()
-            while len(times) < 60:
+            while len(times) < 60 and th.is_alive():
                 time.sleep(0.01)
             mark["t0"] = time.time()
             big = post(px, {"model": "m", "prompt": prompts[longest], "max_tokens": 1, "temperature": 0})["kv_transfer"]
@@ -145,11 +173,14 @@ try:
             gaps = [(times[i], times[i] - times[i - 1]) for i in range(1, len(times))]
             before = [g for t, g in gaps if t < mark["t0"]]
             during = [g for t, g in gaps if mark["t0"] <= t <= mark["t1"] + 0.5]
-            print("ITL on %s while %d tokens' transfer (%.3f s) lands: before p50 %.1f ms p99 %.1f ms; during p50 %.1f"
-                  " ms p99 %.1f ms max %.1f ms (%d tokens)" % (
-                      spec, longest, big["seconds"], 1e3 * pct(before, 0.5), 1e3 * pct(before, 0.99),
-                      1e3 * pct(during, 0.5) if during else 0, 1e3 * pct(during, 0.99) if during else 0,
-                      1e3 * max(during) if during else 0, len(during)), flush=True)
+            print("ITL on %s while %d tokens' transfer (%.3f s, the request %.3f s) lands: before p50 %.1f ms p99 %.1f"
+                  " ms; during p50 %.1f ms p99 %.1f ms max %.1f ms (%d tokens)" % (
+                      spec, longest, big["seconds"], mark["t1"] - mark["t0"], 1e3 * pct(before, 0.5),
+                      1e3 * pct(before, 0.99), 1e3 * pct(during, 0.5) if during else 0,
+                      1e3 * pct(during, 0.99) if during else 0, 1e3 * max(during) if during else 0, len(during)),
+                  flush=True)
+        state("end")
+        hold(fcntl.LOCK_UN)
     shape("none")
 finally:
     for p in procs:

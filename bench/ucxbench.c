@@ -9,7 +9,10 @@
  *       them with each transport list of LIST (default "sm;cma,sysv;posix,sysv;tcp":
  *       all shared memory; cross-memory attach or a shared mapping for the
  *       gets, with sysv's messages beside them; tcp over loopback),
- *       then copies them over a loopback TCP stream; medians of R runs
+ *       and copies them over a loopback TCP stream: R rounds, each running
+ *       the TCP stream and then every list (alternated, so a change of the
+ *       machine's state meets all alike); medians, and each list's median
+ *       ratio to the TCP stream of the same round
  *   ucxbench serve --bind ADDR[:PORT]
  *       the target across hosts: offers --bytes, answers a client's runs until
  *       it is killed or the client sends a stop
@@ -251,48 +254,72 @@ static void report(const char *what, double *g, int runs, double *median) {
     printf("  %-22s %7.2f GB/s  (median of %d; min %.2f, max %.2f)\n", what, *median, runs, g[0], g[runs - 1]);
 }
 
-/* Every list of tls, then the TCP stream; 0, or 1 when a run failed. */
+/* Rounds of runs, alternated: in each round the TCP stream, then every list
+ * of tls, so a change of the machine's state meets every transport alike.
+ * Each transport's median GB/s, and each list's median of its per-round
+ * ratio to the TCP stream (paired). 0, or 1 when a run failed. */
+enum { MAX_LISTS = 8 };
+static double median_of(double *v, int n) {
+    qsort(v, (size_t)n, sizeof *v, cmpd);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
 static int initiate(const char *host, int port, const char *tls_lists, const opts *o) {
-    unsigned char *local = malloc((size_t)o->bytes);
-    double *g = malloc(sizeof(double) * (size_t)o->runs);
-    if (!local || !g) return 1;
-    memset(local, 1, (size_t)o->bytes);
-    int rc = 0;
-    printf("%llu bytes from %s:%d, memory to memory, 1 MiB units%s\n", (unsigned long long)o->bytes, host, port,
-           o->check ? ", every run checked" : "");
-    char lists[256];
+    char lists[256], *name[MAX_LISTS];
     snprintf(lists, sizeof lists, "%s", tls_lists);
-    double tcp_med = 0, best = 0;
-    for (int r = 0; r < o->runs; r++) {
+    int nl = 0;
+    for (char *save = NULL, *t = strtok_r(lists, ";", &save); t && nl < MAX_LISTS; t = strtok_r(NULL, ";", &save))
+        name[nl++] = t;
+    const size_t R = (size_t)o->runs;
+    unsigned char *local = malloc((size_t)o->bytes);
+    double *g = calloc((size_t)(nl + 1) * R, sizeof(double)); /* row 0: tcp; row 1 + l: list l */
+    double *ratio = calloc(R, sizeof(double)), hs[MAX_LISTS] = {0};
+    bool bad[MAX_LISTS] = {false};
+    int rc = 1;
+    if (!local || !g || !ratio) goto out;
+    memset(local, 1, (size_t)o->bytes);
+    printf("%llu bytes from %s:%d, memory to memory, 1 MiB units, %d rounds alternating the transports%s\n",
+           (unsigned long long)o->bytes, host, port, o->runs, o->check ? ", every run checked" : "");
+    rc = 0;
+    for (size_t r = 0; r < R; r++) {
         g[r] = tcp_run(host, port, o, local);
         if (g[r] < 0) {
             fprintf(stderr, "ucxbench: the TCP stream failed\n");
             rc = 1;
             goto out;
         }
-    }
-    report("tcp stream", g, o->runs, &tcp_med);
-    for (char *save = NULL, *t = strtok_r(lists, ";", &save); t; t = strtok_r(NULL, ";", &save)) {
-        double hs = 0, med = 0;
-        bool bad = false;
-        for (int r = 0; r < o->runs && !bad; r++) {
-            g[r] = ucx_run(host, port, t, o, local, &hs);
-            bad = g[r] < 0;
+        for (int l = 0; l < nl; l++) {
+            double *gl = g + (size_t)(1 + l) * R;
+            if (bad[l]) continue;
+            gl[r] = ucx_run(host, port, name[l], o, local, &hs[l]);
+            bad[l] = gl[r] < 0;
         }
-        if (bad) {
+    }
+    double paired[MAX_LISTS] = {0}, tcp_copy[256];
+    for (int l = 0; l < nl; l++) {
+        if (bad[l]) continue;
+        for (size_t r = 0; r < R; r++) ratio[r] = g[(size_t)(1 + l) * R + r] / g[r];
+        paired[l] = median_of(ratio, o->runs);
+    }
+    memcpy(tcp_copy, g, sizeof(double) * (R < 256 ? R : 256));
+    double med;
+    report("tcp stream", tcp_copy, o->runs, &med);
+    for (int l = 0; l < nl; l++) {
+        char what[96];
+        snprintf(what, sizeof what, "ucx get (%s)", name[l]);
+        if (bad[l]) {
             rc = 1;
-            printf("  ucx get (%s): failed\n", t);
+            printf("  %-22s failed\n", what);
             continue;
         }
-        char what[96];
-        snprintf(what, sizeof what, "ucx get (%s)", t);
-        report(what, g, o->runs, &med);
-        printf("  %-22s %7.2fx the TCP stream (handshake %.1f ms)\n", "", med / tcp_med, hs * 1e3);
-        best = med > best ? med : best;
+        report(what, g + (size_t)(1 + l) * R, o->runs, &med);
+        printf("  %-22s %7.2fx the TCP stream (median of the paired ratios; handshake %.1f ms)\n", "", paired[l],
+               hs[l] * 1e3);
     }
 out:
     free(local);
     free(g);
+    free(ratio);
     return rc;
 }
 

@@ -201,9 +201,9 @@ int k3_cmd_bench_dist(int argc, char **argv) {
                     const double bs = (double)cs->sent[k] / tokens, br = (double)cs->recv[k] / tokens;
                     const double us = cs->seconds[k] / tokens * 1e6;
                     printf("%s\"%s\": {\"sent_per_token\": %.0f, \"recv_per_token\": %.0f, \"us_per_token\": %.1f, "
-                           "\"gbps\": %.4f}",
+                           "\"gbps\": %.4f, \"calls_per_token\": %.2f}",
                            k ? ", " : "", k3_comm_kind_name((k3_comm_kind)k), bs, br, us,
-                           us > 0 ? (bs + br) / (us * 1e3) : 0.0);
+                           us > 0 ? (bs + br) / (us * 1e3) : 0.0, (double)cs->calls[k] / tokens);
                 }
             }
             printf("}, \"ranks_summed\": %d}", N);
@@ -213,14 +213,15 @@ int k3_cmd_bench_dist(int argc, char **argv) {
                runs % 2 ? ms[runs / 2] : 0.5 * (ms[runs / 2 - 1] + ms[runs / 2]), runs, dtok, ms[0], ms[runs - 1]);
         for (int w = 0; w < 2; w++) {
             const k3_comm_stats *cs = w ? &tall : &tot;
-            if (w) printf("  all %d ranks summed, per decoded token (bytes sent, received; rank-seconds inside):\n", N);
-            else printf("  rank 0 traffic per decoded token (bytes sent, received; time inside the collectives):\n");
+            if (w) printf("  all %d ranks summed, per decoded token (bytes sent, received; rank-seconds; calls):\n", N);
+            else printf("  rank 0, per decoded token (bytes sent, received; time inside the collectives; calls):\n");
             for (int k = 0; k < K3_COMM_COUNT; k++) {
                 if (!cs->calls[k]) continue;
                 const double bs = (double)cs->sent[k] / tokens, br = (double)cs->recv[k] / tokens;
                 const double us = cs->seconds[k] / tokens * 1e6;
-                printf("    %-14s sent %10.0f B  recv %10.0f B  %8.1f us  %6.3f GB/s\n",
-                       k3_comm_kind_name((k3_comm_kind)k), bs, br, us, us > 0 ? (bs + br) / (us * 1e3) : 0.0);
+                printf("    %-14s sent %10.0f B  recv %10.0f B  %8.1f us  %6.3f GB/s  %5.1f calls\n",
+                       k3_comm_kind_name((k3_comm_kind)k), bs, br, us, us > 0 ? (bs + br) / (us * 1e3) : 0.0,
+                       (double)cs->calls[k] / tokens);
             }
         }
         if (D > 1 && plan.n_dsa > 0) {
@@ -235,6 +236,21 @@ int k3_cmd_bench_dist(int argc, char **argv) {
             printf("  top-k exchange received per token, all %d ranks: measured %.0f B, %d x formula %lld B -- %s\n", N,
                    all, N, (long long)(N * f), all == (double)(N * f) ? "agree" : "DIFFER");
         }
+        if (D > 1 || E > 1) {
+            /* less the counters' own command (k3_exec_stats_take_all's broadcast), one a run */
+            int64_t calls = -(tokens / dtok);
+            for (int k = 0; k < K3_COMM_COUNT; k++) calls += tot.calls[k];
+            const int32_t f = ex == K3_TOPK_BUTTERFLY ? plan.collectives_butterfly : plan.collectives_allgather;
+            const double got = (double)calls / tokens;
+            printf("  collectives per token, rank 0: measured %.2f, k3 plan's formula %d -- %s\n", got, f,
+                   got == (double)f ? "agree" : "DIFFER");
+        }
+        if (E > 1)
+            printf("  EP per token, rank 0 (every row's source): received %.0f B, sent %.0f B; k3 plan's expectation"
+                   " %lld B, %lld B (the routing decides)\n",
+                   (double)(tot.recv[K3_COMM_EP_DISPATCH] + tot.recv[K3_COMM_EP_COMBINE]) / tokens,
+                   (double)(tot.sent[K3_COMM_EP_DISPATCH] + tot.sent[K3_COMM_EP_COMBINE]) / tokens,
+                   (long long)plan.ep_source_recv_bytes, (long long)plan.ep_source_sent_bytes);
         if (D > 1) {
             const double got = (double)tot.recv[K3_COMM_LSE] / tokens;
             printf("  LSE merge received per token: measured %.0f B, k3 plan's formula %lld B -- %s\n", got,

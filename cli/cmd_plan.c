@@ -104,6 +104,14 @@ int k3_cmd_plan(int argc, char **argv) {
            (long long)p.ep_dispatch_bytes);
     printf("  ep_combine        %lld B over the EP group (remote results back + the combined row to E-1 ranks)\n",
            (long long)p.ep_combine_bytes);
+    printf("  ep per rank       a row's source rank (all of a one-sequence batch: rank 0) receives %lld B and sends "
+           "%lld B;"
+           " in a batch of %d rows or more each rank moves about 1/%d of the group's bytes: %lld B\n",
+           (long long)p.ep_source_recv_bytes, (long long)p.ep_source_sent_bytes, o.ep, o.ep,
+           (long long)((p.ep_dispatch_bytes + p.ep_combine_bytes) / o.ep));
+    printf("  collectives       %d per decoded step with the all-gather top-k exchange, %d with the butterfly:"
+           " each waits for its group, so a step takes at least that many one-way link latencies\n",
+           p.collectives_allgather, p.collectives_butterfly);
     /* prefill -> decode (src/pd): bytes on the wire are payload; each 1 MiB unit adds a 96-byte header */
     const double link[2] = {100e9 / 8, 400e9 / 8};
     printf("prefill -> decode, one prompt of %lld tokens:\n", (long long)o.context);

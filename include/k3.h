@@ -1150,7 +1150,20 @@ typedef struct k3_plan {
     /* cross-rank bytes per decoded token received by one rank */
     int64_t topk_allgather_bytes, topk_butterfly_bytes; /* all DSA layers */
     int64_t lse_bytes;                                  /* DCP partial outputs + LSE, all MLA/DSA layers */
-    int64_t ep_dispatch_bytes, ep_combine_bytes;        /* all MoE layers, expected */
+    int64_t ep_dispatch_bytes, ep_combine_bytes;        /* all MoE layers, expected, over the EP group */
+    /* EP as the source rank of a row sees it (a row is sourced by EP rank
+     * row mod E: every row of a one-sequence batch by rank 0): its remote
+     * experts' results received; its latent to each remote owner and the
+     * combined row to the E-1 others sent. In a batch of E rows or more each
+     * rank sources 1/E of them and moves about 1/E of the group's bytes. */
+    int64_t ep_source_recv_bytes, ep_source_sent_bytes;
+    /* collectives per decoded step, each a synchronisation of its group (a
+     * step waits at least that many one-way link latencies): the LSE merge
+     * (2 a MLA/DSA layer, 1 where D does not divide the heads), the top-k
+     * exchange (a DSA layer: 1 all-gather or log2(D) butterfly steps, at
+     * contexts beyond k), EP (dispatch and the two combines a MoE layer) and
+     * the step's broadcast */
+    int32_t collectives_allgather, collectives_butterfly;
     /* prefill and decode apart: what one prompt of the context moves from the
      * prefill instance (its rows + one KDA state), and what each of D decode
      * ranks receives (its 1/D of the rows + the state) */

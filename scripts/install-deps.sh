@@ -7,8 +7,9 @@ missing=""
 for p in $PKGS; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
 done
-# optional: UCX (src/comm/ucx.c, build/ucxbench); k3 builds and its tests skip the UCX cases without it
-OPTIONAL="libucx-dev"
+# optional: UCX (src/comm/ucx.c, build/ucxbench); k3 builds and its tests skip the UCX cases without it;
+# iptables: the test hosts' link delay where the kernel has no netem (tests/hosts/lib.sh: shape)
+OPTIONAL="libucx-dev iptables"
 optional=""
 for p in $OPTIONAL; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || optional="$optional $p"

@@ -195,7 +195,10 @@ def host_kill(h):
 
 
 def link(h, state):
-    subprocess.run(["ip", "-n", PREFIX + "sw", "link", "set", "p%d" % h, state], check=True)
+    """tests/hosts/lib.sh's link: up returns once the carrier is back and the cut's failed neighbour
+    entries are flushed"""
+    subprocess.run(["sh", "-c", '. tests/hosts/lib.sh && link "$0" "$1"', str(h), state], check=True,
+                   env=dict(os.environ, HOSTS_PREFIX=PREFIX, HOSTS_NET=NET))
 
 
 def eth0_tx(h):

@@ -108,10 +108,17 @@ fi
 for ex in allgather butterfly; do
     $MPI -np 4 "$K3" bench -m $M --dcp 4 --dcp-topk-exchange $ex --contexts 64 --runs 1 --decode-tokens 2 \
         --quant none --kv-cache f32 >"$TMP/b" 2>&1
-    if [ "$(grep -c -- "-- agree" "$TMP/b")" -eq 4 ] && ! grep -q DIFFER "$TMP/b"; then
-        ok "bench dcp 4 $ex: top-k and LSE bytes (rank 0, and all 4 ranks summed) agree with the formulas"
+    if [ "$(grep -c -- "-- agree" "$TMP/b")" -eq 5 ] && ! grep -q DIFFER "$TMP/b"; then
+        ok "bench dcp 4 $ex: top-k and LSE bytes (rank 0, and all 4 ranks summed) and the collectives a token agree with the formulas"
     else bad "bench dcp 4 $ex: counters against the formulas" "$TMP/b"; fi
 done
+# DCP and EP together: the collectives a token (k3 plan's latency term) and the EP source rank's bytes
+$MPI -np 2 "$K3" bench -m $M --dcp 2 --ep 2 --contexts 64 --runs 1 --decode-tokens 2 --quant none --kv-cache f32 \
+    >"$TMP/b" 2>&1
+if grep -q "collectives per token, rank 0: measured .* -- agree" "$TMP/b" && grep -q "EP per token, rank 0" "$TMP/b" &&
+    ! grep -q DIFFER "$TMP/b"; then
+    ok "bench dcp 2 ep 2: $(sed -n 's/.*collectives per token, rank 0: \(.*\) -- agree/\1/p' "$TMP/b") collectives a token"
+else bad "bench dcp 2 ep 2: collectives against the formula" "$TMP/b"; fi
 
 $MPI -np 2 "$K3" bench -m $M --dcp 2 --contexts 64,128 --runs 1 --decode-tokens 2 --quant none --kv-cache f32 \
     --json >"$TMP/j" 2>/dev/null

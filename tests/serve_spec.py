@@ -8,30 +8,23 @@ with --mpi the drafting server under `mpirun -np 2 --dcp 2`; /metrics counts vLL
 counters. K3_SPEC_TEST_ISA=NAME runs every server with --isa NAME (the default table is the CPU's
 best: on a Xeon with AMX a verify chunk's products of >= 4 MXFP4 rows round activations to BF16,
 which `--isa avx512` does not). Prints `ok   spec: NAME` / `FAIL spec: NAME` and ends with
-`spec: N passed, N failed`.
+`spec: N passed, N failed, N skipped`.
 """
 import json
 import os
 import re
-import select
-import signal
-import subprocess
 import sys
 import threading
-import time
-import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import serve_openai as so  # noqa: E402  (the Server harness)
+import harness as h  # noqa: E402  (the server process, /metrics, the check lines)
 
-K3 = sys.argv[1] if len(sys.argv) > 1 else "build/k3"
+K3 = h.K3
 MPI = "--mpi" in sys.argv
-MINI = "models/k3-mini"
+MINI = h.MINI
 ISA = ["--isa", os.environ["K3_SPEC_TEST_ISA"]] if os.environ.get("K3_SPEC_TEST_ISA") else []
-passed = 0
-failed = 0
-servers = so.servers
-so.K3 = K3
+suite = h.Suite("spec")
+check = suite.check
 
 REPEAT = ("The old man walked down to the harbour every morning. He looked at the boats and the water, "
           "and then he walked back up the hill to his house. ") * 3 + "The old man walked"
@@ -39,25 +32,11 @@ NOVEL = "It is a truth universally acknowledged, that"
 CODE = ("def area(width, height):\n    return width * height\n\n" * 2) + "def area(width, height):\n"
 
 
-def check(name, fn):
-    global passed, failed
-    t0 = time.time()
-    try:
-        fn()
-        passed += 1
-        print(f"ok   spec: {name} ({time.time() - t0:.1f} s)", flush=True)
-    except Exception as e:  # noqa: BLE001 -- every failure is reported, none stops the run
-        failed += 1
-        print(f"FAIL spec: {name}: {type(e).__name__}: {e}", flush=True)
-        for line in traceback.format_exc().splitlines()[-6:]:
-            print("    " + line, flush=True)
-
-
 def spec_counts(sv):
     m = sv.metrics()
-    return (so.metric(m, "vllm:spec_decode_num_drafts_total") or 0,
-            so.metric(m, "vllm:spec_decode_num_draft_tokens_total") or 0,
-            so.metric(m, "vllm:spec_decode_num_accepted_tokens_total") or 0)
+    return (h.metric(m, "vllm:spec_decode_num_drafts_total") or 0,
+            h.metric(m, "vllm:spec_decode_num_draft_tokens_total") or 0,
+            h.metric(m, "vllm:spec_decode_num_accepted_tokens_total") or 0)
 
 
 def complete(sv, prompt, **kw):
@@ -79,41 +58,19 @@ def streamed(sv, prompt, **kw):
     return text, finish
 
 
-class MpiServer(so.Server):
+class MpiServer(h.Process):
     """k3 serve under mpirun (rank 0 serves): the same harness, another command."""
 
-    def __init__(self, model, *extra):  # noqa: D401 -- a harness, not an API
-        args = ["mpirun", "--oversubscribe", "--allow-run-as-root", "-np", "2", K3, "serve", "-m", model, "--port",
-                "0", "--threads", "1", *extra]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                     stdin=subprocess.DEVNULL, preexec_fn=so.die_with_parent)
-        servers.append(self)
-        self.log = []
-        buf, port, deadline = b"", None, time.time() + 120
-        while time.time() < deadline and port is None:
-            r, _, _ = select.select([self.proc.stderr], [], [], 1.0)
-            if not r:
-                if self.proc.poll() is not None:
-                    break
-                continue
-            chunk = os.read(self.proc.stderr.fileno(), 4096)
-            if not chunk:
-                break
-            buf += chunk
-            m = re.search(rb"listening on http://[^:]+:(\d+)", buf)
-            if m:
-                port = int(m.group(1))
-        if port is None:
-            self.stop()
-            raise RuntimeError("k3 serve under mpirun did not start: " + buf.decode(errors="replace")[-500:])
-        threading.Thread(target=self._drain, daemon=True).start()
-        self.port, self.url, self.name, self.key = port, f"http://127.0.0.1:{port}", model, None
+    def __init__(self, model, *extra):
+        super().__init__(["mpirun", "--oversubscribe", "--allow-run-as-root", "-np", "2", K3, "serve", "-m", model,
+                          "--port", "0", "--threads", "1", *extra], start_timeout=120)
+        self.name = model
 
 
 def main():
     common = ["--max-num-seqs", "8", "--num-speculative-tokens", "6", *ISA]
-    on = so.Server(MINI, "--speculative", "suffix", "--spec-no-cost-model", *common)
-    off = so.Server(MINI, *common)
+    on = h.Server(MINI, "--speculative", "suffix", "--spec-no-cost-model", *common)
+    off = h.Server(MINI, *common)
     prompts = [REPEAT, CODE, NOVEL]
 
     def greedy_same():
@@ -176,23 +133,23 @@ def main():
 
     def per_request():
         before = spec_counts(off)[0]
-        r = so.post(off.url + "/v1/completions", json_body={
+        r = h.post(off.url + "/v1/completions", json_body={
             "model": MINI, "prompt": REPEAT, "max_tokens": 40, "temperature": 0,
             "speculative_config": {"method": "ngram", "num_speculative_tokens": 3}})
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == complete(off, REPEAT, max_tokens=40).choices[0].text
         assert spec_counts(off)[0] > before, "the request's own speculative_config drafted nothing"
         for bad in [{"method": "eagle"}, {"num_speculative_tokens": 0}, {"draft_tensor_parallel_size": 1}, "x"]:
-            r = so.post(off.url + "/v1/completions", json_body={"model": MINI, "prompt": "a", "max_tokens": 2,
+            r = h.post(off.url + "/v1/completions", json_body={"model": MINI, "prompt": "a", "max_tokens": 2,
                                                                 "speculative_config": bad})
             assert r.status_code == 400 and "speculative_config" in r.text, (bad, r.status_code, r.text)
-        r = so.post(off.url + "/v1/completions", json_body={"model": MINI, "prompt": "a", "max_tokens": 2,
+        r = h.post(off.url + "/v1/completions", json_body={"model": MINI, "prompt": "a", "max_tokens": 2,
                                                             "speculative_config": {"method": "draft_model"}})
         assert r.status_code == 400 and "draft model" in r.text, r.text
     check("a request's own speculative_config (vLLM's names); bad ones are 400s", per_request)
 
     def metrics_shape():
-        text = so.get(on.url + "/metrics").text
+        text = h.get(on.url + "/metrics").text
         for name in ["vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
                      "vllm:spec_decode_num_accepted_tokens_total"]:
             assert f"# TYPE {name} counter" in text and f'{name}{{model_name="{MINI}"}}' in text, name
@@ -200,7 +157,7 @@ def main():
                          text)
         assert [int(p) for p in pos] == list(range(6)), pos
         d, t, acc = spec_counts(on)
-        per = sum(so.metric(on.metrics(), "vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(p))
+        per = sum(h.metric(on.metrics(), "vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(p))
                   for p in range(6))
         assert per == acc and acc <= t, (per, acc, t)
     check("/metrics: vLLM's spec_decode counters, per position up to k", metrics_shape)
@@ -209,8 +166,8 @@ def main():
 
     def preempt():
         small = ["--cache-tokens", "512", "--block-size", "16", "--max-num-seqs", "6", *ISA]
-        a = so.Server(MINI, "--speculative", "suffix", "--spec-no-cost-model", *small)
-        b = so.Server(MINI, *small)
+        a = h.Server(MINI, "--speculative", "suffix", "--spec-no-cost-model", *small)
+        b = h.Server(MINI, *small)
         try:
             out = {}
             for sv, key in [(a, "on"), (b, "off")]:
@@ -225,7 +182,7 @@ def main():
                 for t in th:
                     t.join()
                 out[key] = res
-                pre = so.metric(sv.metrics(), "vllm:num_preemptions_total")
+                pre = h.metric(sv.metrics(), "vllm:num_preemptions_total")
                 assert pre and pre > 0, f"{key}: no preemption on a 512-token pool"
             assert out["on"] == out["off"], (out["on"], out["off"])
         finally:
@@ -236,7 +193,7 @@ def main():
     if MPI:
         def under_mpi(flag):
             def fn():
-                one = so.Server(MINI, "--max-num-seqs", "4", *ISA)
+                one = h.Server(MINI, "--max-num-seqs", "4", *ISA)
                 two = MpiServer(MINI, flag, "2", "--speculative", "suffix", "--spec-no-cost-model", "--max-num-seqs", "4",
                                 *ISA)
                 try:
@@ -253,24 +210,6 @@ def main():
         check("mpirun -np 2 --ep 2 drafting: the same greedy text as one process without", under_mpi("--ep"))
 
 
-def cleanup(*_):
-    for sv in servers:
-        try:
-            sv.stop()
-        except Exception:  # noqa: BLE001
-            pass
-    if _:
-        sys.exit(1)
-
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGTERM, cleanup)
-    try:
-        main()
-    except Exception as e:  # noqa: BLE001
-        failed += 1
-        print(f"FAIL spec: setup: {e}", flush=True)
-    finally:
-        cleanup()
-    print(f"spec: {passed} passed, {failed} failed", flush=True)
-    sys.exit(1 if failed else 0)
+    suite.main(main)

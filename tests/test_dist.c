@@ -196,8 +196,16 @@ K3_TEST(dist_plan_full_size_k3) {
      * the 16 decode ranks its 1/16 of the rows and the whole state */
     CHECK(p.pd_bytes_per_seq == p.cache_bytes_per_token * (1 << 20) + p.state_bytes_per_seq);
     CHECK(p.pd_bytes_per_rank == p.cache_bytes_per_token * (1 << 16) + p.state_bytes_per_seq);
+    /* EP as the source rank of a row sees it: 16 results of 3,584 floats from the 63/64 remote
+     * experts received; the latents and the combined row to 63 ranks sent; a step's collectives:
+     * 2 LSE a MLA layer, 3 EP a MoE layer and the step's broadcast */
+    CHECK(p.ep_source_recv_bytes == 92LL * 225792);
+    CHECK(p.ep_source_sent_bytes == p.ep_dispatch_bytes + 92LL * 63 * 3584 * 4);
+    CHECK(p.collectives_allgather == 24 * 2 + 92 * 3 + 1 && p.collectives_butterfly == p.collectives_allgather);
     REQUIREF(k3_plan_compute("docs/configs/kimi-k3.1-pro-dsa.json", &o, &p, &err) == K3_OK, "%s", err.msg);
     CHECK(p.n_dsa == 24);
+    /* + the top-k exchange a DSA layer: one all-gather, or log2(16) butterfly steps */
+    CHECK(p.collectives_allgather == 24 * 3 + 92 * 3 + 1 && p.collectives_butterfly == 24 * 6 + 92 * 3 + 1);
     CHECK(p.topk_allgather_bytes == 24LL * 15 * 2048 * 8); /* 240 KB per layer */
     CHECK(p.topk_butterfly_bytes == 24LL * 4 * 2048 * 8);  /* 64 KB per layer */
     o.ep = 3;                                              /* 896 = 2^7 x 7 */

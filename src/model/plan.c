@@ -151,6 +151,10 @@ k3_status k3_plan_compute(const char *path, const k3_plan_options *opt, k3_plan 
             out->ep_combine_bytes +=
                 (int64_t)llround((double)c->n_experts_per_tok * (double)(E - 1) / (double)E * (double)Dl * 4) +
                 (E - 1) * Dl * 4;
+            out->ep_source_recv_bytes +=
+                (int64_t)llround((double)c->n_experts_per_tok * (double)(E - 1) / (double)E * (double)Dl * 4);
+            out->ep_source_sent_bytes +=
+                (int64_t)llround(hit * (double)(E - 1) / (double)E * (double)Dl * 4) + (E - 1) * Dl * 4;
         } else if (c->intermediate_size > 0) {
             w += 3 * linear_bytes(c->intermediate_size, Hd, q);
         }
@@ -182,7 +186,14 @@ k3_status k3_plan_compute(const char *path, const k3_plan_options *opt, k3_plan 
     out->topk_allgather_bytes = D > 1 ? nd * (D - 1) * k * 8 : 0;
     out->topk_butterfly_bytes = D > 1 ? nd * lg * k * 8 : 0;
     out->lse_bytes = D > 1 ? lse : 0;
-    if (E == 1) out->ep_dispatch_bytes = out->ep_combine_bytes = 0;
+    if (E == 1)
+        out->ep_dispatch_bytes = out->ep_combine_bytes = out->ep_source_recv_bytes = out->ep_source_sent_bytes = 0;
+    /* the collectives of one decoded step (src/layers/mla_dcp.c, src/comm/topk.c, src/layers/moe_ep.c) */
+    const int32_t lse_calls = D > 1 ? (int32_t)((nd + nm) * (H % D == 0 ? 2 : 1)) : 0;
+    const int32_t ep_calls = E > 1 ? (int32_t)(3 * nmoe) : 0;
+    const int32_t step = D > 1 || E > 1 ? 1 : 0;
+    out->collectives_allgather = lse_calls + (D > 1 ? (int32_t)nd : 0) + ep_calls + step;
+    out->collectives_butterfly = lse_calls + (D > 1 ? (int32_t)nd * lg : 0) + ep_calls + step;
     free(c);
     return K3_OK;
 }

@@ -20,7 +20,8 @@
  *
  * Failures: a backend that cannot be reached is marked down for a few
  * seconds and the next one tried (a decode instance that is down is
- * replaced by another, which pulls the same hold); when none answers the
+ * replaced by another, with a fresh hold from a prefill instance: the one
+ * that failed may have begun the pull a hold allows); when none answers the
  * client gets a 502 in its API's error shape, and a hold made for it is
  * released on its prefill instance. A backend's own error (4xx, 5xx) is
  * relayed as it is. A decode stream cut short ends with an error event the
@@ -49,8 +50,8 @@
 #include "router/router.h"
 
 typedef struct backend {
-    char *url;    /* base, no trailing slash */
-    int32_t rix;  /* the router's index of it, -1 for prefill and decode instances */
+    char *url;   /* base, no trailing slash */
+    int32_t rix; /* the router's index of it, -1 for prefill and decode instances */
     atomic_int inflight;
     _Atomic double down_until; /* k3_now() before which it is skipped */
     atomic_long requests, failures;
@@ -71,7 +72,7 @@ struct k3_proxy {
     /* the router (--role router): its policy over the backends (p->dec), under rmu */
     k3_router *router;
     pthread_mutex_t rmu;
-    int32_t key_block;                 /* bytes of the prompt's key per tree node */
+    int32_t key_block;                   /* bytes of the prompt's key per tree node */
     atomic_long routed[K3_ROUTE_RR + 1]; /* by why */
     atomic_long matched_bytes, key_bytes;
     /* the prober of the backends' /health */
@@ -592,10 +593,13 @@ typedef struct leg {
     backend *bs; /* the backends it may use */
     int n;
     int (*choose)(k3_proxy *p, const struct leg *l, unsigned tried); /* an index not in tried, or -1 */
-    const int32_t *key; /* the router's: the prompt's key */
+    const int32_t *key;                                              /* the router's: the prompt's key */
     int64_t n_key;
-    const char *cred; /* the proxy's credential over kv_transfer_params, or NULL */
-    json_t *kv;       /* the hold to release when no backend takes the request, or NULL */
+    char *cred; /* the proxy's credential over kv_transfer_params ("" or NULL: none) */
+    json_t *kv; /* the hold to release when no backend takes the request, or NULL */
+    /* prefill/decode: the client's request, and the prefill's answer (*ans, owned by the caller)
+     * that a retry replaces with a fresh hold */
+    json_t *root, **ans;
     const char *what; /* "decode instance", "backend" */
 } leg;
 
@@ -621,8 +625,10 @@ static int choose_router(k3_proxy *p, const leg *l, unsigned tried) {
     return rt.backend;
 }
 
+static char *decode_body(k3_proxy *p, json_t *root, json_t *kv, char cred[2 * K3_PD_KEY_BYTES + 1]);
+
 static enum MHD_Result answer_leg(k3_proxy *p, struct MHD_Connection *c, int route, const char *url, char *body,
-                                  bool stream, const leg *l) {
+                                  bool stream, leg *l) {
     unsigned tried = 0;
     char last[720];
     snprintf(last, sizeof last, "no %s", l->what);
@@ -633,10 +639,28 @@ static enum MHD_Result answer_leg(k3_proxy *p, struct MHD_Connection *c, int rou
             free(body);
             return fail(p, c, route, 502, "no %s answered: %s", l->what, last);
         }
+        if (tried && l->ans && l->kv) {
+            /* the instance tried before may have begun pulling the hold, which
+             * is good for one pull only: the next one gets a fresh hold */
+            release_hold(p, l->kv);
+            json_decref(*l->ans);
+            *l->ans = NULL;
+            l->kv = NULL;
+            free(body);
+            bool answered;
+            const enum MHD_Result again = prefill_leg(p, c, route, url, l->root, l->ans, &answered);
+            if (answered) return again;
+            json_t *kv = json_is_object(*l->ans) ? json_object_get(*l->ans, "kv_transfer_params") : NULL;
+            l->kv = json_is_object(kv) ? kv : NULL;
+            if (!(body = decode_body(p, l->root, l->kv, l->cred))) {
+                if (l->kv) release_hold(p, l->kv);
+                return fail(p, c, route, 500, "out of memory");
+            }
+        }
         tried |= 1u << i;
         backend *b = &l->bs[i];
         relay *r = calloc(1, sizeof *r);
-        if (!r || !call_init(&r->c, p, b, "POST", url, body, strlen(body), c, l->cred)) {
+        if (!r || !call_init(&r->c, p, b, "POST", url, body, strlen(body), c, l->cred && l->cred[0] ? l->cred : NULL)) {
             free(r);
             backend_done(p, b, true);
             if (l->kv) release_hold(p, l->kv);
@@ -741,8 +765,7 @@ static int32_t *prompt_key(json_t *root, int64_t *n) {
 }
 
 /* The router's generation request: whole to the backend its policy picks. */
-static enum MHD_Result route_generate(k3_proxy *p, struct MHD_Connection *c, int route, const char *url,
-                                      json_t *root) {
+static enum MHD_Result route_generate(k3_proxy *p, struct MHD_Connection *c, int route, const char *url, json_t *root) {
     int64_t n_key = 0;
     int32_t *key = prompt_key(root, &n_key);
     char *body = json_dumps(root, JSON_COMPACT);
@@ -751,10 +774,28 @@ static enum MHD_Result route_generate(k3_proxy *p, struct MHD_Connection *c, int
         return fail(p, c, route, 500, "out of memory");
     }
     atomic_fetch_add(&p->key_bytes, n_key);
-    const leg l = {.bs = p->dec, .n = p->n_dec, .choose = choose_router, .key = key, .n_key = n_key, .what = "backend"};
+    leg l = {.bs = p->dec, .n = p->n_dec, .choose = choose_router, .key = key, .n_key = n_key, .what = "backend"};
     const enum MHD_Result ret = answer_leg(p, c, route, url, body, json_is_true(json_object_get(root, "stream")), &l);
     free(key);
     return ret;
+}
+
+/* The body a decode instance gets: the client's request with the prefill's
+ * kv_transfer_params and the proxy's credential over them (cred); without
+ * them -- a request sent whole, or a prefill instance that names no hold --
+ * it computes the prompt itself. NULL when out of memory. */
+static char *decode_body(k3_proxy *p, json_t *root, json_t *kv, char cred[2 * K3_PD_KEY_BYTES + 1]) {
+    json_t *dec = json_deep_copy(root);
+    cred[0] = 0;
+    if (dec && json_is_object(kv)) {
+        json_object_set(dec, "kv_transfer_params", kv);
+        credential(p, kv, cred);
+    } else if (dec) {
+        json_object_del(dec, "kv_transfer_params");
+    }
+    char *body = dec ? json_dumps(dec, JSON_COMPACT) : NULL;
+    json_decref(dec);
+    return body;
 }
 
 static enum MHD_Result generate(k3_proxy *p, struct MHD_Connection *c, int route, const char *url, json_t *root) {
@@ -765,34 +806,24 @@ static enum MHD_Result generate(k3_proxy *p, struct MHD_Connection *c, int route
     const enum MHD_Result pr = prefill_leg(p, c, route, url, root, &ans, &answered);
     if (answered) return pr;
     json_t *kv = json_is_object(ans) ? json_object_get(ans, "kv_transfer_params") : NULL;
-    /* 2. the decode instance: the client's request with the prefill's params
-     * and the proxy's credential over them (without them -- a request sent
-     * whole, or a prefill instance that names no hold -- it computes the
-     * prompt itself) */
-    json_t *dec = json_deep_copy(root);
-    char cred[2 * K3_PD_KEY_BYTES + 1] = "";
-    if (dec && json_is_object(kv)) {
-        json_object_set(dec, "kv_transfer_params", kv);
-        credential(p, kv, cred);
-    } else if (dec) {
-        json_object_del(dec, "kv_transfer_params");
-    }
-    char *dbody = dec ? json_dumps(dec, JSON_COMPACT) : NULL;
-    json_decref(dec);
+    /* 2. a decode instance */
+    char cred[2 * K3_PD_KEY_BYTES + 1];
+    char *dbody = decode_body(p, root, kv, cred);
     if (!dbody || k3_http_client_gone(c)) {
         if (json_is_object(kv)) release_hold(p, kv);
         json_decref(ans);
         free(dbody);
         return dbody ? MHD_NO : fail(p, c, route, 500, "out of memory");
     }
-    const leg l = {.bs = p->dec,
-                   .n = p->n_dec,
-                   .choose = pick_least_loaded,
-                   .cred = cred[0] ? cred : NULL,
-                   .kv = json_is_object(kv) ? kv : NULL,
-                   .what = "decode instance"};
-    const enum MHD_Result ret =
-        answer_leg(p, c, route, url, dbody, json_is_true(json_object_get(root, "stream")), &l);
+    leg l = {.bs = p->dec,
+             .n = p->n_dec,
+             .choose = pick_least_loaded,
+             .cred = cred,
+             .kv = json_is_object(kv) ? kv : NULL,
+             .root = root,
+             .ans = &ans,
+             .what = "decode instance"};
+    const enum MHD_Result ret = answer_leg(p, c, route, url, dbody, json_is_true(json_object_get(root, "stream")), &l);
     json_decref(ans);
     return ret;
 }
@@ -808,8 +839,106 @@ static enum MHD_Result health(k3_proxy *p, struct MHD_Connection *c) {
     return k3_http_queue(p->http, c, 200, NULL, 0, "text/plain");
 }
 
+static size_t keep(char *ptr, size_t size, size_t n, void *arg) {
+    k3_buf *b = arg;
+    if (b->len + size * n > (8u << 20)) return 0; /* a backend's /metrics is far smaller */
+    k3_buf_add(b, ptr, size * n);
+    return b->oom ? 0 : size * n;
+}
+
+/* The sum over every series of name (any labels) in a Prometheus text. */
+static double series_sum(const char *text, size_t len, const char *name) {
+    double sum = 0;
+    const size_t nl = strlen(name);
+    for (const char *ln = text, *end = text + len; ln < end;) {
+        const char *eol = memchr(ln, '\n', (size_t)(end - ln));
+        if (!eol) eol = end;
+        if ((size_t)(eol - ln) > nl && !memcmp(ln, name, nl) && (ln[nl] == ' ' || ln[nl] == '{')) {
+            const char *v = eol;
+            while (v > ln && v[-1] != ' ') v--;
+            char num[64];
+            const size_t vl = (size_t)(eol - v) < sizeof num - 1 ? (size_t)(eol - v) : sizeof num - 1;
+            memcpy(num, v, vl);
+            num[vl] = 0;
+            char *e;
+            const double x = strtod(num, &e);
+            if (e != num) sum += x;
+        }
+        ln = eol + 1;
+    }
+    return sum;
+}
+
+/* The engine's gauges summed over the backends that answer their /metrics
+ * within a second (vllm:num_requests_running and _waiting: what a request
+ * through the proxy is doing), and how many answered. */
+enum { GAUGE_RUNNING, GAUGE_WAITING, GAUGE_COUNT };
+static int backend_gauges(k3_proxy *p, double sums[GAUGE_COUNT]) {
+    static const char *const names[GAUGE_COUNT] = {"vllm:num_requests_running", "vllm:num_requests_waiting"};
+    for (int g = 0; g < GAUGE_COUNT; g++) sums[g] = 0;
+    const int n = p->n_pre + p->n_dec;
+    CURLM *m = curl_multi_init();
+    CURL **h = calloc((size_t)n, sizeof *h);
+    k3_buf *out = calloc((size_t)n, sizeof *out);
+    struct curl_slist *hdr = NULL;
+    if (p->api_key) {
+        char v[1100];
+        snprintf(v, sizeof v, "Authorization: Bearer %s", p->api_key);
+        hdr = curl_slist_append(NULL, v);
+    }
+    int answered = 0;
+    if (!m || !h || !out || (p->api_key && !hdr)) goto done;
+    for (int i = 0; i < n; i++) {
+        const backend *b = i < p->n_pre ? &p->pre[i] : &p->dec[i - p->n_pre];
+        char url[1100];
+        snprintf(url, sizeof url, "%s/metrics", b->url);
+        if (!(h[i] = curl_easy_init())) continue;
+        curl_easy_setopt(h[i], CURLOPT_URL, url);
+        curl_easy_setopt(h[i], CURLOPT_NOSIGNAL, 1L);
+        curl_easy_setopt(h[i], CURLOPT_TIMEOUT_MS, 1000L);
+        curl_easy_setopt(h[i], CURLOPT_WRITEFUNCTION, keep);
+        curl_easy_setopt(h[i], CURLOPT_WRITEDATA, &out[i]);
+        if (hdr) curl_easy_setopt(h[i], CURLOPT_HTTPHEADER, hdr);
+        curl_multi_add_handle(m, h[i]);
+    }
+    for (int running = 1; running;) {
+        curl_multi_perform(m, &running);
+        if (running) curl_multi_poll(m, NULL, 0, 100, NULL);
+    }
+    for (int i = 0; i < n; i++) {
+        long st = 0;
+        if (h[i]) curl_easy_getinfo(h[i], CURLINFO_RESPONSE_CODE, &st);
+        if (st == 200 && out[i].p && !out[i].oom) {
+            answered++;
+            for (int g = 0; g < GAUGE_COUNT; g++) sums[g] += series_sum(out[i].p, out[i].len, names[g]);
+        }
+    }
+done:
+    for (int i = 0; h && i < n; i++)
+        if (h[i]) {
+            curl_multi_remove_handle(m, h[i]);
+            curl_easy_cleanup(h[i]);
+        }
+    for (int i = 0; out && i < n; i++) k3_buf_free(&out[i]);
+    curl_slist_free_all(hdr);
+    curl_multi_cleanup(m);
+    free(h);
+    free(out);
+    return answered;
+}
+
 static enum MHD_Result metrics(k3_proxy *p, struct MHD_Connection *c) {
     k3_buf o = {0};
+    double gauge[GAUGE_COUNT];
+    const int scraped = backend_gauges(p, gauge);
+    k3_buf_addf(&o,
+                "# HELP vllm:num_requests_running Requests in model execution batches, summed over the backends.\n"
+                "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running %.0f\n"
+                "# HELP vllm:num_requests_waiting Requests waiting to be processed, summed over the backends.\n"
+                "# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting %.0f\n"
+                "# HELP k3:proxy_backends_scraped Backends whose /metrics answered for these sums.\n"
+                "# TYPE k3:proxy_backends_scraped gauge\nk3:proxy_backends_scraped %d\n",
+                gauge[GAUGE_RUNNING], gauge[GAUGE_WAITING], scraped);
     k3_buf_addf(&o,
                 "# HELP k3:proxy_requests_total Requests the proxy took.\n# TYPE k3:proxy_requests_total counter\n"
                 "k3:proxy_requests_total %ld\n"
