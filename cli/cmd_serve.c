@@ -128,7 +128,9 @@ static int usage_serve(FILE *f) {
             "                               finished prompt's cache for a decode instance to pull; a decode\n"
             "                               instance pulls it; `--role proxy --prefill URL[,URL...] --decode\n"
             "                               URL[,URL...]` is the one endpoint in front of them (k3 serve --role\n"
-            "                               proxy --help)\n"
+            "                               proxy --help); `--role router --backend URL[,URL...]` spreads\n"
+            "                               requests over colocated instances by prefix affinity (k3 serve\n"
+            "                               --role router --help; docs/kvstore.md)\n"
             "  --kv-transfer-port N         the transfer listener's port (prefill; default 0 = any free port); it\n"
             "                               binds on --host; --kv-transfer-advertise ADDR: the address decode\n"
             "                               instances are told (default: --host)\n"
@@ -228,7 +230,8 @@ int k3_cmd_serve(int argc, char **argv) {
     long long kv_disk_bytes = 0;
     bool kv_fsync = false, per_key = false;
     for (int i = 1; i + 1 < argc; i++)
-        if (!strcmp(argv[i], "--role") && !strcmp(argv[i + 1], "proxy")) return k3_cmd_serve_proxy(argc, argv);
+        if (!strcmp(argv[i], "--role") && (!strcmp(argv[i + 1], "proxy") || !strcmp(argv[i + 1], "router")))
+            return k3_cmd_serve_proxy(argc, argv);
     long threads = k3_cli_default_threads();
     int bad = 0;
     k3_cli_dist cd;
@@ -319,7 +322,7 @@ int k3_cmd_serve(int argc, char **argv) {
         return 2;
     }
     if (role && strcmp(role, "prefill") && strcmp(role, "decode")) {
-        fprintf(stderr, "k3 serve: --role must be prefill, decode or proxy, not '%s'\n", role);
+        fprintf(stderr, "k3 serve: --role must be prefill, decode, proxy or router, not '%s'\n", role);
         return 2;
     }
     if (kv_dir && no_prefix) {

@@ -1402,9 +1402,21 @@ typedef struct k3_proxy_options {
     int max_connections, max_connections_per_ip;
     int idle_timeout_s, header_timeout_s, body_timeout_s;
     const char *allowed_origins, *allowed_methods, *allowed_headers;
-    const void *secret; /* the deployment's transfer secret (required: the credential on
-                           kv_transfer_params, the release of holds) */
+    const void *secret; /* the deployment's transfer secret (required but for a router: the
+                           credential on kv_transfer_params, the release of holds) */
     size_t secret_len;
+    /* The router (k3 serve --role router): with n_backends > 0 (and no prefill or decode
+     * instances) each generation request goes whole to one of backends, colocated instances,
+     * by src/router's policy: the instance it sent the longest prefix of the prompt's text
+     * (prefix affinity), balanced by load; a backend that fails or whose /health does not
+     * answer is skipped, and used again when it answers. /health answers 200 while one does. */
+    const char *const *backends;
+    int n_backends;
+    int router_policy;             /* k3_router_policy: 0 cache-aware, 1 round-robin */
+    int router_block_bytes;        /* bytes of the prompt's text per tree node (0 = 64) */
+    double router_cache_threshold; /* 0 = 0.5 */
+    int router_balance_abs;        /* 0 = 32 */
+    double router_balance_rel;     /* 0 = 1.5 */
 } k3_proxy_options;
 
 k3_status k3_proxy_start(k3_proxy **out, const k3_proxy_options *opt, k3_error *err);

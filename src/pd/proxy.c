@@ -72,7 +72,6 @@ struct k3_proxy {
     /* the router (--role router): its policy over the backends (p->dec), under rmu */
     k3_router *router;
     pthread_mutex_t rmu;
-    int32_t key_block;                   /* bytes of the prompt's key per tree node */
     atomic_long routed[K3_ROUTE_RR + 1]; /* by why */
     atomic_long matched_bytes, key_bytes;
     /* the prober of the backends' /health */
@@ -833,6 +832,9 @@ static enum MHD_Result health(k3_proxy *p, struct MHD_Connection *c) {
     int up_pre = 0, up_dec = 0;
     for (int i = 0; i < p->n_pre; i++) up_pre += atomic_load(&p->pre[i].up);
     for (int i = 0; i < p->n_dec; i++) up_dec += atomic_load(&p->dec[i].up);
+    if (p->router)
+        return up_dec ? k3_http_queue(p->http, c, 200, NULL, 0, "text/plain")
+                      : fail(p, c, R_HEALTH, 503, "no backend is healthy");
     if (!up_pre || !up_dec)
         return fail(p, c, R_HEALTH, 503, "%s%s%s", up_pre ? "" : "no prefill instance is healthy",
                     !up_pre && !up_dec ? "; " : "", up_dec ? "" : "no decode instance is healthy");
@@ -927,8 +929,47 @@ done:
     return answered;
 }
 
+/* The router's own series: requests by why it chose, the prompt bytes it found where it sent them,
+ * and per backend its load, its tree share and what it was sent. */
+static void router_metrics(k3_proxy *p, k3_buf *o) {
+    static const char *const why[] =
+        {[K3_ROUTE_NONE] = "none_healthy", [K3_ROUTE_AFFINITY] = "affinity", [K3_ROUTE_ROOM] = "new_prefix",
+         [K3_ROUTE_BALANCE] = "balance",   [K3_ROUTE_PROBE] = "probe",       [K3_ROUTE_RR] = "round_robin"};
+    k3_buf_addf(o,
+                "# HELP k3:router_requests_total Generation requests routed, by why the backend was chosen.\n"
+                "# TYPE k3:router_requests_total counter\n");
+    for (int w = 0; w <= K3_ROUTE_RR; w++)
+        k3_buf_addf(o, "k3:router_requests_total{reason=\"%s\"} %ld\n", why[w], atomic_load(&p->routed[w]));
+    k3_buf_addf(o,
+                "# HELP k3:router_prompt_bytes_total Bytes of the prompts' text (the tree's key) routed.\n"
+                "# TYPE k3:router_prompt_bytes_total counter\nk3:router_prompt_bytes_total %ld\n"
+                "# HELP k3:router_affinity_hit_bytes_total Bytes of those prompts the tree says the chosen backend "
+                "was sent before (its prefix cache's likely hit).\n"
+                "# TYPE k3:router_affinity_hit_bytes_total counter\nk3:router_affinity_hit_bytes_total %ld\n",
+                atomic_load(&p->key_bytes), atomic_load(&p->matched_bytes));
+    k3_router_backend rb[K3_ROUTER_MAX_BACKENDS];
+    pthread_mutex_lock(&p->rmu);
+    for (int i = 0; i < p->n_dec; i++) k3_router_backend_get(p->router, i, &rb[i]);
+    pthread_mutex_unlock(&p->rmu);
+    static const char *const series[][2] =
+        {{"k3:router_backend_load", "Requests routed to the backend and not done (gauge)."},
+         {"k3:router_backend_routed_total", "Requests routed to the backend (counter)."},
+         {"k3:router_backend_tree_nodes", "Prefix tree nodes that name the backend (gauge)."},
+         {"k3:router_backend_healthy", "1 while the router sends the backend requests (gauge)."}};
+    for (int k = 0; k < 4; k++) {
+        k3_buf_addf(o, "# HELP %s %s\n# TYPE %s %s\n", series[k][0], series[k][1], series[k][0],
+                    k == 1 ? "counter" : "gauge");
+        for (int i = 0; i < p->n_dec; i++) {
+            const int64_t v = k == 0 ? rb[i].load : k == 1 ? rb[i].routed : k == 2 ? rb[i].cached : rb[i].healthy;
+            k3_buf_addf(o, "%s{url=\"%s\"} %lld\n", series[k][0], p->dec[i].url, (long long)v);
+        }
+    }
+}
+
 static enum MHD_Result metrics(k3_proxy *p, struct MHD_Connection *c) {
+    const char *dec_role = p->router ? "backend" : "decode";
     k3_buf o = {0};
+    if (p->router) router_metrics(p, &o);
     double gauge[GAUGE_COUNT];
     const int scraped = backend_gauges(p, gauge);
     k3_buf_addf(&o,
@@ -954,7 +995,7 @@ static enum MHD_Result metrics(k3_proxy *p, struct MHD_Connection *c) {
     for (int side = 0; side < 2; side++)
         for (int i = 0; i < (side ? p->n_dec : p->n_pre); i++) {
             backend *b = side ? &p->dec[i] : &p->pre[i];
-            k3_buf_addf(&o, "k3:proxy_backend_inflight{role=\"%s\",url=\"%s\"} %d\n", side ? "decode" : "prefill",
+            k3_buf_addf(&o, "k3:proxy_backend_inflight{role=\"%s\",url=\"%s\"} %d\n", side ? dec_role : "prefill",
                         b->url, atomic_load(&b->inflight));
         }
     k3_buf_addf(&o,
@@ -964,7 +1005,7 @@ static enum MHD_Result metrics(k3_proxy *p, struct MHD_Connection *c) {
         for (int i = 0; i < (side ? p->n_dec : p->n_pre); i++) {
             backend *b = side ? &p->dec[i] : &p->pre[i];
             k3_buf_addf(&o, "k3:proxy_backend_failures_total{role=\"%s\",url=\"%s\"} %ld\n",
-                        side ? "decode" : "prefill", b->url, atomic_load(&b->failures));
+                        side ? dec_role : "prefill", b->url, atomic_load(&b->failures));
         }
     k3_buf_addf(&o,
                 "# HELP k3:proxy_backend_up 1 when the backend's /health answered 200 at the last probe.\n"
@@ -972,7 +1013,7 @@ static enum MHD_Result metrics(k3_proxy *p, struct MHD_Connection *c) {
     for (int side = 0; side < 2; side++)
         for (int i = 0; i < (side ? p->n_dec : p->n_pre); i++) {
             backend *b = side ? &p->dec[i] : &p->pre[i];
-            k3_buf_addf(&o, "k3:proxy_backend_up{role=\"%s\",url=\"%s\"} %d\n", side ? "decode" : "prefill", b->url,
+            k3_buf_addf(&o, "k3:proxy_backend_up{role=\"%s\",url=\"%s\"} %d\n", side ? dec_role : "prefill", b->url,
                         atomic_load(&b->up) ? 1 : 0);
         }
     k3_http_metrics_render(p->http, NULL, &o);
@@ -1060,7 +1101,16 @@ static void probe_all(k3_proxy *p, long timeout_ms) {
         backend *b = i < p->n_pre ? &p->pre[i] : &p->dec[i - p->n_pre];
         long st = 0;
         if (h[i]) curl_easy_getinfo(h[i], CURLINFO_RESPONSE_CODE, &st);
-        atomic_store(&b->up, st == 200);
+        const bool was = atomic_exchange(&b->up, st == 200);
+        if (p->router && b->rix >= 0) {
+            /* the router learns a backend that went down or came back (a restart: back, empty) */
+            pthread_mutex_lock(&p->rmu);
+            k3_router_backend rb;
+            k3_router_backend_get(p->router, b->rix, &rb);
+            if (st != 200 && (was || rb.healthy)) k3_router_set_health(p->router, b->rix, false, k3_now());
+            if (st == 200 && !rb.healthy) k3_router_set_health(p->router, b->rix, true, k3_now());
+            pthread_mutex_unlock(&p->rmu);
+        }
         if (h[i]) {
             curl_multi_remove_handle(m, h[i]);
             curl_easy_cleanup(h[i]);
@@ -1104,6 +1154,7 @@ static k3_status backends(backend **out, const char *const *urls, int n, const c
         atomic_init(&b[i].inflight, 0);
         atomic_init(&b[i].down_until, 0.0);
         atomic_init(&b[i].up, false);
+        b[i].rix = -1;
     }
     return K3_OK;
 }
@@ -1114,6 +1165,8 @@ static void proxy_free(k3_proxy *p) {
     free(p->pre);
     free(p->dec);
     free(p->api_key);
+    k3_router_close(p->router);
+    pthread_mutex_destroy(&p->rmu);
     memset(&p->keys, 0, sizeof p->keys);
     pthread_mutex_destroy(&p->mu);
     pthread_cond_destroy(&p->cv);
@@ -1131,11 +1184,30 @@ k3_status k3_proxy_start(k3_proxy **out, const k3_proxy_options *o, k3_error *er
     if (!p) return k3_err(err, K3_ERR_NOMEM, "proxy: out of memory");
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->cv, NULL);
-    p->n_pre = o->n_prefill;
-    p->n_dec = o->n_decode;
-    k3_status st = backends(&p->pre, o->prefill, o->n_prefill, "prefill", err);
-    if (!st) st = backends(&p->dec, o->decode, o->n_decode, "decode", err);
-    if (!st) st = k3_pd_keys_derive(&p->keys, o->secret, o->secret_len, err);
+    pthread_mutex_init(&p->rmu, NULL);
+    k3_status st = K3_OK;
+    if (o->n_backends > 0) {
+        /* the router: the backends take the decode instances' place, each whole */
+        if (o->n_prefill || o->n_decode)
+            st = k3_err(err, K3_ERR_ARG, "proxy: a router's backends, or prefill and decode instances, not both");
+        p->n_dec = o->n_backends;
+        if (!st) st = backends(&p->dec, o->backends, o->n_backends, "backend", err);
+        const k3_router_options ro = {.n_backends = o->n_backends,
+                                      .block_size = o->router_block_bytes,
+                                      .cache_threshold = o->router_cache_threshold,
+                                      .balance_abs = o->router_balance_abs,
+                                      .balance_rel = o->router_balance_rel,
+                                      .max_nodes = 1 << 18,
+                                      .policy = (k3_router_policy)o->router_policy};
+        if (!st) st = k3_router_open(&p->router, &ro, err);
+        for (int i = 0; !st && i < p->n_dec; i++) p->dec[i].rix = i;
+    } else {
+        p->n_pre = o->n_prefill;
+        p->n_dec = o->n_decode;
+        st = backends(&p->pre, o->prefill, o->n_prefill, "prefill", err);
+        if (!st) st = backends(&p->dec, o->decode, o->n_decode, "decode", err);
+        if (!st) st = k3_pd_keys_derive(&p->keys, o->secret, o->secret_len, err);
+    }
     if (st) {
         proxy_free(p);
         return st;
