@@ -94,6 +94,12 @@ $(BUILD)/%_avx512.o: %_avx512.c | $(DEPS_OK)
 	@mkdir -p $(dir $@)
 	$(CC) $(K3_CFLAGS) $(PC_CFLAGS) $(CFLAGS) -mavx512f -mavx512bw -mavx512vl -mavx512vnni -mavx2 -mfma -mf16c -c $< -o $@
 
+# AVX-512 with the BF16 dot products (vdpbf16ps): chosen at run time where
+# the CPU has AVX512_BF16.
+$(BUILD)/%_avx512bf16.o: %_avx512bf16.c | $(DEPS_OK)
+	@mkdir -p $(dir $@)
+	$(CC) $(K3_CFLAGS) $(PC_CFLAGS) $(CFLAGS) -mavx512bf16 -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx2 -mfma -mf16c -c $< -o $@
+
 $(BUILD)/embed: tools/embed.c
 	@mkdir -p $(dir $@)
 	$(CC) -O2 -o $@ $<

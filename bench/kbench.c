@@ -8,7 +8,8 @@
  *   KB_HUGE=1: the matrices in 2 MB pages; KB_SHUFFLE=1: read in a random
  *   order (routed experts); KB_KB=N: N KB of matrices (small: from cache);
  *   KB_ISA=ref|avx2|avx2-novnni|avx512: the kernels (k3_set_isa; default the
- *   best the CPU has); KB_FMT=name: only the formats whose name starts so;
+ *   best the CPU has); KB_FMT=name: only the formats whose name starts so
+ *   (=name: the one so named);
  *   KB_CPU=1: time by the process's CPU clock instead of the wall clock (with
  *   one thread, on a machine others load: their time slices then do not count)
  */
@@ -57,14 +58,19 @@ int main(int argc, char **argv) {
     printf("read bandwidth %.1f GB/s\n", bw);
     float *x = malloc(sizeof(float) * (size_t)(n * cols)), *y = malloc(sizeof(float) * (size_t)(n * rows));
     for (int64_t i = 0; i < n * cols; i++) x[i] = (float)((int)(rnd() % 2001) - 1000) / 1000.0f;
-    struct { const char *name; k3_wtype t; bool act8; } fmts[] = {
-        {"bf16", K3_W_BF16, false}, {"q8 (w8a8)", K3_W_Q8, true}, {"mxfp4 (w4a8)", K3_W_MXFP4, true},
-        {"mxfp4 r4 (w4a8)", K3_W_MXFP4_R4, true},
-        {"mxfp4 (fp32 act)", K3_W_MXFP4, false}, {"mxfp8 (w8a8)", K3_W_MXFP8, true},
+    struct { const char *name; k3_wtype t; bool act8, bf16; } fmts[] = {
+        {"bf16", K3_W_BF16, false, false}, {"q8 (w8a8)", K3_W_Q8, true, false}, {"mxfp4 (w4a8)", K3_W_MXFP4, true, false},
+        {"mxfp4 r4 (w4a8)", K3_W_MXFP4_R4, true, false},
+        {"mxfp4 (fp32 act)", K3_W_MXFP4, false, false}, {"mxfp8 (w8a8)", K3_W_MXFP8, true, false},
+        /* the BF16 dot products (AVX512_BF16, AMX): as stored and as strips */
+        {"bf16 (bf16 act)", K3_W_BF16, false, true}, {"bf16 s16", K3_W_BF16_S16, false, true},
+        {"mxfp4 (bf16 act)", K3_W_MXFP4, false, true}, {"mxfp4 s16", K3_W_MXFP4_S16, false, true},
     };
     for (size_t f = 0; f < sizeof fmts / sizeof fmts[0]; f++) {
-        if (getenv("KB_FMT") && strncmp(fmts[f].name, getenv("KB_FMT"), strlen(getenv("KB_FMT")))) continue;
-        k3_mat w = {.type = fmts[f].t, .rows = rows, .cols = cols, .act8 = fmts[f].act8};
+        const char *want = getenv("KB_FMT");
+        if (want && want[0] == '=' ? strcmp(fmts[f].name, want + 1) : want && strncmp(fmts[f].name, want, strlen(want)))
+            continue;
+        k3_mat w = {.type = fmts[f].t, .rows = rows, .cols = cols, .act8 = fmts[f].act8, .bf16 = fmts[f].bf16};
         const k3_wtype_traits *ti = k3_wtype_info(w.type);
         const size_t rb = k3_mat_row_bytes(&w);
         const size_t mb = rb * (size_t)rows;
@@ -80,7 +86,7 @@ int main(int argc, char **argv) {
             ms[m] = w;
             uint8_t *d = arena + db * m;
             for (size_t i = 0; i < db; i++) d[i] = (uint8_t)rnd();
-            if (fmts[f].t == K3_W_BF16)
+            if (fmts[f].t == K3_W_BF16 || fmts[f].t == K3_W_BF16_S16)
                 for (size_t i = 0; i < db / 2; i++) ((uint16_t *)d)[i] = k3_f32_to_bf16((float)((int)(rnd() % 2001) - 1000) / 1e5f);
             if (fmts[f].t == K3_W_MXFP8)
                 for (size_t i = 0; i < db; i++) if ((d[i] & 0x7f) == 0x7f) d[i] = 0x10;

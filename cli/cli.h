@@ -20,22 +20,24 @@ int k3_cmd_bench_throughput(int argc, char **argv); /* `k3 bench throughput` */
 #include "k3.h"
 
 /* The --quant modes, as the subcommands' help lists them (k3_quant_parse). */
-#define K3_CLI_QUANT_MODES "none | w8a8 | w8a8-mxfp8 | w4a8 | w8a8+w4a8"
+#define K3_CLI_QUANT_MODES "none | f32 | w8a8 | w8a8-mxfp8 | w4a8 | w8a8+w4a8"
 
 /* The quantization mode and cache format used when none is given. The
  * trunk runs as stored (BF16) and the routed experts as stored (MXFP4 or
- * BF16, fp32 activations), with the C8 cache: on tiny checkpoints built by
- * Moonshot's own classes with their own initialization
- * (tests/test_official.c) the router's top-k has near-ties (score margins
- * of 1e-4), and any 8-bit requantization upstream of a router flips some of
- * them: W8A8 is at rel-L2 0.36 / 0.32 and top-1 21/24 / 16/24 against the
- * official logits, W4A8 alone at 0.054 on the MXFP4 variant, while this
- * mode is at 9e-4 / 1.1e-3 with every top-1 (docs/performance.md, "Accuracy
- * against Moonshot's code"). W8A8 (~1.7x the decode speed on the bench
- * checkpoint) and W4A8 are explicit choices: `--quant w8a8+w4a8` (ppl +0.03%
- * on the trained models/k3-mini); check a new checkpoint with
- * `k3 eval --compare-fp32` before trusting them. `--quant none --kv-cache
- * f32` is the reference path. */
+ * BF16), with the C8 cache; where the CPU has BF16 dot products (AVX512_BF16,
+ * AMX) their activations are rounded to BF16 and the products summed in the
+ * AMX unit's order, the same bits at every batch size (docs/amx.md,
+ * "Numerics"), the routers kept fp32. On tiny checkpoints built by Moonshot's
+ * own classes with their own initialization (tests/test_official.c) the
+ * router's top-k has near-ties (score margins of 1e-4): this mode is at
+ * rel-L2 6.7e-3 with every top-1 against the official logits (9e-4 with fp32
+ * activations), while any 8-bit requantization upstream of a router flips
+ * some of them: W8A8 is at rel-L2 0.36 / 0.32 and top-1 21/24 / 16/24, W4A8
+ * alone at 0.054 on the MXFP4 variant (docs/performance.md, "Accuracy
+ * against Moonshot's code"). W8A8 and W4A8 are explicit choices: `--quant
+ * w8a8+w4a8` (ppl +0.03% on the trained models/k3-mini); check a new
+ * checkpoint with `k3 eval --compare-fp32` before trusting them. `--quant
+ * f32 --kv-cache f32` is the reference path. */
 #define K3_DEFAULT_QUANT "none"
 #define K3_DEFAULT_KV "c8"
 
@@ -145,7 +147,7 @@ void k3_eval_remote_close(k3_eval_remote *r);
 /* Applies --isa NAME (k3_set_isa) for subcommand cmd; 0, or prints why not
  * and returns 2. Call it while parsing, before the model is opened. */
 int k3_cli_set_isa(const char *cmd, const char *name);
-#define K3_CLI_ISA_HELP "ref | avx2 | avx2-novnni | avx512 | amx | best (default: best the CPU has)"
+#define K3_CLI_ISA_HELP "ref | avx2 | avx2-novnni | avx512 | avx512-nobf16 | amx | best (default: best the CPU has)"
 
 /* ---- speculative decoding options (spec_opts.c) ------------------------ */
 typedef struct k3_cli_spec {

@@ -207,21 +207,33 @@ static int run_prefill(bench *b, int64_t len, stat3 *out, k3_profile *prof, k3_e
     return rc;
 }
 
-static void print_profile(const char *what, const k3_profile *p, bool json) {
+/* The time per operator; with flops (prefill), each operator's GFLOP/s and
+ * its fraction of peak (GFLOP/s of the mode's kind). */
+static void print_profile(const char *what, const k3_profile *p, bool json, const double *flops, double peak) {
     double total = 0;
     for (int i = 0; i < K3_PROF_COUNT; i++) total += p->seconds[i];
     if (json) {
         printf("\"%s\": {", what);
-        for (int i = 0; i < K3_PROF_COUNT; i++)
+        for (int i = 0; i < K3_PROF_COUNT; i++) {
             printf("%s\"%s_ms\": %.3f", i ? ", " : "", k3_prof_op_name((k3_prof_op)i), p->seconds[i] * 1e3);
+            if (flops && p->seconds[i] > 0)
+                printf(", \"%s_gflops\": %.2f", k3_prof_op_name((k3_prof_op)i), flops[i] / p->seconds[i] / 1e9);
+        }
         printf("}");
         return;
     }
     printf("profile (%s), total %.1f ms:\n", what, total * 1e3);
-    for (int i = 0; i < K3_PROF_COUNT; i++)
-        if (p->seconds[i] > 0)
-            printf("  %-8s %9.2f ms  %5.1f%%\n", k3_prof_op_name((k3_prof_op)i), p->seconds[i] * 1e3,
-                   100.0 * p->seconds[i] / (total > 0 ? total : 1));
+    for (int i = 0; i < K3_PROF_COUNT; i++) {
+        if (p->seconds[i] <= 0) continue;
+        printf("  %-8s %9.2f ms  %5.1f%%", k3_prof_op_name((k3_prof_op)i), p->seconds[i] * 1e3,
+               100.0 * p->seconds[i] / (total > 0 ? total : 1));
+        if (flops && flops[i] > 0) {
+            const double g = flops[i] / p->seconds[i] / 1e9;
+            printf("  %8.1f GFLOP/s", g);
+            if (peak > 0) printf("  %5.1f%% of peak", 100.0 * g / peak);
+        }
+        printf("\n");
+    }
 }
 
 /* Progress on stderr: the phase about to run, the time so far and an
@@ -348,6 +360,14 @@ int k3_cmd_bench(int argc, char **argv) {
         goto out;
     }
 
+    /* the compute peaks prefill is held against: every kind this CPU has
+     * (~0.1 s each), and the one of this mode's large products */
+    double peak[K3_PEAK_COUNT];
+    for (int k = 0; k < K3_PEAK_COUNT; k++) peak[k] = k3_peak_gflops(b.pool, (k3_peak_kind)k, 0.1);
+    k3_quant_options qo;
+    k3_quant_parse(quant, &qo, NULL);
+    const k3_peak_kind pk = k3_peak_of(&qo);
+
     stat3 pre[8], dec1, dec8;
     k3_profile prof_pre = {{0}}, prof_dec = {{0}};
     if (membw > 0) et.t_step = (double)b.info.bytes_per_token / (membw * 1e9);
@@ -397,6 +417,8 @@ int k3_cmd_bench(int argc, char **argv) {
         if (prompts[i] == 512) i512 = i;
     const int ip = i512 >= 0 ? i512 : n_prompts - 1;
     const double gflops = 2.0 * (double)b.info.n_params_active * pre[ip].med / 1e9;
+    double pflops[K3_PROF_COUNT];
+    k3_model_prof_flops(b.m, 512, pflops);
 
     k3_cli_vision_bench vb;
     if (k3_cli_bench_vision(b.m, b.pool, quant, runs, json, &vb)) goto out;
@@ -440,6 +462,11 @@ int k3_cmd_bench(int argc, char **argv) {
                (long long)b.info.bytes_per_token, eff, frac.med, frac.min, frac.max, bwr.med, bwr.min, bwr.max, steady);
         printf("\"params\": %lld, \"params_active\": %lld", (long long)b.info.n_params,
                (long long)b.info.n_params_active);
+        printf(", \"peak_gflops\": {");
+        for (int k = 0; k < K3_PEAK_COUNT; k++)
+            printf("%s\"%s\": %.1f", k ? ", " : "", k3_peak_name((k3_peak_kind)k), peak[k]);
+        printf("}, \"peak_kind\": \"%s\", \"prefill_peak_fraction\": %.4f", k3_peak_name(pk),
+               peak[pk] > 0 ? gflops / peak[pk] : 0.0);
         if (longctx) {
             printf(", \"long_context\": [");
             for (int i = 0; i < n_contexts; i++)
@@ -450,9 +477,9 @@ int k3_cmd_bench(int argc, char **argv) {
         k3_cli_bench_vision_print(&vb, true);
         if (profile) {
             printf(", ");
-            print_profile("profile_prefill", &prof_pre, true);
+            print_profile("profile_prefill", &prof_pre, true, pflops, peak[pk]);
             printf(", ");
-            print_profile("profile_decode", &prof_dec, true);
+            print_profile("profile_decode", &prof_dec, true, NULL, 0);
         }
         printf("}\n");
     } else {
@@ -462,10 +489,19 @@ int k3_cmd_bench(int argc, char **argv) {
                bpt / 1e6, quant, (long long)stored.bytes_per_token, stored.bytes_per_token / 1e6);
         printf("kernels: %s\n", k3_isa_current());
         printf("memory bandwidth (read, %ld MB, %d threads): %.2f GB/s\n", membw_mb, threads, membw);
-        printf("%-18s %10s %10s %10s %10s\n", "", "median", "min", "max", "GFLOP/s");
-        for (int i = 0; i < n_prompts; i++)
-            printf("prefill %5ld tok/s %10.1f %10.1f %10.1f %10.1f\n", prompts[i], pre[i].med, pre[i].min, pre[i].max,
-                   2.0 * (double)b.info.n_params_active * pre[i].med / 1e9);
+        printf("compute peak (register loops, %d threads):", threads);
+        for (int k = 0, first = 1; k < K3_PEAK_COUNT; k++)
+            if (peak[k] > 0) {
+                printf("%s %s %.0f", first ? "" : ",", k3_peak_name((k3_peak_kind)k), peak[k]);
+                first = 0;
+            }
+        printf(" GFLOP/s; this mode's products: %s\n", k3_peak_name(pk));
+        printf("%-18s %10s %10s %10s %10s %9s\n", "", "median", "min", "max", "GFLOP/s", "of peak");
+        for (int i = 0; i < n_prompts; i++) {
+            const double g = 2.0 * (double)b.info.n_params_active * pre[i].med / 1e9;
+            printf("prefill %5ld tok/s %10.1f %10.1f %10.1f %10.1f %8.1f%%\n", prompts[i], pre[i].med, pre[i].min,
+                   pre[i].max, g, peak[pk] > 0 ? 100.0 * g / peak[pk] : 0.0);
+        }
         printf("decode b=1   tok/s %10.2f %10.2f %10.2f\n", dec1.med, dec1.min, dec1.max);
         printf("decode b=8   tok/s %10.2f %10.2f %10.2f\n", dec8.med, dec8.min, dec8.max);
         printf("decode b=1 effective %.2f GB/s; of the bandwidth measured around each run (median %.2f, "
@@ -480,8 +516,8 @@ int k3_cmd_bench(int argc, char **argv) {
         }
         k3_cli_bench_vision_print(&vb, false);
         if (profile) {
-            print_profile("prefill 512", &prof_pre, false);
-            print_profile("decode b=1", &prof_dec, false);
+            print_profile("prefill 512", &prof_pre, false, pflops, peak[pk]);
+            print_profile("decode b=1", &prof_dec, false, NULL, 0);
         }
     }
     fprintf(stderr, "k3 bench: done in %.0f s\n", k3_now() - et.t0);

@@ -113,10 +113,13 @@ typedef enum k3_wquant {
 typedef struct k3_quant_options {
     k3_wquant linear; /* attention linears, dense FFN, shared experts, latent MoE projections */
     bool experts_a8;  /* W4A8: MXFP4 routed experts with int8 activations */
+    bool f32;         /* the weights as stored, fp32 activations everywhere: the reference. Otherwise,
+                         where the kernels have BF16 dot products (AVX512_BF16, AMX), the BF16 and
+                         MXFP4 matrices but the routers take them: activations rounded to BF16 */
 } k3_quant_options;
 
-/* Parses "none", "w8a8", "w8a8-mxfp8", "w4a8" or a '+'-joined combination
- * ("w8a8+w4a8"). */
+/* Parses "none", "f32", "w8a8", "w8a8-mxfp8", "w4a8" or a '+'-joined
+ * combination ("w8a8+w4a8"). */
 k3_status k3_quant_parse(const char *s, k3_quant_options *out, k3_error *err);
 /* Converts the model's weights; call once, right after k3_model_open. */
 k3_status k3_model_quantize(k3_model *m, const k3_quant_options *opt, k3_error *err);
@@ -323,6 +326,13 @@ typedef struct k3_profile {
 } k3_profile;
 
 const char *k3_prof_op_name(k3_prof_op op);
+/* The operations (2 a multiply-add) of a prefill of `tokens` tokens from
+ * position 0, by operator: each operator's matrix products (the routed
+ * experts: top-k a token; the head: one token's logits), the KDA recurrence
+ * (~4 dk dv a head and token), and MLA's absorbed products, the indexer's
+ * scores and the attention over the slots each token reads. For --profile's
+ * rates against the compute peak; the elementwise work is not counted. */
+void k3_model_prof_flops(const k3_model *m, int64_t tokens, double flops[K3_PROF_COUNT]);
 /* Turns timing on or off (off by default; timing adds a clock read per op). */
 void k3_ctx_profile_enable(k3_ctx *ctx, bool on);
 /* Copies the sums into *out and resets them. */
@@ -337,6 +347,28 @@ k3_status k3_ctx_seq_fill_synthetic(k3_ctx *ctx, int32_t seq, int64_t n, uint64_
  * and returns the median rate in GB/s (1e9 bytes/s): the memory bandwidth a
  * decode step is held against. Use >= 1 GB. Returns 0 if it cannot allocate. */
 double k3_membw_read_gbps(k3_pool *pool, size_t bytes, int reps);
+
+/* The compute peaks prefill is held against: a loop of independent
+ * multiply-adds on registers (no memory traffic) on every thread of pool at
+ * once, about `seconds` long. GFLOP/s (GOP/s for INT8), 2 operations a
+ * multiply-add; 0 where the CPU lacks the instructions (AMX: or the kernel
+ * refuses the tile state). */
+typedef enum k3_peak_kind {
+    K3_PEAK_FMA32 = 0, /* fp32 FMA (AVX-512, else AVX2) */
+    K3_PEAK_BF16DOT,   /* vdpbf16ps (AVX512_BF16) */
+    K3_PEAK_INT8DOT,   /* vpdpbusd (AVX-512 VNNI, else AVX-VNNI) */
+    K3_PEAK_AMX_BF16,  /* TDPBF16PS */
+    K3_PEAK_AMX_INT8,  /* TDPBSSD */
+    K3_PEAK_COUNT
+} k3_peak_kind;
+double k3_peak_gflops(k3_pool *pool, k3_peak_kind kind, double seconds);
+/* "fp32 FMA", "BF16 dot", "INT8 dot", "AMX BF16", "AMX INT8". */
+const char *k3_peak_name(k3_peak_kind kind);
+/* The kind that bounds the large products of a model quantized with q on
+ * the current kernels: INT8 where the linears are 8-bit, else BF16 where the
+ * table has the BF16 dot products and q is not f32, else fp32 FMA (AMX's
+ * kinds on the "amx" table). */
+k3_peak_kind k3_peak_of(const k3_quant_options *q);
 
 /* ---- sampling --------------------------------------------------------- */
 

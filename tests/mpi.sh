@@ -1,9 +1,12 @@
 #!/bin/sh
-# mpi.sh -- k3 across processes (issue 19): the DSA top-k exchange alone, and
+# mpi.sh -- k3 across processes: the DSA top-k exchange alone, and
 # the whole model under mpirun -- DCP 2 and 4 (both exchanges), EP 2, DCP 2 x
 # EP 2 on 4 ranks -- against one process: prompt logits (k3 run
 # --dump-logits) to rel-L2 1e-5 and the same greedy text, on the fp32 path
-# and on C8; each rank's cache bytes 1/D of one process's; bad
+# (--quant f32: DCP merges each rank's attention in its own fp32 order, a
+# 1e-7 difference that a rounding of the activations to BF16 or 8 bits
+# downstream can turn into another token) with the f32 and the C8 cache;
+# each rank's cache bytes 1/D of one process's; bad
 # configurations, a rank that dies and a rank that hangs end every rank
 # with a message, never a hang; under k3 serve a rank killed or stopped
 # mid-stream gives the client its error event (tests/mpi_stream.py), and
@@ -73,19 +76,24 @@ compare() {
 }
 
 for kv in f32 c8; do
-    "$K3" $RUN --quant none --kv-cache $kv --dump-logits "$TMP/ref_$kv.bin" >"$TMP/ref_$kv.txt" 2>"$TMP/ref.err" ||
+    "$K3" $RUN --quant f32 --kv-cache $kv --dump-logits "$TMP/ref_$kv.bin" >"$TMP/ref_$kv.txt" 2>"$TMP/ref.err" ||
         bad "one-process reference ($kv)" "$TMP/ref.err"
-    Q="--quant none --kv-cache $kv"
+    Q="--quant f32 --kv-cache $kv"
     compare "$kv dcp 2" "$TMP/ref_$kv.bin" "$TMP/ref_$kv.txt" 2 $Q --dcp 2
     compare "$kv dcp 4 allgather" "$TMP/ref_$kv.bin" "$TMP/ref_$kv.txt" 4 $Q --dcp 4
     compare "$kv dcp 4 butterfly" "$TMP/ref_$kv.bin" "$TMP/ref_$kv.txt" 4 $Q --dcp 4 --dcp-topk-exchange butterfly
     compare "$kv ep 2" "$TMP/ref_$kv.bin" "$TMP/ref_$kv.txt" 2 $Q --ep 2
     compare "$kv dcp 2 x ep 2 on 4 ranks" "$TMP/ref_$kv.bin" "$TMP/ref_$kv.txt" 4 $Q --dcp 2 --ep 2
 done
-compare "f32 dcp 3 (4 heads: every partial gathered)" "$TMP/ref_f32.bin" "$TMP/ref_f32.txt" 3 --quant none \
+compare "f32 dcp 3 (4 heads: every partial gathered)" "$TMP/ref_f32.bin" "$TMP/ref_f32.txt" 3 --quant f32 \
     --kv-cache f32 --dcp 3
-compare "f32 dcp 2, interleave 4, 2 threads" "$TMP/ref_f32.bin" "$TMP/ref_f32.txt" 2 --quant none --kv-cache f32 \
+compare "f32 dcp 2, interleave 4, 2 threads" "$TMP/ref_f32.bin" "$TMP/ref_f32.txt" 2 --quant f32 --kv-cache f32 \
     --dcp 2 --dcp-interleave 4 --threads 2
+# EP runs each owner's experts over the same rows in the same order: exact
+# in the default mode too (BF16 dot products where the CPU has them)
+"$K3" $RUN --dump-logits "$TMP/ref_def.bin" >"$TMP/ref_def.txt" 2>"$TMP/ref.err" ||
+    bad "one-process reference (default mode)" "$TMP/ref.err"
+compare "default mode ep 2" "$TMP/ref_def.bin" "$TMP/ref_def.txt" 2 --ep 2
 
 # images under mpirun (vision-tiny: no routed experts, so DCP): rank 0
 # encodes, the rows go to the other ranks with the batch; logits and text =
@@ -187,11 +195,11 @@ fi
 # k3 serve under mpirun against one process (tests/mpi_serve.py): --ep 2,
 # --dcp 2 (the engine's global block tables on every rank's 1/D cache; the
 # 150-token prompt is over index_topk, so DSA selection runs) and --dcp 2
-# --ep 2 on 4 ranks; rank 0 ends on SIGTERM and lets the others go: mpirun
-# exits 0
+# --ep 2 on 4 ranks, on the fp32 path (--quant f32, as above); rank 0 ends
+# on SIGTERM and lets the others go: mpirun exits 0
 port_of() { sed -n 's/.*listening on http:\/\/127.0.0.1:\([0-9]*\).*/\1/p' "$1" | head -1; }
 wait_port() { for i in $(seq 300); do p=$(port_of "$1"); [ -n "$p" ] && { echo "$p"; return; }; sleep 0.1; done; }
-SRV="serve -m $M --port 0 --threads 1 --max-num-seqs 4 --cache-tokens 16384"
+SRV="serve -m $M --quant f32 --port 0 --threads 1 --max-num-seqs 4 --cache-tokens 16384"
 timeout 300 "$K3" $SRV >/dev/null 2>"$TMP/s1" </dev/null &
 spid=$!
 trap 'kill $mpid $spid 2>/dev/null; rm -rf "$TMP"' EXIT
@@ -237,7 +245,7 @@ serve_check 2 ep_dispatch,ep_combine --ep 2
 serve_check 2 topk_exchange,lse_merge --dcp 2
 serve_check 4 topk_exchange,lse_merge,ep_dispatch,ep_combine --dcp 2 --ep 2
 # preemption under DCP: a 320-token pool for four requests at once
-$MPI -np 2 "$K3" serve -m $M --port 0 --threads 1 --max-num-seqs 4 --cache-tokens 320 --dcp 2 >/dev/null \
+$MPI -np 2 "$K3" serve -m $M --quant f32 --port 0 --threads 1 --max-num-seqs 4 --cache-tokens 320 --dcp 2 >/dev/null \
     2>"$TMP/s2" </dev/null &
 mpid=$!
 p2=$(wait_port "$TMP/s2")

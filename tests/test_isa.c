@@ -1,9 +1,10 @@
-/* test_isa.c -- the whole model on each kernel ISA the CPU has (k3_set_isa,
- * issue #18): the default 8-bit mode (W8A8 + W4A8, C8 cache) gives the same
- * logits bit for bit with AVX2's plain and AVX-VNNI integer kernels, and
- * logits close to the other ISAs'. Each model is quantized and copied into
- * RAM after the ISA is set, as the CLI does (the resident layout depends on
- * it). */
+/* test_isa.c -- the whole model on each kernel ISA the CPU has (k3_set_isa):
+ * the 8-bit mode (W8A8 + W4A8, C8 cache) gives the same logits bit for bit
+ * with AVX2's plain and AVX-VNNI integer kernels, logits close to the other
+ * fp32-activation ISAs', and within the BF16 rounding of its matrices left
+ * as stored (the head) on the BF16 dot products ("avx512" where the CPU has
+ * AVX512_BF16). Each model is quantized and copied into RAM after the ISA is
+ * set, as the CLI does (the resident layout depends on it). */
 #include <stdlib.h>
 #include <string.h>
 
@@ -65,13 +66,24 @@ K3_TEST(isa_set_names) {
         CHECK(k3_set_isa("avx2-novnni", &err) == K3_OK && !strcmp(k3_isa_current(), "avx2"));
         CHECK(!k3_kernels_avxvnni());
     }
+    if (k3_kernels_have(K3_ISA_AVX512)) {
+        CHECK(k3_set_isa("avx512-nobf16", &err) == K3_OK && !strcmp(k3_isa_current(), "avx512") &&
+              !k3_kernels_bf16());
+        if (k3_set_isa("avx512-bf16", &err) == K3_OK) {
+            CHECK(!strcmp(k3_isa_current(), "avx512-bf16") && k3_kernels_bf16());
+            CHECK(k3_set_isa("avx512", &err) == K3_OK && !strcmp(k3_isa_current(), "avx512-bf16"));
+        } else {
+            CHECK(err.status == K3_ERR_UNSUPPORTED && strstr(err.msg, "AVX512_BF16"));
+        }
+    }
     CHECK(k3_set_isa("best", &err) == K3_OK);
 }
 
 K3_TEST(isa_quantized_model_on_each_path) {
     int64_t V = 0;
     float *ref = logits_on("ref", &V), *a2 = logits_on("avx2", &V), *a2p = logits_on("avx2-novnni", &V);
-    float *a5 = logits_on("avx512", &V);
+    float *a5 = logits_on("avx512-nobf16", &V), *a5b = NULL;
+    if (k3_kernels_have(K3_ISA_AVX512) && k3_set_isa("avx512-bf16", NULL) == K3_OK) a5b = logits_on("avx512-bf16", &V);
     const int64_t n = V * N;
     if (a2 && a2p) CHECKF(memcmp(a2, a2p, sizeof(float) * (size_t)n) == 0, "AVX2: AVX-VNNI and plain logits differ");
     if (ref && a2) {
@@ -81,8 +93,15 @@ K3_TEST(isa_quantized_model_on_each_path) {
     }
     if (a5 && a2) {
         const double e = k3_test_rel_l2(a2, a5, n);
-        printf("    avx2 vs avx512: rel-L2 %.3g\n", e);
-        CHECKF(e < 1e-4, "avx2 vs avx512: rel-L2 %.3g", e);
+        printf("    avx2 vs avx512-nobf16: rel-L2 %.3g\n", e);
+        CHECKF(e < 1e-4, "avx2 vs avx512-nobf16: rel-L2 %.3g", e);
+    }
+    if (a5b && a5) {
+        /* the head (and any BF16 matrix the mode leaves) with BF16
+         * activations: ~2^-9 a product, ~2e-3 here */
+        const double e = k3_test_rel_l2(a5b, a5, n);
+        printf("    avx512-bf16 vs avx512-nobf16: rel-L2 %.3g\n", e);
+        CHECKF(e < 1e-2, "avx512-bf16 vs avx512-nobf16: rel-L2 %.3g", e);
     }
     k3_error err = {0};
     k3_set_isa("best", &err);
@@ -90,4 +109,5 @@ K3_TEST(isa_quantized_model_on_each_path) {
     free(a2);
     free(a2p);
     free(a5);
+    free(a5b);
 }

@@ -452,12 +452,14 @@ K3_TEST(kernels_dot_axpy) {
 
 K3_TEST(kernels_isa_detect) {
     k3_kernels_init();
+    CHECK(k3_set_isa("best", NULL) == K3_OK);
     k3_isa best = k3_kernels_isa();
-    CHECK(best == K3_ISA_REF || best == K3_ISA_AVX2 || best == K3_ISA_AVX512);
+    CHECK(best == K3_ISA_REF || best == K3_ISA_AVX2 || best == K3_ISA_AVX512 || best == K3_ISA_AMX);
     k3_kernels_force(K3_ISA_REF);
     CHECK(k3_kernels_isa() == K3_ISA_REF);
-    restore_best_isa();
+    k3_kernels_force(best);
     CHECK(k3_kernels_isa() == best);
+    restore_best_isa();
     CHECK(!strcmp(k3_isa_name(K3_ISA_AVX2), "avx2"));
 }
 
@@ -476,13 +478,16 @@ static void check_table(const k3_kernel_ops *o) {
     for (int t = 0; t < K3_W_COUNT; t++) {
         const k3_wtype_traits *ti = k3_wtype_info((k3_wtype)t);
         CHECKF(!(ti->acts & K3_ACTS_F32) || o->mm[t].rows, "table %s: no fp32 kernel for %s", o->name, ti->name);
-        CHECKF(!(ti->acts & K3_ACTS_8BIT) || o->q[t].rows, "table %s: no 8-bit kernel for %s", o->name, ti->name);
-        CHECKF(o->base || (!o->mm[t].fits && !o->q[t].fits), "table %s: fits() without a base", o->name);
+        CHECKF(!(ti->acts & K3_ACTS_8BIT) || o->q[t].rows || o->q[t].call, "table %s: no 8-bit kernel for %s", o->name, ti->name);
+        CHECKF(!(ti->acts & K3_ACTS_BF16) || o->bf[t].rows || o->bf[t].call, "table %s: no BF16 kernel for %s",
+               o->name, ti->name);
+        CHECKF(o->base || (!o->mm[t].fits && !o->q[t].fits && !o->bf[t].fits), "table %s: fits() without a base",
+               o->name);
     }
 }
 
 K3_TEST(kernels_tables_complete) {
-    for (int isa = K3_ISA_REF; isa <= K3_ISA_AVX512; isa++) {
+    for (int isa = K3_ISA_REF; isa <= K3_ISA_AMX; isa++) {
         if (!k3_kernels_have((k3_isa)isa)) continue;
         k3_kernels_force((k3_isa)isa);
         check_table(k3_ops());
@@ -491,6 +496,7 @@ K3_TEST(kernels_tables_complete) {
             CHECK(!strcmp(k3_isa_current(), "avx2"));
             check_table(k3_ops());
         }
+        if (isa == K3_ISA_AVX512 && k3_set_isa("avx512-nobf16", NULL) == K3_OK) check_table(k3_ops());
     }
     restore_best_isa();
 }

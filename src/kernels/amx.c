@@ -330,19 +330,154 @@ void k3_amx_qli_scores(k3_pool *pool, const int8_t *q8, const float *qs, const f
 
 /* ---- the "amx" kernel table's entries (kernels_isa.h) ---------------------- */
 
-/* The rows from which a call runs on the tiles (docs/amx.md, "Thresholds"):
- * below them the AVX-512 streams read the weights at the bandwidth and the
- * tiles would sit mostly empty. MXFP4's decode to BF16 costs what the
- * AVX-512 kernel spends per row, so it pays off from fewer rows. */
-enum { AMX_MIN_ROWS = 8, AMX_MIN_ROWS_MXFP4 = 4 };
-
-bool k3_amx_mm_fits(const k3_mat *w, int64_t n) {
-    if (!kern()) return false; /* neither the unit nor the emulation is on */
-    if (w->type == K3_W_MXFP4) return n >= AMX_MIN_ROWS_MXFP4 && w->cols % 32 == 0;
-    return w->type == K3_W_BF16 && n >= AMX_MIN_ROWS;
-}
+/* The rows from which a W8A8 call runs on the tiles (docs/amx.md,
+ * "Thresholds"): below them the AVX-512 streams read the weights at the
+ * bandwidth and the tiles would sit mostly empty. */
+enum { AMX_MIN_ROWS = 8 };
 
 bool k3_amx_q8_fits(const k3_mat *w, int64_t n) { return kern() && w->type == K3_W_Q8 && n >= AMX_MIN_ROWS; }
+
+/* The BF16 dot products: from this many rows on the tiles; below, the
+ * AVX-512 BF16 kernels, with the same bits. */
+enum { AMX_MIN_ROWS_BF = 16 };
+
+bool k3_amx_bf_fits(const k3_mat *w, int64_t n) { return kern() && n >= AMX_MIN_ROWS_BF; }
+
+typedef struct bf_job {
+    const k3_amx_ops *k;
+    const k3_mat *w;
+    const float *x;
+    int64_t n, nb;
+    uint8_t *xa;
+    float *y;
+} bf_job;
+
+static void bf_prep_task(void *ctx, int64_t lo, int64_t hi, int ith) {
+    const bf_job *j = ctx;
+    const int64_t cols = j->w->cols;
+    for (int64_t t = lo; t < hi; t++) {
+        const int64_t nt = j->n - 16 * t < 16 ? j->n - 16 * t : 16;
+        const float *xr[16];
+        for (int64_t i = 0; i < nt; i++) xr[i] = j->x + (16 * t + i) * cols;
+        j->k->prep_bf(xr, nt, cols, j->xa + t * j->nb * 1024);
+    }
+}
+
+static void bf_rows_task(void *ctx, int64_t lo, int64_t hi, int ith) {
+    const bf_job *j = ctx;
+    j->k->rows_bf(j->w, j->xa, j->n, j->y, j->w->rows, NULL, lo, hi);
+}
+
+void k3_amx_bf_call(k3_pool *pool, const k3_mat *w, const float *x, int64_t n, float *y) {
+    const k3_amx_ops *k = kern();
+    K3_ASSERT(k);
+    const int64_t nb = (w->cols + 31) / 32, ntt = (n + 15) / 16;
+    uint8_t *xa = k3_scratch(K3_SCRATCH_AMX_X, (size_t)(ntt * nb) * 1024);
+    bf_job j = {k, w, x, n, nb, xa, y};
+    k3_pool_for(pool, ntt, 1, bf_prep_task, &j);
+    k3_pool_for(pool, ((w->rows + 15) / 16 + 1) / 2, 1, bf_rows_task, &j);
+}
+
+/* ---- the routed experts on the BF16 dot products ---------------------------------- */
+
+typedef struct moe_bf_job {
+    const k3_amx_ops *k;
+    const k3_mat *gate, *up, *down;
+    const int32_t *eact, *row0, *rows;
+    int32_t na, K;
+    const float *z;
+    int64_t ldz;
+    float **yr;
+    uint8_t *xa, *ha;
+    const int64_t *tile0; /* [na + 1]: each active expert's first token tile */
+    int64_t *item0;       /* [na + 1]: each active expert's first item of the phase */
+    int64_t nbx, nbh;
+    k3_glu_kind kind;
+    float b1, b2;
+    int phase; /* 0: A tiles of x, 1: gate/up, 2: down */
+} moe_bf_job;
+
+static void moe_bf_task(void *ctx, int64_t lo, int64_t hi, int ith) {
+    const moe_bf_job *j = ctx;
+    int64_t a = 0;
+    while (a < j->na && j->item0[a + 1] <= lo) a++;
+    for (; a < j->na && j->item0[a] < hi; a++) {
+        const int64_t i0 = lo > j->item0[a] ? lo - j->item0[a] : 0;
+        const int64_t i1 = (hi < j->item0[a + 1] ? hi : j->item0[a + 1]) - j->item0[a];
+        if (i0 >= i1) continue;
+        const int e = j->eact[a];
+        const int64_t r0 = j->row0[e], m = j->row0[e + 1] - r0;
+        const uint8_t *xe = j->xa + j->tile0[a] * j->nbx * 1024;
+        uint8_t *he = j->ha + j->tile0[a] * j->nbh * 1024;
+        if (j->phase == 0) {
+            for (int64_t t = i0; t < i1; t++) {
+                const int64_t nt = m - 16 * t < 16 ? m - 16 * t : 16;
+                const float *xr[16];
+                for (int64_t i = 0; i < nt; i++) xr[i] = j->z + (int64_t)(j->rows[r0 + 16 * t + i] / j->K) * j->ldz;
+                j->k->prep_bf(xr, nt, j->gate[e].cols, j->xa + (j->tile0[a] + t) * j->nbx * 1024);
+            }
+        } else if (j->phase == 1) {
+            j->k->up_bf(&j->gate[e], &j->up[e], xe, m, he, i0, i1, j->kind, j->b1, j->b2);
+        } else {
+            j->k->rows_bf(&j->down[e], he, m, NULL, 0, j->yr + r0, i0, i1);
+        }
+    }
+}
+
+bool k3_amx_moe_bf_fits(const k3_mat *gate, const k3_mat *up, const k3_mat *down, const int32_t *eact, int32_t na,
+                        int64_t rows) {
+    if (!kern() || rows < AMX_MIN_ROWS_BF || na <= 0) return false;
+    const k3_mat *g0 = &gate[eact[0]];
+    for (int32_t a = 0; a < na; a++) {
+        const k3_mat *g = &gate[eact[a]], *u = &up[eact[a]], *d = &down[eact[a]];
+        if (!g->bf16 || !u->bf16 || !d->bf16 || g->rows != g0->rows || g->cols != g0->cols || u->rows != g->rows ||
+            u->cols != g->cols || d->cols != g->rows || d->rows != g->cols)
+            return false;
+    }
+    return true;
+}
+
+void k3_amx_moe_bf(k3_pool *pool, const k3_mat *gate, const k3_mat *up, const k3_mat *down, const int32_t *eact,
+                   int32_t na, const int32_t *row0, const int32_t *rows, int32_t K, const float *z, int64_t ldz,
+                   float *y, int64_t ldy, k3_glu_kind kind, float b1, float b2) {
+    const k3_amx_ops *k = kern();
+    K3_ASSERT(k);
+    if (na <= 0) return;
+    const int64_t hidden = gate[eact[0]].cols, inter = gate[eact[0]].rows;
+    int64_t ntt = 0, nrows = 0;
+    for (int32_t a = 0; a < na; a++) {
+        const int e = eact[a];
+        K3_ASSERT(gate[e].cols == hidden && up[e].cols == hidden && gate[e].rows == inter && up[e].rows == inter);
+        K3_ASSERT(down[e].rows == hidden && down[e].cols == inter);
+        ntt += (row0[e + 1] - row0[e] + 15) / 16;
+        nrows = row0[e + 1] > nrows ? row0[e + 1] : nrows;
+    }
+    const int64_t nbx = (hidden + 31) / 32, nbh = (inter + 31) / 32;
+    const size_t xbytes = (size_t)(ntt * nbx) * 1024, hbytes = (size_t)(ntt * nbh) * 1024;
+    uint8_t *xa = k3_scratch(K3_SCRATCH_AMX_X, xbytes);
+    uint8_t *ha = k3_scratch(K3_SCRATCH_AMX_H, hbytes + sizeof(int64_t) * (size_t)(2 * na + 2) +
+                                                   sizeof(float *) * (size_t)nrows);
+    int64_t *tile0 = (int64_t *)(ha + hbytes), *item0 = tile0 + na + 1;
+    float **yr = (float **)(item0 + na + 1);
+    tile0[0] = 0;
+    for (int32_t a = 0; a < na; a++) {
+        const int e = eact[a];
+        tile0[a + 1] = tile0[a] + (row0[e + 1] - row0[e] + 15) / 16;
+        for (int32_t r = row0[e]; r < row0[e + 1]; r++) yr[r] = y + (int64_t)rows[r] * ldy;
+    }
+    if (inter % 32) memset(ha, 0, hbytes); /* the last block's columns no strip writes */
+    moe_bf_job j = {k,   gate, up,  down, eact, row0, rows, na,   K,  z,  ldz, yr,
+                    xa,  ha,   tile0, item0, nbx, nbh,  kind, b1, b2, 0};
+    for (j.phase = 0; j.phase < 3; j.phase++) {
+        item0[0] = 0;
+        for (int32_t a = 0; a < na; a++) {
+            const int64_t nt = tile0[a + 1] - tile0[a];
+            const int64_t items = j.phase == 0 ? nt : !nt ? 0 : j.phase == 1 ? (inter + 15) / 16 : (hidden + 31) / 32;
+            item0[a + 1] = item0[a] + items;
+        }
+        k3_pool_for(pool, item0[na], 1, moe_bf_task, &j);
+    }
+}
 
 void k3_amx_mm_call(k3_pool *pool, const k3_mat *w, const float *x, int64_t n, float *y) {
     k3_amx_mat a;

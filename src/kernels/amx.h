@@ -125,6 +125,17 @@ typedef struct k3_amx_ops {
     /* k3_amx_qli_scores over 32-slot panels [p0, p1) */
     void (*qli)(const int8_t *q8, const float *qs, const float *w, int64_t T, int HI, int dI, const int8_t *k8,
                 const float *ks, const int64_t *slots, int64_t n, float *scores, int64_t lds, int64_t p0, int64_t p1);
+    /* the BF16 dot products (kernels_isa.h), weights as B: the A tiles of
+     * nt (1..16) tokens, token t at xr[t] (ceil(cols/32) tiles); 32-row
+     * panels [p0, p1) of x Wᵀ for a k3_mat.bf16 matrix or its strips, token
+     * t's row r to yr[t] + r (yr NULL: y + t * ldy + r); and an expert's
+     * gate and up strips [s0, s1), act, BF16 h into ha (the down
+     * projection's A tiles) */
+    void (*prep_bf)(const float *const *xr, int64_t nt, int64_t cols, uint8_t *xa);
+    void (*rows_bf)(const k3_mat *w, const uint8_t *xa, int64_t n, float *y, int64_t ldy, float *const *yr, int64_t p0,
+                    int64_t p1);
+    void (*up_bf)(const k3_mat *gate, const k3_mat *up, const uint8_t *xa, int64_t n, uint8_t *ha, int64_t s0,
+                  int64_t s1, k3_glu_kind kind, float b1, float b2);
 } k3_amx_ops;
 extern const k3_amx_ops k3_amx_ops_hw, k3_amx_ops_emu;
 /* B tiles per 16 tokens for w: ceil(cols / 32) (BF16), ceil(cols / 64) (INT8). */

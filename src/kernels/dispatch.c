@@ -15,13 +15,18 @@
  *                  VNNI its W8A8, W4A8 and QLI kernels, with VBMI too the
  *                  vpermb forms of W4A8 and its orders; without VNNI the 8-bit
  *                  products stay AVX2's.
- *   "amx"          "avx512" with the products of BF16, MXFP4 (fp32
- *                  activations) and Q8 weights on the AMX tile unit (amx.h)
- *                  for calls with enough rows to fill tiles (prefill,
- *                  batches); the rest, decode included, run "avx512"'s
- *                  kernels (its base). Only where the CPU has AMX and the
- *                  kernel grants the process the tile state (arch_prctl, in
- *                  k3_amx_init); "--isa amx" elsewhere is an error saying why.
+ *   "avx512-bf16"  "avx512" with the BF16 dot products (vdpbf16ps, kernels_isa.h)
+ *                  where the CPU has AVX512_BF16: the model's BF16 and MXFP4
+ *                  matrices take them (k3_mat.bf16); "avx512" on such a CPU
+ *                  means this one, "avx512-nobf16" the plain, exact one.
+ *   "amx"          "avx512-bf16" with the BF16 dot products of calls with
+ *                  enough rows and Q8 (W8A8) on the AMX tile unit (amx.h),
+ *                  each with the bits of the kernel below it, so no result
+ *                  depends on the rows that share its call; the rest, decode
+ *                  included, run "avx512-bf16"'s kernels (its base). Only
+ *                  where the CPU has AMX and the kernel grants the process
+ *                  the tile state (arch_prctl, in k3_amx_init); "--isa amx"
+ *                  elsewhere is an error saying why.
  * CPU features come from __builtin_cpu_supports, which also checks that the OS
  * saves the wider registers. The best table the CPU has is current unless
  * k3_set_isa (`--isa`) or k3_kernels_force (tests) chose another; which one
@@ -38,10 +43,11 @@
 #include <string.h>
 
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
-static k3_kernel_ops t_ref, t_avx2, t_avx2_vnni, t_avx512, t_amx;
+static k3_kernel_ops t_ref, t_avx2, t_avx2_vnni, t_avx512, t_avx512_bf16, t_amx;
 static bool g_have[K3_ISA_COUNT];
 static bool g_amx_built;    /* t_amx is made (the unit is granted, or the emulation can run) */
 static bool g_have_avxvnni; /* AVX-VNNI (vpdpbusd on ymm) */
+static bool g_have_bf16;    /* AVX512_BF16 (vdpbf16ps): t_avx512_bf16 is built */
 static const k3_kernel_ops *g_best;
 static const k3_kernel_ops *_Atomic g_ops;
 
@@ -68,8 +74,10 @@ static void build_ref(k3_kernel_ops *o) {
         .kda_chunked = k3_kda_chunked_ref,
     };
     /* every type the fp32 family takes, through its row dequantizer */
-    for (int t = 0; t < K3_W_COUNT; t++)
+    for (int t = 0; t < K3_W_COUNT; t++) {
         if (k3_wtype_info((k3_wtype)t)->acts & K3_ACTS_F32) o->mm[t].rows = k3_matmul_rows_ref;
+        if (k3_wtype_info((k3_wtype)t)->acts & K3_ACTS_BF16) o->bf[t].rows = k3_bf16_rows_ref;
+    }
     o->q[K3_W_Q8] = (k3_q_kernel){.form = K3_QX_I8, .rows = k3_q8_rows_ref};
     o->q[K3_W_MXFP4] = (k3_q_kernel){.form = K3_QX_I8, .rows = k3_mx4_rows};
     o->q[K3_W_MXFP4_R4] = (k3_q_kernel){.form = K3_QX_I8, .rows = k3_mx4_r4_rows_ref};
@@ -144,20 +152,37 @@ static void build_avx512(k3_kernel_ops *o, const k3_kernel_ops *avx2, bool vnni,
     o->qli_scores = k3_qli_scores_avx512;
 }
 
-/* AMX over "avx512": the GEMMs with enough rows on the tiles, everything
- * else (decode's streams, attention, the W4A8 tiles) as "avx512". Q8 gives
- * the AVX-512 VNNI kernel's bits (the same integers, the same float
- * epilogue); BF16 and MXFP4 round the activations to BF16 (amx.h), so a
- * product with n at or above the threshold differs from the same rows one at
- * a time within that rounding: "avx512" is the exact path. */
-static void build_amx(k3_kernel_ops *o, const k3_kernel_ops *avx512) {
+/* "avx512" with the BF16 dot products on vdpbf16ps (AVX512_BF16): the
+ * model's BF16 and MXFP4 matrices take them (k3_mat.bf16, marked at load);
+ * the fp32 kernels stay for the matrices kept exact (the routers) and for
+ * "avx512-nobf16", the exact path. */
+static void build_avx512_bf16(k3_kernel_ops *o, const k3_kernel_ops *avx512) {
     *o = *avx512;
+    o->name = "avx512-bf16";
+    o->base = avx512;
+    o->bf16 = true;
+    const k3_mm_kernel bf = {.rows = k3_bf16_rows_avx512, .prep_x = k3_bf16_prep_x_avx512};
+    for (int t = 0; t < K3_W_COUNT; t++)
+        if (k3_wtype_info((k3_wtype)t)->acts & K3_ACTS_BF16) o->bf[t] = bf;
+}
+
+/* AMX over "avx512-bf16": the BF16 dot products of calls with enough rows
+ * on the tiles, with the same bits as the AVX-512 BF16 kernels below them
+ * (kernels_isa.h), and Q8 (W8A8) with the AVX-512 VNNI kernel's bits (the
+ * same integers, the same float epilogue). Everything else -- decode's
+ * streams, attention, the W4A8 tiles, the fp32 products -- as its base. So
+ * no result depends on how many rows shared its call. */
+static void build_amx(k3_kernel_ops *o, const k3_kernel_ops *avx512_bf16) {
+    *o = *avx512_bf16;
     o->name = "amx";
     o->isa = K3_ISA_AMX;
-    o->base = avx512;
-    const k3_mm_kernel mm = {.fits = k3_amx_mm_fits, .call = k3_amx_mm_call};
-    o->mm[K3_W_BF16] = o->mm[K3_W_MXFP4] = mm;
+    o->base = avx512_bf16;
+    const k3_mm_kernel bf = {.fits = k3_amx_bf_fits, .call = k3_amx_bf_call};
+    for (int t = 0; t < K3_W_COUNT; t++)
+        if (k3_wtype_info((k3_wtype)t)->acts & K3_ACTS_BF16) o->bf[t] = bf;
     o->q[K3_W_Q8] = (k3_q_kernel){.form = K3_QX_I8, .fits = k3_amx_q8_fits, .call = k3_amx_mm_call};
+    o->moe_fits = k3_amx_moe_bf_fits;
+    o->moe = k3_amx_moe_bf;
 }
 
 static void detect(void) {
@@ -172,6 +197,7 @@ static void detect(void) {
     g_have_avxvnni = g_have[K3_ISA_AVX2] && __builtin_cpu_supports("avxvnni");
     vnni = __builtin_cpu_supports("avx512vnni");
     vbmi = __builtin_cpu_supports("avx512vbmi");
+    g_have_bf16 = __builtin_cpu_supports("avx512bf16");
 #endif
     build_ref(&t_ref);
     g_best = &t_ref;
@@ -183,12 +209,17 @@ static void detect(void) {
     if (g_have[K3_ISA_AVX512]) {
         build_avx512(&t_avx512, &t_avx2, vnni, vbmi);
         g_best = &t_avx512;
+        g_have_bf16 = g_have_bf16 && __builtin_cpu_supports("avx512vl");
+        if (g_have_bf16) {
+            build_avx512_bf16(&t_avx512_bf16, &t_avx512);
+            g_best = &t_avx512_bf16;
+        }
     }
-    if (g_have[K3_ISA_AVX512] && vnni) {
+    if (g_have[K3_ISA_AVX512] && vnni && g_have_bf16) {
         k3_error err = {0};
         g_have[K3_ISA_AMX] = k3_amx_init(&err) == K3_OK; /* the CPU has it and the tile state is granted */
         g_amx_built = g_have[K3_ISA_AMX] || k3_amx_emu_possible();
-        if (g_amx_built) build_amx(&t_amx, &t_avx512);
+        if (g_amx_built) build_amx(&t_amx, &t_avx512_bf16);
         if (g_have[K3_ISA_AMX]) g_best = &t_amx;
     }
     atomic_store(&g_ops, g_best);
@@ -206,12 +237,12 @@ const k3_kernel_ops *k3_ops(void) {
 }
 
 /* The table of isa where the CPU has it (AVX2: with AVX-VNNI where it has
- * that), else NULL. */
+ * that; AVX-512: with the BF16 dot products where it has them), else NULL. */
 static const k3_kernel_ops *table_of(k3_isa isa) {
     if ((int)isa < 0 || (int)isa >= K3_ISA_COUNT || !g_have[isa]) return NULL;
     switch (isa) {
     case K3_ISA_AMX: return &t_amx;
-    case K3_ISA_AVX512: return &t_avx512;
+    case K3_ISA_AVX512: return g_have_bf16 ? &t_avx512_bf16 : &t_avx512;
     case K3_ISA_AVX2: return g_have_avxvnni ? &t_avx2_vnni : &t_avx2;
     default: return &t_ref;
     }
@@ -254,6 +285,8 @@ bool k3_kernels_force_amx_emulated(void) {
 
 bool k3_kernels_avxvnni(void) { return k3_ops() == &t_avx2_vnni; }
 
+bool k3_kernels_bf16(void) { return k3_ops()->bf16; }
+
 void k3_kernels_force_avxvnni(bool on) {
     const k3_kernel_ops *o = k3_ops();
     if (o == &t_avx2 || o == &t_avx2_vnni) atomic_store(&g_ops, on && g_have_avxvnni ? &t_avx2_vnni : &t_avx2);
@@ -266,14 +299,17 @@ k3_status k3_set_isa(const char *name, k3_error *err) {
         atomic_store(&g_ops, g_best);
         return K3_OK;
     }
-    /* vnni: 0 the plain AVX2 table, 1 AVX-VNNI where the CPU has it, 2 required */
+    /* ext: the table's extension (AVX2: AVX-VNNI; AVX-512: the BF16 dot
+     * products): 0 the plain table, 1 the extension where the CPU has it, 2
+     * required */
     static const struct {
         const char *name;
         k3_isa isa;
-        int vnni;
+        int ext;
     } names[] = {
-        {"ref", K3_ISA_REF, 0},          {"avx2", K3_ISA_AVX2, 1},     {"avx2-vnni", K3_ISA_AVX2, 2},
-        {"avx2-novnni", K3_ISA_AVX2, 0}, {"avx512", K3_ISA_AVX512, 0}, {"amx", K3_ISA_AMX, 0},
+        {"ref", K3_ISA_REF, 0},          {"avx2", K3_ISA_AVX2, 1},          {"avx2-vnni", K3_ISA_AVX2, 2},
+        {"avx2-novnni", K3_ISA_AVX2, 0}, {"avx512", K3_ISA_AVX512, 1},      {"avx512-bf16", K3_ISA_AVX512, 2},
+        {"avx512-nobf16", K3_ISA_AVX512, 0}, {"amx", K3_ISA_AMX, 0},
     };
     if (!strcmp(name, "amx") && !g_have[K3_ISA_AMX]) {
         k3_error why = {0};
@@ -284,14 +320,18 @@ k3_status k3_set_isa(const char *name, k3_error *err) {
         if (strcmp(name, names[i].name)) continue;
         if (!g_have[names[i].isa])
             return k3_err(err, K3_ERR_UNSUPPORTED, "this CPU lacks the instructions of kernel ISA '%s'", name);
-        if (names[i].vnni == 2 && !g_have_avxvnni)
+        if (names[i].ext == 2 && names[i].isa == K3_ISA_AVX2 && !g_have_avxvnni)
             return k3_err(err, K3_ERR_UNSUPPORTED, "this CPU lacks AVX-VNNI (kernel ISA '%s')", name);
+        if (names[i].ext == 2 && names[i].isa == K3_ISA_AVX512 && !g_have_bf16)
+            return k3_err(err, K3_ERR_UNSUPPORTED, "this CPU lacks AVX512_BF16 (kernel ISA '%s')", name);
         const k3_kernel_ops *o = table_of(names[i].isa);
-        if (names[i].isa == K3_ISA_AVX2 && !names[i].vnni) o = &t_avx2;
+        if (names[i].isa == K3_ISA_AVX2 && !names[i].ext) o = &t_avx2;
+        if (names[i].isa == K3_ISA_AVX512 && !names[i].ext) o = &t_avx512;
         atomic_store(&g_ops, o);
         return K3_OK;
     }
-    return k3_err(err, K3_ERR_ARG, "unknown kernel ISA '%s' (ref, avx2, avx2-novnni, avx512, amx or best)", name);
+    return k3_err(err, K3_ERR_ARG,
+                  "unknown kernel ISA '%s' (ref, avx2, avx2-novnni, avx512, avx512-nobf16, amx or best)", name);
 }
 
 const char *k3_isa_current(void) { return k3_ops()->name; }
@@ -302,6 +342,18 @@ const char *k3_isa_current(void) { return k3_ops()->name; }
  * the call (no fits(), or fits() says yes; "ref" has none). */
 #define PICK(o, fits, ...) \
     for (o = k3_ops(); o->fits && !o->fits(__VA_ARGS__); o = o->base) {}
+
+bool k3_moe_experts(k3_pool *pool, const k3_mat *gate, const k3_mat *up, const k3_mat *down, const int32_t *eact,
+                    int32_t na, const int32_t *row0, const int32_t *rows, int32_t K, const float *z, int64_t ldz,
+                    float *y, int64_t ldy, k3_glu_kind kind, float b1, float b2) {
+    const k3_kernel_ops *o = k3_ops();
+    if (!o->moe || na <= 0) return false;
+    int64_t n = 0;
+    for (int32_t a = 0; a < na; a++) n += row0[eact[a] + 1] - row0[eact[a]];
+    if (!o->moe_fits(gate, up, down, eact, na, n)) return false;
+    o->moe(pool, gate, up, down, eact, na, row0, rows, K, z, ldz, y, ldy, kind, b1, b2);
+    return true;
+}
 
 float k3_dot(const float *a, const float *b, int64_t n) { return k3_ops()->dot(a, b, n); }
 

@@ -25,6 +25,10 @@ typedef enum k3_wtype {
     K3_W_MXFP4_R4, /* MXFP4 bytes and scales rearranged in tiles of 4 rows (k3_r4_byte,
                       k3_r4_scale) for the W4A8 tile kernels (AVX-512 VNNI, AVX2); made
                       at load (quant.h) */
+    K3_W_BF16_S16, /* BF16 in strips of 16 rows, pair-interleaved for the BF16 dot
+                      products (k3_s16_bf16_at); made at load from BF16 */
+    K3_W_MXFP4_S16, /* MXFP4 codes and scales in the same strips (k3_s16_mx4_nib,
+                       k3_s16_mx4_scale); made at load from MXFP4 */
     K3_W_COUNT
 } k3_wtype;
 
@@ -40,6 +44,11 @@ typedef struct k3_mat {
     const int32_t *row_sum; /* Q8: Σ of each row's int8 values (k3_quant_q8_mat) */
     bool act8;              /* quantize the activations to 8 bits per token (W4A8/W8A8):
                               k3_matmul then runs the 8-bit kernels, quant.h */
+    bool bf16;              /* BF16 dot-product numerics (BF16, MXFP4; always for the
+                              _S16 types): the activations rounded to BF16 and each
+                              32-column block's even and odd products summed apart, as
+                              the AMX unit's TDPBF16PS does (kernels_isa.h); set at load
+                              where the kernel table has these products (k3_kernels_bf16) */
 } k3_mat;
 
 /* K3_W_MXFP4_R4 (rows % 4 == 0, cols % 128 == 0): where the packed byte of
@@ -57,10 +66,41 @@ static inline int64_t k3_r4_scale(int64_t cols, int64_t r, int64_t c) {
     return r / 4 * (cols / 8) + c / 128 * 16 + r % 4 * 4 + c % 128 / 32;
 }
 
+/* The strips of the BF16 dot products (rows % 16 == 0, cols % 32 == 0), one
+ * lane per row, so a vector of 16 dwords is 16 rows' pair of weights:
+ *
+ * K3_W_BF16_S16: per strip of 16 rows, per block of 32 columns, 1 KB = 16
+ * vectors. Vector 2j holds, per row, columns 4j (high half) and 4j + 2 (low
+ * half); vector 2j + 1 columns 4j + 1 and 4j + 3. vdpbf16ps adds a lane's
+ * high product, then its low one, so the even vectors add a block's even
+ * columns in order and the odd vectors its odd columns: the sums TDPBF16PS
+ * makes (kernels_isa.h, "BF16 dot products"). k3_s16_bf16_at: the index of
+ * the uint16 holding (r, c). */
+static inline int64_t k3_s16_bf16_at(int64_t cols, int64_t r, int64_t c) {
+    const int64_t q = c % 32;
+    return ((r / 16 * (cols / 32) + c / 32) * 16 + q / 4 * 2 + q % 2) * 32 + r % 16 * 2 + (q % 4 < 2);
+}
+/* K3_W_MXFP4_S16: per strip and block, 256 bytes of codes: 4 quads of 16
+ * lanes x 32 bits; quad g of row r holds, in its nibbles 0..7 from the low
+ * end, the codes of columns 8g + 2, 8g + 3, 8g + 6, 8g + 7, 8g, 8g + 1,
+ * 8g + 4, 8g + 5, so that the quad shifted right by 0, 4, 8, 12 bits a word
+ * indexes vectors 4g..4g + 3 of the BF16 strip; and per strip and block 16
+ * scales, one per row, in the scale array. k3_s16_mx4_nib: the nibble
+ * holding (r, c) (byte nib / 2, the high nibble when odd); k3_s16_mx4_scale:
+ * the index of its scale. */
+static inline int64_t k3_s16_mx4_nib(int64_t cols, int64_t r, int64_t c) {
+    const int64_t q = c % 32, m = q % 8;
+    return (((r / 16 * (cols / 32) + c / 32) * 4 + q / 8) * 16 + r % 16) * 8 + m % 2 + m / 4 * 2 + (m / 2 % 2 ? 0 : 4);
+}
+static inline int64_t k3_s16_mx4_scale(int64_t cols, int64_t r, int64_t c) {
+    return (r / 16 * (cols / 32) + c / 32) * 16 + r % 16;
+}
+
 /* ---- the weight-type table (wtype.c) ---------------------------------- */
 
-/* Which activations k3_matmul's kernels for a type take (k3_wtype_traits.acts). */
-enum { K3_ACTS_F32 = 1, K3_ACTS_8BIT = 2 };
+/* Which activations k3_matmul's kernels for a type take (k3_wtype_traits.acts):
+ * fp32, 8-bit, or BF16 (the BF16 dot products, k3_mat.bf16). */
+enum { K3_ACTS_F32 = 1, K3_ACTS_8BIT = 2, K3_ACTS_BF16 = 4 };
 
 /* One row per k3_wtype: what the code around the kernels asks of a type.
  * Adding a format is a row here, its kernels, and their entries in the
@@ -73,7 +113,8 @@ typedef struct k3_wtype_traits {
     bool is_float;  /* plain floats (F32, F16, BF16): what --quant converts */
     int tile_rows;  /* rows per tile: row views start and end on whole tiles (1: no tiles) */
     int tile_cols;  /* columns per tile group (cols % tile_cols == 0; 1: none) */
-    unsigned acts;  /* K3_ACTS_*: K3_ACTS_8BIT alone runs with 8-bit activations whatever k3_mat.act8 says */
+    unsigned acts;  /* K3_ACTS_*: K3_ACTS_8BIT alone runs with 8-bit activations whatever k3_mat.act8 says,
+                       K3_ACTS_BF16 alone with BF16 ones whatever k3_mat.bf16 says */
     bool act_mxfp8; /* its 8-bit activations are MXFP8 per 32-block (else int8 per token) */
     /* Columns [c0, c0 + len) of row r, dequantized: the scalar decode every
      * kernel that reads the type is held to. */
@@ -149,6 +190,18 @@ typedef enum k3_glu_kind { K3_GLU_SWIGLU = 0, K3_GLU_SITU, K3_GLU_SILU, K3_GLU_G
 void k3_glu(float *f1, const float *f2, int64_t n, k3_glu_kind kind, float b1, float b2);
 void k3_glu_ref(float *f1, const float *f2, int64_t n, k3_glu_kind kind, float b1, float b2);
 
+/* The routed experts of a MoE layer in one grouped product a phase, where
+ * the current table has such a kernel (AMX) and takes the layer: the
+ * active experts eact[0..na) (gate, up, down indexed by expert), expert e
+ * taking items [row0[e], row0[e + 1]) of rows, item i reading z row
+ * rows[i] / K (stride ldz) and writing y row rows[i] (stride ldy) =
+ * down(act(gate x, up x)), act = k3_glu(kind, b1, b2). The same bits as the
+ * experts one at a time through k3_matmul and k3_glu. Returns false, having
+ * done nothing, where the table has no such kernel or turns the layer down. */
+bool k3_moe_experts(k3_pool *pool, const k3_mat *gate, const k3_mat *up, const k3_mat *down, const int32_t *eact,
+                    int32_t na, const int32_t *row0, const int32_t *rows, int32_t K, const float *z, int64_t ldz,
+                    float *y, int64_t ldy, k3_glu_kind kind, float b1, float b2);
+
 /* ---- which kernels run (dispatch.c) ------------------------------------ */
 
 /* The CPU levels k3_kernels_init picks a kernel table for: "ref", "avx2", ... */
@@ -167,6 +220,10 @@ bool k3_kernels_have(k3_isa isa);
  * in tests, takes the plain "avx2" one. */
 bool k3_kernels_avxvnni(void);
 void k3_kernels_force_avxvnni(bool on);
+/* Whether the current table has the BF16 dot products (AVX512_BF16, AMX):
+ * then the model marks its BF16 and MXFP4 matrices k3_mat.bf16 at load (the
+ * default mode's numerics), and makes them resident as K3_W_*_S16 strips. */
+bool k3_kernels_bf16(void);
 /* Tests: makes the "amx" table current with the tile instructions emulated
  * (k3_amx_emulate) where the CPU runs the emulation, so its dispatch and
  * kernels run on a CPU without the unit; false (and nothing changed) where it

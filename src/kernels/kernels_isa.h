@@ -70,6 +70,30 @@ typedef struct k3_mm_kernel {
     k3_mm_call_fn *call;
 } k3_mm_kernel;
 
+/* ---- matrix products with BF16 activations: the BF16 dot products --------- *
+ *
+ * For k3_mat.bf16 matrices (BF16, MXFP4) and the K3_W_*_S16 strips made from
+ * them, in the "bf" entries (k3_mm_kernel as above). The numbers of one
+ * output y[t][r], whatever kernel, table, n, row range or thread split:
+ *
+ *   x rounded to BF16 (to nearest even, k3_f32_to_bf16); the weights' exact
+ *   BF16 values (BF16 as stored; MXFP4 codes times scales 2 <= e <= 252, the
+ *   only ones k3_bf16_mat_ok lets through); per block of 32 columns (zeros
+ *   past cols), in column order, E = the block's 16 even-column products
+ *   added from +0 one rounding at a time, O the same for its odd columns;
+ *   C = +0, then C = C + (E + O) block after block. Inputs below 2^-126 read
+ *   as zero and results below it are flushed (DAZ, FTZ).
+ *
+ * That is what a chain of AMX TDPBF16PS over 32-column tiles computes
+ * (measured on the unit: bit for bit, tests/test_amx.c), and what vdpbf16ps
+ * computes on the strips' pairing (it adds a lane's high product, then its
+ * low one); k3_bf16_rows_ref is it in scalar code. So the AMX kernels above
+ * their row threshold and the AVX-512 ones below it give the same bits, and
+ * a token's result never depends on what it was batched with. (A CPU whose
+ * vdpbf16ps rounds a pair differently gives its own bits, the same for
+ * every n: tests hold it to the reference within the rounding bound.) The
+ * prepared x is the kernel's own (bf16 dwords, not floats). */
+
 /* ---- matrix products with 8-bit activations -------------------------------- */
 
 /* The form a kernel reads the activations in, which k3_matmul makes once per
@@ -115,6 +139,15 @@ typedef void k3_mx4_order_fn(const int8_t *xq, int64_t cols, int8_t *xp, int32_t
 typedef float k3_mx4_dot_fn(const uint8_t *packed, const uint8_t *scale, const int8_t *x, int64_t cols);
 typedef void k3_mxfp8_dequant_fn(const uint8_t *q, const uint8_t *e, int64_t len, float *out);
 
+/* The routed experts of a MoE layer, every active expert in one grouped
+ * product a phase (k3_moe_experts, kernels.h): whether the kernel takes the
+ * layer (its matrices, the rows of all its experts) and the kernel. */
+typedef bool k3_moe_fits_fn(const k3_mat *gate, const k3_mat *up, const k3_mat *down, const int32_t *eact, int32_t na,
+                            int64_t rows);
+typedef void k3_moe_fn(k3_pool *pool, const k3_mat *gate, const k3_mat *up, const k3_mat *down, const int32_t *eact,
+                       int32_t na, const int32_t *row0, const int32_t *rows, int32_t K, const float *z, int64_t ldz,
+                       float *y, int64_t ldy, k3_glu_kind kind, float b1, float b2);
+
 /* ---- the rest (each as its entry point: kernels.h, attn_ops.h, attnres.h, kda.h) -- */
 
 typedef float k3_dot_fn(const float *a, const float *b, int64_t n);
@@ -144,7 +177,12 @@ struct k3_kernel_ops {
     /* matrix products, by weight type (k3_wtype_traits.acts says which
      * family takes a type); rows NULL: no kernel */
     k3_mm_kernel mm[K3_W_COUNT];
+    k3_mm_kernel bf[K3_W_COUNT]; /* BF16 activations: k3_mat.bf16 and the _S16 types */
     k3_q_kernel q[K3_W_COUNT];
+    /* the model marks its BF16 and MXFP4 matrices k3_mat.bf16 at load and
+     * makes them resident as strips (k3_kernels_bf16): this table's bf
+     * kernels are its own, not the scalar reference */
+    bool bf16;
     /* MXFP4 matrices with 8-bit activations are copied as K3_W_MXFP4_R4
      * tiles at load (k3_mx4_r4_wanted): this table has a faster tile kernel */
     bool w4a8_tiles;
@@ -154,6 +192,10 @@ struct k3_kernel_ops {
     k3_mx4_order_fn *mx4_prep, *mx4_r4_prep;
     k3_mx4_dot_fn *mx4_dot;
     k3_mxfp8_dequant_fn *mxfp8_dequant;
+
+    /* the routed experts grouped (NULL: one expert at a time through k3_matmul) */
+    k3_moe_fits_fn *moe_fits;
+    k3_moe_fn *moe;
 
     /* fp32 vectors */
     k3_dot_fn *dot;
@@ -183,6 +225,11 @@ const k3_kernel_ops *k3_ops(void);
 
 /* fp32 activations: ref.c, matmul_avx2.c, matmul_avx512.c, act_*.c, softmax*.c */
 k3_mm_rows_fn k3_matmul_rows_ref, k3_matmul_rows_avx2, k3_matmul_rows_avx512;
+/* The BF16 dot products: the scalar reference (ref.c) and AVX-512 BF16
+ * (matmul_bf16_avx512bf16.c: every bf type, rows in whole 16-row strips but
+ * the last). */
+k3_mm_rows_fn k3_bf16_rows_ref, k3_bf16_rows_avx512;
+k3_mm_prep_fn k3_bf16_prep_x_avx512;
 k3_mm_prep_fn k3_matmul_prep_x_avx2, k3_matmul_prep_x_avx512;
 k3_dot_fn k3_dot_avx2, k3_dot_avx512;
 k3_axpy_fn k3_axpy_avx2, k3_axpy_avx512;
@@ -225,8 +272,10 @@ k3_mxfp8_dequant_fn k3_mxfp8_dequant_avx512;
  * the rest to "avx512": BF16 weights and MXFP4 ones (the BF16-decode route)
  * with fp32 activations, Q8 (W8A8) with int8 ones, bit for bit the AVX-512
  * VNNI kernel's. */
-k3_mm_fits_fn k3_amx_mm_fits, k3_amx_q8_fits;
-k3_mm_call_fn k3_amx_mm_call;
+k3_mm_fits_fn k3_amx_q8_fits, k3_amx_bf_fits;
+k3_mm_call_fn k3_amx_mm_call, k3_amx_bf_call;
+k3_moe_fits_fn k3_amx_moe_bf_fits;
+k3_moe_fn k3_amx_moe_bf;
 
 /* QLI and QSFA (attn_ops_avx2.c, attn_ops_avx512.c). AVX2 QSFA goes by
  * blocks of 8 slots where rope % 8 == 0 and rope <= kv_lora, else slot by

@@ -1,7 +1,8 @@
 /*
  * matmul.c -- k3_matmul: takes the current table's kernel for the weight type
- * (k3_kernel_ops.mm with fp32 activations, .q with 8-bit ones, by the
- * weight-type table's acts and k3_mat.act8), makes the activations the kernel
+ * (k3_kernel_ops.mm with fp32 activations, .bf with BF16 ones, .q with 8-bit
+ * ones, by the weight-type table's acts, k3_mat.bf16 and k3_mat.act8), makes
+ * the activations the kernel
  * reads once per call, and splits the rows over the thread pool; a kernel
  * with a call entry (AMX) does both itself.
  *
@@ -30,6 +31,7 @@ typedef struct mm_job {
     float *y;
     int64_t n;
     int64_t n_rc, n_nc; /* row chunks x n chunks */
+    int64_t ldx;        /* floats from one x row to the next (as prep_x made them) */
 } mm_job;
 
 enum { PREP_ROWS = 256 }; /* x rows prepared at a time (prep_x) */
@@ -39,35 +41,39 @@ enum { PREP_ROWS = 256 }; /* x rows prepared at a time (prep_x) */
  * per activation chunk it touches, over all its rows at once. */
 static void mm_task(void *ctx, int64_t lo, int64_t hi, int ith) {
     const mm_job *j = ctx;
-    const int64_t rows = j->w->rows, cols = j->w->cols;
+    const int64_t rows = j->w->rows;
     for (int64_t t = lo; t < hi;) {
         const int64_t nc = t / j->n_rc, rc0 = t % j->n_rc;
         const int64_t te = hi < (nc + 1) * j->n_rc ? hi : (nc + 1) * j->n_rc;
         const int64_t rc1 = te - nc * j->n_rc; /* exclusive */
         const int64_t r0 = rc0 * 16, r1 = rc1 == j->n_rc ? rows : rc1 * 16;
         const int64_t i0 = j->n * nc / j->n_nc, i1 = j->n * (nc + 1) / j->n_nc;
-        if (r0 < r1 && i0 < i1) j->rows(j->w, j->x + i0 * cols, i1 - i0, j->y + i0 * rows, rows, r0, r1);
+        if (r0 < r1 && i0 < i1) j->rows(j->w, j->x + i0 * j->ldx, i1 - i0, j->y + i0 * rows, rows, r0, r1);
         t = te;
     }
 }
 
-static void matmul_f32(k3_pool *pool, const k3_kernel_ops *o, const k3_mat *w, const float *x, int64_t n, float *y) {
-    while (o->mm[w->type].fits && !o->mm[w->type].fits(w, n)) o = o->base;
-    const k3_mm_kernel *k = &o->mm[w->type];
+/* The fp32-activation kernels (bf false) or the BF16 dot products (bf). */
+static void matmul_f32(k3_pool *pool, const k3_kernel_ops *o, const k3_mat *w, const float *x, int64_t n, float *y,
+                       bool bf) {
+#define KERN(o) (bf ? &(o)->bf[w->type] : &(o)->mm[w->type])
+    while (KERN(o)->fits && !KERN(o)->fits(w, n)) o = o->base;
+    const k3_mm_kernel *k = KERN(o);
+#undef KERN
     if (k->call) {
         k->call(pool, w, x, n, y);
         return;
     }
-    K3_ASSERT(k->rows); /* k3_wtype_traits.acts said fp32 */
+    K3_ASSERT(k->rows); /* k3_wtype_traits.acts said fp32 or BF16 */
     const int64_t nprep = k->prep_x ? k->prep_x(w, x, n, NULL) : 0;
-    if (nprep > 0 && n > PREP_ROWS) {
+    if (nprep > 0 && n > PREP_ROWS && !bf) {
         /* blocks of x rows, so the scratch stays small (batch invariance
          * makes the split invisible) */
         for (int64_t i = 0; i < n; i += PREP_ROWS)
             k3_matmul(pool, w, x + i * w->cols, n - i < PREP_ROWS ? n - i : PREP_ROWS, y + i * w->rows);
         return;
     }
-    mm_job j = {k->rows, w, x, y, n, 1, 1};
+    mm_job j = {k->rows, w, x, y, n, 1, 1, nprep > 0 ? nprep / n : w->cols};
     if (nprep > 0) {
         float *xp = k3_scratch(K3_SCRATCH_MATMUL, sizeof(float) * (size_t)nprep);
         k->prep_x(w, x, n, xp);
@@ -152,6 +158,6 @@ void k3_matmul(k3_pool *pool, const k3_mat *w, const float *x, int64_t n, float 
         memset(y, 0, sizeof(float) * (size_t)(n * w->rows));
         return;
     }
-    if (w->act8 || !(ti->acts & K3_ACTS_F32)) matmul_q(pool, k3_ops(), w, x, n, y);
-    else matmul_f32(pool, k3_ops(), w, x, n, y);
+    if (w->act8 || !(ti->acts & (K3_ACTS_F32 | K3_ACTS_BF16))) matmul_q(pool, k3_ops(), w, x, n, y);
+    else matmul_f32(pool, k3_ops(), w, x, n, y, w->bf16 || !(ti->acts & K3_ACTS_F32));
 }

@@ -53,6 +53,17 @@ void k3_quant_mxfp8_mat(const k3_mat *src, uint8_t *q, uint8_t *e);
 bool k3_mx4_r4_wanted(const k3_mat *src);
 void k3_mx4_r4_pack(const k3_mat *src, uint8_t *data, uint8_t *scale);
 
+/* The BF16 dot products (kernels_isa.h). k3_bf16_mat_ok: whether w may take
+ * them (k3_mat.bf16): BF16, or MXFP4 whose every block's scale is finite
+ * (e != 255) and, where a code is not zero, 2 <= e <= 252, so that every
+ * weight is a normal BF16 value (the decoders add the scale's exponent).
+ * k3_s16_ok: whether w (k3_mat.bf16) can be strips (rows % 16 == 0, cols %
+ * 32 == 0); k3_s16_pack: the strips of w into data (k3_mat_data_bytes) and,
+ * for MXFP4, scale (k3_mat_scale_bytes; an all-zero block's scale set to 127). */
+bool k3_bf16_mat_ok(const k3_mat *w);
+bool k3_s16_ok(const k3_mat *w);
+void k3_s16_pack(const k3_mat *w, uint8_t *data, uint8_t *scale);
+
 /* ---- activations: the current table's, and the scalar forms (quant.c) ---- */
 
 /* One activation row: int8 with one scale (returned), q = round(x·127/amax).

@@ -120,3 +120,56 @@ void k3_mx4_r4_pack(const k3_mat *src, uint8_t *data, uint8_t *scale) {
         for (int64_t c = 0; c < cols; c += 32) scale[k3_r4_scale(cols, r, c)] = src->scale[r * (cols / 32) + c / 32];
     }
 }
+
+/* ---- the strips of the BF16 dot products ---------------------------------------- */
+
+bool k3_bf16_mat_ok(const k3_mat *w) {
+    if (!w->data || w->rows < 1 || w->cols < 1) return false;
+    if (w->type == K3_W_BF16) return true;
+    if (w->type != K3_W_MXFP4 || w->cols % 32) return false;
+    const int64_t nb = w->cols / 32;
+    const uint8_t *p = w->data;
+    for (int64_t r = 0; r < w->rows; r++)
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t e = w->scale[r * nb + b];
+            if (e == 255) return false;
+            if (e >= 2 && e <= 252) continue;
+            const uint8_t *q = p + r * (w->cols / 2) + 16 * b;
+            for (int i = 0; i < 16; i++)
+                if (q[i] & 0x77) return false; /* a code other than +-0 */
+        }
+    return true;
+}
+
+bool k3_s16_ok(const k3_mat *w) {
+    return w->data && (w->type == K3_W_BF16 || w->type == K3_W_MXFP4) && w->rows > 0 && w->rows % 16 == 0 &&
+        w->cols > 0 && w->cols % 32 == 0;
+}
+
+void k3_s16_pack(const k3_mat *w, uint8_t *data, uint8_t *scale) {
+    K3_ASSERT(k3_s16_ok(w));
+    const int64_t cols = w->cols, nb = cols / 32;
+    if (w->type == K3_W_BF16) {
+        const uint16_t *src = w->data;
+        uint16_t *dst = (uint16_t *)data;
+        for (int64_t r = 0; r < w->rows; r++)
+            for (int64_t c = 0; c < cols; c++) dst[k3_s16_bf16_at(cols, r, c)] = src[r * cols + c];
+        return;
+    }
+    /* quad g of a row's block holds its bytes 4g + 1, 4g + 3, 4g, 4g + 2 */
+    const uint8_t *src = w->data;
+    for (int64_t r = 0; r < w->rows; r++)
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *q = src + r * (cols / 2) + 16 * b;
+            bool zero = true;
+            for (int g = 0; g < 4; g++) {
+                uint8_t *at = data + k3_s16_mx4_nib(cols, r, 32 * b + 8 * g + 2) / 2; /* nibbles 0, 1 */
+                at[0] = q[4 * g + 1];
+                at[1] = q[4 * g + 3];
+                at[2] = q[4 * g];
+                at[3] = q[4 * g + 2];
+                zero = zero && !((q[4 * g] | q[4 * g + 1] | q[4 * g + 2] | q[4 * g + 3]) & 0x77);
+            }
+            scale[k3_s16_mx4_scale(cols, r, 32 * b)] = zero ? 127 : w->scale[r * nb + b];
+        }
+}

@@ -59,6 +59,23 @@ static void row_mxfp4_r4(const k3_mat *w, int64_t r, int64_t c0, int64_t len, fl
     }
 }
 
+static void row_bf16_s16(const k3_mat *w, int64_t r, int64_t c0, int64_t len, float *out) {
+    const uint16_t *p = w->data;
+    for (int64_t c = c0; c < c0 + len; c++) out[c - c0] = k3_bf16_to_f32(p[k3_s16_bf16_at(w->cols, r, c)]);
+}
+
+/* A code of 0 (either sign) is zero whatever its block's scale: the decoders
+ * of the strips add the scale's exponent to the nonzero codes only. */
+static void row_mxfp4_s16(const k3_mat *w, int64_t r, int64_t c0, int64_t len, float *out) {
+    const uint8_t *p = w->data;
+    for (int64_t c = c0; c < c0 + len; c++) {
+        const int64_t at = k3_s16_mx4_nib(w->cols, r, c);
+        const uint8_t code = (uint8_t)(p[at / 2] >> (at % 2 * 4) & 15);
+        const float v = k3_e2m1_to_f32(code);
+        out[c - c0] = v == 0.0f ? v : v * k3_e8m0_to_f32(w->scale[k3_s16_mx4_scale(w->cols, r, c)]);
+    }
+}
+
 /* ---- the table ---------------------------------------------------------------- */
 
 static const k3_wtype_traits table[] = {
@@ -76,20 +93,22 @@ static const k3_wtype_traits table[] = {
                   .tile_cols = 1,
                   .acts = K3_ACTS_F32,
                   .get_row = row_f16},
+    /* fp32 activations, or BF16 ones where k3_mat.bf16 asks */
     [K3_W_BF16] = {.name = "bf16",
                    .bits = 16,
                    .is_float = true,
                    .tile_rows = 1,
                    .tile_cols = 1,
-                   .acts = K3_ACTS_F32,
+                   .acts = K3_ACTS_F32 | K3_ACTS_BF16,
                    .get_row = row_bf16},
-    /* fp32 activations, or 8-bit ones (W4A8) where k3_mat.act8 asks */
+    /* fp32 activations, or 8-bit ones (W4A8) where k3_mat.act8 asks, or BF16
+     * ones where k3_mat.bf16 does */
     [K3_W_MXFP4] = {.name = "mxfp4",
                     .bits = 4,
                     .block = 32,
                     .tile_rows = 1,
                     .tile_cols = 1,
-                    .acts = K3_ACTS_F32 | K3_ACTS_8BIT,
+                    .acts = K3_ACTS_F32 | K3_ACTS_8BIT | K3_ACTS_BF16,
                     .get_row = row_mxfp4},
     [K3_W_Q8] = {.name = "q8",
                  .bits = 8,
@@ -114,6 +133,20 @@ static const k3_wtype_traits table[] = {
                        .tile_cols = 128,
                        .acts = K3_ACTS_8BIT,
                        .get_row = row_mxfp4_r4},
+    /* the strips of the BF16 dot products (kernels.h): 16 rows x 32 columns */
+    [K3_W_BF16_S16] = {.name = "bf16-s16",
+                       .bits = 16,
+                       .tile_rows = 16,
+                       .tile_cols = 32,
+                       .acts = K3_ACTS_BF16,
+                       .get_row = row_bf16_s16},
+    [K3_W_MXFP4_S16] = {.name = "mxfp4-s16",
+                        .bits = 4,
+                        .block = 32,
+                        .tile_rows = 16,
+                        .tile_cols = 32,
+                        .acts = K3_ACTS_BF16,
+                        .get_row = row_mxfp4_s16},
 };
 _Static_assert(sizeof table / sizeof table[0] == K3_W_COUNT, "a row per k3_wtype");
 

@@ -46,9 +46,11 @@ static void expert_items(void *p, int64_t lo, int64_t hi, int ith) {
             run_expert(j, j->ctx->s.eact[a], NULL, ith);
             continue;
         }
-        /* rows [r0, r1) of the shared experts' down-projection, one token */
+        /* rows [r0, r1) of the shared experts' down-projection, one token,
+         * in whole tiles of its type (the BF16 strips: 16 rows) */
         const k3_mat *w = &j->L->sh_down;
-        const int64_t q = a - j->na, r0 = w->rows * q / j->sh_parts, r1 = w->rows * (q + 1) / j->sh_parts;
+        const int64_t u = k3_wtype_info(w->type)->tile_rows, nu = w->rows / u, q = a - j->na;
+        const int64_t r0 = nu * q / j->sh_parts * u, r1 = q + 1 == j->sh_parts ? w->rows : nu * (q + 1) / j->sh_parts * u;
         const k3_mat rows = k3_mat_rows(w, r0, r1 - r0);
         k3_matmul(NULL, &rows, j->ctx->s.f1, 1, j->ctx->s.tmp + r0);
     }
@@ -104,7 +106,12 @@ void k3_moe_layer(k3_ctx *ctx, const k3_layer *L, const float *yn, float *out) {
     for (int e = 0; e < E; e++)
         if (s->ecount[e + 1] > s->ecount[e] && k3_ep_owns(ctx, e)) s->eact[na++] = e;
     expert_job ej = {ctx, L, z, na, 0};
-    if (ctx->nth > 1 && na >= 2 * ctx->nth) {
+    const k3_glu_kind kind = c->act == K3_ACT_SITU ? K3_GLU_SITU : K3_GLU_SWIGLU;
+    if (k3_moe_experts(ctx->pool, L->exp_gate, L->exp_up, L->exp_down, s->eact, na, s->ecount, s->erows, K, z, Dl,
+                       s->ly, Dl, kind, c->situ_beta, c->situ_linear_beta)) {
+        /* every active expert in one grouped product a phase (AMX), the
+         * same bits as one after the other */
+    } else if (ctx->nth > 1 && na >= 2 * ctx->nth) {
         if (L->moe_in.data && T == 1) ej.sh_parts = 4 * ctx->nth;
         k3_pool_for(ctx->pool, na + ej.sh_parts, 1, expert_items, &ej);
     } else {

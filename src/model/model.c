@@ -799,19 +799,20 @@ size_t k3_model_describe(const k3_model *m, char *buf, size_t size) {
 /* ---- load-time quantization ------------------------------------------------ */
 
 k3_status k3_quant_parse(const char *s, k3_quant_options *out, k3_error *err) {
-    *out = (k3_quant_options){K3_WQ_NONE, false};
+    *out = (k3_quant_options){K3_WQ_NONE, false, false};
     char buf[128];
     if (!s || strlen(s) >= sizeof buf) return k3_err(err, K3_ERR_ARG, "quant: bad mode");
     snprintf(buf, sizeof buf, "%s", s);
     for (char *save = NULL, *tok = strtok_r(buf, "+,", &save); tok; tok = strtok_r(NULL, "+,", &save)) {
         k3_wquant q;
         if (!strcmp(tok, "none") || !strcmp(tok, "bf16")) continue;
+        else if (!strcmp(tok, "f32") || !strcmp(tok, "fp32")) out->f32 = true;
         else if (k3_quant_mode_of(tok, &q)) out->linear = q;
         else if (!strcmp(tok, "w4a8")) out->experts_a8 = true;
         else {
             char modes[128];
             k3_quant_mode_list(modes, sizeof modes);
-            return k3_err(err, K3_ERR_ARG, "quant: unknown mode '%s' (use none, %s, w4a8, or e.g. w8a8+w4a8)", tok,
+            return k3_err(err, K3_ERR_ARG, "quant: unknown mode '%s' (use none, f32, %s, w4a8, or e.g. w8a8+w4a8)", tok,
                           modes);
         }
     }
@@ -895,6 +896,59 @@ static bool can_act8(k3_wtype t) {
     return (a & K3_ACTS_8BIT) && (a & K3_ACTS_F32);
 }
 
+/* Whether a view of rows [r0, r0 + n) of matrix w of layer L may start
+ * anywhere a strip does not: the per-head views of W_UK and of kv_b's value
+ * half (mla.c) start at multiples of kv_lora and of the head dims. */
+static bool views_on_strips(const k3_config *c, const k3_layer *L, const k3_mat *w) {
+    if (w == &L->wuk) return c->kv_lora_rank % 16 == 0;
+    if (w == &L->kv_b) return c->qk_nope_dim % 16 == 0 && c->v_head_dim % 16 == 0;
+    return true;
+}
+
+/* w (k3_mat.bf16) as K3_W_*_S16 strips in own_packed memory, where its shape
+ * and its views allow (k3_s16_ok); the old array freed when the loader made
+ * it (a stack), not when it is mapped or aliased. */
+static k3_status to_strips(k3_model *m, k3_mat *w, bool views_ok, bool alias, k3_error *err) {
+    if (!w->data || !w->bf16 || !views_ok || !k3_s16_ok(w)) return K3_OK;
+    const void *old = w->data;
+    const bool mine = !alias && !k3_st_maps(m->st, old);
+    const size_t nb = k3_mat_data_bytes(w), ns = k3_mat_scale_bytes(w);
+    uint8_t *d = own_packed(m, nb), *sc = ns ? own_packed(m, ns) : NULL;
+    if (!d || (ns && !sc)) return k3_err(err, K3_ERR_NOMEM, "load: out of memory making the BF16 strips");
+    k3_s16_pack(w, d, sc);
+    w->type = w->type == K3_W_MXFP4 ? K3_W_MXFP4_S16 : K3_W_BF16_S16;
+    w->data = d;
+    if (ns) w->scale = sc;
+    if (mine) disown(m, old);
+    return K3_OK;
+}
+
+/* Marks the matrices that take the BF16 dot products (k3_mat.bf16): every
+ * BF16 and MXFP4 matrix the forward pass reads with fp32 activations but
+ * the routers, whose top-k has near-ties a BF16 rounding upstream of it does
+ * not flip but one inside it does (docs/amx.md, "Numerics"). The stacks the
+ * loader made become strips now (k3_model_load_resident does the mapped
+ * ones). */
+static k3_status mark_bf16(k3_model *m, k3_error *err) {
+    const k3_config *c = &m->cfg;
+    for (int i = 0; i < c->n_layers; i++) {
+        k3_layer *L = &m->layers[i];
+        k3_mat *mats[32];
+        const int n = runtime_mats(c, L, mats);
+        for (int k = 0; k < n; k++) {
+            mats[k]->bf16 = !mats[k]->act8 && k3_bf16_mat_ok(mats[k]);
+            if (!k3_st_maps(m->st, mats[k]->data))
+                K3_TRY(to_strips(m, mats[k], views_on_strips(c, L, mats[k]), mats[k] == &L->wuk, err));
+        }
+        for (int e = 0; L->moe && e < c->n_experts; e++) {
+            k3_mat *ws[3] = {&L->exp_gate[e], &L->exp_up[e], &L->exp_down[e]};
+            for (int j = 0; j < 3; j++) ws[j]->bf16 = !ws[j]->act8 && k3_bf16_mat_ok(ws[j]);
+        }
+    }
+    m->lm_head.bf16 = k3_bf16_mat_ok(&m->lm_head);
+    return K3_OK;
+}
+
 k3_status k3_model_quantize(k3_model *m, const k3_quant_options *opt, k3_error *err) {
     const k3_config *c = &m->cfg;
     for (int i = 0; i < c->n_layers; i++) {
@@ -913,19 +967,21 @@ k3_status k3_model_quantize(k3_model *m, const k3_quant_options *opt, k3_error *
                 for (int j = 0; j < 3; j++) ws[j]->act8 = can_act8(ws[j]->type);
             }
     }
-    return K3_OK;
+    return opt->f32 || !k3_kernels_bf16() ? K3_OK : mark_bf16(m, err);
 }
 
 /* Copies one matrix out of the mapping (data, and the MXFP4 scales) into
  * own_packed memory -- in order, in huge pages, so an expert's matrices
  * follow one another -- or, when dry, only counts its bytes. An MXFP4 matrix
  * the W4A8 kernel will read is copied as K3_W_MXFP4_R4 tiles
- * (k3_mx4_r4_wanted). */
-static k3_status copy_mat(k3_model *m, k3_mat *w, bool dry, int64_t *bytes, k3_error *err) {
+ * (k3_mx4_r4_wanted), one that takes the BF16 dot products as strips
+ * (k3_s16_ok, views_ok: its row views start on strips). */
+static k3_status copy_mat(k3_model *m, k3_mat *w, bool views_ok, bool dry, int64_t *bytes, k3_error *err) {
     if (!w->data || !k3_st_maps(m->st, w->data)) return K3_OK;
     const size_t nb = k3_mat_data_bytes(w), ns = k3_mat_scale_bytes(w);
     *bytes += (int64_t)(nb + ns);
     if (dry) return K3_OK;
+    if (w->bf16 && views_ok && k3_s16_ok(w)) return to_strips(m, w, true, false, err);
     uint8_t *d = own_packed(m, nb), *sc = ns ? own_packed(m, ns) : NULL;
     if (!d || (ns && !sc)) return k3_err(err, K3_ERR_NOMEM, "load: out of memory copying weights into RAM");
     if (k3_mx4_r4_wanted(w)) {
@@ -946,17 +1002,17 @@ k3_status k3_model_load_resident(k3_model *m, int64_t max_bytes, int64_t *copied
     for (int step = 0; step < 2; step++) { /* 0 counts, 1 copies */
         const bool dry = step == 0;
         int64_t bytes = 0;
-        k3_status s = copy_mat(m, &m->lm_head, dry, &bytes, err);
+        k3_status s = copy_mat(m, &m->lm_head, true, dry, &bytes, err);
         for (int i = 0; i < c->n_layers && !s; i++) {
             k3_layer *L = &m->layers[i];
             k3_mat *mats[32];
             const int n = runtime_mats(c, L, mats);
-            for (int k = 0; k < n && !s; k++) s = copy_mat(m, mats[k], dry, &bytes, err);
-            if (!s) s = copy_mat(m, &L->router, dry, &bytes, err);
+            for (int k = 0; k < n && !s; k++) s = copy_mat(m, mats[k], views_on_strips(c, L, mats[k]), dry, &bytes, err);
+            if (!s) s = copy_mat(m, &L->router, true, dry, &bytes, err);
             for (int e = 0; L->moe && e < c->n_experts && !s; e++) {
-                s = copy_mat(m, &L->exp_gate[e], dry, &bytes, err);
-                if (!s) s = copy_mat(m, &L->exp_up[e], dry, &bytes, err);
-                if (!s) s = copy_mat(m, &L->exp_down[e], dry, &bytes, err);
+                s = copy_mat(m, &L->exp_gate[e], true, dry, &bytes, err);
+                if (!s) s = copy_mat(m, &L->exp_up[e], true, dry, &bytes, err);
+                if (!s) s = copy_mat(m, &L->exp_down[e], true, dry, &bytes, err);
             }
         }
         if (s) return s;
@@ -964,4 +1020,56 @@ k3_status k3_model_load_resident(k3_model *m, int64_t max_bytes, int64_t *copied
         if (!dry) *copied = bytes;
     }
     return K3_OK;
+}
+
+/* ---- the work of a prefill by operator ------------------------------------------ */
+
+static double mm2(const k3_mat *w) { return w && w->data ? 2.0 * (double)w->rows * (double)w->cols : 0.0; }
+
+void k3_model_prof_flops(const k3_model *m, int64_t tokens, double flops[K3_PROF_COUNT]) {
+    const k3_config *c = &m->cfg;
+    const double T = (double)tokens;
+    for (int i = 0; i < K3_PROF_COUNT; i++) flops[i] = 0.0;
+    for (int i = 0; i < c->n_layers; i++) {
+        const k3_layer *L = &m->layers[i];
+        if (L->kind == K3_LAYER_KDA) {
+            double f = L->kda_in.data ? mm2(&L->kda_in)
+                                      : mm2(&L->q_proj) + mm2(&L->k_proj) + mm2(&L->v_proj) + mm2(&L->f_a) +
+                    mm2(&L->b_proj) + (c->kda_full_rank_gate ? mm2(&L->g_proj) : 0.0);
+            f += mm2(&L->f_b) + (c->kda_full_rank_gate ? 0.0 : mm2(&L->g_a) + mm2(&L->g_b)) + mm2(&L->o_proj);
+            /* the recurrence: decay, k^T S, the rank-one update and q S, ~4 dk dv a head */
+            f += 4.0 * c->kda_heads * (double)c->kda_head_dim * c->kda_head_dim;
+            flops[K3_PROF_KDA] += f * T;
+        } else {
+            const double H = c->n_heads, kvl = c->kv_lora_rank, nope = c->qk_nope_dim, rope = c->qk_rope_dim,
+                         vd = c->v_head_dim;
+            double pre = L->mla_down.data ? mm2(&L->mla_down)
+                                          : mm2(&L->q_a) + mm2(&L->kv_a) + mm2(&L->idx_wk) + mm2(&L->idx_weights);
+            pre += mm2(&L->q_b) + mm2(&L->idx_wq_b) + 2.0 * H * kvl * nope;
+            flops[K3_PROF_MLAPO] += pre * T;
+            /* the keys token t sees: t + 1; the slots it attends: at most index_topk under DSA */
+            const double keys = T * (T + 1) / 2;
+            double att = keys;
+            if (L->kind == K3_LAYER_DSA && c->index_topk > 0 && T > c->index_topk) {
+                const double k = c->index_topk;
+                att = k * (k + 1) / 2 + (T - k) * k;
+            }
+            if (L->kind == K3_LAYER_DSA) flops[K3_PROF_QLI] += 2.0 * c->index_n_heads * (double)c->index_head_dim * keys;
+            flops[K3_PROF_QSFA] += 2.0 * H * (2 * kvl + rope) * att;
+            flops[K3_PROF_MLA_OUT] += (2.0 * H * vd * kvl + mm2(&L->g_proj) + mm2(&L->o_proj)) * T;
+        }
+        if (L->moe) {
+            double moe = mm2(&L->router) + mm2(&L->lat_up);
+            moe += L->moe_in.data ? mm2(&L->moe_in) : mm2(&L->lat_down);
+            moe += c->n_experts_per_tok * (mm2(&L->exp_gate[0]) + mm2(&L->exp_up[0]) + mm2(&L->exp_down[0]));
+            flops[K3_PROF_MOE] += moe * T;
+            double sh = mm2(&L->sh_down);
+            if (!L->moe_in.data) sh += L->sh_gu.data ? mm2(&L->sh_gu) : mm2(&L->sh_gate) + mm2(&L->sh_up);
+            flops[K3_PROF_FFN] += sh * T;
+        } else {
+            flops[K3_PROF_FFN] +=
+                ((L->ffn_gu.data ? mm2(&L->ffn_gu) : mm2(&L->ffn_gate) + mm2(&L->ffn_up)) + mm2(&L->ffn_down)) * T;
+        }
+    }
+    flops[K3_PROF_HEAD] = mm2(&m->lm_head); /* the last token's logits */
 }
