@@ -722,3 +722,51 @@ K3_TEST(kvstore_engine_connector) {
     rm_tree(dir);
     k3_model_close(m);
 }
+
+/* k3_kvs_wait against the worker finishing the same ticket: a job is either
+ * queued, running or done (under one lock), never none of them. Tiny jobs
+ * (a snapshot already on disk: a skip), waited at once and after a short
+ * spin of 0 to 64 us, many times over, so a waiter arrives while the worker is between
+ * the end of a job and its record. */
+K3_TEST(kvstore_wait_race) {
+    k3_model *m = NULL;
+    k3_error err = {0};
+    REQUIREF(!k3_model_open(&m, TINY, &err), "%s", err.msg);
+    k3_ctx *a = kvh_ctx(m, K3_KV_F32, BS, NB, &err);
+    REQUIRE(a);
+    char *dir = tmp_dir();
+    REQUIRE(dir);
+    k3_kvs *s = open_store(dir, a, 1, "none", 2, 1 << 26, NULL);
+    REQUIRE(s);
+    void *state = calloc(1, (size_t)k3_kvs_state_bytes(s));
+    REQUIRE(state);
+    int32_t tok[2 * BS];
+    for (int i = 0; i < 2 * BS; i++) tok[i] = i;
+    const k3_kvs_seq seq = {.tokens = tok, .n_tokens = 2 * BS};
+    int bad = 0;
+    char first[640] = "";
+    for (int r = 0; r < 30000 && bad < 5; r++) {
+        uint64_t t1 = 0, t2 = 0;
+        k3_kvs_done d;
+        k3_error e = {0};
+        if (k3_kvs_save_snapshot(s, &seq, BS, state, 0, &t1, &e) ||
+            k3_kvs_save_snapshot(s, &seq, 2 * BS, state, 0, &t2, &e)) {
+            bad++;
+            snprintf(first, sizeof first, "save: %s", e.msg);
+            continue;
+        }
+        /* 0 to 64 us: around the time the worker takes and ends the job */
+        const double until = k3_now() + (double)(r % 256) * 250e-9;
+        while (k3_now() < until) {}
+        if (k3_kvs_wait(s, t1, &d, &e) || d.status || k3_kvs_wait(s, t2, &d, &e) || d.status) {
+            if (!bad) snprintf(first, sizeof first, "round %d: %s", r, e.msg[0] ? e.msg : d.why);
+            bad++;
+        }
+    }
+    CHECKF(bad == 0, "%d waits failed, the first: %s", bad, first);
+    free(state);
+    k3_kvs_close(s);
+    rm_tree(dir);
+    k3_ctx_free(a);
+    k3_model_close(m);
+}

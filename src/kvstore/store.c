@@ -908,8 +908,9 @@ static void job_free(job *j) {
     free(j);
 }
 
-/* Runs j, records its completion; the job is freed. */
-static void run_job(k3_kvs *s, job *j) {
+/* Runs j (running[t], taken by take()), records its completion; the job is
+ * freed. */
+static void run_job(k3_kvs *s, int t, job *j) {
     k3_kvs_done d = {.ticket = j->ticket, .op = j->op};
     const double t0 = k3_now();
     d.status = j->op == K3_KVS_LOAD   ? job_load(s, j, &d)
@@ -938,8 +939,11 @@ static void run_job(k3_kvs *s, job *j) {
         }
     }
     pthread_mutex_unlock(&s->mm);
-    job_free(j);
+    /* The job leaves running[t] and enters done under one hold of mu, and is
+     * freed only then: k3_kvs_wait and k3_kvs_cancel read running[t] under
+     * mu, so they never see a ticket in neither place nor a freed job. */
     pthread_mutex_lock(&s->mu);
+    s->running[t] = NULL;
     if (s->n_done == s->cap_done) {
         const int32_t cap = s->cap_done ? 2 * s->cap_done : 64;
         k3_kvs_done *g = realloc(s->done, sizeof *g * (size_t)cap);
@@ -951,6 +955,7 @@ static void run_job(k3_kvs *s, job *j) {
     if (s->n_done < s->cap_done) s->done[s->n_done++] = d;
     pthread_cond_broadcast(&s->cv_done);
     pthread_mutex_unlock(&s->mu);
+    job_free(j);
     if (s->o.on_done) s->o.on_done(s->o.cb_arg);
 }
 
@@ -985,9 +990,8 @@ static void *worker(void *arg) {
             continue;
         }
         pthread_mutex_unlock(&s->mu);
-        run_job(s, j);
+        run_job(s, t, j);
         pthread_mutex_lock(&s->mu);
-        s->running[t] = NULL;
     }
     pthread_mutex_unlock(&s->mu);
     return NULL;
@@ -1021,10 +1025,7 @@ static void run_queued(k3_kvs *s) {
             job *j = take(s, t);
             pthread_mutex_unlock(&s->mu);
             if (!j) break;
-            run_job(s, j);
-            pthread_mutex_lock(&s->mu);
-            s->running[t] = NULL;
-            pthread_mutex_unlock(&s->mu);
+            run_job(s, t, j);
         }
 }
 
@@ -1145,10 +1146,12 @@ int32_t k3_kvs_poll(k3_kvs *s, k3_kvs_done *out, int32_t max) {
 }
 
 k3_status k3_kvs_wait(k3_kvs *s, uint64_t ticket, k3_kvs_done *out, k3_error *err) {
-    if (!ticket || ticket > s->next_ticket)
-        return k3_err(err, K3_ERR_ARG, "kv cache: no ticket %llu", (unsigned long long)ticket);
     run_queued(s);
     pthread_mutex_lock(&s->mu);
+    if (!ticket || ticket > s->next_ticket) {
+        pthread_mutex_unlock(&s->mu);
+        return k3_err(err, K3_ERR_ARG, "kv cache: no ticket %llu", (unsigned long long)ticket);
+    }
     for (;;) {
         for (int32_t i = 0; i < s->n_done; i++)
             if (s->done[i].ticket == ticket) {
