@@ -770,3 +770,91 @@ K3_TEST(kvstore_wait_race) {
     k3_ctx_free(a);
     k3_model_close(m);
 }
+
+/* Steps e until its disk saves are done (they run behind the engine). */
+static bool drain_saves(k3_engine *e) {
+    k3_error err = {0};
+    for (int i = 0; i < 4000; i++) {
+        k3_disk_stats ds;
+        k3_engine_disk_stats(e, &ds, NULL);
+        if (!ds.saving) return true;
+        k3_engine_wait(e, 0.01);
+        k3_step_result sr;
+        if (k3_engine_step(e, &sr, &err)) return false;
+    }
+    return false;
+}
+
+/* The snapshot policy (docs/kvstore.md): on disk, a conversation keeps the state at its latest
+ * prompt's end and at the junction where that prompt leaves the cached one (the end of the
+ * previous turn's output); stride snapshots stay in RAM; a turn's pair replaces the previous
+ * turn's. Three turns of one conversation (each prompt = the previous one, its greedy output and
+ * new tokens), the stride every 4 blocks: one file after the first turn, two after each later
+ * one, at the positions named; a restart hits the latest prompt's end from disk with the RAM
+ * hit's answer. */
+K3_TEST(kvstore_snapshot_policy) {
+    k3_model *m = NULL;
+    k3_error err = {0};
+    REQUIREF(!k3_model_open(&m, TINY, &err), "%s", err.msg);
+    k3_ctx *a = kvh_ctx(m, K3_KV_F32, BS, NB, &err);
+    REQUIRE(a);
+    char *dir = tmp_dir();
+    REQUIRE(dir);
+    int32_t p[400], fresh[200];
+    kvh_ids(p, 201, m->cfg.vocab_size, 51);
+    kvh_ids(fresh, 200, m->cfg.vocab_size, 52);
+    k3_engine *e = disk_engine(m, dir);
+    REQUIRE(e);
+    /* turn 1: 201 tokens; snapshots at 64, 128 (stride) and 192 (its end); its output computed
+     * up to 208 (the last token is sampled, not computed) */
+    eng_out t1 = {0}, t2 = {0}, t3 = {0}, again = {0};
+    uint64_t id = eng_submit(e, p, 201, 0);
+    CHECK(eng_run(e, &t1, id, 1, 0) >= 0 && t1.n == 8);
+    CHECK(drain_saves(e));
+    CHECKF(count_files(dir, "snaps") == 1, "after turn 1: %d snapshots on disk", count_files(dir, "snaps"));
+    /* turn 2: + its 8 output tokens + 60 = 269; junction 208, end 256 */
+    memcpy(p + 201, t1.tok, sizeof(int32_t) * 8);
+    memcpy(p + 209, fresh, sizeof(int32_t) * 60);
+    id = eng_submit(e, p, 269, 0);
+    CHECK(eng_run(e, &t2, id, 1, 0) >= 0 && t2.n == 8);
+    CHECK(drain_saves(e));
+    CHECKF(count_files(dir, "snaps") == 2, "after turn 2: %d snapshots on disk", count_files(dir, "snaps"));
+    /* turn 3: 269 + 8 + 60 = 337; junction 272, end 336 */
+    memcpy(p + 269, t2.tok, sizeof(int32_t) * 8);
+    memcpy(p + 277, fresh + 60, sizeof(int32_t) * 60);
+    id = eng_submit(e, p, 337, 0);
+    CHECK(eng_run(e, &t3, id, 1, 0) >= 0 && t3.n == 8);
+    CHECK(drain_saves(e));
+    k3_disk_stats ds;
+    REQUIRE(k3_engine_disk_stats(e, &ds, NULL));
+    CHECKF(ds.snaps_ram_only >= 2, "stride snapshots kept in RAM only: %lld", (long long)ds.snaps_ram_only);
+    k3_engine_close(e);
+    /* which two: the files of a store over the same directory name them */
+    k3_kvs *s = open_store(dir, a, k3_model_identity(m), "none", 0, 1 << 26, NULL);
+    REQUIRE(s);
+    const k3_kvs_seq seq = {.tokens = p, .n_tokens = 337};
+    const int64_t want[] = {272 / BS, 336 / BS}, gone[] = {4, 8, 12, 13, 16};
+    char path[4096];
+    struct stat st;
+    for (int i = 0; i < 2; i++) {
+        k3_kvs_path(s, &seq, want[i], true, path, sizeof path);
+        CHECKF(stat(path, &st) == 0, "no snapshot at %lld on disk", (long long)(want[i] * BS));
+    }
+    for (int i = 0; i < 5; i++) {
+        k3_kvs_path(s, &seq, gone[i], true, path, sizeof path);
+        CHECKF(stat(path, &st) != 0, "a snapshot at %lld on disk", (long long)(gone[i] * BS));
+    }
+    CHECKF(count_files(dir, "snaps") == 2, "after turn 3: %d snapshots on disk", count_files(dir, "snaps"));
+    k3_kvs_close(s);
+    /* a restart: turn 3 again, from disk up to its prompt's end, with the same answer */
+    e = disk_engine(m, dir);
+    REQUIRE(e);
+    id = eng_submit(e, p, 337, 0);
+    CHECK(eng_run(e, &again, id, 1, 0) >= 0);
+    CHECKF(again.n_disk == 336 && again.n == t3.n && !memcmp(again.tok, t3.tok, sizeof(int32_t) * 8),
+           "after a restart: %lld tokens from disk", (long long)again.n_disk);
+    k3_engine_close(e);
+    rm_tree(dir);
+    k3_ctx_free(a);
+    k3_model_close(m);
+}

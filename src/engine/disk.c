@@ -44,6 +44,14 @@ typedef struct save {
     int64_t pos;
 } save;
 
+/* A prompt-end snapshot saved and the junction saved beside it. */
+typedef struct snap_pair {
+    uint64_t key; /* the prompt-end snapshot's (its last block's hash) */
+    int64_t junction;
+} snap_pair;
+
+enum { DISK_PAIRS = 4096 };
+
 typedef struct k3_disk_conn {
     k3_kv_connector c;
     k3_engine *e;
@@ -58,8 +66,9 @@ typedef struct k3_disk_conn {
     int32_t n_landed, cap_landed;
     save *saves;
     int32_t n_saves, cap_saves;
-    int64_t save_refs;     /* block references the saves hold */
-    k3_disk_stats st, pub; /* stepping thread's; published at each step (under mu) */
+    int64_t save_refs;           /* block references the saves hold */
+    snap_pair pairs[DISK_PAIRS]; /* the latest pairs saved (lost at a restart: the LRU takes what is left) */
+    k3_disk_stats st, pub;       /* stepping thread's; published at each step (under mu) */
 } k3_disk_conn;
 
 static void logf_(k3_disk_conn *d, const char *fmt, ...) K3_PRINTF(2, 3);
@@ -337,15 +346,47 @@ static void disk_registered(void *self, req *r, int32_t before) {
     if (runs > r->disk_saved) save_runs(d, r, runs, false);
 }
 
+/* The junction saved with the prompt-end snapshot named by key (0 = none). */
+static int64_t pair_get(const k3_disk_conn *d, uint64_t key) {
+    const snap_pair *p = &d->pairs[key % DISK_PAIRS];
+    return p->key == key ? p->junction : 0;
+}
+
+static void pair_put(k3_disk_conn *d, uint64_t key, int64_t junction) {
+    d->pairs[key % DISK_PAIRS] = (snap_pair){key, junction};
+}
+
+/* The snapshot policy (docs/kvstore.md): two per conversation on disk, the
+ * state at its latest prompt's end and at the junction where that prompt
+ * leaves the cached one (the end of the previous turn's output); stride
+ * snapshots stay in RAM. A request that restored the state at R (its
+ * prefix hit: the previous prompt's end) supersedes the previous pair: its
+ * prompt-end save drops R, its junction save the junction saved with R. */
 static void disk_snapshot_taken(void *self, req *r, int64_t pos, uint64_t key) {
     k3_disk_conn *d = self;
     k3_engine *e = d->e;
+    const k3_rq *rq = &r->rq;
+    const int64_t end = rq->prefill_end - rq->prefill_end % d->bs, R = rq->n_cached;
+    const bool prompt_end = pos == end, junction = rq->junction > 0 && pos == rq->junction;
+    if (!prompt_end && !junction) {
+        d->st.snaps_ram_only++;
+        return;
+    }
+    const uint64_t key_r = R > 0 && R / d->bs <= rq->n_hash ? rq->hash[R / d->bs - 1] : 0;
+    int64_t drop = 0;
+    if (prompt_end) {
+        drop = R > 0 && R < pos && R != rq->junction ? R : 0;
+        pair_put(d, key, rq->junction > 0 && rq->junction < pos ? rq->junction : 0);
+    } else if (key_r) {
+        drop = pair_get(d, key_r);
+        if (drop >= pos) drop = 0;
+    }
     const void *buf = k3_kv_snap_pin(&e->sn, key, pos);
     if (!buf) return;
     const k3_kvs_seq seq = seq_of(r, pos);
     save sv = {.key = key, .pos = pos};
     k3_error err = {0};
-    if (k3_kvs_save_snapshot(d->kvs, &seq, pos, buf, 0, &sv.ticket, &err) || !sv.ticket) {
+    if (k3_kvs_save_snapshot(d->kvs, &seq, pos, buf, drop, &sv.ticket, &err) || !sv.ticket) {
         k3_kv_snap_unpin(&e->sn, key, pos);
         return;
     }

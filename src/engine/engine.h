@@ -31,6 +31,7 @@ typedef struct k3_disk_stats {
     int64_t save_blocks;
     int64_t budget;
     int32_t run_blocks;
+    int64_t snaps_ram_only; /* stride snapshots kept in RAM only (the snapshot policy) */
 } k3_disk_stats;
 /* False (all zero) without a disk tier; m (may be NULL) gets the store's own. */
 bool k3_engine_disk_stats(k3_engine *e, k3_disk_stats *out, k3_kvs_metrics *m);
