@@ -67,6 +67,7 @@ typedef struct k3_disk_conn {
     save *saves;
     int32_t n_saves, cap_saves;
     int64_t save_refs;           /* block references the saves hold */
+    void *spare_state;           /* a landed request's state buffer, for the next load */
     snap_pair pairs[DISK_PAIRS]; /* the latest pairs saved (lost at a restart: the LRU takes what is left) */
     k3_disk_stats st, pub;       /* stepping thread's; published at each step (under mu) */
 } k3_disk_conn;
@@ -217,6 +218,10 @@ static void disk_before_schedule(void *self, double t) {
         remove_at(d->wait, &d->n_wait, 0);
         k3_error err = {0};
         k3_status st = K3_OK;
+        if (!r->disk_state && d->spare_state) { /* memory touched before: no page faults in the load */
+            r->disk_state = d->spare_state;
+            d->spare_state = NULL;
+        }
         if (!r->disk_state && !(r->disk_state = malloc((size_t)(e->state_bytes > 0 ? e->state_bytes : 1))))
             st = k3_err(&err, K3_ERR_NOMEM, "out of memory for a KDA state");
         if (!st) {
@@ -427,8 +432,9 @@ static void disk_begin(void *self, double t) {
             i++;
             continue;
         }
-        if (!r->rq.landed_state) { /* admitted (and restored) since */
-            free(r->disk_state);
+        if (!r->rq.landed_state) { /* admitted (and restored) since: kept for the next load */
+            if (!d->spare_state) d->spare_state = r->disk_state;
+            else free(r->disk_state);
             r->disk_state = NULL;
         }
         remove_at(d->landed, &d->n_landed, i);
@@ -493,6 +499,7 @@ static void disk_close(void *self) {
     k3_kvs_close(d->kvs); /* finishes the queued saves: the blocks and snapshots are still there */
     for (int32_t i = 0; i < d->n_saves; i++) free(d->saves[i].blocks);
     free(d->saves);
+    free(d->spare_state);
     free(d->wait);
     free(d->loads);
     free(d->landed);
