@@ -853,6 +853,22 @@ K3_TEST(kvstore_snapshot_policy) {
     CHECK(eng_run(e, &again, id, 1, 0) >= 0);
     CHECKF(again.n_disk == 336 && again.n == t3.n && !memcmp(again.tok, t3.tok, sizeof(int32_t) * 8),
            "after a restart: %lld tokens from disk", (long long)again.n_disk);
+    /* a prompt of whole blocks (256): its state at 256 is never found by a resend (which computes
+     * at least its last token); the last point before it (192, a stride one) goes to disk */
+    int32_t w[256];
+    kvh_ids(w, 256, m->cfg.vocab_size, 53);
+    eng_out w1 = {0}, w2 = {0};
+    id = eng_submit(e, w, 256, 0);
+    CHECK(eng_run(e, &w1, id, 1, 0) >= 0);
+    CHECK(drain_saves(e));
+    CHECKF(count_files(dir, "snaps") == 3, "a prompt of whole blocks: %d snapshots on disk", count_files(dir, "snaps"));
+    k3_engine_close(e);
+    e = disk_engine(m, dir);
+    REQUIRE(e);
+    id = eng_submit(e, w, 256, 0);
+    CHECK(eng_run(e, &w2, id, 1, 0) >= 0);
+    CHECKF(w2.n_disk == 192 && w2.n == w1.n && !memcmp(w2.tok, w1.tok, sizeof(int32_t) * 8),
+           "a resend of a prompt of whole blocks after a restart: %lld tokens from disk", (long long)w2.n_disk);
     k3_engine_close(e);
     rm_tree(dir);
     k3_ctx_free(a);

@@ -371,13 +371,22 @@ static void disk_snapshot_taken(void *self, req *r, int64_t pos, uint64_t key) {
     k3_disk_conn *d = self;
     k3_engine *e = d->e;
     const k3_rq *rq = &r->rq;
-    const int64_t end = rq->prefill_end - rq->prefill_end % d->bs, R = rq->n_cached;
-    const bool prompt_end = pos == end, junction = rq->junction > 0 && pos == rq->junction;
+    /* the prompt's end: the last snapshot point before its last token (a resend of the prompt
+     * computes at least that token, so a state at the prompt's full length would never be found
+     * by it): the grid's floor, or, for a prompt of whole blocks, the last stride point or the
+     * junction before it */
+    const int64_t bs = d->bs, R = rq->n_cached, stride = (int64_t)e->sched.cfg.snapshot_stride * bs;
+    int64_t end = rq->prefill_end - rq->prefill_end % bs;
+    if (end == rq->prefill_end && end > 0) {
+        end = (rq->prefill_end - 1) / stride * stride;
+        if (rq->junction > end && rq->junction < rq->prefill_end) end = rq->junction;
+    }
+    const bool prompt_end = end > 0 && pos == end, junction = rq->junction > 0 && pos == rq->junction;
     if (!prompt_end && !junction) {
         d->st.snaps_ram_only++;
         return;
     }
-    const uint64_t key_r = R > 0 && R / d->bs <= rq->n_hash ? rq->hash[R / d->bs - 1] : 0;
+    const uint64_t key_r = R > 0 && R / bs <= rq->n_hash ? rq->hash[R / bs - 1] : 0;
     int64_t drop = 0;
     if (prompt_end) {
         drop = R > 0 && R < pos && R != rq->junction ? R : 0;
