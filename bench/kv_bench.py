@@ -6,9 +6,15 @@
       cache first: fsync + POSIX_FADV_DONTNEED), and the directory's raw sequential read speed (a
       file of the cache's size, written, dropped, read with 1 MiB reads) beside the load's own rate
       (vllm:kv_offload_load_bytes_total / _time_total). Medians of RUNS.
-  python bench/kv_bench.py K3 replay MODEL CONVS TURNS POLICY SEED
+  python bench/kv_bench.py K3 itl MODEL TOKENS RUNS DIR [DECODE_TOKENS]
+      decode ITL p50 / p99 of two streaming requests (DECODE_TOKENS each, 300) in the window while a
+      TOKENS-token prompt loads from the disk tier (a restarted server) and a new 512-token prompt is
+      computed and saved, against the same traffic on a server without the tier where the prompt is a
+      RAM hit; also the ITL after the window. Alternated, medians of RUNS.
+  python bench/kv_bench.py K3 replay MODEL CONVS TURNS POLICY SEED [SYS_WORDS TOOL_WORDS]
       an agent replay over two instances of MODEL behind `k3 serve --role router --policy POLICY`:
-      CONVS conversations of TURNS turns, each round's turns in a shuffled order (SEED); prints the
+      CONVS conversations of TURNS turns (a system prompt of SYS_WORDS words (600), each turn adds a
+      reply and a tool output of TOOL_WORDS words (120)), each round's turns in a shuffled order (SEED); prints the
       prefix cache hit rate summed over the instances and TTFT p50 / p99 (streamed first token).
 """
 import json
@@ -67,7 +73,8 @@ def raw_read(d, size):
 
 
 def serve(model, d, threads=2):
-    return h.Process([K3, "serve", "-m", model, "--port", "0", "--threads", str(threads), "--kv-cache-dir", d], start_timeout=300, stop_timeout=120)
+    disk = ["--kv-cache-dir", d] if d else []
+    return h.Process([K3, "serve", "-m", model, "--port", "0", "--threads", str(threads)] + disk, start_timeout=300, stop_timeout=120)
 
 
 def timed(s, model, ids):
@@ -120,7 +127,7 @@ def ttft(model, tokens, runs, d):
           f"{med(raw):.2f} GB/s ({100 * med(fr):.0f}%)")
 
 
-def replay(model, convs, turns, policy, seed):
+def replay(model, convs, turns, policy, seed, sys_words=600, tool_words=120):
     insts = [h.Process([K3, "serve", "-m", model, "--port", "0", "--threads", "1"], start_timeout=300)
              for _ in range(2)]
     r = h.Process([K3, "serve", "--role", "router", "--port", "0", "--policy", policy] +
@@ -134,7 +141,7 @@ def replay(model, convs, turns, policy, seed):
         return " ".join(w.choice(["alpha", "build", "check", "delta", "error", "fix", "graph", "heap", "index",
                                   "join", "kernel", "list", "merge", "node", "open", "patch", "query", "run"]) +
                         str(w.randrange(100)) for _ in range(n))
-    hist = {c: [{"role": "system", "content": "You are a coding agent. Tools: shell, edit. " + words(c, 600)},
+    hist = {c: [{"role": "system", "content": "You are a coding agent. Tools: shell, edit. " + words(c, sys_words)},
                 {"role": "user", "content": "Task: " + words(10_000 + c, 60)}] for c in range(convs)}
     ttfts = []
     q0 = sum(total(s, "vllm:prefix_cache_queries_total") for s in insts)
@@ -150,7 +157,7 @@ def replay(model, convs, turns, policy, seed):
             conn.request("POST", "/v1/chat/completions", body=json.dumps(body),
                          headers={"Content-Type": "application/json"})
             resp = conn.getresponse()
-            assert resp.status == 200, resp.status
+            assert resp.status == 200, (resp.status, resp.read()[:300])
             first = None
             text = ""
             for line in resp:
@@ -164,7 +171,7 @@ def replay(model, convs, turns, policy, seed):
             conn.close()
             ttfts.append(first if first is not None else time.perf_counter() - t0)
             hist[c] += [{"role": "assistant", "content": text or words(20_000 + c * 100 + t, 8)},
-                        {"role": "user", "content": "Tool output: " + words(30_000 + c * 100 + t, 120)}]
+                        {"role": "user", "content": "Tool output: " + words(30_000 + c * 100 + t, tool_words)}]
     q = sum(total(s, "vllm:prefix_cache_queries_total") for s in insts) - q0
     hh = sum(total(s, "vllm:prefix_cache_hits_total") for s in insts) - h0
     ttfts.sort()
@@ -176,9 +183,84 @@ def replay(model, convs, turns, policy, seed):
     h.stop_all()
 
 
+def itl(model, tokens, runs, d, decode_tokens=300):
+    """decode ITL of two streams while another request's prompt loads from disk and a third's is
+    saved, against the same traffic on a server without the disk tier (the prompt a RAM hit)"""
+    import http.client
+    import threading
+    vocab = json.load(open(os.path.join(model, "config.json")))
+    vocab = vocab.get("text_config", vocab)["vocab_size"]
+    rnd = random.Random(77)
+    ids = lambda n: [rnd.randrange(16, vocab - 256) for _ in range(n)]  # noqa: E731
+    P = ids(tokens)
+    cd = os.path.join(d, "itl")
+    s = serve(model, cd)
+    name = h.get(s.url + "/v1/models").json()["data"][0]["id"]
+    timed(s, name, P)
+    s.stop()  # its saves finish: P is on disk
+
+    def stream(port, prompt, stamps):
+        body = {"model": name, "prompt": prompt, "max_tokens": decode_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1800)
+        conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        for line in resp:
+            if line.startswith(b"data: ") and b"[DONE]" not in line:
+                stamps.append(time.perf_counter())
+        conn.close()
+
+    res = {"disk": [], "ram": []}
+    med = statistics.median
+    for run in range(runs):
+        for mode in ("disk", "ram"):
+            if mode == "disk":
+                drop_pages(cd)
+                s = serve(model, cd)
+            else:
+                s = serve(model, None)
+                timed(s, name, P)  # P in the RAM prefix cache
+            Q = ids(512)
+            stamps = [[], []]
+            th = [threading.Thread(target=stream, args=(s.port, ids(64), stamps[k])) for k in range(2)]
+            for t in th:
+                t.start()
+            h.wait_until(lambda: min(len(x) for x in stamps) >= 10, 600, "the decoders")
+            saves0 = total(s, "k3:kv_disk_saves_total") if mode == "disk" else 0
+            t_send = time.perf_counter()
+            side = [threading.Thread(target=timed, args=(s, name, x)) for x in (P, Q)]
+            for t in side:
+                t.start()
+            for t in side:
+                t.join()
+            if mode == "disk":  # the saves of Q (and P's tail) done too
+                h.wait_until(lambda: total(s, "k3:kv_disk_saves_total") > saves0 and
+                             total(s, "k3:kv_disk_saves_in_flight") == 0, 600, "the saves")
+                assert total(s, "vllm:kv_offload_load_bytes_total") > 0, "no load from disk"
+            t_end = time.perf_counter()
+            for t in th:
+                t.join()
+            gaps = sorted(b - a for x in stamps for a, b in zip(x, x[1:]) if t_send <= b <= t_end)
+            base = sorted(b - a for x in stamps for a, b in zip(x, x[1:]) if b > t_end)
+            assert gaps and len(base) >= 20, (len(gaps), len(base), "decode_tokens too few")
+            q = lambda v, f: v[min(len(v) - 1, int(f * len(v)))]  # noqa: E731
+            res[mode].append((q(gaps, 0.5), q(gaps, 0.99), len(gaps), q(base, 0.5), q(base, 0.99)))
+            print(f"run {run} {mode}: ITL while the load and the saves run: p50 {1e3 * q(gaps, 0.5):.1f} ms "
+                  f"p99 {1e3 * q(gaps, 0.99):.1f} ms ({len(gaps)} gaps, {t_end - t_send:.2f} s); after them: "
+                  f"p50 {1e3 * q(base, 0.5):.1f} ms p99 {1e3 * q(base, 0.99):.1f} ms", flush=True)
+            s.stop()
+    dp, rp = med(x[1] for x in res["disk"]), med(x[1] for x in res["ram"])
+    print(f"itl {model} {tokens}-token prompt loaded beside two decoding streams, medians of {runs}: p99 with the disk "
+          f"tier's load and saves {1e3 * dp:.1f} ms, the same traffic without the tier (a RAM hit) {1e3 * rp:.1f} ms: "
+          f"{dp / rp:.2f}x; p50 {1e3 * med(x[0] for x in res['disk']):.1f} against "
+          f"{1e3 * med(x[0] for x in res['ram']):.1f} ms")
+
+
 if __name__ == "__main__":
     what = sys.argv[2]
     if what == "ttft":
         ttft(sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6])
+    elif what == "itl":
+        itl(sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6], *map(int, sys.argv[7:8]))
     else:
-        replay(sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6], int(sys.argv[7]))
+        replay(sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6], int(sys.argv[7]), *map(int, sys.argv[8:10]))
