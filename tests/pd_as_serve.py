@@ -4,9 +4,9 @@ as if they were one `k3 serve`, so a suite written for the server runs against t
 
 Usage: tests/pd_as_serve.py serve -m MODEL [k3 serve options]   (in place of `build/k3`)
 The k3 binary is $K3_BIN (default build/k3). HTTP options (--port, --host, --api-key, CORS, the
-deadlines and caps, --shutdown-timeout, --max-body-bytes, --metrics-require-key) go to the proxy;
+deadlines and caps, --max-body-bytes, --metrics-require-key) go to the proxy;
 the engine's (--threads, --max-num-seqs, ...) to both instances, the test hooks (--test-fail-*) to
-the decode instance, which generates; --api-key to all three. Only the proxy's log lines are
+the decode instance, which generates; --api-key and --shutdown-timeout to all three. Only the proxy's log lines are
 printed as they are (so its "listening on" line is the one a harness reads); the instances' lines
 after their start come with a "[prefill] " / "[decode] " prefix. A signal goes to the proxy; when
 it exits, the instances are stopped and this exits with its status. An instance that exits on its
@@ -28,7 +28,7 @@ import time
 K3 = os.environ.get("K3_BIN", "build/k3")
 PROXY_OPTS = {"--port", "--host", "--api-key", "--allowed-origins", "--allowed-methods", "--allowed-headers",
               "--header-timeout", "--body-timeout", "--timeout", "--max-connections", "--max-connections-per-ip",
-              "--shutdown-timeout", "--max-body-bytes"}
+              "--max-body-bytes"}
 PROXY_FLAGS = {"--metrics-require-key"}
 DECODE_ONLY = {"--test-fail-step", "--test-fail-request"}
 
@@ -87,7 +87,7 @@ def main():
         if a == "-m":
             model = v
             i += 2
-        elif a == "--api-key":
+        elif a in ("--api-key", "--shutdown-timeout"):  # the instances drain within the same grace
             proxy += [a, v]
             both += [a, v]
             i += 2

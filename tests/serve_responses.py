@@ -91,11 +91,20 @@ def main():
         assert types[:2] == ["response.created", "response.in_progress"], types
         assert types[-1] == "response.incomplete", types
         assert events[0].response.status == "in_progress" and events[0].response.output == []
-        # every item is added, then its deltas, then done; the SDK's own state accumulates them
+        # every item is added, then its deltas, then done: the SDK's own state machine takes them all
+        # (it asserts each delta's item and part), and the items done are the whole answer's
         st = ResponseStreamState(input_tools=openai.omit, text_format=openai.omit)
         for e in events:
             st.handle_event(e)
-        done_items = [st._completed_output[i] for i in sorted(st._completed_output)]
+        done_items = [e.item for e in events if e.type == "response.output_item.done"]
+        # and each part's text is its deltas in order
+        acc = {}
+        for e in events:
+            if e.type in ("response.output_text.delta", "response.reasoning_text.delta"):
+                acc[e.output_index, e.content_index] = acc.get((e.output_index, e.content_index), "") + e.delta
+        for (oi, ci), text in acc.items():
+            assert done_items[oi].content[ci].text == text, (oi, ci, text, done_items[oi])
+        assert acc, types
         assert masked({"output": [it.model_dump(mode="json") for it in done_items]}) == \
             masked({"output": [it.model_dump(mode="json") for it in whole.output]}), (done_items, whole.output)
         final = events[-1].response
@@ -259,7 +268,7 @@ def main():
             s2.stop()
 
     for name, fn in [("create equals chat (prompt, reasoning, usage)", t_create_equals_chat),
-                     ("stream: events in order, the SDK state equals the whole answer", t_stream_events),
+                     ("stream: events in order, the SDK takes them, deltas make the items done, which are the whole answer", t_stream_events),
                      ("input items and instructions are chat's prompt", t_items_and_instructions),
                      ("function tools, function_call and function_call_output items", t_function_tools),
                      ("store: retrieve, previous_response_id, store=false, delete", t_store_and_previous),

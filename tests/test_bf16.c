@@ -53,7 +53,7 @@ static k3_mat mx4_mat(int64_t rows, int64_t cols, int emin, int espan) {
         s[i] = (uint8_t)(emin + (int)(rnd() % (uint32_t)espan));
         if (i % 9 == 4) {
             memset(d + 16 * i, i % 2 ? 0x88 : 0, 16); /* +-0 codes */
-            s[i] = (uint8_t)(i % 4 ? 0 : 254);       /* a scale the codes never meet */
+            s[i] = (uint8_t)(i % 4 ? 0 : 254);        /* a scale the codes never meet */
         }
     }
     return (k3_mat){.type = K3_W_MXFP4, .rows = rows, .cols = cols, .data = d, .scale = s, .bf16 = true};
@@ -417,8 +417,8 @@ K3_TEST(bf16_moe_grouped_equals_one_by_one) {
         for (int unit = 1; unit >= 0; unit--) {
             if (!(unit ? k3_set_isa("amx", NULL) == K3_OK : k3_kernels_force_amx_emulated())) continue;
             memset(y2, 0, sizeof(float) * (size_t)(T * K * Dl));
-            const bool did = k3_moe_experts(pool, gate, up, down, eact, na, row0, rows, K, z, Dl, y2, Dl,
-                                            K3_GLU_SWIGLU, 0, 0);
+            const bool did =
+                k3_moe_experts(pool, gate, up, down, eact, na, row0, rows, K, z, Dl, y2, Dl, K3_GLU_SWIGLU, 0, 0);
             CHECKF(did, "variant %d: the amx table did not group the experts", variant);
             CHECKF(!memcmp(y1, y2, sizeof(float) * (size_t)(T * K * Dl)), "variant %d (%s): grouped experts differ",
                    variant, unit ? "unit" : "emulated");

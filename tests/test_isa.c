@@ -67,8 +67,7 @@ K3_TEST(isa_set_names) {
         CHECK(!k3_kernels_avxvnni());
     }
     if (k3_kernels_have(K3_ISA_AVX512)) {
-        CHECK(k3_set_isa("avx512-nobf16", &err) == K3_OK && !strcmp(k3_isa_current(), "avx512") &&
-              !k3_kernels_bf16());
+        CHECK(k3_set_isa("avx512-nobf16", &err) == K3_OK && !strcmp(k3_isa_current(), "avx512") && !k3_kernels_bf16());
         if (k3_set_isa("avx512-bf16", &err) == K3_OK) {
             CHECK(!strcmp(k3_isa_current(), "avx512-bf16") && k3_kernels_bf16());
             CHECK(k3_set_isa("avx512", &err) == K3_OK && !strcmp(k3_isa_current(), "avx512-bf16"));

@@ -478,9 +478,10 @@ static void check_table(const k3_kernel_ops *o) {
     for (int t = 0; t < K3_W_COUNT; t++) {
         const k3_wtype_traits *ti = k3_wtype_info((k3_wtype)t);
         CHECKF(!(ti->acts & K3_ACTS_F32) || o->mm[t].rows, "table %s: no fp32 kernel for %s", o->name, ti->name);
-        CHECKF(!(ti->acts & K3_ACTS_8BIT) || o->q[t].rows || o->q[t].call, "table %s: no 8-bit kernel for %s", o->name, ti->name);
-        CHECKF(!(ti->acts & K3_ACTS_BF16) || o->bf[t].rows || o->bf[t].call, "table %s: no BF16 kernel for %s",
-               o->name, ti->name);
+        CHECKF(!(ti->acts & K3_ACTS_8BIT) || o->q[t].rows || o->q[t].call, "table %s: no 8-bit kernel for %s", o->name,
+               ti->name);
+        CHECKF(!(ti->acts & K3_ACTS_BF16) || o->bf[t].rows || o->bf[t].call, "table %s: no BF16 kernel for %s", o->name,
+               ti->name);
         CHECKF(o->base || (!o->mm[t].fits && !o->q[t].fits && !o->bf[t].fits), "table %s: fits() without a base",
                o->name);
     }

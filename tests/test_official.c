@@ -88,8 +88,7 @@ typedef struct result {
 
 /* Logits of every position in one forward pass (kept in *keep when keep is
  * not NULL), and the greedy continuation decoded token by token. */
-static bool run_mode_keep(const char *dir, const char *quant, k3_kv_type kv, const golden *g, result *r,
-                          float **keep) {
+static bool run_mode_keep(const char *dir, const char *quant, k3_kv_type kv, const golden *g, result *r, float **keep) {
     k3_model *m = NULL;
     k3_ctx *ctx = NULL;
     k3_error err = {0};
@@ -209,7 +208,8 @@ static void check_variant_amx(const char *name) {
         }
         if (!strcmp(k3_isa_current(), "amx") && run_mode_keep(dir, K3_DEFAULT_QUANT, kv, &g, &ra, &la) && lv && la) {
             const bool same = !memcmp(lv, la, sizeof(float) * (size_t)(g.n * g.vocab));
-            printf("    %s, default mode on %s (%s) vs official fp32: rel-L2 %.3g, top-1 %d/%d, greedy %d/%d; logits %s "
+            printf("    %s, default mode on %s (%s) vs official fp32: rel-L2 %.3g, top-1 %d/%d, greedy %d/%d; logits "
+                   "%s "
                    "avx512-bf16's\n",
                    name, k3_isa_current(), k3_amx_backend(), ra.rel_l2, ra.top1, g.n, ra.greedy_ok, g.n_greedy,
                    same ? "=" : "!=");

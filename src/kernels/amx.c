@@ -455,8 +455,8 @@ void k3_amx_moe_bf(k3_pool *pool, const k3_mat *gate, const k3_mat *up, const k3
     const int64_t nbx = (hidden + 31) / 32, nbh = (inter + 31) / 32;
     const size_t xbytes = (size_t)(ntt * nbx) * 1024, hbytes = (size_t)(ntt * nbh) * 1024;
     uint8_t *xa = k3_scratch(K3_SCRATCH_AMX_X, xbytes);
-    uint8_t *ha = k3_scratch(K3_SCRATCH_AMX_H, hbytes + sizeof(int64_t) * (size_t)(2 * na + 2) +
-                                                   sizeof(float *) * (size_t)nrows);
+    uint8_t *ha =
+        k3_scratch(K3_SCRATCH_AMX_H, hbytes + sizeof(int64_t) * (size_t)(2 * na + 2) + sizeof(float *) * (size_t)nrows);
     int64_t *tile0 = (int64_t *)(ha + hbytes), *item0 = tile0 + na + 1;
     float **yr = (float **)(item0 + na + 1);
     tile0[0] = 0;
@@ -466,8 +466,8 @@ void k3_amx_moe_bf(k3_pool *pool, const k3_mat *gate, const k3_mat *up, const k3
         for (int32_t r = row0[e]; r < row0[e + 1]; r++) yr[r] = y + (int64_t)rows[r] * ldy;
     }
     if (inter % 32) memset(ha, 0, hbytes); /* the last block's columns no strip writes */
-    moe_bf_job j = {k,   gate, up,  down, eact, row0, rows, na,   K,  z,  ldz, yr,
-                    xa,  ha,   tile0, item0, nbx, nbh,  kind, b1, b2, 0};
+    moe_bf_job j = {k,  gate, up, down,  eact,  row0, rows, na,   K,  z,  ldz,
+                    yr, xa,   ha, tile0, item0, nbx,  nbh,  kind, b1, b2, 0};
     for (j.phase = 0; j.phase < 3; j.phase++) {
         item0[0] = 0;
         for (int32_t a = 0; a < na; a++) {

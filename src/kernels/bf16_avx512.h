@@ -26,8 +26,8 @@
 K3B_INLINE __m512i k3b_round_hi(__m512i u) {
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                  _mm512_set1_epi32(0x7f800000));
+    const __mmask16 nan =
+        _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
     return _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x00400000));
 }
 
@@ -61,9 +61,9 @@ K3B_INLINE __m512i k3b_idx_eo(void) {
  * zero adds nothing to a sum that starts at +0. */
 K3B_INLINE __m512i k3b_e2m1_table(void) {
     return _mm512_set_epi16((short)0xC0C0, (short)0xC080, (short)0xC040, (short)0xC000, (short)0xBFC0, (short)0xBF80,
-                            (short)0xBF00, 0, 0x40C0, 0x4080, 0x4040, 0x4000, 0x3FC0, 0x3F80, 0x3F00, 0,
-                            (short)0xC0C0, (short)0xC080, (short)0xC040, (short)0xC000, (short)0xBFC0, (short)0xBF80,
-                            (short)0xBF00, 0, 0x40C0, 0x4080, 0x4040, 0x4000, 0x3FC0, 0x3F80, 0x3F00, 0);
+                            (short)0xBF00, 0, 0x40C0, 0x4080, 0x4040, 0x4000, 0x3FC0, 0x3F80, 0x3F00, 0, (short)0xC0C0,
+                            (short)0xC080, (short)0xC040, (short)0xC000, (short)0xBFC0, (short)0xBF80, (short)0xBF00, 0,
+                            0x40C0, 0x4080, 0x4040, 0x4000, 0x3FC0, 0x3F80, 0x3F00, 0);
 }
 
 /* E8M0 scales as what their power of two does to a BF16's bits, in both

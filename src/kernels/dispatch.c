@@ -307,9 +307,14 @@ k3_status k3_set_isa(const char *name, k3_error *err) {
         k3_isa isa;
         int ext;
     } names[] = {
-        {"ref", K3_ISA_REF, 0},          {"avx2", K3_ISA_AVX2, 1},          {"avx2-vnni", K3_ISA_AVX2, 2},
-        {"avx2-novnni", K3_ISA_AVX2, 0}, {"avx512", K3_ISA_AVX512, 1},      {"avx512-bf16", K3_ISA_AVX512, 2},
-        {"avx512-nobf16", K3_ISA_AVX512, 0}, {"amx", K3_ISA_AMX, 0},
+        {"ref", K3_ISA_REF, 0},
+        {"avx2", K3_ISA_AVX2, 1},
+        {"avx2-vnni", K3_ISA_AVX2, 2},
+        {"avx2-novnni", K3_ISA_AVX2, 0},
+        {"avx512", K3_ISA_AVX512, 1},
+        {"avx512-bf16", K3_ISA_AVX512, 2},
+        {"avx512-nobf16", K3_ISA_AVX512, 0},
+        {"amx", K3_ISA_AMX, 0},
     };
     if (!strcmp(name, "amx") && !g_have[K3_ISA_AMX]) {
         k3_error why = {0};

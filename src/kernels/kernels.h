@@ -18,14 +18,14 @@ typedef enum k3_wtype {
     K3_W_F32 = 0,
     K3_W_F16,
     K3_W_BF16,
-    K3_W_MXFP4,    /* compressed-tensors: packed [rows, cols/2] (low nibble = even
+    K3_W_MXFP4,     /* compressed-tensors: packed [rows, cols/2] (low nibble = even
                       column) + E8M0 scales [rows, cols/32] */
-    K3_W_Q8,       /* int8 [rows, cols] + fp32 scale per row (row_scale); made at load */
-    K3_W_MXFP8,    /* OCP MXFP8: E4M3 [rows, cols] + E8M0 scales [rows, cols/32]; made at load */
-    K3_W_MXFP4_R4, /* MXFP4 bytes and scales rearranged in tiles of 4 rows (k3_r4_byte,
+    K3_W_Q8,        /* int8 [rows, cols] + fp32 scale per row (row_scale); made at load */
+    K3_W_MXFP8,     /* OCP MXFP8: E4M3 [rows, cols] + E8M0 scales [rows, cols/32]; made at load */
+    K3_W_MXFP4_R4,  /* MXFP4 bytes and scales rearranged in tiles of 4 rows (k3_r4_byte,
                       k3_r4_scale) for the W4A8 tile kernels (AVX-512 VNNI, AVX2); made
                       at load (quant.h) */
-    K3_W_BF16_S16, /* BF16 in strips of 16 rows, pair-interleaved for the BF16 dot
+    K3_W_BF16_S16,  /* BF16 in strips of 16 rows, pair-interleaved for the BF16 dot
                       products (k3_s16_bf16_at); made at load from BF16 */
     K3_W_MXFP4_S16, /* MXFP4 codes and scales in the same strips (k3_s16_mx4_nib,
                        k3_s16_mx4_scale); made at load from MXFP4 */

@@ -135,7 +135,7 @@ INLINE void tile(const uint8_t *const *ws, const uint32_t *x, int64_t ldx, int n
 static void tile_any(int ms, int nt, const uint8_t *const *ws, const uint32_t *x, int64_t ldx, int nblk, float *y,
                      int64_t ldy, const __mmask16 *m, bool accum) {
 #define C(MS, NTK) \
-    case (MS) * 8 + (NTK): tile(ws, x, ldx, nblk, y, ldy, m, accum, MS, NTK); break;
+    case (MS)*8 + (NTK): tile(ws, x, ldx, nblk, y, ldy, m, accum, MS, NTK); break;
     /* clang-format off */
     switch (ms * 8 + nt) {
     C(1, 1) C(1, 2) C(1, 3) C(1, 4) C(2, 1) C(2, 2) C(2, 3) C(2, 4)
@@ -150,8 +150,8 @@ static void tile_any(int ms, int nt, const uint8_t *const *ws, const uint32_t *x
 /* Strip s of a strip type against NTK <= NT tokens (x: token 0's dwords,
  * tokens ldx apart): every block in address order with C in registers, an
  * MXFP4 block decoded in registers; y as tile's. */
-INLINE void stream_strip(const k3_mat *w, int64_t s, const uint32_t *x, int64_t ldx, float *y, int64_t ldy,
-                         __mmask16 m, const int NTK, const int MX) {
+INLINE void stream_strip(const k3_mat *w, int64_t s, const uint32_t *x, int64_t ldx, float *y, int64_t ldy, __mmask16 m,
+                         const int NTK, const int MX) {
     const int64_t nb = w->cols / 32;
     const __m512i tbl = k3b_e2m1_table();
     __m512 C[NT];
@@ -196,7 +196,7 @@ INLINE void stream_strip(const k3_mat *w, int64_t s, const uint32_t *x, int64_t 
 static void stream_any(int nt, bool mx, const k3_mat *w, int64_t s, const uint32_t *x, int64_t ldx, float *y,
                        int64_t ldy, __mmask16 m) {
 #define C(NTK, MX) \
-    case (NTK) * 2 + (MX): stream_strip(w, s, x, ldx, y, ldy, m, NTK, MX); break;
+    case (NTK)*2 + (MX): stream_strip(w, s, x, ldx, y, ldy, m, NTK, MX); break;
     /* clang-format off */
     switch (nt * 2 + mx) {
     C(1, 0) C(1, 1) C(2, 0) C(2, 1) C(3, 0) C(3, 1) C(4, 0) C(4, 1)

@@ -29,8 +29,8 @@ static double amx_int8(int64_t iters) { return k3_amx_peak_loop(true, iters); }
 static loop_fn *loop_of(k3_peak_kind kind) {
 #if defined(__x86_64__)
     __builtin_cpu_init();
-    const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl");
+    const bool avx512 =
+        __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
     switch (kind) {
     case K3_PEAK_FMA32:
         if (avx512) return k3_peak_fma32_avx512;

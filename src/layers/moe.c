@@ -50,7 +50,8 @@ static void expert_items(void *p, int64_t lo, int64_t hi, int ith) {
          * in whole tiles of its type (the BF16 strips: 16 rows) */
         const k3_mat *w = &j->L->sh_down;
         const int64_t u = k3_wtype_info(w->type)->tile_rows, nu = w->rows / u, q = a - j->na;
-        const int64_t r0 = nu * q / j->sh_parts * u, r1 = q + 1 == j->sh_parts ? w->rows : nu * (q + 1) / j->sh_parts * u;
+        const int64_t r0 = nu * q / j->sh_parts * u,
+                      r1 = q + 1 == j->sh_parts ? w->rows : nu * (q + 1) / j->sh_parts * u;
         const k3_mat rows = k3_mat_rows(w, r0, r1 - r0);
         k3_matmul(NULL, &rows, j->ctx->s.f1, 1, j->ctx->s.tmp + r0);
     }

@@ -1007,7 +1007,8 @@ k3_status k3_model_load_resident(k3_model *m, int64_t max_bytes, int64_t *copied
             k3_layer *L = &m->layers[i];
             k3_mat *mats[32];
             const int n = runtime_mats(c, L, mats);
-            for (int k = 0; k < n && !s; k++) s = copy_mat(m, mats[k], views_on_strips(c, L, mats[k]), dry, &bytes, err);
+            for (int k = 0; k < n && !s; k++)
+                s = copy_mat(m, mats[k], views_on_strips(c, L, mats[k]), dry, &bytes, err);
             if (!s) s = copy_mat(m, &L->router, true, dry, &bytes, err);
             for (int e = 0; L->moe && e < c->n_experts && !s; e++) {
                 s = copy_mat(m, &L->exp_gate[e], true, dry, &bytes, err);
@@ -1054,7 +1055,8 @@ void k3_model_prof_flops(const k3_model *m, int64_t tokens, double flops[K3_PROF
                 const double k = c->index_topk;
                 att = k * (k + 1) / 2 + (T - k) * k;
             }
-            if (L->kind == K3_LAYER_DSA) flops[K3_PROF_QLI] += 2.0 * c->index_n_heads * (double)c->index_head_dim * keys;
+            if (L->kind == K3_LAYER_DSA)
+                flops[K3_PROF_QLI] += 2.0 * c->index_n_heads * (double)c->index_head_dim * keys;
             flops[K3_PROF_QSFA] += 2.0 * H * (2 * kvl + rope) * att;
             flops[K3_PROF_MLA_OUT] += (2.0 * H * vd * kvl + mm2(&L->g_proj) + mm2(&L->o_proj)) * T;
         }
