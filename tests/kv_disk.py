@@ -246,7 +246,7 @@ def full_disk():
         os.rmdir(mnt)
         raise h.Skip(f"mount -t tmpfs failed: {r.stderr.strip()}")
     try:
-        ids = ids_of(200, 8)
+        ids = ids_of(600, 8)  # 37 blocks of 10 KB in one run file: more than the tmpfs holds
         d = os.path.join(mnt, "cache")
         a = serve(h.TINY, d)
         try:
