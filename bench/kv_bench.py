@@ -6,11 +6,12 @@
       cache first: fsync + POSIX_FADV_DONTNEED), and the directory's raw sequential read speed (a
       file of the cache's size, written, dropped, read with 1 MiB reads) beside the load's own rate
       (vllm:kv_offload_load_bytes_total / _time_total). Medians of RUNS.
-  python bench/kv_bench.py K3 itl MODEL TOKENS RUNS DIR [DECODE_TOKENS]
-      decode ITL p50 / p99 of two streaming requests (DECODE_TOKENS each, 300) in the window while a
-      TOKENS-token prompt loads from the disk tier (a restarted server) and a new 512-token prompt is
-      computed and saved, against the same traffic on a server without the tier where the prompt is a
-      RAM hit; also the ITL after the window. Alternated, medians of RUNS.
+  python bench/kv_bench.py K3 itl MODEL TOKENS RUNS DIR [CYCLES]
+      decode ITL of two streaming requests in the windows where a (TOKENS+1)-token prompt loads from
+      the disk tier (a restarted server) while another one's blocks and state are saved (CYCLES
+      times, 6), against the same traffic on a server without the tier where the prompt is a RAM
+      hit: p50 / p99 of the gaps that start in the windows, and of the gaps after them. Medians of
+      RUNS pairs, alternated.
   python bench/kv_bench.py K3 replay MODEL CONVS TURNS POLICY SEED [SYS_WORDS TOOL_WORDS]
       an agent replay over two instances of MODEL behind `k3 serve --role router --policy POLICY`:
       CONVS conversations of TURNS turns (a system prompt of SYS_WORDS words (600), each turn adds a
@@ -183,35 +184,43 @@ def replay(model, convs, turns, policy, seed, sys_words=600, tool_words=120):
     h.stop_all()
 
 
-def itl(model, tokens, runs, d, decode_tokens=300):
-    """decode ITL of two streams while another request's prompt loads from disk and a third's is
-    saved, against the same traffic on a server without the disk tier (the prompt a RAM hit)"""
+def itl(model, tokens, runs, d, cycles=6):
+    """decode ITL of two streams in the windows where a prompt loads from the disk tier and another
+    one's blocks and state are saved, against the same traffic without the tier (the prompt a RAM
+    hit). Each cycle: a new prompt Q computed (outside the window: its prefill stalls every stream
+    in both modes alike), then at once a prompt P sent (a disk load / a RAM hit at its end, one
+    token computed) while Q's save runs; the window ends when P is answered and no save is in
+    flight."""
     import http.client
     import threading
     vocab = json.load(open(os.path.join(model, "config.json")))
     vocab = vocab.get("text_config", vocab)["vocab_size"]
     rnd = random.Random(77)
     ids = lambda n: [rnd.randrange(16, vocab - 256) for _ in range(n)]  # noqa: E731
-    P = ids(tokens)
+    Ps = [ids(tokens + 1) for _ in range(cycles)]  # a block boundary right before the last token
     cd = os.path.join(d, "itl")
     s = serve(model, cd)
     name = h.get(s.url + "/v1/models").json()["data"][0]["id"]
-    timed(s, name, P)
-    s.stop()  # its saves finish: P is on disk
+    for P in Ps:
+        timed(s, name, P)
+    s.stop()  # its saves finish: every P is on disk
 
-    def stream(port, prompt, stamps):
-        body = {"model": name, "prompt": prompt, "max_tokens": decode_tokens, "temperature": 0,
-                "ignore_eos": True, "stream": True}
+    def stream(port, prompt, stamps, stop):
+        body = {"model": name, "prompt": prompt, "max_tokens": 4000, "temperature": 0, "ignore_eos": True,
+                "stream": True}
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1800)
         conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
         resp = conn.getresponse()
         for line in resp:
             if line.startswith(b"data: ") and b"[DONE]" not in line:
                 stamps.append(time.perf_counter())
-        conn.close()
+            if stop.is_set():
+                break
+        conn.close()  # the server cancels it
 
     res = {"disk": [], "ram": []}
     med = statistics.median
+    q = lambda v, f: v[min(len(v) - 1, int(f * len(v)))]  # noqa: E731
     for run in range(runs):
         for mode in ("disk", "ram"):
             if mode == "disk":
@@ -219,40 +228,42 @@ def itl(model, tokens, runs, d, decode_tokens=300):
                 s = serve(model, cd)
             else:
                 s = serve(model, None)
-                timed(s, name, P)  # P in the RAM prefix cache
-            Q = ids(512)
-            stamps = [[], []]
-            th = [threading.Thread(target=stream, args=(s.port, ids(64), stamps[k])) for k in range(2)]
+                for P in Ps:
+                    timed(s, name, P)  # in the RAM prefix cache
+            stamps, stop = [[], []], threading.Event()
+            th = [threading.Thread(target=stream, args=(s.port, ids(64), stamps[k], stop)) for k in range(2)]
             for t in th:
                 t.start()
             h.wait_until(lambda: min(len(x) for x in stamps) >= 10, 600, "the decoders")
-            saves0 = total(s, "k3:kv_disk_saves_total") if mode == "disk" else 0
-            t_send = time.perf_counter()
-            side = [threading.Thread(target=timed, args=(s, name, x)) for x in (P, Q)]
-            for t in side:
-                t.start()
-            for t in side:
-                t.join()
-            if mode == "disk":  # the saves of Q (and P's tail) done too
-                h.wait_until(lambda: total(s, "k3:kv_disk_saves_total") > saves0 and
-                             total(s, "k3:kv_disk_saves_in_flight") == 0, 600, "the saves")
-                assert total(s, "vllm:kv_offload_load_bytes_total") > 0, "no load from disk"
-            t_end = time.perf_counter()
+            win, hits = [], []
+            for P in Ps:
+                timed(s, name, ids(tokens + 1))  # Q: computed; with the tier its save starts as it ends
+                t0 = time.perf_counter()
+                _, c = timed(s, name, P)
+                hits.append(c)
+                if mode == "disk":
+                    h.wait_until(lambda: total(s, "k3:kv_disk_saves_in_flight") == 0, 600, "the saves", every=0.002)
+                win.append((t0, time.perf_counter()))
+            t_last = time.perf_counter()
+            h.wait_until(lambda: all(x[-1] > t_last for x in stamps), 600, "a token after the last window")
+            stop.set()
             for t in th:
                 t.join()
-            gaps = sorted(b - a for x in stamps for a, b in zip(x, x[1:]) if t_send <= b <= t_end)
-            base = sorted(b - a for x in stamps for a, b in zip(x, x[1:]) if b > t_end)
-            assert gaps and len(base) >= 20, (len(gaps), len(base), "decode_tokens too few")
-            q = lambda v, f: v[min(len(v) - 1, int(f * len(v)))]  # noqa: E731
-            res[mode].append((q(gaps, 0.5), q(gaps, 0.99), len(gaps), q(base, 0.5), q(base, 0.99)))
-            print(f"run {run} {mode}: ITL while the load and the saves run: p50 {1e3 * q(gaps, 0.5):.1f} ms "
-                  f"p99 {1e3 * q(gaps, 0.99):.1f} ms ({len(gaps)} gaps, {t_end - t_send:.2f} s); after them: "
-                  f"p50 {1e3 * q(base, 0.5):.1f} ms p99 {1e3 * q(base, 0.99):.1f} ms", flush=True)
+            loaded = total(s, "vllm:kv_offload_load_bytes_total")
+            assert (loaded > 0) == (mode == "disk"), (mode, loaded)
+            assert all(c == tokens for c in hits), (mode, hits)
+            gaps = sorted(b - a for x in stamps for a, b in zip(x, x[1:]) if any(w0 <= a <= w1 for w0, w1 in win))
+            quiet = sorted(b - a for x in stamps for a, b in zip(x, x[1:]) if b > t_last)
+            res[mode].append((q(gaps, 0.5), q(gaps, 0.99), len(gaps), q(quiet, 0.5), q(quiet, 0.99)))
+            print(f"run {run} {mode}: ITL of the gaps that start in the {cycles} windows: p50 {1e3 * q(gaps, 0.5):.1f} ms "
+                  f"p99 {1e3 * q(gaps, 0.99):.1f} ms ({len(gaps)} gaps, windows {1e3 * med(w1 - w0 for w0, w1 in win):.0f} ms "
+                  f"median); after the last: p50 {1e3 * q(quiet, 0.5):.1f} ms p99 {1e3 * q(quiet, 0.99):.1f} ms"
+                  f"{f'; loaded {loaded / 1e6:.1f} MB' if loaded else ''}", flush=True)
             s.stop()
     dp, rp = med(x[1] for x in res["disk"]), med(x[1] for x in res["ram"])
-    print(f"itl {model} {tokens}-token prompt loaded beside two decoding streams, medians of {runs}: p99 with the disk "
-          f"tier's load and saves {1e3 * dp:.1f} ms, the same traffic without the tier (a RAM hit) {1e3 * rp:.1f} ms: "
-          f"{dp / rp:.2f}x; p50 {1e3 * med(x[0] for x in res['disk']):.1f} against "
+    print(f"itl {model}: a {tokens + 1}-token prompt loaded and another saved beside two decoding streams, x {cycles}, "
+          f"medians of {runs}: the gaps' p99 {1e3 * dp:.1f} ms with the disk tier, {1e3 * rp:.1f} ms without it "
+          f"(RAM hits): {dp / rp:.2f}x; p50 {1e3 * med(x[0] for x in res['disk']):.1f} against "
           f"{1e3 * med(x[0] for x in res['ram']):.1f} ms")
 
 

@@ -6,8 +6,9 @@
 # ttft: TTFT of an 8k-token prompt on bench/bench cold, RAM hit, disk hit after a restart (pages
 #   dropped), the load's read rate against the directory's raw sequential read (RUNS=3, medians;
 #   TOKENS=8192, MODEL=bench/bench, DIR=a directory on the disk to measure, default $TMPDIR).
-# itl: decode ITL p50 / p99 of two streams while a prompt of ITL_TOKENS (2048) loads from disk and a
-#   new one is saved, against the same traffic without the disk tier (RUNS pairs, alternated).
+# itl: decode ITL p50 / p99 of two streams in the windows where a prompt of ITL_TOKENS+1 (513) loads
+#   from disk while another one is saved (CYCLES=6 windows), against the same traffic without the
+#   disk tier (RAM hits); RUNS pairs, alternated.
 # replay: 8 conversations x 10 turns (CONVS, TURNS), each round shuffled, over two instances of MODEL
 #   behind k3 serve --role router, cache_aware against round_robin: hit rate, TTFT p50 / p99
 #   (SYS_WORDS=600 words of system prompt, TOOL_WORDS=120 of tool output a turn; on models/k3-mini,
@@ -35,12 +36,14 @@ if [ "$what" = ttft ] || [ "$what" = all ]; then
     hold -u
 fi
 if [ "$what" = itl ] || [ "$what" = all ]; then
-    # one hold for the directory's first save, then one per pair of runs
-    hold -x
-    state "exclusive"
-    $PY bench/kv_bench.py "$K3" itl "$MODEL" "${ITL_TOKENS:-2048}" "$RUNS" "$DIR" ${DECODE_TOKENS:-300}
-    state "end"
-    hold -u
+    # RUNS pairs (with the tier, without), each in its own exclusive hold
+    for run in $(seq "$RUNS"); do
+        hold -x
+        state "exclusive"
+        $PY bench/kv_bench.py "$K3" itl "$MODEL" "${ITL_TOKENS:-512}" 1 "$DIR" ${CYCLES:-6}
+        state "end"
+        hold -u
+    done
 fi
 if [ "$what" = replay ] || [ "$what" = all ]; then
     # RUNS pairs, the two policies alternated, each run in its own exclusive hold
