@@ -198,7 +198,7 @@ def itl(model, tokens, runs, d, cycles=6):
     rnd = random.Random(77)
     ids = lambda n: [rnd.randrange(16, vocab - 256) for _ in range(n)]  # noqa: E731
     Ps = [ids(tokens + 1) for _ in range(cycles)]  # a block boundary right before the last token
-    cd = os.path.join(d, "itl")
+    cd = os.path.join(d, f"itl{os.getpid()}")  # a new directory: only the Ps are on disk
     s = serve(model, cd)
     name = h.get(s.url + "/v1/models").json()["data"][0]["id"]
     for P in Ps:
@@ -243,7 +243,10 @@ def itl(model, tokens, runs, d, cycles=6):
                 hits.append(c)
                 if mode == "disk":
                     h.wait_until(lambda: total(s, "k3:kv_disk_saves_in_flight") == 0, 600, "the saves", every=0.002)
-                win.append((t0, time.perf_counter()))
+                w1 = time.perf_counter()
+                win.append((t0, w1))
+                # the gaps that start in the window end before the next prompt's prefill
+                h.wait_until(lambda: all(x[-1] > w1 for x in stamps), 60, "a token after the window", every=0.002)
             t_last = time.perf_counter()
             h.wait_until(lambda: all(x[-1] > t_last for x in stamps), 600, "a token after the last window")
             stop.set()
