@@ -542,7 +542,6 @@ k3_status k3_disk_conn_open(k3_engine *e, k3_kv_connector **out, k3_error *err) 
                                .model_id = k3_model_identity(e->m),
                                .quant = e->o.quant_name ? e->o.quant_name : "none",
                                .fsync = e->o.kv_cache_fsync,
-                               .nice = 10,
                                .log = e->o.log,
                                .log_arg = e->o.log_arg,
                                .on_done = on_done,

@@ -82,9 +82,6 @@ typedef struct k3_kvs_options {
                               after a power loss; the checksums alone already
                               turn a lost write into a miss) */
     bool no_threads;    /* tests: jobs run inside k3_kvs_poll / k3_kvs_wait */
-    int32_t nice;       /* the reader's and writer's nice value above the process's
-                              (0 = the same): with every core computing, their copies and
-                              checksums yield to the token loop's threads */
     /* A line about a miss, a failed save or an eviction (any thread; NULL =
      * none). The library never prints: the program decides. */
     void (*log)(void *arg, const char *line);

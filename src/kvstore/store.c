@@ -13,7 +13,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
-#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
@@ -1003,8 +1002,6 @@ static void *worker(void *arg) {
     k3_kvs *s = wa->s;
     const int t = wa->t;
     free(wa);
-    if (s->o.nice > 0) /* this thread only (Linux: a thread's own nice value); best effort */
-        setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), getpriority(PRIO_PROCESS, 0) + s->o.nice);
     pthread_mutex_lock(&s->mu);
     for (;;) {
         job *j = take(s, t);
