@@ -6,7 +6,11 @@
  * DONTNEED on the directory's files), beside a plain sequential read of a
  * file of the same size in the same directory with 1 MiB read() calls (the
  * directory's raw speed, as dd bs=1M reads it). Prints the medians of RUNS.
- *   build/kvsbench MODEL DIR [f32|c8] [TOKENS] [RUNS]
+ * With `fresh` the loads go into memory never touched before (a new
+ * context's blocks and a new state buffer each time), as in a server that
+ * just started: the page faults and the kernel's zeroing of each page are
+ * part of the load then.
+ *   build/kvsbench MODEL DIR [f32|c8] [TOKENS] [RUNS] [fresh]
  */
 #include <dirent.h>
 #include <fcntl.h>
@@ -74,6 +78,7 @@ int main(int argc, char **argv) {
     const k3_kv_type kv = argc > 3 && !strcmp(argv[3], "f32") ? K3_KV_F32 : K3_KV_C8;
     const int64_t tokens = argc > 4 ? atoll(argv[4]) : 32768;
     const int runs = argc > 5 ? atoi(argv[5]) : 5;
+    const bool fresh = argc > 6 && !strcmp(argv[6], "fresh");
     const int32_t bs = 64, nb = (int32_t)(tokens / bs);
     k3_error err = {0};
     k3_model *m = NULL;
@@ -129,17 +134,33 @@ int main(int argc, char **argv) {
                 drop_pages(dir, "runs");
                 drop_pages(dir, "snaps");
             }
+            k3_kvs *ls = s;
+            k3_ctx *lctx = NULL;
+            char *lback = back;
+            if (fresh) { /* a store over a new context: its blocks' pages untouched */
+                k3_kvs_options lo = so;
+                if (k3_ctx_init_pool(&lctx, m, &o, nb, tokens, &err) || !(lo.ctx = lctx, lback = malloc((size_t)sb)) ||
+                    k3_kvs_open(&ls, &lo, &err)) {
+                    fprintf(stderr, "kvsbench: %s\n", err.msg);
+                    return 1;
+                }
+            }
             k3_kvs_hit *hit = NULL;
             t0 = k3_now();
             uint64_t t3;
             k3_kvs_done d3;
-            if (k3_kvs_lookup(s, &seq, 0, tokens - 1, &hit, &err) || !hit ||
-                k3_kvs_load(s, hit, blocks, back, &t3, &err) || k3_kvs_wait(s, t3, &d3, &err) || d3.status) {
+            if (k3_kvs_lookup(ls, &seq, 0, tokens - 1, &hit, &err) || !hit ||
+                k3_kvs_load(ls, hit, blocks, lback, &t3, &err) || k3_kvs_wait(ls, t3, &d3, &err) || d3.status) {
                 fprintf(stderr, "kvsbench: load: %s %s\n", err.msg, d3.why);
                 return 1;
             }
             const double tr = k3_now() - t0;
             (pass ? rw : rc)[run] = (double)d3.bytes / tr / 1e9;
+            if (fresh) {
+                k3_kvs_close(ls);
+                k3_ctx_free(lctx);
+                free(lback);
+            }
         }
         /* the raw sequential read of a file of the same size beside it */
         char raw[4096];
@@ -162,8 +183,9 @@ int main(int argc, char **argv) {
     const double mwr = median(wr, n), mrc = median(rc, n), mrw = median(rw, n), mdc = median(dc, n),
                  mdw = median(dw, n);
     printf("kvsbench: %s kv %s, %lld tokens (%d blocks of %d), %.1f MB per save (runs + one %.1f MB snapshot), "
-           "medians of %d\n",
-           argv[1], kv == K3_KV_C8 ? "c8" : "f32", (long long)tokens, nb, bs, (double)bytes / 1e6, (double)sb / 1e6, n);
+           "medians of %d%s\n",
+           argv[1], kv == K3_KV_C8 ? "c8" : "f32", (long long)tokens, nb, bs, (double)bytes / 1e6, (double)sb / 1e6, n,
+           fresh ? ", loads into untouched memory" : "");
     printf("  save (write, published)        %6.2f GB/s\n", mwr);
     printf("  load cold (pages dropped)      %6.2f GB/s   raw sequential read cold  %6.2f GB/s   ratio %.2f\n", mrc,
            mdc, mrc / mdc);

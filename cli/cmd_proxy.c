@@ -1,7 +1,10 @@
 /*
  * cmd_proxy.c -- `k3 serve --role proxy --prefill URL[,URL...] --decode
  * URL[,URL...]`: the one OpenAI endpoint in front of prefill and decode
- * instances (k3_proxy of k3.h, src/pd/proxy.c). No model: it only routes.
+ * instances (k3_proxy of k3.h, src/pd/proxy.c); `k3 serve --role router
+ * --backend URL[,URL...]`: the same endpoint in front of colocated
+ * instances, each request whole to one by prefix affinity and load
+ * (src/router). No model: it only routes.
  * It drains on SIGINT / SIGTERM as `k3 serve` does: new requests are
  * refused, those running finish within --shutdown-timeout, the rest get
  * their API's error ending; a second signal cuts at once.
@@ -47,7 +50,21 @@ static int usage(FILE *f) {
             "Each generation request goes to the least loaded prefill instance (one token, kept for a decode\n"
             "instance), then with its kv_transfer_params to the least loaded decode instance, whose answer or\n"
             "stream the client gets. Other routes go to a decode instance. /health answers 200 while a prefill\n"
-            "and a decode instance answer theirs. docs/pd.md.\n");
+            "and a decode instance answer theirs. docs/pd.md.\n"
+            "\n"
+            "usage: k3 serve --role router --backend URL[,URL...] [options]\n"
+            "  --backend URLS     colocated instances (k3 serve), http://HOST:PORT, comma-separated or repeated\n"
+            "  --policy P         cache_aware (default): the instance the longest prefix of the prompt's text\n"
+            "                     was sent to, balanced by load; round_robin: in turn\n"
+            "  --cache-threshold F  affinity wins when the match covers more than F of the prompt (default\n"
+            "                     0.5); else the instance with the least cached takes a new prefix\n"
+            "  --balance-abs N, --balance-rel F  out of balance when the busiest has more than N requests\n"
+            "                     more than the idlest and more than F times as many (default 32, 1.5): the\n"
+            "                     least loaded takes the request\n"
+            "  --router-block-bytes N  bytes of the prompt's text per node of the router's tree (default 64)\n"
+            "  and the options above (no transfer secret). A backend that fails 3 requests in a row or whose\n"
+            "  /health does not answer is skipped (its tree forgotten) and used again when /health answers;\n"
+            "  /health answers 200 while a backend does. docs/kvstore.md.\n");
     return f == stdout ? 0 : 2;
 }
 
@@ -72,7 +89,11 @@ static int wait_in_flight(k3_proxy *p, double s, int signals) {
 int k3_cmd_serve_proxy(int argc, char **argv) {
     const char *host = "127.0.0.1", *api_key = NULL, *secret_file = NULL;
     const char *origins = NULL, *methods = NULL, *headers = NULL;
-    char *pre = NULL, *dec = NULL;
+    char *pre = NULL, *dec = NULL, *role = NULL;
+    const char *policy = "cache_aware";
+    char bk[4096] = "";
+    long block = 0, bal_abs = 0;
+    float threshold = 0, bal_rel = 0;
     long port = 8000, max_body = 0, max_conn = 0, max_conn_ip = 0, header_t = 0, body_t = 0, idle_t = 0, grace = 5;
     bool metrics_key = false;
     float timeout = 0;
@@ -80,8 +101,25 @@ int k3_cmd_serve_proxy(int argc, char **argv) {
         const char *a = argv[i];
         const int has = i + 1 < argc;
 #define ARG(s) (!strcmp(a, s) && has)
-        if (ARG("--role")) i++;
-        else if (ARG("--prefill")) pre = argv[++i];
+        if (ARG("--role")) role = argv[++i];
+        else if (ARG("--backend")) {
+            const char *u = argv[++i];
+            if (strlen(bk) + strlen(u) + 2 > sizeof bk) {
+                fprintf(stderr, "k3 serve --role router: the --backend list is too long\n");
+                return 2;
+            }
+            if (bk[0]) strcat(bk, ",");
+            strcat(bk, u);
+        } else if (ARG("--policy")) policy = argv[++i];
+        else if (ARG("--router-block-bytes")) {
+            if (k3_cli_long("serve", "--router-block-bytes", argv[++i], 1, 1 << 20, &block)) return 2;
+        } else if (ARG("--balance-abs")) {
+            if (k3_cli_long("serve", "--balance-abs", argv[++i], 1, 1 << 20, &bal_abs)) return 2;
+        } else if (ARG("--cache-threshold")) {
+            if (k3_cli_float("serve", "--cache-threshold", argv[++i], 0.001, 1.0, &threshold)) return 2;
+        } else if (ARG("--balance-rel")) {
+            if (k3_cli_float("serve", "--balance-rel", argv[++i], 1.0, 1e6, &bal_rel)) return 2;
+        } else if (ARG("--prefill")) pre = argv[++i];
         else if (ARG("--decode")) dec = argv[++i];
         else if (ARG("--host")) host = argv[++i];
         else if (ARG("--api-key")) api_key = argv[++i];
@@ -111,28 +149,53 @@ int k3_cmd_serve_proxy(int argc, char **argv) {
         } else if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
             return usage(stdout);
         } else {
-            fprintf(stderr, "k3 serve --role proxy: unknown option or missing value: %s\n", a);
+            fprintf(stderr, "k3 serve --role %s: unknown option or missing value: %s\n", role ? role : "proxy", a);
             return usage(stderr);
         }
 #undef ARG
     }
-    if (!pre || !dec) {
-        fprintf(stderr, "k3 serve --role proxy: --prefill and --decode are required\n");
-        return usage(stderr);
+    const bool router = role && !strcmp(role, "router");
+    const char *who = router ? "k3 serve --role router" : "k3 serve --role proxy";
+    int pol = 0;
+    if (router) {
+        if (pre || dec) {
+            fprintf(stderr, "%s: --prefill and --decode are the proxy's (--role proxy); a router takes --backend\n",
+                    who);
+            return usage(stderr);
+        }
+        if (!bk[0]) {
+            fprintf(stderr, "%s: --backend is required\n", who);
+            return usage(stderr);
+        }
+        if (!strcmp(policy, "round_robin")) pol = 1;
+        else if (strcmp(policy, "cache_aware")) {
+            fprintf(stderr, "%s: --policy must be cache_aware or round_robin, not '%s'\n", who, policy);
+            return 2;
+        }
+    } else {
+        if (bk[0]) {
+            fprintf(stderr, "%s: --backend is the router's (--role router)\n", who);
+            return usage(stderr);
+        }
+        if (!pre || !dec) {
+            fprintf(stderr, "%s: --prefill and --decode are required\n", who);
+            return usage(stderr);
+        }
     }
     if (!api_key) api_key = getenv("K3_API_KEY");
     if (api_key && !*api_key) {
         /* a launcher passing an unset variable must not leave the proxy open */
         fprintf(stderr,
-                "k3 serve --role proxy: the API key is empty (--api-key \"\" or K3_API_KEY=): give a key, or "
-                "leave it out to serve without one\n");
+                "%s: the API key is empty (--api-key \"\" or K3_API_KEY=): give a key, or leave it out to serve "
+                "without one\n",
+                who);
         return 2;
     }
     char *secret = NULL;
     size_t secret_len = 0;
-    if (k3_cli_transfer_secret("serve --role proxy", secret_file, &secret, &secret_len)) return 2;
-    const char *pu[32], *du[32];
-    const int np = split(pre, pu, 32), nd = split(dec, du, 32);
+    if (!router && k3_cli_transfer_secret("serve --role proxy", secret_file, &secret, &secret_len)) return 2;
+    const char *pu[32], *du[32], *bu[64];
+    const int np = pre ? split(pre, pu, 32) : 0, nd = dec ? split(dec, du, 32) : 0, nb = split(bk, bu, 64);
     k3_proxy_options o = {.host = host,
                           .port = (int)port,
                           .prefill = pu,
@@ -152,7 +215,14 @@ int k3_cmd_serve_proxy(int argc, char **argv) {
                           .allowed_methods = methods,
                           .allowed_headers = headers,
                           .secret = secret,
-                          .secret_len = secret_len};
+                          .secret_len = secret_len,
+                          .backends = bu,
+                          .n_backends = router ? nb : 0,
+                          .router_policy = pol,
+                          .router_block_bytes = (int)block,
+                          .router_cache_threshold = threshold,
+                          .router_balance_abs = (int)bal_abs,
+                          .router_balance_rel = bal_rel};
     k3_error err = {0};
     k3_proxy *p = NULL;
     struct sigaction sa;
@@ -162,13 +232,14 @@ int k3_cmd_serve_proxy(int argc, char **argv) {
     sigaction(SIGTERM, &sa, NULL);
     signal(SIGPIPE, SIG_IGN);
     const k3_status st = k3_proxy_start(&p, &o, &err);
-    memset(secret, 0, secret_len);
+    if (secret) memset(secret, 0, secret_len);
     free(secret);
     if (st) {
-        fprintf(stderr, "k3 serve --role proxy: %s\n", err.msg);
+        fprintf(stderr, "%s: %s\n", who, err.msg);
         return 1;
     }
-    fprintf(stderr, "k3 serve: role proxy, %d prefill and %d decode instances\n", np, nd);
+    if (router) fprintf(stderr, "k3 serve: role router, %d backends, policy %s\n", nb, policy);
+    else fprintf(stderr, "k3 serve: role proxy, %d prefill and %d decode instances\n", np, nd);
     fprintf(stderr, "k3 serve: auth %s; CORS: %s; /metrics %s\n",
             api_key ? "on (Authorization: Bearer KEY or x-api-key: KEY)" : "off (no --api-key: every route is open)",
             origins && *origins ? origins : "the proxy's own origin only",

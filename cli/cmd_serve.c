@@ -7,6 +7,7 @@
  * the engine failed).
  */
 #include <errno.h>
+#include <limits.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -102,6 +103,18 @@ static int usage_serve(FILE *f) {
             "                               than S (default: --dist-timeout, 300)\n"
             "  --no-ui                      no chat page at / (by default / serves one that talks to\n"
             "                               /v1/chat/completions)\n"
+            "  --kv-cache-dir DIR           the prefix cache's disk tier (docs/kvstore.md): cache blocks and KDA\n"
+            "                               snapshots saved behind the engine into DIR, loaded back before a request\n"
+            "                               is scheduled; it survives restarts and instances of a host share it\n"
+            "  --kv-cache-disk-bytes N      its budget, an LRU over the directory (default 64G; K, M, G, T suffixes)\n"
+            "  --kv-cache-fsync             fsync each file before publishing it (durable after a power loss)\n"
+            "  --prefix-cache-per-key       the prefix cache (RAM and disk) is salted by the API key a request\n"
+            "                               presents: one key never hits (nor times) another's prompts; a request's\n"
+            "                               \"cache_salt\" (vLLM's field) salts it too\n"
+            "  --kv-events-endpoint EP      publish vLLM's KV events (BlockStored / BlockRemoved / AllBlocksCleared,\n"
+            "                               msgpack over ZeroMQ PUB: tcp://*:5557, ipc://PATH); the disk tier's carry\n"
+            "                               medium DISK; --kv-events-replay-endpoint EP (a ROUTER for replays),\n"
+            "                               --kv-events-topic T\n"
             "  --kv-cache-metrics           the sampled block residency histograms in /metrics (vLLM's\n"
             "                               vllm:kv_block_lifetime_seconds, _idle_before_evict_, _reuse_gap_)\n"
             "  --kv-cache-metrics-sample F  the fraction of blocks followed (default 0.01)\n"
@@ -115,7 +128,9 @@ static int usage_serve(FILE *f) {
             "                               finished prompt's cache for a decode instance to pull; a decode\n"
             "                               instance pulls it; `--role proxy --prefill URL[,URL...] --decode\n"
             "                               URL[,URL...]` is the one endpoint in front of them (k3 serve --role\n"
-            "                               proxy --help)\n"
+            "                               proxy --help); `--role router --backend URL[,URL...]` spreads\n"
+            "                               requests over colocated instances by prefix affinity (k3 serve\n"
+            "                               --role router --help; docs/kvstore.md)\n"
             "  --kv-transfer-port N         the transfer listener's port (prefill; default 0 = any free port); it\n"
             "                               binds on --host; --kv-transfer-advertise ADDR: the address decode\n"
             "                               instances are told (default: --host)\n"
@@ -136,6 +151,30 @@ static int usage_serve(FILE *f) {
             "\"num_speculative_tokens\"}):\n" K3_CLI_SPEC_HELP,
             K3_DEFAULT_QUANT, K3_DEFAULT_KV);
     return f == stdout ? 0 : 2;
+}
+
+/* A byte count with an optional K, M, G or T (powers of 1024). */
+static long long parse_bytes(const char *s, int *bad) {
+    char *end;
+    errno = 0;
+    const long long v = strtoll(s, &end, 10);
+    int shift = 0;
+    if (*end == 'K' || *end == 'k') shift = 10;
+    else if (*end == 'M' || *end == 'm') shift = 20;
+    else if (*end == 'G' || *end == 'g') shift = 30;
+    else if (*end == 'T' || *end == 't') shift = 40;
+    if (shift) end++;
+    if (end == s || *end || errno || v <= 0 || v > (LLONG_MAX >> shift)) {
+        *bad = 1;
+        return 0;
+    }
+    return v << shift;
+}
+
+/* The disk tier's lines (a miss and why, a failed save, an eviction). */
+static void disk_log(void *arg, const char *line) {
+    (void)arg;
+    fprintf(stderr, "k3 serve: %s\n", line);
 }
 
 static long parse_long(const char *s, int *bad) {
@@ -194,8 +233,12 @@ int k3_cmd_serve(int argc, char **argv) {
     const char *kv_transport = NULL, *ucx_tls = NULL;
     long kv_port = 0;
     float kv_hold_timeout = 0, kv_timeout = 0;
+    const char *kv_dir = NULL, *ev_endpoint = NULL, *ev_replay = NULL, *ev_topic = NULL;
+    long long kv_disk_bytes = 0;
+    bool kv_fsync = false, per_key = false;
     for (int i = 1; i + 1 < argc; i++)
-        if (!strcmp(argv[i], "--role") && !strcmp(argv[i + 1], "proxy")) return k3_cmd_serve_proxy(argc, argv);
+        if (!strcmp(argv[i], "--role") && (!strcmp(argv[i + 1], "proxy") || !strcmp(argv[i + 1], "router")))
+            return k3_cmd_serve_proxy(argc, argv);
     long threads = k3_cli_default_threads();
     int bad = 0;
     k3_cli_dist cd;
@@ -242,6 +285,13 @@ int k3_cmd_serve(int argc, char **argv) {
         else if (ARG("--kv-fault")) kv_fault = argv[++i];
         else if (ARG("--kv-transport")) kv_transport = argv[++i];
         else if (ARG("--kv-ucx-tls")) ucx_tls = argv[++i];
+        else if (ARG("--kv-cache-dir")) kv_dir = argv[++i];
+        else if (ARG("--kv-cache-disk-bytes")) kv_disk_bytes = parse_bytes(argv[++i], &bad);
+        else if (!strcmp(a, "--kv-cache-fsync")) kv_fsync = true;
+        else if (!strcmp(a, "--prefix-cache-per-key")) per_key = true;
+        else if (ARG("--kv-events-endpoint")) ev_endpoint = argv[++i];
+        else if (ARG("--kv-events-replay-endpoint")) ev_replay = argv[++i];
+        else if (ARG("--kv-events-topic")) ev_topic = argv[++i];
         else if (ARG("--kv-hold-timeout")) {
             if (k3_cli_float("serve", "--kv-hold-timeout", argv[++i], 0.001, 86400.0, &kv_hold_timeout)) return 2;
         } else if (ARG("--kv-transfer-timeout")) {
@@ -281,7 +331,19 @@ int k3_cmd_serve(int argc, char **argv) {
         return 2;
     }
     if (role && strcmp(role, "prefill") && strcmp(role, "decode")) {
-        fprintf(stderr, "k3 serve: --role must be prefill, decode or proxy, not '%s'\n", role);
+        fprintf(stderr, "k3 serve: --role must be prefill, decode, proxy or router, not '%s'\n", role);
+        return 2;
+    }
+    if (kv_dir && no_prefix) {
+        fprintf(stderr, "k3 serve: --kv-cache-dir is a tier of the prefix cache: it needs prefix caching on\n");
+        return 2;
+    }
+    if (kv_dir && !*kv_dir) {
+        fprintf(stderr, "k3 serve: --kv-cache-dir is empty\n");
+        return 2;
+    }
+    if ((ev_replay || ev_topic) && !ev_endpoint) {
+        fprintf(stderr, "k3 serve: --kv-events-replay-endpoint and --kv-events-topic need --kv-events-endpoint\n");
         return 2;
     }
     if (kv_port > 65535) {
@@ -329,6 +391,7 @@ int k3_cmd_serve(int argc, char **argv) {
     k3_server *srv = NULL;
     k3_pd *pd = NULL;
     k3_model *draft = NULL;
+    k3_kv_events *events = NULL;
     int rc = 1;
     k3_status ms = k3_cli_open_model_dist(&m, dir, quant, keep_mapped, false, &cd, &err);
     if (cd.d) {
@@ -368,10 +431,20 @@ int k3_cmd_serve(int argc, char **argv) {
                             .cache_salt = salt_of(quant, kv),
                             .hold_timeout_s = kv_hold_timeout,
                             .pool = pool,
-                            .dist = cd.d};
+                            .dist = cd.d,
+                            .kv_cache_dir = kv_dir,
+                            .kv_cache_disk_bytes = kv_disk_bytes,
+                            .quant_name = quant,
+                            .kv_cache_fsync = kv_fsync,
+                            .log = disk_log};
     if (k3_cli_spec_apply("serve", &spec, quant, &eo, &draft)) goto fail_quiet;
     if (k3_engine_open(&eng, m, &eo, &err)) goto fail;
     if (kv_metrics && k3_engine_set_kv_metrics(eng, kv_sample, &err)) goto fail;
+    if (ev_endpoint) {
+        const k3_kv_events_options evo = {.endpoint = ev_endpoint, .replay_endpoint = ev_replay, .topic = ev_topic};
+        if (k3_kv_events_open(&events, &evo, &err)) goto fail;
+        k3_engine_set_kv_events(eng, events);
+    }
     k3_engine_stats st;
     k3_engine_get_stats(eng, &st);
     if (role) {
@@ -426,7 +499,9 @@ int k3_cmd_serve(int argc, char **argv) {
                             .test_fail_step = test_fail_step,
                             .test_fail_request = test_fail_request,
                             .no_ui = no_ui,
-                            .pd = pd};
+                            .pd = pd,
+                            .prefix_cache_per_key = per_key,
+                            .kv_events = events};
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
     sa.sa_sigaction = on_signal;
@@ -456,6 +531,14 @@ int k3_cmd_serve(int argc, char **argv) {
                 k3_dist_size(cd.d), k3_dist_dcp_size(cd.d), k3_dist_interleave(cd.d), k3_dist_ep_size(cd.d),
                 (long long)k3_engine_cache_bytes(eng), (int)(st.cache_tokens / st.blocks_total),
                 (int)(st.cache_tokens / st.blocks_total / k3_dist_dcp_size(cd.d)));
+    if (kv_dir)
+        fprintf(stderr,
+                "k3 serve: prefix cache disk tier in %s, budget %.1f GB (shared by the instances of this host; "
+                "saves behind the engine, loads before scheduling)\n",
+                kv_dir, (double)(kv_disk_bytes ? kv_disk_bytes : (long long)64 << 30) / 1e9);
+    if (events)
+        fprintf(stderr, "k3 serve: KV events on %s%s%s\n", ev_endpoint, ev_replay ? ", replays on " : "",
+                ev_replay ? ev_replay : "");
     if (pd && k3_pd_port(pd) >= 0)
         fprintf(stderr,
                 "k3 serve: role %s, kv transfer listening on %s%s%s:%d (the HTTP port's address; a pull proves the "
@@ -558,6 +641,7 @@ out:
     k3_server_stop(srv);
     k3_pd_stop(pd);
     k3_engine_close(eng);
+    k3_kv_events_close(events);
     k3_model_close(draft);
     k3_vision_close(vis);
     k3_pool_free(vpool);

@@ -648,6 +648,18 @@ typedef struct k3_engine_options {
     int32_t suffix_max_tree_depth, suffix_max_cached_requests;
     float suffix_max_spec_factor, suffix_min_token_prob;
     int32_t prompt_lookup_min, prompt_lookup_max; /* the ngram proposer's n range (0 = 2, 5) */
+    /* the disk tier of the prefix cache (docs/kvstore.md): cache blocks and
+     * KDA snapshots saved behind the engine into a directory that survives
+     * restarts and is shared by the instances of a host, loaded back before
+     * a request is scheduled. NULL: none. */
+    const char *kv_cache_dir;
+    int64_t kv_cache_disk_bytes; /* its byte budget (0 = 64 GiB); the directory's LRU */
+    const char *quant_name;      /* the weights' quant mode, part of its namespace (NULL = "none") */
+    bool kv_cache_fsync;         /* fsync each file before publishing it */
+    /* the disk tier's lines (a miss and why, a failed save, an eviction); any
+     * thread; NULL = none (the library never prints) */
+    void (*log)(void *arg, const char *line);
+    void *log_arg;
 } k3_engine_options;
 
 typedef struct k3_request_params {
@@ -691,6 +703,11 @@ typedef struct k3_request_params {
     k3_spec_method speculative;
     int32_t num_speculative_tokens;
     uint64_t spec_scope;
+    uint64_t cache_salt; /* vLLM's cache_salt (0 = none): the prefix cache (RAM
+                                       and disk) shares blocks only between requests
+                                       of the same salt, so a tenant cannot time
+                                       another's prompts (mixed into the first
+                                       block's key) */
     k3_grammar *grammar; /* NULL, or the grammar the output must match
                                        (the request keeps a matcher of its own, with a
                                        reference): every token is sampled under its
@@ -738,6 +755,7 @@ typedef struct k3_req_output {
     int32_t stop_id;              /* the id that stopped it, or -1 */
     int64_t n_prompt;             /* prompt tokens */
     int64_t n_cached;             /* of them served by the prefix cache */
+    int64_t n_disk;               /* of those, read from the disk tier */
     int64_t n_generated;          /* tokens generated so far */
     /* times in seconds on k3_now's clock; 0 = not yet */
     double t_arrival, t_scheduled, t_first_token, t_finished;
@@ -1010,9 +1028,10 @@ void k3_kv_events_close(k3_kv_events *ev);
 
 typedef struct k3_kv_events_stats {
     int64_t batches, events;               /* messages published, events in them */
-    int64_t stored_blocks, removed_blocks; /* hashes in BlockStored / BlockRemoved events */
-    int64_t bytes;                         /* payload bytes */
-    int64_t replays;                       /* replay requests served */
+    int64_t stored_blocks, removed_blocks; /* hashes in BlockStored / BlockRemoved events (the engine's cache) */
+    int64_t disk_stored_blocks, disk_removed_blocks; /* the same, medium "DISK" (the disk tier) */
+    int64_t bytes;                                   /* payload bytes */
+    int64_t replays;                                 /* replay requests served */
 } k3_kv_events_stats;
 void k3_kv_events_get_stats(k3_kv_events *ev, k3_kv_events_stats *out);
 
@@ -1468,9 +1487,21 @@ typedef struct k3_proxy_options {
     int max_connections, max_connections_per_ip;
     int idle_timeout_s, header_timeout_s, body_timeout_s;
     const char *allowed_origins, *allowed_methods, *allowed_headers;
-    const void *secret; /* the deployment's transfer secret (required: the credential on
-                           kv_transfer_params, the release of holds) */
+    const void *secret; /* the deployment's transfer secret (required but for a router: the
+                           credential on kv_transfer_params, the release of holds) */
     size_t secret_len;
+    /* The router (k3 serve --role router): with n_backends > 0 (and no prefill or decode
+     * instances) each generation request goes whole to one of backends, colocated instances,
+     * by src/router's policy: the instance it sent the longest prefix of the prompt's text
+     * (prefix affinity), balanced by load; a backend that fails or whose /health does not
+     * answer is skipped, and used again when it answers. /health answers 200 while one does. */
+    const char *const *backends;
+    int n_backends;
+    int router_policy;             /* k3_router_policy: 0 cache-aware, 1 round-robin */
+    int router_block_bytes;        /* bytes of the prompt's text per tree node (0 = 64) */
+    double router_cache_threshold; /* 0 = 0.5 */
+    int router_balance_abs;        /* 0 = 32 */
+    double router_balance_rel;     /* 0 = 1.5 */
 } k3_proxy_options;
 
 k3_status k3_proxy_start(k3_proxy **out, const k3_proxy_options *opt, k3_error *err);
@@ -1550,8 +1581,12 @@ typedef struct k3_server_options {
      * first), as a failed k3_engine_step would; engine request number
      * test_fail_request (1 = the first submitted) fails alone */
     int64_t test_fail_step, test_fail_request;
-    k3_pd *pd; /* borrowed; NULL: kv_transfer_params are refused (not a
+    k3_pd *pd;                      /* borrowed; NULL: kv_transfer_params are refused (not a
                                   prefill or decode instance) */
+    bool prefix_cache_per_key;      /* the prefix cache's salt includes the API key a
+                                  request presents: one key's requests never hit
+                                  another's cached prompts (nor time them) */
+    struct k3_kv_events *kv_events; /* borrowed; its counters go to /metrics (NULL: none) */
 } k3_server_options;
 
 k3_status k3_server_start(k3_server **out, const k3_server_options *opt, k3_error *err);

@@ -6,7 +6,9 @@
 # past the indexer's top-k; two processes writing the same keys at once
 # leave one file per key; a full disk (a 256 KB tmpfs, needs root) is a
 # failed save and a miss with the cold run's logits; `k3 cache ls|clear`;
-# the KV events (tests/kv_events.py). Ends with `kvstore: N passed, N failed, N skipped`.
+# the KV events (tests/kv_events.py); the tier behind k3 serve (tests/kv_disk.py); the router in
+# front of colocated instances (tests/kv_router.py). Ends with
+# `kvstore: N passed, N failed, N skipped`.
 # Usage: sh tests/kvstore.sh build/k3  (build/k3-kvs-driver beside it)
 K3=${1:-build/k3}
 BUILD=$(dirname "$K3")
@@ -137,6 +139,43 @@ if PY=$(sh scripts/venv.sh pyzmq=zmq msgspec 2>"$TMP/venv.err"); then
     grep -q "^ok .*the driver exits cleanly" "$TMP/ev.out" || { fail=$((fail + 1)); echo "FAIL kvstore: kv events: the test did not finish"; }
 else
     skipped "kv events (a Python with pyzmq and msgspec: $(tail -1 "$TMP/venv.err"))"
+fi
+
+# the tier through k3 serve: cold = RAM hit = disk hit (a restart, a second instance), the faults,
+# tenants, the events against /metrics (tests/kv_disk.py; K3_TEST_ISA=NAME passes --isa NAME to
+# k3 serve: on a Xeon whose default AMX table makes a token's numbers depend on the batch, the
+# equality checks hold with avx512)
+if PY=$(sh scripts/venv.sh pyzmq=zmq msgspec 2>"$TMP/venv.err"); then
+    timeout 600 "$PY" tests/kv_disk.py "$K3" ${K3_TEST_ISA:+--isa "$K3_TEST_ISA"} >"$TMP/disk.out" 2>&1
+    grep -E "^(ok|FAIL|skip) |^    " "$TMP/disk.out" | sed 's/^\(ok  \|FAIL\|skip\) kvdisk: /\1 kvstore: disk tier: /'
+    line=$(grep -E "^kvdisk: [0-9]+ passed" "$TMP/disk.out")
+    if [ -n "$line" ]; then
+        set -- $line
+        pass=$((pass + $2))
+        fail=$((fail + $4))
+        skip=$((skip + $6))
+    else
+        fail=$((fail + 1))
+        echo "FAIL kvstore: disk tier: the test did not finish"
+        tail -5 "$TMP/disk.out" | sed 's/^/    /'
+    fi
+else
+    skipped "disk tier through k3 serve (a Python with pyzmq and msgspec: $(tail -1 "$TMP/venv.err"))"
+fi
+
+# the router in front of colocated instances: affinity, failover and balance (tests/kv_router.py)
+timeout 300 python3 tests/kv_router.py "$K3" >"$TMP/router.out" 2>&1
+grep -E "^(ok|FAIL|skip) |^    " "$TMP/router.out" | sed 's/^\(ok  \|FAIL\|skip\) kvrouter: /\1 kvstore: router: /'
+line=$(grep -E "^kvrouter: [0-9]+ passed" "$TMP/router.out")
+if [ -n "$line" ]; then
+    set -- $line
+    pass=$((pass + $2))
+    fail=$((fail + $4))
+    skip=$((skip + $6))
+else
+    fail=$((fail + 1))
+    echo "FAIL kvstore: router: the test did not finish"
+    tail -5 "$TMP/router.out" | sed 's/^/    /'
 fi
 
 echo "kvstore: $pass passed, $fail failed, $skip skipped"

@@ -18,7 +18,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "engine/engine.h"
 #include "kvs_harness.h"
+#include "model/model.h"
 #include "kvstore/kvstore.h"
 #include "test.h"
 
@@ -575,6 +577,299 @@ K3_TEST(kvstore_arguments) {
     k3_kvs_hit *hit = (k3_kvs_hit *)1;
     CHECK(!k3_kvs_lookup(s, &seq, 0, 63, &hit, &err) && hit == NULL);
     k3_kvs_close(s);
+    rm_tree(dir);
+    k3_ctx_free(a);
+    k3_model_close(m);
+}
+
+/* ---- the disk tier behind the engine (src/engine/disk.c) ------------------------------------ */
+
+typedef struct eng_out {
+    int32_t tok[16];
+    int n;
+    bool done;
+    k3_finish_reason fin;
+    int64_t n_cached, n_disk;
+} eng_out;
+
+static k3_engine *disk_engine(const k3_model *m, const char *dir) {
+    const k3_engine_options o = {.max_num_seqs = 4,
+                                 .cache_tokens = 2048,
+                                 .block_size = BS,
+                                 .max_num_batched_tokens = 512,
+                                 .kv_cache_dir = dir,
+                                 .kv_cache_disk_bytes = 64 << 20,
+                                 .quant_name = "none"};
+    k3_engine *e = NULL;
+    k3_error err = {0};
+    if (k3_engine_open(&e, m, &o, &err)) k3_test_fail(__FILE__, __LINE__, "engine: %s", err.msg);
+    return e;
+}
+
+static uint64_t eng_submit(k3_engine *e, const int32_t *ids, int n, uint64_t salt) {
+    const k3_request_params p = {.prompt = ids,
+                                 .n_prompt = n,
+                                 .max_tokens = 8,
+                                 .logprobs = -1,
+                                 .prompt_logprobs = -1,
+                                 .sampling = {.temperature = 0, .top_p = 1, .repeat_penalty = 1},
+                                 .cache_salt = salt};
+    uint64_t id = 0;
+    k3_error err = {0};
+    if (k3_engine_submit(e, &p, &id, &err)) k3_test_fail(__FILE__, __LINE__, "submit: %s", err.msg);
+    return id;
+}
+
+/* Steps until outs[0 .. n) (ids base ..) are done, checking the block accounting after every
+ * step; a step waits for the disk tier when only a load is in flight. cancel: the id to cancel
+ * after the first step (0: none). Returns the steps taken, -1 on a failure. */
+static int eng_run(k3_engine *e, eng_out *outs, uint64_t base, int n, uint64_t cancel) {
+    k3_error err = {0};
+    if (!base) return -1; /* the submit failed (and said why) */
+    for (int steps = 0; steps < 20000; steps++) {
+        bool all = true;
+        for (int i = 0; i < n; i++) all &= outs[i].done;
+        if (all) return steps;
+        if (!k3_engine_has_work(e)) k3_engine_wait(e, 0.05);
+        k3_step_result sr;
+        if (k3_engine_step(e, &sr, &err)) {
+            k3_test_fail(__FILE__, __LINE__, "step: %s", err.msg);
+            return -1;
+        }
+        if (!k3_engine_check(e)) {
+            k3_test_fail(__FILE__, __LINE__, "block accounting broken after step %d", steps);
+            return -1;
+        }
+        if (cancel && steps == 0) k3_engine_cancel(e, cancel);
+        for (int32_t k = 0; k < sr.n_outputs; k++) {
+            const k3_req_output *o = &sr.outputs[k];
+            if (o->id < base || o->id >= base + (uint64_t)n) continue;
+            eng_out *r = &outs[o->id - base];
+            for (int32_t t = 0; t < o->n_new && r->n < 16; t++) r->tok[r->n++] = o->tokens[t];
+            if (o->events & K3_EV_FINISHED) {
+                r->done = true;
+                r->fin = o->finish;
+                r->n_cached = o->n_cached;
+                r->n_disk = o->n_disk;
+            }
+        }
+    }
+    k3_test_fail(__FILE__, __LINE__, "the requests did not finish");
+    return -1;
+}
+
+/* A restarted engine takes a prompt the directory holds beyond its RAM hit: it waits outside
+ * the batch (a cold request beside it runs), loads, lands in the prefix cache and continues with
+ * the RAM hit's tokens (the same blocks and state, computed from the same position); every step
+ * the references add up (saves hold theirs); a request cancelled while it loads ends and gives
+ * everything back; another salt finds nothing. */
+K3_TEST(kvstore_engine_connector) {
+    k3_model *m = NULL;
+    k3_error err = {0};
+    REQUIREF(!k3_model_open(&m, TINY, &err), "%s", err.msg);
+    char *dir = tmp_dir();
+    REQUIRE(dir);
+    int32_t p1[200], p3[150];
+    kvh_ids(p1, 200, m->cfg.vocab_size, 41);
+    kvh_ids(p3, 150, m->cfg.vocab_size, 43);
+    /* A: cold, then a RAM hit; closing it finishes its saves */
+    k3_engine *a = disk_engine(m, dir);
+    REQUIRE(a);
+    eng_out cold1 = {0}, ram = {0};
+    uint64_t id = eng_submit(a, p1, 200, 0);
+    CHECK(eng_run(a, &cold1, id, 1, 0) >= 0);
+    id = eng_submit(a, p1, 200, 0);
+    CHECK(eng_run(a, &ram, id, 1, 0) >= 0);
+    CHECKF(ram.n_cached == 192 && ram.n_disk == 0, "RAM hit %lld, disk %lld", (long long)ram.n_cached,
+           (long long)ram.n_disk);
+    k3_engine_close(a);
+    /* B: the disk hit, then beside a cold request */
+    k3_engine *b = disk_engine(m, dir);
+    REQUIRE(b);
+    eng_out disk = {0}, two[2];
+    memset(two, 0, sizeof two);
+    id = eng_submit(b, p1, 200, 0);
+    CHECK(eng_run(b, &disk, id, 1, 0) >= 0);
+    CHECKF(disk.n_cached == ram.n_cached && disk.n_disk == 192, "disk hit: cached %lld, from disk %lld",
+           (long long)disk.n_cached, (long long)disk.n_disk);
+    CHECK(disk.n == ram.n && !memcmp(disk.tok, ram.tok, sizeof(int32_t) * (size_t)ram.n));
+    k3_disk_stats ds;
+    k3_kvs_metrics km;
+    REQUIRE(k3_engine_disk_stats(b, &ds, &km));
+    CHECK(ds.loads_landed == 1 && ds.ext_hits == 192 && ds.ext_queries == 200 && km.bytes_read > 0);
+    k3_engine_close(b);
+    k3_engine *c = disk_engine(m, dir);
+    REQUIRE(c);
+    const uint64_t base = eng_submit(c, p1, 200, 0);
+    eng_submit(c, p3, 150, 0);
+    CHECK(eng_run(c, two, base, 2, 0) >= 0);
+    CHECK(two[0].n_disk == 192 && two[1].n_cached == 0 && two[1].fin == K3_FINISH_LENGTH);
+    k3_engine_close(c);
+    /* cancelled while it loads (or waits for its blocks): everything goes back */
+    k3_engine *d = disk_engine(m, dir);
+    REQUIRE(d);
+    eng_out cx = {0};
+    id = eng_submit(d, p1, 200, 0);
+    CHECK(eng_run(d, &cx, id, 1, id) >= 0);
+    CHECK(cx.fin == K3_FINISH_CANCELLED && cx.n == 0);
+    CHECK(k3_engine_blocks_free(d) == 2048 / BS);
+    /* another salt: a miss */
+    eng_out salted = {0};
+    id = eng_submit(d, p1, 200, 0x5eed);
+    CHECK(eng_run(d, &salted, id, 1, 0) >= 0);
+    CHECK(salted.n_cached == 0 && salted.n_disk == 0);
+    k3_engine_close(d);
+    rm_tree(dir);
+    k3_model_close(m);
+}
+
+/* k3_kvs_wait against the worker finishing the same ticket: a job is either
+ * queued, running or done (under one lock), never none of them. Tiny jobs
+ * (a snapshot already on disk: a skip), waited at once and after a short
+ * spin of 0 to 64 us, many times over, so a waiter arrives while the worker is between
+ * the end of a job and its record. */
+K3_TEST(kvstore_wait_race) {
+    k3_model *m = NULL;
+    k3_error err = {0};
+    REQUIREF(!k3_model_open(&m, TINY, &err), "%s", err.msg);
+    k3_ctx *a = kvh_ctx(m, K3_KV_F32, BS, NB, &err);
+    REQUIRE(a);
+    char *dir = tmp_dir();
+    REQUIRE(dir);
+    k3_kvs *s = open_store(dir, a, 1, "none", 2, 1 << 26, NULL);
+    REQUIRE(s);
+    void *state = calloc(1, (size_t)k3_kvs_state_bytes(s));
+    REQUIRE(state);
+    int32_t tok[2 * BS];
+    for (int i = 0; i < 2 * BS; i++) tok[i] = i;
+    const k3_kvs_seq seq = {.tokens = tok, .n_tokens = 2 * BS};
+    int bad = 0;
+    char first[640] = "";
+    for (int r = 0; r < 30000 && bad < 5; r++) {
+        uint64_t t1 = 0, t2 = 0;
+        k3_kvs_done d;
+        k3_error e = {0};
+        if (k3_kvs_save_snapshot(s, &seq, BS, state, 0, &t1, &e) ||
+            k3_kvs_save_snapshot(s, &seq, 2 * BS, state, 0, &t2, &e)) {
+            bad++;
+            snprintf(first, sizeof first, "save: %s", e.msg);
+            continue;
+        }
+        /* 0 to 64 us: around the time the worker takes and ends the job */
+        const double until = k3_now() + (double)(r % 256) * 250e-9;
+        while (k3_now() < until) {}
+        if (k3_kvs_wait(s, t1, &d, &e) || d.status || k3_kvs_wait(s, t2, &d, &e) || d.status) {
+            if (!bad) snprintf(first, sizeof first, "round %d: %s", r, e.msg[0] ? e.msg : d.why);
+            bad++;
+        }
+    }
+    CHECKF(bad == 0, "%d waits failed, the first: %s", bad, first);
+    free(state);
+    k3_kvs_close(s);
+    rm_tree(dir);
+    k3_ctx_free(a);
+    k3_model_close(m);
+}
+
+/* Steps e until its disk saves are done (they run behind the engine). */
+static bool drain_saves(k3_engine *e) {
+    k3_error err = {0};
+    for (int i = 0; i < 4000; i++) {
+        k3_disk_stats ds;
+        k3_engine_disk_stats(e, &ds, NULL);
+        if (!ds.saving) return true;
+        k3_engine_wait(e, 0.01);
+        k3_step_result sr;
+        if (k3_engine_step(e, &sr, &err)) return false;
+    }
+    return false;
+}
+
+/* The snapshot policy (docs/kvstore.md): on disk, a conversation keeps the state at its latest
+ * prompt's end and at the junction where that prompt leaves the cached one (the end of the
+ * previous turn's output); stride snapshots stay in RAM; a turn's pair replaces the previous
+ * turn's. Three turns of one conversation (each prompt = the previous one, its greedy output and
+ * new tokens), the stride every 4 blocks: one file after the first turn, two after each later
+ * one, at the positions named; a restart hits the latest prompt's end from disk with the RAM
+ * hit's answer. */
+K3_TEST(kvstore_snapshot_policy) {
+    k3_model *m = NULL;
+    k3_error err = {0};
+    REQUIREF(!k3_model_open(&m, TINY, &err), "%s", err.msg);
+    k3_ctx *a = kvh_ctx(m, K3_KV_F32, BS, NB, &err);
+    REQUIRE(a);
+    char *dir = tmp_dir();
+    REQUIRE(dir);
+    int32_t p[400], fresh[200];
+    kvh_ids(p, 201, m->cfg.vocab_size, 51);
+    kvh_ids(fresh, 200, m->cfg.vocab_size, 52);
+    k3_engine *e = disk_engine(m, dir);
+    REQUIRE(e);
+    /* turn 1: 201 tokens; snapshots at 64, 128 (stride) and 192 (its end); its output computed
+     * up to 208 (the last token is sampled, not computed) */
+    eng_out t1 = {0}, t2 = {0}, t3 = {0}, again = {0};
+    uint64_t id = eng_submit(e, p, 201, 0);
+    CHECK(eng_run(e, &t1, id, 1, 0) >= 0 && t1.n == 8);
+    CHECK(drain_saves(e));
+    CHECKF(count_files(dir, "snaps") == 1, "after turn 1: %d snapshots on disk", count_files(dir, "snaps"));
+    /* turn 2: + its 8 output tokens + 60 = 269; junction 208, end 256 */
+    memcpy(p + 201, t1.tok, sizeof(int32_t) * 8);
+    memcpy(p + 209, fresh, sizeof(int32_t) * 60);
+    id = eng_submit(e, p, 269, 0);
+    CHECK(eng_run(e, &t2, id, 1, 0) >= 0 && t2.n == 8);
+    CHECK(drain_saves(e));
+    CHECKF(count_files(dir, "snaps") == 2, "after turn 2: %d snapshots on disk", count_files(dir, "snaps"));
+    /* turn 3: 269 + 8 + 60 = 337; junction 272, end 336 */
+    memcpy(p + 269, t2.tok, sizeof(int32_t) * 8);
+    memcpy(p + 277, fresh + 60, sizeof(int32_t) * 60);
+    id = eng_submit(e, p, 337, 0);
+    CHECK(eng_run(e, &t3, id, 1, 0) >= 0 && t3.n == 8);
+    CHECK(drain_saves(e));
+    k3_disk_stats ds;
+    REQUIRE(k3_engine_disk_stats(e, &ds, NULL));
+    CHECKF(ds.snaps_ram_only >= 2, "stride snapshots kept in RAM only: %lld", (long long)ds.snaps_ram_only);
+    k3_engine_close(e);
+    /* which two: the files of a store over the same directory name them */
+    k3_kvs *s = open_store(dir, a, k3_model_identity(m), "none", 0, 1 << 26, NULL);
+    REQUIRE(s);
+    const k3_kvs_seq seq = {.tokens = p, .n_tokens = 337};
+    const int64_t want[] = {272 / BS, 336 / BS}, gone[] = {4, 8, 12, 13, 16};
+    char path[4096];
+    struct stat st;
+    for (int i = 0; i < 2; i++) {
+        k3_kvs_path(s, &seq, want[i], true, path, sizeof path);
+        CHECKF(stat(path, &st) == 0, "no snapshot at %lld on disk", (long long)(want[i] * BS));
+    }
+    for (int i = 0; i < 5; i++) {
+        k3_kvs_path(s, &seq, gone[i], true, path, sizeof path);
+        CHECKF(stat(path, &st) != 0, "a snapshot at %lld on disk", (long long)(gone[i] * BS));
+    }
+    CHECKF(count_files(dir, "snaps") == 2, "after turn 3: %d snapshots on disk", count_files(dir, "snaps"));
+    k3_kvs_close(s);
+    /* a restart: turn 3 again, from disk up to its prompt's end, with the same answer */
+    e = disk_engine(m, dir);
+    REQUIRE(e);
+    id = eng_submit(e, p, 337, 0);
+    CHECK(eng_run(e, &again, id, 1, 0) >= 0);
+    CHECKF(again.n_disk == 336 && again.n == t3.n && !memcmp(again.tok, t3.tok, sizeof(int32_t) * 8),
+           "after a restart: %lld tokens from disk", (long long)again.n_disk);
+    /* a prompt of whole blocks (256): its state at 256 is never found by a resend (which computes
+     * at least its last token); the last point before it (192, a stride one) goes to disk */
+    int32_t w[256];
+    kvh_ids(w, 256, m->cfg.vocab_size, 53);
+    eng_out w1 = {0}, w2 = {0};
+    id = eng_submit(e, w, 256, 0);
+    CHECK(eng_run(e, &w1, id, 1, 0) >= 0);
+    CHECK(drain_saves(e));
+    CHECKF(count_files(dir, "snaps") == 3, "a prompt of whole blocks: %d snapshots on disk", count_files(dir, "snaps"));
+    k3_engine_close(e);
+    e = disk_engine(m, dir);
+    REQUIRE(e);
+    id = eng_submit(e, w, 256, 0);
+    CHECK(eng_run(e, &w2, id, 1, 0) >= 0);
+    CHECKF(w2.n_disk == 192 && w2.n == w1.n && !memcmp(w2.tok, w1.tok, sizeof(int32_t) * 8),
+           "a resend of a prompt of whole blocks after a restart: %lld tokens from disk", (long long)w2.n_disk);
+    k3_engine_close(e);
     rm_tree(dir);
     k3_ctx_free(a);
     k3_model_close(m);

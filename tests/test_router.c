@@ -148,3 +148,39 @@ K3_TEST(router_tree_bounded) {
     CHECK(k3_router_open(&r, &bad, &err) == K3_ERR_ARG);
     k3_router_close(r);
 }
+
+K3_TEST(router_excluding_round_robin_and_forgetting) {
+    k3_router *r = open_router(3, 32);
+    REQUIRE(r);
+    int32_t tok[1024];
+    const int64_t n = convo(tok, 3, 0);
+    const k3_route a = k3_router_route(r, tok, n, 1);
+    k3_router_done(r, a.backend, true, 1);
+    /* the backend a request failed on is not chosen again for it */
+    const k3_route b = k3_router_route_excluding(r, tok, n, 2, 1ull << a.backend);
+    CHECK(b.backend >= 0 && b.backend != a.backend);
+    CHECK(k3_router_route_excluding(r, tok, n, 2, 7).why == K3_ROUTE_NONE);
+    k3_router_done(r, b.backend, true, 2);
+    /* a backend that goes down is forgotten: back up, it holds nothing */
+    CHECK(k3_router_match(r, a.backend, tok, n) > 0);
+    k3_router_set_health(r, a.backend, false, 3);
+    k3_router_backend x;
+    k3_router_backend_get(r, a.backend, &x);
+    CHECK(x.cached == 0 && k3_router_match(r, a.backend, tok, n) == 0);
+    CHECK(k3_router_match(r, b.backend, tok, n) > 0);
+    /* a request sent while none was healthy is recorded where it went */
+    k3_router_sent(r, a.backend, tok, n, 4);
+    k3_router_backend_get(r, a.backend, &x);
+    CHECK(x.load == 1 && k3_router_match(r, a.backend, tok, n) == (n / BS) * BS);
+    k3_router_close(r);
+    /* round-robin: in turn, whatever each holds */
+    k3_router_options o = {.n_backends = 3, .block_size = BS, .policy = K3_ROUTER_ROUND_ROBIN};
+    k3_error err = {0};
+    REQUIRE(!k3_router_open(&r, &o, &err));
+    for (int i = 0; i < 6; i++) {
+        const k3_route rt = k3_router_route(r, tok, n, 10 + i);
+        CHECK(rt.backend == i % 3 && rt.why == K3_ROUTE_RR);
+        k3_router_done(r, rt.backend, true, 10 + i);
+    }
+    k3_router_close(r);
+}

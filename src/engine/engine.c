@@ -24,6 +24,7 @@
 #include "engine/internal.h"
 #include "executor/executor.h"
 #include "kvevents/events.h"
+#include "kvstore/kvstore.h"
 #include "model/model.h"
 #include "model/plan.h"
 
@@ -84,6 +85,8 @@ void k3_engine_req_free(req *r) {
     free(r->hold_state);
     free(r->first_top);
     free(r->pull_state);
+    free(r->disk_state);
+    k3_kvs_hit_free(r->disk_hit);
     k3_grammar_matcher_free(r->gm);
     free(r->mask);
     free(r->stop_raw);
@@ -111,6 +114,8 @@ void k3_engine_notify_locked(k3_engine *e) {
 
 void k3_engine_close(k3_engine *e) {
     if (!e) return;
+    /* the connectors first: the disk tier's threads stop writing into requests' buffers */
+    for (int32_t i = 0; i < e->n_conn; i++) e->conn[i]->close(e->conn[i]->self);
     for (int32_t i = 0; i < e->n_live; i++) {
         if (e->live[i]->spec) k3_spec_seq_close(e->prop, e->live[i]->spec, false);
         k3_engine_req_free(e->live[i]);
@@ -130,8 +135,9 @@ void k3_engine_close(k3_engine *e) {
     free(e->lg_of);
     free(e->snap_pos);
     free(e->snap_key);
+    free(e->snap_req);
+    free(e->reg_before);
     free(e->eos);
-    for (int32_t i = 0; i < e->n_conn; i++) e->conn[i]->close(e->conn[i]->self);
     k3_engine_spec_close(e);
     pthread_mutex_destroy(&e->exec_mu);
     k3_sched_free(&e->sched);
@@ -323,12 +329,15 @@ k3_status k3_engine_open(k3_engine **out, const k3_model *m, const k3_engine_opt
         e->step_snaps = (int32_t)step;
         e->snap_pos = malloc(sizeof(int64_t) * (size_t)(e->req_snaps + step));
         e->snap_key = malloc(sizeof(uint64_t) * (size_t)(e->req_snaps + step));
+        e->snap_req = malloc(sizeof(req *) * (size_t)(step + 1));
+        e->reg_before = malloc(sizeof(int32_t) * (size_t)o.max_num_seqs);
         if (!e->batch || !e->want || !e->logits || !e->row || !e->g_m || !e->g_mask || !e->lg_of || !e->snap_pos ||
-            !e->snap_key)
+            !e->snap_key || !e->snap_req || !e->reg_before)
             st = k3_err(err, K3_ERR_NOMEM, "engine: out of memory");
     }
     if (!st) st = k3_engine_spec_open(e, err);
     if (!st && (st = k3_pd_conn_open(e, &e->conn[e->n_conn], err)) == K3_OK) e->n_conn++;
+    if (!st && o.kv_cache_dir && (st = k3_disk_conn_open(e, &e->conn[e->n_conn], err)) == K3_OK) e->n_conn++;
     if (st) {
         k3_engine_close(e);
         return st;
@@ -494,6 +503,7 @@ k3_status k3_engine_submit(k3_engine *e, const k3_request_params *p, uint64_t *i
     r->rq.n_tok = r->rq.n_prompt = p->n_prompt;
     r->rq.slot = -1;
     r->rq.read_cache = p->prompt_logprobs < 0;
+    r->rq.salt = p->cache_salt;
     r->rq.plp = p->prompt_logprobs >= 0;
     r->rq.owner = r;
     r->stop_id = -1;
@@ -602,6 +612,7 @@ int64_t k3_engine_cached_hashes(k3_engine *e, uint64_t *out, int64_t cap) {
 
 void k3_engine_set_kv_events(k3_engine *e, k3_kv_events *ev) {
     pthread_mutex_lock(&e->mu);
+    __atomic_store_n(&e->kv_events, ev, __ATOMIC_RELEASE); /* the disk tier's threads read it */
     k3_kv_set_observer(&e->bm, ev ? k3_kv_events_observer(ev, e->bm.block_size, e->sched.cfg.hash_seed) : NULL);
     pthread_mutex_unlock(&e->mu);
 }

@@ -76,9 +76,20 @@ typedef struct req {
     int32_t n_draft;                      /* this step: drafts proposed (rq.tok[n_tok ..]) */
     float draft_conf[K3_SPEC_MAX_TOKENS]; /* their confidences */
     bool verify;                          /* this step's entry is a verify chunk */
+    /* the disk tier (disk.c) */
+    int disk_phase;                      /* DISK_* */
+    struct k3_kvs_hit *disk_hit;         /* DISK_WAIT: what the directory holds beyond the local hit */
+    uint64_t disk_ticket;                /* DISK_LOAD: the load's */
+    void *disk_state;                    /* [state_bytes] the KDA state loaded, until admitted with it */
+    int64_t disk_local, disk_hit_tokens; /* the local hit it goes beyond; the tokens it reaches */
+    int64_t disk_loaded;                 /* prompt tokens its load gave */
+    bool disk_cancel;                    /* cancelled while loading */
+    int32_t disk_saved;                  /* blocks of its prefix given to saves so far */
+    double t_disk0;                      /* its load started */
 } req;
 
 enum { PULL_NONE = 0, PULL_WAIT, PULL_ACTIVE, PULL_OK, PULL_FAILED };
+enum { DISK_NONE = 0, DISK_WAIT, DISK_LOAD };
 
 struct k3_engine {
     const k3_model *m;
@@ -99,10 +110,12 @@ struct k3_engine {
     bool exec_lock;          /* several ranks: the executor is one thread's at a time */
     pthread_mutex_t exec_mu; /* held by a step, and by a connector's reads and writes of the cache */
 
-    /* the KV connectors the step calls (connector.h); pd is the first */
+    /* the KV connectors the step calls (connector.h); pd is the first, the disk tier's (if any) the second */
     k3_kv_connector *conn[K3_MAX_CONNECTORS];
     int32_t n_conn;
     struct k3_pd_conn *pd;
+    struct k3_disk_conn *disk;
+    k3_kv_events *kv_events; /* the KV events' publisher (k3_engine_set_kv_events), or NULL */
 
     /* inbox, under mu */
     pthread_mutex_t mu;
@@ -138,7 +151,9 @@ struct k3_engine {
     int32_t req_snaps, step_snaps; /* snapshot points of one request's chunk, of a step at most */
     int64_t *snap_pos;             /* [req_snaps + step_snaps]: a request's points, then the step's */
     uint64_t *snap_key;
-    int32_t n_taken; /* this step's snapshots */
+    int32_t n_taken;     /* this step's snapshots */
+    req **snap_req;      /* [step_snaps] whose each is */
+    int32_t *reg_before; /* [max_seqs] each plan entry's registered blocks before this step's tokens */
     double snap_save_s, snap_restore_s;
     double t_run; /* this step's forward pass, seconds */
 
@@ -195,5 +210,8 @@ void k3_engine_publish_stats(k3_engine *e);
 /* ---- pd.c: prefill/decode disaggregation's connector --------------------- */
 k3_status k3_pd_conn_open(k3_engine *e, k3_kv_connector **out, k3_error *err);
 bool k3_engine_has_pull_hook(const k3_engine *e);
+
+/* ---- disk.c: the disk tier's connector ------------------------------------- */
+k3_status k3_disk_conn_open(k3_engine *e, k3_kv_connector **out, k3_error *err);
 
 #endif /* K3_ENGINE_INTERNAL_H */

@@ -197,6 +197,7 @@ static void ask_snapshots(k3_engine *e) {
                 continue;
             }
             step_pos[e->n_taken] = pos[k];
+            e->snap_req[e->n_taken] = rq->owner;
             step_key[e->n_taken++] = key[k];
         }
     }
@@ -217,6 +218,11 @@ static k3_status phase_run(k3_engine *e, k3_error *ferr) {
             k3_kv_snap_drop(&e->sn, e->snap_key[e->req_snaps + k], e->snap_pos[e->req_snaps + k]);
     else e->n_snap_saves += e->n_taken;
     EACH_CONN(if (c_->after_run) c_->after_run(c_->self, !fst));
+    if (!fst)
+        for (int32_t k = 0; k < e->n_taken; k++)
+            EACH_CONN(if (c_->snapshot_taken)
+                          c_->snapshot_taken(c_->self, e->snap_req[k], e->snap_pos[e->req_snaps + k],
+                                             e->snap_key[e->req_snaps + k]));
     if (e->o.dist && s->n_plan) {
         /* every rank's, summed (a failed link is sticky: the next pass reports it) */
         k3_comm_stats c;
@@ -240,6 +246,7 @@ static void phase_sample(k3_engine *e, k3_status fst, const k3_error *ferr, doub
     int64_t row = 0;
     const int32_t n_plan = s->n_plan;
     bool only_decodes = n_plan > 0;
+    for (int32_t i = 0; i < n_plan; i++) e->reg_before[i] = s->plan[i]->n_registered;
     for (int32_t i = 0; i < n_plan; i++) {
         k3_rq *rq = s->plan[i];
         req *r = rq->owner;
@@ -285,6 +292,12 @@ static void phase_sample(k3_engine *e, k3_status fst, const k3_error *ferr, doub
         else k3_engine_sample(e, r, e->lg_of[i], t);
     }
     for (int32_t i = 0; i < n_plan; i++) ((req *)s->plan[i]->owner)->verify = false;
+    /* the blocks the prefix cache registered this step, per request (full, immutable) */
+    for (int32_t i = 0; i < n_plan; i++) {
+        req *r = s->plan[i]->owner;
+        if (!r->finished && r->rq.n_registered > e->reg_before[i])
+            EACH_CONN(if (c_->registered) c_->registered(c_->self, r, e->reg_before[i]));
+    }
 }
 
 /* ---- finish ------------------------------------------------------------------------------------ */

@@ -106,6 +106,7 @@ typedef struct k3_kv_snaps {
     uint64_t *key;        /* [cap] */
     int64_t *pos;         /* [cap] the boundary position (check) */
     void **data;          /* [cap] bytes_each each, allocated on first use */
+    int32_t *pins;        /* [cap] readers outside the engine's thread (a disk save) */
     int32_t *prev, *next; /* LRU over held entries; head = oldest */
     int32_t head, tail;
     int32_t *bucket, *chain; /* key -> entry */
@@ -124,9 +125,16 @@ bool k3_kv_snap_has(const k3_kv_snaps *sn, uint64_t key, int64_t pos);
  * full), or NULL when the budget holds none or memory is out. An existing
  * snapshot for key is returned for overwrite. */
 void *k3_kv_snap_put(k3_kv_snaps *sn, uint64_t key, int64_t pos);
-/* Forgets the snapshot for key at pos, if held (one whose content was never
- * written: its forward pass failed). */
+/* Forgets the snapshot for key at pos, if held and not pinned (one whose
+ * content was never written: its forward pass failed). */
 void k3_kv_snap_drop(k3_kv_snaps *sn, uint64_t key, int64_t pos);
+/* Pins the snapshot for key at pos while another thread reads it (a disk
+ * tier's save): until unpinned it is neither evicted nor overwritten (a put
+ * of its key returns NULL). Its buffer, or NULL when not held. */
+const void *k3_kv_snap_pin(k3_kv_snaps *sn, uint64_t key, int64_t pos);
+void k3_kv_snap_unpin(k3_kv_snaps *sn, uint64_t key, int64_t pos);
+/* Snapshots pinned now (checks). */
+int32_t k3_kv_snap_pinned(const k3_kv_snaps *sn);
 static inline int64_t k3_kv_snap_bytes(const k3_kv_snaps *sn) { return (int64_t)sn->n * sn->bytes_each; }
 
 #endif /* K3_KV_KV_H */

@@ -23,12 +23,14 @@ k3_status k3_kv_snaps_init(k3_kv_snaps *sn, int64_t bytes_each, int64_t budget, 
     sn->key = calloc(n, sizeof(uint64_t));
     sn->pos = calloc(n, sizeof(int64_t));
     sn->data = calloc(n, sizeof(void *));
+    sn->pins = calloc(n, sizeof(int32_t));
     sn->prev = malloc(n * sizeof(int32_t));
     sn->next = malloc(n * sizeof(int32_t));
     sn->chain = malloc(n * sizeof(int32_t));
     sn->free_list = malloc(n * sizeof(int32_t));
     sn->bucket = malloc(nb * sizeof(int32_t));
-    if (!sn->key || !sn->pos || !sn->data || !sn->prev || !sn->next || !sn->chain || !sn->free_list || !sn->bucket) {
+    if (!sn->key || !sn->pos || !sn->data || !sn->pins || !sn->prev || !sn->next || !sn->chain || !sn->free_list ||
+        !sn->bucket) {
         k3_kv_snaps_free(sn);
         return k3_err(err, K3_ERR_NOMEM, "snapshots: out of memory");
     }
@@ -44,6 +46,7 @@ void k3_kv_snaps_free(k3_kv_snaps *sn) {
     free(sn->key);
     free(sn->pos);
     free(sn->data);
+    free(sn->pins);
     free(sn->prev);
     free(sn->next);
     free(sn->chain);
@@ -90,13 +93,16 @@ void *k3_kv_snap_put(k3_kv_snaps *sn, uint64_t key, int64_t pos) {
     if (sn->cap == 0) return NULL;
     int32_t e = find(sn, key, pos);
     if (e >= 0) {
+        if (sn->pins[e]) return NULL; /* a save reads it: not overwritten meanwhile */
         lru_remove(sn, e);
         lru_push_tail(sn, e);
         return sn->data[e];
     }
     if (sn->n_free_slots == 0) {
-        /* evict the least recently used */
+        /* evict the least recently used that no save reads */
         e = sn->head;
+        while (e >= 0 && sn->pins[e]) e = sn->next[e];
+        if (e < 0) return NULL;
         lru_remove(sn, e);
         int32_t *at = &sn->bucket[sn->key[e] & sn->bucket_mask];
         while (*at != e) at = &sn->chain[*at];
@@ -122,9 +128,27 @@ void *k3_kv_snap_put(k3_kv_snaps *sn, uint64_t key, int64_t pos) {
     return sn->data[e];
 }
 
+const void *k3_kv_snap_pin(k3_kv_snaps *sn, uint64_t key, int64_t pos) {
+    const int32_t e = find(sn, key, pos);
+    if (e < 0) return NULL;
+    sn->pins[e]++;
+    return sn->data[e];
+}
+
+void k3_kv_snap_unpin(k3_kv_snaps *sn, uint64_t key, int64_t pos) {
+    const int32_t e = find(sn, key, pos);
+    if (e >= 0 && sn->pins[e] > 0) sn->pins[e]--;
+}
+
+int32_t k3_kv_snap_pinned(const k3_kv_snaps *sn) {
+    int32_t n = 0;
+    for (int32_t e = sn->head; e >= 0; e = sn->next[e]) n += sn->pins[e] > 0;
+    return n;
+}
+
 void k3_kv_snap_drop(k3_kv_snaps *sn, uint64_t key, int64_t pos) {
     const int32_t e = find(sn, key, pos);
-    if (e < 0) return;
+    if (e < 0 || sn->pins[e]) return;
     lru_remove(sn, e);
     int32_t *at = &sn->bucket[key & sn->bucket_mask];
     while (*at != e) at = &sn->chain[*at];

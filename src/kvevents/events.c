@@ -24,6 +24,7 @@ enum { EV_STORED, EV_REMOVED, EV_CLEARED };
 
 typedef struct event {
     int kind;
+    const char *medium; /* a string constant */
     uint64_t *hashes;
     int32_t n, cap;
     uint64_t parent;
@@ -71,6 +72,7 @@ static event *push(k3_kv_events *ev, int kind) {
     event *e = &ev->pending[ev->n_pending++];
     memset(e, 0, sizeof *e);
     e->kind = kind;
+    e->medium = K3_KV_EVENTS_MEDIUM;
     return e;
 }
 
@@ -98,28 +100,55 @@ static bool add_hash(k3_kv_events *ev, event *e, uint64_t h, const int32_t *toke
     return true;
 }
 
-static void on_stored(void *arg, uint64_t hash, uint64_t parent, uint64_t extra, const int32_t *tokens, int32_t n) {
-    k3_kv_events *ev = arg;
-    if (n != ev->block_size) return;
-    pthread_mutex_lock(&ev->mu);
+/* Under mu: a stored block of medium, joining the last event when it continues its chain. */
+static void stored_locked(k3_kv_events *ev, const char *medium, uint64_t hash, uint64_t parent, bool has_parent,
+                          uint64_t extra, const int32_t *tokens) {
     event *e = ev->n_pending ? &ev->pending[ev->n_pending - 1] : NULL;
-    if (!e || e->kind != EV_STORED || !e->n || e->hashes[e->n - 1] != parent) {
+    if (!e || e->kind != EV_STORED || strcmp(e->medium, medium) || !e->n || e->hashes[e->n - 1] != parent) {
         e = push(ev, EV_STORED);
         if (e) {
-            e->has_parent = parent != ev->hash_seed;
+            e->medium = medium;
+            e->has_parent = has_parent;
             e->parent = parent;
         }
     }
     if (!e || !add_hash(ev, e, hash, tokens, extra)) ev->oom = true;
+}
+
+static void removed_locked(k3_kv_events *ev, const char *medium, uint64_t hash) {
+    event *e = ev->n_pending ? &ev->pending[ev->n_pending - 1] : NULL;
+    if (!e || e->kind != EV_REMOVED || strcmp(e->medium, medium)) {
+        e = push(ev, EV_REMOVED);
+        if (e) e->medium = medium;
+    }
+    if (!e || !add_hash(ev, e, hash, NULL, 0)) ev->oom = true;
+}
+
+static void on_stored(void *arg, uint64_t hash, uint64_t parent, uint64_t extra, const int32_t *tokens, int32_t n) {
+    k3_kv_events *ev = arg;
+    if (n != ev->block_size) return;
+    pthread_mutex_lock(&ev->mu);
+    stored_locked(ev, K3_KV_EVENTS_MEDIUM, hash, parent, parent != ev->hash_seed, extra, tokens);
     pthread_mutex_unlock(&ev->mu);
 }
 
 static void on_removed(void *arg, uint64_t hash) {
     k3_kv_events *ev = arg;
     pthread_mutex_lock(&ev->mu);
-    event *e = ev->n_pending ? &ev->pending[ev->n_pending - 1] : NULL;
-    if (!e || e->kind != EV_REMOVED) e = push(ev, EV_REMOVED);
-    if (!e || !add_hash(ev, e, hash, NULL, 0)) ev->oom = true;
+    removed_locked(ev, K3_KV_EVENTS_MEDIUM, hash);
+    pthread_mutex_unlock(&ev->mu);
+}
+
+void k3_kv_events_blocks(k3_kv_events *ev, const char *medium, bool stored, const uint64_t *hashes, int32_t n,
+                         uint64_t parent, bool has_parent, const int32_t *tokens, const uint64_t *extra) {
+    pthread_mutex_lock(&ev->mu);
+    for (int32_t i = 0; i < n; i++) {
+        if (stored)
+            stored_locked(ev, medium, hashes[i], i ? hashes[i - 1] : parent, i ? true : has_parent,
+                          extra ? extra[i] : 0, tokens + (int64_t)i * ev->block_size);
+        else removed_locked(ev, medium, hashes[i]);
+    }
+    pthread_cond_broadcast(&ev->cv);
     pthread_mutex_unlock(&ev->mu);
 }
 
@@ -170,14 +199,14 @@ static void pack_event(const k3_kv_events *ev, msgpack_packer *pk, const event *
             pack_str(pk, "block_hashes");
             pack_hashes(pk, e);
             pack_str(pk, "medium");
-            pack_str(pk, K3_KV_EVENTS_MEDIUM);
+            pack_str(pk, e->medium);
             pack_str(pk, "group_idx");
             msgpack_pack_int32(pk, 0);
         } else {
             msgpack_pack_array(pk, 3);
             pack_str(pk, "BlockRemoved");
             pack_hashes(pk, e);
-            pack_str(pk, K3_KV_EVENTS_MEDIUM);
+            pack_str(pk, e->medium);
         }
         return;
     }
@@ -201,7 +230,7 @@ static void pack_event(const k3_kv_events *ev, msgpack_packer *pk, const event *
     if (map) pack_str(pk, "lora_id");
     msgpack_pack_nil(pk);
     if (map) pack_str(pk, "medium");
-    pack_str(pk, K3_KV_EVENTS_MEDIUM);
+    pack_str(pk, e->medium);
     if (!map) return;
     pack_str(pk, "lora_name");
     msgpack_pack_nil(pk);
@@ -234,11 +263,12 @@ static void send_batch(k3_kv_events *ev, const event *evs, int32_t n) {
     msgpack_pack_array(&pk, 3);
     msgpack_pack_double(&pk, (double)t.tv_sec + (double)t.tv_nsec * 1e-9);
     msgpack_pack_array(&pk, (size_t)n);
-    int64_t stored = 0, removed = 0;
+    int64_t stored = 0, removed = 0, dstored = 0, dremoved = 0;
     for (int32_t i = 0; i < n; i++) {
         pack_event(ev, &pk, &evs[i]);
-        if (evs[i].kind == EV_STORED) stored += evs[i].n;
-        if (evs[i].kind == EV_REMOVED) removed += evs[i].n;
+        const bool disk = !strcmp(evs[i].medium, K3_KV_EVENTS_MEDIUM_DISK);
+        if (evs[i].kind == EV_STORED) *(disk ? &dstored : &stored) += evs[i].n;
+        if (evs[i].kind == EV_REMOVED) *(disk ? &dremoved : &removed) += evs[i].n;
     }
     msgpack_pack_int32(&pk, ev->o.data_parallel_rank);
     const uint64_t seq = ev->next_seq++;
@@ -268,6 +298,8 @@ static void send_batch(k3_kv_events *ev, const event *evs, int32_t n) {
     ev->st.events += n;
     ev->st.stored_blocks += stored;
     ev->st.removed_blocks += removed;
+    ev->st.disk_stored_blocks += dstored;
+    ev->st.disk_removed_blocks += dremoved;
     ev->st.bytes += (int64_t)sb.size;
     pthread_mutex_unlock(&ev->mu);
     msgpack_sbuffer_destroy(&sb);

@@ -238,8 +238,22 @@ static int lock_dir(const char *dir, bool wait, k3_error *err) {
     return fd;
 }
 
+static k3_kvs_hdr *read_hdr(int fd, int64_t file_bytes, int64_t *n_read);
+
+/* Tells removed of the run file at path, from its header (read before the unlink). */
+static void tell_removed(const char *path, int64_t bytes, k3_kvs_removed_fn removed, void *arg) {
+    const int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+    if (fd < 0) return;
+    int64_t n_read = 0;
+    k3_kvs_hdr *h = read_hdr(fd, bytes, &n_read);
+    close(fd);
+    char why[160];
+    if (h && k3_kvs_hdr_check(h, n_read, bytes, false, why, sizeof why) == K3_KVS_MISS_ABSENT) removed(arg, h);
+    free(h);
+}
+
 k3_status k3_kvs_dir_evict(const char *dir, k3_kvs_usage *u, int64_t target, double stale_s, bool wait,
-                           k3_kvs_evict_result *out, k3_error *err) {
+                           k3_kvs_removed_fn removed, void *arg, k3_kvs_evict_result *out, k3_error *err) {
     memset(out, 0, sizeof *out);
     const int lk = lock_dir(dir, wait, err);
     if (lk == -2) return K3_OK; /* another process is at it */
@@ -265,6 +279,7 @@ k3_status k3_kvs_dir_evict(const char *dir, k3_kvs_usage *u, int64_t target, dou
         char path[4096];
         for (int64_t i = 0; i < l.n && total > target; i++) {
             snprintf(path, sizeof path, "%s/%s/%s", dir, l.e[i].snap ? "snaps" : "runs", l.e[i].name);
+            if (removed && !l.e[i].snap) tell_removed(path, l.e[i].bytes, removed, arg);
             if (unlink(path)) continue; /* gone already */
             total -= l.e[i].bytes;
             files--;
@@ -445,7 +460,7 @@ k3_status k3_kvcache_clear(const char *dir, uint64_t model, int64_t *files, int6
     k3_status st = K3_OK;
     if (!model) {
         k3_kvs_evict_result r;
-        st = k3_kvs_dir_evict(dir, u, 0, 60, true, &r, err);
+        st = k3_kvs_dir_evict(dir, u, 0, 60, true, NULL, NULL, &r, err);
         if (!st && files) *files = r.evicted_files;
         if (!st && bytes) *bytes = r.evicted_bytes;
     } else {

@@ -19,7 +19,7 @@
 
 #include "k3.h"
 
-#define K3_KVS_VERSION 1
+#define K3_KVS_VERSION 2
 #define K3_KVS_MAGIC_RUN "K3KVRUN" /* 8 bytes with the NUL */
 #define K3_KVS_MAGIC_SNAP "K3KVSNP"
 #define K3_KVS_QUANT_LEN 24
@@ -60,15 +60,26 @@ typedef struct k3_kvs_hdr {
     uint64_t hdr_sum;        /* XXH3-64 of the hdr_bytes with this field 0 */
 } k3_kvs_hdr;
 /* After the header (run): int32_t tokens[n_blocks * block_size], uint64_t
- * extra[n_blocks], uint64_t sums[n_blocks] (XXH3-64 of each block's
- * payload); (snapshot): uint64_t sums[1]. Then zeros up to payload_off. A
+ * extra[n_blocks], uint64_t ehash[n_blocks] (the engine's 64-bit chain hash
+ * of each block, what its KV events name it by; 0 = not given), uint64_t
+ * sums[n_blocks] (XXH3-64 of each block's payload); (snapshot): uint64_t
+ * sums[1]. Then zeros up to payload_off. A
  * run's payload is block after block; a block is every MLA/DSA layer in
  * order, each array of the layer (ctx.h's transfer layout order) its
  * block_size / dcp_size slots. */
 
 /* The header's size with its arrays for n blocks of bs tokens (snapshot: 0 blocks). */
 static inline int64_t k3_kvs_hdr_bytes(int32_t n_blocks, int32_t bs, bool snap) {
-    return (int64_t)sizeof(k3_kvs_hdr) + (snap ? 8 : (int64_t)n_blocks * bs * 4 + (int64_t)n_blocks * 16);
+    return (int64_t)sizeof(k3_kvs_hdr) + (snap ? 8 : (int64_t)n_blocks * bs * 4 + (int64_t)n_blocks * 24);
+}
+/* A run header's arrays. */
+static inline const int32_t *k3_kvs_hdr_tokens(const k3_kvs_hdr *h) { return (const int32_t *)(h + 1); }
+static inline const uint64_t *k3_kvs_hdr_extra(const k3_kvs_hdr *h) {
+    return (const uint64_t *)(k3_kvs_hdr_tokens(h) + (int64_t)h->n_blocks * h->id.block_size);
+}
+static inline const uint64_t *k3_kvs_hdr_ehash(const k3_kvs_hdr *h) { return k3_kvs_hdr_extra(h) + h->n_blocks; }
+static inline const uint64_t *k3_kvs_hdr_sums(const k3_kvs_hdr *h) {
+    return h->n_blocks ? k3_kvs_hdr_ehash(h) + h->n_blocks : (const uint64_t *)(h + 1);
 }
 static inline int64_t k3_kvs_payload_off(int64_t hdr_bytes) {
     return (hdr_bytes + K3_KVS_ALIGN - 1) / K3_KVS_ALIGN * K3_KVS_ALIGN;
@@ -109,7 +120,10 @@ typedef struct k3_kvs_evict_result {
     int64_t bytes_before, files_before, bytes_after, files_after;
     int64_t evicted_files, evicted_bytes, stale_tmp;
 } k3_kvs_evict_result;
+/* removed (NULL: none) hears of each run file the pass removes, with its
+ * header, when that header reads whole (the KV events' BlockRemoved). */
+typedef void (*k3_kvs_removed_fn)(void *arg, const k3_kvs_hdr *h);
 k3_status k3_kvs_dir_evict(const char *dir, k3_kvs_usage *u, int64_t target, double stale_s, bool wait,
-                           k3_kvs_evict_result *out, k3_error *err);
+                           k3_kvs_removed_fn removed, void *arg, k3_kvs_evict_result *out, k3_error *err);
 
 #endif /* K3_KVSTORE_FORMAT_H */

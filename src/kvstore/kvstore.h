@@ -53,6 +53,21 @@
 typedef struct k3_kvs k3_kvs;
 typedef struct k3_kvs_hit k3_kvs_hit;
 
+/* Blocks that entered the directory (a run this process published) or left
+ * it (a run an eviction pass of this process removed), named by the
+ * engine's 64-bit chain hashes (what its KV events call them; the disk
+ * tier's medium). Published: the tokens and extra keys, and the parent
+ * hash when the run does not start the chain. */
+typedef struct k3_kvs_blocks_event {
+    bool stored;
+    const uint64_t *hashes; /* [n] */
+    int32_t n;
+    uint64_t parent;
+    bool has_parent;
+    const int32_t *tokens; /* stored: [n * block_size] */
+    const uint64_t *extra; /* stored: [n] */
+} k3_kvs_blocks_event;
+
 typedef struct k3_kvs_options {
     const char *dir;    /* created if missing (with runs/, snaps/, tmp/) */
     int64_t disk_bytes; /* this process's budget for the directory (> 0) */
@@ -71,6 +86,11 @@ typedef struct k3_kvs_options {
      * none). The library never prints: the program decides. */
     void (*log)(void *arg, const char *line);
     void *log_arg;
+    /* A job completed (its thread; NULL = none): the engine wakes to poll. */
+    void (*on_done)(void *arg);
+    /* Blocks entered or left the directory (any thread; NULL = none). */
+    void (*on_blocks)(void *arg, const k3_kvs_blocks_event *ev);
+    void *cb_arg;
 } k3_kvs_options;
 
 k3_status k3_kvs_open(k3_kvs **out, const k3_kvs_options *opt, k3_error *err);
@@ -89,9 +109,12 @@ int64_t k3_kvs_state_bytes(const k3_kvs *s);
 typedef struct k3_kvs_seq {
     const int32_t *tokens; /* [n_tokens] */
     int64_t n_tokens;
-    const uint64_t *extra; /* NULL, or one extra key per full block (the
+    const uint64_t *extra;  /* NULL, or one extra key per full block (the
                               engine's per-block keys: images' content hashes) */
-    uint64_t salt;         /* the request's cache_salt (0 = none) */
+    uint64_t salt;          /* the request's cache_salt (0 = none) */
+    const uint64_t *hashes; /* NULL, or the engine's chain hash of each full
+                               block (saves: kept in the run files, for the
+                               KV events) */
 } k3_kvs_seq;
 
 /* The longest hit beyond n_local tokens (a block multiple the caller
@@ -164,6 +187,8 @@ extern const char *const k3_kvs_miss_names[K3_KVS_MISS_REASONS];
 
 #define K3_KVS_HIST_BUCKETS 14
 extern const double k3_kvs_hist_le[K3_KVS_HIST_BUCKETS]; /* seconds: 1 ms ... 60 s */
+/* bytes of one load or save: vLLM's kv_offload_load_size / _store_size buckets (1 MB ... 200 MB) */
+extern const double k3_kvs_size_le[K3_KVS_HIST_BUCKETS];
 
 typedef struct k3_kvs_hist {
     uint64_t count[K3_KVS_HIST_BUCKETS + 1]; /* per bucket (not cumulative); last = +Inf */
@@ -178,6 +203,8 @@ typedef struct k3_kvs_metrics {
     int64_t saves, saves_failed;                     /* save jobs, failed ones (disk full, I/O) */
     int64_t saves_dropped;                           /* saves refused with a full queue */
     int64_t runs_written, snaps_written;             /* files published */
+    int64_t blocks_stored, blocks_removed;           /* blocks (with engine hashes) in runs published, and in
+                                                        runs an eviction pass of this process removed */
     int64_t files_present;                           /* writes skipped: the key was there (or won by another writer) */
     int64_t bytes_written, bytes_read;               /* payload bytes */
     double write_seconds, read_seconds;              /* time in the writer / reader jobs */
@@ -186,6 +213,7 @@ typedef struct k3_kvs_metrics {
     int64_t dir_bytes;                               /* the directory's size (shared counter) */
     int64_t budget;                                  /* this process's budget */
     k3_kvs_hist load_seconds, save_seconds;
+    k3_kvs_hist load_size, save_size; /* k3_kvs_size_le: bytes of each load, each save that wrote */
 } k3_kvs_metrics;
 
 void k3_kvs_get_metrics(k3_kvs *s, k3_kvs_metrics *out);

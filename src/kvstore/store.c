@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
@@ -35,6 +36,9 @@ const char *const k3_kvs_miss_names[K3_KVS_MISS_REASONS] = {"absent", "foreign",
                                                             "tokens", "checksum", "io"};
 const double k3_kvs_hist_le[K3_KVS_HIST_BUCKETS] = {0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1,
                                                     0.2,   0.5,   1,     2,    5,    10,   60};
+/* vLLM's transfer size buckets, 10 of them, then 500 MB, 1, 2, 5 GB */
+const double k3_kvs_size_le[K3_KVS_HIST_BUCKETS] = {1e6,   5e6,   10e6,  20e6, 40e6, 60e6, 80e6,
+                                                    100e6, 150e6, 200e6, 5e8,  1e9,  2e9,  5e9};
 
 enum { RD = 0, WR = 1 }; /* the two threads */
 
@@ -67,7 +71,7 @@ typedef struct job {
     void *state;
     /* saves */
     int32_t *tokens;
-    uint64_t *extra;
+    uint64_t *extra, *hashes;
     int64_t n_tokens;
     uint64_t salt;
     int32_t n_full;
@@ -136,9 +140,9 @@ static void count_miss(k3_kvs *s, int reason) {
     pthread_mutex_unlock(&s->mm);
 }
 
-static void hist_add(k3_kvs_hist *h, double v) {
+static void hist_add_le(k3_kvs_hist *h, const double *le, double v) {
     int b = 0;
-    while (b < K3_KVS_HIST_BUCKETS && v > k3_kvs_hist_le[b]) b++;
+    while (b < K3_KVS_HIST_BUCKETS && v > le[b]) b++;
     h->count[b]++;
     h->sum += v;
     h->n++;
@@ -327,8 +331,8 @@ static bool open_checked(k3_kvs *s, k3_kvs_key key, bool snap, int64_t first, in
                 snprintf(why, sizeof why, "its chain or place differs from the request's");
                 reason = K3_KVS_MISS_TOKENS;
             } else if (!snap) {
-                const int32_t *ht = (const int32_t *)(h + 1);
-                const uint64_t *hx = (const uint64_t *)(ht + n * s->bs);
+                const int32_t *ht = k3_kvs_hdr_tokens(h);
+                const uint64_t *hx = k3_kvs_hdr_extra(h);
                 bool same = !memcmp(ht, tokens + first * s->bs, sizeof(int32_t) * (size_t)(n * s->bs));
                 for (int64_t i = 0; same && i < n; i++) same = hx[i] == (extra ? extra[first + i] : 0);
                 if (!same) {
@@ -354,8 +358,7 @@ static bool open_checked(k3_kvs *s, k3_kvs_key key, bool snap, int64_t first, in
         close(fd);
         return false;
     }
-    const uint64_t *sums =
-        snap ? (const uint64_t *)(h + 1) : (const uint64_t *)((const int32_t *)(h + 1) + n * s->bs) + n;
+    const uint64_t *sums = k3_kvs_hdr_sums(h);
     memcpy(out->sums, sums, sizeof(uint64_t) * (size_t)ns);
     out->fd = fd;
     out->snap = snap;
@@ -480,11 +483,22 @@ static int block_iov(k3_kvs *s, int32_t b, struct iovec *iov) {
     return n;
 }
 
-static uint64_t iov_sum(const struct iovec *iov, int n) {
-    XXH3_state_t st;
-    XXH3_64bits_reset(&st);
-    for (int i = 0; i < n; i++) XXH3_64bits_update(&st, iov[i].iov_base, iov[i].iov_len);
-    return XXH3_64bits_digest(&st);
+/* Maps the pages of iov[0..n) in, writable, without changing a byte
+ * (MADV_POPULATE_WRITE): memory a load is about to fill that was never
+ * touched (a server that just started) is faulted in by one call per range
+ * instead of a fault per page in the middle of each read. Best effort. */
+static void populate(const struct iovec *iov, int n) {
+#ifdef MADV_POPULATE_WRITE
+    const uintptr_t pg = 4096;
+    for (int i = 0; i < n; i++) {
+        const uintptr_t a = (uintptr_t)iov[i].iov_base & ~(pg - 1),
+                        b = ((uintptr_t)iov[i].iov_base + iov[i].iov_len + pg - 1) & ~(pg - 1);
+        if (madvise((void *)a, b - a, MADV_POPULATE_WRITE)) return; /* an old kernel: EINVAL */
+    }
+#else
+    (void)iov;
+    (void)n;
+#endif
 }
 
 /* All of iov at off (write or read); 0, or an errno (EIO for a short read). */
@@ -509,6 +523,55 @@ static int rw_all(int fd, struct iovec *iov, int n, int64_t off, bool wr) {
     return 0;
 }
 
+/* A window of a transfer: what is read, then checksummed while it is still
+ * in the cache (or checksummed, then written), in one system call. */
+#define PIECE_BYTES (256 << 10)
+#define PIECE_IOVS 64
+
+/* Reads (wr: writes) iov[0..n) at off in windows of about PIECE_BYTES, each
+ * window added to the checksum xs right after it is read (before it is
+ * written): the data is read from memory once more while it is in the L2,
+ * not after the whole transfer. 0, or an errno. */
+static int rw_summed(int fd, const struct iovec *iov, int n, int64_t off, bool wr, XXH3_state_t *xs) {
+    struct iovec win[PIECE_IOVS], cp[PIECE_IOVS];
+    int i = 0;
+    size_t in = 0; /* bytes of iov[i] already in a window */
+    while (i < n) {
+        int w = 0;
+        size_t tot = 0;
+        while (i < n && w < PIECE_IOVS && tot < PIECE_BYTES) {
+            const size_t left = iov[i].iov_len - in, room = PIECE_BYTES - tot, take = left < room ? left : room;
+            if (take) win[w++] = (struct iovec){(char *)iov[i].iov_base + in, take};
+            tot += take;
+            in += take;
+            if (in == iov[i].iov_len) {
+                i++;
+                in = 0;
+            }
+        }
+        if (!w) continue;
+        if (wr)
+            for (int k = 0; k < w; k++) XXH3_64bits_update(xs, win[k].iov_base, win[k].iov_len);
+        memcpy(cp, win, sizeof *win * (size_t)w);
+        const int e = rw_all(fd, cp, w, off, wr);
+        if (e) return e;
+        if (!wr)
+            for (int k = 0; k < w; k++) XXH3_64bits_update(xs, win[k].iov_base, win[k].iov_len);
+        off += (int64_t)tot;
+    }
+    return 0;
+}
+
+/* One buffer through rw_summed; *sum gets its checksum. */
+static int rw_buf_summed(int fd, void *buf, int64_t n, int64_t off, bool wr, uint64_t *sum) {
+    XXH3_state_t xs;
+    XXH3_64bits_reset(&xs);
+    const struct iovec v = {buf, (size_t)n};
+    const int e = rw_summed(fd, &v, 1, off, wr, &xs);
+    *sum = XXH3_64bits_digest(&xs);
+    return e;
+}
+
 static int rw_buf(int fd, void *buf, int64_t n, int64_t off, bool wr) {
     for (int64_t done = 0; done < n;) {
         const int64_t chunk = n - done < (1 << 26) ? n - done : (1 << 26);
@@ -522,6 +585,24 @@ static int rw_buf(int fd, void *buf, int64_t n, int64_t off, bool wr) {
 
 /* ---- writing a file ------------------------------------------------------------------------ */
 
+/* A run an eviction pass removes: its blocks leave the directory (the
+ * events' BlockRemoved), when it was this namespace's. */
+static void on_removed(void *arg, const k3_kvs_hdr *h) {
+    k3_kvs *s = arg;
+    if (k3_kvs_ident_diff(&h->id, &s->id)) return;
+    const uint64_t *eh = k3_kvs_hdr_ehash(h);
+    int32_t n = 0;
+    while (n < h->n_blocks && eh[n]) n++;
+    if (!n) return;
+    pthread_mutex_lock(&s->mm);
+    s->m.blocks_removed += n;
+    pthread_mutex_unlock(&s->mm);
+    if (s->o.on_blocks) {
+        const k3_kvs_blocks_event ev = {.stored = false, .hashes = eh, .n = n};
+        s->o.on_blocks(s->o.cb_arg, &ev);
+    }
+}
+
 static void budget_check(k3_kvs *s, int64_t need) {
     const int64_t used = __atomic_load_n(&s->usage->bytes, __ATOMIC_RELAXED);
     if (used + need <= s->o.disk_bytes) return;
@@ -529,7 +610,7 @@ static void budget_check(k3_kvs *s, int64_t need) {
     k3_error e = {0};
     int64_t target = s->o.disk_bytes / 10 * 9 - need;
     if (target < 0) target = 0;
-    if (k3_kvs_dir_evict(s->dir, s->usage, target, 600, false, &r, &e)) {
+    if (k3_kvs_dir_evict(s->dir, s->usage, target, 600, false, on_removed, s, &r, &e)) {
         say(s, "kv cache: eviction pass failed: %s", e.msg);
         return;
     }
@@ -562,18 +643,18 @@ static int write_file(k3_kvs *s, k3_kvs_hdr *h, const int32_t *blocks, const voi
         return -1;
     }
     int e = 0;
-    uint64_t *sums =
-        snap ? (uint64_t *)(h + 1) : (uint64_t *)((int32_t *)(h + 1) + (int64_t)h->n_blocks * s->bs) + h->n_blocks;
+    uint64_t *sums = (uint64_t *)k3_kvs_hdr_sums(h);
     if (snap) {
-        sums[0] = XXH3_64bits(src, (size_t)h->payload_bytes);
-        e = rw_buf(fd, (void *)src, h->payload_bytes, h->payload_off, true);
+        e = rw_buf_summed(fd, (void *)src, h->payload_bytes, h->payload_off, true, &sums[0]);
     } else {
         struct iovec *iov = malloc(sizeof *iov * (size_t)s->max_iov);
         if (!iov) e = ENOMEM;
         for (int32_t i = 0; !e && i < h->n_blocks; i++) {
             const int n = block_iov(s, blocks[h->first_block + i], iov);
-            sums[i] = iov_sum(iov, n);
-            e = rw_all(fd, iov, n, h->payload_off + (int64_t)i * s->id.block_bytes, true);
+            XXH3_state_t xs;
+            XXH3_64bits_reset(&xs);
+            e = rw_summed(fd, iov, n, h->payload_off + (int64_t)i * s->id.block_bytes, true, &xs);
+            sums[i] = XXH3_64bits_digest(&xs);
         }
         free(iov);
     }
@@ -619,7 +700,7 @@ static void remove_file(k3_kvs *s, const char *name, bool snap) {
 }
 
 static k3_kvs_hdr *make_hdr(k3_kvs *s, bool snap, k3_kvs_key key, k3_kvs_key parent, int64_t first, int32_t n,
-                            int64_t pos, const int32_t *tokens, const uint64_t *extra) {
+                            int64_t pos, const int32_t *tokens, const uint64_t *extra, const uint64_t *ehash) {
     const int64_t hb = k3_kvs_hdr_bytes(n, s->bs, snap);
     k3_kvs_hdr *h = calloc(1, (size_t)hb);
     if (!h) return NULL;
@@ -638,8 +719,11 @@ static k3_kvs_hdr *make_hdr(k3_kvs *s, bool snap, k3_kvs_key key, k3_kvs_key par
     if (!snap) {
         int32_t *t = (int32_t *)(h + 1);
         memcpy(t, tokens + first * s->bs, sizeof(int32_t) * (size_t)(n * s->bs));
-        uint64_t *x = (uint64_t *)(t + (int64_t)n * s->bs);
-        for (int32_t i = 0; i < n; i++) x[i] = extra ? extra[first + i] : 0;
+        uint64_t *x = (uint64_t *)k3_kvs_hdr_extra(h), *eh = (uint64_t *)k3_kvs_hdr_ehash(h);
+        for (int32_t i = 0; i < n; i++) {
+            x[i] = extra ? extra[first + i] : 0;
+            eh[i] = ehash ? ehash[first + i] : 0;
+        }
     }
     return h;
 }
@@ -664,7 +748,7 @@ static k3_status job_save_blocks(k3_kvs *s, job *j, k3_kvs_done *d) {
         char name[48];
         file_name(keys[g0 + len - 1], false, name);
         k3_kvs_hdr *h = make_hdr(s, false, keys[g0 + len - 1], g0 ? keys[g0 - 1] : seed, g0, (int32_t)len,
-                                 (g0 + len) * s->bs, j->tokens, j->extra);
+                                 (g0 + len) * s->bs, j->tokens, j->extra, j->hashes);
         if (!h) {
             snprintf(d->why, sizeof d->why, "out of memory");
             st = K3_ERR_NOMEM;
@@ -686,7 +770,18 @@ static k3_status job_save_blocks(k3_kvs *s, job *j, k3_kvs_done *d) {
         d->files++;
         pthread_mutex_lock(&s->mm);
         s->m.runs_written++;
+        if (j->hashes) s->m.blocks_stored += len;
         pthread_mutex_unlock(&s->mm);
+        if (j->hashes && s->o.on_blocks) {
+            const k3_kvs_blocks_event ev = {.stored = true,
+                                            .hashes = j->hashes + g0,
+                                            .n = (int32_t)len,
+                                            .parent = g0 ? j->hashes[g0 - 1] : 0,
+                                            .has_parent = g0 > 0,
+                                            .tokens = j->tokens + g0 * s->bs,
+                                            .extra = j->extra ? j->extra + g0 : NULL};
+            s->o.on_blocks(s->o.cb_arg, &ev);
+        }
         /* a longer run of the group supersedes the shorter ones written before */
         for (int64_t k = 1; k < len; k++) {
             char old[48];
@@ -708,7 +803,7 @@ static k3_status job_save_snapshot(k3_kvs *s, job *j, k3_kvs_done *d) {
     chain_keys(s, j->tokens, j->extra, j->salt, nb, keys);
     char name[48];
     file_name(keys[nb - 1], true, name);
-    k3_kvs_hdr *h = make_hdr(s, true, keys[nb - 1], keys[nb - 1], nb, 0, j->pos, NULL, NULL);
+    k3_kvs_hdr *h = make_hdr(s, true, keys[nb - 1], keys[nb - 1], nb, 0, j->pos, NULL, NULL, NULL);
     k3_status st = K3_OK;
     if (!h) {
         snprintf(d->why, sizeof d->why, "out of memory");
@@ -756,9 +851,9 @@ static void drop_damaged(k3_kvs *s, const found *f) {
 static k3_status job_load(k3_kvs *s, job *j, k3_kvs_done *d) {
     k3_kvs_hit *h = j->hit;
     const int64_t lo = h->n_local / s->bs, hi = h->n_tokens / s->bs;
-    struct iovec *iov = malloc(sizeof *iov * (size_t)s->max_iov), *cp = malloc(sizeof *cp * (size_t)s->max_iov);
+    struct iovec *iov = malloc(sizeof *iov * (size_t)s->max_iov);
     k3_status st = K3_OK;
-    if (!iov || !cp) {
+    if (!iov) {
         snprintf(d->why, sizeof d->why, "out of memory");
         st = K3_ERR_NOMEM;
     }
@@ -773,13 +868,15 @@ static k3_status job_load(k3_kvs *s, job *j, k3_kvs_done *d) {
                 break;
             }
             const int n = block_iov(s, j->blocks[b], iov);
-            memcpy(cp, iov, sizeof *iov * (size_t)n);
-            const int e = rw_all(f->fd, cp, n, f->payload_off + (b - f->first) * s->id.block_bytes, false);
+            populate(iov, n);
+            XXH3_state_t xs;
+            XXH3_64bits_reset(&xs);
+            const int e = rw_summed(f->fd, iov, n, f->payload_off + (b - f->first) * s->id.block_bytes, false, &xs);
             if (e) {
                 snprintf(d->why, sizeof d->why, "runs/%s: %s", f->name, e == EIO ? "short read" : strerror(e));
                 count_miss(s, K3_KVS_MISS_IO);
                 st = K3_ERR_IO;
-            } else if (iov_sum(iov, n) != f->sums[b - f->first]) {
+            } else if (XXH3_64bits_digest(&xs) != f->sums[b - f->first]) {
                 snprintf(d->why, sizeof d->why, "runs/%s: block %lld fails its checksum (damaged; removed)", f->name,
                          (long long)(b - f->first));
                 count_miss(s, K3_KVS_MISS_CHECKSUM);
@@ -796,12 +893,14 @@ static k3_status job_load(k3_kvs *s, job *j, k3_kvs_done *d) {
     }
     if (!st && !job_cancelled(s, j)) {
         found *f = &h->snap;
-        const int e = rw_buf(f->fd, j->state, s->id.state_bytes, f->payload_off, false);
+        uint64_t sum = 0;
+        populate(&(struct iovec){j->state, (size_t)s->id.state_bytes}, 1);
+        const int e = rw_buf_summed(f->fd, j->state, s->id.state_bytes, f->payload_off, false, &sum);
         if (e) {
             snprintf(d->why, sizeof d->why, "snaps/%s: %s", f->name, e == EIO ? "short read" : strerror(e));
             count_miss(s, K3_KVS_MISS_IO);
             st = K3_ERR_IO;
-        } else if (XXH3_64bits(j->state, (size_t)s->id.state_bytes) != f->sums[0]) {
+        } else if (sum != f->sums[0]) {
             snprintf(d->why, sizeof d->why, "snaps/%s fails its checksum (damaged; removed)", f->name);
             count_miss(s, K3_KVS_MISS_CHECKSUM);
             drop_damaged(s, f);
@@ -817,7 +916,6 @@ static k3_status job_load(k3_kvs *s, job *j, k3_kvs_done *d) {
         st = K3_ERR_ARG;
     }
     free(iov);
-    free(cp);
     return st;
 }
 
@@ -827,13 +925,13 @@ static void job_free(job *j) {
     free(j->blocks);
     free(j->tokens);
     free(j->extra);
+    free(j->hashes);
     free(j);
 }
 
-/* Runs j and posts its completion; j stays the caller's, which frees it
- * after clearing running[] under mu (a waiter or a cancel reads running[]
- * under mu, so j must outlive its place there). */
-static void run_job(k3_kvs *s, job *j) {
+/* Runs j (running[t], taken by take()), records its completion; the job is
+ * freed. */
+static void run_job(k3_kvs *s, int t, job *j) {
     k3_kvs_done d = {.ticket = j->ticket, .op = j->op};
     const double t0 = k3_now();
     d.status = j->op == K3_KVS_LOAD   ? job_load(s, j, &d)
@@ -847,16 +945,26 @@ static void run_job(k3_kvs *s, job *j) {
         s->m.loads_failed += d.status != K3_OK;
         s->m.bytes_read += d.bytes;
         s->m.read_seconds += d.seconds;
-        if (!d.status) hist_add(&s->m.load_seconds, d.seconds);
+        if (!d.status) {
+            hist_add_le(&s->m.load_seconds, k3_kvs_hist_le, d.seconds);
+            hist_add_le(&s->m.load_size, k3_kvs_size_le, (double)d.bytes);
+        }
     } else {
         s->m.saves++;
         s->m.saves_failed += d.status != K3_OK;
         s->m.bytes_written += d.bytes;
         s->m.write_seconds += d.seconds;
-        if (!d.status && d.files) hist_add(&s->m.save_seconds, d.seconds);
+        if (!d.status && d.files) {
+            hist_add_le(&s->m.save_seconds, k3_kvs_hist_le, d.seconds);
+            hist_add_le(&s->m.save_size, k3_kvs_size_le, (double)d.bytes);
+        }
     }
     pthread_mutex_unlock(&s->mm);
+    /* The job leaves running[t] and enters done under one hold of mu, and is
+     * freed only then: k3_kvs_wait and k3_kvs_cancel read running[t] under
+     * mu, so they never see a ticket in neither place nor a freed job. */
     pthread_mutex_lock(&s->mu);
+    s->running[t] = NULL;
     if (s->n_done == s->cap_done) {
         const int32_t cap = s->cap_done ? 2 * s->cap_done : 64;
         k3_kvs_done *g = realloc(s->done, sizeof *g * (size_t)cap);
@@ -868,6 +976,8 @@ static void run_job(k3_kvs *s, job *j) {
     if (s->n_done < s->cap_done) s->done[s->n_done++] = d;
     pthread_cond_broadcast(&s->cv_done);
     pthread_mutex_unlock(&s->mu);
+    job_free(j);
+    if (s->o.on_done) s->o.on_done(s->o.cb_arg);
 }
 
 /* Takes the next job of thread t (under mu), or NULL. */
@@ -901,10 +1011,8 @@ static void *worker(void *arg) {
             continue;
         }
         pthread_mutex_unlock(&s->mu);
-        run_job(s, j);
+        run_job(s, t, j);
         pthread_mutex_lock(&s->mu);
-        s->running[t] = NULL;
-        job_free(j);
     }
     pthread_mutex_unlock(&s->mu);
     return NULL;
@@ -938,11 +1046,7 @@ static void run_queued(k3_kvs *s) {
             job *j = take(s, t);
             pthread_mutex_unlock(&s->mu);
             if (!j) break;
-            run_job(s, j);
-            pthread_mutex_lock(&s->mu);
-            s->running[t] = NULL;
-            pthread_mutex_unlock(&s->mu);
-            job_free(j);
+            run_job(s, t, j);
         }
 }
 
@@ -958,6 +1062,11 @@ static bool copy_seq(job *j, const k3_kvs_seq *seq, int64_t n_tokens, int64_t n_
         j->extra = malloc(sizeof(uint64_t) * (size_t)(n_blocks ? n_blocks : 1));
         if (!j->extra) return false;
         memcpy(j->extra, seq->extra, sizeof(uint64_t) * (size_t)n_blocks);
+    }
+    if (seq->hashes) {
+        j->hashes = malloc(sizeof(uint64_t) * (size_t)(n_blocks ? n_blocks : 1));
+        if (!j->hashes) return false;
+        memcpy(j->hashes, seq->hashes, sizeof(uint64_t) * (size_t)n_blocks);
     }
     return true;
 }
@@ -1058,10 +1167,12 @@ int32_t k3_kvs_poll(k3_kvs *s, k3_kvs_done *out, int32_t max) {
 }
 
 k3_status k3_kvs_wait(k3_kvs *s, uint64_t ticket, k3_kvs_done *out, k3_error *err) {
-    if (!ticket || ticket > s->next_ticket)
-        return k3_err(err, K3_ERR_ARG, "kv cache: no ticket %llu", (unsigned long long)ticket);
     run_queued(s);
     pthread_mutex_lock(&s->mu);
+    if (!ticket || ticket > s->next_ticket) {
+        pthread_mutex_unlock(&s->mu);
+        return k3_err(err, K3_ERR_ARG, "kv cache: no ticket %llu", (unsigned long long)ticket);
+    }
     for (;;) {
         for (int32_t i = 0; i < s->n_done; i++)
             if (s->done[i].ticket == ticket) {
@@ -1105,7 +1216,7 @@ void k3_kvs_get_metrics(k3_kvs *s, k3_kvs_metrics *out) {
 
 k3_status k3_kvs_evict(k3_kvs *s, int64_t target, k3_error *err) {
     k3_kvs_evict_result r;
-    K3_TRY(k3_kvs_dir_evict(s->dir, s->usage, target, 600, true, &r, err));
+    K3_TRY(k3_kvs_dir_evict(s->dir, s->usage, target, 600, true, on_removed, s, &r, err));
     pthread_mutex_lock(&s->mm);
     s->m.evictions++;
     s->m.evicted_files += r.evicted_files;
@@ -1219,7 +1330,7 @@ k3_status k3_kvs_open(k3_kvs **out, const k3_kvs_options *opt, k3_error *err) {
     /* set the counter from what is there (and trim to the budget) unless another process is at it */
     k3_kvs_evict_result r;
     k3_error e2 = {0};
-    if (!k3_kvs_dir_evict(s->dir, s->usage, s->o.disk_bytes, 3600, false, &r, &e2) && r.evicted_files)
+    if (!k3_kvs_dir_evict(s->dir, s->usage, s->o.disk_bytes, 3600, false, on_removed, s, &r, &e2) && r.evicted_files)
         say(s, "kv cache: evicted %lld files (%lld bytes) to fit %lld bytes", (long long)r.evicted_files,
             (long long)r.evicted_bytes, (long long)s->o.disk_bytes);
     if (!s->o.no_threads)

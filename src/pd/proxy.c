@@ -47,9 +47,11 @@
 #include "http/http.h"
 #include "pd/auth.h"
 #include "pd/pd.h"
+#include "router/router.h"
 
 typedef struct backend {
-    char *url; /* base, no trailing slash */
+    char *url;   /* base, no trailing slash */
+    int32_t rix; /* the router's index of it, -1 for prefill and decode instances */
     atomic_int inflight;
     _Atomic double down_until; /* k3_now() before which it is skipped */
     atomic_long requests, failures;
@@ -67,6 +69,11 @@ struct k3_proxy {
     atomic_uint rr;
     atomic_bool stopping;
     atomic_long requests, errors, released, whole;
+    /* the router (--role router): its policy over the backends (p->dec), under rmu */
+    k3_router *router;
+    pthread_mutex_t rmu;
+    atomic_long routed[K3_ROUTE_RR + 1]; /* by why */
+    atomic_long matched_bytes, key_bytes;
     /* the prober of the backends' /health */
     pthread_t prober;
     bool prober_started, quit;
@@ -124,6 +131,15 @@ static int pick(k3_proxy *p, backend *b, int n, unsigned tried) {
         if (*slot < 0 || atomic_load(&b[i].inflight) < atomic_load(&b[*slot].inflight)) *slot = i;
     }
     return best >= 0 ? best : best_down;
+}
+
+/* A request sent to b ended (ok: answered, or ended by the client or the proxy; else b failed it):
+ * the router's load and health learn it. */
+static void backend_done(k3_proxy *p, backend *b, bool ok) {
+    if (!p->router || b->rix < 0) return;
+    pthread_mutex_lock(&p->rmu);
+    k3_router_done(p->router, b->rix, ok, k3_now());
+    pthread_mutex_unlock(&p->rmu);
 }
 
 typedef struct call {
@@ -309,8 +325,9 @@ typedef struct relay {
     bool done, failed;
     k3_buf tail; /* the ending after a stream cut short or ended by the proxy */
     size_t tail_pos;
-    json_t *resp; /* the Responses API's response object, from its first event */
-    long seq;     /* the Responses API's last sequence_number */
+    json_t *resp;  /* the Responses API's response object, from its first event */
+    long seq;      /* the Responses API's last sequence_number */
+    bool ended_ok; /* ended by the client or the proxy before an answer: not the backend's failure */
 } relay;
 
 /* What a stream's client reads when the stream ends early: its API's error
@@ -430,8 +447,12 @@ static ssize_t relay_read(void *cls, uint64_t pos, char *buf, size_t max) {
     return 0; /* nothing yet: MHD asks again */
 }
 
+static void backend_done(k3_proxy *p, backend *b, bool ok);
+
 static void relay_free(void *cls) {
     relay *r = cls;
+    backend_done(r->p, r->b,
+                 r->ended_ok || r->c.client_left || r->c.ended || (r->c.got_status && !r->failed && r->c.status < 500));
     curl_multi_remove_handle(r->m, r->c.h);
     curl_multi_cleanup(r->m);
     call_free(&r->c);
@@ -564,6 +585,200 @@ static enum MHD_Result prefill_leg(k3_proxy *p, struct MHD_Connection *c, int ro
     }
 }
 
+/* The leg that answers the client: body (taken) to one of l->bs (l->choose's pick, then another
+ * not tried when it cannot be reached: it is marked down), its answer or stream relayed as it
+ * comes. The decode leg of prefill/decode disaggregation and the router's one leg. */
+typedef struct leg {
+    backend *bs; /* the backends it may use */
+    int n;
+    int (*choose)(k3_proxy *p, const struct leg *l, unsigned tried); /* an index not in tried, or -1 */
+    const int32_t *key;                                              /* the router's: the prompt's key */
+    int64_t n_key;
+    char *cred; /* the proxy's credential over kv_transfer_params ("" or NULL: none) */
+    json_t *kv; /* the hold to release when no backend takes the request, or NULL */
+    /* prefill/decode: the client's request, and the prefill's answer (*ans, owned by the caller)
+     * that a retry replaces with a fresh hold */
+    json_t *root, **ans;
+    const char *what; /* "decode instance", "backend" */
+} leg;
+
+static int pick_least_loaded(k3_proxy *p, const leg *l, unsigned tried) { return pick(p, l->bs, l->n, tried); }
+
+/* The router's choice among the backends not tried (the policy of src/router: the longest prefix
+ * it sent there, balanced by load; a backend down gets a probe); it records the request there. */
+static int choose_router(k3_proxy *p, const leg *l, unsigned tried) {
+    pthread_mutex_lock(&p->rmu);
+    const double now = k3_now();
+    const k3_route rt = k3_router_route_excluding(p->router, l->key, l->n_key, now, tried);
+    if (rt.backend < 0) {
+        /* none healthy: the least loaded not tried, whatever its health (it may be back) */
+        const int i = pick(p, l->bs, l->n, tried);
+        if (i >= 0) k3_router_sent(p->router, i, l->key, l->n_key, now);
+        pthread_mutex_unlock(&p->rmu);
+        if (i >= 0) atomic_fetch_add(&p->routed[K3_ROUTE_NONE], 1);
+        return i;
+    }
+    pthread_mutex_unlock(&p->rmu);
+    atomic_fetch_add(&p->routed[rt.why], 1);
+    atomic_fetch_add(&p->matched_bytes, rt.matched_tokens);
+    return rt.backend;
+}
+
+static char *decode_body(k3_proxy *p, json_t *root, json_t *kv, char cred[2 * K3_PD_KEY_BYTES + 1]);
+
+static enum MHD_Result answer_leg(k3_proxy *p, struct MHD_Connection *c, int route, const char *url, char *body,
+                                  bool stream, leg *l) {
+    unsigned tried = 0;
+    char last[720];
+    snprintf(last, sizeof last, "no %s", l->what);
+    for (;;) {
+        const int i = l->choose(p, l, tried);
+        if (i < 0) {
+            if (l->kv) release_hold(p, l->kv);
+            free(body);
+            return fail(p, c, route, 502, "no %s answered: %s", l->what, last);
+        }
+        if (tried && l->ans && l->kv) {
+            /* the instance tried before may have begun pulling the hold, which
+             * is good for one pull only: the next one gets a fresh hold */
+            release_hold(p, l->kv);
+            json_decref(*l->ans);
+            *l->ans = NULL;
+            l->kv = NULL;
+            free(body);
+            bool answered;
+            const enum MHD_Result again = prefill_leg(p, c, route, url, l->root, l->ans, &answered);
+            if (answered) return again;
+            json_t *kv = json_is_object(*l->ans) ? json_object_get(*l->ans, "kv_transfer_params") : NULL;
+            l->kv = json_is_object(kv) ? kv : NULL;
+            if (!(body = decode_body(p, l->root, l->kv, l->cred))) {
+                if (l->kv) release_hold(p, l->kv);
+                return fail(p, c, route, 500, "out of memory");
+            }
+        }
+        tried |= 1u << i;
+        backend *b = &l->bs[i];
+        relay *r = calloc(1, sizeof *r);
+        if (!r || !call_init(&r->c, p, b, "POST", url, body, strlen(body), c, l->cred && l->cred[0] ? l->cred : NULL)) {
+            free(r);
+            backend_done(p, b, true);
+            if (l->kv) release_hold(p, l->kv);
+            free(body);
+            return fail(p, c, route, 500, "out of memory");
+        }
+        r->p = p;
+        r->b = b;
+        r->route = route;
+        atomic_fetch_add(&b->inflight, 1);
+        atomic_fetch_add(&b->requests, 1);
+        if (!stream) {
+            k3_error err = {0};
+            const bool ok = call_run(&r->c, &err);
+            atomic_fetch_sub(&b->inflight, 1);
+            const bool gone = r->c.client_left, end = r->c.ended;
+            /* a backend that answered (not with a server error), or a call the client or the proxy ended */
+            backend_done(p, b, (ok && r->c.got_status && r->c.status < 500) || gone || end);
+            if (ok && r->c.got_status && !end && !gone) {
+                char *text = malloc(r->c.out.len + 1);
+                if (text) memcpy(text, r->c.out.p ? r->c.out.p : "", r->c.out.len);
+                const enum MHD_Result ret = relay_whole(p, c, r->c.status, text, r->c.out.len, r->c.ctype);
+                call_free(&r->c);
+                free(r);
+                free(body);
+                return ret;
+            }
+            call_free(&r->c);
+            free(r);
+            if (gone || end) {
+                free(body);
+                return gone ? MHD_NO : ended(p, c, route);
+            }
+            atomic_fetch_add(&b->failures, 1);
+            atomic_store(&b->down_until, k3_now() + 2.0);
+            snprintf(last, sizeof last, "%.200s: %.500s", b->url, err.msg);
+            continue;
+        }
+        /* a stream: relayed once the decode instance has answered its status */
+        r->m = curl_multi_init();
+        if (!r->m) {
+            atomic_fetch_sub(&b->inflight, 1);
+            backend_done(p, b, true);
+            call_free(&r->c);
+            free(r);
+            if (l->kv) release_hold(p, l->kv);
+            free(body);
+            return fail(p, c, route, 500, "out of memory");
+        }
+        curl_multi_add_handle(r->m, r->c.h);
+        while (!r->done && !r->c.got_status && !k3_http_client_gone(c) && !r->c.ended) relay_pump(r, 100);
+        const bool answered_status = r->c.got_status;
+        if (!answered_status || (r->done && r->failed && r->c.out.len == 0)) {
+            const bool gone = k3_http_client_gone(c), end = r->c.ended;
+            if (!end) {
+                atomic_fetch_add(&b->failures, 1);
+                atomic_store(&b->down_until, k3_now() + 2.0);
+            }
+            snprintf(last, sizeof last, "%.200s: %.500s", b->url, r->c.errbuf[0] ? r->c.errbuf : "no answer");
+            if (gone || end) r->ended_ok = true; /* not the backend's failure */
+            relay_free(r);
+            if (gone || end) {
+                free(body);
+                return gone ? MHD_NO : ended(p, c, route);
+            }
+            continue;
+        }
+        curl_easy_getinfo(r->c.h, CURLINFO_RESPONSE_CODE, &r->c.status);
+        free(body);
+        if (r->c.status != 200) atomic_fetch_add(&p->errors, 1);
+        return k3_http_queue_stream(p->http, c, r->c.status ? (unsigned)r->c.status : 200,
+                                    r->c.ctype[0] ? r->c.ctype : "text/event-stream", relay_read, r, relay_free);
+    }
+}
+
+
+/* The prompt's key for the router's tree: the fields that make a prompt, in the order a template
+ * renders them, as compact JSON -- a conversation that grows keeps its key's prefix (the router
+ * sees text, as SGLang's does; no tokenizer here). One int32 per byte. NULL when none. */
+static int32_t *prompt_key(json_t *root, int64_t *n) {
+    static const char *const fields[] = {"instructions", "system", "tools", "prompt", "messages", "input"};
+    k3_buf b = {0};
+    for (size_t i = 0; i < sizeof fields / sizeof *fields; i++) {
+        json_t *v = json_object_get(root, fields[i]);
+        if (!v) continue;
+        char *t = json_dumps(v, JSON_COMPACT | JSON_ENCODE_ANY);
+        if (t) k3_buf_addf(&b, "%s:%s\n", fields[i], t);
+        free(t);
+    }
+    *n = 0;
+    if (b.oom || !b.len) {
+        k3_buf_free(&b);
+        return NULL;
+    }
+    int32_t *key = malloc(sizeof(int32_t) * b.len);
+    if (key) {
+        for (size_t i = 0; i < b.len; i++) key[i] = (unsigned char)b.p[i];
+        *n = (int64_t)b.len;
+    }
+    k3_buf_free(&b);
+    return key;
+}
+
+/* The router's generation request: whole to the backend its policy picks. */
+static enum MHD_Result route_generate(k3_proxy *p, struct MHD_Connection *c, int route, const char *url, json_t *root) {
+    int64_t n_key = 0;
+    int32_t *key = prompt_key(root, &n_key);
+    char *body = json_dumps(root, JSON_COMPACT);
+    if (!body) {
+        free(key);
+        return fail(p, c, route, 500, "out of memory");
+    }
+    atomic_fetch_add(&p->key_bytes, n_key);
+    leg l = {.bs = p->dec, .n = p->n_dec, .choose = choose_router, .key = key, .n_key = n_key, .what = "backend"};
+    const enum MHD_Result ret = answer_leg(p, c, route, url, body, json_is_true(json_object_get(root, "stream")), &l);
+    free(key);
+    return ret;
+}
+
 /* The body a decode instance gets: the client's request with the prefill's
  * kv_transfer_params and the proxy's credential over them (cred); without
  * them -- a request sent whole, or a prefill instance that names no hold --
@@ -583,6 +798,7 @@ static char *decode_body(k3_proxy *p, json_t *root, json_t *kv, char cred[2 * K3
 }
 
 static enum MHD_Result generate(k3_proxy *p, struct MHD_Connection *c, int route, const char *url, json_t *root) {
+    if (p->router) return route_generate(p, c, route, url, root);
     /* 1. the prefill instance: one token, no stream, kept for a decode instance */
     json_t *ans = NULL;
     bool answered;
@@ -598,110 +814,17 @@ static enum MHD_Result generate(k3_proxy *p, struct MHD_Connection *c, int route
         free(dbody);
         return dbody ? MHD_NO : fail(p, c, route, 500, "out of memory");
     }
-    const bool stream = json_is_true(json_object_get(root, "stream"));
-    unsigned tried = 0;
-    char last[720] = "no decode instance";
-    for (;;) {
-        const int i = pick(p, p->dec, p->n_dec, tried);
-        if (i < 0) {
-            if (json_is_object(kv)) release_hold(p, kv);
-            json_decref(ans);
-            free(dbody);
-            return fail(p, c, route, 502, "no decode instance answered: %s", last);
-        }
-        if (tried && json_is_object(kv)) {
-            /* the instance tried before may have begun pulling the hold, which
-             * is good for one pull only: the next one gets a fresh hold */
-            release_hold(p, kv);
-            json_decref(ans);
-            free(dbody);
-            const enum MHD_Result again = prefill_leg(p, c, route, url, root, &ans, &answered);
-            if (answered) return again;
-            kv = json_is_object(ans) ? json_object_get(ans, "kv_transfer_params") : NULL;
-            if (!(dbody = decode_body(p, root, kv, cred))) {
-                if (json_is_object(kv)) release_hold(p, kv);
-                json_decref(ans);
-                return fail(p, c, route, 500, "out of memory");
-            }
-        }
-        tried |= 1u << i;
-        backend *b = &p->dec[i];
-        relay *r = calloc(1, sizeof *r);
-        if (!r || !call_init(&r->c, p, b, "POST", url, dbody, strlen(dbody), c, cred[0] ? cred : NULL)) {
-            free(r);
-            if (json_is_object(kv)) release_hold(p, kv);
-            json_decref(ans);
-            free(dbody);
-            return fail(p, c, route, 500, "out of memory");
-        }
-        r->p = p;
-        r->b = b;
-        r->route = route;
-        atomic_fetch_add(&b->inflight, 1);
-        atomic_fetch_add(&b->requests, 1);
-        if (!stream) {
-            k3_error err = {0};
-            const bool ok = call_run(&r->c, &err);
-            atomic_fetch_sub(&b->inflight, 1);
-            const bool gone = r->c.client_left, end = r->c.ended;
-            if (ok && r->c.got_status && !end && !gone) {
-                char *text = malloc(r->c.out.len + 1);
-                if (text) memcpy(text, r->c.out.p ? r->c.out.p : "", r->c.out.len);
-                const enum MHD_Result ret = relay_whole(p, c, r->c.status, text, r->c.out.len, r->c.ctype);
-                call_free(&r->c);
-                free(r);
-                json_decref(ans);
-                free(dbody);
-                return ret;
-            }
-            call_free(&r->c);
-            free(r);
-            if (gone || end) {
-                json_decref(ans);
-                free(dbody);
-                return gone ? MHD_NO : ended(p, c, route);
-            }
-            atomic_fetch_add(&b->failures, 1);
-            atomic_store(&b->down_until, k3_now() + 2.0);
-            snprintf(last, sizeof last, "%.200s: %.500s", b->url, err.msg);
-            continue;
-        }
-        /* a stream: relayed once the decode instance has answered its status */
-        r->m = curl_multi_init();
-        if (!r->m) {
-            atomic_fetch_sub(&b->inflight, 1);
-            call_free(&r->c);
-            free(r);
-            if (json_is_object(kv)) release_hold(p, kv);
-            json_decref(ans);
-            free(dbody);
-            return fail(p, c, route, 500, "out of memory");
-        }
-        curl_multi_add_handle(r->m, r->c.h);
-        while (!r->done && !r->c.got_status && !k3_http_client_gone(c) && !r->c.ended) relay_pump(r, 100);
-        const bool answered_status = r->c.got_status;
-        if (!answered_status || (r->done && r->failed && r->c.out.len == 0)) {
-            const bool gone = k3_http_client_gone(c), end = r->c.ended;
-            if (!end) {
-                atomic_fetch_add(&b->failures, 1);
-                atomic_store(&b->down_until, k3_now() + 2.0);
-            }
-            snprintf(last, sizeof last, "%.200s: %.500s", b->url, r->c.errbuf[0] ? r->c.errbuf : "no answer");
-            relay_free(r);
-            if (gone || end) {
-                json_decref(ans);
-                free(dbody);
-                return gone ? MHD_NO : ended(p, c, route);
-            }
-            continue;
-        }
-        curl_easy_getinfo(r->c.h, CURLINFO_RESPONSE_CODE, &r->c.status);
-        json_decref(ans);
-        free(dbody);
-        if (r->c.status != 200) atomic_fetch_add(&p->errors, 1);
-        return k3_http_queue_stream(p->http, c, r->c.status ? (unsigned)r->c.status : 200,
-                                    r->c.ctype[0] ? r->c.ctype : "text/event-stream", relay_read, r, relay_free);
-    }
+    leg l = {.bs = p->dec,
+             .n = p->n_dec,
+             .choose = pick_least_loaded,
+             .cred = cred,
+             .kv = json_is_object(kv) ? kv : NULL,
+             .root = root,
+             .ans = &ans,
+             .what = "decode instance"};
+    const enum MHD_Result ret = answer_leg(p, c, route, url, dbody, json_is_true(json_object_get(root, "stream")), &l);
+    json_decref(ans);
+    return ret;
 }
 
 static enum MHD_Result health(k3_proxy *p, struct MHD_Connection *c) {
@@ -709,6 +832,9 @@ static enum MHD_Result health(k3_proxy *p, struct MHD_Connection *c) {
     int up_pre = 0, up_dec = 0;
     for (int i = 0; i < p->n_pre; i++) up_pre += atomic_load(&p->pre[i].up);
     for (int i = 0; i < p->n_dec; i++) up_dec += atomic_load(&p->dec[i].up);
+    if (p->router)
+        return up_dec ? k3_http_queue(p->http, c, 200, NULL, 0, "text/plain")
+                      : fail(p, c, R_HEALTH, 503, "no backend is healthy");
     if (!up_pre || !up_dec)
         return fail(p, c, R_HEALTH, 503, "%s%s%s", up_pre ? "" : "no prefill instance is healthy",
                     !up_pre && !up_dec ? "; " : "", up_dec ? "" : "no decode instance is healthy");
@@ -803,8 +929,47 @@ done:
     return answered;
 }
 
+/* The router's own series: requests by why it chose, the prompt bytes it found where it sent them,
+ * and per backend its load, its tree share and what it was sent. */
+static void router_metrics(k3_proxy *p, k3_buf *o) {
+    static const char *const why[] =
+        {[K3_ROUTE_NONE] = "none_healthy", [K3_ROUTE_AFFINITY] = "affinity", [K3_ROUTE_ROOM] = "new_prefix",
+         [K3_ROUTE_BALANCE] = "balance",   [K3_ROUTE_PROBE] = "probe",       [K3_ROUTE_RR] = "round_robin"};
+    k3_buf_addf(o,
+                "# HELP k3:router_requests_total Generation requests routed, by why the backend was chosen.\n"
+                "# TYPE k3:router_requests_total counter\n");
+    for (int w = 0; w <= K3_ROUTE_RR; w++)
+        k3_buf_addf(o, "k3:router_requests_total{reason=\"%s\"} %ld\n", why[w], atomic_load(&p->routed[w]));
+    k3_buf_addf(o,
+                "# HELP k3:router_prompt_bytes_total Bytes of the prompts' text (the tree's key) routed.\n"
+                "# TYPE k3:router_prompt_bytes_total counter\nk3:router_prompt_bytes_total %ld\n"
+                "# HELP k3:router_affinity_hit_bytes_total Bytes of those prompts the tree says the chosen backend "
+                "was sent before (its prefix cache's likely hit).\n"
+                "# TYPE k3:router_affinity_hit_bytes_total counter\nk3:router_affinity_hit_bytes_total %ld\n",
+                atomic_load(&p->key_bytes), atomic_load(&p->matched_bytes));
+    k3_router_backend rb[K3_ROUTER_MAX_BACKENDS];
+    pthread_mutex_lock(&p->rmu);
+    for (int i = 0; i < p->n_dec; i++) k3_router_backend_get(p->router, i, &rb[i]);
+    pthread_mutex_unlock(&p->rmu);
+    static const char *const series[][2] =
+        {{"k3:router_backend_load", "Requests routed to the backend and not done (gauge)."},
+         {"k3:router_backend_routed_total", "Requests routed to the backend (counter)."},
+         {"k3:router_backend_tree_nodes", "Prefix tree nodes that name the backend (gauge)."},
+         {"k3:router_backend_healthy", "1 while the router sends the backend requests (gauge)."}};
+    for (int k = 0; k < 4; k++) {
+        k3_buf_addf(o, "# HELP %s %s\n# TYPE %s %s\n", series[k][0], series[k][1], series[k][0],
+                    k == 1 ? "counter" : "gauge");
+        for (int i = 0; i < p->n_dec; i++) {
+            const int64_t v = k == 0 ? rb[i].load : k == 1 ? rb[i].routed : k == 2 ? rb[i].cached : rb[i].healthy;
+            k3_buf_addf(o, "%s{url=\"%s\"} %lld\n", series[k][0], p->dec[i].url, (long long)v);
+        }
+    }
+}
+
 static enum MHD_Result metrics(k3_proxy *p, struct MHD_Connection *c) {
+    const char *dec_role = p->router ? "backend" : "decode";
     k3_buf o = {0};
+    if (p->router) router_metrics(p, &o);
     double gauge[GAUGE_COUNT];
     const int scraped = backend_gauges(p, gauge);
     k3_buf_addf(&o,
@@ -830,7 +995,7 @@ static enum MHD_Result metrics(k3_proxy *p, struct MHD_Connection *c) {
     for (int side = 0; side < 2; side++)
         for (int i = 0; i < (side ? p->n_dec : p->n_pre); i++) {
             backend *b = side ? &p->dec[i] : &p->pre[i];
-            k3_buf_addf(&o, "k3:proxy_backend_inflight{role=\"%s\",url=\"%s\"} %d\n", side ? "decode" : "prefill",
+            k3_buf_addf(&o, "k3:proxy_backend_inflight{role=\"%s\",url=\"%s\"} %d\n", side ? dec_role : "prefill",
                         b->url, atomic_load(&b->inflight));
         }
     k3_buf_addf(&o,
@@ -840,7 +1005,7 @@ static enum MHD_Result metrics(k3_proxy *p, struct MHD_Connection *c) {
         for (int i = 0; i < (side ? p->n_dec : p->n_pre); i++) {
             backend *b = side ? &p->dec[i] : &p->pre[i];
             k3_buf_addf(&o, "k3:proxy_backend_failures_total{role=\"%s\",url=\"%s\"} %ld\n",
-                        side ? "decode" : "prefill", b->url, atomic_load(&b->failures));
+                        side ? dec_role : "prefill", b->url, atomic_load(&b->failures));
         }
     k3_buf_addf(&o,
                 "# HELP k3:proxy_backend_up 1 when the backend's /health answered 200 at the last probe.\n"
@@ -848,7 +1013,7 @@ static enum MHD_Result metrics(k3_proxy *p, struct MHD_Connection *c) {
     for (int side = 0; side < 2; side++)
         for (int i = 0; i < (side ? p->n_dec : p->n_pre); i++) {
             backend *b = side ? &p->dec[i] : &p->pre[i];
-            k3_buf_addf(&o, "k3:proxy_backend_up{role=\"%s\",url=\"%s\"} %d\n", side ? "decode" : "prefill", b->url,
+            k3_buf_addf(&o, "k3:proxy_backend_up{role=\"%s\",url=\"%s\"} %d\n", side ? dec_role : "prefill", b->url,
                         atomic_load(&b->up) ? 1 : 0);
         }
     k3_http_metrics_render(p->http, NULL, &o);
@@ -936,7 +1101,16 @@ static void probe_all(k3_proxy *p, long timeout_ms) {
         backend *b = i < p->n_pre ? &p->pre[i] : &p->dec[i - p->n_pre];
         long st = 0;
         if (h[i]) curl_easy_getinfo(h[i], CURLINFO_RESPONSE_CODE, &st);
-        atomic_store(&b->up, st == 200);
+        const bool was = atomic_exchange(&b->up, st == 200);
+        if (p->router && b->rix >= 0) {
+            /* the router learns a backend that went down or came back (a restart: back, empty) */
+            pthread_mutex_lock(&p->rmu);
+            k3_router_backend rb;
+            k3_router_backend_get(p->router, b->rix, &rb);
+            if (st != 200 && (was || rb.healthy)) k3_router_set_health(p->router, b->rix, false, k3_now());
+            if (st == 200 && !rb.healthy) k3_router_set_health(p->router, b->rix, true, k3_now());
+            pthread_mutex_unlock(&p->rmu);
+        }
         if (h[i]) {
             curl_multi_remove_handle(m, h[i]);
             curl_easy_cleanup(h[i]);
@@ -980,6 +1154,7 @@ static k3_status backends(backend **out, const char *const *urls, int n, const c
         atomic_init(&b[i].inflight, 0);
         atomic_init(&b[i].down_until, 0.0);
         atomic_init(&b[i].up, false);
+        b[i].rix = -1;
     }
     return K3_OK;
 }
@@ -990,6 +1165,8 @@ static void proxy_free(k3_proxy *p) {
     free(p->pre);
     free(p->dec);
     free(p->api_key);
+    k3_router_close(p->router);
+    pthread_mutex_destroy(&p->rmu);
     memset(&p->keys, 0, sizeof p->keys);
     pthread_mutex_destroy(&p->mu);
     pthread_cond_destroy(&p->cv);
@@ -1007,11 +1184,30 @@ k3_status k3_proxy_start(k3_proxy **out, const k3_proxy_options *o, k3_error *er
     if (!p) return k3_err(err, K3_ERR_NOMEM, "proxy: out of memory");
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->cv, NULL);
-    p->n_pre = o->n_prefill;
-    p->n_dec = o->n_decode;
-    k3_status st = backends(&p->pre, o->prefill, o->n_prefill, "prefill", err);
-    if (!st) st = backends(&p->dec, o->decode, o->n_decode, "decode", err);
-    if (!st) st = k3_pd_keys_derive(&p->keys, o->secret, o->secret_len, err);
+    pthread_mutex_init(&p->rmu, NULL);
+    k3_status st = K3_OK;
+    if (o->n_backends > 0) {
+        /* the router: the backends take the decode instances' place, each whole */
+        if (o->n_prefill || o->n_decode)
+            st = k3_err(err, K3_ERR_ARG, "proxy: a router's backends, or prefill and decode instances, not both");
+        p->n_dec = o->n_backends;
+        if (!st) st = backends(&p->dec, o->backends, o->n_backends, "backend", err);
+        const k3_router_options ro = {.n_backends = o->n_backends,
+                                      .block_size = o->router_block_bytes,
+                                      .cache_threshold = o->router_cache_threshold,
+                                      .balance_abs = o->router_balance_abs,
+                                      .balance_rel = o->router_balance_rel,
+                                      .max_nodes = 1 << 18,
+                                      .policy = (k3_router_policy)o->router_policy};
+        if (!st) st = k3_router_open(&p->router, &ro, err);
+        for (int i = 0; !st && i < p->n_dec; i++) p->dec[i].rix = i;
+    } else {
+        p->n_pre = o->n_prefill;
+        p->n_dec = o->n_decode;
+        st = backends(&p->pre, o->prefill, o->n_prefill, "prefill", err);
+        if (!st) st = backends(&p->dec, o->decode, o->n_decode, "decode", err);
+        if (!st) st = k3_pd_keys_derive(&p->keys, o->secret, o->secret_len, err);
+    }
     if (st) {
         proxy_free(p);
         return st;

@@ -27,6 +27,7 @@ struct k3_router {
     node *t;
     uint64_t cap; /* a power of two, >= 2 * max_nodes */
     int64_t n;
+    uint32_t rr; /* the round-robin policy's next turn */
     bstate b[K3_ROUTER_MAX_BACKENDS];
 };
 
@@ -40,6 +41,8 @@ k3_status k3_router_open(k3_router **out, const k3_router_options *opt, k3_error
     if (opt->block_size < 0 || opt->cache_threshold < 0 || opt->cache_threshold > 1 || opt->balance_abs < 0 ||
         opt->balance_rel < 0 || opt->max_nodes < 0 || opt->fail_threshold < 0 || opt->retry_s < 0)
         return k3_err(err, K3_ERR_ARG, "router: a negative option, or a cache threshold over 1");
+    if (opt->policy != K3_ROUTER_CACHE_AWARE && opt->policy != K3_ROUTER_ROUND_ROBIN)
+        return k3_err(err, K3_ERR_ARG, "router: unknown policy %d", (int)opt->policy);
     k3_router *r = calloc(1, sizeof *r);
     if (!r) return k3_err(err, K3_ERR_NOMEM, "router: out of memory");
     r->o = *opt;
@@ -154,6 +157,29 @@ static void insert(k3_router *r, int32_t backend, const uint64_t *hs, int64_t m,
     trim(r);
 }
 
+/* Backend b leaves every node (it went down: what it held is not to be counted on). */
+static void forget(k3_router *r, int32_t b) {
+    for (uint64_t i = 0; i < r->cap;) {
+        node *x = &r->t[i];
+        if (!x->hash || !(x->mask >> b & 1)) {
+            i++;
+            continue;
+        }
+        x->mask &= ~(1ull << b);
+        r->b[b].cached--;
+        if (!x->mask) erase(r, i); /* slot i may be refilled: look again */
+        else i++;
+    }
+}
+
+static void go_down(k3_router *r, int32_t b, double now) {
+    bstate *x = &r->b[b];
+    if (x->cached > 0) forget(r, b);
+    x->down = true;
+    x->probing = false;
+    x->down_until = now + r->o.retry_s;
+}
+
 /* ---- the choice -------------------------------------------------------------------- */
 
 static bool usable(k3_router *r, int32_t b, double now, bool *probe) {
@@ -168,11 +194,16 @@ static bool usable(k3_router *r, int32_t b, double now, bool *probe) {
 }
 
 k3_route k3_router_route(k3_router *r, const int32_t *tokens, int64_t n, double now) {
+    return k3_router_route_excluding(r, tokens, n, now, 0);
+}
+
+k3_route k3_router_route_excluding(k3_router *r, const int32_t *tokens, int64_t n, double now, uint64_t exclude) {
     k3_route out = {.backend = -1, .why = K3_ROUTE_NONE};
     const int32_t nb = r->o.n_backends;
     bool ok[K3_ROUTER_MAX_BACKENDS], probe[K3_ROUTER_MAX_BACKENDS];
     int32_t n_ok = 0;
-    for (int32_t b = 0; b < nb; b++) n_ok += ok[b] = usable(r, b, now, &probe[b]);
+    if (n < 0) n = 0;
+    for (int32_t b = 0; b < nb; b++) n_ok += ok[b] = !(exclude >> b & 1) && usable(r, b, now, &probe[b]);
     if (!n_ok) return out;
     /* a backend due for its probe gets this request */
     for (int32_t b = 0; b < nb; b++)
@@ -182,6 +213,14 @@ k3_route k3_router_route(k3_router *r, const int32_t *tokens, int64_t n, double 
             r->b[b].probing = true;
             break;
         }
+    if (out.backend < 0 && r->o.policy == K3_ROUTER_ROUND_ROBIN) {
+        for (int32_t k = 0; k < nb && out.backend < 0; k++) {
+            const int32_t b = (int32_t)((r->rr + (uint32_t)k) % (uint32_t)nb);
+            if (ok[b]) out.backend = b;
+        }
+        r->rr = (uint32_t)out.backend + 1;
+        out.why = K3_ROUTE_RR;
+    }
     const int64_t m_max = n / r->o.block_size;
     uint64_t *hs = malloc(sizeof *hs * (size_t)(m_max ? m_max : 1));
     const int64_t m = hs ? chain(r, tokens, n, hs, m_max) : 0;
@@ -248,11 +287,17 @@ void k3_router_done(k3_router *r, int32_t backend, bool ok, double now) {
         return;
     }
     x->failures++;
-    if (x->probing || x->failures >= r->o.fail_threshold) {
-        x->down = true;
-        x->probing = false;
-        x->down_until = now + r->o.retry_s;
-    }
+    if (x->probing || x->failures >= r->o.fail_threshold) go_down(r, backend, now);
+}
+
+void k3_router_sent(k3_router *r, int32_t backend, const int32_t *tokens, int64_t n, double now) {
+    if (backend < 0 || backend >= r->o.n_backends) return;
+    const int64_t m_max = n > 0 ? n / r->o.block_size : 0;
+    uint64_t *hs = malloc(sizeof *hs * (size_t)(m_max ? m_max : 1));
+    if (hs) insert(r, backend, hs, chain(r, tokens, n, hs, m_max), now);
+    free(hs);
+    r->b[backend].load++;
+    r->b[backend].routed++;
 }
 
 void k3_router_set_health(k3_router *r, int32_t backend, bool up, double now) {
@@ -262,9 +307,7 @@ void k3_router_set_health(k3_router *r, int32_t backend, bool up, double now) {
         x->down = x->probing = false;
         x->failures = 0;
     } else {
-        x->down = true;
-        x->probing = false;
-        x->down_until = now + r->o.retry_s;
+        go_down(r, backend, now);
     }
 }
 

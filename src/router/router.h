@@ -16,7 +16,10 @@
  * balance_abs requests more than the idlest and more than balance_rel times
  * as many -- it goes to the least loaded, whatever it holds. Health: a
  * backend that fails fail_threshold times in a row is down for retry_s,
- * then gets one probe request; a success brings it back.
+ * then gets one probe request; a success brings it back. A backend that
+ * goes down is forgotten by the tree (an instance that restarts has lost
+ * its RAM cache). The round-robin policy (for comparison) takes the
+ * healthy backends in turn and keeps the rest.
  */
 #ifndef K3_ROUTER_ROUTER_H
 #define K3_ROUTER_ROUTER_H
@@ -30,6 +33,11 @@
 
 typedef struct k3_router k3_router;
 
+typedef enum k3_router_policy {
+    K3_ROUTER_CACHE_AWARE = 0, /* prefix affinity, balanced by load */
+    K3_ROUTER_ROUND_ROBIN,     /* in turn (no affinity): the baseline */
+} k3_router_policy;
+
 typedef struct k3_router_options {
     int32_t n_backends;     /* 1 .. K3_ROUTER_MAX_BACKENDS */
     int32_t block_size;     /* tokens per tree node (0 = 64, the engine's block) */
@@ -39,6 +47,7 @@ typedef struct k3_router_options {
     int64_t max_nodes;      /* tree nodes kept (0 = 1 << 20); the least recently sent go first */
     int32_t fail_threshold; /* failures in a row that take a backend down (0 = 3) */
     double retry_s;         /* how long a backend stays down before a probe (0 = 5 s) */
+    k3_router_policy policy;
 } k3_router_options;
 
 k3_status k3_router_open(k3_router **out, const k3_router_options *opt, k3_error *err);
@@ -50,6 +59,7 @@ typedef enum k3_route_why {
     K3_ROUTE_ROOM,     /* no backend holds enough of it: the least cached */
     K3_ROUTE_BALANCE,  /* the load is out of balance: the least loaded */
     K3_ROUTE_PROBE,    /* a backend that was down gets a probe */
+    K3_ROUTE_RR,       /* the round-robin policy's turn */
 } k3_route_why;
 
 typedef struct k3_route {
@@ -62,6 +72,12 @@ typedef struct k3_route {
  * grows) and records the request as sent there: its load grows by one and
  * the tree learns the prompt's blocks on that backend. */
 k3_route k3_router_route(k3_router *r, const int32_t *tokens, int64_t n, double now);
+/* The same among the backends not in exclude (bit b: backend b; those a
+ * request already failed on). */
+k3_route k3_router_route_excluding(k3_router *r, const int32_t *tokens, int64_t n, double now, uint64_t exclude);
+/* A request the caller sent to backend itself (none was healthy and it
+ * tried one anyway): recorded as k3_router_route records its choice. */
+void k3_router_sent(k3_router *r, int32_t backend, const int32_t *tokens, int64_t n, double now);
 /* The request sent to backend ended (ok: answered; else a connection or
  * server failure, which counts toward taking it down). */
 void k3_router_done(k3_router *r, int32_t backend, bool ok, double now);

@@ -42,6 +42,8 @@ void k3_sched_hash(k3_sched *s, k3_rq *rq) {
         if (rq->tok_extra)
             for (int64_t i = (int64_t)rq->n_hash * bs; i < (int64_t)(rq->n_hash + 1) * bs && i < rq->n_prompt; i++)
                 if (rq->tok_extra[i]) x = k3_kv_hash_block(x ^ rq->tok_extra[i], (uint64_t)i, NULL, 0);
+        /* the request's cache salt is its first block's key: another salt never shares a block */
+        if (rq->n_hash == 0 && rq->salt) x = k3_kv_hash_block(x ^ rq->salt, UINT64_MAX, NULL, 0);
         rq->extra[rq->n_hash] = x;
         rq->hash[rq->n_hash] = k3_kv_hash_block(parent, x, rq->tok + (int64_t)rq->n_hash * bs, bs);
         rq->n_hash++;
@@ -338,6 +340,36 @@ void k3_sched_schedule(k3_sched *s) {
         charge(s, rq, n, &cost_left, &step_cost);
     }
     if (cost_left >= 0 && step_cost > s->guarded_cost_max) s->guarded_cost_max = step_cost;
+}
+
+int64_t k3_sched_local_hit(k3_sched *s, k3_rq *rq) {
+    int32_t n_hit = 0, n_attn = 0;
+    lookup(s, rq, rq->blocks, &n_hit, &n_attn);
+    return (int64_t)n_hit * s->cfg.block_size;
+}
+
+bool k3_sched_alloc_beyond(k3_sched *s, k3_rq *rq, int32_t n_local, int32_t nb) {
+    int32_t from_free = 0;
+    for (int32_t i = 0; i < n_local; i++) from_free += s->bm->ref[rq->blocks[i]] == 0;
+    if (nb - n_local + from_free > s->bm->n_free) return false;
+    for (int32_t i = 0; i < n_local; i++) k3_kv_ref(s->bm, rq->blocks[i]);
+    for (int32_t i = n_local; i < nb; i++) rq->blocks[i] = k3_kv_alloc(s->bm);
+    rq->n_blocks = nb;
+    rq->n_registered = n_local;
+    rq->n_computed = 0;
+    rq->state = K3_RQ_REMOTE;
+    return true;
+}
+
+void k3_sched_drop_blocks(k3_sched *s, k3_rq *rq) {
+    drop_blocks(s, rq);
+    rq->n_computed = 0;
+}
+
+void k3_sched_count_hit(k3_sched *s, const k3_rq *rq, int64_t n_local) {
+    if (!s->cfg.prefix_cache || !rq->read_cache) return;
+    s->prefix_queries += rq->n_tok;
+    s->prefix_hits += n_local;
 }
 
 bool k3_sched_remote_alloc(k3_sched *s, k3_rq *rq) {

@@ -59,6 +59,7 @@ typedef struct k3_rq {
     int32_t n_hash, n_registered; /* hashed; registered in the index */
     int64_t junction;             /* extra snapshot point (0 = none) */
     bool read_cache;              /* may take prefix hits */
+    uint64_t salt;                /* the request's cache salt (0 = none): its first block's key */
     bool plp;                     /* wants prompt logprobs: chunks capped */
     int64_t n_cached;             /* prompt tokens served by the cache (first admission) */
     bool admitted_once;
@@ -127,6 +128,21 @@ k3_status k3_sched_add_landed(k3_sched *s, k3_rq *rq, k3_error *err);
  * rest); the rest fresh. False, and nothing taken, when the free blocks
  * do not suffice. rq becomes K3_RQ_REMOTE. */
 bool k3_sched_remote_alloc(k3_sched *s, k3_rq *rq);
+/* The tokens of rq's prompt the prefix index holds with a KDA snapshot at
+ * their end (the hit admission would take now); their blocks are left in
+ * rq->blocks[0 .. hit / block_size) (not referenced). */
+int64_t k3_sched_local_hit(k3_sched *s, k3_rq *rq);
+/* Right after k3_sched_local_hit: rq takes the first n_local blocks of its
+ * table (the local hit, shared) and nb - n_local fresh ones, to be filled
+ * from elsewhere (a disk tier). False, nothing taken, when the free blocks
+ * do not suffice. rq becomes K3_RQ_REMOTE (the scheduler does not see it;
+ * k3_sched_add_landed gives it back once filled). */
+bool k3_sched_alloc_beyond(k3_sched *s, k3_rq *rq, int32_t n_local, int32_t nb);
+/* rq (not queued, not running) gives its blocks back. */
+void k3_sched_drop_blocks(k3_sched *s, k3_rq *rq);
+/* Counts rq's prefix cache query and its local hit of n_local tokens (a
+ * request admitted outside the scheduler's own lookup). */
+void k3_sched_count_hit(k3_sched *s, const k3_rq *rq, int64_t n_local);
 /* Plans one step into s->plan (preempting as needed). */
 void k3_sched_schedule(k3_sched *s);
 /* Before the forward pass: the snapshot points of rq's scheduled tokens

@@ -149,7 +149,7 @@ static void on_output(struct k3_server *s, const k3_req_output *o, double t) {
     if ((o->n_new > 0 && q->n_tok == 0) ||
         ((o->events & K3_EV_FINISHED) && q->n_tok == 0 && o->n_new == 0 &&
          (o->finish == K3_FINISH_LENGTH || o->finish == K3_FINISH_STOP)))
-        k3_metrics_prompt(&s->metrics, o->n_prompt, o->n_cached);
+        k3_metrics_prompt(&s->metrics, o->n_prompt, o->n_cached, o->n_disk);
     if (o->n_new > 0) {
         if (o->top && o->n_top > 0 && q->n_top == 0 && q->n_tok == 0) q->n_top = o->n_top;
         if (grow(q, q->n_tok + (size_t)o->n_new)) {

@@ -593,6 +593,13 @@ static uint64_t key_scope(struct MHD_Connection *conn) {
     return h | 1;
 }
 
+/* The prefix cache's salt of a request: its cache_salt, and with
+ * --prefix-cache-per-key the API key it presented. */
+static uint64_t k3_srv_cache_salt(const struct k3_server *s, uint64_t salt, uint64_t key) {
+    if (s->prefix_cache_per_key && key) salt = ((salt ^ key) * 0x9E3779B97F4A7C15ull) | 1;
+    return salt;
+}
+
 static k3_request_params engine_request(k3_srv_job *j, int i) {
     const k3_srv_request *rq = &j->rq;
     const k3_srv_choice *c = &j->ch[i];
@@ -629,6 +636,7 @@ static k3_request_params engine_request(k3_srv_job *j, int i) {
         .speculative = rq->spec_method,
         .num_speculative_tokens = rq->spec_k,
         .spec_scope = key_scope(j->conn),
+        .cache_salt = k3_srv_cache_salt(j->s, rq->cache_salt, key_scope(j->conn)),
     };
     k3_srv_pd_request(j, &p); /* kept for a decode instance, or pulled from a prefill one */
     return p;

@@ -3,6 +3,9 @@
 
 #include <string.h>
 
+#include "engine/engine.h"
+#include "kvstore/kvstore.h"
+
 static void hist_set(k3_hist *h, const char *name, const char *help, const double *le, int n) {
     h->name = name;
     h->help = help;
@@ -90,10 +93,11 @@ void k3_metrics_finished(k3_metrics *m, k3_finish_reason why) {
     pthread_mutex_unlock(&m->mu);
 }
 
-void k3_metrics_prompt(k3_metrics *m, int64_t n_prompt, int64_t n_cached) {
+void k3_metrics_prompt(k3_metrics *m, int64_t n_prompt, int64_t n_cached, int64_t n_disk) {
     pthread_mutex_lock(&m->mu);
     m->prompt_tokens += (uint64_t)(n_prompt > 0 ? n_prompt : 0);
     m->prompt_tokens_cached += (uint64_t)(n_cached > 0 ? n_cached : 0);
+    m->prompt_tokens_disk += (uint64_t)(n_disk > 0 ? n_disk : 0);
     pthread_mutex_unlock(&m->mu);
 }
 
@@ -135,6 +139,7 @@ void k3_metrics_render(k3_metrics *m, const k3_engine_stats *st, const char *mod
     memcpy(snap.finished, m->finished, sizeof snap.finished);
     snap.prompt_tokens = m->prompt_tokens;
     snap.prompt_tokens_cached = m->prompt_tokens_cached;
+    snap.prompt_tokens_disk = m->prompt_tokens_disk;
     pthread_mutex_unlock(&m->mu);
     m = &snap;
     metric(o, "vllm:num_requests_running", "gauge", "Number of requests in model execution batches.", model,
@@ -147,6 +152,16 @@ void k3_metrics_render(k3_metrics *m, const k3_engine_stats *st, const char *mod
            (double)m->prompt_tokens);
     metric(o, "vllm:prompt_tokens_cached_total", "counter", "Number of cached prompt tokens (local + external).", model,
            (double)m->prompt_tokens_cached);
+    /* vLLM's split of the prompt tokens of requests as they were first scheduled */
+    k3_buf_addf(o,
+                "# HELP vllm:prompt_tokens_by_source_total Number of prompt tokens by source.\n"
+                "# TYPE vllm:prompt_tokens_by_source_total counter\n"
+                "vllm:prompt_tokens_by_source_total{model_name=\"%s\",source=\"local_compute\"} %llu\n"
+                "vllm:prompt_tokens_by_source_total{model_name=\"%s\",source=\"local_cache_hit\"} %llu\n"
+                "vllm:prompt_tokens_by_source_total{model_name=\"%s\",source=\"external_kv_transfer\"} %llu\n",
+                model, (unsigned long long)(m->prompt_tokens - m->prompt_tokens_cached), model,
+                (unsigned long long)(m->prompt_tokens_cached - m->prompt_tokens_disk), model,
+                (unsigned long long)m->prompt_tokens_disk);
     metric(o, "k3:prompt_tokens_computed_total", "counter",
            "Prompt tokens the forward pass computed (cache hits left out, recomputation after preemption in).", model,
            (double)st->prompt_tokens);
@@ -273,4 +288,122 @@ void k3_metrics_render_kv(const k3_kv_residency *r, const char *model, k3_buf *o
             "Histogram of time gaps between consecutive KV cache block accesses. Only the last 4 accesses "
             "are tracked. Sampled metrics (controlled by --kv-cache-metrics-sample).",
             &r->reuse_gap, model);
+}
+
+static void kvs_hist(k3_buf *o, const char *name, const char *help, const k3_kvs_hist *h, const double *le,
+                     const char *model) {
+    k3_buf_addf(o, "# HELP %s %s\n# TYPE %s histogram\n", name, help, name);
+    uint64_t cum = 0;
+    for (int b = 0; b < K3_KVS_HIST_BUCKETS; b++) {
+        cum += h->count[b];
+        k3_buf_addf(o, "%s_bucket{le=\"%g\",model_name=\"%s\"} %llu\n", name, le[b], model, (unsigned long long)cum);
+    }
+    cum += h->count[K3_KVS_HIST_BUCKETS];
+    k3_buf_addf(o, "%s_bucket{le=\"+Inf\",model_name=\"%s\"} %llu\n", name, model, (unsigned long long)cum);
+    k3_buf_addf(o, "%s_sum{model_name=\"%s\"} %.17g\n%s_count{model_name=\"%s\"} %llu\n", name, model, h->sum, name,
+                model, (unsigned long long)h->n);
+}
+
+void k3_metrics_render_disk(k3_engine *e, struct k3_kv_events *ev, const char *model, k3_buf *o) {
+    k3_disk_stats d;
+    k3_kvs_metrics m;
+    if (e && k3_engine_disk_stats(e, &d, &m)) {
+        /* vLLM's: the external tier's prefix cache (tokens, as its scheduler counts them) */
+        metric(o, "vllm:external_prefix_cache_queries_total", "counter",
+               "External prefix cache queries from KV connector cross-instance cache sharing, in terms of number of "
+               "queried tokens.",
+               model, (double)d.ext_queries);
+        metric(o, "vllm:external_prefix_cache_hits_total", "counter",
+               "External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of "
+               "cached tokens.",
+               model, (double)d.ext_hits);
+        /* vLLM's offloading counters: the disk tier's reads into the cache and writes from it */
+        metric(o, "vllm:kv_offload_load_bytes_total", "counter", "Total bytes loaded from offload storage.", model,
+               (double)m.bytes_read);
+        metric(o, "vllm:kv_offload_load_time_total", "counter", "Total load time from offload storage, in seconds.",
+               model, m.read_seconds);
+        kvs_hist(o, "vllm:kv_offload_load_size", "Histogram of KV offload load operation size, in bytes.", &m.load_size,
+                 k3_kvs_size_le, model);
+        metric(o, "vllm:kv_offload_store_bytes_total", "counter", "Total bytes stored to offload storage.", model,
+               (double)m.bytes_written);
+        metric(o, "vllm:kv_offload_store_time_total", "counter", "Total store time to offload storage, in seconds.",
+               model, m.write_seconds);
+        kvs_hist(o, "vllm:kv_offload_store_size", "Histogram of KV offload store operation size, in bytes.",
+                 &m.save_size, k3_kvs_size_le, model);
+        /* k3's own */
+        kvs_hist(o, "k3:kv_disk_load_seconds", "Disk tier: time of a load (blocks and a KDA state), seconds.",
+                 &m.load_seconds, k3_kvs_hist_le, model);
+        kvs_hist(o, "k3:kv_disk_save_seconds", "Disk tier: time of a save that wrote files, seconds.", &m.save_seconds,
+                 k3_kvs_hist_le, model);
+        metric(o, "k3:kv_disk_bytes", "gauge", "Disk tier: the directory's size (every process's files).", model,
+               (double)m.dir_bytes);
+        metric(o, "k3:kv_disk_budget_bytes", "gauge", "Disk tier: this process's budget for the directory.", model,
+               (double)m.budget);
+        k3_buf_addf(o,
+                    "# HELP k3:kv_disk_loads_total Disk tier: loads by how they ended.\n"
+                    "# TYPE k3:kv_disk_loads_total counter\n"
+                    "k3:kv_disk_loads_total{model_name=\"%s\",result=\"landed\"} %lld\n"
+                    "k3:kv_disk_loads_total{model_name=\"%s\",result=\"failed\"} %lld\n"
+                    "k3:kv_disk_loads_total{model_name=\"%s\",result=\"cancelled\"} %lld\n",
+                    model, (long long)d.loads_landed, model, (long long)d.loads_failed, model,
+                    (long long)d.loads_cancelled);
+        k3_buf_addf(o,
+                    "# HELP k3:kv_disk_saves_total Disk tier: save jobs by how they ended.\n"
+                    "# TYPE k3:kv_disk_saves_total counter\n"
+                    "k3:kv_disk_saves_total{model_name=\"%s\",result=\"ok\"} %lld\n"
+                    "k3:kv_disk_saves_total{model_name=\"%s\",result=\"failed\"} %lld\n"
+                    "k3:kv_disk_saves_total{model_name=\"%s\",result=\"dropped\"} %lld\n",
+                    model, (long long)(m.saves - m.saves_failed), model, (long long)m.saves_failed, model,
+                    (long long)m.saves_dropped);
+        k3_buf_addf(o,
+                    "# HELP k3:kv_disk_files_written_total Disk tier: files published.\n"
+                    "# TYPE k3:kv_disk_files_written_total counter\n"
+                    "k3:kv_disk_files_written_total{kind=\"run\",model_name=\"%s\"} %lld\n"
+                    "k3:kv_disk_files_written_total{kind=\"snapshot\",model_name=\"%s\"} %lld\n",
+                    model, (long long)m.runs_written, model, (long long)m.snaps_written);
+        metric(o, "k3:kv_disk_files_present_total", "counter",
+               "Disk tier: writes skipped because the file was there (or another writer won).", model,
+               (double)m.files_present);
+        k3_buf_addf(o,
+                    "# HELP k3:kv_disk_refused_total Disk tier: files found but refused, by reason (each a miss).\n"
+                    "# TYPE k3:kv_disk_refused_total counter\n");
+        for (int r = 1; r < K3_KVS_MISS_REASONS; r++)
+            k3_buf_addf(o, "k3:kv_disk_refused_total{model_name=\"%s\",reason=\"%s\"} %lld\n", model,
+                        k3_kvs_miss_names[r], (long long)m.misses[r]);
+        metric(o, "k3:kv_disk_evicted_files_total", "counter",
+               "Disk tier: files this process's eviction passes removed.", model, (double)m.evicted_files);
+        metric(o, "k3:kv_disk_evicted_bytes_total", "counter",
+               "Disk tier: bytes this process's eviction passes removed.", model, (double)m.evicted_bytes);
+        metric(o, "k3:kv_disk_blocks_stored_total", "counter",
+               "Disk tier: blocks in the run files this process published (the events' BlockStored, medium DISK).",
+               model, (double)m.blocks_stored);
+        metric(o, "k3:kv_disk_blocks_removed_total", "counter",
+               "Disk tier: blocks in the run files this process's eviction passes removed (the events' "
+               "BlockRemoved, medium DISK).",
+               model, (double)m.blocks_removed);
+        k3_buf_addf(o,
+                    "# HELP k3:kv_disk_requests Disk tier: requests waiting for blocks to load into, and loading.\n"
+                    "# TYPE k3:kv_disk_requests gauge\n"
+                    "k3:kv_disk_requests{model_name=\"%s\",state=\"waiting\"} %d\n"
+                    "k3:kv_disk_requests{model_name=\"%s\",state=\"loading\"} %d\n",
+                    model, d.waiting, model, d.loading);
+        metric(o, "k3:kv_disk_saves_in_flight", "gauge", "Disk tier: saves queued or running.", model,
+               (double)d.saving);
+        metric(o, "k3:kv_disk_save_blocks", "gauge", "Disk tier: cache blocks the saves in flight hold.", model,
+               (double)d.save_blocks);
+    }
+    if (ev) {
+        k3_kv_events_stats es;
+        k3_kv_events_get_stats(ev, &es);
+        metric(o, "k3:kv_events_batches_total", "counter", "KV events: batches published.", model, (double)es.batches);
+        k3_buf_addf(o,
+                    "# HELP k3:kv_events_blocks_total KV events: block hashes published, by event and medium.\n"
+                    "# TYPE k3:kv_events_blocks_total counter\n"
+                    "k3:kv_events_blocks_total{event=\"stored\",medium=\"GPU\",model_name=\"%s\"} %lld\n"
+                    "k3:kv_events_blocks_total{event=\"removed\",medium=\"GPU\",model_name=\"%s\"} %lld\n"
+                    "k3:kv_events_blocks_total{event=\"stored\",medium=\"DISK\",model_name=\"%s\"} %lld\n"
+                    "k3:kv_events_blocks_total{event=\"removed\",medium=\"DISK\",model_name=\"%s\"} %lld\n",
+                    model, (long long)es.stored_blocks, model, (long long)es.removed_blocks, model,
+                    (long long)es.disk_stored_blocks, model, (long long)es.disk_removed_blocks);
+    }
 }

@@ -50,7 +50,7 @@ typedef struct k3_metrics {
     uint64_t finished[K3_FINISH_ERROR + 1];
     /* vLLM's prompt token counters: a request's whole prompt when its
      * prefill is done (its first token), and of it what the prefix cache held */
-    uint64_t prompt_tokens, prompt_tokens_cached;
+    uint64_t prompt_tokens, prompt_tokens_cached, prompt_tokens_disk;
 } k3_metrics;
 
 void k3_metrics_init(k3_metrics *m, int64_t max_model_len, int32_t max_num_batched_tokens);
@@ -58,7 +58,7 @@ void k3_metrics_destroy(k3_metrics *m);
 void k3_metrics_observe(k3_metrics *m, int which, double v);
 void k3_metrics_finished(k3_metrics *m, k3_finish_reason why);
 /* A request's prefill is done: its prompt counts (n_cached of it from the prefix cache). */
-void k3_metrics_prompt(k3_metrics *m, int64_t n_prompt, int64_t n_cached);
+void k3_metrics_prompt(k3_metrics *m, int64_t n_prompt, int64_t n_cached, int64_t n_disk);
 /* A request has finished, with the reason the client sees: its success
  * counter and every per-request histogram (from o's times and counts) move
  * together, under one lock, so no scrape sees the one without the other. */
@@ -70,6 +70,9 @@ void k3_metrics_request_done(k3_metrics *m, k3_finish_reason why, const k3_req_o
 void k3_metrics_render_dist(const k3_comm_stats *cs, k3_buf *o);
 /* vLLM's sampled block residency histograms (only when r->enabled). */
 void k3_metrics_render_kv(const k3_kv_residency *r, const char *model_name, k3_buf *o);
+/* The disk tier (vLLM's external prefix cache and kv_offload counters, k3's
+ * own) and the KV events' counters; nothing for what is off. */
+void k3_metrics_render_disk(k3_engine *e, struct k3_kv_events *ev, const char *model_name, k3_buf *o);
 void k3_metrics_render(k3_metrics *m, const k3_engine_stats *st, const char *model_name, int32_t block_size,
                        k3_buf *out);
 

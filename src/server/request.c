@@ -33,6 +33,7 @@ typedef enum {
     F_STREAM_OPTIONS, /* {"include_usage": bool}, only with "stream": true */
     F_KV_TRANSFER,    /* vLLM's kv_transfer_params: an object, kept for the job (src/pd reads it) */
     F_SPEC,           /* speculative_config: {method, num_speculative_tokens} (vLLM's field names) */
+    F_SALT,           /* vLLM's cache_salt: a non-empty string, kept as its hash */
     F_PROMPT,         /* the surface's own prompt field(s) */
     F_UNSUPPORTED,    /* not implemented: refused unless it asks for nothing */
 } kind;
@@ -99,6 +100,7 @@ static const field fields[] = {
     SPECIAL("stop_token_ids", ALL, F_STOP_IDS),
     SPECIAL("kv_transfer_params", ALL | RESP | MSGS, F_KV_TRANSFER),
     SPECIAL("speculative_config", ALL | RESP | MSGS, F_SPEC),
+    SPECIAL("cache_salt", ALL | RESP, F_SALT),
 };
 
 bool k3_srv_bad_set(k3_srv_bad *e, unsigned status, const char *fmt, ...) {
@@ -381,6 +383,18 @@ static bool parse_field(struct k3_server *s, const field *f, k3_srv_prompt_fn pr
                 return bad(e, 400, "\"%s.%s\" is not supported (method, num_speculative_tokens are)", f->name, key);
             }
         }
+        return true;
+    }
+    case F_SALT: {
+        /* the prefix cache (RAM and disk) shares blocks only within a salt */
+        json_t *v = json_object_get(root, f->name);
+        if (!v || json_is_null(v)) return true;
+        if (!json_is_string(v) || !json_string_length(v) || json_string_length(v) > 4096)
+            return bad(e, 400, "Parameter '%s' must be a non-empty string of at most 4096 bytes if provided", f->name);
+        const char *t = json_string_value(v);
+        uint64_t h = 0xcbf29ce484222325ull;
+        for (size_t i = 0; i < json_string_length(v); i++) h = (h ^ (uint8_t)t[i]) * 0x100000001b3ull;
+        rq->cache_salt = h | 1;
         return true;
     }
     case F_PROMPT: return prompt(s, root, rq, e);

@@ -79,6 +79,7 @@ typedef struct k3_srv_request {
     /* speculative_config: K3_SPEC_DEFAULT (the server's) or a method; 0 or its k */
     k3_spec_method spec_method;
     int spec_k;
+    uint64_t cache_salt; /* a hash of vLLM's cache_salt (0: none given) */
 } k3_srv_request;
 
 /* A surface's prompt field(s) into rq->prompts (and vp, thinking); false with e. */

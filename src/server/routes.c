@@ -96,6 +96,7 @@ static enum MHD_Result route_metrics(struct k3_server *s, struct MHD_Connection 
     k3_comm_stats cs;
     if (s->engine && k3_engine_comm_stats(s->engine, &cs)) k3_metrics_render_dist(&cs, &o);
     if (s->pd) k3_pd_metrics_render(s->pd, s->model_label, &o);
+    k3_metrics_render_disk(s->engine, s->kv_events, s->model_label, &o);
     if (o.oom || !o.p) {
         k3_buf_free(&o);
         return k3_srv_error(s, c, 500, "out of memory");

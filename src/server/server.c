@@ -154,6 +154,8 @@ k3_status k3_server_start(k3_server **out, const k3_server_options *opt, k3_erro
     pthread_mutex_init(&s->grammar_mu, NULL);
     s->vision = opt->vision;
     s->pd = opt->pd;
+    s->prefix_cache_per_key = opt->prefix_cache_per_key;
+    s->kv_events = opt->kv_events;
     s->vision_pool = opt->vision_pool;
     s->max_image_pixels = opt->max_image_pixels;
     s->max_request_image_pixels =

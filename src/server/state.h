@@ -63,6 +63,9 @@ struct k3_server {
     int64_t images_waiting, images_pixels; /* requests waiting; pixels being decoded */
     /* prefill and decode apart: the transfer agent, or NULL (src/pd) */
     struct k3_pd *pd;
+    /* the prefix cache's salt per API key (--prefix-cache-per-key); the KV events' publisher or NULL */
+    bool prefix_cache_per_key;
+    struct k3_kv_events *kv_events;
     /* the Responses API's stored responses (store.h; api_responses.c) */
     struct k3_srv_store *responses;
     /* the chat page at / is off (--no-ui) */
