@@ -21,6 +21,7 @@
 import json
 import os
 import random
+import re
 import statistics
 import sys
 import time
@@ -263,6 +264,14 @@ def itl(model, tokens, runs, d, cycles=6):
                   f"median); after the last: p50 {1e3 * q(quiet, 0.5):.1f} ms p99 {1e3 * q(quiet, 0.99):.1f} ms"
                   f"{f'; loaded {loaded / 1e6:.1f} MB' if loaded else ''}", flush=True)
             s.stop()
+            if mode == "disk":  # the disk connector's calls in the step over 1 ms (the server's log)
+                took = {}
+                for line in "".join(s.log).splitlines():
+                    m = re.search(r"the step's (.*) took ([0-9.]+) ms", line)
+                    if m:
+                        took.setdefault(m.group(1), []).append(float(m.group(2)))
+                for k, v in sorted(took.items()):
+                    print(f"  the step's {k}: {len(v)} over 1 ms, max {max(v):.1f} ms, sum {sum(v):.1f} ms", flush=True)
     dp, rp = med(x[1] for x in res["disk"]), med(x[1] for x in res["ram"])
     print(f"itl {model}: a {tokens + 1}-token prompt loaded and another saved beside two decoding streams, x {cycles}, "
           f"medians of {runs}: the gaps' p99 {1e3 * dp:.1f} ms with the disk tier, {1e3 * rp:.1f} ms without it "

@@ -965,6 +965,39 @@ K3_TEST(kv_snapshots_budget_and_lru) {
     k3_kv_snaps_free(&sn);
 }
 
+/* A buffer adopted without a copy: the entry holds it as it is, the caller
+ * gets the entry's previous buffer back; a pinned entry is neither adopted
+ * over nor evicted for one. */
+K3_TEST(kv_snapshots_adopt) {
+    k3_kv_snaps sn;
+    k3_error err = {0};
+    REQUIRE(k3_kv_snaps_init(&sn, 100, 250, &err) == K3_OK);
+    char *a = malloc(100), *b = malloc(100);
+    REQUIRE(a && b);
+    memset(a, 7, 100);
+    void *buf = a;
+    REQUIRE(k3_kv_snap_adopt(&sn, 11, 16, &buf)); /* a new entry: nothing comes back */
+    CHECK(buf == NULL && k3_kv_snap_find(&sn, 11, 16) == a && sn.n == 1 && sn.n_taken == 1);
+    memset(b, 8, 100);
+    buf = b;
+    REQUIRE(k3_kv_snap_adopt(&sn, 11, 16, &buf)); /* over it: the old buffer comes back */
+    CHECK(buf == a && k3_kv_snap_find(&sn, 11, 16) == b && sn.n == 1 && ((char *)b)[99] == 8);
+    CHECK(k3_kv_snap_pin(&sn, 11, 16) == b);
+    CHECK(!k3_kv_snap_adopt(&sn, 11, 16, &buf) && buf == a); /* pinned: refused, nothing changed */
+    CHECK(k3_kv_snap_put(&sn, 22, 32));
+    REQUIRE(k3_kv_snap_adopt(&sn, 33, 48, &buf)); /* full: 22 goes, not the pinned 11 */
+    CHECK(buf != a && k3_kv_snap_has(&sn, 11, 16) && !k3_kv_snap_has(&sn, 22, 32) && k3_kv_snap_find(&sn, 33, 48) == a);
+    free(buf); /* 22's buffer, given back */
+    k3_kv_snap_unpin(&sn, 11, 16);
+    k3_kv_snaps_free(&sn); /* frees a and b */
+    REQUIRE(k3_kv_snaps_init(&sn, 100, 50, &err) == K3_OK);
+    char *c = malloc(100);
+    buf = c;
+    CHECK(!k3_kv_snap_adopt(&sn, 1, 1, &buf) && buf == c); /* no budget: the caller keeps it */
+    free(c);
+    k3_kv_snaps_free(&sn);
+}
+
 /* The same ids under other extra keys (another image) never share blocks;
  * under the same keys they do. */
 K3_TEST(sched_prefix_extra_keys) {

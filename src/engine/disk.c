@@ -148,7 +148,7 @@ static void to_scheduler(k3_disk_conn *d, req *r) {
 }
 
 /* A request the directory holds beyond its local hit waits for its blocks. */
-static bool disk_arrive(void *self, req *r) {
+static bool disk_arrive_(void *self, req *r) {
     k3_disk_conn *d = self;
     k3_engine *e = d->e;
     if (r->remote || !r->rq.read_cache || e->o.no_prefix_cache) return false;
@@ -192,7 +192,7 @@ static bool disk_cancel(void *self, req *r, double t) {
 /* In arrival order, while blocks last: the local hit again (the prefix
  * cache may have changed since arrival; then the directory is asked again),
  * the blocks, the load. */
-static void disk_before_schedule(void *self, double t) {
+static void disk_before_schedule_(void *self, double t) {
     k3_disk_conn *d = self;
     k3_engine *e = d->e;
     k3_sched *s = &e->sched;
@@ -275,12 +275,24 @@ static void load_done(k3_disk_conn *d, req *r, const k3_kvs_done *dn, double t) 
         k3_kv_register(&e->bm, rq->blocks[k], rq->hash[k], k ? rq->hash[k - 1] : s->cfg.hash_seed, rq->extra[k],
                        rq->tok + (int64_t)k * bs);
     rq->n_registered = nb;
-    if (e->state_bytes > 0) {
-        void *buf = k3_kv_snap_put(&e->sn, rq->hash[nb - 1], r->disk_hit_tokens);
-        if (buf) memcpy(buf, r->disk_state, (size_t)e->state_bytes);
-    }
     rq->n_computed = rq->n_cached = r->disk_hit_tokens;
     rq->landed_state = e->state_bytes > 0 ? r->disk_state : NULL;
+    const bool listed = push(&d->landed, &d->n_landed, &d->cap_landed, r);
+    if (e->state_bytes > 0) {
+        /* the state enters the snapshot store without a copy (13.5 MB on bench/bench, 465 MB at
+         * full size, into memory nothing touched yet: a copy here stalled the token loop): the
+         * store adopts the loaded buffer, pinned until the request is admitted with it (its
+         * restore reads it), and gives back its entry's previous buffer for the next load */
+        void *buf = r->disk_state;
+        if (listed && k3_kv_snap_adopt(&e->sn, rq->hash[nb - 1], r->disk_hit_tokens, &buf)) {
+            k3_kv_snap_pin(&e->sn, rq->hash[nb - 1], r->disk_hit_tokens);
+            r->disk_state = NULL; /* the store's now; landed_state points into it */
+            if (!d->spare_state) d->spare_state = buf;
+            else free(buf);
+        } else if ((buf = k3_kv_snap_put(&e->sn, rq->hash[nb - 1], r->disk_hit_tokens))) {
+            memcpy(buf, r->disk_state, (size_t)e->state_bytes);
+        }
+    }
     k3_sched_count_hit(s, rq, r->disk_local);
     d->st.ext_hits += r->disk_hit_tokens - r->disk_local;
     r->disk_loaded = r->disk_hit_tokens - r->disk_local;
@@ -288,12 +300,23 @@ static void load_done(k3_disk_conn *d, req *r, const k3_kvs_done *dn, double t) 
     r->disk_saved = nb; /* what it loaded is on disk */
     if (k3_sched_add_landed(s, rq, NULL)) {
         snprintf(r->error, sizeof r->error, "out of memory for the queue");
-        k3_engine_finish(e, r, K3_FINISH_ERROR, t);
-        return;
+        k3_engine_finish(e, r, K3_FINISH_ERROR, t); /* it leaves the landed list: its pin goes */
     }
-    if (!push(&d->landed, &d->n_landed, &d->cap_landed, r)) {
-        /* its state stays with it until it ends */
+}
+
+/* r leaves the landed list: a state the snapshot store adopted (r->disk_state
+ * NULL) is unpinned; when r was not admitted with it, it keeps a copy. */
+static void landed_leave(k3_disk_conn *d, req *r) {
+    k3_engine *e = d->e;
+    if (r->disk_state || e->state_bytes <= 0) return;
+    const k3_rq *rq = &r->rq;
+    const int32_t nb = (int32_t)(r->disk_hit_tokens / d->bs);
+    if (rq->landed_state && !r->finished) { /* still to be restored (no longer waiting with blocks) */
+        r->disk_state = malloc((size_t)e->state_bytes);
+        if (r->disk_state) memcpy(r->disk_state, rq->landed_state, (size_t)e->state_bytes);
+        r->rq.landed_state = r->disk_state; /* NULL: out of memory, it computes its state */
     }
+    k3_kv_snap_unpin(&e->sn, rq->hash[nb - 1], r->disk_hit_tokens);
 }
 
 /* ---- saves ------------------------------------------------------------------------------------ */
@@ -345,7 +368,7 @@ static void save_runs(k3_disk_conn *d, req *r, int32_t n_full, bool final) {
     r->disk_saved = n_full;
 }
 
-static void disk_registered(void *self, req *r, int32_t before) {
+static void disk_registered_(void *self, req *r, int32_t before) {
     k3_disk_conn *d = self;
     const int32_t runs = r->rq.n_registered / d->R * d->R;
     if (runs > r->disk_saved) save_runs(d, r, runs, false);
@@ -367,7 +390,7 @@ static void pair_put(k3_disk_conn *d, uint64_t key, int64_t junction) {
  * snapshots stay in RAM. A request that restored the state at R (its
  * prefix hit: the previous prompt's end) supersedes the previous pair: its
  * prompt-end save drops R, its junction save the junction saved with R. */
-static void disk_snapshot_taken(void *self, req *r, int64_t pos, uint64_t key) {
+static void disk_snapshot_taken_(void *self, req *r, int64_t pos, uint64_t key) {
     k3_disk_conn *d = self;
     k3_engine *e = d->e;
     const k3_rq *rq = &r->rq;
@@ -413,12 +436,13 @@ static void disk_snapshot_taken(void *self, req *r, int64_t pos, uint64_t key) {
 
 /* A request ends: its computed blocks go to the directory, the partial
  * run at the end too. */
-static void disk_request_finished(void *self, req *r, k3_finish_reason why, double t) {
+static void disk_request_finished_(void *self, req *r, k3_finish_reason why, double t) {
     k3_disk_conn *d = self;
     d->blocked = false;
     for (int32_t i = 0; i < d->n_landed; i++)
         if (d->landed[i] == r) {
             remove_at(d->landed, &d->n_landed, i);
+            landed_leave(d, r);
             break;
         }
     if (why == K3_FINISH_ERROR || r->disk_phase != DISK_NONE || r->rq.state == K3_RQ_REMOTE) return;
@@ -433,7 +457,7 @@ static void disk_request_finished(void *self, req *r, k3_finish_reason why, doub
 /* ---- the step's other calls ------------------------------------------------------------------- */
 
 /* The states of landed requests that were admitted go (restored into their slots). */
-static void disk_begin(void *self, double t) {
+static void disk_begin_(void *self, double t) {
     k3_disk_conn *d = self;
     for (int32_t i = 0; i < d->n_landed;) {
         req *r = d->landed[i]; /* a finished one left the list then */
@@ -441,17 +465,18 @@ static void disk_begin(void *self, double t) {
             i++;
             continue;
         }
-        if (!r->rq.landed_state) { /* admitted (and restored) since: kept for the next load */
+        if (!r->rq.landed_state && r->disk_state) { /* admitted (and restored) since: kept for the next load */
             if (!d->spare_state) d->spare_state = r->disk_state;
             else free(r->disk_state);
             r->disk_state = NULL;
         }
         remove_at(d->landed, &d->n_landed, i);
+        landed_leave(d, r);
     }
 }
 
 /* Loads that completed land; saves that completed give their blocks and snapshots back. */
-static void disk_after_step(void *self, double t) {
+static void disk_after_step_(void *self, double t) {
     k3_disk_conn *d = self;
     k3_kvs_done dn[32];
     int32_t n;
@@ -513,6 +538,58 @@ static void disk_close(void *self) {
     free(d->loads);
     free(d->landed);
     free(d);
+}
+
+/* ---- the step's calls, timed ---------------------------------------------------------------- */
+
+/* Each call the step makes here is timed; one over a millisecond says so in the log (these calls
+ * sit in the token loop: docs/kvstore.md, "Decode ITL while a disk load and a save run"). */
+static void timed(k3_disk_conn *d, const char *what, double t0) {
+    const double dt = k3_now() - t0;
+    if (dt > 1e-3) logf_(d, "kv cache: the step's %s took %.1f ms", what, dt * 1e3);
+}
+
+static void disk_begin(void *self, double t) {
+    const double t0 = k3_now();
+    disk_begin_(self, t);
+    timed(self, "begin", t0);
+}
+
+static bool disk_arrive(void *self, req *r) {
+    const double t0 = k3_now();
+    const bool taken = disk_arrive_(self, r);
+    timed(self, "arrive (lookup)", t0);
+    return taken;
+}
+
+static void disk_before_schedule(void *self, double t) {
+    const double t0 = k3_now();
+    disk_before_schedule_(self, t);
+    timed(self, "before_schedule (loads queued)", t0);
+}
+
+static void disk_snapshot_taken(void *self, req *r, int64_t pos, uint64_t key) {
+    const double t0 = k3_now();
+    disk_snapshot_taken_(self, r, pos, key);
+    timed(self, "snapshot_taken (snapshot save queued)", t0);
+}
+
+static void disk_registered(void *self, req *r, int32_t before) {
+    const double t0 = k3_now();
+    disk_registered_(self, r, before);
+    timed(self, "registered (run save queued)", t0);
+}
+
+static void disk_after_step(void *self, double t) {
+    const double t0 = k3_now();
+    disk_after_step_(self, t);
+    timed(self, "after_step (loads landed, saves released)", t0);
+}
+
+static void disk_request_finished(void *self, req *r, k3_finish_reason why, double t) {
+    const double t0 = k3_now();
+    disk_request_finished_(self, r, why, t);
+    timed(self, "request_finished (final save queued)", t0);
 }
 
 bool k3_engine_disk_stats(k3_engine *e, k3_disk_stats *out, k3_kvs_metrics *m) {

@@ -125,6 +125,11 @@ bool k3_kv_snap_has(const k3_kv_snaps *sn, uint64_t key, int64_t pos);
  * full), or NULL when the budget holds none or memory is out. An existing
  * snapshot for key is returned for overwrite. */
 void *k3_kv_snap_put(k3_kv_snaps *sn, uint64_t key, int64_t pos);
+/* The same without a copy: the snapshot for key at pos takes the buffer *buf
+ * (bytes_each, malloc'd; the store frees it) as it is, and *buf becomes the
+ * entry's previous buffer (the caller's now: NULL, or one to reuse or free).
+ * False (nothing changed) where a put would have returned NULL. */
+bool k3_kv_snap_adopt(k3_kv_snaps *sn, uint64_t key, int64_t pos, void **buf);
 /* Forgets the snapshot for key at pos, if held and not pinned (one whose
  * content was never written: its forward pass failed). */
 void k3_kv_snap_drop(k3_kv_snaps *sn, uint64_t key, int64_t pos);

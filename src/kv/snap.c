@@ -89,20 +89,23 @@ const void *k3_kv_snap_find(k3_kv_snaps *sn, uint64_t key, int64_t pos) {
     return sn->data[e];
 }
 
-void *k3_kv_snap_put(k3_kv_snaps *sn, uint64_t key, int64_t pos) {
-    if (sn->cap == 0) return NULL;
+/* The entry for key at pos: an existing one (*existing, moved to the LRU's
+ * tail), or a free or evicted one not linked yet; -1 when the existing one is
+ * pinned or every entry is. */
+static int32_t entry_for(k3_kv_snaps *sn, uint64_t key, int64_t pos, bool *existing) {
     int32_t e = find(sn, key, pos);
+    *existing = e >= 0;
     if (e >= 0) {
-        if (sn->pins[e]) return NULL; /* a save reads it: not overwritten meanwhile */
+        if (sn->pins[e]) return -1; /* a save reads it: not overwritten meanwhile */
         lru_remove(sn, e);
         lru_push_tail(sn, e);
-        return sn->data[e];
+        return e;
     }
     if (sn->n_free_slots == 0) {
         /* evict the least recently used that no save reads */
         e = sn->head;
         while (e >= 0 && sn->pins[e]) e = sn->next[e];
-        if (e < 0) return NULL;
+        if (e < 0) return -1;
         lru_remove(sn, e);
         int32_t *at = &sn->bucket[sn->key[e] & sn->bucket_mask];
         while (*at != e) at = &sn->chain[*at];
@@ -112,11 +115,10 @@ void *k3_kv_snap_put(k3_kv_snaps *sn, uint64_t key, int64_t pos) {
     } else {
         e = sn->free_list[--sn->n_free_slots];
     }
-    if (!sn->data[e]) sn->data[e] = malloc((size_t)sn->bytes_each);
-    if (!sn->data[e]) {
-        sn->free_list[sn->n_free_slots++] = e;
-        return NULL;
-    }
+    return e;
+}
+
+static void link_entry(k3_kv_snaps *sn, int32_t e, uint64_t key, int64_t pos) {
     sn->key[e] = key;
     sn->pos[e] = pos;
     int32_t *head = &sn->bucket[key & sn->bucket_mask];
@@ -125,7 +127,33 @@ void *k3_kv_snap_put(k3_kv_snaps *sn, uint64_t key, int64_t pos) {
     lru_push_tail(sn, e);
     sn->n++;
     sn->n_taken++;
+}
+
+void *k3_kv_snap_put(k3_kv_snaps *sn, uint64_t key, int64_t pos) {
+    if (sn->cap == 0) return NULL;
+    bool existing;
+    const int32_t e = entry_for(sn, key, pos, &existing);
+    if (e < 0) return NULL;
+    if (existing) return sn->data[e];
+    if (!sn->data[e]) sn->data[e] = malloc((size_t)sn->bytes_each);
+    if (!sn->data[e]) {
+        sn->free_list[sn->n_free_slots++] = e;
+        return NULL;
+    }
+    link_entry(sn, e, key, pos);
     return sn->data[e];
+}
+
+bool k3_kv_snap_adopt(k3_kv_snaps *sn, uint64_t key, int64_t pos, void **buf) {
+    if (sn->cap == 0 || !*buf) return false;
+    bool existing;
+    const int32_t e = entry_for(sn, key, pos, &existing);
+    if (e < 0) return false;
+    void *old = sn->data[e];
+    sn->data[e] = *buf;
+    *buf = old;
+    if (!existing) link_entry(sn, e, key, pos);
+    return true;
 }
 
 const void *k3_kv_snap_pin(k3_kv_snaps *sn, uint64_t key, int64_t pos) {
