@@ -24,7 +24,7 @@ import time
 ap = argparse.ArgumentParser()
 ap.add_argument("mode", choices=["pd", "colo"])
 ap.add_argument("settings")
-ap.add_argument("--model", default="/work/bench/bench")
+ap.add_argument("--model", default="bench/bench")
 ap.add_argument("--k3", default="build/k3")
 a = ap.parse_args()
 K3, MODEL = a.k3, a.model

@@ -2,7 +2,7 @@
 # structured.sh -- TPOT with every request constrained by a JSON schema against the same
 # requests unconstrained, through k3 serve and k3 bench serve, rounds interleaved.
 # Usage: sh bench/structured.sh [MODEL [ROUNDS [CONCURRENCY [IN [OUT [THREADS]]]]]]
-#   (defaults: /work/bench/bench 2 16 128 64 2). Time it under the exclusive lock:
+#   (defaults: bench/bench 2 16 128 64 2). Time it under the exclusive lock:
 #   flock -x /tmp/k3-cpu.lock sh bench/structured.sh
 # The schema (bench/structured_rf.json) is a ticket: a bounded title, an enum, a short
 # array, then free notes, so every constrained request still generates OUT tokens
@@ -11,7 +11,7 @@
 # (k3:grammar_seconds_total, k3:grammar_masks_total).
 set -e
 K3=${K3:-build/k3}
-MODEL=${1:-/work/bench/bench}
+MODEL=${1:-bench/bench}
 ROUNDS=${2:-2}
 CONC=${3:-16}
 IN=${4:-128}

@@ -5,11 +5,11 @@
 # line per run and the medians per surface and concurrency.
 #
 # Usage: flock -x /tmp/k3-cpu.lock sh bench/surfaces.sh [MODEL [IN OUT N16 ROUNDS]]
-#   MODEL   checkpoint (default /work/bench/bench)
+#   MODEL   checkpoint (default bench/bench)
 #   IN OUT  prompt and output tokens (default 128 64)
 #   N16     prompts at concurrency 16 (default 16; concurrency 1 runs 8)
 #   ROUNDS  runs per surface and concurrency (default 3); SEED (default 1) is the
-#           first round's dataset seed. On 2 cores and /work/bench/bench a round
+#           first round's dataset seed. On 2 cores and bench/bench a round
 #           takes ~3.5 min: hold the lock for one round at a time (ROUNDS=1
 #           SEED=1, 2, 3) and take the medians of the printed lines.
 # The prefix cache is off, so no run reads the prompts an earlier one cached;
@@ -17,7 +17,7 @@
 # default, with a ~150-token effort message; Anthropic's thinking is off).
 set -e
 K3=${K3:-build/k3}
-MODEL=${1:-/work/bench/bench}
+MODEL=${1:-bench/bench}
 IN=${2:-128}
 OUT=${3:-64}
 N16=${4:-16}
