@@ -843,9 +843,57 @@ static enum MHD_Result health(k3_proxy *p, struct MHD_Connection *c) {
 
 static size_t keep(char *ptr, size_t size, size_t n, void *arg) {
     k3_buf *b = arg;
+    if (!b) return size * n;                      /* the body is not wanted */
     if (b->len + size * n > (8u << 20)) return 0; /* a backend's /metrics is far smaller */
     k3_buf_add(b, ptr, size * n);
     return b->oom ? 0 : size * n;
+}
+
+/* backend i of the prefill instances then the decode instances */
+static backend *backend_at(k3_proxy *p, int i) { return i < p->n_pre ? &p->pre[i] : &p->dec[i - p->n_pre]; }
+
+/* GETs path from every backend at once, within timeout_ms: status[i] (0: no
+ * answer) and, where body is not NULL, body[i] (the caller frees them); with
+ * auth, the proxy's key goes with each. False, nothing fetched, when out of
+ * memory. */
+static bool get_all(k3_proxy *p, const char *path, long timeout_ms, bool auth, long *status, k3_buf *body) {
+    const int n = p->n_pre + p->n_dec;
+    CURLM *m = curl_multi_init();
+    CURL **h = calloc((size_t)n, sizeof *h);
+    struct curl_slist *hdr = NULL;
+    if (auth && p->api_key) {
+        char v[1100];
+        snprintf(v, sizeof v, "Authorization: Bearer %s", p->api_key);
+        hdr = curl_slist_append(NULL, v);
+    }
+    const bool ok = m && h && !(auth && p->api_key && !hdr);
+    for (int i = 0; ok && i < n; i++) {
+        status[i] = 0;
+        char url[1100];
+        snprintf(url, sizeof url, "%s%s", backend_at(p, i)->url, path);
+        if (!(h[i] = curl_easy_init())) continue;
+        curl_easy_setopt(h[i], CURLOPT_URL, url);
+        curl_easy_setopt(h[i], CURLOPT_NOSIGNAL, 1L);
+        curl_easy_setopt(h[i], CURLOPT_TIMEOUT_MS, timeout_ms);
+        curl_easy_setopt(h[i], CURLOPT_WRITEFUNCTION, keep);
+        curl_easy_setopt(h[i], CURLOPT_WRITEDATA, body ? &body[i] : NULL);
+        if (hdr) curl_easy_setopt(h[i], CURLOPT_HTTPHEADER, hdr);
+        curl_multi_add_handle(m, h[i]);
+    }
+    for (int running = ok; running;) {
+        curl_multi_perform(m, &running);
+        if (running) curl_multi_poll(m, NULL, 0, 100, NULL);
+    }
+    for (int i = 0; h && i < n; i++)
+        if (h[i]) {
+            curl_easy_getinfo(h[i], CURLINFO_RESPONSE_CODE, &status[i]);
+            curl_multi_remove_handle(m, h[i]);
+            curl_easy_cleanup(h[i]);
+        }
+    curl_slist_free_all(hdr);
+    curl_multi_cleanup(m);
+    free(h);
+    return ok;
 }
 
 /* The sum over every series of name (any labels) in a Prometheus text. */
@@ -879,52 +927,17 @@ static int backend_gauges(k3_proxy *p, double sums[GAUGE_COUNT]) {
     static const char *const names[GAUGE_COUNT] = {"vllm:num_requests_running", "vllm:num_requests_waiting"};
     for (int g = 0; g < GAUGE_COUNT; g++) sums[g] = 0;
     const int n = p->n_pre + p->n_dec;
-    CURLM *m = curl_multi_init();
-    CURL **h = calloc((size_t)n, sizeof *h);
+    long *st = calloc((size_t)n, sizeof *st);
     k3_buf *out = calloc((size_t)n, sizeof *out);
-    struct curl_slist *hdr = NULL;
-    if (p->api_key) {
-        char v[1100];
-        snprintf(v, sizeof v, "Authorization: Bearer %s", p->api_key);
-        hdr = curl_slist_append(NULL, v);
-    }
     int answered = 0;
-    if (!m || !h || !out || (p->api_key && !hdr)) goto done;
-    for (int i = 0; i < n; i++) {
-        const backend *b = i < p->n_pre ? &p->pre[i] : &p->dec[i - p->n_pre];
-        char url[1100];
-        snprintf(url, sizeof url, "%s/metrics", b->url);
-        if (!(h[i] = curl_easy_init())) continue;
-        curl_easy_setopt(h[i], CURLOPT_URL, url);
-        curl_easy_setopt(h[i], CURLOPT_NOSIGNAL, 1L);
-        curl_easy_setopt(h[i], CURLOPT_TIMEOUT_MS, 1000L);
-        curl_easy_setopt(h[i], CURLOPT_WRITEFUNCTION, keep);
-        curl_easy_setopt(h[i], CURLOPT_WRITEDATA, &out[i]);
-        if (hdr) curl_easy_setopt(h[i], CURLOPT_HTTPHEADER, hdr);
-        curl_multi_add_handle(m, h[i]);
-    }
-    for (int running = 1; running;) {
-        curl_multi_perform(m, &running);
-        if (running) curl_multi_poll(m, NULL, 0, 100, NULL);
-    }
-    for (int i = 0; i < n; i++) {
-        long st = 0;
-        if (h[i]) curl_easy_getinfo(h[i], CURLINFO_RESPONSE_CODE, &st);
-        if (st == 200 && out[i].p && !out[i].oom) {
-            answered++;
-            for (int g = 0; g < GAUGE_COUNT; g++) sums[g] += series_sum(out[i].p, out[i].len, names[g]);
-        }
-    }
-done:
-    for (int i = 0; h && i < n; i++)
-        if (h[i]) {
-            curl_multi_remove_handle(m, h[i]);
-            curl_easy_cleanup(h[i]);
-        }
+    if (st && out && get_all(p, "/metrics", 1000, true, st, out))
+        for (int i = 0; i < n; i++)
+            if (st[i] == 200 && out[i].p && !out[i].oom) {
+                answered++;
+                for (int g = 0; g < GAUGE_COUNT; g++) sums[g] += series_sum(out[i].p, out[i].len, names[g]);
+            }
     for (int i = 0; out && i < n; i++) k3_buf_free(&out[i]);
-    curl_slist_free_all(hdr);
-    curl_multi_cleanup(m);
-    free(h);
+    free(st);
     free(out);
     return answered;
 }
@@ -1070,37 +1083,16 @@ static enum MHD_Result dispatch(void *arg, struct MHD_Connection *c, const void 
 
 /* ---- the backends' health --------------------------------------------------------------------- */
 
-static size_t discard(char *ptr, size_t size, size_t n, void *arg) { return size * n; }
-
 static void probe_all(k3_proxy *p, long timeout_ms) {
-    CURLM *m = curl_multi_init();
     const int n = p->n_pre + p->n_dec;
-    CURL **h = calloc((size_t)n, sizeof *h);
-    if (!m || !h) {
-        curl_multi_cleanup(m);
-        free(h);
+    long *status = calloc((size_t)n, sizeof *status);
+    if (!status || !get_all(p, "/health", timeout_ms, false, status, NULL)) {
+        free(status);
         return;
     }
     for (int i = 0; i < n; i++) {
-        backend *b = i < p->n_pre ? &p->pre[i] : &p->dec[i - p->n_pre];
-        char url[1100];
-        snprintf(url, sizeof url, "%s/health", b->url);
-        if (!(h[i] = curl_easy_init())) continue;
-        curl_easy_setopt(h[i], CURLOPT_URL, url);
-        curl_easy_setopt(h[i], CURLOPT_NOSIGNAL, 1L);
-        curl_easy_setopt(h[i], CURLOPT_TIMEOUT_MS, timeout_ms);
-        curl_easy_setopt(h[i], CURLOPT_WRITEFUNCTION, discard);
-        curl_multi_add_handle(m, h[i]);
-    }
-    int running = 1;
-    while (running) {
-        curl_multi_perform(m, &running);
-        if (running) curl_multi_poll(m, NULL, 0, 100, NULL);
-    }
-    for (int i = 0; i < n; i++) {
-        backend *b = i < p->n_pre ? &p->pre[i] : &p->dec[i - p->n_pre];
-        long st = 0;
-        if (h[i]) curl_easy_getinfo(h[i], CURLINFO_RESPONSE_CODE, &st);
+        backend *b = backend_at(p, i);
+        const long st = status[i];
         const bool was = atomic_exchange(&b->up, st == 200);
         if (p->router && b->rix >= 0) {
             /* the router learns a backend that went down or came back (a restart: back, empty) */
@@ -1111,13 +1103,8 @@ static void probe_all(k3_proxy *p, long timeout_ms) {
             if (st == 200 && !rb.healthy) k3_router_set_health(p->router, b->rix, true, k3_now());
             pthread_mutex_unlock(&p->rmu);
         }
-        if (h[i]) {
-            curl_multi_remove_handle(m, h[i]);
-            curl_easy_cleanup(h[i]);
-        }
     }
-    curl_multi_cleanup(m);
-    free(h);
+    free(status);
 }
 
 static void *prober_main(void *arg) {
