@@ -497,3 +497,63 @@ K3_TEST(quant_w4a8_avx2_tiles) {
     check_w4a8_avx2(24, 384, 11, 8);  /* the latent experts' down rows, 8 + 3 tokens, a split between slices */
     check_w4a8_avx2(36, 1024, 9, 20); /* gate/up rows, a split inside a slice */
 }
+
+/* W8A8 prefill on the AVX-512 VNNI token panels (n >= K3_Q8_PANEL_MIN,
+ * cols % 4 == 0) through k3_matmul on two threads: y == (float)(exact int
+ * dot) x xs x row_scale of the scalar quantizer, bit for bit, and each token
+ * alone (the one-row decode path) gives the bits of the batch. The shapes
+ * reach every register block (8, 4 and 1 rows; 1-3 panels, a part-filled
+ * one), column blocks with a short last one, and cols % 4 != 0 (no panels). */
+static void check_q8_panels(k3_pool *pool, int R, int C, int N) {
+    int8_t *w = malloc((size_t)R * C), *xq = malloc((size_t)N * C);
+    float *rs = malloc(sizeof(float) * R), *xs = malloc(sizeof(float) * N), *x = malloc(sizeof(float) * N * C);
+    int32_t *sums = malloc(sizeof(int32_t) * R);
+    float *y0 = malloc(sizeof(float) * N * R), *y1 = malloc(sizeof(float) * N * R), *yt = malloc(sizeof(float) * R);
+    for (int i = 0; i < R * C; i++) w[i] = (int8_t)(i % 11 == 0 ? -127 : i % 13 == 0 ? 127 : (int)(frand() * 127));
+    for (int i = 0; i < N * C; i++) x[i] = i % 17 == 0 ? 0.0f : frand() * (i % 7 == 0 ? 4.0f : 1.0f);
+    for (int r = 0; r < R; r++) {
+        rs[r] = 0.01f + 0.001f * (float)r;
+        int32_t s = 0;
+        for (int c = 0; c < C; c++) s += w[r * C + c];
+        sums[r] = s;
+    }
+    for (int t = 0; t < N; t++) xs[t] = k3_quant_act_i8_ref(x + t * C, C, xq + t * C);
+    for (int t = 0; t < N; t++)
+        for (int r = 0; r < R; r++) {
+            int32_t d = 0;
+            for (int c = 0; c < C; c++) d += (int32_t)w[r * C + c] * xq[t * C + c];
+            y0[t * R + r] = (float)d * xs[t] * rs[r];
+        }
+    const k3_mat wm =
+        {.type = K3_W_Q8, .rows = R, .cols = C, .act8 = true, .data = w, .row_scale = rs, .row_sum = sums};
+    k3_matmul(pool, &wm, x, N, y1);
+    CHECKF(memcmp(y0, y1, sizeof(float) * N * R) == 0, "%dx%d n=%d: AVX-512 W8A8 != scalar", R, C, N);
+    for (int t = 0; t < N; t++) {
+        k3_matmul(pool, &wm, x + t * C, 1, yt);
+        CHECKF(memcmp(yt, y1 + t * R, sizeof(float) * R) == 0, "%dx%d n=%d: token %d alone differs", R, C, N, t);
+    }
+    free(w);
+    free(xq);
+    free(rs);
+    free(xs);
+    free(x);
+    free(sums);
+    free(y0);
+    free(y1);
+    free(yt);
+}
+
+K3_TEST(quant_w8a8_avx512_panels_equal_scalar) {
+    k3_kernels_force(K3_ISA_AVX512);
+    if (k3_kernels_isa() < K3_ISA_AVX512 || !__builtin_cpu_supports("avx512vnni")) SKIP("no AVX-512 VNNI on this CPU");
+    k3_pool *pool = NULL;
+    k3_error err;
+    REQUIRE(k3_pool_init(&pool, 2, &err) == K3_OK);
+    check_q8_panels(pool, 64, 2048, 100); /* 3 + 3 panels (the last part-filled), 8 column blocks */
+    check_q8_panels(pool, 44, 600, 49);   /* 8-row blocks + a 4-row one, 1 + a short column block */
+    check_q8_panels(pool, 23, 36, 16);    /* one panel; 8, 8, 4, 1, 1, 1 rows */
+    check_q8_panels(pool, 131, 1028, 33); /* two 64-row slices + 3 rows, 2 + 1 panels */
+    check_q8_panels(pool, 16, 30, 20);    /* cols % 4: the tiles, no panels */
+    check_q8_panels(pool, 8, 4, 47);      /* one column group */
+    k3_pool_free(pool);
+}
