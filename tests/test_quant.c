@@ -91,11 +91,22 @@ static void check_matmul_q(k3_wtype type, int rows, int cols, int n) {
         CHECKF(r < 1e-6, "type %d isa %d %dx%d n=%d: rel-L2 %.3g", type, isa, rows, cols, n, r);
     }
     k3_kernels_force(K3_ISA_AVX512);
+    if (type != K3_W_MXFP8 && n * cols >= 65536) {
+        /* activations quantized on both threads: each token alone (inline) gives the batch's bits */
+        float *yt = malloc(sizeof(float) * rows);
+        k3_matmul(pool, &w, x, n, y);
+        for (int t = 0; t < n; t++) {
+            k3_matmul(NULL, &w, x + t * cols, 1, yt);
+            CHECKF(memcmp(yt, y + t * rows, sizeof(float) * rows) == 0, "type %d %dx%d n=%d: token %d alone differs",
+                   type, rows, cols, n, t);
+        }
+        free(yt);
+    }
     if (type != K3_W_MXFP4 && type != K3_W_MXFP4_R4) {
         /* and close to the unquantized fp32 product */
         k3_matmul_ref(&src, x, n, yf);
         const double r = k3_test_rel_l2(y, yf, (int64_t)n * rows);
-        CHECKF(r < (type == K3_W_Q8 ? 0.02 : 0.08), "type %d vs fp32: rel-L2 %.3g", type, r);
+        CHECKF(r < (type == K3_W_Q8 ? 0.02 : 0.08), "type %d %dx%d n=%d vs fp32: rel-L2 %.3g", type, rows, cols, n, r);
     }
     k3_pool_free(pool);
     free(wf);
@@ -124,6 +135,9 @@ K3_TEST(quant_matmul_w8a8_w4a8) {
     check_matmul_q(K3_W_MXFP4, 13, 384, 5);  /* a latent expert's down rows: 12 scales in one load */
     check_matmul_q(K3_W_MXFP4, 40, 640, 9);  /* 16 + 4 blocks */
     check_matmul_q(K3_W_MXFP4, 21, 1120, 9);
+    /* enough tokens x columns that the activations are quantized on the pool */
+    check_matmul_q(K3_W_Q8, 24, 512, 130);
+    check_matmul_q(K3_W_MXFP4, 21, 1024, 80);
 }
 
 /* The tiles MXFP4_R4 hold the same weights (k3_mat_get_row, bit for bit),
@@ -557,3 +571,8 @@ K3_TEST(quant_w8a8_avx512_panels_equal_scalar) {
     check_q8_panels(pool, 8, 4, 47);      /* one column group */
     k3_pool_free(pool);
 }
+
+/* W4A8 tiles with enough tokens x columns that the activations are
+ * quantized and prepared on the pool (check_matmul_q: each token alone gives
+ * the batch's bits). */
+K3_TEST(quant_w4a8_r4_prep_on_the_pool) { check_matmul_q(K3_W_MXFP4_R4, 40, 1024, 70); }
