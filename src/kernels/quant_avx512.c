@@ -231,17 +231,21 @@ static void q8p_rows(const k3_qjob *j, int64_t r0, int64_t r1) {
     q8p_block(wr, cols, xp, ldp, g0, g1, NR, NV, cr, first, last, j->w->row_sum + rg, j->w->row_scale + rg, \
               j->xs + t0, nt, j->y + t0 * ldy + rg, ldy)
 #define Q8P_NV(NR) \
-    switch (nv) { \
-    case 1: Q8P(NR, 1); break; \
-    case 2: Q8P(NR, 2); break; \
-    default: Q8P(NR, 3); break; \
-    }
-                    if (nr == 8)
-                        Q8P_NV(8)
-                        else if (nr == 4) Q8P_NV(4) else Q8P_NV(1)
+    do { \
+        if (nv == 1) Q8P(NR, 1); \
+        else if (nv == 2) Q8P(NR, 2); \
+        else Q8P(NR, 3); \
+    } while (0)
+                    if (nr == 8) {
+                        Q8P_NV(8);
+                    } else if (nr == 4) {
+                        Q8P_NV(4);
+                    } else {
+                        Q8P_NV(1);
+                    }
 #undef Q8P_NV
 #undef Q8P
-                            rg += nr;
+                    rg += nr;
                 }
             }
         }
