@@ -14,6 +14,9 @@
  *   AB_RUNS=9     timed layer calls per point (median)
  *   AB_AVX=0      skip the AVX-512 baselines; AB_TRUNK=0 skip the trunk shapes
  *   AB_QLI=4096   key slots of the DSA indexer run (16 heads of 128, 512 and 64 tokens); 0 skips it
+ *   AB_BFDOT=1    the amx table's BF16 dot products as the model runs them (k3_amx_bf_call on
+ *                 K3_W_BF16_S16 strips, k3_amx_moe_bf on K3_W_MXFP4_S16 experts) at AB_BFN
+ *                 tokens (default 128,512,2048), weights cycled from DRAM; 0 skips it
  *   AB_EMU=1      the emulated kernels (checks the tool; its times mean nothing)
  *   AB_AMX=0      only the AVX-512 baselines (runs on any AVX-512 machine)
  * Time the figures under `flock -x /tmp/k3-cpu.lock`.
@@ -27,6 +30,7 @@
 #include "kernels/amx.h"
 #include "kernels/attn_ops.h"
 #include "kernels/kernels.h"
+#include "kernels/kernels_isa.h"
 #include "kernels/quant.h"
 
 enum { NE = 64, TOPK = 8, HID = 1024, INTER = 384 };
@@ -156,6 +160,93 @@ static void route(int64_t T, int64_t *row0) {
     }
     row0[0] = 0;
     for (int e = 0; e < NE; e++) row0[e + 1] = row0[e] + cnt[e];
+}
+
+/* w (BF16 or MXFP4, k3_mat.bf16) as the strips the model makes at load
+ * (K3_W_BF16_S16, K3_W_MXFP4_S16); the stored copy freed. */
+static k3_mat strips(k3_mat w) {
+    w.bf16 = true;
+    const size_t nb = k3_mat_data_bytes(&w), ns = k3_mat_scale_bytes(&w);
+    uint8_t *d = aligned_alloc(64, nb), *sc = ns ? aligned_alloc(64, ns + 64) : NULL;
+    k3_s16_pack(&w, d, sc);
+    free((void *)w.data);
+    if (ns) free((void *)w.scale);
+    w.type = w.type == K3_W_MXFP4 ? K3_W_MXFP4_S16 : K3_W_BF16_S16;
+    w.data = d;
+    if (ns) w.scale = sc;
+    return w;
+}
+
+/* The amx table's BF16 dot products over n tokens: trunk shapes (copies
+ * cycled so each call reads its weights from DRAM) and one MoE layer's
+ * routed experts grouped (layers cycled). GFLOP/s of the products. */
+static void bfdot(k3_pool *pool, int64_t n, int runs) {
+    static const int64_t sh[][2] = {{2048, 2048}, {5632, 2048}, {2048, 5632}};
+    enum { NC = 6, NL = 4 };
+    const int nr = runs < 64 ? runs : 64;
+    double t[64];
+    float *x = malloc(sizeof(float) * (size_t)(n * 5632)), *y = malloc(sizeof(float) * (size_t)(n * TOPK * 5632));
+    for (int64_t j = 0; j < n * 5632; j++) x[j] = frand();
+    printf("  %5lld tokens:", (long long)n);
+    for (size_t i = 0; i < sizeof sh / sizeof sh[0]; i++) {
+        k3_mat w[NC];
+        for (int c = 0; c < NC; c++) w[c] = strips(make_mat("bf16", sh[i][0], sh[i][1]));
+        for (int r = 0; r < nr; r++) {
+            const double t0 = now_s();
+            k3_amx_bf_call(pool, &w[r % NC], x, n, y);
+            t[r] = now_s() - t0;
+        }
+        qsort(t, (size_t)nr, sizeof t[0], cmpd);
+        printf(" %lldx%lld %6.1f", (long long)sh[i][0], (long long)sh[i][1], 2.0 * n * sh[i][0] * sh[i][1] / 1e9 / t[nr / 2]);
+        for (int c = 0; c < NC; c++) free((void *)w[c].data);
+    }
+    k3_mat *g = malloc(sizeof(k3_mat) * NE * NL * 3), *u = g + NE * NL, *d = u + NE * NL;
+    for (int e = 0; e < NE * NL; e++) {
+        g[e] = strips(make_mat("mxfp4", INTER, HID));
+        u[e] = strips(make_mat("mxfp4", INTER, HID));
+        d[e] = strips(make_mat("mxfp4", HID, INTER));
+    }
+    int32_t *row0 = calloc(NE + 1, sizeof(int32_t)), *rows = malloc(sizeof(int32_t) * (size_t)(n * TOPK)),
+            *sel = malloc(sizeof(int32_t) * (size_t)(n * TOPK)), eact[NE], fill[NE] = {0};
+    for (int64_t tk = 0; tk < n; tk++)
+        for (int k = 0; k < TOPK; k++) {
+            int e, dup;
+            do {
+                e = (int)(rnd() % NE);
+                dup = 0;
+                for (int j = 0; j < k; j++) dup |= sel[tk * TOPK + j] == e;
+            } while (dup);
+            sel[tk * TOPK + k] = e;
+            row0[e + 1]++;
+        }
+    for (int e = 0; e < NE; e++) row0[e + 1] += row0[e];
+    for (int64_t tk = 0; tk < n; tk++)
+        for (int k = 0; k < TOPK; k++) {
+            const int e = sel[tk * TOPK + k];
+            rows[row0[e] + fill[e]++] = (int32_t)(tk * TOPK + k);
+        }
+    int na = 0;
+    for (int e = 0; e < NE; e++)
+        if (row0[e + 1] > row0[e]) eact[na++] = e;
+    for (int r = 0; r < nr; r++) {
+        const int L = r % NL;
+        const double t0 = now_s();
+        k3_amx_moe_bf(pool, g + L * NE, u + L * NE, d + L * NE, eact, na, row0, rows, TOPK, x, HID, y, HID,
+                      K3_GLU_SWIGLU, 0, 0);
+        t[r] = now_s() - t0;
+    }
+    qsort(t, (size_t)nr, sizeof t[0], cmpd);
+    printf("   experts %6.1f\n", 2.0 * n * TOPK * 3.0 * HID * INTER / 1e9 / t[nr / 2]);
+    for (int e = 0; e < 3 * NE * NL; e++) {
+        free((void *)g[e].data);
+        free((void *)g[e].scale);
+    }
+    free(g);
+    free(row0);
+    free(rows);
+    free(sel);
+    free(x);
+    free(y);
 }
 
 int main(int argc, char **argv) {
@@ -332,6 +423,16 @@ int main(int argc, char **argv) {
             free(buf);
             free((void *)w.data);
         }
+    }
+    /* ---- the BF16 dot products as the model runs them ---- */
+    if (amx && atoi(env("AB_BFDOT", "1"))) {
+        char bn[128];
+        snprintf(bn, sizeof bn, "%s", env("AB_BFN", "128,512,2048"));
+        const int nr = emu ? 1 : runs;
+        printf("\nBF16 dot products on the strips (the amx table's path), GFLOP/s, median of %d: trunk shapes "
+               "(rows x cols), routed experts MXFP4 (%d of %d a token, %d -> 2 x %d -> %d)\n",
+               nr, TOPK, NE, HID, INTER, HID);
+        for (char *tk = strtok(bn, ","); tk; tk = strtok(NULL, ",")) bfdot(pool, atoll(tk), nr);
     }
     /* ---- the DSA indexer over a chunk ---- */
     const int64_t nk = atoll(env("AB_QLI", "4096"));
