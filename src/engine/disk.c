@@ -72,6 +72,12 @@ typedef struct k3_disk_conn {
     k3_disk_stats st, pub;       /* stepping thread's; published at each step (under mu) */
 } k3_disk_conn;
 
+/* A KDA state buffer on a page, whole pages: the store reads into it (and
+ * writes from it) with O_DIRECT where the directory allows. */
+static void *state_alloc(int64_t bytes) {
+    return aligned_alloc(4096, ((size_t)(bytes > 0 ? bytes : 1) + 4095) / 4096 * 4096);
+}
+
 static void logf_(k3_disk_conn *d, const char *fmt, ...) K3_PRINTF(2, 3);
 static void logf_(k3_disk_conn *d, const char *fmt, ...) {
     if (!d->e->o.log) return;
@@ -222,7 +228,7 @@ static void disk_before_schedule_(void *self, double t) {
             r->disk_state = d->spare_state;
             d->spare_state = NULL;
         }
-        if (!r->disk_state && !(r->disk_state = malloc((size_t)(e->state_bytes > 0 ? e->state_bytes : 1))))
+        if (!r->disk_state && !(r->disk_state = state_alloc(e->state_bytes)))
             st = k3_err(&err, K3_ERR_NOMEM, "out of memory for a KDA state");
         if (!st) {
             st = k3_kvs_load(d->kvs, r->disk_hit, rq->blocks, r->disk_state, &r->disk_ticket, &err);
@@ -312,7 +318,7 @@ static void landed_leave(k3_disk_conn *d, req *r) {
     const k3_rq *rq = &r->rq;
     const int32_t nb = (int32_t)(r->disk_hit_tokens / d->bs);
     if (rq->landed_state && !r->finished) { /* still to be restored (no longer waiting with blocks) */
-        r->disk_state = malloc((size_t)e->state_bytes);
+        r->disk_state = state_alloc(e->state_bytes);
         if (r->disk_state) memcpy(r->disk_state, rq->landed_state, (size_t)e->state_bytes);
         r->rq.landed_state = r->disk_state; /* NULL: out of memory, it computes its state */
     }

@@ -82,6 +82,8 @@ typedef struct k3_kvs_options {
                               after a power loss; the checksums alone already
                               turn a lost write into a miss) */
     bool no_threads;    /* tests: jobs run inside k3_kvs_poll / k3_kvs_wait */
+    bool buffered;      /* never O_DIRECT (else used where the filesystem
+                              does it: k3_kvs_io says which) */
     /* A line about a miss, a failed save or an eviction (any thread; NULL =
      * none). The library never prints: the program decides. */
     void (*log)(void *arg, const char *line);
@@ -104,6 +106,9 @@ int32_t k3_kvs_block_size(const k3_kvs *s);
 int32_t k3_kvs_run_blocks(const k3_kvs *s);
 int64_t k3_kvs_block_bytes(const k3_kvs *s);
 int64_t k3_kvs_state_bytes(const k3_kvs *s);
+/* How the payloads move: "direct" (O_DIRECT) or "buffered"; why names the
+ * reason (the alignments, or what refused it). */
+const char *k3_kvs_io(const k3_kvs *s, const char **why);
 
 /* A token sequence as the engine holds it. */
 typedef struct k3_kvs_seq {
@@ -207,6 +212,9 @@ typedef struct k3_kvs_metrics {
                                                         runs an eviction pass of this process removed */
     int64_t files_present;                           /* writes skipped: the key was there (or won by another writer) */
     int64_t bytes_written, bytes_read;               /* payload bytes */
+    bool direct;                                     /* payloads move with O_DIRECT (else through the page cache) */
+    int64_t bytes_bounced;                           /* of those moved with O_DIRECT: through a bounce buffer
+                                                        (pieces not aligned in memory or in the file) */
     double write_seconds, read_seconds;              /* time in the writer / reader jobs */
     int64_t misses[K3_KVS_MISS_REASONS];             /* refused files by reason */
     int64_t evictions, evicted_files, evicted_bytes; /* passes this process ran */

@@ -119,6 +119,11 @@ struct k3_kvs {
     pthread_mutex_t mm;
     k3_kvs_metrics m;
     uint64_t tmp_seq;
+    /* direct I/O: O_DIRECT reads and writes of the payloads where the
+     * directory's filesystem does it (statx's alignments), else buffered */
+    bool direct;
+    int32_t mem_align, off_align;
+    char io_why[160];
 };
 
 /* ---- small helpers ---------------------------------------------------------------- */
@@ -562,16 +567,6 @@ static int rw_summed(int fd, const struct iovec *iov, int n, int64_t off, bool w
     return 0;
 }
 
-/* One buffer through rw_summed; *sum gets its checksum. */
-static int rw_buf_summed(int fd, void *buf, int64_t n, int64_t off, bool wr, uint64_t *sum) {
-    XXH3_state_t xs;
-    XXH3_64bits_reset(&xs);
-    const struct iovec v = {buf, (size_t)n};
-    const int e = rw_summed(fd, &v, 1, off, wr, &xs);
-    *sum = XXH3_64bits_digest(&xs);
-    return e;
-}
-
 static int rw_buf(int fd, void *buf, int64_t n, int64_t off, bool wr) {
     for (int64_t done = 0; done < n;) {
         const int64_t chunk = n - done < (1 << 26) ? n - done : (1 << 26);
@@ -581,6 +576,132 @@ static int rw_buf(int fd, void *buf, int64_t n, int64_t off, bool wr) {
         done += chunk;
     }
     return 0;
+}
+
+/* ---- direct I/O ------------------------------------------------------------------------------ */
+
+/* What a transfer with O_DIRECT needs besides the file: the alignments, a
+ * bounce buffer for the pieces that are not aligned (allocated on first use,
+ * freed by the job), and what went through it. */
+typedef struct dio {
+    bool on;
+    int32_t mem, off; /* address and offset/length alignment (1, 1 when buffered) */
+    void *bounce;
+    int64_t bounced;
+} dio;
+
+#define BOUNCE_BYTES (1 << 20)
+
+static dio dio_for(const k3_kvs *s, bool on) {
+    return (dio){.on = on && s->direct,
+                 .mem = on && s->direct ? s->mem_align : 1,
+                 .off = on && s->direct ? s->off_align : 1};
+}
+
+/* Copies bt bytes of the segments from iov[i].iov_base + in to buf (to_buf)
+ * or back. */
+static void gather(const struct iovec *iov, int i, size_t in, uint8_t *buf, size_t bt, bool to_buf) {
+    for (size_t at = 0; at < bt; i++, in = 0) {
+        const size_t left = iov[i].iov_len - in, take = left < bt - at ? left : bt - at;
+        char *p = (char *)iov[i].iov_base + in;
+        if (to_buf) memcpy(buf + at, p, take);
+        else memcpy(p, buf + at, take);
+        at += take;
+    }
+}
+
+static bool aligned(const dio *d, const void *p, int64_t off) {
+    return (uintptr_t)p % (uintptr_t)d->mem == 0 && off % d->off == 0;
+}
+
+/* Moves the segments iov[0..n), which lie back to back in the file from off
+ * (a multiple of d->off), to (wr) or from fd, adding their bytes to the
+ * checksum xs in order. Buffered (d->on false): rw_summed. Direct: windows of
+ * aligned pieces go straight between the file and the memory; a stretch that
+ * is not aligned (an array's rows of a few hundred bytes, a buffer not on a
+ * page, a tail) goes through the bounce buffer, its file range rounded up to
+ * the alignment (inside the payload's padding: k3_kvs_stride). 0 or an errno. */
+static int xfer(int fd, dio *d, const struct iovec *iov, int n, int64_t off, bool wr, XXH3_state_t *xs) {
+    if (!d->on) return rw_summed(fd, iov, n, off, wr, xs);
+    const size_t A = (size_t)d->off;
+    int i = 0;
+    size_t in = 0; /* bytes of iov[i] done */
+    while (i < n) {
+        if (in == iov[i].iov_len) {
+            i++;
+            in = 0;
+            continue;
+        }
+        /* a window of direct pieces */
+        struct iovec win[PIECE_IOVS], cp[PIECE_IOVS];
+        int w = 0;
+        size_t tot = 0;
+        while (i < n && w < PIECE_IOVS && tot < PIECE_BYTES) {
+            char *p = (char *)iov[i].iov_base + in;
+            const size_t left = iov[i].iov_len - in, room = PIECE_BYTES - tot;
+            size_t take = (left < room ? left : room) / A * A;
+            if (!take || !aligned(d, p, off + (int64_t)tot)) break;
+            win[w++] = (struct iovec){p, take};
+            tot += take;
+            in += take;
+            if (in == iov[i].iov_len) {
+                i++;
+                in = 0;
+            }
+        }
+        if (w) {
+            if (wr)
+                for (int k = 0; k < w; k++) XXH3_64bits_update(xs, win[k].iov_base, win[k].iov_len);
+            memcpy(cp, win, sizeof *win * (size_t)w);
+            const int e = rw_all(fd, cp, w, off, wr);
+            if (e) return e;
+            if (!wr)
+                for (int k = 0; k < w; k++) XXH3_64bits_update(xs, win[k].iov_base, win[k].iov_len);
+            off += (int64_t)tot;
+            continue;
+        }
+        /* a stretch through the bounce buffer: up to where a direct window can start again */
+        if (!d->bounce && !(d->bounce = aligned_alloc(4096, BOUNCE_BYTES))) return ENOMEM;
+        uint8_t *b = d->bounce;
+        const int i0 = i;
+        const size_t in0 = in;
+        size_t bt = 0;
+        while (i < n && bt < BOUNCE_BYTES) {
+            const size_t left = iov[i].iov_len - in;
+            if (!left) {
+                i++;
+                in = 0;
+                continue;
+            }
+            if (bt && left >= A && aligned(d, (char *)iov[i].iov_base + in, off + (int64_t)bt)) break;
+            const size_t take = left < BOUNCE_BYTES - bt ? left : BOUNCE_BYTES - bt;
+            bt += take;
+            in += take;
+        }
+        const size_t io = (bt + A - 1) / A * A;
+        if (wr) {
+            gather(iov, i0, in0, b, bt, true);
+            memset(b + bt, 0, io - bt);
+            XXH3_64bits_update(xs, b, bt);
+        }
+        struct iovec v = {b, io};
+        const int e = rw_all(fd, &v, 1, off, wr);
+        if (e) return e;
+        if (!wr) {
+            XXH3_64bits_update(xs, b, bt);
+            gather(iov, i0, in0, b, bt, false);
+        }
+        d->bounced += (int64_t)bt;
+        off += (int64_t)bt;
+    }
+    return 0;
+}
+
+/* Turns O_DIRECT on for a file a lookup opened (its header was read through
+ * the page cache); false when the filesystem refuses it here. */
+static bool set_direct(int fd) {
+    const int fl = fcntl(fd, F_GETFL);
+    return fl >= 0 && ((fl & O_DIRECT) || !fcntl(fd, F_SETFL, fl | O_DIRECT));
 }
 
 /* ---- writing a file ------------------------------------------------------------------------ */
@@ -629,7 +750,7 @@ static void budget_check(k3_kvs *s, int64_t need) {
  * payload from the blocks of a run or from src; published as name under
  * runs/ or snaps/. 0 = written, 1 = there already, -1 = failed (why). */
 static int write_file(k3_kvs *s, k3_kvs_hdr *h, const int32_t *blocks, const void *src, const char *name, bool snap,
-                      int64_t *bytes, char *why, size_t why_size) {
+                      dio *d, int64_t *bytes, char *why, size_t why_size) {
     const int dir_fd = snap ? s->snaps_fd : s->runs_fd;
     if (!faccessat(dir_fd, name, F_OK, 0)) return 1;
     const int64_t total = h->payload_off + h->payload_bytes;
@@ -637,15 +758,27 @@ static int write_file(k3_kvs *s, k3_kvs_hdr *h, const int32_t *blocks, const voi
     char tmp[96];
     snprintf(tmp, sizeof tmp, "%d-%ld-%llu.part", (int)getpid(), (long)syscall(SYS_gettid),
              (unsigned long long)__atomic_add_fetch(&s->tmp_seq, 1, __ATOMIC_RELAXED));
-    const int fd = openat(s->tmp_fd, tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    const int fl = O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC;
+    int fd = openat(s->tmp_fd, tmp, fl | (d->on ? O_DIRECT : 0), 0644);
+    if (fd < 0 && d->on && errno == EINVAL) { /* refused here after all: buffered */
+        d->on = false;
+        d->mem = d->off = 1;
+        fd = openat(s->tmp_fd, tmp, fl, 0644);
+    }
     if (fd < 0) {
         snprintf(why, why_size, "cannot create %s/tmp/%s: %s", s->dir, tmp, strerror(errno));
         return -1;
     }
-    int e = 0;
+    /* the file's size first: the payloads' padding is a hole that reads as zeros */
+    int e = ftruncate(fd, (off_t)total) ? errno : 0;
     uint64_t *sums = (uint64_t *)k3_kvs_hdr_sums(h);
-    if (snap) {
-        e = rw_buf_summed(fd, (void *)src, h->payload_bytes, h->payload_off, true, &sums[0]);
+    if (e) {
+    } else if (snap) {
+        XXH3_state_t xs;
+        XXH3_64bits_reset(&xs);
+        const struct iovec v = {(void *)src, (size_t)s->id.state_bytes};
+        e = xfer(fd, d, &v, 1, h->payload_off, true, &xs);
+        sums[0] = XXH3_64bits_digest(&xs);
     } else {
         struct iovec *iov = malloc(sizeof *iov * (size_t)s->max_iov);
         if (!iov) e = ENOMEM;
@@ -653,14 +786,14 @@ static int write_file(k3_kvs *s, k3_kvs_hdr *h, const int32_t *blocks, const voi
             const int n = block_iov(s, blocks[h->first_block + i], iov);
             XXH3_state_t xs;
             XXH3_64bits_reset(&xs);
-            e = rw_summed(fd, iov, n, h->payload_off + (int64_t)i * s->id.block_bytes, true, &xs);
+            e = xfer(fd, d, iov, n, h->payload_off + (int64_t)i * k3_kvs_stride(s->id.block_bytes), true, &xs);
             sums[i] = XXH3_64bits_digest(&xs);
         }
         free(iov);
     }
     if (!e) {
         h->hdr_sum = k3_kvs_hdr_sum(h);
-        e = rw_buf(fd, h, h->hdr_bytes, 0, true);
+        e = rw_buf(fd, h, h->payload_off, 0, true); /* h: payload_off bytes on a page (make_hdr) */
     }
     if (!e && s->o.fsync && fsync(fd)) e = errno;
     if (close(fd) && !e) e = errno;
@@ -686,7 +819,7 @@ static int write_file(k3_kvs *s, k3_kvs_hdr *h, const int32_t *blocks, const voi
     }
     __atomic_add_fetch(&s->usage->bytes, total, __ATOMIC_RELAXED);
     __atomic_add_fetch(&s->usage->files, 1, __ATOMIC_RELAXED);
-    *bytes += h->payload_bytes;
+    *bytes += snap ? s->id.state_bytes : (int64_t)h->n_blocks * s->id.block_bytes;
     return 0;
 }
 
@@ -701,9 +834,10 @@ static void remove_file(k3_kvs *s, const char *name, bool snap) {
 
 static k3_kvs_hdr *make_hdr(k3_kvs *s, bool snap, k3_kvs_key key, k3_kvs_key parent, int64_t first, int32_t n,
                             int64_t pos, const int32_t *tokens, const uint64_t *extra, const uint64_t *ehash) {
-    const int64_t hb = k3_kvs_hdr_bytes(n, s->bs, snap);
-    k3_kvs_hdr *h = calloc(1, (size_t)hb);
+    const int64_t hb = k3_kvs_hdr_bytes(n, s->bs, snap), room = k3_kvs_payload_off(hb);
+    k3_kvs_hdr *h = aligned_alloc(K3_KVS_ALIGN, (size_t)room); /* written whole, with O_DIRECT too */
     if (!h) return NULL;
+    memset(h, 0, (size_t)room);
     memcpy(h->magic, snap ? K3_KVS_MAGIC_SNAP : K3_KVS_MAGIC_RUN, 8);
     h->version = K3_KVS_VERSION;
     h->hdr_bytes = (uint32_t)hb;
@@ -714,7 +848,7 @@ static k3_kvs_hdr *make_hdr(k3_kvs *s, bool snap, k3_kvs_key key, k3_kvs_key par
     h->n_blocks = n;
     h->pos = pos;
     h->payload_off = k3_kvs_payload_off(hb);
-    h->payload_bytes = snap ? s->id.state_bytes : (int64_t)n * s->id.block_bytes;
+    h->payload_bytes = snap ? k3_kvs_stride(s->id.state_bytes) : (int64_t)n * k3_kvs_stride(s->id.block_bytes);
     h->created_unix_ns = unix_ns();
     if (!snap) {
         int32_t *t = (int32_t *)(h + 1);
@@ -732,7 +866,7 @@ static void touch(int dir_fd, const char *name) { utimensat(dir_fd, name, NULL, 
 
 /* ---- the jobs ------------------------------------------------------------------------------ */
 
-static k3_status job_save_blocks(k3_kvs *s, job *j, k3_kvs_done *d) {
+static k3_status job_save_blocks(k3_kvs *s, job *j, k3_kvs_done *d, dio *io) {
     const int64_t R = s->R, n = j->n_full;
     k3_kvs_key *keys = malloc(sizeof *keys * (size_t)(n ? n : 1));
     if (!keys) {
@@ -754,7 +888,7 @@ static k3_status job_save_blocks(k3_kvs *s, job *j, k3_kvs_done *d) {
             st = K3_ERR_NOMEM;
             break;
         }
-        const int r = write_file(s, h, j->blocks, NULL, name, false, &d->bytes, d->why, sizeof d->why);
+        const int r = write_file(s, h, j->blocks, NULL, name, false, io, &d->bytes, d->why, sizeof d->why);
         free(h);
         if (r < 0) {
             st = K3_ERR_IO;
@@ -793,7 +927,7 @@ static k3_status job_save_blocks(k3_kvs *s, job *j, k3_kvs_done *d) {
     return st;
 }
 
-static k3_status job_save_snapshot(k3_kvs *s, job *j, k3_kvs_done *d) {
+static k3_status job_save_snapshot(k3_kvs *s, job *j, k3_kvs_done *d, dio *io) {
     const int64_t nb = j->pos / s->bs;
     k3_kvs_key *keys = malloc(sizeof *keys * (size_t)nb);
     if (!keys) {
@@ -809,7 +943,7 @@ static k3_status job_save_snapshot(k3_kvs *s, job *j, k3_kvs_done *d) {
         snprintf(d->why, sizeof d->why, "out of memory");
         st = K3_ERR_NOMEM;
     } else {
-        const int r = write_file(s, h, NULL, j->src, name, true, &d->bytes, d->why, sizeof d->why);
+        const int r = write_file(s, h, NULL, j->src, name, true, io, &d->bytes, d->why, sizeof d->why);
         if (r < 0) st = K3_ERR_IO;
         else if (r == 1) touch(s->snaps_fd, name);
         if (r == 0) {
@@ -848,7 +982,7 @@ static void drop_damaged(k3_kvs *s, const found *f) {
         remove_file(s, f->name, f->snap);
 }
 
-static k3_status job_load(k3_kvs *s, job *j, k3_kvs_done *d) {
+static k3_status job_load(k3_kvs *s, job *j, k3_kvs_done *d, dio *io) {
     k3_kvs_hit *h = j->hit;
     const int64_t lo = h->n_local / s->bs, hi = h->n_tokens / s->bs;
     struct iovec *iov = malloc(sizeof *iov * (size_t)s->max_iov);
@@ -859,6 +993,9 @@ static k3_status job_load(k3_kvs *s, job *j, k3_kvs_done *d) {
     }
     for (int32_t r = 0; !st && r < h->n_runs; r++) {
         found *f = &h->runs[r];
+        dio fio = *io; /* this file's: O_DIRECT when it takes it */
+        fio.on = io->on && set_direct(f->fd);
+        if (!fio.on) fio.mem = fio.off = 1;
         const int64_t b0 = f->first > lo ? f->first : lo, b1 = f->first + f->n < hi ? f->first + f->n : hi;
         for (int64_t b = b0; !st && b < b1; b++) {
             if (job_cancelled(s, j)) {
@@ -871,7 +1008,10 @@ static k3_status job_load(k3_kvs *s, job *j, k3_kvs_done *d) {
             populate(iov, n);
             XXH3_state_t xs;
             XXH3_64bits_reset(&xs);
-            const int e = rw_summed(f->fd, iov, n, f->payload_off + (b - f->first) * s->id.block_bytes, false, &xs);
+            const int e = xfer(f->fd, &fio, iov, n, f->payload_off + (b - f->first) * k3_kvs_stride(s->id.block_bytes),
+                               false, &xs);
+            io->bounce = fio.bounce;
+            io->bounced = fio.bounced;
             if (e) {
                 snprintf(d->why, sizeof d->why, "runs/%s: %s", f->name, e == EIO ? "short read" : strerror(e));
                 count_miss(s, K3_KVS_MISS_IO);
@@ -893,9 +1033,17 @@ static k3_status job_load(k3_kvs *s, job *j, k3_kvs_done *d) {
     }
     if (!st && !job_cancelled(s, j)) {
         found *f = &h->snap;
-        uint64_t sum = 0;
-        populate(&(struct iovec){j->state, (size_t)s->id.state_bytes}, 1);
-        const int e = rw_buf_summed(f->fd, j->state, s->id.state_bytes, f->payload_off, false, &sum);
+        const struct iovec v = {j->state, (size_t)s->id.state_bytes};
+        populate(&v, 1);
+        dio fio = *io;
+        fio.on = io->on && set_direct(f->fd);
+        if (!fio.on) fio.mem = fio.off = 1;
+        XXH3_state_t xs;
+        XXH3_64bits_reset(&xs);
+        const int e = xfer(f->fd, &fio, &v, 1, f->payload_off, false, &xs);
+        io->bounce = fio.bounce;
+        io->bounced = fio.bounced;
+        const uint64_t sum = XXH3_64bits_digest(&xs);
         if (e) {
             snprintf(d->why, sizeof d->why, "snaps/%s: %s", f->name, e == EIO ? "short read" : strerror(e));
             count_miss(s, K3_KVS_MISS_IO);
@@ -934,12 +1082,15 @@ static void job_free(job *j) {
 static void run_job(k3_kvs *s, int t, job *j) {
     k3_kvs_done d = {.ticket = j->ticket, .op = j->op};
     const double t0 = k3_now();
-    d.status = j->op == K3_KVS_LOAD   ? job_load(s, j, &d)
-        : j->op == K3_KVS_SAVE_BLOCKS ? job_save_blocks(s, j, &d)
-                                      : job_save_snapshot(s, j, &d);
+    dio io = dio_for(s, true);
+    d.status = j->op == K3_KVS_LOAD   ? job_load(s, j, &d, &io)
+        : j->op == K3_KVS_SAVE_BLOCKS ? job_save_blocks(s, j, &d, &io)
+                                      : job_save_snapshot(s, j, &d, &io);
     d.seconds = k3_now() - t0;
+    free(io.bounce);
     if (d.status && !d.cancelled) say(s, "kv cache: %s failed: %s", j->op == K3_KVS_LOAD ? "a load" : "a save", d.why);
     pthread_mutex_lock(&s->mm);
+    s->m.bytes_bounced += io.bounced;
     if (j->op == K3_KVS_LOAD) {
         s->m.loads++;
         s->m.loads_failed += d.status != K3_OK;
@@ -1212,6 +1363,7 @@ void k3_kvs_get_metrics(k3_kvs *s, k3_kvs_metrics *out) {
     pthread_mutex_unlock(&s->mm);
     out->dir_bytes = __atomic_load_n(&s->usage->bytes, __ATOMIC_RELAXED);
     out->budget = s->o.disk_bytes;
+    out->direct = s->direct;
 }
 
 k3_status k3_kvs_evict(k3_kvs *s, int64_t target, k3_error *err) {
@@ -1242,6 +1394,48 @@ static int open_sub(const char *dir, const char *sub, k3_error *err) {
     const int fd = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (fd < 0) k3_err(err, K3_ERR_IO, "kv cache: cannot open %s: %s", path, strerror(errno));
     return fd;
+}
+
+/* Whether the directory's filesystem does O_DIRECT, and its alignments: a
+ * file in tmp/ opened with it, and statx's STATX_DIOALIGN. A filesystem that
+ * opens it but does not say its alignments (tmpfs: its "direct" I/O is the
+ * page cache) stays buffered; so does one that needs more than a page. */
+static void probe_direct(k3_kvs *s) {
+    s->direct = false;
+    if (s->o.buffered) {
+        snprintf(s->io_why, sizeof s->io_why, "asked for");
+        return;
+    }
+    char name[64];
+    snprintf(name, sizeof name, "%d-%ld-probe.part", (int)getpid(), (long)syscall(SYS_gettid));
+    const int fd = openat(s->tmp_fd, name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_DIRECT, 0644);
+    if (fd < 0) {
+        snprintf(s->io_why, sizeof s->io_why, "the filesystem refuses O_DIRECT: %s", strerror(errno));
+        return;
+    }
+    struct statx sx;
+    memset(&sx, 0, sizeof sx);
+    const int r = statx(fd, "", AT_EMPTY_PATH, STATX_DIOALIGN, &sx);
+    close(fd);
+    unlinkat(s->tmp_fd, name, 0);
+    if (r || !(sx.stx_mask & STATX_DIOALIGN) || !sx.stx_dio_mem_align || !sx.stx_dio_offset_align)
+        snprintf(s->io_why, sizeof s->io_why, "the filesystem does not say how O_DIRECT aligns (tmpfs)");
+    else if (sx.stx_dio_mem_align > K3_KVS_ALIGN || sx.stx_dio_offset_align > K3_KVS_ALIGN ||
+             K3_KVS_ALIGN % sx.stx_dio_offset_align)
+        snprintf(s->io_why, sizeof s->io_why, "O_DIRECT needs an alignment of %u/%u bytes, more than a page",
+                 sx.stx_dio_mem_align, sx.stx_dio_offset_align);
+    else {
+        s->direct = true;
+        s->mem_align = (int32_t)sx.stx_dio_mem_align;
+        s->off_align = (int32_t)sx.stx_dio_offset_align;
+        snprintf(s->io_why, sizeof s->io_why, "O_DIRECT, aligned to %d bytes in memory, %d in the file", s->mem_align,
+                 s->off_align);
+    }
+}
+
+const char *k3_kvs_io(const k3_kvs *s, const char **why) {
+    if (why) *why = s->io_why;
+    return s->direct ? "direct" : "buffered";
 }
 
 k3_status k3_kvs_open(k3_kvs **out, const k3_kvs_options *opt, k3_error *err) {
@@ -1327,6 +1521,8 @@ k3_status k3_kvs_open(k3_kvs **out, const k3_kvs_options *opt, k3_error *err) {
         k3_kvs_close(s);
         return K3_ERR_IO;
     }
+    probe_direct(s);
+    say(s, "kv cache: %s: %s I/O (%s)", s->dir, s->direct ? "direct" : "buffered", s->io_why);
     /* set the counter from what is there (and trim to the budget) unless another process is at it */
     k3_kvs_evict_result r;
     k3_error e2 = {0};
