@@ -213,7 +213,8 @@ def torn_and_damaged():
 
 def io_path_and_policy():
     """The path the tier's reads and writes take (O_DIRECT, or the page cache where the filesystem has
-    no O_DIRECT) in the log and on /metrics."""
+    no O_DIRECT) in the log and on /metrics; the stride snapshots the policy keeps in RAM only counted
+    on /metrics while only the prompt's end goes to disk."""
     d = newdir("iopath")
     a = serve(h.TINY, d)
     try:
@@ -223,6 +224,9 @@ def io_path_and_policy():
         ids = ids_of(200, 12)  # stride snapshots at 64 and 128; the prompt's end at 192
         text, _ = complete(a, ids)
         settle(a)
+        ram_only = m(a, "k3:kv_disk_snaps_ram_only_total")
+        snaps = files(d, "snaps")
+        assert ram_only >= 2 and len(snaps) == 1, f"{ram_only} snapshots in RAM only, {len(snaps)} on disk"
         if direct == 1:
             assert m(a, "vllm:kv_offload_store_bytes_total") > 0
     finally:
@@ -455,7 +459,7 @@ def run():
     roundtrips()
     suite.check("a torn run file and a damaged payload: misses with the cold text, counted and logged",
                 torn_and_damaged)
-    suite.check("the I/O path (O_DIRECT or the page cache) in the log and /metrics",
+    suite.check("the I/O path (O_DIRECT or the page cache) in the log and /metrics; RAM-only snapshots counted",
                 io_path_and_policy)
     suite.check("another quant mode's file under this mode's name: refused, the cold text; another model reads "
                 "nothing", other_mode)

@@ -395,6 +395,10 @@ void k3_metrics_render_disk(k3_engine *e, struct k3_kv_events *ev, const char *m
                "Disk tier: bytes moved with O_DIRECT through a bounce buffer (pieces not aligned to the filesystem's "
                "direct I/O alignment).",
                model, (double)m.bytes_bounced);
+        metric(o, "k3:kv_disk_snaps_ram_only_total", "counter",
+               "Disk tier: KDA snapshots the snapshot policy kept in RAM only (stride snapshots: neither a prompt's "
+               "end nor its junction).",
+               model, (double)d.snaps_ram_only);
         metric(o, "k3:kv_disk_saves_in_flight", "gauge", "Disk tier: saves queued or running.", model,
                (double)d.saving);
         metric(o, "k3:kv_disk_save_blocks", "gauge", "Disk tier: cache blocks the saves in flight hold.", model,
