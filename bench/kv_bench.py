@@ -74,9 +74,32 @@ def raw_read(d, size):
     return n / dt / 1e9
 
 
-def serve(model, d, threads=2):
-    disk = ["--kv-cache-dir", d] if d else []
+def serve(model, d, threads=2, buffered=False):
+    disk = (["--kv-cache-dir", d] + (["--kv-cache-buffered"] if buffered else [])) if d else []
     return h.Process([K3, "serve", "-m", model, "--port", "0", "--threads", str(threads)] + disk, start_timeout=300, stop_timeout=120)
+
+
+def cpu_ticks():
+    """the machine's CPU ticks so far: user, system, iowait, steal (/proc/stat)"""
+    f = open("/proc/stat").readline().split()[1:]
+    return [int(f[0]) + int(f[1]), int(f[2]) + int(f[5]) + int(f[6]), int(f[4]), int(f[7])]
+
+
+def io_threads_cpu(pid):
+    """user and system CPU seconds of the disk tier's reader and writer threads (named k3-kvs-read,
+    k3-kvs-write) so far, from /proc/PID/task/*/stat"""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = []
+    for tid in sorted(os.listdir(f"/proc/{pid}/task")):
+        try:
+            st = open(f"/proc/{pid}/task/{tid}/stat").read()
+        except OSError:
+            continue
+        name = st[st.index("(") + 1:st.rindex(")")]
+        if name.startswith("k3-kvs-"):
+            f = st[st.rindex(")") + 2:].split()
+            out.append(f"{name} user {int(f[11]) / tick:.2f} s system {int(f[12]) / tick:.2f} s")
+    return ", ".join(out) or "no k3-kvs- threads"
 
 
 def timed(s, model, ids):
@@ -219,14 +242,15 @@ def itl(model, tokens, runs, d, cycles=6):
                 break
         conn.close()  # the server cancels it
 
-    res = {"disk": [], "ram": []}
+    modes = os.environ.get("ITL_MODES", "disk ram").split()  # disk (O_DIRECT where it can), buffered, ram
+    res = {m: [] for m in modes}
     med = statistics.median
     q = lambda v, f: v[min(len(v) - 1, int(f * len(v)))]  # noqa: E731
     for run in range(runs):
-        for mode in ("disk", "ram"):
-            if mode == "disk":
+        for mode in modes:
+            if mode in ("disk", "buffered"):
                 drop_pages(cd)
-                s = serve(model, cd)
+                s = serve(model, cd, buffered=mode == "buffered")
             else:
                 s = serve(model, None)
                 for P in Ps:
@@ -236,15 +260,17 @@ def itl(model, tokens, runs, d, cycles=6):
             for t in th:
                 t.start()
             h.wait_until(lambda: min(len(x) for x in stamps) >= 10, 600, "the decoders")
-            win, hits = [], []
+            win, hits, ticks = [], [], [0, 0, 0, 0]
             for P in Ps:
                 timed(s, name, ids(tokens + 1))  # Q: computed; with the tier its save starts as it ends
                 t0 = time.perf_counter()
+                c0 = cpu_ticks()
                 _, c = timed(s, name, P)
                 hits.append(c)
-                if mode == "disk":
+                if mode != "ram":
                     h.wait_until(lambda: total(s, "k3:kv_disk_saves_in_flight") == 0, 600, "the saves", every=0.002)
                 w1 = time.perf_counter()
+                ticks = [a + b - c for a, b, c in zip(ticks, cpu_ticks(), c0)]
                 win.append((t0, w1))
                 # the gaps that start in the window end before the next prompt's prefill
                 h.wait_until(lambda: all(x[-1] > w1 for x in stamps), 60, "a token after the window", every=0.002)
@@ -254,7 +280,10 @@ def itl(model, tokens, runs, d, cycles=6):
             for t in th:
                 t.join()
             loaded = total(s, "vllm:kv_offload_load_bytes_total")
-            assert (loaded > 0) == (mode == "disk"), (mode, loaded)
+            assert (loaded > 0) == (mode != "ram"), (mode, loaded)
+            cpu = io_threads_cpu(s.proc.pid) if mode != "ram" else ""
+            direct = total(s, "k3:kv_disk_direct_io") if mode != "ram" else 0
+            tier = f" ({'direct' if direct else 'buffered'} I/O; {cpu})" if mode != "ram" else ""
             assert all(c == tokens for c in hits), (mode, hits)
             gaps = sorted(b - a for x in stamps for a, b in zip(x, x[1:]) if any(w0 <= a <= w1 for w0, w1 in win))
             quiet = sorted(b - a for x in stamps for a, b in zip(x, x[1:]) if b > t_last)
@@ -262,9 +291,11 @@ def itl(model, tokens, runs, d, cycles=6):
             print(f"run {run} {mode}: ITL of the gaps that start in the {cycles} windows: p50 {1e3 * q(gaps, 0.5):.1f} ms "
                   f"p99 {1e3 * q(gaps, 0.99):.1f} ms ({len(gaps)} gaps, windows {1e3 * med(w1 - w0 for w0, w1 in win):.0f} ms "
                   f"median); after the last: p50 {1e3 * q(quiet, 0.5):.1f} ms p99 {1e3 * q(quiet, 0.99):.1f} ms"
-                  f"{f'; loaded {loaded / 1e6:.1f} MB' if loaded else ''}", flush=True)
+                  f"{f'; loaded {loaded / 1e6:.1f} MB' if loaded else ''}"
+                  f"{tier}; the machine in the windows: user {ticks[0]}, system {ticks[1]}, iowait {ticks[2]}, "
+                  f"steal {ticks[3]} ticks of {os.sysconf('SC_CLK_TCK')} a second", flush=True)
             s.stop()
-            if mode == "disk":  # the disk connector's calls in the step over 1 ms (the server's log)
+            if mode != "ram":  # the disk connector's calls in the step over 1 ms (the server's log)
                 took = {}
                 for line in "".join(s.log).splitlines():
                     m = re.search(r"the step's (.*) took ([0-9.]+) ms", line)
@@ -272,11 +303,17 @@ def itl(model, tokens, runs, d, cycles=6):
                         took.setdefault(m.group(1), []).append(float(m.group(2)))
                 for k, v in sorted(took.items()):
                     print(f"  the step's {k}: {len(v)} over 1 ms, max {max(v):.1f} ms, sum {sum(v):.1f} ms", flush=True)
-    dp, rp = med(x[1] for x in res["disk"]), med(x[1] for x in res["ram"])
-    print(f"itl {model}: a {tokens + 1}-token prompt loaded and another saved beside two decoding streams, x {cycles}, "
-          f"medians of {runs}: the gaps' p99 {1e3 * dp:.1f} ms with the disk tier, {1e3 * rp:.1f} ms without it "
-          f"(RAM hits): {dp / rp:.2f}x; p50 {1e3 * med(x[0] for x in res['disk']):.1f} against "
-          f"{1e3 * med(x[0] for x in res['ram']):.1f} ms")
+    if "ram" not in res:
+        return
+    rp = med(x[1] for x in res["ram"])
+    for mode in modes:
+        if mode == "ram":
+            continue
+        dp = med(x[1] for x in res[mode])
+        print(f"itl {model}: a {tokens + 1}-token prompt loaded and another saved beside two decoding streams, x {cycles}, "
+              f"medians of {runs}: the gaps' p99 {1e3 * dp:.1f} ms with the disk tier ({mode}), {1e3 * rp:.1f} ms "
+              f"without it (RAM hits): {dp / rp:.2f}x; p50 {1e3 * med(x[0] for x in res[mode]):.1f} against "
+              f"{1e3 * med(x[0] for x in res['ram']):.1f} ms")
 
 
 if __name__ == "__main__":

@@ -154,10 +154,10 @@ static bool save_cold(k3_kvs *s, const cold *c, uint64_t salt) {
     uint64_t t[8];
     int nt = 0;
     k3_kvs_done d;
-    if (k3_kvs_save_blocks(s, &seq, c->blocks, (int32_t)(c->n / BS), true, &t[nt], &err)) goto fail;
+    if (k3_kvs_save_blocks(s, &seq, c->blocks, (int32_t)(c->n / BS), true, 0, &t[nt], &err)) goto fail;
     nt += t[nt] != 0;
     for (int i = 0; i < c->n_snaps; i++) {
-        if (k3_kvs_save_snapshot(s, &seq, c->snap_pos[i], c->state[i], 0, &t[nt], &err)) goto fail;
+        if (k3_kvs_save_snapshot(s, &seq, c->snap_pos[i], c->state[i], 0, 0, &t[nt], &err)) goto fail;
         nt++;
     }
     for (int i = 0; i < nt; i++) {
@@ -678,11 +678,11 @@ K3_TEST(kvstore_arguments) {
     const k3_kvs_seq seq = {.tokens = tok, .n_tokens = 64};
     uint64_t t = 1;
     k3_error e2 = {0};
-    CHECK(k3_kvs_save_blocks(s, &seq, blocks, 4, true, &t, &e2) == K3_ERR_ARG && t == 0 && strstr(e2.msg, "99"));
+    CHECK(k3_kvs_save_blocks(s, &seq, blocks, 4, true, 0, &t, &e2) == K3_ERR_ARG && t == 0 && strstr(e2.msg, "99"));
     k3_error e3 = {0};
-    CHECK(k3_kvs_save_snapshot(s, &seq, 20, tok, 0, &t, &e3) == K3_ERR_ARG);
+    CHECK(k3_kvs_save_snapshot(s, &seq, 20, tok, 0, 0, &t, &e3) == K3_ERR_ARG);
     k3_error e4 = {0};
-    CHECK(k3_kvs_save_blocks(s, &seq, blocks, 5, true, &t, &e4) == K3_ERR_ARG);
+    CHECK(k3_kvs_save_blocks(s, &seq, blocks, 5, true, 0, &t, &e4) == K3_ERR_ARG);
     k3_kvs_hit *hit = (k3_kvs_hit *)1;
     CHECK(!k3_kvs_lookup(s, &seq, 0, 63, &hit, &err) && hit == NULL);
     k3_kvs_close(s);
@@ -858,8 +858,8 @@ K3_TEST(kvstore_wait_race) {
         uint64_t t1 = 0, t2 = 0;
         k3_kvs_done d;
         k3_error e = {0};
-        if (k3_kvs_save_snapshot(s, &seq, BS, state, 0, &t1, &e) ||
-            k3_kvs_save_snapshot(s, &seq, 2 * BS, state, 0, &t2, &e)) {
+        if (k3_kvs_save_snapshot(s, &seq, BS, state, 0, 0, &t1, &e) ||
+            k3_kvs_save_snapshot(s, &seq, 2 * BS, state, 0, 0, &t2, &e)) {
             bad++;
             snprintf(first, sizeof first, "save: %s", e.msg);
             continue;
@@ -980,6 +980,93 @@ K3_TEST(kvstore_snapshot_policy) {
            "a resend of a prompt of whole blocks after a restart: %lld tokens from disk", (long long)w2.n_disk);
     k3_engine_close(e);
     rm_tree(dir);
+    k3_ctx_free(a);
+    k3_model_close(m);
+}
+
+/* The snapshot policy across a restart. The junction a prompt's end was saved with is in that
+ * snapshot's header, so the pair is known again when the state is hit on disk. Two turns, a
+ * restart, the third turn: its prefix, the second prompt's end (256), comes from disk with no
+ * block of the second turn's output (those blocks were in RAM only), so the third prompt leaves
+ * the cached chain right there: 256 is its junction and stays, its end (336) is saved, and the
+ * second turn's junction (208) goes: two files, 256 and 336 (before: 208 and 336, the state where
+ * the conversation now leaves its chain gone). Another restart, and the third turn with its new
+ * message edited (it leaves the conversation at 277) gets the junction's state, 256, from disk,
+ * with the text of a cold run of the same prompt. */
+K3_TEST(kvstore_junction_restart) {
+    k3_model *m = NULL;
+    k3_error err = {0};
+    REQUIREF(!k3_model_open(&m, TINY, &err), "%s", err.msg);
+    k3_ctx *a = kvh_ctx(m, K3_KV_F32, BS, NB, &err);
+    REQUIRE(a);
+    char *dir0 = tmp_dir();
+    REQUIRE(dir0);
+    char dir[64], cold_dir[64];
+    snprintf(dir, sizeof dir, "%s", dir0);
+    char *cd = tmp_dir();
+    REQUIRE(cd);
+    snprintf(cold_dir, sizeof cold_dir, "%s", cd);
+    int32_t p[400], fresh[200];
+    kvh_ids(p, 201, m->cfg.vocab_size, 61);
+    kvh_ids(fresh, 200, m->cfg.vocab_size, 62);
+    eng_out t1 = {0}, t2 = {0}, t3 = {0}, edited = {0}, cold_run = {0};
+    /* turns 1 and 2 (as in kvstore_snapshot_policy): on disk the state at 256 (turn 2's end) and at
+     * 208 (its junction) */
+    k3_engine *e = disk_engine(m, dir);
+    REQUIRE(e);
+    uint64_t id = eng_submit(e, p, 201, 0);
+    CHECK(eng_run(e, &t1, id, 1, 0) >= 0 && t1.n == 8);
+    memcpy(p + 201, t1.tok, sizeof(int32_t) * 8);
+    memcpy(p + 209, fresh, sizeof(int32_t) * 60);
+    id = eng_submit(e, p, 269, 0);
+    CHECK(eng_run(e, &t2, id, 1, 0) >= 0 && t2.n == 8);
+    CHECK(drain_saves(e));
+    k3_engine_close(e);
+    CHECKF(count_files(dir, "snaps") == 2, "after turn 2: %d snapshots on disk", count_files(dir, "snaps"));
+    /* a restart, turn 3: 337 tokens, its prefix up to 256 from disk; its pair (256, 336) replaces (208, 256) */
+    e = disk_engine(m, dir);
+    REQUIRE(e);
+    memcpy(p + 269, t2.tok, sizeof(int32_t) * 8);
+    memcpy(p + 277, fresh + 60, sizeof(int32_t) * 60);
+    id = eng_submit(e, p, 337, 0);
+    CHECK(eng_run(e, &t3, id, 1, 0) >= 0 && t3.n == 8);
+    CHECKF(t3.n_disk == 256, "turn 3 after a restart: %lld tokens from disk", (long long)t3.n_disk);
+    CHECK(drain_saves(e));
+    k3_engine_close(e);
+    k3_kvs *s = open_store(dir, a, k3_model_identity(m), "none", 0, 1 << 26, NULL);
+    REQUIRE(s);
+    const k3_kvs_seq seq = {.tokens = p, .n_tokens = 337};
+    const int64_t want[] = {256 / BS, 336 / BS}, gone[] = {208 / BS, 272 / BS};
+    char path[4096];
+    struct stat st;
+    for (int i = 0; i < 2; i++) {
+        k3_kvs_path(s, &seq, want[i], true, path, sizeof path);
+        CHECKF(stat(path, &st) == 0, "no snapshot at %lld on disk", (long long)(want[i] * BS));
+        k3_kvs_path(s, &seq, gone[i], true, path, sizeof path);
+        CHECKF(stat(path, &st) != 0, "the snapshot at %lld still on disk", (long long)(gone[i] * BS));
+    }
+    CHECKF(count_files(dir, "snaps") == 2, "after a restart and turn 3: %d snapshots on disk",
+           count_files(dir, "snaps"));
+    k3_kvs_close(s);
+    /* another restart: turn 3 with its new message edited leaves the chain at 277 */
+    int32_t q[400];
+    memcpy(q, p, sizeof(int32_t) * 277);
+    kvh_ids(q + 277, 45, m->cfg.vocab_size, 63);
+    e = disk_engine(m, dir);
+    REQUIRE(e);
+    id = eng_submit(e, q, 322, 0);
+    CHECK(eng_run(e, &edited, id, 1, 0) >= 0 && edited.n == 8);
+    CHECKF(edited.n_disk == 256, "an edited turn 3 after a restart: %lld tokens from disk, not the junction's 256",
+           (long long)edited.n_disk);
+    k3_engine_close(e);
+    e = disk_engine(m, cold_dir); /* an empty directory: cold */
+    REQUIRE(e);
+    id = eng_submit(e, q, 322, 0);
+    CHECK(eng_run(e, &cold_run, id, 1, 0) >= 0 && cold_run.n == 8 && cold_run.n_disk == 0 && cold_run.n_cached == 0);
+    CHECKF(!memcmp(edited.tok, cold_run.tok, sizeof(int32_t) * 8), "the junction's disk hit's text differs from cold");
+    k3_engine_close(e);
+    rm_tree(dir);
+    rm_tree(cold_dir);
     k3_ctx_free(a);
     k3_model_close(m);
 }

@@ -60,6 +60,8 @@ typedef struct k3_kvs_hdr {
     int64_t payload_off;     /* a multiple of K3_KVS_ALIGN */
     int64_t payload_bytes;   /* run: n_blocks * k3_kvs_stride(block_bytes); snapshot: k3_kvs_stride(state_bytes) */
     int64_t created_unix_ns; /* when it was written (for k3 cache ls) */
+    int64_t junction;        /* snapshot: the position of the junction snapshot saved beside this
+                                prompt-end state (the snapshot policy; 0 = none); run: 0 */
     uint64_t hdr_sum;        /* XXH3-64 of the hdr_bytes with this field 0 */
 } k3_kvs_hdr;
 /* After the header (run): int32_t tokens[n_blocks * block_size], uint64_t

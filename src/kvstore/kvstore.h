@@ -132,6 +132,13 @@ k3_status k3_kvs_lookup(k3_kvs *s, const k3_kvs_seq *seq, int64_t n_local, int64
                         k3_error *err);
 /* Tokens from position 0 the hit reaches (a block multiple). */
 int64_t k3_kvs_hit_tokens(const k3_kvs_hit *h);
+/* The junction its snapshot's saver named (k3_kvs_save_snapshot), or 0. */
+int64_t k3_kvs_hit_junction(const k3_kvs_hit *h);
+/* How far the sequence's blocks lie on disk from the hit's start (a block
+ * multiple >= k3_kvs_hit_tokens, below the lookup's n_max): beyond the hit
+ * they have no snapshot, so the prompt leaves the chain on disk there (the
+ * junction of a request admitted with this hit). */
+int64_t k3_kvs_hit_chain_tokens(const k3_kvs_hit *h);
 void k3_kvs_hit_free(k3_kvs_hit *h);
 
 /* Reads hit (taken, freed by the store) into blocks (the sequence's block
@@ -145,16 +152,22 @@ k3_status k3_kvs_load(k3_kvs *s, k3_kvs_hit *hit, const int32_t *blocks, void *s
  * block_size <= seq->n_tokens): every whole run not in the directory yet,
  * and with final (the request ends, or will not grow in this run) the
  * partial run at the end too. Call it when a run completes and once at the
- * end; what is on disk already is skipped. The blocks must stay unchanged
- * until the ticket completes (*ticket = 0: nothing was queued). */
+ * end; what is on disk already is skipped. A longer run of a group removes
+ * the shorter ones, except the one that ends at keep (> 0: a junction, a
+ * block multiple; written too when missing), so a prompt that leaves the
+ * chain there finds its blocks. The blocks must stay unchanged until the
+ * ticket completes (*ticket = 0: nothing was queued). */
 k3_status k3_kvs_save_blocks(k3_kvs *s, const k3_kvs_seq *seq, const int32_t *blocks, int32_t n_full, bool final,
-                             uint64_t *ticket, k3_error *err);
+                             int64_t keep, uint64_t *ticket, k3_error *err);
 /* Saves the KDA state at position pos (a block multiple, >= block_size) of
  * seq, read from state until the ticket completes. drop_pos > 0 names an
  * older snapshot of the same chain that this one supersedes: it is removed
- * once this one is published (docs/kvstore.md, the snapshot policy). */
+ * once this one is published (docs/kvstore.md, the snapshot policy).
+ * junction > 0: the position of the junction snapshot saved beside this one
+ * (a prompt's end), kept in its header: a hit on it says so
+ * (k3_kvs_hit_junction), after a restart too. */
 k3_status k3_kvs_save_snapshot(k3_kvs *s, const k3_kvs_seq *seq, int64_t pos, const void *state, int64_t drop_pos,
-                               uint64_t *ticket, k3_error *err);
+                               int64_t junction, uint64_t *ticket, k3_error *err);
 
 typedef enum k3_kvs_op { K3_KVS_LOAD = 1, K3_KVS_SAVE_BLOCKS, K3_KVS_SAVE_SNAPSHOT } k3_kvs_op;
 

@@ -49,12 +49,14 @@ typedef struct found {
     bool snap;
     int64_t first, n; /* blocks of the sequence it holds */
     int64_t payload_off;
-    uint64_t *sums; /* [n] (snapshot: [1]) */
+    int64_t junction; /* snapshot: its header's */
+    uint64_t *sums;   /* [n] (snapshot: [1]) */
     char name[48];
 } found;
 
 struct k3_kvs_hit {
     int64_t n_local, n_tokens; /* blocks' tokens: from n_local to n_tokens */
+    int64_t chain_tokens;      /* the blocks on disk reach this far */
     found *runs;
     int32_t n_runs;
     found snap;
@@ -76,7 +78,7 @@ typedef struct job {
     uint64_t salt;
     int32_t n_full;
     bool final;
-    int64_t pos, drop_pos;
+    int64_t pos, drop_pos, junction, keep;
     const void *src;
 } job;
 
@@ -370,6 +372,7 @@ static bool open_checked(k3_kvs *s, k3_kvs_key key, bool snap, int64_t first, in
     out->first = first;
     out->n = n;
     out->payload_off = h->payload_off;
+    out->junction = snap && h->junction > 0 && h->junction < h->pos && h->junction % s->bs == 0 ? h->junction : 0;
     memcpy(out->name, name, sizeof out->name);
     free(h);
     return true;
@@ -386,6 +389,8 @@ void k3_kvs_hit_free(k3_kvs_hit *h) {
 }
 
 int64_t k3_kvs_hit_tokens(const k3_kvs_hit *h) { return h ? h->n_tokens : 0; }
+int64_t k3_kvs_hit_junction(const k3_kvs_hit *h) { return h ? h->snap.junction : 0; }
+int64_t k3_kvs_hit_chain_tokens(const k3_kvs_hit *h) { return h ? h->chain_tokens : 0; }
 
 k3_status k3_kvs_lookup(k3_kvs *s, const k3_kvs_seq *seq, int64_t n_local, int64_t n_max, k3_kvs_hit **out,
                         k3_error *err) {
@@ -466,6 +471,7 @@ k3_status k3_kvs_lookup(k3_kvs *s, const k3_kvs_seq *seq, int64_t n_local, int64
     hit->n_runs = k;
     hit->n_local = nb_local * bs;
     hit->n_tokens = B * bs;
+    hit->chain_tokens = end * bs;
     pthread_mutex_lock(&s->mm);
     s->m.lookup_hits++;
     s->m.hit_tokens += hit->n_tokens - n_local;
@@ -598,49 +604,65 @@ static dio dio_for(const k3_kvs *s, bool on) {
                  .off = on && s->direct ? s->off_align : 1};
 }
 
-/* Copies bt bytes of the segments from iov[i].iov_base + in to buf (to_buf)
- * or back. */
-static void gather(const struct iovec *iov, int i, size_t in, uint8_t *buf, size_t bt, bool to_buf) {
-    for (size_t at = 0; at < bt; i++, in = 0) {
-        const size_t left = iov[i].iov_len - in, take = left < bt - at ? left : bt - at;
-        char *p = (char *)iov[i].iov_base + in;
-        if (to_buf) memcpy(buf + at, p, take);
-        else memcpy(p, buf + at, take);
-        at += take;
-    }
-}
-
 static bool aligned(const dio *d, const void *p, int64_t off) {
     return (uintptr_t)p % (uintptr_t)d->mem == 0 && off % d->off == 0;
 }
 
+/* A direct window: up to DIRECT_BYTES in at most DIRECT_IOVS segments per
+ * system call, so the kernel has several requests of the device in flight
+ * (O_DIRECT has no readahead: one call is one wait). */
+#define DIRECT_BYTES (8 << 20)
+#define DIRECT_IOVS 1024
+
+/* A page of zeros (writes) or of garbage (reads) for the padding between
+ * blocks in the file: the pads of one call all land on it. */
+static uint8_t pad_zeros[K3_KVS_ALIGN] __attribute__((aligned(K3_KVS_ALIGN)));
+static uint8_t pad_sink[K3_KVS_ALIGN] __attribute__((aligned(K3_KVS_ALIGN)));
+
+/* Adds the bytes [p, p + len) of segment k to its checksum (sid[k] < 0: a pad, none). */
+static void sum_piece(XXH3_state_t *xs, const int *sid, int k, const void *p, size_t len) {
+    const int x = sid ? sid[k] : 0;
+    if (x >= 0) XXH3_64bits_update(&xs[x], p, len);
+}
+
 /* Moves the segments iov[0..n), which lie back to back in the file from off
- * (a multiple of d->off), to (wr) or from fd, adding their bytes to the
- * checksum xs in order. Buffered (d->on false): rw_summed. Direct: windows of
- * aligned pieces go straight between the file and the memory; a stretch that
- * is not aligned (an array's rows of a few hundred bytes, a buffer not on a
- * page, a tail) goes through the bounce buffer, its file range rounded up to
- * the alignment (inside the payload's padding: k3_kvs_stride). 0 or an errno. */
-static int xfer(int fd, dio *d, const struct iovec *iov, int n, int64_t off, bool wr, XXH3_state_t *xs) {
+ * (a multiple of d->off), to (wr) or from fd, adding each segment's bytes to
+ * the checksum xs[sid[k]] in order (sid NULL: all to xs[0]; sid[k] < 0: none,
+ * the padding). Buffered (d->on false): rw_summed, one checksum. Direct:
+ * windows of aligned pieces go straight between the file and the memory; a
+ * stretch that is not aligned (an array's rows of a few hundred bytes, a
+ * buffer not on a page, a tail) goes through the bounce buffer, its file
+ * range rounded up to the alignment (inside the payload's padding:
+ * k3_kvs_stride). 0 or an errno. */
+static int xfer(int fd, dio *d, const struct iovec *iov, const int *sid, int n, int64_t off, bool wr,
+                XXH3_state_t *xs) {
     if (!d->on) return rw_summed(fd, iov, n, off, wr, xs);
     const size_t A = (size_t)d->off;
-    int i = 0;
+    struct iovec *win = malloc(sizeof *win * DIRECT_IOVS * 2);
+    int *wk = malloc(sizeof *wk * DIRECT_IOVS);
+    if (!win || !wk) {
+        free(win);
+        free(wk);
+        return ENOMEM;
+    }
+    struct iovec *cp = win + DIRECT_IOVS;
+    int i = 0, e = 0;
     size_t in = 0; /* bytes of iov[i] done */
-    while (i < n) {
+    while (i < n && !e) {
         if (in == iov[i].iov_len) {
             i++;
             in = 0;
             continue;
         }
         /* a window of direct pieces */
-        struct iovec win[PIECE_IOVS], cp[PIECE_IOVS];
         int w = 0;
         size_t tot = 0;
-        while (i < n && w < PIECE_IOVS && tot < PIECE_BYTES) {
+        while (i < n && w < DIRECT_IOVS && tot < DIRECT_BYTES) {
             char *p = (char *)iov[i].iov_base + in;
-            const size_t left = iov[i].iov_len - in, room = PIECE_BYTES - tot;
-            size_t take = (left < room ? left : room) / A * A;
+            const size_t left = iov[i].iov_len - in, room = DIRECT_BYTES - tot;
+            const size_t take = (left < room ? left : room) / A * A;
             if (!take || !aligned(d, p, off + (int64_t)tot)) break;
+            wk[w] = i;
             win[w++] = (struct iovec){p, take};
             tot += take;
             in += take;
@@ -651,17 +673,19 @@ static int xfer(int fd, dio *d, const struct iovec *iov, int n, int64_t off, boo
         }
         if (w) {
             if (wr)
-                for (int k = 0; k < w; k++) XXH3_64bits_update(xs, win[k].iov_base, win[k].iov_len);
+                for (int k = 0; k < w; k++) sum_piece(xs, sid, wk[k], win[k].iov_base, win[k].iov_len);
             memcpy(cp, win, sizeof *win * (size_t)w);
-            const int e = rw_all(fd, cp, w, off, wr);
-            if (e) return e;
+            if ((e = rw_all(fd, cp, w, off, wr))) break;
             if (!wr)
-                for (int k = 0; k < w; k++) XXH3_64bits_update(xs, win[k].iov_base, win[k].iov_len);
+                for (int k = 0; k < w; k++) sum_piece(xs, sid, wk[k], win[k].iov_base, win[k].iov_len);
             off += (int64_t)tot;
             continue;
         }
         /* a stretch through the bounce buffer: up to where a direct window can start again */
-        if (!d->bounce && !(d->bounce = aligned_alloc(4096, BOUNCE_BYTES))) return ENOMEM;
+        if (!d->bounce && !(d->bounce = aligned_alloc(4096, BOUNCE_BYTES))) {
+            e = ENOMEM;
+            break;
+        }
         uint8_t *b = d->bounce;
         const int i0 = i;
         const size_t in0 = in;
@@ -679,22 +703,74 @@ static int xfer(int fd, dio *d, const struct iovec *iov, int n, int64_t off, boo
             in += take;
         }
         const size_t io = (bt + A - 1) / A * A;
-        if (wr) {
-            gather(iov, i0, in0, b, bt, true);
-            memset(b + bt, 0, io - bt);
-            XXH3_64bits_update(xs, b, bt);
-        }
-        struct iovec v = {b, io};
-        const int e = rw_all(fd, &v, 1, off, wr);
-        if (e) return e;
-        if (!wr) {
-            XXH3_64bits_update(xs, b, bt);
-            gather(iov, i0, in0, b, bt, false);
+        for (int pass = wr ? 0 : 1; pass < 2; pass++) {
+            if (pass == 1) { /* the file's side */
+                if (wr) memset(b + bt, 0, io - bt);
+                struct iovec v = {b, io};
+                if ((e = rw_all(fd, &v, 1, off, wr))) break;
+                if (wr) break;
+            }
+            /* the memory's side: gather (write) or scatter (read), each piece summed */
+            int k = i0;
+            size_t kin = in0;
+            for (size_t at = 0; at < bt; k++, kin = 0) {
+                const size_t left = iov[k].iov_len - kin, take = left < bt - at ? left : bt - at;
+                char *p = (char *)iov[k].iov_base + kin;
+                if (wr) memcpy(b + at, p, take);
+                else memcpy(p, b + at, take);
+                sum_piece(xs, sid, k, b + at, take);
+                at += take;
+            }
+            if (!wr) break;
         }
         d->bounced += (int64_t)bt;
         off += (int64_t)bt;
     }
-    return 0;
+    free(win);
+    free(wk);
+    return e;
+}
+
+/* Blocks whose bytes one call moves: about DIRECT_BYTES of them. */
+static int64_t blocks_per_call(const k3_kvs *s) {
+    const int64_t k = DIRECT_BYTES / k3_kvs_stride(s->id.block_bytes);
+    return k > 0 ? k : 1;
+}
+
+/* Moves n consecutive blocks of a run file, the first at file offset off,
+ * to (wr) or from the cache blocks ids[0..n); sums[k] gets block k's
+ * checksum. Direct: one xfer over all of them, the padding between blocks
+ * to or from a page of its own; buffered: one call per block. 0 or an errno. */
+static int xfer_blocks(k3_kvs *s, int fd, dio *d, int64_t off, const int32_t *ids, int64_t n, bool wr, bool map_in,
+                       uint64_t *sums) {
+    const int64_t stride = k3_kvs_stride(s->id.block_bytes), pad = stride - s->id.block_bytes;
+    const int64_t per = s->max_iov + 1;
+    struct iovec *iov = malloc(sizeof *iov * (size_t)(per * (d->on ? n : 1)));
+    int *sid = malloc(sizeof *sid * (size_t)(per * (d->on ? n : 1)));
+    XXH3_state_t *xs = malloc(sizeof *xs * (size_t)n);
+    int e = iov && sid && xs ? 0 : ENOMEM;
+    int m = 0;
+    for (int64_t k = 0; !e && k < n; k++) {
+        XXH3_64bits_reset(&xs[k]);
+        const int nb = block_iov(s, ids[k], iov + m);
+        if (map_in) populate(iov + m, nb);
+        if (!d->on) {
+            e = xfer(fd, d, iov, NULL, nb, off + k * stride, wr, &xs[k]);
+            continue;
+        }
+        for (int c = 0; c < nb; c++) sid[m + c] = (int)k;
+        m += nb;
+        if (pad) {
+            iov[m] = (struct iovec){wr ? pad_zeros : pad_sink, (size_t)pad};
+            sid[m++] = -1;
+        }
+    }
+    if (!e && d->on) e = xfer(fd, d, iov, sid, m, off, wr, xs);
+    for (int64_t k = 0; !e && k < n; k++) sums[k] = XXH3_64bits_digest(&xs[k]);
+    free(iov);
+    free(sid);
+    free(xs);
+    return e;
 }
 
 /* Turns O_DIRECT on for a file a lookup opened (its header was read through
@@ -777,19 +853,15 @@ static int write_file(k3_kvs *s, k3_kvs_hdr *h, const int32_t *blocks, const voi
         XXH3_state_t xs;
         XXH3_64bits_reset(&xs);
         const struct iovec v = {(void *)src, (size_t)s->id.state_bytes};
-        e = xfer(fd, d, &v, 1, h->payload_off, true, &xs);
+        e = xfer(fd, d, &v, NULL, 1, h->payload_off, true, &xs);
         sums[0] = XXH3_64bits_digest(&xs);
     } else {
-        struct iovec *iov = malloc(sizeof *iov * (size_t)s->max_iov);
-        if (!iov) e = ENOMEM;
-        for (int32_t i = 0; !e && i < h->n_blocks; i++) {
-            const int n = block_iov(s, blocks[h->first_block + i], iov);
-            XXH3_state_t xs;
-            XXH3_64bits_reset(&xs);
-            e = xfer(fd, d, iov, n, h->payload_off + (int64_t)i * k3_kvs_stride(s->id.block_bytes), true, &xs);
-            sums[i] = XXH3_64bits_digest(&xs);
+        const int64_t per = blocks_per_call(s);
+        for (int64_t i = 0; !e && i < h->n_blocks; i += per) {
+            const int64_t k = h->n_blocks - i < per ? h->n_blocks - i : per;
+            e = xfer_blocks(s, fd, d, h->payload_off + i * k3_kvs_stride(s->id.block_bytes),
+                            blocks + h->first_block + i, k, true, false, sums + i);
         }
-        free(iov);
     }
     if (!e) {
         h->hdr_sum = k3_kvs_hdr_sum(h);
@@ -866,8 +938,47 @@ static void touch(int dir_fd, const char *name) { utimensat(dir_fd, name, NULL, 
 
 /* ---- the jobs ------------------------------------------------------------------------------ */
 
+/* Writes the run of blocks [g0, g0 + len) of j's sequence: 0 written, 1 there
+ * already, -1 failed (d->why). */
+static int write_run(k3_kvs *s, job *j, k3_kvs_done *d, dio *io, const k3_kvs_key *keys, k3_kvs_key seed, int64_t g0,
+                     int64_t len) {
+    char name[48];
+    file_name(keys[g0 + len - 1], false, name);
+    k3_kvs_hdr *h = make_hdr(s, false, keys[g0 + len - 1], g0 ? keys[g0 - 1] : seed, g0, (int32_t)len,
+                             (g0 + len) * s->bs, j->tokens, j->extra, j->hashes);
+    if (!h) {
+        snprintf(d->why, sizeof d->why, "out of memory");
+        return -1;
+    }
+    const int r = write_file(s, h, j->blocks, NULL, name, false, io, &d->bytes, d->why, sizeof d->why);
+    free(h);
+    if (r == 1) {
+        touch(s->runs_fd, name); /* in use again */
+        pthread_mutex_lock(&s->mm);
+        s->m.files_present++;
+        pthread_mutex_unlock(&s->mm);
+    }
+    if (r != 0) return r;
+    d->files++;
+    pthread_mutex_lock(&s->mm);
+    s->m.runs_written++;
+    if (j->hashes) s->m.blocks_stored += len;
+    pthread_mutex_unlock(&s->mm);
+    if (j->hashes && s->o.on_blocks) {
+        const k3_kvs_blocks_event ev = {.stored = true,
+                                        .hashes = j->hashes + g0,
+                                        .n = (int32_t)len,
+                                        .parent = g0 ? j->hashes[g0 - 1] : 0,
+                                        .has_parent = g0 > 0,
+                                        .tokens = j->tokens + g0 * s->bs,
+                                        .extra = j->extra ? j->extra + g0 : NULL};
+        s->o.on_blocks(s->o.cb_arg, &ev);
+    }
+    return 0;
+}
+
 static k3_status job_save_blocks(k3_kvs *s, job *j, k3_kvs_done *d, dio *io) {
-    const int64_t R = s->R, n = j->n_full;
+    const int64_t R = s->R, n = j->n_full, kb = j->keep / s->bs;
     k3_kvs_key *keys = malloc(sizeof *keys * (size_t)(n ? n : 1));
     if (!keys) {
         snprintf(d->why, sizeof d->why, "out of memory");
@@ -879,45 +990,21 @@ static k3_status job_save_blocks(k3_kvs *s, job *j, k3_kvs_done *d, dio *io) {
     for (int64_t g0 = 0; g0 < n && !st; g0 += R) {
         const int64_t len = g0 + R <= n ? R : j->final ? n - g0 : 0;
         if (!len) break;
-        char name[48];
-        file_name(keys[g0 + len - 1], false, name);
-        k3_kvs_hdr *h = make_hdr(s, false, keys[g0 + len - 1], g0 ? keys[g0 - 1] : seed, g0, (int32_t)len,
-                                 (g0 + len) * s->bs, j->tokens, j->extra, j->hashes);
-        if (!h) {
-            snprintf(d->why, sizeof d->why, "out of memory");
-            st = K3_ERR_NOMEM;
+        /* the run that ends at the junction kept (a prompt leaving the chain there finds it) */
+        const bool keep = kb > g0 && kb < g0 + len && kb - g0 < R;
+        if (keep && write_run(s, j, d, io, keys, seed, g0, kb - g0) < 0) {
+            st = K3_ERR_IO;
             break;
         }
-        const int r = write_file(s, h, j->blocks, NULL, name, false, io, &d->bytes, d->why, sizeof d->why);
-        free(h);
+        const int r = write_run(s, j, d, io, keys, seed, g0, len);
         if (r < 0) {
             st = K3_ERR_IO;
             break;
         }
-        if (r == 1) {
-            touch(s->runs_fd, name); /* in use again */
-            pthread_mutex_lock(&s->mm);
-            s->m.files_present++;
-            pthread_mutex_unlock(&s->mm);
-            continue;
-        }
-        d->files++;
-        pthread_mutex_lock(&s->mm);
-        s->m.runs_written++;
-        if (j->hashes) s->m.blocks_stored += len;
-        pthread_mutex_unlock(&s->mm);
-        if (j->hashes && s->o.on_blocks) {
-            const k3_kvs_blocks_event ev = {.stored = true,
-                                            .hashes = j->hashes + g0,
-                                            .n = (int32_t)len,
-                                            .parent = g0 ? j->hashes[g0 - 1] : 0,
-                                            .has_parent = g0 > 0,
-                                            .tokens = j->tokens + g0 * s->bs,
-                                            .extra = j->extra ? j->extra + g0 : NULL};
-            s->o.on_blocks(s->o.cb_arg, &ev);
-        }
+        if (r == 1) continue;
         /* a longer run of the group supersedes the shorter ones written before */
         for (int64_t k = 1; k < len; k++) {
+            if (keep && k == kb - g0) continue;
             char old[48];
             file_name(keys[g0 + k - 1], false, old);
             remove_file(s, old, false);
@@ -938,6 +1025,7 @@ static k3_status job_save_snapshot(k3_kvs *s, job *j, k3_kvs_done *d, dio *io) {
     char name[48];
     file_name(keys[nb - 1], true, name);
     k3_kvs_hdr *h = make_hdr(s, true, keys[nb - 1], keys[nb - 1], nb, 0, j->pos, NULL, NULL, NULL);
+    if (h) h->junction = j->junction;
     k3_status st = K3_OK;
     if (!h) {
         snprintf(d->why, sizeof d->why, "out of memory");
@@ -985,9 +1073,9 @@ static void drop_damaged(k3_kvs *s, const found *f) {
 static k3_status job_load(k3_kvs *s, job *j, k3_kvs_done *d, dio *io) {
     k3_kvs_hit *h = j->hit;
     const int64_t lo = h->n_local / s->bs, hi = h->n_tokens / s->bs;
-    struct iovec *iov = malloc(sizeof *iov * (size_t)s->max_iov);
+    uint64_t *sums = malloc(sizeof *sums * (size_t)blocks_per_call(s));
     k3_status st = K3_OK;
-    if (!iov) {
+    if (!sums) {
         snprintf(d->why, sizeof d->why, "out of memory");
         st = K3_ERR_NOMEM;
     }
@@ -997,34 +1085,35 @@ static k3_status job_load(k3_kvs *s, job *j, k3_kvs_done *d, dio *io) {
         fio.on = io->on && set_direct(f->fd);
         if (!fio.on) fio.mem = fio.off = 1;
         const int64_t b0 = f->first > lo ? f->first : lo, b1 = f->first + f->n < hi ? f->first + f->n : hi;
-        for (int64_t b = b0; !st && b < b1; b++) {
+        const int64_t per = blocks_per_call(s);
+        for (int64_t b = b0; !st && b < b1; b += per) {
             if (job_cancelled(s, j)) {
                 d->cancelled = true;
                 snprintf(d->why, sizeof d->why, "cancelled");
                 st = K3_ERR_ARG;
                 break;
             }
-            const int n = block_iov(s, j->blocks[b], iov);
-            populate(iov, n);
-            XXH3_state_t xs;
-            XXH3_64bits_reset(&xs);
-            const int e = xfer(f->fd, &fio, iov, n, f->payload_off + (b - f->first) * k3_kvs_stride(s->id.block_bytes),
-                               false, &xs);
+            const int64_t k = b1 - b < per ? b1 - b : per;
+            const int e =
+                xfer_blocks(s, f->fd, &fio, f->payload_off + (b - f->first) * k3_kvs_stride(s->id.block_bytes),
+                            j->blocks + b, k, false, true, sums);
             io->bounce = fio.bounce;
             io->bounced = fio.bounced;
             if (e) {
                 snprintf(d->why, sizeof d->why, "runs/%s: %s", f->name, e == EIO ? "short read" : strerror(e));
                 count_miss(s, K3_KVS_MISS_IO);
                 st = K3_ERR_IO;
-            } else if (XXH3_64bits_digest(&xs) != f->sums[b - f->first]) {
-                snprintf(d->why, sizeof d->why, "runs/%s: block %lld fails its checksum (damaged; removed)", f->name,
-                         (long long)(b - f->first));
-                count_miss(s, K3_KVS_MISS_CHECKSUM);
-                drop_damaged(s, f);
-                st = K3_ERR_FORMAT;
-            } else {
-                d->bytes += s->id.block_bytes;
+                break;
             }
+            for (int64_t q = 0; q < k && !st; q++)
+                if (sums[q] != f->sums[b + q - f->first]) {
+                    snprintf(d->why, sizeof d->why, "runs/%s: block %lld fails its checksum (damaged; removed)",
+                             f->name, (long long)(b + q - f->first));
+                    count_miss(s, K3_KVS_MISS_CHECKSUM);
+                    drop_damaged(s, f);
+                    st = K3_ERR_FORMAT;
+                }
+            if (!st) d->bytes += k * s->id.block_bytes;
         }
         if (!st) {
             futimens(f->fd, NULL); /* used: the LRU's clock */
@@ -1040,7 +1129,7 @@ static k3_status job_load(k3_kvs *s, job *j, k3_kvs_done *d, dio *io) {
         if (!fio.on) fio.mem = fio.off = 1;
         XXH3_state_t xs;
         XXH3_64bits_reset(&xs);
-        const int e = xfer(f->fd, &fio, &v, 1, f->payload_off, false, &xs);
+        const int e = xfer(f->fd, &fio, &v, NULL, 1, f->payload_off, false, &xs);
         io->bounce = fio.bounce;
         io->bounced = fio.bounced;
         const uint64_t sum = XXH3_64bits_digest(&xs);
@@ -1063,7 +1152,7 @@ static k3_status job_load(k3_kvs *s, job *j, k3_kvs_done *d, dio *io) {
         snprintf(d->why, sizeof d->why, "cancelled");
         st = K3_ERR_ARG;
     }
-    free(iov);
+    free(sums);
     return st;
 }
 
@@ -1266,7 +1355,7 @@ static k3_status dropped(k3_kvs *s, job *j, k3_error *err) {
 }
 
 k3_status k3_kvs_save_blocks(k3_kvs *s, const k3_kvs_seq *seq, const int32_t *blocks, int32_t n_full, bool final,
-                             uint64_t *ticket, k3_error *err) {
+                             int64_t keep, uint64_t *ticket, k3_error *err) {
     *ticket = 0;
     if (!seq || n_full < 0 || (int64_t)n_full * s->bs > seq->n_tokens || (n_full && (!blocks || !seq->tokens)))
         return k3_err(err, K3_ERR_ARG, "kv cache: bad save (%d blocks of %d tokens for %lld tokens)", n_full, s->bs,
@@ -1283,12 +1372,13 @@ k3_status k3_kvs_save_blocks(k3_kvs *s, const k3_kvs_seq *seq, const int32_t *bl
     j->op = K3_KVS_SAVE_BLOCKS;
     j->n_full = n_full;
     j->final = final;
+    j->keep = keep > 0 && keep % s->bs == 0 && keep < (int64_t)n_full * s->bs ? keep : 0;
     if (!(*ticket = enqueue(s, WR, j))) return dropped(s, j, err);
     return K3_OK;
 }
 
 k3_status k3_kvs_save_snapshot(k3_kvs *s, const k3_kvs_seq *seq, int64_t pos, const void *state, int64_t drop_pos,
-                               uint64_t *ticket, k3_error *err) {
+                               int64_t junction, uint64_t *ticket, k3_error *err) {
     *ticket = 0;
     if (!seq || !state || pos < s->bs || pos % s->bs || pos > seq->n_tokens || !seq->tokens)
         return k3_err(err, K3_ERR_ARG, "kv cache: a snapshot at %lld is not on the block grid within the sequence",
@@ -1301,6 +1391,7 @@ k3_status k3_kvs_save_snapshot(k3_kvs *s, const k3_kvs_seq *seq, int64_t pos, co
     j->op = K3_KVS_SAVE_SNAPSHOT;
     j->pos = pos;
     j->drop_pos = drop_pos;
+    j->junction = junction > 0 && junction < pos && junction % s->bs == 0 ? junction : 0;
     j->src = state;
     if (!(*ticket = enqueue(s, WR, j))) return dropped(s, j, err);
     return K3_OK;
@@ -1539,6 +1630,7 @@ k3_status k3_kvs_open(k3_kvs **out, const k3_kvs_options *opt, k3_error *err) {
                 return k3_err(err, K3_ERR_NOMEM, "kv cache: cannot start a thread");
             }
             s->th_started[t] = true;
+            pthread_setname_np(s->th[t], t == RD ? "k3-kvs-read" : "k3-kvs-write"); /* in /proc, top -H */
         }
     *out = s;
     return K3_OK;
