@@ -74,7 +74,9 @@ def raw_read(d, size):
     return n / dt / 1e9
 
 
-def serve(model, d, threads=2, buffered=False):
+def serve(model, d, threads=2, buffered=None):
+    if buffered is None:  # KV_IO=buffered: the disk tier through the page cache (else O_DIRECT where it can)
+        buffered = os.environ.get("KV_IO") == "buffered"
     disk = (["--kv-cache-dir", d] + (["--kv-cache-buffered"] if buffered else [])) if d else []
     return h.Process([K3, "serve", "-m", model, "--port", "0", "--threads", str(threads)] + disk, start_timeout=300, stop_timeout=120)
 
@@ -150,6 +152,46 @@ def ttft(model, tokens, runs, d):
           f"({med(cold) / med(ram):.1f}x), disk hit after a restart {med(disk):.3f} s ({med(cold) / med(disk):.1f}x "
           f"faster than cold); the load read at {med(rate):.2f} GB/s against the directory's raw sequential read "
           f"{med(raw):.2f} GB/s ({100 * med(fr):.0f}%)")
+
+
+def load(model, tokens, runs, d):
+    """a TOKENS-token prompt computed once (its blocks and state saved), then RUNS times each: a
+    restarted server loads it from disk with O_DIRECT and through the page cache (alternated, the
+    directory's pages dropped before each), the load's rate against the directory's raw sequential
+    read measured right after it"""
+    import shutil
+    cd = os.path.join(d, "load")
+    shutil.rmtree(cd, ignore_errors=True)
+    rnd = random.Random(2000)
+    vocab = json.load(open(os.path.join(model, "config.json")))
+    vocab = vocab.get("text_config", vocab)["vocab_size"]
+    ids = [rnd.randrange(16, vocab - 256) for _ in range(tokens)]
+    s = serve(model, cd)
+    name = h.get(s.url + "/v1/models").json()["data"][0]["id"]
+    timed(s, name, ids)
+    s.stop()
+    res = {"direct": [], "buffered": []}
+    for run in range(runs):
+        for mode in res:
+            size = drop_pages(cd)
+            s = serve(model, cd, buffered=mode == "buffered")
+            t, c = timed(s, name, ids)
+            lb, lt = total(s, "vllm:kv_offload_load_bytes_total"), total(s, "vllm:kv_offload_load_time_total")
+            direct = total(s, "k3:kv_disk_direct_io")
+            cpu = io_threads_cpu(s.proc.pid)
+            s.stop()
+            raw = raw_read(d, size)
+            rate = lb / lt / 1e9 if lt else 0
+            res[mode].append((t, rate, raw, rate / raw))
+            print(f"run {run} {mode} ({'direct' if direct else 'buffered'} I/O): TTFT {t:.3f} s, {c} tokens from disk, "
+                  f"loaded {lb / 1e6:.1f} MB at {rate:.2f} GB/s, raw read {raw:.2f} GB/s ({100 * rate / raw:.0f}%); {cpu}",
+                  flush=True)
+    shutil.rmtree(cd, ignore_errors=True)
+    med = statistics.median
+    for mode, v in res.items():
+        print(f"load {model} {tokens} tokens, {mode}, medians of {runs}: TTFT {med(x[0] for x in v):.3f} s, the load "
+              f"{med(x[1] for x in v):.2f} GB/s, raw read {med(x[2] for x in v):.2f} GB/s, "
+              f"{100 * med(x[3] for x in v):.0f}% of it")
 
 
 def replay(model, convs, turns, policy, seed, sys_words=600, tool_words=120):
@@ -320,6 +362,8 @@ if __name__ == "__main__":
     what = sys.argv[2]
     if what == "ttft":
         ttft(sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6])
+    elif what == "load":
+        load(sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6])
     elif what == "itl":
         itl(sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6], *map(int, sys.argv[7:8]))
     else:
