@@ -75,9 +75,12 @@ def raw_read(d, size):
 
 
 def serve(model, d, threads=2, buffered=None):
-    if buffered is None:  # KV_IO=buffered: the disk tier through the page cache (else O_DIRECT where it can)
-        buffered = os.environ.get("KV_IO") == "buffered"
-    disk = (["--kv-cache-dir", d] + (["--kv-cache-buffered"] if buffered else [])) if d else []
+    """buffered: True (the page cache), "writes" (saves through it, loads O_DIRECT), False (O_DIRECT
+    where the directory does it); None: KV_IO=buffered|writes|direct (default direct)"""
+    if buffered is None:
+        buffered = {"buffered": True, "writes": "writes"}.get(os.environ.get("KV_IO", ""), False)
+    io = ["--kv-cache-buffered-writes"] if buffered == "writes" else ["--kv-cache-buffered"] if buffered else []
+    disk = (["--kv-cache-dir", d] + io) if d else []
     return h.Process([K3, "serve", "-m", model, "--port", "0", "--threads", str(threads)] + disk, start_timeout=300, stop_timeout=120)
 
 
@@ -284,15 +287,15 @@ def itl(model, tokens, runs, d, cycles=6):
                 break
         conn.close()  # the server cancels it
 
-    modes = os.environ.get("ITL_MODES", "disk ram").split()  # disk (O_DIRECT where it can), buffered, ram
+    modes = os.environ.get("ITL_MODES", "disk ram").split()  # disk (O_DIRECT where it can), buffered, writes, ram
     res = {m: [] for m in modes}
     med = statistics.median
     q = lambda v, f: v[min(len(v) - 1, int(f * len(v)))]  # noqa: E731
     for run in range(runs):
         for mode in modes:
-            if mode in ("disk", "buffered"):
+            if mode != "ram":  # disk (O_DIRECT), buffered, writes (buffered saves, O_DIRECT loads)
                 drop_pages(cd)
-                s = serve(model, cd, buffered=mode == "buffered")
+                s = serve(model, cd, buffered={"buffered": True, "writes": "writes"}.get(mode, False))
             else:
                 s = serve(model, None)
                 for P in Ps:

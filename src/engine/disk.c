@@ -648,6 +648,7 @@ k3_status k3_disk_conn_open(k3_engine *e, k3_kv_connector **out, k3_error *err) 
                                .quant = e->o.quant_name ? e->o.quant_name : "none",
                                .fsync = e->o.kv_cache_fsync,
                                .buffered = e->o.kv_cache_buffered,
+                               .buffered_writes = e->o.kv_cache_buffered_writes,
                                .log = e->o.log,
                                .log_arg = e->o.log_arg,
                                .on_done = on_done,

@@ -69,21 +69,24 @@ typedef struct k3_kvs_blocks_event {
 } k3_kvs_blocks_event;
 
 typedef struct k3_kvs_options {
-    const char *dir;    /* created if missing (with runs/, snaps/, tmp/) */
-    int64_t disk_bytes; /* this process's budget for the directory (> 0) */
-    k3_ctx *ctx;        /* whose cache blocks are read and written (borrowed) */
-    uint64_t model_id;  /* k3_model_identity */
-    const char *quant;  /* the --quant mode the weights run in ("none", ...) */
-    int32_t queue_max;  /* jobs waiting per thread (0 = 256): past it a save is
+    const char *dir;      /* created if missing (with runs/, snaps/, tmp/) */
+    int64_t disk_bytes;   /* this process's budget for the directory (> 0) */
+    k3_ctx *ctx;          /* whose cache blocks are read and written (borrowed) */
+    uint64_t model_id;    /* k3_model_identity */
+    const char *quant;    /* the --quant mode the weights run in ("none", ...) */
+    int32_t queue_max;    /* jobs waiting per thread (0 = 256): past it a save is
                               dropped (counted), a load refused (K3_ERR_BUSY) */
-    int32_t run_blocks; /* blocks per run file (0 = about 16 MiB of them, a
+    int32_t run_blocks;   /* blocks per run file (0 = about 16 MiB of them, a
                               power of two <= 64); part of the namespace */
-    bool fsync;         /* fsync each file before publishing it (durability
+    bool fsync;           /* fsync each file before publishing it (durability
                               after a power loss; the checksums alone already
                               turn a lost write into a miss) */
-    bool no_threads;    /* tests: jobs run inside k3_kvs_poll / k3_kvs_wait */
-    bool buffered;      /* never O_DIRECT (else used where the filesystem
+    bool no_threads;      /* tests: jobs run inside k3_kvs_poll / k3_kvs_wait */
+    bool buffered;        /* never O_DIRECT (else used where the filesystem
                               does it: k3_kvs_io says which) */
+    bool buffered_writes; /* saves through the page cache, loads O_DIRECT
+                              (the device's writes then happen at writeback,
+                              not while the save runs) */
     /* A line about a miss, a failed save or an eviction (any thread; NULL =
      * none). The library never prints: the program decides. */
     void (*log)(void *arg, const char *line);

@@ -1171,7 +1171,7 @@ static void job_free(job *j) {
 static void run_job(k3_kvs *s, int t, job *j) {
     k3_kvs_done d = {.ticket = j->ticket, .op = j->op};
     const double t0 = k3_now();
-    dio io = dio_for(s, true);
+    dio io = dio_for(s, j->op == K3_KVS_LOAD || !s->o.buffered_writes);
     d.status = j->op == K3_KVS_LOAD   ? job_load(s, j, &d, &io)
         : j->op == K3_KVS_SAVE_BLOCKS ? job_save_blocks(s, j, &d, &io)
                                       : job_save_snapshot(s, j, &d, &io);
