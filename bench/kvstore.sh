@@ -11,7 +11,8 @@
 # itl: decode ITL p50 / p99 of two streams in the windows where a prompt of ITL_TOKENS+1 (513) loads
 #   from disk while another one is saved (CYCLES=6 windows), against the same traffic without the
 #   disk tier (RAM hits); RUNS pairs, alternated (ITL_MODES="disk buffered ram": the tier with
-#   O_DIRECT, through the page cache, and without it).
+#   O_DIRECT, through the page cache, and without it; the order rotates by the run: the first server
+#   after the setup meets the directory just written, and its windows run slower whatever its mode).
 # replay: 8 conversations x 10 turns (CONVS, TURNS), each round shuffled, over two instances of MODEL
 #   behind k3 serve --role router, cache_aware against round_robin: hit rate, TTFT p50 / p99
 #   (SYS_WORDS=600 words of system prompt, TOOL_WORDS=120 of tool output a turn; on models/k3-mini,
@@ -51,7 +52,7 @@ if [ "$what" = itl ] || [ "$what" = all ]; then
     for run in $(seq "$RUNS"); do
         hold -x
         state "exclusive"
-        $PY bench/kv_bench.py "$K3" itl "$MODEL" "${ITL_TOKENS:-512}" 1 "$DIR" ${CYCLES:-6}
+        ROTATE=$((run - 1)) $PY bench/kv_bench.py "$K3" itl "$MODEL" "${ITL_TOKENS:-512}" 1 "$DIR" ${CYCLES:-6}
         state "end"
         hold -u
     done
