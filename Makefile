@@ -41,7 +41,7 @@ MODEL   ?= models/k3-mini
 PROMPT  ?= It is a truth universally acknowledged, that
 RUN_ARGS?= -n 64
 
-.PHONY: all help deps run test test-unit test-cli clean asan ubsan format check-reference kbench xcore stepgap amxbench tcpcopy kvsbench ucxbench test-hosts bench-hosts
+.PHONY: all help deps run test test-unit test-cli clean asan ubsan format check-reference kbench qbench xcore stepgap amxbench tcpcopy kvsbench ucxbench test-hosts bench-hosts
 all: $(BUILD)/k3 $(BUILD)/k3-test
 
 help:
@@ -186,6 +186,12 @@ kbench: $(BUILD)/kbench
 $(BUILD)/amxbench: bench/amxbench.c $(BUILD)/libk3.a
 	$(CC) $(K3_CFLAGS) $(PC_CFLAGS) $(CFLAGS) -o $@ $< $(BUILD)/libk3.a $(PC_LIBS) $(LDLIBS)
 amxbench: $(BUILD)/amxbench
+
+# Developer tool: the 8-bit prefill products alone (W8A8, W4A8) at the bench
+# checkpoint's shapes against the INT8 dot-product peak (docs/performance.md).
+$(BUILD)/qbench: bench/qbench.c $(BUILD)/libk3.a
+	$(CC) $(K3_CFLAGS) $(PC_CFLAGS) $(CFLAGS) -o $@ $< $(BUILD)/libk3.a $(PC_LIBS) $(LDLIBS)
+qbench: $(BUILD)/qbench
 
 # Developer tool: the cost of a hand-off between the two cores, and the read
 # bandwidth of one thread and of two (which of the machine's states is on).

@@ -91,11 +91,22 @@ static void check_matmul_q(k3_wtype type, int rows, int cols, int n) {
         CHECKF(r < 1e-6, "type %d isa %d %dx%d n=%d: rel-L2 %.3g", type, isa, rows, cols, n, r);
     }
     k3_kernels_force(K3_ISA_AVX512);
+    if (type != K3_W_MXFP8 && n * cols >= 65536) {
+        /* activations quantized on both threads: each token alone (inline) gives the batch's bits */
+        float *yt = malloc(sizeof(float) * rows);
+        k3_matmul(pool, &w, x, n, y);
+        for (int t = 0; t < n; t++) {
+            k3_matmul(NULL, &w, x + t * cols, 1, yt);
+            CHECKF(memcmp(yt, y + t * rows, sizeof(float) * rows) == 0, "type %d %dx%d n=%d: token %d alone differs",
+                   type, rows, cols, n, t);
+        }
+        free(yt);
+    }
     if (type != K3_W_MXFP4 && type != K3_W_MXFP4_R4) {
         /* and close to the unquantized fp32 product */
         k3_matmul_ref(&src, x, n, yf);
         const double r = k3_test_rel_l2(y, yf, (int64_t)n * rows);
-        CHECKF(r < (type == K3_W_Q8 ? 0.02 : 0.08), "type %d vs fp32: rel-L2 %.3g", type, r);
+        CHECKF(r < (type == K3_W_Q8 ? 0.02 : 0.08), "type %d %dx%d n=%d vs fp32: rel-L2 %.3g", type, rows, cols, n, r);
     }
     k3_pool_free(pool);
     free(wf);
@@ -124,6 +135,9 @@ K3_TEST(quant_matmul_w8a8_w4a8) {
     check_matmul_q(K3_W_MXFP4, 13, 384, 5);  /* a latent expert's down rows: 12 scales in one load */
     check_matmul_q(K3_W_MXFP4, 40, 640, 9);  /* 16 + 4 blocks */
     check_matmul_q(K3_W_MXFP4, 21, 1120, 9);
+    /* enough tokens x columns that the activations are quantized on the pool */
+    check_matmul_q(K3_W_Q8, 24, 512, 130);
+    check_matmul_q(K3_W_MXFP4, 21, 1024, 80);
 }
 
 /* The tiles MXFP4_R4 hold the same weights (k3_mat_get_row, bit for bit),
@@ -497,3 +511,68 @@ K3_TEST(quant_w4a8_avx2_tiles) {
     check_w4a8_avx2(24, 384, 11, 8);  /* the latent experts' down rows, 8 + 3 tokens, a split between slices */
     check_w4a8_avx2(36, 1024, 9, 20); /* gate/up rows, a split inside a slice */
 }
+
+/* W8A8 prefill on the AVX-512 VNNI token panels (n >= K3_Q8_PANEL_MIN,
+ * cols % 4 == 0) through k3_matmul on two threads: y == (float)(exact int
+ * dot) x xs x row_scale of the scalar quantizer, bit for bit, and each token
+ * alone (the one-row decode path) gives the bits of the batch. The shapes
+ * reach every register block (8, 4 and 1 rows; 1-3 panels, a part-filled
+ * one), column blocks with a short last one, and cols % 4 != 0 (no panels). */
+static void check_q8_panels(k3_pool *pool, int R, int C, int N) {
+    int8_t *w = malloc((size_t)R * C), *xq = malloc((size_t)N * C);
+    float *rs = malloc(sizeof(float) * R), *xs = malloc(sizeof(float) * N), *x = malloc(sizeof(float) * N * C);
+    int32_t *sums = malloc(sizeof(int32_t) * R);
+    float *y0 = malloc(sizeof(float) * N * R), *y1 = malloc(sizeof(float) * N * R), *yt = malloc(sizeof(float) * R);
+    for (int i = 0; i < R * C; i++) w[i] = (int8_t)(i % 11 == 0 ? -127 : i % 13 == 0 ? 127 : (int)(frand() * 127));
+    for (int i = 0; i < N * C; i++) x[i] = i % 17 == 0 ? 0.0f : frand() * (i % 7 == 0 ? 4.0f : 1.0f);
+    for (int r = 0; r < R; r++) {
+        rs[r] = 0.01f + 0.001f * (float)r;
+        int32_t s = 0;
+        for (int c = 0; c < C; c++) s += w[r * C + c];
+        sums[r] = s;
+    }
+    for (int t = 0; t < N; t++) xs[t] = k3_quant_act_i8_ref(x + t * C, C, xq + t * C);
+    for (int t = 0; t < N; t++)
+        for (int r = 0; r < R; r++) {
+            int32_t d = 0;
+            for (int c = 0; c < C; c++) d += (int32_t)w[r * C + c] * xq[t * C + c];
+            y0[t * R + r] = (float)d * xs[t] * rs[r];
+        }
+    const k3_mat wm =
+        {.type = K3_W_Q8, .rows = R, .cols = C, .act8 = true, .data = w, .row_scale = rs, .row_sum = sums};
+    k3_matmul(pool, &wm, x, N, y1);
+    CHECKF(memcmp(y0, y1, sizeof(float) * N * R) == 0, "%dx%d n=%d: AVX-512 W8A8 != scalar", R, C, N);
+    for (int t = 0; t < N; t++) {
+        k3_matmul(pool, &wm, x + t * C, 1, yt);
+        CHECKF(memcmp(yt, y1 + t * R, sizeof(float) * R) == 0, "%dx%d n=%d: token %d alone differs", R, C, N, t);
+    }
+    free(w);
+    free(xq);
+    free(rs);
+    free(xs);
+    free(x);
+    free(sums);
+    free(y0);
+    free(y1);
+    free(yt);
+}
+
+K3_TEST(quant_w8a8_avx512_panels_equal_scalar) {
+    k3_kernels_force(K3_ISA_AVX512);
+    if (k3_kernels_isa() < K3_ISA_AVX512 || !__builtin_cpu_supports("avx512vnni")) SKIP("no AVX-512 VNNI on this CPU");
+    k3_pool *pool = NULL;
+    k3_error err;
+    REQUIRE(k3_pool_init(&pool, 2, &err) == K3_OK);
+    check_q8_panels(pool, 64, 2048, 100); /* 3 + 3 panels (the last part-filled), 8 column blocks */
+    check_q8_panels(pool, 44, 600, 49);   /* 8-row blocks + a 4-row one, 1 + a short column block */
+    check_q8_panels(pool, 23, 36, 16);    /* one panel; 8, 8, 4, 1, 1, 1 rows */
+    check_q8_panels(pool, 131, 1028, 33); /* two 64-row slices + 3 rows, 2 + 1 panels */
+    check_q8_panels(pool, 16, 30, 20);    /* cols % 4: the tiles, no panels */
+    check_q8_panels(pool, 8, 4, 47);      /* one column group */
+    k3_pool_free(pool);
+}
+
+/* W4A8 tiles with enough tokens x columns that the activations are
+ * quantized and prepared on the pool (check_matmul_q: each token alone gives
+ * the batch's bits). */
+K3_TEST(quant_w4a8_r4_prep_on_the_pool) { check_matmul_q(K3_W_MXFP4_R4, 40, 1024, 70); }

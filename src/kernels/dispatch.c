@@ -142,7 +142,7 @@ static void build_avx512(k3_kernel_ops *o, const k3_kernel_ops *avx2, bool vnni,
         o->w4a8_tiles = false; /* no tile kernel of its own */
         return;
     }
-    o->q[K3_W_Q8] = (k3_q_kernel){.form = K3_QX_U8, .rows = k3_q8_rows_avx512};
+    o->q[K3_W_Q8] = (k3_q_kernel){.form = K3_QX_U8, .rows = k3_q8_rows_avx512, .panels = k3_q8_panels_avx512};
     o->q[K3_W_MXFP4] = (k3_q_kernel){.form = K3_QX_MX4, .rows = vbmi ? k3_mx4_rows_avx512_vbmi : k3_mx4_rows_avx512};
     o->q[K3_W_MXFP4_R4] =
         (k3_q_kernel){.form = K3_QX_MX4_R4, .rows = vbmi ? k3_mx4_r4_rows_avx512_vbmi : k3_mx4_r4_rows_avx512};

@@ -117,17 +117,30 @@ typedef struct k3_qjob {
     const float *xs; /* [n]: token scales */
     const float *xf; /* [n, cols]: K3_QX_MXFP8 */
     float *y;        /* [n, w->rows]: y[t * w->rows + r] */
+    /* K3_QX_U8 with k3_q_kernel.panels, n >= K3_Q8_PANEL_MIN and cols % 4
+     * == 0: the same bytes in token panels (k3_q8_panels_fn), else NULL */
+    const uint8_t *xpan;
 } k3_qjob;
 
 /* Rows [r0, r1) (whole tiles of w's type) x every token of j, into j->y;
  * batch invariant as k3_mm_rows_fn. */
 typedef void k3_q_rows_fn(const k3_qjob *j, int64_t r0, int64_t r1);
 
+/* W8A8 prefill (K3_QX_U8): the quantized tokens (int8, [n, cols], cols % 4
+ * == 0) as x + 128 in panels of 16 tokens, the order vpdpbusd wants when a
+ * weight's 4 bytes are broadcast against 16 tokens: panel p, column group g
+ * (columns 4g..4g+3) at out[(p * cols / 4 + g) * 64 + 4 t + c % 4] for token
+ * 16p + t; a last panel's missing tokens are 128 (zero). out holds
+ * ceil(n / 16) * 16 * cols bytes. */
+typedef void k3_q8_panels_fn(const int8_t *xq, int64_t n, int64_t cols, uint8_t *out);
+enum { K3_Q8_PANEL_MIN = 16 }; /* the fewest tokens a call gets panels for */
+
 typedef struct k3_q_kernel {
     k3_qform form;
     k3_mm_fits_fn *fits;
     k3_q_rows_fn *rows;
-    k3_mm_call_fn *call; /* the whole product from fp32 x (its own quantizer), as k3_mm_kernel.call */
+    k3_mm_call_fn *call;     /* the whole product from fp32 x (its own quantizer), as k3_mm_kernel.call */
+    k3_q8_panels_fn *panels; /* K3_QX_U8: the kernel also reads k3_qjob.xpan */
 } k3_q_kernel;
 
 /* The activation quantizer and the W4A8 orders (quant.h); the dot of one
@@ -264,6 +277,7 @@ k3_mxfp8_dequant_fn k3_mxfp8_dequant_avx2;
 k3_q_rows_fn k3_q8_rows_avx512, k3_mx4_rows_avx512, k3_mx4_rows_avx512_vbmi, k3_mx4_r4_rows_avx512,
     k3_mx4_r4_rows_avx512_vbmi;
 k3_act_i8_fn k3_quant_act_i8_avx512;
+k3_q8_panels_fn k3_q8_panels_avx512;
 k3_mx4_order_fn k3_mx4_prep_avx512_vbmi, k3_mx4_r4_prep_avx512_vbmi;
 k3_mxfp8_dequant_fn k3_mxfp8_dequant_avx512;
 

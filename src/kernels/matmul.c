@@ -108,6 +108,38 @@ static void q_rows(void *p, int64_t lo, int64_t hi, int ith) {
     t->rows(t->job, lo * t->unit, hi * t->unit);
 }
 
+/* The activations of an 8-bit product, tokens [16 lo, 16 hi): the token
+ * scales and int8 values, and the form the kernel reads (k3_qform); W8A8
+ * with panels makes only the panels. */
+typedef struct q_prep {
+    const k3_kernel_ops *o;
+    const k3_q_kernel *k;
+    const float *x;
+    int64_t n, cols, ldc;
+    float *xs;
+    int8_t *xq, *xp;
+    int32_t *corr;
+    uint8_t *xpan;
+} q_prep;
+
+static void q_prep_tokens(void *ctx, int64_t lo, int64_t hi, int ith) {
+    const q_prep *p = ctx;
+    const int64_t cols = p->cols, t0 = 16 * lo, t1 = 16 * hi < p->n ? 16 * hi : p->n;
+    for (int64_t i = t0; i < t1; i++) {
+        p->xs[i] = p->o->quant_act_i8(p->x + i * cols, cols, p->xq + i * cols);
+        if (p->k->form == K3_QX_U8 && !p->xpan) {
+            for (int64_t c = i * cols; c < (i + 1) * cols; c++)
+                p->xp[c] = (int8_t)((uint8_t)p->xq[c] ^ 0x80); /* x + 128 */
+        } else if (p->k->form == K3_QX_MX4) {
+            p->o->mx4_prep(p->xq + i * cols, cols, p->xp + i * cols, p->corr + i * p->ldc);
+        } else if (p->k->form == K3_QX_MX4_R4) {
+            p->o->mx4_r4_prep(p->xq + i * cols, cols, p->xp + i * cols, p->corr + i * p->ldc);
+        }
+    }
+    if (p->xpan) /* panels lo..hi-1: out = panel lo's first byte */
+        p->k->panels(p->xq + t0 * cols, t1 - t0, cols, p->xpan + t0 * cols);
+}
+
 static void matmul_q(k3_pool *pool, const k3_kernel_ops *o, const k3_mat *w, const float *x, int64_t n, float *y) {
     while (o->q[w->type].fits && !o->q[w->type].fits(w, n)) o = o->base;
     const k3_q_kernel *k = &o->q[w->type];
@@ -120,29 +152,30 @@ static void matmul_q(k3_pool *pool, const k3_kernel_ops *o, const k3_mat *w, con
     /* scratch: xs [n] | xf or corr [n, cols or ldc] | xq [n, cols] | prepared [n, cols] */
     const size_t fsz =
         k->form == K3_QX_MXFP8 ? (size_t)(n * cols) * sizeof(float) : (size_t)(n * ldc) * sizeof(int32_t);
-    char *buf = k3_scratch(K3_SCRATCH_QUANT, (size_t)n * sizeof(float) + fsz + 2 * (size_t)(n * cols) + 64);
+    /* and the token panels of W8A8 prefill [ceil(n / 16) * 16, cols] */
+    const bool pan = k->form == K3_QX_U8 && k->panels && n >= K3_Q8_PANEL_MIN && cols % 4 == 0;
+    const size_t psz = pan ? (size_t)((n + 15) / 16 * 16 * cols) + 64 : 0;
+    char *buf = k3_scratch(K3_SCRATCH_QUANT, (size_t)n * sizeof(float) + fsz + 2 * (size_t)(n * cols) + 64 + psz);
     float *xs = (float *)buf;
     float *xf = (float *)(buf + (size_t)n * sizeof(float));
     int32_t *corr = (int32_t *)xf;
     int8_t *xq = (int8_t *)(buf + (size_t)n * sizeof(float) + fsz), *xp = xq + n * cols;
     const int8_t *xk = xq;
+    uint8_t *xpan = NULL;
     if (k->form == K3_QX_MXFP8) {
         memcpy(xf, x, (size_t)(n * cols) * sizeof(float));
         for (int64_t i = 0; i < n; i++) k3_quant_act_mxfp8(xf + i * cols, cols);
     } else {
-        for (int64_t i = 0; i < n; i++) xs[i] = o->quant_act_i8(x + i * cols, cols, xq + i * cols);
-        if (k->form == K3_QX_U8) {
-            for (int64_t i = 0; i < n * cols; i++) xp[i] = (int8_t)((uint8_t)xq[i] ^ 0x80); /* x + 128 */
-            xk = xp;
-        } else if (k->form == K3_QX_MX4) {
-            for (int64_t i = 0; i < n; i++) o->mx4_prep(xq + i * cols, cols, xp + i * cols, corr + i * ldc);
-            xk = xp;
-        } else if (k->form == K3_QX_MX4_R4) {
-            for (int64_t i = 0; i < n; i++) o->mx4_r4_prep(xq + i * cols, cols, xp + i * cols, corr + i * ldc);
-            xk = xp;
-        }
+        if (pan) xpan = (uint8_t *)(((uintptr_t)(xp + n * cols) + 63) & ~(uintptr_t)63);
+        /* quantized and prepared 16 tokens at a time on every thread (each
+         * token alone, so the bits do not depend on the split) */
+        q_prep p = {o, k, x, n, cols, ldc, xs, xq, xp, corr, xpan};
+        const int64_t units = (n + 15) / 16;
+        k3_pool_for(n * cols >= 65536 ? pool : NULL, units, 1, q_prep_tokens, &p);
+        if (k->form != K3_QX_I8) xk = xp;
     }
-    const k3_qjob j = {.ops = o, .w = w, .n = n, .xq = xk, .corr = corr, .ldc = ldc, .xs = xs, .xf = xf, .y = y};
+    const k3_qjob j =
+        {.ops = o, .w = w, .n = n, .xq = xk, .corr = corr, .ldc = ldc, .xs = xs, .xf = xf, .y = y, .xpan = xpan};
     const int64_t unit = k3_wtype_info(w->type)->tile_rows;
     q_task t = {&j, k->rows, unit};
     k3_pool_for(pool, w->rows / unit, 16 / unit, q_rows, &t);

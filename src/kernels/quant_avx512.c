@@ -115,6 +115,143 @@ static inline int32_t q8_dot1(const int8_t *w, const uint8_t *xu, int64_t cols) 
     return _mm512_reduce_add_epi32(_mm512_add_epi32(_mm512_add_epi32(a0, a1), _mm512_add_epi32(a2, a3)));
 }
 
+/* ---- W8A8 on token panels (prefill) ------------------------------------------ */
+
+/* k3_q8_panels_fn: one gather of 16 tokens' 4 bytes per 64-byte vector. */
+void k3_q8_panels_avx512(const int8_t *xq, int64_t n, int64_t cols, uint8_t *out) {
+    const int64_t ng = cols / 4;
+    const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32((int)cols));
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    for (int64_t t0 = 0; t0 < n; t0 += 16, out += 16 * cols) {
+        const __mmask16 m = n - t0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - t0)) - 1);
+        const int8_t *x = xq + t0 * cols;
+        for (int64_t g = 0; g < ng; g++)
+            _mm512_storeu_si512(out + 64 * g,
+                                _mm512_xor_si512(_mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, idx, x + 4 * g,
+                                                                             1),
+                                                 flip));
+    }
+}
+
+/* Panels of the W8A8 prefill kernel: Q8P_V panels (48 tokens) x up to 8
+ * rows per register block, the weights' 4-byte groups broadcast against a
+ * panel's 16 tokens (so no horizontal sums: a lane is one token's dot);
+ * columns in Q8P_KC blocks, so the 48 tokens' block (24 KB) stays in L1
+ * while the rows of a Q8P_RB-row slice (in L2) pass; between column blocks
+ * the int32 sums wait in a small buffer. */
+enum { Q8P_V = 3, Q8P_KC = 256, Q8P_RB = 64 };
+
+/* NR rows (w, stride ldw) x NV panels (xp, stride ldp) over column groups
+ * [g0, g1): the sums start at 0 (first) or from c, and go back to c, or,
+ * at the last block, through the epilogue into y (tokens t0.., nt of them):
+ * y[t*ldy + r] = (float)(Σ w xu - 128 row_sum[r]) · xs[t] · row_scale[r],
+ * the operations of the scalar formula, so the bits of every other path. */
+static inline __attribute__((always_inline)) void q8p_block(const int8_t *w, int64_t ldw, const uint8_t *xp,
+                                                            int64_t ldp, int64_t g0, int64_t g1, const int NR,
+                                                            const int NV, __m512i *c, bool first, bool last,
+                                                            const int32_t *row_sum, const float *row_scale,
+                                                            const float *xs, int64_t nt, float *y, int64_t ldy) {
+    __m512i acc[8][Q8P_V];
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; r++)
+#pragma GCC unroll 3
+        for (int v = 0; v < NV; v++) acc[r][v] = first ? _mm512_setzero_si512() : c[r * Q8P_V + v];
+    for (int64_t g = g0; g < g1; g++) {
+        __m512i a[Q8P_V];
+#pragma GCC unroll 3
+        for (int v = 0; v < NV; v++) a[v] = _mm512_loadu_si512(xp + v * ldp + 64 * g);
+#pragma GCC unroll 8
+        for (int r = 0; r < NR; r++) {
+            int32_t wq;
+            memcpy(&wq, w + r * ldw + 4 * g, 4);
+            const __m512i b = _mm512_set1_epi32(wq);
+#pragma GCC unroll 3
+            for (int v = 0; v < NV; v++) acc[r][v] = _mm512_dpbusd_epi32(acc[r][v], a[v], b);
+        }
+    }
+    if (!last) {
+#pragma GCC unroll 8
+        for (int r = 0; r < NR; r++)
+#pragma GCC unroll 3
+            for (int v = 0; v < NV; v++) c[r * Q8P_V + v] = acc[r][v];
+        return;
+    }
+    /* through a 16 x 8 buffer to one store of the NR rows per token: 16
+     * scattered stores a row at y's stride (8 KB for 2048 rows: one cache
+     * set) thrashed L1 */
+    const __m512i ti = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32(8));
+    float tr[16 * 8] __attribute__((aligned(64)));
+#pragma GCC unroll 3
+    for (int v = 0; v < NV; v++) {
+        const int64_t left = nt - 16 * v;
+        const int mt = left >= 16 ? 16 : (int)left;
+        const __mmask16 m = (__mmask16)((1u << mt) - 1);
+        const __m512 sx = _mm512_maskz_loadu_ps(m, xs + 16 * v);
+#pragma GCC unroll 8
+        for (int r = 0; r < NR; r++) {
+            const __m512 f =
+                _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(
+                                                _mm512_sub_epi32(acc[r][v], _mm512_set1_epi32(128 * row_sum[r]))),
+                                            sx),
+                              _mm512_set1_ps(row_scale[r]));
+            _mm512_i32scatter_ps(tr + r, ti, f, 4);
+        }
+        float *yv = y + 16 * v * ldy;
+        for (int t = 0; t < mt; t++) {
+            if (NR == 8) _mm256_storeu_ps(yv + t * ldy, _mm256_load_ps(tr + 8 * t));
+            else if (NR == 4) _mm_storeu_ps(yv + t * ldy, _mm_load_ps(tr + 8 * t));
+            else yv[t * ldy] = tr[8 * t];
+        }
+    }
+}
+
+static void q8p_rows(const k3_qjob *j, int64_t r0, int64_t r1) {
+    const int8_t *w = j->w->data;
+    const int64_t cols = j->w->cols, n = j->n, ldy = j->w->rows, ng = cols / 4, ldp = 16 * cols;
+    const int64_t np = (n + 15) / 16;
+    __m512i c[Q8P_RB * Q8P_V]; /* a slice's int32 sums between column blocks */
+    for (int64_t rb = r0; rb < r1; rb += Q8P_RB) {
+        const int64_t re = rb + Q8P_RB < r1 ? rb + Q8P_RB : r1;
+        for (int64_t p0 = 0; p0 < np; p0 += Q8P_V) {
+            const int nv = np - p0 >= Q8P_V ? Q8P_V : (int)(np - p0);
+            const uint8_t *xp = j->xpan + p0 * ldp;
+            const int64_t t0 = 16 * p0, nt = n - t0;
+            /* a column block of the tokens (24 KB) stays in L1 while every
+             * row of the slice passes */
+            for (int64_t g0 = 0; g0 < ng; g0 += Q8P_KC / 4) {
+                const int64_t g1 = g0 + Q8P_KC / 4 < ng ? g0 + Q8P_KC / 4 : ng;
+                const bool first = g0 == 0, last = g1 == ng;
+                for (int64_t rg = rb; rg < re;) {
+                    const int nr = re - rg >= 8 ? 8 : re - rg >= 4 ? 4 : 1;
+                    const int8_t *wr = w + rg * cols;
+                    __m512i *cr = c + (rg - rb) * Q8P_V;
+#define Q8P(NR, NV) \
+    q8p_block(wr, cols, xp, ldp, g0, g1, NR, NV, cr, first, last, j->w->row_sum + rg, j->w->row_scale + rg, \
+              j->xs + t0, nt, j->y + t0 * ldy + rg, ldy)
+#define Q8P_NV(NR) \
+    do { \
+        if (nv == 1) Q8P(NR, 1); \
+        else if (nv == 2) Q8P(NR, 2); \
+        else Q8P(NR, 3); \
+    } while (0)
+                    if (nr == 8) {
+                        Q8P_NV(8);
+                    } else if (nr == 4) {
+                        Q8P_NV(4);
+                    } else {
+                        Q8P_NV(1);
+                    }
+#undef Q8P_NV
+#undef Q8P
+                    rg += nr;
+                }
+            }
+        }
+    }
+}
+
 /* Rows [r0, r1) x tokens [0, n) of a Q8 matrix:
  * y[t*ldy + r] = (Σ w xu - 128 row_sum[r]) · xs[t] · row_scale[r].
  * Few tokens (decode): one row at a time against all of them, so the weights
@@ -128,6 +265,10 @@ void k3_q8_rows_avx512(const k3_qjob *j, int64_t r0, int64_t r1) {
     const int64_t cols = j->w->cols, n = j->n, ldy = j->w->rows;
     float *y = j->y;
     K3_ASSERT(row_sum); /* made by k3_quant_q8_mat */
+    if (j->xpan) {
+        q8p_rows(j, r0, r1);
+        return;
+    }
     if (n == 1) {
         for (int64_t r = r0; r < r1; r++)
             y[r] = (float)(q8_dot1(w + r * cols, xu, cols) - 128 * row_sum[r]) * xs[0] * row_scale[r];
