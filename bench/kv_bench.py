@@ -74,9 +74,37 @@ def raw_read(d, size):
     return n / dt / 1e9
 
 
-def serve(model, d, threads=2):
-    disk = ["--kv-cache-dir", d] if d else []
+def serve(model, d, threads=2, buffered=None):
+    """buffered: True (the page cache), "writes" (saves through it, loads O_DIRECT), False (O_DIRECT
+    where the directory does it); None: KV_IO=buffered|writes|direct (default direct)"""
+    if buffered is None:
+        buffered = {"buffered": True, "writes": "writes"}.get(os.environ.get("KV_IO", ""), False)
+    io = ["--kv-cache-buffered-writes"] if buffered == "writes" else ["--kv-cache-buffered"] if buffered else []
+    disk = (["--kv-cache-dir", d] + io) if d else []
     return h.Process([K3, "serve", "-m", model, "--port", "0", "--threads", str(threads)] + disk, start_timeout=300, stop_timeout=120)
+
+
+def cpu_ticks():
+    """the machine's CPU ticks so far: user, system, iowait, steal (/proc/stat)"""
+    f = open("/proc/stat").readline().split()[1:]
+    return [int(f[0]) + int(f[1]), int(f[2]) + int(f[5]) + int(f[6]), int(f[4]), int(f[7])]
+
+
+def io_threads_cpu(pid):
+    """user and system CPU seconds of the disk tier's reader and writer threads (named k3-kvs-read,
+    k3-kvs-write) so far, from /proc/PID/task/*/stat"""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = []
+    for tid in sorted(os.listdir(f"/proc/{pid}/task")):
+        try:
+            st = open(f"/proc/{pid}/task/{tid}/stat").read()
+        except OSError:
+            continue
+        name = st[st.index("(") + 1:st.rindex(")")]
+        if name.startswith("k3-kvs-"):
+            f = st[st.rindex(")") + 2:].split()
+            out.append(f"{name} user {int(f[11]) / tick:.2f} s system {int(f[12]) / tick:.2f} s")
+    return ", ".join(out) or "no k3-kvs- threads"
 
 
 def timed(s, model, ids):
@@ -127,6 +155,46 @@ def ttft(model, tokens, runs, d):
           f"({med(cold) / med(ram):.1f}x), disk hit after a restart {med(disk):.3f} s ({med(cold) / med(disk):.1f}x "
           f"faster than cold); the load read at {med(rate):.2f} GB/s against the directory's raw sequential read "
           f"{med(raw):.2f} GB/s ({100 * med(fr):.0f}%)")
+
+
+def load(model, tokens, runs, d):
+    """a TOKENS-token prompt computed once (its blocks and state saved), then RUNS times each: a
+    restarted server loads it from disk with O_DIRECT and through the page cache (alternated, the
+    directory's pages dropped before each), the load's rate against the directory's raw sequential
+    read measured right after it"""
+    import shutil
+    cd = os.path.join(d, "load")
+    shutil.rmtree(cd, ignore_errors=True)
+    rnd = random.Random(2000)
+    vocab = json.load(open(os.path.join(model, "config.json")))
+    vocab = vocab.get("text_config", vocab)["vocab_size"]
+    ids = [rnd.randrange(16, vocab - 256) for _ in range(tokens)]
+    s = serve(model, cd)
+    name = h.get(s.url + "/v1/models").json()["data"][0]["id"]
+    timed(s, name, ids)
+    s.stop()
+    res = {"direct": [], "buffered": []}
+    for run in range(runs):
+        for mode in res:
+            size = drop_pages(cd)
+            s = serve(model, cd, buffered=mode == "buffered")
+            t, c = timed(s, name, ids)
+            lb, lt = total(s, "vllm:kv_offload_load_bytes_total"), total(s, "vllm:kv_offload_load_time_total")
+            direct = total(s, "k3:kv_disk_direct_io")
+            cpu = io_threads_cpu(s.proc.pid)
+            s.stop()
+            raw = raw_read(d, size)
+            rate = lb / lt / 1e9 if lt else 0
+            res[mode].append((t, rate, raw, rate / raw))
+            print(f"run {run} {mode} ({'direct' if direct else 'buffered'} I/O): TTFT {t:.3f} s, {c} tokens from disk, "
+                  f"loaded {lb / 1e6:.1f} MB at {rate:.2f} GB/s, raw read {raw:.2f} GB/s ({100 * rate / raw:.0f}%); {cpu}",
+                  flush=True)
+    shutil.rmtree(cd, ignore_errors=True)
+    med = statistics.median
+    for mode, v in res.items():
+        print(f"load {model} {tokens} tokens, {mode}, medians of {runs}: TTFT {med(x[0] for x in v):.3f} s, the load "
+              f"{med(x[1] for x in v):.2f} GB/s, raw read {med(x[2] for x in v):.2f} GB/s, "
+              f"{100 * med(x[3] for x in v):.0f}% of it")
 
 
 def replay(model, convs, turns, policy, seed, sys_words=600, tool_words=120):
@@ -219,14 +287,18 @@ def itl(model, tokens, runs, d, cycles=6):
                 break
         conn.close()  # the server cancels it
 
-    res = {"disk": [], "ram": []}
+    modes = os.environ.get("ITL_MODES", "disk ram").split()  # disk (O_DIRECT where it can), buffered, writes, ram
+    res = {m: [] for m in modes}
     med = statistics.median
     q = lambda v, f: v[min(len(v) - 1, int(f * len(v)))]  # noqa: E731
     for run in range(runs):
-        for mode in ("disk", "ram"):
-            if mode == "disk":
+        # rotated by the run (ROTATE=N: by N more): the first server after the setup meets the
+        # directory just written (its first windows ran slower in every mode put first)
+        k = (run + int(os.environ.get("ROTATE", "0"))) % len(modes)
+        for mode in modes[k:] + modes[:k]:
+            if mode != "ram":  # disk (O_DIRECT), buffered, writes (buffered saves, O_DIRECT loads)
                 drop_pages(cd)
-                s = serve(model, cd)
+                s = serve(model, cd, buffered={"buffered": True, "writes": "writes"}.get(mode, False))
             else:
                 s = serve(model, None)
                 for P in Ps:
@@ -236,15 +308,17 @@ def itl(model, tokens, runs, d, cycles=6):
             for t in th:
                 t.start()
             h.wait_until(lambda: min(len(x) for x in stamps) >= 10, 600, "the decoders")
-            win, hits = [], []
+            win, hits, ticks = [], [], [0, 0, 0, 0]
             for P in Ps:
                 timed(s, name, ids(tokens + 1))  # Q: computed; with the tier its save starts as it ends
                 t0 = time.perf_counter()
+                c0 = cpu_ticks()
                 _, c = timed(s, name, P)
                 hits.append(c)
-                if mode == "disk":
+                if mode != "ram":
                     h.wait_until(lambda: total(s, "k3:kv_disk_saves_in_flight") == 0, 600, "the saves", every=0.002)
                 w1 = time.perf_counter()
+                ticks = [a + b - c for a, b, c in zip(ticks, cpu_ticks(), c0)]
                 win.append((t0, w1))
                 # the gaps that start in the window end before the next prompt's prefill
                 h.wait_until(lambda: all(x[-1] > w1 for x in stamps), 60, "a token after the window", every=0.002)
@@ -254,7 +328,10 @@ def itl(model, tokens, runs, d, cycles=6):
             for t in th:
                 t.join()
             loaded = total(s, "vllm:kv_offload_load_bytes_total")
-            assert (loaded > 0) == (mode == "disk"), (mode, loaded)
+            assert (loaded > 0) == (mode != "ram"), (mode, loaded)
+            cpu = io_threads_cpu(s.proc.pid) if mode != "ram" else ""
+            direct = total(s, "k3:kv_disk_direct_io") if mode != "ram" else 0
+            tier = f" ({'direct' if direct else 'buffered'} I/O; {cpu})" if mode != "ram" else ""
             assert all(c == tokens for c in hits), (mode, hits)
             gaps = sorted(b - a for x in stamps for a, b in zip(x, x[1:]) if any(w0 <= a <= w1 for w0, w1 in win))
             quiet = sorted(b - a for x in stamps for a, b in zip(x, x[1:]) if b > t_last)
@@ -262,9 +339,11 @@ def itl(model, tokens, runs, d, cycles=6):
             print(f"run {run} {mode}: ITL of the gaps that start in the {cycles} windows: p50 {1e3 * q(gaps, 0.5):.1f} ms "
                   f"p99 {1e3 * q(gaps, 0.99):.1f} ms ({len(gaps)} gaps, windows {1e3 * med(w1 - w0 for w0, w1 in win):.0f} ms "
                   f"median); after the last: p50 {1e3 * q(quiet, 0.5):.1f} ms p99 {1e3 * q(quiet, 0.99):.1f} ms"
-                  f"{f'; loaded {loaded / 1e6:.1f} MB' if loaded else ''}", flush=True)
+                  f"{f'; loaded {loaded / 1e6:.1f} MB' if loaded else ''}"
+                  f"{tier}; the machine in the windows: user {ticks[0]}, system {ticks[1]}, iowait {ticks[2]}, "
+                  f"steal {ticks[3]} ticks of {os.sysconf('SC_CLK_TCK')} a second", flush=True)
             s.stop()
-            if mode == "disk":  # the disk connector's calls in the step over 1 ms (the server's log)
+            if mode != "ram":  # the disk connector's calls in the step over 1 ms (the server's log)
                 took = {}
                 for line in "".join(s.log).splitlines():
                     m = re.search(r"the step's (.*) took ([0-9.]+) ms", line)
@@ -272,17 +351,25 @@ def itl(model, tokens, runs, d, cycles=6):
                         took.setdefault(m.group(1), []).append(float(m.group(2)))
                 for k, v in sorted(took.items()):
                     print(f"  the step's {k}: {len(v)} over 1 ms, max {max(v):.1f} ms, sum {sum(v):.1f} ms", flush=True)
-    dp, rp = med(x[1] for x in res["disk"]), med(x[1] for x in res["ram"])
-    print(f"itl {model}: a {tokens + 1}-token prompt loaded and another saved beside two decoding streams, x {cycles}, "
-          f"medians of {runs}: the gaps' p99 {1e3 * dp:.1f} ms with the disk tier, {1e3 * rp:.1f} ms without it "
-          f"(RAM hits): {dp / rp:.2f}x; p50 {1e3 * med(x[0] for x in res['disk']):.1f} against "
-          f"{1e3 * med(x[0] for x in res['ram']):.1f} ms")
+    if "ram" not in res:
+        return
+    rp = med(x[1] for x in res["ram"])
+    for mode in modes:
+        if mode == "ram":
+            continue
+        dp = med(x[1] for x in res[mode])
+        print(f"itl {model}: a {tokens + 1}-token prompt loaded and another saved beside two decoding streams, x {cycles}, "
+              f"medians of {runs}: the gaps' p99 {1e3 * dp:.1f} ms with the disk tier ({mode}), {1e3 * rp:.1f} ms "
+              f"without it (RAM hits): {dp / rp:.2f}x; p50 {1e3 * med(x[0] for x in res[mode]):.1f} against "
+              f"{1e3 * med(x[0] for x in res['ram']):.1f} ms")
 
 
 if __name__ == "__main__":
     what = sys.argv[2]
     if what == "ttft":
         ttft(sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6])
+    elif what == "load":
+        load(sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6])
     elif what == "itl":
         itl(sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6], *map(int, sys.argv[7:8]))
     else:

@@ -10,19 +10,31 @@
  * context's blocks and a new state buffer each time), as in a server that
  * just started: the page faults and the kernel's zeroing of each page are
  * part of the load then.
- *   build/kvsbench MODEL DIR [f32|c8] [TOKENS] [RUNS] [fresh]
+ * With `buffered` the store never uses O_DIRECT (else it does where the
+ * directory's filesystem allows; then "warm" reads the disk again too). The
+ * CPU time of the process (user, system) per GB loaded and saved is printed:
+ * the main thread waits, so it is the reader's and the writer's.
+ *   build/kvsbench MODEL DIR [f32|c8] [TOKENS] [RUNS] [fresh] [buffered]
  */
 #include <dirent.h>
 #include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include "ctx/ctx.h"
 #include "k3.h"
 #include "kvstore/kvstore.h"
+
+static double cpu_s(bool sys) {
+    struct rusage ru;
+    getrusage(RUSAGE_SELF, &ru);
+    const struct timeval t = sys ? ru.ru_stime : ru.ru_utime;
+    return (double)t.tv_sec + (double)t.tv_usec * 1e-6;
+}
 
 static int cmpd(const void *a, const void *b) {
     const double x = *(const double *)a, y = *(const double *)b;
@@ -78,7 +90,11 @@ int main(int argc, char **argv) {
     const k3_kv_type kv = argc > 3 && !strcmp(argv[3], "f32") ? K3_KV_F32 : K3_KV_C8;
     const int64_t tokens = argc > 4 ? atoll(argv[4]) : 32768;
     const int runs = argc > 5 ? atoi(argv[5]) : 5;
-    const bool fresh = argc > 6 && !strcmp(argv[6], "fresh");
+    bool fresh = false, buffered = false;
+    for (int i = 6; i < argc; i++) {
+        fresh |= !strcmp(argv[i], "fresh");
+        buffered |= !strcmp(argv[i], "buffered");
+    }
     const int32_t bs = 64, nb = (int32_t)(tokens / bs);
     k3_error err = {0};
     k3_model *m = NULL;
@@ -102,32 +118,41 @@ int main(int argc, char **argv) {
                 }
         }
     const int64_t sb = k3_ctx_state_bytes(ctx);
-    char *state = malloc((size_t)sb), *back = malloc((size_t)sb);
+    const size_t sb_pages = ((size_t)sb + 4095) / 4096 * 4096; /* on a page, as the engine's */
+    char *state = aligned_alloc(4096, sb_pages), *back = aligned_alloc(4096, sb_pages);
     memset(state, 7, (size_t)sb);
     int32_t *tok = malloc(sizeof(int32_t) * (size_t)tokens), *blocks = malloc(sizeof(int32_t) * (size_t)nb);
-    double wr[32], rc[32], rw[32], dc[32], dw[32];
+    double wr[32], rc[32], rw[32], dc[32], dw[32], cpu_w[2] = {0, 0}, cpu_rc[2] = {0, 0};
+    int64_t bytes_rc = 0, bytes_w = 0;
+    const char *io = "?", *io_why = "";
     int64_t bytes = 0;
     for (int run = 0; run < runs && run < 32; run++) {
         for (int64_t i = 0; i < tokens; i++) tok[i] = (int32_t)((i * 2654435761u + (uint64_t)run * 97) % 30000);
         for (int32_t i = 0; i < nb; i++) blocks[i] = i;
         k3_kvs *s = NULL;
-        k3_kvs_options so = {.dir = dir, .disk_bytes = 64ll << 30, .ctx = ctx, .model_id = 1, .quant = "none"};
+        k3_kvs_options so =
+            {.dir = dir, .disk_bytes = 64ll << 30, .ctx = ctx, .model_id = 1, .quant = "none", .buffered = buffered};
         if (k3_kvs_open(&s, &so, &err)) {
             fprintf(stderr, "kvsbench: %s\n", err.msg);
             return 1;
         }
+        io = k3_kvs_io(s, &io_why);
         const k3_kvs_seq seq = {.tokens = tok, .n_tokens = tokens};
         uint64_t t1, t2;
         k3_kvs_done d1, d2;
+        const double u0 = cpu_s(false), s0 = cpu_s(true);
         double t0 = k3_now();
-        if (k3_kvs_save_blocks(s, &seq, blocks, nb, true, &t1, &err) ||
-            k3_kvs_save_snapshot(s, &seq, (int64_t)(nb - 1) * bs, state, 0, &t2, &err) ||
+        if (k3_kvs_save_blocks(s, &seq, blocks, nb, true, 0, &t1, &err) ||
+            k3_kvs_save_snapshot(s, &seq, (int64_t)(nb - 1) * bs, state, 0, 0, &t2, &err) ||
             k3_kvs_wait(s, t1, &d1, &err) || k3_kvs_wait(s, t2, &d2, &err) || d1.status || d2.status) {
             fprintf(stderr, "kvsbench: save: %s %s\n", err.msg, d1.why);
             return 1;
         }
         const double tw = k3_now() - t0;
         bytes = d1.bytes + d2.bytes;
+        cpu_w[0] += cpu_s(false) - u0;
+        cpu_w[1] += cpu_s(true) - s0;
+        bytes_w += bytes;
         wr[run] = (double)bytes / tw / 1e9;
         for (int pass = 0; pass < 2; pass++) {
             if (!pass) {
@@ -146,6 +171,7 @@ int main(int argc, char **argv) {
                 }
             }
             k3_kvs_hit *hit = NULL;
+            const double u1 = cpu_s(false), s1 = cpu_s(true);
             t0 = k3_now();
             uint64_t t3;
             k3_kvs_done d3;
@@ -156,6 +182,11 @@ int main(int argc, char **argv) {
             }
             const double tr = k3_now() - t0;
             (pass ? rw : rc)[run] = (double)d3.bytes / tr / 1e9;
+            if (!pass) {
+                cpu_rc[0] += cpu_s(false) - u1;
+                cpu_rc[1] += cpu_s(true) - s1;
+                bytes_rc += d3.bytes;
+            }
             if (fresh) {
                 k3_kvs_close(ls);
                 k3_ctx_free(lctx);
@@ -186,7 +217,11 @@ int main(int argc, char **argv) {
            "medians of %d%s\n",
            argv[1], kv == K3_KV_C8 ? "c8" : "f32", (long long)tokens, nb, bs, (double)bytes / 1e6, (double)sb / 1e6, n,
            fresh ? ", loads into untouched memory" : "");
-    printf("  save (write, published)        %6.2f GB/s\n", mwr);
+    printf("  I/O: %s (%s)\n", io, io_why);
+    printf("  save (write, published)        %6.2f GB/s   CPU per GB: user %.3f s, system %.3f s\n", mwr,
+           cpu_w[0] / ((double)bytes_w / 1e9), cpu_w[1] / ((double)bytes_w / 1e9));
+    printf("  load cold: CPU per GB          user %.3f s, system %.3f s\n", cpu_rc[0] / ((double)bytes_rc / 1e9),
+           cpu_rc[1] / ((double)bytes_rc / 1e9));
     printf("  load cold (pages dropped)      %6.2f GB/s   raw sequential read cold  %6.2f GB/s   ratio %.2f\n", mrc,
            mdc, mrc / mdc);
     printf("  load warm (page cache)         %6.2f GB/s   raw sequential read warm  %6.2f GB/s   ratio %.2f\n", mrw,

@@ -108,6 +108,10 @@ static int usage_serve(FILE *f) {
             "                               is scheduled; it survives restarts and instances of a host share it\n"
             "  --kv-cache-disk-bytes N      its budget, an LRU over the directory (default 64G; K, M, G, T suffixes)\n"
             "  --kv-cache-fsync             fsync each file before publishing it (durable after a power loss)\n"
+            "  --kv-cache-buffered          read and write through the page cache (default: O_DIRECT where the\n"
+            "                               directory's filesystem does it)\n"
+            "  --kv-cache-buffered-writes   write through the page cache (the device writes at writeback), read\n"
+            "                               with O_DIRECT\n"
             "  --prefix-cache-per-key       the prefix cache (RAM and disk) is salted by the API key a request\n"
             "                               presents: one key never hits (nor times) another's prompts; a request's\n"
             "                               \"cache_salt\" (vLLM's field) salts it too\n"
@@ -235,7 +239,7 @@ int k3_cmd_serve(int argc, char **argv) {
     float kv_hold_timeout = 0, kv_timeout = 0;
     const char *kv_dir = NULL, *ev_endpoint = NULL, *ev_replay = NULL, *ev_topic = NULL;
     long long kv_disk_bytes = 0;
-    bool kv_fsync = false, per_key = false;
+    bool kv_fsync = false, kv_buffered = false, kv_buffered_writes = false, per_key = false;
     for (int i = 1; i + 1 < argc; i++)
         if (!strcmp(argv[i], "--role") && (!strcmp(argv[i + 1], "proxy") || !strcmp(argv[i + 1], "router")))
             return k3_cmd_serve_proxy(argc, argv);
@@ -288,6 +292,8 @@ int k3_cmd_serve(int argc, char **argv) {
         else if (ARG("--kv-cache-dir")) kv_dir = argv[++i];
         else if (ARG("--kv-cache-disk-bytes")) kv_disk_bytes = parse_bytes(argv[++i], &bad);
         else if (!strcmp(a, "--kv-cache-fsync")) kv_fsync = true;
+        else if (!strcmp(a, "--kv-cache-buffered")) kv_buffered = true;
+        else if (!strcmp(a, "--kv-cache-buffered-writes")) kv_buffered_writes = true;
         else if (!strcmp(a, "--prefix-cache-per-key")) per_key = true;
         else if (ARG("--kv-events-endpoint")) ev_endpoint = argv[++i];
         else if (ARG("--kv-events-replay-endpoint")) ev_replay = argv[++i];
@@ -436,6 +442,8 @@ int k3_cmd_serve(int argc, char **argv) {
                             .kv_cache_disk_bytes = kv_disk_bytes,
                             .quant_name = quant,
                             .kv_cache_fsync = kv_fsync,
+                            .kv_cache_buffered = kv_buffered,
+                            .kv_cache_buffered_writes = kv_buffered_writes,
                             .log = disk_log};
     if (k3_cli_spec_apply("serve", &spec, quant, &eo, &draft)) goto fail_quiet;
     if (k3_engine_open(&eng, m, &eo, &err)) goto fail;

@@ -653,9 +653,11 @@ typedef struct k3_engine_options {
      * restarts and is shared by the instances of a host, loaded back before
      * a request is scheduled. NULL: none. */
     const char *kv_cache_dir;
-    int64_t kv_cache_disk_bytes; /* its byte budget (0 = 64 GiB); the directory's LRU */
-    const char *quant_name;      /* the weights' quant mode, part of its namespace (NULL = "none") */
-    bool kv_cache_fsync;         /* fsync each file before publishing it */
+    int64_t kv_cache_disk_bytes;   /* its byte budget (0 = 64 GiB); the directory's LRU */
+    const char *quant_name;        /* the weights' quant mode, part of its namespace (NULL = "none") */
+    bool kv_cache_fsync;           /* fsync each file before publishing it */
+    bool kv_cache_buffered;        /* never O_DIRECT (else where the filesystem does it) */
+    bool kv_cache_buffered_writes; /* saves through the page cache, loads O_DIRECT */
     /* the disk tier's lines (a miss and why, a failed save, an eviction); any
      * thread; NULL = none (the library never prints) */
     void (*log)(void *arg, const char *line);

@@ -185,7 +185,9 @@ def torn_and_damaged():
     cold = cold_then(h.TINY, d, ids)
     path = os.path.join(d, "runs", files(d, "runs")[0])
     with open(path, "r+b") as f:
-        f.seek(os.path.getsize(path) - 100)
+        # a byte of the first block: the payload starts at the page after the header (its size at byte 12)
+        hdr_bytes = int.from_bytes(f.read(16)[12:16], "little")
+        f.seek((hdr_bytes + 4095) // 4096 * 4096 + 100)
         byte = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([byte[0] ^ 0x40]))
@@ -207,6 +209,35 @@ def torn_and_damaged():
         assert text == cold and cached > 0 and ext_hits(c) == cached, (text, cold, cached)
     finally:
         c.stop()
+
+
+def io_path_and_policy():
+    """The path the tier's reads and writes take (O_DIRECT, or the page cache where the filesystem has
+    no O_DIRECT) in the log and on /metrics; the stride snapshots the policy keeps in RAM only counted
+    on /metrics while only the prompt's end goes to disk."""
+    d = newdir("iopath")
+    a = serve(h.TINY, d)
+    try:
+        direct = m(a, "k3:kv_disk_direct_io")
+        said = "direct I/O" if direct == 1 else "buffered I/O"
+        assert f"kv cache: {d}: {said}" in a.text(), f"the log does not say {said!r}: {a.text()[-600:]}"
+        ids = ids_of(200, 12)  # stride snapshots at 64 and 128; the prompt's end at 192
+        text, _ = complete(a, ids)
+        settle(a)
+        ram_only = m(a, "k3:kv_disk_snaps_ram_only_total")
+        snaps = files(d, "snaps")
+        assert ram_only >= 2 and len(snaps) == 1, f"{ram_only} snapshots in RAM only, {len(snaps)} on disk"
+        if direct == 1:
+            assert m(a, "vllm:kv_offload_store_bytes_total") > 0
+    finally:
+        a.stop()
+    b = serve(h.TINY, d)
+    try:
+        text2, cached = complete(b, ids)
+        assert text2 == text and cached == 192, (text2, text, cached)
+        assert m(b, "k3:kv_disk_direct_io") == direct
+    finally:
+        b.stop()
 
 
 def other_mode():
@@ -428,6 +459,8 @@ def run():
     roundtrips()
     suite.check("a torn run file and a damaged payload: misses with the cold text, counted and logged",
                 torn_and_damaged)
+    suite.check("the I/O path (O_DIRECT or the page cache) in the log and /metrics; RAM-only snapshots counted",
+                io_path_and_policy)
     suite.check("another quant mode's file under this mode's name: refused, the cold text; another model reads "
                 "nothing", other_mode)
     suite.check("a full disk (a 192 KB tmpfs): the save fails, nothing in tmp/, a miss with the cold text", full_disk)

@@ -10,6 +10,7 @@
  * what it found while the directory is cleared. (Other processes, a full
  * disk: tests/kvstore.sh with tests/kvstore/driver.c.) */
 #include <dirent.h>
+#include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -153,10 +154,10 @@ static bool save_cold(k3_kvs *s, const cold *c, uint64_t salt) {
     uint64_t t[8];
     int nt = 0;
     k3_kvs_done d;
-    if (k3_kvs_save_blocks(s, &seq, c->blocks, (int32_t)(c->n / BS), true, &t[nt], &err)) goto fail;
+    if (k3_kvs_save_blocks(s, &seq, c->blocks, (int32_t)(c->n / BS), true, 0, &t[nt], &err)) goto fail;
     nt += t[nt] != 0;
     for (int i = 0; i < c->n_snaps; i++) {
-        if (k3_kvs_save_snapshot(s, &seq, c->snap_pos[i], c->state[i], 0, &t[nt], &err)) goto fail;
+        if (k3_kvs_save_snapshot(s, &seq, c->snap_pos[i], c->state[i], 0, 0, &t[nt], &err)) goto fail;
         nt++;
     }
     for (int i = 0; i < nt; i++) {
@@ -176,6 +177,8 @@ fail:
  * rest of the hit loaded from s; then the prompt's rest and the decode
  * steps; their logits must equal c's, bit for bit. Returns the hit's tokens
  * (-1: the load failed). */
+static bool warm_aligned; /* warm's state buffer on a page (else malloc's: not) */
+
 static int64_t warm(k3_kvs *s, k3_ctx *a, k3_ctx *b, const cold *c, int64_t n_local, uint64_t salt, bool compare,
                     k3_kvs_done *done) {
     k3_error err = {0};
@@ -200,17 +203,18 @@ static int64_t warm(k3_kvs *s, k3_ctx *a, k3_ctx *b, const cold *c, int64_t n_lo
     }
     if (!hit) return 0;
     const int64_t got = k3_kvs_hit_tokens(hit);
-    void *state = malloc((size_t)sb);
+    char *state_mem = aligned_alloc(4096, ((size_t)sb + 4095) / 4096 * 4096 + 4096);
+    void *state = state_mem && !warm_aligned ? state_mem + 16 : state_mem;
     uint64_t ticket = 0;
     k3_kvs_done d = {0};
     if (k3_kvs_load(s, hit, blocks, state, &ticket, &err) || k3_kvs_wait(s, ticket, &d, &err)) {
         k3_test_fail(__FILE__, __LINE__, "load: %s", err.msg);
-        free(state);
+        free(state_mem);
         return -1;
     }
     if (done) *done = d;
     if (d.status) {
-        free(state);
+        free(state_mem);
         return -1;
     }
     if (compare) {
@@ -232,15 +236,17 @@ static int64_t warm(k3_kvs *s, k3_ctx *a, k3_ctx *b, const cold *c, int64_t n_lo
         CHECK(!memcmp(tok + c->n, c->tok + c->n, sizeof(int32_t) * KVH_DECODE));
         free(lg);
     }
-    free(state);
+    free(state_mem);
     return got;
 }
 
-static char *tmp_dir(void) {
-    static char buf[64];
-    snprintf(buf, sizeof buf, "/tmp/k3-kvs-test-XXXXXX");
+static char *tmp_dir_in(const char *base) {
+    static char buf[96];
+    snprintf(buf, sizeof buf, "%s/k3-kvs-test-XXXXXX", base);
     return mkdtemp(buf);
 }
+
+static char *tmp_dir(void) { return tmp_dir_in("/tmp"); }
 
 /* One model and cache format: hits at and between block boundaries, a
  * shorter hit when a run is gone, after a local hit. */
@@ -373,10 +379,11 @@ K3_TEST(kvstore_refusals) {
     REQUIRE(fd >= 0);
     struct stat st;
     REQUIRE(!fstat(fd, &st));
-    char byte;
-    REQUIRE(pread(fd, &byte, 1, st.st_size - 100) == 1);
+    char byte; /* a byte of the last block (the file ends with its padding to a page) */
+    const off_t at = st.st_size - (off_t)((k3_kvs_block_bytes(sb) + 4095) / 4096 * 4096) + 100;
+    REQUIRE(pread(fd, &byte, 1, at) == 1);
     byte ^= 0x10;
-    REQUIRE(pwrite(fd, &byte, 1, st.st_size - 100) == 1);
+    REQUIRE(pwrite(fd, &byte, 1, at) == 1);
     close(fd);
     k3_kvs_done d = {0};
     CHECK(warm(sb, a, b, &c, 0, 0, false, &d) == -1);
@@ -403,6 +410,108 @@ K3_TEST(kvstore_refusals) {
     k3_ctx_free(a);
     k3_ctx_free(b);
     k3_model_close(m);
+}
+
+/* The payloads' two paths: O_DIRECT where the directory's filesystem does
+ * it (the pieces not aligned, tiny-dsa C8's 64-byte index scale rows and a
+ * state buffer off a page, through a bounce buffer), else the page cache
+ * (tmpfs; or asked for): files written on one path read on the other give
+ * the cold run's logits; the path is said in the log and the metrics. A
+ * file of the previous format version is refused, not misread. */
+static void io_paths(const char *base, bool want_direct) {
+    k3_model *m = NULL;
+    k3_error err = {0};
+    REQUIREF(!k3_model_open(&m, TINY_DSA, &err), "%s", err.msg);
+    k3_ctx *a = kvh_ctx(m, K3_KV_C8, BS, NB, &err), *b = kvh_ctx(m, K3_KV_C8, BS, NB, &err);
+    REQUIREF(a && b, "%s", err.msg);
+    char *dir = tmp_dir_in(base);
+    REQUIREF(dir, "%s: %s", base, strerror(errno));
+    logbuf lb = {0};
+    k3_kvs *s = open_store(dir, a, 42, "none", 2, 1ll << 30, &lb);
+    REQUIRE(s);
+    const char *why = NULL, *io = k3_kvs_io(s, &why);
+    CHECKF(strstr(lb.text, io) && strstr(lb.text, why), "the log says the path: %s", lb.text);
+    if (want_direct && strcmp(io, "direct")) {
+        k3_kvs_close(s);
+        rm_tree(dir);
+        k3_ctx_free(a);
+        k3_ctx_free(b);
+        k3_model_close(m);
+        SKIP("%s: %s I/O (%s)", base, io, why);
+    }
+    if (!want_direct) CHECKF(!strcmp(io, "buffered"), "%s: %s I/O (%s)", base, io, why);
+    /* the other path: buffered where s is direct, and the reverse */
+    k3_kvs_options o = {.dir = dir,
+                        .disk_bytes = 1ll << 30,
+                        .ctx = b,
+                        .model_id = 42,
+                        .quant = "none",
+                        .run_blocks = 2,
+                        .buffered = true};
+    k3_kvs *sb = NULL;
+    REQUIREF(!k3_kvs_open(&sb, &o, &err), "%s", err.msg);
+    CHECK(!strcmp(k3_kvs_io(sb, NULL), "buffered"));
+    cold c = {0};
+    const int64_t snaps[] = {32, 80};
+    REQUIRE(run_cold(a, &c, 87, 80, snaps, 2, 5));
+    REQUIRE(save_cold(s, &c, 0));
+    for (int al = 0; al < 2; al++) {
+        warm_aligned = al;
+        CHECKF(warm(sb, a, b, &c, 0, 0, true, NULL) == 80, "written %s, read buffered", io);
+        CHECKF(warm(s, a, b, &c, 0, 0, true, NULL) == 80, "written and read %s", io);
+        CHECKF(warm(s, a, b, &c, 32, 0, true, NULL) == 80, "read %s after a local hit", io);
+    }
+    warm_aligned = false;
+    k3_kvs_metrics ms, mb;
+    k3_kvs_get_metrics(s, &ms);
+    k3_kvs_get_metrics(sb, &mb);
+    CHECK(!mb.direct && mb.bytes_bounced == 0);
+    if (want_direct) {
+        CHECK(ms.direct);
+        /* tiny rows: most pieces are under the 512 bytes O_DIRECT moves at least; some are not */
+        CHECKF(ms.bytes_bounced > 0 && ms.bytes_bounced < ms.bytes_read + ms.bytes_written,
+               "%lld of %lld bytes through the bounce buffer", (long long)ms.bytes_bounced,
+               (long long)(ms.bytes_read + ms.bytes_written));
+    }
+    /* written buffered, read direct */
+    rm_tree(dir);
+    REQUIRE(!mkdir(dir, 0755));
+    k3_kvs_close(sb);
+    o.ctx = a;
+    REQUIREF(!k3_kvs_open(&sb, &o, &err), "%s", err.msg);
+    k3_kvs_close(s);
+    s = open_store(dir, b, 42, "none", 2, 1ll << 30, NULL);
+    REQUIRE(s);
+    REQUIRE(save_cold(sb, &c, 0));
+    CHECKF(warm(s, a, b, &c, 0, 0, true, NULL) == 80, "written buffered, read %s", io);
+    /* the previous format version under this one's name: refused, a miss */
+    const k3_kvs_seq seq = {.tokens = c.tok, .n_tokens = c.n};
+    char path[4096];
+    k3_kvs_path(s, &seq, 4, false, path, sizeof path);
+    int fd = open(path, O_RDWR);
+    REQUIRE(fd >= 0);
+    const uint32_t v2 = 2;
+    REQUIRE(pwrite(fd, &v2, 4, 8) == 4); /* the version follows the 8-byte magic */
+    close(fd);
+    k3_kvs_metrics m0, m1;
+    k3_kvs_get_metrics(s, &m0);
+    CHECK(warm(s, a, b, &c, 0, 0, false, NULL) == 32); /* up to the snapshot before that run */
+    k3_kvs_get_metrics(s, &m1);
+    CHECK(m1.misses[K3_KVS_MISS_FOREIGN] == m0.misses[K3_KVS_MISS_FOREIGN] + 1);
+    cold_free(&c);
+    k3_kvs_close(s);
+    k3_kvs_close(sb);
+    rm_tree(dir);
+    k3_ctx_free(a);
+    k3_ctx_free(b);
+    k3_model_close(m);
+}
+
+K3_TEST(kvstore_io_direct) { io_paths("/tmp", true); }
+K3_TEST(kvstore_io_buffered_tmpfs) {
+    struct stat st;
+    if (stat("/dev/shm", &st) || !S_ISDIR(st.st_mode)) SKIP("no /dev/shm (tmpfs) here");
+    io_paths("/dev/shm", false);
 }
 
 typedef struct writer_arg {
@@ -569,11 +678,11 @@ K3_TEST(kvstore_arguments) {
     const k3_kvs_seq seq = {.tokens = tok, .n_tokens = 64};
     uint64_t t = 1;
     k3_error e2 = {0};
-    CHECK(k3_kvs_save_blocks(s, &seq, blocks, 4, true, &t, &e2) == K3_ERR_ARG && t == 0 && strstr(e2.msg, "99"));
+    CHECK(k3_kvs_save_blocks(s, &seq, blocks, 4, true, 0, &t, &e2) == K3_ERR_ARG && t == 0 && strstr(e2.msg, "99"));
     k3_error e3 = {0};
-    CHECK(k3_kvs_save_snapshot(s, &seq, 20, tok, 0, &t, &e3) == K3_ERR_ARG);
+    CHECK(k3_kvs_save_snapshot(s, &seq, 20, tok, 0, 0, &t, &e3) == K3_ERR_ARG);
     k3_error e4 = {0};
-    CHECK(k3_kvs_save_blocks(s, &seq, blocks, 5, true, &t, &e4) == K3_ERR_ARG);
+    CHECK(k3_kvs_save_blocks(s, &seq, blocks, 5, true, 0, &t, &e4) == K3_ERR_ARG);
     k3_kvs_hit *hit = (k3_kvs_hit *)1;
     CHECK(!k3_kvs_lookup(s, &seq, 0, 63, &hit, &err) && hit == NULL);
     k3_kvs_close(s);
@@ -749,8 +858,8 @@ K3_TEST(kvstore_wait_race) {
         uint64_t t1 = 0, t2 = 0;
         k3_kvs_done d;
         k3_error e = {0};
-        if (k3_kvs_save_snapshot(s, &seq, BS, state, 0, &t1, &e) ||
-            k3_kvs_save_snapshot(s, &seq, 2 * BS, state, 0, &t2, &e)) {
+        if (k3_kvs_save_snapshot(s, &seq, BS, state, 0, 0, &t1, &e) ||
+            k3_kvs_save_snapshot(s, &seq, 2 * BS, state, 0, 0, &t2, &e)) {
             bad++;
             snprintf(first, sizeof first, "save: %s", e.msg);
             continue;
@@ -871,6 +980,93 @@ K3_TEST(kvstore_snapshot_policy) {
            "a resend of a prompt of whole blocks after a restart: %lld tokens from disk", (long long)w2.n_disk);
     k3_engine_close(e);
     rm_tree(dir);
+    k3_ctx_free(a);
+    k3_model_close(m);
+}
+
+/* The snapshot policy across a restart. The junction a prompt's end was saved with is in that
+ * snapshot's header, so the pair is known again when the state is hit on disk. Two turns, a
+ * restart, the third turn: its prefix, the second prompt's end (256), comes from disk with no
+ * block of the second turn's output (those blocks were in RAM only), so the third prompt leaves
+ * the cached chain right there: 256 is its junction and stays, its end (336) is saved, and the
+ * second turn's junction (208) goes: two files, 256 and 336 (before: 208 and 336, the state where
+ * the conversation now leaves its chain gone). Another restart, and the third turn with its new
+ * message edited (it leaves the conversation at 277) gets the junction's state, 256, from disk,
+ * with the text of a cold run of the same prompt. */
+K3_TEST(kvstore_junction_restart) {
+    k3_model *m = NULL;
+    k3_error err = {0};
+    REQUIREF(!k3_model_open(&m, TINY, &err), "%s", err.msg);
+    k3_ctx *a = kvh_ctx(m, K3_KV_F32, BS, NB, &err);
+    REQUIRE(a);
+    char *dir0 = tmp_dir();
+    REQUIRE(dir0);
+    char dir[64], cold_dir[64];
+    snprintf(dir, sizeof dir, "%s", dir0);
+    char *cd = tmp_dir();
+    REQUIRE(cd);
+    snprintf(cold_dir, sizeof cold_dir, "%s", cd);
+    int32_t p[400], fresh[200];
+    kvh_ids(p, 201, m->cfg.vocab_size, 61);
+    kvh_ids(fresh, 200, m->cfg.vocab_size, 62);
+    eng_out t1 = {0}, t2 = {0}, t3 = {0}, edited = {0}, cold_run = {0};
+    /* turns 1 and 2 (as in kvstore_snapshot_policy): on disk the state at 256 (turn 2's end) and at
+     * 208 (its junction) */
+    k3_engine *e = disk_engine(m, dir);
+    REQUIRE(e);
+    uint64_t id = eng_submit(e, p, 201, 0);
+    CHECK(eng_run(e, &t1, id, 1, 0) >= 0 && t1.n == 8);
+    memcpy(p + 201, t1.tok, sizeof(int32_t) * 8);
+    memcpy(p + 209, fresh, sizeof(int32_t) * 60);
+    id = eng_submit(e, p, 269, 0);
+    CHECK(eng_run(e, &t2, id, 1, 0) >= 0 && t2.n == 8);
+    CHECK(drain_saves(e));
+    k3_engine_close(e);
+    CHECKF(count_files(dir, "snaps") == 2, "after turn 2: %d snapshots on disk", count_files(dir, "snaps"));
+    /* a restart, turn 3: 337 tokens, its prefix up to 256 from disk; its pair (256, 336) replaces (208, 256) */
+    e = disk_engine(m, dir);
+    REQUIRE(e);
+    memcpy(p + 269, t2.tok, sizeof(int32_t) * 8);
+    memcpy(p + 277, fresh + 60, sizeof(int32_t) * 60);
+    id = eng_submit(e, p, 337, 0);
+    CHECK(eng_run(e, &t3, id, 1, 0) >= 0 && t3.n == 8);
+    CHECKF(t3.n_disk == 256, "turn 3 after a restart: %lld tokens from disk", (long long)t3.n_disk);
+    CHECK(drain_saves(e));
+    k3_engine_close(e);
+    k3_kvs *s = open_store(dir, a, k3_model_identity(m), "none", 0, 1 << 26, NULL);
+    REQUIRE(s);
+    const k3_kvs_seq seq = {.tokens = p, .n_tokens = 337};
+    const int64_t want[] = {256 / BS, 336 / BS}, gone[] = {208 / BS, 272 / BS};
+    char path[4096];
+    struct stat st;
+    for (int i = 0; i < 2; i++) {
+        k3_kvs_path(s, &seq, want[i], true, path, sizeof path);
+        CHECKF(stat(path, &st) == 0, "no snapshot at %lld on disk", (long long)(want[i] * BS));
+        k3_kvs_path(s, &seq, gone[i], true, path, sizeof path);
+        CHECKF(stat(path, &st) != 0, "the snapshot at %lld still on disk", (long long)(gone[i] * BS));
+    }
+    CHECKF(count_files(dir, "snaps") == 2, "after a restart and turn 3: %d snapshots on disk",
+           count_files(dir, "snaps"));
+    k3_kvs_close(s);
+    /* another restart: turn 3 with its new message edited leaves the chain at 277 */
+    int32_t q[400];
+    memcpy(q, p, sizeof(int32_t) * 277);
+    kvh_ids(q + 277, 45, m->cfg.vocab_size, 63);
+    e = disk_engine(m, dir);
+    REQUIRE(e);
+    id = eng_submit(e, q, 322, 0);
+    CHECK(eng_run(e, &edited, id, 1, 0) >= 0 && edited.n == 8);
+    CHECKF(edited.n_disk == 256, "an edited turn 3 after a restart: %lld tokens from disk, not the junction's 256",
+           (long long)edited.n_disk);
+    k3_engine_close(e);
+    e = disk_engine(m, cold_dir); /* an empty directory: cold */
+    REQUIRE(e);
+    id = eng_submit(e, q, 322, 0);
+    CHECK(eng_run(e, &cold_run, id, 1, 0) >= 0 && cold_run.n == 8 && cold_run.n_disk == 0 && cold_run.n_cached == 0);
+    CHECKF(!memcmp(edited.tok, cold_run.tok, sizeof(int32_t) * 8), "the junction's disk hit's text differs from cold");
+    k3_engine_close(e);
+    rm_tree(dir);
+    rm_tree(cold_dir);
     k3_ctx_free(a);
     k3_model_close(m);
 }

@@ -9,8 +9,10 @@
 #include "ctx/ctx.h"
 
 #include <limits.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
 
 #include "kernels/attn_ops.h"
@@ -31,6 +33,32 @@ static void *zalloc(alloc_state *a, size_t n, size_t size) {
     if (!p) a->failed = true;
     else a->bytes += n * size;
     return p;
+}
+
+/* The cache arrays: whole pages of their own (mmap: zero, untouched until
+ * used, like calloc's), so each starts on a page and the disk tier reads and
+ * writes their blocks with O_DIRECT (src/kvstore). The mapping's size sits in
+ * the page before the array. */
+static void *cache_zalloc(alloc_state *a, size_t n, size_t size) {
+    if (a->failed) return NULL;
+    if (n == 0) n = 1;
+    const size_t pg = 4096, bytes = (n * size + pg - 1) / pg * pg + pg;
+    uint8_t *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) {
+        a->failed = true;
+        return NULL;
+    }
+    memcpy(p, &bytes, sizeof bytes);
+    a->bytes += n * size;
+    return p + pg;
+}
+
+static void cache_free(void *p) {
+    if (!p) return;
+    uint8_t *q = (uint8_t *)p - 4096;
+    size_t bytes;
+    memcpy(&bytes, q, sizeof bytes);
+    munmap(q, bytes);
 }
 
 static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
@@ -146,13 +174,13 @@ void k3_ctx_free(k3_ctx *ctx) {
     for (int i = 0; c && i < c->n_layers; i++) {
         if (ctx->kda_S) free(ctx->kda_S[i]);
         if (ctx->kda_conv) free(ctx->kda_conv[i]);
-        if (ctx->lat_cache) free(ctx->lat_cache[i]);
-        if (ctx->idx_cache) free(ctx->idx_cache[i]);
-        if (ctx->lat8) free(ctx->lat8[i]);
-        if (ctx->lat_s) free(ctx->lat_s[i]);
-        if (ctx->lat_r) free(ctx->lat_r[i]);
-        if (ctx->idx8) free(ctx->idx8[i]);
-        if (ctx->idx_s) free(ctx->idx_s[i]);
+        if (ctx->lat_cache) cache_free(ctx->lat_cache[i]);
+        if (ctx->idx_cache) cache_free(ctx->idx_cache[i]);
+        if (ctx->lat8) cache_free(ctx->lat8[i]);
+        if (ctx->lat_s) cache_free(ctx->lat_s[i]);
+        if (ctx->lat_r) cache_free(ctx->lat_r[i]);
+        if (ctx->idx8) cache_free(ctx->idx8[i]);
+        if (ctx->idx_s) cache_free(ctx->idx_s[i]);
     }
     free(ctx->lat8);
     free(ctx->lat_s);
@@ -305,16 +333,16 @@ static k3_status ctx_create(k3_ctx **out, const k3_model *m, const k3_ctx_option
             ctx->kda_S[i] = zalloc(&a, (size_t)(ctx->max_seqs * c->kda_heads * dk * dk), sizeof(float));
             ctx->kda_conv[i] = zalloc(&a, (size_t)(ctx->max_seqs * 3 * Km1 * HK), sizeof(float));
         } else if (ctx->kv == K3_KV_F32) {
-            ctx->lat_cache[i] = zalloc(&a, (size_t)(bslots * ld), sizeof(float));
+            ctx->lat_cache[i] = cache_zalloc(&a, (size_t)(bslots * ld), sizeof(float));
             if (kind == K3_LAYER_DSA)
-                ctx->idx_cache[i] = zalloc(&a, (size_t)(bslots * c->index_head_dim), sizeof(float));
+                ctx->idx_cache[i] = cache_zalloc(&a, (size_t)(bslots * c->index_head_dim), sizeof(float));
         } else {
-            ctx->lat8[i] = zalloc(&a, (size_t)(bslots * c->kv_lora_rank), sizeof(int8_t));
-            ctx->lat_s[i] = zalloc(&a, (size_t)(bslots * ctx->n_tiles), sizeof(float));
-            ctx->lat_r[i] = zalloc(&a, (size_t)(bslots * c->qk_rope_dim), sizeof(float));
+            ctx->lat8[i] = cache_zalloc(&a, (size_t)(bslots * c->kv_lora_rank), sizeof(int8_t));
+            ctx->lat_s[i] = cache_zalloc(&a, (size_t)(bslots * ctx->n_tiles), sizeof(float));
+            ctx->lat_r[i] = cache_zalloc(&a, (size_t)(bslots * c->qk_rope_dim), sizeof(float));
             if (kind == K3_LAYER_DSA) {
-                ctx->idx8[i] = zalloc(&a, (size_t)(bslots * c->index_head_dim), sizeof(int8_t));
-                ctx->idx_s[i] = zalloc(&a, (size_t)bslots, sizeof(float));
+                ctx->idx8[i] = cache_zalloc(&a, (size_t)(bslots * c->index_head_dim), sizeof(int8_t));
+                ctx->idx_s[i] = cache_zalloc(&a, (size_t)bslots, sizeof(float));
             }
         }
     }

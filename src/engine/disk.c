@@ -66,11 +66,18 @@ typedef struct k3_disk_conn {
     int32_t n_landed, cap_landed;
     save *saves;
     int32_t n_saves, cap_saves;
-    int64_t save_refs;           /* block references the saves hold */
-    void *spare_state;           /* a landed request's state buffer, for the next load */
-    snap_pair pairs[DISK_PAIRS]; /* the latest pairs saved (lost at a restart: the LRU takes what is left) */
-    k3_disk_stats st, pub;       /* stepping thread's; published at each step (under mu) */
+    int64_t save_refs; /* block references the saves hold */
+    void *spare_state; /* a landed request's state buffer, for the next load */
+    snap_pair pairs
+        [DISK_PAIRS]; /* the latest pairs saved, and those of prompt ends hit on disk (their headers name their junction: a restart loses nothing) */
+    k3_disk_stats st, pub; /* stepping thread's; published at each step (under mu) */
 } k3_disk_conn;
+
+/* A KDA state buffer on a page, whole pages: the store reads into it (and
+ * writes from it) with O_DIRECT where the directory allows. */
+static void *state_alloc(int64_t bytes) {
+    return aligned_alloc(4096, ((size_t)(bytes > 0 ? bytes : 1) + 4095) / 4096 * 4096);
+}
 
 static void logf_(k3_disk_conn *d, const char *fmt, ...) K3_PRINTF(2, 3);
 static void logf_(k3_disk_conn *d, const char *fmt, ...) {
@@ -119,6 +126,16 @@ static void on_blocks(void *arg, const k3_kvs_blocks_event *ev) {
 
 /* ---- loads ------------------------------------------------------------------------------------ */
 
+/* The junction saved with the prompt-end snapshot named by key (0 = none). */
+static int64_t pair_get(const k3_disk_conn *d, uint64_t key) {
+    const snap_pair *p = &d->pairs[key % DISK_PAIRS];
+    return p->key == key ? p->junction : 0;
+}
+
+static void pair_put(k3_disk_conn *d, uint64_t key, int64_t junction) {
+    d->pairs[key % DISK_PAIRS] = (snap_pair){key, junction};
+}
+
 /* The directory's hit for r beyond its local hit n_local (NULL: none beyond it). */
 static k3_kvs_hit *look(k3_disk_conn *d, req *r, int64_t n_local) {
     const k3_kvs_seq seq = seq_of(r, r->rq.n_prompt);
@@ -132,6 +149,10 @@ static k3_kvs_hit *look(k3_disk_conn *d, req *r, int64_t n_local) {
         k3_kvs_hit_free(hit);
         hit = NULL;
     }
+    /* a prompt's end saved with its junction: the pair known again (after a restart too), so
+     * this request's junction save replaces that junction */
+    const int64_t nb = hit ? k3_kvs_hit_tokens(hit) / d->bs : 0, j = k3_kvs_hit_junction(hit);
+    if (j > 0 && nb > 0 && nb <= r->rq.n_hash) pair_put(d, r->rq.hash[nb - 1], j);
     return hit;
 }
 
@@ -163,6 +184,7 @@ static bool disk_arrive_(void *self, req *r) {
     r->disk_hit = hit;
     r->disk_local = n_local;
     r->disk_hit_tokens = k3_kvs_hit_tokens(hit);
+    r->disk_chain_tokens = k3_kvs_hit_chain_tokens(hit);
     r->disk_phase = DISK_WAIT;
     return true;
 }
@@ -205,6 +227,7 @@ static void disk_before_schedule_(void *self, double t) {
             r->disk_hit = look(d, r, n_local);
             r->disk_local = n_local;
             r->disk_hit_tokens = r->disk_hit ? k3_kvs_hit_tokens(r->disk_hit) : 0;
+            r->disk_chain_tokens = k3_kvs_hit_chain_tokens(r->disk_hit);
             if (!r->disk_hit) {
                 remove_at(d->wait, &d->n_wait, 0);
                 to_scheduler(d, r);
@@ -222,7 +245,7 @@ static void disk_before_schedule_(void *self, double t) {
             r->disk_state = d->spare_state;
             d->spare_state = NULL;
         }
-        if (!r->disk_state && !(r->disk_state = malloc((size_t)(e->state_bytes > 0 ? e->state_bytes : 1))))
+        if (!r->disk_state && !(r->disk_state = state_alloc(e->state_bytes)))
             st = k3_err(&err, K3_ERR_NOMEM, "out of memory for a KDA state");
         if (!st) {
             st = k3_kvs_load(d->kvs, r->disk_hit, rq->blocks, r->disk_state, &r->disk_ticket, &err);
@@ -276,6 +299,7 @@ static void load_done(k3_disk_conn *d, req *r, const k3_kvs_done *dn, double t) 
                        rq->tok + (int64_t)k * bs);
     rq->n_registered = nb;
     rq->n_computed = rq->n_cached = r->disk_hit_tokens;
+    rq->landed_junction = r->disk_chain_tokens; /* the blocks on disk beyond the state: a new junction there */
     rq->landed_state = e->state_bytes > 0 ? r->disk_state : NULL;
     const bool listed = push(&d->landed, &d->n_landed, &d->cap_landed, r);
     if (e->state_bytes > 0) {
@@ -312,7 +336,7 @@ static void landed_leave(k3_disk_conn *d, req *r) {
     const k3_rq *rq = &r->rq;
     const int32_t nb = (int32_t)(r->disk_hit_tokens / d->bs);
     if (rq->landed_state && !r->finished) { /* still to be restored (no longer waiting with blocks) */
-        r->disk_state = malloc((size_t)e->state_bytes);
+        r->disk_state = state_alloc(e->state_bytes);
         if (r->disk_state) memcpy(r->disk_state, rq->landed_state, (size_t)e->state_bytes);
         r->rq.landed_state = r->disk_state; /* NULL: out of memory, it computes its state */
     }
@@ -354,7 +378,9 @@ static void save_runs(k3_disk_conn *d, req *r, int32_t n_full, bool final) {
     memcpy(sv.blocks, r->rq.blocks, sizeof(int32_t) * (size_t)n_full);
     sv.n = n_full;
     k3_error err = {0};
-    if (k3_kvs_save_blocks(d->kvs, &seq, sv.blocks, n_full, final, &sv.ticket, &err) || !sv.ticket) {
+    /* the final save keeps the run that ends at the junction saved with this prompt's end */
+    if (k3_kvs_save_blocks(d->kvs, &seq, sv.blocks, n_full, final, final ? r->disk_junction : 0, &sv.ticket, &err) ||
+        !sv.ticket) {
         free(sv.blocks);
         return;
     }
@@ -372,16 +398,6 @@ static void disk_registered_(void *self, req *r, int32_t before) {
     k3_disk_conn *d = self;
     const int32_t runs = r->rq.n_registered / d->R * d->R;
     if (runs > r->disk_saved) save_runs(d, r, runs, false);
-}
-
-/* The junction saved with the prompt-end snapshot named by key (0 = none). */
-static int64_t pair_get(const k3_disk_conn *d, uint64_t key) {
-    const snap_pair *p = &d->pairs[key % DISK_PAIRS];
-    return p->key == key ? p->junction : 0;
-}
-
-static void pair_put(k3_disk_conn *d, uint64_t key, int64_t junction) {
-    d->pairs[key % DISK_PAIRS] = (snap_pair){key, junction};
 }
 
 /* The snapshot policy (docs/kvstore.md): two per conversation on disk, the
@@ -410,10 +426,22 @@ static void disk_snapshot_taken_(void *self, req *r, int64_t pos, uint64_t key) 
         return;
     }
     const uint64_t key_r = R > 0 && R / bs <= rq->n_hash ? rq->hash[R / bs - 1] : 0;
-    int64_t drop = 0;
-    if (prompt_end) {
+    int64_t drop = 0, with = 0;
+    /* restored at R from disk with no block of the chain beyond it (after a restart the previous
+     * turn's output blocks are nowhere): the prompt leaves the cached chain at R itself, so R is
+     * this prompt's junction; it stays, and the junction saved with R goes (its header named it) */
+    const bool junction_at_r = R > 0 && R == r->disk_hit_tokens && rq->junction <= R && R < pos;
+    if (prompt_end && junction_at_r) {
+        drop = key_r ? pair_get(d, key_r) : 0;
+        if (drop >= R) drop = 0;
+        with = R;
+        pair_put(d, key, with);
+        r->disk_junction = with;
+    } else if (prompt_end) {
         drop = R > 0 && R < pos && R != rq->junction ? R : 0;
-        pair_put(d, key, rq->junction > 0 && rq->junction < pos ? rq->junction : 0);
+        with = rq->junction > 0 && rq->junction < pos ? rq->junction : 0;
+        pair_put(d, key, with);
+        r->disk_junction = with;
     } else if (key_r) {
         drop = pair_get(d, key_r);
         if (drop >= pos) drop = 0;
@@ -423,7 +451,7 @@ static void disk_snapshot_taken_(void *self, req *r, int64_t pos, uint64_t key) 
     const k3_kvs_seq seq = seq_of(r, pos);
     save sv = {.key = key, .pos = pos};
     k3_error err = {0};
-    if (k3_kvs_save_snapshot(d->kvs, &seq, pos, buf, drop, &sv.ticket, &err) || !sv.ticket) {
+    if (k3_kvs_save_snapshot(d->kvs, &seq, pos, buf, drop, with, &sv.ticket, &err) || !sv.ticket) {
         k3_kv_snap_unpin(&e->sn, key, pos);
         return;
     }
@@ -619,6 +647,8 @@ k3_status k3_disk_conn_open(k3_engine *e, k3_kv_connector **out, k3_error *err) 
                                .model_id = k3_model_identity(e->m),
                                .quant = e->o.quant_name ? e->o.quant_name : "none",
                                .fsync = e->o.kv_cache_fsync,
+                               .buffered = e->o.kv_cache_buffered,
+                               .buffered_writes = e->o.kv_cache_buffered_writes,
                                .log = e->o.log,
                                .log_arg = e->o.log_arg,
                                .on_done = on_done,

@@ -82,6 +82,8 @@ typedef struct req {
     uint64_t disk_ticket;                /* DISK_LOAD: the load's */
     void *disk_state;                    /* [state_bytes] the KDA state loaded, until admitted with it */
     int64_t disk_local, disk_hit_tokens; /* the local hit it goes beyond; the tokens it reaches */
+    int64_t disk_chain_tokens;           /* how far its blocks lie on disk (k3_kvs_hit_chain_tokens) */
+    int64_t disk_junction;               /* the junction saved with its prompt's end (0 = none) */
     int64_t disk_loaded;                 /* prompt tokens its load gave */
     bool disk_cancel;                    /* cancelled while loading */
     int32_t disk_saved;                  /* blocks of its prefix given to saves so far */

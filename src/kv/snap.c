@@ -135,7 +135,8 @@ void *k3_kv_snap_put(k3_kv_snaps *sn, uint64_t key, int64_t pos) {
     const int32_t e = entry_for(sn, key, pos, &existing);
     if (e < 0) return NULL;
     if (existing) return sn->data[e];
-    if (!sn->data[e]) sn->data[e] = malloc((size_t)sn->bytes_each);
+    if (!sn->data[e]) /* on a page, whole pages: the disk tier writes it with O_DIRECT */
+        sn->data[e] = aligned_alloc(4096, ((size_t)sn->bytes_each + 4095) / 4096 * 4096);
     if (!sn->data[e]) {
         sn->free_list[sn->n_free_slots++] = e;
         return NULL;

@@ -66,7 +66,8 @@ int k3_kvs_hdr_check(const k3_kvs_hdr *h, int64_t n_read, int64_t file_bytes, bo
         snprintf(why, why_size, "damaged header (checksum)");
         return K3_KVS_MISS_TORN;
     }
-    const int64_t want = snap ? h->id.state_bytes : (int64_t)h->n_blocks * h->id.block_bytes;
+    const int64_t want =
+        snap ? k3_kvs_stride(h->id.state_bytes) : (int64_t)h->n_blocks * k3_kvs_stride(h->id.block_bytes);
     if (h->payload_off != k3_kvs_payload_off(h->hdr_bytes) || h->payload_bytes != want) {
         snprintf(why, why_size, "damaged header (payload at %lld, %lld bytes)", (long long)h->payload_off,
                  (long long)h->payload_bytes);

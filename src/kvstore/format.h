@@ -19,11 +19,14 @@
 
 #include "k3.h"
 
-#define K3_KVS_VERSION 2
+/* 3: each block's payload (and a snapshot's) padded to a whole number of
+ * K3_KVS_ALIGN, so every block lies on a page of the file (O_DIRECT). A file
+ * of another version is refused (a miss), never misread. */
+#define K3_KVS_VERSION 3
 #define K3_KVS_MAGIC_RUN "K3KVRUN" /* 8 bytes with the NUL */
 #define K3_KVS_MAGIC_SNAP "K3KVSNP"
 #define K3_KVS_QUANT_LEN 24
-#define K3_KVS_ALIGN 4096 /* payloads start on a page */
+#define K3_KVS_ALIGN 4096 /* payloads, and each block in them, start on a page */
 #define K3_KVS_MAX_BLOCKS_PER_RUN 64
 #define K3_KVS_MAX_TOKENS_PER_RUN (1 << 20)
 
@@ -55,8 +58,10 @@ typedef struct k3_kvs_hdr {
     int32_t flags;
     int64_t pos;             /* the position it ends at: (first_block + n_blocks) * bs, or the boundary */
     int64_t payload_off;     /* a multiple of K3_KVS_ALIGN */
-    int64_t payload_bytes;   /* run: n_blocks * block_bytes; snapshot: state_bytes */
+    int64_t payload_bytes;   /* run: n_blocks * k3_kvs_stride(block_bytes); snapshot: k3_kvs_stride(state_bytes) */
     int64_t created_unix_ns; /* when it was written (for k3 cache ls) */
+    int64_t junction;        /* snapshot: the position of the junction snapshot saved beside this
+                                prompt-end state (the snapshot policy; 0 = none); run: 0 */
     uint64_t hdr_sum;        /* XXH3-64 of the hdr_bytes with this field 0 */
 } k3_kvs_hdr;
 /* After the header (run): int32_t tokens[n_blocks * block_size], uint64_t
@@ -64,9 +69,12 @@ typedef struct k3_kvs_hdr {
  * of each block, what its KV events name it by; 0 = not given), uint64_t
  * sums[n_blocks] (XXH3-64 of each block's payload); (snapshot): uint64_t
  * sums[1]. Then zeros up to payload_off. A
- * run's payload is block after block; a block is every MLA/DSA layer in
- * order, each array of the layer (ctx.h's transfer layout order) its
- * block_size / dcp_size slots. */
+ * run's payload is block after block, each at a multiple of
+ * k3_kvs_stride(block_bytes) (zeros after its bytes); a block is every
+ * MLA/DSA layer in order, each array of the layer (ctx.h's transfer layout
+ * order) its block_size / dcp_size slots. A snapshot's payload is the state,
+ * then zeros to k3_kvs_stride(state_bytes). The checksums cover the bytes,
+ * not the zeros. */
 
 /* The header's size with its arrays for n blocks of bs tokens (snapshot: 0 blocks). */
 static inline int64_t k3_kvs_hdr_bytes(int32_t n_blocks, int32_t bs, bool snap) {
@@ -81,6 +89,8 @@ static inline const uint64_t *k3_kvs_hdr_ehash(const k3_kvs_hdr *h) { return k3_
 static inline const uint64_t *k3_kvs_hdr_sums(const k3_kvs_hdr *h) {
     return h->n_blocks ? k3_kvs_hdr_ehash(h) + h->n_blocks : (const uint64_t *)(h + 1);
 }
+/* Bytes a payload of n takes in the file: whole pages. */
+static inline int64_t k3_kvs_stride(int64_t n) { return (n + K3_KVS_ALIGN - 1) / K3_KVS_ALIGN * K3_KVS_ALIGN; }
 static inline int64_t k3_kvs_payload_off(int64_t hdr_bytes) {
     return (hdr_bytes + K3_KVS_ALIGN - 1) / K3_KVS_ALIGN * K3_KVS_ALIGN;
 }

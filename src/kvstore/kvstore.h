@@ -69,19 +69,24 @@ typedef struct k3_kvs_blocks_event {
 } k3_kvs_blocks_event;
 
 typedef struct k3_kvs_options {
-    const char *dir;    /* created if missing (with runs/, snaps/, tmp/) */
-    int64_t disk_bytes; /* this process's budget for the directory (> 0) */
-    k3_ctx *ctx;        /* whose cache blocks are read and written (borrowed) */
-    uint64_t model_id;  /* k3_model_identity */
-    const char *quant;  /* the --quant mode the weights run in ("none", ...) */
-    int32_t queue_max;  /* jobs waiting per thread (0 = 256): past it a save is
+    const char *dir;      /* created if missing (with runs/, snaps/, tmp/) */
+    int64_t disk_bytes;   /* this process's budget for the directory (> 0) */
+    k3_ctx *ctx;          /* whose cache blocks are read and written (borrowed) */
+    uint64_t model_id;    /* k3_model_identity */
+    const char *quant;    /* the --quant mode the weights run in ("none", ...) */
+    int32_t queue_max;    /* jobs waiting per thread (0 = 256): past it a save is
                               dropped (counted), a load refused (K3_ERR_BUSY) */
-    int32_t run_blocks; /* blocks per run file (0 = about 16 MiB of them, a
+    int32_t run_blocks;   /* blocks per run file (0 = about 16 MiB of them, a
                               power of two <= 64); part of the namespace */
-    bool fsync;         /* fsync each file before publishing it (durability
+    bool fsync;           /* fsync each file before publishing it (durability
                               after a power loss; the checksums alone already
                               turn a lost write into a miss) */
-    bool no_threads;    /* tests: jobs run inside k3_kvs_poll / k3_kvs_wait */
+    bool no_threads;      /* tests: jobs run inside k3_kvs_poll / k3_kvs_wait */
+    bool buffered;        /* never O_DIRECT (else used where the filesystem
+                              does it: k3_kvs_io says which) */
+    bool buffered_writes; /* saves through the page cache, loads O_DIRECT
+                              (the device's writes then happen at writeback,
+                              not while the save runs) */
     /* A line about a miss, a failed save or an eviction (any thread; NULL =
      * none). The library never prints: the program decides. */
     void (*log)(void *arg, const char *line);
@@ -104,6 +109,9 @@ int32_t k3_kvs_block_size(const k3_kvs *s);
 int32_t k3_kvs_run_blocks(const k3_kvs *s);
 int64_t k3_kvs_block_bytes(const k3_kvs *s);
 int64_t k3_kvs_state_bytes(const k3_kvs *s);
+/* How the payloads move: "direct" (O_DIRECT) or "buffered"; why names the
+ * reason (the alignments, or what refused it). */
+const char *k3_kvs_io(const k3_kvs *s, const char **why);
 
 /* A token sequence as the engine holds it. */
 typedef struct k3_kvs_seq {
@@ -127,6 +135,13 @@ k3_status k3_kvs_lookup(k3_kvs *s, const k3_kvs_seq *seq, int64_t n_local, int64
                         k3_error *err);
 /* Tokens from position 0 the hit reaches (a block multiple). */
 int64_t k3_kvs_hit_tokens(const k3_kvs_hit *h);
+/* The junction its snapshot's saver named (k3_kvs_save_snapshot), or 0. */
+int64_t k3_kvs_hit_junction(const k3_kvs_hit *h);
+/* How far the sequence's blocks lie on disk from the hit's start (a block
+ * multiple >= k3_kvs_hit_tokens, below the lookup's n_max): beyond the hit
+ * they have no snapshot, so the prompt leaves the chain on disk there (the
+ * junction of a request admitted with this hit). */
+int64_t k3_kvs_hit_chain_tokens(const k3_kvs_hit *h);
 void k3_kvs_hit_free(k3_kvs_hit *h);
 
 /* Reads hit (taken, freed by the store) into blocks (the sequence's block
@@ -140,16 +155,22 @@ k3_status k3_kvs_load(k3_kvs *s, k3_kvs_hit *hit, const int32_t *blocks, void *s
  * block_size <= seq->n_tokens): every whole run not in the directory yet,
  * and with final (the request ends, or will not grow in this run) the
  * partial run at the end too. Call it when a run completes and once at the
- * end; what is on disk already is skipped. The blocks must stay unchanged
- * until the ticket completes (*ticket = 0: nothing was queued). */
+ * end; what is on disk already is skipped. A longer run of a group removes
+ * the shorter ones, except the one that ends at keep (> 0: a junction, a
+ * block multiple; written too when missing), so a prompt that leaves the
+ * chain there finds its blocks. The blocks must stay unchanged until the
+ * ticket completes (*ticket = 0: nothing was queued). */
 k3_status k3_kvs_save_blocks(k3_kvs *s, const k3_kvs_seq *seq, const int32_t *blocks, int32_t n_full, bool final,
-                             uint64_t *ticket, k3_error *err);
+                             int64_t keep, uint64_t *ticket, k3_error *err);
 /* Saves the KDA state at position pos (a block multiple, >= block_size) of
  * seq, read from state until the ticket completes. drop_pos > 0 names an
  * older snapshot of the same chain that this one supersedes: it is removed
- * once this one is published (docs/kvstore.md, the snapshot policy). */
+ * once this one is published (docs/kvstore.md, the snapshot policy).
+ * junction > 0: the position of the junction snapshot saved beside this one
+ * (a prompt's end), kept in its header: a hit on it says so
+ * (k3_kvs_hit_junction), after a restart too. */
 k3_status k3_kvs_save_snapshot(k3_kvs *s, const k3_kvs_seq *seq, int64_t pos, const void *state, int64_t drop_pos,
-                               uint64_t *ticket, k3_error *err);
+                               int64_t junction, uint64_t *ticket, k3_error *err);
 
 typedef enum k3_kvs_op { K3_KVS_LOAD = 1, K3_KVS_SAVE_BLOCKS, K3_KVS_SAVE_SNAPSHOT } k3_kvs_op;
 
@@ -207,6 +228,9 @@ typedef struct k3_kvs_metrics {
                                                         runs an eviction pass of this process removed */
     int64_t files_present;                           /* writes skipped: the key was there (or won by another writer) */
     int64_t bytes_written, bytes_read;               /* payload bytes */
+    bool direct;                                     /* payloads move with O_DIRECT (else through the page cache) */
+    int64_t bytes_bounced;                           /* of those moved with O_DIRECT: through a bounce buffer
+                                                        (pieces not aligned in memory or in the file) */
     double write_seconds, read_seconds;              /* time in the writer / reader jobs */
     int64_t misses[K3_KVS_MISS_REASONS];             /* refused files by reason */
     int64_t evictions, evicted_files, evicted_bytes; /* passes this process ran */

@@ -49,12 +49,14 @@ typedef struct found {
     bool snap;
     int64_t first, n; /* blocks of the sequence it holds */
     int64_t payload_off;
-    uint64_t *sums; /* [n] (snapshot: [1]) */
+    int64_t junction; /* snapshot: its header's */
+    uint64_t *sums;   /* [n] (snapshot: [1]) */
     char name[48];
 } found;
 
 struct k3_kvs_hit {
     int64_t n_local, n_tokens; /* blocks' tokens: from n_local to n_tokens */
+    int64_t chain_tokens;      /* the blocks on disk reach this far */
     found *runs;
     int32_t n_runs;
     found snap;
@@ -76,7 +78,7 @@ typedef struct job {
     uint64_t salt;
     int32_t n_full;
     bool final;
-    int64_t pos, drop_pos;
+    int64_t pos, drop_pos, junction, keep;
     const void *src;
 } job;
 
@@ -119,6 +121,11 @@ struct k3_kvs {
     pthread_mutex_t mm;
     k3_kvs_metrics m;
     uint64_t tmp_seq;
+    /* direct I/O: O_DIRECT reads and writes of the payloads where the
+     * directory's filesystem does it (statx's alignments), else buffered */
+    bool direct;
+    int32_t mem_align, off_align;
+    char io_why[160];
 };
 
 /* ---- small helpers ---------------------------------------------------------------- */
@@ -365,6 +372,7 @@ static bool open_checked(k3_kvs *s, k3_kvs_key key, bool snap, int64_t first, in
     out->first = first;
     out->n = n;
     out->payload_off = h->payload_off;
+    out->junction = snap && h->junction > 0 && h->junction < h->pos && h->junction % s->bs == 0 ? h->junction : 0;
     memcpy(out->name, name, sizeof out->name);
     free(h);
     return true;
@@ -381,6 +389,8 @@ void k3_kvs_hit_free(k3_kvs_hit *h) {
 }
 
 int64_t k3_kvs_hit_tokens(const k3_kvs_hit *h) { return h ? h->n_tokens : 0; }
+int64_t k3_kvs_hit_junction(const k3_kvs_hit *h) { return h ? h->snap.junction : 0; }
+int64_t k3_kvs_hit_chain_tokens(const k3_kvs_hit *h) { return h ? h->chain_tokens : 0; }
 
 k3_status k3_kvs_lookup(k3_kvs *s, const k3_kvs_seq *seq, int64_t n_local, int64_t n_max, k3_kvs_hit **out,
                         k3_error *err) {
@@ -461,6 +471,7 @@ k3_status k3_kvs_lookup(k3_kvs *s, const k3_kvs_seq *seq, int64_t n_local, int64
     hit->n_runs = k;
     hit->n_local = nb_local * bs;
     hit->n_tokens = B * bs;
+    hit->chain_tokens = end * bs;
     pthread_mutex_lock(&s->mm);
     s->m.lookup_hits++;
     s->m.hit_tokens += hit->n_tokens - n_local;
@@ -562,16 +573,6 @@ static int rw_summed(int fd, const struct iovec *iov, int n, int64_t off, bool w
     return 0;
 }
 
-/* One buffer through rw_summed; *sum gets its checksum. */
-static int rw_buf_summed(int fd, void *buf, int64_t n, int64_t off, bool wr, uint64_t *sum) {
-    XXH3_state_t xs;
-    XXH3_64bits_reset(&xs);
-    const struct iovec v = {buf, (size_t)n};
-    const int e = rw_summed(fd, &v, 1, off, wr, &xs);
-    *sum = XXH3_64bits_digest(&xs);
-    return e;
-}
-
 static int rw_buf(int fd, void *buf, int64_t n, int64_t off, bool wr) {
     for (int64_t done = 0; done < n;) {
         const int64_t chunk = n - done < (1 << 26) ? n - done : (1 << 26);
@@ -581,6 +582,202 @@ static int rw_buf(int fd, void *buf, int64_t n, int64_t off, bool wr) {
         done += chunk;
     }
     return 0;
+}
+
+/* ---- direct I/O ------------------------------------------------------------------------------ */
+
+/* What a transfer with O_DIRECT needs besides the file: the alignments, a
+ * bounce buffer for the pieces that are not aligned (allocated on first use,
+ * freed by the job), and what went through it. */
+typedef struct dio {
+    bool on;
+    int32_t mem, off; /* address and offset/length alignment (1, 1 when buffered) */
+    void *bounce;
+    int64_t bounced;
+} dio;
+
+#define BOUNCE_BYTES (1 << 20)
+
+static dio dio_for(const k3_kvs *s, bool on) {
+    return (dio){.on = on && s->direct,
+                 .mem = on && s->direct ? s->mem_align : 1,
+                 .off = on && s->direct ? s->off_align : 1};
+}
+
+static bool aligned(const dio *d, const void *p, int64_t off) {
+    return (uintptr_t)p % (uintptr_t)d->mem == 0 && off % d->off == 0;
+}
+
+/* A direct window: up to DIRECT_BYTES in at most DIRECT_IOVS segments per
+ * system call, so the kernel has several requests of the device in flight
+ * (O_DIRECT has no readahead: one call is one wait). */
+#define DIRECT_BYTES (8 << 20)
+#define DIRECT_IOVS 1024
+
+/* A page of zeros (writes) or of garbage (reads) for the padding between
+ * blocks in the file: the pads of one call all land on it. */
+static uint8_t pad_zeros[K3_KVS_ALIGN] __attribute__((aligned(K3_KVS_ALIGN)));
+static uint8_t pad_sink[K3_KVS_ALIGN] __attribute__((aligned(K3_KVS_ALIGN)));
+
+/* Adds the bytes [p, p + len) of segment k to its checksum (sid[k] < 0: a pad, none). */
+static void sum_piece(XXH3_state_t *xs, const int *sid, int k, const void *p, size_t len) {
+    const int x = sid ? sid[k] : 0;
+    if (x >= 0) XXH3_64bits_update(&xs[x], p, len);
+}
+
+/* Moves the segments iov[0..n), which lie back to back in the file from off
+ * (a multiple of d->off), to (wr) or from fd, adding each segment's bytes to
+ * the checksum xs[sid[k]] in order (sid NULL: all to xs[0]; sid[k] < 0: none,
+ * the padding). Buffered (d->on false): rw_summed, one checksum. Direct:
+ * windows of aligned pieces go straight between the file and the memory; a
+ * stretch that is not aligned (an array's rows of a few hundred bytes, a
+ * buffer not on a page, a tail) goes through the bounce buffer, its file
+ * range rounded up to the alignment (inside the payload's padding:
+ * k3_kvs_stride). 0 or an errno. */
+static int xfer(int fd, dio *d, const struct iovec *iov, const int *sid, int n, int64_t off, bool wr,
+                XXH3_state_t *xs) {
+    if (!d->on) return rw_summed(fd, iov, n, off, wr, xs);
+    const size_t A = (size_t)d->off;
+    struct iovec *win = malloc(sizeof *win * DIRECT_IOVS * 2);
+    int *wk = malloc(sizeof *wk * DIRECT_IOVS);
+    if (!win || !wk) {
+        free(win);
+        free(wk);
+        return ENOMEM;
+    }
+    struct iovec *cp = win + DIRECT_IOVS;
+    int i = 0, e = 0;
+    size_t in = 0; /* bytes of iov[i] done */
+    while (i < n && !e) {
+        if (in == iov[i].iov_len) {
+            i++;
+            in = 0;
+            continue;
+        }
+        /* a window of direct pieces */
+        int w = 0;
+        size_t tot = 0;
+        while (i < n && w < DIRECT_IOVS && tot < DIRECT_BYTES) {
+            char *p = (char *)iov[i].iov_base + in;
+            const size_t left = iov[i].iov_len - in, room = DIRECT_BYTES - tot;
+            const size_t take = (left < room ? left : room) / A * A;
+            if (!take || !aligned(d, p, off + (int64_t)tot)) break;
+            wk[w] = i;
+            win[w++] = (struct iovec){p, take};
+            tot += take;
+            in += take;
+            if (in == iov[i].iov_len) {
+                i++;
+                in = 0;
+            }
+        }
+        if (w) {
+            if (wr)
+                for (int k = 0; k < w; k++) sum_piece(xs, sid, wk[k], win[k].iov_base, win[k].iov_len);
+            memcpy(cp, win, sizeof *win * (size_t)w);
+            if ((e = rw_all(fd, cp, w, off, wr))) break;
+            if (!wr)
+                for (int k = 0; k < w; k++) sum_piece(xs, sid, wk[k], win[k].iov_base, win[k].iov_len);
+            off += (int64_t)tot;
+            continue;
+        }
+        /* a stretch through the bounce buffer: up to where a direct window can start again */
+        if (!d->bounce && !(d->bounce = aligned_alloc(4096, BOUNCE_BYTES))) {
+            e = ENOMEM;
+            break;
+        }
+        uint8_t *b = d->bounce;
+        const int i0 = i;
+        const size_t in0 = in;
+        size_t bt = 0;
+        while (i < n && bt < BOUNCE_BYTES) {
+            const size_t left = iov[i].iov_len - in;
+            if (!left) {
+                i++;
+                in = 0;
+                continue;
+            }
+            if (bt && left >= A && aligned(d, (char *)iov[i].iov_base + in, off + (int64_t)bt)) break;
+            const size_t take = left < BOUNCE_BYTES - bt ? left : BOUNCE_BYTES - bt;
+            bt += take;
+            in += take;
+        }
+        const size_t io = (bt + A - 1) / A * A;
+        for (int pass = wr ? 0 : 1; pass < 2; pass++) {
+            if (pass == 1) { /* the file's side */
+                if (wr) memset(b + bt, 0, io - bt);
+                struct iovec v = {b, io};
+                if ((e = rw_all(fd, &v, 1, off, wr))) break;
+                if (wr) break;
+            }
+            /* the memory's side: gather (write) or scatter (read), each piece summed */
+            int k = i0;
+            size_t kin = in0;
+            for (size_t at = 0; at < bt; k++, kin = 0) {
+                const size_t left = iov[k].iov_len - kin, take = left < bt - at ? left : bt - at;
+                char *p = (char *)iov[k].iov_base + kin;
+                if (wr) memcpy(b + at, p, take);
+                else memcpy(p, b + at, take);
+                sum_piece(xs, sid, k, b + at, take);
+                at += take;
+            }
+            if (!wr) break;
+        }
+        d->bounced += (int64_t)bt;
+        off += (int64_t)bt;
+    }
+    free(win);
+    free(wk);
+    return e;
+}
+
+/* Blocks whose bytes one call moves: about DIRECT_BYTES of them. */
+static int64_t blocks_per_call(const k3_kvs *s) {
+    const int64_t k = DIRECT_BYTES / k3_kvs_stride(s->id.block_bytes);
+    return k > 0 ? k : 1;
+}
+
+/* Moves n consecutive blocks of a run file, the first at file offset off,
+ * to (wr) or from the cache blocks ids[0..n); sums[k] gets block k's
+ * checksum. Direct: one xfer over all of them, the padding between blocks
+ * to or from a page of its own; buffered: one call per block. 0 or an errno. */
+static int xfer_blocks(k3_kvs *s, int fd, dio *d, int64_t off, const int32_t *ids, int64_t n, bool wr, bool map_in,
+                       uint64_t *sums) {
+    const int64_t stride = k3_kvs_stride(s->id.block_bytes), pad = stride - s->id.block_bytes;
+    const int64_t per = s->max_iov + 1;
+    struct iovec *iov = malloc(sizeof *iov * (size_t)(per * (d->on ? n : 1)));
+    int *sid = malloc(sizeof *sid * (size_t)(per * (d->on ? n : 1)));
+    XXH3_state_t *xs = malloc(sizeof *xs * (size_t)n);
+    int e = iov && sid && xs ? 0 : ENOMEM;
+    int m = 0;
+    for (int64_t k = 0; !e && k < n; k++) {
+        XXH3_64bits_reset(&xs[k]);
+        const int nb = block_iov(s, ids[k], iov + m);
+        if (map_in) populate(iov + m, nb);
+        if (!d->on) {
+            e = xfer(fd, d, iov, NULL, nb, off + k * stride, wr, &xs[k]);
+            continue;
+        }
+        for (int c = 0; c < nb; c++) sid[m + c] = (int)k;
+        m += nb;
+        if (pad) {
+            iov[m] = (struct iovec){wr ? pad_zeros : pad_sink, (size_t)pad};
+            sid[m++] = -1;
+        }
+    }
+    if (!e && d->on) e = xfer(fd, d, iov, sid, m, off, wr, xs);
+    for (int64_t k = 0; !e && k < n; k++) sums[k] = XXH3_64bits_digest(&xs[k]);
+    free(iov);
+    free(sid);
+    free(xs);
+    return e;
+}
+
+/* Turns O_DIRECT on for a file a lookup opened (its header was read through
+ * the page cache); false when the filesystem refuses it here. */
+static bool set_direct(int fd) {
+    const int fl = fcntl(fd, F_GETFL);
+    return fl >= 0 && ((fl & O_DIRECT) || !fcntl(fd, F_SETFL, fl | O_DIRECT));
 }
 
 /* ---- writing a file ------------------------------------------------------------------------ */
@@ -629,7 +826,7 @@ static void budget_check(k3_kvs *s, int64_t need) {
  * payload from the blocks of a run or from src; published as name under
  * runs/ or snaps/. 0 = written, 1 = there already, -1 = failed (why). */
 static int write_file(k3_kvs *s, k3_kvs_hdr *h, const int32_t *blocks, const void *src, const char *name, bool snap,
-                      int64_t *bytes, char *why, size_t why_size) {
+                      dio *d, int64_t *bytes, char *why, size_t why_size) {
     const int dir_fd = snap ? s->snaps_fd : s->runs_fd;
     if (!faccessat(dir_fd, name, F_OK, 0)) return 1;
     const int64_t total = h->payload_off + h->payload_bytes;
@@ -637,30 +834,38 @@ static int write_file(k3_kvs *s, k3_kvs_hdr *h, const int32_t *blocks, const voi
     char tmp[96];
     snprintf(tmp, sizeof tmp, "%d-%ld-%llu.part", (int)getpid(), (long)syscall(SYS_gettid),
              (unsigned long long)__atomic_add_fetch(&s->tmp_seq, 1, __ATOMIC_RELAXED));
-    const int fd = openat(s->tmp_fd, tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    const int fl = O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC;
+    int fd = openat(s->tmp_fd, tmp, fl | (d->on ? O_DIRECT : 0), 0644);
+    if (fd < 0 && d->on && errno == EINVAL) { /* refused here after all: buffered */
+        d->on = false;
+        d->mem = d->off = 1;
+        fd = openat(s->tmp_fd, tmp, fl, 0644);
+    }
     if (fd < 0) {
         snprintf(why, why_size, "cannot create %s/tmp/%s: %s", s->dir, tmp, strerror(errno));
         return -1;
     }
-    int e = 0;
+    /* the file's size first: the payloads' padding is a hole that reads as zeros */
+    int e = ftruncate(fd, (off_t)total) ? errno : 0;
     uint64_t *sums = (uint64_t *)k3_kvs_hdr_sums(h);
-    if (snap) {
-        e = rw_buf_summed(fd, (void *)src, h->payload_bytes, h->payload_off, true, &sums[0]);
+    if (e) {
+    } else if (snap) {
+        XXH3_state_t xs;
+        XXH3_64bits_reset(&xs);
+        const struct iovec v = {(void *)src, (size_t)s->id.state_bytes};
+        e = xfer(fd, d, &v, NULL, 1, h->payload_off, true, &xs);
+        sums[0] = XXH3_64bits_digest(&xs);
     } else {
-        struct iovec *iov = malloc(sizeof *iov * (size_t)s->max_iov);
-        if (!iov) e = ENOMEM;
-        for (int32_t i = 0; !e && i < h->n_blocks; i++) {
-            const int n = block_iov(s, blocks[h->first_block + i], iov);
-            XXH3_state_t xs;
-            XXH3_64bits_reset(&xs);
-            e = rw_summed(fd, iov, n, h->payload_off + (int64_t)i * s->id.block_bytes, true, &xs);
-            sums[i] = XXH3_64bits_digest(&xs);
+        const int64_t per = blocks_per_call(s);
+        for (int64_t i = 0; !e && i < h->n_blocks; i += per) {
+            const int64_t k = h->n_blocks - i < per ? h->n_blocks - i : per;
+            e = xfer_blocks(s, fd, d, h->payload_off + i * k3_kvs_stride(s->id.block_bytes),
+                            blocks + h->first_block + i, k, true, false, sums + i);
         }
-        free(iov);
     }
     if (!e) {
         h->hdr_sum = k3_kvs_hdr_sum(h);
-        e = rw_buf(fd, h, h->hdr_bytes, 0, true);
+        e = rw_buf(fd, h, h->payload_off, 0, true); /* h: payload_off bytes on a page (make_hdr) */
     }
     if (!e && s->o.fsync && fsync(fd)) e = errno;
     if (close(fd) && !e) e = errno;
@@ -686,7 +891,7 @@ static int write_file(k3_kvs *s, k3_kvs_hdr *h, const int32_t *blocks, const voi
     }
     __atomic_add_fetch(&s->usage->bytes, total, __ATOMIC_RELAXED);
     __atomic_add_fetch(&s->usage->files, 1, __ATOMIC_RELAXED);
-    *bytes += h->payload_bytes;
+    *bytes += snap ? s->id.state_bytes : (int64_t)h->n_blocks * s->id.block_bytes;
     return 0;
 }
 
@@ -701,9 +906,10 @@ static void remove_file(k3_kvs *s, const char *name, bool snap) {
 
 static k3_kvs_hdr *make_hdr(k3_kvs *s, bool snap, k3_kvs_key key, k3_kvs_key parent, int64_t first, int32_t n,
                             int64_t pos, const int32_t *tokens, const uint64_t *extra, const uint64_t *ehash) {
-    const int64_t hb = k3_kvs_hdr_bytes(n, s->bs, snap);
-    k3_kvs_hdr *h = calloc(1, (size_t)hb);
+    const int64_t hb = k3_kvs_hdr_bytes(n, s->bs, snap), room = k3_kvs_payload_off(hb);
+    k3_kvs_hdr *h = aligned_alloc(K3_KVS_ALIGN, (size_t)room); /* written whole, with O_DIRECT too */
     if (!h) return NULL;
+    memset(h, 0, (size_t)room);
     memcpy(h->magic, snap ? K3_KVS_MAGIC_SNAP : K3_KVS_MAGIC_RUN, 8);
     h->version = K3_KVS_VERSION;
     h->hdr_bytes = (uint32_t)hb;
@@ -714,7 +920,7 @@ static k3_kvs_hdr *make_hdr(k3_kvs *s, bool snap, k3_kvs_key key, k3_kvs_key par
     h->n_blocks = n;
     h->pos = pos;
     h->payload_off = k3_kvs_payload_off(hb);
-    h->payload_bytes = snap ? s->id.state_bytes : (int64_t)n * s->id.block_bytes;
+    h->payload_bytes = snap ? k3_kvs_stride(s->id.state_bytes) : (int64_t)n * k3_kvs_stride(s->id.block_bytes);
     h->created_unix_ns = unix_ns();
     if (!snap) {
         int32_t *t = (int32_t *)(h + 1);
@@ -732,8 +938,47 @@ static void touch(int dir_fd, const char *name) { utimensat(dir_fd, name, NULL, 
 
 /* ---- the jobs ------------------------------------------------------------------------------ */
 
-static k3_status job_save_blocks(k3_kvs *s, job *j, k3_kvs_done *d) {
-    const int64_t R = s->R, n = j->n_full;
+/* Writes the run of blocks [g0, g0 + len) of j's sequence: 0 written, 1 there
+ * already, -1 failed (d->why). */
+static int write_run(k3_kvs *s, job *j, k3_kvs_done *d, dio *io, const k3_kvs_key *keys, k3_kvs_key seed, int64_t g0,
+                     int64_t len) {
+    char name[48];
+    file_name(keys[g0 + len - 1], false, name);
+    k3_kvs_hdr *h = make_hdr(s, false, keys[g0 + len - 1], g0 ? keys[g0 - 1] : seed, g0, (int32_t)len,
+                             (g0 + len) * s->bs, j->tokens, j->extra, j->hashes);
+    if (!h) {
+        snprintf(d->why, sizeof d->why, "out of memory");
+        return -1;
+    }
+    const int r = write_file(s, h, j->blocks, NULL, name, false, io, &d->bytes, d->why, sizeof d->why);
+    free(h);
+    if (r == 1) {
+        touch(s->runs_fd, name); /* in use again */
+        pthread_mutex_lock(&s->mm);
+        s->m.files_present++;
+        pthread_mutex_unlock(&s->mm);
+    }
+    if (r != 0) return r;
+    d->files++;
+    pthread_mutex_lock(&s->mm);
+    s->m.runs_written++;
+    if (j->hashes) s->m.blocks_stored += len;
+    pthread_mutex_unlock(&s->mm);
+    if (j->hashes && s->o.on_blocks) {
+        const k3_kvs_blocks_event ev = {.stored = true,
+                                        .hashes = j->hashes + g0,
+                                        .n = (int32_t)len,
+                                        .parent = g0 ? j->hashes[g0 - 1] : 0,
+                                        .has_parent = g0 > 0,
+                                        .tokens = j->tokens + g0 * s->bs,
+                                        .extra = j->extra ? j->extra + g0 : NULL};
+        s->o.on_blocks(s->o.cb_arg, &ev);
+    }
+    return 0;
+}
+
+static k3_status job_save_blocks(k3_kvs *s, job *j, k3_kvs_done *d, dio *io) {
+    const int64_t R = s->R, n = j->n_full, kb = j->keep / s->bs;
     k3_kvs_key *keys = malloc(sizeof *keys * (size_t)(n ? n : 1));
     if (!keys) {
         snprintf(d->why, sizeof d->why, "out of memory");
@@ -745,45 +990,21 @@ static k3_status job_save_blocks(k3_kvs *s, job *j, k3_kvs_done *d) {
     for (int64_t g0 = 0; g0 < n && !st; g0 += R) {
         const int64_t len = g0 + R <= n ? R : j->final ? n - g0 : 0;
         if (!len) break;
-        char name[48];
-        file_name(keys[g0 + len - 1], false, name);
-        k3_kvs_hdr *h = make_hdr(s, false, keys[g0 + len - 1], g0 ? keys[g0 - 1] : seed, g0, (int32_t)len,
-                                 (g0 + len) * s->bs, j->tokens, j->extra, j->hashes);
-        if (!h) {
-            snprintf(d->why, sizeof d->why, "out of memory");
-            st = K3_ERR_NOMEM;
+        /* the run that ends at the junction kept (a prompt leaving the chain there finds it) */
+        const bool keep = kb > g0 && kb < g0 + len && kb - g0 < R;
+        if (keep && write_run(s, j, d, io, keys, seed, g0, kb - g0) < 0) {
+            st = K3_ERR_IO;
             break;
         }
-        const int r = write_file(s, h, j->blocks, NULL, name, false, &d->bytes, d->why, sizeof d->why);
-        free(h);
+        const int r = write_run(s, j, d, io, keys, seed, g0, len);
         if (r < 0) {
             st = K3_ERR_IO;
             break;
         }
-        if (r == 1) {
-            touch(s->runs_fd, name); /* in use again */
-            pthread_mutex_lock(&s->mm);
-            s->m.files_present++;
-            pthread_mutex_unlock(&s->mm);
-            continue;
-        }
-        d->files++;
-        pthread_mutex_lock(&s->mm);
-        s->m.runs_written++;
-        if (j->hashes) s->m.blocks_stored += len;
-        pthread_mutex_unlock(&s->mm);
-        if (j->hashes && s->o.on_blocks) {
-            const k3_kvs_blocks_event ev = {.stored = true,
-                                            .hashes = j->hashes + g0,
-                                            .n = (int32_t)len,
-                                            .parent = g0 ? j->hashes[g0 - 1] : 0,
-                                            .has_parent = g0 > 0,
-                                            .tokens = j->tokens + g0 * s->bs,
-                                            .extra = j->extra ? j->extra + g0 : NULL};
-            s->o.on_blocks(s->o.cb_arg, &ev);
-        }
+        if (r == 1) continue;
         /* a longer run of the group supersedes the shorter ones written before */
         for (int64_t k = 1; k < len; k++) {
+            if (keep && k == kb - g0) continue;
             char old[48];
             file_name(keys[g0 + k - 1], false, old);
             remove_file(s, old, false);
@@ -793,7 +1014,7 @@ static k3_status job_save_blocks(k3_kvs *s, job *j, k3_kvs_done *d) {
     return st;
 }
 
-static k3_status job_save_snapshot(k3_kvs *s, job *j, k3_kvs_done *d) {
+static k3_status job_save_snapshot(k3_kvs *s, job *j, k3_kvs_done *d, dio *io) {
     const int64_t nb = j->pos / s->bs;
     k3_kvs_key *keys = malloc(sizeof *keys * (size_t)nb);
     if (!keys) {
@@ -804,12 +1025,13 @@ static k3_status job_save_snapshot(k3_kvs *s, job *j, k3_kvs_done *d) {
     char name[48];
     file_name(keys[nb - 1], true, name);
     k3_kvs_hdr *h = make_hdr(s, true, keys[nb - 1], keys[nb - 1], nb, 0, j->pos, NULL, NULL, NULL);
+    if (h) h->junction = j->junction;
     k3_status st = K3_OK;
     if (!h) {
         snprintf(d->why, sizeof d->why, "out of memory");
         st = K3_ERR_NOMEM;
     } else {
-        const int r = write_file(s, h, NULL, j->src, name, true, &d->bytes, d->why, sizeof d->why);
+        const int r = write_file(s, h, NULL, j->src, name, true, io, &d->bytes, d->why, sizeof d->why);
         if (r < 0) st = K3_ERR_IO;
         else if (r == 1) touch(s->snaps_fd, name);
         if (r == 0) {
@@ -848,43 +1070,50 @@ static void drop_damaged(k3_kvs *s, const found *f) {
         remove_file(s, f->name, f->snap);
 }
 
-static k3_status job_load(k3_kvs *s, job *j, k3_kvs_done *d) {
+static k3_status job_load(k3_kvs *s, job *j, k3_kvs_done *d, dio *io) {
     k3_kvs_hit *h = j->hit;
     const int64_t lo = h->n_local / s->bs, hi = h->n_tokens / s->bs;
-    struct iovec *iov = malloc(sizeof *iov * (size_t)s->max_iov);
+    uint64_t *sums = malloc(sizeof *sums * (size_t)blocks_per_call(s));
     k3_status st = K3_OK;
-    if (!iov) {
+    if (!sums) {
         snprintf(d->why, sizeof d->why, "out of memory");
         st = K3_ERR_NOMEM;
     }
     for (int32_t r = 0; !st && r < h->n_runs; r++) {
         found *f = &h->runs[r];
+        dio fio = *io; /* this file's: O_DIRECT when it takes it */
+        fio.on = io->on && set_direct(f->fd);
+        if (!fio.on) fio.mem = fio.off = 1;
         const int64_t b0 = f->first > lo ? f->first : lo, b1 = f->first + f->n < hi ? f->first + f->n : hi;
-        for (int64_t b = b0; !st && b < b1; b++) {
+        const int64_t per = blocks_per_call(s);
+        for (int64_t b = b0; !st && b < b1; b += per) {
             if (job_cancelled(s, j)) {
                 d->cancelled = true;
                 snprintf(d->why, sizeof d->why, "cancelled");
                 st = K3_ERR_ARG;
                 break;
             }
-            const int n = block_iov(s, j->blocks[b], iov);
-            populate(iov, n);
-            XXH3_state_t xs;
-            XXH3_64bits_reset(&xs);
-            const int e = rw_summed(f->fd, iov, n, f->payload_off + (b - f->first) * s->id.block_bytes, false, &xs);
+            const int64_t k = b1 - b < per ? b1 - b : per;
+            const int e =
+                xfer_blocks(s, f->fd, &fio, f->payload_off + (b - f->first) * k3_kvs_stride(s->id.block_bytes),
+                            j->blocks + b, k, false, true, sums);
+            io->bounce = fio.bounce;
+            io->bounced = fio.bounced;
             if (e) {
                 snprintf(d->why, sizeof d->why, "runs/%s: %s", f->name, e == EIO ? "short read" : strerror(e));
                 count_miss(s, K3_KVS_MISS_IO);
                 st = K3_ERR_IO;
-            } else if (XXH3_64bits_digest(&xs) != f->sums[b - f->first]) {
-                snprintf(d->why, sizeof d->why, "runs/%s: block %lld fails its checksum (damaged; removed)", f->name,
-                         (long long)(b - f->first));
-                count_miss(s, K3_KVS_MISS_CHECKSUM);
-                drop_damaged(s, f);
-                st = K3_ERR_FORMAT;
-            } else {
-                d->bytes += s->id.block_bytes;
+                break;
             }
+            for (int64_t q = 0; q < k && !st; q++)
+                if (sums[q] != f->sums[b + q - f->first]) {
+                    snprintf(d->why, sizeof d->why, "runs/%s: block %lld fails its checksum (damaged; removed)",
+                             f->name, (long long)(b + q - f->first));
+                    count_miss(s, K3_KVS_MISS_CHECKSUM);
+                    drop_damaged(s, f);
+                    st = K3_ERR_FORMAT;
+                }
+            if (!st) d->bytes += k * s->id.block_bytes;
         }
         if (!st) {
             futimens(f->fd, NULL); /* used: the LRU's clock */
@@ -893,9 +1122,17 @@ static k3_status job_load(k3_kvs *s, job *j, k3_kvs_done *d) {
     }
     if (!st && !job_cancelled(s, j)) {
         found *f = &h->snap;
-        uint64_t sum = 0;
-        populate(&(struct iovec){j->state, (size_t)s->id.state_bytes}, 1);
-        const int e = rw_buf_summed(f->fd, j->state, s->id.state_bytes, f->payload_off, false, &sum);
+        const struct iovec v = {j->state, (size_t)s->id.state_bytes};
+        populate(&v, 1);
+        dio fio = *io;
+        fio.on = io->on && set_direct(f->fd);
+        if (!fio.on) fio.mem = fio.off = 1;
+        XXH3_state_t xs;
+        XXH3_64bits_reset(&xs);
+        const int e = xfer(f->fd, &fio, &v, NULL, 1, f->payload_off, false, &xs);
+        io->bounce = fio.bounce;
+        io->bounced = fio.bounced;
+        const uint64_t sum = XXH3_64bits_digest(&xs);
         if (e) {
             snprintf(d->why, sizeof d->why, "snaps/%s: %s", f->name, e == EIO ? "short read" : strerror(e));
             count_miss(s, K3_KVS_MISS_IO);
@@ -915,7 +1152,7 @@ static k3_status job_load(k3_kvs *s, job *j, k3_kvs_done *d) {
         snprintf(d->why, sizeof d->why, "cancelled");
         st = K3_ERR_ARG;
     }
-    free(iov);
+    free(sums);
     return st;
 }
 
@@ -934,12 +1171,15 @@ static void job_free(job *j) {
 static void run_job(k3_kvs *s, int t, job *j) {
     k3_kvs_done d = {.ticket = j->ticket, .op = j->op};
     const double t0 = k3_now();
-    d.status = j->op == K3_KVS_LOAD   ? job_load(s, j, &d)
-        : j->op == K3_KVS_SAVE_BLOCKS ? job_save_blocks(s, j, &d)
-                                      : job_save_snapshot(s, j, &d);
+    dio io = dio_for(s, j->op == K3_KVS_LOAD || !s->o.buffered_writes);
+    d.status = j->op == K3_KVS_LOAD   ? job_load(s, j, &d, &io)
+        : j->op == K3_KVS_SAVE_BLOCKS ? job_save_blocks(s, j, &d, &io)
+                                      : job_save_snapshot(s, j, &d, &io);
     d.seconds = k3_now() - t0;
+    free(io.bounce);
     if (d.status && !d.cancelled) say(s, "kv cache: %s failed: %s", j->op == K3_KVS_LOAD ? "a load" : "a save", d.why);
     pthread_mutex_lock(&s->mm);
+    s->m.bytes_bounced += io.bounced;
     if (j->op == K3_KVS_LOAD) {
         s->m.loads++;
         s->m.loads_failed += d.status != K3_OK;
@@ -1115,7 +1355,7 @@ static k3_status dropped(k3_kvs *s, job *j, k3_error *err) {
 }
 
 k3_status k3_kvs_save_blocks(k3_kvs *s, const k3_kvs_seq *seq, const int32_t *blocks, int32_t n_full, bool final,
-                             uint64_t *ticket, k3_error *err) {
+                             int64_t keep, uint64_t *ticket, k3_error *err) {
     *ticket = 0;
     if (!seq || n_full < 0 || (int64_t)n_full * s->bs > seq->n_tokens || (n_full && (!blocks || !seq->tokens)))
         return k3_err(err, K3_ERR_ARG, "kv cache: bad save (%d blocks of %d tokens for %lld tokens)", n_full, s->bs,
@@ -1132,12 +1372,13 @@ k3_status k3_kvs_save_blocks(k3_kvs *s, const k3_kvs_seq *seq, const int32_t *bl
     j->op = K3_KVS_SAVE_BLOCKS;
     j->n_full = n_full;
     j->final = final;
+    j->keep = keep > 0 && keep % s->bs == 0 && keep < (int64_t)n_full * s->bs ? keep : 0;
     if (!(*ticket = enqueue(s, WR, j))) return dropped(s, j, err);
     return K3_OK;
 }
 
 k3_status k3_kvs_save_snapshot(k3_kvs *s, const k3_kvs_seq *seq, int64_t pos, const void *state, int64_t drop_pos,
-                               uint64_t *ticket, k3_error *err) {
+                               int64_t junction, uint64_t *ticket, k3_error *err) {
     *ticket = 0;
     if (!seq || !state || pos < s->bs || pos % s->bs || pos > seq->n_tokens || !seq->tokens)
         return k3_err(err, K3_ERR_ARG, "kv cache: a snapshot at %lld is not on the block grid within the sequence",
@@ -1150,6 +1391,7 @@ k3_status k3_kvs_save_snapshot(k3_kvs *s, const k3_kvs_seq *seq, int64_t pos, co
     j->op = K3_KVS_SAVE_SNAPSHOT;
     j->pos = pos;
     j->drop_pos = drop_pos;
+    j->junction = junction > 0 && junction < pos && junction % s->bs == 0 ? junction : 0;
     j->src = state;
     if (!(*ticket = enqueue(s, WR, j))) return dropped(s, j, err);
     return K3_OK;
@@ -1212,6 +1454,7 @@ void k3_kvs_get_metrics(k3_kvs *s, k3_kvs_metrics *out) {
     pthread_mutex_unlock(&s->mm);
     out->dir_bytes = __atomic_load_n(&s->usage->bytes, __ATOMIC_RELAXED);
     out->budget = s->o.disk_bytes;
+    out->direct = s->direct;
 }
 
 k3_status k3_kvs_evict(k3_kvs *s, int64_t target, k3_error *err) {
@@ -1242,6 +1485,48 @@ static int open_sub(const char *dir, const char *sub, k3_error *err) {
     const int fd = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (fd < 0) k3_err(err, K3_ERR_IO, "kv cache: cannot open %s: %s", path, strerror(errno));
     return fd;
+}
+
+/* Whether the directory's filesystem does O_DIRECT, and its alignments: a
+ * file in tmp/ opened with it, and statx's STATX_DIOALIGN. A filesystem that
+ * opens it but does not say its alignments (tmpfs: its "direct" I/O is the
+ * page cache) stays buffered; so does one that needs more than a page. */
+static void probe_direct(k3_kvs *s) {
+    s->direct = false;
+    if (s->o.buffered) {
+        snprintf(s->io_why, sizeof s->io_why, "asked for");
+        return;
+    }
+    char name[64];
+    snprintf(name, sizeof name, "%d-%ld-probe.part", (int)getpid(), (long)syscall(SYS_gettid));
+    const int fd = openat(s->tmp_fd, name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_DIRECT, 0644);
+    if (fd < 0) {
+        snprintf(s->io_why, sizeof s->io_why, "the filesystem refuses O_DIRECT: %s", strerror(errno));
+        return;
+    }
+    struct statx sx;
+    memset(&sx, 0, sizeof sx);
+    const int r = statx(fd, "", AT_EMPTY_PATH, STATX_DIOALIGN, &sx);
+    close(fd);
+    unlinkat(s->tmp_fd, name, 0);
+    if (r || !(sx.stx_mask & STATX_DIOALIGN) || !sx.stx_dio_mem_align || !sx.stx_dio_offset_align)
+        snprintf(s->io_why, sizeof s->io_why, "the filesystem does not say how O_DIRECT aligns (tmpfs)");
+    else if (sx.stx_dio_mem_align > K3_KVS_ALIGN || sx.stx_dio_offset_align > K3_KVS_ALIGN ||
+             K3_KVS_ALIGN % sx.stx_dio_offset_align)
+        snprintf(s->io_why, sizeof s->io_why, "O_DIRECT needs an alignment of %u/%u bytes, more than a page",
+                 sx.stx_dio_mem_align, sx.stx_dio_offset_align);
+    else {
+        s->direct = true;
+        s->mem_align = (int32_t)sx.stx_dio_mem_align;
+        s->off_align = (int32_t)sx.stx_dio_offset_align;
+        snprintf(s->io_why, sizeof s->io_why, "O_DIRECT, aligned to %d bytes in memory, %d in the file", s->mem_align,
+                 s->off_align);
+    }
+}
+
+const char *k3_kvs_io(const k3_kvs *s, const char **why) {
+    if (why) *why = s->io_why;
+    return s->direct ? "direct" : "buffered";
 }
 
 k3_status k3_kvs_open(k3_kvs **out, const k3_kvs_options *opt, k3_error *err) {
@@ -1327,6 +1612,8 @@ k3_status k3_kvs_open(k3_kvs **out, const k3_kvs_options *opt, k3_error *err) {
         k3_kvs_close(s);
         return K3_ERR_IO;
     }
+    probe_direct(s);
+    say(s, "kv cache: %s: %s I/O (%s)", s->dir, s->direct ? "direct" : "buffered", s->io_why);
     /* set the counter from what is there (and trim to the budget) unless another process is at it */
     k3_kvs_evict_result r;
     k3_error e2 = {0};
@@ -1343,6 +1630,7 @@ k3_status k3_kvs_open(k3_kvs **out, const k3_kvs_options *opt, k3_error *err) {
                 return k3_err(err, K3_ERR_NOMEM, "kv cache: cannot start a thread");
             }
             s->th_started[t] = true;
+            pthread_setname_np(s->th[t], t == RD ? "k3-kvs-read" : "k3-kvs-write"); /* in /proc, top -H */
         }
     *out = s;
     return K3_OK;

@@ -274,14 +274,19 @@ void k3_sched_schedule(k3_sched *s) {
     for (int32_t w = 0; !preempted && w < s->n_waiting && budget > 0 && s->n_free_slots > 0;) {
         k3_rq *rq = s->waiting[w];
         if (rq->n_blocks > 0) { /* landed: its prompt is in its blocks, its state in hand */
+            /* its snapshot points (the junction among them) before its chunk is cut at them */
+            rq->prefill_end = rq->n_prompt;
+            rq->junction = rq->landed_junction > rq->n_computed && rq->landed_junction < rq->n_prompt &&
+                    rq->landed_junction % bs == 0
+                ? rq->landed_junction
+                : 0;
             const int32_t n = chunk(s, rq, budget, plp_left, cost_left);
             const int32_t need = blocks_for(s, rq->n_computed + n) - rq->n_blocks;
             if (n == 0 || need > s->bm->n_free) break;
             for (int32_t b = 0; b < need; b++) rq->blocks[rq->n_blocks++] = k3_kv_alloc(s->bm);
             rq->restore = rq->landed_state;
             rq->landed_state = NULL;
-            rq->prefill_end = rq->n_prompt;
-            rq->junction = 0;
+            rq->landed_junction = 0;
             rq->admitted_once = true;
             rq->slot = s->free_slots[--s->n_free_slots];
             rq->state = K3_RQ_RUNNING;

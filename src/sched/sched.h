@@ -72,6 +72,8 @@ typedef struct k3_rq {
     const void *restore;      /* snapshot to restore into the slot, NULL = zero state */
     const void *landed_state; /* a waiting request that holds blocks (its prompt came
                                      from a prefill instance): the KDA state to admit it with */
+    int64_t landed_junction;  /* and where its prompt leaves the chain its source holds beyond
+                                 that state (the junction it is admitted with; 0 = none) */
     uint32_t events;          /* K3_EV_* since the last step */
     void *owner;              /* the engine's part of the request */
 } k3_rq;

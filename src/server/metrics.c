@@ -387,6 +387,18 @@ void k3_metrics_render_disk(k3_engine *e, struct k3_kv_events *ev, const char *m
                     "k3:kv_disk_requests{model_name=\"%s\",state=\"waiting\"} %d\n"
                     "k3:kv_disk_requests{model_name=\"%s\",state=\"loading\"} %d\n",
                     model, d.waiting, model, d.loading);
+        metric(o, "k3:kv_disk_direct_io", "gauge",
+               "Disk tier: 1 when its reads and writes bypass the page cache (O_DIRECT), 0 when they go through it "
+               "(a filesystem without O_DIRECT, such as tmpfs).",
+               model, m.direct ? 1 : 0);
+        metric(o, "k3:kv_disk_bounced_bytes_total", "counter",
+               "Disk tier: bytes moved with O_DIRECT through a bounce buffer (pieces not aligned to the filesystem's "
+               "direct I/O alignment).",
+               model, (double)m.bytes_bounced);
+        metric(o, "k3:kv_disk_snaps_ram_only_total", "counter",
+               "Disk tier: KDA snapshots the snapshot policy kept in RAM only (stride snapshots: neither a prompt's "
+               "end nor its junction).",
+               model, (double)d.snaps_ram_only);
         metric(o, "k3:kv_disk_saves_in_flight", "gauge", "Disk tier: saves queued or running.", model,
                (double)d.saving);
         metric(o, "k3:kv_disk_save_blocks", "gauge", "Disk tier: cache blocks the saves in flight hold.", model,

@@ -101,8 +101,8 @@ int main(int argc, char **argv) {
     if (save) {
         uint64_t t1 = 0, t2 = 0;
         k3_kvs_done d;
-        if (k3_kvs_save_blocks(s, &seq, blocks, (int32_t)(n / BS), true, &t1, &err) ||
-            k3_kvs_save_snapshot(s, &seq, split, state, 0, &t2, &err))
+        if (k3_kvs_save_blocks(s, &seq, blocks, (int32_t)(n / BS), true, 0, &t1, &err) ||
+            k3_kvs_save_snapshot(s, &seq, split, state, 0, 0, &t2, &err))
             return fail("save", &err);
         for (int i = 0; i < 2; i++) {
             const uint64_t t = i ? t2 : t1;
