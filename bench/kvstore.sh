@@ -5,7 +5,8 @@
 #   sh bench/kvstore.sh [ttft|load|itl|replay|all]   (build/k3; bench/bench from `make bench-model`)
 # ttft: TTFT of an 8k-token prompt on bench/bench cold, RAM hit, disk hit after a restart (pages
 #   dropped), the load's read rate against the directory's raw sequential read (RUNS=3, medians;
-#   TOKENS=8192, MODEL=bench/bench, DIR=a directory on the disk to measure, default $TMPDIR).
+#   TOKENS=8192, MODEL=bench/bench, DIR=a directory on the disk to measure, default $TMPDIR; the
+#   files go in a directory made inside it and removed at the end).
 # load: one cold prefill of TOKENS, then RUNS restarts each loading it with O_DIRECT and through the
 #   page cache (--kv-cache-buffered), alternated: the load's rate against the raw sequential read.
 # itl: decode ITL p50 / p99 of two streams in the windows where a prompt of ITL_TOKENS+1 (513) loads
@@ -22,7 +23,11 @@ MODEL=${MODEL:-bench/bench}
 TOKENS=${TOKENS:-8192}
 RUNS=${RUNS:-3}
 LOCK=${LOCK-/tmp/k3-cpu.lock}
-DIR=${DIR:-$(mktemp -d "${TMPDIR:-/tmp}/k3-kvbench.XXXXXX")}
+if [ -n "$DIR" ]; then # the caller's directory: the files of each run go in a directory made in it
+    mkdir -p "$DIR" && DIR=$(mktemp -d "$DIR/k3-kvbench.XXXXXX") || exit 1
+else
+    DIR=$(mktemp -d "${TMPDIR:-/tmp}/k3-kvbench.XXXXXX")
+fi
 PY=${PY:-python3}
 what=${1:-all}
 [ -n "$LOCK" ] && exec 9>>"$LOCK"
