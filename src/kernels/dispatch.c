@@ -17,7 +17,8 @@
  *                  products stay AVX2's.
  *   "avx512-bf16"  "avx512" with the BF16 dot products (vdpbf16ps, kernels_isa.h)
  *                  where the CPU has AVX512_BF16: the model's BF16 and MXFP4
- *                  matrices take them (k3_mat.bf16); "avx512" on such a CPU
+ *                  matrices take them (k3_mat.bf16), and QSFA its BF16 form
+ *                  (attn_ops.h, k3_c8_cache.bf16); "avx512" on such a CPU
  *                  means this one, "avx512-nobf16" the plain, exact one.
  *   "amx"          "avx512-bf16" with the BF16 dot products of calls with
  *                  enough rows and Q8 (W8A8) on the AMX tile unit (amx.h),
@@ -170,9 +171,10 @@ static void build_avx512_bf16(k3_kernel_ops *o, const k3_kernel_ops *avx512) {
 /* AMX over "avx512-bf16": the BF16 dot products of calls with enough rows
  * on the tiles, with the same bits as the AVX-512 BF16 kernels below them
  * (kernels_isa.h), and Q8 (W8A8) with the AVX-512 VNNI kernel's bits (the
- * same integers, the same float epilogue). Everything else -- decode's
- * streams, attention, the W4A8 tiles, the fp32 products -- as its base. So
- * no result depends on how many rows shared its call. */
+ * same integers, the same float epilogue); QSFA's BF16 form on the tiles with
+ * the vdpbf16ps kernel's bits (one token a call). Everything else -- decode's
+ * streams, the rest of attention, the W4A8 tiles, the fp32 products -- as its
+ * base. So no result depends on how many rows shared its call. */
 static void build_amx(k3_kernel_ops *o, const k3_kernel_ops *avx512_bf16, bool unit) {
     *o = *avx512_bf16;
     o->name = "amx";
