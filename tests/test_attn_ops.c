@@ -159,3 +159,131 @@ K3_TEST(qsfa_avx2_blocks_match_ref) {
     k3_kernels_force(K3_ISA_AVX512);
     free(work);
 }
+
+/* ---- QSFA's BF16 form ------------------------------------------------------------ */
+
+typedef struct qbf_case {
+    int H, kvl, rope, n;
+} qbf_case;
+
+/* The bound of the BF16 form against the exact attention (k3_qsfa_ref), per
+ * output element: the query rounded to BF16 (2^-9 relative), the rope key
+ * held to 2^-16 by hi + lo, fp32 sums of K terms move score i by at most
+ * dz_i = scale (2^-9 + 2^-16 + K 2^-24) Σ_d |q_d k_d|; the softmax then moves
+ * each weight by a factor within exp(±2 max dz); P is rounded to BF16 (2^-9)
+ * and the values' sums add n 2^-24: |o - ref| <= (e^(2 dz) - 1 + 2^-8 +
+ * 2n 2^-24) Σ_i p_i |v_i| (+ 1e-7 of the output's scale for the reference's
+ * own fp32 rounding). lse moves by at most 2 max dz + 2^-20. */
+static void qbf_bound(const float *qa, const float *qpe, int H, const k3_c8_cache *c, const int64_t *slots, int n,
+                      float scale, const float *o_ref, const float *l_ref, const float *o, const float *l, int *bad) {
+    const int kvl = c->kv_lora, rope = c->rope, K = kvl + 2 * rope;
+    for (int h = 0; h < H; h++) {
+        double dz = 0.0;
+        double *p = malloc(sizeof(double) * (size_t)n);
+        for (int i = 0; i < n; i++) {
+            double a = 0.0;
+            for (int d = 0; d < kvl; d++)
+                a += fabs((double)qa[h * kvl + d] * c->c8[slots[i] * kvl + d] * c->cs[slots[i] * c->n_tiles + d / 128]);
+            for (int d = 0; d < rope; d++) a += fabs((double)qpe[h * rope + d] * c->kpe[slots[i] * rope + d]);
+            const double di = scale * (ldexp(1, -9) + ldexp(1, -16) + K * ldexp(1, -24)) * a;
+            dz = di > dz ? di : dz;
+            p[i] = 0.0;
+        }
+        /* the exact weights from the reference's lse: p_i = exp(z_i - lse) */
+        for (int i = 0; i < n; i++) {
+            double z = 0.0;
+            for (int d = 0; d < kvl; d++)
+                z += (double)qa[h * kvl + d] * c->c8[slots[i] * kvl + d] * c->cs[slots[i] * c->n_tiles + d / 128];
+            for (int d = 0; d < rope; d++) z += (double)qpe[h * rope + d] * c->kpe[slots[i] * rope + d];
+            p[i] = exp(z * scale - l_ref[h]);
+        }
+        const double f = expm1(2 * dz) + ldexp(1, -8) + 2.0 * n * ldexp(1, -24);
+        for (int d = 0; d < kvl; d++) {
+            double mag = 0.0;
+            for (int i = 0; i < n; i++)
+                mag += p[i] * fabs((double)c->c8[slots[i] * kvl + d] * c->cs[slots[i] * c->n_tiles + d / 128]);
+            const double err = fabs((double)o[h * kvl + d] - o_ref[h * kvl + d]);
+            if (err > f * mag + 1e-7 * mag + 1e-30) {
+                if (*bad < 3)
+                    fprintf(stderr, "  h %d d %d: |%g - %g| > %g\n", h, d, o[h * kvl + d], o_ref[h * kvl + d], f * mag);
+                ++*bad;
+            }
+        }
+        if (fabs((double)l[h] - l_ref[h]) > 2 * dz + ldexp(1, -20) * (1 + fabs(l_ref[h]))) {
+            if (*bad < 3) fprintf(stderr, "  h %d lse %g vs %g\n", h, l[h], l_ref[h]);
+            ++*bad;
+        }
+        free(p);
+    }
+}
+
+K3_TEST(qsfa_bf16_kernels_match_ref_bitwise) {
+    /* the bench shape with a tail block of slots; a short last latent block
+     * (96) and an odd head count; more than 16 heads; one slot; none */
+    const qbf_case cases[] = {{16, 512, 64, 77}, {5, 96, 16, 33}, {20, 64, 16, 40}, {3, 128, 32, 1}, {4, 64, 16, 0}};
+    k3_kernels_force(K3_ISA_AVX512);
+    const bool have_bf = k3_kernels_bf16();
+    const bool have_amx = k3_kernels_have(K3_ISA_AMX);
+    for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
+        const qbf_case q = cases[ci];
+        const int H = q.H, KVL = q.kvl, ROPE = q.rope, N = q.n, NS = N + 5, nt = (KVL + 127) / 128;
+        int8_t *c8 = malloc((size_t)NS * KVL);
+        float *cs = malloc(sizeof(float) * NS * nt), *kpe = malloc(sizeof(float) * NS * ROPE);
+        float *cf = malloc(sizeof(float) * NS * (KVL + ROPE));
+        fill_c8(NS, KVL, ROPE, c8, cs, kpe, cf);
+        float *qa = malloc(sizeof(float) * H * KVL), *qpe = malloc(sizeof(float) * H * ROPE);
+        for (int i = 0; i < H * KVL; i++) qa[i] = frand() * 0.3f;
+        for (int i = 0; i < H * ROPE; i++) qpe[i] = frand();
+        int64_t *slots = malloc(sizeof(int64_t) * (NS + 1));
+        for (int i = 0; i < NS; i++) slots[i] = (i * 7 + 3) % NS;
+        k3_c8_cache c = {c8, cs, kpe, KVL, ROPE, nt, true};
+        CHECK(k3_qsfa_bf16_fits(&c));
+        const size_t no = (size_t)H * KVL;
+        float *o_ref = malloc(sizeof(float) * no), *o = malloc(sizeof(float) * no), *o32 = malloc(sizeof(float) * no);
+        float *l_ref = malloc(sizeof(float) * H), *l = malloc(sizeof(float) * H), *l32 = malloc(sizeof(float) * H);
+        float *work = malloc(sizeof(float) * (size_t)k3_qsfa_work(H, KVL, N));
+        const float scale = 0.1f;
+        k3_qsfa_bf16_ref(qa, qpe, H, &c, slots, N, scale, o_ref, l_ref, work);
+        /* the fp32 reference, within the bound of the BF16 roundings */
+        k3_qsfa_ref(qa, qpe, H, &c, slots, N, scale, o32, l32, work);
+        int bad = 0;
+        if (N > 0) qbf_bound(qa, qpe, H, &c, slots, N, scale, o32, l32, o_ref, l_ref, &bad);
+        else CHECK(!memcmp(o32, o_ref, sizeof(float) * no));
+        CHECKF(bad == 0, "case %zu: %d elements outside the BF16 bound", ci, bad);
+        if (N > 0)
+            CHECKF(k3_test_rel_l2(o_ref, o32, (int64_t)no) < 4e-3, "case %zu rel-L2 %g", ci,
+                   k3_test_rel_l2(o_ref, o32, (int64_t)no));
+        /* the kernels: bit for bit */
+        for (int t = 0; t < 2; t++) {
+            if (t == 0 && !have_bf) continue;
+            if (t == 1 && !have_amx) continue;
+            k3_kernels_force(t ? K3_ISA_AMX : K3_ISA_AVX512);
+            memset(o, 0x7f, sizeof(float) * no);
+            k3_qsfa(qa, qpe, H, &c, slots, N, scale, o, l, work);
+            CHECKF(!memcmp(o, o_ref, sizeof(float) * no), "case %zu %s: out differs from the reference (rel-L2 %g)", ci,
+                   t ? "amx" : "avx512-bf16", k3_test_rel_l2(o, o_ref, (int64_t)no));
+            CHECKF(!memcmp(l, l_ref, sizeof(float) * H), "case %zu %s: lse differs", ci, t ? "amx" : "avx512-bf16");
+            /* heads are independent: the last heads alone give the same bits */
+            if (H > 2 && N > 0) {
+                float *o2 = malloc(sizeof(float) * no), l2[32];
+                k3_qsfa(qa + 2 * KVL, qpe + 2 * ROPE, H - 2, &c, slots, N, scale, o2, l2, work);
+                CHECK(!memcmp(o2, o_ref + 2 * KVL, sizeof(float) * (no - 2 * KVL)));
+                CHECK(!memcmp(l2, l_ref + 2, sizeof(float) * (size_t)(H - 2)));
+                free(o2);
+            }
+        }
+        /* c.bf16 off, or a table without the form: the fp32 kernels */
+        c.bf16 = false;
+        k3_kernels_force(K3_ISA_AVX512);
+        k3_qsfa(qa, qpe, H, &c, slots, N, scale, o, l, work);
+        if (N > 0) CHECK(k3_test_rel_l2(o, o32, (int64_t)no) < 1e-5);
+        c.bf16 = true;
+        k3_kernels_force(K3_ISA_AVX2);
+        k3_qsfa(qa, qpe, H, &c, slots, N, scale, o, l, work);
+        if (N > 0) CHECK(k3_test_rel_l2(o, o32, (int64_t)no) < 1e-5);
+        k3_kernels_force(K3_ISA_COUNT);
+        free(c8), free(cs), free(kpe), free(cf), free(qa), free(qpe), free(slots);
+        free(o_ref), free(o), free(o32), free(l_ref), free(l), free(l32), free(work);
+    }
+    if (!have_bf) SKIP("the CPU lacks AVX512_BF16: only the reference against fp32 ran");
+}

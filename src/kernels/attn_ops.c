@@ -5,10 +5,12 @@
  */
 #include "attn_ops.h"
 
+#include <float.h>
 #include <math.h>
 #include <string.h>
 
 #include "kernels/kernels_isa.h"
+#include "kernels/kernels.h"
 #include "kernels/quant.h"
 
 /* = the per-token quantizer of the 8-bit matmuls, the scalar form */
@@ -55,8 +57,9 @@ int64_t k3_qsfa_work(int H, int kv_lora, int n) {
     /* ref: scores [H, n] + one row; AVX2 slot by slot: one row + running
      * max/sum [2H]; by blocks of slots (AVX2, AVX-512): a block of rows and
      * its scores (rope <= kv_lora) */
-    const int64_t ref = (int64_t)H * n + kv_lora + 2 * H, blocks = k3_qsfa_block_work(H, kv_lora, kv_lora);
-    return ref > blocks ? ref : blocks;
+    const int64_t ref = (int64_t)H * n + kv_lora + 2 * H, blocks = k3_qsfa_block_work(H, kv_lora, kv_lora),
+                  bf = k3_qsfa_bf_work(kv_lora, kv_lora, n), most = ref > blocks ? ref : blocks;
+    return most > bf ? most : bf;
 }
 
 static float dq(const k3_c8_cache *c, int64_t slot, int i) {
@@ -107,5 +110,104 @@ void k3_lse_merge_ref(const float *const *o, const float *const *lse, int P, int
             for (int j = 0; j < d; j++) oh[j] += wgt * op[j];
         }
         lse_out[h] = L;
+    }
+}
+
+/* ---- QSFA's BF16 form (attn_ops.h) ----------------------------------------- */
+
+bool k3_qsfa_bf16_fits(const k3_c8_cache *c) {
+    return c->kv_lora >= 32 && c->kv_lora % 32 == 0 && c->rope % 16 == 0 && c->rope <= c->kv_lora && c->rope <= 1024 &&
+        c->n_tiles == (c->kv_lora + K3_C8_TILE - 1) / K3_C8_TILE;
+}
+
+/* a BF16 value as the products read it: below 2^-126 as 0 */
+static float bf_in(uint16_t b) { return (b & 0x7f80) ? k3_bf16_to_f32(b) : 0.0f; }
+static float bf_round(float x) { return bf_in(k3_f32_to_bf16(x)); }
+static float ftz(float x) { return fabsf(x) < FLT_MIN ? 0.0f * x : x; }
+
+/* k3_exp16 (vexp_avx512.h) on one value, operation for operation */
+static float exp_poly(float x) {
+    const float lo = -87.33654f, hi = 88.0f;
+    const bool under = x < lo;
+    x = lo > x ? lo : x;
+    x = hi < x ? hi : x;
+    const float fx = rintf(x * 1.44269504088896341f);
+    float r = fmaf(-fx, 0.693359375f, x);
+    r = fmaf(-fx, -2.12194440e-4f, r);
+    float p = 1.9875691500e-4f;
+    p = fmaf(p, r, 1.3981999507e-3f);
+    p = fmaf(p, r, 8.3334519073e-3f);
+    p = fmaf(p, r, 4.1665795894e-2f);
+    p = fmaf(p, r, 1.6666665459e-1f);
+    p = fmaf(p, r, 5.0000001201e-1f);
+    p = fmaf(p, r * r, r + 1.0f);
+    const uint32_t e = (uint32_t)((int32_t)fx + 127) << 23;
+    float ef;
+    memcpy(&ef, &e, sizeof ef);
+    return under ? 0.0f : p * ef;
+}
+
+/* E/O sums of 32 pairs a[i] b[i] (as the products read them), added to C */
+static float eo32(float C, const float *a, int as, const float *b, int bs) {
+    float e = 0.0f, o = 0.0f;
+    for (int i = 0; i < 32; i += 2) {
+        e = ftz(e + a[i * as] * b[i * bs]);
+        o = ftz(o + a[(i + 1) * as] * b[(i + 1) * bs]);
+    }
+    return C + (e + o);
+}
+
+void k3_qsfa_bf16_ref(const float *qa, const float *qpe, int H, const k3_c8_cache *c, const int64_t *slots, int n,
+                      float scale, float *out, float *lse, float *work) {
+    const int kvl = c->kv_lora, rope = c->rope, kq = kvl + 2 * rope, nt = c->n_tiles;
+    const int npad = (n + 31) / 32 * 32;
+    float *q = work, *key = q + kq, *z = key + kq, *P = z + npad, *cv = P + npad;
+    for (int h = 0; h < H; h++) {
+        float *oh = out + (int64_t)h * kvl;
+        if (n == 0) {
+            memset(oh, 0, sizeof(float) * (size_t)kvl);
+            lse[h] = -INFINITY;
+            continue;
+        }
+        for (int d = 0; d < kq; d++)
+            q[d] = bf_round(d < kvl ? qa[(int64_t)h * kvl + d] : qpe[(int64_t)h * rope + (d - kvl) % rope]);
+        float m = -INFINITY;
+        for (int i = 0; i < n; i++) {
+            const int64_t s = slots[i];
+            for (int d = 0; d < kvl; d++) key[d] = c->c8[s * kvl + d];
+            for (int d = 0; d < rope; d++) {
+                const uint16_t hi = k3_f32_to_bf16(c->kpe[s * rope + d]);
+                key[kvl + d] = bf_in(hi);
+                key[kvl + rope + d] = bf_round(c->kpe[s * rope + d] - k3_bf16_to_f32(hi));
+            }
+            float zi = 0.0f;
+            for (int b = 0; b < nt; b++) {
+                float C = 0.0f;
+                for (int d = b * K3_C8_TILE; d < kvl && d < (b + 1) * K3_C8_TILE; d += 32)
+                    C = eo32(C, q + d, 1, key + d, 1);
+                zi = fmaf(C, c->cs[s * nt + b], zi);
+            }
+            float C = 0.0f;
+            for (int d = kvl; d < kq; d += 32) C = eo32(C, q + d, 1, key + d, 1);
+            z[i] = (zi + C) * scale;
+            m = z[i] > m ? z[i] : m;
+        }
+        float l = 0.0f;
+        for (int i = 0; i < n; i++) {
+            z[i] = exp_poly(z[i] - m);
+            l = l + z[i];
+        }
+        const float inv = 1.0f / l;
+        for (int d = 0; d < kvl; d++) {
+            const int b = d / K3_C8_TILE;
+            for (int i = 0; i < npad; i++) {
+                P[i] = i < n ? bf_round(z[i] * c->cs[slots[i] * nt + b]) : 0.0f;
+                cv[i] = i < n ? (float)c->c8[slots[i] * kvl + d] : 0.0f;
+            }
+            float C = 0.0f;
+            for (int i = 0; i < npad; i += 32) C = eo32(C, P + i, 1, cv + i, 1);
+            oh[d] = C * inv;
+        }
+        lse[h] = m + logf(l);
     }
 }

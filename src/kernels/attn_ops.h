@@ -21,6 +21,7 @@
 #ifndef K3_KERNELS_ATTN_OPS_H
 #define K3_KERNELS_ATTN_OPS_H
 
+#include <stdbool.h>
 #include <stdint.h>
 
 #define K3_C8_TILE 128
@@ -45,6 +46,7 @@ typedef struct k3_c8_cache {
     const float *cs;  /* [slots, n_tiles] */
     const float *kpe; /* [slots, rope] */
     int kv_lora, rope, n_tiles;
+    bool bf16; /* the BF16 form where the table has it (below); false: fp32 */
 } k3_c8_cache;
 
 /* One query token, H heads: qa [H, kv_lora], qpe [H, rope]. out [H, kv_lora],
@@ -54,6 +56,35 @@ void k3_qsfa(const float *qa, const float *qpe, int H, const k3_c8_cache *c, con
              float *out, float *lse, float *work);
 void k3_qsfa_ref(const float *qa, const float *qpe, int H, const k3_c8_cache *c, const int64_t *slots, int n,
                  float scale, float *out, float *lse, float *work);
+
+/* QSFA on the dot products (c->bf16, the default mode; kernels_isa.h has the
+ * kernels: AMX tiles, vdpbf16ps, bit for bit this reference). Per 16 heads:
+ *   keys: the codes (exact in BF16), then the rope key as two BF16 terms,
+ *         hi = bf16(kpe), lo = bf16(kpe - hi); the query: bf16 of qa, qpe, qpe
+ *   C_b:  per block b of 128 latent dims (the last may be short) and the rope
+ *         block, per 32 dims in order: E = the even dims' products added from
+ *         +0, O the odd ones', C_b = C_b + (E + O) from C_b = +0 (TDPBF16PS:
+ *         inputs below 2^-126 read as 0, E and O flushed there)
+ *   z:    z = fma(C_b, cs_b, z) over the latent blocks from 0, z = z + C_rope,
+ *         z = z * scale
+ *   p:    m = max z, p = exp(z - m) (k3_exp16's polynomial), l = the sum of p
+ *         in slot order
+ *   out:  per 128-dim block b, P_b = bf16(p · cs_b) and per 32 slots the
+ *         E/O sums of P_b x codes as above; out = C · (1 / l), lse = m + log l
+ * Against the exact attention it errs by the BF16 rounding of the query and
+ * of P (2^-9 relative each; the bound is in tests/test_attn_ops.c).
+ * Takes kv_lora % 32 == 0, rope % 16 == 0, rope <= min(kv_lora, 1024). */
+bool k3_qsfa_bf16_fits(const k3_c8_cache *c);
+/* Whether a model takes the BF16 form (k3_c8_cache.bf16): its BF16 dot
+ * products run (bf16) and it has at least K3_QSFA_BF16_HEADS heads, so a call
+ * fills at least half a tile's rows (callers keep nh >= that many heads a
+ * call). With fewer heads the form runs a 16-row product for a few and the
+ * fp32 kernels are as fast; the choice is the model's, so prefill, decode
+ * and the speculative verify of a token make the same one. */
+#define K3_QSFA_BF16_HEADS 8
+static inline bool k3_qsfa_bf16_wanted(bool bf16, int n_heads) { return bf16 && n_heads >= K3_QSFA_BF16_HEADS; }
+void k3_qsfa_bf16_ref(const float *qa, const float *qpe, int H, const k3_c8_cache *c, const int64_t *slots, int n,
+                      float scale, float *out, float *lse, float *work);
 
 /* Merges partial attention results of P disjoint slot sets: o_p [P][H, d],
  * lse_p [P][H] -> out [H, d], lse [H]. A part with lse = -inf weighs 0. */

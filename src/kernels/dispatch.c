@@ -17,7 +17,8 @@
  *                  products stay AVX2's.
  *   "avx512-bf16"  "avx512" with the BF16 dot products (vdpbf16ps, kernels_isa.h)
  *                  where the CPU has AVX512_BF16: the model's BF16 and MXFP4
- *                  matrices take them (k3_mat.bf16); "avx512" on such a CPU
+ *                  matrices take them (k3_mat.bf16), and QSFA its BF16 form
+ *                  (attn_ops.h, k3_c8_cache.bf16); "avx512" on such a CPU
  *                  means this one, "avx512-nobf16" the plain, exact one.
  *   "amx"          "avx512-bf16" with the BF16 dot products of calls with
  *                  enough rows and Q8 (W8A8) on the AMX tile unit (amx.h),
@@ -161,6 +162,7 @@ static void build_avx512_bf16(k3_kernel_ops *o, const k3_kernel_ops *avx512) {
     o->name = "avx512-bf16";
     o->base = avx512;
     o->bf16 = true;
+    o->qsfa_bf = k3_qsfa_bf_avx512;
     const k3_mm_kernel bf = {.rows = k3_bf16_rows_avx512, .prep_x = k3_bf16_prep_x_avx512};
     for (int t = 0; t < K3_W_COUNT; t++)
         if (k3_wtype_info((k3_wtype)t)->acts & K3_ACTS_BF16) o->bf[t] = bf;
@@ -169,10 +171,11 @@ static void build_avx512_bf16(k3_kernel_ops *o, const k3_kernel_ops *avx512) {
 /* AMX over "avx512-bf16": the BF16 dot products of calls with enough rows
  * on the tiles, with the same bits as the AVX-512 BF16 kernels below them
  * (kernels_isa.h), and Q8 (W8A8) with the AVX-512 VNNI kernel's bits (the
- * same integers, the same float epilogue). Everything else -- decode's
- * streams, attention, the W4A8 tiles, the fp32 products -- as its base. So
- * no result depends on how many rows shared its call. */
-static void build_amx(k3_kernel_ops *o, const k3_kernel_ops *avx512_bf16) {
+ * same integers, the same float epilogue); QSFA's BF16 form on the tiles with
+ * the vdpbf16ps kernel's bits (one token a call). Everything else -- decode's
+ * streams, the rest of attention, the W4A8 tiles, the fp32 products -- as its
+ * base. So no result depends on how many rows shared its call. */
+static void build_amx(k3_kernel_ops *o, const k3_kernel_ops *avx512_bf16, bool unit) {
     *o = *avx512_bf16;
     o->name = "amx";
     o->isa = K3_ISA_AMX;
@@ -183,6 +186,9 @@ static void build_amx(k3_kernel_ops *o, const k3_kernel_ops *avx512_bf16) {
     o->q[K3_W_Q8] = (k3_q_kernel){.form = K3_QX_I8, .fits = k3_amx_q8_fits, .call = k3_amx_mm_call};
     o->moe_fits = k3_amx_moe_bf_fits;
     o->moe = k3_amx_moe_bf;
+    /* QSFA's BF16 form on the tiles: no emulated form, so an emulated table
+     * keeps the vdpbf16ps kernel (the same bits) */
+    if (unit) o->qsfa_bf = k3_qsfa_bf_amx;
 }
 
 static void detect(void) {
@@ -219,7 +225,7 @@ static void detect(void) {
         k3_error err = {0};
         g_have[K3_ISA_AMX] = k3_amx_init(&err) == K3_OK; /* the CPU has it and the tile state is granted */
         g_amx_built = g_have[K3_ISA_AMX] || k3_amx_emu_possible();
-        if (g_amx_built) build_amx(&t_amx, &t_avx512_bf16);
+        if (g_amx_built) build_amx(&t_amx, &t_avx512_bf16, g_have[K3_ISA_AMX]);
         if (g_have[K3_ISA_AMX]) g_best = &t_amx;
     }
     atomic_store(&g_ops, g_best);
@@ -387,7 +393,11 @@ void k3_qli_scores(const int8_t *q8, const float *qs, const float *w, int HI, in
 
 void k3_qsfa(const float *qa, const float *qpe, int H, const k3_c8_cache *c, const int64_t *slots, int n, float scale,
              float *out, float *lse, float *work) {
-    const k3_kernel_ops *o;
+    const k3_kernel_ops *o = k3_ops();
+    if (c->bf16 && o->qsfa_bf && k3_qsfa_bf16_fits(c)) {
+        o->qsfa_bf(qa, qpe, H, c, slots, n, scale, out, lse, work);
+        return;
+    }
     PICK(o, qsfa_fits, c);
     o->qsfa(qa, qpe, H, c, slots, n, scale, out, lse, work);
 }

@@ -221,6 +221,7 @@ struct k3_kernel_ops {
     k3_qli_fn *qli_scores;
     k3_qsfa_fits_fn *qsfa_fits;
     k3_qsfa_fn *qsfa;
+    k3_qsfa_fn *qsfa_bf; /* QSFA's BF16 form (k3_c8_cache.bf16; NULL: the fp32 one) */
     k3_lse_merge_fn *lse_merge;
     k3_attnres_fn *attnres_mix;
 
@@ -304,6 +305,15 @@ k3_qsfa_fn k3_qsfa_avx2, k3_qsfa_avx512;
 static inline int64_t k3_qsfa_block_work(int H, int kv_lora, int rope) {
     const int HP = (H + 3) / 4 * 4;
     return 8 * (int64_t)kv_lora + kv_lora + rope + (int64_t)HP * 8 + 3 * HP;
+}
+
+/* QSFA's BF16 form (attn_ops.h, k3_qsfa_bf16_ref's bits) where
+ * k3_qsfa_bf16_fits: vdpbf16ps (qsfa_avx512bf16.c, "avx512-bf16") and the AMX
+ * tiles (qsfa_amx.c, "amx" where the unit is granted). Floats of work: */
+k3_qsfa_fn k3_qsfa_bf_avx512, k3_qsfa_bf_amx;
+static inline int64_t k3_qsfa_bf_work(int kv_lora, int rope, int n) {
+    const int64_t npad = (n + 31) / 32 * 32, nt = (kv_lora + 127) / 128, kq = kv_lora + 2 * (int64_t)rope;
+    return npad * (32 + 9 * nt) + 25 * kq + 2048 + 64;
 }
 
 /* The AttnRes mix (attnres_avx2.c). */

@@ -953,6 +953,7 @@ static k3_status mark_bf16(k3_model *m, k3_error *err) {
         }
     }
     m->lm_head.bf16 = k3_bf16_mat_ok(&m->lm_head);
+    m->bf16 = true;
     return K3_OK;
 }
 

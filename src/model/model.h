@@ -98,6 +98,8 @@ struct k3_model {
 
     int32_t ep_rank, ep_size;  /* routed experts held: EP rank ep_rank of ep_size (k3_model_open_ep) */
     int64_t quant_bytes_delta; /* change of weight bytes read per token by k3_model_quantize */
+    bool bf16;                 /* the BF16 dot products run (k3_model_quantize marked the matrices):
+                                  attention on the C8 cache takes QSFA's BF16 form too (attn_ops.h) */
     float **owned;             /* fp32 copies and quantized matrices to free */
     int64_t n_owned, cap_owned;
     uint8_t *pack; /* the current chunk of own_packed (one of owned) */
