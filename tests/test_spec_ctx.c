@@ -17,6 +17,8 @@
 
 #include "ctx/ctx.h"
 #include "forward/forward.h"
+#include "kernels/kernels.h"
+#include "model/model.h"
 #include "k3.h"
 #include "test.h"
 
@@ -63,10 +65,17 @@ static bool same_state(const k3_ctx *a, int32_t sa, const k3_ctx *b, int32_t sb)
 /* ids: a prompt of NP, then the last token and K drafts (K + 1 rows). On
  * the exact path: for each n_keep and mode, the chunk's rows and the state
  * after the accept against one-by-one decoding, then one more token. */
+static void exact_against_decode_m(k3_model *m, const char *dir, k3_kv_type kv, int np);
+
 static void exact_against_decode(const char *dir, k3_kv_type kv, int np) {
     k3_model *m = NULL;
     k3_error err = {0};
     REQUIREF(k3_model_open(&m, dir, &err) == K3_OK, "%s", err.msg);
+    exact_against_decode_m(m, dir, kv, np);
+}
+
+static void exact_against_decode_m(k3_model *m, const char *dir, k3_kv_type kv, int np) {
+    k3_error err = {0};
     k3_pool *pool = NULL;
     REQUIRE(k3_pool_init(&pool, 2, NULL) == K3_OK);
     const int64_t V = m->cfg.vocab_size;
@@ -144,6 +153,39 @@ K3_TEST(spec_kda_rollback_bit_exact) {
     exact_against_decode("tests/models/tiny", K3_KV_F32, NP_LONG);
     exact_against_decode("tests/models/tiny-dsa", K3_KV_C8, NP_LONG);
     k3_set_isa(prev, NULL); /* the table the suite ran on before */
+}
+
+/* QSFA's BF16 form (the default mode's attention over the C8 cache on
+ * models of 8+ heads: tiles or vdpbf16ps, one token a call) on the small
+ * checkpoints with their 2-4 heads let in: the verify chunk's rows, the state
+ * after every accept and the next token equal decoding one by one, bit for
+ * bit, below and past the 512 keys where a row's attention is split over the
+ * threads; on each BF16 table the CPU has. */
+K3_TEST(spec_qsfa_bf16_bit_exact) {
+    char prev[32];
+    snprintf(prev, sizeof prev, "%s", k3_isa_current());
+    const char *tables[] = {"avx512", "amx"};
+    int ran = 0;
+    for (int t = 0; t < 2; t++) {
+        k3_error err = {0};
+        if (k3_set_isa(tables[t], &err) != K3_OK || !k3_kernels_bf16()) continue;
+        const char *dirs[] = {"tests/models/tiny-dsa", "tests/models/tiny"};
+        for (int d = 0; d < 2; d++)
+            for (int np = NP; np <= NP_LONG; np += NP_LONG - NP) {
+                k3_model *m = NULL;
+                k3_quant_options q;
+                REQUIREF(k3_quant_parse("none", &q, &err) == K3_OK && k3_model_open(&m, dirs[d], &err) == K3_OK &&
+                             k3_model_quantize(m, &q, &err) == K3_OK,
+                         "%s", err.msg);
+                REQUIREF(m->qsfa_bf16_heads > 0, "%s on %s: the BF16 mode did not mark the model", dirs[d],
+                         k3_isa_current());
+                m->qsfa_bf16_heads = 1;
+                exact_against_decode_m(m, dirs[d], K3_KV_C8, np);
+            }
+        ran++;
+    }
+    k3_set_isa(prev, NULL);
+    if (!ran) SKIP("no BF16 dot-product table on this CPU (AVX512_BF16)");
 }
 
 /* On the default kernel table: a marked chunk is the unmarked chunk (same

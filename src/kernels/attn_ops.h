@@ -76,13 +76,15 @@ void k3_qsfa_ref(const float *qa, const float *qpe, int H, const k3_c8_cache *c,
  * Takes kv_lora % 32 == 0, rope % 16 == 0, rope <= min(kv_lora, 1024). */
 bool k3_qsfa_bf16_fits(const k3_c8_cache *c);
 /* Whether a model takes the BF16 form (k3_c8_cache.bf16): its BF16 dot
- * products run (bf16) and it has at least K3_QSFA_BF16_HEADS heads, so a call
- * fills at least half a tile's rows (callers keep nh >= that many heads a
- * call). With fewer heads the form runs a 16-row product for a few and the
- * fp32 kernels are as fast; the choice is the model's, so prefill, decode
- * and the speculative verify of a token make the same one. */
+ * products run and it has at least min_heads heads (the model's
+ * qsfa_bf16_heads: K3_QSFA_BF16_HEADS once k3_model_quantize marked its BF16
+ * matrices, 0 = never), so a call fills at least half a tile's rows (callers
+ * keep nh >= that many heads a call). With fewer heads the form runs a 16-row
+ * product for a few and the fp32 kernels are as fast; the choice is the
+ * model's, so prefill, decode and the speculative verify of a token make the
+ * same one. Tests lower min_heads to run the form on the small checkpoints. */
 #define K3_QSFA_BF16_HEADS 8
-static inline bool k3_qsfa_bf16_wanted(bool bf16, int n_heads) { return bf16 && n_heads >= K3_QSFA_BF16_HEADS; }
+static inline bool k3_qsfa_bf16_wanted(int min_heads, int n_heads) { return min_heads > 0 && n_heads >= min_heads; }
 void k3_qsfa_bf16_ref(const float *qa, const float *qpe, int H, const k3_c8_cache *c, const int64_t *slots, int n,
                       float scale, float *out, float *lse, float *work);
 

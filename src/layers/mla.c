@@ -159,7 +159,7 @@ static void mla_attend_items(void *p, int64_t lo, int64_t hi, int ith) {
                                     kvl,
                                     rope,
                                     ctx->n_tiles,
-                                    k3_qsfa_bf16_wanted(ctx->m->bf16, c->n_heads)};
+                                    k3_qsfa_bf16_wanted(ctx->m->qsfa_bf16_heads, c->n_heads)};
             k3_qsfa(qa, qpe, nh, &cc, slots, b - a, scale, out, lse, ctx->s.tqsfa[ith]);
         } else {
             for (int h = 0; h < nh; h++)
@@ -390,9 +390,9 @@ static void attend_waves(k3_ctx *ctx, const k3_layer *L, int layer, bool dsa) {
         /* few items: split the heads too (nothing to merge) */
         int hg = np < 2 * ctx->nth ? (2 * ctx->nth + np - 1) / np : 1;
         if (hg > H) hg = H;
-        /* QSFA's BF16 form: at least K3_QSFA_BF16_HEADS heads a call */
-        if (ctx->kv == K3_KV_C8 && k3_qsfa_bf16_wanted(ctx->m->bf16, H) && hg > H / K3_QSFA_BF16_HEADS)
-            hg = H / K3_QSFA_BF16_HEADS;
+        /* QSFA's BF16 form: at least the model's qsfa_bf16_heads heads a call */
+        if (ctx->kv == K3_KV_C8 && k3_qsfa_bf16_wanted(ctx->m->qsfa_bf16_heads, H) && hg > H / ctx->m->qsfa_bf16_heads)
+            hg = H / ctx->m->qsfa_bf16_heads;
         k3_layer_job aj = {ctx, L, layer, 1, hg};
         k3_pool_for(ctx->pool, (int64_t)np * hg, 1, mla_attend_items, &aj);
         merge_job mj = {ctx, r0};

@@ -149,7 +149,7 @@ static void dcp_attend(void *p, int64_t lo, int64_t hi, int ith) {
                                     kvl,
                                     rope,
                                     ctx->n_tiles,
-                                    k3_qsfa_bf16_wanted(ctx->m->bf16, c->n_heads)};
+                                    k3_qsfa_bf16_wanted(ctx->m->qsfa_bf16_heads, c->n_heads)};
             k3_qsfa(qa, qpe, nh, &cc, slots, n, scale, out, lse, ctx->s.tqsfa[ith]);
         } else {
             for (int h = 0; h < nh; h++)

@@ -23,6 +23,7 @@
 #include <string.h>
 
 #include "common/mem.h"
+#include "kernels/attn_ops.h"
 #include "kernels/quant.h"
 
 #define PFX "language_model."
@@ -954,6 +955,7 @@ static k3_status mark_bf16(k3_model *m, k3_error *err) {
     }
     m->lm_head.bf16 = k3_bf16_mat_ok(&m->lm_head);
     m->bf16 = true;
+    m->qsfa_bf16_heads = K3_QSFA_BF16_HEADS;
     return K3_OK;
 }
 

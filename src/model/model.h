@@ -98,8 +98,9 @@ struct k3_model {
 
     int32_t ep_rank, ep_size;  /* routed experts held: EP rank ep_rank of ep_size (k3_model_open_ep) */
     int64_t quant_bytes_delta; /* change of weight bytes read per token by k3_model_quantize */
-    bool bf16;                 /* the BF16 dot products run (k3_model_quantize marked the matrices):
-                                  attention on the C8 cache takes QSFA's BF16 form too (attn_ops.h) */
+    bool bf16;                 /* the BF16 dot products run (k3_model_quantize marked the matrices) */
+    int32_t qsfa_bf16_heads;   /* attention on the C8 cache takes QSFA's BF16 form from this many heads
+                                  (attn_ops.h: K3_QSFA_BF16_HEADS with bf16, else 0 = never) */
     float **owned;             /* fp32 copies and quantized matrices to free */
     int64_t n_owned, cap_owned;
     uint8_t *pack; /* the current chunk of own_packed (one of owned) */
