@@ -573,6 +573,23 @@ K3_TEST(bf16_fma_equals_vdpbf16ps) {
     k3_mat wl = strips(&lo);
     CHECK(wl.wrange);
     CHECKF(!fma_vs_vdp(&wl, xl, "at 2^-124"), "%s: the FMA kernel differs at the low end", type_name(&wl));
+    /* MXFP4 at both ends of its scales (69..72: products with these x near
+     * 2^-126 once scaled; 184..187 with x near 2^59: near 2^124) */
+    for (int end = 0; end < 2; end++) {
+        k3_mat m = mx4_mat(R, K, end ? 184 : 69, 4);
+        k3_mat ms = strips(&m);
+        float *xe = malloc(sizeof(float) * 17 * K);
+        for (int64_t i = 0; i < 17 * K; i++) {
+            const uint32_t u = (rnd() & 1u) << 31 | (end ? 185u : 67u) << 23 | (rnd() & 0x7f) << 16;
+            memcpy(&xe[i], &u, 4);
+        }
+        CHECK(ms.wrange);
+        CHECKF(!fma_vs_vdp(&ms, xe, end ? "scales 184..187" : "scales 69..72"), "%s: the FMA kernel differs at %s",
+               type_name(&ms), end ? "the high end" : "the low end");
+        free(xe);
+        mat_free(&ms);
+        mat_free(&m);
+    }
     /* an activation out of range: the whole call on vdpbf16ps */
     xl[5 * K + 100] = 0x1p-61f;
     CHECKF(!fma_vs_vdp(&wl, xl, "x past the range"), "%s: an activation past the range", type_name(&wl));

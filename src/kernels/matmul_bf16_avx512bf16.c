@@ -346,6 +346,69 @@ INLINE void fma_strip(const k3_mat *w, int64_t s, const float *xf, int64_t ldx, 
         _mm512_mask_storeu_ps(y + t * ldy + 16 * i, m[i], _mm512_load_ps(cb[i][t]));
 }
 
+/* MXFP4 strips on FMAs: the codes decoded straight to fp32 (vpermps reads a
+ * nibble's 4 bits as its index: nibble k of a quad's dword, k = 4, 0, 5, 1
+ * are pair 2g's E high, E low, O high, O low; 6, 2, 7, 3 pair 2g + 1's),
+ * unscaled, and a block's E and O multiplied by its scales at its end.
+ * (c s) x = s (c x) exactly and the sums round alike where every partial
+ * sum is normal both ways: with |x| in [2^-60, 2^60) a nonzero unscaled
+ * sum is a multiple of 2^-68 below 2^67, so scales 69..187 (k3_mat_wrange)
+ * keep both sides normal. */
+INLINE void fma_strip_mx(const k3_mat *w, int64_t s, const float *xf, int64_t ldx, float *y, int64_t ldy,
+                         const __mmask16 *m, const int MS, const int NTK) {
+    const int64_t nb = w->cols / 32;
+    const __m512 lut = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, 0.0f, -0.5f, -1.0f, -1.5f, -2.0f,
+                                      -3.0f, -4.0f, -6.0f);
+    _Alignas(64) float cb[2][NF][16];
+    UNROLL for (int i = 0; i < MS; i++) UNROLL for (int t = 0; t < NTK; t++)
+        _mm512_store_ps(cb[i][t], _mm512_setzero_ps());
+    for (int64_t b = 0; b < nb; b++) {
+        __m512 E[2][NF], O[2][NF];
+        UNROLL for (int i = 0; i < MS; i++) UNROLL for (int t = 0; t < NTK; t++) E[i][t] = O[i][t] =
+            _mm512_setzero_ps();
+        UNROLL for (int g = 0; g < 4; g++) {
+            __m512i d[2];
+            UNROLL for (int i = 0; i < MS; i++) {
+                const uint8_t *p = (const uint8_t *)w->data + ((s + i) * nb + b) * 256 + 64 * g;
+                _mm_prefetch((const char *)p + PF / 2, _MM_HINT_T1);
+                d[i] = _mm512_loadu_si512((const void *)p);
+            }
+            UNROLL for (int h = 0; h < 2; h++) {
+                const int j = 2 * g + h;
+                UNROLL for (int i = 0; i < MS; i++) {
+                    const __m512 eh = _mm512_permutexvar_ps(_mm512_srli_epi32(d[i], 16 + 8 * h), lut);
+                    const __m512 el = _mm512_permutexvar_ps(h ? _mm512_srli_epi32(d[i], 8) : d[i], lut);
+                    const __m512 oh = _mm512_permutexvar_ps(_mm512_srli_epi32(d[i], 20 + 8 * h), lut);
+                    const __m512 ol = _mm512_permutexvar_ps(_mm512_srli_epi32(d[i], 4 + 8 * h), lut);
+                    UNROLL for (int t = 0; t < NTK; t++) {
+                        const float *xt = xf + t * ldx + b * 32 + 4 * j;
+                        E[i][t] = _mm512_fmadd_ps(eh, _mm512_set1_ps(xt[0]), E[i][t]);
+                        O[i][t] = _mm512_fmadd_ps(oh, _mm512_set1_ps(xt[2]), O[i][t]);
+                        E[i][t] = _mm512_fmadd_ps(el, _mm512_set1_ps(xt[1]), E[i][t]);
+                        O[i][t] = _mm512_fmadd_ps(ol, _mm512_set1_ps(xt[3]), O[i][t]);
+                    }
+                }
+            }
+        }
+        UNROLL for (int i = 0; i < MS; i++) {
+            const int64_t blk = (s + i) * nb + b;
+            if (b % 4 == 0) _mm_prefetch((const char *)w->scale + blk * 16 + PF / 8, _MM_HINT_T1);
+            /* 2^(e-127) from the byte e (a block of zeros may carry 0: 0 x 0) */
+            const __m512 sv = _mm512_castsi512_ps(
+                _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w->scale + blk * 16))), 23));
+            UNROLL for (int t = 0; t < NTK; t++)
+                _mm512_store_ps(cb[i][t],
+                                _mm512_add_ps(_mm512_load_ps(cb[i][t]),
+                                              _mm512_add_ps(_mm512_mul_ps(E[i][t], sv), _mm512_mul_ps(O[i][t], sv))));
+        }
+    }
+    UNROLL for (int i = 0; i < MS; i++) UNROLL for (int t = 0; t < NTK; t++)
+        _mm512_mask_storeu_ps(y + t * ldy + 16 * i, m[i], _mm512_load_ps(cb[i][t]));
+}
+
+#ifndef FMA_MX_MIN
+#define FMA_MX_MIN 1 /* MXFP4 from one token on */
+#endif
 #ifndef FMA2
 #define FMA2 3 /* up to FMA2 tokens a pass take two strips */
 #endif
@@ -353,7 +416,10 @@ INLINE void fma_strip(const k3_mat *w, int64_t s, const float *xf, int64_t ldx, 
 static void fma_any(int ms, int nt, bool mx, const k3_mat *w, int64_t s, const float *xf, int64_t ldx, float *y,
                     int64_t ldy, const __mmask16 *m) {
 #define C(MS, NTK, MX) \
-    case ((MS)*16 + (NTK)) * 2 + (MX): fma_strip(w, s, xf, ldx, y, ldy, m, MS, NTK, MX); break;
+    case ((MS)*16 + (NTK)) * 2 + (MX): \
+        if (MX) fma_strip_mx(w, s, xf, ldx, y, ldy, m, MS, NTK); \
+        else fma_strip(w, s, xf, ldx, y, ldy, m, MS, NTK, 0); \
+        break;
     /* clang-format off */
     switch ((ms * 16 + nt) * 2 + mx) {
     C(1, 1, 0) C(1, 1, 1) C(1, 2, 0) C(1, 2, 1) C(1, 3, 0) C(1, 3, 1) C(1, 4, 0) C(1, 4, 1)
@@ -429,14 +495,14 @@ void k3_bf16_rows_avx512_fma(const k3_mat *w, const float *xp, int64_t n, float 
     K3_ASSERT(r0 % 16 == 0);
     const int64_t nb = (w->cols + 31) / 32, ld = fma_ld(nb);
     const unsigned csr = csr_ftz();
-    bool fma = w->wrange && (w->type == K3_W_BF16_S16 || w->type == K3_W_MXFP4_S16) && n >= 2 && n <= FMA_MAX;
+    const bool mx = w->type == K3_W_MXFP4_S16;
+    bool fma = w->wrange && (w->type == K3_W_BF16_S16 || mx) && n >= (mx ? FMA_MX_MIN : 2) && n <= FMA_MAX;
     for (int64_t i = 0; fma && i < n; i++) fma = ((const uint32_t *)xp)[i * ld + nb * 48] != 0;
     if (!fma) {
         rows_dp(w, (const uint32_t *)xp, ld, n, y, ldy, r0, r1);
         _mm_setcsr(csr);
         return;
     }
-    const bool mx = w->type == K3_W_MXFP4_S16;
     const int64_t np = (n + NF - 1) / NF, s1 = (r1 + 15) / 16; /* passes of even size: 9 tokens as 5 + 4 */
     for (int64_t s = r0 / 16; s < s1;) {
         const int ms = s + 1 < s1 && n <= FMA2 ? 2 : 1;

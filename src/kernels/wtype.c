@@ -200,16 +200,19 @@ bool k3_mat_wrange(const k3_mat *w) {
         return ok;
     }
     if (w->type == K3_W_MXFP4 || w->type == K3_W_MXFP4_S16) {
-        /* codes 0.5..6 times 2^(e-127): |w| in [2^(e-128), 2^(e-124)), so
-         * scales 64..188 wherever a row's block has a nonzero code (a block
-         * of zeros may carry any scale). A stored block's 16 bytes follow
-         * its scale's index; a strip block's row r has 4 bytes in each of
-         * its 4 quads of 64 (kernels.h). */
+        /* codes 0.5..6 times 2^(e-127): |w| in [2^(e-128), 2^(e-124)); the
+         * FMA kernels take the scale at a block's end, so they need the
+         * scaled sums normal too: scales 69..187 wherever a row's block has
+         * a nonzero code (a block of zeros may carry any finite scale).
+         * A stored block's 16 bytes follow its scale's index; a strip
+         * block's row r has 4 bytes in each of its 4 quads of 64
+         * (kernels.h). */
         const uint8_t *d = w->data;
         const size_t n = k3_mat_scale_bytes(w);
         const bool s16 = w->type == K3_W_MXFP4_S16;
         for (size_t i = 0; i < n; i++) {
-            if (w->scale[i] >= 64 && w->scale[i] <= 188) continue;
+            if (w->scale[i] >= 69 && w->scale[i] <= 187) continue;
+            ok &= w->scale[i] != 255;
             unsigned nz = 0;
             for (int k = 0; k < 16; k++) {
                 const uint8_t b =
