@@ -42,6 +42,7 @@ static int usage_tp(FILE *f) {
             "  --seed S                 prompt seed (default 0)\n"
             "  --threads N              worker threads (default: the physical cores)\n"
             "  --quant MODE             none | w8a8 | w4a8 | w8a8+w4a8 (default " K3_DEFAULT_QUANT ")\n"
+            "  --isa NAME               kernels: " K3_CLI_ISA_HELP "\n"
             "  --kv-cache f32|c8        cache format (default " K3_DEFAULT_KV ")\n"
             "  --mmap                   keep the weights in the file mapping\n"
             "  --max-num-seqs N         engine: running requests (default: max(16, C))\n"
@@ -139,6 +140,9 @@ int k3_cmd_bench_throughput(int argc, char **argv) {
             }
         }
         else if (!strcmp(a, "--quant") && has) quant = argv[++i]; else if (!strcmp(a, "--json")) json = true;
+        else if (!strcmp(a, "--isa") && has) {
+            if (k3_cli_set_isa("bench throughput", argv[++i])) return 2;
+        }
         else if (!strcmp(a, "--mmap")) keep_mapped = true; else if (!strcmp(a, "--no-prefix-cache")) no_prefix = true;
         else if (!strcmp(a, "-h") || !strcmp(a, "--help")) return usage_tp(stdout); else return usage_tp(stderr);
     }
@@ -206,9 +210,9 @@ int k3_cmd_bench_throughput(int argc, char **argv) {
     if (k3_engine_open(&e, m, &eo, &err)) goto fail;
 
     fprintf(stderr,
-            "k3 bench throughput: %s, %ld threads, quant %s, kv %s; %ld prompts x (%ld in, %ld out), concurrency "
-            "%ld%s\n",
-            dir, threads, quant, kv == K3_KV_C8 ? "c8" : "f32", num, in_len, out_len, conc,
+            "k3 bench throughput: %s, %ld threads, quant %s, kv %s, isa %s; %ld prompts x (%ld in, %ld out), "
+            "concurrency %ld%s\n",
+            dir, threads, quant, kv == K3_KV_C8 ? "c8" : "f32", k3_isa_current(), num, in_len, out_len, conc,
             no_prefix ? ", prefix cache off" : "");
     if (pfx) fprintf(stderr, "  shared prefixes: %ld of %ld tokens\n", n_pfx, pfx);
 
@@ -336,7 +340,8 @@ int k3_cmd_bench_throughput(int argc, char **argv) {
     const double snap_restore_ms =
         st.n_snapshot_restores ? st.snapshot_restore_s / (double)st.n_snapshot_restores * 1e3 : 0;
     if (json) {
-        printf("{\"model\": \"%s\", \"threads\": %ld, \"quant\": \"%s\", \"kv_cache\": \"%s\", \"num_prompts\": %ld, "
+        printf("{\"model\": \"%s\", \"threads\": %ld, \"quant\": \"%s\", \"kv_cache\": \"%s\", \"isa\": \"%s\", "
+               "\"num_prompts\": %ld, "
                "\"max_concurrency\": %ld, \"input_len\": %ld, \"output_len\": %ld, \"prefix_len\": %ld, "
                "\"num_prefixes\": %ld, \"long_prompt\": %ld, \"prefix_cache\": %s, \"elapsed_s\": %.3f, "
                "\"request_throughput\": %.4f, \"output_throughput\": %.3f, \"total_token_throughput\": %.3f, "
@@ -350,14 +355,14 @@ int k3_cmd_bench_throughput(int argc, char **argv) {
                "\"snapshot_take_ms\": %.4f, \"snapshots_restored\": %lld, \"snapshot_restore_ms\": %.4f, "
                "\"cache_tokens\": %lld, \"max_num_seqs\": %d, \"max_step_cost\": %ld, \"step_cost_max\": %.2f, "
                "\"prefill_cost_p0\": %lld, \"long_prompt_tokens_beside_decodes\": %lld}\n",
-               dir, threads, quant, kv == K3_KV_C8 ? "c8" : "f32", num, conc, in_len, out_len, pfx, n_pfx, long_len,
-               no_prefix ? "false" : "true", wall, num / wall, out_tok / wall, (out_tok + in_tok) / wall, hit_rate,
-               (long long)st.prefix_queries, (long long)st.prefix_hits, (long long)st.n_preemptions, d_ttft.mean,
-               d_ttft.median, d_ttft.p99, d_tpot.mean, d_tpot.median, d_tpot.p99, d_itl.mean, d_itl.median, d_itl.p99,
-               d_itl2.mean, d_itl2.median, d_itl2.p99, (long long)n_itl2, long_ttft * 1e3,
-               (long long)st.state_bytes_per_seq, (long long)st.n_snapshot_saves, snap_take_ms,
-               (long long)st.n_snapshot_restores, snap_restore_ms, (long long)st.cache_tokens, eo.max_num_seqs, msc,
-               st.step_cost_max, (long long)st.prefill_cost_p0, (long long)long_beside);
+               dir, threads, quant, kv == K3_KV_C8 ? "c8" : "f32", k3_isa_current(), num, conc, in_len, out_len, pfx,
+               n_pfx, long_len, no_prefix ? "false" : "true", wall, num / wall, out_tok / wall,
+               (out_tok + in_tok) / wall, hit_rate, (long long)st.prefix_queries, (long long)st.prefix_hits,
+               (long long)st.n_preemptions, d_ttft.mean, d_ttft.median, d_ttft.p99, d_tpot.mean, d_tpot.median,
+               d_tpot.p99, d_itl.mean, d_itl.median, d_itl.p99, d_itl2.mean, d_itl2.median, d_itl2.p99,
+               (long long)n_itl2, long_ttft * 1e3, (long long)st.state_bytes_per_seq, (long long)st.n_snapshot_saves,
+               snap_take_ms, (long long)st.n_snapshot_restores, snap_restore_ms, (long long)st.cache_tokens,
+               eo.max_num_seqs, msc, st.step_cost_max, (long long)st.prefill_cost_p0, (long long)long_beside);
     } else {
         printf("elapsed                 %.2f s\n", wall);
         printf("request throughput      %.3f req/s\n", num / wall);

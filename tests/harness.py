@@ -113,7 +113,8 @@ class Process:
     wait_for's group 1): started, its port read, its stderr drained into log; it dies with this
     process and is stopped by stop_all."""
 
-    def __init__(self, args, wait_for=rb"listening on http://[^:]+:(\d+)", stop_timeout=10, start_timeout=90):
+    def __init__(self, args, wait_for=rb"listening on http://[^:]+:(\d+)", stop_timeout=10, start_timeout=90,
+                 expect_start=True):
         self.args = args
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
@@ -137,13 +138,16 @@ class Process:
             if m:
                 port = int(m.group(1))
         self.log.append(buf.decode(errors="replace"))
+        m = re.search(rb"kv transfer listening on [^ ]*?:(\d+)", buf)  # a prefill instance's transfer port
+        self.kv_port = int(m.group(1)) if m else None
+        self.port, self.key = port, None
+        self.url = f"http://127.0.0.1:{port}" if port else None
         if port is None:
             self.stop()
-            raise RuntimeError(f"did not start: {' '.join(args)}: " + buf.decode(errors="replace")[-600:])
+            if expect_start:  # expect_start=False: a process that must refuse to start, its log kept
+                raise RuntimeError(f"did not start: {' '.join(args)}: " + buf.decode(errors="replace")[-600:])
+            return
         threading.Thread(target=self._drain, daemon=True).start()
-        self.port = port
-        self.url = f"http://127.0.0.1:{port}"
-        self.key = None
 
     def _drain(self):
         while True:

@@ -13,10 +13,10 @@ backends; 10,000 response ids over the four APIs carry no repeated or ordered bi
 splitmix64 finalizer, which the old ids went through, is undone); a request of 15 PNGs of
 8192 x 8192 is refused from their headers (400 naming the limit) with the server's peak RSS flat,
 and image requests at once are served one after another. Prints `ok   secure: NAME` /
-`FAIL secure: NAME` and ends with `secure: N passed, N failed`. Every process dies with it.
+`FAIL secure: NAME` and ends with `secure: N passed, N failed, N skipped` (tests/harness.py). Every
+process dies with it.
 """
 import base64
-import ctypes
 import hashlib
 import hmac
 import http.client
@@ -26,15 +26,15 @@ import re
 import resource
 import secrets
 import select
-import signal
 import socket
 import struct
-import subprocess
 import sys
 import threading
 import time
-import traceback
 import zlib
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
 
 K3 = sys.argv[1] if len(sys.argv) > 1 else "build/k3"
 TINY, VISION = "tests/models/tiny", "tests/models/vision-tiny"
@@ -42,80 +42,13 @@ KEY = "user-key"
 SECRET = os.environ.setdefault("K3_KV_TRANSFER_SECRET", secrets.token_hex(32))
 resource.setrlimit(resource.RLIMIT_NOFILE, (4096, 4096))
 M64 = (1 << 64) - 1
-procs = []
-passed = failed = 0
-
-
-def die_with_parent():
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-class Proc:
-    """A k3 process whose stderr is read until it says where it listens."""
-
-    def __init__(self, args, expect_start=True):
-        self.args = args
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                                     preexec_fn=die_with_parent)
-        procs.append(self)
-        self.log, self.port, self.kv_port = b"", None, None
-        deadline = time.time() + 60
-        while time.time() < deadline and self.port is None:
-            r, _, _ = select.select([self.proc.stderr], [], [], 1.0)
-            if not r:
-                if self.proc.poll() is not None:
-                    break
-                continue
-            c = os.read(self.proc.stderr.fileno(), 4096)
-            if not c:
-                break
-            self.log += c
-            m = re.search(rb"listening on http://[^:]+:(\d+)", self.log)
-            if m:
-                self.port = int(m.group(1))
-        m = re.search(rb"kv transfer listening on [^ ]*?:(\d+)", self.log)
-        self.kv_port = int(m.group(1)) if m else None
-        if self.port is None and expect_start:
-            self.stop()
-            raise RuntimeError("did not start: %s: %s" % (" ".join(args), self.log.decode(errors="replace")[-500:]))
-        threading.Thread(target=self._drain, daemon=True).start()
-
-    def _drain(self):
-        while True:
-            try:
-                c = os.read(self.proc.stderr.fileno(), 4096)
-            except OSError:
-                return
-            if not c:
-                return
-            self.log += c
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+suite = harness.Suite("secure")
+check = suite.check
 
 
 def serve(model, *extra):
-    return Proc([K3, "serve", "-m", model, "--port", "0", "--threads", "1", "--api-key", KEY, *extra])
-
-
-def check(name, fn):
-    global passed, failed
-    t0 = time.time()
-    try:
-        fn()
-        passed += 1
-        print("ok   secure: %s (%.1f s)" % (name, time.time() - t0), flush=True)
-    except Exception as e:  # noqa: BLE001 -- every failure is reported, none stops the run
-        failed += 1
-        print("FAIL secure: %s: %s: %s" % (name, type(e).__name__, e), flush=True)
-        for line in traceback.format_exc().splitlines()[-6:]:
-            print("    " + line, flush=True)
+    return harness.Process([K3, "serve", "-m", model, "--port", "0", "--threads", "1", "--api-key", KEY, *extra],
+                     stop_timeout=15, start_timeout=60)
 
 
 def call(port, method, path, body=None, headers=None, timeout=120, key=KEY):
@@ -307,15 +240,15 @@ def main():
 
     # ---- the proxy ----
     def proxy_key():
-        px = Proc([K3, "serve", "--role", "proxy", "--api-key", "", "--prefill", "http://127.0.0.1:1", "--decode",
-                   "http://127.0.0.1:2", "--port", "0"], expect_start=False)
+        px = harness.Process([K3, "serve", "--role", "proxy", "--api-key", "", "--prefill", "http://127.0.0.1:1",
+                        "--decode", "http://127.0.0.1:2", "--port", "0"], expect_start=False)
         px.proc.wait(10)
-        assert px.proc.returncode == 2 and b"the API key is empty" in px.log, (px.proc.returncode, px.log[-300:])
+        assert px.proc.returncode == 2 and "the API key is empty" in px.text(), (px.proc.returncode, px.text()[-300:])
     check("the proxy refuses an empty --api-key", proxy_key)
 
     p2 = serve(TINY, "--role", "prefill", "--kv-transfer-port", "0")
     d2 = serve(TINY, "--role", "decode")
-    x = Proc([K3, "serve", "--role", "proxy", "--api-key", KEY, "--port", "0", "--max-connections", "64",
+    x = harness.Process([K3, "serve", "--role", "proxy", "--api-key", KEY, "--port", "0", "--max-connections", "64",
               "--prefill", "http://127.0.0.1:%d" % p2.port, "--decode", "http://127.0.0.1:%d" % d2.port])
 
     def proxy_auth_framing():
@@ -514,14 +447,4 @@ def png(w, h):
         chunk(b"IDAT", raw) + chunk(b"IEND", b"")
 
 
-try:
-    main()
-except Exception as e:  # noqa: BLE001
-    failed += 1
-    print("FAIL secure: setup: %s: %s" % (type(e).__name__, e), flush=True)
-    traceback.print_exc()
-finally:
-    for p in reversed(procs):
-        p.stop()
-print("secure: %d passed, %d failed" % (passed, failed), flush=True)
-sys.exit(1 if failed else 0)
+suite.main(main)

@@ -25,10 +25,10 @@ that the test notices a schema that stops (or starts) compiling.
 
 Usage:
     sh scripts/venv.sh jsonschema     # once
-    .venv/bin/python tools/schema_suite.py [--suite DIR_OR_GIT_DIR] [--out FILE] [--k3 build/k3]
+    git clone --bare https://github.com/json-schema-org/JSON-Schema-Test-Suite /tmp/jsts
+    .venv/bin/python tools/schema_suite.py --suite /tmp/jsts [--out FILE] [--k3 build/k3]
 
---suite is a checkout of the suite or its bare git directory (default: the
-mirror the `fetch` tool makes, /work/.mirror/json-schema-org+JSON-Schema-Test-Suite/repo).
+--suite is a checkout of the suite or its bare git directory (its HEAD is read).
 """
 import argparse
 import json
@@ -38,7 +38,6 @@ import sys
 
 import jsonschema
 
-DEFAULT_SUITE = "/work/.mirror/json-schema-org+JSON-Schema-Test-Suite/repo"
 FORMATS = ["date", "time", "date-time", "email", "uuid", "uri", "ipv4", "ipv6", "duration", "json-pointer"]
 SKIP = {"refRemote.json", "vocabulary.json"}  # remote documents / metaschemas: nothing to constrain
 
@@ -228,7 +227,7 @@ def compiles(k3, schema_text):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--suite", default=DEFAULT_SUITE)
+    ap.add_argument("--suite", required=True, help="a checkout of the suite or its bare git directory")
     ap.add_argument("--k3", help="a built k3 binary: record whether each schema compiles")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "tests", "golden", "grammar",
                                                   "suite.json"))

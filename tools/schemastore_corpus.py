@@ -15,10 +15,10 @@ writes bench/schemastore/corpus.jsonl.gz, one schema a line:
 
 Usage:
     sh scripts/venv.sh jsonschema     # once
-    .venv/bin/python tools/schemastore_corpus.py [--git DIR] [--commit SHA] [--out FILE]
+    git clone --bare https://github.com/SchemaStore/schemastore /tmp/schemastore
+    .venv/bin/python tools/schemastore_corpus.py --git /tmp/schemastore [--commit SHA] [--out FILE]
 
---git is a SchemaStore git directory (default: the mirror the `fetch` tool makes,
-/work/.mirror/SchemaStore+schemastore/repo); --commit the pinned commit (default below).
+--git is a bare SchemaStore git directory (or a checkout's .git); --commit the pinned commit (default below).
 """
 import argparse
 import gzip
@@ -32,7 +32,6 @@ import jsonschema
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from schema_suite import Orderer  # noqa: E402
 
-DEFAULT_GIT = "/work/.mirror/SchemaStore+schemastore/repo"
 COMMIT = "3b6446ad8a077bac56f4a4796c0b7fd88927fc8e"
 MAX_SCHEMA = 64 << 10
 MAX_INSTANCE = 16 << 10
@@ -70,7 +69,7 @@ def instances(d, commit, files, folder, name):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--git", default=DEFAULT_GIT)
+    ap.add_argument("--git", required=True, help="a SchemaStore git directory")
     ap.add_argument("--commit", default=COMMIT)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "bench", "schemastore",
                                                   "corpus.jsonl.gz"))

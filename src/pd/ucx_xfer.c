@@ -812,6 +812,24 @@ static k3_status source_of(const offer *o, puller *P, int32_t L, int c, int64_t 
     return k3_err(err, K3_ERR_FORMAT, "kv transfer: the UCX offer has no array %d of layer %d", c, L);
 }
 
+/* A UCX failure while the prefill instance has gone: a killed process's
+ * endpoint fails on its shared memory or with a reset, sometimes before its
+ * stream reads closed, so UCX's words alone would not say what happened.
+ * When the stream shows the hangup within a moment, the error says that the
+ * prefill instance closed the connection, UCX's words after it. */
+static void name_gone_peer(int fd, k3_status s, k3_error *err) {
+    if (!err || s != K3_ERR_IO || strncmp(err->msg, "ucx:", 4) != 0) return;
+    struct pollfd pf = {.fd = fd, .events = POLLIN};
+    if (poll(&pf, 1, 500) <= 0) return;
+    char c;
+    const ssize_t n = recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+    if (n > 0 || (n < 0 && errno != ECONNRESET)) return; /* more on the stream: the peer is there */
+    char was[sizeof err->msg];
+    snprintf(was, sizeof was, "%s", err->msg);
+    k3_err_clear(err);
+    k3_err(err, K3_ERR_IO, "kv transfer: the prefill instance closed the connection (%s)", was);
+}
+
 k3_status k3_pd_ux_pull(k3_pd_ux *ux, int fd, k3_pd_session *ss, const k3_pull_info *pi, const void *offer_b,
                         size_t offer_len, int64_t max_unit, k3_pd_fault *f, double timeout_s, const atomic_bool *cancel,
                         const atomic_bool *quit, k3_pd_ux_stats *st, k3_error *err) {
@@ -972,6 +990,7 @@ k3_status k3_pd_ux_pull(k3_pd_ux *ux, int fd, k3_pd_session *ss, const k3_pull_i
     /* whatever failed: the checker stops, and what is in flight ends now (the
      * endpoint closed by force), before the blocks may be freed */
     checker_stop(&P);
+    if (s) name_gone_peer(fd, s, err);
     while (P.n_pend > 0) {
         pend_free(&P.ring[P.head]);
         P.head = (P.head + 1) % WINDOW;
