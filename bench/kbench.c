@@ -96,6 +96,7 @@ int main(int argc, char **argv) {
                 for (size_t i = 0; i < k3_mat_scale_bytes(&w); i++) s[i] = (uint8_t)(118 + rnd() % 8);
                 ms[m].scale = s;
             }
+            ms[m].wrange = k3_mat_wrange(&ms[m]); /* as the loader marks its strips */
             if (ti->row_scale) { /* as the loader makes them: scales and row sums */
                 float *s = malloc(sizeof(float) * (size_t)rows);
                 int32_t *sum = malloc(sizeof(int32_t) * (size_t)rows);

@@ -67,6 +67,7 @@ static k3_mat strips(const k3_mat *w) {
     s.type = w->type == K3_W_MXFP4 ? K3_W_MXFP4_S16 : K3_W_BF16_S16;
     s.data = d;
     s.scale = sc;
+    s.wrange = k3_mat_wrange(&s); /* as the loader marks them */
     return s;
 }
 
@@ -474,4 +475,134 @@ K3_TEST(bf16_moe_sparse_routing_not_grouped) {
     free(z), free(y);
     k3_pool_free(pool);
     k3_set_isa(NULL, &err);
+}
+
+/* ---- the few-token products on fp32 FMAs (matmul_bf16_avx512bf16.c) ---- */
+
+/* k3_mat_wrange: the weights whose products with in-range activations are
+ * normal floats (a block of zero codes may carry any scale). */
+K3_TEST(bf16_wrange) {
+    k3_mat b = bf16_mat(32, 64);
+    CHECK(k3_mat_wrange(&b));
+    ((uint16_t *)b.data)[77] = 0x0080; /* 2^-126 */
+    CHECK(!k3_mat_wrange(&b));
+    ((uint16_t *)b.data)[77] = 0x0001; /* a denormal: read as zero */
+    CHECK(k3_mat_wrange(&b));
+    ((uint16_t *)b.data)[77] = 0x5f80; /* 2^64 */
+    CHECK(!k3_mat_wrange(&b));
+    mat_free(&b);
+    k3_mat m = mx4_mat(32, 256, 110, 25); /* zero blocks with scales 0 and 254 */
+    CHECK(k3_mat_wrange(&m));
+    k3_mat s = strips(&m);
+    CHECK(s.wrange);
+    ((uint8_t *)m.scale)[3] = 30; /* a block of codes at 2^-97 */
+    CHECK(!k3_mat_wrange(&m));
+    mat_free(&s);
+    s = strips(&m);
+    CHECK(!s.wrange);
+    mat_free(&s);
+    mat_free(&m);
+}
+
+/* One call of a table kernel on its own prepared x, all rows. */
+static void rows_call(k3_mm_rows_fn *rows, k3_mm_prep_fn *prep, const k3_mat *w, const float *x, int64_t n, float *y,
+                      int64_t r0) {
+    float *xp = aligned_alloc(64, (sizeof(float) * (size_t)prep(w, x, n, NULL) + 63) / 64 * 64);
+    prep(w, x, n, xp);
+    rows(w, xp, n, y, w->rows, r0, w->rows);
+    free(xp);
+}
+
+/* The FMA kernel against the vdpbf16ps one and the reference, bit for bit,
+ * at 1 to 17 tokens and from the second strip on; returns mismatches. */
+static int fma_vs_vdp(const k3_mat *w, const float *x, const char *what) {
+    int bad = 0;
+    const int64_t rows = w->rows;
+    float *yf = calloc((size_t)(17 * rows), sizeof(float)), *yd = calloc((size_t)(17 * rows), sizeof(float));
+    float *yr = malloc(sizeof(float) * (size_t)(17 * rows));
+    for (int64_t n = 1; n <= 17; n++) {
+        const int64_t r0 = n % 3 == 0 ? 16 : 0;
+        rows_call(k3_bf16_rows_avx512_fma, k3_bf16_prep_x_avx512_fma, w, x, n, yf, r0);
+        rows_call(k3_bf16_rows_avx512, k3_bf16_prep_x_avx512, w, x, n, yd, r0);
+        k3_bf16_rows_ref(w, x, n, yr, rows, 0, rows);
+        for (int64_t t = 0; t < n; t++)
+            for (int64_t r = r0; r < rows; r++) {
+                const int64_t i = t * rows + r;
+                if ((memcmp(&yf[i], &yr[i], 4) || memcmp(&yd[i], &yr[i], 4)) && bad++ < 3)
+                    printf("    %s %s n=%lld token %lld row %lld: fma %.9g vdpbf16ps %.9g reference %.9g\n", what,
+                           type_name(w), (long long)n, (long long)t, (long long)r, yf[i], yd[i], yr[i]);
+            }
+    }
+    free(yf);
+    free(yd);
+    free(yr);
+    return bad;
+}
+
+/* Every token count through both kernels of the "avx512-bf16" table gives
+ * the reference's bits: activations and weights of every size; at the ends
+ * of the FMA path's range, where sums cancel below 2^-126 and are flushed;
+ * and past them (an activation or a weight out of range: vdpbf16ps). */
+K3_TEST(bf16_fma_equals_vdpbf16ps) {
+    k3_error err = {0};
+    if (k3_set_isa("avx512-bf16", &err) != K3_OK || !vdp_as_intel()) {
+        printf("    (not run: %s)\n", err.msg[0] ? err.msg : "vdpbf16ps is not Intel's here");
+        k3_set_isa(NULL, &err);
+        return;
+    }
+    k3_set_isa(NULL, &err);
+    enum { R = 48, K = 512 };
+    k3_mat src[2] = {bf16_mat(R, K), mx4_mat(R, K, 110, 25)};
+    float *x = fvec(17 * K, 2.0f);
+    for (int i = 0; i < 2; i++) {
+        k3_mat w = strips(&src[i]);
+        CHECK(w.wrange);
+        CHECKF(!fma_vs_vdp(&w, x, "in range"), "%s: the FMA kernel differs", type_name(&w));
+        mat_free(&w);
+    }
+    /* the low end: |w| 2^-64..2^-63, |x| 2^-60..2^-59, products near 2^-124
+     * of both signs, E, O and C cancelling below 2^-126 */
+    k3_mat lo = bf16_mat(R, K);
+    uint16_t *d = (uint16_t *)lo.data;
+    for (int64_t i = 0; i < R * K; i++) d[i] = (uint16_t)((rnd() & 1) << 15 | 63 << 7 | (rnd() & 0x7f));
+    float *xl = malloc(sizeof(float) * 17 * K);
+    for (int64_t i = 0; i < 17 * K; i++) {
+        const uint32_t u = (rnd() & 1u) << 31 | 67u << 23 | (rnd() & 0x7f) << 16;
+        memcpy(&xl[i], &u, 4);
+    }
+    k3_mat wl = strips(&lo);
+    CHECK(wl.wrange);
+    CHECKF(!fma_vs_vdp(&wl, xl, "at 2^-124"), "%s: the FMA kernel differs at the low end", type_name(&wl));
+    /* MXFP4 at both ends of its scales (69..72: products with these x near
+     * 2^-126 once scaled; 184..187 with x near 2^59: near 2^124) */
+    for (int end = 0; end < 2; end++) {
+        k3_mat m = mx4_mat(R, K, end ? 184 : 69, 4);
+        k3_mat ms = strips(&m);
+        float *xe = malloc(sizeof(float) * 17 * K);
+        for (int64_t i = 0; i < 17 * K; i++) {
+            const uint32_t u = (rnd() & 1u) << 31 | (end ? 185u : 67u) << 23 | (rnd() & 0x7f) << 16;
+            memcpy(&xe[i], &u, 4);
+        }
+        CHECK(ms.wrange);
+        CHECKF(!fma_vs_vdp(&ms, xe, end ? "scales 184..187" : "scales 69..72"), "%s: the FMA kernel differs at %s",
+               type_name(&ms), end ? "the high end" : "the low end");
+        free(xe);
+        mat_free(&ms);
+        mat_free(&m);
+    }
+    /* an activation out of range: the whole call on vdpbf16ps */
+    xl[5 * K + 100] = 0x1p-61f;
+    CHECKF(!fma_vs_vdp(&wl, xl, "x past the range"), "%s: an activation past the range", type_name(&wl));
+    mat_free(&wl);
+    /* a weight out of range (2^-65): the matrix never takes the FMAs */
+    d[3 * K + 7] = 62 << 7;
+    wl = strips(&lo);
+    CHECK(!wl.wrange);
+    CHECKF(!fma_vs_vdp(&wl, xl, "w past the range"), "%s: a weight past the range", type_name(&wl));
+    mat_free(&wl);
+    mat_free(&lo);
+    free(xl);
+    free(x);
+    mat_free(&src[0]);
+    mat_free(&src[1]);
 }

@@ -37,11 +37,13 @@
 #include "kernels/kernels_isa.h"
 #include "kernels/amx.h"
 #include "kernels/quant.h"
+#include "kernels/peak_isa.h"
 #include "common/error.h"
 
 #include <pthread.h>
 #include <stdatomic.h>
 #include <string.h>
+#include <time.h>
 
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
 static k3_kernel_ops t_ref, t_avx2, t_avx2_vnni, t_avx512, t_avx512_bf16, t_amx;
@@ -157,13 +159,46 @@ static void build_avx512(k3_kernel_ops *o, const k3_kernel_ops *avx2, bool vnni,
  * model's BF16 and MXFP4 matrices take them (k3_mat.bf16, marked at load);
  * the fp32 kernels stay for the matrices kept exact (the routers) and for
  * "avx512-nobf16", the exact path. */
+static double loop_rate(double (*loop)(int64_t)) {
+    double best = 0;
+    for (int r = 0; r < 3; r++) {
+        struct timespec a, b;
+        clock_gettime(CLOCK_MONOTONIC, &a);
+        const double ops = loop(4096);
+        clock_gettime(CLOCK_MONOTONIC, &b);
+        const double s = (double)(b.tv_sec - a.tv_sec) + (double)(b.tv_nsec - a.tv_nsec) * 1e-9;
+        if (s > 0 && ops / s > best) best = ops / s;
+    }
+    return best;
+}
+
+/* Whether fp32 FMAs do the BF16 products of a few tokens faster than
+ * vdpbf16ps: where a core's FMAs (16 multiply-adds each) issue at more than
+ * 1.5 times the rate of its vdpbf16ps (32 each), as on the Xeons that issue
+ * vdpbf16ps every other cycle beside two FMAs a cycle (Zen 4 issues it at
+ * twice the FMA's rate). The two register loops, ~0.1 ms each, best of 3,
+ * alternated; either answer gives the same bits. */
+static bool fma_outruns_vdp(void) {
+    double fma = 0, vdp = 0;
+    for (int r = 0; r < 2; r++) {
+        const double f = loop_rate(k3_peak_fma32_avx512), v = loop_rate(k3_peak_bf16_avx512);
+        fma = f > fma ? f : fma;
+        vdp = v > vdp ? v : vdp;
+    }
+    return fma > 1.5 * vdp;
+}
+
 static void build_avx512_bf16(k3_kernel_ops *o, const k3_kernel_ops *avx512) {
     *o = *avx512;
     o->name = "avx512-bf16";
     o->base = avx512;
     o->bf16 = true;
     o->qsfa_bf = k3_qsfa_bf_avx512;
-    const k3_mm_kernel bf = {.rows = k3_bf16_rows_avx512, .prep_x = k3_bf16_prep_x_avx512};
+    /* vdpbf16ps, or the few-token calls on FMAs where this CPU's FMAs are
+     * the faster (matmul_bf16_avx512bf16.c): the same bits */
+    const k3_mm_kernel bf = fma_outruns_vdp()
+        ? (k3_mm_kernel){.rows = k3_bf16_rows_avx512_fma, .prep_x = k3_bf16_prep_x_avx512_fma}
+        : (k3_mm_kernel){.rows = k3_bf16_rows_avx512, .prep_x = k3_bf16_prep_x_avx512};
     for (int t = 0; t < K3_W_COUNT; t++)
         if (k3_wtype_info((k3_wtype)t)->acts & K3_ACTS_BF16) o->bf[t] = bf;
 }

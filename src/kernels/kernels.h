@@ -49,6 +49,11 @@ typedef struct k3_mat {
                               32-column block's even and odd products summed apart, as
                               the AMX unit's TDPBF16PS does (kernels_isa.h); set at load
                               where the kernel table has these products (k3_kernels_bf16) */
+    bool wrange;            /* the weights in the range of the FMA kernels (k3_mat_wrange, set
+                              with the strips): then with activations within 2^+-60 every
+                              product and partial sum is a normal float, and the BF16 dot
+                              products may run on fp32 FMAs with vdpbf16ps's bits
+                              (matmul_bf16_avx512bf16.c) */
 } k3_mat;
 
 /* K3_W_MXFP4_R4 (rows % 4 == 0, cols % 128 == 0): where the packed byte of
@@ -132,6 +137,11 @@ size_t k3_mat_scale_bytes(const k3_mat *w);
 k3_mat k3_mat_rows(const k3_mat *w, int64_t r0, int64_t n);
 /* Dequantizes row r into out[cols]. */
 void k3_mat_get_row(const k3_mat *w, int64_t r, float *out);
+/* Whether a BF16 or MXFP4 matrix (stored or strips) is in the FMA kernels'
+ * range: every nonzero BF16 weight within 2^-64 <= |w| < 2^64 (words with a
+ * zero exponent read as zero); every MXFP4 block with a nonzero code scaled
+ * by 2^(69-127)..2^(187-127), and none by NaN. False for other types. */
+bool k3_mat_wrange(const k3_mat *w);
 
 /* ---- scalar conversions (codec.c) -------------------------------------- */
 float k3_bf16_to_f32(uint16_t h);

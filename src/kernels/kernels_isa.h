@@ -241,9 +241,10 @@ const k3_kernel_ops *k3_ops(void);
 k3_mm_rows_fn k3_matmul_rows_ref, k3_matmul_rows_avx2, k3_matmul_rows_avx512;
 /* The BF16 dot products: the scalar reference (ref.c) and AVX-512 BF16
  * (matmul_bf16_avx512bf16.c: every bf type, rows in whole 16-row strips but
- * the last). */
-k3_mm_rows_fn k3_bf16_rows_ref, k3_bf16_rows_avx512;
-k3_mm_prep_fn k3_bf16_prep_x_avx512;
+ * the last; the _fma pair takes few-token calls on fp32 FMAs with the same
+ * bits, for the CPUs whose FMAs outrun vdpbf16ps, and prepares x its way). */
+k3_mm_rows_fn k3_bf16_rows_ref, k3_bf16_rows_avx512, k3_bf16_rows_avx512_fma;
+k3_mm_prep_fn k3_bf16_prep_x_avx512, k3_bf16_prep_x_avx512_fma;
 k3_mm_prep_fn k3_matmul_prep_x_avx2, k3_matmul_prep_x_avx512;
 k3_dot_fn k3_dot_avx2, k3_dot_avx512;
 k3_axpy_fn k3_axpy_avx2, k3_axpy_avx512;

@@ -187,6 +187,45 @@ k3_mat k3_mat_rows(const k3_mat *w, int64_t r0, int64_t n) {
     return v;
 }
 
+bool k3_mat_wrange(const k3_mat *w) {
+    bool ok = true;
+    if (w->type == K3_W_BF16 || w->type == K3_W_BF16_S16) {
+        /* |w| in [2^(e-127), 2^(e-126)): exponents 63..190 */
+        const uint16_t *p = w->data;
+        const size_t n = (size_t)w->rows * (size_t)w->cols;
+        for (size_t i = 0; i < n; i++) {
+            const unsigned e = p[i] >> 7 & 0xff;
+            ok &= e == 0 || (e >= 63 && e <= 190);
+        }
+        return ok;
+    }
+    if (w->type == K3_W_MXFP4 || w->type == K3_W_MXFP4_S16) {
+        /* codes 0.5..6 times 2^(e-127): |w| in [2^(e-128), 2^(e-124)); the
+         * FMA kernels take the scale at a block's end, so they need the
+         * scaled sums normal too: scales 69..187 wherever a row's block has
+         * a nonzero code (a block of zeros may carry any finite scale).
+         * A stored block's 16 bytes follow its scale's index; a strip
+         * block's row r has 4 bytes in each of its 4 quads of 64
+         * (kernels.h). */
+        const uint8_t *d = w->data;
+        const size_t n = k3_mat_scale_bytes(w);
+        const bool s16 = w->type == K3_W_MXFP4_S16;
+        for (size_t i = 0; i < n; i++) {
+            if (w->scale[i] >= 69 && w->scale[i] <= 187) continue;
+            ok &= w->scale[i] != 255;
+            unsigned nz = 0;
+            for (int k = 0; k < 16; k++) {
+                const uint8_t b =
+                    s16 ? d[i / 16 * 256 + (size_t)k / 4 * 64 + i % 16 * 4 + (size_t)k % 4] : d[16 * i + k];
+                nz |= (b & 0x77u);
+            }
+            ok &= nz == 0;
+        }
+        return ok;
+    }
+    return false;
+}
+
 void k3_mat_get_row(const k3_mat *w, int64_t r, float *out) {
     K3_ASSERT(r >= 0 && r < w->rows);
     k3_wtype_info(w->type)->get_row(w, r, 0, w->cols, out);

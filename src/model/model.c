@@ -927,6 +927,7 @@ static k3_status to_strips(k3_model *m, k3_mat *w, bool views_ok, bool alias, k3
     w->type = w->type == K3_W_MXFP4 ? K3_W_MXFP4_S16 : K3_W_BF16_S16;
     w->data = d;
     if (ns) w->scale = sc;
+    w->wrange = k3_mat_wrange(w);
     if (mine) disown(m, old);
     return K3_OK;
 }
