@@ -18,6 +18,8 @@
 #define K3_LAYERS_LAYERS_H
 
 #include "ctx/ctx.h"
+#include "kernels/attn_ops.h"
+#include "model/model.h"
 
 /* ---- the layers ---------------------------------------------------------------- */
 
@@ -69,6 +71,19 @@ static inline const k3_span *k3_span_of(const k3_ctx *ctx, int64_t t) {
  * context's rounds (the failure is sticky): K3_OK, or its status and
  * message. */
 k3_status k3_layers_failed(const k3_ctx *ctx, k3_error *err);
+
+/* Layer `layer`'s C8 latent cache as QSFA reads it, with QSFA's form: the
+ * BF16 one where the model takes it (attn_ops.h), the same in prefill,
+ * decode and the DCP form. */
+static inline k3_c8_cache k3_mla_c8_view(const k3_ctx *ctx, int layer) {
+    return (k3_c8_cache){ctx->lat8[layer],
+                         ctx->lat_s[layer],
+                         ctx->lat_r[layer],
+                         ctx->c->kv_lora_rank,
+                         ctx->c->qk_rope_dim,
+                         ctx->n_tiles,
+                         k3_qsfa_bf16_wanted(ctx->m->qsfa_bf16_heads, ctx->c->n_heads)};
+}
 
 /* ---- the DCP form of the MLA/DSA attention (mla_dcp.c) -------------------- */
 

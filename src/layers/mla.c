@@ -153,13 +153,7 @@ static void mla_attend_items(void *p, int64_t lo, int64_t hi, int ith) {
             lse = lse_buf;
         }
         if (ctx->kv == K3_KV_C8) {
-            const k3_c8_cache cc = {ctx->lat8[j->layer],
-                                    ctx->lat_s[j->layer],
-                                    ctx->lat_r[j->layer],
-                                    kvl,
-                                    rope,
-                                    ctx->n_tiles,
-                                    k3_qsfa_bf16_wanted(ctx->m->qsfa_bf16_heads, c->n_heads)};
+            const k3_c8_cache cc = k3_mla_c8_view(ctx, j->layer);
             k3_qsfa(qa, qpe, nh, &cc, slots, b - a, scale, out, lse, ctx->s.tqsfa[ith]);
         } else {
             for (int h = 0; h < nh; h++)
