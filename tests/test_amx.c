@@ -20,6 +20,7 @@
 
 #include "k3.h"
 #include "common/pool.h"
+#include "ctx/ctx.h"
 #include "kernels/amx.h"
 #include "kernels/attn_ops.h"
 #include "kernels/kernels.h"
@@ -642,4 +643,130 @@ K3_TEST(amx_k3_mini_prefill_same_text) {
     printf("    k3-mini, %zu-token prompt: prefill on %s, %d/%d greedy tokens = the AVX-512 run's\n", n,
            unit ? "amx" : "the emulated tiles", same, STEPS);
     CHECK(same == STEPS);
+}
+
+/* ---- the DSA selection of a prefill chunk on the tiles (layers/mla.c) ---- */
+
+/* k3_qli_chunk, the "amx" table's chunk entry on the unit: every token's
+ * scores k3_qli_scores_ref's bits, on the tiles' shapes and zero-padded off
+ * them (tiny-dsa's 2 heads of 32); no other table has the entry. */
+K3_TEST(amx_qli_chunk_padded) {
+    k3_error err = {0};
+    k3_kernels_force(K3_ISA_AVX512);
+    CHECK(!k3_qli_chunk_fits(16, 128));
+    if (k3_set_isa("amx", &err) != K3_OK) SKIP("%s", err.msg);
+    CHECK(k3_qli_chunk_fits(16, 128) && k3_qli_chunk_fits(2, 32) && k3_qli_chunk_fits(20, 96));
+    CHECK(!k3_qli_chunk_fits(16, 1088));
+    const int shapes[][4] = {{5, 2, 32, 20}, {3, 20, 96, 40}, {4, 16, 128, 50}, {2, 1, 4, 1}};
+    k3_pool *pool = NULL;
+    REQUIRE(k3_pool_init(&pool, 2, NULL) == K3_OK);
+    for (int c = 0; c < 4; c++) {
+        const int T = shapes[c][0], HI = shapes[c][1], dI = shapes[c][2], n = shapes[c][3], nslots = n + 7;
+        int8_t *q8 = malloc((size_t)(T * HI * dI)), *k8 = malloc((size_t)(nslots * dI));
+        float *qs = malloc(sizeof(float) * (size_t)(T * HI)), *w = malloc(sizeof(float) * (size_t)(T * HI));
+        float *ks = malloc(sizeof(float) * (size_t)nslots), *ref = malloc(sizeof(float) * (size_t)(T * n));
+        float *y = malloc(sizeof(float) * (size_t)(T * n));
+        int64_t *slots = malloc(sizeof(int64_t) * (size_t)n);
+        for (int i = 0; i < T * HI * dI; i++) q8[i] = (int8_t)((int)(rnd() % 255) - 127);
+        for (int i = 0; i < nslots * dI; i++) k8[i] = (int8_t)((int)(rnd() % 255) - 127);
+        for (int i = 0; i < T * HI; i++) {
+            qs[i] = 1e-3f * (1 + rnd() % 100);
+            w[i] = frand(0.5f);
+        }
+        for (int i = 0; i < nslots; i++) ks[i] = 1e-3f * (1 + rnd() % 100);
+        for (int i = 0; i < n; i++) slots[i] = (i * 5 + 3) % nslots;
+        for (int t = 0; t < T; t++)
+            k3_qli_scores_ref(q8 + t * HI * dI, qs + t * HI, w + t * HI, HI, dI, k8, ks, slots, n, ref + t * n);
+        for (int th = 0; th < 2; th++) {
+            memset(y, 0, sizeof(float) * (size_t)(T * n));
+            k3_qli_chunk(th ? pool : NULL, q8, qs, w, T, HI, dI, k8, ks, slots, n, y, n);
+            CHECKF(!memcmp(y, ref, sizeof(float) * (size_t)(T * n)), "qli chunk T=%d HI=%d dI=%d n=%d (%d threads)", T,
+                   HI, dI, n, th + 1);
+        }
+        free(q8);
+        free(k8);
+        free(qs);
+        free(w);
+        free(ks);
+        free(ref);
+        free(y);
+        free(slots);
+    }
+    k3_pool_free(pool);
+    k3_kernels_force(K3_ISA_AVX512);
+}
+
+/* Two rounds of tiny-dsa (C8) on a table: sequences 0 and 1 prefilled
+ * together with a one-token sequence 2, then sequence 0's second chunk next
+ * to a decode row of sequence 1. Each round's logits and the last layer's
+ * (DSA) selection go to lg[r] and sel[r] (icount then the slots). */
+enum { DSA_R0 = 37 + 29 + 1, DSA_R1 = 23 + 1, DSA_TOPK = 8 };
+static bool dsa_rounds(const char *isa, float *lg[2], int64_t *sel[2], int64_t *V) {
+    k3_error err = {0};
+    k3_model *m = NULL;
+    k3_pool *pool = NULL;
+    k3_ctx *ctx = NULL;
+    bool ok = k3_set_isa(isa, &err) == K3_OK && k3_model_open(&m, "tests/models/tiny-dsa", &err) == K3_OK &&
+        k3_pool_init(&pool, 2, &err) == K3_OK;
+    k3_model_info info;
+    if (ok) k3_model_get_info(m, &info);
+    k3_ctx_options o = {.max_seqs = 3, .cache_tokens = 192, .block_size = 16, .pool = pool, .kv_cache = K3_KV_C8};
+    ok = ok && k3_ctx_init(&ctx, m, &o, &err) == K3_OK;
+    if (ok) {
+        *V = info.vocab_size;
+        ok = ctx->c->index_topk == DSA_TOPK && ctx->c->n_layers == 8 && ctx->m->layers[7].kind == K3_LAYER_DSA;
+        CHECKF(ok, "tiny-dsa: expected top-%d and a DSA last layer", DSA_TOPK);
+    }
+    int32_t ids[DSA_R0 + DSA_R1];
+    for (int i = 0; i < DSA_R0 + DSA_R1; i++) ids[i] = (int32_t)((i * 131 + 7) % 1000);
+    const k3_batch_seq r0[3] = {{0, 37, ids}, {1, 29, ids + 37}, {2, 1, ids + 66}};
+    const k3_batch_seq r1[2] = {{0, 23, ids + DSA_R0}, {1, 1, ids + DSA_R0 + 23}};
+    for (int r = 0; ok && r < 2; r++) {
+        const int T = r ? DSA_R1 : DSA_R0;
+        lg[r] = malloc(sizeof(float) * (size_t)(T * *V));
+        sel[r] = calloc((size_t)(T * (DSA_TOPK + 1)), sizeof(int64_t));
+        ok = k3_ctx_forward(ctx, r ? r1 : r0, r ? 2 : 3, K3_LOGITS_ALL, lg[r], &err) == K3_OK;
+        for (int t = 0; ok && t < T; t++) {
+            sel[r][t * (DSA_TOPK + 1)] = ctx->s.icount[t];
+            memcpy(sel[r] + t * (DSA_TOPK + 1) + 1, ctx->s.isel + t * DSA_TOPK,
+                   sizeof(int64_t) * (size_t)ctx->s.icount[t]);
+        }
+    }
+    CHECKF(ok, "tiny-dsa on %s: %s", isa, err.msg);
+    k3_ctx_free(ctx);
+    k3_pool_free(pool);
+    k3_model_close(m);
+    k3_set_isa(NULL, &err);
+    return ok;
+}
+
+/* A prefill on "amx" (the chunks' indexer scores on the tiles) selects the
+ * same top-k slots and gives the same logits as on "avx512-bf16" (token by
+ * token), bit for bit. */
+K3_TEST(amx_dsa_prefill_chunk) {
+    k3_error err = {0};
+    if (k3_set_isa("amx", &err) != K3_OK) SKIP("%s", err.msg);
+    CHECK(k3_qli_chunk_fits(2, 32)); /* tiny-dsa's indexer: the chunk path is taken */
+    if (k3_set_isa("avx512-bf16", &err) != K3_OK) SKIP("%s", err.msg);
+    CHECK(!k3_qli_chunk_fits(2, 32));
+    float *la[2] = {0}, *lb[2] = {0};
+    int64_t *sa[2] = {0}, *sb[2] = {0}, V = 0;
+    if (dsa_rounds("avx512-bf16", lb, sb, &V) && dsa_rounds("amx", la, sa, &V)) {
+        for (int r = 0; r < 2; r++) {
+            const int T = r ? DSA_R1 : DSA_R0;
+            int picked = 0;
+            for (int t = 0; t < T; t++) picked += sb[r][t * (DSA_TOPK + 1)] == DSA_TOPK;
+            CHECKF(picked > T / 2, "round %d: %d of %d rows select a full top-%d", r, picked, T, DSA_TOPK);
+            CHECKF(!memcmp(sa[r], sb[r], sizeof(int64_t) * (size_t)(T * (DSA_TOPK + 1))),
+                   "round %d: the selection on amx differs from avx512-bf16's", r);
+            CHECKF(!memcmp(la[r], lb[r], sizeof(float) * (size_t)(T * V)),
+                   "round %d: the logits on amx differ from avx512-bf16's", r);
+        }
+    }
+    for (int r = 0; r < 2; r++) {
+        free(la[r]);
+        free(lb[r]);
+        free(sa[r]);
+        free(sb[r]);
+    }
 }

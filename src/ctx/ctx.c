@@ -210,6 +210,8 @@ void k3_ctx_free(k3_ctx *ctx) {
     free(s->rfirst);
     free(s->prow);
     free(s->isel);
+    free(s->iscore);
+    free(s->islots);
     free(s->icount);
     free(s->rids);
     free(s->erows);
@@ -393,6 +395,12 @@ static k3_status ctx_create(k3_ctx **out, const k3_model *m, const k3_ctx_option
     s->iq8 = zalloc(&a, (size_t)(T * c->index_n_heads * c->index_head_dim), sizeof(int8_t));
     s->iqs = zalloc(&a, (size_t)(T * c->index_n_heads), sizeof(float));
     s->isel = zalloc(&a, (size_t)(T * c->index_topk), sizeof(int64_t));
+    if (ctx->kv == K3_KV_C8 && T > 1 && c->index_n_heads > 0) {
+        s->iscore_n = T * ctx->max_ctx < K3_QLI_CHUNK_SCORES ? T * ctx->max_ctx : K3_QLI_CHUNK_SCORES;
+        if (s->iscore_n < ctx->max_ctx) s->iscore_n = ctx->max_ctx;
+        s->iscore = zalloc(&a, (size_t)s->iscore_n, sizeof(float));
+        s->islots = zalloc(&a, (size_t)ctx->max_ctx, sizeof(int64_t));
+    }
     s->n_parts = 2 * ctx->nth > K3_ATTN_PARTS_MAX ? 2 * ctx->nth : K3_ATTN_PARTS_MAX;
     s->part_o = zalloc(&a, (size_t)((s->n_parts + ctx->nth) * H * kvl), sizeof(float));
     s->part_l = zalloc(&a, (size_t)(s->n_parts * H), sizeof(float));

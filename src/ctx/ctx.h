@@ -40,6 +40,10 @@
  * keys and the thread count), never on the other rows of the round, so a
  * row computes the same bits in a decode step, a verify chunk or a prefill. */
 #define K3_ATTN_PARTS_MAX 64
+
+/* The most indexer scores a prefill chunk holds at once (16 MiB of them):
+ * its rows are scored together in blocks of at most this many (layers/mla.c). */
+#define K3_QLI_CHUNK_SCORES ((int64_t)1 << 22)
 #define K3_ATTN_PART_KEYS 256
 
 typedef struct k3_seq {
@@ -76,6 +80,9 @@ typedef struct k3_scratch {
     float *iqs;               /* [T, HI] their scales */
     int64_t *isel;            /* [T, topk] selected cache slots */
     int32_t *icount;          /* [T] */
+    float *iscore;            /* [iscore_n] a chunk's indexer scores (C8, T > 1; else NULL) */
+    int64_t iscore_n;         /* min(T max_ctx, K3_QLI_CHUNK_SCORES), >= max_ctx */
+    int64_t *islots;          /* [max_ctx] their slots */
     float *part_o, *part_l;   /* split-KV partials [n_parts + nth, H, kv_lora], [n_parts, H]: a wave's
                                parts, then one row of scratch per thread */
     int32_t n_parts;          /* parts of one wave of attention rows (K3_ATTN_PARTS_MAX at least) */

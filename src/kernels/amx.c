@@ -328,6 +328,48 @@ void k3_amx_qli_scores(k3_pool *pool, const int8_t *q8, const float *qs, const f
     k3_pool_for(pool, (n + 31) / 32, 1, qli_task, &j);
 }
 
+/* The kernel table's chunk entry (kernels_isa.h qli_chunk): shapes off the
+ * tiles' (HI % 16, dI % 64) run zero-padded, the queries to [T, HI16, dI64]
+ * and the n keys, gathered, to [n, dI64] (slots 0..n-1). Exact: a zero column
+ * adds 0 to every dot product, a zero head has d = 0 and adds nothing, and
+ * the real heads keep their order. The copies are O((T HI16 + n) dI64) bytes
+ * against the T HI16 n dI64 multiply-adds. */
+static int64_t up_to(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+bool k3_amx_qli_chunk_fits(int HI, int dI) {
+    return kern() && HI > 0 && dI > 0 && k3_amx_qli_ok((int)up_to(HI, 16), (int)up_to(dI, 64));
+}
+
+void k3_amx_qli_chunk(k3_pool *pool, const int8_t *q8, const float *qs, const float *w, int64_t T, int HI, int dI,
+                      const int8_t *k8, const float *ks, const int64_t *slots, int64_t n, float *scores, int64_t lds) {
+    if (k3_amx_qli_ok(HI, dI)) {
+        k3_amx_qli_scores(pool, q8, qs, w, T, HI, dI, k8, ks, slots, n, scores, lds);
+        return;
+    }
+    if (T <= 0 || n <= 0) return;
+    const int64_t hp = up_to(HI, 16), dp = up_to(dI, 64);
+    const size_t qb = (size_t)(T * hp * dp), kb = (size_t)(n * dp), fb = sizeof(float) * (size_t)(2 * T * hp + n);
+    uint8_t *buf = k3_scratch(K3_SCRATCH_AMX_X, qb + kb + fb + sizeof(int64_t) * (size_t)n + 64);
+    int8_t *qp = (int8_t *)buf, *kp = qp + qb;
+    float *qsp = (float *)(buf + up_to((int64_t)(qb + kb), 64)), *wp = qsp + T * hp, *ksp = wp + T * hp;
+    int64_t *sl = (int64_t *)(ksp + n);
+    memset(qp, 0, qb);
+    memset(kp, 0, kb);
+    memset(qsp, 0, sizeof(float) * (size_t)(2 * T * hp));
+    for (int64_t t = 0; t < T; t++)
+        for (int h = 0; h < HI; h++) {
+            memcpy(qp + (t * hp + h) * dp, q8 + (t * HI + h) * dI, (size_t)dI);
+            qsp[t * hp + h] = qs[t * HI + h];
+            wp[t * hp + h] = w[t * HI + h];
+        }
+    for (int64_t i = 0; i < n; i++) {
+        memcpy(kp + i * dp, k8 + slots[i] * dI, (size_t)dI);
+        ksp[i] = ks[slots[i]];
+        sl[i] = i;
+    }
+    k3_amx_qli_scores(pool, qp, qsp, wp, T, (int)hp, (int)dp, kp, ksp, sl, n, scores, lds);
+}
+
 /* ---- the "amx" kernel table's entries (kernels_isa.h) ---------------------- */
 
 /* The rows from which a W8A8 call runs on the tiles (docs/amx.md,

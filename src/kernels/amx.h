@@ -99,6 +99,11 @@ void k3_amx_moe(k3_pool *pool, const k3_amx_expert *experts, int64_t n_experts, 
 bool k3_amx_qli_ok(int HI, int dI);
 void k3_amx_qli_scores(k3_pool *pool, const int8_t *q8, const float *qs, const float *w, int64_t T, int HI, int dI,
                        const int8_t *k8, const float *ks, const int64_t *slots, int64_t n, float *scores, int64_t lds);
+/* The same for any HI, dI whose zero-padded shape k3_amx_qli_ok takes (the
+ * kernel table's qli_chunk; the same bits). */
+bool k3_amx_qli_chunk_fits(int HI, int dI);
+void k3_amx_qli_chunk(k3_pool *pool, const int8_t *q8, const float *qs, const float *w, int64_t T, int HI, int dI,
+                      const int8_t *k8, const float *ks, const int64_t *slots, int64_t n, float *scores, int64_t lds);
 
 /* The unit's peak on this core: iters rounds of a loop of tile products
  * (2 x 2 accumulators over operands in tiles, no memory traffic); returns

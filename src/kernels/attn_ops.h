@@ -24,6 +24,8 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "k3.h"
+
 #define K3_C8_TILE 128
 
 /* Symmetric int8: s = max|x| / 127, q = round(x / s). Returns s (0 for x = 0). */
@@ -39,6 +41,15 @@ void k3_qli_scores(const int8_t *q8, const float *qs, const float *w, int HI, in
                    const int64_t *slots, int n, float *scores);
 void k3_qli_scores_ref(const int8_t *q8, const float *qs, const float *w, int HI, int dI, const int8_t *k8,
                        const float *ks, const int64_t *slots, int n, float *scores);
+
+/* T query tokens (q8 + t HI dI, qs + t HI, w + t HI) over the same n slots
+ * in one call: scores[t * lds + i], the bits of k3_qli_scores. Only where
+ * the current table has such a kernel and takes the shape
+ * (k3_qli_chunk_fits: the "amx" table on the unit); elsewhere score token by
+ * token. pool: NULL runs on the calling thread. */
+bool k3_qli_chunk_fits(int HI, int dI);
+void k3_qli_chunk(k3_pool *pool, const int8_t *q8, const float *qs, const float *w, int64_t T, int HI, int dI,
+                  const int8_t *k8, const float *ks, const int64_t *slots, int64_t n, float *scores, int64_t lds);
 
 /* The latent cache as QSFA reads it. */
 typedef struct k3_c8_cache {

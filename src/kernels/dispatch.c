@@ -224,6 +224,12 @@ static void build_amx(k3_kernel_ops *o, const k3_kernel_ops *avx512_bf16, bool u
     /* QSFA's BF16 form on the tiles: no emulated form, so an emulated table
      * keeps the vdpbf16ps kernel (the same bits) */
     if (unit) o->qsfa_bf = k3_qsfa_bf_amx;
+    /* the indexer scores of a prefill chunk on the INT8 tiles (qli_scores'
+     * bits), likewise on the unit only */
+    if (unit) {
+        o->qli_chunk_fits = k3_amx_qli_chunk_fits;
+        o->qli_chunk = k3_amx_qli_chunk;
+    }
 }
 
 static void detect(void) {
@@ -424,6 +430,18 @@ void k3_qli_scores(const int8_t *q8, const float *qs, const float *w, int HI, in
     const k3_kernel_ops *o;
     PICK(o, qli_fits, HI, dI);
     o->qli_scores(q8, qs, w, HI, dI, k8, ks, slots, n, scores);
+}
+
+bool k3_qli_chunk_fits(int HI, int dI) {
+    const k3_kernel_ops *o = k3_ops();
+    return o->qli_chunk && o->qli_chunk_fits(HI, dI);
+}
+
+void k3_qli_chunk(k3_pool *pool, const int8_t *q8, const float *qs, const float *w, int64_t T, int HI, int dI,
+                  const int8_t *k8, const float *ks, const int64_t *slots, int64_t n, float *scores, int64_t lds) {
+    const k3_kernel_ops *o = k3_ops();
+    K3_ASSERT(o->qli_chunk && o->qli_chunk_fits(HI, dI));
+    o->qli_chunk(pool, q8, qs, w, T, HI, dI, k8, ks, slots, n, scores, lds);
 }
 
 void k3_qsfa(const float *qa, const float *qpe, int H, const k3_c8_cache *c, const int64_t *slots, int n, float scale,

@@ -170,6 +170,9 @@ typedef void k3_softmax_fn(float *s, int64_t n, float scale);
 typedef bool k3_qli_fits_fn(int HI, int dI);
 typedef void k3_qli_fn(const int8_t *q8, const float *qs, const float *w, int HI, int dI, const int8_t *k8,
                        const float *ks, const int64_t *slots, int n, float *scores);
+typedef void k3_qli_chunk_fn(k3_pool *pool, const int8_t *q8, const float *qs, const float *w, int64_t T, int HI,
+                             int dI, const int8_t *k8, const float *ks, const int64_t *slots, int64_t n, float *scores,
+                             int64_t lds);
 typedef bool k3_qsfa_fits_fn(const k3_c8_cache *c);
 typedef void k3_qsfa_fn(const float *qa, const float *qpe, int H, const k3_c8_cache *c, const int64_t *slots, int n,
                         float scale, float *out, float *lse, float *work);
@@ -219,6 +222,8 @@ struct k3_kernel_ops {
     /* attention on 8-bit caches, the LSE merge and the AttnRes mix */
     k3_qli_fits_fn *qli_fits;
     k3_qli_fn *qli_scores;
+    k3_qli_fits_fn *qli_chunk_fits; /* QLI of a chunk's tokens over shared slots, qli_scores' bits */
+    k3_qli_chunk_fn *qli_chunk;     /* (NULL: token by token) */
     k3_qsfa_fits_fn *qsfa_fits;
     k3_qsfa_fn *qsfa;
     k3_qsfa_fn *qsfa_bf; /* QSFA's BF16 form (k3_c8_cache.bf16; NULL: the fp32 one) */

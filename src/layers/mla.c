@@ -84,8 +84,64 @@ static void dsa_pick_rows(void *p, int64_t lo, int64_t hi, int ith) {
         dsa_pick(j->ctx, t, row_len(j->ctx, t), j->ctx->s.tslots[t], j->ctx->s.tscore[t], ith);
 }
 
+/* Prefill with a chunk kernel (k3_qli_chunk, C8): the rows of a span of
+ * several are scored together, in blocks whose scores fit s.iscore, over
+ * the slots of the block's last (longest) row; each row's top-k reads only
+ * its own range [0, row_len), so the selection is the per-row path's. The
+ * rows of one-row spans take that path. */
+typedef struct dsa_block_job {
+    k3_ctx *ctx;
+    int64_t t0; /* the block's first row */
+    int64_t ld; /* its scores' row stride: the longest row's slots */
+} dsa_block_job;
+
+static void dsa_pick_block(void *p, int64_t lo, int64_t hi, int ith) {
+    const dsa_block_job *j = p;
+    for (int64_t r = lo; r < hi; r++)
+        dsa_pick(j->ctx, j->t0 + r, row_len(j->ctx, j->t0 + r), j->ctx->s.islots, j->ctx->s.iscore + r * j->ld, ith);
+}
+
+static void dsa_select_single(void *p, int64_t lo, int64_t hi, int ith) {
+    const k3_layer_job *j = p;
+    for (int64_t t = lo; t < hi; t++)
+        if (k3_span_of(j->ctx, t)->n < 2) dsa_select_rows(p, t, t + 1, ith);
+}
+
+static void dsa_select_chunks(k3_ctx *ctx, const k3_layer *L, int layer) {
+    const k3_config *c = ctx->c;
+    const int HI = c->index_n_heads, dI = c->index_head_dim;
+    bool single = false;
+    for (int i = 0; i < ctx->n_spans; i++) {
+        const k3_span *sp = &ctx->spans[i];
+        if (sp->n < 2) {
+            single = true;
+            continue;
+        }
+        const int64_t last = row_len(ctx, sp->t0 + sp->n - 1);
+        int64_t rows = ctx->s.iscore_n / last;
+        if (rows < 1) rows = 1; /* s.iscore holds max_ctx scores at least */
+        for (int64_t t0 = sp->t0; t0 < sp->t0 + sp->n; t0 += rows) {
+            const int64_t nr = sp->t0 + sp->n - t0 < rows ? sp->t0 + sp->n - t0 : rows, n = row_len(ctx, t0 + nr - 1);
+            seq_slots(ctx, sp->seq, 0, n, ctx->s.islots);
+            k3_qli_chunk(ctx->pool, ctx->s.iq8 + t0 * HI * dI, ctx->s.iqs + t0 * HI, ctx->s.iw + t0 * HI, nr, HI, dI,
+                         ctx->idx8[layer], ctx->idx_s[layer], ctx->s.islots, n, ctx->s.iscore, n);
+            dsa_block_job b = {ctx, t0, n};
+            k3_pool_for(ctx->pool, nr, 1, dsa_pick_block, &b);
+        }
+    }
+    if (single) {
+        k3_layer_job j = {ctx, L, layer, 1, 1};
+        k3_pool_for(ctx->pool, ctx->T, 1, dsa_select_single, &j);
+    }
+}
+
 static void dsa_select(k3_ctx *ctx, const k3_layer *L, int layer) {
     const int64_t T = ctx->T;
+    if (T >= ctx->nth && ctx->kv == K3_KV_C8 && ctx->s.iscore &&
+        k3_qli_chunk_fits(ctx->c->index_n_heads, ctx->c->index_head_dim)) {
+        dsa_select_chunks(ctx, L, layer);
+        return;
+    }
     if (T >= ctx->nth) {
         k3_layer_job j = {ctx, L, layer, 1, 1};
         k3_pool_for(ctx->pool, T, 1, dsa_select_rows, &j);
