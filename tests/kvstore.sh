@@ -26,6 +26,22 @@ skip=0
 ok() { pass=$((pass + 1)); echo "ok   kvstore: $1"; }
 bad() { fail=$((fail + 1)); echo "FAIL kvstore: $1"; [ -n "$2" ] && sed 's/^/    /' "$2" | head -8; }
 skipped() { skip=$((skip + 1)); echo "skip kvstore: $1"; }
+# tally OUT PREFIX WHAT: a Python suite's lines (`ok   PREFIX: ...`) as this suite's, its
+# summary (`PREFIX: N passed, N failed, N skipped`) added to the counts
+tally() {
+    grep -E "^(ok|FAIL|skip) |^    " "$1" | sed "s/^\(ok  \|FAIL\|skip\) $2: /\1 kvstore: $3: /"
+    line=$(grep -E "^$2: [0-9]+ passed" "$1")
+    if [ -n "$line" ]; then
+        set -- $line
+        pass=$((pass + $2))
+        fail=$((fail + $4))
+        skip=$((skip + $6))
+    else
+        fail=$((fail + 1))
+        echo "FAIL kvstore: $3: the test did not finish"
+        tail -5 "$1" | sed 's/^/    /'
+    fi
+}
 
 # roundtrip NAME MODEL KV N SPLIT SEED: saved by one process, loaded by a second, then by two at once
 roundtrip() {
@@ -143,39 +159,16 @@ fi
 
 # the tier through k3 serve: cold = RAM hit = disk hit (a restart, a second instance), the faults,
 # tenants, the events against /metrics (tests/kv_disk.py; K3_TEST_ISA=NAME passes --isa NAME to
-# k3 serve: on a Xeon whose default AMX table makes a token's numbers depend on the batch, the
-# equality checks hold with avx512)
+# k3 serve, to run the equality checks on another kernel table)
 if PY=$(sh scripts/venv.sh pyzmq=zmq msgspec 2>"$TMP/venv.err"); then
     timeout 600 "$PY" tests/kv_disk.py "$K3" ${K3_TEST_ISA:+--isa "$K3_TEST_ISA"} >"$TMP/disk.out" 2>&1
-    grep -E "^(ok|FAIL|skip) |^    " "$TMP/disk.out" | sed 's/^\(ok  \|FAIL\|skip\) kvdisk: /\1 kvstore: disk tier: /'
-    line=$(grep -E "^kvdisk: [0-9]+ passed" "$TMP/disk.out")
-    if [ -n "$line" ]; then
-        set -- $line
-        pass=$((pass + $2))
-        fail=$((fail + $4))
-        skip=$((skip + $6))
-    else
-        fail=$((fail + 1))
-        echo "FAIL kvstore: disk tier: the test did not finish"
-        tail -5 "$TMP/disk.out" | sed 's/^/    /'
-    fi
+    tally "$TMP/disk.out" kvdisk "disk tier"
 else
     skipped "disk tier through k3 serve (a Python with pyzmq and msgspec: $(tail -1 "$TMP/venv.err"))"
 fi
 
 # the router in front of colocated instances: affinity, failover and balance (tests/kv_router.py)
 timeout 300 python3 tests/kv_router.py "$K3" >"$TMP/router.out" 2>&1
-grep -E "^(ok|FAIL|skip) |^    " "$TMP/router.out" | sed 's/^\(ok  \|FAIL\|skip\) kvrouter: /\1 kvstore: router: /'
-line=$(grep -E "^kvrouter: [0-9]+ passed" "$TMP/router.out")
-if [ -n "$line" ]; then
-    set -- $line
-    pass=$((pass + $2))
-    fail=$((fail + $4))
-    skip=$((skip + $6))
-else
-    fail=$((fail + 1))
-    echo "FAIL kvstore: router: the test did not finish"
-    tail -5 "$TMP/router.out" | sed 's/^/    /'
-fi
+tally "$TMP/router.out" kvrouter router
 
 echo "kvstore: $pass passed, $fail failed, $skip skipped"
