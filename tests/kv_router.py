@@ -35,7 +35,9 @@ def router(backends, *extra):
     args = [h.K3, "serve", "--role", "router", "--port", "0"]
     for b in backends:
         args += ["--backend", b.url]
-    return h.Process(args + list(extra), start_timeout=30)
+    r = h.Process(args + list(extra), start_timeout=30)
+    h.wait_until(lambda: h.get(r.url + "/health").status_code == 200, 10, "the router's /health")
+    return r
 
 
 def words(c, n):
@@ -102,7 +104,6 @@ def which_or_none(insts, before):
 def affinity(n):
     insts = [instance() for _ in range(n)]
     r = router(insts)
-    h.wait_until(lambda: h.get(r.url + "/health").status_code == 200, 10, "the router's /health")
     home = {}
     for c in range(2 * n):
         (i,), _ = send(r, insts, c, 0)
@@ -124,7 +125,6 @@ def round_robin():
     """the control: the same conversations under --policy round_robin leave their instance"""
     insts = [instance(), instance()]
     r = router(insts, "--policy", "round_robin")
-    h.wait_until(lambda: h.get(r.url + "/health").status_code == 200, 10, "the router's /health")
     moved = 0
     home = {}
     for t in range(3):
@@ -139,7 +139,6 @@ def round_robin():
 def failover(n):
     insts = [instance() for _ in range(n)]
     r = router(insts)
-    h.wait_until(lambda: h.get(r.url + "/health").status_code == 200, 10, "the router's /health")
     home = {}
     for c in range(2 * n):
         (i,), _ = send(r, insts, c, 0)
@@ -180,7 +179,6 @@ def open_stream(url, body):
 def balance():
     insts = [instance(), instance()]
     r = router(insts, "--balance-abs", "2")
-    h.wait_until(lambda: h.get(r.url + "/health").status_code == 200, 10, "the router's /health")
     (home,), _ = send(r, insts, 0, 0)
     (i,), _ = send(r, insts, 0, 1)
     assert i == home
