@@ -12,18 +12,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "k3.h"
 #include "kernels/kernels.h"
 #include "kernels/kernels_isa.h"
 #include "kernels/quant.h"
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
 
 static uint64_t rng = 88172645463325252ull;
 static uint32_t rnd(void) {
@@ -116,13 +109,13 @@ int main(int argc, char **argv) {
         const double ops = 2.0 * (double)rows * (double)cols * (double)n * sh[s].nm;
         double t[7], tq[7];
         for (int r = 0; r < 7; r++) {
-            double t0 = now_s();
+            double t0 = k3_now();
             for (int m = 0; m < sh[s].nm; m++) k3_matmul(pool, &ms[m], x, n, y);
-            t[r] = now_s() - t0;
-            t0 = now_s();
+            t[r] = k3_now() - t0;
+            t0 = k3_now();
             for (int m = 0; m < sh[s].nm; m++)
                 for (int64_t i = 0; i < n; i++) k3_quant_act_i8(x + i * cols, cols, xq + i * cols);
-            tq[r] = now_s() - t0;
+            tq[r] = k3_now() - t0;
         }
         qsort(t, 7, sizeof t[0], cmpd);
         qsort(tq, 7, sizeof tq[0], cmpd);
