@@ -57,6 +57,25 @@ void k3_kda_chunked_ref(const k3_kda_head *h, float *S, int chunk, float *work);
 /* Floats of work memory the SIMD chunked form needs (<= k3_kda_chunk_work). */
 int64_t k3_kda_chunk_work_simd(int chunk, int dk, int dv);
 
+/* The BF16 chunked form: the chunked form's products (the intra-chunk key
+ * and query products with the decays folded in, the state's contributions
+ * Ke S and Qe S, Aqk Vn, and the state update Kdᵀ Vn) on BF16 dot products
+ * with fp32 sums, everything else (the decays and their exps, the forward
+ * substitution, the epilogues) in fp32 (kda_bf.h; docs/amx.md, "KDA's
+ * chunked form on the tiles"). Chunks of a multiple of 32 tokens
+ * (K3_KDA_CHUNK_BF in a context), sub-blocks of 16. The kernels (AMX tiles,
+ * vdpbf16ps) give k3_kda_chunked_bf_ref's bits. */
+#define K3_KDA_CHUNK_BF 64
+bool k3_kda_bf_fits(const k3_kda_head *h); /* dk % 32 == 0, dv % 16 == 0, both <= K3_MAX_KDA_HEAD_DIM */
+int64_t k3_kda_chunk_work_bf(int chunk, int dk, int dv);
+void k3_kda_chunked_bf_ref(const k3_kda_head *h, float *S, int chunk, float *work);
+/* Whether the current table has a BF16 chunked kernel (the BF16 tables:
+ * "avx512-bf16", "amx"). */
+bool k3_kda_bf_available(void);
+/* The current table's BF16 chunked kernel; false (nothing done) where it has
+ * none or h does not fit. */
+bool k3_kda_chunked_bf(const k3_kda_head *h, float *S, int chunk, float *work);
+
 /* Decay gate, per channel: K3 form (has_lb) g = lb * sigmoid(exp(A) * (z + dt_bias)),
  * Kimi-Linear form g = -exp(A) * softplus(z + dt_bias). z: [n] for one head. */
 void k3_kda_gate(float *z, int n, float A_log, const float *dt_bias, bool has_lb, float lb);

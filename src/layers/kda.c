@@ -204,8 +204,10 @@ static void kda_head_items(void *p, int64_t lo, int64_t hi, int ith) {
                 .o = ctx->s.ko + ta * HK + ch,
                 .ld_o = HK,
             };
-            if (b - a >= ctx->kda_chunk_min) k3_kda_chunked(&kh, S, K3_KDA_CHUNK, ctx->s.tkda[ith]);
-            else k3_kda_recurrent(&kh, S);
+            if (b - a < ctx->kda_bf_min || !k3_kda_chunked_bf(&kh, S, K3_KDA_CHUNK_BF, ctx->s.tkda[ith])) {
+                if (b - a >= ctx->kda_chunk_min) k3_kda_chunked(&kh, S, K3_KDA_CHUNK, ctx->s.tkda[ith]);
+                else k3_kda_recurrent(&kh, S);
+            }
             float *cap;
             for (int32_t ci = 0; ctx->n_caps && (cap = capture_next(ctx, sp->seq, sp->pos0 + b, &ci));)
                 memcpy(cap + off + (int64_t)h * dk * dv, S, sizeof(float) * (size_t)(dk * dv));
