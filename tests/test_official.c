@@ -13,11 +13,13 @@
 #include <string.h>
 
 #include "../cli/cli.h"
+#include "ctx/ctx.h"
 #include "k3.h"
 #include "model/safetensors.h"
 #include "kernels/kernels.h"
 #include "kernels/amx.h"
 #include "kernels/router.h"
+#include "kernels/kda.h"
 #include "test.h"
 
 typedef struct golden {
@@ -87,8 +89,10 @@ typedef struct result {
 } result;
 
 /* Logits of every position in one forward pass (kept in *keep when keep is
- * not NULL), and the greedy continuation decoded token by token. */
-static bool run_mode_keep(const char *dir, const char *quant, k3_kv_type kv, const golden *g, result *r, float **keep) {
+ * not NULL), and the greedy continuation decoded token by token. kda_bf_min >
+ * 0: KDA's BF16 chunked form (kda.h) from pieces that long. */
+static bool run_mode_bf(const char *dir, const char *quant, k3_kv_type kv, const golden *g, result *r, float **keep,
+                        int32_t kda_bf_min) {
     k3_model *m = NULL;
     k3_ctx *ctx = NULL;
     k3_error err = {0};
@@ -98,6 +102,7 @@ static bool run_mode_keep(const char *dir, const char *quant, k3_kv_type kv, con
         k3_model_quantize(m, &q, &err) == K3_OK;
     k3_ctx_options o = {.max_seqs = 1, .cache_tokens = 64, .block_size = 16, .kv_cache = kv};
     ok = ok && k3_ctx_init(&ctx, m, &o, &err) == K3_OK;
+    if (ok && kda_bf_min > 0) ctx->kda_bf_min = kda_bf_min;
     k3_batch_seq b = {0, g->n, g->ids};
     ok = ok && k3_ctx_forward(ctx, &b, 1, K3_LOGITS_ALL, lg, &err) == K3_OK;
     if (ok) {
@@ -128,6 +133,10 @@ static bool run_mode_keep(const char *dir, const char *quant, k3_kv_type kv, con
     return ok;
 }
 
+static bool run_mode_keep(const char *dir, const char *quant, k3_kv_type kv, const golden *g, result *r, float **keep) {
+    return run_mode_bf(dir, quant, kv, g, r, keep, 0);
+}
+
 static bool run_mode(const char *dir, const char *quant, k3_kv_type kv, const golden *g, result *r) {
     return run_mode_keep(dir, quant, kv, g, r, NULL);
 }
@@ -152,6 +161,16 @@ static void check_variant(const char *name) {
                K3_DEFAULT_KV, r.rel_l2, r.top1, g.n);
         CHECKF(r.rel_l2 <= 2e-2, "%s: default mode rel-L2 %.3g > 2e-2", name, r.rel_l2);
         CHECKF(r.top1 == g.n, "%s: default mode top-1 %d/%d", name, r.top1, g.n);
+    }
+    /* the prompt's pieces are shorter than the form's minimum here: force
+     * KDA's BF16 chunked form on every piece, the greedy tokens' too */
+    if (k3_kda_bf_available() && run_mode_bf(dir, K3_DEFAULT_QUANT, kv, &g, &r, NULL, 1)) {
+        printf("    %s, default mode with KDA's BF16 chunked form (%s) vs official fp32: rel-L2 %.3g, top-1 %d/%d, "
+               "greedy %d/%d\n",
+               name, k3_isa_current(), r.rel_l2, r.top1, g.n, r.greedy_ok, g.n_greedy);
+        CHECKF(r.rel_l2 <= 2e-2, "%s: BF16 KDA rel-L2 %.3g > 2e-2", name, r.rel_l2);
+        CHECKF(r.top1 == g.n, "%s: BF16 KDA top-1 %d/%d", name, r.top1, g.n);
+        CHECKF(r.greedy_ok == g.n_greedy, "%s: BF16 KDA greedy %d/%d", name, r.greedy_ok, g.n_greedy);
     }
     golden_free(&g);
 }
