@@ -38,7 +38,7 @@
  * form (chunks of K3_KDA_CHUNK_BF, kda.h) where the model runs the BF16 dot
  * products and the table has the kernel ("amx", "avx512-bf16"); decode,
  * the speculative verify and the exact fp32 paths keep the forms above. */
-#define K3_KDA_BF_MIN 32
+#define K3_KDA_BF_MIN 16
 
 /* Attention of a row over many cached keys is split into parts of at least
  * 256 keys, at most K3_ATTN_PARTS_MAX and 2 per thread, merged by

@@ -194,7 +194,6 @@ static void build_avx512_bf16(k3_kernel_ops *o, const k3_kernel_ops *avx512) {
     o->base = avx512;
     o->bf16 = true;
     o->qsfa_bf = k3_qsfa_bf_avx512;
-    o->kda_chunked_bf = k3_kda_chunked_bf_avx512;
     /* vdpbf16ps, or the few-token calls on FMAs where this CPU's FMAs are
      * the faster (matmul_bf16_avx512bf16.c): the same bits */
     const k3_mm_kernel bf = fma_outruns_vdp()
@@ -225,7 +224,9 @@ static void build_amx(k3_kernel_ops *o, const k3_kernel_ops *avx512_bf16, bool u
     /* QSFA's BF16 form on the tiles: no emulated form, so an emulated table
      * keeps the vdpbf16ps kernel (the same bits) */
     if (unit) o->qsfa_bf = k3_qsfa_bf_amx;
-    /* KDA's BF16 chunked form likewise */
+    /* KDA's BF16 chunked form likewise. Not on "avx512-bf16": its
+     * vdpbf16ps kernel (the same bits) is slower than the fp32 recurrence
+     * where measured (docs/amx.md, "KDA's chunked form on the tiles") */
     if (unit) o->kda_chunked_bf = k3_kda_chunked_bf_amx;
     /* the indexer scores of a prefill chunk on the INT8 tiles (qli_scores'
      * bits), likewise on the unit only */

@@ -65,7 +65,7 @@ int64_t k3_kda_chunk_work_simd(int chunk, int dk, int dv);
  * chunked form on the tiles"). Chunks of a multiple of 32 tokens
  * (K3_KDA_CHUNK_BF in a context), sub-blocks of 16. The kernels (AMX tiles,
  * vdpbf16ps) give k3_kda_chunked_bf_ref's bits. */
-#define K3_KDA_CHUNK_BF 64
+#define K3_KDA_CHUNK_BF 32
 bool k3_kda_bf_fits(const k3_kda_head *h); /* dk % 32 == 0, dv % 16 == 0, both <= K3_MAX_KDA_HEAD_DIM */
 int64_t k3_kda_chunk_work_bf(int chunk, int dk, int dv);
 void k3_kda_chunked_bf_ref(const k3_kda_head *h, float *S, int chunk, float *work);

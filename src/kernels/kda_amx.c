@@ -63,6 +63,25 @@ static void pack_bt(int N, int K, const float *Bt, int64_t ldbt, uint16_t *pb) {
         }
 }
 
+/* A = Atᵀ (At: K x M, row-major) in pack_a's layout: pack_b's dword rows
+ * of 16 columns of At are 16 rows of A, transposed. */
+static void pack_at(int M, int K, const float *At, int64_t ldat, uint16_t *pa) {
+    const __m512i hi = _mm512_set1_epi32((int)0xffff0000);
+    for (int m = 0; m < M; m += 16)
+        for (int k = 0; k < K; k += 32) {
+            __m512i v[16];
+            for (int i = 0; i < 16; i++) {
+                const __m512i lo =
+                    k3b_round_hi(_mm512_castps_si512(_mm512_loadu_ps(At + (int64_t)(k + 2 * i) * ldat + m)));
+                const __m512i up =
+                    k3b_round_hi(_mm512_castps_si512(_mm512_loadu_ps(At + (int64_t)(k + 2 * i + 1) * ldat + m)));
+                v[i] = _mm512_ternarylogic_epi32(hi, up, _mm512_srli_epi32(lo, 16), 0xCA);
+            }
+            k3b_tr16(v);
+            for (int i = 0; i < 16; i++) _mm512_storeu_si512((void *)(pa + (int64_t)(m + i) * K + k), v[i]);
+        }
+}
+
 /* C = A B from the packed operands. */
 static void tiles(int M, int N, int K, const uint16_t *pa, const uint16_t *pb, float *C, int64_t ldc) {
     const long lda = 2L * K, ldc4 = 4L * ldc;
@@ -116,6 +135,16 @@ static void kbf_mm_bt(int M, int N, int K, const float *A, int64_t lda, const fl
     uint16_t *pa = pk, *pb = pk + (int64_t)M * K;
     pack_a(M, K, A, lda, pa);
     pack_bt(N, K, Bt, ldbt, pb);
+    __asm__ volatile("" ::: "memory");
+    tiles(M, N, K, pa, pb, C, ldc);
+    __asm__ volatile("" ::: "memory");
+}
+
+static void kbf_mm_at(int M, int N, int K, const float *At, int64_t ldat, const float *B, int64_t ldb, float *C,
+                      int64_t ldc, uint16_t *pk) {
+    uint16_t *pa = pk, *pb = pk + (int64_t)M * K;
+    pack_at(M, K, At, ldat, pa);
+    pack_b(N, K, B, ldb, pb);
     __asm__ volatile("" ::: "memory");
     tiles(M, N, K, pa, pb, C, ldc);
     __asm__ volatile("" ::: "memory");

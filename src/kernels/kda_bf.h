@@ -10,7 +10,9 @@
  * file:
  *     kbf_mm(M, N, K, A, lda, B, ldb, C, ldc, pk):    C = A B
  *     kbf_mm_bt(M, N, K, A, lda, Bt, ldbt, C, ldc, pk): C = A Btᵀ
- * fp32 operands (A row-major M x K, B row-major K x N, Bt row-major N x K;
+ *     kbf_mm_at(M, N, K, At, ldat, B, ldb, C, ldc, pk): C = Atᵀ B
+ * fp32 operands (A row-major M x K, B row-major K x N, Bt row-major N x K,
+ * At row-major K x M;
  * M, N multiples of 16, K of 32), rounded to BF16 (nearest even) as they
  * are packed; per block of 32 in k, E = the even k's products summed from
  * +0 and O the odd ones', then C = C + (E + O) from C = +0 (the contract of
@@ -39,7 +41,6 @@ typedef struct kbf_ws {
     float *G;   /* [ch][dk] running log-decay */
     float *KQe; /* [2 ch][dk] k_t e^{G_t} rows, then q_t e^{G_t} rows */
     float *Kd;  /* [ch][dk] k_t e^{G_C - G_t} */
-    float *KdT; /* [dk][ch] */
     float *KQs; /* [ch / 16][32][dk] per sub-block: k_t e^{G_t - G_r}, then q_t e^{G_t - G_r} */
     float *Kb;  /* [ch][dk] k_j e^{G_r - G_j} */
     float *Z;   /* [3 ch + dk][max(dv, ch)] products */
@@ -63,7 +64,6 @@ static inline void kbf_ws_init(kbf_ws *w, int chunk, int dk, int dv, float *work
     w->G = p, p += ch * dk;
     w->KQe = p, p += 2 * ch * dk;
     w->Kd = p, p += ch * dk;
-    w->KdT = p, p += ch * dk;
     w->KQs = p, p += 2 * ch * dk;
     w->Kb = p, p += ch * dk;
     w->Z = p, p += (3 * ch + dk) * wz;
@@ -101,6 +101,8 @@ static inline int kbf_flat(const float *G, int dk, int r, int re) {
 static void kbf_mm(int M, int N, int K, const float *A, int64_t lda, const float *B, int64_t ldb, float *C, int64_t ldc,
                    uint16_t *pk);
 static void kbf_mm_bt(int M, int N, int K, const float *A, int64_t lda, const float *Bt, int64_t ldbt, float *C,
+                      int64_t ldc, uint16_t *pk);
+static void kbf_mm_at(int M, int N, int K, const float *At, int64_t ldat, const float *B, int64_t ldb, float *C,
                       int64_t ldc, uint16_t *pk);
 
 KBF_INLINE __m512 kbf_ld(const float *p) { return _mm512_loadu_ps(p); }
@@ -240,14 +242,18 @@ static void kbf_chunk(const k3_kda_head *h, float *S, int t0, int C, kbf_ws *w) 
         float *u = U + (int64_t)t * dv;
         const __m512 bt = _mm512_set1_ps(b0[(int64_t)t * h->ld_beta]);
         const float *lt = L + (int64_t)t * ch;
-        for (int d = 0; d < dv; d += 64) {
-            const int nv = (dv - d) / 16 < 4 ? (dv - d) / 16 : 4;
-            __m512 acc[4];
+        for (int d = 0; d < dv; d += 128) { /* eight chains at once: the FMA's latency hidden */
+            const int nv = (dv - d) / 16 < 8 ? (dv - d) / 16 : 8;
+            __m512 acc[8];
             for (int v = 0; v < nv; v++) acc[v] = _mm512_mul_ps(bt, kbf_ld(u + d + 16 * v));
             for (int j = 0; j < t; j++) {
                 const __m512 l = _mm512_set1_ps(lt[j]);
                 const float *uj = U + (int64_t)j * dv + d;
-                for (int v = 0; v < nv; v++) acc[v] = _mm512_fnmadd_ps(l, kbf_ld(uj + 16 * v), acc[v]);
+                if (nv == 8) {
+#pragma GCC unroll 8
+                    for (int v = 0; v < 8; v++) acc[v] = _mm512_fnmadd_ps(l, kbf_ld(uj + 16 * v), acc[v]);
+                } else
+                    for (int v = 0; v < nv; v++) acc[v] = _mm512_fnmadd_ps(l, kbf_ld(uj + 16 * v), acc[v]);
             }
             for (int v = 0; v < nv; v++) kbf_st(u + d + 16 * v, acc[v]);
         }
@@ -260,9 +266,7 @@ static void kbf_chunk(const k3_kda_head *h, float *S, int t0, int C, kbf_ws *w) 
         for (int d = 0; d < dv; d += 16) kbf_st(o + d, _mm512_add_ps(kbf_ld(za + d), kbf_ld(zb + d)));
     }
     /* S <- e^{G_C} S + Kdᵀ Vn */
-    for (int a = 0; a < dk; a++)
-        for (int t = 0; t < Cp; t++) w->KdT[(int64_t)a * Cp + t] = w->Kd[(int64_t)t * dk + a];
-    kbf_mm(dk, dv, Cp, w->KdT, Cp, U, dv, Z, dv, w->pk);
+    kbf_mm_at(dk, dv, Cp, w->Kd, dk, U, dv, Z, dv, w->pk);
     for (int a = 0; a < dk; a++) {
         const __m512 e = _mm512_set1_ps(w->eGC[a]);
         float *row = S + (int64_t)a * dv;
