@@ -48,13 +48,14 @@ typedef struct kbf_ws {
     float *L;   /* [ch][ch] */
     float *A;   /* [ch][ch] Aqk */
     float *eGC; /* [dk] */
+    float *P;   /* [2][16][16][16] a steep sub-block's pairs' lanes */
     uint16_t *pk;
 } kbf_ws;
 
 static inline int64_t kbf_work(int chunk, int dk, int dv) {
     const int64_t ch = (chunk + 31) / 32 * 32, w = dv > ch ? dv : ch;
     const int64_t pk = 4 * ch * dk + 2 * (int64_t)dk * dv + 2 * ch * dv + 2 * ch * ch + 64 * (int64_t)dk;
-    return 10 * ch * dk + (3 * ch + dk) * w + ch * dv + 2 * ch * ch + dk + pk / 2 + 64;
+    return 10 * ch * dk + (3 * ch + dk) * w + ch * dv + 2 * ch * ch + dk + 2 * 16 * 16 * 16 + pk / 2 + 64;
 }
 
 static inline void kbf_ws_init(kbf_ws *w, int chunk, int dk, int dv, float *work) {
@@ -71,6 +72,7 @@ static inline void kbf_ws_init(kbf_ws *w, int chunk, int dk, int dv, float *work
     w->L = p, p += ch * ch;
     w->A = p, p += ch * ch;
     w->eGC = p, p += dk;
+    w->P = p, p += 2 * 16 * 16 * 16;
     w->pk = (uint16_t *)p;
 }
 
@@ -94,6 +96,7 @@ static inline int kbf_flat(const float *G, int dk, int r, int re) {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 
+#include "kernels/bf16_avx512.h"
 #include "kernels/vexp_avx512.h"
 
 #define KBF_INLINE static inline __attribute__((always_inline))
@@ -108,43 +111,57 @@ static void kbf_mm_at(int M, int N, int K, const float *At, int64_t ldat, const 
 KBF_INLINE __m512 kbf_ld(const float *p) { return _mm512_loadu_ps(p); }
 KBF_INLINE void kbf_st(float *p, __m512 v) { _mm512_storeu_ps(p, v); }
 
-KBF_INLINE float kbf_hsum(__m512 v) {
-    float l[16], s = 0.0f;
-    _mm512_storeu_ps(l, v);
-    for (int i = 0; i < 16; i++) s = s + l[i];
-    return s;
-}
-
-/* The pairs of steep sub-block [r, re) (above); eg: (re - r + 1) x dk floats
- * of work. */
-static void kbf_steep(const k3_kda_head *h, int t0, int r, int re, float *L, float *A, int ldl, float *eg) {
+/* The pairs of steep sub-block [r, re) (above): per block of 128 channels,
+ * key j's decays carried in registers down the tokens t, each pair's 16
+ * lanes kept in P (pl: L's, pa: Aqk's, [t - r][j - r][16]); then per row t
+ * the lanes of its 16 pairs transposed and added in order. eg: (re - r) x dk
+ * floats of work. */
+static void kbf_steep(const k3_kda_head *h, int t0, int r, int re, float *L, float *A, int ldl, float *eg, float *P) {
     const int dk = h->dk;
     const int64_t ldq = h->ld_qk;
-    float *E = eg + (int64_t)(re - r) * dk;
+    float *pl = P, *pa = P + 16 * 16 * 16;
     for (int t = r; t < re; t++)
         for (int d = 0; d < dk; d += 16)
             kbf_st(eg + (int64_t)(t - r) * dk + d, k3_exp16(kbf_ld(h->g + (int64_t)(t0 + t) * ldq + d)));
-    for (int j = r; j < re; j++) {
-        const float *kj = h->k + (int64_t)(t0 + j) * ldq;
-        for (int d = 0; d < dk; d += 16) kbf_st(E + d, _mm512_set1_ps(1.0f));
-        for (int t = j; t < re; t++) {
-            const float *kt = h->k + (int64_t)(t0 + t) * ldq, *qt = h->q + (int64_t)(t0 + t) * ldq;
-            const float *et = eg + (int64_t)(t - r) * dk;
-            __m512 al = _mm512_setzero_ps(), aa = _mm512_setzero_ps();
-            for (int d = 0; d < dk; d += 16) {
-                __m512 e = kbf_ld(E + d);
-                if (t > j) {
-                    e = _mm512_mul_ps(e, kbf_ld(et + d));
-                    kbf_st(E + d, e);
+    memset(P, 0, sizeof(float) * 2 * 16 * 16 * 16);
+    for (int d0 = 0; d0 < dk; d0 += 128) {
+        const int nv = (dk - d0) / 16 < 8 ? (dk - d0) / 16 : 8;
+        for (int j = r; j < re; j++) {
+            const float *kj = h->k + (int64_t)(t0 + j) * ldq + d0;
+            __m512 E[8], K[8];
+            for (int v = 0; v < nv; v++) E[v] = _mm512_set1_ps(1.0f), K[v] = kbf_ld(kj + 16 * v);
+            for (int t = j; t < re; t++) {
+                const float *kt = h->k + (int64_t)(t0 + t) * ldq + d0, *qt = h->q + (int64_t)(t0 + t) * ldq + d0;
+                const float *et = eg + (int64_t)(t - r) * dk + d0;
+                float *ql = pl + ((t - r) * 16 + (j - r)) * 16, *qa = pa + ((t - r) * 16 + (j - r)) * 16;
+                __m512 al = kbf_ld(ql), aa = kbf_ld(qa);
+                for (int v = 0; v < nv; v++) {
+                    if (t > j) E[v] = _mm512_mul_ps(E[v], kbf_ld(et + 16 * v));
+                    const __m512 x = _mm512_mul_ps(K[v], E[v]);
+                    al = _mm512_fmadd_ps(kbf_ld(kt + 16 * v), x, al);
+                    aa = _mm512_fmadd_ps(kbf_ld(qt + 16 * v), x, aa);
                 }
-                const __m512 x = _mm512_mul_ps(kbf_ld(kj + d), e);
-                al = _mm512_fmadd_ps(kbf_ld(kt + d), x, al);
-                aa = _mm512_fmadd_ps(kbf_ld(qt + d), x, aa);
+                kbf_st(ql, al);
+                kbf_st(qa, aa);
             }
-            if (j < t) L[(int64_t)t * ldl + j] = h->beta[(int64_t)(t0 + t) * h->ld_beta] * kbf_hsum(al);
-            A[(int64_t)t * ldl + j] = kbf_hsum(aa);
         }
     }
+    for (int t = r; t < re; t++)
+        for (int w = 0; w < 2; w++) {
+            __m512i v[16];
+            for (int i = 0; i < 16; i++)
+                v[i] = _mm512_loadu_si512((const void *)((w ? pa : pl) + ((t - r) * 16 + i) * 16));
+            k3b_tr16(v);
+            __m512 s = _mm512_setzero_ps();
+            for (int i = 0; i < 16; i++) s = _mm512_add_ps(s, _mm512_castsi512_ps(v[i]));
+            float z[16];
+            _mm512_storeu_ps(z, s);
+            const float bt = h->beta[(int64_t)(t0 + t) * h->ld_beta];
+            for (int j = r; j <= t; j++) {
+                if (w) A[(int64_t)t * ldl + j] = z[j - r];
+                else if (j < t) L[(int64_t)t * ldl + j] = bt * z[j - r];
+            }
+        }
 }
 
 /* One chunk of C tokens from t0 (C <= w->ch). */
@@ -222,7 +239,7 @@ static void kbf_chunk(const k3_kda_head *h, float *S, int t0, int C, kbf_ws *w) 
                 for (int j = 0; j < nj && j <= t; j++) A[(int64_t)t * ch + j] = za[j];
             }
         }
-        if (!flat) kbf_steep(h, t0, r, re, L, A, ch, w->Kb);
+        if (!flat) kbf_steep(h, t0, r, re, L, A, ch, w->Kb, w->P);
     }
 
     /* [Ke; Qe] S: U = V - Ke S, and Qe S (kept in Z) */
