@@ -7,6 +7,7 @@
  *
  *   build/kdabench [tokens (512)] [piece (64)] [dk = dv (128)] [reps (21)]
  *   KB_ISA=amx|avx512|...: the kernel table (k3_set_isa; default the best)
+ *   KB_VDP=1: the BF16 form's vdpbf16ps kernel (no table holds it by default)
  *   KB_G=x: the strongest log-decay per token (default -5, K3's bound; a third
  *   of the channels reach it, the rest decay 20 times less)
  */
@@ -19,6 +20,7 @@
 #include "k3.h"
 #include "kernels/kda.h"
 #include "kernels/kernels.h"
+#include "kernels/kernels_isa.h"
 
 static double now_s(void) {
     struct timespec ts;
@@ -45,7 +47,8 @@ static void run(int n, int p, int dk, const float *q, const float *k, const floa
         const int m = n - a < p ? n - a : p;
         k3_kda_head h = {m, dk, dk, q + (int64_t)a * dk, k + (int64_t)a * dk, g + (int64_t)a * dk, dk,
                          v + (int64_t)a * dk, dk, b + a, 1, o + (int64_t)a * dk, dk};
-        if (!bf || !k3_kda_chunked_bf(&h, S, K3_KDA_CHUNK_BF, work)) k3_kda_recurrent(&h, S);
+        if (bf == 2) k3_kda_chunked_bf_avx512(&h, S, K3_KDA_CHUNK_BF, work);
+        else if (!bf || !k3_kda_chunked_bf(&h, S, K3_KDA_CHUNK_BF, work)) k3_kda_recurrent(&h, S);
     }
 }
 
@@ -78,14 +81,15 @@ int main(int argc, char **argv) {
         b[t] = 0.5f + 0.49f * frand();
     }
     k3_kda_head probe = {1, dk, dk, q, k, g, dk, v, dk, b, 1, o, dk};
-    const int have_bf = k3_kda_bf_available() && k3_kda_bf_fits(&probe);
+    const int vdp = getenv("KB_VDP") && k3_kernels_bf16();
+    const int have_bf = (vdp || k3_kda_bf_available()) && k3_kda_bf_fits(&probe);
     double *tr = malloc(sizeof(double) * reps), *tb = malloc(sizeof(double) * reps);
     for (int r = 0; r < reps; r++) { /* alternated: recurrent, chunked */
         double t0 = now_s();
         run(n, p, dk, q, k, g, v, b, o, S, work, 0);
         tr[r] = now_s() - t0;
         t0 = now_s();
-        run(n, p, dk, q, k, g, v, b, o, S, work, 1);
+        run(n, p, dk, q, k, g, v, b, o, S, work, vdp ? 2 : 1);
         tb[r] = now_s() - t0;
     }
     qsort(tr, (size_t)reps, sizeof(double), cmpd);
@@ -106,8 +110,8 @@ int main(int argc, char **argv) {
            k3_isa_current(), n, p, dk, reps);
     printf("  recurrent      %8.1f us  (%.2f us/token)\n", mr * 1e6, mr * 1e6 / n);
     if (have_bf)
-        printf("  bf16 chunked   %8.1f us  (%.2f us/token)  %.2fx the recurrent; products %.1f work GFLOP/s\n",
-               mb * 1e6, mb * 1e6 / n, mr / mb, fl / mb * 1e-9);
+        printf("  bf16 chunked%s %8.1f us  (%.2f us/token)  %.2fx the recurrent; products %.1f work GFLOP/s\n",
+               vdp ? " (vdpbf16ps)" : "", mb * 1e6, mb * 1e6 / n, mr / mb, fl / mb * 1e-9);
     else printf("  bf16 chunked   (not in this table)\n");
     free(q), free(k), free(g), free(v), free(o), free(b), free(S), free(work), free(tr), free(tb);
     return 0;
