@@ -67,12 +67,20 @@ int64_t k3_kda_chunk_work_simd(int chunk, int dk, int dv);
  * (K3_KDA_CHUNK_BF in a context), sub-blocks of 16. The kernels (AMX tiles,
  * vdpbf16ps) give k3_kda_chunked_bf_ref's bits. */
 #define K3_KDA_CHUNK_BF 32
+/* The shortest prefill piece for which the tiles' kernel beats the fp32
+ * recurrence (measured, docs/amx.md). */
+#define K3_KDA_BF_MIN_AMX 16
 bool k3_kda_bf_fits(const k3_kda_head *h); /* dk % 32 == 0, dv % 16 == 0, both <= K3_MAX_KDA_HEAD_DIM */
 int64_t k3_kda_chunk_work_bf(int chunk, int dk, int dv);
 void k3_kda_chunked_bf_ref(const k3_kda_head *h, float *S, int chunk, float *work);
 /* Whether the current table has a BF16 chunked kernel (the BF16 tables:
- * "avx512-bf16", "amx"). */
+ * "avx512-bf16", "amx" on the unit). */
 bool k3_kda_bf_available(void);
+/* The shortest piece the current table gives its BF16 chunked kernel by
+ * default: K3_KDA_BF_MIN_AMX on "amx"; INT32_MAX where it has none or the
+ * kernel is not the faster form ("avx512-bf16": vdpbf16ps measured slower
+ * than the fp32 recurrence). */
+int32_t k3_kda_bf_min(void);
 /* The current table's BF16 chunked kernel; false (nothing done) where it has
  * none or h does not fit. */
 bool k3_kda_chunked_bf(const k3_kda_head *h, float *S, int chunk, float *work);

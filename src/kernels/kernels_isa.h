@@ -235,6 +235,7 @@ struct k3_kernel_ops {
     k3_kda_recurrent_fn *kda_recurrent;
     k3_kda_chunked_fn *kda_chunked;
     k3_kda_chunked_fn *kda_chunked_bf; /* the BF16 chunked form (k3_kda_bf_fits; NULL: none) */
+    int32_t kda_bf_min;                /* pieces this long take it by default (0: none) */
     bool kda_recurrent_prefill;        /* the recurrent form beats the chunked one at every length */
 };
 
