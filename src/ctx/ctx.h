@@ -34,10 +34,10 @@
 #define K3_KDA_CHUNK_MIN 64
 #define K3_KDA_CHUNK 16
 
-/* Prefill pieces of at least k3_kda_bf_min() tokens (kda.h: 16 on "amx")
- * use KDA's BF16 chunked form (chunks of K3_KDA_CHUNK_BF) where the model
- * runs the BF16 dot products; decode, the speculative verify and the exact
- * fp32 paths keep the forms above. */
+/* Prefill pieces of at least kda_bf_min tokens (k3_kda_bf_min(), kda.h:
+ * none by default) use KDA's BF16 chunked form (chunks of K3_KDA_CHUNK_BF)
+ * where the model runs the BF16 dot products; decode, the speculative
+ * verify and the exact fp32 paths keep the forms above. */
 
 /* Attention of a row over many cached keys is split into parts of at least
  * 256 keys, at most K3_ATTN_PARTS_MAX and 2 per thread, merged by

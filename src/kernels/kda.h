@@ -40,7 +40,7 @@ typedef struct k3_kda_head {
  * is within ~12% of chunk 16 and ahead of chunk 64. It also makes a prefill
  * bit-identical to decoding the same tokens one by one. The chunked form
  * stays for cross-checks and, with its products on BF16 tiles (below), is
- * the faster one where the CPU has AMX. */
+ * the faster one on AMX tiles (off by default, docs/amx.md). */
 void k3_kda_recurrent(const k3_kda_head *h, float *S);
 void k3_kda_recurrent_ref(const k3_kda_head *h, float *S);
 /* Whether the current table's recurrent form is the faster one for prefill
@@ -77,9 +77,10 @@ void k3_kda_chunked_bf_ref(const k3_kda_head *h, float *S, int chunk, float *wor
  * "avx512-bf16", "amx" on the unit). */
 bool k3_kda_bf_available(void);
 /* The shortest piece the current table gives its BF16 chunked kernel by
- * default: K3_KDA_BF_MIN_AMX on "amx"; INT32_MAX where it has none or the
- * kernel is not the faster form ("avx512-bf16": vdpbf16ps measured slower
- * than the fp32 recurrence). */
+ * default; INT32_MAX where it has none or gives it none: today every table
+ * ("avx512-bf16": vdpbf16ps measured slower than the fp32 recurrence;
+ * "amx": faster from K3_KDA_BF_MIN_AMX tokens, off for the bit identity of
+ * prefill and decode, docs/amx.md). A context's kda_bf_min overrides it. */
 int32_t k3_kda_bf_min(void);
 /* The current table's BF16 chunked kernel; false (nothing done) where it has
  * none or h does not fit. */
