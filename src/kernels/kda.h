@@ -39,8 +39,8 @@ typedef struct k3_kda_head {
  * chunked form at every span length and chunk size, and the AVX2 recurrence
  * is within ~12% of chunk 16 and ahead of chunk 64. It also makes a prefill
  * bit-identical to decoding the same tokens one by one. The chunked form
- * stays for cross-checks and, with its products on BF16 tiles (below), is
- * the faster one on AMX tiles (off by default, docs/amx.md). */
+ * stays for cross-checks; its BF16 form (below) is the faster one on the
+ * AMX tiles (off by default, docs/amx.md). */
 void k3_kda_recurrent(const k3_kda_head *h, float *S);
 void k3_kda_recurrent_ref(const k3_kda_head *h, float *S);
 /* Whether the current table's recurrent form is the faster one for prefill
