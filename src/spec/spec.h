@@ -39,8 +39,10 @@ typedef struct k3_stree {
     int32_t *cnt, *tok, *first, *next, *par; /* [cap] per node: count, token, first child, next sibling, parent */
     uint8_t *dep;                            /* [cap] depth */
     int32_t n_nodes, cap, *free_ids, n_free;
-    uint64_t *hkey; /* (parent << 32 | token) + 1, 0 = empty, ~0 = deleted */
-    int32_t *hval;
+    struct k3_stree_slot {
+        uint64_t key; /* (parent << 32 | token) + 1, 0 = empty, ~0 = deleted */
+        int32_t val;
+    } * h; /* the children: one probe reads a key and its node together */
     uint32_t hmask;
     int64_t h_used;
     int64_t max_nodes; /* a budget: insertions stop creating nodes past it */
