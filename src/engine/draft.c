@@ -151,7 +151,10 @@ void k3_engine_spec_propose(k3_engine *e) {
     if (n_c) {
         if (e->o.spec_no_cost_model)
             for (int32_t i = 0; i < n_c; i++) e->take[i] = who[i]->n_draft;
-        else k3_spec_policy_choose(&e->policy, n_dec, e->cand, n_c, e->take);
+        else if (k3_spec_policy_plain_due(&e->policy, n_dec))
+            for (int32_t i = 0; i < n_c; i++) e->take[i] = 0; /* a step to measure the drafts' cost against */
+        else if (!k3_spec_policy_choose(&e->policy, n_dec, e->cand, n_c, e->take))
+            k3_spec_policy_declined(&e->policy, n_dec);
         int32_t rows = 0;
         for (int32_t i = 0; i < n_c; i++) {
             req *r = who[i];
@@ -164,8 +167,8 @@ void k3_engine_spec_propose(k3_engine *e) {
     e->spec_propose_s += k3_now() - t0;
 }
 
-void k3_engine_spec_observe(k3_engine *e, int32_t rows, double seconds) {
-    k3_spec_policy_observe(&e->policy, rows, seconds);
+void k3_engine_spec_observe(k3_engine *e, const k3_spec_step *st) {
+    if (e->prop) k3_spec_policy_observe_step(&e->policy, st);
 }
 
 void k3_engine_spec_verify(k3_engine *e, req *r, float *lg, double t) {
