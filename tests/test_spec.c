@@ -283,8 +283,9 @@ static double synth_run(k3_spec_policy *p, k3_spec_calib *cal, const synth *m, i
         int32_t take[16] = {0};
         const float cf[8] = {conf, conf, conf, conf, conf, conf, conf, conf};
         for (int32_t i = 0; i < batch; i++) k3_spec_calib_gains(&cal[i], cf, 8, &c[i]);
-        int32_t n = 0;
-        if (!k3_spec_policy_plain_due(p, batch) && !(n = k3_spec_policy_choose(p, batch, c, batch, take)))
+        int32_t n = 0; /* as the engine decides (src/engine/draft.c) */
+        if (!k3_spec_policy_may_pay(p, batch, 8)) k3_spec_policy_declined(p, batch);
+        else if (!k3_spec_policy_plain_due(p, batch) && !(n = k3_spec_policy_choose(p, batch, c, batch, take)))
             k3_spec_policy_declined(p, batch);
         int32_t chunks = 0;
         double accepted = 0;
@@ -336,6 +337,21 @@ K3_TEST(spec_cost_model_weighs_the_whole_step) {
     CHECKF(off < 0.1, "batch 4: drafted in %.0f%% of the steps", 100 * off);
     const double extra = k3_spec_policy_step_cost(&p, 4, 1, 4) - k3_spec_policy_step_cost(&p, 4, 0, 0);
     CHECKF(extra > 0.7e-3, "a verify chunk of 4 drafts at batch 4 estimated at +%.3f ms", extra * 1e3);
+    /* a batch where each row costs its full share: not even drafts sure to
+     * be accepted pay there, so nobody proposes (nor indexes a prompt) */
+    k3_spec_policy b;
+    k3_spec_policy_init(&b, 0.05);
+    for (int i = 0; i < 20; i++) {
+        k3_spec_step st16 = {16, 0, 0, 3.8e-3, 4.0e-3},
+                     sp16 = {16, 1, i % 8 + 1, 3.8e-3, (4.3 + 0.3 * (i % 8 + 1)) * 1e-3};
+        k3_spec_step st1 = {1, 0, 0, 0.9e-3, 1.0e-3}, sp1 = {1, 1, i % 8 + 1, 1.0e-3, (1.2 + 0.1 * (i % 8 + 1)) * 1e-3};
+        k3_spec_policy_observe_step(&b, &st16);
+        k3_spec_policy_observe_step(&b, &sp16);
+        k3_spec_policy_observe_step(&b, &st1);
+        k3_spec_policy_observe_step(&b, &sp1);
+    }
+    CHECK(!k3_spec_policy_may_pay(&b, 16, 8));
+    CHECK(k3_spec_policy_may_pay(&b, 1, 8));
     /* and on again at batch 1 */
     on = synth_run(&p, cal, &m, 1, 0.7f, 0.7f, 600, 200);
     CHECKF(on > 0.9, "batch 1 again: drafted in %.0f%% of the steps", 100 * on);

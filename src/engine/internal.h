@@ -69,9 +69,10 @@ typedef struct req {
     const k3_grammar_vocab *gv; /* the grammar's vocabulary */
     float *stop_raw;            /* [n_stop_ids] their raw logits, for when the text is complete */
     /* speculative decoding (draft.c) */
-    k3_spec_seq *spec;     /* the proposer's state, NULL: no drafts */
-    int32_t spec_k;        /* draft tokens per step at most */
-    int64_t spec_appended; /* tokens of rq.tok the proposer has seen */
+    k3_spec_seq *spec;          /* the proposer's state, NULL: none (yet) */
+    k3_spec_method spec_method; /* its method, K3_SPEC_OFF: no drafts; the state is made when drafting may pay */
+    int32_t spec_k;             /* draft tokens per step at most */
+    int64_t spec_appended;      /* tokens of rq.tok the proposer has seen */
     k3_spec_calib calib;
     int32_t n_draft;                      /* this step: drafts proposed (rq.tok[n_tok ..]) */
     float draft_conf[K3_SPEC_MAX_TOKENS]; /* their confidences */

@@ -87,6 +87,7 @@ static k3_status phase_begin(k3_engine *e, k3_error *err) {
         k3_error serr = {0};
         if (k3_engine_spec_req_open(e, r, &serr)) { /* no drafts for it: it goes on without */
             r->spec = NULL;
+            r->spec_method = K3_SPEC_OFF;
         }
         bool taken = false;
         EACH_CONN(if (!taken && c_->arrive) taken = c_->arrive(c_->self, r));

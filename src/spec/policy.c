@@ -144,14 +144,35 @@ void k3_spec_policy_declined(k3_spec_policy *p, int32_t n_dec) {
 double k3_spec_policy_step_cost(const k3_spec_policy *p, int32_t n_dec, int32_t n_chunks, int32_t n_drafts) {
     const double base = plain_cost(p, n_dec);
     if (base < 0) return k3_spec_policy_cost(p, n_dec + n_drafts); /* no step seen: the pass alone */
-    /* the class's fit, else the nearest class's below that has one (a
-     * verify row costs at least what it does in a smaller batch), else the
-     * pass's extra rows */
-    for (int32_t c = size_class(n_dec); c >= 0; c--) {
+    const k3_spec_fit *own = &p->fit[size_class(n_dec)];
+    if (own->n_obs) return base + own->a_chunk * n_chunks + own->b_draft * n_drafts;
+    /* a class not seen drafting: the most of the pass's extra rows, the
+     * nearest smaller class's fit, and a decode row's cost at this batch (the
+     * plain step's growth from the largest smaller batch seen): a draft row
+     * is a row of the pass like a decode's */
+    double extra = k3_spec_policy_cost(p, n_dec + n_drafts) - k3_spec_policy_cost(p, n_dec);
+    for (int32_t c = size_class(n_dec) - 1; c >= 0; c--) {
         const k3_spec_fit *f = &p->fit[c];
-        if (f->n_obs) return base + f->a_chunk * n_chunks + f->b_draft * n_drafts;
+        if (!f->n_obs) continue;
+        const double e = f->a_chunk * n_chunks + f->b_draft * n_drafts;
+        if (e > extra) extra = e;
+        break;
     }
-    return base + k3_spec_policy_cost(p, n_dec + n_drafts) - k3_spec_policy_cost(p, n_dec);
+    int32_t m = (n_dec <= K3_SPEC_ROWS_MAX ? n_dec : K3_SPEC_ROWS_MAX + 1) - 1;
+    while (m >= 1 && !p->n_obs_plain[m]) m--;
+    if (m >= 1) {
+        const double row = (base - p->plain[m]) / (double)(n_dec - m);
+        if (row * n_drafts > extra) extra = row * n_drafts;
+    }
+    return base + extra;
+}
+
+bool k3_spec_policy_may_pay(const k3_spec_policy *p, int32_t base, int32_t max_k) {
+    if (base < 1) base = 1;
+    const double rate = base / k3_spec_policy_step_cost(p, base, 0, 0);
+    for (int32_t k = 1; k <= max_k && base + k <= K3_SPEC_ROWS_MAX; k++)
+        if ((base + k) / k3_spec_policy_step_cost(p, base, 1, k) > rate) return true;
+    return false;
 }
 
 bool k3_spec_policy_plain_due(const k3_spec_policy *p, int32_t base) {

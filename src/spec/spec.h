@@ -153,6 +153,9 @@ int32_t k3_spec_seq_propose(k3_proposer *p, k3_spec_seq *s, const int32_t *tok, 
 /* The sequence ended: a completed output (stop or length) joins its
  * scope's cache of past outputs. */
 void k3_spec_seq_close(k3_proposer *p, k3_spec_seq *s, bool completed);
+/* A completed output of a request that never opened a sequence (its
+ * drafting was never worth it) joins its scope's cache all the same. */
+void k3_spec_cache_output(k3_proposer *p, k3_spec_method method, uint64_t scope, const int32_t *tok, int64_t n);
 k3_spec_method k3_spec_seq_method(const k3_spec_seq *s);
 /* Bytes the proposers hold (the caches and trees). */
 int64_t k3_proposer_bytes(const k3_proposer *p);
@@ -181,7 +184,9 @@ int32_t k3_spec_reject_sample(const float *p, const float *q, int32_t n, int32_t
  *     least squares over the recent such steps (decayed), one fit per batch
  *     size class (1, 2, 3-4, 5-8, ...): a verify row's cost depends on the
  *     batch it joins (four sequences' rows read four contexts; one
- *     sequence's drafts one), as do the pass's regime and the outputs;
+ *     sequence's drafts one), as do the pass's regime and the outputs; a
+ *     class not yet seen drafting prices a draft row at least as a decode
+ *     row of its batch (the plain step's growth from a smaller batch);
  *   - the pass's time by its rows alone (an EWMA per row count), which
  *     stands in until steps have been seen.
  * The drafts of a step are chosen on the batch's expected tokens per
@@ -249,6 +254,11 @@ typedef struct k3_spec_cand {
  * sequence's count to take[i]; returns the total. */
 int32_t k3_spec_policy_choose(const k3_spec_policy *p, int32_t base, const k3_spec_cand *c, int32_t n_seqs,
                               int32_t *take);
+/* Whether any draft could pay at base decodes: k drafts sure to be accepted
+ * by one sequence (the most a draft can bring) beat the plain step for some
+ * k <= max_k. Where none can, the engine does not even propose (nor index a
+ * new request's prompt for it). */
+bool k3_spec_policy_may_pay(const k3_spec_policy *p, int32_t base, int32_t max_k);
 
 /* A sequence's calibration of its proposer's confidences: draft tokens
  * accepted over the confidences they were drafted with, both decayed at
