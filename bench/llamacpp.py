@@ -151,7 +151,7 @@ def table(path):
 
     def k3_row(r):
         d = {p["tokens"]: p["tok_s"] for p in r["prefill"]}
-        return d, r["decode_tok_s"], r["bandwidth_fraction"], r["mem_bw_gbps"]
+        return d, r["decode_tok_s"], r["bandwidth_fraction"], r.get("decode_mem_bw_gbps", r["mem_bw_gbps"])
 
     def ll_rows(cfg, rnd):
         d, dec, fr, bws = {}, None, None, []
@@ -173,7 +173,8 @@ def table(path):
     print("work a token (k3 bench's count, GFLOP): " + ", ".join("%d: %.3f" % (n, work[n]) for n in prompts))
     hdr = "%-34s %5s " % ("config", "round") + " ".join("%9s" % ("pp%d" % n) for n in prompts)
     hdr += " %9s %9s %7s %6s" % ("GFLOP/s", "tg tok/s", "of bw", "GB/s")
-    print("\nper round (prefill tok/s; GFLOP/s at 512 or the largest; decode b=1; bandwidth around)")
+    print("\nper round (prefill tok/s; GFLOP/s at 512 or the largest; decode b=1 tok/s and its fraction of")
+    print("the bandwidth read around the decode runs, GB/s: k3 bench's median of them, llama.cpp's before/after)")
     print(hdr)
     per = {}
     gi = 512 if 512 in prompts else prompts[-1]
