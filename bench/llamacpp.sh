@@ -5,30 +5,35 @@
 #
 # LLAMA_DIR holds a llama.cpp build's llama-bench (the folder itself or its
 # bin/); several builds (e.g. native and native without AMX) are separated by
-# ':', and each GGUF runs on each build unless written NAME@FILE (only on the
-# build whose folder is named NAME). The GGUFs are the user's own conversions of the k3 checkpoint M (the
-# commands are printed when none is given); this script downloads nothing,
-# builds nothing, and is no part of `make test`.
+# ':', and each GGUF runs on each build unless written NAME@FILE (then only on
+# the build whose folder is named NAME). The GGUFs are the user's own
+# conversions of the k3 checkpoint M (the commands are printed when none is
+# given); this script downloads nothing, builds nothing, and is no part of
+# `make test`.
 #
 # Each round runs, alternated (every second round in reverse order), one
 # exclusive hold of the CPU lock for each k3 mode (`k3 bench --prompts PROMPTS
 # --runs RUNS`, which prints its bandwidth and decode fraction) and one for each
-# llama.cpp build x GGUF x prompt set of PSETS (`llama-bench -t THREADS -p SET
-# -r RUNS`, the decode `-n GEN` with the first set), each llama-bench run between
-# two readings of the bandwidth k3 bench reads (`build/xcore 1 5`: the same
-# k3_membw_read_gbps, 1 GB on 2 threads, without loading a model). Then: prefill
-# tok/s at each length, prefill GFLOP/s counted with k3 bench's work count for
-# both, decode tok/s and its fraction of the bandwidth (llama.cpp: the GGUF's
-# bytes a token, read here from its header, x tok/s / the bandwidth around the
-# run), and k3 / llama.cpp per round with the medians. A GGUF whose trunk holds
-# Q8_0 pairs with the k3 modes of an 8-bit --quant, any other with the rest.
+# llama.cpp build x GGUF x prompt set (`llama-bench -t THREADS -p SET -r RUNS`,
+# the decode `-n GEN` with the first set), each llama-bench run between two
+# readings of the bandwidth k3 bench reads (`build/xcore 1 5`: the same
+# k3_membw_read_gbps, 1 GB on 2 threads, without loading a model). Then:
+# prefill tok/s at each length, prefill GFLOP/s counted with k3 bench's work
+# count for both, decode tok/s and its fraction of the bandwidth (llama.cpp:
+# the GGUF's bytes a token, read here from its header, x tok/s / the bandwidth
+# around the run), and k3 / llama.cpp per round with the medians. A GGUF whose
+# trunk holds Q8_0 pairs with the k3 modes of an 8-bit --quant, any other with
+# the rest.
 #
-# Environment (defaults): M (bench/bench), K3 (build/k3), ROUNDS (3),
-# THREADS (2), RUNS (3), PROMPTS (128,512,2048), PSETS ("128,512 2048"),
-# PSETS_8BIT (PSETS: the sets of the 8-bit GGUFs, faster, e.g. one hold), GEN (64), MODES ("best/none best/w8a8+w4a8": ISA/QUANT pairs for k3 bench),
-# LOCK (/tmp/k3-cpu.lock), OUT (a new temporary folder: results.jsonl and the
-# raw outputs stay there), FIRST (1: the first round's number; above 1 the
-# rounds are added to OUT's results.jsonl, so rounds can be run apart), PY (.venv/bin/python or python3; standard library).
+# Environment (defaults): M (bench/bench), K3 (build/k3), XCORE (build/xcore,
+# `make xcore`), ROUNDS (3), THREADS (2), RUNS (3), PROMPTS (128,512,2048),
+# PSETS ("128,512 2048": llama-bench's prompt sets, one hold each), PSETS_8BIT
+# (PSETS: those of the 8-bit GGUFs), GEN (64), MODES ("best/none
+# best/w8a8+w4a8": ISA/QUANT pairs for k3 bench), LOCK (/tmp/k3-cpu.lock), OUT
+# (a new temporary folder: results.jsonl and the raw outputs stay there), FIRST
+# (1: the first round's number; above 1 the rounds are added to OUT's
+# results.jsonl, so rounds can be run apart), PY (.venv/bin/python or python3;
+# the standard library only).
 set -e
 LL=${1:-}
 if [ -z "$LL" ] || [ "$LL" = -h ] || [ "$LL" = --help ]; then
