@@ -363,6 +363,51 @@ K3_TEST(bf16_amx_equals_avx512) {
     k3_set_isa(NULL, &err);
 }
 
+/* The tiles' loop orders by the product's width (amx_kern.inc: whole-K
+ * passes where K <= 1024 or 2048 < K <= 8192, column chunks between and
+ * above) give the "avx512-bf16" table's bits, as strips of BF16 and MXFP4,
+ * at token counts that fill one token block, several, and a ragged end. */
+K3_TEST(bf16_amx_equals_avx512_wide) {
+    k3_error err = {0};
+    if (k3_set_isa("avx512-bf16", &err) != K3_OK) {
+        printf("    (not run: %s)\n", err.msg);
+        return;
+    }
+    static const int64_t ks[] = {1536, 2048, 2112, 5632, 8256};
+    static const int64_t ns[] = {16, 33, 70, 130};
+    float *x = fvec(130 * 8256, 2.0f);
+    float *ya = malloc(sizeof(float) * 130 * 48), *yb = malloc(sizeof(float) * 130 * 48);
+    for (int unit = 1; unit >= 0; unit--) {
+        const bool ok = unit ? k3_set_isa("amx", &err) == K3_OK : k3_kernels_force_amx_emulated();
+        if (!ok) {
+            printf("    (%s not tested: %s)\n", unit ? "the AMX unit" : "the AMX emulation", err.msg);
+            continue;
+        }
+        for (size_t ki = 0; ki < sizeof ks / sizeof ks[0]; ki++)
+            for (int mx = 0; mx < 2; mx++) {
+                k3_mat w0 = mx ? mx4_mat(48, ks[ki], 118, 16) : bf16_mat(48, ks[ki]);
+                k3_mat w = strips(&w0);
+                for (size_t k = 0; k < sizeof ns / sizeof ns[0]; k++) {
+                    const int64_t n = ns[k];
+                    k3_kernels_force_amx_emulated(); /* reset below */
+                    if (unit) k3_set_isa("amx", NULL);
+                    k3_matmul(NULL, &w, x, n, ya);
+                    k3_set_isa("avx512-bf16", NULL);
+                    k3_matmul(NULL, &w, x, n, yb);
+                    CHECKF(!memcmp(ya, yb, sizeof(float) * (size_t)(n * 48)),
+                           "amx (%s) %s 48x%lld n=%lld differs from avx512-bf16", unit ? "unit" : "emulated",
+                           type_name(&w), (long long)ks[ki], (long long)n);
+                }
+                mat_free(&w);
+                mat_free(&w0);
+            }
+    }
+    free(x);
+    free(ya);
+    free(yb);
+    k3_set_isa(NULL, &err);
+}
+
 /* The routed experts grouped on the tiles (k3_moe_experts, AMX) against the
  * experts one at a time through k3_matmul and k3_glu on "avx512-bf16": the
  * same bits, BF16 and MXFP4 experts, as stored and as strips, with experts
