@@ -41,7 +41,7 @@ MODEL   ?= models/k3-mini
 PROMPT  ?= It is a truth universally acknowledged, that
 RUN_ARGS?= -n 64
 
-.PHONY: all help deps run test test-unit test-cli clean asan ubsan format check-reference kbench qbench xcore stepgap amxbench tcpcopy kvsbench ucxbench test-hosts bench-hosts
+.PHONY: all help deps run test test-unit test-cli clean asan ubsan format check-reference kbench kdabench qbench xcore stepgap amxbench tcpcopy kvsbench ucxbench test-hosts bench-hosts
 all: $(BUILD)/k3 $(BUILD)/k3-test
 
 help:
@@ -179,6 +179,11 @@ clean:
 $(BUILD)/kbench: bench/kbench.c $(BUILD)/libk3.a
 	$(CC) $(K3_CFLAGS) $(PC_CFLAGS) $(CFLAGS) -o $@ $< $(BUILD)/libk3.a $(PC_LIBS) $(LDLIBS)
 kbench: $(BUILD)/kbench
+
+# Developer tool: KDA's recurrent and BF16 chunked forms alone (docs/amx.md).
+$(BUILD)/kdabench: bench/kdabench.c $(BUILD)/libk3.a
+	$(CC) $(K3_CFLAGS) $(PC_CFLAGS) $(CFLAGS) -o $@ $< $(BUILD)/libk3.a $(PC_LIBS) $(LDLIBS)
+kdabench: $(BUILD)/kdabench
 
 # Developer tool: the AMX kernels alone (the unit's peak, the routed experts
 # of the bench checkpoint's shapes from DRAM, BF16 trunk products), beside

@@ -597,6 +597,27 @@ typedef enum k3_spec_method {
 } k3_spec_method;
 #define K3_SPEC_MAX_TOKENS 16 /* draft tokens per request and step at most */
 
+/* A step's phases as the engine times them (k3_engine_stats.phase_s):
+ * begin (the inbox, requests opened: a suffix proposer indexes the prompt
+ * here), propose (drafts and the cost model), schedule, setup (slots,
+ * snapshots), pass (the forward pass), sample (tokens of plain rows and the
+ * grammar masks), verify (a verify chunk's rows sampled and its rollback),
+ * finish (outputs, stats), and outside: between the end of a step that left
+ * work and the next step's start (the caller's handling of the outputs: the
+ * server's per-token work on its engine thread). */
+enum {
+    K3_PHASE_BEGIN,
+    K3_PHASE_PROPOSE,
+    K3_PHASE_SCHEDULE,
+    K3_PHASE_SETUP,
+    K3_PHASE_PASS,
+    K3_PHASE_SAMPLE,
+    K3_PHASE_VERIFY,
+    K3_PHASE_FINISH,
+    K3_PHASE_OUTSIDE,
+    K3_PHASE_COUNT
+};
+
 typedef struct k3_engine_options {
     int32_t max_num_seqs;           /* running requests at once (0 = 16) */
     int32_t max_num_batched_tokens; /* tokens per step over all requests (0 = 2048) */
@@ -808,6 +829,10 @@ typedef struct k3_engine_stats {
     int64_t spec_accepted_per_pos[K3_SPEC_MAX_TOKENS];
     int32_t spec_k;
     double spec_propose_s, spec_accept_s;
+    /* the engine's time by phase of its steps (K3_PHASE_*), summed, and the
+     * steps: all of them, and those with a verify chunk */
+    double phase_s[K3_PHASE_COUNT];
+    int64_t n_steps, n_spec_steps;
 } k3_engine_stats;
 
 k3_status k3_engine_open(k3_engine **out, const k3_model *m, const k3_engine_options *opt, k3_error *err);

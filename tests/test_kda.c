@@ -1,5 +1,7 @@
 /* test_kda.c -- KDA: chunked form == recurrent form (docs/model.md §6.2.1),
  * gate ranges (§6.2.10), short conv with state == conv over the whole run. */
+#include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -354,4 +356,207 @@ K3_TEST(kda_dispatch_forced_ref) {
     k3_kernels_force(K3_ISA_AVX512); /* back to the best the CPU has */
     free(work);
     free_in(&in);
+}
+
+/* ---- the BF16 chunked form ------------------------------------------------ */
+
+/* The first-order bound of the BF16 form against exact arithmetic, per
+ * output and state element, carried chunk by chunk in double. Every product
+ * rounds both operands to BF16 (2^-8 relative each) and sums K terms in
+ * fp32, so a product P = Σ a b is off by at most γ Σ|a b| with γ = 2^-7 +
+ * 2^-16 + K 2^-24; the errors then travel linearly: with T = (I + L)^{-1},
+ *     ΔU  <= γ |Ke||S| + |Ke| ΔS,       ΔL <= γ β |K K̃ᵀ| (the decays in)
+ *     ΔVn <= |T| (β ΔU + ΔL |Vn|)
+ *     Δo  <= γ (|Qe||S| + |Aqk||Vn|) + |Qe| ΔS + γ |Q K̃ᵀ||Vn| + |Aqk| ΔVn
+ *     ΔS' <= e^{G_C} ΔS + γ |Kd|ᵀ|Vn| + |Kd|ᵀ ΔVn
+ * (e^{G} ⊙ K = Ke, etc., all exact here). The check allows 1.25 times that
+ * (the second-order terms) plus 1e-5 of the element's magnitude (the fp32
+ * steps and the fp32 reference's own rounding). */
+static void bf_bound(const kda_in *in, const float *S0, int chunk, double *bo, double *bs) {
+    const int n = in->n, dk = in->dk, dv = in->dv;
+    double *S = malloc(sizeof(double) * dk * dv), *dS = calloc((size_t)dk * dv, sizeof(double));
+    for (int i = 0; i < dk * dv; i++) S[i] = S0[i];
+    double *G = malloc(sizeof(double) * chunk * dk), *L = malloc(sizeof(double) * chunk * chunk);
+    double *Lm = malloc(sizeof(double) * chunk * chunk), *Am = malloc(sizeof(double) * chunk * chunk);
+    double *A = malloc(sizeof(double) * chunk * chunk), *T = malloc(sizeof(double) * chunk * chunk);
+    double *U = malloc(sizeof(double) * chunk * dv), *dU = malloc(sizeof(double) * chunk * dv);
+    double *Vn = malloc(sizeof(double) * chunk * dv), *dV = malloc(sizeof(double) * chunk * dv);
+    const double u2 = ldexp(1, -7) + ldexp(1, -16);
+    for (int t0 = 0; t0 < n; t0 += chunk) {
+        const int C = n - t0 < chunk ? n - t0 : chunk;
+        const double gk = u2 + dk * ldexp(1, -24), gc = u2 + ((C + 31) / 32 * 32) * ldexp(1, -24);
+#define QD(t, d) ((double)in->q[(int64_t)(t0 + (t)) * dk + (d)])
+#define KD(t, d) ((double)in->k[(int64_t)(t0 + (t)) * dk + (d)])
+#define BD(t) ((double)in->beta[t0 + (t)])
+        for (int t = 0; t < C; t++)
+            for (int d = 0; d < dk; d++)
+                G[t * dk + d] = (t ? G[(t - 1) * dk + d] : 0.0) + in->g[(int64_t)(t0 + t) * dk + d];
+        const double *GC = G + (C - 1) * dk;
+        for (int t = 0; t < C; t++)
+            for (int j = 0; j < C; j++) {
+                double l = 0, lm = 0, a = 0, am = 0;
+                for (int d = 0; j <= t && d < dk; d++) {
+                    const double e = exp(G[t * dk + d] - G[j * dk + d]);
+                    l += KD(t, d) * KD(j, d) * e, lm += fabs(KD(t, d) * KD(j, d)) * e;
+                    a += QD(t, d) * KD(j, d) * e, am += fabs(QD(t, d) * KD(j, d)) * e;
+                }
+                L[t * chunk + j] = j < t ? BD(t) * l : 0.0;
+                Lm[t * chunk + j] = j < t ? BD(t) * lm : 0.0;
+                A[t * chunk + j] = a, Am[t * chunk + j] = am;
+            }
+        /* T = (I + L)^{-1}, unit lower triangular */
+        for (int t = 0; t < C; t++)
+            for (int j = 0; j < C; j++) {
+                double s = t == j ? 1.0 : 0.0;
+                for (int m = j; m < t; m++) s -= L[t * chunk + m] * T[m * chunk + j];
+                T[t * chunk + j] = j <= t ? s : 0.0;
+            }
+        for (int t = 0; t < C; t++)
+            for (int c = 0; c < dv; c++) {
+                double s = in->v[(int64_t)(t0 + t) * dv + c], e = 0;
+                for (int a = 0; a < dk; a++) {
+                    const double ke = KD(t, a) * exp(G[t * dk + a]);
+                    s -= ke * S[a * dv + c];
+                    e += gk * fabs(ke * S[a * dv + c]) + fabs(ke) * dS[a * dv + c];
+                }
+                U[t * dv + c] = s, dU[t * dv + c] = e;
+            }
+        for (int t = 0; t < C; t++)
+            for (int c = 0; c < dv; c++) {
+                double s = 0;
+                for (int j = 0; j <= t; j++) s += T[t * chunk + j] * BD(j) * U[j * dv + c];
+                Vn[t * dv + c] = s;
+            }
+        for (int t = 0; t < C; t++)
+            for (int c = 0; c < dv; c++) {
+                double e = 0;
+                for (int j = 0; j <= t; j++) {
+                    double lv = 0;
+                    for (int m = 0; m < j; m++) lv += gk * Lm[j * chunk + m] * fabs(Vn[m * dv + c]);
+                    e += fabs(T[t * chunk + j]) * (BD(j) * dU[j * dv + c] + lv);
+                }
+                dV[t * dv + c] = e;
+            }
+        for (int t = 0; t < C; t++)
+            for (int c = 0; c < dv; c++) {
+                double e = 0;
+                for (int a = 0; a < dk; a++) {
+                    const double qe = QD(t, a) * exp(G[t * dk + a]);
+                    e += gk * fabs(qe * S[a * dv + c]) + fabs(qe) * dS[a * dv + c];
+                }
+                for (int j = 0; j <= t; j++)
+                    e += gc * fabs(A[t * chunk + j] * Vn[j * dv + c]) + gk * Am[t * chunk + j] * fabs(Vn[j * dv + c]) +
+                        fabs(A[t * chunk + j]) * dV[j * dv + c];
+                bo[(int64_t)(t0 + t) * dv + c] = e;
+            }
+        for (int a = 0; a < dk; a++)
+            for (int c = 0; c < dv; c++) {
+                double s = exp(GC[a]) * S[a * dv + c], e = exp(GC[a]) * dS[a * dv + c];
+                for (int t = 0; t < C; t++) {
+                    const double kd = KD(t, a) * exp(GC[a] - G[t * dk + a]);
+                    s += kd * Vn[t * dv + c];
+                    e += gc * fabs(kd * Vn[t * dv + c]) + fabs(kd) * dV[t * dv + c];
+                }
+                S[a * dv + c] = s, dS[a * dv + c] = e;
+            }
+#undef QD
+#undef KD
+#undef BD
+    }
+    memcpy(bs, dS, sizeof(double) * dk * dv);
+    free(S), free(dS), free(G), free(L), free(Lm), free(Am), free(A), free(T), free(U), free(dU), free(Vn), free(dV);
+}
+
+static int bf_outside(const float *x, const float *ref, const double *b, int64_t n, const char *what) {
+    int bad = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const double err = fabs((double)x[i] - ref[i]);
+        if (!(err <= 1.25 * b[i] + 1e-5 * fabs(ref[i]) + 1e-30)) {
+            if (bad < 3) fprintf(stderr, "  %s[%lld]: |%g - %g| > %g\n", what, (long long)i, x[i], ref[i], b[i]);
+            bad++;
+        }
+    }
+    return bad;
+}
+
+static double bf_worst[2];
+
+static void check_bf(int n, int dk, int dv, int chunk, int nonzero_state, float g_floor) {
+    kda_in in = make_in_g(n, dk, dv, g_floor);
+    const size_t no = (size_t)n * dv, ns = (size_t)dk * dv;
+    const int64_t nw = k3_kda_chunk_work_bf(chunk, dk, dv);
+    float *S0 = malloc(sizeof(float) * ns), *work = malloc(sizeof(float) * (size_t)nw);
+    for (size_t i = 0; i < ns; i++) S0[i] = nonzero_state ? frand() : 0.0f;
+    float *o[4], *S[4];
+    for (int f = 0; f < 4; f++) {
+        o[f] = malloc(sizeof(float) * no);
+        S[f] = malloc(sizeof(float) * ns);
+        memcpy(S[f], S0, sizeof(float) * ns);
+        for (size_t i = 0; i < no; i++) o[f][i] = 1e30f;
+    }
+    k3_kda_head h0 = head(&in, o[0]), h1 = head(&in, o[1]);
+    k3_kda_recurrent_ref(&h0, S[0]);
+    for (int64_t i = 0; i < nw; i++) work[i] = 1e30f; /* the forms must not depend on the work's contents */
+    k3_kda_chunked_bf_ref(&h1, S[1], chunk, work);
+    /* the reference form against the fp32 recurrence, within its bound */
+    double *bo = malloc(sizeof(double) * no), *bs = malloc(sizeof(double) * ns);
+    bf_bound(&in, S0, chunk, bo, bs);
+    const int bad = bf_outside(o[1], o[0], bo, (int64_t)no, "o") + bf_outside(S[1], S[0], bs, (int64_t)ns, "S");
+    const double eo = k3_test_rel_l2(o[1], o[0], (int64_t)no), es = k3_test_rel_l2(S[1], S[0], (int64_t)ns);
+    if (eo > bf_worst[0]) bf_worst[0] = eo;
+    if (es > bf_worst[1]) bf_worst[1] = es;
+    CHECKF(bad == 0, "T=%d dk=%d dv=%d C=%d state=%d g>=%g: %d elements outside the BF16 bound (rel-L2 o %.3g S %.3g)",
+           n, dk, dv, chunk, nonzero_state, g_floor, bad, eo, es);
+    /* the kernels: the reference's bits (vdpbf16ps where the CPU has it,
+     * the tiles through the "amx" table where the unit is granted) */
+    static const char *names[2] = {"avx512-bf16", "amx"};
+    for (int f = 2; f < 4; f++) {
+        k3_kda_head hf = head(&in, o[f]);
+        for (int64_t i = 0; i < nw; i++) work[i] = 1e30f;
+        if (f == 2) {
+            k3_kernels_force(K3_ISA_AVX512);
+            if (!k3_kernels_bf16()) continue;
+            k3_kda_chunked_bf_avx512(&hf, S[f], chunk, work);
+        } else {
+            k3_kernels_force(K3_ISA_AMX);
+            if (!k3_kda_chunked_bf(&hf, S[f], chunk, work)) continue;
+        }
+        CHECKF(!memcmp(o[f], o[1], sizeof(float) * no) && !memcmp(S[f], S[1], sizeof(float) * ns),
+               "%s: T=%d dk=%d dv=%d C=%d state=%d g>=%g differs from the reference (rel-L2 o %.3g S %.3g)",
+               names[f - 2], n, dk, dv, chunk, nonzero_state, g_floor, k3_test_rel_l2(o[f], o[1], (int64_t)no),
+               k3_test_rel_l2(S[f], S[1], (int64_t)ns));
+    }
+    k3_kernels_force(K3_ISA_COUNT);
+    for (int f = 0; f < 4; f++) free(o[f]), free(S[f]);
+    free(S0), free(work), free(bo), free(bs);
+    free_in(&in);
+}
+
+K3_TEST(kda_bf16_matches_ref_bitwise_and_bound) {
+    k3_kernels_init();
+    rng = 777;
+    /* g >= -5 (K3's bound): sub-blocks both flat and steep (a channel decays
+     * by more than e^-40 across 16 tokens); -1: all flat; -40: all steep,
+     * e^G underflows inside a chunk (the Kimi-Linear gate is unbounded) */
+    static const int Ts[] = {1, 16, 17, 40, 64, 100, 130};
+    static const int dims[][2] = {{128, 128}, {64, 32}, {32, 48}};
+    for (int di = 0; di < 3; di++)
+        for (int ti = 0; ti < 7; ti++)
+            for (int s = 0; s < 2; s++) {
+                if (dims[di][0] == 128 && Ts[ti] > 64 && s == 0) continue;
+                check_bf(Ts[ti], dims[di][0], dims[di][1], K3_KDA_CHUNK_BF, s, -5.0f);
+            }
+    check_bf(100, 64, 32, 64, 1, -5.0f);
+    check_bf(130, 128, 128, 64, 1, -1.0f);
+    check_bf(130, 64, 64, 32, 1, -40.0f);
+    check_bf(70, 128, 128, 32, 1, -0.05f);
+    k3_kernels_force(K3_ISA_AVX512);
+    const bool bf = k3_kernels_bf16();
+    k3_kernels_force(K3_ISA_AMX);
+    const bool amx = k3_kda_bf_available();
+    k3_kernels_force(K3_ISA_COUNT);
+    printf("    worst rel-L2 of the BF16 form vs the fp32 recurrence: o %.2g, S %.2g; kernels: avx512-bf16 %s, amx "
+           "%s\n",
+           bf_worst[0], bf_worst[1], bf ? "ran" : "absent", amx ? "ran" : "absent");
+    if (!bf) SKIP("the CPU lacks AVX512_BF16: only the reference against fp32 ran");
 }

@@ -9,15 +9,18 @@
  * BF16 dot products where the CPU has them) within rel-L2 2e-2 with every
  * top-1, and on the AMX tiles the same bits as on the AVX-512 BF16 kernels.
  * Also: the router renormalizes only when top_k > 1 (KimiMoEGate). */
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "../cli/cli.h"
+#include "ctx/ctx.h"
 #include "k3.h"
 #include "model/safetensors.h"
 #include "kernels/kernels.h"
 #include "kernels/amx.h"
 #include "kernels/router.h"
+#include "kernels/kda.h"
 #include "test.h"
 
 typedef struct golden {
@@ -87,8 +90,10 @@ typedef struct result {
 } result;
 
 /* Logits of every position in one forward pass (kept in *keep when keep is
- * not NULL), and the greedy continuation decoded token by token. */
-static bool run_mode_keep(const char *dir, const char *quant, k3_kv_type kv, const golden *g, result *r, float **keep) {
+ * not NULL), and the greedy continuation decoded token by token. kda_bf_min >
+ * 0: KDA's BF16 chunked form (kda.h) from pieces that long. */
+static bool run_mode_bf(const char *dir, const char *quant, k3_kv_type kv, const golden *g, result *r, float **keep,
+                        int32_t kda_bf_min) {
     k3_model *m = NULL;
     k3_ctx *ctx = NULL;
     k3_error err = {0};
@@ -98,6 +103,7 @@ static bool run_mode_keep(const char *dir, const char *quant, k3_kv_type kv, con
         k3_model_quantize(m, &q, &err) == K3_OK;
     k3_ctx_options o = {.max_seqs = 1, .cache_tokens = 64, .block_size = 16, .kv_cache = kv};
     ok = ok && k3_ctx_init(&ctx, m, &o, &err) == K3_OK;
+    if (ok && kda_bf_min > 0) ctx->kda_bf_min = kda_bf_min;
     k3_batch_seq b = {0, g->n, g->ids};
     ok = ok && k3_ctx_forward(ctx, &b, 1, K3_LOGITS_ALL, lg, &err) == K3_OK;
     if (ok) {
@@ -120,12 +126,18 @@ static bool run_mode_keep(const char *dir, const char *quant, k3_kv_type kv, con
         /* the prompt's logits again: the greedy loop wrote over lg */
         k3_ctx_free(ctx);
         ctx = NULL;
-        ok = k3_ctx_init(&ctx, m, &o, &err) == K3_OK && k3_ctx_forward(ctx, &b, 1, K3_LOGITS_ALL, *keep, &err) == K3_OK;
+        ok = k3_ctx_init(&ctx, m, &o, &err) == K3_OK;
+        if (ok && kda_bf_min > 0) ctx->kda_bf_min = kda_bf_min;
+        ok = ok && k3_ctx_forward(ctx, &b, 1, K3_LOGITS_ALL, *keep, &err) == K3_OK;
     }
     free(lg);
     k3_ctx_free(ctx);
     k3_model_close(m);
     return ok;
+}
+
+static bool run_mode_keep(const char *dir, const char *quant, k3_kv_type kv, const golden *g, result *r, float **keep) {
+    return run_mode_bf(dir, quant, kv, g, r, keep, 0);
 }
 
 static bool run_mode(const char *dir, const char *quant, k3_kv_type kv, const golden *g, result *r) {
@@ -152,6 +164,16 @@ static void check_variant(const char *name) {
                K3_DEFAULT_KV, r.rel_l2, r.top1, g.n);
         CHECKF(r.rel_l2 <= 2e-2, "%s: default mode rel-L2 %.3g > 2e-2", name, r.rel_l2);
         CHECKF(r.top1 == g.n, "%s: default mode top-1 %d/%d", name, r.top1, g.n);
+    }
+    /* the prompt's pieces are shorter than the form's minimum here: force
+     * KDA's BF16 chunked form on every piece, the greedy tokens' too */
+    if (k3_kda_bf_available() && run_mode_bf(dir, K3_DEFAULT_QUANT, kv, &g, &r, NULL, 1)) {
+        printf("    %s, default mode with KDA's BF16 chunked form (%s) vs official fp32: rel-L2 %.3g, top-1 %d/%d, "
+               "greedy %d/%d\n",
+               name, k3_isa_current(), r.rel_l2, r.top1, g.n, r.greedy_ok, g.n_greedy);
+        CHECKF(r.rel_l2 <= 2e-2, "%s: BF16 KDA rel-L2 %.3g > 2e-2", name, r.rel_l2);
+        CHECKF(r.top1 == g.n, "%s: BF16 KDA top-1 %d/%d", name, r.top1, g.n);
+        CHECKF(r.greedy_ok == g.n_greedy, "%s: BF16 KDA greedy %d/%d", name, r.greedy_ok, g.n_greedy);
     }
     golden_free(&g);
 }
@@ -185,8 +207,13 @@ K3_TEST(official_router_top1_not_renormalized) {
 /* The "amx" kernel table (on the unit where the CPU has it, else with the
  * tile instructions emulated): the default mode's prompt on the tiles (its
  * products of 16 rows and more) gives the same logits, bit for bit, as on
- * "avx512-bf16" (the same products on vdpbf16ps), within the default mode's
- * bounds of the official fp32 logits, with the official greedy tokens. */
+ * "avx512-bf16" (the same products on vdpbf16ps) where KDA takes the same
+ * form on both -- the recurrent one, and its BF16 chunked form (on every
+ * piece) where both tables have it -- within the default mode's bounds of
+ * the official fp32 logits, with the official greedy tokens. By default
+ * "amx" on the unit takes the BF16 form from pieces of K3_KDA_BF_MIN_AMX
+ * tokens and "avx512-bf16" keeps the recurrence, so the defaults are held to
+ * the bounds only. */
 static void check_variant_amx(const char *name) {
     k3_error err = {0};
     if (k3_set_isa("avx512-bf16", &err) != K3_OK) {
@@ -199,28 +226,37 @@ static void check_variant_amx(const char *name) {
     golden g;
     if (!read_golden(path, &g)) return;
     const k3_kv_type kv = !strcmp(K3_DEFAULT_KV, "c8") ? K3_KV_C8 : K3_KV_F32;
-    result r, ra;
-    float *lv = NULL, *la = NULL;
-    if (run_mode_keep(dir, K3_DEFAULT_QUANT, kv, &g, &r, &lv)) {
-        if (k3_set_isa("amx", &err) != K3_OK) {
-            if (!k3_kernels_force_amx_emulated()) printf("    (%s on AMX not run: no emulation on this CPU)\n", name);
-            else printf("    (AMX unit not tested: %s; the emulated tiles run)\n", err.msg);
+    /* KDA: the recurrent form, the BF16 chunked form on every piece, the table's default */
+    static const int32_t mins[3] = {INT32_MAX, 1, 0};
+    static const char *forms[3] = {"KDA recurrent", "KDA BF16 chunked", "default KDA"};
+    for (int f = 0; f < 3; f++) {
+        result r, ra;
+        float *lv = NULL, *la = NULL;
+        CHECK(k3_set_isa("avx512-bf16", &err) == K3_OK);
+        const bool bf_v = k3_kda_bf_available();
+        if (f == 1 && !bf_v) continue;
+        if (run_mode_bf(dir, K3_DEFAULT_QUANT, kv, &g, &r, &lv, mins[f])) {
+            if (k3_set_isa("amx", &err) != K3_OK) {
+                if (!k3_kernels_force_amx_emulated())
+                    printf("    (%s on AMX not run: no emulation on this CPU)\n", name);
+                else if (f == 0) printf("    (AMX unit not tested: %s; the emulated tiles run)\n", err.msg);
+            }
+            const bool run = !strcmp(k3_isa_current(), "amx") && (f != 1 || k3_kda_bf_available());
+            if (run && run_mode_bf(dir, K3_DEFAULT_QUANT, kv, &g, &ra, &la, mins[f]) && lv && la) {
+                const bool same = !memcmp(lv, la, sizeof(float) * (size_t)(g.n * g.vocab));
+                printf("    %s, default mode, %s, on %s (%s) vs official fp32: rel-L2 %.3g, top-1 %d/%d, greedy "
+                       "%d/%d; logits %s avx512-bf16's\n",
+                       name, forms[f], k3_isa_current(), k3_amx_backend(), ra.rel_l2, ra.top1, g.n, ra.greedy_ok,
+                       g.n_greedy, same ? "=" : "!=");
+                if (f < 2) CHECKF(same, "%s (%s): the logits on amx differ from avx512-bf16's", name, forms[f]);
+                CHECKF(ra.rel_l2 <= 2e-2, "%s on amx: rel-L2 %.3g > 2e-2", name, ra.rel_l2);
+                CHECKF(ra.top1 == g.n, "%s on amx: top-1 %d/%d", name, ra.top1, g.n);
+                CHECKF(ra.greedy_ok == g.n_greedy, "%s on amx: greedy %d/%d", name, ra.greedy_ok, g.n_greedy);
+            }
         }
-        if (!strcmp(k3_isa_current(), "amx") && run_mode_keep(dir, K3_DEFAULT_QUANT, kv, &g, &ra, &la) && lv && la) {
-            const bool same = !memcmp(lv, la, sizeof(float) * (size_t)(g.n * g.vocab));
-            printf("    %s, default mode on %s (%s) vs official fp32: rel-L2 %.3g, top-1 %d/%d, greedy %d/%d; logits "
-                   "%s "
-                   "avx512-bf16's\n",
-                   name, k3_isa_current(), k3_amx_backend(), ra.rel_l2, ra.top1, g.n, ra.greedy_ok, g.n_greedy,
-                   same ? "=" : "!=");
-            CHECKF(same, "%s: the default mode's logits on amx differ from avx512-bf16's", name);
-            CHECKF(ra.rel_l2 <= 2e-2, "%s on amx: rel-L2 %.3g > 2e-2", name, ra.rel_l2);
-            CHECKF(ra.top1 == g.n, "%s on amx: top-1 %d/%d", name, ra.top1, g.n);
-            CHECKF(ra.greedy_ok == g.n_greedy, "%s on amx: greedy %d/%d", name, ra.greedy_ok, g.n_greedy);
-        }
+        free(lv);
+        free(la);
     }
-    free(lv);
-    free(la);
     golden_free(&g);
     CHECK(k3_set_isa(NULL, &err) == K3_OK);
 }

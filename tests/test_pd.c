@@ -591,3 +591,21 @@ K3_TEST(random_ids_are_unique_and_every_letter_is_uniform_in_every_place) {
     char small[8];
     CHECK(k3_random_id(small, sizeof small, "call_", 24) && strlen(small) == 7); /* cut to fit */
 }
+
+/* A transfer's end that finds the other side gone says so in the words the
+ * callers (and tests/pd.sh) look for, whichever way it learns it: a read
+ * that meets the end, or a write that meets a closed or reset connection. */
+K3_TEST(pd_wire_names_a_closed_peer_on_send_and_on_receive) {
+    int sv[2];
+    REQUIRE(socketpair(AF_UNIX, SOCK_STREAM, 0, sv) == 0);
+    close(sv[1]);
+    k3_error e = {0};
+    const char hdr[8] = "kvheader";
+    CHECK(k3_pd_send(sv[0], hdr, sizeof hdr, NULL, 0, "the request", &e) == K3_ERR_IO);
+    CHECKF(strstr(e.msg, "the peer closed the connection while sending the request"), "%s", e.msg);
+    char buf[8];
+    e = (k3_error){0};
+    CHECK(k3_pd_recv(sv[0], buf, sizeof buf, "the answer", &e) == K3_ERR_IO);
+    CHECKF(strstr(e.msg, "the peer closed the connection"), "%s", e.msg);
+    close(sv[0]);
+}

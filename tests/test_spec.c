@@ -260,3 +260,124 @@ K3_TEST(spec_cost_model_and_draft_length) {
     k3_spec_calib_gains(&cal, conf, 4, &g);
     CHECK(g.gain[0] > 0.5f);
 }
+
+/* A synthetic machine for the cost model: a small model's step (ms), whose
+ * pass grows little with its rows while what is around it -- a verify
+ * chunk's sampling and rollback, each draft row, each token's output --
+ * weighs as much. The drafts are accepted as their gains say (the
+ * expectation, so the run is deterministic). Runs steps of `batch`
+ * sequences, each offering k drafts of confidence `conf` calibrated against
+ * acceptance `acc`, and returns the share of the last `tail` steps that
+ * verified drafts. */
+typedef struct synth {
+    double pass0, pass_row;          /* pass(r) = pass0 + pass_row (r - 1) */
+    double step0, per_token;         /* a plain step's time outside the pass: step0 + per_token x tokens */
+    double per_chunk, per_draft_row; /* a verify chunk's and each draft row's (sampling, rollback) */
+} synth;
+
+static double synth_run(k3_spec_policy *p, k3_spec_calib *cal, const synth *m, int32_t batch, float conf, float acc,
+                        int32_t steps, int32_t tail) {
+    int32_t drafted = 0;
+    for (int32_t s = 0; s < steps; s++) {
+        k3_spec_cand c[16];
+        int32_t take[16] = {0};
+        const float cf[8] = {conf, conf, conf, conf, conf, conf, conf, conf};
+        for (int32_t i = 0; i < batch; i++) k3_spec_calib_gains(&cal[i], cf, 8, &c[i]);
+        int32_t n = 0; /* as the engine decides (src/engine/draft.c) */
+        if (!k3_spec_policy_may_pay(p, batch, 8)) k3_spec_policy_declined(p, batch);
+        else if (!k3_spec_policy_plain_due(p, batch) && !(n = k3_spec_policy_choose(p, batch, c, batch, take)))
+            k3_spec_policy_declined(p, batch);
+        int32_t chunks = 0;
+        double accepted = 0;
+        for (int32_t i = 0; i < batch; i++) {
+            chunks += take[i] > 0;
+            /* the expected accepted prefix at a per-draft acceptance acc */
+            double g = 1, a = 0;
+            for (int32_t j = 0; j < take[i]; j++) a += (g *= acc);
+            accepted += a;
+            float cfs[8];
+            for (int32_t j = 0; j < 8; j++) cfs[j] = conf;
+            k3_spec_calib_update(&cal[i], cfs, take[i], take[i] ? (int32_t)(a + 0.5) : 0);
+        }
+        const double pass = m->pass0 + m->pass_row * (batch + n - 1);
+        const double out = m->step0 + m->per_token * (batch + accepted) + m->per_chunk * chunks + m->per_draft_row * n;
+        k3_spec_step st = {batch, chunks, n, pass * 1e-3, (pass + out) * 1e-3};
+        k3_spec_policy_observe_step(p, &st);
+        if (s >= steps - tail) drafted += n > 0;
+    }
+    return (double)drafted / tail;
+}
+
+K3_TEST(spec_cost_model_weighs_the_whole_step) {
+    /* k3-mini-like: a 1 ms pass, +0.08 ms a row; 0.1 ms of output a token, a
+     * verify chunk 0.35 ms and 0.06 ms a draft row around the pass */
+    const synth m = {1.0, 0.08, 0.05, 0.10, 0.35, 0.06};
+    k3_spec_policy p;
+    k3_spec_policy_init(&p, 0.05);
+    k3_spec_calib cal[16];
+    for (int i = 0; i < 16; i++) k3_spec_calib_init(&cal[i]);
+    /* batch 1, drafts right 70% of the time: a step's 1.15 ms buys one token,
+     * a draft's ~0.55 ms buys 0.7: draft */
+    double on = synth_run(&p, cal, &m, 1, 0.7f, 0.7f, 400, 200);
+    CHECKF(on > 0.9, "batch 1: drafted in %.0f%% of the steps", 100 * on);
+    /* batch 4: a step's ~1.7 ms buys four tokens (0.42 ms each), a draft
+     * still ~0.55 ms for 0.7: no drafts -- though on the pass alone they pay
+     * (the pass's rows are cheap) */
+    k3_spec_cand c4[4];
+    int32_t take[4];
+    const float cf[8] = {0.7f, 0.7f, 0.7f, 0.7f, 0.7f, 0.7f, 0.7f, 0.7f};
+    k3_spec_calib flat;
+    k3_spec_calib_init(&flat);
+    for (int i = 0; i < 4; i++) k3_spec_calib_gains(&flat, cf, 8, &c4[i]);
+    k3_spec_policy pass_only;
+    k3_spec_policy_init(&pass_only, 0.05);
+    for (int r = 1; r <= 40; r++) k3_spec_policy_observe(&pass_only, r, (1.0 + 0.08 * (r - 1)) * 1e-3);
+    CHECK(k3_spec_policy_choose(&pass_only, 4, c4, 4, take) > 0);
+    double off = synth_run(&p, cal, &m, 4, 0.7f, 0.7f, 600, 300);
+    CHECKF(off < 0.1, "batch 4: drafted in %.0f%% of the steps", 100 * off);
+    const double extra = k3_spec_policy_step_cost(&p, 4, 1, 4) - k3_spec_policy_step_cost(&p, 4, 0, 0);
+    CHECKF(extra > 0.7e-3, "a verify chunk of 4 drafts at batch 4 estimated at +%.3f ms", extra * 1e3);
+    /* a batch where each row costs its full share: not even drafts sure to
+     * be accepted pay there, so nobody proposes (nor indexes a prompt) */
+    k3_spec_policy b;
+    k3_spec_policy_init(&b, 0.05);
+    for (int i = 0; i < 20; i++) {
+        k3_spec_step st16 = {16, 0, 0, 3.8e-3, 4.0e-3},
+                     sp16 = {16, 1, i % 8 + 1, 3.8e-3, (4.3 + 0.3 * (i % 8 + 1)) * 1e-3};
+        k3_spec_step st1 = {1, 0, 0, 0.9e-3, 1.0e-3}, sp1 = {1, 1, i % 8 + 1, 1.0e-3, (1.2 + 0.1 * (i % 8 + 1)) * 1e-3};
+        k3_spec_policy_observe_step(&b, &st16);
+        k3_spec_policy_observe_step(&b, &sp16);
+        k3_spec_policy_observe_step(&b, &st1);
+        k3_spec_policy_observe_step(&b, &sp1);
+    }
+    CHECK(!k3_spec_policy_may_pay(&b, 16, 8));
+    CHECK(k3_spec_policy_may_pay(&b, 1, 8));
+    /* and on again at batch 1 */
+    on = synth_run(&p, cal, &m, 1, 0.7f, 0.7f, 600, 200);
+    CHECKF(on > 0.9, "batch 1 again: drafted in %.0f%% of the steps", 100 * on);
+    /* where the around-the-pass costs are small, batch 4 drafts too */
+    const synth lean = {1.0, 0.08, 0.02, 0.01, 0.02, 0.005};
+    k3_spec_policy q;
+    k3_spec_policy_init(&q, 0.05);
+    for (int i = 0; i < 16; i++) k3_spec_calib_init(&cal[i]);
+    on = synth_run(&q, cal, &lean, 4, 0.7f, 0.7f, 400, 200);
+    CHECKF(on > 0.9, "batch 4, lean step: drafted in %.0f%% of the steps", 100 * on);
+}
+
+K3_TEST(spec_cost_model_acceptance_collapses) {
+    const synth m = {1.0, 0.08, 0.05, 0.10, 0.35, 0.06};
+    k3_spec_policy p;
+    k3_spec_policy_init(&p, 0.05);
+    k3_spec_calib cal[16];
+    for (int i = 0; i < 16; i++) k3_spec_calib_init(&cal[i]);
+    double on = synth_run(&p, cal, &m, 1, 0.9f, 0.9f, 300, 100);
+    CHECKF(on > 0.9, "batch 1, acceptance 0.9: drafted in %.0f%% of the steps", 100 * on);
+    /* the proposer stays as sure of itself, the target stops agreeing: within
+     * a few steps drafting stops, and tries again only now and then (the
+     * calibration drifts back while no draft is verified) */
+    double off = synth_run(&p, cal, &m, 1, 0.9f, 0.0f, 400, 300);
+    CHECKF(off < 0.15, "batch 1, acceptance 0: drafted in %.0f%% of the steps", 100 * off);
+    /* acceptance back: drafting back */
+    on = synth_run(&p, cal, &m, 1, 0.9f, 0.9f, 300, 100);
+    CHECKF(on > 0.9, "batch 1, acceptance back: drafted in %.0f%% of the steps", 100 * on);
+}

@@ -286,6 +286,7 @@ static k3_status ctx_create(k3_ctx **out, const k3_model *m, const k3_ctx_option
     ctx->kv = opt->kv_cache;
     ctx->dense = opt->dense_attention;
     ctx->kda_chunk_min = k3_kda_recurrent_prefill() ? INT32_MAX : K3_KDA_CHUNK_MIN;
+    ctx->kda_bf_min = m->bf16 ? k3_kda_bf_min() : INT32_MAX;
     ctx->n_tiles = (c->kv_lora_rank + K3_C8_TILE - 1) / K3_C8_TILE;
     k3_status ds = ranks_setup(ctx, opt->dist, err); /* DCP / EP, or none */
     if (ds) {
@@ -442,7 +443,10 @@ static k3_status ctx_create(k3_ctx **out, const k3_model *m, const k3_ctx_option
         s->tslots[t] = zalloc(&a, (size_t)ctx->max_ctx, sizeof(int64_t));
         s->tsel[t] = zalloc(&a, (size_t)ctx->max_ctx, sizeof(int32_t));
         s->twork[t] = zalloc(&a, (size_t)ctx->max_ctx, sizeof(int32_t));
-        s->tkda[t] = zalloc(&a, (size_t)k3_kda_chunk_work(K3_KDA_CHUNK, (int)dk, (int)dk), sizeof(float));
+        s->tkda[t] = zalloc(&a,
+                            (size_t)max64(k3_kda_chunk_work(K3_KDA_CHUNK, (int)dk, (int)dk),
+                                          k3_kda_chunk_work_bf(K3_KDA_CHUNK_BF, (int)dk, (int)dk)),
+                            sizeof(float));
         s->tq[t] = zalloc(&a, (size_t)(H * ld), sizeof(float));
         if (ctx->kv == K3_KV_C8)
             s->tqsfa[t] = zalloc(&a, (size_t)k3_qsfa_work((int)H, (int)kvl, (int)ctx->max_ctx), sizeof(float));

@@ -34,6 +34,11 @@
 #define K3_KDA_CHUNK_MIN 64
 #define K3_KDA_CHUNK 16
 
+/* Prefill pieces of at least kda_bf_min tokens (k3_kda_bf_min(), kda.h:
+ * none by default) use KDA's BF16 chunked form (chunks of K3_KDA_CHUNK_BF)
+ * where the model runs the BF16 dot products; decode, the speculative
+ * verify and the exact fp32 paths keep the forms above. */
+
 /* Attention of a row over many cached keys is split into parts of at least
  * 256 keys, at most K3_ATTN_PARTS_MAX and 2 per thread, merged by
  * log-sum-exp (src/layers/mla.c). The parts depend on the row alone (its
@@ -164,6 +169,7 @@ struct k3_ctx {
     k3_kv_type kv;         /* cache format */
     bool dense;            /* DSA layers run as dense MLA */
     int32_t kda_chunk_min; /* pieces this long use the chunked KDA form */
+    int32_t kda_bf_min;    /* pieces this long use its BF16 form (k3_kda_chunked_bf) */
     int64_t *kda_snap_off; /* [n_layers] a KDA layer's offset in a state copy (floats) */
     k3_capture *caps;      /* KDA states to capture in the next k3_ctx_run */
     int32_t n_caps, cap_caps;

@@ -82,19 +82,40 @@ static k3_spec_method method_of(const k3_engine *e, const k3_request_params *p) 
 k3_status k3_engine_spec_req_open(k3_engine *e, req *r, k3_error *err) {
     const k3_spec_method m = method_of(e, &r->p);
     r->spec = NULL;
+    r->spec_method = K3_SPEC_OFF;
     /* a request kept for a decode instance samples one token here */
     if (m == K3_SPEC_OFF || r->p.kv_hold || !e->prop) return K3_OK;
+    if (m == K3_SPEC_DRAFT_MODEL && !e->o.draft_model)
+        return k3_err(err, K3_ERR_UNSUPPORTED, "speculative method draft_model: this engine has no draft model");
     r->spec_k = r->p.num_speculative_tokens > 0 ? r->p.num_speculative_tokens : e->o.num_speculative_tokens;
     if (r->spec_k > K3_SPEC_MAX_TOKENS) r->spec_k = K3_SPEC_MAX_TOKENS;
     k3_spec_calib_init(&r->calib);
-    r->spec_appended = r->rq.n_prompt;
-    return k3_spec_seq_open(e->prop, &r->spec, m, r->p.spec_scope, r->rq.tok, r->rq.n_prompt, err);
+    /* the proposer's state (a suffix tree of the prompt: ~1 us a token) is
+     * made at its first step where drafting may pay (seq_open) */
+    r->spec_method = m;
+    return K3_OK;
+}
+
+/* Opens r's proposer state over its tokens so far; false: no drafts for it. */
+static bool seq_open(k3_engine *e, req *r) {
+    const int64_t n_prompt = r->rq.n_tok - r->n_gen;
+    k3_error err = {0};
+    if (k3_spec_seq_open(e->prop, &r->spec, r->spec_method, r->p.spec_scope, r->rq.tok, n_prompt, &err)) {
+        r->spec = NULL;
+        r->spec_method = K3_SPEC_OFF;
+        return false;
+    }
+    r->spec_appended = n_prompt;
+    return true;
 }
 
 void k3_engine_spec_req_close(k3_engine *e, req *r) {
-    if (!r->spec) return;
-    k3_spec_seq_close(e->prop, r->spec, r->finish == K3_FINISH_STOP || r->finish == K3_FINISH_LENGTH);
+    const bool completed = r->finish == K3_FINISH_STOP || r->finish == K3_FINISH_LENGTH;
+    if (r->spec) k3_spec_seq_close(e->prop, r->spec, completed);
+    else if (completed && r->spec_method != K3_SPEC_OFF) /* never drafted: its output is a past output all the same */
+        k3_spec_cache_output(e->prop, r->spec_method, r->p.spec_scope, r->rq.tok + r->rq.n_tok - r->n_gen, r->n_gen);
     r->spec = NULL;
+    r->spec_method = K3_SPEC_OFF;
 }
 
 /* Cuts r's n drafts (at rq.tok[n_tok ..]) at the first its grammar refuses
@@ -118,12 +139,21 @@ void k3_engine_spec_propose(k3_engine *e) {
     req *who[4096];
     for (int32_t i = 0; i < s->n_running; i++) {
         k3_rq *rq = s->running[i];
-        req *r = rq->owner;
         rq->n_draft = 0;
-        r->n_draft = 0;
+        ((req *)rq->owner)->n_draft = 0;
+        n_dec += rq->n_tok - rq->n_computed == 1;
+    }
+    /* where not even sure drafts would pay at this batch size, nobody proposes */
+    if (!e->o.spec_no_cost_model && !k3_spec_policy_may_pay(&e->policy, n_dec, e->o.num_speculative_tokens)) {
+        if (n_dec) k3_spec_policy_declined(&e->policy, n_dec);
+        e->spec_propose_s += k3_now() - t0;
+        return;
+    }
+    for (int32_t i = 0; i < s->n_running; i++) {
+        k3_rq *rq = s->running[i];
+        req *r = rq->owner;
         if (rq->n_tok - rq->n_computed != 1) continue; /* a prompt chunk */
-        n_dec++;
-        if (!r->spec) continue;
+        if (r->spec_method == K3_SPEC_OFF || (!r->spec && !seq_open(e, r))) continue;
         /* the tokens the proposer has not seen (the last step's) */
         if (rq->n_tok > r->spec_appended) {
             k3_spec_seq_append(e->prop, r->spec, rq->tok + r->spec_appended, (int32_t)(rq->n_tok - r->spec_appended));
@@ -151,7 +181,10 @@ void k3_engine_spec_propose(k3_engine *e) {
     if (n_c) {
         if (e->o.spec_no_cost_model)
             for (int32_t i = 0; i < n_c; i++) e->take[i] = who[i]->n_draft;
-        else k3_spec_policy_choose(&e->policy, n_dec, e->cand, n_c, e->take);
+        else if (k3_spec_policy_plain_due(&e->policy, n_dec))
+            for (int32_t i = 0; i < n_c; i++) e->take[i] = 0; /* a step to measure the drafts' cost against */
+        else if (!k3_spec_policy_choose(&e->policy, n_dec, e->cand, n_c, e->take))
+            k3_spec_policy_declined(&e->policy, n_dec);
         int32_t rows = 0;
         for (int32_t i = 0; i < n_c; i++) {
             req *r = who[i];
@@ -164,8 +197,8 @@ void k3_engine_spec_propose(k3_engine *e) {
     e->spec_propose_s += k3_now() - t0;
 }
 
-void k3_engine_spec_observe(k3_engine *e, int32_t rows, double seconds) {
-    k3_spec_policy_observe(&e->policy, rows, seconds);
+void k3_engine_spec_observe(k3_engine *e, const k3_spec_step *st) {
+    if (e->prop) k3_spec_policy_observe_step(&e->policy, st);
 }
 
 void k3_engine_spec_verify(k3_engine *e, req *r, float *lg, double t) {

@@ -69,9 +69,10 @@ typedef struct req {
     const k3_grammar_vocab *gv; /* the grammar's vocabulary */
     float *stop_raw;            /* [n_stop_ids] their raw logits, for when the text is complete */
     /* speculative decoding (draft.c) */
-    k3_spec_seq *spec;     /* the proposer's state, NULL: no drafts */
-    int32_t spec_k;        /* draft tokens per step at most */
-    int64_t spec_appended; /* tokens of rq.tok the proposer has seen */
+    k3_spec_seq *spec;          /* the proposer's state, NULL: none (yet) */
+    k3_spec_method spec_method; /* its method, K3_SPEC_OFF: no drafts; the state is made when drafting may pay */
+    int32_t spec_k;             /* draft tokens per step at most */
+    int64_t spec_appended;      /* tokens of rq.tok the proposer has seen */
     k3_spec_calib calib;
     int32_t n_draft;                      /* this step: drafts proposed (rq.tok[n_tok ..]) */
     float draft_conf[K3_SPEC_MAX_TOKENS]; /* their confidences */
@@ -166,6 +167,14 @@ struct k3_engine {
     int32_t *take;      /* [max_seqs] */
     int64_t spec_drafts, spec_draft_tokens, spec_accepted, spec_per_pos[K3_SPEC_MAX_TOKENS];
     double spec_propose_s, spec_accept_s;
+    /* the step's phases (K3_PHASE_*), and what the cost model learns a
+     * step's whole time from: the last step's rows, decodes, verify chunks
+     * and drafts, its pass and its time from start to end; t_end when it
+     * left work (the time until the next step is the caller's) */
+    double phase_s[K3_PHASE_COUNT];
+    int64_t n_steps, n_spec_steps;
+    k3_spec_step last;
+    double t_start, t_end;
 };
 
 /* ---- engine.c -------------------------------------------------------- */
@@ -204,7 +213,7 @@ void k3_engine_spec_propose(k3_engine *e);
  * draws equal them, the cache and KDA state rolled back to the last kept. */
 void k3_engine_spec_verify(k3_engine *e, req *r, float *lg, double t);
 /* The pass's time, for the cost model (a pass of decodes and verify chunks). */
-void k3_engine_spec_observe(k3_engine *e, int32_t rows, double seconds);
+void k3_engine_spec_observe(k3_engine *e, const k3_spec_step *st);
 
 /* ---- step.c ------------------------------------------------------------ */
 void k3_engine_publish_stats(k3_engine *e);

@@ -87,6 +87,7 @@ static k3_status phase_begin(k3_engine *e, k3_error *err) {
         k3_error serr = {0};
         if (k3_engine_spec_req_open(e, r, &serr)) { /* no drafts for it: it goes on without */
             r->spec = NULL;
+            r->spec_method = K3_SPEC_OFF;
         }
         bool taken = false;
         EACH_CONN(if (!taken && c_->arrive) taken = c_->arrive(c_->self, r));
@@ -121,7 +122,10 @@ static void phase_schedule(k3_engine *e) {
     const double t = k3_now();
     EACH_CONN(if (c_->before_schedule) c_->before_schedule(c_->self, t));
     k3_engine_spec_propose(e);
+    const double t1 = k3_now();
     k3_sched_schedule(&e->sched);
+    e->phase_s[K3_PHASE_PROPOSE] += t1 - t;
+    e->phase_s[K3_PHASE_SCHEDULE] += k3_now() - t1;
 }
 
 /* ---- run --------------------------------------------------------------------------------------- */
@@ -206,13 +210,16 @@ static void ask_snapshots(k3_engine *e) {
 
 static k3_status phase_run(k3_engine *e, k3_error *ferr) {
     k3_sched *s = &e->sched;
-    setup_slots(e, k3_now());
+    const double t_setup = k3_now();
+    setup_slots(e, t_setup);
     ask_snapshots(e);
     EACH_CONN(if (c_->before_run) c_->before_run(c_->self));
     k3_status fst = K3_OK;
     const double t0 = k3_now();
     if (s->n_plan) fst = k3_exec_run(e->ctx, e->batch, s->n_plan, e->want, e->logits, ferr);
     e->t_run = k3_now() - t0;
+    e->phase_s[K3_PHASE_SETUP] += t0 - t_setup;
+    e->phase_s[K3_PHASE_PASS] += e->t_run;
     if (fst)
         for (int32_t k = 0; k < e->n_taken; k++)
             k3_kv_snap_drop(&e->sn, e->snap_key[e->req_snaps + k], e->snap_pos[e->req_snaps + k]);
@@ -280,17 +287,32 @@ static void phase_sample(k3_engine *e, k3_status fst, const k3_error *ferr, doub
             else e->lg_of[i] = lg;
         }
     }
-    /* the pass's time, for the cost model, when it held decodes and verify chunks alone */
-    if (!fst && only_decodes) k3_engine_spec_observe(e, s->plan_tokens, e->t_run);
+    /* the step, for the cost model, when it held decodes and verify chunks alone
+     * (its whole time is known at the next step's start) */
+    e->last = (k3_spec_step){0};
+    for (int32_t i = 0; i < n_plan; i++) e->last.n_chunks += !fst && ((req *)s->plan[i]->owner)->verify;
+    if (!fst && only_decodes) {
+        e->last.n_dec = n_plan;
+        e->last.n_drafts = s->plan_tokens - n_plan;
+        e->last.pass_s = e->t_run;
+    }
     /* the grammar masks of every constrained request that samples now, in
      * one call over the pool, so that they do not queue behind each other */
     if (!fst) k3_engine_grammar_masks(e, n_plan, t);
+    double t_verify = 0;
     for (int32_t i = 0; i < n_plan; i++) {
         req *r = s->plan[i]->owner;
         if (fst || !e->lg_of[i] || r->finished) continue;
-        if (r->verify) k3_engine_spec_verify(e, r, e->lg_of[i], t);
-        else k3_engine_sample(e, r, e->lg_of[i], t);
+        if (r->verify) {
+            const double tv = k3_now();
+            k3_engine_spec_verify(e, r, e->lg_of[i], t);
+            t_verify += k3_now() - tv;
+        } else {
+            k3_engine_sample(e, r, e->lg_of[i], t);
+        }
     }
+    e->phase_s[K3_PHASE_VERIFY] += t_verify;
+    e->phase_s[K3_PHASE_SAMPLE] -= t_verify; /* the phase's time is added whole below */
     for (int32_t i = 0; i < n_plan; i++) ((req *)s->plan[i]->owner)->verify = false;
     /* the blocks the prefix cache registered this step, per request (full, immutable) */
     for (int32_t i = 0; i < n_plan; i++) {
@@ -371,6 +393,9 @@ void k3_engine_publish_stats(k3_engine *e) {
     memcpy(st->spec_accepted_per_pos, e->spec_per_pos, sizeof st->spec_accepted_per_pos);
     st->spec_propose_s = e->spec_propose_s;
     st->spec_accept_s = e->spec_accept_s;
+    memcpy(st->phase_s, e->phase_s, sizeof st->phase_s);
+    st->n_steps = e->n_steps;
+    st->n_spec_steps = e->n_spec_steps;
     if (e->bm.track) k3_kv_track_get(&e->bm, &e->kv_res);
     pthread_mutex_unlock(&e->mu);
 }
@@ -409,14 +434,33 @@ static k3_status phase_finish(k3_engine *e, k3_step_result *res, double t, k3_st
 
 static k3_status step(k3_engine *e, k3_step_result *res, k3_error *err) {
     memset(res, 0, sizeof *res);
+    const double t0 = k3_now();
+    if (e->t_end > 0) { /* the last step left work: the time since is the caller's part of it */
+        e->phase_s[K3_PHASE_OUTSIDE] += t0 - e->t_end;
+        if (e->last.n_dec) {
+            e->last.step_s = t0 - e->t_start;
+            k3_engine_spec_observe(e, &e->last);
+        }
+    }
+    e->t_start = t0;
+    e->last = (k3_spec_step){0};
     k3_status st = phase_begin(e, err);
+    const double t1 = k3_now();
+    e->phase_s[K3_PHASE_BEGIN] += t1 - t0;
     phase_schedule(e);
     k3_error ferr = {0};
     const k3_status fst = phase_run(e, &ferr);
     const double t = k3_now();
     res->n_tokens = fst ? 0 : e->sched.plan_tokens;
     phase_sample(e, fst, &ferr, t);
+    const double t2 = k3_now();
+    e->phase_s[K3_PHASE_SAMPLE] += t2 - t;
+    e->n_steps++;
+    e->n_spec_steps += e->last.n_chunks > 0;
     st = phase_finish(e, res, t, st, err);
+    const double t3 = k3_now();
+    e->phase_s[K3_PHASE_FINISH] += t3 - t2;
+    e->t_end = e->sched.n_running > 0 || e->sched.n_waiting > 0 ? t3 : 0;
     /* a failed link to the other ranks stays failed: the engine cannot go on
      * (the requests of this step have their error; the server ends the job) */
     if (!st && fst && k3_exec_failed(e->ctx, NULL)) st = k3_err(err, fst, "%s", ferr.msg);

@@ -194,6 +194,11 @@ static void build_avx512_bf16(k3_kernel_ops *o, const k3_kernel_ops *avx512) {
     o->base = avx512;
     o->bf16 = true;
     o->qsfa_bf = k3_qsfa_bf_avx512;
+    /* KDA's BF16 chunked form, with the tiles' bits, but not by default:
+     * on the Xeon where it was measured it runs at 0.64x the fp32
+     * recurrence (vdpbf16ps issues at half the FMAs' rate there) */
+    o->kda_chunked_bf = k3_kda_chunked_bf_avx512;
+    o->kda_bf_min = 0;
     /* vdpbf16ps, or the few-token calls on FMAs where this CPU's FMAs are
      * the faster (matmul_bf16_avx512bf16.c): the same bits */
     const k3_mm_kernel bf = fma_outruns_vdp()
@@ -224,6 +229,14 @@ static void build_amx(k3_kernel_ops *o, const k3_kernel_ops *avx512_bf16, bool u
     /* QSFA's BF16 form on the tiles: no emulated form, so an emulated table
      * keeps the vdpbf16ps kernel (the same bits) */
     if (unit) o->qsfa_bf = k3_qsfa_bf_amx;
+    /* KDA's BF16 chunked form likewise (emulated: the vdpbf16ps kernel).
+     * Not taken by default yet: it beats the recurrence from pieces of
+     * K3_KDA_BF_MIN_AMX tokens, but a prefill then no longer gives the bits
+     * of decoding the same tokens, which the penalties' reference in
+     * tests/serve_knobs.py and the DCP prefill in tests/pd_serve.py rely on
+     * (docs/amx.md, "KDA's chunked form on the tiles"); kda_bf_min =
+     * K3_KDA_BF_MIN_AMX here turns it on */
+    if (unit) o->kda_chunked_bf = k3_kda_chunked_bf_amx;
     /* the indexer scores of a prefill chunk on the INT8 tiles (qli_scores'
      * bits), likewise on the unit only */
     if (unit) {
@@ -476,3 +489,17 @@ void k3_kda_chunked(const k3_kda_head *h, float *S, int chunk, float *work) {
 }
 
 bool k3_kda_recurrent_prefill(void) { return k3_ops()->kda_recurrent_prefill; }
+
+bool k3_kda_bf_available(void) { return k3_ops()->kda_chunked_bf != NULL; }
+
+int32_t k3_kda_bf_min(void) {
+    const k3_kernel_ops *o = k3_ops();
+    return o->kda_chunked_bf && o->kda_bf_min > 0 ? o->kda_bf_min : INT32_MAX;
+}
+
+bool k3_kda_chunked_bf(const k3_kda_head *h, float *S, int chunk, float *work) {
+    const k3_kernel_ops *o = k3_ops();
+    if (!o->kda_chunked_bf || !k3_kda_bf_fits(h) || chunk <= 0 || chunk % 32) return false;
+    o->kda_chunked_bf(h, S, chunk, work);
+    return true;
+}

@@ -11,7 +11,12 @@
  */
 #include "kda.h"
 #include "common/error.h"
+#include "kernels/kda_bf.h"
+#include "kernels/kernels.h"
 #include "model/config.h"
+
+#include <float.h>
+#include <string.h>
 
 #include <math.h>
 
@@ -168,4 +173,190 @@ void k3_kda_chunked_ref(const k3_kda_head *h, float *S, int chunk, float *work) 
 #undef B
 #undef O
     }
+}
+
+/* ---- the BF16 chunked form (kda_bf.h) ------------------------------------ */
+
+bool k3_kda_bf_fits(const k3_kda_head *h) {
+    return h->dk > 0 && h->dv > 0 && h->dk % 32 == 0 && h->dv % 16 == 0 && h->dk <= K3_MAX_KDA_HEAD_DIM &&
+        h->dv <= K3_MAX_KDA_HEAD_DIM;
+}
+
+/* the largest of a chunk (rounded up to 32), dk and dv */
+static int64_t bf_ref_dim(int chunk, int dk, int dv) {
+    const int64_t ch = (chunk + 31) / 32 * 32, m = dk > dv ? dk : dv;
+    return ch > m ? ch : m;
+}
+
+int64_t k3_kda_chunk_work_bf(int chunk, int dk, int dv) {
+    /* kda_bf.h's layout, and the reference's rounded operands beside it */
+    const int64_t mx = bf_ref_dim(chunk, dk, dv);
+    return kbf_work(chunk, dk, dv) + 3 * mx * mx;
+}
+
+/* a BF16 value as the products read it: below 2^-126 as 0 */
+static float bf_in(uint16_t b) { return (b & 0x7f80) ? k3_bf16_to_f32(b) : 0.0f; }
+static float bf_round(float x) { return bf_in(k3_f32_to_bf16(x)); }
+static float ftz(float x) { return fabsf(x) < FLT_MIN ? 0.0f * x : x; }
+
+/* k3_exp16 (vexp_avx512.h) on one value, operation for operation */
+static float exp_poly(float x) {
+    const float lo = -87.33654f, hi = 88.0f;
+    const bool under = x < lo;
+    x = lo > x ? lo : x;
+    x = hi < x ? hi : x;
+    const float fx = rintf(x * 1.44269504088896341f);
+    float r = fmaf(-fx, 0.693359375f, x);
+    r = fmaf(-fx, -2.12194440e-4f, r);
+    float p = 1.9875691500e-4f;
+    p = fmaf(p, r, 1.3981999507e-3f);
+    p = fmaf(p, r, 8.3334519073e-3f);
+    p = fmaf(p, r, 4.1665795894e-2f);
+    p = fmaf(p, r, 1.6666665459e-1f);
+    p = fmaf(p, r, 5.0000001201e-1f);
+    p = fmaf(p, r * r, r + 1.0f);
+    if (under) return 0.0f;
+    union {
+        uint32_t u;
+        float f;
+    } e = {.u = (uint32_t)((int32_t)fx + 127) << 23};
+    return p * e.f;
+}
+
+/* C = A B (A: M x K with strides ars, acs; B: K x N with strides brs, bcs)
+ * by the products' contract: A and B rounded to BF16, per block of 32 k the
+ * even and odd k's products summed apart from +0 (each add flushed below
+ * 2^-126), C = C + (E + O) from +0. ra, rb: M*K and K*N floats of scratch. */
+static void mm_ref(int M, int N, int K, const float *A, int64_t ars, int64_t acs, const float *B, int64_t brs,
+                   int64_t bcs, float *C, int64_t ldc, float *ra, float *rb) {
+    for (int m = 0; m < M; m++)
+        for (int k = 0; k < K; k++) ra[(int64_t)m * K + k] = bf_round(A[m * ars + k * acs]);
+    for (int n = 0; n < N; n++)
+        for (int k = 0; k < K; k++) rb[(int64_t)n * K + k] = bf_round(B[k * brs + n * bcs]);
+    for (int m = 0; m < M; m++)
+        for (int n = 0; n < N; n++) {
+            const float *a = ra + (int64_t)m * K, *b = rb + (int64_t)n * K;
+            float c = 0.0f;
+            for (int k = 0; k < K; k += 32) {
+                float e = 0.0f, o = 0.0f;
+                for (int i = k; i < k + 32; i += 2) {
+                    e = ftz(e + a[i] * b[i]);
+                    o = ftz(o + a[i + 1] * b[i + 1]);
+                }
+                c = c + (e + o);
+            }
+            C[(int64_t)m * ldc + n] = c;
+        }
+}
+
+/* kbf_steep (kda_bf.h) in scalar C, operation for operation. */
+static void steep_ref(const k3_kda_head *h, int t0, int r, int re, float *L, float *A, int ldl, float *eg) {
+    const int dk = h->dk;
+    const int64_t ldq = h->ld_qk;
+    float *E = eg + (int64_t)(re - r) * dk;
+    for (int t = r; t < re; t++)
+        for (int d = 0; d < dk; d++) eg[(int64_t)(t - r) * dk + d] = exp_poly(h->g[(int64_t)(t0 + t) * ldq + d]);
+    for (int j = r; j < re; j++) {
+        const float *kj = h->k + (int64_t)(t0 + j) * ldq;
+        for (int d = 0; d < dk; d++) E[d] = 1.0f;
+        for (int t = j; t < re; t++) {
+            const float *kt = h->k + (int64_t)(t0 + t) * ldq, *qt = h->q + (int64_t)(t0 + t) * ldq;
+            const float *et = eg + (int64_t)(t - r) * dk;
+            float al[16] = {0}, aa[16] = {0};
+            for (int d = 0; d < dk; d++) {
+                if (t > j) E[d] = E[d] * et[d];
+                const float x = kj[d] * E[d];
+                al[d % 16] = fmaf(kt[d], x, al[d % 16]);
+                aa[d % 16] = fmaf(qt[d], x, aa[d % 16]);
+            }
+            float sl = 0.0f, sa = 0.0f;
+            for (int i = 0; i < 16; i++) sl = sl + al[i], sa = sa + aa[i];
+            if (j < t) L[(int64_t)t * ldl + j] = h->beta[(int64_t)(t0 + t) * h->ld_beta] * sl;
+            A[(int64_t)t * ldl + j] = sa;
+        }
+    }
+}
+
+/* kbf_chunk (kda_bf.h) in scalar C, operation for operation. */
+static void bf_chunk_ref(const k3_kda_head *h, float *S, int t0, int C, kbf_ws *w, float *ra, float *rb) {
+    const int dk = h->dk, dv = h->dv, ch = w->ch, Cp = (C + 31) / 32 * 32;
+    const int64_t ldq = h->ld_qk;
+    float *G = w->G;
+#define KQ(t) (h->k + (int64_t)(t0 + (t)) * ldq)
+#define QQ(t) (h->q + (int64_t)(t0 + (t)) * ldq)
+#define GR(t) (G + (int64_t)(t)*dk)
+#define BT(t) (h->beta[(int64_t)(t0 + (t)) * h->ld_beta])
+    for (int t = 0; t < C; t++)
+        for (int d = 0; d < dk; d++) GR(t)[d] = (t ? GR(t - 1)[d] : 0.0f) + h->g[(int64_t)(t0 + t) * ldq + d];
+    const float *GC = GR(C - 1);
+    for (int t = 0; t < Cp; t++) {
+        const int r = t / KBF_SB * KBF_SB;
+        float *ke = w->KQe + (int64_t)t * dk, *qe = w->KQe + (int64_t)(Cp + t) * dk, *kd = w->Kd + (int64_t)t * dk;
+        float *ks = w->KQs + ((int64_t)r * 2 + (t - r)) * dk, *qs = ks + (int64_t)KBF_SB * dk;
+        for (int d = 0; d < dk; d++) {
+            if (t >= C) {
+                ke[d] = qe[d] = kd[d] = ks[d] = qs[d] = 0.0f;
+                continue;
+            }
+            const float k = KQ(t)[d], q = QQ(t)[d], g = GR(t)[d];
+            const float e = exp_poly(g), e2 = exp_poly(GC[d] - g), e3 = exp_poly(g - GR(r)[d]);
+            ke[d] = k * e;
+            qe[d] = q * e;
+            kd[d] = k * e2;
+            ks[d] = k * e3;
+            qs[d] = q * e3;
+        }
+    }
+    for (int d = 0; d < dk; d++) w->eGC[d] = exp_poly(GC[d]);
+    float *L = w->L, *A = w->A;
+    memset(L, 0, sizeof(float) * (size_t)Cp * ch);
+    memset(A, 0, sizeof(float) * (size_t)Cp * ch);
+    for (int r = 0; r < C; r += KBF_SB) {
+        const int re = r + KBF_SB < C ? r + KBF_SB : C, flat = kbf_flat(G, dk, r, re);
+        const int nj = flat ? re : r, np = (nj + 15) / 16 * 16;
+        for (int j = 0; j < np; j++)
+            for (int d = 0; d < dk; d++)
+                w->Kb[(int64_t)j * dk + d] = j < nj ? KQ(j)[d] * exp_poly(GR(r)[d] - GR(j)[d]) : 0.0f;
+        if (np > 0) {
+            mm_ref(2 * KBF_SB, np, dk, w->KQs + (int64_t)r * 2 * dk, dk, 1, w->Kb, 1, dk, w->Z, np, ra, rb);
+            for (int t = r; t < re; t++) {
+                const float *zl = w->Z + (int64_t)(t - r) * np, *za = w->Z + (int64_t)(KBF_SB + t - r) * np;
+                for (int j = 0; j < nj && j < t; j++) L[(int64_t)t * ch + j] = BT(t) * zl[j];
+                for (int j = 0; j < nj && j <= t; j++) A[(int64_t)t * ch + j] = za[j];
+            }
+        }
+        if (!flat) steep_ref(h, t0, r, re, L, A, ch, w->Kb);
+    }
+    float *Z = w->Z, *ZO = Z + (int64_t)Cp * dv, *Z2 = Z + (int64_t)2 * Cp * dv, *U = w->U;
+    mm_ref(2 * Cp, dv, dk, w->KQe, dk, 1, S, dv, 1, Z, dv, ra, rb);
+    for (int t = 0; t < Cp; t++)
+        for (int d = 0; d < dv; d++)
+            U[(int64_t)t * dv + d] = t < C ? h->v[(int64_t)(t0 + t) * h->ld_v + d] - Z[(int64_t)t * dv + d] : 0.0f;
+    for (int t = 0; t < C; t++)
+        for (int d = 0; d < dv; d++) {
+            float acc = BT(t) * U[(int64_t)t * dv + d];
+            for (int j = 0; j < t; j++) acc = fmaf(-L[(int64_t)t * ch + j], U[(int64_t)j * dv + d], acc);
+            U[(int64_t)t * dv + d] = acc;
+        }
+    mm_ref(Cp, dv, Cp, A, ch, 1, U, dv, 1, Z2, dv, ra, rb);
+    for (int t = 0; t < C; t++)
+        for (int d = 0; d < dv; d++)
+            h->o[(int64_t)(t0 + t) * h->ld_o + d] = ZO[(int64_t)t * dv + d] + Z2[(int64_t)t * dv + d];
+    mm_ref(dk, dv, Cp, w->Kd, 1, dk, U, dv, 1, Z, dv, ra, rb);
+    for (int a = 0; a < dk; a++)
+        for (int d = 0; d < dv; d++)
+            S[(int64_t)a * dv + d] = fmaf(w->eGC[a], S[(int64_t)a * dv + d], Z[(int64_t)a * dv + d]);
+#undef KQ
+#undef QQ
+#undef GR
+#undef BT
+}
+
+void k3_kda_chunked_bf_ref(const k3_kda_head *h, float *S, int chunk, float *work) {
+    K3_ASSERT(chunk > 0 && chunk % 32 == 0 && k3_kda_bf_fits(h));
+    kbf_ws w;
+    kbf_ws_init(&w, chunk, h->dk, h->dv, work);
+    const int64_t mx = bf_ref_dim(chunk, h->dk, h->dv);
+    float *ra = work + kbf_work(chunk, h->dk, h->dv), *rb = ra + 2 * mx * mx;
+    for (int t0 = 0; t0 < h->n; t0 += chunk) bf_chunk_ref(h, S, t0, h->n - t0 < chunk ? h->n - t0 : chunk, &w, ra, rb);
 }

@@ -39,7 +39,8 @@ typedef struct k3_kda_head {
  * chunked form at every span length and chunk size, and the AVX2 recurrence
  * is within ~12% of chunk 16 and ahead of chunk 64. It also makes a prefill
  * bit-identical to decoding the same tokens one by one. The chunked form
- * stays for cross-checks (and matmul hardware). */
+ * stays for cross-checks; its BF16 form (below) is the faster one on the
+ * AMX tiles (off by default, docs/amx.md). */
 void k3_kda_recurrent(const k3_kda_head *h, float *S);
 void k3_kda_recurrent_ref(const k3_kda_head *h, float *S);
 /* Whether the current table's recurrent form is the faster one for prefill
@@ -56,6 +57,34 @@ void k3_kda_chunked_ref(const k3_kda_head *h, float *S, int chunk, float *work);
 
 /* Floats of work memory the SIMD chunked form needs (<= k3_kda_chunk_work). */
 int64_t k3_kda_chunk_work_simd(int chunk, int dk, int dv);
+
+/* The BF16 chunked form: the chunked form's products (the intra-chunk key
+ * and query products with the decays folded in, the state's contributions
+ * Ke S and Qe S, Aqk Vn, and the state update Kdᵀ Vn) on BF16 dot products
+ * with fp32 sums, everything else (the decays and their exps, the forward
+ * substitution, the epilogues) in fp32 (kda_bf.h; docs/amx.md, "KDA's
+ * chunked form on the tiles"). Chunks of a multiple of 32 tokens
+ * (K3_KDA_CHUNK_BF in a context), sub-blocks of 16. The kernels (AMX tiles,
+ * vdpbf16ps) give k3_kda_chunked_bf_ref's bits. */
+#define K3_KDA_CHUNK_BF 32
+/* The shortest prefill piece for which the tiles' kernel beats the fp32
+ * recurrence (measured, docs/amx.md). */
+#define K3_KDA_BF_MIN_AMX 16
+bool k3_kda_bf_fits(const k3_kda_head *h); /* dk % 32 == 0, dv % 16 == 0, both <= K3_MAX_KDA_HEAD_DIM */
+int64_t k3_kda_chunk_work_bf(int chunk, int dk, int dv);
+void k3_kda_chunked_bf_ref(const k3_kda_head *h, float *S, int chunk, float *work);
+/* Whether the current table has a BF16 chunked kernel (the BF16 tables:
+ * "avx512-bf16", "amx" on the unit). */
+bool k3_kda_bf_available(void);
+/* The shortest piece the current table gives its BF16 chunked kernel by
+ * default; INT32_MAX where it has none or gives it none: today every table
+ * ("avx512-bf16": vdpbf16ps measured slower than the fp32 recurrence;
+ * "amx": faster from K3_KDA_BF_MIN_AMX tokens, off for the bit identity of
+ * prefill and decode, docs/amx.md). A context's kda_bf_min overrides it. */
+int32_t k3_kda_bf_min(void);
+/* The current table's BF16 chunked kernel; false (nothing done) where it has
+ * none or h does not fit. */
+bool k3_kda_chunked_bf(const k3_kda_head *h, float *S, int chunk, float *work);
 
 /* Decay gate, per channel: K3 form (has_lb) g = lb * sigmoid(exp(A) * (z + dt_bias)),
  * Kimi-Linear form g = -exp(A) * softplus(z + dt_bias). z: [n] for one head. */

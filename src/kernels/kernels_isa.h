@@ -234,7 +234,9 @@ struct k3_kernel_ops {
     k3_kda_fits_fn *kda_recurrent_fits, *kda_chunked_fits;
     k3_kda_recurrent_fn *kda_recurrent;
     k3_kda_chunked_fn *kda_chunked;
-    bool kda_recurrent_prefill; /* the recurrent form beats the chunked one at every length */
+    k3_kda_chunked_fn *kda_chunked_bf; /* the BF16 chunked form (k3_kda_bf_fits; NULL: none) */
+    int32_t kda_bf_min;                /* pieces this long take it by default (0: none) */
+    bool kda_recurrent_prefill;        /* the recurrent form beats the chunked one at every length */
 };
 
 /* The current table (k3_kernels_init on first use). */
@@ -330,5 +332,9 @@ k3_attnres_fn k3_attnres_mix_avx2;
 k3_kda_fits_fn k3_kda_simd_fits;
 k3_kda_recurrent_fn k3_kda_recurrent_avx2, k3_kda_recurrent_avx512;
 k3_kda_chunked_fn k3_kda_chunked_avx2;
+/* KDA's BF16 chunked form (kda.h, k3_kda_chunked_bf_ref's bits) where
+ * k3_kda_bf_fits: vdpbf16ps (kda_avx512bf16.c) and the AMX tiles (kda_amx.c,
+ * on the unit only). */
+k3_kda_chunked_fn k3_kda_chunked_bf_avx512, k3_kda_chunked_bf_amx;
 
 #endif /* K3_KERNELS_KERNELS_ISA_H */

@@ -90,14 +90,17 @@ static void kda_head_verify(k3_ctx *ctx, const k3_layer *L, int layer, const k3_
         const float *state = ctx->kda_conv[layer] + ((int64_t)sp->seq * 3 + which) * Km1 * HK;
         float *wc = win + (int64_t)which * Km1 * dk;
         for (int64_t r = 0; r < Km1; r++) memcpy(wc + r * dk, state + r * HK + ch, sizeof(float) * (size_t)dk);
-        for (int64_t r = 0; r < sp->n; r++) {
-            float *xr = x + (t0 + r) * HK + ch;
-            if (mode == K3_SPEC_REAPPLY) memcpy(buf + r * per + which * HK + ch, xr, sizeof(float) * (size_t)dk);
-            k3_kda_conv(xr, HK, 1, dk, K, w + ch, HK, wc, dk);
-            if (mode == K3_SPEC_STATES)
-                for (int64_t j = 0; j < Km1; j++)
-                    memcpy(buf + r * per + nS + ((int64_t)which * Km1 + j) * HK + ch, wc + j * dk,
-                           sizeof(float) * (size_t)dk);
+        if (mode == K3_SPEC_REAPPLY) { /* the pre-conv rows kept, then the chunk's rows in one call */
+            for (int64_t r = 0; r < sp->n; r++)
+                memcpy(buf + r * per + which * HK + ch, x + (t0 + r) * HK + ch, sizeof(float) * (size_t)dk);
+            k3_kda_conv(x + t0 * HK + ch, HK, (int)sp->n, dk, K, w + ch, HK, wc, dk);
+            continue;
+        }
+        for (int64_t r = 0; r < sp->n; r++) { /* the windows after each position kept */
+            k3_kda_conv(x + (t0 + r) * HK + ch, HK, 1, dk, K, w + ch, HK, wc, dk);
+            for (int64_t j = 0; j < Km1; j++)
+                memcpy(buf + r * per + nS + ((int64_t)which * Km1 + j) * HK + ch, wc + j * dk,
+                       sizeof(float) * (size_t)dk);
         }
     }
     head_gates(ctx, L, h, t0, sp->n);
@@ -204,8 +207,10 @@ static void kda_head_items(void *p, int64_t lo, int64_t hi, int ith) {
                 .o = ctx->s.ko + ta * HK + ch,
                 .ld_o = HK,
             };
-            if (b - a >= ctx->kda_chunk_min) k3_kda_chunked(&kh, S, K3_KDA_CHUNK, ctx->s.tkda[ith]);
-            else k3_kda_recurrent(&kh, S);
+            if (b - a < ctx->kda_bf_min || !k3_kda_chunked_bf(&kh, S, K3_KDA_CHUNK_BF, ctx->s.tkda[ith])) {
+                if (b - a >= ctx->kda_chunk_min) k3_kda_chunked(&kh, S, K3_KDA_CHUNK, ctx->s.tkda[ith]);
+                else k3_kda_recurrent(&kh, S);
+            }
             float *cap;
             for (int32_t ci = 0; ctx->n_caps && (cap = capture_next(ctx, sp->seq, sp->pos0 + b, &ci));)
                 memcpy(cap + off + (int64_t)h * dk * dv, S, sizeof(float) * (size_t)(dk * dv));

@@ -16,8 +16,15 @@ typedef struct {
     const k3_layer *L;
     const float *z;   /* [T, Dl] expert inputs */
     int32_t na;       /* items [0, na): the active experts (s.eact) */
-    int32_t sh_parts; /* items [na, na + sh_parts): row slices of the shared down-projection (T == 1) */
+    int32_t sh_parts; /* items [na, na + sh_parts): row slices of the shared down-projection (few tokens) */
+    int64_t T;        /* tokens of the pass */
 } expert_job;
+
+/* Tokens of a pass whose shared down-projection runs as row slices among
+ * the routed experts' items: a decode step and a verify chunk (below the
+ * tiles' 16 rows, where a slice is the whole product's kernel on fewer
+ * rows, each output the same bits). */
+enum { SH_JOIN_MAX = 15 };
 
 /* Expert e over the rows routed to it: gather, w1/w3, act, w2, scatter to s.ly. */
 static void run_expert(const expert_job *j, int e, k3_pool *pool, int ith) {
@@ -46,14 +53,22 @@ static void expert_items(void *p, int64_t lo, int64_t hi, int ith) {
             run_expert(j, j->ctx->s.eact[a], NULL, ith);
             continue;
         }
-        /* rows [r0, r1) of the shared experts' down-projection, one token,
-         * in whole tiles of its type (the BF16 strips: 16 rows) */
+        /* rows [r0, r1) of the shared experts' down-projection, in whole
+         * tiles of its type (the BF16 strips: 16 rows); with several tokens
+         * through the thread's scratch into their columns of s.tmp */
+        k3_scratch *s = &j->ctx->s;
         const k3_mat *w = &j->L->sh_down;
         const int64_t u = k3_wtype_info(w->type)->tile_rows, nu = w->rows / u, q = a - j->na;
         const int64_t r0 = nu * q / j->sh_parts * u,
-                      r1 = q + 1 == j->sh_parts ? w->rows : nu * (q + 1) / j->sh_parts * u;
-        const k3_mat rows = k3_mat_rows(w, r0, r1 - r0);
-        k3_matmul(NULL, &rows, j->ctx->s.f1, 1, j->ctx->s.tmp + r0);
+                      r1 = q + 1 == j->sh_parts ? w->rows : nu * (q + 1) / j->sh_parts * u, nr = r1 - r0;
+        const k3_mat rows = k3_mat_rows(w, r0, nr);
+        if (j->T == 1) {
+            k3_matmul(NULL, &rows, s->f1, 1, s->tmp + r0);
+            continue;
+        }
+        float *y = s->tlout[ith];
+        k3_matmul(NULL, &rows, s->f1, j->T, y);
+        for (int64_t t = 0; t < j->T; t++) memcpy(s->tmp + t * w->rows + r0, y + t * nr, sizeof(float) * (size_t)nr);
     }
 }
 
@@ -100,9 +115,11 @@ void k3_moe_layer(k3_ctx *ctx, const k3_layer *L, const float *yn, float *out) {
     /* Many active experts (always, at K3's top-16 of 896): one expert per
      * item, each single-threaded, so a decode step costs one dispatch for all
      * experts. Few: one expert after the other, each matmul threaded. With
-     * one token the shared experts' down-projection joins the job as small
-     * row slices after the experts: they fill the end, where threads used to
-     * wait on the last expert (~12 us per layer), and save its dispatch. */
+     * few tokens (a decode step, a verify chunk) the shared experts'
+     * down-projection joins the job as small row slices after the experts:
+     * they fill the end, where threads used to wait on the last expert
+     * (~12 us per layer at one token, ~40 us at a verify chunk's 1-2 rows an
+     * expert), and save its dispatch. */
     int32_t na = 0;
     for (int e = 0; e < E; e++)
         if (s->ecount[e + 1] > s->ecount[e] && k3_ep_owns(ctx, e)) s->eact[na++] = e;
@@ -111,14 +128,20 @@ void k3_moe_layer(k3_ctx *ctx, const k3_layer *L, const float *yn, float *out) {
         ctx->prof_moe[1] += na;
         ctx->prof_moe[2] += s->ecount[E];
     }
-    expert_job ej = {ctx, L, z, na, 0};
+    expert_job ej = {ctx, L, z, na, 0, T};
     const k3_glu_kind kind = c->act == K3_ACT_SITU ? K3_GLU_SITU : K3_GLU_SWIGLU;
     if (k3_moe_experts(ctx->pool, L->exp_gate, L->exp_up, L->exp_down, s->eact, na, s->ecount, s->erows, K, z, Dl,
                        s->ly, Dl, kind, c->situ_beta, c->situ_linear_beta)) {
         /* every active expert in one grouped product a phase (AMX), the
          * same bits as one after the other */
     } else if (ctx->nth > 1 && na >= 2 * ctx->nth) {
-        if (L->moe_in.data && T == 1) ej.sh_parts = 4 * ctx->nth;
+        if (L->moe_in.data && T <= SH_JOIN_MAX) {
+            /* slices of at most a thread's expert scratch (s.tlout, T x Dl) */
+            const int64_t u = k3_wtype_info(L->sh_down.type)->tile_rows, nu = L->sh_down.rows / u;
+            int32_t parts = 4 * ctx->nth;
+            while (T > 1 && parts < nu && (nu / parts + 2) * u > Dl) parts *= 2;
+            if (T == 1 || (nu / parts + 2) * u <= Dl) ej.sh_parts = parts;
+        }
         k3_pool_for(ctx->pool, na + ej.sh_parts, 1, expert_items, &ej);
     } else {
         for (int32_t a = 0; a < na; a++) run_expert(&ej, s->eact[a], ctx->pool, 0);

@@ -157,6 +157,9 @@ k3_status k3_pd_send(int fd, const void *a, size_t na, const void *b, size_t nb,
             if (errno == EINTR) continue;
             if (errno == EAGAIN || errno == EWOULDBLOCK)
                 return k3_err(err, K3_ERR_IO, "kv transfer: the peer took nothing of %s within the timeout", what);
+            if (errno == EPIPE || errno == ECONNRESET) /* a peer that died, or closed its end, before we wrote */
+                return k3_err(err, K3_ERR_IO, "kv transfer: the peer closed the connection while sending %s (%s)", what,
+                              strerror(errno));
             return k3_err(err, K3_ERR_IO, "kv transfer: sending %s: %s", what, strerror(errno));
         }
         size_t left = (size_t)s;

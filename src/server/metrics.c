@@ -221,6 +221,18 @@ void k3_metrics_render(k3_metrics *m, const k3_engine_stats *st, const char *mod
     metric(o, "k3:spec_decode_accept_seconds_total", "counter",
            "Time the engine's steps spent keeping verified positions (KDA rollback and block tables).", model,
            st->spec_accept_s);
+    static const char *const phase[K3_PHASE_COUNT] = {"begin",  "propose", "schedule", "setup",  "pass",
+                                                      "sample", "verify",  "finish",   "outside"};
+    k3_buf_addf(o,
+                "# HELP k3:engine_phase_seconds_total Time the engine's steps spent by phase (outside: between a "
+                "step and the next, the server's handling of its outputs).\n"
+                "# TYPE k3:engine_phase_seconds_total counter\n");
+    for (int i = 0; i < K3_PHASE_COUNT; i++)
+        k3_buf_addf(o, "k3:engine_phase_seconds_total{model_name=\"%s\",phase=\"%s\"} %.6f\n", model, phase[i],
+                    st->phase_s[i]);
+    metric(o, "k3:engine_steps_total", "counter", "Engine steps.", model, (double)st->n_steps);
+    metric(o, "k3:engine_spec_steps_total", "counter", "Engine steps with a verify chunk.", model,
+           (double)st->n_spec_steps);
     for (int i = 0; i < K3_H_COUNT; i++) {
         const k3_hist *h = &m->h[i];
         k3_buf_addf(o, "# HELP %s %s\n# TYPE %s histogram\n", h->name, h->help, h->name);

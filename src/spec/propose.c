@@ -290,23 +290,38 @@ int32_t k3_spec_seq_propose(k3_proposer *p, k3_spec_seq *s, const int32_t *tok, 
     return k;
 }
 
+/* A completed output joins its scope's cache; the cache takes the buffer
+ * (or frees it). */
+static void cache_output(k3_proposer *p, uint64_t scope, int32_t *out, int64_t n_out) {
+    scope_cache *sc = n_out > 0 && p->cfg.suffix_max_cached_requests > 0 ? scope_get(p, scope) : NULL;
+    if (!sc || n_out > K3_SPEC_CACHE_TOKENS) {
+        free(out);
+        return;
+    }
+    while (sc->n > 0 && (sc->n == sc->cap || sc->tokens + n_out > K3_SPEC_CACHE_TOKENS)) scope_evict(sc);
+    const int32_t at = (sc->head + sc->n) % sc->cap;
+    sc->text[at] = out;
+    sc->len[at] = n_out;
+    sc->n++;
+    sc->tokens += n_out;
+    k3_sactive a = {0};
+    for (int64_t t = 0; t < n_out; t++) k3_stree_push(&sc->tree, &a, out[t]);
+}
+
+void k3_spec_cache_output(k3_proposer *p, k3_spec_method method, uint64_t scope, const int32_t *tok, int64_t n) {
+    if (method != K3_SPEC_SUFFIX || n <= 0 || p->cfg.suffix_max_cached_requests <= 0) return;
+    if (n > K3_SPEC_OUT_TOKENS) n = K3_SPEC_OUT_TOKENS;
+    int32_t *out = malloc(sizeof *out * (size_t)n);
+    if (!out) return; /* out of memory: not cached */
+    memcpy(out, tok, sizeof *out * (size_t)n);
+    cache_output(p, scope, out, n);
+}
+
 void k3_spec_seq_close(k3_proposer *p, k3_spec_seq *s, bool completed) {
     if (!s) return;
     if (s->method == K3_SPEC_SUFFIX && completed && s->n_out > 0 && p->cfg.suffix_max_cached_requests > 0) {
-        scope_cache *sc = scope_get(p, s->scope);
-        if (sc) {
-            while (sc->n > 0 && (sc->n == sc->cap || sc->tokens + s->n_out > K3_SPEC_CACHE_TOKENS)) scope_evict(sc);
-            if (s->n_out <= K3_SPEC_CACHE_TOKENS) {
-                const int32_t at = (sc->head + sc->n) % sc->cap;
-                sc->text[at] = s->out; /* the cache takes the buffer */
-                sc->len[at] = s->n_out;
-                s->out = NULL;
-                sc->n++;
-                sc->tokens += sc->len[at];
-                k3_sactive a = {0};
-                for (int64_t t = 0; t < sc->len[at]; t++) k3_stree_push(&sc->tree, &a, sc->text[at][t]);
-            }
-        }
+        cache_output(p, s->scope, s->out, s->n_out);
+        s->out = NULL;
     }
     if (s->has_tree) k3_stree_free(&s->tree);
     if (s->has_ngram) k3_ngram_free(&s->ng);

@@ -39,8 +39,10 @@ typedef struct k3_stree {
     int32_t *cnt, *tok, *first, *next, *par; /* [cap] per node: count, token, first child, next sibling, parent */
     uint8_t *dep;                            /* [cap] depth */
     int32_t n_nodes, cap, *free_ids, n_free;
-    uint64_t *hkey; /* (parent << 32 | token) + 1, 0 = empty, ~0 = deleted */
-    int32_t *hval;
+    struct k3_stree_slot {
+        uint64_t key; /* (parent << 32 | token) + 1, 0 = empty, ~0 = deleted */
+        int32_t val;
+    } * h; /* the children: one probe reads a key and its node together */
     uint32_t hmask;
     int64_t h_used;
     int64_t max_nodes; /* a budget: insertions stop creating nodes past it */
@@ -151,6 +153,9 @@ int32_t k3_spec_seq_propose(k3_proposer *p, k3_spec_seq *s, const int32_t *tok, 
 /* The sequence ended: a completed output (stop or length) joins its
  * scope's cache of past outputs. */
 void k3_spec_seq_close(k3_proposer *p, k3_spec_seq *s, bool completed);
+/* A completed output of a request that never opened a sequence (its
+ * drafting was never worth it) joins its scope's cache all the same. */
+void k3_spec_cache_output(k3_proposer *p, k3_spec_method method, uint64_t scope, const int32_t *tok, int64_t n);
 k3_spec_method k3_spec_seq_method(const k3_spec_seq *s);
 /* Bytes the proposers hold (the caches and trees). */
 int64_t k3_proposer_bytes(const k3_proposer *p);
@@ -168,22 +173,73 @@ int64_t k3_proposer_bytes(const k3_proposer *p);
 int32_t k3_spec_reject_sample(const float *p, const float *q, int32_t n, int32_t d, double u1, double u2,
                               bool *accepted);
 
-/* ---- the cost model and the draft length (policy.c) -------------------- */
+/* ---- the cost model and the draft length (policy.c) --------------------
+ * A step's whole time, start to the next start, is its forward pass plus
+ * what is around it: proposing, sampling, the rollback, the outputs and
+ * the caller's handling of them (the server's per-token work). The model
+ * learns, at run time, from the engine's own steps of decodes and verify
+ * chunks:
+ *   - a plain step's whole time by its decodes n (an EWMA per count);
+ *   - what verify chunks add to it: y = a x chunks + b x draft tokens,
+ *     least squares over the recent such steps (decayed), one fit per batch
+ *     size class (1, 2, 3-4, 5-8, ...): a verify row's cost depends on the
+ *     batch it joins (four sequences' rows read four contexts; one
+ *     sequence's drafts one), as do the pass's regime and the outputs; a
+ *     class not yet seen drafting prices a draft row at least as a decode
+ *     row of its batch (the plain step's growth from a smaller batch);
+ *   - the pass's time by its rows alone (an EWMA per row count), which
+ *     stands in until steps have been seen.
+ * The drafts of a step are chosen on the batch's expected tokens per
+ * second: (decodes + expected accepted drafts) / the step's whole time. */
 
-#define K3_SPEC_ROWS_MAX 256 /* pass sizes the model keeps apart */
+#define K3_SPEC_ROWS_MAX 256    /* pass sizes the model keeps apart */
+#define K3_SPEC_PLAIN_EVERY 256 /* a step without drafts at a batch size at least this often */
+#define K3_SPEC_CLASSES 9       /* batch size classes of the verify fit: 1, 2, 3-4, ..., 129-256 */
+
+typedef struct k3_spec_fit {
+    double s_cc, s_cd, s_dd, s_cy, s_dy; /* decayed sums of the products */
+    int64_t n_obs;
+    double a_chunk, b_draft; /* the fit (>= 0) */
+} k3_spec_fit;
 
 typedef struct k3_spec_policy {
     double t[K3_SPEC_ROWS_MAX + 1]; /* seconds of a decode/verify pass of r rows (EWMA) */
     int32_t n_obs[K3_SPEC_ROWS_MAX + 1];
+    double plain[K3_SPEC_ROWS_MAX + 1]; /* seconds of a whole step of r decodes alone (EWMA) */
+    int32_t n_obs_plain[K3_SPEC_ROWS_MAX + 1];
+    int64_t plain_at[K3_SPEC_ROWS_MAX + 1]; /* the step it was last seen at */
+    int64_t n_steps;                        /* steps observed */
+    k3_spec_fit fit[K3_SPEC_CLASSES];
     double prior_slope; /* t(r) / t(1) - 1 per extra row before any is seen */
 } k3_spec_policy;
+
+/* One step as the cost model sees it: its decodes (one row each), its
+ * verify chunks and their draft tokens (rows = n_dec + n_drafts), its
+ * forward pass and its whole time (start to the next step's start). */
+typedef struct k3_spec_step {
+    int32_t n_dec, n_chunks, n_drafts;
+    double pass_s, step_s;
+} k3_spec_step;
 
 void k3_spec_policy_init(k3_spec_policy *p, double prior_slope);
 /* A pass of rows rows, all decodes or verify chunks, took seconds. */
 void k3_spec_policy_observe(k3_spec_policy *p, int32_t rows, double seconds);
+/* A whole step of decodes and verify chunks (its pass is observed too). */
+void k3_spec_policy_observe_step(k3_spec_policy *p, const k3_spec_step *st);
+/* A step of n_dec decodes where drafts were offered and none taken: the
+ * verify fit of its class loses weight (so a cost measured in a bad moment
+ * is measured again after a while instead of ruling drafting out for good). */
+void k3_spec_policy_declined(k3_spec_policy *p, int32_t n_dec);
 /* The estimated time of a pass of rows rows (relative: t(1) = 1 before any
  * observation). */
 double k3_spec_policy_cost(const k3_spec_policy *p, int32_t rows);
+/* The estimated whole time of a step of n_dec decodes of which n_chunks
+ * verify n_drafts draft tokens (before any step is seen: the pass's). */
+double k3_spec_policy_step_cost(const k3_spec_policy *p, int32_t n_dec, int32_t n_chunks, int32_t n_drafts);
+/* Whether this step of base decodes should go without drafts: one such has
+ * not been seen in the last K3_SPEC_PLAIN_EVERY steps (what verify chunks
+ * add is measured against it). */
+bool k3_spec_policy_plain_due(const k3_spec_policy *p, int32_t base);
 
 /* One sequence's candidates for a step: gain[j] (j < n) the probability
  * that its first j + 1 drafts are all accepted. */
@@ -191,12 +247,18 @@ typedef struct k3_spec_cand {
     int32_t n;
     float gain[K3_SPEC_MAX_DRAFT];
 } k3_spec_cand;
-/* The drafts to verify this step: base rows (the step's decodes) plus the
- * draft tokens chosen, highest marginal gain first, as long as the expected
- * tokens per second grows: (base + sum of chosen gains) / t(base + chosen).
- * Writes each sequence's count to take[i]; returns the total. */
+/* The drafts to verify this step: base decodes plus the draft tokens
+ * chosen, highest marginal gain first, the set of the highest expected
+ * tokens per second of the whole step: (base + sum of chosen gains) /
+ * k3_spec_policy_step_cost(base, sequences drafting, chosen). Writes each
+ * sequence's count to take[i]; returns the total. */
 int32_t k3_spec_policy_choose(const k3_spec_policy *p, int32_t base, const k3_spec_cand *c, int32_t n_seqs,
                               int32_t *take);
+/* Whether any draft could pay at base decodes: k drafts sure to be accepted
+ * by one sequence (the most a draft can bring) beat the plain step for some
+ * k <= max_k. Where none can, the engine does not even propose (nor index a
+ * new request's prompt for it). */
+bool k3_spec_policy_may_pay(const k3_spec_policy *p, int32_t base, int32_t max_k);
 
 /* A sequence's calibration of its proposer's confidences: draft tokens
  * accepted over the confidences they were drafted with, both decayed at

@@ -37,9 +37,8 @@ k3_status k3_stree_init(k3_stree *t, int32_t depth, int64_t max_nodes, k3_error 
     t->dep = calloc((size_t)t->cap, 1);
     t->free_ids = malloc(sizeof *t->free_ids * (size_t)t->cap);
     t->hmask = 511;
-    t->hkey = calloc((size_t)t->hmask + 1, sizeof *t->hkey);
-    t->hval = malloc(sizeof *t->hval * ((size_t)t->hmask + 1));
-    if (!t->cnt || !t->tok || !t->first || !t->next || !t->par || !t->dep || !t->free_ids || !t->hkey || !t->hval) {
+    t->h = calloc((size_t)t->hmask + 1, sizeof *t->h);
+    if (!t->cnt || !t->tok || !t->first || !t->next || !t->par || !t->dep || !t->free_ids || !t->h) {
         k3_stree_free(t);
         return k3_err(err, K3_ERR_NOMEM, "suffix tree: out of memory");
     }
@@ -56,45 +55,36 @@ void k3_stree_free(k3_stree *t) {
     free(t->par);
     free(t->dep);
     free(t->free_ids);
-    free(t->hkey);
-    free(t->hval);
+    free(t->h);
     memset(t, 0, sizeof *t);
 }
 
 int64_t k3_stree_bytes(const k3_stree *t) {
-    return (int64_t)t->cap * (5 * 4 + 1 + 4) + ((int64_t)t->hmask + 1) * (8 + 4);
+    return (int64_t)t->cap * (5 * 4 + 1 + 4) + ((int64_t)t->hmask + 1) * (int64_t)sizeof *t->h;
 }
 
 int32_t k3_stree_child(const k3_stree *t, int32_t u, int32_t x) {
     const uint64_t k = key_of(u, x);
     for (uint32_t h = hash_key(k) & t->hmask;; h = (h + 1) & t->hmask) {
-        if (t->hkey[h] == EMPTY) return -1;
-        if (t->hkey[h] == k) return t->hval[h];
+        if (t->h[h].key == EMPTY) return -1;
+        if (t->h[h].key == k) return t->h[h].val;
     }
 }
 
 static bool rehash(k3_stree *t, uint32_t mask) {
-    uint64_t *nk = calloc((size_t)mask + 1, sizeof *nk);
-    int32_t *nv = malloc(sizeof *nv * ((size_t)mask + 1));
-    if (!nk || !nv) {
-        free(nk);
-        free(nv);
-        return false;
-    }
+    struct k3_stree_slot *nh = calloc((size_t)mask + 1, sizeof *nh);
+    if (!nh) return false;
     int64_t used = 0;
     for (uint32_t i = 0; i <= t->hmask; i++) {
-        const uint64_t k = t->hkey[i];
+        const uint64_t k = t->h[i].key;
         if (k == EMPTY || k == GONE) continue;
         uint32_t h = hash_key(k) & mask;
-        while (nk[h] != EMPTY) h = (h + 1) & mask;
-        nk[h] = k;
-        nv[h] = t->hval[i];
+        while (nh[h].key != EMPTY) h = (h + 1) & mask;
+        nh[h] = t->h[i];
         used++;
     }
-    free(t->hkey);
-    free(t->hval);
-    t->hkey = nk;
-    t->hval = nv;
+    free(t->h);
+    t->h = nh;
     t->hmask = mask;
     t->h_used = used;
     return true;
@@ -121,12 +111,20 @@ static bool grow_nodes(k3_stree *t) {
     return true;
 }
 
-/* A new child of u by x (count 0), or -1 (the budget or memory). */
-static int32_t add_child(k3_stree *t, int32_t u, int32_t x) {
-    if (t->n_nodes - t->n_free >= t->max_nodes) return -1;
+/* The child of u by x, made (count 0) if there is none, in one probe of
+ * the table; -1: none and none can be made (the budget or memory). */
+static int32_t child_or_add(k3_stree *t, int32_t u, int32_t x) {
     if ((t->h_used + 1) * 4 > ((int64_t)t->hmask + 1) * 3 &&
         !rehash(t, (t->h_used + 1) * 2 > ((int64_t)t->hmask + 1) ? t->hmask * 2 + 1 : t->hmask))
-        return -1;
+        return k3_stree_child(t, u, x);
+    const uint64_t k = key_of(u, x);
+    uint32_t h = hash_key(k) & t->hmask, at = UINT32_MAX;
+    for (;; h = (h + 1) & t->hmask) {
+        if (t->h[h].key == k) return t->h[h].val;
+        if (t->h[h].key == EMPTY) break;
+        if (t->h[h].key == GONE && at == UINT32_MAX) at = h;
+    }
+    if (t->n_nodes - t->n_free >= t->max_nodes) return -1;
     int32_t v;
     if (t->n_free) v = t->free_ids[--t->n_free];
     else {
@@ -140,20 +138,20 @@ static int32_t add_child(k3_stree *t, int32_t u, int32_t x) {
     t->par[v] = u;
     t->next[v] = t->first[u];
     t->first[u] = v;
-    const uint64_t k = key_of(u, x);
-    uint32_t h = hash_key(k) & t->hmask;
-    while (t->hkey[h] != EMPTY && t->hkey[h] != GONE) h = (h + 1) & t->hmask;
-    if (t->hkey[h] == EMPTY) t->h_used++;
-    t->hkey[h] = k;
-    t->hval[h] = v;
+    if (at == UINT32_MAX) {
+        at = h;
+        t->h_used++;
+    }
+    t->h[at].key = k;
+    t->h[at].val = v;
     return v;
 }
 
 static void remove_child(k3_stree *t, int32_t u, int32_t v) {
     const uint64_t k = key_of(u, t->tok[v]);
-    for (uint32_t h = hash_key(k) & t->hmask; t->hkey[h] != EMPTY; h = (h + 1) & t->hmask)
-        if (t->hkey[h] == k) {
-            t->hkey[h] = GONE;
+    for (uint32_t h = hash_key(k) & t->hmask; t->h[h].key != EMPTY; h = (h + 1) & t->hmask)
+        if (t->h[h].key == k) {
+            t->h[h].key = GONE;
             break;
         }
     if (t->first[u] == v) t->first[u] = t->next[v];
@@ -186,8 +184,7 @@ static void walk(k3_stree *t, k3_sactive *a, int32_t x, int mode) {
     int32_t nn = 0, out[64];
     for (int32_t i = -1; i < a->n && nn < t->depth; i++) {
         const int32_t u = i < 0 ? 0 : a->node[i];
-        int32_t v = u < 0 ? -1 : k3_stree_child(t, u, x);
-        if (v < 0 && u >= 0 && mode == 1) v = add_child(t, u, x);
+        const int32_t v = u < 0 ? -1 : mode == 1 ? child_or_add(t, u, x) : k3_stree_child(t, u, x);
         if (v < 0 && mode != -1) break;
         out[nn++] = v;
     }
