@@ -181,12 +181,12 @@ static k3_mat strips(k3_mat w) {
  * cycled so each call reads its weights from DRAM) and one MoE layer's
  * routed experts grouped (layers cycled). GFLOP/s of the products. */
 static void bfdot(k3_pool *pool, int64_t n, int runs) {
-    static const int64_t sh[][2] = {{2048, 2048}, {5632, 2048}, {2048, 5632}};
+    static const int64_t sh[][2] = {{2048, 2048}, {5632, 2048}, {2048, 5632}, {2048, 7168}};
     enum { NC = 6, NL = 4 };
     const int nr = runs < 64 ? runs : 64;
     double t[64];
-    float *x = malloc(sizeof(float) * (size_t)(n * 5632)), *y = malloc(sizeof(float) * (size_t)(n * TOPK * 5632));
-    for (int64_t j = 0; j < n * 5632; j++) x[j] = frand();
+    float *x = malloc(sizeof(float) * (size_t)(n * 7168)), *y = aligned_alloc(64, sizeof(float) * (size_t)(n * TOPK * 5632));
+    for (int64_t j = 0; j < n * 7168; j++) x[j] = frand();
     printf("  %5lld tokens:", (long long)n);
     for (size_t i = 0; i < sizeof sh / sizeof sh[0]; i++) {
         k3_mat w[NC];
