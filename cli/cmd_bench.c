@@ -81,6 +81,7 @@ static void usage_to(FILE *out) {
             "  --kv-cache f32|c8    cache format\n"
             "  --quant MODE         " K3_CLI_QUANT_MODES "\n"
             "  --mmap               keep the weights in the file mapping (default: in RAM)\n"
+            "  --kda-bf16-prefill   KDA's prefill in its BF16 chunked form where the table has it (amx)\n"
             "  --prompts 128,512,2048  prefill lengths\n"
             "  --decode-tokens N    decode steps per run (default 16)\n"
             "  --membw-mb N         bandwidth buffer size (default 1024)\n"
@@ -107,6 +108,7 @@ typedef struct {
     int runs;
     int decode_tokens;
     k3_kv_type kv;
+    bool kda_bf16; /* --kda-bf16-prefill */
     size_t bw_bytes;
     double *bw_runs;  /* when set, run_decode measures the bandwidth before each run, */
     double *bw_after; /* after it, */
@@ -123,6 +125,7 @@ static int run_decode(bench *b, int batch, int64_t pos, bool synth, bool dense, 
                         .cache_tokens = (int64_t)batch * (pos + b->decode_tokens + 1),
                         .kv_cache = b->kv,
                         .dense_attention = dense,
+                        .kda_bf16_prefill = b->kda_bf16,
                         .pool = b->pool};
     if (k3_ctx_init(&ctx, b->m, &o, err)) return 1;
     const int64_t V = b->info.vocab_size;
@@ -185,7 +188,11 @@ done:
 
 static int run_prefill(bench *b, int64_t len, stat3 *out, k3_profile *prof, k3_error *err) {
     k3_ctx *ctx = NULL;
-    k3_ctx_options o = {.max_seqs = 1, .cache_tokens = len, .kv_cache = b->kv, .pool = b->pool};
+    k3_ctx_options o = {.max_seqs = 1,
+                        .cache_tokens = len,
+                        .kv_cache = b->kv,
+                        .kda_bf16_prefill = b->kda_bf16,
+                        .pool = b->pool};
     if (k3_ctx_init(&ctx, b->m, &o, err)) return 1;
     const int64_t V = b->info.vocab_size;
     float *logits = malloc(sizeof(float) * (size_t)V);
@@ -290,7 +297,7 @@ int k3_cmd_bench(int argc, char **argv) {
     if (argc > 1 && !strcmp(argv[1], "spec")) return k3_cmd_bench_spec(argc - 1, argv + 1);
     if (k3_cli_dist_wanted(argc, argv)) return k3_cmd_bench_dist(argc, argv); /* cmd_bench_dist.c */
     const char *dir = K3_DEFAULT_MODEL, *quant = K3_DEFAULT_QUANT;
-    bool keep_mapped = false;
+    bool keep_mapped = false, kda_bf16 = false;
     int threads = k3_cli_default_threads(), runs = 5, json = 0, profile = 0, longctx = 0, dtok = 16, quick = 0;
     long membw_mb = 1024;
     long prompts[8] = {128, 512, 2048}, contexts[8] = {1024, 8192, 32768, 131072};
@@ -339,6 +346,7 @@ int k3_cmd_bench(int argc, char **argv) {
             if (k3_cli_set_isa("bench", argv[++i])) return 2;
         } else if (!strcmp(a, "--json")) json = 1;
         else if (!strcmp(a, "--mmap")) keep_mapped = true;
+        else if (!strcmp(a, "--kda-bf16-prefill")) kda_bf16 = true;
         else if (!strcmp(a, "--profile")) profile = 1;
         else if (!strcmp(a, "--long-context")) longctx = 1;
         else {
@@ -353,7 +361,7 @@ int k3_cmd_bench(int argc, char **argv) {
     if (!(dir = k3_cli_model_dir("bench", dir))) return 1;
 
     k3_error err = {0};
-    bench b = {.runs = runs, .decode_tokens = dtok, .kv = kv};
+    bench b = {.runs = runs, .decode_tokens = dtok, .kv = kv, .kda_bf16 = kda_bf16};
     int rc = 1;
     k3_model_info stored;
     if (k3_cli_open_model_stored(&b.m, dir, quant, keep_mapped, true, &stored, &err) ||
@@ -453,8 +461,9 @@ int k3_cmd_bench(int argc, char **argv) {
 
     if (json) {
         printf("{\"model\": \"%s\", \"threads\": %d, \"runs\": %d, \"quant\": \"%s\", \"kv_cache\": \"%s\", "
-               "\"isa\": \"%s\", \"mem_bw_gbps\": %.2f, ",
-               dir, threads, runs, quant, kv == K3_KV_C8 ? "c8" : "f32", k3_isa_current(), membw);
+               "\"isa\": \"%s\", \"kda_bf16_prefill\": %s, \"mem_bw_gbps\": %.2f, ",
+               dir, threads, runs, quant, kv == K3_KV_C8 ? "c8" : "f32", k3_isa_current(), kda_bf16 ? "true" : "false",
+               membw);
         printf("\"prefill_tok_s\": %.2f, \"prefill_tokens\": %ld, \"prefill_gflops\": %.2f, "
                "\"prefill_work_gflops\": %.2f, ",
                pre[ip].med, prompts[ip], gflops, wgflops);
@@ -501,7 +510,8 @@ int k3_cmd_bench(int argc, char **argv) {
                "%lld (%.2f MB) as stored (the figure of `k3 info`)\n",
                dir, (long long)b.info.n_params, (long long)b.info.n_params_active, (long long)b.info.bytes_per_token,
                bpt / 1e6, quant, (long long)stored.bytes_per_token, stored.bytes_per_token / 1e6);
-        printf("kernels: %s\n", k3_isa_current());
+        printf("kernels: %s%s\n", k3_isa_current(),
+               kda_bf16 ? " (--kda-bf16-prefill: KDA's BF16 chunked form where the table has it)" : "");
         printf("memory bandwidth (read, %ld MB, %d threads): %.2f GB/s\n", membw_mb, threads, membw);
         printf("compute peak (register loops, %d threads):", threads);
         for (int k = 0, first = 1; k < K3_PEAK_COUNT; k++)

@@ -262,14 +262,18 @@ typedef enum k3_kv_type {
 } k3_kv_type;
 
 typedef struct k3_ctx_options {
-    int32_t max_seqs;     /* sequences that may hold state at once */
-    int64_t cache_tokens; /* cache capacity in tokens over all sequences */
-    int32_t block_size;   /* tokens per cache block (0 = default 64) */
-    int32_t max_batch;    /* tokens per forward pass (0 = default 512) */
-    k3_kv_type kv_cache;  /* cache format (default K3_KV_F32) */
-    bool dense_attention; /* run DSA layers as dense MLA (indexer unused), to compare */
-    k3_pool *pool;        /* borrowed; NULL = single-threaded */
-    struct k3_dist *dist; /* borrowed; NULL = one process (see "distributed") */
+    int32_t max_seqs;      /* sequences that may hold state at once */
+    int64_t cache_tokens;  /* cache capacity in tokens over all sequences */
+    int32_t block_size;    /* tokens per cache block (0 = default 64) */
+    int32_t max_batch;     /* tokens per forward pass (0 = default 512) */
+    k3_kv_type kv_cache;   /* cache format (default K3_KV_F32) */
+    bool dense_attention;  /* run DSA layers as dense MLA (indexer unused), to compare */
+    bool kda_bf16_prefill; /* KDA's prefill pieces in its BF16 chunked form where the kernel
+                              table has one worth taking (amx): faster, but a prefill then no
+                              longer gives the bits of decoding the same tokens, nor the same
+                              bits whatever the chunking (docs/amx.md) */
+    k3_pool *pool;         /* borrowed; NULL = single-threaded */
+    struct k3_dist *dist;  /* borrowed; NULL = one process (see "distributed") */
 } k3_ctx_options;
 
 k3_status k3_ctx_init(k3_ctx **out, const k3_model *m, const k3_ctx_options *opt, k3_error *err);

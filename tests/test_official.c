@@ -182,6 +182,33 @@ K3_TEST(official_tiny_bf16) { check_variant("official-tiny"); }
 
 K3_TEST(official_tiny_mxfp4) { check_variant("official-tiny-mxfp4"); }
 
+/* k3_ctx_options.kda_bf16_prefill reaches the context: the table's minimum
+ * piece where the model runs the BF16 dot products and the table has a
+ * form worth taking, never otherwise (off by default, the fp32 path never). */
+K3_TEST(official_kda_bf16_prefill_option) {
+    k3_error err = {0};
+    static const char *const quants[] = {K3_DEFAULT_QUANT, "f32"};
+    for (int qi = 0; qi < 2; qi++) {
+        k3_model *m = NULL;
+        k3_quant_options q;
+        REQUIRE(k3_quant_parse(quants[qi], &q, &err) == K3_OK);
+        REQUIRE(k3_model_open(&m, "tests/models/official-tiny", &err) == K3_OK);
+        REQUIRE(k3_model_quantize(m, &q, &err) == K3_OK);
+        for (int on = 0; on < 2; on++) {
+            k3_ctx *ctx = NULL;
+            k3_ctx_options o = {.max_seqs = 1, .cache_tokens = 64, .kda_bf16_prefill = on};
+            REQUIRE(k3_ctx_init(&ctx, m, &o, &err) == K3_OK);
+            const int32_t want = on && qi == 0 ? k3_kda_bf_min() : INT32_MAX;
+            CHECKF(ctx->kda_bf_min == want, "--quant %s, asked %d: kda_bf_min %d, want %d (%s)", quants[qi], on,
+                   ctx->kda_bf_min, want, k3_isa_current());
+            k3_ctx_free(ctx);
+        }
+        k3_model_close(m);
+    }
+    if (k3_kda_bf_available() && !strcmp(k3_isa_current(), "amx"))
+        CHECKF(k3_kda_bf_min() == K3_KDA_BF_MIN_AMX, "amx: minimum %d", k3_kda_bf_min());
+}
+
 K3_TEST(official_router_top1_not_renormalized) {
     /* KimiMoEGate: top_k == 1 keeps the raw score (times the scaling);
      * top_k > 1 divides by the sum of the chosen scores. */

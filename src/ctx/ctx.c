@@ -286,7 +286,7 @@ static k3_status ctx_create(k3_ctx **out, const k3_model *m, const k3_ctx_option
     ctx->kv = opt->kv_cache;
     ctx->dense = opt->dense_attention;
     ctx->kda_chunk_min = k3_kda_recurrent_prefill() ? INT32_MAX : K3_KDA_CHUNK_MIN;
-    ctx->kda_bf_min = m->bf16 ? k3_kda_bf_min() : INT32_MAX;
+    ctx->kda_bf_min = m->bf16 && opt->kda_bf16_prefill ? k3_kda_bf_min() : INT32_MAX;
     ctx->n_tiles = (c->kv_lora_rank + K3_C8_TILE - 1) / K3_C8_TILE;
     k3_status ds = ranks_setup(ctx, opt->dist, err); /* DCP / EP, or none */
     if (ds) {

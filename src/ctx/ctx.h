@@ -34,8 +34,8 @@
 #define K3_KDA_CHUNK_MIN 64
 #define K3_KDA_CHUNK 16
 
-/* Prefill pieces of at least kda_bf_min tokens (k3_kda_bf_min(), kda.h:
- * none by default) use KDA's BF16 chunked form (chunks of K3_KDA_CHUNK_BF)
+/* Prefill pieces of at least kda_bf_min tokens (k3_kda_bf_min(), kda.h,
+ * where k3_ctx_options.kda_bf16_prefill asks; none by default) use KDA's BF16 chunked form (chunks of K3_KDA_CHUNK_BF)
  * where the model runs the BF16 dot products; decode, the speculative
  * verify and the exact fp32 paths keep the forms above. */
 

@@ -229,14 +229,17 @@ static void build_amx(k3_kernel_ops *o, const k3_kernel_ops *avx512_bf16, bool u
     /* QSFA's BF16 form on the tiles: no emulated form, so an emulated table
      * keeps the vdpbf16ps kernel (the same bits) */
     if (unit) o->qsfa_bf = k3_qsfa_bf_amx;
-    /* KDA's BF16 chunked form likewise (emulated: the vdpbf16ps kernel).
-     * Not taken by default yet: it beats the recurrence from pieces of
-     * K3_KDA_BF_MIN_AMX tokens, but a prefill then no longer gives the bits
-     * of decoding the same tokens, which the penalties' reference in
-     * tests/serve_knobs.py and the DCP prefill in tests/pd_serve.py rely on
-     * (docs/amx.md, "KDA's chunked form on the tiles"); kda_bf_min =
-     * K3_KDA_BF_MIN_AMX here turns it on */
-    if (unit) o->kda_chunked_bf = k3_kda_chunked_bf_amx;
+    /* KDA's BF16 chunked form likewise (emulated: the vdpbf16ps kernel),
+     * faster than the recurrence from pieces of K3_KDA_BF_MIN_AMX tokens;
+     * taken only where a context asks (k3_ctx_options.kda_bf16_prefill): a
+     * prefill then no longer gives the bits of decoding the same tokens,
+     * which the penalties' reference in tests/serve_knobs.py and the DCP
+     * prefill in tests/pd_serve.py rely on (docs/amx.md, "KDA's chunked
+     * form on the tiles") */
+    if (unit) {
+        o->kda_chunked_bf = k3_kda_chunked_bf_amx;
+        o->kda_bf_min = K3_KDA_BF_MIN_AMX;
+    }
     /* the indexer scores of a prefill chunk on the INT8 tiles (qli_scores'
      * bits), likewise on the unit only */
     if (unit) {

@@ -76,11 +76,12 @@ void k3_kda_chunked_bf_ref(const k3_kda_head *h, float *S, int chunk, float *wor
 /* Whether the current table has a BF16 chunked kernel (the BF16 tables:
  * "avx512-bf16", "amx" on the unit). */
 bool k3_kda_bf_available(void);
-/* The shortest piece the current table gives its BF16 chunked kernel by
- * default; INT32_MAX where it has none or gives it none: today every table
- * ("avx512-bf16": vdpbf16ps measured slower than the fp32 recurrence;
- * "amx": faster from K3_KDA_BF_MIN_AMX tokens, off for the bit identity of
- * prefill and decode, docs/amx.md). A context's kda_bf_min overrides it. */
+/* The shortest piece for which the current table's BF16 chunked kernel
+ * beats the fp32 recurrence: K3_KDA_BF_MIN_AMX on "amx"; INT32_MAX where it
+ * has none or none worth taking ("avx512-bf16": vdpbf16ps measured slower
+ * than the recurrence on the Xeon). A context takes it only where asked
+ * (k3_ctx_options.kda_bf16_prefill: off by default for the bit identity of
+ * prefill and decode, docs/amx.md). */
 int32_t k3_kda_bf_min(void);
 /* The current table's BF16 chunked kernel; false (nothing done) where it has
  * none or h does not fit. */
