@@ -40,6 +40,22 @@
 #define STREAM_MS 2 /* strips a pass of the vdpbf16ps stream */
 #endif
 
+/* MXFP4 strips on FMAs (fma_strip_mx): calls of fewer than MX_MS1 tokens
+ * take one strip a pass (two strips are two more streams for a core that
+ * is busy decoding: `build/kbench 1 1 384 1024` and `1024 384`, shuffled
+ * from DRAM, 9.6-10.0 and 7.7-8.7 GB/s with two, 10.2-10.6 and 10.0-10.4
+ * with one); each pass prefetches the next pass's strips and scales into L2
+ * (MX_PFS passes ahead; 0: none), a call the first MX_HEAD bytes of its
+ * first strips. */
+#ifndef MX_MS1
+#define MX_MS1 2
+#endif
+#ifndef MX_PFS
+#define MX_PFS 1
+#endif
+#ifndef MX_HEAD
+#define MX_HEAD 1024
+#endif
 enum {
     KC = 8,   /* blocks per chunk: 8 KB of a strip */
     NT = 4,   /* tokens per register tile */
@@ -357,6 +373,8 @@ INLINE void fma_strip(const k3_mat *w, int64_t s, const float *xf, int64_t ldx, 
 INLINE void fma_strip_mx(const k3_mat *w, int64_t s, const float *xf, int64_t ldx, float *y, int64_t ldy,
                          const __mmask16 *m, const int MS, const int NTK) {
     const int64_t nb = w->cols / 32;
+    const uint8_t *pf = (const uint8_t *)w->data + (s + MX_PFS * MS) * nb * 256,
+                  *pfs = w->scale + (s + MX_PFS * MS) * nb * 16;
     const __m512 lut = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, 0.0f, -0.5f, -1.0f, -1.5f, -2.0f,
                                       -3.0f, -4.0f, -6.0f);
     _Alignas(64) float cb[2][NF][16];
@@ -366,11 +384,17 @@ INLINE void fma_strip_mx(const k3_mat *w, int64_t s, const float *xf, int64_t ld
         __m512 E[2][NF], O[2][NF];
         UNROLL for (int i = 0; i < MS; i++) UNROLL for (int t = 0; t < NTK; t++) E[i][t] = O[i][t] =
             _mm512_setzero_ps();
+        /* the next pass's strips (the MS after these, contiguous), MS x 256
+         * bytes and MS x 16 bytes of scales a block: one pass ahead */
+        if (MX_PFS > 0) {
+            UNROLL for (int k = 0; k < 4 * MS; k++)
+                _mm_prefetch((const char *)pf + (MS * b) * 256 + 64 * k, _MM_HINT_T1);
+            _mm_prefetch((const char *)pfs + (MS * b) * 16, _MM_HINT_T1);
+        }
         UNROLL for (int g = 0; g < 4; g++) {
             __m512i d[2];
             UNROLL for (int i = 0; i < MS; i++) {
                 const uint8_t *p = (const uint8_t *)w->data + ((s + i) * nb + b) * 256 + 64 * g;
-                _mm_prefetch((const char *)p + PF / 2, _MM_HINT_T1);
                 d[i] = _mm512_loadu_si512((const void *)p);
             }
             UNROLL for (int h = 0; h < 2; h++) {
@@ -392,7 +416,6 @@ INLINE void fma_strip_mx(const k3_mat *w, int64_t s, const float *xf, int64_t ld
         }
         UNROLL for (int i = 0; i < MS; i++) {
             const int64_t blk = (s + i) * nb + b;
-            if (b % 4 == 0) _mm_prefetch((const char *)w->scale + blk * 16 + PF / 8, _MM_HINT_T1);
             /* 2^(e-127) from the byte e (a block of zeros may carry 0: 0 x 0) */
             const __m512 sv = _mm512_castsi512_ps(
                 _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w->scale + blk * 16))), 23));
@@ -504,8 +527,17 @@ void k3_bf16_rows_avx512_fma(const k3_mat *w, const float *xp, int64_t n, float 
         return;
     }
     const int64_t np = (n + NF - 1) / NF, s1 = (r1 + 15) / 16; /* passes of even size: 9 tokens as 5 + 4 */
+    if (mx && MX_HEAD > 0) { /* the first pass's first blocks (each pass prefetches the next) */
+        const int64_t s0 = r0 / 16, ms0 = s0 + 1 < s1 && n <= FMA2 && n >= MX_MS1 ? 2 : 1;
+        for (int64_t i = 0; i < ms0; i++) {
+            const char *p = (const char *)w->data + (s0 + i) * nb * 256;
+            for (int64_t o = 0; o < MX_HEAD && o < nb * 256; o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
+        }
+        for (int64_t o = 0; o < ms0 * nb * 16; o += 64)
+            _mm_prefetch((const char *)w->scale + s0 * nb * 16 + o, _MM_HINT_T1);
+    }
     for (int64_t s = r0 / 16; s < s1;) {
-        const int ms = s + 1 < s1 && n <= FMA2 ? 2 : 1;
+        const int ms = s + 1 < s1 && n <= FMA2 && (!mx || n >= MX_MS1) ? 2 : 1;
         __mmask16 m[2];
         strip_masks(s, ms, r1, m);
         for (int64_t q = 0, t = 0; q < np; q++) {
