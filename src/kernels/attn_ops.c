@@ -9,6 +9,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "kernels/bf16_scalar.h"
 #include "kernels/kernels_isa.h"
 #include "kernels/kernels.h"
 #include "kernels/quant.h"
@@ -118,33 +119,6 @@ void k3_lse_merge_ref(const float *const *o, const float *const *lse, int P, int
 bool k3_qsfa_bf16_fits(const k3_c8_cache *c) {
     return c->kv_lora >= 32 && c->kv_lora % 32 == 0 && c->rope % 16 == 0 && c->rope <= c->kv_lora && c->rope <= 1024 &&
         c->n_tiles == (c->kv_lora + K3_C8_TILE - 1) / K3_C8_TILE;
-}
-
-/* a BF16 value as the products read it: below 2^-126 as 0 */
-static float bf_in(uint16_t b) { return (b & 0x7f80) ? k3_bf16_to_f32(b) : 0.0f; }
-static float bf_round(float x) { return bf_in(k3_f32_to_bf16(x)); }
-static float ftz(float x) { return fabsf(x) < FLT_MIN ? 0.0f * x : x; }
-
-/* k3_exp16 (vexp_avx512.h) on one value, operation for operation */
-static float exp_poly(float x) {
-    const float lo = -87.33654f, hi = 88.0f;
-    const bool under = x < lo;
-    x = lo > x ? lo : x;
-    x = hi < x ? hi : x;
-    const float fx = rintf(x * 1.44269504088896341f);
-    float r = fmaf(-fx, 0.693359375f, x);
-    r = fmaf(-fx, -2.12194440e-4f, r);
-    float p = 1.9875691500e-4f;
-    p = fmaf(p, r, 1.3981999507e-3f);
-    p = fmaf(p, r, 8.3334519073e-3f);
-    p = fmaf(p, r, 4.1665795894e-2f);
-    p = fmaf(p, r, 1.6666665459e-1f);
-    p = fmaf(p, r, 5.0000001201e-1f);
-    p = fmaf(p, r * r, r + 1.0f);
-    const uint32_t e = (uint32_t)((int32_t)fx + 127) << 23;
-    float ef;
-    memcpy(&ef, &e, sizeof ef);
-    return under ? 0.0f : p * ef;
 }
 
 /* E/O sums of 32 pairs a[i] b[i] (as the products read them), added to C */

@@ -11,6 +11,7 @@
  */
 #include "kda.h"
 #include "common/error.h"
+#include "kernels/bf16_scalar.h"
 #include "kernels/kda_bf.h"
 #include "kernels/kernels.h"
 #include "model/config.h"
@@ -192,35 +193,6 @@ int64_t k3_kda_chunk_work_bf(int chunk, int dk, int dv) {
     /* kda_bf.h's layout, and the reference's rounded operands beside it */
     const int64_t mx = bf_ref_dim(chunk, dk, dv);
     return kbf_work(chunk, dk, dv) + 3 * mx * mx;
-}
-
-/* a BF16 value as the products read it: below 2^-126 as 0 */
-static float bf_in(uint16_t b) { return (b & 0x7f80) ? k3_bf16_to_f32(b) : 0.0f; }
-static float bf_round(float x) { return bf_in(k3_f32_to_bf16(x)); }
-static float ftz(float x) { return fabsf(x) < FLT_MIN ? 0.0f * x : x; }
-
-/* k3_exp16 (vexp_avx512.h) on one value, operation for operation */
-static float exp_poly(float x) {
-    const float lo = -87.33654f, hi = 88.0f;
-    const bool under = x < lo;
-    x = lo > x ? lo : x;
-    x = hi < x ? hi : x;
-    const float fx = rintf(x * 1.44269504088896341f);
-    float r = fmaf(-fx, 0.693359375f, x);
-    r = fmaf(-fx, -2.12194440e-4f, r);
-    float p = 1.9875691500e-4f;
-    p = fmaf(p, r, 1.3981999507e-3f);
-    p = fmaf(p, r, 8.3334519073e-3f);
-    p = fmaf(p, r, 4.1665795894e-2f);
-    p = fmaf(p, r, 1.6666665459e-1f);
-    p = fmaf(p, r, 5.0000001201e-1f);
-    p = fmaf(p, r * r, r + 1.0f);
-    if (under) return 0.0f;
-    union {
-        uint32_t u;
-        float f;
-    } e = {.u = (uint32_t)((int32_t)fx + 127) << 23};
-    return p * e.f;
 }
 
 /* C = A B (A: M x K with strides ars, acs; B: K x N with strides brs, bcs)
