@@ -28,14 +28,6 @@ typedef struct kbf_tcfg {
     uint8_t rows[16];
 } kbf_tcfg;
 
-/* A (M x K fp32, row stride lda) as BF16 rows of K words. */
-static void pack_a(int M, int K, const float *A, int64_t lda, uint16_t *pa) {
-    const __m512i idx = k3b_idx_natural();
-    for (int m = 0; m < M; m++)
-        for (int k = 0; k < K; k += 32)
-            _mm512_storeu_si512((void *)(pa + (int64_t)m * K + k), k3b_block(A + m * lda + k, 32, idx));
-}
-
 /* B (K x N, row-major) as [N / 16][K / 2][16] dwords: row pair i of column
  * tile n = (low: row 2i, high: row 2i + 1). */
 static void pack_b(int N, int K, const float *B, int64_t ldb, uint16_t *pb) {
@@ -49,21 +41,7 @@ static void pack_b(int N, int K, const float *B, int64_t ldb, uint16_t *pb) {
         }
 }
 
-/* B = Btᵀ (Bt: N x K, row-major) in pack_b's layout: 16 rows of Bt's
- * blocks transposed as dwords. */
-static void pack_bt(int N, int K, const float *Bt, int64_t ldbt, uint16_t *pb) {
-    const __m512i idx = k3b_idx_natural();
-    for (int n = 0; n < N; n += 16)
-        for (int k = 0; k < K; k += 32) {
-            __m512i v[16];
-            for (int i = 0; i < 16; i++) v[i] = k3b_block(Bt + (int64_t)(n + i) * ldbt + k, 32, idx);
-            k3b_tr16(v);
-            for (int i = 0; i < 16; i++)
-                _mm512_storeu_si512((void *)(pb + ((int64_t)n * (K / 2) + (int64_t)(k / 2 + i) * 16) * 2), v[i]);
-        }
-}
-
-/* A = Atᵀ (At: K x M, row-major) in pack_a's layout: pack_b's dword rows
+/* A = Atᵀ (At: K x M, row-major) in kbf_pack_a's layout: pack_b's dword rows
  * of 16 columns of At are 16 rows of A, transposed. */
 static void pack_at(int M, int K, const float *At, int64_t ldat, uint16_t *pa) {
     const __m512i hi = _mm512_set1_epi32((int)0xffff0000);
@@ -123,7 +101,7 @@ static void tiles(int M, int N, int K, const uint16_t *pa, const uint16_t *pb, f
 static void kbf_mm(int M, int N, int K, const float *A, int64_t lda, const float *B, int64_t ldb, float *C, int64_t ldc,
                    uint16_t *pk) {
     uint16_t *pa = pk, *pb = pk + (int64_t)M * K;
-    pack_a(M, K, A, lda, pa);
+    kbf_pack_a(M, K, A, lda, pa, k3b_idx_natural());
     pack_b(N, K, B, ldb, pb);
     __asm__ volatile("" ::: "memory");
     tiles(M, N, K, pa, pb, C, ldc);
@@ -133,8 +111,8 @@ static void kbf_mm(int M, int N, int K, const float *A, int64_t lda, const float
 static void kbf_mm_bt(int M, int N, int K, const float *A, int64_t lda, const float *Bt, int64_t ldbt, float *C,
                       int64_t ldc, uint16_t *pk) {
     uint16_t *pa = pk, *pb = pk + (int64_t)M * K;
-    pack_a(M, K, A, lda, pa);
-    pack_bt(N, K, Bt, ldbt, pb);
+    kbf_pack_a(M, K, A, lda, pa, k3b_idx_natural());
+    kbf_pack_bt(N, K, Bt, ldbt, pb, k3b_idx_natural());
     __asm__ volatile("" ::: "memory");
     tiles(M, N, K, pa, pb, C, ldc);
     __asm__ volatile("" ::: "memory");

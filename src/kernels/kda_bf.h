@@ -101,6 +101,28 @@ static inline int kbf_flat(const float *G, int dk, int r, int re) {
 
 #define KBF_INLINE static inline __attribute__((always_inline))
 
+/* A (M x K fp32, row stride lda) as BF16 rows of K words in the products'
+ * word order idx (k3b_idx_natural for the tiles, k3b_idx_eo for vdpbf16ps). */
+static inline void kbf_pack_a(int M, int K, const float *A, int64_t lda, uint16_t *pa, __m512i idx) {
+    for (int m = 0; m < M; m++)
+        for (int k = 0; k < K; k += 32)
+            _mm512_storeu_si512((void *)(pa + (int64_t)m * K + k), k3b_block(A + m * lda + k, 32, idx));
+}
+
+/* B = Btᵀ (Bt: N x K, row-major) in the kernels' B layout ([N / 16][K / 2]
+ * [16] dwords): 16 rows of Bt's blocks in the word order idx, transposed as
+ * dwords. */
+static inline void kbf_pack_bt(int N, int K, const float *Bt, int64_t ldbt, uint16_t *pb, __m512i idx) {
+    for (int n = 0; n < N; n += 16)
+        for (int k = 0; k < K; k += 32) {
+            __m512i v[16];
+            for (int i = 0; i < 16; i++) v[i] = k3b_block(Bt + (int64_t)(n + i) * ldbt + k, 32, idx);
+            k3b_tr16(v);
+            for (int i = 0; i < 16; i++)
+                _mm512_storeu_si512((void *)(pb + ((int64_t)n * (K / 2) + (int64_t)(k / 2 + i) * 16) * 2), v[i]);
+        }
+}
+
 static void kbf_mm(int M, int N, int K, const float *A, int64_t lda, const float *B, int64_t ldb, float *C, int64_t ldc,
                    uint16_t *pk);
 static void kbf_mm_bt(int M, int N, int K, const float *A, int64_t lda, const float *Bt, int64_t ldbt, float *C,
