@@ -16,17 +16,10 @@
 #include "kernels/bf16_avx512.h"
 #include "kernels/kernels_isa.h"
 
-#define TCFG(c) __asm__ volatile("ldtilecfg %0" ::"m"(*(const kbf_tcfg *)(c)))
-#define TLOAD(t, p, s) \
-    __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #t ::"r"((const void *)(p)), "r"((long)(s)) : "memory")
-#define TSTORE(t, p, s) \
-    __asm__ volatile("tilestored %%tmm" #t ", (%0,%1,1)" ::"r"((void *)(p)), "r"((long)(s)) : "memory")
+#include "kernels/amx_tile.h"
 
-typedef struct kbf_tcfg {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} kbf_tcfg;
+#define TLOAD(t, p, s) AMX_HW_TLOAD(t, p, s)
+#define TSTORE(t, p, s) AMX_HW_TSTORE(t, p, s)
 
 /* B (K x N, row-major) as [N / 16][K / 2][16] dwords: row pair i of column
  * tile n = (low: row 2i, high: row 2i + 1). */
@@ -129,14 +122,9 @@ static void kbf_mm_at(int M, int N, int K, const float *At, int64_t ldat, const 
 }
 
 void k3_kda_chunked_bf_amx(const k3_kda_head *h, float *S, int chunk, float *work) {
-    kbf_tcfg cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    TCFG(&cfg);
+    amx_tcfg cfg;
+    amx_tcfg_make(&cfg, 64, 16);
+    AMX_HW_TCFG(&cfg);
     kbf_run(h, S, chunk, work);
     _tile_release();
 }

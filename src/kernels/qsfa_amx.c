@@ -15,17 +15,9 @@
  */
 #include "kernels/qsfa_bf16.h"
 
-/* As gemm_amx.c: GCC 12's _tile_loadconfig and _tile_loadd do not tell the
- * compiler what memory they read. */
-#define TCFG(c) __asm__ volatile("ldtilecfg %0" ::"m"(*(const qsfa_tcfg *)(c)))
-#define TLOAD(t, p, s) \
-    __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #t ::"r"((const void *)(p)), "r"((long)(s)) : "memory")
+#include "kernels/amx_tile.h"
 
-typedef struct qsfa_tcfg {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} qsfa_tcfg;
+#define TLOAD(t, p, s) AMX_HW_TLOAD(t, p, s)
 
 static void scores(qsfa_bf_ws *w, const k3_c8_cache *c, const int64_t *slots, int s0) {
     const int kq = w->kq, kvl = w->kvl;
@@ -128,14 +120,9 @@ static void qsfa16(const float *qa, const float *qpe, int H, const k3_c8_cache *
 
 void k3_qsfa_bf_amx(const float *qa, const float *qpe, int H, const k3_c8_cache *c, const int64_t *slots, int n,
                     float scale, float *out, float *lse, float *work) {
-    qsfa_tcfg cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    TCFG(&cfg);
+    amx_tcfg cfg;
+    amx_tcfg_make(&cfg, 64, 16);
+    AMX_HW_TCFG(&cfg);
     for (int h0 = 0; h0 < H; h0 += QB_H) {
         const int nh = H - h0 < QB_H ? H - h0 : QB_H;
         qsfa16(qa + (int64_t)h0 * c->kv_lora, qpe + (int64_t)h0 * c->rope, nh, c, slots, n, scale,
