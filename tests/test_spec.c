@@ -381,3 +381,43 @@ K3_TEST(spec_cost_model_acceptance_collapses) {
     on = synth_run(&p, cal, &m, 1, 0.9f, 0.9f, 300, 100);
     CHECKF(on > 0.9, "batch 1, acceptance back: drafted in %.0f%% of the steps", 100 * on);
 }
+
+K3_TEST(spec_cost_model_plain_step_is_a_median) {
+    /* three plain steps of one decode, one of them slowed by something
+     * beside it (a prompt indexed, another process): the plain step is
+     * 1 ms, not their mean */
+    k3_spec_policy p;
+    k3_spec_policy_init(&p, 0.05);
+    const double plain_ms[3] = {1.0, 5.0, 1.0};
+    for (int i = 0; i < 3; i++) {
+        CHECK(k3_spec_policy_plain_due(&p, 1)); /* three before drafts are measured against them */
+        const k3_spec_step st = {1, 0, 0, 0.9e-3, plain_ms[i] * 1e-3};
+        k3_spec_policy_observe_step(&p, &st);
+    }
+    CHECK(!k3_spec_policy_plain_due(&p, 1));
+    CHECKF(fabs(k3_spec_policy_step_cost(&p, 1, 0, 0) - 1e-3) < 1e-9, "plain step %.3f ms",
+           k3_spec_policy_step_cost(&p, 1, 0, 0) * 1e3);
+    /* verify chunks of 4 drafts take 1.6 ms: +0.6 ms over the plain step (a
+     * mean of the three, 2.33 ms, would make them look free) */
+    for (int i = 0; i < 30; i++) {
+        const k3_spec_step sp = {1, 1, 4, 1.5e-3, 1.6e-3};
+        k3_spec_policy_observe_step(&p, &sp);
+    }
+    const double extra = k3_spec_policy_step_cost(&p, 1, 1, 4) - k3_spec_policy_step_cost(&p, 1, 0, 0);
+    CHECKF(fabs(extra - 0.6e-3) < 0.05e-3, "a chunk of 4 drafts estimated at +%.3f ms", extra * 1e3);
+    /* so drafts that are mostly wrong are declined */
+    const float cf[4] = {0.1f, 0.1f, 0.1f, 0.1f};
+    k3_spec_calib flat;
+    k3_spec_calib_init(&flat);
+    k3_spec_cand c;
+    int32_t take = 0;
+    k3_spec_calib_gains(&flat, cf, 4, &c);
+    CHECK(k3_spec_policy_choose(&p, 1, &c, 1, &take) == 0);
+    /* the last five are kept: a machine that became slower moves it */
+    for (int i = 0; i < 3; i++) {
+        const k3_spec_step st = {1, 0, 0, 1.9e-3, 2.0e-3};
+        k3_spec_policy_observe_step(&p, &st);
+    }
+    CHECKF(fabs(k3_spec_policy_step_cost(&p, 1, 0, 0) - 2e-3) < 1e-9, "plain step %.3f ms after three of 2 ms",
+           k3_spec_policy_step_cost(&p, 1, 0, 0) * 1e3);
+}

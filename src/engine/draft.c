@@ -96,11 +96,17 @@ k3_status k3_engine_spec_req_open(k3_engine *e, req *r, k3_error *err) {
     return K3_OK;
 }
 
-/* Opens r's proposer state over its tokens so far; false: no drafts for it. */
+/* Opens r's proposer state over its tokens so far; false: no drafts for it.
+ * Its time (a suffix tree of the prompt) is paid once a request, so it is
+ * kept out of the step's time the cost model sees (spec_open_s). */
 static bool seq_open(k3_engine *e, req *r) {
     const int64_t n_prompt = r->rq.n_tok - r->n_gen;
+    const double t0 = k3_now();
     k3_error err = {0};
-    if (k3_spec_seq_open(e->prop, &r->spec, r->spec_method, r->p.spec_scope, r->rq.tok, n_prompt, &err)) {
+    const k3_status st =
+        k3_spec_seq_open(e->prop, &r->spec, r->spec_method, r->p.spec_scope, r->rq.tok, n_prompt, &err);
+    e->spec_open_s += k3_now() - t0;
+    if (st) {
         r->spec = NULL;
         r->spec_method = K3_SPEC_OFF;
         return false;
@@ -143,9 +149,15 @@ void k3_engine_spec_propose(k3_engine *e) {
         ((req *)rq->owner)->n_draft = 0;
         n_dec += rq->n_tok - rq->n_computed == 1;
     }
-    /* where not even sure drafts would pay at this batch size, nobody proposes */
+    /* where not even sure drafts would pay at this batch size, nobody
+     * proposes; nor in a step kept plain to measure the drafts' cost against
+     * (what not speculating costs: no proposing either) */
     if (!e->o.spec_no_cost_model && !k3_spec_policy_may_pay(&e->policy, n_dec, e->o.num_speculative_tokens)) {
         if (n_dec) k3_spec_policy_declined(&e->policy, n_dec);
+        e->spec_propose_s += k3_now() - t0;
+        return;
+    }
+    if (!e->o.spec_no_cost_model && k3_spec_policy_plain_due(&e->policy, n_dec)) {
         e->spec_propose_s += k3_now() - t0;
         return;
     }
@@ -181,8 +193,6 @@ void k3_engine_spec_propose(k3_engine *e) {
     if (n_c) {
         if (e->o.spec_no_cost_model)
             for (int32_t i = 0; i < n_c; i++) e->take[i] = who[i]->n_draft;
-        else if (k3_spec_policy_plain_due(&e->policy, n_dec))
-            for (int32_t i = 0; i < n_c; i++) e->take[i] = 0; /* a step to measure the drafts' cost against */
         else if (!k3_spec_policy_choose(&e->policy, n_dec, e->cand, n_c, e->take))
             k3_spec_policy_declined(&e->policy, n_dec);
         int32_t rows = 0;

@@ -167,6 +167,7 @@ struct k3_engine {
     int32_t *take;      /* [max_seqs] */
     int64_t spec_drafts, spec_draft_tokens, spec_accepted, spec_per_pos[K3_SPEC_MAX_TOKENS];
     double spec_propose_s, spec_accept_s;
+    double spec_open_s; /* this step's proposer states opened (a request's once): not the step's cost */
     /* the step's phases (K3_PHASE_*), and what the cost model learns a
      * step's whole time from: the last step's rows, decodes, verify chunks
      * and drafts, its pass and its time from start to end; t_end when it

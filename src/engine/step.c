@@ -438,11 +438,12 @@ static k3_status step(k3_engine *e, k3_step_result *res, k3_error *err) {
     if (e->t_end > 0) { /* the last step left work: the time since is the caller's part of it */
         e->phase_s[K3_PHASE_OUTSIDE] += t0 - e->t_end;
         if (e->last.n_dec) {
-            e->last.step_s = t0 - e->t_start;
+            e->last.step_s = t0 - e->t_start - e->spec_open_s;
             k3_engine_spec_observe(e, &e->last);
         }
     }
     e->t_start = t0;
+    e->spec_open_s = 0;
     e->last = (k3_spec_step){0};
     k3_status st = phase_begin(e, err);
     const double t1 = k3_now();

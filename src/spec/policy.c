@@ -65,6 +65,24 @@ double k3_spec_policy_cost(const k3_spec_policy *p, int32_t rows) {
     return 1.0 + p->prior_slope * (rows - 1);
 }
 
+/* A plain step of n decodes took seconds: its time is the median of the
+ * last few such (one step's time moves with what the machine does beside
+ * it; a mean of three would take an outlier's third). */
+static void observe_plain(k3_spec_policy *p, int32_t n, double seconds) {
+    double *last = p->plain_last[n];
+    last[p->n_obs_plain[n] % K3_SPEC_PLAIN_KEEP] = seconds;
+    p->n_obs_plain[n]++;
+    p->plain_at[n] = p->n_steps;
+    const int32_t m = p->n_obs_plain[n] < K3_SPEC_PLAIN_KEEP ? p->n_obs_plain[n] : K3_SPEC_PLAIN_KEEP;
+    double v[K3_SPEC_PLAIN_KEEP];
+    for (int32_t i = 0; i < m; i++) { /* insertion sort of at most five */
+        int32_t j = i;
+        for (; j > 0 && v[j - 1] > last[i]; j--) v[j] = v[j - 1];
+        v[j] = last[i];
+    }
+    p->plain[n] = m % 2 ? v[m / 2] : 0.5 * (v[m / 2 - 1] + v[m / 2]);
+}
+
 /* A plain step's whole time at n decodes: the seen count's, else
  * interpolated, else in proportion to the nearest seen; < 0 before any. */
 static double plain_cost(const k3_spec_policy *p, int32_t n) {
@@ -114,8 +132,7 @@ void k3_spec_policy_observe_step(k3_spec_policy *p, const k3_spec_step *st) {
     k3_spec_policy_observe(p, st->n_dec + st->n_drafts, st->pass_s);
     p->n_steps++;
     if (!st->n_chunks) {
-        ewma(p->plain, p->n_obs_plain, st->n_dec, st->step_s);
-        p->plain_at[st->n_dec] = p->n_steps;
+        observe_plain(p, st->n_dec, st->step_s);
         return;
     }
     const double base = plain_cost(p, st->n_dec);
@@ -177,7 +194,7 @@ bool k3_spec_policy_may_pay(const k3_spec_policy *p, int32_t base, int32_t max_k
 
 bool k3_spec_policy_plain_due(const k3_spec_policy *p, int32_t base) {
     if (base < 1 || base > K3_SPEC_ROWS_MAX) return false;
-    return !p->n_obs_plain[base] || p->n_steps - p->plain_at[base] > K3_SPEC_PLAIN_EVERY;
+    return p->n_obs_plain[base] < K3_SPEC_PLAIN_MIN || p->n_steps - p->plain_at[base] > K3_SPEC_PLAIN_EVERY;
 }
 
 int32_t k3_spec_policy_choose(const k3_spec_policy *p, int32_t base, const k3_spec_cand *c, int32_t n_seqs,

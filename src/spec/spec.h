@@ -194,6 +194,8 @@ int32_t k3_spec_reject_sample(const float *p, const float *q, int32_t n, int32_t
 
 #define K3_SPEC_ROWS_MAX 256    /* pass sizes the model keeps apart */
 #define K3_SPEC_PLAIN_EVERY 256 /* a step without drafts at a batch size at least this often */
+#define K3_SPEC_PLAIN_MIN 3     /* ... and this many before drafts are measured against it */
+#define K3_SPEC_PLAIN_KEEP 5    /* a plain step's time is the median of the last this many */
 #define K3_SPEC_CLASSES 9       /* batch size classes of the verify fit: 1, 2, 3-4, ..., 129-256 */
 
 typedef struct k3_spec_fit {
@@ -205,7 +207,8 @@ typedef struct k3_spec_fit {
 typedef struct k3_spec_policy {
     double t[K3_SPEC_ROWS_MAX + 1]; /* seconds of a decode/verify pass of r rows (EWMA) */
     int32_t n_obs[K3_SPEC_ROWS_MAX + 1];
-    double plain[K3_SPEC_ROWS_MAX + 1]; /* seconds of a whole step of r decodes alone (EWMA) */
+    double plain[K3_SPEC_ROWS_MAX + 1]; /* seconds of a whole step of r decodes alone: the median of ... */
+    double plain_last[K3_SPEC_ROWS_MAX + 1][K3_SPEC_PLAIN_KEEP]; /* ... the last K3_SPEC_PLAIN_KEEP seen */
     int32_t n_obs_plain[K3_SPEC_ROWS_MAX + 1];
     int64_t plain_at[K3_SPEC_ROWS_MAX + 1]; /* the step it was last seen at */
     int64_t n_steps;                        /* steps observed */
@@ -236,9 +239,10 @@ double k3_spec_policy_cost(const k3_spec_policy *p, int32_t rows);
 /* The estimated whole time of a step of n_dec decodes of which n_chunks
  * verify n_drafts draft tokens (before any step is seen: the pass's). */
 double k3_spec_policy_step_cost(const k3_spec_policy *p, int32_t n_dec, int32_t n_chunks, int32_t n_drafts);
-/* Whether this step of base decodes should go without drafts: one such has
- * not been seen in the last K3_SPEC_PLAIN_EVERY steps (what verify chunks
- * add is measured against it). */
+/* Whether this step of base decodes should go without drafts (and without
+ * proposing): fewer than K3_SPEC_PLAIN_MIN such have been seen, or none in
+ * the last K3_SPEC_PLAIN_EVERY steps (what verify chunks add is measured
+ * against it). */
 bool k3_spec_policy_plain_due(const k3_spec_policy *p, int32_t base);
 
 /* One sequence's candidates for a step: gain[j] (j < n) the probability
