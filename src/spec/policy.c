@@ -138,7 +138,15 @@ void k3_spec_policy_observe_step(k3_spec_policy *p, const k3_spec_step *st) {
     const double base = plain_cost(p, st->n_dec);
     if (base < 0) return; /* nothing to measure the extra against yet */
     k3_spec_fit *f = &p->fit[size_class(st->n_dec)];
-    const double y = st->step_s - base, c = st->n_chunks, d = st->n_drafts;
+    const double c = st->n_chunks, d = st->n_drafts;
+    /* one step moves the fit by at most twice what it predicts plus a plain
+     * step: a step slowed by something beside it (another process, a page
+     * fault storm) would otherwise price every draft so high that none is
+     * taken, and nothing is measured, for the hundreds of steps the declined
+     * steps take to forget it */
+    const double pred = k3_spec_policy_step_cost(p, st->n_dec, st->n_chunks, st->n_drafts) - base;
+    double y = st->step_s - base;
+    if (y > 2 * pred + base) y = 2 * pred + base;
     f->s_cc = SPEC_FIT_DECAY * f->s_cc + c * c;
     f->s_cd = SPEC_FIT_DECAY * f->s_cd + c * d;
     f->s_dd = SPEC_FIT_DECAY * f->s_dd + d * d;
