@@ -216,22 +216,28 @@ typedef struct gen_out {
     int turns; /* replay turns run */
 } gen_out;
 
-/* One greedy request through a fresh engine (spec on or off): its tokens
- * appended to out. */
-static int generate(const e2e *x, bool on, const int32_t *prompt, int64_t n_prompt, gen_out *out) {
+/* An engine for one run (spec on or off) of requests of at most
+ * cache_tokens tokens each, one at a time; NULL after saying why. */
+static k3_engine *engine_for(const e2e *x, bool on, int64_t cache_tokens) {
     k3_engine_options eo = on ? x->spec : (k3_engine_options){0};
     eo.max_num_seqs = 1;
     eo.kv_cache = x->kv;
     eo.pool = x->pool;
     eo.no_prefix_cache = true;
-    eo.cache_tokens = n_prompt + x->gen + 64;
+    eo.cache_tokens = cache_tokens;
     eo.max_model_len = eo.cache_tokens;
     k3_engine *e = NULL;
     k3_error err = {0};
     if (k3_engine_open(&e, x->m, &eo, &err)) {
         fprintf(stderr, "k3 bench spec: %s\n", err.msg);
-        return 1;
+        return NULL;
     }
+    return e;
+}
+
+/* One greedy request through engine e: its tokens appended to out. */
+static int generate(const e2e *x, k3_engine *e, const int32_t *prompt, int64_t n_prompt, gen_out *out) {
+    k3_error err = {0};
     k3_request_params p = {.prompt = prompt,
                            .n_prompt = n_prompt,
                            .max_tokens = x->gen,
@@ -240,25 +246,26 @@ static int generate(const e2e *x, bool on, const int32_t *prompt, int64_t n_prom
                            .prompt_logprobs = -1,
                            .sampling = {.temperature = x->temp, .top_p = 1, .repeat_penalty = 1, .seed = x->seed}};
     uint64_t id;
-    int rc = 1;
     if (k3_engine_submit(e, &p, &id, &err)) {
         fprintf(stderr, "k3 bench spec: %s\n", err.msg);
-        goto out;
+        return 1;
     }
+    k3_engine_stats st0;
+    k3_engine_get_stats(e, &st0);
     double t_first = 0, t_last = 0;
     int n_req = 0;
     while (k3_engine_has_work(e)) {
         k3_step_result sr;
         if (k3_engine_step(e, &sr, &err)) {
             fprintf(stderr, "k3 bench spec: %s\n", err.msg);
-            goto out;
+            return 1;
         }
         for (int32_t i = 0; i < sr.n_outputs; i++)
             for (int32_t t = 0; t < sr.outputs[i].n_new; t++) {
                 if (out->n == out->cap) {
                     out->cap = out->cap ? 2 * out->cap : 1024;
                     out->tok = realloc(out->tok, sizeof(int32_t) * (size_t)out->cap);
-                    if (!out->tok) goto out;
+                    if (!out->tok) return 1;
                 }
                 out->tok[out->n++] = sr.outputs[i].tokens[t];
                 if (!n_req++) t_first = sr.t;
@@ -271,53 +278,74 @@ static int generate(const e2e *x, bool on, const int32_t *prompt, int64_t n_prom
     }
     k3_engine_stats st;
     k3_engine_get_stats(e, &st);
-    out->drafts += st.spec_drafts;
-    out->accepted += st.spec_accepted_tokens;
-    rc = 0;
-out:
+    out->drafts += st.spec_drafts - st0.spec_drafts;
+    out->accepted += st.spec_accepted_tokens - st0.spec_accepted_tokens;
+    return 0;
+}
+
+/* One request through a fresh engine. */
+static int generate_once(const e2e *x, bool on, const int32_t *prompt, int64_t n_prompt, gen_out *out) {
+    k3_engine *e = engine_for(x, on, n_prompt + x->gen + 64);
+    if (!e) return 1;
+    const int rc = generate(x, e, prompt, n_prompt, out);
     k3_engine_close(e);
     return rc;
 }
 
 /* The replay: each turn "User: TEXT\nAssistant: PREFIX" appended to the
- * conversation, the reply generated and kept. */
+ * conversation, the reply generated and kept; the turns one request after
+ * another through one engine, as a server takes them (its cost model and
+ * its cache of past outputs carry over). */
 static int replay_once(const e2e *x, bool on, json_t *turns, gen_out *out) {
+    const size_t n_turns = json_array_size(turns);
+    int32_t **ids = calloc(n_turns + 1, sizeof *ids);
+    size_t *ni = calloc(n_turns + 1, sizeof *ni);
     int32_t *conv = NULL;
-    int64_t n = 0, cap = 0;
-    int rc = 0;
-    for (size_t t = 0; !rc && t < json_array_size(turns); t++) {
+    k3_engine *e = NULL;
+    int rc = !ids || !ni;
+    k3_model_info info;
+    k3_model_get_info(x->m, &info);
+    /* the turns' tokens, and the conversation's length the engine holds */
+    int64_t total = 64;
+    size_t used = 0;
+    for (size_t t = 0; !rc && t < n_turns; t++) {
         json_t *turn = json_array_get(turns, t);
         const char *user = json_string_value(json_object_get(turn, "user"));
         const char *prefix = json_string_value(json_object_get(turn, "prefix"));
         char *text = malloc(strlen(user ? user : "") + strlen(prefix ? prefix : "") + 32);
+        if (!text) {
+            rc = 1;
+            break;
+        }
         sprintf(text, "%sUser: %s\nAssistant: %s", t ? "\n" : "", user ? user : "", prefix ? prefix : "");
-        int32_t *ids = NULL;
-        size_t ni = 0;
         k3_error err = {0};
-        if (k3_tokenizer_encode(x->tok, text, strlen(text), &ids, &ni, &err)) {
+        if (k3_tokenizer_encode(x->tok, text, strlen(text), &ids[t], &ni[t], &err)) {
             fprintf(stderr, "k3 bench spec: %s\n", err.msg);
             rc = 1;
         }
         free(text);
-        if (rc) break;
-        k3_model_info info;
-        k3_model_get_info(x->m, &info);
-        if (n + (int64_t)ni + x->gen + 64 > info.max_positions) { /* the model's length: the replay ends here */
-            free(ids);
-            break;
-        }
+        if (rc || total + (int64_t)ni[t] + x->gen > info.max_positions) break; /* the model's length: it ends here */
+        total += (int64_t)ni[t] + x->gen;
+        used = t + 1;
+    }
+    if (!rc && used) {
+        conv = malloc(sizeof(int32_t) * (size_t)total);
+        e = conv ? engine_for(x, on, total) : NULL;
+        rc = !e;
+    }
+    int64_t n = 0;
+    for (size_t t = 0; !rc && t < used; t++) {
         out->turns++;
-        if (n + (int64_t)ni + x->gen > cap) {
-            cap = (n + (int64_t)ni + x->gen) * 2;
-            conv = realloc(conv, sizeof(int32_t) * (size_t)cap);
-        }
-        memcpy(conv + n, ids, sizeof(int32_t) * ni);
-        n += (int64_t)ni;
-        free(ids);
+        memcpy(conv + n, ids[t], sizeof(int32_t) * ni[t]);
+        n += (int64_t)ni[t];
         const int before = out->n;
-        rc = generate(x, on, conv, n, out);
+        rc = generate(x, e, conv, n, out);
         for (int i = before; !rc && i < out->n; i++) conv[n++] = out->tok[i];
     }
+    k3_engine_close(e);
+    for (size_t t = 0; ids && t < n_turns; t++) free(ids[t]);
+    free(ids);
+    free(ni);
     free(conv);
     return rc;
 }
@@ -472,7 +500,7 @@ int k3_cmd_bench_spec(int argc, char **argv) {
             for (int side = 0; side < 2; side++) { /* alternated: off, on, off, on ... */
                 const bool s_on = (side + r) % 2 == 1;
                 gen_out *g = s_on ? &on[r] : &off[r];
-                if (w == 1 ? replay_once(&x, s_on, turns, g) : generate(&x, s_on, prompt, (int64_t)np, g)) {
+                if (w == 1 ? replay_once(&x, s_on, turns, g) : generate_once(&x, s_on, prompt, (int64_t)np, g)) {
                     free(prompt);
                     goto out;
                 }
