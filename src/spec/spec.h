@@ -37,6 +37,7 @@
 typedef struct k3_stree {
     int32_t depth;
     int32_t *cnt, *tok, *first, *next, *par; /* [cap] per node: count, token, first child, next sibling, parent */
+    int32_t *slink;                          /* [cap] the node of the string without its first token (the root's: 0) */
     uint8_t *dep;                            /* [cap] depth */
     int32_t n_nodes, cap, *free_ids, n_free;
     struct k3_stree_slot {
@@ -50,6 +51,10 @@ typedef struct k3_stree {
 } k3_stree;
 
 k3_status k3_stree_init(k3_stree *t, int32_t depth, int64_t max_nodes, k3_error *err);
+/* Empties the tree for new texts under a new node budget, keeping its
+ * memory (a tree made again costs its allocations, their page faults and
+ * the table's growth again; one reused costs the table's clearing). */
+void k3_stree_clear(k3_stree *t, int64_t max_nodes);
 void k3_stree_free(k3_stree *t);
 int64_t k3_stree_bytes(const k3_stree *t);
 /* The child of node u by token x, or -1. */

@@ -4,6 +4,27 @@
  * `depth` tokens of the inserted texts is a path from the root, each node
  * counting its string's occurrences, so a text's continuation is predicted
  * by its longest suffix found in the tree and the counts of what followed.
+ *
+ * Insertion follows suffix links: slink[v] is the node of v's string
+ * without its first token (the root for depth 1). The node set is closed
+ * under dropping the first token (a push makes a text's suffixes shallow
+ * to deep, each after the one below it), so when the suffix of length i
+ * extended by x is in the tree, every shorter one is too, and they are
+ * reached from it by slinks without hashing. A push probes from the
+ * deepest candidate down until one hit (one probe per new node, whose slot
+ * the insertion then takes, plus the hit), walks slinks for the rest and
+ * makes the missing ones shallow to deep, each linking to the one below.
+ *
+ * Slinks stay valid when nodes are freed and their ids reused: counts
+ * obey cnt[v] <= cnt[slink[v]] (each count of a string counts its suffix
+ * in the same step: the lists are consecutive from depth 1), every live
+ * node has a count >= 1 after a push or a pop (nodes are made and counted
+ * in one step; one whose count reaches 0 is in that step's list, and so
+ * is any child of it, which has a count <= its own: freed deepest first),
+ * and only a node of count 0 is freed. So a freed node is no live node's
+ * slink target. A periodic text (7 7 7 ...) meets a node as both a
+ * candidate's parent and the hit's slink in one step; that changes none
+ * of this.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -13,6 +34,10 @@
 
 #define EMPTY 0ull
 #define GONE (~0ull)
+/* the table's load limit (live and deleted slots), LOAD_NUM / LOAD_DEN */
+#define LOAD_NUM 1
+#define LOAD_DEN 2
+#define PREFETCH 8 /* probes ahead */
 
 static inline uint64_t key_of(int32_t u, int32_t x) { return (((uint64_t)(uint32_t)u << 32) | (uint32_t)x) + 1; }
 
@@ -34,17 +59,30 @@ k3_status k3_stree_init(k3_stree *t, int32_t depth, int64_t max_nodes, k3_error 
     t->first = malloc(sizeof *t->first * (size_t)t->cap);
     t->next = malloc(sizeof *t->next * (size_t)t->cap);
     t->par = malloc(sizeof *t->par * (size_t)t->cap);
+    t->slink = malloc(sizeof *t->slink * (size_t)t->cap);
     t->dep = calloc((size_t)t->cap, 1);
     t->free_ids = malloc(sizeof *t->free_ids * (size_t)t->cap);
     t->hmask = 511;
     t->h = calloc((size_t)t->hmask + 1, sizeof *t->h);
-    if (!t->cnt || !t->tok || !t->first || !t->next || !t->par || !t->dep || !t->free_ids || !t->h) {
+    if (!t->cnt || !t->tok || !t->first || !t->next || !t->par || !t->slink || !t->dep || !t->free_ids || !t->h) {
         k3_stree_free(t);
         return k3_err(err, K3_ERR_NOMEM, "suffix tree: out of memory");
     }
     t->n_nodes = 1; /* the root */
     t->first[0] = t->next[0] = t->par[0] = -1;
+    t->slink[0] = 0;
     return K3_OK;
+}
+
+void k3_stree_clear(k3_stree *t, int64_t max_nodes) {
+    memset(t->h, 0, sizeof *t->h * ((size_t)t->hmask + 1));
+    t->h_used = 0;
+    t->n_nodes = 1;
+    t->n_free = 0;
+    t->cnt[0] = 0;
+    t->first[0] = -1;
+    t->max_nodes = max_nodes > 1 ? max_nodes : 1;
+    t->version++; /* every active list made before is stale */
 }
 
 void k3_stree_free(k3_stree *t) {
@@ -53,6 +91,7 @@ void k3_stree_free(k3_stree *t) {
     free(t->first);
     free(t->next);
     free(t->par);
+    free(t->slink);
     free(t->dep);
     free(t->free_ids);
     free(t->h);
@@ -60,7 +99,7 @@ void k3_stree_free(k3_stree *t) {
 }
 
 int64_t k3_stree_bytes(const k3_stree *t) {
-    return (int64_t)t->cap * (5 * 4 + 1 + 4) + ((int64_t)t->hmask + 1) * (int64_t)sizeof *t->h;
+    return (int64_t)t->cap * (6 * 4 + 1 + 4) + ((int64_t)t->hmask + 1) * (int64_t)sizeof *t->h;
 }
 
 int32_t k3_stree_child(const k3_stree *t, int32_t u, int32_t x) {
@@ -102,28 +141,33 @@ static bool grow_nodes(k3_stree *t) {
     if (d) t->next = d;
     int32_t *g = realloc(t->par, sizeof *g * (size_t)cap);
     if (g) t->par = g;
+    int32_t *l = realloc(t->slink, sizeof *l * (size_t)cap);
+    if (l) t->slink = l;
     uint8_t *e = realloc(t->dep, (size_t)cap);
     if (e) t->dep = e;
     int32_t *f = realloc(t->free_ids, sizeof *f * (size_t)cap);
     if (f) t->free_ids = f;
-    if (!a || !b || !c || !d || !e || !f || !g) return false;
+    if (!a || !b || !c || !d || !e || !f || !g || !l) return false;
     t->cap = cap;
     return true;
 }
 
-/* The child of u by x, made (count 0) if there is none, in one probe of
- * the table; -1: none and none can be made (the budget or memory). */
-static int32_t child_or_add(k3_stree *t, int32_t u, int32_t x) {
-    if ((t->h_used + 1) * 4 > ((int64_t)t->hmask + 1) * 3 &&
-        !rehash(t, (t->h_used + 1) * 2 > ((int64_t)t->hmask + 1) ? t->hmask * 2 + 1 : t->hmask))
-        return k3_stree_child(t, u, x);
-    const uint64_t k = key_of(u, x);
-    uint32_t h = hash_key(k) & t->hmask, at = UINT32_MAX;
-    for (;; h = (h + 1) & t->hmask) {
-        if (t->h[h].key == k) return t->h[h].val;
-        if (t->h[h].key == EMPTY) break;
-        if (t->h[h].key == GONE && at == UINT32_MAX) at = h;
-    }
+/* Room in the table for `more` new children within its load limit (one
+ * check per push, so the slots its probes found stay valid while it
+ * inserts): false only when memory ran out. */
+static bool h_room(k3_stree *t, int64_t more) {
+    if ((t->h_used + more) * LOAD_DEN <= ((int64_t)t->hmask + 1) * LOAD_NUM) return true;
+    const int64_t live = (int64_t)(t->n_nodes - t->n_free - 1) + more; /* the root has no slot */
+    uint32_t mask = t->hmask;
+    while (live * 2 * LOAD_DEN > ((int64_t)mask + 1) * LOAD_NUM) mask = mask * 2 + 1;
+    return rehash(t, mask); /* at least cleans the deleted slots */
+}
+
+/* A new node, the child of u by x (count 0) whose string without its first
+ * token is node `link`, in the table at the first free slot from h on (the
+ * first free one on the key's probe path when it was found missing; slots
+ * only filled since). -1: the budget or memory. */
+static int32_t node_make(k3_stree *t, int32_t u, int32_t x, int32_t link, uint32_t h) {
     if (t->n_nodes - t->n_free >= t->max_nodes) return -1;
     int32_t v;
     if (t->n_free) v = t->free_ids[--t->n_free];
@@ -136,15 +180,96 @@ static int32_t child_or_add(k3_stree *t, int32_t u, int32_t x) {
     t->dep[v] = (uint8_t)(t->dep[u] + 1);
     t->first[v] = -1;
     t->par[v] = u;
+    t->slink[v] = link;
     t->next[v] = t->first[u];
     t->first[u] = v;
-    if (at == UINT32_MAX) {
-        at = h;
-        t->h_used++;
+    for (;; h = (h + 1) & t->hmask) {
+        const uint64_t q = t->h[h].key;
+        if (q == EMPTY) t->h_used++;
+        if (q == EMPTY || q == GONE) break;
     }
-    t->h[at].key = k;
-    t->h[at].val = v;
+    t->h[h].key = key_of(u, x);
+    t->h[h].val = v;
     return v;
+}
+
+/* The suffixes a push or follow of x after the active list a may reach:
+ * level j < n is x after the root (j = 0) or after a->node[j - 1], of depth
+ * j + 1. */
+static inline int32_t n_levels(const k3_stree *t, const k3_sactive *a) {
+    return a->n + 1 < t->depth ? a->n + 1 : t->depth;
+}
+
+/* Probes levels n - 1, n - 2, ... down to the first whose node exists:
+ * returns that level (-1: none) and its node in *hit; every level above it
+ * is missing, and with slot given, slot[j] is where level j's key may go
+ * (the first free slot on its probe path). */
+static int32_t probe_down(const k3_stree *t, const k3_sactive *a, int32_t n, int32_t x, int32_t *hit, uint32_t *slot) {
+    uint64_t key[64];
+    uint32_t at0[64];
+    for (int32_t j = n - 1; j >= 0; j--) {
+        key[j] = key_of(j ? a->node[j - 1] : 0, x);
+        at0[j] = hash_key(key[j]) & t->hmask;
+    }
+    for (int32_t j = n - 1; j >= n - PREFETCH && j >= 0; j--) __builtin_prefetch(&t->h[at0[j]]);
+    for (int32_t j = n - 1; j >= 0; j--) {
+        if (j >= PREFETCH) __builtin_prefetch(&t->h[at0[j - PREFETCH]]);
+        const uint64_t k = key[j];
+        uint32_t h = at0[j], at = UINT32_MAX;
+        for (;; h = (h + 1) & t->hmask) {
+            const uint64_t q = t->h[h].key;
+            if (q == k) {
+                *hit = t->h[h].val;
+                return j;
+            }
+            if (q == EMPTY) break;
+            if (q == GONE && at == UINT32_MAX) at = h;
+        }
+        if (slot) slot[j] = at == UINT32_MAX ? h : at;
+    }
+    *hit = 0;
+    return -1;
+}
+
+/* The nodes of levels 0..j from level j's by slinks, each counted. */
+static inline void count_down(k3_stree *t, int32_t *out, int32_t j, int32_t v) {
+    for (; j >= 0; j--) {
+        out[j] = v;
+        t->cnt[v]++;
+        v = t->slink[v];
+    }
+}
+
+void k3_stree_push(k3_stree *t, k3_sactive *a, int32_t x) {
+    const int32_t n = n_levels(t, a);
+    int32_t out[64], hit;
+    uint32_t slot[64];
+    /* no room (memory): what exists is counted, nothing is made */
+    const bool room = h_room(t, n);
+    const int32_t j = probe_down(t, a, n, x, &hit, room ? slot : NULL);
+    count_down(t, out, j, hit);
+    int32_t nn = j + 1;
+    for (; room && nn < n; nn++) { /* shallow to deep: each links to the one below */
+        const int32_t v = node_make(t, nn ? a->node[nn - 1] : 0, x, nn ? out[nn - 1] : 0, slot[nn]);
+        if (v < 0) break; /* the budget: the deeper ones contain this one */
+        out[nn] = v;
+        t->cnt[v] = 1;
+    }
+    t->version++;
+    a->n = nn;
+    memcpy(a->node, out, sizeof(int32_t) * (size_t)nn);
+    a->version = t->version;
+}
+
+void k3_stree_follow(const k3_stree *t, k3_sactive *a, int32_t x) {
+    int32_t hit;
+    const int32_t j = probe_down(t, a, n_levels(t, a), x, &hit, NULL);
+    for (int32_t i = j, v = hit; i >= 0; i--) {
+        a->node[i] = v;
+        v = t->slink[v];
+    }
+    a->n = j + 1;
+    a->version = t->version;
 }
 
 static void remove_child(k3_stree *t, int32_t u, int32_t v) {
@@ -174,38 +299,28 @@ static void prune(k3_stree *t, int32_t v) {
     }
 }
 
-/* The walk shared by push, pop and follow: the suffixes of the text before
- * x (a->node[i] of depth i + 1), each extended by x, and x alone from the
- * root. mode 1 creates and counts, -1 uncounts (a removed text: its nodes
- * are all there; a suffix freed on the way leaves a hole, -1), 0 reads. A
- * suffix that cannot be extended ends the list (every longer suffix holds
- * it: it cannot be there either) except in a removal. */
-static void walk(k3_stree *t, k3_sactive *a, int32_t x, int mode) {
+/* A removal (counts -1): the suffixes of the text before x (a->node[i] of
+ * depth i + 1), each extended by x, and x alone from the root, one probe
+ * each; the text's nodes are all there, but a suffix freed on the way
+ * leaves a hole (-1) that the walk goes past. */
+void k3_stree_pop(k3_stree *t, k3_sactive *a, int32_t x) {
     int32_t nn = 0, out[64];
     for (int32_t i = -1; i < a->n && nn < t->depth; i++) {
         const int32_t u = i < 0 ? 0 : a->node[i];
-        const int32_t v = u < 0 ? -1 : mode == 1 ? child_or_add(t, u, x) : k3_stree_child(t, u, x);
-        if (v < 0 && mode != -1) break;
-        out[nn++] = v;
+        out[nn++] = u < 0 ? -1 : k3_stree_child(t, u, x);
     }
-    if (mode != 0) {
-        for (int32_t i = 0; i < nn; i++)
-            if (out[i] >= 0) t->cnt[out[i]] += mode;
-        /* a periodic text can meet one node twice: each is pruned once */
-        for (int32_t i = nn - 1; mode < 0 && i >= 0; i--)
-            if (out[i] > 0 && t->dep[out[i]] > 0) prune(t, out[i]);
-        for (int32_t i = 0; mode < 0 && i < nn; i++)
-            if (out[i] > 0 && t->dep[out[i]] == 0) out[i] = -1;
-        t->version++;
-    }
+    for (int32_t i = 0; i < nn; i++)
+        if (out[i] >= 0) t->cnt[out[i]]--;
+    /* a periodic text can meet one node twice: each is pruned once */
+    for (int32_t i = nn - 1; i >= 0; i--)
+        if (out[i] > 0 && t->dep[out[i]] > 0) prune(t, out[i]);
+    for (int32_t i = 0; i < nn; i++)
+        if (out[i] > 0 && t->dep[out[i]] == 0) out[i] = -1;
+    t->version++;
     a->n = nn;
     memcpy(a->node, out, sizeof(int32_t) * (size_t)nn);
     a->version = t->version;
 }
-
-void k3_stree_push(k3_stree *t, k3_sactive *a, int32_t x) { walk(t, a, x, 1); }
-void k3_stree_pop(k3_stree *t, k3_sactive *a, int32_t x) { walk(t, a, x, -1); }
-void k3_stree_follow(const k3_stree *t, k3_sactive *a, int32_t x) { walk((k3_stree *)t, a, x, 0); }
 
 void k3_stree_rematch(const k3_stree *t, k3_sactive *a, const int32_t *tail, int32_t n) {
     a->n = 0;
