@@ -53,8 +53,10 @@ typedef struct k3_stree {
 k3_status k3_stree_init(k3_stree *t, int32_t depth, int64_t max_nodes, k3_error *err);
 /* Empties the tree for new texts under a new node budget, keeping its
  * memory (a tree made again costs its allocations, their page faults and
- * the table's growth again; one reused costs the table's clearing). */
-void k3_stree_clear(k3_stree *t, int64_t max_nodes);
+ * the table's growth again; one reused costs the table's clearing). The
+ * texts to come are expected to make at most nodes_hint nodes: a table far
+ * larger than that is replaced by a smaller one. */
+void k3_stree_clear(k3_stree *t, int64_t max_nodes, int64_t nodes_hint);
 void k3_stree_free(k3_stree *t);
 int64_t k3_stree_bytes(const k3_stree *t);
 /* The child of node u by token x, or -1. */

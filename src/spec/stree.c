@@ -74,8 +74,18 @@ k3_status k3_stree_init(k3_stree *t, int32_t depth, int64_t max_nodes, k3_error 
     return K3_OK;
 }
 
-void k3_stree_clear(k3_stree *t, int64_t max_nodes) {
-    memset(t->h, 0, sizeof *t->h * ((size_t)t->hmask + 1));
+void k3_stree_clear(k3_stree *t, int64_t max_nodes, int64_t nodes_hint) {
+    /* a table past 4x what the hint needs at the load limit goes: clearing costs its size */
+    const int64_t want = (nodes_hint + 1) * 2 * LOAD_DEN / LOAD_NUM;
+    uint32_t mask = 511;
+    while ((int64_t)mask + 1 < want && mask < (1u << 30) - 1) mask = mask * 2 + 1;
+    struct k3_stree_slot *nh =
+        (int64_t)t->hmask + 1 > 4 * ((int64_t)mask + 1) ? calloc((size_t)mask + 1, sizeof *nh) : NULL;
+    if (nh) {
+        free(t->h);
+        t->h = nh;
+        t->hmask = mask;
+    } else memset(t->h, 0, sizeof *t->h * ((size_t)t->hmask + 1));
     t->h_used = 0;
     t->n_nodes = 1;
     t->n_free = 0;
