@@ -36,10 +36,11 @@
  * per node. Texts can be removed again (counts go down, empty nodes go). */
 typedef struct k3_stree {
     int32_t depth;
-    int32_t *cnt, *tok, *first, *next, *par; /* [cap] per node: count, token, first child, next sibling, parent */
+    int32_t *cnt, *tok, *par;                /* [cap] per node: count, token, parent */
+    int32_t *first, *next, *prev;            /* [cap] its children's list: first child, next and previous sibling */
     int32_t *slink;                          /* [cap] the node of the string without its first token (the root's: 0) */
     uint8_t *dep;                            /* [cap] depth */
-    int32_t n_nodes, cap, *free_ids, n_free;
+    int32_t n_nodes, cap, n_free, free_head; /* freed ids: a list through next, the last freed first */
     struct k3_stree_slot {
         uint64_t key; /* (parent << 32 | token) + 1, 0 = empty, ~0 = deleted */
         int32_t val;

@@ -61,16 +61,17 @@ k3_status k3_stree_init(k3_stree *t, int32_t depth, int64_t max_nodes, k3_error 
     t->par = malloc(sizeof *t->par * (size_t)t->cap);
     t->slink = malloc(sizeof *t->slink * (size_t)t->cap);
     t->dep = calloc((size_t)t->cap, 1);
-    t->free_ids = malloc(sizeof *t->free_ids * (size_t)t->cap);
+    t->prev = malloc(sizeof *t->prev * (size_t)t->cap);
     t->hmask = 511;
     t->h = calloc((size_t)t->hmask + 1, sizeof *t->h);
-    if (!t->cnt || !t->tok || !t->first || !t->next || !t->par || !t->slink || !t->dep || !t->free_ids || !t->h) {
+    if (!t->cnt || !t->tok || !t->first || !t->next || !t->par || !t->slink || !t->dep || !t->prev || !t->h) {
         k3_stree_free(t);
         return k3_err(err, K3_ERR_NOMEM, "suffix tree: out of memory");
     }
     t->n_nodes = 1; /* the root */
-    t->first[0] = t->next[0] = t->par[0] = -1;
+    t->first[0] = t->next[0] = t->prev[0] = t->par[0] = -1;
     t->slink[0] = 0;
+    t->free_head = -1;
     return K3_OK;
 }
 
@@ -89,6 +90,7 @@ void k3_stree_clear(k3_stree *t, int64_t max_nodes, int64_t nodes_hint) {
     t->h_used = 0;
     t->n_nodes = 1;
     t->n_free = 0;
+    t->free_head = -1;
     t->cnt[0] = 0;
     t->first[0] = -1;
     t->max_nodes = max_nodes > 1 ? max_nodes : 1;
@@ -103,13 +105,13 @@ void k3_stree_free(k3_stree *t) {
     free(t->par);
     free(t->slink);
     free(t->dep);
-    free(t->free_ids);
+    free(t->prev);
     free(t->h);
     memset(t, 0, sizeof *t);
 }
 
 int64_t k3_stree_bytes(const k3_stree *t) {
-    return (int64_t)t->cap * (6 * 4 + 1 + 4) + ((int64_t)t->hmask + 1) * (int64_t)sizeof *t->h;
+    return (int64_t)t->cap * (7 * 4 + 1) + ((int64_t)t->hmask + 1) * (int64_t)sizeof *t->h;
 }
 
 int32_t k3_stree_child(const k3_stree *t, int32_t u, int32_t x) {
@@ -155,8 +157,8 @@ static bool grow_nodes(k3_stree *t) {
     if (l) t->slink = l;
     uint8_t *e = realloc(t->dep, (size_t)cap);
     if (e) t->dep = e;
-    int32_t *f = realloc(t->free_ids, sizeof *f * (size_t)cap);
-    if (f) t->free_ids = f;
+    int32_t *f = realloc(t->prev, sizeof *f * (size_t)cap);
+    if (f) t->prev = f;
     if (!a || !b || !c || !d || !e || !f || !g || !l) return false;
     t->cap = cap;
     return true;
@@ -180,8 +182,11 @@ static bool h_room(k3_stree *t, int64_t more) {
 static int32_t node_make(k3_stree *t, int32_t u, int32_t x, int32_t link, uint32_t h) {
     if (t->n_nodes - t->n_free >= t->max_nodes) return -1;
     int32_t v;
-    if (t->n_free) v = t->free_ids[--t->n_free];
-    else {
+    if (t->n_free) { /* the last freed */
+        v = t->free_head;
+        t->free_head = t->next[v];
+        t->n_free--;
+    } else {
         if (t->n_nodes == t->cap && !grow_nodes(t)) return -1;
         v = t->n_nodes++;
     }
@@ -191,7 +196,9 @@ static int32_t node_make(k3_stree *t, int32_t u, int32_t x, int32_t link, uint32
     t->first[v] = -1;
     t->par[v] = u;
     t->slink[v] = link;
+    t->prev[v] = -1;
     t->next[v] = t->first[u];
+    if (t->first[u] >= 0) t->prev[t->first[u]] = v;
     t->first[u] = v;
     for (;; h = (h + 1) & t->hmask) {
         const uint64_t q = t->h[h].key;
@@ -289,15 +296,13 @@ static void remove_child(k3_stree *t, int32_t u, int32_t v) {
             t->h[h].key = GONE;
             break;
         }
-    if (t->first[u] == v) t->first[u] = t->next[v];
-    else
-        for (int32_t w = t->first[u]; w >= 0; w = t->next[w])
-            if (t->next[w] == v) {
-                t->next[w] = t->next[v];
-                break;
-            }
+    if (t->prev[v] >= 0) t->next[t->prev[v]] = t->next[v];
+    else t->first[u] = t->next[v];
+    if (t->next[v] >= 0) t->prev[t->next[v]] = t->prev[v];
     t->dep[v] = 0; /* freed (only the root has depth 0) */
-    t->free_ids[t->n_free++] = v;
+    t->next[v] = t->free_head;
+    t->free_head = v;
+    t->n_free++;
 }
 
 /* Frees childless node v of count 0, then each ancestor left so. */
