@@ -11,8 +11,11 @@
  * suffix_max_scopes go least recently used first. A sequence only ever
  * reads its own scope's tree.
  *
- * A closed sequence's own tree is kept (up to K3_SPEC_SPARE_TREES of at
- * most K3_SPEC_SPARE_BYTES) and emptied for the next suffix sequence.
+ * A closed sequence's own tree is kept (up to K3_SPEC_SPARE_TREES, at most
+ * K3_SPEC_SPARE_BYTES of them) and emptied for a later suffix sequence,
+ * the largest first: a tree's memory made anew costs its page faults (in a
+ * server of many threads, with TLB shootdowns) and its growth, which cost
+ * more than indexing the prompt.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -21,10 +24,10 @@
 #include "spec/draft_model.h"
 #include "spec/spec.h"
 
-#define K3_SPEC_CACHE_TOKENS 65536              /* tokens of past outputs per scope */
-#define K3_SPEC_OUT_TOKENS 16384                /* a sequence's output tokens the scope's cache takes at most */
-#define K3_SPEC_SPARE_TREES 8                   /* closed sequences' trees kept for the next ones */
-#define K3_SPEC_SPARE_BYTES ((int64_t)32 << 20) /* ... each at most this large */
+#define K3_SPEC_CACHE_TOKENS 65536               /* tokens of past outputs per scope */
+#define K3_SPEC_OUT_TOKENS 16384                 /* a sequence's output tokens the scope's cache takes at most */
+#define K3_SPEC_SPARE_TREES 16                   /* closed sequences' trees kept for the next ones */
+#define K3_SPEC_SPARE_BYTES ((int64_t)128 << 20) /* ... at most this many bytes of them */
 
 typedef struct scope_cache {
     uint64_t scope;
@@ -47,6 +50,7 @@ struct k3_proposer {
      * indexing a prompt into a warm one */
     k3_stree spare[K3_SPEC_SPARE_TREES];
     int32_t n_spare;
+    int64_t spare_bytes;
 };
 
 struct k3_spec_seq {
@@ -225,8 +229,13 @@ k3_status k3_spec_seq_open(k3_proposer *p, k3_spec_seq **out, k3_spec_method met
         const int32_t D = p->cfg.suffix_max_tree_depth;
         const int64_t from = n_prompt > p->cfg.suffix_prompt_window ? n_prompt - p->cfg.suffix_prompt_window : 0;
         const int64_t budget = (n_prompt - from + K3_SPEC_OUT_TOKENS) * D + 1;
-        if (p->n_spare > 0) { /* the most recently closed one */
-            s->tree = p->spare[--p->n_spare];
+        if (p->n_spare > 0) { /* the largest (the least likely to grow again) */
+            int32_t b = 0;
+            for (int32_t i = 1; i < p->n_spare; i++)
+                if (p->spare[i].cap >= p->spare[b].cap) b = i;
+            s->tree = p->spare[b];
+            p->spare_bytes -= k3_stree_bytes(&s->tree);
+            p->spare[b] = p->spare[--p->n_spare];
             k3_stree_clear(&s->tree, budget, (n_prompt - from) * D);
         } else st = k3_stree_init(&s->tree, D, budget, err);
         s->has_tree = !st;
@@ -340,9 +349,11 @@ void k3_spec_seq_close(k3_proposer *p, k3_spec_seq *s, bool completed) {
         s->out = NULL;
     }
     if (s->has_tree) {
-        if (p->n_spare < K3_SPEC_SPARE_TREES && k3_stree_bytes(&s->tree) <= K3_SPEC_SPARE_BYTES)
+        const int64_t b = k3_stree_bytes(&s->tree);
+        if (p->n_spare < K3_SPEC_SPARE_TREES && p->spare_bytes + b <= K3_SPEC_SPARE_BYTES) {
             p->spare[p->n_spare++] = s->tree;
-        else k3_stree_free(&s->tree);
+            p->spare_bytes += b;
+        } else k3_stree_free(&s->tree);
     }
     if (s->has_ngram) k3_ngram_free(&s->ng);
     if (s->dslot >= 0) k3_draft_model_seq_close(p->dm, s->dslot);
