@@ -42,9 +42,9 @@ typedef struct k3_stree {
     uint8_t *dep;                            /* [cap] depth */
     int32_t n_nodes, cap, n_free, free_head; /* freed ids: a list through next, the last freed first */
     struct k3_stree_slot {
-        uint64_t key; /* (parent << 32 | token) + 1, 0 = empty, ~0 = deleted */
-        int32_t val;
-    } * h; /* the children: one probe reads a key and its node together */
+        uint32_t tag; /* a hash of (parent, token), >= 2; 0 = empty, 1 = deleted */
+        int32_t val;  /* the child (its parent and token confirm a matching tag) */
+    } * h;            /* the children: 8 bytes a slot */
     uint32_t hmask;
     int64_t h_used;
     int64_t max_nodes; /* a budget: insertions stop creating nodes past it */

@@ -15,6 +15,13 @@
  * the insertion then takes, plus the hit), walks slinks for the rest and
  * makes the missing ones shallow to deep, each linking to the one below.
  *
+ * The children's table is open addressing with 8-byte slots (a 32-bit tag
+ * of (parent, token) and the child; the child's parent and token confirm a
+ * matching tag), at most 3/4 used and rehashed to at most 3/8: in a server
+ * a new tree's fresh memory (page faults, TLB shootdowns across the
+ * threads) costs more than its hashing, so the bytes a node are kept low
+ * (29 in the node arrays, ~14 in the table).
+ *
  * Slinks stay valid when nodes are freed and their ids reused: counts
  * obey cnt[v] <= cnt[slink[v]] (each count of a string counts its suffix
  * in the same step: the lists are consecutive from depth 1), every live
@@ -32,20 +39,27 @@
 #include "common/error.h"
 #include "spec/spec.h"
 
-#define EMPTY 0ull
-#define GONE (~0ull)
+#define EMPTY 0u /* a slot's tag: never used */
+#define GONE 1u  /* ... its node was removed (the probe goes on past it) */
 /* the table's load limit (live and deleted slots), LOAD_NUM / LOAD_DEN */
-#define LOAD_NUM 1
-#define LOAD_DEN 2
+#define LOAD_NUM 3
+#define LOAD_DEN 4
 #define PREFETCH 8 /* probes ahead */
 
-static inline uint64_t key_of(int32_t u, int32_t x) { return (((uint64_t)(uint32_t)u << 32) | (uint32_t)x) + 1; }
-
-static inline uint32_t hash_key(uint64_t k) {
+/* The child (u, x)'s tag: a hash, >= 2; its slot's probe path starts at
+ * tag & hmask at every table size (a rehash reads no node). A slot whose
+ * tag matches is the child when its node's parent and token are u and x. */
+static inline uint32_t tag_of(int32_t u, int32_t x) {
+    uint64_t k = ((uint64_t)(uint32_t)u << 32) | (uint32_t)x;
     k ^= k >> 33;
     k *= 0xff51afd7ed558ccdull;
     k ^= k >> 33;
-    return (uint32_t)k;
+    const uint32_t g = (uint32_t)k;
+    return g < 2 ? g + 2 : g;
+}
+
+static inline bool is_child(const k3_stree *t, int32_t v, int32_t u, int32_t x) {
+    return t->par[v] == u && t->tok[v] == x;
 }
 
 k3_status k3_stree_init(k3_stree *t, int32_t depth, int64_t max_nodes, k3_error *err) {
@@ -115,10 +129,10 @@ int64_t k3_stree_bytes(const k3_stree *t) {
 }
 
 int32_t k3_stree_child(const k3_stree *t, int32_t u, int32_t x) {
-    const uint64_t k = key_of(u, x);
-    for (uint32_t h = hash_key(k) & t->hmask;; h = (h + 1) & t->hmask) {
-        if (t->h[h].key == EMPTY) return -1;
-        if (t->h[h].key == k) return t->h[h].val;
+    const uint32_t g = tag_of(u, x);
+    for (uint32_t h = g & t->hmask;; h = (h + 1) & t->hmask) {
+        if (t->h[h].tag == EMPTY) return -1;
+        if (t->h[h].tag == g && is_child(t, t->h[h].val, u, x)) return t->h[h].val;
     }
 }
 
@@ -127,10 +141,10 @@ static bool rehash(k3_stree *t, uint32_t mask) {
     if (!nh) return false;
     int64_t used = 0;
     for (uint32_t i = 0; i <= t->hmask; i++) {
-        const uint64_t k = t->h[i].key;
-        if (k == EMPTY || k == GONE) continue;
-        uint32_t h = hash_key(k) & mask;
-        while (nh[h].key != EMPTY) h = (h + 1) & mask;
+        const uint32_t g = t->h[i].tag;
+        if (g == EMPTY || g == GONE) continue;
+        uint32_t h = g & mask;
+        while (nh[h].tag != EMPTY) h = (h + 1) & mask;
         nh[h] = t->h[i];
         used++;
     }
@@ -201,11 +215,11 @@ static int32_t node_make(k3_stree *t, int32_t u, int32_t x, int32_t link, uint32
     if (t->first[u] >= 0) t->prev[t->first[u]] = v;
     t->first[u] = v;
     for (;; h = (h + 1) & t->hmask) {
-        const uint64_t q = t->h[h].key;
+        const uint32_t q = t->h[h].tag;
         if (q == EMPTY) t->h_used++;
         if (q == EMPTY || q == GONE) break;
     }
-    t->h[h].key = key_of(u, x);
+    t->h[h].tag = tag_of(u, x);
     t->h[h].val = v;
     return v;
 }
@@ -222,20 +236,17 @@ static inline int32_t n_levels(const k3_stree *t, const k3_sactive *a) {
  * is missing, and with slot given, slot[j] is where level j's key may go
  * (the first free slot on its probe path). */
 static int32_t probe_down(const k3_stree *t, const k3_sactive *a, int32_t n, int32_t x, int32_t *hit, uint32_t *slot) {
-    uint64_t key[64];
-    uint32_t at0[64];
+    uint32_t tag[64];
+    for (int32_t j = n - 1; j >= 0; j--) tag[j] = tag_of(j ? a->node[j - 1] : 0, x);
+    for (int32_t j = n - 1; j >= n - PREFETCH && j >= 0; j--) __builtin_prefetch(&t->h[tag[j] & t->hmask]);
     for (int32_t j = n - 1; j >= 0; j--) {
-        key[j] = key_of(j ? a->node[j - 1] : 0, x);
-        at0[j] = hash_key(key[j]) & t->hmask;
-    }
-    for (int32_t j = n - 1; j >= n - PREFETCH && j >= 0; j--) __builtin_prefetch(&t->h[at0[j]]);
-    for (int32_t j = n - 1; j >= 0; j--) {
-        if (j >= PREFETCH) __builtin_prefetch(&t->h[at0[j - PREFETCH]]);
-        const uint64_t k = key[j];
-        uint32_t h = at0[j], at = UINT32_MAX;
+        if (j >= PREFETCH) __builtin_prefetch(&t->h[tag[j - PREFETCH] & t->hmask]);
+        const uint32_t g = tag[j];
+        const int32_t u = j ? a->node[j - 1] : 0;
+        uint32_t h = g & t->hmask, at = UINT32_MAX;
         for (;; h = (h + 1) & t->hmask) {
-            const uint64_t q = t->h[h].key;
-            if (q == k) {
+            const uint32_t q = t->h[h].tag;
+            if (q == g && is_child(t, t->h[h].val, u, x)) {
                 *hit = t->h[h].val;
                 return j;
             }
@@ -290,10 +301,10 @@ void k3_stree_follow(const k3_stree *t, k3_sactive *a, int32_t x) {
 }
 
 static void remove_child(k3_stree *t, int32_t u, int32_t v) {
-    const uint64_t k = key_of(u, t->tok[v]);
-    for (uint32_t h = hash_key(k) & t->hmask; t->h[h].key != EMPTY; h = (h + 1) & t->hmask)
-        if (t->h[h].key == k) {
-            t->h[h].key = GONE;
+    const uint32_t g = tag_of(u, t->tok[v]);
+    for (uint32_t h = g & t->hmask; t->h[h].tag != EMPTY; h = (h + 1) & t->hmask)
+        if (t->h[h].tag == g && t->h[h].val == v) {
+            t->h[h].tag = GONE;
             break;
         }
     if (t->prev[v] >= 0) t->next[t->prev[v]] = t->next[v];
