@@ -236,11 +236,15 @@ static inline int32_t n_levels(const k3_stree *t, const k3_sactive *a) {
  * is missing, and with slot given, slot[j] is where level j's key may go
  * (the first free slot on its probe path). */
 static int32_t probe_down(const k3_stree *t, const k3_sactive *a, int32_t n, int32_t x, int32_t *hit, uint32_t *slot) {
+    /* the tags of the next PREFETCH levels made, their slots prefetched
+     * (on repetitive text the first probe mostly hits) */
     uint32_t tag[64];
-    for (int32_t j = n - 1; j >= 0; j--) tag[j] = tag_of(j ? a->node[j - 1] : 0, x);
-    for (int32_t j = n - 1; j >= n - PREFETCH && j >= 0; j--) __builtin_prefetch(&t->h[tag[j] & t->hmask]);
+    int32_t made = n;
     for (int32_t j = n - 1; j >= 0; j--) {
-        if (j >= PREFETCH) __builtin_prefetch(&t->h[tag[j - PREFETCH] & t->hmask]);
+        for (; made > 0 && made > j - PREFETCH; made--) {
+            tag[made - 1] = tag_of(made > 1 ? a->node[made - 2] : 0, x);
+            if (made - 1 < j) __builtin_prefetch(&t->h[tag[made - 1] & t->hmask]);
+        }
         const uint32_t g = tag[j];
         const int32_t u = j ? a->node[j - 1] : 0;
         uint32_t h = g & t->hmask, at = UINT32_MAX;
