@@ -156,6 +156,7 @@ static bool rehash(k3_stree *t, uint32_t mask) {
 }
 
 static bool grow_nodes(k3_stree *t) {
+    if (t->cap > INT32_MAX / 2) return false; /* node ids are int32 */
     const int32_t cap = t->cap * 2;
     int32_t *a = realloc(t->cnt, sizeof *a * (size_t)cap);
     if (a) t->cnt = a;
@@ -185,8 +186,9 @@ static bool h_room(k3_stree *t, int64_t more) {
     if ((t->h_used + more) * LOAD_DEN <= ((int64_t)t->hmask + 1) * LOAD_NUM) return true;
     const int64_t live = (int64_t)(t->n_nodes - t->n_free - 1) + more; /* the root has no slot */
     uint32_t mask = t->hmask;
-    while (live * 2 * LOAD_DEN > ((int64_t)mask + 1) * LOAD_NUM) mask = mask * 2 + 1;
-    return rehash(t, mask); /* at least cleans the deleted slots */
+    while (live * 2 * LOAD_DEN > ((int64_t)mask + 1) * LOAD_NUM && mask < UINT32_MAX / 2) mask = mask * 2 + 1;
+    if (live * LOAD_DEN > ((int64_t)mask + 1) * LOAD_NUM) return false; /* past 2^32 slots: no more nodes */
+    return rehash(t, mask);                                             /* at least cleans the deleted slots */
 }
 
 /* A new node, the child of u by x (count 0) whose string without its first
