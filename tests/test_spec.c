@@ -354,6 +354,22 @@ K3_TEST(spec_stree_same_tree_as_a_lookup_per_suffix) {
             }
             CHECKF(fails || live_nodes(&t) == 1, "depth %d budget %d: %d nodes left after every text came off", D,
                    budgets[bi], live_nodes(&t));
+            /* emptied for new texts (its table made smaller, or cleared) it builds the same tree again */
+            for (int c = 0; c < 2 && !fails; c++) {
+                k3_stree_push(&t, &(k3_sactive){0}, 3); /* something to clear */
+                k3_stree_clear(&t, budgets[bi], c ? 1 : (int64_t)L * D);
+                ref_init(&ref, D, budgets[bi]);
+                k3_sactive a = {0};
+                ref_active ra = {0};
+                for (int i = 0; i < L; i++) {
+                    k3_stree_push(&t, &a, text[4][i]);
+                    ref_walk(&ref, &ra, text[4][i], 1);
+                }
+                const int e = tree_differs(&t, &ref) + active_differs(&t, &a, &ref, &ra, true);
+                if (e) fails++;
+                CHECKF(!e, "depth %d budget %d: a tree emptied (hint %s) differs from a new one", D, budgets[bi],
+                       c ? "small" : "large");
+            }
             k3_stree_free(&t);
         }
 }
