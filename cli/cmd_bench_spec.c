@@ -17,6 +17,15 @@
  *                    generated greedily and kept for the next turns;
  *   --synthetic      end to end on a prompt of random ids (a model's own
  *                    greedy continuation).
+ *   --stree FILE     the suffix tree alone (no model): the proposer's index
+ *                    of a prompt of the file's token ids (whitespace
+ *                    separated, as `k3 tokenize` prints them), built as a
+ *                    request's first drafting step builds it (in a new
+ *                    tree and in one emptied for it, as the proposer
+ *                    reuses closed requests' trees) and taken off again
+ *                    token by token, then the same for a random text of as
+ *                    many ids (novel text: nearly every substring new): ns
+ *                    a token and nodes, the median of --runs.
  * --temp F samples instead of greedy (the same seed with and without).
  * Each end-to-end figure is decode tokens per second (generated tokens
  * after the first, over the time after the first), with and without, their
@@ -32,6 +41,7 @@
 
 #include "cli.h"
 #include "ctx/ctx.h"
+#include "spec/spec.h"
 
 static void usage_to(FILE *f) {
     fprintf(f,
@@ -41,6 +51,8 @@ static void usage_to(FILE *f) {
             "  --text FILE          greedy continuation of the file's start, with and without drafts\n"
             "  --replay FILE        a conversation, one JSON line per turn {\"user\": TEXT, \"prefix\": TEXT}\n"
             "  --synthetic          a prompt of random ids\n"
+            "  --stree FILE         the suffix tree alone over the file's token ids and a random text as long\n"
+            "                       (ns a token to insert and to remove, nodes; median of --runs; no model)\n"
             "  --prompt-tokens N    the --text / --synthetic prompt (default 256)\n"
             "  --gen N              tokens generated per prompt or turn (default 128)\n"
             "  --temp F             sample at this temperature, seed 1 (default 0: greedy)\n"
@@ -192,6 +204,116 @@ fail:
     free(lg);
     k3_ctx_free(ctx);
     return 1;
+}
+
+/* ---- the suffix tree alone ---------------------------------------------------- */
+
+/* The prompt's index as k3_spec_seq_open makes it (depth 24, the same node
+ * budget) in a new tree (the first request) and in a tree emptied for it
+ * (what a request gets after one closed), and the text removed again (the
+ * scope cache's eviction): the median ns a token of each over runs, and
+ * the nodes. */
+static int stree_one(const char *label, const int32_t *ids, int64_t n, int runs) {
+    const int32_t D = 24;
+    const int64_t budget = (n + 16384) * D + 1;
+    double new_ns[64] = {0}, reuse_ns[64] = {0}, pop_ns[64] = {0};
+    int64_t nodes = 0, bytes = 0;
+    for (int r = 0; r < runs; r++) {
+        k3_stree t;
+        k3_error err = {0};
+        const double t0 = k3_now();
+        if (k3_stree_init(&t, D, budget, &err)) {
+            fprintf(stderr, "k3 bench spec: %s\n", err.msg);
+            return 1;
+        }
+        k3_sactive a = {0};
+        for (int64_t i = 0; i < n; i++) k3_stree_push(&t, &a, ids[i]);
+        const double t1 = k3_now();
+        nodes = t.n_nodes - t.n_free - 1;
+        bytes = k3_stree_bytes(&t);
+        k3_sactive b = {0};
+        for (int64_t i = 0; i < n; i++) k3_stree_pop(&t, &b, ids[i]);
+        const double t2 = k3_now();
+        const int32_t left = t.n_nodes - t.n_free;
+        k3_stree_clear(&t, budget, n * D);
+        k3_sactive c = {0};
+        for (int64_t i = 0; i < n; i++) k3_stree_push(&t, &c, ids[i]);
+        const double t3 = k3_now();
+        const bool same = t.n_nodes - t.n_free - 1 == nodes;
+        k3_stree_free(&t);
+        if (left != 1 || !same) {
+            fprintf(stderr, "k3 bench spec: %s: %d nodes left after removing the text, %s nodes made again\n", label,
+                    left, same ? "as many" : "not as many");
+            return 1;
+        }
+        new_ns[r] = (t1 - t0) * 1e9 / (double)n;
+        pop_ns[r] = (t2 - t1) * 1e9 / (double)n;
+        reuse_ns[r] = (t3 - t2) * 1e9 / (double)n;
+    }
+    printf("%-8s %7lld tokens, %lld nodes (%.2f a token), %.1f MB: ns a token: insert %.1f (new tree), %.1f (a tree "
+           "reused), remove %.1f\n",
+           label, (long long)n, (long long)nodes, (double)nodes / (double)n, (double)bytes / 1e6, median(new_ns, runs),
+           median(reuse_ns, runs), median(pop_ns, runs));
+    return 0;
+}
+
+static int stree_bench(const char *path, int runs, int threads) {
+    size_t len;
+    char *buf = k3_cli_read_input("bench spec", path, K3_CLI_MAX_INPUT, &len);
+    if (!buf) return 1;
+    int64_t n = 0, cap = 0;
+    int32_t *ids = NULL, max_id = 0;
+    for (char *s = buf, *e;; s = e) {
+        while (*s == ' ' || *s == '\n' || *s == '\t' || *s == '\r') s++;
+        if (!*s) break;
+        const long v = strtol(s, &e, 10);
+        if (e == s || v < 0 || v > INT32_MAX || (*e && *e != ' ' && *e != '\n' && *e != '\t' && *e != '\r')) {
+            fprintf(stderr, "k3 bench spec: %s: not a token id at byte %td\n", path, s - buf);
+            free(buf);
+            free(ids);
+            return 1;
+        }
+        if (n == cap) {
+            cap = cap ? 2 * cap : 4096;
+            int32_t *g = realloc(ids, sizeof *g * (size_t)cap);
+            if (!g) {
+                fprintf(stderr, "k3 bench spec: out of memory\n");
+                free(buf);
+                free(ids);
+                return 1;
+            }
+            ids = g;
+        }
+        ids[n++] = (int32_t)v;
+        max_id = (int32_t)v > max_id ? (int32_t)v : max_id;
+    }
+    free(buf);
+    if (!n) {
+        fprintf(stderr, "k3 bench spec: %s holds no token ids\n", path);
+        return 1;
+    }
+    k3_pool *pool = NULL;
+    k3_error err = {0};
+    if (k3_pool_init(&pool, threads, &err)) {
+        fprintf(stderr, "k3 bench spec: %s\n", err.msg);
+        free(ids);
+        return 1;
+    }
+    printf("k3 bench spec --stree %s: depth 24, %d runs; memory bandwidth %.1f GB/s before\n", path, runs,
+           k3_membw_read_gbps(pool, (size_t)1 << 30, 3));
+    /* a random text of as many ids over the file's id range */
+    int32_t *rnd = malloc(sizeof *rnd * (size_t)n);
+    uint64_t r = 99;
+    for (int64_t i = 0; rnd && i < n; i++) {
+        r = r * 6364136223846793005ull + 1442695040888963407ull;
+        rnd[i] = (int32_t)((r >> 33) % ((uint64_t)max_id + 1));
+    }
+    const int rc = !rnd || stree_one("file", ids, n, runs) || stree_one("random", rnd, n, runs);
+    printf("memory bandwidth %.1f GB/s after\n", k3_membw_read_gbps(pool, (size_t)1 << 30, 3));
+    k3_pool_free(pool);
+    free(rnd);
+    free(ids);
+    return rc;
 }
 
 /* ---- end to end ---------------------------------------------------------------- */
@@ -366,7 +488,7 @@ static void report(const char *what, gen_out *off, gen_out *on, int rounds) {
 }
 
 int k3_cmd_bench_spec(int argc, char **argv) {
-    const char *dir = K3_DEFAULT_MODEL, *quant = K3_DEFAULT_QUANT, *text = NULL, *replay = NULL;
+    const char *dir = K3_DEFAULT_MODEL, *quant = K3_DEFAULT_QUANT, *text = NULL, *replay = NULL, *stree = NULL;
     int threads = k3_cli_default_threads(), runs = 9, rounds = 3, gen = 128, prompt_tokens = 256;
     float temp = 0;
     long context = 512;
@@ -390,6 +512,7 @@ int k3_cmd_bench_spec(int argc, char **argv) {
         else if (!strcmp(a, "--mmap")) keep_mapped = true;
         else if (!strcmp(a, "--text") && has) text = argv[++i];
         else if (!strcmp(a, "--replay") && has) replay = argv[++i];
+        else if (!strcmp(a, "--stree") && has) stree = argv[++i];
         else if (!strcmp(a, "--quant") && has) quant = argv[++i];
         else if (!strcmp(a, "--context") && has) {
             if (k3_cli_long("bench spec", a, argv[++i], 1, 1 << 22, &context)) return 2;
@@ -418,8 +541,9 @@ int k3_cmd_bench_spec(int argc, char **argv) {
             return 2;
         }
     }
+    if (stree) return stree_bench(stree, runs, threads);
     if (!do_curve && !text && !replay && !synthetic) {
-        fprintf(stderr, "k3 bench spec: give --curve, --text FILE, --replay FILE or --synthetic\n");
+        fprintf(stderr, "k3 bench spec: give --curve, --text FILE, --replay FILE, --synthetic or --stree FILE\n");
         return 2;
     }
     if (!(dir = k3_cli_model_dir("bench spec", dir))) return 1;

@@ -308,6 +308,14 @@ expect_fail "run --speculative eagle" "suffix, ngram, draft_model or off" "$K3" 
 expect_fail "run --num-speculative-tokens 17" "num-speculative-tokens" "$K3" run -m $TINY --speculative suffix --num-speculative-tokens 17 x
 expect_fail "run --speculative draft_model without --draft-model" "draft-model DIR" "$K3" run -m $TINY --speculative draft_model x
 expect_fail "run --speculative with --dump-logits" "through the engine" "$K3" run -m $TINY --speculative suffix --dump-logits /dev/null x
+# the suffix tree alone: a prompt's ids in, its nodes and ns a token out; what is not ids is refused
+printf '1 2 3 1 2 3 1 2 4\n5 6' >"$TMP/ids"
+timeout 60 "$K3" bench spec --stree "$TMP/ids" --runs 2 >"$TMP/out" 2>"$TMP/err"
+if grep -q "^file *11 tokens, 51 nodes" "$TMP/out" && grep -q "^random *11 tokens" "$TMP/out"; then ok "bench spec --stree: a text's nodes and times"
+else bad "bench spec --stree: a text's nodes and times" "$TMP/out"; fi
+printf '1 2 x3' >"$TMP/ids"
+expect_fail "bench spec --stree, not token ids" "not a token id at byte 4" "$K3" bench spec --stree "$TMP/ids"
+expect_fail "bench spec --stree, no file" "cannot" "$K3" bench spec --stree "$TMP/none"
 # tiny drafting for itself: every greedy draft accepted, but those after the end of the message
 # in the last verify pass (fewer than --num-speculative-tokens 4)
 timeout 120 "$K3" run -m $TINY -n 40 --temp 0 --repeat-penalty 1 --speculative draft_model --draft-model $TINY --num-speculative-tokens 4 --spec-no-cost-model "$SPEC_P2" >"$TMP/s.on" 2>"$TMP/err"

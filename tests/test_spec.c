@@ -118,6 +118,262 @@ K3_TEST(spec_stree_drafts_by_frequency) {
     k3_stree_free(&t);
 }
 
+/* ---- the suffix tree against a plain reference ------------------------------
+ * The reference is the tree as it was before suffix links: a trie whose
+ * children are found by scanning a list, one lookup (and, in a push, an
+ * insertion) per active suffix from the shortest up, the first that cannot
+ * be made ending the list (the budget), a removal uncounting each suffix
+ * and freeing nodes that reach 0 and have no children. */
+enum { REF_NODES = 1 << 15 };
+typedef struct ref_tree {
+    int32_t depth, max_nodes, n, live;
+    int32_t cnt[REF_NODES], tok[REF_NODES], par[REF_NODES], first[REF_NODES], next[REF_NODES], dep[REF_NODES];
+    bool alive[REF_NODES];
+} ref_tree;
+typedef struct ref_active {
+    int32_t n, node[64];
+} ref_active;
+
+static void ref_init(ref_tree *r, int32_t depth, int32_t max_nodes) {
+    r->depth = depth;
+    r->max_nodes = max_nodes;
+    r->n = r->live = 1;
+    r->cnt[0] = r->dep[0] = 0;
+    r->first[0] = r->next[0] = r->par[0] = -1;
+    r->alive[0] = true;
+}
+
+static int32_t ref_child(const ref_tree *r, int32_t u, int32_t x) {
+    for (int32_t v = r->first[u]; v >= 0; v = r->next[v])
+        if (r->tok[v] == x) return v;
+    return -1;
+}
+
+static int32_t ref_child_or_add(ref_tree *r, int32_t u, int32_t x) {
+    const int32_t c = ref_child(r, u, x);
+    if (c >= 0 || r->live >= r->max_nodes || r->n == REF_NODES) return c;
+    const int32_t v = r->n++;
+    r->cnt[v] = 0;
+    r->tok[v] = x;
+    r->par[v] = u;
+    r->dep[v] = r->dep[u] + 1;
+    r->first[v] = -1;
+    r->next[v] = r->first[u];
+    r->first[u] = v;
+    r->alive[v] = true;
+    r->live++;
+    return v;
+}
+
+static void ref_prune(ref_tree *r, int32_t v) {
+    while (v > 0 && r->cnt[v] <= 0 && r->first[v] < 0) {
+        const int32_t u = r->par[v];
+        if (r->first[u] == v) r->first[u] = r->next[v];
+        else
+            for (int32_t w = r->first[u]; w >= 0; w = r->next[w])
+                if (r->next[w] == v) {
+                    r->next[w] = r->next[v];
+                    break;
+                }
+        r->alive[v] = false;
+        r->live--;
+        v = u;
+    }
+}
+
+/* mode 1 push, -1 pop, 0 follow */
+static void ref_walk(ref_tree *r, ref_active *a, int32_t x, int mode) {
+    int32_t nn = 0, out[64];
+    for (int32_t i = -1; i < a->n && nn < r->depth; i++) {
+        const int32_t u = i < 0 ? 0 : a->node[i];
+        const int32_t v = u < 0 ? -1 : mode == 1 ? ref_child_or_add(r, u, x) : ref_child(r, u, x);
+        if (v < 0 && mode != -1) break;
+        out[nn++] = v;
+    }
+    for (int32_t i = 0; mode && i < nn; i++)
+        if (out[i] >= 0) r->cnt[out[i]] += mode;
+    for (int32_t i = nn - 1; mode < 0 && i >= 0; i--)
+        if (out[i] > 0 && r->alive[out[i]]) ref_prune(r, out[i]);
+    for (int32_t i = 0; mode < 0 && i < nn; i++)
+        if (out[i] > 0 && !r->alive[out[i]]) out[i] = -1;
+    a->n = nn;
+    memcpy(a->node, out, sizeof(int32_t) * (size_t)nn);
+}
+
+/* k3_stree_draft's rule over the reference */
+static int32_t ref_draft(const ref_tree *r, const ref_active *a, bool self, int32_t max, float spec_factor,
+                         float min_prob, int32_t *draft, float *conf) {
+    int32_t best_n = 0, tried = 0;
+    float best_s = 0;
+    for (int32_t i = a->n - 1; i >= 0 && tried < 4; i--) {
+        const int32_t u = a->node[i];
+        if (u < 0 || r->first[u] < 0) continue;
+        const int32_t d = r->dep[u];
+        tried++;
+        int32_t lim = max;
+        if (spec_factor > 0 && (float)lim > spec_factor * (float)d) lim = (int32_t)(spec_factor * (float)d);
+        if (lim > r->depth - d) lim = r->depth - d;
+        int32_t tok[64], n = 0;
+        float p[64], prod = 1, s = 0;
+        for (int32_t w = u, first = 1; n < lim && n < 64; first = 0) {
+            int32_t v = -1;
+            for (int32_t c = r->first[w]; c >= 0; c = r->next[c])
+                if (v < 0 || r->cnt[c] > r->cnt[v]) v = c;
+            if (v < 0) break;
+            const int32_t denom = r->cnt[w] - (first && self ? 1 : 0);
+            if (denom <= 0) break;
+            float pr = (float)r->cnt[v] / (float)denom;
+            if (pr > 1) pr = 1;
+            if (prod * pr < min_prob) break;
+            prod *= pr;
+            s += prod;
+            p[n] = pr;
+            tok[n++] = r->tok[v];
+            w = v;
+        }
+        if (n > 0 && s > best_s) {
+            best_s = s;
+            best_n = n;
+            memcpy(draft, tok, sizeof(int32_t) * (size_t)n);
+            memcpy(conf, p, sizeof(float) * (size_t)n);
+        }
+    }
+    return best_n;
+}
+
+/* the tree's node of reference node v's string (-1: none, -2: no string) */
+static int32_t ref_in_tree(const k3_stree *t, const ref_tree *r, int32_t v) {
+    if (v < 0) return -2;
+    int32_t s[64], m = r->dep[v];
+    for (int32_t i = m - 1, w = v; i >= 0; i--, w = r->par[w]) s[i] = r->tok[w];
+    return path(t, s, m);
+}
+
+/* Every node: the same strings with the same counts, no other; 0 = same. */
+static int tree_differs(const k3_stree *t, const ref_tree *r) {
+    if (live_nodes(t) != r->live) return 1;
+    for (int32_t v = 1; v < r->n; v++) {
+        if (!r->alive[v]) continue;
+        const int32_t u = ref_in_tree(t, r, v);
+        if (u < 0 || t->cnt[u] != r->cnt[v] || t->dep[u] != r->dep[v]) return 2;
+    }
+    return 0;
+}
+
+/* The same active suffixes (holes where the reference has them) and drafts. */
+static int active_differs(const k3_stree *t, const k3_sactive *a, const ref_tree *r, const ref_active *ra,
+                          bool drafts) {
+    if (a->n != ra->n) return 1;
+    for (int32_t i = 0; i < a->n; i++)
+        if (ra->node[i] < 0 ? a->node[i] >= 0 : ref_in_tree(t, r, ra->node[i]) != a->node[i]) return 2;
+    if (!drafts) return 0;
+    static const float factor[2] = {1.0f, 2.0f}, floor_p[2] = {0.1f, 0.0f};
+    for (int k = 0; k < 4; k++) {
+        int32_t d[K3_SPEC_MAX_DRAFT], rd[64];
+        float c[K3_SPEC_MAX_DRAFT], rc[64], score;
+        const bool self = k & 1;
+        const int32_t n = k3_stree_draft(t, a, self, 8, factor[k >> 1], floor_p[k >> 1], d, c, &score);
+        const int32_t rn = ref_draft(r, ra, self, 8, factor[k >> 1], floor_p[k >> 1], rd, rc);
+        if (n != rn || memcmp(d, rd, sizeof(int32_t) * (size_t)n) || memcmp(c, rc, sizeof(float) * (size_t)n)) return 3;
+    }
+    return 0;
+}
+
+K3_TEST(spec_stree_same_tree_as_a_lookup_per_suffix) {
+    enum { L = 240, TEXTS = 6 };
+    static int32_t text[TEXTS][L];
+    static ref_tree ref;
+    /* novel (a wide alphabet), repetitive (3 tokens), one token repeated,
+     * a period of 3, an edited copy of the first, a period of 5 with runs */
+    for (int i = 0; i < L; i++) {
+        text[0][i] = (int32_t)(rnd() % 1000);
+        text[1][i] = (int32_t)(rnd() % 3);
+        text[2][i] = 7;
+        text[3][i] = 1 + i % 3;
+        text[4][i] = rnd() % 11 ? text[0][(i + 17) % L] : (int32_t)(rnd() % 1000);
+        text[5][i] = i % 5 < 3 ? 4 : 5;
+    }
+    /* push (+) and pop (-) of whole texts, two pushes interleaved token by token (the * pair) */
+    static const int ops[][2] = {{+1, 0}, {+2, 1}, {-1, 1}, {+1, 2}, {+1, 3}, {-1, 0}, {+1, 5},
+                                 {-1, 2}, {+1, 1}, {-1, 4}, {-1, 3}, {-1, 5}, {-1, 1}};
+    static const int32_t depths[3] = {3, 8, 24}, budgets[2] = {1 << 20, 220};
+    int fails = 0;
+    for (int di = 0; di < 3; di++)
+        for (int bi = 0; bi < 2; bi++) {
+            const int32_t D = depths[di];
+            k3_stree t;
+            REQUIRE(k3_stree_init(&t, D, budgets[bi], NULL) == K3_OK);
+            ref_init(&ref, D, budgets[bi]);
+            for (size_t o = 0; o < sizeof ops / sizeof ops[0] && !fails; o++) {
+                const int w = ops[o][1];
+                if (ops[o][0] == 2) { /* text w and text 4 pushed alternately */
+                    k3_sactive a = {0}, b = {0};
+                    ref_active ra = {0}, rb = {0};
+                    for (int i = 0; i < L && !fails; i++) {
+                        k3_stree_push(&t, &a, text[w][i]);
+                        ref_walk(&ref, &ra, text[w][i], 1);
+                        k3_stree_push(&t, &b, text[4][i]);
+                        ref_walk(&ref, &rb, text[4][i], 1);
+                        const int e = active_differs(&t, &a, &ref, &ra, true) + active_differs(&t, &b, &ref, &rb, true);
+                        if (e) fails++;
+                        CHECKF(!e, "depth %d budget %d op %zu token %d: active suffixes or drafts differ", D,
+                               budgets[bi], o, i);
+                    }
+                } else {
+                    const int mode = ops[o][0];
+                    k3_sactive a = {0};
+                    ref_active ra = {0};
+                    for (int i = 0; i < L && !fails; i++) {
+                        if (mode > 0) k3_stree_push(&t, &a, text[w][i]);
+                        else k3_stree_pop(&t, &a, text[w][i]);
+                        ref_walk(&ref, &ra, text[w][i], mode);
+                        const int e = active_differs(&t, &a, &ref, &ra, mode > 0);
+                        if (e) fails++;
+                        CHECKF(!e, "depth %d budget %d op %zu (%s text %d) token %d: active suffixes %s", D,
+                               budgets[bi], o, mode > 0 ? "push" : "pop", w, i,
+                               e == 3 ? "same, drafts differ" : "differ");
+                    }
+                }
+                const int e = tree_differs(&t, &ref);
+                if (e) fails++;
+                CHECKF(!e, "depth %d budget %d after op %zu: %s (%d nodes, %d in the reference)", D, budgets[bi], o,
+                       e == 1 ? "node counts differ" : "a string's count differs", live_nodes(&t), ref.live);
+                /* following a text reads the same suffixes, and a rematch finds them */
+                k3_sactive f = {0};
+                ref_active rf = {0};
+                for (int i = 0; i < L && !fails; i++) {
+                    k3_stree_follow(&t, &f, text[4][i]);
+                    ref_walk(&ref, &rf, text[4][i], 0);
+                    const int fe = active_differs(&t, &f, &ref, &rf, true);
+                    if (fe) fails++;
+                    CHECKF(!fe, "depth %d budget %d after op %zu: following token %d differs", D, budgets[bi], o, i);
+                }
+                k3_sactive m = {0};
+                k3_stree_rematch(&t, &m, text[4] + L - D, D);
+                CHECK(m.n == f.n && !memcmp(m.node, f.node, sizeof(int32_t) * (size_t)m.n));
+            }
+            CHECKF(fails || live_nodes(&t) == 1, "depth %d budget %d: %d nodes left after every text came off", D,
+                   budgets[bi], live_nodes(&t));
+            /* emptied for new texts (its table made smaller, or cleared) it builds the same tree again */
+            for (int c = 0; c < 2 && !fails; c++) {
+                k3_stree_push(&t, &(k3_sactive){0}, 3); /* something to clear */
+                k3_stree_clear(&t, budgets[bi], c ? 1 : (int64_t)L * D);
+                ref_init(&ref, D, budgets[bi]);
+                k3_sactive a = {0};
+                ref_active ra = {0};
+                for (int i = 0; i < L; i++) {
+                    k3_stree_push(&t, &a, text[4][i]);
+                    ref_walk(&ref, &ra, text[4][i], 1);
+                }
+                const int e = tree_differs(&t, &ref) + active_differs(&t, &a, &ref, &ra, true);
+                if (e) fails++;
+                CHECKF(!e, "depth %d budget %d: a tree emptied (hint %s) differs from a new one", D, budgets[bi],
+                       c ? "small" : "large");
+            }
+            k3_stree_free(&t);
+        }
+}
+
 K3_TEST(spec_ngram_drafts_the_last_occurrence) {
     k3_ngram g;
     REQUIRE(k3_ngram_init(&g, 2, 4, NULL) == K3_OK);

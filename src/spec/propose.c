@@ -10,6 +10,12 @@
  * oldest go first (their counts come off the tree). Scopes beyond
  * suffix_max_scopes go least recently used first. A sequence only ever
  * reads its own scope's tree.
+ *
+ * A closed sequence's own tree is kept (up to K3_SPEC_SPARE_TREES, at most
+ * K3_SPEC_SPARE_BYTES of them) and emptied for a later suffix sequence,
+ * the largest first: a tree's memory made anew costs its page faults (in a
+ * server of many threads, with TLB shootdowns) and its growth, which cost
+ * more than indexing the prompt.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -18,8 +24,10 @@
 #include "spec/draft_model.h"
 #include "spec/spec.h"
 
-#define K3_SPEC_CACHE_TOKENS 65536 /* tokens of past outputs per scope */
-#define K3_SPEC_OUT_TOKENS 16384   /* a sequence's output tokens the scope's cache takes at most */
+#define K3_SPEC_CACHE_TOKENS 65536               /* tokens of past outputs per scope */
+#define K3_SPEC_OUT_TOKENS 16384                 /* a sequence's output tokens the scope's cache takes at most */
+#define K3_SPEC_SPARE_TREES 16                   /* closed sequences' trees kept for the next ones */
+#define K3_SPEC_SPARE_BYTES ((int64_t)128 << 20) /* ... at most this many bytes of them */
 
 typedef struct scope_cache {
     uint64_t scope;
@@ -37,6 +45,12 @@ struct k3_proposer {
     int32_t n_scopes;
     uint64_t tick;
     k3_draft_model *dm; /* the draft model, or NULL */
+    /* the trees of closed suffix sequences, emptied by the next ones: a new
+     * tree's allocations, page faults and table growth cost as much as
+     * indexing a prompt into a warm one */
+    k3_stree spare[K3_SPEC_SPARE_TREES];
+    int32_t n_spare;
+    int64_t spare_bytes;
 };
 
 struct k3_spec_seq {
@@ -132,6 +146,7 @@ void k3_proposer_close(k3_proposer *p) {
     if (!p) return;
     for (int32_t i = 0; i < p->n_scopes; i++) scope_free(&p->scopes[i]);
     free(p->scopes);
+    for (int32_t i = 0; i < p->n_spare; i++) k3_stree_free(&p->spare[i]);
     k3_draft_model_close(p->dm);
     free(p);
 }
@@ -139,6 +154,7 @@ void k3_proposer_close(k3_proposer *p) {
 int64_t k3_proposer_bytes(const k3_proposer *p) {
     int64_t b = 0;
     for (int32_t i = 0; i < p->n_scopes; i++) b += k3_stree_bytes(&p->scopes[i].tree) + p->scopes[i].tokens * 4;
+    for (int32_t i = 0; i < p->n_spare; i++) b += k3_stree_bytes(&p->spare[i]);
     return b;
 }
 
@@ -212,7 +228,16 @@ k3_status k3_spec_seq_open(k3_proposer *p, k3_spec_seq **out, k3_spec_method met
     if (method == K3_SPEC_SUFFIX) {
         const int32_t D = p->cfg.suffix_max_tree_depth;
         const int64_t from = n_prompt > p->cfg.suffix_prompt_window ? n_prompt - p->cfg.suffix_prompt_window : 0;
-        st = k3_stree_init(&s->tree, D, (n_prompt - from + K3_SPEC_OUT_TOKENS) * D + 1, err);
+        const int64_t budget = (n_prompt - from + K3_SPEC_OUT_TOKENS) * D + 1;
+        if (p->n_spare > 0) { /* the largest (the least likely to grow again) */
+            int32_t b = 0;
+            for (int32_t i = 1; i < p->n_spare; i++)
+                if (p->spare[i].cap >= p->spare[b].cap) b = i;
+            s->tree = p->spare[b];
+            p->spare_bytes -= k3_stree_bytes(&s->tree);
+            p->spare[b] = p->spare[--p->n_spare];
+            k3_stree_clear(&s->tree, budget, (n_prompt - from) * D);
+        } else st = k3_stree_init(&s->tree, D, budget, err);
         s->has_tree = !st;
         for (int64_t i = from; !st && i < n_prompt; i++) k3_stree_push(&s->tree, &s->act, prompt[i]);
         const int64_t nt = n_prompt < D ? n_prompt : D;
@@ -323,7 +348,13 @@ void k3_spec_seq_close(k3_proposer *p, k3_spec_seq *s, bool completed) {
         cache_output(p, s->scope, s->out, s->n_out);
         s->out = NULL;
     }
-    if (s->has_tree) k3_stree_free(&s->tree);
+    if (s->has_tree) {
+        const int64_t b = k3_stree_bytes(&s->tree);
+        if (p->n_spare < K3_SPEC_SPARE_TREES && p->spare_bytes + b <= K3_SPEC_SPARE_BYTES) {
+            p->spare[p->n_spare++] = s->tree;
+            p->spare_bytes += b;
+        } else k3_stree_free(&s->tree);
+    }
     if (s->has_ngram) k3_ngram_free(&s->ng);
     if (s->dslot >= 0) k3_draft_model_seq_close(p->dm, s->dslot);
     free(s->out);

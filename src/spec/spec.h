@@ -36,13 +36,15 @@
  * per node. Texts can be removed again (counts go down, empty nodes go). */
 typedef struct k3_stree {
     int32_t depth;
-    int32_t *cnt, *tok, *first, *next, *par; /* [cap] per node: count, token, first child, next sibling, parent */
+    int32_t *cnt, *tok, *par;                /* [cap] per node: count, token, parent */
+    int32_t *first, *next, *prev;            /* [cap] its children's list: first child, next and previous sibling */
+    int32_t *slink;                          /* [cap] the node of the string without its first token (the root's: 0) */
     uint8_t *dep;                            /* [cap] depth */
-    int32_t n_nodes, cap, *free_ids, n_free;
+    int32_t n_nodes, cap, n_free, free_head; /* freed ids: a list through next, the last freed first */
     struct k3_stree_slot {
-        uint64_t key; /* (parent << 32 | token) + 1, 0 = empty, ~0 = deleted */
-        int32_t val;
-    } * h; /* the children: one probe reads a key and its node together */
+        uint32_t tag; /* a hash of (parent, token), >= 2; 0 = empty, 1 = deleted */
+        int32_t val;  /* the child (its parent and token confirm a matching tag) */
+    } * h;            /* the children: 8 bytes a slot */
     uint32_t hmask;
     int64_t h_used;
     int64_t max_nodes; /* a budget: insertions stop creating nodes past it */
@@ -50,6 +52,12 @@ typedef struct k3_stree {
 } k3_stree;
 
 k3_status k3_stree_init(k3_stree *t, int32_t depth, int64_t max_nodes, k3_error *err);
+/* Empties the tree for new texts under a new node budget, keeping its
+ * memory (a tree made again costs its allocations, their page faults and
+ * the table's growth again; one reused costs the table's clearing). The
+ * texts to come are expected to make at most nodes_hint nodes: a table far
+ * larger than that is replaced by a smaller one. */
+void k3_stree_clear(k3_stree *t, int64_t max_nodes, int64_t nodes_hint);
 void k3_stree_free(k3_stree *t);
 int64_t k3_stree_bytes(const k3_stree *t);
 /* The child of node u by token x, or -1. */
