@@ -326,6 +326,7 @@ static void decode_case(const k3_tokenizer *tok, bool chat, bool skip, bool spac
     }
     k3_buf_free(&c.text);
     free(c.tok_end);
+    free(c.marks);
 }
 
 K3_TEST(server_job_text_specials_and_spans) {
