@@ -203,13 +203,12 @@ static void ref_walk(ref_tree *r, ref_active *a, int32_t x, int mode) {
 /* k3_stree_draft's rule over the reference */
 static int32_t ref_draft(const ref_tree *r, const ref_active *a, bool self, int32_t max, float spec_factor,
                          float min_prob, int32_t *draft, float *conf) {
-    int32_t best_n = 0, tried = 0;
+    int32_t best_n = 0;
     float best_s = 0;
-    for (int32_t i = a->n - 1; i >= 0 && tried < 4; i--) {
+    for (int32_t i = a->n - 1; i >= 0; i--) { /* every matched depth, none skipped */
         const int32_t u = a->node[i];
         if (u < 0 || r->first[u] < 0) continue;
         const int32_t d = r->dep[u];
-        tried++;
         int32_t lim = max;
         if (spec_factor > 0 && (float)lim > spec_factor * (float)d) lim = (int32_t)(spec_factor * (float)d);
         if (lim > r->depth - d) lim = r->depth - d;
@@ -417,11 +416,34 @@ K3_TEST(spec_suffix_cache_per_scope) {
         else CHECKF(n == 0, "scope B drafted %d tokens from scope A's output", n);
         k3_spec_seq_close(p, q, false);
     }
+    /* a request repeating scope A's (its prompt, nothing generated yet)
+     * drafts that output from its first token: the output was cached after
+     * the prompt's last tokens; so is one cached without a sequence */
+    const int32_t other[] = {300, 301, 302, 303, 60, 61, 62, 63, 64};
+    k3_spec_cache_output(p, K3_SPEC_SUFFIX, 0xD, other, 9, 4);
+    for (int k = 0; k < 2; k++) {
+        k3_spec_seq *q = NULL;
+        const int32_t *pr = k ? other : prompt, np = k ? 4 : 3;
+        REQUIRE(k3_spec_seq_open(p, &q, K3_SPEC_SUFFIX, k ? 0xD : 0xA, pr, np, &err) == K3_OK);
+        const int32_t n = k3_spec_seq_propose(p, q, pr, np, 4, d, conf);
+        CHECKF(n >= 3 && d[0] == (k ? 60 : 40) && d[1] == (k ? 61 : 41) && d[2] == (k ? 62 : 42),
+               "a repeated prompt drafted %d tokens (%d ...)", n, n > 0 ? d[0] : -1);
+        k3_spec_seq_close(p, q, false);
+    }
     /* the sequence's own prompt: a repeat of its prompt is drafted */
     const int32_t rep[] = {7, 8, 9, 10, 11, 12, 7, 8, 9};
     k3_spec_seq *r = NULL;
     REQUIRE(k3_spec_seq_open(p, &r, K3_SPEC_SUFFIX, 0xC, rep, 9, &err) == K3_OK);
     CHECK(k3_spec_seq_propose(p, r, rep, 9, 3, d, conf) == 3 && d[0] == 10 && d[1] == 11 && d[2] == 12);
+    k3_spec_seq_close(p, r, false);
+    /* a long text quoted again verbatim: k drafts (a match of 16 leaves 8
+     * of the depth of 24), not the at most 4 the deepest matches allow */
+    int32_t quote[70];
+    for (int i = 0; i < 70; i++) quote[i] = 500 + i % 40;
+    REQUIRE(k3_spec_seq_open(p, &r, K3_SPEC_SUFFIX, 0xE, quote, 70, &err) == K3_OK);
+    const int32_t nq = k3_spec_seq_propose(p, r, quote, 70, 8, d, conf);
+    CHECKF(nq == 8 && d[0] == 530 && d[7] == 537, "a verbatim quote drafted %d tokens (%d ...)", nq,
+           nq > 0 ? d[0] : -1);
     k3_spec_seq_close(p, r, false);
     CHECK(k3_proposer_bytes(p) > 0);
     k3_proposer_close(p);

@@ -63,8 +63,8 @@ struct k3_spec_seq {
     k3_sactive gact;  /* ... in its scope's tree */
     int32_t tail[64]; /* the last depth tokens, for a rematch */
     int32_t n_tail;
-    int32_t *out; /* its output, for the scope's cache */
-    int64_t n_out, cap_out;
+    int32_t *out; /* the prompt's last K3_SPEC_OUT_CONTEXT tokens (n_ctx) and its output, for the scope's cache */
+    int64_t n_out, cap_out, n_ctx;
     /* ngram */
     bool has_ngram;
     k3_ngram ng;
@@ -244,6 +244,13 @@ k3_status k3_spec_seq_open(k3_proposer *p, k3_spec_seq **out, k3_spec_method met
         memcpy(s->tail, prompt + n_prompt - nt, sizeof(int32_t) * (size_t)nt);
         s->n_tail = (int32_t)nt;
         s->gact.version = ~0ull; /* matched against the scope's tree when first asked */
+        /* the output goes to the scope's cache after the prompt's last tokens */
+        const int64_t nc = n_prompt < K3_SPEC_OUT_CONTEXT ? n_prompt : K3_SPEC_OUT_CONTEXT;
+        if (!st && nc > 0 && (s->out = malloc(sizeof *s->out * 256))) {
+            memcpy(s->out, prompt + n_prompt - nc, sizeof *s->out * (size_t)nc);
+            s->n_out = s->n_ctx = nc;
+            s->cap_out = 256;
+        }
     } else if (method == K3_SPEC_NGRAM) {
         st = k3_ngram_init(&s->ng, p->cfg.prompt_lookup_min, p->cfg.prompt_lookup_max, err);
         s->has_ngram = !st;
@@ -333,8 +340,9 @@ static void cache_output(k3_proposer *p, uint64_t scope, int32_t *out, int64_t n
     for (int64_t t = 0; t < n_out; t++) k3_stree_push(&sc->tree, &a, out[t]);
 }
 
-void k3_spec_cache_output(k3_proposer *p, k3_spec_method method, uint64_t scope, const int32_t *tok, int64_t n) {
-    if (method != K3_SPEC_SUFFIX || n <= 0 || p->cfg.suffix_max_cached_requests <= 0) return;
+void k3_spec_cache_output(k3_proposer *p, k3_spec_method method, uint64_t scope, const int32_t *tok, int64_t n,
+                          int64_t n_ctx) {
+    if (method != K3_SPEC_SUFFIX || n <= n_ctx || p->cfg.suffix_max_cached_requests <= 0) return;
     if (n > K3_SPEC_OUT_TOKENS) n = K3_SPEC_OUT_TOKENS;
     int32_t *out = malloc(sizeof *out * (size_t)n);
     if (!out) return; /* out of memory: not cached */
@@ -344,7 +352,7 @@ void k3_spec_cache_output(k3_proposer *p, k3_spec_method method, uint64_t scope,
 
 void k3_spec_seq_close(k3_proposer *p, k3_spec_seq *s, bool completed) {
     if (!s) return;
-    if (s->method == K3_SPEC_SUFFIX && completed && s->n_out > 0 && p->cfg.suffix_max_cached_requests > 0) {
+    if (s->method == K3_SPEC_SUFFIX && completed && s->n_out > s->n_ctx && p->cfg.suffix_max_cached_requests > 0) {
         cache_output(p, s->scope, s->out, s->n_out);
         s->out = NULL;
     }

@@ -80,8 +80,8 @@ void k3_stree_pop(k3_stree *t, k3_sactive *a, int32_t x);
 void k3_stree_follow(const k3_stree *t, k3_sactive *a, int32_t x);
 /* Rebuilds the active nodes of the text ending in tail[0..n) (n <= depth). */
 void k3_stree_rematch(const k3_stree *t, k3_sactive *a, const int32_t *tail, int32_t n);
-/* The best draft from the active suffixes: for each matched depth d (the
- * deepest few with a continuation), a greedy walk down the most frequent
+/* The best draft from the active suffixes: for each matched depth d with
+ * a continuation, a greedy walk down the most frequent
  * children while the product of count ratios stays >= min_prob, at most
  * min(max, spec_factor * d, depth - d) tokens; the one whose sum of
  * products is highest. `self` says the text's own last occurrence is in the
@@ -161,9 +161,17 @@ int32_t k3_spec_seq_propose(k3_proposer *p, k3_spec_seq *s, const int32_t *tok, 
 /* The sequence ended: a completed output (stop or length) joins its
  * scope's cache of past outputs. */
 void k3_spec_seq_close(k3_proposer *p, k3_spec_seq *s, bool completed);
+/* The prompt's last tokens cached before each output in its scope's tree:
+ * a request that repeats an earlier one (a retry, a regenerate, the same
+ * tool call) then matches that output from its first token, at the depth
+ * of this context, instead of one token at a time. */
+#define K3_SPEC_OUT_CONTEXT 12
 /* A completed output of a request that never opened a sequence (its
- * drafting was never worth it) joins its scope's cache all the same. */
-void k3_spec_cache_output(k3_proposer *p, k3_spec_method method, uint64_t scope, const int32_t *tok, int64_t n);
+ * drafting was never worth it) joins its scope's cache all the same: tok
+ * holds n tokens, the prompt's last n_ctx (at most K3_SPEC_OUT_CONTEXT)
+ * and then the output. */
+void k3_spec_cache_output(k3_proposer *p, k3_spec_method method, uint64_t scope, const int32_t *tok, int64_t n,
+                          int64_t n_ctx);
 k3_spec_method k3_spec_seq_method(const k3_spec_seq *s);
 /* Bytes the proposers hold (the caches and trees). */
 int64_t k3_proposer_bytes(const k3_proposer *p);

@@ -382,15 +382,17 @@ int32_t k3_stree_draft(const k3_stree *t, const k3_sactive *a, bool self, int32_
                        float min_prob, int32_t *draft, float *conf, float *score) {
     int32_t best_n = 0;
     float best_s = 0;
-    int32_t tried = 0;
-    for (int32_t i = a->n - 1; i >= 0 && tried < 4; i--) {
+    /* every matched depth, as SuffixDecoding tries every match length: a
+     * verbatim copy matches at every depth, and the deepest allow the
+     * fewest tokens (depth - d), the middle ones the most */
+    for (int32_t i = a->n - 1; i >= 0; i--) {
         const int32_t u = a->node[i];
         if (u < 0 || t->first[u] < 0) continue; /* nothing ever followed it */
         const int32_t d = t->dep[u];
-        tried++;
         int32_t lim = max;
         if (spec_factor > 0 && (float)lim > spec_factor * (float)d) lim = (int32_t)(spec_factor * (float)d);
         if (lim > t->depth - d) lim = t->depth - d;
+        if ((float)lim <= best_s) continue; /* its sum of probabilities cannot pass the best's */
         int32_t tok[K3_SPEC_MAX_DRAFT], n = 0;
         float p[K3_SPEC_MAX_DRAFT], prod = 1, s = 0;
         for (int32_t w = u, first = 1; n < lim && n < K3_SPEC_MAX_DRAFT; first = 0) {
