@@ -420,7 +420,7 @@ K3_TEST(spec_suffix_cache_per_scope) {
      * drafts that output from its first token: the output was cached after
      * the prompt's last tokens; so is one cached without a sequence */
     const int32_t other[] = {300, 301, 302, 303, 60, 61, 62, 63, 64};
-    k3_spec_cache_output(p, K3_SPEC_SUFFIX, 0xD, other, 9, 4);
+    k3_spec_cache_output(p, K3_SPEC_SUFFIX, 0xD, other, 4, 5);
     for (int k = 0; k < 2; k++) {
         k3_spec_seq *q = NULL;
         const int32_t *pr = k ? other : prompt, np = k ? 4 : 3;

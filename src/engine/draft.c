@@ -118,11 +118,8 @@ static bool seq_open(k3_engine *e, req *r) {
 void k3_engine_spec_req_close(k3_engine *e, req *r) {
     const bool completed = r->finish == K3_FINISH_STOP || r->finish == K3_FINISH_LENGTH;
     if (r->spec) k3_spec_seq_close(e->prop, r->spec, completed);
-    else if (completed && r->spec_method != K3_SPEC_OFF) { /* never drafted: its output is a past output all the same */
-        const int64_t n_prompt = r->rq.n_tok - r->n_gen,
-                      c = n_prompt < K3_SPEC_OUT_CONTEXT ? n_prompt : K3_SPEC_OUT_CONTEXT;
-        k3_spec_cache_output(e->prop, r->spec_method, r->p.spec_scope, r->rq.tok + n_prompt - c, r->n_gen + c, c);
-    }
+    else if (completed && r->spec_method != K3_SPEC_OFF) /* never drafted: its output is a past output all the same */
+        k3_spec_cache_output(e->prop, r->spec_method, r->p.spec_scope, r->rq.tok, r->rq.n_tok - r->n_gen, r->n_gen);
     r->spec = NULL;
     r->spec_method = K3_SPEC_OFF;
 }

@@ -24,8 +24,13 @@
 #include "spec/draft_model.h"
 #include "spec/spec.h"
 
-#define K3_SPEC_CACHE_TOKENS 65536               /* tokens of past outputs per scope */
-#define K3_SPEC_OUT_TOKENS 16384                 /* a sequence's output tokens the scope's cache takes at most */
+#define K3_SPEC_CACHE_TOKENS 65536 /* tokens of past outputs per scope */
+#define K3_SPEC_OUT_TOKENS 16384   /* a sequence's output tokens the scope's cache takes at most */
+/* The prompt's last tokens cached before each output in its scope's tree:
+ * a request that repeats an earlier one (a retry, a regenerate, the same
+ * tool call) then matches that output from its first token, at the depth
+ * of this context, instead of one token at a time. */
+#define K3_SPEC_OUT_CONTEXT 12
 #define K3_SPEC_SPARE_TREES 16                   /* closed sequences' trees kept for the next ones */
 #define K3_SPEC_SPARE_BYTES ((int64_t)128 << 20) /* ... at most this many bytes of them */
 
@@ -340,9 +345,12 @@ static void cache_output(k3_proposer *p, uint64_t scope, int32_t *out, int64_t n
     for (int64_t t = 0; t < n_out; t++) k3_stree_push(&sc->tree, &a, out[t]);
 }
 
-void k3_spec_cache_output(k3_proposer *p, k3_spec_method method, uint64_t scope, const int32_t *tok, int64_t n,
-                          int64_t n_ctx) {
-    if (method != K3_SPEC_SUFFIX || n <= n_ctx || p->cfg.suffix_max_cached_requests <= 0) return;
+void k3_spec_cache_output(k3_proposer *p, k3_spec_method method, uint64_t scope, const int32_t *tok, int64_t n_prompt,
+                          int64_t n_gen) {
+    if (method != K3_SPEC_SUFFIX || n_gen <= 0 || p->cfg.suffix_max_cached_requests <= 0) return;
+    const int64_t n_ctx = n_prompt < K3_SPEC_OUT_CONTEXT ? n_prompt : K3_SPEC_OUT_CONTEXT;
+    tok += n_prompt - n_ctx;
+    int64_t n = n_ctx + n_gen;
     if (n > K3_SPEC_OUT_TOKENS) n = K3_SPEC_OUT_TOKENS;
     int32_t *out = malloc(sizeof *out * (size_t)n);
     if (!out) return; /* out of memory: not cached */

@@ -161,17 +161,11 @@ int32_t k3_spec_seq_propose(k3_proposer *p, k3_spec_seq *s, const int32_t *tok, 
 /* The sequence ended: a completed output (stop or length) joins its
  * scope's cache of past outputs. */
 void k3_spec_seq_close(k3_proposer *p, k3_spec_seq *s, bool completed);
-/* The prompt's last tokens cached before each output in its scope's tree:
- * a request that repeats an earlier one (a retry, a regenerate, the same
- * tool call) then matches that output from its first token, at the depth
- * of this context, instead of one token at a time. */
-#define K3_SPEC_OUT_CONTEXT 12
 /* A completed output of a request that never opened a sequence (its
  * drafting was never worth it) joins its scope's cache all the same: tok
- * holds n tokens, the prompt's last n_ctx (at most K3_SPEC_OUT_CONTEXT)
- * and then the output. */
-void k3_spec_cache_output(k3_proposer *p, k3_spec_method method, uint64_t scope, const int32_t *tok, int64_t n,
-                          int64_t n_ctx);
+ * holds its n_prompt prompt tokens and then its n_gen output tokens. */
+void k3_spec_cache_output(k3_proposer *p, k3_spec_method method, uint64_t scope, const int32_t *tok, int64_t n_prompt,
+                          int64_t n_gen);
 k3_spec_method k3_spec_seq_method(const k3_spec_seq *s);
 /* Bytes the proposers hold (the caches and trees). */
 int64_t k3_proposer_bytes(const k3_proposer *p);
